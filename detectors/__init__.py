@@ -1,0 +1,1 @@
+"""Online detectors, step alignment, incidents, the detection service and offline replay."""

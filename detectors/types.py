@@ -1,0 +1,206 @@
+"""The vocabulary shared by detectors, the incident book, the service and the exporters.
+
+A detector turns an aligned step into zero or more :class:`Finding` objects; the incident book
+folds findings into :class:`Incident` objects (one per problem, not one per step) and announces
+each change as an :class:`IncidentEvent` to the sinks (Kafka topic, Alertmanager, webhook, log).
+The exporter reads a :class:`ServiceView` at scrape time.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+__all__ = [
+    "Severity",
+    "Finding",
+    "Incident",
+    "IncidentEvent",
+    "IncidentSink",
+    "RunView",
+    "PipelineView",
+    "ServiceView",
+]
+
+
+class Severity(str, enum.Enum):
+    """How urgently a person should look."""
+
+    INFO = "info"
+    WARNING = "warning"
+    CRITICAL = "critical"
+
+    @property
+    def rank(self) -> int:
+        return {"info": 0, "warning": 1, "critical": 2}[self.value]
+
+
+@dataclass
+class Finding:
+    """What one detector saw at one step.
+
+    ``kind`` is a stable machine name (``nonfinite``, ``loss_spike``, ``grad_spike``,
+    ``rank_outlier``, ``replica_divergence``, ``straggler``, ``missing_rank``, ``sdc_suspected``,
+    ``optimisation_instability``, ``silent_drift`` ...). ``ranks`` is empty when the finding
+    is not rank-local.
+    """
+
+    detector: str
+    kind: str
+    severity: Severity
+    run: str
+    step: int
+    score: float
+    message: str
+    ranks: tuple[int, ...] = ()
+    hosts: tuple[str, ...] = ()
+    metric: str = ""
+    layer: int | None = None
+    evidence: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Incident:
+    """One problem, from its first to its last step, and its state."""
+
+    id: str
+    run: str
+    kind: str
+    severity: Severity
+    first_step: int
+    last_step: int
+    message: str
+    ranks: tuple[int, ...] = ()
+    hosts: tuple[str, ...] = ()
+    metric: str = ""
+    layer: int | None = None
+    score: float = 0.0
+    evidence: dict[str, Any] = field(default_factory=dict)
+    detector: str = ""
+    peak_step: int | None = None
+    resolved_step: int | None = None
+    opened_at: float = 0.0  # wall time the incident was opened (service clock)
+    resolved_at: float | None = None
+
+    @property
+    def open(self) -> bool:
+        return self.resolved_step is None
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-safe form, used on the anomalies topic, by replay --json and by the sinks."""
+        return {
+            "id": self.id,
+            "run": self.run,
+            "kind": self.kind,
+            "severity": self.severity.value,
+            "step": self.first_step,
+            "first_step": self.first_step,
+            "last_step": self.last_step,
+            "peak_step": self.peak_step,
+            "resolved_step": self.resolved_step,
+            "ranks": list(self.ranks),
+            "hosts": list(self.hosts),
+            "metric": self.metric,
+            "layer": self.layer,
+            "score": _json_float(self.score),
+            "message": self.message,
+            "detector": self.detector,
+            "evidence": _json_safe(self.evidence),
+            "opened_at": self.opened_at,
+            "resolved_at": self.resolved_at,
+            "open": self.open,
+        }
+
+
+@dataclass(frozen=True)
+class IncidentEvent:
+    """A change of an incident: ``change`` is ``opened``, ``updated`` or ``resolved``."""
+
+    change: str
+    incident: Incident
+
+
+class IncidentSink(Protocol):
+    """Anything that takes incident changes: the anomalies topic, Alertmanager, a webhook, a log.
+
+    ``publish`` must return quickly and never raise: a slow or dead receiver must not stall
+    detection (sinks that talk to the network queue and send from their own thread).
+    """
+
+    def publish(self, event: IncidentEvent) -> None: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass
+class RunView:
+    """The latest state of one run, as the exporter shows it (read at scrape time)."""
+
+    run: str
+    world: int
+    last_step: int
+    last_step_wall: float  # wall time (service clock) when the last step completed
+    loss: float  # latest global loss (mean over ranks)
+    grad_norm: float  # latest global gradient norm
+    spike_scores: dict[str, float]  # metric ("loss", "grad_norm") -> current spike score
+    rank_scores: np.ndarray  # (world,) accumulated rank-outlier evidence per rank
+    hosts: list[str]  # (world,) host of each rank ("" when unknown)
+    scalar_stats: dict[str, np.ndarray]  # scalar metric -> (5,) min, q25, median, q75, max over ranks
+    layer_stats: dict[str, np.ndarray]  # layer metric -> (n_layers, 5) same statistics per layer
+    steps_total: int = 0
+    late_ranks: int = 0  # ranks that missed the alignment deadline at the last closed step
+    missing_ranks: int = 0  # ranks not heard from for a long time (dead)
+    emitter_dropped: int = 0  # sum over ranks of the records their emitters dropped
+
+
+@dataclass
+class PipelineView:
+    """Health of the ingest pipeline."""
+
+    records_total: int = 0
+    records_per_second: float = 0.0
+    duplicates_total: int = 0
+    dead_letters_total: int = 0
+    consumer_lag: int = 0  # records behind the end of the topic (all partitions)
+    last_record_wall: float = 0.0
+
+
+@dataclass
+class ServiceView:
+    """Everything the exporter reads, taken in one consistent snapshot."""
+
+    runs: list[RunView]
+    pipeline: PipelineView
+    incidents: list[Incident]  # open ones, plus those resolved recently
+    incidents_total: dict[tuple[str, str], int]  # (kind, severity) -> count opened so far
+    findings_total: dict[tuple[str, str], int]  # (detector, kind) -> count of findings
+
+
+def _json_float(v: float) -> float | str | None:
+    import math
+
+    if v is None:
+        return None
+    v = float(v)
+    if math.isfinite(v):
+        return v
+    return "NaN" if math.isnan(v) else ("Infinity" if v > 0 else "-Infinity")
+
+
+def _json_safe(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return {str(k): _json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_json_safe(v) for v in obj]
+    if isinstance(obj, np.ndarray):
+        return [_json_safe(v) for v in obj.tolist()]
+    if isinstance(obj, (np.integer,)):
+        return int(obj)
+    if isinstance(obj, (float, np.floating)):
+        return _json_float(float(obj))
+    if isinstance(obj, enum.Enum):
+        return obj.value
+    return obj

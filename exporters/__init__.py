@@ -1,0 +1,1 @@
+"""Prometheus collector and incident sinks (Alertmanager, webhook, log)."""

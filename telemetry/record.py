@@ -1,0 +1,386 @@
+"""The wire record: one per rank per step, and its versioned codecs (binary and JSON).
+
+A record carries the identity of the rank (run, step, rank, world, host), scalars (loss, gradient
+norms, cosine, step time, non-finite count...), exact 64-bit fingerprints that must agree across
+data-parallel replicas, and per-layer vectors (attention entropy, q/k norms, largest logit).
+
+Binary layout, version 1 (little-endian)::
+
+    b"SDCW" | u8 version | u64 step | u32 rank | u32 world | u32 local_rank | f64 time
+    | str16 run | str16 host
+    | u8 n_scalars  { str8 name | f64 value }*
+    | u8 n_fingerprints { str8 name | u64 value }*
+    | u8 n_layer_metrics { str8 name | u16 n | f32 * n }*
+
+``str8``/``str16`` are UTF-8 with a u8/u16 length prefix. Layer vectors travel as float32: they
+are diagnostics, and half the bytes matter at 16k ranks. Decoding never guesses: a bad field or
+an unknown version raises :class:`~sdcwatch.errors.RecordError` naming the field.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import struct
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+from sdcwatch.errors import RecordError, UnknownVersionError
+
+__all__ = [
+    "Record",
+    "VERSION",
+    "MAGIC",
+    "encode",
+    "decode",
+    "to_json",
+    "from_json",
+    "to_dict",
+    "from_dict",
+    "SCALARS",
+    "LAYER_METRICS",
+    "FINGERPRINTS",
+]
+
+VERSION = 1
+MAGIC = b"SDCW"
+
+#: Well-known scalar names (others are allowed; these are what the probes and detectors use).
+SCALARS = (
+    "loss",  # the rank's own micro-batch loss
+    "loss_global",  # loss averaged over ranks, when the caller has it
+    "grad_norm_local",  # L2 norm of the rank's gradient before the all-reduce
+    "grad_norm_global",  # L2 norm of the all-reduced gradient (must agree across replicas)
+    "grad_cosine",  # cosine of the local gradient with the all-reduced one
+    "step_time",  # seconds for the step on this rank
+    "nonfinite",  # count of NaN/Inf values seen in loss, gradients and probed activations
+    "lr",  # learning rate
+    "emitter_dropped",  # records this rank's emitter dropped so far (cumulative)
+)
+#: Well-known per-layer metrics, one value per layer.
+LAYER_METRICS = (
+    "attn_entropy",  # mean over sampled heads and queries, nats
+    "attn_entropy_min",  # lowest head's mean entropy
+    "q_norm_mean",
+    "q_norm_max",
+    "k_norm_mean",
+    "k_norm_max",
+    "attn_logit_max",  # largest pre-softmax attention logit
+)
+#: Well-known fingerprints: exact, must be bit-identical across data-parallel replicas.
+FINGERPRINTS = ("param_fp", "grad_fp")
+
+_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.:-]{0,63}$")
+_U64 = 1 << 64
+_HEAD = struct.Struct("<4sBQIIId")
+_U8 = struct.Struct("<B")
+_U16 = struct.Struct("<H")
+_F64 = struct.Struct("<d")
+_U64S = struct.Struct("<Q")
+_MAX_STR = 1024
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    """One rank's telemetry for one step. Build with :meth:`make` to validate."""
+
+    run: str
+    step: int
+    rank: int
+    world: int
+    host: str = ""
+    time: float = 0.0
+    local_rank: int = 0
+    scalars: Mapping[str, float] = field(default_factory=dict)
+    fingerprints: Mapping[str, int] = field(default_factory=dict)
+    layers: Mapping[str, Sequence[float]] = field(default_factory=dict)
+
+    @classmethod
+    def make(cls, **kw: Any) -> "Record":
+        """Build and validate a record; raises RecordError naming the bad field."""
+        rec = cls(**kw)
+        validate(rec)
+        return rec
+
+    @property
+    def key(self) -> tuple[str, int, int]:
+        """The identity used for de-duplication: (run, step, rank)."""
+        return (self.run, self.step, self.rank)
+
+
+def _check_int(name: str, value: Any, lo: int, hi: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise RecordError(name, f"must be an integer, got {type(value).__name__}")
+    if not lo <= value < hi:
+        raise RecordError(name, f"{value} out of range [{lo}, {hi})")
+
+
+def _check_str(name: str, value: Any, *, empty_ok: bool) -> None:
+    if not isinstance(value, str):
+        raise RecordError(name, f"must be a string, got {type(value).__name__}")
+    if not value and not empty_ok:
+        raise RecordError(name, "must not be empty")
+    if len(value.encode("utf-8", "surrogatepass")) > _MAX_STR:
+        raise RecordError(name, f"longer than {_MAX_STR} bytes")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise RecordError(name, "is not valid UTF-8") from None
+
+
+def _check_name(where: str, name: Any) -> None:
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise RecordError(where, f"bad metric name {name!r} (letters, digits, _.:-; at most 64)")
+
+
+def validate(rec: Record) -> None:
+    """Raise RecordError naming the first invalid field of ``rec``."""
+    _check_str("run", rec.run, empty_ok=False)
+    _check_int("step", rec.step, 0, _U64)
+    _check_int("world", rec.world, 1, 1 << 32)
+    _check_int("rank", rec.rank, 0, rec.world)
+    _check_int("local_rank", rec.local_rank, 0, 1 << 32)
+    _check_str("host", rec.host, empty_ok=True)
+    if not isinstance(rec.time, (int, float)) or isinstance(rec.time, bool) or not math.isfinite(rec.time):
+        raise RecordError("time", f"must be a finite number, got {rec.time!r}")
+    for group, limit in (("scalars", 255), ("fingerprints", 255), ("layers", 255)):
+        mapping = getattr(rec, group)
+        if not isinstance(mapping, Mapping):
+            raise RecordError(group, "must be a mapping")
+        if len(mapping) > limit:
+            raise RecordError(group, f"more than {limit} entries")
+    for name, value in rec.scalars.items():
+        _check_name(f"scalars.{name}", name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise RecordError(f"scalars.{name}", f"must be a number, got {type(value).__name__}")
+    for name, value in rec.fingerprints.items():
+        _check_name(f"fingerprints.{name}", name)
+        _check_int(f"fingerprints.{name}", value, 0, _U64)
+    for name, values in rec.layers.items():
+        _check_name(f"layers.{name}", name)
+        if isinstance(values, (str, bytes)) or not hasattr(values, "__len__"):
+            raise RecordError(f"layers.{name}", "must be a sequence of numbers")
+        if len(values) > 0xFFFF:
+            raise RecordError(f"layers.{name}", "more than 65535 layers")
+        for v in values:
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                try:
+                    float(v)  # numpy scalars
+                except (TypeError, ValueError):
+                    raise RecordError(f"layers.{name}", f"element {v!r} is not a number") from None
+
+
+# ---------------------------------------------------------------------------------------------
+# binary codec
+
+
+def _put_str(out: list[bytes], s: str, wide: bool) -> None:
+    b = s.encode("utf-8")
+    out.append((_U16 if wide else _U8).pack(len(b)))
+    out.append(b)
+
+
+def encode(rec: Record) -> bytes:
+    """Encode a record into the compact binary form (version 1).
+
+    The record is trusted to be valid (records built by the emitter are); ``struct`` still
+    refuses values that do not fit, which surfaces as RecordError.
+    """
+    try:
+        out: list[bytes] = [
+            _HEAD.pack(MAGIC, VERSION, rec.step, rec.rank, rec.world, rec.local_rank, float(rec.time))
+        ]
+        _put_str(out, rec.run, True)
+        _put_str(out, rec.host, True)
+        out.append(_U8.pack(len(rec.scalars)))
+        for name, value in rec.scalars.items():
+            _put_str(out, name, False)
+            out.append(_F64.pack(float(value)))
+        out.append(_U8.pack(len(rec.fingerprints)))
+        for name, value in rec.fingerprints.items():
+            _put_str(out, name, False)
+            out.append(_U64S.pack(int(value)))
+        out.append(_U8.pack(len(rec.layers)))
+        for name, values in rec.layers.items():
+            _put_str(out, name, False)
+            n = len(values)
+            out.append(_U16.pack(n))
+            out.append(struct.pack(f"<{n}f", *(float(v) for v in values)))
+        return b"".join(out)
+    except (struct.error, OverflowError, TypeError, ValueError, AttributeError) as exc:
+        raise RecordError("record", f"cannot encode: {exc}") from None
+
+
+class _Reader:
+    __slots__ = ("buf", "pos")
+
+    def __init__(self, buf: bytes) -> None:
+        self.buf = buf
+        self.pos = 0
+
+    def take(self, n: int, what: str) -> memoryview:
+        end = self.pos + n
+        if end > len(self.buf):
+            raise RecordError(what, f"truncated: needs {n} bytes at offset {self.pos}, {len(self.buf) - self.pos} left")
+        view = memoryview(self.buf)[self.pos : end]
+        self.pos = end
+        return view
+
+    def unpack(self, st: struct.Struct, what: str) -> tuple:
+        return st.unpack(self.take(st.size, what))
+
+    def string(self, what: str, wide: bool) -> str:
+        (n,) = self.unpack(_U16 if wide else _U8, what)
+        try:
+            return str(self.take(n, what), "utf-8")
+        except UnicodeDecodeError:
+            raise RecordError(what, "is not valid UTF-8") from None
+
+    def name(self, group: str) -> str:
+        name = self.string(f"{group} name", False)
+        if not _NAME.match(name):
+            raise RecordError(f"{group} name", f"bad metric name {name!r}")
+        return name
+
+
+def decode(data: bytes | bytearray | memoryview) -> Record:
+    """Decode one binary record; raises RecordError (never anything else) when it is bad."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise RecordError("record", f"expected bytes, got {type(data).__name__}")
+    buf = bytes(data)
+    if len(buf) < 5:
+        raise RecordError("magic", f"record too short ({len(buf)} bytes)")
+    if buf[:4] != MAGIC:
+        raise RecordError("magic", f"not an sdcwatch record (starts with {buf[:4]!r})")
+    if buf[4] != VERSION:
+        raise UnknownVersionError(buf[4])
+    r = _Reader(buf)
+    _, _, step, rank, world, local_rank, time = r.unpack(_HEAD, "header")
+    run = r.string("run", True)
+    host = r.string("host", True)
+    (n,) = r.unpack(_U8, "scalars")
+    scalars: dict[str, float] = {}
+    for _ in range(n):
+        name = r.name("scalars")
+        (scalars[name],) = r.unpack(_F64, f"scalars.{name}")
+    (n,) = r.unpack(_U8, "fingerprints")
+    fps: dict[str, int] = {}
+    for _ in range(n):
+        name = r.name("fingerprints")
+        (fps[name],) = r.unpack(_U64S, f"fingerprints.{name}")
+    (n,) = r.unpack(_U8, "layers")
+    layers: dict[str, tuple[float, ...]] = {}
+    for _ in range(n):
+        name = r.name("layers")
+        (count,) = r.unpack(_U16, f"layers.{name}")
+        layers[name] = struct.unpack(f"<{count}f", r.take(4 * count, f"layers.{name}"))
+    if r.pos != len(buf):
+        raise RecordError("record", f"{len(buf) - r.pos} trailing bytes after the record")
+    rec = Record(run, step, rank, world, host, time, local_rank, scalars, fps, layers)
+    if not run:
+        raise RecordError("run", "must not be empty")
+    if world < 1:
+        raise RecordError("world", f"{world} out of range [1, {1 << 32})")
+    if rank >= world:
+        raise RecordError("rank", f"{rank} out of range [0, {world})")
+    if not math.isfinite(time):
+        raise RecordError("time", f"must be a finite number, got {time!r}")
+    return rec
+
+
+# ---------------------------------------------------------------------------------------------
+# JSON codec (the file transport and offline replay); non-finite floats are written as the
+# strings "NaN", "Infinity" and "-Infinity" so every line is strict JSON.
+
+
+def _jfloat(v: float) -> float | str:
+    v = float(v)
+    if math.isfinite(v):
+        return v
+    return "NaN" if math.isnan(v) else ("Infinity" if v > 0 else "-Infinity")
+
+
+_SPECIAL = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
+
+
+def _pfloat(where: str, v: Any) -> float:
+    if isinstance(v, str) and v in _SPECIAL:
+        return _SPECIAL[v]
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise RecordError(where, f"must be a number, got {v!r}")
+    return float(v)
+
+
+def to_dict(rec: Record) -> dict[str, Any]:
+    """A plain, strict-JSON-safe dict of the record (tagged with the version)."""
+    return {
+        "v": VERSION,
+        "run": rec.run,
+        "step": rec.step,
+        "rank": rec.rank,
+        "world": rec.world,
+        "local_rank": rec.local_rank,
+        "host": rec.host,
+        "time": rec.time,
+        "scalars": {k: _jfloat(v) for k, v in rec.scalars.items()},
+        "fingerprints": {k: int(v) for k, v in rec.fingerprints.items()},
+        "layers": {k: [_jfloat(x) for x in v] for k, v in rec.layers.items()},
+    }
+
+
+def from_dict(d: Any) -> Record:
+    """Inverse of :func:`to_dict`; raises RecordError naming the bad field."""
+    if not isinstance(d, dict):
+        raise RecordError("record", f"expected a JSON object, got {type(d).__name__}")
+    if "v" not in d:
+        raise RecordError("v", "missing version tag")
+    if d["v"] != VERSION:
+        raise UnknownVersionError(d["v"])
+    for key in ("run", "step", "rank", "world"):
+        if key not in d:
+            raise RecordError(key, "missing")
+    unknown = set(d) - {"v", "run", "step", "rank", "world", "local_rank", "host", "time", "scalars", "fingerprints", "layers"}
+    if unknown:
+        raise RecordError(sorted(unknown)[0], "unknown field")
+    groups = {}
+    for g in ("scalars", "fingerprints", "layers"):
+        val = d.get(g, {})
+        if not isinstance(val, dict):
+            raise RecordError(g, "must be a JSON object")
+        groups[g] = val
+    rec = Record(
+        run=d["run"],
+        step=d["step"],
+        rank=d["rank"],
+        world=d["world"],
+        host=d.get("host", ""),
+        time=_pfloat("time", d.get("time", 0.0)),
+        local_rank=d.get("local_rank", 0),
+        scalars={k: _pfloat(f"scalars.{k}", v) for k, v in groups["scalars"].items()},
+        fingerprints=dict(groups["fingerprints"]),
+        layers={
+            k: tuple(_pfloat(f"layers.{k}", x) for x in (v if isinstance(v, list) else _not_list(k)))
+            for k, v in groups["layers"].items()
+        },
+    )
+    validate(rec)
+    return rec
+
+
+def _not_list(name: str) -> list:
+    raise RecordError(f"layers.{name}", "must be a JSON array")
+
+
+def to_json(rec: Record) -> str:
+    """One line of strict JSON."""
+    return json.dumps(to_dict(rec), separators=(",", ":"), allow_nan=False)
+
+
+def from_json(line: str | bytes) -> Record:
+    """Parse one JSON line; raises RecordError on bad JSON or a bad field."""
+    try:
+        d = json.loads(line)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise RecordError("record", f"not valid JSON: {exc}") from None
+    return from_dict(d)
