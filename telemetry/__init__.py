@@ -1,1 +1,72 @@
-"""In-rank telemetry."""
+"""In-rank telemetry: the wire record, the emitter and its transports, torch probes, the fault
+injector and the reference training run.
+
+Importing this package is cheap: torch and kafka-python are imported only when a name that
+needs them is first used (``attach``, ``FaultInjector``, ``KafkaTransport``'s first send ...).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from sdcwatch.telemetry.emitter import Emitter, NullEmitter, identity_from_env
+from sdcwatch.telemetry.record import (
+    FINGERPRINTS,
+    LAYER_METRICS,
+    SCALARS,
+    Record,
+    decode,
+    encode,
+    from_json,
+    to_json,
+)
+from sdcwatch.telemetry.transports import (
+    TELEMETRY_TOPIC,
+    FileTransport,
+    KafkaTransport,
+    MemoryBus,
+    MemoryTransport,
+    Transport,
+)
+
+# names whose modules import torch: resolved on first access (PEP 562)
+_LAZY = {
+    "attach": "sdcwatch.telemetry.probes",
+    "Watch": "sdcwatch.telemetry.probes",
+    "observe_attention": "sdcwatch.telemetry.probes",
+    "FaultSpec": "sdcwatch.telemetry.faults",
+    "FaultInjector": "sdcwatch.telemetry.faults",
+    "load_faults": "sdcwatch.telemetry.faults",
+    "parse_faults": "sdcwatch.telemetry.faults",
+}
+
+__all__ = [
+    "Record",
+    "encode",
+    "decode",
+    "to_json",
+    "from_json",
+    "SCALARS",
+    "LAYER_METRICS",
+    "FINGERPRINTS",
+    "Emitter",
+    "NullEmitter",
+    "identity_from_env",
+    "Transport",
+    "KafkaTransport",
+    "FileTransport",
+    "MemoryTransport",
+    "MemoryBus",
+    "TELEMETRY_TOPIC",
+    *_LAZY,
+]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'sdcwatch.telemetry' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

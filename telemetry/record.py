@@ -12,6 +12,11 @@ Binary layout, version 1 (little-endian)::
     | u8 n_fingerprints { str8 name | u64 value }*
     | u8 n_layer_metrics { str8 name | u16 n | f32 * n }*
 
+A bus message holds either one record or a batch of records that share a partition key (one
+rank's consecutive steps, or many ranks' records of one step)::
+
+    b"SDCB" | u8 version | u32 count | { u32 length | record }*
+
 ``str8``/``str16`` are UTF-8 with a u8/u16 length prefix. Layer vectors travel as float32: they
 are diagnostics, and half the bytes matter at 16k ranks. Decoding never guesses: a bad field or
 an unknown version raises :class:`~sdcwatch.errors.RecordError` naming the field.
@@ -34,6 +39,8 @@ __all__ = [
     "MAGIC",
     "encode",
     "decode",
+    "encode_batch",
+    "decode_message",
     "to_json",
     "from_json",
     "to_dict",
@@ -45,6 +52,9 @@ __all__ = [
 
 VERSION = 1
 MAGIC = b"SDCW"
+BATCH_MAGIC = b"SDCB"
+_BATCH_HEAD = struct.Struct("<4sBI")
+_U32 = struct.Struct("<I")
 
 #: Well-known scalar names (others are allowed; these are what the probes and detectors use).
 SCALARS = (
@@ -79,6 +89,14 @@ _U16 = struct.Struct("<H")
 _F64 = struct.Struct("<d")
 _U64S = struct.Struct("<Q")
 _MAX_STR = 1024
+_F32S: dict[int, struct.Struct] = {}
+
+
+def _f32s(n: int) -> struct.Struct:
+    st = _F32S.get(n)
+    if st is None:
+        st = _F32S[n] = struct.Struct(f"<{n}f")
+    return st
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,9 +147,16 @@ def _check_str(name: str, value: Any, *, empty_ok: bool) -> None:
         raise RecordError(name, "is not valid UTF-8") from None
 
 
+_GOOD_NAMES: set[str] = set()  # names already checked: the same few dozen recur in every record
+
+
 def _check_name(where: str, name: Any) -> None:
+    if name in _GOOD_NAMES:
+        return
     if not isinstance(name, str) or not _NAME.match(name):
         raise RecordError(where, f"bad metric name {name!r} (letters, digits, _.:-; at most 64)")
+    if len(_GOOD_NAMES) < 4096:
+        _GOOD_NAMES.add(name)
 
 
 def validate(rec: Record) -> None:
@@ -151,8 +176,9 @@ def validate(rec: Record) -> None:
         if len(mapping) > limit:
             raise RecordError(group, f"more than {limit} entries")
     for name, value in rec.scalars.items():
-        _check_name(f"scalars.{name}", name)
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
+        if name not in _GOOD_NAMES:
+            _check_name(f"scalars.{name}", name)
+        if type(value) is not float and (isinstance(value, bool) or not isinstance(value, (int, float))):
             raise RecordError(f"scalars.{name}", f"must be a number, got {type(value).__name__}")
     for name, value in rec.fingerprints.items():
         _check_name(f"fingerprints.{name}", name)
@@ -164,7 +190,7 @@ def validate(rec: Record) -> None:
         if len(values) > 0xFFFF:
             raise RecordError(f"layers.{name}", "more than 65535 layers")
         for v in values:
-            if isinstance(v, bool) or not isinstance(v, (int, float)):
+            if type(v) is not float and (isinstance(v, bool) or not isinstance(v, (int, float))):
                 try:
                     float(v)  # numpy scalars
                 except (TypeError, ValueError):
@@ -206,7 +232,7 @@ def encode(rec: Record) -> bytes:
             _put_str(out, name, False)
             n = len(values)
             out.append(_U16.pack(n))
-            out.append(struct.pack(f"<{n}f", *(float(v) for v in values)))
+            out.append(_f32s(n).pack(*values))
         return b"".join(out)
     except (struct.error, OverflowError, TypeError, ValueError, AttributeError) as exc:
         raise RecordError("record", f"cannot encode: {exc}") from None
@@ -239,8 +265,8 @@ class _Reader:
 
     def name(self, group: str) -> str:
         name = self.string(f"{group} name", False)
-        if not _NAME.match(name):
-            raise RecordError(f"{group} name", f"bad metric name {name!r}")
+        if name not in _GOOD_NAMES:
+            _check_name(f"{group} name", name)
         return name
 
 
@@ -274,7 +300,7 @@ def decode(data: bytes | bytearray | memoryview) -> Record:
     for _ in range(n):
         name = r.name("layers")
         (count,) = r.unpack(_U16, f"layers.{name}")
-        layers[name] = struct.unpack(f"<{count}f", r.take(4 * count, f"layers.{name}"))
+        layers[name] = _f32s(count).unpack(r.take(4 * count, f"layers.{name}"))
     if r.pos != len(buf):
         raise RecordError("record", f"{len(buf) - r.pos} trailing bytes after the record")
     rec = Record(run, step, rank, world, host, time, local_rank, scalars, fps, layers)
@@ -287,6 +313,44 @@ def decode(data: bytes | bytearray | memoryview) -> Record:
     if not math.isfinite(time):
         raise RecordError("time", f"must be a finite number, got {time!r}")
     return rec
+
+
+def encode_batch(records: Sequence[Record]) -> bytes:
+    """Encode several records into one bus message (see the module docstring)."""
+    out = [_BATCH_HEAD.pack(BATCH_MAGIC, VERSION, len(records))]
+    for rec in records:
+        b = encode(rec)
+        out.append(_U32.pack(len(b)))
+        out.append(b)
+    return b"".join(out)
+
+
+def decode_message(data: bytes | bytearray | memoryview) -> list[Record]:
+    """Decode a bus message: a single record or a batch. Raises RecordError when any part is bad."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise RecordError("record", f"expected bytes, got {type(data).__name__}")
+    buf = bytes(data)
+    if buf[:4] != BATCH_MAGIC:
+        return [decode(buf)]
+    if len(buf) < _BATCH_HEAD.size:
+        raise RecordError("batch", f"truncated batch header ({len(buf)} bytes)")
+    _, version, count = _BATCH_HEAD.unpack_from(buf)
+    if version != VERSION:
+        raise UnknownVersionError(version)
+    pos = _BATCH_HEAD.size
+    out = []
+    for i in range(count):
+        if pos + 4 > len(buf):
+            raise RecordError("batch", f"truncated: record {i} of {count} missing")
+        (n,) = _U32.unpack_from(buf, pos)
+        pos += 4
+        if pos + n > len(buf):
+            raise RecordError("batch", f"truncated: record {i} of {count} needs {n} bytes, {len(buf) - pos} left")
+        out.append(decode(buf[pos : pos + n]))
+        pos += n
+    if pos != len(buf):
+        raise RecordError("batch", f"{len(buf) - pos} trailing bytes after {count} records")
+    return out
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,257 @@
+"""Builds the sdcwatch Grafana dashboard (dashboards/sdcwatch.json) with grafana-foundation-sdk.
+
+The committed JSON is what users import; this file is its source. Regenerate after a change:
+
+    python dashboards/generate.py            # rewrites dashboards/sdcwatch.json
+    python dashboards/generate.py --check    # exit 1 if the committed JSON is out of date
+
+Pinned SDK: grafana-foundation-sdk==0.0.21 (cog-generated builders for current Grafana; dashboard
+schemaVersion 42, i.e. Grafana 12, in the classic JSON model). Every query reads metrics from the
+sdcwatch exporter catalogue; a test evaluates each one against a real Prometheus.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import warnings
+from pathlib import Path
+
+# The SDK steers towards the v2 (Kubernetes-style) dashboard schema, which Grafana 12 serves only
+# behind feature flags, and warns about the classic model when its modules load; the classic JSON
+# model is what every Grafana 11 and 12 imports, so it is the one we build.
+with warnings.catch_warnings():
+    warnings.filterwarnings("ignore", "Prefer using dashboardv2", DeprecationWarning)
+    from grafana_foundation_sdk.builders import dashboard as dash
+    from grafana_foundation_sdk.builders import heatmap, stat, table, timeseries
+    from grafana_foundation_sdk.builders.common import VizLegendOptions
+    from grafana_foundation_sdk.builders.prometheus import Dataquery as PromQuery
+    from grafana_foundation_sdk.cog.encoder import JSONEncoder
+    from grafana_foundation_sdk.models.common import DataSourceRef, LegendDisplayMode, LegendPlacement
+    from grafana_foundation_sdk.models.dashboard import (
+        DataTransformerConfig,
+        GridPos,
+        VariableRefresh,
+        VariableSort,
+    )
+    from grafana_foundation_sdk.models.prometheus import PromQueryFormat
+
+__all__ = ["DASHBOARD_UID", "OUTPUT", "build_dashboard", "build_model", "render", "main"]
+
+DASHBOARD_UID = "sdcwatch-overview"
+OUTPUT = Path(__file__).resolve().parent / "sdcwatch.json"
+
+#: Panels and annotations query Prometheus through the ``$datasource`` variable.
+DS = DataSourceRef(type_val="prometheus", uid="${datasource}")
+#: Every query selects the runs picked in the ``$run`` variable.
+RUN = 'run=~"$run"'
+
+
+def _q(expr: str, legend: str = "", *, ref: str = "A", instant: bool = False, table_format: bool = False) -> PromQuery:
+    query = PromQuery().expr(expr).ref_id(ref).datasource(DS)
+    if legend:
+        query = query.legend_format(legend)
+    if instant:
+        query = query.instant()  # sets instant=true, range=false
+    if table_format:
+        query = query.format(PromQueryFormat.TABLE)
+    return query
+
+
+def _legend() -> VizLegendOptions:
+    return (VizLegendOptions().show_legend(True).display_mode(LegendDisplayMode.LIST)
+            .placement(LegendPlacement.BOTTOM))
+
+
+def _ts(title: str, description: str, pos: GridPos, *queries: PromQuery, unit: str = "") -> timeseries.Panel:
+    panel = (timeseries.Panel().title(title).description(description).datasource(DS).grid_pos(pos)
+             .legend(_legend()).line_width(1).fill_opacity(0))
+    if unit:
+        panel = panel.unit(unit)
+    for query in queries:
+        panel = panel.with_target(query)
+    return panel
+
+
+def _stat(title: str, description: str, pos: GridPos, query: PromQuery, unit: str = "") -> stat.Panel:
+    panel = stat.Panel().title(title).description(description).datasource(DS).grid_pos(pos).with_target(query)
+    return panel.unit(unit) if unit else panel
+
+
+def _variables() -> list:
+    datasource = (dash.DatasourceVariable("datasource").label("Data source").type("prometheus")
+                  .description("Prometheus that scrapes the sdcwatch service."))
+    run = (dash.QueryVariable("run").label("Run").datasource(DS)
+           .query("label_values(sdcwatch_training_last_step, run)")
+           .definition("label_values(sdcwatch_training_last_step, run)")
+           .refresh(VariableRefresh.ON_TIME_RANGE_CHANGED).sort(VariableSort.ALPHABETICAL_ASC)
+           .multi(True).include_all(True).all_value(".*")
+           .description("Training run(s), from the run label of the exporter's series."))
+    return [datasource, run]
+
+
+def _annotation() -> dash.AnnotationQuery:
+    # A region per incident, spanning the time its info series exists (open to resolution).
+    return (dash.AnnotationQuery().name("sdcwatch incidents").datasource(DS).enable(True)
+            .icon_color("red").expr(f'sdcwatch_incident_info{{{RUN}, state="open"}}')
+            .title_format("{{kind}} ({{severity}}) rank {{rank}} {{host}}")
+            .text_format("incident {{id}}: layer {{layer}} metric {{metric}}, detector {{detector}}")
+            .tag_keys("kind,severity,rank,host").step("15s").use_value_for_time(False))
+
+
+def build_dashboard() -> dash.Dashboard:
+    """The dashboard builder: rows for training, ranks, layers, incidents and the pipeline."""
+    d = (dash.Dashboard("sdcwatch: silent data corruption and loss spikes").uid(DASHBOARD_UID)
+         .description("Training health as seen by the sdcwatch detector service: global loss and gradient "
+                      "norm with incident annotations, spike scores, rank outliers, per-layer attention "
+                      "statistics, open incidents and ingest pipeline health.")
+         .tags(["sdcwatch", "training", "sdc"]).refresh("30s").time("now-6h", "now").timezone("browser")
+         .variables(_variables()).annotation(_annotation()))
+
+    y = 0
+    d = d.with_row(dash.Row("Training").grid_pos(GridPos(h=1, w=24, x=0, y=y)))
+    y += 1
+    d = d.with_panel(_ts("Global loss", "Latest global loss (mean over ranks) per completed step. Red regions: "
+                         "open incidents.", GridPos(h=8, w=9, x=0, y=y),
+                         _q(f"sdcwatch_training_loss{{{RUN}}}", "{{run}}")))
+    d = d.with_panel(_ts("Global gradient norm", "Global gradient norm per completed step.",
+                         GridPos(h=8, w=9, x=9, y=y),
+                         _q(f"sdcwatch_training_grad_norm{{{RUN}}}", "{{run}}")))
+    d = d.with_panel(_stat("Last step", "Last training step the service completed.",
+                           GridPos(h=4, w=6, x=18, y=y),
+                           _q(f"max by (run) (sdcwatch_training_last_step{{{RUN}}})", "{{run}}")))
+    d = d.with_panel(_stat("Open incidents", "Incidents currently open, all kinds.",
+                           GridPos(h=4, w=6, x=18, y=y + 4),
+                           _q(f"sum(sdcwatch_incidents_open{{{RUN}}})", "open")))
+    y += 8
+    d = d.with_panel(_ts("Spike scores", "Robust, trend-aware spike score of the global loss and gradient norm; "
+                         "the spike detector alarms above its threshold.", GridPos(h=8, w=12, x=0, y=y),
+                         _q(f"sdcwatch_detector_spike_score{{{RUN}}}", "{{run}} {{metric}}")))
+    d = d.with_panel(_ts("Incidents opened", "Incidents opened per interval, by kind and severity.",
+                         GridPos(h=8, w=12, x=12, y=y),
+                         _q("sum by (kind, severity) (increase(sdcwatch_incidents_total[$__rate_interval]))",
+                            "{{kind}} {{severity}}")))
+    y += 8
+
+    d = d.with_row(dash.Row("Ranks").grid_pos(GridPos(h=1, w=24, x=0, y=y)))
+    y += 1
+    d = d.with_panel(
+        heatmap.Panel().title("Rank-outlier score (top-K ranks)")
+        .description("Accumulated rank-outlier evidence of the top-K ranks and of every rank in an open "
+                     "incident; a persistently bright row is a rank that deviates from its peers.")
+        .datasource(DS).grid_pos(GridPos(h=9, w=12, x=0, y=y)).calculate(False)
+        .with_target(_q(f"sdcwatch_rank_outlier_score{{{RUN}}}", "rank {{rank}} {{host}}"))
+    )
+    d = d.with_panel(_ts("Per-rank spread of scalars", "Across-rank min, quartiles and max of the local "
+                         "gradient norm and loss: a single rank far outside the band is suspect.",
+                         GridPos(h=9, w=12, x=12, y=y),
+                         _q(f'sdcwatch_rank_metric{{{RUN}, metric=~"grad_norm_local|loss"}}',
+                            "{{metric}} {{stat}}")))
+    y += 9
+
+    d = d.with_row(dash.Row("Layers").grid_pos(GridPos(h=1, w=24, x=0, y=y)))
+    y += 1
+    d = d.with_panel(_ts("Attention entropy per layer (median over ranks)",
+                         "Median over ranks of each layer's attention entropy; collapse towards 0 is "
+                         "an attention-entropy collapse.", GridPos(h=8, w=8, x=0, y=y),
+                         _q(f'sdcwatch_layer_metric{{{RUN}, metric="attn_entropy", stat="median"}}',
+                            "layer {{layer}}")))
+    d = d.with_panel(_ts("q/k norms per layer (max over ranks)",
+                         "Largest query and key norms of each layer over all ranks: runaway growth "
+                         "precedes attention-logit blow-ups.", GridPos(h=8, w=8, x=8, y=y),
+                         _q(f'sdcwatch_layer_metric{{{RUN}, metric=~"q_norm_max|k_norm_max", stat="max"}}',
+                            "{{metric}} layer {{layer}}")))
+    d = d.with_panel(_ts("Largest attention logit per layer (max over ranks)",
+                         "Near-INF logits (|x| > 1e10) in attention drive training to a non-trainable "
+                         "state.", GridPos(h=8, w=8, x=16, y=y),
+                         _q(f'sdcwatch_layer_metric{{{RUN}, metric="attn_logit_max", stat="max"}}',
+                            "layer {{layer}}")))
+    y += 8
+
+    d = d.with_row(dash.Row("Incidents").grid_pos(GridPos(h=1, w=24, x=0, y=y)))
+    y += 1
+    info = f'sdcwatch_incident_info{{{RUN}, state="open"}}'
+    labels = "kind, severity, rank, host, layer, metric, detector"
+    d = d.with_panel(
+        table.Panel().title("Open incidents")
+        .description("One row per open incident: where (rank, host, layer, metric), since which step, and "
+                     "the detector's score.")
+        .datasource(DS).grid_pos(GridPos(h=8, w=24, x=0, y=y))
+        .with_target(_q(f"sdcwatch_incident_first_step{{{RUN}}} * on (run, id) group_left ({labels}) {info}",
+                        ref="A", instant=True, table_format=True))
+        .with_target(_q(f"sdcwatch_incident_score{{{RUN}}} * on (run, id) group_left () {info}",
+                        ref="B", instant=True, table_format=True))
+        .with_transformation(DataTransformerConfig(id_val="merge", options={}))
+        .with_transformation(DataTransformerConfig(id_val="organize", options={
+            "excludeByName": {"Time": True},
+            "renameByName": {"Value #A": "first step", "Value #B": "score"},
+        }))
+    )
+    y += 8
+
+    d = d.with_row(dash.Row("Pipeline").grid_pos(GridPos(h=1, w=24, x=0, y=y)))
+    y += 1
+    d = d.with_panel(_ts("Records per second", "Telemetry records consumed per second by the service.",
+                         GridPos(h=8, w=8, x=0, y=y),
+                         _q("sdcwatch_pipeline_records_per_second", "records/s"), unit="short"))
+    d = d.with_panel(_ts("Consumer lag", "Records between the service's position and the end of the "
+                         "telemetry topic.", GridPos(h=8, w=8, x=8, y=y),
+                         _q("sdcwatch_pipeline_consumer_lag_records", "lag")))
+    d = d.with_panel(_ts("Age of the last step", "Seconds since the service completed the last step: "
+                         "grows when training or the pipeline stalls.", GridPos(h=8, w=8, x=16, y=y),
+                         _q(f"sdcwatch_pipeline_last_step_age_seconds{{{RUN}}}", "{{run}}"), unit="s"))
+    y += 8
+    d = d.with_panel(_ts("Late and missing ranks", "Ranks that missed the alignment deadline at the last "
+                         "step, and ranks not heard from for long.", GridPos(h=8, w=8, x=0, y=y),
+                         _q(f"sdcwatch_pipeline_late_ranks{{{RUN}}}", "late {{run}}", ref="A"),
+                         _q(f"sdcwatch_pipeline_missing_ranks{{{RUN}}}", "missing {{run}}", ref="B")))
+    d = d.with_panel(_ts("Dead letters and duplicates", "Malformed records sent to the dead-letter topic "
+                         "and duplicates discarded, per second.", GridPos(h=8, w=8, x=8, y=y),
+                         _q("rate(sdcwatch_pipeline_dead_letters_total[$__rate_interval])", "dead letters",
+                            ref="A"),
+                         _q("rate(sdcwatch_pipeline_duplicates_total[$__rate_interval])", "duplicates",
+                            ref="B")))
+    d = d.with_panel(_ts("Records dropped by emitters", "Records the in-rank emitters dropped (buffer full "
+                         "or bus unreachable), per second.", GridPos(h=8, w=8, x=16, y=y),
+                         _q(f"rate(sdcwatch_emitter_dropped_records_total{{{RUN}}}[$__rate_interval])",
+                            "{{run}}")))
+    return d
+
+
+def build_model():
+    """The built dashboard model, panels numbered 1..n in layout order (stable ids for links)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "Prefer using dashboardv2", DeprecationWarning)
+        model = build_dashboard().build()
+    for number, panel in enumerate(model.panels or [], start=1):
+        panel.id_val = number
+    return model
+
+
+def render() -> str:
+    """The dashboard JSON exactly as committed (sorted keys, two-space indent, final newline)."""
+    model = build_model()
+    return JSONEncoder(sort_keys=True, indent=2).encode(model) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--output", type=Path, default=OUTPUT, help="where to write (default: %(default)s)")
+    parser.add_argument("--check", action="store_true", help="do not write; exit 1 if the file is out of date")
+    args = parser.parse_args(argv)
+    text = render()
+    json.loads(text)  # the encoder's output must be plain JSON
+    if args.check:
+        current = args.output.read_text() if args.output.exists() else ""
+        if current != text:
+            print(f"{args.output} is out of date: run python dashboards/generate.py", file=sys.stderr)
+            return 1
+        return 0
+    args.output.write_text(text)
+    print(f"wrote {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

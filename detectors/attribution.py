@@ -1,0 +1,142 @@
+"""Attribution: joins the findings of a window into what a person needs to decide.
+
+- a loss or gradient spike together with rank-local evidence (a persistent rank outlier, a rank
+  extreme in an internal statistic) is *SDC suspected on rank r (host h), layer l*;
+- a spike with all ranks consistent (or one rank's own loss off: a bad batch) is
+  *optimisation/data instability*, and no rank is blamed;
+- persistent rank-local evidence without any spike is *silent drift suspected on rank r*.
+
+It rewrites the detectors' findings of one step: ``rank_outlier`` becomes ``sdc_suspected`` or
+``silent_drift``, ``rank_deviation`` (single-step, info) is consumed, spikes get an
+``attribution`` in their evidence and message.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import replace
+from typing import Any
+
+from sdcwatch.detectors.base import check_positive
+from sdcwatch.detectors.types import Finding, Severity
+
+__all__ = ["Attribution", "DATA_METRICS"]
+
+#: Per-rank metrics that follow the rank's data: a rank extreme only in these had a bad batch.
+DATA_METRICS = ("loss", "grad_norm_local", "grad_cosine")
+_SPIKES = ("loss_spike", "grad_spike")
+
+
+class Attribution:
+    """Joins spikes and rank-local evidence within ``window`` steps (one instance per run)."""
+
+    def __init__(self, window: int = 50) -> None:
+        check_positive("attribution", window=window)
+        self.window = int(window)
+        self._spikes: deque[tuple[int, str]] = deque()  # (step, kind) of spike findings
+        self._local: deque[tuple[int, dict[str, Any]]] = deque()  # (step, rank evidence) hardware-like
+
+    def _trim(self, step: int) -> None:
+        while self._spikes and self._spikes[0][0] < step - self.window:
+            self._spikes.popleft()
+        while self._local and self._local[0][0] < step - self.window:
+            self._local.popleft()
+
+    @staticmethod
+    def _hardware_like(f: Finding) -> bool:
+        """A single-step rank deviation that a bad batch would not explain."""
+        if f.metric in DATA_METRICS:
+            return False
+        loss_z = f.evidence.get("loss_z")
+        return loss_z is None or abs(loss_z) * 4 < abs(f.evidence.get("z", f.score))
+
+    def apply(self, step: int, world: int, findings: list[Finding]) -> list[Finding]:
+        """The attributed findings of one step (call once per step, in step order)."""
+        self._trim(step)
+        data_ranks: list[Finding] = []
+        for f in findings:
+            if f.kind == "rank_deviation":
+                if self._hardware_like(f):
+                    self._local.append((step, _local(f)))
+                else:
+                    data_ranks.append(f)
+            elif f.kind in ("rank_outlier",):
+                self._local.append((step, _local(f)))
+        spikes_now = [f for f in findings if f.kind in _SPIKES and f.evidence.get("phase") == "onset"]
+        for f in spikes_now:
+            self._spikes.append((step, f.kind))
+        out: list[Finding] = []
+        for f in findings:
+            if f.kind == "rank_deviation":
+                continue
+            if f.kind in _SPIKES:
+                out.extend(self._spike(f, world, data_ranks))
+            elif f.kind == "rank_outlier":
+                out.append(self._rank_local(f))
+            else:
+                out.append(f)
+        return out
+
+    def _spike(self, f: Finding, world: int, data_ranks: list[Finding]) -> list[Finding]:
+        label = f.message
+        if self._local:
+            _, ev = max(self._local, key=lambda item: item[1]["score"])
+            where = _where(ev)
+            attributed = replace(f, message=f"{label}: SDC suspected on {where}",
+                                 evidence={**f.evidence, "attribution": "sdc", "suspect": ev})
+            if f.evidence.get("phase") != "onset":
+                return [attributed]
+            sdc = Finding(
+                detector="attribution", kind="sdc_suspected", severity=Severity.CRITICAL, run=f.run, step=f.step,
+                score=float(ev["score"]), ranks=(ev["rank"],), hosts=(ev["host"],) if ev["host"] else (),
+                metric=ev["metric"], layer=ev["layer"],
+                message=f"SDC suspected on {where}: {f.kind.replace('_', ' ')} at step {f.evidence['onset_step']} "
+                        f"with rank-local evidence ({ev['message']})",
+                evidence={"spike": f.evidence, "rank_evidence": ev},
+            )
+            return [attributed, sdc]
+        if world < 2:
+            why = "single series (ranks unknown): optimisation/data instability or an unlocalised fault"
+        elif data_ranks:
+            r = data_ranks[0].ranks[0]
+            why = f"ranks consistent except rank {r}'s own loss (a bad batch?): optimisation/data instability"
+        else:
+            why = "ranks consistent, optimisation/data instability"
+        return [replace(f, message=f"{label}: {why}",
+                        evidence={**f.evidence, "attribution": "optimisation_data"})]
+
+    def _rank_local(self, f: Finding) -> Finding:
+        ev = _local(f)
+        where = _where(ev)
+        if self._spikes:
+            step, kind = self._spikes[-1]
+            return replace(f, kind="sdc_suspected", severity=Severity.CRITICAL,
+                           message=f"SDC suspected on {where}: persistent deviation and a "
+                                   f"{kind.replace('_', ' ')} at step {step} ({f.message})",
+                           evidence={**f.evidence, "spike_step": step, "attribution": "sdc"})
+        return replace(f, kind="silent_drift", message=f"silent drift suspected on {where}: {f.message}",
+                       evidence={**f.evidence, "attribution": "silent_drift"})
+
+    def snapshot(self) -> dict[str, Any]:
+        return {"spikes": [list(s) for s in self._spikes], "local": [[s, e] for s, e in self._local]}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        self._spikes = deque((int(s), k) for s, k in state["spikes"])
+        self._local = deque((int(s), dict(e)) for s, e in state["local"])
+
+
+def _local(f: Finding) -> dict[str, Any]:
+    return {"rank": f.ranks[0], "host": f.hosts[0] if f.hosts else "", "metric": f.metric, "layer": f.layer,
+            "score": float(f.score), "kind": f.kind, "step": f.step, "message": f.message}
+
+
+def _where(ev: dict[str, Any]) -> str:
+    s = f"rank {ev['rank']}"
+    if ev["host"]:
+        s += f" (host {ev['host']})"
+    if ev["layer"] is not None:
+        part = "attention" if ev["metric"].startswith(("attn", "q_", "k_")) else ev["metric"]
+        s += f", layer {ev['layer']} {part} ({ev['metric']})"
+    else:
+        s += f", {ev['metric']}"
+    return s

@@ -1,0 +1,161 @@
+"""StepFrame: one run's step across all ranks, as numpy matrices the detectors work on.
+
+The aligner builds a frame once per step; every detector then works on whole columns (all ranks
+at once), never on one record at a time. Missing values are NaN; absent ranks have
+``present[r] == False`` and NaN rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+import numpy as np
+
+from sdcwatch.telemetry.record import FINGERPRINTS, LAYER_METRICS, SCALARS, Record
+
+__all__ = ["StepFrame"]
+
+
+def _ordered(known: Sequence[str], seen: Iterable[str]) -> tuple[str, ...]:
+    seen = set(seen)
+    return tuple(n for n in known if n in seen) + tuple(sorted(seen.difference(known)))
+
+
+@dataclass
+class StepFrame:
+    """One step of one run, all ranks side by side.
+
+    ``scalars`` is (world, n_scalars), ``layers`` (world, n_layer_metrics, n_layers),
+    ``fingerprints`` (world, n_fp) uint64 with ``fp_present`` telling which were sent.
+    """
+
+    run: str
+    step: int
+    world: int
+    hosts: tuple[str, ...]
+    present: np.ndarray
+    scalar_names: tuple[str, ...]
+    scalars: np.ndarray
+    layer_names: tuple[str, ...] = ()
+    layers: np.ndarray = field(default_factory=lambda: np.zeros((0, 0, 0)))
+    fp_names: tuple[str, ...] = ()
+    fingerprints: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.uint64))
+    fp_present: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), bool))
+    scalar_sent: np.ndarray | None = None  # (world, n_scalars) bool: NaN sent vs not sent
+    layer_sent: np.ndarray | None = None  # (world, n_layer_metrics) int: layers sent per metric
+    times: np.ndarray | None = None
+    wall: float = 0.0  # service clock when the step was closed
+    complete: bool = True
+
+    # -- construction -----------------------------------------------------------------------
+
+    @classmethod
+    def from_records(
+        cls, run: str, step: int, world: int, records: Sequence[Record], *, wall: float = 0.0
+    ) -> "StepFrame":
+        """Assemble the frame of one step; ``records`` hold at most one record per rank."""
+        snames = _ordered(SCALARS, (n for r in records for n in r.scalars))
+        lnames = _ordered(LAYER_METRICS, (n for r in records for n in r.layers))
+        fnames = _ordered(FINGERPRINTS, (n for r in records for n in r.fingerprints))
+        n_layers = max((len(v) for r in records for v in r.layers.values()), default=0)
+        sidx = {n: i for i, n in enumerate(snames)}
+        lidx = {n: i for i, n in enumerate(lnames)}
+        fidx = {n: i for i, n in enumerate(fnames)}
+        scalars = np.full((world, len(snames)), np.nan)
+        layers = np.full((world, len(lnames), n_layers), np.nan)
+        fps = np.zeros((world, len(fnames)), np.uint64)
+        fpp = np.zeros((world, len(fnames)), bool)
+        ssent = np.zeros((world, len(snames)), bool)
+        lsent = np.zeros((world, len(lnames)), np.int32)
+        present = np.zeros(world, bool)
+        times = np.full(world, np.nan)
+        hosts = [""] * world
+        for rec in records:
+            r = rec.rank
+            present[r] = True
+            hosts[r] = rec.host
+            times[r] = rec.time
+            row, sent = scalars[r], ssent[r]
+            for n, v in rec.scalars.items():
+                i = sidx[n]
+                row[i] = v
+                sent[i] = True
+            for n, v in rec.layers.items():
+                i = lidx[n]
+                layers[r, i, : len(v)] = v
+                lsent[r, i] = len(v)
+            for n, v in rec.fingerprints.items():
+                fps[r, fidx[n]] = v
+                fpp[r, fidx[n]] = True
+        return cls(
+            run=run, step=step, world=world, hosts=tuple(hosts), present=present,
+            scalar_names=snames, scalars=scalars, layer_names=lnames, layers=layers,
+            fp_names=fnames, fingerprints=fps, fp_present=fpp, scalar_sent=ssent, layer_sent=lsent, times=times, wall=wall,
+            complete=bool(present.all()),
+        )
+
+    @classmethod
+    def single(cls, run: str, step: int, names: tuple[str, ...], values: np.ndarray,
+               sent: np.ndarray | None = None, *, wall: float = 0.0) -> "StepFrame":
+        """A one-rank frame of global scalars (offline replay of a loss log); ``values`` is (n,)."""
+        values = np.asarray(values, dtype=float).reshape(1, -1)
+        return cls(
+            run=run, step=step, world=1, hosts=("",), present=np.ones(1, bool), scalar_names=names,
+            scalars=values, scalar_sent=None if sent is None else np.asarray(sent, bool).reshape(1, -1),
+            wall=wall,
+        )
+
+    # -- access -------------------------------------------------------------------------------
+
+    def scalar(self, name: str) -> np.ndarray | None:
+        """The (world,) column of a scalar, or None when no rank sent it."""
+        try:
+            return self.scalars[:, self.scalar_names.index(name)]
+        except ValueError:
+            return None
+
+    def layer(self, name: str) -> np.ndarray | None:
+        """The (world, n_layers) block of a layer metric, or None when no rank sent it."""
+        try:
+            return self.layers[:, self.layer_names.index(name), :]
+        except ValueError:
+            return None
+
+    def global_value(self, *names: str, reduce: str = "mean") -> float:
+        """The first of ``names`` that any rank sent, reduced over present ranks (NaN if none).
+
+        ``reduce`` is ``mean`` (a loss averaged over ranks) or ``median`` (a value every replica
+        should agree on, robust to one odd rank). Non-finite values are left out (the non-finite
+        detector reports them); when no value is finite the result is non-finite.
+        """
+        for name in names:
+            col = self.scalar(name)
+            if col is None:
+                continue
+            col = col[self.present] if self.world > 1 else col
+            if col.size == 0:
+                continue
+            if self.world == 1:
+                return float(col[0])
+            finite = col[np.isfinite(col)]
+            if finite.size == 0:
+                return float(col[0])
+            return float(np.median(finite) if reduce == "median" else finite.mean())
+        return float("nan")
+
+    def sent_scalars(self) -> np.ndarray:
+        """(world, n_scalars) bool: which scalar cells hold a value a rank actually sent."""
+        if self.scalar_sent is not None:
+            return self.scalar_sent
+        return np.broadcast_to(self.present[:, None], self.scalars.shape)
+
+    def sent_layers(self) -> np.ndarray:
+        """(world, n_metrics, n_layers) bool: which layer cells hold a value a rank actually sent."""
+        if self.layer_sent is None:
+            return np.broadcast_to(self.present[:, None, None], self.layers.shape)
+        return np.arange(self.n_layers)[None, None, :] < self.layer_sent[:, :, None]
+
+    @property
+    def n_layers(self) -> int:
+        return int(self.layers.shape[2]) if self.layers.ndim == 3 else 0

@@ -1,0 +1,206 @@
+"""Rank outliers: each rank against all ranks, per metric and layer, with evidence over steps.
+
+Data parallelism makes every rank run the same model on different data, so compute-derived
+statistics agree in distribution across ranks; a faulty rank stands out. Each step, every
+(rank, feature) value gets a robust z against the cross-rank median and MAD. The z is clipped and
+fed to a two-sided CUSUM per (rank, feature): a single noisy step cannot name a rank, a persistent
+deviation of a couple of scales does within a few tens of steps. All of it is whole-matrix numpy.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from sdcwatch.detectors.base import check_positive, decode_array, encode_array, register
+from sdcwatch.detectors.frame import StepFrame
+from sdcwatch.detectors.types import Finding, Severity
+from sdcwatch.errors import ConfigError
+
+__all__ = ["RankOutlierDetector", "RANK_SCALARS"]
+
+#: Scalars that vary across ranks with the data and are compared rank against rank. Values that
+#: must be identical (global norm, lr, fingerprints) belong to the replica detector, step time to
+#: the straggler detector.
+RANK_SCALARS = ("loss", "grad_norm_local", "grad_cosine")
+
+
+@register
+class RankOutlierDetector:
+    """Names a rank whose statistics persistently deviate from the other ranks'.
+
+    Emits ``rank_outlier`` (warning) for each rank whose CUSUM evidence crosses ``threshold``,
+    with the metric and layer that deviate most and a confidence; and ``rank_deviation`` (info,
+    used by attribution, never an incident on its own) when a rank is extreme at a single step.
+    """
+
+    name = "rank_outlier"
+    fault = "rank_shift"
+
+    def __init__(self, *, threshold: float = 12.0, drift: float = 1.0, clip: float = 4.0,
+                 instant_z: float = 50.0, min_world: int = 4, max_fraction: float = 0.25,
+                 max_named: int = 8, rel_floor: float = 1e-3, warmup: int = 3,
+                 scalars: tuple[str, ...] = RANK_SCALARS) -> None:
+        check_positive("rank_outlier", threshold=threshold, drift=drift, clip=clip, instant_z=instant_z,
+                       min_world=min_world, max_fraction=max_fraction, max_named=max_named, rel_floor=rel_floor)
+        if clip <= drift:
+            raise ConfigError("rank_outlier.clip", f"must exceed drift ({drift}), got {clip}")
+        self.threshold, self.drift, self.clip, self.instant_z = threshold, drift, clip, instant_z
+        self.min_world, self.max_fraction, self.max_named = int(min_world), max_fraction, int(max_named)
+        self.rel_floor, self.warmup, self.scalars = rel_floor, int(warmup), tuple(scalars)
+        self._sig: tuple | None = None  # (world, scalar names, layer names, n_layers)
+        self._pos: np.ndarray | None = None
+        self._neg: np.ndarray | None = None
+        self._steps = 0
+        self.rank_scores = np.zeros(0)  # (world,) evidence / threshold, for the exporter
+
+    @property
+    def warmup_steps(self) -> int:
+        return self.warmup
+
+    # -- features -------------------------------------------------------------------------------
+
+    def _features(self, frame: StepFrame) -> tuple[np.ndarray, list[str], list[int | None]]:
+        idx = [frame.scalar_names.index(n) for n in self.scalars if n in frame.scalar_names]
+        blocks = [frame.scalars[:, idx]]
+        metrics = [frame.scalar_names[i] for i in idx]
+        layers: list[int | None] = [None] * len(idx)
+        if frame.layers.size:
+            blocks.append(frame.layers.reshape(frame.world, -1))
+            for m in frame.layer_names:
+                metrics += [m] * frame.n_layers
+                layers += list(range(frame.n_layers))
+        return np.concatenate(blocks, axis=1), metrics, layers
+
+    def _reset(self, sig: tuple, k: int, world: int) -> None:
+        self._sig = sig
+        self._pos = np.zeros((world, k))
+        self._neg = np.zeros((world, k))
+        self._steps = 0
+        self.rank_scores = np.zeros(world)
+
+    # -- detection --------------------------------------------------------------------------------
+
+    def robust_z(self, X: np.ndarray) -> np.ndarray:
+        """(world, k) robust z of every value against its column's cross-rank median and MAD.
+
+        Non-finite cells (missing ranks, NaN) get z = 0: they are the non-finite detector's.
+        """
+        finite = np.isfinite(X)
+        if finite.all():
+            med = np.median(X, axis=0)
+            mad = np.median(np.abs(X - med), axis=0)
+        else:
+            Xn = np.where(finite, X, np.nan)
+            with np.errstate(all="ignore"):
+                import warnings
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", RuntimeWarning)
+                    med = np.nanmedian(Xn, axis=0)
+                    mad = np.nanmedian(np.abs(Xn - med), axis=0)
+            med = np.where(np.isfinite(med), med, 0.0)
+            mad = np.where(np.isfinite(mad), mad, 0.0)
+        # the floor keeps a column where all ranks agree to many digits from exploding
+        scale = 1.4826 * mad + self.rel_floor * np.abs(med) + 1e-12
+        with np.errstate(invalid="ignore"):
+            z = (X - med) / scale
+        z[~finite] = 0.0
+        return z
+
+    def update(self, frame: StepFrame) -> list[Finding]:
+        if frame.world < self.min_world:
+            return []
+        X, metrics, layers = self._features(frame)
+        if X.shape[1] == 0:
+            return []
+        sig = (frame.world, frame.scalar_names, frame.layer_names, frame.n_layers, tuple(metrics))
+        if sig != self._sig:
+            self._reset(sig, X.shape[1], frame.world)
+        z = self.robust_z(X)
+        self._steps += 1
+        zc = np.clip(z, -self.clip, self.clip)
+        np.maximum(self._pos + zc - self.drift, 0.0, out=self._pos)
+        np.maximum(self._neg - zc - self.drift, 0.0, out=self._neg)
+        ev = np.maximum(self._pos, self._neg)
+        best = ev.argmax(axis=1)
+        evidence = ev[np.arange(frame.world), best]
+        self.rank_scores = evidence / self.threshold
+        if self._steps <= self.warmup:
+            return []
+        findings: list[Finding] = []
+        flagged = np.flatnonzero(evidence >= self.threshold)
+        if 0 < flagged.size <= max(1, math.floor(self.max_fraction * frame.world)):
+            order = flagged[np.argsort(-evidence[flagged])][: self.max_named]
+            for r in order:
+                findings.append(self._outlier(frame, int(r), int(best[r]), float(evidence[r]), z, metrics, layers))
+        absz = np.abs(z)
+        worst = absz.argmax(axis=1)
+        peak = absz[np.arange(frame.world), worst]
+        spiky = np.flatnonzero(peak >= self.instant_z)
+        if 0 < spiky.size <= max(1, math.floor(self.max_fraction * frame.world)):
+            for r in spiky[np.argsort(-peak[spiky])][: self.max_named]:
+                r = int(r)
+                c = int(worst[r])
+                li = metrics.index("loss") if "loss" in metrics else None
+                findings.append(Finding(
+                    detector=self.name, kind="rank_deviation", severity=Severity.INFO, run=frame.run,
+                    step=frame.step, score=float(peak[r]),
+                    message=f"rank {r} extreme at step {frame.step}: {_where(metrics[c], layers[c])} z={z[r, c]:.1f}",
+                    ranks=(r,), hosts=_hosts(frame, r), metric=metrics[c], layer=layers[c],
+                    evidence={"z": float(z[r, c]), "loss_z": float(z[r, li]) if li is not None else None,
+                              "value": float(X[r, c])},
+                ))
+        return findings
+
+    def _outlier(self, frame: StepFrame, r: int, c: int, ev: float, z: np.ndarray,
+                 metrics: list[str], layers: list[int | None]) -> Finding:
+        conf = min(0.999, 1.0 - 0.5 * math.exp(-3.0 * (ev / self.threshold - 1.0)))
+        host = frame.hosts[r]
+        where = _where(metrics[c], layers[c])
+        msg = (f"rank {r}" + (f" (host {host})" if host else "") +
+               f" deviates from the other ranks in {where} (evidence {ev:.1f}, confidence {conf:.2f})")
+        top = np.argsort(-np.maximum(self._pos[r], self._neg[r]))[:3]
+        return Finding(
+            detector=self.name, kind="rank_outlier", severity=Severity.WARNING, run=frame.run,
+            step=frame.step, score=ev, message=msg, ranks=(r,), hosts=_hosts(frame, r),
+            metric=metrics[c], layer=layers[c],
+            evidence={"confidence": conf, "z": float(z[r, c]),
+                      "direction": "high" if self._pos[r, c] >= self._neg[r, c] else "low",
+                      "top": [{"metric": metrics[i], "layer": layers[i],
+                               "evidence": float(max(self._pos[r, i], self._neg[r, i]))} for i in top]},
+        )
+
+    def snapshot(self) -> dict[str, Any]:
+        if self._sig is None:
+            return {"sig": None}
+        return {"sig": _jsonable(self._sig), "pos": encode_array(self._pos), "neg": encode_array(self._neg),
+                "steps": self._steps}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        if state.get("sig") is None:
+            self._sig = None
+            return
+        self._sig = _tuplify(state["sig"])
+        self._pos = decode_array(state["pos"])
+        self._neg = decode_array(state["neg"])
+        self._steps = int(state["steps"])
+        ev = np.maximum(self._pos, self._neg).max(axis=1) if self._pos.size else np.zeros(self._pos.shape[0])
+        self.rank_scores = ev / self.threshold
+
+
+def _where(metric: str, layer: int | None) -> str:
+    return metric if layer is None else f"{metric} layer {layer}"
+
+
+def _hosts(frame: StepFrame, r: int) -> tuple[str, ...]:
+    return (frame.hosts[r],) if frame.hosts[r] else ()
+
+
+def _jsonable(x: Any) -> Any:
+    return [_jsonable(v) for v in x] if isinstance(x, tuple) else x
+
+
+def _tuplify(x: Any) -> Any:
+    return tuple(_tuplify(v) for v in x) if isinstance(x, list) else x

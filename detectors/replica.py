@@ -1,0 +1,102 @@
+"""Replica divergence: values every data-parallel replica must hold bit for bit.
+
+Parameter and gradient fingerprints and the all-reduced gradient norm are identical on every
+replica of a healthy data-parallel job. A majority vote per value names the odd rank(s) at the
+step it happens; no history is needed. When no value holds a majority, the replicas are split and
+no rank can be blamed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from sdcwatch.detectors.base import check_positive, register
+from sdcwatch.detectors.frame import StepFrame
+from sdcwatch.detectors.types import Finding, Severity
+
+__all__ = ["ReplicaDivergenceDetector", "majority"]
+
+#: Float scalars that must agree exactly across replicas (compared by their bits).
+REPLICA_SCALARS = ("grad_norm_global",)
+
+
+def majority(values: np.ndarray) -> tuple[np.ndarray | None, np.ndarray]:
+    """(majority value or None, mask of ranks that differ from it) for a 1-D array of bit patterns."""
+    first = values[0]
+    if (values == first).all():  # the healthy fast path
+        return first, np.zeros(values.shape, bool)
+    uniq, inverse, counts = np.unique(values, return_inverse=True, return_counts=True)
+    top = counts.argmax()
+    if counts[top] * 2 <= values.size:
+        return None, np.ones(values.shape, bool)
+    return uniq[top], inverse.reshape(values.shape) != top
+
+
+@register
+class ReplicaDivergenceDetector:
+    """Critical ``replica_divergence`` naming the rank(s) whose replicated values differ."""
+
+    name = "replica"
+    fault = "replica"
+    warmup_steps = 0
+
+    def __init__(self, min_world: int = 3, max_listed: int = 16) -> None:
+        check_positive("replica", min_world=min_world, max_listed=max_listed)
+        self.min_world, self.max_listed = int(min_world), int(max_listed)
+        self._divergent_steps = 0
+
+    def _columns(self, frame: StepFrame):
+        for j, name in enumerate(frame.fp_names):
+            have = frame.fp_present[:, j] & frame.present
+            yield name, frame.fingerprints[:, j], have
+        for name in REPLICA_SCALARS:
+            col = frame.scalar(name)
+            if col is not None:
+                have = np.isfinite(col) & frame.present
+                yield name, np.ascontiguousarray(col).view(np.uint64), have
+
+    def update(self, frame: StepFrame) -> list[Finding]:
+        if frame.world < self.min_world:
+            return []
+        odd_by_metric: dict[str, np.ndarray] = {}
+        split: list[str] = []
+        for name, bits, have in self._columns(frame):
+            idx = np.flatnonzero(have)
+            if idx.size < self.min_world:
+                continue
+            value, differs = majority(bits[idx])
+            if value is None:
+                split.append(name)
+            elif differs.any():
+                odd_by_metric[name] = idx[differs]
+        if not odd_by_metric and not split:
+            return []
+        self._divergent_steps += 1
+        if odd_by_metric:
+            ranks = tuple(sorted({int(r) for v in odd_by_metric.values() for r in v}))
+            metric = next(iter(odd_by_metric))
+            hosts = tuple(sorted({frame.hosts[r] for r in ranks} - {""}))
+            who = ", ".join(f"{r}" + (f" (host {frame.hosts[r]})" if frame.hosts[r] else "")
+                            for r in ranks[: self.max_listed])
+            msg = (f"SDC suspected: replica divergence at step {frame.step}: rank {who} "
+                   f"disagree(s) with the majority on {', '.join(odd_by_metric)}")
+            return [Finding(
+                detector=self.name, kind="replica_divergence", severity=Severity.CRITICAL, run=frame.run,
+                step=frame.step, score=float(len(ranks)), message=msg, ranks=ranks, hosts=hosts, metric=metric,
+                evidence={"metrics": {k: [int(r) for r in v[: self.max_listed]] for k, v in odd_by_metric.items()},
+                          "split": split},
+            )]
+        return [Finding(
+            detector=self.name, kind="replica_divergence", severity=Severity.CRITICAL, run=frame.run,
+            step=frame.step, score=float(frame.world), metric=split[0],
+            message=f"replicas split at step {frame.step}: no majority on {', '.join(split)}",
+            evidence={"split": split},
+        )]
+
+    def snapshot(self) -> dict[str, Any]:
+        return {"divergent_steps": self._divergent_steps}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        self._divergent_steps = int(state["divergent_steps"])

@@ -1,0 +1,227 @@
+"""Spikes over time in the global loss and gradient norm, against a robust, trend-aware baseline.
+
+Each series is followed in log space. The baseline is the median of the last few accepted values
+(it follows a falling or rising loss within a few steps, and one outlier cannot move it); the
+noise scale is an exponentially weighted mean of absolute residuals, each clipped at a few scales
+(so a spike hardly inflates it). A step is a spike when its robust z is high *and* the value
+exceeds the baseline by a ratio a person would call a spike: micro-batch noise can reach a high
+z, a real spike must also be large. Onset, peak and recovery of one spike make one incident.
+A gradient spike that leaves the loss alone is reported as ``grad_spike``, never as a loss spike.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+from sdcwatch.detectors.base import check_positive, register
+from sdcwatch.detectors.frame import StepFrame
+from sdcwatch.detectors.types import Finding, Severity
+from sdcwatch.errors import ConfigError
+
+__all__ = ["SeriesSettings", "RobustBaseline", "SpikeDetector"]
+
+
+@dataclass(frozen=True)
+class SeriesSettings:
+    """When one series counts as spiking."""
+
+    z_on: float = 8.0
+    """Robust z (residual over the noise scale) a step must reach to open a spike."""
+    min_ratio: float = 1.3
+    """And the value must be at least this multiple of the baseline."""
+    z_off: float = 3.0
+    """The spike is over when z falls below this."""
+
+    def __post_init__(self) -> None:
+        check_positive("spike", z_on=self.z_on, z_off=self.z_off, min_ratio=self.min_ratio)
+        if self.z_off >= self.z_on:
+            raise ConfigError("spike.z_off", f"must be below z_on ({self.z_on}), got {self.z_off}")
+        if self.min_ratio <= 1.0:
+            raise ConfigError("spike.min_ratio", f"must exceed 1.0, got {self.min_ratio}")
+
+
+class RobustBaseline:
+    """Baseline and noise scale of one positive series, in log space (pure Python, O(1) a step).
+
+    >>> b = RobustBaseline(window=5, warmup=5)
+    >>> for v in [4.0, 4.1, 3.9, 4.05, 3.95, 4.0, 4.02, 3.98, 4.01, 3.99, 4.0]:
+    ...     _ = b.update(v)
+    >>> z, ratio, base = b.score(8.0)
+    >>> round(base, 2), ratio > 1.9, z > 8
+    (4.0, True, True)
+    """
+
+    def __init__(self, window: int = 9, warmup: int = 50, scale_alpha: float = 0.02,
+                 clip: float = 3.0, floor: float = 0.002) -> None:
+        check_positive("spike", window=window, warmup=warmup, scale_alpha=scale_alpha, clip=clip, floor=floor)
+        self.window = int(window)
+        self.warmup = int(warmup)
+        self.scale_alpha = scale_alpha
+        self.clip = clip
+        self.floor = floor  # smallest noise scale (log units): a perfectly smooth series still has one
+        self._buf: deque[float] = deque(maxlen=self.window)
+        self._scale = 0.0
+        self._n = 0  # values seen after the window filled
+
+    @property
+    def ready(self) -> bool:
+        """True once warm-up is over and scores mean something."""
+        return self._n >= self.warmup
+
+    def _base(self) -> float:
+        return sorted(self._buf)[len(self._buf) // 2]
+
+    def score(self, value: float) -> tuple[float, float, float]:
+        """(z, ratio to baseline, baseline) of ``value``; (0, 1, NaN) when not ready or not positive."""
+        if not self.ready or not (value > 0.0 and math.isfinite(value)):
+            return 0.0, 1.0, math.nan
+        base = self._base()
+        r = math.log(value) - base
+        return r / max(self._scale, self.floor), math.exp(r), math.exp(base)
+
+    def update(self, value: float) -> bool:
+        """Learn one value (non-positive and non-finite values are skipped); returns True if used."""
+        if not (value > 0.0 and math.isfinite(value)):
+            return False
+        t = math.log(value)
+        if len(self._buf) < self.window:
+            self._buf.append(t)
+            return True
+        base = self._base()
+        r = t - base
+        if self._n < self.warmup:  # plain running mean of |r| while warming up
+            self._scale += (abs(r) * 1.2533 - self._scale) / (self._n + 1)
+            accepted = t
+        else:
+            lim = self.clip * max(self._scale, self.floor)
+            cr = max(-lim, min(lim, r))
+            # 1.2533 * mean|r| estimates sigma for Gaussian noise
+            self._scale += self.scale_alpha * (abs(cr) * 1.2533 - self._scale)
+            accepted = base + cr  # a spike enters the window clipped: it cannot drag the baseline
+        self._buf.append(accepted)
+        self._n += 1
+        return True
+
+    def snapshot(self) -> dict[str, Any]:
+        return {"buf": list(self._buf), "scale": self._scale, "n": self._n}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        self._buf = deque((float(v) for v in state["buf"]), maxlen=self.window)
+        self._scale = float(state["scale"])
+        self._n = int(state["n"])
+
+
+@register
+class SpikeDetector:
+    """Loss and gradient-norm spikes of the whole job (one value per step, all ranks reduced).
+
+    Reads ``loss_global`` (or the mean of the ranks' ``loss``) and ``grad_norm_global`` (median
+    over ranks; falls back to ``grad_norm`` and ``grad_norm_local``). Emits ``loss_spike`` on
+    onset, while the spike lasts and at recovery; ``grad_spike`` (warning) for a gradient-norm
+    spike while the loss is calm.
+    """
+
+    name = "spike"
+    fault = "loss_spike"
+
+    SERIES = {
+        "loss": (("loss_global", "loss"), "mean"),
+        "grad_norm": (("grad_norm_global", "grad_norm", "grad_norm_local"), "median"),
+    }
+
+    def __init__(self, *, loss: SeriesSettings | None = None, grad_norm: SeriesSettings | None = None,
+                 window: int = 9, warmup: int = 50, scale_alpha: float = 0.02) -> None:
+        self.loss = loss or SeriesSettings()
+        self.grad_norm = grad_norm or SeriesSettings(z_on=6.0, min_ratio=4.0)
+        self.window, self.warmup, self.scale_alpha = window, warmup, scale_alpha
+        self._base = {k: RobustBaseline(window, warmup, scale_alpha) for k in self.SERIES}
+        self._active: dict[str, dict[str, Any] | None] = {k: None for k in self.SERIES}
+        self.scores: dict[str, float] = {k: 0.0 for k in self.SERIES}
+        self.latest: dict[str, float] = {k: math.nan for k in self.SERIES}
+
+    @property
+    def warmup_steps(self) -> int:
+        """Steps (with a finite value) during which the detector only learns."""
+        return self.window + self.warmup
+
+    def _settings(self, series: str) -> SeriesSettings:
+        return self.loss if series == "loss" else self.grad_norm
+
+    def update(self, frame: StepFrame) -> list[Finding]:
+        measured = {}
+        for key, (names, reduce) in self.SERIES.items():
+            value = frame.global_value(*names, reduce=reduce)
+            self.latest[key] = value
+            z, ratio, base = self._base[key].score(value)
+            self.scores[key] = max(z, 0.0)
+            measured[key] = (value, z, ratio, base)
+        phases = {k: self._advance(k, frame.step, *measured[k]) for k in self.SERIES}
+        for key, (value, *_rest) in measured.items():
+            self._base[key].update(value)
+        findings = []
+        if phases["loss"]:
+            findings.append(self._finding(frame, "loss", phases["loss"], measured))
+        elif phases["grad_norm"] and self._active["loss"] is None:
+            findings.append(self._finding(frame, "grad_norm", phases["grad_norm"], measured))
+        return findings
+
+    def _advance(self, key: str, step: int, value: float, z: float, ratio: float, base: float) -> str:
+        """Move the spike state machine of one series; returns the phase to report ('' = none)."""
+        s = self._settings(key)
+        active = self._active[key]
+        if active is None:
+            if z >= s.z_on and ratio >= s.min_ratio:
+                self._active[key] = {"onset": step, "peak_step": step, "peak": value, "peak_ratio": ratio,
+                                     "baseline": base}
+                return "onset"
+            return ""
+        if z >= s.z_off:
+            if ratio > active["peak_ratio"]:
+                active.update(peak_step=step, peak=value, peak_ratio=ratio)
+            return "ongoing"
+        if not math.isfinite(value):
+            return ""  # a NaN step tells nothing about recovery (the non-finite detector has it)
+        active["recovered"] = step
+        self._active[key] = None
+        self._last_recovered = active
+        return "recovery"
+
+    def _finding(self, frame: StepFrame, key: str, phase: str, measured: dict) -> Finding:
+        value, z, ratio, base = measured[key]
+        state = self._active[key] if phase != "recovery" else self._last_recovered
+        kind = "loss_spike" if key == "loss" else "grad_spike"
+        label = "loss spike" if key == "loss" else "gradient-norm spike (loss calm)"
+        baseline = state["baseline"]
+        evidence = {
+            "phase": phase, "onset_step": state["onset"], "peak_step": state["peak_step"],
+            "peak_value": state["peak"], "peak_ratio": state["peak_ratio"], "baseline": baseline,
+            "value": value, "z": z, "ratio": ratio,
+        }
+        other = "grad_norm" if key == "loss" else "loss"
+        evidence[f"{other}_z"] = measured[other][1]
+        evidence[f"{other}_ratio"] = measured[other][2]
+        if phase == "recovery":
+            evidence["recovered_step"] = frame.step
+        msg = f"{label} at step {state['onset']} ({state['peak']:.4g} vs baseline {baseline:.4g})"
+        return Finding(
+            detector=self.name, kind=kind, severity=Severity.WARNING, run=frame.run, step=frame.step,
+            score=float(max(z, 0.0)) if phase != "recovery" else 0.0, message=msg,
+            metric=key, evidence=evidence,
+        )
+
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            "base": {k: b.snapshot() for k, b in self._base.items()},
+            "active": dict(self._active),
+            "last_recovered": getattr(self, "_last_recovered", None),
+        }
+
+    def restore(self, state: dict[str, Any]) -> None:
+        for k, b in self._base.items():
+            b.restore(state["base"][k])
+        self._active = {k: (dict(v) if v else None) for k, v in state["active"].items()}
+        if state.get("last_recovered"):
+            self._last_recovered = dict(state["last_recovered"])

@@ -1,0 +1,124 @@
+"""Slow and missing ranks: step time far above the others' persistently, and ranks that stop reporting.
+
+A straggler is a rank whose step time stays well above the cross-rank median (an EWMA of the
+clipped log ratio, so one slow step is nothing); a missing rank is one absent from many consecutive
+closed steps (a dead process or host).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from sdcwatch.detectors.base import check_positive, decode_array, encode_array, register
+from sdcwatch.detectors.frame import StepFrame
+from sdcwatch.detectors.types import Finding, Severity
+
+__all__ = ["StragglerDetector", "MissingRankDetector"]
+
+
+@register
+class StragglerDetector:
+    """``straggler`` (warning) for a rank persistently ``min_ratio`` times slower than the median."""
+
+    name = "straggler"
+    fault = "straggler"
+
+    def __init__(self, min_ratio: float = 1.5, alpha: float = 0.1, warmup: int = 10, min_world: int = 3) -> None:
+        check_positive("straggler", min_ratio=min_ratio, alpha=alpha, warmup=warmup, min_world=min_world)
+        self.min_ratio, self.alpha, self.warmup, self.min_world = min_ratio, alpha, int(warmup), int(min_world)
+        self._ewma: np.ndarray | None = None
+        self._steps = 0
+
+    @property
+    def warmup_steps(self) -> int:
+        return self.warmup
+
+    def update(self, frame: StepFrame) -> list[Finding]:
+        if frame.world < self.min_world:
+            return []
+        t = frame.scalar("step_time")
+        if t is None:
+            return []
+        ok = np.isfinite(t) & (t > 0) & frame.present
+        if ok.sum() < self.min_world:
+            return []
+        if self._ewma is None or self._ewma.shape[0] != frame.world:
+            self._ewma = np.zeros(frame.world)
+            self._steps = 0
+        med = np.median(t[ok])
+        with np.errstate(all="ignore"):
+            lr = np.where(ok, np.log(np.where(ok, t, 1.0) / med), 0.0)
+        # clip: one step 100x slow (a checkpoint save) moves the average by at most alpha*log(4)
+        lr = np.clip(lr, -math.log(4), math.log(4))
+        self._ewma += self.alpha * (lr - self._ewma)
+        self._steps += 1
+        if self._steps <= self.warmup:
+            return []
+        slow = np.flatnonzero(self._ewma >= math.log(self.min_ratio))
+        if slow.size == 0 or slow.size > max(1, frame.world // 4):
+            return []
+        out = []
+        for r in slow[np.argsort(-self._ewma[slow])][:8]:
+            r = int(r)
+            ratio = float(t[r] / med) if ok[r] else math.exp(self._ewma[r])
+            host = frame.hosts[r]
+            out.append(Finding(
+                detector=self.name, kind="straggler", severity=Severity.WARNING, run=frame.run, step=frame.step,
+                score=ratio, metric="step_time", ranks=(r,), hosts=(host,) if host else (),
+                message=f"straggler: rank {r}" + (f" (host {host})" if host else "") +
+                        f" persistently slow: step {ratio:.2f}x the median rank's",
+                evidence={"ratio": ratio, "ratio_average": math.exp(self._ewma[r]), "step_time": float(t[r]), "median_step_time": float(med)},
+            ))
+        return out
+
+    def snapshot(self) -> dict[str, Any]:
+        return {"ewma": None if self._ewma is None else encode_array(self._ewma), "steps": self._steps}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        self._ewma = None if state["ewma"] is None else decode_array(state["ewma"])
+        self._steps = int(state["steps"])
+
+
+@register
+class MissingRankDetector:
+    """``missing_rank`` (critical) for ranks absent from ``after`` consecutive closed steps."""
+
+    name = "missing_rank"
+    fault = "missing"
+    warmup_steps = 0
+
+    def __init__(self, after: int = 5) -> None:
+        check_positive("missing_rank", after=after)
+        self.after = int(after)
+        self._absent: np.ndarray | None = None
+        self.late = 0  # ranks absent at the last step
+        self.missing = 0  # ranks absent for `after` steps or more
+
+    def update(self, frame: StepFrame) -> list[Finding]:
+        if frame.world == 1:  # a closed one-rank step always has its rank
+            return []
+        if self._absent is None or self._absent.shape[0] != frame.world:
+            self._absent = np.zeros(frame.world, np.int64)
+        self._absent = np.where(frame.present, 0, self._absent + 1)
+        self.late = int((self._absent > 0).sum())
+        gone = np.flatnonzero(self._absent >= self.after)
+        self.missing = int(gone.size)
+        if gone.size == 0:
+            return []
+        ranks = tuple(int(r) for r in gone)
+        listed = ", ".join(str(r) for r in ranks[:16]) + (" ..." if len(ranks) > 16 else "")
+        return [Finding(
+            detector=self.name, kind="missing_rank", severity=Severity.CRITICAL, run=frame.run, step=frame.step,
+            score=float(gone.size), metric="present", ranks=ranks,
+            message=f"{len(ranks)} rank(s) not reporting for {self.after}+ steps: {listed}",
+            evidence={"absent_steps": {str(r): int(self._absent[r]) for r in ranks[:16]}},
+        )]
+
+    def snapshot(self) -> dict[str, Any]:
+        return {"absent": None if self._absent is None else encode_array(self._absent)}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        self._absent = None if state["absent"] is None else decode_array(state["absent"])

@@ -1,0 +1,216 @@
+"""Pushes incidents to Alertmanager's v2 API (``POST /api/v2/alerts``) as alerts.
+
+One alert per incident, identified by its labels (alertname, run, severity, kind, incident, rank,
+host, and layer/metric when known). Open alerts are re-sent every ``refresh_interval`` with an
+``endsAt`` a few intervals ahead, as Prometheus does, so they stay firing while sdcwatch runs and
+resolve by themselves if it dies; a resolved incident is sent once more with ``endsAt`` set to its
+resolution time. Delivery runs on a background thread with exponential backoff: a slow or dead
+Alertmanager never stalls detection.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import re
+import time
+from collections.abc import Callable, Mapping
+from datetime import datetime, timezone
+from typing import Any
+
+from sdcwatch.detectors.types import Incident, IncidentEvent
+from sdcwatch.errors import ConfigError
+
+from .collector import incident_rank_label
+from .delivery import BackgroundSink, Backoff, DeliveryError, PostFn, encode_json, post_json
+
+__all__ = ["AlertmanagerSink", "alert_for", "alertname_for"]
+
+log = logging.getLogger(__name__)
+
+_LABEL_NAME = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
+#: Open alerts are valid for this many refresh intervals (Prometheus uses 4 resend delays).
+VALIDITY_INTERVALS = 4
+#: Longest evidence annotation, in characters (Alertmanager keeps annotations in memory).
+EVIDENCE_LIMIT = 4000
+
+
+def alertname_for(kind: str) -> str:
+    """``sdc_suspected`` -> ``SdcwatchSdcSuspected``: one alert name per incident kind."""
+    return "Sdcwatch" + "".join(part[:1].upper() + part[1:] for part in kind.split("_") if part)
+
+
+def _rfc3339(wall: float) -> str:
+    return datetime.fromtimestamp(wall, tz=timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def _describe(inc: Incident) -> str:
+    parts = [f"{inc.kind.replace('_', ' ')} on run {inc.run}", f"steps {inc.first_step}-{inc.last_step}"]
+    if inc.peak_step is not None:
+        parts.append(f"peak at step {inc.peak_step}")
+    if inc.ranks:
+        parts.append("rank " + incident_rank_label(inc.ranks, limit=32))
+    if inc.hosts:
+        parts.append("host " + ",".join(dict.fromkeys(inc.hosts)))
+    if inc.layer is not None:
+        parts.append(f"layer {inc.layer}")
+    if inc.metric:
+        parts.append(f"metric {inc.metric}")
+    score = float(inc.score)
+    parts.append(f"score {score:.3g}" if math.isfinite(score) else f"score {score}")
+    if inc.detector:
+        parts.append(f"detector {inc.detector}")
+    if inc.resolved_step is not None:
+        parts.append(f"resolved at step {inc.resolved_step}")
+    return "; ".join(parts)
+
+
+def alert_for(inc: Incident, *, now: float, valid_for: float, extra_labels: Mapping[str, str] = (),
+              generator_url: str = "") -> dict[str, Any]:
+    """The Alertmanager v2 alert of ``inc`` at wall time ``now``.
+
+    Open incidents get ``endsAt = now + valid_for``; resolved ones their resolution time.
+    Labels with an empty value are left out (Alertmanager treats them as absent anyway).
+    """
+    labels = {
+        **dict(extra_labels),
+        "alertname": alertname_for(inc.kind),
+        "run": inc.run,
+        "severity": inc.severity.value,
+        "kind": inc.kind,
+        "incident": inc.id,
+        "rank": incident_rank_label(inc.ranks),
+        "host": ",".join(dict.fromkeys(h for h in inc.hosts if h)),
+        "layer": "" if inc.layer is None else str(inc.layer),
+        "metric": inc.metric,
+        "source": "sdcwatch",
+    }
+    evidence = json.dumps(inc.to_dict()["evidence"], sort_keys=True, default=str)
+    if len(evidence) > EVIDENCE_LIMIT:
+        evidence = evidence[: EVIDENCE_LIMIT - 15] + "...(truncated)"
+    starts = inc.opened_at if inc.opened_at > 0 else now
+    if inc.open:
+        ends = now + valid_for
+    else:
+        ends = inc.resolved_at if inc.resolved_at is not None else now
+    alert: dict[str, Any] = {
+        "labels": {k: str(v) for k, v in labels.items() if v != ""},
+        "annotations": {
+            "summary": inc.message or _describe(inc),
+            "description": _describe(inc),
+            "evidence": evidence,
+        },
+        "startsAt": _rfc3339(starts),
+        "endsAt": _rfc3339(max(ends, starts)),
+    }
+    if generator_url:
+        alert["generatorURL"] = generator_url
+    return alert
+
+
+class AlertmanagerSink(BackgroundSink):
+    """An :class:`IncidentSink` that keeps Alertmanager's view of sdcwatch incidents current.
+
+    ``url`` is Alertmanager's base URL (``http://alertmanager:9093``). ``post`` is the HTTP
+    transport (tests pass a fake); ``clock`` the wall clock for ``startsAt``/``endsAt``.
+    Counters: :attr:`sent` (alerts accepted), :attr:`failures` (failed POSTs), :attr:`dropped`.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        refresh_interval: float = 60.0,
+        timeout: float = 5.0,
+        backoff: Backoff | None = None,
+        extra_labels: Mapping[str, str] | None = None,
+        generator_url: str = "",
+        headers: Mapping[str, str] | None = None,
+        post: PostFn = post_json,
+        clock: Callable[[], float] = time.time,
+        max_queue: int = 10_000,
+    ) -> None:
+        if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+            raise ConfigError("alertmanager.url", f"must be an http(s) URL, got {url!r}")
+        if not (isinstance(refresh_interval, (int, float)) and refresh_interval > 0):
+            raise ConfigError("alertmanager.refresh_interval", f"must be > 0 seconds, got {refresh_interval!r}")
+        if not (isinstance(timeout, (int, float)) and timeout > 0):
+            raise ConfigError("alertmanager.timeout", f"must be > 0 seconds, got {timeout!r}")
+        for name in extra_labels or {}:
+            if not _LABEL_NAME.match(name):
+                raise ConfigError("alertmanager.extra_labels", f"{name!r} is not a valid label name")
+        base = url.rstrip("/")
+        self.endpoint = base if base.endswith("/api/v2/alerts") else base + "/api/v2/alerts"
+        self.refresh_interval = float(refresh_interval)
+        self.timeout = float(timeout)
+        self.extra_labels = dict(extra_labels or {})
+        self.generator_url = generator_url
+        self.headers = dict(headers or {})
+        self.sent = 0
+        self.failures = 0
+        self._post = post
+        self._clock = clock
+        self._backoff = backoff or Backoff()
+        self._open: dict[str, Incident] = {}  # incident id -> latest state, re-sent on refresh
+        self._pending: dict[str, Incident] = {}  # incident id -> state not yet accepted
+        self._retry_at: float | None = None
+        self._next_refresh = time.monotonic() + self.refresh_interval
+        super().__init__(name="sdcwatch-alertmanager", max_queue=max_queue)
+
+    # -- worker side --------------------------------------------------------------------------
+
+    def _handle(self, events: list[IncidentEvent]) -> None:
+        for event in events:
+            inc = event.incident
+            if event.change == "resolved" or not inc.open:
+                self._open.pop(inc.id, None)
+            else:
+                self._open[inc.id] = inc
+            self._pending[inc.id] = inc
+        if self._retry_at is None:
+            self._send()
+
+    def _due(self) -> float | None:
+        return self._next_refresh if self._retry_at is None else min(self._retry_at, self._next_refresh)
+
+    def _tick(self) -> None:
+        now = time.monotonic()
+        if now >= self._next_refresh:
+            self._next_refresh = now + self.refresh_interval
+            for inc_id, inc in self._open.items():
+                self._pending.setdefault(inc_id, inc)
+        if self._retry_at is None or now >= self._retry_at:
+            self._send()
+
+    def _final(self) -> None:
+        if self._pending:
+            self._send()
+
+    def _settled(self) -> bool:
+        return not self._pending
+
+    def _send(self) -> None:
+        if not self._pending:
+            self._retry_at = None
+            return
+        now = self._clock()
+        valid_for = VALIDITY_INTERVALS * self.refresh_interval
+        batch = dict(self._pending)
+        alerts = [alert_for(inc, now=now, valid_for=valid_for, extra_labels=self.extra_labels,
+                            generator_url=self.generator_url) for inc in batch.values()]
+        try:
+            self._post(self.endpoint, encode_json(alerts), self.headers, self.timeout)
+        except (DeliveryError, ValueError, OSError) as exc:
+            self.failures += 1
+            delay = self._backoff.failed()
+            self._retry_at = time.monotonic() + delay
+            log.warning("alertmanager: %d alert(s) not delivered (%s); retrying in %.1fs",
+                        len(alerts), exc, delay)
+            return
+        self._backoff.succeeded()
+        self._retry_at = None
+        self.sent += len(alerts)
+        for inc_id, inc in batch.items():
+            if self._pending.get(inc_id) is inc:
+                del self._pending[inc_id]

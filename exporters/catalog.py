@@ -1,0 +1,116 @@
+"""The catalogue of every metric sdcwatch exposes: name, type, labels and help text.
+
+One table serves the collector (which builds its families from it), the documentation
+(dashboards/README.md lists the same names, checked by a test) and the cardinality budget.
+Names follow ``sdcwatch_<subsystem>_<name>_<unit>``; counters end in ``_total``; no label ever
+carries a step number.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["MetricSpec", "METRICS", "STATS", "metric"]
+
+#: Cross-rank statistics, in the column order of ``RunView.scalar_stats`` / ``layer_stats``.
+STATS: tuple[str, ...] = ("min", "q25", "median", "q75", "max")
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    """One exposed metric family.
+
+    ``name`` is the full sample name (counters include ``_total``, info metrics ``_info``);
+    ``kind`` is the Prometheus type (``gauge``, ``counter`` or ``info``).
+    """
+
+    name: str
+    kind: str
+    labels: tuple[str, ...]
+    help: str
+
+    @property
+    def family(self) -> str:
+        """The family name prometheus-client wants (without ``_total`` / ``_info``)."""
+        suffix = {"counter": "_total", "info": "_info"}.get(self.kind, "")
+        return self.name[: -len(suffix)] if suffix else self.name
+
+
+def _m(name: str, kind: str, labels: tuple[str, ...], help: str) -> MetricSpec:
+    return MetricSpec(name, kind, labels, help)
+
+
+METRICS: tuple[MetricSpec, ...] = (
+    # training: the run as a whole
+    _m("sdcwatch_training_loss", "gauge", ("run",),
+       "Latest global training loss (mean over ranks) of the last completed step."),
+    _m("sdcwatch_training_grad_norm", "gauge", ("run",),
+       "Latest global gradient norm of the last completed step."),
+    _m("sdcwatch_training_last_step", "gauge", ("run",),
+       "Last training step the detector service completed."),
+    _m("sdcwatch_training_steps_total", "counter", ("run",),
+       "Training steps the detector service has completed."),
+    _m("sdcwatch_training_world_size", "gauge", ("run",),
+       "Number of ranks (world size) of the run."),
+    # detectors
+    _m("sdcwatch_detector_spike_score", "gauge", ("run", "metric"),
+       "Current spike score of a global metric against its robust trend-aware baseline."),
+    _m("sdcwatch_detector_findings_total", "counter", ("detector", "kind"),
+       "Findings produced by each detector, by kind."),
+    # ranks: per-rank only for the top-K outliers and ranks in open incidents
+    _m("sdcwatch_rank_outlier_score", "gauge", ("run", "rank", "host"),
+       "Accumulated rank-outlier evidence of a rank; exported for the top-K ranks and every "
+       "rank in an open incident only."),
+    _m("sdcwatch_rank_metric", "gauge", ("run", "metric", "stat"),
+       "Statistic across ranks (min, q25, median, q75, max) of a per-rank scalar at the last step."),
+    _m("sdcwatch_layer_metric", "gauge", ("run", "metric", "layer", "stat"),
+       "Statistic across ranks of a per-layer metric at the last step."),
+    # incidents
+    _m("sdcwatch_incidents_open", "gauge", ("run", "kind", "severity"),
+       "Incidents currently open."),
+    _m("sdcwatch_incidents_total", "counter", ("kind", "severity"),
+       "Incidents opened since the service started."),
+    _m("sdcwatch_incident_info", "info", ("run", "id", "kind", "severity", "state", "rank", "host",
+                                           "layer", "metric", "detector"),
+       "One series per open or recently resolved incident, carrying its description as labels."),
+    _m("sdcwatch_incident_first_step", "gauge", ("run", "id"),
+       "First training step of an open or recently resolved incident."),
+    _m("sdcwatch_incident_last_step", "gauge", ("run", "id"),
+       "Last training step at which an incident was seen."),
+    _m("sdcwatch_incident_score", "gauge", ("run", "id"),
+       "Peak detector score of an incident."),
+    # ingest pipeline
+    _m("sdcwatch_pipeline_records_total", "counter", (),
+       "Telemetry records the service has consumed."),
+    _m("sdcwatch_pipeline_records_per_second", "gauge", (),
+       "Recent rate of consumed telemetry records."),
+    _m("sdcwatch_pipeline_consumer_lag_records", "gauge", (),
+       "Records between the consumer position and the end of the telemetry topic."),
+    _m("sdcwatch_pipeline_dead_letters_total", "counter", (),
+       "Malformed records routed to the dead-letter topic."),
+    _m("sdcwatch_pipeline_duplicates_total", "counter", (),
+       "Duplicate records (same run, step and rank) discarded."),
+    _m("sdcwatch_pipeline_last_record_age_seconds", "gauge", (),
+       "Seconds since the service consumed its last record."),
+    _m("sdcwatch_pipeline_last_step_age_seconds", "gauge", ("run",),
+       "Seconds since the service completed the last step of the run."),
+    _m("sdcwatch_pipeline_late_ranks", "gauge", ("run",),
+       "Ranks that missed the alignment deadline at the last closed step."),
+    _m("sdcwatch_pipeline_missing_ranks", "gauge", ("run",),
+       "Ranks not heard from for a long time (presumed dead)."),
+    _m("sdcwatch_emitter_dropped_records_total", "counter", ("run",),
+       "Records the in-rank emitters dropped (buffer full or bus down), summed over ranks."),
+    # the exporter itself
+    _m("sdcwatch_exporter_view_errors_total", "counter", (),
+       "Scrapes at which reading the service state failed (the scrape then shows only this)."),
+)
+
+_BY_NAME = {spec.name: spec for spec in METRICS}
+
+
+def metric(name: str) -> MetricSpec:
+    """The spec of ``name``; ``KeyError`` naming it when the catalogue has no such metric."""
+    try:
+        return _BY_NAME[name]
+    except KeyError:
+        raise KeyError(f"no metric {name!r} in the sdcwatch catalogue") from None

@@ -1,0 +1,253 @@
+"""A prometheus-client custom collector that reads the detector service's state at scrape time.
+
+The service hands over a ``view_fn`` returning one consistent :class:`ServiceView`; every scrape
+turns that snapshot into metric families (catalogue in :mod:`sdcwatch.exporters.catalog`).
+Cardinality is bounded whatever the world size: per-rank series exist only for the top-K ranks by
+outlier score and for ranks named by an open incident; everything else is aggregated across ranks.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+
+import numpy as np
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from sdcwatch.detectors.types import Incident, RunView, ServiceView
+from sdcwatch.errors import ConfigError
+
+from .catalog import METRICS, STATS, MetricSpec, metric
+
+__all__ = [
+    "SdcwatchCollector",
+    "DEFAULT_TOP_K",
+    "DEFAULT_LAYER_STATS",
+    "MAX_RANKS_PER_INCIDENT",
+    "MAX_INCIDENTS_LISTED",
+    "incident_rank_label",
+]
+
+log = logging.getLogger(__name__)
+
+#: Ranks exported individually by outlier score, besides those in open incidents.
+DEFAULT_TOP_K = 16
+#: Statistics exported per layer. Per-layer series scale with depth x metrics x stats, so the
+#: default keeps three: at 80 layers and 7 layer metrics that is 1,680 series.
+DEFAULT_LAYER_STATS: tuple[str, ...] = ("min", "median", "max")
+#: Most ranks of one incident exported individually: an SDC names one rank or a few; an incident
+#: naming every rank (an optimisation instability) is not rank-local and must not blow up
+#: cardinality, so only its first ranks get series.
+MAX_RANKS_PER_INCIDENT = 8
+#: Most incidents described by ``sdcwatch_incident_*`` series (open ones first, then newest).
+MAX_INCIDENTS_LISTED = 50
+
+
+def incident_rank_label(ranks: Sequence[int], limit: int = 8) -> str:
+    """The ``rank`` label of an incident: ``"5"``, ``"5,9"``, or ``"1,2,...(+30)"`` past ``limit``."""
+    ranks = [int(r) for r in ranks]
+    if len(ranks) <= limit:
+        return ",".join(str(r) for r in ranks)
+    return ",".join(str(r) for r in ranks[:limit]) + f",...(+{len(ranks) - limit})"
+
+
+def _hosts_label(hosts: Sequence[str], limit: int = 8) -> str:
+    unique = list(dict.fromkeys(h for h in hosts if h))
+    if len(unique) <= limit:
+        return ",".join(unique)
+    return ",".join(unique[:limit]) + f",...(+{len(unique) - limit})"
+
+
+class SdcwatchCollector(Collector):
+    """Exposes detector, incident and pipeline state; register it in a ``CollectorRegistry``.
+
+    ``view_fn`` is called once per scrape and must return quickly (the service takes the snapshot
+    under its lock). If it raises, the scrape still succeeds and shows only
+    ``sdcwatch_exporter_view_errors_total``, so Prometheus keeps the target up and the error is
+    visible. ``clock`` gives wall time for the age metrics (passed in so tests can fix it).
+    """
+
+    def __init__(
+        self,
+        view_fn: Callable[[], ServiceView],
+        *,
+        top_k: int = DEFAULT_TOP_K,
+        layer_stats: Sequence[str] = DEFAULT_LAYER_STATS,
+        scalar_stats: Sequence[str] = STATS,
+        layer_metrics: Sequence[str] | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        if not callable(view_fn):
+            raise ConfigError("exporter.view_fn", f"must be callable, got {type(view_fn).__name__}")
+        if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
+            raise ConfigError("exporter.top_k", f"must be an integer >= 0, got {top_k!r}")
+        for key, stats in (("exporter.layer_stats", layer_stats), ("exporter.scalar_stats", scalar_stats)):
+            unknown = [s for s in stats if s not in STATS]
+            if unknown or isinstance(stats, str):
+                raise ConfigError(key, f"unknown statistic(s) {unknown or stats!r}; choose from {list(STATS)}")
+        self.view_fn = view_fn
+        self.top_k = top_k
+        self.layer_stats = tuple(layer_stats)
+        self.scalar_stats = tuple(scalar_stats)
+        self.layer_metrics = None if layer_metrics is None else frozenset(layer_metrics)
+        self.clock = clock
+        self._view_errors = 0
+
+    # -- prometheus-client protocol -------------------------------------------------------------
+
+    def describe(self) -> Iterable[Metric]:
+        """Empty families of every metric, so the registry can detect name clashes up front."""
+        return [self._family(spec) for spec in METRICS]
+
+    def collect(self) -> Iterator[Metric]:
+        try:
+            view = self.view_fn()
+            families = self._families(view, self.clock())
+        except Exception:  # a broken view must not take the scrape (or the service) down
+            self._view_errors += 1
+            log.exception("sdcwatch exporter: reading the service view failed")
+            families = {}
+        errors = self._family(metric("sdcwatch_exporter_view_errors_total"))
+        errors.add_metric([], self._view_errors)
+        families["sdcwatch_exporter_view_errors_total"] = errors
+        for spec in METRICS:
+            family = families.get(spec.name)
+            if family is not None and family.samples:
+                yield family
+
+    # -- building ---------------------------------------------------------------------------------
+
+    @staticmethod
+    def _family(spec: MetricSpec) -> Metric:
+        if spec.kind == "counter":
+            return CounterMetricFamily(spec.family, spec.help, labels=spec.labels)
+        if spec.kind == "info":
+            return InfoMetricFamily(spec.family, spec.help, labels=())
+        return GaugeMetricFamily(spec.family, spec.help, labels=spec.labels)
+
+    def _families(self, view: ServiceView, now: float) -> dict[str, Metric]:
+        fam = {spec.name: self._family(spec) for spec in METRICS}
+
+        def add(name: str, labels: Sequence[str], value: float) -> None:
+            fam[name].add_metric([str(v) for v in labels], float(value))
+
+        open_incidents: dict[str, list[Incident]] = {}
+        for inc in view.incidents:
+            if inc.open:
+                open_incidents.setdefault(inc.run, []).append(inc)
+
+        for run in view.runs:
+            r = run.run
+            add("sdcwatch_training_loss", [r], run.loss)
+            add("sdcwatch_training_grad_norm", [r], run.grad_norm)
+            add("sdcwatch_training_last_step", [r], run.last_step)
+            add("sdcwatch_training_steps_total", [r], run.steps_total)
+            add("sdcwatch_training_world_size", [r], run.world)
+            for metric_name, score in sorted(run.spike_scores.items()):
+                add("sdcwatch_detector_spike_score", [r, metric_name], score)
+            for rank in self._exported_ranks(run, open_incidents.get(r, [])):
+                host = run.hosts[rank] if rank < len(run.hosts) else ""
+                add("sdcwatch_rank_outlier_score", [r, rank, host], run.rank_scores[rank])
+            self._add_stats(fam["sdcwatch_rank_metric"], r, run.scalar_stats, self.scalar_stats, None)
+            layer_stats = {
+                k: v for k, v in run.layer_stats.items()
+                if self.layer_metrics is None or k in self.layer_metrics
+            }
+            self._add_stats(fam["sdcwatch_layer_metric"], r, layer_stats, self.layer_stats, "layer")
+            add("sdcwatch_pipeline_late_ranks", [r], run.late_ranks)
+            add("sdcwatch_pipeline_missing_ranks", [r], run.missing_ranks)
+            add("sdcwatch_emitter_dropped_records_total", [r], run.emitter_dropped)
+            if run.last_step_wall > 0:
+                add("sdcwatch_pipeline_last_step_age_seconds", [r], max(0.0, now - run.last_step_wall))
+
+        self._add_incidents(fam, view, open_incidents)
+
+        for (detector, kind), count in sorted(view.findings_total.items()):
+            add("sdcwatch_detector_findings_total", [detector, kind], count)
+
+        p = view.pipeline
+        add("sdcwatch_pipeline_records_total", [], p.records_total)
+        add("sdcwatch_pipeline_records_per_second", [], p.records_per_second)
+        add("sdcwatch_pipeline_consumer_lag_records", [], p.consumer_lag)
+        add("sdcwatch_pipeline_dead_letters_total", [], p.dead_letters_total)
+        add("sdcwatch_pipeline_duplicates_total", [], p.duplicates_total)
+        if p.last_record_wall > 0:
+            add("sdcwatch_pipeline_last_record_age_seconds", [], max(0.0, now - p.last_record_wall))
+        return fam
+
+    def _exported_ranks(self, run: RunView, incidents: list[Incident]) -> list[int]:
+        """Top-K ranks by outlier score (ties to the lower rank) plus open-incident ranks, sorted."""
+        scores = np.asarray(run.rank_scores, dtype=np.float64).reshape(-1)
+        n = scores.shape[0]
+        chosen: set[int] = set()
+        k = min(self.top_k, n)
+        if k > 0:
+            # NaN evidence means something is badly wrong with that rank: rank it first.
+            key = np.where(np.isnan(scores), np.inf, scores)
+            if k < n:
+                # the k-th largest value, then every rank above it plus the lowest ranks at it
+                kth = np.partition(key, n - k)[n - k]
+                above = np.flatnonzero(key > kth)
+                at = np.flatnonzero(key == kth)[: k - above.size]
+                chosen.update(above.tolist())
+                chosen.update(at.tolist())
+            else:
+                chosen.update(range(n))
+        for inc in incidents:
+            chosen.update(int(r) for r in inc.ranks[:MAX_RANKS_PER_INCIDENT] if 0 <= int(r) < n)
+        return sorted(chosen)
+
+    @staticmethod
+    def _add_stats(family: Metric, run: str, stats: dict[str, np.ndarray], which: tuple[str, ...],
+                   per: str | None) -> None:
+        columns = [(name, STATS.index(name)) for name in which]
+        for metric_name in sorted(stats):
+            values = np.asarray(stats[metric_name], dtype=np.float64)
+            if per is None:
+                for stat, col in columns:
+                    family.add_metric([run, metric_name, stat], float(values.reshape(-1)[col]))
+            else:
+                values = values.reshape(-1, len(STATS))
+                for layer in range(values.shape[0]):
+                    for stat, col in columns:
+                        family.add_metric([run, metric_name, str(layer), stat], float(values[layer, col]))
+
+    @staticmethod
+    def _add_incidents(fam: dict[str, Metric], view: ServiceView,
+                       open_incidents: dict[str, list[Incident]]) -> None:
+        # Open counts: one series per (run, kind, severity) ever counted, zero when none is open,
+        # so alert rules and panels see a 0 instead of "no data".
+        open_counts: dict[tuple[str, str, str], int] = {}
+        for run in view.runs:
+            for kind, severity in view.incidents_total:
+                open_counts[(run.run, kind, severity)] = 0
+        for run_id, incidents in open_incidents.items():
+            for inc in incidents:
+                key = (run_id, inc.kind, inc.severity.value)
+                open_counts[key] = open_counts.get(key, 0) + 1
+        for key, count in sorted(open_counts.items()):
+            fam["sdcwatch_incidents_open"].add_metric(list(key), count)
+        for (kind, severity), count in sorted(view.incidents_total.items()):
+            fam["sdcwatch_incidents_total"].add_metric([kind, str(severity)], count)
+
+        listed = sorted(view.incidents, key=lambda i: (not i.open, -i.last_step, i.id))[:MAX_INCIDENTS_LISTED]
+        for inc in sorted(listed, key=lambda i: (i.run, i.id)):
+            fam["sdcwatch_incident_info"].add_metric([], {
+                "run": inc.run,
+                "id": inc.id,
+                "kind": inc.kind,
+                "severity": inc.severity.value,
+                "state": "open" if inc.open else "resolved",
+                "rank": incident_rank_label(inc.ranks),
+                "host": _hosts_label(inc.hosts),
+                "layer": "" if inc.layer is None else str(inc.layer),
+                "metric": inc.metric,
+                "detector": inc.detector,
+            })
+            ident = [inc.run, inc.id]
+            fam["sdcwatch_incident_first_step"].add_metric(ident, inc.first_step)
+            fam["sdcwatch_incident_last_step"].add_metric(ident, inc.last_step)
+            fam["sdcwatch_incident_score"].add_metric(ident, float(inc.score))
+

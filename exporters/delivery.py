@@ -1,0 +1,198 @@
+"""Queued, retried delivery of incident events to an HTTP receiver, off the detection thread.
+
+:class:`BackgroundSink` owns the queue and the worker thread that network sinks share:
+``publish`` only appends under a short lock (never blocks on the network, never raises), the
+worker drains the queue and hands batches to the subclass, and sleeps until the next event, retry
+or timer. :class:`Backoff` is the retry schedule; :func:`post_json` the default HTTP transport
+(standard library only), replaceable by any callable with the same signature (tests pass fakes).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections import deque
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from sdcwatch.detectors.types import IncidentEvent
+from sdcwatch.errors import ConfigError
+
+__all__ = ["BackgroundSink", "Backoff", "DeliveryError", "PostFn", "post_json", "encode_json"]
+
+log = logging.getLogger(__name__)
+
+#: ``post(url, body, headers, timeout)`` -> HTTP status; raises :class:`DeliveryError` on failure.
+PostFn = Callable[[str, bytes, Mapping[str, str], float], int]
+
+
+class DeliveryError(Exception):
+    """A receiver could not be reached or answered with an error status (retried, never raised
+    out of a sink)."""
+
+
+def post_json(url: str, body: bytes, headers: Mapping[str, str], timeout: float) -> int:
+    """POST ``body`` (already JSON) to ``url``; the status on 2xx, :class:`DeliveryError` otherwise."""
+    request = urllib.request.Request(url, data=body, method="POST",
+                                     headers={"Content-Type": "application/json", **headers})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            response.read()
+            return int(response.status)
+    except urllib.error.HTTPError as exc:
+        detail = exc.read(512).decode("utf-8", "replace").strip()
+        raise DeliveryError(f"{url}: HTTP {exc.code} {detail}") from exc
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        raise DeliveryError(f"{url}: {exc}") from exc
+
+
+def encode_json(payload: Any) -> bytes:
+    """Strict JSON (no NaN/Infinity tokens: receivers such as Alertmanager reject them)."""
+    return json.dumps(payload, allow_nan=False, separators=(",", ":"), default=str).encode("utf-8")
+
+
+class Backoff:
+    """Exponential retry delays: ``initial``, x``factor`` each failure, capped at ``maximum``."""
+
+    def __init__(self, initial: float = 0.5, maximum: float = 30.0, factor: float = 2.0) -> None:
+        if not initial > 0:
+            raise ConfigError("sink.backoff_initial", f"must be > 0 seconds, got {initial!r}")
+        if not maximum >= initial:
+            raise ConfigError("sink.backoff_max", f"must be >= backoff_initial ({initial}), got {maximum!r}")
+        if not factor >= 1:
+            raise ConfigError("sink.backoff_factor", f"must be >= 1, got {factor!r}")
+        self.initial = initial
+        self.maximum = maximum
+        self.factor = factor
+        self._failures = 0
+
+    @property
+    def failures(self) -> int:
+        """Consecutive failures since the last success."""
+        return self._failures
+
+    def failed(self) -> float:
+        """Record a failure; the delay to wait before the next attempt."""
+        delay = min(self.maximum, self.initial * self.factor ** self._failures)
+        self._failures += 1
+        return delay
+
+    def succeeded(self) -> None:
+        self._failures = 0
+
+
+class BackgroundSink:
+    """Base of sinks that deliver from their own thread.
+
+    Subclasses implement :meth:`_handle` (take new events; may try delivery) and optionally
+    :meth:`_due` (the monotonic time of the next retry or timer, or ``None``) and
+    :meth:`_tick` (called when that time has come). Both run on the worker thread only, so
+    subclass state needs no lock. ``max_queue`` bounds memory when the worker cannot keep up: the
+    oldest events are dropped and counted in :attr:`dropped`.
+
+    The worker starts in this constructor: subclasses set up their own state first and call
+    ``super().__init__`` last.
+    """
+
+    def __init__(self, *, name: str, max_queue: int = 10_000) -> None:
+        if isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 1:
+            raise ConfigError("sink.max_queue", f"must be an integer >= 1, got {max_queue!r}")
+        self.max_queue = max_queue
+        self.dropped = 0  # events lost because the queue was full
+        self._queue: deque[IncidentEvent] = deque()
+        self._cond = threading.Condition()
+        self._closing = False
+        self._idle = True
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    # -- the detection thread's side --------------------------------------------------------------
+
+    def publish(self, event: IncidentEvent) -> None:
+        """Queue ``event``; returns at once and never raises."""
+        try:
+            with self._cond:
+                if self._closing:
+                    self.dropped += 1
+                    return
+                if len(self._queue) >= self.max_queue:
+                    self._queue.popleft()
+                    self.dropped += 1
+                self._queue.append(event)
+                self._idle = False
+                self._cond.notify()
+        except Exception:  # pragma: no cover - publish must never raise into detection
+            log.exception("%s: could not queue an incident event", self._thread.name)
+
+    def flush(self, timeout: float = 10.0) -> bool:
+        """Wait until every queued event has been handled and nothing awaits retry; True if so."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while not (self._idle and not self._queue):
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or not self._thread.is_alive():
+                    return False
+                self._cond.wait(min(remaining, 0.05))
+        return True
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Deliver what is queued (one last attempt each), then stop the worker."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        self._thread.join(timeout)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- the worker -------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._closing:
+                    due = self._due()
+                    if due is not None and due <= time.monotonic():
+                        break
+                    self._cond.wait(None if due is None else max(0.0, due - time.monotonic()))
+                batch = list(self._queue)
+                self._queue.clear()
+                closing = self._closing
+            try:
+                if batch:
+                    self._handle(batch)
+                due = self._due()
+                if due is not None and due <= time.monotonic():
+                    self._tick()
+                if closing:
+                    self._final()
+            except Exception:  # the worker must survive any bug in a subclass or receiver
+                log.exception("%s: delivery step failed", self._thread.name)
+            with self._cond:
+                self._idle = self._settled()
+                self._cond.notify_all()
+                if closing and not self._queue:
+                    return
+
+    def _handle(self, events: list[IncidentEvent]) -> None:
+        raise NotImplementedError
+
+    def _due(self) -> float | None:
+        return None
+
+    def _tick(self) -> None:
+        pass
+
+    def _final(self) -> None:
+        """Called once while closing: make a last delivery attempt of anything pending."""
+
+    def _settled(self) -> bool:
+        """True when nothing awaits (re)delivery; :meth:`flush` waits for this."""
+        return True

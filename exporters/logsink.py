@@ -1,0 +1,92 @@
+"""Writes one log line per incident change, in logfmt (default) or JSON.
+
+The log is the sink that always works: no network, no queue. Lines go to a standard ``logging``
+logger (``sdcwatch.incidents`` unless told otherwise), at INFO for info-level incidents and for
+resolutions, WARNING for warnings and ERROR for critical ones, so log routing and filtering stay
+with the application's logging configuration.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import re
+
+from sdcwatch.detectors.types import IncidentEvent, Severity
+from sdcwatch.errors import ConfigError
+
+from .collector import incident_rank_label
+
+__all__ = ["LogSink", "format_logfmt", "format_json"]
+
+_BARE = re.compile(r"^[A-Za-z0-9_.,:/+\-]+$")
+_LEVELS = {Severity.INFO: logging.INFO, Severity.WARNING: logging.WARNING, Severity.CRITICAL: logging.ERROR}
+
+
+def _logfmt_value(value: object) -> str:
+    text = str(value)
+    if text and _BARE.match(text):
+        return text
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
+
+
+def _fields(event: IncidentEvent) -> list[tuple[str, object]]:
+    inc = event.incident
+    score = float(inc.score)
+    fields: list[tuple[str, object]] = [
+        ("incident", event.change),
+        ("id", inc.id),
+        ("run", inc.run),
+        ("kind", inc.kind),
+        ("severity", inc.severity.value),
+        ("steps", f"{inc.first_step}-{inc.last_step}"),
+    ]
+    if inc.ranks:
+        fields.append(("rank", incident_rank_label(inc.ranks, limit=32)))
+    if inc.hosts:
+        fields.append(("host", ",".join(dict.fromkeys(inc.hosts))))
+    if inc.layer is not None:
+        fields.append(("layer", inc.layer))
+    if inc.metric:
+        fields.append(("metric", inc.metric))
+    fields.append(("score", f"{score:.4g}" if math.isfinite(score) else str(score)))
+    if inc.detector:
+        fields.append(("detector", inc.detector))
+    if inc.resolved_step is not None:
+        fields.append(("resolved_step", inc.resolved_step))
+    fields.append(("message", inc.message))
+    return fields
+
+
+def format_logfmt(event: IncidentEvent) -> str:
+    """``incident=opened id=... run=... kind=... severity=... steps=a-b rank=5 ... message="..."``."""
+    return " ".join(f"{key}={_logfmt_value(value)}" for key, value in _fields(event))
+
+
+def format_json(event: IncidentEvent) -> str:
+    """One JSON object: ``{"change": ..., "incident": Incident.to_dict()}`` on a single line."""
+    return json.dumps({"change": event.change, "incident": event.incident.to_dict()},
+                      sort_keys=True, default=str)
+
+
+class LogSink:
+    """An :class:`IncidentSink` that logs each incident change on one line."""
+
+    def __init__(self, logger: logging.Logger | str = "sdcwatch.incidents", *, format: str = "logfmt") -> None:
+        if format not in ("logfmt", "json"):
+            raise ConfigError("log_sink.format", f"must be 'logfmt' or 'json', got {format!r}")
+        self.logger = logging.getLogger(logger) if isinstance(logger, str) else logger
+        self.format = format
+        self._formatter = format_logfmt if format == "logfmt" else format_json
+
+    def publish(self, event: IncidentEvent) -> None:
+        """Log ``event``; never raises."""
+        try:
+            level = logging.INFO if event.change == "resolved" else _LEVELS.get(event.incident.severity, logging.WARNING)
+            self.logger.log(level, "%s", self._formatter(event))
+        except Exception:  # a logging failure must not reach the detection loop
+            logging.getLogger(__name__).exception("log sink: could not log an incident event")
+
+    def close(self) -> None:
+        """Nothing to release; present for the :class:`IncidentSink` protocol."""

@@ -1,0 +1,108 @@
+"""Serves ``/metrics`` for the detector service from its own ``CollectorRegistry``.
+
+The registry holds only the sdcwatch collector (no process or platform collectors of the global
+registry), so what Prometheus scrapes is exactly the catalogue. Binds to loopback by default:
+exposing the endpoint beyond the host is an explicit choice.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from wsgiref.simple_server import WSGIServer
+
+from prometheus_client import CollectorRegistry, generate_latest, start_http_server
+
+from sdcwatch.detectors.types import ServiceView
+from sdcwatch.errors import ConfigError
+
+from .collector import DEFAULT_LAYER_STATS, DEFAULT_TOP_K, SdcwatchCollector
+from .catalog import STATS
+
+__all__ = ["MetricsServer", "DEFAULT_METRICS_ADDRESS", "DEFAULT_METRICS_PORT"]
+
+DEFAULT_METRICS_ADDRESS = "127.0.0.1"
+#: Default port of the service's /metrics endpoint.
+DEFAULT_METRICS_PORT = 9464
+
+
+class MetricsServer:
+    """An HTTP server for ``/metrics`` fed by ``view_fn`` at every scrape.
+
+    ``port=0`` picks a free port (read it back from :attr:`port`). Use as a context manager or
+    call :meth:`start` / :meth:`close`. The collector options are passed through to
+    :class:`SdcwatchCollector`.
+    """
+
+    def __init__(
+        self,
+        view_fn: Callable[[], ServiceView],
+        *,
+        address: str = DEFAULT_METRICS_ADDRESS,
+        port: int = DEFAULT_METRICS_PORT,
+        top_k: int = DEFAULT_TOP_K,
+        layer_stats: Sequence[str] = DEFAULT_LAYER_STATS,
+        scalar_stats: Sequence[str] = STATS,
+        layer_metrics: Sequence[str] | None = None,
+    ) -> None:
+        if not isinstance(address, str) or not address:
+            raise ConfigError("exporter.address", f"must be a non-empty host or IP, got {address!r}")
+        if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+            raise ConfigError("exporter.port", f"must be an integer in 0..65535, got {port!r}")
+        self.address = address
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.collector = SdcwatchCollector(
+            view_fn, top_k=top_k, layer_stats=layer_stats, scalar_stats=scalar_stats,
+            layer_metrics=layer_metrics,
+        )
+        self.registry.register(self.collector)
+        self._requested_port = port
+        self._httpd: WSGIServer | None = None
+        self._thread: threading.Thread | None = None
+
+    @property
+    def port(self) -> int:
+        """The bound port (the requested one until started)."""
+        if self._httpd is not None:
+            return int(self._httpd.server_address[1])
+        return self._requested_port
+
+    @property
+    def url(self) -> str:
+        """Where Prometheus should scrape, e.g. ``http://127.0.0.1:9464/metrics``."""
+        host = f"[{self.address}]" if ":" in self.address else self.address
+        return f"http://{host}:{self.port}/metrics"
+
+    def start(self) -> "MetricsServer":
+        """Bind and serve from a daemon thread; ``ConfigError`` if the address cannot be bound."""
+        if self._httpd is not None:
+            return self
+        try:
+            self._httpd, self._thread = start_http_server(
+                self._requested_port, addr=self.address, registry=self.registry,
+            )
+        except OSError as exc:
+            raise ConfigError(
+                "exporter.port", f"cannot listen on {self.address}:{self._requested_port}: {exc}"
+            ) from exc
+        return self
+
+    def render(self) -> bytes:
+        """The exposition text a scrape would return now (without HTTP)."""
+        return generate_latest(self.registry)
+
+    def close(self) -> None:
+        """Stop serving and release the port."""
+        httpd, thread = self._httpd, self._thread
+        self._httpd = self._thread = None
+        if httpd is not None:
+            httpd.shutdown()
+            httpd.server_close()
+        if thread is not None:
+            thread.join(timeout=5.0)
+
+    def __enter__(self) -> "MetricsServer":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,279 @@
+"""The emitter: the training loop's only contact with sdcwatch.
+
+``emit()`` appends a tuple to a bounded queue and returns; a background thread builds records,
+batches them and hands them to a transport. The training loop is never blocked and never sees an
+exception: when the bus is down the queue fills up to ``buffer`` records, further records are
+dropped and counted (``dropped``, and as the ``emitter_dropped`` scalar in every later record), a
+single log line says so, and sending resumes by itself when the bus is back.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import socket
+import threading
+import time as _time
+from typing import Any, Mapping, Sequence
+
+from sdcwatch.errors import ConfigError, RecordError, TransportError
+from sdcwatch.telemetry.record import Record, validate
+
+__all__ = ["Emitter", "NullEmitter", "identity_from_env"]
+
+log = logging.getLogger("sdcwatch.telemetry")
+
+
+def _env_int(env: Mapping[str, str], name: str, default: int) -> int:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ConfigError(name, f"must be an integer, got {raw!r}") from None
+
+
+def identity_from_env(env: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """Rank, world size, local rank, host and run from the usual launcher variables.
+
+    torchrun/torch.distributed set RANK, WORLD_SIZE and LOCAL_RANK; SDCWATCH_RUN names the run
+    (falling back to TORCHELASTIC_RUN_ID, then "default").
+    """
+    env = os.environ if env is None else env
+    return {
+        "rank": _env_int(env, "RANK", 0),
+        "world": _env_int(env, "WORLD_SIZE", 1),
+        "local_rank": _env_int(env, "LOCAL_RANK", 0),
+        "host": env.get("SDCWATCH_HOST") or socket.gethostname(),
+        "run": env.get("SDCWATCH_RUN") or env.get("TORCHELASTIC_RUN_ID") or "default",
+    }
+
+
+class NullEmitter:
+    """Does nothing, cheaply: use it instead of ``if enabled:`` branches in the training loop."""
+
+    emitted = sent = dropped = invalid = 0
+
+    def emit(self, step: int, **kwargs: Any) -> None:
+        pass
+
+    def flush(self, timeout: float | None = 10.0) -> bool:
+        return True
+
+    def close(self, timeout: float | None = 10.0) -> None:
+        pass
+
+    def __enter__(self) -> "NullEmitter":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+
+class Emitter:
+    """Streams one record per step from this rank to the bus, without ever hurting training.
+
+    Args:
+        transport: where records go; default a :class:`KafkaTransport` to ``bootstrap``.
+        run, rank, world, local_rank, host: identity; defaults from the environment
+            (see :func:`identity_from_env`).
+        bootstrap: Kafka address for the default transport; default ``SDCWATCH_BOOTSTRAP``,
+            then ``127.0.0.1:9092``.
+        buffer: records held while the bus is slow or down (queue plus the batch in flight);
+            beyond it new records are dropped and counted.
+        batch: records per send.
+        linger: seconds the sender waits for more records before sending a partial batch.
+    """
+
+    def __init__(
+        self,
+        transport: Any = None,
+        *,
+        run: str | None = None,
+        rank: int | None = None,
+        world: int | None = None,
+        local_rank: int | None = None,
+        host: str | None = None,
+        bootstrap: str | None = None,
+        topic: str = "sdcwatch.telemetry",
+        buffer: int = 100_000,
+        batch: int = 1024,
+        linger: float = 0.005,
+        env: Mapping[str, str] | None = None,
+    ) -> None:
+        if not isinstance(buffer, int) or buffer < 1:
+            raise ConfigError("buffer", f"must be a positive integer, got {buffer!r}")
+        if not isinstance(batch, int) or batch < 1:
+            raise ConfigError("batch", f"must be a positive integer, got {batch!r}")
+        if not linger > 0:
+            raise ConfigError("linger", f"must be > 0 seconds, got {linger!r}")
+        ident = identity_from_env(env)
+        self.run = run if run is not None else ident["run"]
+        self.rank = rank if rank is not None else ident["rank"]
+        self.world = world if world is not None else ident["world"]
+        self.local_rank = local_rank if local_rank is not None else ident["local_rank"]
+        self.host = host if host is not None else ident["host"]
+        # fail early, in the constructor, on an identity the service would reject
+        validate(Record(self.run, 0, self.rank, self.world, self.host, 0.0, self.local_rank))
+        if transport is None:
+            from sdcwatch.telemetry.transports import KafkaTransport
+
+            env_map = os.environ if env is None else env
+            transport = KafkaTransport(bootstrap or env_map.get("SDCWATCH_BOOTSTRAP") or "127.0.0.1:9092", topic)
+        self.transport = transport
+        self.buffer = buffer
+        self.batch = batch
+        self.linger = linger
+        self.emitted = 0  # emit() calls accepted into the queue or dropped
+        self.sent = 0  # records the transport confirmed
+        self.dropped = 0  # records dropped because the buffer was full (or after close)
+        self.invalid = 0  # records rejected as invalid (bad metric name or value type)
+        self.max_pending = 0  # high-water mark of queued + in-flight records
+        self._queue: collections.deque = collections.deque()
+        self._inflight: list[Record] = []
+        self._closed = False
+        self._stop = threading.Event()
+        self._warned_drop = False
+        self._warned_invalid = False
+        self._down_since: float | None = None
+        self._thread = threading.Thread(target=self._run, name=f"sdcwatch-emitter-{self.rank}", daemon=True)
+        self._thread.start()
+
+    # -- training-loop side -------------------------------------------------------------------
+
+    def emit(
+        self,
+        step: int,
+        *,
+        layers: Mapping[str, Sequence[float]] | None = None,
+        fingerprints: Mapping[str, int] | None = None,
+        time: float | None = None,
+        **scalars: float,
+    ) -> None:
+        """Queue this rank's record for ``step``. Returns at once; never raises."""
+        try:
+            self.emitted += 1
+            if self._closed or len(self._queue) + len(self._inflight) >= self.buffer:
+                self.dropped += 1
+                if not self._warned_drop:
+                    self._warned_drop = True
+                    log.warning(
+                        "sdcwatch emitter (rank %s): buffer of %d records full (bus down or slow); "
+                        "dropping records and counting them, training is unaffected",
+                        self.rank, self.buffer,
+                    )
+                return
+            self._queue.append((step, _time.time() if time is None else time, scalars, layers, fingerprints))
+        except Exception:  # never into the training loop
+            self.dropped += 1
+
+    def flush(self, timeout: float | None = 10.0) -> bool:
+        """Wait until everything queued has been sent; False if ``timeout`` passed first."""
+        deadline = None if timeout is None else _time.monotonic() + timeout
+        while self._queue or self._inflight:
+            if not self._thread.is_alive():
+                return False
+            if deadline is not None and _time.monotonic() >= deadline:
+                return False
+            _time.sleep(0.002)
+        return True
+
+    def close(self, timeout: float | None = 10.0) -> None:
+        """Flush for up to ``timeout`` seconds, stop the sender, close the transport.
+
+        What could not be sent by then is counted as dropped.
+        """
+        if self._closed:
+            return
+        self.flush(timeout)
+        self._closed = True
+        self._stop.set()
+        self._thread.join(timeout=5.0)
+        left = len(self._queue) + len(self._inflight)
+        if left:
+            self.dropped += left
+            self._queue.clear()
+            self._inflight = []
+            log.warning("sdcwatch emitter (rank %s): closed with %d records unsent", self.rank, left)
+        try:
+            self.transport.close()
+        except Exception as exc:
+            log.warning("sdcwatch emitter (rank %s): closing transport failed: %s", self.rank, exc)
+
+    @property
+    def pending(self) -> int:
+        """Records queued or in flight."""
+        return len(self._queue) + len(self._inflight)
+
+    def __enter__(self) -> "Emitter":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- sender thread ------------------------------------------------------------------------
+
+    def _build(self, item: tuple) -> Record | None:
+        step, t, scalars, layers, fps = item
+        scalars = dict(scalars)
+        scalars["emitter_dropped"] = float(self.dropped)
+        rec = Record(self.run, step, self.rank, self.world, self.host, t, self.local_rank,
+                     scalars, dict(fps) if fps else {}, dict(layers) if layers else {})
+        try:
+            validate(rec)
+        except RecordError as exc:
+            self.invalid += 1
+            if not self._warned_invalid:
+                self._warned_invalid = True
+                log.warning("sdcwatch emitter (rank %s): invalid record at step %s not sent: %s", self.rank, step, exc)
+            return None
+        return rec
+
+    def _take_batch(self) -> None:
+        batch: list[Record] = []
+        q = self._queue
+        while q and len(batch) < self.batch:
+            rec = self._build(q.popleft())
+            if rec is not None:
+                batch.append(rec)
+        self._inflight = batch
+
+    def _run(self) -> None:
+        backoff = 0.05
+        while True:
+            if not self._inflight:
+                if not self._queue:
+                    if self._stop.is_set():
+                        return
+                    self._stop.wait(self.linger)
+                    continue
+                self._take_batch()
+                pending = len(self._queue) + len(self._inflight)
+                if pending > self.max_pending:
+                    self.max_pending = pending
+                if not self._inflight:
+                    continue
+            try:
+                self.transport.send(self._inflight)
+            except Exception as exc:
+                unsent = getattr(exc, "unsent", None) if isinstance(exc, TransportError) else None
+                if unsent is not None:
+                    self.sent += len(self._inflight) - len(unsent)
+                    self._inflight = list(unsent)
+                if self._down_since is None:
+                    self._down_since = _time.monotonic()
+                    log.warning("sdcwatch emitter (rank %s): bus unavailable, buffering (up to %d records): %s",
+                                self.rank, self.buffer, exc)
+                if self._stop.wait(backoff):
+                    return  # closing: close() counts what is left
+                backoff = min(backoff * 2, 2.0)
+                continue
+            self.sent += len(self._inflight)
+            self._inflight = []
+            backoff = 0.05
+            if self._down_since is not None:
+                log.warning("sdcwatch emitter (rank %s): bus back after %.1fs; %d records dropped so far",
+                            self.rank, _time.monotonic() - self._down_since, self.dropped)
+                self._down_since = None

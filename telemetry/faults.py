@@ -1,0 +1,466 @@
+"""Fault injection: silent-data-corruption specs and the injector that applies them to a model.
+
+A fault is one JSON object (one per line in a file, or a list in a JSON array)::
+
+    {"kind": "bitflip"|"nan"|"inf"|"near_inf"|"scale"|"noise"|"lr_spike"|"bad_batch",
+     "rank": int|null, "step": int, "duration": int, "target": "blocks.1.attn.*",
+     "where": "output"|"grad", "bit": int, "magnitude": float, "seed": int}
+
+It is both the test instrument of sdcwatch and a feature: users inject faults into their own run
+to check their alerting. What each kind does at a matched module, on the fault's rank and steps:
+
+* ``bitflip``: flips bit ``bit`` of exactly one element (chosen by ``seed``) of the output (or of
+  one parameter's gradient, ``where: "grad"``), once per step;
+* ``nan`` / ``inf`` / ``near_inf``: sets exactly one element to NaN, +Inf or ``magnitude``
+  (default 1e10, the ATTNChecker near-INF threshold);
+* ``scale``: multiplies the whole tensor by ``magnitude``;
+* ``noise``: adds Gaussian noise of standard deviation ``magnitude`` times the tensor's RMS
+  (a chronically unhealthy unit: magnitudes of 1e-3..1e-2 are realistic);
+* ``lr_spike``: multiplies the rank's optimizer learning rate by ``magnitude``;
+* ``bad_batch``: replaces the rank's batch by garbage tokens.
+
+``where: "grad"`` hits the gradient of the matched modules' own parameters as this rank computes
+it, before any all-reduce. As an extension, ``where: "param"`` changes a parameter of the rank's
+replica once, at ``step`` (a memory bit flip): replicas then disagree, which the fingerprints show.
+Every random choice derives from ``(seed, step, rank)``: a fault is deterministic, and touches
+nothing outside its rank, steps and target.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import math
+import random
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
+
+from sdcwatch.errors import FaultSpecError
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = [
+    "FaultSpec",
+    "FaultInjector",
+    "Injection",
+    "KINDS",
+    "WHERE",
+    "parse_faults",
+    "load_faults",
+    "flip_bit",
+]
+
+KINDS = ("bitflip", "nan", "inf", "near_inf", "scale", "noise", "lr_spike", "bad_batch")
+#: Kinds that touch a tensor of a module (the others touch the optimizer or the data).
+TENSOR_KINDS = ("bitflip", "nan", "inf", "near_inf", "scale", "noise")
+#: Kinds that change exactly one element.
+ELEMENT_KINDS = ("bitflip", "nan", "inf", "near_inf")
+WHERE = ("output", "grad", "param")
+NEAR_INF = 1e10
+_KEYS = ("kind", "rank", "step", "duration", "target", "where", "bit", "magnitude", "seed")
+
+
+def _int(d: dict, key: str, where: str, *, lo: int | None = 0, default: Any = ...) -> Any:
+    if key not in d or d[key] is None and default is None:
+        if default is ...:
+            raise FaultSpecError(key, "is required", where=where)
+        return default
+    v = d[key]
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise FaultSpecError(key, f"must be an integer, got {v!r}", where=where)
+    if lo is not None and v < lo:
+        raise FaultSpecError(key, f"must be >= {lo}, got {v}", where=where)
+    return v
+
+
+@dataclass(frozen=True)
+class FaultSpec:
+    """One validated fault. Build from JSON with :meth:`from_dict` or :func:`parse_faults`."""
+
+    kind: str
+    step: int
+    rank: int | None = None
+    """Rank to hit; ``None`` hits every rank."""
+    duration: int = 1
+    """Number of steps from ``step``; 0 means to the end of the run."""
+    target: str = "*"
+    """Glob over ``model.named_modules()`` names, e.g. ``"blocks.1.attn.*"``."""
+    where: str = "output"
+    bit: int | None = None
+    magnitude: float | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _validate(self, "")
+
+    @classmethod
+    def from_dict(cls, d: Any, *, where: str = "") -> "FaultSpec":
+        """Validate a decoded JSON object; FaultSpecError names the bad key (and ``where``)."""
+        if not isinstance(d, dict):
+            raise FaultSpecError("fault", f"must be a JSON object, got {type(d).__name__}", where=where)
+        unknown = sorted(set(d) - set(_KEYS))
+        if unknown:
+            raise FaultSpecError(unknown[0], f"unknown key (known: {', '.join(_KEYS)})", where=where)
+        kind = d.get("kind")
+        if kind not in KINDS:
+            raise FaultSpecError("kind", f"must be one of {', '.join(KINDS)}, got {kind!r}", where=where)
+        step = _int(d, "step", where)
+        rank = _int(d, "rank", where, default=None)
+        duration = _int(d, "duration", where, default=1)
+        seed = _int(d, "seed", where, lo=None, default=0)
+        bit = _int(d, "bit", where, default=None)
+        target = d.get("target", "*" if kind in ("lr_spike", "bad_batch") else None)
+        if kind in TENSOR_KINDS and target is None:
+            raise FaultSpecError("target", f"is required for kind {kind!r} (a module-name glob)", where=where)
+        if not isinstance(target, str) or not target:
+            raise FaultSpecError("target", f"must be a non-empty module-name glob, got {target!r}", where=where)
+        wh = d.get("where", "output")
+        magnitude = d.get("magnitude")
+        if magnitude is not None and (isinstance(magnitude, bool) or not isinstance(magnitude, (int, float))):
+            raise FaultSpecError("magnitude", f"must be a number, got {magnitude!r}", where=where)
+        spec = object.__new__(cls)
+        for k, v in dict(
+            kind=kind, step=step, rank=rank, duration=duration, target=target, where=wh, bit=bit,
+            magnitude=None if magnitude is None else float(magnitude), seed=seed,
+        ).items():
+            object.__setattr__(spec, k, v)
+        _validate(spec, where)
+        return spec
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON object form (round-trips through :meth:`from_dict`)."""
+        return {k: v for k, v in asdict(self).items() if v is not None or k == "rank"}
+
+    def hits(self, step: int, rank: int) -> bool:
+        """Whether this fault is active on ``rank`` at ``step``."""
+        if self.rank is not None and rank != self.rank:
+            return False
+        if step < self.step:
+            return False
+        return self.duration == 0 or step < self.step + self.duration
+
+    @property
+    def value(self) -> float:
+        """The value a nan/inf/near_inf fault writes."""
+        if self.kind == "nan":
+            return math.nan
+        if self.kind == "inf":
+            return math.inf
+        return NEAR_INF if self.magnitude is None else self.magnitude
+
+
+def _validate(s: FaultSpec, where: str) -> None:
+    if s.kind not in KINDS:
+        raise FaultSpecError("kind", f"must be one of {', '.join(KINDS)}, got {s.kind!r}", where=where)
+    for key in ("step", "duration"):
+        v = getattr(s, key)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise FaultSpecError(key, f"must be an integer >= 0, got {v!r}", where=where)
+    if s.rank is not None and (isinstance(s.rank, bool) or not isinstance(s.rank, int) or s.rank < 0):
+        raise FaultSpecError("rank", f"must be null or an integer >= 0, got {s.rank!r}", where=where)
+    if s.where not in WHERE:
+        raise FaultSpecError("where", f"must be one of {', '.join(WHERE)}, got {s.where!r}", where=where)
+    if s.kind in ("lr_spike", "bad_batch") and s.where != "output":
+        raise FaultSpecError("where", f"does not apply to kind {s.kind!r}", where=where)
+    if s.kind == "bitflip":
+        if s.bit is None:
+            raise FaultSpecError("bit", "is required for kind 'bitflip' (0..31 for float32)", where=where)
+        if not 0 <= s.bit <= 63:
+            raise FaultSpecError("bit", f"must be in 0..63, got {s.bit}", where=where)
+    elif s.bit is not None:
+        raise FaultSpecError("bit", f"only applies to kind 'bitflip', not {s.kind!r}", where=where)
+    m = s.magnitude
+    if m is not None and not math.isfinite(m):
+        raise FaultSpecError("magnitude", f"must be finite, got {m!r}", where=where)
+    if s.kind in ("scale", "noise", "lr_spike") and m is None:
+        raise FaultSpecError("magnitude", f"is required for kind {s.kind!r}", where=where)
+    if s.kind == "noise" and m is not None and m <= 0:
+        raise FaultSpecError("magnitude", f"noise needs a relative size > 0, got {m}", where=where)
+    if s.kind == "lr_spike" and m is not None and m <= 0:
+        raise FaultSpecError("magnitude", f"lr_spike needs a factor > 0, got {m}", where=where)
+    if s.kind in ("bitflip", "nan", "inf") and m is not None:
+        raise FaultSpecError("magnitude", f"does not apply to kind {s.kind!r}", where=where)
+    if s.where == "param" and s.duration != 1:
+        raise FaultSpecError("duration", "a 'param' fault is one change at 'step' (it persists by itself): use 1", where=where)
+
+
+def parse_faults(text: str, *, source: str = "<faults>") -> list[FaultSpec]:
+    """Parse a JSON array of faults, or JSON lines with one fault each (blank lines ignored).
+
+    Errors raise FaultSpecError whose message starts with ``source:line`` (JSONL) or
+    ``source[index]`` (array) and names the key.
+    """
+    if not isinstance(text, str):
+        raise FaultSpecError("faults", f"expected text, got {type(text).__name__}", where=source)
+    if text.lstrip().startswith("["):
+        try:
+            items = json.loads(text)
+        except ValueError as exc:
+            raise FaultSpecError("json", f"not valid JSON: {exc}", where=source) from None
+        return [FaultSpec.from_dict(d, where=f"{source}[{i}]") for i, d in enumerate(items)]
+    specs = []
+    for lineno, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            d = json.loads(line)
+        except ValueError as exc:
+            raise FaultSpecError("json", f"not valid JSON: {exc}", where=f"{source}:{lineno}") from None
+        specs.append(FaultSpec.from_dict(d, where=f"{source}:{lineno}"))
+    return specs
+
+
+def load_faults(path: str | Path) -> list[FaultSpec]:
+    """Read faults from a ``.json`` (array) or ``.jsonl`` file."""
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise FaultSpecError("path", f"cannot read: {exc}", where=str(p)) from None
+    return parse_faults(text, source=str(p))
+
+
+def flip_bit(t: "torch.Tensor", index: int, bit: int) -> None:
+    """Flip bit ``bit`` of flat element ``index`` of ``t`` in place (no autograd)."""
+    import torch
+
+    size = t.element_size()
+    if bit >= 8 * size:
+        raise FaultSpecError("bit", f"{bit} is outside a {t.dtype} element ({8 * size} bits)")
+    as_int = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[size]
+    ints = t.view(-1).view(as_int)
+    mask = 1 << bit
+    if bit == 8 * size - 1:  # the sign bit: the mask is the most negative value of the int type
+        mask -= 1 << (8 * size)
+    ints[index] ^= mask
+
+
+@dataclass
+class Injection:
+    """One application of a fault, kept for tests and logs (values stay on the device)."""
+
+    step: int
+    rank: int
+    kind: str
+    where: str
+    target: str
+    index: int | None = None
+    before: Any = None
+    after: Any = None
+
+
+def _rng(spec_index: int, spec: FaultSpec, step: int, rank: int) -> random.Random:
+    return random.Random(f"sdcwatch-fault:{spec.seed}:{spec_index}:{step}:{rank}")
+
+
+class FaultInjector:
+    """Applies :class:`FaultSpec` s to one model replica through forward and gradient hooks.
+
+    Real data parallelism: one injector per rank (``rank=``), ``attach(model, optimizer)``,
+    then ``begin_step(step)`` before the forward, ``batch = corrupt_batch(batch)`` on the data,
+    and ``end_step()`` after the optimizer step. The simulated driver sets :attr:`rank` before
+    each virtual rank's forward instead.
+    """
+
+    def __init__(self, faults: Iterable[FaultSpec] = (), *, rank: int = 0) -> None:
+        self.faults: list[FaultSpec] = list(faults)
+        for f in self.faults:
+            if not isinstance(f, FaultSpec):
+                raise FaultSpecError("fault", f"expected a FaultSpec, got {type(f).__name__}")
+        self.rank = rank
+        self.step = -1
+        self.injections: list[Injection] = []
+        self._handles: list[Any] = []
+        self._done: set[tuple[int, int, int]] = set()
+        self._targets: dict[int, list[str]] = {}
+        self._param_targets: dict[int, list[tuple[str, "torch.Tensor"]]] = {}
+        self._optimizer = None
+        self._saved_lrs: list[float] | None = None
+        self._modules: dict[str, Any] = {}
+
+    # -- wiring -------------------------------------------------------------------------------
+    def attach(self, model: "torch.nn.Module", optimizer: Any = None) -> "FaultInjector":
+        """Register hooks on the modules each fault targets; a glob matching nothing is an error."""
+        self._optimizer = optimizer
+        self._modules = dict(model.named_modules())
+        names = [n for n in self._modules if n]
+        for i, spec in enumerate(self.faults):
+            if spec.kind not in TENSOR_KINDS:
+                continue
+            matched = sorted(n for n in names if fnmatch.fnmatchcase(n, spec.target))
+            if spec.where in ("grad", "param"):
+                params = [
+                    (f"{n}.{pn}", p)
+                    for n in matched
+                    for pn, p in self._modules[n].named_parameters(recurse=False)
+                ]
+                if not params:
+                    raise FaultSpecError(
+                        "target", f"{spec.target!r} matches no module with parameters (modules: {_sample(names)})"
+                    )
+                self._param_targets[i] = params
+                if spec.where == "grad":
+                    for pname, p in params:
+                        self._handles.append(p.register_hook(self._grad_hook(i, spec, pname)))
+            else:
+                if not matched:
+                    raise FaultSpecError("target", f"{spec.target!r} matches no module (modules: {_sample(names)})")
+                self._targets[i] = matched
+                for n in matched:
+                    self._handles.append(self._modules[n].register_forward_hook(self._output_hook(i, spec, n)))
+        return self
+
+    def detach(self) -> None:
+        """Remove every hook this injector registered."""
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def active(self, kind: str | None = None) -> list[FaultSpec]:
+        """Faults active at the current step on the current rank (optionally of one kind)."""
+        return [f for f in self.faults if f.hits(self.step, self.rank) and (kind is None or f.kind == kind)]
+
+    # -- per step ------------------------------------------------------------------------------
+    def begin_step(self, step: int) -> None:
+        """Enter ``step``: apply lr spikes (restored by :meth:`end_step`) and parameter faults."""
+        self.step = step
+        factor = self.lr_factor()
+        if self._optimizer is not None and factor != 1.0:
+            self._saved_lrs = [g["lr"] for g in self._optimizer.param_groups]
+            for g in self._optimizer.param_groups:
+                g["lr"] = g["lr"] * factor
+        self.apply_param_faults()
+
+    def end_step(self) -> None:
+        """Leave the step: restore the learning rates an lr_spike changed."""
+        if self._saved_lrs is not None and self._optimizer is not None:
+            for g, lr in zip(self._optimizer.param_groups, self._saved_lrs):
+                g["lr"] = lr
+        self._saved_lrs = None
+
+    def lr_factor(self) -> float:
+        """Product of the active lr_spike factors for the current rank and step."""
+        factor = 1.0
+        for f in self.active("lr_spike"):
+            factor *= float(f.magnitude)
+        return factor
+
+    def corrupt_batch(self, tokens: "torch.Tensor", vocab: int = 256) -> "torch.Tensor":
+        """The batch, or garbage tokens of the same shape when a bad_batch fault is active."""
+        import torch
+
+        for i, f in enumerate(self.faults):
+            if f.kind == "bad_batch" and f.hits(self.step, self.rank):
+                gen = torch.Generator().manual_seed(_rng(i, f, self.step, self.rank).getrandbits(63))
+                garbage = torch.randint(0, vocab, tokens.shape, generator=gen, dtype=torch.int64)
+                self.injections.append(Injection(self.step, self.rank, f.kind, "data", "batch"))
+                return garbage.to(device=tokens.device, dtype=tokens.dtype)
+        return tokens
+
+    def apply_param_faults(self) -> list[str]:
+        """Apply ``where: "param"`` faults that start now on this rank; returns parameter names hit."""
+        import torch
+
+        hit = []
+        for i, f in enumerate(self.faults):
+            if f.where != "param" or f.step != self.step or not f.hits(self.step, self.rank):
+                continue
+            rng = _rng(i, f, self.step, self.rank)
+            params = self._param_targets[i]
+            if f.kind in ELEMENT_KINDS:
+                name, p = params[rng.randrange(len(params))]
+                with torch.no_grad():
+                    self._apply(i, f, p.data, name, rng)
+            else:
+                for name, p in params:
+                    with torch.no_grad():
+                        p.data.copy_(self._transform(i, f, p.data, name, rng))
+            hit.append(name)
+        return hit
+
+    # -- hooks ---------------------------------------------------------------------------------
+    def _claim(self, i: int) -> bool:
+        """One-element faults fire once per (fault, step, rank), whatever calls the module again."""
+        key = (i, self.step, self.rank)
+        if key in self._done:
+            return False
+        self._done.add(key)
+        return True
+
+    def _output_hook(self, i: int, spec: FaultSpec, name: str):
+        def hook(module, inputs, output):
+            if not spec.hits(self.step, self.rank):
+                return None
+            rng = _rng(i, spec, self.step, self.rank)
+            if spec.kind in ELEMENT_KINDS:
+                targets = self._targets[i]
+                if targets[rng.randrange(len(targets))] != name or not self._claim(i):
+                    return None
+            tensor, rebuild = _first_tensor(output)
+            if tensor is None:
+                return None
+            return rebuild(self._transform(i, spec, tensor, name, rng))
+
+        return hook
+
+    def _grad_hook(self, i: int, spec: FaultSpec, pname: str):
+        def hook(grad):
+            if not spec.hits(self.step, self.rank):
+                return None
+            rng = _rng(i, spec, self.step, self.rank)
+            if spec.kind in ELEMENT_KINDS:
+                params = self._param_targets[i]
+                if params[rng.randrange(len(params))][0] != pname or not self._claim(i):
+                    return None
+            return self._transform(i, spec, grad, pname, rng)
+
+        return hook
+
+    def _transform(self, i: int, spec: FaultSpec, x: "torch.Tensor", name: str, rng: random.Random):
+        """A corrupted copy of ``x`` (keeps autograd through the untouched elements)."""
+        import torch
+
+        if spec.kind == "scale":
+            self.injections.append(Injection(self.step, self.rank, spec.kind, spec.where, name))
+            return x * spec.magnitude
+        if spec.kind == "noise":
+            gen = torch.Generator(device=x.device).manual_seed(rng.getrandbits(63))
+            noise = torch.randn(x.shape, generator=gen, device=x.device, dtype=x.dtype)
+            rms = x.detach().float().pow(2).mean().sqrt().to(x.dtype)
+            self.injections.append(Injection(self.step, self.rank, spec.kind, spec.where, name))
+            return x + noise * (rms * spec.magnitude)
+        out = x.clone()
+        with torch.no_grad():
+            self._apply(i, spec, out, name, rng)
+        return out
+
+    def _apply(self, i: int, spec: FaultSpec, t: "torch.Tensor", name: str, rng: random.Random) -> None:
+        """Change exactly one element of ``t`` in place, as ``spec`` says."""
+        index = rng.randrange(t.numel())
+        flat = t.view(-1)
+        before = flat[index].detach().clone()
+        if spec.kind == "bitflip":
+            flip_bit(t, index, spec.bit)
+        else:
+            flat[index] = spec.value
+        self.injections.append(
+            Injection(self.step, self.rank, spec.kind, spec.where, name, index, before, flat[index].detach().clone())
+        )
+
+
+def _first_tensor(output: Any):
+    """The tensor to corrupt in a module's output, and how to put the result back."""
+    import torch
+
+    if isinstance(output, torch.Tensor):
+        return output, lambda t: t
+    if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
+        return output[0], lambda t: type(output)([t, *output[1:]])
+    return None, None
+
+
+def _sample(names: Sequence[str], n: int = 8) -> str:
+    shown = ", ".join(names[:n])
+    return shown + (", ..." if len(names) > n else "")

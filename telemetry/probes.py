@@ -1,0 +1,523 @@
+"""Training-side probes: what a user adds to a PyTorch training loop to feed sdcwatch.
+
+    watch = attach(model, emitter, optimizer=opt, ddp=ddp_model)
+    for step, batch in enumerate(data):
+        loss = ...; loss.backward(); opt.step(); opt.zero_grad()
+        watch.step(step, loss=loss)
+    watch.close()
+
+Every metric is computed on the device as a 0-d tensor. At :meth:`Watch.step` they are packed
+into one tensor that leaves the device in one asynchronous copy; the host reads it a step later
+and hands a record to the emitter. Nothing on the training path calls ``.item()``.
+Under DDP a communication hook sees each gradient bucket before and after the all-reduce (local
+and global norms, their dot product, the all-reduced gradient's fingerprint). Attention layers
+report q, k and logits through :func:`observe_attention`; heads and query positions are sampled.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+import threading
+import time
+import warnings
+import weakref
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+
+from sdcwatch.errors import ConfigError
+from sdcwatch.telemetry import fingerprint as fp
+
+__all__ = [
+    "ProbeConfig",
+    "Watch",
+    "attach",
+    "observe_attention",
+    "attention_stats",
+    "ATTENTION_STATS",
+]
+
+#: The per-layer statistics one attention observation yields, in this order.
+ATTENTION_STATS = (
+    "attn_entropy",
+    "attn_entropy_min",
+    "q_norm_mean",
+    "q_norm_max",
+    "k_norm_mean",
+    "k_norm_max",
+    "attn_logit_max",
+)
+
+# attention module -> [(watch, layer index)]; weak so a dropped model leaves no trace
+_ATTENTION: "weakref.WeakKeyDictionary[nn.Module, list[tuple[Watch, int]]]" = weakref.WeakKeyDictionary()
+
+
+@dataclass(frozen=True)
+class ProbeConfig:
+    """Sampling settings of a :class:`Watch`; defaults keep the cost within ~2% of a step."""
+
+    every: int = 1
+    """Emit a record every this many steps (loss, gradient norms and cosine, step time...)."""
+    attention_every: int = 1
+    """Measure attention on every this-many-th recorded step (per-layer stats are then omitted)."""
+    fingerprint_every: int = 50
+    """Fingerprint the parameters every this many steps (the gradient one is on every record)."""
+    grad_fingerprint: bool = True
+    """Fingerprint the all-reduced gradient on every recorded step."""
+    heads: int = 4
+    """Attention heads sampled per layer (evenly spaced; 0 = all)."""
+    queries: int = 16
+    """Query positions sampled per head (evenly spaced over the later part of the sequence)."""
+    attention: str = "auto"
+    """Which modules are attention layers: "auto" (the reference model's and
+    ``nn.MultiheadAttention``), "none", or a comma-separated list of module-name globs."""
+
+    def __post_init__(self) -> None:
+        for key, lo in (("every", 1), ("attention_every", 1), ("fingerprint_every", 1), ("heads", 0), ("queries", 1)):
+            v = getattr(self, key)
+            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+                raise ConfigError(f"probes.{key}", f"must be an integer >= {lo}, got {v!r}")
+        if not isinstance(self.grad_fingerprint, bool):
+            raise ConfigError("probes.grad_fingerprint", f"must be a bool, got {self.grad_fingerprint!r}")
+        if not isinstance(self.attention, str) or not self.attention:
+            raise ConfigError("probes.attention", f"must be 'auto', 'none' or module globs, got {self.attention!r}")
+
+
+def observe_attention(layer: nn.Module, q: torch.Tensor, k: torch.Tensor, *, logits: torch.Tensor | None = None,
+                      causal: bool = True) -> None:
+    """Report one attention layer's q, k (batch, heads, time, d_head) to every watch attached to it.
+
+    ``logits`` (batch, heads, time, time; pre-softmax, masked slots -inf) are used as they are when
+    given, so a corrupted score GEMM shows; otherwise sampled logits are recomputed from q and k.
+    Costs one dictionary look-up when no watch is attached.
+    """
+    entries = _ATTENTION.get(layer)
+    if entries:
+        for watch, index in entries:
+            if watch.enabled:
+                watch.observe_attention(index, q, k, logits=logits, causal=causal)
+
+
+def _spread(n: int, total: int, start: int = 0) -> list[int]:
+    """``n`` evenly spaced integers in [start, total) (all of them when n >= total - start)."""
+    span = total - start
+    if n <= 0 or n >= span:
+        return list(range(start, total))
+    return sorted({start + (i * (span - 1)) // max(n - 1, 1) for i in range(n)})
+
+
+def attention_stats(q: torch.Tensor, k: torch.Tensor, *, logits: torch.Tensor | None = None, heads: int = 4,
+                    queries: int = 16, causal: bool = True) -> torch.Tensor:
+    """The :data:`ATTENTION_STATS` of one layer as a float32 (7,) tensor on the device.
+
+    Norms are over every (head, position) of the first sequence of the batch; entropy over sampled
+    heads and query positions of that sequence (nats, mean over queries, then mean and min over
+    heads); the largest logit over the whole ``logits`` tensor when given (one pass that catches a
+    NaN, Inf or near-INF anywhere), else over the sampled logits.
+    """
+    with torch.no_grad():
+        if q.dim() == 3:
+            q, k = q.unsqueeze(1), k.unsqueeze(1)
+        if q.dim() != 4 or k.dim() != 4:
+            raise ValueError(f"q and k must be (batch, heads, time, d_head), got {tuple(q.shape)} and {tuple(k.shape)}")
+        q0, k0 = q[0].detach().float(), k[0].detach().float()
+        n_head, t, d_head = q0.shape
+        qn = torch.linalg.vector_norm(q0, dim=-1)
+        kn = torch.linalg.vector_norm(k0, dim=-1)
+        hs = _spread(heads, n_head)
+        qs = _spread(queries, t, start=t // 4 if t >= 4 else 0)
+        hidx = torch.tensor(hs, device=q0.device)
+        qidx = torch.tensor(qs, device=q0.device)
+        if logits is not None:
+            sampled = logits[0].detach().float().index_select(0, hidx).index_select(1, qidx)
+            top = logits.detach().amax().float()
+        else:
+            sampled = (q0.index_select(0, hidx).index_select(1, qidx) @ k0.index_select(0, hidx).transpose(-2, -1))
+            sampled = sampled / math.sqrt(d_head)
+            if causal:
+                future = torch.arange(k0.shape[1], device=q0.device)[None, :] > qidx[:, None]
+                sampled = sampled.masked_fill(future, float("-inf"))
+            top = sampled.amax()
+        probs = torch.softmax(sampled, dim=-1)
+        entropy = torch.special.entr(probs).sum(-1).mean(-1)  # per sampled head
+        return torch.stack([entropy.mean(), entropy.min(), qn.mean(), qn.amax(), kn.mean(), kn.amax(), top])
+
+
+class Watch:
+    """Probes attached to one model replica (one rank). Build with :func:`attach`."""
+
+    def __init__(self, model: nn.Module, emitter: Any, *, optimizer: Any = None, ddp: Any = None,
+                 config: ProbeConfig | None = None, external: bool = False) -> None:
+        if not callable(getattr(emitter, "emit", None)):
+            raise ConfigError("probes.emitter", f"needs an object with an emit() method, got {type(emitter).__name__}")
+        self.model = model
+        self.emitter = emitter
+        self.optimizer = optimizer
+        self.config = config or ProbeConfig()
+        self.enabled = True
+        self.errors = 0
+        """Failures while building or emitting a record (they never reach the training loop)."""
+        self._external = external
+        self._params = [p for p in model.parameters()]
+        self._layers: list[nn.Module] = []
+        self._handles: list[Any] = []
+        self._hint = 0  # the step we expect next: decides what the hooks measure
+        self._last_time: float | None = time.perf_counter()
+        self._pending: tuple | None = None
+        self._lock = threading.Lock()
+        self._closed = False
+        self._reset()
+        self._discover_attention(model)
+        self._group = None
+        if ddp is not None and not external:
+            self._group = getattr(ddp, "process_group", None)
+            ddp.register_comm_hook(self, _comm_hook)
+        elif optimizer is not None and not external:
+            self._handles.append(optimizer.register_step_pre_hook(lambda opt, args, kwargs: self._local_gradients()))
+
+    # -- discovery -----------------------------------------------------------------------------
+    def _discover_attention(self, model: nn.Module) -> None:
+        spec = self.config.attention
+        named = [(n, m) for n, m in model.named_modules()]
+        if spec == "none":
+            chosen = []
+        elif spec == "auto":
+            chosen = [(n, m) for n, m in named
+                      if getattr(m, "_sdcwatch_attention", False) or isinstance(m, nn.MultiheadAttention)]
+        else:
+            globs = [g.strip() for g in spec.split(",") if g.strip()]
+            chosen = [(n, m) for n, m in named if any(fnmatch.fnmatchcase(n, g) for g in globs)]
+            if not chosen:
+                raise ConfigError("probes.attention", f"{spec!r} matches no module")
+        for _, m in chosen:
+            self._register_layer(m)
+
+    def _register_layer(self, module: nn.Module) -> int:
+        index = len(self._layers)
+        self._layers.append(module)
+        _ATTENTION.setdefault(module, []).append((self, index))
+        if isinstance(module, nn.MultiheadAttention):
+            self._handles.append(module.register_forward_pre_hook(self._mha_hook(index), with_kwargs=True))
+        return index
+
+    @property
+    def n_layers(self) -> int:
+        """Number of attention layers this watch measures."""
+        return len(self._layers)
+
+    # -- per-step collection ---------------------------------------------------------------------
+    def _reset(self) -> None:
+        self._scalars: dict[str, torch.Tensor] = {}
+        self._nonfinite: list[torch.Tensor] = []
+        self._attn: dict[int, torch.Tensor] = {}
+        self._fps: dict[str, torch.Tensor] = {}
+        self._buckets: list[tuple] = []
+        self._grads_seen = False
+
+    @property
+    def recording(self) -> bool:
+        """Whether the step in progress produces a record."""
+        return self._hint % self.config.every == 0
+
+    @property
+    def _recording_attention(self) -> bool:
+        return self.recording and (self._hint // self.config.every) % self.config.attention_every == 0
+
+    def begin_step(self, step: int) -> None:
+        """Optional: announce the step about to run (else the one after the last ``step()``)."""
+        self._hint = int(step)
+        if self._last_time is None:
+            self._last_time = time.perf_counter()
+
+    def observe_attention(self, layer: int | nn.Module, q: torch.Tensor, k: torch.Tensor, *,
+                          logits: torch.Tensor | None = None, causal: bool = True) -> None:
+        """Measure one attention layer (index, or a module; an unknown module becomes a new layer)."""
+        if not self._recording_attention:
+            return
+        if isinstance(layer, nn.Module):
+            known = [i for w, i in _ATTENTION.get(layer, []) if w is self]
+            layer = known[0] if known else self._register_layer(layer)
+        if not 0 <= layer < len(self._layers):
+            raise ConfigError("probes.layer", f"layer {layer} out of range [0, {len(self._layers)})")
+        stats = attention_stats(q, k, logits=logits, heads=self.config.heads, queries=self.config.queries,
+                                causal=causal)
+        self._attn[layer] = stats
+
+    def _mha_hook(self, index: int) -> Callable:
+        def hook(module: nn.MultiheadAttention, args: tuple, kwargs: dict) -> None:
+            if not (self.enabled and self._recording_attention):
+                return
+            names = ("query", "key", "value", "key_padding_mask", "need_weights", "attn_mask", "average_attn_weights",
+                     "is_causal")
+            bound = dict(zip(names, args)) | kwargs
+            q, k = _mha_project(module, bound["query"], bound["key"])
+            with torch.no_grad():
+                logits = None
+                mask = bound.get("attn_mask")
+                if mask is not None or bound.get("is_causal"):
+                    logits = (q[:1] @ k[:1].transpose(-2, -1)) / math.sqrt(q.shape[-1])
+                    if mask is not None:
+                        m = mask if mask.dim() == 2 else mask[: module.num_heads]
+                        logits = logits.masked_fill(m, float("-inf")) if m.dtype == torch.bool else logits + m
+                    else:
+                        t = logits.shape[-1]
+                        logits = logits.masked_fill(torch.ones(t, t, dtype=torch.bool, device=q.device).triu(1),
+                                                    float("-inf"))
+                self.observe_attention(index, q, k, logits=logits, causal=False)
+
+        return hook
+
+    def observe_gradients(self, *, local_sq: torch.Tensor, global_sq: torch.Tensor, dot: torch.Tensor,
+                          nonfinite: torch.Tensor | None = None, grad_fp: torch.Tensor | None = None) -> None:
+        """Gradient statistics computed elsewhere (the simulated all-reduce): sums on the device."""
+        self._scalars["grad_norm_local"] = local_sq.sqrt()
+        self._scalars["grad_norm_global"] = global_sq.sqrt()
+        self._scalars["grad_cosine"] = dot / (local_sq.sqrt() * global_sq.sqrt()).clamp_min(1e-30)
+        if nonfinite is not None:
+            self._nonfinite.append(nonfinite)
+        if grad_fp is not None:
+            self._fps["grad_fp"] = grad_fp
+        self._grads_seen = True
+
+    def observe_fingerprint(self, name: str, raw: torch.Tensor) -> None:
+        """A raw device fingerprint (see :mod:`sdcwatch.telemetry.fingerprint`) computed elsewhere."""
+        self._fps[name] = raw
+
+    def _local_gradients(self) -> None:
+        """World-size-1 gradient statistics from ``p.grad`` (no all-reduce: local is global)."""
+        if not (self.enabled and self.recording) or self._grads_seen:
+            return
+        grads = [p.grad for p in self._params if p.grad is not None]
+        if not grads:
+            return
+        norms = torch._foreach_norm(grads)
+        sq = torch.stack(norms).float().pow(2).sum()
+        nonfinite = torch.stack([(~torch.isfinite(g)).sum() for g in grads]).sum()
+        self.observe_gradients(local_sq=sq, global_sq=sq, dot=sq, nonfinite=nonfinite,
+                               grad_fp=fp.fingerprint_device(grads) if self.config.grad_fingerprint else None)
+
+    # -- the step ----------------------------------------------------------------------------------
+    def step(self, step: int, *, loss: Any = None, step_time: float | None = None, **scalars: Any) -> None:
+        """Close ``step``: pack this step's metrics, start their copy, emit the previous step's record.
+
+        ``loss`` is the rank's own micro-batch loss (a tensor stays on the device); other keyword
+        scalars (``loss_global=...``) go into the record as they are. Never raises.
+        """
+        now = time.perf_counter()
+        try:
+            self._step(int(step), loss, step_time, scalars, now)
+        except Exception as exc:  # the job must not die for its telemetry
+            self._fail(exc)
+            self._reset()
+        self._hint = int(step) + 1
+        self._last_time = now
+
+    def _step(self, step: int, loss: Any, step_time: float | None, scalars: dict, now: float) -> None:
+        if not self.enabled:
+            self._reset()
+            return
+        if not self.recording:
+            self._reset()
+            self._drain()
+            return
+        if not self._external and self._group is None and not self._grads_seen:
+            self._local_gradients()
+        if self._buckets:
+            self._reduce_buckets()
+        if (not self._external and step % self.config.fingerprint_every == 0 and self._params):
+            self._fps["param_fp"] = fp.fingerprint_device(self._params)
+        host: dict[str, float] = {}
+        if step_time is None and self._last_time is not None:
+            step_time = now - self._last_time
+        if step_time is not None:
+            host["step_time"] = float(step_time)
+        if self.optimizer is not None and self.optimizer.param_groups:
+            host["lr"] = float(self.optimizer.param_groups[0]["lr"])
+        dropped = getattr(self.emitter, "dropped", None)
+        if isinstance(dropped, (int, float)) and not isinstance(dropped, bool):
+            host["emitter_dropped"] = float(dropped)
+        device_scalars = dict(self._scalars)
+        if loss is not None:
+            if isinstance(loss, torch.Tensor):
+                device_scalars["loss"] = loss.detach().reshape(())
+                self._nonfinite.append((~torch.isfinite(device_scalars["loss"])).sum())
+            else:
+                host["loss"] = float(loss)
+        for name, value in scalars.items():
+            if isinstance(value, torch.Tensor):
+                device_scalars[name] = value.detach().reshape(())
+            elif value is not None:
+                host[name] = float(value)
+        attn = None
+        if self._attn and len(self._attn) == len(self._layers):
+            attn = torch.stack([self._attn[i] for i in range(len(self._layers))])  # (layers, 7)
+            self._nonfinite.append((~torch.isfinite(attn)).sum())
+        self._pack(step, device_scalars, attn, host)
+        self._reset()
+
+    def _pack(self, step: int, device_scalars: dict, attn: torch.Tensor | None, host: dict) -> None:
+        """One device tensor (float64 values bit-cast to int64, then fingerprints) and its async copy."""
+        names = list(device_scalars)
+        floats = [t.double().reshape(1) for t in device_scalars.values()]
+        if self._nonfinite:
+            names.append("nonfinite")
+            floats.append(torch.stack([n.reshape(()).to(torch.float64) for n in self._nonfinite]).sum().reshape(1))
+        n_attn = 0
+        if attn is not None:
+            floats.append(attn.double().reshape(-1))
+            n_attn = attn.shape[0]
+        fp_names = list(self._fps)
+        device = floats[0].device if floats else (self._params[0].device if self._params else torch.device("cpu"))
+        pieces = [torch.cat([f.to(device) for f in floats]).view(torch.int64)] if floats else []
+        if fp_names:
+            pieces.append(torch.stack([self._fps[n].to(device) for n in fp_names]))
+        packed = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.int64)
+        event = None
+        if packed.device.type == "cuda":
+            host_buf = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+            host_buf.copy_(packed, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            packed = host_buf
+        elif packed.device.type != "cpu":
+            packed = packed.to("cpu", non_blocking=True)
+        self._drain()
+        self._pending = (step, packed, event, names, n_attn, fp_names, host)
+
+    def _drain(self) -> None:
+        """Emit the record whose copy was started a step ago."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        try:
+            step, packed, event, names, n_attn, fp_names, host = pending
+            if event is not None:
+                event.synchronize()
+            values = packed.numpy()
+            n_float = len(names) + n_attn * len(ATTENTION_STATS)
+            floats = values[:n_float].view("float64")
+            scalars = dict(host)
+            scalars.update({n: float(v) for n, v in zip(names, floats[: len(names)])})
+            layers = None
+            if n_attn:
+                grid = floats[len(names):].reshape(n_attn, len(ATTENTION_STATS))
+                layers = {name: [float(x) for x in grid[:, j]] for j, name in enumerate(ATTENTION_STATS)}
+            fingerprints = {n: fp.finalize(int(v)) for n, v in zip(fp_names, values[n_float:])} or None
+            self.emitter.emit(step, layers=layers, fingerprints=fingerprints, **scalars)
+        except Exception as exc:
+            self._fail(exc)
+
+    def _fail(self, exc: Exception) -> None:
+        self.errors += 1
+        if self.errors == 1:
+            warnings.warn(f"sdcwatch probes: record dropped ({type(exc).__name__}: {exc})", RuntimeWarning, stacklevel=3)
+
+    # -- DDP ------------------------------------------------------------------------------------------
+    def _reduce_buckets(self) -> None:
+        buckets = sorted(self._buckets, key=lambda b: b[0])
+        local_sq = torch.stack([b[1] for b in buckets]).sum()
+        dot = torch.stack([b[2] for b in buckets]).sum()
+        global_sq = torch.stack([b[3] for b in buckets]).sum()
+        nonfinite = torch.stack([b[4] for b in buckets]).sum()
+        grad_fp = fp.combine_parts([b[5] for b in buckets]) if self.config.grad_fingerprint else None
+        self.observe_gradients(local_sq=local_sq, global_sq=global_sq, dot=dot, nonfinite=nonfinite, grad_fp=grad_fp)
+
+    # -- lifecycle --------------------------------------------------------------------------------
+    def flush(self) -> None:
+        """Emit the pending record now (end of training, or before a checkpoint)."""
+        self._drain()
+
+    def close(self) -> None:
+        """Emit the pending record and remove the hooks this watch registered (the emitter stays open)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._drain()
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        for m in self._layers:
+            entries = _ATTENTION.get(m)
+            if entries:
+                entries[:] = [(w, i) for w, i in entries if w is not self]
+
+    def __enter__(self) -> "Watch":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def _comm_hook(watch: Watch, bucket):  # noqa: ANN001,ANN201 - DDP rejects string annotations here
+    """DDP all-reduce (average) that also measures the bucket before and after the reduction."""
+    import torch.distributed as dist
+
+    group = watch._group if watch._group is not None else dist.group.WORLD
+    buf = bucket.buffer()
+    measure = watch.enabled and watch.recording
+    if measure:
+        local = buf.detach().clone()  # transient, one bucket: the local gradient for the dot product
+        local_sq = local.float().pow(2).sum()
+        nonfinite = (~torch.isfinite(local)).sum()
+    buf.div_(dist.get_world_size(group))
+    fut = dist.all_reduce(buf, group=group, async_op=True).get_future()
+    if not measure:
+        return fut.then(lambda f: f.value()[0])
+    index = bucket.index()
+    want_fp = watch.config.grad_fingerprint
+
+    def measured(f: Any) -> torch.Tensor:
+        g = f.value()[0]
+        with torch.no_grad():
+            watch._buckets.append((index, local_sq, (local.float() * g.float()).sum(), g.float().pow(2).sum(),
+                                   nonfinite, fp.tensor_parts(g) if want_fp else None))
+        return g
+
+    return fut.then(measured)
+
+
+def _mha_project(m: nn.MultiheadAttention, query: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q and k of the first sequence, (1, heads, time, d_head), from an ``nn.MultiheadAttention``'s inputs."""
+    with torch.no_grad():
+        if query.dim() == 2:  # unbatched
+            query, key = query.unsqueeze(0), key.unsqueeze(0)
+        elif not m.batch_first:
+            query, key = query.transpose(0, 1), key.transpose(0, 1)
+        query, key = query[:1], key[:1]
+        e = m.embed_dim
+        if m.in_proj_weight is not None:
+            wq, wk = m.in_proj_weight[:e], m.in_proj_weight[e: 2 * e]
+        else:
+            wq, wk = m.q_proj_weight, m.k_proj_weight
+        bq = bk = None
+        if m.in_proj_bias is not None:
+            bq, bk = m.in_proj_bias[:e], m.in_proj_bias[e: 2 * e]
+        q = nn.functional.linear(query, wq, bq)
+        k = nn.functional.linear(key, wk, bk)
+        h = m.num_heads
+        q = q.view(1, q.shape[1], h, e // h).transpose(1, 2)
+        k = k.view(1, k.shape[1], h, e // h).transpose(1, 2)
+        return q, k
+
+
+def attach(model: nn.Module, emitter: Any, *, optimizer: Any = None, ddp: Any = None, every: int = 1,
+           config: ProbeConfig | None = None, **settings: Any) -> Watch:
+    """Attach probes to ``model`` (and its optimizer, and its DDP wrapper) reporting to ``emitter``.
+
+    ``settings`` are :class:`ProbeConfig` fields (``every``, ``attention_every``, ``heads``...);
+    an unknown one is a ConfigError. With ``ddp`` a communication hook is registered (before the
+    first backward); without it the gradient statistics come from ``p.grad`` just before
+    ``optimizer.step()`` (or at ``watch.step()``): world size one.
+    """
+    known = set(ProbeConfig.__dataclass_fields__)
+    unknown = sorted(set(settings) - known)
+    if unknown:
+        raise ConfigError(f"probes.{unknown[0]}", f"unknown setting (known: {', '.join(sorted(known))})")
+    if config is None:
+        config = ProbeConfig(every=every, **settings)
+    if ddp is not None and model is ddp:
+        model = ddp.module
+    return Watch(model, emitter, optimizer=optimizer, ddp=ddp, config=config)

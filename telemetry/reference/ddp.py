@@ -1,0 +1,195 @@
+"""Real data parallelism: the reference GPT under ``torch.distributed`` DDP with gloo on CPU.
+
+This is the integration test's driver and the example users copy: one process per rank, one
+thread per process, probes attached through a DDP communication hook, faults through the
+injector, records to Kafka (or to one JSON-lines file per rank)::
+
+    python -m sdcwatch.telemetry.reference.ddp --world 4 --steps 50 --bootstrap 127.0.0.1:9092
+    python -m sdcwatch.telemetry.reference.ddp --world 4 --steps 50 --jsonl out/ --faults faults.jsonl
+
+The per-rank loop, in :func:`train_rank`, is what goes into a user's own script.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import tempfile
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Sequence
+
+from sdcwatch.errors import ConfigError
+from sdcwatch.telemetry.faults import FaultSpec, load_faults
+
+__all__ = ["DDPSettings", "launch", "train_rank", "main"]
+
+
+@dataclass(frozen=True)
+class DDPSettings:
+    """One distributed reference run (picklable: it travels to every spawned rank)."""
+
+    world: int = 4
+    """Number of processes (ranks)."""
+    steps: int = 20
+    """Steps to run from ``start`` (or from the loaded checkpoint's step)."""
+    seed: int = 0
+    """Model initialisation and data sampling seed."""
+    run: str = "ddp-reference"
+    """Run id in every record."""
+    bootstrap: str | None = None
+    """Kafka address; records go there when set."""
+    topic: str = "sdcwatch.telemetry"
+    """Kafka topic of the records."""
+    jsonl_dir: str | None = None
+    """Folder for one ``rank{r}.jsonl`` per rank (used when ``bootstrap`` is not set)."""
+    faults: tuple[FaultSpec, ...] = ()
+    """Faults to inject."""
+    batch_size: int = 8
+    """Micro-batch per rank, in sequences."""
+    lr: float = 3e-3
+    """Adam learning rate."""
+    clip: float | None = 1.0
+    """Gradient-norm clipping, as large runs do (None: off)."""
+    probes: dict[str, Any] = field(default_factory=dict)
+    """ProbeConfig settings for :func:`sdcwatch.telemetry.probes.attach`."""
+    ranks_per_host: int | None = None
+    """Name hosts ``node{rank // ranks_per_host}`` (a simulated cluster); None: the real host name."""
+    corpus_bytes: int = 1 << 20
+    """Bytes of stdlib source to train on."""
+    load: str | None = None
+    """Checkpoint to start from."""
+    save: str | None = None
+    """Where rank 0 writes a checkpoint at the end."""
+    init_method: str | None = None
+    """torch.distributed rendezvous URL; default a fresh file store."""
+
+    def __post_init__(self) -> None:
+        for key, lo in (("world", 1), ("steps", 0), ("batch_size", 1), ("corpus_bytes", 1024)):
+            v = getattr(self, key)
+            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+                raise ConfigError(f"ddp.{key}", f"must be an integer >= {lo}, got {v!r}")
+        if self.bootstrap is None and self.jsonl_dir is None:
+            raise ConfigError("ddp.bootstrap", "set bootstrap (Kafka) or jsonl_dir: records need somewhere to go")
+        for f in self.faults:
+            if f.rank is not None and f.rank >= self.world:
+                raise ConfigError("ddp.faults", f"fault on rank {f.rank} but world is {self.world}")
+
+
+def _emitter(settings: DDPSettings, rank: int) -> Any:
+    from sdcwatch.telemetry.emitter import Emitter
+    from sdcwatch.telemetry.transports import FileTransport, KafkaTransport
+
+    if settings.bootstrap:
+        transport = KafkaTransport(settings.bootstrap, settings.topic)
+    else:
+        transport = FileTransport(Path(settings.jsonl_dir) / f"rank{rank}.jsonl")
+    host = socket.gethostname() if settings.ranks_per_host is None else f"node{rank // settings.ranks_per_host}"
+    return Emitter(transport, run=settings.run, rank=rank, world=settings.world, local_rank=rank, host=host)
+
+
+def train_rank(rank: int, settings: DDPSettings) -> None:
+    """Everything one rank does: join the group, train with probes and faults, report, leave."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from sdcwatch.telemetry.faults import FaultInjector
+    from sdcwatch.telemetry.probes import attach
+    from sdcwatch.telemetry.reference.model import GPT, next_byte_loss
+    from sdcwatch.telemetry.reference.simulated import shared_corpus
+
+    torch.set_num_threads(1)  # several ranks share the CPU: more threads per rank run ~10x slower
+    dist.init_process_group("gloo", init_method=settings.init_method, rank=rank, world_size=settings.world)
+    emitter = None
+    watch = None
+    try:
+        torch.manual_seed(settings.seed)
+        model = GPT()
+        optimizer = torch.optim.Adam(model.parameters(), lr=settings.lr)
+        start = 0
+        if settings.load:
+            state = torch.load(settings.load, weights_only=False)
+            model.load_state_dict(state["model"])
+            optimizer.load_state_dict(state["optimizer"])
+            start = int(state["step"])
+        ddp = DDP(model)  # broadcasts rank 0's parameters: every replica starts identical
+        injector = FaultInjector(settings.faults, rank=rank).attach(model, optimizer)
+        emitter = _emitter(settings, rank)
+        watch = attach(model, emitter, optimizer=optimizer, ddp=ddp, **settings.probes)
+        corpus = shared_corpus(settings.corpus_bytes)
+        for step in range(start, start + settings.steps):
+            watch.begin_step(step)
+            injector.begin_step(step)
+            batch = corpus.batch(seed=settings.seed, step=step, rank=rank, batch_size=settings.batch_size,
+                                 seq_len=model.cfg.seq_len)
+            batch = injector.corrupt_batch(batch)
+            loss = next_byte_loss(ddp(batch[:, :-1]), batch)
+            loss.backward()
+            if settings.clip:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), settings.clip)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            loss_global = loss.detach().clone()
+            dist.all_reduce(loss_global)  # a user's loss logging does this anyway
+            watch.step(step, loss=loss, loss_global=loss_global / settings.world)
+            injector.end_step()  # after watch.step, so the record shows a spiked learning rate
+        watch.close()
+        if settings.save and rank == 0:
+            torch.save({"step": start + settings.steps, "model": model.state_dict(),
+                        "optimizer": optimizer.state_dict()}, settings.save)
+        dist.barrier()
+    finally:
+        if watch is not None:
+            watch.close()
+        if emitter is not None:
+            emitter.close(timeout=30.0)
+        dist.destroy_process_group()
+
+
+def launch(settings: DDPSettings) -> None:
+    """Spawn ``settings.world`` processes running :func:`train_rank`; raises if any rank failed."""
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory(prefix="sdcwatch-ddp-") as tmp:
+        if settings.init_method is None:
+            settings = replace(settings, init_method=f"file://{Path(tmp) / 'rendezvous'}")
+        if settings.jsonl_dir:
+            Path(settings.jsonl_dir).mkdir(parents=True, exist_ok=True)
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        mp.spawn(train_rank, args=(settings,), nprocs=settings.world, join=True)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Command line: run the reference model under DDP with probes, optionally with faults."""
+    ap = argparse.ArgumentParser(prog="python -m sdcwatch.telemetry.reference.ddp", description=main.__doc__)
+    ap.add_argument("--world", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--run", default="ddp-reference")
+    ap.add_argument("--bootstrap", help="Kafka address host:port")
+    ap.add_argument("--topic", default="sdcwatch.telemetry")
+    ap.add_argument("--jsonl", dest="jsonl_dir", help="folder for rank{r}.jsonl files instead of Kafka")
+    ap.add_argument("--faults", help="fault specs (.jsonl or .json array)")
+    ap.add_argument("--ranks-per-host", type=int)
+    ap.add_argument("--probes", default="{}", help='ProbeConfig settings as JSON, e.g. {"every": 2}')
+    ap.add_argument("--load")
+    ap.add_argument("--save")
+    args = ap.parse_args(argv)
+    try:
+        probes = json.loads(args.probes)
+    except ValueError as exc:
+        raise ConfigError("ddp.probes", f"not valid JSON: {exc}") from None
+    settings = DDPSettings(
+        world=args.world, steps=args.steps, seed=args.seed, run=args.run, bootstrap=args.bootstrap,
+        topic=args.topic, jsonl_dir=args.jsonl_dir, faults=tuple(load_faults(args.faults)) if args.faults else (),
+        probes=probes, ranks_per_host=args.ranks_per_host, load=args.load, save=args.save,
+    )
+    launch(settings)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

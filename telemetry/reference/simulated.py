@@ -1,0 +1,314 @@
+"""Simulated data parallelism in one process: W virtual ranks of the reference model.
+
+Each virtual rank runs its own micro-batch through the shared model with its own probes, its own
+emitter identity and its own faults; its gradient is kept apart, the gradients are averaged
+exactly as an all-reduce would, and one optimizer step updates the model. That makes an
+8-rank run cost 8 small forward/backward passes per step, fast enough for demos and tests.
+
+Replica divergence is simulated too: a fault that only one real replica would suffer after the
+all-reduce (a ``where: "param"`` memory flip, an ``lr_spike`` on one rank) is kept as a per-rank
+delta on top of the shared parameters, applied while that rank computes and when its parameter
+fingerprint is taken. The delta is exact for a one-off change when the update is shared, which is
+what data parallelism guarantees.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+
+from sdcwatch.errors import ConfigError
+from sdcwatch.telemetry import fingerprint as fp
+from sdcwatch.telemetry.emitter import NullEmitter
+from sdcwatch.telemetry.faults import FaultInjector, FaultSpec
+from sdcwatch.telemetry.probes import ProbeConfig, Watch
+from sdcwatch.telemetry.reference.corpus import Corpus
+from sdcwatch.telemetry.reference.model import GPT, GPTConfig
+
+__all__ = ["SimulatedRun", "shared_corpus"]
+
+_CORPORA: dict[int, Corpus] = {}
+
+
+def shared_corpus(max_bytes: int = 4 << 20) -> Corpus:
+    """The stdlib corpus, read once per process (two seconds the tests and demo pay only once)."""
+    corpus = _CORPORA.get(max_bytes)
+    if corpus is None:
+        corpus = _CORPORA[max_bytes] = Corpus(max_bytes)
+    return corpus
+
+
+class SimulatedRun:
+    """W virtual data-parallel ranks training the reference GPT in one process.
+
+    >>> run = SimulatedRun(world=2, seed=0, batch_size=2)   # doctest: +SKIP
+    >>> run.train(3)                                        # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        world: int = 8,
+        *,
+        seed: int = 0,
+        faults: Iterable[FaultSpec] = (),
+        emitter_factory: Callable[..., Any] | None = None,
+        hosts: int | Sequence[str] | None = None,
+        ranks_per_host: int = 4,
+        model: GPTConfig | None = None,
+        batch_size: int = 8,
+        lr: float = 3e-3,
+        clip: float | None = 1.0,
+        probes: ProbeConfig | None = None,
+        corpus: Corpus | None = None,
+    ) -> None:
+        if isinstance(world, bool) or not isinstance(world, int) or world < 1:
+            raise ConfigError("simulated.world", f"must be an integer >= 1, got {world!r}")
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ConfigError("simulated.batch_size", f"must be an integer >= 1, got {batch_size!r}")
+        if not isinstance(lr, (int, float)) or not lr > 0:
+            raise ConfigError("simulated.lr", f"must be a number > 0, got {lr!r}")
+        self.world = world
+        self.seed = seed
+        self.batch_size = batch_size
+        self.lr = float(lr)
+        self.clip = clip
+        self.hosts = self._host_names(hosts, ranks_per_host)
+        self.config = model or GPTConfig()
+        self.corpus = corpus or shared_corpus()
+        with torch.random.fork_rng():
+            torch.manual_seed(seed)
+            self.model = GPT(self.config)
+        self.params = [p for p in self.model.parameters()]
+        self._sizes = [p.numel() for p in self.params]
+        self.optimizer = torch.optim.Adam(self.params, lr=self.lr)
+        self.injector = FaultInjector(faults, rank=0).attach(self.model)
+        for f in self.injector.faults:
+            if f.rank is not None and f.rank >= world:
+                raise ConfigError("simulated.faults", f"fault on rank {f.rank} but world is {world}")
+        factory = emitter_factory or (lambda rank: NullEmitter())
+        takes_host = "host" in inspect.signature(factory).parameters
+        self.emitters = [factory(r, host=self.hosts[r]) if takes_host else factory(r) for r in range(world)]
+        probe_config = probes or ProbeConfig()
+        self.watches = [Watch(self.model, e, config=probe_config, external=True) for e in self.emitters]
+        self.step = 0
+        """The next step to run."""
+        self._deltas: dict[int, list[torch.Tensor | None]] = {}
+        self._grads = torch.empty(world, sum(self._sizes))
+        self.history: list[float] = []
+        """Mean loss over ranks of each step run so far."""
+
+    def _host_names(self, hosts: int | Sequence[str] | None, ranks_per_host: int) -> list[str]:
+        if hosts is None:
+            if isinstance(ranks_per_host, bool) or not isinstance(ranks_per_host, int) or ranks_per_host < 1:
+                raise ConfigError("simulated.ranks_per_host", f"must be an integer >= 1, got {ranks_per_host!r}")
+            return [f"node{r // ranks_per_host}" for r in range(self.world)]
+        if isinstance(hosts, int) and not isinstance(hosts, bool):
+            if not 1 <= hosts <= self.world:
+                raise ConfigError("simulated.hosts", f"must be in 1..{self.world}, got {hosts}")
+            per = -(-self.world // hosts)
+            return [f"node{r // per}" for r in range(self.world)]
+        names = list(hosts)
+        if len(names) != self.world or not all(isinstance(h, str) and h for h in names):
+            raise ConfigError("simulated.hosts", f"needs {self.world} non-empty host names, got {names!r}")
+        return names
+
+    # -- replicas ------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _replica(self, rank: int):
+        """Temporarily make the shared parameters those of ``rank``'s replica."""
+        deltas = self._deltas.get(rank)
+        if not deltas:
+            yield
+            return
+        saved = []
+        with torch.no_grad():
+            for p, d in zip(self.params, deltas):
+                if d is not None:
+                    saved.append((p, p.detach().clone()))
+                    p.add_(d)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for p, original in saved:
+                    p.copy_(original)
+
+    def _add_delta(self, rank: int, index: int, delta: torch.Tensor) -> None:
+        deltas = self._deltas.setdefault(rank, [None] * len(self.params))
+        deltas[index] = delta if deltas[index] is None else deltas[index] + delta
+
+    def replica_parameters(self, rank: int) -> list[torch.Tensor]:
+        """Copies of ``rank``'s replica parameters (the shared ones plus its divergence)."""
+        with self._replica(rank):
+            return [p.detach().clone() for p in self.params]
+
+    # -- training --------------------------------------------------------------------------------------
+    def train(self, steps: int, on_step: Callable[[int, "SimulatedRun"], Any] | None = None) -> list[float]:
+        """Run ``steps`` steps from :attr:`step`; ``on_step(step, run)`` after each. Returns mean losses."""
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+            raise ConfigError("simulated.steps", f"must be an integer >= 0, got {steps!r}")
+        out = []
+        for _ in range(steps):
+            out.append(self._step())
+            if on_step is not None:
+                on_step(self.step - 1, self)
+        return out
+
+    def _step(self) -> float:
+        s = self.step
+        inj = self.injector
+        inj.step = s
+        losses = []
+        times = []
+        for r in range(self.world):
+            t0 = time.perf_counter()
+            inj.rank = r
+            for i, w in enumerate(self.watches):
+                w.enabled = i == r
+            watch = self.watches[r]
+            watch.begin_step(s)
+            batch = self.corpus.batch(seed=self.seed, step=s, rank=r, batch_size=self.batch_size,
+                                      seq_len=self.config.seq_len)
+            batch = inj.corrupt_batch(batch)
+            self._apply_param_faults(r)
+            with self._replica(r):
+                self.model.zero_grad(set_to_none=True)
+                loss = self.model.loss(batch)
+                loss.backward()
+            torch.cat([p.grad.reshape(-1) if p.grad is not None else torch.zeros(n)
+                       for p, n in zip(self.params, self._sizes)], out=self._grads[r])
+            losses.append(loss.detach())
+            times.append(time.perf_counter() - t0)
+        for w in self.watches:
+            w.enabled = True
+
+        t0 = time.perf_counter()
+        g_all = self._grads
+        g = g_all.mean(0)  # the all-reduce (average)
+        local_sq = (g_all * g_all).sum(1)
+        dot = g_all @ g
+        global_sq = g @ g
+        nonfinite = (~torch.isfinite(g_all)).sum(1)
+        grad_fp = fp.fingerprint_device([g]) if self.watches[0].config.grad_fingerprint else None
+        offset = 0
+        for p, n in zip(self.params, self._sizes):
+            p.grad = g[offset: offset + n].view_as(p).clone()
+            offset += n
+        if self.clip:
+            torch.nn.utils.clip_grad_norm_(self.params, self.clip)
+        factors = []
+        for r in range(self.world):
+            inj.rank = r
+            factors.append(inj.lr_factor())
+        common = factors[0] if all(f == factors[0] for f in factors) else 1.0
+        before = [p.detach().clone() for p in self.params] if any(f != common for f in factors) else None
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.lr * common
+        self.optimizer.step()
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.lr
+        if before is not None:  # a rank with its own learning rate drifts from the shared update
+            with torch.no_grad():
+                for r, f in enumerate(factors):
+                    if f != common:
+                        for i, (p, b) in enumerate(zip(self.params, before)):
+                            self._add_delta(r, i, (p.detach() - b) * (f / common - 1.0))
+        fps = self._param_fingerprints(s)
+        shared = time.perf_counter() - t0
+        loss_global = torch.stack(losses).mean()
+        for r, w in enumerate(self.watches):
+            w.observe_gradients(local_sq=local_sq[r], global_sq=global_sq, dot=dot[r], nonfinite=nonfinite[r],
+                                grad_fp=grad_fp)
+            if fps is not None:
+                w.observe_fingerprint("param_fp", fps[r])
+            w.step(s, loss=losses[r], loss_global=loss_global, step_time=times[r] + shared,
+                   lr=self.lr * factors[r])
+        self.step = s + 1
+        value = float(loss_global)
+        self.history.append(value)
+        return value
+
+    def _apply_param_faults(self, rank: int) -> None:
+        """A ``where: "param"`` fault starting now on ``rank`` becomes that replica's delta."""
+        inj = self.injector
+        if not any(f.where == "param" and f.step == inj.step and f.hits(inj.step, rank) for f in inj.faults):
+            return
+        with self._replica(rank):  # the fault hits the replica as it is now
+            before = [p.detach().clone() for p in self.params]
+            inj.apply_param_faults()
+            changed = [(i, p.detach() - b) for i, (p, b) in enumerate(zip(self.params, before)) if not torch.equal(p, b)]
+            with torch.no_grad():
+                for p, b in zip(self.params, before):
+                    p.copy_(b)
+        for i, delta in changed:  # the shared copy stays clean; the delta is this replica's from now on
+            self._add_delta(rank, i, delta)
+
+    def _param_fingerprints(self, step: int) -> list[torch.Tensor] | None:
+        cfg = self.watches[0].config
+        if step % cfg.fingerprint_every != 0:
+            return None
+        clean = fp.fingerprint_device(self.params)
+        out = []
+        for r in range(self.world):
+            if self._deltas.get(r):
+                with self._replica(r):
+                    out.append(fp.fingerprint_device(self.params))
+            else:
+                out.append(clean)
+        return out
+
+    # -- checkpoints -------------------------------------------------------------------------------------
+    def save_checkpoint(self, path: str | Path) -> None:
+        """Save model, optimizer, replica divergence and the step, so a twin run can branch here."""
+        for w in self.watches:
+            w.flush()
+        torch.save(
+            {
+                "step": self.step,
+                "seed": self.seed,
+                "world": self.world,
+                "model_config": self.config.__dict__,
+                "model": self.model.state_dict(),
+                "optimizer": self.optimizer.state_dict(),
+                "deltas": self._deltas,
+                "history": self.history,
+            },
+            Path(path),
+        )
+
+    def load_checkpoint(self, path: str | Path) -> None:
+        """Continue from a checkpoint of a run with the same world size, seed and model shape."""
+        state = torch.load(Path(path), weights_only=False)
+        for key, mine in (("world", self.world), ("seed", self.seed), ("model_config", self.config.__dict__)):
+            if state.get(key) != mine:
+                raise ConfigError(f"simulated.checkpoint.{key}", f"checkpoint has {state.get(key)!r}, this run {mine!r}")
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self._deltas = state["deltas"]
+        self.history = list(state["history"])
+        self.step = int(state["step"])
+
+    def host_of(self, rank: int) -> str:
+        """The host name of a virtual rank."""
+        return self.hosts[rank]
+
+    def close(self) -> None:
+        """Emit the last records and detach probes and faults (emitters are closed too)."""
+        for w in self.watches:
+            w.close()
+        self.injector.detach()
+        for e in self.emitters:
+            close = getattr(e, "close", None)
+            if callable(close):
+                close()
+
+    def __enter__(self) -> "SimulatedRun":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

@@ -1,0 +1,318 @@
+"""Transports: how the emitter's batches reach the bus. One method, ``send(records)``.
+
+- :class:`KafkaTransport`: the real bus (kafka-python), keyed by run and step so that all ranks
+  of one step land in one partition and a detector instance sees whole steps.
+- :class:`FileTransport`: JSON lines, for offline capture and later replay.
+- :class:`MemoryTransport` over a :class:`MemoryBus`: in-process topics, for unit tests and
+  single-process tools.
+
+A transport raises :class:`~sdcwatch.errors.TransportError` when the bus refuses or cannot be
+reached; its ``unsent`` attribute lists the records that were not confirmed, which the emitter
+keeps and retries. Transports are built cheaply (no connection in ``__init__``), so constructing
+one in a training script can neither fail nor block on the network.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from pathlib import Path
+from typing import Any, Protocol, Sequence
+
+from sdcwatch.errors import ConfigError, TransportError
+from sdcwatch.telemetry.record import Record, decode_message, encode, encode_batch, to_json
+
+__all__ = [
+    "Transport",
+    "KafkaTransport",
+    "FileTransport",
+    "MemoryTransport",
+    "MemoryBus",
+    "TELEMETRY_TOPIC",
+    "record_key",
+    "kafka_security_settings",
+]
+
+log = logging.getLogger("sdcwatch.telemetry")
+
+TELEMETRY_TOPIC = "sdcwatch.telemetry"
+
+#: kafka-python settings passed through for real clusters (SASL/SSL); anything else is an error.
+SECURITY_KEYS = frozenset(
+    {
+        "security_protocol",
+        "ssl_context",
+        "ssl_check_hostname",
+        "ssl_cafile",
+        "ssl_certfile",
+        "ssl_keyfile",
+        "ssl_crlfile",
+        "ssl_password",
+        "ssl_ciphers",
+        "sasl_mechanism",
+        "sasl_plain_username",
+        "sasl_plain_password",
+        "sasl_kerberos_name",
+        "sasl_kerberos_service_name",
+        "sasl_kerberos_domain_name",
+        "sasl_oauth_token_provider",
+        "client_id",
+    }
+)
+
+
+def kafka_security_settings(settings: dict[str, Any], where: str = "security") -> dict[str, Any]:
+    """Check the pass-through kafka-python settings; unknown keys are an error, not ignored."""
+    for key in settings:
+        if key not in SECURITY_KEYS:
+            raise ConfigError(f"{where}.{key}", f"unknown kafka security setting (known: {', '.join(sorted(SECURITY_KEYS))})")
+    return dict(settings)
+
+
+#: Steps per partition key. All records whose steps fall in one window share a key, so every
+#: rank of a step lands in the same partition (a detector instance sees whole steps), and one
+#: rank's consecutive steps can travel in one message.
+KEY_WINDOW = 16
+
+
+def record_key(rec: Record) -> bytes:
+    """Partition key: run and step window, so every rank of one step lands in one partition."""
+    return f"{rec.run}/{rec.step // KEY_WINDOW}".encode()
+
+
+def group_by_key(records: Sequence[Record], max_per_message: int) -> list[tuple[bytes, list[Record]]]:
+    """Split a batch into messages: records sharing a key, at most ``max_per_message`` each."""
+    groups: dict[bytes, list[Record]] = {}
+    for rec in records:
+        groups.setdefault(record_key(rec), []).append(rec)
+    out = []
+    for key, recs in groups.items():
+        for i in range(0, len(recs), max_per_message):
+            out.append((key, recs[i : i + max_per_message]))
+    return out
+
+
+class Transport(Protocol):
+    """Sends a batch of records; raises TransportError (with ``unsent``) when it cannot."""
+
+    def send(self, records: Sequence[Record]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def _unsent(message: str, records: Sequence[Record]) -> TransportError:
+    err = TransportError(message)
+    err.unsent = list(records)  # type: ignore[attr-defined]
+    return err
+
+
+class MemoryBus:
+    """In-process topics: lists of (key, value) messages. Thread-safe, for tests and demos."""
+
+    def __init__(self) -> None:
+        self._topics: dict[str, list[tuple[bytes | None, bytes]]] = {}
+        self._lock = threading.Lock()
+        self.down = False  # set True to simulate an outage
+
+    def append(self, topic: str, key: bytes | None, value: bytes) -> None:
+        with self._lock:
+            self._topics.setdefault(topic, []).append((key, value))
+
+    def messages(self, topic: str, start: int = 0) -> list[tuple[bytes | None, bytes]]:
+        """Raw messages of ``topic`` from offset ``start``."""
+        with self._lock:
+            return list(self._topics.get(topic, [])[start:])
+
+    def records(self, topic: str = TELEMETRY_TOPIC) -> list[Record]:
+        """Decoded records of ``topic`` (raises RecordError on a malformed one)."""
+        return [r for _, v in self.messages(topic) for r in decode_message(v)]
+
+    def size(self, topic: str) -> int:
+        with self._lock:
+            return len(self._topics.get(topic, []))
+
+
+class MemoryTransport:
+    """Publishes encoded records into a :class:`MemoryBus` topic."""
+
+    def __init__(self, bus: MemoryBus, topic: str = TELEMETRY_TOPIC) -> None:
+        self.bus = bus
+        self.topic = topic
+
+    def send(self, records: Sequence[Record]) -> None:
+        if self.bus.down:
+            raise _unsent("memory bus is down", records)
+        for key, recs in group_by_key(records, 256):
+            self.bus.append(self.topic, key, encode(recs[0]) if len(recs) == 1 else encode_batch(recs))
+
+    def close(self) -> None:
+        pass
+
+
+class FileTransport:
+    """Appends records as JSON lines (offline capture; ``sdcwatch replay`` reads them back)."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = Path(path)
+        self._fh = None
+        self._lock = threading.Lock()
+
+    def send(self, records: Sequence[Record]) -> None:
+        with self._lock:
+            try:
+                if self._fh is None:
+                    self.path.parent.mkdir(parents=True, exist_ok=True)
+                    self._fh = open(self.path, "a", encoding="utf-8")
+                self._fh.write("".join(to_json(r) + "\n" for r in records))
+                self._fh.flush()
+            except OSError as exc:
+                raise _unsent(f"cannot write {self.path}: {exc}", records) from None
+
+    def close(self) -> None:
+        with self._lock:
+            if self._fh is not None:
+                self._fh.close()
+                self._fh = None
+
+
+class KafkaTransport:
+    """Produces records to a Kafka topic with kafka-python.
+
+    The producer is created at the first ``send`` (from the emitter's background thread) and
+    re-created after a failure, so a broker that is down when training starts, or restarts
+    mid-run, is picked up again without anyone's help. The topic is created if missing with
+    ``partitions`` partitions (brokers that auto-create topics would otherwise pick their own
+    default).
+    """
+
+    def __init__(
+        self,
+        bootstrap: str,
+        topic: str = TELEMETRY_TOPIC,
+        *,
+        partitions: int = 4,
+        replication: int = 1,
+        acks: int | str = 1,
+        linger_ms: int = 5,
+        batch_size: int = 256 * 1024,
+        compression_type: str | None = None,
+        max_block_ms: int = 2000,
+        request_timeout_ms: int = 3000,
+        delivery_timeout_ms: int = 6000,
+        flush_timeout: float = 10.0,
+        max_records_per_message: int = 256,
+        **security: Any,
+    ) -> None:
+        if not bootstrap or not isinstance(bootstrap, str):
+            raise ConfigError("bootstrap", f"must be 'host:port[,host:port]', got {bootstrap!r}")
+        if not isinstance(partitions, int) or partitions < 1:
+            raise ConfigError("partitions", f"must be a positive integer, got {partitions!r}")
+        if acks not in (0, 1, -1, "all"):
+            raise ConfigError("acks", f"must be 0, 1, -1 or 'all', got {acks!r}")
+        self.bootstrap = bootstrap
+        self.topic = topic
+        self.partitions = partitions
+        self.replication = replication
+        self.flush_timeout = flush_timeout
+        self.max_records_per_message = max_records_per_message
+        self.security = kafka_security_settings(security)
+        self._producer_config = dict(
+            bootstrap_servers=bootstrap.split(","),
+            acks=acks,
+            linger_ms=linger_ms,
+            batch_size=batch_size,
+            compression_type=compression_type,
+            max_block_ms=max_block_ms,
+            request_timeout_ms=request_timeout_ms,
+            delivery_timeout_ms=max(delivery_timeout_ms, linger_ms + request_timeout_ms),
+            retries=3,
+            enable_idempotence=False,
+            **self.security,
+        )
+        self._producer = None
+        self._topic_ready = False
+
+    def _connect(self):
+        from kafka import KafkaProducer
+        from kafka.errors import KafkaError
+
+        try:
+            self._producer = KafkaProducer(**self._producer_config)
+        except (KafkaError, OSError, ValueError) as exc:
+            raise TransportError(f"cannot connect to Kafka at {self.bootstrap}: {exc}") from None
+        if not self._topic_ready:
+            self._topic_ready = ensure_topic(self.bootstrap, self.topic, self.partitions, self.replication, self.security)
+        return self._producer
+
+    def send(self, records: Sequence[Record]) -> None:
+        from kafka.errors import KafkaError
+
+        try:
+            producer = self._producer or self._connect()
+        except TransportError as exc:
+            raise _unsent(str(exc), records) from None
+        messages = group_by_key(records, self.max_records_per_message)
+        futures = []
+        try:
+            for key, recs in messages:
+                value = encode(recs[0]) if len(recs) == 1 else encode_batch(recs)
+                futures.append(producer.send(self.topic, key=key, value=value))
+            producer.flush(timeout=self.flush_timeout)
+        except (KafkaError, OSError) as exc:
+            failed = [r for (_, recs), f in zip(messages, futures) if not (f.is_done and f.succeeded()) for r in recs]
+            failed.extend(r for _, recs in messages[len(futures):] for r in recs)
+            self._reset()
+            raise _unsent(f"Kafka send to {self.bootstrap} failed: {exc}", failed) from None
+        failed = [r for (_, recs), f in zip(messages, futures) if not (f.is_done and f.succeeded()) for r in recs]
+        if failed:
+            exc = next((f.exception for f in futures if f.is_done and f.failed()), None)
+            self._reset()
+            raise _unsent(f"Kafka did not confirm {len(failed)} of {len(records)} records: {exc}", failed)
+
+    def _reset(self) -> None:
+        producer, self._producer = self._producer, None
+        self._topic_ready = False
+        if producer is not None:
+            try:
+                producer.close(timeout=0)
+            except Exception:  # closing a broken producer must not raise into the sender
+                pass
+
+    def close(self) -> None:
+        if self._producer is not None:
+            try:
+                self._producer.close(timeout=self.flush_timeout)
+            finally:
+                self._producer = None
+
+
+def ensure_topic(bootstrap: str, topic: str, partitions: int, replication: int = 1,
+                 security: dict[str, Any] | None = None, timeout_ms: int = 3000) -> bool:
+    """Create ``topic`` if it does not exist; True when it exists afterwards.
+
+    Failure to reach the admin API is not fatal: a broker that auto-creates topics still takes
+    the records, so the caller logs and carries on.
+    """
+    from kafka.admin import KafkaAdminClient, NewTopic
+    from kafka.errors import KafkaError, TopicAlreadyExistsError
+
+    try:
+        admin = KafkaAdminClient(bootstrap_servers=bootstrap.split(","), request_timeout_ms=timeout_ms,
+                                 **(security or {}))
+    except (KafkaError, OSError, ValueError) as exc:
+        log.debug("cannot reach Kafka admin API at %s: %s", bootstrap, exc)
+        return False
+    try:
+        if topic in set(admin.list_topics()):
+            return True
+        try:
+            admin.create_topics([NewTopic(name=topic, num_partitions=partitions, replication_factor=replication)])
+        except TopicAlreadyExistsError:
+            pass
+        return True
+    except KafkaError as exc:
+        log.warning("could not create topic %s on %s: %s", topic, bootstrap, exc)
+        return False
+    finally:
+        admin.close()

@@ -1,0 +1,310 @@
+"""The serve configuration: defaults, layering (file < env < flags), errors that name the key."""
+
+from __future__ import annotations
+
+import argparse
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from sdcwatch.config import (
+    AlertsConfig,
+    BusConfig,
+    MetricsConfig,
+    ServeConfig,
+    add_serve_arguments,
+    config_from_args,
+    config_reference,
+    env_name,
+    flag_name,
+    load_config,
+    overrides_from_args,
+)
+from sdcwatch.errors import ConfigError
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "sdcwatch" / "serve.example.toml"
+
+
+def write_toml(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "serve.toml"
+    path.write_text(text)
+    return path
+
+
+def parser() -> argparse.ArgumentParser:
+    return add_serve_arguments(argparse.ArgumentParser(prog="sdcwatch serve"))
+
+
+# ---------------------------------------------------------------------------------------------
+# defaults and layering
+
+
+def test_defaults_without_file_env_or_flags():
+    cfg = load_config(env={})
+    assert cfg == ServeConfig()
+    assert cfg.bus.bootstrap_servers == ["localhost:9092"]
+    assert cfg.bus.telemetry_topic == "sdcwatch.telemetry"
+    assert cfg.metrics.address == "127.0.0.1" and cfg.metrics.port == 9400 and cfg.metrics.enabled
+    assert cfg.alerts.alertmanager_url == "" and cfg.alerts.log is True
+    assert cfg.state.dir == Path("sdcwatch-state")
+    assert cfg.bus.kafka_security() == {}
+
+
+# (dotted key, file value as TOML, env text, flag value, expected parsed env, expected flag)
+LAYERED = [
+    ("metrics.port", "1111", "2222", "3333", 2222, 3333),
+    ("bus.bootstrap", '"file:1"', "env:2", "flag:3", "env:2", "flag:3"),
+    ("alerts.log", "false", "yes", False, True, False),
+    ("alerts.timeout_s", "1.5", "2", "3.25", 2.0, 3.25),
+    ("state.dir", '"from-file"', "from-env", "from-flag", Path("from-env"), Path("from-flag")),
+    ("detectors.top_k", "2", "4", 5, 4, 5),
+]
+
+
+@pytest.mark.parametrize("dotted, file_value, env_text, flag_value, env_expected, flag_expected", LAYERED)
+def test_precedence_file_then_env_then_flags(tmp_path, dotted, file_value, env_text, flag_value, env_expected, flag_expected):
+    section, key = dotted.split(".")
+    path = write_toml(tmp_path, f"[{section}]\n{key} = {file_value}\n")
+    file_expected = load_config(path, env={}).__dict__[section].__dict__[key]
+    assert file_expected == tomllib.loads(f"{key} = {file_value}")[key] or isinstance(file_expected, Path)
+    assert file_expected != getattr(ServeConfig().__dict__[section], key)
+
+    env = {env_name(dotted): env_text}
+    assert getattr(getattr(load_config(path, env=env), section), key) == env_expected
+    cfg = load_config(path, env=env, overrides={dotted: flag_value})
+    assert getattr(getattr(cfg, section), key) == flag_expected
+    # A None override (an argparse flag not given) does not hide the lower layers.
+    assert getattr(getattr(load_config(path, env=env, overrides={dotted: None}), section), key) == env_expected
+
+
+def test_nested_overrides_and_config_path_from_environment(tmp_path):
+    path = write_toml(tmp_path, "[metrics]\nport = 0\n")
+    cfg = load_config(env={"SDCWATCH_CONFIG": str(path)}, overrides={"detectors": {"resolve_after_steps": 7}})
+    assert cfg.metrics.port == 0 and not cfg.metrics.enabled
+    assert cfg.detectors.resolve_after_steps == 7
+
+
+def test_bootstrap_shortcut_and_its_precedence():
+    assert load_config(env={"SDCWATCH_BOOTSTRAP": "a:1,b:2"}).bus.bootstrap_servers == ["a:1", "b:2"]
+    both = {"SDCWATCH_BOOTSTRAP": "a:1", "SDCWATCH_BUS_BOOTSTRAP": "c:3"}
+    assert load_config(env=both).bus.bootstrap == "c:3"
+
+
+def test_emitter_variables_are_not_serve_settings():
+    cfg = load_config(env={"SDCWATCH_RUN": "llama-7b", "SDCWATCH_WHATEVER": "x", "PATH": "/bin"})
+    assert cfg == ServeConfig()
+
+
+def test_security_entries_merge_across_layers_and_are_redacted(tmp_path):
+    path = write_toml(
+        tmp_path,
+        '[bus.security]\nsecurity_protocol = "SASL_PLAINTEXT"\nsasl_mechanism = "SCRAM-SHA-512"\n'
+        'sasl_plain_username = "sdc"\n',
+    )
+    env = {"SDCWATCH_BUS_SECURITY_SASL_PLAIN_PASSWORD": "s3cret", "SDCWATCH_BUS_SECURITY_SSL_CHECK_HOSTNAME": "no"}
+    cfg = load_config(path, env=env)
+    assert cfg.bus.kafka_security() == {
+        "security_protocol": "SASL_PLAINTEXT",
+        "sasl_mechanism": "SCRAM-SHA-512",
+        "sasl_plain_username": "sdc",
+        "sasl_plain_password": "s3cret",
+        "ssl_check_hostname": False,
+    }
+    shown = cfg.to_dict()["bus"]["security"]
+    assert shown["sasl_plain_password"] == "***" and shown["sasl_plain_username"] == "sdc"
+    assert cfg.to_dict(redact=False)["bus"]["security"]["sasl_plain_password"] == "s3cret"
+
+
+# ---------------------------------------------------------------------------------------------
+# every error names the key (and where the bad value came from)
+
+FILE_ERRORS = [
+    ("[alerts]\nalertmanger_url = 'http://am:9093'\n", "alerts.alertmanger_url", "did you mean alertmanager_url?"),
+    ("[metric]\nport = 1\n", "metric", "did you mean metrics?"),
+    ("[metrics]\nport = '9400'\n", "metrics.port", "must be an integer, got string '9400'"),
+    ("[metrics]\nport = true\n", "metrics.port", "must be an integer"),
+    ("[metrics]\nport = 70000\n", "metrics.port", "out of range"),
+    ("[metrics]\naddress = 'not an address!'\n", "metrics.address", "neither an IP address nor a host name"),
+    ("[alerts]\nlog = 'yes'\n", "alerts.log", "must be true or false"),
+    ("[alerts]\nwebhook_url = 'ftp://hooks'\n", "alerts.webhook_url", "http:// or https://"),
+    ("[alerts]\nalertmanager_url = 'http://am:notaport'\n", "alerts.alertmanager_url", "not a valid URL"),
+    ("[alerts]\ntimeout_s = 0\n", "alerts.timeout_s", "greater than 0"),
+    ("[alerts]\ntimeout_s = inf\n", "alerts.timeout_s", "finite"),
+    ("[bus]\nbootstrap = 'localhost'\n", "bus.bootstrap", "not host:port"),
+    ("[bus]\nbootstrap = ' , '\n", "bus.bootstrap", "at least one"),
+    ("[bus]\nanomalies_topic = 'sdcwatch.telemetry'\n", "bus.anomalies_topic", "also bus.telemetry_topic"),
+    ("[bus]\ntelemetry_topic = 'bad topic'\n", "bus.telemetry_topic", "not a Kafka topic name"),
+    ("[bus]\ngroup = ' '\n", "bus.group", "must not be empty"),
+    ("bus = 3\n", "bus", "must be a table"),
+    ("[bus]\nsecurity = 'SSL'\n", "bus.security", "must be a table"),
+    ("[bus.security]\nsasl_mechansim = 'PLAIN'\n", "bus.security.sasl_mechansim", "did you mean sasl_mechanism?"),
+    ("[bus.security]\nsecurity_protocol = 'TLS'\n", "bus.security.security_protocol", "not one of"),
+    ("[bus.security]\nsasl_mechanism = 'PLAIN'\n", "bus.security.sasl_mechanism", "needs security_protocol SASL_"),
+    ("[bus.security]\nsecurity_protocol = 'SASL_SSL'\n", "bus.security.sasl_mechanism", "required by security_protocol"),
+    (
+        "[bus.security]\nsecurity_protocol = 'SASL_SSL'\nsasl_mechanism = 'PLAIN'\nsasl_plain_username = 'u'\n",
+        "bus.security.sasl_plain_password",
+        "required by sasl_mechanism PLAIN",
+    ),
+    ("[bus.security]\nssl_cafile = '/nonexistent/ca.pem'\n", "bus.security.ssl_cafile", "no such file"),
+    ("[bus.security]\nssl_check_hostname = 'true'\n", "bus.security.ssl_check_hostname", "must be true or false"),
+    ("[state]\nsnapshot_interval_s = -5\n", "state.snapshot_interval_s", "greater than 0"),
+    ("[detectors]\ntop_k = 0\n", "detectors.top_k", "at least 1"),
+    ("[detectors]\nresolve_after_steps = 2.5\n", "detectors.resolve_after_steps", "must be an integer"),
+    ("[detectors]\nalign_timeout_s = 'soon'\n", "detectors.align_timeout_s", "must be a number"),
+    ("[detectors]\nwarmup = 3\n", "detectors.warmup", "unknown key"),
+    ("[metrics\nport = 1\n", "config", "not valid TOML"),
+]
+
+
+@pytest.mark.parametrize("text, key, fragment", FILE_ERRORS, ids=[e[1] + ":" + e[2][:20] for e in FILE_ERRORS])
+def test_file_errors_name_the_key_and_the_file(tmp_path, text, key, fragment):
+    path = write_toml(tmp_path, text)
+    with pytest.raises(ConfigError) as err:
+        load_config(path, env={})
+    assert err.value.key == key
+    assert str(err.value).startswith(f"{key}: ")
+    assert fragment in str(err.value)
+    assert str(path) in str(err.value)
+
+
+def test_exact_message_for_a_misspelt_key(tmp_path):
+    path = write_toml(tmp_path, "[alerts]\nalertmanger_url = 'http://am:9093'\n")
+    with pytest.raises(ConfigError, match=r"^alerts\.alertmanger_url: unknown key \(did you mean alertmanager_url\?\)"):
+        load_config(path, env={})
+
+
+def test_missing_file_names_the_config_key(tmp_path):
+    with pytest.raises(ConfigError, match=r"^config: no such file: .*absent\.toml"):
+        load_config(tmp_path / "absent.toml", env={})
+
+
+def test_state_dir_that_is_a_file(tmp_path):
+    blocker = tmp_path / "blocker"
+    blocker.write_text("")
+    with pytest.raises(ConfigError, match=r"^state\.dir: .* is not a folder"):
+        load_config(env={"SDCWATCH_STATE_DIR": str(blocker)})
+
+
+ENV_ERRORS = [
+    ({"SDCWATCH_METRICS_PORT": "abc"}, "metrics.port", "must be an integer, got 'abc'"),
+    ({"SDCWATCH_METRICS_PORT": "-1"}, "metrics.port", "out of range"),
+    ({"SDCWATCH_ALERTS_LOG": "maybe"}, "alerts.log", "must be true or false"),
+    ({"SDCWATCH_ALERTS_TIMEOUT_S": "nan"}, "alerts.timeout_s", "finite"),
+    ({"SDCWATCH_BOOTSTRAP": "kafka"}, "bus.bootstrap", "not host:port"),
+    ({"SDCWATCH_ALERTS_ALERTMANGER_URL": "http://am"}, "alerts.alertmanger_url", "did you mean SDCWATCH_ALERTS_ALERTMANAGER_URL?"),
+    ({"SDCWATCH_BUS_SECURITY_SASL_PLAIN_PASWORD": "x"}, "bus.security.sasl_plain_pasword", "did you mean SDCWATCH_BUS_SECURITY_SASL_PLAIN_PASSWORD?"),
+]
+
+
+@pytest.mark.parametrize("env, key, fragment", ENV_ERRORS, ids=[e[1] for e in ENV_ERRORS])
+def test_environment_errors_name_the_key_and_the_variable(env, key, fragment):
+    with pytest.raises(ConfigError) as err:
+        load_config(env=env)
+    assert err.value.key == key
+    assert fragment in str(err.value)
+    assert next(iter(env)) in str(err.value)
+
+
+FLAG_ERRORS = [
+    ({"metrics.port": "x"}, "metrics.port", "--metrics-port"),
+    ({"metrics.port": 65536}, "metrics.port", "--metrics-port"),
+    ({"alerts.webhook_url": "hooks.example.com"}, "alerts.webhook_url", "--alerts-webhook-url"),
+    ({"alerts.webhok_url": "http://x"}, "alerts.webhok_url", "did you mean webhook_url?"),
+    ({"detector": {"top_k": 1}}, "detector", "did you mean detectors?"),
+]
+
+
+@pytest.mark.parametrize("overrides, key, fragment", FLAG_ERRORS, ids=[e[1] for e in FLAG_ERRORS])
+def test_override_errors_name_the_key_and_the_flag(overrides, key, fragment):
+    with pytest.raises(ConfigError) as err:
+        load_config(env={}, overrides=overrides)
+    assert err.value.key == key
+    assert fragment in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "build, key",
+    [
+        (lambda: MetricsConfig(port=True), "metrics.port"),
+        (lambda: MetricsConfig(port="80"), "metrics.port"),
+        (lambda: AlertsConfig(log=1), "alerts.log"),
+        (lambda: BusConfig(security={"sasl_plain_password": 5}), "bus.security.sasl_plain_password"),
+        (lambda: ServeConfig(metrics=AlertsConfig()), "metrics"),
+    ],
+)
+def test_sections_built_in_code_are_checked_too(build, key):
+    with pytest.raises(ConfigError) as err:
+        build()
+    assert err.value.key == key
+
+
+# ---------------------------------------------------------------------------------------------
+# flags
+
+
+def test_flags_override_only_what_was_given(tmp_path):
+    p = parser()
+    assert overrides_from_args(p.parse_args([])) == {}
+    ns = p.parse_args(
+        ["--bootstrap", "k1:9092,k2:9092", "--metrics-port", "0", "--no-alerts-log",
+         "--alertmanager-url", "http://am:9093", "--state-dir", str(tmp_path / "st")]
+    )
+    assert overrides_from_args(ns) == {
+        "bus.bootstrap": "k1:9092,k2:9092",
+        "metrics.port": "0",
+        "alerts.log": False,
+        "alerts.alertmanager_url": "http://am:9093",
+        "state.dir": str(tmp_path / "st"),
+    }
+    cfg = config_from_args(ns, env={"SDCWATCH_METRICS_PORT": "1234", "SDCWATCH_DETECTORS_TOP_K": "9"})
+    assert cfg.bus.bootstrap_servers == ["k1:9092", "k2:9092"]
+    assert cfg.metrics.port == 0  # the flag beats the environment
+    assert cfg.detectors.top_k == 9  # the environment beats the default
+    assert cfg.alerts.log is False
+    assert cfg.state.dir == tmp_path / "st"
+
+
+def test_config_flag_reads_the_file(tmp_path):
+    path = write_toml(tmp_path, "[detectors]\nalign_timeout_s = 0.5\n")
+    cfg = config_from_args(parser().parse_args(["--config", str(path)]), env={})
+    assert cfg.detectors.align_timeout_s == 0.5
+
+
+def test_help_lists_every_setting_with_its_environment_variable():
+    text = parser().format_help()
+    for row in config_reference().splitlines()[2:]:
+        if row.startswith("| `") and ".<name>" not in row:
+            dotted = row.split("`")[1]
+            assert flag_name(dotted) in text
+            assert env_name(dotted) in text.replace("\n", "").replace(" ", "")
+
+
+# ---------------------------------------------------------------------------------------------
+# the example file
+
+
+def test_example_file_loads_and_documents_every_key():
+    cfg = load_config(EXAMPLE, env={})
+    assert cfg == ServeConfig()  # the example claims to show the defaults: it must not drift
+    data = tomllib.loads(EXAMPLE.read_text())
+    shown = {f"{s}.{k}" for s, table in data.items() for k in table}
+    expected = {
+        f"{s}.{k}" for s, table in ServeConfig().to_dict().items() for k in table if k != "security"
+    }
+    assert shown == expected
+    assert "[bus.security]" in EXAMPLE.read_text()
+
+
+def test_example_security_block_is_valid_once_uncommented(tmp_path):
+    ca = tmp_path / "ca.pem"
+    ca.write_text("")
+    text = EXAMPLE.read_text().replace("# [bus.security]", "[bus.security]")
+    for key in ("security_protocol", "sasl_mechanism", "sasl_plain_username", "sasl_plain_password",
+                "ssl_cafile", "ssl_check_hostname"):
+        text = text.replace(f"# {key} ", f"{key} ")
+    text = text.replace("/etc/kafka/ca.pem", str(ca))
+    cfg = load_config(write_toml(tmp_path, text), env={})
+    assert cfg.bus.kafka_security()["sasl_mechanism"] == "SCRAM-SHA-512"
+    assert cfg.bus.kafka_security()["ssl_check_hostname"] is True

@@ -1,0 +1,46 @@
+"""Fixtures shared by every test folder: the embedded broker and the real-logs location."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from pathlib import Path
+
+import pytest
+
+from sdcwatch.broker import EmbeddedBroker
+
+REAL_LOGS = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "real-logs"
+
+
+@pytest.fixture(scope="session")
+def broker():
+    """A real Kafka-protocol broker (Tansu) on a free loopback port, for the whole session."""
+    with EmbeddedBroker(port=0) as b:
+        yield b
+
+
+@pytest.fixture
+def bootstrap(broker) -> str:
+    """Address of the session broker, restarted first if an outage test left it down."""
+    if not broker.running:
+        broker.start()
+    return broker.bootstrap
+
+
+@pytest.fixture
+def unique_topic() -> str:
+    """A topic name no other test uses (the session broker is shared)."""
+    return f"t.{uuid.uuid4().hex[:10]}"
+
+
+@pytest.fixture
+def real_logs() -> Path:
+    """The folder of real training logs that ships beside the repository (skip when absent)."""
+    if not REAL_LOGS.is_dir():
+        pytest.skip(f"real training logs not found at {REAL_LOGS}: they ship beside the repository in CI")
+    return REAL_LOGS
+
+
+def pytest_configure(config):
+    os.environ.setdefault("SDCWATCH_HOST", "testhost")

@@ -1,0 +1,92 @@
+"""One contract, run on every detector class the package registers (a new detector is tested by
+being written): deterministic for a seed, silent in warm-up, finds its fault family, silent on
+clean data, and snapshot + restore equal to an uninterrupted run."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from detector_synth import Fault, SyntheticRun, findings_key
+from sdcwatch.detectors import DETECTORS
+
+ALL = pytest.mark.parametrize("cls", DETECTORS, ids=lambda c: c.name)
+RANK_LOCAL = {"nonfinite", "rank_shift", "replica", "straggler", "missing"}
+
+
+def run(det, frames):
+    out = []
+    for fr in frames:
+        out += det.update(fr)
+    return out
+
+
+def test_every_detector_is_registered():
+    assert {c.name for c in DETECTORS} >= {"nonfinite", "spike", "rank_outlier", "replica", "straggler",
+                                            "missing_rank", "river_hst"}
+
+
+@ALL
+def test_declares_a_known_fault_family_and_warmup(cls):
+    from detector_synth import FAMILIES
+
+    assert cls.fault in FAMILIES
+    assert int(cls().warmup_steps) >= 0
+
+
+@ALL
+def test_deterministic_for_a_seed(cls):
+    synth = SyntheticRun(seed=7, faults=[Fault(cls.fault, step=150)])
+    frames = [synth.frame(s) for s in range(220)]
+    a, b = run(cls(), frames), run(cls(), frames)
+    assert findings_key(a) == findings_key(b)
+
+
+@ALL
+def test_silent_during_warmup(cls):
+    det = cls()
+    n = int(det.warmup_steps)
+    synth = SyntheticRun(seed=1, faults=[Fault(cls.fault, step=max(0, n // 2), length=max(1, n // 2))])
+    for s in range(n):
+        assert det.update(synth.frame(s)) == [], f"finding during warm-up at step {s}"
+
+
+@ALL
+def test_finds_its_injected_fault(cls):
+    det = cls()
+    onset = int(det.warmup_steps) + 100
+    fault = Fault(cls.fault, step=onset)
+    synth = SyntheticRun(seed=3, faults=[fault])
+    found = [f for s in range(onset + 50) for f in det.update(synth.frame(s))]
+    assert found, "no finding for the injected fault"
+    assert min(f.step for f in found) >= onset, "finding before the fault"
+    first = min(f.step for f in found)
+    assert first - onset <= 50
+    if cls.fault in RANK_LOCAL:
+        assert any(fault.rank in f.ranks for f in found), "the faulty rank is not named"
+
+
+@ALL
+def test_silent_on_clean_data(cls):
+    det = cls()
+    synth = SyntheticRun(seed=11)
+    found = [f for s in range(int(det.warmup_steps) + 500) for f in det.update(synth.frame(s))]
+    assert found == []
+
+
+@ALL
+def test_snapshot_restore_equals_uninterrupted_run(cls):
+    synth = SyntheticRun(seed=5, faults=[Fault(cls.fault, step=int(cls().warmup_steps) + 40)])
+    n = int(cls().warmup_steps) + 90
+    frames = [synth.frame(s) for s in range(n)]
+    whole = run(cls(), frames)
+    cut = n - 60  # in the middle of warm-up's end and the fault
+    first = cls()
+    part = run(first, frames[:cut])
+    state = json.loads(json.dumps(first.snapshot(), allow_nan=False))
+    second = cls()
+    second.restore(state)
+    part += run(second, frames[cut:])
+    assert findings_key(part) == findings_key(whole)
+    assert whole, "the fault should have produced findings (else the comparison proves little)"

@@ -1,0 +1,274 @@
+"""Test support shared by tests/exporters and tests/dashboards: synthetic service views and
+launchers for the real Prometheus and Alertmanager binaries (Debian packages) on loopback ports.
+
+Loaded by both conftest.py files by path (the test folders are not packages).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from sdcwatch.detectors.types import Incident, PipelineView, RunView, ServiceView, Severity
+
+REPO = Path(__file__).resolve().parents[2]
+DASHBOARDS = REPO / "dashboards"
+
+SCALARS = ("loss", "loss_global", "grad_norm_local", "grad_norm_global", "grad_cosine", "step_time",
+           "nonfinite", "lr", "emitter_dropped")
+LAYER_METRICS = ("attn_entropy", "attn_entropy_min", "q_norm_mean", "q_norm_max", "k_norm_mean",
+                 "k_norm_max", "attn_logit_max")
+
+
+def sdc_incident(run: str = "r1", *, rank: int = 5, host: str = "h2", id: str = "inc-sdc-1",
+                 opened_at: float = 0.0, resolved: bool = False) -> Incident:
+    """An SDC incident on one rank, as the attribution detector would open it."""
+    inc = Incident(
+        id=id, run=run, kind="sdc_suspected", severity=Severity.CRITICAL, first_step=100, last_step=120,
+        message=f"loss spike, SDC suspected on rank {rank} (host {host}), layer 1 attention",
+        ranks=(rank,), hosts=(host,), metric="attn_entropy", layer=1, score=9.5,
+        evidence={"robust_z": 12.25, "steps": [100, 110, 120]}, detector="attribution", peak_step=110,
+        opened_at=opened_at,
+    )
+    if resolved:
+        inc.resolved_step = 140
+        inc.resolved_at = opened_at + 30.0
+    return inc
+
+
+def small_view(world: int = 8, layers: int = 2) -> ServiceView:
+    """A tiny, fully deterministic view (for exact exposition text)."""
+    scores = np.zeros(world)
+    scores[5] = 9.5
+    scores[2] = 1.0
+    run = RunView(
+        run="r1", world=world, last_step=120, last_step_wall=1000.0, loss=2.5, grad_norm=1.25,
+        spike_scores={"loss": 7.5, "grad_norm": 0.5}, rank_scores=scores,
+        hosts=[f"h{r // 2}" for r in range(world)],
+        scalar_stats={"loss": np.array([2.0, 2.25, 2.5, 2.75, 3.0])},
+        layer_stats={"attn_entropy": np.arange(layers * 5, dtype=float).reshape(layers, 5)},
+        steps_total=120, late_ranks=1, missing_ranks=0, emitter_dropped=3,
+    )
+    return ServiceView(
+        runs=[run],
+        pipeline=PipelineView(records_total=960, records_per_second=8.0, duplicates_total=1,
+                              dead_letters_total=2, consumer_lag=4, last_record_wall=999.0),
+        incidents=[sdc_incident(opened_at=990.0)],
+        incidents_total={("sdc_suspected", "critical"): 1, ("loss_spike", "warning"): 2},
+        findings_total={("rank_outlier", "rank_outlier"): 7},
+    )
+
+
+def large_view(world: int, layers: int = 80, seed: int = 0, incidents: int = 3) -> ServiceView:
+    """A realistic view of a big job: every scalar and layer metric, a few multi-rank incidents."""
+    rng = np.random.default_rng(seed)
+    stats = np.sort(rng.normal(size=(5,)))
+    run = RunView(
+        run="big", world=world, last_step=5000, last_step_wall=time.time(), loss=2.0, grad_norm=1.0,
+        spike_scores={"loss": 0.3, "grad_norm": 0.2}, rank_scores=rng.exponential(size=world),
+        hosts=[f"node{r // 8:05d}" for r in range(world)],
+        scalar_stats={name: stats.copy() for name in SCALARS},
+        layer_stats={name: np.sort(rng.normal(size=(layers, 5)), axis=1) for name in LAYER_METRICS},
+        steps_total=5000, late_ranks=3, missing_ranks=1, emitter_dropped=0,
+    )
+    incs = [sdc_incident("big", rank=int(r), host=f"node{int(r) // 8:05d}", id=f"inc-{i}")
+            for i, r in enumerate(rng.choice(world, size=incidents, replace=False))]
+    # an incident naming every rank must not create a series per rank
+    incs.append(Incident(id="inc-all", run="big", kind="optimisation_instability", severity=Severity.WARNING,
+                         first_step=4990, last_step=5000, message="all ranks alike", ranks=tuple(range(world))))
+    kinds = ["nonfinite", "loss_spike", "grad_spike", "rank_outlier", "replica_divergence", "straggler",
+             "missing_rank", "sdc_suspected", "optimisation_instability", "silent_drift"]
+    return ServiceView(
+        runs=[run], pipeline=PipelineView(records_total=10**9, records_per_second=16384.0),
+        incidents=incs,
+        incidents_total={(k, s): 1 for k in kinds for s in ("info", "warning", "critical")},
+        findings_total={(d, k): 1 for d in ("nonfinite", "spike", "rank_outlier", "replica", "attribution")
+                        for k in kinds},
+    )
+
+
+@dataclass
+class TroubledService:
+    """A live, changing view in which every alert rule's condition holds, and every dashboard
+    panel has data: loss spike, an open SDC incident on rank 5 (host h2), non-finite values,
+    missing ranks, a stalled run, a lagging consumer and growing dead letters."""
+
+    world: int = 8
+    layers: int = 4
+    started: float = field(default_factory=time.time)
+    scrapes: int = 0
+
+    def __call__(self) -> ServiceView:
+        self.scrapes += 1
+        n = self.scrapes
+        scores = np.linspace(0.0, 1.0, self.world)
+        scores[5] = 25.0
+        stats = {name: np.array([0.5, 1.0, 1.5, 2.0, 2.5]) for name in SCALARS}
+        stats["nonfinite"] = np.array([0.0, 0.0, 0.0, 0.0, 3.0])
+        layer = np.tile(np.array([0.5, 1.0, 1.5, 2.0, 2.5]), (self.layers, 1))
+        run = RunView(
+            run="r1", world=self.world, last_step=120 + n, last_step_wall=self.started - 900.0,
+            loss=2.5 + 0.01 * n, grad_norm=1.25, spike_scores={"loss": 9.0, "grad_norm": 3.0},
+            rank_scores=scores, hosts=[f"h{r // 2}" for r in range(self.world)],
+            scalar_stats=stats, layer_stats={name: layer.copy() for name in LAYER_METRICS},
+            steps_total=120 + n, late_ranks=1, missing_ranks=2, emitter_dropped=4 * n,
+        )
+        return ServiceView(
+            runs=[run],
+            pipeline=PipelineView(records_total=1000 * n, records_per_second=1000.0, duplicates_total=n,
+                                  dead_letters_total=2 * n, consumer_lag=500_000,
+                                  last_record_wall=time.time()),
+            incidents=[sdc_incident(opened_at=self.started)],
+            incidents_total={("sdc_suspected", "critical"): 1, ("loss_spike", "warning"): 1 + n},
+            findings_total={("attribution", "sdc_suspected"): n},
+        )
+
+
+# -- real servers -----------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http_json(url: str, *, data: bytes | None = None, timeout: float = 5.0) -> Any:
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"} if data else {})
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        return json.loads(resp.read() or b"null")
+
+
+def wait_ready(url: str, proc: subprocess.Popen, log: Path, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{proc.args[0]} exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            with urllib.request.urlopen(url, timeout=1.0) as resp:
+                if resp.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.1)
+    raise RuntimeError(f"{url} not ready after {timeout}s:\n{log.read_text()[-3000:]}")
+
+
+class Server:
+    """A child process on a loopback port, stopped (and waited for) by :meth:`stop`."""
+
+    def __init__(self, args: list[str], ready_url: str, base_url: str, log: Path) -> None:
+        self.base_url = base_url
+        self.log = log
+        self._log_file = open(log, "wb")
+        self.proc = subprocess.Popen(args, stdout=self._log_file, stderr=subprocess.STDOUT)
+        try:
+            wait_ready(ready_url, self.proc, log)
+        except Exception:
+            self.stop()
+            raise
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        self._log_file.close()
+
+
+def require_binary(name: str) -> str:
+    import pytest
+
+    path = shutil.which(name)
+    if path is None:
+        pytest.skip(f"{name} not installed: apt-get install -y prometheus prometheus-alertmanager")
+    return path
+
+
+def start_prometheus(workdir: Path, scrape_target: str, rule_files: list[Path] = ()) -> Server:
+    """Prometheus scraping ``scrape_target`` (host:port) every second, evaluating ``rule_files``."""
+    binary = require_binary("prometheus")
+    workdir.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    config = {
+        "global": {"scrape_interval": "1s", "evaluation_interval": "1s", "scrape_timeout": "1s"},
+        "rule_files": [str(p) for p in rule_files],
+        "scrape_configs": [{"job_name": "sdcwatch", "static_configs": [{"targets": [scrape_target]}]}],
+    }
+    cfg = workdir / "prometheus.yml"
+    cfg.write_text(json.dumps(config))  # JSON is YAML
+    base = f"http://127.0.0.1:{port}"
+    return Server([binary, f"--config.file={cfg}", f"--storage.tsdb.path={workdir / 'data'}",
+                   f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],
+                  f"{base}/-/ready", base, workdir / "prometheus.log")
+
+
+def start_alertmanager(workdir: Path, webhook_url: str) -> Server:
+    """Alertmanager routing everything to ``webhook_url`` at once (group_wait 0s, interval 1s)."""
+    binary = require_binary("prometheus-alertmanager")
+    workdir.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    config = {
+        "route": {"receiver": "test", "group_by": ["alertname", "run", "incident"], "group_wait": "0s",
+                  "group_interval": "1s", "repeat_interval": "1h"},
+        "receivers": [{"name": "test", "webhook_configs": [{"url": webhook_url, "send_resolved": True}]}],
+    }
+    cfg = workdir / "alertmanager.yml"
+    cfg.write_text(json.dumps(config))
+    base = f"http://127.0.0.1:{port}"
+    return Server([binary, f"--config.file={cfg}", f"--storage.path={workdir / 'data'}",
+                   f"--web.listen-address=127.0.0.1:{port}", "--cluster.listen-address=", "--log.level=warn"],
+                  f"{base}/-/ready", base, workdir / "alertmanager.log")
+
+
+def prom_query(base: str, expr: str, at: float | None = None) -> list[dict]:
+    """Instant query; raises AssertionError with Prometheus's error text if the query fails."""
+    params = {"query": expr}
+    if at is not None:
+        params["time"] = f"{at:.3f}"
+    url = f"{base}/api/v1/query?" + urllib.parse.urlencode(params)
+    try:
+        body = http_json(url)
+    except urllib.error.HTTPError as exc:
+        raise AssertionError(f"query {expr!r} failed: {exc.read().decode()}") from None
+    assert body["status"] == "success", f"query {expr!r}: {body}"
+    return body["data"]["result"]
+
+
+def wait_for(predicate, timeout: float, what: str, interval: float = 0.2):
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        last = predicate()
+        if last:
+            return last
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
+
+
+def load_generator():
+    """dashboards/generate.py as a module (dashboards/ is not a package)."""
+    import importlib.util
+    import sys
+
+    name = "sdcwatch_dashboard_generate"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, DASHBOARDS / "generate.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]

@@ -1,0 +1,247 @@
+"""The collector: exact exposition text, bounded cardinality, top-K choice, robustness."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+import sdcwatch_exporter_test_support as support  # registered by conftest.py
+from sdcwatch.errors import ConfigError
+from sdcwatch.exporters import METRICS, SdcwatchCollector
+from sdcwatch.exporters.collector import MAX_RANKS_PER_INCIDENT
+
+
+def render(view_fn, **options) -> str:
+    registry = CollectorRegistry()
+    registry.register(SdcwatchCollector(view_fn, clock=lambda: 1001.0, **options))
+    return generate_latest(registry).decode()
+
+
+def series(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line and not line.startswith("#")]
+
+
+EXPECTED_SMALL = """\
+# HELP sdcwatch_training_loss Latest global training loss (mean over ranks) of the last completed step.
+# TYPE sdcwatch_training_loss gauge
+sdcwatch_training_loss{run="r1"} 2.5
+# HELP sdcwatch_training_grad_norm Latest global gradient norm of the last completed step.
+# TYPE sdcwatch_training_grad_norm gauge
+sdcwatch_training_grad_norm{run="r1"} 1.25
+# HELP sdcwatch_training_last_step Last training step the detector service completed.
+# TYPE sdcwatch_training_last_step gauge
+sdcwatch_training_last_step{run="r1"} 120.0
+# HELP sdcwatch_training_steps_total Training steps the detector service has completed.
+# TYPE sdcwatch_training_steps_total counter
+sdcwatch_training_steps_total{run="r1"} 120.0
+# HELP sdcwatch_training_world_size Number of ranks (world size) of the run.
+# TYPE sdcwatch_training_world_size gauge
+sdcwatch_training_world_size{run="r1"} 8.0
+# HELP sdcwatch_detector_spike_score Current spike score of a global metric against its robust trend-aware baseline.
+# TYPE sdcwatch_detector_spike_score gauge
+sdcwatch_detector_spike_score{metric="grad_norm",run="r1"} 0.5
+sdcwatch_detector_spike_score{metric="loss",run="r1"} 7.5
+# HELP sdcwatch_detector_findings_total Findings produced by each detector, by kind.
+# TYPE sdcwatch_detector_findings_total counter
+sdcwatch_detector_findings_total{detector="rank_outlier",kind="rank_outlier"} 7.0
+# HELP sdcwatch_rank_outlier_score Accumulated rank-outlier evidence of a rank; exported for the top-K ranks and every rank in an open incident only.
+# TYPE sdcwatch_rank_outlier_score gauge
+sdcwatch_rank_outlier_score{host="h1",rank="2",run="r1"} 1.0
+sdcwatch_rank_outlier_score{host="h2",rank="5",run="r1"} 9.5
+# HELP sdcwatch_rank_metric Statistic across ranks (min, q25, median, q75, max) of a per-rank scalar at the last step.
+# TYPE sdcwatch_rank_metric gauge
+sdcwatch_rank_metric{metric="loss",run="r1",stat="min"} 2.0
+sdcwatch_rank_metric{metric="loss",run="r1",stat="q25"} 2.25
+sdcwatch_rank_metric{metric="loss",run="r1",stat="median"} 2.5
+sdcwatch_rank_metric{metric="loss",run="r1",stat="q75"} 2.75
+sdcwatch_rank_metric{metric="loss",run="r1",stat="max"} 3.0
+# HELP sdcwatch_layer_metric Statistic across ranks of a per-layer metric at the last step.
+# TYPE sdcwatch_layer_metric gauge
+sdcwatch_layer_metric{layer="0",metric="attn_entropy",run="r1",stat="min"} 0.0
+sdcwatch_layer_metric{layer="0",metric="attn_entropy",run="r1",stat="median"} 2.0
+sdcwatch_layer_metric{layer="0",metric="attn_entropy",run="r1",stat="max"} 4.0
+sdcwatch_layer_metric{layer="1",metric="attn_entropy",run="r1",stat="min"} 5.0
+sdcwatch_layer_metric{layer="1",metric="attn_entropy",run="r1",stat="median"} 7.0
+sdcwatch_layer_metric{layer="1",metric="attn_entropy",run="r1",stat="max"} 9.0
+# HELP sdcwatch_incidents_open Incidents currently open.
+# TYPE sdcwatch_incidents_open gauge
+sdcwatch_incidents_open{kind="loss_spike",run="r1",severity="warning"} 0.0
+sdcwatch_incidents_open{kind="sdc_suspected",run="r1",severity="critical"} 1.0
+# HELP sdcwatch_incidents_total Incidents opened since the service started.
+# TYPE sdcwatch_incidents_total counter
+sdcwatch_incidents_total{kind="loss_spike",severity="warning"} 2.0
+sdcwatch_incidents_total{kind="sdc_suspected",severity="critical"} 1.0
+# HELP sdcwatch_incident_info One series per open or recently resolved incident, carrying its description as labels.
+# TYPE sdcwatch_incident_info gauge
+sdcwatch_incident_info{detector="attribution",host="h2",id="inc-sdc-1",kind="sdc_suspected",layer="1",metric="attn_entropy",rank="5",run="r1",severity="critical",state="open"} 1.0
+# HELP sdcwatch_incident_first_step First training step of an open or recently resolved incident.
+# TYPE sdcwatch_incident_first_step gauge
+sdcwatch_incident_first_step{id="inc-sdc-1",run="r1"} 100.0
+# HELP sdcwatch_incident_last_step Last training step at which an incident was seen.
+# TYPE sdcwatch_incident_last_step gauge
+sdcwatch_incident_last_step{id="inc-sdc-1",run="r1"} 120.0
+# HELP sdcwatch_incident_score Peak detector score of an incident.
+# TYPE sdcwatch_incident_score gauge
+sdcwatch_incident_score{id="inc-sdc-1",run="r1"} 9.5
+# HELP sdcwatch_pipeline_records_total Telemetry records the service has consumed.
+# TYPE sdcwatch_pipeline_records_total counter
+sdcwatch_pipeline_records_total 960.0
+# HELP sdcwatch_pipeline_records_per_second Recent rate of consumed telemetry records.
+# TYPE sdcwatch_pipeline_records_per_second gauge
+sdcwatch_pipeline_records_per_second 8.0
+# HELP sdcwatch_pipeline_consumer_lag_records Records between the consumer position and the end of the telemetry topic.
+# TYPE sdcwatch_pipeline_consumer_lag_records gauge
+sdcwatch_pipeline_consumer_lag_records 4.0
+# HELP sdcwatch_pipeline_dead_letters_total Malformed records routed to the dead-letter topic.
+# TYPE sdcwatch_pipeline_dead_letters_total counter
+sdcwatch_pipeline_dead_letters_total 2.0
+# HELP sdcwatch_pipeline_duplicates_total Duplicate records (same run, step and rank) discarded.
+# TYPE sdcwatch_pipeline_duplicates_total counter
+sdcwatch_pipeline_duplicates_total 1.0
+# HELP sdcwatch_pipeline_last_record_age_seconds Seconds since the service consumed its last record.
+# TYPE sdcwatch_pipeline_last_record_age_seconds gauge
+sdcwatch_pipeline_last_record_age_seconds 2.0
+# HELP sdcwatch_pipeline_last_step_age_seconds Seconds since the service completed the last step of the run.
+# TYPE sdcwatch_pipeline_last_step_age_seconds gauge
+sdcwatch_pipeline_last_step_age_seconds{run="r1"} 1.0
+# HELP sdcwatch_pipeline_late_ranks Ranks that missed the alignment deadline at the last closed step.
+# TYPE sdcwatch_pipeline_late_ranks gauge
+sdcwatch_pipeline_late_ranks{run="r1"} 1.0
+# HELP sdcwatch_pipeline_missing_ranks Ranks not heard from for a long time (presumed dead).
+# TYPE sdcwatch_pipeline_missing_ranks gauge
+sdcwatch_pipeline_missing_ranks{run="r1"} 0.0
+# HELP sdcwatch_emitter_dropped_records_total Records the in-rank emitters dropped (buffer full or bus down), summed over ranks.
+# TYPE sdcwatch_emitter_dropped_records_total counter
+sdcwatch_emitter_dropped_records_total{run="r1"} 3.0
+# HELP sdcwatch_exporter_view_errors_total Scrapes at which reading the service state failed (the scrape then shows only this).
+# TYPE sdcwatch_exporter_view_errors_total counter
+sdcwatch_exporter_view_errors_total 0.0
+"""
+
+
+def test_exposition_text_of_a_small_view_is_exact():
+    assert render(support.small_view, top_k=2) == EXPECTED_SMALL
+
+
+def test_incident_rank_is_exported_even_outside_the_top_k():
+    view = support.small_view()
+    view.runs[0].rank_scores[:] = 0.0
+    view.runs[0].rank_scores[0] = 50.0  # rank 0 is the top outlier; rank 5 only has the incident
+    exported = re.findall(r'sdcwatch_rank_outlier_score\{host="[^"]*",rank="(\d+)"', render(lambda: view, top_k=1))
+    assert exported == ["0", "5"]
+
+
+def test_top_k_prefers_higher_scores_then_lower_ranks_and_puts_nan_first():
+    view = support.small_view()
+    view.incidents = []
+    view.runs[0].rank_scores = np.array([1.0, 3.0, 3.0, 3.0, np.nan, 0.0, 2.0, 3.0])
+    exported = re.findall(r'rank="(\d+)"', render(lambda: view, top_k=3))
+    assert exported == ["1", "2", "4"]  # NaN first, then the two lowest of the four 3.0 ranks
+
+
+def test_top_k_zero_exports_only_incident_ranks():
+    exported = re.findall(r'sdcwatch_rank_outlier_score\{[^}]*rank="(\d+)"', render(support.small_view, top_k=0))
+    assert exported == ["5"]
+
+
+def test_resolved_incidents_are_listed_but_not_counted_open():
+    view = support.small_view()
+    view.incidents = [support.sdc_incident(opened_at=990.0, resolved=True)]
+    text = render(lambda: view)
+    assert 'state="resolved"' in text
+    assert 'sdcwatch_incidents_open{kind="sdc_suspected",run="r1",severity="critical"} 0.0' in text
+    assert "sdcwatch_rank_outlier_score{host=\"h2\",rank=\"5\"" not in render(lambda: view, top_k=0)
+
+
+@pytest.mark.parametrize("world", [8, 1024, 16_384])
+def test_cardinality_is_bounded_whatever_the_world_size(world):
+    count = len(series(render(lambda: support.large_view(world), top_k=16)))
+    assert count < 2000, f"{count} series at {world} ranks"
+
+
+def test_series_count_does_not_grow_with_world_size():
+    def split(world):
+        lines = series(render(lambda: support.large_view(world), top_k=16))
+        per_rank = [s for s in lines if s.startswith("sdcwatch_rank_outlier_score{")]
+        return len(per_rank), len(lines) - len(per_rank)
+
+    small_ranks, small_rest = split(64)
+    huge_ranks, huge_rest = split(16_384)
+    assert small_rest == huge_rest
+    # top-K plus at most MAX_RANKS_PER_INCIDENT ranks of each of the 4 open incidents
+    assert 16 <= huge_ranks <= 16 + 4 * MAX_RANKS_PER_INCIDENT
+    assert 16 <= small_ranks <= 16 + 4 * MAX_RANKS_PER_INCIDENT
+
+
+def test_no_label_carries_a_step_and_every_family_is_catalogued():
+    text = render(lambda: support.large_view(256))
+    catalogue = {spec.name for spec in METRICS} | {spec.family for spec in METRICS}
+    for family in text_string_to_metric_families(text):
+        assert family.name in catalogue, family.name
+        assert family.documentation, family.name
+        for sample in family.samples:
+            assert not {"step", "first_step", "last_step"} & set(sample.labels), sample
+
+
+def test_catalogue_follows_the_naming_convention():
+    for spec in METRICS:
+        assert re.fullmatch(r"sdcwatch_[a-z]+_[a-z0-9_]+", spec.name), spec.name
+        assert (spec.kind == "counter") == spec.name.endswith("_total"), spec.name
+        assert spec.help.endswith("."), spec.name
+        assert "step" not in spec.labels
+
+
+def test_a_failing_view_still_answers_the_scrape_and_counts_the_error():
+    calls = {"n": 0}
+
+    def broken():
+        calls["n"] += 1
+        raise RuntimeError("service lock poisoned")
+
+    registry = CollectorRegistry()
+    registry.register(SdcwatchCollector(broken))
+    first = generate_latest(registry).decode()
+    second = generate_latest(registry).decode()
+    assert series(first) == ["sdcwatch_exporter_view_errors_total 1.0"]
+    assert series(second) == ["sdcwatch_exporter_view_errors_total 2.0"]
+    assert calls["n"] == 2
+
+
+def test_layer_metric_filter_and_stats_choice():
+    view = support.large_view(32, layers=3)
+    text = render(lambda: view, layer_metrics=["attn_entropy"], layer_stats=["median"])
+    layer_series = [s for s in series(text) if s.startswith("sdcwatch_layer_metric")]
+    assert len(layer_series) == 3
+    assert all('metric="attn_entropy"' in s and 'stat="median"' in s for s in layer_series)
+
+
+@pytest.mark.parametrize("options,key", [
+    ({"top_k": -1}, "exporter.top_k"),
+    ({"top_k": 2.5}, "exporter.top_k"),
+    ({"layer_stats": ["p99"]}, "exporter.layer_stats"),
+    ({"scalar_stats": "median"}, "exporter.scalar_stats"),
+])
+def test_bad_settings_are_rejected_naming_the_key(options, key):
+    with pytest.raises(ConfigError) as err:
+        SdcwatchCollector(support.small_view, **options)
+    assert err.value.key == key
+
+
+def test_view_fn_must_be_callable():
+    with pytest.raises(ConfigError, match="exporter.view_fn"):
+        SdcwatchCollector(support.small_view())
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed")
+@pytest.mark.parametrize("make_view", [support.small_view, lambda: support.large_view(16_384)])
+def test_promtool_check_metrics_accepts_the_exposition(make_view):
+    text = render(make_view)
+    result = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True, timeout=30)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.strip() == "" and result.stderr.strip() == "", result.stdout + result.stderr

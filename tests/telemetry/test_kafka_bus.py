@@ -1,0 +1,164 @@
+"""The emitter, the Kafka transport and the source against a real Kafka-protocol broker."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+
+import pytest
+
+from sdcwatch.detectors.source import FAST_JOIN, KafkaSource
+from sdcwatch.telemetry import Emitter, KafkaTransport, Record, encode
+from sdcwatch.telemetry.record import encode_batch
+
+pytestmark = pytest.mark.integration
+
+PRODUCER = textwrap.dedent(
+    """
+    import sys
+    from sdcwatch.telemetry import Emitter, KafkaTransport
+    bootstrap, topic, first_rank, n_ranks, steps = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:])
+    ems = [Emitter(KafkaTransport(bootstrap, topic), run="bus-test", rank=r, world=8, host=f"h{r // 4}")
+           for r in range(first_rank, first_rank + n_ranks)]
+    for step in range(steps):
+        for em in ems:
+            em.emit(step, loss=float(step), grad_norm_local=float(em.rank), layers={"attn_entropy": [1.0, 2.0]})
+    ok = all(em.flush(120) for em in ems)
+    for em in ems:
+        em.close()
+        assert em.sent == steps and em.dropped == 0, (em.sent, em.dropped)
+    print("OK" if ok else "FLUSH-TIMEOUT")
+    """
+)
+
+
+def consume(bootstrap, topic, want, timeout=90.0, group=None):
+    src = KafkaSource(bootstrap, topic, group=group or f"g-{uuid.uuid4().hex[:8]}",
+                      deadletter_topic=f"{topic}.dead")
+    got = []
+    deadline = time.monotonic() + timeout
+    try:
+        while len(got) < want and time.monotonic() < deadline:
+            got.extend(src.poll(0.5))
+        # a short grace period to catch anything invented beyond what was expected
+        end = time.monotonic() + 1.0
+        while time.monotonic() < end:
+            got.extend(src.poll(0.2))
+        src.commit()
+        return got, src
+    finally:
+        src.close()
+
+
+def test_8_ranks_in_2_processes_80k_records_none_lost_none_invented(bootstrap, unique_topic):
+    procs = [
+        subprocess.Popen([sys.executable, "-c", PRODUCER, bootstrap, unique_topic, str(first), "4", "10000"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for first in (0, 4)
+    ]
+    got, src = consume(bootstrap, unique_topic, 80_000, timeout=180)
+    for p in procs:
+        out, err = p.communicate(timeout=180)
+        assert p.returncode == 0 and out.strip() == "OK", err[-2000:]
+    keys = [(r.rank, r.step) for r in got]
+    assert len(keys) == 80_000
+    assert set(keys) == {(rank, step) for rank in range(8) for step in range(10_000)}
+    assert src.dead_letters == 0
+    sample = next(r for r in got if r.rank == 5 and r.step == 1234)
+    assert sample.scalars["loss"] == 1234.0 and sample.scalars["grad_norm_local"] == 5.0
+    assert sample.host == "h1" and sample.layers["attn_entropy"] == (1.0, 2.0)
+
+
+def test_broker_outage_never_blocks_training_and_drops_are_exact(broker, unique_topic):
+    bootstrap = broker.bootstrap
+    em = Emitter(KafkaTransport(bootstrap, unique_topic), run="outage", rank=0, world=1, host="h",
+                 buffer=2000, batch=256)
+    for step in range(500):
+        em.emit(step, loss=1.0)
+    assert em.flush(30) and em.sent == 500
+
+    broker.kill()
+    lat_ns = []
+    max_pending = 0
+    step = 500
+    t_end = time.monotonic() + 4.0
+    while time.monotonic() < t_end:  # about 2 kHz for 4 s: a fast training loop
+        t0 = time.perf_counter_ns()
+        em.emit(step, loss=1.0)
+        lat_ns.append(time.perf_counter_ns() - t0)
+        step += 1
+        max_pending = max(max_pending, em.pending)
+        time.sleep(0.0005)
+    outage_last = step
+    assert em.dropped > 0, "the outage should have overflowed the 2,000-record buffer"
+    assert max_pending <= 2000  # memory stays within the configured bound
+    lat_ns.sort()
+    p99_us = lat_ns[int(len(lat_ns) * 0.99)] / 1000
+    assert p99_us < 2000, f"emit p99 during the outage was {p99_us:.0f} us"
+
+    broker.start()  # same port; memory storage: the old topic and its records are gone
+    assert em.flush(60), "the buffered records were not sent after the broker came back"
+    resumed_at = step
+    for _ in range(500):
+        em.emit(step, loss=2.0)
+        step += 1
+    assert em.flush(60), "sending did not resume after the broker came back"
+    em.close()
+    assert em.emitted == step
+    assert em.sent + em.dropped == em.emitted  # every record is either confirmed or counted as dropped
+
+    sent_after_restart = em.sent - 500
+    got, _ = consume(bootstrap, unique_topic, sent_after_restart, timeout=60)
+    steps = {r.step for r in got}
+    assert len(steps) == sent_after_restart  # what the new broker confirmed is all there, nothing invented
+    kept = sent_after_restart - 500
+    assert 0 < kept <= 2000
+    # the buffer kept the oldest outage records, dropped the newest, and every later record arrived
+    assert steps == set(range(500, 500 + kept)) | set(range(resumed_at, step))
+    assert em.dropped == (outage_last - 500) - kept
+
+
+def test_malformed_and_foreign_messages_go_to_dead_letters(bootstrap, unique_topic):
+    from kafka import KafkaConsumer, KafkaProducer
+
+    producer = KafkaProducer(bootstrap_servers=[bootstrap])
+    good = [Record("dl", step, 0, 2, "h") for step in range(6)]
+    bad_version = bytearray(encode(good[0]))
+    bad_version[4] = 9
+    bad = [
+        b"hello, I am some other application's message",
+        b'{"v": 1, "run": "dl"}',
+        bytes(bad_version),
+        encode(good[0])[:-4],  # truncated
+        encode_batch(good[:2])[:-1],
+    ]
+    sequence = [encode(good[0]), bad[0], encode(good[1]), bad[1], bad[2], encode_batch(good[2:4]), bad[3],
+                encode(good[4]), bad[4], encode(good[5])]
+    for value in sequence:
+        producer.send(unique_topic, key=b"dl/0", value=value)  # one key: one partition, in order
+    producer.flush()
+    producer.close()
+
+    got, src = consume(bootstrap, unique_topic, len(good), timeout=60)
+    assert [r.step for r in got] == list(range(6))
+    assert src.dead_letters == len(bad)
+
+    consumer = KafkaConsumer(f"{unique_topic}.dead", bootstrap_servers=[bootstrap], auto_offset_reset="earliest",
+                             group_id=f"dl-{uuid.uuid4().hex[:6]}", consumer_timeout_ms=15_000, **FAST_JOIN)
+    dead = []
+    for msg in consumer:
+        dead.append((msg.value, dict(msg.headers)))
+        if len(dead) == len(bad):
+            break
+    consumer.close()
+    assert [value for value, _ in dead] == bad  # the original bytes, for inspection
+    reasons = [headers["sdcwatch.reason"].decode() for _, headers in dead]
+    assert "magic" in reasons[0]
+    assert "magic" in reasons[1]
+    assert "unknown record version 9" in reasons[2]
+    assert "truncated" in reasons[3]
+    assert "truncated" in reasons[4]
+    assert all(headers["sdcwatch.origin"].decode().startswith(f"{unique_topic}/") for _, headers in dead)
