@@ -130,14 +130,13 @@ class StepFrame:
         detector reports them); when no value is finite the result is non-finite.
         """
         for name in names:
-            col = self.scalar(name)
-            if col is None:
+            if name not in self.scalar_names:
                 continue
-            col = col[self.present] if self.world > 1 else col
+            if self.world == 1:  # offline replay of a single series: the hot path there
+                return float(self.scalars[0, self.scalar_names.index(name)])
+            col = self.scalar(name)[self.present]
             if col.size == 0:
                 continue
-            if self.world == 1:
-                return float(col[0])
             finite = col[np.isfinite(col)]
             if finite.size == 0:
                 return float(col[0])

@@ -40,6 +40,11 @@ def incident_from_dict(d: dict[str, Any]) -> Incident:
     )
 
 
+def _event(change: str, inc: Incident) -> IncidentEvent:
+    """An event carries a copy: sinks may read it on their own thread while the book moves on."""
+    return IncidentEvent(change, replace(inc, evidence=dict(inc.evidence)))
+
+
 def _num(v: Any) -> float:
     return float({"NaN": "nan", "Infinity": "inf", "-Infinity": "-inf"}.get(v, v)) if isinstance(v, str) else float(v)
 
@@ -89,7 +94,7 @@ class IncidentBook:
                 self.opened_total[(f.kind, f.severity.value)] = self.opened_total.get((f.kind, f.severity.value), 0) + 1
                 if self.history is not None:
                     self.history.append(inc)
-                events.append(IncidentEvent("opened", inc))
+                events.append(_event("opened", inc))
                 continue
             changed = False
             inc.last_step = max(inc.last_step, f.step)
@@ -108,7 +113,7 @@ class IncidentBook:
             if f.message != inc.message and (changed or f.evidence.get("phase") == "onset"):
                 inc.message, changed = f.message, True
             if changed:
-                events.append(IncidentEvent("updated", inc))
+                events.append(_event("updated", inc))
         return events
 
     def advance(self, run: str, step: int) -> list[IncidentEvent]:
@@ -129,7 +134,7 @@ class IncidentBook:
         inc.resolved_step = step
         inc.resolved_at = self.clock()
         self._resolved.append(inc)
-        return IncidentEvent("resolved", inc)
+        return _event("resolved", inc)
 
     # -- reading ------------------------------------------------------------------------------
 

@@ -154,6 +154,9 @@ class AlertmanagerSink(BackgroundSink):
         self._backoff = backoff or Backoff()
         self._open: dict[str, Incident] = {}  # incident id -> latest state, re-sent on refresh
         self._pending: dict[str, Incident] = {}  # incident id -> state not yet accepted
+        # incident id -> labels Alertmanager last accepted: when an incident changes kind, severity
+        # or ranks its alert's identity changes, and the old alert must be ended, not left to expire
+        self._accepted: dict[str, dict[str, str]] = {}
         self._retry_at: float | None = None
         self._next_refresh = time.monotonic() + self.refresh_interval
         super().__init__(name="sdcwatch-alertmanager", max_queue=max_queue)
@@ -197,8 +200,14 @@ class AlertmanagerSink(BackgroundSink):
         now = self._clock()
         valid_for = VALIDITY_INTERVALS * self.refresh_interval
         batch = dict(self._pending)
-        alerts = [alert_for(inc, now=now, valid_for=valid_for, extra_labels=self.extra_labels,
-                            generator_url=self.generator_url) for inc in batch.values()]
+        alerts = []
+        for inc_id, inc in batch.items():
+            alert = alert_for(inc, now=now, valid_for=valid_for, extra_labels=self.extra_labels,
+                              generator_url=self.generator_url)
+            previous = self._accepted.get(inc_id)
+            if previous is not None and previous != alert["labels"]:
+                alerts.append({**alert, "labels": previous, "endsAt": _rfc3339(max(now, inc.opened_at))})
+            alerts.append(alert)
         try:
             self._post(self.endpoint, encode_json(alerts), self.headers, self.timeout)
         except (DeliveryError, ValueError, OSError) as exc:
@@ -212,5 +221,9 @@ class AlertmanagerSink(BackgroundSink):
         self._retry_at = None
         self.sent += len(alerts)
         for inc_id, inc in batch.items():
-            if self._pending.get(inc_id) is inc:
-                del self._pending[inc_id]
+            if inc.open:
+                self._accepted[inc_id] = alert_for(inc, now=now, valid_for=valid_for,
+                                                   extra_labels=self.extra_labels)["labels"]
+            else:
+                self._accepted.pop(inc_id, None)
+        self._pending.clear()

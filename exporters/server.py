@@ -23,7 +23,7 @@ __all__ = ["MetricsServer", "DEFAULT_METRICS_ADDRESS", "DEFAULT_METRICS_PORT"]
 
 DEFAULT_METRICS_ADDRESS = "127.0.0.1"
 #: Default port of the service's /metrics endpoint.
-DEFAULT_METRICS_PORT = 9464
+DEFAULT_METRICS_PORT = 9400
 
 
 class MetricsServer:
@@ -69,7 +69,7 @@ class MetricsServer:
 
     @property
     def url(self) -> str:
-        """Where Prometheus should scrape, e.g. ``http://127.0.0.1:9464/metrics``."""
+        """Where Prometheus should scrape, e.g. ``http://127.0.0.1:9400/metrics``."""
         host = f"[{self.address}]" if ":" in self.address else self.address
         return f"http://{host}:{self.port}/metrics"
 

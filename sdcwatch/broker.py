@@ -137,6 +137,11 @@ class EmbeddedBroker:
         while _port_open(self.host, self.port) and time.monotonic() < deadline:
             time.sleep(0.02)
 
+    def terminate(self) -> None:
+        """Ask the broker to stop (SIGTERM) without waiting: safe inside a signal handler."""
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.send_signal(signal.SIGTERM)
+
     def kill(self) -> None:
         """Kill the broker abruptly (SIGKILL): for outage tests."""
         proc, self._proc = self._proc, None

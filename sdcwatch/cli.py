@@ -81,13 +81,14 @@ def broker_main(argv: Sequence[str]) -> int:
 
     def stop(signum, frame):
         stopping.append(signum)
-        broker.stop()
+        broker.terminate()  # the main thread is in wait(); it reaps the process and cleans up
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     broker.start()
     print(f"sdcwatch broker: listening on {broker.bootstrap} (Ctrl-C to stop)", flush=True)
     code = broker.wait()
+    broker.stop()
     if stopping:
         print("sdcwatch broker: stopped", flush=True)
         return 0

@@ -41,6 +41,7 @@ __all__ = [
     "write_report",
     "render_report",
     "report_main",
+    "build_parser",
     "DEVIATION_METRICS",
 ]
 
@@ -365,9 +366,15 @@ def _describe_injected(injected: Any) -> str:
     return "; ".join(parts)
 
 
+def _is_localised(inc: Incident, world: int) -> bool:
+    """Whether an incident blames a few ranks (not "ranks 0-5 all went NaN")."""
+    return 0 < len(inc.ranks) <= min(3, max(1, world // 2))
+
+
 def _suspect_ranks(incidents: Sequence[Incident], world: int) -> list[int]:
-    """Ranks named by the most severe rank-local incidents, strongest first (at most 3)."""
-    ranked = sorted((i for i in incidents if i.ranks), key=lambda i: (-i.severity.rank, i.first_step))
+    """Ranks blamed by the most severe localised incidents, the most specific first (at most 3)."""
+    ranked = sorted((i for i in incidents if _is_localised(i, world)),
+                    key=lambda i: (-i.severity.rank, len(i.ranks), i.first_step))
     out: list[int] = []
     for inc in ranked:
         for r in inc.ranks:
@@ -453,6 +460,20 @@ def _mark_injected(ax: Any, faults: Sequence[Mapping[str, Any]], steps: np.ndarr
             )
 
 
+def _mark_nonfinite(ax: Any, steps: np.ndarray, bad: np.ndarray, colour: str, label: str | None = None) -> None:
+    """A strip along the top of the axes over the steps with a non-finite value (runs merged)."""
+    if not bad.any():
+        return
+    idx = np.flatnonzero(bad)
+    breaks = np.flatnonzero(np.diff(idx) > 1)
+    first = idx[np.r_[0, breaks + 1]]
+    last = idx[np.r_[breaks, len(idx) - 1]]
+    half = _min_span(steps)
+    spans = [(float(steps[a]) - half, float(steps[b]) - float(steps[a]) + 2 * half) for a, b in zip(first, last)]
+    ax.broken_barh(spans, (0.955, 0.045), transform=ax.get_xaxis_transform(), facecolors=colour, zorder=4,
+                   label=label)
+
+
 def _plot_series(ax: Any, steps: np.ndarray, series: np.ndarray, per_rank: np.ndarray | None,
                  present: np.ndarray, colour: str, label: str) -> None:
     limits = _robust_limits(series if per_rank is None else np.concatenate([series, per_rank[present]]))
@@ -472,10 +493,7 @@ def _plot_series(ax: Any, steps: np.ndarray, series: np.ndarray, per_rank: np.nd
         if under.any():
             ax.plot(steps[under], np.full(under.sum(), limits[0]), linestyle="none", marker="v", color="#d62728",
                     markersize=6, clip_on=False, label="off scale (below)")
-    bad = ~np.isfinite(series) & present.any(axis=1)
-    if bad.any():
-        ax.plot(steps[bad], np.full(bad.sum(), 0.96), transform=ax.get_xaxis_transform(), linestyle="none",
-                marker="X", color="#7b1fa2", markersize=7, clip_on=False, label="non-finite")
+    _mark_nonfinite(ax, steps, ~np.isfinite(series) & present.any(axis=1), "#7b1fa2", label="non-finite")
     ax.set_ylabel(label, fontsize=9.5)
     _style_axes(ax)
 
@@ -514,10 +532,12 @@ def _plot_heatmap(data: RunData, incidents: Sequence[Incident], faults: Sequence
     from matplotlib.colors import LinearSegmentedColormap, ListedColormap
     from matplotlib.patches import Rectangle
 
-    finite_score = np.where(np.isinf(score), _Z_CAP * 10, score)
+    # Share of steps each rank was flagged, over the steps where ranks can be compared at all
+    # (when every rank is non-finite, nobody stands out).
+    comparable = np.isfinite(score).any(axis=1)
+    flags = np.where(data.present, np.where(np.isnan(score), False, score > _Z_FLAG), np.nan)[comparable]
     with _quiet_nan_warnings():
-        flagged = np.nanmean(np.where(data.present, finite_score > _Z_FLAG, np.nan), axis=0) * 100
-    flagged = np.nan_to_num(flagged)
+        flagged = np.nan_to_num(np.nanmean(flags, axis=0) * 100) if len(flags) else np.zeros(data.world)
     binned, starts = _bin_columns(score, data.steps)
     world = data.world
     height = min(6.0, 1.6 + 0.16 * world)
@@ -604,10 +624,7 @@ def _plot_attention(data: RunData, incidents: Sequence[Incident], suspects: Sequ
         for colour, rank in zip(suspect_colours, suspects):
             ax.plot(steps, values[:, rank, layer], color=colour, linewidth=0.9,
                     alpha=0.8 if layer in named_layers or not named_layers else 0.45, zorder=2)
-            bad = data.present[:, rank] & ~np.isfinite(entropy[:, rank, layer])
-            if bad.any():
-                ax.plot(steps[bad], np.full(bad.sum(), 0.95), transform=ax.get_xaxis_transform(), linestyle="none",
-                        marker="X", color=colour, markersize=6)
+            _mark_nonfinite(ax, steps, data.present[:, rank] & ~np.isfinite(entropy[:, rank, layer]), colour)
         for inc in incidents:
             if inc.layer == layer or inc.layer is None:
                 ax.axvspan(inc.first_step - _min_span(steps), inc.last_step + _min_span(steps),
@@ -689,11 +706,12 @@ def _fmt_steps(n: int) -> str:
 def _verdict(incidents: Sequence[Incident], data: RunData) -> tuple[str, str]:
     if not incidents:
         return "clean", "No incidents: every rank behaved like the others and loss and gradient norm stayed in range."
-    top = sorted(incidents, key=lambda i: (-i.severity.rank, not i.ranks, i.first_step))[0]
+    top = sorted(incidents, key=lambda i: (-i.severity.rank, not _is_localised(i, data.world), i.first_step))[0]
     where = ""
-    if top.ranks:
-        named = ", ".join(f"rank {r}" + (f" (host {data.host_of(r)})" if data.host_of(r) else "") for r in top.ranks[:3])
-        where = f" — {named}"
+    if _is_localised(top, data.world):
+        where = " — " + ", ".join(f"rank {r}" + (f" (host {data.host_of(r)})" if data.host_of(r) else "") for r in top.ranks)
+    elif top.ranks:
+        where = f" — {len(top.ranks)} ranks"
     more = f" and {len(incidents) - 1} more" if len(incidents) > 1 else ""
     return top.severity.value, (
         f"<b>{_e(top.kind.replace('_', ' '))}</b> at step {top.first_step}{_e(where)}: {_e(top.message)}"
@@ -777,8 +795,8 @@ def render_report(data: RunData, incidents: Sequence[Incident], *, title: str | 
         parts.append(
             "<section id='training'><h2>Loss and gradient norm</h2><p class='caption'>Global values per step; "
             "the band is the spread over ranks. Shaded spans are incidents (numbered as in the table), hatched "
-            "ones what was injected. Values far off the scale (a near-infinite loss) sit on the edge as ▲, "
-            "non-finite steps are marked ✕.</p>" + _figure(training, "loss and gradient norm per step") + "</section>"
+            "ones what was injected. Values far off the scale (a near-infinite loss) sit on the edge as ▲; "
+            "steps with a non-finite value show as a purple strip along the top.</p>" + _figure(training, "loss and gradient norm per step") + "</section>"
         )
     heat, used, _ = _plot_heatmap(data, incidents, faults)
     if data.world < _MIN_RANKS:
@@ -792,7 +810,8 @@ def render_report(data: RunData, incidents: Sequence[Incident], *, title: str | 
             f"largest robust z-score of a rank against the median of all ranks at that step, over "
             f"{_e(', '.join(used))}. Data-parallel ranks run the same model on different data, so a healthy rank "
             "stays pale; a faulty one lights up. Dark purple is a non-finite value, grey a missing record; blue "
-            "boxes are the ranks incidents named. The bar shows the share of steps each rank was flagged.</p>"
+            "boxes are the ranks incidents named. The bar shows the share of steps each rank was flagged "
+            f"(|z| &gt; {_Z_FLAG:g}).</p>"
             + _figure(heat, "rank by step heat map of deviation") + "</section>"
         )
     attention, shown = _plot_attention(data, incidents, suspects, faults)

@@ -428,7 +428,9 @@ class FaultInjector:
         if spec.kind == "noise":
             gen = torch.Generator(device=x.device).manual_seed(rng.getrandbits(63))
             noise = torch.randn(x.shape, generator=gen, device=x.device, dtype=x.dtype)
-            rms = x.detach().float().pow(2).mean().sqrt().to(x.dtype)
+            finite = x.detach().float()
+            finite = torch.where(torch.isfinite(finite), finite, torch.zeros((), device=x.device))
+            rms = finite.pow(2).mean().sqrt().to(x.dtype)  # masked -inf logits must not make it inf
             self.injections.append(Injection(self.step, self.rank, spec.kind, spec.where, name))
             return x + noise * (rms * spec.magnitude)
         out = x.clone()

@@ -113,36 +113,36 @@ def attention_stats(q: torch.Tensor, k: torch.Tensor, *, logits: torch.Tensor | 
                     queries: int = 16, causal: bool = True) -> torch.Tensor:
     """The :data:`ATTENTION_STATS` of one layer as a float32 (7,) tensor on the device.
 
-    Norms are over every (head, position) of the first sequence of the batch; entropy over sampled
-    heads and query positions of that sequence (nats, mean over queries, then mean and min over
-    heads); the largest logit over the whole ``logits`` tensor when given (one pass that catches a
-    NaN, Inf or near-INF anywhere), else over the sampled logits.
+    Norms are over every (sequence, head, position) of q and k: a cheap pass that keeps the
+    rank-to-rank spread small. Entropy is over sampled heads and query positions of every sequence
+    (nats; mean over sequences and queries per head, then the mean and the minimum over heads).
+    The largest logit is over the whole ``logits`` tensor when given (one pass that catches a NaN,
+    Inf or near-INF anywhere), else over the sampled logits.
     """
     with torch.no_grad():
         if q.dim() == 3:
             q, k = q.unsqueeze(1), k.unsqueeze(1)
         if q.dim() != 4 or k.dim() != 4:
             raise ValueError(f"q and k must be (batch, heads, time, d_head), got {tuple(q.shape)} and {tuple(k.shape)}")
-        q0, k0 = q[0].detach().float(), k[0].detach().float()
-        n_head, t, d_head = q0.shape
-        qn = torch.linalg.vector_norm(q0, dim=-1)
-        kn = torch.linalg.vector_norm(k0, dim=-1)
-        hs = _spread(heads, n_head)
-        qs = _spread(queries, t, start=t // 4 if t >= 4 else 0)
-        hidx = torch.tensor(hs, device=q0.device)
-        qidx = torch.tensor(qs, device=q0.device)
+        q, k = q.detach(), k.detach()
+        n_head, t, d_head = q.shape[1:]
+        qn = torch.linalg.vector_norm(q, dim=-1, dtype=torch.float32)
+        kn = torch.linalg.vector_norm(k, dim=-1, dtype=torch.float32)
+        hidx = torch.tensor(_spread(heads, n_head), device=q.device)
+        qidx = torch.tensor(_spread(queries, t, start=t // 4 if t >= 4 else 0), device=q.device)
         if logits is not None:
-            sampled = logits[0].detach().float().index_select(0, hidx).index_select(1, qidx)
-            top = logits.detach().amax().float()
+            logits = logits.detach()
+            sampled = logits.index_select(1, hidx).index_select(2, qidx).float()
+            top = logits.amax().float()
         else:
-            sampled = (q0.index_select(0, hidx).index_select(1, qidx) @ k0.index_select(0, hidx).transpose(-2, -1))
-            sampled = sampled / math.sqrt(d_head)
+            qs = q.index_select(1, hidx).index_select(2, qidx).float()
+            sampled = (qs @ k.index_select(1, hidx).float().transpose(-2, -1)) / math.sqrt(d_head)
             if causal:
-                future = torch.arange(k0.shape[1], device=q0.device)[None, :] > qidx[:, None]
+                future = torch.arange(k.shape[2], device=q.device)[None, :] > qidx[:, None]
                 sampled = sampled.masked_fill(future, float("-inf"))
             top = sampled.amax()
         probs = torch.softmax(sampled, dim=-1)
-        entropy = torch.special.entr(probs).sum(-1).mean(-1)  # per sampled head
+        entropy = torch.special.entr(probs).sum(-1).mean(dim=(0, 2))  # per sampled head
         return torch.stack([entropy.mean(), entropy.min(), qn.mean(), qn.amax(), kn.mean(), kn.amax(), top])
 
 

@@ -49,3 +49,20 @@ def troubled_prometheus(tmp_path_factory):
     finally:
         prometheus.stop()
         exporter.close()
+
+
+@pytest.fixture
+def start_prometheus(tmp_path):
+    """Factory: ``start_prometheus("127.0.0.1:PORT", rule_files=[...])`` -> a running Prometheus
+    (scrape and evaluation every second, own storage in tmp_path), stopped after the test.
+    For end-to-end tests that serve their own exporter."""
+    started = []
+
+    def start(scrape_target: str, rule_files=()):
+        server = support.start_prometheus(tmp_path / f"prometheus-{len(started)}", scrape_target, list(rule_files))
+        started.append(server)
+        return server
+
+    yield start
+    for server in started:
+        server.stop()

@@ -3,64 +3,16 @@ that scrapes the real exporter: each must evaluate without error and return data
 
 from __future__ import annotations
 
-import json
-import re
-
 import pytest
-import yaml
 
 import sdcwatch_exporter_test_support as support  # registered by conftest.py
 
-DASHBOARDS = support.DASHBOARDS
-
 pytestmark = pytest.mark.integration
 
-#: What Grafana would put in place of the template and built-in variables.
-SUBSTITUTIONS = {
-    "${datasource}": "prometheus",
-    "$__rate_interval": "1m",
-    "$__interval": "15s",
-    "$__range": "1m",
-    "${run}": "r1",
-    "$run": "r1",
-}
-
-
-def substitute(expr: str) -> str:
-    for var, value in SUBSTITUTIONS.items():
-        expr = expr.replace(var, value)
-    assert "$" not in expr, f"unsubstituted variable in {expr!r}"
-    return expr
-
-
-def dashboard_expressions() -> list[tuple[str, str]]:
-    """(where, expr) for every query in the committed dashboard: panel targets and annotations."""
-    model = json.loads((DASHBOARDS / "sdcwatch.json").read_text())
-    found = []
-    for panel in model["panels"]:
-        for target in panel.get("targets", []):
-            found.append((f"panel {panel['title']!r} {target['refId']}", target["expr"]))
-    for annotation in model["annotations"]["list"]:
-        if "expr" in annotation:
-            found.append((f"annotation {annotation['name']!r}", annotation["expr"]))
-    return found
-
-
-def variable_queries() -> list[tuple[str, str, str]]:
-    """(name, series expr, label) of every ``label_values(expr, label)`` template variable."""
-    model = json.loads((DASHBOARDS / "sdcwatch.json").read_text())
-    out = []
-    for var in model["templating"]["list"]:
-        if var["type"] == "query":
-            m = re.fullmatch(r"label_values\((.+),\s*(\w+)\)", var["query"])
-            assert m, f"variable {var['name']}: unsupported query {var['query']!r}"
-            out.append((var["name"], m.group(1), m.group(2)))
-    return out
-
-
-def rule_expressions() -> list[tuple[str, str]]:
-    rules = yaml.safe_load((DASHBOARDS / "rules" / "sdcwatch.rules.yml").read_text())
-    return [(rule["alert"], rule["expr"]) for group in rules["groups"] for rule in group["rules"]]
+substitute = support.substitute
+dashboard_expressions = support.dashboard_expressions
+variable_queries = support.variable_queries
+rule_expressions = support.rule_expressions
 
 
 def test_the_dashboard_has_the_panels_the_issue_asks_for():

@@ -7,6 +7,7 @@ Loaded by both conftest.py files by path (the test folders are not packages).
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import socket
 import subprocess
@@ -133,6 +134,59 @@ class TroubledService:
             incidents_total={("sdc_suspected", "critical"): 1, ("loss_spike", "warning"): 1 + n},
             findings_total={("attribution", "sdc_suspected"): n},
         )
+
+
+# -- the queries of the dashboard and the rules ------------------------------------------------
+
+#: What Grafana would put in place of the template and built-in variables.
+SUBSTITUTIONS = {
+    "${datasource}": "prometheus",
+    "$__rate_interval": "1m",
+    "$__interval": "15s",
+    "$__range": "1m",
+    "${run}": "r1",
+    "$run": "r1",
+}
+
+
+def substitute(expr: str) -> str:
+    for var, value in SUBSTITUTIONS.items():
+        expr = expr.replace(var, value)
+    assert "$" not in expr, f"unsubstituted variable in {expr!r}"
+    return expr
+
+
+def dashboard_expressions() -> list[tuple[str, str]]:
+    """(where, expr) for every query in the committed dashboard: panel targets and annotations."""
+    model = json.loads((DASHBOARDS / "sdcwatch.json").read_text())
+    found = []
+    for panel in model["panels"]:
+        for target in panel.get("targets", []):
+            found.append((f"panel {panel['title']!r} {target['refId']}", target["expr"]))
+    for annotation in model["annotations"]["list"]:
+        if "expr" in annotation:
+            found.append((f"annotation {annotation['name']!r}", annotation["expr"]))
+    return found
+
+
+def variable_queries() -> list[tuple[str, str, str]]:
+    """(name, series expr, label) of every ``label_values(expr, label)`` template variable."""
+    model = json.loads((DASHBOARDS / "sdcwatch.json").read_text())
+    out = []
+    for var in model["templating"]["list"]:
+        if var["type"] == "query":
+            m = re.fullmatch(r"label_values\((.+),\s*(\w+)\)", var["query"])
+            assert m, f"variable {var['name']}: unsupported query {var['query']!r}"
+            out.append((var["name"], m.group(1), m.group(2)))
+    return out
+
+
+def rule_expressions() -> list[tuple[str, str]]:
+    import yaml
+
+    rules = yaml.safe_load((DASHBOARDS / "rules" / "sdcwatch.rules.yml").read_text())
+    return [(rule["alert"], rule["expr"]) for group in rules["groups"] for rule in group["rules"]]
+
 
 
 # -- real servers -----------------------------------------------------------------------------

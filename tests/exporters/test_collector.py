@@ -245,3 +245,39 @@ def test_promtool_check_metrics_accepts_the_exposition(make_view):
     result = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True, timeout=30)
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.strip() == "" and result.stderr.strip() == "", result.stdout + result.stderr
+
+
+def test_collector_renders_a_real_detection_pipeline_view():
+    """The collector against the detector service's own view (not a hand-built one)."""
+    from sdcwatch.detectors import DetectionPipeline
+    from sdcwatch.telemetry.record import Record
+
+    rng = np.random.default_rng(0)
+    world, layers = 8, 3
+    pipeline = DetectionPipeline()
+    for step in range(160):
+        records = []
+        for rank in range(world):
+            grad = 1.0 + 0.05 * rng.normal() + (2.0 if rank == 5 and step >= 100 else 0.0)
+            records.append(Record.make(
+                run="ref", step=step, rank=rank, world=world, host=f"node{rank // 4}", time=float(step),
+                scalars={"loss": 3.0 + 0.01 * rng.normal(), "grad_norm_local": grad, "nonfinite": 0.0},
+                layers={"attn_entropy": (2.0 + 0.02 * rng.normal(size=layers)).tolist()}))
+        pipeline.process(records)
+    pipeline.flush()
+    view = pipeline.view()
+    text = render(lambda: view, top_k=2)
+
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    exported = {s.labels["rank"] for s in families["sdcwatch_rank_outlier_score"].samples}
+    strongest = int(np.nanargmax(view.runs[0].rank_scores))
+    assert str(strongest) in exported
+    for inc in view.incidents:
+        if inc.open:
+            assert {str(r) for r in inc.ranks} <= exported
+    assert len(families["sdcwatch_layer_metric"].samples) == 3 * layers  # min, median, max
+    assert families["sdcwatch_training_world_size"].samples[0].value == world
+    if shutil.which("promtool"):
+        result = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True,
+                                timeout=30)
+        assert result.returncode == 0 and not result.stdout.strip(), result.stdout + result.stderr

@@ -270,3 +270,20 @@ def test_log_sink_never_raises_even_if_the_logger_does():
     LogSink(Exploding("x")).publish(opened())
     with pytest.raises(ConfigError, match="log_sink.format"):
         LogSink(format="xml")
+
+
+def test_an_incident_that_changes_kind_ends_its_old_alert():
+    post = FakePost()
+    drift = support.sdc_incident(opened_at=1000.0)
+    drift.kind, drift.severity = "silent_drift", Severity.WARNING
+    with AlertmanagerSink("http://am:9093", post=post, clock=lambda: 3000.0) as sink:
+        sink.publish(IncidentEvent("opened", drift))
+        assert sink.flush(5)
+        sink.publish(IncidentEvent("updated", support.sdc_incident(opened_at=1000.0)))
+        assert sink.flush(5)
+    assert len(post.calls) == 2
+    second = post.calls[1][1]
+    by_name = {a["labels"]["alertname"]: a for a in second}
+    assert set(by_name) == {"SdcwatchSilentDrift", "SdcwatchSdcSuspected"}
+    assert parse_time(by_name["SdcwatchSilentDrift"]["endsAt"]) == 3000.0  # ended now
+    assert parse_time(by_name["SdcwatchSdcSuspected"]["endsAt"]) > 3000.0  # firing

@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# Set-up and the two everyday jobs, on a fresh machine:
+#   ./dev.sh demo [ARGS]   install sdcwatch into .venv and run the demo on the embedded broker
+#   ./dev.sh test [ARGS]   install the test dependencies too (Prometheus, Alertmanager, Chromium
+#                          from Debian) and run the whole test suite
+set -euo pipefail
+cd "$(dirname "$0")"
+VENV=${SDCWATCH_VENV:-.venv}
+PY=${PYTHON:-python3}
+
+need_venv() {
+  local extras=$1
+  if [ ! -x "$VENV/bin/python" ]; then
+    echo "==> creating $VENV"
+    "$PY" -m venv "$VENV"
+    "$VENV/bin/pip" install --quiet --upgrade pip
+  fi
+  local stamp="$VENV/.sdcwatch-$extras-$(sha1sum pyproject.toml | cut -c1-12)"
+  if [ ! -e "$stamp" ]; then
+    echo "==> installing sdcwatch[$extras] into $VENV (torch is the CPU build, pinned)"
+    "$VENV/bin/pip" install --quiet --disable-pip-version-check -e ".[$extras]"
+    touch "$stamp"
+  fi
+}
+
+need_debian() {
+  local missing=()
+  command -v prometheus >/dev/null || missing+=(prometheus)
+  command -v promtool >/dev/null || missing+=(prometheus)
+  command -v prometheus-alertmanager >/dev/null || missing+=(prometheus-alertmanager)
+  command -v chromium >/dev/null || missing+=(chromium)
+  if [ ${#missing[@]} -gt 0 ]; then
+    echo "==> installing Debian packages: prometheus prometheus-alertmanager chromium chromium-driver"
+    local sudo=""
+    [ "$(id -u)" -ne 0 ] && sudo=sudo
+    $sudo apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq prometheus prometheus-alertmanager chromium chromium-driver >/dev/null
+  fi
+}
+
+cmd=${1:-}
+shift || true
+case "$cmd" in
+  demo)
+    need_venv torch
+    exec "$VENV/bin/sdcwatch" demo "$@"
+    ;;
+  test)
+    need_debian
+    need_venv dev
+    exec "$VENV/bin/python" -m pytest "$@"
+    ;;
+  *)
+    echo "usage: ./dev.sh demo [ARGS] | ./dev.sh test [PYTEST ARGS]" >&2
+    exit 2
+    ;;
+esac

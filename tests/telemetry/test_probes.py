@@ -1,0 +1,206 @@
+"""Probes against direct computations, and the record they hand to the emitter."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from sdcwatch.errors import ConfigError  # noqa: E402
+from sdcwatch.telemetry import LAYER_METRICS, MemoryBus, MemoryTransport, Emitter  # noqa: E402
+from sdcwatch.telemetry.fingerprint import fingerprint  # noqa: E402
+from sdcwatch.telemetry.probes import ATTENTION_STATS, attach, attention_stats  # noqa: E402
+from sdcwatch.telemetry.reference.model import GPT, GPTConfig  # noqa: E402
+
+torch.set_num_threads(1)
+CFG = GPTConfig(seq_len=32, d_model=32, n_layer=2, n_head=4)
+
+
+class Recorder:
+    """A stand-in emitter that keeps what it is given."""
+
+    def __init__(self):
+        self.records = []
+        self.dropped = 0
+
+    def emit(self, step, *, layers=None, fingerprints=None, time=None, **scalars):
+        self.records.append({"step": step, "layers": layers, "fingerprints": fingerprints, "scalars": scalars})
+
+
+def _entropy(p: torch.Tensor) -> torch.Tensor:
+    return -(p * torch.where(p > 0, p.log(), torch.zeros_like(p))).sum(-1)
+
+
+def test_attention_stat_names_are_the_record_names():
+    assert ATTENTION_STATS == LAYER_METRICS
+
+
+def test_uniform_attention_has_entropy_log_of_the_visible_keys():
+    b, h, t, d = 2, 3, 20, 8
+    q = torch.zeros(b, h, t, d)  # all logits 0: query i attends uniformly to keys 0..i
+    k = torch.randn(b, h, t, d)
+    stats = attention_stats(q, k, heads=0, queries=t)
+    positions = range(t // 4, t)
+    want = sum(math.log(i + 1) for i in positions) / len(positions)
+    assert float(stats[0]) == pytest.approx(want, rel=1e-5)
+    assert float(stats[1]) == pytest.approx(want, rel=1e-5)  # every head alike
+
+
+def test_stats_match_a_direct_computation_on_random_attention():
+    g = torch.Generator().manual_seed(0)
+    b, h, t, d = 3, 6, 24, 16
+    q, k = torch.randn(b, h, t, d, generator=g) * 2, torch.randn(b, h, t, d, generator=g)
+    stats = attention_stats(q, k, heads=3, queries=5)
+    heads = [0, 2, 5]  # evenly spaced over 6
+    queries = [6, 10, 14, 18, 23]  # evenly spaced over [t/4, t)
+    logits = (q @ k.transpose(-2, -1)) / math.sqrt(d)
+    logits = logits.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf"))
+    # entropy of every sequence, sampled heads and queries; mean over sequences and queries
+    ent = _entropy(torch.softmax(logits, -1))[:, heads][:, :, queries].mean(dim=(0, 2))
+    qn, kn = q.norm(dim=-1), k.norm(dim=-1)
+    want = [ent.mean(), ent.min(), qn.mean(), qn.max(), kn.mean(), kn.max(), logits[:, heads][:, :, queries].max()]
+    torch.testing.assert_close(stats, torch.stack(want), rtol=1e-5, atol=1e-5)
+
+
+def test_given_logits_are_used_and_their_max_covers_the_whole_tensor():
+    g = torch.Generator().manual_seed(1)
+    q, k = torch.randn(2, 2, 8, 4, generator=g), torch.randn(2, 2, 8, 4, generator=g)
+    logits = torch.randn(2, 2, 8, 8, generator=g)
+    logits[1, 1, 0, 0] = 1e10  # outside the sampled sequence, head and queries
+    stats = attention_stats(q, k, logits=logits, heads=1, queries=1)
+    assert float(stats[6]) == pytest.approx(1e10)
+    logits[1, 0, 1, 1] = float("nan")
+    assert math.isnan(float(attention_stats(q, k, logits=logits)[6]))
+
+
+def _train(model, emitter, steps, **settings):
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    watch = attach(model, emitter, optimizer=opt, **settings)
+    g = torch.Generator().manual_seed(3)
+    snapshots = []
+    for step in range(steps):
+        batch = torch.randint(0, 256, (2, CFG.seq_len + 1), generator=g)
+        opt.zero_grad()
+        loss = model.loss(batch)
+        loss.backward()
+        grads = [p.grad.clone() for p in model.parameters()]
+        params = [p.detach().clone() for p in model.parameters()]
+        opt.step()
+        snapshots.append((float(loss.detach()), grads, params))
+        watch.step(step, loss=loss)
+    return watch, snapshots
+
+
+def test_record_of_a_step_is_emitted_one_step_later_with_direct_values():
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    rec = Recorder()
+    watch, snaps = _train(model, rec, 3, fingerprint_every=2)
+    assert [r["step"] for r in rec.records] == [0, 1]  # step 2 still in flight
+    watch.close()
+    assert [r["step"] for r in rec.records] == [0, 1, 2]
+    # parameters are fingerprinted when the step closes: after its update, before the next one
+    after = [p for _, _, p in snaps[1:]] + [[p.detach() for p in model.parameters()]]
+    for r, (loss, grads, params), updated in zip(rec.records, snaps, after):
+        s = r["scalars"]
+        norm = math.sqrt(sum(float(g.pow(2).sum()) for g in grads))
+        assert s["loss"] == pytest.approx(loss, rel=1e-6)
+        assert s["grad_norm_local"] == pytest.approx(norm, rel=1e-5)
+        assert s["grad_norm_global"] == pytest.approx(norm, rel=1e-5)
+        assert s["grad_cosine"] == pytest.approx(1.0, abs=1e-5)
+        assert s["nonfinite"] == 0 and s["lr"] == 0.05 and s["step_time"] > 0
+        assert r["fingerprints"]["grad_fp"] == fingerprint(grads)
+        if r["step"] % 2 == 0:
+            assert r["fingerprints"]["param_fp"] == fingerprint(updated) != fingerprint(params)
+        else:
+            assert "param_fp" not in r["fingerprints"]
+        assert set(r["layers"]) == set(LAYER_METRICS)
+        assert all(len(v) == CFG.n_layer for v in r["layers"].values())
+
+
+def test_every_and_attention_every_sample_steps():
+    torch.manual_seed(0)
+    rec = Recorder()
+    watch, _ = _train(GPT(CFG), rec, 8, every=2, attention_every=2)
+    watch.close()
+    assert [r["step"] for r in rec.records] == [0, 2, 4, 6]
+    assert [r["layers"] is not None for r in rec.records] == [True, False, True, False]
+
+
+def test_nonfinite_loss_and_gradients_are_counted():
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    rec = Recorder()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    watch = attach(model, rec, optimizer=opt)
+    batch = torch.randint(0, 256, (2, CFG.seq_len + 1))
+    loss = model.loss(batch)
+    loss.backward()
+    model.head.weight.grad[0, :3] = float("nan")
+    opt.step()
+    watch.step(0, loss=loss * float("inf"))
+    watch.close()
+    assert rec.records[0]["scalars"]["nonfinite"] == 3 + 1
+
+
+def test_multihead_attention_is_probed_like_a_direct_computation():
+    torch.manual_seed(0)
+    mha = torch.nn.MultiheadAttention(16, 4, batch_first=True)
+    model = torch.nn.ModuleDict({"attn": mha})
+    rec = Recorder()
+    watch = attach(model, rec, heads=0, queries=100)
+    x = torch.randn(2, 12, 16)
+    mask = torch.ones(12, 12, dtype=torch.bool).triu(1)
+    _, weights = mha(x, x, x, attn_mask=mask, need_weights=True, average_attn_weights=False)
+    watch.step(0, loss=torch.tensor(1.0))
+    watch.close()
+    ent = _entropy(weights[0].detach())[:, 3:].mean(-1)  # heads x sampled queries [t/4, t)
+    layers = rec.records[0]["layers"]
+    assert layers["attn_entropy"][0] == pytest.approx(float(ent.mean()), rel=1e-4)
+    assert layers["attn_entropy_min"][0] == pytest.approx(float(ent.min()), rel=1e-4)
+    e = 16
+    k = (x[0] @ mha.in_proj_weight[e:2 * e].T + mha.in_proj_bias[e:2 * e]).view(12, 4, 4).transpose(0, 1)
+    assert layers["k_norm_max"][0] == pytest.approx(float(k.detach().norm(dim=-1).max()), rel=1e-5)
+
+
+def test_emitter_failures_never_reach_the_training_loop():
+    class Broken:
+        def emit(self, *a, **k):
+            raise RuntimeError("bus on fire")
+
+    torch.manual_seed(0)
+    with pytest.warns(RuntimeWarning, match="bus on fire"):
+        watch, _ = _train(GPT(CFG), Broken(), 3)
+        watch.close()
+    assert watch.errors == 3
+
+
+def test_real_emitter_gets_valid_records_on_the_bus():
+    torch.manual_seed(0)
+    bus = MemoryBus()
+    with Emitter(MemoryTransport(bus), run="probe-test", rank=0, world=1, host="h") as em:
+        watch, _ = _train(GPT(CFG), em, 4)
+        watch.close()
+    recs = bus.records()
+    assert [r.step for r in recs] == [0, 1, 2, 3]
+    assert {"loss", "grad_norm_local", "grad_norm_global", "grad_cosine", "nonfinite", "step_time"} <= set(recs[0].scalars)
+    assert set(recs[0].fingerprints) == {"param_fp", "grad_fp"}
+
+
+def test_bad_settings_are_config_errors():
+    with pytest.raises(ConfigError, match="probes.colour"):
+        attach(GPT(CFG), Recorder(), colour=1)
+    with pytest.raises(ConfigError, match="probes.every"):
+        attach(GPT(CFG), Recorder(), every=0)
+    with pytest.raises(ConfigError, match="probes.emitter"):
+        attach(GPT(CFG), object())
+
+
+def test_importing_telemetry_does_not_import_torch():
+    code = "import sys, sdcwatch.telemetry as t; t.FINGERPRINTS; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
