@@ -65,7 +65,7 @@ class NonFiniteDetector:
                     hits += [(int(a), frame.scalar_names[b], None, float(S[a, b]))
                              for a, b in zip(r[: self.max_listed], c[: self.max_listed])]
         L = frame.layers
-        if L.size:
+        if L.size and not np.abs(L).max() <= self.limit:  # NaN fails the comparison: look closer
             with np.errstate(invalid="ignore"):
                 bad = ~(np.abs(L) <= self.limit) & frame.sent_layers()
             if bad.any():

@@ -140,7 +140,10 @@ class DetectionPipeline:
             st.world = frame.world
             st.hosts = [""] * frame.world
             st.dropped = np.zeros(frame.world)
-        st.hosts = [new or old for new, old in zip(frame.hosts, st.hosts)]  # keep hosts of absent ranks
+        if frame.complete:
+            st.hosts = list(frame.hosts)
+        else:  # keep the hosts of absent ranks
+            st.hosts = [new or old for new, old in zip(frame.hosts, st.hosts)]
         col = frame.scalar("emitter_dropped")
         if col is not None:
             st.dropped = np.where(np.isfinite(col), col, st.dropped)

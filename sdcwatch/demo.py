@@ -327,9 +327,9 @@ def run_demo(
         try:
             run.train(steps, on_step=on_step)
         finally:
+            run.close()  # emits the last step's telemetry (probes are read one step late)
             for em in emitters:
                 em.close(timeout=30)
-            run.close()
         # wait until the service has seen every step the ranks sent, then let it close them
         deadline = time.monotonic() + 30
         expected = steps * ranks

@@ -586,7 +586,9 @@ def _plot_heatmap(data: RunData, incidents: Sequence[Incident], faults: Sequence
     show_hosts = world <= 24 and any(data.hosts)
     ax.set_yticklabels([f"{r} · {data.hosts[r]}" if show_hosts and data.hosts[r] else str(r) for r in ticks], fontsize=7.5)
     ax.tick_params(labelsize=8)
-    bar.barh(range(world), flagged, color=["#d62728" if v == flagged.max() and v > 0 else "#9e9e9e" for v in flagged], height=0.7)
+    # Red only for a rank flagged far more often than its peers, not for the noisiest of equals.
+    standout = max(10.0, 3 * float(np.median(flagged)))
+    bar.barh(range(world), flagged, color=["#d62728" if v >= standout else "#9e9e9e" for v in flagged], height=0.7)
     bar.set_xlabel(f"% of steps\n|z| > {_Z_FLAG:g}", fontsize=8.5)
     bar.tick_params(labelleft=False, labelsize=8)
     bar.set_xlim(0, max(5.0, float(flagged.max()) * 1.15))
@@ -703,9 +705,11 @@ def _fmt_steps(n: int) -> str:
     return f"{n:,}"
 
 
-def _verdict(incidents: Sequence[Incident], data: RunData) -> tuple[str, str]:
+def _verdict(incidents: Sequence[Incident], data: RunData, faults: Sequence[Mapping[str, Any]]) -> tuple[str, str]:
+    if not incidents and faults:
+        return "warning", "<b>No incident was raised</b>, although a fault was injected (see below): a missed detection."
     if not incidents:
-        return "clean", "No incidents: every rank behaved like the others and loss and gradient norm stayed in range."
+        return "clean", "No incidents were raised for this run."
     top = sorted(incidents, key=lambda i: (-i.severity.rank, not _is_localised(i, data.world), i.first_step))[0]
     where = ""
     if _is_localised(top, data.world):
@@ -776,7 +780,7 @@ def render_report(data: RunData, incidents: Sequence[Incident], *, title: str | 
     injected_text = _describe_injected(injected)
     suspects = _suspect_ranks(incidents, data.world)
     title = title or f"sdcwatch report — {data.run}"
-    level, verdict = _verdict(incidents, data)
+    level, verdict = _verdict(incidents, data, faults)
     parts = [
         "<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>",
         "<meta name='viewport' content='width=device-width, initial-scale=1'>",
@@ -888,7 +892,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--incidents", metavar="INCIDENTS.jsonl", help="incidents, one Incident.to_dict() JSON object per line")
     p.add_argument("-o", "--output", metavar="PATH", default="report.html", help="where to write the report (default: report.html)")
     p.add_argument("--title", help="page title (default: 'sdcwatch report — RUN')")
-    p.add_argument("--injected", metavar="TEXT", help="what was injected, shown in the header (e.g. 'bitflip on rank 5 at step 120')")
+    p.add_argument("--injected", metavar="TEXT|FILE",
+                   help="what was injected: free text shown in the header (e.g. 'bitflip on rank 5 at step 120'), "
+                        "or a fault file in the injector's format (.json / .jsonl), also drawn on the plots")
     p.add_argument("--run", help="the run to show when the file holds several (default: the one with most records)")
     return p
 
@@ -897,8 +903,13 @@ def report_main(argv: Sequence[str] | None = None) -> int:
     """``sdcwatch report RECORDS.jsonl [--incidents INCIDENTS.jsonl] [-o report.html]``; returns the exit code."""
     args = build_parser().parse_args(argv)
     try:
+        injected: Any = args.injected
+        if injected and Path(injected).suffix in (".json", ".jsonl") and Path(injected).is_file():
+            from sdcwatch.telemetry.faults import load_faults
+
+            injected = [f.to_dict() for f in load_faults(injected)]
         out = write_report(args.records, args.incidents, args.output, title=args.title,
-                           injected=args.injected, run=args.run)
+                           injected=injected, run=args.run)
     except SdcwatchError as exc:
         print(f"sdcwatch report: error: {exc}", file=sys.stderr)
         return 1

@@ -155,7 +155,10 @@ class Emitter:
         """Queue this rank's record for ``step``. Returns at once; never raises."""
         try:
             self.emitted += 1
-            if self._closed or len(self._queue) + len(self._inflight) >= self.buffer:
+            if self._closed:  # emit after close(): nothing to send it with
+                self.dropped += 1
+                return
+            if len(self._queue) + len(self._inflight) >= self.buffer:
                 self.dropped += 1
                 if not self._warned_drop:
                     self._warned_drop = True

@@ -107,6 +107,16 @@ def test_incidents_become_table_rows_and_the_verdict_names_the_rank(tmp_path):
     assert len(images(page)) == 3
 
 
+def test_an_injected_fault_without_incidents_is_called_a_missed_detection(tmp_path):
+    records = make_records(tmp_path / "run.jsonl", steps=30)
+    fault = {"kind": "bitflip", "rank": 2, "step": 10, "duration": 1, "target": "blocks.1.attn.qkv", "bit": 30}
+    page = write_report(records, [], tmp_path / "r.html", injected=[fault]).read_text()
+    assert "verdict warning" in page and "missed detection" in page
+    assert "bitflip on rank 2 from step 10 for 1 step" in page
+    clean = write_report(records, [], tmp_path / "c.html", injected="nothing (clean run)").read_text()
+    assert "verdict clean" in clean and "nothing (clean run)" in clean
+
+
 def test_deviating_rank_stands_out_in_the_deviation_score(tmp_path):
     data = load_records(make_records(tmp_path / "bad.jsonl", world=16, bad_rank=11, start=40))
     score, used = rank_deviation(data)
@@ -228,6 +238,15 @@ def test_report_command(tmp_path, capsys):
     page = out.read_text()
     assert "<title>Nightly run</title>" in page and "bitflip on rank 2" in page
     assert page.count("<tr class='incident'") == 1
+
+    faults = tmp_path / "faults.jsonl"
+    faults.write_text('{"kind": "noise", "rank": 2, "step": 60, "duration": 0, "target": "blocks.*", "magnitude": 0.01}\n')
+    assert report_main([str(records), "-o", str(out), "--injected", str(faults)]) == 0
+    capsys.readouterr()
+    assert "noise on rank 2 from step 60 (target blocks.*, where output, magnitude 0.01)" in out.read_text()
+    faults.write_text('{"kind": "noise", "step": -1}\n')
+    assert report_main([str(records), "-o", str(out), "--injected", str(faults)]) == 1
+    assert f"{faults}:1" in capsys.readouterr().err
 
     incidents.write_text("{}\n")
     assert report_main([str(records), "--incidents", str(incidents), "-o", str(out)]) == 1

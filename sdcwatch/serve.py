@@ -1,0 +1,90 @@
+"""``sdcwatch serve``: the production detector service.
+
+Reads telemetry from Kafka in a consumer group, runs the detectors, publishes incidents to the
+anomalies topic, Alertmanager, a webhook and the log, serves /metrics for Prometheus, and
+snapshots its state so that a restart resumes without a new warm-up and without repeating an
+alert. Ctrl-C or SIGTERM stop it cleanly after a final snapshot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+from typing import Any, Sequence
+
+from sdcwatch.config import ServeConfig, add_serve_arguments, config_from_args
+
+__all__ = ["build_service", "serve_main"]
+
+log = logging.getLogger("sdcwatch.serve")
+
+
+def build_service(cfg: ServeConfig) -> tuple[Any, Any | None]:
+    """The service and its metrics server (None when ``metrics.port`` is 0), from a config."""
+    from sdcwatch.detectors.pipeline import DetectionPipeline, PipelineSettings
+    from sdcwatch.detectors.service import AnomalyTopicSink, DetectorService
+    from sdcwatch.detectors.source import KafkaSource
+    from sdcwatch.exporters import AlertmanagerSink, LogSink, WebhookSink
+    from sdcwatch.exporters.server import MetricsServer
+
+    security = dict(cfg.bus.security)
+    source = KafkaSource(cfg.bus.bootstrap, cfg.bus.telemetry_topic, group=cfg.bus.group,
+                         deadletter_topic=cfg.bus.deadletter_topic, **security)
+    sinks: list[Any] = [AnomalyTopicSink.to_kafka(cfg.bus.bootstrap, cfg.bus.anomalies_topic, **security)]
+    if cfg.alerts.alertmanager_url:
+        sinks.append(AlertmanagerSink(cfg.alerts.alertmanager_url, timeout=cfg.alerts.timeout_s))
+    if cfg.alerts.webhook_url:
+        sinks.append(WebhookSink(cfg.alerts.webhook_url, timeout=cfg.alerts.timeout_s))
+    if cfg.alerts.log:
+        sinks.append(LogSink())
+    settings = PipelineSettings(step_timeout=cfg.detectors.align_timeout_s,
+                                quiet_steps=cfg.detectors.resolve_after_steps)
+    service = DetectorService(source, DetectionPipeline(settings), sinks=sinks, state_dir=cfg.state.dir,
+                              snapshot_every=cfg.state.snapshot_interval_s)
+    metrics = None
+    if cfg.metrics.port:
+        metrics = MetricsServer(service.view, address=cfg.metrics.address, port=cfg.metrics.port,
+                                top_k=max(cfg.detectors.top_k, 1))
+    return service, metrics
+
+
+def serve_main(argv: Sequence[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="sdcwatch serve",
+        description="Run the sdcwatch detector service: Kafka in, incidents out to the anomalies topic, "
+                    "Alertmanager, a webhook and the log; /metrics for Prometheus. Settings come from "
+                    "flags, the environment (SDCWATCH_<SECTION>_<KEY>) and a TOML file, in that order of "
+                    "precedence.",
+    )
+    add_serve_arguments(parser)
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    args = parser.parse_args(argv)
+    logging.getLogger().setLevel(logging.INFO if args.verbose else logging.WARNING)
+    logging.getLogger("sdcwatch.incidents").setLevel(logging.INFO)
+    cfg = config_from_args(args)
+    cfg.state.dir.mkdir(parents=True, exist_ok=True)
+
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: Any) -> None:
+        log.warning("received %s: stopping after a final snapshot", signal.Signals(signum).name)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    service, metrics = build_service(cfg)
+    if metrics is not None:
+        metrics.start()
+    resumed = " (resumed from the saved state)" if getattr(service, "resumed", False) else ""
+    print(f"sdcwatch serve: consuming {cfg.bus.telemetry_topic} from {cfg.bus.bootstrap} as group {cfg.bus.group}"
+          f"{resumed}; metrics {metrics.url if metrics else 'off'}; state in {cfg.state.dir}", file=sys.stderr, flush=True)
+    try:
+        service.run_forever(stop)  # closes (final snapshot) on the way out
+    finally:
+        if metrics is not None:
+            metrics.close()
+    print("sdcwatch serve: stopped", file=sys.stderr, flush=True)
+    return 0

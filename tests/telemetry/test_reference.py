@@ -1,0 +1,181 @@
+"""The reference run: model, corpus, and the simulated data-parallel driver."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from sdcwatch.errors import ConfigError  # noqa: E402
+from sdcwatch.telemetry import LAYER_METRICS, MemoryBus, MemoryTransport, Emitter  # noqa: E402
+from sdcwatch.telemetry.faults import FaultSpec  # noqa: E402
+from sdcwatch.telemetry.fingerprint import fingerprint  # noqa: E402
+from sdcwatch.telemetry.reference.corpus import Corpus  # noqa: E402
+from sdcwatch.telemetry.reference.model import GPT, GPTConfig  # noqa: E402
+from sdcwatch.telemetry.reference.simulated import SimulatedRun, shared_corpus  # noqa: E402
+
+torch.set_num_threads(1)
+SMALL = GPTConfig(seq_len=32, d_model=32, n_layer=2, n_head=4)
+
+
+class Recorder:
+    def __init__(self):
+        self.records = {}
+
+    def emit(self, step, *, layers=None, fingerprints=None, time=None, **scalars):
+        self.records[step] = {"layers": layers, "fingerprints": fingerprints, "scalars": scalars}
+
+
+def _run(world=4, faults=(), **kw):
+    return SimulatedRun(world=world, seed=0, faults=faults, emitter_factory=lambda r: Recorder(), model=SMALL,
+                        batch_size=4, corpus=shared_corpus(1 << 18), **kw)
+
+
+def test_model_has_the_documented_module_names_and_bad_shapes_are_config_errors():
+    names = dict(GPT(SMALL).named_modules())
+    for n in ("blocks.1.attn.qkv", "blocks.1.attn.scores", "blocks.1.attn.mix", "blocks.0.mlp.fc", "head"):
+        assert n in names
+    with pytest.raises(ConfigError, match="model.n_head"):
+        GPTConfig(d_model=30, n_head=4)
+    with pytest.raises(ConfigError, match="model.seq_len"):
+        GPT(SMALL)(torch.zeros(1, 40, dtype=torch.long))
+
+
+def test_corpus_is_stdlib_source_and_batches_are_a_function_of_seed_step_rank():
+    c = shared_corpus(1 << 18)
+    text = bytes(c.data[:20000].to(torch.uint8).tolist()).decode("utf-8", "replace")
+    assert "def " in text and "import " in text
+    a = c.batch(seed=1, step=5, rank=2, batch_size=3, seq_len=16)
+    assert a.shape == (3, 17) and a.dtype == torch.int64
+    assert torch.equal(a, c.batch(seed=1, step=5, rank=2, batch_size=3, seq_len=16))
+    assert not torch.equal(a, c.batch(seed=1, step=5, rank=3, batch_size=3, seq_len=16))
+    assert not torch.equal(a, c.batch(seed=1, step=6, rank=2, batch_size=3, seq_len=16))
+    with pytest.raises(ConfigError, match="corpus.max_bytes"):
+        Corpus(10)
+
+
+def test_every_virtual_rank_reports_every_step_with_all_fields_and_identity():
+    run = SimulatedRun(world=4, seed=0, model=SMALL, batch_size=4, corpus=shared_corpus(1 << 18), ranks_per_host=2,
+                       emitter_factory=lambda rank, host: Emitter(MemoryTransport(bus), run="sim", rank=rank,
+                                                                   world=4, host=host))
+    losses = run.train(3)
+    run.close()
+    recs = bus.records()
+    assert sorted((r.step, r.rank) for r in recs) == [(s, r) for s in range(3) for r in range(4)]
+    assert {r.host for r in recs if r.rank in (2, 3)} == {"node1"}
+    for r in recs:
+        assert {"loss", "loss_global", "grad_norm_local", "grad_norm_global", "grad_cosine", "nonfinite",
+                "step_time", "lr"} <= set(r.scalars)
+        assert set(r.layers) == set(LAYER_METRICS) and all(len(v) == SMALL.n_layer for v in r.layers.values())
+        assert set(r.fingerprints) == ({"grad_fp", "param_fp"} if r.step == 0 else {"grad_fp"})
+    assert losses[0] == pytest.approx(sum(r.scalars["loss"] for r in recs if r.step == 0) / 4, rel=1e-6)
+
+
+bus = MemoryBus()
+
+
+def test_gradients_are_averaged_like_an_all_reduce_and_probes_match_brute_force():
+    run = _run(world=3, clip=None)
+    twin = GPT(SMALL)
+    twin.load_state_dict(run.model.state_dict())
+    local = []
+    for r in range(3):
+        twin.zero_grad()
+        batch = run.corpus.batch(seed=0, step=0, rank=r, batch_size=4, seq_len=SMALL.seq_len)
+        twin.loss(batch).backward()
+        local.append(torch.cat([p.grad.reshape(-1) for p in twin.parameters()]))
+    mean = torch.stack(local).mean(0)
+    run.train(1)
+    run.close()
+    assert torch.allclose(torch.cat([p.grad.reshape(-1) for p in run.model.parameters()]), mean, atol=1e-7)
+    for r in range(3):
+        s = run.emitters[r].records[0]["scalars"]
+        assert s["grad_norm_local"] == pytest.approx(float(local[r].norm()), rel=1e-5)
+        assert s["grad_norm_global"] == pytest.approx(float(mean.norm()), rel=1e-5)
+        cos = float(local[r] @ mean / (local[r].norm() * mean.norm()))
+        assert s["grad_cosine"] == pytest.approx(cos, rel=1e-5)
+    assert run.emitters[0].records[0]["fingerprints"]["grad_fp"] == fingerprint(mean)
+
+
+def test_checkpoint_branches_a_faulted_run_and_its_clean_twin_from_the_same_state(tmp_path):
+    base = _run()
+    base.train(2)
+    ck = tmp_path / "ck.pt"
+    base.save_checkpoint(ck)
+    base.close()
+    fault = FaultSpec(kind="bitflip", rank=2, step=3, target="blocks.1.attn.qkv", bit=30, seed=6)
+    clean, faulted = _run(), _run(faults=[fault])
+    for run in (clean, faulted):
+        run.load_checkpoint(ck)
+        assert run.step == 2
+        run.train(3)
+        run.close()
+
+    def scalars(run, rank, step):
+        return run.emitters[rank].records[step]["scalars"]
+
+    for r in range(4):  # step 2: identical; step 3: only rank 2's own forward differs
+        assert scalars(clean, r, 2)["loss"] == scalars(faulted, r, 2)["loss"]
+        same = scalars(clean, r, 3)["loss"] == scalars(faulted, r, 3)["loss"]
+        assert same == (r != 2)
+    (hit,) = faulted.injector.injections
+    assert (hit.step, hit.rank, hit.target) == (3, 2, "blocks.1.attn.qkv")
+    part = ("q", "k", "v")[(hit.index % (3 * SMALL.d_model)) // SMALL.d_model]
+    layers = faulted.emitters[2].records[3]["layers"]
+    if part != "v":  # exponent bit 30 of a value below 2 makes it ~1e38: q or k norm and logits explode
+        assert not layers[f"{part}_norm_max"][1] < 1e30
+        assert not layers["attn_logit_max"][1] < 1e30
+    assert layers["attn_logit_max"][0] == clean.emitters[2].records[3]["layers"]["attn_logit_max"][0]
+    assert all(scalars(faulted, r, 3)["nonfinite"] == 0 for r in (0, 1, 3))
+    with pytest.raises(ConfigError, match="checkpoint.world"):
+        _run(world=2).load_checkpoint(ck)
+
+
+def test_param_fault_and_rank_lr_spike_make_exactly_that_replica_diverge():
+    faults = [
+        FaultSpec(kind="bitflip", rank=1, step=1, target="blocks.0.mlp.fc", where="param", bit=20, seed=2),
+        FaultSpec(kind="lr_spike", rank=3, step=2, magnitude=10.0),
+    ]
+    from sdcwatch.telemetry.probes import ProbeConfig
+
+    run = _run(faults=faults, probes=ProbeConfig(fingerprint_every=1))
+    run.train(4)
+    run.close()
+
+    def odd(step):
+        fps = [run.emitters[r].records[step]["fingerprints"]["param_fp"] for r in range(4)]
+        majority = max(set(fps), key=fps.count)
+        return [r for r, f in enumerate(fps) if f != majority]
+
+    assert odd(0) == []
+    assert odd(1) == [1]
+    assert odd(2) == [1, 3]
+    assert odd(3) == [1, 3]
+    grad_fps = {run.emitters[r].records[3]["fingerprints"]["grad_fp"] for r in range(4)}
+    assert len(grad_fps) == 1  # the all-reduced gradient is one for everybody
+    assert run.emitters[3].records[2]["scalars"]["lr"] == pytest.approx(10 * run.lr)
+    assert fingerprint(run.replica_parameters(0)) == run.emitters[0].records[3]["fingerprints"]["param_fp"]
+    assert fingerprint(run.replica_parameters(1)) == run.emitters[1].records[3]["fingerprints"]["param_fp"]
+
+
+def test_unhealthy_rank_with_scaled_attention_stands_out_in_its_qk_norms():
+    fault = FaultSpec(kind="scale", rank=1, step=0, duration=0, target="blocks.*.attn.qkv", magnitude=1.1)
+    run = _run(faults=[fault])
+    run.train(4)
+    run.close()
+    for step in range(4):
+        q = [run.emitters[r].records[step]["layers"]["q_norm_mean"][0] for r in range(4)]
+        others = [q[r] for r in (0, 2, 3)]
+        assert q[1] > 1.05 * max(others)
+
+
+def test_bad_settings_are_config_errors():
+    with pytest.raises(ConfigError, match="simulated.world"):
+        SimulatedRun(world=0)
+    with pytest.raises(ConfigError, match="simulated.faults"):
+        _run(world=2, faults=[FaultSpec(kind="nan", rank=5, step=0, target="head")])
+    with pytest.raises(ConfigError, match="simulated.hosts"):
+        _run(world=2, hosts=["a"])
+    assert math.isfinite(_run(world=1).train(1)[0])
