@@ -1,4 +1,4 @@
-"""Non-finite values: NaN, Inf or |x| > 1e10 (ATTNChecker's near-INF) anywhere in a step.
+"""Non-finite values: NaN, Inf or |x| >= 1e10 (ATTNChecker's near-INF) anywhere in a step.
 
 No warm-up and no history: a non-finite value is a critical finding at the very step it is seen,
 naming the rank(s), the metric and the layer. A rank's own ``nonfinite`` counter (NaN/Inf the
@@ -55,9 +55,9 @@ class NonFiniteDetector:
             values, counters = self._columns(frame.scalar_names)
             with np.errstate(invalid="ignore"):
                 # the common case costs one reduction: every cell finite and small, no counter set
-                calm = np.abs(S).max() <= self.limit and not (counters.any() and (S[:, counters] > 0).any())
+                calm = np.abs(S).max() < self.limit and not (counters.any() and (S[:, counters] > 0).any())
                 if not calm:
-                    bad = ~(np.abs(S) <= self.limit) & frame.sent_scalars() & values[None, :]
+                    bad = ~(np.abs(S) < self.limit) & frame.sent_scalars() & values[None, :]
                     if counters.any():
                         bad |= (S > 0) & counters[None, :]
                     r, c = np.nonzero(bad)
@@ -65,9 +65,9 @@ class NonFiniteDetector:
                     hits += [(int(a), frame.scalar_names[b], None, float(S[a, b]))
                              for a, b in zip(r[: self.max_listed], c[: self.max_listed])]
         L = frame.layers
-        if L.size and not np.abs(L).max() <= self.limit:  # NaN fails the comparison: look closer
+        if L.size and not np.abs(L).max() < self.limit:  # NaN fails the comparison: look closer
             with np.errstate(invalid="ignore"):
-                bad = ~(np.abs(L) <= self.limit) & frame.sent_layers()
+                bad = ~(np.abs(L) < self.limit) & frame.sent_layers()
             if bad.any():
                 r, m, l = np.nonzero(bad)
                 n_bad += r.size

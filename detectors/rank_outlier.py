@@ -40,9 +40,9 @@ class RankOutlierDetector:
     name = "rank_outlier"
     fault = "rank_shift"
 
-    def __init__(self, *, threshold: float = 12.0, drift: float = 1.0, clip: float = 4.0,
+    def __init__(self, *, threshold: float = 20.0, drift: float = 1.0, clip: float = 4.0,
                  instant_z: float = 50.0, min_world: int = 4, max_fraction: float = 0.25,
-                 max_named: int = 8, rel_floor: float = 1e-3, warmup: int = 3,
+                 max_named: int = 8, rel_floor: float = 1e-3, warmup: int = 10,
                  reference_ranks: int = 2048, scalars: tuple[str, ...] = RANK_SCALARS) -> None:
         check_positive("rank_outlier", threshold=threshold, drift=drift, clip=clip, instant_z=instant_z,
                        min_world=min_world, max_fraction=max_fraction, max_named=max_named, rel_floor=rel_floor)
@@ -57,6 +57,8 @@ class RankOutlierDetector:
         # and the sort costs a fraction of what all 16k ranks would. Every rank is still scored.
         self.reference_ranks = int(reference_ranks)
         self._sample: np.ndarray | None = None
+        self.spread_alpha = 0.05
+        self._spread: np.ndarray | None = None  # (k,) typical cross-rank spread per feature
         self._sig: tuple | None = None  # (world, scalar names, layer names, n_layers)
         self._pos: np.ndarray | None = None
         self._neg: np.ndarray | None = None
@@ -96,6 +98,7 @@ class RankOutlierDetector:
         self._pos = np.zeros((k, world))  # CUSUM of positive deviations per (feature, rank)
         self._neg = np.zeros((k, world))
         self._steps = 0
+        self._spread = None
         self.rank_scores = np.zeros(world)
 
     # -- detection --------------------------------------------------------------------------------
@@ -103,12 +106,14 @@ class RankOutlierDetector:
     def robust_z(self, X: np.ndarray) -> np.ndarray:
         """(world, k) robust z of every value against its column's cross-rank median and MAD.
 
-        Non-finite cells (missing ranks, NaN) get z = 0: they are the non-finite detector's.
+        Stateless (the typical spread is this step's own); non-finite cells (missing ranks, NaN)
+        get z = 0: they are the non-finite detector's.
         """
-        return self._robust_zt(np.ascontiguousarray(X.T)).T
+        return self._robust_zt(np.ascontiguousarray(X.T), track=False).T
 
-    def _robust_zt(self, Xt: np.ndarray) -> np.ndarray:
-        """Same on the transposed (k, world) layout, where each feature's ranks are contiguous."""
+    def _robust_zt(self, Xt: np.ndarray, track: bool = True) -> np.ndarray:
+        """Same on the transposed (k, world) layout, where each feature's ranks are contiguous;
+        ``track`` updates and uses the detector's typical spread per feature."""
         finite = np.isfinite(Xt)
         all_finite = finite.all()
         n = Xt.shape[1]
@@ -122,18 +127,35 @@ class RankOutlierDetector:
             # would partition twice and average, and the robust scale does not need it
             mid = ref.shape[1] // 2
             med = np.partition(ref, mid, axis=1)[:, mid]
-            mad = np.partition(np.abs(ref - med[:, None]), mid, axis=1)[:, mid]
+            absdev = np.abs(ref - med[:, None])
+            mad = np.partition(absdev, mid, axis=1)[:, mid]
+            meandev = absdev.mean(axis=1)
         else:
             Rn = np.where(np.isfinite(ref), ref, np.nan)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", RuntimeWarning)
                 med = np.nanmedian(Rn, axis=1)
                 med = np.where(np.isfinite(med), med, 0.0)
-                mad = np.nanmedian(np.abs(Rn - med[:, None]), axis=1)
+                absdev = np.abs(Rn - med[:, None])
+                mad = np.nanmedian(absdev, axis=1)
+                meandev = np.nanmean(absdev, axis=1)
             mad = np.where(np.isfinite(mad), mad, 0.0)
+            meandev = np.where(np.isfinite(meandev), meandev, 0.0)
         dev = Xt - med[:, None]
-        # the floor keeps a feature on which all ranks agree to many digits from exploding
-        scale = 1.4826 * mad + self.rel_floor * np.abs(med) + 1e-12
+        # Ties: a max-type statistic often has most ranks at the very same value (the same token
+        # wins everywhere), so this step's MAD is 0 while the ranks do spread over time. The
+        # feature's typical spread (a slow average of the mean absolute deviation, scaled to a
+        # Gaussian sigma) is the lower bound of its scale; one extreme step barely moves it. The
+        # floor keeps a feature on which all ranks agree to many digits from exploding.
+        spread = 1.2533 * meandev
+        if not track:
+            typical = spread
+        elif self._spread is None or self._spread.shape != spread.shape:
+            typical = self._spread = spread.copy()
+        else:
+            self._spread += self.spread_alpha * (spread - self._spread)
+            typical = self._spread
+        scale = np.maximum(1.4826 * mad, typical) + self.rel_floor * np.abs(med) + 1e-12
         with np.errstate(invalid="ignore"):
             z = dev / scale[:, None]
         if not all_finite:
@@ -212,7 +234,7 @@ class RankOutlierDetector:
         if self._sig is None:
             return {"sig": None}
         return {"sig": _jsonable(self._sig), "pos": encode_array(self._pos), "neg": encode_array(self._neg),
-                "steps": self._steps}
+                "steps": self._steps, "spread": None if self._spread is None else encode_array(self._spread)}
 
     def restore(self, state: dict[str, Any]) -> None:
         if state.get("sig") is None:
@@ -222,6 +244,7 @@ class RankOutlierDetector:
         self._pos = decode_array(state["pos"])
         self._neg = decode_array(state["neg"])
         self._steps = int(state["steps"])
+        self._spread = None if state.get("spread") is None else decode_array(state["spread"])
         ev = np.maximum(self._pos, self._neg).max(axis=0) if self._pos.size else np.zeros(self._pos.shape[1])
         self.rank_scores = ev / self.threshold
 

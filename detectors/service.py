@@ -117,6 +117,7 @@ class DetectorService:
         self.events_published = 0
         self._lock = threading.Lock()  # guards the pipeline against view() from the scrape thread
         self._last_snapshot = clock()
+        self._last_lag = -1e9
         if self.state_path is not None:
             self.resumed = self.pipeline.load(self.state_path)
             if self.resumed:
@@ -130,6 +131,8 @@ class DetectorService:
             events += self.pipeline.tick()
             self.pipeline.dead_letters_total = int(getattr(self.source, "dead_letters", 0))
         self._publish(events)
+        if self.clock() - self._last_lag >= 1.0:
+            self._refresh_lag()
         if self.state_path is not None and self.clock() - self._last_snapshot >= self.snapshot_every:
             self.snapshot()
         return events
@@ -153,12 +156,15 @@ class DetectorService:
             self.source.commit()
         except Exception:
             log.exception("source commit failed (records after the last commit will be re-read)")
-        try:
-            lag = int(self.source.lag())
-        except Exception:
-            lag = self.pipeline.consumer_lag
-        self.pipeline.consumer_lag = lag
+        self._refresh_lag()
         self._last_snapshot = self.clock()
+
+    def _refresh_lag(self) -> None:
+        try:
+            self.pipeline.consumer_lag = int(self.source.lag())
+        except Exception:
+            log.debug("consumer lag unavailable", exc_info=True)
+        self._last_lag = self.clock()
 
     def view(self) -> ServiceView:
         """A consistent view for the exporter (thread-safe)."""

@@ -380,11 +380,9 @@ def run_demo(
     try:
         from sdcwatch.report import write_report
 
-        injected_text = description if faults else "nothing (clean run)"
-        if faults and injected_rank is not None:
-            injected_text += f" — rank {injected_rank}, step {injected_step}"
         result.report = str(write_report(records_path, [i.to_dict() for i in incidents], report_path,
-                                         title=f"sdcwatch demo: {fault}", injected=injected_text))
+                                         title=f"sdcwatch demo: {fault} ({description})",
+                                         injected=fault_dicts or "nothing (clean run)"))
     except SdcwatchError as exc:
         log.warning("could not write the report: %s", exc)
     return result

@@ -15,15 +15,17 @@ from __future__ import annotations
 
 import argparse
 import base64
+import contextlib
 import html
 import io
 import json
 import math
 import sys
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Iterator, Mapping, NamedTuple, Sequence
 
 import numpy as np
 
@@ -38,6 +40,7 @@ __all__ = [
     "incident_from_dict",
     "robust_z",
     "rank_deviation",
+    "Deviation",
     "write_report",
     "render_report",
     "report_main",
@@ -277,36 +280,46 @@ def robust_z(values: np.ndarray) -> np.ndarray:
     return np.where(np.isinf(x), np.inf, z)
 
 
-def rank_deviation(data: RunData) -> tuple[np.ndarray, list[str]]:
-    """Per rank and step, the largest |robust z| over :data:`DEVIATION_METRICS` (S, R).
+class Deviation(NamedTuple):
+    """How far each rank strays from the others, per step (see :func:`rank_deviation`)."""
 
-    NaN where the rank sent no record; +Inf where it reported a non-finite value.
-    Returns the scores and the metrics that were available.
+    score: np.ndarray  # (S, R) largest |robust z| over the metrics; +Inf: non-finite on this rank only
+    metrics: list[str]  # the metrics that were available
+    widespread: np.ndarray  # (S, R) bool: non-finite together with most ranks (the run broke, not the rank)
+
+
+def rank_deviation(data: RunData) -> Deviation:
+    """Per rank and step, the largest |robust z| over :data:`DEVIATION_METRICS`.
+
+    A value only this rank (or a minority) reported as NaN/Inf scores +Inf: that is how SDC
+    looks on the step it strikes. Once most ranks are non-finite (the corruption has spread
+    through the all-reduce) the value no longer says which rank is odd: it scores nothing and
+    is flagged in ``widespread``. NaN where the rank sent no record.
     """
     used = [m for m in DEVIATION_METRICS if m in data.scalars]
-    score = np.full(data.present.shape, np.nan)
+    present = data.present
+    score = np.full(present.shape, np.nan)
+    widespread = np.zeros(present.shape, dtype=bool)
+    n_present = present.sum(axis=1, keepdims=True)
     for name in used:
-        values = np.where(data.present, data.scalars[name], np.nan)
-        reported_nan = data.present & np.isnan(data.scalars[name])
-        z = np.abs(robust_z(values))
-        z = np.where(reported_nan, np.inf, z)
+        raw = data.scalars[name]
+        nonfinite = present & ~np.isfinite(raw)
+        most = nonfinite.sum(axis=1, keepdims=True) * 2 > n_present
+        z = np.abs(robust_z(np.where(present & np.isfinite(raw), raw, np.nan)))
+        z = np.where(nonfinite & ~most, np.inf, z)
         score = np.fmax(score, z)
-    score[~data.present] = np.nan
-    return score, used
+        widespread |= nonfinite & most
+    score[~present] = np.nan
+    widespread &= np.isnan(score)  # a rank that still stands out on another metric is scored
+    return Deviation(score, used, widespread)
 
 
-class _quiet_nan_warnings:
+@contextlib.contextmanager
+def _quiet_nan_warnings() -> Iterator[None]:
     """All-NaN slices (a step nobody reported) are expected; keep numpy quiet about them."""
-
-    def __enter__(self) -> None:
-        import warnings
-
-        self._ctx = warnings.catch_warnings()
-        self._ctx.__enter__()
+    with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
-
-    def __exit__(self, *exc: Any) -> None:
-        self._ctx.__exit__(*exc)
+        yield
 
 
 def _mean_over_ranks(data: RunData, name: str) -> np.ndarray:
@@ -426,19 +439,22 @@ def _min_span(steps: np.ndarray) -> float:
     return max(0.5, (float(steps[-1]) - float(steps[0])) * 0.002) if len(steps) else 0.5
 
 
-def _shade_incidents(ax: Any, incidents: Sequence[Incident], steps: np.ndarray, *, labels: bool) -> None:
+def _shade_incidents(ax: Any, incidents: Sequence[Incident], steps: np.ndarray, world: int, *, labels: bool) -> None:
     half = _min_span(steps)
     for n, inc in enumerate(incidents, 1):
         colour = _SEVERITY_COLOUR[inc.severity.value]
         ax.axvspan(inc.first_step - half, inc.last_step + half, color=colour, alpha=0.16, linewidth=0, zorder=0)
         ax.axvline(inc.first_step, color=colour, linewidth=1.0, alpha=0.8, zorder=1)
         if labels:
-            text = f"#{n} {inc.kind}" + (f" r{','.join(map(str, inc.ranks[:3]))}" if inc.ranks else "")
+            if _is_localised(inc, world):
+                text = f"#{n} {inc.kind} r{','.join(map(str, inc.ranks))}"
+            else:
+                text = f"#{n} {inc.kind}" + (f" ({len(inc.ranks)} ranks)" if inc.ranks else "")
             if len(incidents) > 8:
                 text = f"#{n}"
             ax.annotate(
                 text, xy=(inc.first_step, 1.0), xycoords=("data", "axes fraction"),
-                xytext=(3, -11 - 11 * ((n - 1) % 3)), textcoords="offset points",
+                xytext=(3, -17 - 11 * ((n - 1) % 3)), textcoords="offset points",
                 fontsize=8, color=colour, fontweight="bold", clip_on=True,
                 bbox=dict(boxstyle="round,pad=0.15", facecolor="white", edgecolor="none", alpha=0.75),
             )
@@ -506,7 +522,7 @@ def _plot_training(data: RunData, incidents: Sequence[Incident], faults: Sequenc
     axes = fig.subplots(len(series), 1, sharex=True, squeeze=False)[:, 0]
     colours = ("#1f5fa8", "#5b3c99")
     for k, (ax, (label, values, per_rank)) in enumerate(zip(axes, series)):
-        _shade_incidents(ax, incidents, data.steps, labels=k == 0)
+        _shade_incidents(ax, incidents, data.steps, data.world, labels=k == 0)
         _mark_injected(ax, faults, data.steps, label=k == len(series) - 1)
         _plot_series(ax, data.steps, values, per_rank, data.present, colours[k % 2], label)
         ax.legend(loc="lower right", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False, ncols=4, borderaxespad=0.1)
@@ -526,7 +542,7 @@ def _bin_columns(score: np.ndarray, steps: np.ndarray) -> tuple[np.ndarray, np.n
 
 
 def _plot_heatmap(data: RunData, incidents: Sequence[Incident], faults: Sequence[Mapping[str, Any]]) -> tuple[str | None, list[str], np.ndarray]:
-    score, used = rank_deviation(data)
+    score, used, widespread = rank_deviation(data)
     if not used or data.world < _MIN_RANKS:
         return None, used, np.zeros(data.world)
     from matplotlib.colors import LinearSegmentedColormap, ListedColormap
@@ -555,10 +571,13 @@ def _plot_heatmap(data: RunData, incidents: Sequence[Incident], faults: Sequence
     extent = (float(starts[0]) - step_w / 2, float(starts[-1]) + step_w / 2, world - 0.5, -0.5)
     mesh = ax.imshow(np.ma.masked_invalid(np.where(np.isinf(binned), _Z_CAP, binned).T), aspect="auto", cmap=cmap,
                      vmin=0, vmax=_Z_CAP, interpolation="nearest", extent=extent)
-    nonfinite = np.isinf(binned).T
-    if nonfinite.any():  # reported NaN/Inf: its own colour on top, never confused with a large z
-        ax.imshow(np.ma.masked_where(~nonfinite, np.ones(nonfinite.shape)), aspect="auto",
-                  cmap=ListedColormap(["#4a148c"]), interpolation="nearest", extent=extent)
+    # Non-finite values get their own colours on top, never confused with a large z: dark purple
+    # for a rank that alone went non-finite, light purple once most ranks did.
+    spread, _ = _bin_columns(widespread.astype(float), data.steps)
+    nonfinite = np.where(np.isinf(binned), 2.0, np.where(spread > 0, 1.0, np.nan)).T
+    if np.isfinite(nonfinite).any():
+        ax.imshow(np.ma.masked_invalid(nonfinite), aspect="auto", cmap=ListedColormap(["#c9b6e4", "#4a148c"]),
+                  vmin=0.5, vmax=2.5, interpolation="nearest", extent=extent)
     cbar = fig.colorbar(mesh, ax=bar, extend="max", fraction=0.25, pad=0.05, shrink=0.9 if world <= 16 else 0.6)
     cbar.set_label("|robust z| vs other ranks", fontsize=8.5)
     cbar.ax.tick_params(labelsize=8)
@@ -620,6 +639,8 @@ def _plot_attention(data: RunData, incidents: Sequence[Incident], suspects: Sequ
         lo = np.nanmin(values, axis=1)
         hi = np.nanmax(values, axis=1)
     suspect_colours = ("#d62728", "#e377c2", "#ff7f0e")
+    injected_ranks = [f["rank"] for f in faults if isinstance(f.get("rank"), int) and 0 <= f["rank"] < data.world
+                      and f["rank"] not in suspects][:1]
     for ax, layer in zip(axes, shown):
         ax.fill_between(steps, lo[:, layer], hi[:, layer], color="#1f5fa8", alpha=0.15, linewidth=0)
         ax.plot(steps, mean[:, layer], color="#1f5fa8", linewidth=1.4, zorder=3)
@@ -627,13 +648,16 @@ def _plot_attention(data: RunData, incidents: Sequence[Incident], suspects: Sequ
             ax.plot(steps, values[:, rank, layer], color=colour, linewidth=0.9,
                     alpha=0.8 if layer in named_layers or not named_layers else 0.45, zorder=2)
             _mark_nonfinite(ax, steps, data.present[:, rank] & ~np.isfinite(entropy[:, rank, layer]), colour)
+        for rank in injected_ranks:  # ground truth the incidents did not name: drawn, but apart
+            ax.plot(steps, values[:, rank, layer], color="#333", linewidth=0.9, linestyle=(0, (3, 1.5)), alpha=0.7, zorder=2)
+            _mark_nonfinite(ax, steps, data.present[:, rank] & ~np.isfinite(entropy[:, rank, layer]), "#333")
         for inc in incidents:
             if inc.layer == layer or inc.layer is None:
                 ax.axvspan(inc.first_step - _min_span(steps), inc.last_step + _min_span(steps),
                            color=_SEVERITY_COLOUR[inc.severity.value], alpha=0.12 if inc.layer == layer else 0.06, linewidth=0)
         for f in faults:
             ax.axvline(f["step"], color="#333", linestyle="--", linewidth=0.8)
-        limits = _robust_limits(np.concatenate([mean[:, layer], *(values[:, r, layer] for r in suspects)]))
+        limits = _robust_limits(np.concatenate([mean[:, layer], *(values[:, r, layer] for r in [*suspects, *injected_ranks])]))
         if limits is not None:
             ax.set_ylim(*limits)
         is_named = layer in named_layers
@@ -653,6 +677,7 @@ def _plot_attention(data: RunData, incidents: Sequence[Incident], suspects: Sequ
     handles = [Line2D([], [], color="#1f5fa8", label="mean over ranks"), Patch(color="#1f5fa8", alpha=0.15, label="min-max over ranks")]
     handles += [Line2D([], [], color=c, label=f"rank {r}" + (f" ({data.host_of(r)})" if data.host_of(r) else ""))
                 for c, r in zip(suspect_colours, suspects)]
+    handles += [Line2D([], [], color="#333", linestyle=(0, (3, 1.5)), label=f"rank {r} (injected)") for r in injected_ranks]
     fig.legend(handles=handles, loc="outside upper right", ncols=len(handles), fontsize=8.5, frameon=False)
     fig.supylabel("attention entropy (nats)", fontsize=9.5)
     return _png(fig), shown
@@ -813,8 +838,9 @@ def render_report(data: RunData, incidents: Sequence[Incident], *, title: str | 
             "<section id='ranks'><h2>Which rank strays from the others</h2><p class='caption'>Each cell is the "
             f"largest robust z-score of a rank against the median of all ranks at that step, over "
             f"{_e(', '.join(used))}. Data-parallel ranks run the same model on different data, so a healthy rank "
-            "stays pale; a faulty one lights up. Dark purple is a non-finite value, grey a missing record; blue "
-            "boxes are the ranks incidents named. The bar shows the share of steps each rank was flagged "
+            "stays pale; a faulty one lights up. Dark purple: a non-finite value on this rank only; light purple: "
+            "non-finite on most ranks (the corruption has spread and no longer says which rank); grey: no record. "
+            "Blue boxes are the ranks incidents named. The bar shows the share of steps each rank was flagged "
             f"(|z| &gt; {_Z_FLAG:g}).</p>"
             + _figure(heat, "rank by step heat map of deviation") + "</section>"
         )

@@ -30,9 +30,9 @@ __all__ = [
     "tensor_parts",
     "combine_parts",
     "fingerprint_device",
+    "flat_fingerprint_device",
     "finalize",
     "fingerprint",
-    "parameter_fingerprint",
     "splitmix64",
 ]
 
@@ -111,6 +111,17 @@ def fingerprint_device(tensors: Iterable["torch.Tensor"]) -> "torch.Tensor":
     return combine_parts([tensor_parts(t) for t in tensors])
 
 
+def flat_fingerprint_device(tensors: Sequence["torch.Tensor"]) -> "torch.Tensor":
+    """Raw device fingerprint of the concatenation of ``tensors`` (flattened, in order).
+
+    One copy and a few passes instead of a few kernels per tensor: what the probes use for a
+    model's parameters and gradients (``param_fp``, ``grad_fp``).
+    """
+    import torch
+
+    return fingerprint_device([torch.cat([t.detach().reshape(-1) for t in tensors])])
+
+
 def finalize(raw: int) -> int:
     """Turn a raw device fingerprint (a signed int64 read back on the host) into the u64 value."""
     return splitmix64(int(raw) & _MASK)
@@ -123,8 +134,3 @@ def fingerprint(tensors: Iterable["torch.Tensor"] | "torch.Tensor") -> int:
     if isinstance(tensors, torch.Tensor):
         tensors = [tensors]
     return finalize(int(fingerprint_device(tensors)))
-
-
-def parameter_fingerprint(params: Sequence["torch.Tensor"]) -> "torch.Tensor":
-    """Raw device fingerprint of a model's parameters (pass ``list(model.parameters())``)."""
-    return fingerprint_device(params)

@@ -25,6 +25,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+import numpy
 import torch
 from torch import nn
 
@@ -37,6 +38,8 @@ __all__ = [
     "attach",
     "observe_attention",
     "attention_stats",
+    "sampled_heads",
+    "sampled_queries",
     "ATTENTION_STATS",
 ]
 
@@ -57,26 +60,35 @@ _ATTENTION: "weakref.WeakKeyDictionary[nn.Module, list[tuple[Watch, int]]]" = we
 
 @dataclass(frozen=True)
 class ProbeConfig:
-    """Sampling settings of a :class:`Watch`; defaults keep the cost within ~2% of a step."""
+    """Sampling settings of a :class:`Watch`; the defaults keep the cost near 1-2% of a CPU step.
+
+    Per-step work is a handful of reductions; the costlier probes run on sampled steps. On a
+    large model every probe is cheap next to the step, and ``attention_every=1``,
+    ``fingerprint_every=1`` cost little.
+    """
 
     every: int = 1
     """Emit a record every this many steps (loss, gradient norms and cosine, step time...)."""
-    attention_every: int = 1
-    """Measure attention on every this-many-th recorded step (per-layer stats are then omitted)."""
+    attention_every: int = 8
+    """Measure attention on every this-many-th recorded step (other records carry no layers)."""
     fingerprint_every: int = 50
-    """Fingerprint the parameters every this many steps (the gradient one is on every record)."""
+    """Fingerprint the parameters and the all-reduced gradient every this many steps."""
     grad_fingerprint: bool = True
-    """Fingerprint the all-reduced gradient on every recorded step."""
+    """Include the all-reduced gradient's fingerprint on fingerprint steps."""
     heads: int = 4
-    """Attention heads sampled per layer (evenly spaced; 0 = all)."""
+    """Attention heads sampled per layer (evenly strided; 0 = all)."""
     queries: int = 16
-    """Query positions sampled per head (evenly spaced over the later part of the sequence)."""
+    """Query positions sampled per head (strided over the last three quarters of the sequence)."""
+    sequences: int = 2
+    """Sequences of the micro-batch whose sampled queries go into the entropy (0 = all); q and k
+    norms always cover the whole micro-batch."""
     attention: str = "auto"
     """Which modules are attention layers: "auto" (the reference model's and
     ``nn.MultiheadAttention``), "none", or a comma-separated list of module-name globs."""
 
     def __post_init__(self) -> None:
-        for key, lo in (("every", 1), ("attention_every", 1), ("fingerprint_every", 1), ("heads", 0), ("queries", 1)):
+        for key, lo in (("every", 1), ("attention_every", 1), ("fingerprint_every", 1), ("heads", 0), ("queries", 1),
+                        ("sequences", 0)):
             v = getattr(self, key)
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise ConfigError(f"probes.{key}", f"must be an integer >= {lo}, got {v!r}")
@@ -101,23 +113,31 @@ def observe_attention(layer: nn.Module, q: torch.Tensor, k: torch.Tensor, *, log
                 watch.observe_attention(index, q, k, logits=logits, causal=causal)
 
 
-def _spread(n: int, total: int, start: int = 0) -> list[int]:
-    """``n`` evenly spaced integers in [start, total) (all of them when n >= total - start)."""
-    span = total - start
-    if n <= 0 or n >= span:
-        return list(range(start, total))
-    return sorted({start + (i * (span - 1)) // max(n - 1, 1) for i in range(n)})
+def sampled_heads(heads: int, n_head: int) -> slice:
+    """The heads probed: ``heads`` of ``n_head``, evenly strided from head 0 (0 = all)."""
+    if heads <= 0 or heads >= n_head:
+        return slice(0, n_head)
+    stride = n_head // heads
+    return slice(0, stride * heads, stride)
+
+
+def sampled_queries(queries: int, t: int) -> slice:
+    """The query positions probed: ``queries`` strided positions from ``t // 4`` (early positions
+    see too few keys for their entropy to mean much)."""
+    start = t // 4
+    stride = max(1, (t - start) // queries)
+    return slice(start, min(t, start + stride * queries), stride)
 
 
 def attention_stats(q: torch.Tensor, k: torch.Tensor, *, logits: torch.Tensor | None = None, heads: int = 4,
-                    queries: int = 16, causal: bool = True) -> torch.Tensor:
+                    queries: int = 16, sequences: int = 0, causal: bool = True) -> torch.Tensor:
     """The :data:`ATTENTION_STATS` of one layer as a float32 (7,) tensor on the device.
 
-    Norms are over every (sequence, head, position) of q and k: a cheap pass that keeps the
-    rank-to-rank spread small. Entropy is over sampled heads and query positions of every sequence
-    (nats; mean over sequences and queries per head, then the mean and the minimum over heads).
-    The largest logit is over the whole ``logits`` tensor when given (one pass that catches a NaN,
-    Inf or near-INF anywhere), else over the sampled logits.
+    q and k norms cover every (sequence, head, position). The entropy (nats) covers the sampled
+    heads and query positions (:func:`sampled_heads`, :func:`sampled_queries`) of the first
+    ``sequences`` sequences (0 = all): mean over sequences and queries per head, then the mean and
+    the minimum over heads. The largest logit is over the whole ``logits`` tensor when given (one
+    pass that catches a NaN, Inf or near-INF anywhere), else over the sampled logits.
     """
     with torch.no_grad():
         if q.dim() == 3:
@@ -126,24 +146,26 @@ def attention_stats(q: torch.Tensor, k: torch.Tensor, *, logits: torch.Tensor | 
             raise ValueError(f"q and k must be (batch, heads, time, d_head), got {tuple(q.shape)} and {tuple(k.shape)}")
         q, k = q.detach(), k.detach()
         n_head, t, d_head = q.shape[1:]
-        qn = torch.linalg.vector_norm(q, dim=-1, dtype=torch.float32)
-        kn = torch.linalg.vector_norm(k, dim=-1, dtype=torch.float32)
-        hidx = torch.tensor(_spread(heads, n_head), device=q.device)
-        qidx = torch.tensor(_spread(queries, t, start=t // 4 if t >= 4 else 0), device=q.device)
+        qn = torch.linalg.vector_norm(q, dim=-1)
+        kn = torch.linalg.vector_norm(k, dim=-1)
+        seqs = slice(0, sequences if sequences > 0 else q.shape[0])
+        hs, qs = sampled_heads(heads, n_head), sampled_queries(queries, t)
         if logits is not None:
             logits = logits.detach()
-            sampled = logits.index_select(1, hidx).index_select(2, qidx).float()
-            top = logits.amax().float()
+            sampled = logits[seqs, hs, qs]
+            top = logits.amax()
         else:
-            qs = q.index_select(1, hidx).index_select(2, qidx).float()
-            sampled = (qs @ k.index_select(1, hidx).float().transpose(-2, -1)) / math.sqrt(d_head)
+            sampled = (q[seqs, hs, qs] @ k[seqs, hs].transpose(-2, -1)) * (1.0 / math.sqrt(d_head))
             if causal:
-                future = torch.arange(k.shape[2], device=q.device)[None, :] > qidx[:, None]
+                positions = torch.arange(qs.start, qs.stop, qs.step, device=q.device)
+                future = torch.arange(k.shape[2], device=q.device)[None, :] > positions[:, None]
                 sampled = sampled.masked_fill(future, float("-inf"))
             top = sampled.amax()
-        probs = torch.softmax(sampled, dim=-1)
-        entropy = torch.special.entr(probs).sum(-1).mean(dim=(0, 2))  # per sampled head
-        return torch.stack([entropy.mean(), entropy.min(), qn.mean(), qn.amax(), kn.mean(), kn.amax(), top])
+        logp = torch.log_softmax(sampled.float(), dim=-1)
+        # -sum p log p; masked keys have p = 0 and log p = -inf: clamping makes their term 0, not NaN
+        entropy = -(logp.exp() * logp.clamp_min(-1e4)).sum(-1).mean(dim=(0, 2))  # per sampled head
+        return torch.stack([entropy.mean(), entropy.min(), qn.mean(), qn.amax(), kn.mean(), kn.amax(),
+                            top]).float()
 
 
 class Watch:
@@ -212,6 +234,7 @@ class Watch:
     def _reset(self) -> None:
         self._scalars: dict[str, torch.Tensor] = {}
         self._nonfinite: list[torch.Tensor] = []
+        self._host_scalars: dict[str, float] = {}
         self._attn: dict[int, torch.Tensor] = {}
         self._fps: dict[str, torch.Tensor] = {}
         self._buckets: list[tuple] = []
@@ -242,7 +265,8 @@ class Watch:
             layer = known[0] if known else self._register_layer(layer)
         if not 0 <= layer < len(self._layers):
             raise ConfigError("probes.layer", f"layer {layer} out of range [0, {len(self._layers)})")
-        stats = attention_stats(q, k, logits=logits, heads=self.config.heads, queries=self.config.queries,
+        cfg = self.config
+        stats = attention_stats(q, k, logits=logits, heads=cfg.heads, queries=cfg.queries, sequences=cfg.sequences,
                                 causal=causal)
         self._attn[layer] = stats
 
@@ -272,7 +296,9 @@ class Watch:
 
     def observe_gradients(self, *, local_sq: torch.Tensor, global_sq: torch.Tensor, dot: torch.Tensor,
                           nonfinite: torch.Tensor | None = None, grad_fp: torch.Tensor | None = None) -> None:
-        """Gradient statistics computed elsewhere (the simulated all-reduce): sums on the device."""
+        """Gradient statistics computed elsewhere (the DDP hook, the simulated all-reduce): sums of
+        squares and the dot product of the local with the global gradient, on the device.
+        ``nonfinite`` is an extra count of non-finite values seen there (added to the record's own)."""
         self._scalars["grad_norm_local"] = local_sq.sqrt()
         self._scalars["grad_norm_global"] = global_sq.sqrt()
         self._scalars["grad_cosine"] = dot / (local_sq.sqrt() * global_sq.sqrt()).clamp_min(1e-30)
@@ -287,17 +313,30 @@ class Watch:
         self._fps[name] = raw
 
     def _local_gradients(self) -> None:
-        """World-size-1 gradient statistics from ``p.grad`` (no all-reduce: local is global)."""
+        """World-size-1 gradient statistics from ``p.grad`` (no all-reduce: local is global).
+
+        One fused norm over all gradient tensors (a NaN or Inf anywhere makes it non-finite, which
+        the record's ``nonfinite`` count then shows).
+        """
         if not (self.enabled and self.recording) or self._grads_seen:
             return
         grads = [p.grad for p in self._params if p.grad is not None]
         if not grads:
             return
-        norms = torch._foreach_norm(grads)
-        sq = torch.stack(norms).float().pow(2).sum()
-        nonfinite = torch.stack([(~torch.isfinite(g)).sum() for g in grads]).sum()
-        self.observe_gradients(local_sq=sq, global_sq=sq, dot=sq, nonfinite=nonfinite,
-                               grad_fp=fp.fingerprint_device(grads) if self.config.grad_fingerprint else None)
+        norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
+        self._set_world1_norm(norm)
+        if self.config.grad_fingerprint and self._fingerprint_step:
+            self._fps["grad_fp"] = fp.flat_fingerprint_device(grads)
+
+    def _set_world1_norm(self, norm: torch.Tensor) -> None:
+        self._scalars["grad_norm_local"] = norm
+        self._scalars["grad_norm_global"] = norm
+        self._host_scalars["grad_cosine"] = 1.0  # one replica: the local gradient is the global one
+        self._grads_seen = True
+
+    @property
+    def _fingerprint_step(self) -> bool:
+        return self._hint % self.config.fingerprint_every == 0
 
     # -- the step ----------------------------------------------------------------------------------
     def step(self, step: int, *, loss: Any = None, step_time: float | None = None, **scalars: Any) -> None:
@@ -327,9 +366,9 @@ class Watch:
             self._local_gradients()
         if self._buckets:
             self._reduce_buckets()
-        if (not self._external and step % self.config.fingerprint_every == 0 and self._params):
-            self._fps["param_fp"] = fp.fingerprint_device(self._params)
-        host: dict[str, float] = {}
+        if not self._external and step % self.config.fingerprint_every == 0 and self._params:
+            self._fps["param_fp"] = fp.flat_fingerprint_device(self._params)
+        host: dict[str, float] = dict(self._host_scalars)
         if step_time is None and self._last_time is not None:
             step_time = now - self._last_time
         if step_time is not None:
@@ -343,7 +382,6 @@ class Watch:
         if loss is not None:
             if isinstance(loss, torch.Tensor):
                 device_scalars["loss"] = loss.detach().reshape(())
-                self._nonfinite.append((~torch.isfinite(device_scalars["loss"])).sum())
             else:
                 host["loss"] = float(loss)
         for name, value in scalars.items():
@@ -354,27 +392,30 @@ class Watch:
         attn = None
         if self._attn and len(self._attn) == len(self._layers):
             attn = torch.stack([self._attn[i] for i in range(len(self._layers))])  # (layers, 7)
-            self._nonfinite.append((~torch.isfinite(attn)).sum())
         self._pack(step, device_scalars, attn, host)
         self._reset()
 
     def _pack(self, step: int, device_scalars: dict, attn: torch.Tensor | None, host: dict) -> None:
         """One device tensor (float64 values bit-cast to int64, then fingerprints) and its async copy."""
         names = list(device_scalars)
-        floats = [t.double().reshape(1) for t in device_scalars.values()]
+        values = [t.reshape(()).float() for t in device_scalars.values()]
         if self._nonfinite:
-            names.append("nonfinite")
-            floats.append(torch.stack([n.reshape(()).to(torch.float64) for n in self._nonfinite]).sum().reshape(1))
+            names.append("_nonfinite_extra")
+            values.append(sum(self._nonfinite[1:], self._nonfinite[0]).reshape(()).float())
+        floats = torch.stack(values) if values else None
         n_attn = 0
         if attn is not None:
-            floats.append(attn.double().reshape(-1))
+            floats = attn.reshape(-1).float() if floats is None else torch.cat([floats, attn.reshape(-1).float()])
             n_attn = attn.shape[0]
         fp_names = list(self._fps)
-        device = floats[0].device if floats else (self._params[0].device if self._params else torch.device("cpu"))
-        pieces = [torch.cat([f.to(device) for f in floats]).view(torch.int64)] if floats else []
+        pieces = [floats.double().view(torch.int64)] if floats is not None else []
         if fp_names:
-            pieces.append(torch.stack([self._fps[n].to(device) for n in fp_names]))
-        packed = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.int64)
+            pieces.append(torch.stack([self._fps[n].reshape(()) for n in fp_names]))
+        if not pieces:
+            packed = torch.zeros(0, dtype=torch.int64)
+        else:
+            device = pieces[0].device
+            packed = torch.cat([pc.to(device) for pc in pieces]) if len(pieces) > 1 else pieces[0]
         event = None
         if packed.device.type == "cuda":
             host_buf = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
@@ -401,6 +442,11 @@ class Watch:
             floats = values[:n_float].view("float64")
             scalars = dict(host)
             scalars.update({n: float(v) for n, v in zip(names, floats[: len(names)])})
+            # non-finite values among the metrics themselves: the loss, the gradient norms (a NaN or
+            # Inf anywhere in the gradient makes them so), the attention statistics (q, k, logits)
+            extra = scalars.pop("_nonfinite_extra", 0.0)
+            seen = numpy.count_nonzero(~numpy.isfinite(floats))
+            scalars["nonfinite"] = float(seen) + (extra if math.isfinite(extra) else 0.0)
             layers = None
             if n_attn:
                 grid = floats[len(names):].reshape(n_attn, len(ATTENTION_STATS))
@@ -421,9 +467,9 @@ class Watch:
         local_sq = torch.stack([b[1] for b in buckets]).sum()
         dot = torch.stack([b[2] for b in buckets]).sum()
         global_sq = torch.stack([b[3] for b in buckets]).sum()
-        nonfinite = torch.stack([b[4] for b in buckets]).sum()
-        grad_fp = fp.combine_parts([b[5] for b in buckets]) if self.config.grad_fingerprint else None
-        self.observe_gradients(local_sq=local_sq, global_sq=global_sq, dot=dot, nonfinite=nonfinite, grad_fp=grad_fp)
+        parts = [b[4] for b in buckets if b[4] is not None]
+        grad_fp = fp.combine_parts(parts) if parts and len(parts) == len(buckets) else None
+        self.observe_gradients(local_sq=local_sq, global_sq=global_sq, dot=dot, grad_fp=grad_fp)
 
     # -- lifecycle --------------------------------------------------------------------------------
     def flush(self) -> None:
@@ -461,19 +507,18 @@ def _comm_hook(watch: Watch, bucket):  # noqa: ANN001,ANN201 - DDP rejects strin
     if measure:
         local = buf.detach().clone()  # transient, one bucket: the local gradient for the dot product
         local_sq = local.float().pow(2).sum()
-        nonfinite = (~torch.isfinite(local)).sum()
     buf.div_(dist.get_world_size(group))
     fut = dist.all_reduce(buf, group=group, async_op=True).get_future()
     if not measure:
         return fut.then(lambda f: f.value()[0])
     index = bucket.index()
-    want_fp = watch.config.grad_fingerprint
+    want_fp = watch.config.grad_fingerprint and watch._fingerprint_step
 
     def measured(f: Any) -> torch.Tensor:
         g = f.value()[0]
         with torch.no_grad():
             watch._buckets.append((index, local_sq, (local.float() * g.float()).sum(), g.float().pow(2).sum(),
-                                   nonfinite, fp.tensor_parts(g) if want_fp else None))
+                                   fp.tensor_parts(g) if want_fp else None))
         return g
 
     return fut.then(measured)

@@ -93,7 +93,8 @@ class SimulatedRun:
         factory = emitter_factory or (lambda rank: NullEmitter())
         takes_host = "host" in inspect.signature(factory).parameters
         self.emitters = [factory(r, host=self.hosts[r]) if takes_host else factory(r) for r in range(world)]
-        probe_config = probes or ProbeConfig()
+        # a demo and test instrument: attention on every step, fingerprints every 10 (cost is not the point)
+        probe_config = probes or ProbeConfig(attention_every=1, fingerprint_every=10)
         self.watches = [Watch(self.model, e, config=probe_config, external=True) for e in self.emitters]
         self.step = 0
         """The next step to run."""
@@ -193,8 +194,9 @@ class SimulatedRun:
         local_sq = (g_all * g_all).sum(1)
         dot = g_all @ g
         global_sq = g @ g
-        nonfinite = (~torch.isfinite(g_all)).sum(1)
-        grad_fp = fp.fingerprint_device([g]) if self.watches[0].config.grad_fingerprint else None
+        cfg = self.watches[0].config
+        fingerprint_step = s % cfg.fingerprint_every == 0
+        grad_fp = fp.fingerprint_device([g]) if cfg.grad_fingerprint and fingerprint_step else None
         offset = 0
         for p, n in zip(self.params, self._sizes):
             p.grad = g[offset: offset + n].view_as(p).clone()
@@ -222,8 +224,7 @@ class SimulatedRun:
         shared = time.perf_counter() - t0
         loss_global = torch.stack(losses).mean()
         for r, w in enumerate(self.watches):
-            w.observe_gradients(local_sq=local_sq[r], global_sq=global_sq, dot=dot[r], nonfinite=nonfinite[r],
-                                grad_fp=grad_fp)
+            w.observe_gradients(local_sq=local_sq[r], global_sq=global_sq, dot=dot[r], grad_fp=grad_fp)
             if fps is not None:
                 w.observe_fingerprint("param_fp", fps[r])
             w.step(s, loss=losses[r], loss_global=loss_global, step_time=times[r] + shared,
@@ -252,12 +253,12 @@ class SimulatedRun:
         cfg = self.watches[0].config
         if step % cfg.fingerprint_every != 0:
             return None
-        clean = fp.fingerprint_device(self.params)
+        clean = fp.flat_fingerprint_device(self.params)
         out = []
         for r in range(self.world):
             if self._deltas.get(r):
                 with self._replica(r):
-                    out.append(fp.fingerprint_device(self.params))
+                    out.append(fp.flat_fingerprint_device(self.params))
             else:
                 out.append(clean)
         return out

@@ -119,7 +119,8 @@ def test_an_injected_fault_without_incidents_is_called_a_missed_detection(tmp_pa
 
 def test_deviating_rank_stands_out_in_the_deviation_score(tmp_path):
     data = load_records(make_records(tmp_path / "bad.jsonl", world=16, bad_rank=11, start=40))
-    score, used = rank_deviation(data)
+    score, used, widespread = rank_deviation(data)
+    assert not widespread.any()
     assert used == ["loss", "grad_norm_local", "grad_cosine"]
     assert score.shape == (120, 16)
     flagged = (score[40:] > 3.5).mean(axis=0)
@@ -137,7 +138,7 @@ def test_a_nan_a_rank_reported_is_maximal_deviation_and_a_missing_record_is_not(
     path.write_text("\n".join(line for line in lines if line not in dropped) + "\n")
     data = load_records(path)
     assert data.missing == 1 and not data.present[50, 6]
-    score, _ = rank_deviation(data)
+    score = rank_deviation(data).score
     assert np.isinf(score[30, 3])
     assert np.isnan(score[50, 6])
     assert np.isfinite(np.delete(score[30], 3)).all()

@@ -34,7 +34,7 @@ def series_frames(values, name="loss"):
 
 # -- non-finite ----------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf, 3e10, -2e11])
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf, 1e10, 3e10, -2e11])
 def test_nonfinite_names_rank_metric_and_layer_at_the_step(value):
     synth = SyntheticRun(seed=4)
     frame = synth.frame(12)

@@ -126,7 +126,7 @@ def test_persistent_rank_deviation_without_spike_is_silent_drift_on_that_rank():
 
 
 def test_spike_with_rank_local_evidence_is_sdc_suspected_on_that_rank_once():
-    pipe, events = run_pipeline([Fault("rank_shift", 150, rank=5, layer=2), Fault("loss_spike", 175)])
+    pipe, events = run_pipeline([Fault("rank_shift", 150, rank=5, layer=2), Fault("loss_spike", 190)])
     kinds = incidents_by_kind(pipe)
     (sdc,) = kinds["sdc_suspected"]
     assert sdc.ranks == (5,) and sdc.severity is Severity.CRITICAL and sdc.layer == 2
@@ -135,6 +135,13 @@ def test_spike_with_rank_local_evidence_is_sdc_suspected_on_that_rank_once():
     assert "SDC suspected on rank 5" in spike.message
     opened = [e.incident.id for e in events if e.change == "opened"]
     assert len(opened) == len(set(opened)) == 2  # the rank's incident escalated, not re-opened
+
+
+def test_rank_evidence_arriving_after_the_spike_still_makes_sdc_suspected():
+    pipe, _ = run_pipeline([Fault("loss_spike", 150), Fault("rank_shift", 152, rank=6, layer=0)])
+    (sdc,) = incidents_by_kind(pipe)["sdc_suspected"]
+    assert sdc.ranks == (6,) and sdc.evidence["spike_step"] == 150
+    assert "loss spike at step 150" in sdc.message
 
 
 def test_nonfinite_on_one_rank_is_one_critical_incident_naming_it():

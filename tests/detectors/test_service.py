@@ -123,30 +123,47 @@ def test_bad_service_settings_are_named():
 
 
 @pytest.mark.integration
-def test_fault_on_one_rank_through_the_real_broker_names_that_rank(bootstrap, unique_topic):
+def test_reference_run_fault_on_one_rank_through_the_real_broker_names_that_rank(bootstrap, unique_topic):
+    """The probes' records of a real (simulated data-parallel) training run, through Kafka."""
+    torch = pytest.importorskip("torch")
     from kafka import KafkaConsumer
 
     from sdcwatch.detectors.source import KafkaSource
-    from sdcwatch.telemetry import KafkaTransport
+    from sdcwatch.telemetry import Emitter, KafkaTransport
+    from sdcwatch.telemetry.faults import FaultSpec
+    from sdcwatch.telemetry.reference.model import GPTConfig
+    from sdcwatch.telemetry.reference.simulated import SimulatedRun, shared_corpus
+
+    torch.set_num_threads(1)
+    world, steps = 4, 30
+    fault = FaultSpec.from_dict({"kind": "near_inf", "step": 20, "rank": 2, "target": "blocks.0.attn.scores"})
+    run = SimulatedRun(
+        world=world, seed=0, faults=[fault], model=GPTConfig(seq_len=32, d_model=32, n_layer=2, n_head=4),
+        batch_size=4, corpus=shared_corpus(1 << 18), ranks_per_host=2,
+        emitter_factory=lambda r, host: Emitter(KafkaTransport(bootstrap, unique_topic), run="ref", rank=r,
+                                                world=world, host=host),
+    )
+    run.train(steps)
+    for em in run.emitters:
+        assert em.flush(60)
+    run.close()
 
     anomalies_topic = f"{unique_topic}.anomalies"
-    synth = SyntheticRun(seed=5, faults=[Fault("nonfinite", 30, rank=5, layer=2)])
-    tr = KafkaTransport(bootstrap, unique_topic)
-    for s in range(60):
-        tr.send(synth.records(s))
-    tr.close()
     source = KafkaSource(bootstrap, unique_topic, group=f"g-{uuid.uuid4().hex[:8]}",
                          deadletter_topic=f"{unique_topic}.dead")
-    sink = AnomalyTopicSink.to_kafka(bootstrap, topic=anomalies_topic)
-    svc = DetectorService(source, sinks=[sink], poll_timeout=0.5)
+    svc = DetectorService(source, sinks=[AnomalyTopicSink.to_kafka(bootstrap, topic=anomalies_topic)],
+                          poll_timeout=0.5)
     deadline = time.monotonic() + 60
-    svc.run_for(until=lambda: svc.pipeline.records_total >= 480 or time.monotonic() > deadline)
+    svc.run_for(until=lambda: svc.pipeline.records_total >= world * steps or time.monotonic() > deadline)
     svc.close()
-    assert svc.pipeline.records_total == 480
+    assert svc.pipeline.records_total == world * steps
     consumer = KafkaConsumer(anomalies_topic, bootstrap_servers=bootstrap, auto_offset_reset="earliest",
                              consumer_timeout_ms=10_000, group_id=None)
     msgs = [json.loads(m.value) for m in consumer]
     consumer.close()
-    (inc,) = [m for m in msgs if m["change"] == "opened"]
-    assert (inc["kind"], inc["ranks"], inc["hosts"], inc["layer"], inc["step"]) == (
-        "nonfinite", [5], ["node1"], 2, 30)
+    opened = [m for m in msgs if m["change"] == "opened"]
+    nonfinite = [m for m in opened if m["kind"] == "nonfinite"]
+    assert nonfinite, f"no non-finite incident in {opened}"
+    inc = nonfinite[0]
+    assert (inc["step"], inc["ranks"][0], inc["hosts"][0], inc["metric"], inc["layer"]) == (
+        20, 2, run.host_of(2), "attn_logit_max", 0)

@@ -46,7 +46,7 @@ def ddp_records(broker):
     topic = f"ddp.{uuid.uuid4().hex[:8]}"
     settings = DDPSettings(
         world=WORLD, steps=STEPS, seed=0, run="ddp-it", bootstrap=broker.bootstrap, topic=topic,
-        probes={"fingerprint_every": 1}, ranks_per_host=2, corpus_bytes=1 << 18,
+        probes={"fingerprint_every": 1, "attention_every": 1}, ranks_per_host=2, corpus_bytes=1 << 18,
         faults=(FaultSpec(kind="bitflip", rank=FLIP_RANK, step=FLIP_STEP, target="blocks.0.attn.qkv",
                           where="param", bit=12, seed=1),),
     )

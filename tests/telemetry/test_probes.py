@@ -55,8 +55,8 @@ def test_stats_match_a_direct_computation_on_random_attention():
     b, h, t, d = 3, 6, 24, 16
     q, k = torch.randn(b, h, t, d, generator=g) * 2, torch.randn(b, h, t, d, generator=g)
     stats = attention_stats(q, k, heads=3, queries=5)
-    heads = [0, 2, 5]  # evenly spaced over 6
-    queries = [6, 10, 14, 18, 23]  # evenly spaced over [t/4, t)
+    heads = [0, 2, 4]  # 3 of 6: stride 2 from head 0
+    queries = [6, 9, 12, 15, 18]  # 5 from t/4 = 6, stride (24 - 6) // 5 = 3
     logits = (q @ k.transpose(-2, -1)) / math.sqrt(d)
     logits = logits.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf"))
     # entropy of every sequence, sampled heads and queries; mean over sequences and queries
@@ -75,6 +75,10 @@ def test_given_logits_are_used_and_their_max_covers_the_whole_tensor():
     assert float(stats[6]) == pytest.approx(1e10)
     logits[1, 0, 1, 1] = float("nan")
     assert math.isnan(float(attention_stats(q, k, logits=logits)[6]))
+
+
+def _flat(tensors):
+    return torch.cat([t.reshape(-1) for t in tensors])
 
 
 def _train(model, emitter, steps, **settings):
@@ -99,7 +103,7 @@ def test_record_of_a_step_is_emitted_one_step_later_with_direct_values():
     torch.manual_seed(0)
     model = GPT(CFG)
     rec = Recorder()
-    watch, snaps = _train(model, rec, 3, fingerprint_every=2)
+    watch, snaps = _train(model, rec, 3, fingerprint_every=2, attention_every=1)
     assert [r["step"] for r in rec.records] == [0, 1]  # step 2 still in flight
     watch.close()
     assert [r["step"] for r in rec.records] == [0, 1, 2]
@@ -113,11 +117,11 @@ def test_record_of_a_step_is_emitted_one_step_later_with_direct_values():
         assert s["grad_norm_global"] == pytest.approx(norm, rel=1e-5)
         assert s["grad_cosine"] == pytest.approx(1.0, abs=1e-5)
         assert s["nonfinite"] == 0 and s["lr"] == 0.05 and s["step_time"] > 0
-        assert r["fingerprints"]["grad_fp"] == fingerprint(grads)
         if r["step"] % 2 == 0:
-            assert r["fingerprints"]["param_fp"] == fingerprint(updated) != fingerprint(params)
+            assert r["fingerprints"]["grad_fp"] == fingerprint(_flat(grads))
+            assert r["fingerprints"]["param_fp"] == fingerprint(_flat(updated)) != fingerprint(_flat(params))
         else:
-            assert "param_fp" not in r["fingerprints"]
+            assert r["fingerprints"] is None
         assert set(r["layers"]) == set(LAYER_METRICS)
         assert all(len(v) == CFG.n_layer for v in r["layers"].values())
 
@@ -131,20 +135,29 @@ def test_every_and_attention_every_sample_steps():
     assert [r["layers"] is not None for r in rec.records] == [True, False, True, False]
 
 
-def test_nonfinite_loss_and_gradients_are_counted():
+def test_nonfinite_values_among_the_metrics_are_counted():
     torch.manual_seed(0)
     model = GPT(CFG)
     rec = Recorder()
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
-    watch = attach(model, rec, optimizer=opt)
+    watch = attach(model, rec, optimizer=opt, attention_every=1)
     batch = torch.randint(0, 256, (2, CFG.seq_len + 1))
     loss = model.loss(batch)
     loss.backward()
-    model.head.weight.grad[0, :3] = float("nan")
+    model.blocks[0].mlp.fc.bias.grad[0] = float("inf")
     opt.step()
-    watch.step(0, loss=loss * float("inf"))
+    watch.step(0, loss=loss * float("nan"))
+    loss = model.loss(batch)  # finite again: the count is per record, not cumulative
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    watch.step(1, loss=loss)
     watch.close()
-    assert rec.records[0]["scalars"]["nonfinite"] == 3 + 1
+    s0 = rec.records[0]["scalars"]
+    # the loss, and both gradient norms (one Inf element makes the norms Inf)
+    assert math.isnan(s0["loss"]) and s0["grad_norm_local"] == math.inf
+    assert s0["nonfinite"] == 3
+    assert rec.records[1]["scalars"]["nonfinite"] == 0
 
 
 def test_multihead_attention_is_probed_like_a_direct_computation():

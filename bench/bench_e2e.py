@@ -1,0 +1,295 @@
+"""End-to-end benchmark: N simulated ranks -> several producer processes -> real broker -> detector service.
+
+    python bench/bench_e2e.py [--ranks 1024 16384] [--duration 60] [--rate R] [--producers P]
+                              [--out results/e2e.json] [--quick]
+
+For each N, P producer processes (each owning a slice of the ranks) send one record per rank per
+step with :class:`~sdcwatch.telemetry.KafkaTransport` into an embedded Tansu broker, paced at
+``rate`` steps/s. The detection service (:class:`~sdcwatch.detectors.DetectorService` reading a
+:class:`~sdcwatch.detectors.source.KafkaSource` consumer group, default pipeline) runs in this
+process. Every ``fault_every`` steps one rank reports a NaN loss; the service must open a
+non-finite incident for it. Measured:
+
+- ``produced_steps_per_s`` and ``processed_steps_per_s`` (steps the service closed, per second,
+  while the producers ran), consumer lag sampled every 0.5 s (records behind the topic's end);
+  ``bounded_lag``: the lag when the producers stopped was at most 3 steps' worth of records;
+- emit-to-incident latency of each injected fault: from the producer's wall time when it built the
+  faulty record to the service's wall time when the incident was opened (p50, p99, max; a fault
+  with no incident counts as missed).
+
+Targets (issue 7): 16,384 ranks at >= 1 step/s with bounded lag; p99 latency < 1 s at 1,024 ranks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+
+LAYER_STATS = ("attn_entropy", "attn_entropy_min", "q_norm_mean", "q_norm_max", "k_norm_mean", "k_norm_max",
+               "attn_logit_max")
+N_LAYERS = 2
+RUN = "e2e"
+
+
+def fault_rank(step: int, world: int) -> int:
+    """The rank that reports the NaN at a fault step (spread over ranks and so over producers)."""
+    return (step * 7919) % world
+
+
+# -- producer process ------------------------------------------------------------------------------
+
+def produce(argv: list[str]) -> int:
+    """One producer process: ranks [lo, hi) of ``world``, ``steps`` steps at ``rate`` steps/s from ``t0``."""
+    ap = argparse.ArgumentParser()
+    for name, typ in (("--bootstrap", str), ("--topic", str), ("--world", int), ("--lo", int), ("--hi", int),
+                      ("--steps", int), ("--rate", float), ("--fault-every", int),
+                      ("--partitions", int)):
+        ap.add_argument(name, type=typ, required=True)
+    a = ap.parse_args(argv)
+    logging.getLogger("kafka").setLevel(logging.CRITICAL)
+    from sdcwatch.telemetry import KafkaTransport
+    from sdcwatch.telemetry.record import Record
+
+    transport = KafkaTransport(a.bootstrap, a.topic, partitions=a.partitions, linger_ms=5,
+                               flush_timeout=30.0, request_timeout_ms=10_000, delivery_timeout_ms=30_000)
+    transport.send([])  # connect (and create the topic) before the clock starts
+    print("ready", flush=True)
+    a.t0 = float(sys.stdin.readline())  # the parent starts every producer's clock together
+    rng = np.random.default_rng(a.lo)
+    ranks = range(a.lo, a.hi)
+    n = a.hi - a.lo
+    fault_times: dict[int, float] = {}
+    send_seconds = []
+    behind = 0
+    for step in range(a.steps):
+        due = a.t0 + step / a.rate
+        wait = due - time.time()
+        if wait > 0:
+            time.sleep(wait)
+        else:
+            behind += 1
+        base = 2.0 + 0.5 * math.exp(-step / 500)
+        loss = base + 0.05 * rng.standard_normal(n)
+        gnl = 1.0 + 0.1 * rng.standard_normal(n)
+        cos = 0.9 + 0.01 * rng.standard_normal(n)
+        layer = 1.0 + 0.01 * rng.standard_normal((n, len(LAYER_STATS), N_LAYERS))
+        gfp = (step * 0x9E3779B97F4A7C15) & 0xFFFF_FFFF_FFFF_FFFF
+        fps = {"grad_fp": gfp}
+        if step % 50 == 0:
+            fps["param_fp"] = (gfp ^ 0xABCDEF) & 0xFFFF_FFFF_FFFF_FFFF
+        bad = fault_rank(step, a.world) if a.fault_every and step and step % a.fault_every == 0 else -1
+        now = time.time()
+        records = []
+        for i, r in enumerate(ranks):
+            scalars = {"loss": float(loss[i]) if r != bad else float("nan"), "loss_global": base,
+                       "grad_norm_local": float(gnl[i]), "grad_norm_global": 1.0, "grad_cosine": float(cos[i]),
+                       "step_time": 1.0 / a.rate, "nonfinite": 0.0 if r != bad else 1.0, "lr": 3e-4}
+            lay = {m: layer[i, j].tolist() for j, m in enumerate(LAYER_STATS)}
+            records.append(Record(RUN, step, r, a.world, f"node{r // 8}", now, r % 8, scalars, dict(fps), lay))
+        if a.lo <= bad < a.hi:
+            fault_times[step] = now
+        t_send = time.perf_counter()
+        transport.send(records)
+        send_seconds.append(time.perf_counter() - t_send)
+    transport.close()
+    elapsed = time.time() - a.t0
+    print(json.dumps({"lo": a.lo, "hi": a.hi, "steps": a.steps, "elapsed": elapsed, "steps_behind_schedule": behind,
+                      "send_seconds_p50": float(np.median(send_seconds)), "fault_times": fault_times}))
+    return 0
+
+
+# -- one scale ------------------------------------------------------------------------------------
+
+def run_scale(bootstrap: str, world: int, *, rate: float, duration: float, producers: int, fault_every: int,
+              partitions: int = 4, log=print) -> dict:
+    """Run the producers and the service for one world size; returns the measurements."""
+    from sdcwatch.detectors import DetectionPipeline, DetectorService, PipelineSettings
+    from sdcwatch.detectors.source import KafkaSource
+    from sdcwatch.telemetry.transports import ensure_topic
+
+    topic = f"bench.e2e.{world}.{uuid.uuid4().hex[:6]}"
+    ensure_topic(bootstrap, topic, partitions)
+    steps = max(2, int(round(duration * rate)))
+    opened: dict[int, float] = {}
+    other: list[str] = []
+
+    class LatencySink:
+        """Notes when each incident opened (service wall clock)."""
+
+        def publish(self, event) -> None:
+            inc = event.incident
+            if event.change != "opened":
+                return
+            if inc.kind == "nonfinite":
+                opened.setdefault(inc.first_step, time.time())
+            else:
+                other.append(f"{inc.kind} at step {inc.first_step}: {inc.message}")
+
+        def close(self) -> None:
+            pass
+
+    # incidents resolve quickly, so each injected fault opens its own incident
+    pipeline = DetectionPipeline(PipelineSettings(step_timeout=10.0, quiet_steps=max(1, fault_every // 2)))
+    source = KafkaSource(bootstrap, topic, group=f"bench-{uuid.uuid4().hex[:8]}")
+    service = DetectorService(source, pipeline, sinks=[LatencySink()], poll_timeout=0.05)
+    join_deadline = time.monotonic() + 20
+    while not source._consumer.assignment() and time.monotonic() < join_deadline:  # wait for the group join
+        service.step()
+    per = -(-world // producers)
+    procs = []
+    for p in range(producers):
+        lo, hi = p * per, min(world, (p + 1) * per)
+        if lo >= hi:
+            continue
+        cmd = [sys.executable, __file__, "--produce", "--bootstrap", bootstrap, "--topic", topic, "--world", str(world),
+               "--lo", str(lo), "--hi", str(hi), "--steps", str(steps), "--rate", str(rate),
+               "--fault-every", str(fault_every), "--partitions", str(partitions)]
+        procs.append(subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}))
+    for p in procs:  # wait until every producer is connected, then start all clocks together
+        line = p.stdout.readline().strip()
+        if line != "ready":
+            raise RuntimeError(f"producer did not start: {line!r} {p.stderr.read()[-2000:]}")
+    t0 = time.time() + 0.5
+    for p in procs:
+        p.stdin.write(f"{t0!r}\n")
+        p.stdin.flush()
+    log(f"e2e: {world} ranks, {len(procs)} producer processes, {steps} steps at {rate:g} steps/s")
+    samples = []
+    next_sample = time.time()
+    producing_end = None
+    drain_deadline = None
+
+    def steps_done() -> int:
+        runs = service.view().runs
+        return runs[0].steps_total if runs else 0
+
+    while True:
+        service.step()
+        now = time.time()
+        if now >= next_sample:
+            next_sample = now + 0.5
+            samples.append({"t": round(now - t0, 2), "lag": int(source.lag()), "steps": steps_done(),
+                            "records": pipeline.records_total})
+        if producing_end is None and all(p.poll() is not None for p in procs):
+            producing_end = now
+            samples.append({"t": round(now - t0, 2), "lag": int(source.lag()), "steps": steps_done(),
+                            "records": pipeline.records_total, "producers_done": True})
+            drain_deadline = now + max(30.0, 5 * world / 5000)
+        if producing_end is not None and (steps_done() >= steps or now > drain_deadline):
+            break
+    drain_end = time.time()
+    service.pipeline.flush()
+    stats = []
+    for p in procs:
+        out, err = p.communicate()
+        if p.returncode != 0:
+            raise RuntimeError(f"producer failed ({p.returncode}): {err.strip()[-2000:]}")
+        stats.append(json.loads(out.strip().splitlines()[-1]))
+    service.close()
+
+    fault_times = {int(s): t for st in stats for s, t in st["fault_times"].items()}
+    latencies = sorted(opened[s] - t for s, t in fault_times.items() if s in opened)
+    produce_seconds = max(st["elapsed"] for st in stats)
+    # service rate while producing, from the sample taken when the first step closed to the end of producing
+    during = [s for s in samples if s["t"] <= producing_end - t0 + 1e-6]
+    first = next((s for s in during if s["steps"] > 0), None)
+    last = during[-1] if during else None
+    processed_rate = None
+    if first is not None and last is not None and last["t"] > first["t"]:
+        processed_rate = (last["steps"] - first["steps"]) / (last["t"] - first["t"])
+    lag_at_stop = next((s["lag"] for s in samples if s.get("producers_done")), None)
+    done = steps_done()
+    return {
+        "ranks": world,
+        "producers": len(procs),
+        "target_rate_steps_per_s": rate,
+        "steps": steps,
+        "records": steps * world,
+        "produced_steps_per_s": steps / produce_seconds,
+        "producers_behind_schedule_steps": max(st["steps_behind_schedule"] for st in stats),
+        "producer_send_seconds_p50": max(st["send_seconds_p50"] for st in stats),
+        "processed_steps_per_s": processed_rate,
+        "steps_processed": done,
+        "drain_seconds_after_producers": round(drain_end - producing_end, 2),
+        "overall_steps_per_s": done / max(drain_end - t0, 1e-9),
+        "lag_max": max((s["lag"] for s in samples), default=None),
+        "lag_at_producers_done": lag_at_stop,
+        "bounded_lag": lag_at_stop is not None and lag_at_stop <= 3 * world,
+        "faults_injected": len(fault_times),
+        "faults_detected": len(latencies),
+        "latency_s": {
+            "p50": float(np.percentile(latencies, 50)) if latencies else None,
+            "p99": float(np.percentile(latencies, 99)) if latencies else None,
+            "max": latencies[-1] if latencies else None,
+        },
+        "other_incidents": other[:20],
+        "other_incidents_total": len(other),
+        "lag_samples": samples,
+    }
+
+
+def main(argv: list[str] | None = None) -> dict:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--produce"]:
+        raise SystemExit(produce(argv[1:]))
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ranks", type=int, nargs="+", default=None, help="world sizes (default 1024 16384)")
+    ap.add_argument("--duration", type=float, default=None, help="seconds of producing per world size (default 60)")
+    ap.add_argument("--rate", type=float, default=None,
+                    help="steps/s the producers aim for (default 5 at <= 1,024 ranks, 1 above)")
+    ap.add_argument("--producers", type=int, default=None, help="producer processes (default 2, 4 above 4,096 ranks)")
+    ap.add_argument("--fault-every", type=int, default=8, help="a NaN on one rank every this many steps")
+    ap.add_argument("--bootstrap", default=None, help="use this broker instead of starting an embedded one")
+    ap.add_argument("--quick", action="store_true", help="CI size: 256 ranks, 10 s")
+    ap.add_argument("--out", default=None, help="write the JSON result here")
+    args = ap.parse_args(argv)
+    logging.getLogger("kafka").setLevel(logging.CRITICAL)
+    ranks = args.ranks or ([256] if args.quick else [1024, 16384])
+    duration = args.duration or (10.0 if args.quick else 60.0)
+
+    def log(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    def measure(bootstrap: str) -> list[dict]:
+        out = []
+        for world in ranks:
+            rate = args.rate or (5.0 if world <= 1024 else 1.0)
+            producers = args.producers or (2 if world <= 4096 else 4)
+            r = run_scale(bootstrap, world, rate=rate, duration=duration, producers=producers,
+                          fault_every=args.fault_every, log=log)
+            log(f"e2e: {world} ranks: produced {r['produced_steps_per_s']:.2f} steps/s, processed "
+                f"{(r['processed_steps_per_s'] or 0):.2f} steps/s, lag at stop {r['lag_at_producers_done']}, "
+                f"faults {r['faults_detected']}/{r['faults_injected']}, p99 {r['latency_s']['p99']}")
+            out.append(r)
+        return out
+
+    if args.bootstrap:
+        scales = measure(args.bootstrap)
+    else:
+        from sdcwatch.broker import EmbeddedBroker
+
+        with EmbeddedBroker(port=0) as broker:
+            scales = measure(broker.bootstrap)
+    result = {"benchmark": "e2e", "machine": f"{os.cpu_count()} cores", "command": "bench/bench_e2e.py " + " ".join(argv),
+              "scales": scales}
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=2))
+    return result
+
+
+if __name__ == "__main__":
+    res = main()
+    print(json.dumps({k: v for k, v in res.items() if k != "scales"} | {
+        "scales": [{k: v for k, v in s.items() if k != "lag_samples"} for s in res["scales"]]}, indent=2))

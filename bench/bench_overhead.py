@@ -1,0 +1,133 @@
+"""Overhead of sdcwatch probes plus emitter on the reference model's training step (CPU).
+
+Two identical replicas of the reference GPT train side by side in one process, one with probes
+and an emitter attached, one without; their steps are interleaved (A, B, A, B, ...) so machine
+noise hits both alike, and the overhead is the median over pairs of (step with) / (step without).
+Measured at the default sampling and with every probe on every step::
+
+    .venv/bin/python bench/bench_overhead.py --steps 400 --out bench/overhead.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from sdcwatch.telemetry import Emitter, MemoryBus, MemoryTransport
+from sdcwatch.telemetry.probes import ProbeConfig, attach
+from sdcwatch.telemetry.reference.model import GPT, GPTConfig
+from sdcwatch.telemetry.reference.simulated import shared_corpus
+
+CONFIGS = {
+    "default": ProbeConfig(),
+    "all_every_step": ProbeConfig(every=1, attention_every=1, fingerprint_every=1, heads=0, queries=10_000),
+}
+
+
+class _Replica:
+    """One model + optimizer, optionally watched, that can run one timed training step."""
+
+    def __init__(self, seed: int, model_cfg: GPTConfig, probes: ProbeConfig | None, bus: MemoryBus | None):
+        torch.manual_seed(seed)
+        self.model = GPT(model_cfg)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
+        self.emitter = None
+        self.watch = None
+        if probes is not None:
+            self.emitter = Emitter(MemoryTransport(bus), run="bench", rank=0, world=1, host="bench")
+            self.watch = attach(self.model, self.emitter, optimizer=self.opt, config=probes)
+
+    def step(self, step: int, batch: torch.Tensor) -> float:
+        t0 = time.perf_counter()
+        loss = self.model.loss(batch)
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.opt.step()
+        if self.watch is not None:
+            self.watch.step(step, loss=loss)
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        if self.watch is not None:
+            self.watch.close()
+            self.emitter.close()
+
+
+def measure(probes: ProbeConfig, steps: int, warmup: int, batch_size: int, model_cfg: GPTConfig) -> dict:
+    corpus = shared_corpus(1 << 20)
+    bus = MemoryBus()
+    watched = _Replica(0, model_cfg, probes, bus)
+    plain = _Replica(0, model_cfg, None, None)
+    with_t, without_t, ratios = [], [], []
+    for step in range(warmup + steps):
+        batch = corpus.batch(seed=0, step=step, rank=0, batch_size=batch_size, seq_len=model_cfg.seq_len)
+        if step % 2:  # alternate who goes first, so neither always runs on a warmer cache
+            a = watched.step(step, batch)
+            b = plain.step(step, batch)
+        else:
+            b = plain.step(step, batch)
+            a = watched.step(step, batch)
+        if step >= warmup:
+            with_t.append(a)
+            without_t.append(b)
+            ratios.append(a / b)
+    watched.close()
+    records = len(bus.records())
+    return {
+        "probes": probes.__dict__,
+        "steps": steps,
+        "median_step_ms_with": 1e3 * statistics.median(with_t),
+        "median_step_ms_without": 1e3 * statistics.median(without_t),
+        "median_ratio": statistics.median(ratios),
+        "overhead_pct": 100.0 * (statistics.median(ratios) - 1.0),
+        "ratio_of_medians": statistics.median(with_t) / statistics.median(without_t),
+        "records_emitted": records,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=400, help="timed step pairs per configuration")
+    ap.add_argument("--warmup", type=int, default=30)
+    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--d-model", type=int, default=64)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--seq-len", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated subset of {sorted(CONFIGS)}")
+    ap.add_argument("--out", help="write the results as JSON here")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    model_cfg = GPTConfig(d_model=args.d_model, n_layer=args.layers, seq_len=args.seq_len)
+    results = {
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "torch": torch.__version__,
+        "machine": platform.processor() or platform.machine(),
+        "threads": args.threads,
+        "model": model_cfg.__dict__,
+        "batch_size": args.batch_size,
+        "results": {},
+    }
+    for name in args.configs.split(","):
+        if name not in CONFIGS:
+            ap.error(f"unknown config {name!r}; known: {sorted(CONFIGS)}")
+        r = measure(CONFIGS[name], args.steps, args.warmup, args.batch_size, model_cfg)
+        results["results"][name] = r
+        print(f"{name:15s} step {r['median_step_ms_without']:.2f} ms -> {r['median_step_ms_with']:.2f} ms; "
+              f"overhead {r['overhead_pct']:+.2f}% (median of paired ratios over {r['steps']} steps); "
+              f"{r['records_emitted']} records")
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

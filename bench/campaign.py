@@ -1,0 +1,13 @@
+"""Fault-injection campaign (issue 7): ``sdcwatch bench campaign`` as a script.
+
+    python bench/campaign.py [--faults FILE] [--trials N] [--seed S] [--ranks W] [--out results/campaign.json] [--quick]
+
+See bench/README.md for what it measures; the implementation is :mod:`sdcwatch.campaign`.
+"""
+
+import sys
+
+from sdcwatch.bench import campaign_main
+
+if __name__ == "__main__":
+    campaign_main(sys.argv[1:])

@@ -1,0 +1,13 @@
+"""Every benchmark in one go (issue 7): ``sdcwatch bench all`` as a script.
+
+    python bench/run_all.py [--quick] [--out-dir results/]
+
+Writes one JSON file per benchmark and ``results/benchmarks.md`` (machine, command, tables).
+"""
+
+import sys
+
+from sdcwatch.bench import all_main
+
+if __name__ == "__main__":
+    all_main(sys.argv[1:])

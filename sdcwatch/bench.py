@@ -1,0 +1,275 @@
+"""``sdcwatch bench``: the benchmarks of issue 7 from the command line.
+
+    sdcwatch bench campaign [--faults FILE] [--trials N] [--seed S] [--ranks W] [--steps PRE BRANCH]
+                            [--out results.json] [--quick]
+    sdcwatch bench e2e [--ranks N ...] [--duration S] [--out e2e.json] [--quick]
+    sdcwatch bench all [--quick] [--out-dir results/]
+
+``all`` runs the campaign, the end-to-end benchmark and the scripts ``bench/bench_emitter.py``,
+``bench/bench_overhead.py`` and ``bench/bench_detectors.py`` (those present), writes every result as
+JSON into ``--out-dir`` and the table ``benchmarks.md`` generated from them, with the machine and
+the command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+from sdcwatch.errors import ConfigError
+
+__all__ = ["bench_main", "campaign_main", "e2e_main", "all_main", "bench_dir", "machine", "write_markdown"]
+
+#: Campaign size of ``--quick`` (CI): a few trials on 4 ranks, enough to keep the runner tested.
+QUICK_CAMPAIGN = dict(world=4, trials=3, pretrain_steps=90, branch_steps=24, fault_offset=(2, 4),
+                      classes=("nan_attn", "bad_batch_all", "unhealthy_node"))
+SCRIPTS = ("bench_emitter.py", "bench_overhead.py", "bench_detectors.py")
+#: Options that make a script CI-sized when it has no ``--quick`` of its own.
+QUICK_SCRIPT_ARGS = {
+    "bench_emitter.py": ["--records", "20000"],
+    "bench_overhead.py": ["--steps", "60", "--warmup", "10"],
+    "bench_detectors.py": ["--ranks", "1024", "--seconds", "1", "--river-records", "1000"],
+}
+
+
+def bench_dir() -> Path:
+    """The repository's ``bench/`` folder (the scripts live beside the package, not inside it)."""
+    d = Path(__file__).resolve().parents[1] / "bench"
+    if not d.is_dir():
+        raise ConfigError("bench", f"{d} not found: the benchmarks run from a clone of the repository")
+    return d
+
+
+def machine() -> dict[str, Any]:
+    """What the numbers were measured on."""
+    cpu = platform.processor() or ""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as fh:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in fh if ln.startswith("model name")), cpu)
+    except OSError:
+        pass
+    try:
+        load = os.getloadavg()[0]
+    except OSError:
+        load = None
+    return {"cpus": os.cpu_count(), "cpu": cpu, "platform": platform.platform(), "python": platform.python_version(),
+            "load_1min_at_start": load}
+
+
+def _write(path: str | Path | None, result: dict) -> None:
+    if path:
+        p = Path(path)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(json.dumps(result, indent=2, allow_nan=False))
+
+
+def _campaign_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="sdcwatch bench campaign", description=(
+        "Fault-injection campaign: train W simulated ranks to a checkpoint, then per fault a faulted branch and its "
+        "clean twin; score sdcwatch and the baselines (Megatron-LM rules, ZClip, NaN check, river HalfSpaceTrees)."))
+    ap.add_argument("--faults", help="faults file in the injector's JSON format (array or JSON lines), one trial "
+                                     "per fault; steps count from the checkpoint (0 = first branch step)")
+    ap.add_argument("--trials", type=int, help="trials from the seeded generator (default 39: 3 per class)")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the model, data and generator (default 0)")
+    ap.add_argument("--ranks", type=int, help="simulated data-parallel ranks (default 8)")
+    ap.add_argument("--steps", type=int, nargs=2, metavar=("PRETRAIN", "BRANCH"),
+                    help="steps to the checkpoint and steps per branch (default 150 60)")
+    ap.add_argument("--batch-size", type=int, help="sequences per rank per step (default 4)")
+    ap.add_argument("--detectors", nargs="+", help="detectors to score (default: sdcwatch and every baseline)")
+    ap.add_argument("--out", help="write the JSON result here")
+    ap.add_argument("--quick", action="store_true", help="CI size: 3 trials on 4 ranks")
+    return ap
+
+
+def campaign_main(argv: Sequence[str]) -> dict:
+    """``sdcwatch bench campaign``; returns the result (also written to ``--out``)."""
+    from dataclasses import replace
+
+    from sdcwatch.campaign import CampaignConfig, run_campaign, summary_table
+
+    args = _campaign_parser().parse_args(list(argv))
+    config = CampaignConfig(**QUICK_CAMPAIGN) if args.quick else CampaignConfig()
+    changes: dict[str, Any] = {"seed": args.seed}
+    if args.trials is not None:
+        changes["trials"] = args.trials
+    if args.ranks is not None:
+        changes["world"] = args.ranks
+    if args.batch_size is not None:
+        changes["batch_size"] = args.batch_size
+    if args.steps is not None:
+        pre, branch = args.steps
+        changes.update(pretrain_steps=pre, branch_steps=branch)
+        lo, hi = config.fault_offset
+        if hi >= branch:  # keep the generator's fault inside a short branch
+            changes["fault_offset"] = (min(lo, max(branch // 4, 0)), max(branch // 4, 0))
+    config = replace(config, **changes)
+    faults = None
+    if args.faults:
+        from sdcwatch.telemetry.faults import load_faults
+
+        faults = load_faults(args.faults)
+    result = run_campaign(config, faults, detectors=args.detectors)
+    result["machine"] = machine()
+    result["command"] = "sdcwatch bench campaign " + " ".join(argv)
+    _write(args.out, result)
+    print(summary_table(result))
+    return result
+
+
+def _load_script(name: str) -> Any:
+    path = bench_dir() / name
+    spec = importlib.util.spec_from_file_location(f"sdcwatch_bench_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    return module
+
+
+def e2e_main(argv: Sequence[str]) -> dict:
+    """``sdcwatch bench e2e``: runs ``bench/bench_e2e.py`` (its options: ``--help``)."""
+    result = _load_script("bench_e2e.py").main(list(argv))
+    result["machine"] = machine()
+    result["command"] = "sdcwatch bench e2e " + " ".join(argv)
+    out = _option(argv, "--out")
+    _write(out, result)
+    for s in result["scales"]:
+        print(f"{s['ranks']} ranks: {s['processed_steps_per_s'] or 0:.2f} steps/s processed "
+              f"(produced {s['produced_steps_per_s']:.2f}), lag at stop {s['lag_at_producers_done']}, "
+              f"latency p50 {s['latency_s']['p50']} s p99 {s['latency_s']['p99']} s, "
+              f"faults {s['faults_detected']}/{s['faults_injected']}")
+    return result
+
+
+def _option(argv: Sequence[str], name: str) -> str | None:
+    argv = list(argv)
+    for i, a in enumerate(argv):
+        if a == name and i + 1 < len(argv):
+            return argv[i + 1]
+        if a.startswith(name + "="):
+            return a.split("=", 1)[1]
+    return None
+
+
+def _run_script(name: str, out: Path, quick: bool) -> dict:
+    """Run one ``bench/`` script in its own process with ``--out`` (and ``--quick`` when it has one)."""
+    path = bench_dir() / name
+    if not path.exists():
+        return {"status": "missing", "script": str(path)}
+    help_text = subprocess.run([sys.executable, str(path), "--help"], capture_output=True, text=True, timeout=120).stdout
+    cmd = [sys.executable, str(path), "--out", str(out)]
+    if quick and "--quick" in help_text:
+        cmd.append("--quick")
+    elif quick:
+        cmd += QUICK_SCRIPT_ARGS.get(name, [])
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    status = {"status": "ok" if proc.returncode == 0 else f"failed ({proc.returncode})",
+              "command": " ".join(["python", f"bench/{name}", *cmd[3:]]), "seconds": round(time.perf_counter() - t0, 1)}
+    if proc.returncode != 0:
+        status["stderr"] = proc.stderr[-2000:]
+    return status
+
+
+def all_main(argv: Sequence[str]) -> dict:
+    """``sdcwatch bench all``: every benchmark, JSON per benchmark and ``benchmarks.md``."""
+    ap = argparse.ArgumentParser(prog="sdcwatch bench all", description="Run every benchmark and write the table.")
+    ap.add_argument("--quick", action="store_true", help="CI sizes (minutes, not hours)")
+    ap.add_argument("--out-dir", default="results", help="where the JSON files and benchmarks.md go (default results/)")
+    args = ap.parse_args(list(argv))
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    quick = ["--quick"] if args.quick else []
+    runs: dict[str, Any] = {}
+    campaign_main([*quick, "--out", str(out_dir / "campaign.json")])
+    runs["campaign"] = {"status": "ok", "command": "sdcwatch bench campaign " + " ".join([*quick, "--out", str(out_dir / "campaign.json")])}
+    e2e_main([*quick, "--out", str(out_dir / "e2e.json")])
+    runs["e2e"] = {"status": "ok", "command": "sdcwatch bench e2e " + " ".join([*quick, "--out", str(out_dir / "e2e.json")])}
+    for script in SCRIPTS:
+        name = script.removeprefix("bench_").removesuffix(".py")
+        runs[name] = _run_script(script, out_dir / f"{name}.json", args.quick)
+    md = write_markdown(out_dir, runs, command="sdcwatch bench all " + " ".join(argv))
+    print(f"sdcwatch bench all: wrote {md}", file=sys.stderr)
+    return runs
+
+
+def _load_json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def write_markdown(out_dir: str | Path, runs: dict[str, Any] | None = None, *, command: str = "") -> Path:
+    """``benchmarks.md`` in ``out_dir``, generated from the JSON results there."""
+    from sdcwatch.campaign import summary_table
+
+    out_dir = Path(out_dir)
+    m = machine()
+    lines = ["# sdcwatch benchmarks", "",
+             f"Generated {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} by `{command or 'sdcwatch bench all'}`.", "",
+             f"Machine: {m['cpus']} CPUs ({m['cpu']}), {m['platform']}, Python {m['python']}; "
+             f"1-minute load average at the start: {m['load_1min_at_start']}.", ""]
+    campaign = _load_json(out_dir / "campaign.json")
+    if campaign:
+        c = campaign["config"]
+        lines += ["## Fault-injection campaign", "",
+                  f"{len(campaign['trials'])} trials, {c['world']} simulated ranks, checkpoint at step {c['pretrain_steps']}, "
+                  f"branches of {c['branch_steps']} steps; {campaign['seconds']} s. Command: `{campaign.get('command', '')}`.",
+                  "", summary_table(campaign), ""]
+    e2e = _load_json(out_dir / "e2e.json")
+    if e2e:
+        lines += ["## End to end through the broker", "", f"Command: `{e2e.get('command', '')}`.", "",
+                  "| ranks | producers | target steps/s | produced steps/s | processed steps/s | lag at stop (records) "
+                  "| bounded lag | faults found | latency p50 (s) | latency p99 (s) |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
+        for s in e2e["scales"]:
+            lat = s["latency_s"]
+            lines.append(f"| {s['ranks']} | {s['producers']} | {s['target_rate_steps_per_s']:g} | "
+                         f"{s['produced_steps_per_s']:.2f} | {_fmt(s['processed_steps_per_s'])} | "
+                         f"{s['lag_at_producers_done']} | {'yes' if s['bounded_lag'] else 'no'} | "
+                         f"{s['faults_detected']}/{s['faults_injected']} | {_fmt(lat['p50'])} | {_fmt(lat['p99'])} |")
+        lines.append("")
+    for name in ("emitter", "overhead", "detectors"):
+        data = _load_json(out_dir / f"{name}.json")
+        status = (runs or {}).get(name, {})
+        lines += [f"## {name}", ""]
+        if status.get("command"):
+            lines += [f"Command: `{status['command']}` ({status.get('status')}).", ""]
+        if data is None:
+            lines += [f"No result ({status.get('status', 'not run')}).", ""]
+            continue
+        lines += ["```json", json.dumps(_trim(data), indent=2)[:4000], "```", ""]
+    path = out_dir / "benchmarks.md"
+    path.write_text("\n".join(lines))
+    return path
+
+
+def _trim(data: Any) -> Any:
+    """Drop long sample lists from a result for the table page."""
+    if isinstance(data, dict):
+        return {k: _trim(v) for k, v in data.items() if not (isinstance(v, list) and len(v) > 12)}
+    return data
+
+
+def _fmt(x: Any) -> str:
+    return "–" if x is None else f"{x:.3g}"
+
+
+def bench_main(argv: Sequence[str]) -> int:
+    """Entry point of ``sdcwatch bench``."""
+    argv = list(argv)
+    commands = {"campaign": campaign_main, "e2e": e2e_main, "all": all_main}
+    if not argv or argv[0] not in commands:
+        asked = bool(argv) and argv[0] in ("-h", "--help")
+        print("usage: sdcwatch bench {campaign,e2e,all} [options]  (sdcwatch bench COMMAND --help)",
+              file=sys.stdout if asked else sys.stderr)
+        return 0 if asked else 2
+    commands[argv[0]](argv[1:])
+    return 0

@@ -1,0 +1,600 @@
+"""The fault-injection campaign: sdcwatch and the baselines scored on the same faulted training runs.
+
+The reference model is trained once with W simulated data-parallel ranks to a checkpoint; every
+detector warms up on the records of that run. Then, per trial, two branches start from the
+checkpoint with the same data (a data stream of their own, so trials do not repeat each other):
+the *faulted run*, with one fault injected, and its *clean twin*. The twin gives the ground truth
+and the false alarms; every detector sees both branches from the same warmed-up state.
+
+Ground truth: the impact class of a fault
+-----------------------------------------
+Let ``L_f(s)`` and ``L_c(s)`` be the global loss (mean over ranks) of the faulted run and of its
+twin at branch step ``s``, ``θ_0`` the parameters at the checkpoint, ``θ_c`` the twin's final
+parameters and ``θ_f^r`` the final parameters of replica ``r`` of the faulted run (replicas differ
+only after a fault in one replica's memory). Then, checked in this order:
+
+* ``nonfinite``: some ``L_f(s)`` or some final parameter of some replica is NaN or infinite;
+* ``spike``: ``max_s (L_f(s) - L_c(s)) / L_c(s) >= SPIKE_REL`` (10%): the same data gives a loss at
+  least 10% higher at some step (micro-batch noise cancels, the twins see the same batches);
+* ``silent_drift``: no spike, but ``max_r ||θ_f^r - θ_c|| / ||θ_c - θ_0|| >= DRIFT_REL`` (1%): the
+  weights ended measurably elsewhere, relative to how far training moved them over the branch;
+* ``negligible``: none of the above.
+
+Scoring
+-------
+An *alarm* is, for sdcwatch, an incident opened (or escalated) by the default detection pipeline
+with severity warning or critical, timing incidents (straggler, missing rank) left out: the
+virtual ranks of one process have no meaningful step times. For a baseline it is any finding. A
+faulted-run alarm counts as a detection when it comes at or after the fault's first step and the
+clean twin does not raise the same alarm (same kind, same step). Per trial and detector:
+``detected``, ``first_detection_step``, ``delay`` (steps after the fault's first step),
+``localized_rank`` (the rank named by the earliest alarm that names exactly one rank, within
+``window`` steps of the fault), ``attribution`` (``sdc`` when an alarm blames a rank,
+``optimisation_data`` when one says the ranks are consistent, else ``None``) and ``false_alarms``
+(alarms on the clean twin). The summary per fault class and detector is defined in
+:func:`summarise` and in ``bench/README.md``.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import random
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from statistics import median
+from typing import Any, Callable, Iterable, Sequence
+
+import numpy as np
+
+from sdcwatch.errors import ConfigError, FaultSpecError
+
+__all__ = [
+    "CampaignConfig",
+    "Trial",
+    "FAULT_CLASSES",
+    "HARDWARE_CLASSES",
+    "BENIGN_CLASSES",
+    "SPIKE_REL",
+    "IMPACT_CLASSES",
+    "DRIFT_REL",
+    "generate_trials",
+    "trials_from_faults",
+    "fault_class",
+    "impact_class",
+    "run_campaign",
+    "summarise",
+    "RecordCollector",
+    "summary_table",
+]
+
+SPIKE_REL = 0.10
+"""Relative excess of the faulted run's global loss over the twin's that makes a ``spike``."""
+DRIFT_REL = 0.01
+"""Final parameter distance between the twins, relative to the branch's own training motion,
+that makes ``silent_drift``."""
+
+#: Ground-truth impact classes, from harmless to fatal.
+IMPACT_CLASSES = ("negligible", "silent_drift", "spike", "nonfinite")
+
+#: Faults of the hardware (SDC): the detector should name the rank and blame it.
+HARDWARE_CLASSES = (
+    "nan_attn", "inf_attn", "near_inf_attn", "nan_other", "inf_other", "near_inf_other",
+    "bitflip_exponent", "bitflip_mantissa", "unhealthy_node", "param_bitflip",
+)
+#: Benign instabilities of optimisation or data: detect them, blame no rank.
+BENIGN_CLASSES = ("lr_spike", "bad_batch_all", "bad_batch_rank")
+FAULT_CLASSES = HARDWARE_CLASSES + BENIGN_CLASSES
+
+_ATTN_GEMMS = ("blocks.{l}.attn.scores", "blocks.{l}.attn.mix")
+_OTHER = ("blocks.{l}.attn.qkv", "blocks.{l}.attn.proj", "blocks.{l}.mlp.fc", "blocks.{l}.mlp.proj", "head")
+_MATMULS = ("blocks.*.attn.qkv", "blocks.*.attn.proj", "blocks.*.mlp.fc", "blocks.*.mlp.proj")
+_TIMING_KINDS = frozenset({"straggler", "missing_rank"})
+_RANK_BLAME_KINDS = frozenset({"sdc_suspected", "silent_drift", "rank_outlier", "replica_divergence"})
+
+
+@dataclass(frozen=True)
+class CampaignConfig:
+    """Shape and budget of a campaign."""
+
+    world: int = 8
+    """Simulated data-parallel ranks."""
+    trials: int = 39
+    """Trials from the generator (ignored when faults come from a file: one trial per fault)."""
+    seed: int = 0
+    """Seeds the model, the checkpoint run, the fault generator and the branches' data."""
+    pretrain_steps: int = 150
+    """Steps trained to the checkpoint; the detectors warm up on their records."""
+    branch_steps: int = 60
+    """Steps of each branch (faulted run and clean twin) after the checkpoint."""
+    fault_offset: tuple[int, int] = (5, 15)
+    """The generator starts each fault this many steps into the branch (inclusive range)."""
+    window: int = 50
+    """Localisation must happen within this many steps of the fault's first step."""
+    batch_size: int = 4
+    """Sequences per rank per step."""
+    classes: tuple[str, ...] = FAULT_CLASSES
+    """Fault classes the generator draws from, round-robin."""
+
+    def __post_init__(self) -> None:
+        for key, lo in (("world", 2), ("trials", 1), ("pretrain_steps", 1), ("branch_steps", 2), ("window", 1),
+                        ("batch_size", 1)):
+            v = getattr(self, key)
+            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+                raise ConfigError(f"campaign.{key}", f"must be an integer >= {lo}, got {v!r}")
+        lo, hi = self.fault_offset
+        if not (isinstance(lo, int) and isinstance(hi, int) and 0 <= lo <= hi < self.branch_steps):
+            raise ConfigError("campaign.fault_offset", f"must be 0 <= lo <= hi < branch_steps ({self.branch_steps}), "
+                                                       f"got {self.fault_offset!r}")
+        unknown = [c for c in self.classes if c not in FAULT_CLASSES]
+        if unknown or not self.classes:
+            raise ConfigError("campaign.classes", f"unknown or no fault class {unknown!r} (known: {', '.join(FAULT_CLASSES)})")
+
+
+@dataclass
+class Trial:
+    """One fault to inject in one branch (its step counted from the checkpoint)."""
+
+    index: int
+    fault_class: str
+    fault: Any  # FaultSpec, step relative to the checkpoint
+    data_seed: int
+
+    @property
+    def culprit(self) -> int | None:
+        """The rank a hardware fault hits (None for benign classes or faults on every rank)."""
+        return self.fault.rank if self.fault_class in HARDWARE_CLASSES else None
+
+
+# -- faults --------------------------------------------------------------------------------------
+
+def fault_class(spec: Any) -> str:
+    """The campaign class of a fault spec (how a fault read from a file is summarised)."""
+    kind, target = spec.kind, spec.target
+    if spec.where == "param":
+        return "param_bitflip"
+    if kind in ("nan", "inf", "near_inf"):
+        return f"{kind}_attn" if (".attn.scores" in target or ".attn.mix" in target) else f"{kind}_other"
+    if kind == "bitflip":
+        return "bitflip_exponent" if 23 <= (spec.bit or 0) <= 30 else "bitflip_mantissa"
+    if kind in ("noise", "scale"):
+        return "unhealthy_node"
+    if kind == "lr_spike":
+        return "lr_spike"
+    return "bad_batch_all" if spec.rank is None else "bad_batch_rank"
+
+
+def _generate_one(cls: str, rng: random.Random, world: int, n_layer: int, step: int) -> dict[str, Any]:
+    layer = rng.randrange(n_layer)
+    rank = rng.randrange(world)
+    seed = rng.randrange(1 << 30)
+    base = {"rank": rank, "step": step, "seed": seed}
+    if cls.endswith("_attn") or cls.endswith("_other"):
+        kind = cls.rsplit("_", 1)[0]
+        targets = _ATTN_GEMMS if cls.endswith("_attn") else _OTHER
+        spec = {**base, "kind": kind, "target": rng.choice(targets).format(l=layer)}
+        if kind == "near_inf":
+            spec["magnitude"] = rng.choice((1.0, -1.0)) * 10 ** rng.uniform(10, 12)
+        return spec
+    if cls in ("bitflip_exponent", "bitflip_mantissa"):
+        bit = rng.randrange(23, 31) if cls == "bitflip_exponent" else rng.randrange(0, 23)
+        where = rng.choice(("output", "output", "grad"))
+        target = rng.choice(_OTHER + _ATTN_GEMMS[1:]).format(l=layer) if where == "output" else \
+            rng.choice(_OTHER).format(l=layer)
+        return {**base, "kind": "bitflip", "bit": bit, "where": where, "target": target}
+    if cls == "unhealthy_node":  # Ma et al.: a node whose matmuls are persistently a little off
+        return {**base, "kind": "noise", "duration": 0, "target": rng.choice(_MATMULS),
+                "magnitude": 10 ** rng.uniform(-4, -2)}
+    if cls == "param_bitflip":  # a memory flip in one replica's weights: replicas disagree from now on
+        return {**base, "kind": "bitflip", "where": "param", "bit": rng.randrange(23, 31),
+                "target": rng.choice(_OTHER).format(l=layer)}
+    if cls == "lr_spike":
+        return {"kind": "lr_spike", "rank": None, "step": step, "seed": seed, "duration": rng.randint(1, 3),
+                "magnitude": float(rng.choice((10, 20, 50, 100)))}
+    if cls == "bad_batch_all":
+        return {"kind": "bad_batch", "rank": None, "step": step, "seed": seed, "duration": rng.randint(1, 2)}
+    return {"kind": "bad_batch", "rank": rank, "step": step, "seed": seed, "duration": rng.randint(1, 2)}
+
+
+def generate_trials(config: CampaignConfig, n_layer: int = 2) -> list[Trial]:
+    """``config.trials`` seeded trials, the classes taken round-robin so a short campaign covers many."""
+    from sdcwatch.telemetry.faults import FaultSpec
+
+    rng = random.Random(f"sdcwatch-campaign:{config.seed}")
+    out = []
+    for i in range(config.trials):
+        cls = config.classes[i % len(config.classes)]
+        step = rng.randint(*config.fault_offset)
+        spec = FaultSpec.from_dict(_generate_one(cls, rng, config.world, n_layer, step), where=f"generated[{i}]")
+        out.append(Trial(i, cls, spec, data_seed=rng.randrange(1 << 20)))
+    return out
+
+
+def trials_from_faults(faults: Sequence[Any], config: CampaignConfig) -> list[Trial]:
+    """One trial per fault of a file; a fault's ``step`` counts from the checkpoint (0 = first branch step)."""
+    rng = random.Random(f"sdcwatch-campaign-file:{config.seed}")
+    out = []
+    for i, spec in enumerate(faults):
+        if spec.step >= config.branch_steps:
+            raise FaultSpecError("step", f"{spec.step} is past the branch ({config.branch_steps} steps after the "
+                                 f"checkpoint; steps in a campaign faults file count from the checkpoint)",
+                                 where=f"faults[{i}]")
+        if spec.rank is not None and spec.rank >= config.world:
+            raise FaultSpecError("rank", f"{spec.rank} but the campaign has {config.world} ranks", where=f"faults[{i}]")
+        out.append(Trial(i, fault_class(spec), spec, data_seed=rng.randrange(1 << 20)))
+    return out
+
+
+# -- running branches ------------------------------------------------------------------------------
+
+class RecordCollector:
+    """An emitter that keeps one rank's records in memory (the campaign reads them back per step)."""
+
+    dropped = 0
+
+    def __init__(self, sink: list, *, run: str, rank: int, world: int, host: str) -> None:
+        self.sink, self.run, self.rank, self.world, self.host = sink, run, rank, world, host
+
+    def emit(self, step: int, *, layers=None, fingerprints=None, time: float | None = None, **scalars: float) -> None:
+        from sdcwatch.telemetry.record import Record
+
+        self.sink.append(Record(self.run, step, self.rank, self.world, self.host, 0.0 if time is None else time,
+                                self.rank, dict(scalars), dict(fingerprints or {}), dict(layers or {})))
+
+    def flush(self, timeout: float | None = None) -> bool:
+        return True
+
+    def close(self, timeout: float | None = None) -> None:
+        pass
+
+
+@dataclass
+class Branch:
+    """What one run produced: aligned frames, global losses, final replica parameters."""
+
+    frames: list
+    losses: list[float]
+    params: list[Any]  # per rank: flat parameter tensor of its replica (shared ones are the same object)
+    seconds: float
+
+
+def _frames(records: list, world: int) -> list:
+    from sdcwatch.detectors.frame import StepFrame
+
+    by_step: dict[int, list] = {}
+    for rec in records:
+        by_step.setdefault(rec.step, []).append(rec)
+    return [StepFrame.from_records(recs[0].run, step, world, recs) for step, recs in sorted(by_step.items())]
+
+
+def _flat_params(run: Any) -> list[Any]:
+    import torch
+
+    shared = torch.cat([p.detach().reshape(-1) for p in run.params]).clone()
+    deltas = getattr(run, "_deltas", {})
+    return [torch.cat([p.reshape(-1) for p in run.replica_parameters(r)]) if deltas.get(r) else shared
+            for r in range(run.world)]
+
+
+def _new_run(config: CampaignConfig, faults: Sequence[Any], records: list, run_id: str) -> Any:
+    from sdcwatch.telemetry.reference.simulated import SimulatedRun
+
+    def factory(rank: int, host: str = "") -> RecordCollector:
+        return RecordCollector(records, run=run_id, rank=rank, world=config.world, host=host)
+
+    return SimulatedRun(config.world, seed=config.seed, faults=faults, emitter_factory=factory,
+                        batch_size=config.batch_size)
+
+
+def run_branch(config: CampaignConfig, checkpoint: Path, faults: Sequence[Any], data_seed: int,
+               run_id: str = "campaign") -> Branch:
+    """Run ``branch_steps`` from the checkpoint with ``faults`` on the data stream ``data_seed``."""
+    t0 = time.perf_counter()
+    records: list = []
+    run = _new_run(config, faults, records, run_id)
+    try:
+        run.load_checkpoint(checkpoint)
+        run.seed = data_seed  # the branch's own data stream; both twins use the same one
+        losses = run.train(config.branch_steps)
+        params = _flat_params(run)
+    finally:
+        run.close()  # emits the last step's record
+    return Branch(_frames(records, config.world), losses, params, time.perf_counter() - t0)
+
+
+# -- ground truth ------------------------------------------------------------------------------------
+
+def impact_class(faulted: Branch, twin: Branch, theta0: Any) -> dict[str, Any]:
+    """The impact class of a fault (see the module docstring) and the numbers it rests on."""
+    import torch
+
+    lf, lc = np.array(faulted.losses, float), np.array(twin.losses, float)
+    nonfinite_losses = np.flatnonzero(~np.isfinite(lf))
+    params_finite = all(bool(torch.isfinite(p).all()) for p in faulted.params)
+    with np.errstate(all="ignore"):
+        excess = np.where(np.isfinite(lf), (lf - lc) / lc, np.inf)
+    motion = float(torch.linalg.vector_norm(twin.params[0] - theta0))
+    if params_finite:
+        drift = max(float(torch.linalg.vector_norm(p - twin.params[0])) for p in faulted.params) / max(motion, 1e-30)
+    else:
+        drift = math.inf
+    if nonfinite_losses.size or not params_finite:
+        impact = "nonfinite"
+    elif float(excess.max()) >= SPIKE_REL:
+        impact = "spike"
+    elif drift >= DRIFT_REL:
+        impact = "silent_drift"
+    else:
+        impact = "negligible"
+    return {
+        "class": impact,
+        "max_loss_excess": _num(float(excess.max())),
+        "param_drift": _num(drift),
+        "first_nonfinite_step": int(nonfinite_losses[0]) if nonfinite_losses.size else None,
+    }
+
+
+def _num(v: float) -> float | str:
+    return v if math.isfinite(v) else ("NaN" if math.isnan(v) else "Infinity")
+
+
+# -- detectors ---------------------------------------------------------------------------------------
+
+@dataclass
+class Alarm:
+    """One alarm of one detector: what an operator would have been told, and when."""
+
+    step: int
+    kind: str
+    ranks: tuple[int, ...]
+    attribution: str | None
+    message: str
+
+
+class _SdcwatchRunner:
+    """sdcwatch's default pipeline on frames: incidents opened or escalated are the alarms."""
+
+    name = "sdcwatch"
+
+    def __init__(self) -> None:
+        from sdcwatch.detectors.pipeline import DetectionPipeline
+
+        self.pipeline = DetectionPipeline()
+
+    def fork(self) -> "_SdcwatchRunner":
+        from sdcwatch.detectors.pipeline import DetectionPipeline
+
+        other = object.__new__(_SdcwatchRunner)
+        other.pipeline = DetectionPipeline(self.pipeline.settings)
+        other.pipeline.restore(copy.deepcopy(self.pipeline.snapshot()))
+        return other
+
+    def feed(self, frame: Any) -> list[Alarm]:
+        out = []
+        for ev in self.pipeline.process_frame(frame):
+            inc = ev.incident
+            if ev.change == "resolved" or inc.kind in _TIMING_KINDS or inc.severity.value == "info":
+                continue
+            step = inc.first_step if ev.change == "opened" else inc.last_step
+            out.append(Alarm(step, inc.kind, tuple(inc.ranks), _attribution(inc.kind, inc.ranks, inc.evidence,
+                                                                              frame.world), inc.message))
+        return out
+
+
+class _BaselineRunner:
+    """A baseline detector on frames: every finding is an alarm."""
+
+    def __init__(self, name: str, detector: Any) -> None:
+        self.name, self.detector = name, detector
+
+    def fork(self) -> "_BaselineRunner":
+        return _BaselineRunner(self.name, copy.deepcopy(self.detector))
+
+    def feed(self, frame: Any) -> list[Alarm]:
+        return [Alarm(f.step, f.kind, tuple(f.ranks), _attribution(f.kind, f.ranks, f.evidence, frame.world), f.message)
+                for f in self.detector.update(frame) if f.severity.value != "info"]
+
+
+def _attribution(kind: str, ranks: Sequence[int], evidence: dict, world: int) -> str | None:
+    said = evidence.get("attribution") if isinstance(evidence, dict) else None
+    if said == "sdc" or kind in _RANK_BLAME_KINDS:
+        return "sdc"
+    if said == "optimisation_data":
+        return "optimisation_data"
+    if 0 < len(ranks) < world:  # a rule that fires on some ranks only blames them
+        return "sdc"
+    return None
+
+
+def make_detectors(names: Iterable[str] | None = None) -> list[Any]:
+    """sdcwatch plus the baselines (all, or those named)."""
+    from sdcwatch.baselines import BASELINES
+
+    wanted = list(names) if names is not None else ["sdcwatch", *BASELINES]
+    out = []
+    for n in wanted:
+        if n == "sdcwatch":
+            out.append(_SdcwatchRunner())
+        elif n in BASELINES:
+            out.append(_BaselineRunner(n, BASELINES[n]()))
+        else:
+            raise ConfigError("campaign.detectors", f"unknown detector {n!r} (known: sdcwatch, {', '.join(BASELINES)})")
+    return out
+
+
+def _alarms(runner: Any, frames: Sequence[Any]) -> list[Alarm]:
+    return [a for frame in frames for a in runner.feed(frame)]
+
+
+def score_trial(trial: Trial, fault_step: int, faulted: list[Alarm], twin: list[Alarm], window: int,
+                world: int) -> dict[str, Any]:
+    """One detector's verdict on one trial (see the module docstring)."""
+    twin_keys = {(a.kind, a.step) for a in twin}
+    hits = sorted((a for a in faulted if a.step >= fault_step and (a.kind, a.step) not in twin_keys),
+                  key=lambda a: a.step)
+    first = hits[0] if hits else None
+    named = next((a.ranks[0] for a in hits if len(a.ranks) == 1 and a.step < fault_step + window), None)
+    attributions = {a.attribution for a in hits}
+    attribution = "sdc" if "sdc" in attributions else ("optimisation_data" if "optimisation_data" in attributions else None)
+    return {
+        "detected": first is not None,
+        "first_detection_step": first.step if first else None,
+        "delay": first.step - fault_step if first else None,
+        "localized_rank": named,
+        "attribution": attribution,
+        "named_ranks": list(first.ranks) if first else [],
+        "alarm_kinds": sorted({a.kind for a in hits}),
+        "message": first.message if first else None,
+        "false_alarms": len(twin),
+        "false_alarm_kinds": sorted({a.kind for a in twin}),
+    }
+
+
+# -- the campaign ------------------------------------------------------------------------------------
+
+def _progress(msg: str, stream: Any = None) -> None:
+    print(msg, file=stream or sys.stderr, flush=True)
+
+
+def run_campaign(config: CampaignConfig, faults: Sequence[Any] | None = None, *,
+                 detectors: Iterable[str] | None = None, workdir: str | Path | None = None,
+                 progress: Callable[[str], None] | None = _progress) -> dict[str, Any]:
+    """Run the whole campaign; returns the JSON-ready result (``config``, ``checkpoint``, ``trials``, ``summary``)."""
+    import torch
+
+    torch.set_num_threads(1)
+    say = progress or (lambda msg: None)
+    t_start = time.perf_counter()
+    trials = trials_from_faults(faults, config) if faults is not None else generate_trials(config)
+    runners = make_detectors(detectors)
+
+    with tempfile.TemporaryDirectory(prefix="sdcwatch-campaign-", dir=workdir) as tmp:
+        ckpt = Path(tmp) / "checkpoint.pt"
+        say(f"campaign: training {config.world} simulated ranks for {config.pretrain_steps} steps to the checkpoint")
+        t0 = time.perf_counter()
+        records: list = []
+        run = _new_run(config, (), records, "campaign")
+        try:
+            pre_losses = run.train(config.pretrain_steps)
+            run.save_checkpoint(ckpt)  # flushes the last record
+            theta0 = torch.cat([p.detach().reshape(-1) for p in run.params]).clone()
+        finally:
+            run.close()
+        pre_frames = _frames(records, config.world)
+        warm_alarms = {r.name: len(_alarms(r, pre_frames)) for r in runners}
+        checkpoint = {"step": config.pretrain_steps, "seconds": round(time.perf_counter() - t0, 2),
+                      "loss_first": pre_losses[0], "loss_last": pre_losses[-1],
+                      "alarms_during_warmup": warm_alarms}
+        say(f"campaign: checkpoint at step {config.pretrain_steps} (loss {pre_losses[-1]:.3f}) in "
+            f"{checkpoint['seconds']:.0f}s; {len(trials)} trials of {config.branch_steps} steps x 2 branches")
+
+        results = []
+        t_trials = time.perf_counter()
+        for i, trial in enumerate(trials):
+            fault = replace(trial.fault, step=trial.fault.step + config.pretrain_steps)
+            faulted = run_branch(config, ckpt, [fault], trial.data_seed)
+            twin = run_branch(config, ckpt, [], trial.data_seed)
+            impact = impact_class(faulted, twin, theta0)
+            verdicts = {}
+            for r in runners:
+                f_alarms = _alarms(r.fork(), faulted.frames)
+                c_alarms = _alarms(r.fork(), twin.frames)
+                verdicts[r.name] = score_trial(trial, fault.step, f_alarms, c_alarms, config.window, config.world)
+            results.append({
+                "index": trial.index, "class": trial.fault_class, "fault": fault.to_dict(), "fault_step": fault.step,
+                "culprit_rank": trial.culprit, "data_seed": trial.data_seed, "impact": impact,
+                "clean_steps": len(twin.frames), "detectors": verdicts,
+            })
+            done = i + 1
+            rate = (time.perf_counter() - t_trials) / done
+            sw = verdicts.get("sdcwatch")
+            note = "" if sw is None else f" sdcwatch: {'detected' if sw['detected'] else 'missed'}" + (
+                f" at +{sw['delay']}" if sw["detected"] else "") + (
+                f", rank {sw['localized_rank']}" if sw["localized_rank"] is not None else "")
+            say(f"campaign: trial {done}/{len(trials)} {trial.fault_class} rank={fault.rank} -> {impact['class']};"
+                f"{note} (eta {rate * (len(trials) - done):.0f}s)")
+
+    return {
+        "config": {**asdict(config), "spike_rel": SPIKE_REL, "drift_rel": DRIFT_REL,
+                   "faults_from_file": faults is not None},
+        "checkpoint": checkpoint,
+        "trials": results,
+        "summary": summarise(results, [r.name for r in runners]),
+        "seconds": round(time.perf_counter() - t_start, 1),
+    }
+
+
+def _rate(num: int, den: int) -> float | None:
+    return None if den == 0 else num / den
+
+
+def summarise(trials: Sequence[dict], detectors: Sequence[str]) -> dict[str, Any]:
+    """Per fault class (and ``all``) and detector.
+
+    - ``recall``: detected / trials whose impact is not negligible (``recall_all``: over every trial);
+    - ``at_fault_step``: of those, detected at the fault's first step (delay 0);
+    - ``false_alarms_per_1k_clean_steps``: alarms on the clean twins per 1,000 twin steps;
+    - ``localisation``: hardware classes with one faulty rank: named exactly that rank within the
+      window / impactful trials (``localisation_all``: over every trial of the class);
+    - ``median_delay``: steps from the fault's first step to the first detection (detected impactful);
+    - ``attribution``: detected impactful trials whose attribution is the class's (``sdc`` for hardware,
+      ``optimisation_data`` for benign) / detected impactful trials;
+    - ``blamed_rank``: benign classes: detected trials that blamed a rank (attribution ``sdc``).
+    """
+    groups: dict[str, list[dict]] = {}
+    for t in trials:
+        groups.setdefault(t["class"], []).append(t)
+    groups["all"] = list(trials)
+    out: dict[str, Any] = {}
+    for cls, ts in groups.items():
+        row: dict[str, Any] = {}
+        impactful = [t for t in ts if t["impact"]["class"] != "negligible"]
+        with_rank = [t for t in ts if t["culprit_rank"] is not None]
+        with_rank_imp = [t for t in with_rank if t["impact"]["class"] != "negligible"]
+        for d in detectors:
+            v = lambda t: t["detectors"][d]  # noqa: E731
+            det_imp = [t for t in impactful if v(t)["detected"]]
+            delays = [v(t)["delay"] for t in det_imp]
+            expected = lambda t: "optimisation_data" if t["class"] in BENIGN_CLASSES else "sdc"  # noqa: E731
+            benign_det = [t for t in ts if t["class"] in BENIGN_CLASSES and v(t)["detected"]]
+            clean_steps = sum(t["clean_steps"] for t in ts)
+            row[d] = {
+                "trials": len(ts),
+                "impactful": len(impactful),
+                "recall": _rate(len(det_imp), len(impactful)),
+                "recall_all": _rate(sum(v(t)["detected"] for t in ts), len(ts)),
+                "at_fault_step": _rate(sum(1 for x in delays if x == 0), len(impactful)),
+                "false_alarms": sum(v(t)["false_alarms"] for t in ts),
+                "clean_steps": clean_steps,
+                "false_alarms_per_1k_clean_steps": _rate(1000 * sum(v(t)["false_alarms"] for t in ts), clean_steps),
+                "localisation": _rate(sum(v(t)["localized_rank"] == t["culprit_rank"] for t in with_rank_imp),
+                                      len(with_rank_imp)),
+                "localisation_all": _rate(sum(v(t)["localized_rank"] == t["culprit_rank"] for t in with_rank),
+                                          len(with_rank)),
+                "median_delay": median(delays) if delays else None,
+                "attribution": _rate(sum(v(t)["attribution"] == expected(t) for t in det_imp), len(det_imp)),
+                "blamed_rank": _rate(sum(v(t)["attribution"] == "sdc" for t in benign_det), len(benign_det)),
+            }
+        out[cls] = row
+    return out
+
+
+def summary_table(result: dict[str, Any]) -> str:
+    """The summary as a markdown table (one row per fault class and detector)."""
+    def f(x: Any, pct: bool = True) -> str:
+        if x is None:
+            return "–"
+        return f"{100 * x:.0f}%" if pct else (f"{x:.1f}" if isinstance(x, float) else str(x))
+
+    lines = ["| class | detector | trials (impactful) | recall | at fault step | false alarms /1k clean steps | "
+             "localisation | median delay | attribution | blamed a rank |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for cls, row in result["summary"].items():
+        for d, s in row.items():
+            lines.append(f"| {cls} | {d} | {s['trials']} ({s['impactful']}) | {f(s['recall'])} | {f(s['at_fault_step'])} | "
+                         f"{f(s['false_alarms_per_1k_clean_steps'], False)} | {f(s['localisation'])} | "
+                         f"{f(s['median_delay'], False)} | {f(s['attribution'])} | {f(s['blamed_rank'])} |")
+    return "\n".join(lines)

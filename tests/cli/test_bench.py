@@ -1,0 +1,150 @@
+"""The benchmark runners stay runnable: quick campaign and quick end-to-end run, plus the baselines."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from sdcwatch.baselines import MegatronRules, NanLossCheck, ZClipDetector
+from sdcwatch.bench import bench_main, campaign_main, e2e_main, write_markdown
+from sdcwatch.campaign import (
+    BENIGN_CLASSES,
+    FAULT_CLASSES,
+    IMPACT_CLASSES,
+    CampaignConfig,
+    generate_trials,
+    trials_from_faults,
+)
+from sdcwatch.detectors.frame import StepFrame
+from sdcwatch.errors import ConfigError, FaultSpecError
+from sdcwatch.telemetry.faults import parse_faults
+from sdcwatch.telemetry.record import Record
+
+DETECTORS = {"sdcwatch", "megatron", "zclip", "nan_check", "river_hst"}
+
+
+def frame(step: int, loss, grad_local=None, grad_global: float = 1.0) -> StepFrame:
+    loss = np.asarray(loss, float)
+    grad_local = np.ones_like(loss) if grad_local is None else np.asarray(grad_local, float)
+    recs = [Record("r", step, i, loss.size, f"h{i}", 0.0, 0,
+                   {"loss": float(loss[i]), "grad_norm_local": float(grad_local[i]), "grad_norm_global": grad_global})
+            for i in range(loss.size)]
+    return StepFrame.from_records("r", step, loss.size, recs)
+
+
+# -- baselines -------------------------------------------------------------------------------------
+
+def test_megatron_fires_on_the_rank_whose_loss_reaches_ten_times_its_early_max():
+    rng = np.random.default_rng(0)
+    det = MegatronRules(first_n=20)
+    early = [det.update(frame(s, 2 + 0.1 * rng.random(4))) for s in range(20)]
+    assert not any(early)
+    assert det.update(frame(20, [2.0, 2.1, 2.0, 2.05])) == []
+    peak = 2.1  # every early value is below it
+    found = det.update(frame(21, [2.0, 10 * peak + 1, 2.0, 2.0]))
+    assert [(f.kind, f.ranks) for f in found] == [("loss_spike", (1,))]
+    nan = det.update(frame(22, [2.0, 2.0, float("nan"), 2.0]))
+    assert [(f.kind, f.ranks) for f in nan] == [("nonfinite", (2,))]
+
+
+def test_zclip_flags_a_gradient_norm_far_above_its_ema_after_warmup_only():
+    rng = np.random.default_rng(1)
+    det = ZClipDetector()
+    quiet = [det.update(frame(s, [2.0] * 4, grad_global=1.0 + 0.05 * rng.standard_normal())) for s in range(60)]
+    assert sum(len(q) for q in quiet[:25]) == 0  # warm-up is silent
+    found = det.update(frame(60, [2.0] * 4, grad_global=3.0))
+    assert len(found) == 1 and found[0].kind == "grad_spike" and found[0].ranks == ()
+    assert det.update(frame(61, [2.0] * 4, grad_global=float("nan"))) == []  # NaN compares false: missed
+
+
+def test_nan_check_names_only_ranks_whose_loss_is_nan():
+    det = NanLossCheck()
+    assert det.update(frame(0, [1.0, float("inf"), 1.0])) == []
+    found = det.update(frame(1, [1.0, float("nan"), 1.0]))
+    assert found[0].ranks == (1,)
+
+
+# -- campaign pieces -------------------------------------------------------------------------------
+
+def test_generator_is_seeded_and_covers_the_classes_round_robin():
+    cfg = CampaignConfig(world=8, trials=2 * len(FAULT_CLASSES), seed=3)
+    a, b = generate_trials(cfg), generate_trials(cfg)
+    assert [t.fault.to_dict() for t in a] == [t.fault.to_dict() for t in b]
+    assert [t.fault.to_dict() for t in a] != [t.fault.to_dict() for t in generate_trials(CampaignConfig(seed=4, trials=cfg.trials))]
+    assert {t.fault_class for t in a} == set(FAULT_CLASSES)
+    lo, hi = cfg.fault_offset
+    for t in a:
+        assert lo <= t.fault.step <= hi
+        assert t.fault.rank is None or 0 <= t.fault.rank < cfg.world
+        if t.fault_class in BENIGN_CLASSES:
+            assert t.culprit is None
+        else:
+            assert t.culprit == t.fault.rank
+
+
+def test_faults_from_a_file_count_from_the_checkpoint_and_are_checked():
+    cfg = CampaignConfig(world=4, branch_steps=20, fault_offset=(1, 2))
+    faults = parse_faults('{"kind": "nan", "rank": 1, "step": 3, "target": "blocks.0.attn.scores"}\n'
+                          '{"kind": "lr_spike", "rank": null, "step": 5, "magnitude": 50}\n')
+    trials = trials_from_faults(faults, cfg)
+    assert [t.fault_class for t in trials] == ["nan_attn", "lr_spike"]
+    late = parse_faults('{"kind": "nan", "rank": 1, "step": 20, "target": "head"}')
+    with pytest.raises(FaultSpecError, match="step"):
+        trials_from_faults(late, cfg)
+    with pytest.raises(FaultSpecError, match="rank"):
+        trials_from_faults(parse_faults('{"kind": "nan", "rank": 4, "step": 2, "target": "head"}'), cfg)
+    with pytest.raises(ConfigError, match="campaign.fault_offset"):
+        CampaignConfig(branch_steps=10, fault_offset=(5, 10))
+
+
+# -- the runners -----------------------------------------------------------------------------------
+
+def test_quick_campaign_scores_every_detector_and_catches_the_nonfinite_fault(tmp_path, capsys):
+    out = tmp_path / "campaign.json"
+    result = campaign_main(["--quick", "--trials", "2", "--out", str(out)])
+    assert json.loads(out.read_text())["trials"] == json.loads(json.dumps(result["trials"]))
+    assert len(result["trials"]) == 2
+    for t in result["trials"]:
+        assert t["impact"]["class"] in IMPACT_CLASSES
+        assert set(t["detectors"]) == DETECTORS
+        for verdict in t["detectors"].values():
+            assert {"detected", "first_detection_step", "localized_rank", "attribution"} <= set(verdict)
+    assert set(result["summary"]) >= {"all", *(t["class"] for t in result["trials"])}
+    assert "| class | detector |" in capsys.readouterr().out
+
+    nan = next(t for t in result["trials"] if t["class"] == "nan_attn")
+    assert nan["impact"]["class"] == "nonfinite"
+    sw = nan["detectors"]["sdcwatch"]
+    assert sw["detected"] and sw["first_detection_step"] == nan["fault_step"] and sw["delay"] == 0
+    rank = nan["culprit_rank"]
+    assert rank in sw["named_ranks"] and f"rank {rank}" in sw["message"]
+    assert sw["false_alarms"] == 0
+
+    bad_batch = next(t for t in result["trials"] if t["class"] == "bad_batch_all")
+    assert bad_batch["culprit_rank"] is None
+    if bad_batch["detectors"]["sdcwatch"]["detected"]:
+        assert bad_batch["detectors"]["sdcwatch"]["attribution"] != "sdc"  # benign: no rank blamed
+
+    md = write_markdown(tmp_path, command="test")
+    assert "Fault-injection campaign" in md.read_text()
+
+
+@pytest.mark.integration
+def test_quick_e2e_through_the_broker_finds_every_injected_fault(bootstrap, tmp_path):
+    out = tmp_path / "e2e.json"
+    result = e2e_main(["--bootstrap", bootstrap, "--ranks", "128", "--duration", "6", "--rate", "4",
+                       "--fault-every", "6", "--out", str(out)])
+    assert json.loads(out.read_text())["scales"][0]["ranks"] == 128
+    s = result["scales"][0]
+    assert s["steps_processed"] == s["steps"]
+    assert s["faults_injected"] >= 3
+    assert s["faults_detected"] == s["faults_injected"]
+    assert 0 < s["latency_s"]["p50"] <= s["latency_s"]["p99"]
+    assert s["lag_samples"] and s["lag_at_producers_done"] is not None
+
+
+def test_bench_without_a_command_prints_usage():
+    assert bench_main([]) == 2
+    assert bench_main(["--help"]) == 0

@@ -1,0 +1,76 @@
+"""The demo end to end on the real broker, one short run per fault preset."""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+
+import pytest
+
+from sdcwatch.demo import RANK_LOCAL_KINDS
+
+pytestmark = pytest.mark.integration
+
+pytest.importorskip("torch")
+
+SHORT = dict(ranks=4, steps=90, fault_step=55, fault_rank=2, seed=0)
+
+
+def run(preset, tmp_path):
+    from sdcwatch.demo import run_demo
+
+    return run_demo(fault=preset, out_dir=str(tmp_path), progress=io.StringIO(), quiet=True, **SHORT)
+
+
+@pytest.mark.parametrize("preset", ["bitflip", "nan", "near_inf"])
+def test_sdc_presets_are_detected_and_localised(preset, tmp_path):
+    r = run(preset, tmp_path)
+    assert r.detected, r.incidents
+    assert r.false_alarms == 0, r.incidents
+    assert r.localized_rank == 2, r.incidents
+    assert r.first_detection_step is not None and r.first_detection_step - 55 <= 5
+
+
+@pytest.mark.parametrize("preset", ["bad-batch", "lr-spike"])
+def test_benign_spikes_are_reported_and_not_blamed_on_a_rank(preset, tmp_path):
+    r = run(preset, tmp_path)
+    assert r.detected, r.incidents
+    assert r.false_alarms == 0, r.incidents
+    assert r.localized_rank is None
+    kinds = {i["kind"] for i in r.incidents}
+    assert kinds & {"loss_spike", "grad_spike", "optimisation_instability"}, kinds
+    assert not kinds & RANK_LOCAL_KINDS, r.incidents
+
+
+def test_clean_run_raises_nothing(tmp_path):
+    r = run("none", tmp_path)
+    assert r.incidents == []
+    assert not r.detected and r.localized_rank is None
+
+
+def test_demo_cli_json_summary_and_report(tmp_path):
+    report = tmp_path / "demo.html"
+    out = subprocess.run(
+        [sys.executable, "-m", "sdcwatch.cli", "demo", "--fault", "nan", "--ranks", "4", "--steps", "70",
+         "--fault-step", "45", "--fault-rank", "1", "--json", "--report", str(report), "--out-dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    summary = json.loads(out.stdout)
+    for key in ("injected", "incidents", "detected", "first_detection_step", "localized_rank"):
+        assert key in summary
+    assert summary["detected"] is True and summary["first_detection_step"] == 45
+    assert summary["localized_rank"] == 1
+    assert summary["injected"][0]["kind"] == "nan"
+    assert "ALERT" in out.stderr and "step" in out.stderr  # progress and alerts while it runs
+    html = report.read_text()
+    assert html.count("data:image/png;base64,") >= 3
+
+
+def test_unknown_fault_is_a_clear_error():
+    out = subprocess.run([sys.executable, "-m", "sdcwatch.cli", "demo", "--fault", "cosmic-ray"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2
+    assert "cosmic-ray" in out.stderr and "bitflip" in out.stderr
