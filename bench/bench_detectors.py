@@ -100,6 +100,25 @@ def bench_river(world: int, n_layers: int, rank_records: int) -> dict:
             "values_per_s": rank_records * len(names) / cpu, "values_per_s_wall": rank_records * len(names) / wall}
 
 
+def bench_alignment(world: int, n_layers: int, steps: int = 3) -> dict:
+    """Records -> StepAligner -> StepFrame: the per-record Python cost in front of the detectors."""
+    from sdcwatch.detectors import StepAligner
+    from sdcwatch.telemetry.record import Record
+
+    (fr,) = make_frames(world, n_layers, 1, seed=99)
+    records = [[Record(run="bench", step=s, rank=r, world=world, host=fr.hosts[r],
+                       scalars=dict(zip(SCALARS, fr.scalars[r].tolist())),
+                       fingerprints={"param_fp": s + 1, "grad_fp": s + 2},
+                       layers={n: fr.layers[r, i].tolist() for i, n in enumerate(LAYERS)}) for r in range(world)]
+               for s in range(steps)]
+    al = StepAligner(timeout=1e9)
+    c0 = time.process_time()
+    n = sum(len(al.add(recs)) for recs in records)
+    cpu = time.process_time() - c0
+    assert n == steps
+    return {"records_per_s": world * steps / cpu, "steps_per_s": steps / cpu}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ranks", type=int, nargs="+", default=[1024, 16384])
@@ -113,12 +132,14 @@ def main(argv=None) -> int:
     for world in args.ranks:
         ours = bench_pipeline(world, args.layers, args.seconds)
         river = bench_river(world, args.layers, args.river_records)
+        align = bench_alignment(world, args.layers)
         row = {"ranks": world, "metrics": ours["values_per_step"] // world, "sdcwatch": ours, "river_hst": river,
-               "ratio": ours["values_per_s"] / river["values_per_s"]}
+               "ratio": ours["values_per_s"] / river["values_per_s"], "alignment": align}
         results["runs"].append(row)
         print(f"{world:>6} ranks x {row['metrics']} metrics: sdcwatch {ours['values_per_s'] / 1e6:8.2f} M values/s "
               f"({ours['steps_per_s']:.1f} steps/s)  river HST {river['values_per_s'] / 1e3:8.1f} k values/s  "
-              f"ratio {row['ratio']:.0f}x  incidents on clean stream: {ours['incidents_on_clean_stream']}")
+              f"ratio {row['ratio']:.0f}x  incidents on clean stream: {ours['incidents_on_clean_stream']}  "
+              f"alignment {align['records_per_s'] / 1e3:.0f} k records/s ({align['steps_per_s']:.1f} steps/s)")
     if args.out:
         with open(args.out, "w") as fh:
             json.dump(results, fh, indent=2)

@@ -3,7 +3,9 @@
 A step closes when all ranks of the world have arrived, or ``timeout`` seconds after its first
 record (late or missing ranks are then absent in the frame, and the missing-rank detector takes
 over). Frames leave in increasing step order: a complete step waits for earlier open steps (at
-most ``timeout``, or until more than ``max_open`` steps are open). Duplicates (at-least-once
+most ``timeout``, or until more than ``max_open`` steps are open); a complete step that does not
+follow the last closed one by the run's usual stride waits ``reorder_grace`` seconds, since an
+earlier step may still be on its way (Kafka partitions are read at different paces). Duplicates (at-least-once
 delivery) and records for steps already closed are counted and dropped. Runs are kept apart; a
 change of world size (elastic training) closes what is open and starts the run's alignment afresh.
 """
@@ -32,16 +34,18 @@ class _RunState:
     world: int
     open: dict[int, _OpenStep] = field(default_factory=dict)
     last_closed: int = -1
+    stride: int = 1  # usual distance between consecutive closed steps (runs may log every N steps)
     generation: int = 0  # bumped by a world-size change
 
 
 class StepAligner:
     """Turns a stream of records (any order, any duplicates) into complete-or-timed-out frames."""
 
-    def __init__(self, timeout: float = 5.0, max_open: int = 64, *,
+    def __init__(self, timeout: float = 5.0, max_open: int = 64, *, reorder_grace: float = 1.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        check_positive("aligner", timeout=timeout, max_open=max_open)
+        check_positive("aligner", timeout=timeout, max_open=max_open, reorder_grace=reorder_grace)
         self.timeout = float(timeout)
+        self.reorder_grace = min(float(reorder_grace), self.timeout)
         self.max_open = int(max_open)
         self.clock = clock
         self._runs: dict[str, _RunState] = {}
@@ -67,7 +71,8 @@ class StepAligner:
                 self.world_changes += 1
                 if self.on_world_change:
                     self.on_world_change(rec.run, st.world, rec.world)
-                st = self._runs[rec.run] = _RunState(world=rec.world, generation=st.generation + 1)
+                st = self._runs[rec.run] = _RunState(world=rec.world, last_closed=st.last_closed, stride=st.stride,
+                                                     generation=st.generation + 1)
             if rec.step <= st.last_closed:
                 self.late_records += 1
                 continue
@@ -105,12 +110,16 @@ class StepAligner:
             step = min(st.open)
             op = st.open[step]
             complete = len(op.records) == st.world
-            expired = now - op.first_seen >= self.timeout
-            if not (complete or expired or force or len(st.open) > self.max_open):
+            age = now - op.first_seen
+            in_order = step == st.last_closed + st.stride
+            ready = complete and (in_order or age >= self.reorder_grace)
+            if not (ready or age >= self.timeout or force or len(st.open) > self.max_open):
                 break
             del st.open[step]
             if not complete:
                 self.incomplete_steps += 1
+            if st.last_closed >= 0:
+                st.stride = step - st.last_closed
             st.last_closed = step
             out.append(StepFrame.from_records(run, step, st.world, list(op.records.values()), wall=time.time()))
         return out
@@ -127,7 +136,7 @@ class StepAligner:
     def snapshot(self) -> dict[str, Any]:
         """JSON-safe state, including the records of still-open steps (they are not re-read)."""
         return {"runs": {run: {
-            "world": st.world, "last_closed": st.last_closed, "generation": st.generation,
+            "world": st.world, "last_closed": st.last_closed, "stride": st.stride, "generation": st.generation,
             "open": [[step, [to_dict(r) for r in op.records.values()]] for step, op in st.open.items()],
         } for run, st in self._runs.items()},
             "counters": [self.duplicates, self.late_records, self.world_changes, self.incomplete_steps]}
@@ -136,7 +145,8 @@ class StepAligner:
         now = self.clock()
         self._runs = {}
         for run, d in state["runs"].items():
-            st = _RunState(world=int(d["world"]), last_closed=int(d["last_closed"]), generation=int(d["generation"]))
+            st = _RunState(world=int(d["world"]), last_closed=int(d["last_closed"]), stride=int(d.get("stride", 1)),
+                           generation=int(d["generation"]))
             for step, recs in d["open"]:
                 st.open[int(step)] = _OpenStep(first_seen=now, records={r.rank: r for r in map(from_dict, recs)})
             self._runs[run] = st

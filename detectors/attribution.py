@@ -97,6 +97,9 @@ class Attribution:
             return [attributed, sdc]
         if world < 2:
             why = "single series (ranks unknown): optimisation/data instability or an unlocalised fault"
+        elif f.metric == "loss_max":
+            r = f.evidence.get("max_rank")
+            why = f"only rank {r}'s own loss (a bad batch?), other ranks consistent: data, not hardware"
         elif data_ranks:
             r = data_ranks[0].ranks[0]
             why = f"ranks consistent except rank {r}'s own loss (a bad batch?): optimisation/data instability"

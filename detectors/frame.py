@@ -125,8 +125,8 @@ class StepFrame:
     def global_value(self, *names: str, reduce: str = "mean") -> float:
         """The first of ``names`` that any rank sent, reduced over present ranks (NaN if none).
 
-        ``reduce`` is ``mean`` (a loss averaged over ranks) or ``median`` (a value every replica
-        should agree on, robust to one odd rank). Non-finite values are left out (the non-finite
+        ``reduce`` is ``mean`` (a loss averaged over ranks), ``median`` (a value every replica
+        should agree on, robust to one odd rank) or ``max`` (the worst rank). Non-finite values are left out (the non-finite
         detector reports them); when no value is finite the result is non-finite.
         """
         for name in names:
@@ -140,6 +140,8 @@ class StepFrame:
             finite = col[np.isfinite(col)]
             if finite.size == 0:
                 return float(col[0])
+            if reduce == "max":
+                return float(finite.max())
             return float(np.median(finite) if reduce == "median" else finite.mean())
         return float("nan")
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import time
+import warnings
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,7 +21,6 @@ import numpy as np
 
 from sdcwatch.detectors.aligner import StepAligner
 from sdcwatch.detectors.attribution import Attribution
-from sdcwatch.detectors.base import check_positive
 from sdcwatch.detectors.frame import StepFrame
 from sdcwatch.detectors.incidents import IncidentBook
 from sdcwatch.detectors.nonfinite import NonFiniteDetector
@@ -56,9 +56,12 @@ class PipelineSettings:
     """Steps without a finding after which an incident resolves."""
     attribution_window: int = 50
     """Steps within which a spike and rank-local evidence are joined."""
+    stale_after: float = 900.0
+    """Seconds without a step after which a run's open incidents resolve (the run ended or died;
+    the exporter's last-step age and the missing-rank alerts say which)."""
 
     def __post_init__(self) -> None:
-        for key in ("step_timeout", "max_open_steps", "quiet_steps", "attribution_window"):
+        for key in ("step_timeout", "max_open_steps", "quiet_steps", "attribution_window", "stale_after"):
             v = getattr(self, key)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
                 raise ConfigError(f"pipeline.{key}", f"must be a positive number, got {v!r}")
@@ -114,6 +117,15 @@ class DetectionPipeline:
         """Close steps whose alignment deadline passed (call regularly)."""
         return [e for frame in self.aligner.poll() for e in self.process_frame(frame)]
 
+    def expire(self) -> list[IncidentEvent]:
+        """Resolve the open incidents of runs silent for ``stale_after`` seconds (call regularly)."""
+        now = self.wall()
+        events: list[IncidentEvent] = []
+        for run, st in self._runs.items():
+            if st.last_step >= 0 and now - st.last_step_wall >= self.settings.stale_after:
+                events += self.book.close_run(run, st.last_step)
+        return events
+
     def flush(self) -> list[IncidentEvent]:
         """Close every open step (end of input)."""
         return [e for frame in self.aligner.flush() for e in self.process_frame(frame)]
@@ -149,7 +161,7 @@ class DetectionPipeline:
             st.dropped = np.where(np.isfinite(col), col, st.dropped)
         st.steps_total += 1
         st.last_step = frame.step
-        st.last_step_wall = frame.wall or self.wall()
+        st.last_step_wall = self.wall()
         st.frame = frame
 
     # -- reading ------------------------------------------------------------------------------
@@ -187,13 +199,11 @@ class DetectionPipeline:
                 scalar_stats[name] = np.quantile(col, _QUANTILES)
         layer_stats = {}
         if f.layers.size:
-            with np.errstate(all="ignore"):
-                import warnings
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore", RuntimeWarning)
-                    for m, name in enumerate(f.layer_names):
-                        block = np.where(np.isfinite(f.layers[:, m, :]), f.layers[:, m, :], np.nan)
-                        layer_stats[name] = np.nanquantile(block, _QUANTILES, axis=0).T
+            with np.errstate(all="ignore"), warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)  # an all-NaN layer gives NaN stats
+                for m, name in enumerate(f.layer_names):
+                    block = np.where(np.isfinite(f.layers[:, m, :]), f.layers[:, m, :], np.nan)
+                    layer_stats[name] = np.nanquantile(block, _QUANTILES, axis=0).T
         rank_scores = ranks.rank_scores if ranks is not None and ranks.rank_scores.shape[0] == f.world else np.zeros(f.world)
         return RunView(
             run=run, world=f.world, last_step=st.last_step, last_step_wall=st.last_step_wall,
@@ -238,6 +248,7 @@ class DetectionPipeline:
             st.attribution.restore(d["attribution"])
             st.world, st.steps_total, st.last_step = int(d["world"]), int(d["steps_total"]), int(d["last_step"])
             st.hosts, st.dropped = list(d["hosts"]), np.array(d["dropped"], dtype=float)
+            st.last_step_wall = self.wall()  # the stale clock restarts with the service
             self._runs[run] = st
         self.findings_total = {(a, b): int(n) for a, b, n in state["findings_total"]}
         self.records_total = int(state["records_total"])

@@ -129,6 +129,7 @@ class DetectorService:
         with self._lock:
             events = self.pipeline.process(records)
             events += self.pipeline.tick()
+            events += self.pipeline.expire()
             self.pipeline.dead_letters_total = int(getattr(self.source, "dead_letters", 0))
         self._publish(events)
         if self.clock() - self._last_lag >= 1.0:

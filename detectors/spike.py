@@ -16,6 +16,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from sdcwatch.detectors.base import check_positive, register
 from sdcwatch.detectors.frame import StepFrame
 from sdcwatch.detectors.types import Finding, Severity
@@ -118,10 +120,11 @@ class RobustBaseline:
 class SpikeDetector:
     """Loss and gradient-norm spikes of the whole job (one value per step, all ranks reduced).
 
-    Reads ``loss_global`` (or the mean of the ranks' ``loss``) and ``grad_norm_global`` (median
-    over ranks; falls back to ``grad_norm`` and ``grad_norm_local``). Emits ``loss_spike`` on
-    onset, while the spike lasts and at recovery; ``grad_spike`` (warning) for a gradient-norm
-    spike while the loss is calm.
+    Reads ``loss_global`` (or the mean of the ranks' ``loss``), ``grad_norm_global`` (median
+    over ranks; falls back to ``grad_norm`` and ``grad_norm_local``) and, with two ranks or more,
+    the highest rank's ``loss`` (one rank's bad batch barely moves the mean). Emits ``loss_spike``
+    on onset, while the spike lasts and at recovery (``metric`` is ``loss_max`` when only one
+    rank's loss spiked); ``grad_spike`` (warning) for a gradient-norm spike while the loss is calm.
     """
 
     name = "spike"
@@ -130,12 +133,15 @@ class SpikeDetector:
     SERIES = {
         "loss": (("loss_global", "loss"), "mean"),
         "grad_norm": (("grad_norm_global", "grad_norm", "grad_norm_local"), "median"),
+        "loss_max": (("loss",), "max"),
     }
 
     def __init__(self, *, loss: SeriesSettings | None = None, grad_norm: SeriesSettings | None = None,
-                 window: int = 9, warmup: int = 50, scale_alpha: float = 0.02) -> None:
+                 loss_max: SeriesSettings | None = None, window: int = 9, warmup: int = 50,
+                 scale_alpha: float = 0.02) -> None:
         self.loss = loss or SeriesSettings()
         self.grad_norm = grad_norm or SeriesSettings(z_on=6.0, min_ratio=4.0)
+        self.loss_max = loss_max or SeriesSettings(z_on=8.0, min_ratio=1.5)
         self.window, self.warmup, self.scale_alpha = window, warmup, scale_alpha
         self._base = {k: RobustBaseline(window, warmup, scale_alpha) for k in self.SERIES}
         self._active: dict[str, dict[str, Any] | None] = {k: None for k in self.SERIES}
@@ -148,12 +154,15 @@ class SpikeDetector:
         return self.window + self.warmup
 
     def _settings(self, series: str) -> SeriesSettings:
-        return self.loss if series == "loss" else self.grad_norm
+        return getattr(self, series)
 
     def update(self, frame: StepFrame) -> list[Finding]:
         measured = {}
         for key, (names, reduce) in self.SERIES.items():
-            value = frame.global_value(*names, reduce=reduce)
+            if key == "loss_max" and frame.world < 2:
+                value = math.nan  # one series: the highest rank is the only one
+            else:
+                value = frame.global_value(*names, reduce=reduce)
             self.latest[key] = value
             z, ratio, base = self._base[key].score(value)
             self.scores[key] = max(z, 0.0)
@@ -164,7 +173,9 @@ class SpikeDetector:
         findings = []
         if phases["loss"]:
             findings.append(self._finding(frame, "loss", phases["loss"], measured))
-        elif phases["grad_norm"] and self._active["loss"] is None:
+        elif phases["loss_max"] and self._active["loss"] is None:
+            findings.append(self._finding(frame, "loss_max", phases["loss_max"], measured))
+        elif phases["grad_norm"] and self._active["loss"] is None and self._active["loss_max"] is None:
             findings.append(self._finding(frame, "grad_norm", phases["grad_norm"], measured))
         return findings
 
@@ -192,17 +203,23 @@ class SpikeDetector:
     def _finding(self, frame: StepFrame, key: str, phase: str, measured: dict) -> Finding:
         value, z, ratio, base = measured[key]
         state = self._active[key] if phase != "recovery" else self._last_recovered
-        kind = "loss_spike" if key == "loss" else "grad_spike"
-        label = "loss spike" if key == "loss" else "gradient-norm spike (loss calm)"
+        kind = "grad_spike" if key == "grad_norm" else "loss_spike"
+        label = {"loss": "loss spike", "grad_norm": "gradient-norm spike (loss calm)",
+                 "loss_max": "loss spike on one rank"}[key]
         baseline = state["baseline"]
         evidence = {
             "phase": phase, "onset_step": state["onset"], "peak_step": state["peak_step"],
             "peak_value": state["peak"], "peak_ratio": state["peak_ratio"], "baseline": baseline,
             "value": value, "z": z, "ratio": ratio,
         }
-        other = "grad_norm" if key == "loss" else "loss"
-        evidence[f"{other}_z"] = measured[other][1]
-        evidence[f"{other}_ratio"] = measured[other][2]
+        for other in self.SERIES:
+            if other != key:
+                evidence[f"{other}_z"] = measured[other][1]
+                evidence[f"{other}_ratio"] = measured[other][2]
+        if key == "loss_max":
+            losses = frame.scalar("loss")
+            evidence["max_rank"] = int(np.nanargmax(losses)) if phase != "recovery" else state.get("max_rank")
+            state.setdefault("max_rank", evidence["max_rank"])
         if phase == "recovery":
             evidence["recovered_step"] = frame.step
         msg = f"{label} at step {state['onset']} ({state['peak']:.4g} vs baseline {baseline:.4g})"

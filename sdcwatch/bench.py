@@ -171,7 +171,7 @@ def _run_script(name: str, out: Path, quick: bool) -> dict:
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     status = {"status": "ok" if proc.returncode == 0 else f"failed ({proc.returncode})",
-              "command": " ".join(["python", f"bench/{name}", *cmd[3:]]), "seconds": round(time.perf_counter() - t0, 1)}
+              "command": " ".join(["python", f"bench/{name}", *cmd[2:]]), "seconds": round(time.perf_counter() - t0, 1)}
     if proc.returncode != 0:
         status["stderr"] = proc.stderr[-2000:]
     return status
@@ -226,14 +226,14 @@ def write_markdown(out_dir: str | Path, runs: dict[str, Any] | None = None, *, c
     e2e = _load_json(out_dir / "e2e.json")
     if e2e:
         lines += ["## End to end through the broker", "", f"Command: `{e2e.get('command', '')}`.", "",
-                  "| ranks | producers | target steps/s | produced steps/s | processed steps/s | lag at stop (records) "
+                  "| ranks | producers | target steps/s | produced steps/s | processed steps/s | lag at stop (steps) "
                   "| bounded lag | faults found | latency p50 (s) | latency p99 (s) |",
                   "|---|---|---|---|---|---|---|---|---|---|"]
         for s in e2e["scales"]:
             lat = s["latency_s"]
             lines.append(f"| {s['ranks']} | {s['producers']} | {s['target_rate_steps_per_s']:g} | "
                          f"{s['produced_steps_per_s']:.2f} | {_fmt(s['processed_steps_per_s'])} | "
-                         f"{s['lag_at_producers_done']} | {'yes' if s['bounded_lag'] else 'no'} | "
+                         f"{_fmt(s.get('lag_at_producers_done_steps'))} | {'yes' if s['bounded_lag'] else 'no'} | "
                          f"{s['faults_detected']}/{s['faults_injected']} | {_fmt(lat['p50'])} | {_fmt(lat['p99'])} |")
         lines.append("")
     for name in ("emitter", "overhead", "detectors"):

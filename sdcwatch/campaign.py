@@ -43,7 +43,7 @@ import random
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from statistics import median
 from typing import Any, Callable, Iterable, Sequence
@@ -69,6 +69,7 @@ __all__ = [
     "summarise",
     "RecordCollector",
     "summary_table",
+    "check_targets",
 ]
 
 SPIKE_REL = 0.10
@@ -199,10 +200,14 @@ def _generate_one(cls: str, rng: random.Random, world: int, n_layer: int, step: 
     return {"kind": "bad_batch", "rank": rank, "step": step, "seed": seed, "duration": rng.randint(1, 2)}
 
 
-def generate_trials(config: CampaignConfig, n_layer: int = 2) -> list[Trial]:
+def generate_trials(config: CampaignConfig, n_layer: int | None = None) -> list[Trial]:
     """``config.trials`` seeded trials, the classes taken round-robin so a short campaign covers many."""
     from sdcwatch.telemetry.faults import FaultSpec
 
+    if n_layer is None:
+        from sdcwatch.telemetry.reference.model import GPTConfig
+
+        n_layer = GPTConfig().n_layer
     rng = random.Random(f"sdcwatch-campaign:{config.seed}")
     out = []
     for i in range(config.trials):
@@ -271,12 +276,10 @@ def _frames(records: list, world: int) -> list:
 
 
 def _flat_params(run: Any) -> list[Any]:
+    """Each replica's parameters as one flat tensor (replicas differ only after a memory fault)."""
     import torch
 
-    shared = torch.cat([p.detach().reshape(-1) for p in run.params]).clone()
-    deltas = getattr(run, "_deltas", {})
-    return [torch.cat([p.reshape(-1) for p in run.replica_parameters(r)]) if deltas.get(r) else shared
-            for r in range(run.world)]
+    return [torch.cat([p.reshape(-1) for p in run.replica_parameters(r)]) for r in range(run.world)]
 
 
 def _new_run(config: CampaignConfig, faults: Sequence[Any], records: list, run_id: str) -> Any:
@@ -517,12 +520,14 @@ def run_campaign(config: CampaignConfig, faults: Sequence[Any] | None = None, *,
             say(f"campaign: trial {done}/{len(trials)} {trial.fault_class} rank={fault.rank} -> {impact['class']};"
                 f"{note} (eta {rate * (len(trials) - done):.0f}s)")
 
+    summary = summarise(results, [r.name for r in runners])
     return {
         "config": {**asdict(config), "spike_rel": SPIKE_REL, "drift_rel": DRIFT_REL,
                    "faults_from_file": faults is not None},
         "checkpoint": checkpoint,
         "trials": results,
-        "summary": summarise(results, [r.name for r in runners]),
+        "summary": summary,
+        "targets": check_targets(results, summary) if "sdcwatch" in summary.get("all", {}) else [],
         "seconds": round(time.perf_counter() - t_start, 1),
     }
 
@@ -582,6 +587,54 @@ def summarise(trials: Sequence[dict], detectors: Sequence[str]) -> dict[str, Any
     return out
 
 
+def check_targets(trials: Sequence[dict], summary: dict[str, Any], detector: str = "sdcwatch") -> list[dict[str, Any]]:
+    """The issue's targets for ``detector``: each with the measured value, the goal and whether it was met."""
+    def of(classes: Iterable[str]) -> list[dict]:
+        classes = set(classes)
+        return [t for t in trials if t["class"] in classes]
+
+    def row(name: str, num: int, den: int, goal: float) -> dict[str, Any]:
+        value = _rate(num, den)
+        return {"target": name, "value": value, "count": f"{num}/{den}", "goal": goal,
+                "met": None if value is None else value >= goal}
+
+    out = []
+    nf = of(c for c in HARDWARE_CLASSES if c.startswith(("nan_", "inf_", "near_inf_")))
+    out.append(row("non-finite and near-INF detected at their step and localised", sum(
+        1 for t in nf if t["detectors"][detector]["delay"] == 0
+        and t["detectors"][detector]["localized_rank"] == t["culprit_rank"]), len(nf), 1.0))
+    bf = [t for t in of(("bitflip_exponent", "bitflip_mantissa", "param_bitflip")) if t["impact"]["class"] != "negligible"]
+    out.append(row("bit flips with a non-negligible impact detected", sum(t["detectors"][detector]["detected"] for t in bf),
+                   len(bf), 0.99))
+    un = of(("unhealthy_node",))
+    out.append(row("unhealthy node localised within the window", sum(
+        t["detectors"][detector]["localized_rank"] == t["culprit_rank"] for t in un), len(un), 0.90))
+    bn = [t for t in of(BENIGN_CLASSES) if t["impact"]["class"] in ("spike", "nonfinite")]
+    out.append(row("benign spikes detected and not blamed on a rank", sum(
+        1 for t in bn if t["detectors"][detector]["detected"] and t["detectors"][detector]["attribution"] != "sdc"),
+        len(bn), 0.95))
+    clean = sum(t["clean_steps"] for t in trials)
+    alarms = sum(t["detectors"][detector]["false_alarms"] for t in trials)
+    out.append({"target": "zero false alarms over >= 10,000 clean steps", "value": alarms, "count": f"{alarms} in {clean}",
+                "goal": 0, "met": alarms == 0 and clean >= 10_000})
+    worse = []
+    for cls, row_ in summary.items():
+        if cls == "all" or detector not in row_:
+            continue
+        me = row_[detector]
+        for other, s in row_.items():
+            if other == detector:
+                continue
+            for key in ("recall", "localisation", "attribution"):
+                if s[key] is not None and (me[key] is None or s[key] > me[key]):
+                    worse.append(f"{cls}: {other} {key} {s[key]:.0%} > {me[key] if me[key] is None else format(me[key], '.0%')}")
+            if s["false_alarms"] < me["false_alarms"]:
+                worse.append(f"{cls}: {other} fewer false alarms ({s['false_alarms']} < {me['false_alarms']})")
+    out.append({"target": "better than every baseline on every class", "value": len(worse), "count": "; ".join(worse),
+                "goal": 0, "met": not worse})
+    return out
+
+
 def summary_table(result: dict[str, Any]) -> str:
     """The summary as a markdown table (one row per fault class and detector)."""
     def f(x: Any, pct: bool = True) -> str:
@@ -597,4 +650,10 @@ def summary_table(result: dict[str, Any]) -> str:
             lines.append(f"| {cls} | {d} | {s['trials']} ({s['impactful']}) | {f(s['recall'])} | {f(s['at_fault_step'])} | "
                          f"{f(s['false_alarms_per_1k_clean_steps'], False)} | {f(s['localisation'])} | "
                          f"{f(s['median_delay'], False)} | {f(s['attribution'])} | {f(s['blamed_rank'])} |")
+    targets = result.get("targets") or []
+    if targets:
+        lines += ["", "| target (sdcwatch) | measured | met |", "|---|---|---|"]
+        for t in targets:
+            met = "–" if t["met"] is None else ("yes" if t["met"] else "**no**")
+            lines.append(f"| {t['target']} | {t['count'] or t['value']} | {met} |")
     return "\n".join(lines)

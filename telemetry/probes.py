@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import fnmatch
 import math
+import queue
 import threading
 import time
 import warnings
@@ -189,7 +190,8 @@ class Watch:
         self._hint = 0  # the step we expect next: decides what the hooks measure
         self._last_time: float | None = time.perf_counter()
         self._pending: tuple | None = None
-        self._lock = threading.Lock()
+        self._outbox: queue.Queue = queue.Queue()
+        self._sender: threading.Thread | None = None
         self._closed = False
         self._reset()
         self._discover_attention(model)
@@ -360,7 +362,7 @@ class Watch:
             return
         if not self.recording:
             self._reset()
-            self._drain()
+            self._handoff()
             return
         if not self._external and self._group is None and not self._grads_seen:
             self._local_gradients()
@@ -381,12 +383,12 @@ class Watch:
         device_scalars = dict(self._scalars)
         if loss is not None:
             if isinstance(loss, torch.Tensor):
-                device_scalars["loss"] = loss.detach().reshape(())
+                device_scalars["loss"] = _scalar(loss)
             else:
                 host["loss"] = float(loss)
         for name, value in scalars.items():
             if isinstance(value, torch.Tensor):
-                device_scalars[name] = value.detach().reshape(())
+                device_scalars[name] = _scalar(value)
             elif value is not None:
                 host[name] = float(value)
         attn = None
@@ -398,10 +400,12 @@ class Watch:
     def _pack(self, step: int, device_scalars: dict, attn: torch.Tensor | None, host: dict) -> None:
         """One device tensor (float64 values bit-cast to int64, then fingerprints) and its async copy."""
         names = list(device_scalars)
-        values = [t.reshape(()).float() for t in device_scalars.values()]
+        values = [t if t.dtype == torch.float32 else t.float() for t in device_scalars.values()]  # all 0-d
         if self._nonfinite:
             names.append("_nonfinite_extra")
             values.append(sum(self._nonfinite[1:], self._nonfinite[0]).reshape(()).float())
+        if len({v.device for v in values}) > 1:
+            values = [v.to(values[0].device) for v in values]
         floats = torch.stack(values) if values else None
         n_attn = 0
         if attn is not None:
@@ -425,14 +429,34 @@ class Watch:
             packed = host_buf
         elif packed.device.type != "cpu":
             packed = packed.to("cpu", non_blocking=True)
-        self._drain()
+        self._handoff()
         self._pending = (step, packed, event, names, n_attn, fp_names, host)
 
-    def _drain(self) -> None:
-        """Emit the record whose copy was started a step ago."""
+    def _handoff(self) -> None:
+        """Pass the record whose copy was started a step ago to the sender thread.
+
+        Decoding it into a record and calling the emitter happens off the training thread.
+        """
         pending, self._pending = self._pending, None
         if pending is None:
             return
+        if self._sender is None:
+            self._sender = threading.Thread(target=self._send_loop, name="sdcwatch-probes", daemon=True)
+            self._sender.start()
+        self._outbox.put(pending)
+
+    def _send_loop(self) -> None:
+        while True:
+            pending = self._outbox.get()
+            try:
+                if pending is None:
+                    return
+                self._emit_pending(pending)
+            finally:
+                self._outbox.task_done()
+
+    def _emit_pending(self, pending: tuple) -> None:
+        """Read one packed step on the host and hand it to the emitter as a record."""
         try:
             step, packed, event, names, n_attn, fp_names, host = pending
             if event is not None:
@@ -441,7 +465,7 @@ class Watch:
             n_float = len(names) + n_attn * len(ATTENTION_STATS)
             floats = values[:n_float].view("float64")
             scalars = dict(host)
-            scalars.update({n: float(v) for n, v in zip(names, floats[: len(names)])})
+            scalars.update(zip(names, floats[: len(names)].tolist()))
             # non-finite values among the metrics themselves: the loss, the gradient norms (a NaN or
             # Inf anywhere in the gradient makes them so), the attention statistics (q, k, logits)
             extra = scalars.pop("_nonfinite_extra", 0.0)
@@ -450,8 +474,8 @@ class Watch:
             layers = None
             if n_attn:
                 grid = floats[len(names):].reshape(n_attn, len(ATTENTION_STATS))
-                layers = {name: [float(x) for x in grid[:, j]] for j, name in enumerate(ATTENTION_STATS)}
-            fingerprints = {n: fp.finalize(int(v)) for n, v in zip(fp_names, values[n_float:])} or None
+                layers = dict(zip(ATTENTION_STATS, grid.T.tolist()))
+            fingerprints = {n: fp.finalize(v) for n, v in zip(fp_names, values[n_float:].tolist())} or None
             self.emitter.emit(step, layers=layers, fingerprints=fingerprints, **scalars)
         except Exception as exc:
             self._fail(exc)
@@ -473,15 +497,20 @@ class Watch:
 
     # -- lifecycle --------------------------------------------------------------------------------
     def flush(self) -> None:
-        """Emit the pending record now (end of training, or before a checkpoint)."""
-        self._drain()
+        """Emit every record packed so far, the last step's included, and wait until they are."""
+        self._handoff()
+        if self._sender is not None:
+            self._outbox.join()
 
     def close(self) -> None:
         """Emit the pending record and remove the hooks this watch registered (the emitter stays open)."""
         if self._closed:
             return
         self._closed = True
-        self._drain()
+        self.flush()
+        if self._sender is not None:
+            self._outbox.put(None)
+            self._sender.join(timeout=10.0)
         for h in self._handles:
             h.remove()
         self._handles.clear()
@@ -495,6 +524,12 @@ class Watch:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _scalar(t: torch.Tensor) -> torch.Tensor:
+    """A detached 0-d view of a one-element tensor (no copy, no sync)."""
+    t = t.detach()
+    return t if t.dim() == 0 else t.reshape(())
 
 
 def _comm_hook(watch: Watch, bucket):  # noqa: ANN001,ANN201 - DDP rejects string annotations here

@@ -113,6 +113,7 @@ def test_quick_campaign_scores_every_detector_and_catches_the_nonfinite_fault(tm
             assert {"detected", "first_detection_step", "localized_rank", "attribution"} <= set(verdict)
     assert set(result["summary"]) >= {"all", *(t["class"] for t in result["trials"])}
     assert "| class | detector |" in capsys.readouterr().out
+    assert len(result["targets"]) == 6 and all({"target", "value", "met"} <= set(t) for t in result["targets"])
 
     nan = next(t for t in result["trials"] if t["class"] == "nan_attn")
     assert nan["impact"]["class"] == "nonfinite"

@@ -7,6 +7,7 @@ import math
 
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from detector_synth import SyntheticRun
 from sdcwatch.detectors import StepAligner, StepFrame
@@ -59,10 +60,10 @@ def test_complete_step_closes_at_once_and_incomplete_one_at_its_deadline():
 
 def test_duplicates_and_records_of_closed_steps_are_dropped_and_counted():
     al = StepAligner(timeout=5.0, clock=Clock())
-    recs = SyntheticRun(world=4).records(3)
+    recs = SyntheticRun(world=4).records(0)
     al.add(recs[:2] + recs[:1])
     assert al.duplicates == 1
-    assert [f.step for f in al.add(recs[2:])] == [3]
+    assert [f.step for f in al.add(recs[2:])] == [0]
     assert al.add(recs[:1]) == []
     assert al.late_records == 1
 
@@ -70,9 +71,23 @@ def test_duplicates_and_records_of_closed_steps_are_dropped_and_counted():
 def test_out_of_order_steps_leave_in_step_order():
     al = StepAligner(timeout=5.0, clock=Clock())
     synth = SyntheticRun(world=3)
-    r5, r6 = synth.records(5), synth.records(6)
-    assert al.add(r6 + r5[:2]) == []  # step 6 complete but waits for step 5
-    assert [f.step for f in al.add(r5[2:])] == [5, 6]
+    r0, r1 = synth.records(0), synth.records(1)
+    assert al.add(r1 + r0[:2]) == []  # step 1 complete but waits for step 0
+    assert [f.step for f in al.add(r0[2:])] == [0, 1]
+
+
+def test_a_complete_step_after_a_gap_waits_the_reorder_grace():
+    clock = Clock()
+    al = StepAligner(timeout=5.0, reorder_grace=0.5, clock=clock)
+    synth = SyntheticRun(world=2)
+    assert [f.step for f in al.add(synth.records(0))] == [0]  # the first step of a run: in order
+    assert al.add(synth.records(2)) == []  # step 1 may still come
+    assert [f.step for f in al.add(synth.records(1))] == [1, 2]
+    assert al.add(synth.records(4)) == []
+    clock.t = 0.6
+    assert [f.step for f in al.poll()] == [4]  # grace over: step 3 never came
+    # stride learnt: a run that logs every 2nd step flows without waiting
+    assert [f.step for f in al.add(synth.records(6))] == [6]
 
 
 def test_too_many_open_steps_force_the_oldest_out():
@@ -106,13 +121,13 @@ def test_world_size_change_closes_the_old_alignment_and_starts_a_new_one():
 def test_snapshot_keeps_open_steps():
     clock = Clock()
     al = StepAligner(timeout=5.0, clock=clock)
-    recs = SyntheticRun(world=3).records(7)
+    recs = SyntheticRun(world=3).records(0)
     al.add(recs[:2])
     state = json.loads(json.dumps(al.snapshot()))
     al2 = StepAligner(timeout=5.0, clock=clock)
     al2.restore(state)
     assert al2.add(recs[:1]) == []  # a duplicate of a restored record
-    assert [f.step for f in al2.add(recs[2:])] == [7]
+    assert [f.step for f in al2.add(recs[2:])] == [0]
 
 
 @pytest.mark.parametrize("kw", [{"timeout": 0}, {"timeout": -1}, {"max_open": 0}])
@@ -120,3 +135,22 @@ def test_bad_settings_are_named(kw):
     with pytest.raises(ConfigError) as exc:
         StepAligner(**kw)
     assert f"aligner.{next(iter(kw))}" in str(exc.value)
+
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.randoms(use_true_random=False), st.integers(0, 3))
+def test_any_order_with_duplicates_gives_the_same_frames_in_step_order(rnd, dup_every):
+    synth = SyntheticRun(world=3, seed=1)
+    records = [r for s in range(6) for r in synth.records(s)]
+    shuffled = records + (records[:: dup_every + 1] if dup_every else [])
+    rnd.shuffle(shuffled)
+    al = StepAligner(timeout=1e9, max_open=100, clock=Clock())
+    frames = []
+    for i in range(0, len(shuffled), 4):
+        frames += al.add(shuffled[i : i + 4])
+    frames += al.flush()
+    assert [f.step for f in frames] == list(range(6))
+    assert all(f.complete for f in frames)
+    for f in frames:
+        assert np.array_equal(f.scalars, synth.frame(f.step).scalars)

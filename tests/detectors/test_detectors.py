@@ -96,6 +96,19 @@ def test_gradient_spike_with_calm_loss_is_a_grad_spike_warning_not_a_loss_spike(
     assert found[0].step == 250 and found[0].severity is Severity.WARNING
 
 
+def test_one_ranks_loss_spike_is_seen_through_the_highest_rank_and_names_it_as_evidence():
+    synth = SyntheticRun(seed=3)
+    det = SpikeDetector()
+    found = []
+    for s in range(200):
+        fr = synth.frame(s)
+        if s == 150:
+            fr.scalars[4, fr.scalar_names.index("loss")] *= 2.5  # the mean moves ~1.2x: not a spike
+        found += det.update(fr)
+    assert found and found[0].step == 150 and found[0].kind == "loss_spike"
+    assert found[0].metric == "loss_max" and found[0].evidence["max_rank"] == 4 and found[0].ranks == ()
+
+
 def test_noise_that_reaches_a_high_z_but_a_small_ratio_is_not_a_spike():
     loss = np.full(300, 3.0)
     loss[200] = 3.3  # z is huge on a flat series, but +10% is not a spike

@@ -113,6 +113,7 @@ def test_bad_batch_on_one_rank_is_not_blamed_on_that_rank():
     kinds = incidents_by_kind(pipe)
     assert "loss_spike" in kinds and "sdc_suspected" not in kinds
     assert all(inc.ranks == () for inc in kinds["loss_spike"])
+    assert "rank 4's own loss" in kinds["loss_spike"][0].message
 
 
 def test_persistent_rank_deviation_without_spike_is_silent_drift_on_that_rank():
@@ -201,3 +202,17 @@ def test_save_and_load_resume_without_warmup_or_repeats(tmp_path):
     key = lambda evs: [(e.change, e.incident.id, e.incident.kind) for e in evs]
     assert key(ev) == key(whole_events)
     assert second.aligner.late_records == 50 * 8
+
+
+def test_a_run_that_goes_silent_has_its_incidents_resolved_after_stale_after():
+    now = [1000.0]
+    pipe = DetectionPipeline(PipelineSettings(stale_after=60), wall=lambda: now[0])
+    synth = SyntheticRun(seed=2, faults=[Fault("replica", 20, rank=6)])
+    for s in range(40):
+        pipe.process(synth.records(s))
+    assert [i.open for i in pipe.incidents()] == [True]
+    now[0] += 59
+    assert pipe.expire() == []
+    now[0] += 2
+    (ev,) = pipe.expire()
+    assert ev.change == "resolved" and ev.incident.resolved_step == 39

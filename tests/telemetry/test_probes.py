@@ -104,7 +104,8 @@ def test_record_of_a_step_is_emitted_one_step_later_with_direct_values():
     model = GPT(CFG)
     rec = Recorder()
     watch, snaps = _train(model, rec, 3, fingerprint_every=2, attention_every=1)
-    assert [r["step"] for r in rec.records] == [0, 1]  # step 2 still in flight
+    watch._outbox.join()  # the sender thread has emitted what it was handed
+    assert [r["step"] for r in rec.records] == [0, 1]  # step 2 is read one step later
     watch.close()
     assert [r["step"] for r in rec.records] == [0, 1, 2]
     # parameters are fingerprinted when the step closes: after its update, before the next one
@@ -145,8 +146,7 @@ def test_nonfinite_values_among_the_metrics_are_counted():
     loss = model.loss(batch)
     loss.backward()
     model.blocks[0].mlp.fc.bias.grad[0] = float("inf")
-    opt.step()
-    watch.step(0, loss=loss * float("nan"))
+    watch.step(0, loss=loss * float("nan"))  # no optimizer step: the parameters stay finite
     loss = model.loss(batch)  # finite again: the count is per record, not cumulative
     opt.zero_grad()
     loss.backward()
