@@ -20,6 +20,9 @@ __all__ = ["NonFiniteDetector"]
 
 _COUNTERS = ("nonfinite",)  # scalars that count non-finite values seen inside the rank
 _SKIP = ("emitter_dropped",)  # bookkeeping counters, not model values
+#: values computed from the all-reduced gradient or loss: identical on every rank, so a NaN there
+#: spreads to all ranks and does not say which rank produced it
+_GLOBAL = ("grad_norm_global", "loss_global", "grad_cosine")
 
 
 @register
@@ -34,15 +37,16 @@ class NonFiniteDetector:
         self.limit = float(limit)
         self.max_listed = int(max_listed)
         self._seen = 0  # steps with a non-finite value so far
-        self._masks: dict[tuple[str, ...], tuple[np.ndarray, np.ndarray]] = {}
+        self._masks: dict[tuple[str, ...], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
 
-    def _columns(self, names: tuple[str, ...]) -> tuple[np.ndarray, np.ndarray]:
-        """(value columns to check, counter columns) for a scalar layout (cached: layouts repeat)."""
+    def _columns(self, names: tuple[str, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(value columns, counter columns, all-reduced columns) of a scalar layout (cached)."""
         masks = self._masks.get(names)
         if masks is None:
             counters = np.array([n in _COUNTERS for n in names], bool)
             values = ~counters & np.array([n not in _SKIP for n in names], bool)
-            masks = self._masks[names] = (values, counters)
+            is_global = np.array([n in _GLOBAL for n in names], bool)
+            masks = self._masks[names] = (values, counters, is_global)
         return masks
 
     warmup_steps = 0  # a NaN needs no baseline
@@ -50,9 +54,11 @@ class NonFiniteDetector:
     def update(self, frame: StepFrame) -> list[Finding]:
         hits: list[tuple[int, str, int | None, float]] = []  # (rank, metric, layer, value)
         n_bad = 0
+        local_ranks: set[int] = set()  # ranks with a bad value of their own
+        global_ranks: set[int] = set()  # ranks whose only bad values are all-reduced ones
         S = frame.scalars
         if S.size:
-            values, counters = self._columns(frame.scalar_names)
+            values, counters, is_global = self._columns(frame.scalar_names)
             with np.errstate(invalid="ignore"):
                 # the common case costs one reduction: every cell finite and small, no counter set
                 calm = np.abs(S).max() < self.limit and not (counters.any() and (S[:, counters] > 0).any())
@@ -60,10 +66,12 @@ class NonFiniteDetector:
                     bad = ~(np.abs(S) < self.limit) & frame.sent_scalars() & values[None, :]
                     if counters.any():
                         bad |= (S > 0) & counters[None, :]
+                    local_ranks.update(np.nonzero((bad & ~is_global[None, :]).any(axis=1))[0].tolist())
+                    global_ranks.update(np.nonzero((bad & is_global[None, :]).any(axis=1))[0].tolist())
                     r, c = np.nonzero(bad)
                     n_bad += r.size
                     hits += [(int(a), frame.scalar_names[b], None, float(S[a, b]))
-                             for a, b in zip(r[: self.max_listed], c[: self.max_listed])]
+                             for a, b in zip(r, c)]
         L = frame.layers
         if L.size and not np.abs(L).max() < self.limit:  # NaN fails the comparison: look closer
             with np.errstate(invalid="ignore"):
@@ -71,27 +79,43 @@ class NonFiniteDetector:
             if bad.any():
                 r, m, l = np.nonzero(bad)
                 n_bad += r.size
+                local_ranks.update(np.unique(r).tolist())
                 hits += [(int(a), frame.layer_names[b], int(c), float(L[a, b, c]))
-                         for a, b, c in zip(r[: self.max_listed], m[: self.max_listed], l[: self.max_listed])]
+                         for a, b, c in zip(r, m, l)]
         if not hits:
             return []
         self._seen += 1
-        ranks = tuple(sorted({h[0] for h in hits}))
-        # name the layer-level hit first: it localises better than a loss that is NaN everywhere
-        first = min(hits, key=lambda h: (h[2] is None, h[0]))
+        # A value that is bad in a rank's own numbers (its loss, its local gradient, its layers)
+        # names that rank. The all-reduced values (global gradient norm, global loss, the cosine
+        # with the global gradient) go bad on every rank at once when one rank poisons the
+        # all-reduce: they are a consequence, and blame a rank only when nothing local is bad.
+        culprits = local_ranks if local_ranks else set()
+        ranks = tuple(sorted(culprits))
+        own = [h for h in hits if h[0] in culprits] or hits
+        # name the layer-level hit first: it localises better than a loss
+        first = min(own, key=lambda h: (h[2] is None, h[0]))
         rank, metric, layer, value = first
         where = f"{metric}" + (f" layer {layer}" if layer is not None else "")
-        host = frame.hosts[rank] if frame.world > 1 and frame.hosts[rank] else ""
-        on = f"rank {rank}" + (f" (host {host})" if host else "") if frame.world > 1 else "the run"
-        more = f" and {len(ranks) - 1} more rank(s)" if len(ranks) > 1 else ""
-        msg = f"non-finite value at step {frame.step}: {where} = {value:.4g} on {on}{more}"
+        if frame.world > 1 and ranks:
+            host = frame.hosts[rank] if frame.hosts[rank] else ""
+            on = f"rank {rank}" + (f" (host {host})" if host else "")
+            more = f" and {len(ranks) - 1} more rank(s)" if len(ranks) > 1 else ""
+            spread = (f"; the all-reduced values of {len(global_ranks - culprits)} other rank(s) followed"
+                      if global_ranks - culprits else "")
+        elif frame.world > 1:
+            on, more, spread = "the all-reduced values of every rank (not localised)", "", ""
+        else:
+            on, more, spread = "the run", "", ""
+        msg = f"non-finite value at step {frame.step}: {where} = {value:.4g} on {on}{more}{spread}"
+        listed = own[: self.max_listed]
         return [Finding(
             detector=self.name, kind="nonfinite", severity=Severity.CRITICAL, run=frame.run,
             step=frame.step, score=float(n_bad), message=msg,
             ranks=ranks if frame.world > 1 else (), hosts=tuple(sorted({frame.hosts[r] for r in ranks} - {""})),
             metric=metric, layer=layer,
-            evidence={"values_bad": n_bad, "hits": [
-                {"rank": h[0], "metric": h[1], "layer": h[2], "value": h[3]} for h in hits[: self.max_listed]]},
+            evidence={"values_bad": n_bad, "ranks_with_own_bad_values": sorted(culprits),
+                      "ranks_with_bad_all_reduced_values": sorted(global_ranks),
+                      "hits": [{"rank": h[0], "metric": h[1], "layer": h[2], "value": h[3]} for h in listed]},
         )]
 
     def snapshot(self) -> dict[str, Any]:

@@ -54,6 +54,25 @@ def test_nonfinite_counts_the_ranks_own_counter_and_ignores_large_finite_bookkee
     assert f.ranks == (2,) and f.metric == "nonfinite"
 
 
+def test_nonfinite_blames_the_rank_with_its_own_bad_values_not_the_all_reduced_ones():
+    # rank 3 computed a NaN; the all-reduce spread it into every rank's global values
+    frame = SyntheticRun(seed=4).frame(7)
+    for name in ("grad_norm_global", "grad_cosine"):
+        frame.scalars[:, frame.scalar_names.index(name)] = math.nan
+    frame.scalars[3, frame.scalar_names.index("grad_norm_local")] = math.nan
+    (f,) = NonFiniteDetector().update(frame)
+    assert f.ranks == (3,) and f.metric == "grad_norm_local"
+    assert f.evidence["ranks_with_bad_all_reduced_values"] == list(range(8))
+    assert "rank 3" in f.message and "7 other rank(s) followed" in f.message
+
+
+def test_nonfinite_only_in_all_reduced_values_is_not_blamed_on_a_rank():
+    frame = SyntheticRun(seed=4).frame(7)
+    frame.scalars[:, frame.scalar_names.index("grad_norm_global")] = math.inf
+    (f,) = NonFiniteDetector().update(frame)
+    assert f.ranks == () and "not localised" in f.message
+
+
 def test_nonfinite_just_below_the_limit_is_fine():
     frame = SyntheticRun(seed=4).frame(3)
     frame.layers[0, 0, 0] = 9.9e9
