@@ -1,7 +1,7 @@
 """Slow and missing ranks: step time far above the others' persistently, and ranks that stop reporting.
 
-A straggler is a rank whose step time stays well above the cross-rank median (an EWMA of the
-clipped log ratio, so one slow step is nothing); a missing rank is one absent from many consecutive
+A straggler is a rank whose step time stays well above the cross-rank median (the median of its
+ratio over a window of steps, so a few slow steps are nothing); a missing rank is one absent from many consecutive
 closed steps (a dead process or host).
 """
 
@@ -21,20 +21,28 @@ __all__ = ["StragglerDetector", "MissingRankDetector"]
 
 @register
 class StragglerDetector:
-    """``straggler`` (warning) for a rank persistently ``min_ratio`` times slower than the median."""
+    """``straggler`` (warning) for a rank persistently ``min_ratio`` times slower than the median.
+
+    Each step, every rank's step time is divided by the median rank's; a rank is a straggler when
+    the median of that ratio over the last ``window`` steps is at least ``min_ratio``: more than
+    half of its recent steps were slow. A median, not an average, so that a few very slow steps
+    (a checkpoint save, a garbage collection, a noisy neighbour) are not a straggler.
+    """
 
     name = "straggler"
     fault = "straggler"
 
-    def __init__(self, min_ratio: float = 1.5, alpha: float = 0.1, warmup: int = 10, min_world: int = 3) -> None:
-        check_positive("straggler", min_ratio=min_ratio, alpha=alpha, warmup=warmup, min_world=min_world)
-        self.min_ratio, self.alpha, self.warmup, self.min_world = min_ratio, alpha, int(warmup), int(min_world)
-        self._ewma: np.ndarray | None = None
+    def __init__(self, min_ratio: float = 1.5, window: int = 20, min_world: int = 3) -> None:
+        check_positive("straggler", min_ratio=min_ratio, window=window, min_world=min_world)
+        if min_ratio <= 1:
+            raise ValueError(f"straggler.min_ratio: must be > 1, got {min_ratio!r}")
+        self.min_ratio, self.window, self.min_world = float(min_ratio), int(window), int(min_world)
+        self._ratios: np.ndarray | None = None  # (window, world) log ratios, a ring
         self._steps = 0
 
     @property
     def warmup_steps(self) -> int:
-        return self.warmup
+        return self.window
 
     def update(self, frame: StepFrame) -> list[Finding]:
         if frame.world < self.min_world:
@@ -45,40 +53,40 @@ class StragglerDetector:
         ok = np.isfinite(t) & (t > 0) & frame.present
         if ok.sum() < self.min_world:
             return []
-        if self._ewma is None or self._ewma.shape[0] != frame.world:
-            self._ewma = np.zeros(frame.world)
+        if self._ratios is None or self._ratios.shape[1] != frame.world:
+            self._ratios = np.zeros((self.window, frame.world))
             self._steps = 0
         med = np.median(t[ok])
         with np.errstate(all="ignore"):
             lr = np.where(ok, np.log(np.where(ok, t, 1.0) / med), 0.0)
-        # clip: one step 100x slow (a checkpoint save) moves the average by at most alpha*log(4)
-        lr = np.clip(lr, -math.log(4), math.log(4))
-        self._ewma += self.alpha * (lr - self._ewma)
+        self._ratios[self._steps % self.window] = lr
         self._steps += 1
-        if self._steps <= self.warmup:
+        if self._steps <= self.window:  # warm-up: the window fills, then one more step
             return []
-        slow = np.flatnonzero(self._ewma >= math.log(self.min_ratio))
+        typical = np.median(self._ratios, axis=0)
+        slow = np.flatnonzero(typical >= math.log(self.min_ratio))
         if slow.size == 0 or slow.size > max(1, frame.world // 4):
             return []
         out = []
-        for r in slow[np.argsort(-self._ewma[slow])][:8]:
+        for r in slow[np.argsort(-typical[slow])][:8]:
             r = int(r)
-            ratio = float(t[r] / med) if ok[r] else math.exp(self._ewma[r])
+            ratio = float(math.exp(typical[r]))
             host = frame.hosts[r]
             out.append(Finding(
                 detector=self.name, kind="straggler", severity=Severity.WARNING, run=frame.run, step=frame.step,
                 score=ratio, metric="step_time", ranks=(r,), hosts=(host,) if host else (),
                 message=f"straggler: rank {r}" + (f" (host {host})" if host else "") +
-                        f" persistently slow: step {ratio:.2f}x the median rank's",
-                evidence={"ratio": ratio, "ratio_average": math.exp(self._ewma[r]), "step_time": float(t[r]), "median_step_time": float(med)},
+                        f" persistently slow: typical step {ratio:.2f}x the median rank's over {self.window} steps",
+                evidence={"ratio_typical": ratio, "ratio_now": float(t[r] / med) if ok[r] else None,
+                          "step_time": float(t[r]), "median_step_time": float(med)},
             ))
         return out
 
     def snapshot(self) -> dict[str, Any]:
-        return {"ewma": None if self._ewma is None else encode_array(self._ewma), "steps": self._steps}
+        return {"ratios": None if self._ratios is None else encode_array(self._ratios), "steps": self._steps}
 
     def restore(self, state: dict[str, Any]) -> None:
-        self._ewma = None if state["ewma"] is None else decode_array(state["ewma"])
+        self._ratios = None if state["ratios"] is None else decode_array(state["ratios"])
         self._steps = int(state["steps"])
 
 

@@ -223,7 +223,20 @@ def test_one_slow_step_is_no_straggler_but_a_persistently_slow_rank_is():
     assert det.update(fr) == []
     slow = SyntheticRun(seed=9, faults=[Fault("straggler", 21, rank=4)])
     found = feed(det, slow, range(21, 60))
-    assert found and {f.ranks for f in found} == {(4,)} and found[0].evidence["ratio"] > 2
+    assert found and {f.ranks for f in found} == {(4,)} and found[0].evidence["ratio_now"] > 2
+    assert found[0].evidence["ratio_typical"] >= 1.5
+    assert found[0].step - 21 <= StragglerDetector().window  # named once most of its window is slow
+
+
+def test_a_rank_slower_now_and_then_is_no_straggler():
+    # rank 0 slow on every third step (a periodic side task): its typical step is normal
+    synth = SyntheticRun(seed=9)
+    det = StragglerDetector()
+    for s in range(200):
+        fr = synth.frame(s)
+        if s % 3 == 0:
+            fr.scalars[0, fr.scalar_names.index("step_time")] *= 10
+        assert det.update(fr) == []
 
 
 def test_missing_rank_after_consecutive_absent_steps():
