@@ -55,7 +55,8 @@ class NonFiniteDetector:
         hits: list[tuple[int, str, int | None, float]] = []  # (rank, metric, layer, value)
         n_bad = 0
         local_ranks: set[int] = set()  # ranks with a bad value of their own
-        global_ranks: set[int] = set()  # ranks whose only bad values are all-reduced ones
+        counted_ranks: set[int] = set()  # ranks whose own non-finite counter is set
+        global_ranks: set[int] = set()  # ranks with bad all-reduced values
         S = frame.scalars
         if S.size:
             values, counters, is_global = self._columns(frame.scalar_names)
@@ -64,9 +65,11 @@ class NonFiniteDetector:
                 calm = np.abs(S).max() < self.limit and not (counters.any() and (S[:, counters] > 0).any())
                 if not calm:
                     bad = ~(np.abs(S) < self.limit) & frame.sent_scalars() & values[None, :]
-                    if counters.any():
-                        bad |= (S > 0) & counters[None, :]
                     local_ranks.update(np.nonzero((bad & ~is_global[None, :]).any(axis=1))[0].tolist())
+                    if counters.any():
+                        counted = (S > 0) & counters[None, :]
+                        counted_ranks.update(np.nonzero(counted.any(axis=1))[0].tolist())
+                        bad |= counted
                     global_ranks.update(np.nonzero((bad & is_global[None, :]).any(axis=1))[0].tolist())
                     r, c = np.nonzero(bad)
                     n_bad += r.size
@@ -88,8 +91,10 @@ class NonFiniteDetector:
         # A value that is bad in a rank's own numbers (its loss, its local gradient, its layers)
         # names that rank. The all-reduced values (global gradient norm, global loss, the cosine
         # with the global gradient) go bad on every rank at once when one rank poisons the
-        # all-reduce: they are a consequence, and blame a rank only when nothing local is bad.
-        culprits = local_ranks if local_ranks else set()
+        # all-reduce: they are a consequence and never blame a rank. A rank's non-finite counter
+        # counts the all-reduced gradient too, so it names ranks only when no rank has a bad value
+        # of its own (a NaN the probes saw inside an activation that reached nothing else).
+        culprits = local_ranks or counted_ranks
         ranks = tuple(sorted(culprits))
         own = [h for h in hits if h[0] in culprits] or hits
         # name the layer-level hit first: it localises better than a loss

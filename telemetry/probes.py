@@ -70,7 +70,7 @@ class ProbeConfig:
 
     every: int = 1
     """Emit a record every this many steps (loss, gradient norms and cosine, step time...)."""
-    attention_every: int = 8
+    attention_every: int = 16
     """Measure attention on every this-many-th recorded step (other records carry no layers)."""
     fingerprint_every: int = 50
     """Fingerprint the parameters and the all-reduced gradient every this many steps."""
@@ -196,7 +196,8 @@ class Watch:
         self._reset()
         self._discover_attention(model)
         self._group = None
-        if ddp is not None and not external:
+        self._ddp = ddp is not None and not external
+        if self._ddp:
             self._group = getattr(ddp, "process_group", None)
             ddp.register_comm_hook(self, _comm_hook)
         elif optimizer is not None and not external:
@@ -364,7 +365,7 @@ class Watch:
             self._reset()
             self._handoff()
             return
-        if not self._external and self._group is None and not self._grads_seen:
+        if not self._external and not self._ddp and not self._grads_seen:
             self._local_gradients()
         if self._buckets:
             self._reduce_buckets()

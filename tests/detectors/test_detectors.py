@@ -60,6 +60,7 @@ def test_nonfinite_blames_the_rank_with_its_own_bad_values_not_the_all_reduced_o
     for name in ("grad_norm_global", "grad_cosine"):
         frame.scalars[:, frame.scalar_names.index(name)] = math.nan
     frame.scalars[3, frame.scalar_names.index("grad_norm_local")] = math.nan
+    frame.scalars[:, frame.scalar_names.index("nonfinite")] = 2  # the probes also saw the global gradient
     (f,) = NonFiniteDetector().update(frame)
     assert f.ranks == (3,) and f.metric == "grad_norm_local"
     assert f.evidence["ranks_with_bad_all_reduced_values"] == list(range(8))
