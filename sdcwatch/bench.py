@@ -77,7 +77,7 @@ def _campaign_parser() -> argparse.ArgumentParser:
         "clean twin; score sdcwatch and the baselines (Megatron-LM rules, ZClip, NaN check, river HalfSpaceTrees)."))
     ap.add_argument("--faults", help="faults file in the injector's JSON format (array or JSON lines), one trial "
                                      "per fault; steps count from the checkpoint (0 = first branch step)")
-    ap.add_argument("--trials", type=int, help="trials from the seeded generator (default 39: 3 per class)")
+    ap.add_argument("--trials", type=int, help="trials from the seeded generator (default 169: 13 per class, 10,140 clean twin steps)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the model, data and generator (default 0)")
     ap.add_argument("--ranks", type=int, help="simulated data-parallel ranks (default 8)")
     ap.add_argument("--steps", type=int, nargs=2, metavar=("PRETRAIN", "BRANCH"),

@@ -24,7 +24,7 @@ import time
 import warnings
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import numpy
 import torch
@@ -107,6 +107,9 @@ def observe_attention(layer: nn.Module, q: torch.Tensor, k: torch.Tensor, *, log
     given, so a corrupted score GEMM shows; otherwise sampled logits are recomputed from q and k.
     Costs one dictionary look-up when no watch is attached.
     """
+    if not isinstance(layer, nn.Module):
+        raise TypeError(f"observe_attention() takes the attention module, got {type(layer).__name__}; "
+                        "use watch.observe_attention(index, q, k) for a layer index")
     entries = _ATTENTION.get(layer)
     if entries:
         for watch, index in entries:

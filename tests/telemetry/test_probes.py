@@ -217,3 +217,28 @@ def test_importing_telemetry_does_not_import_torch():
     code = "import sys, sdcwatch.telemetry as t; t.FINGERPRINTS; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
+
+
+def test_explicit_observe_attention_for_a_custom_layer():
+    from sdcwatch.telemetry.probes import observe_attention
+
+    class MyAttention(torch.nn.Module):
+        def forward(self, x):
+            q = k = x.view(x.shape[0], x.shape[1], 2, 4).transpose(1, 2)
+            observe_attention(self, q, k)
+            return x
+
+    model = torch.nn.Sequential(MyAttention(), MyAttention())
+    rec = Recorder()
+    watch = attach(model, rec, attention="0,1", attention_every=1)
+    x = torch.randn(2, 10, 8)
+    model(x)
+    watch.step(0, loss=torch.tensor(0.5))
+    watch.close()
+    q = x.view(2, 10, 2, 4).transpose(1, 2)
+    layers = rec.records[0]["layers"]
+    assert len(layers["q_norm_max"]) == 2
+    assert layers["q_norm_max"][1] == pytest.approx(float(q.norm(dim=-1).max()), rel=1e-6)
+    assert layers["attn_entropy"][0] == pytest.approx(float(attention_stats(q, q)[0]), rel=1e-6)
+    with pytest.raises(TypeError, match="attention module"):
+        observe_attention(3, q, q)
