@@ -94,6 +94,8 @@ class MemorySource:
         self.records += len(out)
         return out
 
+    assigned = True  # an in-memory topic needs no group join
+
     def commit(self) -> None:
         self._committed = self._offset
 
@@ -186,6 +188,11 @@ class KafkaSource:
                     log.warning("could not dead-letter %s: %s", origin, exc)
         self.records += len(out)
         return out
+
+    @property
+    def assigned(self) -> bool:
+        """Whether this member has joined its group and owns partitions (records can flow)."""
+        return bool(self._consumer.assignment())
 
     def commit(self) -> None:
         """Commit everything returned by ``poll`` so far (call after processing it)."""

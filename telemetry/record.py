@@ -267,7 +267,70 @@ class _Reader:
         name = self.string(f"{group} name", False)
         if name not in _GOOD_NAMES:
             _check_name(f"{group} name", name)
+        if len(_NAMES) < 4096:
+            _NAMES[name.encode()] = name
         return name
+
+
+_NAMES: dict[bytes, str] = {}  # encoded metric name -> name, for names already validated
+_HEAD_SIZE = _HEAD.size
+_f64_from = _F64.unpack_from
+_u64_from = _U64S.unpack_from
+
+
+def _decode_fast(buf: bytes, pos: int, end: int) -> Record | None:
+    """Decode the record in ``buf[pos:end]`` on the common path, or return None.
+
+    The service decodes every record of every rank, so this is the hot path of ingest: offsets
+    instead of views, names looked up among those seen before. Anything unusual (a new name, a
+    bad length, invalid UTF-8, a value out of range) returns None, and :func:`decode` then takes
+    the careful path, which names the field that is wrong.
+    """
+    try:
+        if buf[pos : pos + 4] != MAGIC or buf[pos + 4] != VERSION:
+            return None
+        _, _, step, rank, world, local_rank, time = _HEAD.unpack_from(buf, pos)
+        p = pos + _HEAD_SIZE
+        n = buf[p] | buf[p + 1] << 8
+        p += 2
+        run = buf[p : p + n].decode()
+        p += n
+        n = buf[p] | buf[p + 1] << 8
+        p += 2
+        host = buf[p : p + n].decode()
+        p += n
+        names = _NAMES
+        scalars: dict[str, float] = {}
+        count = buf[p]
+        p += 1
+        for _ in range(count):
+            k = buf[p]
+            name = names[buf[p + 1 : p + 1 + k]]
+            scalars[name] = _f64_from(buf, p + 1 + k)[0]
+            p += 9 + k
+        fps: dict[str, int] = {}
+        count = buf[p]
+        p += 1
+        for _ in range(count):
+            k = buf[p]
+            name = names[buf[p + 1 : p + 1 + k]]
+            fps[name] = _u64_from(buf, p + 1 + k)[0]
+            p += 9 + k
+        layers: dict[str, tuple[float, ...]] = {}
+        count = buf[p]
+        p += 1
+        for _ in range(count):
+            k = buf[p]
+            name = names[buf[p + 1 : p + 1 + k]]
+            p += 1 + k
+            n = buf[p] | buf[p + 1] << 8
+            layers[name] = _f32s(n).unpack_from(buf, p + 2)
+            p += 2 + 4 * n
+    except (IndexError, KeyError, struct.error, UnicodeDecodeError):
+        return None
+    if p != end or not run or world < 1 or rank >= world or not math.isfinite(time):
+        return None
+    return Record(run, step, rank, world, host, time, local_rank, scalars, fps, layers)
 
 
 def decode(data: bytes | bytearray | memoryview) -> Record:
@@ -275,6 +338,12 @@ def decode(data: bytes | bytearray | memoryview) -> Record:
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise RecordError("record", f"expected bytes, got {type(data).__name__}")
     buf = bytes(data)
+    rec = _decode_fast(buf, 0, len(buf))
+    return rec if rec is not None else _decode_careful(buf)
+
+
+def _decode_careful(buf: bytes) -> Record:
+    """Decode step by step, raising RecordError that names the first bad field."""
     if len(buf) < 5:
         raise RecordError("magic", f"record too short ({len(buf)} bytes)")
     if buf[:4] != MAGIC:
@@ -346,7 +415,8 @@ def decode_message(data: bytes | bytearray | memoryview) -> list[Record]:
         pos += 4
         if pos + n > len(buf):
             raise RecordError("batch", f"truncated: record {i} of {count} needs {n} bytes, {len(buf) - pos} left")
-        out.append(decode(buf[pos : pos + n]))
+        rec = _decode_fast(buf, pos, pos + n)
+        out.append(rec if rec is not None else _decode_careful(buf[pos : pos + n]))
         pos += n
     if pos != len(buf):
         raise RecordError("batch", f"{len(buf) - pos} trailing bytes after {count} records")
