@@ -176,7 +176,7 @@ class Watch:
     """Probes attached to one model replica (one rank). Build with :func:`attach`."""
 
     def __init__(self, model: nn.Module, emitter: Any, *, optimizer: Any = None, ddp: Any = None,
-                 config: ProbeConfig | None = None, external: bool = False) -> None:
+                 config: ProbeConfig | None = None, external: bool = False, background: bool = True) -> None:
         if not callable(getattr(emitter, "emit", None)):
             raise ConfigError("probes.emitter", f"needs an object with an emit() method, got {type(emitter).__name__}")
         self.model = model
@@ -195,6 +195,7 @@ class Watch:
         self._pending: tuple | None = None
         self._outbox: queue.Queue = queue.Queue()
         self._sender: threading.Thread | None = None
+        self._background = background  # False: records are built on the caller's thread (simulation)
         self._closed = False
         self._reset()
         self._discover_attention(model)
@@ -443,6 +444,9 @@ class Watch:
         """
         pending, self._pending = self._pending, None
         if pending is None:
+            return
+        if not self._background:
+            self._emit_pending(pending)
             return
         if self._sender is None:
             self._sender = threading.Thread(target=self._send_loop, name="sdcwatch-probes", daemon=True)

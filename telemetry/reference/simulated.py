@@ -63,6 +63,7 @@ class SimulatedRun:
         batch_size: int = 8,
         lr: float = 3e-3,
         clip: float | None = 1.0,
+        skip_nonfinite: bool = False,
         probes: ProbeConfig | None = None,
         corpus: Corpus | None = None,
     ) -> None:
@@ -77,6 +78,11 @@ class SimulatedRun:
         self.batch_size = batch_size
         self.lr = float(lr)
         self.clip = clip
+        self.skip_nonfinite = bool(skip_nonfinite)
+        """Skip the optimizer step when the all-reduced gradient is not finite, as Megatron-LM and
+        fp16 loss scalers do; otherwise one NaN poisons every replica at the next step."""
+        self.skipped: list[int] = []
+        """Steps whose update was skipped (``skip_nonfinite``)."""
         self.hosts = self._host_names(hosts, ranks_per_host)
         self.config = model or GPTConfig()
         self.corpus = corpus or shared_corpus()
@@ -95,7 +101,10 @@ class SimulatedRun:
         self.emitters = [factory(r, host=self.hosts[r]) if takes_host else factory(r) for r in range(world)]
         # a demo and test instrument: attention on every step, fingerprints every 10 (cost is not the point)
         probe_config = probes or ProbeConfig(attention_every=1, fingerprint_every=10)
-        self.watches = [Watch(self.model, e, config=probe_config, external=True) for e in self.emitters]
+        # records are built on this thread: sender threads would run during the next rank's pass and
+        # bias its measured step time (rank 0 would look like a straggler)
+        self.watches = [Watch(self.model, e, config=probe_config, external=True, background=False)
+                        for e in self.emitters]
         self.step = 0
         """The next step to run."""
         self._deltas: dict[int, list[torch.Tensor | None]] = {}
@@ -164,10 +173,14 @@ class SimulatedRun:
         s = self.step
         inj = self.injector
         inj.step = s
-        losses = []
-        times = []
-        for r in range(self.world):
-            t0 = time.perf_counter()
+        losses: list[torch.Tensor | None] = [None] * self.world
+        times = [0.0] * self.world
+        # Ranks run one after the other here; a fixed order would give the first one every step the
+        # cold caches after the optimizer step (it would look like a straggler). A per-step
+        # shuffle spreads that over all ranks; CPU time of this thread ignores other processes.
+        order = torch.randperm(self.world, generator=torch.Generator().manual_seed(self.seed * 7919 + s)).tolist()
+        for r in order:
+            t0 = time.thread_time()
             inj.rank = r
             for i, w in enumerate(self.watches):
                 w.enabled = i == r
@@ -183,12 +196,12 @@ class SimulatedRun:
                 loss.backward()
             torch.cat([p.grad.reshape(-1) if p.grad is not None else torch.zeros(n)
                        for p, n in zip(self.params, self._sizes)], out=self._grads[r])
-            losses.append(loss.detach())
-            times.append(time.perf_counter() - t0)
+            losses[r] = loss.detach()
+            times[r] = time.thread_time() - t0
         for w in self.watches:
             w.enabled = True
 
-        t0 = time.perf_counter()
+        t0 = time.thread_time()
         g_all = self._grads
         g = g_all.mean(0)  # the all-reduce (average)
         local_sq = (g_all * g_all).sum(1)
@@ -211,7 +224,10 @@ class SimulatedRun:
         before = [p.detach().clone() for p in self.params] if any(f != common for f in factors) else None
         for group in self.optimizer.param_groups:
             group["lr"] = self.lr * common
-        self.optimizer.step()
+        if self.skip_nonfinite and not bool(torch.isfinite(global_sq)):
+            self.skipped.append(s)
+        else:
+            self.optimizer.step()
         for group in self.optimizer.param_groups:
             group["lr"] = self.lr
         if before is not None:  # a rank with its own learning rate drifts from the shared update
@@ -221,7 +237,7 @@ class SimulatedRun:
                         for i, (p, b) in enumerate(zip(self.params, before)):
                             self._add_delta(r, i, (p.detach() - b) * (f / common - 1.0))
         fps = self._param_fingerprints(s)
-        shared = time.perf_counter() - t0
+        shared = time.thread_time() - t0
         loss_global = torch.stack(losses).mean()
         for r, w in enumerate(self.watches):
             w.observe_gradients(local_sq=local_sq[r], global_sq=global_sq, dot=dot[r], grad_fp=grad_fp)

@@ -180,3 +180,14 @@ def test_bad_settings_are_config_errors():
     with pytest.raises(ConfigError, match="simulated.hosts"):
         _run(world=2, hosts=["a"])
     assert math.isfinite(_run(world=1).train(1)[0])
+
+
+def test_skip_nonfinite_keeps_replicas_finite_after_a_nan():
+    fault = FaultSpec(kind="nan", rank=1, step=2, target="blocks.1.attn.scores")
+    poisoned, guarded = _run(faults=[fault]), _run(faults=[fault], skip_nonfinite=True)
+    for run in (poisoned, guarded):
+        run.train(4)
+        run.close()
+    assert guarded.skipped == [2] and poisoned.skipped == []
+    assert math.isnan(guarded.history[2]) and math.isfinite(guarded.history[3])
+    assert math.isnan(poisoned.history[3])  # the NaN update reached every replica
