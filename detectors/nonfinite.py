@@ -37,6 +37,12 @@ class NonFiniteDetector:
         self.limit = float(limit)
         self.max_listed = int(max_listed)
         self._seen = 0  # steps with a non-finite value so far
+        # the ranks blamed when the current non-finite streak began, and the streak's last step:
+        # one step after a rank's NaN reaches the all-reduce, every replica's parameters are NaN
+        # and every rank reports its own NaN; the streak keeps naming the rank it started on
+        self._origin: tuple[int, ...] | None = None
+        self._origin_step: int | None = None
+        self._last_bad: int | None = None
         self._masks: dict[tuple[str, ...], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
 
     def _columns(self, names: tuple[str, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -86,6 +92,7 @@ class NonFiniteDetector:
                 hits += [(int(a), frame.layer_names[b], int(c), float(L[a, b, c]))
                          for a, b, c in zip(r, m, l)]
         if not hits:
+            self._origin = None
             return []
         self._seen += 1
         # A value that is bad in a rank's own numbers (its loss, its local gradient, its layers)
@@ -95,6 +102,13 @@ class NonFiniteDetector:
         # counts the all-reduced gradient too, so it names ranks only when no rank has a bad value
         # of its own (a NaN the probes saw inside an activation that reached nothing else).
         culprits = local_ranks or counted_ranks
+        streak = (self._origin is not None and self._last_bad is not None
+                  and 0 < frame.step - self._last_bad <= 1)
+        self._last_bad = frame.step
+        if streak:
+            culprits = set(self._origin)
+        else:
+            self._origin, self._origin_step = tuple(sorted(culprits)), frame.step
         ranks = tuple(sorted(culprits))
         own = [h for h in hits if h[0] in culprits] or hits
         # name the layer-level hit first: it localises better than a loss
@@ -111,7 +125,11 @@ class NonFiniteDetector:
             on, more, spread = "the all-reduced values of every rank (not localised)", "", ""
         else:
             on, more, spread = "the run", "", ""
-        msg = f"non-finite value at step {frame.step}: {where} = {value:.4g} on {on}{more}{spread}"
+        if streak:
+            msg = (f"non-finite values since step {self._origin_step}, which began on {on}{more}; "
+                   f"still non-finite at step {frame.step}")
+        else:
+            msg = f"non-finite value at step {frame.step}: {where} = {value:.4g} on {on}{more}{spread}"
         listed = own[: self.max_listed]
         return [Finding(
             detector=self.name, kind="nonfinite", severity=Severity.CRITICAL, run=frame.run,
@@ -124,7 +142,11 @@ class NonFiniteDetector:
         )]
 
     def snapshot(self) -> dict[str, Any]:
-        return {"seen": self._seen}
+        return {"seen": self._seen, "origin": None if self._origin is None else list(self._origin),
+                "origin_step": self._origin_step, "last_bad": self._last_bad}
 
     def restore(self, state: dict[str, Any]) -> None:
         self._seen = int(state["seen"])
+        self._origin = None if state.get("origin") is None else tuple(int(r) for r in state["origin"])
+        self._origin_step = state.get("origin_step")
+        self._last_bad = state.get("last_bad")

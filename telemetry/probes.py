@@ -86,10 +86,16 @@ class ProbeConfig:
     attention: str = "auto"
     """Which modules are attention layers: "auto" (the reference model's and
     ``nn.MultiheadAttention``), "none", or a comma-separated list of module-name globs."""
+    canary_every: int = 0
+    """Run a fixed canary input through the model every this many steps and fingerprint the
+    output (``canary_fp``); 0 = off. Replicas hold the same parameters, so their canary outputs
+    must be bit-identical: a rank whose compute is faulty stands out in the replica vote even when
+    the fault is far too small to move any statistic (an unhealthy node). Needs ``canary_input``
+    and replicas of one hardware type (kernels must be deterministic across them)."""
 
     def __post_init__(self) -> None:
         for key, lo in (("every", 1), ("attention_every", 1), ("fingerprint_every", 1), ("heads", 0), ("queries", 1),
-                        ("sequences", 0)):
+                        ("sequences", 0), ("canary_every", 0)):
             v = getattr(self, key)
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise ConfigError(f"probes.{key}", f"must be an integer >= {lo}, got {v!r}")
@@ -111,10 +117,42 @@ def observe_attention(layer: nn.Module, q: torch.Tensor, k: torch.Tensor, *, log
         raise TypeError(f"observe_attention() takes the attention module, got {type(layer).__name__}; "
                         "use watch.observe_attention(index, q, k) for a layer index")
     entries = _ATTENTION.get(layer)
-    if entries:
+    if entries and not getattr(_CANARY, "active", False):
         for watch, index in entries:
             if watch.enabled:
                 watch.observe_attention(index, q, k, logits=logits, causal=causal)
+
+
+_CANARY = threading.local()  # set while a canary forward runs: its attention is not the step's
+
+
+def canary_fingerprint(model: nn.Module, inputs: Any) -> torch.Tensor:
+    """Raw device fingerprint of ``model(inputs)``, run without gradients, in eval mode.
+
+    The canary check: every data-parallel replica runs the same fixed input through the same
+    parameters, so the outputs must agree bit for bit; one that does not points at that rank's
+    hardware. The probes do not record this forward pass (its attention is not the step's).
+    """
+    was_training = model.training
+    _CANARY.active = True
+    try:
+        model.eval()
+        with torch.no_grad():
+            out = model(inputs)
+    finally:
+        model.train(was_training)
+        _CANARY.active = False
+    tensor = out if isinstance(out, torch.Tensor) else _first_tensor_of(out)
+    return fp.fingerprint_device([tensor])
+
+
+def _first_tensor_of(out: Any) -> torch.Tensor:
+    if isinstance(out, dict):
+        out = list(out.values())
+    for item in out if isinstance(out, (list, tuple)) else [out]:
+        if isinstance(item, torch.Tensor):
+            return item
+    raise TypeError(f"the canary forward returned no tensor ({type(out).__name__})")
 
 
 def sampled_heads(heads: int, n_head: int) -> slice:
@@ -176,13 +214,17 @@ class Watch:
     """Probes attached to one model replica (one rank). Build with :func:`attach`."""
 
     def __init__(self, model: nn.Module, emitter: Any, *, optimizer: Any = None, ddp: Any = None,
-                 config: ProbeConfig | None = None, external: bool = False, background: bool = True) -> None:
+                 config: ProbeConfig | None = None, external: bool = False, background: bool = True,
+                 canary_input: Any = None) -> None:
         if not callable(getattr(emitter, "emit", None)):
             raise ConfigError("probes.emitter", f"needs an object with an emit() method, got {type(emitter).__name__}")
         self.model = model
         self.emitter = emitter
         self.optimizer = optimizer
         self.config = config or ProbeConfig()
+        self.canary_input = canary_input
+        if self.config.canary_every and canary_input is None and not external:
+            raise ConfigError("probes.canary_every", "needs canary_input= (a fixed input for the model)")
         self.enabled = True
         self.errors = 0
         """Failures while building or emitting a record (they never reach the training loop)."""
@@ -375,6 +417,9 @@ class Watch:
             self._reduce_buckets()
         if not self._external and step % self.config.fingerprint_every == 0 and self._params:
             self._fps["param_fp"] = fp.flat_fingerprint_device(self._params)
+        if (not self._external and self.canary_input is not None and self.config.canary_every
+                and step % self.config.canary_every == 0):
+            self._fps["canary_fp"] = canary_fingerprint(self.model, self.canary_input)
         host: dict[str, float] = dict(self._host_scalars)
         if step_time is None and self._last_time is not None:
             step_time = now - self._last_time
@@ -592,13 +637,14 @@ def _mha_project(m: nn.MultiheadAttention, query: torch.Tensor, key: torch.Tenso
 
 
 def attach(model: nn.Module, emitter: Any, *, optimizer: Any = None, ddp: Any = None, every: int = 1,
-           config: ProbeConfig | None = None, **settings: Any) -> Watch:
+           config: ProbeConfig | None = None, canary_input: Any = None, **settings: Any) -> Watch:
     """Attach probes to ``model`` (and its optimizer, and its DDP wrapper) reporting to ``emitter``.
 
     ``settings`` are :class:`ProbeConfig` fields (``every``, ``attention_every``, ``heads``...);
     an unknown one is a ConfigError. With ``ddp`` a communication hook is registered (before the
     first backward); without it the gradient statistics come from ``p.grad`` just before
-    ``optimizer.step()`` (or at ``watch.step()``): world size one.
+    ``optimizer.step()`` (or at ``watch.step()``): world size one. ``canary_input`` (a fixed
+    input, the same on every rank) with ``canary_every=N`` turns on the canary check.
     """
     known = set(ProbeConfig.__dataclass_fields__)
     unknown = sorted(set(settings) - known)
@@ -608,4 +654,4 @@ def attach(model: nn.Module, emitter: Any, *, optimizer: Any = None, ddp: Any = 
         config = ProbeConfig(every=every, **settings)
     if ddp is not None and model is ddp:
         model = ddp.module
-    return Watch(model, emitter, optimizer=optimizer, ddp=ddp, config=config)
+    return Watch(model, emitter, optimizer=optimizer, ddp=ddp, config=config, canary_input=canary_input)

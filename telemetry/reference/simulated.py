@@ -26,7 +26,7 @@ from sdcwatch.errors import ConfigError
 from sdcwatch.telemetry import fingerprint as fp
 from sdcwatch.telemetry.emitter import NullEmitter
 from sdcwatch.telemetry.faults import FaultInjector, FaultSpec
-from sdcwatch.telemetry.probes import ProbeConfig, Watch
+from sdcwatch.telemetry.probes import ProbeConfig, Watch, canary_fingerprint
 from sdcwatch.telemetry.reference.corpus import Corpus
 from sdcwatch.telemetry.reference.model import GPT, GPTConfig
 
@@ -100,11 +100,14 @@ class SimulatedRun:
         takes_host = "host" in inspect.signature(factory).parameters
         self.emitters = [factory(r, host=self.hosts[r]) if takes_host else factory(r) for r in range(world)]
         # a demo and test instrument: attention on every step, fingerprints every 10 (cost is not the point)
-        probe_config = probes or ProbeConfig(attention_every=1, fingerprint_every=10)
+        probe_config = probes or ProbeConfig(attention_every=1, fingerprint_every=10, canary_every=10)
         # records are built on this thread: sender threads would run during the next rank's pass and
         # bias its measured step time (rank 0 would look like a straggler)
         self.watches = [Watch(self.model, e, config=probe_config, external=True, background=False)
                         for e in self.emitters]
+        # the canary input: fixed, the same for every rank and every run (like a golden test vector)
+        self._canary = torch.randint(0, self.config.vocab, (2, self.config.seq_len),
+                                     generator=torch.Generator().manual_seed(0x5DC))
         self.step = 0
         """The next step to run."""
         self._deltas: dict[int, list[torch.Tensor | None]] = {}
@@ -237,18 +240,34 @@ class SimulatedRun:
                         for i, (p, b) in enumerate(zip(self.params, before)):
                             self._add_delta(r, i, (p.detach() - b) * (f / common - 1.0))
         fps = self._param_fingerprints(s)
+        canaries = self._canary_fingerprints(s, probe_cfg=cfg)
         shared = time.thread_time() - t0
         loss_global = torch.stack(losses).mean()
         for r, w in enumerate(self.watches):
             w.observe_gradients(local_sq=local_sq[r], global_sq=global_sq, dot=dot[r], grad_fp=grad_fp)
             if fps is not None:
                 w.observe_fingerprint("param_fp", fps[r])
+            if canaries is not None:
+                w.observe_fingerprint("canary_fp", canaries[r])
             w.step(s, loss=losses[r], loss_global=loss_global, step_time=times[r] + shared,
                    lr=self.lr * factors[r])
         self.step = s + 1
         value = float(loss_global)
         self.history.append(value)
         return value
+
+    def _canary_fingerprints(self, step: int, probe_cfg: ProbeConfig) -> list[torch.Tensor] | None:
+        """Each rank's canary fingerprint: the fixed canary input through its replica, with its
+        faults active (a faulty unit corrupts the canary as it corrupts training)."""
+        if not probe_cfg.canary_every or step % probe_cfg.canary_every:
+            return None
+        out = []
+        inj = self.injector
+        for r in range(self.world):
+            inj.rank = r
+            with self._replica(r):
+                out.append(canary_fingerprint(self.model, self._canary))
+        return out
 
     def _apply_param_faults(self, rank: int) -> None:
         """A ``where: "param"`` fault starting now on ``rank`` becomes that replica's delta."""

@@ -67,6 +67,25 @@ def test_nonfinite_blames_the_rank_with_its_own_bad_values_not_the_all_reduced_o
     assert "rank 3" in f.message and "7 other rank(s) followed" in f.message
 
 
+def test_a_nonfinite_streak_keeps_naming_the_rank_it_began_on():
+    synth = SyntheticRun(seed=4)
+    det = NonFiniteDetector()
+    first = synth.frame(7)
+    first.scalars[3, first.scalar_names.index("loss")] = math.nan
+    (f,) = det.update(first)
+    assert f.ranks == (3,)
+    # next step the NaN went through the all-reduce into every replica: all ranks are NaN now
+    nxt = synth.frame(8)
+    nxt.scalars[:, nxt.scalar_names.index("loss")] = math.nan
+    (g,) = det.update(nxt)
+    assert g.ranks == (3,) and "since step 7" in g.message
+    assert det.update(synth.frame(9)) == []  # the streak ends
+    later = synth.frame(10)
+    later.scalars[1, later.scalar_names.index("loss")] = math.inf
+    (h,) = det.update(later)
+    assert h.ranks == (1,)  # a new streak names its own rank
+
+
 def test_nonfinite_only_in_all_reduced_values_is_not_blamed_on_a_rank():
     frame = SyntheticRun(seed=4).frame(7)
     frame.scalars[:, frame.scalar_names.index("grad_norm_global")] = math.inf

@@ -242,3 +242,35 @@ def test_explicit_observe_attention_for_a_custom_layer():
     assert layers["attn_entropy"][0] == pytest.approx(float(attention_stats(q, q)[0]), rel=1e-6)
     with pytest.raises(TypeError, match="attention module"):
         observe_attention(3, q, q)
+
+
+def test_canary_fingerprints_the_model_output_on_the_fixed_input_without_recording_it():
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    canary = torch.randint(0, 256, (1, CFG.seq_len), generator=torch.Generator().manual_seed(9))
+    rec = Recorder()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    watch = attach(model, rec, optimizer=opt, canary_input=canary, canary_every=2, attention_every=1)
+    g = torch.Generator().manual_seed(3)
+    expected = {}
+    for step in range(4):
+        batch = torch.randint(0, 256, (2, CFG.seq_len + 1), generator=g)
+        opt.zero_grad()
+        model.loss(batch).backward()
+        opt.step()
+        with torch.no_grad():
+            expected[step] = fingerprint(model.eval()(canary))
+        model.train()
+        watch.step(step, loss=torch.tensor(1.0))
+    watch.close()
+    by_step = {r["step"]: r for r in rec.records}
+    assert by_step[0]["fingerprints"]["canary_fp"] == expected[0]
+    assert by_step[2]["fingerprints"]["canary_fp"] == expected[2]
+    assert by_step[1]["fingerprints"] is None or "canary_fp" not in by_step[1]["fingerprints"]
+    assert expected[0] != expected[2]  # the parameters moved: so did the canary output
+    assert model.training  # the canary restores the training mode
+
+
+def test_canary_without_an_input_is_a_config_error():
+    with pytest.raises(ConfigError, match="canary_every"):
+        attach(GPT(CFG), Recorder(), canary_every=10)

@@ -56,6 +56,26 @@ def test_corpus_is_stdlib_source_and_batches_are_a_function_of_seed_step_rank():
         Corpus(10)
 
 
+def test_canary_names_an_unhealthy_rank_that_no_statistic_shows():
+    """Noise of 1e-4 on one rank's block outputs moves no statistic (see the fault-visibility
+    notes) but the canary output of that replica differs bit-wise from every other's."""
+    from sdcwatch.telemetry.faults import FaultSpec
+
+    local = MemoryBus()
+    fault = FaultSpec.from_dict({"kind": "noise", "rank": 1, "step": 10, "duration": 0, "target": "blocks.*",
+                                 "where": "output", "magnitude": 1e-4, "seed": 3})
+    run = SimulatedRun(world=4, seed=0, model=SMALL, batch_size=2, corpus=shared_corpus(1 << 18), faults=[fault],
+                       emitter_factory=lambda rank: Emitter(MemoryTransport(local), run="c", rank=rank, world=4))
+    run.train(21)
+    run.close()
+    canary = {(r.step, r.rank): r.fingerprints["canary_fp"] for r in local.records() if "canary_fp" in r.fingerprints}
+    assert sorted({s for s, _ in canary}) == [0, 10, 20]
+    assert len({canary[(0, r)] for r in range(4)}) == 1  # healthy: bit-identical on every replica
+    for step in (10, 20):
+        values = [canary[(step, r)] for r in range(4)]
+        assert values[0] == values[2] == values[3] != values[1]
+
+
 def test_every_virtual_rank_reports_every_step_with_all_fields_and_identity():
     run = SimulatedRun(world=4, seed=0, model=SMALL, batch_size=4, corpus=shared_corpus(1 << 18), ranks_per_host=2,
                        emitter_factory=lambda rank, host: Emitter(MemoryTransport(bus), run="sim", rank=rank,
@@ -69,7 +89,7 @@ def test_every_virtual_rank_reports_every_step_with_all_fields_and_identity():
         assert {"loss", "loss_global", "grad_norm_local", "grad_norm_global", "grad_cosine", "nonfinite",
                 "step_time", "lr"} <= set(r.scalars)
         assert set(r.layers) == set(LAYER_METRICS) and all(len(v) == SMALL.n_layer for v in r.layers.values())
-        assert set(r.fingerprints) == ({"grad_fp", "param_fp"} if r.step == 0 else set())
+        assert set(r.fingerprints) == ({"grad_fp", "param_fp", "canary_fp"} if r.step == 0 else set())
     assert losses[0] == pytest.approx(sum(r.scalars["loss"] for r in recs if r.step == 0) / 4, rel=1e-6)
 
 
