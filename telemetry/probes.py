@@ -86,6 +86,10 @@ class ProbeConfig:
     attention: str = "auto"
     """Which modules are attention layers: "auto" (the reference model's and
     ``nn.MultiheadAttention``), "none", or a comma-separated list of module-name globs."""
+    activations_every: int = 16
+    """Record ``act_max``, the largest |output| of every leaf module of the model, on every
+    this-many-th recorded step; 0 = off (-inf, the mark of a masked attention slot, is skipped). It catches a NaN, Inf or near-INF value wherever it
+    appears in the forward pass, also where no other probe looks (an MLP, an attention mix)."""
     canary_every: int = 0
     """Run a fixed canary input through the model every this many steps and fingerprint the
     output (``canary_fp``); 0 = off. Replicas hold the same parameters, so their canary outputs
@@ -95,7 +99,7 @@ class ProbeConfig:
 
     def __post_init__(self) -> None:
         for key, lo in (("every", 1), ("attention_every", 1), ("fingerprint_every", 1), ("heads", 0), ("queries", 1),
-                        ("sequences", 0), ("canary_every", 0)):
+                        ("sequences", 0), ("canary_every", 0), ("activations_every", 0)):
             v = getattr(self, key)
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise ConfigError(f"probes.{key}", f"must be an integer >= {lo}, got {v!r}")
@@ -241,6 +245,10 @@ class Watch:
         self._closed = False
         self._reset()
         self._discover_attention(model)
+        if self.config.activations_every:
+            for name, module in model.named_modules():
+                if name and not any(True for _ in module.children()):
+                    self._handles.append(module.register_forward_hook(self._activation_hook))
         self._group = None
         self._ddp = ddp is not None and not external
         if self._ddp:
@@ -288,6 +296,7 @@ class Watch:
         self._fps: dict[str, torch.Tensor] = {}
         self._buckets: list[tuple] = []
         self._grads_seen = False
+        self._act_max: torch.Tensor | None = None
 
     @property
     def recording(self) -> bool:
@@ -297,6 +306,24 @@ class Watch:
     @property
     def _recording_attention(self) -> bool:
         return self.recording and (self._hint // self.config.every) % self.config.attention_every == 0
+
+    @property
+    def _recording_activations(self) -> bool:
+        every = self.config.activations_every
+        return bool(every) and self.recording and (self._hint // self.config.every) % every == 0
+
+    def _activation_hook(self, module: nn.Module, args: Any, output: Any) -> None:
+        """Keep the running max |output| of the step, on the device (no sync)."""
+        if not (self.enabled and self._recording_activations) or getattr(_CANARY, "active", False):
+            return
+        out = output if isinstance(output, torch.Tensor) else None
+        if out is None and isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
+            out = output[0]
+        if out is None or not out.is_floating_point() or out.numel() == 0:
+            return
+        # -inf is how masked attention slots are written: not a fault; NaN and +inf count
+        m = out.detach().nan_to_num(nan=math.nan, posinf=math.inf, neginf=0.0).abs().amax().float()
+        self._act_max = m if self._act_max is None else torch.maximum(self._act_max, m)
 
     def begin_step(self, step: int) -> None:
         """Optional: announce the step about to run (else the one after the last ``step()``)."""
@@ -431,6 +458,8 @@ class Watch:
         if isinstance(dropped, (int, float)) and not isinstance(dropped, bool):
             host["emitter_dropped"] = float(dropped)
         device_scalars = dict(self._scalars)
+        if self._act_max is not None:
+            device_scalars["act_max"] = self._act_max
         if loss is not None:
             if isinstance(loss, torch.Tensor):
                 device_scalars["loss"] = _scalar(loss)

@@ -67,6 +67,7 @@ SCALARS = (
     "nonfinite",  # count of NaN/Inf values seen in loss, gradients and probed activations
     "lr",  # learning rate
     "emitter_dropped",  # records this rank's emitter dropped so far (cumulative)
+    "act_max",  # largest |output| of any module in the forward pass (sampled steps)
 )
 #: Well-known per-layer metrics, one value per layer.
 LAYER_METRICS = (

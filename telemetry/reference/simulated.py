@@ -100,7 +100,7 @@ class SimulatedRun:
         takes_host = "host" in inspect.signature(factory).parameters
         self.emitters = [factory(r, host=self.hosts[r]) if takes_host else factory(r) for r in range(world)]
         # a demo and test instrument: attention on every step, fingerprints every 10 (cost is not the point)
-        probe_config = probes or ProbeConfig(attention_every=1, fingerprint_every=10, canary_every=10)
+        probe_config = probes or ProbeConfig(attention_every=1, activations_every=1, fingerprint_every=10, canary_every=10)
         # records are built on this thread: sender threads would run during the next rank's pass and
         # bias its measured step time (rank 0 would look like a straggler)
         self.watches = [Watch(self.model, e, config=probe_config, external=True, background=False)

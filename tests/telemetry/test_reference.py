@@ -76,6 +76,27 @@ def test_canary_names_an_unhealthy_rank_that_no_statistic_shows():
         assert values[0] == values[2] == values[3] != values[1]
 
 
+@pytest.mark.parametrize("target", ["blocks.0.mlp.fc", "blocks.1.attn.mix"])
+def test_near_inf_outside_the_attention_logits_shows_in_act_max_on_its_rank_only(target):
+    from sdcwatch.detectors.pipeline import DetectionPipeline
+    from sdcwatch.telemetry.faults import FaultSpec
+
+    local = MemoryBus()
+    fault = FaultSpec.from_dict({"kind": "near_inf", "rank": 2, "step": 5, "target": target, "seed": 1})
+    run = SimulatedRun(world=4, seed=0, model=SMALL, batch_size=2, corpus=shared_corpus(1 << 18), faults=[fault],
+                       emitter_factory=lambda rank: Emitter(MemoryTransport(local), run="ni", rank=rank, world=4))
+    run.train(7)
+    run.close()
+    recs = local.records()
+    at = {(r.step, r.rank): r.scalars["act_max"] for r in recs}
+    assert at[(5, 2)] >= 1e10
+    assert all(at[(5, r)] < 1e10 for r in (0, 1, 3)) and all(at[(4, r)] < 1e10 for r in range(4))
+    pipeline = DetectionPipeline()
+    events = pipeline.process(recs) + pipeline.flush()
+    opened = [e.incident for e in events if e.change == "opened" and e.incident.kind == "nonfinite"]
+    assert [(i.first_step, i.ranks) for i in opened] == [(5, (2,))]
+
+
 def test_every_virtual_rank_reports_every_step_with_all_fields_and_identity():
     run = SimulatedRun(world=4, seed=0, model=SMALL, batch_size=4, corpus=shared_corpus(1 << 18), ranks_per_host=2,
                        emitter_factory=lambda rank, host: Emitter(MemoryTransport(bus), run="sim", rank=rank,
@@ -86,7 +107,7 @@ def test_every_virtual_rank_reports_every_step_with_all_fields_and_identity():
     assert sorted((r.step, r.rank) for r in recs) == [(s, r) for s in range(3) for r in range(4)]
     assert {r.host for r in recs if r.rank in (2, 3)} == {"node1"}
     for r in recs:
-        assert {"loss", "loss_global", "grad_norm_local", "grad_norm_global", "grad_cosine", "nonfinite",
+        assert {"loss", "loss_global", "grad_norm_local", "grad_norm_global", "grad_cosine", "nonfinite", "act_max",
                 "step_time", "lr"} <= set(r.scalars)
         assert set(r.layers) == set(LAYER_METRICS) and all(len(v) == SMALL.n_layer for v in r.layers.values())
         assert set(r.fingerprints) == ({"grad_fp", "param_fp", "canary_fp"} if r.step == 0 else set())
