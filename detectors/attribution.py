@@ -50,9 +50,24 @@ class Attribution:
         loss_z = f.evidence.get("loss_z")
         return loss_z is None or abs(loss_z) * 4 < abs(f.evidence.get("z", f.score))
 
+    def _consequence(self, f: Finding, step: int) -> bool:
+        """Rank evidence that first shows after a spike's onset: a consequence, not a cause.
+
+        After a run-wide spike every rank is perturbed and some rank is thrown furthest (an lr
+        spike does that); the rank behind an SDC-driven spike shows itself at or before the onset
+        step. Evidence for a rank that already had hardware-like evidence before the onset counts.
+        """
+        onsets = [s for s, _ in self._spikes if s < step]
+        if not onsets or not f.ranks:
+            return False
+        first = min(onsets)
+        return not any(ev["rank"] == f.ranks[0] and s <= first for s, ev in self._local)
+
     def apply(self, step: int, world: int, findings: list[Finding]) -> list[Finding]:
         """The attributed findings of one step (call once per step, in step order)."""
         self._trim(step)
+        findings = [f for f in findings
+                    if f.kind not in ("rank_deviation", "rank_outlier") or not self._consequence(f, step)]
         data_ranks: list[Finding] = []
         for f in findings:
             if f.kind == "rank_deviation":
