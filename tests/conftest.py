@@ -34,6 +34,34 @@ def unique_topic() -> str:
     return f"t.{uuid.uuid4().hex[:10]}"
 
 
+def read_topic(bootstrap: str, topic: str, want: int, timeout: float = 90.0, *, grace: float = 1.0):
+    """Read ``topic`` from the start until ``want`` records arrived (or ``timeout``), then for
+    ``grace`` seconds more, to catch anything beyond what was expected. Returns (records, source)."""
+    import time
+
+    from sdcwatch.detectors.source import KafkaSource
+
+    src = KafkaSource(bootstrap, topic, group=f"g-{uuid.uuid4().hex[:8]}", deadletter_topic=f"{topic}.dead")
+    got = []
+    deadline = time.monotonic() + timeout
+    try:
+        while len(got) < want and time.monotonic() < deadline:
+            got.extend(src.poll(0.5))
+        end = time.monotonic() + grace
+        while time.monotonic() < end:
+            got.extend(src.poll(0.2))
+        src.commit()
+        return got, src
+    finally:
+        src.close()
+
+
+@pytest.fixture(scope="session")
+def consume():
+    """``consume(bootstrap, topic, want, timeout)`` -> (records, source): see :func:`read_topic`."""
+    return read_topic
+
+
 @pytest.fixture
 def real_logs() -> Path:
     """The folder of real training logs that ships beside the repository (skip when absent)."""

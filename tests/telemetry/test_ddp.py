@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import time
 import uuid
 
 import pytest
 
 torch = pytest.importorskip("torch")
 
-from sdcwatch.detectors.source import KafkaSource  # noqa: E402
 from sdcwatch.telemetry import FINGERPRINTS, LAYER_METRICS  # noqa: E402
 from sdcwatch.telemetry.faults import FaultSpec  # noqa: E402
 from sdcwatch.telemetry.reference.ddp import DDPSettings, launch  # noqa: E402
@@ -23,24 +21,8 @@ EXPECTED_SCALARS = {"loss", "loss_global", "grad_norm_local", "grad_norm_global"
                     "step_time", "lr", "emitter_dropped"}
 
 
-def _read(bootstrap: str, topic: str, want: int, timeout: float = 90.0) -> list:
-    src = KafkaSource(bootstrap, topic, group=f"g-{uuid.uuid4().hex[:8]}", deadletter_topic=f"{topic}.dead")
-    got = []
-    deadline = time.monotonic() + timeout
-    try:
-        while len(got) < want and time.monotonic() < deadline:
-            got.extend(src.poll(0.5))
-        end = time.monotonic() + 1.0
-        while time.monotonic() < end:  # nothing beyond what was expected
-            got.extend(src.poll(0.2))
-        assert src.dead_letters == 0
-        return got
-    finally:
-        src.close()
-
-
 @pytest.fixture(scope="module")
-def ddp_records(broker):
+def ddp_records(broker, consume):
     if not broker.running:
         broker.start()
     topic = f"ddp.{uuid.uuid4().hex[:8]}"
@@ -51,7 +33,9 @@ def ddp_records(broker):
                           where="param", bit=12, seed=1),),
     )
     launch(settings)
-    return settings, _read(broker.bootstrap, topic, WORLD * STEPS)
+    got, src = consume(broker.bootstrap, topic, WORLD * STEPS)
+    assert src.dead_letters == 0
+    return settings, got
 
 
 def _by_step_rank(records):

@@ -10,7 +10,7 @@ import uuid
 
 import pytest
 
-from sdcwatch.detectors.source import FAST_JOIN, KafkaSource
+from sdcwatch.detectors.source import FAST_JOIN
 from sdcwatch.telemetry import Emitter, KafkaTransport, Record, encode
 from sdcwatch.telemetry.record import encode_batch
 
@@ -35,25 +35,7 @@ PRODUCER = textwrap.dedent(
 )
 
 
-def consume(bootstrap, topic, want, timeout=90.0, group=None):
-    src = KafkaSource(bootstrap, topic, group=group or f"g-{uuid.uuid4().hex[:8]}",
-                      deadletter_topic=f"{topic}.dead")
-    got = []
-    deadline = time.monotonic() + timeout
-    try:
-        while len(got) < want and time.monotonic() < deadline:
-            got.extend(src.poll(0.5))
-        # a short grace period to catch anything invented beyond what was expected
-        end = time.monotonic() + 1.0
-        while time.monotonic() < end:
-            got.extend(src.poll(0.2))
-        src.commit()
-        return got, src
-    finally:
-        src.close()
-
-
-def test_8_ranks_in_2_processes_80k_records_none_lost_none_invented(bootstrap, unique_topic):
+def test_8_ranks_in_2_processes_80k_records_none_lost_none_invented(bootstrap, unique_topic, consume):
     procs = [
         subprocess.Popen([sys.executable, "-c", PRODUCER, bootstrap, unique_topic, str(first), "4", "10000"],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -72,7 +54,7 @@ def test_8_ranks_in_2_processes_80k_records_none_lost_none_invented(bootstrap, u
     assert sample.host == "h1" and sample.layers["attn_entropy"] == (1.0, 2.0)
 
 
-def test_broker_outage_never_blocks_training_and_drops_are_exact(broker, unique_topic):
+def test_broker_outage_never_blocks_training_and_drops_are_exact(broker, unique_topic, consume):
     bootstrap = broker.bootstrap
     em = Emitter(KafkaTransport(bootstrap, unique_topic), run="outage", rank=0, world=1, host="h",
                  buffer=2000, batch=256)
@@ -121,7 +103,7 @@ def test_broker_outage_never_blocks_training_and_drops_are_exact(broker, unique_
     assert em.dropped == (outage_last - 500) - kept
 
 
-def test_malformed_and_foreign_messages_go_to_dead_letters(bootstrap, unique_topic):
+def test_malformed_and_foreign_messages_go_to_dead_letters(bootstrap, unique_topic, consume):
     from kafka import KafkaConsumer, KafkaProducer
 
     producer = KafkaProducer(bootstrap_servers=[bootstrap])
