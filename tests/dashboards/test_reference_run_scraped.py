@@ -1,0 +1,63 @@
+"""A real reference run with an injected fault, watched the way a user watches it: the detector
+service's exporter scraped by a real Prometheus that evaluates the dashboard and the alert rules."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+import sdcwatch_exporter_test_support as support  # registered by conftest.py
+
+pytestmark = pytest.mark.integration
+
+torch = pytest.importorskip("torch")
+
+
+def test_dashboard_and_rules_on_a_faulted_reference_run(start_prometheus):
+    from sdcwatch.detectors.pipeline import DetectionPipeline
+    from sdcwatch.detectors.service import DetectorService
+    from sdcwatch.detectors.source import MemorySource
+    from sdcwatch.exporters import MetricsServer
+    from sdcwatch.telemetry import Emitter, MemoryBus, MemoryTransport
+    from sdcwatch.telemetry.faults import FaultSpec
+    from sdcwatch.telemetry.reference.model import GPTConfig
+    from sdcwatch.telemetry.reference.simulated import SimulatedRun, shared_corpus
+
+    torch.set_num_threads(1)
+    bus = MemoryBus()
+    service = DetectorService(MemorySource(bus), DetectionPipeline(), poll_timeout=0.05)
+    stop = threading.Event()
+    thread = threading.Thread(target=service.run_forever, args=(stop,), daemon=True)
+    exporter = MetricsServer(service.view, port=0).start()
+    prometheus = start_prometheus(f"127.0.0.1:{exporter.port}",
+                                  rule_files=[support.DASHBOARDS / "rules" / "sdcwatch.rules.yml"])
+    thread.start()
+    try:
+        fault = FaultSpec.from_dict({"kind": "near_inf", "rank": 2, "step": 40, "target": "blocks.1.attn.scores",
+                                     "seed": 0})
+        run = SimulatedRun(world=4, seed=1, model=GPTConfig(seq_len=32, d_model=32, n_layer=2, n_head=4),
+                           batch_size=2, corpus=shared_corpus(1 << 18), faults=[fault],
+                           emitter_factory=lambda rank: Emitter(MemoryTransport(bus), run="r1", rank=rank, world=4))
+        run.train(60)
+        run.close()
+        for em in run.emitters:
+            em.close()
+        support.wait_for(
+            lambda: support.prom_query(prometheus.base_url, 'sdcwatch_incident_info{kind="nonfinite"}'),
+            timeout=30, what="the non-finite incident in Prometheus")
+        support.wait_for(
+            lambda: support.prom_query(prometheus.base_url,
+                                       "count_over_time(sdcwatch_pipeline_records_total[1m]) >= 4"),
+            timeout=30, what="four scrapes")
+        (info,) = support.prom_query(prometheus.base_url, 'sdcwatch_incident_info{kind="nonfinite"}')
+        assert info["metric"]["rank"] == "2" and info["metric"]["run"] == "r1"
+        for where, expr in support.dashboard_expressions():
+            result = support.prom_query(prometheus.base_url, support.substitute(expr))
+            assert result, f"{where}: {expr!r} returned no data on a real run"
+        for alert, expr in support.rule_expressions():
+            support.prom_query(prometheus.base_url, expr)  # raises on an evaluation error
+    finally:
+        stop.set()
+        thread.join(10)
+        exporter.close()
