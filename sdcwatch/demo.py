@@ -13,6 +13,7 @@ import json
 import logging
 import math
 import os
+import shutil
 import sys
 import tempfile
 import threading
@@ -277,6 +278,7 @@ def run_demo(
 
     out = Path(out_dir) if out_dir else Path(tempfile.mkdtemp(prefix="sdcwatch-demo-"))
     out.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(out / "state", ignore_errors=True)  # a demo starts fresh, even in a reused folder
     records_path = out / "records.jsonl"
     incidents_path = out / "incidents.jsonl"
     report_path = Path(report) if report else out / "report.html"
@@ -296,6 +298,7 @@ def run_demo(
         source = _CapturingSource(KafkaSource(broker.bootstrap, group=f"sdcwatch-demo-{os.getpid()}"), records_path)
         events = _EventLog(progress, quiet)
         pipeline = DetectionPipeline()
+        pipeline.book.history = []  # keep every incident, in its latest state, for the summary
         service = DetectorService(source, pipeline, sinks=[AnomalyTopicSink.to_kafka(broker.bootstrap), events],
                                   state_dir=out / "state", snapshot_every=5.0)
         metrics = MetricsServer(service.view, address="127.0.0.1", port=_pick_metrics_port(metrics_port)).start()
@@ -347,7 +350,7 @@ def run_demo(
         service_thread.join(timeout=30)
         metrics.close()
 
-    incidents = events.incidents()
+    incidents = list(pipeline.book.history)  # the service has stopped: their final state
     with open(incidents_path, "w", encoding="utf-8") as fh:
         for inc in incidents:
             fh.write(json.dumps(inc.to_dict(), allow_nan=False) + "\n")
