@@ -279,6 +279,19 @@ _f64_from = _F64.unpack_from
 _u64_from = _U64S.unpack_from
 
 
+def _fixed_group(buf: bytes, p: int, unpack_from: Any) -> tuple[dict, int]:
+    """A counted group of (str8 name, 8-byte value) at ``p``: (dict, offset after it)."""
+    names = _NAMES
+    out = {}
+    count = buf[p]
+    p += 1
+    for _ in range(count):
+        k = buf[p]
+        out[names[buf[p + 1 : p + 1 + k]]] = unpack_from(buf, p + 1 + k)[0]
+        p += 9 + k
+    return out, p
+
+
 def _decode_fast(buf: bytes, pos: int, end: int) -> Record | None:
     """Decode the record in ``buf[pos:end]`` on the common path, or return None.
 
@@ -301,22 +314,8 @@ def _decode_fast(buf: bytes, pos: int, end: int) -> Record | None:
         host = buf[p : p + n].decode()
         p += n
         names = _NAMES
-        scalars: dict[str, float] = {}
-        count = buf[p]
-        p += 1
-        for _ in range(count):
-            k = buf[p]
-            name = names[buf[p + 1 : p + 1 + k]]
-            scalars[name] = _f64_from(buf, p + 1 + k)[0]
-            p += 9 + k
-        fps: dict[str, int] = {}
-        count = buf[p]
-        p += 1
-        for _ in range(count):
-            k = buf[p]
-            name = names[buf[p + 1 : p + 1 + k]]
-            fps[name] = _u64_from(buf, p + 1 + k)[0]
-            p += 9 + k
+        scalars, p = _fixed_group(buf, p, _f64_from)
+        fps, p = _fixed_group(buf, p, _u64_from)
         layers: dict[str, tuple[float, ...]] = {}
         count = buf[p]
         p += 1
