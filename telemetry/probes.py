@@ -245,10 +245,11 @@ class Watch:
         self._closed = False
         self._reset()
         self._discover_attention(model)
-        if self.config.activations_every:
-            for name, module in model.named_modules():
-                if name and not any(True for _ in module.children()):
-                    self._handles.append(module.register_forward_hook(self._activation_hook))
+        # leaf modules whose outputs act_max covers; hooked only during sampled steps, because a
+        # module with a forward hook leaves PyTorch's fast call path on every step
+        self._leaves = [m for n, m in model.named_modules() if n and not any(True for _ in m.children())]
+        self._act_handles: list[Any] = []
+        self._sync_activation_hooks()
         self._group = None
         self._ddp = ddp is not None and not external
         if self._ddp:
@@ -312,6 +313,16 @@ class Watch:
         every = self.config.activations_every
         return bool(every) and self.recording and (self._hint // self.config.every) % every == 0
 
+    def _sync_activation_hooks(self) -> None:
+        """Hook the leaf modules for the step about to run if it is sampled, unhook them if not."""
+        want = self._recording_activations and not self._closed
+        if want and not self._act_handles:
+            self._act_handles = [m.register_forward_hook(self._activation_hook) for m in self._leaves]
+        elif not want and self._act_handles:
+            for h in self._act_handles:
+                h.remove()
+            self._act_handles = []
+
     def _activation_hook(self, module: nn.Module, args: Any, output: Any) -> None:
         """Keep the running max |output| of the step, on the device (no sync)."""
         if not (self.enabled and self._recording_activations) or getattr(_CANARY, "active", False):
@@ -328,6 +339,7 @@ class Watch:
     def begin_step(self, step: int) -> None:
         """Optional: announce the step about to run (else the one after the last ``step()``)."""
         self._hint = int(step)
+        self._sync_activation_hooks()
         if self._last_time is None:
             self._last_time = time.perf_counter()
 
@@ -429,6 +441,10 @@ class Watch:
             self._reset()
         self._hint = int(step) + 1
         self._last_time = now
+        try:
+            self._sync_activation_hooks()
+        except Exception as exc:
+            self._fail(exc)
 
     def _step(self, step: int, loss: Any, step_time: float | None, scalars: dict, now: float) -> None:
         if not self.enabled:
@@ -593,9 +609,10 @@ class Watch:
         if self._sender is not None:
             self._outbox.put(None)
             self._sender.join(timeout=10.0)
-        for h in self._handles:
+        for h in self._handles + self._act_handles:
             h.remove()
         self._handles.clear()
+        self._act_handles = []
         for m in self._layers:
             entries = _ATTENTION.get(m)
             if entries:
