@@ -18,7 +18,8 @@ need_venv() {
   local stamp="$VENV/.sdcwatch-$extras-$(sha1sum pyproject.toml | cut -c1-12)"
   if [ ! -e "$stamp" ]; then
     echo "==> installing sdcwatch[$extras] into $VENV (torch is the CPU build, pinned)"
-    "$VENV/bin/pip" install --quiet --disable-pip-version-check -e ".[$extras]"
+    # torch pinned to the CPU build: an unpinned torch resolves to a multi-GB CUDA build
+    "$VENV/bin/pip" install --quiet --disable-pip-version-check -e ".[$extras]" "torch==${SDCWATCH_TORCH:-2.13.0}"
     touch "$stamp"
   fi
 }
