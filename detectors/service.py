@@ -16,9 +16,10 @@ import logging
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Sequence
 
 from sdcwatch.detectors.pipeline import DetectionPipeline
+from sdcwatch.detectors.source import Source as RecordSource  # the protocol the service reads through
 from sdcwatch.detectors.types import IncidentEvent, IncidentSink, ServiceView
 from sdcwatch.errors import ConfigError
 
@@ -28,21 +29,6 @@ log = logging.getLogger("sdcwatch.detectors.service")
 
 ANOMALY_TOPIC = "sdcwatch.anomalies"
 STATE_FILE = "pipeline-state.json"
-
-
-class RecordSource(Protocol):
-    """What the service reads from (``sdcwatch.detectors.source.KafkaSource`` / ``MemorySource``)."""
-
-    records: int
-    dead_letters: int
-
-    def poll(self, timeout: float) -> list: ...
-
-    def commit(self) -> None: ...
-
-    def lag(self) -> int: ...
-
-    def close(self) -> None: ...
 
 
 class AnomalyTopicSink:

@@ -15,13 +15,12 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from sdcwatch.errors import RecordError, TransportError
-from sdcwatch.telemetry.record import Record, decode_message
+from sdcwatch.telemetry.record import TELEMETRY_TOPIC, Record, decode_message
 
 __all__ = ["Source", "KafkaSource", "MemorySource", "DeadLetter", "DEADLETTER_TOPIC", "TELEMETRY_TOPIC", "FAST_JOIN"]
 
 log = logging.getLogger("sdcwatch.detectors")
 
-TELEMETRY_TOPIC = "sdcwatch.telemetry"
 DEADLETTER_TOPIC = "sdcwatch.deadletter"
 
 #: Consumer-group timings that make a new member's first join take ~3 s instead of ~25 s: the

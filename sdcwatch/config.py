@@ -43,7 +43,10 @@ try:  # Python 3.11+
 except ModuleNotFoundError:  # pragma: no cover - Python 3.10 needs the backport
     import tomli as tomllib  # type: ignore[no-redef]
 
+from sdcwatch.detectors.service import ANOMALY_TOPIC
+from sdcwatch.detectors.source import DEADLETTER_TOPIC
 from sdcwatch.errors import ConfigError
+from sdcwatch.telemetry.record import TELEMETRY_TOPIC
 
 __all__ = [
     "BusConfig",
@@ -124,11 +127,11 @@ class BusConfig(_Section):
 
     bootstrap: str = "localhost:9092"
     """Kafka bootstrap servers, comma-separated host:port (what kafka-python calls bootstrap_servers)."""
-    telemetry_topic: str = "sdcwatch.telemetry"
+    telemetry_topic: str = TELEMETRY_TOPIC
     """Topic the training ranks write their records to; the service consumes it."""
-    anomalies_topic: str = "sdcwatch.anomalies"
+    anomalies_topic: str = ANOMALY_TOPIC
     """Topic the service writes incident changes to (opened, updated, resolved), as JSON."""
-    deadletter_topic: str = "sdcwatch.deadletter"
+    deadletter_topic: str = DEADLETTER_TOPIC
     """Topic malformed telemetry messages are moved to, untouched, for a person to inspect."""
     group: str = "sdcwatch-detectors"
     """Kafka consumer group of the service; instances sharing it share the partitions (whole steps)."""

@@ -18,7 +18,7 @@ import time as _time
 from typing import Any, Mapping, Sequence
 
 from sdcwatch.errors import ConfigError, RecordError, TransportError
-from sdcwatch.telemetry.record import Record, validate
+from sdcwatch.telemetry.record import TELEMETRY_TOPIC, Record, validate
 
 __all__ = ["Emitter", "NullEmitter", "identity_from_env"]
 
@@ -97,7 +97,7 @@ class Emitter:
         local_rank: int | None = None,
         host: str | None = None,
         bootstrap: str | None = None,
-        topic: str = "sdcwatch.telemetry",
+        topic: str = TELEMETRY_TOPIC,
         buffer: int = 100_000,
         batch: int = 1024,
         linger: float = 0.005,

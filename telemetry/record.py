@@ -52,6 +52,8 @@ __all__ = [
 
 VERSION = 1
 MAGIC = b"SDCW"
+#: The topic the emitters write to and the detector service reads.
+TELEMETRY_TOPIC = "sdcwatch.telemetry"
 BATCH_MAGIC = b"SDCB"
 _BATCH_HEAD = struct.Struct("<4sBI")
 _U32 = struct.Struct("<I")

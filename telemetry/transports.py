@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Protocol, Sequence
 
 from sdcwatch.errors import ConfigError, TransportError
-from sdcwatch.telemetry.record import Record, decode_message, encode, encode_batch, to_json
+from sdcwatch.telemetry.record import TELEMETRY_TOPIC, Record, decode_message, encode, encode_batch, to_json
 
 __all__ = [
     "Transport",
@@ -35,8 +35,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("sdcwatch.telemetry")
-
-TELEMETRY_TOPIC = "sdcwatch.telemetry"
 
 #: kafka-python settings passed through for real clusters (SASL/SSL); anything else is an error.
 SECURITY_KEYS = frozenset(

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Sequence
 
+from sdcwatch.telemetry.record import TELEMETRY_TOPIC
 from sdcwatch.errors import ConfigError
 from sdcwatch.telemetry.faults import FaultSpec, load_faults
 
@@ -41,7 +42,7 @@ class DDPSettings:
     """Run id in every record."""
     bootstrap: str | None = None
     """Kafka address; records go there when set."""
-    topic: str = "sdcwatch.telemetry"
+    topic: str = TELEMETRY_TOPIC
     """Kafka topic of the records."""
     jsonl_dir: str | None = None
     """Folder for one ``rank{r}.jsonl`` per rank (used when ``bootstrap`` is not set)."""
@@ -170,7 +171,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--run", default="ddp-reference")
     ap.add_argument("--bootstrap", help="Kafka address host:port")
-    ap.add_argument("--topic", default="sdcwatch.telemetry")
+    ap.add_argument("--topic", default=TELEMETRY_TOPIC)
     ap.add_argument("--jsonl", dest="jsonl_dir", help="folder for rank{r}.jsonl files instead of Kafka")
     ap.add_argument("--faults", help="fault specs (.jsonl or .json array)")
     ap.add_argument("--ranks-per-host", type=int)
