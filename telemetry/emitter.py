@@ -133,6 +133,7 @@ class Emitter:
         self.max_pending = 0  # high-water mark of queued + in-flight records
         self._queue: collections.deque = collections.deque()
         self._inflight: list[Record] = []
+        self._taking = False  # the sender is moving records from the queue into _inflight
         self._closed = False
         self._stop = threading.Event()
         self._warned_drop = False
@@ -175,7 +176,9 @@ class Emitter:
     def flush(self, timeout: float | None = 10.0) -> bool:
         """Wait until everything queued has been sent; False if ``timeout`` passed first."""
         deadline = None if timeout is None else _time.monotonic() + timeout
-        while self._queue or self._inflight:
+        # Read in this order: the sender sets _taking before it pops the queue and clears it only
+        # after _inflight holds the batch, so a record is always visible in one of the three.
+        while self._queue or self._taking or self._inflight:
             if not self._thread.is_alive():
                 return False
             if deadline is not None and _time.monotonic() >= deadline:
@@ -237,11 +240,15 @@ class Emitter:
     def _take_batch(self) -> None:
         batch: list[Record] = []
         q = self._queue
-        while q and len(batch) < self.batch:
-            rec = self._build(q.popleft())
-            if rec is not None:
-                batch.append(rec)
-        self._inflight = batch
+        self._taking = True
+        try:
+            while q and len(batch) < self.batch:
+                rec = self._build(q.popleft())
+                if rec is not None:
+                    batch.append(rec)
+            self._inflight = batch
+        finally:
+            self._taking = False
 
     def _run(self) -> None:
         backoff = 0.05

@@ -154,3 +154,23 @@ def test_import_is_light():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == ""
+
+
+def test_flush_waits_for_a_record_the_sender_is_still_building(monkeypatch):
+    """The sender pops a record before it holds it as in flight; flush must not return in that gap."""
+    bus = MemoryBus()
+    em = Emitter(MemoryTransport(bus), run="r", rank=0, world=1, host="h", linger=0.001)
+    building = Emitter._build
+
+    def slow_build(self, item):
+        time.sleep(0.2)  # the record is off the queue and not yet in flight
+        return building(self, item)
+
+    monkeypatch.setattr(Emitter, "_build", slow_build)
+    em.emit(0, loss=1.0)
+    deadline = time.monotonic() + 5
+    while em._queue and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert em.flush(10)
+    assert (em.sent, len(bus.records(em.transport.topic))) == (1, 1)
+    em.close()
