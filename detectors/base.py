@@ -15,7 +15,7 @@ import numpy as np
 
 from sdcwatch.errors import ConfigError
 
-__all__ = ["Detector", "DETECTORS", "register", "encode_array", "decode_array", "check_positive"]
+__all__ = ["Detector", "SplitDetector", "StepContext", "DETECTORS", "register", "encode_array", "decode_array", "check_positive"]
 
 
 @runtime_checkable
@@ -34,6 +34,36 @@ class Detector(Protocol):
     def snapshot(self) -> dict[str, Any]: ...
 
     def restore(self, state: dict[str, Any]) -> None: ...
+
+
+class StepContext(Protocol):
+    """Which step a judgement is about: a :class:`~sdcwatch.detectors.frame.StepFrame` or a
+    :class:`~sdcwatch.detectors.summary.StepSummary` (hosts indexed by rank)."""
+
+    run: str
+    step: int
+    world: int
+    hosts: tuple[str, ...]
+
+
+@runtime_checkable
+class SplitDetector(Detector, Protocol):
+    """A detector in two halves, so the work can be split across processes.
+
+    ``observe(frame)`` is the cross-rank half: it reads one whole step and returns a compact,
+    JSON-safe observation (numpy arrays allowed; None when there is nothing to say). It may keep
+    only state that any instance can rebuild from the steps it sees. ``judge(at, observation)``
+    is the temporal half: it folds observations, in step order, into the detector's history and
+    returns findings. ``update(frame)`` is ``judge(frame, observe(frame))``. With ``sparse`` set,
+    ``observe`` may drop the part of an observation that cannot matter much (the scale-out
+    summaries do; one process keeps it whole).
+    """
+
+    sparse: bool
+
+    def observe(self, frame: Any) -> Any: ...
+
+    def judge(self, at: Any, observation: Any) -> list: ...
 
 
 #: Every detector class, in the order the pipeline runs them (filled by :func:`register`).

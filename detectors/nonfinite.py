@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from sdcwatch.detectors.base import check_positive, register
+from sdcwatch.detectors.base import StepContext, check_positive, register
 from sdcwatch.detectors.frame import StepFrame
 from sdcwatch.detectors.types import Finding, Severity
 
@@ -30,6 +30,7 @@ class NonFiniteDetector:
     """Critical finding for any NaN, Inf or near-INF value, localised to rank, metric and layer."""
 
     name = "nonfinite"
+    sparse = False  # see SplitDetector: set on the scale-out's spatial stage
     fault = "nonfinite"
 
     def __init__(self, limit: float = 1e10, max_listed: int = 16) -> None:
@@ -57,7 +58,8 @@ class NonFiniteDetector:
 
     warmup_steps = 0  # a NaN needs no baseline
 
-    def update(self, frame: StepFrame) -> list[Finding]:
+    def observe(self, frame: StepFrame) -> dict[str, Any] | None:
+        """Every bad cell of the step and which ranks it blames (None on a clean step)."""
         hits: list[tuple[int, str, int | None, float]] = []  # (rank, metric, layer, value)
         n_bad = 0
         local_ranks: set[int] = set()  # ranks with a bad value of their own
@@ -92,8 +94,26 @@ class NonFiniteDetector:
                 hits += [(int(a), frame.layer_names[b], int(c), float(L[a, b, c]))
                          for a, b, c in zip(r, m, l)]
         if not hits:
+            return None
+        if len(hits) > 4 * self.max_listed:  # keep the observation small: the hits a finding can name
+            culprits = local_ranks or counted_ranks
+            order = sorted(hits, key=lambda h: (h[0] not in culprits, h[2] is None, h[0]))
+            hits = order[: 2 * self.max_listed]
+        return {"hits": hits, "n_bad": n_bad, "local": sorted(local_ranks), "counted": sorted(counted_ranks),
+                "global": sorted(global_ranks)}
+
+    def update(self, frame: StepFrame) -> list[Finding]:
+        return self.judge(frame, self.observe(frame))
+
+    def judge(self, frame: StepContext, seen: dict[str, Any] | None) -> list[Finding]:
+        """Name the ranks of a non-finite step, keeping the rank a non-finite streak began on."""
+        if seen is None:
             self._origin = None
             return []
+        hits = [(int(r), str(m), None if l is None else int(l), float(v)) for r, m, l, v in seen["hits"]]
+        n_bad = int(seen["n_bad"])
+        local_ranks, counted_ranks = set(seen["local"]), set(seen["counted"])
+        global_ranks = set(seen["global"])
         self._seen += 1
         # A value that is bad in a rank's own numbers (its loss, its local gradient, its layers)
         # names that rank. The all-reduced values (global gradient norm, global loss, the cosine
@@ -114,6 +134,8 @@ class NonFiniteDetector:
         # name the layer-level hit first: it localises better than a loss
         first = min(own, key=lambda h: (h[2] is None, h[0]))
         rank, metric, layer, value = first
+        if ranks and rank not in culprits:  # the streak's origin was cut from a long list of hits
+            rank = ranks[0]
         where = f"{metric}" + (f" layer {layer}" if layer is not None else "")
         if frame.world > 1 and ranks:
             host = frame.hosts[rank] if frame.hosts[rank] else ""

@@ -28,11 +28,15 @@ from sdcwatch.detectors.rank_outlier import RankOutlierDetector
 from sdcwatch.detectors.replica import ReplicaDivergenceDetector
 from sdcwatch.detectors.spike import SpikeDetector
 from sdcwatch.detectors.straggler import MissingRankDetector, StragglerDetector
+from sdcwatch.detectors.summary import StepSummary, SummaryOrder
 from sdcwatch.detectors.types import IncidentEvent, PipelineView, RunView, ServiceView, _json_safe
 from sdcwatch.errors import ConfigError
 from sdcwatch.telemetry.record import Record
 
-__all__ = ["DetectionPipeline", "PipelineSettings", "default_detectors", "STATE_VERSION"]
+__all__ = ["DetectionPipeline", "PipelineSettings", "default_detectors", "STATE_VERSION", "ROLES"]
+
+#: What a pipeline does: both stages (the default), or one stage of the scale-out.
+ROLES = ("both", "spatial", "temporal")
 
 STATE_VERSION = 1
 _QUANTILES = np.array([0.0, 0.25, 0.5, 0.75, 1.0])
@@ -59,9 +63,14 @@ class PipelineSettings:
     stale_after: float = 900.0
     """Seconds without a step after which a run's open incidents resolve (the run ended or died;
     the exporter's last-step age and the missing-rank alerts say which)."""
+    order_grace: float = 2.0
+    """Temporal stage: seconds a step summary waits for the summaries of earlier steps."""
+    stats_every: int = 10
+    """Spatial stage: steps between the cross-rank quantiles it sends for the dashboards."""
 
     def __post_init__(self) -> None:
-        for key in ("step_timeout", "max_open_steps", "quiet_steps", "attribution_window", "stale_after"):
+        for key in ("step_timeout", "max_open_steps", "quiet_steps", "attribution_window", "stale_after",
+                    "order_grace", "stats_every"):
             v = getattr(self, key)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
                 raise ConfigError(f"pipeline.{key}", f"must be a positive number, got {v!r}")
@@ -77,17 +86,45 @@ class _Run:
     last_step_wall: float = 0.0
     hosts: list[str] = field(default_factory=list)
     dropped: np.ndarray = field(default_factory=lambda: np.zeros(0))
-    frame: StepFrame | None = None  # latest frame (read by view())
+    summary: StepSummary | None = None  # latest step (read by view())
+    stats: dict[str, Any] | None = None  # latest cross-rank quantiles a spatial stage sent
+    sent_hosts: tuple[str, ...] | None = None  # spatial: host table last put in a summary
+
+
+def frame_stats(frame: StepFrame) -> dict[str, Any]:
+    """Cross-rank quantiles (min, q25, median, q75, max) of every scalar and of every layer metric."""
+    scalar_stats = {}
+    for j, name in enumerate(frame.scalar_names):
+        col = frame.scalars[:, j]
+        col = col[np.isfinite(col)]
+        if col.size:
+            scalar_stats[name] = np.quantile(col, _QUANTILES)
+    layer_stats = {}
+    if frame.layers.size:
+        with np.errstate(all="ignore"), warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # an all-NaN layer gives NaN stats
+            for m, name in enumerate(frame.layer_names):
+                block = np.where(np.isfinite(frame.layers[:, m, :]), frame.layers[:, m, :], np.nan)
+                layer_stats[name] = np.nanquantile(block, _QUANTILES, axis=0).T
+    return {"scalars": scalar_stats, "layers": layer_stats}
 
 
 class DetectionPipeline:
     """All detection state: feed records (or frames), get incident events; read ``view()``."""
 
     def __init__(self, settings: PipelineSettings | None = None, *,
-                 detectors: Callable[[], Sequence] = default_detectors,
+                 detectors: Callable[[], Sequence] = default_detectors, role: str = "both",
                  clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time) -> None:
         self.settings = settings or PipelineSettings()
+        if role not in ROLES:
+            raise ConfigError("service.stage", f"must be one of {', '.join(ROLES)}, got {role!r}")
+        self.role = role
         self.make_detectors = detectors
+        if role != "both":
+            whole = [d.name for d in detectors() if not (hasattr(d, "observe") and hasattr(d, "judge"))]
+            if whole:
+                raise ConfigError("detectors", f"{', '.join(whole)} need(s) whole steps and cannot run in a "
+                                                f"split {role} stage; run the service with stage = \"both\"")
         self.wall = wall
         self.aligner = StepAligner(self.settings.step_timeout, self.settings.max_open_steps, clock=clock)
         self.book = IncidentBook(self.settings.quiet_steps, clock=wall)
@@ -98,6 +135,9 @@ class DetectionPipeline:
         self.consumer_lag = 0  # set by the service from its source
         self.last_record_wall = 0.0
         self._rate: deque[tuple[float, int]] = deque(maxlen=64)
+        self.order = SummaryOrder(self.settings.order_grace, clock=clock)
+        self.summaries_total = 0  # temporal stage: summaries received
+        self.outbox: list[StepSummary] = []  # spatial stage: summaries for the temporal stage
 
     # -- input --------------------------------------------------------------------------------
 
@@ -114,8 +154,9 @@ class DetectionPipeline:
         return events
 
     def tick(self) -> list[IncidentEvent]:
-        """Close steps whose alignment deadline passed (call regularly)."""
-        return [e for frame in self.aligner.poll() for e in self.process_frame(frame)]
+        """Close steps whose alignment deadline passed, release waiting summaries (call regularly)."""
+        events = [e for frame in self.aligner.poll() for e in self.process_frame(frame)]
+        return events + [e for s in self.order.poll() for e in self.judge_step(s)]
 
     def expire(self) -> list[IncidentEvent]:
         """Resolve the open incidents of runs silent for ``stale_after`` seconds (call regularly)."""
@@ -127,42 +168,100 @@ class DetectionPipeline:
         return events
 
     def flush(self) -> list[IncidentEvent]:
-        """Close every open step (end of input)."""
-        return [e for frame in self.aligner.flush() for e in self.process_frame(frame)]
+        """Close every open step and release every waiting summary (end of input)."""
+        events = [e for frame in self.aligner.flush() for e in self.process_frame(frame)]
+        return events + [e for s in self.order.flush() for e in self.judge_step(s)]
 
     def process_frame(self, frame: StepFrame) -> list[IncidentEvent]:
-        """Run one aligned step through the detectors, attribution and the incident book."""
-        st = self._runs.get(frame.run)
+        """One aligned step: observe it (spatial), then judge it (temporal) or queue its summary."""
+        summary = self.observe_step(frame)
+        if self.role == "spatial":
+            self.outbox.append(summary)
+            return []
+        return self.judge_step(summary)
+
+    def process_summaries(self, summaries: Iterable[StepSummary]) -> list[IncidentEvent]:
+        """Temporal stage: take summaries from the spatial instances, judge them in step order."""
+        summaries = list(summaries)
+        if summaries:
+            self.summaries_total += len(summaries)
+            self.last_record_wall = self.wall()
+            self._rate.append((self.last_record_wall, len(summaries)))
+        return [e for s in self.order.add(summaries) for e in self.judge_step(s)]
+
+    def _state(self, run: str) -> _Run:
+        st = self._runs.get(run)
         if st is None:
-            st = self._runs[frame.run] = _Run(list(self.make_detectors()),
-                                              Attribution(self.settings.attribution_window))
+            dets = list(self.make_detectors())
+            if self.role == "spatial":
+                for d in dets:
+                    d.sparse = True
+            st = self._runs[run] = _Run(dets, Attribution(self.settings.attribution_window))
+        return st
+
+    def observe_step(self, frame: StepFrame) -> StepSummary:
+        """The cross-rank half of every detector on one step, as a :class:`StepSummary`."""
+        st = self._state(frame.run)
+        known = st.hosts if len(st.hosts) == frame.world else [""] * frame.world
+        hosts = tuple(frame.hosts) if frame.complete else tuple(new or old for new, old in zip(frame.hosts, known))
+        col = frame.scalar("emitter_dropped")
+        dropped: dict[int, float] = {}
+        if col is not None:
+            nz = np.flatnonzero(np.isfinite(col) & (col > 0))
+            dropped = dict(zip(nz.tolist(), col[nz].tolist()))
+        summary = StepSummary(run=frame.run, step=frame.step, world=frame.world, n_present=int(frame.present.sum()),
+                              complete=frame.complete, hosts=None if hosts == st.sent_hosts else hosts,
+                              dropped=dropped, frame=frame)
+        st.sent_hosts = hosts
+        obs = summary.observations
+        for det in st.detectors:
+            if hasattr(det, "observe"):
+                obs[det.name] = det.observe(frame)
+        if self.role == "spatial":
+            st.hosts = list(hosts)
+            if st.steps_total % self.settings.stats_every == 0:
+                summary.stats = frame_stats(frame)
+            st.steps_total += 1
+            st.last_step, st.last_step_wall, st.world = frame.step, self.wall(), frame.world
+        return summary
+
+    def judge_step(self, summary: StepSummary) -> list[IncidentEvent]:
+        """The temporal half: every detector's judgement, attribution and the incident book."""
+        st = self._state(summary.run)
+        self._remember(st, summary)
+        if summary.hosts is None:
+            summary.hosts = tuple(st.hosts)
         findings = []
         for det in st.detectors:
-            found = det.update(frame)
+            if hasattr(det, "judge"):
+                found = det.judge(summary, summary.observations.get(det.name))
+            elif summary.frame is not None:  # a detector that needs the whole step (both stages here)
+                found = det.update(summary.frame)
+            else:
+                found = []
             for f in found:
                 k = (f.detector, f.kind)
                 self.findings_total[k] = self.findings_total.get(k, 0) + 1
             findings += found
-        findings = st.attribution.apply(frame.step, frame.world, findings)
-        self._remember(st, frame)
-        return self.book.add(findings) + self.book.advance(frame.run, frame.step)
+        findings = st.attribution.apply(summary.step, summary.world, findings)
+        return self.book.add(findings) + self.book.advance(summary.run, summary.step)
 
-    def _remember(self, st: _Run, frame: StepFrame) -> None:
-        if st.world != frame.world:
-            st.world = frame.world
-            st.hosts = [""] * frame.world
-            st.dropped = np.zeros(frame.world)
-        if frame.complete:
-            st.hosts = list(frame.hosts)
-        else:  # keep the hosts of absent ranks
-            st.hosts = [new or old for new, old in zip(frame.hosts, st.hosts)]
-        col = frame.scalar("emitter_dropped")
-        if col is not None:
-            st.dropped = np.where(np.isfinite(col), col, st.dropped)
+    def _remember(self, st: _Run, summary: StepSummary) -> None:
+        if st.world != summary.world:
+            st.world = summary.world
+            st.hosts = [""] * summary.world
+            st.dropped = np.zeros(summary.world)
+        if summary.hosts is not None:
+            st.hosts = list(summary.hosts)
+        for r, n in summary.dropped.items():
+            if 0 <= r < summary.world:
+                st.dropped[r] = n
+        if summary.stats is not None:
+            st.stats = summary.stats
         st.steps_total += 1
-        st.last_step = frame.step
+        st.last_step = summary.step
         st.last_step_wall = self.wall()
-        st.frame = frame
+        st.summary = summary
 
     # -- reading ------------------------------------------------------------------------------
 
@@ -172,14 +271,17 @@ class DetectionPipeline:
 
     def view(self) -> ServiceView:
         """What the exporter shows: runs, pipeline health, incidents, counters."""
-        runs = [self._run_view(run, st) for run, st in self._runs.items() if st.frame is not None]
+        runs = [] if self.role == "spatial" else [  # the spatial stage judges nothing: health only
+            self._run_view(run, st) for run, st in self._runs.items() if st.summary is not None]
         now = self.wall()
         recent = [(t, n) for t, n in self._rate if now - t <= 10.0]
         rps = 0.0
         if len(recent) >= 2 and now > recent[0][0]:
             rps = sum(n for _, n in recent[1:]) / max(now - recent[0][0], 1e-6)
         pipe = PipelineView(
-            records_total=self.records_total, records_per_second=rps, duplicates_total=self.aligner.duplicates,
+            records_total=self.records_total, records_per_second=rps,
+            duplicates_total=self.aligner.duplicates + self.order.duplicates,
+            summaries_total=self.summaries_total, summaries_late_total=self.order.late,
             dead_letters_total=self.dead_letters_total, consumer_lag=self.consumer_lag,
             last_record_wall=self.last_record_wall,
         )
@@ -187,31 +289,23 @@ class DetectionPipeline:
                            incidents_total=dict(self.book.opened_total), findings_total=dict(self.findings_total))
 
     def _run_view(self, run: str, st: _Run) -> RunView:
-        f = st.frame
+        f = st.summary
         spike = next((d for d in st.detectors if isinstance(d, SpikeDetector)), None)
         ranks = next((d for d in st.detectors if isinstance(d, RankOutlierDetector)), None)
         missing = next((d for d in st.detectors if isinstance(d, MissingRankDetector)), None)
-        scalar_stats = {}
-        for j, name in enumerate(f.scalar_names):
-            col = f.scalars[:, j]
-            col = col[np.isfinite(col)]
-            if col.size:
-                scalar_stats[name] = np.quantile(col, _QUANTILES)
-        layer_stats = {}
-        if f.layers.size:
-            with np.errstate(all="ignore"), warnings.catch_warnings():
-                warnings.simplefilter("ignore", RuntimeWarning)  # an all-NaN layer gives NaN stats
-                for m, name in enumerate(f.layer_names):
-                    block = np.where(np.isfinite(f.layers[:, m, :]), f.layers[:, m, :], np.nan)
-                    layer_stats[name] = np.nanquantile(block, _QUANTILES, axis=0).T
+        stats = frame_stats(f.frame) if f.frame is not None else (st.stats or {"scalars": {}, "layers": {}})
         rank_scores = ranks.rank_scores if ranks is not None and ranks.rank_scores.shape[0] == f.world else np.zeros(f.world)
+        nan = float("nan")
         return RunView(
             run=run, world=f.world, last_step=st.last_step, last_step_wall=st.last_step_wall,
-            loss=spike.latest["loss"] if spike else f.global_value("loss_global", "loss"),
-            grad_norm=spike.latest["grad_norm"] if spike else f.global_value("grad_norm_global", reduce="median"),
+            loss=spike.latest["loss"] if spike else (f.frame.global_value("loss_global", "loss") if f.frame else nan),
+            grad_norm=spike.latest["grad_norm"] if spike else (
+                f.frame.global_value("grad_norm_global", reduce="median") if f.frame else nan),
             spike_scores=dict(spike.scores) if spike else {}, rank_scores=np.array(rank_scores, copy=True),
-            hosts=list(st.hosts) if st.hosts else [""] * f.world, scalar_stats=scalar_stats, layer_stats=layer_stats,
-            steps_total=st.steps_total, late_ranks=int(f.world - f.present.sum()),
+            hosts=list(st.hosts) if st.hosts else [""] * f.world,
+            scalar_stats={k: np.asarray(v, dtype=float) for k, v in stats["scalars"].items()},
+            layer_stats={k: np.asarray(v, dtype=float) for k, v in stats["layers"].items()},
+            steps_total=st.steps_total, late_ranks=int(f.world - f.n_present),
             missing_ranks=missing.missing if missing else 0, emitter_dropped=int(np.nansum(st.dropped)),
         )
 
@@ -231,17 +325,23 @@ class DetectionPipeline:
             } for run, st in self._runs.items()},
             "findings_total": [[d, k, n] for (d, k), n in self.findings_total.items()],
             "records_total": self.records_total,
+            "role": self.role,
+            "order": self.order.snapshot(),
+            "summaries_total": self.summaries_total,
         }
 
     def restore(self, state: dict[str, Any]) -> None:
         """Take back a :meth:`snapshot` (detectors missing from it start fresh)."""
         if state.get("version") != STATE_VERSION:
             raise ConfigError("state.version", f"unknown pipeline state version {state.get('version')!r}")
+        if state.get("role", "both") != self.role:
+            raise ConfigError("state.file", f"the state was saved by a {state.get('role')!r} stage, this is a "
+                                            f"{self.role!r} stage: give each stage its own state directory")
         self.aligner.restore(state["aligner"])
         self.book.restore(state["book"])
         self._runs = {}
         for run, d in state["runs"].items():
-            st = _Run(list(self.make_detectors()), Attribution(self.settings.attribution_window))
+            st = self._state(run)
             for det in st.detectors:
                 if det.name in d["detectors"]:
                     det.restore(d["detectors"][det.name])
@@ -252,6 +352,8 @@ class DetectionPipeline:
             self._runs[run] = st
         self.findings_total = {(a, b): int(n) for a, b, n in state["findings_total"]}
         self.records_total = int(state["records_total"])
+        self.order.restore(state.get("order", {}))
+        self.summaries_total = int(state.get("summaries_total", 0))
 
     def save(self, path: str | os.PathLike) -> None:
         """Write the state atomically (a crash mid-write leaves the previous file intact)."""

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from sdcwatch.detectors.base import check_positive, decode_array, encode_array, register
+from sdcwatch.detectors.base import StepContext, check_positive, decode_array, encode_array, register
 from sdcwatch.detectors.frame import StepFrame
 from sdcwatch.detectors.types import Finding, Severity
 from sdcwatch.errors import ConfigError
@@ -43,7 +43,8 @@ class RankOutlierDetector:
     def __init__(self, *, threshold: float = 20.0, drift: float = 1.0, clip: float = 4.0,
                  instant_z: float = 50.0, min_world: int = 4, max_fraction: float = 0.25,
                  max_named: int = 8, rel_floor: float = 1e-3, warmup: int = 10,
-                 reference_ranks: int = 2048, scalars: tuple[str, ...] = RANK_SCALARS) -> None:
+                 reference_ranks: int = 2048, report_z: float = 2.0,
+                 scalars: tuple[str, ...] = RANK_SCALARS) -> None:
         check_positive("rank_outlier", threshold=threshold, drift=drift, clip=clip, instant_z=instant_z,
                        min_world=min_world, max_fraction=max_fraction, max_named=max_named, rel_floor=rel_floor)
         if clip <= drift:
@@ -51,7 +52,12 @@ class RankOutlierDetector:
         self.threshold, self.drift, self.clip, self.instant_z = threshold, drift, clip, instant_z
         self.min_world, self.max_fraction, self.max_named = int(min_world), max_fraction, int(max_named)
         self.rel_floor, self.warmup, self.scalars = rel_floor, int(warmup), tuple(scalars)
-        check_positive("rank_outlier", reference_ranks=reference_ranks)
+        check_positive("rank_outlier", reference_ranks=reference_ranks, report_z=report_z)
+        # With ``sparse`` (scale-out summaries) an observation carries only the cells with
+        # |z| >= report_z; the others count as z = 0, so their evidence decays by ``drift`` a step.
+        self.sparse = False
+        self.report_z = float(report_z)
+        self._obs_sig: str | None = None  # layout the typical spread belongs to
         # The median and MAD of a feature are estimated on at most this many ranks (a fixed,
         # seeded sample): at 2048 ranks the median's standard error is ~3% of the noise scale,
         # and the sort costs a fraction of what all 16k ranks would. Every rank is still scored.
@@ -59,7 +65,7 @@ class RankOutlierDetector:
         self._sample: np.ndarray | None = None
         self.spread_alpha = 0.05
         self._spread: np.ndarray | None = None  # (k,) typical cross-rank spread per feature
-        self._sig: tuple | None = None  # (world, scalar names, layer names, n_layers)
+        self._sig: str | None = None  # layout of the evidence arrays: world, metrics and layers
         self._pos: np.ndarray | None = None
         self._neg: np.ndarray | None = None
         self._steps = 0
@@ -72,8 +78,9 @@ class RankOutlierDetector:
 
     # -- features -------------------------------------------------------------------------------
 
-    def _features(self, frame: StepFrame) -> tuple[np.ndarray, list[str], list[int | None]]:
-        """(k, world) feature matrix (each feature's ranks contiguous), with its metric and layer names."""
+    def _features(self, frame: StepFrame) -> tuple[np.ndarray, list[str], list[int | None], str]:
+        """(k, world) feature matrix (each feature's ranks contiguous), its metric and layer names
+        and a signature of that layout."""
         key = (frame.scalar_names, frame.layer_names, frame.n_layers)
         cached = self._layout.get(key)
         if cached is None:
@@ -84,21 +91,21 @@ class RankOutlierDetector:
                 for m in frame.layer_names:
                     metrics += [m] * frame.n_layers
                     layers += list(range(frame.n_layers))
-            cached = self._layout[key] = (idx, metrics, layers)
-        idx, metrics, layers = cached
+            sig = "|".join(metrics) + "#" + ",".join("-" if v is None else str(v) for v in layers)
+            cached = self._layout[key] = (idx, metrics, layers, sig)
+        idx, metrics, layers, sig = cached
         k_s = len(idx)
         X = np.empty((len(metrics), frame.world))
         X[:k_s] = frame.scalars[:, idx].T
         if frame.layers.size:
             X[k_s:] = frame.layers.reshape(frame.world, -1).T
-        return X, metrics, layers
+        return X, metrics, layers, f"{frame.world}:{sig}"
 
-    def _reset(self, sig: tuple, k: int, world: int) -> None:
+    def _reset(self, sig: str, k: int, world: int) -> None:
         self._sig = sig
         self._pos = np.zeros((k, world))  # CUSUM of positive deviations per (feature, rank)
         self._neg = np.zeros((k, world))
         self._steps = 0
-        self._spread = None
         self.rank_scores = np.zeros(world)
 
     # -- detection --------------------------------------------------------------------------------
@@ -162,16 +169,55 @@ class RankOutlierDetector:
             z[~finite] = 0.0
         return z
 
-    def update(self, frame: StepFrame) -> list[Finding]:
+    def observe(self, frame: StepFrame) -> dict[str, Any] | None:
+        """This step's robust z of every (feature, rank), and the ranks extreme at this step alone."""
         if frame.world < self.min_world:
-            return []
-        X, metrics, layers = self._features(frame)
+            return None
+        X, metrics, layers, sig = self._features(frame)
         if X.shape[0] == 0:
-            return []
-        sig = (frame.world, frame.scalar_names, frame.layer_names, frame.n_layers, tuple(metrics))
-        if sig != self._sig:
-            self._reset(sig, X.shape[0], frame.world)
+            return None
+        if sig != self._obs_sig:
+            self._obs_sig, self._spread = sig, None
         z = self._robust_zt(X)  # (k, world)
+        absz = np.abs(z)
+        peak = absz.max(axis=0)
+        spiky = np.flatnonzero(peak >= self.instant_z)
+        instant = []
+        if 0 < spiky.size <= self._limit(frame.world):
+            li = metrics.index("loss") if "loss" in metrics else None
+            for r in spiky[np.argsort(-peak[spiky])][: self.max_named]:
+                r = int(r)
+                c = int(absz[:, r].argmax())
+                instant.append({"rank": r, "feature": c, "peak": float(peak[r]), "z": float(z[c, r]),
+                                "loss_z": float(z[li, r]) if li is not None else None, "value": float(X[c, r])})
+        seen: dict[str, Any] = {"sig": sig, "metrics": metrics, "layers": layers, "instant": instant}
+        if self.sparse:
+            c, r = np.nonzero(absz >= self.report_z)
+            seen["cells"] = np.stack([c, r]).astype(np.int32)
+            seen["cell_z"] = z[c, r].astype(np.float32)
+        else:
+            seen["z"] = z
+        return seen
+
+    def update(self, frame: StepFrame) -> list[Finding]:
+        return self.judge(frame, self.observe(frame))
+
+    def _limit(self, world: int) -> int:
+        return max(1, math.floor(self.max_fraction * world))
+
+    def judge(self, frame: StepContext, seen: dict[str, Any] | None) -> list[Finding]:
+        """Add a step's z to the per-(feature, rank) CUSUM evidence; name ranks that cross the threshold."""
+        if seen is None:
+            return []
+        metrics, layers = seen["metrics"], seen["layers"]
+        k = len(metrics)
+        z = seen.get("z")
+        if z is None:  # a sparse observation: the cells not sent count as z = 0
+            z = np.zeros((k, frame.world))
+            cells = np.asarray(seen["cells"], dtype=np.int64).reshape(2, -1)
+            z[cells[0], cells[1]] = seen["cell_z"]
+        if seen["sig"] != self._sig:
+            self._reset(seen["sig"], k, frame.world)
         self._steps += 1
         zc = np.clip(z, -self.clip, self.clip)
         pos, neg = self._pos, self._neg
@@ -187,32 +233,24 @@ class RankOutlierDetector:
         if self._steps <= self.warmup:
             return []
         findings: list[Finding] = []
-        limit = max(1, math.floor(self.max_fraction * frame.world))
         flagged = np.flatnonzero(evidence >= self.threshold)
-        if 0 < flagged.size <= limit:
+        if 0 < flagged.size <= self._limit(frame.world):
             order = flagged[np.argsort(-evidence[flagged])][: self.max_named]
             for r in order:
                 findings.append(self._outlier(frame, int(r), int(ev[:, r].argmax()), float(evidence[r]), z,
                                               metrics, layers))
-        absz = np.abs(z)
-        peak = absz.max(axis=0)
-        spiky = np.flatnonzero(peak >= self.instant_z)
-        if 0 < spiky.size <= limit:
-            li = metrics.index("loss") if "loss" in metrics else None
-            for r in spiky[np.argsort(-peak[spiky])][: self.max_named]:
-                r = int(r)
-                c = int(absz[:, r].argmax())
-                findings.append(Finding(
-                    detector=self.name, kind="rank_deviation", severity=Severity.INFO, run=frame.run,
-                    step=frame.step, score=float(peak[r]),
-                    message=f"rank {r} extreme at step {frame.step}: {_where(metrics[c], layers[c])} z={z[c, r]:.1f}",
-                    ranks=(r,), hosts=_hosts(frame, r), metric=metrics[c], layer=layers[c],
-                    evidence={"z": float(z[c, r]), "loss_z": float(z[li, r]) if li is not None else None,
-                              "value": float(X[c, r])},
-                ))
+        for hit in seen["instant"]:
+            r, c = int(hit["rank"]), int(hit["feature"])
+            findings.append(Finding(
+                detector=self.name, kind="rank_deviation", severity=Severity.INFO, run=frame.run,
+                step=frame.step, score=float(hit["peak"]),
+                message=f"rank {r} extreme at step {frame.step}: {_where(metrics[c], layers[c])} z={hit['z']:.1f}",
+                ranks=(r,), hosts=_hosts(frame, r), metric=metrics[c], layer=layers[c],
+                evidence={"z": hit["z"], "loss_z": hit["loss_z"], "value": hit["value"]},
+            ))
         return findings
 
-    def _outlier(self, frame: StepFrame, r: int, c: int, ev: float, z: np.ndarray,
+    def _outlier(self, frame: StepContext, r: int, c: int, ev: float, z: np.ndarray,
                  metrics: list[str], layers: list[int | None]) -> Finding:
         conf = min(0.999, 1.0 - 0.5 * math.exp(-3.0 * (ev / self.threshold - 1.0)))
         host = frame.hosts[r]
@@ -232,19 +270,22 @@ class RankOutlierDetector:
 
     def snapshot(self) -> dict[str, Any]:
         if self._sig is None:
-            return {"sig": None}
-        return {"sig": _jsonable(self._sig), "pos": encode_array(self._pos), "neg": encode_array(self._neg),
-                "steps": self._steps, "spread": None if self._spread is None else encode_array(self._spread)}
+            return {"sig": None, "obs_sig": self._obs_sig,
+                    "spread": None if self._spread is None else encode_array(self._spread)}
+        return {"sig": self._sig, "pos": encode_array(self._pos), "neg": encode_array(self._neg),
+                "steps": self._steps, "spread": None if self._spread is None else encode_array(self._spread),
+                "obs_sig": self._obs_sig}
 
     def restore(self, state: dict[str, Any]) -> None:
+        self._obs_sig = state.get("obs_sig")
+        self._spread = None if state.get("spread") is None else decode_array(state["spread"])
         if state.get("sig") is None:
             self._sig = None
             return
-        self._sig = _tuplify(state["sig"])
+        self._sig = state["sig"]
         self._pos = decode_array(state["pos"])
         self._neg = decode_array(state["neg"])
         self._steps = int(state["steps"])
-        self._spread = None if state.get("spread") is None else decode_array(state["spread"])
         ev = np.maximum(self._pos, self._neg).max(axis=0) if self._pos.size else np.zeros(self._pos.shape[1])
         self.rank_scores = ev / self.threshold
 
@@ -253,13 +294,6 @@ def _where(metric: str, layer: int | None) -> str:
     return metric if layer is None else f"{metric} layer {layer}"
 
 
-def _hosts(frame: StepFrame, r: int) -> tuple[str, ...]:
+def _hosts(frame: StepContext, r: int) -> tuple[str, ...]:
     return (frame.hosts[r],) if frame.hosts[r] else ()
 
-
-def _jsonable(x: Any) -> Any:
-    return [_jsonable(v) for v in x] if isinstance(x, tuple) else x
-
-
-def _tuplify(x: Any) -> Any:
-    return tuple(_tuplify(v) for v in x) if isinstance(x, list) else x

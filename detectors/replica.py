@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from sdcwatch.detectors.base import check_positive, register
+from sdcwatch.detectors.base import StepContext, check_positive, register
 from sdcwatch.detectors.frame import StepFrame
 from sdcwatch.detectors.types import Finding, Severity
 
@@ -39,6 +39,7 @@ class ReplicaDivergenceDetector:
     """Critical ``replica_divergence`` naming the rank(s) whose replicated values differ."""
 
     name = "replica"
+    sparse = False  # see SplitDetector: set on the scale-out's spatial stage
     fault = "replica"
     warmup_steps = 0
 
@@ -57,10 +58,11 @@ class ReplicaDivergenceDetector:
                 have = np.isfinite(col) & frame.present
                 yield name, np.ascontiguousarray(col).view(np.uint64), have
 
-    def update(self, frame: StepFrame) -> list[Finding]:
+    def observe(self, frame: StepFrame) -> dict[str, Any] | None:
+        """The majority vote of the step: odd ranks per value, values with no majority (None if all agree)."""
         if frame.world < self.min_world:
-            return []
-        odd_by_metric: dict[str, np.ndarray] = {}
+            return None
+        odd_by_metric: dict[str, list[int]] = {}
         split: list[str] = []
         for name, bits, have in self._columns(frame):
             idx = np.flatnonzero(have)
@@ -70,9 +72,19 @@ class ReplicaDivergenceDetector:
             if value is None:
                 split.append(name)
             elif differs.any():
-                odd_by_metric[name] = idx[differs]
+                odd_by_metric[name] = idx[differs].tolist()
         if not odd_by_metric and not split:
+            return None
+        return {"odd": odd_by_metric, "split": split}
+
+    def update(self, frame: StepFrame) -> list[Finding]:
+        return self.judge(frame, self.observe(frame))
+
+    def judge(self, frame: StepContext, vote: dict[str, Any] | None) -> list[Finding]:
+        if vote is None:
             return []
+        odd_by_metric: dict[str, list[int]] = vote["odd"]
+        split: list[str] = vote["split"]
         self._divergent_steps += 1
         if odd_by_metric:
             ranks = tuple(sorted({int(r) for v in odd_by_metric.values() for r in v}))

@@ -20,10 +20,11 @@ from typing import Any, Callable, Sequence
 
 from sdcwatch.detectors.pipeline import DetectionPipeline
 from sdcwatch.detectors.source import Source as RecordSource  # the protocol the service reads through
+from sdcwatch.detectors.summary import SUMMARY_TOPIC, StepSummary, encode_summary
 from sdcwatch.detectors.types import IncidentEvent, IncidentSink, ServiceView
 from sdcwatch.errors import ConfigError
 
-__all__ = ["DetectorService", "AnomalyTopicSink", "RecordSource", "ANOMALY_TOPIC", "STATE_FILE"]
+__all__ = ["DetectorService", "AnomalyTopicSink", "SummaryTopicSink", "RecordSource", "ANOMALY_TOPIC", "STATE_FILE"]
 
 log = logging.getLogger("sdcwatch.detectors.service")
 
@@ -51,17 +52,7 @@ class AnomalyTopicSink:
 
     @classmethod
     def to_kafka(cls, bootstrap: str, topic: str = ANOMALY_TOPIC, **producer_settings: Any) -> "AnomalyTopicSink":
-        from kafka import KafkaProducer  # lazy: replay and unit tests never need it
-
-        producer = KafkaProducer(bootstrap_servers=bootstrap, acks=1, linger_ms=20, **producer_settings)
-
-        def send(key: bytes, value: bytes) -> None:
-            producer.send(topic, key=key, value=value)
-
-        def close() -> None:
-            producer.flush(timeout=5)
-            producer.close(timeout=5)
-
+        send, _flush, close = _kafka_sender(bootstrap, topic, linger_ms=20, **producer_settings)
         return cls(send, close)
 
     def publish(self, event: IncidentEvent) -> None:
@@ -81,11 +72,89 @@ class AnomalyTopicSink:
                 log.exception("anomaly topic: close failed")
 
 
+def _kafka_sender(bootstrap: str, topic: str, **producer_settings: Any):
+    """(send(key, value), flush() -> bool, close()) over one kafka-python producer."""
+    from kafka import KafkaProducer  # lazy: replay and unit tests never need it
+
+    producer = KafkaProducer(bootstrap_servers=bootstrap, acks=1, **producer_settings)
+
+    def send(key: bytes, value: bytes) -> None:
+        producer.send(topic, key=key, value=value)
+
+    def flush() -> bool:
+        try:
+            producer.flush(timeout=10)
+            return True
+        except Exception as exc:
+            log.warning("%s: flush failed: %s", topic, exc)
+            return False
+
+    def close() -> None:
+        producer.flush(timeout=5)
+        producer.close(timeout=5)
+
+    return send, flush, close
+
+
+class SummaryTopicSink:
+    """The spatial stage's output: each step summary as one message, keyed by run, to a topic.
+
+    Keyed by run so that one run's summaries share a partition and so a temporal instance. The
+    service flushes it before it commits its telemetry offsets: a summary is on the bus before the
+    records it came from count as done.
+    """
+
+    def __init__(self, send: Callable[[bytes, bytes], Any], flush: Callable[[], bool] = lambda: True,
+                 close: Callable[[], Any] | None = None) -> None:
+        self._send, self._flush, self._close = send, flush, close
+        self.published = 0
+        self.errors = 0
+        self.bytes = 0
+
+    @classmethod
+    def to_bus(cls, bus: Any, topic: str = SUMMARY_TOPIC) -> "SummaryTopicSink":
+        return cls(lambda k, v: bus.append(topic, k, v))
+
+    @classmethod
+    def to_kafka(cls, bootstrap: str, topic: str = SUMMARY_TOPIC, **producer_settings: Any) -> "SummaryTopicSink":
+        # a 16k-rank step summary can pass the producer's 1 MB default; brokers cap it on their side
+        send, flush, close = _kafka_sender(bootstrap, topic, linger_ms=5, max_request_size=8 << 20,
+                                           **producer_settings)
+        return cls(send, flush, close)
+
+    def publish(self, summaries: Sequence[StepSummary]) -> None:
+        for s in summaries:
+            try:
+                value = encode_summary(s)
+                self._send(s.run.encode("utf-8"), value)
+                self.published += 1
+                self.bytes += len(value)
+            except Exception:
+                self.errors += 1
+                log.exception("summaries topic: could not publish step %s of run %s", s.step, s.run)
+
+    def flush(self) -> bool:
+        return bool(self._flush())
+
+    def close(self) -> None:
+        if self._close is not None:
+            try:
+                self._close()
+            except Exception:
+                log.exception("summaries topic: close failed")
+
+
 class DetectorService:
-    """Runs the detection loop; ``state_dir`` (optional) holds the snapshots that make restarts seamless."""
+    """Runs the detection loop; ``state_dir`` (optional) holds the snapshots that make restarts seamless.
+
+    The pipeline's role decides what flows: ``both`` reads records and publishes incidents;
+    ``spatial`` reads records and hands step summaries to ``summary_sink``; ``temporal`` reads
+    summaries (a source built with ``decode=decode_summary_message``) and publishes incidents.
+    """
 
     def __init__(self, source: RecordSource, pipeline: DetectionPipeline | None = None, *,
-                 sinks: Sequence[IncidentSink] = (), state_dir: str | Path | None = None,
+                 sinks: Sequence[IncidentSink] = (), summary_sink: SummaryTopicSink | None = None,
+                 state_dir: str | Path | None = None,
                  snapshot_every: float = 10.0, poll_timeout: float = 0.2,
                  clock: Callable[[], float] = time.monotonic) -> None:
         if snapshot_every <= 0:
@@ -94,6 +163,9 @@ class DetectorService:
             raise ConfigError("service.poll_timeout", f"must be positive, got {poll_timeout!r}")
         self.source = source
         self.pipeline = pipeline or DetectionPipeline()
+        if self.pipeline.role == "spatial" and summary_sink is None:
+            raise ConfigError("service.summary_sink", "a spatial stage needs a summary sink (the summaries topic)")
+        self.summary_sink = summary_sink
         self.sinks = list(sinks)
         self.state_path = Path(state_dir) / STATE_FILE if state_dir is not None else None
         self.snapshot_every = snapshot_every
@@ -111,12 +183,18 @@ class DetectorService:
 
     def step(self) -> list[IncidentEvent]:
         """One iteration: poll, detect, close late steps, publish; snapshot when it is time."""
-        records = self.source.poll(self.poll_timeout)
+        items = self.source.poll(self.poll_timeout)
         with self._lock:
-            events = self.pipeline.process(records)
+            if self.pipeline.role == "temporal":
+                events = self.pipeline.process_summaries(items)
+            else:
+                events = self.pipeline.process(items)
             events += self.pipeline.tick()
             events += self.pipeline.expire()
             self.pipeline.dead_letters_total = int(getattr(self.source, "dead_letters", 0))
+            summaries, self.pipeline.outbox = self.pipeline.outbox, []
+        if summaries:
+            self.summary_sink.publish(summaries)
         self._publish(events)
         if self.clock() - self._last_lag >= 1.0:
             self._refresh_lag()
@@ -139,6 +217,10 @@ class DetectorService:
             return
         with self._lock:
             self.pipeline.save(self.state_path)
+        if self.summary_sink is not None and not self.summary_sink.flush():
+            log.warning("summaries not confirmed by the bus: offsets not committed (the steps will be re-read)")
+            self._last_snapshot = self.clock()
+            return
         try:
             self.source.commit()
         except Exception:
@@ -189,6 +271,8 @@ class DetectorService:
             try:
                 self.source.close()
             finally:
+                if self.summary_sink is not None:
+                    self.summary_sink.close()
                 for sink in self.sinks:
                     try:
                         sink.close()

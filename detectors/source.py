@@ -12,12 +12,13 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 from sdcwatch.errors import RecordError, TransportError
 from sdcwatch.telemetry.record import TELEMETRY_TOPIC, Record, decode_message
 
-__all__ = ["Source", "KafkaSource", "MemorySource", "DeadLetter", "DEADLETTER_TOPIC", "TELEMETRY_TOPIC", "FAST_JOIN"]
+__all__ = ["Source", "KafkaSource", "MemorySource", "DeadLetter", "DEADLETTER_TOPIC", "TELEMETRY_TOPIC", "FAST_JOIN",
+           "decode_summary_message"]
 
 log = logging.getLogger("sdcwatch.detectors")
 
@@ -53,11 +54,18 @@ class Source(Protocol):
     def close(self) -> None: ...
 
 
-def _decode_or_reason(value: Any) -> tuple[list[Record] | None, str]:
+def decode_summary_message(value: bytes) -> list:
+    """The temporal stage's decoder: one step summary per message."""
+    from sdcwatch.detectors.summary import decode_summary
+
+    return [decode_summary(value)]
+
+
+def _decode_or_reason(value: Any, decode: Callable[[bytes], list] = decode_message) -> tuple[list | None, str]:
     if value is None:
         return None, "empty message (null value)"
     try:
-        return decode_message(value), ""
+        return decode(value), ""
     except RecordError as exc:
         return None, str(exc)
 
@@ -65,8 +73,10 @@ def _decode_or_reason(value: Any) -> tuple[list[Record] | None, str]:
 class MemorySource:
     """Reads a :class:`~sdcwatch.telemetry.MemoryBus` topic (unit tests, in-process demos)."""
 
-    def __init__(self, bus: Any, topic: str = TELEMETRY_TOPIC, deadletter_topic: str = DEADLETTER_TOPIC) -> None:
+    def __init__(self, bus: Any, topic: str = TELEMETRY_TOPIC, deadletter_topic: str = DEADLETTER_TOPIC,
+                 decode: Callable[[bytes], list] = decode_message) -> None:
         self.bus = bus
+        self.decode = decode
         self.topic = topic
         self.deadletter_topic = deadletter_topic
         self.records = 0
@@ -81,7 +91,7 @@ class MemorySource:
             time.sleep(min(timeout, 0.01))
         out = []
         for i, (key, value) in enumerate(msgs):
-            recs, reason = _decode_or_reason(value)
+            recs, reason = _decode_or_reason(value, self.decode)
             if recs is None:
                 dl = DeadLetter(reason, f"{self.topic}/0/{self._offset + i}", key, value)
                 self.dead_letter_log.append(dl)
@@ -126,6 +136,7 @@ class KafkaSource:
         session_timeout_ms: int = FAST_JOIN["session_timeout_ms"],
         heartbeat_interval_ms: int = FAST_JOIN["heartbeat_interval_ms"],
         lag_interval: float = 1.0,
+        decode: Callable[[bytes], list] = decode_message,
         **security: Any,
     ) -> None:
         from kafka import KafkaConsumer, KafkaProducer
@@ -140,6 +151,7 @@ class KafkaSource:
         self.deadletter_topic = deadletter_topic
         self.max_poll_records = max_poll_records
         self.lag_interval = lag_interval
+        self.decode = decode  # decode_summary_message for the temporal stage
         self.records = 0
         self.dead_letters = 0
         self._lag = 0
@@ -169,7 +181,7 @@ class KafkaSource:
         out: list[Record] = []
         for tp, messages in batches.items():
             for msg in messages:
-                recs, reason = _decode_or_reason(msg.value)
+                recs, reason = _decode_or_reason(msg.value, self.decode)
                 if recs is not None:
                     out.extend(recs)
                     continue

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from sdcwatch.detectors.base import check_positive, register
+from sdcwatch.detectors.base import StepContext, check_positive, register
 from sdcwatch.detectors.frame import StepFrame
 from sdcwatch.detectors.types import Finding, Severity
 from sdcwatch.errors import ConfigError
@@ -128,6 +128,7 @@ class SpikeDetector:
     """
 
     name = "spike"
+    sparse = False  # see SplitDetector: set on the scale-out's spatial stage
     fault = "loss_spike"
 
     SERIES = {
@@ -156,28 +157,44 @@ class SpikeDetector:
     def _settings(self, series: str) -> SeriesSettings:
         return getattr(self, series)
 
-    def update(self, frame: StepFrame) -> list[Finding]:
-        measured = {}
+    def observe(self, frame: StepFrame) -> dict[str, Any]:
+        """The step's value of each series (and the rank with the highest loss): all it needs of the ranks."""
+        values: dict[str, Any] = {}
         for key, (names, reduce) in self.SERIES.items():
             if key == "loss_max" and frame.world < 2:
-                value = math.nan  # one series: the highest rank is the only one
+                values[key] = math.nan  # one series: the highest rank is the only one
             else:
-                value = frame.global_value(*names, reduce=reduce)
+                values[key] = frame.global_value(*names, reduce=reduce)
+        losses = frame.scalar("loss") if frame.world >= 2 else None
+        values["max_rank"] = (int(np.nanargmax(losses)) if losses is not None and np.isfinite(losses).any()
+                              else None)
+        return values
+
+    def judge(self, at: StepContext, values: dict[str, Any] | None) -> list[Finding]:
+        """Advance the baselines and the spike state machines with one step's values."""
+        if values is None:
+            return []
+        measured = {}
+        for key in self.SERIES:
+            value = float(values[key])
             self.latest[key] = value
             z, ratio, base = self._base[key].score(value)
             self.scores[key] = max(z, 0.0)
             measured[key] = (value, z, ratio, base)
-        phases = {k: self._advance(k, frame.step, *measured[k]) for k in self.SERIES}
+        phases = {k: self._advance(k, at.step, *measured[k]) for k in self.SERIES}
         for key, (value, *_rest) in measured.items():
             self._base[key].update(value)
         findings = []
         if phases["loss"]:
-            findings.append(self._finding(frame, "loss", phases["loss"], measured))
+            findings.append(self._finding(at, "loss", phases["loss"], measured, values.get("max_rank")))
         elif phases["loss_max"] and self._active["loss"] is None:
-            findings.append(self._finding(frame, "loss_max", phases["loss_max"], measured))
+            findings.append(self._finding(at, "loss_max", phases["loss_max"], measured, values.get("max_rank")))
         elif phases["grad_norm"] and self._active["loss"] is None and self._active["loss_max"] is None:
-            findings.append(self._finding(frame, "grad_norm", phases["grad_norm"], measured))
+            findings.append(self._finding(at, "grad_norm", phases["grad_norm"], measured, values.get("max_rank")))
         return findings
+
+    def update(self, frame: StepFrame) -> list[Finding]:
+        return self.judge(frame, self.observe(frame))
 
     def _advance(self, key: str, step: int, value: float, z: float, ratio: float, base: float) -> str:
         """Move the spike state machine of one series; returns the phase to report ('' = none)."""
@@ -200,7 +217,7 @@ class SpikeDetector:
         self._last_recovered = active
         return "recovery"
 
-    def _finding(self, frame: StepFrame, key: str, phase: str, measured: dict) -> Finding:
+    def _finding(self, at: StepContext, key: str, phase: str, measured: dict, max_rank: int | None) -> Finding:
         value, z, ratio, base = measured[key]
         state = self._active[key] if phase != "recovery" else self._last_recovered
         kind = "grad_spike" if key == "grad_norm" else "loss_spike"
@@ -217,14 +234,13 @@ class SpikeDetector:
                 evidence[f"{other}_z"] = measured[other][1]
                 evidence[f"{other}_ratio"] = measured[other][2]
         if key == "loss_max":
-            losses = frame.scalar("loss")
-            evidence["max_rank"] = int(np.nanargmax(losses)) if phase != "recovery" else state.get("max_rank")
+            evidence["max_rank"] = max_rank if phase != "recovery" else state.get("max_rank")
             state.setdefault("max_rank", evidence["max_rank"])
         if phase == "recovery":
-            evidence["recovered_step"] = frame.step
+            evidence["recovered_step"] = at.step
         msg = f"{label} at step {state['onset']} ({state['peak']:.4g} vs baseline {baseline:.4g})"
         return Finding(
-            detector=self.name, kind=kind, severity=Severity.WARNING, run=frame.run, step=frame.step,
+            detector=self.name, kind=kind, severity=Severity.WARNING, run=at.run, step=at.step,
             score=float(max(z, 0.0)) if phase != "recovery" else 0.0, message=msg,
             metric=key, evidence=evidence,
         )

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from sdcwatch.detectors.base import check_positive, decode_array, encode_array, register
+from sdcwatch.detectors.base import StepContext, check_positive, decode_array, encode_array, register
 from sdcwatch.detectors.frame import StepFrame
 from sdcwatch.detectors.types import Finding, Severity
 
@@ -30,6 +30,7 @@ class StragglerDetector:
     """
 
     name = "straggler"
+    sparse = False  # see SplitDetector: set on the scale-out's spatial stage
     fault = "straggler"
 
     def __init__(self, min_ratio: float = 1.5, window: int = 20, min_world: int = 3) -> None:
@@ -44,21 +45,41 @@ class StragglerDetector:
     def warmup_steps(self) -> int:
         return self.window
 
-    def update(self, frame: StepFrame) -> list[Finding]:
+    def observe(self, frame: StepFrame) -> dict[str, Any] | None:
+        """Each rank's log step-time ratio to the median rank (sparse: only the clearly slow ranks)."""
         if frame.world < self.min_world:
-            return []
+            return None
         t = frame.scalar("step_time")
         if t is None:
-            return []
+            return None
         ok = np.isfinite(t) & (t > 0) & frame.present
         if ok.sum() < self.min_world:
+            return None
+        med = float(np.median(t[ok]))
+        with np.errstate(all="ignore"):
+            lr = np.where(ok, np.log(np.where(ok, t, 1.0) / med), 0.0)
+        if not self.sparse:
+            return {"median": med, "log_ratio": lr}
+        # Only a rank at least sqrt(min_ratio) slower can be a straggler's typical step; the
+        # others count as ratio 1. The window's median decides the same way unless a rank sits
+        # between the two ratios for most of the window.
+        slow = np.flatnonzero(lr >= 0.5 * math.log(self.min_ratio))
+        return {"median": med, "slow": slow, "slow_log_ratio": lr[slow]}
+
+    def update(self, frame: StepFrame) -> list[Finding]:
+        return self.judge(frame, self.observe(frame))
+
+    def judge(self, frame: StepContext, seen: dict[str, Any] | None) -> list[Finding]:
+        if seen is None:
             return []
+        med = seen["median"]
+        lr = seen.get("log_ratio")
+        if lr is None:
+            lr = np.zeros(frame.world)
+            lr[np.asarray(seen["slow"], dtype=np.int64)] = seen["slow_log_ratio"]
         if self._ratios is None or self._ratios.shape[1] != frame.world:
             self._ratios = np.zeros((self.window, frame.world))
             self._steps = 0
-        med = np.median(t[ok])
-        with np.errstate(all="ignore"):
-            lr = np.where(ok, np.log(np.where(ok, t, 1.0) / med), 0.0)
         self._ratios[self._steps % self.window] = lr
         self._steps += 1
         if self._steps <= self.window:  # warm-up: the window fills, then one more step
@@ -71,14 +92,14 @@ class StragglerDetector:
         for r in slow[np.argsort(-typical[slow])][:8]:
             r = int(r)
             ratio = float(math.exp(typical[r]))
+            now = float(math.exp(lr[r]))
             host = frame.hosts[r]
             out.append(Finding(
                 detector=self.name, kind="straggler", severity=Severity.WARNING, run=frame.run, step=frame.step,
                 score=ratio, metric="step_time", ranks=(r,), hosts=(host,) if host else (),
                 message=f"straggler: rank {r}" + (f" (host {host})" if host else "") +
                         f" persistently slow: typical step {ratio:.2f}x the median rank's over {self.window} steps",
-                evidence={"ratio_typical": ratio, "ratio_now": float(t[r] / med) if ok[r] else None,
-                          "step_time": float(t[r]), "median_step_time": float(med)},
+                evidence={"ratio_typical": ratio, "ratio_now": now, "step_time": med * now, "median_step_time": med},
             ))
         return out
 
@@ -95,6 +116,7 @@ class MissingRankDetector:
     """``missing_rank`` (critical) for ranks absent from ``after`` consecutive closed steps."""
 
     name = "missing_rank"
+    sparse = False  # see SplitDetector: set on the scale-out's spatial stage
     fault = "missing"
     warmup_steps = 0
 
@@ -105,12 +127,23 @@ class MissingRankDetector:
         self.late = 0  # ranks absent at the last step
         self.missing = 0  # ranks absent for `after` steps or more
 
-    def update(self, frame: StepFrame) -> list[Finding]:
+    def observe(self, frame: StepFrame) -> np.ndarray | None:
+        """The ranks absent from the step (None for a one-rank run)."""
         if frame.world == 1:  # a closed one-rank step always has its rank
+            return None
+        return np.flatnonzero(~frame.present)
+
+    def update(self, frame: StepFrame) -> list[Finding]:
+        return self.judge(frame, self.observe(frame))
+
+    def judge(self, frame: StepContext, absent: np.ndarray | None) -> list[Finding]:
+        if absent is None:
             return []
         if self._absent is None or self._absent.shape[0] != frame.world:
             self._absent = np.zeros(frame.world, np.int64)
-        self._absent = np.where(frame.present, 0, self._absent + 1)
+        present = np.ones(frame.world, bool)
+        present[np.asarray(absent, dtype=np.int64)] = False
+        self._absent = np.where(present, 0, self._absent + 1)
         self.late = int((self._absent > 0).sum())
         gone = np.flatnonzero(self._absent >= self.after)
         self.missing = int(gone.size)

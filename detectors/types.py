@@ -166,6 +166,8 @@ class PipelineView:
     dead_letters_total: int = 0
     consumer_lag: int = 0  # records behind the end of the topic (all partitions)
     last_record_wall: float = 0.0
+    summaries_total: int = 0  # temporal stage: step summaries received from the spatial stage
+    summaries_late_total: int = 0  # temporal stage: summaries that came after a later step (dropped)
 
 
 @dataclass

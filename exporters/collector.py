@@ -173,6 +173,8 @@ class SdcwatchCollector(Collector):
         add("sdcwatch_pipeline_consumer_lag_records", [], p.consumer_lag)
         add("sdcwatch_pipeline_dead_letters_total", [], p.dead_letters_total)
         add("sdcwatch_pipeline_duplicates_total", [], p.duplicates_total)
+        add("sdcwatch_pipeline_summaries_total", [], p.summaries_total)
+        add("sdcwatch_pipeline_summaries_late_total", [], p.summaries_late_total)
         if p.last_record_wall > 0:
             add("sdcwatch_pipeline_last_record_age_seconds", [], max(0.0, now - p.last_record_wall))
         return fam

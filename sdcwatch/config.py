@@ -45,6 +45,7 @@ except ModuleNotFoundError:  # pragma: no cover - Python 3.10 needs the backport
 
 from sdcwatch.detectors.service import ANOMALY_TOPIC
 from sdcwatch.detectors.source import DEADLETTER_TOPIC
+from sdcwatch.detectors.summary import SUMMARY_TOPIC
 from sdcwatch.errors import ConfigError
 from sdcwatch.telemetry.record import TELEMETRY_TOPIC
 
@@ -133,8 +134,11 @@ class BusConfig(_Section):
     """Topic the service writes incident changes to (opened, updated, resolved), as JSON."""
     deadletter_topic: str = DEADLETTER_TOPIC
     """Topic malformed telemetry messages are moved to, untouched, for a person to inspect."""
+    summaries_topic: str = SUMMARY_TOPIC
+    """Topic from the spatial to the temporal stage when the service runs split (detectors.stage)."""
     group: str = "sdcwatch-detectors"
-    """Kafka consumer group of the service; instances sharing it share the partitions (whole steps)."""
+    """Kafka consumer group of the service; instances sharing it share the partitions (whole steps).
+    A temporal stage reads the summaries topic as group <group>.temporal."""
     security: dict = field(default_factory=dict)
     """Kafka security settings passed to kafka-python as keywords: security_protocol, ssl_cafile,
     sasl_mechanism, sasl_plain_username, sasl_plain_password, ... (see SECURITY_KEYS)."""
@@ -147,7 +151,7 @@ class BusConfig(_Section):
         if not self.bootstrap_servers:
             self._fail("bootstrap", "must name at least one host:port")
         topics: dict[str, str] = {}
-        for name in ("telemetry_topic", "anomalies_topic", "deadletter_topic"):
+        for name in ("telemetry_topic", "anomalies_topic", "deadletter_topic", "summaries_topic"):
             topic = getattr(self, name)
             if not _TOPIC.match(topic) or topic in (".", ".."):
                 self._fail(name, f"{topic!r} is not a Kafka topic name (1-249 of letters, digits, '.', '_', '-')")
@@ -279,12 +283,19 @@ class DetectorsConfig(_Section):
     """An incident is resolved after this many consecutive steps without a new finding."""
     align_timeout_s: float = 5.0
     """Seconds the step aligner waits for the last ranks of a step before closing it without them."""
+    stage: str = "both"
+    """What this instance runs: "both" (one process does everything, the default); or, to scale out,
+    "spatial" (alignment and the cross-rank detectors; run several in one consumer group, each
+    takes whole steps) and one "temporal" (the detectors over time, incidents and alerts, on the
+    spatial instances' step summaries)."""
 
     def _validate(self) -> None:
         for name in ("top_k", "resolve_after_steps"):
             if getattr(self, name) < 1:
                 self._fail(name, f"must be at least 1, got {getattr(self, name)}")
         _positive(self, "align_timeout_s")
+        if self.stage not in ("both", "spatial", "temporal"):
+            self._fail("stage", f"{self.stage!r} is not one of both, spatial, temporal")
 
 
 @dataclass
@@ -335,6 +346,7 @@ SECTIONS: dict[str, type[_Section]] = {
 #: Short flags besides the canonical --<section>-<key> ones.
 _FLAG_ALIASES: dict[str, tuple[str, ...]] = {
     "bus.bootstrap": ("--bootstrap",),
+    "detectors.stage": ("--stage",),
     "alerts.alertmanager_url": ("--alertmanager-url",),
     "alerts.webhook_url": ("--webhook-url",),
 }

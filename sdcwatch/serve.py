@@ -30,19 +30,33 @@ def build_service(cfg: ServeConfig) -> tuple[Any, Any | None]:
     from sdcwatch.exporters import AlertmanagerSink, LogSink, WebhookSink
     from sdcwatch.exporters.server import MetricsServer
 
+    from sdcwatch.detectors.service import SummaryTopicSink
+    from sdcwatch.detectors.source import decode_summary_message
+
     security = dict(cfg.bus.security)
-    source = KafkaSource(cfg.bus.bootstrap, cfg.bus.telemetry_topic, group=cfg.bus.group,
-                         deadletter_topic=cfg.bus.deadletter_topic, **security)
-    sinks: list[Any] = [AnomalyTopicSink.to_kafka(cfg.bus.bootstrap, cfg.bus.anomalies_topic, **security)]
-    if cfg.alerts.alertmanager_url:
-        sinks.append(AlertmanagerSink(cfg.alerts.alertmanager_url, timeout=cfg.alerts.timeout_s))
-    if cfg.alerts.webhook_url:
-        sinks.append(WebhookSink(cfg.alerts.webhook_url, timeout=cfg.alerts.timeout_s))
-    if cfg.alerts.log:
-        sinks.append(LogSink())
+    stage = cfg.detectors.stage
     settings = PipelineSettings(step_timeout=cfg.detectors.align_timeout_s,
                                 quiet_steps=cfg.detectors.resolve_after_steps)
-    service = DetectorService(source, DetectionPipeline(settings), sinks=sinks, state_dir=cfg.state.dir,
+    pipeline = DetectionPipeline(settings, role=stage)
+    if stage == "temporal":
+        source = KafkaSource(cfg.bus.bootstrap, cfg.bus.summaries_topic, group=f"{cfg.bus.group}.temporal",
+                             deadletter_topic=cfg.bus.deadletter_topic, decode=decode_summary_message, **security)
+    else:
+        source = KafkaSource(cfg.bus.bootstrap, cfg.bus.telemetry_topic, group=cfg.bus.group,
+                             deadletter_topic=cfg.bus.deadletter_topic, **security)
+    sinks: list[Any] = []
+    summary_sink = None
+    if stage == "spatial":  # incidents come from the temporal stage
+        summary_sink = SummaryTopicSink.to_kafka(cfg.bus.bootstrap, cfg.bus.summaries_topic, **security)
+    else:
+        sinks.append(AnomalyTopicSink.to_kafka(cfg.bus.bootstrap, cfg.bus.anomalies_topic, **security))
+        if cfg.alerts.alertmanager_url:
+            sinks.append(AlertmanagerSink(cfg.alerts.alertmanager_url, timeout=cfg.alerts.timeout_s))
+        if cfg.alerts.webhook_url:
+            sinks.append(WebhookSink(cfg.alerts.webhook_url, timeout=cfg.alerts.timeout_s))
+        if cfg.alerts.log:
+            sinks.append(LogSink())
+    service = DetectorService(source, pipeline, sinks=sinks, summary_sink=summary_sink, state_dir=cfg.state.dir,
                               snapshot_every=cfg.state.snapshot_interval_s)
     metrics = None
     if cfg.metrics.port:
@@ -79,8 +93,13 @@ def serve_main(argv: Sequence[str]) -> int:
     if metrics is not None:
         metrics.start()
     resumed = " (resumed from the saved state)" if getattr(service, "resumed", False) else ""
-    print(f"sdcwatch serve: consuming {cfg.bus.telemetry_topic} from {cfg.bus.bootstrap} as group {cfg.bus.group}"
-          f"{resumed}; metrics {metrics.url if metrics else 'off'}; state in {cfg.state.dir}", file=sys.stderr, flush=True)
+    stage = cfg.detectors.stage
+    topic, group = ((cfg.bus.summaries_topic, f"{cfg.bus.group}.temporal") if stage == "temporal"
+                    else (cfg.bus.telemetry_topic, cfg.bus.group))
+    out = f"; summaries to {cfg.bus.summaries_topic}" if stage == "spatial" else ""
+    print(f"sdcwatch serve ({stage} stage{'s' if stage == 'both' else ''}): consuming {topic} from "
+          f"{cfg.bus.bootstrap} as group {group}{out}{resumed}; metrics {metrics.url if metrics else 'off'}; "
+          f"state in {cfg.state.dir}", file=sys.stderr, flush=True)
     try:
         service.run_forever(stop)  # closes (final snapshot) on the way out
     finally:

@@ -104,6 +104,12 @@ sdcwatch_pipeline_dead_letters_total 2.0
 # HELP sdcwatch_pipeline_duplicates_total Duplicate records (same run, step and rank) discarded.
 # TYPE sdcwatch_pipeline_duplicates_total counter
 sdcwatch_pipeline_duplicates_total 1.0
+# HELP sdcwatch_pipeline_summaries_total Step summaries a temporal stage received from the spatial stage (scale-out).
+# TYPE sdcwatch_pipeline_summaries_total counter
+sdcwatch_pipeline_summaries_total 0.0
+# HELP sdcwatch_pipeline_summaries_late_total Step summaries that arrived after a later step had been judged, and were dropped.
+# TYPE sdcwatch_pipeline_summaries_late_total counter
+sdcwatch_pipeline_summaries_late_total 0.0
 # HELP sdcwatch_pipeline_last_record_age_seconds Seconds since the service consumed its last record.
 # TYPE sdcwatch_pipeline_last_record_age_seconds gauge
 sdcwatch_pipeline_last_record_age_seconds 2.0

@@ -1,0 +1,159 @@
+"""The scale-out split: spatial instances (whole steps each) -> step summaries -> one temporal stage."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from detector_synth import Fault, SyntheticRun
+from sdcwatch.detectors import DetectionPipeline
+from sdcwatch.detectors.river_hst import RiverHalfSpaceTrees
+from sdcwatch.detectors.source import MemorySource, decode_summary_message
+from sdcwatch.detectors.summary import (StepSummary, SummaryError, SummaryOrder, decode_summary,
+                                        encode_summary)
+from sdcwatch.errors import ConfigError
+from sdcwatch.telemetry import MemoryBus
+from sdcwatch.telemetry.record import encode
+
+
+def one_process(synth, steps):
+    pipe = DetectionPipeline()
+    for s in steps:
+        pipe.process(synth.records(s))
+    pipe.flush()
+    return pipe
+
+
+def split(synth, steps, instances=2, window=16, seed=0):
+    """Records of each 16-step window go to one spatial instance (as Kafka partitions would); the
+    temporal stage gets their summaries as bytes, interleaved in a shuffled order within a few steps."""
+    spatial = [DetectionPipeline(role="spatial") for _ in range(instances)]
+    temporal = DetectionPipeline(role="temporal")
+    wire = []
+    for s in steps:
+        sp = spatial[(s // window) % instances]
+        sp.process(synth.records(s))
+        wire += [encode_summary(x) for x in sp.outbox]
+        sp.outbox.clear()
+    for sp in spatial:
+        sp.flush()
+        wire += [encode_summary(x) for x in sp.outbox]
+    rng = np.random.default_rng(seed)
+    jitter = np.arange(len(wire)) + rng.uniform(0, 3, len(wire))  # each a few positions late at most
+    for i in np.argsort(jitter):
+        temporal.process_summaries([decode_summary(wire[i])])
+    temporal.flush()
+    return temporal, wire
+
+
+def opened(pipe):
+    return sorted((i.kind, i.ranks, i.first_step) for i in pipe.incidents())
+
+
+@pytest.mark.parametrize("family,rank", [("nonfinite", 5), ("replica", 6), ("missing", 2), ("straggler", 1),
+                                         ("loss_spike", None), ("grad_spike", None), ("rank_gross", 3)])
+def test_split_stages_open_the_incidents_one_process_opens(family, rank):
+    synth = SyntheticRun(seed=4, world=16, faults=[Fault(family, step=120, rank=rank or 0)])
+    steps = range(200)
+    whole = one_process(synth, steps)
+    temporal, _ = split(synth, steps)
+    assert opened(whole), f"{family}: nothing found by one process"
+    assert opened(temporal) == opened(whole)
+    if rank is not None:
+        assert any(rank in i.ranks for i in temporal.incidents())
+    assert temporal.view().runs[0].steps_total == len(steps)
+
+
+def test_sparse_summaries_still_name_a_slightly_shifted_rank():
+    """The cells with |z| < report_z are left out of the summary; a ~3 sigma shift still shows."""
+    synth = SyntheticRun(seed=6, world=16, faults=[Fault("rank_shift", step=80, rank=9)])
+    whole = one_process(synth, range(200))
+    temporal, _ = split(synth, range(200))
+    first = {i.kind: i for i in whole.incidents()}
+    named = [i for i in temporal.incidents() if i.ranks == (9,)]
+    assert named, f"rank 9 not named by the split stages: {opened(temporal)}"
+    ref = min(i.first_step for i in whole.incidents() if i.ranks == (9,))
+    assert ref <= named[0].first_step <= ref + 30, (ref, named[0].first_step, first)
+
+
+def test_clean_run_is_silent_in_the_split_too():
+    temporal, _ = split(SyntheticRun(seed=12, world=16), range(400))
+    assert opened(temporal) == []
+
+
+def test_a_summary_is_a_small_fraction_of_the_records_it_stands_for():
+    synth = SyntheticRun(seed=1, world=1024)
+    spatial = DetectionPipeline(role="spatial")
+    sizes, raw = [], 0
+    for s in range(30):
+        recs = synth.records(s)
+        raw += sum(len(encode(r)) for r in recs)
+        spatial.process(recs)
+        sizes += [len(encode_summary(x)) for x in spatial.outbox]
+        spatial.outbox.clear()
+    assert len(sizes) == 30  # every step complete: all closed
+    assert sum(sizes) * 20 < raw, f"summaries {sum(sizes)} B vs records {raw} B"
+
+
+def test_summaries_out_of_order_duplicated_and_late_are_put_right():
+    t = [0.0]
+    order = SummaryOrder(grace=2.0, clock=lambda: t[0])
+    s = [StepSummary("r", i, 4, 4) for i in range(6)]
+    assert [x.step for x in order.add([s[0]])] == []  # the first waits: an earlier step may come
+    t[0] = 2.5
+    assert [x.step for x in order.poll()] == [0]
+    assert [x.step for x in order.add([s[2], s[1], s[2]])] == [1, 2]
+    assert order.duplicates == 1
+    assert [x.step for x in order.add([s[4]])] == []  # 3 may still come
+    assert [x.step for x in order.add([s[3]])] == [3, 4]
+    assert order.add([s[1]]) == [] and order.late == 1
+    t[0] = 10.0
+    assert [x.step for x in order.add([s[5]])] == [5]
+
+
+def test_a_summary_for_a_missing_step_waits_only_the_grace():
+    t = [0.0]
+    order = SummaryOrder(grace=2.0, clock=lambda: t[0])
+    order.add([StepSummary("r", 0, 4, 4)])
+    t[0] = 3.0
+    order.poll()
+    assert order.add([StepSummary("r", 2, 4, 4)]) == []  # step 1 lost
+    t[0] = 4.0
+    assert order.poll() == []
+    t[0] = 5.1
+    assert [x.step for x in order.poll()] == [2]
+
+
+def test_bad_summary_bytes_are_named_and_dead_lettered():
+    good = encode_summary(StepSummary("r", 3, 4, 4, observations={"x": np.arange(3.0)}))
+    with pytest.raises(SummaryError, match="magic"):
+        decode_summary(b"SDCR\x01junk")
+    with pytest.raises(SummaryError, match="version"):
+        decode_summary(b"SDCS\x09" + good[5:])
+    with pytest.raises(SummaryError, match="body"):
+        decode_summary(good[:-4])
+    bus = MemoryBus()
+    for value in (good, b"garbage"):
+        bus.append("sums", b"r", value)
+    src = MemorySource(bus, "sums", decode=decode_summary_message)
+    (back,) = src.poll()
+    assert (back.run, back.step, src.dead_letters) == ("r", 3, 1)
+    assert np.array_equal(back.observations["x"], np.arange(3.0))
+    assert "magic" in src.dead_letter_log[0].reason
+
+
+def test_a_detector_that_needs_whole_steps_is_refused_in_a_split_stage():
+    with pytest.raises(ConfigError, match="river_hst"):
+        DetectionPipeline(role="spatial", detectors=lambda: [RiverHalfSpaceTrees()])
+    with pytest.raises(ConfigError, match="service.stage"):
+        DetectionPipeline(role="sideways")
+
+
+def test_each_stage_keeps_its_own_state_file(tmp_path):
+    spatial = DetectionPipeline(role="spatial")
+    spatial.process(SyntheticRun(seed=1).records(0))
+    spatial.save(tmp_path / "s.json")
+    with pytest.raises(ConfigError, match="own state directory"):
+        DetectionPipeline(role="temporal").load(tmp_path / "s.json")
+    again = DetectionPipeline(role="spatial")
+    assert again.load(tmp_path / "s.json")
