@@ -156,6 +156,7 @@ class KafkaSource:
         self.dead_letters = 0
         self._lag = 0
         self._lag_at = 0.0
+        self._assignment: list[int] | None = None
         try:
             self._consumer = KafkaConsumer(
                 topic,
@@ -178,6 +179,10 @@ class KafkaSource:
     def poll(self, timeout: float = 1.0, max_records: int | None = None) -> list[Record]:
         """Decoded records, at most ``max_records``; bad messages are dead-lettered."""
         batches = self._consumer.poll(timeout_ms=int(timeout * 1000), max_records=max_records or self.max_poll_records)
+        parts = sorted(tp.partition for tp in self._consumer.assignment())
+        if parts != self._assignment:  # a join or a rebalance: say which share of the topic is ours
+            self._assignment = parts
+            log.info("group %s: assigned partitions %s of %s", self.group, parts, self.topic)
         out: list[Record] = []
         for tp, messages in batches.items():
             for msg in messages:

@@ -78,6 +78,7 @@ def serve_main(argv: Sequence[str]) -> int:
     args = parser.parse_args(argv)
     logging.getLogger().setLevel(logging.INFO if args.verbose else logging.WARNING)
     logging.getLogger("sdcwatch.incidents").setLevel(logging.INFO)
+    logging.getLogger("sdcwatch.detectors").setLevel(logging.INFO)  # partition assignments
     cfg = config_from_args(args)
     cfg.state.dir.mkdir(parents=True, exist_ok=True)
 
@@ -96,14 +97,18 @@ def serve_main(argv: Sequence[str]) -> int:
     stage = cfg.detectors.stage
     topic, group = ((cfg.bus.summaries_topic, f"{cfg.bus.group}.temporal") if stage == "temporal"
                     else (cfg.bus.telemetry_topic, cfg.bus.group))
-    out = f"; summaries to {cfg.bus.summaries_topic}" if stage == "spatial" else ""
-    print(f"sdcwatch serve ({stage} stage{'s' if stage == 'both' else ''}): consuming {topic} from "
-          f"{cfg.bus.bootstrap} as group {group}{out}{resumed}; metrics {metrics.url if metrics else 'off'}; "
-          f"state in {cfg.state.dir}", file=sys.stderr, flush=True)
+    out = f"; step summaries to {cfg.bus.summaries_topic}" if stage == "spatial" else ""
+    print(f"sdcwatch serve: consuming {topic} from {cfg.bus.bootstrap} as group {group}{out}{resumed}; "
+          f"stage {stage}; metrics {metrics.url if metrics else 'off'}; state in {cfg.state.dir}",
+          file=sys.stderr, flush=True)
     try:
         service.run_forever(stop)  # closes (final snapshot) on the way out
     finally:
         if metrics is not None:
             metrics.close()
-    print("sdcwatch serve: stopped", file=sys.stderr, flush=True)
+    pipe = service.pipeline
+    done = (f"{service.summary_sink.published} step summaries published" if service.summary_sink is not None
+            else f"{service.events_published} incident changes published")
+    taken = f"{pipe.summaries_total} step summaries" if stage == "temporal" else f"{pipe.records_total} records"
+    print(f"sdcwatch serve: stopped after {taken}; {done}", file=sys.stderr, flush=True)
     return 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -123,3 +124,83 @@ def test_serve_config_error_names_the_key(tmp_path):
     out = subprocess.run([sys.executable, "-m", "sdcwatch.cli", "serve", "--metrics-port", "http"],
                          capture_output=True, text=True, timeout=60, env={**os.environ})
     assert out.returncode == 2 and "metrics.port" in out.stderr
+
+
+class StderrLines:
+    """Collects a process's stderr lines in the background (to wait for a line without blocking)."""
+
+    def __init__(self, proc) -> None:
+        import threading
+
+        self.lines: list[str] = []
+        self._thread = threading.Thread(target=lambda: self.lines.extend(iter(proc.stderr.readline, "")),
+                                        daemon=True)
+        self._thread.start()
+
+    def wait_for(self, pred, timeout=60.0) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for line in list(self.lines):
+                if pred(line):
+                    return line
+            time.sleep(0.1)
+        raise AssertionError(f"no such line in {self.lines[-20:]}")
+
+    def joined(self) -> str:
+        self._thread.join(10)
+        return "".join(self.lines)
+
+
+def test_split_service_spatial_instances_share_the_steps_and_the_temporal_stage_names_the_rank(bootstrap, tmp_path):
+    """Two spatial instances in one consumer group, one temporal instance, all as `sdcwatch serve`."""
+    from sdcwatch.telemetry import Emitter, KafkaTransport
+    from sdcwatch.telemetry.faults import FaultSpec
+    from sdcwatch.telemetry.reference.simulated import SimulatedRun
+    from sdcwatch.telemetry.transports import ensure_topic
+
+    torch.set_num_threads(1)
+    tag = uuid.uuid4().hex[:8]
+    topics = {"telemetry": f"tel.{tag}", "anomalies": f"anom.{tag}", "dead": f"dead.{tag}"}
+    summaries = ["--bus-summaries-topic", f"sum.{tag}"]
+    group = f"split-{tag}"
+    world, steps, nan_step = 4, 64, 50
+    # four partitions; the run's step windows (key run/step//16) of "split" fall in partitions 2, 0, 2, 1,
+    # so either assignment of two partitions each gives both spatial instances whole steps to do
+    assert ensure_topic(bootstrap, topics["telemetry"], 4)
+    spatial = [start_serve(bootstrap, topics, tmp_path / f"spatial{i}", group, ["--stage", "spatial", *summaries])
+               for i in range(2)]
+    temporal = start_serve(bootstrap, topics, tmp_path / "temporal", group, ["--stage", "temporal", *summaries])
+    logs = [StderrLines(p) for p in (*spatial, temporal)]
+    for lg in logs:
+        lg.wait_for(lambda line: line.startswith("sdcwatch serve: consuming"))
+    for lg in logs[:2]:  # after the rebalance each spatial instance owns two partitions
+        lg.wait_for(lambda line: re.search(r"assigned partitions \[\d+, \d+\] ", line) is not None)
+
+    fault = FaultSpec.from_dict({"kind": "nan", "rank": 2, "step": nan_step, "duration": 1,
+                                 "target": "blocks.0.attn.scores", "where": "output", "seed": 1})
+    run = SimulatedRun(world=world, seed=3, faults=[fault], batch_size=4, ranks_per_host=2,
+                       emitter_factory=lambda r, host: Emitter(KafkaTransport(bootstrap, topics["telemetry"]),
+                                                               run="split", rank=r, world=world, host=host))
+    run.train(steps)
+    run.close()
+    assert [em.sent for em in run.emitters] == [steps] * world
+    time.sleep(6)  # consume, summarise, judge
+    for p in (*spatial, temporal):
+        p.send_signal(signal.SIGTERM)
+    for p in (*spatial, temporal):
+        assert p.wait(60) == 0
+    outs = [lg.joined() for lg in logs]
+    published = []
+    for out in outs[:2]:
+        line = next(ln for ln in out.splitlines() if ln.startswith("sdcwatch serve: stopped"))
+        published.append(int(line.split("; ")[1].split()[0]))
+    assert min(published) > 0, f"one spatial instance did no steps: {published}"
+    assert sum(published) >= steps  # a rebalance may redeliver a window; the temporal stage drops repeats
+    assert f"after {sum(published)} step summaries" in outs[2]
+
+    events = read_anomalies(bootstrap, topics["anomalies"])
+    opened = [e for e in events if e["change"] == "opened"]
+    nonfinite = [e for e in opened if e["kind"] == "nonfinite"]
+    assert len(nonfinite) == 1, opened
+    assert (nonfinite[0]["first_step"], nonfinite[0]["ranks"], nonfinite[0]["hosts"]) == (
+        nan_step, [2], [run.host_of(2)])
