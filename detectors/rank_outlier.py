@@ -70,7 +70,9 @@ class RankOutlierDetector:
         self._neg: np.ndarray | None = None
         self._steps = 0
         self._layout: dict[tuple, tuple] = {}
-        self.rank_scores = np.zeros(0)  # (world,) evidence / threshold, for the exporter
+        self._updated: np.ndarray | None = None
+        self._hot = np.zeros(0, np.int64)
+        self._scores: np.ndarray | None = np.zeros(0)
 
     @property
     def warmup_steps(self) -> int:
@@ -106,7 +108,9 @@ class RankOutlierDetector:
         self._pos = np.zeros((k, world))  # CUSUM of positive deviations per (feature, rank)
         self._neg = np.zeros((k, world))
         self._steps = 0
-        self.rank_scores = np.zeros(world)
+        self._updated: np.ndarray | None = None  # sparse path: step each cell was last brought up to date
+        self._hot = np.zeros(0, np.int64)  # sparse path: cells with evidence >= threshold
+        self._scores = np.zeros(world)
 
     # -- detection --------------------------------------------------------------------------------
 
@@ -210,35 +214,23 @@ class RankOutlierDetector:
         if seen is None:
             return []
         metrics, layers = seen["metrics"], seen["layers"]
-        k = len(metrics)
-        z = seen.get("z")
-        if z is None:  # a sparse observation: the cells not sent count as z = 0
-            z = np.zeros((k, frame.world))
-            cells = np.asarray(seen["cells"], dtype=np.int64).reshape(2, -1)
-            z[cells[0], cells[1]] = seen["cell_z"]
         if seen["sig"] != self._sig:
-            self._reset(seen["sig"], k, frame.world)
+            self._reset(seen["sig"], len(metrics), frame.world)
         self._steps += 1
-        zc = np.clip(z, -self.clip, self.clip)
-        pos, neg = self._pos, self._neg
-        pos += zc
-        pos -= self.drift
-        np.maximum(pos, 0.0, out=pos)
-        neg -= zc
-        neg -= self.drift
-        np.maximum(neg, 0.0, out=neg)
-        ev = np.maximum(pos, neg)
-        evidence = ev.max(axis=0)  # a reduction along rows is fast; argmax only for the few flagged
-        self.rank_scores = evidence / self.threshold
+        if seen.get("z") is not None:
+            flagged, evidence, z_at = self._accumulate_dense(seen["z"])
+        else:
+            flagged, evidence, z_at = self._accumulate_sparse(seen["cells"], seen["cell_z"], frame.world)
         if self._steps <= self.warmup:
             return []
         findings: list[Finding] = []
-        flagged = np.flatnonzero(evidence >= self.threshold)
         if 0 < flagged.size <= self._limit(frame.world):
-            order = flagged[np.argsort(-evidence[flagged])][: self.max_named]
+            order = flagged[np.argsort(-evidence)][: self.max_named]
             for r in order:
-                findings.append(self._outlier(frame, int(r), int(ev[:, r].argmax()), float(evidence[r]), z,
-                                              metrics, layers))
+                r = int(r)
+                col = self._column(r)
+                c = int(col.argmax())
+                findings.append(self._outlier(frame, r, c, float(col[c]), z_at(c, r), metrics, layers))
         for hit in seen["instant"]:
             r, c = int(hit["rank"]), int(hit["feature"])
             findings.append(Finding(
@@ -250,25 +242,108 @@ class RankOutlierDetector:
             ))
         return findings
 
-    def _outlier(self, frame: StepContext, r: int, c: int, ev: float, z: np.ndarray,
+    def _accumulate_dense(self, z: np.ndarray):
+        """CUSUM step on every cell; (flagged ranks, their evidence, z lookup)."""
+        zc = np.clip(z, -self.clip, self.clip)
+        pos, neg = self._pos, self._neg
+        pos += zc
+        pos -= self.drift
+        np.maximum(pos, 0.0, out=pos)
+        neg -= zc
+        neg -= self.drift
+        np.maximum(neg, 0.0, out=neg)
+        evidence = np.maximum(pos, neg).max(axis=0)  # a reduction along rows is fast
+        self._scores = evidence / self.threshold
+        self._updated = None  # every cell is current
+        flagged = np.flatnonzero(evidence >= self.threshold)
+        return flagged, evidence[flagged], lambda c, r: float(z[c, r])
+
+    def _accumulate_sparse(self, cells: np.ndarray, cell_z: np.ndarray, world: int):
+        """The same CUSUM step touching only the cells sent (|z| >= report_z) and the few with
+        evidence above the threshold. A cell not sent has z = 0 and loses ``drift`` a step, so it
+        is brought up to date only when next touched: each cell keeps the step of its last update."""
+        t = self._steps
+        P, N = self._pos.reshape(-1), self._neg.reshape(-1)
+        if self._updated is None:  # after a dense step or a restore every cell is current as of t - 1
+            self._updated = np.full(P.size, t - 1, np.int64)
+            self._hot = np.flatnonzero(np.maximum(P, N) >= self.threshold)
+        cells = np.asarray(cells, dtype=np.int64).reshape(2, -1)
+        sent = cells[0] * world + cells[1]
+        zc = np.clip(np.asarray(cell_z, dtype=float), -self.clip, self.clip)
+        idle = (t - 1 - self._updated[sent]) * self.drift  # the decay of the steps nobody sent
+        p = np.maximum(P[sent] - idle, 0.0) + zc - self.drift
+        np.maximum(p, 0.0, out=p)
+        n = np.maximum(N[sent] - idle, 0.0) - zc - self.drift
+        np.maximum(n, 0.0, out=n)
+        P[sent], N[sent] = p, n
+        self._updated[sent] = t
+        hot = np.union1d(self._hot, sent[np.maximum(p, n) >= self.threshold])
+        now = self._current(hot)
+        self._hot = hot[now >= self.threshold]
+        self._scores = None  # per-rank scores on demand (rank_scores)
+        flagged = np.unique(self._hot % world)
+        evidence = np.array([self._column(int(r)).max() for r in flagged]) if flagged.size else np.zeros(0)
+        sent_z = dict(zip(sent.tolist(), np.asarray(cell_z, dtype=float).tolist())) if flagged.size else {}
+        return flagged, evidence, lambda c, r: sent_z.get(c * world + r, 0.0)
+
+    def _current(self, flat: np.ndarray) -> np.ndarray:
+        """Evidence max(pos, neg) of the given cells as of now."""
+        P, N = self._pos.reshape(-1), self._neg.reshape(-1)
+        if self._updated is None:
+            return np.maximum(P[flat], N[flat])
+        idle = (self._steps - self._updated[flat]) * self.drift
+        return np.maximum(np.maximum(P[flat] - idle, 0.0), np.maximum(N[flat] - idle, 0.0))
+
+    def _column(self, r: int, which: str = "both") -> np.ndarray:
+        """(k,) current evidence of rank ``r`` per feature (``pos``, ``neg`` or their max)."""
+        k, world = self._pos.shape
+        flat = np.arange(k) * world + r
+        if which == "both":
+            return self._current(flat)
+        a = (self._pos if which == "pos" else self._neg).reshape(-1)[flat]
+        if self._updated is None:
+            return a
+        return np.maximum(a - (self._steps - self._updated[flat]) * self.drift, 0.0)
+
+    @property
+    def rank_scores(self) -> np.ndarray:
+        """(world,) evidence / threshold per rank, for the exporter."""
+        if self._scores is None:
+            if self._pos is None or not self._pos.size:
+                return np.zeros(0 if self._pos is None else self._pos.shape[1])
+            k, world = self._pos.shape
+            self._scores = self._current(np.arange(k * world)).reshape(k, world).max(axis=0) / self.threshold
+        return self._scores
+
+    def _outlier(self, frame: StepContext, r: int, c: int, ev: float, z_cr: float,
                  metrics: list[str], layers: list[int | None]) -> Finding:
         conf = min(0.999, 1.0 - 0.5 * math.exp(-3.0 * (ev / self.threshold - 1.0)))
         host = frame.hosts[r]
         where = _where(metrics[c], layers[c])
         msg = (f"rank {r}" + (f" (host {host})" if host else "") +
                f" deviates from the other ranks in {where} (evidence {ev:.1f}, confidence {conf:.2f})")
-        top = np.argsort(-np.maximum(self._pos[:, r], self._neg[:, r]))[:3]
+        col, pos, neg = self._column(r), self._column(r, "pos"), self._column(r, "neg")
+        top = np.argsort(-col)[:3]
         return Finding(
             detector=self.name, kind="rank_outlier", severity=Severity.WARNING, run=frame.run,
             step=frame.step, score=ev, message=msg, ranks=(r,), hosts=_hosts(frame, r),
             metric=metrics[c], layer=layers[c],
-            evidence={"confidence": conf, "z": float(z[c, r]),
-                      "direction": "high" if self._pos[c, r] >= self._neg[c, r] else "low",
-                      "top": [{"metric": metrics[i], "layer": layers[i],
-                               "evidence": float(max(self._pos[i, r], self._neg[i, r]))} for i in top]},
+            evidence={"confidence": conf, "z": z_cr,
+                      "direction": "high" if pos[c] >= neg[c] else "low",
+                      "top": [{"metric": metrics[i], "layer": layers[i], "evidence": float(col[i])} for i in top]},
         )
 
+    def _materialize(self) -> None:
+        """Bring every cell up to date (the sparse path leaves idle cells behind)."""
+        if self._updated is None:
+            return
+        idle = ((self._steps - self._updated) * self.drift).reshape(self._pos.shape)
+        np.maximum(self._pos - idle, 0.0, out=self._pos)
+        np.maximum(self._neg - idle, 0.0, out=self._neg)
+        self._updated = None
+
     def snapshot(self) -> dict[str, Any]:
+        self._materialize()
         if self._sig is None:
             return {"sig": None, "obs_sig": self._obs_sig,
                     "spread": None if self._spread is None else encode_array(self._spread)}
@@ -286,8 +361,7 @@ class RankOutlierDetector:
         self._pos = decode_array(state["pos"])
         self._neg = decode_array(state["neg"])
         self._steps = int(state["steps"])
-        ev = np.maximum(self._pos, self._neg).max(axis=0) if self._pos.size else np.zeros(self._pos.shape[1])
-        self.rank_scores = ev / self.threshold
+        self._updated, self._scores = None, None
 
 
 def _where(metric: str, layer: int | None) -> str:

@@ -1,0 +1,163 @@
+"""The scale-out split: what a step summary costs and saves, and what sparse summaries cost in detection.
+
+    .venv/bin/python bench/bench_split.py [--ranks 1024 16384] [--out results/split.json]
+
+Side by side in one process, step by step on the same frames (the machine is shared; ratios
+taken in one run are what to read):
+
+- ``both``: one process runs everything (``process_frame``, the default);
+- ``spatial``: the cross-rank half of every detector plus encoding the step summary (what each
+  spatial instance does per step);
+- ``temporal``: decoding a summary plus the detectors over time, attribution and incidents
+  (what the single temporal instance does per step).
+
+``temporal / spatial`` CPU per step says how many spatial instances one temporal instance keeps
+up with; ``summary bytes`` against the records' bytes is what crosses the bus a second time.
+The detection part injects a persistent shift of 2, 3 and 6 noise scales into one rank's q-norm
+of one layer and counts the steps to the first incident naming the rank, whole (dense z) against
+split (only cells with |z| >= 2 travel).
+"""
+
+from __future__ import annotations
+
+import os
+
+for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_var, "1")
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import platform  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_detectors import LAYERS, SCALARS, make_frames  # noqa: E402
+
+from sdcwatch.detectors import DetectionPipeline  # noqa: E402
+from sdcwatch.detectors.summary import decode_summary, encode_summary  # noqa: E402
+from sdcwatch.telemetry.record import Record, encode  # noqa: E402
+
+
+def record_bytes(frame) -> int:
+    """Bytes of the step's records on the bus (binary codec, one record per rank)."""
+    total = 0
+    for r in range(frame.world):
+        rec = Record(frame.run, frame.step, r, frame.world, frame.hosts[r], 1e9, r % 8,
+                     dict(zip(SCALARS, frame.scalars[r].tolist())),
+                     {n: int(v) for n, v in zip(frame.fp_names, frame.fingerprints[r])},
+                     {n: tuple(frame.layers[r, i].tolist()) for i, n in enumerate(LAYERS)})
+        total += len(encode(rec))
+    return total
+
+
+def bench_costs(world: int, n_layers: int, steps: int) -> dict:
+    both, spatial, temporal = (DetectionPipeline(role=r) for r in ("both", "spatial", "temporal"))
+    cpu = {"both": 0.0, "spatial": 0.0, "temporal": 0.0}
+    sizes = []
+    n = 0
+    for step in range(steps + 3):
+        (fr,) = make_frames(world, n_layers, 1, seed=step)
+        fr.step = step
+        timed = step >= 3  # the first steps allocate state
+        c0 = time.process_time()
+        both.process_frame(fr)
+        c1 = time.process_time()
+        blob = encode_summary(spatial.observe_step(fr))
+        c2 = time.process_time()
+        temporal.judge_step(decode_summary(blob))
+        c3 = time.process_time()
+        if timed:
+            cpu["both"] += c1 - c0
+            cpu["spatial"] += c2 - c1
+            cpu["temporal"] += c3 - c2
+            sizes.append(len(blob))
+            n += 1
+    values = world * (len(SCALARS) + len(LAYERS) * n_layers)
+    raw = record_bytes(fr)
+    per_step = {k: v / n for k, v in cpu.items()}
+    return {
+        "ranks": world, "metrics": values // world, "steps": n,
+        "cpu_ms_per_step": {k: 1e3 * v for k, v in per_step.items()},
+        "values_per_s": {k: values / v for k, v in per_step.items()},
+        "spatial_instances_one_temporal_keeps_up_with": per_step["spatial"] / per_step["temporal"],
+        "summary_bytes_mean": float(np.mean(sizes)), "summary_bytes_max": int(max(sizes)),
+        "record_bytes_per_step": raw, "bytes_ratio": raw / float(np.mean(sizes)),
+        "incidents_on_clean_stream": {"both": len(both.incidents()), "split": len(temporal.incidents())},
+    }
+
+
+def bench_detection(world: int, n_layers: int, shifts: list[float], seeds: int, onset: int = 60,
+                    horizon: int = 140) -> list[dict]:
+    rows = []
+    q = LAYERS.index("q_norm_mean")
+    for sigmas in shifts:
+        delays = {"both": [], "split": []}
+        for seed in range(seeds):
+            frames = make_frames(world, n_layers, onset + horizon, seed=1000 * seed + 7)
+            rank, layer = 5, 2
+            for fr in frames[onset:]:
+                fr.layers[rank, q, layer] *= 1 + 0.01 * sigmas  # the layer metric's noise is 1%
+            both = DetectionPipeline()
+            spatial, temporal = DetectionPipeline(role="spatial"), DetectionPipeline(role="temporal")
+            found = {"both": None, "split": None}
+            for fr in frames:
+                both.process_frame(fr)
+                temporal.judge_step(decode_summary(encode_summary(spatial.observe_step(fr))))
+                for e in both.incidents():
+                    if rank in e.ranks and found["both"] is None:
+                        found["both"] = e.first_step - onset
+                for e in temporal.incidents():
+                    if rank in e.ranks and found["split"] is None:
+                        found["split"] = e.first_step - onset
+            for k in delays:
+                delays[k].append(found[k])
+        row = {"shift_sigmas": sigmas, "seeds": seeds}
+        for k, v in delays.items():
+            hit = [d for d in v if d is not None]
+            row[k] = {"found": len(hit), "median_delay_steps": float(np.median(hit)) if hit else None,
+                      "delays": v}
+        rows.append(row)
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ranks", type=int, nargs="+", default=[1024, 16384])
+    ap.add_argument("--layers", type=int, default=6, help="layers per layer metric (32 metrics with 6)")
+    ap.add_argument("--steps", type=int, default=20, help="timed steps per world size")
+    ap.add_argument("--detect-ranks", type=int, default=256, help="world size of the detection part")
+    ap.add_argument("--seeds", type=int, default=5)
+    ap.add_argument("--out", help="write the results as JSON here")
+    args = ap.parse_args(argv)
+    results = {"machine": {"python": platform.python_version(), "numpy": np.__version__, "threads": 1},
+               "command": "bench/bench_split.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+               "costs": [], "detection": []}
+    for world in args.ranks:
+        row = bench_costs(world, args.layers, args.steps)
+        results["costs"].append(row)
+        ms = row["cpu_ms_per_step"]
+        print(f"{world:>6} ranks x {row['metrics']} metrics: CPU ms/step both {ms['both']:.1f}, spatial "
+              f"{ms['spatial']:.1f}, temporal {ms['temporal']:.2f} -> one temporal keeps up with "
+              f"{row['spatial_instances_one_temporal_keeps_up_with']:.0f} spatial; summary "
+              f"{row['summary_bytes_mean'] / 1e3:.1f} kB (max {row['summary_bytes_max'] / 1e3:.1f}) vs records "
+              f"{row['record_bytes_per_step'] / 1e6:.2f} MB = {row['bytes_ratio']:.0f}x smaller; "
+              f"incidents on the clean stream {row['incidents_on_clean_stream']}", flush=True)
+    results["detection"] = bench_detection(args.detect_ranks, args.layers, [2.0, 3.0, 6.0], args.seeds)
+    for row in results["detection"]:
+        b, s = row["both"], row["split"]
+        print(f"shift {row['shift_sigmas']:.0f} sigma on one rank ({args.detect_ranks} ranks, {row['seeds']} seeds): "
+              f"one process found {b['found']}, median delay {b['median_delay_steps']} steps; split found "
+              f"{s['found']}, median delay {s['median_delay_steps']} steps", flush=True)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        with open(args.out, "w") as fh:
+            json.dump(results, fh, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
