@@ -15,7 +15,8 @@ taken in one run are what to read):
 up with; ``summary bytes`` against the records' bytes is what crosses the bus a second time.
 The detection part injects a persistent shift of 2, 3 and 6 noise scales into one rank's q-norm
 of one layer and counts the steps to the first incident naming the rank, whole (dense z) against
-split (only cells with |z| >= 2 travel).
+split (two spatial instances taking alternate 16-step windows; only the cells with |z| >= 2 or
+with evidence building up over the instance's consecutive steps travel).
 """
 
 from __future__ import annotations
@@ -37,21 +38,42 @@ import numpy as np  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_detectors import LAYERS, SCALARS, make_frames  # noqa: E402
 
+from sdcwatch.detectors import StepAligner  # noqa: E402
+from sdcwatch.telemetry.record import decode_message, encode_batch  # noqa: E402
+
 from sdcwatch.detectors import DetectionPipeline  # noqa: E402
 from sdcwatch.detectors.summary import decode_summary, encode_summary  # noqa: E402
 from sdcwatch.telemetry.record import Record, encode  # noqa: E402
 
 
-def record_bytes(frame) -> int:
-    """Bytes of the step's records on the bus (binary codec, one record per rank)."""
-    total = 0
-    for r in range(frame.world):
-        rec = Record(frame.run, frame.step, r, frame.world, frame.hosts[r], 1e9, r % 8,
-                     dict(zip(SCALARS, frame.scalars[r].tolist())),
-                     {n: int(v) for n, v in zip(frame.fp_names, frame.fingerprints[r])},
-                     {n: tuple(frame.layers[r, i].tolist()) for i, n in enumerate(LAYERS)})
-        total += len(encode(rec))
-    return total
+def step_records(frame) -> list[Record]:
+    return [Record(frame.run, frame.step, r, frame.world, frame.hosts[r], 1e9, r % 8,
+                   dict(zip(SCALARS, frame.scalars[r].tolist())),
+                   {n: int(v) for n, v in zip(frame.fp_names, frame.fingerprints[r])},
+                   {n: tuple(frame.layers[r, i].tolist()) for i, n in enumerate(LAYERS)})
+            for r in range(frame.world)]
+
+
+def bench_ingest(world: int, n_layers: int, steps: int = 3) -> dict:
+    """CPU per step of what comes before the detectors: decoding the bus messages (256 records
+    each, as the emitters batch them) and aligning the records into a frame."""
+    frames = make_frames(world, n_layers, steps, seed=42)
+    messages = []
+    for i, fr in enumerate(frames):
+        fr.step = i
+        recs = step_records(fr)
+        messages.append([encode_batch(recs[j : j + 256]) for j in range(0, world, 256)])
+    al = StepAligner(timeout=1e9)
+    decode_cpu = align_cpu = 0.0
+    for msgs in messages:
+        c0 = time.process_time()
+        recs = [r for m in msgs for r in decode_message(m)]
+        c1 = time.process_time()
+        assert len(al.add(recs)) == 1
+        align_cpu += time.process_time() - c1
+        decode_cpu += c1 - c0
+    return {"decode_ms_per_step": 1e3 * decode_cpu / steps, "align_ms_per_step": 1e3 * align_cpu / steps,
+            "record_bytes_per_step": sum(len(encode(r)) for r in step_records(frames[0]))}
 
 
 def bench_costs(world: int, n_layers: int, steps: int) -> dict:
@@ -77,13 +99,17 @@ def bench_costs(world: int, n_layers: int, steps: int) -> dict:
             sizes.append(len(blob))
             n += 1
     values = world * (len(SCALARS) + len(LAYERS) * n_layers)
-    raw = record_bytes(fr)
-    per_step = {k: v / n for k, v in cpu.items()}
+    ingest = bench_ingest(world, n_layers)
+    raw = ingest["record_bytes_per_step"]
+    detect_ms = {k: 1e3 * v / n for k, v in cpu.items()}
+    front = ingest["decode_ms_per_step"] + ingest["align_ms_per_step"]  # both and spatial read the records
+    ms = {"both": front + detect_ms["both"], "spatial": front + detect_ms["spatial"], "temporal": detect_ms["temporal"]}
     return {
-        "ranks": world, "metrics": values // world, "steps": n,
-        "cpu_ms_per_step": {k: 1e3 * v for k, v in per_step.items()},
-        "values_per_s": {k: values / v for k, v in per_step.items()},
-        "spatial_instances_one_temporal_keeps_up_with": per_step["spatial"] / per_step["temporal"],
+        "ranks": world, "metrics": values // world, "steps": n, "ingest": ingest,
+        "detect_cpu_ms_per_step": detect_ms, "cpu_ms_per_step": ms,
+        "detect_values_per_s": {k: values / (v / 1e3) for k, v in detect_ms.items()},
+        "spatial_instances_one_temporal_keeps_up_with": ms["spatial"] / ms["temporal"],
+        "steps_per_s_one_process": 1e3 / ms["both"],
         "summary_bytes_mean": float(np.mean(sizes)), "summary_bytes_max": int(max(sizes)),
         "record_bytes_per_step": raw, "bytes_ratio": raw / float(np.mean(sizes)),
         "incidents_on_clean_stream": {"both": len(both.incidents()), "split": len(temporal.incidents())},
@@ -102,11 +128,15 @@ def bench_detection(world: int, n_layers: int, shifts: list[float], seeds: int, 
             for fr in frames[onset:]:
                 fr.layers[rank, q, layer] *= 1 + 0.01 * sigmas  # the layer metric's noise is 1%
             both = DetectionPipeline()
-            spatial, temporal = DetectionPipeline(role="spatial"), DetectionPipeline(role="temporal")
+            # two spatial instances take alternate 16-step windows, as two consumers of the
+            # telemetry partitions would (records are keyed by run and step // 16)
+            spatial = [DetectionPipeline(role="spatial") for _ in range(2)]
+            temporal = DetectionPipeline(role="temporal")
             found = {"both": None, "split": None}
             for fr in frames:
                 both.process_frame(fr)
-                temporal.judge_step(decode_summary(encode_summary(spatial.observe_step(fr))))
+                sp = spatial[(fr.step // 16) % 2]
+                temporal.judge_step(decode_summary(encode_summary(sp.observe_step(fr))))
                 for e in both.incidents():
                     if rank in e.ranks and found["both"] is None:
                         found["both"] = e.first_step - onset
@@ -139,9 +169,11 @@ def main(argv=None) -> int:
     for world in args.ranks:
         row = bench_costs(world, args.layers, args.steps)
         results["costs"].append(row)
-        ms = row["cpu_ms_per_step"]
-        print(f"{world:>6} ranks x {row['metrics']} metrics: CPU ms/step both {ms['both']:.1f}, spatial "
-              f"{ms['spatial']:.1f}, temporal {ms['temporal']:.2f} -> one temporal keeps up with "
+        ms, dm, ing = row["cpu_ms_per_step"], row["detect_cpu_ms_per_step"], row["ingest"]
+        print(f"{world:>6} ranks x {row['metrics']} metrics: CPU ms/step (decode {ing['decode_ms_per_step']:.0f} + "
+              f"align {ing['align_ms_per_step']:.0f} + detectors) one process {ms['both']:.0f} "
+              f"(detectors {dm['both']:.1f}), spatial {ms['spatial']:.0f} (detectors and summary {dm['spatial']:.1f}), "
+              f"temporal {ms['temporal']:.2f} -> one temporal keeps up with "
               f"{row['spatial_instances_one_temporal_keeps_up_with']:.0f} spatial; summary "
               f"{row['summary_bytes_mean'] / 1e3:.1f} kB (max {row['summary_bytes_max'] / 1e3:.1f}) vs records "
               f"{row['record_bytes_per_step'] / 1e6:.2f} MB = {row['bytes_ratio']:.0f}x smaller; "

@@ -58,6 +58,11 @@ class RankOutlierDetector:
         self.sparse = False
         self.report_z = float(report_z)
         self._obs_sig: str | None = None  # layout the typical spread belongs to
+        # sparse observations: this instance's own short CUSUM over the consecutive steps it holds
+        self._local_sig: str | None = None
+        self._local_step: int | None = None
+        self._local_gap: int | None = None
+        self._local_pos = self._local_neg = np.zeros((0, 0))
         # The median and MAD of a feature are estimated on at most this many ranks (a fixed,
         # seeded sample): at 2048 ranks the median's standard error is ~3% of the noise scale,
         # and the sort costs a fraction of what all 16k ranks would. Every rank is still scored.
@@ -196,12 +201,39 @@ class RankOutlierDetector:
                                 "loss_z": float(z[li, r]) if li is not None else None, "value": float(X[c, r])})
         seen: dict[str, Any] = {"sig": sig, "metrics": metrics, "layers": layers, "instant": instant}
         if self.sparse:
-            c, r = np.nonzero(absz >= self.report_z)
+            c, r = np.nonzero(self._worth_sending(frame.step, sig, z, absz))
             seen["cells"] = np.stack([c, r]).astype(np.int32)
             seen["cell_z"] = z[c, r].astype(np.float32)
         else:
             seen["z"] = z
         return seen
+
+    def _worth_sending(self, step: int, sig: str, z: np.ndarray, absz: np.ndarray) -> np.ndarray:
+        """(k, world) bool: the cells a sparse observation carries.
+
+        A cell travels when this step's |z| reaches ``report_z``, or when its evidence is building
+        up over the consecutive steps this instance holds (its own short CUSUM, reset at every gap
+        in the steps it sees, reaches ``report_z``): a rank shifted by less than ``report_z``
+        scales, whose single steps rarely stand out, is then sent with its exact z from a few
+        steps into each window of steps on.
+        """
+        gap = None if self._local_step is None else step - self._local_step
+        if gap is not None and gap > 0:
+            self._local_gap = gap if self._local_gap is None else min(self._local_gap, gap)
+        if sig != self._local_sig or gap is None or gap <= 0 or gap > (self._local_gap or 1):
+            self._local_sig = sig
+            self._local_pos = np.zeros(z.shape)
+            self._local_neg = np.zeros(z.shape)
+        self._local_step = step
+        zc = np.clip(z, -self.clip, self.clip)
+        lp, ln = self._local_pos, self._local_neg
+        lp += zc
+        lp -= self.drift
+        np.maximum(lp, 0.0, out=lp)
+        ln -= zc
+        ln -= self.drift
+        np.maximum(ln, 0.0, out=ln)
+        return (absz >= self.report_z) | (lp >= self.report_z) | (ln >= self.report_z)
 
     def update(self, frame: StepFrame) -> list[Finding]:
         return self.judge(frame, self.observe(frame))

@@ -65,7 +65,8 @@ def test_split_stages_open_the_incidents_one_process_opens(family, rank):
 
 
 def test_sparse_summaries_still_name_a_slightly_shifted_rank():
-    """The cells with |z| < report_z are left out of the summary; a ~3 sigma shift still shows."""
+    """Cells with small |z| and no evidence building up stay out of the summary; a ~3 sigma shift
+    on one rank is still named, within a few steps of when one process names it."""
     synth = SyntheticRun(seed=6, world=16, faults=[Fault("rank_shift", step=80, rank=9)])
     whole = one_process(synth, range(200))
     temporal, _ = split(synth, range(200))
@@ -73,7 +74,8 @@ def test_sparse_summaries_still_name_a_slightly_shifted_rank():
     named = [i for i in temporal.incidents() if i.ranks == (9,)]
     assert named, f"rank 9 not named by the split stages: {opened(temporal)}"
     ref = min(i.first_step for i in whole.incidents() if i.ranks == (9,))
-    assert ref <= named[0].first_step <= ref + 30, (ref, named[0].first_step, first)
+    assert ref <= named[0].first_step <= ref + 5, (ref, named[0].first_step, first)
+    assert named[0].kind == "silent_drift"
 
 
 def test_clean_run_is_silent_in_the_split_too():
