@@ -6,7 +6,7 @@
     sdcwatch bench all [--quick] [--out-dir results/]
 
 ``all`` runs the campaign, the end-to-end benchmark and the scripts ``bench/bench_emitter.py``,
-``bench/bench_overhead.py`` and ``bench/bench_detectors.py`` (those present), writes every result as
+``bench/bench_overhead.py``, ``bench/bench_detectors.py`` and ``bench/bench_split.py`` (those present), writes every result as
 JSON into ``--out-dir`` and the table ``benchmarks.md`` generated from them, with the machine and
 the command.
 """
@@ -31,12 +31,13 @@ __all__ = ["bench_main", "campaign_main", "e2e_main", "all_main", "bench_dir", "
 #: Campaign size of ``--quick`` (CI): a few trials on 4 ranks, enough to keep the runner tested.
 QUICK_CAMPAIGN = dict(world=4, trials=3, pretrain_steps=90, branch_steps=24, fault_offset=(2, 4),
                       classes=("nan_attn", "bad_batch_all", "unhealthy_node"))
-SCRIPTS = ("bench_emitter.py", "bench_overhead.py", "bench_detectors.py")
+SCRIPTS = ("bench_emitter.py", "bench_overhead.py", "bench_detectors.py", "bench_split.py")
 #: Options that make a script CI-sized when it has no ``--quick`` of its own.
 QUICK_SCRIPT_ARGS = {
     "bench_emitter.py": ["--records", "20000"],
     "bench_overhead.py": ["--steps", "60", "--warmup", "10"],
     "bench_detectors.py": ["--ranks", "1024", "--seconds", "1", "--river-records", "1000"],
+    "bench_split.py": ["--ranks", "1024", "--steps", "5", "--detect-ranks", "64", "--seeds", "1"],
 }
 
 
@@ -236,7 +237,7 @@ def write_markdown(out_dir: str | Path, runs: dict[str, Any] | None = None, *, c
                          f"{_fmt(s.get('lag_at_producers_done_steps'))} | {'yes' if s['bounded_lag'] else 'no'} | "
                          f"{s['faults_detected']}/{s['faults_injected']} | {_fmt(lat['p50'])} | {_fmt(lat['p99'])} |")
         lines.append("")
-    for name in ("emitter", "overhead", "detectors"):
+    for name in ("emitter", "overhead", "detectors", "split"):
         data = _load_json(out_dir / f"{name}.json")
         status = (runs or {}).get(name, {})
         lines += [f"## {name}", ""]

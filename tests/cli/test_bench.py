@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -149,3 +152,19 @@ def test_quick_e2e_through_the_broker_finds_every_injected_fault(bootstrap, tmp_
 def test_bench_without_a_command_prints_usage():
     assert bench_main([]) == 2
     assert bench_main(["--help"]) == 0
+
+
+def test_split_benchmark_reports_costs_sizes_and_detection(tmp_path):
+    out = tmp_path / "split.json"
+    script = Path(__file__).resolve().parents[2] / "bench" / "bench_split.py"
+    done = subprocess.run([sys.executable, str(script), "--ranks", "512", "--steps", "4", "--detect-ranks", "64",
+                           "--seeds", "1", "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    res = json.loads(out.read_text())
+    (cost,) = res["costs"]
+    assert cost["ranks"] == 512 and cost["metrics"] == 32
+    assert cost["bytes_ratio"] > 20  # a summary is far smaller than the records of its step
+    assert cost["cpu_ms_per_step"]["temporal"] < cost["cpu_ms_per_step"]["spatial"]
+    assert cost["incidents_on_clean_stream"] == {"both": 0, "split": 0}
+    six = next(r for r in res["detection"] if r["shift_sigmas"] == 6.0)
+    assert six["both"]["found"] == six["split"]["found"] == 1
