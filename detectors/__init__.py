@@ -2,12 +2,14 @@
 
 Records flow ``StepAligner`` -> :class:`StepFrame` -> detectors -> :class:`Attribution` ->
 :class:`IncidentBook`; :class:`DetectionPipeline` holds all of it, :class:`DetectorService` runs it
-on a stream, :func:`replay` on a file.
+on a stream, :func:`replay` on a file. Every detector but the river baseline comes in two halves
+(``observe`` across ranks, ``judge`` over time), so the service can also run split: spatial
+instances send a :class:`StepSummary` per step to one temporal instance.
 """
 
 from sdcwatch.detectors.aligner import StepAligner
 from sdcwatch.detectors.attribution import Attribution
-from sdcwatch.detectors.base import DETECTORS, Detector
+from sdcwatch.detectors.base import DETECTORS, Detector, SplitDetector, StepContext
 from sdcwatch.detectors.frame import StepFrame
 from sdcwatch.detectors.incidents import IncidentBook, incident_from_dict
 from sdcwatch.detectors.nonfinite import NonFiniteDetector
@@ -16,9 +18,10 @@ from sdcwatch.detectors.rank_outlier import RankOutlierDetector
 from sdcwatch.detectors.replay import format_table, replay, replay_main
 from sdcwatch.detectors.replica import ReplicaDivergenceDetector
 from sdcwatch.detectors.river_hst import RiverHalfSpaceTrees
-from sdcwatch.detectors.service import ANOMALY_TOPIC, AnomalyTopicSink, DetectorService
+from sdcwatch.detectors.service import ANOMALY_TOPIC, AnomalyTopicSink, DetectorService, SummaryTopicSink
 from sdcwatch.detectors.spike import SeriesSettings, SpikeDetector
 from sdcwatch.detectors.straggler import MissingRankDetector, StragglerDetector
+from sdcwatch.detectors.summary import SUMMARY_TOPIC, StepSummary, SummaryOrder, decode_summary, encode_summary
 from sdcwatch.detectors.types import (
     Finding,
     Incident,
@@ -32,6 +35,7 @@ from sdcwatch.detectors.types import (
 
 __all__ = [
     "ANOMALY_TOPIC",
+    "SUMMARY_TOPIC",
     "AnomalyTopicSink",
     "Attribution",
     "DETECTORS",
@@ -55,9 +59,16 @@ __all__ = [
     "ServiceView",
     "Severity",
     "SpikeDetector",
+    "SplitDetector",
     "StepAligner",
+    "StepContext",
     "StepFrame",
+    "StepSummary",
     "StragglerDetector",
+    "SummaryOrder",
+    "SummaryTopicSink",
+    "decode_summary",
+    "encode_summary",
     "default_detectors",
     "format_table",
     "incident_from_dict",
