@@ -100,7 +100,10 @@ class IncidentBook:
             inc.last_step = max(inc.last_step, f.step)
             if f.severity.rank > inc.severity.rank:
                 inc.severity, changed = f.severity, True
-                inc.kind = f.kind  # escalation (silent drift -> SDC suspected) names the new kind
+                if f.kind != inc.kind:  # escalation (silent drift -> SDC suspected) names the new kind,
+                    inc.kind = f.kind  # and counts as an incident of that kind being opened
+                    self.opened_total[(f.kind, f.severity.value)] = self.opened_total.get(
+                        (f.kind, f.severity.value), 0) + 1
             ranks = tuple(sorted(set(inc.ranks) | set(f.ranks)))[:_MAX_RANKS]
             if ranks != inc.ranks:
                 inc.ranks, changed = ranks, True

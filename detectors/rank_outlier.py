@@ -40,7 +40,7 @@ class RankOutlierDetector:
     name = "rank_outlier"
     fault = "rank_shift"
 
-    def __init__(self, *, threshold: float = 20.0, drift: float = 1.0, clip: float = 4.0,
+    def __init__(self, *, threshold: float = 24.0, drift: float = 1.0, clip: float = 4.0,
                  instant_z: float = 50.0, min_world: int = 4, max_fraction: float = 0.25,
                  max_named: int = 8, rel_floor: float = 1e-3, warmup: int = 10,
                  reference_ranks: int = 2048, report_z: float = 2.0,

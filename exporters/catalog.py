@@ -69,7 +69,7 @@ METRICS: tuple[MetricSpec, ...] = (
     _m("sdcwatch_incidents_open", "gauge", ("run", "kind", "severity"),
        "Incidents currently open."),
     _m("sdcwatch_incidents_total", "counter", ("kind", "severity"),
-       "Incidents opened since the service started."),
+       "Incidents opened since the service started (an escalation counts under its new kind too)."),
     _m("sdcwatch_incident_info", "info", ("run", "id", "kind", "severity", "state", "rank", "host",
                                            "layer", "metric", "detector"),
        "One series per open or recently resolved incident, carrying its description as labels."),

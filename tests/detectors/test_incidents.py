@@ -57,6 +57,8 @@ def test_rank_local_problems_get_one_incident_per_rank_and_escalate_in_place():
     assert [(e.change, e.incident.kind, e.incident.severity) for e in ev] == [
         ("updated", "sdc_suspected", Severity.CRITICAL)]
     assert len(book.open_incidents) == 2
+    # the counter alert rules read: the escalation counts as an SDC-suspected incident too
+    assert book.opened_total == {("silent_drift", "warning"): 2, ("sdc_suspected", "critical"): 1}
 
 
 def test_info_findings_never_open_incidents():

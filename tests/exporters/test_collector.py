@@ -73,7 +73,7 @@ sdcwatch_layer_metric{layer="1",metric="attn_entropy",run="r1",stat="max"} 9.0
 # TYPE sdcwatch_incidents_open gauge
 sdcwatch_incidents_open{kind="loss_spike",run="r1",severity="warning"} 0.0
 sdcwatch_incidents_open{kind="sdc_suspected",run="r1",severity="critical"} 1.0
-# HELP sdcwatch_incidents_total Incidents opened since the service started.
+# HELP sdcwatch_incidents_total Incidents opened since the service started (an escalation counts under its new kind too).
 # TYPE sdcwatch_incidents_total counter
 sdcwatch_incidents_total{kind="loss_spike",severity="warning"} 2.0
 sdcwatch_incidents_total{kind="sdc_suspected",severity="critical"} 1.0
