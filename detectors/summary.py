@@ -16,6 +16,7 @@ source routes to the dead-letter topic like any malformed record.
 
 from __future__ import annotations
 
+import base64
 import heapq
 from collections import deque
 import json
@@ -257,8 +258,20 @@ class SummaryOrder:
         return self.poll(now=math.inf)
 
     def snapshot(self) -> dict[str, Any]:
-        return {run: {"last": h.last, "stride": h.stride} for run, h in self._runs.items()}
+        """Per run: the last step released, the stride, and the summaries still waiting (encoded),
+        whose offsets may already be committed."""
+        return {run: {"last": h.last, "stride": h.stride,
+                      "held": [base64.b64encode(encode_summary(item[3])).decode("ascii") for item in sorted(h.heap)]}
+                for run, h in self._runs.items()}
 
     def restore(self, state: dict[str, Any]) -> None:
         self._runs = {run: _Held(last=d["last"], stride=int(d["stride"]), gaps=deque([int(d["stride"])], maxlen=8))
                       for run, d in state.items()}
+        now = self.clock()
+        for run, d in state.items():
+            h = self._runs[run]
+            for blob in d.get("held", []):
+                s = decode_summary(base64.b64decode(blob))
+                self._seq += 1
+                h.steps.add(s.step)
+                heapq.heappush(h.heap, (s.step, now, self._seq, s))

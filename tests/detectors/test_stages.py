@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -159,3 +161,17 @@ def test_each_stage_keeps_its_own_state_file(tmp_path):
         DetectionPipeline(role="temporal").load(tmp_path / "s.json")
     again = DetectionPipeline(role="spatial")
     assert again.load(tmp_path / "s.json")
+
+
+def test_summaries_waiting_for_an_earlier_step_survive_a_restart():
+    t = [0.0]
+    order = SummaryOrder(grace=2.0, clock=lambda: t[0])
+    order.add([StepSummary("r", 0, 4, 4)])
+    t[0] = 3.0
+    order.poll()
+    order.add([StepSummary("r", 2, 4, 4, observations={"spike": {"loss": 1.5}})])  # waits for step 1
+    again = SummaryOrder(grace=2.0, clock=lambda: t[0])
+    again.restore(json.loads(json.dumps(order.snapshot())))
+    out = again.add([StepSummary("r", 1, 4, 4)])
+    assert [x.step for x in out] == [1, 2]
+    assert out[1].observations == {"spike": {"loss": 1.5}}
