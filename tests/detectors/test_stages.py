@@ -175,3 +175,32 @@ def test_summaries_waiting_for_an_earlier_step_survive_a_restart():
     out = again.add([StepSummary("r", 1, 4, 4)])
     assert [x.step for x in out] == [1, 2]
     assert out[1].observations == {"spike": {"loss": 1.5}}
+
+
+def test_temporal_stage_restarted_mid_run_resumes_without_repeats_or_warmup(tmp_path):
+    synth = SyntheticRun(seed=8, world=16, faults=[Fault("rank_gross", step=150, rank=3),
+                                                   Fault("loss_spike", step=170)])
+    spatial = DetectionPipeline(role="spatial")
+    blobs = []
+    for s in range(230):
+        spatial.process(synth.records(s))
+        blobs += [encode_summary(x) for x in spatial.outbox]
+        spatial.outbox.clear()
+    t = [0.0]
+
+    def tick():  # summaries arrive a second apart
+        t[0] += 1.0
+        return t[0]
+
+    straight = DetectionPipeline(role="temporal", clock=tick)
+    events_straight = [e for b in blobs for e in straight.process_summaries([decode_summary(b)])]
+    first = DetectionPipeline(role="temporal", clock=tick)
+    events = [e for b in blobs[:120] for e in first.process_summaries([decode_summary(b)])]
+    first.save(tmp_path / "t.json")
+    second = DetectionPipeline(role="temporal", clock=tick)
+    assert second.load(tmp_path / "t.json")
+    events += [e for b in blobs[120:] for e in second.process_summaries([decode_summary(b)])]
+    key = [(e.change, e.incident.kind, e.incident.first_step, e.incident.ranks) for e in events_straight]
+    assert {(k[1], k[3]) for k in key if k[0] == "opened"} >= {("loss_spike", ())}, key
+    assert any(k[0] == "opened" and k[3] == (3,) for k in key), key
+    assert [(e.change, e.incident.kind, e.incident.first_step, e.incident.ranks) for e in events] == key
