@@ -276,6 +276,7 @@ class RankOutlierDetector:
 
     def _accumulate_dense(self, z: np.ndarray):
         """CUSUM step on every cell; (flagged ranks, their evidence, z lookup)."""
+        self._materialize(self._steps - 1)  # cells a sparse step left behind catch up first
         zc = np.clip(z, -self.clip, self.clip)
         pos, neg = self._pos, self._neg
         pos += zc
@@ -365,11 +366,13 @@ class RankOutlierDetector:
                       "top": [{"metric": metrics[i], "layer": layers[i], "evidence": float(col[i])} for i in top]},
         )
 
-    def _materialize(self) -> None:
-        """Bring every cell up to date (the sparse path leaves idle cells behind)."""
+    def _materialize(self, upto: int | None = None) -> None:
+        """Bring every cell up to step ``upto`` (default: the last judged step); the sparse path
+        leaves idle cells behind."""
         if self._updated is None:
             return
-        idle = ((self._steps - self._updated) * self.drift).reshape(self._pos.shape)
+        upto = self._steps if upto is None else upto
+        idle = ((upto - self._updated) * self.drift).reshape(self._pos.shape)
         np.maximum(self._pos - idle, 0.0, out=self._pos)
         np.maximum(self._neg - idle, 0.0, out=self._neg)
         self._updated = None
