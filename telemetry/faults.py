@@ -32,6 +32,7 @@ import fnmatch
 import json
 import math
 import random
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
@@ -272,6 +273,9 @@ class FaultInjector:
         self.rank = rank
         self.step = -1
         self.injections: list[Injection] = []
+        # CPU seconds (this thread's) spent corrupting values: a simulated driver takes them out of
+        # the rank's step time, so an injected fault does not also make its rank look slow
+        self.cpu_seconds = 0.0
         self._handles: list[Any] = []
         self._done: set[tuple[int, int, int]] = set()
         self._targets: dict[int, list[str]] = {}
@@ -401,7 +405,10 @@ class FaultInjector:
             tensor, rebuild = _first_tensor(output)
             if tensor is None:
                 return None
-            return rebuild(self._transform(i, spec, tensor, name, rng))
+            t0 = time.thread_time()
+            out = rebuild(self._transform(i, spec, tensor, name, rng))
+            self.cpu_seconds += time.thread_time() - t0
+            return out
 
         return hook
 
@@ -414,7 +421,10 @@ class FaultInjector:
                 params = self._param_targets[i]
                 if params[rng.randrange(len(params))][0] != pname or not self._claim(i):
                     return None
-            return self._transform(i, spec, grad, pname, rng)
+            t0 = time.thread_time()
+            out = self._transform(i, spec, grad, pname, rng)
+            self.cpu_seconds += time.thread_time() - t0
+            return out
 
         return hook
 

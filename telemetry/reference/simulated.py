@@ -184,6 +184,7 @@ class SimulatedRun:
         order = torch.randperm(self.world, generator=torch.Generator().manual_seed(self.seed * 7919 + s)).tolist()
         for r in order:
             t0 = time.thread_time()
+            injecting = inj.cpu_seconds
             inj.rank = r
             for i, w in enumerate(self.watches):
                 w.enabled = i == r
@@ -200,7 +201,7 @@ class SimulatedRun:
             torch.cat([p.grad.reshape(-1) if p.grad is not None else torch.zeros(n)
                        for p, n in zip(self.params, self._sizes)], out=self._grads[r])
             losses[r] = loss.detach()
-            times[r] = time.thread_time() - t0
+            times[r] = time.thread_time() - t0 - (inj.cpu_seconds - injecting)  # the fault's own cost is not the rank's
         for w in self.watches:
             w.enabled = True
 
