@@ -247,3 +247,14 @@ def test_param_fault_flips_one_parameter_bit_once():
     diffs = [int((a.view(torch.int32) ^ b.detach().view(torch.int32)).count_nonzero())
              for a, b in zip(before, m.parameters())]
     assert sum(diffs) == 1
+
+
+def test_injector_counts_the_cpu_time_of_its_own_corruption_only_when_a_fault_fires():
+    spec = FaultSpec(kind="noise", rank=1, step=2, duration=1, target="blocks.*", magnitude=0.01, seed=1)
+    m = _model()
+    inj = FaultInjector([spec]).attach(m)
+    for step, rank in ((0, 0), (0, 1), (2, 0)):
+        _outputs(m, "head", inj, step, rank)
+    assert inj.cpu_seconds == 0.0  # nothing fired: the rank's step time keeps everything
+    _outputs(m, "head", inj, 2, 1)
+    assert inj.cpu_seconds > 0.0 and inj.injections
