@@ -207,11 +207,14 @@ def build_dashboard() -> dash.Dashboard:
                          _q(f"sdcwatch_pipeline_late_ranks{{{RUN}}}", "late {{run}}", ref="A"),
                          _q(f"sdcwatch_pipeline_missing_ranks{{{RUN}}}", "missing {{run}}", ref="B")))
     d = d.with_panel(_ts("Dead letters and duplicates", "Malformed records sent to the dead-letter topic "
-                         "and duplicates discarded, per second.", GridPos(h=8, w=8, x=8, y=y),
+                         "and duplicates discarded, per second; with the service split in stages, step "
+                         "summaries that came too late for the temporal stage.", GridPos(h=8, w=8, x=8, y=y),
                          _q("rate(sdcwatch_pipeline_dead_letters_total[$__rate_interval])", "dead letters",
                             ref="A"),
                          _q("rate(sdcwatch_pipeline_duplicates_total[$__rate_interval])", "duplicates",
-                            ref="B")))
+                            ref="B"),
+                         _q("rate(sdcwatch_pipeline_summaries_late_total[$__rate_interval])", "late summaries",
+                            ref="C")))
     d = d.with_panel(_ts("Records dropped by emitters", "Records the in-rank emitters dropped (buffer full "
                          "or bus unreachable), per second.", GridPos(h=8, w=8, x=16, y=y),
                          _q(f"rate(sdcwatch_emitter_dropped_records_total{{{RUN}}}[$__rate_interval])",
