@@ -167,3 +167,19 @@ def test_reference_run_fault_on_one_rank_through_the_real_broker_names_that_rank
     inc = nonfinite[0]
     assert (inc["step"], inc["ranks"][0], inc["hosts"][0], inc["metric"], inc["layer"]) == (
         20, 2, run.host_of(2), "attn_logit_max", 0)
+
+
+@pytest.mark.integration
+def test_summary_the_broker_refuses_is_reported_and_blocks_the_commit(bootstrap, unique_topic):
+    """A summary larger than the broker takes is not taken for delivered: flush says so."""
+    from sdcwatch.detectors.service import SummaryTopicSink
+    from sdcwatch.detectors.summary import StepSummary
+
+    sink = SummaryTopicSink.to_kafka(bootstrap, topic=f"{unique_topic}.sum", max_request_size=2048)
+    sink.publish([StepSummary("r", 1, 4, 4)])
+    assert sink.flush()
+    big = StepSummary("r", 2, 4, 4, observations={"x": __import__("numpy").random.default_rng(0).random(4096)})
+    sink.publish([big])  # ~32 kB of incompressible floats: over the producer's 2 kB limit
+    assert not sink.flush()
+    assert sink.flush()  # the failure is reported once
+    sink.close()
