@@ -225,14 +225,8 @@ class RankOutlierDetector:
             self._local_pos = np.zeros(z.shape)
             self._local_neg = np.zeros(z.shape)
         self._local_step = step
-        zc = np.clip(z, -self.clip, self.clip)
         lp, ln = self._local_pos, self._local_neg
-        lp += zc
-        lp -= self.drift
-        np.maximum(lp, 0.0, out=lp)
-        ln -= zc
-        ln -= self.drift
-        np.maximum(ln, 0.0, out=ln)
+        _cusum_step(lp, ln, np.clip(z, -self.clip, self.clip), self.drift)
         return (absz >= self.report_z) | (lp >= self.report_z) | (ln >= self.report_z)
 
     def update(self, frame: StepFrame) -> list[Finding]:
@@ -277,14 +271,8 @@ class RankOutlierDetector:
     def _accumulate_dense(self, z: np.ndarray):
         """CUSUM step on every cell; (flagged ranks, their evidence, z lookup)."""
         self._materialize(self._steps - 1)  # cells a sparse step left behind catch up first
-        zc = np.clip(z, -self.clip, self.clip)
         pos, neg = self._pos, self._neg
-        pos += zc
-        pos -= self.drift
-        np.maximum(pos, 0.0, out=pos)
-        neg -= zc
-        neg -= self.drift
-        np.maximum(neg, 0.0, out=neg)
+        _cusum_step(pos, neg, np.clip(z, -self.clip, self.clip), self.drift)
         evidence = np.maximum(pos, neg).max(axis=0)  # a reduction along rows is fast
         self._scores = evidence / self.threshold
         self._updated = None  # every cell is current
@@ -304,10 +292,9 @@ class RankOutlierDetector:
         sent = cells[0] * world + cells[1]
         zc = np.clip(np.asarray(cell_z, dtype=float), -self.clip, self.clip)
         idle = (t - 1 - self._updated[sent]) * self.drift  # the decay of the steps nobody sent
-        p = np.maximum(P[sent] - idle, 0.0) + zc - self.drift
-        np.maximum(p, 0.0, out=p)
-        n = np.maximum(N[sent] - idle, 0.0) - zc - self.drift
-        np.maximum(n, 0.0, out=n)
+        p = np.maximum(P[sent] - idle, 0.0)
+        n = np.maximum(N[sent] - idle, 0.0)
+        _cusum_step(p, n, zc, self.drift)
         P[sent], N[sent] = p, n
         self._updated[sent] = t
         hot = np.union1d(self._hot, sent[np.maximum(p, n) >= self.threshold])
@@ -397,6 +384,16 @@ class RankOutlierDetector:
         self._neg = decode_array(state["neg"])
         self._steps = int(state["steps"])
         self._updated, self._scores = None, None
+
+
+def _cusum_step(pos: np.ndarray, neg: np.ndarray, zc: np.ndarray, drift: float) -> None:
+    """One step of the two-sided CUSUM, in place: ``pos = max(0, pos + zc - drift)``, ``neg`` likewise for -zc."""
+    pos += zc
+    pos -= drift
+    np.maximum(pos, 0.0, out=pos)
+    neg -= zc
+    neg -= drift
+    np.maximum(neg, 0.0, out=neg)
 
 
 def _where(metric: str, layer: int | None) -> str:

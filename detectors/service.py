@@ -16,7 +16,7 @@ import logging
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, ClassVar, Sequence
 
 from sdcwatch.detectors.pipeline import DetectionPipeline
 from sdcwatch.detectors.source import Source as RecordSource  # the protocol the service reads through
@@ -30,46 +30,6 @@ log = logging.getLogger("sdcwatch.detectors.service")
 
 ANOMALY_TOPIC = "sdcwatch.anomalies"
 STATE_FILE = "pipeline-state.json"
-
-
-class AnomalyTopicSink:
-    """Publishes each incident change as JSON (``Incident.to_dict()`` plus ``change``) to a topic.
-
-    ``send(key: bytes, value: bytes)`` is where messages go: :meth:`to_bus` writes to a
-    :class:`~sdcwatch.telemetry.MemoryBus`, :meth:`to_kafka` to a kafka-python producer (sending is
-    asynchronous there; ``publish`` never raises, failures are counted in ``errors``).
-    """
-
-    def __init__(self, send: Callable[[bytes, bytes], Any], close: Callable[[], Any] | None = None) -> None:
-        self._send = send
-        self._close = close
-        self.published = 0
-        self.errors = 0
-
-    @classmethod
-    def to_bus(cls, bus: Any, topic: str = ANOMALY_TOPIC) -> "AnomalyTopicSink":
-        return cls(lambda k, v: bus.append(topic, k, v))
-
-    @classmethod
-    def to_kafka(cls, bootstrap: str, topic: str = ANOMALY_TOPIC, **producer_settings: Any) -> "AnomalyTopicSink":
-        send, _flush, close = _kafka_sender(bootstrap, topic, linger_ms=20, **producer_settings)
-        return cls(send, close)
-
-    def publish(self, event: IncidentEvent) -> None:
-        try:
-            body = {"change": event.change, **event.incident.to_dict()}
-            self._send(event.incident.id.encode("utf-8"), json.dumps(body, allow_nan=False).encode("utf-8"))
-            self.published += 1
-        except Exception:  # a sink must never stall or break detection
-            self.errors += 1
-            log.exception("anomaly topic: could not publish incident %s", event.incident.id)
-
-    def close(self) -> None:
-        if self._close is not None:
-            try:
-                self._close()
-            except Exception:
-                log.exception("anomaly topic: close failed")
 
 
 def _kafka_sender(bootstrap: str, topic: str, **producer_settings: Any):
@@ -109,7 +69,59 @@ def _kafka_sender(bootstrap: str, topic: str, **producer_settings: Any):
     return send, flush, close
 
 
-class SummaryTopicSink:
+class _TopicWriter:
+    """The writing end of one topic, shared by the sinks that publish to the bus.
+
+    ``send(key: bytes, value: bytes)`` is where messages go: :meth:`to_bus` writes to a
+    :class:`~sdcwatch.telemetry.MemoryBus`, :meth:`to_kafka` to a kafka-python producer (sending is
+    asynchronous there). Publishing never raises; failures are counted in ``errors``.
+    """
+
+    DEFAULT_TOPIC: ClassVar[str]
+    KAFKA_SETTINGS: ClassVar[dict[str, Any]] = {}
+    LABEL: ClassVar[str]
+
+    def __init__(self, send: Callable[[bytes, bytes], Any], flush: Callable[[], bool] = lambda: True,
+                 close: Callable[[], Any] | None = None) -> None:
+        self._send, self._flush, self._close = send, flush, close
+        self.published = 0
+        self.errors = 0
+
+    @classmethod
+    def to_bus(cls, bus: Any, topic: str | None = None):
+        topic = topic or cls.DEFAULT_TOPIC
+        return cls(lambda k, v: bus.append(topic, k, v))
+
+    @classmethod
+    def to_kafka(cls, bootstrap: str, topic: str | None = None, **producer_settings: Any):
+        return cls(*_kafka_sender(bootstrap, topic or cls.DEFAULT_TOPIC, **{**cls.KAFKA_SETTINGS, **producer_settings}))
+
+    def close(self) -> None:
+        if self._close is not None:
+            try:
+                self._close()
+            except Exception:
+                log.exception("%s topic: close failed", self.LABEL)
+
+
+class AnomalyTopicSink(_TopicWriter):
+    """Publishes each incident change as JSON (``Incident.to_dict()`` plus ``change``) to a topic."""
+
+    DEFAULT_TOPIC = ANOMALY_TOPIC
+    KAFKA_SETTINGS = {"linger_ms": 20}
+    LABEL = "anomaly"
+
+    def publish(self, event: IncidentEvent) -> None:
+        try:
+            body = {"change": event.change, **event.incident.to_dict()}
+            self._send(event.incident.id.encode("utf-8"), json.dumps(body, allow_nan=False).encode("utf-8"))
+            self.published += 1
+        except Exception:  # a sink must never stall or break detection
+            self.errors += 1
+            log.exception("anomaly topic: could not publish incident %s", event.incident.id)
+
+
+class SummaryTopicSink(_TopicWriter):
     """The spatial stage's output: each step summary as one message, keyed by run, to a topic.
 
     Keyed by run so that one run's summaries share a partition and so a temporal instance. The
@@ -117,25 +129,16 @@ class SummaryTopicSink:
     records it came from count as done.
     """
 
-    def __init__(self, send: Callable[[bytes, bytes], Any], flush: Callable[[], bool] = lambda: True,
-                 close: Callable[[], Any] | None = None) -> None:
-        self._send, self._flush, self._close = send, flush, close
-        self.published = 0
-        self.errors = 0
+    DEFAULT_TOPIC = SUMMARY_TOPIC
+    # summaries grow with ranks x metrics (330 kB measured at 16,384 ranks x 136 metrics): past the
+    # producer's 1 MB default for the largest jobs; the broker's message.max.bytes still applies
+    KAFKA_SETTINGS = {"linger_ms": 5, "max_request_size": 8 << 20}
+    LABEL = "summaries"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         self._unflushed_errors = 0
         self.bytes = 0
-
-    @classmethod
-    def to_bus(cls, bus: Any, topic: str = SUMMARY_TOPIC) -> "SummaryTopicSink":
-        return cls(lambda k, v: bus.append(topic, k, v))
-
-    @classmethod
-    def to_kafka(cls, bootstrap: str, topic: str = SUMMARY_TOPIC, **producer_settings: Any) -> "SummaryTopicSink":
-        # summaries grow with ranks x metrics (330 kB measured at 16,384 ranks x 136 metrics): past
-        # the producer's 1 MB default for the largest jobs; the broker's message.max.bytes still applies
-        settings = {"linger_ms": 5, "max_request_size": 8 << 20, **producer_settings}
-        send, flush, close = _kafka_sender(bootstrap, topic, **settings)
-        return cls(send, flush, close)
 
     def publish(self, summaries: Sequence[StepSummary]) -> None:
         for s in summaries:
@@ -156,13 +159,6 @@ class SummaryTopicSink:
         ok = bool(self._flush()) and not self._unflushed_errors
         self._unflushed_errors = 0
         return ok
-
-    def close(self) -> None:
-        if self._close is not None:
-            try:
-                self._close()
-            except Exception:
-                log.exception("summaries topic: close failed")
 
 
 class DetectorService:

@@ -195,8 +195,12 @@ class _Held:
     heap: list = field(default_factory=list)  # (step, arrival, seq, summary)
     steps: set = field(default_factory=set)
     last: int | None = None  # last step released
-    stride: int = 1
-    gaps: deque = field(default_factory=lambda: deque(maxlen=8))
+    gaps: deque = field(default_factory=lambda: deque(maxlen=8))  # between recent released steps
+
+    @property
+    def stride(self) -> int:
+        """The run's usual distance between steps (a run logging every N steps has N): the smallest recent gap."""
+        return min(self.gaps) if self.gaps else 1
 
 
 class SummaryOrder:
@@ -246,9 +250,7 @@ class SummaryOrder:
                 heapq.heappop(h.heap)
                 h.steps.discard(step)
                 if h.last is not None:
-                    # a run that logs every N steps has stride N: the smallest recent gap
                     h.gaps.append(step - h.last)
-                    h.stride = min(h.gaps)
                 h.last = step
                 out.append(s)
         return out
@@ -265,7 +267,7 @@ class SummaryOrder:
                 for run, h in self._runs.items()}
 
     def restore(self, state: dict[str, Any]) -> None:
-        self._runs = {run: _Held(last=d["last"], stride=int(d["stride"]), gaps=deque([int(d["stride"])], maxlen=8))
+        self._runs = {run: _Held(last=d["last"], gaps=deque([int(d["stride"])], maxlen=8))
                       for run, d in state.items()}
         now = self.clock()
         for run, d in state.items():
