@@ -230,6 +230,8 @@ class KafkaTransport:
         )
         self._producer = None
         self._topic_ready = False
+        self._last_offsets: dict[int, int] = {}  # partition -> highest offset the broker confirmed
+        self.log_resets = 0  # times the broker's log went back (it lost confirmed records)
 
     def _connect(self):
         from kafka import KafkaProducer
@@ -263,10 +265,35 @@ class KafkaTransport:
             self._reset()
             raise _unsent(f"Kafka send to {self.bootstrap} failed: {exc}", failed) from None
         failed = [r for (_, recs), f in zip(messages, futures) if not (f.is_done and f.succeeded()) for r in recs]
+        self._check_offsets([f.value for f in futures if f.is_done and f.succeeded()])
         if failed:
             exc = next((f.exception for f in futures if f.is_done and f.failed()), None)
             self._reset()
             raise _unsent(f"Kafka did not confirm {len(failed)} of {len(records)} records: {exc}", failed)
+
+    def _check_offsets(self, confirmed: Sequence[Any]) -> None:
+        """Warn when a partition's offsets go back: the broker lost records it had confirmed.
+
+        Kafka offsets only grow. A broker that restarts without persistent storage (the embedded
+        one keeps everything in memory) starts its log again at 0, and what it confirmed before
+        is gone. The emitter cannot get those records back, but it must not stay silent about it.
+        The producer is replaced, so the next send starts from fresh metadata and creates the
+        topic again if the broker has none.
+        """
+        confirmed = [md for md in confirmed if md is not None and md.offset >= 0]  # acks=0: no offsets
+        went_back = [(md.partition, self._last_offsets[md.partition], md.offset) for md in confirmed
+                     if md.offset < self._last_offsets.get(md.partition, -1)]
+        if went_back:  # the whole log started again: forget the old offsets of every partition
+            self._last_offsets = {}
+        for md in confirmed:
+            self._last_offsets[md.partition] = max(md.offset, self._last_offsets.get(md.partition, -1))
+        if went_back:
+            self.log_resets += 1
+            part, last, now = went_back[0]
+            log.warning("Kafka at %s: %s partition %d went back from offset %d to %d: the broker lost records it "
+                        "had confirmed (restarted without persistent storage?); telemetry sent before is gone "
+                        "from the bus", self.bootstrap, self.topic, part, last, now)
+            self._reset()
 
     def _reset(self) -> None:
         producer, self._producer = self._producer, None

@@ -13,6 +13,8 @@ import uuid
 
 import pytest
 
+from sdcwatch.broker import free_port
+
 pytestmark = pytest.mark.integration
 
 torch = pytest.importorskip("torch")
@@ -39,19 +41,6 @@ def wait_banner(proc, timeout=30):
     raise AssertionError(f"serve did not start: {line!r} {proc.stderr.read()[-2000:]}")
 
 
-def read_anomalies(bootstrap, topic, timeout=8.0):
-    from kafka import KafkaConsumer
-
-    from sdcwatch.detectors.source import FAST_JOIN
-
-    consumer = KafkaConsumer(topic, bootstrap_servers=[bootstrap], auto_offset_reset="earliest",
-                             group_id=f"read-{uuid.uuid4().hex[:6]}", consumer_timeout_ms=int(timeout * 1000),
-                             **FAST_JOIN)
-    out = [json.loads(m.value) for m in consumer]
-    consumer.close()
-    return out
-
-
 def peek_anomalies(bootstrap, topic, timeout=2.0):
     """What the anomalies topic holds now (no consumer group, so no join to wait for)."""
     from kafka import KafkaConsumer
@@ -61,6 +50,38 @@ def peek_anomalies(bootstrap, topic, timeout=2.0):
     out = [json.loads(m.value) for m in consumer]
     consumer.close()
     return out
+
+
+def scrape(metrics_url) -> dict[str, float]:
+    """The service's unlabelled /metrics samples by name ({} while it is not serving yet)."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        text = urllib.request.urlopen(metrics_url, timeout=5).read().decode()
+    except OSError:
+        return {}
+    return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples if not s.labels}
+
+
+def wait_until(pred, timeout, what):
+    """Poll ``pred`` until it is true; slow machines take longer, so the bound is generous."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return
+        time.sleep(0.25)
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+
+
+def wait_taken(metrics_url, records, timeout=90.0):
+    """Wait until the service has taken ``records`` distinct records (duplicates do not count)."""
+    def taken():
+        m = scrape(metrics_url)
+        return m.get("sdcwatch_pipeline_records_total", 0) - m.get("sdcwatch_pipeline_duplicates_total", 0)
+
+    wait_until(lambda: taken() >= records, timeout, f"the service to take {records} records")
 
 
 def stop(proc):
@@ -93,33 +114,40 @@ def test_serve_detects_stops_on_sigterm_and_resumes_without_repeating_alerts(boo
         emitters.append(em)
         return em
 
-    proc = start_serve(bootstrap, topics, state, group)
-    wait_banner(proc)
+    metrics = ["--metrics-port", str(free_port())]
+    proc = start_serve(bootstrap, topics, state, group, metrics)
+    metrics_url = re.search(r"metrics (http://\S+);", wait_banner(proc)).group(1)
     run = SimulatedRun(world=world, seed=3, faults=[fault], emitter_factory=factory, batch_size=4)
     run.train(nan_step + 5)
     for em in emitters:
         assert em.flush(30)
-    time.sleep(4)  # let the service consume, detect and snapshot
+    # the service has read every record sent, and the incident is on the anomalies topic
+    wait_taken(metrics_url, sum(em.sent for em in emitters))
+    wait_until(lambda: any(e["kind"] == "nonfinite" for e in peek_anomalies(bootstrap, topics["anomalies"])),
+               60, "the non-finite incident on the anomalies topic")
     err = stop(proc)
     assert "stopped" in err
     assert (state / "pipeline-state.json").exists()
-    first = read_anomalies(bootstrap, topics["anomalies"])
+    first = peek_anomalies(bootstrap, topics["anomalies"])
     opened = [e for e in first if e["change"] == "opened"]
     nonfinite = [e for e in opened if e["kind"] == "nonfinite"]
     assert len(nonfinite) == 1 and nonfinite[0]["first_step"] == nan_step
     assert nonfinite[0]["ranks"] == [2]  # the other ranks only saw the all-reduced NaN
 
     # restart: the same group and state; the ranks go on training (NaN persists in the model)
-    proc = start_serve(bootstrap, topics, state, group)
+    metrics = ["--metrics-port", str(free_port())]
+    proc = start_serve(bootstrap, topics, state, group, metrics)
     banner = wait_banner(proc)
     assert "resumed" in banner
+    metrics_url = re.search(r"metrics (http://\S+);", banner).group(1)
     run.train(10)
     run.close()
     for em in emitters:
         em.close(30)
-    time.sleep(4)
+    # records_total is restored from the state, so this counts both lives of the service
+    wait_taken(metrics_url, sum(em.sent for em in emitters))
     stop(proc)
-    after = read_anomalies(bootstrap, topics["anomalies"])
+    after = peek_anomalies(bootstrap, topics["anomalies"])
     opened_ids = [e["id"] for e in after if e["change"] == "opened"]
     assert len(opened_ids) == len(set(opened_ids)), "an incident was opened twice"
     assert [e["id"] for e in after if e["change"] == "opened" and e["kind"] == "nonfinite"] == [nonfinite[0]["id"]]
@@ -180,10 +208,11 @@ def test_split_service_spatial_instances_share_the_steps_and_the_temporal_stage_
     assert ensure_topic(bootstrap, topics["telemetry"], 4)
     spatial = [start_serve(bootstrap, topics, tmp_path / f"spatial{i}", group, ["--stage", "spatial", *summaries])
                for i in range(2)]
-    temporal = start_serve(bootstrap, topics, tmp_path / "temporal", group, ["--stage", "temporal", *summaries])
+    temporal = start_serve(bootstrap, topics, tmp_path / "temporal", group,
+                           ["--stage", "temporal", *summaries, "--metrics-port", str(free_port())])
     logs = [StderrLines(p) for p in (*spatial, temporal)]
-    for lg in logs:
-        lg.wait_for(lambda line: line.startswith("sdcwatch serve: consuming"))
+    banners = [lg.wait_for(lambda line: line.startswith("sdcwatch serve: consuming")) for lg in logs]
+    temporal_metrics = re.search(r"metrics (http://\S+);", banners[2]).group(1)
     for lg in logs[:2]:  # after the rebalance each spatial instance owns two partitions
         lg.wait_for(lambda line: re.search(r"assigned partitions \[\d+, \d+\] ", line) is not None)
 
@@ -195,25 +224,29 @@ def test_split_service_spatial_instances_share_the_steps_and_the_temporal_stage_
     run.train(steps)
     run.close()
     assert [em.sent for em in run.emitters] == [steps] * world
-    deadline = time.monotonic() + 90  # consume, summarise, judge (slow machines take longer)
-    while time.monotonic() < deadline:
-        if any(e["kind"] == "nonfinite" for e in peek_anomalies(bootstrap, topics["anomalies"])):
-            break
-    time.sleep(2)  # the last steps' summaries
-    for p in (*spatial, temporal):
+    # consume, summarise, judge (slow machines take longer)
+    wait_until(lambda: any(e["kind"] == "nonfinite" for e in peek_anomalies(bootstrap, topics["anomalies"])),
+               90, "the non-finite incident on the anomalies topic")
+    for p in spatial:  # the spatial stage publishes what it holds on the way out
         p.send_signal(signal.SIGTERM)
-    for p in (*spatial, temporal):
+    for p in spatial:
         assert p.wait(60) == 0
-    outs = [lg.joined() for lg in logs]
+    outs = [lg.joined() for lg in logs[:2]]
     published = []
-    for out in outs[:2]:
+    for out in outs:
         line = next(ln for ln in out.splitlines() if ln.startswith("sdcwatch serve: stopped"))
         published.append(int(line.split("; ")[1].split()[0]))
     assert min(published) > 0, f"one spatial instance did no steps: {published}"
     assert sum(published) >= steps  # a rebalance may redeliver a window; the temporal stage drops repeats
+
+    wait_until(lambda: scrape(temporal_metrics).get("sdcwatch_pipeline_summaries_total", 0) >= sum(published), 60,
+               f"the temporal stage to take the {sum(published)} published summaries")
+    temporal.send_signal(signal.SIGTERM)
+    assert temporal.wait(60) == 0
+    outs.append(logs[2].joined())
     assert f"after {sum(published)} step summaries" in outs[2]
 
-    events = read_anomalies(bootstrap, topics["anomalies"])
+    events = peek_anomalies(bootstrap, topics["anomalies"])
     opened = [e for e in events if e["change"] == "opened"]
     nonfinite = [e for e in opened if e["kind"] == "nonfinite"]
     assert len(nonfinite) == 1, opened

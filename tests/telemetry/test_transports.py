@@ -1,0 +1,34 @@
+"""The Kafka transport's own bookkeeping, without a broker."""
+
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+
+from sdcwatch.telemetry import KafkaTransport
+
+
+def confirmed(*pairs):
+    return [SimpleNamespace(partition=p, offset=o) for p, o in pairs]
+
+
+def test_offsets_that_go_back_are_reported_once_per_lost_log(caplog):
+    t = KafkaTransport("127.0.0.1:1", "tel")
+    with caplog.at_level(logging.WARNING, logger="sdcwatch.telemetry"):
+        t._check_offsets(confirmed((0, 0), (1, 0)))
+        t._check_offsets(confirmed((0, 5), (1, 9), (2, 3)))
+        assert t.log_resets == 0 and not caplog.records
+        # the broker restarted empty: partition 0 starts again; partitions 1 and 2 follow later
+        t._check_offsets(confirmed((0, 0)))
+        assert t.log_resets == 1
+        assert "tel partition 0 went back from offset 5 to 0" in caplog.text
+        t._check_offsets(confirmed((1, 0), (2, 0)))
+        t._check_offsets(confirmed((1, 1), (2, 4), (0, 1)))
+    assert t.log_resets == 1 and len(caplog.records) == 1
+
+
+def test_acks_0_confirms_without_offsets_and_is_never_a_lost_log():
+    t = KafkaTransport("127.0.0.1:1", "tel", acks=0)
+    t._check_offsets(confirmed((0, 7)))
+    t._check_offsets(confirmed((0, -1), (0, -1)))
+    assert t.log_resets == 0
