@@ -54,9 +54,9 @@ def test_8_ranks_in_2_processes_80k_records_none_lost_none_invented(bootstrap, u
 
 def test_broker_outage_never_blocks_training_and_drops_are_exact(broker, unique_topic, consume, caplog):
     bootstrap = broker.bootstrap
-    # The outage (4 s) outlasts the producer's delivery timeout (1.5 s): the producer from before the
-    # kill gives up, so the buffer fills and the drops can be counted exactly. (A restart shorter than
-    # the delivery timeout is the next test.)
+    # The outage (4 s) outlasts the producer's delivery timeout (1.5 s), so this test covers the path
+    # where the producer from before the kill gives up and a new one is made after the restart. A
+    # restart shorter than the delivery timeout, which the old producer lives through, is the next test.
     transport = KafkaTransport(bootstrap, unique_topic, request_timeout_ms=1000, delivery_timeout_ms=1500)
     em = Emitter(transport, run="outage", rank=0, world=1, host="h", buffer=2000, batch=256)
     for step in range(500):
