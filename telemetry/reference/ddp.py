@@ -54,6 +54,10 @@ class DDPSettings:
     """Adam learning rate."""
     clip: float | None = 1.0
     """Gradient-norm clipping, as large runs do (None: off)."""
+    skip_nonfinite: bool = False
+    """Skip the optimizer step when the all-reduced gradient is not finite, as Megatron-LM and fp16
+    loss scalers do; otherwise one NaN poisons every replica at the next step. Every rank holds the
+    same all-reduced gradient, so every rank makes the same choice without talking to the others."""
     probes: dict[str, Any] = field(default_factory=dict)
     """ProbeConfig settings for :func:`sdcwatch.telemetry.probes.attach`."""
     ranks_per_host: int | None = None
@@ -121,6 +125,7 @@ def train_rank(rank: int, settings: DDPSettings) -> None:
         emitter = _emitter(settings, rank)
         watch = attach(model, emitter, optimizer=optimizer, ddp=ddp, **settings.probes)
         corpus = shared_corpus(settings.corpus_bytes)
+        skipped: list[int] = []
         for step in range(start, start + settings.steps):
             watch.begin_step(step)
             injector.begin_step(step)
@@ -130,14 +135,21 @@ def train_rank(rank: int, settings: DDPSettings) -> None:
             loss = next_byte_loss(ddp(batch[:, :-1]), batch)
             loss.backward()
             if settings.clip:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), settings.clip)
-            optimizer.step()
+                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), settings.clip)
+            elif settings.skip_nonfinite:
+                grad_norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
+            if settings.skip_nonfinite and not bool(torch.isfinite(grad_norm)):
+                skipped.append(step)
+            else:
+                optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             loss_global = loss.detach().clone()
             dist.all_reduce(loss_global)  # a user's loss logging does this anyway
             watch.step(step, loss=loss, loss_global=loss_global / settings.world)
             injector.end_step()  # after watch.step, so the record shows a spiked learning rate
         watch.close()
+        if skipped and rank == 0:
+            print(f"sdcwatch ddp: skipped the update at steps {skipped} (non-finite gradient)", flush=True)
         if settings.save and rank == 0:
             torch.save({"step": start + settings.steps, "model": model.state_dict(),
                         "optimizer": optimizer.state_dict()}, settings.save)
@@ -176,6 +188,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--faults", help="fault specs (.jsonl or .json array)")
     ap.add_argument("--ranks-per-host", type=int)
     ap.add_argument("--probes", default="{}", help='ProbeConfig settings as JSON, e.g. {"every": 2}')
+    ap.add_argument("--skip-nonfinite", action="store_true",
+                    help="skip the optimizer step when the all-reduced gradient is not finite")
     ap.add_argument("--load")
     ap.add_argument("--save")
     args = ap.parse_args(argv)
@@ -187,6 +201,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         world=args.world, steps=args.steps, seed=args.seed, run=args.run, bootstrap=args.bootstrap,
         topic=args.topic, jsonl_dir=args.jsonl_dir, faults=tuple(load_faults(args.faults)) if args.faults else (),
         probes=probes, ranks_per_host=args.ranks_per_host, load=args.load, save=args.save,
+        skip_nonfinite=args.skip_nonfinite,
     )
     launch(settings)
     return 0

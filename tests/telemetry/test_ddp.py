@@ -94,3 +94,30 @@ def test_comm_hook_norms_and_cosine_match_brute_force(ddp_records):
         assert s["grad_cosine"] == pytest.approx(cos, rel=1e-4)
     assert {round(table[0, r].scalars["loss_global"], 5) for r in range(WORLD)} == {
         round(sum(table[0, r].scalars["loss"] for r in range(WORLD)) / WORLD, 5)}
+
+
+@pytest.mark.parametrize("skip", [False, True], ids=["plain", "skip_nonfinite"])
+def test_skip_nonfinite_keeps_every_replica_finite_after_a_nan(tmp_path, skip):
+    """A NaN in one rank's attention reaches every replica through the all-reduce; skipping that
+    update keeps the replicas finite and identical, and the next steps train on."""
+    from sdcwatch.detectors.replay import read_records
+
+    world, steps, nan_step = 2, 5, 2
+    settings = DDPSettings(
+        world=world, steps=steps, seed=0, run="ddp-skip", jsonl_dir=str(tmp_path), corpus_bytes=1 << 18,
+        probes={"fingerprint_every": 1}, skip_nonfinite=skip,
+        faults=(FaultSpec(kind="nan", rank=1, step=nan_step, duration=1, target="blocks.0.attn.scores",
+                          where="output", seed=1),),
+    )
+    launch(settings)
+    table = {(r.step, r.rank): r for rank in range(world) for r in read_records(tmp_path / f"rank{rank}.jsonl")}
+    assert set(table) == {(s, r) for s in range(steps) for r in range(world)}
+    assert table[nan_step, 1].scalars["nonfinite"] > 0  # the fault happened
+    later = [table[s, r] for s in range(nan_step + 1, steps) for r in range(world)]
+    finite = [bool(torch.isfinite(torch.tensor(rec.scalars["loss"]))) for rec in later]
+    if skip:
+        assert all(finite) and all(rec.scalars["nonfinite"] == 0 for rec in later)
+        for s in range(steps):
+            assert table[s, 0].fingerprints["param_fp"] == table[s, 1].fingerprints["param_fp"], s
+    else:
+        assert not any(finite)  # without the skip, every replica is poisoned from the next step on
