@@ -17,7 +17,7 @@ import urllib.parse
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -253,11 +253,27 @@ def require_binary(name: str) -> str:
     return path
 
 
+def on_free_port(start: Callable[[int], Server], attempts: int = 3) -> Server:
+    """``start(port)`` on a port that was free a moment ago; another process may take it between
+    the check and the server's bind, so a server that exits on "address already in use" is
+    started again on another port."""
+    for attempt in range(attempts):
+        try:
+            return start(free_port())
+        except RuntimeError as exc:
+            if "address already in use" not in str(exc) or attempt == attempts - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
 def start_prometheus(workdir: Path, scrape_target: str, rule_files: list[Path] = ()) -> Server:
     """Prometheus scraping ``scrape_target`` (host:port) every second, evaluating ``rule_files``."""
+    return on_free_port(lambda port: _start_prometheus(workdir, scrape_target, rule_files, port))
+
+
+def _start_prometheus(workdir: Path, scrape_target: str, rule_files: list[Path], port: int) -> Server:
     binary = require_binary("prometheus")
     workdir.mkdir(parents=True, exist_ok=True)
-    port = free_port()
     config = {
         "global": {"scrape_interval": "1s", "evaluation_interval": "1s", "scrape_timeout": "1s"},
         "rule_files": [str(p) for p in rule_files],
@@ -273,9 +289,12 @@ def start_prometheus(workdir: Path, scrape_target: str, rule_files: list[Path] =
 
 def start_alertmanager(workdir: Path, webhook_url: str) -> Server:
     """Alertmanager routing everything to ``webhook_url`` at once (group_wait 0s, interval 1s)."""
+    return on_free_port(lambda port: _start_alertmanager(workdir, webhook_url, port))
+
+
+def _start_alertmanager(workdir: Path, webhook_url: str, port: int) -> Server:
     binary = require_binary("prometheus-alertmanager")
     workdir.mkdir(parents=True, exist_ok=True)
-    port = free_port()
     config = {
         "route": {"receiver": "test", "group_by": ["alertname", "run", "incident"], "group_wait": "0s",
                   "group_interval": "1s", "repeat_interval": "1h"},
