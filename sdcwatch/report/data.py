@@ -1,0 +1,219 @@
+"""Loading a captured run: the JSON-lines records into dense arrays, and the incidents.
+
+This is the one module that reads files. Everything downstream (the deviation score, the plots,
+the page) works on :class:`RunData` and :class:`Incident` objects, so it can be fed a run that
+never touched the disk and never has to handle a malformed line.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+
+from sdcwatch.detectors.types import Incident, Severity
+from sdcwatch.errors import RecordError, ReplayError
+from sdcwatch.telemetry.record import from_json
+
+_SCALARS = ("loss", "loss_global", "grad_norm_local", "grad_norm_global", "grad_cosine", "nonfinite", "step_time")
+_ENTROPY = "attn_entropy"
+
+
+@dataclass
+class RunData:
+    """One run's records as dense arrays: ``steps`` (S,), per-rank scalars (S, R), layers (S, R, L).
+
+    A missing record is NaN in every array and False in ``present``; a non-finite value the rank
+    really reported stays NaN/Inf with ``present`` True, so the two are never confused.
+    """
+
+    run: str
+    world: int
+    steps: np.ndarray
+    present: np.ndarray
+    scalars: dict[str, np.ndarray]
+    layers: dict[str, np.ndarray]
+    hosts: list[str]
+    records: int
+    duplicates: int = 0
+    other_runs: dict[str, int] = field(default_factory=dict)
+    wall_start: float = 0.0
+    wall_end: float = 0.0
+
+    @property
+    def missing(self) -> int:
+        """Rank-steps with no record."""
+        return int(self.present.size - self.present.sum())
+
+    def host_of(self, rank: int) -> str:
+        return self.hosts[rank] if 0 <= rank < len(self.hosts) else ""
+
+
+def load_records(path: str | Path, *, run: str | None = None) -> RunData:
+    """Read a JSON-lines record file into :class:`RunData`.
+
+    When the file holds several runs, ``run`` picks one; by default the run with the most
+    records is shown and the others are listed in :attr:`RunData.other_runs`. A malformed line
+    raises :class:`ReplayError` naming the file and the line.
+    """
+    path = Path(path)
+    rows: dict[str, list[tuple]] = {}
+    hosts: dict[str, dict[int, str]] = {}
+    worlds: dict[str, int] = {}
+    seen: dict[str, set[str]] = {}  # scalar names each run reported at least once
+    try:
+        fh = open(path, "rb")
+    except OSError as exc:
+        raise ReplayError(str(path), 0, f"cannot read records: {exc.strerror or exc}") from None
+    with fh:
+        for lineno, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = from_json(line)
+            except RecordError as exc:
+                raise ReplayError(str(path), lineno, str(exc)) from None
+            layer = rec.layers.get(_ENTROPY)
+            rows.setdefault(rec.run, []).append(
+                (rec.step, rec.rank, rec.time, tuple(rec.scalars.get(k, math.nan) for k in _SCALARS),
+                 tuple(layer) if layer is not None else None)
+            )
+            worlds[rec.run] = max(worlds.get(rec.run, 0), rec.world)
+            seen.setdefault(rec.run, set()).update(rec.scalars)
+            if rec.host:
+                hosts.setdefault(rec.run, {})[rec.rank] = rec.host
+    if not rows:
+        raise ReplayError(str(path), 0, "holds no records")
+    if run is None:
+        run = max(rows, key=lambda r: len(rows[r]))
+    elif run not in rows:
+        raise ReplayError(str(path), 0, f"holds no records of run {run!r} (runs: {', '.join(sorted(rows))})")
+    data = _densify(run, rows[run], worlds[run], hosts.get(run, {}), seen[run])
+    data.other_runs = {r: len(v) for r, v in rows.items() if r != run}
+    return data
+
+
+def _densify(run: str, rows: list[tuple], world: int, hosts: Mapping[int, str], seen: set[str]) -> RunData:
+    steps = np.unique(np.fromiter((r[0] for r in rows), dtype=np.uint64, count=len(rows)))
+    step_index = {int(s): i for i, s in enumerate(steps)}
+    n_steps = len(steps)
+    present = np.zeros((n_steps, world), dtype=bool)
+    values = np.full((len(_SCALARS), n_steps, world), np.nan)
+    n_layers = max((len(r[4]) for r in rows if r[4] is not None), default=0)
+    entropy = np.full((n_steps, world, n_layers), np.nan, dtype=np.float32) if n_layers else None
+    duplicates = 0
+    times = []
+    for step, rank, wall, scalars, layer in rows:
+        i = step_index[step]
+        duplicates += bool(present[i, rank])
+        present[i, rank] = True
+        values[:, i, rank] = scalars
+        if entropy is not None and layer is not None:
+            entropy[i, rank, : len(layer)] = layer
+        times.append(wall)
+    scalars_out = {name: values[k] for k, name in enumerate(_SCALARS) if name in seen}
+    layers = {_ENTROPY: entropy} if entropy is not None else {}
+    finite_times = [t for t in times if t > 0]
+    return RunData(
+        run=run,
+        world=world,
+        steps=steps.astype(np.int64),
+        present=present,
+        scalars=scalars_out,
+        layers=layers,
+        hosts=[hosts.get(r, "") for r in range(world)],
+        records=len(rows),
+        duplicates=duplicates,
+        wall_start=min(finite_times, default=0.0),
+        wall_end=max(finite_times, default=0.0),
+    )
+
+
+def incident_from_dict(d: Mapping[str, Any]) -> Incident:
+    """Rebuild an :class:`Incident` from :meth:`Incident.to_dict` output (or an event wrapping one).
+
+    Raises ValueError naming the bad field; :func:`load_incidents` adds the file and line.
+    """
+    if "incident" in d and isinstance(d["incident"], Mapping):  # an IncidentEvent on the anomalies topic
+        d = d["incident"]
+    for key in ("kind", "severity", "message"):
+        if key not in d:
+            raise ValueError(f"incident field {key!r} is missing")
+    try:
+        severity = Severity(d["severity"])
+    except ValueError:
+        raise ValueError(f"incident field 'severity': {d['severity']!r} is not one of info, warning, critical") from None
+    first = d.get("first_step", d.get("step"))
+    last = d.get("last_step", first)
+    for key, value in (("first_step", first), ("last_step", last)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"incident field {key!r} must be an integer, got {value!r}")
+    ranks = d.get("ranks") or ()
+    if not isinstance(ranks, (list, tuple)) or not all(isinstance(r, int) and not isinstance(r, bool) for r in ranks):
+        raise ValueError(f"incident field 'ranks' must be a list of integers, got {ranks!r}")
+    layer = d.get("layer")
+    if layer is not None and (isinstance(layer, bool) or not isinstance(layer, int)):
+        raise ValueError(f"incident field 'layer' must be an integer or null, got {layer!r}")
+    score = d.get("score", 0.0)
+    return Incident(
+        id=str(d.get("id", f"{d['kind']}@{first}")),
+        run=str(d.get("run", "")),
+        kind=str(d["kind"]),
+        severity=severity,
+        first_step=first,
+        last_step=last,
+        message=str(d["message"]),
+        ranks=tuple(ranks),
+        hosts=tuple(str(h) for h in d.get("hosts") or ()),
+        metric=str(d.get("metric") or ""),
+        layer=layer,
+        score=float(score) if isinstance(score, (int, float)) else math.nan,
+        evidence=dict(d.get("evidence") or {}),
+        detector=str(d.get("detector") or ""),
+        peak_step=d.get("peak_step"),
+        resolved_step=d.get("resolved_step"),
+        opened_at=float(d.get("opened_at") or 0.0),
+        resolved_at=d.get("resolved_at"),
+    )
+
+
+def load_incidents(path: str | Path) -> list[Incident]:
+    """Read a JSON-lines file of ``Incident.to_dict()`` objects (or incident events).
+
+    An incident that appears several times (opened, updated, resolved) is kept once, in its
+    last state. A malformed line raises :class:`ReplayError` naming the file and the line.
+    """
+    path = Path(path)
+    latest: dict[str, Incident] = {}
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ReplayError(str(path), 0, f"cannot read incidents: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ReplayError(str(path), 0, f"not UTF-8 text: {exc}") from None
+    for lineno, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except ValueError as exc:
+            raise ReplayError(str(path), lineno, f"not valid JSON: {exc}") from None
+        if not isinstance(obj, dict):
+            raise ReplayError(str(path), lineno, f"expected a JSON object, got {type(obj).__name__}")
+        try:
+            incident = incident_from_dict(obj)
+        except ValueError as exc:
+            raise ReplayError(str(path), lineno, str(exc)) from None
+        latest.pop(incident.id, None)  # re-insert: order by the last change
+        latest[incident.id] = incident
+    return sorted(latest.values(), key=lambda i: (i.first_step, -i.severity.rank))
+
+
+# Read by both the plots (how an incident is labelled) and the page (the verdict, the suspects).
+def _is_localised(inc: Incident, world: int) -> bool:
+    """Whether an incident blames a few ranks (not "ranks 0-5 all went NaN")."""
+    return 0 < len(inc.ranks) <= min(3, max(1, world // 2))

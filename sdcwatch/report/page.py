@@ -1,0 +1,285 @@
+"""The HTML page: the verdict, the summary cards, the figures and the incident table.
+
+It turns a loaded run and its incidents into one self-contained page (CSS inline, plots as
+base64 PNGs), so the file can be mailed, attached to a ticket or opened offline. What was
+injected (free text or fault specs) is only read here, to describe it and mark it on the plots.
+"""
+
+from __future__ import annotations
+
+import html
+import time
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Sequence
+
+from sdcwatch.detectors.types import Incident
+from sdcwatch.errors import ReplayError
+from sdcwatch.report.data import _ENTROPY, RunData, _is_localised, incident_from_dict, load_incidents, load_records
+from sdcwatch.report.deviation import _MIN_RANKS
+from sdcwatch.report.plots import _Z_FLAG, _plot_attention, _plot_heatmap, _plot_training
+
+
+def _injected_faults(injected: Any) -> list[dict[str, Any]]:
+    """The injected faults as dicts (FaultSpec objects, dicts, or a list of them); text gives none."""
+    if injected is None or isinstance(injected, str):
+        return []
+    if hasattr(injected, "to_dict"):
+        injected = injected.to_dict()
+    if isinstance(injected, Mapping):
+        return [dict(injected)] if "step" in injected else []
+    if isinstance(injected, Iterable):
+        out = []
+        for item in injected:
+            out.extend(_injected_faults(item))
+        return out
+    return []
+
+
+def _describe_injected(injected: Any) -> str:
+    if injected is None:
+        return ""
+    if isinstance(injected, str):
+        return injected
+    faults = _injected_faults(injected)
+    if not faults:
+        return str(injected)
+    parts = []
+    for f in faults:
+        where = "all ranks" if f.get("rank") is None else f"rank {f['rank']}"
+        duration = f.get("duration", 1)
+        steps = f"from step {f['step']}" + ("" if duration == 0 else f" for {duration} step{'s' * (duration != 1)}")
+        extra = ", ".join(f"{k} {f[k]}" for k in ("target", "where", "bit", "magnitude") if f.get(k) not in (None, "*"))
+        parts.append(f"{f.get('kind', 'fault')} on {where} {steps}" + (f" ({extra})" if extra else ""))
+    return "; ".join(parts)
+
+
+def _suspect_ranks(incidents: Sequence[Incident], world: int) -> list[int]:
+    """Ranks blamed by the most severe localised incidents, the most specific first (at most 3)."""
+    ranked = sorted((i for i in incidents if _is_localised(i, world)),
+                    key=lambda i: (-i.severity.rank, len(i.ranks), i.first_step))
+    out: list[int] = []
+    for inc in ranked:
+        for r in inc.ranks:
+            if 0 <= r < world and r not in out:
+                out.append(r)
+    return out[:3]
+
+
+_CSS = """
+:root { --ink:#1d232b; --muted:#5f6b7a; --line:#e3e7ec; --bg:#f5f7fa; }
+* { box-sizing: border-box; }
+body { margin:0; background:var(--bg); color:var(--ink);
+  font: 14px/1.45 -apple-system, "Segoe UI", Roboto, "Helvetica Neue", Arial, sans-serif; }
+main { max-width: 1220px; margin: 0 auto; padding: 28px 28px 48px; }
+header h1 { font-size: 24px; margin: 0 0 2px; letter-spacing: -0.01em; }
+header .sub { color: var(--muted); font-size: 12.5px; }
+.verdict { margin: 18px 0 14px; padding: 12px 16px; border-radius: 8px; font-size: 15px;
+  border-left: 6px solid; background: #fff; }
+.verdict.critical { border-color:#d62728; background:#fdecec; }
+.verdict.warning { border-color:#ff7f0e; background:#fff4e5; }
+.verdict.info { border-color:#1f77b4; background:#eaf2fb; }
+.verdict.clean { border-color:#2e7d32; background:#eaf6ec; }
+.cards { display:grid; grid-template-columns: repeat(auto-fit, minmax(170px, 1fr)); gap: 10px; }
+.card { background:#fff; border:1px solid var(--line); border-radius:8px; padding:10px 14px; }
+.card .k { color:var(--muted); font-size:11.5px; text-transform:uppercase; letter-spacing:.05em; }
+.card .v { font-size:18px; font-weight:600; margin-top:2px; overflow-wrap:anywhere; }
+.card .v small { font-size:12px; font-weight:400; color:var(--muted); }
+.card.wide { grid-column: span 2; }
+section { background:#fff; border:1px solid var(--line); border-radius:10px; padding:16px 18px; margin-top:18px; }
+section h2 { font-size:16px; margin:0 0 4px; }
+section p.caption { color:var(--muted); margin:0 0 10px; font-size:12.5px; max-width: 95ch; }
+figure { margin:0; }
+figure img { width:100%; height:auto; display:block; }
+table { border-collapse: collapse; width:100%; font-size:13px; }
+th, td { text-align:left; padding:7px 8px; border-bottom:1px solid var(--line); vertical-align:top; }
+th { color:var(--muted); font-weight:600; font-size:11.5px; text-transform:uppercase; letter-spacing:.04em; }
+td.num { font-variant-numeric: tabular-nums; white-space:nowrap; }
+.badge { display:inline-block; padding:1px 8px; border-radius:10px; font-size:11.5px; font-weight:600; color:#fff; }
+.badge.critical { background:#d62728; } .badge.warning { background:#ef7d00; } .badge.info { background:#1f77b4; }
+.muted { color:var(--muted); }
+footer { color:var(--muted); font-size:12px; margin-top:22px; }
+"""
+
+
+def _e(value: Any) -> str:
+    return html.escape(str(value), quote=True)
+
+
+def _fmt_steps(n: int) -> str:
+    return f"{n:,}"
+
+
+def _verdict(incidents: Sequence[Incident], data: RunData, faults: Sequence[Mapping[str, Any]]) -> tuple[str, str]:
+    if not incidents and faults:
+        return "warning", "<b>No incident was raised</b>, although a fault was injected (see below): a missed detection."
+    if not incidents:
+        return "clean", "No incidents were raised for this run."
+    top = sorted(incidents, key=lambda i: (-i.severity.rank, not _is_localised(i, data.world), i.first_step))[0]
+    where = ""
+    if _is_localised(top, data.world):
+        where = " — " + ", ".join(f"rank {r}" + (f" (host {data.host_of(r)})" if data.host_of(r) else "") for r in top.ranks)
+    elif top.ranks:
+        where = f" — {len(top.ranks)} ranks"
+    more = f" and {len(incidents) - 1} more" if len(incidents) > 1 else ""
+    return top.severity.value, (
+        f"<b>{_e(top.kind.replace('_', ' '))}</b> at step {top.first_step}{_e(where)}: {_e(top.message)}"
+        f"<span class='muted'>{_e(more)}</span>"
+    )
+
+
+def _cards(data: RunData, incidents: Sequence[Incident], injected_text: str, suspects: Sequence[int]) -> str:
+    by_sev = {s: sum(1 for i in incidents if i.severity.value == s) for s in ("critical", "warning", "info")}
+    sev_text = ", ".join(f"{n} {s}" for s, n in by_sev.items() if n) or "none"
+    hosts = len({h for h in data.hosts if h})
+    wall = data.wall_end - data.wall_start
+    cards = [
+        ("run", _e(data.run)),
+        ("ranks", f"{data.world}" + (f" <small>on {hosts} host{'s' * (hosts != 1)}</small>" if hosts else "")),
+        ("steps", f"{_fmt_steps(len(data.steps))} <small>{data.steps[0]}–{data.steps[-1]}</small>"),
+        ("records", f"{data.records:,}" + (f" <small>{data.missing:,} missing</small>" if data.missing else "")),
+        ("incidents", f"{len(incidents)} <small>{_e(sev_text)}</small>"),
+        ("suspect ranks", ", ".join(
+            f"{r}" + (f" <small>{_e(data.host_of(r))}</small>" if data.host_of(r) else "") for r in suspects) or "none"),
+    ]
+    if wall > 0:
+        cards.append(("wall time", f"{wall / 60:.1f} min" if wall >= 120 else f"{wall:.0f} s"))
+    out = [f"<div class='card'><div class='k'>{k}</div><div class='v'>{v}</div></div>" for k, v in cards]
+    if injected_text:
+        out.append(f"<div class='card wide'><div class='k'>injected</div><div class='v' style='font-size:14px'>{_e(injected_text)}</div></div>")
+    return "<div class='cards'>" + "".join(out) + "</div>"
+
+
+def _incident_table(incidents: Sequence[Incident]) -> str:
+    if not incidents:
+        return "<p class='muted'>No incidents were raised for this run.</p>"
+    head = "".join(f"<th>{h}</th>" for h in ("#", "kind", "severity", "steps", "ranks", "hosts", "layer", "metric", "status", "message"))
+    rows = []
+    for n, inc in enumerate(incidents, 1):
+        steps = f"{inc.first_step}–{inc.last_step}" if inc.last_step != inc.first_step else f"{inc.first_step}"
+        if inc.peak_step is not None and inc.peak_step not in (inc.first_step, inc.last_step):
+            steps += f" <span class='muted'>(peak {inc.peak_step})</span>"
+        status = "open" if inc.open else f"resolved at {inc.resolved_step}"
+        rows.append(
+            f"<tr class='incident' data-kind='{_e(inc.kind)}'><td class='num'>{n}</td><td>{_e(inc.kind)}</td>"
+            f"<td><span class='badge {inc.severity.value}'>{inc.severity.value}</span></td>"
+            f"<td class='num'>{steps}</td><td class='num'>{_e(', '.join(map(str, inc.ranks)) or '–')}</td>"
+            f"<td>{_e(', '.join(inc.hosts) or '–')}</td><td class='num'>{'–' if inc.layer is None else inc.layer}</td>"
+            f"<td>{_e(inc.metric or '–')}</td><td>{_e(status)}</td><td>{_e(inc.message)}</td></tr>"
+        )
+    return f"<table id='incidents'><thead><tr>{head}</tr></thead><tbody>{''.join(rows)}</tbody></table>"
+
+
+def _figure(png: str, alt: str) -> str:
+    return f"<figure><img alt='{_e(alt)}' src='data:image/png;base64,{png}'></figure>"
+
+
+def render_report(data: RunData, incidents: Sequence[Incident], *, title: str | None = None,
+                  injected: Any = None, source: str = "") -> str:
+    """The report page for ``data`` and ``incidents`` (already loaded) as an HTML string."""
+    from sdcwatch import __version__
+
+    incidents = [i for i in incidents if not i.run or i.run == data.run]
+    incidents.sort(key=lambda i: (i.first_step, -i.severity.rank))
+    faults = _injected_faults(injected)
+    injected_text = _describe_injected(injected)
+    suspects = _suspect_ranks(incidents, data.world)
+    title = title or f"sdcwatch report — {data.run}"
+    level, verdict = _verdict(incidents, data, faults)
+    parts = [
+        "<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>",
+        "<meta name='viewport' content='width=device-width, initial-scale=1'>",
+        f"<title>{_e(title)}</title><style>{_CSS}</style></head><body><main>",
+        f"<header><h1>{_e(title)}</h1><div class='sub'>{_e(source)} · generated "
+        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} by sdcwatch {__version__}</div></header>",
+        f"<div class='verdict {level}' id='verdict'>{verdict}</div>",
+        _cards(data, incidents, injected_text, suspects),
+    ]
+    if data.other_runs:
+        others = ", ".join(f"{_e(r)} ({n:,} records)" for r, n in sorted(data.other_runs.items()))
+        parts.append(f"<p class='muted'>The file also holds other runs, not shown: {others}.</p>")
+
+    training = _plot_training(data, incidents, faults)
+    if training:
+        parts.append(
+            "<section id='training'><h2>Loss and gradient norm</h2><p class='caption'>Global values per step; "
+            "the band is the spread over ranks. Shaded spans are incidents (numbered as in the table), hatched "
+            "ones what was injected. Values far off the scale (a near-infinite loss) sit on the edge as ▲; "
+            "steps with a non-finite value show as a purple strip along the top.</p>" + _figure(training, "loss and gradient norm per step") + "</section>"
+        )
+    heat, used, _ = _plot_heatmap(data, incidents, faults)
+    if data.world < _MIN_RANKS:
+        parts.append(
+            "<section id='ranks'><h2>Which rank strays from the others</h2><p class='caption'>This run has "
+            f"{data.world} rank{'s' * (data.world != 1)}: comparing ranks needs at least {_MIN_RANKS}.</p></section>"
+        )
+    elif heat:
+        parts.append(
+            "<section id='ranks'><h2>Which rank strays from the others</h2><p class='caption'>Each cell is the "
+            f"largest robust z-score of a rank against the median of all ranks at that step, over "
+            f"{_e(', '.join(used))}. Data-parallel ranks run the same model on different data, so a healthy rank "
+            "stays pale; a faulty one lights up. Dark purple: a non-finite value on this rank only; light purple: "
+            "non-finite on most ranks (the corruption has spread and no longer says which rank); grey: no record. "
+            "Blue boxes are the ranks incidents named. The bar shows the share of steps each rank was flagged "
+            f"(|z| &gt; {_Z_FLAG:g}).</p>"
+            + _figure(heat, "rank by step heat map of deviation") + "</section>"
+        )
+    attention, shown = _plot_attention(data, incidents, suspects, faults)
+    if attention:
+        n_layers = data.layers[_ENTROPY].shape[2]
+        which = "every layer" if len(shown) == n_layers else f"{len(shown)} of {n_layers} layers"
+        parts.append(
+            "<section id='attention'><h2>Attention entropy per layer</h2><p class='caption'>Mean over ranks "
+            f"({which}), with the spread over ranks as a band" + (" and the suspect ranks drawn in colour" if suspects else "")
+            + ". Corrupted attention shows as entropy collapsing (one logit dominates) or jumping.</p>"
+            + _figure(attention, "attention entropy per layer") + "</section>"
+        )
+    parts.append(f"<section id='incident-table'><h2>Incidents</h2>{_incident_table(incidents)}</section>")
+    notes = []
+    if data.duplicates:
+        notes.append(f"{data.duplicates:,} duplicate records (same step and rank) were read; the last one counts.")
+    if data.missing:
+        notes.append(f"{data.missing:,} of {data.present.size:,} rank-steps have no record.")
+    parts.append(f"<footer>{' '.join(_e(n) for n in notes)}</footer></main></body></html>")
+    return "\n".join(parts)
+
+
+def write_report(
+    records_path: str | Path,
+    incidents: Iterable[Incident | Mapping[str, Any]] | str | Path | None,
+    out_path: str | Path,
+    *,
+    title: str | None = None,
+    injected: Any = None,
+    run: str | None = None,
+) -> Path:
+    """Write the self-contained HTML report of a captured run and return its path.
+
+    ``incidents`` is a list of :class:`Incident` (or their ``to_dict()`` forms), a path to a
+    JSON-lines incidents file, or None. ``injected`` describes what was injected: free text, a
+    FaultSpec (or its dict), or a list of them; faults are also drawn on the plots. ``run``
+    picks one run when the records file holds several.
+    """
+    data = load_records(records_path, run=run)
+    if incidents is None:
+        loaded: list[Incident] = []
+    elif isinstance(incidents, (str, Path)):
+        loaded = load_incidents(incidents)
+    else:
+        loaded = []
+        for n, inc in enumerate(incidents):
+            if isinstance(inc, Incident):
+                loaded.append(inc)
+            elif isinstance(inc, Mapping):
+                try:
+                    loaded.append(incident_from_dict(inc))
+                except ValueError as exc:
+                    raise ReplayError("<incidents>", n + 1, str(exc)) from None
+            else:
+                raise TypeError(f"incidents[{n}] is a {type(inc).__name__}, not an Incident or a dict")
+    page = render_report(data, loaded, title=title, injected=injected, source=str(records_path))
+    out = Path(out_path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(page, encoding="utf-8")
+    tmp.replace(out)  # a reader never sees half a report
+    return out

@@ -1,0 +1,308 @@
+"""The figures of the report, each returned as a base64 PNG ready to embed in the page.
+
+matplotlib's object API on the Agg canvas: no pyplot, no global state, no display. matplotlib
+is imported inside the functions that draw, so importing the report (or only loading and
+scoring a run) does not pay for it.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import math
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from sdcwatch.detectors.types import Incident
+from sdcwatch.report.data import _ENTROPY, RunData, _is_localised
+from sdcwatch.report.deviation import _MIN_RANKS, _global_series, _quiet_nan_warnings, rank_deviation
+
+_Z_CAP = 10.0  # top of the heat map's colour scale; beyond it a rank is plainly off
+_Z_FLAG = 3.5  # |z| counted as "flagged" in the per-rank bar
+_HEATMAP_COLUMNS = 720  # at most this many step columns; longer runs are binned (max per bin)
+_MAX_LAYER_PANELS = 16
+_SEVERITY_COLOUR = {"critical": "#d62728", "warning": "#ff7f0e", "info": "#1f77b4"}
+
+
+def _png(fig: Any) -> str:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100, facecolor="white")
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def _new_figure(width: float, height: float) -> Any:
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(width, height), layout="constrained")
+    return fig
+
+
+def _robust_limits(values: np.ndarray) -> tuple[float, float] | None:
+    """y-limits that show the bulk of a series and leave blow-ups (1e10) to off-scale markers."""
+    finite = values[np.isfinite(values)]
+    if finite.size == 0:
+        return None
+    # Only blow-ups (an order of magnitude beyond the bulk) go off scale; the early, high loss
+    # of a healthy run and a real loss spike stay on it.
+    q05, q95 = np.percentile(finite, [5, 95])
+    bound = 10 * max(abs(q05), abs(q95), q95 - q05, 1e-12)
+    kept = finite[np.abs(finite) <= bound]
+    lo, hi = float(kept.min()), float(kept.max())
+    pad = (hi - lo) * 0.08 or abs(hi) * 0.1 or 1.0
+    return lo - pad, hi + pad
+
+
+def _style_axes(ax: Any) -> None:
+    ax.spines[["top", "right"]].set_visible(False)
+    ax.grid(True, color="#e6e6e6", linewidth=0.8)
+    ax.set_axisbelow(True)
+    ax.tick_params(labelsize=8.5, colors="#444")
+
+
+def _min_span(steps: np.ndarray) -> float:
+    return max(0.5, (float(steps[-1]) - float(steps[0])) * 0.002) if len(steps) else 0.5
+
+
+def _shade_incidents(ax: Any, incidents: Sequence[Incident], steps: np.ndarray, world: int, *, labels: bool) -> None:
+    half = _min_span(steps)
+    for n, inc in enumerate(incidents, 1):
+        colour = _SEVERITY_COLOUR[inc.severity.value]
+        ax.axvspan(inc.first_step - half, inc.last_step + half, color=colour, alpha=0.16, linewidth=0, zorder=0)
+        ax.axvline(inc.first_step, color=colour, linewidth=1.0, alpha=0.8, zorder=1)
+        if labels:
+            if _is_localised(inc, world):
+                text = f"#{n} {inc.kind} r{','.join(map(str, inc.ranks))}"
+            else:
+                text = f"#{n} {inc.kind}" + (f" ({len(inc.ranks)} ranks)" if inc.ranks else "")
+            if len(incidents) > 8:
+                text = f"#{n}"
+            ax.annotate(
+                text, xy=(inc.first_step, 1.0), xycoords=("data", "axes fraction"),
+                xytext=(3, -17 - 11 * ((n - 1) % 3)), textcoords="offset points",
+                fontsize=8, color=colour, fontweight="bold", clip_on=True,
+                bbox=dict(boxstyle="round,pad=0.15", facecolor="white", edgecolor="none", alpha=0.75),
+            )
+
+
+def _mark_injected(ax: Any, faults: Sequence[Mapping[str, Any]], steps: np.ndarray, *, label: bool) -> None:
+    last = float(steps[-1]) if len(steps) else 0.0
+    for f in faults:
+        start = f["step"]
+        duration = f.get("duration", 1)
+        end = last if duration == 0 else start + max(duration, 1) - 1
+        ax.axvspan(start - 0.5, end + 0.5, facecolor="none", edgecolor="#8a8a8a", hatch="///", linewidth=0, alpha=0.22, zorder=0)
+        ax.axvline(start, color="#333", linestyle="--", linewidth=1.0, zorder=1)
+        if label:
+            ax.annotate(
+                f"injected: {f.get('kind', 'fault')}" + ("" if f.get("rank") is None else f" r{f['rank']}"),
+                xy=(start, 0.0), xycoords=("data", "axes fraction"), xytext=(3, 4), textcoords="offset points",
+                fontsize=8, color="#333", style="italic",
+            )
+
+
+def _mark_nonfinite(ax: Any, steps: np.ndarray, bad: np.ndarray, colour: str, label: str | None = None) -> None:
+    """A strip along the top of the axes over the steps with a non-finite value (runs merged)."""
+    if not bad.any():
+        return
+    idx = np.flatnonzero(bad)
+    breaks = np.flatnonzero(np.diff(idx) > 1)
+    first = idx[np.r_[0, breaks + 1]]
+    last = idx[np.r_[breaks, len(idx) - 1]]
+    half = _min_span(steps)
+    spans = [(float(steps[a]) - half, float(steps[b]) - float(steps[a]) + 2 * half) for a, b in zip(first, last)]
+    ax.broken_barh(spans, (0.955, 0.045), transform=ax.get_xaxis_transform(), facecolors=colour, zorder=4,
+                   label=label)
+
+
+def _plot_series(ax: Any, steps: np.ndarray, series: np.ndarray, per_rank: np.ndarray | None,
+                 present: np.ndarray, colour: str, label: str) -> None:
+    limits = _robust_limits(series if per_rank is None else np.concatenate([series, per_rank[present]]))
+    if per_rank is not None and per_rank.shape[1] > 1:
+        masked = np.where(present & np.isfinite(per_rank), per_rank, np.nan)
+        with _quiet_nan_warnings():
+            lo, hi = np.nanmin(masked, axis=1), np.nanmax(masked, axis=1)
+        ax.fill_between(steps, lo, hi, color=colour, alpha=0.14, linewidth=0, label="min-max over ranks")
+    ax.plot(steps, np.where(np.isfinite(series), series, np.nan), color=colour, linewidth=1.3, label=label)
+    if limits is not None:
+        ax.set_ylim(*limits)
+        over = np.isfinite(series) & (series > limits[1])
+        under = np.isfinite(series) & (series < limits[0])
+        if over.any():
+            ax.plot(steps[over], np.full(over.sum(), limits[1]), linestyle="none", marker="^", color="#d62728",
+                    markersize=6, clip_on=False, label=f"off scale (max {np.max(series[over]):.3g})")
+        if under.any():
+            ax.plot(steps[under], np.full(under.sum(), limits[0]), linestyle="none", marker="v", color="#d62728",
+                    markersize=6, clip_on=False, label="off scale (below)")
+    _mark_nonfinite(ax, steps, ~np.isfinite(series) & present.any(axis=1), "#7b1fa2", label="non-finite")
+    ax.set_ylabel(label, fontsize=9.5)
+    _style_axes(ax)
+
+
+def _plot_training(data: RunData, incidents: Sequence[Incident], faults: Sequence[Mapping[str, Any]]) -> str | None:
+    series = _global_series(data)
+    if not series:
+        return None
+    fig = _new_figure(11.5, 2.5 * len(series) + 0.6)
+    axes = fig.subplots(len(series), 1, sharex=True, squeeze=False)[:, 0]
+    colours = ("#1f5fa8", "#5b3c99")
+    for k, (ax, (label, values, per_rank)) in enumerate(zip(axes, series)):
+        _shade_incidents(ax, incidents, data.steps, data.world, labels=k == 0)
+        _mark_injected(ax, faults, data.steps, label=k == len(series) - 1)
+        _plot_series(ax, data.steps, values, per_rank, data.present, colours[k % 2], label)
+        ax.legend(loc="lower right", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False, ncols=4, borderaxespad=0.1)
+    axes[-1].set_xlabel("step", fontsize=9.5)
+    axes[0].set_xlim(data.steps[0] - 0.5, data.steps[-1] + 0.5)
+    return _png(fig)
+
+
+def _bin_columns(score: np.ndarray, steps: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Bin the step axis to at most _HEATMAP_COLUMNS columns, keeping each bin's worst score."""
+    if len(steps) <= _HEATMAP_COLUMNS:
+        return score, steps
+    starts = np.linspace(0, len(steps), _HEATMAP_COLUMNS, endpoint=False).astype(int)
+    with _quiet_nan_warnings():
+        binned = np.fmax.reduceat(score, starts, axis=0)
+    return binned, steps[starts]
+
+
+def _plot_heatmap(data: RunData, incidents: Sequence[Incident], faults: Sequence[Mapping[str, Any]]) -> tuple[str | None, list[str], np.ndarray]:
+    score, used, widespread = rank_deviation(data)
+    if not used or data.world < _MIN_RANKS:
+        return None, used, np.zeros(data.world)
+    from matplotlib.colors import LinearSegmentedColormap, ListedColormap
+    from matplotlib.patches import Rectangle
+
+    # Share of steps each rank was flagged, over the steps where ranks can be compared at all
+    # (when every rank is non-finite, nobody stands out).
+    comparable = np.isfinite(score).any(axis=1)
+    flags = np.where(data.present, np.where(np.isnan(score), False, score > _Z_FLAG), np.nan)[comparable]
+    with _quiet_nan_warnings():
+        flagged = np.nan_to_num(np.nanmean(flags, axis=0) * 100) if len(flags) else np.zeros(data.world)
+    binned, starts = _bin_columns(score, data.steps)
+    world = data.world
+    height = min(6.0, 1.6 + 0.16 * world)
+    fig = _new_figure(11.5, height)
+    grid = fig.add_gridspec(1, 2, width_ratios=(6.4, 1))
+    ax = fig.add_subplot(grid[0, 0])
+    bar = fig.add_subplot(grid[0, 1], sharey=ax)
+    # White up to |z| = 2 and pale to 3.5 (what 8-64 healthy ranks show among themselves), then
+    # orange to dark red.
+    cmap = LinearSegmentedColormap.from_list(
+        "sdc_deviation",
+        [(0.0, "#ffffff"), (0.2, "#ffffff"), (0.35, "#fff1c1"), (0.55, "#fdae61"), (0.75, "#e34a33"), (1.0, "#7f0000")],
+    ).with_extremes(over="#7f0000", bad="#c8c8c8")  # bad: no record
+    step_w = (float(data.steps[-1]) - float(data.steps[0])) / max(len(starts) - 1, 1) if len(starts) > 1 else 1.0
+    extent = (float(starts[0]) - step_w / 2, float(starts[-1]) + step_w / 2, world - 0.5, -0.5)
+    mesh = ax.imshow(np.ma.masked_invalid(np.where(np.isinf(binned), _Z_CAP, binned).T), aspect="auto", cmap=cmap,
+                     vmin=0, vmax=_Z_CAP, interpolation="nearest", extent=extent)
+    # Non-finite values get their own colours on top, never confused with a large z: dark purple
+    # for a rank that alone went non-finite, light purple once most ranks did.
+    spread, _ = _bin_columns(widespread.astype(float), data.steps)
+    nonfinite = np.where(np.isinf(binned), 2.0, np.where(spread > 0, 1.0, np.nan)).T
+    if np.isfinite(nonfinite).any():
+        ax.imshow(np.ma.masked_invalid(nonfinite), aspect="auto", cmap=ListedColormap(["#c9b6e4", "#4a148c"]),
+                  vmin=0.5, vmax=2.5, interpolation="nearest", extent=extent)
+    cbar = fig.colorbar(mesh, ax=bar, extend="max", fraction=0.25, pad=0.05, shrink=0.9 if world <= 16 else 0.6)
+    cbar.set_label("|robust z| vs other ranks", fontsize=8.5)
+    cbar.ax.tick_params(labelsize=8)
+    half = max(_min_span(data.steps), step_w / 2)
+    for n, inc in enumerate(incidents, 1):
+        colour = "#1565c0"
+        if inc.ranks:
+            for r in inc.ranks:
+                if 0 <= r < world:
+                    ax.add_patch(Rectangle((inc.first_step - half, r - 0.5), inc.last_step - inc.first_step + 2 * half, 1.0,
+                                           fill=False, edgecolor=colour, linewidth=1.6))
+        else:
+            ax.axvline(inc.first_step, color=colour, linestyle=":", linewidth=1.2)
+        ax.annotate(f"#{n}", xy=(inc.first_step, -0.5), xytext=(0, 2), textcoords="offset points",
+                    annotation_clip=False, fontsize=7.5, color=colour, ha="center", va="bottom", fontweight="bold")
+    for f in faults:
+        if f.get("rank") is not None and 0 <= f["rank"] < world:
+            ax.annotate("injected ▸", xy=(f["step"], f["rank"]), xytext=(-4, 0), textcoords="offset points",
+                        ha="right", va="center", fontsize=7.5, color="#222", style="italic")
+    ax.set_xlabel("step" + (f"  (binned: worst of ~{len(data.steps) // len(starts)} steps per column)" if len(starts) < len(data.steps) else ""), fontsize=9.5)
+    ax.set_ylabel("rank", fontsize=9.5)
+    tick_every = 1 if world <= 24 else (2 if world <= 48 else 4)
+    ticks = list(range(0, world, tick_every))
+    ax.set_yticks(ticks)
+    show_hosts = world <= 24 and any(data.hosts)
+    ax.set_yticklabels([f"{r} · {data.hosts[r]}" if show_hosts and data.hosts[r] else str(r) for r in ticks], fontsize=7.5)
+    ax.tick_params(labelsize=8)
+    # Red only for a rank flagged far more often than its peers, not for the noisiest of equals.
+    standout = max(10.0, 3 * float(np.median(flagged)))
+    bar.barh(range(world), flagged, color=["#d62728" if v >= standout else "#9e9e9e" for v in flagged], height=0.7)
+    bar.set_xlabel(f"% of steps\n|z| > {_Z_FLAG:g}", fontsize=8.5)
+    bar.tick_params(labelleft=False, labelsize=8)
+    bar.set_xlim(0, max(5.0, float(flagged.max()) * 1.15))
+    bar.spines[["top", "right"]].set_visible(False)
+    bar.grid(True, axis="x", color="#e6e6e6")
+    return _png(fig), used, flagged
+
+
+def _plot_attention(data: RunData, incidents: Sequence[Incident], suspects: Sequence[int],
+                    faults: Sequence[Mapping[str, Any]]) -> tuple[str | None, list[int]]:
+    entropy = data.layers.get(_ENTROPY)
+    if entropy is None or entropy.shape[2] == 0:
+        return None, []
+    n_layers = entropy.shape[2]
+    named_layers = sorted({i.layer for i in incidents if i.layer is not None and 0 <= i.layer < n_layers})
+    if n_layers <= _MAX_LAYER_PANELS:
+        shown = list(range(n_layers))
+    else:
+        shown = sorted(set(np.linspace(0, n_layers - 1, _MAX_LAYER_PANELS - len(named_layers)).astype(int)) | set(named_layers))
+    cols = min(4, len(shown))
+    rows = math.ceil(len(shown) / cols)
+    fig = _new_figure(11.5, 0.5 + 1.9 * rows)
+    axes = np.atleast_1d(fig.subplots(rows, cols, sharex=True, squeeze=False).ravel())
+    steps = data.steps
+    present = data.present[:, :, None]
+    values = np.where(present & np.isfinite(entropy), entropy, np.nan).astype(np.float64)
+    with _quiet_nan_warnings():
+        mean = np.nanmean(values, axis=1)
+        lo = np.nanmin(values, axis=1)
+        hi = np.nanmax(values, axis=1)
+    suspect_colours = ("#d62728", "#e377c2", "#ff7f0e")
+    injected_ranks = [f["rank"] for f in faults if isinstance(f.get("rank"), int) and 0 <= f["rank"] < data.world
+                      and f["rank"] not in suspects][:1]
+    for ax, layer in zip(axes, shown):
+        ax.fill_between(steps, lo[:, layer], hi[:, layer], color="#1f5fa8", alpha=0.15, linewidth=0)
+        ax.plot(steps, mean[:, layer], color="#1f5fa8", linewidth=1.4, zorder=3)
+        for colour, rank in zip(suspect_colours, suspects):
+            ax.plot(steps, values[:, rank, layer], color=colour, linewidth=0.9,
+                    alpha=0.8 if layer in named_layers or not named_layers else 0.45, zorder=2)
+            _mark_nonfinite(ax, steps, data.present[:, rank] & ~np.isfinite(entropy[:, rank, layer]), colour)
+        for rank in injected_ranks:  # ground truth the incidents did not name: drawn, but apart
+            ax.plot(steps, values[:, rank, layer], color="#333", linewidth=0.9, linestyle=(0, (3, 1.5)), alpha=0.7, zorder=2)
+            _mark_nonfinite(ax, steps, data.present[:, rank] & ~np.isfinite(entropy[:, rank, layer]), "#333")
+        for inc in incidents:
+            if inc.layer == layer or inc.layer is None:
+                ax.axvspan(inc.first_step - _min_span(steps), inc.last_step + _min_span(steps),
+                           color=_SEVERITY_COLOUR[inc.severity.value], alpha=0.12 if inc.layer == layer else 0.06, linewidth=0)
+        for f in faults:
+            ax.axvline(f["step"], color="#333", linestyle="--", linewidth=0.8)
+        limits = _robust_limits(np.concatenate([mean[:, layer], *(values[:, r, layer] for r in [*suspects, *injected_ranks])]))
+        if limits is not None:
+            ax.set_ylim(*limits)
+        is_named = layer in named_layers
+        ax.set_title(f"layer {layer}" + ("  ◀ named by an incident" if is_named else ""), fontsize=9,
+                     color="#d62728" if is_named else "#222", fontweight="bold" if is_named else "normal", loc="left")
+        if is_named:
+            for side in ("left", "bottom"):
+                ax.spines[side].set_color("#d62728")
+        _style_axes(ax)
+    for ax in axes[len(shown):]:
+        ax.set_visible(False)
+    for ax in axes[(rows - 1) * cols:]:
+        ax.set_xlabel("step", fontsize=8.5)
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+
+    handles = [Line2D([], [], color="#1f5fa8", label="mean over ranks"), Patch(color="#1f5fa8", alpha=0.15, label="min-max over ranks")]
+    handles += [Line2D([], [], color=c, label=f"rank {r}" + (f" ({data.host_of(r)})" if data.host_of(r) else ""))
+                for c, r in zip(suspect_colours, suspects)]
+    handles += [Line2D([], [], color="#333", linestyle=(0, (3, 1.5)), label=f"rank {r} (injected)") for r in injected_ranks]
+    fig.legend(handles=handles, loc="outside upper right", ncols=len(handles), fontsize=8.5, frameon=False)
+    fig.supylabel("attention entropy (nats)", fontsize=9.5)
+    return _png(fig), shown
