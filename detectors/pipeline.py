@@ -144,10 +144,8 @@ class DetectionPipeline:
     def process(self, records: Iterable[Record]) -> list[IncidentEvent]:
         """Align records and run every closed step through the detectors."""
         records = list(records)
-        if records:
-            self.records_total += len(records)
-            self.last_record_wall = self.wall()
-            self._rate.append((self.last_record_wall, len(records)))
+        self.records_total += len(records)
+        self._arrived(len(records))
         events: list[IncidentEvent] = []
         for frame in self.aligner.add(records):
             events += self.process_frame(frame)
@@ -183,11 +181,15 @@ class DetectionPipeline:
     def process_summaries(self, summaries: Iterable[StepSummary]) -> list[IncidentEvent]:
         """Temporal stage: take summaries from the spatial instances, judge them in step order."""
         summaries = list(summaries)
-        if summaries:
-            self.summaries_total += len(summaries)
-            self.last_record_wall = self.wall()
-            self._rate.append((self.last_record_wall, len(summaries)))
+        self.summaries_total += len(summaries)
+        self._arrived(len(summaries))
         return [e for s in self.order.add(summaries) for e in self.judge_step(s)]
+
+    def _arrived(self, n: int) -> None:
+        """Input rate and age of the last input: records (one process, spatial) or summaries (temporal)."""
+        if n:
+            self.last_record_wall = self.wall()
+            self._rate.append((self.last_record_wall, n))
 
     def _state(self, run: str) -> _Run:
         st = self._runs.get(run)

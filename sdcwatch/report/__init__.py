@@ -24,60 +24,9 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from sdcwatch.errors import SdcwatchError
-from sdcwatch.report.data import (
-    _ENTROPY,
-    _SCALARS,
-    RunData,
-    _densify,
-    _is_localised,
-    incident_from_dict,
-    load_incidents,
-    load_records,
-)
-from sdcwatch.report.deviation import (
-    _MIN_RANKS,
-    DEVIATION_METRICS,
-    Deviation,
-    _global_series,
-    _mean_over_ranks,
-    _quiet_nan_warnings,
-    rank_deviation,
-    robust_z,
-)
-from sdcwatch.report.page import (
-    _CSS,
-    _cards,
-    _describe_injected,
-    _e,
-    _figure,
-    _fmt_steps,
-    _incident_table,
-    _injected_faults,
-    _suspect_ranks,
-    _verdict,
-    render_report,
-    write_report,
-)
-from sdcwatch.report.plots import (
-    _HEATMAP_COLUMNS,
-    _MAX_LAYER_PANELS,
-    _SEVERITY_COLOUR,
-    _Z_CAP,
-    _Z_FLAG,
-    _bin_columns,
-    _mark_injected,
-    _mark_nonfinite,
-    _min_span,
-    _new_figure,
-    _plot_attention,
-    _plot_heatmap,
-    _plot_series,
-    _plot_training,
-    _png,
-    _robust_limits,
-    _shade_incidents,
-    _style_axes,
-)
+from sdcwatch.report.data import RunData, incident_from_dict, load_incidents, load_records
+from sdcwatch.report.deviation import DEVIATION_METRICS, Deviation, rank_deviation, robust_z
+from sdcwatch.report.page import render_report, write_report
 
 __all__ = [
     "RunData",

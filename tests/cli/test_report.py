@@ -27,6 +27,8 @@ from sdcwatch.report import (
     report_main,
     write_report,
 )
+from sdcwatch.report.deviation import _global_series
+from sdcwatch.report.plots import _robust_limits
 from sdcwatch.telemetry.record import Record, to_json
 
 REAL_LOGS = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "real-logs"
@@ -285,8 +287,8 @@ def test_real_benign_spike_stays_on_scale_and_is_marked(tmp_path):
     rows = _real_log("modded_nanogpt_muon_124m.csv")
     data = load_records(_records_from_log(rows, tmp_path / "muon.jsonl"))
     assert len(data.steps) == len(rows)
-    (label, loss, _), = report._global_series(data)
-    lo, hi = report._robust_limits(loss)
+    (label, loss, _), = _global_series(data)
+    lo, hi = _robust_limits(loss)
     assert hi >= float(loss[data.steps == 947][0]) > 5.0  # a real spike is drawn, not clipped off
     spike = {"id": "s", "run": "real", "kind": "loss_spike", "severity": "warning", "step": 947,
              "first_step": 947, "last_step": 947, "message": "loss spike, one series: cannot name a rank"}

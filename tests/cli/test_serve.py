@@ -75,6 +75,11 @@ def wait_until(pred, timeout, what):
     raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
+def wait_for_nonfinite_incident(bootstrap, topic, timeout):
+    wait_until(lambda: any(e["kind"] == "nonfinite" for e in peek_anomalies(bootstrap, topic)), timeout,
+               f"a non-finite incident on {topic}")
+
+
 def wait_taken(metrics_url, records, timeout=90.0):
     """Wait until the service has taken ``records`` distinct records (duplicates do not count)."""
     def taken():
@@ -123,8 +128,7 @@ def test_serve_detects_stops_on_sigterm_and_resumes_without_repeating_alerts(boo
         assert em.flush(30)
     # the service has read every record sent, and the incident is on the anomalies topic
     wait_taken(metrics_url, sum(em.sent for em in emitters))
-    wait_until(lambda: any(e["kind"] == "nonfinite" for e in peek_anomalies(bootstrap, topics["anomalies"])),
-               60, "the non-finite incident on the anomalies topic")
+    wait_for_nonfinite_incident(bootstrap, topics["anomalies"], 60)
     err = stop(proc)
     assert "stopped" in err
     assert (state / "pipeline-state.json").exists()
@@ -225,8 +229,7 @@ def test_split_service_spatial_instances_share_the_steps_and_the_temporal_stage_
     run.close()
     assert [em.sent for em in run.emitters] == [steps] * world
     # consume, summarise, judge (slow machines take longer)
-    wait_until(lambda: any(e["kind"] == "nonfinite" for e in peek_anomalies(bootstrap, topics["anomalies"])),
-               90, "the non-finite incident on the anomalies topic")
+    wait_for_nonfinite_incident(bootstrap, topics["anomalies"], 90)
     for p in spatial:  # the spatial stage publishes what it holds on the way out
         p.send_signal(signal.SIGTERM)
     for p in spatial:

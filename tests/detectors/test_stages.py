@@ -115,13 +115,19 @@ def test_summaries_out_of_order_duplicated_and_late_are_put_right():
     assert [x.step for x in order.add([s[5]])] == [5]
 
 
-def test_a_summary_for_a_missing_step_waits_only_the_grace():
-    t = [0.0]
+def waiting_for_step_1(t, **observations):
+    """A SummaryOrder (clock ``t[0]``, grace 2 s) past step 0, holding step 2 until step 1 comes."""
     order = SummaryOrder(grace=2.0, clock=lambda: t[0])
     order.add([StepSummary("r", 0, 4, 4)])
     t[0] = 3.0
     order.poll()
-    assert order.add([StepSummary("r", 2, 4, 4)]) == []  # step 1 lost
+    assert order.add([StepSummary("r", 2, 4, 4, observations=observations)]) == []
+    return order
+
+
+def test_a_summary_for_a_missing_step_waits_only_the_grace():
+    t = [0.0]
+    order = waiting_for_step_1(t)  # step 1 lost
     t[0] = 4.0
     assert order.poll() == []
     t[0] = 5.1
@@ -165,11 +171,7 @@ def test_each_stage_keeps_its_own_state_file(tmp_path):
 
 def test_summaries_waiting_for_an_earlier_step_survive_a_restart():
     t = [0.0]
-    order = SummaryOrder(grace=2.0, clock=lambda: t[0])
-    order.add([StepSummary("r", 0, 4, 4)])
-    t[0] = 3.0
-    order.poll()
-    order.add([StepSummary("r", 2, 4, 4, observations={"spike": {"loss": 1.5}})])  # waits for step 1
+    order = waiting_for_step_1(t, spike={"loss": 1.5})
     again = SummaryOrder(grace=2.0, clock=lambda: t[0])
     again.restore(json.loads(json.dumps(order.snapshot())))
     out = again.add([StepSummary("r", 1, 4, 4)])

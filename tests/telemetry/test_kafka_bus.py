@@ -52,6 +52,28 @@ def test_8_ranks_in_2_processes_80k_records_none_lost_none_invented(bootstrap, u
     assert sample.host == "h1" and sample.layers["attn_entropy"] == (1.0, 2.0)
 
 
+def emit_through_an_outage(broker, em, seconds: float) -> tuple[list[int], int]:
+    """Steps 0-499 confirmed, then the broker killed and steps emitted at about 2 kHz (a fast
+    training loop) for ``seconds``; the broker is left down. Returns each emit's latency in ns and
+    the most records the emitter held at once."""
+    for step in range(500):
+        em.emit(step, loss=1.0)
+    assert em.flush(30) and em.sent == 500
+    broker.kill()
+    lat_ns = []
+    max_pending = 0
+    step = 500
+    t_end = time.monotonic() + seconds
+    while time.monotonic() < t_end:
+        t0 = time.perf_counter_ns()
+        em.emit(step, loss=1.0)
+        lat_ns.append(time.perf_counter_ns() - t0)
+        step += 1
+        max_pending = max(max_pending, em.pending)
+        time.sleep(0.0005)
+    return lat_ns, max_pending
+
+
 def test_broker_outage_never_blocks_training_and_drops_are_exact(broker, unique_topic, consume, caplog):
     bootstrap = broker.bootstrap
     # The outage (4 s) outlasts the producer's delivery timeout (1.5 s), so this test covers the path
@@ -59,23 +81,8 @@ def test_broker_outage_never_blocks_training_and_drops_are_exact(broker, unique_
     # restart shorter than the delivery timeout, which the old producer lives through, is the next test.
     transport = KafkaTransport(bootstrap, unique_topic, request_timeout_ms=1000, delivery_timeout_ms=1500)
     em = Emitter(transport, run="outage", rank=0, world=1, host="h", buffer=2000, batch=256)
-    for step in range(500):
-        em.emit(step, loss=1.0)
-    assert em.flush(30) and em.sent == 500
-
-    broker.kill()
-    lat_ns = []
-    max_pending = 0
-    step = 500
-    t_end = time.monotonic() + 4.0
-    while time.monotonic() < t_end:  # about 2 kHz for 4 s: a fast training loop
-        t0 = time.perf_counter_ns()
-        em.emit(step, loss=1.0)
-        lat_ns.append(time.perf_counter_ns() - t0)
-        step += 1
-        max_pending = max(max_pending, em.pending)
-        time.sleep(0.0005)
-    outage_last = step
+    lat_ns, max_pending = emit_through_an_outage(broker, em, 4.0)
+    step = outage_last = em.emitted
     assert em.dropped > 0, "the outage should have overflowed the 2,000-record buffer"
     assert max_pending <= 2000  # memory stays within the configured bound
     lat_ns.sort()
@@ -119,17 +126,8 @@ def test_restart_shorter_than_the_delivery_timeout_loses_nothing_sent_after_it(b
     bootstrap = broker.bootstrap
     transport = KafkaTransport(bootstrap, unique_topic)
     em = Emitter(transport, run="blip", rank=0, world=1, host="h", buffer=20_000, batch=256)
-    for step in range(500):
-        em.emit(step, loss=1.0)
-    assert em.flush(30) and em.sent == 500
-
-    broker.kill()
-    step = 500
-    t_end = time.monotonic() + 1.0
-    while time.monotonic() < t_end:
-        em.emit(step, loss=1.0)
-        step += 1
-        time.sleep(0.0005)
+    emit_through_an_outage(broker, em, 1.0)
+    step = em.emitted
     broker.start()
     for _ in range(300):
         em.emit(step, loss=2.0)
