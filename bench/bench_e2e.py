@@ -36,8 +36,8 @@ from pathlib import Path
 
 import numpy as np
 
-LAYER_STATS = ("attn_entropy", "attn_entropy_min", "q_norm_mean", "q_norm_max", "k_norm_mean", "k_norm_max",
-               "attn_logit_max")
+from sdcwatch.core.names import LAYER_METRICS
+
 N_LAYERS = 2
 RUN = "e2e"
 
@@ -83,7 +83,7 @@ def produce(argv: list[str]) -> int:
         loss = base + 0.05 * rng.standard_normal(n)
         gnl = 1.0 + 0.1 * rng.standard_normal(n)
         cos = 0.9 + 0.01 * rng.standard_normal(n)
-        layer = 1.0 + 0.01 * rng.standard_normal((n, len(LAYER_STATS), N_LAYERS))
+        layer = 1.0 + 0.01 * rng.standard_normal((n, len(LAYER_METRICS), N_LAYERS))
         gfp = (step * 0x9E3779B97F4A7C15) & 0xFFFF_FFFF_FFFF_FFFF
         fps = {"grad_fp": gfp}
         if step % 50 == 0:
@@ -95,7 +95,7 @@ def produce(argv: list[str]) -> int:
             scalars = {"loss": float(loss[i]) if r != bad else float("nan"), "loss_global": base,
                        "grad_norm_local": float(gnl[i]), "grad_norm_global": 1.0, "grad_cosine": float(cos[i]),
                        "step_time": 1.0 / a.rate, "nonfinite": 0.0 if r != bad else 1.0, "lr": 3e-4}
-            lay = {m: layer[i, j].tolist() for j, m in enumerate(LAYER_STATS)}
+            lay = {m: layer[i, j].tolist() for j, m in enumerate(LAYER_METRICS)}
             records.append(Record(RUN, step, r, a.world, f"node{r // 8}", now, r % 8, scalars, dict(fps), lay))
         if bad >= 0:  # every producer notes when it built this step: the step is whole only at the last one
             fault_times[step] = [now, a.lo <= bad < a.hi]

@@ -18,10 +18,11 @@ from sdcwatch.detectors.rank_outlier import RankOutlierDetector
 from sdcwatch.detectors.replay import format_table, replay, replay_main
 from sdcwatch.detectors.replica import ReplicaDivergenceDetector
 from sdcwatch.detectors.river_hst import RiverHalfSpaceTrees
-from sdcwatch.detectors.service import ANOMALY_TOPIC, AnomalyTopicSink, DetectorService, SummaryTopicSink
+from sdcwatch.core.names import ANOMALY_TOPIC, SUMMARY_TOPIC
+from sdcwatch.detectors.service import AnomalyTopicSink, DetectorService, SummaryTopicSink
 from sdcwatch.detectors.spike import SeriesSettings, SpikeDetector
 from sdcwatch.detectors.straggler import MissingRankDetector, StragglerDetector
-from sdcwatch.detectors.summary import SUMMARY_TOPIC, StepSummary, SummaryOrder, decode_summary, encode_summary
+from sdcwatch.detectors.summary import StepSummary, SummaryOrder, decode_summary, encode_summary
 from sdcwatch.detectors.types import (
     Finding,
     Incident,

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
-from sdcwatch.detectors.base import check_positive
+from sdcwatch.core.validate import check_positive
 from sdcwatch.detectors.frame import StepFrame
 from sdcwatch.telemetry.record import Record, from_dict, to_dict
 

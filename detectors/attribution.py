@@ -17,14 +17,12 @@ from collections import deque
 from dataclasses import replace
 from typing import Any
 
-from sdcwatch.detectors.base import check_positive
+from sdcwatch.core.kinds import SPIKE_KINDS
+from sdcwatch.core.names import DATA_METRICS
+from sdcwatch.core.validate import check_positive
 from sdcwatch.detectors.types import Finding, Severity
 
-__all__ = ["Attribution", "DATA_METRICS"]
-
-#: Per-rank metrics that follow the rank's data: a rank extreme only in these had a bad batch.
-DATA_METRICS = ("loss", "grad_norm_local", "grad_cosine")
-_SPIKES = ("loss_spike", "grad_spike")
+__all__ = ["Attribution"]
 
 
 class Attribution:
@@ -77,14 +75,14 @@ class Attribution:
                     data_ranks.append(f)
             elif f.kind in ("rank_outlier",):
                 self._local.append((step, _local(f)))
-        spikes_now = [f for f in findings if f.kind in _SPIKES and f.evidence.get("phase") == "onset"]
+        spikes_now = [f for f in findings if f.kind in SPIKE_KINDS and f.evidence.get("phase") == "onset"]
         for f in spikes_now:
             self._spikes.append((step, f.kind))
         out: list[Finding] = []
         for f in findings:
             if f.kind == "rank_deviation":
                 continue
-            if f.kind in _SPIKES:
+            if f.kind in SPIKE_KINDS:
                 out.extend(self._spike(f, world, data_ranks))
             elif f.kind == "rank_outlier":
                 out.append(self._rank_local(f))

@@ -8,14 +8,10 @@ During its warm-up a detector learns and stays silent.
 
 from __future__ import annotations
 
-import base64
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
-import numpy as np
 
-from sdcwatch.errors import ConfigError
-
-__all__ = ["Detector", "SplitDetector", "StepContext", "DETECTORS", "register", "encode_array", "decode_array", "check_positive"]
+__all__ = ["Detector", "SplitDetector", "StepContext", "DETECTORS", "register"]
 
 
 @runtime_checkable
@@ -75,22 +71,3 @@ def register(cls: type) -> type:
     if cls not in DETECTORS:
         DETECTORS.append(cls)
     return cls
-
-
-def encode_array(a: np.ndarray) -> dict[str, Any]:
-    """A numpy array as a JSON-safe dict (exact: the raw bytes in base64, so NaN and uint64 survive)."""
-    a = np.ascontiguousarray(a)
-    return {"dtype": a.dtype.str, "shape": list(a.shape), "data": base64.b64encode(a.tobytes()).decode("ascii")}
-
-
-def decode_array(d: dict[str, Any]) -> np.ndarray:
-    """Inverse of :func:`encode_array` (returns a writable copy)."""
-    raw = base64.b64decode(d["data"])
-    return np.frombuffer(raw, dtype=np.dtype(d["dtype"])).reshape(d["shape"]).copy()
-
-
-def check_positive(owner: str, **values: float) -> None:
-    """Raise ConfigError('<owner>.<key>') for any setting that is not a positive number."""
-    for key, v in values.items():
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
-            raise ConfigError(f"{owner}.{key}", f"must be a positive number, got {v!r}")

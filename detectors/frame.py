@@ -12,7 +12,8 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from sdcwatch.telemetry.record import FINGERPRINTS, LAYER_METRICS, SCALARS, Record
+from sdcwatch.core.names import FINGERPRINTS, LAYER_METRICS, SCALARS
+from sdcwatch.telemetry.record import Record
 
 __all__ = ["StepFrame"]
 

@@ -14,17 +14,13 @@ from collections import deque
 from dataclasses import replace
 from typing import Any, Callable, Iterable
 
-from sdcwatch.detectors.base import check_positive
+from sdcwatch.core.jsonsafe import parse_float
+from sdcwatch.core.kinds import RANK_FAULT_KINDS, RANK_LOCAL_KINDS, SPIKE_KINDS
+from sdcwatch.core.validate import check_positive
 from sdcwatch.detectors.types import Finding, Incident, IncidentEvent, Severity
 
-__all__ = ["IncidentBook", "incident_from_dict", "RANK_LOCAL_KINDS", "SPIKE_KINDS"]
+__all__ = ["IncidentBook", "incident_from_dict"]
 
-#: Kinds that are about one rank: each rank gets its own incident.
-RANK_LOCAL_KINDS = frozenset({"rank_outlier", "silent_drift", "sdc_suspected", "straggler"})
-#: One problem seen more clearly over time: a rank outlier becomes silent drift, then SDC suspected
-#: when a spike joins it. They share one incident per rank, whose kind escalates.
-RANK_FAULT_KINDS = frozenset({"rank_outlier", "silent_drift", "sdc_suspected"})
-SPIKE_KINDS = frozenset({"loss_spike", "grad_spike"})
 _MAX_RANKS = 64  # ranks listed on one incident (the count is in the evidence)
 
 
@@ -34,7 +30,7 @@ def incident_from_dict(d: dict[str, Any]) -> Incident:
         id=d["id"], run=d["run"], kind=d["kind"], severity=Severity(d["severity"]),
         first_step=int(d["first_step"]), last_step=int(d["last_step"]), message=d["message"],
         ranks=tuple(d.get("ranks", ())), hosts=tuple(d.get("hosts", ())), metric=d.get("metric", ""),
-        layer=d.get("layer"), score=_num(d.get("score", 0.0)), evidence=dict(d.get("evidence", {})),
+        layer=d.get("layer"), score=parse_float(d.get("score", 0.0)), evidence=dict(d.get("evidence", {})),
         detector=d.get("detector", ""), peak_step=d.get("peak_step"), resolved_step=d.get("resolved_step"),
         opened_at=float(d.get("opened_at", 0.0)), resolved_at=d.get("resolved_at"),
     )
@@ -43,10 +39,6 @@ def incident_from_dict(d: dict[str, Any]) -> Incident:
 def _event(change: str, inc: Incident) -> IncidentEvent:
     """An event carries a copy: sinks may read it on their own thread while the book moves on."""
     return IncidentEvent(change, replace(inc, evidence=dict(inc.evidence)))
-
-
-def _num(v: Any) -> float:
-    return float({"NaN": "nan", "Infinity": "inf", "-Infinity": "-inf"}.get(v, v)) if isinstance(v, str) else float(v)
 
 
 class IncidentBook:

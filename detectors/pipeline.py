@@ -13,7 +13,7 @@ import os
 import time
 import warnings
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
@@ -29,8 +29,10 @@ from sdcwatch.detectors.replica import ReplicaDivergenceDetector
 from sdcwatch.detectors.spike import SpikeDetector
 from sdcwatch.detectors.straggler import MissingRankDetector, StragglerDetector
 from sdcwatch.detectors.summary import StepSummary, SummaryOrder
-from sdcwatch.detectors.types import IncidentEvent, PipelineView, RunView, ServiceView, _json_safe
-from sdcwatch.errors import ConfigError
+from sdcwatch.core.jsonsafe import json_safe
+from sdcwatch.core.validate import check_positive
+from sdcwatch.detectors.types import IncidentEvent, PipelineView, RunView, ServiceView
+from sdcwatch.core.errors import ConfigError
 from sdcwatch.telemetry.record import Record
 
 __all__ = ["DetectionPipeline", "PipelineSettings", "default_detectors", "STATE_VERSION", "ROLES"]
@@ -69,11 +71,7 @@ class PipelineSettings:
     """Spatial stage: steps between the cross-rank quantiles it sends for the dashboards."""
 
     def __post_init__(self) -> None:
-        for key in ("step_timeout", "max_open_steps", "quiet_steps", "attribution_window", "stale_after",
-                    "order_grace", "stats_every"):
-            v = getattr(self, key)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
-                raise ConfigError(f"pipeline.{key}", f"must be a positive number, got {v!r}")
+        check_positive("pipeline", **{f.name: getattr(self, f.name) for f in fields(self)})
 
 
 @dataclass
@@ -363,7 +361,7 @@ class DetectionPipeline:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(path.suffix + ".tmp")
         with open(tmp, "w", encoding="utf-8") as fh:
-            json.dump(_json_safe(self.snapshot()), fh, separators=(",", ":"), allow_nan=False)
+            json.dump(json_safe(self.snapshot()), fh, separators=(",", ":"), allow_nan=False)
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)

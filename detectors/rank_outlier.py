@@ -15,17 +15,15 @@ from typing import Any
 
 import numpy as np
 
-from sdcwatch.detectors.base import StepContext, check_positive, decode_array, encode_array, register
+from sdcwatch.core.jsonsafe import decode_array, encode_array
+from sdcwatch.core.validate import check_positive
+from sdcwatch.detectors.base import StepContext, register
 from sdcwatch.detectors.frame import StepFrame
 from sdcwatch.detectors.types import Finding, Severity
-from sdcwatch.errors import ConfigError
+from sdcwatch.core.errors import ConfigError
+from sdcwatch.core.names import RANK_SCALARS
 
-__all__ = ["RankOutlierDetector", "RANK_SCALARS"]
-
-#: Scalars that vary across ranks with the data and are compared rank against rank. Values that
-#: must be identical (global norm, lr, fingerprints) belong to the replica detector, step time to
-#: the straggler detector.
-RANK_SCALARS = ("loss", "grad_norm_local", "grad_cosine")
+__all__ = ["RankOutlierDetector"]
 
 
 @register

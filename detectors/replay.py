@@ -22,7 +22,7 @@ import numpy as np
 from sdcwatch.detectors.frame import StepFrame
 from sdcwatch.detectors.pipeline import DetectionPipeline, PipelineSettings
 from sdcwatch.detectors.types import Incident
-from sdcwatch.errors import RecordError, ReplayError
+from sdcwatch.core.errors import RecordError, ReplayError
 from sdcwatch.telemetry.record import Record, from_json
 
 __all__ = ["replay", "read_records", "read_csv_frames", "format_table", "replay_main"]

@@ -12,7 +12,8 @@ from typing import Any
 
 import numpy as np
 
-from sdcwatch.detectors.base import StepContext, check_positive, register
+from sdcwatch.core.validate import check_positive
+from sdcwatch.detectors.base import StepContext, register
 from sdcwatch.detectors.frame import StepFrame
 from sdcwatch.detectors.types import Finding, Severity
 

@@ -17,9 +17,11 @@ from typing import Any
 
 import numpy as np
 
-from sdcwatch.detectors.base import check_positive, register
+from sdcwatch.core.validate import check_positive
+from sdcwatch.detectors.base import register
 from sdcwatch.detectors.frame import StepFrame
-from sdcwatch.detectors.rank_outlier import RANK_SCALARS, RankOutlierDetector
+from sdcwatch.core.names import RANK_SCALARS
+from sdcwatch.detectors.rank_outlier import RankOutlierDetector
 from sdcwatch.detectors.types import Finding, Severity
 
 __all__ = ["RiverHalfSpaceTrees", "rank_features"]

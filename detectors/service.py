@@ -20,15 +20,15 @@ from typing import Any, Callable, ClassVar, Sequence
 
 from sdcwatch.detectors.pipeline import DetectionPipeline
 from sdcwatch.detectors.source import Source as RecordSource  # the protocol the service reads through
-from sdcwatch.detectors.summary import SUMMARY_TOPIC, StepSummary, encode_summary
+from sdcwatch.core.names import ANOMALY_TOPIC, SUMMARY_TOPIC
+from sdcwatch.detectors.summary import StepSummary, encode_summary
 from sdcwatch.detectors.types import IncidentEvent, IncidentSink, ServiceView
-from sdcwatch.errors import ConfigError
+from sdcwatch.core.errors import ConfigError
 
 __all__ = ["DetectorService", "AnomalyTopicSink", "SummaryTopicSink", "RecordSource", "ANOMALY_TOPIC", "STATE_FILE"]
 
 log = logging.getLogger("sdcwatch.detectors.service")
 
-ANOMALY_TOPIC = "sdcwatch.anomalies"
 STATE_FILE = "pipeline-state.json"
 
 

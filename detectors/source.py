@@ -14,15 +14,14 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
-from sdcwatch.errors import RecordError, TransportError
-from sdcwatch.telemetry.record import TELEMETRY_TOPIC, Record, decode_message
+from sdcwatch.core.errors import RecordError, TransportError
+from sdcwatch.core.names import DEADLETTER_TOPIC, TELEMETRY_TOPIC
+from sdcwatch.telemetry.record import Record, decode_message
 
 __all__ = ["Source", "KafkaSource", "MemorySource", "DeadLetter", "DEADLETTER_TOPIC", "TELEMETRY_TOPIC", "FAST_JOIN",
            "decode_summary_message"]
 
 log = logging.getLogger("sdcwatch.detectors")
-
-DEADLETTER_TOPIC = "sdcwatch.deadletter"
 
 #: Consumer-group timings that make a new member's first join take ~3 s instead of ~25 s: the
 #: join waits for the rebalance timeout (max poll interval) and the session timeout.

@@ -18,10 +18,11 @@ from typing import Any
 
 import numpy as np
 
-from sdcwatch.detectors.base import StepContext, check_positive, register
+from sdcwatch.core.validate import check_positive
+from sdcwatch.detectors.base import StepContext, register
 from sdcwatch.detectors.frame import StepFrame
 from sdcwatch.detectors.types import Finding, Severity
-from sdcwatch.errors import ConfigError
+from sdcwatch.core.errors import ConfigError
 
 __all__ = ["SeriesSettings", "RobustBaseline", "SpikeDetector"]
 

@@ -12,7 +12,9 @@ from typing import Any
 
 import numpy as np
 
-from sdcwatch.detectors.base import StepContext, check_positive, decode_array, encode_array, register
+from sdcwatch.core.jsonsafe import decode_array, encode_array
+from sdcwatch.core.validate import check_positive
+from sdcwatch.detectors.base import StepContext, register
 from sdcwatch.detectors.frame import StepFrame
 from sdcwatch.detectors.types import Finding, Severity
 

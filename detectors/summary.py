@@ -29,21 +29,16 @@ from typing import Any, Callable
 
 import numpy as np
 
-from sdcwatch.detectors.base import check_positive
-from sdcwatch.telemetry.record import RecordError
+from sdcwatch.core.validate import check_positive
+from sdcwatch.core.errors import RecordError, SummaryError
+from sdcwatch.core.names import SUMMARY_TOPIC
 
 __all__ = ["StepSummary", "SummaryError", "SummaryOrder", "encode_summary", "decode_summary",
            "SUMMARY_MAGIC", "SUMMARY_VERSION", "SUMMARY_TOPIC"]
 
 SUMMARY_MAGIC = b"SDCS"
 SUMMARY_VERSION = 1
-#: Topic between the spatial and the temporal stage.
-SUMMARY_TOPIC = "sdcwatch.summaries"
 _HEAD = struct.Struct(">I")
-
-
-class SummaryError(RecordError):
-    """A step-summary message that cannot be decoded (names the part that is wrong)."""
 
 
 @dataclass

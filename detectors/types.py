@@ -14,6 +14,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from sdcwatch.core.jsonsafe import json_float, json_safe
+
 __all__ = [
     "Severity",
     "Finding",
@@ -105,10 +107,10 @@ class Incident:
             "hosts": list(self.hosts),
             "metric": self.metric,
             "layer": self.layer,
-            "score": _json_float(self.score),
+            "score": json_float(self.score),
             "message": self.message,
             "detector": self.detector,
-            "evidence": _json_safe(self.evidence),
+            "evidence": json_safe(self.evidence),
             "opened_at": self.opened_at,
             "resolved_at": self.resolved_at,
             "open": self.open,
@@ -179,30 +181,3 @@ class ServiceView:
     incidents: list[Incident]  # open ones, plus those resolved recently
     incidents_total: dict[tuple[str, str], int]  # (kind, severity) -> count opened so far
     findings_total: dict[tuple[str, str], int]  # (detector, kind) -> count of findings
-
-
-def _json_float(v: float) -> float | str | None:
-    import math
-
-    if v is None:
-        return None
-    v = float(v)
-    if math.isfinite(v):
-        return v
-    return "NaN" if math.isnan(v) else ("Infinity" if v > 0 else "-Infinity")
-
-
-def _json_safe(obj: Any) -> Any:
-    if isinstance(obj, dict):
-        return {str(k): _json_safe(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_json_safe(v) for v in obj]
-    if isinstance(obj, np.ndarray):
-        return [_json_safe(v) for v in obj.tolist()]
-    if isinstance(obj, (np.integer,)):
-        return int(obj)
-    if isinstance(obj, (float, np.floating)):
-        return _json_float(float(obj))
-    if isinstance(obj, enum.Enum):
-        return obj.value
-    return obj

@@ -20,7 +20,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from sdcwatch.detectors.types import Incident, IncidentEvent
-from sdcwatch.errors import ConfigError
+from sdcwatch.core.errors import ConfigError
 
 from .collector import incident_rank_label
 from .delivery import BackgroundSink, Backoff, DeliveryError, PostFn, encode_json, post_json

@@ -17,7 +17,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoM
 from prometheus_client.registry import Collector
 
 from sdcwatch.detectors.types import Incident, RunView, ServiceView
-from sdcwatch.errors import ConfigError
+from sdcwatch.core.errors import ConfigError
 
 from .catalog import METRICS, STATS, MetricSpec, metric
 

@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from sdcwatch.detectors.types import IncidentEvent
-from sdcwatch.errors import ConfigError
+from sdcwatch.core.errors import ConfigError, DeliveryError
 
 __all__ = ["BackgroundSink", "Backoff", "DeliveryError", "PostFn", "post_json", "encode_json"]
 
@@ -28,11 +28,6 @@ log = logging.getLogger(__name__)
 
 #: ``post(url, body, headers, timeout)`` -> HTTP status; raises :class:`DeliveryError` on failure.
 PostFn = Callable[[str, bytes, Mapping[str, str], float], int]
-
-
-class DeliveryError(Exception):
-    """A receiver could not be reached or answered with an error status (retried, never raised
-    out of a sink)."""
 
 
 def post_json(url: str, body: bytes, headers: Mapping[str, str], timeout: float) -> int:

@@ -14,7 +14,7 @@ import math
 import re
 
 from sdcwatch.detectors.types import IncidentEvent, Severity
-from sdcwatch.errors import ConfigError
+from sdcwatch.core.errors import ConfigError
 
 from .collector import incident_rank_label
 

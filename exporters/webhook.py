@@ -13,7 +13,7 @@ from collections.abc import Mapping
 import time
 
 from sdcwatch.detectors.types import IncidentEvent
-from sdcwatch.errors import ConfigError
+from sdcwatch.core.errors import ConfigError
 
 from .delivery import BackgroundSink, Backoff, DeliveryError, PostFn, encode_json, post_json
 

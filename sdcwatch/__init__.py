@@ -6,7 +6,7 @@ and Alertmanager. This package itself is the composition root (CLI, config, embe
 demo) and stays import-light: importing it pulls in none of the heavy dependencies.
 """
 
-from sdcwatch.errors import (
+from sdcwatch.core.errors import (
     BrokerError,
     ConfigError,
     FaultSpecError,

@@ -28,15 +28,10 @@ import numpy as np
 
 from sdcwatch.detectors.frame import StepFrame
 from sdcwatch.detectors.types import Finding, Severity
-from sdcwatch.errors import ConfigError
+from sdcwatch.core.errors import ConfigError
+from sdcwatch.core.validate import check_positive
 
 __all__ = ["MegatronRules", "ZClipDetector", "NanLossCheck", "river_baseline", "BASELINES"]
-
-
-def _positive(owner: str, **values: float) -> None:
-    for key, v in values.items():
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
-            raise ConfigError(f"{owner}.{key}", f"must be a positive number, got {v!r}")
 
 
 def _rank_finding(detector: str, kind: str, severity: Severity, frame: StepFrame, ranks: np.ndarray,
@@ -59,7 +54,7 @@ class MegatronRules:
 
     def __init__(self, factor: float = 10.0, first_n: int = 100,
                  metrics: tuple[str, ...] = ("loss", "grad_norm_local")) -> None:
-        _positive("megatron", factor=factor, first_n=first_n)
+        check_positive("megatron", factor=factor, first_n=first_n)
         self.factor = float(factor)
         self.first_n = int(first_n)
         self.metrics = tuple(metrics)
@@ -108,7 +103,7 @@ class ZClipDetector:
     name = "zclip"
 
     def __init__(self, alpha: float = 0.97, z_thresh: float = 2.5, warmup: int = 25, eps: float = 1e-6) -> None:
-        _positive("zclip", alpha=alpha, z_thresh=z_thresh, warmup=warmup, eps=eps)
+        check_positive("zclip", alpha=alpha, z_thresh=z_thresh, warmup=warmup, eps=eps)
         if alpha >= 1:
             raise ConfigError("zclip.alpha", f"must be below 1, got {alpha}")
         self.alpha, self.z_thresh, self.warmup, self.eps = float(alpha), float(z_thresh), int(warmup), float(eps)

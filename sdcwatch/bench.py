@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from sdcwatch.errors import ConfigError
+from sdcwatch.core.errors import ConfigError
 
 __all__ = ["bench_main", "campaign_main", "e2e_main", "all_main", "bench_dir", "machine", "write_markdown"]
 

@@ -15,7 +15,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from sdcwatch.errors import BrokerError
+from sdcwatch.core.errors import BrokerError
 
 __all__ = ["EmbeddedBroker", "broker_binary", "free_port"]
 

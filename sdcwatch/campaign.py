@@ -50,7 +50,8 @@ from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 
-from sdcwatch.errors import ConfigError, FaultSpecError
+from sdcwatch.core.errors import ConfigError, FaultSpecError
+from sdcwatch.core.kinds import RANK_BLAME_KINDS
 
 __all__ = [
     "CampaignConfig",
@@ -94,7 +95,6 @@ _ATTN_GEMMS = ("blocks.{l}.attn.scores", "blocks.{l}.attn.mix")
 _OTHER = ("blocks.{l}.attn.qkv", "blocks.{l}.attn.proj", "blocks.{l}.mlp.fc", "blocks.{l}.mlp.proj", "head")
 _MATMULS = ("blocks.*.attn.qkv", "blocks.*.attn.proj", "blocks.*.mlp.fc", "blocks.*.mlp.proj")
 _TIMING_KINDS = frozenset({"straggler", "missing_rank"})
-_RANK_BLAME_KINDS = frozenset({"sdc_suspected", "silent_drift", "rank_outlier", "replica_divergence"})
 
 
 @dataclass(frozen=True)
@@ -405,7 +405,7 @@ class _BaselineRunner:
 
 def _attribution(kind: str, ranks: Sequence[int], evidence: dict, world: int) -> str | None:
     said = evidence.get("attribution") if isinstance(evidence, dict) else None
-    if said == "sdc" or kind in _RANK_BLAME_KINDS:
+    if said == "sdc" or kind in RANK_BLAME_KINDS:
         return "sdc"
     if said == "optimisation_data":
         return "optimisation_data"

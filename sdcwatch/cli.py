@@ -14,7 +14,7 @@ import sys
 from typing import Callable, Sequence
 
 from sdcwatch import __version__
-from sdcwatch.errors import SdcwatchError
+from sdcwatch.core.errors import SdcwatchError
 
 __all__ = ["main", "build_parser"]
 

@@ -15,7 +15,7 @@ Other ``SDCWATCH_*`` variables that do not start with a section name (``SDCWATCH
 belong to the emitter and are ignored here; a misspelt key inside a known section is an error.
 
 Every section checks its values when it is built (``__post_init__``), so a config made in code
-is as safe as a loaded one. A bad or unknown key raises :class:`~sdcwatch.errors.ConfigError`
+is as safe as a loaded one. A bad or unknown key raises :class:`~sdcwatch.core.errors.ConfigError`
 naming the dotted key and where the value came from, e.g.
 ``alerts.alertmanger_url: unknown key (did you mean alertmanager_url?) (in serve.toml)``.
 """
@@ -27,8 +27,6 @@ import ast
 import difflib
 import functools
 import inspect
-import ipaddress
-import math
 import os
 import re
 import textwrap
@@ -36,18 +34,15 @@ import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, ClassVar, Mapping
-from urllib.parse import urlsplit
 
 try:  # Python 3.11+
     import tomllib
 except ModuleNotFoundError:  # pragma: no cover - Python 3.10 needs the backport
     import tomli as tomllib  # type: ignore[no-redef]
 
-from sdcwatch.detectors.service import ANOMALY_TOPIC
-from sdcwatch.detectors.source import DEADLETTER_TOPIC
-from sdcwatch.detectors.summary import SUMMARY_TOPIC
-from sdcwatch.errors import ConfigError
-from sdcwatch.telemetry.record import TELEMETRY_TOPIC
+from sdcwatch.core.errors import ConfigError
+from sdcwatch.core.names import ANOMALY_TOPIC, DEADLETTER_TOPIC, SUMMARY_TOPIC, TELEMETRY_TOPIC
+from sdcwatch.core.validate import check_type, describe, is_host, topic_problem, url_problem
 
 __all__ = [
     "BusConfig",
@@ -91,8 +86,6 @@ _PROTOCOLS = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
 _MECHANISMS = ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512", "GSSAPI", "AWS_MSK_IAM")
 _NEEDS_PASSWORD = ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512")
 _SECRET = re.compile(r"password|secret|token", re.IGNORECASE)
-_TOPIC = re.compile(r"^[A-Za-z0-9._-]{1,249}$")
-_HOSTNAME = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*\.?$")
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off"})
 
@@ -110,7 +103,7 @@ class _Section:
         for f in fields(self):  # type: ignore[arg-type]
             key = f"{self.section}.{f.name}"
             value = getattr(self, f.name)
-            setattr(self, f.name, _check_type(key, value, _kind(type(self), f.name)))
+            setattr(self, f.name, check_type(key, value, _kind(type(self), f.name)))
         self._validate()
 
     def _validate(self) -> None:
@@ -153,8 +146,9 @@ class BusConfig(_Section):
         topics: dict[str, str] = {}
         for name in ("telemetry_topic", "anomalies_topic", "deadletter_topic", "summaries_topic"):
             topic = getattr(self, name)
-            if not _TOPIC.match(topic) or topic in (".", ".."):
-                self._fail(name, f"{topic!r} is not a Kafka topic name (1-249 of letters, digits, '.', '_', '-')")
+            problem = topic_problem(topic)
+            if problem:
+                self._fail(name, problem)
             if topic in topics:
                 self._fail(name, f"{topic!r} is also bus.{topics[topic]}; each topic has one purpose")
             topics[topic] = name
@@ -168,7 +162,7 @@ class BusConfig(_Section):
             key = f"security.{name}"
             if name not in SECURITY_KEYS:
                 self._fail(key, f"unknown Kafka security setting{_did_you_mean(name, SECURITY_KEYS)}")
-            _check_type(f"bus.{key}", value, SECURITY_KEYS[name])
+            check_type(f"bus.{key}", value, SECURITY_KEYS[name])
             if SECURITY_KEYS[name] is str and not value:
                 self._fail(key, "must not be empty (leave it out instead)")
         protocol = sec.get("security_protocol", "PLAINTEXT")
@@ -215,7 +209,7 @@ class MetricsConfig(_Section):
     """Port of the /metrics HTTP server; 0 turns the endpoint off."""
 
     def _validate(self) -> None:
-        if not _is_host(self.address):
+        if not is_host(self.address):
             self._fail("address", f"{self.address!r} is neither an IP address nor a host name")
         if not 0 <= self.port <= 65535:
             self._fail("port", f"{self.port} out of range 0-65535 (0 = off)")
@@ -245,7 +239,7 @@ class AlertsConfig(_Section):
         for name in ("alertmanager_url", "webhook_url"):
             url = getattr(self, name)
             if url:
-                problem = _url_problem(url)
+                problem = url_problem(url)
                 if problem:
                     self._fail(name, problem)
         _positive(self, "timeout_s")
@@ -366,53 +360,10 @@ def _hints(cls: type) -> dict[str, type]:
     return {f.name: typing.get_origin(hints[f.name]) or hints[f.name] for f in fields(cls)}
 
 
-_KIND_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "true or false", Path: "a path", dict: "a table"}
-
-
-def _check_type(key: str, value: Any, kind: type) -> Any:
-    """Return ``value`` as ``kind`` (int -> float, str -> Path) or raise naming ``key``."""
-    if kind is float and isinstance(value, int) and not isinstance(value, bool):
-        value = float(value)
-    if kind is Path and isinstance(value, str):
-        value = Path(value)
-    ok = isinstance(value, kind) and not (kind in (int, float) and isinstance(value, bool))
-    if not ok:
-        raise ConfigError(key, f"must be {_KIND_NAMES[kind]}, got {_describe(value)}")
-    if kind is float and not math.isfinite(value):
-        raise ConfigError(key, f"must be a finite number, got {value}")
-    return value
-
-
-def _describe(value: Any) -> str:
-    names = {str: "string", bool: "boolean", int: "integer", float: "number", dict: "table", list: "array"}
-    return f"{names.get(type(value), type(value).__name__)} {value!r}"
-
-
 def _positive(section: _Section, name: str) -> None:
     value = getattr(section, name)
     if not value > 0:
         section._fail(name, f"must be greater than 0, got {value}")
-
-
-def _is_host(text: str) -> bool:
-    try:
-        ipaddress.ip_address(text)
-        return True
-    except ValueError:
-        return bool(_HOSTNAME.match(text))
-
-
-def _url_problem(url: str) -> str:
-    try:
-        parts = urlsplit(url)
-        parts.port  # raises ValueError on a bad port
-    except ValueError as exc:
-        return f"{url!r} is not a valid URL ({exc})"
-    if parts.scheme not in ("http", "https"):
-        return f"{url!r} must start with http:// or https://"
-    if not parts.hostname:
-        return f"{url!r} has no host"
-    return ""
 
 
 def _located(exc: ConfigError, where: str) -> ConfigError:
@@ -512,14 +463,14 @@ def _file_layer(path: Path) -> tuple[dict[str, Any], dict[str, str]]:
             )
             if is_table_key:
                 if not isinstance(value, dict):
-                    raise ConfigError(dotted, f"must be a table ([{dotted}]), got {_describe(value)} ({where})")
+                    raise ConfigError(dotted, f"must be a table ([{dotted}]), got {describe(value)} ({where})")
                 walk(value, dotted + ".")
                 continue
             kind = _resolve_key(dotted, where)
             if isinstance(value, dict):
                 raise ConfigError(dotted, f"must be a single value, got a table ({where})")
             try:
-                values[dotted] = _check_type(dotted, value, kind)
+                values[dotted] = check_type(dotted, value, kind)
             except ConfigError as exc:
                 raise _located(exc, where) from None
 

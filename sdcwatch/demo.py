@@ -22,14 +22,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence, TextIO
 
-from sdcwatch.errors import ConfigError, SdcwatchError
+from sdcwatch.core.errors import ConfigError, SdcwatchError
+from sdcwatch.core.kinds import LOCALISING_KINDS
 
-__all__ = ["PRESETS", "preset_faults", "DemoResult", "run_demo", "demo_main", "RANK_LOCAL_KINDS"]
+__all__ = ["PRESETS", "preset_faults", "DemoResult", "run_demo", "demo_main"]
 
 log = logging.getLogger("sdcwatch.demo")
 
 #: Incident kinds that blame a rank (an SDC suspect) rather than the run as a whole.
-RANK_LOCAL_KINDS = frozenset({"sdc_suspected", "nonfinite", "rank_outlier", "replica_divergence", "silent_drift"})
 
 
 def _fault(kind: str, step: int, rank: int | None, **kw: Any) -> dict[str, Any]:
@@ -227,7 +227,7 @@ def summarize(incidents: list[Any], fault_step: int | None, fault_rank: int | No
     first = min(i.first_step for i in after)
     localized = None
     for inc in sorted(after, key=lambda i: (i.first_step, -i.severity.rank)):
-        if inc.kind in RANK_LOCAL_KINDS and len(inc.ranks) == 1:
+        if inc.kind in LOCALISING_KINDS and len(inc.ranks) == 1:
             localized = int(inc.ranks[0])
             break
     return True, first, localized, false_alarms

@@ -17,8 +17,9 @@ import threading
 import time as _time
 from typing import Any, Mapping, Sequence
 
-from sdcwatch.errors import ConfigError, RecordError, TransportError
-from sdcwatch.telemetry.record import TELEMETRY_TOPIC, Record, validate
+from sdcwatch.core.errors import ConfigError, RecordError, TransportError
+from sdcwatch.core.names import TELEMETRY_TOPIC
+from sdcwatch.telemetry.record import Record, validate
 
 __all__ = ["Emitter", "NullEmitter", "identity_from_env"]
 
@@ -268,7 +269,7 @@ class Emitter:
             try:
                 self.transport.send(self._inflight)
             except Exception as exc:
-                unsent = getattr(exc, "unsent", None) if isinstance(exc, TransportError) else None
+                unsent = exc.unsent if isinstance(exc, TransportError) else None
                 if unsent is not None:
                     self.sent += len(self._inflight) - len(unsent)
                     self._inflight = list(unsent)

@@ -37,7 +37,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
-from sdcwatch.errors import FaultSpecError
+from sdcwatch.core.errors import FaultSpecError
 
 if TYPE_CHECKING:
     import torch

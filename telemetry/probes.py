@@ -30,7 +30,8 @@ import numpy
 import torch
 from torch import nn
 
-from sdcwatch.errors import ConfigError
+from sdcwatch.core.errors import ConfigError
+from sdcwatch.core.names import ATTENTION_STATS
 from sdcwatch.telemetry import fingerprint as fp
 
 __all__ = [
@@ -43,17 +44,6 @@ __all__ = [
     "sampled_queries",
     "ATTENTION_STATS",
 ]
-
-#: The per-layer statistics one attention observation yields, in this order.
-ATTENTION_STATS = (
-    "attn_entropy",
-    "attn_entropy_min",
-    "q_norm_mean",
-    "q_norm_max",
-    "k_norm_mean",
-    "k_norm_max",
-    "attn_logit_max",
-)
 
 # attention module -> [(watch, layer index)]; weak so a dropped model leaves no trace
 _ATTENTION: "weakref.WeakKeyDictionary[nn.Module, list[tuple[Watch, int]]]" = weakref.WeakKeyDictionary()

@@ -19,7 +19,7 @@ rank's consecutive steps, or many ranks' records of one step)::
 
 ``str8``/``str16`` are UTF-8 with a u8/u16 length prefix. Layer vectors travel as float32: they
 are diagnostics, and half the bytes matter at 16k ranks. Decoding never guesses: a bad field or
-an unknown version raises :class:`~sdcwatch.errors.RecordError` naming the field.
+an unknown version raises :class:`~sdcwatch.core.errors.RecordError` naming the field.
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ import struct
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
-from sdcwatch.errors import RecordError, UnknownVersionError
+from sdcwatch.core.errors import RecordError, UnknownVersionError
+from sdcwatch.core.names import FINGERPRINTS, LAYER_METRICS, SCALARS, TELEMETRY_TOPIC
 
 __all__ = [
     "Record",
@@ -48,41 +49,14 @@ __all__ = [
     "SCALARS",
     "LAYER_METRICS",
     "FINGERPRINTS",
+    "TELEMETRY_TOPIC",
 ]
 
 VERSION = 1
 MAGIC = b"SDCW"
-#: The topic the emitters write to and the detector service reads.
-TELEMETRY_TOPIC = "sdcwatch.telemetry"
 BATCH_MAGIC = b"SDCB"
 _BATCH_HEAD = struct.Struct("<4sBI")
 _U32 = struct.Struct("<I")
-
-#: Well-known scalar names (others are allowed; these are what the probes and detectors use).
-SCALARS = (
-    "loss",  # the rank's own micro-batch loss
-    "loss_global",  # loss averaged over ranks, when the caller has it
-    "grad_norm_local",  # L2 norm of the rank's gradient before the all-reduce
-    "grad_norm_global",  # L2 norm of the all-reduced gradient (must agree across replicas)
-    "grad_cosine",  # cosine of the local gradient with the all-reduced one
-    "step_time",  # seconds for the step on this rank
-    "nonfinite",  # count of NaN/Inf values seen in loss, gradients and probed activations
-    "lr",  # learning rate
-    "emitter_dropped",  # records this rank's emitter dropped so far (cumulative)
-    "act_max",  # largest |output| of any module in the forward pass (sampled steps)
-)
-#: Well-known per-layer metrics, one value per layer.
-LAYER_METRICS = (
-    "attn_entropy",  # mean over sampled heads and queries, nats
-    "attn_entropy_min",  # lowest head's mean entropy
-    "q_norm_mean",
-    "q_norm_max",
-    "k_norm_mean",
-    "k_norm_max",
-    "attn_logit_max",  # largest pre-softmax attention logit
-)
-#: Well-known fingerprints: exact, must be bit-identical across data-parallel replicas.
-FINGERPRINTS = ("param_fp", "grad_fp")
 
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.:-]{0,63}$")
 _U64 = 1 << 64

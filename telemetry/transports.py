@@ -6,7 +6,7 @@
 - :class:`MemoryTransport` over a :class:`MemoryBus`: in-process topics, for unit tests and
   single-process tools.
 
-A transport raises :class:`~sdcwatch.errors.TransportError` when the bus refuses or cannot be
+A transport raises :class:`~sdcwatch.core.errors.TransportError` when the bus refuses or cannot be
 reached; its ``unsent`` attribute lists the records that were not confirmed, which the emitter
 keeps and retries. Transports are built cheaply (no connection in ``__init__``), so constructing
 one in a training script can neither fail nor block on the network.
@@ -20,8 +20,9 @@ import threading
 from pathlib import Path
 from typing import Any, Protocol, Sequence
 
-from sdcwatch.errors import ConfigError, TransportError
-from sdcwatch.telemetry.record import TELEMETRY_TOPIC, Record, decode_message, encode, encode_batch, to_json
+from sdcwatch.core.errors import ConfigError, TransportError
+from sdcwatch.core.names import TELEMETRY_TOPIC
+from sdcwatch.telemetry.record import Record, decode_message, encode, encode_batch, to_json
 
 __all__ = [
     "Transport",
@@ -100,9 +101,7 @@ class Transport(Protocol):
 
 
 def _unsent(message: str, records: Sequence[Record]) -> TransportError:
-    err = TransportError(message)
-    err.unsent = list(records)  # type: ignore[attr-defined]
-    return err
+    return TransportError(message, unsent=records)
 
 
 class MemoryBus:

@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from sdcwatch.errors import SdcwatchError
+from sdcwatch.core.errors import SdcwatchError
 from sdcwatch.report.data import RunData, incident_from_dict, load_incidents, load_records
 from sdcwatch.report.deviation import DEVIATION_METRICS, Deviation, rank_deviation, robust_z
 from sdcwatch.report.page import render_report, write_report

@@ -16,7 +16,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from sdcwatch.detectors.types import Incident, Severity
-from sdcwatch.errors import RecordError, ReplayError
+from sdcwatch.core.errors import RecordError, ReplayError
 from sdcwatch.telemetry.record import from_json
 
 _SCALARS = ("loss", "loss_global", "grad_norm_local", "grad_norm_global", "grad_cosine", "nonfinite", "step_time")

@@ -14,10 +14,9 @@ from typing import Iterator, NamedTuple
 
 import numpy as np
 
+from sdcwatch.core.names import DEVIATION_METRICS
 from sdcwatch.report.data import RunData
 
-#: Per-rank scalars whose cross-rank deviation the heat map shows (those present are used).
-DEVIATION_METRICS = ("loss", "grad_norm_local", "grad_cosine")
 _MIN_RANKS = 3  # a median and a MAD over fewer ranks say nothing about which one is odd
 
 

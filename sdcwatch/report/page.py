@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
 from sdcwatch.detectors.types import Incident
-from sdcwatch.errors import ReplayError
+from sdcwatch.core.errors import ReplayError
 from sdcwatch.report.data import _ENTROPY, RunData, _is_localised, incident_from_dict, load_incidents, load_records
 from sdcwatch.report.deviation import _MIN_RANKS
 from sdcwatch.report.plots import _Z_FLAG, _plot_attention, _plot_heatmap, _plot_training

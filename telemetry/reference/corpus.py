@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from sdcwatch.errors import ConfigError
+from sdcwatch.core.errors import ConfigError
 
 __all__ = ["Corpus", "stdlib_sources"]
 

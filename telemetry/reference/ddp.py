@@ -21,8 +21,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Sequence
 
-from sdcwatch.telemetry.record import TELEMETRY_TOPIC
-from sdcwatch.errors import ConfigError
+from sdcwatch.core.names import TELEMETRY_TOPIC
+from sdcwatch.core.errors import ConfigError
 from sdcwatch.telemetry.faults import FaultSpec, load_faults
 
 __all__ = ["DDPSettings", "launch", "train_rank", "main"]

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from sdcwatch.errors import ConfigError
+from sdcwatch.core.errors import ConfigError
 
 __all__ = ["GPTConfig", "GPT", "CausalSelfAttention", "next_byte_loss"]
 

@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
-from sdcwatch.errors import ConfigError
+from sdcwatch.core.errors import ConfigError
 from sdcwatch.telemetry import fingerprint as fp
 from sdcwatch.telemetry.emitter import NullEmitter
 from sdcwatch.telemetry.faults import FaultInjector, FaultSpec

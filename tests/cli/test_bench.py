@@ -21,7 +21,7 @@ from sdcwatch.campaign import (
     trials_from_faults,
 )
 from sdcwatch.detectors.frame import StepFrame
-from sdcwatch.errors import ConfigError, FaultSpecError
+from sdcwatch.core.errors import ConfigError, FaultSpecError
 from sdcwatch.telemetry.faults import parse_faults
 from sdcwatch.telemetry.record import Record
 

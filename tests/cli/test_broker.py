@@ -11,7 +11,7 @@ import time
 import pytest
 
 from sdcwatch.broker import EmbeddedBroker, free_port
-from sdcwatch.errors import BrokerError
+from sdcwatch.core.errors import BrokerError
 
 pytestmark = pytest.mark.integration
 

@@ -21,7 +21,7 @@ from sdcwatch.config import (
     load_config,
     overrides_from_args,
 )
-from sdcwatch.errors import ConfigError
+from sdcwatch.core.errors import ConfigError
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "sdcwatch" / "serve.example.toml"
 

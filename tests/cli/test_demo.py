@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from sdcwatch.demo import RANK_LOCAL_KINDS
+from sdcwatch.core.kinds import LOCALISING_KINDS
 
 pytestmark = pytest.mark.integration
 
@@ -42,7 +42,7 @@ def test_benign_spikes_are_reported_and_not_blamed_on_a_rank(preset, tmp_path):
     assert r.localized_rank is None
     kinds = {i["kind"] for i in r.incidents}
     assert kinds & {"loss_spike", "grad_spike", "optimisation_instability"}, kinds
-    assert not kinds & RANK_LOCAL_KINDS, r.incidents
+    assert not kinds & LOCALISING_KINDS, r.incidents
 
 
 def test_clean_run_raises_nothing(tmp_path):

@@ -18,7 +18,7 @@ import pytest
 
 import sdcwatch.report as report
 from sdcwatch.detectors.types import Incident, Severity
-from sdcwatch.errors import ReplayError
+from sdcwatch.core.errors import ReplayError
 from sdcwatch.report import (
     incident_from_dict,
     load_incidents,

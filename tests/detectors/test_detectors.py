@@ -21,7 +21,7 @@ from sdcwatch.detectors import (
 )
 from sdcwatch.detectors.replica import majority
 from sdcwatch.detectors.spike import RobustBaseline
-from sdcwatch.errors import ConfigError
+from sdcwatch.core.errors import ConfigError
 
 
 def feed(det, synth, steps):

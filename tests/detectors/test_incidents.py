@@ -16,7 +16,7 @@ from sdcwatch.detectors import (
     Severity,
     incident_from_dict,
 )
-from sdcwatch.errors import ConfigError
+from sdcwatch.core.errors import ConfigError
 
 
 def finding(step, kind="loss_spike", sev=Severity.WARNING, ranks=(), msg="m", **kw):

@@ -12,7 +12,7 @@ import pytest
 from detector_synth import Fault, SyntheticRun
 from sdcwatch.detectors import ANOMALY_TOPIC, AnomalyTopicSink, DetectionPipeline, DetectorService
 from sdcwatch.detectors.source import MemorySource
-from sdcwatch.errors import ConfigError
+from sdcwatch.core.errors import ConfigError
 from sdcwatch.telemetry import MemoryBus, MemoryTransport
 
 

@@ -13,7 +13,7 @@ from sdcwatch.detectors.river_hst import RiverHalfSpaceTrees
 from sdcwatch.detectors.source import MemorySource, decode_summary_message
 from sdcwatch.detectors.summary import (StepSummary, SummaryError, SummaryOrder, decode_summary,
                                         encode_summary)
-from sdcwatch.errors import ConfigError
+from sdcwatch.core.errors import ConfigError
 from sdcwatch.telemetry import MemoryBus
 from sdcwatch.telemetry.record import encode
 

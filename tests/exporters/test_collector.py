@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 import sdcwatch_exporter_test_support as support  # registered by conftest.py
-from sdcwatch.errors import ConfigError
+from sdcwatch.core.errors import ConfigError
 from sdcwatch.exporters import METRICS, SdcwatchCollector
 from sdcwatch.exporters.collector import MAX_RANKS_PER_INCIDENT
 

@@ -11,7 +11,7 @@ import pytest
 
 import sdcwatch_exporter_test_support as support  # registered by conftest.py
 from sdcwatch.detectors.types import IncidentEvent
-from sdcwatch.errors import ConfigError
+from sdcwatch.core.errors import ConfigError
 from sdcwatch.exporters import METRICS, AlertmanagerSink, Backoff, MetricsServer, WebhookSink
 
 

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from sdcwatch.errors import ConfigError
+from sdcwatch.core.errors import ConfigError
 from sdcwatch.telemetry import Emitter, FileTransport, MemoryBus, MemoryTransport, NullEmitter, from_json
 
 
@@ -151,6 +151,20 @@ def test_import_is_light():
         "import sys, sdcwatch.telemetry as t; t.Emitter; t.MemoryBus; "
         "heavy = [m for m in ('torch', 'kafka', 'scipy', 'river', 'prometheus_client') if m in sys.modules]; "
         "print(','.join(heavy))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert out == ""
+
+
+def test_in_rank_package_imports_only_itself_and_the_shared_core():
+    """Every module of the in-rank package, torch ones included, pulls in no detector, exporter, CLI or
+    test-bed module: a rank carries only what it needs."""
+    code = (
+        "import sys, pkgutil, importlib, sdcwatch.telemetry as t; "
+        "[importlib.import_module(f'sdcwatch.telemetry.{m.name}') for m in pkgutil.iter_modules(t.__path__) "
+        " if not m.ispkg]; "
+        "bad = sorted(m for m in sys.modules if m.startswith('sdcwatch.') and not "
+        "m.startswith(('sdcwatch.telemetry', 'sdcwatch.core'))); print(','.join(bad))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == ""

@@ -9,7 +9,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from sdcwatch.errors import FaultSpecError  # noqa: E402
+from sdcwatch.core.errors import FaultSpecError  # noqa: E402
 from sdcwatch.telemetry.faults import FaultInjector, FaultSpec, load_faults, parse_faults  # noqa: E402
 from sdcwatch.telemetry.reference.model import GPT, GPTConfig  # noqa: E402
 

@@ -10,7 +10,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from sdcwatch.errors import ConfigError  # noqa: E402
+from sdcwatch.core.errors import ConfigError  # noqa: E402
 from sdcwatch.telemetry import LAYER_METRICS, MemoryBus, MemoryTransport, Emitter  # noqa: E402
 from sdcwatch.telemetry.fingerprint import fingerprint  # noqa: E402
 from sdcwatch.telemetry.probes import ATTENTION_STATS, attach, attention_stats  # noqa: E402

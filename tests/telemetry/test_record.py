@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sdcwatch.errors import RecordError, SdcwatchError, UnknownVersionError
+from sdcwatch.core.errors import RecordError, SdcwatchError, UnknownVersionError
 from sdcwatch.telemetry.record import (
     MAGIC,
     Record,

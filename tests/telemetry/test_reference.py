@@ -8,7 +8,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from sdcwatch.errors import ConfigError  # noqa: E402
+from sdcwatch.core.errors import ConfigError  # noqa: E402
 from sdcwatch.telemetry import LAYER_METRICS, MemoryBus, MemoryTransport, Emitter  # noqa: E402
 from sdcwatch.telemetry.faults import FaultSpec  # noqa: E402
 from sdcwatch.telemetry.fingerprint import fingerprint  # noqa: E402

@@ -3,23 +3,30 @@
     SdcwatchError
     ├── ConfigError          a setting is missing or invalid (names the dotted key)
     ├── RecordError          a wire record is malformed (names the field)
-    │   └── UnknownVersionError
-    ├── TransportError       the bus refused or could not be reached
+    │   ├── UnknownVersionError
+    │   └── SummaryError     a step-summary message is malformed (names the part)
+    ├── TransportError       the bus refused or could not be reached (``unsent``: what was not sent)
+    ├── DeliveryError        an alert receiver could not be reached (retried, never raised out of a sink)
     ├── BrokerError          the embedded broker could not start or stop
     ├── FaultSpecError       a fault-injection spec is invalid (names the key)
     └── ReplayError          an input file for replay is malformed (names the line)
 
-This module imports nothing, so every layer (even the in-rank emitter) can use it.
+Every error's context is declared in its constructor. This module imports nothing, so every
+layer (even the in-rank emitter) can use it.
 """
 
 from __future__ import annotations
+
+from typing import Any, Sequence
 
 __all__ = [
     "SdcwatchError",
     "ConfigError",
     "RecordError",
     "UnknownVersionError",
+    "SummaryError",
     "TransportError",
+    "DeliveryError",
     "BrokerError",
     "FaultSpecError",
     "ReplayError",
@@ -56,8 +63,22 @@ class UnknownVersionError(RecordError):
         super().__init__("version", f"unknown record version {version!r}")
 
 
+class SummaryError(RecordError):
+    """A step-summary message that cannot be decoded (names the part that is wrong)."""
+
+
 class TransportError(SdcwatchError):
-    """Sending to or reading from the message bus failed."""
+    """Sending to or reading from the message bus failed; ``unsent`` lists the records that were
+    not confirmed (the emitter keeps them for the next attempt), None when not known."""
+
+    def __init__(self, message: str, *, unsent: Sequence[Any] | None = None) -> None:
+        self.unsent = None if unsent is None else list(unsent)
+        super().__init__(message)
+
+
+class DeliveryError(SdcwatchError):
+    """A receiver could not be reached or answered with an error status (retried, never raised
+    out of a sink)."""
 
 
 class BrokerError(SdcwatchError):

@@ -1,0 +1,68 @@
+"""What a finding or an incident is about: :class:`IncidentKind`, and the sets of kinds the
+incident book, attribution, the demo and the campaign reason with.
+
+Findings and incidents carry the kind's value (a plain string: it goes to JSON, labels and
+messages as it is); ``IncidentKind.X.value`` is how code names one.
+
+>>> IncidentKind.SDC_SUSPECTED.value in RANK_BLAME_KINDS
+True
+>>> "loss_spike" in SPIKE_KINDS
+True
+"""
+
+from __future__ import annotations
+
+import enum
+
+__all__ = [
+    "IncidentKind",
+    "SPIKE_KINDS",
+    "RANK_LOCAL_KINDS",
+    "RANK_FAULT_KINDS",
+    "RANK_BLAME_KINDS",
+    "LOCALISING_KINDS",
+]
+
+
+class IncidentKind(str, enum.Enum):
+    """Every kind a detector, attribution or a baseline reports."""
+
+    NONFINITE = "nonfinite"
+    """NaN, Inf or near-INF values (critical, at the step)."""
+    LOSS_SPIKE = "loss_spike"
+    """The global loss (or one rank's loss) spiked against its baseline."""
+    GRAD_SPIKE = "grad_spike"
+    """The gradient norm spiked while the loss stayed calm."""
+    RANK_OUTLIER = "rank_outlier"
+    """A rank's statistics persistently deviate from the other ranks'."""
+    RANK_DEVIATION = "rank_deviation"
+    """A rank extreme at one step (info, read by attribution, never an incident)."""
+    REPLICA_DIVERGENCE = "replica_divergence"
+    """A value every replica must hold bit for bit differs on some rank(s)."""
+    STRAGGLER = "straggler"
+    """A rank persistently slower than the median rank."""
+    MISSING_RANK = "missing_rank"
+    """Ranks not reporting for several steps."""
+    SDC_SUSPECTED = "sdc_suspected"
+    """Attribution: a spike together with rank-local evidence."""
+    SILENT_DRIFT = "silent_drift"
+    """Attribution: persistent rank-local evidence without a spike."""
+
+
+def _values(*kinds: IncidentKind) -> frozenset[str]:
+    return frozenset(k.value for k in kinds)
+
+
+K = IncidentKind
+#: Spikes of the whole job (onset, peak, recovery make one incident).
+SPIKE_KINDS = _values(K.LOSS_SPIKE, K.GRAD_SPIKE)
+#: Kinds that are about one rank: the incident book keeps one incident per rank for them.
+RANK_LOCAL_KINDS = _values(K.RANK_OUTLIER, K.SILENT_DRIFT, K.SDC_SUSPECTED, K.STRAGGLER)
+#: One rank fault seen more clearly over time (outlier -> silent drift -> SDC suspected): they share
+#: one incident per rank, whose kind escalates.
+RANK_FAULT_KINDS = _values(K.RANK_OUTLIER, K.SILENT_DRIFT, K.SDC_SUSPECTED)
+#: Kinds that blame a rank's hardware (the campaign's "attribution: SDC").
+RANK_BLAME_KINDS = RANK_FAULT_KINDS | _values(K.REPLICA_DIVERGENCE)
+#: Kinds whose ranks say where a fault is (the demo's "localised to rank r").
+LOCALISING_KINDS = RANK_BLAME_KINDS | _values(K.NONFINITE)
+del K

@@ -1,0 +1,72 @@
+"""Names every layer agrees on: the Kafka topics and the metric names a record carries.
+
+A rank writes these names, the detectors read them, the exporter and the report show them: they
+are defined here once. Other names are allowed in a record; these are the ones sdcwatch knows.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "TELEMETRY_TOPIC",
+    "ANOMALY_TOPIC",
+    "DEADLETTER_TOPIC",
+    "SUMMARY_TOPIC",
+    "TOPICS",
+    "SCALARS",
+    "LAYER_METRICS",
+    "ATTENTION_STATS",
+    "FINGERPRINTS",
+    "RANK_SCALARS",
+    "DATA_METRICS",
+    "DEVIATION_METRICS",
+]
+
+#: The topic the emitters write to and the detector service reads.
+TELEMETRY_TOPIC = "sdcwatch.telemetry"
+#: The topic the service writes incident changes to (opened, updated, resolved), as JSON.
+ANOMALY_TOPIC = "sdcwatch.anomalies"
+#: Where malformed telemetry messages are moved, untouched, for a person to inspect.
+DEADLETTER_TOPIC = "sdcwatch.deadletter"
+#: Between the spatial and the temporal stage of a scaled-out service: one step summary a message.
+SUMMARY_TOPIC = "sdcwatch.summaries"
+#: Every default topic, by its purpose.
+TOPICS = {"telemetry": TELEMETRY_TOPIC, "anomalies": ANOMALY_TOPIC, "deadletter": DEADLETTER_TOPIC,
+          "summaries": SUMMARY_TOPIC}
+
+#: Well-known scalar names (others are allowed; these are what the probes and detectors use).
+SCALARS = (
+    "loss",  # the rank's own micro-batch loss
+    "loss_global",  # loss averaged over ranks, when the caller has it
+    "grad_norm_local",  # L2 norm of the rank's gradient before the all-reduce
+    "grad_norm_global",  # L2 norm of the all-reduced gradient (must agree across replicas)
+    "grad_cosine",  # cosine of the local gradient with the all-reduced one
+    "step_time",  # seconds for the step on this rank
+    "nonfinite",  # count of NaN/Inf values seen in loss, gradients and probed activations
+    "lr",  # learning rate
+    "emitter_dropped",  # records this rank's emitter dropped so far (cumulative)
+    "act_max",  # largest |output| of any module in the forward pass (sampled steps)
+)
+#: Well-known per-layer metrics, one value per layer: the statistics one attention observation
+#: yields, in this order.
+LAYER_METRICS = (
+    "attn_entropy",  # mean over sampled heads and queries, nats
+    "attn_entropy_min",  # lowest head's mean entropy
+    "q_norm_mean",
+    "q_norm_max",
+    "k_norm_mean",
+    "k_norm_max",
+    "attn_logit_max",  # largest pre-softmax attention logit
+)
+#: The probes' name for the per-layer statistics (the same list).
+ATTENTION_STATS = LAYER_METRICS
+#: Well-known fingerprints: exact, must be bit-identical across data-parallel replicas.
+FINGERPRINTS = ("param_fp", "grad_fp")
+
+#: Per-rank scalars that vary across ranks with the rank's data, compared rank against rank.
+#: Values that must be identical (global norm, lr, fingerprints) belong to the replica detector,
+#: step time to the straggler detector.
+RANK_SCALARS = ("loss", "grad_norm_local", "grad_cosine")
+#: Attribution: a rank extreme only in these had a bad batch (the same list).
+DATA_METRICS = RANK_SCALARS
+#: The report's heat map of cross-rank deviation (the same list).
+DEVIATION_METRICS = RANK_SCALARS
