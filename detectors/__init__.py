@@ -2,77 +2,74 @@
 
 Records flow ``StepAligner`` -> :class:`StepFrame` -> detectors -> :class:`Attribution` ->
 :class:`IncidentBook`; :class:`DetectionPipeline` holds all of it, :class:`DetectorService` runs it
-on a stream, :func:`replay` on a file. Every detector but the river baseline comes in two halves
-(``observe`` across ranks, ``judge`` over time), so the service can also run split: spatial
-instances send a :class:`StepSummary` per step to one temporal instance.
+on a stream, :func:`replay` on a file. A detector is one class in one file (:class:`Detector` or,
+split in a cross-rank and a temporal half, :class:`SplitDetector`) with its own ``Config``,
+registered in :mod:`~sdcwatch.detectors.registry`; the split lets the service run scaled out:
+spatial instances send a :class:`StepSummary` per step to one temporal instance.
+
+Importing this package is cheap: each name is imported on first use (PEP 562).
 """
 
-from sdcwatch.detectors.aligner import StepAligner
-from sdcwatch.detectors.attribution import Attribution
-from sdcwatch.detectors.base import DETECTORS, Detector, SplitDetector, StepContext
-from sdcwatch.detectors.frame import StepFrame
-from sdcwatch.detectors.incidents import IncidentBook, incident_from_dict
-from sdcwatch.detectors.nonfinite import NonFiniteDetector
-from sdcwatch.detectors.pipeline import DetectionPipeline, PipelineSettings, default_detectors
-from sdcwatch.detectors.rank_outlier import RankOutlierDetector
-from sdcwatch.detectors.replay import format_table, replay, replay_main
-from sdcwatch.detectors.replica import ReplicaDivergenceDetector
-from sdcwatch.detectors.river_hst import RiverHalfSpaceTrees
-from sdcwatch.core.names import ANOMALY_TOPIC, SUMMARY_TOPIC
-from sdcwatch.detectors.service import AnomalyTopicSink, DetectorService, SummaryTopicSink
-from sdcwatch.detectors.spike import SeriesSettings, SpikeDetector
-from sdcwatch.detectors.straggler import MissingRankDetector, StragglerDetector
-from sdcwatch.detectors.summary import StepSummary, SummaryOrder, decode_summary, encode_summary
-from sdcwatch.detectors.types import (
-    Finding,
-    Incident,
-    IncidentEvent,
-    IncidentSink,
-    PipelineView,
-    RunView,
-    ServiceView,
-    Severity,
-)
+from __future__ import annotations
 
-__all__ = [
-    "ANOMALY_TOPIC",
-    "SUMMARY_TOPIC",
-    "AnomalyTopicSink",
-    "Attribution",
-    "DETECTORS",
-    "DetectionPipeline",
-    "Detector",
-    "DetectorService",
-    "Finding",
-    "Incident",
-    "IncidentBook",
-    "IncidentEvent",
-    "IncidentSink",
-    "MissingRankDetector",
-    "NonFiniteDetector",
-    "PipelineSettings",
-    "PipelineView",
-    "RankOutlierDetector",
-    "ReplicaDivergenceDetector",
-    "RiverHalfSpaceTrees",
-    "RunView",
-    "SeriesSettings",
-    "ServiceView",
-    "Severity",
-    "SpikeDetector",
-    "SplitDetector",
-    "StepAligner",
-    "StepContext",
-    "StepFrame",
-    "StepSummary",
-    "StragglerDetector",
-    "SummaryOrder",
-    "SummaryTopicSink",
-    "decode_summary",
-    "encode_summary",
-    "default_detectors",
-    "format_table",
-    "incident_from_dict",
-    "replay",
-    "replay_main",
-]
+import importlib
+from typing import Any
+
+_LAZY = {
+    "StepAligner": "sdcwatch.detectors.aligner",
+    "Attribution": "sdcwatch.detectors.attribution",
+    "Detector": "sdcwatch.detectors.base",
+    "SplitDetector": "sdcwatch.detectors.base",
+    "StepContext": "sdcwatch.detectors.base",
+    "StepFrame": "sdcwatch.detectors.frame",
+    "IncidentBook": "sdcwatch.detectors.incidents",
+    "incident_from_dict": "sdcwatch.detectors.incidents",
+    "NonFiniteDetector": "sdcwatch.detectors.nonfinite",
+    "DetectionPipeline": "sdcwatch.detectors.pipeline",
+    "PipelineSettings": "sdcwatch.detectors.pipeline",
+    "RankOutlierDetector": "sdcwatch.detectors.rank_outlier",
+    "register": "sdcwatch.detectors.registry",
+    "default_detectors": "sdcwatch.detectors.registry",
+    "detector_classes": "sdcwatch.detectors.registry",
+    "baseline_classes": "sdcwatch.detectors.registry",
+    "format_table": "sdcwatch.detectors.offline",
+    "replay": "sdcwatch.detectors.offline",
+    "replay_main": "sdcwatch.detectors.offline",
+    "ReplicaDivergenceDetector": "sdcwatch.detectors.replica",
+    "RiverHalfSpaceTrees": "sdcwatch.detectors.baselines.river_hst",
+    "AnomalyTopicSink": "sdcwatch.detectors.service",
+    "DetectorService": "sdcwatch.detectors.service",
+    "SummaryTopicSink": "sdcwatch.detectors.service",
+    "SeriesSettings": "sdcwatch.detectors.spike",
+    "SpikeDetector": "sdcwatch.detectors.spike",
+    "MissingRankDetector": "sdcwatch.detectors.straggler",
+    "StragglerDetector": "sdcwatch.detectors.straggler",
+    "StepSummary": "sdcwatch.detectors.summary",
+    "SummaryOrder": "sdcwatch.detectors.summary",
+    "decode_summary": "sdcwatch.detectors.summary",
+    "encode_summary": "sdcwatch.detectors.summary",
+    "Finding": "sdcwatch.detectors.types",
+    "Incident": "sdcwatch.detectors.types",
+    "IncidentEvent": "sdcwatch.detectors.types",
+    "IncidentSink": "sdcwatch.detectors.types",
+    "PipelineView": "sdcwatch.detectors.types",
+    "RunView": "sdcwatch.detectors.types",
+    "ServiceView": "sdcwatch.detectors.types",
+    "Severity": "sdcwatch.detectors.types",
+    "ANOMALY_TOPIC": "sdcwatch.core.names",
+    "SUMMARY_TOPIC": "sdcwatch.core.names",
+}
+
+__all__ = ["DETECTORS", *sorted(_LAZY)]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "DETECTORS":  # every registered detector class of sdcwatch, in pipeline order
+        value: Any = importlib.import_module("sdcwatch.detectors.registry").detector_classes()
+    else:
+        module = _LAZY.get(name)
+        if module is None:
+            raise AttributeError(f"module 'sdcwatch.detectors' has no attribute {name!r}")
+        value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

@@ -1,35 +1,27 @@
-"""The one protocol every detector follows, and the small helpers they share.
+"""The detector: the one plug-in unit of sdcwatch, and what every detector shares.
 
 A detector is fed aligned steps (:class:`~sdcwatch.detectors.frame.StepFrame`) of one run in step
-order and answers with findings. Its whole state is explicit: ``snapshot()`` returns a JSON-safe
-dict and ``restore()`` takes it back, so a restarted service resumes without a new warm-up.
-During its warm-up a detector learns and stays silent.
+order and answers with findings. Its settings are its own ``Config`` dataclass (each field with one
+default and one doc line; ``sdcwatch serve`` sets them as ``[detectors.<name>]``), stored on the
+detector under their names. Its whole state is explicit: ``snapshot()`` returns a JSON-safe dict and
+``restore()`` takes it back, so a restarted service resumes without a new warm-up. During its
+warm-up a detector learns and stays silent. ``metrics_view()`` gives the numbers it shows on
+``/metrics`` (the way a Prometheus collector reports its own).
 """
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Protocol, runtime_checkable
+import dataclasses
+from typing import Any, ClassVar, Protocol
+
+from sdcwatch.core.errors import ConfigError
+
+__all__ = ["Detector", "SplitDetector", "StepContext", "NoSettings"]
 
 
-__all__ = ["Detector", "SplitDetector", "StepContext", "DETECTORS", "register"]
-
-
-@runtime_checkable
-class Detector(Protocol):
-    """What the pipeline needs from a detector.
-
-    ``name`` is the stable detector label (used in findings and metrics); ``fault`` names the
-    fault family the detector exists to find (the contract test injects exactly that family).
-    """
-
-    name: ClassVar[str]
-    fault: ClassVar[str]
-
-    def update(self, frame: Any) -> list: ...
-
-    def snapshot(self) -> dict[str, Any]: ...
-
-    def restore(self, state: dict[str, Any]) -> None: ...
+@dataclasses.dataclass(frozen=True)
+class NoSettings:
+    """The settings of a detector that has none."""
 
 
 class StepContext(Protocol):
@@ -42,8 +34,55 @@ class StepContext(Protocol):
     hosts: tuple[str, ...]
 
 
-@runtime_checkable
-class SplitDetector(Detector, Protocol):
+class Detector:
+    """A detector that reads whole steps: ``update(frame) -> findings``.
+
+    ``name`` is the stable detector label (used in findings, metrics and the ``[detectors.<name>]``
+    config section); ``fault`` names the fault family the detector exists to find (the contract
+    test injects exactly that family). Build one with its ``Config`` or with keyword settings
+    (``SpikeDetector(warmup=20)``), which are checked by the ``Config``.
+    """
+
+    name: ClassVar[str]
+    fault: ClassVar[str]
+    Config: ClassVar[type] = NoSettings
+    warmup_steps: int = 0
+    """Steps (with data) during which the detector only learns."""
+    sparse: bool = False
+    """Set on the scale-out's spatial stage: observations may drop what cannot matter much."""
+
+    def __init__(self, config: Any = None, /, **settings: Any) -> None:
+        cfg = self.Config() if config is None else config
+        if not isinstance(cfg, self.Config):
+            raise ConfigError(self.name, f"expects a {type(self).__name__}.Config, got {type(cfg).__name__}")
+        if settings:
+            known = {f.name for f in dataclasses.fields(cfg)}
+            for key in settings:
+                if key not in known:
+                    raise ConfigError(f"{self.name}.{key}", f"unknown setting (known: {', '.join(sorted(known))})")
+            cfg = dataclasses.replace(cfg, **settings)
+        self.config = cfg
+        for f in dataclasses.fields(cfg):
+            setattr(self, f.name, getattr(cfg, f.name))
+
+    def update(self, frame: Any) -> list:
+        """The findings of one whole step."""
+        raise NotImplementedError
+
+    def snapshot(self) -> dict[str, Any]:
+        """The detector's state, JSON-safe."""
+        return {}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """Take back a :meth:`snapshot`."""
+
+    def metrics_view(self) -> dict[str, Any]:
+        """What this detector shows on ``/metrics``: :class:`~sdcwatch.detectors.types.RunView`
+        fields it owns (``loss``, ``spike_scores``, ``rank_scores``, ``missing_ranks`` ...)."""
+        return {}
+
+
+class SplitDetector(Detector):
     """A detector in two halves, so the work can be split across processes.
 
     ``observe(frame)`` is the cross-rank half: it reads one whole step and returns a compact,
@@ -55,19 +94,11 @@ class SplitDetector(Detector, Protocol):
     summaries do; one process keeps it whole).
     """
 
-    sparse: bool
+    def observe(self, frame: Any) -> Any:
+        raise NotImplementedError
 
-    def observe(self, frame: Any) -> Any: ...
+    def judge(self, at: StepContext, observation: Any) -> list:
+        raise NotImplementedError
 
-    def judge(self, at: Any, observation: Any) -> list: ...
-
-
-#: Every detector class, in the order the pipeline runs them (filled by :func:`register`).
-DETECTORS: list[type] = []
-
-
-def register(cls: type) -> type:
-    """Class decorator: add a detector class to :data:`DETECTORS` (the contract test runs on all)."""
-    if cls not in DETECTORS:
-        DETECTORS.append(cls)
-    return cls
+    def update(self, frame: Any) -> list:
+        return self.judge(frame, self.observe(frame))

@@ -8,12 +8,15 @@ for it, so a run that stays NaN for 16,000 steps raises one alert, not 16,000.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from sdcwatch.core.kinds import IncidentKind
 from sdcwatch.core.validate import check_positive
-from sdcwatch.detectors.base import StepContext, register
+from sdcwatch.detectors.base import SplitDetector, StepContext
+from sdcwatch.detectors.registry import register
 from sdcwatch.detectors.frame import StepFrame
 from sdcwatch.detectors.types import Finding, Severity
 
@@ -26,19 +29,31 @@ _SKIP = ("emitter_dropped",)  # bookkeeping counters, not model values
 _GLOBAL = ("grad_norm_global", "loss_global", "grad_cosine")
 
 
-@register
-class NonFiniteDetector:
+@dataclass(frozen=True)
+class NonFiniteConfig:
+    """Settings of the non-finite detector ``[detectors.nonfinite]``."""
+
+    limit: float = 1e10
+    """A value of at least this magnitude counts as non-finite (ATTNChecker's near-INF)."""
+    max_listed: int = 16
+    """Most bad values a finding lists in its evidence."""
+
+    def __post_init__(self) -> None:
+        check_positive("nonfinite", limit=self.limit, max_listed=self.max_listed)
+
+
+@register(default=True)
+class NonFiniteDetector(SplitDetector):
     """Critical finding for any NaN, Inf or near-INF value, localised to rank, metric and layer."""
 
     name = "nonfinite"
-    sparse = False  # see SplitDetector: set on the scale-out's spatial stage
     fault = "nonfinite"
+    Config = NonFiniteConfig
+    limit: float
+    max_listed: int
 
-    def __init__(self, limit: float = 1e10, max_listed: int = 16) -> None:
-        check_positive("nonfinite", limit=limit, max_listed=max_listed)
-        self.limit = float(limit)
-        self.max_listed = int(max_listed)
-        self._seen = 0  # steps with a non-finite value so far
+    def __init__(self, config: NonFiniteConfig | None = None, /, **settings: Any) -> None:
+        super().__init__(config, **settings)
         # the ranks blamed when the current non-finite streak began, and the streak's last step:
         # one step after a rank's NaN reaches the all-reduce, every replica's parameters are NaN
         # and every rank reports its own NaN; the streak keeps naming the rank it started on
@@ -56,8 +71,6 @@ class NonFiniteDetector:
             is_global = np.array([n in _GLOBAL for n in names], bool)
             masks = self._masks[names] = (values, counters, is_global)
         return masks
-
-    warmup_steps = 0  # a NaN needs no baseline
 
     def observe(self, frame: StepFrame) -> dict[str, Any] | None:
         """Every bad cell of the step and which ranks it blames (None on a clean step)."""
@@ -103,9 +116,6 @@ class NonFiniteDetector:
         return {"hits": hits, "n_bad": n_bad, "local": sorted(local_ranks), "counted": sorted(counted_ranks),
                 "global": sorted(global_ranks)}
 
-    def update(self, frame: StepFrame) -> list[Finding]:
-        return self.judge(frame, self.observe(frame))
-
     def judge(self, frame: StepContext, seen: dict[str, Any] | None) -> list[Finding]:
         """Name the ranks of a non-finite step, keeping the rank a non-finite streak began on."""
         if seen is None:
@@ -115,7 +125,6 @@ class NonFiniteDetector:
         n_bad = int(seen["n_bad"])
         local_ranks, counted_ranks = set(seen["local"]), set(seen["counted"])
         global_ranks = set(seen["global"])
-        self._seen += 1
         # A value that is bad in a rank's own numbers (its loss, its local gradient, its layers)
         # names that rank. The all-reduced values (global gradient norm, global loss, the cosine
         # with the global gradient) go bad on every rank at once when one rank poisons the
@@ -155,7 +164,7 @@ class NonFiniteDetector:
             msg = f"non-finite value at step {frame.step}: {where} = {value:.4g} on {on}{more}{spread}"
         listed = own[: self.max_listed]
         return [Finding(
-            detector=self.name, kind="nonfinite", severity=Severity.CRITICAL, run=frame.run,
+            detector=self.name, kind=IncidentKind.NONFINITE.value, severity=Severity.CRITICAL, run=frame.run,
             step=frame.step, score=float(n_bad), message=msg,
             ranks=ranks if frame.world > 1 else (), hosts=tuple(sorted({frame.hosts[r] for r in ranks} - {""})),
             metric=metric, layer=layer,
@@ -165,11 +174,10 @@ class NonFiniteDetector:
         )]
 
     def snapshot(self) -> dict[str, Any]:
-        return {"seen": self._seen, "origin": None if self._origin is None else list(self._origin),
+        return {"origin": None if self._origin is None else list(self._origin),
                 "origin_step": self._origin_step, "last_bad": self._last_bad}
 
     def restore(self, state: dict[str, Any]) -> None:
-        self._seen = int(state["seen"])
         self._origin = None if state.get("origin") is None else tuple(int(r) for r in state["origin"])
         self._origin_step = state.get("origin_step")
         self._last_bad = state.get("last_bad")

@@ -21,13 +21,10 @@ import numpy as np
 
 from sdcwatch.detectors.aligner import StepAligner
 from sdcwatch.detectors.attribution import Attribution
+from sdcwatch.detectors.base import SplitDetector
 from sdcwatch.detectors.frame import StepFrame
 from sdcwatch.detectors.incidents import IncidentBook
-from sdcwatch.detectors.nonfinite import NonFiniteDetector
-from sdcwatch.detectors.rank_outlier import RankOutlierDetector
-from sdcwatch.detectors.replica import ReplicaDivergenceDetector
-from sdcwatch.detectors.spike import SpikeDetector
-from sdcwatch.detectors.straggler import MissingRankDetector, StragglerDetector
+from sdcwatch.detectors.registry import default_detectors
 from sdcwatch.detectors.summary import StepSummary, SummaryOrder
 from sdcwatch.core.jsonsafe import json_safe
 from sdcwatch.core.validate import check_positive
@@ -35,19 +32,13 @@ from sdcwatch.detectors.types import IncidentEvent, PipelineView, RunView, Servi
 from sdcwatch.core.errors import ConfigError
 from sdcwatch.telemetry.record import Record
 
-__all__ = ["DetectionPipeline", "PipelineSettings", "default_detectors", "STATE_VERSION", "ROLES"]
+__all__ = ["DetectionPipeline", "PipelineSettings", "STATE_VERSION", "ROLES"]
 
 #: What a pipeline does: both stages (the default), or one stage of the scale-out.
 ROLES = ("both", "spatial", "temporal")
 
 STATE_VERSION = 1
 _QUANTILES = np.array([0.0, 0.25, 0.5, 0.75, 1.0])
-
-
-def default_detectors() -> list:
-    """The detectors a run gets by default (river's HalfSpaceTrees is opt-in: it is the slow baseline)."""
-    return [NonFiniteDetector(), SpikeDetector(), RankOutlierDetector(), ReplicaDivergenceDetector(),
-            StragglerDetector(), MissingRankDetector()]
 
 
 @dataclass(frozen=True)
@@ -119,7 +110,7 @@ class DetectionPipeline:
         self.role = role
         self.make_detectors = detectors
         if role != "both":
-            whole = [d.name for d in detectors() if not (hasattr(d, "observe") and hasattr(d, "judge"))]
+            whole = [d.name for d in detectors() if not isinstance(d, SplitDetector)]
             if whole:
                 raise ConfigError("detectors", f"{', '.join(whole)} need(s) whole steps and cannot run in a "
                                                 f"split {role} stage; run the service with stage = \"both\"")
@@ -215,7 +206,7 @@ class DetectionPipeline:
         st.sent_hosts = hosts
         obs = summary.observations
         for det in st.detectors:
-            if hasattr(det, "observe"):
+            if isinstance(det, SplitDetector):
                 obs[det.name] = det.observe(frame)
         if self.role == "spatial":
             st.hosts = list(hosts)
@@ -233,7 +224,7 @@ class DetectionPipeline:
             summary.hosts = tuple(st.hosts)
         findings = []
         for det in st.detectors:
-            if hasattr(det, "judge"):
+            if isinstance(det, SplitDetector):
                 found = det.judge(summary, summary.observations.get(det.name))
             elif summary.frame is not None:  # a detector that needs the whole step (both stages here)
                 found = det.update(summary.frame)
@@ -290,23 +281,27 @@ class DetectionPipeline:
 
     def _run_view(self, run: str, st: _Run) -> RunView:
         f = st.summary
-        spike = next((d for d in st.detectors if isinstance(d, SpikeDetector)), None)
-        ranks = next((d for d in st.detectors if isinstance(d, RankOutlierDetector)), None)
-        missing = next((d for d in st.detectors if isinstance(d, MissingRankDetector)), None)
+        shown: dict[str, Any] = {}
+        for det in st.detectors:  # each detector reports its own numbers; the first to report one wins
+            for key, value in det.metrics_view().items():
+                shown.setdefault(key, value)
         stats = frame_stats(f.frame) if f.frame is not None else (st.stats or {"scalars": {}, "layers": {}})
-        rank_scores = ranks.rank_scores if ranks is not None and ranks.rank_scores.shape[0] == f.world else np.zeros(f.world)
+        rank_scores = shown.get("rank_scores")
+        if rank_scores is None or rank_scores.shape[0] != f.world:
+            rank_scores = np.zeros(f.world)
         nan = float("nan")
+        if "loss" not in shown:  # no detector follows the global series: read them off the last step
+            shown["loss"] = f.frame.global_value("loss_global", "loss") if f.frame else nan
+            shown["grad_norm"] = f.frame.global_value("grad_norm_global", reduce="median") if f.frame else nan
         return RunView(
             run=run, world=f.world, last_step=st.last_step, last_step_wall=st.last_step_wall,
-            loss=spike.latest["loss"] if spike else (f.frame.global_value("loss_global", "loss") if f.frame else nan),
-            grad_norm=spike.latest["grad_norm"] if spike else (
-                f.frame.global_value("grad_norm_global", reduce="median") if f.frame else nan),
-            spike_scores=dict(spike.scores) if spike else {}, rank_scores=np.array(rank_scores, copy=True),
+            loss=shown["loss"], grad_norm=shown["grad_norm"], spike_scores=shown.get("spike_scores", {}),
+            rank_scores=np.array(rank_scores, copy=True),
             hosts=list(st.hosts) if st.hosts else [""] * f.world,
             scalar_stats={k: np.asarray(v, dtype=float) for k, v in stats["scalars"].items()},
             layer_stats={k: np.asarray(v, dtype=float) for k, v in stats["layers"].items()},
             steps_total=st.steps_total, late_ranks=int(f.world - f.n_present),
-            missing_ranks=missing.missing if missing else 0, emitter_dropped=int(np.nansum(st.dropped)),
+            missing_ranks=shown.get("missing_ranks", 0), emitter_dropped=int(np.nansum(st.dropped)),
         )
 
     # -- state ----------------------------------------------------------------------------------

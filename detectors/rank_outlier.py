@@ -11,23 +11,65 @@ from __future__ import annotations
 
 import math
 import warnings
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from sdcwatch.core.jsonsafe import decode_array, encode_array
 from sdcwatch.core.validate import check_positive
-from sdcwatch.detectors.base import StepContext, register
+from sdcwatch.detectors.base import SplitDetector, StepContext
+from sdcwatch.detectors.registry import register
 from sdcwatch.detectors.frame import StepFrame
 from sdcwatch.detectors.types import Finding, Severity
 from sdcwatch.core.errors import ConfigError
+from sdcwatch.core.kinds import IncidentKind
 from sdcwatch.core.names import RANK_SCALARS
 
-__all__ = ["RankOutlierDetector"]
+__all__ = ["RankOutlierDetector", "RankOutlierConfig"]
 
 
-@register
-class RankOutlierDetector:
+@dataclass(frozen=True)
+class RankOutlierConfig:
+    """Settings of the rank-outlier detector ``[detectors.rank_outlier]``."""
+
+    threshold: float = 24.0
+    """CUSUM evidence (in noise scales) at which a rank is named."""
+    drift: float = 1.0
+    """Noise scales subtracted from the evidence each step: a deviation smaller than this never builds up."""
+    clip: float = 4.0
+    """Largest |z| one step adds to the evidence (one wild step cannot name a rank)."""
+    instant_z: float = 50.0
+    """|z| at which a rank is extreme at a single step (read by attribution, never an incident alone)."""
+    min_world: int = 4
+    """Fewest ranks for a cross-rank comparison."""
+    max_fraction: float = 0.25
+    """A step where more than this fraction of ranks crosses the threshold names none (a job-wide change)."""
+    max_named: int = 8
+    """Most ranks named at one step."""
+    rel_floor: float = 1e-3
+    """Smallest noise scale, relative to the feature's median (ranks agreeing to many digits)."""
+    warmup: int = 10
+    """Steps during which the detector only learns."""
+    reference_ranks: int = 2048
+    """Ranks (a fixed, seeded sample) on which each feature's median and MAD are estimated."""
+    report_z: float = 2.0
+    """Scale-out: a step summary carries a cell whose |z| (or building evidence) reaches this."""
+    scalars: tuple[str, ...] = RANK_SCALARS
+    """Per-rank scalars compared rank against rank (every layer metric is, too)."""
+
+    def __post_init__(self) -> None:
+        check_positive("rank_outlier", threshold=self.threshold, drift=self.drift, clip=self.clip,
+                       instant_z=self.instant_z, min_world=self.min_world, max_fraction=self.max_fraction,
+                       max_named=self.max_named, rel_floor=self.rel_floor)
+        if self.clip <= self.drift:
+            raise ConfigError("rank_outlier.clip", f"must exceed drift ({self.drift}), got {self.clip}")
+        check_positive("rank_outlier", reference_ranks=self.reference_ranks, report_z=self.report_z)
+        object.__setattr__(self, "scalars", tuple(self.scalars))
+
+
+@register(default=True)
+class RankOutlierDetector(SplitDetector):
     """Names a rank whose statistics persistently deviate from the other ranks'.
 
     Emits ``rank_outlier`` (warning) for each rank whose CUSUM evidence crosses ``threshold``,
@@ -37,34 +79,33 @@ class RankOutlierDetector:
 
     name = "rank_outlier"
     fault = "rank_shift"
+    Config = RankOutlierConfig
+    threshold: float
+    drift: float
+    clip: float
+    instant_z: float
+    min_world: int
+    max_fraction: float
+    max_named: int
+    rel_floor: float
+    warmup: int
+    reference_ranks: int
+    report_z: float
+    scalars: tuple[str, ...]
 
-    def __init__(self, *, threshold: float = 24.0, drift: float = 1.0, clip: float = 4.0,
-                 instant_z: float = 50.0, min_world: int = 4, max_fraction: float = 0.25,
-                 max_named: int = 8, rel_floor: float = 1e-3, warmup: int = 10,
-                 reference_ranks: int = 2048, report_z: float = 2.0,
-                 scalars: tuple[str, ...] = RANK_SCALARS) -> None:
-        check_positive("rank_outlier", threshold=threshold, drift=drift, clip=clip, instant_z=instant_z,
-                       min_world=min_world, max_fraction=max_fraction, max_named=max_named, rel_floor=rel_floor)
-        if clip <= drift:
-            raise ConfigError("rank_outlier.clip", f"must exceed drift ({drift}), got {clip}")
-        self.threshold, self.drift, self.clip, self.instant_z = threshold, drift, clip, instant_z
-        self.min_world, self.max_fraction, self.max_named = int(min_world), max_fraction, int(max_named)
-        self.rel_floor, self.warmup, self.scalars = rel_floor, int(warmup), tuple(scalars)
-        check_positive("rank_outlier", reference_ranks=reference_ranks, report_z=report_z)
+    def __init__(self, config: RankOutlierConfig | None = None, /, **settings: Any) -> None:
+        super().__init__(config, **settings)
         # With ``sparse`` (scale-out summaries) an observation carries only the cells with
         # |z| >= report_z; the others count as z = 0, so their evidence decays by ``drift`` a step.
-        self.sparse = False
-        self.report_z = float(report_z)
         self._obs_sig: str | None = None  # layout the typical spread belongs to
         # sparse observations: this instance's own short CUSUM over the consecutive steps it holds
         self._local_sig: str | None = None
         self._local_step: int | None = None
         self._local_gap: int | None = None
         self._local_pos = self._local_neg = np.zeros((0, 0))
-        # The median and MAD of a feature are estimated on at most this many ranks (a fixed,
+        # The median and MAD of a feature are estimated on at most reference_ranks ranks (a fixed,
         # seeded sample): at 2048 ranks the median's standard error is ~3% of the noise scale,
         # and the sort costs a fraction of what all 16k ranks would. Every rank is still scored.
-        self.reference_ranks = int(reference_ranks)
         self._sample: np.ndarray | None = None
         self.spread_alpha = 0.05
         self._spread: np.ndarray | None = None  # (k,) typical cross-rank spread per feature
@@ -227,9 +268,6 @@ class RankOutlierDetector:
         _cusum_step(lp, ln, np.clip(z, -self.clip, self.clip), self.drift)
         return (absz >= self.report_z) | (lp >= self.report_z) | (ln >= self.report_z)
 
-    def update(self, frame: StepFrame) -> list[Finding]:
-        return self.judge(frame, self.observe(frame))
-
     def _limit(self, world: int) -> int:
         return max(1, math.floor(self.max_fraction * world))
 
@@ -258,7 +296,7 @@ class RankOutlierDetector:
         for hit in seen["instant"]:
             r, c = int(hit["rank"]), int(hit["feature"])
             findings.append(Finding(
-                detector=self.name, kind="rank_deviation", severity=Severity.INFO, run=frame.run,
+                detector=self.name, kind=IncidentKind.RANK_DEVIATION.value, severity=Severity.INFO, run=frame.run,
                 step=frame.step, score=float(hit["peak"]),
                 message=f"rank {r} extreme at step {frame.step}: {_where(metrics[c], layers[c])} z={hit['z']:.1f}",
                 ranks=(r,), hosts=_hosts(frame, r), metric=metrics[c], layer=layers[c],
@@ -343,7 +381,7 @@ class RankOutlierDetector:
         col, pos, neg = self._column(r), self._column(r, "pos"), self._column(r, "neg")
         top = np.argsort(-col)[:3]
         return Finding(
-            detector=self.name, kind="rank_outlier", severity=Severity.WARNING, run=frame.run,
+            detector=self.name, kind=IncidentKind.RANK_OUTLIER.value, severity=Severity.WARNING, run=frame.run,
             step=frame.step, score=ev, message=msg, ranks=(r,), hosts=_hosts(frame, r),
             metric=metrics[c], layer=layers[c],
             evidence={"confidence": conf, "z": z_cr,
@@ -361,6 +399,10 @@ class RankOutlierDetector:
         np.maximum(self._pos - idle, 0.0, out=self._pos)
         np.maximum(self._neg - idle, 0.0, out=self._neg)
         self._updated = None
+
+    def metrics_view(self) -> dict[str, Any]:
+        """Each rank's accumulated evidence over the threshold."""
+        return {"rank_scores": self.rank_scores}
 
     def snapshot(self) -> dict[str, Any]:
         self._materialize()

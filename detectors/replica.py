@@ -8,16 +8,19 @@ no rank can be blamed.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from sdcwatch.core.kinds import IncidentKind
 from sdcwatch.core.validate import check_positive
-from sdcwatch.detectors.base import StepContext, register
+from sdcwatch.detectors.base import SplitDetector, StepContext
+from sdcwatch.detectors.registry import register
 from sdcwatch.detectors.frame import StepFrame
 from sdcwatch.detectors.types import Finding, Severity
 
-__all__ = ["ReplicaDivergenceDetector", "majority"]
+__all__ = ["ReplicaDivergenceDetector", "ReplicaConfig", "majority"]
 
 #: Float scalars that must agree exactly across replicas (compared by their bits).
 REPLICA_SCALARS = ("grad_norm_global",)
@@ -35,19 +38,31 @@ def majority(values: np.ndarray) -> tuple[np.ndarray | None, np.ndarray]:
     return uniq[top], inverse.reshape(values.shape) != top
 
 
-@register
-class ReplicaDivergenceDetector:
+@dataclass(frozen=True)
+class ReplicaConfig:
+    """Settings of the replica-divergence detector ``[detectors.replica]``."""
+
+    min_world: int = 3
+    """Fewest ranks holding a value for a majority vote on it."""
+    max_listed: int = 16
+    """Most ranks a finding names in its message and evidence."""
+
+    def __post_init__(self) -> None:
+        check_positive("replica", min_world=self.min_world, max_listed=self.max_listed)
+
+
+@register(default=True)
+class ReplicaDivergenceDetector(SplitDetector):
     """Critical ``replica_divergence`` naming the rank(s) whose replicated values differ."""
 
     name = "replica"
-    sparse = False  # see SplitDetector: set on the scale-out's spatial stage
     fault = "replica"
-    warmup_steps = 0
+    Config = ReplicaConfig
+    min_world: int
+    max_listed: int
 
-    def __init__(self, min_world: int = 3, max_listed: int = 16) -> None:
-        check_positive("replica", min_world=min_world, max_listed=max_listed)
-        self.min_world, self.max_listed = int(min_world), int(max_listed)
-        self._divergent_steps = 0
+    def __init__(self, config: ReplicaConfig | None = None, /, **settings: Any) -> None:
+        super().__init__(config, **settings)
 
     def _columns(self, frame: StepFrame):
         for j, name in enumerate(frame.fp_names):
@@ -78,15 +93,11 @@ class ReplicaDivergenceDetector:
             return None
         return {"odd": odd_by_metric, "split": split}
 
-    def update(self, frame: StepFrame) -> list[Finding]:
-        return self.judge(frame, self.observe(frame))
-
     def judge(self, frame: StepContext, vote: dict[str, Any] | None) -> list[Finding]:
         if vote is None:
             return []
         odd_by_metric: dict[str, list[int]] = vote["odd"]
         split: list[str] = vote["split"]
-        self._divergent_steps += 1
         if odd_by_metric:
             ranks = tuple(sorted({int(r) for v in odd_by_metric.values() for r in v}))
             metric = next(iter(odd_by_metric))
@@ -96,20 +107,14 @@ class ReplicaDivergenceDetector:
             msg = (f"SDC suspected: replica divergence at step {frame.step}: rank {who} "
                    f"disagree(s) with the majority on {', '.join(odd_by_metric)}")
             return [Finding(
-                detector=self.name, kind="replica_divergence", severity=Severity.CRITICAL, run=frame.run,
+                detector=self.name, kind=IncidentKind.REPLICA_DIVERGENCE.value, severity=Severity.CRITICAL, run=frame.run,
                 step=frame.step, score=float(len(ranks)), message=msg, ranks=ranks, hosts=hosts, metric=metric,
                 evidence={"metrics": {k: [int(r) for r in v[: self.max_listed]] for k, v in odd_by_metric.items()},
                           "split": split},
             )]
         return [Finding(
-            detector=self.name, kind="replica_divergence", severity=Severity.CRITICAL, run=frame.run,
+            detector=self.name, kind=IncidentKind.REPLICA_DIVERGENCE.value, severity=Severity.CRITICAL, run=frame.run,
             step=frame.step, score=float(frame.world), metric=split[0],
             message=f"replicas split at step {frame.step}: no majority on {', '.join(split)}",
             evidence={"split": split},
         )]
-
-    def snapshot(self) -> dict[str, Any]:
-        return {"divergent_steps": self._divergent_steps}
-
-    def restore(self, state: dict[str, Any]) -> None:
-        self._divergent_steps = int(state["divergent_steps"])

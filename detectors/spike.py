@@ -13,18 +13,20 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from sdcwatch.core.kinds import IncidentKind
 from sdcwatch.core.validate import check_positive
-from sdcwatch.detectors.base import StepContext, register
+from sdcwatch.detectors.base import SplitDetector, StepContext
+from sdcwatch.detectors.registry import register
 from sdcwatch.detectors.frame import StepFrame
 from sdcwatch.detectors.types import Finding, Severity
 from sdcwatch.core.errors import ConfigError
 
-__all__ = ["SeriesSettings", "RobustBaseline", "SpikeDetector"]
+__all__ = ["SeriesSettings", "SpikeConfig", "RobustBaseline", "SpikeDetector"]
 
 
 @dataclass(frozen=True)
@@ -117,8 +119,32 @@ class RobustBaseline:
         self._n = int(state["n"])
 
 
-@register
-class SpikeDetector:
+@dataclass(frozen=True)
+class SpikeConfig:
+    """Settings of the spike detector ``[detectors.spike]``."""
+
+    loss: SeriesSettings = field(default_factory=SeriesSettings)
+    """When the global loss (mean over ranks) counts as spiking."""
+    grad_norm: SeriesSettings = field(default_factory=lambda: SeriesSettings(z_on=6.0, min_ratio=4.0))
+    """When the global gradient norm counts as spiking (reported only while the loss is calm)."""
+    loss_max: SeriesSettings = field(default_factory=lambda: SeriesSettings(z_on=8.0, min_ratio=1.5))
+    """When the highest rank's loss counts as spiking (one rank's bad batch barely moves the mean)."""
+    window: int = 9
+    """Accepted values whose median is the baseline."""
+    warmup: int = 50
+    """Values (after the window filled) during which the detector only learns."""
+    scale_alpha: float = 0.02
+    """Weight of each new residual in the noise scale (an exponentially weighted mean)."""
+
+    def __post_init__(self) -> None:
+        check_positive("spike", window=self.window, warmup=self.warmup, scale_alpha=self.scale_alpha)
+        for key in ("loss", "grad_norm", "loss_max"):
+            if not isinstance(getattr(self, key), SeriesSettings):
+                raise ConfigError(f"spike.{key}", f"must be a SeriesSettings, got {getattr(self, key)!r}")
+
+
+@register(default=True)
+class SpikeDetector(SplitDetector):
     """Loss and gradient-norm spikes of the whole job (one value per step, all ranks reduced).
 
     Reads ``loss_global`` (or the mean of the ranks' ``loss``), ``grad_norm_global`` (median
@@ -129,8 +155,14 @@ class SpikeDetector:
     """
 
     name = "spike"
-    sparse = False  # see SplitDetector: set on the scale-out's spatial stage
     fault = "loss_spike"
+    Config = SpikeConfig
+    loss: SeriesSettings
+    grad_norm: SeriesSettings
+    loss_max: SeriesSettings
+    window: int
+    warmup: int
+    scale_alpha: float
 
     SERIES = {
         "loss": (("loss_global", "loss"), "mean"),
@@ -138,14 +170,9 @@ class SpikeDetector:
         "loss_max": (("loss",), "max"),
     }
 
-    def __init__(self, *, loss: SeriesSettings | None = None, grad_norm: SeriesSettings | None = None,
-                 loss_max: SeriesSettings | None = None, window: int = 9, warmup: int = 50,
-                 scale_alpha: float = 0.02) -> None:
-        self.loss = loss or SeriesSettings()
-        self.grad_norm = grad_norm or SeriesSettings(z_on=6.0, min_ratio=4.0)
-        self.loss_max = loss_max or SeriesSettings(z_on=8.0, min_ratio=1.5)
-        self.window, self.warmup, self.scale_alpha = window, warmup, scale_alpha
-        self._base = {k: RobustBaseline(window, warmup, scale_alpha) for k in self.SERIES}
+    def __init__(self, config: SpikeConfig | None = None, /, **settings: Any) -> None:
+        super().__init__(config, **settings)
+        self._base = {k: RobustBaseline(self.window, self.warmup, self.scale_alpha) for k in self.SERIES}
         self._active: dict[str, dict[str, Any] | None] = {k: None for k in self.SERIES}
         self.scores: dict[str, float] = {k: 0.0 for k in self.SERIES}
         self.latest: dict[str, float] = {k: math.nan for k in self.SERIES}
@@ -194,9 +221,6 @@ class SpikeDetector:
             findings.append(self._finding(at, "grad_norm", phases["grad_norm"], measured, values.get("max_rank")))
         return findings
 
-    def update(self, frame: StepFrame) -> list[Finding]:
-        return self.judge(frame, self.observe(frame))
-
     def _advance(self, key: str, step: int, value: float, z: float, ratio: float, base: float) -> str:
         """Move the spike state machine of one series; returns the phase to report ('' = none)."""
         s = self._settings(key)
@@ -221,7 +245,7 @@ class SpikeDetector:
     def _finding(self, at: StepContext, key: str, phase: str, measured: dict, max_rank: int | None) -> Finding:
         value, z, ratio, base = measured[key]
         state = self._active[key] if phase != "recovery" else self._last_recovered
-        kind = "grad_spike" if key == "grad_norm" else "loss_spike"
+        kind = (IncidentKind.GRAD_SPIKE if key == "grad_norm" else IncidentKind.LOSS_SPIKE).value
         label = {"loss": "loss spike", "grad_norm": "gradient-norm spike (loss calm)",
                  "loss_max": "loss spike on one rank"}[key]
         baseline = state["baseline"]
@@ -245,6 +269,10 @@ class SpikeDetector:
             score=float(max(z, 0.0)) if phase != "recovery" else 0.0, message=msg,
             metric=key, evidence=evidence,
         )
+
+    def metrics_view(self) -> dict[str, Any]:
+        """The latest global loss and gradient norm, and the spike score of each series."""
+        return {"loss": self.latest["loss"], "grad_norm": self.latest["grad_norm"], "spike_scores": dict(self.scores)}
 
     def snapshot(self) -> dict[str, Any]:
         return {

@@ -8,21 +8,42 @@ closed steps (a dead process or host).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from sdcwatch.core.jsonsafe import decode_array, encode_array
+from sdcwatch.core.errors import ConfigError
+from sdcwatch.core.kinds import IncidentKind
 from sdcwatch.core.validate import check_positive
-from sdcwatch.detectors.base import StepContext, register
+from sdcwatch.detectors.base import SplitDetector, StepContext
+from sdcwatch.detectors.registry import register
 from sdcwatch.detectors.frame import StepFrame
 from sdcwatch.detectors.types import Finding, Severity
 
-__all__ = ["StragglerDetector", "MissingRankDetector"]
+__all__ = ["StragglerDetector", "StragglerConfig", "MissingRankDetector", "MissingRankConfig"]
 
 
-@register
-class StragglerDetector:
+@dataclass(frozen=True)
+class StragglerConfig:
+    """Settings of the straggler detector ``[detectors.straggler]``."""
+
+    min_ratio: float = 1.5
+    """A rank whose typical step time is at least this multiple of the median rank's is a straggler."""
+    window: int = 20
+    """Steps over which a rank's typical (median) step-time ratio is taken."""
+    min_world: int = 3
+    """Fewest ranks for a comparison with the median rank."""
+
+    def __post_init__(self) -> None:
+        check_positive("straggler", min_ratio=self.min_ratio, window=self.window, min_world=self.min_world)
+        if self.min_ratio <= 1:
+            raise ConfigError("straggler.min_ratio", f"must be > 1, got {self.min_ratio!r}")
+
+
+@register(default=True)
+class StragglerDetector(SplitDetector):
     """``straggler`` (warning) for a rank persistently ``min_ratio`` times slower than the median.
 
     Each step, every rank's step time is divided by the median rank's; a rank is a straggler when
@@ -32,14 +53,14 @@ class StragglerDetector:
     """
 
     name = "straggler"
-    sparse = False  # see SplitDetector: set on the scale-out's spatial stage
     fault = "straggler"
+    Config = StragglerConfig
+    min_ratio: float
+    window: int
+    min_world: int
 
-    def __init__(self, min_ratio: float = 1.5, window: int = 20, min_world: int = 3) -> None:
-        check_positive("straggler", min_ratio=min_ratio, window=window, min_world=min_world)
-        if min_ratio <= 1:
-            raise ValueError(f"straggler.min_ratio: must be > 1, got {min_ratio!r}")
-        self.min_ratio, self.window, self.min_world = float(min_ratio), int(window), int(min_world)
+    def __init__(self, config: StragglerConfig | None = None, /, **settings: Any) -> None:
+        super().__init__(config, **settings)
         self._ratios: np.ndarray | None = None  # (window, world) log ratios, a ring
         self._steps = 0
 
@@ -68,9 +89,6 @@ class StragglerDetector:
         slow = np.flatnonzero(lr >= 0.5 * math.log(self.min_ratio))
         return {"median": med, "slow": slow, "slow_log_ratio": lr[slow]}
 
-    def update(self, frame: StepFrame) -> list[Finding]:
-        return self.judge(frame, self.observe(frame))
-
     def judge(self, frame: StepContext, seen: dict[str, Any] | None) -> list[Finding]:
         if seen is None:
             return []
@@ -97,7 +115,7 @@ class StragglerDetector:
             now = float(math.exp(lr[r]))
             host = frame.hosts[r]
             out.append(Finding(
-                detector=self.name, kind="straggler", severity=Severity.WARNING, run=frame.run, step=frame.step,
+                detector=self.name, kind=IncidentKind.STRAGGLER.value, severity=Severity.WARNING, run=frame.run, step=frame.step,
                 score=ratio, metric="step_time", ranks=(r,), hosts=(host,) if host else (),
                 message=f"straggler: rank {r}" + (f" (host {host})" if host else "") +
                         f" persistently slow: typical step {ratio:.2f}x the median rank's over {self.window} steps",
@@ -113,18 +131,28 @@ class StragglerDetector:
         self._steps = int(state["steps"])
 
 
-@register
-class MissingRankDetector:
+@dataclass(frozen=True)
+class MissingRankConfig:
+    """Settings of the missing-rank detector ``[detectors.missing_rank]``."""
+
+    after: int = 5
+    """Consecutive closed steps a rank must be absent from to be reported missing."""
+
+    def __post_init__(self) -> None:
+        check_positive("missing_rank", after=self.after)
+
+
+@register(default=True)
+class MissingRankDetector(SplitDetector):
     """``missing_rank`` (critical) for ranks absent from ``after`` consecutive closed steps."""
 
     name = "missing_rank"
-    sparse = False  # see SplitDetector: set on the scale-out's spatial stage
     fault = "missing"
-    warmup_steps = 0
+    Config = MissingRankConfig
+    after: int
 
-    def __init__(self, after: int = 5) -> None:
-        check_positive("missing_rank", after=after)
-        self.after = int(after)
+    def __init__(self, config: MissingRankConfig | None = None, /, **settings: Any) -> None:
+        super().__init__(config, **settings)
         self._absent: np.ndarray | None = None
         self.late = 0  # ranks absent at the last step
         self.missing = 0  # ranks absent for `after` steps or more
@@ -134,9 +162,6 @@ class MissingRankDetector:
         if frame.world == 1:  # a closed one-rank step always has its rank
             return None
         return np.flatnonzero(~frame.present)
-
-    def update(self, frame: StepFrame) -> list[Finding]:
-        return self.judge(frame, self.observe(frame))
 
     def judge(self, frame: StepContext, absent: np.ndarray | None) -> list[Finding]:
         if absent is None:
@@ -154,11 +179,15 @@ class MissingRankDetector:
         ranks = tuple(int(r) for r in gone)
         listed = ", ".join(str(r) for r in ranks[:16]) + (" ..." if len(ranks) > 16 else "")
         return [Finding(
-            detector=self.name, kind="missing_rank", severity=Severity.CRITICAL, run=frame.run, step=frame.step,
+            detector=self.name, kind=IncidentKind.MISSING_RANK.value, severity=Severity.CRITICAL, run=frame.run, step=frame.step,
             score=float(gone.size), metric="present", ranks=ranks,
             message=f"{len(ranks)} rank(s) not reporting for {self.after}+ steps: {listed}",
             evidence={"absent_steps": {str(r): int(self._absent[r]) for r in ranks[:16]}},
         )]
+
+    def metrics_view(self) -> dict[str, Any]:
+        """Ranks not heard from for ``after`` steps or more."""
+        return {"missing_ranks": self.missing}
 
     def snapshot(self) -> dict[str, Any]:
         return {"absent": None if self._absent is None else encode_array(self._absent)}

@@ -416,17 +416,18 @@ def _attribution(kind: str, ranks: Sequence[int], evidence: dict, world: int) ->
 
 def make_detectors(names: Iterable[str] | None = None) -> list[Any]:
     """sdcwatch plus the baselines (all, or those named)."""
-    from sdcwatch.baselines import BASELINES
+    from sdcwatch.detectors.registry import baseline_classes
 
-    wanted = list(names) if names is not None else ["sdcwatch", *BASELINES]
+    baselines = baseline_classes()
+    wanted = list(names) if names is not None else ["sdcwatch", *baselines]
     out = []
     for n in wanted:
         if n == "sdcwatch":
             out.append(_SdcwatchRunner())
-        elif n in BASELINES:
-            out.append(_BaselineRunner(n, BASELINES[n]()))
+        elif n in baselines:
+            out.append(_BaselineRunner(n, baselines[n]()))
         else:
-            raise ConfigError("campaign.detectors", f"unknown detector {n!r} (known: sdcwatch, {', '.join(BASELINES)})")
+            raise ConfigError("campaign.detectors", f"unknown detector {n!r} (known: sdcwatch, {', '.join(baselines)})")
     return out
 
 

@@ -24,7 +24,7 @@ log = logging.getLogger("sdcwatch")
 COMMANDS: dict[str, tuple[str, str, str]] = {
     "demo": ("sdcwatch.demo", "demo_main", "train a small model on 8 simulated ranks, inject an SDC, watch it get caught"),
     "serve": ("sdcwatch.serve", "serve_main", "run the detector service against a Kafka cluster (production)"),
-    "replay": ("sdcwatch.detectors.replay", "replay_main", "run the detectors over a captured run (JSON lines) or a CSV training log"),
+    "replay": ("sdcwatch.detectors.offline", "replay_main", "run the detectors over a captured run (JSON lines) or a CSV training log"),
     "report": ("sdcwatch.report", "report_main", "write an HTML report (plots and incidents) of a captured run"),
     "broker": ("sdcwatch.cli", "broker_main", "run the embedded Kafka-protocol broker (Tansu) on loopback"),
     "bench": ("sdcwatch.bench", "bench_main", "run the benchmarks (fault-injection campaign, overhead, throughput)"),

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from sdcwatch.baselines import MegatronRules, NanLossCheck, ZClipDetector
+from sdcwatch.detectors.baselines import MegatronRules, NanLossCheck, ZClipDetector
 from sdcwatch.bench import bench_main, campaign_main, e2e_main, write_markdown
 from sdcwatch.campaign import (
     BENIGN_CLASSES,

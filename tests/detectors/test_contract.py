@@ -9,7 +9,7 @@ import json
 import pytest
 
 from detector_synth import Fault, SyntheticRun, findings_key
-from sdcwatch.detectors import DETECTORS
+from sdcwatch.detectors import DETECTORS, Detector, SplitDetector
 
 ALL = pytest.mark.parametrize("cls", DETECTORS, ids=lambda c: c.name)
 RANK_LOCAL = {"nonfinite", "rank_shift", "replica", "straggler", "missing"}
@@ -92,11 +92,12 @@ def test_snapshot_restore_equals_uninterrupted_run(cls):
     assert whole, "the fault should have produced findings (else the comparison proves little)"
 
 
-SPLIT = pytest.mark.parametrize("cls", [c for c in DETECTORS if hasattr(c, "observe")], ids=lambda c: c.name)
+SPLIT = pytest.mark.parametrize("cls", [c for c in DETECTORS if issubclass(c, SplitDetector)], ids=lambda c: c.name)
 
 
 def test_every_detector_but_the_river_baseline_splits_in_two_halves():
-    assert {c.name for c in DETECTORS if not (hasattr(c, "observe") and hasattr(c, "judge"))} == {"river_hst"}
+    assert {c.name for c in DETECTORS if not issubclass(c, SplitDetector)} == {"river_hst"}
+    assert all(issubclass(c, Detector) for c in DETECTORS)
 
 
 @SPLIT

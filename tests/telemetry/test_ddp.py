@@ -100,7 +100,7 @@ def test_comm_hook_norms_and_cosine_match_brute_force(ddp_records):
 def test_skip_nonfinite_keeps_every_replica_finite_after_a_nan(tmp_path, skip):
     """A NaN in one rank's attention reaches every replica through the all-reduce; skipping that
     update keeps the replicas finite and identical, and the next steps train on."""
-    from sdcwatch.detectors.replay import read_records
+    from sdcwatch.detectors.offline import read_records
 
     world, steps, nan_step = 2, 5, 2
     settings = DDPSettings(

@@ -13,18 +13,21 @@ from __future__ import annotations
 
 import base64
 import pickle
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from sdcwatch.core.validate import check_positive
-from sdcwatch.detectors.base import register
-from sdcwatch.detectors.frame import StepFrame
+from sdcwatch.core.kinds import IncidentKind
 from sdcwatch.core.names import RANK_SCALARS
+from sdcwatch.core.validate import check_positive
+from sdcwatch.detectors.base import Detector
+from sdcwatch.detectors.frame import StepFrame
 from sdcwatch.detectors.rank_outlier import RankOutlierDetector
+from sdcwatch.detectors.registry import register
 from sdcwatch.detectors.types import Finding, Severity
 
-__all__ = ["RiverHalfSpaceTrees", "rank_features"]
+__all__ = ["RiverHalfSpaceTrees", "RiverConfig", "rank_features"]
 
 _Z = RankOutlierDetector(min_world=1)
 
@@ -45,8 +48,32 @@ def rank_features(frame: StepFrame, clip: float = 4.0) -> tuple[np.ndarray, list
     return (np.clip(z, -clip, clip) + clip) / (2 * clip), names
 
 
-@register
-class RiverHalfSpaceTrees:
+@dataclass(frozen=True)
+class RiverConfig:
+    """Settings of the river HalfSpaceTrees detector ``[detectors.river_hst]`` (opt-in)."""
+
+    n_trees: int = 10
+    """Trees in the forest."""
+    height: int = 3
+    """Height of each tree."""
+    window_size: int = 250
+    """Rank records in the reference window the forest's mass profile is taken from."""
+    margin: float = 0.08
+    """A rank is reported when its averaged score excess over the median rank's reaches this."""
+    alpha: float = 0.1
+    """Weight of each step in the averaged score excess (an exponentially weighted mean)."""
+    seed: int = 42
+    """Seed of the forest."""
+    min_world: int = 4
+    """Fewest ranks for a comparison with the median rank."""
+
+    def __post_init__(self) -> None:
+        check_positive("river_hst", n_trees=self.n_trees, height=self.height, window_size=self.window_size,
+                       margin=self.margin, alpha=self.alpha, min_world=self.min_world)
+
+
+@register(baseline=True)
+class RiverHalfSpaceTrees(Detector):
     """``rank_outlier`` from river ``anomaly.HalfSpaceTrees``: a rank persistently scored above the others.
 
     Its fault family is a grossly broken rank; subtle persistent shifts (the rank-outlier
@@ -55,13 +82,17 @@ class RiverHalfSpaceTrees:
 
     name = "river_hst"
     fault = "rank_gross"
+    Config = RiverConfig
+    n_trees: int
+    height: int
+    window_size: int
+    margin: float
+    alpha: float
+    seed: int
+    min_world: int
 
-    def __init__(self, *, n_trees: int = 10, height: int = 3, window_size: int = 250, margin: float = 0.08,
-                 alpha: float = 0.1, seed: int = 42, min_world: int = 4) -> None:
-        check_positive("river_hst", n_trees=n_trees, height=height, window_size=window_size,
-                       margin=margin, alpha=alpha, min_world=min_world)
-        self.n_trees, self.height, self.window_size = int(n_trees), int(height), int(window_size)
-        self.margin, self.alpha, self.seed, self.min_world = margin, alpha, seed, int(min_world)
+    def __init__(self, config: RiverConfig | None = None, /, **settings: Any) -> None:
+        super().__init__(config, **settings)
         self._model = self._new_model()
         self._learned = 0
         self._steps = 0
@@ -110,7 +141,7 @@ class RiverHalfSpaceTrees:
                 c = int(np.abs(X[r] - 0.5).argmax())
                 host = frame.hosts[r]
                 out.append(Finding(
-                    detector=self.name, kind="rank_outlier", severity=Severity.WARNING, run=frame.run,
+                    detector=self.name, kind=IncidentKind.RANK_OUTLIER.value, severity=Severity.WARNING, run=frame.run,
                     step=frame.step, score=float(self._excess[r] / self.margin), ranks=(r,), hosts=(host,) if host else (),
                     metric=names[c], message=f"rank {r}" + (f" (host {host})" if host else "") +
                     f" persistently anomalous to HalfSpaceTrees (score {scores[r]:.2f}, "
@@ -118,6 +149,10 @@ class RiverHalfSpaceTrees:
                     evidence={"score": float(scores[r]), "excess": float(self._excess[r])},
                 ))
         return out
+
+    def metrics_view(self) -> dict[str, Any]:
+        """Each rank's averaged score excess over the margin."""
+        return {"rank_scores": self.rank_scores}
 
     def snapshot(self) -> dict[str, Any]:
         # river models are plain Python objects; pickle is river's own persistence story

@@ -14,24 +14,25 @@ rule (that is all the operator learns), or no rank when the rule watches a globa
   (``alpha`` 0.97) initialised from the first ``warmup`` (25) norms; a norm with z > 2.5 is a spike,
   and the EMA is then updated with ZClip's adaptively clipped value, as ZClip does.
 - :class:`NanLossCheck`: the guard most training loops have, ``if isnan(loss)``, on each rank.
-- :func:`river_baseline`: river ``HalfSpaceTrees`` on per-rank feature vectors, through the
-  ``river_hst`` detector of :mod:`sdcwatch.detectors.river_hst`, used bare (without sdcwatch's
-  attribution and incident logic).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
-from sdcwatch.detectors.frame import StepFrame
-from sdcwatch.detectors.types import Finding, Severity
 from sdcwatch.core.errors import ConfigError
+from sdcwatch.core.kinds import IncidentKind
 from sdcwatch.core.validate import check_positive
+from sdcwatch.detectors.base import Detector
+from sdcwatch.detectors.frame import StepFrame
+from sdcwatch.detectors.registry import register
+from sdcwatch.detectors.types import Finding, Severity
 
-__all__ = ["MegatronRules", "ZClipDetector", "NanLossCheck", "river_baseline", "BASELINES"]
+__all__ = ["MegatronRules", "MegatronConfig", "ZClipDetector", "ZClipConfig", "NanLossCheck"]
 
 
 def _rank_finding(detector: str, kind: str, severity: Severity, frame: StepFrame, ranks: np.ndarray,
@@ -42,7 +43,24 @@ def _rank_finding(detector: str, kind: str, severity: Severity, frame: StepFrame
                    score=float(score), message=message, ranks=ranks_t, hosts=hosts, metric=metric)
 
 
-class MegatronRules:
+@dataclass(frozen=True)
+class MegatronConfig:
+    """Settings of the Megatron-LM rules baseline."""
+
+    factor: float = 10.0
+    """A value at least this multiple of the rank's early maximum is "unexpectedly large"."""
+    first_n: int = 100
+    """Values of each rank whose maximum is the reference."""
+    metrics: tuple[str, ...] = ("loss", "grad_norm_local")
+    """The per-rank values checked."""
+
+    def __post_init__(self) -> None:
+        check_positive("megatron", factor=self.factor, first_n=self.first_n)
+        object.__setattr__(self, "metrics", tuple(self.metrics))
+
+
+@register(baseline=True, own=False)
+class MegatronRules(Detector):
     """Megatron-LM's per-rank rules: NaN/Inf in loss or local gradient norm; value >= 10x the early max.
 
     Megatron runs these checks inside every rank (``check_for_nan_in_grad`` on the local gradient
@@ -51,13 +69,14 @@ class MegatronRules:
     """
 
     name = "megatron"
+    fault = ""
+    Config = MegatronConfig
+    factor: float
+    first_n: int
+    metrics: tuple[str, ...]
 
-    def __init__(self, factor: float = 10.0, first_n: int = 100,
-                 metrics: tuple[str, ...] = ("loss", "grad_norm_local")) -> None:
-        check_positive("megatron", factor=factor, first_n=first_n)
-        self.factor = float(factor)
-        self.first_n = int(first_n)
-        self.metrics = tuple(metrics)
+    def __init__(self, config: MegatronConfig | None = None, /, **settings: Any) -> None:
+        super().__init__(config, **settings)
         self._max: dict[str, np.ndarray] = {}  # per metric: (world,) largest of the first values
         self._seen: dict[str, np.ndarray] = {}  # per metric: (world,) how many values were taken
 
@@ -81,19 +100,39 @@ class MegatronRules:
             seen[learning] += 1
             if bad.any():
                 ranks = np.flatnonzero(bad)
-                out.append(_rank_finding(self.name, "nonfinite", Severity.CRITICAL, frame, ranks, metric,
+                out.append(_rank_finding(self.name, IncidentKind.NONFINITE.value, Severity.CRITICAL, frame, ranks, metric,
                                          f"{metric} is NaN/Inf on {ranks.size} rank(s)", float(ranks.size)))
             if large.any():
                 ranks = np.flatnonzero(large)
                 ratio = float(np.max(col[ranks] / mx[ranks]))
-                kind = "loss_spike" if metric.startswith("loss") else "grad_spike"
+                kind = (IncidentKind.LOSS_SPIKE if metric.startswith("loss") else IncidentKind.GRAD_SPIKE).value
                 out.append(_rank_finding(self.name, kind, Severity.WARNING, frame, ranks, metric,
                                          f"{metric} {ratio:.1f}x the largest of the first {self.first_n} values "
                                          f"on {ranks.size} rank(s)", ratio))
         return out
 
 
-class ZClipDetector:
+@dataclass(frozen=True)
+class ZClipConfig:
+    """Settings of the ZClip baseline."""
+
+    alpha: float = 0.97
+    """EMA weight of the past in the mean and variance of the gradient norm."""
+    z_thresh: float = 2.5
+    """A norm with a z-score above this is a spike."""
+    warmup: int = 25
+    """Norms whose mean and variance initialise the EMA."""
+    eps: float = 1e-6
+    """Added to the standard deviation."""
+
+    def __post_init__(self) -> None:
+        check_positive("zclip", alpha=self.alpha, z_thresh=self.z_thresh, warmup=self.warmup, eps=self.eps)
+        if self.alpha >= 1:
+            raise ConfigError("zclip.alpha", f"must be below 1, got {self.alpha}")
+
+
+@register(baseline=True, own=False)
+class ZClipDetector(Detector):
     """ZClip's EMA z-score on the global gradient norm, as a detector (z > ``z_thresh`` is a spike).
 
     A non-finite norm is ignored (it neither alarms nor enters the statistics): ZClip compares
@@ -101,12 +140,15 @@ class ZClipDetector:
     """
 
     name = "zclip"
+    fault = ""
+    Config = ZClipConfig
+    alpha: float
+    z_thresh: float
+    warmup: int
+    eps: float
 
-    def __init__(self, alpha: float = 0.97, z_thresh: float = 2.5, warmup: int = 25, eps: float = 1e-6) -> None:
-        check_positive("zclip", alpha=alpha, z_thresh=z_thresh, warmup=warmup, eps=eps)
-        if alpha >= 1:
-            raise ConfigError("zclip.alpha", f"must be below 1, got {alpha}")
-        self.alpha, self.z_thresh, self.warmup, self.eps = float(alpha), float(z_thresh), int(warmup), float(eps)
+    def __init__(self, config: ZClipConfig | None = None, /, **settings: Any) -> None:
+        super().__init__(config, **settings)
         self._buffer: list[float] = []
         self._mean: float | None = None
         self._var = 0.0
@@ -128,7 +170,7 @@ class ZClipDetector:
         effective = g
         if z > self.z_thresh:
             effective = self._mean + self.z_thresh * std / (z / self.z_thresh)  # ZClip's adaptive scaling
-            out.append(Finding(detector=self.name, kind="grad_spike", severity=Severity.WARNING, run=frame.run,
+            out.append(Finding(detector=self.name, kind=IncidentKind.GRAD_SPIKE.value, severity=Severity.WARNING, run=frame.run,
                                step=frame.step, score=float(z), metric="grad_norm_global",
                                message=f"gradient norm z-score {z:.1f} > {self.z_thresh} (EMA mean {self._mean:.3g})"))
         self._mean = self.alpha * self._mean + (1 - self.alpha) * effective
@@ -136,10 +178,12 @@ class ZClipDetector:
         return out
 
 
-class NanLossCheck:
+@register(baseline=True, own=False)
+class NanLossCheck(Detector):
     """``if isnan(loss)`` on every rank: the minimal guard; names the ranks whose loss is NaN."""
 
     name = "nan_check"
+    fault = ""
 
     def update(self, frame: StepFrame) -> list[Finding]:
         col = frame.scalar("loss")
@@ -149,21 +193,6 @@ class NanLossCheck:
         if not bad.any():
             return []
         ranks = np.flatnonzero(bad)
-        return [_rank_finding(self.name, "nonfinite", Severity.CRITICAL, frame, ranks, "loss",
+        return [_rank_finding(self.name, IncidentKind.NONFINITE.value, Severity.CRITICAL, frame, ranks, "loss",
                               f"loss is NaN on {ranks.size} rank(s)", float(ranks.size))]
 
-
-def river_baseline() -> Any:
-    """river HalfSpaceTrees on per-rank feature vectors (sdcwatch's ``river_hst`` detector, used bare)."""
-    from sdcwatch.detectors.river_hst import RiverHalfSpaceTrees
-
-    return RiverHalfSpaceTrees()
-
-
-#: Baseline name -> factory; the campaign scores each next to sdcwatch on the same trials.
-BASELINES: dict[str, Callable[[], Any]] = {
-    "megatron": MegatronRules,
-    "zclip": ZClipDetector,
-    "nan_check": NanLossCheck,
-    "river_hst": river_baseline,
-}
