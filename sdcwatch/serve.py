@@ -25,6 +25,7 @@ log = logging.getLogger("sdcwatch.serve")
 def build_service(cfg: ServeConfig) -> tuple[Any, Any | None]:
     """The service and its metrics server (None when ``metrics.port`` is 0), from a config."""
     from sdcwatch.detectors.pipeline import DetectionPipeline, PipelineSettings
+    from sdcwatch.detectors.registry import default_detectors
     from sdcwatch.detectors.service import AnomalyTopicSink, DetectorService
     from sdcwatch.detectors.source import KafkaSource
     from sdcwatch.exporters import AlertmanagerSink, LogSink, WebhookSink
@@ -37,7 +38,8 @@ def build_service(cfg: ServeConfig) -> tuple[Any, Any | None]:
     stage = cfg.detectors.stage
     settings = PipelineSettings(step_timeout=cfg.detectors.align_timeout_s,
                                 quiet_steps=cfg.detectors.resolve_after_steps)
-    pipeline = DetectionPipeline(settings, role=stage)
+    configs = cfg.detectors.detector_configs()
+    pipeline = DetectionPipeline(settings, role=stage, detectors=lambda: default_detectors(configs))
     if stage == "temporal":
         source = KafkaSource(cfg.bus.bootstrap, cfg.bus.summaries_topic, group=f"{cfg.bus.group}.temporal",
                              deadletter_topic=cfg.bus.deadletter_topic, decode=decode_summary_message, **security)
@@ -61,7 +63,7 @@ def build_service(cfg: ServeConfig) -> tuple[Any, Any | None]:
     metrics = None
     if cfg.metrics.port:
         metrics = MetricsServer(service.view, address=cfg.metrics.address, port=cfg.metrics.port,
-                                top_k=max(cfg.detectors.top_k, 1))
+                                top_k=cfg.metrics.top_k)
     return service, metrics
 
 

@@ -10,11 +10,12 @@ sdcwatch.core.errors.ConfigError: spike.window: must be a positive number, got 0
 
 from __future__ import annotations
 
+import difflib
 import ipaddress
 import math
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 from urllib.parse import urlsplit
 
 from sdcwatch.core.errors import ConfigError
@@ -26,6 +27,7 @@ __all__ = [
     "is_host",
     "url_problem",
     "topic_problem",
+    "did_you_mean",
     "KIND_NAMES",
 ]
 
@@ -35,7 +37,7 @@ _HOSTNAME = re.compile(
 )
 #: How a value of each settable type is named in an error message.
 KIND_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "true or false", Path: "a path",
-              dict: "a table"}
+              dict: "a table", tuple: "an array of strings"}
 
 
 def check_positive(owner: str, **values: float) -> None:
@@ -43,6 +45,12 @@ def check_positive(owner: str, **values: float) -> None:
     for key, v in values.items():
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
             raise ConfigError(f"{owner}.{key}", f"must be a positive number, got {v!r}")
+
+
+def did_you_mean(name: str, choices: Iterable[str]) -> str:
+    """`` (did you mean X?)`` for the closest of ``choices``, or "" when none is close."""
+    close = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]}?)" if close else ""
 
 
 def describe(value: Any) -> str:
@@ -57,6 +65,8 @@ def check_type(key: str, value: Any, kind: type) -> Any:
         value = float(value)
     if kind is Path and isinstance(value, str):
         value = Path(value)
+    if kind is tuple and isinstance(value, list) and all(isinstance(v, str) for v in value):
+        value = tuple(value)
     ok = isinstance(value, kind) and not (kind in (int, float) and isinstance(value, bool))
     if not ok:
         raise ConfigError(key, f"must be {KIND_NAMES.get(kind, kind.__name__)}, got {describe(value)}")

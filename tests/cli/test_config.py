@@ -48,7 +48,7 @@ def test_defaults_without_file_env_or_flags():
     assert cfg.metrics.address == "127.0.0.1" and cfg.metrics.port == 9400 and cfg.metrics.enabled
     assert cfg.alerts.alertmanager_url == "" and cfg.alerts.log is True
     assert cfg.state.dir == Path("sdcwatch-state")
-    assert cfg.bus.kafka_security() == {}
+    assert cfg.bus.security == {}
 
 
 # (dotted key, file value as TOML, env text, flag value, expected parsed env, expected flag)
@@ -58,7 +58,8 @@ LAYERED = [
     ("alerts.log", "false", "yes", False, True, False),
     ("alerts.timeout_s", "1.5", "2", "3.25", 2.0, 3.25),
     ("state.dir", '"from-file"', "from-env", "from-flag", Path("from-env"), Path("from-flag")),
-    ("detectors.top_k", "2", "4", 5, 4, 5),
+    ("metrics.top_k", "2", "4", 5, 4, 5),
+    ("detectors.resolve_after_steps", "2", "4", 5, 4, 5),
 ]
 
 
@@ -104,7 +105,7 @@ def test_security_entries_merge_across_layers_and_are_redacted(tmp_path):
     )
     env = {"SDCWATCH_BUS_SECURITY_SASL_PLAIN_PASSWORD": "s3cret", "SDCWATCH_BUS_SECURITY_SSL_CHECK_HOSTNAME": "no"}
     cfg = load_config(path, env=env)
-    assert cfg.bus.kafka_security() == {
+    assert cfg.bus.security == {
         "security_protocol": "SASL_PLAINTEXT",
         "sasl_mechanism": "SCRAM-SHA-512",
         "sasl_plain_username": "sdc",
@@ -150,7 +151,7 @@ FILE_ERRORS = [
     ("[bus.security]\nssl_cafile = '/nonexistent/ca.pem'\n", "bus.security.ssl_cafile", "no such file"),
     ("[bus.security]\nssl_check_hostname = 'true'\n", "bus.security.ssl_check_hostname", "must be true or false"),
     ("[state]\nsnapshot_interval_s = -5\n", "state.snapshot_interval_s", "greater than 0"),
-    ("[detectors]\ntop_k = 0\n", "detectors.top_k", "at least 1"),
+    ("[metrics]\ntop_k = 0\n", "metrics.top_k", "at least 1"),
     ("[detectors]\nresolve_after_steps = 2.5\n", "detectors.resolve_after_steps", "must be an integer"),
     ("[detectors]\nalign_timeout_s = 'soon'\n", "detectors.align_timeout_s", "must be a number"),
     ("[detectors]\nwarmup = 3\n", "detectors.warmup", "unknown key"),
@@ -258,10 +259,10 @@ def test_flags_override_only_what_was_given(tmp_path):
         "alerts.alertmanager_url": "http://am:9093",
         "state.dir": str(tmp_path / "st"),
     }
-    cfg = config_from_args(ns, env={"SDCWATCH_METRICS_PORT": "1234", "SDCWATCH_DETECTORS_TOP_K": "9"})
+    cfg = config_from_args(ns, env={"SDCWATCH_METRICS_PORT": "1234", "SDCWATCH_METRICS_TOP_K": "9"})
     assert cfg.bus.bootstrap_servers == ["k1:9092", "k2:9092"]
     assert cfg.metrics.port == 0  # the flag beats the environment
-    assert cfg.detectors.top_k == 9  # the environment beats the default
+    assert cfg.metrics.top_k == 9  # the environment beats the default
     assert cfg.alerts.log is False
     assert cfg.state.dir == tmp_path / "st"
 
@@ -306,5 +307,53 @@ def test_example_security_block_is_valid_once_uncommented(tmp_path):
         text = text.replace(f"# {key} ", f"{key} ")
     text = text.replace("/etc/kafka/ca.pem", str(ca))
     cfg = load_config(write_toml(tmp_path, text), env={})
-    assert cfg.bus.kafka_security()["sasl_mechanism"] == "SCRAM-SHA-512"
-    assert cfg.bus.kafka_security()["ssl_check_hostname"] is True
+    assert cfg.bus.security["sasl_mechanism"] == "SCRAM-SHA-512"
+    assert cfg.bus.security["ssl_check_hostname"] is True
+
+
+# ---------------------------------------------------------------------------------------------
+# the detectors' own settings: [detectors.<name>], from each detector's Config
+
+
+def test_every_default_detector_has_its_own_section_with_its_config():
+    from sdcwatch.detectors.registry import default_classes
+
+    cfg = ServeConfig()
+    for cls in default_classes():
+        assert getattr(cfg.detectors, cls.name) == cls.Config()
+    assert set(cfg.detectors.detector_configs()) == {cls.name for cls in default_classes()}
+
+
+def test_detector_settings_from_file_env_and_flags_reach_the_detectors(tmp_path):
+    from sdcwatch.detectors.registry import default_detectors
+
+    path = write_toml(tmp_path, "[detectors.spike]\nwarmup = 20\n[detectors.rank_outlier]\n"
+                                "scalars = ['loss']\nthreshold = 30\n")
+    env = {"SDCWATCH_DETECTORS_SPIKE_GRAD_NORM_Z_ON": "7", "SDCWATCH_DETECTORS_STRAGGLER_WINDOW": "12"}
+    cfg = load_config(path, env=env, overrides={"detectors.missing_rank.after": "9"})
+    dets = {d.name: d for d in default_detectors(cfg.detectors.detector_configs())}
+    assert dets["spike"].warmup == 20 and dets["spike"].window == 9
+    # a sub-section keeps its own defaults: the gradient-norm series' min_ratio is 4, not the class default
+    assert (dets["spike"].grad_norm.z_on, dets["spike"].grad_norm.min_ratio) == (7.0, 4.0)
+    assert dets["rank_outlier"].scalars == ("loss",) and dets["rank_outlier"].threshold == 30.0
+    assert dets["straggler"].window == 12 and dets["missing_rank"].after == 9
+
+
+@pytest.mark.parametrize("text, key, problem", [
+    ("[detectors.spike]\nwarmup = 0\n", "detectors.spike.warmup", "positive"),
+    ("[detectors.spike.loss]\nz_off = 9\n", "detectors.spike.loss.z_off", "below z_on"),
+    ("[detectors.straggler]\nmin_ratio = 0.5\n", "detectors.straggler.min_ratio", "> 1"),
+    ("[detectors.spike]\nwarmpu = 3\n", "detectors.spike.warmpu", "did you mean warmup?"),
+    ("[detectors.nonfinit]\nlimit = 3\n", "detectors.nonfinit", "unknown key"),
+])
+def test_bad_detector_setting_names_its_full_key_and_file(tmp_path, text, key, problem):
+    with pytest.raises(ConfigError) as err:
+        load_config(write_toml(tmp_path, text), env={})
+    assert err.value.key == key and problem in str(err.value) and "serve.toml" in str(err.value)
+
+
+def test_detector_settings_have_flags():
+    ns = parser().parse_args(["--detectors-spike-warmup", "30", "--detectors-rank-outlier-scalars", "loss,grad_cosine"])
+    cfg = config_from_args(ns, env={})
+    assert cfg.detectors.spike.warmup == 30
+    assert cfg.detectors.rank_outlier.scalars == ("loss", "grad_cosine")

@@ -1,0 +1,37 @@
+"""The configuration of ``sdcwatch serve``: one small dataclass per section, loaded in layers.
+
+- :mod:`~sdcwatch.config.schema`: the sections and their checks (``[detectors.<name>]`` is each
+  detector's own ``Config``);
+- :mod:`~sdcwatch.config.loaders`: defaults < TOML file < environment < flags;
+- :mod:`~sdcwatch.config.docs`: the flags and the reference, generated from the field docstrings.
+"""
+
+from sdcwatch.config.docs import add_serve_arguments, config_from_args, config_reference, overrides_from_args
+from sdcwatch.config.loaders import ENV_PREFIX, env_name, flag_name, load_config
+from sdcwatch.config.schema import (
+    SECURITY_KEYS,
+    AlertsConfig,
+    BusConfig,
+    DetectorsConfig,
+    MetricsConfig,
+    ServeConfig,
+    StateConfig,
+)
+
+__all__ = [
+    "BusConfig",
+    "MetricsConfig",
+    "AlertsConfig",
+    "StateConfig",
+    "DetectorsConfig",
+    "ServeConfig",
+    "SECURITY_KEYS",
+    "ENV_PREFIX",
+    "load_config",
+    "add_serve_arguments",
+    "overrides_from_args",
+    "config_from_args",
+    "env_name",
+    "flag_name",
+    "config_reference",
+]

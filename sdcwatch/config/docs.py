@@ -1,0 +1,154 @@
+"""The command line and the reference of ``sdcwatch serve``'s settings, generated from the schema.
+
+The attribute docstrings of the config dataclasses (the string right after each field, in the
+sections and in every detector's ``Config``) are the one source of truth for ``--help``, the
+reference table and the example file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import functools
+import inspect
+import textwrap
+from pathlib import Path
+from typing import Any, Mapping
+
+from sdcwatch.config.loaders import ENV_PREFIX, all_keys, default_of, env_name, flag_name, load_config
+from sdcwatch.config.schema import SECTIONS, ServeConfig, hints
+
+__all__ = ["add_serve_arguments", "overrides_from_args", "config_from_args", "config_reference", "field_docs"]
+
+#: Short flags besides the canonical --<section>-<key> ones.
+_FLAG_ALIASES: dict[str, tuple[str, ...]] = {
+    "bus.bootstrap": ("--bootstrap",),
+    "detectors.stage": ("--stage",),
+    "alerts.alertmanager_url": ("--alertmanager-url",),
+    "alerts.webhook_url": ("--webhook-url",),
+}
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Declare ``--config`` and one flag per setting (``--<section>-<key>``, plus short aliases).
+
+    Flags default to "not given" (absent from the namespace), so only what the user typed
+    overrides the file and the environment. Kafka security settings have no flags on purpose:
+    a password on the command line is visible to every user of the machine (``ps``).
+    """
+    parser.add_argument(
+        "--config",
+        metavar="PATH",
+        default=None,
+        help=f"TOML configuration file (default: ${ENV_PREFIX}CONFIG if set); see sdcwatch/serve.example.toml",
+    )
+    docs = field_docs()
+    for dotted, kind in all_keys().items():
+        if dotted.startswith("bus.security."):
+            continue
+        names = (flag_name(dotted), *_FLAG_ALIASES.get(dotted, ()))
+        help_text = f"{docs.get(dotted, '')} [{env_name(dotted)}; default: {_show(default_of(dotted))}]"
+        help_text = help_text.replace("%", "%%")
+        if kind is bool:
+            parser.add_argument(*names, dest=dotted, action=argparse.BooleanOptionalAction,
+                                default=argparse.SUPPRESS, help=help_text)
+        else:
+            metavar = {int: "N", float: "SECONDS" if dotted.endswith("_s") else "X", Path: "DIR",
+                       tuple: "A,B"}.get(kind, "TEXT")
+            if dotted.endswith("url"):
+                metavar = "URL"
+            parser.add_argument(*names, dest=dotted, metavar=metavar, default=argparse.SUPPRESS, help=help_text)
+    return parser
+
+
+def overrides_from_args(ns: argparse.Namespace) -> dict[str, Any]:
+    """The settings the user gave as flags, as ``{dotted key: value}`` for :func:`load_config`."""
+    keys = all_keys()
+    return {k: v for k, v in vars(ns).items() if k in keys and v is not None}
+
+
+def config_from_args(ns: argparse.Namespace, env: Mapping[str, str] | None = None) -> ServeConfig:
+    """:func:`load_config` from a namespace parsed with :func:`add_serve_arguments`."""
+    return load_config(getattr(ns, "config", None), env, overrides_from_args(ns))
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if value == "":
+        return "off"
+    if isinstance(value, tuple):
+        return ",".join(value)
+    return str(value)
+
+
+@functools.lru_cache(maxsize=None)
+def _own_docs(cls: type) -> dict[str, str]:
+    """Attribute docstrings of one class body (the string right after each field), {} without source."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    except (OSError, TypeError, SyntaxError):
+        return {}
+    docs: dict[str, str] = {}
+    body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
+    for node, nxt in zip(body, body[1:]):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(nxt, ast.Expr)
+            and isinstance(nxt.value, ast.Constant)
+            and isinstance(nxt.value.value, str)
+        ):
+            docs[node.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
+def _class_docs(cls: type) -> dict[str, str]:
+    """Field docs of a dataclass and of its bases; a sub-section without one gets its class's first line."""
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        docs.update(_own_docs(klass))
+    for name, kind in hints(cls).items():
+        if name not in docs and dataclasses.is_dataclass(kind):
+            docs[name] = (kind.__doc__ or "").strip().splitlines()[0] if kind.__doc__ else ""
+    return docs
+
+
+def field_docs() -> dict[str, str]:
+    """Dotted key -> its one-line documentation, for every key and sub-section."""
+    out: dict[str, str] = {}
+
+    def walk(cls: type, prefix: str) -> None:
+        for name, doc in _class_docs(cls).items():
+            out[f"{prefix}{name}"] = doc
+        for name, kind in hints(cls).items():
+            if dataclasses.is_dataclass(kind):
+                walk(kind, f"{prefix}{name}.")
+
+    for section, cls in SECTIONS.items():
+        walk(cls, f"{section}.")
+    return out
+
+
+def config_reference() -> str:
+    """A Markdown table of every setting: key, environment variable, flag, default, meaning."""
+    docs = field_docs()
+    rows = ["| key | environment | flag | default | meaning |", "|---|---|---|---|---|"]
+    for name, cls in SECTIONS.items():
+        for fname, kind in hints(cls).items():
+            if kind is dict:
+                dotted = f"{name}.{fname}"
+                rows.append(f"| `{dotted}.<name>` | `{env_name(dotted)}_<NAME>` | - | - | {docs.get(dotted, '')} |")
+    for dotted, kind in all_keys().items():
+        if dotted.startswith("bus.security."):
+            continue
+        flags = ", ".join(f"`{f}`" for f in (flag_name(dotted), *_FLAG_ALIASES.get(dotted, ())))
+        if kind is bool:
+            flags = f"`{flag_name(dotted)}` / `--no-{flag_name(dotted)[2:]}`"
+        rows.append(
+            f"| `{dotted}` | `{env_name(dotted)}` | {flags} | `{_show(default_of(dotted))}` | {docs.get(dotted, '')} |"
+        )
+    rows.append(f"\n`{ENV_PREFIX}BOOTSTRAP` is a shortcut for `{env_name('bus.bootstrap')}`; "
+                f"`{ENV_PREFIX}CONFIG` names the TOML file when `--config` is not given.")
+    return "\n".join(rows)

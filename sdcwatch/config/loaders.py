@@ -1,0 +1,310 @@
+"""Loading the serve configuration in layers, later wins::
+
+    built-in defaults  <  TOML file (--config PATH, or SDCWATCH_CONFIG)
+                       <  environment (SDCWATCH_<SECTION>_<KEY>, and the SDCWATCH_BOOTSTRAP shortcut)
+                       <  command-line flags (--<section>-<key>, a few short aliases)
+
+Environment names are the dotted key upper-cased with ``_`` for the dot: ``metrics.port`` is
+``SDCWATCH_METRICS_PORT``, ``detectors.spike.warmup`` is ``SDCWATCH_DETECTORS_SPIKE_WARMUP`` and
+one Kafka security setting, ``bus.security.sasl_plain_password``, is
+``SDCWATCH_BUS_SECURITY_SASL_PLAIN_PASSWORD`` (so secrets need not sit in the file).
+``SDCWATCH_BOOTSTRAP`` (the variable the in-rank emitter reads too) sets ``bus.bootstrap``.
+Other ``SDCWATCH_*`` variables that do not start with a section name (``SDCWATCH_RUN`` ...)
+belong to the emitter and are ignored here; a misspelt key inside a known section is an error.
+
+A bad or unknown key raises :class:`~sdcwatch.core.errors.ConfigError` naming the dotted key and
+where the value came from, e.g.
+``alerts.alertmanger_url: unknown key (did you mean alertmanager_url?) (in serve.toml)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import functools
+import os
+from pathlib import Path
+from typing import Any, Mapping
+
+try:  # Python 3.11+
+    import tomllib
+except ModuleNotFoundError:  # pragma: no cover - Python 3.10 needs the backport
+    import tomli as tomllib  # type: ignore[no-redef]
+
+from sdcwatch.config.schema import SECTIONS, SECURITY_KEYS, ServeConfig, hints
+from sdcwatch.core.errors import ConfigError
+from sdcwatch.core.validate import check_type, describe, did_you_mean
+
+__all__ = ["ENV_PREFIX", "load_config", "env_name", "flag_name", "all_keys", "default_of", "parse_text"]
+
+ENV_PREFIX = "SDCWATCH_"
+_TRUE = frozenset({"1", "true", "yes", "on"})
+_FALSE = frozenset({"0", "false", "no", "off"})
+
+
+def env_name(dotted: str) -> str:
+    """The environment variable of a dotted key: ``metrics.port`` -> ``SDCWATCH_METRICS_PORT``."""
+    return ENV_PREFIX + dotted.replace(".", "_").upper()
+
+
+def flag_name(dotted: str) -> str:
+    """The canonical flag of a dotted key: ``metrics.port`` -> ``--metrics-port``."""
+    return "--" + dotted.replace(".", "-").replace("_", "-")
+
+
+# ---------------------------------------------------------------------------------------------
+# the key space: sections, their sub-sections (nested dataclasses) and the security table
+
+
+def _walk(cls: type, prefix: str, keys: dict[str, type], tables: dict[str, type]) -> None:
+    for fname, kind in hints(cls).items():
+        dotted = f"{prefix}{fname}"
+        if kind is dict:
+            tables[dotted] = dict
+            for sname, skind in SECURITY_KEYS.items():
+                keys[f"{dotted}.{sname}"] = skind
+        elif dataclasses.is_dataclass(kind):
+            tables[dotted] = kind
+            _walk(kind, dotted + ".", keys, tables)
+        else:
+            keys[dotted] = kind
+
+
+@functools.lru_cache(maxsize=None)
+def _key_space() -> tuple[dict[str, type], dict[str, type]]:
+    keys: dict[str, type] = {}
+    tables: dict[str, type] = {}
+    for name, cls in SECTIONS.items():
+        tables[name] = cls
+        _walk(cls, name + ".", keys, tables)
+    return keys, tables
+
+
+def all_keys() -> dict[str, type]:
+    """Every settable dotted key and its type (security entries and detector sub-sections included)."""
+    return dict(_key_space()[0])
+
+
+def default_of(dotted: str) -> Any:
+    """The built-in default of a dotted key."""
+    value: Any = ServeConfig()
+    for part in dotted.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def _resolve_key(dotted: str, where: str) -> type:
+    """The type of ``dotted``, or a ConfigError naming it with a suggestion."""
+    keys, tables = _key_space()
+    if dotted in keys:
+        return keys[dotted]
+    if dotted in tables:
+        raise ConfigError(dotted, f"is a table; set its entries one by one ({where})")
+    parts = dotted.split(".")
+    if parts[0] not in SECTIONS:
+        raise ConfigError(parts[0], f"unknown section{did_you_mean(parts[0], SECTIONS)} ({where})")
+    table = max((t for t in tables if dotted.startswith(t + ".")), key=len)
+    rest = dotted[len(table) + 1:]
+    if tables[table] is dict:
+        raise ConfigError(dotted, f"unknown Kafka security setting{did_you_mean(rest, SECURITY_KEYS)} ({where})")
+    names = list(hints(tables[table]))
+    raise ConfigError(dotted, f"unknown key{did_you_mean(rest, names)} ({where})")
+
+
+def parse_text(key: str, text: str, kind: type) -> Any:
+    """Turn text from the environment or a flag into ``kind``, naming ``key`` when it cannot."""
+    raw = text.strip()
+    if kind is str:
+        return text
+    if kind is Path:
+        return Path(raw)
+    if kind is tuple:
+        return tuple(part.strip() for part in raw.split(",") if part.strip())
+    if kind is bool:
+        if raw.lower() in _TRUE:
+            return True
+        if raw.lower() in _FALSE:
+            return False
+        raise ConfigError(key, f"must be true or false (also 1/0, yes/no, on/off), got {text!r}")
+    if kind is int:
+        try:
+            return int(raw)
+        except ValueError:
+            raise ConfigError(key, f"must be an integer, got {text!r}") from None
+    if kind is float:
+        try:
+            return float(raw)
+        except ValueError:
+            raise ConfigError(key, f"must be a number, got {text!r}") from None
+    raise ConfigError(key, "is a table; set its entries one by one")
+
+
+def _located(exc: ConfigError, where: str) -> ConfigError:
+    """The same error with the source of the value appended (once)."""
+    if where in exc.problem:
+        return exc
+    return ConfigError(exc.key, f"{exc.problem} ({where})")
+
+
+# ---------------------------------------------------------------------------------------------
+# layers: each turns its input into {dotted key: typed value} and {dotted key: where from}
+
+
+def _file_layer(path: Path) -> tuple[dict[str, Any], dict[str, str]]:
+    where = f"in {path}"
+    try:
+        with open(path, "rb") as fh:
+            data = tomllib.load(fh)
+    except FileNotFoundError:
+        raise ConfigError("config", f"no such file: {path}") from None
+    except OSError as exc:
+        raise ConfigError("config", f"cannot read {path}: {exc.strerror or exc}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError("config", f"{path} is not valid TOML: {exc}") from None
+    values: dict[str, Any] = {}
+    tables = _key_space()[1]
+
+    def walk(table: Mapping[str, Any], prefix: str) -> None:
+        for name, value in table.items():
+            dotted = f"{prefix}{name}"
+            if dotted in tables:
+                if not isinstance(value, dict):
+                    raise ConfigError(dotted, f"must be a table ([{dotted}]), got {describe(value)} ({where})")
+                walk(value, dotted + ".")
+                continue
+            kind = _resolve_key(dotted, where)
+            if isinstance(value, dict):
+                raise ConfigError(dotted, f"must be a single value, got a table ({where})")
+            try:
+                values[dotted] = check_type(dotted, value, kind)
+            except ConfigError as exc:
+                raise _located(exc, where) from None
+
+    walk(data, "")
+    return values, {k: where for k in values}
+
+
+def _env_layer(env: Mapping[str, str]) -> tuple[dict[str, Any], dict[str, str]]:
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    keys = _key_space()[0]
+    by_env = {env_name(k): k for k in keys}
+    shortcut = ENV_PREFIX + "BOOTSTRAP"
+    for var in sorted(env):
+        if not var.startswith(ENV_PREFIX):
+            continue
+        rest = var[len(ENV_PREFIX):]
+        section = next((s for s in SECTIONS if rest.startswith(s.upper() + "_")), None)
+        if var == shortcut:
+            dotted = "bus.bootstrap"
+            if env_name(dotted) in env:  # the explicit name is more specific than the shortcut
+                continue
+        elif var in by_env:
+            dotted = by_env[var]
+        elif section is not None:
+            # A misspelt key of a known section: name it, with the closest real variable.
+            key = rest[len(section) + 1:].lower()
+            for fname, kind in hints(SECTIONS[section]).items():
+                if (kind is dict or dataclasses.is_dataclass(kind)) and key.startswith(fname + "_"):
+                    key = f"{fname}.{key[len(fname) + 1:]}"
+            dotted = f"{section}.{key}"
+            close = difflib.get_close_matches(var, list(by_env), n=1, cutoff=0.6)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            raise ConfigError(dotted, f"unknown key{hint} (environment {var})")
+        else:
+            continue  # SDCWATCH_RUN, SDCWATCH_CONFIG ...: the emitter's or the loader's own
+        sources[dotted] = f"environment {var}"
+        try:
+            values[dotted] = parse_text(dotted, env[var], keys[dotted])
+        except ConfigError as exc:
+            raise _located(exc, sources[dotted]) from None
+    return values, sources
+
+
+def _flag_layer(overrides: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
+    flat: dict[str, Any] = {}
+
+    def walk(table: Mapping[str, Any], prefix: str) -> None:
+        for name, value in table.items():
+            if isinstance(value, Mapping):
+                walk(value, f"{prefix}{name}.")
+            elif value is not None:
+                flat[f"{prefix}{name}"] = value
+
+    walk(overrides, "")
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    for dotted, value in flat.items():
+        where = f"flag {flag_name(dotted)}"
+        kind = _resolve_key(dotted, where)
+        try:
+            if isinstance(value, str):
+                values[dotted] = parse_text(dotted, value, kind)
+            else:
+                values[dotted] = check_type(dotted, value, kind) if kind is tuple else value
+        except ConfigError as exc:
+            raise _located(exc, where) from None
+        sources[dotted] = where
+    return values, sources
+
+
+# ---------------------------------------------------------------------------------------------
+# loading
+
+
+def load_config(
+    path: str | os.PathLike[str] | None = None,
+    env: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> ServeConfig:
+    """Build the serve configuration: defaults < TOML file < environment < ``overrides``.
+
+    ``path`` defaults to ``$SDCWATCH_CONFIG`` when that is set. ``env`` defaults to
+    ``os.environ``. ``overrides`` maps dotted keys (``{"metrics.port": 0}``) or nested sections
+    (``{"metrics": {"port": 0}}``) to values; ``None`` values are skipped and text is parsed like
+    the environment's, so the result of :func:`~sdcwatch.config.docs.overrides_from_args` can be
+    passed as it is. Raises ConfigError naming the dotted key and the source of the bad value.
+    """
+    env = os.environ if env is None else env
+    if path is None and env.get(ENV_PREFIX + "CONFIG"):
+        path = env[ENV_PREFIX + "CONFIG"]
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    layers = []
+    if path is not None:
+        layers.append(_file_layer(Path(path)))
+    layers.append(_env_layer(env))
+    layers.append(_flag_layer(overrides or {}))
+    for layer_values, layer_sources in layers:
+        values.update(layer_values)
+        sources.update(layer_sources)
+    return ServeConfig(**{name: _build(cls, name, None, values, sources) for name, cls in SECTIONS.items()})
+
+
+def _build(cls: type, path: str, default: Any, values: Mapping[str, Any], sources: Mapping[str, str]) -> Any:
+    """The dataclass at ``path`` from the values under it; sub-sections start from the parent's
+    default (so ``detectors.spike.grad_norm.z_on`` keeps the grad-norm series' own ``min_ratio``)."""
+    kwargs: dict[str, Any] = {}
+    for fname, kind in hints(cls).items():
+        dotted = f"{path}.{fname}"
+        if kind is dict:
+            entries = {k[len(dotted) + 1:]: v for k, v in values.items() if k.startswith(dotted + ".")}
+            if entries:
+                kwargs[fname] = entries
+        elif dataclasses.is_dataclass(kind):
+            if any(k.startswith(dotted + ".") for k in values):
+                base = getattr(default if default is not None else cls(), fname)
+                kwargs[fname] = _build(kind, dotted, base, values, sources)
+        elif dotted in values:
+            kwargs[fname] = values[dotted]
+    try:
+        return dataclasses.replace(default, **kwargs) if default is not None else cls(**kwargs)
+    except ConfigError as exc:
+        # a detector's Config names its own key ("spike.warmup"): put it under its full path
+        key = exc.key if exc.key.startswith(path + ".") else f"{path}.{exc.key.rsplit('.', 1)[-1]}"
+        err = ConfigError(key, exc.problem)
+        # A value's own source; for a missing companion key, where the section was set.
+        where = sources.get(key) or "; ".join(
+            dict.fromkeys(src for k, src in sources.items() if k.startswith(path + "."))
+        )
+        raise (_located(err, where) if where else err) from None

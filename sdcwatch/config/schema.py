@@ -1,0 +1,335 @@
+"""The schema of ``sdcwatch serve``'s configuration: one small dataclass per section.
+
+Every section checks its values when it is built (``__post_init__``), so a config made in code
+is as safe as a loaded one; a bad value raises :class:`~sdcwatch.core.errors.ConfigError` naming
+its dotted key. ``[detectors]`` holds one sub-section per default detector, ``[detectors.<name>]``,
+whose schema is the detector's own ``Config`` (from the registry: a new detector needs no edit here).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+import typing
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, ClassVar
+
+from sdcwatch.core.errors import ConfigError
+from sdcwatch.core.names import ANOMALY_TOPIC, DEADLETTER_TOPIC, SUMMARY_TOPIC, TELEMETRY_TOPIC
+from sdcwatch.core.validate import check_type, did_you_mean, is_host, topic_problem, url_problem
+from sdcwatch.detectors.registry import default_classes
+
+__all__ = [
+    "BusConfig",
+    "MetricsConfig",
+    "AlertsConfig",
+    "StateConfig",
+    "DetectorsConfig",
+    "ServeConfig",
+    "SECTIONS",
+    "SECURITY_KEYS",
+    "hints",
+]
+
+#: Kafka security settings that may be given as text (kafka-python 3.x keyword -> value type).
+#: Object-valued ones (ssl_context, sasl_oauth_token_provider) cannot come from a file.
+SECURITY_KEYS: dict[str, type] = {
+    "security_protocol": str,
+    "ssl_check_hostname": bool,
+    "ssl_cafile": str,
+    "ssl_certfile": str,
+    "ssl_keyfile": str,
+    "ssl_crlfile": str,
+    "ssl_password": str,
+    "ssl_ciphers": str,
+    "sasl_mechanism": str,
+    "sasl_plain_username": str,
+    "sasl_plain_password": str,
+    "sasl_kerberos_service_name": str,
+    "sasl_kerberos_domain_name": str,
+}
+_PROTOCOLS = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
+# OAUTHBEARER needs a token-provider object, which text configuration cannot give.
+_MECHANISMS = ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512", "GSSAPI", "AWS_MSK_IAM")
+_NEEDS_PASSWORD = ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512")
+_SECRET = re.compile(r"password|secret|token", re.IGNORECASE)
+
+
+@functools.lru_cache(maxsize=None)
+def hints(cls: type) -> dict[str, type]:
+    """Field name -> type of a config dataclass (``tuple[str, ...]`` is ``tuple``; a nested
+    dataclass is a sub-section)."""
+    resolved = typing.get_type_hints(cls)
+    return {f.name: typing.get_origin(resolved[f.name]) or resolved[f.name] for f in fields(cls)}
+
+
+# ---------------------------------------------------------------------------------------------
+# the sections
+
+
+class _Section:
+    """Shared checks: every field has the declared type (ints are accepted for floats)."""
+
+    section: ClassVar[str]
+
+    def __post_init__(self) -> None:
+        for f in fields(self):  # type: ignore[arg-type]
+            key = f"{self.section}.{f.name}"
+            value = getattr(self, f.name)
+            setattr(self, f.name, check_type(key, value, hints(type(self))[f.name]))
+        self._validate()
+
+    def _validate(self) -> None:
+        """Section-specific value checks; raise ConfigError with the dotted key."""
+
+    def _fail(self, name: str, problem: str) -> typing.NoReturn:
+        raise ConfigError(f"{self.section}.{name}", problem)
+
+
+@dataclass
+class BusConfig(_Section):
+    """[bus]: where telemetry comes from and incidents go (a Kafka cluster)."""
+
+    section: ClassVar[str] = "bus"
+
+    bootstrap: str = "localhost:9092"
+    """Kafka bootstrap servers, comma-separated host:port (what kafka-python calls bootstrap_servers)."""
+    telemetry_topic: str = TELEMETRY_TOPIC
+    """Topic the training ranks write their records to; the service consumes it."""
+    anomalies_topic: str = ANOMALY_TOPIC
+    """Topic the service writes incident changes to (opened, updated, resolved), as JSON."""
+    deadletter_topic: str = DEADLETTER_TOPIC
+    """Topic malformed telemetry messages are moved to, untouched, for a person to inspect."""
+    summaries_topic: str = SUMMARY_TOPIC
+    """Topic from the spatial to the temporal stage when the service runs split (detectors.stage)."""
+    group: str = "sdcwatch-detectors"
+    """Kafka consumer group of the service; instances sharing it share the partitions (whole steps).
+    A temporal stage reads the summaries topic as group <group>.temporal."""
+    security: dict = field(default_factory=dict)
+    """Kafka security settings passed to kafka-python as keywords: security_protocol, ssl_cafile,
+    sasl_mechanism, sasl_plain_username, sasl_plain_password, ... (see SECURITY_KEYS)."""
+
+    def _validate(self) -> None:
+        for server in self.bootstrap_servers:
+            host, sep, port = server.rpartition(":")
+            if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+                self._fail("bootstrap", f"{server!r} is not host:port (port 1-65535)")
+        if not self.bootstrap_servers:
+            self._fail("bootstrap", "must name at least one host:port")
+        topics: dict[str, str] = {}
+        for name in ("telemetry_topic", "anomalies_topic", "deadletter_topic", "summaries_topic"):
+            topic = getattr(self, name)
+            problem = topic_problem(topic)
+            if problem:
+                self._fail(name, problem)
+            if topic in topics:
+                self._fail(name, f"{topic!r} is also bus.{topics[topic]}; each topic has one purpose")
+            topics[topic] = name
+        if not self.group.strip():
+            self._fail("group", "must not be empty")
+        self._validate_security()
+
+    def _validate_security(self) -> None:
+        sec = self.security
+        for name, value in sec.items():
+            key = f"security.{name}"
+            if name not in SECURITY_KEYS:
+                self._fail(key, f"unknown Kafka security setting{did_you_mean(name, SECURITY_KEYS)}")
+            check_type(f"bus.{key}", value, SECURITY_KEYS[name])
+            if SECURITY_KEYS[name] is str and not value:
+                self._fail(key, "must not be empty (leave it out instead)")
+        protocol = sec.get("security_protocol", "PLAINTEXT")
+        if protocol not in _PROTOCOLS:
+            self._fail("security.security_protocol", f"{protocol!r} is not one of {', '.join(_PROTOCOLS)}")
+        mechanism = sec.get("sasl_mechanism")
+        if mechanism is not None:
+            if mechanism not in _MECHANISMS:
+                self._fail("security.sasl_mechanism", f"{mechanism!r} is not one of {', '.join(_MECHANISMS)}")
+            if not protocol.startswith("SASL_"):
+                self._fail(
+                    "security.sasl_mechanism",
+                    f"needs security_protocol SASL_PLAINTEXT or SASL_SSL (it is {protocol})",
+                )
+            if mechanism in _NEEDS_PASSWORD:
+                for needed in ("sasl_plain_username", "sasl_plain_password"):
+                    if needed not in sec:
+                        self._fail(f"security.{needed}", f"required by sasl_mechanism {mechanism}")
+        elif protocol.startswith("SASL_"):
+            self._fail("security.sasl_mechanism", f"required by security_protocol {protocol}")
+        for name in ("ssl_cafile", "ssl_certfile", "ssl_keyfile", "ssl_crlfile"):
+            if name in sec and not Path(sec[name]).expanduser().is_file():
+                self._fail(f"security.{name}", f"no such file: {sec[name]}")
+
+    @property
+    def bootstrap_servers(self) -> list[str]:
+        """The bootstrap list, split and stripped."""
+        return [s.strip() for s in self.bootstrap.split(",") if s.strip()]
+
+
+@dataclass
+class MetricsConfig(_Section):
+    """[metrics]: the Prometheus /metrics endpoint of the service."""
+
+    section: ClassVar[str] = "metrics"
+
+    address: str = "127.0.0.1"
+    """Address the /metrics HTTP server listens on; 0.0.0.0 (or ::) to be scraped from other hosts."""
+    port: int = 9400
+    """Port of the /metrics HTTP server; 0 turns the endpoint off."""
+    top_k: int = 16
+    """Ranks with their own per-rank series on /metrics: the K with the highest outlier score (plus
+    every rank an open incident names); the rest are summarised across ranks."""
+
+    def _validate(self) -> None:
+        if not is_host(self.address):
+            self._fail("address", f"{self.address!r} is neither an IP address nor a host name")
+        if not 0 <= self.port <= 65535:
+            self._fail("port", f"{self.port} out of range 0-65535 (0 = off)")
+        if self.top_k < 1:
+            self._fail("top_k", f"must be at least 1, got {self.top_k}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.port != 0
+
+
+@dataclass
+class AlertsConfig(_Section):
+    """[alerts]: where incident changes are announced besides the anomalies topic."""
+
+    section: ClassVar[str] = "alerts"
+
+    alertmanager_url: str = ""
+    """Alertmanager base URL (alerts are posted to <url>/api/v2/alerts); empty = off."""
+    webhook_url: str = ""
+    """URL that receives each incident change as a JSON POST; empty = off."""
+    log: bool = True
+    """Also write each incident change as one line to the service log (stderr)."""
+    timeout_s: float = 5.0
+    """Seconds one HTTP delivery to Alertmanager or the webhook may take (sent from a background
+    thread: a slow receiver never stalls detection)."""
+
+    def _validate(self) -> None:
+        for name in ("alertmanager_url", "webhook_url"):
+            url = getattr(self, name)
+            if url:
+                problem = url_problem(url)
+                if problem:
+                    self._fail(name, problem)
+        _positive(self, "timeout_s")
+
+
+@dataclass
+class StateConfig(_Section):
+    """[state]: where the service keeps its snapshot so a restart resumes without repeated alerts."""
+
+    section: ClassVar[str] = "state"
+
+    dir: Path = Path("sdcwatch-state")
+    """Folder for the state snapshot (created if missing); relative paths are from the working directory."""
+    snapshot_interval_s: float = 30.0
+    """Seconds between periodic snapshots; one is always written on a clean stop (Ctrl-C, SIGTERM)."""
+
+    def _validate(self) -> None:
+        self.dir = self.dir.expanduser()
+        if str(self.dir) in ("", "."):
+            self._fail("dir", "must name a folder for the snapshot (not the working directory itself)")
+        if self.dir.exists() and not self.dir.is_dir():
+            self._fail("dir", f"{self.dir} exists and is not a folder")
+        _positive(self, "snapshot_interval_s")
+
+
+@dataclass
+class _DetectorsSettings(_Section):
+    """[detectors]: the incident book, the step aligner, the stage; one [detectors.<name>] table
+    per detector."""
+
+    section: ClassVar[str] = "detectors"
+
+    resolve_after_steps: int = 50
+    """An incident is resolved after this many consecutive steps without a new finding."""
+    align_timeout_s: float = 5.0
+    """Seconds the step aligner waits for the last ranks of a step before closing it without them."""
+    stage: str = "both"
+    """What this instance runs: "both" (one process does everything, the default); or, to scale out,
+    "spatial" (alignment and the cross-rank detectors; run several in one consumer group, each
+    takes whole steps) and one "temporal" (the detectors over time, incidents and alerts, on the
+    spatial instances' step summaries)."""
+
+    def _validate(self) -> None:
+        if self.resolve_after_steps < 1:
+            self._fail("resolve_after_steps", f"must be at least 1, got {self.resolve_after_steps}")
+        _positive(self, "align_timeout_s")
+        if self.stage not in ("both", "spatial", "temporal"):
+            self._fail("stage", f"{self.stage!r} is not one of both, spatial, temporal")
+
+    def detector_configs(self) -> dict[str, Any]:
+        """Detector name -> its ``Config``, for :func:`~sdcwatch.detectors.registry.default_detectors`."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if dataclasses.is_dataclass(hints(type(self))[f.name])}
+
+
+#: [detectors], with one field per default detector whose type is the detector's ``Config``.
+DetectorsConfig = dataclasses.make_dataclass(
+    "DetectorsConfig",
+    [(cls.name, cls.Config, field(default_factory=cls.Config)) for cls in default_classes()],
+    bases=(_DetectorsSettings,),
+    namespace={"__module__": __name__, "__doc__": _DetectorsSettings.__doc__},
+)
+
+
+@dataclass
+class ServeConfig:
+    """Everything ``sdcwatch serve`` needs, one attribute per section."""
+
+    bus: BusConfig = field(default_factory=BusConfig)
+    """[bus] Kafka cluster and topics."""
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    """[metrics] Prometheus endpoint."""
+    alerts: AlertsConfig = field(default_factory=AlertsConfig)
+    """[alerts] Alertmanager, webhook, log."""
+    state: StateConfig = field(default_factory=StateConfig)
+    """[state] snapshot folder."""
+    detectors: DetectorsConfig = field(default_factory=DetectorsConfig)
+    """[detectors] tunables."""
+
+    def __post_init__(self) -> None:
+        for name, cls in SECTIONS.items():
+            if not isinstance(getattr(self, name), cls):
+                raise ConfigError(name, f"must be a {cls.__name__}, got {type(getattr(self, name)).__name__}")
+
+    def to_dict(self, *, redact: bool = True) -> dict[str, dict[str, Any]]:
+        """Plain nested dict (TOML shape); secrets are shown as ``***`` unless ``redact=False``."""
+        return {name: _table(getattr(self, name), redact) for name in SECTIONS}
+
+
+def _table(obj: Any, redact: bool) -> dict[str, Any]:
+    values: dict[str, Any] = {}
+    for f in fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            value = _table(value, redact)
+        elif isinstance(value, Path):
+            value = str(value)
+        elif isinstance(value, tuple):
+            value = list(value)
+        elif isinstance(value, dict):
+            value = {k: ("***" if redact and _SECRET.search(k) else v) for k, v in value.items()}
+        values[f.name] = value
+    return values
+
+
+SECTIONS: dict[str, type[_Section]] = {
+    "bus": BusConfig,
+    "metrics": MetricsConfig,
+    "alerts": AlertsConfig,
+    "state": StateConfig,
+    "detectors": DetectorsConfig,
+}
+
+
+def _positive(section: _Section, name: str) -> None:
+    value = getattr(section, name)
+    if not value > 0:
+        section._fail(name, f"must be greater than 0, got {value}")
