@@ -102,11 +102,12 @@ class IncidentBook:
                 inc.hosts = tuple(sorted(set(inc.hosts) | set(f.hosts)))[:_MAX_RANKS]
             if f.score > inc.score:
                 inc.score, inc.peak_step = f.score, f.step
-                inc.metric, inc.layer = f.metric or inc.metric, f.layer if f.layer is not None else inc.layer
             inc.evidence = {**inc.evidence, **f.evidence}
-            # the message follows a new spike onset or an escalation; not every step's wording
+            # the message follows a new spike onset or an escalation; not every step's wording. The
+            # metric and layer are the message's: an incident says one thing
             if f.message != inc.message and (changed or f.evidence.get("phase") == "onset"):
                 inc.message, changed = f.message, True
+                inc.metric, inc.layer = f.metric or inc.metric, f.layer if f.layer is not None else inc.layer
             if changed:
                 events.append(_event("updated", inc))
         return events

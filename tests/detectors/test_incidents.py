@@ -61,6 +61,23 @@ def test_rank_local_problems_get_one_incident_per_rank_and_escalate_in_place():
     assert book.opened_total == {("silent_drift", "warning"): 2, ("sdc_suspected", "critical"): 1}
 
 
+def test_incident_metric_and_layer_are_those_its_message_names():
+    """A later, stronger finding of the same problem must not move the metric and layer away from
+    what the message says (a non-finite streak: the onset names attn_logit_max layer 1, a later step
+    has more bad values in attn_entropy layer 0)."""
+    book = IncidentBook()
+    book.add([Finding(detector="nonfinite", kind="nonfinite", severity=Severity.CRITICAL, run="r", step=88,
+                      score=1.0, message="non-finite value at step 88: attn_logit_max layer 1 = nan on rank 3",
+                      ranks=(3,), metric="attn_logit_max", layer=1)])
+    book.add([Finding(detector="nonfinite", kind="nonfinite", severity=Severity.CRITICAL, run="r", step=89,
+                      score=40.0, message="non-finite values since step 88, which began on rank 3",
+                      ranks=(3,), metric="attn_entropy", layer=0)])
+    (inc,) = book.open_incidents
+    assert inc.message.startswith("non-finite value at step 88: attn_logit_max layer 1")
+    assert (inc.metric, inc.layer) == ("attn_logit_max", 1)
+    assert (inc.score, inc.peak_step) == (40.0, 89)
+
+
 def test_info_findings_never_open_incidents():
     book = IncidentBook()
     assert book.add([finding(1, kind="rank_deviation", sev=Severity.INFO, ranks=(1,))]) == []
