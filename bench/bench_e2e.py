@@ -18,7 +18,7 @@ non-finite incident for it. Measured:
   faulty record to the service's wall time when the incident was opened (p50, p99, max; a fault
   with no incident counts as missed).
 
-Targets (issue 7): 16,384 ranks at >= 1 step/s with bounded lag; p99 latency < 1 s at 1,024 ranks.
+Targets: 16,384 ranks at >= 1 step/s with bounded lag; p99 latency < 1 s at 1,024 ranks.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
     python bench/bench_emitter.py [--records 200000] [--out results/emitter.json]
 
-Targets (issue: foundation): emit p99 <= 20 us; >= 20,000 records/s per process; memory flat at
+Targets: emit p99 <= 20 us; >= 20,000 records/s per process; memory flat at
 the configured buffer during a broker outage.
 """
 

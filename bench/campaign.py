@@ -1,4 +1,4 @@
-"""Fault-injection campaign (issue 7): ``sdcwatch bench campaign`` as a script.
+"""Fault-injection campaign: ``sdcwatch bench campaign`` as a script.
 
     python bench/campaign.py [--faults FILE] [--trials N] [--seed S] [--ranks W] [--out results/campaign.json] [--quick]
 

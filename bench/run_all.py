@@ -1,4 +1,4 @@
-"""Every benchmark in one go (issue 7): ``sdcwatch bench all`` as a script.
+"""Every benchmark in one go: ``sdcwatch bench all`` as a script.
 
     python bench/run_all.py [--quick] [--out-dir results/]
 

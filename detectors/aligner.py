@@ -53,7 +53,6 @@ class StepAligner:
         self.late_records = 0
         self.world_changes = 0
         self.incomplete_steps = 0
-        self.on_world_change: Callable[[str, int, int], None] | None = None
 
     # -- input --------------------------------------------------------------------------------
 
@@ -69,8 +68,6 @@ class StepAligner:
             elif rec.world != st.world:
                 out += self._drain(rec.run, st, force=True, now=now)
                 self.world_changes += 1
-                if self.on_world_change:
-                    self.on_world_change(rec.run, st.world, rec.world)
                 st = self._runs[rec.run] = _RunState(world=rec.world, last_closed=st.last_closed, stride=st.stride,
                                                      generation=st.generation + 1)
             if rec.step <= st.last_closed:
@@ -125,13 +122,6 @@ class StepAligner:
         return out
 
     # -- state --------------------------------------------------------------------------------
-
-    def last_closed(self, run: str) -> int:
-        st = self._runs.get(run)
-        return -1 if st is None else st.last_closed
-
-    def open_steps(self) -> int:
-        return sum(len(st.open) for st in self._runs.values())
 
     def snapshot(self) -> dict[str, Any]:
         """JSON-safe state, including the records of still-open steps (they are not re-read)."""

@@ -274,7 +274,8 @@ class DetectionPipeline:
             duplicates_total=self.aligner.duplicates + self.order.duplicates,
             summaries_total=self.summaries_total, summaries_late_total=self.order.late,
             dead_letters_total=self.dead_letters_total, consumer_lag=self.consumer_lag,
-            last_record_wall=self.last_record_wall,
+            last_record_wall=self.last_record_wall, late_records_total=self.aligner.late_records,
+            world_changes_total=self.aligner.world_changes, incomplete_steps_total=self.aligner.incomplete_steps,
         )
         return ServiceView(runs=runs, pipeline=pipe, incidents=self.book.current(),
                            incidents_total=dict(self.book.opened_total), findings_total=dict(self.findings_total))

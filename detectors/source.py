@@ -43,6 +43,7 @@ class Source(Protocol):
 
     records: int  # good records returned so far
     dead_letters: int  # malformed messages routed to the dead-letter topic
+    assigned: bool  # the source holds partitions to read (a consumer group has finished joining)
 
     def poll(self, timeout: float) -> list[Record]: ...
 

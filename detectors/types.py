@@ -170,6 +170,9 @@ class PipelineView:
     last_record_wall: float = 0.0
     summaries_total: int = 0  # temporal stage: step summaries received from the spatial stage
     summaries_late_total: int = 0  # temporal stage: summaries that came after a later step (dropped)
+    late_records_total: int = 0  # records that came after their step had closed (dropped)
+    world_changes_total: int = 0  # times a run's world size changed (its steps realigned)
+    incomplete_steps_total: int = 0  # steps closed without every rank's record
 
 
 @dataclass

@@ -173,6 +173,9 @@ class SdcwatchCollector(Collector):
         add("sdcwatch_pipeline_consumer_lag_records", [], p.consumer_lag)
         add("sdcwatch_pipeline_dead_letters_total", [], p.dead_letters_total)
         add("sdcwatch_pipeline_duplicates_total", [], p.duplicates_total)
+        add("sdcwatch_pipeline_late_records_total", [], p.late_records_total)
+        add("sdcwatch_pipeline_world_changes_total", [], p.world_changes_total)
+        add("sdcwatch_pipeline_incomplete_steps_total", [], p.incomplete_steps_total)
         add("sdcwatch_pipeline_summaries_total", [], p.summaries_total)
         add("sdcwatch_pipeline_summaries_late_total", [], p.summaries_late_total)
         if p.last_record_wall > 0:

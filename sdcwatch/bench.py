@@ -1,4 +1,4 @@
-"""``sdcwatch bench``: the benchmarks of issue 7 from the command line.
+"""``sdcwatch bench``: the benchmarks from the command line.
 
     sdcwatch bench campaign [--faults FILE] [--trials N] [--seed S] [--ranks W] [--steps PRE BRANCH]
                             [--out results.json] [--quick]

@@ -16,7 +16,7 @@ from sdcwatch.detectors.types import Incident
 from sdcwatch.core.errors import ReplayError
 from sdcwatch.report.data import _ENTROPY, RunData, _is_localised, incident_from_dict, load_incidents, load_records
 from sdcwatch.report.deviation import _MIN_RANKS
-from sdcwatch.report.plots import _Z_FLAG, _plot_attention, _plot_heatmap, _plot_training
+from sdcwatch.report.plots import Z_FLAG, plot_attention, plot_heatmap, plot_training
 
 
 def _injected_faults(injected: Any) -> list[dict[str, Any]]:
@@ -198,7 +198,7 @@ def render_report(data: RunData, incidents: Sequence[Incident], *, title: str | 
         others = ", ".join(f"{_e(r)} ({n:,} records)" for r, n in sorted(data.other_runs.items()))
         parts.append(f"<p class='muted'>The file also holds other runs, not shown: {others}.</p>")
 
-    training = _plot_training(data, incidents, faults)
+    training = plot_training(data, incidents, faults)
     if training:
         parts.append(
             "<section id='training'><h2>Loss and gradient norm</h2><p class='caption'>Global values per step; "
@@ -206,7 +206,7 @@ def render_report(data: RunData, incidents: Sequence[Incident], *, title: str | 
             "ones what was injected. Values far off the scale (a near-infinite loss) sit on the edge as ▲; "
             "steps with a non-finite value show as a purple strip along the top.</p>" + _figure(training, "loss and gradient norm per step") + "</section>"
         )
-    heat, used, _ = _plot_heatmap(data, incidents, faults)
+    heat, used, _ = plot_heatmap(data, incidents, faults)
     if data.world < _MIN_RANKS:
         parts.append(
             "<section id='ranks'><h2>Which rank strays from the others</h2><p class='caption'>This run has "
@@ -220,10 +220,10 @@ def render_report(data: RunData, incidents: Sequence[Incident], *, title: str | 
             "stays pale; a faulty one lights up. Dark purple: a non-finite value on this rank only; light purple: "
             "non-finite on most ranks (the corruption has spread and no longer says which rank); grey: no record. "
             "Blue boxes are the ranks incidents named. The bar shows the share of steps each rank was flagged "
-            f"(|z| &gt; {_Z_FLAG:g}).</p>"
+            f"(|z| &gt; {Z_FLAG:g}).</p>"
             + _figure(heat, "rank by step heat map of deviation") + "</section>"
         )
-    attention, shown = _plot_attention(data, incidents, suspects, faults)
+    attention, shown = plot_attention(data, incidents, suspects, faults)
     if attention:
         n_layers = data.layers[_ENTROPY].shape[2]
         which = "every layer" if len(shown) == n_layers else f"{len(shown)} of {n_layers} layers"

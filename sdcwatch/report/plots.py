@@ -19,7 +19,7 @@ from sdcwatch.report.data import _ENTROPY, RunData, _is_localised
 from sdcwatch.report.deviation import _MIN_RANKS, _global_series, _quiet_nan_warnings, rank_deviation
 
 _Z_CAP = 10.0  # top of the heat map's colour scale; beyond it a rank is plainly off
-_Z_FLAG = 3.5  # |z| counted as "flagged" in the per-rank bar
+Z_FLAG = 3.5  # |z| counted as "flagged" in the per-rank bar
 _HEATMAP_COLUMNS = 720  # at most this many step columns; longer runs are binned (max per bin)
 _MAX_LAYER_PANELS = 16
 _SEVERITY_COLOUR = {"critical": "#d62728", "warning": "#ff7f0e", "info": "#1f77b4"}
@@ -139,7 +139,7 @@ def _plot_series(ax: Any, steps: np.ndarray, series: np.ndarray, per_rank: np.nd
     _style_axes(ax)
 
 
-def _plot_training(data: RunData, incidents: Sequence[Incident], faults: Sequence[Mapping[str, Any]]) -> str | None:
+def plot_training(data: RunData, incidents: Sequence[Incident], faults: Sequence[Mapping[str, Any]]) -> str | None:
     series = _global_series(data)
     if not series:
         return None
@@ -166,7 +166,7 @@ def _bin_columns(score: np.ndarray, steps: np.ndarray) -> tuple[np.ndarray, np.n
     return binned, steps[starts]
 
 
-def _plot_heatmap(data: RunData, incidents: Sequence[Incident], faults: Sequence[Mapping[str, Any]]) -> tuple[str | None, list[str], np.ndarray]:
+def plot_heatmap(data: RunData, incidents: Sequence[Incident], faults: Sequence[Mapping[str, Any]]) -> tuple[str | None, list[str], np.ndarray]:
     score, used, widespread = rank_deviation(data)
     if not used or data.world < _MIN_RANKS:
         return None, used, np.zeros(data.world)
@@ -176,7 +176,7 @@ def _plot_heatmap(data: RunData, incidents: Sequence[Incident], faults: Sequence
     # Share of steps each rank was flagged, over the steps where ranks can be compared at all
     # (when every rank is non-finite, nobody stands out).
     comparable = np.isfinite(score).any(axis=1)
-    flags = np.where(data.present, np.where(np.isnan(score), False, score > _Z_FLAG), np.nan)[comparable]
+    flags = np.where(data.present, np.where(np.isnan(score), False, score > Z_FLAG), np.nan)[comparable]
     with _quiet_nan_warnings():
         flagged = np.nan_to_num(np.nanmean(flags, axis=0) * 100) if len(flags) else np.zeros(data.world)
     binned, starts = _bin_columns(score, data.steps)
@@ -233,7 +233,7 @@ def _plot_heatmap(data: RunData, incidents: Sequence[Incident], faults: Sequence
     # Red only for a rank flagged far more often than its peers, not for the noisiest of equals.
     standout = max(10.0, 3 * float(np.median(flagged)))
     bar.barh(range(world), flagged, color=["#d62728" if v >= standout else "#9e9e9e" for v in flagged], height=0.7)
-    bar.set_xlabel(f"% of steps\n|z| > {_Z_FLAG:g}", fontsize=8.5)
+    bar.set_xlabel(f"% of steps\n|z| > {Z_FLAG:g}", fontsize=8.5)
     bar.tick_params(labelleft=False, labelsize=8)
     bar.set_xlim(0, max(5.0, float(flagged.max()) * 1.15))
     bar.spines[["top", "right"]].set_visible(False)
@@ -241,7 +241,7 @@ def _plot_heatmap(data: RunData, incidents: Sequence[Incident], faults: Sequence
     return _png(fig), used, flagged
 
 
-def _plot_attention(data: RunData, incidents: Sequence[Incident], suspects: Sequence[int],
+def plot_attention(data: RunData, incidents: Sequence[Incident], suspects: Sequence[int],
                     faults: Sequence[Mapping[str, Any]]) -> tuple[str | None, list[int]]:
     entropy = data.layers.get(_ENTROPY)
     if entropy is None or entropy.shape[2] == 0:

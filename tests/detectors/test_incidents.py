@@ -224,6 +224,7 @@ def test_save_and_load_resume_without_warmup_or_repeats(tmp_path):
     key = lambda evs: [(e.change, e.incident.id, e.incident.kind) for e in evs]
     assert key(ev) == key(whole_events)
     assert second.aligner.late_records == 50 * 8
+    assert second.view().pipeline.late_records_total == 50 * 8  # exported as a metric
 
 
 def test_a_run_that_goes_silent_has_its_incidents_resolved_after_stale_after():

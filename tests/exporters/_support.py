@@ -64,7 +64,8 @@ def small_view(world: int = 8, layers: int = 2) -> ServiceView:
     return ServiceView(
         runs=[run],
         pipeline=PipelineView(records_total=960, records_per_second=8.0, duplicates_total=1,
-                              dead_letters_total=2, consumer_lag=4, last_record_wall=999.0),
+                              dead_letters_total=2, consumer_lag=4, last_record_wall=999.0,
+                              late_records_total=3, incomplete_steps_total=5),
         incidents=[sdc_incident(opened_at=990.0)],
         incidents_total={("sdc_suspected", "critical"): 1, ("loss_spike", "warning"): 2},
         findings_total={("rank_outlier", "rank_outlier"): 7},

@@ -104,6 +104,15 @@ sdcwatch_pipeline_dead_letters_total 2.0
 # HELP sdcwatch_pipeline_duplicates_total Duplicate records (same run, step and rank) discarded.
 # TYPE sdcwatch_pipeline_duplicates_total counter
 sdcwatch_pipeline_duplicates_total 1.0
+# HELP sdcwatch_pipeline_late_records_total Records that arrived after their step had closed, and were dropped.
+# TYPE sdcwatch_pipeline_late_records_total counter
+sdcwatch_pipeline_late_records_total 3.0
+# HELP sdcwatch_pipeline_world_changes_total Times a run's world size changed (its open steps were closed and alignment started over).
+# TYPE sdcwatch_pipeline_world_changes_total counter
+sdcwatch_pipeline_world_changes_total 0.0
+# HELP sdcwatch_pipeline_incomplete_steps_total Steps closed without every rank's record (late or missing ranks).
+# TYPE sdcwatch_pipeline_incomplete_steps_total counter
+sdcwatch_pipeline_incomplete_steps_total 5.0
 # HELP sdcwatch_pipeline_summaries_total Step summaries a temporal stage received from the spatial stage (scale-out).
 # TYPE sdcwatch_pipeline_summaries_total counter
 sdcwatch_pipeline_summaries_total 0.0
