@@ -3,6 +3,8 @@
 #   ./dev.sh demo [ARGS]   install sdcwatch into .venv and run the demo on the embedded broker
 #   ./dev.sh test [ARGS]   install the test dependencies too (Prometheus, Alertmanager, Chromium
 #                          from Debian) and run the whole test suite
+#   ./dev.sh lint          install the dev dependencies and run ruff (lint; the format check once
+#                          the tree is formatted)
 set -euo pipefail
 cd "$(dirname "$0")"
 VENV=${SDCWATCH_VENV:-.venv}
@@ -46,13 +48,17 @@ case "$cmd" in
     need_venv torch
     exec "$VENV/bin/sdcwatch" demo "$@"
     ;;
+  lint)
+    need_venv dev
+    exec "$VENV/bin/ruff" check .
+    ;;
   test)
     need_debian
     need_venv dev
     exec "$VENV/bin/python" -m pytest "$@"
     ;;
   *)
-    echo "usage: ./dev.sh demo [ARGS] | ./dev.sh test [PYTEST ARGS]" >&2
+    echo "usage: ./dev.sh demo [ARGS] | ./dev.sh lint | ./dev.sh test [PYTEST ARGS]" >&2
     exit 2
     ;;
 esac

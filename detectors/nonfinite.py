@@ -102,11 +102,11 @@ class NonFiniteDetector(SplitDetector):
             with np.errstate(invalid="ignore"):
                 bad = ~(np.abs(L) < self.limit) & frame.sent_layers()
             if bad.any():
-                r, m, l = np.nonzero(bad)
+                r, m, lay = np.nonzero(bad)
                 n_bad += r.size
                 local_ranks.update(np.unique(r).tolist())
                 hits += [(int(a), frame.layer_names[b], int(c), float(L[a, b, c]))
-                         for a, b, c in zip(r, m, l)]
+                         for a, b, c in zip(r, m, lay)]
         if not hits:
             return None
         if len(hits) > 4 * self.max_listed:  # keep the observation small: the hits a finding can name
@@ -121,7 +121,7 @@ class NonFiniteDetector(SplitDetector):
         if seen is None:
             self._origin = None
             return []
-        hits = [(int(r), str(m), None if l is None else int(l), float(v)) for r, m, l, v in seen["hits"]]
+        hits = [(int(r), str(m), None if lay is None else int(lay), float(v)) for r, m, lay, v in seen["hits"]]
         n_bad = int(seen["n_bad"])
         local_ranks, counted_ranks = set(seen["local"]), set(seen["counted"])
         global_ranks = set(seen["global"])

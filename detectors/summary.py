@@ -30,7 +30,7 @@ from typing import Any, Callable
 import numpy as np
 
 from sdcwatch.core.validate import check_positive
-from sdcwatch.core.errors import RecordError, SummaryError
+from sdcwatch.core.errors import SummaryError
 from sdcwatch.core.names import SUMMARY_TOPIC
 
 __all__ = ["StepSummary", "SummaryError", "SummaryOrder", "encode_summary", "decode_summary",

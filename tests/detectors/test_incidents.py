@@ -221,7 +221,8 @@ def test_save_and_load_resume_without_warmup_or_repeats(tmp_path):
     for s in range(150, 300):  # redelivery of 50 steps already seen
         ev += second.process(synth.records(s))
     ev += second.flush()
-    key = lambda evs: [(e.change, e.incident.id, e.incident.kind) for e in evs]
+    def key(evs):
+        return [(e.change, e.incident.id, e.incident.kind) for e in evs]
     assert key(ev) == key(whole_events)
     assert second.aligner.late_records == 50 * 8
     assert second.view().pipeline.late_records_total == 50 * 8  # exported as a metric

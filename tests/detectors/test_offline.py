@@ -41,7 +41,8 @@ def test_llmc_ok_grad_norm_spikes_are_gradient_spikes_not_loss_spikes(logs):
     assert "loss_spike" not in kinds
     assert kinds == {"grad_spike"}
     spikes = [i for i in incidents if i.kind == "grad_spike"]
-    covered = lambda step: any(i.first_step <= step <= i.last_step for i in spikes)
+    def covered(step):
+        return any(i.first_step <= step <= i.last_step for i in spikes)
     for step in (1017, 10822, 10868, 10950, 10959):
         assert covered(step), f"gradient spike at step {step} not reported"
     assert all(i.severity.value == "warning" for i in spikes)
@@ -74,7 +75,7 @@ def test_replay_main_json_has_the_promised_fields(logs, capsys):
         d = json.loads(line)
         assert {"kind", "severity", "step", "last_step", "ranks", "metric", "message"} <= set(d)
         assert isinstance(d["ranks"], list)
-    assert any(json.loads(l)["step"] == 947 for l in lines)
+    assert any(json.loads(line)["step"] == 947 for line in lines)
 
 
 def test_replay_main_table(logs, capsys):
