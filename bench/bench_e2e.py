@@ -6,7 +6,7 @@
 For each N, P producer processes (each owning a slice of the ranks) send one record per rank per
 step with :class:`~sdcwatch.telemetry.KafkaTransport` into an embedded Tansu broker, paced at
 ``rate`` steps/s. The detection service (:class:`~sdcwatch.detectors.DetectorService` reading a
-:class:`~sdcwatch.detectors.source.KafkaSource` consumer group, default pipeline) runs in this
+:class:`~sdcwatch.detectors.bus.KafkaSource` consumer group, default pipeline) runs in this
 process. Every ``fault_every`` steps one rank reports a NaN loss; the service must open a
 non-finite incident for it. Measured:
 
@@ -28,6 +28,7 @@ import json
 import logging
 import math
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -114,8 +115,10 @@ def produce(argv: list[str]) -> int:
 def run_scale(bootstrap: str, world: int, *, rate: float, duration: float, producers: int, fault_every: int,
               partitions: int = 4, log=print) -> dict:
     """Run the producers and the service for one world size; returns the measurements."""
-    from sdcwatch.detectors import DetectionPipeline, DetectorService, PipelineSettings
-    from sdcwatch.detectors.source import KafkaSource
+    import tempfile
+
+    from sdcwatch.config import BusConfig, DetectorsConfig, MetricsConfig, ServeConfig, StateConfig
+    from sdcwatch.serve import build_service
     from sdcwatch.telemetry.transports import ensure_topic
 
     topic = f"bench.e2e.{world}.{uuid.uuid4().hex[:6]}"
@@ -140,9 +143,13 @@ def run_scale(bootstrap: str, world: int, *, rate: float, duration: float, produ
             pass
 
     # incidents resolve quickly, so each injected fault opens its own incident
-    pipeline = DetectionPipeline(PipelineSettings(step_timeout=10.0, quiet_steps=max(1, fault_every // 2)))
-    source = KafkaSource(bootstrap, topic, group=f"bench-{uuid.uuid4().hex[:8]}")
-    service = DetectorService(source, pipeline, sinks=[LatencySink()], poll_timeout=0.05)
+    # the service as sdcwatch serve builds it, with the benchmark's sink only and no periodic snapshot
+    cfg = ServeConfig(bus=BusConfig(bootstrap=bootstrap, telemetry_topic=topic, group=f"bench-{uuid.uuid4().hex[:8]}"),
+                      metrics=MetricsConfig(port=0),
+                      state=StateConfig(dir=Path(tempfile.mkdtemp(prefix="sdcwatch-bench-")), snapshot_interval_s=1e9),
+                      detectors=DetectorsConfig(align_timeout_s=10.0, resolve_after_steps=max(1, fault_every // 2)))
+    service, _ = build_service(cfg, sinks=[LatencySink()], poll_timeout=0.05)
+    source, pipeline = service.source, service.pipeline
     # wait for the consumer-group join, so that the first steps are not measured as lag
     join_deadline = time.monotonic() + 20
     while not source.assigned and time.monotonic() < join_deadline:
@@ -199,6 +206,7 @@ def run_scale(bootstrap: str, world: int, *, rate: float, duration: float, produ
             raise RuntimeError(f"producer failed ({p.returncode}): {err.strip()[-2000:]}")
         stats.append(json.loads(out.strip().splitlines()[-1]))
     service.close()
+    shutil.rmtree(cfg.state.dir, ignore_errors=True)
 
     fault_times: dict[int, float] = {}  # the faulty record's build time
     step_built: dict[int, float] = {}  # when the last producer built the fault step

@@ -252,10 +252,8 @@ def run_demo(
     import torch
 
     from sdcwatch.broker import EmbeddedBroker
-    from sdcwatch.detectors.pipeline import DetectionPipeline
-    from sdcwatch.detectors.service import AnomalyTopicSink, DetectorService
-    from sdcwatch.detectors.source import KafkaSource
-    from sdcwatch.exporters.server import MetricsServer
+    from sdcwatch.config import AlertsConfig, BusConfig, MetricsConfig, ServeConfig, StateConfig
+    from sdcwatch.serve import build_service
     from sdcwatch.telemetry import Emitter, KafkaTransport
     from sdcwatch.telemetry.faults import FaultSpec
     from sdcwatch.telemetry.reference.simulated import SimulatedRun
@@ -295,13 +293,16 @@ def run_demo(
     log.info("demo output in %s", out)
     with EmbeddedBroker(port=0) as broker:
         say(f"  broker: embedded Tansu on {broker.bootstrap}")
-        source = _CapturingSource(KafkaSource(broker.bootstrap, group=f"sdcwatch-demo-{os.getpid()}"), records_path)
+        cfg = ServeConfig(bus=BusConfig(bootstrap=broker.bootstrap, group=f"sdcwatch-demo-{os.getpid()}"),
+                          metrics=MetricsConfig(address="127.0.0.1", port=_pick_metrics_port(metrics_port)),
+                          alerts=AlertsConfig(log=False),  # the demo prints each change itself
+                          state=StateConfig(dir=out / "state", snapshot_interval_s=5.0))
         events = _EventLog(progress, quiet)
-        pipeline = DetectionPipeline()
+        service, metrics = build_service(cfg, extra_sinks=[events],
+                                         wrap_source=lambda source: _CapturingSource(source, records_path))
+        source, pipeline = service.source, service.pipeline
         pipeline.book.history = []  # keep every incident, in its latest state, for the summary
-        service = DetectorService(source, pipeline, sinks=[AnomalyTopicSink.to_kafka(broker.bootstrap), events],
-                                  state_dir=out / "state", snapshot_every=5.0)
-        metrics = MetricsServer(service.view, address="127.0.0.1", port=_pick_metrics_port(metrics_port)).start()
+        metrics.start()
         say(f"  metrics: {metrics.url}  (point Prometheus here; Grafana dashboard in dashboards/)")
         stop = threading.Event()
         service_thread = threading.Thread(target=service.run_forever, args=(stop,), name="sdcwatch-service", daemon=True)

@@ -13,7 +13,7 @@ import logging
 import signal
 import sys
 import threading
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from sdcwatch.config import ServeConfig, add_serve_arguments, config_from_args
 
@@ -22,17 +22,22 @@ __all__ = ["build_service", "serve_main"]
 log = logging.getLogger("sdcwatch.serve")
 
 
-def build_service(cfg: ServeConfig) -> tuple[Any, Any | None]:
-    """The service and its metrics server (None when ``metrics.port`` is 0), from a config."""
+def build_service(cfg: ServeConfig, *, sinks: Sequence[Any] | None = None, extra_sinks: Sequence[Any] = (),
+                  wrap_source: Callable[[Any], Any] | None = None,
+                  poll_timeout: float = 0.2) -> tuple[Any, Any | None]:
+    """The service and its metrics server (None when ``metrics.port`` is 0, not started), from a config.
+
+    ``sdcwatch serve``, the demo and the end-to-end benchmark all build the service here. ``sinks``
+    replaces the incident sinks the config names (the anomalies topic, Alertmanager, webhook, log);
+    ``extra_sinks`` are added to them; ``wrap_source`` wraps the Kafka source (the demo records
+    what it reads).
+    """
+    from sdcwatch.detectors.bus import AnomalyTopicSink, KafkaSource, SummaryTopicSink, decode_summary_message
     from sdcwatch.detectors.pipeline import DetectionPipeline, PipelineSettings
     from sdcwatch.detectors.registry import default_detectors
-    from sdcwatch.detectors.service import AnomalyTopicSink, DetectorService
-    from sdcwatch.detectors.source import KafkaSource
+    from sdcwatch.detectors.service import DetectorService
     from sdcwatch.exporters import AlertmanagerSink, LogSink, WebhookSink
     from sdcwatch.exporters.server import MetricsServer
-
-    from sdcwatch.detectors.service import SummaryTopicSink
-    from sdcwatch.detectors.source import decode_summary_message
 
     security = dict(cfg.bus.security)
     stage = cfg.detectors.stage
@@ -46,20 +51,25 @@ def build_service(cfg: ServeConfig) -> tuple[Any, Any | None]:
     else:
         source = KafkaSource(cfg.bus.bootstrap, cfg.bus.telemetry_topic, group=cfg.bus.group,
                              deadletter_topic=cfg.bus.deadletter_topic, **security)
-    sinks: list[Any] = []
+    if wrap_source is not None:
+        source = wrap_source(source)
     summary_sink = None
     if stage == "spatial":  # incidents come from the temporal stage
         summary_sink = SummaryTopicSink.to_kafka(cfg.bus.bootstrap, cfg.bus.summaries_topic, **security)
+        chosen: list[Any] = []
+    elif sinks is not None:
+        chosen = list(sinks)
     else:
-        sinks.append(AnomalyTopicSink.to_kafka(cfg.bus.bootstrap, cfg.bus.anomalies_topic, **security))
+        chosen = [AnomalyTopicSink.to_kafka(cfg.bus.bootstrap, cfg.bus.anomalies_topic, **security)]
         if cfg.alerts.alertmanager_url:
-            sinks.append(AlertmanagerSink(cfg.alerts.alertmanager_url, timeout=cfg.alerts.timeout_s))
+            chosen.append(AlertmanagerSink(cfg.alerts.alertmanager_url, timeout=cfg.alerts.timeout_s))
         if cfg.alerts.webhook_url:
-            sinks.append(WebhookSink(cfg.alerts.webhook_url, timeout=cfg.alerts.timeout_s))
+            chosen.append(WebhookSink(cfg.alerts.webhook_url, timeout=cfg.alerts.timeout_s))
         if cfg.alerts.log:
-            sinks.append(LogSink())
-    service = DetectorService(source, pipeline, sinks=sinks, summary_sink=summary_sink, state_dir=cfg.state.dir,
-                              snapshot_every=cfg.state.snapshot_interval_s)
+            chosen.append(LogSink())
+    service = DetectorService(source, pipeline, sinks=[*chosen, *extra_sinks], summary_sink=summary_sink,
+                              state_dir=cfg.state.dir, snapshot_every=cfg.state.snapshot_interval_s,
+                              poll_timeout=poll_timeout)
     metrics = None
     if cfg.metrics.port:
         metrics = MetricsServer(service.view, address=cfg.metrics.address, port=cfg.metrics.port,

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Protocol, Sequence
 
 from sdcwatch.core.errors import ConfigError, TransportError
+from sdcwatch.core.kafka import new_admin, new_producer, security_settings
 from sdcwatch.core.names import TELEMETRY_TOPIC
 from sdcwatch.telemetry.record import Record, decode_message, encode, encode_batch, to_json
 
@@ -32,42 +33,9 @@ __all__ = [
     "MemoryBus",
     "TELEMETRY_TOPIC",
     "record_key",
-    "kafka_security_settings",
 ]
 
 log = logging.getLogger("sdcwatch.telemetry")
-
-#: kafka-python settings passed through for real clusters (SASL/SSL); anything else is an error.
-SECURITY_KEYS = frozenset(
-    {
-        "security_protocol",
-        "ssl_context",
-        "ssl_check_hostname",
-        "ssl_cafile",
-        "ssl_certfile",
-        "ssl_keyfile",
-        "ssl_crlfile",
-        "ssl_password",
-        "ssl_ciphers",
-        "sasl_mechanism",
-        "sasl_plain_username",
-        "sasl_plain_password",
-        "sasl_kerberos_name",
-        "sasl_kerberos_service_name",
-        "sasl_kerberos_domain_name",
-        "sasl_oauth_token_provider",
-        "client_id",
-    }
-)
-
-
-def kafka_security_settings(settings: dict[str, Any], where: str = "security") -> dict[str, Any]:
-    """Check the pass-through kafka-python settings; unknown keys are an error, not ignored."""
-    for key in settings:
-        if key not in SECURITY_KEYS:
-            raise ConfigError(f"{where}.{key}", f"unknown kafka security setting (known: {', '.join(sorted(SECURITY_KEYS))})")
-    return dict(settings)
-
 
 #: Steps per partition key. All records whose steps fall in one window share a key, so every
 #: rank of a step lands in the same partition (a detector instance sees whole steps), and one
@@ -213,9 +181,8 @@ class KafkaTransport:
         self.replication = replication
         self.flush_timeout = flush_timeout
         self.max_records_per_message = max_records_per_message
-        self.security = kafka_security_settings(security)
+        self.security = security_settings(security)
         self._producer_config = dict(
-            bootstrap_servers=bootstrap.split(","),
             acks=acks,
             linger_ms=linger_ms,
             batch_size=batch_size,
@@ -225,7 +192,6 @@ class KafkaTransport:
             delivery_timeout_ms=max(delivery_timeout_ms, linger_ms + request_timeout_ms),
             retries=3,
             enable_idempotence=False,
-            **self.security,
         )
         self._producer = None
         self._topic_ready = False
@@ -233,11 +199,10 @@ class KafkaTransport:
         self.log_resets = 0  # times the broker's log went back (it lost confirmed records)
 
     def _connect(self):
-        from kafka import KafkaProducer
         from kafka.errors import KafkaError
 
         try:
-            self._producer = KafkaProducer(**self._producer_config)
+            self._producer = new_producer(self.bootstrap, self.security, **self._producer_config)
         except (KafkaError, OSError, ValueError) as exc:
             raise TransportError(f"cannot connect to Kafka at {self.bootstrap}: {exc}") from None
         if not self._topic_ready:
@@ -318,12 +283,11 @@ def ensure_topic(bootstrap: str, topic: str, partitions: int, replication: int =
     Failure to reach the admin API is not fatal: a broker that auto-creates topics still takes
     the records, so the caller logs and carries on.
     """
-    from kafka.admin import KafkaAdminClient, NewTopic
+    from kafka.admin import NewTopic
     from kafka.errors import KafkaError, TopicAlreadyExistsError
 
     try:
-        admin = KafkaAdminClient(bootstrap_servers=bootstrap.split(","), request_timeout_ms=timeout_ms,
-                                 **(security or {}))
+        admin = new_admin(bootstrap, security, request_timeout_ms=timeout_ms)
     except (KafkaError, OSError, ValueError) as exc:
         log.debug("cannot reach Kafka admin API at %s: %s", bootstrap, exc)
         return False

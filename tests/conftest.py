@@ -39,7 +39,7 @@ def read_topic(bootstrap: str, topic: str, want: int, timeout: float = 90.0, *, 
     ``grace`` seconds more, to catch anything beyond what was expected. Returns (records, source)."""
     import time
 
-    from sdcwatch.detectors.source import KafkaSource
+    from sdcwatch.detectors.bus import KafkaSource
 
     src = KafkaSource(bootstrap, topic, group=f"g-{uuid.uuid4().hex[:8]}", deadletter_topic=f"{topic}.dead")
     got = []

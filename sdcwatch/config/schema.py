@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from sdcwatch.core.errors import ConfigError
+from sdcwatch.core.kafka import TEXT_SECURITY_KEYS
 from sdcwatch.core.names import ANOMALY_TOPIC, DEADLETTER_TOPIC, SUMMARY_TOPIC, TELEMETRY_TOPIC
 from sdcwatch.core.validate import check_type, did_you_mean, is_host, topic_problem, url_problem
 from sdcwatch.detectors.registry import default_classes
@@ -33,23 +34,8 @@ __all__ = [
     "hints",
 ]
 
-#: Kafka security settings that may be given as text (kafka-python 3.x keyword -> value type).
-#: Object-valued ones (ssl_context, sasl_oauth_token_provider) cannot come from a file.
-SECURITY_KEYS: dict[str, type] = {
-    "security_protocol": str,
-    "ssl_check_hostname": bool,
-    "ssl_cafile": str,
-    "ssl_certfile": str,
-    "ssl_keyfile": str,
-    "ssl_crlfile": str,
-    "ssl_password": str,
-    "ssl_ciphers": str,
-    "sasl_mechanism": str,
-    "sasl_plain_username": str,
-    "sasl_plain_password": str,
-    "sasl_kerberos_service_name": str,
-    "sasl_kerberos_domain_name": str,
-}
+#: Kafka security settings that may be given as text (kafka-python keyword -> value type).
+SECURITY_KEYS = TEXT_SECURITY_KEYS
 _PROTOCOLS = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
 # OAUTHBEARER needs a token-provider object, which text configuration cannot give.
 _MECHANISMS = ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512", "GSSAPI", "AWS_MSK_IAM")

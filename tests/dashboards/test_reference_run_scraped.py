@@ -17,7 +17,7 @@ torch = pytest.importorskip("torch")
 def test_dashboard_and_rules_on_a_faulted_reference_run(start_prometheus):
     from sdcwatch.detectors.pipeline import DetectionPipeline
     from sdcwatch.detectors.service import DetectorService
-    from sdcwatch.detectors.source import MemorySource
+    from sdcwatch.detectors.bus import MemorySource
     from sdcwatch.exporters import MetricsServer
     from sdcwatch.telemetry import Emitter, MemoryBus, MemoryTransport
     from sdcwatch.telemetry.faults import FaultSpec

@@ -11,7 +11,7 @@ import pytest
 
 from detector_synth import Fault, SyntheticRun
 from sdcwatch.detectors import ANOMALY_TOPIC, AnomalyTopicSink, DetectionPipeline, DetectorService
-from sdcwatch.detectors.source import MemorySource
+from sdcwatch.detectors.bus import MemorySource
 from sdcwatch.core.errors import ConfigError
 from sdcwatch.telemetry import MemoryBus, MemoryTransport
 
@@ -128,7 +128,7 @@ def test_reference_run_fault_on_one_rank_through_the_real_broker_names_that_rank
     torch = pytest.importorskip("torch")
     from kafka import KafkaConsumer
 
-    from sdcwatch.detectors.source import KafkaSource
+    from sdcwatch.detectors.bus import KafkaSource
     from sdcwatch.telemetry import Emitter, KafkaTransport
     from sdcwatch.telemetry.faults import FaultSpec
     from sdcwatch.telemetry.reference.model import GPTConfig
@@ -172,7 +172,7 @@ def test_reference_run_fault_on_one_rank_through_the_real_broker_names_that_rank
 @pytest.mark.integration
 def test_summary_the_broker_refuses_is_reported_and_blocks_the_commit(bootstrap, unique_topic):
     """A summary larger than the broker takes is not taken for delivered: flush says so."""
-    from sdcwatch.detectors.service import SummaryTopicSink
+    from sdcwatch.detectors.bus import SummaryTopicSink
     from sdcwatch.detectors.summary import StepSummary
 
     sink = SummaryTopicSink.to_kafka(bootstrap, topic=f"{unique_topic}.sum", max_request_size=2048)

@@ -10,7 +10,7 @@ import pytest
 from detector_synth import Fault, SyntheticRun
 from sdcwatch.detectors import DetectionPipeline
 from sdcwatch.detectors.baselines.river_hst import RiverHalfSpaceTrees
-from sdcwatch.detectors.source import MemorySource, decode_summary_message
+from sdcwatch.detectors.bus import MemorySource, decode_summary_message
 from sdcwatch.detectors.summary import (StepSummary, SummaryError, SummaryOrder, decode_summary,
                                         encode_summary)
 from sdcwatch.core.errors import ConfigError

@@ -1,4 +1,7 @@
-"""Sources: where the detector service reads telemetry records from.
+"""The service's end of the bus: the sources it reads, the dead-letter topic, the topic sinks it writes.
+
+(The ranks' end is :mod:`sdcwatch.telemetry.transports`; every Kafka client of both is built by
+:mod:`sdcwatch.core.kafka`.)
 
 A source returns decoded records in batches and commits only when told to, after the records
 have been processed: delivery is at least once, and de-duplication by (run, step, rank) belongs
@@ -12,14 +15,18 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol
+import json
+from typing import Any, Callable, ClassVar, Protocol, Sequence
 
 from sdcwatch.core.errors import RecordError, TransportError
-from sdcwatch.core.names import DEADLETTER_TOPIC, TELEMETRY_TOPIC
+from sdcwatch.core.kafka import SECURITY_KEYS, new_consumer, new_producer, security_settings
+from sdcwatch.core.names import ANOMALY_TOPIC, DEADLETTER_TOPIC, SUMMARY_TOPIC, TELEMETRY_TOPIC
+from sdcwatch.detectors.summary import StepSummary, encode_summary
+from sdcwatch.detectors.types import IncidentEvent
 from sdcwatch.telemetry.record import Record, decode_message
 
-__all__ = ["Source", "KafkaSource", "MemorySource", "DeadLetter", "DEADLETTER_TOPIC", "TELEMETRY_TOPIC", "FAST_JOIN",
-           "decode_summary_message"]
+__all__ = ["Source", "KafkaSource", "MemorySource", "DeadLetter", "FAST_JOIN", "decode_summary_message",
+           "AnomalyTopicSink", "SummaryTopicSink"]
 
 log = logging.getLogger("sdcwatch.detectors")
 
@@ -139,12 +146,9 @@ class KafkaSource:
         decode: Callable[[bytes], list] = decode_message,
         **security: Any,
     ) -> None:
-        from kafka import KafkaConsumer, KafkaProducer
         from kafka.errors import KafkaError
 
-        from sdcwatch.telemetry.transports import kafka_security_settings
-
-        security = kafka_security_settings(security)
+        security = security_settings(security)
         self.bootstrap = bootstrap
         self.topic = topic
         self.group = group
@@ -158,9 +162,10 @@ class KafkaSource:
         self._lag_at = 0.0
         self._assignment: list[int] | None = None
         try:
-            self._consumer = KafkaConsumer(
+            self._consumer = new_consumer(
+                bootstrap,
                 topic,
-                bootstrap_servers=bootstrap.split(","),
+                security=security,
                 group_id=group,
                 enable_auto_commit=False,
                 auto_offset_reset=auto_offset_reset,
@@ -169,10 +174,8 @@ class KafkaSource:
                 session_timeout_ms=session_timeout_ms,
                 heartbeat_interval_ms=heartbeat_interval_ms,
                 fetch_max_wait_ms=100,
-                **security,
             )
-            self._dl_producer = KafkaProducer(bootstrap_servers=bootstrap.split(","), linger_ms=5,
-                                              max_block_ms=5000, **security)
+            self._dl_producer = new_producer(bootstrap, security, linger_ms=5, max_block_ms=5000)
         except (KafkaError, OSError, ValueError) as exc:
             raise TransportError(f"cannot connect to Kafka at {bootstrap}: {exc}") from None
 
@@ -239,3 +242,135 @@ class KafkaSource:
             self._dl_producer.close(timeout=5)
         finally:
             self._consumer.close()
+
+
+# -- topic sinks: what the service writes to the bus ------------------------------------------------
+
+
+def _kafka_sender(bootstrap: str, topic: str, **producer_settings: Any):
+    """(send(key, value), flush() -> bool, close()) over one kafka-python producer.
+
+    Sending is asynchronous; a message the broker refuses (too large, topic gone, timed out) is
+    logged and makes the next ``flush`` return False, so the caller does not commit as if it had
+    been delivered.
+    """
+    security = {k: v for k, v in producer_settings.items() if k in SECURITY_KEYS}
+    settings = {k: v for k, v in producer_settings.items() if k not in SECURITY_KEYS}
+    producer = new_producer(bootstrap, security, acks=1, **settings)  # kafka-python is imported here, lazily
+    failed = {"n": 0, "at_flush": 0}
+
+    def on_error(exc: BaseException) -> None:
+        failed["n"] += 1
+        if failed["n"] == 1 or failed["n"] % 100 == 0:
+            log.error("%s: the broker did not take a message (%d so far): %s", topic, failed["n"], exc)
+
+    def send(key: bytes, value: bytes) -> None:
+        producer.send(topic, key=key, value=value).add_errback(on_error)
+
+    def flush() -> bool:
+        try:
+            producer.flush(timeout=10)
+        except Exception as exc:
+            log.warning("%s: flush failed: %s", topic, exc)
+            return False
+        ok = failed["n"] == failed["at_flush"]
+        failed["at_flush"] = failed["n"]
+        return ok
+
+    def close() -> None:
+        producer.flush(timeout=5)
+        producer.close(timeout=5)
+
+    return send, flush, close
+
+
+class _TopicWriter:
+    """The writing end of one topic, shared by the sinks that publish to the bus.
+
+    ``send(key: bytes, value: bytes)`` is where messages go: :meth:`to_bus` writes to a
+    :class:`~sdcwatch.telemetry.MemoryBus`, :meth:`to_kafka` to a kafka-python producer (sending is
+    asynchronous there). Publishing never raises; failures are counted in ``errors``.
+    """
+
+    DEFAULT_TOPIC: ClassVar[str]
+    KAFKA_SETTINGS: ClassVar[dict[str, Any]] = {}
+    LABEL: ClassVar[str]
+
+    def __init__(self, send: Callable[[bytes, bytes], Any], flush: Callable[[], bool] = lambda: True,
+                 close: Callable[[], Any] | None = None) -> None:
+        self._send, self._flush, self._close = send, flush, close
+        self.published = 0
+        self.errors = 0
+
+    @classmethod
+    def to_bus(cls, bus: Any, topic: str | None = None):
+        topic = topic or cls.DEFAULT_TOPIC
+        return cls(lambda k, v: bus.append(topic, k, v))
+
+    @classmethod
+    def to_kafka(cls, bootstrap: str, topic: str | None = None, **producer_settings: Any):
+        return cls(*_kafka_sender(bootstrap, topic or cls.DEFAULT_TOPIC, **{**cls.KAFKA_SETTINGS, **producer_settings}))
+
+    def close(self) -> None:
+        if self._close is not None:
+            try:
+                self._close()
+            except Exception:
+                log.exception("%s topic: close failed", self.LABEL)
+
+
+class AnomalyTopicSink(_TopicWriter):
+    """Publishes each incident change as JSON (``Incident.to_dict()`` plus ``change``) to a topic."""
+
+    DEFAULT_TOPIC = ANOMALY_TOPIC
+    KAFKA_SETTINGS = {"linger_ms": 20}
+    LABEL = "anomaly"
+
+    def publish(self, event: IncidentEvent) -> None:
+        try:
+            body = {"change": event.change, **event.incident.to_dict()}
+            self._send(event.incident.id.encode("utf-8"), json.dumps(body, allow_nan=False).encode("utf-8"))
+            self.published += 1
+        except Exception:  # a sink must never stall or break detection
+            self.errors += 1
+            log.exception("anomaly topic: could not publish incident %s", event.incident.id)
+
+
+class SummaryTopicSink(_TopicWriter):
+    """The spatial stage's output: each step summary as one message, keyed by run, to a topic.
+
+    Keyed by run so that one run's summaries share a partition and so a temporal instance. The
+    service flushes it before it commits its telemetry offsets: a summary is on the bus before the
+    records it came from count as done.
+    """
+
+    DEFAULT_TOPIC = SUMMARY_TOPIC
+    # summaries grow with ranks x metrics (330 kB measured at 16,384 ranks x 136 metrics): past the
+    # producer's 1 MB default for the largest jobs; the broker's message.max.bytes still applies
+    KAFKA_SETTINGS = {"linger_ms": 5, "max_request_size": 8 << 20}
+    LABEL = "summaries"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._unflushed_errors = 0
+        self.bytes = 0
+
+    def publish(self, summaries: Sequence[StepSummary]) -> None:
+        for s in summaries:
+            try:
+                value = encode_summary(s)
+                self._send(s.run.encode("utf-8"), value)
+                self.published += 1
+                self.bytes += len(value)
+            except Exception as exc:
+                self.errors += 1
+                self._unflushed_errors += 1
+                if self.errors == 1 or self.errors % 100 == 0:
+                    log.error("summaries topic: could not publish step %s of run %s (%d so far): %s",
+                              s.step, s.run, self.errors, exc)
+
+    def flush(self) -> bool:
+        """Wait for the bus; False if a summary since the last flush was not delivered."""
+        ok = bool(self._flush()) and not self._unflushed_errors
+        self._unflushed_errors = 0
+        return ok
