@@ -1,4 +1,4 @@
-"""Training-side probes: what a user adds to a PyTorch training loop to feed sdcwatch.
+"""Training-side probes, the watch: what a user adds to a PyTorch training loop to feed sdcwatch.
 
     watch = attach(model, emitter, optimizer=opt, ddp=ddp_model)
     for step, batch in enumerate(data):
@@ -12,6 +12,10 @@ and hands a record to the emitter. Nothing on the training path calls ``.item()`
 Under DDP a communication hook sees each gradient bucket before and after the all-reduce (local
 and global norms, their dot product, the all-reduced gradient's fingerprint). Attention layers
 report q, k and logits through :func:`observe_attention`; heads and query positions are sampled.
+
+The parts live beside it: :mod:`~sdcwatch.telemetry.attention` (the attention statistics),
+:mod:`~sdcwatch.telemetry.ddp_hook` (the communication hook), :mod:`~sdcwatch.telemetry.packing`
+(the device-to-host hand-off) and :mod:`~sdcwatch.telemetry.canary` (the canary check).
 """
 
 from __future__ import annotations
@@ -22,17 +26,26 @@ import queue
 import threading
 import time
 import warnings
-import weakref
-from dataclasses import dataclass
 from typing import Any, Callable
 
-import numpy
 import torch
 from torch import nn
 
 from sdcwatch.core.errors import ConfigError
 from sdcwatch.core.names import ATTENTION_STATS
 from sdcwatch.telemetry import fingerprint as fp
+from sdcwatch.telemetry.attention import (
+    ATTENTION_WATCHES,
+    attention_stats,
+    mha_qk_logits,
+    observe_attention,
+    sampled_heads,
+    sampled_queries,
+)
+from sdcwatch.telemetry.canary import canary_fingerprint, canary_running
+from sdcwatch.telemetry.ddp_hook import comm_hook
+from sdcwatch.telemetry.packing import PackedStep, pack_step, unpack_step
+from sdcwatch.telemetry.probe_config import ProbeConfig
 
 __all__ = [
     "ProbeConfig",
@@ -42,166 +55,10 @@ __all__ = [
     "attention_stats",
     "sampled_heads",
     "sampled_queries",
+    "canary_fingerprint",
     "ATTENTION_STATS",
 ]
 
-# attention module -> [(watch, layer index)]; weak so a dropped model leaves no trace
-_ATTENTION: "weakref.WeakKeyDictionary[nn.Module, list[tuple[Watch, int]]]" = weakref.WeakKeyDictionary()
-
-
-@dataclass(frozen=True)
-class ProbeConfig:
-    """Sampling settings of a :class:`Watch`; the defaults keep the cost near 1-2% of a CPU step.
-
-    Per-step work is a handful of reductions; the costlier probes run on sampled steps. On a
-    large model every probe is cheap next to the step, and ``attention_every=1``,
-    ``fingerprint_every=1`` cost little.
-    """
-
-    every: int = 1
-    """Emit a record every this many steps (loss, gradient norms and cosine, step time...)."""
-    attention_every: int = 16
-    """Measure attention on every this-many-th recorded step (other records carry no layers)."""
-    fingerprint_every: int = 50
-    """Fingerprint the parameters and the all-reduced gradient every this many steps."""
-    grad_fingerprint: bool = True
-    """Include the all-reduced gradient's fingerprint on fingerprint steps."""
-    heads: int = 4
-    """Attention heads sampled per layer (evenly strided; 0 = all)."""
-    queries: int = 16
-    """Query positions sampled per head (strided over the last three quarters of the sequence)."""
-    sequences: int = 2
-    """Sequences of the micro-batch whose sampled queries go into the entropy (0 = all); q and k
-    norms always cover the whole micro-batch."""
-    attention: str = "auto"
-    """Which modules are attention layers: "auto" (the reference model's and
-    ``nn.MultiheadAttention``), "none", or a comma-separated list of module-name globs."""
-    activations_every: int = 16
-    """Record ``act_max``, the largest |output| of every leaf module of the model, on every
-    this-many-th recorded step; 0 = off (-inf, the mark of a masked attention slot, is skipped). It catches a NaN, Inf or near-INF value wherever it
-    appears in the forward pass, also where no other probe looks (an MLP, an attention mix)."""
-    canary_every: int = 0
-    """Run a fixed canary input through the model every this many steps and fingerprint the
-    output (``canary_fp``); 0 = off. Replicas hold the same parameters, so their canary outputs
-    must be bit-identical: a rank whose compute is faulty stands out in the replica vote even when
-    the fault is far too small to move any statistic (an unhealthy node). Needs ``canary_input``
-    and replicas of one hardware type (kernels must be deterministic across them)."""
-
-    def __post_init__(self) -> None:
-        for key, lo in (("every", 1), ("attention_every", 1), ("fingerprint_every", 1), ("heads", 0), ("queries", 1),
-                        ("sequences", 0), ("canary_every", 0), ("activations_every", 0)):
-            v = getattr(self, key)
-            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-                raise ConfigError(f"probes.{key}", f"must be an integer >= {lo}, got {v!r}")
-        if not isinstance(self.grad_fingerprint, bool):
-            raise ConfigError("probes.grad_fingerprint", f"must be a bool, got {self.grad_fingerprint!r}")
-        if not isinstance(self.attention, str) or not self.attention:
-            raise ConfigError("probes.attention", f"must be 'auto', 'none' or module globs, got {self.attention!r}")
-
-
-def observe_attention(layer: nn.Module, q: torch.Tensor, k: torch.Tensor, *, logits: torch.Tensor | None = None,
-                      causal: bool = True) -> None:
-    """Report one attention layer's q, k (batch, heads, time, d_head) to every watch attached to it.
-
-    ``logits`` (batch, heads, time, time; pre-softmax, masked slots -inf) are used as they are when
-    given, so a corrupted score GEMM shows; otherwise sampled logits are recomputed from q and k.
-    Costs one dictionary look-up when no watch is attached.
-    """
-    if not isinstance(layer, nn.Module):
-        raise TypeError(f"observe_attention() takes the attention module, got {type(layer).__name__}; "
-                        "use watch.observe_attention(index, q, k) for a layer index")
-    entries = _ATTENTION.get(layer)
-    if entries and not getattr(_CANARY, "active", False):
-        for watch, index in entries:
-            if watch.enabled:
-                watch.observe_attention(index, q, k, logits=logits, causal=causal)
-
-
-_CANARY = threading.local()  # set while a canary forward runs: its attention is not the step's
-
-
-def canary_fingerprint(model: nn.Module, inputs: Any) -> torch.Tensor:
-    """Raw device fingerprint of ``model(inputs)``, run without gradients, in eval mode.
-
-    The canary check: every data-parallel replica runs the same fixed input through the same
-    parameters, so the outputs must agree bit for bit; one that does not points at that rank's
-    hardware. The probes do not record this forward pass (its attention is not the step's).
-    """
-    was_training = model.training
-    _CANARY.active = True
-    try:
-        model.eval()
-        with torch.no_grad():
-            out = model(inputs)
-    finally:
-        model.train(was_training)
-        _CANARY.active = False
-    tensor = out if isinstance(out, torch.Tensor) else _first_tensor_of(out)
-    return fp.fingerprint_device([tensor])
-
-
-def _first_tensor_of(out: Any) -> torch.Tensor:
-    if isinstance(out, dict):
-        out = list(out.values())
-    for item in out if isinstance(out, (list, tuple)) else [out]:
-        if isinstance(item, torch.Tensor):
-            return item
-    raise TypeError(f"the canary forward returned no tensor ({type(out).__name__})")
-
-
-def sampled_heads(heads: int, n_head: int) -> slice:
-    """The heads probed: ``heads`` of ``n_head``, evenly strided from head 0 (0 = all)."""
-    if heads <= 0 or heads >= n_head:
-        return slice(0, n_head)
-    stride = n_head // heads
-    return slice(0, stride * heads, stride)
-
-
-def sampled_queries(queries: int, t: int) -> slice:
-    """The query positions probed: ``queries`` strided positions from ``t // 4`` (early positions
-    see too few keys for their entropy to mean much)."""
-    start = t // 4
-    stride = max(1, (t - start) // queries)
-    return slice(start, min(t, start + stride * queries), stride)
-
-
-def attention_stats(q: torch.Tensor, k: torch.Tensor, *, logits: torch.Tensor | None = None, heads: int = 4,
-                    queries: int = 16, sequences: int = 0, causal: bool = True) -> torch.Tensor:
-    """The :data:`ATTENTION_STATS` of one layer as a float32 (7,) tensor on the device.
-
-    q and k norms cover every (sequence, head, position). The entropy (nats) covers the sampled
-    heads and query positions (:func:`sampled_heads`, :func:`sampled_queries`) of the first
-    ``sequences`` sequences (0 = all): mean over sequences and queries per head, then the mean and
-    the minimum over heads. The largest logit is over the whole ``logits`` tensor when given (one
-    pass that catches a NaN, Inf or near-INF anywhere), else over the sampled logits.
-    """
-    with torch.no_grad():
-        if q.dim() == 3:
-            q, k = q.unsqueeze(1), k.unsqueeze(1)
-        if q.dim() != 4 or k.dim() != 4:
-            raise ValueError(f"q and k must be (batch, heads, time, d_head), got {tuple(q.shape)} and {tuple(k.shape)}")
-        q, k = q.detach(), k.detach()
-        n_head, t, d_head = q.shape[1:]
-        qn = torch.linalg.vector_norm(q, dim=-1)
-        kn = torch.linalg.vector_norm(k, dim=-1)
-        seqs = slice(0, sequences if sequences > 0 else q.shape[0])
-        hs, qs = sampled_heads(heads, n_head), sampled_queries(queries, t)
-        if logits is not None:
-            logits = logits.detach()
-            sampled = logits[seqs, hs, qs]
-            top = logits.amax()
-        else:
-            sampled = (q[seqs, hs, qs] @ k[seqs, hs].transpose(-2, -1)) * (1.0 / math.sqrt(d_head))
-            if causal:
-                positions = torch.arange(qs.start, qs.stop, qs.step, device=q.device)
-                future = torch.arange(k.shape[2], device=q.device)[None, :] > positions[:, None]
-                sampled = sampled.masked_fill(future, float("-inf"))
-            top = sampled.amax()
-        logp = torch.log_softmax(sampled.float(), dim=-1)
-        # -sum p log p; masked keys have p = 0 and log p = -inf: clamping makes their term 0, not NaN
-        entropy = -(logp.exp() * logp.clamp_min(-1e4)).sum(-1).mean(dim=(0, 2))  # per sampled head
-        return torch.stack([entropy.mean(), entropy.min(), qn.mean(), qn.amax(), kn.mean(), kn.amax(),
-                            top]).float()
 
 
 class Watch:
@@ -228,7 +85,7 @@ class Watch:
         self._handles: list[Any] = []
         self._hint = 0  # the step we expect next: decides what the hooks measure
         self._last_time: float | None = time.perf_counter()
-        self._pending: tuple | None = None
+        self._pending: PackedStep | None = None
         self._outbox: queue.Queue = queue.Queue()
         self._sender: threading.Thread | None = None
         self._background = background  # False: records are built on the caller's thread (simulation)
@@ -244,7 +101,7 @@ class Watch:
         self._ddp = ddp is not None and not external
         if self._ddp:
             self._group = getattr(ddp, "process_group", None)
-            ddp.register_comm_hook(self, _comm_hook)
+            ddp.register_comm_hook(self, comm_hook)
         elif optimizer is not None and not external:
             self._handles.append(optimizer.register_step_pre_hook(lambda opt, args, kwargs: self._local_gradients()))
 
@@ -268,7 +125,7 @@ class Watch:
     def _register_layer(self, module: nn.Module) -> int:
         index = len(self._layers)
         self._layers.append(module)
-        _ATTENTION.setdefault(module, []).append((self, index))
+        ATTENTION_WATCHES.setdefault(module, []).append((self, index))
         if isinstance(module, nn.MultiheadAttention):
             self._handles.append(module.register_forward_pre_hook(self._mha_hook(index), with_kwargs=True))
         return index
@@ -315,7 +172,7 @@ class Watch:
 
     def _activation_hook(self, module: nn.Module, args: Any, output: Any) -> None:
         """Keep the running max |output| of the step, on the device (no sync)."""
-        if not (self.enabled and self._recording_activations) or getattr(_CANARY, "active", False):
+        if not (self.enabled and self._recording_activations) or canary_running():
             return
         out = output if isinstance(output, torch.Tensor) else None
         if out is None and isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
@@ -339,7 +196,7 @@ class Watch:
         if not self._recording_attention:
             return
         if isinstance(layer, nn.Module):
-            known = [i for w, i in _ATTENTION.get(layer, []) if w is self]
+            known = [i for w, i in ATTENTION_WATCHES.get(layer, []) if w is self]
             layer = known[0] if known else self._register_layer(layer)
         if not 0 <= layer < len(self._layers):
             raise ConfigError("probes.layer", f"layer {layer} out of range [0, {len(self._layers)})")
@@ -352,23 +209,8 @@ class Watch:
         def hook(module: nn.MultiheadAttention, args: tuple, kwargs: dict) -> None:
             if not (self.enabled and self._recording_attention):
                 return
-            names = ("query", "key", "value", "key_padding_mask", "need_weights", "attn_mask", "average_attn_weights",
-                     "is_causal")
-            bound = dict(zip(names, args)) | kwargs
-            q, k = _mha_project(module, bound["query"], bound["key"])
-            with torch.no_grad():
-                logits = None
-                mask = bound.get("attn_mask")
-                if mask is not None or bound.get("is_causal"):
-                    logits = (q[:1] @ k[:1].transpose(-2, -1)) / math.sqrt(q.shape[-1])
-                    if mask is not None:
-                        m = mask if mask.dim() == 2 else mask[: module.num_heads]
-                        logits = logits.masked_fill(m, float("-inf")) if m.dtype == torch.bool else logits + m
-                    else:
-                        t = logits.shape[-1]
-                        logits = logits.masked_fill(torch.ones(t, t, dtype=torch.bool, device=q.device).triu(1),
-                                                    float("-inf"))
-                self.observe_attention(index, q, k, logits=logits, causal=False)
+            q, k, logits = mha_qk_logits(module, args, kwargs)
+            self.observe_attention(index, q, k, logits=logits, causal=False)
 
         return hook
 
@@ -483,39 +325,11 @@ class Watch:
         self._reset()
 
     def _pack(self, step: int, device_scalars: dict, attn: torch.Tensor | None, host: dict) -> None:
-        """One device tensor (float64 values bit-cast to int64, then fingerprints) and its async copy."""
-        names = list(device_scalars)
-        values = [t if t.dtype == torch.float32 else t.float() for t in device_scalars.values()]  # all 0-d
-        if self._nonfinite:
-            names.append("_nonfinite_extra")
-            values.append(sum(self._nonfinite[1:], self._nonfinite[0]).reshape(()).float())
-        if len({v.device for v in values}) > 1:
-            values = [v.to(values[0].device) for v in values]
-        floats = torch.stack(values) if values else None
-        n_attn = 0
-        if attn is not None:
-            floats = attn.reshape(-1).float() if floats is None else torch.cat([floats, attn.reshape(-1).float()])
-            n_attn = attn.shape[0]
-        fp_names = list(self._fps)
-        pieces = [floats.double().view(torch.int64)] if floats is not None else []
-        if fp_names:
-            pieces.append(torch.stack([self._fps[n].reshape(()) for n in fp_names]))
-        if not pieces:
-            packed = torch.zeros(0, dtype=torch.int64)
-        else:
-            device = pieces[0].device
-            packed = torch.cat([pc.to(device) for pc in pieces]) if len(pieces) > 1 else pieces[0]
-        event = None
-        if packed.device.type == "cuda":
-            host_buf = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
-            host_buf.copy_(packed, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
-            packed = host_buf
-        elif packed.device.type != "cpu":
-            packed = packed.to("cpu", non_blocking=True)
+        """Start this step's copy to the host; the previous step's record goes to the sender."""
+        extra = sum(self._nonfinite[1:], self._nonfinite[0]).reshape(()).float() if self._nonfinite else None
+        packed = pack_step(step, device_scalars, attn, self._fps, host, nonfinite_extra=extra)
         self._handoff()
-        self._pending = (step, packed, event, names, n_attn, fp_names, host)
+        self._pending = packed
 
     def _handoff(self) -> None:
         """Pass the record whose copy was started a step ago to the sender thread.
@@ -543,27 +357,10 @@ class Watch:
             finally:
                 self._outbox.task_done()
 
-    def _emit_pending(self, pending: tuple) -> None:
+    def _emit_pending(self, pending: PackedStep) -> None:
         """Read one packed step on the host and hand it to the emitter as a record."""
         try:
-            step, packed, event, names, n_attn, fp_names, host = pending
-            if event is not None:
-                event.synchronize()
-            values = packed.numpy()
-            n_float = len(names) + n_attn * len(ATTENTION_STATS)
-            floats = values[:n_float].view("float64")
-            scalars = dict(host)
-            scalars.update(zip(names, floats[: len(names)].tolist()))
-            # non-finite values among the metrics themselves: the loss, the gradient norms (a NaN or
-            # Inf anywhere in the gradient makes them so), the attention statistics (q, k, logits)
-            extra = scalars.pop("_nonfinite_extra", 0.0)
-            seen = numpy.count_nonzero(~numpy.isfinite(floats))
-            scalars["nonfinite"] = float(seen) + (extra if math.isfinite(extra) else 0.0)
-            layers = None
-            if n_attn:
-                grid = floats[len(names):].reshape(n_attn, len(ATTENTION_STATS))
-                layers = dict(zip(ATTENTION_STATS, grid.T.tolist()))
-            fingerprints = {n: fp.finalize(v) for n, v in zip(fp_names, values[n_float:].tolist())} or None
+            step, scalars, layers, fingerprints = unpack_step(pending)
             self.emitter.emit(step, layers=layers, fingerprints=fingerprints, **scalars)
         except Exception as exc:
             self._fail(exc)
@@ -604,7 +401,7 @@ class Watch:
         self._handles.clear()
         self._act_handles = []
         for m in self._layers:
-            entries = _ATTENTION.get(m)
+            entries = ATTENTION_WATCHES.get(m)
             if entries:
                 entries[:] = [(w, i) for w, i in entries if w is not self]
 
@@ -619,57 +416,6 @@ def _scalar(t: torch.Tensor) -> torch.Tensor:
     """A detached 0-d view of a one-element tensor (no copy, no sync)."""
     t = t.detach()
     return t if t.dim() == 0 else t.reshape(())
-
-
-def _comm_hook(watch: Watch, bucket):  # noqa: ANN001,ANN201 - DDP rejects string annotations here
-    """DDP all-reduce (average) that also measures the bucket before and after the reduction."""
-    import torch.distributed as dist
-
-    group = watch._group if watch._group is not None else dist.group.WORLD
-    buf = bucket.buffer()
-    measure = watch.enabled and watch.recording
-    if measure:
-        local = buf.detach().clone()  # transient, one bucket: the local gradient for the dot product
-        local_sq = local.float().pow(2).sum()
-    buf.div_(dist.get_world_size(group))
-    fut = dist.all_reduce(buf, group=group, async_op=True).get_future()
-    if not measure:
-        return fut.then(lambda f: f.value()[0])
-    index = bucket.index()
-    want_fp = watch.config.grad_fingerprint and watch._fingerprint_step
-
-    def measured(f: Any) -> torch.Tensor:
-        g = f.value()[0]
-        with torch.no_grad():
-            watch._buckets.append((index, local_sq, (local.float() * g.float()).sum(), g.float().pow(2).sum(),
-                                   fp.tensor_parts(g) if want_fp else None))
-        return g
-
-    return fut.then(measured)
-
-
-def _mha_project(m: nn.MultiheadAttention, query: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """q and k of the first sequence, (1, heads, time, d_head), from an ``nn.MultiheadAttention``'s inputs."""
-    with torch.no_grad():
-        if query.dim() == 2:  # unbatched
-            query, key = query.unsqueeze(0), key.unsqueeze(0)
-        elif not m.batch_first:
-            query, key = query.transpose(0, 1), key.transpose(0, 1)
-        query, key = query[:1], key[:1]
-        e = m.embed_dim
-        if m.in_proj_weight is not None:
-            wq, wk = m.in_proj_weight[:e], m.in_proj_weight[e: 2 * e]
-        else:
-            wq, wk = m.q_proj_weight, m.k_proj_weight
-        bq = bk = None
-        if m.in_proj_bias is not None:
-            bq, bk = m.in_proj_bias[:e], m.in_proj_bias[e: 2 * e]
-        q = nn.functional.linear(query, wq, bq)
-        k = nn.functional.linear(key, wk, bk)
-        h = m.num_heads
-        q = q.view(1, q.shape[1], h, e // h).transpose(1, 2)
-        k = k.view(1, k.shape[1], h, e // h).transpose(1, 2)
-        return q, k
 
 
 def attach(model: nn.Module, emitter: Any, *, optimizer: Any = None, ddp: Any = None, every: int = 1,
