@@ -23,8 +23,8 @@ import torch
 
 from sdcwatch.telemetry import Emitter, MemoryBus, MemoryTransport, NullEmitter
 from sdcwatch.telemetry.probes import ProbeConfig, attach
-from sdcwatch.telemetry.reference.model import GPT, GPTConfig
-from sdcwatch.telemetry.reference.simulated import shared_corpus
+from sdcwatch.testbed.model import GPT, GPTConfig
+from sdcwatch.testbed.simulated import shared_corpus
 
 CONFIGS = {
     "default": ProbeConfig(),

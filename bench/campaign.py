@@ -2,7 +2,7 @@
 
     python bench/campaign.py [--faults FILE] [--trials N] [--seed S] [--ranks W] [--out results/campaign.json] [--quick]
 
-See bench/README.md for what it measures; the implementation is :mod:`sdcwatch.campaign`.
+See bench/README.md for what it measures; the implementation is :mod:`sdcwatch.testbed.campaign`.
 """
 
 import sys

@@ -94,7 +94,7 @@ def campaign_main(argv: Sequence[str]) -> dict:
     """``sdcwatch bench campaign``; returns the result (also written to ``--out``)."""
     from dataclasses import replace
 
-    from sdcwatch.campaign import CampaignConfig, run_campaign, summary_table
+    from sdcwatch.testbed.campaign import CampaignConfig, run_campaign, summary_table
 
     args = _campaign_parser().parse_args(list(argv))
     config = CampaignConfig(**QUICK_CAMPAIGN) if args.quick else CampaignConfig()
@@ -209,7 +209,7 @@ def _load_json(path: Path) -> dict | None:
 
 def write_markdown(out_dir: str | Path, runs: dict[str, Any] | None = None, *, command: str = "") -> Path:
     """``benchmarks.md`` in ``out_dir``, generated from the JSON results there."""
-    from sdcwatch.campaign import summary_table
+    from sdcwatch.testbed.campaign import summary_table
 
     out_dir = Path(out_dir)
     m = machine()

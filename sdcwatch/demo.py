@@ -256,7 +256,7 @@ def run_demo(
     from sdcwatch.serve import build_service
     from sdcwatch.telemetry import Emitter, KafkaTransport
     from sdcwatch.telemetry.faults import FaultSpec
-    from sdcwatch.telemetry.reference.simulated import SimulatedRun
+    from sdcwatch.testbed.simulated import SimulatedRun
 
     if ranks < 2:
         raise ConfigError("ranks", f"the demo needs at least 2 ranks to compare, got {ranks}")

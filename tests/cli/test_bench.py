@@ -12,7 +12,7 @@ import pytest
 
 from sdcwatch.detectors.baselines import MegatronRules, NanLossCheck, ZClipDetector
 from sdcwatch.bench import bench_main, campaign_main, e2e_main, write_markdown
-from sdcwatch.campaign import (
+from sdcwatch.testbed.campaign import (
     BENIGN_CLASSES,
     FAULT_CLASSES,
     IMPACT_CLASSES,

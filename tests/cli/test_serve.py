@@ -100,7 +100,7 @@ def stop(proc):
 def test_serve_detects_stops_on_sigterm_and_resumes_without_repeating_alerts(bootstrap, tmp_path):
     from sdcwatch.telemetry import Emitter, KafkaTransport
     from sdcwatch.telemetry.faults import FaultSpec
-    from sdcwatch.telemetry.reference.simulated import SimulatedRun
+    from sdcwatch.testbed.simulated import SimulatedRun
 
     torch.set_num_threads(1)
     tag = uuid.uuid4().hex[:8]
@@ -198,7 +198,7 @@ def test_split_service_spatial_instances_share_the_steps_and_the_temporal_stage_
     """Two spatial instances in one consumer group, one temporal instance, all as `sdcwatch serve`."""
     from sdcwatch.telemetry import Emitter, KafkaTransport
     from sdcwatch.telemetry.faults import FaultSpec
-    from sdcwatch.telemetry.reference.simulated import SimulatedRun
+    from sdcwatch.testbed.simulated import SimulatedRun
     from sdcwatch.telemetry.transports import ensure_topic
 
     torch.set_num_threads(1)

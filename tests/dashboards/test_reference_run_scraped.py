@@ -21,8 +21,8 @@ def test_dashboard_and_rules_on_a_faulted_reference_run(start_prometheus):
     from sdcwatch.exporters import MetricsServer
     from sdcwatch.telemetry import Emitter, MemoryBus, MemoryTransport
     from sdcwatch.telemetry.faults import FaultSpec
-    from sdcwatch.telemetry.reference.model import GPTConfig
-    from sdcwatch.telemetry.reference.simulated import SimulatedRun, shared_corpus
+    from sdcwatch.testbed.model import GPTConfig
+    from sdcwatch.testbed.simulated import SimulatedRun, shared_corpus
 
     torch.set_num_threads(1)
     bus = MemoryBus()

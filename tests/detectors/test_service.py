@@ -131,8 +131,8 @@ def test_reference_run_fault_on_one_rank_through_the_real_broker_names_that_rank
     from sdcwatch.detectors.bus import KafkaSource
     from sdcwatch.telemetry import Emitter, KafkaTransport
     from sdcwatch.telemetry.faults import FaultSpec
-    from sdcwatch.telemetry.reference.model import GPTConfig
-    from sdcwatch.telemetry.reference.simulated import SimulatedRun, shared_corpus
+    from sdcwatch.testbed.model import GPTConfig
+    from sdcwatch.testbed.simulated import SimulatedRun, shared_corpus
 
     torch.set_num_threads(1)
     world, steps = 4, 30

@@ -10,9 +10,9 @@ torch = pytest.importorskip("torch")
 
 from sdcwatch.telemetry import FINGERPRINTS, LAYER_METRICS  # noqa: E402
 from sdcwatch.telemetry.faults import FaultSpec  # noqa: E402
-from sdcwatch.telemetry.reference.ddp import DDPSettings, launch  # noqa: E402
-from sdcwatch.telemetry.reference.model import GPT  # noqa: E402
-from sdcwatch.telemetry.reference.simulated import shared_corpus  # noqa: E402
+from sdcwatch.testbed.ddp import DDPSettings, launch  # noqa: E402
+from sdcwatch.testbed.model import GPT  # noqa: E402
+from sdcwatch.testbed.simulated import shared_corpus  # noqa: E402
 
 pytestmark = pytest.mark.integration
 

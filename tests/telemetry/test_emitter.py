@@ -158,7 +158,7 @@ def test_import_is_light():
 
 def test_in_rank_package_imports_only_itself_and_the_shared_core():
     """Every module of the in-rank package, torch ones included, pulls in no detector, exporter, CLI or
-    test-bed module: a rank carries only what it needs."""
+    test-bed module: a rank carries only what it needs (the reference model lives in the test bed)."""
     code = (
         "import sys, pkgutil, importlib, sdcwatch.telemetry as t; "
         "[importlib.import_module(f'sdcwatch.telemetry.{m.name}') for m in pkgutil.iter_modules(t.__path__) "

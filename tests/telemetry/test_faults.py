@@ -11,7 +11,7 @@ torch = pytest.importorskip("torch")
 
 from sdcwatch.core.errors import FaultSpecError  # noqa: E402
 from sdcwatch.telemetry.faults import FaultInjector, FaultSpec, load_faults, parse_faults  # noqa: E402
-from sdcwatch.telemetry.reference.model import GPT, GPTConfig  # noqa: E402
+from sdcwatch.testbed.model import GPT, GPTConfig  # noqa: E402
 
 torch.set_num_threads(1)
 CFG = GPTConfig(seq_len=16, d_model=32, n_layer=2, n_head=4)

@@ -14,7 +14,7 @@ from sdcwatch.core.errors import ConfigError  # noqa: E402
 from sdcwatch.telemetry import LAYER_METRICS, MemoryBus, MemoryTransport, Emitter  # noqa: E402
 from sdcwatch.telemetry.fingerprint import fingerprint  # noqa: E402
 from sdcwatch.telemetry.probes import ATTENTION_STATS, attach, attention_stats  # noqa: E402
-from sdcwatch.telemetry.reference.model import GPT, GPTConfig  # noqa: E402
+from sdcwatch.testbed.model import GPT, GPTConfig  # noqa: E402
 
 torch.set_num_threads(1)
 CFG = GPTConfig(seq_len=32, d_model=32, n_layer=2, n_head=4)

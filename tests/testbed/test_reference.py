@@ -12,9 +12,9 @@ from sdcwatch.core.errors import ConfigError  # noqa: E402
 from sdcwatch.telemetry import LAYER_METRICS, MemoryBus, MemoryTransport, Emitter  # noqa: E402
 from sdcwatch.telemetry.faults import FaultSpec  # noqa: E402
 from sdcwatch.telemetry.fingerprint import fingerprint  # noqa: E402
-from sdcwatch.telemetry.reference.corpus import Corpus  # noqa: E402
-from sdcwatch.telemetry.reference.model import GPT, GPTConfig  # noqa: E402
-from sdcwatch.telemetry.reference.simulated import SimulatedRun, shared_corpus  # noqa: E402
+from sdcwatch.testbed.corpus import Corpus  # noqa: E402
+from sdcwatch.testbed.model import GPT, GPTConfig  # noqa: E402
+from sdcwatch.testbed.simulated import SimulatedRun, shared_corpus  # noqa: E402
 
 torch.set_num_threads(1)
 SMALL = GPTConfig(seq_len=32, d_model=32, n_layer=2, n_head=4)

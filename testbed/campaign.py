@@ -207,7 +207,7 @@ def generate_trials(config: CampaignConfig, n_layer: int | None = None) -> list[
     from sdcwatch.telemetry.faults import FaultSpec
 
     if n_layer is None:
-        from sdcwatch.telemetry.reference.model import GPTConfig
+        from sdcwatch.testbed.model import GPTConfig
 
         n_layer = GPTConfig().n_layer
     rng = random.Random(f"sdcwatch-campaign:{config.seed}")
@@ -285,7 +285,7 @@ def _flat_params(run: Any) -> list[Any]:
 
 
 def _new_run(config: CampaignConfig, faults: Sequence[Any], records: list, run_id: str) -> Any:
-    from sdcwatch.telemetry.reference.simulated import SimulatedRun
+    from sdcwatch.testbed.simulated import SimulatedRun
 
     def factory(rank: int, host: str = "") -> RecordCollector:
         return RecordCollector(records, run=run_id, rank=rank, world=config.world, host=host)

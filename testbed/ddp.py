@@ -4,8 +4,8 @@ This is the integration test's driver and the example users copy: one process pe
 thread per process, probes attached through a DDP communication hook, faults through the
 injector, records to Kafka (or to one JSON-lines file per rank)::
 
-    python -m sdcwatch.telemetry.reference.ddp --world 4 --steps 50 --bootstrap 127.0.0.1:9092
-    python -m sdcwatch.telemetry.reference.ddp --world 4 --steps 50 --jsonl out/ --faults faults.jsonl
+    python -m sdcwatch.testbed.ddp --world 4 --steps 50 --bootstrap 127.0.0.1:9092
+    python -m sdcwatch.testbed.ddp --world 4 --steps 50 --jsonl out/ --faults faults.jsonl
 
 The per-rank loop, in :func:`train_rank`, is what goes into a user's own script.
 """
@@ -103,8 +103,8 @@ def train_rank(rank: int, settings: DDPSettings) -> None:
 
     from sdcwatch.telemetry.faults import FaultInjector
     from sdcwatch.telemetry.probes import attach
-    from sdcwatch.telemetry.reference.model import GPT, next_byte_loss
-    from sdcwatch.telemetry.reference.simulated import shared_corpus
+    from sdcwatch.testbed.model import GPT, next_byte_loss
+    from sdcwatch.testbed.simulated import shared_corpus
 
     torch.set_num_threads(1)  # several ranks share the CPU: more threads per rank run ~10x slower
     dist.init_process_group("gloo", init_method=settings.init_method, rank=rank, world_size=settings.world)
@@ -177,7 +177,7 @@ def launch(settings: DDPSettings) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Command line: run the reference model under DDP with probes, optionally with faults."""
-    ap = argparse.ArgumentParser(prog="python -m sdcwatch.telemetry.reference.ddp", description=main.__doc__)
+    ap = argparse.ArgumentParser(prog="python -m sdcwatch.testbed.ddp", description=main.__doc__)
     ap.add_argument("--world", type=int, default=4)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--seed", type=int, default=0)

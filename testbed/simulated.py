@@ -27,8 +27,8 @@ from sdcwatch.telemetry import fingerprint as fp
 from sdcwatch.telemetry.emitter import NullEmitter
 from sdcwatch.telemetry.faults import FaultInjector, FaultSpec
 from sdcwatch.telemetry.probes import ProbeConfig, Watch, canary_fingerprint
-from sdcwatch.telemetry.reference.corpus import Corpus
-from sdcwatch.telemetry.reference.model import GPT, GPTConfig
+from sdcwatch.testbed.corpus import Corpus
+from sdcwatch.testbed.model import GPT, GPTConfig
 
 __all__ = ["SimulatedRun", "shared_corpus"]
 
