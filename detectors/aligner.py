@@ -18,7 +18,8 @@ from typing import Any, Callable, Iterable
 
 from sdcwatch.core.validate import check_positive
 from sdcwatch.detectors.frame import StepFrame
-from sdcwatch.telemetry.record import Record, from_dict, to_dict
+from sdcwatch.telemetry.record import Record
+from sdcwatch.telemetry.record_json import from_dict, to_dict
 
 __all__ = ["StepAligner"]
 

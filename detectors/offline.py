@@ -23,7 +23,8 @@ from sdcwatch.detectors.frame import StepFrame
 from sdcwatch.detectors.pipeline import DetectionPipeline, PipelineSettings
 from sdcwatch.detectors.types import Incident
 from sdcwatch.core.errors import RecordError, ReplayError
-from sdcwatch.telemetry.record import Record, from_json
+from sdcwatch.telemetry.record import Record
+from sdcwatch.telemetry.record_json import from_json
 
 __all__ = ["replay", "read_records", "read_csv_frames", "format_table", "replay_main"]
 

@@ -11,16 +11,8 @@ import importlib
 from typing import Any
 
 from sdcwatch.telemetry.emitter import Emitter, NullEmitter, identity_from_env
-from sdcwatch.telemetry.record import (
-    FINGERPRINTS,
-    LAYER_METRICS,
-    SCALARS,
-    Record,
-    decode,
-    encode,
-    from_json,
-    to_json,
-)
+from sdcwatch.telemetry.record import FINGERPRINTS, LAYER_METRICS, SCALARS, Record, decode, encode
+from sdcwatch.telemetry.record_json import from_json, to_json
 from sdcwatch.telemetry.transports import (
     TELEMETRY_TOPIC,
     FileTransport,
@@ -38,10 +30,10 @@ _LAZY = {
     "ProbeConfig": "sdcwatch.telemetry.probe_config",
     "attention_stats": "sdcwatch.telemetry.attention",
     "canary_fingerprint": "sdcwatch.telemetry.canary",
-    "FaultSpec": "sdcwatch.telemetry.faults",
+    "FaultSpec": "sdcwatch.telemetry.faultspec",
     "FaultInjector": "sdcwatch.telemetry.faults",
-    "load_faults": "sdcwatch.telemetry.faults",
-    "parse_faults": "sdcwatch.telemetry.faults",
+    "load_faults": "sdcwatch.telemetry.faultspec",
+    "parse_faults": "sdcwatch.telemetry.faultspec",
 }
 
 __all__ = [

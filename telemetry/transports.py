@@ -23,7 +23,8 @@ from typing import Any, Protocol, Sequence
 from sdcwatch.core.errors import ConfigError, TransportError
 from sdcwatch.core.kafka import new_admin, new_producer, security_settings
 from sdcwatch.core.names import TELEMETRY_TOPIC
-from sdcwatch.telemetry.record import Record, decode_message, encode, encode_batch, to_json
+from sdcwatch.telemetry.record import Record, decode_message, encode, encode_batch
+from sdcwatch.telemetry.record_json import to_json
 
 __all__ = [
     "Transport",

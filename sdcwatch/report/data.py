@@ -17,7 +17,7 @@ import numpy as np
 
 from sdcwatch.detectors.types import Incident, Severity
 from sdcwatch.core.errors import RecordError, ReplayError
-from sdcwatch.telemetry.record import from_json
+from sdcwatch.telemetry.record_json import from_json
 
 _SCALARS = ("loss", "loss_global", "grad_norm_local", "grad_norm_global", "grad_cosine", "nonfinite", "step_time")
 _ENTROPY = "attn_entropy"

@@ -29,7 +29,8 @@ from sdcwatch.report import (
 )
 from sdcwatch.report.deviation import _global_series
 from sdcwatch.report.plots import _robust_limits
-from sdcwatch.telemetry.record import Record, to_json
+from sdcwatch.telemetry.record import Record
+from sdcwatch.telemetry.record_json import to_json
 
 REAL_LOGS = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "real-logs"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

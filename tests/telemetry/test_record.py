@@ -17,9 +17,8 @@ from sdcwatch.telemetry.record import (
     decode_message,
     encode,
     encode_batch,
-    from_json,
-    to_json,
 )
+from sdcwatch.telemetry.record_json import from_json, to_json
 
 names = st.from_regex(r"[A-Za-z_][A-Za-z0-9_.]{0,20}", fullmatch=True)
 f32 = st.floats(width=32, allow_nan=False)  # layer vectors travel as float32
