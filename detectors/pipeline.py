@@ -120,8 +120,6 @@ class DetectionPipeline:
         self._runs: dict[str, _Run] = {}
         self.findings_total: dict[tuple[str, str], int] = {}
         self.records_total = 0
-        self.dead_letters_total = 0  # set by the service from its source
-        self.consumer_lag = 0  # set by the service from its source
         self.last_record_wall = 0.0
         self._rate: deque[tuple[float, int]] = deque(maxlen=64)
         self.order = SummaryOrder(self.settings.order_grace, clock=clock)
@@ -260,8 +258,14 @@ class DetectionPipeline:
         """Open incidents and the recently resolved ones."""
         return self.book.current()
 
-    def view(self) -> ServiceView:
-        """What the exporter shows: runs, pipeline health, incidents, counters."""
+    def take_summaries(self) -> list[StepSummary]:
+        """Spatial stage: the step summaries made since the last call, for the summaries topic."""
+        summaries, self.outbox = self.outbox, []
+        return summaries
+
+    def view(self, *, dead_letters_total: int = 0, consumer_lag: int = 0) -> ServiceView:
+        """What the exporter shows: runs, pipeline health, incidents, counters. The source's own
+        health (dead letters, consumer lag) comes from whoever reads the source: the service."""
         runs = [] if self.role == "spatial" else [  # the spatial stage judges nothing: health only
             self._run_view(run, st) for run, st in self._runs.items() if st.summary is not None]
         now = self.wall()
@@ -273,7 +277,7 @@ class DetectionPipeline:
             records_total=self.records_total, records_per_second=rps,
             duplicates_total=self.aligner.duplicates + self.order.duplicates,
             summaries_total=self.summaries_total, summaries_late_total=self.order.late,
-            dead_letters_total=self.dead_letters_total, consumer_lag=self.consumer_lag,
+            dead_letters_total=dead_letters_total, consumer_lag=consumer_lag,
             last_record_wall=self.last_record_wall, late_records_total=self.aligner.late_records,
             world_changes_total=self.aligner.world_changes, incomplete_steps_total=self.aligner.incomplete_steps,
         )

@@ -60,6 +60,7 @@ class DetectorService:
         self.clock = clock
         self.resumed = False
         self.events_published = 0
+        self.consumer_lag = 0  # records behind the end of the topic, refreshed about once a second
         self._lock = threading.Lock()  # guards the pipeline against view() from the scrape thread
         self._last_snapshot = clock()
         self._last_lag = -1e9
@@ -78,8 +79,7 @@ class DetectorService:
                 events = self.pipeline.process(items)
             events += self.pipeline.tick()
             events += self.pipeline.expire()
-            self.pipeline.dead_letters_total = int(getattr(self.source, "dead_letters", 0))
-            summaries, self.pipeline.outbox = self.pipeline.outbox, []
+            summaries = self.pipeline.take_summaries()
         if summaries:
             self.summary_sink.publish(summaries)
         self._publish(events)
@@ -117,7 +117,7 @@ class DetectorService:
 
     def _refresh_lag(self) -> None:
         try:
-            self.pipeline.consumer_lag = int(self.source.lag())
+            self.consumer_lag = int(self.source.lag())
         except Exception:
             log.debug("consumer lag unavailable", exc_info=True)
         self._last_lag = self.clock()
@@ -125,7 +125,8 @@ class DetectorService:
     def view(self) -> ServiceView:
         """A consistent view for the exporter (thread-safe)."""
         with self._lock:
-            return self.pipeline.view()
+            return self.pipeline.view(dead_letters_total=int(getattr(self.source, "dead_letters", 0)),
+                                      consumer_lag=self.consumer_lag)
 
     def run_for(self, seconds: float | None = None, *, until: Callable[[], bool] | None = None,
                 max_iterations: int | None = None) -> None:
