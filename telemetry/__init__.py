@@ -1,5 +1,5 @@
-"""In-rank telemetry: the wire record, the emitter and its transports, torch probes, the fault
-injector and the reference training run.
+"""In-rank telemetry: the wire record, the emitter and its transports, torch probes and the fault
+injector (the reference training run is in :mod:`sdcwatch.testbed`).
 
 Importing this package is cheap: torch and kafka-python are imported only when a name that
 needs them is first used (``attach``, ``FaultInjector``, ``KafkaTransport``'s first send ...).
