@@ -8,6 +8,13 @@ follow the last closed one by the run's usual stride waits ``reorder_grace`` sec
 earlier step may still be on its way (Kafka partitions are read at different paces). Duplicates (at-least-once
 delivery) and records for steps already closed are counted and dropped. Runs are kept apart; a
 change of world size (elastic training) closes what is open and starts the run's alignment afresh.
+
+Two guards keep one record from blinding or swamping a run. A step more than ``max_step_jump``
+steps ahead of the run's last closed step closes only if most of the run's ranks sent it (a real
+jump: every rank restarted from a later checkpoint); otherwise its records are set aside in
+:attr:`StepAligner.rejected` (reason ``step_jump``) instead of making every later record late.
+A record that would make its step hold more than ``max_step_values`` values (world x the union
+of the metrics its ranks sent) is set aside too (reason ``step_size``).
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ from typing import Any, Callable, Iterable
 
 from sdcwatch.core.validate import check_positive
 from sdcwatch.detectors.frame import StepFrame
+from sdcwatch.telemetry.limits import RecordLimits
 from sdcwatch.telemetry.record import Record
 from sdcwatch.telemetry.record_json import from_dict, to_dict
 
@@ -28,6 +36,9 @@ __all__ = ["StepAligner"]
 class _OpenStep:
     first_seen: float
     records: dict[int, Record] = field(default_factory=dict)
+    scalar_names: set[str] = field(default_factory=set)  # union over its records (the frame's width)
+    layer_names: set[str] = field(default_factory=set)
+    layer_len: int = 0
 
 
 @dataclass
@@ -43,8 +54,16 @@ class StepAligner:
     """Turns a stream of records (any order, any duplicates) into complete-or-timed-out frames."""
 
     def __init__(self, timeout: float = 5.0, max_open: int = 64, *, reorder_grace: float = 1.0,
+                 max_step_jump: int = RecordLimits.max_step_jump, max_step_values: int = RecordLimits.max_step_values,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        check_positive("aligner", timeout=timeout, max_open=max_open, reorder_grace=reorder_grace)
+        check_positive("aligner", timeout=timeout, max_open=max_open, reorder_grace=reorder_grace,
+                       max_step_jump=max_step_jump, max_step_values=max_step_values)
+        self.max_step_jump = int(max_step_jump)
+        self.max_step_values = int(max_step_values)
+        #: records set aside, as (reason, description, records); the owner takes and dead-letters them
+        self.rejected: list[tuple[str, str, list[Record]]] = []
+        #: asked before a new run is taken; False sets its record aside (reason ``runs``)
+        self.admit: Callable[[str], bool] = lambda run: True
         self.timeout = float(timeout)
         self.reorder_grace = min(float(reorder_grace), self.timeout)
         self.max_open = int(max_open)
@@ -54,6 +73,7 @@ class StepAligner:
         self.late_records = 0
         self.world_changes = 0
         self.incomplete_steps = 0
+        self.jumps_rejected = 0  # steps set aside as implausibly far ahead
 
     # -- input --------------------------------------------------------------------------------
 
@@ -65,6 +85,10 @@ class StepAligner:
         for rec in records:
             st = self._runs.get(rec.run)
             if st is None:
+                if not self.admit(rec.run):
+                    self.rejected.append(("runs", f"run {rec.run!r} is one more than the service keeps "
+                                          "(detectors.max_runs) and no run is stale enough to make room", [rec]))
+                    continue
                 st = self._runs[rec.run] = _RunState(world=rec.world)
             elif rec.world != st.world:
                 out += self._drain(rec.run, st, force=True, now=now)
@@ -80,10 +104,34 @@ class StepAligner:
             if rec.rank in op.records:
                 self.duplicates += 1
                 continue
+            if not self._fits(st, op, rec):
+                continue
             op.records[rec.rank] = rec
             touched.add(rec.run)
         for run in touched:
             out += self._drain(run, self._runs[run], force=False, now=now)
+        return out
+
+    def _fits(self, st: _RunState, op: _OpenStep, rec: Record) -> bool:
+        """Whether ``rec`` keeps its step within ``max_step_values``; records it into ``op`` if so."""
+        n = max(map(len, rec.layers.values()), default=0)
+        if rec.scalars.keys() <= op.scalar_names and rec.layers.keys() <= op.layer_names and n <= op.layer_len:
+            return True
+        scalars = op.scalar_names.union(rec.scalars)
+        layers = op.layer_names.union(rec.layers)
+        length = max(n, op.layer_len)
+        width = len(scalars) + len(layers) * length
+        if st.world * width > self.max_step_values:
+            self.rejected.append(("step_size", f"step {rec.step} of run {rec.run!r} would hold {st.world} ranks x "
+                                  f"{width} values, the limit is {self.max_step_values} (limits.max_step_values)",
+                                  [rec]))
+            return False
+        op.scalar_names, op.layer_names, op.layer_len = scalars, layers, length
+        return True
+
+    def take_rejected(self) -> list[tuple[str, str, list[Record]]]:
+        """The records set aside since the last call (see the module docstring)."""
+        out, self.rejected = self.rejected, []
         return out
 
     def poll(self) -> list[StepFrame]:
@@ -114,6 +162,13 @@ class StepAligner:
             if not (ready or age >= self.timeout or force or len(st.open) > self.max_open):
                 break
             del st.open[step]
+            jump = step - st.last_closed
+            if st.last_closed >= 0 and jump > self.max_step_jump and 2 * len(op.records) <= st.world:
+                self.jumps_rejected += 1
+                self.rejected.append(("step_jump", f"step {step} of run {run!r} is {jump} steps ahead of its last "
+                                      f"step {st.last_closed} (limits.max_step_jump {self.max_step_jump}) and only "
+                                      f"{len(op.records)} of {st.world} ranks sent it", list(op.records.values())))
+                continue
             if not complete:
                 self.incomplete_steps += 1
             if st.last_closed >= 0:
@@ -123,6 +178,19 @@ class StepAligner:
         return out
 
     # -- state --------------------------------------------------------------------------------
+
+    def last_closed(self, run: str) -> int:
+        """The run's last closed step (-1: none yet)."""
+        st = self._runs.get(run)
+        return -1 if st is None else st.last_closed
+
+    def runs(self) -> int:
+        """Runs being aligned."""
+        return len(self._runs)
+
+    def forget(self, run: str) -> None:
+        """Drop a run's alignment state (its open steps are discarded)."""
+        self._runs.pop(run, None)
 
     def snapshot(self) -> dict[str, Any]:
         """JSON-safe state, including the records of still-open steps (they are not re-read)."""

@@ -5,9 +5,13 @@
 
 A source returns decoded records in batches and commits only when told to, after the records
 have been processed: delivery is at least once, and de-duplication by (run, step, rank) belongs
-to the step aligner. A message that does not decode is not an error of the service: it goes to
-the dead-letter topic with the reason (header ``sdcwatch.reason``) and its origin
-(``sdcwatch.origin`` = topic/partition/offset), is counted, and reading goes on.
+to the step aligner. A message that does not decode, or a record past the service's
+:class:`~sdcwatch.telemetry.limits.RecordLimits`, is not an error of the service: it goes to the
+dead-letter topic with the reason (headers ``sdcwatch.reason``, ``sdcwatch.reason_code``), its
+origin (``sdcwatch.origin`` = topic/partition/offset) and size (``sdcwatch.size``; the value is
+truncated past :data:`DEADLETTER_MAX_BYTES`), is counted by reason, and reading goes on. Records
+the pipeline refuses later (a step too far ahead, a run too many) go the same way
+(``dead_letter``).
 """
 
 from __future__ import annotations
@@ -18,15 +22,16 @@ from dataclasses import dataclass
 import json
 from typing import Any, Callable, ClassVar, Protocol, Sequence
 
-from sdcwatch.core.errors import RecordError, TransportError
-from sdcwatch.core.kafka import SECURITY_KEYS, new_consumer, new_producer, security_settings
+from sdcwatch.core.errors import RecordError
+from sdcwatch.core.kafka import SECURITY_KEYS, new_producer
 from sdcwatch.core.names import ANOMALY_TOPIC, DEADLETTER_TOPIC, SUMMARY_TOPIC, TELEMETRY_TOPIC
 from sdcwatch.detectors.summary import StepSummary, encode_summary
 from sdcwatch.detectors.types import IncidentEvent
-from sdcwatch.telemetry.record import Record, decode_message
+from sdcwatch.telemetry.limits import RecordLimits, reason_of
+from sdcwatch.telemetry.record import Record, decode_message, encode
 
-__all__ = ["Source", "KafkaSource", "MemorySource", "DeadLetter", "FAST_JOIN", "decode_summary_message",
-           "AnomalyTopicSink", "SummaryTopicSink"]
+__all__ = ["Source", "KafkaSource", "MemorySource", "DeadLetter", "FAST_JOIN", "DEADLETTER_MAX_BYTES",
+           "dead_letter_value", "decode_summary_message", "AnomalyTopicSink", "SummaryTopicSink"]
 
 log = logging.getLogger("sdcwatch.detectors")
 
@@ -39,10 +44,11 @@ FAST_JOIN = dict(max_poll_interval_ms=6000, session_timeout_ms=6000, heartbeat_i
 class DeadLetter:
     """A message that could not be decoded, with why and where it came from."""
 
-    reason: str
+    reason: str  # what is wrong, in words
     origin: str
     key: bytes | None
     value: bytes | None
+    code: str = "malformed"  # the reason code (one of DEAD_LETTER_REASONS)
 
 
 class Source(Protocol):
@@ -51,8 +57,12 @@ class Source(Protocol):
     records: int  # good records returned so far
     dead_letters: int  # malformed messages routed to the dead-letter topic
     assigned: bool  # the source holds partitions to read (a consumer group has finished joining)
+    dead_letter_reasons: dict[str, int]  # the same, by reason (DEAD_LETTER_REASONS)
+    partitions: int  # partitions this reader owns now (0: evicted or waiting for its group)
 
     def poll(self, timeout: float) -> list[Record]: ...
+
+    def dead_letter(self, records: Sequence[Record], reason: str, why: str) -> None: ...
 
     def commit(self) -> None: ...
 
@@ -68,26 +78,58 @@ def decode_summary_message(value: bytes) -> list:
     return [decode_summary(value)]
 
 
-def _decode_or_reason(value: Any, decode: Callable[[bytes], list] = decode_message) -> tuple[list | None, str]:
+#: Most bytes of a message's value kept in the dead-letter topic; the full size travels in the
+#: ``sdcwatch.size`` header. Keeps a huge message from being lost to the producer's request limit.
+DEADLETTER_MAX_BYTES = 64 * 1024
+
+
+def _decode_or_reason(value: Any, decode: Callable[..., list] = decode_message,
+                      limits: RecordLimits | None = None) -> tuple[list | None, str, str]:
+    """(records, "", "") or (None, reason code, description of the fault)."""
     if value is None:
-        return None, "empty message (null value)"
+        return None, "empty", "empty message (null value)"
     try:
-        return decode(value), ""
+        return (decode(value, limits) if limits is not None else decode(value)), "", ""
     except RecordError as exc:
-        return None, str(exc)
+        return None, reason_of(exc), str(exc)
 
 
-class MemorySource:
+def dead_letter_value(value: bytes | None) -> tuple[bytes, list[tuple[str, bytes]]]:
+    """The value to put on the dead-letter topic (truncated past :data:`DEADLETTER_MAX_BYTES`) and
+    the headers that say so (``sdcwatch.size``, ``sdcwatch.truncated``)."""
+    value = value if value is not None else b""
+    headers = [("sdcwatch.size", str(len(value)).encode())]
+    if len(value) > DEADLETTER_MAX_BYTES:
+        headers.append(("sdcwatch.truncated", b"true"))
+        value = value[:DEADLETTER_MAX_BYTES]
+    return value, headers
+
+
+class _DeadLetterCounts:
+    """Dead letters counted in total and by reason (mixed into both sources)."""
+
+    dead_letters: int
+    dead_letter_reasons: dict[str, int]
+
+    def _count_dead_letter(self, reason: str, n: int = 1) -> None:
+        self.dead_letters += n
+        # a new dict each time: the scrape thread may be reading the old one
+        self.dead_letter_reasons = {**self.dead_letter_reasons, reason: self.dead_letter_reasons.get(reason, 0) + n}
+
+
+class MemorySource(_DeadLetterCounts):
     """Reads a :class:`~sdcwatch.telemetry.MemoryBus` topic (unit tests, in-process demos)."""
 
     def __init__(self, bus: Any, topic: str = TELEMETRY_TOPIC, deadletter_topic: str = DEADLETTER_TOPIC,
-                 decode: Callable[[bytes], list] = decode_message) -> None:
+                 decode: Callable[..., list] = decode_message, limits: RecordLimits | None = None) -> None:
         self.bus = bus
         self.decode = decode
+        self.limits = limits if limits is not None else (RecordLimits() if decode is decode_message else None)
         self.topic = topic
         self.deadletter_topic = deadletter_topic
         self.records = 0
         self.dead_letters = 0
+        self.dead_letter_reasons: dict[str, int] = {}
         self.dead_letter_log: list[DeadLetter] = []
         self._offset = 0  # next offset to read
         self._committed = 0
@@ -98,19 +140,27 @@ class MemorySource:
             time.sleep(min(timeout, 0.01))
         out = []
         for i, (key, value) in enumerate(msgs):
-            recs, reason = _decode_or_reason(value, self.decode)
+            recs, reason, why = _decode_or_reason(value, self.decode, self.limits)
             if recs is None:
-                dl = DeadLetter(reason, f"{self.topic}/0/{self._offset + i}", key, value)
+                dl = DeadLetter(why, f"{self.topic}/0/{self._offset + i}", key, value, reason)
                 self.dead_letter_log.append(dl)
-                self.bus.append(self.deadletter_topic, key, value if value is not None else b"")
-                self.dead_letters += 1
+                self.bus.append(self.deadletter_topic, key, dead_letter_value(value)[0])
+                self._count_dead_letter(reason)
             else:
                 out.extend(recs)
         self._offset += len(msgs)
         self.records += len(out)
         return out
 
+    def dead_letter(self, records: Sequence[Record], reason: str, why: str) -> None:
+        """Route records the pipeline refused (e.g. an implausible step) to the dead-letter topic."""
+        for rec in records:
+            self.bus.append(self.deadletter_topic, None, encode(rec))
+            self.dead_letter_log.append(DeadLetter(why, "pipeline", None, None, reason))
+        self._count_dead_letter(reason, len(records))
+
     assigned = True  # an in-memory topic needs no group join
+    partitions = 1
 
     def commit(self) -> None:
         self._committed = self._offset
@@ -120,131 +170,6 @@ class MemorySource:
 
     def close(self) -> None:
         pass
-
-
-class KafkaSource:
-    """Reads the telemetry topic in a consumer group, with a dead-letter topic for bad messages.
-
-    The group timings default to :data:`FAST_JOIN`: kafka-python's first join of a new group waits
-    for the rebalance and session timeouts; at the defaults a fresh service would sit idle for
-    tens of seconds before its first record.
-    """
-
-    def __init__(
-        self,
-        bootstrap: str,
-        topic: str = TELEMETRY_TOPIC,
-        *,
-        group: str = "sdcwatch-detectors",
-        deadletter_topic: str = DEADLETTER_TOPIC,
-        auto_offset_reset: str = "earliest",
-        max_poll_records: int = 20_000,
-        max_poll_interval_ms: int = FAST_JOIN["max_poll_interval_ms"],
-        session_timeout_ms: int = FAST_JOIN["session_timeout_ms"],
-        heartbeat_interval_ms: int = FAST_JOIN["heartbeat_interval_ms"],
-        lag_interval: float = 1.0,
-        decode: Callable[[bytes], list] = decode_message,
-        **security: Any,
-    ) -> None:
-        from kafka.errors import KafkaError
-
-        security = security_settings(security)
-        self.bootstrap = bootstrap
-        self.topic = topic
-        self.group = group
-        self.deadletter_topic = deadletter_topic
-        self.max_poll_records = max_poll_records
-        self.lag_interval = lag_interval
-        self.decode = decode  # decode_summary_message for the temporal stage
-        self.records = 0
-        self.dead_letters = 0
-        self._lag = 0
-        self._lag_at = 0.0
-        self._assignment: list[int] | None = None
-        try:
-            self._consumer = new_consumer(
-                bootstrap,
-                topic,
-                security=security,
-                group_id=group,
-                enable_auto_commit=False,
-                auto_offset_reset=auto_offset_reset,
-                max_poll_records=max_poll_records,
-                max_poll_interval_ms=max_poll_interval_ms,
-                session_timeout_ms=session_timeout_ms,
-                heartbeat_interval_ms=heartbeat_interval_ms,
-                fetch_max_wait_ms=100,
-            )
-            self._dl_producer = new_producer(bootstrap, security, linger_ms=5, max_block_ms=5000)
-        except (KafkaError, OSError, ValueError) as exc:
-            raise TransportError(f"cannot connect to Kafka at {bootstrap}: {exc}") from None
-
-    def poll(self, timeout: float = 1.0, max_records: int | None = None) -> list[Record]:
-        """Decoded records, at most ``max_records``; bad messages are dead-lettered."""
-        batches = self._consumer.poll(timeout_ms=int(timeout * 1000), max_records=max_records or self.max_poll_records)
-        parts = sorted(tp.partition for tp in self._consumer.assignment())
-        if parts != self._assignment:  # a join or a rebalance: say which share of the topic is ours
-            self._assignment = parts
-            log.info("group %s: assigned partitions %s of %s", self.group, parts, self.topic)
-        out: list[Record] = []
-        for tp, messages in batches.items():
-            for msg in messages:
-                recs, reason = _decode_or_reason(msg.value, self.decode)
-                if recs is not None:
-                    out.extend(recs)
-                    continue
-                self.dead_letters += 1
-                origin = f"{tp.topic}/{tp.partition}/{msg.offset}"
-                log.debug("dead letter %s: %s", origin, reason)
-                try:
-                    self._dl_producer.send(
-                        self.deadletter_topic,
-                        key=msg.key,
-                        value=msg.value if msg.value is not None else b"",
-                        headers=[("sdcwatch.reason", reason.encode()), ("sdcwatch.origin", origin.encode())],
-                    )
-                except Exception as exc:  # the count stays; the service must keep going
-                    log.warning("could not dead-letter %s: %s", origin, exc)
-        self.records += len(out)
-        return out
-
-    @property
-    def assigned(self) -> bool:
-        """Whether this member has joined its group and owns partitions (records can flow)."""
-        return bool(self._consumer.assignment())
-
-    def commit(self) -> None:
-        """Commit everything returned by ``poll`` so far (call after processing it)."""
-        try:
-            if self.dead_letters:
-                self._dl_producer.flush(timeout=5)
-            self._consumer.commit()
-        except Exception as exc:  # a failed commit means redelivery, which dedup absorbs
-            log.warning("offset commit failed (records may be redelivered): %s", exc)
-
-    def lag(self) -> int:
-        """Records between this group's position and the end of the topic (refreshed each second)."""
-        now = time.monotonic()
-        if now - self._lag_at < self.lag_interval:
-            return self._lag
-        self._lag_at = now
-        try:
-            parts = self._consumer.assignment()
-            if parts:
-                ends = self._consumer.end_offsets(list(parts))
-                self._lag = int(sum(max(0, ends[tp] - self._consumer.position(tp)) for tp in parts))
-        except Exception as exc:
-            log.debug("lag unavailable: %s", exc)
-        return self._lag
-
-    def close(self) -> None:
-        try:
-            self._dl_producer.close(timeout=5)
-        finally:
-            self._consumer.close()
-
-
-# -- topic sinks: what the service writes to the bus ------------------------------------------------
 
 
 def _kafka_sender(bootstrap: str, topic: str, **producer_settings: Any):
@@ -374,3 +299,7 @@ class SummaryTopicSink(_TopicWriter):
         ok = bool(self._flush()) and not self._unflushed_errors
         self._unflushed_errors = 0
         return ok
+
+
+# The Kafka source builds on the helpers above; it lives in a module of its own (its reader thread).
+from sdcwatch.detectors.kafka_source import KafkaSource  # noqa: E402

@@ -3,7 +3,9 @@
 Input is JSON lines of records (the file transport's output) or a CSV whose header has ``step``
 and ``loss`` and optionally ``grad_norm``, ``lr`` and other numeric columns (W&B, TensorBoard and
 llm.c exports). A CSV is one series: it runs as a one-rank job, so spikes and non-finite values are
-found, ranks cannot be named. A malformed file raises :class:`ReplayError` naming the line.
+found, ranks cannot be named. A malformed file raises :class:`ReplayError` naming the line, and
+so does a line longer than :data:`MAX_LINE_BYTES` or a header of more than :data:`MAX_COLUMNS`
+columns: memory stays bounded by those, not by the file.
 """
 
 from __future__ import annotations
@@ -23,10 +25,32 @@ from sdcwatch.detectors.frame import StepFrame
 from sdcwatch.detectors.pipeline import DetectionPipeline, PipelineSettings
 from sdcwatch.detectors.types import Incident
 from sdcwatch.core.errors import RecordError, ReplayError
+from sdcwatch.telemetry.limits import RecordLimits
 from sdcwatch.telemetry.record import Record
 from sdcwatch.telemetry.record_json import from_json
 
-__all__ = ["replay", "read_records", "read_csv_frames", "format_table", "replay_main"]
+__all__ = ["replay", "read_records", "read_csv_frames", "format_table", "replay_main", "bounded_lines", "MAX_LINE_BYTES", "MAX_COLUMNS"]
+
+#: Longest line read from a replay file (a record of 8,192 values is about 200 kB of JSON).
+MAX_LINE_BYTES = 4 << 20
+#: Most columns of a CSV log.
+MAX_COLUMNS = 4096
+
+
+_LIMITS = RecordLimits()
+
+
+def bounded_lines(fh, path: Path, max_line: int = MAX_LINE_BYTES) -> Iterator[str]:
+    """The lines of ``fh``, each read with a bound: a longer one is a ReplayError naming it."""
+    lineno = 0
+    while True:
+        line = fh.readline(max_line + 1)
+        if not line:
+            return
+        lineno += 1
+        if len(line) > max_line:
+            raise ReplayError(str(path), lineno, f"line longer than {max_line:,} characters (not a telemetry log?)")
+        yield line
 
 #: CSV column names understood as the record's well-known scalars.
 CSV_ALIASES = {"grad_norm": "grad_norm_global", "gradnorm": "grad_norm_global", "grad_norm_global": "grad_norm_global",
@@ -36,7 +60,7 @@ _NAME_OK = re.compile(r"[^A-Za-z0-9_.:-]")
 
 def _is_jsonl(path: Path) -> bool:
     with open(path, "rb") as fh:
-        for raw in fh:
+        for raw in iter(lambda: fh.readline(MAX_LINE_BYTES), b""):
             line = raw.strip()
             if line:
                 return line.startswith(b"{")
@@ -49,11 +73,13 @@ def read_records(path: str | Path) -> Iterator[Record]:
     with open(path, encoding="utf-8", errors="strict") as fh:
         lineno = 0
         try:
-            for lineno, line in enumerate(fh, 1):
+            for lineno, line in enumerate(bounded_lines(fh, path), 1):
                 if not line.strip():
                     continue
                 try:
-                    yield from_json(line)
+                    rec = from_json(line)
+                    _LIMITS.check(rec)  # the service's limits: a file cannot size memory either
+                    yield rec
                 except RecordError as exc:
                     raise ReplayError(str(path), lineno, str(exc)) from None
         except UnicodeDecodeError as exc:
@@ -65,11 +91,17 @@ def read_csv_frames(path: str | Path, run: str | None = None) -> Iterator[StepFr
     path = Path(path)
     run = run or path.stem
     with open(path, newline="", encoding="utf-8-sig") as fh:
-        reader = csv.reader(fh)
+        reader = csv.reader(bounded_lines(fh, path))
         try:
             header = next(reader)
         except StopIteration:
             raise ReplayError(str(path), 0, "empty file") from None
+        except csv.Error as exc:
+            raise ReplayError(str(path), 1, f"bad CSV header: {exc}") from None
+        except UnicodeDecodeError as exc:
+            raise ReplayError(str(path), 1, f"not UTF-8 text: {exc.reason}") from None
+        if len(header) > MAX_COLUMNS:
+            raise ReplayError(str(path), 1, f"{len(header):,} columns, more than {MAX_COLUMNS:,} (not a training log?)")
         cols = [h.strip().lower() for h in header]
         if "step" not in cols or "loss" not in cols:
             raise ReplayError(str(path), 1, f"header must name 'step' and 'loss' columns, got {header}")
@@ -109,6 +141,8 @@ def read_csv_frames(path: str | Path, run: str | None = None) -> Iterator[StepFr
                 yield StepFrame.single(run, step, names, values, sent)
         except csv.Error as exc:
             raise ReplayError(str(path), reader.line_num, f"bad CSV: {exc}") from None
+        except UnicodeDecodeError as exc:
+            raise ReplayError(str(path), reader.line_num + 1, f"not UTF-8 text: {exc.reason}") from None
 
 
 def replay(path: str | Path, settings: PipelineSettings | None = None, **pipeline_kw) -> list[Incident]:

@@ -30,9 +30,10 @@ from sdcwatch.core.jsonsafe import json_safe
 from sdcwatch.core.validate import check_positive
 from sdcwatch.detectors.types import IncidentEvent, PipelineView, RunView, ServiceView
 from sdcwatch.core.errors import ConfigError
+from sdcwatch.telemetry.limits import RecordLimits
 from sdcwatch.telemetry.record import Record
 
-__all__ = ["DetectionPipeline", "PipelineSettings", "STATE_VERSION", "ROLES"]
+__all__ = ["DetectionPipeline", "PipelineSettings", "previous_state", "STATE_VERSION", "ROLES"]
 
 #: What a pipeline does: both stages (the default), or one stage of the scale-out.
 ROLES = ("both", "spatial", "temporal")
@@ -60,6 +61,11 @@ class PipelineSettings:
     """Temporal stage: seconds a step summary waits for the summaries of earlier steps."""
     stats_every: int = 10
     """Spatial stage: steps between the cross-rank quantiles it sends for the dashboards."""
+    max_runs: int = 1000
+    """Runs whose detection state is kept (memory and the state file grow with them). A new run past
+    it takes the place of a run silent for ``stale_after`` seconds (forgotten, its open incidents
+    resolved); when no run is that stale, the new run's records are dead-lettered (reason runs), so
+    a flood of run names cannot push out the runs that are training."""
 
     def __post_init__(self) -> None:
         check_positive("pipeline", **{f.name: getattr(self, f.name) for f in fields(self)})
@@ -78,6 +84,15 @@ class _Run:
     summary: StepSummary | None = None  # latest step (read by view())
     stats: dict[str, Any] | None = None  # latest cross-rank quantiles a spatial stage sent
     sent_hosts: tuple[str, ...] | None = None  # spatial: host table last put in a summary
+    view: RunView | None = None  # the exporter's view of the latest step, built once per step
+
+
+def _count(values: np.ndarray) -> int:
+    """The sum of per-rank counters, as an int whatever they hold (NaN and negatives count 0)."""
+    v = np.asarray(values, dtype=float)
+    with np.errstate(over="ignore"):
+        total = float(np.sum(v[np.isfinite(v) & (v > 0)]))
+    return int(min(total, 2.0**53))  # past it a float no longer counts by ones
 
 
 def frame_stats(frame: StepFrame) -> dict[str, Any]:
@@ -103,6 +118,7 @@ class DetectionPipeline:
 
     def __init__(self, settings: PipelineSettings | None = None, *,
                  detectors: Callable[[], Sequence] = default_detectors, role: str = "both",
+                 limits: RecordLimits | None = None,
                  clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time) -> None:
         self.settings = settings or PipelineSettings()
         if role not in ROLES:
@@ -115,16 +131,21 @@ class DetectionPipeline:
                 raise ConfigError("detectors", f"{', '.join(whole)} need(s) whole steps and cannot run in a "
                                                 f"split {role} stage; run the service with stage = \"both\"")
         self.wall = wall
-        self.aligner = StepAligner(self.settings.step_timeout, self.settings.max_open_steps, clock=clock)
+        self.limits = limits or RecordLimits()
+        self.aligner = StepAligner(self.settings.step_timeout, self.settings.max_open_steps, clock=clock,
+                                   max_step_jump=self.limits.max_step_jump, max_step_values=self.limits.max_step_values)
+        self.aligner.admit = self._admit
         self.book = IncidentBook(self.settings.quiet_steps, clock=wall)
         self._runs: dict[str, _Run] = {}
         self.findings_total: dict[tuple[str, str], int] = {}
         self.records_total = 0
+        self.runs_forgotten = 0  # stale runs dropped to make room for new ones (settings.max_runs)
         self.last_record_wall = 0.0
         self._rate: deque[tuple[float, int]] = deque(maxlen=64)
         self.order = SummaryOrder(self.settings.order_grace, clock=clock)
         self.summaries_total = 0  # temporal stage: summaries received
         self.outbox: list[StepSummary] = []  # spatial stage: summaries for the temporal stage
+        self.forgotten_events: list[IncidentEvent] = []  # resolutions of forgotten runs' incidents
 
     # -- input --------------------------------------------------------------------------------
 
@@ -136,12 +157,17 @@ class DetectionPipeline:
         events: list[IncidentEvent] = []
         for frame in self.aligner.add(records):
             events += self.process_frame(frame)
+        return self._with_forgotten(events)
+
+    def _with_forgotten(self, events: list[IncidentEvent]) -> list[IncidentEvent]:
+        if self.forgotten_events:
+            events, self.forgotten_events = self.forgotten_events + events, []
         return events
 
     def tick(self) -> list[IncidentEvent]:
         """Close steps whose alignment deadline passed, release waiting summaries (call regularly)."""
         events = [e for frame in self.aligner.poll() for e in self.process_frame(frame)]
-        return events + [e for s in self.order.poll() for e in self.judge_step(s)]
+        return self._with_forgotten(events + [e for s in self.order.poll() for e in self.judge_step(s)])
 
     def expire(self) -> list[IncidentEvent]:
         """Resolve the open incidents of runs silent for ``stale_after`` seconds (call regularly)."""
@@ -170,7 +196,7 @@ class DetectionPipeline:
         summaries = list(summaries)
         self.summaries_total += len(summaries)
         self._arrived(len(summaries))
-        return [e for s in self.order.add(summaries) for e in self.judge_step(s)]
+        return self._with_forgotten([e for s in self.order.add(summaries) for e in self.judge_step(s)])
 
     def _arrived(self, n: int) -> None:
         """Input rate and age of the last input: records (one process, spatial) or summaries (temporal)."""
@@ -187,6 +213,23 @@ class DetectionPipeline:
                     d.sparse = True
             st = self._runs[run] = _Run(dets, Attribution(self.settings.attribution_window))
         return st
+
+    def _admit(self, run: str) -> bool:
+        """Whether a new run fits within ``max_runs`` (the aligner asks before it takes one).
+
+        Past the bound the run silent longest makes room if it has been silent for ``stale_after``
+        seconds: ``_runs`` is kept in order of activity, so it is the first one.
+        """
+        if self.aligner.runs() < self.settings.max_runs:
+            return True
+        idlest = next(iter(self._runs), None)
+        if idlest is None or self.wall() - self._runs[idlest].last_step_wall < self.settings.stale_after:
+            return False
+        st = self._runs.pop(idlest)
+        self.aligner.forget(idlest)
+        self.runs_forgotten += 1
+        self.forgotten_events += self.book.close_run(idlest, st.last_step)
+        return True
 
     def observe_step(self, frame: StepFrame) -> StepSummary:
         """The cross-rank half of every detector on one step, as a :class:`StepSummary`."""
@@ -212,11 +255,13 @@ class DetectionPipeline:
                 summary.stats = frame_stats(frame)
             st.steps_total += 1
             st.last_step, st.last_step_wall, st.world = frame.step, self.wall(), frame.world
+            self._runs[frame.run] = self._runs.pop(frame.run)  # most recently active last
         return summary
 
     def judge_step(self, summary: StepSummary) -> list[IncidentEvent]:
         """The temporal half: every detector's judgement, attribution and the incident book."""
         st = self._state(summary.run)
+        self._runs[summary.run] = self._runs.pop(summary.run)  # most recently active last
         self._remember(st, summary)
         if summary.hosts is None:
             summary.hosts = tuple(st.hosts)
@@ -251,6 +296,7 @@ class DetectionPipeline:
         st.last_step = summary.step
         st.last_step_wall = self.wall()
         st.summary = summary
+        st.view = None
 
     # -- reading ------------------------------------------------------------------------------
 
@@ -263,11 +309,28 @@ class DetectionPipeline:
         summaries, self.outbox = self.outbox, []
         return summaries
 
-    def view(self, *, dead_letters_total: int = 0, consumer_lag: int = 0) -> ServiceView:
-        """What the exporter shows: runs, pipeline health, incidents, counters. The source's own
-        health (dead letters, consumer lag) comes from whoever reads the source: the service."""
-        runs = [] if self.role == "spatial" else [  # the spatial stage judges nothing: health only
-            self._run_view(run, st) for run, st in self._runs.items() if st.summary is not None]
+    def _run_views(self, max_runs: int | None) -> list[RunView]:
+        """Views of the runs to export: all, or the ``max_runs`` with open incidents first, then the
+        most recently active (each view is built once per step and reused by later scrapes)."""
+        runs = [(run, st) for run, st in self._runs.items() if st.summary is not None]
+        if max_runs is not None and len(runs) > max_runs:
+            alerting = {inc.run for inc in self.book.current() if inc.open}
+            runs.sort(key=lambda rs: (rs[0] not in alerting, -rs[1].last_step_wall, rs[0]))
+            runs = runs[:max_runs]
+        out = []
+        for run, st in runs:
+            if st.view is None:
+                st.view = self._run_view(run, st)
+            out.append(st.view)
+        return out
+
+    def view(self, *, dead_letters_total: int = 0, consumer_lag: int = 0,
+             dead_letter_reasons: dict[str, int] | None = None, consumer_partitions: int = -1,
+             max_runs: int | None = None) -> ServiceView:
+        """What the exporter shows: runs (at most ``max_runs``), pipeline health, incidents, counters.
+        The source's own health (dead letters by reason, consumer lag, partitions) comes from
+        whoever reads the source: the service."""
+        runs = [] if self.role == "spatial" else self._run_views(max_runs)
         now = self.wall()
         recent = [(t, n) for t, n in self._rate if now - t <= 10.0]
         rps = 0.0
@@ -280,6 +343,8 @@ class DetectionPipeline:
             dead_letters_total=dead_letters_total, consumer_lag=consumer_lag,
             last_record_wall=self.last_record_wall, late_records_total=self.aligner.late_records,
             world_changes_total=self.aligner.world_changes, incomplete_steps_total=self.aligner.incomplete_steps,
+            dead_letter_reasons=dict(dead_letter_reasons or {}), consumer_partitions=consumer_partitions,
+            runs_total=len(self._runs), runs_forgotten_total=self.runs_forgotten,
         )
         return ServiceView(runs=runs, pipeline=pipe, incidents=self.book.current(),
                            incidents_total=dict(self.book.opened_total), findings_total=dict(self.findings_total))
@@ -306,7 +371,7 @@ class DetectionPipeline:
             scalar_stats={k: np.asarray(v, dtype=float) for k, v in stats["scalars"].items()},
             layer_stats={k: np.asarray(v, dtype=float) for k, v in stats["layers"].items()},
             steps_total=st.steps_total, late_ranks=int(f.world - f.n_present),
-            missing_ranks=shown.get("missing_ranks", 0), emitter_dropped=int(np.nansum(st.dropped)),
+            missing_ranks=shown.get("missing_ranks", 0), emitter_dropped=_count(st.dropped),
         )
 
     # -- state ----------------------------------------------------------------------------------
@@ -355,25 +420,76 @@ class DetectionPipeline:
         self.order.restore(state.get("order", {}))
         self.summaries_total = int(state.get("summaries_total", 0))
 
-    def save(self, path: str | os.PathLike) -> None:
-        """Write the state atomically (a crash mid-write leaves the previous file intact)."""
+    def save(self, path: str | os.PathLike, state: dict[str, Any] | None = None) -> None:
+        """Write the state (``state``, or a snapshot taken now) so that no crash leaves a half file.
+
+        The new state goes to a temporary file, is synced, and replaces the old one in one rename;
+        the previous snapshot is kept beside it as ``<name>.prev`` (see :func:`load`).
+        """
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
+        safe = json_safe(state if state is not None else self.snapshot())
         tmp = path.with_suffix(path.suffix + ".tmp")
         with open(tmp, "w", encoding="utf-8") as fh:
-            json.dump(json_safe(self.snapshot()), fh, separators=(",", ":"), allow_nan=False)
+            json.dump(safe, fh, separators=(",", ":"), allow_nan=False)
             fh.flush()
             os.fsync(fh.fileno())
+        if path.is_file():
+            os.replace(path, previous_state(path))
         os.replace(tmp, path)
+        _sync_dir(path.parent)
 
     def load(self, path: str | os.PathLike) -> bool:
-        """Restore from ``path`` if it exists; returns whether it did."""
+        """Restore from ``path`` if it exists; returns whether it did.
+
+        A state file that cannot be read or restored raises ConfigError naming the file, the
+        fault and the ways out (``sdcwatch serve --state-reset``, or the kept previous snapshot).
+        """
+        path = Path(path)
+        recovery = (f"; start with --state-reset to move it aside and begin afresh, or copy "
+                    f"{previous_state(path).name} (the snapshot before it) over it")
         try:
             with open(path, encoding="utf-8") as fh:
                 state = json.load(fh)
         except FileNotFoundError:
             return False
+        except IsADirectoryError:
+            raise ConfigError("state.file", f"{path} is a folder, not a state file{recovery}") from None
+        except OSError as exc:
+            raise ConfigError("state.file", f"{path}: cannot read the state file: {exc.strerror or exc}") from None
+        except UnicodeDecodeError as exc:
+            raise ConfigError("state.file", f"{path}: not a state file (not UTF-8 text: {exc.reason}){recovery}") from None
         except ValueError as exc:
-            raise ConfigError("state.file", f"{path}: not a valid state file: {exc}") from None
-        self.restore(state)
+            what = "empty" if path.stat().st_size == 0 else f"not valid JSON, truncated or damaged ({exc})"
+            raise ConfigError("state.file", f"{path}: not a valid state file: {what}{recovery}") from None
+        if not isinstance(state, dict):
+            raise ConfigError("state.file", f"{path}: not a state file (a JSON {type(state).__name__}, "
+                                            f"not an object){recovery}")
+        try:
+            self.restore(state)
+        except ConfigError as exc:
+            raise ConfigError(exc.key, f"{path}: {exc.problem}{recovery}") from None
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
+            fault = f"missing key {exc}" if isinstance(exc, KeyError) else f"{type(exc).__name__}: {exc}"
+            raise ConfigError("state.file", f"{path}: the state file is structurally wrong ({fault}){recovery}") from None
         return True
+
+
+def previous_state(path: str | os.PathLike) -> Path:
+    """Where :meth:`DetectionPipeline.save` keeps the snapshot before the current one."""
+    path = Path(path)
+    return path.with_name(path.name + ".prev")
+
+
+def _sync_dir(folder: Path) -> None:
+    """Make a rename in ``folder`` durable (a no-op where directories cannot be opened)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

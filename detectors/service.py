@@ -23,6 +23,7 @@ from sdcwatch.detectors.bus import SummaryTopicSink
 from sdcwatch.detectors.bus import Source as RecordSource  # the protocol the service reads through
 from sdcwatch.detectors.types import IncidentEvent, IncidentSink, ServiceView
 from sdcwatch.core.errors import ConfigError
+from sdcwatch.core.jsonsafe import json_safe
 
 __all__ = ["DetectorService", "RecordSource", "STATE_FILE"]
 
@@ -34,6 +35,10 @@ STATE_FILE = "pipeline-state.json"
 class DetectorService:
     """Runs the detection loop; ``state_dir`` (optional) holds the snapshots that make restarts seamless.
 
+    The state is loaded from ``state_dir`` here unless ``resumed`` says the caller has loaded it
+    into the pipeline already (``sdcwatch serve`` does, to refuse a damaged state file before it
+    connects to the bus).
+
     The pipeline's role decides what flows: ``both`` reads records and publishes incidents;
     ``spatial`` reads records and hands step summaries to ``summary_sink``; ``temporal`` reads
     summaries (a source built with ``decode=decode_summary_message``) and publishes incidents.
@@ -43,7 +48,7 @@ class DetectorService:
                  sinks: Sequence[IncidentSink] = (), summary_sink: SummaryTopicSink | None = None,
                  state_dir: str | Path | None = None,
                  snapshot_every: float = 10.0, poll_timeout: float = 0.2,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, resumed: bool | None = None) -> None:
         if snapshot_every <= 0:
             raise ConfigError("service.snapshot_every", f"must be a positive number of seconds, got {snapshot_every!r}")
         if poll_timeout <= 0:
@@ -64,8 +69,14 @@ class DetectorService:
         self._lock = threading.Lock()  # guards the pipeline against view() from the scrape thread
         self._last_snapshot = clock()
         self._last_lag = -1e9
-        if self.state_path is not None:
-            self.resumed = self.pipeline.load(self.state_path)
+        if resumed is not None:  # the caller loaded the state already (before connecting to the bus)
+            self.resumed = resumed
+        elif self.state_path is not None:
+            try:
+                self.resumed = self.pipeline.load(self.state_path)
+            except Exception:
+                self.source.close()  # the caller never gets the service: release the consumer here
+                raise
             if self.resumed:
                 log.info("resumed detection state from %s", self.state_path)
 
@@ -79,7 +90,14 @@ class DetectorService:
                 events = self.pipeline.process(items)
             events += self.pipeline.tick()
             events += self.pipeline.expire()
+            rejected = self.pipeline.aligner.take_rejected()
             summaries = self.pipeline.take_summaries()
+        for reason, why, records in rejected:  # records the aligner refused: dead-lettered, counted
+            log.warning("dead-lettering %d record(s): %s", len(records), why)
+            try:
+                self.source.dead_letter(records, reason, why)
+            except Exception:
+                log.exception("could not dead-letter %d record(s)", len(records))
         if summaries:
             self.summary_sink.publish(summaries)
         self._publish(events)
@@ -102,8 +120,9 @@ class DetectorService:
         """Write the state, then commit the source (never the other way round)."""
         if self.state_path is None:
             return
-        with self._lock:
-            self.pipeline.save(self.state_path)
+        with self._lock:  # the state is copied under the lock, written without it (scrapes go on)
+            state = json_safe(self.pipeline.snapshot())
+        self.pipeline.save(self.state_path, state)
         if self.summary_sink is not None and not self.summary_sink.flush():
             log.warning("summaries not confirmed by the bus: offsets not committed (the steps will be re-read)")
             self._last_snapshot = self.clock()
@@ -122,11 +141,14 @@ class DetectorService:
             log.debug("consumer lag unavailable", exc_info=True)
         self._last_lag = self.clock()
 
-    def view(self) -> ServiceView:
-        """A consistent view for the exporter (thread-safe)."""
+    def view(self, max_runs: int | None = None) -> ServiceView:
+        """A consistent view for the exporter (thread-safe): at most ``max_runs`` runs."""
         with self._lock:
             return self.pipeline.view(dead_letters_total=int(getattr(self.source, "dead_letters", 0)),
-                                      consumer_lag=self.consumer_lag)
+                                      consumer_lag=self.consumer_lag,
+                                      dead_letter_reasons=getattr(self.source, "dead_letter_reasons", None),
+                                      consumer_partitions=int(getattr(self.source, "partitions", -1)),
+                                      max_runs=max_runs)
 
     def run_for(self, seconds: float | None = None, *, until: Callable[[], bool] | None = None,
                 max_iterations: int | None = None) -> None:

@@ -173,6 +173,10 @@ class PipelineView:
     late_records_total: int = 0  # records that came after their step had closed (dropped)
     world_changes_total: int = 0  # times a run's world size changed (its steps realigned)
     incomplete_steps_total: int = 0  # steps closed without every rank's record
+    dead_letter_reasons: dict[str, int] = field(default_factory=dict)  # dead letters by reason code
+    consumer_partitions: int = -1  # partitions the reader owns (0: evicted or unassigned; -1: unknown)
+    runs_total: int = 0  # runs whose detection state is kept
+    runs_forgotten_total: int = 0  # stale runs dropped to make room for new ones
 
 
 @dataclass

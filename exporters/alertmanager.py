@@ -21,6 +21,7 @@ from typing import Any
 
 from sdcwatch.detectors.types import Incident, IncidentEvent
 from sdcwatch.core.errors import ConfigError
+from sdcwatch.core.validate import redact_url
 
 from .collector import incident_rank_label
 from .delivery import BackgroundSink, Backoff, DeliveryError, PostFn, encode_json, post_json
@@ -132,7 +133,7 @@ class AlertmanagerSink(BackgroundSink):
         max_queue: int = 10_000,
     ) -> None:
         if not isinstance(url, str) or not url.startswith(("http://", "https://")):
-            raise ConfigError("alertmanager.url", f"must be an http(s) URL, got {url!r}")
+            raise ConfigError("alertmanager.url", f"must be an http(s) URL, got {redact_url(url)!r}")
         if not (isinstance(refresh_interval, (int, float)) and refresh_interval > 0):
             raise ConfigError("alertmanager.refresh_interval", f"must be > 0 seconds, got {refresh_interval!r}")
         if not (isinstance(timeout, (int, float)) and timeout > 0):

@@ -88,6 +88,18 @@ METRICS: tuple[MetricSpec, ...] = (
        "Records between the consumer position and the end of the telemetry topic."),
     _m("sdcwatch_pipeline_dead_letters_total", "counter", (),
        "Malformed records routed to the dead-letter topic."),
+    _m("sdcwatch_pipeline_dead_letters_by_reason_total", "counter", ("reason",),
+       "Records routed to the dead-letter topic, by reason: malformed, unknown_version, empty, oversize, "
+       "world, layers, layer_metrics, values, step_size, counter, name, step_jump, runs (see the README's limits)."),
+    _m("sdcwatch_pipeline_late_records_total", "counter", (),
+       "Records for a step the service had already closed (dropped): late ranks, redelivery after a restart."),
+    _m("sdcwatch_pipeline_consumer_partitions", "gauge", (),
+       "Partitions of the telemetry topic this instance reads; 0 means evicted from its consumer group or "
+       "waiting for a rebalance: nothing is processed."),
+    _m("sdcwatch_pipeline_runs", "gauge", (),
+       "Runs whose detection state the service keeps (at most detectors.max_runs)."),
+    _m("sdcwatch_pipeline_runs_forgotten_total", "counter", (),
+       "Runs silent for long (pipeline stale_after) forgotten to make room for new ones within detectors.max_runs."),
     _m("sdcwatch_pipeline_duplicates_total", "counter", (),
        "Duplicate records (same run, step and rank) discarded."),
     _m("sdcwatch_pipeline_late_records_total", "counter", (),
@@ -111,6 +123,9 @@ METRICS: tuple[MetricSpec, ...] = (
     _m("sdcwatch_emitter_dropped_records_total", "counter", ("run",),
        "Records the in-rank emitters dropped (buffer full or bus down), summed over ranks."),
     # the exporter itself
+    _m("sdcwatch_exporter_omitted", "gauge", ("what",),
+       "Runs (what=runs) beyond metrics.max_runs and layers (what=layers, summed over runs) beyond "
+       "metrics.max_layers that have no series of their own at this scrape."),
     _m("sdcwatch_exporter_view_errors_total", "counter", (),
        "Scrapes at which reading the service state failed (the scrape then shows only this)."),
 )

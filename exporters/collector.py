@@ -2,13 +2,18 @@
 
 The service hands over a ``view_fn`` returning one consistent :class:`ServiceView`; every scrape
 turns that snapshot into metric families (catalogue in :mod:`sdcwatch.exporters.catalog`).
-Cardinality is bounded whatever the world size: per-rank series exist only for the top-K ranks by
-outlier score and for ranks named by an open incident; everything else is aggregated across ranks.
+Cardinality is bounded whatever the world size, the number of runs or the depth of the model:
+per-rank series exist only for the top-K ranks by outlier score and for ranks named by an open
+incident; per-layer series only for ``max_layers`` layers of a run (those of open incidents, then
+the widest spread across ranks); per-run series only for the runs the service view holds (the
+service passes its ``metrics.max_runs``). Everything else is aggregated or left out, and
+``sdcwatch_exporter_omitted`` says how much.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
@@ -27,6 +32,7 @@ __all__ = [
     "DEFAULT_LAYER_STATS",
     "MAX_RANKS_PER_INCIDENT",
     "MAX_INCIDENTS_LISTED",
+    "DEFAULT_MAX_LAYERS",
     "incident_rank_label",
 ]
 
@@ -43,6 +49,8 @@ DEFAULT_LAYER_STATS: tuple[str, ...] = ("min", "median", "max")
 MAX_RANKS_PER_INCIDENT = 8
 #: Most incidents described by ``sdcwatch_incident_*`` series (open ones first, then newest).
 MAX_INCIDENTS_LISTED = 50
+#: Layers of one run with per-layer series (open-incident layers, then the widest spread).
+DEFAULT_MAX_LAYERS = 128
 
 
 def incident_rank_label(ranks: Sequence[int], limit: int = 8) -> str:
@@ -77,12 +85,18 @@ class SdcwatchCollector(Collector):
         layer_stats: Sequence[str] = DEFAULT_LAYER_STATS,
         scalar_stats: Sequence[str] = STATS,
         layer_metrics: Sequence[str] | None = None,
+        max_layers: int = DEFAULT_MAX_LAYERS,
+        cache_seconds: float = 0.0,
         clock: Callable[[], float] = time.time,
     ) -> None:
         if not callable(view_fn):
             raise ConfigError("exporter.view_fn", f"must be callable, got {type(view_fn).__name__}")
         if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
             raise ConfigError("exporter.top_k", f"must be an integer >= 0, got {top_k!r}")
+        if isinstance(max_layers, bool) or not isinstance(max_layers, int) or max_layers < 1:
+            raise ConfigError("exporter.max_layers", f"must be an integer >= 1, got {max_layers!r}")
+        if not cache_seconds >= 0:
+            raise ConfigError("exporter.cache_seconds", f"must be >= 0, got {cache_seconds!r}")
         for key, stats in (("exporter.layer_stats", layer_stats), ("exporter.scalar_stats", scalar_stats)):
             unknown = [s for s in stats if s not in STATS]
             if unknown or isinstance(stats, str):
@@ -92,8 +106,12 @@ class SdcwatchCollector(Collector):
         self.layer_stats = tuple(layer_stats)
         self.scalar_stats = tuple(scalar_stats)
         self.layer_metrics = None if layer_metrics is None else frozenset(layer_metrics)
+        self.max_layers = max_layers
+        self.cache_seconds = float(cache_seconds)
         self.clock = clock
         self._view_errors = 0
+        self._cache: tuple[float, list[Metric]] | None = None
+        self._cache_lock = threading.Lock()  # concurrent scrapes wait for one render, then share it
 
     # -- prometheus-client protocol -------------------------------------------------------------
 
@@ -102,6 +120,15 @@ class SdcwatchCollector(Collector):
         return [self._family(spec) for spec in METRICS]
 
     def collect(self) -> Iterator[Metric]:
+        if not self.cache_seconds:
+            return self._collect()
+        with self._cache_lock:
+            now = time.monotonic()
+            if self._cache is None or now - self._cache[0] >= self.cache_seconds:
+                self._cache = (now, list(self._collect()))
+            return iter(self._cache[1])
+
+    def _collect(self) -> Iterator[Metric]:
         try:
             view = self.view_fn()
             families = self._families(view, self.clock())
@@ -138,6 +165,7 @@ class SdcwatchCollector(Collector):
             if inc.open:
                 open_incidents.setdefault(inc.run, []).append(inc)
 
+        layers_omitted = 0
         for run in view.runs:
             r = run.run
             add("sdcwatch_training_loss", [r], run.loss)
@@ -155,7 +183,9 @@ class SdcwatchCollector(Collector):
                 k: v for k, v in run.layer_stats.items()
                 if self.layer_metrics is None or k in self.layer_metrics
             }
-            self._add_stats(fam["sdcwatch_layer_metric"], r, layer_stats, self.layer_stats, "layer")
+            layers, n_layers = self._exported_layers(layer_stats, open_incidents.get(r, []))
+            layers_omitted += n_layers - len(layers)
+            self._add_stats(fam["sdcwatch_layer_metric"], r, layer_stats, self.layer_stats, "layer", layers)
             add("sdcwatch_pipeline_late_ranks", [r], run.late_ranks)
             add("sdcwatch_pipeline_missing_ranks", [r], run.missing_ranks)
             add("sdcwatch_emitter_dropped_records_total", [r], run.emitter_dropped)
@@ -172,6 +202,15 @@ class SdcwatchCollector(Collector):
         add("sdcwatch_pipeline_records_per_second", [], p.records_per_second)
         add("sdcwatch_pipeline_consumer_lag_records", [], p.consumer_lag)
         add("sdcwatch_pipeline_dead_letters_total", [], p.dead_letters_total)
+        for reason, count in sorted(p.dead_letter_reasons.items()):
+            add("sdcwatch_pipeline_dead_letters_by_reason_total", [reason], count)
+        add("sdcwatch_pipeline_late_records_total", [], p.late_records_total)
+        if p.consumer_partitions >= 0:
+            add("sdcwatch_pipeline_consumer_partitions", [], p.consumer_partitions)
+        add("sdcwatch_pipeline_runs", [], p.runs_total)
+        add("sdcwatch_pipeline_runs_forgotten_total", [], p.runs_forgotten_total)
+        add("sdcwatch_exporter_omitted", ["runs"], max(0, p.runs_total - len(view.runs)))
+        add("sdcwatch_exporter_omitted", ["layers"], layers_omitted)
         add("sdcwatch_pipeline_duplicates_total", [], p.duplicates_total)
         add("sdcwatch_pipeline_late_records_total", [], p.late_records_total)
         add("sdcwatch_pipeline_world_changes_total", [], p.world_changes_total)
@@ -204,9 +243,29 @@ class SdcwatchCollector(Collector):
             chosen.update(int(r) for r in inc.ranks[:MAX_RANKS_PER_INCIDENT] if 0 <= int(r) < n)
         return sorted(chosen)
 
+    def _exported_layers(self, stats: dict[str, np.ndarray], incidents: list[Incident]) -> tuple[list[int], int]:
+        """(layers to export, layers there are): all up to ``max_layers``; past it the layers of open
+        incidents, then those whose values spread most across ranks ((max - min) / IQR of any metric)."""
+        blocks = [np.asarray(v, dtype=np.float64).reshape(-1, len(STATS)) for v in stats.values()]
+        n = max((b.shape[0] for b in blocks), default=0)
+        if n <= self.max_layers:
+            return list(range(n)), n
+        chosen = {int(inc.layer) for inc in incidents if inc.layer is not None and 0 <= int(inc.layer) < n}
+        score = np.full(n, -np.inf)
+        with np.errstate(all="ignore"):
+            for b in blocks:
+                spread = (b[:, 4] - b[:, 0]) / np.maximum(b[:, 3] - b[:, 1], 1e-12 * np.abs(b[:, 2]) + 1e-30)
+                spread = np.where(np.isnan(spread), np.inf, spread)  # NaN evidence ranks first
+                score[: b.shape[0]] = np.maximum(score[: b.shape[0]], spread)
+        for layer in np.argsort(-score, kind="stable"):
+            if len(chosen) >= self.max_layers:
+                break
+            chosen.add(int(layer))
+        return sorted(chosen), n
+
     @staticmethod
     def _add_stats(family: Metric, run: str, stats: dict[str, np.ndarray], which: tuple[str, ...],
-                   per: str | None) -> None:
+                   per: str | None, layers: Sequence[int] | None = None) -> None:
         columns = [(name, STATS.index(name)) for name in which]
         for metric_name in sorted(stats):
             values = np.asarray(stats[metric_name], dtype=np.float64)
@@ -215,7 +274,9 @@ class SdcwatchCollector(Collector):
                     family.add_metric([run, metric_name, stat], float(values.reshape(-1)[col]))
             else:
                 values = values.reshape(-1, len(STATS))
-                for layer in range(values.shape[0]):
+                for layer in (range(values.shape[0]) if layers is None else layers):
+                    if layer >= values.shape[0]:
+                        continue
                     for stat, col in columns:
                         family.add_metric([run, metric_name, str(layer), stat], float(values[layer, col]))
 

@@ -9,11 +9,13 @@ or timer. :class:`Backoff` is the retry schedule; :func:`post_json` the default 
 
 from __future__ import annotations
 
+import base64
 import json
 import logging
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections import deque
 from collections.abc import Callable, Mapping
@@ -21,6 +23,7 @@ from typing import Any
 
 from sdcwatch.detectors.types import IncidentEvent
 from sdcwatch.core.errors import ConfigError, DeliveryError
+from sdcwatch.core.validate import redact_url
 
 __all__ = ["BackgroundSink", "Backoff", "DeliveryError", "PostFn", "post_json", "encode_json"]
 
@@ -30,10 +33,32 @@ log = logging.getLogger(__name__)
 PostFn = Callable[[str, bytes, Mapping[str, str], float], int]
 
 
+def _credentials(url: str) -> tuple[str, dict[str, str]]:
+    """``url`` without user info, and the Basic authorization header it carried (if any)."""
+    parts = urllib.parse.urlsplit(url)
+    if "@" not in parts.netloc:
+        return url, {}
+    host = parts.netloc.rpartition("@")[2]
+    user = urllib.parse.unquote(parts.username or "")
+    password = urllib.parse.unquote(parts.password or "")
+    token = base64.b64encode(f"{user}:{password}".encode()).decode()
+    return urllib.parse.urlunsplit(parts._replace(netloc=host)), {"Authorization": f"Basic {token}"}
+
+
 def post_json(url: str, body: bytes, headers: Mapping[str, str], timeout: float) -> int:
-    """POST ``body`` (already JSON) to ``url``; the status on 2xx, :class:`DeliveryError` otherwise."""
-    request = urllib.request.Request(url, data=body, method="POST",
-                                     headers={"Content-Type": "application/json", **headers})
+    """POST ``body`` (already JSON) to ``url``; the status on 2xx, :class:`DeliveryError` otherwise.
+
+    Credentials in the URL (``https://user:password@host``) are sent as HTTP Basic authorization;
+    errors name the URL with the password replaced by ``***``.
+    """
+    shown = redact_url(url)
+    try:
+        target, auth = _credentials(url)
+    except ValueError as exc:
+        raise DeliveryError(f"{shown}: {exc}") from None
+    request = urllib.request.Request(target, data=body, method="POST",
+                                     headers={"Content-Type": "application/json", **auth, **headers})
+    url = shown
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:
             response.read()

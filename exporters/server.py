@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry, generate_latest, start_http_ser
 from sdcwatch.detectors.types import ServiceView
 from sdcwatch.core.errors import ConfigError
 
-from .collector import DEFAULT_LAYER_STATS, DEFAULT_TOP_K, SdcwatchCollector
+from .collector import DEFAULT_LAYER_STATS, DEFAULT_MAX_LAYERS, DEFAULT_TOP_K, SdcwatchCollector
 from .catalog import STATS
 
 __all__ = ["MetricsServer", "DEFAULT_METRICS_ADDRESS", "DEFAULT_METRICS_PORT"]
@@ -31,7 +31,8 @@ class MetricsServer:
 
     ``port=0`` picks a free port (read it back from :attr:`port`). Use as a context manager or
     call :meth:`start` / :meth:`close`. The collector options are passed through to
-    :class:`SdcwatchCollector`.
+    :class:`SdcwatchCollector`. A scrape within ``cache_seconds`` of the last one gets the same
+    metrics (rendered once): many scrapers cost the service one view a second, not one each.
     """
 
     def __init__(
@@ -44,6 +45,8 @@ class MetricsServer:
         layer_stats: Sequence[str] = DEFAULT_LAYER_STATS,
         scalar_stats: Sequence[str] = STATS,
         layer_metrics: Sequence[str] | None = None,
+        max_layers: int = DEFAULT_MAX_LAYERS,
+        cache_seconds: float = 1.0,
     ) -> None:
         if not isinstance(address, str) or not address:
             raise ConfigError("exporter.address", f"must be a non-empty host or IP, got {address!r}")
@@ -53,7 +56,7 @@ class MetricsServer:
         self.registry = CollectorRegistry(auto_describe=True)
         self.collector = SdcwatchCollector(
             view_fn, top_k=top_k, layer_stats=layer_stats, scalar_stats=scalar_stats,
-            layer_metrics=layer_metrics,
+            layer_metrics=layer_metrics, max_layers=max_layers, cache_seconds=cache_seconds,
         )
         self.registry.register(self.collector)
         self._requested_port = port
@@ -85,6 +88,7 @@ class MetricsServer:
             raise ConfigError(
                 "exporter.port", f"cannot listen on {self.address}:{self._requested_port}: {exc}"
             ) from exc
+        self._httpd.socket.listen(128)  # the default backlog of 5 resets a burst of concurrent scrapers
         return self
 
     def render(self) -> bytes:

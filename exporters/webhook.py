@@ -14,6 +14,7 @@ import time
 
 from sdcwatch.detectors.types import IncidentEvent
 from sdcwatch.core.errors import ConfigError
+from sdcwatch.core.validate import redact_url
 
 from .delivery import BackgroundSink, Backoff, DeliveryError, PostFn, encode_json, post_json
 
@@ -48,7 +49,7 @@ class WebhookSink(BackgroundSink):
         max_queue: int = 10_000,
     ) -> None:
         if not isinstance(url, str) or not url.startswith(("http://", "https://")):
-            raise ConfigError("webhook.url", f"must be an http(s) URL, got {url!r}")
+            raise ConfigError("webhook.url", f"must be an http(s) URL, got {redact_url(url)!r}")
         if not (isinstance(timeout, (int, float)) and timeout > 0):
             raise ConfigError("webhook.timeout", f"must be > 0 seconds, got {timeout!r}")
         if isinstance(max_attempts, bool) or not isinstance(max_attempts, int) or max_attempts < 1:
@@ -115,7 +116,7 @@ class WebhookSink(BackgroundSink):
                 log.error("webhook: gave up on an event after %d attempts: %s", self.max_attempts, exc)
             delay = self._backoff.failed()
             self._retry_at = time.monotonic() + delay
-            log.warning("webhook: delivery to %s failed (%s); retrying in %.1fs", self.url, exc, delay)
+            log.warning("webhook: delivery to %s failed (%s); retrying in %.1fs", redact_url(self.url), exc, delay)
             return False
         self._pending.popleft()
         self._attempts = 0

@@ -9,15 +9,19 @@ alert. Ctrl-C or SIGTERM stop it cleanly after a final snapshot.
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
+import os
 import signal
 import sys
 import threading
+import time
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from sdcwatch.config import ServeConfig, add_serve_arguments, config_from_args
 
-__all__ = ["build_service", "serve_main"]
+__all__ = ["build_service", "serve_main", "reset_state"]
 
 log = logging.getLogger("sdcwatch.serve")
 
@@ -35,22 +39,24 @@ def build_service(cfg: ServeConfig, *, sinks: Sequence[Any] | None = None, extra
     from sdcwatch.detectors.bus import AnomalyTopicSink, KafkaSource, SummaryTopicSink, decode_summary_message
     from sdcwatch.detectors.pipeline import DetectionPipeline, PipelineSettings
     from sdcwatch.detectors.registry import default_detectors
-    from sdcwatch.detectors.service import DetectorService
+    from sdcwatch.detectors.service import STATE_FILE, DetectorService
     from sdcwatch.exporters import AlertmanagerSink, LogSink, WebhookSink
     from sdcwatch.exporters.server import MetricsServer
 
     security = dict(cfg.bus.security)
     stage = cfg.detectors.stage
     settings = PipelineSettings(step_timeout=cfg.detectors.align_timeout_s,
-                                quiet_steps=cfg.detectors.resolve_after_steps)
+                                quiet_steps=cfg.detectors.resolve_after_steps, max_runs=cfg.detectors.max_runs)
     configs = cfg.detectors.detector_configs()
-    pipeline = DetectionPipeline(settings, role=stage, detectors=lambda: default_detectors(configs))
+    limits = cfg.limits.record_limits()
+    pipeline = DetectionPipeline(settings, role=stage, detectors=lambda: default_detectors(configs), limits=limits)
+    resumed = pipeline.load(Path(cfg.state.dir) / STATE_FILE)  # a damaged state fails here, before the bus
     if stage == "temporal":
         source = KafkaSource(cfg.bus.bootstrap, cfg.bus.summaries_topic, group=f"{cfg.bus.group}.temporal",
                              deadletter_topic=cfg.bus.deadletter_topic, decode=decode_summary_message, **security)
     else:
         source = KafkaSource(cfg.bus.bootstrap, cfg.bus.telemetry_topic, group=cfg.bus.group,
-                             deadletter_topic=cfg.bus.deadletter_topic, **security)
+                             deadletter_topic=cfg.bus.deadletter_topic, limits=limits, **security)
     if wrap_source is not None:
         source = wrap_source(source)
     summary_sink = None
@@ -69,12 +75,27 @@ def build_service(cfg: ServeConfig, *, sinks: Sequence[Any] | None = None, extra
             chosen.append(LogSink())
     service = DetectorService(source, pipeline, sinks=[*chosen, *extra_sinks], summary_sink=summary_sink,
                               state_dir=cfg.state.dir, snapshot_every=cfg.state.snapshot_interval_s,
-                              poll_timeout=poll_timeout)
+                              poll_timeout=poll_timeout, resumed=resumed)
     metrics = None
     if cfg.metrics.port:
-        metrics = MetricsServer(service.view, address=cfg.metrics.address, port=cfg.metrics.port,
-                                top_k=cfg.metrics.top_k)
+        metrics = MetricsServer(functools.partial(service.view, max_runs=cfg.metrics.max_runs),
+                                address=cfg.metrics.address, port=cfg.metrics.port,
+                                top_k=cfg.metrics.top_k, max_layers=cfg.metrics.max_layers)
     return service, metrics
+
+
+def reset_state(state_dir: Path) -> Path | None:
+    """Move the state file out of the way (renamed, never deleted); returns where it went."""
+    from sdcwatch.detectors.service import STATE_FILE
+
+    path = Path(state_dir) / STATE_FILE
+    if not path.exists() and not path.is_symlink():
+        print(f"sdcwatch serve: --state-reset: no state file at {path}; starting afresh", file=sys.stderr)
+        return None
+    aside = path.with_name(f"{path.name}.bad-{time.strftime('%Y%m%dT%H%M%S')}")
+    os.replace(path, aside)
+    print(f"sdcwatch serve: --state-reset: moved {path} to {aside}; starting afresh", file=sys.stderr)
+    return aside
 
 
 def serve_main(argv: Sequence[str]) -> int:
@@ -87,12 +108,17 @@ def serve_main(argv: Sequence[str]) -> int:
     )
     add_serve_arguments(parser)
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    parser.add_argument("--state-reset", action="store_true",
+                        help="move the state file aside (kept as pipeline-state.json.bad-<time>) and start without "
+                             "it: the way out of a damaged state file; detectors warm up again")
     args = parser.parse_args(argv)
     logging.getLogger().setLevel(logging.INFO if args.verbose else logging.WARNING)
     logging.getLogger("sdcwatch.incidents").setLevel(logging.INFO)
     logging.getLogger("sdcwatch.detectors").setLevel(logging.INFO)  # partition assignments
     cfg = config_from_args(args)
     cfg.state.dir.mkdir(parents=True, exist_ok=True)
+    if args.state_reset:
+        reset_state(cfg.state.dir)
 
     stop = threading.Event()
 

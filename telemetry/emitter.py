@@ -190,20 +190,34 @@ class Emitter:
     def close(self, timeout: float | None = 10.0) -> None:
         """Flush for up to ``timeout`` seconds, stop the sender, close the transport.
 
-        What could not be sent by then is counted as dropped.
+        Returns within ``timeout`` (plus a fraction of a second), with the sender thread gone: the
+        transport is told the deadline (``transport.deadline``, where it has one), so a flush or a
+        connection attempt ends by then (one attempt begun before ``close`` ends on its own bound,
+        ``connect_timeout_ms``). What could not be sent is counted as dropped.
         """
         if self._closed:
             return
+        start = _time.monotonic()
+        deadline = None if timeout is None else start + max(0.0, timeout)
+        if deadline is not None and hasattr(self.transport, "deadline"):
+            try:
+                self.transport.deadline = deadline
+            except Exception:
+                pass
         self.flush(timeout)
         self._closed = True
         self._stop.set()
-        self._thread.join(timeout=5.0)
+        # the transport's calls end by the deadline; a little grace for the sender to notice the stop
+        self._thread.join(timeout=None if deadline is None else max(0.0, deadline - _time.monotonic()) + 0.5)
+        if self._thread.is_alive():  # a connection attempt begun before close(): it ends on its own bound
+            self._thread.join(timeout=getattr(self.transport, "connect_timeout_ms", 0) / 1000)
         left = len(self._queue) + len(self._inflight)
         if left:
             self.dropped += left
             self._queue.clear()
             self._inflight = []
-            log.warning("sdcwatch emitter (rank %s): closed with %d records unsent", self.rank, left)
+            log.warning("sdcwatch emitter (rank %s): closed with %d records unsent (bus %s)", self.rank, left,
+                        getattr(self.transport, "bootstrap", "unavailable"))
         try:
             self.transport.close()
         except Exception as exc:

@@ -33,6 +33,7 @@ from typing import Any, Mapping, Sequence
 
 from sdcwatch.core.errors import RecordError, UnknownVersionError
 from sdcwatch.core.names import FINGERPRINTS, LAYER_METRICS, SCALARS, TELEMETRY_TOPIC
+from sdcwatch.telemetry.limits import MAX_NAME_BYTES, LimitError, RecordLimits
 
 __all__ = [
     "Record",
@@ -61,7 +62,7 @@ _U8 = struct.Struct("<B")
 _U16 = struct.Struct("<H")
 _F64 = struct.Struct("<d")
 _U64S = struct.Struct("<Q")
-_MAX_STR = 1024
+_MAX_STR = MAX_NAME_BYTES  # run and host: one bound for encode, decode, validate and restore
 _F32S: dict[int, struct.Struct] = {}
 
 
@@ -113,7 +114,7 @@ def _check_str(name: str, value: Any, *, empty_ok: bool) -> None:
     if not value and not empty_ok:
         raise RecordError(name, "must not be empty")
     if len(value.encode("utf-8", "surrogatepass")) > _MAX_STR:
-        raise RecordError(name, f"longer than {_MAX_STR} bytes")
+        raise LimitError(name, f"longer than {_MAX_STR} bytes", "name")
     try:
         value.encode("utf-8")
     except UnicodeEncodeError:
@@ -281,10 +282,12 @@ def _decode_fast(buf: bytes, pos: int, end: int) -> Record | None:
         p += 2
         run = buf[p : p + n].decode()
         p += n
-        n = buf[p] | buf[p + 1] << 8
+        m = buf[p] | buf[p + 1] << 8
         p += 2
-        host = buf[p : p + n].decode()
-        p += n
+        host = buf[p : p + m].decode()
+        p += m
+        if n > _MAX_STR or m > _MAX_STR:
+            return None  # the careful path names the field
         names = _NAMES
         scalars, p = _fixed_group(buf, p, _f64_from)
         fps, p = _fixed_group(buf, p, _u64_from)
@@ -326,6 +329,9 @@ def _decode_careful(buf: bytes) -> Record:
     _, _, step, rank, world, local_rank, time = r.unpack(_HEAD, "header")
     run = r.string("run", True)
     host = r.string("host", True)
+    for name, value in (("run", run), ("host", host)):
+        if len(value.encode()) > _MAX_STR:
+            raise LimitError(name, f"{len(value.encode())} bytes, longer than {_MAX_STR}", "name")
     (n,) = r.unpack(_U8, "scalars")
     scalars: dict[str, float] = {}
     for _ in range(n):
@@ -366,11 +372,25 @@ def encode_batch(records: Sequence[Record]) -> bytes:
     return b"".join(out)
 
 
-def decode_message(data: bytes | bytearray | memoryview) -> list[Record]:
-    """Decode a bus message: a single record or a batch. Raises RecordError when any part is bad."""
+def decode_message(data: bytes | bytearray | memoryview, limits: RecordLimits | None = None) -> list[Record]:
+    """Decode a bus message: a single record or a batch. Raises RecordError when any part is bad.
+
+    With ``limits`` (the service always passes them) a message or a record past a limit raises
+    :class:`~sdcwatch.telemetry.limits.LimitError`, before anything is sized by its claims.
+    """
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise RecordError("record", f"expected bytes, got {type(data).__name__}")
-    buf = bytes(data)
+    if limits is not None and len(data) > limits.max_message_bytes:
+        raise LimitError("message", f"{len(data)} bytes, the limit is {limits.max_message_bytes} "
+                                    "(limits.max_message_bytes)", "oversize")
+    records = _decode_message(bytes(data))
+    if limits is not None:
+        for rec in records:
+            limits.check(rec)
+    return records
+
+
+def _decode_message(buf: bytes) -> list[Record]:
     if buf[:4] != BATCH_MAGIC:
         return [decode(buf)]
     if len(buf) < _BATCH_HEAD.size:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from pathlib import Path
 from typing import Any, Protocol, Sequence
 
@@ -150,6 +151,10 @@ class KafkaTransport:
     mid-run, is picked up again without anyone's help. The topic is created if missing with
     ``partitions`` partitions (brokers that auto-create topics would otherwise pick their own
     default).
+
+    No call blocks for long: a connection attempt gives up after ``connect_timeout_ms`` (kafka-python
+    waits 30 s by default, which delayed the emitter's "bus unavailable" warning and its close),
+    and once :attr:`deadline` is set (the emitter sets it when it closes) every wait ends by then.
     """
 
     def __init__(
@@ -168,6 +173,7 @@ class KafkaTransport:
         delivery_timeout_ms: int = 6000,
         flush_timeout: float = 10.0,
         max_records_per_message: int = 256,
+        connect_timeout_ms: int = 2000,
         **security: Any,
     ) -> None:
         if not bootstrap or not isinstance(bootstrap, str):
@@ -182,6 +188,9 @@ class KafkaTransport:
         self.replication = replication
         self.flush_timeout = flush_timeout
         self.max_records_per_message = max_records_per_message
+        self.connect_timeout_ms = connect_timeout_ms
+        #: monotonic time by which every call must return (None: no deadline); set by Emitter.close
+        self.deadline: float | None = None
         self.security = security_settings(security)
         self._producer_config = dict(
             acks=acks,
@@ -199,15 +208,26 @@ class KafkaTransport:
         self._last_offsets: dict[int, int] = {}  # partition -> highest offset the broker confirmed
         self.log_resets = 0  # times the broker's log went back (it lost confirmed records)
 
+    def _budget_ms(self, wanted_ms: float) -> int:
+        """``wanted_ms``, shortened to what is left before :attr:`deadline`."""
+        if self.deadline is None:
+            return int(wanted_ms)
+        return int(max(0.0, min(wanted_ms, (self.deadline - time.monotonic()) * 1000)))
+
     def _connect(self):
         from kafka.errors import KafkaError
 
+        budget = self._budget_ms(self.connect_timeout_ms)
+        if budget <= 0:
+            raise TransportError(f"cannot connect to Kafka at {self.bootstrap}: no time left before close")
         try:
-            self._producer = new_producer(self.bootstrap, self.security, **self._producer_config)
+            self._producer = new_producer(self.bootstrap, self.security, **self._producer_config,
+                                          bootstrap_timeout_ms=budget)
         except (KafkaError, OSError, ValueError) as exc:
             raise TransportError(f"cannot connect to Kafka at {self.bootstrap}: {exc}") from None
         if not self._topic_ready:
-            self._topic_ready = ensure_topic(self.bootstrap, self.topic, self.partitions, self.replication, self.security)
+            self._topic_ready = ensure_topic(self.bootstrap, self.topic, self.partitions, self.replication, self.security,
+                                             timeout_ms=max(1, self._budget_ms(3000)))
         return self._producer
 
     def send(self, records: Sequence[Record]) -> None:
@@ -223,7 +243,7 @@ class KafkaTransport:
             for key, recs in messages:
                 value = encode(recs[0]) if len(recs) == 1 else encode_batch(recs)
                 futures.append(producer.send(self.topic, key=key, value=value))
-            producer.flush(timeout=self.flush_timeout)
+            producer.flush(timeout=self._budget_ms(self.flush_timeout * 1000) / 1000)
         except (KafkaError, OSError) as exc:
             failed = [r for (_, recs), f in zip(messages, futures) if not (f.is_done and f.succeeded()) for r in recs]
             failed.extend(r for _, recs in messages[len(futures):] for r in recs)
@@ -272,7 +292,7 @@ class KafkaTransport:
     def close(self) -> None:
         if self._producer is not None:
             try:
-                self._producer.close(timeout=self.flush_timeout)
+                self._producer.close(timeout=self._budget_ms(self.flush_timeout * 1000) / 1000)
             finally:
                 self._producer = None
 
@@ -288,7 +308,7 @@ def ensure_topic(bootstrap: str, topic: str, partitions: int, replication: int =
     from kafka.errors import KafkaError, TopicAlreadyExistsError
 
     try:
-        admin = new_admin(bootstrap, security, request_timeout_ms=timeout_ms)
+        admin = new_admin(bootstrap, security, request_timeout_ms=timeout_ms, bootstrap_timeout_ms=timeout_ms)
     except (KafkaError, OSError, ValueError) as exc:
         log.debug("cannot reach Kafka admin API at %s: %s", bootstrap, exc)
         return False

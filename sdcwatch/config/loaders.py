@@ -9,8 +9,9 @@ Environment names are the dotted key upper-cased with ``_`` for the dot: ``metri
 one Kafka security setting, ``bus.security.sasl_plain_password``, is
 ``SDCWATCH_BUS_SECURITY_SASL_PLAIN_PASSWORD`` (so secrets need not sit in the file).
 ``SDCWATCH_BOOTSTRAP`` (the variable the in-rank emitter reads too) sets ``bus.bootstrap``.
-Other ``SDCWATCH_*`` variables that do not start with a section name (``SDCWATCH_RUN`` ...)
-belong to the emitter and are ignored here; a misspelt key inside a known section is an error.
+The emitter's and the tools' own variables (:data:`OTHER_ENV`: ``SDCWATCH_RUN``, ``SDCWATCH_HOST``
+...) are ignored here; any other ``SDCWATCH_*`` variable is an error naming it, a misspelt section
+(``SDCWATCH_METRIC_PORT``) as much as a misspelt key. No error shows the value of a secret.
 
 A bad or unknown key raises :class:`~sdcwatch.core.errors.ConfigError` naming the dotted key and
 where the value came from, e.g.
@@ -33,11 +34,14 @@ except ModuleNotFoundError:  # pragma: no cover - Python 3.10 needs the backport
 
 from sdcwatch.config.schema import SECTIONS, SECURITY_KEYS, ServeConfig, hints
 from sdcwatch.core.errors import ConfigError
-from sdcwatch.core.validate import check_type, describe, did_you_mean
+from sdcwatch.core.validate import check_type, describe, did_you_mean, is_secret
 
-__all__ = ["ENV_PREFIX", "load_config", "env_name", "flag_name", "all_keys", "default_of", "parse_text"]
+__all__ = ["ENV_PREFIX", "OTHER_ENV", "load_config", "env_name", "flag_name", "all_keys", "default_of", "parse_text"]
 
 ENV_PREFIX = "SDCWATCH_"
+#: ``SDCWATCH_*`` variables that are not serve settings: the emitter's, the loader's and dev.sh's.
+OTHER_ENV = frozenset({"SDCWATCH_RUN", "SDCWATCH_HOST", "SDCWATCH_CONFIG", "SDCWATCH_BOOTSTRAP",
+                       "SDCWATCH_VENV", "SDCWATCH_TORCH"})
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off"})
 
@@ -211,12 +215,20 @@ def _env_layer(env: Mapping[str, str]) -> tuple[dict[str, Any], dict[str, str]]:
             close = difflib.get_close_matches(var, list(by_env), n=1, cutoff=0.6)
             hint = f" (did you mean {close[0]}?)" if close else ""
             raise ConfigError(dotted, f"unknown key{hint} (environment {var})")
-        else:
+        elif var in OTHER_ENV:
             continue  # SDCWATCH_RUN, SDCWATCH_CONFIG ...: the emitter's or the loader's own
+        else:  # a misspelt section (SDCWATCH_METRIC_PORT): never silently ignored
+            close = difflib.get_close_matches(var, [*by_env, *OTHER_ENV], n=1, cutoff=0.6)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            raise ConfigError(var, f"unknown sdcwatch environment variable{hint}; sections are "
+                                   f"{', '.join(s.upper() for s in SECTIONS)}; the emitter's own are "
+                                   f"{', '.join(sorted(OTHER_ENV))}")
         sources[dotted] = f"environment {var}"
         try:
             values[dotted] = parse_text(dotted, env[var], keys[dotted])
         except ConfigError as exc:
+            if is_secret(dotted):  # name the key, never the value
+                exc = ConfigError(exc.key, "invalid value (not shown: the key holds a secret)")
             raise _located(exc, sources[dotted]) from None
     return values, sources
 

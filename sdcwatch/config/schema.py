@@ -21,6 +21,7 @@ from sdcwatch.core.kafka import TEXT_SECURITY_KEYS
 from sdcwatch.core.names import ANOMALY_TOPIC, DEADLETTER_TOPIC, SUMMARY_TOPIC, TELEMETRY_TOPIC
 from sdcwatch.core.validate import check_type, did_you_mean, is_host, topic_problem, url_problem
 from sdcwatch.detectors.registry import default_classes
+from sdcwatch.telemetry.limits import RecordLimits
 
 __all__ = [
     "BusConfig",
@@ -28,6 +29,7 @@ __all__ = [
     "AlertsConfig",
     "StateConfig",
     "DetectorsConfig",
+    "LimitsConfig",
     "ServeConfig",
     "SECTIONS",
     "SECURITY_KEYS",
@@ -167,14 +169,19 @@ class MetricsConfig(_Section):
     top_k: int = 16
     """Ranks with their own per-rank series on /metrics: the K with the highest outlier score (plus
     every rank an open incident names); the rest are summarised across ranks."""
+    max_runs: int = 20
+    """Runs with per-run series: those with open incidents first, then the most recently active."""
+    max_layers: int = 128
+    """Layers with per-layer series in each run: those of open incidents, then the widest spread across ranks."""
 
     def _validate(self) -> None:
         if not is_host(self.address):
             self._fail("address", f"{self.address!r} is neither an IP address nor a host name")
         if not 0 <= self.port <= 65535:
             self._fail("port", f"{self.port} out of range 0-65535 (0 = off)")
-        if self.top_k < 1:
-            self._fail("top_k", f"must be at least 1, got {self.top_k}")
+        for name in ("top_k", "max_runs", "max_layers"):
+            if getattr(self, name) < 1:
+                self._fail(name, f"must be at least 1, got {getattr(self, name)}")
 
     @property
     def enabled(self) -> bool:
@@ -238,6 +245,9 @@ class _DetectorsSettings(_Section):
     """An incident is resolved after this many consecutive steps without a new finding."""
     align_timeout_s: float = 5.0
     """Seconds the step aligner waits for the last ranks of a step before closing it without them."""
+    max_runs: int = 1000
+    """Runs whose detection state is kept (memory and the state file grow with them); past it a new
+    run replaces one silent for 15 minutes, or its records are dead-lettered (reason runs)."""
     stage: str = "both"
     """What this instance runs: "both" (one process does everything, the default); or, to scale out,
     "spatial" (alignment and the cross-rank detectors; run several in one consumer group, each
@@ -245,8 +255,9 @@ class _DetectorsSettings(_Section):
     spatial instances' step summaries)."""
 
     def _validate(self) -> None:
-        if self.resolve_after_steps < 1:
-            self._fail("resolve_after_steps", f"must be at least 1, got {self.resolve_after_steps}")
+        for name in ("resolve_after_steps", "max_runs"):
+            if getattr(self, name) < 1:
+                self._fail(name, f"must be at least 1, got {getattr(self, name)}")
         _positive(self, "align_timeout_s")
         if self.stage not in ("both", "spatial", "temporal"):
             self._fail("stage", f"{self.stage!r} is not one of both, spatial, temporal")
@@ -266,6 +277,37 @@ DetectorsConfig = dataclasses.make_dataclass(
 
 
 @dataclass
+class LimitsConfig(_Section):
+    """[limits]: what one telemetry record may claim; a record past a limit is dead-lettered with the reason."""
+
+    section: ClassVar[str] = "limits"
+
+    max_world: int = RecordLimits.max_world
+    """Largest world size a record may claim (sizes every array of its step)."""
+    max_layer_metrics: int = RecordLimits.max_layer_metrics
+    """Most per-layer metrics in one record."""
+    max_layers: int = RecordLimits.max_layers
+    """Longest per-layer vector (layers of the model)."""
+    max_values: int = RecordLimits.max_values
+    """Most values in one record (scalars plus every layer value)."""
+    max_step_values: int = RecordLimits.max_step_values
+    """Most values one step may hold, world x values per rank (bounds the memory of a step)."""
+    max_counter: float = RecordLimits.max_counter
+    """Largest value of a counter scalar (emitter_dropped); counters must be finite and >= 0."""
+    max_message_bytes: int = RecordLimits.max_message_bytes
+    """Largest bus message decoded; larger ones are dead-lettered, truncated, without decoding."""
+    max_step_jump: int = RecordLimits.max_step_jump
+    """Steps a record may lead its run's last step by, unless most of the run's ranks confirm the jump."""
+
+    def _validate(self) -> None:
+        self.record_limits()  # RecordLimits names the key of a bad value
+
+    def record_limits(self) -> RecordLimits:
+        """These limits as the :class:`RecordLimits` the decoder applies."""
+        return RecordLimits(**{f.name: getattr(self, f.name) for f in fields(self)})
+
+
+@dataclass
 class ServeConfig:
     """Everything ``sdcwatch serve`` needs, one attribute per section."""
 
@@ -279,6 +321,8 @@ class ServeConfig:
     """[state] snapshot folder."""
     detectors: DetectorsConfig = field(default_factory=DetectorsConfig)
     """[detectors] tunables."""
+    limits: LimitsConfig = field(default_factory=LimitsConfig)
+    """[limits] bounds on what one record may claim."""
 
     def __post_init__(self) -> None:
         for name, cls in SECTIONS.items():
@@ -312,6 +356,7 @@ SECTIONS: dict[str, type[_Section]] = {
     "alerts": AlertsConfig,
     "state": StateConfig,
     "detectors": DetectorsConfig,
+    "limits": LimitsConfig,
 }
 
 

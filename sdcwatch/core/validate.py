@@ -26,6 +26,8 @@ __all__ = [
     "describe",
     "is_host",
     "url_problem",
+    "redact_url",
+    "is_secret",
     "topic_problem",
     "did_you_mean",
     "KIND_NAMES",
@@ -69,7 +71,10 @@ def check_type(key: str, value: Any, kind: type) -> Any:
         value = tuple(value)
     ok = isinstance(value, kind) and not (kind in (int, float) and isinstance(value, bool))
     if not ok:
-        raise ConfigError(key, f"must be {KIND_NAMES.get(kind, kind.__name__)}, got {describe(value)}")
+        got = describe(value)
+        if is_secret(key):  # name the key, never the value
+            got = got.split(" ")[0] + " (value not shown: the key holds a secret)"
+        raise ConfigError(key, f"must be {KIND_NAMES.get(kind, kind.__name__)}, got {got}")
     if kind is float and not math.isfinite(value):
         raise ConfigError(key, f"must be a finite number, got {value}")
     return value
@@ -85,17 +90,47 @@ def is_host(text: str) -> bool:
 
 
 def url_problem(url: str) -> str:
-    """What is wrong with an http(s) URL, or "" when nothing is."""
+    """What is wrong with an http(s) URL, or "" when nothing is (credentials in it never shown)."""
+    shown = redact_url(url)
     try:
         parts = urlsplit(url)
         parts.port  # raises ValueError on a bad port
     except ValueError as exc:
-        return f"{url!r} is not a valid URL ({exc})"
+        return f"{shown!r} is not a valid URL ({str(exc).replace(url, shown)})"
     if parts.scheme not in ("http", "https"):
-        return f"{url!r} must start with http:// or https://"
+        return f"{shown!r} must start with http:// or https://"
     if not parts.hostname:
-        return f"{url!r} has no host"
+        return f"{shown!r} has no host"
     return ""
+
+
+_SECRET = re.compile(r"password|secret|token", re.IGNORECASE)
+
+
+def is_secret(key: str) -> bool:
+    """Whether the value of the setting ``key`` must never be shown (passwords, tokens, secrets).
+
+    >>> is_secret("bus.security.sasl_plain_password"), is_secret("metrics.port")
+    (True, False)
+    """
+    return bool(_SECRET.search(key))
+
+
+def redact_url(url: str) -> str:
+    """``url`` with the password of its user info replaced, for logs and errors.
+
+    >>> redact_url("http://ops:hunter2@am:9093/api"), redact_url("http://am:9093")
+    ('http://ops:***@am:9093/api', 'http://am:9093')
+    """
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "<unparsable URL>"
+    if "@" not in parts.netloc:
+        return url
+    user = parts.username or ""
+    host = parts.netloc.rpartition("@")[2]
+    return parts._replace(netloc=f"{user}:***@{host}" if user else f"***@{host}").geturl()
 
 
 def topic_problem(topic: str) -> str:

@@ -17,6 +17,8 @@ import numpy as np
 
 from sdcwatch.detectors.types import Incident, Severity
 from sdcwatch.core.errors import RecordError, ReplayError
+from sdcwatch.detectors.offline import bounded_lines
+from sdcwatch.telemetry.limits import RecordLimits
 from sdcwatch.telemetry.record_json import from_json
 
 _SCALARS = ("loss", "loss_global", "grad_norm_local", "grad_norm_global", "grad_cosine", "nonfinite", "step_time")
@@ -53,6 +55,9 @@ class RunData:
         return self.hosts[rank] if 0 <= rank < len(self.hosts) else ""
 
 
+_LIMITS = RecordLimits()
+
+
 def load_records(path: str | Path, *, run: str | None = None) -> RunData:
     """Read a JSON-lines record file into :class:`RunData`.
 
@@ -70,11 +75,12 @@ def load_records(path: str | Path, *, run: str | None = None) -> RunData:
     except OSError as exc:
         raise ReplayError(str(path), 0, f"cannot read records: {exc.strerror or exc}") from None
     with fh:
-        for lineno, line in enumerate(fh, 1):
+        for lineno, line in enumerate(bounded_lines(fh, path), 1):
             if not line.strip():
                 continue
             try:
                 rec = from_json(line)
+                _LIMITS.check(rec)
             except RecordError as exc:
                 raise ReplayError(str(path), lineno, str(exc)) from None
             layer = rec.layers.get(_ENTROPY)
@@ -155,9 +161,21 @@ def incident_from_dict(d: Mapping[str, Any]) -> Incident:
     ranks = d.get("ranks") or ()
     if not isinstance(ranks, (list, tuple)) or not all(isinstance(r, int) and not isinstance(r, bool) for r in ranks):
         raise ValueError(f"incident field 'ranks' must be a list of integers, got {ranks!r}")
+    for key in ("layer", "peak_step", "resolved_step"):
+        value = d.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise ValueError(f"incident field {key!r} must be an integer or null, got {value!r:.80}")
     layer = d.get("layer")
-    if layer is not None and (isinstance(layer, bool) or not isinstance(layer, int)):
-        raise ValueError(f"incident field 'layer' must be an integer or null, got {layer!r}")
+    for key in ("opened_at", "resolved_at"):
+        value = d.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise ValueError(f"incident field {key!r} must be a number or null, got {value!r:.80}")
+    for key in ("hosts",):
+        value = d.get(key)
+        if value is not None and not isinstance(value, (list, tuple)):
+            raise ValueError(f"incident field {key!r} must be a list, got {value!r:.80}")
+    if d.get("evidence") is not None and not isinstance(d["evidence"], Mapping):
+        raise ValueError(f"incident field 'evidence' must be an object, got {d['evidence']!r:.80}")
     score = d.get("score", 0.0)
     return Incident(
         id=str(d.get("id", f"{d['kind']}@{first}")),

@@ -155,15 +155,15 @@ def _incident_table(incidents: Sequence[Incident]) -> str:
     head = "".join(f"<th>{h}</th>" for h in ("#", "kind", "severity", "steps", "ranks", "hosts", "layer", "metric", "status", "message"))
     rows = []
     for n, inc in enumerate(incidents, 1):
-        steps = f"{inc.first_step}–{inc.last_step}" if inc.last_step != inc.first_step else f"{inc.first_step}"
+        steps = _e(f"{inc.first_step}–{inc.last_step}" if inc.last_step != inc.first_step else f"{inc.first_step}")
         if inc.peak_step is not None and inc.peak_step not in (inc.first_step, inc.last_step):
-            steps += f" <span class='muted'>(peak {inc.peak_step})</span>"
+            steps += f" <span class='muted'>(peak {_e(inc.peak_step)})</span>"
         status = "open" if inc.open else f"resolved at {inc.resolved_step}"
         rows.append(
             f"<tr class='incident' data-kind='{_e(inc.kind)}'><td class='num'>{n}</td><td>{_e(inc.kind)}</td>"
-            f"<td><span class='badge {inc.severity.value}'>{inc.severity.value}</span></td>"
+            f"<td><span class='badge {_e(inc.severity.value)}'>{_e(inc.severity.value)}</span></td>"
             f"<td class='num'>{steps}</td><td class='num'>{_e(', '.join(map(str, inc.ranks)) or '–')}</td>"
-            f"<td>{_e(', '.join(inc.hosts) or '–')}</td><td class='num'>{'–' if inc.layer is None else inc.layer}</td>"
+            f"<td>{_e(', '.join(inc.hosts) or '–')}</td><td class='num'>{'–' if inc.layer is None else _e(inc.layer)}</td>"
             f"<td>{_e(inc.metric or '–')}</td><td>{_e(status)}</td><td>{_e(inc.message)}</td></tr>"
         )
     return f"<table id='incidents'><thead><tr>{head}</tr></thead><tbody>{''.join(rows)}</tbody></table>"

@@ -93,8 +93,37 @@ def test_bootstrap_shortcut_and_its_precedence():
 
 
 def test_emitter_variables_are_not_serve_settings():
-    cfg = load_config(env={"SDCWATCH_RUN": "llama-7b", "SDCWATCH_WHATEVER": "x", "PATH": "/bin"})
+    cfg = load_config(env={"SDCWATCH_RUN": "llama-7b", "SDCWATCH_HOST": "h1", "PATH": "/bin"})
     assert cfg == ServeConfig()
+
+
+@pytest.mark.parametrize("var, meant", [
+    ("SDCWATCH_ALERT_ALERTMANAGER_URL", "SDCWATCH_ALERTS_ALERTMANAGER_URL"),  # misspelt section
+    ("SDCWATCH_METRIC_PORT", "SDCWATCH_METRICS_PORT"),
+])
+def test_a_misspelt_section_in_the_environment_is_an_error_naming_the_variable(var, meant):
+    with pytest.raises(ConfigError) as err:
+        load_config(env={var: "9401", "SDCWATCH_RUN": "r"})
+    assert err.value.key == var and f"did you mean {meant}?" in str(err.value)
+    with pytest.raises(ConfigError, match="SDCWATCH_WHATEVER: unknown sdcwatch environment variable"):
+        load_config(env={"SDCWATCH_WHATEVER": "x"})
+
+
+def test_no_error_shows_a_secret(tmp_path):
+    url = "http://ops:hunter2@alertmanager:99999"
+    with pytest.raises(ConfigError) as err:
+        load_config(env={"SDCWATCH_ALERTS_ALERTMANAGER_URL": url})
+    assert "hunter2" not in str(err.value) and "ops:***@alertmanager" in str(err.value)
+    path = write_toml(tmp_path, """
+        [bus.security]
+        security_protocol = "SASL_SSL"
+        sasl_mechanism = "PLAIN"
+        sasl_plain_username = "u"
+        sasl_plain_password = 31415926
+    """)
+    with pytest.raises(ConfigError) as err:
+        load_config(path, env={})
+    assert err.value.key == "bus.security.sasl_plain_password" and "31415926" not in str(err.value)
 
 
 def test_security_entries_merge_across_layers_and_are_redacted(tmp_path):

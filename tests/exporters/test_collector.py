@@ -101,6 +101,22 @@ sdcwatch_pipeline_consumer_lag_records 4.0
 # HELP sdcwatch_pipeline_dead_letters_total Malformed records routed to the dead-letter topic.
 # TYPE sdcwatch_pipeline_dead_letters_total counter
 sdcwatch_pipeline_dead_letters_total 2.0
+# HELP sdcwatch_pipeline_dead_letters_by_reason_total Records routed to the dead-letter topic, by reason: malformed, unknown_version, empty, oversize, world, layers, layer_metrics, values, step_size, counter, name, step_jump, runs (see the README's limits).
+# TYPE sdcwatch_pipeline_dead_letters_by_reason_total counter
+sdcwatch_pipeline_dead_letters_by_reason_total{reason="malformed"} 1.0
+sdcwatch_pipeline_dead_letters_by_reason_total{reason="world"} 1.0
+# HELP sdcwatch_pipeline_late_records_total Records for a step the service had already closed (dropped): late ranks, redelivery after a restart.
+# TYPE sdcwatch_pipeline_late_records_total counter
+sdcwatch_pipeline_late_records_total 0.0
+# HELP sdcwatch_pipeline_consumer_partitions Partitions of the telemetry topic this instance reads; 0 means evicted from its consumer group or waiting for a rebalance: nothing is processed.
+# TYPE sdcwatch_pipeline_consumer_partitions gauge
+sdcwatch_pipeline_consumer_partitions 4.0
+# HELP sdcwatch_pipeline_runs Runs whose detection state the service keeps (at most detectors.max_runs).
+# TYPE sdcwatch_pipeline_runs gauge
+sdcwatch_pipeline_runs 1.0
+# HELP sdcwatch_pipeline_runs_forgotten_total Runs silent for long (pipeline stale_after) forgotten to make room for new ones within detectors.max_runs.
+# TYPE sdcwatch_pipeline_runs_forgotten_total counter
+sdcwatch_pipeline_runs_forgotten_total 0.0
 # HELP sdcwatch_pipeline_duplicates_total Duplicate records (same run, step and rank) discarded.
 # TYPE sdcwatch_pipeline_duplicates_total counter
 sdcwatch_pipeline_duplicates_total 1.0
@@ -134,6 +150,10 @@ sdcwatch_pipeline_missing_ranks{run="r1"} 0.0
 # HELP sdcwatch_emitter_dropped_records_total Records the in-rank emitters dropped (buffer full or bus down), summed over ranks.
 # TYPE sdcwatch_emitter_dropped_records_total counter
 sdcwatch_emitter_dropped_records_total{run="r1"} 3.0
+# HELP sdcwatch_exporter_omitted Runs (what=runs) beyond metrics.max_runs and layers (what=layers, summed over runs) beyond metrics.max_layers that have no series of their own at this scrape.
+# TYPE sdcwatch_exporter_omitted gauge
+sdcwatch_exporter_omitted{what="runs"} 0.0
+sdcwatch_exporter_omitted{what="layers"} 0.0
 # HELP sdcwatch_exporter_view_errors_total Scrapes at which reading the service state failed (the scrape then shows only this).
 # TYPE sdcwatch_exporter_view_errors_total counter
 sdcwatch_exporter_view_errors_total 0.0
@@ -296,3 +316,17 @@ def test_collector_renders_a_real_detection_pipeline_view():
         result = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True,
                                 timeout=30)
         assert result.returncode == 0 and not result.stdout.strip(), result.stdout + result.stderr
+
+
+def test_layers_past_max_layers_keep_the_incident_layer_and_the_widest_spread():
+    """Per-layer series are bounded like ranks: open-incident layers, then the widest spread."""
+    view = support.small_view(layers=300)  # the incident names layer 1
+    stats = np.tile(np.array([1.0, 1.9, 2.0, 2.1, 3.0]), (300, 1))  # spread (max - min) / IQR = 10
+    stats[200] = [1.0, 1.9, 2.0, 2.1, 90.0]  # one rank far off in layer 200
+    stats[250, 4] = np.nan  # a NaN in layer 250: ranked first
+    view.runs[0].layer_stats = {"attn_entropy": stats}
+    text = render(lambda: view, top_k=2, max_layers=3, layer_stats=("max",))
+    layers = sorted(int(m) for m in re.findall(r'sdcwatch_layer_metric\{layer="(\d+)"', text))
+    assert layers == [1, 200, 250]
+    assert 'sdcwatch_exporter_omitted{what="layers"} 297.0' in text
+    assert render(lambda: view, top_k=2, max_layers=300).count("sdcwatch_layer_metric{") == 900
