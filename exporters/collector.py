@@ -212,7 +212,6 @@ class SdcwatchCollector(Collector):
         add("sdcwatch_exporter_omitted", ["runs"], max(0, p.runs_total - len(view.runs)))
         add("sdcwatch_exporter_omitted", ["layers"], layers_omitted)
         add("sdcwatch_pipeline_duplicates_total", [], p.duplicates_total)
-        add("sdcwatch_pipeline_late_records_total", [], p.late_records_total)
         add("sdcwatch_pipeline_world_changes_total", [], p.world_changes_total)
         add("sdcwatch_pipeline_incomplete_steps_total", [], p.incomplete_steps_total)
         add("sdcwatch_pipeline_summaries_total", [], p.summaries_total)

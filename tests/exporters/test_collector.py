@@ -105,9 +105,6 @@ sdcwatch_pipeline_dead_letters_total 2.0
 # TYPE sdcwatch_pipeline_dead_letters_by_reason_total counter
 sdcwatch_pipeline_dead_letters_by_reason_total{reason="malformed"} 1.0
 sdcwatch_pipeline_dead_letters_by_reason_total{reason="world"} 1.0
-# HELP sdcwatch_pipeline_late_records_total Records for a step the service had already closed (dropped): late ranks, redelivery after a restart.
-# TYPE sdcwatch_pipeline_late_records_total counter
-sdcwatch_pipeline_late_records_total 0.0
 # HELP sdcwatch_pipeline_consumer_partitions Partitions of the telemetry topic this instance reads; 0 means evicted from its consumer group or waiting for a rebalance: nothing is processed.
 # TYPE sdcwatch_pipeline_consumer_partitions gauge
 sdcwatch_pipeline_consumer_partitions 4.0
