@@ -8,13 +8,11 @@ file so a restarted service resumes without a new warm-up and without repeating 
 
 from __future__ import annotations
 
-import json
 import os
 import time
 import warnings
 from collections import deque
 from dataclasses import dataclass, field, fields
-from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
@@ -25,6 +23,7 @@ from sdcwatch.detectors.base import SplitDetector
 from sdcwatch.detectors.frame import StepFrame
 from sdcwatch.detectors.incidents import IncidentBook
 from sdcwatch.detectors.registry import default_detectors
+from sdcwatch.detectors.statefile import read_state, restoring, write_state
 from sdcwatch.detectors.summary import StepSummary, SummaryOrder
 from sdcwatch.core.jsonsafe import json_safe
 from sdcwatch.core.validate import check_positive
@@ -33,7 +32,7 @@ from sdcwatch.core.errors import ConfigError
 from sdcwatch.telemetry.limits import RecordLimits
 from sdcwatch.telemetry.record import Record
 
-__all__ = ["DetectionPipeline", "PipelineSettings", "previous_state", "STATE_VERSION", "ROLES"]
+__all__ = ["DetectionPipeline", "PipelineSettings", "STATE_VERSION", "ROLES"]
 
 #: What a pipeline does: both stages (the default), or one stage of the scale-out.
 ROLES = ("both", "spatial", "temporal")
@@ -421,75 +420,15 @@ class DetectionPipeline:
         self.summaries_total = int(state.get("summaries_total", 0))
 
     def save(self, path: str | os.PathLike, state: dict[str, Any] | None = None) -> None:
-        """Write the state (``state``, or a snapshot taken now) so that no crash leaves a half file.
-
-        The new state goes to a temporary file, is synced, and replaces the old one in one rename;
-        the previous snapshot is kept beside it as ``<name>.prev`` (see :func:`load`).
-        """
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        safe = json_safe(state if state is not None else self.snapshot())
-        tmp = path.with_suffix(path.suffix + ".tmp")
-        with open(tmp, "w", encoding="utf-8") as fh:
-            json.dump(safe, fh, separators=(",", ":"), allow_nan=False)
-            fh.flush()
-            os.fsync(fh.fileno())
-        if path.is_file():
-            os.replace(path, previous_state(path))
-        os.replace(tmp, path)
-        _sync_dir(path.parent)
+        """Write the state (``state``, or a snapshot taken now); see :func:`~sdcwatch.detectors.statefile.write_state`."""
+        write_state(path, json_safe(state if state is not None else self.snapshot()))
 
     def load(self, path: str | os.PathLike) -> bool:
-        """Restore from ``path`` if it exists; returns whether it did.
-
-        A state file that cannot be read or restored raises ConfigError naming the file, the
-        fault and the ways out (``sdcwatch serve --state-reset``, or the kept previous snapshot).
-        """
-        path = Path(path)
-        recovery = (f"; start with --state-reset to move it aside and begin afresh, or copy "
-                    f"{previous_state(path).name} (the snapshot before it) over it")
-        try:
-            with open(path, encoding="utf-8") as fh:
-                state = json.load(fh)
-        except FileNotFoundError:
+        """Restore from ``path`` if it exists; returns whether it did. A state file that cannot be
+        read or restored raises ConfigError naming the file, the fault and the ways out."""
+        state = read_state(path)
+        if state is None:
             return False
-        except IsADirectoryError:
-            raise ConfigError("state.file", f"{path} is a folder, not a state file{recovery}") from None
-        except OSError as exc:
-            raise ConfigError("state.file", f"{path}: cannot read the state file: {exc.strerror or exc}") from None
-        except UnicodeDecodeError as exc:
-            raise ConfigError("state.file", f"{path}: not a state file (not UTF-8 text: {exc.reason}){recovery}") from None
-        except ValueError as exc:
-            what = "empty" if path.stat().st_size == 0 else f"not valid JSON, truncated or damaged ({exc})"
-            raise ConfigError("state.file", f"{path}: not a valid state file: {what}{recovery}") from None
-        if not isinstance(state, dict):
-            raise ConfigError("state.file", f"{path}: not a state file (a JSON {type(state).__name__}, "
-                                            f"not an object){recovery}")
-        try:
+        with restoring(path):
             self.restore(state)
-        except ConfigError as exc:
-            raise ConfigError(exc.key, f"{path}: {exc.problem}{recovery}") from None
-        except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
-            fault = f"missing key {exc}" if isinstance(exc, KeyError) else f"{type(exc).__name__}: {exc}"
-            raise ConfigError("state.file", f"{path}: the state file is structurally wrong ({fault}){recovery}") from None
         return True
-
-
-def previous_state(path: str | os.PathLike) -> Path:
-    """Where :meth:`DetectionPipeline.save` keeps the snapshot before the current one."""
-    path = Path(path)
-    return path.with_name(path.name + ".prev")
-
-
-def _sync_dir(folder: Path) -> None:
-    """Make a rename in ``folder`` durable (a no-op where directories cannot be opened)."""
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)

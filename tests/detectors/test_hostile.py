@@ -396,7 +396,7 @@ def test_a_bad_state_file_is_one_clear_error_naming_the_file_and_the_way_out(tmp
 
 def test_state_writes_keep_the_previous_snapshot_and_a_folder_is_named(tmp_path):
     from sdcwatch.detectors import DetectionPipeline
-    from sdcwatch.detectors.pipeline import previous_state
+    from sdcwatch.detectors.statefile import previous_state
     from sdcwatch.core.errors import ConfigError
 
     path = tmp_path / "pipeline-state.json"

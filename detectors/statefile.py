@@ -1,0 +1,96 @@
+"""The pipeline's state file: written so that no crash leaves a half file, read with one clear error.
+
+A snapshot goes to a temporary file, is synced, and replaces the old file in one rename; the
+snapshot before it is kept beside it as ``<name>.prev``. A file that is empty, truncated, damaged
+or not a state file raises :class:`~sdcwatch.core.errors.ConfigError` naming the file, the fault
+and the ways out: ``sdcwatch serve --state-reset`` (moves it aside and starts afresh), or the kept
+previous snapshot.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from pathlib import Path
+from typing import Any, Iterator
+
+from sdcwatch.core.errors import ConfigError
+
+__all__ = ["write_state", "read_state", "restoring", "previous_state"]
+
+
+def previous_state(path: str | os.PathLike) -> Path:
+    """Where :func:`write_state` keeps the snapshot before the current one."""
+    path = Path(path)
+    return path.with_name(path.name + ".prev")
+
+
+def _recovery(path: Path) -> str:
+    return (f"; start with --state-reset to move it aside and begin afresh, or copy "
+            f"{previous_state(path).name} (the snapshot before it) over it")
+
+
+def write_state(path: str | os.PathLike, state: dict[str, Any]) -> None:
+    """Write ``state`` (JSON-safe) to ``path``; the previous file is kept as ``<name>.prev``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as fh:
+        json.dump(state, fh, separators=(",", ":"), allow_nan=False)
+        fh.flush()
+        os.fsync(fh.fileno())
+    if path.is_file():
+        os.replace(path, previous_state(path))
+    os.replace(tmp, path)
+    _sync_dir(path.parent)
+
+
+def read_state(path: str | os.PathLike) -> dict[str, Any] | None:
+    """The state object in ``path``, None when there is no file; ConfigError when it is not one."""
+    path = Path(path)
+    recovery = _recovery(path)
+    try:
+        with open(path, encoding="utf-8") as fh:
+            state = json.load(fh)
+    except FileNotFoundError:
+        return None
+    except IsADirectoryError:
+        raise ConfigError("state.file", f"{path} is a folder, not a state file{recovery}") from None
+    except OSError as exc:
+        raise ConfigError("state.file", f"{path}: cannot read the state file: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError("state.file", f"{path}: not a state file (not UTF-8 text: {exc.reason}){recovery}") from None
+    except ValueError as exc:
+        what = "empty" if path.stat().st_size == 0 else f"not valid JSON, truncated or damaged ({exc})"
+        raise ConfigError("state.file", f"{path}: not a valid state file: {what}{recovery}") from None
+    if not isinstance(state, dict):
+        raise ConfigError("state.file", f"{path}: not a state file (a JSON {type(state).__name__}, not an object){recovery}")
+    return state
+
+
+@contextlib.contextmanager
+def restoring(path: str | os.PathLike) -> Iterator[None]:
+    """Turn any fault met while restoring the state of ``path`` into one ConfigError naming it."""
+    path = Path(path)
+    try:
+        yield
+    except ConfigError as exc:
+        raise ConfigError(exc.key, f"{path}: {exc.problem}{_recovery(path)}") from None
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
+        fault = f"missing key {exc}" if isinstance(exc, KeyError) else f"{type(exc).__name__}: {exc}"
+        raise ConfigError("state.file", f"{path}: the state file is structurally wrong ({fault}){_recovery(path)}") from None
+
+
+def _sync_dir(folder: Path) -> None:
+    """Make a rename in ``folder`` durable (a no-op where directories cannot be opened)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
