@@ -29,6 +29,15 @@ _SKIP = ("emitter_dropped",)  # bookkeeping counters, not model values
 _GLOBAL = ("grad_norm_global", "loss_global", "grad_cosine")
 
 
+def _act_layer(frame: StepFrame, S: np.ndarray, rank: int, column: int) -> int | None:
+    """The layer of an ``act_max`` hit, from the rank's ``act_max_layer`` (None for other scalars)."""
+    names = frame.scalar_names
+    if names[column] != "act_max" or "act_max_layer" not in names:
+        return None
+    layer = S[rank, names.index("act_max_layer")]
+    return int(layer) if np.isfinite(layer) and layer >= 0 else None
+
+
 @dataclass(frozen=True)
 class NonFiniteConfig:
     """Settings of the non-finite detector ``[detectors.nonfinite]``."""
@@ -60,6 +69,7 @@ class NonFiniteDetector(SplitDetector):
         self._origin: tuple[int, ...] | None = None
         self._origin_step: int | None = None
         self._last_bad: int | None = None
+        self._origin_where: tuple[str, int | None] | None = None  # (metric, layer) the streak began at
         self._masks: dict[tuple[str, ...], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
 
     def _columns(self, names: tuple[str, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -95,7 +105,7 @@ class NonFiniteDetector(SplitDetector):
                     global_ranks.update(np.nonzero((bad & is_global[None, :]).any(axis=1))[0].tolist())
                     r, c = np.nonzero(bad)
                     n_bad += r.size
-                    hits += [(int(a), frame.scalar_names[b], None, float(S[a, b]))
+                    hits += [(int(a), frame.scalar_names[b], _act_layer(frame, S, a, b), float(S[a, b]))
                              for a, b in zip(r, c)]
         L = frame.layers
         if L.size and not np.abs(L).max() < self.limit:  # NaN fails the comparison: look closer
@@ -141,11 +151,16 @@ class NonFiniteDetector(SplitDetector):
             self._origin, self._origin_step = tuple(sorted(culprits)), frame.step
         ranks = tuple(sorted(culprits))
         own = [h for h in hits if h[0] in culprits] or hits
-        # name the layer-level hit first: it localises better than a loss
-        first = min(own, key=lambda h: (h[2] is None, h[0]))
+        # name the layer-level hit first: it localises better than a loss; the lowest layer is the
+        # one the forward pass reached first; in it, a layer metric says more than act_max
+        first = min(own, key=lambda h: (h[2] is None, h[2] or 0, h[1] == "act_max", h[0]))
         rank, metric, layer, value = first
         if ranks and rank not in culprits:  # the streak's origin was cut from a long list of hits
             rank = ranks[0]
+        if streak and self._origin_where is not None:
+            metric, layer = self._origin_where  # where it began, not where it has spread to since
+        else:
+            self._origin_where = (metric, layer)
         where = f"{metric}" + (f" layer {layer}" if layer is not None else "")
         if frame.world > 1 and ranks:
             host = frame.hosts[rank] if frame.hosts[rank] else ""
@@ -175,9 +190,12 @@ class NonFiniteDetector(SplitDetector):
 
     def snapshot(self) -> dict[str, Any]:
         return {"origin": None if self._origin is None else list(self._origin),
-                "origin_step": self._origin_step, "last_bad": self._last_bad}
+                "origin_step": self._origin_step, "last_bad": self._last_bad,
+                "origin_where": None if self._origin_where is None else list(self._origin_where)}
 
     def restore(self, state: dict[str, Any]) -> None:
         self._origin = None if state.get("origin") is None else tuple(int(r) for r in state["origin"])
         self._origin_step = state.get("origin_step")
         self._last_bad = state.get("last_bad")
+        where = state.get("origin_where")
+        self._origin_where = None if where is None else (str(where[0]), None if where[1] is None else int(where[1]))

@@ -2,8 +2,10 @@
 an ``nn.MultiheadAttention`` is read without changing it.
 
 A custom attention layer calls :func:`observe_attention` with its q and k (and logits when it has
-them); every watch attached to that module records them on its sampled steps. Heads and query
-positions are sampled, so the cost does not grow with the model's width.
+them); every watch attached to that module records them on its sampled steps (attention PyTorch
+computes is also seen without it: :mod:`~sdcwatch.telemetry.sdpa`). Heads and query positions are
+sampled, so the cost does not grow with the model's width. Several observations of one layer in a
+step (micro-batches, repeated calls) fold into one with :func:`combine_attention`.
 """
 
 from __future__ import annotations
@@ -21,11 +23,14 @@ from sdcwatch.telemetry.canary import canary_running
 if TYPE_CHECKING:
     from sdcwatch.telemetry.probes import Watch
 
-__all__ = ["observe_attention", "attention_stats", "sampled_heads", "sampled_queries", "mha_project",
-           "mha_qk_logits", "ATTENTION_WATCHES", "ATTENTION_STATS"]
+__all__ = ["observe_attention", "attention_stats", "attention_vector", "combine_attention", "finish_attention",
+           "sampled_heads", "sampled_queries", "mha_project", "mha_qk_logits", "ATTENTION_WATCHES", "LIVE_WATCHES",
+           "ATTENTION_STATS"]
 
 #: attention module -> [(watch, layer index)]; weak so a dropped model leaves no trace
 ATTENTION_WATCHES: "weakref.WeakKeyDictionary[nn.Module, list[tuple[Watch, int]]]" = weakref.WeakKeyDictionary()
+#: open watches: a module no setting named finds the watch of its model through them
+LIVE_WATCHES: "weakref.WeakSet[Watch]" = weakref.WeakSet()
 
 
 def observe_attention(layer: nn.Module, q: torch.Tensor, k: torch.Tensor, *, logits: torch.Tensor | None = None,
@@ -34,16 +39,23 @@ def observe_attention(layer: nn.Module, q: torch.Tensor, k: torch.Tensor, *, log
 
     ``logits`` (batch, heads, time, time; pre-softmax, masked slots -inf) are used as they are when
     given, so a corrupted score GEMM shows; otherwise sampled logits are recomputed from q and k.
-    Costs one dictionary look-up when no watch is attached.
+    A module of a watched model becomes one of its layers at its first report: attach() needs no
+    setting for it. Costs one dictionary look-up when no watch is attached.
     """
     if not isinstance(layer, nn.Module):
         raise TypeError(f"observe_attention() takes the attention module, got {type(layer).__name__}; "
                         "use watch.observe_attention(index, q, k) for a layer index")
+    if canary_running():
+        return
     entries = ATTENTION_WATCHES.get(layer)
-    if entries and not canary_running():
+    if entries:
         for watch, index in entries:
             if watch.enabled:
                 watch.observe_attention(index, q, k, logits=logits, causal=causal)
+        return
+    for watch in list(LIVE_WATCHES):  # a layer no setting named: it becomes one of its model's watch
+        if layer in watch.module_names and watch.enabled and watch.config.attention != "none":
+            watch.observe_attention(layer, q, k, logits=logits, causal=causal)
 
 
 def sampled_heads(heads: int, n_head: int) -> slice:
@@ -94,11 +106,45 @@ def attention_stats(q: torch.Tensor, k: torch.Tensor, *, logits: torch.Tensor | 
                 future = torch.arange(k.shape[2], device=q.device)[None, :] > positions[:, None]
                 sampled = sampled.masked_fill(future, float("-inf"))
             top = sampled.amax()
-        logp = torch.log_softmax(sampled.float(), dim=-1)
-        # -sum p log p; masked keys have p = 0 and log p = -inf: clamping makes their term 0, not NaN
-        entropy = -(logp.exp() * logp.clamp_min(-1e4)).sum(-1).mean(dim=(0, 2))  # per sampled head
-        return torch.stack([entropy.mean(), entropy.min(), qn.mean(), qn.amax(), kn.mean(), kn.amax(),
-                            top]).float()
+        return attention_vector(sampled, qn, kn, top)
+
+
+def attention_vector(sampled: torch.Tensor, qn: torch.Tensor, kn: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
+    """The :data:`ATTENTION_STATS` vector from sampled logits (sequences, heads, queries, keys;
+    masked slots -inf), the q and k norms and the largest logit.
+
+    A query row whose every key is masked (padding) has no distribution: it is left out of the
+    entropy instead of making it NaN (a NaN logit still makes it NaN, as it must).
+    """
+    sampled = sampled.float()
+    empty = (sampled == float("-inf")).all(-1, keepdim=True)
+    logp = torch.log_softmax(sampled.masked_fill(empty, 0.0), dim=-1)
+    # -sum p log p; masked keys have p = 0 and log p = -inf: clamping makes their term 0, not NaN
+    per_row = -(logp.exp() * logp.clamp_min(-1e4)).sum(-1)
+    weight = (~empty.squeeze(-1)).float()
+    entropy = (per_row * weight).sum(dim=(0, 2)) / weight.sum(dim=(0, 2)).clamp_min(1.0)  # per sampled head
+    return torch.stack([entropy.mean(), entropy.min(), qn.mean(), qn.amax(), kn.mean(), kn.amax(),
+                        top]).float()
+
+
+#: Which of :data:`ATTENTION_STATS` average over observations (the others are extremes).
+_MEAN_STATS = (True, False, True, False, True, False, False)
+_MIN_STATS = (False, True, False, False, False, False, False)
+
+
+def combine_attention(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Two observations of one layer as one: means summed (see :func:`finish_attention`), the
+    entropy minimum the lower, the maxima the higher; a NaN in either stays NaN."""
+    mean = torch.tensor(_MEAN_STATS, device=a.device)
+    low = torch.tensor(_MIN_STATS, device=a.device)
+    return torch.where(mean, a + b, torch.where(low, torch.minimum(a, b), torch.maximum(a, b)))
+
+
+def finish_attention(acc: torch.Tensor, n: int) -> torch.Tensor:
+    """The layer's statistics from ``n`` observations folded by :func:`combine_attention`."""
+    if n == 1:
+        return acc
+    return torch.where(torch.tensor(_MEAN_STATS, device=acc.device), acc / n, acc)
 
 
 def mha_project(m: nn.MultiheadAttention, query: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

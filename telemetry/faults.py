@@ -122,7 +122,10 @@ class FaultInjector:
                     raise FaultSpecError("target", f"{spec.target!r} matches no module (modules: {_sample(names)})")
                 self._targets[i] = matched
                 for n in matched:
-                    self._handles.append(self._modules[n].register_forward_hook(self._output_hook(i, spec, n)))
+                    # first among the module's forward hooks, whenever the probes (or anything else)
+                    # registered theirs: every observer sees the corrupted output, as with real hardware
+                    hook = self._output_hook(i, spec, n)
+                    self._handles.append(self._modules[n].register_forward_hook(hook, prepend=True))
         return self
 
     def detach(self) -> None:

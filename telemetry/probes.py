@@ -10,23 +10,23 @@ Every metric is computed on the device as a 0-d tensor. At :meth:`Watch.step` th
 into one tensor that leaves the device in one asynchronous copy; the host reads it a step later
 and hands a record to the emitter. Nothing on the training path calls ``.item()``.
 Under DDP a communication hook sees each gradient bucket before and after the all-reduce (local
-and global norms, their dot product, the all-reduced gradient's fingerprint). Attention layers
-report q, k and logits through :func:`observe_attention`; heads and query positions are sampled.
+and global norms, their dot product, the all-reduced gradient's fingerprint). Attention is seen
+from outside on sampled steps (:mod:`~sdcwatch.telemetry.sdpa`), or layers report q, k and logits
+through :func:`observe_attention`; heads and query positions are sampled.
 
 The parts live beside it: :mod:`~sdcwatch.telemetry.attention` (the attention statistics),
+:mod:`~sdcwatch.telemetry.sdpa` (the attention tap), :mod:`~sdcwatch.telemetry.activations` (act_max),
 :mod:`~sdcwatch.telemetry.ddp_hook` (the communication hook), :mod:`~sdcwatch.telemetry.packing`
 (the device-to-host hand-off) and :mod:`~sdcwatch.telemetry.canary` (the canary check).
 """
 
 from __future__ import annotations
 
-import fnmatch
-import math
 import queue
 import threading
 import time
 import warnings
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -34,10 +34,13 @@ from torch import nn
 from sdcwatch.core.errors import ConfigError
 from sdcwatch.core.names import ATTENTION_STATS
 from sdcwatch.telemetry import fingerprint as fp
+from sdcwatch.telemetry.activations import ActivationMax, layer_of_module
+from sdcwatch.telemetry.attention_layers import AttentionLayers
 from sdcwatch.telemetry.attention import (
     ATTENTION_WATCHES,
+    LIVE_WATCHES,
     attention_stats,
-    mha_qk_logits,
+    finish_attention,
     observe_attention,
     sampled_heads,
     sampled_queries,
@@ -61,7 +64,7 @@ __all__ = [
 
 
 
-class Watch:
+class Watch(AttentionLayers):
     """Probes attached to one model replica (one rank). Build with :func:`attach`."""
 
     def __init__(self, model: nn.Module, emitter: Any, *, optimizer: Any = None, ddp: Any = None,
@@ -82,6 +85,14 @@ class Watch:
         self._external = external
         self._params = [p for p in model.parameters()]
         self._layers: list[nn.Module] = []
+        self._layer_index: dict[nn.Module, int] = {}
+        self.module_names: dict[nn.Module, str] = {m: n for n, m in model.named_modules()}
+        self._self_reporting: set[nn.Module] = set()  # layers that call observe_attention themselves
+        self._activations = ActivationMax(model, self.module_names,
+                                          lambda: self.enabled and not canary_running())
+        self.act_max_module: str | None = None
+        """The module that produced the largest output of the last sampled step emitted."""
+        self.attention_on = False  # the step in progress measures attention (fixed for the step)
         self._handles: list[Any] = []
         self._hint = 0  # the step we expect next: decides what the hooks measure
         self._last_time: float | None = time.perf_counter()
@@ -92,10 +103,12 @@ class Watch:
         self._closed = False
         self._reset()
         self._discover_attention(model)
-        # leaf modules whose outputs act_max covers; hooked only during sampled steps, because a
-        # module with a forward hook leaves PyTorch's fast call path on every step
-        self._leaves = [m for n, m in model.named_modules() if n and not any(True for _ in m.children())]
-        self._act_handles: list[Any] = []
+        self._tap = None
+        if self.config.attention != "none" and not external:
+            from sdcwatch.telemetry.sdpa import AttentionTap
+
+            self._tap = AttentionTap(self)
+            self._handles += self._tap.install(model)
         self._sync_activation_hooks()
         self._group = None
         self._ddp = ddp is not None and not external
@@ -104,31 +117,12 @@ class Watch:
             ddp.register_comm_hook(self, comm_hook)
         elif optimizer is not None and not external:
             self._handles.append(optimizer.register_step_pre_hook(lambda opt, args, kwargs: self._local_gradients()))
+        LIVE_WATCHES.add(self)
 
-    # -- discovery -----------------------------------------------------------------------------
-    def _discover_attention(self, model: nn.Module) -> None:
-        spec = self.config.attention
-        named = [(n, m) for n, m in model.named_modules()]
-        if spec == "none":
-            chosen = []
-        elif spec == "auto":
-            chosen = [(n, m) for n, m in named
-                      if getattr(m, "_sdcwatch_attention", False) or isinstance(m, nn.MultiheadAttention)]
-        else:
-            globs = [g.strip() for g in spec.split(",") if g.strip()]
-            chosen = [(n, m) for n, m in named if any(fnmatch.fnmatchcase(n, g) for g in globs)]
-            if not chosen:
-                raise ConfigError("probes.attention", f"{spec!r} matches no module")
-        for _, m in chosen:
-            self._register_layer(m)
-
-    def _register_layer(self, module: nn.Module) -> int:
-        index = len(self._layers)
-        self._layers.append(module)
-        ATTENTION_WATCHES.setdefault(module, []).append((self, index))
-        if isinstance(module, nn.MultiheadAttention):
-            self._handles.append(module.register_forward_pre_hook(self._mha_hook(index), with_kwargs=True))
-        return index
+    @property
+    def leaf_names(self) -> list[str]:
+        """Names of the modules ``act_max`` covers; a record's ``act_max_module`` indexes this list."""
+        return self._activations.leaf_names
 
     @property
     def n_layers(self) -> int:
@@ -144,7 +138,7 @@ class Watch:
         self._fps: dict[str, torch.Tensor] = {}
         self._buckets: list[tuple] = []
         self._grads_seen = False
-        self._act_max: torch.Tensor | None = None
+        self._activations.clear()
 
     @property
     def recording(self) -> bool:
@@ -161,27 +155,10 @@ class Watch:
         return bool(every) and self.recording and (self._hint // self.config.every) % every == 0
 
     def _sync_activation_hooks(self) -> None:
-        """Hook the leaf modules for the step about to run if it is sampled, unhook them if not."""
-        want = self._recording_activations and not self._closed
-        if want and not self._act_handles:
-            self._act_handles = [m.register_forward_hook(self._activation_hook) for m in self._leaves]
-        elif not want and self._act_handles:
-            for h in self._act_handles:
-                h.remove()
-            self._act_handles = []
-
-    def _activation_hook(self, module: nn.Module, args: Any, output: Any) -> None:
-        """Keep the running max |output| of the step, on the device (no sync)."""
-        if not (self.enabled and self._recording_activations) or canary_running():
-            return
-        out = output if isinstance(output, torch.Tensor) else None
-        if out is None and isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
-            out = output[0]
-        if out is None or not out.is_floating_point() or out.numel() == 0:
-            return
-        # -inf is how masked attention slots are written: not a fault; NaN and +inf count
-        m = out.detach().nan_to_num(nan=math.nan, posinf=math.inf, neginf=0.0).abs().amax().float()
-        self._act_max = m if self._act_max is None else torch.maximum(self._act_max, m)
+        """Set what the hooks measure in the step about to run (fixed for the step: under
+        torch.compile a hook reading the step number would recompile at every sampled step)."""
+        self._activations.sync(self._recording_activations and not self._closed)
+        self.attention_on = self._recording_attention and not self._closed
 
     def begin_step(self, step: int) -> None:
         """Optional: announce the step about to run (else the one after the last ``step()``)."""
@@ -189,30 +166,6 @@ class Watch:
         self._sync_activation_hooks()
         if self._last_time is None:
             self._last_time = time.perf_counter()
-
-    def observe_attention(self, layer: int | nn.Module, q: torch.Tensor, k: torch.Tensor, *,
-                          logits: torch.Tensor | None = None, causal: bool = True) -> None:
-        """Measure one attention layer (index, or a module; an unknown module becomes a new layer)."""
-        if not self._recording_attention:
-            return
-        if isinstance(layer, nn.Module):
-            known = [i for w, i in ATTENTION_WATCHES.get(layer, []) if w is self]
-            layer = known[0] if known else self._register_layer(layer)
-        if not 0 <= layer < len(self._layers):
-            raise ConfigError("probes.layer", f"layer {layer} out of range [0, {len(self._layers)})")
-        cfg = self.config
-        stats = attention_stats(q, k, logits=logits, heads=cfg.heads, queries=cfg.queries, sequences=cfg.sequences,
-                                causal=causal)
-        self._attn[layer] = stats
-
-    def _mha_hook(self, index: int) -> Callable:
-        def hook(module: nn.MultiheadAttention, args: tuple, kwargs: dict) -> None:
-            if not (self.enabled and self._recording_attention):
-                return
-            q, k, logits = mha_qk_logits(module, args, kwargs)
-            self.observe_attention(index, q, k, logits=logits, causal=False)
-
-        return hook
 
     def observe_gradients(self, *, local_sq: torch.Tensor, global_sq: torch.Tensor, dot: torch.Tensor,
                           nonfinite: torch.Tensor | None = None, grad_fp: torch.Tensor | None = None) -> None:
@@ -306,8 +259,7 @@ class Watch:
         if isinstance(dropped, (int, float)) and not isinstance(dropped, bool):
             host["emitter_dropped"] = float(dropped)
         device_scalars = dict(self._scalars)
-        if self._act_max is not None:
-            device_scalars["act_max"] = self._act_max
+        device_scalars.update(self._activations.take())
         if loss is not None:
             if isinstance(loss, torch.Tensor):
                 device_scalars["loss"] = _scalar(loss)
@@ -320,7 +272,9 @@ class Watch:
                 host[name] = float(value)
         attn = None
         if self._attn and len(self._attn) == len(self._layers):
-            attn = torch.stack([self._attn[i] for i in range(len(self._layers))])  # (layers, 7)
+            attn = torch.stack([finish_attention(*self._attn[i]) for i in range(len(self._layers))])  # (layers, 7)
+        elif self._tap is not None:
+            self._tap.check_seen()
         self._pack(step, device_scalars, attn, host)
         self._reset()
 
@@ -361,6 +315,10 @@ class Watch:
         """Read one packed step on the host and hand it to the emitter as a record."""
         try:
             step, scalars, layers, fingerprints = unpack_step(pending)
+            module = scalars.get("act_max_module")
+            if module is not None and 0 <= module < len(self.leaf_names):
+                self.act_max_module = self.leaf_names[int(module)]
+                scalars["act_max_layer"] = float(layer_of_module(self.act_max_module, self.layer_names))
             self.emitter.emit(step, layers=layers, fingerprints=fingerprints, **scalars)
         except Exception as exc:
             self._fail(exc)
@@ -396,10 +354,13 @@ class Watch:
         if self._sender is not None:
             self._outbox.put(None)
             self._sender.join(timeout=10.0)
-        for h in self._handles + self._act_handles:
+        for h in self._handles:
             h.remove()
         self._handles.clear()
-        self._act_handles = []
+        self._activations.remove()
+        LIVE_WATCHES.discard(self)
+        if self._tap is not None:
+            self._tap.close()
         for m in self._layers:
             entries = ATTENTION_WATCHES.get(m)
             if entries:

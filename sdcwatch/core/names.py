@@ -45,6 +45,8 @@ SCALARS = (
     "lr",  # learning rate
     "emitter_dropped",  # records this rank's emitter dropped so far (cumulative)
     "act_max",  # largest |output| of any module in the forward pass (sampled steps)
+    "act_max_module",  # which module produced act_max: an index into the rank's Watch.leaf_names
+    "act_max_layer",  # the attention layer whose block holds that module (-1: outside every layer)
 )
 #: Well-known per-layer metrics, one value per layer: the statistics one attention observation
 #: yields, in this order.

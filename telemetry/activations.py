@@ -1,0 +1,86 @@
+"""``act_max``: the largest |output| of any leaf module in a sampled forward pass, and which
+module produced it.
+
+The leaf modules are hooked only during sampled steps: a module with a forward hook leaves
+PyTorch's fast call path on every step. Each call's maximum stays on the device; at the step's end
+one ``argmax`` names the first module, in the order they ran, that reached the maximum. A NaN
+counts as the largest value, so a NaN is placed where it appeared, not in the modules it spread to
+afterwards. -inf, the mark of a masked attention slot, is not a fault and is skipped.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+__all__ = ["ActivationMax", "layer_of_module"]
+
+
+class ActivationMax:
+    """The act_max hooks of one watch's model; :meth:`take` gives a step's ``act_max`` and
+    ``act_max_module`` (an index into :attr:`leaf_names`)."""
+
+    def __init__(self, model: nn.Module, names: dict[nn.Module, str], allowed: Callable[[], bool]) -> None:
+        self.leaves = [m for n, m in model.named_modules() if n and not any(True for _ in m.children())]
+        self.leaf_names = [names[m] for m in self.leaves]
+        self.on = False
+        """Whether the step in progress is sampled (fixed for the step: see :meth:`sync`)."""
+        self._allowed = allowed  # the watch is enabled and no canary forward is running
+        self._handles: list[Any] = []
+        self._seen: list[tuple[int, torch.Tensor]] = []  # (leaf index, max |output|) per module call
+
+    def sync(self, want: bool) -> None:
+        """Hook the leaves for a sampled step, unhook them otherwise. The hooks test only
+        :attr:`on`: under torch.compile, a hook that read the step number would make Dynamo guard
+        on it and recompile at every sampled step."""
+        self.on = want
+        if want and not self._handles:
+            self._handles = [m.register_forward_hook(functools.partial(self._hook, i))
+                             for i, m in enumerate(self.leaves)]
+        elif not want and self._handles:
+            self.remove()
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    def _hook(self, index: int, module: nn.Module, args: Any, output: Any) -> None:
+        if not (self.on and self._allowed()):
+            return
+        out = output if isinstance(output, torch.Tensor) else None
+        if out is None and isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
+            out = output[0]
+        if out is None or not out.is_floating_point() or out.numel() == 0:
+            return
+        m = out.detach().nan_to_num(nan=math.nan, posinf=math.inf, neginf=0.0).abs().amax().float()
+        self._seen.append((index, m))
+
+    def take(self) -> dict[str, torch.Tensor]:
+        """The step's ``act_max`` and ``act_max_module`` as device scalars ({} when nothing was
+        seen), and a fresh start for the next step."""
+        seen, self._seen = self._seen, []
+        if not seen:
+            return {}
+        values = torch.stack([v for _, v in seen])
+        first = values.nan_to_num(nan=math.inf).argmax()  # argmax gives the first of equal maxima
+        ids = torch.tensor([i for i, _ in seen], dtype=torch.float32).to(values.device, non_blocking=True)
+        return {"act_max": values.amax(), "act_max_module": ids[first]}
+
+    def clear(self) -> None:
+        self._seen = []
+
+
+def layer_of_module(name: str, layers: list[str]) -> int:
+    """The index in ``layers`` (attention module names) of the layer whose block (the attention
+    module's parent) holds module ``name``; -1 when none does (embeddings, the head)."""
+    best, index = -1, -1
+    for i, layer in enumerate(layers):
+        block = layer.rsplit(".", 1)[0] if "." in layer else layer
+        if (name == block or name.startswith(block + ".")) and len(block) > best:
+            best, index = len(block), i
+    return index

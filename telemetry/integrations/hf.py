@@ -1,0 +1,131 @@
+"""sdcwatch for the Hugging Face ``transformers.Trainer``: one callback.
+
+    from sdcwatch.telemetry.integrations.hf import SdcwatchCallback
+
+    trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[SdcwatchCallback()])
+
+The callback attaches the probes when training begins (to the Trainer's DDP wrapper too, so each
+rank reports its local and the all-reduced gradient norm), reports one record per optimizer step
+(``state.global_step``, from 0) and closes at the end. The loss of a step is the model output's
+``loss``, over every micro-batch of the step: their mean, or their sum when the Trainer passes
+``num_items_in_batch`` (then each micro-batch's loss is already a share of the step's).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from sdcwatch.telemetry.integrations import open_emitter
+from transformers import TrainerCallback
+
+__all__ = ["SdcwatchCallback"]
+
+
+class SdcwatchCallback(TrainerCallback):
+    """Probes and emitter for a ``transformers.Trainer`` run.
+
+    ``emitter``: where records go (default: an :class:`~sdcwatch.telemetry.Emitter` from the
+    environment, closed at the end of training). ``injector``: a
+    :class:`~sdcwatch.telemetry.faults.FaultInjector` to test your alerting (attached to the model
+    and stepped with the run; its rank is set from ``torch.distributed``). ``settings``:
+    :class:`~sdcwatch.telemetry.probes.ProbeConfig` fields (``attention_every=...``).
+    """
+
+    def __init__(self, emitter: Any = None, *, injector: Any = None, **settings: Any) -> None:
+        from sdcwatch.telemetry.probes import ProbeConfig
+
+        ProbeConfig(**settings)  # a bad setting fails here, not when training has begun
+        self.settings = settings
+        self.injector = injector
+        self.emitter = emitter
+        self.watch = None
+        self.data_parallel = False
+        """Whether the probes see the DDP all-reduce (local and global gradient norms)."""
+        self._owns_emitter = False
+        self._losses: list[Any] = []
+        self._summed = False
+        self._loss_hook = None
+
+    # -- the run ------------------------------------------------------------------------------
+    def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
+                       **kwargs: Any) -> None:
+        import torch.distributed as dist
+        from sdcwatch.telemetry.probes import attach
+
+        rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+        self.emitter, self._owns_emitter = open_emitter(self.emitter, rank, world)
+        ddp = _ddp_wrapper(model)
+        self.data_parallel = ddp is not None
+        if self.injector is not None:
+            self.injector.rank = rank
+            self.injector.attach(model, optimizer)
+        self.watch = attach(model, self.emitter, optimizer=_inner_optimizer(optimizer), ddp=ddp, **self.settings)
+        self._loss_hook = model.register_forward_hook(self._keep_loss, with_kwargs=True)
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.watch is None:
+            return
+        self._losses.clear()
+        self.watch.begin_step(state.global_step)
+        if self.injector is not None:
+            self.injector.begin_step(state.global_step)
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.watch is None:
+            return
+        self.watch.step(state.global_step - 1, loss=self._step_loss())
+        if self.injector is not None:
+            self.injector.end_step()
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Emit the last record, remove the hooks, and close the emitter if the callback made it."""
+        if self._loss_hook is not None:
+            self._loss_hook.remove()
+            self._loss_hook = None
+        if self.watch is not None:
+            self.watch.close()
+            self.watch = None
+        if self.injector is not None:
+            self.injector.detach()
+        if self._owns_emitter and self.emitter is not None:
+            self.emitter.close()
+            self._owns_emitter = False
+
+    # -- the loss -----------------------------------------------------------------------------
+    def _keep_loss(self, module: Any, args: Any, kwargs: dict, output: Any) -> None:
+        loss = getattr(output, "loss", None)
+        if loss is None and isinstance(output, dict):
+            loss = output.get("loss")
+        if loss is not None and module.training:
+            self._losses.append(loss.detach())
+            self._summed = kwargs.get("num_items_in_batch") is not None
+
+    def _step_loss(self) -> Any:
+        if not self._losses:
+            return None
+        total = self._losses[0] if len(self._losses) == 1 else sum(self._losses[1:], self._losses[0])
+        return total if self._summed or len(self._losses) == 1 else total / len(self._losses)
+
+
+def _ddp_wrapper(model: Any) -> Any:
+    """The Trainer's DDP wrapper of ``model`` (callbacks are given the bare model): found on the
+    Trainer that is calling us. None when the run is not data-parallel."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    frame = sys._getframe(1)
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        wrapped = getattr(owner, "model_wrapped", None)
+        if wrapped is not None and getattr(owner, "model", None) is model:
+            return wrapped if isinstance(wrapped, DistributedDataParallel) else None
+        frame = frame.f_back
+    return None
+
+
+def _inner_optimizer(optimizer: Any) -> Any:
+    """The torch optimizer inside Accelerate's wrapper (its step hooks are the ones that run)."""
+    return getattr(optimizer, "optimizer", optimizer)
