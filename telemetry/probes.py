@@ -134,7 +134,7 @@ class Watch(AttentionLayers):
         self._scalars: dict[str, torch.Tensor] = {}
         self._nonfinite: list[torch.Tensor] = []
         self._host_scalars: dict[str, float] = {}
-        self._attn: dict[int, torch.Tensor] = {}
+        self._attn: dict[int, tuple[torch.Tensor, int]] = {}  # layer -> (folded statistics, observations)
         self._fps: dict[str, torch.Tensor] = {}
         self._buckets: list[tuple] = []
         self._grads_seen = False
