@@ -65,9 +65,18 @@ def launch(fn, *args, world: int = WORLD) -> None:
     """Run ``fn(rank, *args)`` in ``world`` real processes joined as torchrun would (env://)."""
     import torch.multiprocessing as mp
 
-    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(world),
-                       "OMP_NUM_THREADS": "1"})
-    mp.spawn(_rank_main, args=(fn, world, args), nprocs=world, join=True)
+    rendezvous = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(world),
+                  "OMP_NUM_THREADS": "1"}
+    saved = {k: os.environ.get(k) for k in rendezvous}
+    os.environ.update(rendezvous)  # the children inherit it; the test process gets its own back
+    try:
+        mp.spawn(_rank_main, args=(fn, world, args), nprocs=world, join=True)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def _rank_main(rank: int, fn, world: int, args: tuple) -> None:
