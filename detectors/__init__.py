@@ -24,6 +24,7 @@ _LAZY = {
     "StepFrame": "sdcwatch.detectors.frame",
     "IncidentBook": "sdcwatch.detectors.incidents",
     "incident_from_dict": "sdcwatch.detectors.incidents",
+    "RunLifecycle": "sdcwatch.detectors.lifecycle",
     "NonFiniteDetector": "sdcwatch.detectors.nonfinite",
     "DetectionPipeline": "sdcwatch.detectors.pipeline",
     "PipelineSettings": "sdcwatch.detectors.pipeline",

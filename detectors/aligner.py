@@ -177,6 +177,20 @@ class StepAligner:
             out.append(StepFrame.from_records(run, step, st.world, list(op.records.values()), wall=time.time()))
         return out
 
+    def flush_run(self, run: str) -> list[StepFrame]:
+        """Close every open step of ``run`` now (the run ended)."""
+        st = self._runs.get(run)
+        return [] if st is None else self._drain(run, st, force=True, now=self.clock())
+
+    def holds(self, run: str) -> bool:
+        """Whether ``run`` is being aligned (it was admitted and not forgotten)."""
+        return run in self._runs
+
+    def open_steps_of(self, run: str) -> int:
+        """Steps of ``run`` waiting for ranks."""
+        st = self._runs.get(run)
+        return 0 if st is None else len(st.open)
+
     # -- state --------------------------------------------------------------------------------
 
     def last_closed(self, run: str) -> int:

@@ -7,15 +7,18 @@ at once), never on one record at a time. Missing values are NaN; absent ranks ha
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
 import numpy as np
 
 from sdcwatch.core.names import FINGERPRINTS, LAYER_METRICS, SCALARS
 from sdcwatch.telemetry.record import Record
 
-__all__ = ["StepFrame"]
+__all__ = ["StepFrame", "frame_stats"]
+
+_QUANTILES = np.array([0.0, 0.25, 0.5, 0.75, 1.0])
 
 
 def _ordered(known: Sequence[str], seen: Iterable[str]) -> tuple[str, ...]:
@@ -161,3 +164,21 @@ class StepFrame:
     @property
     def n_layers(self) -> int:
         return int(self.layers.shape[2]) if self.layers.ndim == 3 else 0
+
+
+def frame_stats(frame: StepFrame) -> dict[str, Any]:
+    """Cross-rank quantiles (min, q25, median, q75, max) of every scalar and of every layer metric."""
+    scalar_stats = {}
+    for j, name in enumerate(frame.scalar_names):
+        col = frame.scalars[:, j]
+        col = col[np.isfinite(col)]
+        if col.size:
+            scalar_stats[name] = np.quantile(col, _QUANTILES)
+    layer_stats = {}
+    if frame.layers.size:
+        with np.errstate(all="ignore"), warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # an all-NaN layer gives NaN stats
+            for m, name in enumerate(frame.layer_names):
+                block = np.where(np.isfinite(frame.layers[:, m, :]), frame.layers[:, m, :], np.nan)
+                layer_stats[name] = np.nanquantile(block, _QUANTILES, axis=0).T
+    return {"scalars": scalar_stats, "layers": layer_stats}

@@ -125,6 +125,13 @@ class IncidentBook:
         """Resolve every open incident of ``run`` (its end, or a new alignment after a world change)."""
         return [self._resolve(k, step) for k, inc in list(self._open.items()) if inc.run == run]
 
+    def forget_run(self, run: str) -> None:
+        """Drop ``run``'s resolved incidents (the run was evicted; resolve its open ones first)."""
+        kept = [i for i in self._resolved if i.run != run]
+        if len(kept) != len(self._resolved):
+            self._resolved.clear()
+            self._resolved.extend(kept)
+
     def _resolve(self, k: tuple, step: int) -> IncidentEvent:
         inc = self._open.pop(k)
         inc.resolved_step = step

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import time
-import warnings
 from collections import deque
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Iterable, Sequence
@@ -20,9 +19,10 @@ import numpy as np
 from sdcwatch.detectors.aligner import StepAligner
 from sdcwatch.detectors.attribution import Attribution
 from sdcwatch.detectors.base import SplitDetector
-from sdcwatch.detectors.frame import StepFrame
+from sdcwatch.detectors.frame import StepFrame, frame_stats
 from sdcwatch.detectors.incidents import IncidentBook
 from sdcwatch.detectors.registry import default_detectors
+from sdcwatch.detectors.lifecycle import RunLifecycle
 from sdcwatch.detectors.statefile import read_state, restoring, write_state
 from sdcwatch.detectors.summary import StepSummary, SummaryOrder
 from sdcwatch.core.jsonsafe import json_safe
@@ -38,7 +38,6 @@ __all__ = ["DetectionPipeline", "PipelineSettings", "STATE_VERSION", "ROLES"]
 ROLES = ("both", "spatial", "temporal")
 
 STATE_VERSION = 1
-_QUANTILES = np.array([0.0, 0.25, 0.5, 0.75, 1.0])
 
 
 @dataclass(frozen=True)
@@ -65,6 +64,10 @@ class PipelineSettings:
     it takes the place of a run silent for ``stale_after`` seconds (forgotten, its open incidents
     resolved); when no run is that stale, the new run's records are dead-lettered (reason runs), so
     a flood of run names cannot push out the runs that are training."""
+    end_expiry: float = 300.0
+    """Seconds a finished run (every rank sent its end-of-run marker) stays in memory and /metrics."""
+    idle_expiry: float = 6 * 3600.0
+    """Seconds without a record before an unfinished run is evicted, its open incidents resolved."""
 
     def __post_init__(self) -> None:
         check_positive("pipeline", **{f.name: getattr(self, f.name) for f in fields(self)})
@@ -94,24 +97,6 @@ def _count(values: np.ndarray) -> int:
     return int(min(total, 2.0**53))  # past it a float no longer counts by ones
 
 
-def frame_stats(frame: StepFrame) -> dict[str, Any]:
-    """Cross-rank quantiles (min, q25, median, q75, max) of every scalar and of every layer metric."""
-    scalar_stats = {}
-    for j, name in enumerate(frame.scalar_names):
-        col = frame.scalars[:, j]
-        col = col[np.isfinite(col)]
-        if col.size:
-            scalar_stats[name] = np.quantile(col, _QUANTILES)
-    layer_stats = {}
-    if frame.layers.size:
-        with np.errstate(all="ignore"), warnings.catch_warnings():
-            warnings.simplefilter("ignore", RuntimeWarning)  # an all-NaN layer gives NaN stats
-            for m, name in enumerate(frame.layer_names):
-                block = np.where(np.isfinite(frame.layers[:, m, :]), frame.layers[:, m, :], np.nan)
-                layer_stats[name] = np.nanquantile(block, _QUANTILES, axis=0).T
-    return {"scalars": scalar_stats, "layers": layer_stats}
-
-
 class DetectionPipeline:
     """All detection state: feed records (or frames), get incident events; read ``view()``."""
 
@@ -135,6 +120,8 @@ class DetectionPipeline:
                                    max_step_jump=self.limits.max_step_jump, max_step_values=self.limits.max_step_values)
         self.aligner.admit = self._admit
         self.book = IncidentBook(self.settings.quiet_steps, clock=wall)
+        self.lifecycle = RunLifecycle(self.settings.end_expiry, self.settings.idle_expiry,
+                                      close_grace=self.settings.step_timeout, clock=wall)
         self._runs: dict[str, _Run] = {}
         self.findings_total: dict[tuple[str, str], int] = {}
         self.records_total = 0
@@ -150,12 +137,18 @@ class DetectionPipeline:
 
     def process(self, records: Iterable[Record]) -> list[IncidentEvent]:
         """Align records and run every closed step through the detectors."""
-        records = list(records)
-        self.records_total += len(records)
-        self._arrived(len(records))
+        records, markers, restarted, new = self.lifecycle.sort(list(records))
+        self.records_total += len(records)  # telemetry: the end-of-run markers are not counted
+        self._arrived(len(records) + len(markers))
         events: list[IncidentEvent] = []
+        for run in restarted:  # a finished run's name is used again: the old run goes first
+            events += self.evict(run, "finished")
+        self.lifecycle.arrived(restarted)
         for frame in self.aligner.add(records):
             events += self.process_frame(frame)
+        self.lifecycle.arrived([run for run in new if self.aligner.holds(run)])  # admitted (max_runs)
+        for marker in markers:  # the run closes in expire(), once its last steps are judged
+            self.lifecycle.end(marker)
         return self._with_forgotten(events)
 
     def _with_forgotten(self, events: list[IncidentEvent]) -> list[IncidentEvent]:
@@ -169,12 +162,32 @@ class DetectionPipeline:
         return self._with_forgotten(events + [e for s in self.order.poll() for e in self.judge_step(s)])
 
     def expire(self) -> list[IncidentEvent]:
-        """Resolve the open incidents of runs silent for ``stale_after`` seconds (call regularly)."""
+        """Resolve incidents of runs silent for ``stale_after`` s, close finished runs, evict expired ones."""
         now = self.wall()
         events: list[IncidentEvent] = []
         for run, st in self._runs.items():
             if st.last_step >= 0 and now - st.last_step_wall >= self.settings.stale_after:
                 events += self.book.close_run(run, st.last_step)
+        waiting = self.order.held if self.role == "temporal" else self.aligner.open_steps_of
+        for run in self.lifecycle.to_close(waiting):
+            events += [e for frame in self.aligner.flush_run(run) for e in self.process_frame(frame)]
+            st = self._runs.get(run)
+            events += self.book.close_run(run, st.last_step if st is not None else -1)
+            self.lifecycle.closed(run)
+            if self.role == "spatial" and st is not None:  # tell the temporal stage, after the last steps
+                self.outbox.append(StepSummary.end_of(run, st.last_step, st.world))
+        for run, why in self.lifecycle.to_evict():
+            events += self.evict(run, why)
+        return events
+
+    def evict(self, run: str, why: str = "") -> list[IncidentEvent]:
+        """Forget ``run``: its open incidents resolve (the events say so), its state and series go."""
+        st = self._runs.pop(run, None)
+        events = self.book.close_run(run, st.last_step if st is not None else -1)
+        self.book.forget_run(run)
+        self.aligner.forget(run)
+        self.order.forget(run)
+        self.lifecycle.forget(run, why)
         return events
 
     def flush(self) -> list[IncidentEvent]:
@@ -195,6 +208,7 @@ class DetectionPipeline:
         summaries = list(summaries)
         self.summaries_total += len(summaries)
         self._arrived(len(summaries))
+        summaries = self.lifecycle.take_summaries(summaries)  # a run's end closes it in expire()
         return self._with_forgotten([e for s in self.order.add(summaries) for e in self.judge_step(s)])
 
     def _arrived(self, n: int) -> None:
@@ -224,10 +238,8 @@ class DetectionPipeline:
         idlest = next(iter(self._runs), None)
         if idlest is None or self.wall() - self._runs[idlest].last_step_wall < self.settings.stale_after:
             return False
-        st = self._runs.pop(idlest)
-        self.aligner.forget(idlest)
         self.runs_forgotten += 1
-        self.forgotten_events += self.book.close_run(idlest, st.last_step)
+        self.forgotten_events += self.evict(idlest)
         return True
 
     def observe_step(self, frame: StepFrame) -> StepSummary:
@@ -318,7 +330,7 @@ class DetectionPipeline:
             runs = runs[:max_runs]
         out = []
         for run, st in runs:
-            if st.view is None:
+            if st.view is None or st.view.finished != self.lifecycle.finished(run):  # built per step or end
                 st.view = self._run_view(run, st)
             out.append(st.view)
         return out
@@ -344,6 +356,7 @@ class DetectionPipeline:
             world_changes_total=self.aligner.world_changes, incomplete_steps_total=self.aligner.incomplete_steps,
             dead_letter_reasons=dict(dead_letter_reasons or {}), consumer_partitions=consumer_partitions,
             runs_total=len(self._runs), runs_forgotten_total=self.runs_forgotten,
+            runs_evicted_total=dict(self.lifecycle.evicted_total),
         )
         return ServiceView(runs=runs, pipeline=pipe, incidents=self.book.current(),
                            incidents_total=dict(self.book.opened_total), findings_total=dict(self.findings_total))
@@ -371,6 +384,7 @@ class DetectionPipeline:
             layer_stats={k: np.asarray(v, dtype=float) for k, v in stats["layers"].items()},
             steps_total=st.steps_total, late_ranks=int(f.world - f.n_present),
             missing_ranks=shown.get("missing_ranks", 0), emitter_dropped=_count(st.dropped),
+            finished=self.lifecycle.finished(run),
         )
 
     # -- state ----------------------------------------------------------------------------------
@@ -392,6 +406,7 @@ class DetectionPipeline:
             "role": self.role,
             "order": self.order.snapshot(),
             "summaries_total": self.summaries_total,
+            "lifecycle": self.lifecycle.snapshot(),
         }
 
     def restore(self, state: dict[str, Any]) -> None:
@@ -418,6 +433,7 @@ class DetectionPipeline:
         self.records_total = int(state["records_total"])
         self.order.restore(state.get("order", {}))
         self.summaries_total = int(state.get("summaries_total", 0))
+        self.lifecycle.restore(state.get("lifecycle", {}), runs=self._runs)
 
     def save(self, path: str | os.PathLike, state: dict[str, Any] | None = None) -> None:
         """Write the state (``state``, or a snapshot taken now); see :func:`~sdcwatch.detectors.statefile.write_state`."""

@@ -51,6 +51,8 @@ class StepSummary:
     (``scalars``: name -> 5 quantiles, ``layers``: name -> (n_layers, 5)); the spatial stage sends
     them every few steps. ``observations`` maps detector name to what its ``observe`` returned.
     ``frame`` is the aligned step itself when both stages run in one process (never sent).
+    ``ended`` marks the run's end instead of a step: every rank sent its end-of-run marker and the
+    spatial stage has published the run's last steps (``step`` is the last one).
     """
 
     run: str
@@ -63,6 +65,12 @@ class StepSummary:
     stats: dict[str, Any] | None = None
     observations: dict[str, Any] = field(default_factory=dict)
     frame: Any = None
+    ended: bool = False
+
+    @classmethod
+    def end_of(cls, run: str, last_step: int, world: int) -> "StepSummary":
+        """The summary that tells the temporal stage ``run`` ended (after its last steps' summaries)."""
+        return cls(run=run, step=max(last_step, 0), world=max(world, 1), n_present=0, complete=False, ended=True)
 
 
 # -- codec ---------------------------------------------------------------------------------------
@@ -107,6 +115,8 @@ def encode_summary(s: StepSummary) -> bytes:
     head = {"run": s.run, "step": s.step, "world": s.world, "n_present": s.n_present, "complete": s.complete,
             "hosts": None if s.hosts is None else list(s.hosts), "dropped": _pack(s.dropped, blobs),
             "stats": _pack(s.stats, blobs), "observations": _pack(s.observations, blobs)}
+    if s.ended:  # only then: older temporal stages read the head's known keys and drop the rest
+        head["ended"] = True
     j = json.dumps(head, separators=(",", ":"), allow_nan=False).encode("utf-8")
     body = zlib.compress(b"".join([_HEAD.pack(len(j)), j, *blobs]), 1)
     return SUMMARY_MAGIC + bytes([SUMMARY_VERSION]) + body
@@ -150,6 +160,7 @@ def decode_summary(data: bytes | bytearray | memoryview) -> StepSummary:
             complete=bool(head["complete"]), hosts=None if hosts is None else tuple(str(h) for h in hosts),
             dropped={int(k): float(v) for k, v in _unpack(head["dropped"], arrays).items()},
             stats=_unpack(head["stats"], arrays), observations=_unpack(head["observations"], arrays),
+            ended=head.get("ended") is True,
         )
     except SummaryError:
         raise
@@ -253,6 +264,15 @@ class SummaryOrder:
     def flush(self) -> list[StepSummary]:
         """Everything held, in step order (end of input)."""
         return self.poll(now=math.inf)
+
+    def forget(self, run: str) -> None:
+        """Drop ``run`` and what it holds (the run was evicted)."""
+        self._runs.pop(run, None)
+
+    def held(self, run: str) -> int:
+        """Summaries of ``run`` waiting for earlier steps."""
+        h = self._runs.get(run)
+        return 0 if h is None else len(h.heap)
 
     def snapshot(self) -> dict[str, Any]:
         """Per run: the last step released, the stride, and the summaries still waiting (encoded),

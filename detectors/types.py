@@ -156,6 +156,7 @@ class RunView:
     late_ranks: int = 0  # ranks that missed the alignment deadline at the last closed step
     missing_ranks: int = 0  # ranks not heard from for a long time (dead)
     emitter_dropped: int = 0  # sum over ranks of the records their emitters dropped
+    finished: bool = False  # every rank sent its end-of-run marker: the run is over, not stalled
 
 
 @dataclass
@@ -177,6 +178,7 @@ class PipelineView:
     consumer_partitions: int = -1  # partitions the reader owns (0: evicted or unassigned; -1: unknown)
     runs_total: int = 0  # runs whose detection state is kept
     runs_forgotten_total: int = 0  # stale runs dropped to make room for new ones
+    runs_evicted_total: dict[str, int] = field(default_factory=dict)  # why ("finished", "idle") -> runs
 
 
 @dataclass

@@ -52,6 +52,9 @@ METRICS: tuple[MetricSpec, ...] = (
        "Training steps the detector service has completed."),
     _m("sdcwatch_training_world_size", "gauge", ("run",),
        "Number of ranks (world size) of the run."),
+    _m("sdcwatch_training_run_finished", "gauge", ("run",),
+       "1 once every rank of the run sent its end-of-run marker (it ended normally: no stall alert; "
+       "its series go after the end expiry), else 0."),
     # detectors
     _m("sdcwatch_detector_spike_score", "gauge", ("run", "metric"),
        "Current spike score of a global metric against its robust trend-aware baseline."),
@@ -114,6 +117,9 @@ METRICS: tuple[MetricSpec, ...] = (
        "Seconds since the service consumed its last record."),
     _m("sdcwatch_pipeline_last_step_age_seconds", "gauge", ("run",),
        "Seconds since the service completed the last step of the run."),
+    _m("sdcwatch_pipeline_runs_evicted_total", "counter", ("reason",),
+       "Runs dropped from memory and /metrics: \"finished\" (end expiry after the end-of-run markers) "
+       "or \"idle\" (no record for the idle expiry; their open incidents resolved)."),
     _m("sdcwatch_pipeline_late_ranks", "gauge", ("run",),
        "Ranks that missed the alignment deadline at the last closed step."),
     _m("sdcwatch_pipeline_missing_ranks", "gauge", ("run",),

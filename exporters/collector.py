@@ -173,6 +173,7 @@ class SdcwatchCollector(Collector):
             add("sdcwatch_training_last_step", [r], run.last_step)
             add("sdcwatch_training_steps_total", [r], run.steps_total)
             add("sdcwatch_training_world_size", [r], run.world)
+            add("sdcwatch_training_run_finished", [r], 1 if run.finished else 0)
             for metric_name, score in sorted(run.spike_scores.items()):
                 add("sdcwatch_detector_spike_score", [r, metric_name], score)
             for rank in self._exported_ranks(run, open_incidents.get(r, [])):
@@ -216,6 +217,8 @@ class SdcwatchCollector(Collector):
         add("sdcwatch_pipeline_incomplete_steps_total", [], p.incomplete_steps_total)
         add("sdcwatch_pipeline_summaries_total", [], p.summaries_total)
         add("sdcwatch_pipeline_summaries_late_total", [], p.summaries_late_total)
+        for reason, count in sorted(p.runs_evicted_total.items()):
+            add("sdcwatch_pipeline_runs_evicted_total", [reason], count)
         if p.last_record_wall > 0:
             add("sdcwatch_pipeline_last_record_age_seconds", [], max(0.0, now - p.last_record_wall))
         return fam

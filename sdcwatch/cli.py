@@ -1,4 +1,4 @@
-"""The ``sdcwatch`` command line: demo, serve, replay, report, broker, bench.
+"""The ``sdcwatch`` command line: demo, serve, capture, replay, report, broker, bench.
 
 Each subcommand lives in its own module and is imported only when it runs, so ``sdcwatch --help``
 stays fast and a missing optional dependency (torch) only affects the commands that need it.
@@ -24,6 +24,7 @@ log = logging.getLogger("sdcwatch")
 COMMANDS: dict[str, tuple[str, str, str]] = {
     "demo": ("sdcwatch.demo", "demo_main", "train a small model on 8 simulated ranks, inject an SDC, watch it get caught"),
     "serve": ("sdcwatch.serve", "serve_main", "run the detector service against a Kafka cluster (production)"),
+    "capture": ("sdcwatch.capture", "capture_main", "write one run's telemetry from the bus as JSON lines (for replay and report)"),
     "replay": ("sdcwatch.detectors.offline", "replay_main", "run the detectors over a captured run (JSON lines) or a CSV training log"),
     "report": ("sdcwatch.report", "report_main", "write an HTML report (plots and incidents) of a captured run"),
     "broker": ("sdcwatch.cli", "broker_main", "run the embedded Kafka-protocol broker (Tansu) on loopback"),

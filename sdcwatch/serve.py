@@ -46,7 +46,8 @@ def build_service(cfg: ServeConfig, *, sinks: Sequence[Any] | None = None, extra
     security = dict(cfg.bus.security)
     stage = cfg.detectors.stage
     settings = PipelineSettings(step_timeout=cfg.detectors.align_timeout_s,
-                                quiet_steps=cfg.detectors.resolve_after_steps, max_runs=cfg.detectors.max_runs)
+                                quiet_steps=cfg.detectors.resolve_after_steps, max_runs=cfg.detectors.max_runs,
+                                end_expiry=cfg.detectors.run_end_expiry_s, idle_expiry=cfg.detectors.run_idle_expiry_s)
     configs = cfg.detectors.detector_configs()
     limits = cfg.limits.record_limits()
     pipeline = DetectionPipeline(settings, role=stage, detectors=lambda: default_detectors(configs), limits=limits)

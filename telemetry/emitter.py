@@ -4,7 +4,8 @@
 batches them and hands them to a transport. The training loop is never blocked and never sees an
 exception: when the bus is down the queue fills up to ``buffer`` records, further records are
 dropped and counted (``dropped``, and as the ``emitter_dropped`` scalar in every later record), a
-single log line says so, and sending resumes by itself when the bus is back.
+single log line says so, and sending resumes by itself when the bus is back. ``close()`` ends the
+rank's part of the run with an end-of-run marker (:mod:`sdcwatch.telemetry.lifecycle`).
 """
 
 from __future__ import annotations
@@ -52,6 +53,15 @@ def identity_from_env(env: Mapping[str, str] | None = None) -> dict[str, Any]:
     }
 
 
+def _ended_normally(exc: BaseException | None) -> bool:
+    """Whether a ``with Emitter()`` block left the way a finished run does: no exception, Ctrl-C
+    (the operator stopped it) or ``sys.exit(0)``. A run that raised did not end normally, and the
+    service should report it as stalled."""
+    if exc is None or isinstance(exc, KeyboardInterrupt):
+        return True
+    return isinstance(exc, SystemExit) and exc.code in (0, None)
+
+
 class NullEmitter:
     """Does nothing, cheaply: use it instead of ``if enabled:`` branches in the training loop."""
 
@@ -63,7 +73,7 @@ class NullEmitter:
     def flush(self, timeout: float | None = 10.0) -> bool:
         return True
 
-    def close(self, timeout: float | None = 10.0) -> None:
+    def close(self, timeout: float | None = 10.0, *, end_run: bool = True) -> None:
         pass
 
     def __enter__(self) -> "NullEmitter":
@@ -86,6 +96,9 @@ class Emitter:
             beyond it new records are dropped and counted.
         batch: records per send.
         linger: seconds the sender waits for more records before sending a partial batch.
+        end_marker: send the end-of-run marker on :meth:`close` (so the service closes the run
+            instead of alerting that it stalled); leaving a ``with`` block on an exception (other
+            than Ctrl-C or ``sys.exit(0)``) sends none.
     """
 
     def __init__(
@@ -103,6 +116,7 @@ class Emitter:
         batch: int = 1024,
         linger: float = 0.005,
         env: Mapping[str, str] | None = None,
+        end_marker: bool = True,
     ) -> None:
         if not isinstance(buffer, int) or buffer < 1:
             raise ConfigError("buffer", f"must be a positive integer, got {buffer!r}")
@@ -132,6 +146,9 @@ class Emitter:
         self.dropped = 0  # records dropped because the buffer was full (or after close)
         self.invalid = 0  # records rejected as invalid (bad metric name or value type)
         self.max_pending = 0  # high-water mark of queued + in-flight records
+        self.end_marker = end_marker
+        self.ended = False  # the end-of-run marker was confirmed by the bus
+        self._last_step: int | None = None  # last step built into a record (sender thread)
         self._queue: collections.deque = collections.deque()
         self._inflight: list[Record] = []
         self._taking = False  # the sender is moving records from the queue into _inflight
@@ -187,13 +204,15 @@ class Emitter:
             _time.sleep(0.002)
         return True
 
-    def close(self, timeout: float | None = 10.0) -> None:
-        """Flush for up to ``timeout`` seconds, stop the sender, close the transport.
+    def close(self, timeout: float | None = 10.0, *, end_run: bool = True) -> None:
+        """Flush for up to ``timeout`` seconds, send the end-of-run marker, stop, close the transport.
 
         Returns within ``timeout`` (plus a fraction of a second), with the sender thread gone: the
         transport is told the deadline (``transport.deadline``, where it has one), so a flush or a
         connection attempt ends by then (one attempt begun before ``close`` ends on its own bound,
-        ``connect_timeout_ms``). What could not be sent is counted as dropped.
+        ``connect_timeout_ms``). What could not be sent is counted as dropped. The end-of-run marker
+        goes only when everything emitted was sent (so it follows the rank's last record on the bus)
+        and ``end_run`` is true.
         """
         if self._closed:
             return
@@ -204,7 +223,7 @@ class Emitter:
                 self.transport.deadline = deadline
             except Exception:
                 pass
-        self.flush(timeout)
+        flushed = self.flush(timeout)
         self._closed = True
         self._stop.set()
         # the transport's calls end by the deadline; a little grace for the sender to notice the stop
@@ -218,6 +237,8 @@ class Emitter:
             self._inflight = []
             log.warning("sdcwatch emitter (rank %s): closed with %d records unsent (bus %s)", self.rank, left,
                         getattr(self.transport, "bootstrap", "unavailable"))
+        elif flushed and end_run and self.end_marker and self._last_step is not None:
+            self._send_end_marker()
         try:
             self.transport.close()
         except Exception as exc:
@@ -231,8 +252,18 @@ class Emitter:
     def __enter__(self) -> "Emitter":
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
+        self.close(end_run=_ended_normally(exc))
+
+    def _send_end_marker(self) -> None:
+        from sdcwatch.telemetry.lifecycle import end_marker
+
+        try:
+            self.transport.send([end_marker(self.run, self._last_step, self.rank, self.world, host=self.host,
+                                            local_rank=self.local_rank, dropped=self.dropped)])
+            self.ended = True
+        except Exception as exc:  # the run will look stalled to the service; say why here
+            log.warning("sdcwatch emitter (rank %s): end-of-run marker not sent: %s", self.rank, exc)
 
     # -- sender thread ------------------------------------------------------------------------
 
@@ -250,6 +281,7 @@ class Emitter:
                 self._warned_invalid = True
                 log.warning("sdcwatch emitter (rank %s): invalid record at step %s not sent: %s", self.rank, step, exc)
             return None
+        self._last_step = step
         return rec
 
     def _take_batch(self) -> None:

@@ -248,6 +248,12 @@ class _DetectorsSettings(_Section):
     max_runs: int = 1000
     """Runs whose detection state is kept (memory and the state file grow with them); past it a new
     run replaces one silent for 15 minutes, or its records are dead-lettered (reason runs)."""
+    run_end_expiry_s: float = 300.0
+    """Seconds a finished run (every rank sent its end-of-run marker; its incidents resolved) stays
+    in memory and /metrics before its series are dropped."""
+    run_idle_expiry_s: float = 21600.0
+    """Seconds without a record after which a run that did not finish is evicted from memory and
+    /metrics, its open incidents resolved. Keep it above the stall alert's 11 minutes."""
     stage: str = "both"
     """What this instance runs: "both" (one process does everything, the default); or, to scale out,
     "spatial" (alignment and the cross-rank detectors; run several in one consumer group, each
@@ -258,7 +264,8 @@ class _DetectorsSettings(_Section):
         for name in ("resolve_after_steps", "max_runs"):
             if getattr(self, name) < 1:
                 self._fail(name, f"must be at least 1, got {getattr(self, name)}")
-        _positive(self, "align_timeout_s")
+        for name in ("align_timeout_s", "run_end_expiry_s", "run_idle_expiry_s"):
+            _positive(self, name)
         if self.stage not in ("both", "spatial", "temporal"):
             self._fail("stage", f"{self.stage!r} is not one of both, spatial, temporal")
 

@@ -20,6 +20,7 @@ from sdcwatch.core.errors import RecordError, ReplayError
 from sdcwatch.detectors.offline import bounded_lines
 from sdcwatch.telemetry.limits import RecordLimits
 from sdcwatch.telemetry.record_json import from_json
+from sdcwatch.telemetry.lifecycle import is_end_marker
 
 _SCALARS = ("loss", "loss_global", "grad_norm_local", "grad_norm_global", "grad_cosine", "nonfinite", "step_time")
 _ENTROPY = "attn_entropy"
@@ -83,6 +84,8 @@ def load_records(path: str | Path, *, run: str | None = None) -> RunData:
                 _LIMITS.check(rec)
             except RecordError as exc:
                 raise ReplayError(str(path), lineno, str(exc)) from None
+            if is_end_marker(rec):  # a rank's end-of-run marker (sdcwatch capture keeps them), not a step
+                continue
             layer = rec.layers.get(_ENTROPY)
             rows.setdefault(rec.run, []).append(
                 (rec.step, rec.rank, rec.time, tuple(rec.scalars.get(k, math.nan) for k in _SCALARS),

@@ -30,7 +30,7 @@ def test_prometheus_scrapes_the_exporter_and_sees_the_incident_rank(troubled_pro
     ranks = support.prom_query(prometheus.base_url, 'topk(1, sdcwatch_rank_outlier_score{run="r1"})')
     assert ranks[0]["metric"]["rank"] == "5" and ranks[0]["metric"]["host"] == "h2"
     info = support.prom_query(prometheus.base_url, 'sdcwatch_incident_info{state="open"}')
-    assert {(s["metric"]["kind"], s["metric"]["rank"]) for s in info} == {("sdc_suspected", "5")}
+    assert {(s["metric"]["kind"], s["metric"]["rank"]) for s in info} == {("sdc_suspected", "5"), ("nonfinite", "2")}
 
 
 @pytest.mark.parametrize("where,expr", dashboard_expressions())

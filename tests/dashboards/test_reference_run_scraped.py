@@ -38,7 +38,9 @@ def test_dashboard_and_rules_on_a_faulted_reference_run(start_prometheus):
                                      "seed": 0})
         run = SimulatedRun(world=4, seed=1, model=GPTConfig(seq_len=32, d_model=32, n_layer=2, n_head=4),
                            batch_size=2, corpus=shared_corpus(1 << 18), faults=[fault],
-                           emitter_factory=lambda rank: Emitter(MemoryTransport(bus), run="r1", rank=rank, world=4))
+                           # scraped as a live run: no end-of-run markers, so its incident stays open
+                           emitter_factory=lambda rank: Emitter(MemoryTransport(bus), run="r1", rank=rank, world=4,
+                                                                end_marker=False))
         run.train(60)
         run.close()
         for em in run.emitters:
@@ -50,6 +52,10 @@ def test_dashboard_and_rules_on_a_faulted_reference_run(start_prometheus):
             lambda: support.prom_query(prometheus.base_url,
                                        "count_over_time(sdcwatch_pipeline_records_total[1m]) >= 4"),
             timeout=30, what="four scrapes")
+        # on a loaded machine the incident can open only as training ends: increase() needs two samples
+        support.wait_for(
+            lambda: support.prom_query(prometheus.base_url, "count_over_time(sdcwatch_incidents_total[1m]) >= 2"),
+            timeout=30, what="two scrapes of the incident counter")
         (info,) = support.prom_query(prometheus.base_url, 'sdcwatch_incident_info{kind="nonfinite"}')
         assert info["metric"]["rank"] == "2" and info["metric"]["run"] == "r1"
         for where, expr in support.dashboard_expressions():

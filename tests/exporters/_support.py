@@ -48,6 +48,14 @@ def sdc_incident(run: str = "r1", *, rank: int = 5, host: str = "h2", id: str = 
     return inc
 
 
+def nonfinite_incident(run: str = "r1", *, rank: int = 2, opened_at: float = 0.0) -> Incident:
+    """An open non-finite incident, as the non-finite detector opens it."""
+    return Incident(id=f"{run}:nonfinite:110", run=run, kind="nonfinite", severity=Severity.CRITICAL,
+                    first_step=110, last_step=110, message=f"NaN on rank {rank}", ranks=(rank,),
+                    hosts=(f"h{rank // 2}",), metric="attn_entropy", layer=1, score=float("inf"),
+                    detector="nonfinite", peak_step=110, opened_at=opened_at)
+
+
 def small_view(world: int = 8, layers: int = 2) -> ServiceView:
     """A tiny, fully deterministic view (for exact exposition text)."""
     scores = np.zeros(world)
@@ -67,7 +75,7 @@ def small_view(world: int = 8, layers: int = 2) -> ServiceView:
                               dead_letters_total=2, consumer_lag=4, last_record_wall=999.0,
                               late_records_total=3, incomplete_steps_total=5,
                               dead_letter_reasons={"malformed": 1, "world": 1}, consumer_partitions=4,
-                              runs_total=1),
+                              runs_total=1, runs_evicted_total={"finished": 3, "idle": 1}),
         incidents=[sdc_incident(opened_at=990.0)],
         incidents_total={("sdc_suspected", "critical"): 1, ("loss_spike", "warning"): 2},
         findings_total={("rank_outlier", "rank_outlier"): 7},
@@ -105,7 +113,7 @@ def large_view(world: int, layers: int = 80, seed: int = 0, incidents: int = 3) 
 @dataclass
 class TroubledService:
     """A live, changing view in which every alert rule's condition holds, and every dashboard
-    panel has data: loss spike, an open SDC incident on rank 5 (host h2), non-finite values,
+    panel has data: loss spike, an open SDC incident on rank 5 (host h2), an open non-finite incident,
     missing ranks, a stalled run, a lagging consumer and growing dead letters."""
 
     world: int = 8
@@ -134,8 +142,9 @@ class TroubledService:
                                   dead_letters_total=2 * n, consumer_lag=500_000,
                                   last_record_wall=time.time(), consumer_partitions=0,
                                   dead_letter_reasons={"world": n}),
-            incidents=[sdc_incident(opened_at=self.started)],
-            incidents_total={("sdc_suspected", "critical"): 1, ("loss_spike", "warning"): 1 + n},
+            incidents=[sdc_incident(opened_at=self.started), nonfinite_incident(opened_at=self.started)],
+            incidents_total={("sdc_suspected", "critical"): 1, ("nonfinite", "critical"): 1,
+                             ("loss_spike", "warning"): 1 + n},
             findings_total={("attribution", "sdc_suspected"): n},
         )
 

@@ -43,6 +43,9 @@ sdcwatch_training_steps_total{run="r1"} 120.0
 # HELP sdcwatch_training_world_size Number of ranks (world size) of the run.
 # TYPE sdcwatch_training_world_size gauge
 sdcwatch_training_world_size{run="r1"} 8.0
+# HELP sdcwatch_training_run_finished 1 once every rank of the run sent its end-of-run marker (it ended normally: no stall alert; its series go after the end expiry), else 0.
+# TYPE sdcwatch_training_run_finished gauge
+sdcwatch_training_run_finished{run="r1"} 0.0
 # HELP sdcwatch_detector_spike_score Current spike score of a global metric against its robust trend-aware baseline.
 # TYPE sdcwatch_detector_spike_score gauge
 sdcwatch_detector_spike_score{metric="grad_norm",run="r1"} 0.5
@@ -138,6 +141,10 @@ sdcwatch_pipeline_last_record_age_seconds 2.0
 # HELP sdcwatch_pipeline_last_step_age_seconds Seconds since the service completed the last step of the run.
 # TYPE sdcwatch_pipeline_last_step_age_seconds gauge
 sdcwatch_pipeline_last_step_age_seconds{run="r1"} 1.0
+# HELP sdcwatch_pipeline_runs_evicted_total Runs dropped from memory and /metrics: "finished" (end expiry after the end-of-run markers) or "idle" (no record for the idle expiry; their open incidents resolved).
+# TYPE sdcwatch_pipeline_runs_evicted_total counter
+sdcwatch_pipeline_runs_evicted_total{reason="finished"} 3.0
+sdcwatch_pipeline_runs_evicted_total{reason="idle"} 1.0
 # HELP sdcwatch_pipeline_late_ranks Ranks that missed the alignment deadline at the last closed step.
 # TYPE sdcwatch_pipeline_late_ranks gauge
 sdcwatch_pipeline_late_ranks{run="r1"} 1.0

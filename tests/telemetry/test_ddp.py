@@ -8,7 +8,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from sdcwatch.telemetry import FINGERPRINTS, LAYER_METRICS  # noqa: E402
+from sdcwatch.telemetry import FINGERPRINTS, LAYER_METRICS, is_end_marker  # noqa: E402
 from sdcwatch.telemetry.faults import FaultSpec  # noqa: E402
 from sdcwatch.testbed.ddp import DDPSettings, launch  # noqa: E402
 from sdcwatch.testbed.model import GPT  # noqa: E402
@@ -33,9 +33,11 @@ def ddp_records(broker, consume):
                           where="param", bit=12, seed=1),),
     )
     launch(settings)
-    got, src = consume(broker.bootstrap, topic, WORLD * STEPS)
+    got, src = consume(broker.bootstrap, topic, WORLD * STEPS + WORLD)
     assert src.dead_letters == 0
-    return settings, got
+    # each rank's close() ends its part of the run with an end-of-run marker at its last step
+    assert sorted((r.step, r.rank) for r in got if is_end_marker(r)) == [(STEPS - 1, r) for r in range(WORLD)]
+    return settings, [r for r in got if not is_end_marker(r)]
 
 
 def _by_step_rank(records):
@@ -110,7 +112,10 @@ def test_skip_nonfinite_keeps_every_replica_finite_after_a_nan(tmp_path, skip):
                           where="output", seed=1),),
     )
     launch(settings)
-    table = {(r.step, r.rank): r for rank in range(world) for r in read_records(tmp_path / f"rank{rank}.jsonl")}
+    records = [r for rank in range(world) for r in read_records(tmp_path / f"rank{rank}.jsonl")]
+    # each rank's file ends with its end-of-run marker at its last step
+    assert sorted((r.step, r.rank) for r in records if is_end_marker(r)) == [(steps - 1, r) for r in range(world)]
+    table = {(r.step, r.rank): r for r in records if not is_end_marker(r)}
     assert set(table) == {(s, r) for s in range(steps) for r in range(world)}
     assert table[nan_step, 1].scalars["nonfinite"] > 0  # the fault happened
     later = [table[s, r] for s in range(nan_step + 1, steps) for r in range(world)]

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from sdcwatch.core.errors import ConfigError
-from sdcwatch.telemetry import Emitter, FileTransport, MemoryBus, MemoryTransport, NullEmitter, from_json
+from sdcwatch.telemetry import Emitter, FileTransport, MemoryBus, MemoryTransport, NullEmitter, from_json, is_end_marker
 
 
 def make(bus, **kw):
@@ -29,7 +29,8 @@ def test_records_arrive_with_identity_and_values():
             em.emit(step, loss=1.0 / (step + 1), layers={"attn_entropy": [1.0, 2.0]}, fingerprints={"param_fp": step})
         assert em.flush(5)
     recs = bus.records()
-    assert [r.step for r in recs] == list(range(50))
+    assert [r.step for r in recs] == list(range(50)) + [49]  # close() ends with the marker at the last step
+    assert [is_end_marker(r) for r in recs] == [False] * 50 + [True]
     r = recs[7]
     assert (r.run, r.rank, r.world, r.host) == ("run1", 2, 4, "node0")
     assert r.scalars["loss"] == pytest.approx(1 / 8)
@@ -55,10 +56,12 @@ def test_bus_down_buffers_to_bound_then_drops_and_counts(caplog):
     em.emit(1000, loss=2.0)
     assert em.flush(10)
     em.close()
-    steps = [r.step for r in bus.records()]
-    assert steps == list(range(100)) + [1000]
-    assert em.sent + em.dropped == em.emitted == 1001
-    assert bus.records()[-1].scalars["emitter_dropped"] == 900.0  # the service sees the loss
+    recs = bus.records()
+    assert [r.step for r in recs] == list(range(100)) + [1000, 1000]  # ... and the end-of-run marker
+    assert [is_end_marker(r) for r in recs[-2:]] == [False, True]
+    assert em.sent + em.dropped == em.emitted == 1001  # the marker is not a record of the run
+    assert recs[-2].scalars["emitter_dropped"] == 900.0  # the service sees the loss
+    assert recs[-1].scalars["emitter_dropped"] == 900.0
 
 
 def test_emit_never_raises_on_garbage():
@@ -70,7 +73,7 @@ def test_emit_never_raises_on_garbage():
         em.emit(-5, loss=1.0)
         em.emit(4, loss=math.nan)  # non-finite values are data, not errors
         assert em.flush(5)
-    assert [r.step for r in bus.records()] == [4]
+    assert [(r.step, is_end_marker(r)) for r in bus.records()] == [(4, False), (4, True)]
     assert em.invalid == 4
 
 
@@ -121,7 +124,8 @@ def test_file_transport_writes_json_lines(tmp_path):
         for step in range(10):
             em.emit(step, loss=float(step), layers={"q_norm_max": [1.5]})
     lines = path.read_text().splitlines()
-    assert [from_json(line).step for line in lines] == list(range(10))
+    assert [from_json(line).step for line in lines] == list(range(10)) + [9]
+    assert is_end_marker(from_json(lines[-1])) and not is_end_marker(from_json(lines[-2]))
     assert from_json(lines[3]).scalars["loss"] == 3.0
 
 

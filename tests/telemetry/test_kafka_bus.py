@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from sdcwatch.telemetry import Emitter, KafkaTransport, Record, encode
+from sdcwatch.telemetry import Emitter, KafkaTransport, Record, encode, is_end_marker
 from sdcwatch.telemetry.record import encode_batch
 
 pytestmark = pytest.mark.integration
@@ -39,10 +39,13 @@ def test_8_ranks_in_2_processes_80k_records_none_lost_none_invented(bootstrap, u
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         for first in (0, 4)
     ]
-    got, src = consume(bootstrap, unique_topic, 80_000, timeout=180)
+    got, src = consume(bootstrap, unique_topic, 80_008, timeout=180)
     for p in procs:
         out, err = p.communicate(timeout=180)
         assert p.returncode == 0 and out.strip() == "OK", err[-2000:]
+    # each rank's close() adds its end-of-run marker at its last step, after all its records
+    assert sorted((r.rank, r.step) for r in got if is_end_marker(r)) == [(rank, 9_999) for rank in range(8)]
+    got = [r for r in got if not is_end_marker(r)]
     keys = [(r.rank, r.step) for r in got]
     assert len(keys) == 80_000
     assert set(keys) == {(rank, step) for rank in range(8) for step in range(10_000)}

@@ -11,7 +11,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from sdcwatch.core.errors import ConfigError  # noqa: E402
-from sdcwatch.telemetry import LAYER_METRICS, MemoryBus, MemoryTransport, Emitter  # noqa: E402
+from sdcwatch.telemetry import LAYER_METRICS, MemoryBus, MemoryTransport, Emitter, is_end_marker  # noqa: E402
 from sdcwatch.telemetry.fingerprint import fingerprint  # noqa: E402
 from sdcwatch.telemetry.probes import ATTENTION_STATS, attach, attention_stats  # noqa: E402
 from sdcwatch.testbed.model import GPT, GPTConfig  # noqa: E402
@@ -199,7 +199,7 @@ def test_real_emitter_gets_valid_records_on_the_bus():
         watch, _ = _train(GPT(CFG), em, 4)
         watch.close()
     recs = bus.records()
-    assert [r.step for r in recs] == [0, 1, 2, 3]
+    assert [(r.step, is_end_marker(r)) for r in recs] == [(0, False), (1, False), (2, False), (3, False), (3, True)]
     assert {"loss", "grad_norm_local", "grad_norm_global", "grad_cosine", "nonfinite", "step_time"} <= set(recs[0].scalars)
     assert set(recs[0].fingerprints) == {"param_fp", "grad_fp"}
 

@@ -9,7 +9,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from sdcwatch.core.errors import ConfigError  # noqa: E402
-from sdcwatch.telemetry import LAYER_METRICS, MemoryBus, MemoryTransport, Emitter  # noqa: E402
+from sdcwatch.telemetry import LAYER_METRICS, MemoryBus, MemoryTransport, Emitter, is_end_marker  # noqa: E402
 from sdcwatch.telemetry.faults import FaultSpec  # noqa: E402
 from sdcwatch.telemetry.fingerprint import fingerprint  # noqa: E402
 from sdcwatch.testbed.corpus import Corpus  # noqa: E402
@@ -88,7 +88,7 @@ def test_near_inf_outside_the_attention_logits_shows_in_act_max_on_its_rank_only
     run.train(7)
     run.close()
     recs = local.records()
-    at = {(r.step, r.rank): r.scalars["act_max"] for r in recs}
+    at = {(r.step, r.rank): r.scalars["act_max"] for r in recs if not is_end_marker(r)}
     assert at[(5, 2)] >= 1e10
     assert all(at[(5, r)] < 1e10 for r in (0, 1, 3)) and all(at[(4, r)] < 1e10 for r in range(4))
     pipeline = DetectionPipeline()
@@ -104,6 +104,9 @@ def test_every_virtual_rank_reports_every_step_with_all_fields_and_identity():
     losses = run.train(3)
     run.close()
     recs = bus.records()
+    # close() ends each rank with its end-of-run marker at its last step
+    assert sorted((r.step, r.rank) for r in recs if is_end_marker(r)) == [(2, r) for r in range(4)]
+    recs = [r for r in recs if not is_end_marker(r)]
     assert sorted((r.step, r.rank) for r in recs) == [(s, r) for s in range(3) for r in range(4)]
     assert {r.host for r in recs if r.rank in (2, 3)} == {"node1"}
     for r in recs:

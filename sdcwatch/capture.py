@@ -1,0 +1,250 @@
+"""``sdcwatch capture``: one run's telemetry from the bus into the JSON lines ``replay`` and ``report`` read.
+
+It reads the telemetry topic without a consumer group (it commits nothing and takes no partitions
+from the detector service), keeps the records of one run, and writes each as one line of strict
+JSON, the end-of-run markers included. It stops when every rank of the run has sent its marker,
+after ``--idle-timeout`` seconds at the end of the topic without a record of the run, or on
+Ctrl-C / SIGTERM; what was written until then is a complete file. Progress goes to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+from sdcwatch.core.errors import ConfigError, RecordError, TransportError
+from sdcwatch.telemetry.lifecycle import is_end_marker
+from sdcwatch.telemetry.record import Record, decode_message
+from sdcwatch.telemetry.record_json import to_json
+
+__all__ = ["Capture", "KafkaTopicReader", "capture_main"]
+
+
+@dataclass
+class Capture:
+    """Folds bus messages into one run's JSON lines and knows when the run is over."""
+
+    run: str
+    out: TextIO
+    records: int = 0  # records of the run written (markers included)
+    skipped: int = 0  # messages that did not decode (the service dead-letters them)
+    other: int = 0  # records of other runs, passed over
+    first_step: int | None = None
+    last_step: int | None = None
+    world: int = 0
+    ranks: set[int] = field(default_factory=set)
+    ended: set[int] = field(default_factory=set)  # ranks whose end-of-run marker was written
+    end_world: int = 0
+
+    def take(self, values: Iterable[bytes | None]) -> int:
+        """Decode and write the run's records among ``values``; returns how many were written."""
+        lines = []
+        for value in values:
+            try:
+                recs = decode_message(value) if value is not None else None
+            except RecordError:
+                recs = None
+            if recs is None:
+                self.skipped += 1
+                continue
+            for rec in recs:
+                if rec.run != self.run:
+                    self.other += 1
+                    continue
+                lines.append(to_json(rec))
+                self._note(rec)
+        if lines:
+            self.out.write("\n".join(lines) + "\n")
+            self.out.flush()
+        self.records += len(lines)
+        return len(lines)
+
+    def _note(self, rec: Record) -> None:
+        if is_end_marker(rec):
+            if rec.world != self.end_world:
+                self.end_world, self.ended = rec.world, set()
+            self.ended.add(rec.rank)
+            return
+        self.first_step = rec.step if self.first_step is None else min(self.first_step, rec.step)
+        self.last_step = rec.step if self.last_step is None else max(self.last_step, rec.step)
+        self.world = max(self.world, rec.world)
+        self.ranks.add(rec.rank)
+
+    @property
+    def finished(self) -> bool:
+        """Every rank of the run's world sent its end-of-run marker."""
+        return self.end_world > 0 and len(self.ended) >= self.end_world
+
+    def describe(self) -> str:
+        steps = "no steps yet" if self.first_step is None else f"steps {self.first_step}-{self.last_step}"
+        ended = f", {len(self.ended)}/{self.end_world} ranks ended" if self.ended else ""
+        return f"{self.records} records of run {self.run!r} ({steps}, {len(self.ranks)} of {self.world} ranks{ended})"
+
+
+class KafkaTopicReader:
+    """Every partition of one topic, read without a consumer group, from the start or the end.
+
+    Raises :class:`TransportError` naming the address when no broker answers within
+    ``connect_timeout`` seconds.
+    """
+
+    def __init__(self, bootstrap: str, topic: str, *, from_beginning: bool, connect_timeout: float = 10.0,
+                 **security: Any) -> None:
+        from kafka import TopicPartition
+        from kafka.errors import KafkaError
+
+        from sdcwatch.core.kafka import new_consumer
+
+        self.topic = topic
+        self.bootstrap = bootstrap
+        self.from_beginning = from_beginning
+        self._partition = TopicPartition
+        self._parts: list[Any] = []
+        self._existed: bool | None = None  # whether the topic existed at the first look
+        try:
+            self._consumer = new_consumer(bootstrap, security=security, group_id=None, enable_auto_commit=False,
+                                          fetch_max_wait_ms=200, bootstrap_timeout_ms=int(connect_timeout * 1000))
+        except (KafkaError, OSError, ValueError) as exc:
+            raise TransportError(f"cannot reach Kafka at {bootstrap} within {connect_timeout:g} s "
+                                 f"({exc}); check --bus-bootstrap / SDCWATCH_BOOTSTRAP "
+                                 f"and that the broker is running") from None
+
+    def assign(self) -> bool:
+        """Take every partition of the topic once it exists; False while it does not."""
+        if self._parts:
+            return True
+        parts = self._consumer.partitions_for_topic(self.topic)
+        if self._existed is None:
+            self._existed = bool(parts)
+        if not parts:
+            return False
+        self._parts = [self._partition(self.topic, p) for p in sorted(parts)]
+        self._consumer.assign(self._parts)
+        if self.from_beginning or not self._existed:  # a topic that appeared since holds only new records
+            self._consumer.seek_to_beginning(*self._parts)
+        else:
+            self._consumer.seek_to_end(*self._parts)
+            for tp in self._parts:  # resolve the positions now: records sent from here on are captured
+                self._consumer.position(tp)
+        return True
+
+    def poll(self, timeout: float) -> list[bytes | None]:
+        if not self.assign():
+            time.sleep(timeout)
+            return []
+        batches = self._consumer.poll(timeout_ms=int(timeout * 1000), max_records=10_000)
+        return [m.value for msgs in batches.values() for m in msgs]
+
+    def at_end(self) -> bool:
+        """Whether everything on the topic so far has been read."""
+        if not self._parts:
+            return True
+        ends = self._consumer.end_offsets(self._parts)
+        return all(self._consumer.position(tp) >= ends[tp] for tp in self._parts)
+
+    def close(self) -> None:
+        self._consumer.close()
+
+
+def capture(reader: Any, cap: Capture, *, idle_timeout: float, stop: threading.Event,
+            progress: Callable[[str], None] = lambda s: None, progress_every: float = 2.0,
+            clock: Callable[[], float] = time.monotonic) -> str:
+    """Read until the run ends, ``idle_timeout`` passes at the end of the topic without a record
+    of the run (0: never), or ``stop`` is set. Returns why it stopped."""
+    last_record = last_progress = clock()
+    while True:
+        if stop.is_set():
+            return "interrupted"
+        if cap.take(reader.poll(0.5)):
+            last_record = clock()
+        if cap.finished:
+            return "the run ended (every rank sent its end-of-run marker)"
+        now = clock()
+        if idle_timeout and now - last_record >= idle_timeout:
+            if reader.at_end():
+                return f"no record of the run for {idle_timeout:g} s"
+            last_record = now - idle_timeout / 2  # still reading a backlog of other runs: look again soon
+        if now - last_progress >= progress_every:
+            last_progress = now
+            progress(cap.describe())
+
+
+def capture_main(argv: Sequence[str]) -> int:
+    """``sdcwatch capture --run NAME -o FILE``; returns the exit code (0 done, 2 bad input)."""
+    from sdcwatch.config import load_config
+
+    parser = argparse.ArgumentParser(
+        prog="sdcwatch capture",
+        description="Write one run's telemetry from the bus as JSON lines, for 'sdcwatch replay' and "
+                    "'sdcwatch report'. The broker and topic come from flags, the environment "
+                    "(SDCWATCH_BOOTSTRAP, SDCWATCH_BUS_*) or the serve configuration file, as for "
+                    "'sdcwatch serve'. Stops when every rank sent its end-of-run marker, after "
+                    "--idle-timeout, or on Ctrl-C.")
+    parser.add_argument("--run", required=True, help="the run to capture (the emitters' SDCWATCH_RUN)")
+    parser.add_argument("-o", "--output", required=True, metavar="FILE", help="JSON-lines file to write")
+    parser.add_argument("--from-beginning", action="store_true",
+                        help="read the topic from its first record (default: only records sent from now on)")
+    parser.add_argument("--idle-timeout", type=float, default=60.0, metavar="SECONDS",
+                        help="stop after this long without a record of the run, once the topic is read to "
+                             "its end; 0 waits for the end marker or Ctrl-C (default %(default)s)")
+    parser.add_argument("--connect-timeout", type=float, default=10.0, metavar="SECONDS",
+                        help="how long to wait for the broker to answer (default %(default)s)")
+    parser.add_argument("--force", action="store_true", help="overwrite FILE if it exists")
+    parser.add_argument("--bus-bootstrap", "--bootstrap", dest="bootstrap", metavar="HOST:PORT",
+                        help="Kafka bootstrap servers [SDCWATCH_BOOTSTRAP; default: the serve configuration's]")
+    parser.add_argument("--bus-telemetry-topic", "--topic", dest="topic", metavar="TOPIC",
+                        help="telemetry topic [SDCWATCH_BUS_TELEMETRY_TOPIC; default sdcwatch.telemetry]")
+    parser.add_argument("--config", metavar="PATH", help="serve configuration file (TOML) for the bus settings")
+    args = parser.parse_args(argv)
+    if args.idle_timeout < 0:
+        raise ConfigError("--idle-timeout", f"must be >= 0 seconds, got {args.idle_timeout:g}")
+    if args.connect_timeout <= 0:
+        raise ConfigError("--connect-timeout", f"must be > 0 seconds, got {args.connect_timeout:g}")
+    out_path = Path(args.output)
+    if out_path.exists() and not args.force:
+        raise ConfigError("--output", f"{out_path} exists; pass --force to overwrite it")
+    cfg = load_config(args.config, overrides={"bus.bootstrap": args.bootstrap, "bus.telemetry_topic": args.topic})
+    bus = cfg.bus
+
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: Any) -> None:
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+
+    def say(text: str) -> None:
+        print(f"sdcwatch capture: {text}", file=sys.stderr, flush=True)
+
+    reader = KafkaTopicReader(bus.bootstrap, bus.telemetry_topic, from_beginning=args.from_beginning,
+                              connect_timeout=args.connect_timeout, **bus.security)
+    try:
+        out_path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            fh = open(out_path, "w", encoding="utf-8")  # noqa: SIM115 (closed by the with below)
+        except OSError as exc:
+            raise ConfigError("--output", f"cannot write {out_path}: {exc.strerror or exc}") from None
+        with fh:
+            cap = Capture(args.run, fh)
+            start = "the beginning" if args.from_beginning else "now on"
+            if not reader.assign():
+                say(f"topic {bus.telemetry_topic} does not exist on {bus.bootstrap} yet: waiting for it")
+            say(f"reading {bus.telemetry_topic} on {bus.bootstrap} from {start} for run {args.run!r} "
+                f"into {out_path} (Ctrl-C to stop)")
+            why = capture(reader, cap, idle_timeout=args.idle_timeout, stop=stop, progress=say)
+    finally:
+        reader.close()
+    skipped = f"; {cap.skipped} undecodable messages skipped" if cap.skipped else ""
+    say(f"wrote {cap.describe()} to {out_path}; stopped: {why}{skipped}")
+    if cap.records == 0:
+        say(f"no record of run {args.run!r} was seen" + ("" if args.from_beginning else
+            " (records sent before the capture started need --from-beginning)"))
+    return 0

@@ -1,0 +1,245 @@
+"""`sdcwatch capture`: one run from the telemetry topic into the JSON lines replay and report read."""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import re
+import subprocess
+import sys
+import threading
+import time
+import uuid
+
+import pytest
+from sdcwatch.telemetry import Record, end_marker, from_json, is_end_marker, to_json
+from sdcwatch.telemetry.record import encode, encode_batch
+
+from sdcwatch.capture import Capture, capture
+
+
+def rec(run: str, step: int, rank: int, world: int = 2, **scalars) -> Record:
+    return Record.make(run=run, step=step, rank=rank, world=world, host="h", time=1e9 + step,
+                       scalars=scalars or {"loss": 2.0})
+
+
+class ListReader:
+    """A test double of the topic reader: hands out prepared polls, then nothing."""
+
+    def __init__(self, polls) -> None:
+        self.polls = list(polls)
+        self.at_end_calls = 0
+
+    def poll(self, timeout: float):
+        return self.polls.pop(0) if self.polls else []
+
+    def at_end(self) -> bool:
+        self.at_end_calls += 1
+        return not self.polls
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        self.t += 0.5  # every look at the clock is half a poll later
+        return self.t
+
+
+def test_capture_keeps_one_run_with_its_markers_and_stops_when_every_rank_ended():
+    out = io.StringIO()
+    cap = Capture("a", out)
+    polls = [
+        [encode_batch([rec("a", 0, 0), rec("a", 0, 1), rec("b", 0, 0, world=1)]), b"garbage", None],
+        [encode(rec("a", 1, 0, loss=math.nan)), encode(rec("a", 1, 1))],
+        [encode(end_marker("a", 1, 0, 2))],
+        [encode(end_marker("a", 1, 1, 2))],
+        [encode(rec("a", 2, 0))],  # never read: the run ended before
+    ]
+    reader = ListReader(polls)
+    why = capture(reader, cap, idle_timeout=60, stop=threading.Event(), clock=FakeClock())
+    assert why.startswith("the run ended")
+    lines = out.getvalue().splitlines()
+    recs = [from_json(line) for line in lines]
+    assert [(r.step, r.rank, is_end_marker(r)) for r in recs] == [
+        (0, 0, False), (0, 1, False), (1, 0, False), (1, 1, False), (1, 0, True), (1, 1, True)]
+    assert math.isnan(recs[2].scalars["loss"])  # strict JSON keeps the NaN
+    assert all(json.loads(line)["run"] == "a" for line in lines)
+    assert (cap.records, cap.skipped, cap.other) == (6, 2, 1)
+    assert cap.describe() == "6 records of run 'a' (steps 0-1, 2 of 2 ranks, 2/2 ranks ended)"
+    assert len(reader.polls) == 1
+
+
+def test_capture_stops_when_idle_only_once_the_topic_is_read_to_its_end():
+    cap = Capture("a", io.StringIO())
+    # a backlog of another run's records: idle for the run, but not at the end of the topic
+    reader = ListReader([[encode(rec("b", s, 0, world=1))] for s in range(200)])
+    clock = FakeClock()
+    why = capture(reader, cap, idle_timeout=10, stop=threading.Event(), clock=clock)
+    assert why == "no record of the run for 10 s"
+    assert reader.polls == [] and cap.other == 200 and cap.records == 0
+    assert reader.at_end_calls > 1  # it looked, found a backlog, and read on
+
+
+def test_capture_stops_on_request_and_reports_progress():
+    stop = threading.Event()
+    cap = Capture("a", io.StringIO())
+    said = []
+
+    class Reader(ListReader):
+        def poll(self, timeout):
+            if len(said) >= 2:
+                stop.set()
+            return [encode(rec("a", len(said), 0))]
+
+    why = capture(Reader([]), cap, idle_timeout=0, stop=stop, progress=said.append, progress_every=1.0,
+                  clock=FakeClock())
+    assert why == "interrupted"
+    assert said == [f"{n} records of run 'a' (steps 0-{n - 1}, 1 of 2 ranks)" for n in (1, 2, 3)]
+    assert cap.records == 3  # what was read before the stop is written
+
+
+def test_capture_refuses_to_overwrite_and_checks_its_options(tmp_path):
+    existing = tmp_path / "x.jsonl"
+    existing.write_text("keep me\n")
+    for extra, needle in (([], "exists; pass --force"), (["--idle-timeout", "-1", "--force"], "--idle-timeout")):
+        out = subprocess.run([sys.executable, "-m", "sdcwatch.cli", "capture", "--run", "r", "-o", str(existing),
+                              *extra], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 2 and needle in out.stderr, out.stderr
+    assert existing.read_text() == "keep me\n"
+
+
+def test_the_report_reads_a_captured_file_and_skips_the_end_markers(tmp_path):
+    from sdcwatch.report.data import load_records
+
+    path = tmp_path / "run.jsonl"
+    records = [rec("a", s, r, loss=2.0 + s) for s in range(3) for r in range(2)]
+    path.write_text("".join(to_json(r) + "\n" for r in [*records, end_marker("a", 2, 0, 2), end_marker("a", 2, 1, 2)]))
+    data = load_records(path)
+    assert data.records == 6 and data.duplicates == 0 and data.steps.tolist() == [0, 1, 2]
+    assert data.scalars["loss"][-1].tolist() == [4.0, 4.0]  # the marker at step 2 did not replace the step
+
+
+@pytest.mark.integration
+def test_capture_stops_cleanly_on_ctrl_c(bootstrap, tmp_path):
+    import signal
+
+    from sdcwatch.telemetry.transports import ensure_topic
+
+    topic = f"tel.{uuid.uuid4().hex[:8]}"
+    ensure_topic(bootstrap, topic, 4)
+    out_file = tmp_path / "none.jsonl"
+    proc = subprocess.Popen([sys.executable, "-m", "sdcwatch.cli", "capture", "--run", "never", "-o", str(out_file),
+                             "--bus-bootstrap", bootstrap, "--bus-telemetry-topic", topic, "--idle-timeout", "0"],
+                            stderr=subprocess.PIPE, text=True)
+    assert proc.stderr.readline().startswith("sdcwatch capture: reading")
+    proc.send_signal(signal.SIGINT)
+    err = proc.communicate(timeout=60)[1]
+    assert proc.returncode == 0, err
+    assert "stopped: interrupted" in err and "no record of run 'never' was seen" in err and "--from-beginning" in err
+    assert out_file.read_text() == ""
+
+
+@pytest.mark.integration
+def test_capture_names_an_unreachable_broker(tmp_path):
+    from sdcwatch.broker import free_port
+
+    address = f"127.0.0.1:{free_port()}"
+    t0 = time.monotonic()
+    out = subprocess.run([sys.executable, "-m", "sdcwatch.cli", "capture", "--run", "r", "-o", str(tmp_path / "o.jsonl"),
+                          "--connect-timeout", "2"], capture_output=True, text=True, timeout=60,
+                         env={**__import__("os").environ, "SDCWATCH_BOOTSTRAP": address})
+    assert out.returncode == 2
+    assert f"cannot reach Kafka at {address}" in out.stderr and "SDCWATCH_BOOTSTRAP" in out.stderr
+    assert "Traceback" not in out.stderr
+    assert time.monotonic() - t0 < 30
+    assert not (tmp_path / "o.jsonl").exists()
+
+
+@pytest.mark.integration
+def test_capture_then_replay_gives_the_incidents_the_service_raised(bootstrap, tmp_path):
+    """A live capture started before the run and one from the beginning after it both stop at the
+    end markers with the same records; replaying the file raises the service's incidents."""
+    torch = pytest.importorskip("torch")
+    from sdcwatch.telemetry import Emitter, KafkaTransport
+    from sdcwatch.telemetry.faults import FaultSpec
+    from sdcwatch.testbed.simulated import SimulatedRun
+    from sdcwatch.telemetry.transports import ensure_topic
+    from test_serve import peek_anomalies, start_serve, wait_banner, wait_until
+    from test_serve import stop as stop_serve
+
+    from sdcwatch.broker import free_port
+
+    torch.set_num_threads(1)
+    tag = uuid.uuid4().hex[:8]
+    topics = {"telemetry": f"tel.{tag}", "anomalies": f"anom.{tag}", "dead": f"dead.{tag}"}
+    run_name = f"cap-{tag}"
+    world, nan_step, steps = 4, 30, 45
+    serve = start_serve(bootstrap, topics, tmp_path / "state", f"g-{tag}", ["--metrics-port", str(free_port())])
+    wait_banner(serve)
+    live_file = tmp_path / "live.jsonl"
+    cmd = [sys.executable, "-m", "sdcwatch.cli", "capture", "--run", run_name, "--bus-bootstrap", bootstrap,
+           "--bus-telemetry-topic", topics["telemetry"], "--idle-timeout", "120"]
+    ensure_topic(bootstrap, topics["telemetry"], 4)  # an older run's topic: the capture starts at its end
+    live = subprocess.Popen([*cmd, "-o", str(live_file)], stderr=subprocess.PIPE, text=True)
+    assert live.stderr.readline().startswith("sdcwatch capture: reading")  # positions taken: from here on
+    # another run on the same topic, which the capture must pass over
+    other = Emitter(KafkaTransport(bootstrap, topics["telemetry"]), run=f"other-{tag}", rank=0, world=1)
+    other.emit(0, loss=1.0)
+    other.close()
+    fault = FaultSpec.from_dict({"kind": "nan", "rank": 2, "step": nan_step, "duration": 1,
+                                 "target": "blocks.0.attn.scores", "where": "output", "seed": 1})
+    run = SimulatedRun(world=world, seed=3, faults=[fault], batch_size=4,
+                       emitter_factory=lambda rank: Emitter(KafkaTransport(bootstrap, topics["telemetry"]),
+                                                            run=run_name, rank=rank, world=world, host=f"h{rank}"))
+    run.train(steps)
+    run.close()  # the emitters send their end-of-run markers
+    assert all(em.ended for em in run.emitters)
+    live_err = live.communicate(timeout=120)[1]
+    assert live.returncode == 0, live_err
+    assert "stopped: the run ended" in live_err and f"{steps * world + world} records of run" in live_err
+
+    after_file = tmp_path / "after.jsonl"
+    out = subprocess.run([*cmd, "--from-beginning", "-o", str(after_file)], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0 and "stopped: the run ended" in out.stderr, out.stderr
+    assert sorted(after_file.read_text().splitlines()) == sorted(live_file.read_text().splitlines())
+    recs = [from_json(line) for line in live_file.read_text().splitlines()]
+    assert {r.run for r in recs} == {run_name} and sum(map(is_end_marker, recs)) == world
+    assert sorted((r.step, r.rank) for r in recs if not is_end_marker(r)) == [
+        (s, r) for s in range(steps) for r in range(world)]
+
+    def service_incidents():
+        """The latest state of each incident the service published."""
+        latest = {}
+        for e in peek_anomalies(bootstrap, topics["anomalies"]):
+            latest[e["id"]] = e
+        return latest
+
+    wait_until(lambda: any(e["kind"] == "nonfinite" for e in service_incidents().values()), 60,
+               "the service's incident")
+    # the finished run is closed: every incident it opened is resolved
+    wait_until(lambda: all(e["change"] == "resolved" for e in service_incidents().values()), 60,
+               "the service to close the finished run")
+    stop_serve(serve)
+    replayed = subprocess.run([sys.executable, "-m", "sdcwatch.cli", "replay", str(live_file), "--json"],
+                              capture_output=True, text=True, timeout=120)
+    assert replayed.returncode == 0, replayed.stderr
+    offline = [json.loads(line) for line in replayed.stdout.splitlines()]
+
+    def key(e):
+        return (e["id"], e["kind"], e["first_step"], e["peak_step"], tuple(e["ranks"]), e["metric"], e["layer"])
+
+    assert sorted(map(key, offline)) == sorted(map(key, service_incidents().values()))
+    (nonfinite,) = [e for e in offline if e["kind"] == "nonfinite"]
+    assert nonfinite["first_step"] == nan_step and nonfinite["ranks"] == [2]
+    assert re.search(r"\bsteps 0-44\b", live_err)
+    incidents = tmp_path / "incidents.jsonl"
+    incidents.write_text(replayed.stdout)
+    page = tmp_path / "report.html"
+    report = subprocess.run([sys.executable, "-m", "sdcwatch.cli", "report", str(live_file), "--incidents",
+                             str(incidents), "-o", str(page)], capture_output=True, text=True, timeout=180)
+    assert report.returncode == 0, report.stderr
+    assert run_name in page.read_text()
