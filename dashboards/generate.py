@@ -177,7 +177,7 @@ def build_dashboard() -> dash.Dashboard:
         table.Panel().title("Open incidents")
         .description("One row per open incident: where (rank, host, layer, metric), since which step, and "
                      "the detector's score.")
-        .datasource(DS).grid_pos(GridPos(h=8, w=24, x=0, y=y))
+        .datasource(DS).grid_pos(GridPos(h=8, w=16, x=0, y=y))
         .with_target(_q(f"sdcwatch_incident_first_step{{{RUN}}} * on (run, id) group_left ({labels}) {info}",
                         ref="A", instant=True, table_format=True))
         .with_target(_q(f"sdcwatch_incident_score{{{RUN}}} * on (run, id) group_left () {info}",
@@ -188,6 +188,11 @@ def build_dashboard() -> dash.Dashboard:
             "renameByName": {"Value #A": "first step", "Value #B": "score"},
         }))
     )
+    d = d.with_panel(_ts("Guard actions", "Steps at which the training job's guard skipped an update, reran a "
+                         "step, rolled back or evicted a rank, per interval (each is also an incident "
+                         "guard_<action>).", GridPos(h=8, w=8, x=16, y=y),
+                         _q("sum by (action) (increase(sdcwatch_guard_actions_total[$__rate_interval]))",
+                            "{{action}}")))
     y += 8
 
     d = d.with_row(dash.Row("Pipeline").grid_pos(GridPos(h=1, w=24, x=0, y=y)))

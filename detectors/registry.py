@@ -24,6 +24,7 @@ _MODULES = (
     "sdcwatch.detectors.rank_outlier",
     "sdcwatch.detectors.replica",
     "sdcwatch.detectors.straggler",
+    "sdcwatch.detectors.guard_actions",
     "sdcwatch.detectors.baselines.rules",
     "sdcwatch.detectors.baselines.river_hst",
 )

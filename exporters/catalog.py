@@ -60,6 +60,9 @@ METRICS: tuple[MetricSpec, ...] = (
        "Current spike score of a global metric against its robust trend-aware baseline."),
     _m("sdcwatch_detector_findings_total", "counter", ("detector", "kind"),
        "Findings produced by each detector, by kind."),
+    # the training job's guard, as its records report it
+    _m("sdcwatch_guard_actions_total", "counter", ("action",),
+       "Steps at which a training job's guard acted: skip, rerun, rollback or evict."),
     # ranks: per-rank only for the top-K outliers and ranks in open incidents
     _m("sdcwatch_rank_outlier_score", "gauge", ("run", "rank", "host"),
        "Accumulated rank-outlier evidence of a rank; exported for the top-K ranks and every "

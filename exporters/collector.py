@@ -21,6 +21,7 @@ import numpy as np
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from sdcwatch.detectors.guard_actions import GuardActionDetector, action_of
 from sdcwatch.detectors.types import Incident, RunView, ServiceView
 from sdcwatch.core.errors import ConfigError
 
@@ -197,6 +198,9 @@ class SdcwatchCollector(Collector):
 
         for (detector, kind), count in sorted(view.findings_total.items()):
             add("sdcwatch_detector_findings_total", [detector, kind], count)
+            action = action_of(kind) if detector == GuardActionDetector.name else None
+            if action is not None:
+                add("sdcwatch_guard_actions_total", [action], count)
 
         p = view.pipeline
         add("sdcwatch_pipeline_records_total", [], p.records_total)

@@ -87,6 +87,8 @@ def _campaign_parser() -> argparse.ArgumentParser:
     ap.add_argument("--detectors", nargs="+", help="detectors to score (default: sdcwatch and every baseline)")
     ap.add_argument("--out", help="write the JSON result here")
     ap.add_argument("--quick", action="store_true", help="CI size: 3 trials on 4 ranks")
+    ap.add_argument("--guard", action="store_true",
+                    help="also run every trial guarded (the clean twin too) and measure the damage the guard saves")
     return ap
 
 
@@ -117,11 +119,16 @@ def campaign_main(argv: Sequence[str]) -> dict:
         from sdcwatch.telemetry.faults import load_faults
 
         faults = load_faults(args.faults)
-    result = run_campaign(config, faults, detectors=args.detectors)
+    result = run_campaign(config, faults, detectors=args.detectors, guard=args.guard)
     result["machine"] = machine()
     result["command"] = "sdcwatch bench campaign " + " ".join(argv)
     _write(args.out, result)
     print(summary_table(result))
+    if args.guard:
+        from sdcwatch.testbed.guard_campaign import guard_table
+
+        print()
+        print(guard_table(result))
     return result
 
 

@@ -106,6 +106,10 @@ class DemoResult:
     records: str | None = None
     false_alarms: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
+    guard: bool = False
+    guard_actions: list[dict[str, Any]] = field(default_factory=list)
+    """With ``guard``: every step at which the guard acted, ``{step, action, ranks, reason}`` (and more)."""
+    final_loss: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -127,6 +131,9 @@ class DemoResult:
             "metrics_url": self.metrics_url,
             "report": self.report,
             "records": self.records,
+            "guard": self.guard,
+            "guard_actions": self.guard_actions,
+            "final_loss": self.final_loss,
         }
 
 
@@ -247,12 +254,13 @@ def run_demo(
     progress: TextIO = sys.stderr,
     quiet: bool = False,
     progress_every: int = 10,
+    guard: bool = False,
 ) -> DemoResult:
     """Run the demo end to end and return what happened (the CLI prints it)."""
     import torch
 
     from sdcwatch.broker import EmbeddedBroker
-    from sdcwatch.config import AlertsConfig, BusConfig, MetricsConfig, ServeConfig, StateConfig
+    from sdcwatch.config import AlertsConfig, BusConfig, GuardPolicyConfig, MetricsConfig, ServeConfig, StateConfig
     from sdcwatch.serve import build_service
     from sdcwatch.telemetry import Emitter, KafkaTransport
     from sdcwatch.telemetry.faults import FaultSpec
@@ -286,7 +294,8 @@ def run_demo(
         if not quiet:
             print(msg, file=progress, flush=True)
 
-    say(f"sdcwatch demo: {ranks} simulated ranks, {steps} steps, fault: {fault} ({description})")
+    say(f"sdcwatch demo: {ranks} simulated ranks, {steps} steps, fault: {fault} ({description})"
+        + ("; guard on (skip, rerun, roll back, evict)" if guard else ""))
     if faults:
         where = f"rank {injected_rank}" if injected_rank is not None else "all ranks"
         say(f"  injecting at step {injected_step} on {where}")
@@ -296,13 +305,20 @@ def run_demo(
         cfg = ServeConfig(bus=BusConfig(bootstrap=broker.bootstrap, group=f"sdcwatch-demo-{os.getpid()}"),
                           metrics=MetricsConfig(address="127.0.0.1", port=_pick_metrics_port(metrics_port)),
                           alerts=AlertsConfig(log=False),  # the demo prints each change itself
-                          state=StateConfig(dir=out / "state", snapshot_interval_s=5.0))
+                          state=StateConfig(dir=out / "state", snapshot_interval_s=5.0),
+                          # with --guard, the loop: incidents -> decisions on sdcwatch.control -> the job's guard
+                          guard=GuardPolicyConfig(actions=guard))
         events = _EventLog(progress, quiet)
         service, metrics = build_service(cfg, extra_sinks=[events],
                                          wrap_source=lambda source: _CapturingSource(source, records_path))
         source, pipeline = service.source, service.pipeline
         pipeline.book.history = []  # keep every incident, in its latest state, for the summary
         metrics.start()
+        control = None
+        if guard:
+            from sdcwatch.telemetry.control import KafkaControl
+
+            control = KafkaControl(broker.bootstrap, run_id)
         say(f"  metrics: {metrics.url}  (point Prometheus here; Grafana dashboard in dashboards/)")
         stop = threading.Event()
         service_thread = threading.Thread(target=service.run_forever, args=(stop,), name="sdcwatch-service", daemon=True)
@@ -317,20 +333,46 @@ def run_demo(
 
         fault_wall: list[float] = []
         t_train = time.monotonic()
+        told = [0]
 
         def on_step(step: int, run: Any) -> None:
             if injected_step is not None and step == injected_step:
                 fault_wall.append(time.time())
+            if run.guard is not None:
+                for act in run.guard.actions[told[0]:]:
+                    if act.action != "none":
+                        say(f"  GUARD  [{act.action}] {act.message}")
+                told[0] = len(run.guard.actions)
             if step % progress_every == 0 or step == steps - 1:
                 n_open = sum(1 for i in events.incidents() if i.open)
                 loss = run.history[-1] if run.history else math.nan
                 rate = (step + 1) / max(1e-9, time.monotonic() - t_train)
                 say(f"  step {step:4d}/{steps}  loss {loss:6.3f}  open incidents {n_open}  ({rate:.1f} steps/s)")
 
-        run = SimulatedRun(world=ranks, seed=seed, faults=faults, emitter_factory=factory)
+        from sdcwatch.telemetry.guard_config import GuardConfig, GuardEviction
+
+        guard_config = GuardConfig(mode="act") if guard else None
+        if guard and not quiet:  # the demo prints each action itself
+            logging.getLogger("sdcwatch.guard").setLevel(logging.ERROR)
+        run = SimulatedRun(world=ranks, seed=seed, faults=faults, emitter_factory=factory, guard=guard_config,
+                           control=control)
         try:
-            run.train(steps, on_step=on_step)
+            while run.step < steps:
+                try:
+                    run.train(steps - run.step, on_step=on_step)
+                except GuardEviction as ev:  # what a launcher does: restart without that node
+                    say(f"  GUARD  [evict] {ev.message}")
+                    run.replace_ranks(ev.ranks)
+                    pos = run.guard.restore(ev.since_step, ev.ranks)
+                    if pos is not None:
+                        run.data_pos = pos
+                    say(f"  (restarted with healthy hardware for rank(s) {', '.join(map(str, ev.ranks))}, from the "
+                        f"snapshot before step {ev.since_step}; data position {run.data_pos})")
+                    told[0] = len(run.guard.actions)
+            final_loss = run.history[-1] if run.history else None
         finally:
+            if control is not None:
+                control.close()
             run.close()  # emits the last step's telemetry (probes are read one step late)
             for em in emitters:
                 em.close(timeout=30)
@@ -380,6 +422,10 @@ def run_demo(
         metrics_url=metrics.url,
         records=str(records_path),
         false_alarms=false_alarms,
+        guard=guard,
+        guard_actions=[a.to_dict() for a in run.guard.actions if a.action != "none"] if run.guard is not None else [],
+        final_loss=final_loss if final_loss is None or math.isfinite(final_loss) else (
+            "NaN" if math.isnan(final_loss) else "Infinity"),
     )
     try:
         from sdcwatch.report import write_report
@@ -417,6 +463,13 @@ def format_summary(r: DemoResult) -> str:
     for inc in r.incidents:
         ranks = f" ranks {inc['ranks']}" if inc["ranks"] else ""
         lines.append(f"  - [{inc['severity']}] {inc['kind']} steps {inc['first_step']}-{inc['last_step']}{ranks}: {inc['message']}")
+    if r.guard:
+        lines.append(f"guard:      {len(r.guard_actions)} action(s)" + ("" if r.guard_actions else " (nothing to do)"))
+        for a in r.guard_actions:
+            ranks = f" ranks {a['ranks']}" if a["ranks"] else ""
+            lines.append(f"  - step {a['step']}: {a['action']}{ranks} ({a['reason']}"
+                         + (f", rerun verdict {a['verdict']}" if a.get("verdict") else "") + ")")
+    lines.append(f"final loss: {r.final_loss}")
     if r.report:
         lines.append(f"report:     {r.report}")
     lines.append(f"records:    {r.records}")
@@ -441,6 +494,8 @@ def demo_main(argv: Sequence[str]) -> int:
     parser.add_argument("--report", default=None, metavar="PATH", help="where to write the HTML report")
     parser.add_argument("--out-dir", default=None, metavar="DIR", help="folder for records, incidents and state")
     parser.add_argument("--metrics-port", type=int, default=0, help="port for /metrics (default 9400, or a free one)")
+    parser.add_argument("--guard", action="store_true",
+                        help="guard the training: skip, rerun, roll back or evict on a detection, and show it")
     parser.add_argument("--json", action="store_true", help="print the summary as one JSON object on stdout")
     parser.add_argument("--list-presets", action="store_true", help="list the fault presets and exit")
     args = parser.parse_args(argv)
@@ -450,7 +505,7 @@ def demo_main(argv: Sequence[str]) -> int:
         return 0
     result = run_demo(fault=args.fault, ranks=args.ranks, steps=args.steps, seed=args.seed, fault_rank=args.fault_rank,
                       fault_step=args.fault_step, report=args.report, out_dir=args.out_dir,
-                      metrics_port=args.metrics_port, quiet=False)
+                      metrics_port=args.metrics_port, quiet=False, guard=args.guard)
     if args.json:
         print(json.dumps(result.to_dict(), allow_nan=False))
     else:

@@ -74,6 +74,11 @@ def build_service(cfg: ServeConfig, *, sinks: Sequence[Any] | None = None, extra
             chosen.append(WebhookSink(cfg.alerts.webhook_url, timeout=cfg.alerts.timeout_s))
         if cfg.alerts.log:
             chosen.append(LogSink())
+        if cfg.guard.actions:  # the loop back to the training jobs' guards
+            from sdcwatch.detectors.control import ControlTopicSink
+
+            chosen.append(ControlTopicSink.to_kafka(cfg.bus.bootstrap, cfg.bus.control_topic,
+                                                    policy=cfg.guard.policy(), **security))
     service = DetectorService(source, pipeline, sinks=[*chosen, *extra_sinks], summary_sink=summary_sink,
                               state_dir=cfg.state.dir, snapshot_every=cfg.state.snapshot_interval_s,
                               poll_timeout=poll_timeout, resumed=resumed)

@@ -1,5 +1,5 @@
-"""In-rank telemetry: the wire record, the emitter and its transports, torch probes and the fault
-injector (the reference training run is in :mod:`sdcwatch.testbed`).
+"""In-rank telemetry: the wire record, the emitter and its transports, torch probes, the guard and
+the fault injector (the reference training run is in :mod:`sdcwatch.testbed`).
 
 Importing this package is cheap: torch and kafka-python are imported only when a name that
 needs them is first used (``attach``, ``FaultInjector``, ``KafkaTransport``'s first send ...).
@@ -35,6 +35,15 @@ _LAZY = {
     "FaultInjector": "sdcwatch.telemetry.faults",
     "load_faults": "sdcwatch.telemetry.faultspec",
     "parse_faults": "sdcwatch.telemetry.faultspec",
+    # the guard and its control decisions import no torch, but stay off the emitter's import path
+    "Guard": "sdcwatch.telemetry.guard",
+    "GuardConfig": "sdcwatch.telemetry.guard_config",
+    "GuardEviction": "sdcwatch.telemetry.guard_config",
+    "GuardOutcome": "sdcwatch.telemetry.guard_config",
+    "EXIT_CODE_EVICT": "sdcwatch.telemetry.guard_config",
+    "Decision": "sdcwatch.telemetry.control",
+    "KafkaControl": "sdcwatch.telemetry.control",
+    "MemoryControl": "sdcwatch.telemetry.control",
 }
 
 __all__ = [

@@ -284,14 +284,14 @@ def _flat_params(run: Any) -> list[Any]:
     return [torch.cat([p.reshape(-1) for p in run.replica_parameters(r)]) for r in range(run.world)]
 
 
-def _new_run(config: CampaignConfig, faults: Sequence[Any], records: list, run_id: str) -> Any:
+def _new_run(config: CampaignConfig, faults: Sequence[Any], records: list, run_id: str, guard: Any = None) -> Any:
     from sdcwatch.testbed.simulated import SimulatedRun
 
     def factory(rank: int, host: str = "") -> RecordCollector:
         return RecordCollector(records, run=run_id, rank=rank, world=config.world, host=host)
 
     return SimulatedRun(config.world, seed=config.seed, faults=faults, emitter_factory=factory,
-                        batch_size=config.batch_size)
+                        batch_size=config.batch_size, guard=guard)
 
 
 def run_branch(config: CampaignConfig, checkpoint: Path, faults: Sequence[Any], data_seed: int,
@@ -467,8 +467,12 @@ def _progress(msg: str, stream: Any = None) -> None:
 
 def run_campaign(config: CampaignConfig, faults: Sequence[Any] | None = None, *,
                  detectors: Iterable[str] | None = None, workdir: str | Path | None = None,
-                 progress: Callable[[str], None] | None = _progress) -> dict[str, Any]:
-    """Run the whole campaign; returns the JSON-ready result (``config``, ``checkpoint``, ``trials``, ``summary``)."""
+                 progress: Callable[[str], None] | None = _progress, guard: bool = False) -> dict[str, Any]:
+    """Run the whole campaign; returns the JSON-ready result (``config``, ``checkpoint``, ``trials``, ``summary``).
+
+    With ``guard``, every trial runs three ways (see :mod:`sdcwatch.testbed.guard_campaign`): the clean twin
+    and a third branch run guarded, and the result gains ``guard_summary`` and ``guard_targets``.
+    """
     import torch
 
     torch.set_num_threads(1)
@@ -482,7 +486,8 @@ def run_campaign(config: CampaignConfig, faults: Sequence[Any] | None = None, *,
         say(f"campaign: training {config.world} simulated ranks for {config.pretrain_steps} steps to the checkpoint")
         t0 = time.perf_counter()
         records: list = []
-        run = _new_run(config, (), records, "campaign")
+        # with the guard, the checkpoint carries its baselines (learnt in report mode: nothing changes)
+        run = _new_run(config, (), records, "campaign", guard=_report_guard() if guard else None)
         try:
             pre_losses = run.train(config.pretrain_steps)
             run.save_checkpoint(ckpt)  # flushes the last record
@@ -495,14 +500,24 @@ def run_campaign(config: CampaignConfig, faults: Sequence[Any] | None = None, *,
                       "loss_first": pre_losses[0], "loss_last": pre_losses[-1],
                       "alarms_during_warmup": warm_alarms}
         say(f"campaign: checkpoint at step {config.pretrain_steps} (loss {pre_losses[-1]:.3f}) in "
-            f"{checkpoint['seconds']:.0f}s; {len(trials)} trials of {config.branch_steps} steps x 2 branches")
+            f"{checkpoint['seconds']:.0f}s; {len(trials)} trials of {config.branch_steps} steps x {3 if guard else 2} "
+            f"branches")
+        loop = None
+        if guard:
+            from sdcwatch.testbed import guard_campaign
+
+            loop = _SdcwatchRunner()  # the service in the loop of the guarded branches, warmed up like the others
+            _alarms(loop, pre_frames)
 
         results = []
         t_trials = time.perf_counter()
         for i, trial in enumerate(trials):
             fault = replace(trial.fault, step=trial.fault.step + config.pretrain_steps)
             faulted = run_branch(config, ckpt, [fault], trial.data_seed)
-            twin = run_branch(config, ckpt, [], trial.data_seed)
+            if loop is not None:  # the twin runs guarded too: any action on it is a false action
+                twin = guard_campaign.run_guarded_branch(config, ckpt, [], trial.data_seed, loop, run_id="campaign")
+            else:
+                twin = run_branch(config, ckpt, [], trial.data_seed)
             impact = impact_class(faulted, twin, theta0)
             verdicts = {}
             for r in runners:
@@ -514,6 +529,13 @@ def run_campaign(config: CampaignConfig, faults: Sequence[Any] | None = None, *,
                 "culprit_rank": trial.culprit, "data_seed": trial.data_seed, "impact": impact,
                 "clean_steps": len(twin.frames), "detectors": verdicts,
             })
+            if loop is not None:
+                guarded = guard_campaign.run_guarded_branch(config, ckpt, [fault], trial.data_seed, loop)
+                g = results[-1]["guard"] = guard_campaign.guard_trial(trial, trial.fault.step, faulted, twin, guarded,
+                                                                      theta0, config.window)
+                say(f"campaign:   guarded: {', '.join(a['action'] + '@' + str(a['step']) for a in g['actions']) or 'no action'}"
+                    f"; final loss excess {g['final_excess']['faulted']} -> {g['final_excess']['guarded']}, "
+                    f"drift {g['drift']['faulted']} -> {g['drift']['guarded']}")
             done = i + 1
             rate = (time.perf_counter() - t_trials) / done
             sw = verdicts.get("sdcwatch")
@@ -524,6 +546,10 @@ def run_campaign(config: CampaignConfig, faults: Sequence[Any] | None = None, *,
                 f"{note} (eta {rate * (len(trials) - done):.0f}s)")
 
     summary = summarise(results, [r.name for r in runners])
+    extra: dict[str, Any] = {}
+    if guard:
+        extra = {"guard_summary": guard_campaign.summarise_guard(results),
+                 "guard_targets": guard_campaign.check_guard_targets(results)}
     return {
         "config": {**asdict(config), "spike_rel": SPIKE_REL, "drift_rel": DRIFT_REL,
                    "faults_from_file": faults is not None},
@@ -531,8 +557,15 @@ def run_campaign(config: CampaignConfig, faults: Sequence[Any] | None = None, *,
         "trials": results,
         "summary": summary,
         "targets": check_targets(results, summary) if "sdcwatch" in summary.get("all", {}) else [],
+        **extra,
         "seconds": round(time.perf_counter() - t_start, 1),
     }
+
+
+def _report_guard() -> Any:
+    from sdcwatch.telemetry.guard_config import GuardConfig
+
+    return GuardConfig()
 
 
 def _rate(num: int, den: int) -> float | None:

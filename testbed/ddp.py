@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Sequence
 
-from sdcwatch.core.names import TELEMETRY_TOPIC
+from sdcwatch.core.names import CONTROL_TOPIC, TELEMETRY_TOPIC
 from sdcwatch.core.errors import ConfigError
 from sdcwatch.telemetry.faults import FaultSpec, load_faults
 
@@ -60,6 +60,11 @@ class DDPSettings:
     same all-reduced gradient, so every rank makes the same choice without talking to the others."""
     probes: dict[str, Any] = field(default_factory=dict)
     """ProbeConfig settings for :func:`sdcwatch.telemetry.probes.attach`."""
+    guard: dict[str, Any] | None = None
+    """:class:`~sdcwatch.telemetry.guard.GuardConfig` settings (``{"mode": "act"}``); None: no guard.
+    With a guard, rank 0 also reads the control topic of the run when ``bootstrap`` is set."""
+    control_topic: str = CONTROL_TOPIC
+    """Topic rank 0's guard reads decisions from."""
     ranks_per_host: int | None = None
     """Name hosts ``node{rank // ranks_per_host}`` (a simulated cluster); None: the real host name."""
     corpus_bytes: int = 1 << 20
@@ -81,6 +86,10 @@ class DDPSettings:
         for f in self.faults:
             if f.rank is not None and f.rank >= self.world:
                 raise ConfigError("ddp.faults", f"fault on rank {f.rank} but world is {self.world}")
+        if self.guard is not None:
+            from sdcwatch.telemetry.guard_config import GuardConfig
+
+            GuardConfig.from_dict(self.guard)  # fail here, not in every spawned rank
 
 
 def _emitter(settings: DDPSettings, rank: int) -> Any:
@@ -110,6 +119,7 @@ def train_rank(rank: int, settings: DDPSettings) -> None:
     dist.init_process_group("gloo", init_method=settings.init_method, rank=rank, world_size=settings.world)
     emitter = None
     watch = None
+    guard = None
     try:
         torch.manual_seed(settings.seed)
         model = GPT()
@@ -125,6 +135,8 @@ def train_rank(rank: int, settings: DDPSettings) -> None:
         emitter = _emitter(settings, rank)
         watch = attach(model, emitter, optimizer=optimizer, ddp=ddp, **settings.probes)
         corpus = shared_corpus(settings.corpus_bytes)
+        if settings.guard is not None:
+            guard = _guard(settings, rank, model, optimizer, corpus, injector, watch, emitter.host)
         skipped: list[int] = []
         for step in range(start, start + settings.steps):
             watch.begin_step(step)
@@ -132,34 +144,88 @@ def train_rank(rank: int, settings: DDPSettings) -> None:
             batch = corpus.batch(seed=settings.seed, step=step, rank=rank, batch_size=settings.batch_size,
                                  seq_len=model.cfg.seq_len)
             batch = injector.corrupt_batch(batch)
-            loss = next_byte_loss(ddp(batch[:, :-1]), batch)
-            loss.backward()
-            if settings.clip:
-                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), settings.clip)
-            elif settings.skip_nonfinite:
-                grad_norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
-            if settings.skip_nonfinite and not bool(torch.isfinite(grad_norm)):
-                skipped.append(step)
+            out: dict[str, Any] = {}
+
+            def compute() -> tuple[Any, Any]:
+                """This step's forward and backward (the guard may run it twice: same batch, same RNG)."""
+                out["loss"] = loss = next_byte_loss(ddp(batch[:, :-1]), batch)
+                loss.backward()
+                grads = [p.grad for p in model.parameters() if p.grad is not None]
+                if settings.clip:
+                    return loss.detach(), torch.nn.utils.clip_grad_norm_(model.parameters(), settings.clip)
+                return loss.detach(), torch.nn.utils.get_total_norm(grads)
+
+            guarded: dict[str, float] = {}
+            if guard is not None:
+                outcome = guard.step(step, compute)
+                guarded = outcome.telemetry()
+                if not outcome.applied:
+                    skipped.append(step)
             else:
-                optimizer.step()
+                _, grad_norm = compute()
+                if settings.skip_nonfinite and not bool(torch.isfinite(grad_norm)):
+                    skipped.append(step)
+                else:
+                    optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+            loss = out["loss"]
             loss_global = loss.detach().clone()
             dist.all_reduce(loss_global)  # a user's loss logging does this anyway
-            watch.step(step, loss=loss, loss_global=loss_global / settings.world)
+            watch.step(step, loss=loss, loss_global=loss_global / settings.world, **guarded)
             injector.end_step()  # after watch.step, so the record shows a spiked learning rate
         watch.close()
         if skipped and rank == 0:
-            print(f"sdcwatch ddp: skipped the update at steps {skipped} (non-finite gradient)", flush=True)
+            print(f"sdcwatch ddp: skipped the update at steps {skipped}", flush=True)
         if settings.save and rank == 0:
             torch.save({"step": start + settings.steps, "model": model.state_dict(),
                         "optimizer": optimizer.state_dict()}, settings.save)
         dist.barrier()
     finally:
+        if guard is not None:
+            guard.close()
         if watch is not None:
             watch.close()
         if emitter is not None:
             emitter.close(timeout=30.0)
         dist.destroy_process_group()
+
+
+def _guard(settings: DDPSettings, rank: int, model: Any, optimizer: Any, corpus: Any, injector: Any, watch: Any,
+           host: str) -> Any:
+    """The rank's guard: local checks, agreement over the process group, rank 0 reads the control topic.
+
+    Its ``peer`` recomputes another rank's micro-batch on this replica: the data is a function of
+    (seed, step, rank), so any rank can rebuild any other's batch (bad data included) without sending it.
+    """
+    import torch
+
+    from sdcwatch.telemetry.control import KafkaControl
+    from sdcwatch.telemetry.guard import Guard
+    from sdcwatch.telemetry.guard_config import GuardConfig
+    from sdcwatch.testbed.model import next_byte_loss
+
+    def peer(suspect: int, on: int) -> Any:
+        if on != rank:
+            return None
+        own = injector.rank
+        injector.rank = suspect  # the suspect's data faults are in its data, whoever reads it
+        try:
+            batch = injector.corrupt_batch(corpus.batch(seed=settings.seed, step=injector.step, rank=suspect,
+                                                        batch_size=settings.batch_size, seq_len=model.cfg.seq_len))
+        finally:
+            injector.rank = own
+        watch.enabled = False
+        try:
+            with torch.no_grad():
+                return next_byte_loss(model(batch[:, :-1]), batch)
+        finally:
+            watch.enabled = True
+
+    control = None
+    if rank == 0 and settings.bootstrap:
+        control = KafkaControl(settings.bootstrap, settings.run, settings.control_topic)
+    return Guard(model, optimizer, GuardConfig.from_dict(settings.guard), host=host, control=control, peer=peer,
+                 watch=watch)
 
 
 def launch(settings: DDPSettings) -> None:
@@ -190,6 +256,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--probes", default="{}", help='ProbeConfig settings as JSON, e.g. {"every": 2}')
     ap.add_argument("--skip-nonfinite", action="store_true",
                     help="skip the optimizer step when the all-reduced gradient is not finite")
+    ap.add_argument("--guard", default=None, metavar="JSON",
+                    help='run with a guard, GuardConfig settings as JSON, e.g. {"mode": "act"}')
     ap.add_argument("--load")
     ap.add_argument("--save")
     args = ap.parse_args(argv)
@@ -197,11 +265,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         probes = json.loads(args.probes)
     except ValueError as exc:
         raise ConfigError("ddp.probes", f"not valid JSON: {exc}") from None
+    try:
+        guard = None if args.guard is None else json.loads(args.guard)
+    except ValueError as exc:
+        raise ConfigError("ddp.guard", f"not valid JSON: {exc}") from None
     settings = DDPSettings(
         world=args.world, steps=args.steps, seed=args.seed, run=args.run, bootstrap=args.bootstrap,
         topic=args.topic, jsonl_dir=args.jsonl_dir, faults=tuple(load_faults(args.faults)) if args.faults else (),
         probes=probes, ranks_per_host=args.ranks_per_host, load=args.load, save=args.save,
-        skip_nonfinite=args.skip_nonfinite,
+        skip_nonfinite=args.skip_nonfinite, guard=guard,
     )
     launch(settings)
     return 0

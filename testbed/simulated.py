@@ -26,6 +26,8 @@ from sdcwatch.core.errors import ConfigError
 from sdcwatch.telemetry import fingerprint as fp
 from sdcwatch.telemetry.emitter import NullEmitter
 from sdcwatch.telemetry.faults import FaultInjector, FaultSpec
+from sdcwatch.telemetry.guard import Guard
+from sdcwatch.telemetry.guard_config import GuardConfig, GuardEviction
 from sdcwatch.telemetry.probes import ProbeConfig, Watch, canary_fingerprint
 from sdcwatch.testbed.corpus import Corpus
 from sdcwatch.testbed.model import GPT, GPTConfig
@@ -66,6 +68,8 @@ class SimulatedRun:
         skip_nonfinite: bool = False,
         probes: ProbeConfig | None = None,
         corpus: Corpus | None = None,
+        guard: GuardConfig | None = None,
+        control: Any = None,
     ) -> None:
         if isinstance(world, bool) or not isinstance(world, int) or world < 1:
             raise ConfigError("simulated.world", f"must be an integer >= 1, got {world!r}")
@@ -110,6 +114,15 @@ class SimulatedRun:
                                      generator=torch.Generator().manual_seed(0x5DC))
         self.step = 0
         """The next step to run."""
+        self.data_pos = 0
+        """The data position of the next step (it equals the step until a guard rollback replays data)."""
+        self.guard: Guard | None = None
+        """The guard, when the run has one (``guard=GuardConfig(...)``): it decides every update."""
+        if guard is not None:
+            self.guard = Guard(self.model, self.optimizer, guard, rank=0, world=world, host=self.hosts[0],
+                               local_ranks=range(world), control=control, peer=self._peer_loss,
+                               resync=lambda suspects: self._deltas.clear(), host_of=self.host_of,
+                               distributed=False)
         self._deltas: dict[int, list[torch.Tensor | None]] = {}
         self._grads = torch.empty(world, sum(self._sizes))
         self.history: list[float] = []
@@ -173,89 +186,147 @@ class SimulatedRun:
         return out
 
     def _step(self) -> float:
-        s = self.step
+        s, d = self.step, self.data_pos
         inj = self.injector
         inj.step = s
+        self._cur_data = d
         losses: list[torch.Tensor | None] = [None] * self.world
         times = [0.0] * self.world
+        cfg = self.watches[0].config
+        fingerprint_step = s % cfg.fingerprint_every == 0
         # Ranks run one after the other here; a fixed order would give the first one every step the
         # cold caches after the optimizer step (it would look like a straggler). A per-step
         # shuffle spreads that over all ranks; CPU time of this thread ignores other processes.
         order = torch.randperm(self.world, generator=torch.Generator().manual_seed(self.seed * 7919 + s)).tolist()
-        for r in order:
-            t0 = time.thread_time()
-            injecting = inj.cpu_seconds
-            inj.rank = r
-            for i, w in enumerate(self.watches):
-                w.enabled = i == r
-            watch = self.watches[r]
-            watch.begin_step(s)
-            batch = self.corpus.batch(seed=self.seed, step=s, rank=r, batch_size=self.batch_size,
-                                      seq_len=self.config.seq_len)
-            batch = inj.corrupt_batch(batch)
-            self._apply_param_faults(r)
-            with self._replica(r):
-                self.model.zero_grad(set_to_none=True)
-                loss = self.model.loss(batch)
-                loss.backward()
-            torch.cat([p.grad.reshape(-1) if p.grad is not None else torch.zeros(n)
-                       for p, n in zip(self.params, self._sizes)], out=self._grads[r])
-            losses[r] = loss.detach()
-            times[r] = time.thread_time() - t0 - (inj.cpu_seconds - injecting)  # the fault's own cost is not the rank's
-        for w in self.watches:
-            w.enabled = True
+        shared: dict[str, Any] = {}
 
-        t0 = time.thread_time()
-        g_all = self._grads
-        g = g_all.mean(0)  # the all-reduce (average)
-        local_sq = (g_all * g_all).sum(1)
-        dot = g_all @ g
-        global_sq = g @ g
-        cfg = self.watches[0].config
-        fingerprint_step = s % cfg.fingerprint_every == 0
-        grad_fp = fp.fingerprint_device([g]) if cfg.grad_fingerprint and fingerprint_step else None
-        offset = 0
-        for p, n in zip(self.params, self._sizes):
-            p.grad = g[offset: offset + n].view_as(p).clone()
-            offset += n
-        if self.clip:
-            torch.nn.utils.clip_grad_norm_(self.params, self.clip)
+        def compute() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            """Every virtual rank's forward and backward, then the all-reduce (repeatable: a guard reruns it)."""
+            for r in order:
+                t0 = time.thread_time()
+                injecting = inj.cpu_seconds
+                inj.rank = r
+                for i, w in enumerate(self.watches):
+                    w.enabled = i == r
+                watch = self.watches[r]
+                watch.begin_step(s)
+                batch = self.corpus.batch(seed=self.seed, step=d, rank=r, batch_size=self.batch_size,
+                                          seq_len=self.config.seq_len)
+                batch = inj.corrupt_batch(batch)
+                self._apply_param_faults(r)
+                with self._replica(r):
+                    self.model.zero_grad(set_to_none=True)
+                    loss = self.model.loss(batch)
+                    loss.backward()
+                torch.cat([p.grad.reshape(-1) if p.grad is not None else torch.zeros(n)
+                           for p, n in zip(self.params, self._sizes)], out=self._grads[r])
+                losses[r] = loss.detach()
+                times[r] = time.thread_time() - t0 - (inj.cpu_seconds - injecting)  # the fault's own cost is not the rank's
+            for w in self.watches:
+                w.enabled = True
+            t0 = time.thread_time()
+            g_all = self._grads
+            g = g_all.mean(0)  # the all-reduce (average)
+            shared["local_sq"] = local_sq = (g_all * g_all).sum(1)
+            shared["dot"] = g_all @ g
+            shared["global_sq"] = global_sq = g @ g
+            shared["grad_fp"] = fp.fingerprint_device([g]) if cfg.grad_fingerprint and fingerprint_step else None
+            offset = 0
+            for p, n in zip(self.params, self._sizes):
+                p.grad = g[offset: offset + n].view_as(p).clone()
+                offset += n
+            if self.clip:
+                torch.nn.utils.clip_grad_norm_(self.params, self.clip)
+            shared["seconds"] = time.thread_time() - t0
+            return torch.stack(losses), global_sq.sqrt(), local_sq.sqrt()
+
         factors = []
         for r in range(self.world):
             inj.rank = r
             factors.append(inj.lr_factor())
         common = factors[0] if all(f == factors[0] for f in factors) else 1.0
-        before = [p.detach().clone() for p in self.params] if any(f != common for f in factors) else None
-        for group in self.optimizer.param_groups:
-            group["lr"] = self.lr * common
-        if self.skip_nonfinite and not bool(torch.isfinite(global_sq)):
-            self.skipped.append(s)
-        else:
+
+        def update() -> None:
+            before = [p.detach().clone() for p in self.params] if any(f != common for f in factors) else None
+            saved = [group["lr"] for group in self.optimizer.param_groups]
+            for group in self.optimizer.param_groups:
+                group["lr"] = group["lr"] * common
             self.optimizer.step()
-        for group in self.optimizer.param_groups:
-            group["lr"] = self.lr
-        if before is not None:  # a rank with its own learning rate drifts from the shared update
-            with torch.no_grad():
-                for r, f in enumerate(factors):
-                    if f != common:
-                        for i, (p, b) in enumerate(zip(self.params, before)):
-                            self._add_delta(r, i, (p.detach() - b) * (f / common - 1.0))
+            for group, lr in zip(self.optimizer.param_groups, saved):
+                group["lr"] = lr
+            if before is not None:  # a rank with its own learning rate drifts from the shared update
+                with torch.no_grad():
+                    for r, f in enumerate(factors):
+                        if f != common:
+                            for i, (p, b) in enumerate(zip(self.params, before)):
+                                self._add_delta(r, i, (p.detach() - b) * (f / common - 1.0))
+
+        evicted: BaseException | None = None
+        guard_scalars: dict[str, float] = {}
+        if self.guard is None:
+            compute()
+            if self.skip_nonfinite and not bool(torch.isfinite(shared["global_sq"])):
+                self.skipped.append(s)
+            else:
+                update()
+        else:
+            try:
+                outcome = self.guard.step(s, compute, update=update, data_pos=d)
+            except GuardEviction as exc:  # the step's records still go out, with the eviction in them
+                evicted, outcome = exc, self.guard.actions[-1]
+            guard_scalars = outcome.telemetry()
+            if not outcome.applied:
+                self.skipped.append(s)
+            if outcome.resume_from is not None:
+                d = outcome.resume_from - 1  # replay the data from the snapshot on
+        t0 = time.thread_time()
         fps = self._param_fingerprints(s)
         canaries = self._canary_fingerprints(s, probe_cfg=cfg)
-        shared = time.thread_time() - t0
+        seconds = shared["seconds"] + time.thread_time() - t0
         loss_global = torch.stack(losses).mean()
         for r, w in enumerate(self.watches):
-            w.observe_gradients(local_sq=local_sq[r], global_sq=global_sq, dot=dot[r], grad_fp=grad_fp)
+            w.observe_gradients(local_sq=shared["local_sq"][r], global_sq=shared["global_sq"], dot=shared["dot"][r],
+                                grad_fp=shared["grad_fp"])
             if fps is not None:
                 w.observe_fingerprint("param_fp", fps[r])
             if canaries is not None:
                 w.observe_fingerprint("canary_fp", canaries[r])
-            w.step(s, loss=losses[r], loss_global=loss_global, step_time=times[r] + shared,
-                   lr=self.lr * factors[r])
+            w.step(s, loss=losses[r], loss_global=loss_global, step_time=times[r] + seconds,
+                   lr=self.lr * factors[r], **guard_scalars)
         self.step = s + 1
+        self.data_pos = d + 1
         value = float(loss_global)
         self.history.append(value)
+        if evicted is not None:
+            raise evicted
         return value
+
+    def _peer_loss(self, suspect: int, on: int) -> torch.Tensor:
+        """``suspect``'s micro-batch of this step (its data, bad data included) through ``on``'s replica
+        and hardware: what the guard compares to tell a persistent fault from the data."""
+        inj = self.injector
+        inj.rank = suspect
+        batch = inj.corrupt_batch(self.corpus.batch(seed=self.seed, step=self._cur_data, rank=suspect,
+                                                    batch_size=self.batch_size, seq_len=self.config.seq_len))
+        inj.rank = on
+        for w in self.watches:
+            w.enabled = False
+        try:
+            with torch.no_grad(), self._replica(on):
+                return self.model.loss(batch)
+        finally:
+            for w in self.watches:
+                w.enabled = True
+
+    def replace_ranks(self, ranks: Iterable[int]) -> None:
+        """What a launcher does after an eviction: ``ranks`` get healthy hardware (their faults are
+        gone) and a fresh copy of the replica; the caller rolls back (``guard.restore``) and goes on."""
+        gone = set(ranks)
+        keep = [f for f in self.injector.faults if f.rank is None or f.rank not in gone]
+        self.injector.detach()
+        self.injector = FaultInjector(keep, rank=0).attach(self.model)
+        for r in gone:
+            self._deltas.pop(r, None)
 
     def _canary_fingerprints(self, step: int, probe_cfg: ProbeConfig) -> list[torch.Tensor] | None:
         """Each rank's canary fingerprint: the fixed canary input through its replica, with its
@@ -307,6 +378,7 @@ class SimulatedRun:
         torch.save(
             {
                 "step": self.step,
+                "data_pos": self.data_pos,
                 "seed": self.seed,
                 "world": self.world,
                 "model_config": self.config.__dict__,
@@ -314,6 +386,7 @@ class SimulatedRun:
                 "optimizer": self.optimizer.state_dict(),
                 "deltas": self._deltas,
                 "history": self.history,
+                "guard": self.guard.state_dict() if self.guard is not None else None,
             },
             Path(path),
         )
@@ -329,6 +402,9 @@ class SimulatedRun:
         self._deltas = state["deltas"]
         self.history = list(state["history"])
         self.step = int(state["step"])
+        self.data_pos = int(state.get("data_pos", self.step))
+        if self.guard is not None and state.get("guard") is not None:
+            self.guard.load_state_dict(state["guard"])
 
     def host_of(self, rank: int) -> str:
         """The host name of a virtual rank."""

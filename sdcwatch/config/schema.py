@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 
 from sdcwatch.core.errors import ConfigError
 from sdcwatch.core.kafka import TEXT_SECURITY_KEYS
-from sdcwatch.core.names import ANOMALY_TOPIC, DEADLETTER_TOPIC, SUMMARY_TOPIC, TELEMETRY_TOPIC
+from sdcwatch.core.names import ANOMALY_TOPIC, CONTROL_TOPIC, DEADLETTER_TOPIC, SUMMARY_TOPIC, TELEMETRY_TOPIC
 from sdcwatch.core.validate import check_type, did_you_mean, is_host, topic_problem, url_problem
 from sdcwatch.detectors.registry import default_classes
 from sdcwatch.telemetry.limits import RecordLimits
@@ -30,6 +30,7 @@ __all__ = [
     "StateConfig",
     "DetectorsConfig",
     "LimitsConfig",
+    "GuardPolicyConfig",
     "ServeConfig",
     "SECTIONS",
     "SECURITY_KEYS",
@@ -92,6 +93,8 @@ class BusConfig(_Section):
     """Topic malformed telemetry messages are moved to, untouched, for a person to inspect."""
     summaries_topic: str = SUMMARY_TOPIC
     """Topic from the spatial to the temporal stage when the service runs split (detectors.stage)."""
+    control_topic: str = CONTROL_TOPIC
+    """Topic the service writes decisions for the training jobs' guards to (when guard.actions is on)."""
     group: str = "sdcwatch-detectors"
     """Kafka consumer group of the service; instances sharing it share the partitions (whole steps).
     A temporal stage reads the summaries topic as group <group>.temporal."""
@@ -107,7 +110,7 @@ class BusConfig(_Section):
         if not self.bootstrap_servers:
             self._fail("bootstrap", "must name at least one host:port")
         topics: dict[str, str] = {}
-        for name in ("telemetry_topic", "anomalies_topic", "deadletter_topic", "summaries_topic"):
+        for name in ("telemetry_topic", "anomalies_topic", "deadletter_topic", "summaries_topic", "control_topic"):
             topic = getattr(self, name)
             problem = topic_problem(topic)
             if problem:
@@ -315,6 +318,51 @@ class LimitsConfig(_Section):
 
 
 @dataclass
+class GuardPolicyConfig(_Section):
+    """[guard]: which decision each incident kind sends to the training job's guard (control topic).
+
+    Actions: "none", "skip" (the update of the next step), "rollback" (to the guard's last snapshot
+    before the incident began; replicas resynchronised from a healthy one), "evict" (the rank the
+    incident names; the job exits with code 16 naming the host). The guard's own settings
+    (snapshots, retries, spike rule) live in the training job: sdcwatch.telemetry.GuardConfig.
+    """
+
+    section: ClassVar[str] = "guard"
+
+    actions: bool = False
+    """Publish decisions to the control topic at all; off by default (detect and report only)."""
+    min_severity: str = "warning"
+    """Incidents below this severity (warning, critical) never cause a decision."""
+    on_nonfinite: str = "none"
+    """Non-finite values (the guard's local check already reruns or skips that step itself)."""
+    on_loss_spike: str = "none"
+    """A loss spike on every rank alike: data or optimisation, never a rollback or an eviction."""
+    on_grad_spike: str = "none"
+    """A gradient spike on every rank alike."""
+    on_replica_divergence: str = "rollback"
+    """One replica's parameter fingerprint disagrees (its memory changed)."""
+    on_canary_divergence: str = "evict"
+    """Only a rank's canary output disagrees (it computes wrongly)."""
+    on_rank_outlier: str = "none"
+    """One rank deviates, not yet with confidence."""
+    on_silent_drift: str = "evict"
+    """One rank deviates persistently, with confidence (an unhealthy node)."""
+    on_sdc_suspected: str = "evict"
+    """A spike joined with one rank's evidence."""
+    lr_factor: float = 1.0
+    """Learning-rate factor a rollback decision carries, in (0, 1]."""
+
+    def _validate(self) -> None:
+        self.policy()  # ControlPolicy checks the values and names the key
+
+    def policy(self) -> Any:
+        """The :class:`~sdcwatch.detectors.control.ControlPolicy` these settings describe."""
+        from sdcwatch.detectors.control import ControlPolicy
+
+        return ControlPolicy(**{f.name: getattr(self, f.name) for f in fields(self)})
+
+
+@dataclass
 class ServeConfig:
     """Everything ``sdcwatch serve`` needs, one attribute per section."""
 
@@ -330,6 +378,8 @@ class ServeConfig:
     """[detectors] tunables."""
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     """[limits] bounds on what one record may claim."""
+    guard: GuardPolicyConfig = field(default_factory=GuardPolicyConfig)
+    """[guard] decisions for the training jobs' guards."""
 
     def __post_init__(self) -> None:
         for name, cls in SECTIONS.items():
@@ -364,6 +414,7 @@ SECTIONS: dict[str, type[_Section]] = {
     "state": StateConfig,
     "detectors": DetectorsConfig,
     "limits": LimitsConfig,
+    "guard": GuardPolicyConfig,
 }
 
 

@@ -21,6 +21,7 @@ __all__ = [
     "RANK_FAULT_KINDS",
     "RANK_BLAME_KINDS",
     "LOCALISING_KINDS",
+    "GUARD_KINDS",
 ]
 
 
@@ -47,6 +48,14 @@ class IncidentKind(str, enum.Enum):
     """Attribution: a spike together with rank-local evidence."""
     SILENT_DRIFT = "silent_drift"
     """Attribution: persistent rank-local evidence without a spike."""
+    GUARD_SKIP = "guard_skip"
+    """The training job's guard skipped the update of a step (on every rank)."""
+    GUARD_RERUN = "guard_rerun"
+    """The guard reran a step and took the rerun's update (a transient fault)."""
+    GUARD_ROLLBACK = "guard_rollback"
+    """The guard rolled the job back to a snapshot."""
+    GUARD_EVICT = "guard_evict"
+    """The guard evicted a rank: the job exits for the launcher to restart without it."""
 
 
 def _values(*kinds: IncidentKind) -> frozenset[str]:
@@ -65,4 +74,6 @@ RANK_FAULT_KINDS = _values(K.RANK_OUTLIER, K.SILENT_DRIFT, K.SDC_SUSPECTED)
 RANK_BLAME_KINDS = RANK_FAULT_KINDS | _values(K.REPLICA_DIVERGENCE)
 #: Kinds whose ranks say where a fault is (the demo's "localised to rank r").
 LOCALISING_KINDS = RANK_BLAME_KINDS | _values(K.NONFINITE)
+#: What the training job's guard did (findings of the guard-action detector), in the order of the guard's actions.
+GUARD_KINDS = tuple(k.value for k in (K.GUARD_SKIP, K.GUARD_RERUN, K.GUARD_ROLLBACK, K.GUARD_EVICT))
 del K

@@ -11,6 +11,7 @@ __all__ = [
     "ANOMALY_TOPIC",
     "DEADLETTER_TOPIC",
     "SUMMARY_TOPIC",
+    "CONTROL_TOPIC",
     "TOPICS",
     "SCALARS",
     "LAYER_METRICS",
@@ -29,9 +30,11 @@ ANOMALY_TOPIC = "sdcwatch.anomalies"
 DEADLETTER_TOPIC = "sdcwatch.deadletter"
 #: Between the spatial and the temporal stage of a scaled-out service: one step summary a message.
 SUMMARY_TOPIC = "sdcwatch.summaries"
+#: Decisions for the training jobs' guards (skip, roll back, evict), keyed by run; rank 0 reads it.
+CONTROL_TOPIC = "sdcwatch.control"
 #: Every default topic, by its purpose.
 TOPICS = {"telemetry": TELEMETRY_TOPIC, "anomalies": ANOMALY_TOPIC, "deadletter": DEADLETTER_TOPIC,
-          "summaries": SUMMARY_TOPIC}
+          "summaries": SUMMARY_TOPIC, "control": CONTROL_TOPIC}
 
 #: Well-known scalar names (others are allowed; these are what the probes and detectors use).
 SCALARS = (

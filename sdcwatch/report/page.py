@@ -234,6 +234,13 @@ def render_report(data: RunData, incidents: Sequence[Incident], *, title: str | 
             + _figure(attention, "attention entropy per layer") + "</section>"
         )
     parts.append(f"<section id='incident-table'><h2>Incidents</h2>{_incident_table(incidents)}</section>")
+    guarded = [i for i in incidents if i.kind.startswith("guard_")]
+    if guarded:  # what the training job's guard did about it, step by step (no silent skips)
+        items = "".join(f"<li>step {i.first_step}" + (f"-{i.last_step}" if i.last_step != i.first_step else "")
+                        + f": <b>{_e(i.kind.removeprefix('guard_'))}</b> — {_e(i.message)}</li>" for i in guarded)
+        parts.append("<section id='guard'><h2>What the guard did</h2><p class='caption'>Steps at which the "
+                     "training job's guard skipped an update, reran a step, rolled back or evicted a rank "
+                     "(the last message of each kind).</p><ul>" + items + "</ul></section>")
     notes = []
     if data.duplicates:
         notes.append(f"{data.duplicates:,} duplicate records (same step and rank) were read; the last one counts.")

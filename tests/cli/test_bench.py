@@ -135,6 +135,32 @@ def test_quick_campaign_scores_every_detector_and_catches_the_nonfinite_fault(tm
     assert "Fault-injection campaign" in md.read_text()
 
 
+def test_quick_campaign_with_the_guard_runs_three_ways_and_saves_the_damage(tmp_path, capsys):
+    out = tmp_path / "campaign.json"
+    result = campaign_main(["--quick", "--guard", "--detectors", "sdcwatch", "--out", str(out)])
+    assert json.loads(out.read_text())["guard_targets"] == json.loads(json.dumps(result["guard_targets"]))
+    by_class = {t["class"]: t for t in result["trials"]}
+    assert set(by_class) == {"nan_attn", "bad_batch_all", "unhealthy_node"}
+    for t in result["trials"]:
+        g = t["guard"]
+        assert g["twin_actions"] == []  # the clean twin, guarded, needs no action
+        assert g["finished"] and g["final_loss"]["guarded"] is not None
+    nan = by_class["nan_attn"]["guard"]
+    assert nan["final_excess"]["faulted"] == "Infinity"  # unguarded, the NaN ends the run
+    assert nan["final_excess"]["guarded"] == 0.0 and nan["drift"]["guarded"] == 0.0  # rerun: nothing lost
+    assert [(a["action"], a["verdict"]) for a in nan["actions"]] == [("rerun", "transient")]
+    assert nan["verdict_right"] is True
+    bad = by_class["bad_batch_all"]["guard"]
+    assert bad["actions"] and {a["action"] for a in bad["actions"]} == {"skip"} and bad["verdict"] == "data"
+    assert bad["drift"]["guarded"] < bad["drift"]["faulted"]
+    sick = by_class["unhealthy_node"]
+    assert sick["guard"]["evicted_rank"] == sick["fault"]["rank"] and sick["guard"]["evicted_in_window"]
+    assert sick["guard"]["steps_spent"] > 0  # restarted from a snapshot: replayed steps are counted
+    assert {t["target"]: t["met"] for t in result["guard_targets"]}["zero actions on the clean twins"] is True
+    assert set(result["guard_summary"]) == {"all", *by_class}
+    assert "| target (guard) | measured | met |" in capsys.readouterr().out
+
+
 @pytest.mark.integration
 def test_quick_e2e_through_the_broker_finds_every_injected_fault(bootstrap, tmp_path):
     out = tmp_path / "e2e.json"

@@ -70,6 +70,37 @@ def test_demo_cli_json_summary_and_report(tmp_path):
     assert html.count("data:image/png;base64,") >= 3
 
 
+def test_demo_guard_reruns_a_transient_nan_and_reports_it_in_the_json_summary(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "sdcwatch.cli", "demo", "--fault", "nan", "--ranks", "4", "--steps", "50",
+         "--fault-step", "45", "--fault-rank", "1", "--json", "--guard", "--out-dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    summary = json.loads(out.stdout)
+    assert [{k: a[k] for k in ("step", "action", "ranks", "reason")} for a in summary["guard_actions"]] == [
+        {"step": 45, "action": "rerun", "ranks": [1], "reason": "nonfinite"}]
+    assert summary["guard_actions"][0]["verdict"] == "transient"
+    assert isinstance(summary["final_loss"], float) and 0 < summary["final_loss"] < 6
+    assert "GUARD  [rerun]" in out.stderr
+    kinds = {i["kind"] for i in summary["incidents"]}
+    assert {"nonfinite", "guard_rerun"} <= kinds  # detected, and the action is an incident too
+
+
+def test_demo_guard_evicts_an_unhealthy_node_through_the_control_topic(tmp_path):
+    from sdcwatch.demo import run_demo
+
+    r = run_demo(fault="unhealthy-node", out_dir=str(tmp_path), progress=io.StringIO(), quiet=True, guard=True,
+                 **{**SHORT, "steps": 110})
+    evictions = [a for a in r.guard_actions if a["action"] == "evict"]
+    assert evictions and evictions[0]["ranks"] == [2] and evictions[0]["reason"] == "control"
+    assert 70 <= evictions[0]["step"] <= 70 + 50
+    assert "host node0" in evictions[0]["message"]
+    assert not [a for a in r.guard_actions if a["step"] < 70]
+    assert isinstance(r.final_loss, float)
+    assert any(i["kind"] == "guard_evict" for i in r.incidents)
+
+
 def test_unknown_fault_is_a_clear_error():
     out = subprocess.run([sys.executable, "-m", "sdcwatch.cli", "demo", "--fault", "cosmic-ray"],
                          capture_output=True, text=True, timeout=60)

@@ -338,3 +338,15 @@ def test_report_renders_in_headless_chromium(tmp_path):
     # The heat map's dark red band (the deviating rank) is on screen: the images were drawn.
     dark_red = (pixels[..., 0] > 0.4) & (pixels[..., 1] < 0.1) & (pixels[..., 2] < 0.1)
     assert dark_red.sum() > 2_000
+
+
+def test_guard_actions_get_their_own_section(tmp_path):
+    records = make_records(tmp_path / "bad.jsonl", bad_rank=5)
+    skip = sdc_incident().to_dict() | {"id": "inc-guard", "kind": "guard_skip", "severity": "warning", "ranks": [5],
+                                       "step": 70, "first_step": 70, "last_step": 72, "layer": None,
+                                       "message": "guard skipped the update of step 72 on every rank, <b>"}
+    page = write_report(records, [sdc_incident(), skip], tmp_path / "r.html").read_text()
+    section = page[page.index("<section id='guard'>"):]
+    assert "step 70-72: <b>skip</b>" in section and "step 72 on every rank, &lt;b&gt;" in section
+    clean = write_report(records, [sdc_incident()], tmp_path / "c.html").read_text()
+    assert "<section id='guard'>" not in clean

@@ -255,3 +255,38 @@ def test_split_service_spatial_instances_share_the_steps_and_the_temporal_stage_
     assert len(nonfinite) == 1, opened
     assert (nonfinite[0]["first_step"], nonfinite[0]["ranks"], nonfinite[0]["hosts"]) == (
         nan_step, [2], [run.host_of(2)])
+
+
+def test_serve_with_guard_actions_publishes_decisions_to_the_control_topic(bootstrap, tmp_path):
+    """[guard] actions = true wires the policy's sink; an incident becomes one decision that the
+    training side's reader (KafkaControl) decodes; with the default config there is no such sink."""
+    from sdcwatch.config import load_config
+    from sdcwatch.detectors.control import ControlTopicSink
+    from sdcwatch.detectors.types import Incident, IncidentEvent, Severity
+    from sdcwatch.serve import build_service
+    from sdcwatch.telemetry.control import KafkaControl
+
+    topic = f"control.{uuid.uuid4().hex[:8]}"
+    base = {"bus.bootstrap": bootstrap, "metrics.port": 0, "state.dir": str(tmp_path / "s"), "alerts.log": False,
+            "bus.telemetry_topic": f"t.{uuid.uuid4().hex[:8]}", "bus.control_topic": topic}
+    plain, _ = build_service(load_config(overrides=base, env={}))
+    assert not any(isinstance(s, ControlTopicSink) for s in plain.sinks)
+    plain.close()
+    service, _ = build_service(load_config(overrides={**base, "guard.actions": True, "guard.on_silent_drift": "evict"},
+                                           env={}))
+    (sink,) = [s for s in service.sinks if isinstance(s, ControlTopicSink)]
+    assert sink.policy.actions and sink.policy.on_silent_drift == "evict"
+    reader = KafkaControl(bootstrap, "r1", topic)
+    try:
+        assert reader.wait_ready(20)
+        inc = Incident(id="r1:silent_drift:40:r5", run="r1", kind="silent_drift", severity=Severity.WARNING,
+                       first_step=40, last_step=45, message="drift", ranks=(5,), hosts=("h2",))
+        service._publish([IncidentEvent("opened", inc), IncidentEvent("updated", inc)])
+        for s in service.sinks:
+            s._flush()
+        got = []
+        wait_until(lambda: got.extend(reader.poll()) or got, 30, "the decision on the control topic")
+        assert [(d.action, d.ranks, d.hosts, d.since_step) for d in got] == [("evict", (5,), ("h2",), 40)]
+    finally:
+        reader.close()
+        service.close()

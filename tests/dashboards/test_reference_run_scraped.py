@@ -21,6 +21,7 @@ def test_dashboard_and_rules_on_a_faulted_reference_run(start_prometheus):
     from sdcwatch.exporters import MetricsServer
     from sdcwatch.telemetry import Emitter, MemoryBus, MemoryTransport
     from sdcwatch.telemetry.faults import FaultSpec
+    from sdcwatch.telemetry.guard_config import GuardConfig
     from sdcwatch.testbed.model import GPTConfig
     from sdcwatch.testbed.simulated import SimulatedRun, shared_corpus
 
@@ -36,12 +37,17 @@ def test_dashboard_and_rules_on_a_faulted_reference_run(start_prometheus):
     try:
         fault = FaultSpec.from_dict({"kind": "near_inf", "rank": 2, "step": 40, "target": "blocks.1.attn.scores",
                                      "seed": 0})
+        # a NaN in the same rank's gradient at the same step: the guard reruns the step (its panel has data)
+        nan = FaultSpec.from_dict({"kind": "nan", "rank": 2, "step": 40, "target": "blocks.0.mlp.fc", "where": "grad",
+                                   "seed": 0})
         run = SimulatedRun(world=4, seed=1, model=GPTConfig(seq_len=32, d_model=32, n_layer=2, n_head=4),
-                           batch_size=2, corpus=shared_corpus(1 << 18), faults=[fault],
+                           batch_size=2, corpus=shared_corpus(1 << 18), faults=[fault, nan],
+                           guard=GuardConfig(mode="act"),
                            # scraped as a live run: no end-of-run markers, so its incident stays open
                            emitter_factory=lambda rank: Emitter(MemoryTransport(bus), run="r1", rank=rank, world=4,
                                                                 end_marker=False))
         run.train(60)
+        assert [(a.step, a.action, a.verdict) for a in run.guard.actions] == [(40, "rerun", "transient")]
         run.close()
         for em in run.emitters:
             em.close()

@@ -18,7 +18,8 @@ SCALARS = ("loss", "grad_norm_local", "grad_norm_global", "grad_cosine", "step_t
            "emitter_dropped")
 LAYERS = ("attn_entropy", "q_norm_mean", "q_norm_max", "k_norm_mean", "attn_logit_max")
 FPS = ("param_fp", "grad_fp")
-FAMILIES = ("nonfinite", "loss_spike", "grad_spike", "rank_shift", "rank_gross", "replica", "straggler", "missing")
+FAMILIES = ("nonfinite", "loss_spike", "grad_spike", "rank_shift", "rank_gross", "replica", "straggler", "missing",
+            "guard_action")
 
 
 @dataclass
@@ -60,8 +61,9 @@ class SyntheticRun:
         lay = self._layer_base[None, :, None] * (1 + 0.01 * rng.standard_normal((W, len(LAYERS), L)))
         fp = np.full((W, len(FPS)), (step * 0x9E3779B97F4A7C15 + 12345) % (1 << 64), dtype=np.uint64)
         present = np.ones(W, bool)
+        names = SCALARS
         for f in self.faults:
-            if f.family in ("nonfinite", "loss_spike", "grad_spike"):
+            if f.family in ("nonfinite", "loss_spike", "grad_spike", "guard_action"):
                 if step != f.step:
                     continue
             elif not f.active(step):
@@ -85,10 +87,13 @@ class SyntheticRun:
                 S[f.rank, 4] *= 2.5
             elif f.family == "missing":
                 present[f.rank] = False
+            elif f.family == "guard_action":  # the job's guard skipped this step (rerun: data)
+                names = (*names, "guard_action", "guard_reason", "guard_verdict", "guard_rank")
+                S = np.column_stack([S, np.full((W, 4), (1.0, 2.0, 3.0, float(f.rank)))])
         S[~present] = np.nan
         lay[~present] = np.nan
         return StepFrame(
-            run=self.run, step=step, world=W, hosts=self.hosts, present=present, scalar_names=SCALARS,
+            run=self.run, step=step, world=W, hosts=self.hosts, present=present, scalar_names=names,
             scalars=S, layer_names=LAYERS, layers=lay, fp_names=FPS, fingerprints=fp,
             fp_present=np.broadcast_to(present[:, None], fp.shape).copy(), complete=bool(present.all()),
         )
@@ -100,7 +105,7 @@ class SyntheticRun:
             out.append(Record(
                 run=self.run, step=step, rank=int(r), world=self.world, host=self.hosts[r], time=1e9 + step,
                 local_rank=int(r) % self.ranks_per_host,
-                scalars={n: float(v) for n, v in zip(SCALARS, f.scalars[r])},
+                scalars={n: float(v) for n, v in zip(f.scalar_names, f.scalars[r])},
                 fingerprints={n: int(v) for n, v in zip(FPS, f.fingerprints[r])},
                 layers={n: tuple(float(x) for x in f.layers[r, i]) for i, n in enumerate(LAYERS)},
             ))

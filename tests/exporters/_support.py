@@ -78,7 +78,7 @@ def small_view(world: int = 8, layers: int = 2) -> ServiceView:
                               runs_total=1, runs_evicted_total={"finished": 3, "idle": 1}),
         incidents=[sdc_incident(opened_at=990.0)],
         incidents_total={("sdc_suspected", "critical"): 1, ("loss_spike", "warning"): 2},
-        findings_total={("rank_outlier", "rank_outlier"): 7},
+        findings_total={("rank_outlier", "rank_outlier"): 7, ("guard", "guard_skip"): 1},
     )
 
 
@@ -145,7 +145,7 @@ class TroubledService:
             incidents=[sdc_incident(opened_at=self.started), nonfinite_incident(opened_at=self.started)],
             incidents_total={("sdc_suspected", "critical"): 1, ("nonfinite", "critical"): 1,
                              ("loss_spike", "warning"): 1 + n},
-            findings_total={("attribution", "sdc_suspected"): n},
+            findings_total={("attribution", "sdc_suspected"): n, ("guard", "guard_skip"): n},
         )
 
 

@@ -52,7 +52,11 @@ sdcwatch_detector_spike_score{metric="grad_norm",run="r1"} 0.5
 sdcwatch_detector_spike_score{metric="loss",run="r1"} 7.5
 # HELP sdcwatch_detector_findings_total Findings produced by each detector, by kind.
 # TYPE sdcwatch_detector_findings_total counter
+sdcwatch_detector_findings_total{detector="guard",kind="guard_skip"} 1.0
 sdcwatch_detector_findings_total{detector="rank_outlier",kind="rank_outlier"} 7.0
+# HELP sdcwatch_guard_actions_total Steps at which a training job's guard acted: skip, rerun, rollback or evict.
+# TYPE sdcwatch_guard_actions_total counter
+sdcwatch_guard_actions_total{action="skip"} 1.0
 # HELP sdcwatch_rank_outlier_score Accumulated rank-outlier evidence of a rank; exported for the top-K ranks and every rank in an open incident only.
 # TYPE sdcwatch_rank_outlier_score gauge
 sdcwatch_rank_outlier_score{host="h1",rank="2",run="r1"} 1.0
@@ -334,3 +338,8 @@ def test_layers_past_max_layers_keep_the_incident_layer_and_the_widest_spread():
     assert layers == [1, 200, 250]
     assert 'sdcwatch_exporter_omitted{what="layers"} 297.0' in text
     assert render(lambda: view, top_k=2, max_layers=300).count("sdcwatch_layer_metric{") == 900
+def test_guard_actions_are_counted_by_action_from_the_guard_findings():
+    view = support.small_view()
+    view.findings_total = {("guard", "guard_skip"): 3, ("guard", "guard_evict"): 1, ("spike", "loss_spike"): 2}
+    lines = [ln for ln in series(render(lambda: view)) if ln.startswith("sdcwatch_guard_actions_total")]
+    assert lines == ['sdcwatch_guard_actions_total{action="evict"} 1.0', 'sdcwatch_guard_actions_total{action="skip"} 3.0']

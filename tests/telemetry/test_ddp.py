@@ -126,3 +126,45 @@ def test_skip_nonfinite_keeps_every_replica_finite_after_a_nan(tmp_path, skip):
             assert table[s, 0].fingerprints["param_fp"] == table[s, 1].fingerprints["param_fp"], s
     else:
         assert not any(finite)  # without the skip, every replica is poisoned from the next step on
+
+
+@pytest.mark.parametrize("on_nonfinite,action", [("skip", 1.0), ("rerun", 2.0)])
+def test_guard_nan_on_one_rank_is_handled_on_every_rank_and_replicas_agree(tmp_path, on_nonfinite, action):
+    """The guard over real gloo processes: a NaN on rank 1 at step 3 is skipped (or rerun as the
+    transient fault it is) on every rank at that step, training continues, the replicas agree."""
+    from sdcwatch.detectors.replay import read_records
+
+    world, steps, nan_step = 3, 6, 3
+    settings = DDPSettings(
+        world=world, steps=steps, seed=0, run="ddp-guard", jsonl_dir=str(tmp_path), corpus_bytes=1 << 18,
+        probes={"fingerprint_every": 1}, guard={"mode": "act", "on_nonfinite": on_nonfinite},
+        faults=(FaultSpec(kind="nan", rank=1, step=nan_step, duration=1, target="blocks.0.attn.scores",
+                          where="output", seed=1),),
+    )
+    launch(settings)
+    table = {(r.step, r.rank): r for rank in range(world) for r in read_records(tmp_path / f"rank{rank}.jsonl")}
+    assert set(table) == {(s, r) for s in range(steps) for r in range(world)}
+    for r in range(world):  # every rank took the same action at the same step, and only there
+        acted = [s for s in range(steps) if "guard_action" in table[s, r].scalars]
+        assert acted == [nan_step], (r, acted)
+        rec = table[nan_step, r].scalars
+        assert (rec["guard_action"], rec["guard_reason"], rec["guard_rank"]) == (action, 1.0, 1.0)
+    for s in range(nan_step + 1, steps):
+        assert all(torch.isfinite(torch.tensor(table[s, r].scalars["loss"])) for r in range(world))
+    for s in range(steps):
+        assert len({table[s, r].fingerprints["param_fp"] for r in range(world)}) == 1, s
+
+
+def test_guard_evicts_a_rank_whose_fault_persists_with_the_documented_exit_code(tmp_path, capfd):
+    from torch.multiprocessing import ProcessExitedException
+
+    settings = DDPSettings(
+        world=2, steps=30, seed=0, run="ddp-evict", jsonl_dir=str(tmp_path), corpus_bytes=1 << 18,
+        ranks_per_host=1, guard={"mode": "act"},
+        faults=(FaultSpec(kind="scale", rank=1, step=25, duration=0, target="head", magnitude=30.0, seed=0),),
+    )
+    with pytest.raises(ProcessExitedException) as info:
+        launch(settings)
+    assert info.value.exit_code == 16
+    err = capfd.readouterr().err
+    assert "evicting rank 1 (host node1) at step 25" in err

@@ -1,0 +1,96 @@
+"""The guard's actions, made visible: each step at which a training job's guard acted becomes a finding.
+
+The guard (``sdcwatch.telemetry.guard``) writes what it did at a step into that step's records
+(``guard_action``, ``guard_reason``, ``guard_verdict``, ``guard_rank``: codes, the same on every
+rank, since every rank took the same action). This detector turns each such step into a finding of
+kind ``guard_<action>`` (``guard_skip``, ``guard_rerun``, ``guard_rollback``, ``guard_evict``), so an
+action reaches the anomalies topic, Alertmanager and the ``sdcwatch_guard_actions_total`` counter
+through the same path as every detection. A skipped step stays visible: no silent skips.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from sdcwatch.core.kinds import GUARD_KINDS
+from sdcwatch.detectors.base import SplitDetector, StepContext
+from sdcwatch.detectors.frame import StepFrame
+from sdcwatch.detectors.registry import register
+from sdcwatch.detectors.types import Finding, Severity
+from sdcwatch.telemetry.guard_config import ACTIONS, REASONS, VERDICTS
+
+__all__ = ["GuardActionDetector", "GUARD_KINDS", "action_of"]
+
+_SEVERE = ("rollback", "evict")
+_REASON_TEXT = {"nonfinite": "a non-finite loss or gradient", "spike": "a loss or gradient spike",
+                "control": "a decision of the detector service", "": "an unstated reason"}
+
+
+def action_of(kind: str) -> str | None:
+    """``guard_skip`` -> ``skip``; None for a kind that is not a guard action."""
+    return kind[len("guard_"):] if kind in GUARD_KINDS else None
+
+
+def _code(col: np.ndarray | None, table: tuple[str, ...]) -> int:
+    if col is None:
+        return 0
+    with np.errstate(invalid="ignore"):
+        vals = col[np.isfinite(col)]
+    if not vals.size:
+        return 0
+    v = int(vals.max())
+    return v if 0 <= v < len(table) else -1
+
+
+@register(default=True)
+class GuardActionDetector(SplitDetector):
+    """A finding for every step at which the guard skipped, reran, rolled back or evicted."""
+
+    name = "guard"
+    fault = "guard_action"
+
+    def observe(self, frame: StepFrame) -> dict[str, Any] | None:
+        """The action the ranks report for this step (None when there was none)."""
+        action = _code(frame.scalar("guard_action"), ACTIONS)
+        if action == 0:
+            return None
+        rank_col = frame.scalar("guard_rank")
+        rank = -1
+        if rank_col is not None:
+            with np.errstate(invalid="ignore"):
+                ok = rank_col[np.isfinite(rank_col)]
+            rank = int(ok.max()) if ok.size else -1
+        return {"action": action, "reason": _code(frame.scalar("guard_reason"), REASONS),
+                "verdict": _code(frame.scalar("guard_verdict"), VERDICTS), "rank": rank}
+
+    def judge(self, at: StepContext, seen: dict[str, Any] | None) -> list[Finding]:
+        if seen is None:
+            return []
+        code = int(seen["action"])
+        if code < 0:  # a code from a newer guard: still an action, and still shown
+            action, severity = "unknown", Severity.WARNING
+        else:
+            action = ACTIONS[code]
+            severity = Severity.CRITICAL if action in _SEVERE else Severity.WARNING
+        reason = REASONS[seen["reason"]] if 0 <= seen["reason"] < len(REASONS) else ""
+        verdict = VERDICTS[seen["verdict"]] if 0 <= seen["verdict"] < len(VERDICTS) else ""
+        rank = int(seen["rank"])
+        ranks = (rank,) if 0 <= rank < at.world else ()
+        host = at.hosts[rank] if ranks and rank < len(at.hosts) and at.hosts[rank] else ""
+        on = f" rank {rank}" + (f" (host {host})" if host else "") if ranks else ""
+        done = {"skip": "skipped the update of", "rerun": "reran", "rollback": "rolled back at",
+                "evict": f"evicted{on} at", "unknown": "acted at"}[action]
+        msg = f"guard {done} step {at.step} on every rank, for {_REASON_TEXT.get(reason, reason)}"
+        if ranks and action != "evict":
+            msg += f" on{on}"
+        if verdict:
+            msg += f"; rerun verdict: {verdict}"
+        return [Finding(
+            detector=self.name, kind=f"guard_{action}" if action != "unknown" else "guard_unknown",
+            severity=severity, run=at.run, step=at.step, score=float(max(code, 0)), message=msg, ranks=ranks,
+            hosts=(host,) if host else (), metric="guard_action",
+            # every action is its own event: "onset" lets the incident book announce each one
+            evidence={"action": action, "reason": reason, "verdict": verdict, "phase": "onset"},
+        )]

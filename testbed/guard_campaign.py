@@ -1,0 +1,290 @@
+"""The campaign's third way: the faulted run again, with the guard and the whole loop, and the damage saved.
+
+``sdcwatch bench campaign --guard`` runs every trial three ways from the same checkpoint: the clean
+twin (guarded too: any action on it is a false action), the faulted run (unguarded, as in the
+detection campaign) and the faulted run with the guard. The guarded branches close the loop in
+process: each completed step's frame goes through a forked, warmed-up copy of the default
+detection pipeline, the incidents through :class:`~sdcwatch.detectors.control.ControlPolicy` (every
+action on), the decisions into the guard's control reader, and the ranks act on them at the next
+step boundary. An eviction is followed by what a launcher does: the evicted rank gets healthy
+hardware, the job restarts from the last snapshot before the incident and goes on.
+
+A guarded branch runs until it has trained on the same data as the twin (a rollback replays data),
+so it may take more steps: those are the *steps spent*. Per trial:
+
+* ``final_excess``: relative excess of the final loss over the twin's (same batches), unguarded and guarded;
+* ``drift``: ``max_r ||θ^r - θ_c|| / ||θ_c - θ_0||`` at the end, unguarded and guarded;
+* ``actions``: what the guard did (``{step, action, ranks, reason, verdict}``), ``steps_spent`` (extra
+  steps after rollbacks and restarts) and ``reruns`` (extra forward/backward passes);
+* ``verdict`` / ``verdict_right``: the first rerun verdict at or after the fault against the ground
+  truth of the fault's class (:data:`EXPECTED_VERDICT`);
+* ``evicted_rank`` / ``evicted_after``: the first eviction and its delay from the fault's first step.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from statistics import median
+from typing import Any, Sequence
+
+__all__ = ["EXPECTED_VERDICT", "GuardedBranch", "run_guarded_branch", "guard_trial", "summarise_guard",
+           "check_guard_targets", "guard_table", "campaign_guard_config"]
+
+#: Ground truth for a rerun's verdict, by fault class: a one-off corruption of a value does not
+#: repeat (transient); an unhealthy unit or a corrupted replica repeats on that rank only
+#: (persistent); bad data and a learning-rate spike repeat wherever they are computed (data).
+EXPECTED_VERDICT = {
+    **{c: "transient" for c in ("nan_attn", "inf_attn", "near_inf_attn", "nan_other", "inf_other", "near_inf_other",
+                                "bitflip_exponent", "bitflip_mantissa")},
+    "unhealthy_node": "persistent", "param_bitflip": "persistent",
+    "lr_spike": "data", "bad_batch_all": "data", "bad_batch_rank": "data",
+}
+_VERDICTS = ("transient", "persistent", "data", "reproducible")
+
+
+def campaign_guard_config() -> Any:
+    """The guard the campaign measures: the default settings with actions on."""
+    from sdcwatch.telemetry.guard_config import GuardConfig
+
+    return GuardConfig(mode="act")
+
+
+@dataclass
+class GuardedBranch:
+    """A guarded branch: what :class:`~sdcwatch.testbed.campaign.Branch` holds, plus what the guard did."""
+
+    frames: list
+    losses: list[float]
+    params: list[Any]
+    seconds: float
+    actions: list[dict[str, Any]] = field(default_factory=list)
+    reruns: int = 0
+    steps_run: int = 0
+    evictions: list[tuple[int, tuple[int, ...]]] = field(default_factory=list)
+    finished: bool = True
+
+
+def run_guarded_branch(config: Any, checkpoint: Path, faults: Sequence[Any], data_seed: int, runner: Any,
+                       run_id: str = "campaign-guarded", max_factor: int = 3) -> GuardedBranch:
+    """Run the branch with the guard and the in-process loop until it has trained on the twin's data.
+
+    ``runner`` is a warmed-up sdcwatch campaign runner (forked here, so every branch starts from the
+    same detection state). At most ``max_factor * branch_steps`` steps are run.
+    """
+    from sdcwatch.testbed.campaign import RecordCollector, _flat_params
+    from sdcwatch.detectors.control import ControlPolicy, ControlTopicSink
+    from sdcwatch.detectors.frame import StepFrame
+    from sdcwatch.telemetry.control import MemoryControl
+    from sdcwatch.telemetry.guard_config import GuardEviction
+    from sdcwatch.testbed.simulated import SimulatedRun
+
+    t0 = time.perf_counter()
+    records: list = []
+    control = MemoryControl()
+    pipeline = runner.fork().pipeline
+    sink = ControlTopicSink.with_policy(ControlPolicy(actions=True), control.put)
+    frames: list = []
+    pending: dict[int, list] = {}
+    cursor = [0]
+
+    def feed(upto: int) -> None:
+        for rec in records[cursor[0]:]:
+            pending.setdefault(rec.step, []).append(rec)
+        cursor[0] = len(records)
+        for s in sorted(k for k in pending if k <= upto):
+            frame = StepFrame.from_records(run_id, s, config.world, pending.pop(s))
+            frames.append(frame)
+            for ev in pipeline.process_frame(frame):
+                sink.publish(ev)
+
+    def factory(rank: int, host: str = "") -> RecordCollector:
+        return RecordCollector(records, run=run_id, rank=rank, world=config.world, host=host)
+
+    run = SimulatedRun(config.world, seed=config.seed, faults=faults, emitter_factory=factory,
+                       batch_size=config.batch_size, guard=campaign_guard_config(), control=control)
+    evictions: list[tuple[int, tuple[int, ...]]] = []
+    try:
+        run.load_checkpoint(checkpoint)
+        run.seed = data_seed
+        end = run.data_pos + config.branch_steps
+        first = run.step
+        limit = first + max_factor * config.branch_steps
+        while run.data_pos < end and run.step < limit:
+            try:
+                # records of step s are complete once step s + 1 ran (the probes read one step late)
+                run.train(1, on_step=lambda step, _run: feed(step - 1))
+            except GuardEviction as ev:  # what a launcher does: restart without the node, from a snapshot
+                evictions.append((ev.step, tuple(ev.ranks)))
+                run.replace_ranks(ev.ranks)
+                pos = run.guard.restore(ev.since_step, ev.ranks)
+                if pos is not None:
+                    run.data_pos = pos
+        finished = run.data_pos >= end
+        params = _flat_params(run)
+        steps_run = run.step - first
+        actions = [{**a.to_dict(), "step": a.step - config.pretrain_steps} for a in run.guard.actions
+                   if a.action != "none"]
+        reruns = run.guard.reruns
+        losses = list(run.history[-config.branch_steps:])
+    finally:
+        run.close()
+    feed(1 << 62)
+    return GuardedBranch(frames, losses, params, time.perf_counter() - t0, actions, reruns, steps_run,
+                         [(s - config.pretrain_steps, r) for s, r in evictions], finished)
+
+
+def _drift(params: Sequence[Any], twin: Any, theta0: Any) -> float:
+    import torch
+
+    if not all(bool(torch.isfinite(p).all()) for p in params):
+        return math.inf
+    motion = float(torch.linalg.vector_norm(twin.params[0] - theta0))
+    return max(float(torch.linalg.vector_norm(p - twin.params[0])) for p in params) / max(motion, 1e-30)
+
+
+def _excess(loss: float, ref: float) -> float:
+    return (loss - ref) / ref if math.isfinite(loss) else math.inf
+
+
+def _num(v: float) -> float | str:
+    return v if math.isfinite(v) else ("NaN" if math.isnan(v) else "Infinity")
+
+
+def guard_trial(trial: Any, fault_step: int, faulted: Any, twin: GuardedBranch, guarded: GuardedBranch,
+                theta0: Any, window: int) -> dict[str, Any]:
+    """What the guard saved on one trial (see the module docstring); ``fault_step`` counts from the checkpoint."""
+    rel = fault_step
+    verdicts = [a for a in guarded.actions if a["verdict"] in _VERDICTS and a["step"] >= rel]
+    verdict = verdicts[0]["verdict"] if verdicts else None
+    expected = EXPECTED_VERDICT.get(trial.fault_class)
+    ev = next(((s, r) for s, r in guarded.evictions if s >= rel), None)
+    return {
+        "final_loss": {"twin": _num(twin.losses[-1]), "faulted": _num(faulted.losses[-1]),
+                       "guarded": _num(guarded.losses[-1]) if guarded.losses else None},
+        "final_excess": {"faulted": _num(_excess(faulted.losses[-1], twin.losses[-1])),
+                         "guarded": _num(_excess(guarded.losses[-1], twin.losses[-1]))},
+        "drift": {"faulted": _num(_drift(faulted.params, twin, theta0)),
+                  "guarded": _num(_drift(guarded.params, twin, theta0))},
+        "actions": guarded.actions,
+        "twin_actions": twin.actions,
+        "steps_spent": guarded.steps_run - len(twin.losses),
+        "reruns": guarded.reruns,
+        "finished": guarded.finished,
+        "verdict": verdict,
+        "expected_verdict": expected,
+        "verdict_right": None if verdict is None else verdict == expected,
+        "evicted_rank": ev[1][0] if ev else None,
+        "evicted_after": ev[0] - rel if ev else None,
+        "evicted_in_window": bool(ev and ev[0] - rel <= window and ev[1] == (trial.fault.rank,)),
+        "seconds": round(twin.seconds + guarded.seconds, 2),
+    }
+
+
+def _f(x: Any) -> float:
+    if isinstance(x, str):
+        return {"NaN": math.nan, "Infinity": math.inf}.get(x, math.nan)
+    return math.nan if x is None else float(x)
+
+
+def summarise_guard(trials: Sequence[dict]) -> dict[str, Any]:
+    """Per fault class (and ``all``): medians of final loss excess and drift with and without the
+    guard, actions by kind, steps spent, rerun verdict accuracy, evictions, actions on the twins."""
+    groups: dict[str, list[dict]] = {}
+    for t in trials:
+        groups.setdefault(t["class"], []).append(t)
+    groups["all"] = list(trials)
+    out = {}
+    for cls, ts in groups.items():
+        g = [t["guard"] for t in ts]
+        kinds: dict[str, int] = {}
+        for x in g:
+            for a in x["actions"]:
+                kinds[a["action"]] = kinds.get(a["action"], 0) + 1
+        judged = [x for x in g if x["verdict"] is not None]
+
+        def med(key: str, way: str) -> float | None:
+            vals = [_f(x[key][way]) for x in g]
+            vals = [v for v in vals if not math.isnan(v)]
+            return _num(median(vals)) if vals else None
+
+        out[cls] = {
+            "trials": len(ts),
+            "final_excess_faulted": med("final_excess", "faulted"),
+            "final_excess_guarded": med("final_excess", "guarded"),
+            "drift_faulted": med("drift", "faulted"),
+            "drift_guarded": med("drift", "guarded"),
+            "actions": kinds,
+            "steps_spent": sum(x["steps_spent"] for x in g),
+            "reruns": sum(x["reruns"] for x in g),
+            "verdicts_right": f"{sum(bool(x['verdict_right']) for x in judged)}/{len(judged)}",
+            "evicted_in_window": f"{sum(x['evicted_in_window'] for x in g)}/{len(g)}",
+            "twin_actions": sum(len(x["twin_actions"]) for x in g),
+        }
+    return out
+
+
+def check_guard_targets(trials: Sequence[dict]) -> list[dict[str, Any]]:
+    """The issue's mitigation targets, each with what was measured and whether it was met."""
+    def of(*prefixes: str) -> list[dict]:
+        return [t for t in trials if t["class"].startswith(prefixes)]
+
+    def row(name: str, num: int, den: int, goal: float, note: str = "") -> dict[str, Any]:
+        value = None if den == 0 else num / den
+        return {"target": name, "value": value, "count": f"{num}/{den}" + (f" ({note})" if note else ""),
+                "goal": goal, "met": None if value is None else value >= goal}
+
+    out = []
+    nf = of("nan_", "inf_", "near_inf_")
+    ok = [t for t in nf if math.isfinite(_f(t["guard"]["final_excess"]["guarded"]))
+          and abs(_f(t["guard"]["final_excess"]["guarded"])) <= 0.01]
+    out.append(row("NaN/Inf/near-INF: guarded run ends finite, within 1% of the twin's final loss", len(ok), len(nf), 1.0))
+    pb = [t for t in of("param_bitflip") if t["impact"]["class"] != "negligible"]
+    ok = [t for t in pb if _f(t["guard"]["drift"]["guarded"]) * 10 <= _f(t["guard"]["drift"]["faulted"])]
+    out.append(row("param bit flips with impact: guarded drift >= 10x smaller", len(ok), len(pb), 1.0))
+    un = of("unhealthy_node")
+    out.append(row("unhealthy node evicted within the window", sum(t["guard"]["evicted_in_window"] for t in un),
+                   len(un), 0.90))
+    bn = of("lr_spike", "bad_batch")
+    ok = [t for t in bn if not any(a["action"] in ("rollback", "evict") for a in t["guard"]["actions"])]
+    out.append(row("benign spikes: never a rollback or an eviction", len(ok), len(bn), 1.0))
+    judged = [t for t in trials if t["guard"]["verdict"] is not None]
+    out.append(row("rerun verdict right (transient / persistent / data)",
+                   sum(bool(t["guard"]["verdict_right"]) for t in judged), len(judged), 0.95))
+    twin = sum(len(t["guard"]["twin_actions"]) for t in trials)
+    steps = sum(t["clean_steps"] for t in trials)
+    out.append({"target": "zero actions on the clean twins", "value": twin, "count": f"{twin} in {steps} steps",
+                "goal": 0, "met": twin == 0})
+    return out
+
+
+def guard_table(result: dict[str, Any]) -> str:
+    """The guard's summary and targets as markdown."""
+    def f(x: Any, pct: bool = False) -> str:
+        if x is None:
+            return "–"
+        if isinstance(x, str):
+            return x
+        return f"{100 * x:+.2f}%" if pct else f"{x:.3g}"
+
+    lines = ["| class | trials | final loss excess, unguarded | guarded | drift, unguarded | guarded | actions "
+             "| steps spent | reruns | rerun verdict right | evicted in window | actions on twins |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for cls, s in result["guard_summary"].items():
+        acts = ", ".join(f"{k} {v}" for k, v in sorted(s["actions"].items())) or "none"
+        lines.append(f"| {cls} | {s['trials']} | {f(s['final_excess_faulted'], True)} | "
+                     f"{f(s['final_excess_guarded'], True)} | {f(s['drift_faulted'])} | {f(s['drift_guarded'])} | "
+                     f"{acts} | {s['steps_spent']} | {s['reruns']} | {s['verdicts_right']} | "
+                     f"{s['evicted_in_window']} | {s['twin_actions']} |")
+    lines += ["", "| target (guard) | measured | met |", "|---|---|---|"]
+    for t in result.get("guard_targets") or []:
+        met = "–" if t["met"] is None else ("yes" if t["met"] else "**no**")
+        lines.append(f"| {t['target']} | {t['count']} | {met} |")
+    return "\n".join(lines)
+
+
+def shifted(fault: Any, by: int) -> Any:
+    """The fault with its step moved by ``by`` (campaign steps count from the checkpoint)."""
+    return replace(fault, step=fault.step + by)
