@@ -132,7 +132,7 @@ def test_skip_nonfinite_keeps_every_replica_finite_after_a_nan(tmp_path, skip):
 def test_guard_nan_on_one_rank_is_handled_on_every_rank_and_replicas_agree(tmp_path, on_nonfinite, action):
     """The guard over real gloo processes: a NaN on rank 1 at step 3 is skipped (or rerun as the
     transient fault it is) on every rank at that step, training continues, the replicas agree."""
-    from sdcwatch.detectors.replay import read_records
+    from sdcwatch.detectors.offline import read_records
 
     world, steps, nan_step = 3, 6, 3
     settings = DDPSettings(
