@@ -142,7 +142,8 @@ def test_guard_nan_on_one_rank_is_handled_on_every_rank_and_replicas_agree(tmp_p
                           where="output", seed=1),),
     )
     launch(settings)
-    table = {(r.step, r.rank): r for rank in range(world) for r in read_records(tmp_path / f"rank{rank}.jsonl")}
+    table = {(r.step, r.rank): r for rank in range(world) for r in read_records(tmp_path / f"rank{rank}.jsonl")
+             if not is_end_marker(r)}
     assert set(table) == {(s, r) for s in range(steps) for r in range(world)}
     for r in range(world):  # every rank took the same action at the same step, and only there
         acted = [s for s in range(steps) if "guard_action" in table[s, r].scalars]
