@@ -22,16 +22,13 @@ from pathlib import Path
 import torch
 
 from sdcwatch.telemetry import Emitter, MemoryBus, MemoryTransport, NullEmitter
+from sdcwatch.telemetry.presets import PROBE_PRESETS, probe_config
 from sdcwatch.telemetry.probes import ProbeConfig, attach
 from sdcwatch.testbed.model import GPT, GPTConfig
 from sdcwatch.testbed.simulated import shared_corpus
 
-CONFIGS = {
-    "default": ProbeConfig(),
-    "all_every_step": ProbeConfig(every=1, attention_every=1, fingerprint_every=1, heads=0, queries=10_000),
-    # the floor: loss, gradient norm, step time, lr on every step; no attention, no fingerprints
-    "scalars_only": ProbeConfig(attention_every=1 << 30, fingerprint_every=1 << 30),
-}
+# the campaign's names (sdcwatch.telemetry.presets): the cost and the detection of one configuration
+CONFIGS = dict(PROBE_PRESETS)
 
 
 class _Replica:
@@ -47,7 +44,11 @@ class _Replica:
         if probes is not None:
             self.emitter = (NullEmitter() if null_emitter
                             else Emitter(MemoryTransport(bus), run="bench", rank=0, world=1, host="bench"))
-            self.watch = attach(self.model, self.emitter, optimizer=self.opt, config=probes)
+            canary = None
+            if probes.canary_every:  # a fixed input, as a user would pass
+                canary = torch.randint(0, model_cfg.vocab, (2, model_cfg.seq_len),
+                                       generator=torch.Generator().manual_seed(0x5DC))
+            self.watch = attach(self.model, self.emitter, optimizer=self.opt, config=probes, canary_input=canary)
 
     def step(self, step: int, batch: torch.Tensor) -> tuple[float, float]:
         """Run one step; returns its wall time and the training thread's CPU time."""
@@ -111,36 +112,47 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=400, help="timed step pairs per configuration")
     ap.add_argument("--warmup", type=int, default=30)
     ap.add_argument("--batch-size", type=int, default=8)
-    ap.add_argument("--d-model", type=int, default=64)
+    ap.add_argument("--d-model", type=int, nargs="+", default=[64],
+                    help="model width(s); several measure how the overhead falls as the model grows")
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated subset of {sorted(CONFIGS)}")
+    ap.add_argument("--probes", "--configs", dest="configs", default=",".join(CONFIGS),
+                    help=f"comma-separated presets ({', '.join(CONFIGS)}) or JSON/TOML files of probe settings "
+                         "(the names sdcwatch bench campaign --probes takes)")
     ap.add_argument("--null-emitter", action="store_true",
                     help="probes only: records go to a do-nothing emitter (isolates the emitter's share)")
     ap.add_argument("--out", help="write the results as JSON here")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    model_cfg = GPTConfig(d_model=args.d_model, n_layer=args.layers, seq_len=args.seq_len)
     results = {
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "torch": torch.__version__,
         "machine": platform.processor() or platform.machine(),
         "threads": args.threads,
-        "model": model_cfg.__dict__,
+        "model": GPTConfig(d_model=args.d_model[0], n_layer=args.layers, seq_len=args.seq_len).__dict__,
         "batch_size": args.batch_size,
         "emitter": "NullEmitter" if args.null_emitter else "Emitter(MemoryTransport)",
         "results": {},
     }
-    for name in args.configs.split(","):
-        if name not in CONFIGS:
-            ap.error(f"unknown config {name!r}; known: {sorted(CONFIGS)}")
-        r = measure(CONFIGS[name], args.steps, args.warmup, args.batch_size, model_cfg, args.null_emitter)
-        results["results"][name] = r
-        print(f"{name:15s} step {r['median_step_ms_without']:.2f} ms -> {r['median_step_ms_with']:.2f} ms; "
-              f"overhead {r['overhead_pct']:+.2f}% wall, {r['cpu_overhead_pct']:+.2f}% training-thread CPU "
-              f"(medians of paired ratios over {r['steps']} steps); "
-              f"{r['records_emitted']} records")
+    configs = []
+    for spec in args.configs.split(","):
+        try:
+            configs.append(probe_config(spec))
+        except Exception as exc:  # ConfigError: name the bad preset or file
+            ap.error(str(exc))
+    for width in args.d_model:
+        model_cfg = GPTConfig(d_model=width, n_layer=args.layers, seq_len=args.seq_len,
+                              n_head=max(4, width // 64))  # d_head 16 at the reference width, 64 from 256 on
+        for name, probes in configs:
+            r = measure(probes, args.steps, args.warmup, args.batch_size, model_cfg, args.null_emitter)
+            r["d_model"] = width
+            key = name if len(args.d_model) == 1 else f"{name}@d{width}"
+            results["results"][key] = r
+            print(f"{key:15s} step {r['median_step_ms_without']:.2f} ms -> {r['median_step_ms_with']:.2f} ms; "
+                  f"overhead {r['overhead_pct']:+.2f}% wall, {r['cpu_overhead_pct']:+.2f}% training-thread CPU "
+                  f"(medians of paired ratios over {r['steps']} steps); "
+                  f"{r['records_emitted']} records", flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
     return 0

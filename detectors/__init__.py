@@ -26,6 +26,7 @@ _LAZY = {
     "incident_from_dict": "sdcwatch.detectors.incidents",
     "RunLifecycle": "sdcwatch.detectors.lifecycle",
     "NonFiniteDetector": "sdcwatch.detectors.nonfinite",
+    "ChecksumDetector": "sdcwatch.detectors.checksum",
     "DetectionPipeline": "sdcwatch.detectors.pipeline",
     "PipelineSettings": "sdcwatch.detectors.pipeline",
     "RankOutlierDetector": "sdcwatch.detectors.rank_outlier",

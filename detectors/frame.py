@@ -13,7 +13,7 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
-from sdcwatch.core.names import FINGERPRINTS, LAYER_METRICS, SCALARS
+from sdcwatch.core.names import CHECK_METRICS, FINGERPRINTS, LAYER_METRICS, SCALARS
 from sdcwatch.telemetry.record import Record
 
 __all__ = ["StepFrame", "frame_stats"]
@@ -60,7 +60,7 @@ class StepFrame:
     ) -> "StepFrame":
         """Assemble the frame of one step; ``records`` hold at most one record per rank."""
         snames = _ordered(SCALARS, (n for r in records for n in r.scalars))
-        lnames = _ordered(LAYER_METRICS, (n for r in records for n in r.layers))
+        lnames = _ordered(LAYER_METRICS + CHECK_METRICS, (n for r in records for n in r.layers))
         fnames = _ordered(FINGERPRINTS, (n for r in records for n in r.fingerprints))
         n_layers = max((len(v) for r in records for v in r.layers.values()), default=0)
         sidx = {n: i for i, n in enumerate(snames)}

@@ -19,6 +19,7 @@ from sdcwatch.detectors.base import SplitDetector, StepContext
 from sdcwatch.detectors.registry import register
 from sdcwatch.detectors.frame import StepFrame
 from sdcwatch.detectors.types import Finding, Severity
+from sdcwatch.core.names import RATIO_METRICS
 
 __all__ = ["NonFiniteDetector"]
 
@@ -36,6 +37,25 @@ def _act_layer(frame: StepFrame, S: np.ndarray, rank: int, column: int) -> int |
         return None
     layer = S[rank, names.index("act_max_layer")]
     return int(layer) if np.isfinite(layer) and layer >= 0 else None
+
+
+def _origin_order(hits: list[tuple[int, str, int | None, float]]):
+    """Sort key that puts first the hit closest to where the bad value was made: a product whose
+    output is bad while its input is fine made it (``gemm_fwd`` without ``gemm_in``); else the first
+    product that received it (``gemm_in``), else the residual stream, else the lowest layer (a layer
+    metric before ``act_max``), else scalars."""
+    bad_inputs = {(h[0], h[2]) for h in hits if h[1] == "gemm_in"}
+    order = {"gemm_in": 1, "stream_max": 2, "logit_max": 2}
+
+    def key(h: tuple[int, str, int | None, float]) -> tuple:
+        rank, metric, layer, _ = h
+        if layer is None:
+            return (4, 0, False, rank)
+        if metric == "gemm_fwd":
+            return (0 if (rank, layer) not in bad_inputs else 3, layer, False, rank)
+        return (order.get(metric, 3), layer, metric == "act_max", rank)
+
+    return key
 
 
 @dataclass(frozen=True)
@@ -71,6 +91,7 @@ class NonFiniteDetector(SplitDetector):
         self._last_bad: int | None = None
         self._origin_where: tuple[str, int | None] | None = None  # (metric, layer) the streak began at
         self._masks: dict[tuple[str, ...], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        self._limits: dict[tuple[str, ...], np.ndarray] = {}
 
     def _columns(self, names: tuple[str, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(value columns, counter columns, all-reduced columns) of a scalar layout (cached)."""
@@ -81,6 +102,15 @@ class NonFiniteDetector(SplitDetector):
             is_global = np.array([n in _GLOBAL for n in names], bool)
             masks = self._masks[names] = (values, counters, is_global)
         return masks
+
+    def _layer_limits(self, names: tuple[str, ...]) -> np.ndarray:
+        """Per layer metric: ``limit``, or infinity for ratios to a bound (only NaN/Inf count there;
+        a large ratio is the checksum detector's finding, not a near-INF value)."""
+        limits = self._limits.get(names)
+        if limits is None:
+            limits = self._limits[names] = np.array(
+                [np.inf if n in RATIO_METRICS else self.limit for n in names])
+        return limits
 
     def observe(self, frame: StepFrame) -> dict[str, Any] | None:
         """Every bad cell of the step and which ranks it blames (None on a clean step)."""
@@ -109,8 +139,9 @@ class NonFiniteDetector(SplitDetector):
                              for a, b in zip(r, c)]
         L = frame.layers
         if L.size and not np.abs(L).max() < self.limit:  # NaN fails the comparison: look closer
+            limits = self._layer_limits(frame.layer_names)
             with np.errstate(invalid="ignore"):
-                bad = ~(np.abs(L) < self.limit) & frame.sent_layers()
+                bad = ~(np.abs(L) < limits[None, :, None]) & frame.sent_layers()
             if bad.any():
                 r, m, lay = np.nonzero(bad)
                 n_bad += r.size
@@ -151,9 +182,9 @@ class NonFiniteDetector(SplitDetector):
             self._origin, self._origin_step = tuple(sorted(culprits)), frame.step
         ranks = tuple(sorted(culprits))
         own = [h for h in hits if h[0] in culprits] or hits
-        # name the layer-level hit first: it localises better than a loss; the lowest layer is the
-        # one the forward pass reached first; in it, a layer metric says more than act_max
-        first = min(own, key=lambda h: (h[2] is None, h[2] or 0, h[1] == "act_max", h[0]))
+        # name the layer-level hit first: it localises better than a loss; the product that made a
+        # bad value first, else the lowest layer the forward pass reached, a layer metric before act_max
+        first = min(own, key=_origin_order(own))
         rank, metric, layer, value = first
         if ranks and rank not in culprits:  # the streak's origin was cut from a long list of hits
             rank = ranks[0]

@@ -24,7 +24,7 @@ from sdcwatch.detectors.frame import StepFrame
 from sdcwatch.detectors.types import Finding, Severity
 from sdcwatch.core.errors import ConfigError
 from sdcwatch.core.kinds import IncidentKind
-from sdcwatch.core.names import RANK_SCALARS
+from sdcwatch.core.names import CHECK_METRICS, RANK_SCALARS
 
 __all__ = ["RankOutlierDetector", "RankOutlierConfig"]
 
@@ -133,18 +133,20 @@ class RankOutlierDetector(SplitDetector):
             idx = [frame.scalar_names.index(n) for n in self.scalars if n in frame.scalar_names]
             metrics = [frame.scalar_names[i] for i in idx]
             layers: list[int | None] = [None] * len(idx)
+            stats = [m for m, n in enumerate(frame.layer_names) if n not in CHECK_METRICS]
             if frame.layers.size:
-                for m in frame.layer_names:
-                    metrics += [m] * frame.n_layers
+                for m in stats:
+                    metrics += [frame.layer_names[m]] * frame.n_layers
                     layers += list(range(frame.n_layers))
             sig = "|".join(metrics) + "#" + ",".join("-" if v is None else str(v) for v in layers)
-            cached = self._layout[key] = (idx, metrics, layers, sig)
-        idx, metrics, layers, sig = cached
+            cached = self._layout[key] = (idx, metrics, layers, sig, stats)
+        idx, metrics, layers, sig, stats = cached
         k_s = len(idx)
         X = np.empty((len(metrics), frame.world))
         X[:k_s] = frame.scalars[:, idx].T
-        if frame.layers.size:
-            X[k_s:] = frame.layers.reshape(frame.world, -1).T
+        if frame.layers.size and stats:
+            block = frame.layers if len(stats) == len(frame.layer_names) else frame.layers[:, stats, :]
+            X[k_s:] = block.reshape(frame.world, -1).T
         return X, metrics, layers, f"{frame.world}:{sig}"
 
     def _reset(self, sig: str, k: int, world: int) -> None:

@@ -20,6 +20,7 @@ __all__ = ["register", "detector_classes", "default_classes", "default_detectors
 #: The modules that define the built-in detectors (imported on first use of the registry).
 _MODULES = (
     "sdcwatch.detectors.nonfinite",
+    "sdcwatch.detectors.checksum",
     "sdcwatch.detectors.spike",
     "sdcwatch.detectors.rank_outlier",
     "sdcwatch.detectors.replica",

@@ -85,6 +85,10 @@ def _campaign_parser() -> argparse.ArgumentParser:
                     help="steps to the checkpoint and steps per branch (default 150 60)")
     ap.add_argument("--batch-size", type=int, help="sequences per rank per step (default 4)")
     ap.add_argument("--detectors", nargs="+", help="detectors to score (default: sdcwatch and every baseline)")
+    ap.add_argument("--probes", default="default",
+                    help="probe configuration of the ranks: default (what attach() ships), every-step, scalars-only, "
+                         "or a JSON/TOML file of probe settings; bench/bench_overhead.py --probes takes the same")
+    ap.add_argument("--classes", nargs="+", help="fault classes of the generator (default: all)")
     ap.add_argument("--out", help="write the JSON result here")
     ap.add_argument("--quick", action="store_true", help="CI size: 3 trials on 4 ranks")
     ap.add_argument("--guard", action="store_true",
@@ -100,7 +104,9 @@ def campaign_main(argv: Sequence[str]) -> dict:
 
     args = _campaign_parser().parse_args(list(argv))
     config = CampaignConfig(**QUICK_CAMPAIGN) if args.quick else CampaignConfig()
-    changes: dict[str, Any] = {"seed": args.seed}
+    changes: dict[str, Any] = {"seed": args.seed, "probes": args.probes}
+    if args.classes:
+        changes["classes"] = tuple(args.classes)
     if args.trials is not None:
         changes["trials"] = args.trials
     if args.ranks is not None:
@@ -119,7 +125,10 @@ def campaign_main(argv: Sequence[str]) -> dict:
         from sdcwatch.telemetry.faults import load_faults
 
         faults = load_faults(args.faults)
+    from sdcwatch.telemetry.presets import probe_config
+
     result = run_campaign(config, faults, detectors=args.detectors, guard=args.guard)
+    result["config"]["probe_settings"] = dict(probe_config(config.probes)[1].__dict__)
     result["machine"] = machine()
     result["command"] = "sdcwatch bench campaign " + " ".join(argv)
     _write(args.out, result)

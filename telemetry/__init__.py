@@ -44,6 +44,14 @@ _LAZY = {
     "Decision": "sdcwatch.telemetry.control",
     "KafkaControl": "sdcwatch.telemetry.control",
     "MemoryControl": "sdcwatch.telemetry.control",
+    "GemmChecks": "sdcwatch.telemetry.checksum",
+    "check_linear": "sdcwatch.telemetry.checksum",
+    "check_matmul": "sdcwatch.telemetry.checksum",
+    "check_weight_grad": "sdcwatch.telemetry.checksum",
+    "observe_gemm": "sdcwatch.telemetry.checksum",
+    "ResidualStream": "sdcwatch.telemetry.extremes",
+    "PROBE_PRESETS": "sdcwatch.telemetry.presets",
+    "probe_config": "sdcwatch.telemetry.presets",
 }
 
 __all__ = [

@@ -32,11 +32,14 @@ class PackedStep(NamedTuple):
     n_attn: int
     fp_names: list[str]
     host: dict[str, float]
+    extra_sizes: list[tuple[str, int]] = []
+    """Per-layer vectors of other probes (checksums, residual stream) after the attention grid."""
 
 
 def pack_step(step: int, device_scalars: dict[str, torch.Tensor], attn: torch.Tensor | None,
               fingerprints: dict[str, torch.Tensor], host: dict[str, float], *,
-              nonfinite_extra: torch.Tensor | None = None) -> PackedStep:
+              nonfinite_extra: torch.Tensor | None = None, layers: dict[str, torch.Tensor] | None = None
+              ) -> PackedStep:
     """One device tensor (float64 values bit-cast to int64, then fingerprints) and its async copy."""
     names = list(device_scalars)
     values = [t if t.dtype == torch.float32 else t.float() for t in device_scalars.values()]  # all 0-d
@@ -50,6 +53,11 @@ def pack_step(step: int, device_scalars: dict[str, torch.Tensor], attn: torch.Te
     if attn is not None:
         floats = attn.reshape(-1).float() if floats is None else torch.cat([floats, attn.reshape(-1).float()])
         n_attn = attn.shape[0]
+    extra_sizes = []  # per-layer vectors of other probes (checksums, residual stream)
+    for name, vec in (layers or {}).items():
+        vec = vec.reshape(-1).float().to(floats.device if floats is not None else vec.device)
+        floats = vec if floats is None else torch.cat([floats, vec])
+        extra_sizes.append((name, vec.numel()))
     fp_names = list(fingerprints)
     pieces = [floats.double().view(torch.int64)] if floats is not None else []
     if fp_names:
@@ -68,16 +76,17 @@ def pack_step(step: int, device_scalars: dict[str, torch.Tensor], attn: torch.Te
         packed = host_buf
     elif packed.device.type != "cpu":
         packed = packed.to("cpu", non_blocking=True)
-    return PackedStep(step, packed, event, names, n_attn, fp_names, host)
+    return PackedStep(step, packed, event, names, n_attn, fp_names, host, extra_sizes)
 
 
 def unpack_step(pending: PackedStep) -> tuple[int, dict[str, float], dict[str, list] | None, dict[str, int] | None]:
     """(step, scalars, layers, fingerprints) of a packed step, read on the host (waits for its copy)."""
-    step, packed, event, names, n_attn, fp_names, host = pending
+    step, packed, event, names, n_attn, fp_names, host, extra_sizes = pending
     if event is not None:
         event.synchronize()
     values = packed.numpy()
-    n_float = len(names) + n_attn * len(ATTENTION_STATS)
+    at = len(names) + n_attn * len(ATTENTION_STATS)
+    n_float = at + sum(n for _, n in extra_sizes)
     floats = values[:n_float].view("float64")
     scalars = dict(host)
     scalars.update(zip(names, floats[: len(names)].tolist()))
@@ -88,7 +97,11 @@ def unpack_step(pending: PackedStep) -> tuple[int, dict[str, float], dict[str, l
     scalars["nonfinite"] = float(seen) + (extra if math.isfinite(extra) else 0.0)
     layers = None
     if n_attn:
-        grid = floats[len(names):].reshape(n_attn, len(ATTENTION_STATS))
+        grid = floats[len(names):at].reshape(n_attn, len(ATTENTION_STATS))
         layers = dict(zip(ATTENTION_STATS, grid.T.tolist()))
+    for name, n in extra_sizes:
+        layers = layers if layers is not None else {}
+        layers[name] = floats[at: at + n].tolist()
+        at += n
     fingerprints = {n: fp.finalize(v) for n, v in zip(fp_names, values[n_float:].tolist())} or None
     return step, scalars, layers, fingerprints

@@ -47,9 +47,22 @@ class ProbeConfig:
     the fault is far too small to move any statistic (an unhealthy node). Needs ``canary_input``
     and replicas of one hardware type (kernels must be deterministic across them)."""
 
+    checksum_every: int = 16
+    """Check every ``nn.Linear`` product (forward, weight gradient, weights in memory) on every
+    this-many-th recorded step with matrix checksums (:mod:`sdcwatch.telemetry.checksum`); 0 = off.
+    Catches finite corruption (a flipped bit) that no statistic shows, naming the layer. Every
+    step (1) catches a one-off flip at its step but costs several percent of a step (the checks
+    read every activation again, unfused); sampled, a device that keeps flipping bits is caught
+    within this many steps (the ``checksums`` preset checks every step)."""
+    stream_every: int = 1
+    """Record the largest |value| of every block's output (the residual stream) and of every
+    attention layer's logits on every this-many-th recorded step
+    (:mod:`sdcwatch.telemetry.extremes`); 0 = off."""
+
     def __post_init__(self) -> None:
         for key, lo in (("every", 1), ("attention_every", 1), ("fingerprint_every", 1), ("heads", 0), ("queries", 1),
-                        ("sequences", 0), ("canary_every", 0), ("activations_every", 0)):
+                        ("sequences", 0), ("canary_every", 0), ("activations_every", 0), ("checksum_every", 0),
+                        ("stream_every", 0)):
             v = getattr(self, key)
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise ConfigError(f"probes.{key}", f"must be an integer >= {lo}, got {v!r}")

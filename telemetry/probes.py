@@ -47,6 +47,7 @@ from sdcwatch.telemetry.attention import (
 )
 from sdcwatch.telemetry.canary import canary_fingerprint, canary_running
 from sdcwatch.telemetry.ddp_hook import comm_hook
+from sdcwatch.telemetry.finite import FiniteChecks
 from sdcwatch.telemetry.packing import PackedStep, pack_step, unpack_step
 from sdcwatch.telemetry.probe_config import ProbeConfig
 
@@ -109,6 +110,8 @@ class Watch(AttentionLayers):
 
             self._tap = AttentionTap(self)
             self._handles += self._tap.install(model)
+        self._finite = FiniteChecks(self, model, optimizer=optimizer, external=external)
+        self.checksums = self._finite.checksums  # GemmChecks: .names says which product each gemm_* layer is
         self._sync_activation_hooks()
         self._group = None
         self._ddp = ddp is not None and not external
@@ -159,6 +162,13 @@ class Watch(AttentionLayers):
         torch.compile a hook reading the step number would recompile at every sampled step)."""
         self._activations.sync(self._recording_activations and not self._closed)
         self.attention_on = self._recording_attention and not self._closed
+        self._finite.sync(self._closed)
+
+    def observe_attention(self, layer: int | nn.Module, q: torch.Tensor, k: torch.Tensor, *,
+                          logits: torch.Tensor | None = None, causal: bool = True) -> None:
+        """Measure one attention layer; its logits' extremes go to the residual-stream check."""
+        self._finite.observe_logits(layer, logits)
+        super().observe_attention(layer, q, k, logits=logits, causal=causal)
 
     def begin_step(self, step: int) -> None:
         """Optional: announce the step about to run (else the one after the last ``step()``)."""
@@ -281,7 +291,8 @@ class Watch(AttentionLayers):
     def _pack(self, step: int, device_scalars: dict, attn: torch.Tensor | None, host: dict) -> None:
         """Start this step's copy to the host; the previous step's record goes to the sender."""
         extra = sum(self._nonfinite[1:], self._nonfinite[0]).reshape(()).float() if self._nonfinite else None
-        packed = pack_step(step, device_scalars, attn, self._fps, host, nonfinite_extra=extra)
+        packed = pack_step(step, device_scalars, attn, self._fps, host, nonfinite_extra=extra,
+                           layers=self._finite.collect())
         self._handoff()
         self._pending = packed
 
@@ -358,6 +369,7 @@ class Watch(AttentionLayers):
             h.remove()
         self._handles.clear()
         self._activations.remove()
+        self._finite.remove()
         LIVE_WATCHES.discard(self)
         if self._tap is not None:
             self._tap.close()

@@ -40,10 +40,11 @@ from __future__ import annotations
 import copy
 import math
 import random
+import re
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from statistics import median
 from typing import Any, Callable, Iterable, Sequence
@@ -57,6 +58,7 @@ __all__ = [
     "CampaignConfig",
     "Trial",
     "FAULT_CLASSES",
+    "FLIP_CLASSES",
     "HARDWARE_CLASSES",
     "BENIGN_CLASSES",
     "SPIKE_REL",
@@ -86,13 +88,20 @@ IMPACT_CLASSES = ("negligible", "silent_drift", "spike", "nonfinite")
 HARDWARE_CLASSES = (
     "nan_attn", "inf_attn", "near_inf_attn", "nan_other", "inf_other", "near_inf_other",
     "bitflip_exponent", "bitflip_mantissa", "unhealthy_node", "param_bitflip",
+    # faults that are often masked (no effect on the loss) yet are the same hardware: extreme values
+    # written into the residual stream, flips in container modules' outputs and in weights' mantissas
+    "nonfinite_stream", "bitflip_container", "param_bitflip_mantissa",
 )
+#: Classes of one-element bit flips (their "detectable" subset is scored against the checksums).
+FLIP_CLASSES = ("bitflip_exponent", "bitflip_mantissa", "param_bitflip", "bitflip_container", "param_bitflip_mantissa")
 #: Benign instabilities of optimisation or data: detect them, blame no rank.
 BENIGN_CLASSES = ("lr_spike", "bad_batch_all", "bad_batch_rank")
 FAULT_CLASSES = HARDWARE_CLASSES + BENIGN_CLASSES
 
 _ATTN_GEMMS = ("blocks.{l}.attn.scores", "blocks.{l}.attn.mix")
 _OTHER = ("blocks.{l}.attn.qkv", "blocks.{l}.attn.proj", "blocks.{l}.mlp.fc", "blocks.{l}.mlp.proj", "head")
+_CONTAINERS = ("blocks.{l}", "blocks.{l}.attn", "blocks.{l}.mlp")
+_CONTAINER_NAME = re.compile(r"^blocks\.(\d+|\*)(\.attn|\.mlp)?$")
 _MATMULS = ("blocks.*.attn.qkv", "blocks.*.attn.proj", "blocks.*.mlp.fc", "blocks.*.mlp.proj")
 _TIMING_KINDS = frozenset({"straggler", "missing_rank"})
 
@@ -121,6 +130,10 @@ class CampaignConfig:
     """Sequences per rank per step."""
     classes: tuple[str, ...] = FAULT_CLASSES
     """Fault classes the generator draws from, round-robin."""
+    probes: str = "default"
+    """Probe configuration of every simulated rank: a preset of :mod:`sdcwatch.telemetry.presets`
+    (``default``: what ``attach()`` gives a user; ``every-step``) or a JSON/TOML file of settings.
+    The overhead benchmark takes the same names: detection and cost of one configuration."""
 
     def __post_init__(self) -> None:
         for key, lo in (("world", 2), ("trials", 1), ("pretrain_steps", 1), ("branch_steps", 2), ("window", 1),
@@ -132,6 +145,9 @@ class CampaignConfig:
         if not (isinstance(lo, int) and isinstance(hi, int) and 0 <= lo <= hi < self.branch_steps):
             raise ConfigError("campaign.fault_offset", f"must be 0 <= lo <= hi < branch_steps ({self.branch_steps}), "
                                                        f"got {self.fault_offset!r}")
+        from sdcwatch.telemetry.presets import probe_config
+
+        probe_config(self.probes)  # a ConfigError naming an unknown preset or a bad file
         unknown = [c for c in self.classes if c not in FAULT_CLASSES]
         if unknown or not self.classes:
             raise ConfigError("campaign.classes", f"unknown or no fault class {unknown!r} (known: {', '.join(FAULT_CLASSES)})")
@@ -157,12 +173,18 @@ class Trial:
 def fault_class(spec: Any) -> str:
     """The campaign class of a fault spec (how a fault read from a file is summarised)."""
     kind, target = spec.kind, spec.target
+    exponent = 23 <= (spec.bit or 0) <= 30
     if spec.where == "param":
-        return "param_bitflip"
+        return "param_bitflip" if exponent or kind != "bitflip" else "param_bitflip_mantissa"
+    container = _CONTAINER_NAME.match(target) is not None
     if kind in ("nan", "inf", "near_inf"):
+        if container:
+            return "nonfinite_stream"
         return f"{kind}_attn" if (".attn.scores" in target or ".attn.mix" in target) else f"{kind}_other"
     if kind == "bitflip":
-        return "bitflip_exponent" if 23 <= (spec.bit or 0) <= 30 else "bitflip_mantissa"
+        if container:
+            return "bitflip_container"
+        return "bitflip_exponent" if exponent else "bitflip_mantissa"
     if kind in ("noise", "scale"):
         return "unhealthy_node"
     if kind == "lr_spike":
@@ -188,6 +210,18 @@ def _generate_one(cls: str, rng: random.Random, world: int, n_layer: int, step: 
         target = rng.choice(_OTHER + _ATTN_GEMMS[1:]).format(l=layer) if where == "output" else \
             rng.choice(_OTHER).format(l=layer)
         return {**base, "kind": "bitflip", "bit": bit, "where": where, "target": target}
+    if cls == "nonfinite_stream":  # NaN, Inf or near-INF written into a block's output: the residual stream
+        kind = rng.choice(("nan", "inf", "near_inf"))
+        spec = {**base, "kind": kind, "where": "output", "target": rng.choice(_CONTAINERS).format(l=layer)}
+        if kind == "near_inf":
+            spec["magnitude"] = rng.choice((1.0, -1.0)) * 10 ** rng.uniform(10, 12)
+        return spec
+    if cls == "bitflip_container":  # any bit of one element of a block's (or its attention's, MLP's) output
+        return {**base, "kind": "bitflip", "bit": rng.randrange(0, 31), "where": "output",
+                "target": rng.choice(_CONTAINERS).format(l=layer)}
+    if cls == "param_bitflip_mantissa":  # a memory flip in one replica's weights, mantissa bits
+        return {**base, "kind": "bitflip", "where": "param", "bit": rng.randrange(0, 23),
+                "target": rng.choice(_OTHER).format(l=layer)}
     if cls == "unhealthy_node":  # Ma et al.: a node whose matmuls are persistently a little off
         return {**base, "kind": "noise", "duration": 0, "target": rng.choice(_MATMULS),
                 "magnitude": 10 ** rng.uniform(-4, -2)}
@@ -266,6 +300,8 @@ class Branch:
     losses: list[float]
     params: list[Any]  # per rank: flat parameter tensor of its replica (shared ones are the same object)
     seconds: float
+    injections: list = field(default_factory=list)  # what the injector changed (telemetry.faults.Injection)
+    bounds: dict = field(default_factory=dict)  # (check, tensor name) -> absolute checksum bound at the fault step
 
 
 def _frames(records: list, world: int) -> list:
@@ -290,8 +326,10 @@ def _new_run(config: CampaignConfig, faults: Sequence[Any], records: list, run_i
     def factory(rank: int, host: str = "") -> RecordCollector:
         return RecordCollector(records, run=run_id, rank=rank, world=config.world, host=host)
 
+    from sdcwatch.telemetry.presets import probe_config
+
     return SimulatedRun(config.world, seed=config.seed, faults=faults, emitter_factory=factory,
-                        batch_size=config.batch_size, guard=guard)
+                        batch_size=config.batch_size, guard=guard, probes=probe_config(config.probes)[1])
 
 
 def run_branch(config: CampaignConfig, checkpoint: Path, faults: Sequence[Any], data_seed: int,
@@ -300,14 +338,58 @@ def run_branch(config: CampaignConfig, checkpoint: Path, faults: Sequence[Any], 
     t0 = time.perf_counter()
     records: list = []
     run = _new_run(config, faults, records, run_id)
+    bounds: dict = {}
+    culprits = {(f.step, f.rank) for f in faults if f.rank is not None}
+    for w in run.watches:
+        if w.checksums is not None:
+            w.checksums.keep_bounds = bool(culprits)
+
+    def keep_bounds(step: int, run: Any) -> None:
+        """The checksum bounds on the fault's rank at the fault's step: what a checksum could see."""
+        for w in run.watches:
+            if w.checksums is None:
+                continue
+            if any((step, r) in culprits for r in range(run.world) if run.watches[r] is w):
+                bounds.update({k: float(v) for k, v in w.checksums.bounds.items()})
+            w.checksums.bounds.clear()
+
     try:
         run.load_checkpoint(checkpoint)
         run.seed = data_seed  # the branch's own data stream; both twins use the same one
-        losses = run.train(config.branch_steps)
+        losses = run.train(config.branch_steps, on_step=keep_bounds if culprits else None)
         params = _flat_params(run)
+        injections = list(run.injector.injections)
     finally:
         run.close()  # emits the last step's record
-    return Branch(_frames(records, config.world), losses, params, time.perf_counter() - t0)
+    return Branch(_frames(records, config.world), losses, params, time.perf_counter() - t0, injections, bounds)
+
+
+def fault_visibility(fault: Any, branch: Branch) -> dict[str, Any]:
+    """How big the fault's change was against the checksum bound of the tensor it hit.
+
+    ``detectable``: the change of the element exceeds the bound of the check that covers it (the
+    forward checksum of the product whose output it is, the weight- or bias-gradient checksum,
+    the weight check for a weight in memory); ``False`` when no checksum covers the tensor (a
+    container's output, an attention GEMM), ``None`` when the fault changed no single element.
+    ``direction`` of a flip: ``up`` when the magnitude grew, ``down`` when it shrank.
+    """
+    hits = [i for i in branch.injections if i.index is not None and i.step == fault.step
+            and (fault.rank is None or i.rank == fault.rank)]
+    if not hits:
+        return {"detectable": None, "change": None, "bound": None, "direction": None}
+    inj = hits[0]
+    before, after = float(inj.before), float(inj.after)
+    change = abs(after - before) if math.isfinite(after) and math.isfinite(before) else math.inf
+    if fault.where == "output":
+        key = ("gemm_fwd", inj.target)
+    elif fault.where == "grad":
+        key = ("gemm_bwd", inj.target)
+    else:
+        key = ("gemm_weight", inj.target)
+    bound = branch.bounds.get(key) if key else None
+    direction = "up" if not math.isfinite(after) or abs(after) > abs(before) else "down"
+    return {"detectable": bool(bound is not None and change > bound), "change": _num(change),
+            "bound": bound, "direction": direction, "tensor": inj.target}
 
 
 # -- ground truth ------------------------------------------------------------------------------------
@@ -519,6 +601,7 @@ def run_campaign(config: CampaignConfig, faults: Sequence[Any] | None = None, *,
             else:
                 twin = run_branch(config, ckpt, [], trial.data_seed)
             impact = impact_class(faulted, twin, theta0)
+            visibility = fault_visibility(fault, faulted)
             verdicts = {}
             for r in runners:
                 f_alarms = _alarms(r.fork(), faulted.frames)
@@ -527,6 +610,7 @@ def run_campaign(config: CampaignConfig, faults: Sequence[Any] | None = None, *,
             results.append({
                 "index": trial.index, "class": trial.fault_class, "fault": fault.to_dict(), "fault_step": fault.step,
                 "culprit_rank": trial.culprit, "data_seed": trial.data_seed, "impact": impact,
+                "visibility": visibility,
                 "clean_steps": len(twin.frames), "detectors": verdicts,
             })
             if loop is not None:
@@ -576,6 +660,9 @@ def summarise(trials: Sequence[dict], detectors: Sequence[str]) -> dict[str, Any
     """Per fault class (and ``all``) and detector.
 
     - ``recall``: detected / trials whose impact is not negligible (``recall_all``: over every trial);
+    - ``recall_detectable``: of the trials whose change exceeded the checksum bound of the tensor it
+      hit (``visibility.detectable``, :func:`fault_visibility`), detected at the fault's step and
+      localised to its rank, whatever the impact;
     - ``at_fault_step``: of those, detected at the fault's first step (delay 0);
     - ``false_alarms_per_1k_clean_steps``: alarms on the clean twins per 1,000 twin steps;
     - ``localisation``: hardware classes with one faulty rank: named exactly that rank within the
@@ -588,11 +675,16 @@ def summarise(trials: Sequence[dict], detectors: Sequence[str]) -> dict[str, Any
     groups: dict[str, list[dict]] = {}
     for t in trials:
         groups.setdefault(t["class"], []).append(t)
+    for t in trials:  # flips by what they did to the value: masked shrinking flips are the hard half
+        direction = (t.get("visibility") or {}).get("direction")
+        if t["class"] in FLIP_CLASSES and direction:
+            groups.setdefault(f"flips_{direction}", []).append(t)
     groups["all"] = list(trials)
     out: dict[str, Any] = {}
     for cls, ts in groups.items():
         row: dict[str, Any] = {}
         impactful = [t for t in ts if t["impact"]["class"] != "negligible"]
+        detectable = [t for t in ts if (t.get("visibility") or {}).get("detectable")]
         with_rank = [t for t in ts if t["culprit_rank"] is not None]
         with_rank_imp = [t for t in with_rank if t["impact"]["class"] != "negligible"]
         for d in detectors:
@@ -607,6 +699,10 @@ def summarise(trials: Sequence[dict], detectors: Sequence[str]) -> dict[str, Any
                 "impactful": len(impactful),
                 "recall": _rate(len(det_imp), len(impactful)),
                 "recall_all": _rate(sum(v(t)["detected"] for t in ts), len(ts)),
+                "detectable": len(detectable),
+                "recall_detectable": _rate(sum(v(t)["detected"] and v(t)["delay"] == 0
+                                               and v(t)["localized_rank"] == t["culprit_rank"] for t in detectable),
+                                           len(detectable)),
                 "at_fault_step": _rate(sum(1 for x in delays if x == 0), len(impactful)),
                 "false_alarms": sum(v(t)["false_alarms"] for t in ts),
                 "clean_steps": clean_steps,
@@ -635,13 +731,20 @@ def check_targets(trials: Sequence[dict], summary: dict[str, Any], detector: str
                 "met": None if value is None else value >= goal}
 
     out = []
-    nf = of(c for c in HARDWARE_CLASSES if c.startswith(("nan_", "inf_", "near_inf_")))
-    out.append(row("non-finite and near-INF detected at their step and localised", sum(
+    nf = of(c for c in HARDWARE_CLASSES if c.startswith(("nan_", "inf_", "near_inf_", "nonfinite_")))
+    out.append(row("non-finite and near-INF (residual stream included) detected at their step and localised", sum(
         1 for t in nf if t["detectors"][detector]["delay"] == 0
         and t["detectors"][detector]["localized_rank"] == t["culprit_rank"]), len(nf), 1.0))
-    bf = [t for t in of(("bitflip_exponent", "bitflip_mantissa", "param_bitflip")) if t["impact"]["class"] != "negligible"]
+    bf = [t for t in of(FLIP_CLASSES) if t["impact"]["class"] != "negligible"]
     out.append(row("bit flips with a non-negligible impact detected", sum(t["detectors"][detector]["detected"] for t in bf),
                    len(bf), 0.99))
+    dt = [t for t in of(FLIP_CLASSES) if (t.get("visibility") or {}).get("detectable")]
+    out.append(row("detectable flips (above the checksum bound) detected at their step and localised", sum(
+        1 for t in dt if t["detectors"][detector]["delay"] == 0
+        and t["detectors"][detector]["localized_rank"] == t["culprit_rank"]), len(dt), 0.99))
+    imp = [t for t in trials if t["impact"]["class"] != "negligible" and t["class"] in HARDWARE_CLASSES]
+    out.append(row("impactful hardware faults detected (every class)", sum(t["detectors"][detector]["detected"]
+                                                                          for t in imp), len(imp), 0.99))
     un = of(("unhealthy_node",))
     out.append(row("unhealthy node localised within the window", sum(
         t["detectors"][detector]["localized_rank"] == t["culprit_rank"] for t in un), len(un), 0.90))
@@ -678,12 +781,13 @@ def summary_table(result: dict[str, Any]) -> str:
             return "–"
         return f"{100 * x:.0f}%" if pct else (f"{x:.1f}" if isinstance(x, float) else str(x))
 
-    lines = ["| class | detector | trials (impactful) | recall | at fault step | false alarms /1k clean steps | "
-             "localisation | median delay | attribution | blamed a rank |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| class | detector | trials (impactful, detectable) | recall | recall, detectable at step | at fault step "
+             "| false alarms /1k clean steps | localisation | median delay | attribution | blamed a rank |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for cls, row in result["summary"].items():
         for d, s in row.items():
-            lines.append(f"| {cls} | {d} | {s['trials']} ({s['impactful']}) | {f(s['recall'])} | {f(s['at_fault_step'])} | "
+            lines.append(f"| {cls} | {d} | {s['trials']} ({s['impactful']}, {s.get('detectable', 0)}) | {f(s['recall'])} | "
+                         f"{f(s.get('recall_detectable'))} | {f(s['at_fault_step'])} | "
                          f"{f(s['false_alarms_per_1k_clean_steps'], False)} | {f(s['localisation'])} | "
                          f"{f(s['median_delay'], False)} | {f(s['attribution'])} | {f(s['blamed_rank'])} |")
     targets = result.get("targets") or []

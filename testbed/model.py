@@ -68,7 +68,9 @@ class _Scores(nn.Module):
 
 
 class _Mix(nn.Module):
-    """probs v: the second attention GEMM."""
+    """probs v: the second attention GEMM. Marked as a product, so the checksums check it."""
+
+    _sdcwatch_gemm = True  # forward(a, b) returns a @ b: checked like a linear layer
 
     def forward(self, probs: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return probs @ v

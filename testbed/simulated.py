@@ -279,6 +279,10 @@ class SimulatedRun:
                 self.skipped.append(s)
             if outcome.resume_from is not None:
                 d = outcome.resume_from - 1  # replay the data from the snapshot on
+        for r, w in enumerate(self.watches):  # each replica's weights as its optimizer left them
+            if w.checksums is not None:
+                with self._replica(r):
+                    w.checksums.seal()
         t0 = time.thread_time()
         fps = self._param_fingerprints(s)
         canaries = self._canary_fingerprints(s, probe_cfg=cfg)

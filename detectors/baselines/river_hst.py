@@ -26,6 +26,7 @@ from sdcwatch.detectors.frame import StepFrame
 from sdcwatch.detectors.rank_outlier import RankOutlierDetector
 from sdcwatch.detectors.registry import register
 from sdcwatch.detectors.types import Finding, Severity
+from sdcwatch.core.names import CHECK_METRICS
 
 __all__ = ["RiverHalfSpaceTrees", "RiverConfig", "rank_features"]
 
@@ -38,6 +39,8 @@ def rank_features(frame: StepFrame, clip: float = 4.0) -> tuple[np.ndarray, list
     names = [frame.scalar_names[i] for i in idx]
     cols = [_Z.robust_z(frame.scalars[:, idx])] if idx else []
     for m, name in enumerate(frame.layer_names):
+        if name in CHECK_METRICS:  # checks, not statistics: the checksum detector reads them
+            continue
         z = _Z.robust_z(frame.layers[:, m, :])
         worst = np.abs(z).argmax(axis=1)
         cols.append(z[np.arange(frame.world), worst][:, None])

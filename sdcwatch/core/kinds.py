@@ -56,6 +56,12 @@ class IncidentKind(str, enum.Enum):
     """The guard rolled the job back to a snapshot."""
     GUARD_EVICT = "guard_evict"
     """The guard evicted a rank: the job exits for the launcher to restart without it."""
+    CHECKSUM_MISMATCH = "checksum_mismatch"
+    """A matrix product's checksum residual above its rounding bound on a rank (critical, at the step)."""
+    CHECKSUM_OUTLIER = "checksum_outlier"
+    """One rank's checksum residual 10^6 x above the other ranks' 90th percentile (warning)."""
+    LR_JUMP = "lr_jump"
+    """The learning rate rose several-fold in one step (optimisation, no rank blamed)."""
 
 
 def _values(*kinds: IncidentKind) -> frozenset[str]:
@@ -66,12 +72,13 @@ K = IncidentKind
 #: Spikes of the whole job (onset, peak, recovery make one incident).
 SPIKE_KINDS = _values(K.LOSS_SPIKE, K.GRAD_SPIKE)
 #: Kinds that are about one rank: the incident book keeps one incident per rank for them.
-RANK_LOCAL_KINDS = _values(K.RANK_OUTLIER, K.SILENT_DRIFT, K.SDC_SUSPECTED, K.STRAGGLER)
+RANK_LOCAL_KINDS = _values(K.RANK_OUTLIER, K.SILENT_DRIFT, K.SDC_SUSPECTED, K.STRAGGLER, K.CHECKSUM_MISMATCH,
+                           K.CHECKSUM_OUTLIER)
 #: One rank fault seen more clearly over time (outlier -> silent drift -> SDC suspected): they share
 #: one incident per rank, whose kind escalates.
 RANK_FAULT_KINDS = _values(K.RANK_OUTLIER, K.SILENT_DRIFT, K.SDC_SUSPECTED)
 #: Kinds that blame a rank's hardware (the campaign's "attribution: SDC").
-RANK_BLAME_KINDS = RANK_FAULT_KINDS | _values(K.REPLICA_DIVERGENCE)
+RANK_BLAME_KINDS = RANK_FAULT_KINDS | _values(K.REPLICA_DIVERGENCE, K.CHECKSUM_MISMATCH, K.CHECKSUM_OUTLIER)
 #: Kinds whose ranks say where a fault is (the demo's "localised to rank r").
 LOCALISING_KINDS = RANK_BLAME_KINDS | _values(K.NONFINITE)
 #: What the training job's guard did (findings of the guard-action detector), in the order of the guard's actions.

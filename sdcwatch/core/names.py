@@ -17,6 +17,10 @@ __all__ = [
     "LAYER_METRICS",
     "ATTENTION_STATS",
     "FINGERPRINTS",
+    "GEMM_METRICS",
+    "STREAM_METRICS",
+    "CHECK_METRICS",
+    "RATIO_METRICS",
     "RANK_SCALARS",
     "DATA_METRICS",
     "DEVIATION_METRICS",
@@ -66,6 +70,22 @@ LAYER_METRICS = (
 ATTENTION_STATS = LAYER_METRICS
 #: Well-known fingerprints: exact, must be bit-identical across data-parallel replicas.
 FINGERPRINTS = ("param_fp", "grad_fp")
+#: Per-layer checks: matrix-product checksums (one value per checked product, ratios to their
+#: rounding bound) and extreme values; read by the checksum and non-finite detectors, never
+#: compared across ranks as statistics.
+GEMM_METRICS = (
+    "gemm_fwd",  # largest forward residual / its rounding bound (> 1: the product is wrong)
+    "gemm_bwd",  # largest weight- and bias-gradient residual / bound (0: not checked this step)
+    "gemm_weight",  # change of the weights since the optimizer wrote them / rounding bound
+    "gemm_in",  # largest |input| of the product: a NaN, Inf or near-INF fed into it shows here
+)
+STREAM_METRICS = (
+    "stream_max",  # largest |value| of each block's output (the residual stream)
+    "logit_max",  # largest attention logit of each attention layer, every checked step
+)
+CHECK_METRICS = GEMM_METRICS + STREAM_METRICS
+#: Check metrics that are ratios to a bound (> 1 is the finding): large finite values are not near-INF.
+RATIO_METRICS = ("gemm_fwd", "gemm_bwd", "gemm_weight")
 
 #: Per-rank scalars that vary across ranks with the rank's data, compared rank against rank.
 #: Values that must be identical (global norm, lr, fingerprints) belong to the replica detector,

@@ -102,6 +102,37 @@ def test_faults_from_a_file_count_from_the_checkpoint_and_are_checked():
         CampaignConfig(branch_steps=10, fault_offset=(5, 10))
 
 
+def test_probe_presets_are_shared_by_the_campaign_and_the_overhead_benchmark(tmp_path):
+    from sdcwatch.telemetry.presets import PROBE_PRESETS, probe_config
+    from sdcwatch.telemetry.probes import ProbeConfig
+
+    assert probe_config("default") == ("default", ProbeConfig())
+    assert set(PROBE_PRESETS) >= {"default", "every-step", "scalars-only"}
+    spec = tmp_path / "light.json"
+    spec.write_text('{"checksum_every": 4, "attention_every": 32}')
+    name, cfg = probe_config(str(spec))
+    assert name == "light" and cfg.checksum_every == 4 and cfg.attention_every == 32
+    assert CampaignConfig(probes=str(spec)).probes == str(spec)
+    with pytest.raises(ConfigError, match="neither a preset"):
+        CampaignConfig(probes="fastest")
+    spec.write_text('{"checksum_evry": 4}')
+    with pytest.raises(ConfigError, match="probes.checksum_evry"):
+        probe_config(str(spec))
+    overhead = (Path(__file__).resolve().parents[2] / "bench" / "bench_overhead.py").read_text()
+    assert "PROBE_PRESETS" in overhead  # the overhead benchmark measures the same named configurations
+
+
+def test_masked_fault_classes_from_a_file():
+    from sdcwatch.testbed.campaign import fault_class
+
+    faults = parse_faults('{"kind": "near_inf", "rank": 6, "step": 7, "target": "*att*", "where": "output", "magnitude": 1e12}\n'
+                          '{"kind": "near_inf", "rank": 6, "step": 7, "target": "blocks.1.attn", "magnitude": 1e12}\n'
+                          '{"kind": "bitflip", "rank": 1, "step": 3, "target": "blocks.0", "bit": 3}\n'
+                          '{"kind": "bitflip", "rank": 1, "step": 3, "target": "head", "where": "param", "bit": 3}\n')
+    assert [fault_class(f) for f in faults] == ["near_inf_other", "nonfinite_stream", "bitflip_container",
+                                                "param_bitflip_mantissa"]
+
+
 # -- the runners -----------------------------------------------------------------------------------
 
 def test_quick_campaign_scores_every_detector_and_catches_the_nonfinite_fault(tmp_path, capsys):
@@ -116,7 +147,8 @@ def test_quick_campaign_scores_every_detector_and_catches_the_nonfinite_fault(tm
             assert {"detected", "first_detection_step", "localized_rank", "attribution"} <= set(verdict)
     assert set(result["summary"]) >= {"all", *(t["class"] for t in result["trials"])}
     assert "| class | detector |" in capsys.readouterr().out
-    assert len(result["targets"]) == 6 and all({"target", "value", "met"} <= set(t) for t in result["targets"])
+    assert result["config"]["probes"] == "default" and result["config"]["probe_settings"]["checksum_every"] == 16
+    assert len(result["targets"]) == 8 and all({"target", "value", "met"} <= set(t) for t in result["targets"])
 
     nan = next(t for t in result["trials"] if t["class"] == "nan_attn")
     assert nan["impact"]["class"] == "nonfinite"

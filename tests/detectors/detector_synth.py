@@ -16,10 +16,10 @@ from sdcwatch.telemetry.record import Record
 
 SCALARS = ("loss", "grad_norm_local", "grad_norm_global", "grad_cosine", "step_time", "nonfinite", "lr",
            "emitter_dropped")
-LAYERS = ("attn_entropy", "q_norm_mean", "q_norm_max", "k_norm_mean", "attn_logit_max")
+LAYERS = ("attn_entropy", "q_norm_mean", "q_norm_max", "k_norm_mean", "attn_logit_max", "gemm_fwd", "gemm_bwd")
 FPS = ("param_fp", "grad_fp")
 FAMILIES = ("nonfinite", "loss_spike", "grad_spike", "rank_shift", "rank_gross", "replica", "straggler", "missing",
-            "guard_action")
+            "guard_action", "checksum")
 
 
 @dataclass
@@ -45,7 +45,7 @@ class SyntheticRun:
 
     def __post_init__(self) -> None:
         self.hosts = tuple(f"node{r // self.ranks_per_host}" for r in range(self.world))
-        self._layer_base = np.array([3.0, 12.0, 30.0, 11.0, 8.0])
+        self._layer_base = np.array([3.0, 12.0, 30.0, 11.0, 8.0, 1.0, 1.0])
 
     def frame(self, step: int) -> StepFrame:
         rng = np.random.default_rng([self.seed, step])
@@ -59,11 +59,13 @@ class SyntheticRun:
             0.5 * (1 + 0.02 * rng.standard_normal(W)), np.zeros(W), np.full(W, 3e-4), np.zeros(W),
         ])
         lay = self._layer_base[None, :, None] * (1 + 0.01 * rng.standard_normal((W, len(LAYERS), L)))
+        # checksum ratios: rounding residuals over their worst-case bound, log-normal around 1e-4
+        lay[:, 5:7, :] = 1e-4 * np.exp(rng.standard_normal((W, 2, L)))
         fp = np.full((W, len(FPS)), (step * 0x9E3779B97F4A7C15 + 12345) % (1 << 64), dtype=np.uint64)
         present = np.ones(W, bool)
         names = SCALARS
         for f in self.faults:
-            if f.family in ("nonfinite", "loss_spike", "grad_spike", "guard_action"):
+            if f.family in ("nonfinite", "loss_spike", "grad_spike", "guard_action", "checksum"):
                 if step != f.step:
                     continue
             elif not f.active(step):
@@ -73,6 +75,8 @@ class SyntheticRun:
             elif f.family == "loss_spike":  # a bad batch on all ranks: optimisation/data
                 S[:, 0] *= 1.8
                 S[:, 1:3] *= 3.0
+            elif f.family == "checksum":  # a flipped bit in one product of one rank: 40 x its rounding bound
+                lay[f.rank, LAYERS.index("gemm_fwd"), f.layer] = 40.0
             elif f.family == "grad_spike":
                 S[:, 1:3] *= 8.0
             elif f.family == "rank_shift":  # an unhealthy rank: its q norms drift by ~3 sigma

@@ -12,7 +12,7 @@ from detector_synth import Fault, SyntheticRun, findings_key
 from sdcwatch.detectors import DETECTORS, Detector, SplitDetector
 
 ALL = pytest.mark.parametrize("cls", DETECTORS, ids=lambda c: c.name)
-RANK_LOCAL = {"nonfinite", "rank_shift", "replica", "straggler", "missing"}
+RANK_LOCAL = {"nonfinite", "rank_shift", "replica", "straggler", "missing", "checksum"}
 
 
 def run(det, frames):
@@ -24,7 +24,7 @@ def run(det, frames):
 
 def test_every_detector_is_registered():
     assert {c.name for c in DETECTORS} >= {"nonfinite", "spike", "rank_outlier", "replica", "straggler",
-                                            "missing_rank", "river_hst"}
+                                            "missing_rank", "river_hst", "checksum"}
 
 
 @ALL

@@ -1,0 +1,79 @@
+"""A watch's finite-SDC probes: the matrix checksums and the residual stream, sampled as its
+:class:`~sdcwatch.telemetry.probe_config.ProbeConfig` says (``checksum_every``, ``stream_every``).
+
+The :class:`~sdcwatch.telemetry.probes.Watch` owns one; this module decides which step each probe
+measures, keeps the checksums' forward hooks registered only on checked steps, seals the weights
+after every optimizer step, and hands the step's per-layer vectors to the record.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from sdcwatch.telemetry.canary import canary_running
+from sdcwatch.telemetry.checksum import GemmChecks
+from sdcwatch.telemetry.extremes import ResidualStream
+
+__all__ = ["FiniteChecks"]
+
+
+class FiniteChecks:
+    """The checksums (:class:`GemmChecks`) and the residual stream (:class:`ResidualStream`) of one
+    watch; either is None when its sampling is 0."""
+
+    def __init__(self, watch: Any, model: nn.Module, *, optimizer: Any = None, external: bool = False) -> None:
+        self._watch = watch
+        cfg = watch.config
+        self.checksums = GemmChecks(model, active=lambda: self.due(cfg.checksum_every)) if cfg.checksum_every else None
+        self.stream = (ResidualStream(model, active=lambda: self.due(cfg.stream_every), n_attention=watch.n_layers)
+                       if cfg.stream_every else None)
+        self.handles: list[Any] = []
+        if self.checksums is not None and optimizer is not None and not external:
+            self.handles.append(optimizer.register_step_post_hook(lambda opt, args, kwargs: self.seal()))
+
+    def _scheduled(self, every: int) -> bool:
+        w = self._watch
+        return bool(every) and w.recording and (w._hint // w.config.every) % every == 0
+
+    def due(self, every: int) -> bool:
+        """Whether a probe sampled every ``every``-th recorded step measures the forward running now."""
+        return self._watch.enabled and self._scheduled(every) and not canary_running()
+
+    def sync(self, closed: bool = False) -> None:
+        """Keep the checksums' forward hooks only for a step that is checked (a module with a
+        forward hook leaves PyTorch's fast call path)."""
+        if self.checksums is not None:
+            self.checksums.hook_forward(not closed and self._scheduled(self._watch.config.checksum_every))
+
+    def seal(self) -> None:
+        """The weights as the optimizer left them (see :meth:`GemmChecks.seal`)."""
+        if self.checksums is not None:
+            self.checksums.seal()
+
+    def observe_logits(self, layer: int | nn.Module, logits: torch.Tensor | None) -> None:
+        """An attention layer's logits, on the steps the residual stream is recorded."""
+        if self.stream is None or logits is None or not self.due(self._watch.config.stream_every):
+            return
+        if isinstance(layer, nn.Module):
+            layer = self._watch.layer_of(layer)
+            if layer is None:  # not an attention layer of this watch
+                return
+        self.stream.observe_logits(layer, logits)
+
+    def collect(self) -> dict[str, torch.Tensor]:
+        """This step's per-layer vectors (empty when nothing was measured); starts the next step."""
+        out: dict[str, torch.Tensor] = {}
+        for probe in (self.checksums, self.stream):
+            if probe is not None:
+                out.update(probe.collect() or {})
+        return out
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        for probe in (self.checksums, self.stream):
+            if probe is not None:
+                probe.remove()
