@@ -27,6 +27,7 @@ _LAZY = {
     "RunLifecycle": "sdcwatch.detectors.lifecycle",
     "NonFiniteDetector": "sdcwatch.detectors.nonfinite",
     "ChecksumDetector": "sdcwatch.detectors.checksum",
+    "LearningRateJump": "sdcwatch.detectors.lr_jump",
     "DetectionPipeline": "sdcwatch.detectors.pipeline",
     "PipelineSettings": "sdcwatch.detectors.pipeline",
     "RankOutlierDetector": "sdcwatch.detectors.rank_outlier",

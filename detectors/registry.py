@@ -22,6 +22,7 @@ _MODULES = (
     "sdcwatch.detectors.nonfinite",
     "sdcwatch.detectors.checksum",
     "sdcwatch.detectors.spike",
+    "sdcwatch.detectors.lr_jump",
     "sdcwatch.detectors.rank_outlier",
     "sdcwatch.detectors.replica",
     "sdcwatch.detectors.straggler",

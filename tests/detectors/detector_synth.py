@@ -19,7 +19,7 @@ SCALARS = ("loss", "grad_norm_local", "grad_norm_global", "grad_cosine", "step_t
 LAYERS = ("attn_entropy", "q_norm_mean", "q_norm_max", "k_norm_mean", "attn_logit_max", "gemm_fwd", "gemm_bwd")
 FPS = ("param_fp", "grad_fp")
 FAMILIES = ("nonfinite", "loss_spike", "grad_spike", "rank_shift", "rank_gross", "replica", "straggler", "missing",
-            "guard_action", "checksum")
+            "guard_action", "checksum", "lr_jump")
 
 
 @dataclass
@@ -65,7 +65,7 @@ class SyntheticRun:
         present = np.ones(W, bool)
         names = SCALARS
         for f in self.faults:
-            if f.family in ("nonfinite", "loss_spike", "grad_spike", "guard_action", "checksum"):
+            if f.family in ("nonfinite", "loss_spike", "grad_spike", "guard_action", "checksum", "lr_jump"):
                 if step != f.step:
                     continue
             elif not f.active(step):
@@ -75,6 +75,8 @@ class SyntheticRun:
             elif f.family == "loss_spike":  # a bad batch on all ranks: optimisation/data
                 S[:, 0] *= 1.8
                 S[:, 1:3] *= 3.0
+            elif f.family == "lr_jump":  # a one-step x10 learning rate on every rank
+                S[:, SCALARS.index("lr")] *= 10.0
             elif f.family == "checksum":  # a flipped bit in one product of one rank: 40 x its rounding bound
                 lay[f.rank, LAYERS.index("gemm_fwd"), f.layer] = 40.0
             elif f.family == "grad_spike":

@@ -24,7 +24,7 @@ def run(det, frames):
 
 def test_every_detector_is_registered():
     assert {c.name for c in DETECTORS} >= {"nonfinite", "spike", "rank_outlier", "replica", "straggler",
-                                            "missing_rank", "river_hst", "checksum"}
+                                            "missing_rank", "river_hst", "checksum", "lr_jump"}
 
 
 @ALL

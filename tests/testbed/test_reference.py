@@ -10,6 +10,7 @@ torch = pytest.importorskip("torch")
 
 from sdcwatch.core.errors import ConfigError  # noqa: E402
 from sdcwatch.telemetry import LAYER_METRICS, MemoryBus, MemoryTransport, Emitter, is_end_marker  # noqa: E402
+from sdcwatch.core.names import GEMM_METRICS, STREAM_METRICS  # noqa: E402
 from sdcwatch.telemetry.faults import FaultSpec  # noqa: E402
 from sdcwatch.telemetry.fingerprint import fingerprint  # noqa: E402
 from sdcwatch.testbed.corpus import Corpus  # noqa: E402
@@ -112,7 +113,9 @@ def test_every_virtual_rank_reports_every_step_with_all_fields_and_identity():
     for r in recs:
         assert {"loss", "loss_global", "grad_norm_local", "grad_norm_global", "grad_cosine", "nonfinite", "act_max",
                 "step_time", "lr"} <= set(r.scalars)
-        assert set(r.layers) == set(LAYER_METRICS) and all(len(v) == SMALL.n_layer for v in r.layers.values())
+        # attention statistics, the residual stream every step, the checksums on every 16th step
+        assert set(r.layers) == set(LAYER_METRICS) | set(STREAM_METRICS) | (set(GEMM_METRICS) if r.step == 0 else set())
+        assert all(len(r.layers[m]) == SMALL.n_layer for m in LAYER_METRICS + STREAM_METRICS)
         assert set(r.fingerprints) == ({"grad_fp", "param_fp", "canary_fp"} if r.step == 0 else set())
     assert losses[0] == pytest.approx(sum(r.scalars["loss"] for r in recs if r.step == 0) / 4, rel=1e-6)
 

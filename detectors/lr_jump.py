@@ -1,0 +1,87 @@
+"""Learning-rate jumps: the learning rate rising several-fold in one step.
+
+A one-step x10 learning-rate spike (a scheduler bug, a bad resume, a mistyped override) moves the
+weights ten times as far as planned; the loss rises by only 10-20% a step later, below what a
+loss-spike rule can flag without flagging the ordinary bumps of a clean run. The learning rate
+itself says it at once: the record's ``lr``, the same on every rank. A jump to more than
+``factor`` times the largest learning rate of the last ``window`` steps is a warning that names no
+rank (optimisation, not hardware). Warm-up ramps and decays never come near it; a cyclic schedule
+with warm restarts does, and is reported as what it is.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from sdcwatch.core.kinds import IncidentKind
+from sdcwatch.core.validate import check_positive
+from sdcwatch.detectors.base import SplitDetector, StepContext
+from sdcwatch.detectors.frame import StepFrame
+from sdcwatch.detectors.registry import register
+from sdcwatch.detectors.types import Finding, Severity
+
+__all__ = ["LearningRateJump", "LearningRateJumpConfig"]
+
+
+@dataclass(frozen=True)
+class LearningRateJumpConfig:
+    """Settings of the learning-rate jump detector ``[detectors.lr_jump]``."""
+
+    factor: float = 3.0
+    """How many times its recent maximum the learning rate must reach to be a jump."""
+    window: int = 10
+    """Steps of learning rates the jump is measured against."""
+
+    def __post_init__(self) -> None:
+        check_positive("lr_jump", factor=self.factor, window=self.window)
+
+
+@register(default=True)
+class LearningRateJump(SplitDetector):
+    """``lr_jump`` (warning, no rank): the learning rate above ``factor`` x its recent maximum."""
+
+    name = "lr_jump"
+    fault = "lr_jump"
+    Config = LearningRateJumpConfig
+    warmup_steps = 1  # one learning rate to compare with
+    factor: float
+    window: int
+
+    def __init__(self, config: LearningRateJumpConfig | None = None, /, **settings: Any) -> None:
+        super().__init__(config, **settings)
+        self._recent: deque[float] = deque(maxlen=int(self.window))
+
+    def observe(self, frame: StepFrame) -> float | None:
+        """The step's learning rate (median over the ranks that sent one), or None."""
+        col = frame.scalar("lr")
+        if col is None:
+            return None
+        col = col[np.isfinite(col) & frame.present] if col.shape == frame.present.shape else col[np.isfinite(col)]
+        return float(np.median(col)) if col.size else None
+
+    def judge(self, frame: StepContext, lr: float | None) -> list[Finding]:
+        if lr is None or not lr >= 0:
+            return []
+        found = []
+        before = max(self._recent) if self._recent else None
+        if before is not None and before > 0 and lr > self.factor * before:
+            ratio = lr / before
+            found.append(Finding(
+                detector=self.name, kind=IncidentKind.LR_JUMP.value, severity=Severity.WARNING, run=frame.run, step=frame.step,
+                score=ratio, metric="lr",
+                message=(f"learning rate jumped x{ratio:.3g} at step {frame.step} ({before:.3g} -> {lr:.3g}) on every "
+                         f"rank: optimisation or configuration, no rank blamed"),
+                evidence={"attribution": "optimisation_data", "lr": lr, "recent_max": before, "ratio": ratio},
+            ))
+        self._recent.append(lr)
+        return found
+
+    def snapshot(self) -> dict[str, Any]:
+        return {"recent": list(self._recent)}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        self._recent = deque((float(v) for v in state.get("recent", [])), maxlen=int(self.window))
