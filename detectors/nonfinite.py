@@ -153,7 +153,9 @@ class NonFiniteDetector(SplitDetector):
         if len(hits) > 4 * self.max_listed:  # keep the observation small: the hits a finding can name
             culprits = local_ranks or counted_ranks
             order = sorted(hits, key=lambda h: (h[0] not in culprits, h[2] is None, h[0]))
-            hits = order[: 2 * self.max_listed]
+            # the culprits' layer hits stay whole (a few per product): the origin is read from them
+            own = [h for h in order if h[0] in culprits and h[2] is not None][: 16 * self.max_listed]
+            hits = own + [h for h in order if not (h[0] in culprits and h[2] is not None)][: 2 * self.max_listed]
         return {"hits": hits, "n_bad": n_bad, "local": sorted(local_ranks), "counted": sorted(counted_ranks),
                 "global": sorted(global_ranks)}
 

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from sdcwatch.telemetry.canary import canary_running
-from sdcwatch.telemetry.checksum import GemmChecks
+from sdcwatch.telemetry.gemm_checks import GemmChecks
 from sdcwatch.telemetry.extremes import ResidualStream
 
 __all__ = ["FiniteChecks"]

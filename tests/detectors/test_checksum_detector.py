@@ -82,3 +82,17 @@ def test_large_finite_ratios_are_the_checksum_detectors_not_near_inf_values():
     stream[4, 1] = 2e10  # an extreme value in the residual stream is near-INF
     (f,) = NonFiniteDetector().update(frame(1, clean(1), stream=stream))
     assert (f.ranks, f.metric, f.layer) == ((4,), "stream_max", 1)
+
+
+def test_the_origin_is_named_when_many_ranks_and_products_went_bad():
+    # a NaN made by product 5 of rank 6: every later product of rank 6 has it in input and output,
+    # and the all-reduced values of every rank are NaN too: far more hits than a finding lists
+    fwd, gin = clean(0, 11), np.full((WORLD, 11), 4.0)
+    fwd[6, 5:] = np.nan
+    gin[6, 6:] = np.nan
+    recs = records(0, fwd, gemm_in=gin)
+    for r in recs:
+        r.scalars["grad_norm_global"] = float("nan")
+        r.layers["gemm_bwd"] = [float("nan")] * 11 if r.rank == 6 else r.layers["gemm_bwd"]
+    (f,) = NonFiniteDetector().update(StepFrame.from_records("run", 0, WORLD, recs))
+    assert (f.ranks, f.metric, f.layer) == ((6,), "gemm_fwd", 5)

@@ -10,13 +10,12 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from sdcwatch.telemetry.checksum import (  # noqa: E402
-    GemmChecks,
     check_linear,
     check_matmul,
     check_weight_grad,
-    observe_gemm,
     rounding_coefficient,
 )
+from sdcwatch.telemetry.gemm_checks import GemmChecks, observe_gemm  # noqa: E402
 from sdcwatch.telemetry.extremes import ResidualStream, peak, repeated_blocks  # noqa: E402
 from sdcwatch.telemetry.faults import flip_bit  # noqa: E402
 from sdcwatch.telemetry.probes import ProbeConfig, attach  # noqa: E402
