@@ -35,8 +35,11 @@ class FiniteChecks:
             self.handles.append(optimizer.register_step_post_hook(lambda opt, args, kwargs: self.seal()))
 
     def _scheduled(self, every: int) -> bool:
-        w = self._watch
-        return bool(every) and w.recording and (w._hint // w.config.every) % every == 0
+        return self._scheduled_at(self._watch._hint, every)
+
+    def _scheduled_at(self, step: int, every: int) -> bool:
+        cfg = self._watch.config
+        return bool(every) and step % cfg.every == 0 and (step // cfg.every) % every == 0
 
     def due(self, every: int) -> bool:
         """Whether a probe sampled every ``every``-th recorded step measures the forward running now."""
@@ -49,8 +52,11 @@ class FiniteChecks:
             self.checksums.hook_forward(not closed and self._scheduled(self._watch.config.checksum_every))
 
     def seal(self) -> None:
-        """The weights as the optimizer left them (see :meth:`GemmChecks.seal`)."""
-        if self.checksums is not None:
+        """The weights as the optimizer left them (see :meth:`GemmChecks.seal`), when the next step
+        is checked: the optimizer's hook runs before ``watch.step()`` closes the step, so the step
+        after the one announced is the next forward."""
+        w = self._watch
+        if self.checksums is not None and self._scheduled_at(w._hint + 1, w.config.checksum_every):
             self.checksums.seal()
 
     def observe_logits(self, layer: int | nn.Module, logits: torch.Tensor | None) -> None:

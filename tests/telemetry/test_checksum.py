@@ -217,7 +217,10 @@ def test_watch_records_sampled_checksums_and_a_near_inf_in_the_residual_stream_e
     watch = attach(model, rec, optimizer=opt, checksum_every=2)
     assert ProbeConfig().stream_every == 1
     g = torch.Generator().manual_seed(0)
-    for s in range(5):
+    for s in range(7):
+        if s == 4:  # a weight flipped in memory after the optimizer wrote it, before a checked step
+            with torch.no_grad():
+                flip_bit(model.blocks[0].mlp.fc.weight.data, 11, 29)
         handle = None
         if s == 3:  # the fault: 1e12 written into an attention block's output on one step
             handle = model.blocks[1].attn.register_forward_hook(
@@ -230,7 +233,10 @@ def test_watch_records_sampled_checksums_and_a_near_inf_in_the_residual_stream_e
         if handle:
             handle.remove()
     watch.close()
-    assert [r["step"] for r in rec.records] == list(range(5))
+    assert [r["step"] for r in rec.records] == list(range(7))
+    fc = watch.checksums.names.index("blocks.0.mlp.fc")
+    assert rec.records[4]["layers"]["gemm_weight"][fc] > 1  # sealed by the optimizer's hook before step 4
+    assert max(rec.records[2]["layers"]["gemm_weight"]) == 0 and max(rec.records[6]["layers"]["gemm_weight"]) == 0
     for r in rec.records:
         assert set(STREAM_METRICS) <= set(r["layers"])  # every step
         assert (set(GEMM_METRICS) <= set(r["layers"])) == (r["step"] % 2 == 0)  # sampled
