@@ -27,8 +27,11 @@ class FiniteChecks:
     def __init__(self, watch: Any, model: nn.Module, *, optimizer: Any = None, external: bool = False) -> None:
         self._watch = watch
         cfg = watch.config
-        self.checksums = GemmChecks(model, active=lambda: self.due(cfg.checksum_every)) if cfg.checksum_every else None
-        self.stream = (ResidualStream(model, active=lambda: self.due(cfg.stream_every), n_attention=watch.n_layers)
+        # fixed for the step by sync() (under torch.compile a hook reading the step number would
+        # recompile at every checked step; two values compile twice, then never again)
+        self.checks_on = self.stream_on = False
+        self.checksums = GemmChecks(model, active=lambda: self.due(self.checks_on)) if cfg.checksum_every else None
+        self.stream = (ResidualStream(model, active=lambda: self.due(self.stream_on), n_attention=watch.n_layers)
                        if cfg.stream_every else None)
         self.handles: list[Any] = []
         if self.checksums is not None and optimizer is not None and not external:
@@ -41,15 +44,20 @@ class FiniteChecks:
         cfg = self._watch.config
         return bool(every) and step % cfg.every == 0 and (step // cfg.every) % every == 0
 
-    def due(self, every: int) -> bool:
-        """Whether a probe sampled every ``every``-th recorded step measures the forward running now."""
-        return self._watch.enabled and self._scheduled(every) and not canary_running()
+    def due(self, on: bool) -> bool:
+        """Whether a probe switched ``on`` for this step measures the forward running now: the
+        step's training forwards only (an evaluation pass or the canary is not the step's)."""
+        w = self._watch
+        return on and w.enabled and w.model.training and not canary_running()
 
     def sync(self, closed: bool = False) -> None:
-        """Keep the checksums' forward hooks only for a step that is checked (a module with a
-        forward hook leaves PyTorch's fast call path)."""
+        """Switch the probes for the step about to run; keep the checksums' forward hooks only for a
+        step that is checked (a module with a forward hook leaves PyTorch's fast call path)."""
+        cfg = self._watch.config
+        self.checks_on = not closed and self._scheduled(cfg.checksum_every)
+        self.stream_on = not closed and self._scheduled(cfg.stream_every)
         if self.checksums is not None:
-            self.checksums.hook_forward(not closed and self._scheduled(self._watch.config.checksum_every))
+            self.checksums.hook_forward(self.checks_on)
 
     def seal(self) -> None:
         """The weights as the optimizer left them (see :meth:`GemmChecks.seal`), when the next step
@@ -61,7 +69,7 @@ class FiniteChecks:
 
     def observe_logits(self, layer: int | nn.Module, logits: torch.Tensor | None) -> None:
         """An attention layer's logits, on the steps the residual stream is recorded."""
-        if self.stream is None or logits is None or not self.due(self._watch.config.stream_every):
+        if self.stream is None or logits is None or not self.due(self.stream_on):
             return
         if isinstance(layer, nn.Module):
             layer = self._watch.layer_of(layer)
