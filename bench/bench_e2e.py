@@ -1,14 +1,23 @@
 """End-to-end benchmark: N simulated ranks -> several producer processes -> real broker -> detector service.
 
     python bench/bench_e2e.py [--ranks 1024 16384] [--duration 60] [--rate R] [--producers P]
+                              [--wire v2|v1] [--per-message K] [--split|--no-split]
                               [--out results/e2e.json] [--quick]
 
 For each N, P producer processes (each owning a slice of the ranks) send one record per rank per
-step with :class:`~sdcwatch.telemetry.KafkaTransport` into an embedded Tansu broker, paced at
-``rate`` steps/s. The detection service (:class:`~sdcwatch.detectors.DetectorService` reading a
+step into an embedded Tansu broker, paced at ``rate`` steps/s. With ``--wire v2`` (the default, as
+the emitter's) a producer batches ``--per-message`` simulated ranks (default 2048) into one v2
+message packed straight from numpy arrays, keyed like the emitters' records (run and 16-step
+window); with ``--wire v1`` it sends :class:`~sdcwatch.telemetry.record.Record` objects through
+:class:`~sdcwatch.telemetry.KafkaTransport` (256 a message). The detection service
+(:class:`~sdcwatch.detectors.DetectorService` reading a
 :class:`~sdcwatch.detectors.bus.KafkaSource` consumer group, default pipeline) runs in this
-process. Every ``fault_every`` steps one rank reports a NaN loss; the service must open a
-non-finite incident for it. Measured:
+process; with ``--split`` (the default above 16,384 ranks) it runs as one *spatial* instance
+publishing step summaries to a summaries topic on the broker and one *temporal* instance reading
+them, both in this process, and the CPU time of each is measured apart: the spatial instance's
+steps per CPU second is the rate one spatial instance sustains, from which the number of
+instances a job needs follows (``bench/README.md``). Every ``fault_every`` steps one rank
+reports a NaN loss; the service must open a non-finite incident for it. Measured:
 
 - ``produced_steps_per_s`` and ``processed_steps_per_s`` (steps the service closed, per second,
   while the producers ran), consumer lag sampled every 0.5 s (Kafka messages behind the topic's
@@ -18,7 +27,8 @@ non-finite incident for it. Measured:
   faulty record to the service's wall time when the incident was opened (p50, p99, max; a fault
   with no incident counts as missed).
 
-Targets: 16,384 ranks at >= 1 step/s with bounded lag; p99 latency < 1 s at 1,024 ranks.
+Targets: 16,384 ranks at >= 5 steps/s sustained with bounded lag and p99 latency < 1 s;
+100,000 ranks at >= 1 step/s with the split (one spatial instance's rate measured, the rest derived).
 """
 
 from __future__ import annotations
@@ -55,10 +65,12 @@ def produce(argv: list[str]) -> int:
     ap = argparse.ArgumentParser()
     for name, typ in (("--bootstrap", str), ("--topic", str), ("--world", int), ("--lo", int), ("--hi", int),
                       ("--steps", int), ("--rate", float), ("--fault-every", int),
-                      ("--partitions", int)):
+                      ("--partitions", int), ("--wire", str), ("--per-message", int)):
         ap.add_argument(name, type=typ, required=True)
     a = ap.parse_args(argv)
     logging.getLogger("kafka").setLevel(logging.CRITICAL)
+    if a.wire == "v2":
+        return produce_v2(a)
     from sdcwatch.telemetry import KafkaTransport
     from sdcwatch.telemetry.record import Record
 
@@ -110,12 +122,97 @@ def produce(argv: list[str]) -> int:
     return 0
 
 
+def produce_v2(a: argparse.Namespace) -> int:
+    """A producer that holds many ranks: v2 rows packed from numpy arrays, ``per_message`` ranks a message."""
+    from kafka import KafkaProducer
+
+    from sdcwatch.telemetry.columnar import encode_rows, schema_for
+    from sdcwatch.telemetry.transports import KEY_WINDOW, ensure_topic
+
+    scalar_names = ("loss", "loss_global", "grad_norm_local", "grad_norm_global", "grad_cosine", "step_time",
+                    "nonfinite", "lr")
+    with_param = schema_for(scalar_names, ("grad_fp", "param_fp"), [(m, N_LAYERS) for m in LAYER_METRICS])
+    without = schema_for(scalar_names, ("grad_fp",), [(m, N_LAYERS) for m in LAYER_METRICS])
+    ensure_topic(a.bootstrap, a.topic, a.partitions)
+    producer = KafkaProducer(bootstrap_servers=a.bootstrap.split(","), linger_ms=5, acks=1,
+                             max_request_size=16 << 20, batch_size=1 << 20)
+    producer.partitions_for(a.topic)
+    print("ready", flush=True)
+    a.t0 = float(sys.stdin.readline())
+    rng = np.random.default_rng(a.lo)
+    n = a.hi - a.lo
+    ranks = np.arange(a.lo, a.hi)
+    hosts_of = ranks // 8
+    fault_times: dict[int, list] = {}
+    send_seconds = []
+    behind = 0
+    sent_keys: set = set()
+    for step in range(a.steps):
+        due = a.t0 + step / a.rate
+        wait = due - time.time()
+        if wait > 0:
+            time.sleep(wait)
+        else:
+            behind += 1
+        t_send = time.perf_counter()
+        base = 2.0 + 0.5 * math.exp(-step / 500)
+        sch = with_param if step % 50 == 0 else without
+        rows = np.zeros(n, sch.dtype)
+        rows["step"] = step
+        rows["rank"] = ranks
+        rows["world"] = a.world
+        rows["local_rank"] = ranks % 8
+        now = time.time()
+        rows["time"] = now
+        sc = rows["scalars"]
+        sc[:, 0] = base + 0.05 * rng.standard_normal(n)
+        sc[:, 1] = base
+        sc[:, 2] = 1.0 + 0.1 * rng.standard_normal(n)
+        sc[:, 3] = 1.0
+        sc[:, 4] = 0.9 + 0.01 * rng.standard_normal(n)
+        sc[:, 5] = 1.0 / a.rate
+        sc[:, 7] = 3e-4
+        gfp = (step * 0x9E3779B97F4A7C15) & 0xFFFF_FFFF_FFFF_FFFF
+        rows["fingerprints"][:, 0] = gfp
+        if sch is with_param:
+            rows["fingerprints"][:, 1] = (gfp ^ 0xABCDEF) & 0xFFFF_FFFF_FFFF_FFFF
+        rows["layers"] = (1.0 + 0.01 * rng.standard_normal((n, len(LAYER_METRICS) * N_LAYERS))).astype(np.float32)
+        bad = fault_rank(step, a.world) if a.fault_every and step and step % a.fault_every == 0 else -1
+        if a.lo <= bad < a.hi:
+            sc[bad - a.lo, 0] = np.nan
+            sc[bad - a.lo, 6] = 1.0
+        if bad >= 0:
+            fault_times[step] = [now, a.lo <= bad < a.hi]
+        key = f"{RUN}/{step // KEY_WINDOW}".encode()
+        futures = []
+        for i in range(0, n, a.per_message):
+            part = rows[i:i + a.per_message]
+            h0 = int(hosts_of[i])
+            part["host"] = hosts_of[i:i + a.per_message] - h0
+            hosts = [f"node{h}" for h in range(h0, int(hosts_of[min(i + a.per_message, n) - 1]) + 1)]
+            first = (key, sch.id) not in sent_keys
+            sent_keys.add((key, sch.id))
+            futures.append(producer.send(a.topic, key=key, value=encode_rows(sch, RUN, hosts, part.tobytes(), len(part),
+                                                                            with_schema=first)))
+        producer.flush(timeout=30)
+        failed = sum(1 for f in futures if not f.succeeded())
+        if failed:
+            raise RuntimeError(f"the broker did not confirm {failed} messages at step {step}")
+        send_seconds.append(time.perf_counter() - t_send)
+    producer.close()
+    elapsed = time.time() - a.t0
+    print(json.dumps({"lo": a.lo, "hi": a.hi, "steps": a.steps, "elapsed": elapsed, "steps_behind_schedule": behind,
+                      "send_seconds_p50": float(np.median(send_seconds)), "fault_times": fault_times}))
+    return 0
+
+
 # -- one scale ------------------------------------------------------------------------------------
 
 def run_scale(bootstrap: str, world: int, *, rate: float, duration: float, producers: int, fault_every: int,
-              partitions: int = 4, log=print) -> dict:
+              partitions: int = 4, wire: str = "v2", per_message: int = 2048, split: bool = False, log=print) -> dict:
     """Run the producers and the service for one world size; returns the measurements."""
     import tempfile
+    from dataclasses import replace
 
     from sdcwatch.config import BusConfig, DetectorsConfig, MetricsConfig, ServeConfig, StateConfig
     from sdcwatch.serve import build_service
@@ -143,26 +240,56 @@ def run_scale(bootstrap: str, world: int, *, rate: float, duration: float, produ
             pass
 
     # incidents resolve quickly, so each injected fault opens its own incident
-    # the service as sdcwatch serve builds it, with the benchmark's sink only and no periodic snapshot
-    cfg = ServeConfig(bus=BusConfig(bootstrap=bootstrap, telemetry_topic=topic, group=f"bench-{uuid.uuid4().hex[:8]}"),
+    # the services as sdcwatch serve builds them, with the benchmark's sink only and no periodic snapshot
+    group = f"bench-{uuid.uuid4().hex[:8]}"
+    sum_topic = f"{topic}.summaries"
+    cfg = ServeConfig(bus=BusConfig(bootstrap=bootstrap, telemetry_topic=topic, group=group, summaries_topic=sum_topic),
                       metrics=MetricsConfig(port=0),
                       state=StateConfig(dir=Path(tempfile.mkdtemp(prefix="sdcwatch-bench-")), snapshot_interval_s=1e9),
                       detectors=DetectorsConfig(align_timeout_s=10.0, resolve_after_steps=max(1, fault_every // 2)))
-    service, _ = build_service(cfg, sinks=[LatencySink()], poll_timeout=0.05)
+    cpu = {"spatial": 0.0, "temporal": 0.0}
+    temporal = temporal_pipeline = None
+    state_dirs = [cfg.state.dir]
+    if split:
+        ensure_topic(bootstrap, sum_topic, 1)
+        spatial_cfg = replace(cfg, detectors=replace(cfg.detectors, stage="spatial"))
+        service, _ = build_service(spatial_cfg, poll_timeout=0.05)
+        temporal_dir = Path(tempfile.mkdtemp(prefix="sdcwatch-bench-"))
+        state_dirs.append(temporal_dir)
+        temporal_cfg = replace(cfg, detectors=replace(cfg.detectors, stage="temporal"),
+                               state=replace(cfg.state, dir=temporal_dir))
+        temporal, _ = build_service(temporal_cfg, sinks=[LatencySink()], poll_timeout=0.01)
+        temporal_pipeline = temporal.pipeline
+    else:
+        service, _ = build_service(cfg, sinks=[LatencySink()], poll_timeout=0.05)
     source, pipeline = service.source, service.pipeline
-    # wait for the consumer-group join, so that the first steps are not measured as lag
-    join_deadline = time.monotonic() + 20
-    while not source.assigned and time.monotonic() < join_deadline:
+
+    def step_services() -> None:
+        c0 = time.process_time()
         service.step()
+        c1 = time.process_time()
+        cpu["spatial"] += c1 - c0
+        if temporal is not None:
+            temporal.step()
+            cpu["temporal"] += time.process_time() - c1
+
+    # wait for the consumer-group joins, so that the first steps are not measured as lag
+    join_deadline = time.monotonic() + 20
+    while (not source.assigned or (temporal is not None and not temporal.source.assigned)) \
+            and time.monotonic() < join_deadline:
+        step_services()
+    cpu = {"spatial": 0.0, "temporal": 0.0}
     per = -(-world // producers)
     slices = [(p * per, min(world, (p + 1) * per)) for p in range(producers) if p * per < world]
-    # KafkaTransport packs up to 256 records of one step window into a message; lag counts messages
-    messages_per_step = sum(-(-(hi - lo) // 256) for lo, hi in slices)
+    # v1: KafkaTransport packs up to 256 records of one step window a message; lag counts messages
+    per_msg = per_message if wire == "v2" else 256
+    messages_per_step = sum(-(-(hi - lo) // per_msg) for lo, hi in slices)
     procs = []
     for lo, hi in slices:
         cmd = [sys.executable, __file__, "--produce", "--bootstrap", bootstrap, "--topic", topic, "--world", str(world),
                "--lo", str(lo), "--hi", str(hi), "--steps", str(steps), "--rate", str(rate),
-               "--fault-every", str(fault_every), "--partitions", str(partitions)]
+               "--fault-every", str(fault_every), "--partitions", str(partitions), "--wire", wire,
+               "--per-message", str(per_message)]
         procs.append(subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                       text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}))
     for p in procs:  # wait until every producer is connected, then start all clocks together
@@ -173,23 +300,28 @@ def run_scale(bootstrap: str, world: int, *, rate: float, duration: float, produ
     for p in procs:
         p.stdin.write(f"{t0!r}\n")
         p.stdin.flush()
-    log(f"e2e: {world} ranks, {len(procs)} producer processes, {steps} steps at {rate:g} steps/s")
+    log(f"e2e: {world} ranks, {len(procs)} producer processes, {steps} steps at {rate:g} steps/s, wire {wire}"
+        f"{', split (one spatial, one temporal instance)' if split else ''}")
     samples = []
     next_sample = time.time()
     producing_end = None
     drain_deadline = None
 
     def steps_done() -> int:
-        runs = service.view().runs
+        runs = (temporal or service).view().runs
         return runs[0].steps_total if runs else 0
 
+    cpu_at_start = dict(cpu)
     while True:
-        service.step()
+        step_services()
         now = time.time()
         if now >= next_sample:
             next_sample = now + 0.5
             samples.append({"t": round(now - t0, 2), "lag": int(source.lag()), "steps": steps_done(),
-                            "records": pipeline.records_total})
+                            "records": pipeline.records_total, "spatial_cpu_s": round(cpu["spatial"], 3),
+                            "temporal_cpu_s": round(cpu["temporal"], 3),
+                            "summaries": temporal_pipeline.summaries_total if temporal_pipeline else None,
+                            "summaries_published": service.summary_sink.published if split else None})
         if producing_end is None and all(p.poll() is not None for p in procs):
             producing_end = now
             samples.append({"t": round(now - t0, 2), "lag": int(source.lag()), "steps": steps_done(),
@@ -198,6 +330,9 @@ def run_scale(bootstrap: str, world: int, *, rate: float, duration: float, produ
         if producing_end is not None and (steps_done() >= steps or now > drain_deadline):
             break
     drain_end = time.time()
+    spatial_steps = pipeline.view().pipeline.records_total / world  # records read, in steps
+    spatial_cpu = cpu["spatial"] - cpu_at_start["spatial"]
+    temporal_cpu = cpu["temporal"] - cpu_at_start["temporal"]
     service.pipeline.flush()
     stats = []
     for p in procs:
@@ -206,7 +341,11 @@ def run_scale(bootstrap: str, world: int, *, rate: float, duration: float, produ
             raise RuntimeError(f"producer failed ({p.returncode}): {err.strip()[-2000:]}")
         stats.append(json.loads(out.strip().splitlines()[-1]))
     service.close()
-    shutil.rmtree(cfg.state.dir, ignore_errors=True)
+    if temporal is not None:
+        temporal.run_for(max_iterations=5)
+        temporal.close()
+    for d in state_dirs:
+        shutil.rmtree(d, ignore_errors=True)
 
     fault_times: dict[int, float] = {}  # the faulty record's build time
     step_built: dict[int, float] = {}  # when the last producer built the fault step
@@ -230,6 +369,18 @@ def run_scale(bootstrap: str, world: int, *, rate: float, duration: float, produ
     done = steps_done()
     return {
         "ranks": world,
+        "wire": wire,
+        "split": split,
+        "records_per_message": per_msg,
+        "spatial_steps_per_cpu_s": spatial_steps / spatial_cpu if spatial_cpu > 0 else None,
+        "spatial_cpu_s": round(spatial_cpu, 2),
+        "temporal_steps_per_cpu_s": (temporal_pipeline.summaries_total / temporal_cpu
+                                     if temporal_pipeline is not None and temporal_cpu > 0 else None),
+        "temporal_cpu_s": round(temporal_cpu, 2),
+        "load_1min_at_end": os.getloadavg()[0],
+        "service_counters": {"dead_letters": source.dead_letters, "incomplete_steps": pipeline.aligner.incomplete_steps,
+                             "late_records": pipeline.aligner.late_records, "duplicates": pipeline.aligner.duplicates,
+                             "waiting_for_schema": source.ingest.pending},
         "producers": len(procs),
         "target_rate_steps_per_s": rate,
         "steps": steps,
@@ -276,6 +427,10 @@ def main(argv: list[str] | None = None) -> dict:
                     help="steps/s the producers aim for (default 5 at <= 1,024 ranks, 1 above)")
     ap.add_argument("--producers", type=int, default=None, help="producer processes (default 2, 4 above 4,096 ranks)")
     ap.add_argument("--fault-every", type=int, default=8, help="a NaN on one rank every this many steps")
+    ap.add_argument("--wire", choices=("v2", "v1"), default="v2", help="wire format of the producers (default v2)")
+    ap.add_argument("--per-message", type=int, default=2048, help="v2: simulated ranks a message (default 2048)")
+    ap.add_argument("--split", action=argparse.BooleanOptionalAction, default=None,
+                    help="run one spatial and one temporal instance (default: above 16,384 ranks)")
     ap.add_argument("--bootstrap", default=None, help="use this broker instead of starting an embedded one")
     ap.add_argument("--quick", action="store_true", help="CI size: 256 ranks, 10 s")
     ap.add_argument("--out", default=None, help="write the JSON result here")
@@ -290,13 +445,16 @@ def main(argv: list[str] | None = None) -> dict:
     def measure(bootstrap: str) -> list[dict]:
         out = []
         for world in ranks:
-            rate = args.rate or (5.0 if world <= 1024 else 1.0)
+            rate = args.rate or (5.0 if world <= 16384 else 1.0)
             producers = args.producers or (2 if world <= 4096 else 4)
+            split = args.split if args.split is not None else world > 16384
             r = run_scale(bootstrap, world, rate=rate, duration=duration, producers=producers,
-                          fault_every=args.fault_every, log=log)
+                          fault_every=args.fault_every, wire=args.wire, per_message=args.per_message, split=split,
+                          log=log)
             log(f"e2e: {world} ranks: produced {r['produced_steps_per_s']:.2f} steps/s, processed "
                 f"{(r['processed_steps_per_s'] or 0):.2f} steps/s, lag at stop {r['lag_at_producers_done']}, "
-                f"faults {r['faults_detected']}/{r['faults_injected']}, p99 {r['latency_s']['p99']}")
+                f"faults {r['faults_detected']}/{r['faults_injected']}, p99 {r['latency_s']['p99']}; spatial "
+                f"{r['spatial_steps_per_cpu_s'] or 0:.2f} steps per CPU second")
             out.append(r)
         return out
 

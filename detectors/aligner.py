@@ -15,6 +15,10 @@ jump: every rank restarted from a later checkpoint); otherwise its records are s
 :attr:`StepAligner.rejected` (reason ``step_jump``) instead of making every later record late.
 A record that would make its step hold more than ``max_step_values`` values (world x the union
 of the metrics its ranks sent) is set aside too (reason ``step_size``).
+
+Input is records (wire v1) or :class:`~sdcwatch.detectors.ingest.RecordColumns` blocks (wire v2):
+a block is placed into its steps with array operations (no object per record), and a step's
+(rank x metric) arrays are filled from the blocks when it closes.
 """
 
 from __future__ import annotations
@@ -23,8 +27,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
+import numpy as np
+
 from sdcwatch.core.validate import check_positive
 from sdcwatch.detectors.frame import StepFrame
+from sdcwatch.detectors.ingest import RecordColumns, assemble_frame
 from sdcwatch.telemetry.limits import RecordLimits
 from sdcwatch.telemetry.record import Record
 from sdcwatch.telemetry.record_json import from_dict, to_dict
@@ -35,10 +42,25 @@ __all__ = ["StepAligner"]
 @dataclass
 class _OpenStep:
     first_seen: float
+    world: int
     records: dict[int, Record] = field(default_factory=dict)
     scalar_names: set[str] = field(default_factory=set)  # union over its records (the frame's width)
     layer_names: set[str] = field(default_factory=set)
     layer_len: int = 0
+    blocks: list[tuple[RecordColumns, np.ndarray]] = field(default_factory=list)  # v2 rows of this step
+    present: np.ndarray = None  # type: ignore[assignment]  # ranks that sent (v1 or v2)
+    count: int = 0
+
+    def __post_init__(self) -> None:
+        if self.present is None:
+            self.present = np.zeros(self.world, bool)
+
+    def all_records(self) -> list[Record]:
+        """Every record of the step, column blocks expanded (saved state, dead letters)."""
+        out = list(self.records.values())
+        for cols, idx in self.blocks:
+            out += cols.to_records(idx)
+        return out
 
 
 @dataclass
@@ -77,54 +99,112 @@ class StepAligner:
 
     # -- input --------------------------------------------------------------------------------
 
-    def add(self, records: Iterable[Record]) -> list[StepFrame]:
-        """Take records; returns the frames that closed (in step order per run)."""
+    def add(self, records: Iterable[Record | RecordColumns]) -> list[StepFrame]:
+        """Take records or v2 column blocks; returns the frames that closed (in step order per run)."""
         now = self.clock()
         out: list[StepFrame] = []
         touched: set[str] = set()
         for rec in records:
-            st = self._runs.get(rec.run)
+            if isinstance(rec, RecordColumns):
+                self._add_columns(rec, now, out, touched)
+                continue
+            st = self._run_state(rec.run, rec.world, now, out, lambda rec=rec: [rec])
             if st is None:
-                if not self.admit(rec.run):
-                    self.rejected.append(("runs", f"run {rec.run!r} is one more than the service keeps "
-                                          "(detectors.max_runs) and no run is stale enough to make room", [rec]))
-                    continue
-                st = self._runs[rec.run] = _RunState(world=rec.world)
-            elif rec.world != st.world:
-                out += self._drain(rec.run, st, force=True, now=now)
-                self.world_changes += 1
-                st = self._runs[rec.run] = _RunState(world=rec.world, last_closed=st.last_closed, stride=st.stride,
-                                                     generation=st.generation + 1)
+                continue
             if rec.step <= st.last_closed:
                 self.late_records += 1
                 continue
             op = st.open.get(rec.step)
             if op is None:
-                op = st.open[rec.step] = _OpenStep(first_seen=now)
-            if rec.rank in op.records:
+                op = st.open[rec.step] = _OpenStep(first_seen=now, world=st.world)
+            if op.present[rec.rank]:
                 self.duplicates += 1
                 continue
-            if not self._fits(st, op, rec):
+            if not self._fits(st, op, rec.step, rec.run, rec.scalars.keys(), rec.layers.keys(),
+                              max(map(len, rec.layers.values()), default=0), lambda rec=rec: [rec]):
                 continue
             op.records[rec.rank] = rec
+            op.present[rec.rank] = True
+            op.count += 1
             touched.add(rec.run)
         for run in touched:
             out += self._drain(run, self._runs[run], force=False, now=now)
         return out
 
-    def _fits(self, st: _RunState, op: _OpenStep, rec: Record) -> bool:
-        """Whether ``rec`` keeps its step within ``max_step_values``; records it into ``op`` if so."""
-        n = max(map(len, rec.layers.values()), default=0)
-        if rec.scalars.keys() <= op.scalar_names and rec.layers.keys() <= op.layer_names and n <= op.layer_len:
+    def _run_state(self, run: str, world: int, now: float, out: list[StepFrame],
+                   what: Callable[[], list[Record]]) -> _RunState | None:
+        """The run's state, started afresh (open steps closed first) when its world size changed;
+        None when the run is not admitted (its records, ``what()``, are set aside)."""
+        st = self._runs.get(run)
+        if st is None:
+            if not self.admit(run):
+                self.rejected.append(("runs", f"run {run!r} is one more than the service keeps "
+                                      "(detectors.max_runs) and no run is stale enough to make room", what()))
+                return None
+            st = self._runs[run] = _RunState(world=world)
+        elif world != st.world:
+            out += self._drain(run, st, force=True, now=now)
+            self.world_changes += 1
+            st = self._runs[run] = _RunState(world=world, last_closed=st.last_closed, stride=st.stride,
+                                             generation=st.generation + 1)
+        return st
+
+    def _add_columns(self, cols: RecordColumns, now: float, out: list[StepFrame], touched: set[str]) -> None:
+        """Place a block's rows into their open steps: late, duplicate and new rows told apart with arrays."""
+        worlds = cols.rows["world"]
+        cuts = (np.flatnonzero(worlds[1:] != worlds[:-1]) + 1).tolist()  # a world change splits the block
+        sch = cols.schema
+        scalar_names, layer_names = sch.scalars, [n for n, _ in sch.layers]
+        layer_len = max((k for _, k in sch.layers), default=0)
+        for a, b in zip([0, *cuts], [*cuts, len(cols)]):
+            part = cols if (a, b) == (0, len(cols)) else cols.take(slice(a, b))
+            st = self._run_state(cols.run, int(worlds[a]), now, out, part.to_records)
+            if st is None:
+                continue
+            steps = part.rows["step"].astype(np.int64)
+            order = np.argsort(steps, kind="stable")
+            sorted_steps = steps[order]
+            starts = np.flatnonzero(np.r_[True, sorted_steps[1:] != sorted_steps[:-1]])
+            ranks_all = part.rows["rank"].astype(np.intp)
+            for i, j in zip(starts.tolist(), [*starts[1:].tolist(), len(order)]):
+                step = int(sorted_steps[i])
+                idx = order[i:j]
+                if step <= st.last_closed:
+                    self.late_records += len(idx)
+                    continue
+                op = st.open.get(step)
+                if op is None:
+                    op = st.open[step] = _OpenStep(first_seen=now, world=st.world)
+                ranks = ranks_all[idx]
+                uniq, first = np.unique(ranks, return_index=True)
+                new = ~op.present[uniq]
+                self.duplicates += len(idx) - int(new.sum())
+                if not new.any():
+                    continue
+                idx = idx[first[new]]
+                if not self._fits(st, op, step, cols.run, scalar_names, layer_names, layer_len,
+                                  lambda idx=idx, part=part: part.to_records(idx)):
+                    continue
+                op.present[uniq[new]] = True
+                op.count += len(idx)
+                op.blocks.append((part, idx))
+                touched.add(cols.run)
+
+    def _fits(self, st: _RunState, op: _OpenStep, step: int, run: str, scalar_names: Iterable[str],
+              layer_names: Iterable[str], n: int, what: Callable[[], list[Record]]) -> bool:
+        """Whether records of these names keep their step within ``max_step_values``; widens ``op``
+        if so, sets the records (``what()``) aside if not."""
+        scalar_names, layer_names = set(scalar_names), set(layer_names)
+        if scalar_names <= op.scalar_names and layer_names <= op.layer_names and n <= op.layer_len:
             return True
-        scalars = op.scalar_names.union(rec.scalars)
-        layers = op.layer_names.union(rec.layers)
+        scalars = op.scalar_names | scalar_names
+        layers = op.layer_names | layer_names
         length = max(n, op.layer_len)
         width = len(scalars) + len(layers) * length
         if st.world * width > self.max_step_values:
-            self.rejected.append(("step_size", f"step {rec.step} of run {rec.run!r} would hold {st.world} ranks x "
+            self.rejected.append(("step_size", f"step {step} of run {run!r} would hold {st.world} ranks x "
                                   f"{width} values, the limit is {self.max_step_values} (limits.max_step_values)",
-                                  [rec]))
+                                  what()))
             return False
         op.scalar_names, op.layer_names, op.layer_len = scalars, layers, length
         return True
@@ -155,7 +235,7 @@ class StepAligner:
         while st.open:
             step = min(st.open)
             op = st.open[step]
-            complete = len(op.records) == st.world
+            complete = op.count == st.world
             age = now - op.first_seen
             in_order = step == st.last_closed + st.stride
             ready = complete and (in_order or age >= self.reorder_grace)
@@ -163,18 +243,21 @@ class StepAligner:
                 break
             del st.open[step]
             jump = step - st.last_closed
-            if st.last_closed >= 0 and jump > self.max_step_jump and 2 * len(op.records) <= st.world:
+            if st.last_closed >= 0 and jump > self.max_step_jump and 2 * op.count <= st.world:
                 self.jumps_rejected += 1
                 self.rejected.append(("step_jump", f"step {step} of run {run!r} is {jump} steps ahead of its last "
                                       f"step {st.last_closed} (limits.max_step_jump {self.max_step_jump}) and only "
-                                      f"{len(op.records)} of {st.world} ranks sent it", list(op.records.values())))
+                                      f"{op.count} of {st.world} ranks sent it", op.all_records()))
                 continue
             if not complete:
                 self.incomplete_steps += 1
             if st.last_closed >= 0:
                 st.stride = step - st.last_closed
             st.last_closed = step
-            out.append(StepFrame.from_records(run, step, st.world, list(op.records.values()), wall=time.time()))
+            if op.blocks:
+                out.append(assemble_frame(run, step, st.world, list(op.records.values()), op.blocks, wall=time.time()))
+            else:
+                out.append(StepFrame.from_records(run, step, st.world, list(op.records.values()), wall=time.time()))
         return out
 
     def flush_run(self, run: str) -> list[StepFrame]:
@@ -210,7 +293,7 @@ class StepAligner:
         """JSON-safe state, including the records of still-open steps (they are not re-read)."""
         return {"runs": {run: {
             "world": st.world, "last_closed": st.last_closed, "stride": st.stride, "generation": st.generation,
-            "open": [[step, [to_dict(r) for r in op.records.values()]] for step, op in st.open.items()],
+            "open": [[step, [to_dict(r) for r in op.all_records()]] for step, op in st.open.items()],
         } for run, st in self._runs.items()},
             "counters": [self.duplicates, self.late_records, self.world_changes, self.incomplete_steps]}
 
@@ -221,6 +304,11 @@ class StepAligner:
             st = _RunState(world=int(d["world"]), last_closed=int(d["last_closed"]), stride=int(d.get("stride", 1)),
                            generation=int(d["generation"]))
             for step, recs in d["open"]:
-                st.open[int(step)] = _OpenStep(first_seen=now, records={r.rank: r for r in map(from_dict, recs)})
+                op = st.open[int(step)] = _OpenStep(first_seen=now, world=st.world)
+                for r in map(from_dict, recs):
+                    if 0 <= r.rank < st.world and not op.present[r.rank]:
+                        op.records[r.rank] = r
+                        op.present[r.rank] = True
+                        op.count += 1
             self._runs[run] = st
         self.duplicates, self.late_records, self.world_changes, self.incomplete_steps = state["counters"]

@@ -25,6 +25,7 @@ from typing import Any, Callable, ClassVar, Protocol, Sequence
 from sdcwatch.core.errors import RecordError
 from sdcwatch.core.kafka import SECURITY_KEYS, new_producer
 from sdcwatch.core.names import ANOMALY_TOPIC, DEADLETTER_TOPIC, SUMMARY_TOPIC, TELEMETRY_TOPIC
+from sdcwatch.detectors.ingest import IngestDecoder, Rejected, SchemaRegistry, count_records
 from sdcwatch.detectors.summary import StepSummary, encode_summary
 from sdcwatch.detectors.types import IncidentEvent
 from sdcwatch.telemetry.limits import RecordLimits, reason_of
@@ -121,10 +122,14 @@ class MemorySource(_DeadLetterCounts):
     """Reads a :class:`~sdcwatch.telemetry.MemoryBus` topic (unit tests, in-process demos)."""
 
     def __init__(self, bus: Any, topic: str = TELEMETRY_TOPIC, deadletter_topic: str = DEADLETTER_TOPIC,
-                 decode: Callable[..., list] = decode_message, limits: RecordLimits | None = None) -> None:
+                 decode: Callable[..., list] = decode_message, limits: RecordLimits | None = None,
+                 ingest: IngestDecoder | None = None) -> None:
         self.bus = bus
         self.decode = decode
         self.limits = limits if limits is not None else (RecordLimits() if decode is decode_message else None)
+        # telemetry (v1 and v2) is decoded a poll at a time; ``schemas`` is what it learnt
+        self.ingest = ingest if ingest is not None else IngestDecoder(SchemaRegistry(self.limits))
+        self.schemas = self.ingest.registry
         self.topic = topic
         self.deadletter_topic = deadletter_topic
         self.records = 0
@@ -134,22 +139,29 @@ class MemorySource(_DeadLetterCounts):
         self._offset = 0  # next offset to read
         self._committed = 0
 
-    def poll(self, timeout: float = 0.0, max_records: int = 10_000) -> list[Record]:
+    def poll(self, timeout: float = 0.0, max_records: int = 10_000) -> list:
+        """Decoded records and v2 column blocks (``RecordColumns``); bad messages are dead-lettered."""
         msgs = self.bus.messages(self.topic, self._offset)[:max_records]
         if not msgs and timeout > 0:
             time.sleep(min(timeout, 0.01))
-        out = []
-        for i, (key, value) in enumerate(msgs):
-            recs, reason, why = _decode_or_reason(value, self.decode, self.limits)
-            if recs is None:
-                dl = DeadLetter(why, f"{self.topic}/0/{self._offset + i}", key, value, reason)
-                self.dead_letter_log.append(dl)
-                self.bus.append(self.deadletter_topic, key, dead_letter_value(value)[0])
-                self._count_dead_letter(reason)
-            else:
-                out.extend(recs)
+        origins = [f"{self.topic}/0/{self._offset + i}" for i in range(len(msgs))]
+        out: list = []
+        rejected: list[Rejected] = []
+        if self.decode is decode_message:
+            out, rejected = self.ingest.decode([(o, k, v) for o, (k, v) in zip(origins, msgs)])
+        else:
+            for origin, (key, value) in zip(origins, msgs):
+                recs, reason, why = _decode_or_reason(value, self.decode, self.limits)
+                if recs is None:
+                    rejected.append(Rejected(origin, key, value, why, reason))
+                else:
+                    out.extend(recs)
+        for rj in rejected:
+            self.dead_letter_log.append(DeadLetter(rj.reason, rj.origin, rj.key, rj.value, rj.code))
+            self.bus.append(self.deadletter_topic, rj.key, dead_letter_value(rj.value)[0])
+            self._count_dead_letter(rj.code)
         self._offset += len(msgs)
-        self.records += len(out)
+        self.records += count_records(out)
         return out
 
     def dead_letter(self, records: Sequence[Record], reason: str, why: str) -> None:

@@ -24,6 +24,7 @@ from sdcwatch.detectors.bus import (
     _decode_or_reason,
     dead_letter_value,
 )
+from sdcwatch.detectors.ingest import IngestDecoder, Rejected, SchemaRegistry, count_records
 from sdcwatch.telemetry.limits import RecordLimits
 from sdcwatch.telemetry.record import Record, decode_message, encode
 
@@ -64,6 +65,7 @@ class KafkaSource(_DeadLetterCounts):
         lag_interval: float = 1.0,
         decode: Callable[..., list] = decode_message,
         limits: RecordLimits | None = None,
+        ingest: IngestDecoder | None = None,
         queue_records: int = 100_000,
         **security: Any,
     ) -> None:
@@ -78,6 +80,10 @@ class KafkaSource(_DeadLetterCounts):
         self.lag_interval = lag_interval
         self.decode = decode  # decode_summary_message for the temporal stage
         self.limits = limits if limits is not None else (RecordLimits() if decode is decode_message else None)
+        # telemetry (v1 and v2) is decoded a poll at a time by the reader thread; ``schemas`` is
+        # what it learnt (the service saves it with its state)
+        self.ingest = ingest if ingest is not None else IngestDecoder(SchemaRegistry(self.limits))
+        self.schemas = self.ingest.registry
         self.queue_records = queue_records
         self.records = 0
         self.dead_letters = 0
@@ -91,7 +97,8 @@ class KafkaSource(_DeadLetterCounts):
         self._had_partitions = False
         # reader thread <-> service thread
         self._cond = threading.Condition()
-        self._queue: deque[tuple[list[Record], int, dict[Any, int]]] = deque()  # (records, messages, offsets)
+        # (records and column blocks, messages, offsets, records)
+        self._queue: deque[tuple[list, int, dict[Any, int], int]] = deque()
         self._queued_records = 0
         self._queued_messages = 0
         self._handed: dict[Any, int] = {}  # partition -> next offset of what poll() returned
@@ -111,6 +118,10 @@ class KafkaSource(_DeadLetterCounts):
                 session_timeout_ms=session_timeout_ms,
                 heartbeat_interval_ms=heartbeat_interval_ms,
                 fetch_max_wait_ms=100,
+                # producers that batch many ranks send messages of hundreds of kB, which the broker
+                # batches further; at the 1 MB default such record batches went missing without an
+                # error (seen with kafka-python 3.0.12 and Tansu): fetch up to 16 MB a partition
+                max_partition_fetch_bytes=16 << 20,
             )
             # a dead letter is kept whole up to DEADLETTER_MAX_BYTES: above the 1 MB default request
             self._dl_producer = new_producer(bootstrap, security, linger_ms=5, max_block_ms=5000,
@@ -122,21 +133,24 @@ class KafkaSource(_DeadLetterCounts):
 
     # -- the service's side ---------------------------------------------------------------------
 
-    def poll(self, timeout: float = 1.0, max_records: int | None = None) -> list[Record]:
-        """Decoded records (whole messages, about ``max_records``); bad messages are dead-lettered."""
+    def poll(self, timeout: float = 1.0, max_records: int | None = None) -> list:
+        """Decoded records and v2 column blocks (whole messages, about ``max_records`` records);
+        bad messages are dead-lettered."""
         limit = max_records or self.max_poll_records
-        out: list[Record] = []
+        out: list = []
+        n = 0
         with self._cond:
             if not self._queue:
                 self._cond.wait(timeout)
-            while self._queue and (not out or len(out) + len(self._queue[0][0]) <= limit):
-                recs, messages, offsets = self._queue.popleft()
-                self._queued_records -= len(recs)
+            while self._queue and (not out or n + self._queue[0][3] <= limit):
+                recs, messages, offsets, count = self._queue.popleft()
+                self._queued_records -= count
                 self._queued_messages -= messages
                 self._handed.update(offsets)
                 out.extend(recs)
+                n += count
             self._cond.notify_all()
-        self.records += len(out)
+        self.records += n
         return out
 
     @property
@@ -214,27 +228,35 @@ class KafkaSource(_DeadLetterCounts):
             consumer.resume(*consumer.paused())
         batches = consumer.poll(timeout_ms=100 if not full else 50, max_records=self.max_poll_records)
         self._track_assignment()
-        out: list[Record] = []
+        out: list = []
+        rejected: list[Rejected] = []
         offsets: dict[Any, int] = {}
-        messages = 0
+        messages = sum(len(msgs) for msgs in batches.values())
+        if self.decode is decode_message:  # telemetry: v1 and v2, many messages at once
+            out, rejected = self.ingest.decode((f"{tp.topic}/{tp.partition}/{msg.offset}", msg.key, msg.value)
+                                               for tp, msgs in batches.items() for msg in msgs)
+        else:
+            for tp, msgs in batches.items():
+                for msg in msgs:
+                    recs, reason, why = _decode_or_reason(msg.value, self.decode, self.limits)
+                    if recs is not None:
+                        out.extend(recs)
+                    else:
+                        rejected.append(Rejected(f"{tp.topic}/{tp.partition}/{msg.offset}", msg.key, msg.value,
+                                                 why, reason))
+        for rj in rejected:
+            log.debug("dead letter %s: %s", rj.origin, rj.reason)
+            self._send_dead_letter(rj.key, rj.value, rj.code, rj.reason, rj.origin)
+            with self._cond:
+                self._count_dead_letter(rj.code)
         for tp, msgs in batches.items():
-            for msg in msgs:
-                messages += 1
-                recs, reason, why = _decode_or_reason(msg.value, self.decode, self.limits)
-                if recs is not None:
-                    out.extend(recs)
-                else:
-                    origin = f"{tp.topic}/{tp.partition}/{msg.offset}"
-                    log.debug("dead letter %s: %s", origin, why)
-                    self._send_dead_letter(msg.key, msg.value, reason, why, origin)
-                    with self._cond:
-                        self._count_dead_letter(reason)
             if msgs:
                 offsets[tp] = msgs[-1].offset + 1
         if offsets:
+            count = count_records(out)
             with self._cond:
-                self._queue.append((out, messages, offsets))
-                self._queued_records += len(out)
+                self._queue.append((out, messages, offsets, count))
+                self._queued_records += count
                 self._queued_messages += messages
                 self._cond.notify_all()
         if time.monotonic() - self._lag_at >= self.lag_interval:

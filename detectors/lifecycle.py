@@ -41,6 +41,16 @@ class _Life:
     closed: bool = False  # open steps judged and incidents resolved after the run finished
 
 
+class _RunSeen:
+    """Stands for a column block's run in :meth:`RunLifecycle.sort` (which reads ``run`` and ``scalars``)."""
+
+    __slots__ = ("run",)
+    scalars: dict = {}
+
+    def __init__(self, run: str) -> None:
+        self.run = run
+
+
 class RunLifecycle:
     """Tracks every run's input and end markers; says which runs to close and which to evict.
 
@@ -100,6 +110,24 @@ class RunLifecycle:
             else:
                 life.last_input = now
         return data, markers, restarted, new
+
+    def sort_mixed(self, items: list) -> tuple[list, list[Record], set[str], set[str]]:
+        """:meth:`sort` over records and wire-v2 column blocks (``RecordColumns``): a block of a run
+        with ranks that ended, or one carrying end markers, is taken as records (rare); any other
+        block counts by its run only and is returned as it is."""
+        blocks = [x for x in items if hasattr(x, "schema")]
+        if not blocks:
+            return self.sort(items)
+        plain = [x for x in items if not hasattr(x, "schema")]
+        kept = []
+        for b in blocks:
+            if RUN_END in b.schema.scalars or self.ended_ranks(b.run):
+                plain += b.to_records()
+            else:
+                kept.append(b)
+        proxies = [_RunSeen(run) for run in {b.run for b in kept}]
+        data, markers, restarted, new = self.sort(plain + proxies)
+        return [x for x in data if not isinstance(x, _RunSeen)] + kept, markers, restarted, new
 
     def arrived(self, runs: Iterable[str]) -> None:
         """Input for ``runs`` that carries no markers (the temporal stage's step summaries)."""

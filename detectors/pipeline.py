@@ -24,13 +24,13 @@ from sdcwatch.detectors.incidents import IncidentBook
 from sdcwatch.detectors.registry import default_detectors
 from sdcwatch.detectors.lifecycle import RunLifecycle
 from sdcwatch.detectors.statefile import read_state, restoring, write_state
+from sdcwatch.detectors.ingest import count_records
 from sdcwatch.detectors.summary import StepSummary, SummaryOrder
 from sdcwatch.core.jsonsafe import json_safe
 from sdcwatch.core.validate import check_positive
 from sdcwatch.detectors.types import IncidentEvent, PipelineView, RunView, ServiceView
 from sdcwatch.core.errors import ConfigError
 from sdcwatch.telemetry.limits import RecordLimits
-from sdcwatch.telemetry.record import Record
 
 __all__ = ["DetectionPipeline", "PipelineSettings", "STATE_VERSION", "ROLES"]
 
@@ -135,11 +135,12 @@ class DetectionPipeline:
 
     # -- input --------------------------------------------------------------------------------
 
-    def process(self, records: Iterable[Record]) -> list[IncidentEvent]:
-        """Align records and run every closed step through the detectors."""
-        records, markers, restarted, new = self.lifecycle.sort(list(records))
-        self.records_total += len(records)  # telemetry: the end-of-run markers are not counted
-        self._arrived(len(records) + len(markers))
+    def process(self, records: Iterable[Any]) -> list[IncidentEvent]:
+        """Align records (wire v1 ``Record``s, v2 ``RecordColumns`` blocks) and run every closed step
+        through the detectors."""
+        records, markers, restarted, new = self.lifecycle.sort_mixed(list(records))
+        self.records_total += (n := count_records(records))  # telemetry: end-of-run markers not counted
+        self._arrived(n + len(markers))
         events: list[IncidentEvent] = []
         for run in restarted:  # a finished run's name is used again: the old run goes first
             events += self.evict(run, "finished")

@@ -12,6 +12,7 @@ so resumes without a new warm-up and without repeating an alert.
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -22,14 +23,16 @@ from sdcwatch.detectors.pipeline import DetectionPipeline
 from sdcwatch.detectors.bus import SummaryTopicSink
 from sdcwatch.detectors.bus import Source as RecordSource  # the protocol the service reads through
 from sdcwatch.detectors.types import IncidentEvent, IncidentSink, ServiceView
-from sdcwatch.core.errors import ConfigError
+from sdcwatch.core.errors import ConfigError, RecordError
 from sdcwatch.core.jsonsafe import json_safe
 
-__all__ = ["DetectorService", "RecordSource", "STATE_FILE"]
+__all__ = ["DetectorService", "RecordSource", "STATE_FILE", "SCHEMAS_FILE"]
 
 log = logging.getLogger("sdcwatch.detectors.service")
 
 STATE_FILE = "pipeline-state.json"
+#: The wire-v2 record layouts the source learnt (see ``DetectorService._save_schemas``).
+SCHEMAS_FILE = "schemas.json"
 
 
 class DetectorService:
@@ -79,6 +82,8 @@ class DetectorService:
                 raise
             if self.resumed:
                 log.info("resumed detection state from %s", self.state_path)
+        if self.state_path is not None:
+            self._load_schemas()
 
     def step(self) -> list[IncidentEvent]:
         """One iteration: poll, detect, close late steps, publish; snapshot when it is time."""
@@ -123,6 +128,7 @@ class DetectorService:
         with self._lock:  # the state is copied under the lock, written without it (scrapes go on)
             state = json_safe(self.pipeline.snapshot())
         self.pipeline.save(self.state_path, state)
+        self._save_schemas()
         if self.summary_sink is not None and not self.summary_sink.flush():
             log.warning("summaries not confirmed by the bus: offsets not committed (the steps will be re-read)")
             self._last_snapshot = self.clock()
@@ -133,6 +139,27 @@ class DetectorService:
             log.exception("source commit failed (records after the last commit will be re-read)")
         self._refresh_lag()
         self._last_snapshot = self.clock()
+
+    def _save_schemas(self) -> None:
+        """The wire-v2 layouts the source learnt, beside the state: after a restart, records re-read
+        from the middle of a window decode without waiting for their schema to come round again."""
+        registry = getattr(self.source, "schemas", None)
+        if registry is None or not len(registry):
+            return
+        path = self.state_path.with_name(SCHEMAS_FILE)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(registry.snapshot()))
+        tmp.replace(path)
+
+    def _load_schemas(self) -> None:
+        registry = getattr(self.source, "schemas", None)
+        path = self.state_path.with_name(SCHEMAS_FILE)
+        if registry is None or not path.exists():
+            return
+        try:
+            registry.restore(json.loads(path.read_text()))
+        except (ValueError, OSError, RecordError) as exc:  # a damaged file costs a wait for the schemas
+            log.warning("could not read the saved record schemas %s: %s", path, exc)
 
     def _refresh_lag(self) -> None:
         try:

@@ -96,7 +96,8 @@ METRICS: tuple[MetricSpec, ...] = (
        "Malformed records routed to the dead-letter topic."),
     _m("sdcwatch_pipeline_dead_letters_by_reason_total", "counter", ("reason",),
        "Records routed to the dead-letter topic, by reason: malformed, unknown_version, empty, oversize, "
-       "world, layers, layer_metrics, values, step_size, counter, name, step_jump, runs (see the README's limits)."),
+       "world, layers, layer_metrics, values, step_size, counter, name, step_jump, runs, unknown_schema "
+       "(see the README's limits)."),
     _m("sdcwatch_pipeline_consumer_partitions", "gauge", (),
        "Partitions of the telemetry topic this instance reads; 0 means evicted from its consumer group or "
        "waiting for a rebalance: nothing is processed."),

@@ -3,6 +3,7 @@
     sdcwatch bench campaign [--faults FILE] [--trials N] [--seed S] [--ranks W] [--steps PRE BRANCH]
                             [--out results.json] [--quick]
     sdcwatch bench e2e [--ranks N ...] [--duration S] [--out e2e.json] [--quick]
+    sdcwatch bench ingest [--ranks N ...] [--metrics M] [--json]
     sdcwatch bench all [--quick] [--out-dir results/]
 
 ``all`` runs the campaign, the end-to-end benchmark and the scripts ``bench/bench_emitter.py``,
@@ -26,18 +27,19 @@ from typing import Any, Sequence
 
 from sdcwatch.core.errors import ConfigError
 
-__all__ = ["bench_main", "campaign_main", "e2e_main", "all_main", "bench_dir", "machine", "write_markdown"]
+__all__ = ["bench_main", "campaign_main", "e2e_main", "ingest_main", "all_main", "bench_dir", "machine", "write_markdown"]
 
 #: Campaign size of ``--quick`` (CI): a few trials on 4 ranks, enough to keep the runner tested.
 QUICK_CAMPAIGN = dict(world=4, trials=3, pretrain_steps=90, branch_steps=24, fault_offset=(2, 4),
                       classes=("nan_attn", "bad_batch_all", "unhealthy_node"))
-SCRIPTS = ("bench_emitter.py", "bench_overhead.py", "bench_detectors.py", "bench_split.py")
+SCRIPTS = ("bench_emitter.py", "bench_overhead.py", "bench_detectors.py", "bench_split.py", "bench_ingest.py")
 #: Options that make a script CI-sized when it has no ``--quick`` of its own.
 QUICK_SCRIPT_ARGS = {
-    "bench_emitter.py": ["--records", "20000"],
+    "bench_emitter.py": ["--records", "20000", "--emits", "50000"],
     "bench_overhead.py": ["--steps", "60", "--warmup", "10"],
     "bench_detectors.py": ["--ranks", "1024", "--seconds", "1", "--river-records", "1000"],
     "bench_split.py": ["--ranks", "1024", "--steps", "5", "--detect-ranks", "64", "--seeds", "1"],
+    "bench_ingest.py": ["--ranks", "1024", "--steps", "2"],
 }
 
 
@@ -90,6 +92,8 @@ def _campaign_parser() -> argparse.ArgumentParser:
                          "or a JSON/TOML file of probe settings; bench/bench_overhead.py --probes takes the same")
     ap.add_argument("--classes", nargs="+", help="fault classes of the generator (default: all)")
     ap.add_argument("--out", help="write the JSON result here")
+    ap.add_argument("--wire", choices=("v1", "v2"), help="send the records through this wire format and the "
+                                                         "service's decoder before detection (default: records as built)")
     ap.add_argument("--quick", action="store_true", help="CI size: 3 trials on 4 ranks")
     ap.add_argument("--guard", action="store_true",
                     help="also run every trial guarded (the clean twin too) and measure the damage the guard saves")
@@ -113,6 +117,8 @@ def campaign_main(argv: Sequence[str]) -> dict:
         changes["world"] = args.ranks
     if args.batch_size is not None:
         changes["batch_size"] = args.batch_size
+    if args.wire is not None:
+        changes["wire"] = args.wire
     if args.steps is not None:
         pre, branch = args.steps
         changes.update(pretrain_steps=pre, branch_steps=branch)
@@ -162,6 +168,11 @@ def e2e_main(argv: Sequence[str]) -> dict:
               f"latency p50 {s['latency_s']['p50']} s p99 {s['latency_s']['p99']} s, "
               f"faults {s['faults_detected']}/{s['faults_injected']}")
     return result
+
+
+def ingest_main(argv: Sequence[str]) -> list:
+    """``sdcwatch bench ingest``: runs ``bench/bench_ingest.py`` (its options: ``--help``)."""
+    return _load_script("bench_ingest.py").main(list(argv))
 
 
 def _option(argv: Sequence[str], name: str) -> str | None:
@@ -253,7 +264,7 @@ def write_markdown(out_dir: str | Path, runs: dict[str, Any] | None = None, *, c
                          f"{_fmt(s.get('lag_at_producers_done_steps'))} | {'yes' if s['bounded_lag'] else 'no'} | "
                          f"{s['faults_detected']}/{s['faults_injected']} | {_fmt(lat['p50'])} | {_fmt(lat['p99'])} |")
         lines.append("")
-    for name in ("emitter", "overhead", "detectors", "split"):
+    for name in ("emitter", "overhead", "detectors", "split", "ingest"):
         data = _load_json(out_dir / f"{name}.json")
         status = (runs or {}).get(name, {})
         lines += [f"## {name}", ""]
@@ -282,10 +293,10 @@ def _fmt(x: Any) -> str:
 def bench_main(argv: Sequence[str]) -> int:
     """Entry point of ``sdcwatch bench``."""
     argv = list(argv)
-    commands = {"campaign": campaign_main, "e2e": e2e_main, "all": all_main}
+    commands = {"campaign": campaign_main, "e2e": e2e_main, "ingest": ingest_main, "all": all_main}
     if not argv or argv[0] not in commands:
         asked = bool(argv) and argv[0] in ("-h", "--help")
-        print("usage: sdcwatch bench {campaign,e2e,all} [options]  (sdcwatch bench COMMAND --help)",
+        print("usage: sdcwatch bench {campaign,e2e,ingest,all} [options]  (sdcwatch bench COMMAND --help)",
               file=sys.stdout if asked else sys.stderr)
         return 0 if asked else 2
     commands[argv[0]](argv[1:])

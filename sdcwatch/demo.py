@@ -152,11 +152,14 @@ class _CapturingSource:
         return getattr(self._source, name)
 
     def poll(self, timeout: float) -> list:
+        from sdcwatch.detectors.ingest import as_records
+
         records = self._source.poll(timeout)
         if records:
-            self._fh.write("".join(self._to_json(r) + "\n" for r in records))
+            flat = as_records(records)  # v2 column blocks as records, for the JSON capture
+            self._fh.write("".join(self._to_json(r) + "\n" for r in flat))
             self._fh.flush()
-            self.seen += len(records)
+            self.seen += len(flat)
         return records
 
     def close(self) -> None:

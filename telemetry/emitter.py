@@ -6,12 +6,18 @@ exception: when the bus is down the queue fills up to ``buffer`` records, furthe
 dropped and counted (``dropped``, and as the ``emitter_dropped`` scalar in every later record), a
 single log line says so, and sending resumes by itself when the bus is back. ``close()`` ends the
 rank's part of the run with an end-of-run marker (:mod:`sdcwatch.telemetry.lifecycle`).
+
+The sender packs each record in wire format v2 by default (one ``struct.pack`` of a fixed layout,
+``sdcwatch.telemetry.columnar``); ``wire="v1"`` (or ``SDCWATCH_WIRE=v1``) sends version 1 records
+for services that predate v2. The end-of-run marker travels as a version 1 record either way.
 """
 
 from __future__ import annotations
 
 import collections
 import logging
+import math
+import struct
 import os
 import socket
 import threading
@@ -20,11 +26,16 @@ from typing import Any, Mapping, Sequence
 
 from sdcwatch.core.errors import ConfigError, RecordError, TransportError
 from sdcwatch.core.names import TELEMETRY_TOPIC
+from sdcwatch.telemetry.columnar import WIRES, PackedRecord
 from sdcwatch.telemetry.record import Record, validate
 
 __all__ = ["Emitter", "NullEmitter", "identity_from_env"]
 
 log = logging.getLogger("sdcwatch.telemetry")
+
+#: Records the sender builds before it releases the GIL once (a few tens of microseconds of work):
+#: bounds how long an emit() in the training thread can wait for the interpreter lock.
+_YIELD_EVERY = 8
 
 
 def _env_int(env: Mapping[str, str], name: str, default: int) -> int:
@@ -99,6 +110,8 @@ class Emitter:
         end_marker: send the end-of-run marker on :meth:`close` (so the service closes the run
             instead of alerting that it stalled); leaving a ``with`` block on an exception (other
             than Ctrl-C or ``sys.exit(0)``) sends none.
+        wire: ``"v2"`` (packed rows of a schema sent once; the default) or ``"v1"`` (self-describing
+            records); default ``SDCWATCH_WIRE``, then ``v2``.
     """
 
     def __init__(
@@ -115,6 +128,7 @@ class Emitter:
         buffer: int = 100_000,
         batch: int = 1024,
         linger: float = 0.005,
+        wire: str | None = None,
         env: Mapping[str, str] | None = None,
         end_marker: bool = True,
     ) -> None:
@@ -124,6 +138,11 @@ class Emitter:
             raise ConfigError("batch", f"must be a positive integer, got {batch!r}")
         if not linger > 0:
             raise ConfigError("linger", f"must be > 0 seconds, got {linger!r}")
+        wire = wire or (os.environ if env is None else env).get("SDCWATCH_WIRE") or "v2"
+        if wire not in WIRES:
+            raise ConfigError("wire", f"must be one of {', '.join(WIRES)}, got {wire!r}")
+        self.wire = wire
+        self._layouts: dict = {}  # layout -> schema, this emitter's few record layouts
         ident = identity_from_env(env)
         self.run = run if run is not None else ident["run"]
         self.rank = rank if rank is not None else ident["rank"]
@@ -267,15 +286,20 @@ class Emitter:
 
     # -- sender thread ------------------------------------------------------------------------
 
-    def _build(self, item: tuple) -> Record | None:
+    def _build(self, item: tuple) -> Record | PackedRecord | None:
         step, t, scalars, layers, fps = item
-        scalars = dict(scalars)
-        scalars["emitter_dropped"] = float(self.dropped)
-        rec = Record(self.run, step, self.rank, self.world, self.host, t, self.local_rank,
-                     scalars, dict(fps) if fps else {}, dict(layers) if layers else {})
+        scalars["emitter_dropped"] = float(self.dropped)  # emit() owns this kwargs dict: no copy
         try:
-            validate(rec)
-        except RecordError as exc:
+            if self.wire == "v2":
+                if isinstance(step, bool) or not math.isfinite(t):
+                    raise RecordError("step" if isinstance(step, bool) else "time", "must be a number")
+                rec = PackedRecord.pack(self.run, self.host, step, self.rank, self.world, self.local_rank, t,
+                                        scalars, fps, layers, schemas=self._layouts)
+            else:
+                rec = Record(self.run, step, self.rank, self.world, self.host, t, self.local_rank,
+                             scalars, dict(fps) if fps else {}, dict(layers) if layers else {})
+                validate(rec)
+        except (RecordError, struct.error, TypeError, ValueError, OverflowError) as exc:
             self.invalid += 1
             if not self._warned_invalid:
                 self._warned_invalid = True
@@ -289,10 +313,14 @@ class Emitter:
         q = self._queue
         self._taking = True
         try:
+            n = 0
             while q and len(batch) < self.batch:
                 rec = self._build(q.popleft())
                 if rec is not None:
                     batch.append(rec)
+                n += 1
+                if n % _YIELD_EVERY == 0:
+                    _time.sleep(0)  # let the training thread have the GIL: its emit() must not wait for a batch
             self._inflight = batch
         finally:
             self._taking = False

@@ -7,8 +7,8 @@ those claims; a record past a limit raises :class:`LimitError` (a ``RecordError`
 and the limit, and the service dead-letters it under the error's ``reason``. The defaults fit a
 100,000-rank job with a few hundred layers; ``[limits]`` in the serve configuration changes them.
 
-Every decoder of the service (the per-record codec today, a columnar one later) applies the same
-:class:`RecordLimits`; run and host names have one fixed bound, :data:`MAX_NAME_BYTES`, shared by
+Every decoder of the service (the per-record codec for wire v1, ``sdcwatch.detectors.ingest`` for
+the columnar wire v2) applies the same :class:`RecordLimits`; run and host names have one fixed bound, :data:`MAX_NAME_BYTES`, shared by
 the codec, the record validator and the state restore.
 """
 
@@ -41,6 +41,7 @@ DEAD_LETTER_REASONS = (
     "name",  # a run or host name longer than MAX_NAME_BYTES
     "step_jump",  # a step implausibly far ahead of the run's recent steps
     "runs",  # a new run while the service keeps detectors.max_runs runs and none is stale
+    "unknown_schema",  # a wire-v2 message whose schema did not arrive within the wait
 )
 
 

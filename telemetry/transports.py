@@ -24,7 +24,8 @@ from typing import Any, Protocol, Sequence
 from sdcwatch.core.errors import ConfigError, TransportError
 from sdcwatch.core.kafka import new_admin, new_producer, security_settings
 from sdcwatch.core.names import TELEMETRY_TOPIC
-from sdcwatch.telemetry.record import Record, decode_message, encode, encode_batch
+from sdcwatch.telemetry.columnar import PackedRecord, decode_stream, encode_items
+from sdcwatch.telemetry.record import Record
 from sdcwatch.telemetry.record_json import to_json
 
 __all__ = [
@@ -45,21 +46,9 @@ log = logging.getLogger("sdcwatch.telemetry")
 KEY_WINDOW = 16
 
 
-def record_key(rec: Record) -> bytes:
+def record_key(rec: Record | PackedRecord) -> bytes:
     """Partition key: run and step window, so every rank of one step lands in one partition."""
     return f"{rec.run}/{rec.step // KEY_WINDOW}".encode()
-
-
-def group_by_key(records: Sequence[Record], max_per_message: int) -> list[tuple[bytes, list[Record]]]:
-    """Split a batch into messages: records sharing a key, at most ``max_per_message`` each."""
-    groups: dict[bytes, list[Record]] = {}
-    for rec in records:
-        groups.setdefault(record_key(rec), []).append(rec)
-    out = []
-    for key, recs in groups.items():
-        for i in range(0, len(recs), max_per_message):
-            out.append((key, recs[i : i + max_per_message]))
-    return out
 
 
 class Transport(Protocol):
@@ -93,7 +82,7 @@ class MemoryBus:
 
     def records(self, topic: str = TELEMETRY_TOPIC) -> list[Record]:
         """Decoded records of ``topic`` (raises RecordError on a malformed one)."""
-        return [r for _, v in self.messages(topic) for r in decode_message(v)]
+        return decode_stream(v for _, v in self.messages(topic))
 
     def size(self, topic: str) -> int:
         with self._lock:
@@ -106,12 +95,13 @@ class MemoryTransport:
     def __init__(self, bus: MemoryBus, topic: str = TELEMETRY_TOPIC) -> None:
         self.bus = bus
         self.topic = topic
+        self._schemas_sent: set = set()  # (key, schema id) pairs whose schema went inline
 
-    def send(self, records: Sequence[Record]) -> None:
+    def send(self, records: Sequence[Record | PackedRecord]) -> None:
         if self.bus.down:
             raise _unsent("memory bus is down", records)
-        for key, recs in group_by_key(records, 256):
-            self.bus.append(self.topic, key, encode(recs[0]) if len(recs) == 1 else encode_batch(recs))
+        for key, value, _ in encode_items(records, record_key, 256, self._schemas_sent):
+            self.bus.append(self.topic, key, value)
 
     def close(self) -> None:
         pass
@@ -131,7 +121,8 @@ class FileTransport:
                 if self._fh is None:
                     self.path.parent.mkdir(parents=True, exist_ok=True)
                     self._fh = open(self.path, "a", encoding="utf-8")
-                self._fh.write("".join(to_json(r) + "\n" for r in records))
+                self._fh.write("".join(to_json(r.to_record() if isinstance(r, PackedRecord) else r) + "\n"
+                                       for r in records))
                 self._fh.flush()
             except OSError as exc:
                 raise _unsent(f"cannot write {self.path}: {exc}", records) from None
@@ -205,6 +196,7 @@ class KafkaTransport:
         )
         self._producer = None
         self._topic_ready = False
+        self._schemas_sent: set = set()  # (key, schema id) pairs whose schema went inline on this connection
         self._last_offsets: dict[int, int] = {}  # partition -> highest offset the broker confirmed
         self.log_resets = 0  # times the broker's log went back (it lost confirmed records)
 
@@ -237,11 +229,11 @@ class KafkaTransport:
             producer = self._producer or self._connect()
         except TransportError as exc:
             raise _unsent(str(exc), records) from None
-        messages = group_by_key(records, self.max_records_per_message)
+        encoded = encode_items(records, record_key, self.max_records_per_message, self._schemas_sent)
+        messages = [(key, recs) for key, _, recs in encoded]
         futures = []
         try:
-            for key, recs in messages:
-                value = encode(recs[0]) if len(recs) == 1 else encode_batch(recs)
+            for key, value, _ in encoded:
                 futures.append(producer.send(self.topic, key=key, value=value))
             producer.flush(timeout=self._budget_ms(self.flush_timeout * 1000) / 1000)
         except (KafkaError, OSError) as exc:
@@ -283,6 +275,7 @@ class KafkaTransport:
     def _reset(self) -> None:
         producer, self._producer = self._producer, None
         self._topic_ready = False
+        self._schemas_sent = set()  # what the broker had may be gone: send each schema again
         if producer is not None:
             try:
                 producer.close(timeout=0)

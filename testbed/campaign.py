@@ -134,6 +134,9 @@ class CampaignConfig:
     """Probe configuration of every simulated rank: a preset of :mod:`sdcwatch.telemetry.presets`
     (``default``: what ``attach()`` gives a user; ``every-step``) or a JSON/TOML file of settings.
     The overhead benchmark takes the same names: detection and cost of one configuration."""
+    wire: str | None = None
+    """Send the records through this wire format (``v1``, ``v2``) and the service's decoder and
+    aligner before detection; None: detect on the records as built."""
 
     def __post_init__(self) -> None:
         for key, lo in (("world", 2), ("trials", 1), ("pretrain_steps", 1), ("branch_steps", 2), ("window", 1),
@@ -148,6 +151,8 @@ class CampaignConfig:
         from sdcwatch.telemetry.presets import probe_config
 
         probe_config(self.probes)  # a ConfigError naming an unknown preset or a bad file
+        if self.wire not in (None, "v1", "v2"):
+            raise ConfigError("campaign.wire", f"must be v1 or v2, got {self.wire!r}")
         unknown = [c for c in self.classes if c not in FAULT_CLASSES]
         if unknown or not self.classes:
             raise ConfigError("campaign.classes", f"unknown or no fault class {unknown!r} (known: {', '.join(FAULT_CLASSES)})")
@@ -304,8 +309,13 @@ class Branch:
     bounds: dict = field(default_factory=dict)  # (check, tensor name) -> absolute checksum bound at the fault step
 
 
-def _frames(records: list, world: int) -> list:
+def _frames(records: list, world: int, wire: str | None = None) -> list:
     from sdcwatch.detectors.frame import StepFrame
+
+    if wire is not None:
+        from sdcwatch.detectors.ingest import frames_over_wire
+
+        return frames_over_wire(records, wire)
 
     by_step: dict[int, list] = {}
     for rec in records:
@@ -361,7 +371,8 @@ def run_branch(config: CampaignConfig, checkpoint: Path, faults: Sequence[Any], 
         injections = list(run.injector.injections)
     finally:
         run.close()  # emits the last step's record
-    return Branch(_frames(records, config.world), losses, params, time.perf_counter() - t0, injections, bounds)
+    return Branch(_frames(records, config.world, config.wire), losses, params, time.perf_counter() - t0, injections,
+                  bounds)
 
 
 def fault_visibility(fault: Any, branch: Branch) -> dict[str, Any]:
@@ -576,7 +587,7 @@ def run_campaign(config: CampaignConfig, faults: Sequence[Any] | None = None, *,
             theta0 = torch.cat([p.detach().reshape(-1) for p in run.params]).clone()
         finally:
             run.close()
-        pre_frames = _frames(records, config.world)
+        pre_frames = _frames(records, config.world, config.wire)
         warm_alarms = {r.name: len(_alarms(r, pre_frames)) for r in runners}
         checkpoint = {"step": config.pretrain_steps, "seconds": round(time.perf_counter() - t0, 2),
                       "loss_first": pre_losses[0], "loss_last": pre_losses[-1],

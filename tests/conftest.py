@@ -40,16 +40,17 @@ def read_topic(bootstrap: str, topic: str, want: int, timeout: float = 90.0, *, 
     import time
 
     from sdcwatch.detectors.bus import KafkaSource
+    from sdcwatch.detectors.ingest import as_records
 
     src = KafkaSource(bootstrap, topic, group=f"g-{uuid.uuid4().hex[:8]}", deadletter_topic=f"{topic}.dead")
     got = []
     deadline = time.monotonic() + timeout
-    try:
+    try:  # the source returns v2 records as column blocks: expanded here, tests look at records
         while len(got) < want and time.monotonic() < deadline:
-            got.extend(src.poll(0.5))
+            got.extend(as_records(src.poll(0.5)))
         end = time.monotonic() + grace
         while time.monotonic() < end:
-            got.extend(src.poll(0.2))
+            got.extend(as_records(src.poll(0.2)))
         src.commit()
         return got, src
     finally:

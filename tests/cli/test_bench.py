@@ -226,3 +226,49 @@ def test_split_benchmark_reports_costs_sizes_and_detection(tmp_path):
     assert cost["incidents_on_clean_stream"] == {"both": 0, "split": 0}
     six = next(r for r in res["detection"] if r["shift_sigmas"] == 6.0)
     assert six["both"]["found"] == six["split"]["found"] == 1
+
+
+def test_ingest_benchmark_prints_one_json_object_a_line_a_format(capsys):
+    rows = bench_main(["ingest", "--ranks", "300", "--metrics", "16", "--steps", "1", "--json"])
+    assert rows == 0
+    lines = [json.loads(ln) for ln in capsys.readouterr().out.splitlines()]
+    assert [r["format"] for r in lines] == ["v1", "v2"]
+    for r in lines:
+        assert {"format", "ranks", "metrics", "decode_ms", "align_ms", "detect_ms", "us_per_record"} <= set(r)
+        assert (r["ranks"], r["metrics"]) == (300, 16)
+        assert r["us_per_record"] == pytest.approx(1e3 * (r["decode_ms"] + r["align_ms"]) / 300, abs=2e-3)
+        assert r["incidents"] == 0  # clean data: no alarm on either wire
+    v1, v2 = lines
+    assert v2["bytes_per_record"] < v1["bytes_per_record"]
+
+
+def test_ingest_benchmark_refuses_bad_sizes():
+    with pytest.raises(SystemExit):
+        bench_main(["ingest", "--ranks", "0"])
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("options", [["--split"], ["--wire", "v1"]])
+def test_quick_e2e_split_and_v1_find_every_injected_fault(bootstrap, options):
+    result = e2e_main(["--bootstrap", bootstrap, "--ranks", "128", "--duration", "6", "--rate", "4",
+                       "--fault-every", "6", "--per-message", "50", *options])
+    s = result["scales"][0]
+    assert (s["split"], s["wire"]) == ("--split" in options, "v1" if "v1" in options else "v2")
+    assert s["steps_processed"] == s["steps"]
+    assert s["faults_injected"] >= 3 and s["faults_detected"] == s["faults_injected"]
+    assert s["spatial_steps_per_cpu_s"] > 0
+    if s["split"]:
+        assert s["temporal_steps_per_cpu_s"] > 0
+
+
+def test_campaign_over_either_wire_gives_the_same_result():
+    """Detection on what crosses the bus: v1 and v2 give the same verdicts on the same trials."""
+    from sdcwatch.testbed.campaign import run_campaign
+
+    base = dict(world=4, trials=2, pretrain_steps=40, branch_steps=12, fault_offset=(2, 3),
+                classes=("nan_attn", "unhealthy_node"))
+    results = {w: run_campaign(CampaignConfig(**base, wire=w), None, detectors=["sdcwatch"], progress=lambda m: None)
+               for w in ("v1", "v2")}
+    strip = lambda r: [{k: v for k, v in t.items() if k not in ("seconds",)} for t in r["trials"]]  # noqa: E731
+    assert strip(results["v1"]) == strip(results["v2"])
+    assert any(t["detectors"]["sdcwatch"]["detected"] for t in results["v2"]["trials"])
