@@ -12,10 +12,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sdcwatch.detectors import DetectionPipeline, DetectorService, StepAligner, StepFrame
-from sdcwatch.detectors.ingest import DecodeLimits, IngestDecoder, RecordColumns, as_records, assemble_frame
+from sdcwatch.detectors.ingest import IngestDecoder, RecordColumns, SchemaRegistry, as_records, assemble_frame
 from sdcwatch.detectors.bus import MemorySource
 from sdcwatch.telemetry import MemoryBus
 from sdcwatch.telemetry.columnar import PackedRecord, encode_items, encode_rows, schema_for
+from sdcwatch.telemetry.limits import RecordLimits
 from sdcwatch.telemetry.record import Record, encode_batch
 from sdcwatch.telemetry.transports import record_key
 
@@ -159,37 +160,35 @@ def row(sch, **kw):
     return sch.struct.pack(v["step"], v["rank"], v["world"], v["local_rank"], v["host"], v["time"], *scalars)
 
 
-@pytest.mark.parametrize("fields, reason", [
-    (dict(world=0), "world"),
-    (dict(world=1 << 22, rank=1), "world"),
-    (dict(rank=4), "rank"),
-    (dict(host=3), "host"),
-    (dict(time=math.nan), "time"),
-    (dict(step=1 << 63), "step"),
-    (dict(scalars=[1.0, -1.0]), "scalars.nonfinite"),
-    (dict(scalars=[1.0, math.inf]), "scalars.nonfinite"),
+@pytest.mark.parametrize("fields, reason, code", [
+    (dict(world=0), "world", "malformed"),
+    (dict(world=1 << 22, rank=1), "world", "world"),  # past the shared limits.max_world
+    (dict(rank=4), "rank", "malformed"),
+    (dict(host=3), "host", "malformed"),
+    (dict(time=math.nan), "time", "malformed"),
+    (dict(step=1 << 63), "step", "malformed"),
+    (dict(scalars=[1.0, -1.0]), "scalars.emitter_dropped", "counter"),
+    (dict(scalars=[1.0, math.inf]), "scalars.emitter_dropped", "counter"),
+    (dict(scalars=[1.0, math.nan]), "scalars.emitter_dropped", "counter"),
 ])
-def test_implausible_records_dead_letter_their_message_only(fields, reason):
-    sch = schema_for(("loss", "nonfinite"))
+def test_implausible_records_dead_letter_their_message_only(fields, reason, code):
+    sch = schema_for(("loss", "emitter_dropped"))
     good = encode_rows(sch, "r", ["h"], row(sch, rank=1) + row(sch, rank=2), 2, with_schema=True)
     bad = encode_rows(sch, "r", ["h"], row(sch, rank=3) + row(sch, **fields), 2, with_schema=False)
     items, rejected = IngestDecoder().decode([("a", None, good), ("b", None, bad)])
     assert [r.rank for r in as_records(items)] == [1, 2]
     (rj,) = rejected
-    assert rj.origin == "b" and "record 1" in rj.reason and reason in rj.reason
+    assert rj.origin == "b" and "record 1" in rj.reason and reason in rj.reason and rj.code == code
 
 
 def test_implausible_layouts_and_forged_ids_are_refused():
     big = schema_for(("loss",), (), (("attn_entropy", 5000),))
     msg = encode_rows(big, "r", ["h"], b"", 0, with_schema=True)
-    _, rejected = IngestDecoder().decode([("a", None, msg)])
-    assert "5000 layers" in rejected[0].reason
+    _, rejected = IngestDecoder().decode([("a", None, msg)])  # the shared limits: 1,024 layers
+    assert "5000 layers" in rejected[0].reason and rejected[0].code == "layers"
     _, rejected = IngestDecoder(registry=None).decode([("a", None, msg[:-3])])
     assert rejected and "schema" in rejected[0].reason
-    limits = DecodeLimits(max_layers=10_000)
-    from sdcwatch.detectors.ingest import SchemaRegistry
-
-    items, rejected = IngestDecoder(SchemaRegistry(limits)).decode([("a", None, msg)])
+    items, rejected = IngestDecoder(SchemaRegistry(RecordLimits(max_layers=10_000))).decode([("a", None, msg)])
     assert not rejected
 
 
