@@ -119,8 +119,7 @@ class KafkaSource(_DeadLetterCounts):
                 heartbeat_interval_ms=heartbeat_interval_ms,
                 fetch_max_wait_ms=100,
                 # producers that batch many ranks send messages of hundreds of kB, which the broker
-                # batches further; at the 1 MB default such record batches went missing without an
-                # error (seen with kafka-python 3.0.12 and Tansu): fetch up to 16 MB a partition
+                # batches further: fetch whole record batches of up to 16 MB a partition
                 max_partition_fetch_bytes=16 << 20,
             )
             # a dead letter is kept whole up to DEADLETTER_MAX_BYTES: above the 1 MB default request
