@@ -136,8 +136,7 @@ class DetectionPipeline:
     # -- input --------------------------------------------------------------------------------
 
     def process(self, records: Iterable[Any]) -> list[IncidentEvent]:
-        """Align records (wire v1 ``Record``s, v2 ``RecordColumns`` blocks) and run every closed step
-        through the detectors."""
+        """Align records (v1 ``Record``, v2 ``RecordColumns``); run every closed step through the detectors."""
         records, markers, restarted, new = self.lifecycle.sort_mixed(list(records))
         self.records_total += (n := count_records(records))  # telemetry: end-of-run markers not counted
         self._arrived(n + len(markers))
