@@ -30,7 +30,7 @@ from sdcwatch.detectors.frame import StepFrame, _ordered
 from sdcwatch.core.errors import RecordError
 from sdcwatch.telemetry.limits import COUNTER_SCALARS, LimitError, RecordLimits, reason_of
 from sdcwatch.telemetry.columnar import MAGIC_V2, MessageHeader, Schema, parse_header, row_to_record
-from sdcwatch.core.names import FINGERPRINTS, LAYER_METRICS, SCALARS
+from sdcwatch.core.names import CHECK_METRICS, FINGERPRINTS, LAYER_METRICS, SCALARS
 from sdcwatch.telemetry.record import Record, decode_message
 
 __all__ = ["check_schema", "bad_rows", "SchemaRegistry", "RecordColumns", "IngestDecoder", "Rejected", "assemble_frame",
@@ -349,7 +349,8 @@ def assemble_frame(run: str, step: int, world: int, records: Sequence[Record],
         fseen.update(sch.fingerprints)
         lseen.update(n for n, _ in sch.layers)
         n_layers = max([n_layers, *(k for _, k in sch.layers)])
-    snames, lnames, fnames = _ordered(SCALARS, sseen), _ordered(LAYER_METRICS, lseen), _ordered(FINGERPRINTS, fseen)
+    snames, fnames = _ordered(SCALARS, sseen), _ordered(FINGERPRINTS, fseen)
+    lnames = _ordered(LAYER_METRICS + CHECK_METRICS, lseen)  # as StepFrame.from_records orders them
     sidx = {n: i for i, n in enumerate(snames)}
     lidx = {n: i for i, n in enumerate(lnames)}
     fidx = {n: i for i, n in enumerate(fnames)}

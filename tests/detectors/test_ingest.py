@@ -100,9 +100,9 @@ def run_both(synth: SyntheticRun, steps: int) -> dict[str, tuple[list, list]]:
 def test_detection_is_identical_on_v1_and_v2(family):
     """Every fault family of the synthetic runs: the same frames, the same incidents, on either wire."""
     synth = SyntheticRun(world=8, seed=4, faults=[Fault(family, 80, rank=5, layer=2)])
-    got = run_both(synth, 110)
+    got = run_both(synth, 200)
     (f1, e1), (f2, e2) = got["v1"], got["v2"]
-    assert len(f1) == len(f2) == 110
+    assert len(f1) == len(f2) == 200
     for a, b in zip(f1, f2):
         frames_equal(a, b)
     assert e1 == e2
