@@ -40,20 +40,25 @@ def _act_layer(frame: StepFrame, S: np.ndarray, rank: int, column: int) -> int |
 
 
 def _origin_order(hits: list[tuple[int, str, int | None, float]]):
-    """Sort key that puts first the hit closest to where the bad value was made: a product whose
-    output is bad while its input is fine made it (``gemm_fwd`` without ``gemm_in``); else the first
-    product that received it (``gemm_in``), else the residual stream, else the lowest layer (a layer
-    metric before ``act_max``), else scalars."""
+    """Sort key that puts first the hit closest to where the bad value was made, named by the model
+    layer (block) it is in: the residual stream or the largest attention logit of the lowest layer,
+    else another metric of the lowest layer (``act_max`` last). The ``gemm_*`` metrics are indexed
+    by product, not by layer, so they name the origin only when no layer metric went bad: then a
+    product whose output is bad while its input is fine made it (``gemm_fwd`` without
+    ``gemm_in``), else the first product that received it. Scalars come last."""
     bad_inputs = {(h[0], h[2]) for h in hits if h[1] == "gemm_in"}
-    order = {"gemm_in": 1, "stream_max": 2, "logit_max": 2}
+    order = {"stream_max": 0, "logit_max": 0}
+    products = {"gemm_in": 5, "gemm_bwd": 6, "gemm_weight": 6}
 
     def key(h: tuple[int, str, int | None, float]) -> tuple:
         rank, metric, layer, _ = h
         if layer is None:
-            return (4, 0, False, rank)
+            return (7, 0, False, rank)
         if metric == "gemm_fwd":
-            return (0 if (rank, layer) not in bad_inputs else 3, layer, False, rank)
-        return (order.get(metric, 3), layer, metric == "act_max", rank)
+            return (4 if (rank, layer) not in bad_inputs else 5, layer, False, rank)
+        if metric in products:
+            return (products[metric], layer, False, rank)
+        return (order.get(metric, 1), layer, metric == "act_max", rank)
 
     return key
 

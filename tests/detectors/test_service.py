@@ -166,7 +166,7 @@ def test_reference_run_fault_on_one_rank_through_the_real_broker_names_that_rank
     assert nonfinite, f"no non-finite incident in {opened}"
     inc = nonfinite[0]
     assert (inc["step"], inc["ranks"][0], inc["hosts"][0], inc["metric"], inc["layer"]) == (
-        20, 2, run.host_of(2), "attn_logit_max", 0)
+        20, 2, run.host_of(2), "logit_max", 0)
 
 
 @pytest.mark.integration
