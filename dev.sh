@@ -3,8 +3,7 @@
 #   ./dev.sh demo [ARGS]   install sdcwatch into .venv and run the demo on the embedded broker
 #   ./dev.sh test [ARGS]   install the test dependencies too (Prometheus, Alertmanager, Chromium
 #                          from Debian) and run the whole test suite
-#   ./dev.sh lint          install the dev dependencies and run ruff (lint; the format check once
-#                          the tree is formatted)
+#   ./dev.sh lint          install the dev dependencies and run ruff (lint and format check)
 set -euo pipefail
 cd "$(dirname "$0")"
 VENV=${SDCWATCH_VENV:-.venv}
@@ -50,7 +49,8 @@ case "$cmd" in
     ;;
   lint)
     need_venv dev
-    exec "$VENV/bin/ruff" check .
+    "$VENV/bin/ruff" check .
+    exec "$VENV/bin/ruff" format --check .
     ;;
   test)
     need_debian

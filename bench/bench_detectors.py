@@ -29,8 +29,16 @@ import numpy as np  # noqa: E402
 
 from sdcwatch.detectors import DetectionPipeline, StepFrame  # noqa: E402
 
-SCALARS = ("loss", "grad_norm_local", "grad_norm_global", "grad_cosine", "step_time", "nonfinite", "lr",
-           "emitter_dropped")
+SCALARS = (
+    "loss",
+    "grad_norm_local",
+    "grad_norm_global",
+    "grad_cosine",
+    "step_time",
+    "nonfinite",
+    "lr",
+    "emitter_dropped",
+)
 LAYERS = ("attn_entropy", "q_norm_mean", "k_norm_mean", "attn_logit_max")
 
 
@@ -40,18 +48,38 @@ def make_frames(world: int, n_layers: int, count: int, seed: int = 0) -> list[St
     frames = []
     for i in range(count):
         g = 1.0 + 0.1 * abs(rng.standard_normal())
-        S = np.column_stack([
-            3.0 * (1 + 0.02 * rng.standard_normal(world)), g * (1 + 0.05 * rng.standard_normal(world)),
-            np.full(world, g), 0.9 + 0.01 * rng.standard_normal(world), 0.5 * (1 + 0.02 * rng.standard_normal(world)),
-            np.zeros(world), np.full(world, 3e-4), np.zeros(world),
-        ])
-        L = np.array([3.0, 12.0, 11.0, 8.0])[None, :, None] * (1 + 0.01 * rng.standard_normal((world, len(LAYERS), n_layers)))
+        S = np.column_stack(
+            [
+                3.0 * (1 + 0.02 * rng.standard_normal(world)),
+                g * (1 + 0.05 * rng.standard_normal(world)),
+                np.full(world, g),
+                0.9 + 0.01 * rng.standard_normal(world),
+                0.5 * (1 + 0.02 * rng.standard_normal(world)),
+                np.zeros(world),
+                np.full(world, 3e-4),
+                np.zeros(world),
+            ]
+        )
+        L = np.array([3.0, 12.0, 11.0, 8.0])[None, :, None] * (
+            1 + 0.01 * rng.standard_normal((world, len(LAYERS), n_layers))
+        )
         fp = np.full((world, 2), i * 7919 + 1, np.uint64)
-        frames.append(StepFrame(
-            run="bench", step=i, world=world, hosts=tuple(f"node{r // 8}" for r in range(world)),
-            present=np.ones(world, bool), scalar_names=SCALARS, scalars=S, layer_names=LAYERS, layers=L,
-            fp_names=("param_fp", "grad_fp"), fingerprints=fp, fp_present=np.ones((world, 2), bool),
-        ))
+        frames.append(
+            StepFrame(
+                run="bench",
+                step=i,
+                world=world,
+                hosts=tuple(f"node{r // 8}" for r in range(world)),
+                present=np.ones(world, bool),
+                scalar_names=SCALARS,
+                scalars=S,
+                layer_names=LAYERS,
+                layers=L,
+                fp_names=("param_fp", "grad_fp"),
+                fingerprints=fp,
+                fp_present=np.ones((world, 2), bool),
+            )
+        )
     return frames
 
 
@@ -72,9 +100,16 @@ def bench_pipeline(world: int, n_layers: int, min_seconds: float) -> dict:
             n += 1
         if cpu >= min_seconds and n >= 5:
             break
-    return {"steps": n, "cpu_seconds": cpu, "wall_seconds": wall, "steps_per_s": n / cpu,
-            "values_per_s": n * values / cpu, "values_per_s_wall": n * values / wall,
-            "values_per_step": values, "incidents_on_clean_stream": len(pipe.incidents())}
+    return {
+        "steps": n,
+        "cpu_seconds": cpu,
+        "wall_seconds": wall,
+        "steps_per_s": n / cpu,
+        "values_per_s": n * values / cpu,
+        "values_per_s_wall": n * values / wall,
+        "values_per_step": values,
+        "incidents_on_clean_stream": len(pipe.incidents()),
+    }
 
 
 def bench_river(world: int, n_layers: int, rank_records: int) -> dict:
@@ -96,8 +131,13 @@ def bench_river(world: int, n_layers: int, rank_records: int) -> dict:
         hst.score_one(x)
         hst.learn_one(x)
     cpu, wall = time.process_time() - c0, time.perf_counter() - w0
-    return {"rank_records": rank_records, "cpu_seconds": cpu, "wall_seconds": wall,
-            "values_per_s": rank_records * len(names) / cpu, "values_per_s_wall": rank_records * len(names) / wall}
+    return {
+        "rank_records": rank_records,
+        "cpu_seconds": cpu,
+        "wall_seconds": wall,
+        "values_per_s": rank_records * len(names) / cpu,
+        "values_per_s_wall": rank_records * len(names) / wall,
+    }
 
 
 def bench_alignment(world: int, n_layers: int, steps: int = 3) -> dict:
@@ -106,11 +146,22 @@ def bench_alignment(world: int, n_layers: int, steps: int = 3) -> dict:
     from sdcwatch.telemetry.record import Record
 
     (fr,) = make_frames(world, n_layers, 1, seed=99)
-    records = [[Record(run="bench", step=s, rank=r, world=world, host=fr.hosts[r],
-                       scalars=dict(zip(SCALARS, fr.scalars[r].tolist())),
-                       fingerprints={"param_fp": s + 1, "grad_fp": s + 2},
-                       layers={n: fr.layers[r, i].tolist() for i, n in enumerate(LAYERS)}) for r in range(world)]
-               for s in range(steps)]
+    records = [
+        [
+            Record(
+                run="bench",
+                step=s,
+                rank=r,
+                world=world,
+                host=fr.hosts[r],
+                scalars=dict(zip(SCALARS, fr.scalars[r].tolist())),
+                fingerprints={"param_fp": s + 1, "grad_fp": s + 2},
+                layers={n: fr.layers[r, i].tolist() for i, n in enumerate(LAYERS)},
+            )
+            for r in range(world)
+        ]
+        for s in range(steps)
+    ]
     al = StepAligner(timeout=1e9)
     c0 = time.process_time()
     n = sum(len(al.add(recs)) for recs in records)
@@ -127,19 +178,34 @@ def main(argv=None) -> int:
     ap.add_argument("--river-records", type=int, default=4000, help="rank records timed for river")
     ap.add_argument("--out", help="write the results as JSON here")
     args = ap.parse_args(argv)
-    results = {"machine": {"python": platform.python_version(), "cpu": platform.processor() or platform.machine(),
-                           "numpy": np.__version__, "threads": 1}, "runs": []}
+    results = {
+        "machine": {
+            "python": platform.python_version(),
+            "cpu": platform.processor() or platform.machine(),
+            "numpy": np.__version__,
+            "threads": 1,
+        },
+        "runs": [],
+    }
     for world in args.ranks:
         ours = bench_pipeline(world, args.layers, args.seconds)
         river = bench_river(world, args.layers, args.river_records)
         align = bench_alignment(world, args.layers)
-        row = {"ranks": world, "metrics": ours["values_per_step"] // world, "sdcwatch": ours, "river_hst": river,
-               "ratio": ours["values_per_s"] / river["values_per_s"], "alignment": align}
+        row = {
+            "ranks": world,
+            "metrics": ours["values_per_step"] // world,
+            "sdcwatch": ours,
+            "river_hst": river,
+            "ratio": ours["values_per_s"] / river["values_per_s"],
+            "alignment": align,
+        }
         results["runs"].append(row)
-        print(f"{world:>6} ranks x {row['metrics']} metrics: sdcwatch {ours['values_per_s'] / 1e6:8.2f} M values/s "
-              f"({ours['steps_per_s']:.1f} steps/s)  river HST {river['values_per_s'] / 1e3:8.1f} k values/s  "
-              f"ratio {row['ratio']:.0f}x  incidents on clean stream: {ours['incidents_on_clean_stream']}  "
-              f"alignment {align['records_per_s'] / 1e3:.0f} k records/s ({align['steps_per_s']:.1f} steps/s)")
+        print(
+            f"{world:>6} ranks x {row['metrics']} metrics: sdcwatch {ours['values_per_s'] / 1e6:8.2f} M values/s "
+            f"({ours['steps_per_s']:.1f} steps/s)  river HST {river['values_per_s'] / 1e3:8.1f} k values/s  "
+            f"ratio {row['ratio']:.0f}x  incidents on clean stream: {ours['incidents_on_clean_stream']}  "
+            f"alignment {align['records_per_s'] / 1e3:.0f} k records/s ({align['steps_per_s']:.1f} steps/s)"
+        )
     if args.out:
         with open(args.out, "w") as fh:
             json.dump(results, fh, indent=2)

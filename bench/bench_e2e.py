@@ -60,12 +60,23 @@ def fault_rank(step: int, world: int) -> int:
 
 # -- producer process ------------------------------------------------------------------------------
 
+
 def produce(argv: list[str]) -> int:
     """One producer process: ranks [lo, hi) of ``world``, ``steps`` steps at ``rate`` steps/s from ``t0``."""
     ap = argparse.ArgumentParser()
-    for name, typ in (("--bootstrap", str), ("--topic", str), ("--world", int), ("--lo", int), ("--hi", int),
-                      ("--steps", int), ("--rate", float), ("--fault-every", int),
-                      ("--partitions", int), ("--wire", str), ("--per-message", int)):
+    for name, typ in (
+        ("--bootstrap", str),
+        ("--topic", str),
+        ("--world", int),
+        ("--lo", int),
+        ("--hi", int),
+        ("--steps", int),
+        ("--rate", float),
+        ("--fault-every", int),
+        ("--partitions", int),
+        ("--wire", str),
+        ("--per-message", int),
+    ):
         ap.add_argument(name, type=typ, required=True)
     a = ap.parse_args(argv)
     logging.getLogger("kafka").setLevel(logging.CRITICAL)
@@ -74,8 +85,15 @@ def produce(argv: list[str]) -> int:
     from sdcwatch.telemetry import KafkaTransport
     from sdcwatch.telemetry.record import Record
 
-    transport = KafkaTransport(a.bootstrap, a.topic, partitions=a.partitions, linger_ms=5,
-                               flush_timeout=30.0, request_timeout_ms=10_000, delivery_timeout_ms=30_000)
+    transport = KafkaTransport(
+        a.bootstrap,
+        a.topic,
+        partitions=a.partitions,
+        linger_ms=5,
+        flush_timeout=30.0,
+        request_timeout_ms=10_000,
+        delivery_timeout_ms=30_000,
+    )
     transport.send([])  # connect (and create the topic) before the clock starts
     print("ready", flush=True)
     a.t0 = float(sys.stdin.readline())  # the parent starts every producer's clock together
@@ -105,9 +123,16 @@ def produce(argv: list[str]) -> int:
         now = time.time()
         records = []
         for i, r in enumerate(ranks):
-            scalars = {"loss": float(loss[i]) if r != bad else float("nan"), "loss_global": base,
-                       "grad_norm_local": float(gnl[i]), "grad_norm_global": 1.0, "grad_cosine": float(cos[i]),
-                       "step_time": 1.0 / a.rate, "nonfinite": 0.0 if r != bad else 1.0, "lr": 3e-4}
+            scalars = {
+                "loss": float(loss[i]) if r != bad else float("nan"),
+                "loss_global": base,
+                "grad_norm_local": float(gnl[i]),
+                "grad_norm_global": 1.0,
+                "grad_cosine": float(cos[i]),
+                "step_time": 1.0 / a.rate,
+                "nonfinite": 0.0 if r != bad else 1.0,
+                "lr": 3e-4,
+            }
             lay = {m: layer[i, j].tolist() for j, m in enumerate(LAYER_METRICS)}
             records.append(Record(RUN, step, r, a.world, f"node{r // 8}", now, r % 8, scalars, dict(fps), lay))
         if bad >= 0:  # every producer notes when it built this step: the step is whole only at the last one
@@ -117,8 +142,19 @@ def produce(argv: list[str]) -> int:
         send_seconds.append(time.perf_counter() - t_send)
     transport.close()
     elapsed = time.time() - a.t0
-    print(json.dumps({"lo": a.lo, "hi": a.hi, "steps": a.steps, "elapsed": elapsed, "steps_behind_schedule": behind,
-                      "send_seconds_p50": float(np.median(send_seconds)), "fault_times": fault_times}))
+    print(
+        json.dumps(
+            {
+                "lo": a.lo,
+                "hi": a.hi,
+                "steps": a.steps,
+                "elapsed": elapsed,
+                "steps_behind_schedule": behind,
+                "send_seconds_p50": float(np.median(send_seconds)),
+                "fault_times": fault_times,
+            }
+        )
+    )
     return 0
 
 
@@ -129,13 +165,22 @@ def produce_v2(a: argparse.Namespace) -> int:
     from sdcwatch.telemetry.columnar import encode_rows, schema_for
     from sdcwatch.telemetry.transports import KEY_WINDOW, ensure_topic
 
-    scalar_names = ("loss", "loss_global", "grad_norm_local", "grad_norm_global", "grad_cosine", "step_time",
-                    "nonfinite", "lr")
+    scalar_names = (
+        "loss",
+        "loss_global",
+        "grad_norm_local",
+        "grad_norm_global",
+        "grad_cosine",
+        "step_time",
+        "nonfinite",
+        "lr",
+    )
     with_param = schema_for(scalar_names, ("grad_fp", "param_fp"), [(m, N_LAYERS) for m in LAYER_METRICS])
     without = schema_for(scalar_names, ("grad_fp",), [(m, N_LAYERS) for m in LAYER_METRICS])
     ensure_topic(a.bootstrap, a.topic, a.partitions)
-    producer = KafkaProducer(bootstrap_servers=a.bootstrap.split(","), linger_ms=5, acks=1,
-                             max_request_size=16 << 20, batch_size=1 << 20)
+    producer = KafkaProducer(
+        bootstrap_servers=a.bootstrap.split(","), linger_ms=5, acks=1, max_request_size=16 << 20, batch_size=1 << 20
+    )
     producer.partitions_for(a.topic)
     print("ready", flush=True)
     a.t0 = float(sys.stdin.readline())
@@ -186,14 +231,17 @@ def produce_v2(a: argparse.Namespace) -> int:
         key = f"{RUN}/{step // KEY_WINDOW}".encode()
         futures = []
         for i in range(0, n, a.per_message):
-            part = rows[i:i + a.per_message]
+            part = rows[i : i + a.per_message]
             h0 = int(hosts_of[i])
-            part["host"] = hosts_of[i:i + a.per_message] - h0
+            part["host"] = hosts_of[i : i + a.per_message] - h0
             hosts = [f"node{h}" for h in range(h0, int(hosts_of[min(i + a.per_message, n) - 1]) + 1)]
             first = (key, sch.id) not in sent_keys
             sent_keys.add((key, sch.id))
-            futures.append(producer.send(a.topic, key=key, value=encode_rows(sch, RUN, hosts, part.tobytes(), len(part),
-                                                                            with_schema=first)))
+            futures.append(
+                producer.send(
+                    a.topic, key=key, value=encode_rows(sch, RUN, hosts, part.tobytes(), len(part), with_schema=first)
+                )
+            )
         producer.flush(timeout=30)
         failed = sum(1 for f in futures if not f.succeeded())
         if failed:
@@ -201,15 +249,39 @@ def produce_v2(a: argparse.Namespace) -> int:
         send_seconds.append(time.perf_counter() - t_send)
     producer.close()
     elapsed = time.time() - a.t0
-    print(json.dumps({"lo": a.lo, "hi": a.hi, "steps": a.steps, "elapsed": elapsed, "steps_behind_schedule": behind,
-                      "send_seconds_p50": float(np.median(send_seconds)), "fault_times": fault_times}))
+    print(
+        json.dumps(
+            {
+                "lo": a.lo,
+                "hi": a.hi,
+                "steps": a.steps,
+                "elapsed": elapsed,
+                "steps_behind_schedule": behind,
+                "send_seconds_p50": float(np.median(send_seconds)),
+                "fault_times": fault_times,
+            }
+        )
+    )
     return 0
 
 
 # -- one scale ------------------------------------------------------------------------------------
 
-def run_scale(bootstrap: str, world: int, *, rate: float, duration: float, producers: int, fault_every: int,
-              partitions: int = 4, wire: str = "v2", per_message: int = 2048, split: bool = False, log=print) -> dict:
+
+def run_scale(
+    bootstrap: str,
+    world: int,
+    *,
+    rate: float,
+    duration: float,
+    producers: int,
+    fault_every: int,
+    partitions: int = 4,
+    wire: str = "v2",
+    per_message: int = 2048,
+    split: bool = False,
+    log=print,
+) -> dict:
     """Run the producers and the service for one world size; returns the measurements."""
     import tempfile
     from dataclasses import replace
@@ -243,10 +315,12 @@ def run_scale(bootstrap: str, world: int, *, rate: float, duration: float, produ
     # the services as sdcwatch serve builds them, with the benchmark's sink only and no periodic snapshot
     group = f"bench-{uuid.uuid4().hex[:8]}"
     sum_topic = f"{topic}.summaries"
-    cfg = ServeConfig(bus=BusConfig(bootstrap=bootstrap, telemetry_topic=topic, group=group, summaries_topic=sum_topic),
-                      metrics=MetricsConfig(port=0),
-                      state=StateConfig(dir=Path(tempfile.mkdtemp(prefix="sdcwatch-bench-")), snapshot_interval_s=1e9),
-                      detectors=DetectorsConfig(align_timeout_s=10.0, resolve_after_steps=max(1, fault_every // 2)))
+    cfg = ServeConfig(
+        bus=BusConfig(bootstrap=bootstrap, telemetry_topic=topic, group=group, summaries_topic=sum_topic),
+        metrics=MetricsConfig(port=0),
+        state=StateConfig(dir=Path(tempfile.mkdtemp(prefix="sdcwatch-bench-")), snapshot_interval_s=1e9),
+        detectors=DetectorsConfig(align_timeout_s=10.0, resolve_after_steps=max(1, fault_every // 2)),
+    )
     cpu = {"spatial": 0.0, "temporal": 0.0}
     temporal = temporal_pipeline = None
     state_dirs = [cfg.state.dir]
@@ -256,8 +330,9 @@ def run_scale(bootstrap: str, world: int, *, rate: float, duration: float, produ
         service, _ = build_service(spatial_cfg, poll_timeout=0.05)
         temporal_dir = Path(tempfile.mkdtemp(prefix="sdcwatch-bench-"))
         state_dirs.append(temporal_dir)
-        temporal_cfg = replace(cfg, detectors=replace(cfg.detectors, stage="temporal"),
-                               state=replace(cfg.state, dir=temporal_dir))
+        temporal_cfg = replace(
+            cfg, detectors=replace(cfg.detectors, stage="temporal"), state=replace(cfg.state, dir=temporal_dir)
+        )
         temporal, _ = build_service(temporal_cfg, sinks=[LatencySink()], poll_timeout=0.01)
         temporal_pipeline = temporal.pipeline
     else:
@@ -275,8 +350,9 @@ def run_scale(bootstrap: str, world: int, *, rate: float, duration: float, produ
 
     # wait for the consumer-group joins, so that the first steps are not measured as lag
     join_deadline = time.monotonic() + 20
-    while (not source.assigned or (temporal is not None and not temporal.source.assigned)) \
-            and time.monotonic() < join_deadline:
+    while (
+        not source.assigned or (temporal is not None and not temporal.source.assigned)
+    ) and time.monotonic() < join_deadline:
         step_services()
     cpu = {"spatial": 0.0, "temporal": 0.0}
     per = -(-world // producers)
@@ -286,12 +362,43 @@ def run_scale(bootstrap: str, world: int, *, rate: float, duration: float, produ
     messages_per_step = sum(-(-(hi - lo) // per_msg) for lo, hi in slices)
     procs = []
     for lo, hi in slices:
-        cmd = [sys.executable, __file__, "--produce", "--bootstrap", bootstrap, "--topic", topic, "--world", str(world),
-               "--lo", str(lo), "--hi", str(hi), "--steps", str(steps), "--rate", str(rate),
-               "--fault-every", str(fault_every), "--partitions", str(partitions), "--wire", wire,
-               "--per-message", str(per_message)]
-        procs.append(subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                      text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}))
+        cmd = [
+            sys.executable,
+            __file__,
+            "--produce",
+            "--bootstrap",
+            bootstrap,
+            "--topic",
+            topic,
+            "--world",
+            str(world),
+            "--lo",
+            str(lo),
+            "--hi",
+            str(hi),
+            "--steps",
+            str(steps),
+            "--rate",
+            str(rate),
+            "--fault-every",
+            str(fault_every),
+            "--partitions",
+            str(partitions),
+            "--wire",
+            wire,
+            "--per-message",
+            str(per_message),
+        ]
+        procs.append(
+            subprocess.Popen(
+                cmd,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                env={**os.environ, "OMP_NUM_THREADS": "1"},
+            )
+        )
     for p in procs:  # wait until every producer is connected, then start all clocks together
         line = p.stdout.readline().strip()
         if line != "ready":
@@ -300,8 +407,10 @@ def run_scale(bootstrap: str, world: int, *, rate: float, duration: float, produ
     for p in procs:
         p.stdin.write(f"{t0!r}\n")
         p.stdin.flush()
-    log(f"e2e: {world} ranks, {len(procs)} producer processes, {steps} steps at {rate:g} steps/s, wire {wire}"
-        f"{', split (one spatial, one temporal instance)' if split else ''}")
+    log(
+        f"e2e: {world} ranks, {len(procs)} producer processes, {steps} steps at {rate:g} steps/s, wire {wire}"
+        f"{', split (one spatial, one temporal instance)' if split else ''}"
+    )
     samples = []
     next_sample = time.time()
     producing_end = None
@@ -317,15 +426,29 @@ def run_scale(bootstrap: str, world: int, *, rate: float, duration: float, produ
         now = time.time()
         if now >= next_sample:
             next_sample = now + 0.5
-            samples.append({"t": round(now - t0, 2), "lag": int(source.lag()), "steps": steps_done(),
-                            "records": pipeline.records_total, "spatial_cpu_s": round(cpu["spatial"], 3),
-                            "temporal_cpu_s": round(cpu["temporal"], 3),
-                            "summaries": temporal_pipeline.summaries_total if temporal_pipeline else None,
-                            "summaries_published": service.summary_sink.published if split else None})
+            samples.append(
+                {
+                    "t": round(now - t0, 2),
+                    "lag": int(source.lag()),
+                    "steps": steps_done(),
+                    "records": pipeline.records_total,
+                    "spatial_cpu_s": round(cpu["spatial"], 3),
+                    "temporal_cpu_s": round(cpu["temporal"], 3),
+                    "summaries": temporal_pipeline.summaries_total if temporal_pipeline else None,
+                    "summaries_published": service.summary_sink.published if split else None,
+                }
+            )
         if producing_end is None and all(p.poll() is not None for p in procs):
             producing_end = now
-            samples.append({"t": round(now - t0, 2), "lag": int(source.lag()), "steps": steps_done(),
-                            "records": pipeline.records_total, "producers_done": True})
+            samples.append(
+                {
+                    "t": round(now - t0, 2),
+                    "lag": int(source.lag()),
+                    "steps": steps_done(),
+                    "records": pipeline.records_total,
+                    "producers_done": True,
+                }
+            )
             drain_deadline = now + max(30.0, 5 * world / 5000)
         if producing_end is not None and (steps_done() >= steps or now > drain_deadline):
             break
@@ -374,13 +497,20 @@ def run_scale(bootstrap: str, world: int, *, rate: float, duration: float, produ
         "records_per_message": per_msg,
         "spatial_steps_per_cpu_s": spatial_steps / spatial_cpu if spatial_cpu > 0 else None,
         "spatial_cpu_s": round(spatial_cpu, 2),
-        "temporal_steps_per_cpu_s": (temporal_pipeline.summaries_total / temporal_cpu
-                                     if temporal_pipeline is not None and temporal_cpu > 0 else None),
+        "temporal_steps_per_cpu_s": (
+            temporal_pipeline.summaries_total / temporal_cpu
+            if temporal_pipeline is not None and temporal_cpu > 0
+            else None
+        ),
         "temporal_cpu_s": round(temporal_cpu, 2),
         "load_1min_at_end": os.getloadavg()[0],
-        "service_counters": {"dead_letters": source.dead_letters, "incomplete_steps": pipeline.aligner.incomplete_steps,
-                             "late_records": pipeline.aligner.late_records, "duplicates": pipeline.aligner.duplicates,
-                             "waiting_for_schema": source.ingest.pending},
+        "service_counters": {
+            "dead_letters": source.dead_letters,
+            "incomplete_steps": pipeline.aligner.incomplete_steps,
+            "late_records": pipeline.aligner.late_records,
+            "duplicates": pipeline.aligner.duplicates,
+            "waiting_for_schema": source.ingest.pending,
+        },
         "producers": len(procs),
         "target_rate_steps_per_s": rate,
         "steps": steps,
@@ -408,8 +538,9 @@ def run_scale(bootstrap: str, world: int, *, rate: float, duration: float, produ
             "p50": float(np.percentile(from_whole, 50)) if from_whole else None,
             "p99": float(np.percentile(from_whole, 99)) if from_whole else None,
         },
-        "fault_latencies": [{"step": s, "latency_s": opened[s] - t if s in opened else None}
-                            for s, t in sorted(fault_times.items())],
+        "fault_latencies": [
+            {"step": s, "latency_s": opened[s] - t if s in opened else None} for s, t in sorted(fault_times.items())
+        ],
         "other_incidents": other[:20],
         "other_incidents_total": len(other),
         "lag_samples": samples,
@@ -423,14 +554,19 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ranks", type=int, nargs="+", default=None, help="world sizes (default 1024 16384)")
     ap.add_argument("--duration", type=float, default=None, help="seconds of producing per world size (default 60)")
-    ap.add_argument("--rate", type=float, default=None,
-                    help="steps/s the producers aim for (default 5 at <= 1,024 ranks, 1 above)")
+    ap.add_argument(
+        "--rate", type=float, default=None, help="steps/s the producers aim for (default 5 at <= 1,024 ranks, 1 above)"
+    )
     ap.add_argument("--producers", type=int, default=None, help="producer processes (default 2, 4 above 4,096 ranks)")
     ap.add_argument("--fault-every", type=int, default=8, help="a NaN on one rank every this many steps")
     ap.add_argument("--wire", choices=("v2", "v1"), default="v2", help="wire format of the producers (default v2)")
     ap.add_argument("--per-message", type=int, default=2048, help="v2: simulated ranks a message (default 2048)")
-    ap.add_argument("--split", action=argparse.BooleanOptionalAction, default=None,
-                    help="run one spatial and one temporal instance (default: above 16,384 ranks)")
+    ap.add_argument(
+        "--split",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="run one spatial and one temporal instance (default: above 16,384 ranks)",
+    )
     ap.add_argument("--bootstrap", default=None, help="use this broker instead of starting an embedded one")
     ap.add_argument("--quick", action="store_true", help="CI size: 256 ranks, 10 s")
     ap.add_argument("--out", default=None, help="write the JSON result here")
@@ -448,13 +584,24 @@ def main(argv: list[str] | None = None) -> dict:
             rate = args.rate or (5.0 if world <= 16384 else 1.0)
             producers = args.producers or (2 if world <= 4096 else 4)
             split = args.split if args.split is not None else world > 16384
-            r = run_scale(bootstrap, world, rate=rate, duration=duration, producers=producers,
-                          fault_every=args.fault_every, wire=args.wire, per_message=args.per_message, split=split,
-                          log=log)
-            log(f"e2e: {world} ranks: produced {r['produced_steps_per_s']:.2f} steps/s, processed "
+            r = run_scale(
+                bootstrap,
+                world,
+                rate=rate,
+                duration=duration,
+                producers=producers,
+                fault_every=args.fault_every,
+                wire=args.wire,
+                per_message=args.per_message,
+                split=split,
+                log=log,
+            )
+            log(
+                f"e2e: {world} ranks: produced {r['produced_steps_per_s']:.2f} steps/s, processed "
                 f"{(r['processed_steps_per_s'] or 0):.2f} steps/s, lag at stop {r['lag_at_producers_done']}, "
                 f"faults {r['faults_detected']}/{r['faults_injected']}, p99 {r['latency_s']['p99']}; spatial "
-                f"{r['spatial_steps_per_cpu_s'] or 0:.2f} steps per CPU second")
+                f"{r['spatial_steps_per_cpu_s'] or 0:.2f} steps per CPU second"
+            )
             out.append(r)
         return out
 
@@ -465,8 +612,12 @@ def main(argv: list[str] | None = None) -> dict:
 
         with EmbeddedBroker(port=0) as broker:
             scales = measure(broker.bootstrap)
-    result = {"benchmark": "e2e", "machine": f"{os.cpu_count()} cores", "command": "bench/bench_e2e.py " + " ".join(argv),
-              "scales": scales}
+    result = {
+        "benchmark": "e2e",
+        "machine": f"{os.cpu_count()} cores",
+        "command": "bench/bench_e2e.py " + " ".join(argv),
+        "scales": scales,
+    }
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=2))
@@ -475,5 +626,10 @@ def main(argv: list[str] | None = None) -> dict:
 
 if __name__ == "__main__":
     res = main()
-    print(json.dumps({k: v for k, v in res.items() if k != "scales"} | {
-        "scales": [{k: v for k, v in s.items() if k != "lag_samples"} for s in res["scales"]]}, indent=2))
+    print(
+        json.dumps(
+            {k: v for k, v in res.items() if k != "scales"}
+            | {"scales": [{k: v for k, v in s.items() if k != "lag_samples"} for s in res["scales"]]},
+            indent=2,
+        )
+    )

@@ -48,8 +48,15 @@ def pct(sorted_ns: list[int], q: float) -> float:
 
 def emit_latency(bootstrap: str, wire: str, emits: int, rate: float) -> dict:
     """emit() latency percentiles over ``emits`` calls paced at ``rate`` a second (sender active)."""
-    em = Emitter(KafkaTransport(bootstrap, f"bench.latency.{wire}"), run="bench", rank=0, world=1, host="h",
-                 wire=wire, buffer=200_000)
+    em = Emitter(
+        KafkaTransport(bootstrap, f"bench.latency.{wire}"),
+        run="bench",
+        rank=0,
+        world=1,
+        host="h",
+        wire=wire,
+        buffer=200_000,
+    )
     lat = array("q", bytes(8 * emits))
     burst = 20
     t_start = time.perf_counter()
@@ -66,9 +73,18 @@ def emit_latency(bootstrap: str, wire: str, emits: int, rate: float) -> dict:
     em.flush(60)
     em.close()
     ordered = sorted(lat)
-    return {"wire": wire, "emits": emits, "offered_per_s": emits / elapsed, "sent": em.sent, "dropped": em.dropped,
-            "max_pending": em.max_pending, "p50": pct(ordered, 0.5), "p99": pct(ordered, 0.99),
-            "p999": pct(ordered, 0.999), "max": ordered[-1] / 1000}
+    return {
+        "wire": wire,
+        "emits": emits,
+        "offered_per_s": emits / elapsed,
+        "sent": em.sent,
+        "dropped": em.dropped,
+        "max_pending": em.max_pending,
+        "p50": pct(ordered, 0.5),
+        "p99": pct(ordered, 0.99),
+        "p999": pct(ordered, 0.999),
+        "max": ordered[-1] / 1000,
+    }
 
 
 def main(argv=None) -> dict:
@@ -80,23 +96,37 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
     logging.getLogger("kafka").setLevel(logging.CRITICAL)
     logging.getLogger("sdcwatch").setLevel(logging.ERROR)
-    out: dict = {"machine": f"{os.cpu_count()} cores", "records": args.records,
-                 "load_1min_at_start": os.getloadavg()[0]}
+    out: dict = {
+        "machine": f"{os.cpu_count()} cores",
+        "records": args.records,
+        "load_1min_at_start": os.getloadavg()[0],
+    }
     with EmbeddedBroker(port=0) as broker:
         # 1. emit() latency while the sender is draining to the broker, per wire format
         out["emit_us_by_wire"] = {}
         for wire in ("v2", "v1"):
             out["emit_us_by_wire"][wire] = row = emit_latency(broker.bootstrap, wire, args.emits, args.rate)
-            print(f"{wire}: emit() p50 {row['p50']:.2f} us, p99 {row['p99']:.2f} us, p99.9 {row['p999']:.2f} us, "
-                  f"max {row['max']:.0f} us over {row['emits']} emits at {row['offered_per_s']:.0f}/s "
-                  f"(dropped {row['dropped']})", file=sys.stderr, flush=True)
+            print(
+                f"{wire}: emit() p50 {row['p50']:.2f} us, p99 {row['p99']:.2f} us, p99.9 {row['p999']:.2f} us, "
+                f"max {row['max']:.0f} us over {row['emits']} emits at {row['offered_per_s']:.0f}/s "
+                f"(dropped {row['dropped']})",
+                file=sys.stderr,
+                flush=True,
+            )
         out["emit_us"] = {k: out["emit_us_by_wire"]["v2"][k] for k in ("p50", "p99", "p999", "max")}
 
         # 2. sustained throughput: emit as fast as possible, time until the broker confirmed all
         out["throughput_records_per_s_by_wire"] = {}
         for wire in ("v2", "v1"):
-            em = Emitter(KafkaTransport(broker.bootstrap, f"bench.throughput.{wire}"), run="bench", rank=0, world=1,
-                         host="h", buffer=args.records + 1, wire=wire)
+            em = Emitter(
+                KafkaTransport(broker.bootstrap, f"bench.throughput.{wire}"),
+                run="bench",
+                rank=0,
+                world=1,
+                host="h",
+                buffer=args.records + 1,
+                wire=wire,
+            )
             t0 = time.perf_counter()
             for step in range(args.records):
                 em.emit(step, layers=LAYERS, fingerprints=FPS, **SCALARS)
@@ -108,8 +138,9 @@ def main(argv=None) -> dict:
 
         # 3. memory during an outage: the buffer bound holds, RSS stays flat while drops grow
         buffer = 50_000
-        em = Emitter(KafkaTransport(broker.bootstrap, "bench.outage"), run="bench", rank=0, world=1, host="h",
-                     buffer=buffer)
+        em = Emitter(
+            KafkaTransport(broker.bootstrap, "bench.outage"), run="bench", rank=0, world=1, host="h", buffer=buffer
+        )
         em.emit(0, **SCALARS)
         em.flush(10)
         broker.kill()
@@ -119,11 +150,16 @@ def main(argv=None) -> dict:
             for _ in range(buffer):
                 em.emit(step, layers=LAYERS, fingerprints=FPS, **SCALARS)
                 step += 1
-            samples.append({"emitted": em.emitted, "pending": em.pending, "dropped": em.dropped, "rss_mib": round(rss_mib(), 1)})
+            samples.append(
+                {"emitted": em.emitted, "pending": em.pending, "dropped": em.dropped, "rss_mib": round(rss_mib(), 1)}
+            )
         em.close(timeout=0.5)
-        out["outage"] = {"buffer": buffer, "samples": samples,
-                         "rss_growth_after_fill_mib": round(samples[-1]["rss_mib"] - samples[1]["rss_mib"], 1),
-                         "max_pending": max(s["pending"] for s in samples)}
+        out["outage"] = {
+            "buffer": buffer,
+            "samples": samples,
+            "rss_growth_after_fill_mib": round(samples[-1]["rss_mib"] - samples[1]["rss_mib"], 1),
+            "max_pending": max(s["pending"] for s in samples),
+        }
     print(json.dumps(out, indent=2))
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -85,8 +85,10 @@ def measure(guard: GuardConfig, steps: int, warmup: int, batch_size: int, model_
             p_cpu.append(b[1])
             ratios.append(a[0] / b[0])
             cpu_ratios.append(a[1] / b[1])
-    assert torch.equal(torch.cat([p.reshape(-1) for p in guarded.model.parameters()]),
-                       torch.cat([p.reshape(-1) for p in plain.model.parameters()])), "the guard changed the training"
+    assert torch.equal(
+        torch.cat([p.reshape(-1) for p in guarded.model.parameters()]),
+        torch.cat([p.reshape(-1) for p in plain.model.parameters()]),
+    ), "the guard changed the training"
     return {
         "guard": guard.__dict__,
         "steps": steps,
@@ -125,8 +127,11 @@ def own_cost(guard: GuardConfig, model_cfg: GPTConfig, calls: int = 2000) -> dic
         snaps.append(time.perf_counter() - t)
     per_step = max(statistics.median(steps) - statistics.median(zeros), 0.0)
     snapshot = statistics.median(snaps) if guard.mode == "act" else 0.0
-    return {"step_us": 1e6 * per_step, "snapshot_ms": 1e3 * snapshot,
-            "per_step_us": 1e6 * (per_step + snapshot / guard.snapshot_every)}
+    return {
+        "step_us": 1e6 * per_step,
+        "snapshot_ms": 1e3 * snapshot,
+        "per_step_us": 1e6 * (per_step + snapshot / guard.snapshot_every),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -146,9 +151,15 @@ def main(argv: list[str] | None = None) -> int:
         # the guard agrees through torch.distributed when it is initialised: a real gloo group of one
         dist.init_process_group("gloo", init_method=f"file://{os.path.join(tmp, 'rdzv')}", rank=0, world_size=1)
         try:
-            results = {"command": " ".join([Path(sys.executable).name, *sys.argv]), "torch": torch.__version__,
-                       "machine": platform.processor() or platform.machine(), "threads": 1,
-                       "model": model_cfg.__dict__, "batch_size": args.batch_size, "results": {}}
+            results = {
+                "command": " ".join([Path(sys.executable).name, *sys.argv]),
+                "torch": torch.__version__,
+                "machine": platform.processor() or platform.machine(),
+                "threads": 1,
+                "model": model_cfg.__dict__,
+                "batch_size": args.batch_size,
+                "results": {},
+            }
             for name in args.configs.split(","):
                 if name not in CONFIGS:
                     ap.error(f"unknown config {name!r}; known: {list(CONFIGS)}")
@@ -156,12 +167,14 @@ def main(argv: list[str] | None = None) -> int:
                 own = r["own"] = own_cost(CONFIGS[name], model_cfg)
                 r["own_overhead_pct"] = 100.0 * own["per_step_us"] / (1e3 * r["median_step_ms_plain"])
                 results["results"][name] = r
-                print(f"{name:26s} step {r['median_step_ms_plain']:.2f} ms -> {r['median_step_ms_guarded']:.2f} ms; "
-                      f"overhead {r['overhead_pct']:+.2f}% (median of paired ratios), {r['total_time_overhead_pct']:+.2f}% "
-                      f"of total time; training-thread CPU {r['cpu_overhead_pct']:+.2f}% / "
-                      f"{r['total_cpu_overhead_pct']:+.2f}%; {r['snapshots']} snapshots; measured directly: "
-                      f"{own['step_us']:.0f} us a step + {own['snapshot_ms']:.2f} ms a snapshot = "
-                      f"{r['own_overhead_pct']:.2f}% of the plain step")
+                print(
+                    f"{name:26s} step {r['median_step_ms_plain']:.2f} ms -> {r['median_step_ms_guarded']:.2f} ms; "
+                    f"overhead {r['overhead_pct']:+.2f}% (median of paired ratios), {r['total_time_overhead_pct']:+.2f}% "
+                    f"of total time; training-thread CPU {r['cpu_overhead_pct']:+.2f}% / "
+                    f"{r['total_cpu_overhead_pct']:+.2f}%; {r['snapshots']} snapshots; measured directly: "
+                    f"{own['step_us']:.0f} us a step + {own['snapshot_ms']:.2f} ms a snapshot = "
+                    f"{r['own_overhead_pct']:.2f}% of the plain step"
+                )
         finally:
             dist.destroy_process_group()
     if args.out:

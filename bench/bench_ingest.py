@@ -31,8 +31,16 @@ import time  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-SCALARS = ("loss", "grad_norm_local", "grad_norm_global", "grad_cosine", "step_time", "nonfinite", "lr",
-           "emitter_dropped")
+SCALARS = (
+    "loss",
+    "grad_norm_local",
+    "grad_norm_global",
+    "grad_cosine",
+    "step_time",
+    "nonfinite",
+    "lr",
+    "emitter_dropped",
+)
 LAYERS = ("attn_entropy", "q_norm_mean", "k_norm_mean", "attn_logit_max")
 FPS = ("param_fp", "grad_fp")
 FORMATS = ("v1", "v2")
@@ -42,12 +50,22 @@ def step_arrays(world: int, n_layers: int, step: int) -> dict:
     """One step of healthy values for every rank (what the ranks' probes would report)."""
     rng = np.random.default_rng(step)
     g = 1.0 + 0.1 * abs(rng.standard_normal())
-    scalars = np.column_stack([
-        3.0 * (1 + 0.02 * rng.standard_normal(world)), g * (1 + 0.05 * rng.standard_normal(world)),
-        np.full(world, g), 0.9 + 0.01 * rng.standard_normal(world), 0.5 * (1 + 0.02 * rng.standard_normal(world)),
-        np.zeros(world), np.full(world, 3e-4), np.zeros(world)])
-    layers = (np.array([3.0, 12.0, 11.0, 8.0])[None, :, None]
-              * (1 + 0.01 * rng.standard_normal((world, len(LAYERS), n_layers)))).astype(np.float32)
+    scalars = np.column_stack(
+        [
+            3.0 * (1 + 0.02 * rng.standard_normal(world)),
+            g * (1 + 0.05 * rng.standard_normal(world)),
+            np.full(world, g),
+            0.9 + 0.01 * rng.standard_normal(world),
+            0.5 * (1 + 0.02 * rng.standard_normal(world)),
+            np.zeros(world),
+            np.full(world, 3e-4),
+            np.zeros(world),
+        ]
+    )
+    layers = (
+        np.array([3.0, 12.0, 11.0, 8.0])[None, :, None]
+        * (1 + 0.01 * rng.standard_normal((world, len(LAYERS), n_layers)))
+    ).astype(np.float32)
     fps = np.full((world, 2), step * 7919 + 1, np.uint64)
     return {"step": step, "scalars": scalars, "layers": layers, "fps": fps}
 
@@ -55,12 +73,25 @@ def step_arrays(world: int, n_layers: int, step: int) -> dict:
 def messages_v1(run: str, world: int, a: dict, per_message: int) -> list[bytes]:
     from sdcwatch.telemetry.record import Record, encode, encode_batch
 
-    recs = [Record(run, a["step"], r, world, f"node{r // 8}", 1e9 + a["step"], r % 8,
-                   dict(zip(SCALARS, a["scalars"][r].tolist())), dict(zip(FPS, a["fps"][r].tolist())),
-                   {n: tuple(a["layers"][r, i].tolist()) for i, n in enumerate(LAYERS)})
-            for r in range(world)]
-    return [encode(recs[i]) if per_message == 1 else encode_batch(recs[i:i + per_message])
-            for i in range(0, world, per_message)]
+    recs = [
+        Record(
+            run,
+            a["step"],
+            r,
+            world,
+            f"node{r // 8}",
+            1e9 + a["step"],
+            r % 8,
+            dict(zip(SCALARS, a["scalars"][r].tolist())),
+            dict(zip(FPS, a["fps"][r].tolist())),
+            {n: tuple(a["layers"][r, i].tolist()) for i, n in enumerate(LAYERS)},
+        )
+        for r in range(world)
+    ]
+    return [
+        encode(recs[i]) if per_message == 1 else encode_batch(recs[i : i + per_message])
+        for i in range(0, world, per_message)
+    ]
 
 
 def messages_v2(run: str, world: int, a: dict, per_message: int, n_layers: int, first: bool) -> list[bytes]:
@@ -79,7 +110,7 @@ def messages_v2(run: str, world: int, a: dict, per_message: int, n_layers: int, 
     rows["layers"] = a["layers"].reshape(world, -1)
     out = []
     for i in range(0, world, per_message):
-        part = rows[i:i + per_message]
+        part = rows[i : i + per_message]
         hosts = sorted({f"node{r // 8}" for r in range(i, min(world, i + per_message))}, key=lambda h: int(h[4:]))
         part["host"] = np.arange(i, i + len(part)) // 8 - i // 8
         out.append(encode_rows(sch, run, hosts, part.tobytes(), len(part), with_schema=first and i == 0))
@@ -100,10 +131,12 @@ def bench(world: int, metrics: int, steps: int, per_message: int, warmup: int = 
     timed = 0
     for step in range(warmup + steps):
         a = step_arrays(world, n_layers, step)
-        msgs = {"v1": messages_v1("bench", world, a, per_message),
-                "v2": messages_v2("bench", world, a, per_message, n_layers, first=step == 0)}
+        msgs = {
+            "v1": messages_v1("bench", world, a, per_message),
+            "v2": messages_v2("bench", world, a, per_message, n_layers, first=step == 0),
+        }
         frames = {}
-        for f in (FORMATS if step % 2 == 0 else FORMATS[::-1]):
+        for f in FORMATS if step % 2 == 0 else FORMATS[::-1]:
             batch = [("bench/0/0", b"k", m) for m in msgs[f]]
             items = rejected = frame = None  # free the other format's records before, not inside, the timing
             gc.collect()  # each format pays for its own garbage, not for the other's
@@ -129,19 +162,33 @@ def bench(world: int, metrics: int, steps: int, per_message: int, warmup: int = 
     rows = []
     for f in FORMATS:
         ms = {k: 1e3 * v / timed for k, v in cpu[f].items()}
-        rows.append({"format": f, "ranks": world, "metrics": metrics, "decode_ms": round(ms["decode"], 3),
-                     "align_ms": round(ms["align"], 3), "detect_ms": round(ms["detect"], 3),
-                     "us_per_record": round(1e3 * (ms["decode"] + ms["align"]) / world, 3),
-                     "records_per_message": per_message, "bytes_per_record": round(nbytes[f] / timed / world, 1),
-                     "steps": timed, "incidents": len(pipes[f].incidents())})
+        rows.append(
+            {
+                "format": f,
+                "ranks": world,
+                "metrics": metrics,
+                "decode_ms": round(ms["decode"], 3),
+                "align_ms": round(ms["align"], 3),
+                "detect_ms": round(ms["detect"], 3),
+                "us_per_record": round(1e3 * (ms["decode"] + ms["align"]) / world, 3),
+                "records_per_message": per_message,
+                "bytes_per_record": round(nbytes[f] / timed / world, 1),
+                "steps": timed,
+                "incidents": len(pipes[f].incidents()),
+            }
+        )
     return rows
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(prog="sdcwatch bench ingest", description=__doc__.splitlines()[0])
     ap.add_argument("--ranks", type=int, nargs="+", default=[16384], help="world sizes (default 16384)")
-    ap.add_argument("--metrics", type=int, default=32, help="metric values a rank (8 scalars + 4 layer metrics x "
-                                                            "layers; default 32)")
+    ap.add_argument(
+        "--metrics",
+        type=int,
+        default=32,
+        help="metric values a rank (8 scalars + 4 layer metrics x layers; default 32)",
+    )
     ap.add_argument("--steps", type=int, default=5, help="timed steps a format (default 5, after 1 warm-up step)")
     ap.add_argument("--per-message", type=int, default=256, help="records a bus message (default 256)")
     ap.add_argument("--json", action="store_true", help="one JSON object a line a format")
@@ -160,15 +207,20 @@ def main(argv: list[str] | None = None) -> list[dict]:
             if args.json:
                 print(json.dumps(r), flush=True)
             else:
-                print(f"{r['format']}: {r['ranks']:>6} ranks x {r['metrics']} metrics, {r['records_per_message']} "
-                      f"records a message: decode {r['decode_ms']:.1f} ms + align {r['align_ms']:.1f} ms + detect "
-                      f"{r['detect_ms']:.1f} ms a step = {1e3 / max(r['decode_ms'] + r['align_ms'] + r['detect_ms'], 1e-9):.1f} "
-                      f"steps/s of CPU; {r['us_per_record']:.2f} us a record (decode + align), "
-                      f"{r['bytes_per_record']:.0f} bytes a record", flush=True)
+                print(
+                    f"{r['format']}: {r['ranks']:>6} ranks x {r['metrics']} metrics, {r['records_per_message']} "
+                    f"records a message: decode {r['decode_ms']:.1f} ms + align {r['align_ms']:.1f} ms + detect "
+                    f"{r['detect_ms']:.1f} ms a step = {1e3 / max(r['decode_ms'] + r['align_ms'] + r['detect_ms'], 1e-9):.1f} "
+                    f"steps/s of CPU; {r['us_per_record']:.2f} us a record (decode + align), "
+                    f"{r['bytes_per_record']:.0f} bytes a record",
+                    flush=True,
+                )
         if len(rows) == 2 and not args.json:
             v1, v2 = rows
-            print(f"       v2 decode + align {v1['us_per_record'] / max(v2['us_per_record'], 1e-9):.0f}x faster than v1",
-                  flush=True)
+            print(
+                f"       v2 decode + align {v1['us_per_record'] / max(v2['us_per_record'], 1e-9):.0f}x faster than v1",
+                flush=True,
+            )
     if args.out:
         with open(args.out, "w") as fh:
             json.dump(out, fh, indent=2)

@@ -34,20 +34,30 @@ CONFIGS = dict(PROBE_PRESETS)
 class _Replica:
     """One model + optimizer, optionally watched, that can run one timed training step."""
 
-    def __init__(self, seed: int, model_cfg: GPTConfig, probes: ProbeConfig | None, bus: MemoryBus | None,
-                 null_emitter: bool = False):
+    def __init__(
+        self,
+        seed: int,
+        model_cfg: GPTConfig,
+        probes: ProbeConfig | None,
+        bus: MemoryBus | None,
+        null_emitter: bool = False,
+    ):
         torch.manual_seed(seed)
         self.model = GPT(model_cfg)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
         self.emitter = None
         self.watch = None
         if probes is not None:
-            self.emitter = (NullEmitter() if null_emitter
-                            else Emitter(MemoryTransport(bus), run="bench", rank=0, world=1, host="bench"))
+            self.emitter = (
+                NullEmitter()
+                if null_emitter
+                else Emitter(MemoryTransport(bus), run="bench", rank=0, world=1, host="bench")
+            )
             canary = None
             if probes.canary_every:  # a fixed input, as a user would pass
-                canary = torch.randint(0, model_cfg.vocab, (2, model_cfg.seq_len),
-                                       generator=torch.Generator().manual_seed(0x5DC))
+                canary = torch.randint(
+                    0, model_cfg.vocab, (2, model_cfg.seq_len), generator=torch.Generator().manual_seed(0x5DC)
+                )
             self.watch = attach(self.model, self.emitter, optimizer=self.opt, config=probes, canary_input=canary)
 
     def step(self, step: int, batch: torch.Tensor) -> tuple[float, float]:
@@ -69,8 +79,9 @@ class _Replica:
             self.emitter.close()
 
 
-def measure(probes: ProbeConfig, steps: int, warmup: int, batch_size: int, model_cfg: GPTConfig,
-            null_emitter: bool = False) -> dict:
+def measure(
+    probes: ProbeConfig, steps: int, warmup: int, batch_size: int, model_cfg: GPTConfig, null_emitter: bool = False
+) -> dict:
     corpus = shared_corpus(1 << 20)
     bus = MemoryBus()
     watched = _Replica(0, model_cfg, probes, bus, null_emitter)
@@ -112,16 +123,29 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=400, help="timed step pairs per configuration")
     ap.add_argument("--warmup", type=int, default=30)
     ap.add_argument("--batch-size", type=int, default=8)
-    ap.add_argument("--d-model", type=int, nargs="+", default=[64],
-                    help="model width(s); several measure how the overhead falls as the model grows")
+    ap.add_argument(
+        "--d-model",
+        type=int,
+        nargs="+",
+        default=[64],
+        help="model width(s); several measure how the overhead falls as the model grows",
+    )
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--probes", "--configs", dest="configs", default=",".join(CONFIGS),
-                    help=f"comma-separated presets ({', '.join(CONFIGS)}) or JSON/TOML files of probe settings "
-                         "(the names sdcwatch bench campaign --probes takes)")
-    ap.add_argument("--null-emitter", action="store_true",
-                    help="probes only: records go to a do-nothing emitter (isolates the emitter's share)")
+    ap.add_argument(
+        "--probes",
+        "--configs",
+        dest="configs",
+        default=",".join(CONFIGS),
+        help=f"comma-separated presets ({', '.join(CONFIGS)}) or JSON/TOML files of probe settings "
+        "(the names sdcwatch bench campaign --probes takes)",
+    )
+    ap.add_argument(
+        "--null-emitter",
+        action="store_true",
+        help="probes only: records go to a do-nothing emitter (isolates the emitter's share)",
+    )
     ap.add_argument("--out", help="write the results as JSON here")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -142,17 +166,21 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as exc:  # ConfigError: name the bad preset or file
             ap.error(str(exc))
     for width in args.d_model:
-        model_cfg = GPTConfig(d_model=width, n_layer=args.layers, seq_len=args.seq_len,
-                              n_head=max(4, width // 64))  # d_head 16 at the reference width, 64 from 256 on
+        model_cfg = GPTConfig(
+            d_model=width, n_layer=args.layers, seq_len=args.seq_len, n_head=max(4, width // 64)
+        )  # d_head 16 at the reference width, 64 from 256 on
         for name, probes in configs:
             r = measure(probes, args.steps, args.warmup, args.batch_size, model_cfg, args.null_emitter)
             r["d_model"] = width
             key = name if len(args.d_model) == 1 else f"{name}@d{width}"
             results["results"][key] = r
-            print(f"{key:15s} step {r['median_step_ms_without']:.2f} ms -> {r['median_step_ms_with']:.2f} ms; "
-                  f"overhead {r['overhead_pct']:+.2f}% wall, {r['cpu_overhead_pct']:+.2f}% training-thread CPU "
-                  f"(medians of paired ratios over {r['steps']} steps); "
-                  f"{r['records_emitted']} records", flush=True)
+            print(
+                f"{key:15s} step {r['median_step_ms_without']:.2f} ms -> {r['median_step_ms_with']:.2f} ms; "
+                f"overhead {r['overhead_pct']:+.2f}% wall, {r['cpu_overhead_pct']:+.2f}% training-thread CPU "
+                f"(medians of paired ratios over {r['steps']} steps); "
+                f"{r['records_emitted']} records",
+                flush=True,
+            )
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
     return 0

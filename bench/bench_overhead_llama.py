@@ -31,9 +31,15 @@ def _model(args: argparse.Namespace):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.hidden * 4,
-                      num_hidden_layers=args.layers, num_attention_heads=args.heads,
-                      num_key_value_heads=max(1, args.heads // 2), max_position_embeddings=args.seq_len)
+    cfg = LlamaConfig(
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        intermediate_size=args.hidden * 4,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=max(1, args.heads // 2),
+        max_position_embeddings=args.seq_len,
+    )
     cfg._attn_implementation = "sdpa"
     return LlamaForCausalLM(cfg)
 
@@ -60,7 +66,7 @@ def _rank(rank: int, args: argparse.Namespace, init: str, out: str) -> None:
     cpu: dict[bool, list[float]] = {True: [], False: []}
     for step in range(args.warmup + args.steps):
         batch = torch.randint(0, args.vocab, (args.batch_size, args.seq_len), generator=g)
-        for index in ((0, 1) if step % 2 else (1, 0)):  # alternate who goes first
+        for index in (0, 1) if step % 2 else (1, 0):  # alternate who goes first
             ddp, model, opt, watch = replicas[index]
             dist.barrier()
             t0, c0 = time.perf_counter(), time.thread_time()
@@ -77,11 +83,19 @@ def _rank(rank: int, args: argparse.Namespace, init: str, out: str) -> None:
     replicas[0][3].close()
     emitter.close()
     layers = [r.layers.get("attn_entropy") for r in bus.records() if r.layers]
-    Path(out, f"rank{rank}.json").write_text(json.dumps({
-        "with": times[True], "without": times[False], "cpu_with": cpu[True], "cpu_without": cpu[False],
-        "records": len(bus.records()),
-        "attention_records": len(layers), "layers_per_record": sorted({len(v) for v in layers if v}),
-    }))
+    Path(out, f"rank{rank}.json").write_text(
+        json.dumps(
+            {
+                "with": times[True],
+                "without": times[False],
+                "cpu_with": cpu[True],
+                "cpu_without": cpu[False],
+                "records": len(bus.records()),
+                "attention_records": len(layers),
+                "layers_per_record": sorted({len(v) for v in layers if v}),
+            }
+        )
+    )
     dist.destroy_process_group()
 
 
@@ -133,23 +147,26 @@ def main(argv: list[str] | None = None) -> int:
         # machine) and to the emitter's own threads
         "cpu_paired_ratio": cpu_spread,
         "cpu_overhead_pct_median": 100.0 * (cpu_spread["median"] - 1.0),
-        "cpu_overhead_pct_total": 100.0 * (sum(sum(r["cpu_with"]) for r in ranks)
-                                           / sum(sum(r["cpu_without"]) for r in ranks) - 1.0),
-        "overhead_pct_per_rank": [100.0 * (statistics.median([a / b for a, b in zip(r["with"], r["without"])]) - 1.0)
-                                  for r in ranks],
+        "cpu_overhead_pct_total": 100.0
+        * (sum(sum(r["cpu_with"]) for r in ranks) / sum(sum(r["cpu_without"]) for r in ranks) - 1.0),
+        "overhead_pct_per_rank": [
+            100.0 * (statistics.median([a / b for a, b in zip(r["with"], r["without"])]) - 1.0) for r in ranks
+        ],
         "records": [r["records"] for r in ranks],
         "attention_records": [r["attention_records"] for r in ranks],
         "layers_per_record": ranks[0]["layers_per_record"],
     }
-    print(f"step {result['median_step_ms_without']:.1f} ms -> {result['median_step_ms_with']:.1f} ms; overhead "
-          f"median {result['overhead_pct_median']:+.2f}% (paired ratios, quartiles "
-          f"{100 * (spread['p25'] - 1):+.2f}%..{100 * (spread['p75'] - 1):+.2f}%, p10-p90 "
-          f"{100 * (spread['p10'] - 1):+.2f}%..{100 * (spread['p90'] - 1):+.2f}%), "
-          f"total time {result['overhead_pct_total_time']:+.2f}%; training-thread CPU median "
-          f"{result['cpu_overhead_pct_median']:+.2f}% (quartiles {100 * (cpu_spread['p25'] - 1):+.2f}%.."
-          f"{100 * (cpu_spread['p75'] - 1):+.2f}%), total {result['cpu_overhead_pct_total']:+.2f}%; per rank "
-          f"{', '.join(f'{x:+.2f}%' for x in result['overhead_pct_per_rank'])}; "
-          f"{sum(result['attention_records'])} records with attention for {args.layers} layers")
+    print(
+        f"step {result['median_step_ms_without']:.1f} ms -> {result['median_step_ms_with']:.1f} ms; overhead "
+        f"median {result['overhead_pct_median']:+.2f}% (paired ratios, quartiles "
+        f"{100 * (spread['p25'] - 1):+.2f}%..{100 * (spread['p75'] - 1):+.2f}%, p10-p90 "
+        f"{100 * (spread['p10'] - 1):+.2f}%..{100 * (spread['p90'] - 1):+.2f}%), "
+        f"total time {result['overhead_pct_total_time']:+.2f}%; training-thread CPU median "
+        f"{result['cpu_overhead_pct_median']:+.2f}% (quartiles {100 * (cpu_spread['p25'] - 1):+.2f}%.."
+        f"{100 * (cpu_spread['p75'] - 1):+.2f}%), total {result['cpu_overhead_pct_total']:+.2f}%; per rank "
+        f"{', '.join(f'{x:+.2f}%' for x in result['overhead_pct_per_rank'])}; "
+        f"{sum(result['attention_records'])} records with attention for {args.layers} layers"
+    )
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     return 0

@@ -47,11 +47,21 @@ from sdcwatch.telemetry.record import Record, encode  # noqa: E402
 
 
 def step_records(frame) -> list[Record]:
-    return [Record(frame.run, frame.step, r, frame.world, frame.hosts[r], 1e9, r % 8,
-                   dict(zip(SCALARS, frame.scalars[r].tolist())),
-                   {n: int(v) for n, v in zip(frame.fp_names, frame.fingerprints[r])},
-                   {n: tuple(frame.layers[r, i].tolist()) for i, n in enumerate(LAYERS)})
-            for r in range(frame.world)]
+    return [
+        Record(
+            frame.run,
+            frame.step,
+            r,
+            frame.world,
+            frame.hosts[r],
+            1e9,
+            r % 8,
+            dict(zip(SCALARS, frame.scalars[r].tolist())),
+            {n: int(v) for n, v in zip(frame.fp_names, frame.fingerprints[r])},
+            {n: tuple(frame.layers[r, i].tolist()) for i, n in enumerate(LAYERS)},
+        )
+        for r in range(frame.world)
+    ]
 
 
 def bench_ingest(world: int, n_layers: int, steps: int = 3) -> dict:
@@ -72,8 +82,11 @@ def bench_ingest(world: int, n_layers: int, steps: int = 3) -> dict:
         assert len(al.add(recs)) == 1
         align_cpu += time.process_time() - c1
         decode_cpu += c1 - c0
-    return {"decode_ms_per_step": 1e3 * decode_cpu / steps, "align_ms_per_step": 1e3 * align_cpu / steps,
-            "record_bytes_per_step": sum(len(encode(r)) for r in step_records(frames[0]))}
+    return {
+        "decode_ms_per_step": 1e3 * decode_cpu / steps,
+        "align_ms_per_step": 1e3 * align_cpu / steps,
+        "record_bytes_per_step": sum(len(encode(r)) for r in step_records(frames[0])),
+    }
 
 
 def bench_costs(world: int, n_layers: int, steps: int) -> dict:
@@ -105,19 +118,26 @@ def bench_costs(world: int, n_layers: int, steps: int) -> dict:
     front = ingest["decode_ms_per_step"] + ingest["align_ms_per_step"]  # both and spatial read the records
     ms = {"both": front + detect_ms["both"], "spatial": front + detect_ms["spatial"], "temporal": detect_ms["temporal"]}
     return {
-        "ranks": world, "metrics": values // world, "steps": n, "ingest": ingest,
-        "detect_cpu_ms_per_step": detect_ms, "cpu_ms_per_step": ms,
+        "ranks": world,
+        "metrics": values // world,
+        "steps": n,
+        "ingest": ingest,
+        "detect_cpu_ms_per_step": detect_ms,
+        "cpu_ms_per_step": ms,
         "detect_values_per_s": {k: values / (v / 1e3) for k, v in detect_ms.items()},
         "spatial_instances_one_temporal_keeps_up_with": ms["spatial"] / ms["temporal"],
         "steps_per_s_one_process": 1e3 / ms["both"],
-        "summary_bytes_mean": float(np.mean(sizes)), "summary_bytes_max": int(max(sizes)),
-        "record_bytes_per_step": raw, "bytes_ratio": raw / float(np.mean(sizes)),
+        "summary_bytes_mean": float(np.mean(sizes)),
+        "summary_bytes_max": int(max(sizes)),
+        "record_bytes_per_step": raw,
+        "bytes_ratio": raw / float(np.mean(sizes)),
         "incidents_on_clean_stream": {"both": len(both.incidents()), "split": len(temporal.incidents())},
     }
 
 
-def bench_detection(world: int, n_layers: int, shifts: list[float], seeds: int, onset: int = 60,
-                    horizon: int = 140) -> list[dict]:
+def bench_detection(
+    world: int, n_layers: int, shifts: list[float], seeds: int, onset: int = 60, horizon: int = 140
+) -> list[dict]:
     rows = []
     q = LAYERS.index("q_norm_mean")
     for sigmas in shifts:
@@ -148,8 +168,7 @@ def bench_detection(world: int, n_layers: int, shifts: list[float], seeds: int, 
         row = {"shift_sigmas": sigmas, "seeds": seeds}
         for k, v in delays.items():
             hit = [d for d in v if d is not None]
-            row[k] = {"found": len(hit), "median_delay_steps": float(np.median(hit)) if hit else None,
-                      "delays": v}
+            row[k] = {"found": len(hit), "median_delay_steps": float(np.median(hit)) if hit else None, "delays": v}
         rows.append(row)
     return rows
 
@@ -163,27 +182,36 @@ def main(argv=None) -> int:
     ap.add_argument("--seeds", type=int, default=5)
     ap.add_argument("--out", help="write the results as JSON here")
     args = ap.parse_args(argv)
-    results = {"machine": {"python": platform.python_version(), "numpy": np.__version__, "threads": 1},
-               "command": "bench/bench_split.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-               "costs": [], "detection": []}
+    results = {
+        "machine": {"python": platform.python_version(), "numpy": np.__version__, "threads": 1},
+        "command": "bench/bench_split.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "costs": [],
+        "detection": [],
+    }
     for world in args.ranks:
         row = bench_costs(world, args.layers, args.steps)
         results["costs"].append(row)
         ms, dm, ing = row["cpu_ms_per_step"], row["detect_cpu_ms_per_step"], row["ingest"]
-        print(f"{world:>6} ranks x {row['metrics']} metrics: CPU ms/step (decode {ing['decode_ms_per_step']:.0f} + "
-              f"align {ing['align_ms_per_step']:.0f} + detectors) one process {ms['both']:.0f} "
-              f"(detectors {dm['both']:.1f}), spatial {ms['spatial']:.0f} (detectors and summary {dm['spatial']:.1f}), "
-              f"temporal {ms['temporal']:.2f} -> one temporal keeps up with "
-              f"{row['spatial_instances_one_temporal_keeps_up_with']:.0f} spatial; summary "
-              f"{row['summary_bytes_mean'] / 1e3:.1f} kB (max {row['summary_bytes_max'] / 1e3:.1f}) vs records "
-              f"{row['record_bytes_per_step'] / 1e6:.2f} MB = {row['bytes_ratio']:.0f}x smaller; "
-              f"incidents on the clean stream {row['incidents_on_clean_stream']}", flush=True)
+        print(
+            f"{world:>6} ranks x {row['metrics']} metrics: CPU ms/step (decode {ing['decode_ms_per_step']:.0f} + "
+            f"align {ing['align_ms_per_step']:.0f} + detectors) one process {ms['both']:.0f} "
+            f"(detectors {dm['both']:.1f}), spatial {ms['spatial']:.0f} (detectors and summary {dm['spatial']:.1f}), "
+            f"temporal {ms['temporal']:.2f} -> one temporal keeps up with "
+            f"{row['spatial_instances_one_temporal_keeps_up_with']:.0f} spatial; summary "
+            f"{row['summary_bytes_mean'] / 1e3:.1f} kB (max {row['summary_bytes_max'] / 1e3:.1f}) vs records "
+            f"{row['record_bytes_per_step'] / 1e6:.2f} MB = {row['bytes_ratio']:.0f}x smaller; "
+            f"incidents on the clean stream {row['incidents_on_clean_stream']}",
+            flush=True,
+        )
     results["detection"] = bench_detection(args.detect_ranks, args.layers, [2.0, 3.0, 6.0], args.seeds)
     for row in results["detection"]:
         b, s = row["both"], row["split"]
-        print(f"shift {row['shift_sigmas']:.0f} sigma on one rank ({args.detect_ranks} ranks, {row['seeds']} seeds): "
-              f"one process found {b['found']}, median delay {b['median_delay_steps']} steps; split found "
-              f"{s['found']}, median delay {s['median_delay_steps']} steps", flush=True)
+        print(
+            f"shift {row['shift_sigmas']:.0f} sigma on one rank ({args.detect_ranks} ranks, {row['seeds']} seeds): "
+            f"one process found {b['found']}, median delay {b['median_delay_steps']} steps; split found "
+            f"{s['found']}, median delay {s['median_delay_steps']} steps",
+            flush=True,
+        )
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         with open(args.out, "w") as fh:

@@ -60,13 +60,20 @@ def _q(expr: str, legend: str = "", *, ref: str = "A", instant: bool = False, ta
 
 
 def _legend() -> VizLegendOptions:
-    return (VizLegendOptions().show_legend(True).display_mode(LegendDisplayMode.LIST)
-            .placement(LegendPlacement.BOTTOM))
+    return VizLegendOptions().show_legend(True).display_mode(LegendDisplayMode.LIST).placement(LegendPlacement.BOTTOM)
 
 
 def _ts(title: str, description: str, pos: GridPos, *queries: PromQuery, unit: str = "") -> timeseries.Panel:
-    panel = (timeseries.Panel().title(title).description(description).datasource(DS).grid_pos(pos)
-             .legend(_legend()).line_width(1).fill_opacity(0))
+    panel = (
+        timeseries.Panel()
+        .title(title)
+        .description(description)
+        .datasource(DS)
+        .grid_pos(pos)
+        .legend(_legend())
+        .line_width(1)
+        .fill_opacity(0)
+    )
     if unit:
         panel = panel.unit(unit)
     for query in queries:
@@ -80,93 +87,176 @@ def _stat(title: str, description: str, pos: GridPos, query: PromQuery, unit: st
 
 
 def _variables() -> list:
-    datasource = (dash.DatasourceVariable("datasource").label("Data source").type("prometheus")
-                  .description("Prometheus that scrapes the sdcwatch service."))
-    run = (dash.QueryVariable("run").label("Run").datasource(DS)
-           .query("label_values(sdcwatch_training_last_step, run)")
-           .definition("label_values(sdcwatch_training_last_step, run)")
-           .refresh(VariableRefresh.ON_TIME_RANGE_CHANGED).sort(VariableSort.ALPHABETICAL_ASC)
-           .multi(True).include_all(True).all_value(".*")
-           .description("Training run(s), from the run label of the exporter's series."))
+    datasource = (
+        dash.DatasourceVariable("datasource")
+        .label("Data source")
+        .type("prometheus")
+        .description("Prometheus that scrapes the sdcwatch service.")
+    )
+    run = (
+        dash.QueryVariable("run")
+        .label("Run")
+        .datasource(DS)
+        .query("label_values(sdcwatch_training_last_step, run)")
+        .definition("label_values(sdcwatch_training_last_step, run)")
+        .refresh(VariableRefresh.ON_TIME_RANGE_CHANGED)
+        .sort(VariableSort.ALPHABETICAL_ASC)
+        .multi(True)
+        .include_all(True)
+        .all_value(".*")
+        .description("Training run(s), from the run label of the exporter's series.")
+    )
     return [datasource, run]
 
 
 def _annotation() -> dash.AnnotationQuery:
     # A region per incident, spanning the time its info series exists (open to resolution).
-    return (dash.AnnotationQuery().name("sdcwatch incidents").datasource(DS).enable(True)
-            .icon_color("red").expr(f'sdcwatch_incident_info{{{RUN}, state="open"}}')
-            .title_format("{{kind}} ({{severity}}) rank {{rank}} {{host}}")
-            .text_format("incident {{id}}: layer {{layer}} metric {{metric}}, detector {{detector}}")
-            .tag_keys("kind,severity,rank,host").step("15s").use_value_for_time(False))
+    return (
+        dash.AnnotationQuery()
+        .name("sdcwatch incidents")
+        .datasource(DS)
+        .enable(True)
+        .icon_color("red")
+        .expr(f'sdcwatch_incident_info{{{RUN}, state="open"}}')
+        .title_format("{{kind}} ({{severity}}) rank {{rank}} {{host}}")
+        .text_format("incident {{id}}: layer {{layer}} metric {{metric}}, detector {{detector}}")
+        .tag_keys("kind,severity,rank,host")
+        .step("15s")
+        .use_value_for_time(False)
+    )
 
 
 def build_dashboard() -> dash.Dashboard:
     """The dashboard builder: rows for training, ranks, layers, incidents and the pipeline."""
-    d = (dash.Dashboard("sdcwatch: silent data corruption and loss spikes").uid(DASHBOARD_UID)
-         .description("Training health as seen by the sdcwatch detector service: global loss and gradient "
-                      "norm with incident annotations, spike scores, rank outliers, per-layer attention "
-                      "statistics, open incidents and ingest pipeline health.")
-         .tags(["sdcwatch", "training", "sdc"]).refresh("30s").time("now-6h", "now").timezone("browser")
-         .variables(_variables()).annotation(_annotation()))
+    d = (
+        dash.Dashboard("sdcwatch: silent data corruption and loss spikes")
+        .uid(DASHBOARD_UID)
+        .description(
+            "Training health as seen by the sdcwatch detector service: global loss and gradient "
+            "norm with incident annotations, spike scores, rank outliers, per-layer attention "
+            "statistics, open incidents and ingest pipeline health."
+        )
+        .tags(["sdcwatch", "training", "sdc"])
+        .refresh("30s")
+        .time("now-6h", "now")
+        .timezone("browser")
+        .variables(_variables())
+        .annotation(_annotation())
+    )
 
     y = 0
     d = d.with_row(dash.Row("Training").grid_pos(GridPos(h=1, w=24, x=0, y=y)))
     y += 1
-    d = d.with_panel(_ts("Global loss", "Latest global loss (mean over ranks) per completed step. Red regions: "
-                         "open incidents.", GridPos(h=8, w=9, x=0, y=y),
-                         _q(f"sdcwatch_training_loss{{{RUN}}}", "{{run}}")))
-    d = d.with_panel(_ts("Global gradient norm", "Global gradient norm per completed step.",
-                         GridPos(h=8, w=9, x=9, y=y),
-                         _q(f"sdcwatch_training_grad_norm{{{RUN}}}", "{{run}}")))
-    d = d.with_panel(_stat("Last step", "Last training step the service completed.",
-                           GridPos(h=4, w=6, x=18, y=y),
-                           _q(f"max by (run) (sdcwatch_training_last_step{{{RUN}}})", "{{run}}")))
-    d = d.with_panel(_stat("Open incidents", "Incidents currently open, all kinds.",
-                           GridPos(h=4, w=6, x=18, y=y + 4),
-                           _q(f"sum(sdcwatch_incidents_open{{{RUN}}})", "open")))
+    d = d.with_panel(
+        _ts(
+            "Global loss",
+            "Latest global loss (mean over ranks) per completed step. Red regions: open incidents.",
+            GridPos(h=8, w=9, x=0, y=y),
+            _q(f"sdcwatch_training_loss{{{RUN}}}", "{{run}}"),
+        )
+    )
+    d = d.with_panel(
+        _ts(
+            "Global gradient norm",
+            "Global gradient norm per completed step.",
+            GridPos(h=8, w=9, x=9, y=y),
+            _q(f"sdcwatch_training_grad_norm{{{RUN}}}", "{{run}}"),
+        )
+    )
+    d = d.with_panel(
+        _stat(
+            "Last step",
+            "Last training step the service completed.",
+            GridPos(h=4, w=6, x=18, y=y),
+            _q(f"max by (run) (sdcwatch_training_last_step{{{RUN}}})", "{{run}}"),
+        )
+    )
+    d = d.with_panel(
+        _stat(
+            "Open incidents",
+            "Incidents currently open, all kinds.",
+            GridPos(h=4, w=6, x=18, y=y + 4),
+            _q(f"sum(sdcwatch_incidents_open{{{RUN}}})", "open"),
+        )
+    )
     y += 8
-    d = d.with_panel(_ts("Spike scores", "Robust, trend-aware spike score of the global loss and gradient norm; "
-                         "the spike detector alarms above its threshold.", GridPos(h=8, w=12, x=0, y=y),
-                         _q(f"sdcwatch_detector_spike_score{{{RUN}}}", "{{run}} {{metric}}")))
-    d = d.with_panel(_ts("Incidents opened", "Incidents opened per interval, by kind and severity.",
-                         GridPos(h=8, w=12, x=12, y=y),
-                         _q("sum by (kind, severity) (increase(sdcwatch_incidents_total[$__rate_interval]))",
-                            "{{kind}} {{severity}}")))
+    d = d.with_panel(
+        _ts(
+            "Spike scores",
+            "Robust, trend-aware spike score of the global loss and gradient norm; "
+            "the spike detector alarms above its threshold.",
+            GridPos(h=8, w=12, x=0, y=y),
+            _q(f"sdcwatch_detector_spike_score{{{RUN}}}", "{{run}} {{metric}}"),
+        )
+    )
+    d = d.with_panel(
+        _ts(
+            "Incidents opened",
+            "Incidents opened per interval, by kind and severity.",
+            GridPos(h=8, w=12, x=12, y=y),
+            _q(
+                "sum by (kind, severity) (increase(sdcwatch_incidents_total[$__rate_interval]))",
+                "{{kind}} {{severity}}",
+            ),
+        )
+    )
     y += 8
 
     d = d.with_row(dash.Row("Ranks").grid_pos(GridPos(h=1, w=24, x=0, y=y)))
     y += 1
     d = d.with_panel(
-        heatmap.Panel().title("Rank-outlier score (top-K ranks)")
-        .description("Accumulated rank-outlier evidence of the top-K ranks and of every rank in an open "
-                     "incident; a persistently bright row is a rank that deviates from its peers.")
-        .datasource(DS).grid_pos(GridPos(h=9, w=12, x=0, y=y)).calculate(False)
+        heatmap.Panel()
+        .title("Rank-outlier score (top-K ranks)")
+        .description(
+            "Accumulated rank-outlier evidence of the top-K ranks and of every rank in an open "
+            "incident; a persistently bright row is a rank that deviates from its peers."
+        )
+        .datasource(DS)
+        .grid_pos(GridPos(h=9, w=12, x=0, y=y))
+        .calculate(False)
         .with_target(_q(f"sdcwatch_rank_outlier_score{{{RUN}}}", "rank {{rank}} {{host}}"))
     )
-    d = d.with_panel(_ts("Per-rank spread of scalars", "Across-rank min, quartiles and max of the local "
-                         "gradient norm and loss: a single rank far outside the band is suspect.",
-                         GridPos(h=9, w=12, x=12, y=y),
-                         _q(f'sdcwatch_rank_metric{{{RUN}, metric=~"grad_norm_local|loss"}}',
-                            "{{metric}} {{stat}}")))
+    d = d.with_panel(
+        _ts(
+            "Per-rank spread of scalars",
+            "Across-rank min, quartiles and max of the local "
+            "gradient norm and loss: a single rank far outside the band is suspect.",
+            GridPos(h=9, w=12, x=12, y=y),
+            _q(f'sdcwatch_rank_metric{{{RUN}, metric=~"grad_norm_local|loss"}}', "{{metric}} {{stat}}"),
+        )
+    )
     y += 9
 
     d = d.with_row(dash.Row("Layers").grid_pos(GridPos(h=1, w=24, x=0, y=y)))
     y += 1
-    d = d.with_panel(_ts("Attention entropy per layer (median over ranks)",
-                         "Median over ranks of each layer's attention entropy; collapse towards 0 is "
-                         "an attention-entropy collapse.", GridPos(h=8, w=8, x=0, y=y),
-                         _q(f'sdcwatch_layer_metric{{{RUN}, metric="attn_entropy", stat="median"}}',
-                            "layer {{layer}}")))
-    d = d.with_panel(_ts("q/k norms per layer (max over ranks)",
-                         "Largest query and key norms of each layer over all ranks: runaway growth "
-                         "precedes attention-logit blow-ups.", GridPos(h=8, w=8, x=8, y=y),
-                         _q(f'sdcwatch_layer_metric{{{RUN}, metric=~"q_norm_max|k_norm_max", stat="max"}}',
-                            "{{metric}} layer {{layer}}")))
-    d = d.with_panel(_ts("Largest attention logit per layer (max over ranks)",
-                         "Near-INF logits (|x| > 1e10) in attention drive training to a non-trainable "
-                         "state.", GridPos(h=8, w=8, x=16, y=y),
-                         _q(f'sdcwatch_layer_metric{{{RUN}, metric="attn_logit_max", stat="max"}}',
-                            "layer {{layer}}")))
+    d = d.with_panel(
+        _ts(
+            "Attention entropy per layer (median over ranks)",
+            "Median over ranks of each layer's attention entropy; collapse towards 0 is an attention-entropy collapse.",
+            GridPos(h=8, w=8, x=0, y=y),
+            _q(f'sdcwatch_layer_metric{{{RUN}, metric="attn_entropy", stat="median"}}', "layer {{layer}}"),
+        )
+    )
+    d = d.with_panel(
+        _ts(
+            "q/k norms per layer (max over ranks)",
+            "Largest query and key norms of each layer over all ranks: runaway growth "
+            "precedes attention-logit blow-ups.",
+            GridPos(h=8, w=8, x=8, y=y),
+            _q(
+                f'sdcwatch_layer_metric{{{RUN}, metric=~"q_norm_max|k_norm_max", stat="max"}}',
+                "{{metric}} layer {{layer}}",
+            ),
+        )
+    )
+    d = d.with_panel(
+        _ts(
+            "Largest attention logit per layer (max over ranks)",
+            "Near-INF logits (|x| > 1e10) in attention drive training to a non-trainable state.",
+            GridPos(h=8, w=8, x=16, y=y),
+            _q(f'sdcwatch_layer_metric{{{RUN}, metric="attn_logit_max", stat="max"}}', "layer {{layer}}"),
+        )
+    )
     y += 8
 
     d = d.with_row(dash.Row("Incidents").grid_pos(GridPos(h=1, w=24, x=0, y=y)))
@@ -174,56 +264,110 @@ def build_dashboard() -> dash.Dashboard:
     info = f'sdcwatch_incident_info{{{RUN}, state="open"}}'
     labels = "kind, severity, rank, host, layer, metric, detector"
     d = d.with_panel(
-        table.Panel().title("Open incidents")
-        .description("One row per open incident: where (rank, host, layer, metric), since which step, and "
-                     "the detector's score.")
-        .datasource(DS).grid_pos(GridPos(h=8, w=16, x=0, y=y))
-        .with_target(_q(f"sdcwatch_incident_first_step{{{RUN}}} * on (run, id) group_left ({labels}) {info}",
-                        ref="A", instant=True, table_format=True))
-        .with_target(_q(f"sdcwatch_incident_score{{{RUN}}} * on (run, id) group_left () {info}",
-                        ref="B", instant=True, table_format=True))
+        table.Panel()
+        .title("Open incidents")
+        .description(
+            "One row per open incident: where (rank, host, layer, metric), since which step, and the detector's score."
+        )
+        .datasource(DS)
+        .grid_pos(GridPos(h=8, w=16, x=0, y=y))
+        .with_target(
+            _q(
+                f"sdcwatch_incident_first_step{{{RUN}}} * on (run, id) group_left ({labels}) {info}",
+                ref="A",
+                instant=True,
+                table_format=True,
+            )
+        )
+        .with_target(
+            _q(
+                f"sdcwatch_incident_score{{{RUN}}} * on (run, id) group_left () {info}",
+                ref="B",
+                instant=True,
+                table_format=True,
+            )
+        )
         .with_transformation(DataTransformerConfig(id_val="merge", options={}))
-        .with_transformation(DataTransformerConfig(id_val="organize", options={
-            "excludeByName": {"Time": True},
-            "renameByName": {"Value #A": "first step", "Value #B": "score"},
-        }))
+        .with_transformation(
+            DataTransformerConfig(
+                id_val="organize",
+                options={
+                    "excludeByName": {"Time": True},
+                    "renameByName": {"Value #A": "first step", "Value #B": "score"},
+                },
+            )
+        )
     )
-    d = d.with_panel(_ts("Guard actions", "Steps at which the training job's guard skipped an update, reran a "
-                         "step, rolled back or evicted a rank, per interval (each is also an incident "
-                         "guard_<action>).", GridPos(h=8, w=8, x=16, y=y),
-                         _q("sum by (action) (increase(sdcwatch_guard_actions_total[$__rate_interval]))",
-                            "{{action}}")))
+    d = d.with_panel(
+        _ts(
+            "Guard actions",
+            "Steps at which the training job's guard skipped an update, reran a "
+            "step, rolled back or evicted a rank, per interval (each is also an incident "
+            "guard_<action>).",
+            GridPos(h=8, w=8, x=16, y=y),
+            _q("sum by (action) (increase(sdcwatch_guard_actions_total[$__rate_interval]))", "{{action}}"),
+        )
+    )
     y += 8
 
     d = d.with_row(dash.Row("Pipeline").grid_pos(GridPos(h=1, w=24, x=0, y=y)))
     y += 1
-    d = d.with_panel(_ts("Records per second", "Telemetry records consumed per second by the service.",
-                         GridPos(h=8, w=8, x=0, y=y),
-                         _q("sdcwatch_pipeline_records_per_second", "records/s"), unit="short"))
-    d = d.with_panel(_ts("Consumer lag", "Records between the service's position and the end of the "
-                         "telemetry topic.", GridPos(h=8, w=8, x=8, y=y),
-                         _q("sdcwatch_pipeline_consumer_lag_records", "lag")))
-    d = d.with_panel(_ts("Age of the last step", "Seconds since the service completed the last step: "
-                         "grows when training or the pipeline stalls.", GridPos(h=8, w=8, x=16, y=y),
-                         _q(f"sdcwatch_pipeline_last_step_age_seconds{{{RUN}}}", "{{run}}"), unit="s"))
+    d = d.with_panel(
+        _ts(
+            "Records per second",
+            "Telemetry records consumed per second by the service.",
+            GridPos(h=8, w=8, x=0, y=y),
+            _q("sdcwatch_pipeline_records_per_second", "records/s"),
+            unit="short",
+        )
+    )
+    d = d.with_panel(
+        _ts(
+            "Consumer lag",
+            "Records between the service's position and the end of the telemetry topic.",
+            GridPos(h=8, w=8, x=8, y=y),
+            _q("sdcwatch_pipeline_consumer_lag_records", "lag"),
+        )
+    )
+    d = d.with_panel(
+        _ts(
+            "Age of the last step",
+            "Seconds since the service completed the last step: grows when training or the pipeline stalls.",
+            GridPos(h=8, w=8, x=16, y=y),
+            _q(f"sdcwatch_pipeline_last_step_age_seconds{{{RUN}}}", "{{run}}"),
+            unit="s",
+        )
+    )
     y += 8
-    d = d.with_panel(_ts("Late and missing ranks", "Ranks that missed the alignment deadline at the last "
-                         "step, and ranks not heard from for long.", GridPos(h=8, w=8, x=0, y=y),
-                         _q(f"sdcwatch_pipeline_late_ranks{{{RUN}}}", "late {{run}}", ref="A"),
-                         _q(f"sdcwatch_pipeline_missing_ranks{{{RUN}}}", "missing {{run}}", ref="B")))
-    d = d.with_panel(_ts("Dead letters and duplicates", "Malformed records sent to the dead-letter topic "
-                         "and duplicates discarded, per second; with the service split in stages, step "
-                         "summaries that came too late for the temporal stage.", GridPos(h=8, w=8, x=8, y=y),
-                         _q("rate(sdcwatch_pipeline_dead_letters_total[$__rate_interval])", "dead letters",
-                            ref="A"),
-                         _q("rate(sdcwatch_pipeline_duplicates_total[$__rate_interval])", "duplicates",
-                            ref="B"),
-                         _q("rate(sdcwatch_pipeline_summaries_late_total[$__rate_interval])", "late summaries",
-                            ref="C")))
-    d = d.with_panel(_ts("Records dropped by emitters", "Records the in-rank emitters dropped (buffer full "
-                         "or bus unreachable), per second.", GridPos(h=8, w=8, x=16, y=y),
-                         _q(f"rate(sdcwatch_emitter_dropped_records_total{{{RUN}}}[$__rate_interval])",
-                            "{{run}}")))
+    d = d.with_panel(
+        _ts(
+            "Late and missing ranks",
+            "Ranks that missed the alignment deadline at the last step, and ranks not heard from for long.",
+            GridPos(h=8, w=8, x=0, y=y),
+            _q(f"sdcwatch_pipeline_late_ranks{{{RUN}}}", "late {{run}}", ref="A"),
+            _q(f"sdcwatch_pipeline_missing_ranks{{{RUN}}}", "missing {{run}}", ref="B"),
+        )
+    )
+    d = d.with_panel(
+        _ts(
+            "Dead letters and duplicates",
+            "Malformed records sent to the dead-letter topic "
+            "and duplicates discarded, per second; with the service split in stages, step "
+            "summaries that came too late for the temporal stage.",
+            GridPos(h=8, w=8, x=8, y=y),
+            _q("rate(sdcwatch_pipeline_dead_letters_total[$__rate_interval])", "dead letters", ref="A"),
+            _q("rate(sdcwatch_pipeline_duplicates_total[$__rate_interval])", "duplicates", ref="B"),
+            _q("rate(sdcwatch_pipeline_summaries_late_total[$__rate_interval])", "late summaries", ref="C"),
+        )
+    )
+    d = d.with_panel(
+        _ts(
+            "Records dropped by emitters",
+            "Records the in-rank emitters dropped (buffer full or bus unreachable), per second.",
+            GridPos(h=8, w=8, x=16, y=y),
+            _q(f"rate(sdcwatch_emitter_dropped_records_total{{{RUN}}}[$__rate_interval])", "{{run}}"),
+        )
+    )
     return d
 
 

@@ -75,11 +75,24 @@ class _RunState:
 class StepAligner:
     """Turns a stream of records (any order, any duplicates) into complete-or-timed-out frames."""
 
-    def __init__(self, timeout: float = 5.0, max_open: int = 64, *, reorder_grace: float = 1.0,
-                 max_step_jump: int = RecordLimits.max_step_jump, max_step_values: int = RecordLimits.max_step_values,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        check_positive("aligner", timeout=timeout, max_open=max_open, reorder_grace=reorder_grace,
-                       max_step_jump=max_step_jump, max_step_values=max_step_values)
+    def __init__(
+        self,
+        timeout: float = 5.0,
+        max_open: int = 64,
+        *,
+        reorder_grace: float = 1.0,
+        max_step_jump: int = RecordLimits.max_step_jump,
+        max_step_values: int = RecordLimits.max_step_values,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        check_positive(
+            "aligner",
+            timeout=timeout,
+            max_open=max_open,
+            reorder_grace=reorder_grace,
+            max_step_jump=max_step_jump,
+            max_step_values=max_step_values,
+        )
         self.max_step_jump = int(max_step_jump)
         self.max_step_values = int(max_step_values)
         #: records set aside, as (reason, description, records); the owner takes and dead-letters them
@@ -120,8 +133,16 @@ class StepAligner:
             if op.present[rec.rank]:
                 self.duplicates += 1
                 continue
-            if not self._fits(st, op, rec.step, rec.run, rec.scalars.keys(), rec.layers.keys(),
-                              max(map(len, rec.layers.values()), default=0), lambda rec=rec: [rec]):
+            if not self._fits(
+                st,
+                op,
+                rec.step,
+                rec.run,
+                rec.scalars.keys(),
+                rec.layers.keys(),
+                max(map(len, rec.layers.values()), default=0),
+                lambda rec=rec: [rec],
+            ):
                 continue
             op.records[rec.rank] = rec
             op.present[rec.rank] = True
@@ -131,22 +152,30 @@ class StepAligner:
             out += self._drain(run, self._runs[run], force=False, now=now)
         return out
 
-    def _run_state(self, run: str, world: int, now: float, out: list[StepFrame],
-                   what: Callable[[], list[Record]]) -> _RunState | None:
+    def _run_state(
+        self, run: str, world: int, now: float, out: list[StepFrame], what: Callable[[], list[Record]]
+    ) -> _RunState | None:
         """The run's state, started afresh (open steps closed first) when its world size changed;
         None when the run is not admitted (its records, ``what()``, are set aside)."""
         st = self._runs.get(run)
         if st is None:
             if not self.admit(run):
-                self.rejected.append(("runs", f"run {run!r} is one more than the service keeps "
-                                      "(detectors.max_runs) and no run is stale enough to make room", what()))
+                self.rejected.append(
+                    (
+                        "runs",
+                        f"run {run!r} is one more than the service keeps "
+                        "(detectors.max_runs) and no run is stale enough to make room",
+                        what(),
+                    )
+                )
                 return None
             st = self._runs[run] = _RunState(world=world)
         elif world != st.world:
             out += self._drain(run, st, force=True, now=now)
             self.world_changes += 1
-            st = self._runs[run] = _RunState(world=world, last_closed=st.last_closed, stride=st.stride,
-                                             generation=st.generation + 1)
+            st = self._runs[run] = _RunState(
+                world=world, last_closed=st.last_closed, stride=st.stride, generation=st.generation + 1
+            )
         return st
 
     def _add_columns(self, cols: RecordColumns, now: float, out: list[StepFrame], touched: set[str]) -> None:
@@ -182,16 +211,33 @@ class StepAligner:
                 if not new.any():
                     continue
                 idx = idx[first[new]]
-                if not self._fits(st, op, step, cols.run, scalar_names, layer_names, layer_len,
-                                  lambda idx=idx, part=part: part.to_records(idx)):
+                if not self._fits(
+                    st,
+                    op,
+                    step,
+                    cols.run,
+                    scalar_names,
+                    layer_names,
+                    layer_len,
+                    lambda idx=idx, part=part: part.to_records(idx),
+                ):
                     continue
                 op.present[uniq[new]] = True
                 op.count += len(idx)
                 op.blocks.append((part, idx))
                 touched.add(cols.run)
 
-    def _fits(self, st: _RunState, op: _OpenStep, step: int, run: str, scalar_names: Iterable[str],
-              layer_names: Iterable[str], n: int, what: Callable[[], list[Record]]) -> bool:
+    def _fits(
+        self,
+        st: _RunState,
+        op: _OpenStep,
+        step: int,
+        run: str,
+        scalar_names: Iterable[str],
+        layer_names: Iterable[str],
+        n: int,
+        what: Callable[[], list[Record]],
+    ) -> bool:
         """Whether records of these names keep their step within ``max_step_values``; widens ``op``
         if so, sets the records (``what()``) aside if not."""
         scalar_names, layer_names = set(scalar_names), set(layer_names)
@@ -202,9 +248,14 @@ class StepAligner:
         length = max(n, op.layer_len)
         width = len(scalars) + len(layers) * length
         if st.world * width > self.max_step_values:
-            self.rejected.append(("step_size", f"step {step} of run {run!r} would hold {st.world} ranks x "
-                                  f"{width} values, the limit is {self.max_step_values} (limits.max_step_values)",
-                                  what()))
+            self.rejected.append(
+                (
+                    "step_size",
+                    f"step {step} of run {run!r} would hold {st.world} ranks x "
+                    f"{width} values, the limit is {self.max_step_values} (limits.max_step_values)",
+                    what(),
+                )
+            )
             return False
         op.scalar_names, op.layer_names, op.layer_len = scalars, layers, length
         return True
@@ -245,9 +296,15 @@ class StepAligner:
             jump = step - st.last_closed
             if st.last_closed >= 0 and jump > self.max_step_jump and 2 * op.count <= st.world:
                 self.jumps_rejected += 1
-                self.rejected.append(("step_jump", f"step {step} of run {run!r} is {jump} steps ahead of its last "
-                                      f"step {st.last_closed} (limits.max_step_jump {self.max_step_jump}) and only "
-                                      f"{op.count} of {st.world} ranks sent it", op.all_records()))
+                self.rejected.append(
+                    (
+                        "step_jump",
+                        f"step {step} of run {run!r} is {jump} steps ahead of its last "
+                        f"step {st.last_closed} (limits.max_step_jump {self.max_step_jump}) and only "
+                        f"{op.count} of {st.world} ranks sent it",
+                        op.all_records(),
+                    )
+                )
                 continue
             if not complete:
                 self.incomplete_steps += 1
@@ -291,18 +348,30 @@ class StepAligner:
 
     def snapshot(self) -> dict[str, Any]:
         """JSON-safe state, including the records of still-open steps (they are not re-read)."""
-        return {"runs": {run: {
-            "world": st.world, "last_closed": st.last_closed, "stride": st.stride, "generation": st.generation,
-            "open": [[step, [to_dict(r) for r in op.all_records()]] for step, op in st.open.items()],
-        } for run, st in self._runs.items()},
-            "counters": [self.duplicates, self.late_records, self.world_changes, self.incomplete_steps]}
+        return {
+            "runs": {
+                run: {
+                    "world": st.world,
+                    "last_closed": st.last_closed,
+                    "stride": st.stride,
+                    "generation": st.generation,
+                    "open": [[step, [to_dict(r) for r in op.all_records()]] for step, op in st.open.items()],
+                }
+                for run, st in self._runs.items()
+            },
+            "counters": [self.duplicates, self.late_records, self.world_changes, self.incomplete_steps],
+        }
 
     def restore(self, state: dict[str, Any]) -> None:
         now = self.clock()
         self._runs = {}
         for run, d in state["runs"].items():
-            st = _RunState(world=int(d["world"]), last_closed=int(d["last_closed"]), stride=int(d.get("stride", 1)),
-                           generation=int(d["generation"]))
+            st = _RunState(
+                world=int(d["world"]),
+                last_closed=int(d["last_closed"]),
+                stride=int(d.get("stride", 1)),
+                generation=int(d["generation"]),
+            )
             for step, recs in d["open"]:
                 op = st.open[int(step)] = _OpenStep(first_seen=now, world=st.world)
                 for r in map(from_dict, recs):

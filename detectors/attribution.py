@@ -64,8 +64,9 @@ class Attribution:
     def apply(self, step: int, world: int, findings: list[Finding]) -> list[Finding]:
         """The attributed findings of one step (call once per step, in step order)."""
         self._trim(step)
-        findings = [f for f in findings
-                    if f.kind not in ("rank_deviation", "rank_outlier") or not self._consequence(f, step)]
+        findings = [
+            f for f in findings if f.kind not in ("rank_deviation", "rank_outlier") or not self._consequence(f, step)
+        ]
         data_ranks: list[Finding] = []
         for f in findings:
             if f.kind == "rank_deviation":
@@ -95,16 +96,26 @@ class Attribution:
         if self._local:
             _, ev = max(self._local, key=lambda item: item[1]["score"])
             where = _where(ev)
-            attributed = replace(f, message=f"{label}: SDC suspected on {where}",
-                                 evidence={**f.evidence, "attribution": "sdc", "suspect": ev})
+            attributed = replace(
+                f,
+                message=f"{label}: SDC suspected on {where}",
+                evidence={**f.evidence, "attribution": "sdc", "suspect": ev},
+            )
             if f.evidence.get("phase") != "onset":
                 return [attributed]
             sdc = Finding(
-                detector="attribution", kind="sdc_suspected", severity=Severity.CRITICAL, run=f.run, step=f.step,
-                score=float(ev["score"]), ranks=(ev["rank"],), hosts=(ev["host"],) if ev["host"] else (),
-                metric=ev["metric"], layer=ev["layer"],
+                detector="attribution",
+                kind="sdc_suspected",
+                severity=Severity.CRITICAL,
+                run=f.run,
+                step=f.step,
+                score=float(ev["score"]),
+                ranks=(ev["rank"],),
+                hosts=(ev["host"],) if ev["host"] else (),
+                metric=ev["metric"],
+                layer=ev["layer"],
                 message=f"SDC suspected on {where}: {f.kind.replace('_', ' ')} at step {f.evidence['onset_step']} "
-                        f"with rank-local evidence ({ev['message']})",
+                f"with rank-local evidence ({ev['message']})",
                 evidence={"spike": f.evidence, "rank_evidence": ev},
             )
             return [attributed, sdc]
@@ -118,20 +129,27 @@ class Attribution:
             why = f"ranks consistent except rank {r}'s own loss (a bad batch?): optimisation/data instability"
         else:
             why = "ranks consistent, optimisation/data instability"
-        return [replace(f, message=f"{label}: {why}",
-                        evidence={**f.evidence, "attribution": "optimisation_data"})]
+        return [replace(f, message=f"{label}: {why}", evidence={**f.evidence, "attribution": "optimisation_data"})]
 
     def _rank_local(self, f: Finding) -> Finding:
         ev = _local(f)
         where = _where(ev)
         if self._spikes:
             step, kind = self._spikes[-1]
-            return replace(f, kind="sdc_suspected", severity=Severity.CRITICAL,
-                           message=f"SDC suspected on {where}: persistent deviation and a "
-                                   f"{kind.replace('_', ' ')} at step {step} ({f.message})",
-                           evidence={**f.evidence, "spike_step": step, "attribution": "sdc"})
-        return replace(f, kind="silent_drift", message=f"silent drift suspected on {where}: {f.message}",
-                       evidence={**f.evidence, "attribution": "silent_drift"})
+            return replace(
+                f,
+                kind="sdc_suspected",
+                severity=Severity.CRITICAL,
+                message=f"SDC suspected on {where}: persistent deviation and a "
+                f"{kind.replace('_', ' ')} at step {step} ({f.message})",
+                evidence={**f.evidence, "spike_step": step, "attribution": "sdc"},
+            )
+        return replace(
+            f,
+            kind="silent_drift",
+            message=f"silent drift suspected on {where}: {f.message}",
+            evidence={**f.evidence, "attribution": "silent_drift"},
+        )
 
     def snapshot(self) -> dict[str, Any]:
         return {"spikes": [list(s) for s in self._spikes], "local": [[s, e] for s, e in self._local]}
@@ -142,8 +160,16 @@ class Attribution:
 
 
 def _local(f: Finding) -> dict[str, Any]:
-    return {"rank": f.ranks[0], "host": f.hosts[0] if f.hosts else "", "metric": f.metric, "layer": f.layer,
-            "score": float(f.score), "kind": f.kind, "step": f.step, "message": f.message}
+    return {
+        "rank": f.ranks[0],
+        "host": f.hosts[0] if f.hosts else "",
+        "metric": f.metric,
+        "layer": f.layer,
+        "score": float(f.score),
+        "kind": f.kind,
+        "step": f.step,
+        "message": f.message,
+    }
 
 
 def _where(ev: dict[str, Any]) -> str:

@@ -31,8 +31,18 @@ from sdcwatch.detectors.types import IncidentEvent
 from sdcwatch.telemetry.limits import RecordLimits, reason_of
 from sdcwatch.telemetry.record import Record, decode_message, encode
 
-__all__ = ["Source", "KafkaSource", "MemorySource", "DeadLetter", "FAST_JOIN", "DEADLETTER_MAX_BYTES",
-           "dead_letter_value", "decode_summary_message", "AnomalyTopicSink", "SummaryTopicSink"]
+__all__ = [
+    "Source",
+    "KafkaSource",
+    "MemorySource",
+    "DeadLetter",
+    "FAST_JOIN",
+    "DEADLETTER_MAX_BYTES",
+    "dead_letter_value",
+    "decode_summary_message",
+    "AnomalyTopicSink",
+    "SummaryTopicSink",
+]
 
 log = logging.getLogger("sdcwatch.detectors")
 
@@ -84,8 +94,9 @@ def decode_summary_message(value: bytes) -> list:
 DEADLETTER_MAX_BYTES = 64 * 1024
 
 
-def _decode_or_reason(value: Any, decode: Callable[..., list] = decode_message,
-                      limits: RecordLimits | None = None) -> tuple[list | None, str, str]:
+def _decode_or_reason(
+    value: Any, decode: Callable[..., list] = decode_message, limits: RecordLimits | None = None
+) -> tuple[list | None, str, str]:
     """(records, "", "") or (None, reason code, description of the fault)."""
     if value is None:
         return None, "empty", "empty message (null value)"
@@ -121,9 +132,15 @@ class _DeadLetterCounts:
 class MemorySource(_DeadLetterCounts):
     """Reads a :class:`~sdcwatch.telemetry.MemoryBus` topic (unit tests, in-process demos)."""
 
-    def __init__(self, bus: Any, topic: str = TELEMETRY_TOPIC, deadletter_topic: str = DEADLETTER_TOPIC,
-                 decode: Callable[..., list] = decode_message, limits: RecordLimits | None = None,
-                 ingest: IngestDecoder | None = None) -> None:
+    def __init__(
+        self,
+        bus: Any,
+        topic: str = TELEMETRY_TOPIC,
+        deadletter_topic: str = DEADLETTER_TOPIC,
+        decode: Callable[..., list] = decode_message,
+        limits: RecordLimits | None = None,
+        ingest: IngestDecoder | None = None,
+    ) -> None:
         self.bus = bus
         self.decode = decode
         self.limits = limits if limits is not None else (RecordLimits() if decode is decode_message else None)
@@ -233,8 +250,12 @@ class _TopicWriter:
     KAFKA_SETTINGS: ClassVar[dict[str, Any]] = {}
     LABEL: ClassVar[str]
 
-    def __init__(self, send: Callable[[bytes, bytes], Any], flush: Callable[[], bool] = lambda: True,
-                 close: Callable[[], Any] | None = None) -> None:
+    def __init__(
+        self,
+        send: Callable[[bytes, bytes], Any],
+        flush: Callable[[], bool] = lambda: True,
+        close: Callable[[], Any] | None = None,
+    ) -> None:
         self._send, self._flush, self._close = send, flush, close
         self.published = 0
         self.errors = 0
@@ -303,8 +324,13 @@ class SummaryTopicSink(_TopicWriter):
                 self.errors += 1
                 self._unflushed_errors += 1
                 if self.errors == 1 or self.errors % 100 == 0:
-                    log.error("summaries topic: could not publish step %s of run %s (%d so far): %s",
-                              s.step, s.run, self.errors, exc)
+                    log.error(
+                        "summaries topic: could not publish step %s of run %s (%d so far): %s",
+                        s.step,
+                        s.run,
+                        self.errors,
+                        exc,
+                    )
 
     def flush(self) -> bool:
         """Wait for the bus; False if a summary since the last flush was not delivered."""

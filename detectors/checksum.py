@@ -48,8 +48,13 @@ class ChecksumConfig:
     """Most cells a finding lists in its evidence."""
 
     def __post_init__(self) -> None:
-        check_positive("checksum", bound=self.bound, outlier_factor=self.outlier_factor,
-                       outlier_floor=self.outlier_floor, max_listed=self.max_listed)
+        check_positive(
+            "checksum",
+            bound=self.bound,
+            outlier_factor=self.outlier_factor,
+            outlier_floor=self.outlier_floor,
+            max_listed=self.max_listed,
+        )
 
 
 @register(default=True)
@@ -108,8 +113,11 @@ class ChecksumDetector(SplitDetector):
             p90 = np.nanquantile(rest, 0.9, axis=0)
         with np.errstate(invalid="ignore"):
             hot = (top_val > self.outlier_factor * p90) & (top_val > self.outlier_floor) & np.isfinite(p90)
-        return [(int(top[c]), name, int(c), float(top_val[c]), "outlier") for c in np.flatnonzero(hot)
-                if not over[top[c], c]]
+        return [
+            (int(top[c]), name, int(c), float(top_val[c]), "outlier")
+            for c in np.flatnonzero(hot)
+            if not over[top[c], c]
+        ]
 
     def judge(self, frame: StepContext, seen: dict[str, Any] | None) -> list[Finding]:
         """One finding per kind: the ranks whose products failed their checksum at this step."""
@@ -118,8 +126,10 @@ class ChecksumDetector(SplitDetector):
         hits = [(int(r), str(m), int(layer), float(v), str(k)) for r, m, layer, v, k in seen["hits"]]
         self._steps += 1
         out = []
-        for kind, severity, incident in (("mismatch", Severity.CRITICAL, IncidentKind.CHECKSUM_MISMATCH),
-                                         ("outlier", Severity.WARNING, IncidentKind.CHECKSUM_OUTLIER)):
+        for kind, severity, incident in (
+            ("mismatch", Severity.CRITICAL, IncidentKind.CHECKSUM_MISMATCH),
+            ("outlier", Severity.WARNING, IncidentKind.CHECKSUM_OUTLIER),
+        ):
             mine = [h for h in hits if h[4] == kind]
             if not mine:
                 continue
@@ -130,20 +140,38 @@ class ChecksumDetector(SplitDetector):
             more = f" and {len(ranks) - 1} more rank(s)" if len(ranks) > 1 else ""
             what = _WHAT.get(metric, metric)
             if kind == "mismatch":
-                msg = (f"checksum mismatch at step {frame.step} on {on}{more}: {metric} layer {layer} "
-                       f"({what}) is off by {value:.3g} x its rounding bound")
+                msg = (
+                    f"checksum mismatch at step {frame.step} on {on}{more}: {metric} layer {layer} "
+                    f"({what}) is off by {value:.3g} x its rounding bound"
+                )
             else:
-                msg = (f"checksum outlier at step {frame.step} on {on}: {metric} layer {layer} ({what}) "
-                       f"residual {value:.3g} x bound, over {self.outlier_factor:.0e} x the other ranks' P90")
-            out.append(Finding(
-                detector=self.name, kind=incident.value, severity=severity, run=frame.run, step=frame.step,
-                score=value, message=msg, ranks=ranks if frame.world > 1 else (),
-                hosts=tuple(sorted({frame.hosts[r] for r in ranks if r < len(frame.hosts)} - {""})),
-                metric=metric, layer=layer,
-                evidence={"attribution": "sdc", "cells": int(seen.get("n", len(hits))),
-                          "hits": [{"rank": h[0], "metric": h[1], "layer": h[2], "ratio": h[3]}
-                                   for h in mine[: self.max_listed]]},
-            ))
+                msg = (
+                    f"checksum outlier at step {frame.step} on {on}: {metric} layer {layer} ({what}) "
+                    f"residual {value:.3g} x bound, over {self.outlier_factor:.0e} x the other ranks' P90"
+                )
+            out.append(
+                Finding(
+                    detector=self.name,
+                    kind=incident.value,
+                    severity=severity,
+                    run=frame.run,
+                    step=frame.step,
+                    score=value,
+                    message=msg,
+                    ranks=ranks if frame.world > 1 else (),
+                    hosts=tuple(sorted({frame.hosts[r] for r in ranks if r < len(frame.hosts)} - {""})),
+                    metric=metric,
+                    layer=layer,
+                    evidence={
+                        "attribution": "sdc",
+                        "cells": int(seen.get("n", len(hits))),
+                        "hits": [
+                            {"rank": h[0], "metric": h[1], "layer": h[2], "ratio": h[3]}
+                            for h in mine[: self.max_listed]
+                        ],
+                    },
+                )
+            )
         return out
 
     def snapshot(self) -> dict[str, Any]:

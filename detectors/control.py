@@ -67,12 +67,16 @@ class ControlPolicy:
     def __post_init__(self) -> None:
         for f in fields(self):
             if f.name.startswith("on_") and getattr(self, f.name) not in POLICY_ACTIONS:
-                raise ConfigError(f"guard.{f.name}", f"must be one of {', '.join(POLICY_ACTIONS)}, "
-                                                     f"got {getattr(self, f.name)!r}")
+                raise ConfigError(
+                    f"guard.{f.name}", f"must be one of {', '.join(POLICY_ACTIONS)}, got {getattr(self, f.name)!r}"
+                )
         if self.min_severity not in ("warning", "critical"):
             raise ConfigError("guard.min_severity", f"must be warning or critical, got {self.min_severity!r}")
-        if isinstance(self.lr_factor, bool) or not isinstance(self.lr_factor, (int, float)) or not (
-                0 < self.lr_factor <= 1):
+        if (
+            isinstance(self.lr_factor, bool)
+            or not isinstance(self.lr_factor, (int, float))
+            or not (0 < self.lr_factor <= 1)
+        ):
             raise ConfigError("guard.lr_factor", f"must be a number in (0, 1], got {self.lr_factor!r}")
 
     def rule(self, incident: Incident) -> tuple[str, str]:
@@ -94,16 +98,27 @@ class ControlPolicy:
             return None
         ranks: tuple[int, ...] = tuple(int(r) for r in incident.ranks)
         if action == "evict" and len(ranks) != 1:
-            log.warning("incident %s: %s = evict, but it names %s rank(s), not one: no decision", incident.id, name,
-                        len(ranks))
+            log.warning(
+                "incident %s: %s = evict, but it names %s rank(s), not one: no decision", incident.id, name, len(ranks)
+            )
             return None
-        reason = f"{incident.kind} since step {incident.first_step}" + (
-            f" on rank {ranks[0]}" if len(ranks) == 1 else "") + f" (incident {incident.id})"
+        reason = (
+            f"{incident.kind} since step {incident.first_step}"
+            + (f" on rank {ranks[0]}" if len(ranks) == 1 else "")
+            + f" (incident {incident.id})"
+        )
         try:
-            return Decision(run=incident.run, action=action, reason=reason, ranks=ranks if action != "skip" else (),
-                            hosts=tuple(incident.hosts)[:len(ranks)] if action != "skip" else (),
-                            since_step=int(incident.first_step), incident=incident.id,
-                            lr_factor=float(self.lr_factor) if action == "rollback" else 1.0, issued_at=time.time())
+            return Decision(
+                run=incident.run,
+                action=action,
+                reason=reason,
+                ranks=ranks if action != "skip" else (),
+                hosts=tuple(incident.hosts)[: len(ranks)] if action != "skip" else (),
+                since_step=int(incident.first_step),
+                incident=incident.id,
+                lr_factor=float(self.lr_factor) if action == "rollback" else 1.0,
+                issued_at=time.time(),
+            )
         except ControlError as exc:  # an incident the wire format cannot carry: say so, act on nothing
             log.warning("incident %s: no decision: %s", incident.id, exc)
             return None
@@ -128,9 +143,15 @@ class ControlTopicSink(_TopicWriter):
     KAFKA_SETTINGS = {"linger_ms": 0}
     LABEL = "control"
 
-    def __init__(self, send: Callable[[bytes, bytes], Any], flush: Callable[[], bool] = lambda: True,
-                 close: Callable[[], Any] | None = None, *, policy: ControlPolicy | None = None,
-                 remember: int = 10_000) -> None:
+    def __init__(
+        self,
+        send: Callable[[bytes, bytes], Any],
+        flush: Callable[[], bool] = lambda: True,
+        close: Callable[[], Any] | None = None,
+        *,
+        policy: ControlPolicy | None = None,
+        remember: int = 10_000,
+    ) -> None:
         super().__init__(send, flush, close)
         self.policy = policy or ControlPolicy()
         self.decisions: list[Decision] = []
@@ -139,8 +160,9 @@ class ControlTopicSink(_TopicWriter):
         self._remember = int(remember)
 
     @classmethod
-    def to_kafka(cls, bootstrap: str, topic: str | None = None, *, policy: ControlPolicy | None = None,
-                 **producer_settings: Any) -> "ControlTopicSink":
+    def to_kafka(
+        cls, bootstrap: str, topic: str | None = None, *, policy: ControlPolicy | None = None, **producer_settings: Any
+    ) -> "ControlTopicSink":
         sink = super().to_kafka(bootstrap, topic, **producer_settings)
         sink.policy = policy or ControlPolicy()
         return sink
@@ -177,10 +199,15 @@ class ControlTopicSink(_TopicWriter):
             else:
                 self._send(decision.run.encode("utf-8"), decision.encode())
             self.decisions.append(decision)
-            del self.decisions[:-self._remember]
+            del self.decisions[: -self._remember]
             self.published += 1
-            log.warning("control decision for run %s: %s %s (%s)", decision.run, decision.action,
-                        list(decision.ranks) or "the run", decision.reason)
+            log.warning(
+                "control decision for run %s: %s %s (%s)",
+                decision.run,
+                decision.action,
+                list(decision.ranks) or "the run",
+                decision.reason,
+            )
         except Exception:  # a sink must never stall or break detection
             self.errors += 1
             log.exception("control topic: could not publish a decision for incident %s", event.incident.id)

@@ -93,20 +93,47 @@ class StepFrame:
                 fps[r, fidx[n]] = v
                 fpp[r, fidx[n]] = True
         return cls(
-            run=run, step=step, world=world, hosts=tuple(hosts), present=present,
-            scalar_names=snames, scalars=scalars, layer_names=lnames, layers=layers,
-            fp_names=fnames, fingerprints=fps, fp_present=fpp, scalar_sent=ssent, layer_sent=lsent, times=times, wall=wall,
+            run=run,
+            step=step,
+            world=world,
+            hosts=tuple(hosts),
+            present=present,
+            scalar_names=snames,
+            scalars=scalars,
+            layer_names=lnames,
+            layers=layers,
+            fp_names=fnames,
+            fingerprints=fps,
+            fp_present=fpp,
+            scalar_sent=ssent,
+            layer_sent=lsent,
+            times=times,
+            wall=wall,
             complete=bool(present.all()),
         )
 
     @classmethod
-    def single(cls, run: str, step: int, names: tuple[str, ...], values: np.ndarray,
-               sent: np.ndarray | None = None, *, wall: float = 0.0) -> "StepFrame":
+    def single(
+        cls,
+        run: str,
+        step: int,
+        names: tuple[str, ...],
+        values: np.ndarray,
+        sent: np.ndarray | None = None,
+        *,
+        wall: float = 0.0,
+    ) -> "StepFrame":
         """A one-rank frame of global scalars (offline replay of a loss log); ``values`` is (n,)."""
         values = np.asarray(values, dtype=float).reshape(1, -1)
         return cls(
-            run=run, step=step, world=1, hosts=("",), present=np.ones(1, bool), scalar_names=names,
-            scalars=values, scalar_sent=None if sent is None else np.asarray(sent, bool).reshape(1, -1),
+            run=run,
+            step=step,
+            world=1,
+            hosts=("",),
+            present=np.ones(1, bool),
+            scalar_names=names,
+            scalars=values,
+            scalar_sent=None if sent is None else np.asarray(sent, bool).reshape(1, -1),
             wall=wall,
         )
 

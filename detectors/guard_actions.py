@@ -24,13 +24,17 @@ from sdcwatch.telemetry.guard_config import ACTIONS, REASONS, VERDICTS
 __all__ = ["GuardActionDetector", "GUARD_KINDS", "action_of"]
 
 _SEVERE = ("rollback", "evict")
-_REASON_TEXT = {"nonfinite": "a non-finite loss or gradient", "spike": "a loss or gradient spike",
-                "control": "a decision of the detector service", "": "an unstated reason"}
+_REASON_TEXT = {
+    "nonfinite": "a non-finite loss or gradient",
+    "spike": "a loss or gradient spike",
+    "control": "a decision of the detector service",
+    "": "an unstated reason",
+}
 
 
 def action_of(kind: str) -> str | None:
     """``guard_skip`` -> ``skip``; None for a kind that is not a guard action."""
-    return kind[len("guard_"):] if kind in GUARD_KINDS else None
+    return kind[len("guard_") :] if kind in GUARD_KINDS else None
 
 
 def _code(col: np.ndarray | None, table: tuple[str, ...]) -> int:
@@ -62,8 +66,12 @@ class GuardActionDetector(SplitDetector):
             with np.errstate(invalid="ignore"):
                 ok = rank_col[np.isfinite(rank_col)]
             rank = int(ok.max()) if ok.size else -1
-        return {"action": action, "reason": _code(frame.scalar("guard_reason"), REASONS),
-                "verdict": _code(frame.scalar("guard_verdict"), VERDICTS), "rank": rank}
+        return {
+            "action": action,
+            "reason": _code(frame.scalar("guard_reason"), REASONS),
+            "verdict": _code(frame.scalar("guard_verdict"), VERDICTS),
+            "rank": rank,
+        }
 
     def judge(self, at: StepContext, seen: dict[str, Any] | None) -> list[Finding]:
         if seen is None:
@@ -80,17 +88,31 @@ class GuardActionDetector(SplitDetector):
         ranks = (rank,) if 0 <= rank < at.world else ()
         host = at.hosts[rank] if ranks and rank < len(at.hosts) and at.hosts[rank] else ""
         on = f" rank {rank}" + (f" (host {host})" if host else "") if ranks else ""
-        done = {"skip": "skipped the update of", "rerun": "reran", "rollback": "rolled back at",
-                "evict": f"evicted{on} at", "unknown": "acted at"}[action]
+        done = {
+            "skip": "skipped the update of",
+            "rerun": "reran",
+            "rollback": "rolled back at",
+            "evict": f"evicted{on} at",
+            "unknown": "acted at",
+        }[action]
         msg = f"guard {done} step {at.step} on every rank, for {_REASON_TEXT.get(reason, reason)}"
         if ranks and action != "evict":
             msg += f" on{on}"
         if verdict:
             msg += f"; rerun verdict: {verdict}"
-        return [Finding(
-            detector=self.name, kind=f"guard_{action}" if action != "unknown" else "guard_unknown",
-            severity=severity, run=at.run, step=at.step, score=float(max(code, 0)), message=msg, ranks=ranks,
-            hosts=(host,) if host else (), metric="guard_action",
-            # every action is its own event: "onset" lets the incident book announce each one
-            evidence={"action": action, "reason": reason, "verdict": verdict, "phase": "onset"},
-        )]
+        return [
+            Finding(
+                detector=self.name,
+                kind=f"guard_{action}" if action != "unknown" else "guard_unknown",
+                severity=severity,
+                run=at.run,
+                step=at.step,
+                score=float(max(code, 0)),
+                message=msg,
+                ranks=ranks,
+                hosts=(host,) if host else (),
+                metric="guard_action",
+                # every action is its own event: "onset" lets the incident book announce each one
+                evidence={"action": action, "reason": reason, "verdict": verdict, "phase": "onset"},
+            )
+        ]

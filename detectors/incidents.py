@@ -27,12 +27,24 @@ _MAX_RANKS = 64  # ranks listed on one incident (the count is in the evidence)
 def incident_from_dict(d: dict[str, Any]) -> Incident:
     """Inverse of :meth:`Incident.to_dict` (restoring a snapshot, reading the anomalies topic)."""
     return Incident(
-        id=d["id"], run=d["run"], kind=d["kind"], severity=Severity(d["severity"]),
-        first_step=int(d["first_step"]), last_step=int(d["last_step"]), message=d["message"],
-        ranks=tuple(d.get("ranks", ())), hosts=tuple(d.get("hosts", ())), metric=d.get("metric", ""),
-        layer=d.get("layer"), score=parse_float(d.get("score", 0.0)), evidence=dict(d.get("evidence", {})),
-        detector=d.get("detector", ""), peak_step=d.get("peak_step"), resolved_step=d.get("resolved_step"),
-        opened_at=float(d.get("opened_at", 0.0)), resolved_at=d.get("resolved_at"),
+        id=d["id"],
+        run=d["run"],
+        kind=d["kind"],
+        severity=Severity(d["severity"]),
+        first_step=int(d["first_step"]),
+        last_step=int(d["last_step"]),
+        message=d["message"],
+        ranks=tuple(d.get("ranks", ())),
+        hosts=tuple(d.get("hosts", ())),
+        metric=d.get("metric", ""),
+        layer=d.get("layer"),
+        score=parse_float(d.get("score", 0.0)),
+        evidence=dict(d.get("evidence", {})),
+        detector=d.get("detector", ""),
+        peak_step=d.get("peak_step"),
+        resolved_step=d.get("resolved_step"),
+        opened_at=float(d.get("opened_at", 0.0)),
+        resolved_at=d.get("resolved_at"),
     )
 
 
@@ -44,10 +56,17 @@ def _event(change: str, inc: Incident) -> IncidentEvent:
 class IncidentBook:
     """Open and recently resolved incidents, counters, and the sinks that hear of every change."""
 
-    def __init__(self, quiet_steps: int = 50, *, spike_quiet_steps: int = 20, keep_resolved: int = 200,
-                 clock: Callable[[], float] = time.time) -> None:
-        check_positive("incidents", quiet_steps=quiet_steps, spike_quiet_steps=spike_quiet_steps,
-                       keep_resolved=keep_resolved)
+    def __init__(
+        self,
+        quiet_steps: int = 50,
+        *,
+        spike_quiet_steps: int = 20,
+        keep_resolved: int = 200,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        check_positive(
+            "incidents", quiet_steps=quiet_steps, spike_quiet_steps=spike_quiet_steps, keep_resolved=keep_resolved
+        )
         self.quiet_steps = int(quiet_steps)
         # a spike has its own onset and recovery: a burst of spikes closer than this is one incident
         self.spike_quiet_steps = int(spike_quiet_steps)
@@ -77,10 +96,21 @@ class IncidentBook:
             if inc is None:
                 inc = Incident(
                     id=f"{f.run}:{f.kind}:{f.step}" + (f":r{f.ranks[0]}" if len(k) == 3 else ""),
-                    run=f.run, kind=f.kind, severity=f.severity, first_step=f.step, last_step=f.step,
-                    message=f.message, ranks=f.ranks[:_MAX_RANKS], hosts=f.hosts[:_MAX_RANKS], metric=f.metric,
-                    layer=f.layer, score=f.score, evidence=dict(f.evidence), detector=f.detector,
-                    peak_step=f.step, opened_at=self.clock(),
+                    run=f.run,
+                    kind=f.kind,
+                    severity=f.severity,
+                    first_step=f.step,
+                    last_step=f.step,
+                    message=f.message,
+                    ranks=f.ranks[:_MAX_RANKS],
+                    hosts=f.hosts[:_MAX_RANKS],
+                    metric=f.metric,
+                    layer=f.layer,
+                    score=f.score,
+                    evidence=dict(f.evidence),
+                    detector=f.detector,
+                    peak_step=f.step,
+                    opened_at=self.clock(),
                 )
                 self._open[k] = inc
                 self.opened_total[(f.kind, f.severity.value)] = self.opened_total.get((f.kind, f.severity.value), 0) + 1
@@ -94,8 +124,9 @@ class IncidentBook:
                 inc.severity, changed = f.severity, True
                 if f.kind != inc.kind:  # escalation (silent drift -> SDC suspected) names the new kind,
                     inc.kind = f.kind  # and counts as an incident of that kind being opened
-                    self.opened_total[(f.kind, f.severity.value)] = self.opened_total.get(
-                        (f.kind, f.severity.value), 0) + 1
+                    self.opened_total[(f.kind, f.severity.value)] = (
+                        self.opened_total.get((f.kind, f.severity.value), 0) + 1
+                    )
             ranks = tuple(sorted(set(inc.ranks) | set(f.ranks)))[:_MAX_RANKS]
             if ranks != inc.ranks:
                 inc.ranks, changed = ranks, True

@@ -33,26 +33,41 @@ from sdcwatch.telemetry.columnar import MAGIC_V2, MessageHeader, Schema, parse_h
 from sdcwatch.core.names import CHECK_METRICS, FINGERPRINTS, LAYER_METRICS, SCALARS
 from sdcwatch.telemetry.record import Record, decode_message
 
-__all__ = ["check_schema", "bad_rows", "SchemaRegistry", "RecordColumns", "IngestDecoder", "Rejected", "assemble_frame",
-           "count_records", "as_records", "frames_over_wire"]
+__all__ = [
+    "check_schema",
+    "bad_rows",
+    "SchemaRegistry",
+    "RecordColumns",
+    "IngestDecoder",
+    "Rejected",
+    "assemble_frame",
+    "count_records",
+    "as_records",
+    "frames_over_wire",
+]
 
 
 def check_schema(limits: RecordLimits, schema: Schema) -> None:
     """Raise LimitError naming the first claim of a layout past ``limits`` (the shared record limits)."""
     if len(schema.layers) > limits.max_layer_metrics:
-        raise LimitError("layers", f"{len(schema.layers)} layer metrics, the limit is {limits.max_layer_metrics} "
-                                   "(limits.max_layer_metrics)", "layer_metrics")
+        raise LimitError(
+            "layers",
+            f"{len(schema.layers)} layer metrics, the limit is {limits.max_layer_metrics} (limits.max_layer_metrics)",
+            "layer_metrics",
+        )
     for name, k in schema.layers:
         if k > limits.max_layers:
-            raise LimitError(f"layers.{name}", f"{k} layers, the limit is {limits.max_layers} (limits.max_layers)",
-                             "layers")
+            raise LimitError(
+                f"layers.{name}", f"{k} layers, the limit is {limits.max_layers} (limits.max_layers)", "layers"
+            )
     values = len(schema.scalars) + schema.n_layer_values
     if values > limits.max_values:
         raise LimitError("record", f"{values} values, the limit is {limits.max_values} (limits.max_values)", "values")
 
 
-def bad_rows(limits: RecordLimits, rows: np.ndarray, schema: Schema,
-             n_hosts: np.ndarray) -> tuple[np.ndarray, list[RecordError]]:
+def bad_rows(
+    limits: RecordLimits, rows: np.ndarray, schema: Schema, n_hosts: np.ndarray
+) -> tuple[np.ndarray, list[RecordError]]:
     """(mask of the rows past ``limits`` or malformed, the error of each, in row order).
 
     The same claims :meth:`RecordLimits.check` bounds for a v1 record, checked on whole columns.
@@ -61,17 +76,36 @@ def bad_rows(limits: RecordLimits, rows: np.ndarray, schema: Schema,
     rank = rows["rank"]
     values = len(schema.scalars) + schema.n_layer_values
     checks = [
-        ("world", "world", world > limits.max_world,
-         lambda i: f"{world[i]} ranks claimed, the limit is {limits.max_world} (limits.max_world)"),
-        ("step_size", "world", world.astype(np.int64) * values > limits.max_step_values,
-         lambda i: f"{world[i]} ranks x {values} values a step, the limit is {limits.max_step_values} "
-                   "(limits.max_step_values)"),
+        (
+            "world",
+            "world",
+            world > limits.max_world,
+            lambda i: f"{world[i]} ranks claimed, the limit is {limits.max_world} (limits.max_world)",
+        ),
+        (
+            "step_size",
+            "world",
+            world.astype(np.int64) * values > limits.max_step_values,
+            lambda i: (
+                f"{world[i]} ranks x {values} values a step, the limit is {limits.max_step_values} "
+                "(limits.max_step_values)"
+            ),
+        ),
         ("malformed", "world", world < 1, lambda i: f"{world[i]} out of range [1, 2**32)"),
         ("malformed", "rank", rank >= world, lambda i: f"{rank[i]} out of range [0, {world[i]})"),
         ("malformed", "step", rows["step"] >= (1 << 63), lambda i: f"{rows['step'][i]} out of range [0, 2**63)"),
-        ("malformed", "host", rows["host"] >= n_hosts,
-         lambda i: f"index {rows['host'][i]} beyond the message's {n_hosts[i]} hosts"),
-        ("malformed", "time", ~np.isfinite(rows["time"]), lambda i: f"must be a finite number, got {rows['time'][i]!r}"),
+        (
+            "malformed",
+            "host",
+            rows["host"] >= n_hosts,
+            lambda i: f"index {rows['host'][i]} beyond the message's {n_hosts[i]} hosts",
+        ),
+        (
+            "malformed",
+            "time",
+            ~np.isfinite(rows["time"]),
+            lambda i: f"must be a finite number, got {rows['time'][i]!r}",
+        ),
     ]
     sc = rows["scalars"]
     for name in COUNTER_SCALARS:
@@ -79,9 +113,16 @@ def bad_rows(limits: RecordLimits, rows: np.ndarray, schema: Schema,
             col = sc[:, schema.scalars.index(name)]
             with np.errstate(invalid="ignore"):
                 bad = ~((col >= 0.0) & (col <= limits.max_counter))  # NaN fails both comparisons
-            checks.append(("counter", f"scalars.{name}", bad,
-                           lambda i, col=col: f"a counter must be finite, >= 0 and <= {limits.max_counter:g}, "
-                                              f"got {float(col[i])!r}"))
+            checks.append(
+                (
+                    "counter",
+                    f"scalars.{name}",
+                    bad,
+                    lambda i, col=col: (
+                        f"a counter must be finite, >= 0 and <= {limits.max_counter:g}, got {float(col[i])!r}"
+                    ),
+                )
+            )
     mask = np.zeros(len(rows), bool)
     for _, _, bad, _ in checks:
         mask |= bad
@@ -112,8 +153,9 @@ class SchemaRegistry:
             return known
         sch = Schema.from_text(text)
         if sch.id != schema_id:
-            raise RecordError("schema id", f"{schema_id:#018x} is not the hash of the schema sent with it "
-                                           f"({sch.id:#018x})")
+            raise RecordError(
+                "schema id", f"{schema_id:#018x} is not the hash of the schema sent with it ({sch.id:#018x})"
+            )
         check_schema(self.limits, sch)
         if len(self._by_id) >= self.max_schemas:
             self._by_id.pop(next(iter(self._by_id)))
@@ -200,8 +242,14 @@ def _rejected(origin: str, key: bytes | None, value: bytes | None, exc: RecordEr
 class IngestDecoder:
     """Decodes batches of bus messages (v1 and v2 mixed) into records and :class:`RecordColumns`."""
 
-    def __init__(self, registry: SchemaRegistry | None = None, *, schema_wait: float = 2.0,
-                 max_pending_bytes: int = 64 << 20, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        registry: SchemaRegistry | None = None,
+        *,
+        schema_wait: float = 2.0,
+        max_pending_bytes: int = 64 << 20,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.registry = registry if registry is not None else SchemaRegistry()
         self.limits = self.registry.limits
         self.schema_wait = schema_wait
@@ -234,8 +282,11 @@ class IngestDecoder:
                 continue
             try:
                 if len(value) > self.limits.max_message_bytes:
-                    raise LimitError("message", f"{len(value)} bytes, the limit is {self.limits.max_message_bytes} "
-                                                "(limits.max_message_bytes)", "oversize")
+                    raise LimitError(
+                        "message",
+                        f"{len(value)} bytes, the limit is {self.limits.max_message_bytes} (limits.max_message_bytes)",
+                        "oversize",
+                    )
                 head = parse_header(value)
                 if head.schema_text is not None:
                     self.registry.learn(head.schema_id, head.schema_text)
@@ -263,10 +314,21 @@ class IngestDecoder:
             origin, key, value, head = m[:4]
             since = m[4] if len(m) > 4 else now
             if now - since >= self.schema_wait or self._pending_bytes + len(value) > self.max_pending_bytes:
-                rejected.append(Rejected(origin, key, value, str(RecordError(
-                    "schema id", f"unknown schema {head.schema_id:#018x}: no message carrying it arrived within "
-                                 f"{self.schema_wait:g} s (or the wait buffer of {self.max_pending_bytes} bytes is full)")),
-                    "unknown_schema"))
+                rejected.append(
+                    Rejected(
+                        origin,
+                        key,
+                        value,
+                        str(
+                            RecordError(
+                                "schema id",
+                                f"unknown schema {head.schema_id:#018x}: no message carrying it arrived within "
+                                f"{self.schema_wait:g} s (or the wait buffer of {self.max_pending_bytes} bytes is full)",
+                            )
+                        ),
+                        "unknown_schema",
+                    )
+                )
             else:
                 self._pending.append((since, origin, key, value, head))
                 self._pending_bytes += len(value)
@@ -287,15 +349,25 @@ class IngestDecoder:
             for origin, key, value, head, *_ in msgs:
                 n = len(value) - head.rows_at
                 if n != head.count * size:
-                    rejected.append(Rejected(origin, key, value, str(RecordError(
-                        "records", f"{n} bytes of records, the header says {head.count} of {size} bytes"))))
+                    rejected.append(
+                        Rejected(
+                            origin,
+                            key,
+                            value,
+                            str(
+                                RecordError(
+                                    "records", f"{n} bytes of records, the header says {head.count} of {size} bytes"
+                                )
+                            ),
+                        )
+                    )
         if not good:
             return None
         if len(good) == 1:
             origin, key, value, head = good[0][:4]
             rows = np.frombuffer(value, schema.dtype, offset=head.rows_at)
         else:
-            rows = np.frombuffer(b"".join([memoryview(m[2])[m[3].rows_at:] for m in good]), schema.dtype)
+            rows = np.frombuffer(b"".join([memoryview(m[2])[m[3].rows_at :] for m in good]), schema.dtype)
         heads = [m[3] for m in good]
         counts = np.fromiter([h.count for h in heads], np.int64, len(heads))
         tables = [h.hosts for h in heads]
@@ -332,8 +404,15 @@ class IngestDecoder:
         return RecordColumns(run, schema, rows, hosts, host)
 
 
-def assemble_frame(run: str, step: int, world: int, records: Sequence[Record],
-                   blocks: Sequence[tuple[RecordColumns, np.ndarray]], *, wall: float = 0.0) -> StepFrame:
+def assemble_frame(
+    run: str,
+    step: int,
+    world: int,
+    records: Sequence[Record],
+    blocks: Sequence[tuple[RecordColumns, np.ndarray]],
+    *,
+    wall: float = 0.0,
+) -> StepFrame:
     """The frame of one step from v1 records and v2 blocks ``(columns, row indices)``.
 
     At most one record per rank across all of them. Gives the same frame as
@@ -382,7 +461,7 @@ def assemble_frame(run: str, step: int, world: int, records: Sequence[Record],
         lv = rows["layers"]
         for (name, k), off in zip(sch.layers, sch.layer_offsets):
             li = lidx[name]
-            layers[r, li, :k] = lv[:, off:off + k]
+            layers[r, li, :k] = lv[:, off : off + k]
             lsent[r, li] = k
     for rec in records:  # v1 records in a mixed step, as StepFrame.from_records fills them
         r = rec.rank
@@ -399,10 +478,23 @@ def assemble_frame(run: str, step: int, world: int, records: Sequence[Record],
             fps[r, fidx[n]] = v
             fpp[r, fidx[n]] = True
     return StepFrame(
-        run=run, step=step, world=world, hosts=tuple(hosts.tolist()), present=present,
-        scalar_names=snames, scalars=scalars, layer_names=lnames, layers=layers,
-        fp_names=fnames, fingerprints=fps, fp_present=fpp, scalar_sent=ssent, layer_sent=lsent, times=times,
-        wall=wall, complete=bool(present.all()),
+        run=run,
+        step=step,
+        world=world,
+        hosts=tuple(hosts.tolist()),
+        present=present,
+        scalar_names=snames,
+        scalars=scalars,
+        layer_names=lnames,
+        layers=layers,
+        fp_names=fnames,
+        fingerprints=fps,
+        fp_present=fpp,
+        scalar_sent=ssent,
+        layer_sent=lsent,
+        times=times,
+        wall=wall,
+        complete=bool(present.all()),
     )
 
 
@@ -419,16 +511,25 @@ def frames_over_wire(records: Sequence[Record], wire: str, *, per_message: int =
 
     if wire not in WIRES:
         raise ValueError(f"wire must be one of {', '.join(WIRES)}, got {wire!r}")
-    items = list(records) if wire == "v1" else [
-        PackedRecord.pack(r.run, r.host, r.step, r.rank, r.world, r.local_rank, r.time, r.scalars, r.fingerprints,
-                          r.layers) for r in records]
-    messages = [(f"wire/0/{i}", key, value)
-                for i, (key, value, _) in enumerate(encode_items(items, record_key, per_message, set()))]
+    items = (
+        list(records)
+        if wire == "v1"
+        else [
+            PackedRecord.pack(
+                r.run, r.host, r.step, r.rank, r.world, r.local_rank, r.time, r.scalars, r.fingerprints, r.layers
+            )
+            for r in records
+        ]
+    )
+    messages = [
+        (f"wire/0/{i}", key, value)
+        for i, (key, value, _) in enumerate(encode_items(items, record_key, per_message, set()))
+    ]
     decoder = IngestDecoder()
     aligner = StepAligner(timeout=1e9, max_open=1 << 30, reorder_grace=1e9)
     frames: list[StepFrame] = []
     for i in range(0, len(messages), 16):  # a poll's worth at a time, as the service reads them
-        decoded, rejected = decoder.decode(messages[i:i + 16])
+        decoded, rejected = decoder.decode(messages[i : i + 16])
         if rejected:
             raise RecordError("record", f"{len(rejected)} messages did not decode: {rejected[0].reason}")
         frames += aligner.add(decoded)

@@ -123,8 +123,9 @@ class KafkaSource(_DeadLetterCounts):
                 max_partition_fetch_bytes=16 << 20,
             )
             # a dead letter is kept whole up to DEADLETTER_MAX_BYTES: above the 1 MB default request
-            self._dl_producer = new_producer(bootstrap, security, linger_ms=5, max_block_ms=5000,
-                                             max_request_size=DEADLETTER_MAX_BYTES + (1 << 20))
+            self._dl_producer = new_producer(
+                bootstrap, security, linger_ms=5, max_block_ms=5000, max_request_size=DEADLETTER_MAX_BYTES + (1 << 20)
+            )
         except (KafkaError, OSError, ValueError) as exc:
             raise TransportError(f"cannot connect to Kafka at {bootstrap}: {exc}") from None
         self._thread = threading.Thread(target=self._read, name=f"sdcwatch-reader-{topic}", daemon=True)
@@ -232,8 +233,11 @@ class KafkaSource(_DeadLetterCounts):
         offsets: dict[Any, int] = {}
         messages = sum(len(msgs) for msgs in batches.values())
         if self.decode is decode_message:  # telemetry: v1 and v2, many messages at once
-            out, rejected = self.ingest.decode((f"{tp.topic}/{tp.partition}/{msg.offset}", msg.key, msg.value)
-                                               for tp, msgs in batches.items() for msg in msgs)
+            out, rejected = self.ingest.decode(
+                (f"{tp.topic}/{tp.partition}/{msg.offset}", msg.key, msg.value)
+                for tp, msgs in batches.items()
+                for msg in msgs
+            )
         else:
             for tp, msgs in batches.items():
                 for msg in msgs:
@@ -241,8 +245,9 @@ class KafkaSource(_DeadLetterCounts):
                     if recs is not None:
                         out.extend(recs)
                     else:
-                        rejected.append(Rejected(f"{tp.topic}/{tp.partition}/{msg.offset}", msg.key, msg.value,
-                                                 why, reason))
+                        rejected.append(
+                            Rejected(f"{tp.topic}/{tp.partition}/{msg.offset}", msg.key, msg.value, why, reason)
+                        )
         for rj in rejected:
             log.debug("dead letter %s: %s", rj.origin, rj.reason)
             self._send_dead_letter(rj.key, rj.value, rj.code, rj.reason, rj.origin)
@@ -276,8 +281,12 @@ class KafkaSource(_DeadLetterCounts):
         else:
             self.unassigned_since = time.monotonic()
             if self._had_partitions:
-                log.warning("group %s: this member lost its partitions of %s (evicted from the group or a "
-                            "rebalance); no records flow until it is assigned again", self.group, self.topic)
+                log.warning(
+                    "group %s: this member lost its partitions of %s (evicted from the group or a "
+                    "rebalance); no records flow until it is assigned again",
+                    self.group,
+                    self.topic,
+                )
 
     def _commit(self, offsets: dict[Any, int]) -> None:
         from kafka.structs import OffsetAndMetadata
@@ -327,9 +336,15 @@ class KafkaSource(_DeadLetterCounts):
         body, headers = dead_letter_value(value)
         try:
             self._dl_producer.send(
-                self.deadletter_topic, key=key, value=body,
-                headers=[("sdcwatch.reason", why.encode()), ("sdcwatch.reason_code", reason.encode()),
-                         ("sdcwatch.origin", origin.encode()), *headers],
+                self.deadletter_topic,
+                key=key,
+                value=body,
+                headers=[
+                    ("sdcwatch.reason", why.encode()),
+                    ("sdcwatch.reason_code", reason.encode()),
+                    ("sdcwatch.origin", origin.encode()),
+                    *headers,
+                ],
             )
         except Exception as exc:  # the count stays; the service must keep going
             log.warning("could not dead-letter %s: %s", origin, exc)

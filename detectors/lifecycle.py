@@ -62,8 +62,14 @@ class RunLifecycle:
         clock: wall time.
     """
 
-    def __init__(self, end_expiry: float = 300.0, idle_expiry: float = 6 * 3600.0, *, close_grace: float = 5.0,
-                 clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        end_expiry: float = 300.0,
+        idle_expiry: float = 6 * 3600.0,
+        *,
+        close_grace: float = 5.0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         check_positive("runs", end_expiry=end_expiry, idle_expiry=idle_expiry, close_grace=close_grace)
         self.end_expiry = float(end_expiry)
         self.idle_expiry = float(idle_expiry)
@@ -93,7 +99,7 @@ class RunLifecycle:
         seen = {rec.run for rec in records}
         restarted: set[str] = set()
         watched = {run for run in seen if run in runs and runs[run].ended}
-        for rec in (data if watched else ()):
+        for rec in data if watched else ():
             if rec.run in watched:
                 life = runs[rec.run]
                 t = life.ended.get(rec.rank)
@@ -179,9 +185,13 @@ class RunLifecycle:
     def to_close(self, open_steps: Callable[[str], int]) -> list[str]:
         """Finished runs to close now: their open steps are done, or ``close_grace`` has passed."""
         now = self.clock()
-        return [run for run, life in self._runs.items()
-                if life.finished_at is not None and not life.closed
-                and (open_steps(run) == 0 or now - life.finished_at >= self.close_grace)]
+        return [
+            run
+            for run, life in self._runs.items()
+            if life.finished_at is not None
+            and not life.closed
+            and (open_steps(run) == 0 or now - life.finished_at >= self.close_grace)
+        ]
 
     def closed(self, run: str) -> None:
         life = self._runs.get(run)
@@ -224,10 +234,16 @@ class RunLifecycle:
 
     def snapshot(self) -> dict[str, Any]:
         return {
-            "runs": {run: {"world": life.world, "ended": [[r, t] for r, t in life.ended.items()],
-                           "end_step": life.end_step, "finished": life.finished_at is not None,
-                           "closed": life.closed}
-                     for run, life in self._runs.items()},
+            "runs": {
+                run: {
+                    "world": life.world,
+                    "ended": [[r, t] for r, t in life.ended.items()],
+                    "end_step": life.end_step,
+                    "finished": life.finished_at is not None,
+                    "closed": life.closed,
+                }
+                for run, life in self._runs.items()
+            },
             "finished_total": self.finished_total,
             "evicted_total": dict(self.evicted_total),
         }
@@ -238,11 +254,17 @@ class RunLifecycle:
         now = self.clock()
         self._runs = {}
         for run, d in state.get("runs", {}).items():
-            self._runs[run] = _Life(now, world=int(d["world"]), ended={int(r): float(t) for r, t in d["ended"]},
-                                    end_step=int(d["end_step"]), finished_at=now if d["finished"] else None,
-                                    closed=bool(d["closed"]))
+            self._runs[run] = _Life(
+                now,
+                world=int(d["world"]),
+                ended={int(r): float(t) for r, t in d["ended"]},
+                end_step=int(d["end_step"]),
+                finished_at=now if d["finished"] else None,
+                closed=bool(d["closed"]),
+            )
         for run in runs:
             self._runs.setdefault(run, _Life(now))
         self.finished_total = int(state.get("finished_total", 0))
-        self.evicted_total.update({k: int(v) for k, v in state.get("evicted_total", {}).items()
-                                   if k in self.evicted_total})
+        self.evicted_total.update(
+            {k: int(v) for k, v in state.get("evicted_total", {}).items() if k in self.evicted_total}
+        )

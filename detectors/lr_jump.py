@@ -70,13 +70,22 @@ class LearningRateJump(SplitDetector):
         before = max(self._recent) if self._recent else None
         if before is not None and before > 0 and lr > self.factor * before:
             ratio = lr / before
-            found.append(Finding(
-                detector=self.name, kind=IncidentKind.LR_JUMP.value, severity=Severity.WARNING, run=frame.run, step=frame.step,
-                score=ratio, metric="lr",
-                message=(f"learning rate jumped x{ratio:.3g} at step {frame.step} ({before:.3g} -> {lr:.3g}) on every "
-                         f"rank: optimisation or configuration, no rank blamed"),
-                evidence={"attribution": "optimisation_data", "lr": lr, "recent_max": before, "ratio": ratio},
-            ))
+            found.append(
+                Finding(
+                    detector=self.name,
+                    kind=IncidentKind.LR_JUMP.value,
+                    severity=Severity.WARNING,
+                    run=frame.run,
+                    step=frame.step,
+                    score=ratio,
+                    metric="lr",
+                    message=(
+                        f"learning rate jumped x{ratio:.3g} at step {frame.step} ({before:.3g} -> {lr:.3g}) on every "
+                        f"rank: optimisation or configuration, no rank blamed"
+                    ),
+                    evidence={"attribution": "optimisation_data", "lr": lr, "recent_max": before, "ratio": ratio},
+                )
+            )
         self._recent.append(lr)
         return found
 

@@ -113,8 +113,7 @@ class NonFiniteDetector(SplitDetector):
         a large ratio is the checksum detector's finding, not a near-INF value)."""
         limits = self._limits.get(names)
         if limits is None:
-            limits = self._limits[names] = np.array(
-                [np.inf if n in RATIO_METRICS else self.limit for n in names])
+            limits = self._limits[names] = np.array([np.inf if n in RATIO_METRICS else self.limit for n in names])
         return limits
 
     def observe(self, frame: StepFrame) -> dict[str, Any] | None:
@@ -140,8 +139,10 @@ class NonFiniteDetector(SplitDetector):
                     global_ranks.update(np.nonzero((bad & is_global[None, :]).any(axis=1))[0].tolist())
                     r, c = np.nonzero(bad)
                     n_bad += r.size
-                    hits += [(int(a), frame.scalar_names[b], _act_layer(frame, S, a, b), float(S[a, b]))
-                             for a, b in zip(r, c)]
+                    hits += [
+                        (int(a), frame.scalar_names[b], _act_layer(frame, S, a, b), float(S[a, b]))
+                        for a, b in zip(r, c)
+                    ]
         L = frame.layers
         if L.size and not np.abs(L).max() < self.limit:  # NaN fails the comparison: look closer
             limits = self._layer_limits(frame.layer_names)
@@ -151,8 +152,7 @@ class NonFiniteDetector(SplitDetector):
                 r, m, lay = np.nonzero(bad)
                 n_bad += r.size
                 local_ranks.update(np.unique(r).tolist())
-                hits += [(int(a), frame.layer_names[b], int(c), float(L[a, b, c]))
-                         for a, b, c in zip(r, m, lay)]
+                hits += [(int(a), frame.layer_names[b], int(c), float(L[a, b, c])) for a, b, c in zip(r, m, lay)]
         if not hits:
             return None
         if len(hits) > 4 * self.max_listed:  # keep the observation small: the hits a finding can name
@@ -161,8 +161,13 @@ class NonFiniteDetector(SplitDetector):
             # the culprits' layer hits stay whole (a few per product): the origin is read from them
             own = [h for h in order if h[0] in culprits and h[2] is not None][: 16 * self.max_listed]
             hits = own + [h for h in order if not (h[0] in culprits and h[2] is not None)][: 2 * self.max_listed]
-        return {"hits": hits, "n_bad": n_bad, "local": sorted(local_ranks), "counted": sorted(counted_ranks),
-                "global": sorted(global_ranks)}
+        return {
+            "hits": hits,
+            "n_bad": n_bad,
+            "local": sorted(local_ranks),
+            "counted": sorted(counted_ranks),
+            "global": sorted(global_ranks),
+        }
 
     def judge(self, frame: StepContext, seen: dict[str, Any] | None) -> list[Finding]:
         """Name the ranks of a non-finite step, keeping the rank a non-finite streak began on."""
@@ -180,8 +185,7 @@ class NonFiniteDetector(SplitDetector):
         # counts the all-reduced gradient too, so it names ranks only when no rank has a bad value
         # of its own (a NaN the probes saw inside an activation that reached nothing else).
         culprits = local_ranks or counted_ranks
-        streak = (self._origin is not None and self._last_bad is not None
-                  and 0 < frame.step - self._last_bad <= 1)
+        streak = self._origin is not None and self._last_bad is not None and 0 < frame.step - self._last_bad <= 1
         self._last_bad = frame.step
         if streak:
             culprits = set(self._origin)
@@ -204,32 +208,52 @@ class NonFiniteDetector(SplitDetector):
             host = frame.hosts[rank] if frame.hosts[rank] else ""
             on = f"rank {rank}" + (f" (host {host})" if host else "")
             more = f" and {len(ranks) - 1} more rank(s)" if len(ranks) > 1 else ""
-            spread = (f"; the all-reduced values of {len(global_ranks - culprits)} other rank(s) followed"
-                      if global_ranks - culprits else "")
+            spread = (
+                f"; the all-reduced values of {len(global_ranks - culprits)} other rank(s) followed"
+                if global_ranks - culprits
+                else ""
+            )
         elif frame.world > 1:
             on, more, spread = "the all-reduced values of every rank (not localised)", "", ""
         else:
             on, more, spread = "the run", "", ""
         if streak:
-            msg = (f"non-finite values since step {self._origin_step}, which began on {on}{more}; "
-                   f"still non-finite at step {frame.step}")
+            msg = (
+                f"non-finite values since step {self._origin_step}, which began on {on}{more}; "
+                f"still non-finite at step {frame.step}"
+            )
         else:
             msg = f"non-finite value at step {frame.step}: {where} = {value:.4g} on {on}{more}{spread}"
         listed = own[: self.max_listed]
-        return [Finding(
-            detector=self.name, kind=IncidentKind.NONFINITE.value, severity=Severity.CRITICAL, run=frame.run,
-            step=frame.step, score=float(n_bad), message=msg,
-            ranks=ranks if frame.world > 1 else (), hosts=tuple(sorted({frame.hosts[r] for r in ranks} - {""})),
-            metric=metric, layer=layer,
-            evidence={"values_bad": n_bad, "ranks_with_own_bad_values": sorted(culprits),
-                      "ranks_with_bad_all_reduced_values": sorted(global_ranks),
-                      "hits": [{"rank": h[0], "metric": h[1], "layer": h[2], "value": h[3]} for h in listed]},
-        )]
+        return [
+            Finding(
+                detector=self.name,
+                kind=IncidentKind.NONFINITE.value,
+                severity=Severity.CRITICAL,
+                run=frame.run,
+                step=frame.step,
+                score=float(n_bad),
+                message=msg,
+                ranks=ranks if frame.world > 1 else (),
+                hosts=tuple(sorted({frame.hosts[r] for r in ranks} - {""})),
+                metric=metric,
+                layer=layer,
+                evidence={
+                    "values_bad": n_bad,
+                    "ranks_with_own_bad_values": sorted(culprits),
+                    "ranks_with_bad_all_reduced_values": sorted(global_ranks),
+                    "hits": [{"rank": h[0], "metric": h[1], "layer": h[2], "value": h[3]} for h in listed],
+                },
+            )
+        ]
 
     def snapshot(self) -> dict[str, Any]:
-        return {"origin": None if self._origin is None else list(self._origin),
-                "origin_step": self._origin_step, "last_bad": self._last_bad,
-                "origin_where": None if self._origin_where is None else list(self._origin_where)}
+        return {
+            "origin": None if self._origin is None else list(self._origin),
+            "origin_step": self._origin_step,
+            "last_bad": self._last_bad,
+            "origin_where": None if self._origin_where is None else list(self._origin_where),
+        }
 
     def restore(self, state: dict[str, Any]) -> None:
         self._origin = None if state.get("origin") is None else tuple(int(r) for r in state["origin"])

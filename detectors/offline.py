@@ -29,7 +29,16 @@ from sdcwatch.telemetry.limits import RecordLimits
 from sdcwatch.telemetry.record import Record
 from sdcwatch.telemetry.record_json import from_json
 
-__all__ = ["replay", "read_records", "read_csv_frames", "format_table", "replay_main", "bounded_lines", "MAX_LINE_BYTES", "MAX_COLUMNS"]
+__all__ = [
+    "replay",
+    "read_records",
+    "read_csv_frames",
+    "format_table",
+    "replay_main",
+    "bounded_lines",
+    "MAX_LINE_BYTES",
+    "MAX_COLUMNS",
+]
 
 #: Longest line read from a replay file (a record of 8,192 values is about 200 kB of JSON).
 MAX_LINE_BYTES = 4 << 20
@@ -52,9 +61,16 @@ def bounded_lines(fh, path: Path, max_line: int = MAX_LINE_BYTES) -> Iterator[st
             raise ReplayError(str(path), lineno, f"line longer than {max_line:,} characters (not a telemetry log?)")
         yield line
 
+
 #: CSV column names understood as the record's well-known scalars.
-CSV_ALIASES = {"grad_norm": "grad_norm_global", "gradnorm": "grad_norm_global", "grad_norm_global": "grad_norm_global",
-               "train_loss": "loss", "train/loss": "loss", "learning_rate": "lr"}
+CSV_ALIASES = {
+    "grad_norm": "grad_norm_global",
+    "gradnorm": "grad_norm_global",
+    "grad_norm_global": "grad_norm_global",
+    "train_loss": "loss",
+    "train/loss": "loss",
+    "learning_rate": "lr",
+}
 _NAME_OK = re.compile(r"[^A-Za-z0-9_.:-]")
 
 
@@ -123,7 +139,9 @@ def read_csv_frames(path: str | Path, run: str | None = None) -> Iterator[StepFr
                     if step < 0 or str(step) != row[step_i].strip() and float(row[step_i]) != step:
                         raise ValueError
                 except ValueError:
-                    raise ReplayError(str(path), lineno, f"column 'step': {row[step_i]!r} is not a step number") from None
+                    raise ReplayError(
+                        str(path), lineno, f"column 'step': {row[step_i]!r} is not a step number"
+                    ) from None
                 if last is not None and step <= last:
                     raise ReplayError(str(path), lineno, f"step {step} does not increase (previous {last})")
                 last = step

@@ -100,10 +100,16 @@ def _count(values: np.ndarray) -> int:
 class DetectionPipeline:
     """All detection state: feed records (or frames), get incident events; read ``view()``."""
 
-    def __init__(self, settings: PipelineSettings | None = None, *,
-                 detectors: Callable[[], Sequence] = default_detectors, role: str = "both",
-                 limits: RecordLimits | None = None,
-                 clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        settings: PipelineSettings | None = None,
+        *,
+        detectors: Callable[[], Sequence] = default_detectors,
+        role: str = "both",
+        limits: RecordLimits | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
+    ) -> None:
         self.settings = settings or PipelineSettings()
         if role not in ROLES:
             raise ConfigError("service.stage", f"must be one of {', '.join(ROLES)}, got {role!r}")
@@ -112,16 +118,25 @@ class DetectionPipeline:
         if role != "both":
             whole = [d.name for d in detectors() if not isinstance(d, SplitDetector)]
             if whole:
-                raise ConfigError("detectors", f"{', '.join(whole)} need(s) whole steps and cannot run in a "
-                                                f"split {role} stage; run the service with stage = \"both\"")
+                raise ConfigError(
+                    "detectors",
+                    f"{', '.join(whole)} need(s) whole steps and cannot run in a "
+                    f'split {role} stage; run the service with stage = "both"',
+                )
         self.wall = wall
         self.limits = limits or RecordLimits()
-        self.aligner = StepAligner(self.settings.step_timeout, self.settings.max_open_steps, clock=clock,
-                                   max_step_jump=self.limits.max_step_jump, max_step_values=self.limits.max_step_values)
+        self.aligner = StepAligner(
+            self.settings.step_timeout,
+            self.settings.max_open_steps,
+            clock=clock,
+            max_step_jump=self.limits.max_step_jump,
+            max_step_values=self.limits.max_step_values,
+        )
         self.aligner.admit = self._admit
         self.book = IncidentBook(self.settings.quiet_steps, clock=wall)
-        self.lifecycle = RunLifecycle(self.settings.end_expiry, self.settings.idle_expiry,
-                                      close_grace=self.settings.step_timeout, clock=wall)
+        self.lifecycle = RunLifecycle(
+            self.settings.end_expiry, self.settings.idle_expiry, close_grace=self.settings.step_timeout, clock=wall
+        )
         self._runs: dict[str, _Run] = {}
         self.findings_total: dict[tuple[str, str], int] = {}
         self.records_total = 0
@@ -252,9 +267,16 @@ class DetectionPipeline:
         if col is not None:
             nz = np.flatnonzero(np.isfinite(col) & (col > 0))
             dropped = dict(zip(nz.tolist(), col[nz].tolist()))
-        summary = StepSummary(run=frame.run, step=frame.step, world=frame.world, n_present=int(frame.present.sum()),
-                              complete=frame.complete, hosts=None if hosts == st.sent_hosts else hosts,
-                              dropped=dropped, frame=frame)
+        summary = StepSummary(
+            run=frame.run,
+            step=frame.step,
+            world=frame.world,
+            n_present=int(frame.present.sum()),
+            complete=frame.complete,
+            hosts=None if hosts == st.sent_hosts else hosts,
+            dropped=dropped,
+            frame=frame,
+        )
         st.sent_hosts = hosts
         obs = summary.observations
         for det in st.detectors:
@@ -335,9 +357,15 @@ class DetectionPipeline:
             out.append(st.view)
         return out
 
-    def view(self, *, dead_letters_total: int = 0, consumer_lag: int = 0,
-             dead_letter_reasons: dict[str, int] | None = None, consumer_partitions: int = -1,
-             max_runs: int | None = None) -> ServiceView:
+    def view(
+        self,
+        *,
+        dead_letters_total: int = 0,
+        consumer_lag: int = 0,
+        dead_letter_reasons: dict[str, int] | None = None,
+        consumer_partitions: int = -1,
+        max_runs: int | None = None,
+    ) -> ServiceView:
         """What the exporter shows: runs (at most ``max_runs``), pipeline health, incidents, counters.
         The source's own health (dead letters by reason, consumer lag, partitions) comes from
         whoever reads the source: the service."""
@@ -348,18 +376,30 @@ class DetectionPipeline:
         if len(recent) >= 2 and now > recent[0][0]:
             rps = sum(n for _, n in recent[1:]) / max(now - recent[0][0], 1e-6)
         pipe = PipelineView(
-            records_total=self.records_total, records_per_second=rps,
+            records_total=self.records_total,
+            records_per_second=rps,
             duplicates_total=self.aligner.duplicates + self.order.duplicates,
-            summaries_total=self.summaries_total, summaries_late_total=self.order.late,
-            dead_letters_total=dead_letters_total, consumer_lag=consumer_lag,
-            last_record_wall=self.last_record_wall, late_records_total=self.aligner.late_records,
-            world_changes_total=self.aligner.world_changes, incomplete_steps_total=self.aligner.incomplete_steps,
-            dead_letter_reasons=dict(dead_letter_reasons or {}), consumer_partitions=consumer_partitions,
-            runs_total=len(self._runs), runs_forgotten_total=self.runs_forgotten,
+            summaries_total=self.summaries_total,
+            summaries_late_total=self.order.late,
+            dead_letters_total=dead_letters_total,
+            consumer_lag=consumer_lag,
+            last_record_wall=self.last_record_wall,
+            late_records_total=self.aligner.late_records,
+            world_changes_total=self.aligner.world_changes,
+            incomplete_steps_total=self.aligner.incomplete_steps,
+            dead_letter_reasons=dict(dead_letter_reasons or {}),
+            consumer_partitions=consumer_partitions,
+            runs_total=len(self._runs),
+            runs_forgotten_total=self.runs_forgotten,
             runs_evicted_total=dict(self.lifecycle.evicted_total),
         )
-        return ServiceView(runs=runs, pipeline=pipe, incidents=self.book.current(),
-                           incidents_total=dict(self.book.opened_total), findings_total=dict(self.findings_total))
+        return ServiceView(
+            runs=runs,
+            pipeline=pipe,
+            incidents=self.book.current(),
+            incidents_total=dict(self.book.opened_total),
+            findings_total=dict(self.findings_total),
+        )
 
     def _run_view(self, run: str, st: _Run) -> RunView:
         f = st.summary
@@ -376,14 +416,21 @@ class DetectionPipeline:
             shown["loss"] = f.frame.global_value("loss_global", "loss") if f.frame else nan
             shown["grad_norm"] = f.frame.global_value("grad_norm_global", reduce="median") if f.frame else nan
         return RunView(
-            run=run, world=f.world, last_step=st.last_step, last_step_wall=st.last_step_wall,
-            loss=shown["loss"], grad_norm=shown["grad_norm"], spike_scores=shown.get("spike_scores", {}),
+            run=run,
+            world=f.world,
+            last_step=st.last_step,
+            last_step_wall=st.last_step_wall,
+            loss=shown["loss"],
+            grad_norm=shown["grad_norm"],
+            spike_scores=shown.get("spike_scores", {}),
             rank_scores=np.array(rank_scores, copy=True),
             hosts=list(st.hosts) if st.hosts else [""] * f.world,
             scalar_stats={k: np.asarray(v, dtype=float) for k, v in stats["scalars"].items()},
             layer_stats={k: np.asarray(v, dtype=float) for k, v in stats["layers"].items()},
-            steps_total=st.steps_total, late_ranks=int(f.world - f.n_present),
-            missing_ranks=shown.get("missing_ranks", 0), emitter_dropped=_count(st.dropped),
+            steps_total=st.steps_total,
+            late_ranks=int(f.world - f.n_present),
+            missing_ranks=shown.get("missing_ranks", 0),
+            emitter_dropped=_count(st.dropped),
             finished=self.lifecycle.finished(run),
         )
 
@@ -395,12 +442,18 @@ class DetectionPipeline:
             "version": STATE_VERSION,
             "aligner": self.aligner.snapshot(),
             "book": self.book.snapshot(),
-            "runs": {run: {
-                "detectors": {d.name: d.snapshot() for d in st.detectors},
-                "attribution": st.attribution.snapshot(),
-                "world": st.world, "steps_total": st.steps_total, "last_step": st.last_step,
-                "hosts": st.hosts, "dropped": st.dropped.tolist(),
-            } for run, st in self._runs.items()},
+            "runs": {
+                run: {
+                    "detectors": {d.name: d.snapshot() for d in st.detectors},
+                    "attribution": st.attribution.snapshot(),
+                    "world": st.world,
+                    "steps_total": st.steps_total,
+                    "last_step": st.last_step,
+                    "hosts": st.hosts,
+                    "dropped": st.dropped.tolist(),
+                }
+                for run, st in self._runs.items()
+            },
             "findings_total": [[d, k, n] for (d, k), n in self.findings_total.items()],
             "records_total": self.records_total,
             "role": self.role,
@@ -414,8 +467,11 @@ class DetectionPipeline:
         if state.get("version") != STATE_VERSION:
             raise ConfigError("state.version", f"unknown pipeline state version {state.get('version')!r}")
         if state.get("role", "both") != self.role:
-            raise ConfigError("state.file", f"the state was saved by a {state.get('role')!r} stage, this is a "
-                                            f"{self.role!r} stage: give each stage its own state directory")
+            raise ConfigError(
+                "state.file",
+                f"the state was saved by a {state.get('role')!r} stage, this is a "
+                f"{self.role!r} stage: give each stage its own state directory",
+            )
         self.aligner.restore(state["aligner"])
         self.book.restore(state["book"])
         self._runs = {}

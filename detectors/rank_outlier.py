@@ -59,9 +59,17 @@ class RankOutlierConfig:
     """Per-rank scalars compared rank against rank (every layer metric is, too)."""
 
     def __post_init__(self) -> None:
-        check_positive("rank_outlier", threshold=self.threshold, drift=self.drift, clip=self.clip,
-                       instant_z=self.instant_z, min_world=self.min_world, max_fraction=self.max_fraction,
-                       max_named=self.max_named, rel_floor=self.rel_floor)
+        check_positive(
+            "rank_outlier",
+            threshold=self.threshold,
+            drift=self.drift,
+            clip=self.clip,
+            instant_z=self.instant_z,
+            min_world=self.min_world,
+            max_fraction=self.max_fraction,
+            max_named=self.max_named,
+            rel_floor=self.rel_floor,
+        )
         if self.clip <= self.drift:
             raise ConfigError("rank_outlier.clip", f"must exceed drift ({self.drift}), got {self.clip}")
         check_positive("rank_outlier", reference_ranks=self.reference_ranks, report_z=self.report_z)
@@ -238,8 +246,16 @@ class RankOutlierDetector(SplitDetector):
             for r in spiky[np.argsort(-peak[spiky])][: self.max_named]:
                 r = int(r)
                 c = int(absz[:, r].argmax())
-                instant.append({"rank": r, "feature": c, "peak": float(peak[r]), "z": float(z[c, r]),
-                                "loss_z": float(z[li, r]) if li is not None else None, "value": float(X[c, r])})
+                instant.append(
+                    {
+                        "rank": r,
+                        "feature": c,
+                        "peak": float(peak[r]),
+                        "z": float(z[c, r]),
+                        "loss_z": float(z[li, r]) if li is not None else None,
+                        "value": float(X[c, r]),
+                    }
+                )
         seen: dict[str, Any] = {"sig": sig, "metrics": metrics, "layers": layers, "instant": instant}
         if self.sparse:
             c, r = np.nonzero(self._worth_sending(frame.step, sig, z, absz))
@@ -297,13 +313,22 @@ class RankOutlierDetector(SplitDetector):
                 findings.append(self._outlier(frame, r, c, float(col[c]), z_at(c, r), metrics, layers))
         for hit in seen["instant"]:
             r, c = int(hit["rank"]), int(hit["feature"])
-            findings.append(Finding(
-                detector=self.name, kind=IncidentKind.RANK_DEVIATION.value, severity=Severity.INFO, run=frame.run,
-                step=frame.step, score=float(hit["peak"]),
-                message=f"rank {r} extreme at step {frame.step}: {_where(metrics[c], layers[c])} z={hit['z']:.1f}",
-                ranks=(r,), hosts=_hosts(frame, r), metric=metrics[c], layer=layers[c],
-                evidence={"z": hit["z"], "loss_z": hit["loss_z"], "value": hit["value"]},
-            ))
+            findings.append(
+                Finding(
+                    detector=self.name,
+                    kind=IncidentKind.RANK_DEVIATION.value,
+                    severity=Severity.INFO,
+                    run=frame.run,
+                    step=frame.step,
+                    score=float(hit["peak"]),
+                    message=f"rank {r} extreme at step {frame.step}: {_where(metrics[c], layers[c])} z={hit['z']:.1f}",
+                    ranks=(r,),
+                    hosts=_hosts(frame, r),
+                    metric=metrics[c],
+                    layer=layers[c],
+                    evidence={"z": hit["z"], "loss_z": hit["loss_z"], "value": hit["value"]},
+                )
+            )
         return findings
 
     def _accumulate_dense(self, z: np.ndarray):
@@ -373,22 +398,37 @@ class RankOutlierDetector(SplitDetector):
             self._scores = self._current(np.arange(k * world)).reshape(k, world).max(axis=0) / self.threshold
         return self._scores
 
-    def _outlier(self, frame: StepContext, r: int, c: int, ev: float, z_cr: float,
-                 metrics: list[str], layers: list[int | None]) -> Finding:
+    def _outlier(
+        self, frame: StepContext, r: int, c: int, ev: float, z_cr: float, metrics: list[str], layers: list[int | None]
+    ) -> Finding:
         conf = min(0.999, 1.0 - 0.5 * math.exp(-3.0 * (ev / self.threshold - 1.0)))
         host = frame.hosts[r]
         where = _where(metrics[c], layers[c])
-        msg = (f"rank {r}" + (f" (host {host})" if host else "") +
-               f" deviates from the other ranks in {where} (evidence {ev:.1f}, confidence {conf:.2f})")
+        msg = (
+            f"rank {r}"
+            + (f" (host {host})" if host else "")
+            + f" deviates from the other ranks in {where} (evidence {ev:.1f}, confidence {conf:.2f})"
+        )
         col, pos, neg = self._column(r), self._column(r, "pos"), self._column(r, "neg")
         top = np.argsort(-col)[:3]
         return Finding(
-            detector=self.name, kind=IncidentKind.RANK_OUTLIER.value, severity=Severity.WARNING, run=frame.run,
-            step=frame.step, score=ev, message=msg, ranks=(r,), hosts=_hosts(frame, r),
-            metric=metrics[c], layer=layers[c],
-            evidence={"confidence": conf, "z": z_cr,
-                      "direction": "high" if pos[c] >= neg[c] else "low",
-                      "top": [{"metric": metrics[i], "layer": layers[i], "evidence": float(col[i])} for i in top]},
+            detector=self.name,
+            kind=IncidentKind.RANK_OUTLIER.value,
+            severity=Severity.WARNING,
+            run=frame.run,
+            step=frame.step,
+            score=ev,
+            message=msg,
+            ranks=(r,),
+            hosts=_hosts(frame, r),
+            metric=metrics[c],
+            layer=layers[c],
+            evidence={
+                "confidence": conf,
+                "z": z_cr,
+                "direction": "high" if pos[c] >= neg[c] else "low",
+                "top": [{"metric": metrics[i], "layer": layers[i], "evidence": float(col[i])} for i in top],
+            },
         )
 
     def _materialize(self, upto: int | None = None) -> None:
@@ -409,11 +449,19 @@ class RankOutlierDetector(SplitDetector):
     def snapshot(self) -> dict[str, Any]:
         self._materialize()
         if self._sig is None:
-            return {"sig": None, "obs_sig": self._obs_sig,
-                    "spread": None if self._spread is None else encode_array(self._spread)}
-        return {"sig": self._sig, "pos": encode_array(self._pos), "neg": encode_array(self._neg),
-                "steps": self._steps, "spread": None if self._spread is None else encode_array(self._spread),
-                "obs_sig": self._obs_sig}
+            return {
+                "sig": None,
+                "obs_sig": self._obs_sig,
+                "spread": None if self._spread is None else encode_array(self._spread),
+            }
+        return {
+            "sig": self._sig,
+            "pos": encode_array(self._pos),
+            "neg": encode_array(self._neg),
+            "steps": self._steps,
+            "spread": None if self._spread is None else encode_array(self._spread),
+            "obs_sig": self._obs_sig,
+        }
 
     def restore(self, state: dict[str, Any]) -> None:
         self._obs_sig = state.get("obs_sig")
@@ -444,4 +492,3 @@ def _where(metric: str, layer: int | None) -> str:
 
 def _hosts(frame: StepContext, r: int) -> tuple[str, ...]:
     return (frame.hosts[r],) if frame.hosts[r] else ()
-

@@ -14,8 +14,7 @@ from __future__ import annotations
 import importlib
 from typing import Any, Callable, Mapping
 
-__all__ = ["register", "detector_classes", "default_classes", "default_detectors", "baseline_classes",
-           "detector_class"]
+__all__ = ["register", "detector_classes", "default_classes", "default_detectors", "baseline_classes", "detector_class"]
 
 #: The modules that define the built-in detectors (imported on first use of the registry).
 _MODULES = (

@@ -102,19 +102,41 @@ class ReplicaDivergenceDetector(SplitDetector):
             ranks = tuple(sorted({int(r) for v in odd_by_metric.values() for r in v}))
             metric = next(iter(odd_by_metric))
             hosts = tuple(sorted({frame.hosts[r] for r in ranks} - {""}))
-            who = ", ".join(f"{r}" + (f" (host {frame.hosts[r]})" if frame.hosts[r] else "")
-                            for r in ranks[: self.max_listed])
-            msg = (f"SDC suspected: replica divergence at step {frame.step}: rank {who} "
-                   f"disagree(s) with the majority on {', '.join(odd_by_metric)}")
-            return [Finding(
-                detector=self.name, kind=IncidentKind.REPLICA_DIVERGENCE.value, severity=Severity.CRITICAL, run=frame.run,
-                step=frame.step, score=float(len(ranks)), message=msg, ranks=ranks, hosts=hosts, metric=metric,
-                evidence={"metrics": {k: [int(r) for r in v[: self.max_listed]] for k, v in odd_by_metric.items()},
-                          "split": split},
-            )]
-        return [Finding(
-            detector=self.name, kind=IncidentKind.REPLICA_DIVERGENCE.value, severity=Severity.CRITICAL, run=frame.run,
-            step=frame.step, score=float(frame.world), metric=split[0],
-            message=f"replicas split at step {frame.step}: no majority on {', '.join(split)}",
-            evidence={"split": split},
-        )]
+            who = ", ".join(
+                f"{r}" + (f" (host {frame.hosts[r]})" if frame.hosts[r] else "") for r in ranks[: self.max_listed]
+            )
+            msg = (
+                f"SDC suspected: replica divergence at step {frame.step}: rank {who} "
+                f"disagree(s) with the majority on {', '.join(odd_by_metric)}"
+            )
+            return [
+                Finding(
+                    detector=self.name,
+                    kind=IncidentKind.REPLICA_DIVERGENCE.value,
+                    severity=Severity.CRITICAL,
+                    run=frame.run,
+                    step=frame.step,
+                    score=float(len(ranks)),
+                    message=msg,
+                    ranks=ranks,
+                    hosts=hosts,
+                    metric=metric,
+                    evidence={
+                        "metrics": {k: [int(r) for r in v[: self.max_listed]] for k, v in odd_by_metric.items()},
+                        "split": split,
+                    },
+                )
+            ]
+        return [
+            Finding(
+                detector=self.name,
+                kind=IncidentKind.REPLICA_DIVERGENCE.value,
+                severity=Severity.CRITICAL,
+                run=frame.run,
+                step=frame.step,
+                score=float(frame.world),
+                metric=split[0],
+                message=f"replicas split at step {frame.step}: no majority on {', '.join(split)}",
+                evidence={"split": split},
+            )
+        ]

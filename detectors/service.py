@@ -47,11 +47,19 @@ class DetectorService:
     summaries (a source built with ``decode=decode_summary_message``) and publishes incidents.
     """
 
-    def __init__(self, source: RecordSource, pipeline: DetectionPipeline | None = None, *,
-                 sinks: Sequence[IncidentSink] = (), summary_sink: SummaryTopicSink | None = None,
-                 state_dir: str | Path | None = None,
-                 snapshot_every: float = 10.0, poll_timeout: float = 0.2,
-                 clock: Callable[[], float] = time.monotonic, resumed: bool | None = None) -> None:
+    def __init__(
+        self,
+        source: RecordSource,
+        pipeline: DetectionPipeline | None = None,
+        *,
+        sinks: Sequence[IncidentSink] = (),
+        summary_sink: SummaryTopicSink | None = None,
+        state_dir: str | Path | None = None,
+        snapshot_every: float = 10.0,
+        poll_timeout: float = 0.2,
+        clock: Callable[[], float] = time.monotonic,
+        resumed: bool | None = None,
+    ) -> None:
         if snapshot_every <= 0:
             raise ConfigError("service.snapshot_every", f"must be a positive number of seconds, got {snapshot_every!r}")
         if poll_timeout <= 0:
@@ -171,14 +179,21 @@ class DetectorService:
     def view(self, max_runs: int | None = None) -> ServiceView:
         """A consistent view for the exporter (thread-safe): at most ``max_runs`` runs."""
         with self._lock:
-            return self.pipeline.view(dead_letters_total=int(getattr(self.source, "dead_letters", 0)),
-                                      consumer_lag=self.consumer_lag,
-                                      dead_letter_reasons=getattr(self.source, "dead_letter_reasons", None),
-                                      consumer_partitions=int(getattr(self.source, "partitions", -1)),
-                                      max_runs=max_runs)
+            return self.pipeline.view(
+                dead_letters_total=int(getattr(self.source, "dead_letters", 0)),
+                consumer_lag=self.consumer_lag,
+                dead_letter_reasons=getattr(self.source, "dead_letter_reasons", None),
+                consumer_partitions=int(getattr(self.source, "partitions", -1)),
+                max_runs=max_runs,
+            )
 
-    def run_for(self, seconds: float | None = None, *, until: Callable[[], bool] | None = None,
-                max_iterations: int | None = None) -> None:
+    def run_for(
+        self,
+        seconds: float | None = None,
+        *,
+        until: Callable[[], bool] | None = None,
+        max_iterations: int | None = None,
+    ) -> None:
         """Run until ``seconds`` passed, ``until()`` is true or ``max_iterations`` ran."""
         start = self.clock()
         n = 0

@@ -59,8 +59,9 @@ class RobustBaseline:
     (4.0, True, True)
     """
 
-    def __init__(self, window: int = 9, warmup: int = 50, scale_alpha: float = 0.02,
-                 clip: float = 3.0, floor: float = 0.002) -> None:
+    def __init__(
+        self, window: int = 9, warmup: int = 50, scale_alpha: float = 0.02, clip: float = 3.0, floor: float = 0.002
+    ) -> None:
         check_positive("spike", window=window, warmup=warmup, scale_alpha=scale_alpha, clip=clip, floor=floor)
         self.window = int(window)
         self.warmup = int(warmup)
@@ -194,8 +195,7 @@ class SpikeDetector(SplitDetector):
             else:
                 values[key] = frame.global_value(*names, reduce=reduce)
         losses = frame.scalar("loss") if frame.world >= 2 else None
-        values["max_rank"] = (int(np.nanargmax(losses)) if losses is not None and np.isfinite(losses).any()
-                              else None)
+        values["max_rank"] = int(np.nanargmax(losses)) if losses is not None and np.isfinite(losses).any() else None
         return values
 
     def judge(self, at: StepContext, values: dict[str, Any] | None) -> list[Finding]:
@@ -227,8 +227,13 @@ class SpikeDetector(SplitDetector):
         active = self._active[key]
         if active is None:
             if z >= s.z_on and ratio >= s.min_ratio:
-                self._active[key] = {"onset": step, "peak_step": step, "peak": value, "peak_ratio": ratio,
-                                     "baseline": base}
+                self._active[key] = {
+                    "onset": step,
+                    "peak_step": step,
+                    "peak": value,
+                    "peak_ratio": ratio,
+                    "baseline": base,
+                }
                 return "onset"
             return ""
         if z >= s.z_off:
@@ -246,13 +251,22 @@ class SpikeDetector(SplitDetector):
         value, z, ratio, base = measured[key]
         state = self._active[key] if phase != "recovery" else self._last_recovered
         kind = (IncidentKind.GRAD_SPIKE if key == "grad_norm" else IncidentKind.LOSS_SPIKE).value
-        label = {"loss": "loss spike", "grad_norm": "gradient-norm spike (loss calm)",
-                 "loss_max": "loss spike on one rank"}[key]
+        label = {
+            "loss": "loss spike",
+            "grad_norm": "gradient-norm spike (loss calm)",
+            "loss_max": "loss spike on one rank",
+        }[key]
         baseline = state["baseline"]
         evidence = {
-            "phase": phase, "onset_step": state["onset"], "peak_step": state["peak_step"],
-            "peak_value": state["peak"], "peak_ratio": state["peak_ratio"], "baseline": baseline,
-            "value": value, "z": z, "ratio": ratio,
+            "phase": phase,
+            "onset_step": state["onset"],
+            "peak_step": state["peak_step"],
+            "peak_value": state["peak"],
+            "peak_ratio": state["peak_ratio"],
+            "baseline": baseline,
+            "value": value,
+            "z": z,
+            "ratio": ratio,
         }
         for other in self.SERIES:
             if other != key:
@@ -265,9 +279,15 @@ class SpikeDetector(SplitDetector):
             evidence["recovered_step"] = at.step
         msg = f"{label} at step {state['onset']} ({state['peak']:.4g} vs baseline {baseline:.4g})"
         return Finding(
-            detector=self.name, kind=kind, severity=Severity.WARNING, run=at.run, step=at.step,
-            score=float(max(z, 0.0)) if phase != "recovery" else 0.0, message=msg,
-            metric=key, evidence=evidence,
+            detector=self.name,
+            kind=kind,
+            severity=Severity.WARNING,
+            run=at.run,
+            step=at.step,
+            score=float(max(z, 0.0)) if phase != "recovery" else 0.0,
+            message=msg,
+            metric=key,
+            evidence=evidence,
         )
 
     def metrics_view(self) -> dict[str, Any]:

@@ -27,8 +27,10 @@ def previous_state(path: str | os.PathLike) -> Path:
 
 
 def _recovery(path: Path) -> str:
-    return (f"; start with --state-reset to move it aside and begin afresh, or copy "
-            f"{previous_state(path).name} (the snapshot before it) over it")
+    return (
+        f"; start with --state-reset to move it aside and begin afresh, or copy "
+        f"{previous_state(path).name} (the snapshot before it) over it"
+    )
 
 
 def write_state(path: str | os.PathLike, state: dict[str, Any]) -> None:
@@ -65,7 +67,9 @@ def read_state(path: str | os.PathLike) -> dict[str, Any] | None:
         what = "empty" if path.stat().st_size == 0 else f"not valid JSON, truncated or damaged ({exc})"
         raise ConfigError("state.file", f"{path}: not a valid state file: {what}{recovery}") from None
     if not isinstance(state, dict):
-        raise ConfigError("state.file", f"{path}: not a state file (a JSON {type(state).__name__}, not an object){recovery}")
+        raise ConfigError(
+            "state.file", f"{path}: not a state file (a JSON {type(state).__name__}, not an object){recovery}"
+        )
     return state
 
 
@@ -79,7 +83,9 @@ def restoring(path: str | os.PathLike) -> Iterator[None]:
         raise ConfigError(exc.key, f"{path}: {exc.problem}{_recovery(path)}") from None
     except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
         fault = f"missing key {exc}" if isinstance(exc, KeyError) else f"{type(exc).__name__}: {exc}"
-        raise ConfigError("state.file", f"{path}: the state file is structurally wrong ({fault}){_recovery(path)}") from None
+        raise ConfigError(
+            "state.file", f"{path}: the state file is structurally wrong ({fault}){_recovery(path)}"
+        ) from None
 
 
 def _sync_dir(folder: Path) -> None:

@@ -114,13 +114,28 @@ class StragglerDetector(SplitDetector):
             ratio = float(math.exp(typical[r]))
             now = float(math.exp(lr[r]))
             host = frame.hosts[r]
-            out.append(Finding(
-                detector=self.name, kind=IncidentKind.STRAGGLER.value, severity=Severity.WARNING, run=frame.run, step=frame.step,
-                score=ratio, metric="step_time", ranks=(r,), hosts=(host,) if host else (),
-                message=f"straggler: rank {r}" + (f" (host {host})" if host else "") +
-                        f" persistently slow: typical step {ratio:.2f}x the median rank's over {self.window} steps",
-                evidence={"ratio_typical": ratio, "ratio_now": now, "step_time": med * now, "median_step_time": med},
-            ))
+            out.append(
+                Finding(
+                    detector=self.name,
+                    kind=IncidentKind.STRAGGLER.value,
+                    severity=Severity.WARNING,
+                    run=frame.run,
+                    step=frame.step,
+                    score=ratio,
+                    metric="step_time",
+                    ranks=(r,),
+                    hosts=(host,) if host else (),
+                    message=f"straggler: rank {r}"
+                    + (f" (host {host})" if host else "")
+                    + f" persistently slow: typical step {ratio:.2f}x the median rank's over {self.window} steps",
+                    evidence={
+                        "ratio_typical": ratio,
+                        "ratio_now": now,
+                        "step_time": med * now,
+                        "median_step_time": med,
+                    },
+                )
+            )
         return out
 
     def snapshot(self) -> dict[str, Any]:
@@ -178,12 +193,20 @@ class MissingRankDetector(SplitDetector):
             return []
         ranks = tuple(int(r) for r in gone)
         listed = ", ".join(str(r) for r in ranks[:16]) + (" ..." if len(ranks) > 16 else "")
-        return [Finding(
-            detector=self.name, kind=IncidentKind.MISSING_RANK.value, severity=Severity.CRITICAL, run=frame.run, step=frame.step,
-            score=float(gone.size), metric="present", ranks=ranks,
-            message=f"{len(ranks)} rank(s) not reporting for {self.after}+ steps: {listed}",
-            evidence={"absent_steps": {str(r): int(self._absent[r]) for r in ranks[:16]}},
-        )]
+        return [
+            Finding(
+                detector=self.name,
+                kind=IncidentKind.MISSING_RANK.value,
+                severity=Severity.CRITICAL,
+                run=frame.run,
+                step=frame.step,
+                score=float(gone.size),
+                metric="present",
+                ranks=ranks,
+                message=f"{len(ranks)} rank(s) not reporting for {self.after}+ steps: {listed}",
+                evidence={"absent_steps": {str(r): int(self._absent[r]) for r in ranks[:16]}},
+            )
+        ]
 
     def metrics_view(self) -> dict[str, Any]:
         """Ranks not heard from for ``after`` steps or more."""

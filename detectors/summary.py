@@ -33,8 +33,16 @@ from sdcwatch.core.validate import check_positive
 from sdcwatch.core.errors import SummaryError
 from sdcwatch.core.names import SUMMARY_TOPIC
 
-__all__ = ["StepSummary", "SummaryError", "SummaryOrder", "encode_summary", "decode_summary",
-           "SUMMARY_MAGIC", "SUMMARY_VERSION", "SUMMARY_TOPIC"]
+__all__ = [
+    "StepSummary",
+    "SummaryError",
+    "SummaryOrder",
+    "encode_summary",
+    "decode_summary",
+    "SUMMARY_MAGIC",
+    "SUMMARY_VERSION",
+    "SUMMARY_TOPIC",
+]
 
 SUMMARY_MAGIC = b"SDCS"
 SUMMARY_VERSION = 1
@@ -83,8 +91,11 @@ def _pack(obj: Any, blobs: list[bytes]) -> Any:
         blobs.append(a.tobytes())
         return {"__nd__": len(blobs) - 1, "dtype": a.dtype.str, "shape": list(a.shape)}
     if isinstance(obj, dict):
-        return {"__map__": [[_pack(k, blobs), _pack(v, blobs)] for k, v in obj.items()]} \
-            if any(not isinstance(k, str) for k in obj) else {k: _pack(v, blobs) for k, v in obj.items()}
+        return (
+            {"__map__": [[_pack(k, blobs), _pack(v, blobs)] for k, v in obj.items()]}
+            if any(not isinstance(k, str) for k in obj)
+            else {k: _pack(v, blobs) for k, v in obj.items()}
+        )
     if isinstance(obj, (list, tuple)):
         return [_pack(v, blobs) for v in obj]
     if isinstance(obj, (np.integer,)):
@@ -112,9 +123,17 @@ def _unpack(obj: Any, arrays: list[np.ndarray]) -> Any:
 def encode_summary(s: StepSummary) -> bytes:
     """One bus message for ``s`` (its ``frame`` stays behind)."""
     blobs: list[bytes] = []
-    head = {"run": s.run, "step": s.step, "world": s.world, "n_present": s.n_present, "complete": s.complete,
-            "hosts": None if s.hosts is None else list(s.hosts), "dropped": _pack(s.dropped, blobs),
-            "stats": _pack(s.stats, blobs), "observations": _pack(s.observations, blobs)}
+    head = {
+        "run": s.run,
+        "step": s.step,
+        "world": s.world,
+        "n_present": s.n_present,
+        "complete": s.complete,
+        "hosts": None if s.hosts is None else list(s.hosts),
+        "dropped": _pack(s.dropped, blobs),
+        "stats": _pack(s.stats, blobs),
+        "observations": _pack(s.observations, blobs),
+    }
     if s.ended:  # only then: older temporal stages read the head's known keys and drop the rest
         head["ended"] = True
     j = json.dumps(head, separators=(",", ":"), allow_nan=False).encode("utf-8")
@@ -156,10 +175,15 @@ def decode_summary(data: bytes | bytearray | memoryview) -> StepSummary:
             raise SummaryError("arrays", f"{len(raw) - pos} trailing bytes")
         hosts = head["hosts"]
         s = StepSummary(
-            run=str(head["run"]), step=int(head["step"]), world=int(head["world"]), n_present=int(head["n_present"]),
-            complete=bool(head["complete"]), hosts=None if hosts is None else tuple(str(h) for h in hosts),
+            run=str(head["run"]),
+            step=int(head["step"]),
+            world=int(head["world"]),
+            n_present=int(head["n_present"]),
+            complete=bool(head["complete"]),
+            hosts=None if hosts is None else tuple(str(h) for h in hosts),
             dropped={int(k): float(v) for k, v in _unpack(head["dropped"], arrays).items()},
-            stats=_unpack(head["stats"], arrays), observations=_unpack(head["observations"], arrays),
+            stats=_unpack(head["stats"], arrays),
+            observations=_unpack(head["observations"], arrays),
             ended=head.get("ended") is True,
         )
     except SummaryError:
@@ -277,13 +301,17 @@ class SummaryOrder:
     def snapshot(self) -> dict[str, Any]:
         """Per run: the last step released, the stride, and the summaries still waiting (encoded),
         whose offsets may already be committed."""
-        return {run: {"last": h.last, "stride": h.stride,
-                      "held": [base64.b64encode(encode_summary(item[3])).decode("ascii") for item in sorted(h.heap)]}
-                for run, h in self._runs.items()}
+        return {
+            run: {
+                "last": h.last,
+                "stride": h.stride,
+                "held": [base64.b64encode(encode_summary(item[3])).decode("ascii") for item in sorted(h.heap)],
+            }
+            for run, h in self._runs.items()
+        }
 
     def restore(self, state: dict[str, Any]) -> None:
-        self._runs = {run: _Held(last=d["last"], gaps=deque([int(d["stride"])], maxlen=8))
-                      for run, d in state.items()}
+        self._runs = {run: _Held(last=d["last"], gaps=deque([int(d["stride"])], maxlen=8)) for run, d in state.items()}
         now = self.clock()
         for run, d in state.items():
             h = self._runs[run]

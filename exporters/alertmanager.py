@@ -67,8 +67,9 @@ def _describe(inc: Incident) -> str:
     return "; ".join(parts)
 
 
-def alert_for(inc: Incident, *, now: float, valid_for: float, extra_labels: Mapping[str, str] = (),
-              generator_url: str = "") -> dict[str, Any]:
+def alert_for(
+    inc: Incident, *, now: float, valid_for: float, extra_labels: Mapping[str, str] = (), generator_url: str = ""
+) -> dict[str, Any]:
     """The Alertmanager v2 alert of ``inc`` at wall time ``now``.
 
     Open incidents get ``endsAt = now + valid_for``; resolved ones their resolution time.
@@ -203,8 +204,9 @@ class AlertmanagerSink(BackgroundSink):
         batch = dict(self._pending)
         alerts = []
         for inc_id, inc in batch.items():
-            alert = alert_for(inc, now=now, valid_for=valid_for, extra_labels=self.extra_labels,
-                              generator_url=self.generator_url)
+            alert = alert_for(
+                inc, now=now, valid_for=valid_for, extra_labels=self.extra_labels, generator_url=self.generator_url
+            )
             previous = self._accepted.get(inc_id)
             if previous is not None and previous != alert["labels"]:
                 alerts.append({**alert, "labels": previous, "endsAt": _rfc3339(max(now, inc.opened_at))})
@@ -215,16 +217,16 @@ class AlertmanagerSink(BackgroundSink):
             self.failures += 1
             delay = self._backoff.failed()
             self._retry_at = time.monotonic() + delay
-            log.warning("alertmanager: %d alert(s) not delivered (%s); retrying in %.1fs",
-                        len(alerts), exc, delay)
+            log.warning("alertmanager: %d alert(s) not delivered (%s); retrying in %.1fs", len(alerts), exc, delay)
             return
         self._backoff.succeeded()
         self._retry_at = None
         self.sent += len(alerts)
         for inc_id, inc in batch.items():
             if inc.open:
-                self._accepted[inc_id] = alert_for(inc, now=now, valid_for=valid_for,
-                                                   extra_labels=self.extra_labels)["labels"]
+                self._accepted[inc_id] = alert_for(inc, now=now, valid_for=valid_for, extra_labels=self.extra_labels)[
+                    "labels"
+                ]
             else:
                 self._accepted.pop(inc_id, None)
         self._pending.clear()

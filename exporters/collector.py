@@ -182,8 +182,7 @@ class SdcwatchCollector(Collector):
                 add("sdcwatch_rank_outlier_score", [r, rank, host], run.rank_scores[rank])
             self._add_stats(fam["sdcwatch_rank_metric"], r, run.scalar_stats, self.scalar_stats, None)
             layer_stats = {
-                k: v for k, v in run.layer_stats.items()
-                if self.layer_metrics is None or k in self.layer_metrics
+                k: v for k, v in run.layer_stats.items() if self.layer_metrics is None or k in self.layer_metrics
             }
             layers, n_layers = self._exported_layers(layer_stats, open_incidents.get(r, []))
             layers_omitted += n_layers - len(layers)
@@ -270,8 +269,14 @@ class SdcwatchCollector(Collector):
         return sorted(chosen), n
 
     @staticmethod
-    def _add_stats(family: Metric, run: str, stats: dict[str, np.ndarray], which: tuple[str, ...],
-                   per: str | None, layers: Sequence[int] | None = None) -> None:
+    def _add_stats(
+        family: Metric,
+        run: str,
+        stats: dict[str, np.ndarray],
+        which: tuple[str, ...],
+        per: str | None,
+        layers: Sequence[int] | None = None,
+    ) -> None:
         columns = [(name, STATS.index(name)) for name in which]
         for metric_name in sorted(stats):
             values = np.asarray(stats[metric_name], dtype=np.float64)
@@ -280,15 +285,14 @@ class SdcwatchCollector(Collector):
                     family.add_metric([run, metric_name, stat], float(values.reshape(-1)[col]))
             else:
                 values = values.reshape(-1, len(STATS))
-                for layer in (range(values.shape[0]) if layers is None else layers):
+                for layer in range(values.shape[0]) if layers is None else layers:
                     if layer >= values.shape[0]:
                         continue
                     for stat, col in columns:
                         family.add_metric([run, metric_name, str(layer), stat], float(values[layer, col]))
 
     @staticmethod
-    def _add_incidents(fam: dict[str, Metric], view: ServiceView,
-                       open_incidents: dict[str, list[Incident]]) -> None:
+    def _add_incidents(fam: dict[str, Metric], view: ServiceView, open_incidents: dict[str, list[Incident]]) -> None:
         # Open counts: one series per (run, kind, severity) ever counted, zero when none is open,
         # so alert rules and panels see a 0 instead of "no data".
         open_counts: dict[tuple[str, str, str], int] = {}
@@ -306,20 +310,22 @@ class SdcwatchCollector(Collector):
 
         listed = sorted(view.incidents, key=lambda i: (not i.open, -i.last_step, i.id))[:MAX_INCIDENTS_LISTED]
         for inc in sorted(listed, key=lambda i: (i.run, i.id)):
-            fam["sdcwatch_incident_info"].add_metric([], {
-                "run": inc.run,
-                "id": inc.id,
-                "kind": inc.kind,
-                "severity": inc.severity.value,
-                "state": "open" if inc.open else "resolved",
-                "rank": incident_rank_label(inc.ranks),
-                "host": _hosts_label(inc.hosts),
-                "layer": "" if inc.layer is None else str(inc.layer),
-                "metric": inc.metric,
-                "detector": inc.detector,
-            })
+            fam["sdcwatch_incident_info"].add_metric(
+                [],
+                {
+                    "run": inc.run,
+                    "id": inc.id,
+                    "kind": inc.kind,
+                    "severity": inc.severity.value,
+                    "state": "open" if inc.open else "resolved",
+                    "rank": incident_rank_label(inc.ranks),
+                    "host": _hosts_label(inc.hosts),
+                    "layer": "" if inc.layer is None else str(inc.layer),
+                    "metric": inc.metric,
+                    "detector": inc.detector,
+                },
+            )
             ident = [inc.run, inc.id]
             fam["sdcwatch_incident_first_step"].add_metric(ident, inc.first_step)
             fam["sdcwatch_incident_last_step"].add_metric(ident, inc.last_step)
             fam["sdcwatch_incident_score"].add_metric(ident, float(inc.score))
-

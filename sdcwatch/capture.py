@@ -95,8 +95,9 @@ class KafkaTopicReader:
     ``connect_timeout`` seconds.
     """
 
-    def __init__(self, bootstrap: str, topic: str, *, from_beginning: bool, connect_timeout: float = 10.0,
-                 **security: Any) -> None:
+    def __init__(
+        self, bootstrap: str, topic: str, *, from_beginning: bool, connect_timeout: float = 10.0, **security: Any
+    ) -> None:
         from kafka import TopicPartition
         from kafka.errors import KafkaError
 
@@ -109,12 +110,20 @@ class KafkaTopicReader:
         self._parts: list[Any] = []
         self._existed: bool | None = None  # whether the topic existed at the first look
         try:
-            self._consumer = new_consumer(bootstrap, security=security, group_id=None, enable_auto_commit=False,
-                                          fetch_max_wait_ms=200, bootstrap_timeout_ms=int(connect_timeout * 1000))
+            self._consumer = new_consumer(
+                bootstrap,
+                security=security,
+                group_id=None,
+                enable_auto_commit=False,
+                fetch_max_wait_ms=200,
+                bootstrap_timeout_ms=int(connect_timeout * 1000),
+            )
         except (KafkaError, OSError, ValueError) as exc:
-            raise TransportError(f"cannot reach Kafka at {bootstrap} within {connect_timeout:g} s "
-                                 f"({exc}); check --bus-bootstrap / SDCWATCH_BOOTSTRAP "
-                                 f"and that the broker is running") from None
+            raise TransportError(
+                f"cannot reach Kafka at {bootstrap} within {connect_timeout:g} s "
+                f"({exc}); check --bus-bootstrap / SDCWATCH_BOOTSTRAP "
+                f"and that the broker is running"
+            ) from None
 
     def assign(self) -> bool:
         """Take every partition of the topic once it exists; False while it does not."""
@@ -153,9 +162,16 @@ class KafkaTopicReader:
         self._consumer.close()
 
 
-def capture(reader: Any, cap: Capture, *, idle_timeout: float, stop: threading.Event,
-            progress: Callable[[str], None] = lambda s: None, progress_every: float = 2.0,
-            clock: Callable[[], float] = time.monotonic) -> str:
+def capture(
+    reader: Any,
+    cap: Capture,
+    *,
+    idle_timeout: float,
+    stop: threading.Event,
+    progress: Callable[[str], None] = lambda s: None,
+    progress_every: float = 2.0,
+    clock: Callable[[], float] = time.monotonic,
+) -> str:
     """Read until the run ends, ``idle_timeout`` passes at the end of the topic without a record
     of the run (0: never), or ``stop`` is set. Returns why it stopped."""
     last_record = last_progress = clock()
@@ -183,24 +199,48 @@ def capture_main(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="sdcwatch capture",
         description="Write one run's telemetry from the bus as JSON lines, for 'sdcwatch replay' and "
-                    "'sdcwatch report'. The broker and topic come from flags, the environment "
-                    "(SDCWATCH_BOOTSTRAP, SDCWATCH_BUS_*) or the serve configuration file, as for "
-                    "'sdcwatch serve'. Stops when every rank sent its end-of-run marker, after "
-                    "--idle-timeout, or on Ctrl-C.")
+        "'sdcwatch report'. The broker and topic come from flags, the environment "
+        "(SDCWATCH_BOOTSTRAP, SDCWATCH_BUS_*) or the serve configuration file, as for "
+        "'sdcwatch serve'. Stops when every rank sent its end-of-run marker, after "
+        "--idle-timeout, or on Ctrl-C.",
+    )
     parser.add_argument("--run", required=True, help="the run to capture (the emitters' SDCWATCH_RUN)")
     parser.add_argument("-o", "--output", required=True, metavar="FILE", help="JSON-lines file to write")
-    parser.add_argument("--from-beginning", action="store_true",
-                        help="read the topic from its first record (default: only records sent from now on)")
-    parser.add_argument("--idle-timeout", type=float, default=60.0, metavar="SECONDS",
-                        help="stop after this long without a record of the run, once the topic is read to "
-                             "its end; 0 waits for the end marker or Ctrl-C (default %(default)s)")
-    parser.add_argument("--connect-timeout", type=float, default=10.0, metavar="SECONDS",
-                        help="how long to wait for the broker to answer (default %(default)s)")
+    parser.add_argument(
+        "--from-beginning",
+        action="store_true",
+        help="read the topic from its first record (default: only records sent from now on)",
+    )
+    parser.add_argument(
+        "--idle-timeout",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="stop after this long without a record of the run, once the topic is read to "
+        "its end; 0 waits for the end marker or Ctrl-C (default %(default)s)",
+    )
+    parser.add_argument(
+        "--connect-timeout",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="how long to wait for the broker to answer (default %(default)s)",
+    )
     parser.add_argument("--force", action="store_true", help="overwrite FILE if it exists")
-    parser.add_argument("--bus-bootstrap", "--bootstrap", dest="bootstrap", metavar="HOST:PORT",
-                        help="Kafka bootstrap servers [SDCWATCH_BOOTSTRAP; default: the serve configuration's]")
-    parser.add_argument("--bus-telemetry-topic", "--topic", dest="topic", metavar="TOPIC",
-                        help="telemetry topic [SDCWATCH_BUS_TELEMETRY_TOPIC; default sdcwatch.telemetry]")
+    parser.add_argument(
+        "--bus-bootstrap",
+        "--bootstrap",
+        dest="bootstrap",
+        metavar="HOST:PORT",
+        help="Kafka bootstrap servers [SDCWATCH_BOOTSTRAP; default: the serve configuration's]",
+    )
+    parser.add_argument(
+        "--bus-telemetry-topic",
+        "--topic",
+        dest="topic",
+        metavar="TOPIC",
+        help="telemetry topic [SDCWATCH_BUS_TELEMETRY_TOPIC; default sdcwatch.telemetry]",
+    )
     parser.add_argument("--config", metavar="PATH", help="serve configuration file (TOML) for the bus settings")
     args = parser.parse_args(argv)
     if args.idle_timeout < 0:
@@ -224,8 +264,13 @@ def capture_main(argv: Sequence[str]) -> int:
     def say(text: str) -> None:
         print(f"sdcwatch capture: {text}", file=sys.stderr, flush=True)
 
-    reader = KafkaTopicReader(bus.bootstrap, bus.telemetry_topic, from_beginning=args.from_beginning,
-                              connect_timeout=args.connect_timeout, **bus.security)
+    reader = KafkaTopicReader(
+        bus.bootstrap,
+        bus.telemetry_topic,
+        from_beginning=args.from_beginning,
+        connect_timeout=args.connect_timeout,
+        **bus.security,
+    )
     try:
         out_path.parent.mkdir(parents=True, exist_ok=True)
         try:
@@ -237,14 +282,18 @@ def capture_main(argv: Sequence[str]) -> int:
             start = "the beginning" if args.from_beginning else "now on"
             if not reader.assign():
                 say(f"topic {bus.telemetry_topic} does not exist on {bus.bootstrap} yet: waiting for it")
-            say(f"reading {bus.telemetry_topic} on {bus.bootstrap} from {start} for run {args.run!r} "
-                f"into {out_path} (Ctrl-C to stop)")
+            say(
+                f"reading {bus.telemetry_topic} on {bus.bootstrap} from {start} for run {args.run!r} "
+                f"into {out_path} (Ctrl-C to stop)"
+            )
             why = capture(reader, cap, idle_timeout=args.idle_timeout, stop=stop, progress=say)
     finally:
         reader.close()
     skipped = f"; {cap.skipped} undecodable messages skipped" if cap.skipped else ""
     say(f"wrote {cap.describe()} to {out_path}; stopped: {why}{skipped}")
     if cap.records == 0:
-        say(f"no record of run {args.run!r} was seen" + ("" if args.from_beginning else
-            " (records sent before the capture started need --from-beginning)"))
+        say(
+            f"no record of run {args.run!r} was seen"
+            + ("" if args.from_beginning else " (records sent before the capture started need --from-beginning)")
+        )
     return 0

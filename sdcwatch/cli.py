@@ -22,10 +22,22 @@ log = logging.getLogger("sdcwatch")
 
 # subcommand -> (module, function taking argv, one-line help)
 COMMANDS: dict[str, tuple[str, str, str]] = {
-    "demo": ("sdcwatch.demo", "demo_main", "train a small model on 8 simulated ranks, inject an SDC, watch it get caught"),
+    "demo": (
+        "sdcwatch.demo",
+        "demo_main",
+        "train a small model on 8 simulated ranks, inject an SDC, watch it get caught",
+    ),
     "serve": ("sdcwatch.serve", "serve_main", "run the detector service against a Kafka cluster (production)"),
-    "capture": ("sdcwatch.capture", "capture_main", "write one run's telemetry from the bus as JSON lines (for replay and report)"),
-    "replay": ("sdcwatch.detectors.offline", "replay_main", "run the detectors over a captured run (JSON lines) or a CSV training log"),
+    "capture": (
+        "sdcwatch.capture",
+        "capture_main",
+        "write one run's telemetry from the bus as JSON lines (for replay and report)",
+    ),
+    "replay": (
+        "sdcwatch.detectors.offline",
+        "replay_main",
+        "run the detectors over a captured run (JSON lines) or a CSV training log",
+    ),
     "report": ("sdcwatch.report", "report_main", "write an HTML report (plots and incidents) of a captured run"),
     "broker": ("sdcwatch.cli", "broker_main", "run the embedded Kafka-protocol broker (Tansu) on loopback"),
     "bench": ("sdcwatch.bench", "bench_main", "run the benchmarks (fault-injection campaign, overhead, throughput)"),
@@ -71,11 +83,17 @@ def broker_main(argv: Sequence[str]) -> int:
     """``sdcwatch broker``: run Tansu on loopback until Ctrl-C or SIGTERM."""
     from sdcwatch.broker import EmbeddedBroker
 
-    parser = argparse.ArgumentParser(prog="sdcwatch broker", description=(
-        "Run the embedded Kafka-protocol broker (Tansu, in-memory storage) for local use. "
-        "Data is lost when it stops; use a real Kafka cluster in production."))
+    parser = argparse.ArgumentParser(
+        prog="sdcwatch broker",
+        description=(
+            "Run the embedded Kafka-protocol broker (Tansu, in-memory storage) for local use. "
+            "Data is lost when it stops; use a real Kafka cluster in production."
+        ),
+    )
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
-    parser.add_argument("--port", type=int, default=9092, help="port to listen on; 0 picks a free one (default %(default)s)")
+    parser.add_argument(
+        "--port", type=int, default=9092, help="port to listen on; 0 picks a free one (default %(default)s)"
+    )
     args = parser.parse_args(argv)
     broker = EmbeddedBroker(args.host, args.port)
     stopping = []

@@ -40,8 +40,9 @@ def _fault(kind: str, step: int, rank: int | None, **kw: Any) -> dict[str, Any]:
 PRESETS: dict[str, tuple[str, Callable[[int, int, int], list[dict[str, Any]]]]] = {
     "bitflip": (
         "one exponent bit flipped in one element of an attention projection output (transient SDC)",
-        lambda r, s, seed: [_fault("bitflip", s, r, duration=1, target="blocks.1.attn.qkv", where="output",
-                                   bit=30, seed=seed)],
+        lambda r, s, seed: [
+            _fault("bitflip", s, r, duration=1, target="blocks.1.attn.qkv", where="output", bit=30, seed=seed)
+        ],
     ),
     "nan": (
         "a NaN written into one element of an attention GEMM output (ATTNChecker's fault model)",
@@ -49,13 +50,17 @@ PRESETS: dict[str, tuple[str, Callable[[int, int, int], list[dict[str, Any]]]]] 
     ),
     "near_inf": (
         "a near-INF value (1e10) in one element of an attention GEMM output",
-        lambda r, s, seed: [_fault("near_inf", s, r, duration=1, target="blocks.1.attn.scores", where="output",
-                                   magnitude=1e10, seed=seed)],
+        lambda r, s, seed: [
+            _fault(
+                "near_inf", s, r, duration=1, target="blocks.1.attn.scores", where="output", magnitude=1e10, seed=seed
+            )
+        ],
     ),
     "unhealthy-node": (
         "persistent small noise (1% relative) on every matmul output of one rank: an unhealthy node",
-        lambda r, s, seed: [_fault("noise", s, r, duration=0, target="blocks.*", where="output",
-                                   magnitude=1e-2, seed=seed)],
+        lambda r, s, seed: [
+            _fault("noise", s, r, duration=0, target="blocks.*", where="output", magnitude=1e-2, seed=seed)
+        ],
     ),
     "bad-batch": (
         "a batch of garbage tokens on every rank for one step: a benign, data-caused loss spike",
@@ -222,7 +227,9 @@ def _pick_metrics_port(requested: int) -> int:
             return free_port()
 
 
-def summarize(incidents: list[Any], fault_step: int | None, fault_rank: int | None) -> tuple[bool, int | None, int | None, int]:
+def summarize(
+    incidents: list[Any], fault_step: int | None, fault_rank: int | None
+) -> tuple[bool, int | None, int | None, int]:
     """(detected, first detection step, localized rank, false alarms) from the incidents.
 
     An incident counts as a detection when it starts at or after the fault's first step; one that
@@ -297,23 +304,28 @@ def run_demo(
         if not quiet:
             print(msg, file=progress, flush=True)
 
-    say(f"sdcwatch demo: {ranks} simulated ranks, {steps} steps, fault: {fault} ({description})"
-        + ("; guard on (skip, rerun, roll back, evict)" if guard else ""))
+    say(
+        f"sdcwatch demo: {ranks} simulated ranks, {steps} steps, fault: {fault} ({description})"
+        + ("; guard on (skip, rerun, roll back, evict)" if guard else "")
+    )
     if faults:
         where = f"rank {injected_rank}" if injected_rank is not None else "all ranks"
         say(f"  injecting at step {injected_step} on {where}")
     log.info("demo output in %s", out)
     with EmbeddedBroker(port=0) as broker:
         say(f"  broker: embedded Tansu on {broker.bootstrap}")
-        cfg = ServeConfig(bus=BusConfig(bootstrap=broker.bootstrap, group=f"sdcwatch-demo-{os.getpid()}"),
-                          metrics=MetricsConfig(address="127.0.0.1", port=_pick_metrics_port(metrics_port)),
-                          alerts=AlertsConfig(log=False),  # the demo prints each change itself
-                          state=StateConfig(dir=out / "state", snapshot_interval_s=5.0),
-                          # with --guard, the loop: incidents -> decisions on sdcwatch.control -> the job's guard
-                          guard=GuardPolicyConfig(actions=guard))
+        cfg = ServeConfig(
+            bus=BusConfig(bootstrap=broker.bootstrap, group=f"sdcwatch-demo-{os.getpid()}"),
+            metrics=MetricsConfig(address="127.0.0.1", port=_pick_metrics_port(metrics_port)),
+            alerts=AlertsConfig(log=False),  # the demo prints each change itself
+            state=StateConfig(dir=out / "state", snapshot_interval_s=5.0),
+            # with --guard, the loop: incidents -> decisions on sdcwatch.control -> the job's guard
+            guard=GuardPolicyConfig(actions=guard),
+        )
         events = _EventLog(progress, quiet)
-        service, metrics = build_service(cfg, extra_sinks=[events],
-                                         wrap_source=lambda source: _CapturingSource(source, records_path))
+        service, metrics = build_service(
+            cfg, extra_sinks=[events], wrap_source=lambda source: _CapturingSource(source, records_path)
+        )
         source, pipeline = service.source, service.pipeline
         pipeline.book.history = []  # keep every incident, in its latest state, for the summary
         metrics.start()
@@ -324,13 +336,17 @@ def run_demo(
             control = KafkaControl(broker.bootstrap, run_id)
         say(f"  metrics: {metrics.url}  (point Prometheus here; Grafana dashboard in dashboards/)")
         stop = threading.Event()
-        service_thread = threading.Thread(target=service.run_forever, args=(stop,), name="sdcwatch-service", daemon=True)
+        service_thread = threading.Thread(
+            target=service.run_forever, args=(stop,), name="sdcwatch-service", daemon=True
+        )
         service_thread.start()
 
         emitters: list[Any] = []
 
         def factory(rank: int, host: str = "") -> Any:
-            em = Emitter(KafkaTransport(broker.bootstrap), run=run_id, rank=rank, world=ranks, host=host or f"node{rank // 4}")
+            em = Emitter(
+                KafkaTransport(broker.bootstrap), run=run_id, rank=rank, world=ranks, host=host or f"node{rank // 4}"
+            )
             emitters.append(em)
             return em
 
@@ -342,7 +358,7 @@ def run_demo(
             if injected_step is not None and step == injected_step:
                 fault_wall.append(time.time())
             if run.guard is not None:
-                for act in run.guard.actions[told[0]:]:
+                for act in run.guard.actions[told[0] :]:
                     if act.action != "none":
                         say(f"  GUARD  [{act.action}] {act.message}")
                 told[0] = len(run.guard.actions)
@@ -357,8 +373,9 @@ def run_demo(
         guard_config = GuardConfig(mode="act") if guard else None
         if guard and not quiet:  # the demo prints each action itself
             logging.getLogger("sdcwatch.guard").setLevel(logging.ERROR)
-        run = SimulatedRun(world=ranks, seed=seed, faults=faults, emitter_factory=factory, guard=guard_config,
-                           control=control)
+        run = SimulatedRun(
+            world=ranks, seed=seed, faults=faults, emitter_factory=factory, guard=guard_config, control=control
+        )
         try:
             while run.step < steps:
                 try:
@@ -369,8 +386,10 @@ def run_demo(
                     pos = run.guard.restore(ev.since_step, ev.ranks)
                     if pos is not None:
                         run.data_pos = pos
-                    say(f"  (restarted with healthy hardware for rank(s) {', '.join(map(str, ev.ranks))}, from the "
-                        f"snapshot before step {ev.since_step}; data position {run.data_pos})")
+                    say(
+                        f"  (restarted with healthy hardware for rank(s) {', '.join(map(str, ev.ranks))}, from the "
+                        f"snapshot before step {ev.since_step}; data position {run.data_pos})"
+                    )
                     told[0] = len(run.guard.actions)
             final_loss = run.history[-1] if run.history else None
         finally:
@@ -403,7 +422,9 @@ def run_demo(
     detected, first_step, localized, false_alarms = summarize(incidents, injected_step, injected_rank)
     latency = None
     if detected and fault_wall:
-        first_inc = min((i for i in incidents if i.first_step >= injected_step), key=lambda i: (i.first_step, i.opened_at))
+        first_inc = min(
+            (i for i in incidents if i.first_step >= injected_step), key=lambda i: (i.first_step, i.opened_at)
+        )
         opened = events.opened_wall.get(first_inc.id)
         if opened is not None:
             latency = round(max(0.0, opened - fault_wall[0]), 3)
@@ -427,15 +448,22 @@ def run_demo(
         false_alarms=false_alarms,
         guard=guard,
         guard_actions=[a.to_dict() for a in run.guard.actions if a.action != "none"] if run.guard is not None else [],
-        final_loss=final_loss if final_loss is None or math.isfinite(final_loss) else (
-            "NaN" if math.isnan(final_loss) else "Infinity"),
+        final_loss=final_loss
+        if final_loss is None or math.isfinite(final_loss)
+        else ("NaN" if math.isnan(final_loss) else "Infinity"),
     )
     try:
         from sdcwatch.report import write_report
 
-        result.report = str(write_report(records_path, [i.to_dict() for i in incidents], report_path,
-                                         title=f"sdcwatch demo: {fault} ({description})",
-                                         injected=fault_dicts or "nothing (clean run)"))
+        result.report = str(
+            write_report(
+                records_path,
+                [i.to_dict() for i in incidents],
+                report_path,
+                title=f"sdcwatch demo: {fault} ({description})",
+                injected=fault_dicts or "nothing (clean run)",
+            )
+        )
     except SdcwatchError as exc:
         log.warning("could not write the report: %s", exc)
     return result
@@ -452,26 +480,38 @@ def format_summary(r: DemoResult) -> str:
         lines.append("injected:   nothing (clean run)")
     if r.injected:
         if r.detected:
-            lines.append(f"detected:   yes, at step {r.first_detection_step} ({r.detection_delay_steps} steps after the fault"
-                         + (f", {r.latency_seconds:.2f} s after it was emitted)" if r.latency_seconds is not None else ")"))
+            lines.append(
+                f"detected:   yes, at step {r.first_detection_step} ({r.detection_delay_steps} steps after the fault"
+                + (f", {r.latency_seconds:.2f} s after it was emitted)" if r.latency_seconds is not None else ")")
+            )
             if r.localized_rank is not None:
                 verdict = "correct" if r.localized_rank == r.fault_rank else f"but the fault was on rank {r.fault_rank}"
                 lines.append(f"localised:  rank {r.localized_rank} ({verdict})")
             else:
-                lines.append("localised:  no single rank blamed"
-                             + (" (correct: the cause is run-wide)" if r.fault_rank is None else ""))
+                lines.append(
+                    "localised:  no single rank blamed"
+                    + (" (correct: the cause is run-wide)" if r.fault_rank is None else "")
+                )
         else:
             lines.append("detected:   NO")
-    lines.append(f"incidents:  {len(r.incidents)}" + (f" ({r.false_alarms} before the fault: false alarms)" if r.false_alarms else ""))
+    lines.append(
+        f"incidents:  {len(r.incidents)}"
+        + (f" ({r.false_alarms} before the fault: false alarms)" if r.false_alarms else "")
+    )
     for inc in r.incidents:
         ranks = f" ranks {inc['ranks']}" if inc["ranks"] else ""
-        lines.append(f"  - [{inc['severity']}] {inc['kind']} steps {inc['first_step']}-{inc['last_step']}{ranks}: {inc['message']}")
+        lines.append(
+            f"  - [{inc['severity']}] {inc['kind']} steps {inc['first_step']}-{inc['last_step']}{ranks}: {inc['message']}"
+        )
     if r.guard:
         lines.append(f"guard:      {len(r.guard_actions)} action(s)" + ("" if r.guard_actions else " (nothing to do)"))
         for a in r.guard_actions:
             ranks = f" ranks {a['ranks']}" if a["ranks"] else ""
-            lines.append(f"  - step {a['step']}: {a['action']}{ranks} ({a['reason']}"
-                         + (f", rerun verdict {a['verdict']}" if a.get("verdict") else "") + ")")
+            lines.append(
+                f"  - step {a['step']}: {a['action']}{ranks} ({a['reason']}"
+                + (f", rerun verdict {a['verdict']}" if a.get("verdict") else "")
+                + ")"
+            )
     lines.append(f"final loss: {r.final_loss}")
     if r.report:
         lines.append(f"report:     {r.report}")
@@ -484,21 +524,30 @@ def demo_main(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="sdcwatch demo",
         description="Train a small GPT on simulated data-parallel ranks that stream telemetry through an embedded "
-                    "Kafka broker to the detector service, inject a fault on one rank, and watch sdcwatch catch it.",
+        "Kafka broker to the detector service, inject a fault on one rank, and watch sdcwatch catch it.",
     )
-    parser.add_argument("--fault", default="bitflip", metavar="PRESET|FILE",
-                        help="a preset (" + ", ".join(PRESETS) + ") or a fault file in the injector's JSON format "
-                             "(default %(default)s)")
+    parser.add_argument(
+        "--fault",
+        default="bitflip",
+        metavar="PRESET|FILE",
+        help="a preset (" + ", ".join(PRESETS) + ") or a fault file in the injector's JSON format "
+        "(default %(default)s)",
+    )
     parser.add_argument("--ranks", type=int, default=8, help="simulated data-parallel ranks (default %(default)s)")
     parser.add_argument("--steps", type=int, default=160, help="training steps (default %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="seed for the model, data and fault (default %(default)s)")
     parser.add_argument("--fault-rank", type=int, default=None, help="rank the preset hits (default: ranks/2 - 1)")
-    parser.add_argument("--fault-step", type=int, default=None, help="step the preset starts at (default: 55%% of the run)")
+    parser.add_argument(
+        "--fault-step", type=int, default=None, help="step the preset starts at (default: 55%% of the run)"
+    )
     parser.add_argument("--report", default=None, metavar="PATH", help="where to write the HTML report")
     parser.add_argument("--out-dir", default=None, metavar="DIR", help="folder for records, incidents and state")
     parser.add_argument("--metrics-port", type=int, default=0, help="port for /metrics (default 9400, or a free one)")
-    parser.add_argument("--guard", action="store_true",
-                        help="guard the training: skip, rerun, roll back or evict on a detection, and show it")
+    parser.add_argument(
+        "--guard",
+        action="store_true",
+        help="guard the training: skip, rerun, roll back or evict on a detection, and show it",
+    )
     parser.add_argument("--json", action="store_true", help="print the summary as one JSON object on stdout")
     parser.add_argument("--list-presets", action="store_true", help="list the fault presets and exit")
     args = parser.parse_args(argv)
@@ -506,9 +555,19 @@ def demo_main(argv: Sequence[str]) -> int:
         for name, (desc, _) in PRESETS.items():
             print(f"{name:15s} {desc}")
         return 0
-    result = run_demo(fault=args.fault, ranks=args.ranks, steps=args.steps, seed=args.seed, fault_rank=args.fault_rank,
-                      fault_step=args.fault_step, report=args.report, out_dir=args.out_dir,
-                      metrics_port=args.metrics_port, quiet=False, guard=args.guard)
+    result = run_demo(
+        fault=args.fault,
+        ranks=args.ranks,
+        steps=args.steps,
+        seed=args.seed,
+        fault_rank=args.fault_rank,
+        fault_step=args.fault_step,
+        report=args.report,
+        out_dir=args.out_dir,
+        metrics_port=args.metrics_port,
+        quiet=False,
+        guard=args.guard,
+    )
     if args.json:
         print(json.dumps(result.to_dict(), allow_nan=False))
     else:

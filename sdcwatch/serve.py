@@ -26,9 +26,14 @@ __all__ = ["build_service", "serve_main", "reset_state"]
 log = logging.getLogger("sdcwatch.serve")
 
 
-def build_service(cfg: ServeConfig, *, sinks: Sequence[Any] | None = None, extra_sinks: Sequence[Any] = (),
-                  wrap_source: Callable[[Any], Any] | None = None,
-                  poll_timeout: float = 0.2) -> tuple[Any, Any | None]:
+def build_service(
+    cfg: ServeConfig,
+    *,
+    sinks: Sequence[Any] | None = None,
+    extra_sinks: Sequence[Any] = (),
+    wrap_source: Callable[[Any], Any] | None = None,
+    poll_timeout: float = 0.2,
+) -> tuple[Any, Any | None]:
     """The service and its metrics server (None when ``metrics.port`` is 0, not started), from a config.
 
     ``sdcwatch serve``, the demo and the end-to-end benchmark all build the service here. ``sinks``
@@ -45,19 +50,35 @@ def build_service(cfg: ServeConfig, *, sinks: Sequence[Any] | None = None, extra
 
     security = dict(cfg.bus.security)
     stage = cfg.detectors.stage
-    settings = PipelineSettings(step_timeout=cfg.detectors.align_timeout_s,
-                                quiet_steps=cfg.detectors.resolve_after_steps, max_runs=cfg.detectors.max_runs,
-                                end_expiry=cfg.detectors.run_end_expiry_s, idle_expiry=cfg.detectors.run_idle_expiry_s)
+    settings = PipelineSettings(
+        step_timeout=cfg.detectors.align_timeout_s,
+        quiet_steps=cfg.detectors.resolve_after_steps,
+        max_runs=cfg.detectors.max_runs,
+        end_expiry=cfg.detectors.run_end_expiry_s,
+        idle_expiry=cfg.detectors.run_idle_expiry_s,
+    )
     configs = cfg.detectors.detector_configs()
     limits = cfg.limits.record_limits()
     pipeline = DetectionPipeline(settings, role=stage, detectors=lambda: default_detectors(configs), limits=limits)
     resumed = pipeline.load(Path(cfg.state.dir) / STATE_FILE)  # a damaged state fails here, before the bus
     if stage == "temporal":
-        source = KafkaSource(cfg.bus.bootstrap, cfg.bus.summaries_topic, group=f"{cfg.bus.group}.temporal",
-                             deadletter_topic=cfg.bus.deadletter_topic, decode=decode_summary_message, **security)
+        source = KafkaSource(
+            cfg.bus.bootstrap,
+            cfg.bus.summaries_topic,
+            group=f"{cfg.bus.group}.temporal",
+            deadletter_topic=cfg.bus.deadletter_topic,
+            decode=decode_summary_message,
+            **security,
+        )
     else:
-        source = KafkaSource(cfg.bus.bootstrap, cfg.bus.telemetry_topic, group=cfg.bus.group,
-                             deadletter_topic=cfg.bus.deadletter_topic, limits=limits, **security)
+        source = KafkaSource(
+            cfg.bus.bootstrap,
+            cfg.bus.telemetry_topic,
+            group=cfg.bus.group,
+            deadletter_topic=cfg.bus.deadletter_topic,
+            limits=limits,
+            **security,
+        )
     if wrap_source is not None:
         source = wrap_source(source)
     summary_sink = None
@@ -77,16 +98,30 @@ def build_service(cfg: ServeConfig, *, sinks: Sequence[Any] | None = None, extra
         if cfg.guard.actions:  # the loop back to the training jobs' guards
             from sdcwatch.detectors.control import ControlTopicSink
 
-            chosen.append(ControlTopicSink.to_kafka(cfg.bus.bootstrap, cfg.bus.control_topic,
-                                                    policy=cfg.guard.policy(), **security))
-    service = DetectorService(source, pipeline, sinks=[*chosen, *extra_sinks], summary_sink=summary_sink,
-                              state_dir=cfg.state.dir, snapshot_every=cfg.state.snapshot_interval_s,
-                              poll_timeout=poll_timeout, resumed=resumed)
+            chosen.append(
+                ControlTopicSink.to_kafka(
+                    cfg.bus.bootstrap, cfg.bus.control_topic, policy=cfg.guard.policy(), **security
+                )
+            )
+    service = DetectorService(
+        source,
+        pipeline,
+        sinks=[*chosen, *extra_sinks],
+        summary_sink=summary_sink,
+        state_dir=cfg.state.dir,
+        snapshot_every=cfg.state.snapshot_interval_s,
+        poll_timeout=poll_timeout,
+        resumed=resumed,
+    )
     metrics = None
     if cfg.metrics.port:
-        metrics = MetricsServer(functools.partial(service.view, max_runs=cfg.metrics.max_runs),
-                                address=cfg.metrics.address, port=cfg.metrics.port,
-                                top_k=cfg.metrics.top_k, max_layers=cfg.metrics.max_layers)
+        metrics = MetricsServer(
+            functools.partial(service.view, max_runs=cfg.metrics.max_runs),
+            address=cfg.metrics.address,
+            port=cfg.metrics.port,
+            top_k=cfg.metrics.top_k,
+            max_layers=cfg.metrics.max_layers,
+        )
     return service, metrics
 
 
@@ -108,15 +143,18 @@ def serve_main(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="sdcwatch serve",
         description="Run the sdcwatch detector service: Kafka in, incidents out to the anomalies topic, "
-                    "Alertmanager, a webhook and the log; /metrics for Prometheus. Settings come from "
-                    "flags, the environment (SDCWATCH_<SECTION>_<KEY>) and a TOML file, in that order of "
-                    "precedence.",
+        "Alertmanager, a webhook and the log; /metrics for Prometheus. Settings come from "
+        "flags, the environment (SDCWATCH_<SECTION>_<KEY>) and a TOML file, in that order of "
+        "precedence.",
     )
     add_serve_arguments(parser)
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
-    parser.add_argument("--state-reset", action="store_true",
-                        help="move the state file aside (kept as pipeline-state.json.bad-<time>) and start without "
-                             "it: the way out of a damaged state file; detectors warm up again")
+    parser.add_argument(
+        "--state-reset",
+        action="store_true",
+        help="move the state file aside (kept as pipeline-state.json.bad-<time>) and start without "
+        "it: the way out of a damaged state file; detectors warm up again",
+    )
     args = parser.parse_args(argv)
     logging.getLogger().setLevel(logging.INFO if args.verbose else logging.WARNING)
     logging.getLogger("sdcwatch.incidents").setLevel(logging.INFO)
@@ -139,20 +177,29 @@ def serve_main(argv: Sequence[str]) -> int:
         metrics.start()
     resumed = " (resumed from the saved state)" if getattr(service, "resumed", False) else ""
     stage = cfg.detectors.stage
-    topic, group = ((cfg.bus.summaries_topic, f"{cfg.bus.group}.temporal") if stage == "temporal"
-                    else (cfg.bus.telemetry_topic, cfg.bus.group))
+    topic, group = (
+        (cfg.bus.summaries_topic, f"{cfg.bus.group}.temporal")
+        if stage == "temporal"
+        else (cfg.bus.telemetry_topic, cfg.bus.group)
+    )
     out = f"; step summaries to {cfg.bus.summaries_topic}" if stage == "spatial" else ""
-    print(f"sdcwatch serve: consuming {topic} from {cfg.bus.bootstrap} as group {group}{out}{resumed}; "
-          f"stage {stage}; metrics {metrics.url if metrics else 'off'}; state in {cfg.state.dir}",
-          file=sys.stderr, flush=True)
+    print(
+        f"sdcwatch serve: consuming {topic} from {cfg.bus.bootstrap} as group {group}{out}{resumed}; "
+        f"stage {stage}; metrics {metrics.url if metrics else 'off'}; state in {cfg.state.dir}",
+        file=sys.stderr,
+        flush=True,
+    )
     try:
         service.run_forever(stop)  # closes (final snapshot) on the way out
     finally:
         if metrics is not None:
             metrics.close()
     pipe = service.pipeline
-    done = (f"{service.summary_sink.published} step summaries published" if service.summary_sink is not None
-            else f"{service.events_published} incident changes published")
+    done = (
+        f"{service.summary_sink.published} step summaries published"
+        if service.summary_sink is not None
+        else f"{service.events_published} incident changes published"
+    )
     taken = f"{pipe.summaries_total} step summaries" if stage == "temporal" else f"{pipe.records_total} records"
     print(f"sdcwatch serve: stopped after {taken}; {done}", file=sys.stderr, flush=True)
     return 0

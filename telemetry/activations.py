@@ -39,8 +39,9 @@ class ActivationMax:
         on it and recompile at every sampled step."""
         self.on = want
         if want and not self._handles:
-            self._handles = [m.register_forward_hook(functools.partial(self._hook, i))
-                             for i, m in enumerate(self.leaves)]
+            self._handles = [
+                m.register_forward_hook(functools.partial(self._hook, i)) for i, m in enumerate(self.leaves)
+            ]
         elif not want and self._handles:
             self.remove()
 

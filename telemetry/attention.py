@@ -23,9 +23,20 @@ from sdcwatch.telemetry.canary import canary_running
 if TYPE_CHECKING:
     from sdcwatch.telemetry.probes import Watch
 
-__all__ = ["observe_attention", "attention_stats", "attention_vector", "combine_attention", "finish_attention",
-           "sampled_heads", "sampled_queries", "mha_project", "mha_qk_logits", "ATTENTION_WATCHES", "LIVE_WATCHES",
-           "ATTENTION_STATS"]
+__all__ = [
+    "observe_attention",
+    "attention_stats",
+    "attention_vector",
+    "combine_attention",
+    "finish_attention",
+    "sampled_heads",
+    "sampled_queries",
+    "mha_project",
+    "mha_qk_logits",
+    "ATTENTION_WATCHES",
+    "LIVE_WATCHES",
+    "ATTENTION_STATS",
+]
 
 #: attention module -> [(watch, layer index)]; weak so a dropped model leaves no trace
 ATTENTION_WATCHES: "weakref.WeakKeyDictionary[nn.Module, list[tuple[Watch, int]]]" = weakref.WeakKeyDictionary()
@@ -33,8 +44,9 @@ ATTENTION_WATCHES: "weakref.WeakKeyDictionary[nn.Module, list[tuple[Watch, int]]
 LIVE_WATCHES: "weakref.WeakSet[Watch]" = weakref.WeakSet()
 
 
-def observe_attention(layer: nn.Module, q: torch.Tensor, k: torch.Tensor, *, logits: torch.Tensor | None = None,
-                      causal: bool = True) -> None:
+def observe_attention(
+    layer: nn.Module, q: torch.Tensor, k: torch.Tensor, *, logits: torch.Tensor | None = None, causal: bool = True
+) -> None:
     """Report one attention layer's q, k (batch, heads, time, d_head) to every watch attached to it.
 
     ``logits`` (batch, heads, time, time; pre-softmax, masked slots -inf) are used as they are when
@@ -43,8 +55,10 @@ def observe_attention(layer: nn.Module, q: torch.Tensor, k: torch.Tensor, *, log
     setting for it. Costs one dictionary look-up when no watch is attached.
     """
     if not isinstance(layer, nn.Module):
-        raise TypeError(f"observe_attention() takes the attention module, got {type(layer).__name__}; "
-                        "use watch.observe_attention(index, q, k) for a layer index")
+        raise TypeError(
+            f"observe_attention() takes the attention module, got {type(layer).__name__}; "
+            "use watch.observe_attention(index, q, k) for a layer index"
+        )
     if canary_running():
         return
     entries = ATTENTION_WATCHES.get(layer)
@@ -74,8 +88,16 @@ def sampled_queries(queries: int, t: int) -> slice:
     return slice(start, min(t, start + stride * queries), stride)
 
 
-def attention_stats(q: torch.Tensor, k: torch.Tensor, *, logits: torch.Tensor | None = None, heads: int = 4,
-                    queries: int = 16, sequences: int = 0, causal: bool = True) -> torch.Tensor:
+def attention_stats(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    *,
+    logits: torch.Tensor | None = None,
+    heads: int = 4,
+    queries: int = 16,
+    sequences: int = 0,
+    causal: bool = True,
+) -> torch.Tensor:
     """The :data:`ATTENTION_STATS` of one layer as a float32 (7,) tensor on the device.
 
     q and k norms cover every (sequence, head, position). The entropy (nats) covers the sampled
@@ -123,8 +145,7 @@ def attention_vector(sampled: torch.Tensor, qn: torch.Tensor, kn: torch.Tensor, 
     per_row = -(logp.exp() * logp.clamp_min(-1e4)).sum(-1)
     weight = (~empty.squeeze(-1)).float()
     entropy = (per_row * weight).sum(dim=(0, 2)) / weight.sum(dim=(0, 2)).clamp_min(1.0)  # per sampled head
-    return torch.stack([entropy.mean(), entropy.min(), qn.mean(), qn.amax(), kn.mean(), kn.amax(),
-                        top]).float()
+    return torch.stack([entropy.mean(), entropy.min(), qn.mean(), qn.amax(), kn.mean(), kn.amax(), top]).float()
 
 
 #: Which of :data:`ATTENTION_STATS` average over observations (the others are extremes).
@@ -157,12 +178,12 @@ def mha_project(m: nn.MultiheadAttention, query: torch.Tensor, key: torch.Tensor
         query, key = query[:1], key[:1]
         e = m.embed_dim
         if m.in_proj_weight is not None:
-            wq, wk = m.in_proj_weight[:e], m.in_proj_weight[e: 2 * e]
+            wq, wk = m.in_proj_weight[:e], m.in_proj_weight[e : 2 * e]
         else:
             wq, wk = m.q_proj_weight, m.k_proj_weight
         bq = bk = None
         if m.in_proj_bias is not None:
-            bq, bk = m.in_proj_bias[:e], m.in_proj_bias[e: 2 * e]
+            bq, bk = m.in_proj_bias[:e], m.in_proj_bias[e : 2 * e]
         q = nn.functional.linear(query, wq, bq)
         k = nn.functional.linear(key, wk, bk)
         h = m.num_heads
@@ -171,12 +192,21 @@ def mha_project(m: nn.MultiheadAttention, query: torch.Tensor, key: torch.Tensor
         return q, k
 
 
-_MHA_ARGS = ("query", "key", "value", "key_padding_mask", "need_weights", "attn_mask", "average_attn_weights",
-             "is_causal")
+_MHA_ARGS = (
+    "query",
+    "key",
+    "value",
+    "key_padding_mask",
+    "need_weights",
+    "attn_mask",
+    "average_attn_weights",
+    "is_causal",
+)
 
 
-def mha_qk_logits(module: nn.MultiheadAttention, args: tuple, kwargs: dict[str, Any]
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+def mha_qk_logits(
+    module: nn.MultiheadAttention, args: tuple, kwargs: dict[str, Any]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """q, k and (when masked) the logits of the first sequence, from an ``nn.MultiheadAttention``
     call's arguments (a forward pre-hook's ``args`` and ``kwargs``)."""
     bound = dict(zip(_MHA_ARGS, args)) | kwargs
@@ -191,6 +221,5 @@ def mha_qk_logits(module: nn.MultiheadAttention, args: tuple, kwargs: dict[str, 
                 logits = logits.masked_fill(m, float("-inf")) if m.dtype == torch.bool else logits + m
             else:
                 t = logits.shape[-1]
-                logits = logits.masked_fill(torch.ones(t, t, dtype=torch.bool, device=q.device).triu(1),
-                                            float("-inf"))
+                logits = logits.masked_fill(torch.ones(t, t, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
     return q, k, logits

@@ -32,8 +32,11 @@ class AttentionLayers:
         if spec == "none":
             chosen = []
         elif spec == "auto":
-            chosen = [(n, m) for n, m in named
-                      if getattr(m, "_sdcwatch_attention", False) or isinstance(m, nn.MultiheadAttention)]
+            chosen = [
+                (n, m)
+                for n, m in named
+                if getattr(m, "_sdcwatch_attention", False) or isinstance(m, nn.MultiheadAttention)
+            ]
         else:
             globs = [g.strip() for g in spec.split(",") if g.strip()]
             chosen = [(n, m) for n, m in named if any(fnmatch.fnmatchcase(n, g) for g in globs)]
@@ -60,8 +63,11 @@ class AttentionLayers:
 
     def reports_itself(self, module: nn.Module) -> bool:
         """Whether ``module`` reports its attention (observe_attention, or the MHA hook)."""
-        return (module in self._self_reporting or getattr(module, "_sdcwatch_attention", False)
-                or isinstance(module, nn.MultiheadAttention))
+        return (
+            module in self._self_reporting
+            or getattr(module, "_sdcwatch_attention", False)
+            or isinstance(module, nn.MultiheadAttention)
+        )
 
     @property
     def layer_names(self) -> list[str]:
@@ -79,8 +85,15 @@ class AttentionLayers:
         if self._tap is not None:
             self._tap.forward_end()
 
-    def observe_attention(self, layer: int | nn.Module, q: torch.Tensor, k: torch.Tensor, *,
-                          logits: torch.Tensor | None = None, causal: bool = True) -> None:
+    def observe_attention(
+        self,
+        layer: int | nn.Module,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        *,
+        logits: torch.Tensor | None = None,
+        causal: bool = True,
+    ) -> None:
         """Measure one attention layer (index, or a module; an unknown module becomes a new layer)."""
         if not self.attention_on:
             return
@@ -91,8 +104,9 @@ class AttentionLayers:
         if not 0 <= layer < len(self._layers):
             raise ConfigError("probes.layer", f"layer {layer} out of range [0, {len(self._layers)})")
         cfg = self.config
-        stats = attention_stats(q, k, logits=logits, heads=cfg.heads, queries=cfg.queries, sequences=cfg.sequences,
-                                causal=causal)
+        stats = attention_stats(
+            q, k, logits=logits, heads=cfg.heads, queries=cfg.queries, sequences=cfg.sequences, causal=causal
+        )
         self.record_attention(layer, stats)
 
     def record_attention(self, layer: int, stats: torch.Tensor) -> None:

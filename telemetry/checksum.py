@@ -89,7 +89,7 @@ def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
 def _input_roundoff(t: torch.Tensor) -> float:
     """Relative rounding of a GEMM's inputs before the products: TF32 on CUDA float32, else none."""
     if t.is_cuda and t.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32:
-        return 2.0 ** -11
+        return 2.0**-11
     return 0.0
 
 
@@ -105,8 +105,9 @@ def abs_max(t: torch.Tensor) -> torch.Tensor:
     return torch.maximum(t.amax(), -t.amin())
 
 
-def _forward_ratio(x: torch.Tensor, v: torch.Tensor, y: torch.Tensor, sw: torch.Tensor, bias: torch.Tensor | None,
-                   coef: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _forward_ratio(
+    x: torch.Tensor, v: torch.Tensor, y: torch.Tensor, sw: torch.Tensor, bias: torch.Tensor | None, coef: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(ratio, largest |input|, bound) given ``v = B 1`` (n,) and ``sw = Σ ||column of B||``."""
     acc = v.dtype
     ys = _sum(y, -1, acc)
@@ -121,7 +122,9 @@ def _forward_ratio(x: torch.Tensor, v: torch.Tensor, y: torch.Tensor, sw: torch.
     return (ys - ref).abs_().amax() / bound, xn, bound
 
 
-def check_linear(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def check_linear(
+    x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
     """Forward checksum of ``y = x weight^T + bias`` (``torch.nn.functional.linear``): a 0-d tensor.
 
     The largest residual of ``y``'s row sums against ``x (weight^T 1) + Σ bias``, over its rounding
@@ -160,8 +163,15 @@ def check_matmul(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, bias: torch.
         return _matmul_ratio(a, b, ys, ref, bias, coef, acc)[0]
 
 
-def _matmul_ratio(a: torch.Tensor, b: torch.Tensor, ys: torch.Tensor, ref: torch.Tensor, bias: torch.Tensor | None,
-                  coef: float, acc: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def _matmul_ratio(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    ys: torch.Tensor,
+    ref: torch.Tensor,
+    bias: torch.Tensor | None,
+    coef: float,
+    acc: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(ratio, bound) of a product's checksum; ``||a_i|| <= sqrt(n) max|a|`` and
     ``Σ_j ||b_:j|| <= m sqrt(n) max|b|`` (one fast reduction each)."""
     n, m = b.shape[-2], b.shape[-1]
@@ -172,8 +182,9 @@ def _matmul_ratio(a: torch.Tensor, b: torch.Tensor, ys: torch.Tensor, ref: torch
     return ((ys - ref).abs_().amax() / bound).float(), bound
 
 
-def _grad_reference(x: torch.Tensor, dy: torch.Tensor, x_max: torch.Tensor | None = None
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]:
+def _grad_reference(
+    x: torch.Tensor, dy: torch.Tensor, x_max: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """For ``dW = dY^T X``: (expected column sums (n,), an upper bound of max_k ||X_:k||, of
     Σ_j ||dY_:j||, Σ dY, N tokens); ``x_max`` is max|X| when already known."""
     acc = _accumulation_dtype(dy.dtype)

@@ -81,15 +81,28 @@ class Schema:
     hash of :attr:`text`, the canonical JSON the wire carries.
     """
 
-    __slots__ = ("scalars", "fingerprints", "layers", "text", "id", "struct", "row_size", "_dtype",
-                 "n_layer_values", "layer_offsets")
+    __slots__ = (
+        "scalars",
+        "fingerprints",
+        "layers",
+        "text",
+        "id",
+        "struct",
+        "row_size",
+        "_dtype",
+        "n_layer_values",
+        "layer_offsets",
+    )
 
     def __init__(self, scalars: Sequence[str], fingerprints: Sequence[str], layers: Sequence[tuple[str, int]]) -> None:
         self.scalars = tuple(scalars)
         self.fingerprints = tuple(fingerprints)
         self.layers = tuple((str(n), int(k)) for n, k in layers)
-        for group, names in (("scalars", self.scalars), ("fingerprints", self.fingerprints),
-                             ("layers", [n for n, _ in self.layers])):
+        for group, names in (
+            ("scalars", self.scalars),
+            ("fingerprints", self.fingerprints),
+            ("layers", [n for n, _ in self.layers]),
+        ):
             if len(names) > MAX_NAMES:
                 raise RecordError(group, f"more than {MAX_NAMES} entries")
             if len(set(names)) != len(names):
@@ -100,8 +113,14 @@ class Schema:
         for n, k in self.layers:
             if not 0 <= k <= MAX_LAYERS:
                 raise RecordError(f"layers.{n}", f"{k} layers out of range [0, {MAX_LAYERS}]")
-        self.text = json.dumps({"scalars": list(self.scalars), "fingerprints": list(self.fingerprints),
-                                "layers": [list(x) for x in self.layers]}, separators=(",", ":")).encode()
+        self.text = json.dumps(
+            {
+                "scalars": list(self.scalars),
+                "fingerprints": list(self.fingerprints),
+                "layers": [list(x) for x in self.layers],
+            },
+            separators=(",", ":"),
+        ).encode()
         self.id = int.from_bytes(hashlib.blake2b(self.text, digest_size=8).digest(), "little")
         self.n_layer_values = sum(k for _, k in self.layers)
         offsets, o = [], 0
@@ -129,8 +148,13 @@ class Schema:
         if not all(isinstance(x, list) for x in (scalars, fps, layers)):
             raise RecordError("schema", "scalars, fingerprints and layers must be arrays")
         for item in layers:
-            if (not isinstance(item, list) or len(item) != 2 or not isinstance(item[0], str)
-                    or isinstance(item[1], bool) or not isinstance(item[1], int)):
+            if (
+                not isinstance(item, list)
+                or len(item) != 2
+                or not isinstance(item[0], str)
+                or isinstance(item[1], bool)
+                or not isinstance(item[1], int)
+            ):
                 raise RecordError("schema.layers", f"each entry must be [name, number of layers], got {item!r}")
         sch = cls(scalars, fps, [tuple(x) for x in layers])
         if sch.text != bytes(text):
@@ -143,9 +167,17 @@ class Schema:
         if self._dtype is None:
             import numpy as np
 
-            fields = [("step", "<u8"), ("rank", "<u4"), ("world", "<u4"), ("local_rank", "<u4"), ("host", "<u4"),
-                      ("time", "<f8"), ("scalars", "<f8", (len(self.scalars),)),
-                      ("fingerprints", "<u8", (len(self.fingerprints),)), ("layers", "<f4", (self.n_layer_values,))]
+            fields = [
+                ("step", "<u8"),
+                ("rank", "<u4"),
+                ("world", "<u4"),
+                ("local_rank", "<u4"),
+                ("host", "<u4"),
+                ("time", "<f8"),
+                ("scalars", "<f8", (len(self.scalars),)),
+                ("fingerprints", "<u8", (len(self.fingerprints),)),
+                ("layers", "<f4", (self.n_layer_values,)),
+            ]
             self._dtype = np.dtype(fields)
             assert self._dtype.itemsize == self.row_size
         return self._dtype
@@ -157,15 +189,18 @@ class Schema:
         return self.id
 
     def __repr__(self) -> str:
-        return (f"Schema(id={self.id:#018x}, scalars={len(self.scalars)}, fingerprints={len(self.fingerprints)}, "
-                f"layers={self.layers})")
+        return (
+            f"Schema(id={self.id:#018x}, scalars={len(self.scalars)}, fingerprints={len(self.fingerprints)}, "
+            f"layers={self.layers})"
+        )
 
 
 _SCHEMAS: dict[tuple, Schema] = {}
 
 
-def schema_for(scalars: Sequence[str], fingerprints: Sequence[str] = (),
-               layers: Sequence[tuple[str, int]] = ()) -> Schema:
+def schema_for(
+    scalars: Sequence[str], fingerprints: Sequence[str] = (), layers: Sequence[tuple[str, int]] = ()
+) -> Schema:
     """The (cached) schema of a layout; raises RecordError on a bad name or size."""
     key = (tuple(scalars), tuple(fingerprints), tuple(layers))
     sch = _SCHEMAS.get(key)
@@ -189,9 +224,21 @@ class PackedRecord:
         self.run, self.host, self.step, self.schema, self.row = run, host, step, schema, row
 
     @classmethod
-    def pack(cls, run: str, host: str, step: int, rank: int, world: int, local_rank: int, time: float,
-             scalars: Mapping[str, float], fingerprints: Mapping[str, int] | None = None,
-             layers: Mapping[str, Sequence[float]] | None = None, *, schemas: dict | None = None) -> "PackedRecord":
+    def pack(
+        cls,
+        run: str,
+        host: str,
+        step: int,
+        rank: int,
+        world: int,
+        local_rank: int,
+        time: float,
+        scalars: Mapping[str, float],
+        fingerprints: Mapping[str, int] | None = None,
+        layers: Mapping[str, Sequence[float]] | None = None,
+        *,
+        schemas: dict | None = None,
+    ) -> "PackedRecord":
         """Pack one record; raises RecordError (bad name) or struct/type errors (bad value)."""
         fps = fingerprints or {}
         lay = layers or {}
@@ -202,8 +249,9 @@ class PackedRecord:
             sch = schema_for(*layout)
             if schemas is not None:
                 schemas[layout] = sch
-        row = sch.struct.pack(step, rank, world, local_rank, 0, time, *scalars.values(), *fps.values(),
-                              *chain.from_iterable(lay.values()))
+        row = sch.struct.pack(
+            step, rank, world, local_rank, 0, time, *scalars.values(), *fps.values(), *chain.from_iterable(lay.values())
+        )
         return cls(run, host, step, sch, row)
 
     def to_record(self) -> Any:
@@ -217,16 +265,17 @@ def row_to_record(schema: Schema, run: str, hosts: Sequence[str], values: Sequen
     step, rank, world, local_rank, host, time = values[:6]
     p = 6
     ns, nf = len(schema.scalars), len(schema.fingerprints)
-    scalars = dict(zip(schema.scalars, values[p: p + ns]))
+    scalars = dict(zip(schema.scalars, values[p : p + ns]))
     p += ns
-    fps = dict(zip(schema.fingerprints, values[p: p + nf]))
+    fps = dict(zip(schema.fingerprints, values[p : p + nf]))
     p += nf
     layers = {}
     for name, k in schema.layers:
-        layers[name] = tuple(values[p: p + k])
+        layers[name] = tuple(values[p : p + k])
         p += k
-    return Record(run, step, rank, world, hosts[host] if host < len(hosts) else "", time, local_rank, scalars, fps,
-                  layers)
+    return Record(
+        run, step, rank, world, hosts[host] if host < len(hosts) else "", time, local_rank, scalars, fps, layers
+    )
 
 
 def _str16(s: str) -> bytes:
@@ -236,8 +285,9 @@ def _str16(s: str) -> bytes:
     return _U16.pack(len(b)) + b
 
 
-def encode_rows(schema: Schema, run: str, hosts: Sequence[str], rows: bytes | Iterable[bytes], count: int, *,
-                with_schema: bool) -> bytes:
+def encode_rows(
+    schema: Schema, run: str, hosts: Sequence[str], rows: bytes | Iterable[bytes], count: int, *, with_schema: bool
+) -> bytes:
     """One v2 message: ``count`` rows already packed in ``schema``'s layout (bytes or an iterable of rows).
 
     ``hosts`` is the message's host table; each row's host index points into it. Producers that
@@ -263,12 +313,14 @@ def encode_rows(schema: Schema, run: str, hosts: Sequence[str], rows: bytes | It
 def encode_message(records: Sequence[PackedRecord], *, with_schema: bool) -> bytes:
     """One v2 message from packed records that share run, host and schema."""
     first = records[0]
-    return encode_rows(first.schema, first.run, (first.host,), [r.row for r in records], len(records),
-                       with_schema=with_schema)
+    return encode_rows(
+        first.schema, first.run, (first.host,), [r.row for r in records], len(records), with_schema=with_schema
+    )
 
 
-def encode_items(items: Sequence[Any], key_of: Any, max_per_message: int,
-                 schemas_sent: set | None = None) -> list[tuple[bytes, bytes, list]]:
+def encode_items(
+    items: Sequence[Any], key_of: Any, max_per_message: int, schemas_sent: set | None = None
+) -> list[tuple[bytes, bytes, list]]:
     """Bus messages for a transport: ``(key, value, items)``, v1 records and v2 packed records alike.
 
     Items sharing a key travel together (at most ``max_per_message`` each); v2 items also share
@@ -287,7 +339,7 @@ def encode_items(items: Sequence[Any], key_of: Any, max_per_message: int,
     out = []
     for (key, schema, _), its in groups.items():
         for i in range(0, len(its), max_per_message):
-            part = its[i: i + max_per_message]
+            part = its[i : i + max_per_message]
             if schema is None:
                 value = encode(part[0]) if len(part) == 1 else encode_batch(part)
             else:
@@ -309,8 +361,9 @@ class MessageHeader:
 
     __slots__ = ("schema_id", "count", "run", "hosts", "schema_text", "rows_at", "group")
 
-    def __init__(self, schema_id: int, count: int, run: str, hosts: tuple[str, ...], schema_text: bytes | None,
-                 rows_at: int) -> None:
+    def __init__(
+        self, schema_id: int, count: int, run: str, hosts: tuple[str, ...], schema_text: bytes | None, rows_at: int
+    ) -> None:
         self.schema_id, self.count, self.run, self.hosts = schema_id, count, run, hosts
         self.schema_text, self.rows_at = schema_text, rows_at
         self.group = (schema_id, run)  # messages of one group decode together
@@ -334,7 +387,7 @@ def parse_header(buf: bytes) -> MessageHeader:
     if head.schema_text is None:
         if len(_HEADERS) >= 4096:
             _HEADERS.clear()
-        _HEADERS[bytes(buf[:head.rows_at])] = head
+        _HEADERS[bytes(buf[: head.rows_at])] = head
     return head
 
 
@@ -364,7 +417,7 @@ def _parse_header(buf: bytes) -> MessageHeader:
         if k > 1024:
             raise RecordError(what, "longer than 1024 bytes")
         try:
-            s = buf[p: p + k].decode("utf-8")
+            s = buf[p : p + k].decode("utf-8")
         except UnicodeDecodeError:
             raise RecordError(what, "is not valid UTF-8") from None
         p += k
@@ -380,7 +433,7 @@ def _parse_header(buf: bytes) -> MessageHeader:
     p += 6
     if p + k > n:
         raise RecordError("hosts", f"truncated: needs {k} bytes, {n - p} left")
-    raw = bytes(buf[p: p + k])
+    raw = bytes(buf[p : p + k])
     hosts = _HOST_TABLES.get(raw)
     if hosts is None:
         try:
@@ -388,8 +441,9 @@ def _parse_header(buf: bytes) -> MessageHeader:
         except UnicodeDecodeError:
             raise RecordError("hosts", "is not valid UTF-8") from None
         if len(hosts) != n_hosts or any(len(h) > 1024 for h in hosts):
-            raise RecordError("hosts", f"the table holds {len(hosts)} names (at most 1024 bytes each), the header "
-                                       f"says {n_hosts}")
+            raise RecordError(
+                "hosts", f"the table holds {len(hosts)} names (at most 1024 bytes each), the header says {n_hosts}"
+            )
         if len(_HOST_TABLES) >= 4096:
             _HOST_TABLES.clear()
         _HOST_TABLES[raw] = hosts
@@ -402,7 +456,7 @@ def _parse_header(buf: bytes) -> MessageHeader:
         p += 4
         if k > MAX_SCHEMA_BYTES or p + k > n:
             raise RecordError("schema", f"length {k} beyond the message or the {MAX_SCHEMA_BYTES}-byte limit")
-        text = bytes(buf[p: p + k])
+        text = bytes(buf[p : p + k])
         p += k
     if size != p:
         raise RecordError("header length", f"says {size} bytes, the header has {p}")
@@ -433,10 +487,11 @@ def decode_stream(values: Iterable[bytes], schemas: dict[int, Schema] | None = N
         sch = schemas.get(head.schema_id)
         if sch is None:
             raise RecordError("schema id", f"unknown schema {head.schema_id:#018x}")
-        body = memoryview(value)[head.rows_at:]
+        body = memoryview(value)[head.rows_at :]
         if len(body) != head.count * sch.row_size:
-            raise RecordError("records", f"{len(body)} bytes of records, the header says {head.count} of "
-                                         f"{sch.row_size} bytes")
+            raise RecordError(
+                "records", f"{len(body)} bytes of records, the header says {head.count} of {sch.row_size} bytes"
+            )
         for vals in sch.struct.iter_unpack(body):
             out.append(row_to_record(sch, head.run, head.hosts, vals))
     return out

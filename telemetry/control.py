@@ -74,9 +74,17 @@ class Decision:
         _check(self)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"run": self.run, "action": self.action, "reason": self.reason, "ranks": list(self.ranks),
-                "hosts": list(self.hosts), "since_step": self.since_step, "incident": self.incident,
-                "lr_factor": self.lr_factor, "issued_at": self.issued_at}
+        return {
+            "run": self.run,
+            "action": self.action,
+            "reason": self.reason,
+            "ranks": list(self.ranks),
+            "hosts": list(self.hosts),
+            "since_step": self.since_step,
+            "incident": self.incident,
+            "lr_factor": self.lr_factor,
+            "issued_at": self.issued_at,
+        }
 
     def encode(self) -> bytes:
         return json.dumps(self.to_dict(), allow_nan=False).encode("utf-8")
@@ -89,16 +97,23 @@ def _check(d: Decision) -> None:
         raise ControlError("action", f"must be one of {', '.join(CONTROL_ACTIONS)}, got {d.action!r}")
     if not isinstance(d.reason, str) or len(d.reason) > _MAX_TEXT:
         raise ControlError("reason", "must be a string of at most 1024 characters")
-    if not isinstance(d.ranks, tuple) or len(d.ranks) > _MAX_RANKS or not all(
-            isinstance(r, int) and not isinstance(r, bool) and 0 <= r < 1 << 24 for r in d.ranks):
+    if (
+        not isinstance(d.ranks, tuple)
+        or len(d.ranks) > _MAX_RANKS
+        or not all(isinstance(r, int) and not isinstance(r, bool) and 0 <= r < 1 << 24 for r in d.ranks)
+    ):
         raise ControlError("ranks", f"must be at most {_MAX_RANKS} ranks in 0..2^24, got {d.ranks!r}")
     if not isinstance(d.hosts, tuple) or not all(isinstance(h, str) and len(h) <= 255 for h in d.hosts):
         raise ControlError("hosts", "must be a list of host names")
-    if d.since_step is not None and (isinstance(d.since_step, bool) or not isinstance(d.since_step, int)
-                                     or d.since_step < 0):
+    if d.since_step is not None and (
+        isinstance(d.since_step, bool) or not isinstance(d.since_step, int) or d.since_step < 0
+    ):
         raise ControlError("since_step", f"must be a step >= 0 or null, got {d.since_step!r}")
-    if isinstance(d.lr_factor, bool) or not isinstance(d.lr_factor, (int, float)) or not (
-            math.isfinite(d.lr_factor) and 0 < d.lr_factor <= 1):
+    if (
+        isinstance(d.lr_factor, bool)
+        or not isinstance(d.lr_factor, (int, float))
+        or not (math.isfinite(d.lr_factor) and 0 < d.lr_factor <= 1)
+    ):
         raise ControlError("lr_factor", f"must be a number in (0, 1], got {d.lr_factor!r}")
     if d.action == "evict" and not d.ranks:
         raise ControlError("ranks", "an evict decision must name the rank(s) to evict")
@@ -115,8 +130,17 @@ def decode_decision(data: bytes | str | Mapping[str, Any]) -> Decision:
             raise ControlError("message", f"not JSON: {exc}") from None
     if not isinstance(obj, dict):
         raise ControlError("message", f"must be a JSON object, got {type(obj).__name__}")
-    unknown = set(obj) - {"run", "action", "reason", "ranks", "hosts", "since_step", "incident", "lr_factor",
-                          "issued_at"}
+    unknown = set(obj) - {
+        "run",
+        "action",
+        "reason",
+        "ranks",
+        "hosts",
+        "since_step",
+        "incident",
+        "lr_factor",
+        "issued_at",
+    }
     if unknown:
         raise ControlError(sorted(unknown)[0], "unknown field")
     for key in ("run", "action"):
@@ -129,10 +153,17 @@ def decode_decision(data: bytes | str | Mapping[str, Any]) -> Decision:
     if isinstance(issued, bool) or not isinstance(issued, (int, float)):
         raise ControlError("issued_at", "must be a number")
     lr = obj.get("lr_factor", 1.0)
-    return Decision(run=obj["run"], action=obj["action"], reason=obj.get("reason", ""), ranks=tuple(ranks),
-                    hosts=tuple(hosts), since_step=obj.get("since_step"), incident=str(obj.get("incident", ""))[:_MAX_TEXT],
-                    lr_factor=float(lr) if isinstance(lr, int) and not isinstance(lr, bool) else lr,
-                    issued_at=float(issued))
+    return Decision(
+        run=obj["run"],
+        action=obj["action"],
+        reason=obj.get("reason", ""),
+        ranks=tuple(ranks),
+        hosts=tuple(hosts),
+        since_step=obj.get("since_step"),
+        incident=str(obj.get("incident", ""))[:_MAX_TEXT],
+        lr_factor=float(lr) if isinstance(lr, int) and not isinstance(lr, bool) else lr,
+        issued_at=float(issued),
+    )
 
 
 class MemoryControl:
@@ -165,8 +196,9 @@ class KafkaControl:
     reached, it logs one warning and stays empty: the guard's local checks still work.
     """
 
-    def __init__(self, bootstrap: str, run: str, topic: str = CONTROL_TOPIC, *, poll_timeout: float = 0.2,
-                 **kafka_settings: Any) -> None:
+    def __init__(
+        self, bootstrap: str, run: str, topic: str = CONTROL_TOPIC, *, poll_timeout: float = 0.2, **kafka_settings: Any
+    ) -> None:
         self.bootstrap, self.run, self.topic = bootstrap, run, topic
         self.poll_timeout = poll_timeout
         self.kafka_settings = kafka_settings
@@ -193,8 +225,13 @@ class KafkaControl:
     def _give_up(self, why: str) -> None:
         self.available = False
         self._ready.set()
-        log.warning("sdcwatch guard: control topic %s at %s unavailable (%s); training continues with the "
-                    "guard's local checks only", self.topic, self.bootstrap, why)
+        log.warning(
+            "sdcwatch guard: control topic %s at %s unavailable (%s); training continues with the "
+            "guard's local checks only",
+            self.topic,
+            self.bootstrap,
+            why,
+        )
 
     def _run(self) -> None:
         try:
@@ -204,8 +241,13 @@ class KafkaControl:
             return
         consumer = None
         try:
-            consumer = new_consumer(self.bootstrap, security=self.kafka_settings, enable_auto_commit=False, group_id=None,
-                                    request_timeout_ms=5000)
+            consumer = new_consumer(
+                self.bootstrap,
+                security=self.kafka_settings,
+                enable_auto_commit=False,
+                group_id=None,
+                request_timeout_ms=5000,
+            )
             parts = consumer.partitions_for_topic(self.topic)
             existed = bool(parts)
             if not existed:

@@ -45,8 +45,9 @@ def comm_hook(watch: Watch, bucket):  # noqa: ANN001,ANN201 - DDP rejects string
     def measured(f: Any) -> torch.Tensor:
         g = f.value()[0]
         with torch.no_grad():
-            watch._buckets.append((index, local_sq, _dot(local, g), _dot(g, g),
-                                   fp.tensor_parts(g) if want_fp else None))
+            watch._buckets.append(
+                (index, local_sq, _dot(local, g), _dot(g, g), fp.tensor_parts(g) if want_fp else None)
+            )
         return g
 
     return fut.then(measured)

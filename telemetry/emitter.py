@@ -203,7 +203,8 @@ class Emitter:
                     log.warning(
                         "sdcwatch emitter (rank %s): buffer of %d records full (bus down or slow); "
                         "dropping records and counting them, training is unaffected",
-                        self.rank, self.buffer,
+                        self.rank,
+                        self.buffer,
                     )
                 return
             self._queue.append((step, _time.time() if time is None else time, scalars, layers, fingerprints))
@@ -254,8 +255,12 @@ class Emitter:
             self.dropped += left
             self._queue.clear()
             self._inflight = []
-            log.warning("sdcwatch emitter (rank %s): closed with %d records unsent (bus %s)", self.rank, left,
-                        getattr(self.transport, "bootstrap", "unavailable"))
+            log.warning(
+                "sdcwatch emitter (rank %s): closed with %d records unsent (bus %s)",
+                self.rank,
+                left,
+                getattr(self.transport, "bootstrap", "unavailable"),
+            )
         elif flushed and end_run and self.end_marker and self._last_step is not None:
             self._send_end_marker()
         try:
@@ -278,8 +283,19 @@ class Emitter:
         from sdcwatch.telemetry.lifecycle import end_marker
 
         try:
-            self.transport.send([end_marker(self.run, self._last_step, self.rank, self.world, host=self.host,
-                                            local_rank=self.local_rank, dropped=self.dropped)])
+            self.transport.send(
+                [
+                    end_marker(
+                        self.run,
+                        self._last_step,
+                        self.rank,
+                        self.world,
+                        host=self.host,
+                        local_rank=self.local_rank,
+                        dropped=self.dropped,
+                    )
+                ]
+            )
             self.ended = True
         except Exception as exc:  # the run will look stalled to the service; say why here
             log.warning("sdcwatch emitter (rank %s): end-of-run marker not sent: %s", self.rank, exc)
@@ -293,11 +309,32 @@ class Emitter:
             if self.wire == "v2":
                 if isinstance(step, bool) or not math.isfinite(t):
                     raise RecordError("step" if isinstance(step, bool) else "time", "must be a number")
-                rec = PackedRecord.pack(self.run, self.host, step, self.rank, self.world, self.local_rank, t,
-                                        scalars, fps, layers, schemas=self._layouts)
+                rec = PackedRecord.pack(
+                    self.run,
+                    self.host,
+                    step,
+                    self.rank,
+                    self.world,
+                    self.local_rank,
+                    t,
+                    scalars,
+                    fps,
+                    layers,
+                    schemas=self._layouts,
+                )
             else:
-                rec = Record(self.run, step, self.rank, self.world, self.host, t, self.local_rank,
-                             scalars, dict(fps) if fps else {}, dict(layers) if layers else {})
+                rec = Record(
+                    self.run,
+                    step,
+                    self.rank,
+                    self.world,
+                    self.host,
+                    t,
+                    self.local_rank,
+                    scalars,
+                    dict(fps) if fps else {},
+                    dict(layers) if layers else {},
+                )
                 validate(rec)
         except (RecordError, struct.error, TypeError, ValueError, OverflowError) as exc:
             self.invalid += 1
@@ -349,8 +386,12 @@ class Emitter:
                     self._inflight = list(unsent)
                 if self._down_since is None:
                     self._down_since = _time.monotonic()
-                    log.warning("sdcwatch emitter (rank %s): bus unavailable, buffering (up to %d records): %s",
-                                self.rank, self.buffer, exc)
+                    log.warning(
+                        "sdcwatch emitter (rank %s): bus unavailable, buffering (up to %d records): %s",
+                        self.rank,
+                        self.buffer,
+                        exc,
+                    )
                 if self._stop.wait(backoff):
                     return  # closing: close() counts what is left
                 backoff = min(backoff * 2, 2.0)
@@ -359,6 +400,10 @@ class Emitter:
             self._inflight = []
             backoff = 0.05
             if self._down_since is not None:
-                log.warning("sdcwatch emitter (rank %s): bus back after %.1fs; %d records dropped so far",
-                            self.rank, _time.monotonic() - self._down_since, self.dropped)
+                log.warning(
+                    "sdcwatch emitter (rank %s): bus back after %.1fs; %d records dropped so far",
+                    self.rank,
+                    _time.monotonic() - self._down_since,
+                    self.dropped,
+                )
                 self._down_since = None

@@ -21,7 +21,6 @@ from sdcwatch.core.names import STREAM_METRICS
 __all__ = ["STREAM_METRICS", "ResidualStream", "peak", "repeated_blocks"]
 
 
-
 def peak(t: torch.Tensor) -> torch.Tensor:
     """Largest |value| of ``t`` as a 0-d float32 device tensor; ``-inf`` skipped, NaN propagates.
 
@@ -48,8 +47,7 @@ def repeated_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
 class ResidualStream:
     """Per-step largest |value| of every block's output and of every attention layer's logits."""
 
-    def __init__(self, model: nn.Module, *, active: Callable[[], bool] = lambda: True,
-                 n_attention: int = 0) -> None:
+    def __init__(self, model: nn.Module, *, active: Callable[[], bool] = lambda: True, n_attention: int = 0) -> None:
         self.active = active
         self.blocks = repeated_blocks(model)
         self.names = [n for n, _ in self.blocks]

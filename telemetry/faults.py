@@ -105,9 +105,7 @@ class FaultInjector:
             matched = sorted(n for n in names if fnmatch.fnmatchcase(n, spec.target))
             if spec.where in ("grad", "param"):
                 params = [
-                    (f"{n}.{pn}", p)
-                    for n in matched
-                    for pn, p in self._modules[n].named_parameters(recurse=False)
+                    (f"{n}.{pn}", p) for n in matched for pn, p in self._modules[n].named_parameters(recurse=False)
                 ]
                 if not params:
                     raise FaultSpecError(

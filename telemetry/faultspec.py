@@ -26,6 +26,7 @@ replica once, at ``step`` (a memory bit flip): replicas then disagree, which the
 Every random choice derives from ``(seed, step, rank)``: a fault is deterministic, and touches
 nothing outside its rank, steps and target.
 """
+
 from __future__ import annotations
 
 import json
@@ -109,8 +110,15 @@ class FaultSpec:
             raise FaultSpecError("magnitude", f"must be a number, got {magnitude!r}", where=where)
         spec = object.__new__(cls)
         for k, v in dict(
-            kind=kind, step=step, rank=rank, duration=duration, target=target, where=wh, bit=bit,
-            magnitude=None if magnitude is None else float(magnitude), seed=seed,
+            kind=kind,
+            step=step,
+            rank=rank,
+            duration=duration,
+            target=target,
+            where=wh,
+            bit=bit,
+            magnitude=None if magnitude is None else float(magnitude),
+            seed=seed,
         ).items():
             object.__setattr__(spec, k, v)
         _validate(spec, where)
@@ -170,7 +178,9 @@ def _validate(s: FaultSpec, where: str) -> None:
     if s.kind in ("bitflip", "nan", "inf") and m is not None:
         raise FaultSpecError("magnitude", f"does not apply to kind {s.kind!r}", where=where)
     if s.where == "param" and s.duration != 1:
-        raise FaultSpecError("duration", "a 'param' fault is one change at 'step' (it persists by itself): use 1", where=where)
+        raise FaultSpecError(
+            "duration", "a 'param' fault is one change at 'step' (it persists by itself): use 1", where=where
+        )
 
 
 def parse_faults(text: str, *, source: str = "<faults>") -> list[FaultSpec]:

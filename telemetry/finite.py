@@ -31,8 +31,11 @@ class FiniteChecks:
         # recompile at every checked step; two values compile twice, then never again)
         self.checks_on = self.stream_on = False
         self.checksums = GemmChecks(model, active=lambda: self.due(self.checks_on)) if cfg.checksum_every else None
-        self.stream = (ResidualStream(model, active=lambda: self.due(self.stream_on), n_attention=watch.n_layers)
-                       if cfg.stream_every else None)
+        self.stream = (
+            ResidualStream(model, active=lambda: self.due(self.stream_on), n_attention=watch.n_layers)
+            if cfg.stream_every
+            else None
+        )
         self.handles: list[Any] = []
         if self.checksums is not None and optimizer is not None and not external:
             self.handles.append(optimizer.register_step_post_hook(lambda opt, args, kwargs: self.seal()))

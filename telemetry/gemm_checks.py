@@ -34,8 +34,9 @@ __all__ = ["GemmChecks", "observe_gemm"]
 _OBSERVERS: "weakref.WeakKeyDictionary[nn.Module, list[GemmChecks]]" = weakref.WeakKeyDictionary()
 
 
-def observe_gemm(owner: nn.Module, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor,
-                 bias: torch.Tensor | None = None) -> None:
+def observe_gemm(
+    owner: nn.Module, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, bias: torch.Tensor | None = None
+) -> None:
     """Report one custom or fused product ``c = a @ b (+ bias)`` computed inside ``owner``.
 
     Every :class:`GemmChecks` attached to the model that holds ``owner`` checks it with
@@ -58,8 +59,9 @@ class GemmChecks:
     another module (tied embeddings) is checked forward only: its gradient is a sum over uses.
     """
 
-    def __init__(self, model: nn.Module, *, active: Callable[[], bool] = lambda: True, modules: str = "*",
-                 weights: bool = True) -> None:
+    def __init__(
+        self, model: nn.Module, *, active: Callable[[], bool] = lambda: True, modules: str = "*", weights: bool = True
+    ) -> None:
         self.active = active
         self.names: list[str] = []
         """Names of the checked products, in layer order (the index in the ``gemm_*`` metrics)."""
@@ -171,8 +173,10 @@ class GemmChecks:
                 if isinstance(w, torch.Tensor) and w.dim() == 2 and self._weights:
                     acc = _accumulation_dtype(w.dtype)
                     b = getattr(m, "bias", None)
-                    self._sealed_at[i] = (_sum(w, 0, acc),  # as the forward does: the same bits give the same sum
-                                          _sum(b, None, acc) if isinstance(b, torch.Tensor) else None)
+                    self._sealed_at[i] = (
+                        _sum(w, 0, acc),  # as the forward does: the same bits give the same sum
+                        _sum(b, None, acc) if isinstance(b, torch.Tensor) else None,
+                    )
 
     def unseal(self) -> None:
         """Forget the sealed column sums (after weights were changed outside the optimizer, e.g. a
@@ -247,8 +251,9 @@ class GemmChecks:
         if len(args) >= 2 and isinstance(output, torch.Tensor):
             self.observe(module, args[0], args[1], output)
 
-    def observe(self, owner: nn.Module, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor,
-                bias: torch.Tensor | None = None) -> None:
+    def observe(
+        self, owner: nn.Module, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> None:
         """A custom product of ``owner`` (see :func:`observe_gemm`); a new owner becomes a new layer."""
         if not self.active():
             return
@@ -310,4 +315,3 @@ class GemmChecks:
             lst = _OBSERVERS.get(m)
             if lst:
                 lst[:] = [c for c in lst if c is not self]
-

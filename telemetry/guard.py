@@ -62,8 +62,18 @@ from sdcwatch.telemetry.guard_config import (
 from sdcwatch.telemetry.guard_acting import GuardActing
 from sdcwatch.telemetry.guard_snapshots import SnapshotStore
 
-__all__ = ["Guard", "GuardConfig", "GuardOutcome", "GuardEviction", "SnapshotStore", "ACTIONS", "REASONS",
-           "VERDICTS", "EXIT_CODE_EVICT", "GUARD_SCALARS"]
+__all__ = [
+    "Guard",
+    "GuardConfig",
+    "GuardOutcome",
+    "GuardEviction",
+    "SnapshotStore",
+    "ACTIONS",
+    "REASONS",
+    "VERDICTS",
+    "EXIT_CODE_EVICT",
+    "GUARD_SCALARS",
+]
 
 log = logging.getLogger("sdcwatch.guard")
 
@@ -94,12 +104,24 @@ class Guard(GuardActing):
         distributed: agree through torch.distributed (default: when it is initialised).
     """
 
-    def __init__(self, model: Any, optimizer: Any, config: GuardConfig | None = None, *,
-                 rank: int | None = None, world: int | None = None, host: str | None = None,
-                 local_ranks: Iterable[int] | None = None, control: Any = None,
-                 peer: Callable[[int, int], Any] | None = None, resync: Callable[[set[int]], None] | None = None,
-                 host_of: Callable[[int], str] | None = None, watch: Any = None, group: Any = None,
-                 distributed: bool | None = None) -> None:
+    def __init__(
+        self,
+        model: Any,
+        optimizer: Any,
+        config: GuardConfig | None = None,
+        *,
+        rank: int | None = None,
+        world: int | None = None,
+        host: str | None = None,
+        local_ranks: Iterable[int] | None = None,
+        control: Any = None,
+        peer: Callable[[int, int], Any] | None = None,
+        resync: Callable[[set[int]], None] | None = None,
+        host_of: Callable[[int], str] | None = None,
+        watch: Any = None,
+        group: Any = None,
+        distributed: bool | None = None,
+    ) -> None:
         from sdcwatch.telemetry.emitter import identity_from_env
 
         self.config = config or GuardConfig()
@@ -153,8 +175,9 @@ class Guard(GuardActing):
 
     # -- the step ---------------------------------------------------------------------------------
 
-    def step(self, step: int, compute: Callable[[], Any], *, update: Callable[[], Any] | None = None,
-             data_pos: Any = None) -> GuardOutcome:
+    def step(
+        self, step: int, compute: Callable[[], Any], *, update: Callable[[], Any] | None = None, data_pos: Any = None
+    ) -> GuardOutcome:
         """Run ``compute`` for ``step``, decide with the other ranks, and update (or not).
 
         ``update`` replaces ``optimizer.step()``; ``data_pos`` labels the snapshot taken before this
@@ -216,11 +239,17 @@ class Guard(GuardActing):
             bad += [r for r, x in zip(self.local_ranks, v.local_grad) if not math.isfinite(x) and r not in bad]
         if bad or not math.isfinite(v.grad_norm):
             return 2, set(bad)
-        spiked = {r for r, x, b in zip(self.local_ranks, v.losses, self._loss_base)
-                  if b.spike(x, c.spike_z, c.spike_rel, c.warmup)}
+        spiked = {
+            r
+            for r, x, b in zip(self.local_ranks, v.losses, self._loss_base)
+            if b.spike(x, c.spike_z, c.spike_rel, c.warmup)
+        }
         if v.local_grad is not None:
-            spiked |= {r for r, x, b in zip(self.local_ranks, v.local_grad, self._local_grad_base)
-                       if b.spike(x, c.spike_z, c.grad_spike_rel, c.warmup)}
+            spiked |= {
+                r
+                for r, x, b in zip(self.local_ranks, v.local_grad, self._local_grad_base)
+                if b.spike(x, c.spike_z, c.grad_spike_rel, c.warmup)
+            }
         global_spike = self._grad_base.spike(v.grad_norm, c.spike_z, c.grad_spike_rel, c.warmup)
         return (1 if spiked or global_spike else 0), spiked
 
@@ -235,14 +264,23 @@ class Guard(GuardActing):
 
     # -- acting on local checks -------------------------------------------------------------------
 
-    def _on_local(self, step: int, flag: int, suspects: list[int], values: StepValues, rng: Any,
-                  compute: Callable[[], Any], out: GuardOutcome) -> GuardOutcome:
+    def _on_local(
+        self,
+        step: int,
+        flag: int,
+        suspects: list[int],
+        values: StepValues,
+        rng: Any,
+        compute: Callable[[], Any],
+        out: GuardOutcome,
+    ) -> GuardOutcome:
         c = self.config
         reason = "nonfinite" if flag == 2 else "spike"
         action = c.on_nonfinite if flag == 2 else c.on_spike
         out.reason, out.ranks = reason, tuple(suspects)
         what = ("a non-finite loss or gradient" if flag == 2 else "a loss or gradient spike") + (
-            f" on rank(s) {', '.join(map(str, suspects))}" if suspects else " in the all-reduced gradient")
+            f" on rank(s) {', '.join(map(str, suspects))}" if suspects else " in the all-reduced gradient"
+        )
         if action == "none":
             return out
         if c.mode != "act":
@@ -263,8 +301,10 @@ class Guard(GuardActing):
             flag2, _ = self._judge(again)
             if not self._group.max([flag2])[0]:
                 out.applied = True
-                out.message = (f"step {step}: {what}; the rerun gave a clean, different result: transient fault, "
-                               f"update taken from the rerun")
+                out.message = (
+                    f"step {step}: {what}; the rerun gave a clean, different result: transient fault, "
+                    f"update taken from the rerun"
+                )
                 return out
             return self._skip(step, out, f"step {step}: {what}; the rerun differs but is not clean either (transient)")
         if len(suspects) == 1 and self.peer is not None and self.world > 1:
@@ -274,13 +314,21 @@ class Guard(GuardActing):
             persistent = self._peer_differs(s, on, values)
             out.verdict = "persistent" if persistent else "data"
             if persistent:
-                return self._on_persistent(step, out, f"step {step}: {what}; it repeats on rank {s} but rank {on} "
-                                                      f"computes rank {s}'s micro-batch differently: persistent fault")
-            return self._skip(step, out, f"step {step}: {what}; it repeats on rank {on} too: the data, not the "
-                                         f"hardware")
+                return self._on_persistent(
+                    step,
+                    out,
+                    f"step {step}: {what}; it repeats on rank {s} but rank {on} "
+                    f"computes rank {s}'s micro-batch differently: persistent fault",
+                )
+            return self._skip(
+                step, out, f"step {step}: {what}; it repeats on rank {on} too: the data, not the hardware"
+            )
         out.verdict = "data" if len(suspects) != 1 else "reproducible"
-        because = ("every rank alike: the data or the optimisation, not one rank's hardware" if len(suspects) != 1
-                   else "no other rank can recompute it here")
+        because = (
+            "every rank alike: the data or the optimisation, not one rank's hardware"
+            if len(suspects) != 1
+            else "no other rank can recompute it here"
+        )
         return self._skip(step, out, f"step {step}: {what}; the rerun repeats it ({because})")
 
     def _peer_differs(self, suspect: int, on: int, values: StepValues) -> bool:
@@ -300,8 +348,9 @@ class Guard(GuardActing):
             out.applied = True
             out.action = "rerun" if out.verdict else "none"
             out.would = "skip"
-            out.message = (f"{what}; skip budget spent ({c.max_skips} in {c.budget_window} steps): "
-                           f"update applied, reported only")
+            out.message = (
+                f"{what}; skip budget spent ({c.max_skips} in {c.budget_window} steps): update applied, reported only"
+            )
             return out
         self._skips.append(step)
         out.action = "skip"
@@ -340,15 +389,21 @@ class Guard(GuardActing):
     def state_dict(self) -> dict[str, Any]:
         """The guard's own state (baselines, budgets, learning-rate cut): saved with a checkpoint so a
         resumed job does not warm up again. Snapshots are not part of it."""
-        return {"loss": [list(b.values) for b in self._loss_base],
-                "local_grad": [list(b.values) for b in self._local_grad_base],
-                "grad": list(self._grad_base.values), "skips": list(self._skips), "rollbacks": list(self._rollbacks),
-                "lr_scale": self._lr_scale, "lr_until": self._lr_until}
+        return {
+            "loss": [list(b.values) for b in self._loss_base],
+            "local_grad": [list(b.values) for b in self._local_grad_base],
+            "grad": list(self._grad_base.values),
+            "skips": list(self._skips),
+            "rollbacks": list(self._rollbacks),
+            "lr_scale": self._lr_scale,
+            "lr_until": self._lr_until,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if len(state["loss"]) != len(self._loss_base):
-            raise ConfigError("guard.state", f"saved for {len(state['loss'])} local ranks, this guard has "
-                                             f"{len(self._loss_base)}")
+            raise ConfigError(
+                "guard.state", f"saved for {len(state['loss'])} local ranks, this guard has {len(self._loss_base)}"
+            )
         for bases, saved in ((self._loss_base, state["loss"]), (self._local_grad_base, state["local_grad"])):
             for b, vals in zip(bases, saved):
                 b.clear()
@@ -363,5 +418,3 @@ class Guard(GuardActing):
         """Stop the control reader."""
         if self.control is not None and hasattr(self.control, "close"):
             self.control.close()
-
-

@@ -46,8 +46,11 @@ class GuardActing:
             reason = self._group.broadcast_text(reason)
         ranks = (rank,) if rank is not None else ()  # what every process agreed on
         out.reason, out.ranks = "control", ranks
-        what = f"step {step}: the detector service asks to {action}" + (
-            f" rank(s) {', '.join(map(str, ranks))}" if ranks else "") + (f" ({reason})" if reason else "")
+        what = (
+            f"step {step}: the detector service asks to {action}"
+            + (f" rank(s) {', '.join(map(str, ranks))}" if ranks else "")
+            + (f" ({reason})" if reason else "")
+        )
         if self.config.mode != "act":
             out.would = action
             out.message = what + "; report mode: nothing done"
@@ -59,17 +62,25 @@ class GuardActing:
         self._evict(step, ranks, what, out, since)
         return out  # not reached
 
-    def _rollback(self, step: int, since: int | None, lr: float, suspects: set[int], out: GuardOutcome,
-                  what: str) -> GuardOutcome:
+    def _rollback(
+        self, step: int, since: int | None, lr: float, suspects: set[int], out: GuardOutcome, what: str
+    ) -> GuardOutcome:
         c = self.config
         while self._rollbacks and self._rollbacks[0] <= step - c.budget_window:
             self._rollbacks.popleft()
         if len(self._rollbacks) >= c.max_rollbacks:
             if suspects:
-                self._evict(step, tuple(sorted(suspects)), what + f"; rollback budget spent ({c.max_rollbacks} in "
-                                                                   f"{c.budget_window} steps)", out, since)
+                self._evict(
+                    step,
+                    tuple(sorted(suspects)),
+                    what + f"; rollback budget spent ({c.max_rollbacks} in {c.budget_window} steps)",
+                    out,
+                    since,
+                )
             out.would = "rollback"
-            out.message = what + f"; rollback budget spent ({c.max_rollbacks} in {c.budget_window} steps): reported only"
+            out.message = (
+                what + f"; rollback budget spent ({c.max_rollbacks} in {c.budget_window} steps): reported only"
+            )
             return out
         snap = self._restore(since if since is not None else step + 1, suspects)
         if snap is None:
@@ -80,8 +91,9 @@ class GuardActing:
         self.steps_rolled_back += step + 1 - snap.step
         self._lr_scale, self._lr_until = lr, step + c.lr_cut_steps
         out.action, out.applied, out.resume_from, out.lr_factor = "rollback", False, snap.data_pos, lr
-        out.message = (f"{what}; rolled back to the snapshot before step {snap.step}"
-                       + (f", learning rate x{lr:g} for {c.lr_cut_steps} steps" if lr != 1.0 else ""))
+        out.message = f"{what}; rolled back to the snapshot before step {snap.step}" + (
+            f", learning rate x{lr:g} for {c.lr_cut_steps} steps" if lr != 1.0 else ""
+        )
         return out
 
     def _restore(self, before: int | None, suspects: set[int]) -> Any:
@@ -119,8 +131,11 @@ class GuardActing:
             hosts = [self.host_of(r) for r in ranks]
         else:
             table = self._group.gather_hosts(self.host)
-            hosts = [table[r] if 0 <= r < len(table) else "" for r in ranks] if len(table) > 1 else [
-                self.host if r == self.rank else "" for r in ranks]
+            hosts = (
+                [table[r] if 0 <= r < len(table) else "" for r in ranks]
+                if len(table) > 1
+                else [self.host if r == self.rank else "" for r in ranks]
+            )
         out.action, out.applied, out.ranks = "evict", False, ranks
         reason = what.removeprefix(f"step {step}: ")
         exc = GuardEviction(step, ranks, hosts, reason, since if since is not None else step)
@@ -134,4 +149,3 @@ class GuardActing:
             except Exception:
                 pass
         raise exc
-

@@ -10,8 +10,20 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["Baseline", "StepValues", "LocalGroup", "DistGroup", "same", "to_numpy", "suspects_from", "grad_norm",
-           "rng_state", "set_rng_state", "ballot", "BIG"]
+__all__ = [
+    "Baseline",
+    "StepValues",
+    "LocalGroup",
+    "DistGroup",
+    "same",
+    "to_numpy",
+    "suspects_from",
+    "grad_norm",
+    "rng_state",
+    "set_rng_state",
+    "ballot",
+    "BIG",
+]
 
 BIG = 1 << 40
 #: The codes of the actions a control decision may carry (their index in ``guard_config.ACTIONS``).
@@ -180,14 +192,14 @@ def set_rng_state(state: Any) -> None:
 
 
 def ballot(flag: int, suspects: set[int], control: Any) -> list[int]:
-        """What this process brings to the step's agreement (MAX over processes), as integers:
-        [flag, max suspect + 1, BIG - (min suspect + 1), control action, its rank + 1, its
-        since_step + 1, its lr_factor x 1e6]. Only the process of rank 0 fills the control part."""
-        lo = min(suspects) if suspects else None
-        ballot = [flag, (max(suspects) + 1) if suspects else 0, (BIG - (lo + 1)) if lo is not None else 0, 0, 0, 0, 0]
-        if control is not None:
-            ballot[3] = _ACTION_CODES[control.action]
-            ballot[4] = (control.ranks[0] + 1) if control.ranks else 0
-            ballot[5] = (control.since_step + 1) if control.since_step is not None else 0
-            ballot[6] = int(round(control.lr_factor * 1e6))
-        return ballot
+    """What this process brings to the step's agreement (MAX over processes), as integers:
+    [flag, max suspect + 1, BIG - (min suspect + 1), control action, its rank + 1, its
+    since_step + 1, its lr_factor x 1e6]. Only the process of rank 0 fills the control part."""
+    lo = min(suspects) if suspects else None
+    ballot = [flag, (max(suspects) + 1) if suspects else 0, (BIG - (lo + 1)) if lo is not None else 0, 0, 0, 0, 0]
+    if control is not None:
+        ballot[3] = _ACTION_CODES[control.action]
+        ballot[4] = (control.ranks[0] + 1) if control.ranks else 0
+        ballot[5] = (control.since_step + 1) if control.since_step is not None else 0
+        ballot[6] = int(round(control.lr_factor * 1e6))
+    return ballot

@@ -12,8 +12,16 @@ from typing import Any, Sequence
 
 from sdcwatch.core.errors import ConfigError
 
-__all__ = ["GuardConfig", "GuardOutcome", "GuardEviction", "ACTIONS", "REASONS", "VERDICTS", "EXIT_CODE_EVICT",
-           "GUARD_SCALARS"]
+__all__ = [
+    "GuardConfig",
+    "GuardOutcome",
+    "GuardEviction",
+    "ACTIONS",
+    "REASONS",
+    "VERDICTS",
+    "EXIT_CODE_EVICT",
+    "GUARD_SCALARS",
+]
 
 #: Actions, in increasing order of weight; the code of an action is its index (``guard_action``).
 ACTIONS = ("none", "skip", "rerun", "rollback", "evict")
@@ -36,14 +44,17 @@ _PERSISTENT_ACTIONS = ("none", "skip", "rollback", "evict")
 class GuardEviction(SystemExit):
     """Raised on every process when the guard evicts a rank; exits with :data:`EXIT_CODE_EVICT`."""
 
-    def __init__(self, step: int, ranks: Sequence[int], hosts: Sequence[str], reason: str,
-                 since_step: int | None = None) -> None:
+    def __init__(
+        self, step: int, ranks: Sequence[int], hosts: Sequence[str], reason: str, since_step: int | None = None
+    ) -> None:
         self.step, self.ranks, self.hosts, self.reason = int(step), tuple(ranks), tuple(hosts), reason
         self.since_step = since_step
         """The first step the problem was seen at, when known: restart from a snapshot before it."""
         named = ", ".join(f"rank {r}" + (f" (host {h})" if h else "") for r, h in zip(self.ranks, self.hosts))
-        self.message = (f"sdcwatch guard: evicting {named} at step {self.step}: {reason}; exiting with code "
-                        f"{EXIT_CODE_EVICT} so the launcher restarts the job without that node")
+        self.message = (
+            f"sdcwatch guard: evicting {named} at step {self.step}: {reason}; exiting with code "
+            f"{EXIT_CODE_EVICT} so the launcher restarts the job without that node"
+        )
         super().__init__(EXIT_CODE_EVICT)
 
     def __str__(self) -> str:
@@ -115,17 +126,31 @@ class GuardConfig:
             v = getattr(self, key)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and v > 0):
                 raise ConfigError(f"guard.{key}", f"must be a number > 0, got {v!r}")
-        if isinstance(self.rerun_tolerance, bool) or not isinstance(self.rerun_tolerance, (int, float)) or not (
-                0 <= self.rerun_tolerance < 1):
+        if (
+            isinstance(self.rerun_tolerance, bool)
+            or not isinstance(self.rerun_tolerance, (int, float))
+            or not (0 <= self.rerun_tolerance < 1)
+        ):
             raise ConfigError("guard.rerun_tolerance", f"must be a number in [0, 1), got {self.rerun_tolerance!r}")
-        for key, lo in (("window", 4), ("warmup", 1), ("max_skips", 0), ("max_rollbacks", 0), ("budget_window", 1),
-                        ("snapshot_every", 1), ("lr_cut_steps", 0)):
+        for key, lo in (
+            ("window", 4),
+            ("warmup", 1),
+            ("max_skips", 0),
+            ("max_rollbacks", 0),
+            ("budget_window", 1),
+            ("snapshot_every", 1),
+            ("lr_cut_steps", 0),
+        ):
             v = getattr(self, key)
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise ConfigError(f"guard.{key}", f"must be an integer >= {lo}, got {v!r}")
         if self.warmup > self.window:
             raise ConfigError("guard.warmup", f"must be <= window ({self.window}), got {self.warmup}")
-        if isinstance(self.lr_factor, bool) or not isinstance(self.lr_factor, (int, float)) or not 0 < self.lr_factor <= 1:
+        if (
+            isinstance(self.lr_factor, bool)
+            or not isinstance(self.lr_factor, (int, float))
+            or not 0 < self.lr_factor <= 1
+        ):
             raise ConfigError("guard.lr_factor", f"must be a number in (0, 1], got {self.lr_factor!r}")
 
     @classmethod
@@ -159,13 +184,21 @@ class GuardOutcome:
         """The scalars for this step's telemetry record (empty when the guard did nothing)."""
         if self.action == "none":
             return {}
-        return {"guard_action": float(ACTIONS.index(self.action)), "guard_reason": float(REASONS.index(self.reason)),
-                "guard_verdict": float(VERDICTS.index(self.verdict)),
-                "guard_rank": float(self.ranks[0]) if len(self.ranks) == 1 else -1.0}
+        return {
+            "guard_action": float(ACTIONS.index(self.action)),
+            "guard_reason": float(REASONS.index(self.reason)),
+            "guard_verdict": float(VERDICTS.index(self.verdict)),
+            "guard_rank": float(self.ranks[0]) if len(self.ranks) == 1 else -1.0,
+        }
 
     def to_dict(self) -> dict[str, Any]:
         """``{step, action, ranks, reason}`` plus the verdict and message (the demo's summary)."""
-        return {"step": self.step, "action": self.action, "ranks": list(self.ranks), "reason": self.reason,
-                "verdict": self.verdict, "applied": self.applied, "message": self.message}
-
-
+        return {
+            "step": self.step,
+            "action": self.action,
+            "ranks": list(self.ranks),
+            "reason": self.reason,
+            "verdict": self.verdict,
+            "applied": self.applied,
+            "message": self.message,
+        }

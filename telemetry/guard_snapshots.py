@@ -56,8 +56,12 @@ class SnapshotStore:
             self._snaps.popleft()
         if self.nbytes > self.budget and not self._warned:
             self._warned = True
-            log.warning("sdcwatch guard: one snapshot (%.1f MB) exceeds the snapshot memory budget (%.1f MB); "
-                        "keeping only the newest", nbytes / 2**20, self.budget / 2**20)
+            log.warning(
+                "sdcwatch guard: one snapshot (%.1f MB) exceeds the snapshot memory budget (%.1f MB); "
+                "keeping only the newest",
+                nbytes / 2**20,
+                self.budget / 2**20,
+            )
         if self.path is not None:
             try:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -99,5 +103,3 @@ def _tensor_bytes(obj: Any) -> int:
     if isinstance(obj, (list, tuple)):
         return sum(_tensor_bytes(v) for v in obj)
     return 0
-
-

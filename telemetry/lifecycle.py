@@ -26,12 +26,28 @@ __all__ = ["RUN_END", "end_marker", "is_end_marker"]
 RUN_END = "sdcwatch.run_end"
 
 
-def end_marker(run: str, step: int, rank: int, world: int, *, host: str = "", local_rank: int = 0,
-               time: float | None = None, dropped: float = 0.0) -> Record:
+def end_marker(
+    run: str,
+    step: int,
+    rank: int,
+    world: int,
+    *,
+    host: str = "",
+    local_rank: int = 0,
+    time: float | None = None,
+    dropped: float = 0.0,
+) -> Record:
     """The marker rank ``rank`` sends after its last record (``step`` = the last step it emitted)."""
-    return Record.make(run=run, step=step, rank=rank, world=world, host=host, local_rank=local_rank,
-                       time=_time.time() if time is None else time,
-                       scalars={RUN_END: 1.0, "emitter_dropped": float(dropped)})
+    return Record.make(
+        run=run,
+        step=step,
+        rank=rank,
+        world=world,
+        host=host,
+        local_rank=local_rank,
+        time=_time.time() if time is None else time,
+        scalars={RUN_END: 1.0, "emitter_dropped": float(dropped)},
+    )
 
 
 def is_end_marker(rec: Record) -> bool:

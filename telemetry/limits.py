@@ -101,31 +101,42 @@ class RecordLimits:
         """Raise :class:`LimitError` naming the first claim of ``rec`` past a limit."""
         world = rec.world
         if world > self.max_world:
-            raise LimitError("world", f"{world} ranks claimed, the limit is {self.max_world} (limits.max_world)",
-                             "world")
+            raise LimitError(
+                "world", f"{world} ranks claimed, the limit is {self.max_world} (limits.max_world)", "world"
+            )
         layers = rec.layers
         if len(layers) > self.max_layer_metrics:
-            raise LimitError("layers", f"{len(layers)} layer metrics, the limit is {self.max_layer_metrics} "
-                                       "(limits.max_layer_metrics)", "layer_metrics")
+            raise LimitError(
+                "layers",
+                f"{len(layers)} layer metrics, the limit is {self.max_layer_metrics} (limits.max_layer_metrics)",
+                "layer_metrics",
+            )
         values = len(rec.scalars)
         for name, vec in layers.items():
             n = len(vec)
             if n > self.max_layers:
-                raise LimitError(f"layers.{name}", f"{n} layers, the limit is {self.max_layers} (limits.max_layers)",
-                                 "layers")
+                raise LimitError(
+                    f"layers.{name}", f"{n} layers, the limit is {self.max_layers} (limits.max_layers)", "layers"
+                )
             values += n
         if values > self.max_values:
-            raise LimitError("record", f"{values} values, the limit is {self.max_values} (limits.max_values)",
-                             "values")
+            raise LimitError("record", f"{values} values, the limit is {self.max_values} (limits.max_values)", "values")
         if world * values > self.max_step_values:
-            raise LimitError("world", f"{world} ranks x {values} values = {world * values} values a step, the "
-                                      f"limit is {self.max_step_values} (limits.max_step_values)", "step_size")
+            raise LimitError(
+                "world",
+                f"{world} ranks x {values} values = {world * values} values a step, the "
+                f"limit is {self.max_step_values} (limits.max_step_values)",
+                "step_size",
+            )
         scalars = rec.scalars
         for name in COUNTER_SCALARS:
             v = scalars.get(name)
             if v is not None and not 0.0 <= v <= self.max_counter:  # NaN fails both comparisons
-                raise LimitError(f"scalars.{name}", f"a counter must be finite, >= 0 and <= {self.max_counter:g}, "
-                                                    f"got {v!r}", "counter")
+                raise LimitError(
+                    f"scalars.{name}",
+                    f"a counter must be finite, >= 0 and <= {self.max_counter:g}, got {v!r}",
+                    "counter",
+                )
 
     @classmethod
     def from_mapping(cls, values: dict[str, Any]) -> "RecordLimits":

@@ -36,10 +36,16 @@ class PackedStep(NamedTuple):
     """Per-layer vectors of other probes (checksums, residual stream) after the attention grid."""
 
 
-def pack_step(step: int, device_scalars: dict[str, torch.Tensor], attn: torch.Tensor | None,
-              fingerprints: dict[str, torch.Tensor], host: dict[str, float], *,
-              nonfinite_extra: torch.Tensor | None = None, layers: dict[str, torch.Tensor] | None = None
-              ) -> PackedStep:
+def pack_step(
+    step: int,
+    device_scalars: dict[str, torch.Tensor],
+    attn: torch.Tensor | None,
+    fingerprints: dict[str, torch.Tensor],
+    host: dict[str, float],
+    *,
+    nonfinite_extra: torch.Tensor | None = None,
+    layers: dict[str, torch.Tensor] | None = None,
+) -> PackedStep:
     """One device tensor (float64 values bit-cast to int64, then fingerprints) and its async copy."""
     names = list(device_scalars)
     values = [t if t.dtype == torch.float32 else t.float() for t in device_scalars.values()]  # all 0-d
@@ -97,11 +103,11 @@ def unpack_step(pending: PackedStep) -> tuple[int, dict[str, float], dict[str, l
     scalars["nonfinite"] = float(seen) + (extra if math.isfinite(extra) else 0.0)
     layers = None
     if n_attn:
-        grid = floats[len(names):at].reshape(n_attn, len(ATTENTION_STATS))
+        grid = floats[len(names) : at].reshape(n_attn, len(ATTENTION_STATS))
         layers = dict(zip(ATTENTION_STATS, grid.T.tolist()))
     for name, n in extra_sizes:
         layers = layers if layers is not None else {}
-        layers[name] = floats[at: at + n].tolist()
+        layers[name] = floats[at : at + n].tolist()
         at += n
     fingerprints = {n: fp.finalize(v) for n, v in zip(fp_names, values[n_float:].tolist())} or None
     return step, scalars, layers, fingerprints

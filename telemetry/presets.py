@@ -24,10 +24,12 @@ _OFF = 1 << 30
 PROBE_PRESETS: dict[str, ProbeConfig] = {
     "default": ProbeConfig(),
     "checksums": ProbeConfig(checksum_every=1),
-    "every-step": ProbeConfig(attention_every=1, activations_every=1, fingerprint_every=1, canary_every=10,
-                              checksum_every=1),
-    "scalars-only": ProbeConfig(attention_every=_OFF, fingerprint_every=_OFF, activations_every=0, checksum_every=0,
-                                stream_every=0),
+    "every-step": ProbeConfig(
+        attention_every=1, activations_every=1, fingerprint_every=1, canary_every=10, checksum_every=1
+    ),
+    "scalars-only": ProbeConfig(
+        attention_every=_OFF, fingerprint_every=_OFF, activations_every=0, checksum_every=0, stream_every=0
+    ),
 }
 
 
@@ -50,7 +52,9 @@ def probe_config(spec: str | ProbeConfig) -> tuple[str, ProbeConfig]:
         else:
             data = json.loads(text)
     except ValueError as exc:
-        raise ConfigError("probes", f"{path}: not valid {'TOML' if path.suffix == '.toml' else 'JSON'}: {exc}") from None
+        raise ConfigError(
+            "probes", f"{path}: not valid {'TOML' if path.suffix == '.toml' else 'JSON'}: {exc}"
+        ) from None
     if not isinstance(data, dict):
         raise ConfigError("probes", f"{path}: must hold an object of probe settings")
     known = set(ProbeConfig.__dataclass_fields__)

@@ -60,9 +60,18 @@ class ProbeConfig:
     (:mod:`sdcwatch.telemetry.extremes`); 0 = off."""
 
     def __post_init__(self) -> None:
-        for key, lo in (("every", 1), ("attention_every", 1), ("fingerprint_every", 1), ("heads", 0), ("queries", 1),
-                        ("sequences", 0), ("canary_every", 0), ("activations_every", 0), ("checksum_every", 0),
-                        ("stream_every", 0)):
+        for key, lo in (
+            ("every", 1),
+            ("attention_every", 1),
+            ("fingerprint_every", 1),
+            ("heads", 0),
+            ("queries", 1),
+            ("sequences", 0),
+            ("canary_every", 0),
+            ("activations_every", 0),
+            ("checksum_every", 0),
+            ("stream_every", 0),
+        ):
             v = getattr(self, key)
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise ConfigError(f"probes.{key}", f"must be an integer >= {lo}, got {v!r}")

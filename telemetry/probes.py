@@ -64,13 +64,21 @@ __all__ = [
 ]
 
 
-
 class Watch(AttentionLayers):
     """Probes attached to one model replica (one rank). Build with :func:`attach`."""
 
-    def __init__(self, model: nn.Module, emitter: Any, *, optimizer: Any = None, ddp: Any = None,
-                 config: ProbeConfig | None = None, external: bool = False, background: bool = True,
-                 canary_input: Any = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        emitter: Any,
+        *,
+        optimizer: Any = None,
+        ddp: Any = None,
+        config: ProbeConfig | None = None,
+        external: bool = False,
+        background: bool = True,
+        canary_input: Any = None,
+    ) -> None:
         if not callable(getattr(emitter, "emit", None)):
             raise ConfigError("probes.emitter", f"needs an object with an emit() method, got {type(emitter).__name__}")
         self.model = model
@@ -89,8 +97,7 @@ class Watch(AttentionLayers):
         self._layer_index: dict[nn.Module, int] = {}
         self.module_names: dict[nn.Module, str] = {m: n for n, m in model.named_modules()}
         self._self_reporting: set[nn.Module] = set()  # layers that call observe_attention themselves
-        self._activations = ActivationMax(model, self.module_names,
-                                          lambda: self.enabled and not canary_running())
+        self._activations = ActivationMax(model, self.module_names, lambda: self.enabled and not canary_running())
         self.act_max_module: str | None = None
         """The module that produced the largest output of the last sampled step emitted."""
         self.attention_on = False  # the step in progress measures attention (fixed for the step)
@@ -164,8 +171,15 @@ class Watch(AttentionLayers):
         self.attention_on = self._recording_attention and not self._closed
         self._finite.sync(self._closed)
 
-    def observe_attention(self, layer: int | nn.Module, q: torch.Tensor, k: torch.Tensor, *,
-                          logits: torch.Tensor | None = None, causal: bool = True) -> None:
+    def observe_attention(
+        self,
+        layer: int | nn.Module,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        *,
+        logits: torch.Tensor | None = None,
+        causal: bool = True,
+    ) -> None:
         """Measure one attention layer; its logits' extremes go to the residual-stream check."""
         self._finite.observe_logits(layer, logits)
         super().observe_attention(layer, q, k, logits=logits, causal=causal)
@@ -177,8 +191,15 @@ class Watch(AttentionLayers):
         if self._last_time is None:
             self._last_time = time.perf_counter()
 
-    def observe_gradients(self, *, local_sq: torch.Tensor, global_sq: torch.Tensor, dot: torch.Tensor,
-                          nonfinite: torch.Tensor | None = None, grad_fp: torch.Tensor | None = None) -> None:
+    def observe_gradients(
+        self,
+        *,
+        local_sq: torch.Tensor,
+        global_sq: torch.Tensor,
+        dot: torch.Tensor,
+        nonfinite: torch.Tensor | None = None,
+        grad_fp: torch.Tensor | None = None,
+    ) -> None:
         """Gradient statistics computed elsewhere (the DDP hook, the simulated all-reduce): sums of
         squares and the dot product of the local with the global gradient, on the device.
         ``nonfinite`` is an extra count of non-finite values seen there (added to the record's own)."""
@@ -255,8 +276,12 @@ class Watch(AttentionLayers):
             self._reduce_buckets()
         if not self._external and step % self.config.fingerprint_every == 0 and self._params:
             self._fps["param_fp"] = fp.flat_fingerprint_device(self._params)
-        if (not self._external and self.canary_input is not None and self.config.canary_every
-                and step % self.config.canary_every == 0):
+        if (
+            not self._external
+            and self.canary_input is not None
+            and self.config.canary_every
+            and step % self.config.canary_every == 0
+        ):
             self._fps["canary_fp"] = canary_fingerprint(self.model, self.canary_input)
         host: dict[str, float] = dict(self._host_scalars)
         if step_time is None and self._last_time is not None:
@@ -291,8 +316,9 @@ class Watch(AttentionLayers):
     def _pack(self, step: int, device_scalars: dict, attn: torch.Tensor | None, host: dict) -> None:
         """Start this step's copy to the host; the previous step's record goes to the sender."""
         extra = sum(self._nonfinite[1:], self._nonfinite[0]).reshape(()).float() if self._nonfinite else None
-        packed = pack_step(step, device_scalars, attn, self._fps, host, nonfinite_extra=extra,
-                           layers=self._finite.collect())
+        packed = pack_step(
+            step, device_scalars, attn, self._fps, host, nonfinite_extra=extra, layers=self._finite.collect()
+        )
         self._handoff()
         self._pending = packed
 
@@ -337,7 +363,9 @@ class Watch(AttentionLayers):
     def _fail(self, exc: Exception) -> None:
         self.errors += 1
         if self.errors == 1:
-            warnings.warn(f"sdcwatch probes: record dropped ({type(exc).__name__}: {exc})", RuntimeWarning, stacklevel=3)
+            warnings.warn(
+                f"sdcwatch probes: record dropped ({type(exc).__name__}: {exc})", RuntimeWarning, stacklevel=3
+            )
 
     # -- DDP ------------------------------------------------------------------------------------------
     def _reduce_buckets(self) -> None:
@@ -391,8 +419,17 @@ def _scalar(t: torch.Tensor) -> torch.Tensor:
     return t if t.dim() == 0 else t.reshape(())
 
 
-def attach(model: nn.Module, emitter: Any, *, optimizer: Any = None, ddp: Any = None, every: int = 1,
-           config: ProbeConfig | None = None, canary_input: Any = None, **settings: Any) -> Watch:
+def attach(
+    model: nn.Module,
+    emitter: Any,
+    *,
+    optimizer: Any = None,
+    ddp: Any = None,
+    every: int = 1,
+    config: ProbeConfig | None = None,
+    canary_input: Any = None,
+    **settings: Any,
+) -> Watch:
     """Attach probes to ``model`` (and its optimizer, and its DDP wrapper) reporting to ``emitter``.
 
     ``settings`` are :class:`ProbeConfig` fields (``every``, ``attention_every``, ``heads``...);

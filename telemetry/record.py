@@ -188,9 +188,7 @@ def encode(rec: Record) -> bytes:
     refuses values that do not fit, which surfaces as RecordError.
     """
     try:
-        out: list[bytes] = [
-            _HEAD.pack(MAGIC, VERSION, rec.step, rec.rank, rec.world, rec.local_rank, float(rec.time))
-        ]
+        out: list[bytes] = [_HEAD.pack(MAGIC, VERSION, rec.step, rec.rank, rec.world, rec.local_rank, float(rec.time))]
         _put_str(out, rec.run, True)
         _put_str(out, rec.host, True)
         out.append(_U8.pack(len(rec.scalars)))
@@ -381,8 +379,11 @@ def decode_message(data: bytes | bytearray | memoryview, limits: RecordLimits | 
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise RecordError("record", f"expected bytes, got {type(data).__name__}")
     if limits is not None and len(data) > limits.max_message_bytes:
-        raise LimitError("message", f"{len(data)} bytes, the limit is {limits.max_message_bytes} "
-                                    "(limits.max_message_bytes)", "oversize")
+        raise LimitError(
+            "message",
+            f"{len(data)} bytes, the limit is {limits.max_message_bytes} (limits.max_message_bytes)",
+            "oversize",
+        )
     records = _decode_message(bytes(data))
     if limits is not None:
         for rec in records:

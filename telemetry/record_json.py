@@ -55,7 +55,19 @@ def from_dict(d: Any) -> Record:
     for key in ("run", "step", "rank", "world"):
         if key not in d:
             raise RecordError(key, "missing")
-    unknown = set(d) - {"v", "run", "step", "rank", "world", "local_rank", "host", "time", "scalars", "fingerprints", "layers"}
+    unknown = set(d) - {
+        "v",
+        "run",
+        "step",
+        "rank",
+        "world",
+        "local_rank",
+        "host",
+        "time",
+        "scalars",
+        "fingerprints",
+        "layers",
+    }
     if unknown:
         raise RecordError(sorted(unknown)[0], "unknown field")
     groups = {}

@@ -44,8 +44,10 @@ _QK_NAMES = (("query", "key_states"), ("query_states", "key_states"), ("query", 
 #: Hugging Face attention implementations the tap sees (the others run kernels outside PyTorch).
 HF_VISIBLE = ("sdpa", "eager")
 
-REPORT_HINT = ("report each layer from its forward with sdcwatch.telemetry.observe_attention(self, q, k) "
-               "(q, k after RoPE, shape (batch, heads, time, d_head); no other change needed)")
+REPORT_HINT = (
+    "report each layer from its forward with sdcwatch.telemetry.observe_attention(self, q, k) "
+    "(q, k after RoPE, shape (batch, heads, time, d_head); no other change needed)"
+)
 
 
 def _expand_kv(k: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -57,9 +59,17 @@ def _expand_kv(k: torch.Tensor, n_head: int) -> torch.Tensor:
     return k.repeat_interleave(n_head // k.shape[1], dim=1)
 
 
-def sdpa_attention_stats(q: torch.Tensor, k: torch.Tensor, *, attn_mask: torch.Tensor | None = None,
-                         is_causal: bool = False, scale: float | None = None, heads: int = 4, queries: int = 16,
-                         sequences: int = 0) -> torch.Tensor:
+def sdpa_attention_stats(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    *,
+    attn_mask: torch.Tensor | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    heads: int = 4,
+    queries: int = 16,
+    sequences: int = 0,
+) -> torch.Tensor:
     """The attention statistics of one ``F.scaled_dot_product_attention(q, k, v, ...)`` call.
 
     Same semantics as the kernel: q (batch, heads, Lq, d), k (batch, kv_heads, Lk, d) with
@@ -122,8 +132,10 @@ class AttentionTap(TorchFunctionMode):
 
     def install(self, model: nn.Module) -> list[Any]:
         """Bracket ``model``'s forward; warn once about attention it cannot see. Returns the hooks."""
-        handles = [model.register_forward_pre_hook(lambda m, a: self.forward_begin()),
-                   model.register_forward_hook(lambda m, a, o: self.forward_end(), always_call=True)]
+        handles = [
+            model.register_forward_pre_hook(lambda m, a: self.forward_begin()),
+            model.register_forward_hook(lambda m, a, o: self.forward_end(), always_call=True),
+        ]
         if self.watch.config.attention == "auto":
             blind = attention_blind_spots(model)
             if blind:
@@ -156,8 +168,9 @@ class AttentionTap(TorchFunctionMode):
         if self._warned:
             return
         self._warned = True
-        warnings.warn(f"sdcwatch probes: {what}. Layer statistics stay off until you {REPORT_HINT}.",
-                      RuntimeWarning, stacklevel=4)
+        warnings.warn(
+            f"sdcwatch probes: {what}. Layer statistics stay off until you {REPORT_HINT}.", RuntimeWarning, stacklevel=4
+        )
 
     def check_seen(self) -> None:
         """At a recorded step: a forward pass ran under the tap and no layer showed up."""
@@ -181,16 +194,33 @@ class AttentionTap(TorchFunctionMode):
             self.watch._fail(exc)
 
     # -- the calls ----------------------------------------------------------------------------------
-    def _sdpa(self, query: torch.Tensor, key: torch.Tensor, value: Any = None, attn_mask: Any = None,
-              dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None, **_: Any) -> None:
+    def _sdpa(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: Any = None,
+        attn_mask: Any = None,
+        dropout_p: float = 0.0,
+        is_causal: bool = False,
+        scale: float | None = None,
+        **_: Any,
+    ) -> None:
         if query.dim() != 4:
             return
         layer = self._layer(sys._getframe(1))
         if layer is None:
             return
         cfg = self.watch.config
-        stats = sdpa_attention_stats(query, key, attn_mask=attn_mask, is_causal=bool(is_causal), scale=scale,
-                                     heads=cfg.heads, queries=cfg.queries, sequences=cfg.sequences)
+        stats = sdpa_attention_stats(
+            query,
+            key,
+            attn_mask=attn_mask,
+            is_causal=bool(is_causal),
+            scale=scale,
+            heads=cfg.heads,
+            queries=cfg.queries,
+            sequences=cfg.sequences,
+        )
         self.calls += 1
         self.watch.record_attention(layer, stats)
 
@@ -198,8 +228,9 @@ class AttentionTap(TorchFunctionMode):
         if kwargs.get("dim", dim) not in (-1, 3) or not isinstance(logits, torch.Tensor) or logits.dim() != 4:
             return
         frame = sys._getframe(1)
-        while frame is not None and (frame.f_code.co_filename.startswith(_TORCH_DIR)
-                                     or frame.f_code.co_filename == __file__):
+        while frame is not None and (
+            frame.f_code.co_filename.startswith(_TORCH_DIR) or frame.f_code.co_filename == __file__
+        ):
             frame = frame.f_back  # up to the code that called softmax
         if frame is None:
             return
@@ -211,8 +242,15 @@ class AttentionTap(TorchFunctionMode):
             return
         q, k = qk
         cfg = self.watch.config
-        stats = attention_stats(q, _expand_kv(k, q.shape[1]), logits=logits, heads=cfg.heads, queries=cfg.queries,
-                                sequences=cfg.sequences, causal=False)
+        stats = attention_stats(
+            q,
+            _expand_kv(k, q.shape[1]),
+            logits=logits,
+            heads=cfg.heads,
+            queries=cfg.queries,
+            sequences=cfg.sequences,
+            causal=False,
+        )
         self.calls += 1
         self.watch.record_attention(layer, stats)
 
@@ -241,9 +279,17 @@ def _find_qk(local: dict, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     b, h, tq, tk = logits.shape
     for qn, kn in _QK_NAMES:
         q, k = local.get(qn), local.get(kn)
-        if (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and q.dim() == 4 and k.dim() == 4
-                and tuple(q.shape[:3]) == (b, h, tq) and k.shape[0] == b and k.shape[2] == tk
-                and k.shape[-1] == q.shape[-1] and h % k.shape[1] == 0):
+        if (
+            isinstance(q, torch.Tensor)
+            and isinstance(k, torch.Tensor)
+            and q.dim() == 4
+            and k.dim() == 4
+            and tuple(q.shape[:3]) == (b, h, tq)
+            and k.shape[0] == b
+            and k.shape[2] == tk
+            and k.shape[-1] == q.shape[-1]
+            and h % k.shape[1] == 0
+        ):
             return q, k
     return None
 
@@ -262,8 +308,10 @@ def attention_blind_spots(model: nn.Module) -> list[str]:
         if isinstance(impl, str):  # a Hugging Face model (or one inside a LightningModule)
             if impl in HF_VISIBLE:
                 return []
-            return [f"attn_implementation={impl!r} computes attention outside PyTorch's "
-                    f"scaled_dot_product_attention (use 'sdpa' or 'eager' to have it measured)"]
+            return [
+                f"attn_implementation={impl!r} computes attention outside PyTorch's "
+                f"scaled_dot_product_attention (use 'sdpa' or 'eager' to have it measured)"
+            ]
     blind = []
     for name, m in model.named_modules():
         if not name or isinstance(m, nn.MultiheadAttention) or getattr(m, "_sdcwatch_attention", False):
@@ -275,8 +323,9 @@ def attention_blind_spots(model: nn.Module) -> list[str]:
         if any(isinstance(c, nn.MultiheadAttention) for c in m.children()):
             continue
         source = _source(type(m).forward)
-        if source is None or not any(s in source for s in ("scaled_dot_product_attention", "softmax",
-                                                            "observe_attention", "attention_interface")):
+        if source is None or not any(
+            s in source for s in ("scaled_dot_product_attention", "softmax", "observe_attention", "attention_interface")
+        ):
             blind.append(f"{name} ({type(m).__name__}) calls no attention PyTorch can show")
         if len(blind) >= 3:
             break
@@ -288,4 +337,3 @@ def _source(fn: Any) -> str | None:
         return textwrap.dedent(inspect.getsource(fn))
     except (OSError, TypeError):
         return None
-

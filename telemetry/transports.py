@@ -121,8 +121,9 @@ class FileTransport:
                 if self._fh is None:
                     self.path.parent.mkdir(parents=True, exist_ok=True)
                     self._fh = open(self.path, "a", encoding="utf-8")
-                self._fh.write("".join(to_json(r.to_record() if isinstance(r, PackedRecord) else r) + "\n"
-                                       for r in records))
+                self._fh.write(
+                    "".join(to_json(r.to_record() if isinstance(r, PackedRecord) else r) + "\n" for r in records)
+                )
                 self._fh.flush()
             except OSError as exc:
                 raise _unsent(f"cannot write {self.path}: {exc}", records) from None
@@ -213,13 +214,20 @@ class KafkaTransport:
         if budget <= 0:
             raise TransportError(f"cannot connect to Kafka at {self.bootstrap}: no time left before close")
         try:
-            self._producer = new_producer(self.bootstrap, self.security, **self._producer_config,
-                                          bootstrap_timeout_ms=budget)
+            self._producer = new_producer(
+                self.bootstrap, self.security, **self._producer_config, bootstrap_timeout_ms=budget
+            )
         except (KafkaError, OSError, ValueError) as exc:
             raise TransportError(f"cannot connect to Kafka at {self.bootstrap}: {exc}") from None
         if not self._topic_ready:
-            self._topic_ready = ensure_topic(self.bootstrap, self.topic, self.partitions, self.replication, self.security,
-                                             timeout_ms=max(1, self._budget_ms(3000)))
+            self._topic_ready = ensure_topic(
+                self.bootstrap,
+                self.topic,
+                self.partitions,
+                self.replication,
+                self.security,
+                timeout_ms=max(1, self._budget_ms(3000)),
+            )
         return self._producer
 
     def send(self, records: Sequence[Record]) -> None:
@@ -238,7 +246,7 @@ class KafkaTransport:
             producer.flush(timeout=self._budget_ms(self.flush_timeout * 1000) / 1000)
         except (KafkaError, OSError) as exc:
             failed = [r for (_, recs), f in zip(messages, futures) if not (f.is_done and f.succeeded()) for r in recs]
-            failed.extend(r for _, recs in messages[len(futures):] for r in recs)
+            failed.extend(r for _, recs in messages[len(futures) :] for r in recs)
             self._reset()
             raise _unsent(f"Kafka send to {self.bootstrap} failed: {exc}", failed) from None
         failed = [r for (_, recs), f in zip(messages, futures) if not (f.is_done and f.succeeded()) for r in recs]
@@ -258,8 +266,11 @@ class KafkaTransport:
         topic again if the broker has none.
         """
         confirmed = [md for md in confirmed if md is not None and md.offset >= 0]  # acks=0: no offsets
-        went_back = [(md.partition, self._last_offsets[md.partition], md.offset) for md in confirmed
-                     if md.offset < self._last_offsets.get(md.partition, -1)]
+        went_back = [
+            (md.partition, self._last_offsets[md.partition], md.offset)
+            for md in confirmed
+            if md.offset < self._last_offsets.get(md.partition, -1)
+        ]
         if went_back:  # the whole log started again: forget the old offsets of every partition
             self._last_offsets = {}
         for md in confirmed:
@@ -267,9 +278,16 @@ class KafkaTransport:
         if went_back:
             self.log_resets += 1
             part, last, now = went_back[0]
-            log.warning("Kafka at %s: %s partition %d went back from offset %d to %d: the broker lost records it "
-                        "had confirmed (restarted without persistent storage?); telemetry sent before is gone "
-                        "from the bus", self.bootstrap, self.topic, part, last, now)
+            log.warning(
+                "Kafka at %s: %s partition %d went back from offset %d to %d: the broker lost records it "
+                "had confirmed (restarted without persistent storage?); telemetry sent before is gone "
+                "from the bus",
+                self.bootstrap,
+                self.topic,
+                part,
+                last,
+                now,
+            )
             self._reset()
 
     def _reset(self) -> None:
@@ -290,8 +308,14 @@ class KafkaTransport:
                 self._producer = None
 
 
-def ensure_topic(bootstrap: str, topic: str, partitions: int, replication: int = 1,
-                 security: dict[str, Any] | None = None, timeout_ms: int = 3000) -> bool:
+def ensure_topic(
+    bootstrap: str,
+    topic: str,
+    partitions: int,
+    replication: int = 1,
+    security: dict[str, Any] | None = None,
+    timeout_ms: int = 3000,
+) -> bool:
     """Create ``topic`` if it does not exist; True when it exists afterwards.
 
     Failure to reach the admin API is not fatal: a broker that auto-creates topics still takes

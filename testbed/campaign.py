@@ -86,11 +86,21 @@ IMPACT_CLASSES = ("negligible", "silent_drift", "spike", "nonfinite")
 
 #: Faults of the hardware (SDC): the detector should name the rank and blame it.
 HARDWARE_CLASSES = (
-    "nan_attn", "inf_attn", "near_inf_attn", "nan_other", "inf_other", "near_inf_other",
-    "bitflip_exponent", "bitflip_mantissa", "unhealthy_node", "param_bitflip",
+    "nan_attn",
+    "inf_attn",
+    "near_inf_attn",
+    "nan_other",
+    "inf_other",
+    "near_inf_other",
+    "bitflip_exponent",
+    "bitflip_mantissa",
+    "unhealthy_node",
+    "param_bitflip",
     # faults that are often masked (no effect on the loss) yet are the same hardware: extreme values
     # written into the residual stream, flips in container modules' outputs and in weights' mantissas
-    "nonfinite_stream", "bitflip_container", "param_bitflip_mantissa",
+    "nonfinite_stream",
+    "bitflip_container",
+    "param_bitflip_mantissa",
 )
 #: Classes of one-element bit flips (their "detectable" subset is scored against the checksums).
 FLIP_CLASSES = ("bitflip_exponent", "bitflip_mantissa", "param_bitflip", "bitflip_container", "param_bitflip_mantissa")
@@ -139,15 +149,23 @@ class CampaignConfig:
     aligner before detection; None: detect on the records as built."""
 
     def __post_init__(self) -> None:
-        for key, lo in (("world", 2), ("trials", 1), ("pretrain_steps", 1), ("branch_steps", 2), ("window", 1),
-                        ("batch_size", 1)):
+        for key, lo in (
+            ("world", 2),
+            ("trials", 1),
+            ("pretrain_steps", 1),
+            ("branch_steps", 2),
+            ("window", 1),
+            ("batch_size", 1),
+        ):
             v = getattr(self, key)
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise ConfigError(f"campaign.{key}", f"must be an integer >= {lo}, got {v!r}")
         lo, hi = self.fault_offset
         if not (isinstance(lo, int) and isinstance(hi, int) and 0 <= lo <= hi < self.branch_steps):
-            raise ConfigError("campaign.fault_offset", f"must be 0 <= lo <= hi < branch_steps ({self.branch_steps}), "
-                                                       f"got {self.fault_offset!r}")
+            raise ConfigError(
+                "campaign.fault_offset",
+                f"must be 0 <= lo <= hi < branch_steps ({self.branch_steps}), got {self.fault_offset!r}",
+            )
         from sdcwatch.telemetry.presets import probe_config
 
         probe_config(self.probes)  # a ConfigError naming an unknown preset or a bad file
@@ -155,7 +173,9 @@ class CampaignConfig:
             raise ConfigError("campaign.wire", f"must be v1 or v2, got {self.wire!r}")
         unknown = [c for c in self.classes if c not in FAULT_CLASSES]
         if unknown or not self.classes:
-            raise ConfigError("campaign.classes", f"unknown or no fault class {unknown!r} (known: {', '.join(FAULT_CLASSES)})")
+            raise ConfigError(
+                "campaign.classes", f"unknown or no fault class {unknown!r} (known: {', '.join(FAULT_CLASSES)})"
+            )
 
 
 @dataclass
@@ -174,6 +194,7 @@ class Trial:
 
 
 # -- faults --------------------------------------------------------------------------------------
+
 
 def fault_class(spec: Any) -> str:
     """The campaign class of a fault spec (how a fault read from a file is summarised)."""
@@ -212,8 +233,11 @@ def _generate_one(cls: str, rng: random.Random, world: int, n_layer: int, step: 
     if cls in ("bitflip_exponent", "bitflip_mantissa"):
         bit = rng.randrange(23, 31) if cls == "bitflip_exponent" else rng.randrange(0, 23)
         where = rng.choice(("output", "output", "grad"))
-        target = rng.choice(_OTHER + _ATTN_GEMMS[1:]).format(l=layer) if where == "output" else \
-            rng.choice(_OTHER).format(l=layer)
+        target = (
+            rng.choice(_OTHER + _ATTN_GEMMS[1:]).format(l=layer)
+            if where == "output"
+            else rng.choice(_OTHER).format(l=layer)
+        )
         return {**base, "kind": "bitflip", "bit": bit, "where": where, "target": target}
     if cls == "nonfinite_stream":  # NaN, Inf or near-INF written into a block's output: the residual stream
         kind = rng.choice(("nan", "inf", "near_inf"))
@@ -222,20 +246,46 @@ def _generate_one(cls: str, rng: random.Random, world: int, n_layer: int, step: 
             spec["magnitude"] = rng.choice((1.0, -1.0)) * 10 ** rng.uniform(10, 12)
         return spec
     if cls == "bitflip_container":  # any bit of one element of a block's (or its attention's, MLP's) output
-        return {**base, "kind": "bitflip", "bit": rng.randrange(0, 31), "where": "output",
-                "target": rng.choice(_CONTAINERS).format(l=layer)}
+        return {
+            **base,
+            "kind": "bitflip",
+            "bit": rng.randrange(0, 31),
+            "where": "output",
+            "target": rng.choice(_CONTAINERS).format(l=layer),
+        }
     if cls == "param_bitflip_mantissa":  # a memory flip in one replica's weights, mantissa bits
-        return {**base, "kind": "bitflip", "where": "param", "bit": rng.randrange(0, 23),
-                "target": rng.choice(_OTHER).format(l=layer)}
+        return {
+            **base,
+            "kind": "bitflip",
+            "where": "param",
+            "bit": rng.randrange(0, 23),
+            "target": rng.choice(_OTHER).format(l=layer),
+        }
     if cls == "unhealthy_node":  # Ma et al.: a node whose matmuls are persistently a little off
-        return {**base, "kind": "noise", "duration": 0, "target": rng.choice(_MATMULS),
-                "magnitude": 10 ** rng.uniform(-4, -2)}
+        return {
+            **base,
+            "kind": "noise",
+            "duration": 0,
+            "target": rng.choice(_MATMULS),
+            "magnitude": 10 ** rng.uniform(-4, -2),
+        }
     if cls == "param_bitflip":  # a memory flip in one replica's weights: replicas disagree from now on
-        return {**base, "kind": "bitflip", "where": "param", "bit": rng.randrange(23, 31),
-                "target": rng.choice(_OTHER).format(l=layer)}
+        return {
+            **base,
+            "kind": "bitflip",
+            "where": "param",
+            "bit": rng.randrange(23, 31),
+            "target": rng.choice(_OTHER).format(l=layer),
+        }
     if cls == "lr_spike":
-        return {"kind": "lr_spike", "rank": None, "step": step, "seed": seed, "duration": rng.randint(1, 3),
-                "magnitude": float(rng.choice((10, 20, 50, 100)))}
+        return {
+            "kind": "lr_spike",
+            "rank": None,
+            "step": step,
+            "seed": seed,
+            "duration": rng.randint(1, 3),
+            "magnitude": float(rng.choice((10, 20, 50, 100))),
+        }
     if cls == "bad_batch_all":
         return {"kind": "bad_batch", "rank": None, "step": step, "seed": seed, "duration": rng.randint(1, 2)}
     return {"kind": "bad_batch", "rank": rank, "step": step, "seed": seed, "duration": rng.randint(1, 2)}
@@ -265,9 +315,12 @@ def trials_from_faults(faults: Sequence[Any], config: CampaignConfig) -> list[Tr
     out = []
     for i, spec in enumerate(faults):
         if spec.step >= config.branch_steps:
-            raise FaultSpecError("step", f"{spec.step} is past the branch ({config.branch_steps} steps after the "
-                                 f"checkpoint; steps in a campaign faults file count from the checkpoint)",
-                                 where=f"faults[{i}]")
+            raise FaultSpecError(
+                "step",
+                f"{spec.step} is past the branch ({config.branch_steps} steps after the "
+                f"checkpoint; steps in a campaign faults file count from the checkpoint)",
+                where=f"faults[{i}]",
+            )
         if spec.rank is not None and spec.rank >= config.world:
             raise FaultSpecError("rank", f"{spec.rank} but the campaign has {config.world} ranks", where=f"faults[{i}]")
         out.append(Trial(i, fault_class(spec), spec, data_seed=rng.randrange(1 << 20)))
@@ -275,6 +328,7 @@ def trials_from_faults(faults: Sequence[Any], config: CampaignConfig) -> list[Tr
 
 
 # -- running branches ------------------------------------------------------------------------------
+
 
 class RecordCollector:
     """An emitter that keeps one rank's records in memory (the campaign reads them back per step)."""
@@ -287,8 +341,20 @@ class RecordCollector:
     def emit(self, step: int, *, layers=None, fingerprints=None, time: float | None = None, **scalars: float) -> None:
         from sdcwatch.telemetry.record import Record
 
-        self.sink.append(Record(self.run, step, self.rank, self.world, self.host, 0.0 if time is None else time,
-                                self.rank, dict(scalars), dict(fingerprints or {}), dict(layers or {})))
+        self.sink.append(
+            Record(
+                self.run,
+                step,
+                self.rank,
+                self.world,
+                self.host,
+                0.0 if time is None else time,
+                self.rank,
+                dict(scalars),
+                dict(fingerprints or {}),
+                dict(layers or {}),
+            )
+        )
 
     def flush(self, timeout: float | None = None) -> bool:
         return True
@@ -338,12 +404,20 @@ def _new_run(config: CampaignConfig, faults: Sequence[Any], records: list, run_i
 
     from sdcwatch.telemetry.presets import probe_config
 
-    return SimulatedRun(config.world, seed=config.seed, faults=faults, emitter_factory=factory,
-                        batch_size=config.batch_size, guard=guard, probes=probe_config(config.probes)[1])
+    return SimulatedRun(
+        config.world,
+        seed=config.seed,
+        faults=faults,
+        emitter_factory=factory,
+        batch_size=config.batch_size,
+        guard=guard,
+        probes=probe_config(config.probes)[1],
+    )
 
 
-def run_branch(config: CampaignConfig, checkpoint: Path, faults: Sequence[Any], data_seed: int,
-               run_id: str = "campaign") -> Branch:
+def run_branch(
+    config: CampaignConfig, checkpoint: Path, faults: Sequence[Any], data_seed: int, run_id: str = "campaign"
+) -> Branch:
     """Run ``branch_steps`` from the checkpoint with ``faults`` on the data stream ``data_seed``."""
     t0 = time.perf_counter()
     records: list = []
@@ -371,8 +445,9 @@ def run_branch(config: CampaignConfig, checkpoint: Path, faults: Sequence[Any], 
         injections = list(run.injector.injections)
     finally:
         run.close()  # emits the last step's record
-    return Branch(_frames(records, config.world, config.wire), losses, params, time.perf_counter() - t0, injections,
-                  bounds)
+    return Branch(
+        _frames(records, config.world, config.wire), losses, params, time.perf_counter() - t0, injections, bounds
+    )
 
 
 def fault_visibility(fault: Any, branch: Branch) -> dict[str, Any]:
@@ -384,8 +459,11 @@ def fault_visibility(fault: Any, branch: Branch) -> dict[str, Any]:
     container's output, an attention GEMM), ``None`` when the fault changed no single element.
     ``direction`` of a flip: ``up`` when the magnitude grew, ``down`` when it shrank.
     """
-    hits = [i for i in branch.injections if i.index is not None and i.step == fault.step
-            and (fault.rank is None or i.rank == fault.rank)]
+    hits = [
+        i
+        for i in branch.injections
+        if i.index is not None and i.step == fault.step and (fault.rank is None or i.rank == fault.rank)
+    ]
     if not hits:
         return {"detectable": None, "change": None, "bound": None, "direction": None}
     inj = hits[0]
@@ -399,11 +477,17 @@ def fault_visibility(fault: Any, branch: Branch) -> dict[str, Any]:
         key = ("gemm_weight", inj.target)
     bound = branch.bounds.get(key) if key else None
     direction = "up" if not math.isfinite(after) or abs(after) > abs(before) else "down"
-    return {"detectable": bool(bound is not None and change > bound), "change": _num(change),
-            "bound": bound, "direction": direction, "tensor": inj.target}
+    return {
+        "detectable": bool(bound is not None and change > bound),
+        "change": _num(change),
+        "bound": bound,
+        "direction": direction,
+        "tensor": inj.target,
+    }
 
 
 # -- ground truth ------------------------------------------------------------------------------------
+
 
 def impact_class(faulted: Branch, twin: Branch, theta0: Any) -> dict[str, Any]:
     """The impact class of a fault (see the module docstring) and the numbers it rests on."""
@@ -441,6 +525,7 @@ def _num(v: float) -> float | str:
 
 # -- detectors ---------------------------------------------------------------------------------------
 
+
 @dataclass
 class Alarm:
     """One alarm of one detector: what an operator would have been told, and when."""
@@ -477,8 +562,15 @@ class _SdcwatchRunner:
             if ev.change == "resolved" or inc.kind in _TIMING_KINDS or inc.severity.value == "info":
                 continue
             step = inc.first_step if ev.change == "opened" else inc.last_step
-            out.append(Alarm(step, inc.kind, tuple(inc.ranks), _attribution(inc.kind, inc.ranks, inc.evidence,
-                                                                              frame.world), inc.message))
+            out.append(
+                Alarm(
+                    step,
+                    inc.kind,
+                    tuple(inc.ranks),
+                    _attribution(inc.kind, inc.ranks, inc.evidence, frame.world),
+                    inc.message,
+                )
+            )
         return out
 
 
@@ -492,8 +584,11 @@ class _BaselineRunner:
         return _BaselineRunner(self.name, copy.deepcopy(self.detector))
 
     def feed(self, frame: Any) -> list[Alarm]:
-        return [Alarm(f.step, f.kind, tuple(f.ranks), _attribution(f.kind, f.ranks, f.evidence, frame.world), f.message)
-                for f in self.detector.update(frame) if f.severity.value != "info"]
+        return [
+            Alarm(f.step, f.kind, tuple(f.ranks), _attribution(f.kind, f.ranks, f.evidence, frame.world), f.message)
+            for f in self.detector.update(frame)
+            if f.severity.value != "info"
+        ]
 
 
 def _attribution(kind: str, ranks: Sequence[int], evidence: dict, world: int) -> str | None:
@@ -528,16 +623,20 @@ def _alarms(runner: Any, frames: Sequence[Any]) -> list[Alarm]:
     return [a for frame in frames for a in runner.feed(frame)]
 
 
-def score_trial(trial: Trial, fault_step: int, faulted: list[Alarm], twin: list[Alarm], window: int,
-                world: int) -> dict[str, Any]:
+def score_trial(
+    trial: Trial, fault_step: int, faulted: list[Alarm], twin: list[Alarm], window: int, world: int
+) -> dict[str, Any]:
     """One detector's verdict on one trial (see the module docstring)."""
     twin_keys = {(a.kind, a.step) for a in twin}
-    hits = sorted((a for a in faulted if a.step >= fault_step and (a.kind, a.step) not in twin_keys),
-                  key=lambda a: a.step)
+    hits = sorted(
+        (a for a in faulted if a.step >= fault_step and (a.kind, a.step) not in twin_keys), key=lambda a: a.step
+    )
     first = hits[0] if hits else None
     named = next((a.ranks[0] for a in hits if len(a.ranks) == 1 and a.step < fault_step + window), None)
     attributions = {a.attribution for a in hits}
-    attribution = "sdc" if "sdc" in attributions else ("optimisation_data" if "optimisation_data" in attributions else None)
+    attribution = (
+        "sdc" if "sdc" in attributions else ("optimisation_data" if "optimisation_data" in attributions else None)
+    )
     return {
         "detected": first is not None,
         "first_detection_step": first.step if first else None,
@@ -554,13 +653,20 @@ def score_trial(trial: Trial, fault_step: int, faulted: list[Alarm], twin: list[
 
 # -- the campaign ------------------------------------------------------------------------------------
 
+
 def _progress(msg: str, stream: Any = None) -> None:
     print(msg, file=stream or sys.stderr, flush=True)
 
 
-def run_campaign(config: CampaignConfig, faults: Sequence[Any] | None = None, *,
-                 detectors: Iterable[str] | None = None, workdir: str | Path | None = None,
-                 progress: Callable[[str], None] | None = _progress, guard: bool = False) -> dict[str, Any]:
+def run_campaign(
+    config: CampaignConfig,
+    faults: Sequence[Any] | None = None,
+    *,
+    detectors: Iterable[str] | None = None,
+    workdir: str | Path | None = None,
+    progress: Callable[[str], None] | None = _progress,
+    guard: bool = False,
+) -> dict[str, Any]:
     """Run the whole campaign; returns the JSON-ready result (``config``, ``checkpoint``, ``trials``, ``summary``).
 
     With ``guard``, every trial runs three ways (see :mod:`sdcwatch.testbed.guard_campaign`): the clean twin
@@ -589,12 +695,18 @@ def run_campaign(config: CampaignConfig, faults: Sequence[Any] | None = None, *,
             run.close()
         pre_frames = _frames(records, config.world, config.wire)
         warm_alarms = {r.name: len(_alarms(r, pre_frames)) for r in runners}
-        checkpoint = {"step": config.pretrain_steps, "seconds": round(time.perf_counter() - t0, 2),
-                      "loss_first": pre_losses[0], "loss_last": pre_losses[-1],
-                      "alarms_during_warmup": warm_alarms}
-        say(f"campaign: checkpoint at step {config.pretrain_steps} (loss {pre_losses[-1]:.3f}) in "
+        checkpoint = {
+            "step": config.pretrain_steps,
+            "seconds": round(time.perf_counter() - t0, 2),
+            "loss_first": pre_losses[0],
+            "loss_last": pre_losses[-1],
+            "alarms_during_warmup": warm_alarms,
+        }
+        say(
+            f"campaign: checkpoint at step {config.pretrain_steps} (loss {pre_losses[-1]:.3f}) in "
             f"{checkpoint['seconds']:.0f}s; {len(trials)} trials of {config.branch_steps} steps x {3 if guard else 2} "
-            f"branches")
+            f"branches"
+        )
         loop = None
         if guard:
             from sdcwatch.testbed import guard_campaign
@@ -618,36 +730,59 @@ def run_campaign(config: CampaignConfig, faults: Sequence[Any] | None = None, *,
                 f_alarms = _alarms(r.fork(), faulted.frames)
                 c_alarms = _alarms(r.fork(), twin.frames)
                 verdicts[r.name] = score_trial(trial, fault.step, f_alarms, c_alarms, config.window, config.world)
-            results.append({
-                "index": trial.index, "class": trial.fault_class, "fault": fault.to_dict(), "fault_step": fault.step,
-                "culprit_rank": trial.culprit, "data_seed": trial.data_seed, "impact": impact,
-                "visibility": visibility,
-                "clean_steps": len(twin.frames), "detectors": verdicts,
-            })
+            results.append(
+                {
+                    "index": trial.index,
+                    "class": trial.fault_class,
+                    "fault": fault.to_dict(),
+                    "fault_step": fault.step,
+                    "culprit_rank": trial.culprit,
+                    "data_seed": trial.data_seed,
+                    "impact": impact,
+                    "visibility": visibility,
+                    "clean_steps": len(twin.frames),
+                    "detectors": verdicts,
+                }
+            )
             if loop is not None:
                 guarded = guard_campaign.run_guarded_branch(config, ckpt, [fault], trial.data_seed, loop)
-                g = results[-1]["guard"] = guard_campaign.guard_trial(trial, trial.fault.step, faulted, twin, guarded,
-                                                                      theta0, config.window)
-                say(f"campaign:   guarded: {', '.join(a['action'] + '@' + str(a['step']) for a in g['actions']) or 'no action'}"
+                g = results[-1]["guard"] = guard_campaign.guard_trial(
+                    trial, trial.fault.step, faulted, twin, guarded, theta0, config.window
+                )
+                say(
+                    f"campaign:   guarded: {', '.join(a['action'] + '@' + str(a['step']) for a in g['actions']) or 'no action'}"
                     f"; final loss excess {g['final_excess']['faulted']} -> {g['final_excess']['guarded']}, "
-                    f"drift {g['drift']['faulted']} -> {g['drift']['guarded']}")
+                    f"drift {g['drift']['faulted']} -> {g['drift']['guarded']}"
+                )
             done = i + 1
             rate = (time.perf_counter() - t_trials) / done
             sw = verdicts.get("sdcwatch")
-            note = "" if sw is None else f" sdcwatch: {'detected' if sw['detected'] else 'missed'}" + (
-                f" at +{sw['delay']}" if sw["detected"] else "") + (
-                f", rank {sw['localized_rank']}" if sw["localized_rank"] is not None else "")
-            say(f"campaign: trial {done}/{len(trials)} {trial.fault_class} rank={fault.rank} -> {impact['class']};"
-                f"{note} (eta {rate * (len(trials) - done):.0f}s)")
+            note = (
+                ""
+                if sw is None
+                else f" sdcwatch: {'detected' if sw['detected'] else 'missed'}"
+                + (f" at +{sw['delay']}" if sw["detected"] else "")
+                + (f", rank {sw['localized_rank']}" if sw["localized_rank"] is not None else "")
+            )
+            say(
+                f"campaign: trial {done}/{len(trials)} {trial.fault_class} rank={fault.rank} -> {impact['class']};"
+                f"{note} (eta {rate * (len(trials) - done):.0f}s)"
+            )
 
     summary = summarise(results, [r.name for r in runners])
     extra: dict[str, Any] = {}
     if guard:
-        extra = {"guard_summary": guard_campaign.summarise_guard(results),
-                 "guard_targets": guard_campaign.check_guard_targets(results)}
+        extra = {
+            "guard_summary": guard_campaign.summarise_guard(results),
+            "guard_targets": guard_campaign.check_guard_targets(results),
+        }
     return {
-        "config": {**asdict(config), "spike_rel": SPIKE_REL, "drift_rel": DRIFT_REL,
-                   "faults_from_file": faults is not None},
+        "config": {
+            **asdict(config),
+            "spike_rel": SPIKE_REL,
+            "drift_rel": DRIFT_REL,
+            "faults_from_file": faults is not None,
+        },
         "checkpoint": checkpoint,
         "trials": results,
         "summary": summary,
@@ -711,17 +846,23 @@ def summarise(trials: Sequence[dict], detectors: Sequence[str]) -> dict[str, Any
                 "recall": _rate(len(det_imp), len(impactful)),
                 "recall_all": _rate(sum(v(t)["detected"] for t in ts), len(ts)),
                 "detectable": len(detectable),
-                "recall_detectable": _rate(sum(v(t)["detected"] and v(t)["delay"] == 0
-                                               and v(t)["localized_rank"] == t["culprit_rank"] for t in detectable),
-                                           len(detectable)),
+                "recall_detectable": _rate(
+                    sum(
+                        v(t)["detected"] and v(t)["delay"] == 0 and v(t)["localized_rank"] == t["culprit_rank"]
+                        for t in detectable
+                    ),
+                    len(detectable),
+                ),
                 "at_fault_step": _rate(sum(1 for x in delays if x == 0), len(impactful)),
                 "false_alarms": sum(v(t)["false_alarms"] for t in ts),
                 "clean_steps": clean_steps,
                 "false_alarms_per_1k_clean_steps": _rate(1000 * sum(v(t)["false_alarms"] for t in ts), clean_steps),
-                "localisation": _rate(sum(v(t)["localized_rank"] == t["culprit_rank"] for t in with_rank_imp),
-                                      len(with_rank_imp)),
-                "localisation_all": _rate(sum(v(t)["localized_rank"] == t["culprit_rank"] for t in with_rank),
-                                          len(with_rank)),
+                "localisation": _rate(
+                    sum(v(t)["localized_rank"] == t["culprit_rank"] for t in with_rank_imp), len(with_rank_imp)
+                ),
+                "localisation_all": _rate(
+                    sum(v(t)["localized_rank"] == t["culprit_rank"] for t in with_rank), len(with_rank)
+                ),
                 "median_delay": median(delays) if delays else None,
                 "attribution": _rate(sum(v(t)["attribution"] == expected(t) for t in det_imp), len(det_imp)),
                 "blamed_rank": _rate(sum(v(t)["attribution"] == "sdc" for t in benign_det), len(benign_det)),
@@ -732,41 +873,101 @@ def summarise(trials: Sequence[dict], detectors: Sequence[str]) -> dict[str, Any
 
 def check_targets(trials: Sequence[dict], summary: dict[str, Any], detector: str = "sdcwatch") -> list[dict[str, Any]]:
     """The issue's targets for ``detector``: each with the measured value, the goal and whether it was met."""
+
     def of(classes: Iterable[str]) -> list[dict]:
         classes = set(classes)
         return [t for t in trials if t["class"] in classes]
 
     def row(name: str, num: int, den: int, goal: float) -> dict[str, Any]:
         value = _rate(num, den)
-        return {"target": name, "value": value, "count": f"{num}/{den}", "goal": goal,
-                "met": None if value is None else value >= goal}
+        return {
+            "target": name,
+            "value": value,
+            "count": f"{num}/{den}",
+            "goal": goal,
+            "met": None if value is None else value >= goal,
+        }
 
     out = []
     nf = of(c for c in HARDWARE_CLASSES if c.startswith(("nan_", "inf_", "near_inf_", "nonfinite_")))
-    out.append(row("non-finite and near-INF (residual stream included) detected at their step and localised", sum(
-        1 for t in nf if t["detectors"][detector]["delay"] == 0
-        and t["detectors"][detector]["localized_rank"] == t["culprit_rank"]), len(nf), 1.0))
+    out.append(
+        row(
+            "non-finite and near-INF (residual stream included) detected at their step and localised",
+            sum(
+                1
+                for t in nf
+                if t["detectors"][detector]["delay"] == 0
+                and t["detectors"][detector]["localized_rank"] == t["culprit_rank"]
+            ),
+            len(nf),
+            1.0,
+        )
+    )
     bf = [t for t in of(FLIP_CLASSES) if t["impact"]["class"] != "negligible"]
-    out.append(row("bit flips with a non-negligible impact detected", sum(t["detectors"][detector]["detected"] for t in bf),
-                   len(bf), 0.99))
+    out.append(
+        row(
+            "bit flips with a non-negligible impact detected",
+            sum(t["detectors"][detector]["detected"] for t in bf),
+            len(bf),
+            0.99,
+        )
+    )
     dt = [t for t in of(FLIP_CLASSES) if (t.get("visibility") or {}).get("detectable")]
-    out.append(row("detectable flips (above the checksum bound) detected at their step and localised", sum(
-        1 for t in dt if t["detectors"][detector]["delay"] == 0
-        and t["detectors"][detector]["localized_rank"] == t["culprit_rank"]), len(dt), 0.99))
+    out.append(
+        row(
+            "detectable flips (above the checksum bound) detected at their step and localised",
+            sum(
+                1
+                for t in dt
+                if t["detectors"][detector]["delay"] == 0
+                and t["detectors"][detector]["localized_rank"] == t["culprit_rank"]
+            ),
+            len(dt),
+            0.99,
+        )
+    )
     imp = [t for t in trials if t["impact"]["class"] != "negligible" and t["class"] in HARDWARE_CLASSES]
-    out.append(row("impactful hardware faults detected (every class)", sum(t["detectors"][detector]["detected"]
-                                                                          for t in imp), len(imp), 0.99))
+    out.append(
+        row(
+            "impactful hardware faults detected (every class)",
+            sum(t["detectors"][detector]["detected"] for t in imp),
+            len(imp),
+            0.99,
+        )
+    )
     un = of(("unhealthy_node",))
-    out.append(row("unhealthy node localised within the window", sum(
-        t["detectors"][detector]["localized_rank"] == t["culprit_rank"] for t in un), len(un), 0.90))
+    out.append(
+        row(
+            "unhealthy node localised within the window",
+            sum(t["detectors"][detector]["localized_rank"] == t["culprit_rank"] for t in un),
+            len(un),
+            0.90,
+        )
+    )
     bn = [t for t in of(BENIGN_CLASSES) if t["impact"]["class"] in ("spike", "nonfinite")]
-    out.append(row("benign spikes detected and not blamed on a rank", sum(
-        1 for t in bn if t["detectors"][detector]["detected"] and t["detectors"][detector]["attribution"] != "sdc"),
-        len(bn), 0.95))
+    out.append(
+        row(
+            "benign spikes detected and not blamed on a rank",
+            sum(
+                1
+                for t in bn
+                if t["detectors"][detector]["detected"] and t["detectors"][detector]["attribution"] != "sdc"
+            ),
+            len(bn),
+            0.95,
+        )
+    )
     clean = sum(t["clean_steps"] for t in trials)
     alarms = sum(t["detectors"][detector]["false_alarms"] for t in trials)
-    out.append({"target": "zero false alarms over >= 10,000 clean steps", "value": alarms, "count": f"{alarms} in {clean}",
-                "goal": 0, "met": alarms == 0 and clean >= 10_000})
+    out.append(
+        {
+            "target": "zero false alarms over >= 10,000 clean steps",
+            "value": alarms,
+            "count": f"{alarms} in {clean}",
+            "goal": 0,
+            "met": alarms == 0 and clean >= 10_000,
+        }
+    )
     worse = []
     for cls, row_ in summary.items():
         if cls == "all" or detector not in row_:
@@ -777,30 +978,44 @@ def check_targets(trials: Sequence[dict], summary: dict[str, Any], detector: str
                 continue
             for key in ("recall", "localisation", "attribution"):
                 if s[key] is not None and (me[key] is None or s[key] > me[key]):
-                    worse.append(f"{cls}: {other} {key} {s[key]:.0%} > {me[key] if me[key] is None else format(me[key], '.0%')}")
+                    worse.append(
+                        f"{cls}: {other} {key} {s[key]:.0%} > {me[key] if me[key] is None else format(me[key], '.0%')}"
+                    )
             if s["false_alarms"] < me["false_alarms"]:
                 worse.append(f"{cls}: {other} fewer false alarms ({s['false_alarms']} < {me['false_alarms']})")
-    out.append({"target": "better than every baseline on every class", "value": len(worse), "count": "; ".join(worse),
-                "goal": 0, "met": not worse})
+    out.append(
+        {
+            "target": "better than every baseline on every class",
+            "value": len(worse),
+            "count": "; ".join(worse),
+            "goal": 0,
+            "met": not worse,
+        }
+    )
     return out
 
 
 def summary_table(result: dict[str, Any]) -> str:
     """The summary as a markdown table (one row per fault class and detector)."""
+
     def f(x: Any, pct: bool = True) -> str:
         if x is None:
             return "–"
         return f"{100 * x:.0f}%" if pct else (f"{x:.1f}" if isinstance(x, float) else str(x))
 
-    lines = ["| class | detector | trials (impactful, detectable) | recall | recall, detectable at step | at fault step "
-             "| false alarms /1k clean steps | localisation | median delay | attribution | blamed a rank |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| class | detector | trials (impactful, detectable) | recall | recall, detectable at step | at fault step "
+        "| false alarms /1k clean steps | localisation | median delay | attribution | blamed a rank |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for cls, row in result["summary"].items():
         for d, s in row.items():
-            lines.append(f"| {cls} | {d} | {s['trials']} ({s['impactful']}, {s.get('detectable', 0)}) | {f(s['recall'])} | "
-                         f"{f(s.get('recall_detectable'))} | {f(s['at_fault_step'])} | "
-                         f"{f(s['false_alarms_per_1k_clean_steps'], False)} | {f(s['localisation'])} | "
-                         f"{f(s['median_delay'], False)} | {f(s['attribution'])} | {f(s['blamed_rank'])} |")
+            lines.append(
+                f"| {cls} | {d} | {s['trials']} ({s['impactful']}, {s.get('detectable', 0)}) | {f(s['recall'])} | "
+                f"{f(s.get('recall_detectable'))} | {f(s['at_fault_step'])} | "
+                f"{f(s['false_alarms_per_1k_clean_steps'], False)} | {f(s['localisation'])} | "
+                f"{f(s['median_delay'], False)} | {f(s['attribution'])} | {f(s['blamed_rank'])} |"
+            )
     targets = result.get("targets") or []
     if targets:
         lines += ["", "| target (sdcwatch) | measured | met |", "|---|---|---|"]

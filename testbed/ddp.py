@@ -141,8 +141,9 @@ def train_rank(rank: int, settings: DDPSettings) -> None:
         for step in range(start, start + settings.steps):
             watch.begin_step(step)
             injector.begin_step(step)
-            batch = corpus.batch(seed=settings.seed, step=step, rank=rank, batch_size=settings.batch_size,
-                                 seq_len=model.cfg.seq_len)
+            batch = corpus.batch(
+                seed=settings.seed, step=step, rank=rank, batch_size=settings.batch_size, seq_len=model.cfg.seq_len
+            )
             batch = injector.corrupt_batch(batch)
             out: dict[str, Any] = {}
 
@@ -177,8 +178,10 @@ def train_rank(rank: int, settings: DDPSettings) -> None:
         if skipped and rank == 0:
             print(f"sdcwatch ddp: skipped the update at steps {skipped}", flush=True)
         if settings.save and rank == 0:
-            torch.save({"step": start + settings.steps, "model": model.state_dict(),
-                        "optimizer": optimizer.state_dict()}, settings.save)
+            torch.save(
+                {"step": start + settings.steps, "model": model.state_dict(), "optimizer": optimizer.state_dict()},
+                settings.save,
+            )
         dist.barrier()
     finally:
         if guard is not None:
@@ -190,8 +193,9 @@ def train_rank(rank: int, settings: DDPSettings) -> None:
         dist.destroy_process_group()
 
 
-def _guard(settings: DDPSettings, rank: int, model: Any, optimizer: Any, corpus: Any, injector: Any, watch: Any,
-           host: str) -> Any:
+def _guard(
+    settings: DDPSettings, rank: int, model: Any, optimizer: Any, corpus: Any, injector: Any, watch: Any, host: str
+) -> Any:
     """The rank's guard: local checks, agreement over the process group, rank 0 reads the control topic.
 
     Its ``peer`` recomputes another rank's micro-batch on this replica: the data is a function of
@@ -210,8 +214,15 @@ def _guard(settings: DDPSettings, rank: int, model: Any, optimizer: Any, corpus:
         own = injector.rank
         injector.rank = suspect  # the suspect's data faults are in its data, whoever reads it
         try:
-            batch = injector.corrupt_batch(corpus.batch(seed=settings.seed, step=injector.step, rank=suspect,
-                                                        batch_size=settings.batch_size, seq_len=model.cfg.seq_len))
+            batch = injector.corrupt_batch(
+                corpus.batch(
+                    seed=settings.seed,
+                    step=injector.step,
+                    rank=suspect,
+                    batch_size=settings.batch_size,
+                    seq_len=model.cfg.seq_len,
+                )
+            )
         finally:
             injector.rank = own
         watch.enabled = False
@@ -224,8 +235,9 @@ def _guard(settings: DDPSettings, rank: int, model: Any, optimizer: Any, corpus:
     control = None
     if rank == 0 and settings.bootstrap:
         control = KafkaControl(settings.bootstrap, settings.run, settings.control_topic)
-    return Guard(model, optimizer, GuardConfig.from_dict(settings.guard), host=host, control=control, peer=peer,
-                 watch=watch)
+    return Guard(
+        model, optimizer, GuardConfig.from_dict(settings.guard), host=host, control=control, peer=peer, watch=watch
+    )
 
 
 def launch(settings: DDPSettings) -> None:
@@ -254,10 +266,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--faults", help="fault specs (.jsonl or .json array)")
     ap.add_argument("--ranks-per-host", type=int)
     ap.add_argument("--probes", default="{}", help='ProbeConfig settings as JSON, e.g. {"every": 2}')
-    ap.add_argument("--skip-nonfinite", action="store_true",
-                    help="skip the optimizer step when the all-reduced gradient is not finite")
-    ap.add_argument("--guard", default=None, metavar="JSON",
-                    help='run with a guard, GuardConfig settings as JSON, e.g. {"mode": "act"}')
+    ap.add_argument(
+        "--skip-nonfinite",
+        action="store_true",
+        help="skip the optimizer step when the all-reduced gradient is not finite",
+    )
+    ap.add_argument(
+        "--guard",
+        default=None,
+        metavar="JSON",
+        help='run with a guard, GuardConfig settings as JSON, e.g. {"mode": "act"}',
+    )
     ap.add_argument("--load")
     ap.add_argument("--save")
     args = ap.parse_args(argv)
@@ -270,10 +289,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:
         raise ConfigError("ddp.guard", f"not valid JSON: {exc}") from None
     settings = DDPSettings(
-        world=args.world, steps=args.steps, seed=args.seed, run=args.run, bootstrap=args.bootstrap,
-        topic=args.topic, jsonl_dir=args.jsonl_dir, faults=tuple(load_faults(args.faults)) if args.faults else (),
-        probes=probes, ranks_per_host=args.ranks_per_host, load=args.load, save=args.save,
-        skip_nonfinite=args.skip_nonfinite, guard=guard,
+        world=args.world,
+        steps=args.steps,
+        seed=args.seed,
+        run=args.run,
+        bootstrap=args.bootstrap,
+        topic=args.topic,
+        jsonl_dir=args.jsonl_dir,
+        faults=tuple(load_faults(args.faults)) if args.faults else (),
+        probes=probes,
+        ranks_per_host=args.ranks_per_host,
+        load=args.load,
+        save=args.save,
+        skip_nonfinite=args.skip_nonfinite,
+        guard=guard,
     )
     launch(settings)
     return 0

@@ -30,17 +30,39 @@ from pathlib import Path
 from statistics import median
 from typing import Any, Sequence
 
-__all__ = ["EXPECTED_VERDICT", "GuardedBranch", "run_guarded_branch", "guard_trial", "summarise_guard",
-           "check_guard_targets", "guard_table", "campaign_guard_config"]
+__all__ = [
+    "EXPECTED_VERDICT",
+    "GuardedBranch",
+    "run_guarded_branch",
+    "guard_trial",
+    "summarise_guard",
+    "check_guard_targets",
+    "guard_table",
+    "campaign_guard_config",
+]
 
 #: Ground truth for a rerun's verdict, by fault class: a one-off corruption of a value does not
 #: repeat (transient); an unhealthy unit or a corrupted replica repeats on that rank only
 #: (persistent); bad data and a learning-rate spike repeat wherever they are computed (data).
 EXPECTED_VERDICT = {
-    **{c: "transient" for c in ("nan_attn", "inf_attn", "near_inf_attn", "nan_other", "inf_other", "near_inf_other",
-                                "bitflip_exponent", "bitflip_mantissa")},
-    "unhealthy_node": "persistent", "param_bitflip": "persistent",
-    "lr_spike": "data", "bad_batch_all": "data", "bad_batch_rank": "data",
+    **{
+        c: "transient"
+        for c in (
+            "nan_attn",
+            "inf_attn",
+            "near_inf_attn",
+            "nan_other",
+            "inf_other",
+            "near_inf_other",
+            "bitflip_exponent",
+            "bitflip_mantissa",
+        )
+    },
+    "unhealthy_node": "persistent",
+    "param_bitflip": "persistent",
+    "lr_spike": "data",
+    "bad_batch_all": "data",
+    "bad_batch_rank": "data",
 }
 _VERDICTS = ("transient", "persistent", "data", "reproducible")
 
@@ -67,8 +89,15 @@ class GuardedBranch:
     finished: bool = True
 
 
-def run_guarded_branch(config: Any, checkpoint: Path, faults: Sequence[Any], data_seed: int, runner: Any,
-                       run_id: str = "campaign-guarded", max_factor: int = 3) -> GuardedBranch:
+def run_guarded_branch(
+    config: Any,
+    checkpoint: Path,
+    faults: Sequence[Any],
+    data_seed: int,
+    runner: Any,
+    run_id: str = "campaign-guarded",
+    max_factor: int = 3,
+) -> GuardedBranch:
     """Run the branch with the guard and the in-process loop until it has trained on the twin's data.
 
     ``runner`` is a warmed-up sdcwatch campaign runner (forked here, so every branch starts from the
@@ -91,7 +120,7 @@ def run_guarded_branch(config: Any, checkpoint: Path, faults: Sequence[Any], dat
     cursor = [0]
 
     def feed(upto: int) -> None:
-        for rec in records[cursor[0]:]:
+        for rec in records[cursor[0] :]:
             pending.setdefault(rec.step, []).append(rec)
         cursor[0] = len(records)
         for s in sorted(k for k in pending if k <= upto):
@@ -103,8 +132,15 @@ def run_guarded_branch(config: Any, checkpoint: Path, faults: Sequence[Any], dat
     def factory(rank: int, host: str = "") -> RecordCollector:
         return RecordCollector(records, run=run_id, rank=rank, world=config.world, host=host)
 
-    run = SimulatedRun(config.world, seed=config.seed, faults=faults, emitter_factory=factory,
-                       batch_size=config.batch_size, guard=campaign_guard_config(), control=control)
+    run = SimulatedRun(
+        config.world,
+        seed=config.seed,
+        faults=faults,
+        emitter_factory=factory,
+        batch_size=config.batch_size,
+        guard=campaign_guard_config(),
+        control=control,
+    )
     evictions: list[tuple[int, tuple[int, ...]]] = []
     try:
         run.load_checkpoint(checkpoint)
@@ -125,15 +161,25 @@ def run_guarded_branch(config: Any, checkpoint: Path, faults: Sequence[Any], dat
         finished = run.data_pos >= end
         params = _flat_params(run)
         steps_run = run.step - first
-        actions = [{**a.to_dict(), "step": a.step - config.pretrain_steps} for a in run.guard.actions
-                   if a.action != "none"]
+        actions = [
+            {**a.to_dict(), "step": a.step - config.pretrain_steps} for a in run.guard.actions if a.action != "none"
+        ]
         reruns = run.guard.reruns
-        losses = list(run.history[-config.branch_steps:])
+        losses = list(run.history[-config.branch_steps :])
     finally:
         run.close()
     feed(1 << 62)
-    return GuardedBranch(frames, losses, params, time.perf_counter() - t0, actions, reruns, steps_run,
-                         [(s - config.pretrain_steps, r) for s, r in evictions], finished)
+    return GuardedBranch(
+        frames,
+        losses,
+        params,
+        time.perf_counter() - t0,
+        actions,
+        reruns,
+        steps_run,
+        [(s - config.pretrain_steps, r) for s, r in evictions],
+        finished,
+    )
 
 
 def _drift(params: Sequence[Any], twin: Any, theta0: Any) -> float:
@@ -153,8 +199,9 @@ def _num(v: float) -> float | str:
     return v if math.isfinite(v) else ("NaN" if math.isnan(v) else "Infinity")
 
 
-def guard_trial(trial: Any, fault_step: int, faulted: Any, twin: GuardedBranch, guarded: GuardedBranch,
-                theta0: Any, window: int) -> dict[str, Any]:
+def guard_trial(
+    trial: Any, fault_step: int, faulted: Any, twin: GuardedBranch, guarded: GuardedBranch, theta0: Any, window: int
+) -> dict[str, Any]:
     """What the guard saved on one trial (see the module docstring); ``fault_step`` counts from the checkpoint."""
     rel = fault_step
     verdicts = [a for a in guarded.actions if a["verdict"] in _VERDICTS and a["step"] >= rel]
@@ -162,12 +209,19 @@ def guard_trial(trial: Any, fault_step: int, faulted: Any, twin: GuardedBranch, 
     expected = EXPECTED_VERDICT.get(trial.fault_class)
     ev = next(((s, r) for s, r in guarded.evictions if s >= rel), None)
     return {
-        "final_loss": {"twin": _num(twin.losses[-1]), "faulted": _num(faulted.losses[-1]),
-                       "guarded": _num(guarded.losses[-1]) if guarded.losses else None},
-        "final_excess": {"faulted": _num(_excess(faulted.losses[-1], twin.losses[-1])),
-                         "guarded": _num(_excess(guarded.losses[-1], twin.losses[-1]))},
-        "drift": {"faulted": _num(_drift(faulted.params, twin, theta0)),
-                  "guarded": _num(_drift(guarded.params, twin, theta0))},
+        "final_loss": {
+            "twin": _num(twin.losses[-1]),
+            "faulted": _num(faulted.losses[-1]),
+            "guarded": _num(guarded.losses[-1]) if guarded.losses else None,
+        },
+        "final_excess": {
+            "faulted": _num(_excess(faulted.losses[-1], twin.losses[-1])),
+            "guarded": _num(_excess(guarded.losses[-1], twin.losses[-1])),
+        },
+        "drift": {
+            "faulted": _num(_drift(faulted.params, twin, theta0)),
+            "guarded": _num(_drift(guarded.params, twin, theta0)),
+        },
         "actions": guarded.actions,
         "twin_actions": twin.actions,
         "steps_spent": guarded.steps_run - len(twin.losses),
@@ -228,40 +282,67 @@ def summarise_guard(trials: Sequence[dict]) -> dict[str, Any]:
 
 def check_guard_targets(trials: Sequence[dict]) -> list[dict[str, Any]]:
     """The issue's mitigation targets, each with what was measured and whether it was met."""
+
     def of(*prefixes: str) -> list[dict]:
         return [t for t in trials if t["class"].startswith(prefixes)]
 
     def row(name: str, num: int, den: int, goal: float, note: str = "") -> dict[str, Any]:
         value = None if den == 0 else num / den
-        return {"target": name, "value": value, "count": f"{num}/{den}" + (f" ({note})" if note else ""),
-                "goal": goal, "met": None if value is None else value >= goal}
+        return {
+            "target": name,
+            "value": value,
+            "count": f"{num}/{den}" + (f" ({note})" if note else ""),
+            "goal": goal,
+            "met": None if value is None else value >= goal,
+        }
 
     out = []
     nf = of("nan_", "inf_", "near_inf_")
-    ok = [t for t in nf if math.isfinite(_f(t["guard"]["final_excess"]["guarded"]))
-          and abs(_f(t["guard"]["final_excess"]["guarded"])) <= 0.01]
-    out.append(row("NaN/Inf/near-INF: guarded run ends finite, within 1% of the twin's final loss", len(ok), len(nf), 1.0))
+    ok = [
+        t
+        for t in nf
+        if math.isfinite(_f(t["guard"]["final_excess"]["guarded"]))
+        and abs(_f(t["guard"]["final_excess"]["guarded"])) <= 0.01
+    ]
+    out.append(
+        row("NaN/Inf/near-INF: guarded run ends finite, within 1% of the twin's final loss", len(ok), len(nf), 1.0)
+    )
     pb = [t for t in of("param_bitflip") if t["impact"]["class"] != "negligible"]
     ok = [t for t in pb if _f(t["guard"]["drift"]["guarded"]) * 10 <= _f(t["guard"]["drift"]["faulted"])]
     out.append(row("param bit flips with impact: guarded drift >= 10x smaller", len(ok), len(pb), 1.0))
     un = of("unhealthy_node")
-    out.append(row("unhealthy node evicted within the window", sum(t["guard"]["evicted_in_window"] for t in un),
-                   len(un), 0.90))
+    out.append(
+        row("unhealthy node evicted within the window", sum(t["guard"]["evicted_in_window"] for t in un), len(un), 0.90)
+    )
     bn = of("lr_spike", "bad_batch")
     ok = [t for t in bn if not any(a["action"] in ("rollback", "evict") for a in t["guard"]["actions"])]
     out.append(row("benign spikes: never a rollback or an eviction", len(ok), len(bn), 1.0))
     judged = [t for t in trials if t["guard"]["verdict"] is not None]
-    out.append(row("rerun verdict right (transient / persistent / data)",
-                   sum(bool(t["guard"]["verdict_right"]) for t in judged), len(judged), 0.95))
+    out.append(
+        row(
+            "rerun verdict right (transient / persistent / data)",
+            sum(bool(t["guard"]["verdict_right"]) for t in judged),
+            len(judged),
+            0.95,
+        )
+    )
     twin = sum(len(t["guard"]["twin_actions"]) for t in trials)
     steps = sum(t["clean_steps"] for t in trials)
-    out.append({"target": "zero actions on the clean twins", "value": twin, "count": f"{twin} in {steps} steps",
-                "goal": 0, "met": twin == 0})
+    out.append(
+        {
+            "target": "zero actions on the clean twins",
+            "value": twin,
+            "count": f"{twin} in {steps} steps",
+            "goal": 0,
+            "met": twin == 0,
+        }
+    )
     return out
 
 
 def guard_table(result: dict[str, Any]) -> str:
     """The guard's summary and targets as markdown."""
+
     def f(x: Any, pct: bool = False) -> str:
         if x is None:
             return "–"
@@ -269,15 +350,19 @@ def guard_table(result: dict[str, Any]) -> str:
             return x
         return f"{100 * x:+.2f}%" if pct else f"{x:.3g}"
 
-    lines = ["| class | trials | final loss excess, unguarded | guarded | drift, unguarded | guarded | actions "
-             "| steps spent | reruns | rerun verdict right | evicted in window | actions on twins |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| class | trials | final loss excess, unguarded | guarded | drift, unguarded | guarded | actions "
+        "| steps spent | reruns | rerun verdict right | evicted in window | actions on twins |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for cls, s in result["guard_summary"].items():
         acts = ", ".join(f"{k} {v}" for k, v in sorted(s["actions"].items())) or "none"
-        lines.append(f"| {cls} | {s['trials']} | {f(s['final_excess_faulted'], True)} | "
-                     f"{f(s['final_excess_guarded'], True)} | {f(s['drift_faulted'])} | {f(s['drift_guarded'])} | "
-                     f"{acts} | {s['steps_spent']} | {s['reruns']} | {s['verdicts_right']} | "
-                     f"{s['evicted_in_window']} | {s['twin_actions']} |")
+        lines.append(
+            f"| {cls} | {s['trials']} | {f(s['final_excess_faulted'], True)} | "
+            f"{f(s['final_excess_guarded'], True)} | {f(s['drift_faulted'])} | {f(s['drift_guarded'])} | "
+            f"{acts} | {s['steps_spent']} | {s['reruns']} | {s['verdicts_right']} | "
+            f"{s['evicted_in_window']} | {s['twin_actions']} |"
+        )
     lines += ["", "| target (guard) | measured | met |", "|---|---|---|"]
     for t in result.get("guard_targets") or []:
         met = "–" if t["met"] is None else ("yes" if t["met"] else "**no**")

@@ -104,14 +104,18 @@ class SimulatedRun:
         takes_host = "host" in inspect.signature(factory).parameters
         self.emitters = [factory(r, host=self.hosts[r]) if takes_host else factory(r) for r in range(world)]
         # a demo and test instrument: attention on every step, fingerprints every 10 (cost is not the point)
-        probe_config = probes or ProbeConfig(attention_every=1, activations_every=1, fingerprint_every=10, canary_every=10)
+        probe_config = probes or ProbeConfig(
+            attention_every=1, activations_every=1, fingerprint_every=10, canary_every=10
+        )
         # records are built on this thread: sender threads would run during the next rank's pass and
         # bias its measured step time (rank 0 would look like a straggler)
-        self.watches = [Watch(self.model, e, config=probe_config, external=True, background=False)
-                        for e in self.emitters]
+        self.watches = [
+            Watch(self.model, e, config=probe_config, external=True, background=False) for e in self.emitters
+        ]
         # the canary input: fixed, the same for every rank and every run (like a golden test vector)
-        self._canary = torch.randint(0, self.config.vocab, (2, self.config.seq_len),
-                                     generator=torch.Generator().manual_seed(0x5DC))
+        self._canary = torch.randint(
+            0, self.config.vocab, (2, self.config.seq_len), generator=torch.Generator().manual_seed(0x5DC)
+        )
         self.step = 0
         """The next step to run."""
         self.data_pos = 0
@@ -119,10 +123,20 @@ class SimulatedRun:
         self.guard: Guard | None = None
         """The guard, when the run has one (``guard=GuardConfig(...)``): it decides every update."""
         if guard is not None:
-            self.guard = Guard(self.model, self.optimizer, guard, rank=0, world=world, host=self.hosts[0],
-                               local_ranks=range(world), control=control, peer=self._peer_loss,
-                               resync=lambda suspects: self._deltas.clear(), host_of=self.host_of,
-                               distributed=False)
+            self.guard = Guard(
+                self.model,
+                self.optimizer,
+                guard,
+                rank=0,
+                world=world,
+                host=self.hosts[0],
+                local_ranks=range(world),
+                control=control,
+                peer=self._peer_loss,
+                resync=lambda suspects: self._deltas.clear(),
+                host_of=self.host_of,
+                distributed=False,
+            )
         self._deltas: dict[int, list[torch.Tensor | None]] = {}
         self._grads = torch.empty(world, sum(self._sizes))
         self.history: list[float] = []
@@ -210,18 +224,26 @@ class SimulatedRun:
                     w.enabled = i == r
                 watch = self.watches[r]
                 watch.begin_step(s)
-                batch = self.corpus.batch(seed=self.seed, step=d, rank=r, batch_size=self.batch_size,
-                                          seq_len=self.config.seq_len)
+                batch = self.corpus.batch(
+                    seed=self.seed, step=d, rank=r, batch_size=self.batch_size, seq_len=self.config.seq_len
+                )
                 batch = inj.corrupt_batch(batch)
                 self._apply_param_faults(r)
                 with self._replica(r):
                     self.model.zero_grad(set_to_none=True)
                     loss = self.model.loss(batch)
                     loss.backward()
-                torch.cat([p.grad.reshape(-1) if p.grad is not None else torch.zeros(n)
-                           for p, n in zip(self.params, self._sizes)], out=self._grads[r])
+                torch.cat(
+                    [
+                        p.grad.reshape(-1) if p.grad is not None else torch.zeros(n)
+                        for p, n in zip(self.params, self._sizes)
+                    ],
+                    out=self._grads[r],
+                )
                 losses[r] = loss.detach()
-                times[r] = time.thread_time() - t0 - (inj.cpu_seconds - injecting)  # the fault's own cost is not the rank's
+                times[r] = (
+                    time.thread_time() - t0 - (inj.cpu_seconds - injecting)
+                )  # the fault's own cost is not the rank's
             for w in self.watches:
                 w.enabled = True
             t0 = time.thread_time()
@@ -233,7 +255,7 @@ class SimulatedRun:
             shared["grad_fp"] = fp.fingerprint_device([g]) if cfg.grad_fingerprint and fingerprint_step else None
             offset = 0
             for p, n in zip(self.params, self._sizes):
-                p.grad = g[offset: offset + n].view_as(p).clone()
+                p.grad = g[offset : offset + n].view_as(p).clone()
                 offset += n
             if self.clip:
                 torch.nn.utils.clip_grad_norm_(self.params, self.clip)
@@ -289,14 +311,24 @@ class SimulatedRun:
         seconds = shared["seconds"] + time.thread_time() - t0
         loss_global = torch.stack(losses).mean()
         for r, w in enumerate(self.watches):
-            w.observe_gradients(local_sq=shared["local_sq"][r], global_sq=shared["global_sq"], dot=shared["dot"][r],
-                                grad_fp=shared["grad_fp"])
+            w.observe_gradients(
+                local_sq=shared["local_sq"][r],
+                global_sq=shared["global_sq"],
+                dot=shared["dot"][r],
+                grad_fp=shared["grad_fp"],
+            )
             if fps is not None:
                 w.observe_fingerprint("param_fp", fps[r])
             if canaries is not None:
                 w.observe_fingerprint("canary_fp", canaries[r])
-            w.step(s, loss=losses[r], loss_global=loss_global, step_time=times[r] + seconds,
-                   lr=self.lr * factors[r], **guard_scalars)
+            w.step(
+                s,
+                loss=losses[r],
+                loss_global=loss_global,
+                step_time=times[r] + seconds,
+                lr=self.lr * factors[r],
+                **guard_scalars,
+            )
         self.step = s + 1
         self.data_pos = d + 1
         value = float(loss_global)
@@ -310,8 +342,15 @@ class SimulatedRun:
         and hardware: what the guard compares to tell a persistent fault from the data."""
         inj = self.injector
         inj.rank = suspect
-        batch = inj.corrupt_batch(self.corpus.batch(seed=self.seed, step=self._cur_data, rank=suspect,
-                                                    batch_size=self.batch_size, seq_len=self.config.seq_len))
+        batch = inj.corrupt_batch(
+            self.corpus.batch(
+                seed=self.seed,
+                step=self._cur_data,
+                rank=suspect,
+                batch_size=self.batch_size,
+                seq_len=self.config.seq_len,
+            )
+        )
         inj.rank = on
         for w in self.watches:
             w.enabled = False
@@ -353,7 +392,9 @@ class SimulatedRun:
         with self._replica(rank):  # the fault hits the replica as it is now
             before = [p.detach().clone() for p in self.params]
             inj.apply_param_faults()
-            changed = [(i, p.detach() - b) for i, (p, b) in enumerate(zip(self.params, before)) if not torch.equal(p, b)]
+            changed = [
+                (i, p.detach() - b) for i, (p, b) in enumerate(zip(self.params, before)) if not torch.equal(p, b)
+            ]
             with torch.no_grad():
                 for p, b in zip(self.params, before):
                     p.copy_(b)
@@ -400,7 +441,9 @@ class SimulatedRun:
         state = torch.load(Path(path), weights_only=False)
         for key, mine in (("world", self.world), ("seed", self.seed), ("model_config", self.config.__dict__)):
             if state.get(key) != mine:
-                raise ConfigError(f"simulated.checkpoint.{key}", f"checkpoint has {state.get(key)!r}, this run {mine!r}")
+                raise ConfigError(
+                    f"simulated.checkpoint.{key}", f"checkpoint has {state.get(key)!r}, this run {mine!r}"
+                )
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self._deltas = state["deltas"]

@@ -32,8 +32,12 @@ def test_docstring_examples_run(name):
 
 def test_the_documented_examples_are_found():
     """The walk reaches the packages mapped from other folders, and their examples count."""
-    assert {"sdcwatch.detectors.spike", "sdcwatch.telemetry.record", "sdcwatch.exporters.collector",
-            "sdcwatch.core.jsonsafe"} <= set(MODULES)
+    assert {
+        "sdcwatch.detectors.spike",
+        "sdcwatch.telemetry.record",
+        "sdcwatch.exporters.collector",
+        "sdcwatch.core.jsonsafe",
+    } <= set(MODULES)
     from sdcwatch.detectors import spike
 
     assert doctest.testmod(spike).attempted >= 3  # RobustBaseline's example runs

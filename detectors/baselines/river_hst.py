@@ -71,8 +71,15 @@ class RiverConfig:
     """Fewest ranks for a comparison with the median rank."""
 
     def __post_init__(self) -> None:
-        check_positive("river_hst", n_trees=self.n_trees, height=self.height, window_size=self.window_size,
-                       margin=self.margin, alpha=self.alpha, min_world=self.min_world)
+        check_positive(
+            "river_hst",
+            n_trees=self.n_trees,
+            height=self.height,
+            window_size=self.window_size,
+            margin=self.margin,
+            alpha=self.alpha,
+            min_world=self.min_world,
+        )
 
 
 @register(baseline=True)
@@ -143,14 +150,24 @@ class RiverHalfSpaceTrees(Detector):
                 r = int(r)
                 c = int(np.abs(X[r] - 0.5).argmax())
                 host = frame.hosts[r]
-                out.append(Finding(
-                    detector=self.name, kind=IncidentKind.RANK_OUTLIER.value, severity=Severity.WARNING, run=frame.run,
-                    step=frame.step, score=float(self._excess[r] / self.margin), ranks=(r,), hosts=(host,) if host else (),
-                    metric=names[c], message=f"rank {r}" + (f" (host {host})" if host else "") +
-                    f" persistently anomalous to HalfSpaceTrees (score {scores[r]:.2f}, "
-                    f"{self._excess[r]:.2f} above the median rank; most off in {names[c]})",
-                    evidence={"score": float(scores[r]), "excess": float(self._excess[r])},
-                ))
+                out.append(
+                    Finding(
+                        detector=self.name,
+                        kind=IncidentKind.RANK_OUTLIER.value,
+                        severity=Severity.WARNING,
+                        run=frame.run,
+                        step=frame.step,
+                        score=float(self._excess[r] / self.margin),
+                        ranks=(r,),
+                        hosts=(host,) if host else (),
+                        metric=names[c],
+                        message=f"rank {r}"
+                        + (f" (host {host})" if host else "")
+                        + f" persistently anomalous to HalfSpaceTrees (score {scores[r]:.2f}, "
+                        f"{self._excess[r]:.2f} above the median rank; most off in {names[c]})",
+                        evidence={"score": float(scores[r]), "excess": float(self._excess[r])},
+                    )
+                )
         return out
 
     def metrics_view(self) -> dict[str, Any]:
@@ -159,8 +176,12 @@ class RiverHalfSpaceTrees(Detector):
 
     def snapshot(self) -> dict[str, Any]:
         # river models are plain Python objects; pickle is river's own persistence story
-        return {"model": base64.b64encode(pickle.dumps(self._model)).decode("ascii"), "learned": self._learned, "steps": self._steps,
-                "excess": self._excess.tolist()}
+        return {
+            "model": base64.b64encode(pickle.dumps(self._model)).decode("ascii"),
+            "learned": self._learned,
+            "steps": self._steps,
+            "excess": self._excess.tolist(),
+        }
 
     def restore(self, state: dict[str, Any]) -> None:
         self._model = pickle.loads(base64.b64decode(state["model"]))

@@ -35,12 +35,30 @@ from sdcwatch.detectors.types import Finding, Severity
 __all__ = ["MegatronRules", "MegatronConfig", "ZClipDetector", "ZClipConfig", "NanLossCheck"]
 
 
-def _rank_finding(detector: str, kind: str, severity: Severity, frame: StepFrame, ranks: np.ndarray,
-                  metric: str, message: str, score: float) -> Finding:
+def _rank_finding(
+    detector: str,
+    kind: str,
+    severity: Severity,
+    frame: StepFrame,
+    ranks: np.ndarray,
+    metric: str,
+    message: str,
+    score: float,
+) -> Finding:
     ranks_t = tuple(int(r) for r in ranks)
     hosts = tuple(sorted({frame.hosts[r] for r in ranks_t} - {""}))
-    return Finding(detector=detector, kind=kind, severity=severity, run=frame.run, step=frame.step,
-                   score=float(score), message=message, ranks=ranks_t, hosts=hosts, metric=metric)
+    return Finding(
+        detector=detector,
+        kind=kind,
+        severity=severity,
+        run=frame.run,
+        step=frame.step,
+        score=float(score),
+        message=message,
+        ranks=ranks_t,
+        hosts=hosts,
+        metric=metric,
+    )
 
 
 @dataclass(frozen=True)
@@ -100,15 +118,34 @@ class MegatronRules(Detector):
             seen[learning] += 1
             if bad.any():
                 ranks = np.flatnonzero(bad)
-                out.append(_rank_finding(self.name, IncidentKind.NONFINITE.value, Severity.CRITICAL, frame, ranks, metric,
-                                         f"{metric} is NaN/Inf on {ranks.size} rank(s)", float(ranks.size)))
+                out.append(
+                    _rank_finding(
+                        self.name,
+                        IncidentKind.NONFINITE.value,
+                        Severity.CRITICAL,
+                        frame,
+                        ranks,
+                        metric,
+                        f"{metric} is NaN/Inf on {ranks.size} rank(s)",
+                        float(ranks.size),
+                    )
+                )
             if large.any():
                 ranks = np.flatnonzero(large)
                 ratio = float(np.max(col[ranks] / mx[ranks]))
                 kind = (IncidentKind.LOSS_SPIKE if metric.startswith("loss") else IncidentKind.GRAD_SPIKE).value
-                out.append(_rank_finding(self.name, kind, Severity.WARNING, frame, ranks, metric,
-                                         f"{metric} {ratio:.1f}x the largest of the first {self.first_n} values "
-                                         f"on {ranks.size} rank(s)", ratio))
+                out.append(
+                    _rank_finding(
+                        self.name,
+                        kind,
+                        Severity.WARNING,
+                        frame,
+                        ranks,
+                        metric,
+                        f"{metric} {ratio:.1f}x the largest of the first {self.first_n} values on {ranks.size} rank(s)",
+                        ratio,
+                    )
+                )
         return out
 
 
@@ -164,15 +201,24 @@ class ZClipDetector(Detector):
                 self._var = sum((x - self._mean) ** 2 for x in self._buffer) / len(self._buffer)
                 self._buffer = []
             return []
-        std = self._var ** 0.5
+        std = self._var**0.5
         z = (g - self._mean) / (std + self.eps)
         out: list[Finding] = []
         effective = g
         if z > self.z_thresh:
             effective = self._mean + self.z_thresh * std / (z / self.z_thresh)  # ZClip's adaptive scaling
-            out.append(Finding(detector=self.name, kind=IncidentKind.GRAD_SPIKE.value, severity=Severity.WARNING, run=frame.run,
-                               step=frame.step, score=float(z), metric="grad_norm_global",
-                               message=f"gradient norm z-score {z:.1f} > {self.z_thresh} (EMA mean {self._mean:.3g})"))
+            out.append(
+                Finding(
+                    detector=self.name,
+                    kind=IncidentKind.GRAD_SPIKE.value,
+                    severity=Severity.WARNING,
+                    run=frame.run,
+                    step=frame.step,
+                    score=float(z),
+                    metric="grad_norm_global",
+                    message=f"gradient norm z-score {z:.1f} > {self.z_thresh} (EMA mean {self._mean:.3g})",
+                )
+            )
         self._mean = self.alpha * self._mean + (1 - self.alpha) * effective
         self._var = self.alpha * self._var + (1 - self.alpha) * (effective - self._mean) ** 2
         return out
@@ -193,6 +239,15 @@ class NanLossCheck(Detector):
         if not bad.any():
             return []
         ranks = np.flatnonzero(bad)
-        return [_rank_finding(self.name, IncidentKind.NONFINITE.value, Severity.CRITICAL, frame, ranks, "loss",
-                              f"loss is NaN on {ranks.size} rank(s)", float(ranks.size))]
-
+        return [
+            _rank_finding(
+                self.name,
+                IncidentKind.NONFINITE.value,
+                Severity.CRITICAL,
+                frame,
+                ranks,
+                "loss",
+                f"loss is NaN on {ranks.size} rank(s)",
+                float(ranks.size),
+            )
+        ]

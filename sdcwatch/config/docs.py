@@ -51,11 +51,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
         help_text = f"{docs.get(dotted, '')} [{env_name(dotted)}; default: {_show(default_of(dotted))}]"
         help_text = help_text.replace("%", "%%")
         if kind is bool:
-            parser.add_argument(*names, dest=dotted, action=argparse.BooleanOptionalAction,
-                                default=argparse.SUPPRESS, help=help_text)
+            parser.add_argument(
+                *names, dest=dotted, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=help_text
+            )
         else:
-            metavar = {int: "N", float: "SECONDS" if dotted.endswith("_s") else "X", Path: "DIR",
-                       tuple: "A,B"}.get(kind, "TEXT")
+            metavar = {int: "N", float: "SECONDS" if dotted.endswith("_s") else "X", Path: "DIR", tuple: "A,B"}.get(
+                kind, "TEXT"
+            )
             if dotted.endswith("url"):
                 metavar = "URL"
             parser.add_argument(*names, dest=dotted, metavar=metavar, default=argparse.SUPPRESS, help=help_text)
@@ -149,6 +151,8 @@ def config_reference() -> str:
         rows.append(
             f"| `{dotted}` | `{env_name(dotted)}` | {flags} | `{_show(default_of(dotted))}` | {docs.get(dotted, '')} |"
         )
-    rows.append(f"\n`{ENV_PREFIX}BOOTSTRAP` is a shortcut for `{env_name('bus.bootstrap')}`; "
-                f"`{ENV_PREFIX}CONFIG` names the TOML file when `--config` is not given.")
+    rows.append(
+        f"\n`{ENV_PREFIX}BOOTSTRAP` is a shortcut for `{env_name('bus.bootstrap')}`; "
+        f"`{ENV_PREFIX}CONFIG` names the TOML file when `--config` is not given."
+    )
     return "\n".join(rows)

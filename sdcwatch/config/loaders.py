@@ -40,8 +40,9 @@ __all__ = ["ENV_PREFIX", "OTHER_ENV", "load_config", "env_name", "flag_name", "a
 
 ENV_PREFIX = "SDCWATCH_"
 #: ``SDCWATCH_*`` variables that are not serve settings: the emitter's, the loader's and dev.sh's.
-OTHER_ENV = frozenset({"SDCWATCH_RUN", "SDCWATCH_HOST", "SDCWATCH_CONFIG", "SDCWATCH_BOOTSTRAP",
-                       "SDCWATCH_VENV", "SDCWATCH_TORCH"})
+OTHER_ENV = frozenset(
+    {"SDCWATCH_RUN", "SDCWATCH_HOST", "SDCWATCH_CONFIG", "SDCWATCH_BOOTSTRAP", "SDCWATCH_VENV", "SDCWATCH_TORCH"}
+)
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off"})
 
@@ -108,7 +109,7 @@ def _resolve_key(dotted: str, where: str) -> type:
     if parts[0] not in SECTIONS:
         raise ConfigError(parts[0], f"unknown section{did_you_mean(parts[0], SECTIONS)} ({where})")
     table = max((t for t in tables if dotted.startswith(t + ".")), key=len)
-    rest = dotted[len(table) + 1:]
+    rest = dotted[len(table) + 1 :]
     if tables[table] is dict:
         raise ConfigError(dotted, f"unknown Kafka security setting{did_you_mean(rest, SECURITY_KEYS)} ({where})")
     names = list(hints(tables[table]))
@@ -197,7 +198,7 @@ def _env_layer(env: Mapping[str, str]) -> tuple[dict[str, Any], dict[str, str]]:
     for var in sorted(env):
         if not var.startswith(ENV_PREFIX):
             continue
-        rest = var[len(ENV_PREFIX):]
+        rest = var[len(ENV_PREFIX) :]
         section = next((s for s in SECTIONS if rest.startswith(s.upper() + "_")), None)
         if var == shortcut:
             dotted = "bus.bootstrap"
@@ -207,10 +208,10 @@ def _env_layer(env: Mapping[str, str]) -> tuple[dict[str, Any], dict[str, str]]:
             dotted = by_env[var]
         elif section is not None:
             # A misspelt key of a known section: name it, with the closest real variable.
-            key = rest[len(section) + 1:].lower()
+            key = rest[len(section) + 1 :].lower()
             for fname, kind in hints(SECTIONS[section]).items():
                 if (kind is dict or dataclasses.is_dataclass(kind)) and key.startswith(fname + "_"):
-                    key = f"{fname}.{key[len(fname) + 1:]}"
+                    key = f"{fname}.{key[len(fname) + 1 :]}"
             dotted = f"{section}.{key}"
             close = difflib.get_close_matches(var, list(by_env), n=1, cutoff=0.6)
             hint = f" (did you mean {close[0]}?)" if close else ""
@@ -220,9 +221,12 @@ def _env_layer(env: Mapping[str, str]) -> tuple[dict[str, Any], dict[str, str]]:
         else:  # a misspelt section (SDCWATCH_METRIC_PORT): never silently ignored
             close = difflib.get_close_matches(var, [*by_env, *OTHER_ENV], n=1, cutoff=0.6)
             hint = f" (did you mean {close[0]}?)" if close else ""
-            raise ConfigError(var, f"unknown sdcwatch environment variable{hint}; sections are "
-                                   f"{', '.join(s.upper() for s in SECTIONS)}; the emitter's own are "
-                                   f"{', '.join(sorted(OTHER_ENV))}")
+            raise ConfigError(
+                var,
+                f"unknown sdcwatch environment variable{hint}; sections are "
+                f"{', '.join(s.upper() for s in SECTIONS)}; the emitter's own are "
+                f"{', '.join(sorted(OTHER_ENV))}",
+            )
         sources[dotted] = f"environment {var}"
         try:
             values[dotted] = parse_text(dotted, env[var], keys[dotted])
@@ -300,7 +304,7 @@ def _build(cls: type, path: str, default: Any, values: Mapping[str, Any], source
     for fname, kind in hints(cls).items():
         dotted = f"{path}.{fname}"
         if kind is dict:
-            entries = {k[len(dotted) + 1:]: v for k, v in values.items() if k.startswith(dotted + ".")}
+            entries = {k[len(dotted) + 1 :]: v for k, v in values.items() if k.startswith(dotted + ".")}
             if entries:
                 kwargs[fname] = entries
         elif dataclasses.is_dataclass(kind):

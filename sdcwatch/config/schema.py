@@ -274,7 +274,9 @@ class _DetectorsSettings(_Section):
 
     def detector_configs(self) -> dict[str, Any]:
         """Detector name -> its ``Config``, for :func:`~sdcwatch.detectors.registry.default_detectors`."""
-        return {f.name: getattr(self, f.name) for f in fields(self) if dataclasses.is_dataclass(hints(type(self))[f.name])}
+        return {
+            f.name: getattr(self, f.name) for f in fields(self) if dataclasses.is_dataclass(hints(type(self))[f.name])
+        }
 
 
 #: [detectors], with one field per default detector whose type is the detector's ``Config``.

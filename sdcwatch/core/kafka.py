@@ -18,8 +18,15 @@ from typing import Any, Mapping
 
 from sdcwatch.core.errors import ConfigError
 
-__all__ = ["SECURITY_KEYS", "TEXT_SECURITY_KEYS", "security_settings", "bootstrap_servers", "new_producer",
-           "new_consumer", "new_admin"]
+__all__ = [
+    "SECURITY_KEYS",
+    "TEXT_SECURITY_KEYS",
+    "security_settings",
+    "bootstrap_servers",
+    "new_producer",
+    "new_consumer",
+    "new_admin",
+]
 
 #: kafka-python's security settings passed through for real clusters: name -> value type when a
 #: configuration file or the environment may give it, None when only code can (an object, or a
@@ -51,7 +58,9 @@ def security_settings(settings: Mapping[str, Any], where: str = "security") -> d
     """Check the pass-through kafka-python settings; an unknown key is an error naming it."""
     for key in settings:
         if key not in SECURITY_KEYS:
-            raise ConfigError(f"{where}.{key}", f"unknown kafka security setting (known: {', '.join(sorted(SECURITY_KEYS))})")
+            raise ConfigError(
+                f"{where}.{key}", f"unknown kafka security setting (known: {', '.join(sorted(SECURITY_KEYS))})"
+            )
     return dict(settings)
 
 
@@ -64,20 +73,24 @@ def new_producer(bootstrap: str, security: Mapping[str, Any] | None = None, **se
     """A kafka-python ``KafkaProducer`` for ``bootstrap`` with the security settings."""
     from kafka import KafkaProducer
 
-    return KafkaProducer(bootstrap_servers=bootstrap_servers(bootstrap), **settings, **security_settings(security or {}))
+    return KafkaProducer(
+        bootstrap_servers=bootstrap_servers(bootstrap), **settings, **security_settings(security or {})
+    )
 
 
 def new_consumer(bootstrap: str, *topics: str, security: Mapping[str, Any] | None = None, **settings: Any) -> Any:
     """A kafka-python ``KafkaConsumer`` of ``topics`` for ``bootstrap`` with the security settings."""
     from kafka import KafkaConsumer
 
-    return KafkaConsumer(*topics, bootstrap_servers=bootstrap_servers(bootstrap), **settings,
-                         **security_settings(security or {}))
+    return KafkaConsumer(
+        *topics, bootstrap_servers=bootstrap_servers(bootstrap), **settings, **security_settings(security or {})
+    )
 
 
 def new_admin(bootstrap: str, security: Mapping[str, Any] | None = None, **settings: Any) -> Any:
     """A kafka-python ``KafkaAdminClient`` for ``bootstrap`` with the security settings."""
     from kafka.admin import KafkaAdminClient
 
-    return KafkaAdminClient(bootstrap_servers=bootstrap_servers(bootstrap), **settings,
-                            **security_settings(security or {}))
+    return KafkaAdminClient(
+        bootstrap_servers=bootstrap_servers(bootstrap), **settings, **security_settings(security or {})
+    )

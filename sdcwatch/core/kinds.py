@@ -72,8 +72,9 @@ K = IncidentKind
 #: Spikes of the whole job (onset, peak, recovery make one incident).
 SPIKE_KINDS = _values(K.LOSS_SPIKE, K.GRAD_SPIKE)
 #: Kinds that are about one rank: the incident book keeps one incident per rank for them.
-RANK_LOCAL_KINDS = _values(K.RANK_OUTLIER, K.SILENT_DRIFT, K.SDC_SUSPECTED, K.STRAGGLER, K.CHECKSUM_MISMATCH,
-                           K.CHECKSUM_OUTLIER)
+RANK_LOCAL_KINDS = _values(
+    K.RANK_OUTLIER, K.SILENT_DRIFT, K.SDC_SUSPECTED, K.STRAGGLER, K.CHECKSUM_MISMATCH, K.CHECKSUM_OUTLIER
+)
 #: One rank fault seen more clearly over time (outlier -> silent drift -> SDC suspected): they share
 #: one incident per rank, whose kind escalates.
 RANK_FAULT_KINDS = _values(K.RANK_OUTLIER, K.SILENT_DRIFT, K.SDC_SUSPECTED)

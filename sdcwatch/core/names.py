@@ -37,8 +37,13 @@ SUMMARY_TOPIC = "sdcwatch.summaries"
 #: Decisions for the training jobs' guards (skip, roll back, evict), keyed by run; rank 0 reads it.
 CONTROL_TOPIC = "sdcwatch.control"
 #: Every default topic, by its purpose.
-TOPICS = {"telemetry": TELEMETRY_TOPIC, "anomalies": ANOMALY_TOPIC, "deadletter": DEADLETTER_TOPIC,
-          "summaries": SUMMARY_TOPIC, "control": CONTROL_TOPIC}
+TOPICS = {
+    "telemetry": TELEMETRY_TOPIC,
+    "anomalies": ANOMALY_TOPIC,
+    "deadletter": DEADLETTER_TOPIC,
+    "summaries": SUMMARY_TOPIC,
+    "control": CONTROL_TOPIC,
+}
 
 #: Well-known scalar names (others are allowed; these are what the probes and detectors use).
 SCALARS = (

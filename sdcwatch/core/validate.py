@@ -38,8 +38,15 @@ _HOSTNAME = re.compile(
     r"^(?=.{1,253}$)[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*\.?$"
 )
 #: How a value of each settable type is named in an error message.
-KIND_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "true or false", Path: "a path",
-              dict: "a table", tuple: "an array of strings"}
+KIND_NAMES = {
+    str: "a string",
+    int: "an integer",
+    float: "a number",
+    bool: "true or false",
+    Path: "a path",
+    dict: "a table",
+    tuple: "an array of strings",
+}
 
 
 def check_positive(owner: str, **values: float) -> None:

@@ -56,13 +56,22 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     """Declare ``sdcwatch report``'s arguments (on ``parser`` when the CLI passes a subparser)."""
     p = parser or argparse.ArgumentParser(prog="sdcwatch report")
     p.description = "Write a self-contained HTML report of a captured run: loss and gradient norm with incidents, a rank x step heat map of deviation, attention entropy per layer, and the incident table."
-    p.add_argument("records", metavar="RECORDS.jsonl", help="records written by the file transport (one JSON record per line)")
-    p.add_argument("--incidents", metavar="INCIDENTS.jsonl", help="incidents, one Incident.to_dict() JSON object per line")
-    p.add_argument("-o", "--output", metavar="PATH", default="report.html", help="where to write the report (default: report.html)")
+    p.add_argument(
+        "records", metavar="RECORDS.jsonl", help="records written by the file transport (one JSON record per line)"
+    )
+    p.add_argument(
+        "--incidents", metavar="INCIDENTS.jsonl", help="incidents, one Incident.to_dict() JSON object per line"
+    )
+    p.add_argument(
+        "-o", "--output", metavar="PATH", default="report.html", help="where to write the report (default: report.html)"
+    )
     p.add_argument("--title", help="page title (default: 'sdcwatch report — RUN')")
-    p.add_argument("--injected", metavar="TEXT|FILE",
-                   help="what was injected: free text shown in the header (e.g. 'bitflip on rank 5 at step 120'), "
-                        "or a fault file in the injector's format (.json / .jsonl), also drawn on the plots")
+    p.add_argument(
+        "--injected",
+        metavar="TEXT|FILE",
+        help="what was injected: free text shown in the header (e.g. 'bitflip on rank 5 at step 120'), "
+        "or a fault file in the injector's format (.json / .jsonl), also drawn on the plots",
+    )
     p.add_argument("--run", help="the run to show when the file holds several (default: the one with most records)")
     return p
 
@@ -76,8 +85,7 @@ def report_main(argv: Sequence[str] | None = None) -> int:
             from sdcwatch.telemetry.faults import load_faults
 
             injected = [f.to_dict() for f in load_faults(injected)]
-        out = write_report(args.records, args.incidents, args.output, title=args.title,
-                           injected=injected, run=args.run)
+        out = write_report(args.records, args.incidents, args.output, title=args.title, injected=injected, run=args.run)
     except SdcwatchError as exc:
         print(f"sdcwatch report: error: {exc}", file=sys.stderr)
         return 1

@@ -88,8 +88,13 @@ def load_records(path: str | Path, *, run: str | None = None) -> RunData:
                 continue
             layer = rec.layers.get(_ENTROPY)
             rows.setdefault(rec.run, []).append(
-                (rec.step, rec.rank, rec.time, tuple(rec.scalars.get(k, math.nan) for k in _SCALARS),
-                 tuple(layer) if layer is not None else None)
+                (
+                    rec.step,
+                    rec.rank,
+                    rec.time,
+                    tuple(rec.scalars.get(k, math.nan) for k in _SCALARS),
+                    tuple(layer) if layer is not None else None,
+                )
             )
             worlds[rec.run] = max(worlds.get(rec.run, 0), rec.world)
             seen.setdefault(rec.run, set()).update(rec.scalars)
@@ -155,7 +160,9 @@ def incident_from_dict(d: Mapping[str, Any]) -> Incident:
     try:
         severity = Severity(d["severity"])
     except ValueError:
-        raise ValueError(f"incident field 'severity': {d['severity']!r} is not one of info, warning, critical") from None
+        raise ValueError(
+            f"incident field 'severity': {d['severity']!r} is not one of info, warning, critical"
+        ) from None
     first = d.get("first_step", d.get("step"))
     last = d.get("last_step", first)
     for key, value in (("first_step", first), ("last_step", last)):

@@ -102,7 +102,15 @@ def _global_series(data: RunData) -> tuple[tuple[str, np.ndarray, np.ndarray | N
     elif "loss" in data.scalars:
         out.append(("loss (mean over ranks)", _mean_over_ranks(data, "loss"), data.scalars["loss"]))
     if "grad_norm_global" in data.scalars and np.any(data.present & ~np.isnan(data.scalars["grad_norm_global"])):
-        out.append(("global gradient norm", _mean_over_ranks(data, "grad_norm_global"), data.scalars.get("grad_norm_local")))
+        out.append(
+            ("global gradient norm", _mean_over_ranks(data, "grad_norm_global"), data.scalars.get("grad_norm_local"))
+        )
     elif "grad_norm_local" in data.scalars:
-        out.append(("gradient norm (mean of local)", _mean_over_ranks(data, "grad_norm_local"), data.scalars["grad_norm_local"]))
+        out.append(
+            (
+                "gradient norm (mean of local)",
+                _mean_over_ranks(data, "grad_norm_local"),
+                data.scalars["grad_norm_local"],
+            )
+        )
     return tuple(out)

@@ -55,8 +55,9 @@ def _describe_injected(injected: Any) -> str:
 
 def _suspect_ranks(incidents: Sequence[Incident], world: int) -> list[int]:
     """Ranks blamed by the most severe localised incidents, the most specific first (at most 3)."""
-    ranked = sorted((i for i in incidents if _is_localised(i, world)),
-                    key=lambda i: (-i.severity.rank, len(i.ranks), i.first_step))
+    ranked = sorted(
+        (i for i in incidents if _is_localised(i, world)), key=lambda i: (-i.severity.rank, len(i.ranks), i.first_step)
+    )
     out: list[int] = []
     for inc in ranked:
         for r in inc.ranks:
@@ -111,13 +112,18 @@ def _fmt_steps(n: int) -> str:
 
 def _verdict(incidents: Sequence[Incident], data: RunData, faults: Sequence[Mapping[str, Any]]) -> tuple[str, str]:
     if not incidents and faults:
-        return "warning", "<b>No incident was raised</b>, although a fault was injected (see below): a missed detection."
+        return (
+            "warning",
+            "<b>No incident was raised</b>, although a fault was injected (see below): a missed detection.",
+        )
     if not incidents:
         return "clean", "No incidents were raised for this run."
     top = sorted(incidents, key=lambda i: (-i.severity.rank, not _is_localised(i, data.world), i.first_step))[0]
     where = ""
     if _is_localised(top, data.world):
-        where = " — " + ", ".join(f"rank {r}" + (f" (host {data.host_of(r)})" if data.host_of(r) else "") for r in top.ranks)
+        where = " — " + ", ".join(
+            f"rank {r}" + (f" (host {data.host_of(r)})" if data.host_of(r) else "") for r in top.ranks
+        )
     elif top.ranks:
         where = f" — {len(top.ranks)} ranks"
     more = f" and {len(incidents) - 1} more" if len(incidents) > 1 else ""
@@ -138,21 +144,29 @@ def _cards(data: RunData, incidents: Sequence[Incident], injected_text: str, sus
         ("steps", f"{_fmt_steps(len(data.steps))} <small>{data.steps[0]}–{data.steps[-1]}</small>"),
         ("records", f"{data.records:,}" + (f" <small>{data.missing:,} missing</small>" if data.missing else "")),
         ("incidents", f"{len(incidents)} <small>{_e(sev_text)}</small>"),
-        ("suspect ranks", ", ".join(
-            f"{r}" + (f" <small>{_e(data.host_of(r))}</small>" if data.host_of(r) else "") for r in suspects) or "none"),
+        (
+            "suspect ranks",
+            ", ".join(f"{r}" + (f" <small>{_e(data.host_of(r))}</small>" if data.host_of(r) else "") for r in suspects)
+            or "none",
+        ),
     ]
     if wall > 0:
         cards.append(("wall time", f"{wall / 60:.1f} min" if wall >= 120 else f"{wall:.0f} s"))
     out = [f"<div class='card'><div class='k'>{k}</div><div class='v'>{v}</div></div>" for k, v in cards]
     if injected_text:
-        out.append(f"<div class='card wide'><div class='k'>injected</div><div class='v' style='font-size:14px'>{_e(injected_text)}</div></div>")
+        out.append(
+            f"<div class='card wide'><div class='k'>injected</div><div class='v' style='font-size:14px'>{_e(injected_text)}</div></div>"
+        )
     return "<div class='cards'>" + "".join(out) + "</div>"
 
 
 def _incident_table(incidents: Sequence[Incident]) -> str:
     if not incidents:
         return "<p class='muted'>No incidents were raised for this run.</p>"
-    head = "".join(f"<th>{h}</th>" for h in ("#", "kind", "severity", "steps", "ranks", "hosts", "layer", "metric", "status", "message"))
+    head = "".join(
+        f"<th>{h}</th>"
+        for h in ("#", "kind", "severity", "steps", "ranks", "hosts", "layer", "metric", "status", "message")
+    )
     rows = []
     for n, inc in enumerate(incidents, 1):
         steps = _e(f"{inc.first_step}–{inc.last_step}" if inc.last_step != inc.first_step else f"{inc.first_step}")
@@ -173,8 +187,9 @@ def _figure(png: str, alt: str) -> str:
     return f"<figure><img alt='{_e(alt)}' src='data:image/png;base64,{png}'></figure>"
 
 
-def render_report(data: RunData, incidents: Sequence[Incident], *, title: str | None = None,
-                  injected: Any = None, source: str = "") -> str:
+def render_report(
+    data: RunData, incidents: Sequence[Incident], *, title: str | None = None, injected: Any = None, source: str = ""
+) -> str:
     """The report page for ``data`` and ``incidents`` (already loaded) as an HTML string."""
     from sdcwatch import __version__
 
@@ -204,7 +219,9 @@ def render_report(data: RunData, incidents: Sequence[Incident], *, title: str | 
             "<section id='training'><h2>Loss and gradient norm</h2><p class='caption'>Global values per step; "
             "the band is the spread over ranks. Shaded spans are incidents (numbered as in the table), hatched "
             "ones what was injected. Values far off the scale (a near-infinite loss) sit on the edge as ▲; "
-            "steps with a non-finite value show as a purple strip along the top.</p>" + _figure(training, "loss and gradient norm per step") + "</section>"
+            "steps with a non-finite value show as a purple strip along the top.</p>"
+            + _figure(training, "loss and gradient norm per step")
+            + "</section>"
         )
     heat, used, _ = plot_heatmap(data, incidents, faults)
     if data.world < _MIN_RANKS:
@@ -220,8 +237,7 @@ def render_report(data: RunData, incidents: Sequence[Incident], *, title: str | 
             "stays pale; a faulty one lights up. Dark purple: a non-finite value on this rank only; light purple: "
             "non-finite on most ranks (the corruption has spread and no longer says which rank); grey: no record. "
             "Blue boxes are the ranks incidents named. The bar shows the share of steps each rank was flagged "
-            f"(|z| &gt; {Z_FLAG:g}).</p>"
-            + _figure(heat, "rank by step heat map of deviation") + "</section>"
+            f"(|z| &gt; {Z_FLAG:g}).</p>" + _figure(heat, "rank by step heat map of deviation") + "</section>"
         )
     attention, shown = plot_attention(data, incidents, suspects, faults)
     if attention:
@@ -229,18 +245,26 @@ def render_report(data: RunData, incidents: Sequence[Incident], *, title: str | 
         which = "every layer" if len(shown) == n_layers else f"{len(shown)} of {n_layers} layers"
         parts.append(
             "<section id='attention'><h2>Attention entropy per layer</h2><p class='caption'>Mean over ranks "
-            f"({which}), with the spread over ranks as a band" + (" and the suspect ranks drawn in colour" if suspects else "")
+            f"({which}), with the spread over ranks as a band"
+            + (" and the suspect ranks drawn in colour" if suspects else "")
             + ". Corrupted attention shows as entropy collapsing (one logit dominates) or jumping.</p>"
-            + _figure(attention, "attention entropy per layer") + "</section>"
+            + _figure(attention, "attention entropy per layer")
+            + "</section>"
         )
     parts.append(f"<section id='incident-table'><h2>Incidents</h2>{_incident_table(incidents)}</section>")
     guarded = [i for i in incidents if i.kind.startswith("guard_")]
     if guarded:  # what the training job's guard did about it, step by step (no silent skips)
-        items = "".join(f"<li>step {i.first_step}" + (f"-{i.last_step}" if i.last_step != i.first_step else "")
-                        + f": <b>{_e(i.kind.removeprefix('guard_'))}</b> — {_e(i.message)}</li>" for i in guarded)
-        parts.append("<section id='guard'><h2>What the guard did</h2><p class='caption'>Steps at which the "
-                     "training job's guard skipped an update, reran a step, rolled back or evicted a rank "
-                     "(the last message of each kind).</p><ul>" + items + "</ul></section>")
+        items = "".join(
+            f"<li>step {i.first_step}"
+            + (f"-{i.last_step}" if i.last_step != i.first_step else "")
+            + f": <b>{_e(i.kind.removeprefix('guard_'))}</b> — {_e(i.message)}</li>"
+            for i in guarded
+        )
+        parts.append(
+            "<section id='guard'><h2>What the guard did</h2><p class='caption'>Steps at which the "
+            "training job's guard skipped an update, reran a step, rolled back or evicted a rank "
+            "(the last message of each kind).</p><ul>" + items + "</ul></section>"
+        )
     notes = []
     if data.duplicates:
         notes.append(f"{data.duplicates:,} duplicate records (same step and rank) were read; the last one counts.")

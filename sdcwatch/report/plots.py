@@ -78,9 +78,15 @@ def _shade_incidents(ax: Any, incidents: Sequence[Incident], steps: np.ndarray, 
             if len(incidents) > 8:
                 text = f"#{n}"
             ax.annotate(
-                text, xy=(inc.first_step, 1.0), xycoords=("data", "axes fraction"),
-                xytext=(3, -17 - 11 * ((n - 1) % 3)), textcoords="offset points",
-                fontsize=8, color=colour, fontweight="bold", clip_on=True,
+                text,
+                xy=(inc.first_step, 1.0),
+                xycoords=("data", "axes fraction"),
+                xytext=(3, -17 - 11 * ((n - 1) % 3)),
+                textcoords="offset points",
+                fontsize=8,
+                color=colour,
+                fontweight="bold",
+                clip_on=True,
                 bbox=dict(boxstyle="round,pad=0.15", facecolor="white", edgecolor="none", alpha=0.75),
             )
 
@@ -91,13 +97,27 @@ def _mark_injected(ax: Any, faults: Sequence[Mapping[str, Any]], steps: np.ndarr
         start = f["step"]
         duration = f.get("duration", 1)
         end = last if duration == 0 else start + max(duration, 1) - 1
-        ax.axvspan(start - 0.5, end + 0.5, facecolor="none", edgecolor="#8a8a8a", hatch="///", linewidth=0, alpha=0.22, zorder=0)
+        ax.axvspan(
+            start - 0.5,
+            end + 0.5,
+            facecolor="none",
+            edgecolor="#8a8a8a",
+            hatch="///",
+            linewidth=0,
+            alpha=0.22,
+            zorder=0,
+        )
         ax.axvline(start, color="#333", linestyle="--", linewidth=1.0, zorder=1)
         if label:
             ax.annotate(
                 f"injected: {f.get('kind', 'fault')}" + ("" if f.get("rank") is None else f" r{f['rank']}"),
-                xy=(start, 0.0), xycoords=("data", "axes fraction"), xytext=(3, 4), textcoords="offset points",
-                fontsize=8, color="#333", style="italic",
+                xy=(start, 0.0),
+                xycoords=("data", "axes fraction"),
+                xytext=(3, 4),
+                textcoords="offset points",
+                fontsize=8,
+                color="#333",
+                style="italic",
             )
 
 
@@ -111,12 +131,18 @@ def _mark_nonfinite(ax: Any, steps: np.ndarray, bad: np.ndarray, colour: str, la
     last = idx[np.r_[breaks, len(idx) - 1]]
     half = _min_span(steps)
     spans = [(float(steps[a]) - half, float(steps[b]) - float(steps[a]) + 2 * half) for a, b in zip(first, last)]
-    ax.broken_barh(spans, (0.955, 0.045), transform=ax.get_xaxis_transform(), facecolors=colour, zorder=4,
-                   label=label)
+    ax.broken_barh(spans, (0.955, 0.045), transform=ax.get_xaxis_transform(), facecolors=colour, zorder=4, label=label)
 
 
-def _plot_series(ax: Any, steps: np.ndarray, series: np.ndarray, per_rank: np.ndarray | None,
-                 present: np.ndarray, colour: str, label: str) -> None:
+def _plot_series(
+    ax: Any,
+    steps: np.ndarray,
+    series: np.ndarray,
+    per_rank: np.ndarray | None,
+    present: np.ndarray,
+    colour: str,
+    label: str,
+) -> None:
     limits = _robust_limits(series if per_rank is None else np.concatenate([series, per_rank[present]]))
     if per_rank is not None and per_rank.shape[1] > 1:
         masked = np.where(present & np.isfinite(per_rank), per_rank, np.nan)
@@ -129,11 +155,27 @@ def _plot_series(ax: Any, steps: np.ndarray, series: np.ndarray, per_rank: np.nd
         over = np.isfinite(series) & (series > limits[1])
         under = np.isfinite(series) & (series < limits[0])
         if over.any():
-            ax.plot(steps[over], np.full(over.sum(), limits[1]), linestyle="none", marker="^", color="#d62728",
-                    markersize=6, clip_on=False, label=f"off scale (max {np.max(series[over]):.3g})")
+            ax.plot(
+                steps[over],
+                np.full(over.sum(), limits[1]),
+                linestyle="none",
+                marker="^",
+                color="#d62728",
+                markersize=6,
+                clip_on=False,
+                label=f"off scale (max {np.max(series[over]):.3g})",
+            )
         if under.any():
-            ax.plot(steps[under], np.full(under.sum(), limits[0]), linestyle="none", marker="v", color="#d62728",
-                    markersize=6, clip_on=False, label="off scale (below)")
+            ax.plot(
+                steps[under],
+                np.full(under.sum(), limits[0]),
+                linestyle="none",
+                marker="v",
+                color="#d62728",
+                markersize=6,
+                clip_on=False,
+                label="off scale (below)",
+            )
     _mark_nonfinite(ax, steps, ~np.isfinite(series) & present.any(axis=1), "#7b1fa2", label="non-finite")
     ax.set_ylabel(label, fontsize=9.5)
     _style_axes(ax)
@@ -166,7 +208,9 @@ def _bin_columns(score: np.ndarray, steps: np.ndarray) -> tuple[np.ndarray, np.n
     return binned, steps[starts]
 
 
-def plot_heatmap(data: RunData, incidents: Sequence[Incident], faults: Sequence[Mapping[str, Any]]) -> tuple[str | None, list[str], np.ndarray]:
+def plot_heatmap(
+    data: RunData, incidents: Sequence[Incident], faults: Sequence[Mapping[str, Any]]
+) -> tuple[str | None, list[str], np.ndarray]:
     score, used, widespread = rank_deviation(data)
     if not used or data.world < _MIN_RANKS:
         return None, used, np.zeros(data.world)
@@ -194,15 +238,29 @@ def plot_heatmap(data: RunData, incidents: Sequence[Incident], faults: Sequence[
     ).with_extremes(over="#7f0000", bad="#c8c8c8")  # bad: no record
     step_w = (float(data.steps[-1]) - float(data.steps[0])) / max(len(starts) - 1, 1) if len(starts) > 1 else 1.0
     extent = (float(starts[0]) - step_w / 2, float(starts[-1]) + step_w / 2, world - 0.5, -0.5)
-    mesh = ax.imshow(np.ma.masked_invalid(np.where(np.isinf(binned), _Z_CAP, binned).T), aspect="auto", cmap=cmap,
-                     vmin=0, vmax=_Z_CAP, interpolation="nearest", extent=extent)
+    mesh = ax.imshow(
+        np.ma.masked_invalid(np.where(np.isinf(binned), _Z_CAP, binned).T),
+        aspect="auto",
+        cmap=cmap,
+        vmin=0,
+        vmax=_Z_CAP,
+        interpolation="nearest",
+        extent=extent,
+    )
     # Non-finite values get their own colours on top, never confused with a large z: dark purple
     # for a rank that alone went non-finite, light purple once most ranks did.
     spread, _ = _bin_columns(widespread.astype(float), data.steps)
     nonfinite = np.where(np.isinf(binned), 2.0, np.where(spread > 0, 1.0, np.nan)).T
     if np.isfinite(nonfinite).any():
-        ax.imshow(np.ma.masked_invalid(nonfinite), aspect="auto", cmap=ListedColormap(["#c9b6e4", "#4a148c"]),
-                  vmin=0.5, vmax=2.5, interpolation="nearest", extent=extent)
+        ax.imshow(
+            np.ma.masked_invalid(nonfinite),
+            aspect="auto",
+            cmap=ListedColormap(["#c9b6e4", "#4a148c"]),
+            vmin=0.5,
+            vmax=2.5,
+            interpolation="nearest",
+            extent=extent,
+        )
     cbar = fig.colorbar(mesh, ax=bar, extend="max", fraction=0.25, pad=0.05, shrink=0.9 if world <= 16 else 0.6)
     cbar.set_label("|robust z| vs other ranks", fontsize=8.5)
     cbar.ax.tick_params(labelsize=8)
@@ -212,23 +270,60 @@ def plot_heatmap(data: RunData, incidents: Sequence[Incident], faults: Sequence[
         if inc.ranks:
             for r in inc.ranks:
                 if 0 <= r < world:
-                    ax.add_patch(Rectangle((inc.first_step - half, r - 0.5), inc.last_step - inc.first_step + 2 * half, 1.0,
-                                           fill=False, edgecolor=colour, linewidth=1.6))
+                    ax.add_patch(
+                        Rectangle(
+                            (inc.first_step - half, r - 0.5),
+                            inc.last_step - inc.first_step + 2 * half,
+                            1.0,
+                            fill=False,
+                            edgecolor=colour,
+                            linewidth=1.6,
+                        )
+                    )
         else:
             ax.axvline(inc.first_step, color=colour, linestyle=":", linewidth=1.2)
-        ax.annotate(f"#{n}", xy=(inc.first_step, -0.5), xytext=(0, 2), textcoords="offset points",
-                    annotation_clip=False, fontsize=7.5, color=colour, ha="center", va="bottom", fontweight="bold")
+        ax.annotate(
+            f"#{n}",
+            xy=(inc.first_step, -0.5),
+            xytext=(0, 2),
+            textcoords="offset points",
+            annotation_clip=False,
+            fontsize=7.5,
+            color=colour,
+            ha="center",
+            va="bottom",
+            fontweight="bold",
+        )
     for f in faults:
         if f.get("rank") is not None and 0 <= f["rank"] < world:
-            ax.annotate("injected ▸", xy=(f["step"], f["rank"]), xytext=(-4, 0), textcoords="offset points",
-                        ha="right", va="center", fontsize=7.5, color="#222", style="italic")
-    ax.set_xlabel("step" + (f"  (binned: worst of ~{len(data.steps) // len(starts)} steps per column)" if len(starts) < len(data.steps) else ""), fontsize=9.5)
+            ax.annotate(
+                "injected ▸",
+                xy=(f["step"], f["rank"]),
+                xytext=(-4, 0),
+                textcoords="offset points",
+                ha="right",
+                va="center",
+                fontsize=7.5,
+                color="#222",
+                style="italic",
+            )
+    ax.set_xlabel(
+        "step"
+        + (
+            f"  (binned: worst of ~{len(data.steps) // len(starts)} steps per column)"
+            if len(starts) < len(data.steps)
+            else ""
+        ),
+        fontsize=9.5,
+    )
     ax.set_ylabel("rank", fontsize=9.5)
     tick_every = 1 if world <= 24 else (2 if world <= 48 else 4)
     ticks = list(range(0, world, tick_every))
     ax.set_yticks(ticks)
     show_hosts = world <= 24 and any(data.hosts)
-    ax.set_yticklabels([f"{r} · {data.hosts[r]}" if show_hosts and data.hosts[r] else str(r) for r in ticks], fontsize=7.5)
+    ax.set_yticklabels(
+        [f"{r} · {data.hosts[r]}" if show_hosts and data.hosts[r] else str(r) for r in ticks], fontsize=7.5
+    )
     ax.tick_params(labelsize=8)
     # Red only for a rank flagged far more often than its peers, not for the noisiest of equals.
     standout = max(10.0, 3 * float(np.median(flagged)))
@@ -241,8 +336,9 @@ def plot_heatmap(data: RunData, incidents: Sequence[Incident], faults: Sequence[
     return _png(fig), used, flagged
 
 
-def plot_attention(data: RunData, incidents: Sequence[Incident], suspects: Sequence[int],
-                    faults: Sequence[Mapping[str, Any]]) -> tuple[str | None, list[int]]:
+def plot_attention(
+    data: RunData, incidents: Sequence[Incident], suspects: Sequence[int], faults: Sequence[Mapping[str, Any]]
+) -> tuple[str | None, list[int]]:
     entropy = data.layers.get(_ENTROPY)
     if entropy is None or entropy.shape[2] == 0:
         return None, []
@@ -251,7 +347,9 @@ def plot_attention(data: RunData, incidents: Sequence[Incident], suspects: Seque
     if n_layers <= _MAX_LAYER_PANELS:
         shown = list(range(n_layers))
     else:
-        shown = sorted(set(np.linspace(0, n_layers - 1, _MAX_LAYER_PANELS - len(named_layers)).astype(int)) | set(named_layers))
+        shown = sorted(
+            set(np.linspace(0, n_layers - 1, _MAX_LAYER_PANELS - len(named_layers)).astype(int)) | set(named_layers)
+        )
     cols = min(4, len(shown))
     rows = math.ceil(len(shown) / cols)
     fig = _new_figure(11.5, 0.5 + 1.9 * rows)
@@ -264,45 +362,75 @@ def plot_attention(data: RunData, incidents: Sequence[Incident], suspects: Seque
         lo = np.nanmin(values, axis=1)
         hi = np.nanmax(values, axis=1)
     suspect_colours = ("#d62728", "#e377c2", "#ff7f0e")
-    injected_ranks = [f["rank"] for f in faults if isinstance(f.get("rank"), int) and 0 <= f["rank"] < data.world
-                      and f["rank"] not in suspects][:1]
+    injected_ranks = [
+        f["rank"]
+        for f in faults
+        if isinstance(f.get("rank"), int) and 0 <= f["rank"] < data.world and f["rank"] not in suspects
+    ][:1]
     for ax, layer in zip(axes, shown):
         ax.fill_between(steps, lo[:, layer], hi[:, layer], color="#1f5fa8", alpha=0.15, linewidth=0)
         ax.plot(steps, mean[:, layer], color="#1f5fa8", linewidth=1.4, zorder=3)
         for colour, rank in zip(suspect_colours, suspects):
-            ax.plot(steps, values[:, rank, layer], color=colour, linewidth=0.9,
-                    alpha=0.8 if layer in named_layers or not named_layers else 0.45, zorder=2)
+            ax.plot(
+                steps,
+                values[:, rank, layer],
+                color=colour,
+                linewidth=0.9,
+                alpha=0.8 if layer in named_layers or not named_layers else 0.45,
+                zorder=2,
+            )
             _mark_nonfinite(ax, steps, data.present[:, rank] & ~np.isfinite(entropy[:, rank, layer]), colour)
         for rank in injected_ranks:  # ground truth the incidents did not name: drawn, but apart
-            ax.plot(steps, values[:, rank, layer], color="#333", linewidth=0.9, linestyle=(0, (3, 1.5)), alpha=0.7, zorder=2)
+            ax.plot(
+                steps, values[:, rank, layer], color="#333", linewidth=0.9, linestyle=(0, (3, 1.5)), alpha=0.7, zorder=2
+            )
             _mark_nonfinite(ax, steps, data.present[:, rank] & ~np.isfinite(entropy[:, rank, layer]), "#333")
         for inc in incidents:
             if inc.layer == layer or inc.layer is None:
-                ax.axvspan(inc.first_step - _min_span(steps), inc.last_step + _min_span(steps),
-                           color=_SEVERITY_COLOUR[inc.severity.value], alpha=0.12 if inc.layer == layer else 0.06, linewidth=0)
+                ax.axvspan(
+                    inc.first_step - _min_span(steps),
+                    inc.last_step + _min_span(steps),
+                    color=_SEVERITY_COLOUR[inc.severity.value],
+                    alpha=0.12 if inc.layer == layer else 0.06,
+                    linewidth=0,
+                )
         for f in faults:
             ax.axvline(f["step"], color="#333", linestyle="--", linewidth=0.8)
-        limits = _robust_limits(np.concatenate([mean[:, layer], *(values[:, r, layer] for r in [*suspects, *injected_ranks])]))
+        limits = _robust_limits(
+            np.concatenate([mean[:, layer], *(values[:, r, layer] for r in [*suspects, *injected_ranks])])
+        )
         if limits is not None:
             ax.set_ylim(*limits)
         is_named = layer in named_layers
-        ax.set_title(f"layer {layer}" + ("  ◀ named by an incident" if is_named else ""), fontsize=9,
-                     color="#d62728" if is_named else "#222", fontweight="bold" if is_named else "normal", loc="left")
+        ax.set_title(
+            f"layer {layer}" + ("  ◀ named by an incident" if is_named else ""),
+            fontsize=9,
+            color="#d62728" if is_named else "#222",
+            fontweight="bold" if is_named else "normal",
+            loc="left",
+        )
         if is_named:
             for side in ("left", "bottom"):
                 ax.spines[side].set_color("#d62728")
         _style_axes(ax)
-    for ax in axes[len(shown):]:
+    for ax in axes[len(shown) :]:
         ax.set_visible(False)
-    for ax in axes[(rows - 1) * cols:]:
+    for ax in axes[(rows - 1) * cols :]:
         ax.set_xlabel("step", fontsize=8.5)
     from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
 
-    handles = [Line2D([], [], color="#1f5fa8", label="mean over ranks"), Patch(color="#1f5fa8", alpha=0.15, label="min-max over ranks")]
-    handles += [Line2D([], [], color=c, label=f"rank {r}" + (f" ({data.host_of(r)})" if data.host_of(r) else ""))
-                for c, r in zip(suspect_colours, suspects)]
-    handles += [Line2D([], [], color="#333", linestyle=(0, (3, 1.5)), label=f"rank {r} (injected)") for r in injected_ranks]
+    handles = [
+        Line2D([], [], color="#1f5fa8", label="mean over ranks"),
+        Patch(color="#1f5fa8", alpha=0.15, label="min-max over ranks"),
+    ]
+    handles += [
+        Line2D([], [], color=c, label=f"rank {r}" + (f" ({data.host_of(r)})" if data.host_of(r) else ""))
+        for c, r in zip(suspect_colours, suspects)
+    ]
+    handles += [
+        Line2D([], [], color="#333", linestyle=(0, (3, 1.5)), label=f"rank {r} (injected)") for r in injected_ranks
+    ]
     fig.legend(handles=handles, loc="outside upper right", ncols=len(handles), fontsize=8.5, frameon=False)
     fig.supylabel("attention entropy (nats)", fontsize=9.5)
     return _png(fig), shown

@@ -48,8 +48,9 @@ class SdcwatchCallback(TrainerCallback):
         self._loss_hook = None
 
     # -- the run ------------------------------------------------------------------------------
-    def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
-                       **kwargs: Any) -> None:
+    def on_train_begin(
+        self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None, **kwargs: Any
+    ) -> None:
         import torch.distributed as dist
         from sdcwatch.telemetry.probes import attach
 

@@ -62,8 +62,9 @@ class SdcwatchCallback(pl.Callback):
             self.injector.attach(pl_module, optimizer)
         self.watch = attach(pl_module, self.emitter, optimizer=optimizer, ddp=ddp, **self.settings)
 
-    def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any,
-                             batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, batch_idx: int
+    ) -> None:
         if self.watch is None:
             return
         if self._loss is None:  # the first micro-batch of an optimizer step
@@ -83,8 +84,9 @@ class SdcwatchCallback(pl.Callback):
     def on_before_optimizer_step(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", optimizer: Any) -> None:
         self._closing = trainer.global_step
 
-    def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         if self.watch is None:
             return
         self._end_forward()  # a step without backward (training_step returned None)

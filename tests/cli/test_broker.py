@@ -42,8 +42,12 @@ def test_missing_binary_is_a_clear_error(tmp_path):
 
 def test_cli_broker_runs_until_sigterm():
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "sdcwatch.cli", "broker", "--port", str(port)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sdcwatch.cli", "broker", "--port", str(port)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         line = proc.stdout.readline()
         assert f"listening on 127.0.0.1:{port}" in line
@@ -65,7 +69,11 @@ def test_cli_broker_taken_port_exits_2_with_message():
         s.bind(("127.0.0.1", 0))
         s.listen()
         port = s.getsockname()[1]
-        out = subprocess.run([sys.executable, "-m", "sdcwatch.cli", "broker", "--port", str(port)],
-                             capture_output=True, text=True, timeout=30)
+        out = subprocess.run(
+            [sys.executable, "-m", "sdcwatch.cli", "broker", "--port", str(port)],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
     assert out.returncode == 2
     assert f"port {port}" in out.stderr and "already in use" in out.stderr

@@ -20,8 +20,9 @@ from sdcwatch.capture import Capture, capture
 
 
 def rec(run: str, step: int, rank: int, world: int = 2, **scalars) -> Record:
-    return Record.make(run=run, step=step, rank=rank, world=world, host="h", time=1e9 + step,
-                       scalars=scalars or {"loss": 2.0})
+    return Record.make(
+        run=run, step=step, rank=rank, world=world, host="h", time=1e9 + step, scalars=scalars or {"loss": 2.0}
+    )
 
 
 class ListReader:
@@ -64,7 +65,13 @@ def test_capture_keeps_one_run_with_its_markers_and_stops_when_every_rank_ended(
     lines = out.getvalue().splitlines()
     recs = [from_json(line) for line in lines]
     assert [(r.step, r.rank, is_end_marker(r)) for r in recs] == [
-        (0, 0, False), (0, 1, False), (1, 0, False), (1, 1, False), (1, 0, True), (1, 1, True)]
+        (0, 0, False),
+        (0, 1, False),
+        (1, 0, False),
+        (1, 1, False),
+        (1, 0, True),
+        (1, 1, True),
+    ]
     assert math.isnan(recs[2].scalars["loss"])  # strict JSON keeps the NaN
     assert all(json.loads(line)["run"] == "a" for line in lines)
     assert (cap.records, cap.skipped, cap.other) == (6, 2, 1)
@@ -94,8 +101,9 @@ def test_capture_stops_on_request_and_reports_progress():
                 stop.set()
             return [encode(rec("a", len(said), 0))]
 
-    why = capture(Reader([]), cap, idle_timeout=0, stop=stop, progress=said.append, progress_every=1.0,
-                  clock=FakeClock())
+    why = capture(
+        Reader([]), cap, idle_timeout=0, stop=stop, progress=said.append, progress_every=1.0, clock=FakeClock()
+    )
     assert why == "interrupted"
     assert said == [f"{n} records of run 'a' (steps 0-{n - 1}, 1 of 2 ranks)" for n in (1, 2, 3)]
     assert cap.records == 3  # what was read before the stop is written
@@ -105,8 +113,12 @@ def test_capture_refuses_to_overwrite_and_checks_its_options(tmp_path):
     existing = tmp_path / "x.jsonl"
     existing.write_text("keep me\n")
     for extra, needle in (([], "exists; pass --force"), (["--idle-timeout", "-1", "--force"], "--idle-timeout")):
-        out = subprocess.run([sys.executable, "-m", "sdcwatch.cli", "capture", "--run", "r", "-o", str(existing),
-                              *extra], capture_output=True, text=True, timeout=60)
+        out = subprocess.run(
+            [sys.executable, "-m", "sdcwatch.cli", "capture", "--run", "r", "-o", str(existing), *extra],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert out.returncode == 2 and needle in out.stderr, out.stderr
     assert existing.read_text() == "keep me\n"
 
@@ -131,9 +143,26 @@ def test_capture_stops_cleanly_on_ctrl_c(bootstrap, tmp_path):
     topic = f"tel.{uuid.uuid4().hex[:8]}"
     ensure_topic(bootstrap, topic, 4)
     out_file = tmp_path / "none.jsonl"
-    proc = subprocess.Popen([sys.executable, "-m", "sdcwatch.cli", "capture", "--run", "never", "-o", str(out_file),
-                             "--bus-bootstrap", bootstrap, "--bus-telemetry-topic", topic, "--idle-timeout", "0"],
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "sdcwatch.cli",
+            "capture",
+            "--run",
+            "never",
+            "-o",
+            str(out_file),
+            "--bus-bootstrap",
+            bootstrap,
+            "--bus-telemetry-topic",
+            topic,
+            "--idle-timeout",
+            "0",
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     assert proc.stderr.readline().startswith("sdcwatch capture: reading")
     proc.send_signal(signal.SIGINT)
     err = proc.communicate(timeout=60)[1]
@@ -148,9 +177,24 @@ def test_capture_names_an_unreachable_broker(tmp_path):
 
     address = f"127.0.0.1:{free_port()}"
     t0 = time.monotonic()
-    out = subprocess.run([sys.executable, "-m", "sdcwatch.cli", "capture", "--run", "r", "-o", str(tmp_path / "o.jsonl"),
-                          "--connect-timeout", "2"], capture_output=True, text=True, timeout=60,
-                         env={**__import__("os").environ, "SDCWATCH_BOOTSTRAP": address})
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "sdcwatch.cli",
+            "capture",
+            "--run",
+            "r",
+            "-o",
+            str(tmp_path / "o.jsonl"),
+            "--connect-timeout",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**__import__("os").environ, "SDCWATCH_BOOTSTRAP": address},
+    )
     assert out.returncode == 2
     assert f"cannot reach Kafka at {address}" in out.stderr and "SDCWATCH_BOOTSTRAP" in out.stderr
     assert "Traceback" not in out.stderr
@@ -180,8 +224,20 @@ def test_capture_then_replay_gives_the_incidents_the_service_raised(bootstrap, t
     serve = start_serve(bootstrap, topics, tmp_path / "state", f"g-{tag}", ["--metrics-port", str(free_port())])
     wait_banner(serve)
     live_file = tmp_path / "live.jsonl"
-    cmd = [sys.executable, "-m", "sdcwatch.cli", "capture", "--run", run_name, "--bus-bootstrap", bootstrap,
-           "--bus-telemetry-topic", topics["telemetry"], "--idle-timeout", "120"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "sdcwatch.cli",
+        "capture",
+        "--run",
+        run_name,
+        "--bus-bootstrap",
+        bootstrap,
+        "--bus-telemetry-topic",
+        topics["telemetry"],
+        "--idle-timeout",
+        "120",
+    ]
     ensure_topic(bootstrap, topics["telemetry"], 4)  # an older run's topic: the capture starts at its end
     live = subprocess.Popen([*cmd, "-o", str(live_file)], stderr=subprocess.PIPE, text=True)
     assert live.stderr.readline().startswith("sdcwatch capture: reading")  # positions taken: from here on
@@ -189,11 +245,26 @@ def test_capture_then_replay_gives_the_incidents_the_service_raised(bootstrap, t
     other = Emitter(KafkaTransport(bootstrap, topics["telemetry"]), run=f"other-{tag}", rank=0, world=1)
     other.emit(0, loss=1.0)
     other.close()
-    fault = FaultSpec.from_dict({"kind": "nan", "rank": 2, "step": nan_step, "duration": 1,
-                                 "target": "blocks.0.attn.scores", "where": "output", "seed": 1})
-    run = SimulatedRun(world=world, seed=3, faults=[fault], batch_size=4,
-                       emitter_factory=lambda rank: Emitter(KafkaTransport(bootstrap, topics["telemetry"]),
-                                                            run=run_name, rank=rank, world=world, host=f"h{rank}"))
+    fault = FaultSpec.from_dict(
+        {
+            "kind": "nan",
+            "rank": 2,
+            "step": nan_step,
+            "duration": 1,
+            "target": "blocks.0.attn.scores",
+            "where": "output",
+            "seed": 1,
+        }
+    )
+    run = SimulatedRun(
+        world=world,
+        seed=3,
+        faults=[fault],
+        batch_size=4,
+        emitter_factory=lambda rank: Emitter(
+            KafkaTransport(bootstrap, topics["telemetry"]), run=run_name, rank=rank, world=world, host=f"h{rank}"
+        ),
+    )
     run.train(steps)
     run.close()  # the emitters send their end-of-run markers
     assert all(em.ended for em in run.emitters)
@@ -202,14 +273,14 @@ def test_capture_then_replay_gives_the_incidents_the_service_raised(bootstrap, t
     assert "stopped: the run ended" in live_err and f"{steps * world + world} records of run" in live_err
 
     after_file = tmp_path / "after.jsonl"
-    out = subprocess.run([*cmd, "--from-beginning", "-o", str(after_file)], capture_output=True, text=True,
-                         timeout=120)
+    out = subprocess.run([*cmd, "--from-beginning", "-o", str(after_file)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "stopped: the run ended" in out.stderr, out.stderr
     assert sorted(after_file.read_text().splitlines()) == sorted(live_file.read_text().splitlines())
     recs = [from_json(line) for line in live_file.read_text().splitlines()]
     assert {r.run for r in recs} == {run_name} and sum(map(is_end_marker, recs)) == world
     assert sorted((r.step, r.rank) for r in recs if not is_end_marker(r)) == [
-        (s, r) for s in range(steps) for r in range(world)]
+        (s, r) for s in range(steps) for r in range(world)
+    ]
 
     def service_incidents():
         """The latest state of each incident the service published."""
@@ -218,14 +289,22 @@ def test_capture_then_replay_gives_the_incidents_the_service_raised(bootstrap, t
             latest[e["id"]] = e
         return latest
 
-    wait_until(lambda: any(e["kind"] == "nonfinite" for e in service_incidents().values()), 60,
-               "the service's incident")
+    wait_until(
+        lambda: any(e["kind"] == "nonfinite" for e in service_incidents().values()), 60, "the service's incident"
+    )
     # the finished run is closed: every incident it opened is resolved
-    wait_until(lambda: all(e["change"] == "resolved" for e in service_incidents().values()), 60,
-               "the service to close the finished run")
+    wait_until(
+        lambda: all(e["change"] == "resolved" for e in service_incidents().values()),
+        60,
+        "the service to close the finished run",
+    )
     stop_serve(serve)
-    replayed = subprocess.run([sys.executable, "-m", "sdcwatch.cli", "replay", str(live_file), "--json"],
-                              capture_output=True, text=True, timeout=120)
+    replayed = subprocess.run(
+        [sys.executable, "-m", "sdcwatch.cli", "replay", str(live_file), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert replayed.returncode == 0, replayed.stderr
     offline = [json.loads(line) for line in replayed.stdout.splitlines()]
 
@@ -239,7 +318,21 @@ def test_capture_then_replay_gives_the_incidents_the_service_raised(bootstrap, t
     incidents = tmp_path / "incidents.jsonl"
     incidents.write_text(replayed.stdout)
     page = tmp_path / "report.html"
-    report = subprocess.run([sys.executable, "-m", "sdcwatch.cli", "report", str(live_file), "--incidents",
-                             str(incidents), "-o", str(page)], capture_output=True, text=True, timeout=180)
+    report = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "sdcwatch.cli",
+            "report",
+            str(live_file),
+            "--incidents",
+            str(incidents),
+            "-o",
+            str(page),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert report.returncode == 0, report.stderr
     assert run_name in page.read_text()

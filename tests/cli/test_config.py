@@ -64,7 +64,9 @@ LAYERED = [
 
 
 @pytest.mark.parametrize("dotted, file_value, env_text, flag_value, env_expected, flag_expected", LAYERED)
-def test_precedence_file_then_env_then_flags(tmp_path, dotted, file_value, env_text, flag_value, env_expected, flag_expected):
+def test_precedence_file_then_env_then_flags(
+    tmp_path, dotted, file_value, env_text, flag_value, env_expected, flag_expected
+):
     section, key = dotted.split(".")
     path = write_toml(tmp_path, f"[{section}]\n{key} = {file_value}\n")
     file_expected = load_config(path, env={}).__dict__[section].__dict__[key]
@@ -97,10 +99,13 @@ def test_emitter_variables_are_not_serve_settings():
     assert cfg == ServeConfig()
 
 
-@pytest.mark.parametrize("var, meant", [
-    ("SDCWATCH_ALERT_ALERTMANAGER_URL", "SDCWATCH_ALERTS_ALERTMANAGER_URL"),  # misspelt section
-    ("SDCWATCH_METRIC_PORT", "SDCWATCH_METRICS_PORT"),
-])
+@pytest.mark.parametrize(
+    "var, meant",
+    [
+        ("SDCWATCH_ALERT_ALERTMANAGER_URL", "SDCWATCH_ALERTS_ALERTMANAGER_URL"),  # misspelt section
+        ("SDCWATCH_METRIC_PORT", "SDCWATCH_METRICS_PORT"),
+    ],
+)
 def test_a_misspelt_section_in_the_environment_is_an_error_naming_the_variable(var, meant):
     with pytest.raises(ConfigError) as err:
         load_config(env={var: "9401", "SDCWATCH_RUN": "r"})
@@ -114,13 +119,16 @@ def test_no_error_shows_a_secret(tmp_path):
     with pytest.raises(ConfigError) as err:
         load_config(env={"SDCWATCH_ALERTS_ALERTMANAGER_URL": url})
     assert "hunter2" not in str(err.value) and "ops:***@alertmanager" in str(err.value)
-    path = write_toml(tmp_path, """
+    path = write_toml(
+        tmp_path,
+        """
         [bus.security]
         security_protocol = "SASL_SSL"
         sasl_mechanism = "PLAIN"
         sasl_plain_username = "u"
         sasl_plain_password = 31415926
-    """)
+    """,
+    )
     with pytest.raises(ConfigError) as err:
         load_config(path, env={})
     assert err.value.key == "bus.security.sasl_plain_password" and "31415926" not in str(err.value)
@@ -171,7 +179,11 @@ FILE_ERRORS = [
     ("[bus.security]\nsasl_mechansim = 'PLAIN'\n", "bus.security.sasl_mechansim", "did you mean sasl_mechanism?"),
     ("[bus.security]\nsecurity_protocol = 'TLS'\n", "bus.security.security_protocol", "not one of"),
     ("[bus.security]\nsasl_mechanism = 'PLAIN'\n", "bus.security.sasl_mechanism", "needs security_protocol SASL_"),
-    ("[bus.security]\nsecurity_protocol = 'SASL_SSL'\n", "bus.security.sasl_mechanism", "required by security_protocol"),
+    (
+        "[bus.security]\nsecurity_protocol = 'SASL_SSL'\n",
+        "bus.security.sasl_mechanism",
+        "required by security_protocol",
+    ),
     (
         "[bus.security]\nsecurity_protocol = 'SASL_SSL'\nsasl_mechanism = 'PLAIN'\nsasl_plain_username = 'u'\n",
         "bus.security.sasl_plain_password",
@@ -223,8 +235,16 @@ ENV_ERRORS = [
     ({"SDCWATCH_ALERTS_LOG": "maybe"}, "alerts.log", "must be true or false"),
     ({"SDCWATCH_ALERTS_TIMEOUT_S": "nan"}, "alerts.timeout_s", "finite"),
     ({"SDCWATCH_BOOTSTRAP": "kafka"}, "bus.bootstrap", "not host:port"),
-    ({"SDCWATCH_ALERTS_ALERTMANGER_URL": "http://am"}, "alerts.alertmanger_url", "did you mean SDCWATCH_ALERTS_ALERTMANAGER_URL?"),
-    ({"SDCWATCH_BUS_SECURITY_SASL_PLAIN_PASWORD": "x"}, "bus.security.sasl_plain_pasword", "did you mean SDCWATCH_BUS_SECURITY_SASL_PLAIN_PASSWORD?"),
+    (
+        {"SDCWATCH_ALERTS_ALERTMANGER_URL": "http://am"},
+        "alerts.alertmanger_url",
+        "did you mean SDCWATCH_ALERTS_ALERTMANAGER_URL?",
+    ),
+    (
+        {"SDCWATCH_BUS_SECURITY_SASL_PLAIN_PASWORD": "x"},
+        "bus.security.sasl_plain_pasword",
+        "did you mean SDCWATCH_BUS_SECURITY_SASL_PLAIN_PASSWORD?",
+    ),
 ]
 
 
@@ -278,8 +298,17 @@ def test_flags_override_only_what_was_given(tmp_path):
     p = parser()
     assert overrides_from_args(p.parse_args([])) == {}
     ns = p.parse_args(
-        ["--bootstrap", "k1:9092,k2:9092", "--metrics-port", "0", "--no-alerts-log",
-         "--alertmanager-url", "http://am:9093", "--state-dir", str(tmp_path / "st")]
+        [
+            "--bootstrap",
+            "k1:9092,k2:9092",
+            "--metrics-port",
+            "0",
+            "--no-alerts-log",
+            "--alertmanager-url",
+            "http://am:9093",
+            "--state-dir",
+            str(tmp_path / "st"),
+        ]
     )
     assert overrides_from_args(ns) == {
         "bus.bootstrap": "k1:9092,k2:9092",
@@ -320,9 +349,7 @@ def test_example_file_loads_and_documents_every_key():
     assert cfg == ServeConfig()  # the example claims to show the defaults: it must not drift
     data = tomllib.loads(EXAMPLE.read_text())
     shown = {f"{s}.{k}" for s, table in data.items() for k in table}
-    expected = {
-        f"{s}.{k}" for s, table in ServeConfig().to_dict().items() for k in table if k != "security"
-    }
+    expected = {f"{s}.{k}" for s, table in ServeConfig().to_dict().items() for k in table if k != "security"}
     assert shown == expected
     assert "[bus.security]" in EXAMPLE.read_text()
 
@@ -331,8 +358,14 @@ def test_example_security_block_is_valid_once_uncommented(tmp_path):
     ca = tmp_path / "ca.pem"
     ca.write_text("")
     text = EXAMPLE.read_text().replace("# [bus.security]", "[bus.security]")
-    for key in ("security_protocol", "sasl_mechanism", "sasl_plain_username", "sasl_plain_password",
-                "ssl_cafile", "ssl_check_hostname"):
+    for key in (
+        "security_protocol",
+        "sasl_mechanism",
+        "sasl_plain_username",
+        "sasl_plain_password",
+        "ssl_cafile",
+        "ssl_check_hostname",
+    ):
         text = text.replace(f"# {key} ", f"{key} ")
     text = text.replace("/etc/kafka/ca.pem", str(ca))
     cfg = load_config(write_toml(tmp_path, text), env={})
@@ -356,8 +389,9 @@ def test_every_default_detector_has_its_own_section_with_its_config():
 def test_detector_settings_from_file_env_and_flags_reach_the_detectors(tmp_path):
     from sdcwatch.detectors.registry import default_detectors
 
-    path = write_toml(tmp_path, "[detectors.spike]\nwarmup = 20\n[detectors.rank_outlier]\n"
-                                "scalars = ['loss']\nthreshold = 30\n")
+    path = write_toml(
+        tmp_path, "[detectors.spike]\nwarmup = 20\n[detectors.rank_outlier]\nscalars = ['loss']\nthreshold = 30\n"
+    )
     env = {"SDCWATCH_DETECTORS_SPIKE_GRAD_NORM_Z_ON": "7", "SDCWATCH_DETECTORS_STRAGGLER_WINDOW": "12"}
     cfg = load_config(path, env=env, overrides={"detectors.missing_rank.after": "9"})
     dets = {d.name: d for d in default_detectors(cfg.detectors.detector_configs())}
@@ -368,13 +402,16 @@ def test_detector_settings_from_file_env_and_flags_reach_the_detectors(tmp_path)
     assert dets["straggler"].window == 12 and dets["missing_rank"].after == 9
 
 
-@pytest.mark.parametrize("text, key, problem", [
-    ("[detectors.spike]\nwarmup = 0\n", "detectors.spike.warmup", "positive"),
-    ("[detectors.spike.loss]\nz_off = 9\n", "detectors.spike.loss.z_off", "below z_on"),
-    ("[detectors.straggler]\nmin_ratio = 0.5\n", "detectors.straggler.min_ratio", "> 1"),
-    ("[detectors.spike]\nwarmpu = 3\n", "detectors.spike.warmpu", "did you mean warmup?"),
-    ("[detectors.nonfinit]\nlimit = 3\n", "detectors.nonfinit", "unknown key"),
-])
+@pytest.mark.parametrize(
+    "text, key, problem",
+    [
+        ("[detectors.spike]\nwarmup = 0\n", "detectors.spike.warmup", "positive"),
+        ("[detectors.spike.loss]\nz_off = 9\n", "detectors.spike.loss.z_off", "below z_on"),
+        ("[detectors.straggler]\nmin_ratio = 0.5\n", "detectors.straggler.min_ratio", "> 1"),
+        ("[detectors.spike]\nwarmpu = 3\n", "detectors.spike.warmpu", "did you mean warmup?"),
+        ("[detectors.nonfinit]\nlimit = 3\n", "detectors.nonfinit", "unknown key"),
+    ],
+)
 def test_bad_detector_setting_names_its_full_key_and_file(tmp_path, text, key, problem):
     with pytest.raises(ConfigError) as err:
         load_config(write_toml(tmp_path, text), env={})

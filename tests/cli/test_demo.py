@@ -54,9 +54,30 @@ def test_clean_run_raises_nothing(tmp_path):
 def test_demo_cli_json_summary_and_report(tmp_path):
     report = tmp_path / "demo.html"
     out = subprocess.run(
-        [sys.executable, "-m", "sdcwatch.cli", "demo", "--fault", "nan", "--ranks", "4", "--steps", "50",
-         "--fault-step", "45", "--fault-rank", "1", "--json", "--report", str(report), "--out-dir", str(tmp_path)],
-        capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "sdcwatch.cli",
+            "demo",
+            "--fault",
+            "nan",
+            "--ranks",
+            "4",
+            "--steps",
+            "50",
+            "--fault-step",
+            "45",
+            "--fault-rank",
+            "1",
+            "--json",
+            "--report",
+            str(report),
+            "--out-dir",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     summary = json.loads(out.stdout)
@@ -72,14 +93,35 @@ def test_demo_cli_json_summary_and_report(tmp_path):
 
 def test_demo_guard_reruns_a_transient_nan_and_reports_it_in_the_json_summary(tmp_path):
     out = subprocess.run(
-        [sys.executable, "-m", "sdcwatch.cli", "demo", "--fault", "nan", "--ranks", "4", "--steps", "50",
-         "--fault-step", "45", "--fault-rank", "1", "--json", "--guard", "--out-dir", str(tmp_path)],
-        capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "sdcwatch.cli",
+            "demo",
+            "--fault",
+            "nan",
+            "--ranks",
+            "4",
+            "--steps",
+            "50",
+            "--fault-step",
+            "45",
+            "--fault-rank",
+            "1",
+            "--json",
+            "--guard",
+            "--out-dir",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     summary = json.loads(out.stdout)
     assert [{k: a[k] for k in ("step", "action", "ranks", "reason")} for a in summary["guard_actions"]] == [
-        {"step": 45, "action": "rerun", "ranks": [1], "reason": "nonfinite"}]
+        {"step": 45, "action": "rerun", "ranks": [1], "reason": "nonfinite"}
+    ]
     assert summary["guard_actions"][0]["verdict"] == "transient"
     assert isinstance(summary["final_loss"], float) and 0 < summary["final_loss"] < 6
     assert "GUARD  [rerun]" in out.stderr
@@ -90,8 +132,14 @@ def test_demo_guard_reruns_a_transient_nan_and_reports_it_in_the_json_summary(tm
 def test_demo_guard_evicts_an_unhealthy_node_through_the_control_topic(tmp_path):
     from sdcwatch.demo import run_demo
 
-    r = run_demo(fault="unhealthy-node", out_dir=str(tmp_path), progress=io.StringIO(), quiet=True, guard=True,
-                 **{**SHORT, "steps": 110})
+    r = run_demo(
+        fault="unhealthy-node",
+        out_dir=str(tmp_path),
+        progress=io.StringIO(),
+        quiet=True,
+        guard=True,
+        **{**SHORT, "steps": 110},
+    )
     evictions = [a for a in r.guard_actions if a["action"] == "evict"]
     assert evictions and evictions[0]["ranks"] == [2] and evictions[0]["reason"] == "control"
     assert 70 <= evictions[0]["step"] <= 70 + 50
@@ -102,7 +150,11 @@ def test_demo_guard_evicts_an_unhealthy_node_through_the_control_topic(tmp_path)
 
 
 def test_unknown_fault_is_a_clear_error():
-    out = subprocess.run([sys.executable, "-m", "sdcwatch.cli", "demo", "--fault", "cosmic-ray"],
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "sdcwatch.cli", "demo", "--fault", "cosmic-ray"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 2
     assert "cosmic-ray" in out.stderr and "bitflip" in out.stderr

@@ -38,8 +38,18 @@ IMG = re.compile(r"""<img [^>]*src=["']data:image/png;base64,([A-Za-z0-9+/=]+)["
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
 
-def make_records(path: Path, *, world: int = 8, steps: int = 120, layers: int = 3, bad_rank: int | None = None,
-                 start: int = 60, nan_at: tuple[int, int] | None = None, run: str = "run-a", seed: int = 0) -> Path:
+def make_records(
+    path: Path,
+    *,
+    world: int = 8,
+    steps: int = 120,
+    layers: int = 3,
+    bad_rank: int | None = None,
+    start: int = 60,
+    nan_at: tuple[int, int] | None = None,
+    run: str = "run-a",
+    seed: int = 0,
+) -> Path:
     """A data-parallel run: ranks agree in distribution; ``bad_rank`` deviates from ``start`` on
     (larger local gradient, lower cosine, collapsed entropy in layer 1); ``nan_at`` = (step, rank)."""
     rng = np.random.default_rng(seed)
@@ -55,9 +65,20 @@ def make_records(path: Path, *, world: int = 8, steps: int = 120, layers: int = 
                 if nan_at == (step, rank):
                     loss = math.nan
                 rec = Record.make(
-                    run=run, step=step, rank=rank, world=world, host=f"node{rank // 4}", time=1.7e9 + step,
-                    scalars={"loss": loss, "loss_global": float(losses.mean()), "grad_norm_local": grad,
-                             "grad_norm_global": 1.0, "grad_cosine": cos, "nonfinite": float(math.isnan(loss))},
+                    run=run,
+                    step=step,
+                    rank=rank,
+                    world=world,
+                    host=f"node{rank // 4}",
+                    time=1.7e9 + step,
+                    scalars={
+                        "loss": loss,
+                        "loss_global": float(losses.mean()),
+                        "grad_norm_local": grad,
+                        "grad_norm_global": 1.0,
+                        "grad_cosine": cos,
+                        "nonfinite": float(math.isnan(loss)),
+                    },
                     layers={"attn_entropy": entropy},
                 )
                 fh.write(to_json(rec) + "\n")
@@ -66,9 +87,19 @@ def make_records(path: Path, *, world: int = 8, steps: int = 120, layers: int = 
 
 def sdc_incident(rank: int = 5, first: int = 62, last: int = 119) -> Incident:
     return Incident(
-        id="inc-sdc", run="run-a", kind="sdc_suspected", severity=Severity.CRITICAL, first_step=first,
-        last_step=last, message=f"SDC suspected on rank {rank} (host node1): grad_norm_local <off> by 60%",
-        ranks=(rank,), hosts=("node1",), metric="grad_norm_local", layer=1, score=11.5, peak_step=80,
+        id="inc-sdc",
+        run="run-a",
+        kind="sdc_suspected",
+        severity=Severity.CRITICAL,
+        first_step=first,
+        last_step=last,
+        message=f"SDC suspected on rank {rank} (host node1): grad_norm_local <off> by 60%",
+        ranks=(rank,),
+        hosts=("node1",),
+        metric="grad_norm_local",
+        layer=1,
+        score=11.5,
+        peak_step=80,
     )
 
 
@@ -94,12 +125,24 @@ def test_clean_run_report_holds_every_plot_and_says_nothing_happened(tmp_path):
 
 def test_incidents_become_table_rows_and_the_verdict_names_the_rank(tmp_path):
     records = make_records(tmp_path / "bad.jsonl", bad_rank=5)
-    spike = sdc_incident().to_dict() | {"id": "inc-spike", "kind": "loss_spike", "severity": "warning",
-                                        "ranks": [], "hosts": [], "layer": None, "step": 90, "first_step": 90,
-                                        "last_step": 91, "message": "loss spike, ranks consistent"}
-    page = write_report(records, [sdc_incident(), spike], tmp_path / "r.html",
-                        injected={"kind": "noise", "rank": 5, "step": 60, "duration": 0, "target": "blocks.1.attn",
-                                  "magnitude": 0.01}).read_text()
+    spike = sdc_incident().to_dict() | {
+        "id": "inc-spike",
+        "kind": "loss_spike",
+        "severity": "warning",
+        "ranks": [],
+        "hosts": [],
+        "layer": None,
+        "step": 90,
+        "first_step": 90,
+        "last_step": 91,
+        "message": "loss spike, ranks consistent",
+    }
+    page = write_report(
+        records,
+        [sdc_incident(), spike],
+        tmp_path / "r.html",
+        injected={"kind": "noise", "rank": 5, "step": 60, "duration": 0, "target": "blocks.1.attn", "magnitude": 0.01},
+    ).read_text()
     rows = re.findall(r"<tr class='incident' data-kind='([a-z_]+)'>(.*?)</tr>", page)
     assert [kind for kind, _ in rows] == ["sdc_suspected", "loss_spike"]
     sdc_row = rows[0][1]
@@ -236,15 +279,31 @@ def test_report_command(tmp_path, capsys):
     incidents = tmp_path / "incidents.jsonl"
     incidents.write_text(json.dumps(sdc_incident(rank=2).to_dict()) + "\n")
     out = tmp_path / "sub" / "report.html"
-    assert report_main([str(records), "--incidents", str(incidents), "-o", str(out), "--title", "Nightly run",
-                        "--injected", "bitflip on rank 2"]) == 0
+    assert (
+        report_main(
+            [
+                str(records),
+                "--incidents",
+                str(incidents),
+                "-o",
+                str(out),
+                "--title",
+                "Nightly run",
+                "--injected",
+                "bitflip on rank 2",
+            ]
+        )
+        == 0
+    )
     assert capsys.readouterr().out.strip() == str(out)
     page = out.read_text()
     assert "<title>Nightly run</title>" in page and "bitflip on rank 2" in page
     assert page.count("<tr class='incident'") == 1
 
     faults = tmp_path / "faults.jsonl"
-    faults.write_text('{"kind": "noise", "rank": 2, "step": 60, "duration": 0, "target": "blocks.*", "magnitude": 0.01}\n')
+    faults.write_text(
+        '{"kind": "noise", "rank": 2, "step": 60, "duration": 0, "target": "blocks.*", "magnitude": 0.01}\n'
+    )
     assert report_main([str(records), "-o", str(out), "--injected", str(faults)]) == 0
     capsys.readouterr()
     assert "noise on rank 2 from step 60 (target blocks.*, where output, magnitude 0.01)" in out.read_text()
@@ -288,11 +347,19 @@ def test_real_benign_spike_stays_on_scale_and_is_marked(tmp_path):
     rows = _real_log("modded_nanogpt_muon_124m.csv")
     data = load_records(_records_from_log(rows, tmp_path / "muon.jsonl"))
     assert len(data.steps) == len(rows)
-    (label, loss, _), = _global_series(data)
+    ((label, loss, _),) = _global_series(data)
     lo, hi = _robust_limits(loss)
     assert hi >= float(loss[data.steps == 947][0]) > 5.0  # a real spike is drawn, not clipped off
-    spike = {"id": "s", "run": "real", "kind": "loss_spike", "severity": "warning", "step": 947,
-             "first_step": 947, "last_step": 947, "message": "loss spike, one series: cannot name a rank"}
+    spike = {
+        "id": "s",
+        "run": "real",
+        "kind": "loss_spike",
+        "severity": "warning",
+        "step": 947,
+        "first_step": 947,
+        "last_step": 947,
+        "message": "loss spike, one series: cannot name a rank",
+    }
     page = write_report(tmp_path / "muon.jsonl", [spike], tmp_path / "r.html").read_text()
     assert len(images(page)) == 1 and "comparing ranks needs at least 3" in page
     assert page.count("<tr class='incident'") == 1
@@ -313,9 +380,20 @@ def test_real_run_that_is_nan_from_the_first_step_still_renders(tmp_path):
 def _chromium(*args: str, profile: Path) -> subprocess.CompletedProcess:
     if CHROMIUM is None:
         pytest.skip("chromium not installed (Debian packages chromium and chromium-driver)")
-    cmd = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-           "--disable-background-networking", "--disable-component-update", "--disable-sync",
-           "--hide-scrollbars", f"--user-data-dir={profile}", *args]
+    cmd = [
+        CHROMIUM,
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--hide-scrollbars",
+        f"--user-data-dir={profile}",
+        *args,
+    ]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=90, check=True)
 
 
@@ -324,8 +402,8 @@ def test_report_renders_in_headless_chromium(tmp_path):
     out = write_report(records, [sdc_incident()], tmp_path / "report.html")
     dom = _chromium("--dump-dom", out.as_uri(), profile=tmp_path / "profile").stdout
     assert len(IMG.findall(dom)) == 3
-    assert dom.count("<tr class=\"incident\"") + dom.count("<tr class='incident'") == 1
-    assert "sdc_suspected" in dom and "id=\"incidents\"" in dom
+    assert dom.count('<tr class="incident"') + dom.count("<tr class='incident'") == 1
+    assert "sdc_suspected" in dom and 'id="incidents"' in dom
 
     shot = tmp_path / "shot.png"
     _chromium(f"--screenshot={shot}", "--window-size=1280,2200", out.as_uri(), profile=tmp_path / "profile")
@@ -342,11 +420,19 @@ def test_report_renders_in_headless_chromium(tmp_path):
 
 def test_guard_actions_get_their_own_section(tmp_path):
     records = make_records(tmp_path / "bad.jsonl", bad_rank=5)
-    skip = sdc_incident().to_dict() | {"id": "inc-guard", "kind": "guard_skip", "severity": "warning", "ranks": [5],
-                                       "step": 70, "first_step": 70, "last_step": 72, "layer": None,
-                                       "message": "guard skipped the update of step 72 on every rank, <b>"}
+    skip = sdc_incident().to_dict() | {
+        "id": "inc-guard",
+        "kind": "guard_skip",
+        "severity": "warning",
+        "ranks": [5],
+        "step": 70,
+        "first_step": 70,
+        "last_step": 72,
+        "layer": None,
+        "message": "guard skipped the update of step 72 on every rank, <b>",
+    }
     page = write_report(records, [sdc_incident(), skip], tmp_path / "r.html").read_text()
-    section = page[page.index("<section id='guard'>"):]
+    section = page[page.index("<section id='guard'>") :]
     assert "step 70-72: <b>skip</b>" in section and "step 72 on every rank, &lt;b&gt;" in section
     clean = write_report(records, [sdc_incident()], tmp_path / "c.html").read_text()
     assert "<section id='guard'>" not in clean

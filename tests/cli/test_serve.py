@@ -21,10 +21,30 @@ torch = pytest.importorskip("torch")
 
 
 def start_serve(bootstrap, topics, state_dir, group, extra=()):
-    cmd = [sys.executable, "-m", "sdcwatch.cli", "serve", "--bus-bootstrap", bootstrap,
-           "--bus-telemetry-topic", topics["telemetry"], "--bus-anomalies-topic", topics["anomalies"],
-           "--bus-deadletter-topic", topics["dead"], "--bus-group", group, "--metrics-port", "0",
-           "--state-dir", str(state_dir), "--state-snapshot-interval-s", "1", "--no-alerts-log", *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "sdcwatch.cli",
+        "serve",
+        "--bus-bootstrap",
+        bootstrap,
+        "--bus-telemetry-topic",
+        topics["telemetry"],
+        "--bus-anomalies-topic",
+        topics["anomalies"],
+        "--bus-deadletter-topic",
+        topics["dead"],
+        "--bus-group",
+        group,
+        "--metrics-port",
+        "0",
+        "--state-dir",
+        str(state_dir),
+        "--state-snapshot-interval-s",
+        "1",
+        "--no-alerts-log",
+        *extra,
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     return proc
 
@@ -45,8 +65,13 @@ def peek_anomalies(bootstrap, topic, timeout=2.0):
     """What the anomalies topic holds now (no consumer group, so no join to wait for)."""
     from kafka import KafkaConsumer
 
-    consumer = KafkaConsumer(topic, bootstrap_servers=[bootstrap], auto_offset_reset="earliest", group_id=None,
-                             consumer_timeout_ms=int(timeout * 1000))
+    consumer = KafkaConsumer(
+        topic,
+        bootstrap_servers=[bootstrap],
+        auto_offset_reset="earliest",
+        group_id=None,
+        consumer_timeout_ms=int(timeout * 1000),
+    )
     out = [json.loads(m.value) for m in consumer]
     consumer.close()
     return out
@@ -76,12 +101,16 @@ def wait_until(pred, timeout, what):
 
 
 def wait_for_nonfinite_incident(bootstrap, topic, timeout):
-    wait_until(lambda: any(e["kind"] == "nonfinite" for e in peek_anomalies(bootstrap, topic)), timeout,
-               f"a non-finite incident on {topic}")
+    wait_until(
+        lambda: any(e["kind"] == "nonfinite" for e in peek_anomalies(bootstrap, topic)),
+        timeout,
+        f"a non-finite incident on {topic}",
+    )
 
 
 def wait_taken(metrics_url, records, timeout=90.0):
     """Wait until the service has taken ``records`` distinct records (duplicates do not count)."""
+
     def taken():
         m = scrape(metrics_url)
         return m.get("sdcwatch_pipeline_records_total", 0) - m.get("sdcwatch_pipeline_duplicates_total", 0)
@@ -109,13 +138,23 @@ def test_serve_detects_stops_on_sigterm_and_resumes_without_repeating_alerts(boo
     state = tmp_path / "state"
     world = 4
     nan_step = 40
-    fault = FaultSpec.from_dict({"kind": "nan", "rank": 2, "step": nan_step, "duration": 1,
-                                 "target": "blocks.0.attn.scores", "where": "output", "seed": 1})
+    fault = FaultSpec.from_dict(
+        {
+            "kind": "nan",
+            "rank": 2,
+            "step": nan_step,
+            "duration": 1,
+            "target": "blocks.0.attn.scores",
+            "where": "output",
+            "seed": 1,
+        }
+    )
     emitters = []
 
     def factory(rank, host=""):
-        em = Emitter(KafkaTransport(bootstrap, topics["telemetry"]), run=f"serve-{tag}", rank=rank, world=world,
-                     host=host or "h")
+        em = Emitter(
+            KafkaTransport(bootstrap, topics["telemetry"]), run=f"serve-{tag}", rank=rank, world=world, host=host or "h"
+        )
         emitters.append(em)
         return em
 
@@ -160,12 +199,21 @@ def test_serve_detects_stops_on_sigterm_and_resumes_without_repeating_alerts(boo
 def test_serve_config_error_names_the_key(tmp_path):
     bad = tmp_path / "serve.toml"
     bad.write_text('[alerts]\nalertmanger_url = "http://am:9093"\n')
-    out = subprocess.run([sys.executable, "-m", "sdcwatch.cli", "serve", "--config", str(bad)],
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "sdcwatch.cli", "serve", "--config", str(bad)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 2
     assert "alerts.alertmanger_url" in out.stderr and "alertmanager_url" in out.stderr
-    out = subprocess.run([sys.executable, "-m", "sdcwatch.cli", "serve", "--metrics-port", "http"],
-                         capture_output=True, text=True, timeout=60, env={**os.environ})
+    out = subprocess.run(
+        [sys.executable, "-m", "sdcwatch.cli", "serve", "--metrics-port", "http"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ},
+    )
     assert out.returncode == 2 and "metrics.port" in out.stderr
 
 
@@ -176,8 +224,7 @@ class StderrLines:
         import threading
 
         self.lines: list[str] = []
-        self._thread = threading.Thread(target=lambda: self.lines.extend(iter(proc.stderr.readline, "")),
-                                        daemon=True)
+        self._thread = threading.Thread(target=lambda: self.lines.extend(iter(proc.stderr.readline, "")), daemon=True)
         self._thread.start()
 
     def wait_for(self, pred, timeout=60.0) -> str:
@@ -210,21 +257,44 @@ def test_split_service_spatial_instances_share_the_steps_and_the_temporal_stage_
     # four partitions; the run's step windows (key run/step//16) of "split" fall in partitions 2, 0, 2, 1,
     # so either assignment of two partitions each gives both spatial instances whole steps to do
     assert ensure_topic(bootstrap, topics["telemetry"], 4)
-    spatial = [start_serve(bootstrap, topics, tmp_path / f"spatial{i}", group, ["--stage", "spatial", *summaries])
-               for i in range(2)]
-    temporal = start_serve(bootstrap, topics, tmp_path / "temporal", group,
-                           ["--stage", "temporal", *summaries, "--metrics-port", str(free_port())])
+    spatial = [
+        start_serve(bootstrap, topics, tmp_path / f"spatial{i}", group, ["--stage", "spatial", *summaries])
+        for i in range(2)
+    ]
+    temporal = start_serve(
+        bootstrap,
+        topics,
+        tmp_path / "temporal",
+        group,
+        ["--stage", "temporal", *summaries, "--metrics-port", str(free_port())],
+    )
     logs = [StderrLines(p) for p in (*spatial, temporal)]
     banners = [lg.wait_for(lambda line: line.startswith("sdcwatch serve: consuming")) for lg in logs]
     temporal_metrics = re.search(r"metrics (http://\S+);", banners[2]).group(1)
     for lg in logs[:2]:  # after the rebalance each spatial instance owns two partitions
         lg.wait_for(lambda line: re.search(r"assigned partitions \[\d+, \d+\] ", line) is not None)
 
-    fault = FaultSpec.from_dict({"kind": "nan", "rank": 2, "step": nan_step, "duration": 1,
-                                 "target": "blocks.0.attn.scores", "where": "output", "seed": 1})
-    run = SimulatedRun(world=world, seed=3, faults=[fault], batch_size=4, ranks_per_host=2,
-                       emitter_factory=lambda r, host: Emitter(KafkaTransport(bootstrap, topics["telemetry"]),
-                                                               run="split", rank=r, world=world, host=host))
+    fault = FaultSpec.from_dict(
+        {
+            "kind": "nan",
+            "rank": 2,
+            "step": nan_step,
+            "duration": 1,
+            "target": "blocks.0.attn.scores",
+            "where": "output",
+            "seed": 1,
+        }
+    )
+    run = SimulatedRun(
+        world=world,
+        seed=3,
+        faults=[fault],
+        batch_size=4,
+        ranks_per_host=2,
+        emitter_factory=lambda r, host: Emitter(
+            KafkaTransport(bootstrap, topics["telemetry"]), run="split", rank=r, world=world, host=host
+        ),
+    )
     run.train(steps)
     run.close()
     assert [em.sent for em in run.emitters] == [steps] * world
@@ -242,8 +312,11 @@ def test_split_service_spatial_instances_share_the_steps_and_the_temporal_stage_
     assert min(published) > 0, f"one spatial instance did no steps: {published}"
     assert sum(published) >= steps  # a rebalance may redeliver a window; the temporal stage drops repeats
 
-    wait_until(lambda: scrape(temporal_metrics).get("sdcwatch_pipeline_summaries_total", 0) >= sum(published), 60,
-               f"the temporal stage to take the {sum(published)} published summaries")
+    wait_until(
+        lambda: scrape(temporal_metrics).get("sdcwatch_pipeline_summaries_total", 0) >= sum(published),
+        60,
+        f"the temporal stage to take the {sum(published)} published summaries",
+    )
     temporal.send_signal(signal.SIGTERM)
     assert temporal.wait(60) == 0
     outs.append(logs[2].joined())
@@ -254,7 +327,10 @@ def test_split_service_spatial_instances_share_the_steps_and_the_temporal_stage_
     nonfinite = [e for e in opened if e["kind"] == "nonfinite"]
     assert len(nonfinite) == 1, opened
     assert (nonfinite[0]["first_step"], nonfinite[0]["ranks"], nonfinite[0]["hosts"]) == (
-        nan_step, [2], [run.host_of(2)])
+        nan_step,
+        [2],
+        [run.host_of(2)],
+    )
 
 
 def test_serve_with_guard_actions_publishes_decisions_to_the_control_topic(bootstrap, tmp_path):
@@ -267,20 +343,36 @@ def test_serve_with_guard_actions_publishes_decisions_to_the_control_topic(boots
     from sdcwatch.telemetry.control import KafkaControl
 
     topic = f"control.{uuid.uuid4().hex[:8]}"
-    base = {"bus.bootstrap": bootstrap, "metrics.port": 0, "state.dir": str(tmp_path / "s"), "alerts.log": False,
-            "bus.telemetry_topic": f"t.{uuid.uuid4().hex[:8]}", "bus.control_topic": topic}
+    base = {
+        "bus.bootstrap": bootstrap,
+        "metrics.port": 0,
+        "state.dir": str(tmp_path / "s"),
+        "alerts.log": False,
+        "bus.telemetry_topic": f"t.{uuid.uuid4().hex[:8]}",
+        "bus.control_topic": topic,
+    }
     plain, _ = build_service(load_config(overrides=base, env={}))
     assert not any(isinstance(s, ControlTopicSink) for s in plain.sinks)
     plain.close()
-    service, _ = build_service(load_config(overrides={**base, "guard.actions": True, "guard.on_silent_drift": "evict"},
-                                           env={}))
+    service, _ = build_service(
+        load_config(overrides={**base, "guard.actions": True, "guard.on_silent_drift": "evict"}, env={})
+    )
     (sink,) = [s for s in service.sinks if isinstance(s, ControlTopicSink)]
     assert sink.policy.actions and sink.policy.on_silent_drift == "evict"
     reader = KafkaControl(bootstrap, "r1", topic)
     try:
         assert reader.wait_ready(20)
-        inc = Incident(id="r1:silent_drift:40:r5", run="r1", kind="silent_drift", severity=Severity.WARNING,
-                       first_step=40, last_step=45, message="drift", ranks=(5,), hosts=("h2",))
+        inc = Incident(
+            id="r1:silent_drift:40:r5",
+            run="r1",
+            kind="silent_drift",
+            severity=Severity.WARNING,
+            first_step=40,
+            last_step=45,
+            message="drift",
+            ranks=(5,),
+            hosts=("h2",),
+        )
         service._publish([IncidentEvent("opened", inc), IncidentEvent("updated", inc)])
         for s in service.sinks:
             s._flush()

@@ -37,14 +37,19 @@ def troubled_prometheus(tmp_path_factory):
     service = support.TroubledService()
     exporter = MetricsServer(service, port=0).start()
     prometheus = support.start_prometheus(
-        tmp_path_factory.mktemp("prometheus"), f"127.0.0.1:{exporter.port}",
+        tmp_path_factory.mktemp("prometheus"),
+        f"127.0.0.1:{exporter.port}",
         rule_files=[support.DASHBOARDS / "rules" / "sdcwatch.rules.yml"],
     )
     try:
         # enough samples for rate()/increase() over short windows
         support.wait_for(
-            lambda: support.prom_query(prometheus.base_url, "count_over_time(sdcwatch_pipeline_records_total[1m]) >= 4"),
-            timeout=40, what="four scrapes of the exporter")
+            lambda: support.prom_query(
+                prometheus.base_url, "count_over_time(sdcwatch_pipeline_records_total[1m]) >= 4"
+            ),
+            timeout=40,
+            what="four scrapes of the exporter",
+        )
         yield prometheus, service
     finally:
         prometheus.stop()

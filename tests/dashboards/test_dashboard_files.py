@@ -50,7 +50,7 @@ def test_dashboard_model_has_variables_datasource_and_unique_panel_ids():
     for panel in model["panels"]:
         for target in panel.get("targets", []):
             assert target["datasource"]["uid"] == "${datasource}", panel["title"]
-            if "run" in target["expr"] and "run=~\"$run\"" not in target["expr"]:
+            if "run" in target["expr"] and 'run=~"$run"' not in target["expr"]:
                 pytest.fail(f"panel {panel['title']!r} filters run without $run: {target['expr']}")
 
 
@@ -101,8 +101,13 @@ def test_promtool_rule_tests_catch_a_broken_threshold(tmp_path):
     shutil.copy(DASHBOARDS / "rules" / "sdcwatch.rules.test.yml", tmp_path)
     if shutil.which("promtool") is None:
         pytest.skip("promtool not installed")
-    result = subprocess.run(["promtool", "test", "rules", "sdcwatch.rules.test.yml"], cwd=tmp_path,
-                            capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        ["promtool", "test", "rules", "sdcwatch.rules.test.yml"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode != 0 and "SdcwatchLossSpikeScoreHigh" in result.stdout + result.stderr
 
 
@@ -111,6 +116,7 @@ def test_prometheus_example_config_is_valid_and_scrapes_the_default_port():
     assert result.returncode == 0, result.stdout + result.stderr
     config = yaml.safe_load((DASHBOARDS / "prometheus.yml").read_text())
     from sdcwatch.exporters import DEFAULT_METRICS_PORT
+
     targets = [t for job in config["scrape_configs"] for sc in job["static_configs"] for t in sc["targets"]]
     assert f"127.0.0.1:{DEFAULT_METRICS_PORT}" in targets
 

@@ -17,8 +17,18 @@ rule_expressions = support.rule_expressions
 
 def test_the_dashboard_has_the_panels_the_issue_asks_for():
     titles = " | ".join(where for where, _ in dashboard_expressions()).lower()
-    for needed in ("loss", "gradient norm", "spike", "rank-outlier", "attention entropy", "q/k norms",
-                   "open incidents", "records per second", "consumer lag", "annotation"):
+    for needed in (
+        "loss",
+        "gradient norm",
+        "spike",
+        "rank-outlier",
+        "attention entropy",
+        "q/k norms",
+        "open incidents",
+        "records per second",
+        "consumer lag",
+        "annotation",
+    ):
         assert needed in titles, f"no panel or annotation about {needed!r}"
     assert len(dashboard_expressions()) >= 15
 

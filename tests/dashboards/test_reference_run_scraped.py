@@ -31,21 +31,29 @@ def test_dashboard_and_rules_on_a_faulted_reference_run(start_prometheus):
     stop = threading.Event()
     thread = threading.Thread(target=service.run_forever, args=(stop,), daemon=True)
     exporter = MetricsServer(service.view, port=0).start()
-    prometheus = start_prometheus(f"127.0.0.1:{exporter.port}",
-                                  rule_files=[support.DASHBOARDS / "rules" / "sdcwatch.rules.yml"])
+    prometheus = start_prometheus(
+        f"127.0.0.1:{exporter.port}", rule_files=[support.DASHBOARDS / "rules" / "sdcwatch.rules.yml"]
+    )
     thread.start()
     try:
-        fault = FaultSpec.from_dict({"kind": "near_inf", "rank": 2, "step": 40, "target": "blocks.1.attn.scores",
-                                     "seed": 0})
+        fault = FaultSpec.from_dict(
+            {"kind": "near_inf", "rank": 2, "step": 40, "target": "blocks.1.attn.scores", "seed": 0}
+        )
         # a NaN in the same rank's gradient at the same step: the guard reruns the step (its panel has data)
-        nan = FaultSpec.from_dict({"kind": "nan", "rank": 2, "step": 40, "target": "blocks.0.mlp.fc", "where": "grad",
-                                   "seed": 0})
-        run = SimulatedRun(world=4, seed=1, model=GPTConfig(seq_len=32, d_model=32, n_layer=2, n_head=4),
-                           batch_size=2, corpus=shared_corpus(1 << 18), faults=[fault, nan],
-                           guard=GuardConfig(mode="act"),
-                           # scraped as a live run: no end-of-run markers, so its incident stays open
-                           emitter_factory=lambda rank: Emitter(MemoryTransport(bus), run="r1", rank=rank, world=4,
-                                                                end_marker=False))
+        nan = FaultSpec.from_dict(
+            {"kind": "nan", "rank": 2, "step": 40, "target": "blocks.0.mlp.fc", "where": "grad", "seed": 0}
+        )
+        run = SimulatedRun(
+            world=4,
+            seed=1,
+            model=GPTConfig(seq_len=32, d_model=32, n_layer=2, n_head=4),
+            batch_size=2,
+            corpus=shared_corpus(1 << 18),
+            faults=[fault, nan],
+            guard=GuardConfig(mode="act"),
+            # scraped as a live run: no end-of-run markers, so its incident stays open
+            emitter_factory=lambda rank: Emitter(MemoryTransport(bus), run="r1", rank=rank, world=4, end_marker=False),
+        )
         run.train(60)
         assert [(a.step, a.action, a.verdict) for a in run.guard.actions] == [(40, "rerun", "transient")]
         run.close()
@@ -53,15 +61,22 @@ def test_dashboard_and_rules_on_a_faulted_reference_run(start_prometheus):
             em.close()
         support.wait_for(
             lambda: support.prom_query(prometheus.base_url, 'sdcwatch_incident_info{kind="nonfinite"}'),
-            timeout=30, what="the non-finite incident in Prometheus")
+            timeout=30,
+            what="the non-finite incident in Prometheus",
+        )
         support.wait_for(
-            lambda: support.prom_query(prometheus.base_url,
-                                       "count_over_time(sdcwatch_pipeline_records_total[1m]) >= 4"),
-            timeout=30, what="four scrapes")
+            lambda: support.prom_query(
+                prometheus.base_url, "count_over_time(sdcwatch_pipeline_records_total[1m]) >= 4"
+            ),
+            timeout=30,
+            what="four scrapes",
+        )
         # on a loaded machine the incident can open only as training ends: increase() needs two samples
         support.wait_for(
             lambda: support.prom_query(prometheus.base_url, "count_over_time(sdcwatch_incidents_total[1m]) >= 2"),
-            timeout=30, what="two scrapes of the incident counter")
+            timeout=30,
+            what="two scrapes of the incident counter",
+        )
         (info,) = support.prom_query(prometheus.base_url, 'sdcwatch_incident_info{kind="nonfinite"}')
         assert info["metric"]["rank"] == "2" and info["metric"]["run"] == "r1"
         for where, expr in support.dashboard_expressions():

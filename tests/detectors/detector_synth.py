@@ -14,12 +14,31 @@ import numpy as np
 from sdcwatch.detectors.frame import StepFrame
 from sdcwatch.telemetry.record import Record
 
-SCALARS = ("loss", "grad_norm_local", "grad_norm_global", "grad_cosine", "step_time", "nonfinite", "lr",
-           "emitter_dropped")
+SCALARS = (
+    "loss",
+    "grad_norm_local",
+    "grad_norm_global",
+    "grad_cosine",
+    "step_time",
+    "nonfinite",
+    "lr",
+    "emitter_dropped",
+)
 LAYERS = ("attn_entropy", "q_norm_mean", "q_norm_max", "k_norm_mean", "attn_logit_max", "gemm_fwd", "gemm_bwd")
 FPS = ("param_fp", "grad_fp")
-FAMILIES = ("nonfinite", "loss_spike", "grad_spike", "rank_shift", "rank_gross", "replica", "straggler", "missing",
-            "guard_action", "checksum", "lr_jump")
+FAMILIES = (
+    "nonfinite",
+    "loss_spike",
+    "grad_spike",
+    "rank_shift",
+    "rank_gross",
+    "replica",
+    "straggler",
+    "missing",
+    "guard_action",
+    "checksum",
+    "lr_jump",
+)
 
 
 @dataclass
@@ -54,10 +73,18 @@ class SyntheticRun:
         loss = level * (1 + 0.02 * rng.standard_normal(W))
         g = 1.0 + 0.1 * abs(rng.standard_normal())
         gl = g * (1 + 0.05 * rng.standard_normal(W))
-        S = np.column_stack([
-            loss, gl, np.full(W, g), 0.9 + 0.01 * rng.standard_normal(W),
-            0.5 * (1 + 0.02 * rng.standard_normal(W)), np.zeros(W), np.full(W, 3e-4), np.zeros(W),
-        ])
+        S = np.column_stack(
+            [
+                loss,
+                gl,
+                np.full(W, g),
+                0.9 + 0.01 * rng.standard_normal(W),
+                0.5 * (1 + 0.02 * rng.standard_normal(W)),
+                np.zeros(W),
+                np.full(W, 3e-4),
+                np.zeros(W),
+            ]
+        )
         lay = self._layer_base[None, :, None] * (1 + 0.01 * rng.standard_normal((W, len(LAYERS), L)))
         # checksum ratios: rounding residuals over their worst-case bound, log-normal around 1e-4
         lay[:, 5:7, :] = 1e-4 * np.exp(rng.standard_normal((W, 2, L)))
@@ -99,22 +126,39 @@ class SyntheticRun:
         S[~present] = np.nan
         lay[~present] = np.nan
         return StepFrame(
-            run=self.run, step=step, world=W, hosts=self.hosts, present=present, scalar_names=names,
-            scalars=S, layer_names=LAYERS, layers=lay, fp_names=FPS, fingerprints=fp,
-            fp_present=np.broadcast_to(present[:, None], fp.shape).copy(), complete=bool(present.all()),
+            run=self.run,
+            step=step,
+            world=W,
+            hosts=self.hosts,
+            present=present,
+            scalar_names=names,
+            scalars=S,
+            layer_names=LAYERS,
+            layers=lay,
+            fp_names=FPS,
+            fingerprints=fp,
+            fp_present=np.broadcast_to(present[:, None], fp.shape).copy(),
+            complete=bool(present.all()),
         )
 
     def records(self, step: int) -> list[Record]:
         f = self.frame(step)
         out = []
         for r in np.flatnonzero(f.present):
-            out.append(Record(
-                run=self.run, step=step, rank=int(r), world=self.world, host=self.hosts[r], time=1e9 + step,
-                local_rank=int(r) % self.ranks_per_host,
-                scalars={n: float(v) for n, v in zip(f.scalar_names, f.scalars[r])},
-                fingerprints={n: int(v) for n, v in zip(FPS, f.fingerprints[r])},
-                layers={n: tuple(float(x) for x in f.layers[r, i]) for i, n in enumerate(LAYERS)},
-            ))
+            out.append(
+                Record(
+                    run=self.run,
+                    step=step,
+                    rank=int(r),
+                    world=self.world,
+                    host=self.hosts[r],
+                    time=1e9 + step,
+                    local_rank=int(r) % self.ranks_per_host,
+                    scalars={n: float(v) for n, v in zip(f.scalar_names, f.scalars[r])},
+                    fingerprints={n: int(v) for n, v in zip(FPS, f.fingerprints[r])},
+                    layers={n: tuple(float(x) for x in f.layers[r, i]) for i, n in enumerate(LAYERS)},
+                )
+            )
         return out
 
 

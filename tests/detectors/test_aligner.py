@@ -137,7 +137,6 @@ def test_bad_settings_are_named(kw):
     assert f"aligner.{next(iter(kw))}" in str(exc.value)
 
 
-
 @settings(max_examples=40, deadline=None)
 @given(st.randoms(use_true_random=False), st.integers(0, 3))
 def test_any_order_with_duplicates_gives_the_same_frames_in_step_order(rnd, dup_every):

@@ -17,11 +17,18 @@ WORLD = 8
 def records(step: int, fwd: np.ndarray, *, gemm_in: np.ndarray | None = None, stream: np.ndarray | None = None) -> list:
     out = []
     for r in range(WORLD):
-        layers = {"gemm_fwd": fwd[r].tolist(), "gemm_bwd": [1e-4] * fwd.shape[1], "gemm_weight": [0.0] * fwd.shape[1],
-                  "gemm_in": (gemm_in[r] if gemm_in is not None else np.full(fwd.shape[1], 4.0)).tolist(),
-                  "stream_max": (stream[r] if stream is not None else np.array([2.0, 3.0])).tolist()}
-        out.append(Record("run", step, r, WORLD, f"node{r // 4}", 0.0, r % 4, {"loss": 2.0, "grad_norm_local": 1.0},
-                          {}, layers))
+        layers = {
+            "gemm_fwd": fwd[r].tolist(),
+            "gemm_bwd": [1e-4] * fwd.shape[1],
+            "gemm_weight": [0.0] * fwd.shape[1],
+            "gemm_in": (gemm_in[r] if gemm_in is not None else np.full(fwd.shape[1], 4.0)).tolist(),
+            "stream_max": (stream[r] if stream is not None else np.array([2.0, 3.0])).tolist(),
+        }
+        out.append(
+            Record(
+                "run", step, r, WORLD, f"node{r // 4}", 0.0, r % 4, {"loss": 2.0, "grad_norm_local": 1.0}, {}, layers
+            )
+        )
     return out
 
 
@@ -41,7 +48,13 @@ def test_a_ratio_over_the_bound_names_rank_check_layer_and_step():
     fwd[5, 6] = 32.8
     (f,) = det.update(frame(50, fwd))
     assert (f.kind, f.severity.value, f.step, f.ranks, f.metric, f.layer) == (
-        "checksum_mismatch", "critical", 50, (5,), "gemm_fwd", 6)
+        "checksum_mismatch",
+        "critical",
+        50,
+        (5,),
+        "gemm_fwd",
+        6,
+    )
     assert "rank 5 (host node1)" in f.message and "gemm_fwd layer 6" in f.message and "32.8" in f.message
     assert det.update(frame(51, clean(51))) == []
 

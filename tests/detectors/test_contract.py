@@ -23,8 +23,17 @@ def run(det, frames):
 
 
 def test_every_detector_is_registered():
-    assert {c.name for c in DETECTORS} >= {"nonfinite", "spike", "rank_outlier", "replica", "straggler",
-                                            "missing_rank", "river_hst", "checksum", "lr_jump"}
+    assert {c.name for c in DETECTORS} >= {
+        "nonfinite",
+        "spike",
+        "rank_outlier",
+        "replica",
+        "straggler",
+        "missing_rank",
+        "river_hst",
+        "checksum",
+        "lr_jump",
+    }
 
 
 @ALL
@@ -111,8 +120,14 @@ def test_halves_across_the_wire_equal_update(cls):
     for s in range(int(cls().warmup_steps) + 90):
         fr = synth.frame(s)
         expected += whole.update(fr)
-        summary = StepSummary(fr.run, fr.step, fr.world, int(fr.present.sum()), hosts=fr.hosts,
-                              observations={cls.name: spatial.observe(fr)})
+        summary = StepSummary(
+            fr.run,
+            fr.step,
+            fr.world,
+            int(fr.present.sum()),
+            hosts=fr.hosts,
+            observations={cls.name: spatial.observe(fr)},
+        )
         back = decode_summary(encode_summary(summary))
         got += temporal.judge(back, back.observations[cls.name])
     assert expected, "the fault was not found at all"

@@ -17,26 +17,38 @@ ON = ControlPolicy(actions=True)
 
 
 def incident(kind, ranks=(5,), severity=Severity.CRITICAL, evidence=None, ident=None):
-    return Incident(id=ident or f"r1:{kind}:40", run="r1", kind=kind, severity=severity, first_step=40, last_step=42,
-                    message="m", ranks=tuple(ranks), hosts=tuple(f"h{r // 2}" for r in ranks),
-                    evidence=evidence or {})
+    return Incident(
+        id=ident or f"r1:{kind}:40",
+        run="r1",
+        kind=kind,
+        severity=severity,
+        first_step=40,
+        last_step=42,
+        message="m",
+        ranks=tuple(ranks),
+        hosts=tuple(f"h{r // 2}" for r in ranks),
+        evidence=evidence or {},
+    )
 
 
 def test_default_policy_decides_nothing():
     assert ControlPolicy().decide(incident("sdc_suspected")) is None
 
 
-@pytest.mark.parametrize("kind,evidence,action", [
-    ("sdc_suspected", None, "evict"),
-    ("silent_drift", None, "evict"),
-    ("replica_divergence", {"metrics": {"param_fp": [5], "canary_fp": [5]}}, "rollback"),
-    ("replica_divergence", {"metrics": {"canary_fp": [5]}}, "evict"),
-    ("loss_spike", None, None),
-    ("grad_spike", None, None),
-    ("nonfinite", None, None),
-    ("rank_outlier", None, None),
-    ("guard_skip", None, None),
-])
+@pytest.mark.parametrize(
+    "kind,evidence,action",
+    [
+        ("sdc_suspected", None, "evict"),
+        ("silent_drift", None, "evict"),
+        ("replica_divergence", {"metrics": {"param_fp": [5], "canary_fp": [5]}}, "rollback"),
+        ("replica_divergence", {"metrics": {"canary_fp": [5]}}, "evict"),
+        ("loss_spike", None, None),
+        ("grad_spike", None, None),
+        ("nonfinite", None, None),
+        ("rank_outlier", None, None),
+        ("guard_skip", None, None),
+    ],
+)
 def test_policy_rules(kind, evidence, action):
     d = ON.decide(incident(kind, evidence=evidence))
     assert (d.action if d else None) == action
@@ -78,12 +90,16 @@ def test_sink_publishes_each_decision_once_as_json_on_the_control_topic():
 
 
 def test_guard_actions_become_incidents_and_counted_findings():
-    synth = SyntheticRun(seed=2, faults=[Fault("guard_action", step=30, rank=3), Fault("guard_action", step=33, rank=3)])
+    synth = SyntheticRun(
+        seed=2, faults=[Fault("guard_action", step=30, rank=3), Fault("guard_action", step=33, rank=3)]
+    )
     pipeline = DetectionPipeline()
     events = [ev for s in range(40) for ev in pipeline.process_frame(synth.frame(s))]
     guard = [ev for ev in events if ev.incident.kind.startswith("guard_")]
     assert [(ev.change, ev.incident.kind, ev.incident.last_step) for ev in guard] == [
-        ("opened", "guard_skip", 30), ("updated", "guard_skip", 33)]  # every action is an event
+        ("opened", "guard_skip", 30),
+        ("updated", "guard_skip", 33),
+    ]  # every action is an event
     inc = guard[0].incident
     assert inc.ranks == (3,) and inc.hosts == ("node0",) and inc.severity is Severity.WARNING
     assert "skipped the update of step 30" in inc.message and "rerun verdict: data" in inc.message

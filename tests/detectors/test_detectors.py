@@ -34,6 +34,7 @@ def series_frames(values, name="loss"):
 
 # -- non-finite ----------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf, 1e10, 3e10, -2e11])
 def test_nonfinite_names_rank_metric_and_layer_at_the_step(value):
     synth = SyntheticRun(seed=4)
@@ -41,7 +42,13 @@ def test_nonfinite_names_rank_metric_and_layer_at_the_step(value):
     frame.layers[5, frame.layer_names.index("k_norm_mean"), 2] = value
     (f,) = NonFiniteDetector().update(frame)
     assert (f.kind, f.severity, f.step, f.ranks, f.metric, f.layer) == (
-        "nonfinite", Severity.CRITICAL, 12, (5,), "k_norm_mean", 2)
+        "nonfinite",
+        Severity.CRITICAL,
+        12,
+        (5,),
+        "k_norm_mean",
+        2,
+    )
     assert f.hosts == ("node1",)
 
 
@@ -100,6 +107,7 @@ def test_nonfinite_just_below_the_limit_is_fine():
 
 
 # -- spikes --------------------------------------------------------------------------------------
+
 
 def test_robust_baseline_follows_a_falling_loss_without_alarm():
     rng = np.random.default_rng(0)
@@ -166,6 +174,7 @@ def test_spike_settings_are_checked():
 
 # -- rank outlier -----------------------------------------------------------------------------------
 
+
 def test_single_noisy_step_names_no_rank():
     synth = SyntheticRun(seed=6)
     det = RankOutlierDetector()
@@ -203,6 +212,7 @@ def test_a_shift_shared_by_all_ranks_names_nobody():
 
 # -- replica --------------------------------------------------------------------------------------
 
+
 def test_majority_vote():
     v = np.array([5, 5, 9, 5], np.uint64)
     value, odd = majority(v)
@@ -233,6 +243,7 @@ def test_split_replicas_blame_no_rank():
 
 
 # -- straggler and missing ---------------------------------------------------------------------------
+
 
 def test_one_slow_step_is_no_straggler_but_a_persistently_slow_rank_is():
     synth = SyntheticRun(seed=9)

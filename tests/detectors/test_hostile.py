@@ -36,11 +36,32 @@ RSS_BOUND_MIB = 512
 
 
 def _serve(bootstrap, topics, state_dir, group, *extra):
-    cmd = [sys.executable, "-m", "sdcwatch.cli", "serve", "--bus-bootstrap", bootstrap,
-           "--bus-telemetry-topic", topics["telemetry"], "--bus-anomalies-topic", topics["anomalies"],
-           "--bus-deadletter-topic", topics["dead"], "--bus-group", group, "--metrics-port", str(free_port()),
-           "--state-dir", str(state_dir), "--state-snapshot-interval-s", "1", "--no-alerts-log",
-           "--detectors-align-timeout-s", "2", *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "sdcwatch.cli",
+        "serve",
+        "--bus-bootstrap",
+        bootstrap,
+        "--bus-telemetry-topic",
+        topics["telemetry"],
+        "--bus-anomalies-topic",
+        topics["anomalies"],
+        "--bus-deadletter-topic",
+        topics["dead"],
+        "--bus-group",
+        group,
+        "--metrics-port",
+        str(free_port()),
+        "--state-dir",
+        str(state_dir),
+        "--state-snapshot-interval-s",
+        "1",
+        "--no-alerts-log",
+        "--detectors-align-timeout-s",
+        "2",
+        *extra,
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     lines: list[str] = []
     threading.Thread(target=lambda: lines.extend(iter(proc.stderr.readline, "")), daemon=True).start()
@@ -82,8 +103,14 @@ def _wait(pred, timeout, what):
 def _peek(bootstrap, topic, timeout=3.0):
     from kafka import KafkaConsumer
 
-    consumer = KafkaConsumer(topic, bootstrap_servers=[bootstrap], auto_offset_reset="earliest", group_id=None,
-                             consumer_timeout_ms=int(timeout * 1000), max_partition_fetch_bytes=8 << 20)
+    consumer = KafkaConsumer(
+        topic,
+        bootstrap_servers=[bootstrap],
+        auto_offset_reset="earliest",
+        group_id=None,
+        consumer_timeout_ms=int(timeout * 1000),
+        max_partition_fetch_bytes=8 << 20,
+    )
     out = list(consumer)
     consumer.close()
     return out
@@ -97,16 +124,24 @@ def _peak_rss_mib(pid: int) -> float:
 
 
 def _rec(run="attack", step=0, rank=0, world=4, **kw) -> bytes:
-    return encode(Record(run, step, rank, world, "evil", time.time(), 0, kw.pop("scalars", {"loss": 1.0}),
-                         {}, kw.pop("layers", {})))
+    return encode(
+        Record(
+            run, step, rank, world, "evil", time.time(), 0, kw.pop("scalars", {"loss": 1.0}), {}, kw.pop("layers", {})
+        )
+    )
 
 
 def _victim_steps(emitters, steps, nan_step=None):
     for step in steps:
         for em in emitters:
             loss = math.nan if step == nan_step and em.rank == 2 else 2.0 + 0.01 * ((step * 7 + em.rank) % 5)
-            em.emit(step, loss=loss, grad_norm_local=1.0 + 0.01 * em.rank, grad_norm_global=1.0,
-                    layers={"attn_entropy": [1.5, 1.6]})
+            em.emit(
+                step,
+                loss=loss,
+                grad_norm_local=1.0 + 0.01 * em.rank,
+                grad_norm_global=1.0,
+                layers={"attn_entropy": [1.5, 1.6]},
+            )
         time.sleep(0.01)
     for em in emitters:
         assert em.flush(60)
@@ -121,17 +156,30 @@ def test_every_attack_on_one_real_service_is_dead_lettered_counted_and_survived(
     group, state = f"hostile-{tag}", tmp_path / "state"
     proc, lines, url, _ = _serve(bootstrap, topics, state, group, "--limits-max-message-bytes", "1500000")
     try:
-        emitters = [Emitter(KafkaTransport(bootstrap, topics["telemetry"]), run="victim", rank=r, world=4,
-                            host=f"h{r // 2}") for r in range(4)]
+        emitters = [
+            Emitter(KafkaTransport(bootstrap, topics["telemetry"]), run="victim", rank=r, world=4, host=f"h{r // 2}")
+            for r in range(4)
+        ]
         _victim_steps(emitters, range(20))
-        _wait(lambda: _value(_scrape(url), "sdcwatch_training_last_step", run="victim") >= 19, 60,
-              "the victim run's first 20 steps")
+        _wait(
+            lambda: _value(_scrape(url), "sdcwatch_training_last_step", run="victim") >= 19,
+            60,
+            "the victim run's first 20 steps",
+        )
 
         attacker = KafkaProducer(bootstrap_servers=[bootstrap], max_request_size=4 << 20, linger_ms=20)
         send = lambda value, key=b"evil": attacker.send(topics["telemetry"], key=key, value=value)  # noqa: E731
         expected = {  # reason -> dead letters
-            "world": 2, "layers": 1, "layer_metrics": 1, "values": 1, "step_size": 1, "name": 1, "counter": 4,
-            "oversize": 1, "malformed": 1, "step_jump": 1,
+            "world": 2,
+            "layers": 1,
+            "layer_metrics": 1,
+            "values": 1,
+            "step_size": 1,
+            "name": 1,
+            "counter": 4,
+            "oversize": 1,
+            "malformed": 1,
+            "step_jump": 1,
             "runs": 15_000 - 997,  # the service keeps 1,000 runs: victim, deep, the longest name and 997 more
         }
         send(_rec(world=10**9))  # 16.1: 7.45 GiB at the align timeout before
@@ -155,8 +203,14 @@ def test_every_attack_on_one_real_service_is_dead_lettered_counted_and_survived(
         for i in range(15_000):  # 16.6: 285,085 series and 7-28 s scrapes before
             send(_rec(run=f"flood-{i}", world=1), key=f"flood-{i}".encode())
         attacker.flush(60)
-        _wait(lambda: _value(_scrape(url), "sdcwatch_pipeline_dead_letters_by_reason_total", reason="runs")
-              >= expected["runs"], 60, "the flood of run names to be read")
+        _wait(
+            lambda: (
+                _value(_scrape(url), "sdcwatch_pipeline_dead_letters_by_reason_total", reason="runs")
+                >= expected["runs"]
+            ),
+            60,
+            "the flood of run names to be read",
+        )
         for rank in range(2):  # the deep run goes on after the flood
             send(_rec(run="deep", step=1, rank=rank, world=2, layers=deep))
         attacker.flush(60)
@@ -178,22 +232,37 @@ def test_every_attack_on_one_real_service_is_dead_lettered_counted_and_survived(
         _victim_steps(emitters, range(20, 60), nan_step=40)
         for em in emitters:
             em.close(10)
-        _wait(lambda: _value(_scrape(url), "sdcwatch_training_last_step", run="victim") >= 59, 120,
-              "the victim run's steps after the attack")
+        _wait(
+            lambda: _value(_scrape(url), "sdcwatch_training_last_step", run="victim") >= 59,
+            120,
+            "the victim run's steps after the attack",
+        )
         stop.set()
         for th in scrapers:
             th.join(60)
 
         # the NaN after the attack is found, on its rank and step
-        _wait(lambda: any(json.loads(m.value)["kind"] == "nonfinite" and json.loads(m.value)["run"] == "victim"
-                          for m in _peek(bootstrap, topics["anomalies"])), 60, "the victim's non-finite incident")
+        _wait(
+            lambda: any(
+                json.loads(m.value)["kind"] == "nonfinite" and json.loads(m.value)["run"] == "victim"
+                for m in _peek(bootstrap, topics["anomalies"])
+            ),
+            60,
+            "the victim's non-finite incident",
+        )
         incidents = [json.loads(m.value) for m in _peek(bootstrap, topics["anomalies"])]
         nonfinite = [e for e in incidents if e["kind"] == "nonfinite" and e["run"] == "victim"]
         assert (nonfinite[0]["first_step"], nonfinite[0]["ranks"]) == (40, [2])
 
         # every bad record counted with its reason
-        _wait(lambda: all(_value(_scrape(url), "sdcwatch_pipeline_dead_letters_by_reason_total", reason=r) >= n
-                          for r, n in expected.items()), 60, "every dead letter to be counted")
+        _wait(
+            lambda: all(
+                _value(_scrape(url), "sdcwatch_pipeline_dead_letters_by_reason_total", reason=r) >= n
+                for r, n in expected.items()
+            ),
+            60,
+            "every dead letter to be counted",
+        )
         t = time.monotonic()
         samples = _scrape(url)
         scrape_s = time.monotonic() - t
@@ -223,8 +292,10 @@ def test_every_attack_on_one_real_service_is_dead_lettered_counted_and_survived(
         assert dict(big[0].headers)["sdcwatch.truncated"] == b"true"
         assert dict(big[0].headers)["sdcwatch.reason_code"] == b"oversize"
         peak = _peak_rss_mib(proc.pid)
-        print(f"\nhostile: peak RSS {peak:.0f} MiB, {len(samples)} series, scrape {scrape_s:.2f}s, "
-              f"{len(latencies)} concurrent scrapes p99 {p99:.2f}s")
+        print(
+            f"\nhostile: peak RSS {peak:.0f} MiB, {len(samples)} series, scrape {scrape_s:.2f}s, "
+            f"{len(latencies)} concurrent scrapes p99 {p99:.2f}s"
+        )
         assert peak < RSS_BOUND_MIB, peak
         assert proc.poll() is None, "".join(lines)[-3000:]
 
@@ -264,7 +335,9 @@ def test_a_slow_snapshot_does_not_evict_the_consumer_from_its_group(bootstrap, u
     for step in range(10):
         emitter.emit(step, loss=1.0)
     assert emitter.flush(30)
-    source = KafkaSource(bootstrap, unique_topic, group=f"g-{uuid.uuid4().hex[:8]}", deadletter_topic=f"{unique_topic}.dead")
+    source = KafkaSource(
+        bootstrap, unique_topic, group=f"g-{uuid.uuid4().hex[:8]}", deadletter_topic=f"{unique_topic}.dead"
+    )
     service = DetectorService(source, SlowSave(), state_dir=tmp_path, snapshot_every=1.0, poll_timeout=0.2)
     try:
         service.run_for(until=lambda: service.pipeline.records_total >= 10, seconds=60)
@@ -346,8 +419,9 @@ def test_a_step_far_ahead_is_set_aside_and_the_run_is_not_blinded():
     synth = SyntheticRun(seed=1, world=4)
     tr = MemoryTransport(bus)
     clock = [0.0]
-    service = DetectorService(MemorySource(bus), DetectionPipeline(clock=lambda: clock[0]), poll_timeout=0.001,
-                              clock=lambda: clock[0])
+    service = DetectorService(
+        MemorySource(bus), DetectionPipeline(clock=lambda: clock[0]), poll_timeout=0.001, clock=lambda: clock[0]
+    )
     for s in range(30):
         tr.send(synth.records(s))
     service.run_for(max_iterations=5)
@@ -358,15 +432,27 @@ def test_a_step_far_ahead_is_set_aside_and_the_run_is_not_blinded():
     assert service.source.dead_letter_reasons == {"step_jump": 1}
     bad = [r.scalars.get("loss") for r in synth.records(30)]
     records = synth.records(30)
-    records[2] = Record(records[2].run, 30, 2, 4, records[2].host, records[2].time, 0,
-                        {**records[2].scalars, "loss": math.nan}, records[2].fingerprints, records[2].layers)
+    records[2] = Record(
+        records[2].run,
+        30,
+        2,
+        4,
+        records[2].host,
+        records[2].time,
+        0,
+        {**records[2].scalars, "loss": math.nan},
+        records[2].fingerprints,
+        records[2].layers,
+    )
     tr.send(records)
     events = [e for _ in range(3) for e in service.step()]
     assert bad and any(e.incident.kind == "nonfinite" and e.incident.ranks == (2,) for e in events)
     assert service.pipeline.aligner.late_records == 0
     # a jump every rank makes (a restart from a later checkpoint) is taken
-    jump = [Record(r.run, 500_000, r.rank, 4, r.host, r.time, 0, r.scalars, r.fingerprints, r.layers)
-            for r in synth.records(31)]
+    jump = [
+        Record(r.run, 500_000, r.rank, 4, r.host, r.time, 0, r.scalars, r.fingerprints, r.layers)
+        for r in synth.records(31)
+    ]
     tr.send(jump)
     service.run_for(max_iterations=2)
     clock[0] += 2.0  # a complete step out of order waits the reorder grace
@@ -375,13 +461,16 @@ def test_a_step_far_ahead_is_set_aside_and_the_run_is_not_blinded():
     assert service.source.dead_letter_reasons == {"step_jump": 1}
 
 
-@pytest.mark.parametrize("content, fault", [
-    (b"", "empty"),
-    (b'{"version": 1, "aligner": {"ru', "not valid JSON"),
-    (b'{"version": 1}', "structurally wrong (missing key 'aligner')"),
-    (b"[1, 2]", "not an object"),
-    (b"\xff\xfe", "not UTF-8"),
-])
+@pytest.mark.parametrize(
+    "content, fault",
+    [
+        (b"", "empty"),
+        (b'{"version": 1, "aligner": {"ru', "not valid JSON"),
+        (b'{"version": 1}', "structurally wrong (missing key 'aligner')"),
+        (b"[1, 2]", "not an object"),
+        (b"\xff\xfe", "not UTF-8"),
+    ],
+)
 def test_a_bad_state_file_is_one_clear_error_naming_the_file_and_the_way_out(tmp_path, content, fault):
     """16.9: raw KeyError/IsADirectoryError tracebacks before."""
     from sdcwatch.detectors import DetectionPipeline
@@ -417,8 +506,18 @@ def test_serve_with_a_damaged_state_exits_clearly_and_starts_with_state_reset(tm
     state = tmp_path / "state"
     state.mkdir()
     (state / "pipeline-state.json").write_text('{"version": 1, "aligner"')
-    cmd = [sys.executable, "-m", "sdcwatch.cli", "serve", "--bus-bootstrap", f"127.0.0.1:{free_port()}",
-           "--state-dir", str(state), "--metrics-port", "0"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "sdcwatch.cli",
+        "serve",
+        "--bus-bootstrap",
+        f"127.0.0.1:{free_port()}",
+        "--state-dir",
+        str(state),
+        "--metrics-port",
+        "0",
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert "pipeline-state.json" in out.stderr and "--state-reset" in out.stderr
@@ -430,8 +529,13 @@ def test_serve_with_a_damaged_state_exits_clearly_and_starts_with_state_reset(tm
 
 def test_a_misspelt_environment_section_stops_serve_naming_the_variable():
     """16.8: SDCWATCH_METRIC_PORT was silently ignored."""
-    out = subprocess.run([sys.executable, "-m", "sdcwatch.cli", "serve"], capture_output=True, text=True, timeout=60,
-                         env={**os.environ, "SDCWATCH_METRIC_PORT": "9999"})
+    out = subprocess.run(
+        [sys.executable, "-m", "sdcwatch.cli", "serve"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "SDCWATCH_METRIC_PORT": "9999"},
+    )
     assert out.returncode == 2 and "SDCWATCH_METRIC_PORT" in out.stderr and "SDCWATCH_METRICS_PORT" in out.stderr
 
 
@@ -471,8 +575,19 @@ def test_report_escapes_and_type_checks_incident_fields(tmp_path):
     from sdcwatch.report.data import load_incidents
 
     bad = tmp_path / "incidents.jsonl"
-    bad.write_text(json.dumps({"kind": "nonfinite", "severity": "critical", "message": "m", "first_step": 1,
-                               "last_step": 3, "peak_step": "<script>alert(1)</script>"}) + "\n")
+    bad.write_text(
+        json.dumps(
+            {
+                "kind": "nonfinite",
+                "severity": "critical",
+                "message": "m",
+                "first_step": 1,
+                "last_step": 3,
+                "peak_step": "<script>alert(1)</script>",
+            }
+        )
+        + "\n"
+    )
     with pytest.raises(ReplayError, match="'peak_step' must be an integer"):
         load_incidents(bad)
 
@@ -552,8 +667,9 @@ def test_concurrent_scrapes_share_one_render():
         return small_view()
 
     with MetricsServer(view, port=0, cache_seconds=5.0) as server:
-        threads = [threading.Thread(target=lambda: urllib.request.urlopen(server.url, timeout=30).read())
-                   for _ in range(20)]
+        threads = [
+            threading.Thread(target=lambda: urllib.request.urlopen(server.url, timeout=30).read()) for _ in range(20)
+        ]
         for th in threads:
             th.start()
         for th in threads:

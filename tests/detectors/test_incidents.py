@@ -35,6 +35,7 @@ def run_pipeline(faults, steps=300, world=8, seed=2, pipe=None):
 
 # -- the book -----------------------------------------------------------------------------------
 
+
 def test_one_incident_per_problem_and_resolution_after_quiet_steps():
     book = IncidentBook(quiet_steps=10)
     events = []
@@ -55,7 +56,8 @@ def test_rank_local_problems_get_one_incident_per_rank_and_escalate_in_place():
     assert [e.change for e in ev] == ["opened", "opened"]
     ev = book.add([finding(9, kind="sdc_suspected", sev=Severity.CRITICAL, ranks=(3,), msg="SDC on 3")])
     assert [(e.change, e.incident.kind, e.incident.severity) for e in ev] == [
-        ("updated", "sdc_suspected", Severity.CRITICAL)]
+        ("updated", "sdc_suspected", Severity.CRITICAL)
+    ]
     assert len(book.open_incidents) == 2
     # the counter alert rules read: the escalation counts as an SDC-suspected incident too
     assert book.opened_total == {("silent_drift", "warning"): 2, ("sdc_suspected", "critical"): 1}
@@ -66,12 +68,38 @@ def test_incident_metric_and_layer_are_those_its_message_names():
     what the message says (a non-finite streak: the onset names attn_logit_max layer 1, a later step
     has more bad values in attn_entropy layer 0)."""
     book = IncidentBook()
-    book.add([Finding(detector="nonfinite", kind="nonfinite", severity=Severity.CRITICAL, run="r", step=88,
-                      score=1.0, message="non-finite value at step 88: attn_logit_max layer 1 = nan on rank 3",
-                      ranks=(3,), metric="attn_logit_max", layer=1)])
-    book.add([Finding(detector="nonfinite", kind="nonfinite", severity=Severity.CRITICAL, run="r", step=89,
-                      score=40.0, message="non-finite values since step 88, which began on rank 3",
-                      ranks=(3,), metric="attn_entropy", layer=0)])
+    book.add(
+        [
+            Finding(
+                detector="nonfinite",
+                kind="nonfinite",
+                severity=Severity.CRITICAL,
+                run="r",
+                step=88,
+                score=1.0,
+                message="non-finite value at step 88: attn_logit_max layer 1 = nan on rank 3",
+                ranks=(3,),
+                metric="attn_logit_max",
+                layer=1,
+            )
+        ]
+    )
+    book.add(
+        [
+            Finding(
+                detector="nonfinite",
+                kind="nonfinite",
+                severity=Severity.CRITICAL,
+                run="r",
+                step=89,
+                score=40.0,
+                message="non-finite values since step 88, which began on rank 3",
+                ranks=(3,),
+                metric="attn_entropy",
+                layer=0,
+            )
+        ]
+    )
     (inc,) = book.open_incidents
     assert inc.message.startswith("non-finite value at step 88: attn_logit_max layer 1")
     assert (inc.metric, inc.layer) == ("attn_logit_max", 1)
@@ -85,12 +113,30 @@ def test_info_findings_never_open_incidents():
 
 def test_incident_round_trips_through_its_dict():
     book = IncidentBook()
-    (ev,) = book.add([finding(7, kind="nonfinite", sev=Severity.CRITICAL, ranks=(2,), hosts=("h",), layer=1,
-                              metric="q", evidence={"x": float("nan")})])
+    (ev,) = book.add(
+        [
+            finding(
+                7,
+                kind="nonfinite",
+                sev=Severity.CRITICAL,
+                ranks=(2,),
+                hosts=("h",),
+                layer=1,
+                metric="q",
+                evidence={"x": float("nan")},
+            )
+        ]
+    )
     d = json.loads(json.dumps(ev.incident.to_dict(), allow_nan=False))
     back = incident_from_dict(d)
     assert (back.id, back.kind, back.severity, back.ranks, back.hosts, back.layer) == (
-        ev.incident.id, "nonfinite", Severity.CRITICAL, (2,), ("h",), 1)
+        ev.incident.id,
+        "nonfinite",
+        Severity.CRITICAL,
+        (2,),
+        ("h",),
+        1,
+    )
 
 
 def test_bad_book_settings_are_named():
@@ -101,6 +147,7 @@ def test_bad_book_settings_are_named():
 
 
 # -- attribution through the pipeline ---------------------------------------------------------------
+
 
 def incidents_by_kind(pipe):
     out = {}
@@ -159,8 +206,7 @@ def test_spike_with_rank_local_evidence_is_sdc_suspected_on_that_rank_once():
 
 def test_rank_evidence_first_showing_after_a_run_wide_spike_is_not_blamed():
     # an lr spike throws every rank; one ends up furthest out a few steps later: a consequence
-    pipe, _ = run_pipeline([Fault("loss_spike", 150), Fault("rank_shift", 152, rank=6, layer=0, length=40)],
-                           steps=260)
+    pipe, _ = run_pipeline([Fault("loss_spike", 150), Fault("rank_shift", 152, rank=6, layer=0, length=40)], steps=260)
     kinds = incidents_by_kind(pipe)
     assert "sdc_suspected" not in kinds
     (spike,) = kinds["loss_spike"]
@@ -179,6 +225,7 @@ def test_clean_job_raises_nothing():
 
 
 # -- view and state ---------------------------------------------------------------------------------
+
 
 def test_view_fills_run_and_pipeline_health():
     pipe, _ = run_pipeline([Fault("rank_shift", 100, rank=5, layer=2), Fault("missing", 280, rank=1)], steps=300)
@@ -201,8 +248,15 @@ def test_emitter_dropped_sums_the_latest_value_of_each_rank():
     synth = SyntheticRun(world=4)
     for s in range(3):
         recs = synth.records(s)
-        recs = [type(r)(**{**{k: getattr(r, k) for k in r.__slots__},
-                           "scalars": dict(r.scalars, emitter_dropped=float(10 * s + r.rank))}) for r in recs]
+        recs = [
+            type(r)(
+                **{
+                    **{k: getattr(r, k) for k in r.__slots__},
+                    "scalars": dict(r.scalars, emitter_dropped=float(10 * s + r.rank)),
+                }
+            )
+            for r in recs
+        ]
         pipe.process(recs)
     assert pipe.view().runs[0].emitter_dropped == sum(20 + r for r in range(4))
 
@@ -221,8 +275,10 @@ def test_save_and_load_resume_without_warmup_or_repeats(tmp_path):
     for s in range(150, 300):  # redelivery of 50 steps already seen
         ev += second.process(synth.records(s))
     ev += second.flush()
+
     def key(evs):
         return [(e.change, e.incident.id, e.incident.kind) for e in evs]
+
     assert key(ev) == key(whole_events)
     assert second.aligner.late_records == 50 * 8
     assert second.view().pipeline.late_records_total == 50 * 8  # exported as a metric

@@ -22,8 +22,18 @@ from sdcwatch.telemetry.transports import record_key
 
 
 def pack(rec: Record) -> PackedRecord:
-    return PackedRecord.pack(rec.run, rec.host, rec.step, rec.rank, rec.world, rec.local_rank, rec.time,
-                             rec.scalars, rec.fingerprints, rec.layers)
+    return PackedRecord.pack(
+        rec.run,
+        rec.host,
+        rec.step,
+        rec.rank,
+        rec.world,
+        rec.local_rank,
+        rec.time,
+        rec.scalars,
+        rec.fingerprints,
+        rec.layers,
+    )
 
 
 def v2_messages(records, sent=None) -> list[tuple[str, bytes, bytes]]:
@@ -32,7 +42,7 @@ def v2_messages(records, sent=None) -> list[tuple[str, bytes, bytes]]:
 
 
 def v1_messages(records) -> list[tuple[str, bytes, bytes]]:
-    return [(f"t/0/{i}", b"k", encode_batch(records[j:j + 256])) for i, j in enumerate(range(0, len(records), 256))]
+    return [(f"t/0/{i}", b"k", encode_batch(records[j : j + 256])) for i, j in enumerate(range(0, len(records), 256))]
 
 
 def frames_equal(a: StepFrame, b: StepFrame) -> None:
@@ -91,8 +101,22 @@ def run_both(synth: SyntheticRun, steps: int) -> dict[str, tuple[list, list]]:
         for fr in pipe.aligner.flush():
             frames.append(fr)
             events += pipe.process_frame(fr)
-        out[wire] = (frames, [(e.change, e.incident.kind, e.incident.first_step, e.incident.ranks, e.incident.metric,
-                               e.incident.layer, e.incident.message, round(e.incident.score, 12)) for e in events])
+        out[wire] = (
+            frames,
+            [
+                (
+                    e.change,
+                    e.incident.kind,
+                    e.incident.first_step,
+                    e.incident.ranks,
+                    e.incident.metric,
+                    e.incident.layer,
+                    e.incident.message,
+                    round(e.incident.score, 12),
+                )
+                for e in events
+            ],
+        )
     return out
 
 
@@ -160,17 +184,20 @@ def row(sch, **kw):
     return sch.struct.pack(v["step"], v["rank"], v["world"], v["local_rank"], v["host"], v["time"], *scalars)
 
 
-@pytest.mark.parametrize("fields, reason, code", [
-    (dict(world=0), "world", "malformed"),
-    (dict(world=1 << 22, rank=1), "world", "world"),  # past the shared limits.max_world
-    (dict(rank=4), "rank", "malformed"),
-    (dict(host=3), "host", "malformed"),
-    (dict(time=math.nan), "time", "malformed"),
-    (dict(step=1 << 63), "step", "malformed"),
-    (dict(scalars=[1.0, -1.0]), "scalars.emitter_dropped", "counter"),
-    (dict(scalars=[1.0, math.inf]), "scalars.emitter_dropped", "counter"),
-    (dict(scalars=[1.0, math.nan]), "scalars.emitter_dropped", "counter"),
-])
+@pytest.mark.parametrize(
+    "fields, reason, code",
+    [
+        (dict(world=0), "world", "malformed"),
+        (dict(world=1 << 22, rank=1), "world", "world"),  # past the shared limits.max_world
+        (dict(rank=4), "rank", "malformed"),
+        (dict(host=3), "host", "malformed"),
+        (dict(time=math.nan), "time", "malformed"),
+        (dict(step=1 << 63), "step", "malformed"),
+        (dict(scalars=[1.0, -1.0]), "scalars.emitter_dropped", "counter"),
+        (dict(scalars=[1.0, math.inf]), "scalars.emitter_dropped", "counter"),
+        (dict(scalars=[1.0, math.nan]), "scalars.emitter_dropped", "counter"),
+    ],
+)
 def test_implausible_records_dead_letter_their_message_only(fields, reason, code):
     sch = schema_for(("loss", "emitter_dropped"))
     good = encode_rows(sch, "r", ["h"], row(sch, rank=1) + row(sch, rank=2), 2, with_schema=True)
@@ -250,13 +277,28 @@ def test_assemble_frame_equals_from_records_for_v1_only():
 
 
 def _incident_key(incidents) -> list[tuple]:
-    return [(i.kind, i.first_step, i.last_step, i.ranks, i.metric, i.layer, i.message, i.peak_step, i.resolved_step,
-             round(i.score, 9)) for i in incidents]
+    return [
+        (
+            i.kind,
+            i.first_step,
+            i.last_step,
+            i.ranks,
+            i.metric,
+            i.layer,
+            i.message,
+            i.peak_step,
+            i.resolved_step,
+            round(i.score, 9),
+        )
+        for i in incidents
+    ]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("log", ["llmc_gpt2_124m_nan.csv", "llmc_gpt2_124m_ok.csv", "modded_nanogpt_muon_124m.csv",
-                                 "pythia160m_seed5_clean.csv"])
+@pytest.mark.parametrize(
+    "log",
+    ["llmc_gpt2_124m_nan.csv", "llmc_gpt2_124m_ok.csv", "modded_nanogpt_muon_124m.csv", "pythia160m_seed5_clean.csv"],
+)
 def test_real_log_replays_give_the_same_incidents_over_either_wire(real_logs, log):
     """Each row of a real training log (the first 20,000) as one rank's record, through v1 and
     through v2: the same incidents, and the same as replaying the log's rows directly."""
@@ -269,13 +311,23 @@ def test_real_log_replays_give_the_same_incidents_over_either_wire(real_logs, lo
     records = []
     for f in frames:
         sent = f.sent_scalars()[0]
-        records.append(Record(f.run, f.step, 0, 1, "h", 0.0, 0,
-                              {n: float(v) for n, v, s in zip(f.scalar_names, f.scalars[0], sent) if s}))
+        records.append(
+            Record(
+                f.run,
+                f.step,
+                0,
+                1,
+                "h",
+                0.0,
+                0,
+                {n: float(v) for n, v, s in zip(f.scalar_names, f.scalars[0], sent) if s},
+            )
+        )
     got = {}
     for wire in ("v1", "v2", "direct"):
         pipe = DetectionPipeline()
         pipe.book.history = []
-        for frame in (frames if wire == "direct" else frames_over_wire(records, wire, per_message=4096)):
+        for frame in frames if wire == "direct" else frames_over_wire(records, wire, per_message=4096):
             pipe.process_frame(frame)
         got[wire] = _incident_key(pipe.book.history)
     assert got["v1"] == got["v2"] == got["direct"]

@@ -29,18 +29,34 @@ class Events:
 
 def test_mixed_v1_and_v2_emitters_of_one_run_through_the_broker(bootstrap, unique_topic):
     world, steps, bad_rank, bad_step = 8, 30, 5, 20
-    emitters = [Emitter(KafkaTransport(bootstrap, unique_topic), run="mixed", rank=r, world=world, host=f"h{r // 4}",
-                        wire="v2" if r % 2 else "v1") for r in range(world)]
+    emitters = [
+        Emitter(
+            KafkaTransport(bootstrap, unique_topic),
+            run="mixed",
+            rank=r,
+            world=world,
+            host=f"h{r // 4}",
+            wire="v2" if r % 2 else "v1",
+        )
+        for r in range(world)
+    ]
     for step in range(steps):
         for r, em in enumerate(emitters):
             loss = float("nan") if (r, step) == (bad_rank, bad_step) else 2.0 + 0.01 * r
-            em.emit(step, loss=loss, grad_norm_local=1.0 + 0.001 * r, grad_norm_global=1.0,
-                    layers={"attn_entropy": [1.0, 1.1, 1.2]}, fingerprints={"grad_fp": step})
+            em.emit(
+                step,
+                loss=loss,
+                grad_norm_local=1.0 + 0.001 * r,
+                grad_norm_global=1.0,
+                layers={"attn_entropy": [1.0, 1.1, 1.2]},
+                fingerprints={"grad_fp": step},
+            )
     for em in emitters:
         em.close()
     assert [(em.sent, em.invalid) for em in emitters] == [(steps, 0)] * world
-    source = KafkaSource(bootstrap, unique_topic, group=f"g-{uuid.uuid4().hex[:8]}",
-                         deadletter_topic=f"{unique_topic}.dead")
+    source = KafkaSource(
+        bootstrap, unique_topic, group=f"g-{uuid.uuid4().hex[:8]}", deadletter_topic=f"{unique_topic}.dead"
+    )
     events = Events()
     pipe = DetectionPipeline(PipelineSettings(step_timeout=30.0))
     svc = DetectorService(source, pipe, sinks=[events], poll_timeout=0.5)
@@ -70,8 +86,13 @@ def test_bad_v2_messages_on_the_topic_are_dead_lettered_with_the_reason(bootstra
     dead = f"{unique_topic}.dead"
     from sdcwatch.detectors.ingest import IngestDecoder
 
-    source = KafkaSource(bootstrap, unique_topic, group=f"g-{uuid.uuid4().hex[:8]}", deadletter_topic=dead,
-                         ingest=IngestDecoder(schema_wait=0.5))
+    source = KafkaSource(
+        bootstrap,
+        unique_topic,
+        group=f"g-{uuid.uuid4().hex[:8]}",
+        deadletter_topic=dead,
+        ingest=IngestDecoder(schema_wait=0.5),
+    )
     got = 0
     deadline = time.monotonic() + 30
     while (got < 1 or source.dead_letters < 2) and time.monotonic() < deadline:
@@ -79,8 +100,9 @@ def test_bad_v2_messages_on_the_topic_are_dead_lettered_with_the_reason(bootstra
     source.commit()
     source.close()
     assert (got, source.dead_letters) == (1, 2)
-    consumer = KafkaConsumer(dead, bootstrap_servers=bootstrap, auto_offset_reset="earliest",
-                             consumer_timeout_ms=10_000, group_id=None)
+    consumer = KafkaConsumer(
+        dead, bootstrap_servers=bootstrap, auto_offset_reset="earliest", consumer_timeout_ms=10_000, group_id=None
+    )
     reasons = sorted(dict(m.headers)["sdcwatch.reason"].decode() for m in consumer)
     consumer.close()
     assert len(reasons) == 2

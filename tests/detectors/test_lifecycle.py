@@ -39,7 +39,9 @@ def pipeline(**settings) -> tuple[DetectionPipeline, Clock]:
 
 
 def markers(synth: SyntheticRun, step: int, ranks=None) -> list:
-    return [end_marker(synth.run, step, r, synth.world, time=2e9) for r in (range(synth.world) if ranks is None else ranks)]
+    return [
+        end_marker(synth.run, step, r, synth.world, time=2e9) for r in (range(synth.world) if ranks is None else ranks)
+    ]
 
 
 def feed(pipe, synth, steps) -> list:
@@ -298,7 +300,10 @@ def test_split_stages_pass_the_end_of_a_run_from_the_spatial_to_the_temporal_sta
 
 
 def test_runs_past_max_runs_leave_no_lifecycle_state_and_a_stale_run_makes_room_by_eviction():
-    a, b = SyntheticRun(seed=1, run="a", faults=[Fault("nonfinite", 5, rank=3, length=1)]), SyntheticRun(seed=2, run="b")
+    a, b = (
+        SyntheticRun(seed=1, run="a", faults=[Fault("nonfinite", 5, rank=3, length=1)]),
+        SyntheticRun(seed=2, run="b"),
+    )
     pipe, clock = pipeline(max_runs=1, stale_after=100.0)
     feed(pipe, a, range(10))
     feed(pipe, b, range(3))  # run a is training: b does not fit

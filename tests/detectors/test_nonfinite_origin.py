@@ -36,7 +36,8 @@ def test_the_incident_keeps_the_rank_and_layer_where_the_nan_began_after_it_spre
     first = frame(16, bad=[(1, "q_norm_mean", 1), (1, "loss", None)])
     events = book.add(det.update(first))
     assert [(e.change, e.incident.ranks, e.incident.metric, e.incident.layer) for e in events] == [
-        ("opened", (1,), "q_norm_mean", 1)]
+        ("opened", (1,), "q_norm_mean", 1)
+    ]
     # next step every replica is NaN in every layer: more bad values, a higher score
     spread = [(r, m, layer) for r in range(WORLD) for m in LAYER_METRICS for layer in range(LAYERS)]
     later = book.add(det.update(frame(17, bad=spread + [(r, "loss", None) for r in range(WORLD)])))

@@ -41,8 +41,10 @@ def test_llmc_ok_grad_norm_spikes_are_gradient_spikes_not_loss_spikes(logs):
     assert "loss_spike" not in kinds
     assert kinds == {"grad_spike"}
     spikes = [i for i in incidents if i.kind == "grad_spike"]
+
     def covered(step):
         return any(i.first_step <= step <= i.last_step for i in spikes)
+
     for step in (1017, 10822, 10868, 10950, 10959):
         assert covered(step), f"gradient spike at step {step} not reported"
     assert all(i.severity.value == "warning" for i in spikes)
@@ -96,14 +98,17 @@ def test_jsonl_records_replay_names_the_faulty_rank(tmp_path):
     assert (inc.kind, inc.first_step, inc.ranks, inc.hosts, inc.layer) == ("nonfinite", 90, (6,), ("node1",), 1)
 
 
-@pytest.mark.parametrize("content, line, problem", [
-    ("step,loss\n1,2.0\n2,abc\n", 3, "'loss': 'abc' is not a number"),
-    ("step,loss\n1,2.0\n2,2.1,7\n", 3, "3 fields"),
-    ("step,value\n1,2.0\n", 1, "'step' and 'loss'"),
-    ("step,loss\n2,2.0\n1,2.1\n", 3, "does not increase"),
-    ("step,loss\nx,2.0\n", 2, "not a step number"),
-    ("", 0, "empty file"),
-])
+@pytest.mark.parametrize(
+    "content, line, problem",
+    [
+        ("step,loss\n1,2.0\n2,abc\n", 3, "'loss': 'abc' is not a number"),
+        ("step,loss\n1,2.0\n2,2.1,7\n", 3, "3 fields"),
+        ("step,value\n1,2.0\n", 1, "'step' and 'loss'"),
+        ("step,loss\n2,2.0\n1,2.1\n", 3, "does not increase"),
+        ("step,loss\nx,2.0\n", 2, "not a step number"),
+        ("", 0, "empty file"),
+    ],
+)
 def test_malformed_csv_names_line_and_problem(tmp_path, content, line, problem):
     path = tmp_path / "bad.csv"
     path.write_text(content)

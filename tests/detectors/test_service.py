@@ -54,8 +54,9 @@ def test_service_publishes_incidents_to_the_anomalies_topic_and_sinks():
     bus = MemoryBus()
     emit(bus, SyntheticRun(seed=2, faults=[Fault("replica", 60, rank=6)]), range(100))
     sink = ListSink()
-    svc = DetectorService(MemorySource(bus), sinks=[AnomalyTopicSink.to_bus(bus), BrokenSink(), sink],
-                          poll_timeout=0.01)
+    svc = DetectorService(
+        MemorySource(bus), sinks=[AnomalyTopicSink.to_bus(bus), BrokenSink(), sink], poll_timeout=0.01
+    )
     drain(svc, bus)
     (msg,) = anomalies(bus)
     assert msg["change"] == "opened" and msg["kind"] == "replica_divergence"
@@ -73,8 +74,9 @@ def test_restart_resumes_without_warmup_and_without_repeating_alerts(tmp_path):
     # restart at step 152: a fresh spike detector would still be warming up (59 steps) and miss it
     synth = SyntheticRun(seed=4, faults=[Fault("rank_shift", 100, rank=3, layer=1), Fault("loss_spike", 152)])
     emit(bus, synth, range(150))
-    first = DetectorService(MemorySource(bus), sinks=[AnomalyTopicSink.to_bus(bus)], state_dir=tmp_path,
-                            poll_timeout=0.01)
+    first = DetectorService(
+        MemorySource(bus), sinks=[AnomalyTopicSink.to_bus(bus)], state_dir=tmp_path, poll_timeout=0.01
+    )
     assert not first.resumed
     drain(first, bus)
     first.close()  # snapshots
@@ -83,14 +85,16 @@ def test_restart_resumes_without_warmup_and_without_repeating_alerts(tmp_path):
 
     emit(bus, synth, range(150, 200))
     # the new instance re-reads the topic from the start (worst-case redelivery)
-    second = DetectorService(MemorySource(bus), sinks=[AnomalyTopicSink.to_bus(bus)], state_dir=tmp_path,
-                             poll_timeout=0.01)
+    second = DetectorService(
+        MemorySource(bus), sinks=[AnomalyTopicSink.to_bus(bus)], state_dir=tmp_path, poll_timeout=0.01
+    )
     assert second.resumed
     drain(second, bus)
     second.close()
-    after = anomalies(bus)[len(before):]
+    after = anomalies(bus)[len(before) :]
     assert [m["id"] for m in after if m["change"] == "opened"] and all(
-        m["id"] != before[0]["id"] or m["change"] != "opened" for m in after)
+        m["id"] != before[0]["id"] or m["change"] != "opened" for m in after
+    )
     kinds = [(m["change"], m["kind"]) for m in after]
     assert ("opened", "loss_spike") in kinds  # no new warm-up: the spike at 152 is caught
     assert ("updated", "sdc_suspected") in kinds  # and joined with the drift seen before the restart
@@ -138,10 +142,16 @@ def test_reference_run_fault_on_one_rank_through_the_real_broker_names_that_rank
     world, steps = 4, 30
     fault = FaultSpec.from_dict({"kind": "near_inf", "step": 20, "rank": 2, "target": "blocks.0.attn.scores"})
     run = SimulatedRun(
-        world=world, seed=0, faults=[fault], model=GPTConfig(seq_len=32, d_model=32, n_layer=2, n_head=4),
-        batch_size=4, corpus=shared_corpus(1 << 18), ranks_per_host=2,
-        emitter_factory=lambda r, host: Emitter(KafkaTransport(bootstrap, unique_topic), run="ref", rank=r,
-                                                world=world, host=host),
+        world=world,
+        seed=0,
+        faults=[fault],
+        model=GPTConfig(seq_len=32, d_model=32, n_layer=2, n_head=4),
+        batch_size=4,
+        corpus=shared_corpus(1 << 18),
+        ranks_per_host=2,
+        emitter_factory=lambda r, host: Emitter(
+            KafkaTransport(bootstrap, unique_topic), run="ref", rank=r, world=world, host=host
+        ),
     )
     run.train(steps)
     run.close()  # emits each rank's last record, then flushes and closes the emitters
@@ -149,16 +159,21 @@ def test_reference_run_fault_on_one_rank_through_the_real_broker_names_that_rank
     assert [(em.emitted, em.sent, em.dropped, em.invalid) for em in run.emitters] == [(steps, steps, 0, 0)] * world
 
     anomalies_topic = f"{unique_topic}.anomalies"
-    source = KafkaSource(bootstrap, unique_topic, group=f"g-{uuid.uuid4().hex[:8]}",
-                         deadletter_topic=f"{unique_topic}.dead")
-    svc = DetectorService(source, sinks=[AnomalyTopicSink.to_kafka(bootstrap, topic=anomalies_topic)],
-                          poll_timeout=0.5)
+    source = KafkaSource(
+        bootstrap, unique_topic, group=f"g-{uuid.uuid4().hex[:8]}", deadletter_topic=f"{unique_topic}.dead"
+    )
+    svc = DetectorService(source, sinks=[AnomalyTopicSink.to_kafka(bootstrap, topic=anomalies_topic)], poll_timeout=0.5)
     deadline = time.monotonic() + 60
     svc.run_for(until=lambda: svc.pipeline.records_total >= world * steps or time.monotonic() > deadline)
     svc.close()
     assert (svc.pipeline.records_total, source.dead_letters) == (world * steps, 0), "the broker confirmed every record"
-    consumer = KafkaConsumer(anomalies_topic, bootstrap_servers=bootstrap, auto_offset_reset="earliest",
-                             consumer_timeout_ms=10_000, group_id=None)
+    consumer = KafkaConsumer(
+        anomalies_topic,
+        bootstrap_servers=bootstrap,
+        auto_offset_reset="earliest",
+        consumer_timeout_ms=10_000,
+        group_id=None,
+    )
     msgs = [json.loads(m.value) for m in consumer]
     consumer.close()
     opened = [m for m in msgs if m["change"] == "opened"]
@@ -166,7 +181,12 @@ def test_reference_run_fault_on_one_rank_through_the_real_broker_names_that_rank
     assert nonfinite, f"no non-finite incident in {opened}"
     inc = nonfinite[0]
     assert (inc["step"], inc["ranks"][0], inc["hosts"][0], inc["metric"], inc["layer"]) == (
-        20, 2, run.host_of(2), "logit_max", 0)
+        20,
+        2,
+        run.host_of(2),
+        "logit_max",
+        0,
+    )
 
 
 @pytest.mark.integration

@@ -11,8 +11,7 @@ from detector_synth import Fault, SyntheticRun
 from sdcwatch.detectors import DetectionPipeline
 from sdcwatch.detectors.baselines.river_hst import RiverHalfSpaceTrees
 from sdcwatch.detectors.bus import MemorySource, decode_summary_message
-from sdcwatch.detectors.summary import (StepSummary, SummaryError, SummaryOrder, decode_summary,
-                                        encode_summary)
+from sdcwatch.detectors.summary import StepSummary, SummaryError, SummaryOrder, decode_summary, encode_summary
 from sdcwatch.core.errors import ConfigError
 from sdcwatch.telemetry import MemoryBus
 from sdcwatch.telemetry.record import encode
@@ -52,8 +51,18 @@ def opened(pipe):
     return sorted((i.kind, i.ranks, i.first_step) for i in pipe.incidents())
 
 
-@pytest.mark.parametrize("family,rank", [("nonfinite", 5), ("replica", 6), ("missing", 2), ("straggler", 1),
-                                         ("loss_spike", None), ("grad_spike", None), ("rank_gross", 3)])
+@pytest.mark.parametrize(
+    "family,rank",
+    [
+        ("nonfinite", 5),
+        ("replica", 6),
+        ("missing", 2),
+        ("straggler", 1),
+        ("loss_spike", None),
+        ("grad_spike", None),
+        ("rank_gross", 3),
+    ],
+)
 def test_split_stages_open_the_incidents_one_process_opens(family, rank):
     synth = SyntheticRun(seed=4, world=16, faults=[Fault(family, step=120, rank=rank or 0)])
     steps = range(200)
@@ -180,8 +189,9 @@ def test_summaries_waiting_for_an_earlier_step_survive_a_restart():
 
 
 def test_temporal_stage_restarted_mid_run_resumes_without_repeats_or_warmup(tmp_path):
-    synth = SyntheticRun(seed=8, world=16, faults=[Fault("rank_gross", step=150, rank=3),
-                                                   Fault("loss_spike", step=170)])
+    synth = SyntheticRun(
+        seed=8, world=16, faults=[Fault("rank_gross", step=150, rank=3), Fault("loss_spike", step=170)]
+    )
     spatial = DetectionPipeline(role="spatial")
     blobs = []
     for s in range(230):

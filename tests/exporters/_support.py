@@ -26,20 +26,54 @@ from sdcwatch.detectors.types import Incident, PipelineView, RunView, ServiceVie
 REPO = Path(__file__).resolve().parents[2]
 DASHBOARDS = REPO / "dashboards"
 
-SCALARS = ("loss", "loss_global", "grad_norm_local", "grad_norm_global", "grad_cosine", "step_time",
-           "nonfinite", "lr", "emitter_dropped")
-LAYER_METRICS = ("attn_entropy", "attn_entropy_min", "q_norm_mean", "q_norm_max", "k_norm_mean",
-                 "k_norm_max", "attn_logit_max")
+SCALARS = (
+    "loss",
+    "loss_global",
+    "grad_norm_local",
+    "grad_norm_global",
+    "grad_cosine",
+    "step_time",
+    "nonfinite",
+    "lr",
+    "emitter_dropped",
+)
+LAYER_METRICS = (
+    "attn_entropy",
+    "attn_entropy_min",
+    "q_norm_mean",
+    "q_norm_max",
+    "k_norm_mean",
+    "k_norm_max",
+    "attn_logit_max",
+)
 
 
-def sdc_incident(run: str = "r1", *, rank: int = 5, host: str = "h2", id: str = "inc-sdc-1",
-                 opened_at: float = 0.0, resolved: bool = False) -> Incident:
+def sdc_incident(
+    run: str = "r1",
+    *,
+    rank: int = 5,
+    host: str = "h2",
+    id: str = "inc-sdc-1",
+    opened_at: float = 0.0,
+    resolved: bool = False,
+) -> Incident:
     """An SDC incident on one rank, as the attribution detector would open it."""
     inc = Incident(
-        id=id, run=run, kind="sdc_suspected", severity=Severity.CRITICAL, first_step=100, last_step=120,
+        id=id,
+        run=run,
+        kind="sdc_suspected",
+        severity=Severity.CRITICAL,
+        first_step=100,
+        last_step=120,
         message=f"loss spike, SDC suspected on rank {rank} (host {host}), layer 1 attention",
-        ranks=(rank,), hosts=(host,), metric="attn_entropy", layer=1, score=9.5,
-        evidence={"robust_z": 12.25, "steps": [100, 110, 120]}, detector="attribution", peak_step=110,
+        ranks=(rank,),
+        hosts=(host,),
+        metric="attn_entropy",
+        layer=1,
+        score=9.5,
+        evidence={"robust_z": 12.25, "steps": [100, 110, 120]},
+        detector="attribution",
+        peak_step=110,
         opened_at=opened_at,
     )
     if resolved:
@@ -50,10 +84,23 @@ def sdc_incident(run: str = "r1", *, rank: int = 5, host: str = "h2", id: str = 
 
 def nonfinite_incident(run: str = "r1", *, rank: int = 2, opened_at: float = 0.0) -> Incident:
     """An open non-finite incident, as the non-finite detector opens it."""
-    return Incident(id=f"{run}:nonfinite:110", run=run, kind="nonfinite", severity=Severity.CRITICAL,
-                    first_step=110, last_step=110, message=f"NaN on rank {rank}", ranks=(rank,),
-                    hosts=(f"h{rank // 2}",), metric="attn_entropy", layer=1, score=float("inf"),
-                    detector="nonfinite", peak_step=110, opened_at=opened_at)
+    return Incident(
+        id=f"{run}:nonfinite:110",
+        run=run,
+        kind="nonfinite",
+        severity=Severity.CRITICAL,
+        first_step=110,
+        last_step=110,
+        message=f"NaN on rank {rank}",
+        ranks=(rank,),
+        hosts=(f"h{rank // 2}",),
+        metric="attn_entropy",
+        layer=1,
+        score=float("inf"),
+        detector="nonfinite",
+        peak_step=110,
+        opened_at=opened_at,
+    )
 
 
 def small_view(world: int = 8, layers: int = 2) -> ServiceView:
@@ -62,20 +109,38 @@ def small_view(world: int = 8, layers: int = 2) -> ServiceView:
     scores[5] = 9.5
     scores[2] = 1.0
     run = RunView(
-        run="r1", world=world, last_step=120, last_step_wall=1000.0, loss=2.5, grad_norm=1.25,
-        spike_scores={"loss": 7.5, "grad_norm": 0.5}, rank_scores=scores,
+        run="r1",
+        world=world,
+        last_step=120,
+        last_step_wall=1000.0,
+        loss=2.5,
+        grad_norm=1.25,
+        spike_scores={"loss": 7.5, "grad_norm": 0.5},
+        rank_scores=scores,
         hosts=[f"h{r // 2}" for r in range(world)],
         scalar_stats={"loss": np.array([2.0, 2.25, 2.5, 2.75, 3.0])},
         layer_stats={"attn_entropy": np.arange(layers * 5, dtype=float).reshape(layers, 5)},
-        steps_total=120, late_ranks=1, missing_ranks=0, emitter_dropped=3,
+        steps_total=120,
+        late_ranks=1,
+        missing_ranks=0,
+        emitter_dropped=3,
     )
     return ServiceView(
         runs=[run],
-        pipeline=PipelineView(records_total=960, records_per_second=8.0, duplicates_total=1,
-                              dead_letters_total=2, consumer_lag=4, last_record_wall=999.0,
-                              late_records_total=3, incomplete_steps_total=5,
-                              dead_letter_reasons={"malformed": 1, "world": 1}, consumer_partitions=4,
-                              runs_total=1, runs_evicted_total={"finished": 3, "idle": 1}),
+        pipeline=PipelineView(
+            records_total=960,
+            records_per_second=8.0,
+            duplicates_total=1,
+            dead_letters_total=2,
+            consumer_lag=4,
+            last_record_wall=999.0,
+            late_records_total=3,
+            incomplete_steps_total=5,
+            dead_letter_reasons={"malformed": 1, "world": 1},
+            consumer_partitions=4,
+            runs_total=1,
+            runs_evicted_total={"finished": 3, "idle": 1},
+        ),
         incidents=[sdc_incident(opened_at=990.0)],
         incidents_total={("sdc_suspected", "critical"): 1, ("loss_spike", "warning"): 2},
         findings_total={("rank_outlier", "rank_outlier"): 7, ("guard", "guard_skip"): 1},
@@ -87,26 +152,59 @@ def large_view(world: int, layers: int = 80, seed: int = 0, incidents: int = 3) 
     rng = np.random.default_rng(seed)
     stats = np.sort(rng.normal(size=(5,)))
     run = RunView(
-        run="big", world=world, last_step=5000, last_step_wall=time.time(), loss=2.0, grad_norm=1.0,
-        spike_scores={"loss": 0.3, "grad_norm": 0.2}, rank_scores=rng.exponential(size=world),
+        run="big",
+        world=world,
+        last_step=5000,
+        last_step_wall=time.time(),
+        loss=2.0,
+        grad_norm=1.0,
+        spike_scores={"loss": 0.3, "grad_norm": 0.2},
+        rank_scores=rng.exponential(size=world),
         hosts=[f"node{r // 8:05d}" for r in range(world)],
         scalar_stats={name: stats.copy() for name in SCALARS},
         layer_stats={name: np.sort(rng.normal(size=(layers, 5)), axis=1) for name in LAYER_METRICS},
-        steps_total=5000, late_ranks=3, missing_ranks=1, emitter_dropped=0,
+        steps_total=5000,
+        late_ranks=3,
+        missing_ranks=1,
+        emitter_dropped=0,
     )
-    incs = [sdc_incident("big", rank=int(r), host=f"node{int(r) // 8:05d}", id=f"inc-{i}")
-            for i, r in enumerate(rng.choice(world, size=incidents, replace=False))]
+    incs = [
+        sdc_incident("big", rank=int(r), host=f"node{int(r) // 8:05d}", id=f"inc-{i}")
+        for i, r in enumerate(rng.choice(world, size=incidents, replace=False))
+    ]
     # an incident naming every rank must not create a series per rank
-    incs.append(Incident(id="inc-all", run="big", kind="optimisation_instability", severity=Severity.WARNING,
-                         first_step=4990, last_step=5000, message="all ranks alike", ranks=tuple(range(world))))
-    kinds = ["nonfinite", "loss_spike", "grad_spike", "rank_outlier", "replica_divergence", "straggler",
-             "missing_rank", "sdc_suspected", "optimisation_instability", "silent_drift"]
+    incs.append(
+        Incident(
+            id="inc-all",
+            run="big",
+            kind="optimisation_instability",
+            severity=Severity.WARNING,
+            first_step=4990,
+            last_step=5000,
+            message="all ranks alike",
+            ranks=tuple(range(world)),
+        )
+    )
+    kinds = [
+        "nonfinite",
+        "loss_spike",
+        "grad_spike",
+        "rank_outlier",
+        "replica_divergence",
+        "straggler",
+        "missing_rank",
+        "sdc_suspected",
+        "optimisation_instability",
+        "silent_drift",
+    ]
     return ServiceView(
-        runs=[run], pipeline=PipelineView(records_total=10**9, records_per_second=16384.0),
+        runs=[run],
+        pipeline=PipelineView(records_total=10**9, records_per_second=16384.0),
         incidents=incs,
         incidents_total={(k, s): 1 for k in kinds for s in ("info", "warning", "critical")},
-        findings_total={(d, k): 1 for d in ("nonfinite", "spike", "rank_outlier", "replica", "attribution")
-                        for k in kinds},
+        findings_total={
+            (d, k): 1 for d in ("nonfinite", "spike", "rank_outlier", "replica", "attribution") for k in kinds
+        },
     )
 
 
@@ -130,21 +228,40 @@ class TroubledService:
         stats["nonfinite"] = np.array([0.0, 0.0, 0.0, 0.0, 3.0])
         layer = np.tile(np.array([0.5, 1.0, 1.5, 2.0, 2.5]), (self.layers, 1))
         run = RunView(
-            run="r1", world=self.world, last_step=120 + n, last_step_wall=self.started - 900.0,
-            loss=2.5 + 0.01 * n, grad_norm=1.25, spike_scores={"loss": 9.0, "grad_norm": 3.0},
-            rank_scores=scores, hosts=[f"h{r // 2}" for r in range(self.world)],
-            scalar_stats=stats, layer_stats={name: layer.copy() for name in LAYER_METRICS},
-            steps_total=120 + n, late_ranks=1, missing_ranks=2, emitter_dropped=4 * n,
+            run="r1",
+            world=self.world,
+            last_step=120 + n,
+            last_step_wall=self.started - 900.0,
+            loss=2.5 + 0.01 * n,
+            grad_norm=1.25,
+            spike_scores={"loss": 9.0, "grad_norm": 3.0},
+            rank_scores=scores,
+            hosts=[f"h{r // 2}" for r in range(self.world)],
+            scalar_stats=stats,
+            layer_stats={name: layer.copy() for name in LAYER_METRICS},
+            steps_total=120 + n,
+            late_ranks=1,
+            missing_ranks=2,
+            emitter_dropped=4 * n,
         )
         return ServiceView(
             runs=[run],
-            pipeline=PipelineView(records_total=1000 * n, records_per_second=1000.0, duplicates_total=n,
-                                  dead_letters_total=2 * n, consumer_lag=500_000,
-                                  last_record_wall=time.time(), consumer_partitions=0,
-                                  dead_letter_reasons={"world": n}),
+            pipeline=PipelineView(
+                records_total=1000 * n,
+                records_per_second=1000.0,
+                duplicates_total=n,
+                dead_letters_total=2 * n,
+                consumer_lag=500_000,
+                last_record_wall=time.time(),
+                consumer_partitions=0,
+                dead_letter_reasons={"world": n},
+            ),
             incidents=[sdc_incident(opened_at=self.started), nonfinite_incident(opened_at=self.started)],
-            incidents_total={("sdc_suspected", "critical"): 1, ("nonfinite", "critical"): 1,
-                             ("loss_spike", "warning"): 1 + n},
+            incidents_total={
+                ("sdc_suspected", "critical"): 1,
+                ("nonfinite", "critical"): 1,
+                ("loss_spike", "warning"): 1 + n,
+            },
             findings_total={("attribution", "sdc_suspected"): n, ("guard", "guard_skip"): n},
         )
 
@@ -199,7 +316,6 @@ def rule_expressions() -> list[tuple[str, str]]:
 
     rules = yaml.safe_load((DASHBOARDS / "rules" / "sdcwatch.rules.yml").read_text())
     return [(rule["alert"], rule["expr"]) for group in rules["groups"] for rule in group["rules"]]
-
 
 
 # -- real servers -----------------------------------------------------------------------------
@@ -295,9 +411,18 @@ def _start_prometheus(workdir: Path, scrape_target: str, rule_files: list[Path],
     cfg = workdir / "prometheus.yml"
     cfg.write_text(json.dumps(config))  # JSON is YAML
     base = f"http://127.0.0.1:{port}"
-    return Server([binary, f"--config.file={cfg}", f"--storage.tsdb.path={workdir / 'data'}",
-                   f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],
-                  f"{base}/-/ready", base, workdir / "prometheus.log")
+    return Server(
+        [
+            binary,
+            f"--config.file={cfg}",
+            f"--storage.tsdb.path={workdir / 'data'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+            "--log.level=warn",
+        ],
+        f"{base}/-/ready",
+        base,
+        workdir / "prometheus.log",
+    )
 
 
 def start_alertmanager(workdir: Path, webhook_url: str) -> Server:
@@ -309,16 +434,31 @@ def _start_alertmanager(workdir: Path, webhook_url: str, port: int) -> Server:
     binary = require_binary("prometheus-alertmanager")
     workdir.mkdir(parents=True, exist_ok=True)
     config = {
-        "route": {"receiver": "test", "group_by": ["alertname", "run", "incident"], "group_wait": "0s",
-                  "group_interval": "1s", "repeat_interval": "1h"},
+        "route": {
+            "receiver": "test",
+            "group_by": ["alertname", "run", "incident"],
+            "group_wait": "0s",
+            "group_interval": "1s",
+            "repeat_interval": "1h",
+        },
         "receivers": [{"name": "test", "webhook_configs": [{"url": webhook_url, "send_resolved": True}]}],
     }
     cfg = workdir / "alertmanager.yml"
     cfg.write_text(json.dumps(config))
     base = f"http://127.0.0.1:{port}"
-    return Server([binary, f"--config.file={cfg}", f"--storage.path={workdir / 'data'}",
-                   f"--web.listen-address=127.0.0.1:{port}", "--cluster.listen-address=", "--log.level=warn"],
-                  f"{base}/-/ready", base, workdir / "alertmanager.log")
+    return Server(
+        [
+            binary,
+            f"--config.file={cfg}",
+            f"--storage.path={workdir / 'data'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+            "--cluster.listen-address=",
+            "--log.level=warn",
+        ],
+        f"{base}/-/ready",
+        base,
+        workdir / "alertmanager.log",
+    )
 
 
 def prom_query(base: str, expr: str, at: float | None = None) -> list[dict]:

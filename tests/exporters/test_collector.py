@@ -199,7 +199,7 @@ def test_resolved_incidents_are_listed_but_not_counted_open():
     text = render(lambda: view)
     assert 'state="resolved"' in text
     assert 'sdcwatch_incidents_open{kind="sdc_suspected",run="r1",severity="critical"} 0.0' in text
-    assert "sdcwatch_rank_outlier_score{host=\"h2\",rank=\"5\"" not in render(lambda: view, top_k=0)
+    assert 'sdcwatch_rank_outlier_score{host="h2",rank="5"' not in render(lambda: view, top_k=0)
 
 
 @pytest.mark.parametrize("world", [8, 1024, 16_384])
@@ -264,12 +264,15 @@ def test_layer_metric_filter_and_stats_choice():
     assert all('metric="attn_entropy"' in s and 'stat="median"' in s for s in layer_series)
 
 
-@pytest.mark.parametrize("options,key", [
-    ({"top_k": -1}, "exporter.top_k"),
-    ({"top_k": 2.5}, "exporter.top_k"),
-    ({"layer_stats": ["p99"]}, "exporter.layer_stats"),
-    ({"scalar_stats": "median"}, "exporter.scalar_stats"),
-])
+@pytest.mark.parametrize(
+    "options,key",
+    [
+        ({"top_k": -1}, "exporter.top_k"),
+        ({"top_k": 2.5}, "exporter.top_k"),
+        ({"layer_stats": ["p99"]}, "exporter.layer_stats"),
+        ({"scalar_stats": "median"}, "exporter.scalar_stats"),
+    ],
+)
 def test_bad_settings_are_rejected_naming_the_key(options, key):
     with pytest.raises(ConfigError) as err:
         SdcwatchCollector(support.small_view, **options)
@@ -302,10 +305,18 @@ def test_collector_renders_a_real_detection_pipeline_view():
         records = []
         for rank in range(world):
             grad = 1.0 + 0.05 * rng.normal() + (2.0 if rank == 5 and step >= 100 else 0.0)
-            records.append(Record.make(
-                run="ref", step=step, rank=rank, world=world, host=f"node{rank // 4}", time=float(step),
-                scalars={"loss": 3.0 + 0.01 * rng.normal(), "grad_norm_local": grad, "nonfinite": 0.0},
-                layers={"attn_entropy": (2.0 + 0.02 * rng.normal(size=layers)).tolist()}))
+            records.append(
+                Record.make(
+                    run="ref",
+                    step=step,
+                    rank=rank,
+                    world=world,
+                    host=f"node{rank // 4}",
+                    time=float(step),
+                    scalars={"loss": 3.0 + 0.01 * rng.normal(), "grad_norm_local": grad, "nonfinite": 0.0},
+                    layers={"attn_entropy": (2.0 + 0.02 * rng.normal(size=layers)).tolist()},
+                )
+            )
         pipeline.process(records)
     pipeline.flush()
     view = pipeline.view()
@@ -321,8 +332,9 @@ def test_collector_renders_a_real_detection_pipeline_view():
     assert len(families["sdcwatch_layer_metric"].samples) == 3 * layers  # min, median, max
     assert families["sdcwatch_training_world_size"].samples[0].value == world
     if shutil.which("promtool"):
-        result = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True,
-                                timeout=30)
+        result = subprocess.run(
+            ["promtool", "check", "metrics"], input=text, capture_output=True, text=True, timeout=30
+        )
         assert result.returncode == 0 and not result.stdout.strip(), result.stdout + result.stderr
 
 
@@ -338,8 +350,13 @@ def test_layers_past_max_layers_keep_the_incident_layer_and_the_widest_spread():
     assert layers == [1, 200, 250]
     assert 'sdcwatch_exporter_omitted{what="layers"} 297.0' in text
     assert render(lambda: view, top_k=2, max_layers=300).count("sdcwatch_layer_metric{") == 900
+
+
 def test_guard_actions_are_counted_by_action_from_the_guard_findings():
     view = support.small_view()
     view.findings_total = {("guard", "guard_skip"): 3, ("guard", "guard_evict"): 1, ("spike", "loss_spike"): 2}
     lines = [ln for ln in series(render(lambda: view)) if ln.startswith("sdcwatch_guard_actions_total")]
-    assert lines == ['sdcwatch_guard_actions_total{action="evict"} 1.0', 'sdcwatch_guard_actions_total{action="skip"} 3.0']
+    assert lines == [
+        'sdcwatch_guard_actions_total{action="evict"} 1.0',
+        'sdcwatch_guard_actions_total{action="skip"} 3.0',
+    ]

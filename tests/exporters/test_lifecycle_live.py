@@ -24,8 +24,9 @@ def stall_rules(tmp_path):
     text = (support.DASHBOARDS / "rules" / "sdcwatch.rules.yml").read_text()
     head, stall = text.split("- alert: SdcwatchPipelineStalled", 1)
     assert "sdcwatch_pipeline_last_step_age_seconds) > 600" in stall and "for: 1m" in stall
-    stall = stall.replace("sdcwatch_pipeline_last_step_age_seconds) > 600",
-                          f"sdcwatch_pipeline_last_step_age_seconds) > {STALL_AFTER}", 1)
+    stall = stall.replace(
+        "sdcwatch_pipeline_last_step_age_seconds) > 600", f"sdcwatch_pipeline_last_step_age_seconds) > {STALL_AFTER}", 1
+    )
     stall = stall.replace("for: 1m", "for: 0s", 1)
     path = tmp_path / "sdcwatch.rules.yml"
     path.write_text(head + "- alert: SdcwatchPipelineStalled" + stall)
@@ -53,8 +54,9 @@ def emit_run(bootstrap, topic, run, *, world=2, steps=30, nan_step=20, nan_rank=
     from sdcwatch.telemetry import Emitter, KafkaTransport
 
     rng = np.random.default_rng(len(run))
-    emitters = [Emitter(KafkaTransport(bootstrap, topic), run=run, rank=r, world=world, host=f"h{r}")
-                for r in range(world)]
+    emitters = [
+        Emitter(KafkaTransport(bootstrap, topic), run=run, rank=r, world=world, host=f"h{r}") for r in range(world)
+    ]
     for step in range(steps):
         for r, em in enumerate(emitters):
             loss = float("nan") if (step, r) == (nan_step, nan_rank) else 2.0 + 0.01 * rng.normal()
@@ -65,18 +67,43 @@ def emit_run(bootstrap, topic, run, *, world=2, steps=30, nan_step=20, nan_rank=
 
 
 def test_finished_run_resolves_in_alertmanager_and_never_stalls_while_a_silent_run_stalls_and_ages_out(
-        bootstrap, alertmanager, tmp_path):
+    bootstrap, alertmanager, tmp_path
+):
     tag = uuid.uuid4().hex[:8]
     ended, silent = f"ended-{tag}", f"silent-{tag}"
     topic = f"tel.{tag}"
     port = support.free_port()
     serve = subprocess.Popen(
-        [sys.executable, "-m", "sdcwatch.cli", "serve", "--bus-bootstrap", bootstrap, "--bus-telemetry-topic", topic,
-         "--bus-anomalies-topic", f"anom.{tag}", "--bus-deadletter-topic", f"dead.{tag}", "--bus-group", f"g-{tag}",
-         "--metrics-port", str(port), "--state-dir", str(tmp_path / "state"), "--no-alerts-log",
-         "--alerts-alertmanager-url", alertmanager.base_url,
-         "--detectors-run-end-expiry-s", str(END_EXPIRY), "--detectors-run-idle-expiry-s", str(IDLE_EXPIRY)],
-        stderr=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-m",
+            "sdcwatch.cli",
+            "serve",
+            "--bus-bootstrap",
+            bootstrap,
+            "--bus-telemetry-topic",
+            topic,
+            "--bus-anomalies-topic",
+            f"anom.{tag}",
+            "--bus-deadletter-topic",
+            f"dead.{tag}",
+            "--bus-group",
+            f"g-{tag}",
+            "--metrics-port",
+            str(port),
+            "--state-dir",
+            str(tmp_path / "state"),
+            "--no-alerts-log",
+            "--alerts-alertmanager-url",
+            alertmanager.base_url,
+            "--detectors-run-end-expiry-s",
+            str(END_EXPIRY),
+            "--detectors-run-idle-expiry-s",
+            str(IDLE_EXPIRY),
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     prometheus = None
     try:
         assert serve.stderr.readline().startswith("sdcwatch serve: consuming")
@@ -85,8 +112,11 @@ def test_finished_run_resolves_in_alertmanager_and_never_stalls_while_a_silent_r
         ended_emitters = emit_run(bootstrap, topic, ended)
         silent_emitters = emit_run(bootstrap, topic, silent)
         for run in (ended, silent):  # the service pushes each run's non-finite incident
-            support.wait_for(lambda run=run: am_alerts(alertmanager.base_url, alertname="SdcwatchNonfinite", run=run),
-                             timeout=60, what=f"the non-finite alert of {run} in Alertmanager")
+            support.wait_for(
+                lambda run=run: am_alerts(alertmanager.base_url, alertname="SdcwatchNonfinite", run=run),
+                timeout=60,
+                what=f"the non-finite alert of {run} in Alertmanager",
+            )
 
         for em in ended_emitters:  # a normal end: every rank sends its end-of-run marker
             em.close()
@@ -96,12 +126,20 @@ def test_finished_run_resolves_in_alertmanager_and_never_stalls_while_a_silent_r
             assert not em.ended
 
         # the finished run's incident is resolved in Alertmanager; the silent run's stays open
-        support.wait_for(lambda: not am_alerts(alertmanager.base_url, alertname="SdcwatchNonfinite", run=ended),
-                         timeout=30, what="the finished run's alert to be resolved")
+        support.wait_for(
+            lambda: not am_alerts(alertmanager.base_url, alertname="SdcwatchNonfinite", run=ended),
+            timeout=30,
+            what="the finished run's alert to be resolved",
+        )
 
         def notified(status, run):
-            return [a for body in alertmanager.notifications.snapshot() if body["status"] == status
-                    for a in body["alerts"] if a["labels"].get("run") == run]
+            return [
+                a
+                for body in alertmanager.notifications.snapshot()
+                if body["status"] == status
+                for a in body["alerts"]
+                if a["labels"].get("run") == run
+            ]
 
         support.wait_for(lambda: notified("resolved", ended), timeout=30, what="a resolved notification")
         assert am_alerts(alertmanager.base_url, alertname="SdcwatchNonfinite", run=silent)
@@ -109,29 +147,47 @@ def test_finished_run_resolves_in_alertmanager_and_never_stalls_while_a_silent_r
         assert f'sdcwatch_training_run_finished{{run="{silent}"}} 0.0' in scrape(metrics)
 
         # the silent run stalls; the finished one, whose last step is just as old, does not
-        support.wait_for(lambda: [a for a in prom_alerts(prometheus.base_url, "SdcwatchPipelineStalled", silent)
-                                  if a["state"] == "firing"], timeout=40, what="the silent run's stall alert")
-        assert support.prom_query(prometheus.base_url,
-                                  f'sdcwatch_pipeline_last_step_age_seconds{{run="{ended}"}} > {STALL_AFTER}')
+        support.wait_for(
+            lambda: [
+                a for a in prom_alerts(prometheus.base_url, "SdcwatchPipelineStalled", silent) if a["state"] == "firing"
+            ],
+            timeout=40,
+            what="the silent run's stall alert",
+        )
+        assert support.prom_query(
+            prometheus.base_url, f'sdcwatch_pipeline_last_step_age_seconds{{run="{ended}"}} > {STALL_AFTER}'
+        )
         assert prom_alerts(prometheus.base_url, "SdcwatchPipelineStalled", ended) == []
         # the non-finite rule follows sdcwatch's incidents: the finished run's is resolved
-        support.wait_for(lambda: prom_alerts(prometheus.base_url, "SdcwatchNonFiniteValues", silent), timeout=20,
-                         what="the silent run's non-finite rule alert")
+        support.wait_for(
+            lambda: prom_alerts(prometheus.base_url, "SdcwatchNonFiniteValues", silent),
+            timeout=20,
+            what="the silent run's non-finite rule alert",
+        )
         assert prom_alerts(prometheus.base_url, "SdcwatchNonFiniteValues", ended) == []
 
         # the end expiry drops the finished run's series; the silent one is still shown
-        support.wait_for(lambda: f'run="{ended}"' not in scrape(metrics), timeout=END_EXPIRY + 20,
-                         what="the finished run's series to go")
+        support.wait_for(
+            lambda: f'run="{ended}"' not in scrape(metrics),
+            timeout=END_EXPIRY + 20,
+            what="the finished run's series to go",
+        )
         text = scrape(metrics)
         assert f'run="{silent}"' in text
         assert 'sdcwatch_pipeline_runs_evicted_total{reason="finished"} 1.0' in text
 
         # the idle expiry evicts the silent run and resolves its incident in Alertmanager
-        support.wait_for(lambda: f'run="{silent}"' not in scrape(metrics), timeout=IDLE_EXPIRY + 20,
-                         what="the idle run's series to go")
+        support.wait_for(
+            lambda: f'run="{silent}"' not in scrape(metrics),
+            timeout=IDLE_EXPIRY + 20,
+            what="the idle run's series to go",
+        )
         assert 'sdcwatch_pipeline_runs_evicted_total{reason="idle"} 1.0' in scrape(metrics)
-        support.wait_for(lambda: not am_alerts(alertmanager.base_url, alertname="SdcwatchNonfinite", run=silent),
-                         timeout=30, what="the idle run's alert to be resolved")
+        support.wait_for(
+            lambda: not am_alerts(alertmanager.base_url, alertname="SdcwatchNonfinite", run=silent),
+            timeout=30,
+            what="the idle run's alert to be resolved",
+        )
         assert serve.poll() is None  # the service is still up
     finally:
         if prometheus is not None:

@@ -25,21 +25,26 @@ def test_alertmanager_receives_the_incident_alert_then_its_resolution(alertmanag
     now = time.time()
     incident = support.sdc_incident(id=f"live-{int(now * 1000)}", rank=5, host="h2", opened_at=now)
     # refresh 30 s: open alerts stay valid for 120 s, so a disappearance below is the endsAt we sent
-    sink = AlertmanagerSink(alertmanager.base_url, refresh_interval=30.0,
-                            backoff=Backoff(initial=0.1, maximum=0.5))
+    sink = AlertmanagerSink(alertmanager.base_url, refresh_interval=30.0, backoff=Backoff(initial=0.1, maximum=0.5))
     try:
         sink.publish(IncidentEvent("opened", incident))
         assert sink.flush(10)
-        (alert,) = support.wait_for(lambda: am_alerts(alertmanager.base_url, incident=incident.id),
-                                    timeout=10, what="the alert in Alertmanager")
+        (alert,) = support.wait_for(
+            lambda: am_alerts(alertmanager.base_url, incident=incident.id), timeout=10, what="the alert in Alertmanager"
+        )
         assert alert["labels"]["rank"] == "5" and alert["labels"]["host"] == "h2"
         assert alert["labels"]["alertname"] == "SdcwatchSdcSuspected"
         assert alert["labels"]["severity"] == "critical" and alert["status"]["state"] == "active"
         assert "SDC suspected on rank 5" in alert["annotations"]["summary"]
 
         def notified(status):
-            return [a for body in alertmanager.notifications.snapshot() if body["status"] == status
-                    for a in body["alerts"] if a["labels"].get("incident") == incident.id]
+            return [
+                a
+                for body in alertmanager.notifications.snapshot()
+                if body["status"] == status
+                for a in body["alerts"]
+                if a["labels"].get("incident") == incident.id
+            ]
 
         firing = support.wait_for(lambda: notified("firing"), timeout=10, what="a firing notification")
         assert firing[0]["labels"]["rank"] == "5"
@@ -48,8 +53,11 @@ def test_alertmanager_receives_the_incident_alert_then_its_resolution(alertmanag
         incident.resolved_at = time.time()
         sink.publish(IncidentEvent("resolved", incident))
         assert sink.flush(10)
-        support.wait_for(lambda: not am_alerts(alertmanager.base_url, incident=incident.id), timeout=10,
-                         what="the alert to leave the active list")
+        support.wait_for(
+            lambda: not am_alerts(alertmanager.base_url, incident=incident.id),
+            timeout=10,
+            what="the alert to leave the active list",
+        )
         resolved = support.wait_for(lambda: notified("resolved"), timeout=15, what="a resolved notification")
         assert resolved[0]["labels"]["rank"] == "5" and resolved[0]["status"] == "resolved"
     finally:

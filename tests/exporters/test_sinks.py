@@ -18,7 +18,6 @@ from sdcwatch.exporters import AlertmanagerSink, Backoff, DeliveryError, LogSink
 from sdcwatch.exporters.logsink import format_logfmt
 
 
-
 def fast_backoff() -> Backoff:
     return Backoff(initial=0.01, maximum=0.05)
 
@@ -66,17 +65,26 @@ def resolved(**kw) -> IncidentEvent:
 
 def test_alert_carries_the_labels_and_annotations_operators_route_on():
     post = FakePost()
-    with AlertmanagerSink("http://am:9093/", post=post, clock=lambda: 2000.0, refresh_interval=60,
-                          extra_labels={"cluster": "c1"}) as sink:
+    with AlertmanagerSink(
+        "http://am:9093/", post=post, clock=lambda: 2000.0, refresh_interval=60, extra_labels={"cluster": "c1"}
+    ) as sink:
         sink.publish(opened())
         assert sink.flush(5)
-    (url, body), = post.calls
+    ((url, body),) = post.calls
     assert url == "http://am:9093/api/v2/alerts"
     (alert,) = body
     assert alert["labels"] == {
-        "alertname": "SdcwatchSdcSuspected", "run": "r1", "severity": "critical", "kind": "sdc_suspected",
-        "incident": "inc-sdc-1", "rank": "5", "host": "h2", "layer": "1", "metric": "attn_entropy",
-        "source": "sdcwatch", "cluster": "c1",
+        "alertname": "SdcwatchSdcSuspected",
+        "run": "r1",
+        "severity": "critical",
+        "kind": "sdc_suspected",
+        "incident": "inc-sdc-1",
+        "rank": "5",
+        "host": "h2",
+        "layer": "1",
+        "metric": "attn_entropy",
+        "source": "sdcwatch",
+        "cluster": "c1",
     }
     assert alert["annotations"]["summary"].startswith("loss spike, SDC suspected on rank 5")
     assert "rank 5" in alert["annotations"]["description"] and "layer 1" in alert["annotations"]["description"]
@@ -170,13 +178,16 @@ def test_queue_overflow_drops_the_oldest_events_and_counts_them():
     assert 30 <= sink.dropped <= 40  # the worker may have taken one batch before blocking
 
 
-@pytest.mark.parametrize("kwargs,key", [
-    ({"url": "am:9093"}, "alertmanager.url"),
-    ({"url": "http://am", "refresh_interval": 0}, "alertmanager.refresh_interval"),
-    ({"url": "http://am", "timeout": -1}, "alertmanager.timeout"),
-    ({"url": "http://am", "extra_labels": {"bad-name": "x"}}, "alertmanager.extra_labels"),
-    ({"url": "http://am", "max_queue": 0}, "sink.max_queue"),
-])
+@pytest.mark.parametrize(
+    "kwargs,key",
+    [
+        ({"url": "am:9093"}, "alertmanager.url"),
+        ({"url": "http://am", "refresh_interval": 0}, "alertmanager.refresh_interval"),
+        ({"url": "http://am", "timeout": -1}, "alertmanager.timeout"),
+        ({"url": "http://am", "extra_labels": {"bad-name": "x"}}, "alertmanager.extra_labels"),
+        ({"url": "http://am", "max_queue": 0}, "sink.max_queue"),
+    ],
+)
 def test_bad_alertmanager_settings_name_the_key(kwargs, key):
     with pytest.raises(ConfigError) as err:
         AlertmanagerSink(**kwargs)

@@ -112,7 +112,7 @@ def test_model_hooks_check_every_linear_and_the_attention_product():
     steps = _train(model, 4, checks)
     linears = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
     assert checks.names[: len(linears)] == linears
-    assert set(checks.names[len(linears):]) == {"blocks.0.attn.mix", "blocks.1.attn.mix"}
+    assert set(checks.names[len(linears) :]) == {"blocks.0.attn.mix", "blocks.1.attn.mix"}
     for s, got in enumerate(steps):
         assert set(got) == set(GEMM_METRICS)
         assert all(v.shape == (len(checks.names),) for v in got.values())
@@ -120,8 +120,9 @@ def test_model_hooks_check_every_linear_and_the_attention_product():
         assert float(got["gemm_weight"].max()) == 0.0  # the sealed sums match bit for bit
         assert float(got["gemm_in"].min()) > 0
     # every check ran (a residual can be exactly 0): each left its bound
-    assert {n for kind, n in checks.bounds if kind == "gemm_bwd"} == {f"{n}.{p}" for n in linears for p in ("weight", "bias")
-                                                                     if getattr(model.get_submodule(n), p) is not None}
+    assert {n for kind, n in checks.bounds if kind == "gemm_bwd"} == {
+        f"{n}.{p}" for n in linears for p in ("weight", "bias") if getattr(model.get_submodule(n), p) is not None
+    }
     assert {n for kind, n in checks.bounds if kind == "gemm_fwd"} == set(checks.names)
 
 
@@ -191,7 +192,9 @@ def test_peak_skips_masked_slots_and_keeps_nan_and_inf():
     assert float(peak(t)) == 0.0
     t[2, 0] = 5e11
     assert float(peak(t)) == float(torch.tensor(5e11))
-    assert float(peak(torch.tensor([0.5, -3e12]))) == float(torch.tensor(3e12))  # without a mask a negative extreme counts too
+    assert float(peak(torch.tensor([0.5, -3e12]))) == float(
+        torch.tensor(3e12)
+    )  # without a mask a negative extreme counts too
     t[1, 0] = float("nan")
     assert math.isnan(float(peak(t)))
     assert float(peak(torch.tensor([1.0, float("inf")]))) == math.inf
@@ -202,7 +205,9 @@ def test_residual_stream_records_block_outputs():
     model = GPT(CFG)
     assert [n for n, _ in repeated_blocks(model)] == ["blocks.0", "blocks.1"]
     stream = ResidualStream(model, n_attention=2)
-    handle = model.blocks[0].attn.register_forward_hook(lambda m, a, out: out.index_put((torch.tensor([0]),), torch.tensor(1e12)))
+    handle = model.blocks[0].attn.register_forward_hook(
+        lambda m, a, out: out.index_put((torch.tensor([0]),), torch.tensor(1e12))
+    )
     model(torch.randint(0, 256, (2, CFG.seq_len)))
     handle.remove()
     got = stream.collect()
@@ -224,7 +229,8 @@ def test_watch_records_sampled_checksums_and_a_near_inf_in_the_residual_stream_e
         handle = None
         if s == 3:  # the fault: 1e12 written into an attention block's output on one step
             handle = model.blocks[1].attn.register_forward_hook(
-                lambda m, a, out: out.index_put((torch.tensor([0]), torch.tensor([3])), torch.tensor(1e12)))
+                lambda m, a, out: out.index_put((torch.tensor([0]), torch.tensor([3])), torch.tensor(1e12))
+            )
         loss = model.loss(torch.randint(0, 256, (2, CFG.seq_len + 1), generator=g))
         opt.zero_grad()
         loss.backward()

@@ -36,24 +36,47 @@ def records(draw):
     fps = draw(st.dictionaries(names, st.integers(0, (1 << 64) - 1), max_size=3))
     layers = draw(st.dictionaries(names, st.lists(f32, max_size=5).map(tuple), max_size=3))
     world = draw(st.integers(1, 1 << 20))
-    return Record(draw(st.text(min_size=1, max_size=8)),
-                  draw(st.integers(0, (1 << 63) - 1)), draw(st.integers(0, world - 1)), world,
-                  draw(st.text(max_size=8).filter(lambda s: "\n" not in s)), draw(st.floats(allow_nan=False,
-                                                                                            allow_infinity=False)),
-                  draw(st.integers(0, 1 << 16)), scalars, fps, layers)
+    return Record(
+        draw(st.text(min_size=1, max_size=8)),
+        draw(st.integers(0, (1 << 63) - 1)),
+        draw(st.integers(0, world - 1)),
+        world,
+        draw(st.text(max_size=8).filter(lambda s: "\n" not in s)),
+        draw(st.floats(allow_nan=False, allow_infinity=False)),
+        draw(st.integers(0, 1 << 16)),
+        scalars,
+        fps,
+        layers,
+    )
 
 
 def pack(rec: Record) -> PackedRecord:
-    return PackedRecord.pack(rec.run, rec.host, rec.step, rec.rank, rec.world, rec.local_rank, rec.time,
-                             rec.scalars, rec.fingerprints, rec.layers)
+    return PackedRecord.pack(
+        rec.run,
+        rec.host,
+        rec.step,
+        rec.rank,
+        rec.world,
+        rec.local_rank,
+        rec.time,
+        rec.scalars,
+        rec.fingerprints,
+        rec.layers,
+    )
 
 
 def same(a: Record, b: Record) -> bool:
     """Equal, NaN equal to NaN."""
     eq = lambda x, y: x == y or (isinstance(x, float) and math.isnan(x) and math.isnan(y))  # noqa: E731
     return (a.key, a.world, a.host, a.time, a.local_rank, a.fingerprints, a.layers) == (
-        b.key, b.world, b.host, b.time, b.local_rank, b.fingerprints, b.layers) and (
-        list(a.scalars) == list(b.scalars) and all(eq(a.scalars[k], b.scalars[k]) for k in a.scalars))
+        b.key,
+        b.world,
+        b.host,
+        b.time,
+        b.local_rank,
+        b.fingerprints,
+        b.layers,
+    ) and (list(a.scalars) == list(b.scalars) and all(eq(a.scalars[k], b.scalars[k]) for k in a.scalars))
 
 
 @settings(max_examples=200, deadline=None)
@@ -135,7 +158,14 @@ def test_emitter_sends_v2_by_default_and_v1_on_request():
         assert [r.step for r in recs] == list(range(20)) + list(range(100, 120))
         r = recs[7]
         assert (r.run, r.rank, r.world, r.host, r.scalars, r.layers, r.fingerprints) == (
-            "r", 1, 2, "h", {"loss": 3.5, "emitter_dropped": 0.0}, {"attn_entropy": (1.0, 2.5)}, {"grad_fp": 7})
+            "r",
+            1,
+            2,
+            "h",
+            {"loss": 3.5, "emitter_dropped": 0.0},
+            {"attn_entropy": (1.0, 2.5)},
+            {"grad_fp": 7},
+        )
     assert Emitter(MemoryTransport(MemoryBus()), env={"SDCWATCH_WIRE": "v1"}).wire == "v1"
     with pytest.raises(ConfigError) as info:
         Emitter(MemoryTransport(MemoryBus()), wire="v3")
@@ -157,7 +187,9 @@ def test_v2_emitter_counts_bad_records_as_invalid_and_sends_the_rest():
 
 
 def test_the_codec_keeps_the_training_rank_light():
-    code = ("import sys, sdcwatch.telemetry.columnar, sdcwatch.telemetry; "
-            "print([m for m in ('torch', 'kafka', 'scipy', 'river') if m in sys.modules])")
+    code = (
+        "import sys, sdcwatch.telemetry.columnar, sdcwatch.telemetry; "
+        "print([m for m in ('torch', 'kafka', 'scipy', 'river') if m in sys.modules])"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

@@ -18,8 +18,17 @@ from sdcwatch.testbed.simulated import shared_corpus  # noqa: E402
 pytestmark = pytest.mark.integration
 
 WORLD, STEPS, FLIP_RANK, FLIP_STEP = 4, 6, 2, 3
-EXPECTED_SCALARS = {"loss", "loss_global", "grad_norm_local", "grad_norm_global", "grad_cosine", "nonfinite",
-                    "step_time", "lr", "emitter_dropped"}
+EXPECTED_SCALARS = {
+    "loss",
+    "loss_global",
+    "grad_norm_local",
+    "grad_norm_global",
+    "grad_cosine",
+    "nonfinite",
+    "step_time",
+    "lr",
+    "emitter_dropped",
+}
 
 
 @pytest.fixture(scope="module")
@@ -28,10 +37,26 @@ def ddp_records(broker, consume):
         broker.start()
     topic = f"ddp.{uuid.uuid4().hex[:8]}"
     settings = DDPSettings(
-        world=WORLD, steps=STEPS, seed=0, run="ddp-it", bootstrap=broker.bootstrap, topic=topic,
-        probes={"fingerprint_every": 1, "attention_every": 1}, ranks_per_host=2, corpus_bytes=1 << 18,
-        faults=(FaultSpec(kind="bitflip", rank=FLIP_RANK, step=FLIP_STEP, target="blocks.0.attn.qkv",
-                          where="param", bit=12, seed=1),),
+        world=WORLD,
+        steps=STEPS,
+        seed=0,
+        run="ddp-it",
+        bootstrap=broker.bootstrap,
+        topic=topic,
+        probes={"fingerprint_every": 1, "attention_every": 1},
+        ranks_per_host=2,
+        corpus_bytes=1 << 18,
+        faults=(
+            FaultSpec(
+                kind="bitflip",
+                rank=FLIP_RANK,
+                step=FLIP_STEP,
+                target="blocks.0.attn.qkv",
+                where="param",
+                bit=12,
+                seed=1,
+            ),
+        ),
     )
     launch(settings)
     got, src = consume(broker.bootstrap, topic, WORLD * STEPS + WORLD)
@@ -88,8 +113,9 @@ def test_comm_hook_norms_and_cosine_match_brute_force(ddp_records):
     local = []
     for r in range(WORLD):
         model.zero_grad()
-        batch = corpus.batch(seed=settings.seed, step=0, rank=r, batch_size=settings.batch_size,
-                             seq_len=model.cfg.seq_len)
+        batch = corpus.batch(
+            seed=settings.seed, step=0, rank=r, batch_size=settings.batch_size, seq_len=model.cfg.seq_len
+        )
         model.loss(batch).backward()
         local.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
     mean = torch.stack(local).mean(0)
@@ -100,7 +126,8 @@ def test_comm_hook_norms_and_cosine_match_brute_force(ddp_records):
         assert s["grad_norm_global"] == pytest.approx(float(mean.norm()), rel=1e-4)
         assert s["grad_cosine"] == pytest.approx(cos, rel=1e-4)
     assert {round(table[0, r].scalars["loss_global"], 5) for r in range(WORLD)} == {
-        round(sum(table[0, r].scalars["loss"] for r in range(WORLD)) / WORLD, 5)}
+        round(sum(table[0, r].scalars["loss"] for r in range(WORLD)) / WORLD, 5)
+    }
 
 
 @pytest.mark.parametrize("skip", [False, True], ids=["plain", "skip_nonfinite"])
@@ -111,10 +138,19 @@ def test_skip_nonfinite_keeps_every_replica_finite_after_a_nan(tmp_path, skip):
 
     world, steps, nan_step = 2, 5, 2
     settings = DDPSettings(
-        world=world, steps=steps, seed=0, run="ddp-skip", jsonl_dir=str(tmp_path), corpus_bytes=1 << 18,
-        probes={"fingerprint_every": 1}, skip_nonfinite=skip,
-        faults=(FaultSpec(kind="nan", rank=1, step=nan_step, duration=1, target="blocks.0.attn.scores",
-                          where="output", seed=1),),
+        world=world,
+        steps=steps,
+        seed=0,
+        run="ddp-skip",
+        jsonl_dir=str(tmp_path),
+        corpus_bytes=1 << 18,
+        probes={"fingerprint_every": 1},
+        skip_nonfinite=skip,
+        faults=(
+            FaultSpec(
+                kind="nan", rank=1, step=nan_step, duration=1, target="blocks.0.attn.scores", where="output", seed=1
+            ),
+        ),
     )
     launch(settings)
     records = [r for rank in range(world) for r in read_records(tmp_path / f"rank{rank}.jsonl")]
@@ -141,14 +177,27 @@ def test_guard_nan_on_one_rank_is_handled_on_every_rank_and_replicas_agree(tmp_p
 
     world, steps, nan_step = 3, 6, 3
     settings = DDPSettings(
-        world=world, steps=steps, seed=0, run="ddp-guard", jsonl_dir=str(tmp_path), corpus_bytes=1 << 18,
-        probes={"fingerprint_every": 1}, guard={"mode": "act", "on_nonfinite": on_nonfinite},
-        faults=(FaultSpec(kind="nan", rank=1, step=nan_step, duration=1, target="blocks.0.attn.scores",
-                          where="output", seed=1),),
+        world=world,
+        steps=steps,
+        seed=0,
+        run="ddp-guard",
+        jsonl_dir=str(tmp_path),
+        corpus_bytes=1 << 18,
+        probes={"fingerprint_every": 1},
+        guard={"mode": "act", "on_nonfinite": on_nonfinite},
+        faults=(
+            FaultSpec(
+                kind="nan", rank=1, step=nan_step, duration=1, target="blocks.0.attn.scores", where="output", seed=1
+            ),
+        ),
     )
     launch(settings)
-    table = {(r.step, r.rank): r for rank in range(world) for r in read_records(tmp_path / f"rank{rank}.jsonl")
-             if not is_end_marker(r)}
+    table = {
+        (r.step, r.rank): r
+        for rank in range(world)
+        for r in read_records(tmp_path / f"rank{rank}.jsonl")
+        if not is_end_marker(r)
+    }
     assert set(table) == {(s, r) for s in range(steps) for r in range(world)}
     for r in range(world):  # every rank took the same action at the same step, and only there
         acted = [s for s in range(steps) if "guard_action" in table[s, r].scalars]
@@ -165,8 +214,14 @@ def test_guard_evicts_a_rank_whose_fault_persists_with_the_documented_exit_code(
     from torch.multiprocessing import ProcessExitedException
 
     settings = DDPSettings(
-        world=2, steps=30, seed=0, run="ddp-evict", jsonl_dir=str(tmp_path), corpus_bytes=1 << 18,
-        ranks_per_host=1, guard={"mode": "act"},
+        world=2,
+        steps=30,
+        seed=0,
+        run="ddp-evict",
+        jsonl_dir=str(tmp_path),
+        corpus_bytes=1 << 18,
+        ranks_per_host=1,
+        guard={"mode": "act"},
         faults=(FaultSpec(kind="scale", rank=1, step=25, duration=0, target="head", magnitude=30.0, seed=0),),
     )
     with pytest.raises(ProcessExitedException) as info:

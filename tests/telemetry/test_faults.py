@@ -22,8 +22,16 @@ CFG = GPTConfig(seq_len=16, d_model=32, n_layer=2, n_head=4)
 
 def test_jsonl_and_array_give_the_same_specs():
     items = [
-        {"kind": "bitflip", "rank": 3, "step": 10, "duration": 1, "target": "blocks.1.attn.*", "where": "output",
-         "bit": 30, "seed": 7},
+        {
+            "kind": "bitflip",
+            "rank": 3,
+            "step": 10,
+            "duration": 1,
+            "target": "blocks.1.attn.*",
+            "where": "output",
+            "bit": 30,
+            "seed": 7,
+        },
         {"kind": "noise", "rank": None, "step": 0, "duration": 0, "target": "blocks.*.mlp.fc", "magnitude": 0.005},
         {"kind": "lr_spike", "rank": 1, "step": 5, "magnitude": 100.0},
         {"kind": "bad_batch", "rank": 2, "step": 6, "duration": 3},
@@ -137,11 +145,14 @@ def test_bitflip_is_deterministic_for_a_seed_and_moves_with_it():
     assert len({where(s) for s in range(6)}) > 1
 
 
-@pytest.mark.parametrize("kind, check", [
-    ("nan", lambda v: math.isnan(v)),
-    ("inf", lambda v: v == math.inf),
-    ("near_inf", lambda v: v == 1e10),
-])
+@pytest.mark.parametrize(
+    "kind, check",
+    [
+        ("nan", lambda v: math.isnan(v)),
+        ("inf", lambda v: v == math.inf),
+        ("near_inf", lambda v: v == 1e10),
+    ],
+)
 def test_nonfinite_kinds_land_on_one_element_of_the_target_output_at_the_step(kind, check):
     spec = FaultSpec(kind=kind, rank=0, step=2, target="blocks.0.mlp.fc", seed=3)
     m = _model()
@@ -235,17 +246,22 @@ def test_bad_batch_is_garbage_of_the_same_shape_only_when_active():
 def test_param_fault_flips_one_parameter_bit_once():
     m = _model()
     before = [p.detach().clone() for p in m.parameters()]
-    inj = FaultInjector([FaultSpec(kind="bitflip", rank=0, step=2, target="blocks.1.attn.proj", where="param",
-                                   bit=5)], rank=0).attach(m)
+    inj = FaultInjector(
+        [FaultSpec(kind="bitflip", rank=0, step=2, target="blocks.1.attn.proj", where="param", bit=5)], rank=0
+    ).attach(m)
     inj.begin_step(1)
     assert all(torch.equal(a, b) for a, b in zip(before, m.parameters()))
     inj.begin_step(2)
-    diffs = [int((a.view(torch.int32) ^ b.detach().view(torch.int32)).count_nonzero())
-             for a, b in zip(before, m.parameters())]
+    diffs = [
+        int((a.view(torch.int32) ^ b.detach().view(torch.int32)).count_nonzero())
+        for a, b in zip(before, m.parameters())
+    ]
     assert sum(diffs) == 1
     inj.begin_step(3)  # one change, not a toggle every step
-    diffs = [int((a.view(torch.int32) ^ b.detach().view(torch.int32)).count_nonzero())
-             for a, b in zip(before, m.parameters())]
+    diffs = [
+        int((a.view(torch.int32) ^ b.detach().view(torch.int32)).count_nonzero())
+        for a, b in zip(before, m.parameters())
+    ]
     assert sum(diffs) == 1
 
 

@@ -27,8 +27,16 @@ def _one_thread():
 
 
 def sim(faults=(), guard=ACT, world=4, **kw):
-    return SimulatedRun(world=world, seed=1, model=SMALL, batch_size=2, corpus=shared_corpus(1 << 18),
-                        faults=[FaultSpec.from_dict(f) for f in faults], guard=guard, **kw)
+    return SimulatedRun(
+        world=world,
+        seed=1,
+        model=SMALL,
+        batch_size=2,
+        corpus=shared_corpus(1 << 18),
+        faults=[FaultSpec.from_dict(f) for f in faults],
+        guard=guard,
+        **kw,
+    )
 
 
 def flat(run):
@@ -36,8 +44,9 @@ def flat(run):
 
 
 def test_default_config_only_reports():
-    with sim([{"kind": "nan", "rank": 1, "step": 25, "target": "blocks.0.attn.scores", "seed": 3}],
-             guard=GuardConfig()) as run:
+    with sim(
+        [{"kind": "nan", "rank": 1, "step": 25, "target": "blocks.0.attn.scores", "seed": 3}], guard=GuardConfig()
+    ) as run:
         run.train(27)
         act = run.guard.actions[0]
         assert (act.step, act.action, act.would, act.ranks) == (25, "none", "rerun", (1,))
@@ -48,13 +57,21 @@ def test_default_config_only_reports():
 
 
 def test_transient_nan_is_rerun_and_the_run_equals_the_clean_one_bit_for_bit():
-    with sim([{"kind": "nan", "rank": 1, "step": 25, "target": "blocks.0.attn.scores", "seed": 3}]) as faulted, \
-            sim() as clean:
+    with (
+        sim([{"kind": "nan", "rank": 1, "step": 25, "target": "blocks.0.attn.scores", "seed": 3}]) as faulted,
+        sim() as clean,
+    ):
         faulted.train(30)
         clean.train(30)
         (act,) = faulted.guard.actions
         assert (act.step, act.action, act.reason, act.verdict, act.ranks, act.applied) == (
-            25, "rerun", "nonfinite", "transient", (1,), True)
+            25,
+            "rerun",
+            "nonfinite",
+            "transient",
+            (1,),
+            True,
+        )
         assert act.telemetry() == {"guard_action": 2.0, "guard_reason": 1.0, "guard_verdict": 1.0, "guard_rank": 1.0}
         assert clean.guard.actions == []
         assert torch.equal(flat(faulted), flat(clean))
@@ -109,19 +126,28 @@ def test_rollback_decision_restores_the_snapshot_cuts_the_lr_and_is_bounded():
         run.train(20)
         at20 = flat(run)  # the snapshot before step 20 holds exactly this
         run.train(3)
-        control.put(Decision(run="r", action="rollback", reason="replica divergence", ranks=(2,), since_step=21,
-                             lr_factor=0.25))
+        control.put(
+            Decision(run="r", action="rollback", reason="replica divergence", ranks=(2,), since_step=21, lr_factor=0.25)
+        )
         lr = [g["lr"] for g in run.optimizer.param_groups]
         run.train(1)  # step 23
         act = run.guard.actions[-1]
         assert (act.step, act.action, act.reason, act.ranks, act.resume_from, act.lr_factor) == (
-            23, "rollback", "control", (2,), 20, 0.25)
+            23,
+            "rollback",
+            "control",
+            (2,),
+            20,
+            0.25,
+        )
         assert torch.equal(flat(run), at20)
         assert run.data_pos == 20 and run.step == 24  # the data of steps 20-23 is replayed at steps 24-27
         assert run.guard.steps_rolled_back == 4
         seen = []
-        run.optimizer.step, real = (lambda *a, **k: (seen.append(run.optimizer.param_groups[0]["lr"]), real())[1],
-                                    run.optimizer.step)
+        run.optimizer.step, real = (
+            lambda *a, **k: (seen.append(run.optimizer.param_groups[0]["lr"]), real())[1],
+            run.optimizer.step,
+        )
         run.train(4)
         assert seen == pytest.approx([lr[0] * 0.25] * 3 + [lr[0]])  # cut for lr_cut_steps, then restored
         assert [g["lr"] for g in run.optimizer.param_groups] == lr
@@ -165,11 +191,16 @@ def test_config_errors_name_the_key():
 def test_decisions_round_trip_and_malformed_ones_name_the_field():
     d = Decision(run="r", action="evict", reason="silent drift", ranks=(5,), hosts=("h2",), since_step=40)
     assert decode_decision(d.encode()) == d
-    for bad, key in ((b"not json", "message"), (b"[1]", "message"), (b'{"run": "r"}', "action"),
-                     (b'{"run": "r", "action": "reboot"}', "action"), (b'{"run": "r", "action": "evict"}', "ranks"),
-                     (b'{"run": "r", "action": "skip", "lr_factor": 3}', "lr_factor"),
-                     (b'{"run": "r", "action": "skip", "colour": 1}', "colour"),
-                     (b'{"run": "r", "action": "rollback", "since_step": -1}', "since_step")):
+    for bad, key in (
+        (b"not json", "message"),
+        (b"[1]", "message"),
+        (b'{"run": "r"}', "action"),
+        (b'{"run": "r", "action": "reboot"}', "action"),
+        (b'{"run": "r", "action": "evict"}', "ranks"),
+        (b'{"run": "r", "action": "skip", "lr_factor": 3}', "lr_factor"),
+        (b'{"run": "r", "action": "skip", "colour": 1}', "colour"),
+        (b'{"run": "r", "action": "rollback", "since_step": -1}', "since_step"),
+    ):
         with pytest.raises(ControlError) as info:
             decode_decision(bad)
         assert info.value.key == key
@@ -181,8 +212,9 @@ def test_unreachable_control_bus_never_blocks_and_leaves_the_local_checks(caplog
         reader = KafkaControl("127.0.0.1:1", run="r")
         assert time.perf_counter() - t0 < 0.5
         assert reader.poll() == []
-        with sim([{"kind": "nan", "rank": 1, "step": 22, "target": "blocks.0.attn.scores", "seed": 3}],
-                 control=reader) as run:
+        with sim(
+            [{"kind": "nan", "rank": 1, "step": 22, "target": "blocks.0.attn.scores", "seed": 3}], control=reader
+        ) as run:
             t1 = time.perf_counter()
             run.train(23)
             assert [a.action for a in run.guard.actions] == ["rerun"]

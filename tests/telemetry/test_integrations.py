@@ -73,12 +73,21 @@ def hf_rank(rank: int, bootstrap: str, topic: str, run: str, out: str) -> None:
     from transformers import Trainer, TrainingArguments
 
     emitter = _emitter(bootstrap, topic, run)
-    args = TrainingArguments(output_dir=out, per_device_train_batch_size=BATCH, max_steps=STEPS, learning_rate=1e-3,
-                             logging_strategy="no", save_strategy="no", report_to=[], use_cpu=True,
-                             ddp_backend="gloo", disable_tqdm=True, dataloader_num_workers=0)
+    args = TrainingArguments(
+        output_dir=out,
+        per_device_train_batch_size=BATCH,
+        max_steps=STEPS,
+        learning_rate=1e-3,
+        logging_strategy="no",
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        ddp_backend="gloo",
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+    )
     callback = SdcwatchCallback(emitter, injector=FaultInjector([nan_fault()]))
-    Trainer(model=tiny_llama(), args=args, train_dataset=TokenDataset(BATCH * 2 * STEPS),
-            callbacks=[callback]).train()
+    Trainer(model=tiny_llama(), args=args, train_dataset=TokenDataset(BATCH * 2 * STEPS), callbacks=[callback]).train()
     emitter.close(timeout=30.0)
     assert callback.data_parallel  # the probes found the Trainer's DDP wrapper
 
@@ -102,9 +111,18 @@ def lightning_rank(rank: int, bootstrap: str, topic: str, run: str, out: str) ->
 
     emitter = _emitter(bootstrap, topic, run)
     callback = SdcwatchCallback(emitter, injector=FaultInjector([nan_fault()]))
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=DDPStrategy(process_group_backend="gloo"),
-                        max_steps=STEPS, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, default_root_dir=out, callbacks=[callback])
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=DDPStrategy(process_group_backend="gloo"),
+        max_steps=STEPS,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=out,
+        callbacks=[callback],
+    )
     data = torch.utils.data.DataLoader(TokenDataset(BATCH * 2 * STEPS), batch_size=BATCH)
     trainer.fit(LitLlama(), data)
     emitter.close(timeout=30.0)

@@ -35,8 +35,12 @@ PRODUCER = textwrap.dedent(
 
 def test_8_ranks_in_2_processes_80k_records_none_lost_none_invented(bootstrap, unique_topic, consume):
     procs = [
-        subprocess.Popen([sys.executable, "-c", PRODUCER, bootstrap, unique_topic, str(first), "4", "10000"],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        subprocess.Popen(
+            [sys.executable, "-c", PRODUCER, bootstrap, unique_topic, str(first), "4", "10000"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         for first in (0, 4)
     ]
     got, src = consume(bootstrap, unique_topic, 80_008, timeout=180)
@@ -159,8 +163,18 @@ def test_malformed_and_foreign_messages_go_to_dead_letters(bootstrap, unique_top
         encode(good[0])[:-4],  # truncated
         encode_batch(good[:2])[:-1],
     ]
-    sequence = [encode(good[0]), bad[0], encode(good[1]), bad[1], bad[2], encode_batch(good[2:4]), bad[3],
-                encode(good[4]), bad[4], encode(good[5])]
+    sequence = [
+        encode(good[0]),
+        bad[0],
+        encode(good[1]),
+        bad[1],
+        bad[2],
+        encode_batch(good[2:4]),
+        bad[3],
+        encode(good[4]),
+        bad[4],
+        encode(good[5]),
+    ]
     for value in sequence:
         producer.send(unique_topic, key=b"dl/0", value=value)  # one key: one partition, in order
     producer.flush()
@@ -170,8 +184,13 @@ def test_malformed_and_foreign_messages_go_to_dead_letters(bootstrap, unique_top
     assert [r.step for r in got] == list(range(6))
     assert src.dead_letters == len(bad)
 
-    consumer = KafkaConsumer(f"{unique_topic}.dead", bootstrap_servers=[bootstrap], auto_offset_reset="earliest",
-                             group_id=None, consumer_timeout_ms=30_000)  # no group: no join to wait for
+    consumer = KafkaConsumer(
+        f"{unique_topic}.dead",
+        bootstrap_servers=[bootstrap],
+        auto_offset_reset="earliest",
+        group_id=None,
+        consumer_timeout_ms=30_000,
+    )  # no group: no join to wait for
     dead = []
     for msg in consumer:
         dead.append((msg.value, dict(msg.headers)))

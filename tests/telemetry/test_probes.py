@@ -125,7 +125,9 @@ def test_record_of_a_step_is_emitted_one_step_later_with_direct_values():
         else:
             assert r["fingerprints"] is None
         # attention statistics, the residual stream every step, the checksums on every 16th step
-        assert set(r["layers"]) == set(LAYER_METRICS) | set(STREAM_METRICS) | (set(GEMM_METRICS) if r["step"] == 0 else set())
+        assert set(r["layers"]) == set(LAYER_METRICS) | set(STREAM_METRICS) | (
+            set(GEMM_METRICS) if r["step"] == 0 else set()
+        )
         assert all(len(r["layers"][m]) == CFG.n_layer for m in LAYER_METRICS + STREAM_METRICS)
 
 
@@ -178,7 +180,7 @@ def test_multihead_attention_is_probed_like_a_direct_computation():
     assert layers["attn_entropy"][0] == pytest.approx(float(ent.mean()), rel=1e-4)
     assert layers["attn_entropy_min"][0] == pytest.approx(float(ent.min()), rel=1e-4)
     e = 16
-    k = (x[0] @ mha.in_proj_weight[e:2 * e].T + mha.in_proj_bias[e:2 * e]).view(12, 4, 4).transpose(0, 1)
+    k = (x[0] @ mha.in_proj_weight[e : 2 * e].T + mha.in_proj_bias[e : 2 * e]).view(12, 4, 4).transpose(0, 1)
     assert layers["k_norm_max"][0] == pytest.approx(float(k.detach().norm(dim=-1).max()), rel=1e-5)
 
 
@@ -202,7 +204,9 @@ def test_real_emitter_gets_valid_records_on_the_bus():
         watch.close()
     recs = bus.records()
     assert [(r.step, is_end_marker(r)) for r in recs] == [(0, False), (1, False), (2, False), (3, False), (3, True)]
-    assert {"loss", "grad_norm_local", "grad_norm_global", "grad_cosine", "nonfinite", "step_time"} <= set(recs[0].scalars)
+    assert {"loss", "grad_norm_local", "grad_norm_global", "grad_cosine", "nonfinite", "step_time"} <= set(
+        recs[0].scalars
+    )
     assert set(recs[0].fingerprints) == {"param_fp", "grad_fp"}
 
 

@@ -77,8 +77,18 @@ def test_batch_round_trip(recs):
 
 
 def test_non_finite_values_survive_both_codecs():
-    rec = Record("r", 3, 1, 4, "h", 1.5, 0, {"loss": math.nan, "grad_norm_local": math.inf},
-                 {}, {"attn_logit_max": (1e10, -math.inf, math.nan)})
+    rec = Record(
+        "r",
+        3,
+        1,
+        4,
+        "h",
+        1.5,
+        0,
+        {"loss": math.nan, "grad_norm_local": math.inf},
+        {},
+        {"attn_logit_max": (1e10, -math.inf, math.nan)},
+    )
     for back in (decode(encode(rec)), from_json(to_json(rec))):
         assert math.isnan(back.scalars["loss"]) and back.scalars["grad_norm_local"] == math.inf
         v = back.layers["attn_logit_max"]

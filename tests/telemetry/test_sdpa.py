@@ -22,6 +22,7 @@ def _has_attention(record: dict) -> bool:
     """Whether a record carries attention statistics (its other layer metrics come every step)."""
     return "attn_entropy" in (record["layers"] or {})
 
+
 torch.set_num_threads(1)
 
 
@@ -218,8 +219,14 @@ def test_multihead_attention_is_measured_once_through_its_own_hook():
 
         def forward(self, x):
             h = self.inner[0](x)
-            return self.inner[1](h, h, h, need_weights=False, is_causal=True,
-                                 attn_mask=nn.Transformer.generate_square_subsequent_mask(x.shape[1]))[0]
+            return self.inner[1](
+                h,
+                h,
+                h,
+                need_weights=False,
+                is_causal=True,
+                attn_mask=nn.Transformer.generate_square_subsequent_mask(x.shape[1]),
+            )[0]
 
     wrapper = Wrapper()
     rec = Recorder()
@@ -310,8 +317,9 @@ def test_gradient_accumulation_statistics_cover_every_micro_batch():
     got = accumulated.records[0]["layers"]
     for layer in range(2):
         assert got["q_norm_max"][layer] == pytest.approx(max(a["q_norm_max"][layer], b["q_norm_max"][layer]))
-        assert got["attn_entropy_min"][layer] == pytest.approx(min(a["attn_entropy_min"][layer],
-                                                                   b["attn_entropy_min"][layer]))
+        assert got["attn_entropy_min"][layer] == pytest.approx(
+            min(a["attn_entropy_min"][layer], b["attn_entropy_min"][layer])
+        )
         assert got["q_norm_mean"][layer] == pytest.approx((a["q_norm_mean"][layer] + b["q_norm_mean"][layer]) / 2)
         assert got["attn_entropy"][layer] == pytest.approx((a["attn_entropy"][layer] + b["attn_entropy"][layer]) / 2)
 
@@ -327,7 +335,8 @@ def test_gradient_accumulation_statistics_cover_every_micro_batch():
     watch.close()
     assert len(injector.injections) == 1
     assert not math.isfinite(rec.records[0]["layers"]["q_norm_max"][1]) or not math.isfinite(
-        rec.records[0]["layers"]["k_norm_max"][1])
+        rec.records[0]["layers"]["k_norm_max"][1]
+    )
     assert math.isfinite(rec.records[0]["layers"]["q_norm_max"][0])
 
 

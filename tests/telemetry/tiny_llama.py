@@ -35,8 +35,15 @@ def tiny_llama(impl: str = "sdpa", seed: int = 0, layers: int = 2):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ * 4)
+    cfg = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=SEQ * 4,
+    )
     cfg._attn_implementation = impl
     return LlamaForCausalLM(cfg)
 
@@ -65,8 +72,12 @@ def launch(fn, *args, world: int = WORLD) -> None:
     """Run ``fn(rank, *args)`` in ``world`` real processes joined as torchrun would (env://)."""
     import torch.multiprocessing as mp
 
-    rendezvous = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(world),
-                  "OMP_NUM_THREADS": "1"}
+    rendezvous = {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+        "WORLD_SIZE": str(world),
+        "OMP_NUM_THREADS": "1",
+    }
     saved = {k: os.environ.get(k) for k in rendezvous}
     os.environ.update(rendezvous)  # the children inherit it; the test process gets its own back
     try:
@@ -102,10 +113,27 @@ class Service:
 
     def __init__(self, bootstrap: str, topics: Topics, state_dir) -> None:
         self.bootstrap, self.topics = bootstrap, topics
-        cmd = [sys.executable, "-m", "sdcwatch.cli", "serve", "--bus-bootstrap", bootstrap,
-               "--bus-telemetry-topic", topics.telemetry, "--bus-anomalies-topic", topics.anomalies,
-               "--bus-deadletter-topic", topics.dead, "--bus-group", f"g-{uuid.uuid4().hex[:8]}",
-               "--metrics-port", str(free_port()), "--state-dir", str(state_dir), "--no-alerts-log"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "sdcwatch.cli",
+            "serve",
+            "--bus-bootstrap",
+            bootstrap,
+            "--bus-telemetry-topic",
+            topics.telemetry,
+            "--bus-anomalies-topic",
+            topics.anomalies,
+            "--bus-deadletter-topic",
+            topics.dead,
+            "--bus-group",
+            f"g-{uuid.uuid4().hex[:8]}",
+            "--metrics-port",
+            str(free_port()),
+            "--state-dir",
+            str(state_dir),
+            "--no-alerts-log",
+        ]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
@@ -121,8 +149,13 @@ class Service:
         """What the anomalies topic holds now."""
         from kafka import KafkaConsumer
 
-        consumer = KafkaConsumer(self.topics.anomalies, bootstrap_servers=[self.bootstrap],
-                                 auto_offset_reset="earliest", group_id=None, consumer_timeout_ms=2000)
+        consumer = KafkaConsumer(
+            self.topics.anomalies,
+            bootstrap_servers=[self.bootstrap],
+            auto_offset_reset="earliest",
+            group_id=None,
+            consumer_timeout_ms=2000,
+        )
         out = [json.loads(m.value) for m in consumer]
         consumer.close()
         return out

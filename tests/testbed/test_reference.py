@@ -30,8 +30,16 @@ class Recorder:
 
 
 def _run(world=4, faults=(), **kw):
-    return SimulatedRun(world=world, seed=0, faults=faults, emitter_factory=lambda r: Recorder(), model=SMALL,
-                        batch_size=4, corpus=shared_corpus(1 << 18), **kw)
+    return SimulatedRun(
+        world=world,
+        seed=0,
+        faults=faults,
+        emitter_factory=lambda r: Recorder(),
+        model=SMALL,
+        batch_size=4,
+        corpus=shared_corpus(1 << 18),
+        **kw,
+    )
 
 
 def test_model_has_the_documented_module_names_and_bad_shapes_are_config_errors():
@@ -63,10 +71,27 @@ def test_canary_names_an_unhealthy_rank_that_no_statistic_shows():
     from sdcwatch.telemetry.faults import FaultSpec
 
     local = MemoryBus()
-    fault = FaultSpec.from_dict({"kind": "noise", "rank": 1, "step": 10, "duration": 0, "target": "blocks.*",
-                                 "where": "output", "magnitude": 1e-4, "seed": 3})
-    run = SimulatedRun(world=4, seed=0, model=SMALL, batch_size=2, corpus=shared_corpus(1 << 18), faults=[fault],
-                       emitter_factory=lambda rank: Emitter(MemoryTransport(local), run="c", rank=rank, world=4))
+    fault = FaultSpec.from_dict(
+        {
+            "kind": "noise",
+            "rank": 1,
+            "step": 10,
+            "duration": 0,
+            "target": "blocks.*",
+            "where": "output",
+            "magnitude": 1e-4,
+            "seed": 3,
+        }
+    )
+    run = SimulatedRun(
+        world=4,
+        seed=0,
+        model=SMALL,
+        batch_size=2,
+        corpus=shared_corpus(1 << 18),
+        faults=[fault],
+        emitter_factory=lambda rank: Emitter(MemoryTransport(local), run="c", rank=rank, world=4),
+    )
     run.train(21)
     run.close()
     canary = {(r.step, r.rank): r.fingerprints["canary_fp"] for r in local.records() if "canary_fp" in r.fingerprints}
@@ -84,8 +109,15 @@ def test_near_inf_outside_the_attention_logits_shows_in_act_max_on_its_rank_only
 
     local = MemoryBus()
     fault = FaultSpec.from_dict({"kind": "near_inf", "rank": 2, "step": 5, "target": target, "seed": 1})
-    run = SimulatedRun(world=4, seed=0, model=SMALL, batch_size=2, corpus=shared_corpus(1 << 18), faults=[fault],
-                       emitter_factory=lambda rank: Emitter(MemoryTransport(local), run="ni", rank=rank, world=4))
+    run = SimulatedRun(
+        world=4,
+        seed=0,
+        model=SMALL,
+        batch_size=2,
+        corpus=shared_corpus(1 << 18),
+        faults=[fault],
+        emitter_factory=lambda rank: Emitter(MemoryTransport(local), run="ni", rank=rank, world=4),
+    )
     run.train(7)
     run.close()
     recs = local.records()
@@ -99,9 +131,15 @@ def test_near_inf_outside_the_attention_logits_shows_in_act_max_on_its_rank_only
 
 
 def test_every_virtual_rank_reports_every_step_with_all_fields_and_identity():
-    run = SimulatedRun(world=4, seed=0, model=SMALL, batch_size=4, corpus=shared_corpus(1 << 18), ranks_per_host=2,
-                       emitter_factory=lambda rank, host: Emitter(MemoryTransport(bus), run="sim", rank=rank,
-                                                                   world=4, host=host))
+    run = SimulatedRun(
+        world=4,
+        seed=0,
+        model=SMALL,
+        batch_size=4,
+        corpus=shared_corpus(1 << 18),
+        ranks_per_host=2,
+        emitter_factory=lambda rank, host: Emitter(MemoryTransport(bus), run="sim", rank=rank, world=4, host=host),
+    )
     losses = run.train(3)
     run.close()
     recs = bus.records()
@@ -111,8 +149,17 @@ def test_every_virtual_rank_reports_every_step_with_all_fields_and_identity():
     assert sorted((r.step, r.rank) for r in recs) == [(s, r) for s in range(3) for r in range(4)]
     assert {r.host for r in recs if r.rank in (2, 3)} == {"node1"}
     for r in recs:
-        assert {"loss", "loss_global", "grad_norm_local", "grad_norm_global", "grad_cosine", "nonfinite", "act_max",
-                "step_time", "lr"} <= set(r.scalars)
+        assert {
+            "loss",
+            "loss_global",
+            "grad_norm_local",
+            "grad_norm_global",
+            "grad_cosine",
+            "nonfinite",
+            "act_max",
+            "step_time",
+            "lr",
+        } <= set(r.scalars)
         # attention statistics, the residual stream every step, the checksums on every 16th step
         assert set(r.layers) == set(LAYER_METRICS) | set(STREAM_METRICS) | (set(GEMM_METRICS) if r.step == 0 else set())
         assert all(len(r.layers[m]) == SMALL.n_layer for m in LAYER_METRICS + STREAM_METRICS)
