@@ -19,9 +19,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from sdcwatch.core.errors import ConfigError, RecordError, TransportError
+from sdcwatch.core.errors import ConfigError, TransportError
+from sdcwatch.detectors.ingest import IngestDecoder, as_records
 from sdcwatch.telemetry.lifecycle import is_end_marker
-from sdcwatch.telemetry.record import Record, decode_message
+from sdcwatch.telemetry.record import Record
 from sdcwatch.telemetry.record_json import to_json
 
 __all__ = ["Capture", "KafkaTopicReader", "capture_main"]
@@ -42,24 +43,20 @@ class Capture:
     ranks: set[int] = field(default_factory=set)
     ended: set[int] = field(default_factory=set)  # ranks whose end-of-run marker was written
     end_world: int = 0
+    decoder: IngestDecoder = field(default_factory=IngestDecoder)  # remembers the v2 layouts seen
 
     def take(self, values: Iterable[bytes | None]) -> int:
-        """Decode and write the run's records among ``values``; returns how many were written."""
+        """Decode and write the run's records among ``values`` (either wire: a v2 message's layout
+        arrives ahead of it in its partition); returns how many were written."""
         lines = []
-        for value in values:
-            try:
-                recs = decode_message(value) if value is not None else None
-            except RecordError:
-                recs = None
-            if recs is None:
-                self.skipped += 1
+        items, rejected = self.decoder.decode(("capture", None, value) for value in values)
+        self.skipped += len(rejected)
+        for rec in as_records(items):
+            if rec.run != self.run:
+                self.other += 1
                 continue
-            for rec in recs:
-                if rec.run != self.run:
-                    self.other += 1
-                    continue
-                lines.append(to_json(rec))
-                self._note(rec)
+            lines.append(to_json(rec))
+            self._note(rec)
         if lines:
             self.out.write("\n".join(lines) + "\n")
             self.out.flush()
