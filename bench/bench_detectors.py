@@ -143,7 +143,7 @@ def bench_river(world: int, n_layers: int, rank_records: int) -> dict:
 def bench_alignment(world: int, n_layers: int, steps: int = 3) -> dict:
     """Records -> StepAligner -> StepFrame: the per-record Python cost in front of the detectors."""
     from sdcwatch.detectors import StepAligner
-    from sdcwatch.telemetry.record import Record
+    from sdcwatch.core.record import Record
 
     (fr,) = make_frames(world, n_layers, 1, seed=99)
     records = [

@@ -8,7 +8,7 @@ For each N, P producer processes (each owning a slice of the ranks) send one rec
 step into an embedded Tansu broker, paced at ``rate`` steps/s. With ``--wire v2`` (the default, as
 the emitter's) a producer batches ``--per-message`` simulated ranks (default 2048) into one v2
 message packed straight from numpy arrays, keyed like the emitters' records (run and 16-step
-window); with ``--wire v1`` it sends :class:`~sdcwatch.telemetry.record.Record` objects through
+window); with ``--wire v1`` it sends :class:`~sdcwatch.core.record.Record` objects through
 :class:`~sdcwatch.telemetry.KafkaTransport` (256 a message). The detection service
 (:class:`~sdcwatch.detectors.DetectorService` reading a
 :class:`~sdcwatch.detectors.bus.KafkaSource` consumer group, default pipeline) runs in this
@@ -83,7 +83,7 @@ def produce(argv: list[str]) -> int:
     if a.wire == "v2":
         return produce_v2(a)
     from sdcwatch.telemetry import KafkaTransport
-    from sdcwatch.telemetry.record import Record
+    from sdcwatch.core.record import Record
 
     transport = KafkaTransport(
         a.bootstrap,
@@ -162,7 +162,7 @@ def produce_v2(a: argparse.Namespace) -> int:
     """A producer that holds many ranks: v2 rows packed from numpy arrays, ``per_message`` ranks a message."""
     from kafka import KafkaProducer
 
-    from sdcwatch.telemetry.columnar import encode_rows, schema_for
+    from sdcwatch.core.columnar import encode_rows, schema_for
     from sdcwatch.telemetry.transports import KEY_WINDOW, ensure_topic
 
     scalar_names = (

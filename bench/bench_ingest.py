@@ -71,7 +71,7 @@ def step_arrays(world: int, n_layers: int, step: int) -> dict:
 
 
 def messages_v1(run: str, world: int, a: dict, per_message: int) -> list[bytes]:
-    from sdcwatch.telemetry.record import Record, encode, encode_batch
+    from sdcwatch.core.record import Record, encode, encode_batch
 
     recs = [
         Record(
@@ -96,7 +96,7 @@ def messages_v1(run: str, world: int, a: dict, per_message: int) -> list[bytes]:
 
 def messages_v2(run: str, world: int, a: dict, per_message: int, n_layers: int, first: bool) -> list[bytes]:
     """Rows packed straight from the arrays, as a producer holding many ranks packs them."""
-    from sdcwatch.telemetry.columnar import encode_rows, schema_for
+    from sdcwatch.core.columnar import encode_rows, schema_for
 
     sch = schema_for(SCALARS, FPS, [(n, n_layers) for n in LAYERS])
     rows = np.zeros(world, sch.dtype)

@@ -39,11 +39,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_detectors import LAYERS, SCALARS, make_frames  # noqa: E402
 
 from sdcwatch.detectors import StepAligner  # noqa: E402
-from sdcwatch.telemetry.record import decode_message, encode_batch  # noqa: E402
+from sdcwatch.core.record import decode_message, encode_batch  # noqa: E402
 
 from sdcwatch.detectors import DetectionPipeline  # noqa: E402
 from sdcwatch.detectors.summary import decode_summary, encode_summary  # noqa: E402
-from sdcwatch.telemetry.record import Record, encode  # noqa: E402
+from sdcwatch.core.record import Record, encode  # noqa: E402
 
 
 def step_records(frame) -> list[Record]:

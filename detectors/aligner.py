@@ -32,9 +32,9 @@ import numpy as np
 from sdcwatch.core.validate import check_positive
 from sdcwatch.detectors.frame import StepFrame
 from sdcwatch.detectors.ingest import RecordColumns, assemble_frame
-from sdcwatch.telemetry.limits import RecordLimits
-from sdcwatch.telemetry.record import Record
-from sdcwatch.telemetry.record_json import from_dict, to_dict
+from sdcwatch.core.limits import RecordLimits
+from sdcwatch.core.record import Record
+from sdcwatch.core.record_json import from_dict, to_dict
 
 __all__ = ["StepAligner"]
 

@@ -20,7 +20,7 @@ from typing import Any
 from sdcwatch.core.kinds import SPIKE_KINDS
 from sdcwatch.core.names import DATA_METRICS
 from sdcwatch.core.validate import check_positive
-from sdcwatch.detectors.types import Finding, Severity
+from sdcwatch.core.incident import Finding, Severity
 
 __all__ = ["Attribution"]
 

@@ -77,7 +77,7 @@ class Detector:
         """Take back a :meth:`snapshot`."""
 
     def metrics_view(self) -> dict[str, Any]:
-        """What this detector shows on ``/metrics``: :class:`~sdcwatch.detectors.types.RunView`
+        """What this detector shows on ``/metrics``: :class:`~sdcwatch.core.incident.RunView`
         fields it owns (``loss``, ``spike_scores``, ``rank_scores``, ``missing_ranks`` ...)."""
         return {}
 

@@ -6,7 +6,7 @@
 A source returns decoded records in batches and commits only when told to, after the records
 have been processed: delivery is at least once, and de-duplication by (run, step, rank) belongs
 to the step aligner. A message that does not decode, or a record past the service's
-:class:`~sdcwatch.telemetry.limits.RecordLimits`, is not an error of the service: it goes to the
+:class:`~sdcwatch.core.limits.RecordLimits`, is not an error of the service: it goes to the
 dead-letter topic with the reason (headers ``sdcwatch.reason``, ``sdcwatch.reason_code``), its
 origin (``sdcwatch.origin`` = topic/partition/offset) and size (``sdcwatch.size``; the value is
 truncated past :data:`DEADLETTER_MAX_BYTES`), is counted by reason, and reading goes on. Records
@@ -27,9 +27,9 @@ from sdcwatch.core.kafka import SECURITY_KEYS, new_producer
 from sdcwatch.core.names import ANOMALY_TOPIC, DEADLETTER_TOPIC, SUMMARY_TOPIC, TELEMETRY_TOPIC
 from sdcwatch.detectors.ingest import IngestDecoder, Rejected, SchemaRegistry, count_records
 from sdcwatch.detectors.summary import StepSummary, encode_summary
-from sdcwatch.detectors.types import IncidentEvent
-from sdcwatch.telemetry.limits import RecordLimits, reason_of
-from sdcwatch.telemetry.record import Record, decode_message, encode
+from sdcwatch.core.incident import IncidentEvent
+from sdcwatch.core.limits import RecordLimits, reason_of
+from sdcwatch.core.record import Record, decode_message, encode
 
 __all__ = [
     "Source",

@@ -18,9 +18,9 @@ from dataclasses import dataclass, fields
 from typing import Any, Callable
 
 from sdcwatch.detectors.bus import _TopicWriter
-from sdcwatch.detectors.types import Incident, IncidentEvent, Severity
+from sdcwatch.core.incident import Incident, IncidentEvent, Severity
 from sdcwatch.core.errors import ConfigError
-from sdcwatch.telemetry.control import CONTROL_TOPIC, ControlError, Decision
+from sdcwatch.core.control import CONTROL_TOPIC, ControlError, Decision
 
 __all__ = ["ControlPolicy", "ControlTopicSink", "POLICY_ACTIONS", "CONTROL_TOPIC"]
 

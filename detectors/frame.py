@@ -14,7 +14,7 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 
 from sdcwatch.core.names import CHECK_METRICS, FINGERPRINTS, LAYER_METRICS, SCALARS
-from sdcwatch.telemetry.record import Record
+from sdcwatch.core.record import Record
 
 __all__ = ["StepFrame", "frame_stats"]
 

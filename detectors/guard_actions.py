@@ -18,10 +18,10 @@ from sdcwatch.core.kinds import GUARD_KINDS
 from sdcwatch.detectors.base import SplitDetector, StepContext
 from sdcwatch.detectors.frame import StepFrame
 from sdcwatch.detectors.registry import register
-from sdcwatch.detectors.types import Finding, Severity
-from sdcwatch.telemetry.guard_config import ACTIONS, REASONS, VERDICTS
+from sdcwatch.core.incident import Finding, Severity
+from sdcwatch.core.control import ACTIONS, REASONS, VERDICTS
 
-__all__ = ["GuardActionDetector", "GUARD_KINDS", "action_of"]
+__all__ = ["GuardActionDetector", "GUARD_KINDS"]
 
 _SEVERE = ("rollback", "evict")
 _REASON_TEXT = {
@@ -30,11 +30,6 @@ _REASON_TEXT = {
     "control": "a decision of the detector service",
     "": "an unstated reason",
 }
-
-
-def action_of(kind: str) -> str | None:
-    """``guard_skip`` -> ``skip``; None for a kind that is not a guard action."""
-    return kind[len("guard_") :] if kind in GUARD_KINDS else None
 
 
 def _code(col: np.ndarray | None, table: tuple[str, ...]) -> int:

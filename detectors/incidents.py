@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterable
 from sdcwatch.core.jsonsafe import parse_float
 from sdcwatch.core.kinds import RANK_FAULT_KINDS, RANK_LOCAL_KINDS, SPIKE_KINDS
 from sdcwatch.core.validate import check_positive
-from sdcwatch.detectors.types import Finding, Incident, IncidentEvent, Severity
+from sdcwatch.core.incident import Finding, Incident, IncidentEvent, Severity
 
 __all__ = ["IncidentBook", "incident_from_dict"]
 

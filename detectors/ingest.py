@@ -1,6 +1,6 @@
 """Batched ingest: many bus messages decoded at once into numpy columns, and steps assembled from them.
 
-Wire format v2 (``sdcwatch.telemetry.columnar``) names a record layout by a schema id and packs
+Wire format v2 (``sdcwatch.core.columnar``) names a record layout by a schema id and packs
 each record as fixed-size numbers. :class:`IngestDecoder` parses each message's small header in
 Python, joins the rows of every message of one (schema, run) and reads them with one
 ``numpy.frombuffer`` over the schema's structured dtype: a :class:`RecordColumns` block. Version 1
@@ -11,7 +11,7 @@ step's (rank x metric) arrays from those blocks with fancy indexing, and gives t
 A v2 message whose schema is not known yet waits (at most ``schema_wait`` seconds and
 ``max_pending_bytes``) for a message that carries it, then goes to the dead-letter topic with the
 reason. Every v2 record is checked against the same
-:class:`~sdcwatch.telemetry.limits.RecordLimits` as a v1 record (world size, layer metrics, layers,
+:class:`~sdcwatch.core.limits.RecordLimits` as a v1 record (world size, layer metrics, layers,
 values, step size, counters), on whole columns, plus what makes a row malformed (rank beyond the
 world, host index beyond the message's table, non-finite time); a message holding a bad record is
 dead-lettered whole, as a bad v1 batch is.
@@ -28,10 +28,10 @@ import numpy as np
 
 from sdcwatch.detectors.frame import StepFrame, _ordered
 from sdcwatch.core.errors import RecordError
-from sdcwatch.telemetry.limits import COUNTER_SCALARS, LimitError, RecordLimits, reason_of
-from sdcwatch.telemetry.columnar import MAGIC_V2, MessageHeader, Schema, parse_header, row_to_record
+from sdcwatch.core.limits import COUNTER_SCALARS, LimitError, RecordLimits, reason_of
+from sdcwatch.core.columnar import MAGIC_V2, MessageHeader, Schema, parse_header, row_to_record
 from sdcwatch.core.names import CHECK_METRICS, FINGERPRINTS, LAYER_METRICS, SCALARS
-from sdcwatch.telemetry.record import Record, decode_message
+from sdcwatch.core.record import Record, decode_message
 
 __all__ = [
     "check_schema",
@@ -506,8 +506,8 @@ def frames_over_wire(records: Sequence[Record], wire: str, *, per_message: int =
     tools (the campaign) run detection on exactly what crosses the bus.
     """
     from sdcwatch.detectors.aligner import StepAligner
-    from sdcwatch.telemetry.columnar import WIRES, PackedRecord, encode_items
-    from sdcwatch.telemetry.transports import record_key
+    from sdcwatch.core.columnar import WIRES, PackedRecord, encode_items
+    from sdcwatch.core.record import record_key
 
     if wire not in WIRES:
         raise ValueError(f"wire must be one of {', '.join(WIRES)}, got {wire!r}")

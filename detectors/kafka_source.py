@@ -25,8 +25,8 @@ from sdcwatch.detectors.bus import (
     dead_letter_value,
 )
 from sdcwatch.detectors.ingest import IngestDecoder, Rejected, SchemaRegistry, count_records
-from sdcwatch.telemetry.limits import RecordLimits
-from sdcwatch.telemetry.record import Record, decode_message, encode
+from sdcwatch.core.limits import RecordLimits
+from sdcwatch.core.record import Record, decode_message, encode
 
 __all__ = ["KafkaSource"]
 

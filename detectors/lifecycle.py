@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sdcwatch.core.validate import check_positive
-from sdcwatch.telemetry.lifecycle import RUN_END
-from sdcwatch.telemetry.record import Record
+from sdcwatch.core.names import RUN_END
+from sdcwatch.core.record import Record
 
 __all__ = ["RunLifecycle"]
 

@@ -23,11 +23,11 @@ import numpy as np
 
 from sdcwatch.detectors.frame import StepFrame
 from sdcwatch.detectors.pipeline import DetectionPipeline, PipelineSettings
-from sdcwatch.detectors.types import Incident
+from sdcwatch.core.incident import Incident
 from sdcwatch.core.errors import RecordError, ReplayError
-from sdcwatch.telemetry.limits import RecordLimits
-from sdcwatch.telemetry.record import Record
-from sdcwatch.telemetry.record_json import from_json
+from sdcwatch.core.limits import RecordLimits
+from sdcwatch.core.record import Record
+from sdcwatch.core.record_json import from_json
 
 __all__ = [
     "replay",

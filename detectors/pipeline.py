@@ -28,9 +28,9 @@ from sdcwatch.detectors.ingest import count_records
 from sdcwatch.detectors.summary import StepSummary, SummaryOrder
 from sdcwatch.core.jsonsafe import json_safe
 from sdcwatch.core.validate import check_positive
-from sdcwatch.detectors.types import IncidentEvent, PipelineView, RunView, ServiceView
+from sdcwatch.core.incident import IncidentEvent, PipelineView, RunView, ServiceView
 from sdcwatch.core.errors import ConfigError
-from sdcwatch.telemetry.limits import RecordLimits
+from sdcwatch.core.limits import RecordLimits
 
 __all__ = ["DetectionPipeline", "PipelineSettings", "STATE_VERSION", "ROLES"]
 

@@ -22,7 +22,7 @@ from typing import Callable, Sequence
 from sdcwatch.detectors.pipeline import DetectionPipeline
 from sdcwatch.detectors.bus import SummaryTopicSink
 from sdcwatch.detectors.bus import Source as RecordSource  # the protocol the service reads through
-from sdcwatch.detectors.types import IncidentEvent, IncidentSink, ServiceView
+from sdcwatch.core.incident import IncidentEvent, IncidentSink, ServiceView
 from sdcwatch.core.errors import ConfigError, RecordError
 from sdcwatch.core.jsonsafe import json_safe
 

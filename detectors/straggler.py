@@ -20,7 +20,7 @@ from sdcwatch.core.validate import check_positive
 from sdcwatch.detectors.base import SplitDetector, StepContext
 from sdcwatch.detectors.registry import register
 from sdcwatch.detectors.frame import StepFrame
-from sdcwatch.detectors.types import Finding, Severity
+from sdcwatch.core.incident import Finding, Severity
 
 __all__ = ["StragglerDetector", "StragglerConfig", "MissingRankDetector", "MissingRankConfig"]
 

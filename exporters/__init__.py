@@ -1,10 +1,10 @@
 """Prometheus collector and incident sinks (Alertmanager, webhook, log).
 
 - :class:`SdcwatchCollector` / :class:`MetricsServer`: ``/metrics`` read from the detector
-  service's :class:`~sdcwatch.detectors.types.ServiceView` at scrape time (catalogue in
+  service's :class:`~sdcwatch.core.incident.ServiceView` at scrape time (catalogue in
   :data:`METRICS`).
 - :class:`AlertmanagerSink`, :class:`WebhookSink`, :class:`LogSink`: implementations of
-  :class:`~sdcwatch.detectors.types.IncidentSink`.
+  :class:`~sdcwatch.core.incident.IncidentSink`.
 """
 
 from .alertmanager import AlertmanagerSink, alert_for, alertname_for

@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping
 from datetime import datetime, timezone
 from typing import Any
 
-from sdcwatch.detectors.types import Incident, IncidentEvent
+from sdcwatch.core.incident import Incident, IncidentEvent
 from sdcwatch.core.errors import ConfigError
 from sdcwatch.core.validate import redact_url
 

@@ -21,9 +21,9 @@ import numpy as np
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from sdcwatch.detectors.guard_actions import GuardActionDetector, action_of
-from sdcwatch.detectors.types import Incident, RunView, ServiceView
+from sdcwatch.core.incident import Incident, RunView, ServiceView
 from sdcwatch.core.errors import ConfigError
+from sdcwatch.core.kinds import guard_action_of
 
 from .catalog import METRICS, STATS, MetricSpec, metric
 
@@ -197,7 +197,7 @@ class SdcwatchCollector(Collector):
 
         for (detector, kind), count in sorted(view.findings_total.items()):
             add("sdcwatch_detector_findings_total", [detector, kind], count)
-            action = action_of(kind) if detector == GuardActionDetector.name else None
+            action = guard_action_of(kind)
             if action is not None:
                 add("sdcwatch_guard_actions_total", [action], count)
 

@@ -21,7 +21,7 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from sdcwatch.detectors.types import IncidentEvent
+from sdcwatch.core.incident import IncidentEvent
 from sdcwatch.core.errors import ConfigError, DeliveryError
 from sdcwatch.core.validate import redact_url
 

@@ -13,7 +13,7 @@ import logging
 import math
 import re
 
-from sdcwatch.detectors.types import IncidentEvent, Severity
+from sdcwatch.core.incident import IncidentEvent, Severity
 from sdcwatch.core.errors import ConfigError
 
 from .collector import incident_rank_label

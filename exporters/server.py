@@ -13,7 +13,7 @@ from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, generate_latest, start_http_server
 
-from sdcwatch.detectors.types import ServiceView
+from sdcwatch.core.incident import ServiceView
 from sdcwatch.core.errors import ConfigError
 
 from .collector import DEFAULT_LAYER_STATS, DEFAULT_MAX_LAYERS, DEFAULT_TOP_K, SdcwatchCollector

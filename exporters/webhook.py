@@ -12,7 +12,7 @@ from collections import deque
 from collections.abc import Mapping
 import time
 
-from sdcwatch.detectors.types import IncidentEvent
+from sdcwatch.core.incident import IncidentEvent
 from sdcwatch.core.errors import ConfigError
 from sdcwatch.core.validate import redact_url
 

@@ -22,8 +22,8 @@ from typing import Any, TextIO
 from sdcwatch.core.errors import ConfigError, TransportError
 from sdcwatch.detectors.ingest import IngestDecoder, as_records
 from sdcwatch.telemetry.lifecycle import is_end_marker
-from sdcwatch.telemetry.record import Record
-from sdcwatch.telemetry.record_json import to_json
+from sdcwatch.core.record import Record
+from sdcwatch.core.record_json import to_json
 
 __all__ = ["Capture", "KafkaTopicReader", "capture_main"]
 

@@ -146,7 +146,7 @@ class _CapturingSource:
     """Wraps the service's source and appends every record it returns to a JSON-lines file."""
 
     def __init__(self, source: Any, path: Path) -> None:
-        from sdcwatch.telemetry.record_json import to_json
+        from sdcwatch.core.record_json import to_json
 
         self._source = source
         self._to_json = to_json

@@ -12,8 +12,8 @@ from typing import Any
 
 from sdcwatch.telemetry.emitter import Emitter, NullEmitter, identity_from_env
 from sdcwatch.telemetry.lifecycle import RUN_END, end_marker, is_end_marker
-from sdcwatch.telemetry.record import FINGERPRINTS, LAYER_METRICS, SCALARS, Record, decode, encode
-from sdcwatch.telemetry.record_json import from_json, to_json
+from sdcwatch.core.record import FINGERPRINTS, LAYER_METRICS, SCALARS, Record, decode, encode
+from sdcwatch.core.record_json import from_json, to_json
 from sdcwatch.telemetry.transports import (
     TELEMETRY_TOPIC,
     FileTransport,

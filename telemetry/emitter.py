@@ -8,7 +8,7 @@ single log line says so, and sending resumes by itself when the bus is back. ``c
 rank's part of the run with an end-of-run marker (:mod:`sdcwatch.telemetry.lifecycle`).
 
 The sender packs each record in wire format v2 by default (one ``struct.pack`` of a fixed layout,
-``sdcwatch.telemetry.columnar``); ``wire="v1"`` (or ``SDCWATCH_WIRE=v1``) sends version 1 records
+``sdcwatch.core.columnar``); ``wire="v1"`` (or ``SDCWATCH_WIRE=v1``) sends version 1 records
 for services that predate v2. The end-of-run marker travels as a version 1 record either way.
 """
 
@@ -26,8 +26,8 @@ from typing import Any, Mapping, Sequence
 
 from sdcwatch.core.errors import ConfigError, RecordError, TransportError
 from sdcwatch.core.names import TELEMETRY_TOPIC
-from sdcwatch.telemetry.columnar import WIRES, PackedRecord
-from sdcwatch.telemetry.record import Record, validate
+from sdcwatch.core.columnar import WIRES, PackedRecord
+from sdcwatch.core.record import Record, validate
 
 __all__ = ["Emitter", "NullEmitter", "identity_from_env"]
 

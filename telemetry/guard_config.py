@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass, fields
 from typing import Any, Sequence
 
+from sdcwatch.core.control import ACTIONS, GUARD_SCALARS, REASONS, VERDICTS
 from sdcwatch.core.errors import ConfigError
 
 __all__ = [
@@ -23,19 +24,9 @@ __all__ = [
     "GUARD_SCALARS",
 ]
 
-#: Actions, in increasing order of weight; the code of an action is its index (``guard_action``).
-ACTIONS = ("none", "skip", "rerun", "rollback", "evict")
-#: Why the guard acted; the code is the index (``guard_reason``).
-REASONS = ("", "nonfinite", "spike", "control")
-#: What a rerun found; the code is the index (``guard_verdict``). ``reproducible``: the result
-#: repeats and no other rank could recompute it (no ``peer``), so hardware and data are not told apart.
-VERDICTS = ("", "transient", "persistent", "data", "reproducible")
 #: Exit code of every process when the guard evicts a rank: the value Megatron-LM's
 #: RerunStateMachine uses for "restart, on other hardware", so launch scripts that know it restart.
 EXIT_CODE_EVICT = 16
-#: Scalars a guarded step's telemetry record carries when the guard acted (read by the service).
-GUARD_SCALARS = ("guard_action", "guard_reason", "guard_verdict", "guard_rank")
-
 _MODES = ("report", "act")
 _LOCAL_ACTIONS = ("none", "skip", "rerun")
 _PERSISTENT_ACTIONS = ("none", "skip", "rollback", "evict")

@@ -18,12 +18,10 @@ from __future__ import annotations
 
 import time as _time
 
-from sdcwatch.telemetry.record import Record
+from sdcwatch.core.names import RUN_END
+from sdcwatch.core.record import Record
 
 __all__ = ["RUN_END", "end_marker", "is_end_marker"]
-
-#: The reserved scalar that makes a record an end-of-run marker.
-RUN_END = "sdcwatch.run_end"
 
 
 def end_marker(

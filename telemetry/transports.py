@@ -24,9 +24,9 @@ from typing import Any, Protocol, Sequence
 from sdcwatch.core.errors import ConfigError, TransportError
 from sdcwatch.core.kafka import new_admin, new_producer, security_settings
 from sdcwatch.core.names import TELEMETRY_TOPIC
-from sdcwatch.telemetry.columnar import PackedRecord, decode_stream, encode_items
-from sdcwatch.telemetry.record import Record
-from sdcwatch.telemetry.record_json import to_json
+from sdcwatch.core.columnar import PackedRecord, decode_stream, encode_items
+from sdcwatch.core.record import KEY_WINDOW, Record, record_key
+from sdcwatch.core.record_json import to_json
 
 __all__ = [
     "Transport",
@@ -36,19 +36,10 @@ __all__ = [
     "MemoryBus",
     "TELEMETRY_TOPIC",
     "record_key",
+    "KEY_WINDOW",
 ]
 
 log = logging.getLogger("sdcwatch.telemetry")
-
-#: Steps per partition key. All records whose steps fall in one window share a key, so every
-#: rank of a step lands in the same partition (a detector instance sees whole steps), and one
-#: rank's consecutive steps can travel in one message.
-KEY_WINDOW = 16
-
-
-def record_key(rec: Record | PackedRecord) -> bytes:
-    """Partition key: run and step window, so every rank of one step lands in one partition."""
-    return f"{rec.run}/{rec.step // KEY_WINDOW}".encode()
 
 
 class Transport(Protocol):

@@ -339,7 +339,7 @@ class RecordCollector:
         self.sink, self.run, self.rank, self.world, self.host = sink, run, rank, world, host
 
     def emit(self, step: int, *, layers=None, fingerprints=None, time: float | None = None, **scalars: float) -> None:
-        from sdcwatch.telemetry.record import Record
+        from sdcwatch.core.record import Record
 
         self.sink.append(
             Record(

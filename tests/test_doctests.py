@@ -34,7 +34,7 @@ def test_the_documented_examples_are_found():
     """The walk reaches the packages mapped from other folders, and their examples count."""
     assert {
         "sdcwatch.detectors.spike",
-        "sdcwatch.telemetry.record",
+        "sdcwatch.core.record",
         "sdcwatch.exporters.collector",
         "sdcwatch.core.jsonsafe",
     } <= set(MODULES)

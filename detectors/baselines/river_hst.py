@@ -25,7 +25,7 @@ from sdcwatch.detectors.base import Detector
 from sdcwatch.detectors.frame import StepFrame
 from sdcwatch.detectors.rank_outlier import RankOutlierDetector
 from sdcwatch.detectors.registry import register
-from sdcwatch.detectors.types import Finding, Severity
+from sdcwatch.core.incident import Finding, Severity
 from sdcwatch.core.names import CHECK_METRICS
 
 __all__ = ["RiverHalfSpaceTrees", "RiverConfig", "rank_features"]

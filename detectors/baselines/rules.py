@@ -1,7 +1,7 @@
 """What teams use today, as detectors on the same aligned steps sdcwatch sees: the benchmark baselines.
 
 Each baseline takes one :class:`~sdcwatch.detectors.frame.StepFrame` per step and answers with
-:class:`~sdcwatch.detectors.types.Finding` objects, exactly like sdcwatch's own detectors, so the
+:class:`~sdcwatch.core.incident.Finding` objects, exactly like sdcwatch's own detectors, so the
 fault-injection campaign scores every detector with one code path. None of them attributes a
 problem to hardware or to the optimisation: a finding names the ranks whose own values tripped the
 rule (that is all the operator learns), or no rank when the rule watches a global value.
@@ -30,7 +30,7 @@ from sdcwatch.core.validate import check_positive
 from sdcwatch.detectors.base import Detector
 from sdcwatch.detectors.frame import StepFrame
 from sdcwatch.detectors.registry import register
-from sdcwatch.detectors.types import Finding, Severity
+from sdcwatch.core.incident import Finding, Severity
 
 __all__ = ["MegatronRules", "MegatronConfig", "ZClipDetector", "ZClipConfig", "NanLossCheck"]
 

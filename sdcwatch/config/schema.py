@@ -21,7 +21,7 @@ from sdcwatch.core.kafka import TEXT_SECURITY_KEYS
 from sdcwatch.core.names import ANOMALY_TOPIC, CONTROL_TOPIC, DEADLETTER_TOPIC, SUMMARY_TOPIC, TELEMETRY_TOPIC
 from sdcwatch.core.validate import check_type, did_you_mean, is_host, topic_problem, url_problem
 from sdcwatch.detectors.registry import default_classes
-from sdcwatch.telemetry.limits import RecordLimits
+from sdcwatch.core.limits import RecordLimits
 
 __all__ = [
     "BusConfig",

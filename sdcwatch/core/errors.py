@@ -30,6 +30,7 @@ __all__ = [
     "BrokerError",
     "FaultSpecError",
     "ReplayError",
+    "ControlError",
 ]
 
 
@@ -93,6 +94,14 @@ class FaultSpecError(SdcwatchError, ValueError):
         self.problem = problem
         prefix = f"{where}: " if where else ""
         super().__init__(f"{prefix}fault key {key!r}: {problem}")
+
+
+class ControlError(SdcwatchError, ValueError):
+    """A control message that is not a valid decision; names the field."""
+
+    def __init__(self, key: str, problem: str) -> None:
+        self.key = key
+        super().__init__(f"control decision: {key}: {problem}")
 
 
 class ReplayError(SdcwatchError, ValueError):

@@ -22,6 +22,7 @@ __all__ = [
     "RANK_BLAME_KINDS",
     "LOCALISING_KINDS",
     "GUARD_KINDS",
+    "guard_action_of",
 ]
 
 
@@ -85,3 +86,8 @@ LOCALISING_KINDS = RANK_BLAME_KINDS | _values(K.NONFINITE)
 #: What the training job's guard did (findings of the guard-action detector), in the order of the guard's actions.
 GUARD_KINDS = tuple(k.value for k in (K.GUARD_SKIP, K.GUARD_RERUN, K.GUARD_ROLLBACK, K.GUARD_EVICT))
 del K
+
+
+def guard_action_of(kind: str) -> str | None:
+    """The guard action a finding's kind reports (``guard_skip`` -> ``skip``); None for any other kind."""
+    return kind[len("guard_") :] if kind in GUARD_KINDS else None

@@ -7,6 +7,7 @@ are defined here once. Other names are allowed in a record; these are the ones s
 from __future__ import annotations
 
 __all__ = [
+    "RUN_END",
     "TELEMETRY_TOPIC",
     "ANOMALY_TOPIC",
     "DEADLETTER_TOPIC",
@@ -36,6 +37,8 @@ DEADLETTER_TOPIC = "sdcwatch.deadletter"
 SUMMARY_TOPIC = "sdcwatch.summaries"
 #: Decisions for the training jobs' guards (skip, roll back, evict), keyed by run; rank 0 reads it.
 CONTROL_TOPIC = "sdcwatch.control"
+#: The reserved scalar that makes a record an end-of-run marker (:mod:`sdcwatch.telemetry.lifecycle`).
+RUN_END = "sdcwatch.run_end"
 #: Every default topic, by its purpose.
 TOPICS = {
     "telemetry": TELEMETRY_TOPIC,

@@ -15,11 +15,11 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from sdcwatch.detectors.types import Incident, Severity
+from sdcwatch.core.incident import Incident, Severity
 from sdcwatch.core.errors import RecordError, ReplayError
 from sdcwatch.detectors.offline import bounded_lines
-from sdcwatch.telemetry.limits import RecordLimits
-from sdcwatch.telemetry.record_json import from_json
+from sdcwatch.core.limits import RecordLimits
+from sdcwatch.core.record_json import from_json
 from sdcwatch.telemetry.lifecycle import is_end_marker
 
 _SCALARS = ("loss", "loss_global", "grad_norm_local", "grad_norm_global", "grad_cosine", "nonfinite", "step_time")

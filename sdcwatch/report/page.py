@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
-from sdcwatch.detectors.types import Incident
+from sdcwatch.core.incident import Incident
 from sdcwatch.core.errors import ReplayError
 from sdcwatch.report.data import _ENTROPY, RunData, _is_localised, incident_from_dict, load_incidents, load_records
 from sdcwatch.report.deviation import _MIN_RANKS

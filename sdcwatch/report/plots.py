@@ -14,7 +14,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from sdcwatch.detectors.types import Incident
+from sdcwatch.core.incident import Incident
 from sdcwatch.report.data import _ENTROPY, RunData, _is_localised
 from sdcwatch.report.deviation import _MIN_RANKS, _global_series, _quiet_nan_warnings, rank_deviation
 

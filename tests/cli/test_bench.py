@@ -23,7 +23,7 @@ from sdcwatch.testbed.campaign import (
 from sdcwatch.detectors.frame import StepFrame
 from sdcwatch.core.errors import ConfigError, FaultSpecError
 from sdcwatch.telemetry.faults import parse_faults
-from sdcwatch.telemetry.record import Record
+from sdcwatch.core.record import Record
 
 DETECTORS = {"sdcwatch", "megatron", "zclip", "nan_check", "river_hst"}
 

@@ -14,7 +14,7 @@ import uuid
 
 import pytest
 from sdcwatch.telemetry import Record, end_marker, from_json, is_end_marker, to_json
-from sdcwatch.telemetry.record import encode, encode_batch
+from sdcwatch.core.record import encode, encode_batch
 
 from sdcwatch.capture import Capture, capture
 

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import sdcwatch.report as report
-from sdcwatch.detectors.types import Incident, Severity
+from sdcwatch.core.incident import Incident, Severity
 from sdcwatch.core.errors import ReplayError
 from sdcwatch.report import (
     incident_from_dict,
@@ -29,8 +29,8 @@ from sdcwatch.report import (
 )
 from sdcwatch.report.deviation import _global_series
 from sdcwatch.report.plots import _robust_limits
-from sdcwatch.telemetry.record import Record
-from sdcwatch.telemetry.record_json import to_json
+from sdcwatch.core.record import Record
+from sdcwatch.core.record_json import to_json
 
 REAL_LOGS = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "real-logs"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -338,7 +338,7 @@ def test_serve_with_guard_actions_publishes_decisions_to_the_control_topic(boots
     training side's reader (KafkaControl) decodes; with the default config there is no such sink."""
     from sdcwatch.config import load_config
     from sdcwatch.detectors.control import ControlTopicSink
-    from sdcwatch.detectors.types import Incident, IncidentEvent, Severity
+    from sdcwatch.core.incident import Incident, IncidentEvent, Severity
     from sdcwatch.serve import build_service
     from sdcwatch.telemetry.control import KafkaControl
 

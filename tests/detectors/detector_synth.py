@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from sdcwatch.detectors.frame import StepFrame
-from sdcwatch.telemetry.record import Record
+from sdcwatch.core.record import Record
 
 SCALARS = (
     "loss",

@@ -12,7 +12,7 @@ from hypothesis import given, settings, strategies as st
 from detector_synth import SyntheticRun
 from sdcwatch.detectors import StepAligner, StepFrame
 from sdcwatch.core.errors import ConfigError
-from sdcwatch.telemetry.record import Record
+from sdcwatch.core.record import Record
 
 
 class Clock:

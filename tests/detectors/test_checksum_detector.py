@@ -9,7 +9,7 @@ from sdcwatch.detectors.checksum import ChecksumDetector
 from sdcwatch.detectors.frame import StepFrame
 from sdcwatch.detectors.nonfinite import NonFiniteDetector
 from sdcwatch.detectors.pipeline import DetectionPipeline
-from sdcwatch.telemetry.record import Record
+from sdcwatch.core.record import Record
 
 WORLD = 8
 

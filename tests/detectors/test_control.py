@@ -8,7 +8,7 @@ from detector_synth import Fault, SyntheticRun
 from sdcwatch.detectors.control import ControlPolicy, ControlTopicSink
 from sdcwatch.detectors.guard_actions import GuardActionDetector
 from sdcwatch.detectors.pipeline import DetectionPipeline
-from sdcwatch.detectors.types import Incident, IncidentEvent, Severity
+from sdcwatch.core.incident import Incident, IncidentEvent, Severity
 from sdcwatch.core.errors import ConfigError
 from sdcwatch.telemetry import MemoryBus
 from sdcwatch.telemetry.control import CONTROL_TOPIC, decode_decision

@@ -358,9 +358,9 @@ def test_a_slow_snapshot_does_not_evict_the_consumer_from_its_group(bootstrap, u
 def test_records_past_the_limits_are_refused_at_decode_with_the_reason():
     """16.1, 16.4, 16.5: the limits in one place, checked at decode, named in the error."""
     from sdcwatch.core.errors import RecordError
-    from sdcwatch.telemetry.limits import LimitError, RecordLimits, reason_of
-    from sdcwatch.telemetry.record import decode_message
-    from sdcwatch.telemetry.record_json import from_dict, to_dict
+    from sdcwatch.core.limits import LimitError, RecordLimits, reason_of
+    from sdcwatch.core.record import decode_message
+    from sdcwatch.core.record_json import from_dict, to_dict
 
     limits = RecordLimits()
     cases = {

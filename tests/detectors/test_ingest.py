@@ -15,10 +15,10 @@ from sdcwatch.detectors import DetectionPipeline, DetectorService, StepAligner, 
 from sdcwatch.detectors.ingest import IngestDecoder, RecordColumns, SchemaRegistry, as_records, assemble_frame
 from sdcwatch.detectors.bus import MemorySource
 from sdcwatch.telemetry import MemoryBus
-from sdcwatch.telemetry.columnar import PackedRecord, encode_items, encode_rows, schema_for
-from sdcwatch.telemetry.limits import RecordLimits
-from sdcwatch.telemetry.record import Record, encode_batch
-from sdcwatch.telemetry.transports import record_key
+from sdcwatch.core.columnar import PackedRecord, encode_items, encode_rows, schema_for
+from sdcwatch.core.limits import RecordLimits
+from sdcwatch.core.record import Record, encode_batch
+from sdcwatch.core.record import record_key
 
 
 def pack(rec: Record) -> PackedRecord:

@@ -10,7 +10,7 @@ import pytest
 from sdcwatch.detectors import DetectionPipeline, DetectorService, PipelineSettings
 from sdcwatch.detectors.bus import KafkaSource
 from sdcwatch.telemetry import Emitter, KafkaTransport
-from sdcwatch.telemetry.columnar import encode_rows, schema_for
+from sdcwatch.core.columnar import encode_rows, schema_for
 
 pytestmark = pytest.mark.integration
 

@@ -18,7 +18,7 @@ from sdcwatch.telemetry import (
     end_marker,
     is_end_marker,
 )
-from sdcwatch.telemetry.record import decode_message, encode_batch
+from sdcwatch.core.record import decode_message, encode_batch
 
 from sdcwatch.core.errors import ConfigError
 

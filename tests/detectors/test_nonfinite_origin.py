@@ -7,7 +7,7 @@ import math
 
 from sdcwatch.detectors import NonFiniteDetector, StepFrame
 from sdcwatch.detectors.incidents import IncidentBook
-from sdcwatch.telemetry.record import LAYER_METRICS, Record
+from sdcwatch.core.record import LAYER_METRICS, Record
 
 WORLD, LAYERS = 4, 3
 

@@ -11,7 +11,7 @@ import pytest
 from detector_synth import Fault, SyntheticRun
 from sdcwatch.detectors import format_table, replay, replay_main
 from sdcwatch.core.errors import ReplayError
-from sdcwatch.telemetry.record_json import to_json
+from sdcwatch.core.record_json import to_json
 
 REAL_LOGS = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "real-logs"
 

@@ -14,7 +14,7 @@ from sdcwatch.detectors.bus import MemorySource, decode_summary_message
 from sdcwatch.detectors.summary import StepSummary, SummaryError, SummaryOrder, decode_summary, encode_summary
 from sdcwatch.core.errors import ConfigError
 from sdcwatch.telemetry import MemoryBus
-from sdcwatch.telemetry.record import encode
+from sdcwatch.core.record import encode
 
 
 def one_process(synth, steps):

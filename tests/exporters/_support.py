@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from sdcwatch.detectors.types import Incident, PipelineView, RunView, ServiceView, Severity
+from sdcwatch.core.incident import Incident, PipelineView, RunView, ServiceView, Severity
 
 REPO = Path(__file__).resolve().parents[2]
 DASHBOARDS = REPO / "dashboards"

@@ -296,7 +296,7 @@ def test_promtool_check_metrics_accepts_the_exposition(make_view):
 def test_collector_renders_a_real_detection_pipeline_view():
     """The collector against the detector service's own view (not a hand-built one)."""
     from sdcwatch.detectors import DetectionPipeline
-    from sdcwatch.telemetry.record import Record
+    from sdcwatch.core.record import Record
 
     rng = np.random.default_rng(0)
     world, layers = 8, 3

@@ -10,7 +10,7 @@ import urllib.request
 import pytest
 
 import sdcwatch_exporter_test_support as support  # registered by conftest.py
-from sdcwatch.detectors.types import IncidentEvent
+from sdcwatch.core.incident import IncidentEvent
 from sdcwatch.core.errors import ConfigError
 from sdcwatch.exporters import METRICS, AlertmanagerSink, Backoff, MetricsServer, WebhookSink
 

@@ -12,7 +12,7 @@ from datetime import datetime
 import pytest
 
 import sdcwatch_exporter_test_support as support  # registered by conftest.py
-from sdcwatch.detectors.types import IncidentEvent, Severity
+from sdcwatch.core.incident import IncidentEvent, Severity
 from sdcwatch.core.errors import ConfigError
 from sdcwatch.exporters import AlertmanagerSink, Backoff, DeliveryError, LogSink, WebhookSink, alertname_for
 from sdcwatch.exporters.logsink import format_logfmt

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from sdcwatch.telemetry import Emitter, KafkaTransport, Record, encode, is_end_marker
-from sdcwatch.telemetry.record import encode_batch
+from sdcwatch.core.record import encode_batch
 
 pytestmark = pytest.mark.integration
 

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sdcwatch.core.errors import RecordError, SdcwatchError, UnknownVersionError
-from sdcwatch.telemetry.record import (
+from sdcwatch.core.record import (
     MAGIC,
     Record,
     decode,
@@ -18,7 +18,7 @@ from sdcwatch.telemetry.record import (
     encode,
     encode_batch,
 )
-from sdcwatch.telemetry.record_json import from_json, to_json
+from sdcwatch.core.record_json import from_json, to_json
 
 names = st.from_regex(r"[A-Za-z_][A-Za-z0-9_.]{0,20}", fullmatch=True)
 f32 = st.floats(width=32, allow_nan=False)  # layer vectors travel as float32

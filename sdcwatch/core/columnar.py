@@ -259,8 +259,8 @@ class PackedRecord:
 
 
 def row_to_record(schema: Schema, run: str, hosts: Sequence[str], values: Sequence[Any]) -> Any:
-    """A :class:`~sdcwatch.telemetry.record.Record` from one unpacked row."""
-    from sdcwatch.telemetry.record import Record
+    """A :class:`~sdcwatch.core.record.Record` from one unpacked row."""
+    from sdcwatch.core.record import Record
 
     step, rank, world, local_rank, host, time = values[:6]
     p = 6
@@ -328,7 +328,7 @@ def encode_items(
     inline under that key: a schema rides with the first message of each key (it is updated here;
     the transport forgets it when it reconnects).
     """
-    from sdcwatch.telemetry.record import encode, encode_batch
+    from sdcwatch.core.record import encode, encode_batch
 
     groups: dict[tuple, list] = {}
     for it in items:
@@ -470,7 +470,7 @@ def decode_stream(values: Iterable[bytes], schemas: dict[int, Schema] | None = N
     the sequence (``schemas`` holds what was learnt). The service reads v2 in bulk with
     ``sdcwatch.detectors.ingest`` instead. Raises RecordError on a bad message or an unknown schema.
     """
-    from sdcwatch.telemetry.record import decode_message
+    from sdcwatch.core.record import decode_message
 
     schemas = {} if schemas is None else schemas
     out: list[Any] = []

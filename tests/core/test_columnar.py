@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from sdcwatch.core.errors import ConfigError, RecordError
 from sdcwatch.telemetry import Emitter, MemoryBus, MemoryTransport
-from sdcwatch.telemetry.columnar import (
+from sdcwatch.core.columnar import (
     MAGIC_V2,
     PackedRecord,
     Schema,
@@ -23,8 +23,8 @@ from sdcwatch.telemetry.columnar import (
     schema_for,
 )
 from sdcwatch.telemetry.lifecycle import RUN_END
-from sdcwatch.telemetry.record import MAGIC, Record
-from sdcwatch.telemetry.transports import record_key
+from sdcwatch.core.record import MAGIC, Record
+from sdcwatch.core.record import record_key
 
 f32 = st.floats(width=32, allow_nan=False)
 names = st.from_regex(r"[a-z_][a-z0-9_]{0,10}", fullmatch=True)
@@ -188,7 +188,7 @@ def test_v2_emitter_counts_bad_records_as_invalid_and_sends_the_rest():
 
 def test_the_codec_keeps_the_training_rank_light():
     code = (
-        "import sys, sdcwatch.telemetry.columnar, sdcwatch.telemetry; "
+        "import sys, sdcwatch.core.columnar, sdcwatch.telemetry; "
         "print([m for m in ('torch', 'kafka', 'scipy', 'river') if m in sys.modules])"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

@@ -1,5 +1,5 @@
 """The wire record: one per rank per step, its checks and its versioned binary codec (the JSON
-codec is :mod:`sdcwatch.telemetry.record_json`).
+codec is :mod:`sdcwatch.core.record_json`).
 
 A record carries the identity of the rank (run, step, rank, world, host), scalars (loss, gradient
 norms, cosine, step time, non-finite count...), exact 64-bit fingerprints that must agree across
@@ -33,7 +33,7 @@ from typing import Any, Mapping, Sequence
 
 from sdcwatch.core.errors import RecordError, UnknownVersionError
 from sdcwatch.core.names import FINGERPRINTS, LAYER_METRICS, SCALARS, TELEMETRY_TOPIC
-from sdcwatch.telemetry.limits import MAX_NAME_BYTES, LimitError, RecordLimits
+from sdcwatch.core.limits import MAX_NAME_BYTES, LimitError, RecordLimits
 
 __all__ = [
     "Record",
@@ -47,6 +47,8 @@ __all__ = [
     "LAYER_METRICS",
     "FINGERPRINTS",
     "TELEMETRY_TOPIC",
+    "KEY_WINDOW",
+    "record_key",
 ]
 
 VERSION = 1
@@ -374,7 +376,7 @@ def decode_message(data: bytes | bytearray | memoryview, limits: RecordLimits | 
     """Decode a bus message: a single record or a batch. Raises RecordError when any part is bad.
 
     With ``limits`` (the service always passes them) a message or a record past a limit raises
-    :class:`~sdcwatch.telemetry.limits.LimitError`, before anything is sized by its claims.
+    :class:`~sdcwatch.core.limits.LimitError`, before anything is sized by its claims.
     """
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise RecordError("record", f"expected bytes, got {type(data).__name__}")
@@ -414,3 +416,14 @@ def _decode_message(buf: bytes) -> list[Record]:
     if pos != len(buf):
         raise RecordError("batch", f"{len(buf) - pos} trailing bytes after {count} records")
     return out
+
+
+#: Steps per partition key. All records whose steps fall in one window share a key, so every
+#: rank of a step lands in the same partition (a detector instance sees whole steps), and one
+#: rank's consecutive steps can travel in one message.
+KEY_WINDOW = 16
+
+
+def record_key(rec: Any) -> bytes:
+    """Partition key of a record (or a packed one): run and step window, so every rank of one step lands in one partition."""
+    return f"{rec.run}/{rec.step // KEY_WINDOW}".encode()

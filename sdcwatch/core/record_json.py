@@ -11,7 +11,7 @@ from typing import Any
 
 from sdcwatch.core.errors import RecordError, UnknownVersionError
 from sdcwatch.core.jsonsafe import json_float
-from sdcwatch.telemetry.record import VERSION, Record, validate
+from sdcwatch.core.record import VERSION, Record, validate
 
 __all__ = ["to_dict", "from_dict", "to_json", "from_json"]
 
