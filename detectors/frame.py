@@ -13,15 +13,26 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
+from sdcwatch.core.mesh import DIMS
 from sdcwatch.core.names import CHECK_METRICS, FINGERPRINTS, LAYER_METRICS, SCALARS
 from sdcwatch.core.record import Record
 
-__all__ = ["StepFrame", "frame_stats"]
+__all__ = ["StepFrame", "frame_stats", "DIM_INDEX", "no_coords", "ordered_names"]
+
+#: Column of each mesh dim in :attr:`StepFrame.coords`.
+DIM_INDEX = {d: i for i, d in enumerate(DIMS)}
+
+
+def no_coords(world: int) -> np.ndarray:
+    """A (world, len(DIMS)) coordinate matrix with every coordinate absent (-1)."""
+    return np.full((world, len(DIMS)), -1, np.int32)
+
 
 _QUANTILES = np.array([0.0, 0.25, 0.5, 0.75, 1.0])
 
 
-def _ordered(known: Sequence[str], seen: Iterable[str]) -> tuple[str, ...]:
+def ordered_names(known: Sequence[str], seen: Iterable[str]) -> tuple[str, ...]:
+    """Names in ``known`` order first (those seen), then the others seen, sorted: a stable column order."""
     seen = set(seen)
     return tuple(n for n in known if n in seen) + tuple(sorted(seen.difference(known)))
 
@@ -32,6 +43,9 @@ class StepFrame:
 
     ``scalars`` is (world, n_scalars), ``layers`` (world, n_layer_metrics, n_layers),
     ``fingerprints`` (world, n_fp) uint64 with ``fp_present`` telling which were sent.
+    ``coords`` (world, len(DIMS)) holds each rank's parallel coordinates (-1: not given; columns
+    in :data:`sdcwatch.core.mesh.DIMS` order, see :data:`DIM_INDEX`); None for frames built
+    without ranks' records (offline replay of a log).
     """
 
     run: str
@@ -49,6 +63,7 @@ class StepFrame:
     scalar_sent: np.ndarray | None = None  # (world, n_scalars) bool: NaN sent vs not sent
     layer_sent: np.ndarray | None = None  # (world, n_layer_metrics) int: layers sent per metric
     times: np.ndarray | None = None
+    coords: np.ndarray | None = None
     wall: float = 0.0  # service clock when the step was closed
     complete: bool = True
 
@@ -59,9 +74,9 @@ class StepFrame:
         cls, run: str, step: int, world: int, records: Sequence[Record], *, wall: float = 0.0
     ) -> "StepFrame":
         """Assemble the frame of one step; ``records`` hold at most one record per rank."""
-        snames = _ordered(SCALARS, (n for r in records for n in r.scalars))
-        lnames = _ordered(LAYER_METRICS + CHECK_METRICS, (n for r in records for n in r.layers))
-        fnames = _ordered(FINGERPRINTS, (n for r in records for n in r.fingerprints))
+        snames = ordered_names(SCALARS, (n for r in records for n in r.scalars))
+        lnames = ordered_names(LAYER_METRICS + CHECK_METRICS, (n for r in records for n in r.layers))
+        fnames = ordered_names(FINGERPRINTS, (n for r in records for n in r.fingerprints))
         n_layers = max((len(v) for r in records for v in r.layers.values()), default=0)
         sidx = {n: i for i, n in enumerate(snames)}
         lidx = {n: i for i, n in enumerate(lnames)}
@@ -75,11 +90,14 @@ class StepFrame:
         present = np.zeros(world, bool)
         times = np.full(world, np.nan)
         hosts = [""] * world
+        coords = no_coords(world)
         for rec in records:
             r = rec.rank
             present[r] = True
             hosts[r] = rec.host
             times[r] = rec.time
+            for d, v in rec.coords.items():
+                coords[r, DIM_INDEX[d]] = v
             row, sent = scalars[r], ssent[r]
             for n, v in rec.scalars.items():
                 i = sidx[n]
@@ -108,6 +126,7 @@ class StepFrame:
             scalar_sent=ssent,
             layer_sent=lsent,
             times=times,
+            coords=coords,
             wall=wall,
             complete=bool(present.all()),
         )

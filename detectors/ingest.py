@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 
-from sdcwatch.detectors.frame import StepFrame, _ordered
+from sdcwatch.detectors.frame import DIM_INDEX, StepFrame, no_coords, ordered_names
 from sdcwatch.core.errors import RecordError
 from sdcwatch.core.limits import COUNTER_SCALARS, LimitError, RecordLimits, reason_of
 from sdcwatch.core.columnar import MAGIC_V2, MessageHeader, Schema, parse_header, row_to_record
@@ -107,6 +107,16 @@ def bad_rows(
             lambda i: f"must be a finite number, got {rows['time'][i]!r}",
         ),
     ]
+    if schema.coords:
+        top = rows["coords"].max(axis=1)
+        checks.append(
+            (
+                "malformed",
+                "coords",
+                top >= world,
+                lambda i: f"{top[i]} out of range [0, {world[i]}): no mesh dim outnumbers the ranks",
+            )
+        )
     sc = rows["scalars"]
     for name in COUNTER_SCALARS:
         if name in schema.scalars:
@@ -428,8 +438,8 @@ def assemble_frame(
         fseen.update(sch.fingerprints)
         lseen.update(n for n, _ in sch.layers)
         n_layers = max([n_layers, *(k for _, k in sch.layers)])
-    snames, fnames = _ordered(SCALARS, sseen), _ordered(FINGERPRINTS, fseen)
-    lnames = _ordered(LAYER_METRICS + CHECK_METRICS, lseen)  # as StepFrame.from_records orders them
+    snames, fnames = ordered_names(SCALARS, sseen), ordered_names(FINGERPRINTS, fseen)
+    lnames = ordered_names(LAYER_METRICS + CHECK_METRICS, lseen)  # as StepFrame.from_records orders them
     sidx = {n: i for i, n in enumerate(snames)}
     lidx = {n: i for i, n in enumerate(lnames)}
     fidx = {n: i for i, n in enumerate(fnames)}
@@ -442,6 +452,7 @@ def assemble_frame(
     present = np.zeros(world, bool)
     times = np.full(world, np.nan)
     hosts = np.full(world, "", dtype=object)
+    coords = no_coords(world)
     for cols, idx in blocks:
         sch = cols.schema
         whole = len(idx) == len(cols.rows)
@@ -450,6 +461,8 @@ def assemble_frame(
         present[r] = True
         times[r] = rows["time"]
         hosts[r] = cols.hosts[cols.host if whole else cols.host[idx]]
+        if sch.coords:
+            coords[r[:, None], [DIM_INDEX[d] for d in sch.coords]] = rows["coords"]
         if sch.scalars:
             si = np.array([sidx[n] for n in sch.scalars])
             scalars[r[:, None], si] = rows["scalars"]
@@ -468,6 +481,8 @@ def assemble_frame(
         present[r] = True
         hosts[r] = rec.host
         times[r] = rec.time
+        for d, v in rec.coords.items():
+            coords[r, DIM_INDEX[d]] = v
         for n, v in rec.scalars.items():
             scalars[r, sidx[n]] = v
             ssent[r, sidx[n]] = True
@@ -493,6 +508,7 @@ def assemble_frame(
         scalar_sent=ssent,
         layer_sent=lsent,
         times=times,
+        coords=coords,
         wall=wall,
         complete=bool(present.all()),
     )
@@ -511,16 +527,7 @@ def frames_over_wire(records: Sequence[Record], wire: str, *, per_message: int =
 
     if wire not in WIRES:
         raise ValueError(f"wire must be one of {', '.join(WIRES)}, got {wire!r}")
-    items = (
-        list(records)
-        if wire == "v1"
-        else [
-            PackedRecord.pack(
-                r.run, r.host, r.step, r.rank, r.world, r.local_rank, r.time, r.scalars, r.fingerprints, r.layers
-            )
-            for r in records
-        ]
-    )
+    items = list(records) if wire == "v1" else [PackedRecord.from_record(r) for r in records]
     messages = [
         (f"wire/0/{i}", key, value)
         for i, (key, value, _) in enumerate(encode_items(items, record_key, per_message, set()))

@@ -25,6 +25,7 @@ import time as _time
 from typing import Any, Mapping, Sequence
 
 from sdcwatch.core.errors import ConfigError, RecordError, TransportError
+from sdcwatch.core.mesh import Layout, check_coords, parse_coords
 from sdcwatch.core.names import TELEMETRY_TOPIC
 from sdcwatch.core.columnar import WIRES, PackedRecord
 from sdcwatch.core.record import Record, validate
@@ -49,18 +50,32 @@ def _env_int(env: Mapping[str, str], name: str, default: int) -> int:
 
 
 def identity_from_env(env: Mapping[str, str] | None = None) -> dict[str, Any]:
-    """Rank, world size, local rank, host and run from the usual launcher variables.
+    """Rank, world size, local rank, host, run and parallel coordinates from launcher variables.
 
     torchrun/torch.distributed set RANK, WORLD_SIZE and LOCAL_RANK; SDCWATCH_RUN names the run
-    (falling back to TORCHELASTIC_RUN_ID, then "default").
+    (falling back to TORCHELASTIC_RUN_ID, then "default"). The rank's place in the job's device
+    mesh (:mod:`sdcwatch.core.mesh`) comes from SDCWATCH_COORDS (``"pp=1,dp=3,tp=0"``) or else from
+    SDCWATCH_MESH, the job's layout (``"pp=2,dp=4,tp=2"``) with the rank numbered over it; neither
+    set: no coordinates (pure data parallel).
     """
     env = os.environ if env is None else env
+    rank = _env_int(env, "RANK", 0)
+    world = _env_int(env, "WORLD_SIZE", 1)
+    coords: dict[str, int] = {}
+    if env.get("SDCWATCH_COORDS"):
+        coords = parse_coords(env["SDCWATCH_COORDS"], key="SDCWATCH_COORDS")
+    elif env.get("SDCWATCH_MESH"):
+        layout = Layout.parse(env["SDCWATCH_MESH"], key="SDCWATCH_MESH")
+        if layout.world != world:
+            raise ConfigError("SDCWATCH_MESH", f"{layout} has {layout.world} ranks, WORLD_SIZE is {world}")
+        coords = layout.coords(rank)
     return {
-        "rank": _env_int(env, "RANK", 0),
-        "world": _env_int(env, "WORLD_SIZE", 1),
+        "rank": rank,
+        "world": world,
         "local_rank": _env_int(env, "LOCAL_RANK", 0),
         "host": env.get("SDCWATCH_HOST") or socket.gethostname(),
         "run": env.get("SDCWATCH_RUN") or env.get("TORCHELASTIC_RUN_ID") or "default",
+        "coords": coords,
     }
 
 
@@ -112,6 +127,11 @@ class Emitter:
             than Ctrl-C or ``sys.exit(0)``) sends none.
         wire: ``"v2"`` (packed rows of a schema sent once; the default) or ``"v1"`` (self-describing
             records); default ``SDCWATCH_WIRE``, then ``v2``.
+        coords: this rank's place in the job's device mesh, {dim: index} over
+            ``pp, dp_replicate, dp_shard, cp, ep, tp`` (:mod:`sdcwatch.core.mesh`), so the service
+            compares it only with ranks that hold the same model piece; default from
+            ``SDCWATCH_COORDS`` or ``SDCWATCH_MESH`` (see :func:`identity_from_env`), else none
+            (pure data parallel).
     """
 
     def __init__(
@@ -131,6 +151,7 @@ class Emitter:
         wire: str | None = None,
         env: Mapping[str, str] | None = None,
         end_marker: bool = True,
+        coords: Mapping[str, int] | None = None,
     ) -> None:
         if not isinstance(buffer, int) or buffer < 1:
             raise ConfigError("buffer", f"must be a positive integer, got {buffer!r}")
@@ -149,6 +170,8 @@ class Emitter:
         self.world = world if world is not None else ident["world"]
         self.local_rank = local_rank if local_rank is not None else ident["local_rank"]
         self.host = host if host is not None else ident["host"]
+        self.coords: dict[str, int] = {}
+        self.set_coords(coords if coords is not None else ident["coords"])
         # fail early, in the constructor, on an identity the service would reject
         validate(Record(self.run, 0, self.rank, self.world, self.host, 0.0, self.local_rank))
         if transport is None:
@@ -178,6 +201,18 @@ class Emitter:
         self._down_since: float | None = None
         self._thread = threading.Thread(target=self._run, name=f"sdcwatch-emitter-{self.rank}", daemon=True)
         self._thread.start()
+
+    def set_coords(self, coords: Mapping[str, int]) -> None:
+        """Put this rank's parallel coordinates ({mesh dim: index}) on every record from now on.
+
+        ``attach(..., mesh=...)`` calls it with a torch ``DeviceMesh``'s coordinates; dims may be
+        given by alias (``dp``, ``fsdp``...). Raises ConfigError naming a bad dim or index.
+        """
+        checked = check_coords(coords)
+        for dim, index in checked.items():
+            if index >= self.world:
+                raise ConfigError(f"coords.{dim}", f"{index} out of range [0, {self.world}) (world size {self.world})")
+        self.coords = checked
 
     # -- training-loop side -------------------------------------------------------------------
 
@@ -320,6 +355,7 @@ class Emitter:
                     scalars,
                     fps,
                     layers,
+                    coords=self.coords,
                     schemas=self._layouts,
                 )
             else:
@@ -334,6 +370,7 @@ class Emitter:
                     scalars,
                     dict(fps) if fps else {},
                     dict(layers) if layers else {},
+                    self.coords,
                 )
                 validate(rec)
         except (RecordError, struct.error, TypeError, ValueError, OverflowError) as exc:

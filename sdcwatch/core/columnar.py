@@ -12,7 +12,11 @@ Message layout, version 2 (little-endian)::
     | u16 n_hosts | u32 n | host names joined by "\n", n bytes | [flags & 1: u32 n | schema JSON, n bytes]
     | count x row
     row = u64 step | u32 rank | u32 world | u32 local_rank | u32 host index | f64 time
-          | f64 x len(scalars) | u64 x len(fingerprints) | f32 x sum(layer lengths)
+          | u32 x len(coords) | f64 x len(scalars) | u64 x len(fingerprints) | f32 x sum(layer lengths)
+
+A schema names the mesh dims its rows carry coordinates for (``coords``, canonical dims of
+:mod:`sdcwatch.core.mesh`); a schema without coordinates has the same text, and so the same id,
+as before coordinates existed.
 
 Where the schema travels, and why: in-band, inline in the first message a sender sends under
 each partition key (run and 16-step window) and whenever a new layout appears; every other
@@ -38,6 +42,7 @@ from itertools import chain
 from typing import Any, Iterable, Mapping, Sequence
 
 from sdcwatch.core.errors import RecordError
+from sdcwatch.core.mesh import DIMS
 
 __all__ = [
     "Schema",
@@ -72,16 +77,19 @@ _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.:-]{0,63}$")
 MAX_NAMES = 255
 MAX_LAYERS = 65535
 MAX_SCHEMA_BYTES = 1 << 16
+_SCHEMA_KEYS = {"scalars", "fingerprints", "layers", "coords"}
 
 
 class Schema:
-    """One record layout: scalar names, fingerprint names, (layer metric, number of layers).
+    """One record layout: scalar names, fingerprint names, (layer metric, number of layers), and the
+    mesh dims whose coordinates each row carries.
 
     Build with :func:`schema_for` (cached, validated). ``id`` is the first 8 bytes of the BLAKE2b
     hash of :attr:`text`, the canonical JSON the wire carries.
     """
 
     __slots__ = (
+        "coords",
         "scalars",
         "fingerprints",
         "layers",
@@ -94,7 +102,18 @@ class Schema:
         "layer_offsets",
     )
 
-    def __init__(self, scalars: Sequence[str], fingerprints: Sequence[str], layers: Sequence[tuple[str, int]]) -> None:
+    def __init__(
+        self,
+        scalars: Sequence[str],
+        fingerprints: Sequence[str],
+        layers: Sequence[tuple[str, int]],
+        coords: Sequence[str] = (),
+    ) -> None:
+        self.coords = tuple(coords)
+        if any(d not in DIMS for d in self.coords) or len(set(self.coords)) != len(self.coords):
+            raise RecordError(
+                "schema.coords", f"must be distinct mesh dims among {', '.join(DIMS)}, got {self.coords!r}"
+            )
         self.scalars = tuple(scalars)
         self.fingerprints = tuple(fingerprints)
         self.layers = tuple((str(n), int(k)) for n, k in layers)
@@ -113,14 +132,14 @@ class Schema:
         for n, k in self.layers:
             if not 0 <= k <= MAX_LAYERS:
                 raise RecordError(f"layers.{n}", f"{k} layers out of range [0, {MAX_LAYERS}]")
-        self.text = json.dumps(
-            {
-                "scalars": list(self.scalars),
-                "fingerprints": list(self.fingerprints),
-                "layers": [list(x) for x in self.layers],
-            },
-            separators=(",", ":"),
-        ).encode()
+        text: dict[str, Any] = {
+            "scalars": list(self.scalars),
+            "fingerprints": list(self.fingerprints),
+            "layers": [list(x) for x in self.layers],
+        }
+        if self.coords:
+            text["coords"] = list(self.coords)
+        self.text = json.dumps(text, separators=(",", ":")).encode()
         self.id = int.from_bytes(hashlib.blake2b(self.text, digest_size=8).digest(), "little")
         self.n_layer_values = sum(k for _, k in self.layers)
         offsets, o = [], 0
@@ -128,7 +147,14 @@ class Schema:
             offsets.append(o)
             o += k
         self.layer_offsets = tuple(offsets)
-        fmt = "<" + ROW_HEAD + "d" * len(self.scalars) + "Q" * len(self.fingerprints) + "f" * self.n_layer_values
+        fmt = (
+            "<"
+            + ROW_HEAD
+            + "I" * len(self.coords)
+            + "d" * len(self.scalars)
+            + "Q" * len(self.fingerprints)
+            + "f" * self.n_layer_values
+        )
         self.struct = struct.Struct(fmt)
         self.row_size = self.struct.size
         self._dtype = None
@@ -142,11 +168,11 @@ class Schema:
             d = json.loads(text)
         except (ValueError, UnicodeDecodeError) as exc:
             raise RecordError("schema", f"not valid JSON: {exc}") from None
-        if not isinstance(d, dict) or set(d) != {"scalars", "fingerprints", "layers"}:
-            raise RecordError("schema", "must be an object with exactly scalars, fingerprints and layers")
-        scalars, fps, layers = d["scalars"], d["fingerprints"], d["layers"]
-        if not all(isinstance(x, list) for x in (scalars, fps, layers)):
-            raise RecordError("schema", "scalars, fingerprints and layers must be arrays")
+        if not isinstance(d, dict) or not {"scalars", "fingerprints", "layers"} <= set(d) <= _SCHEMA_KEYS:
+            raise RecordError("schema", "must be an object with scalars, fingerprints, layers and optionally coords")
+        scalars, fps, layers, coords = d["scalars"], d["fingerprints"], d["layers"], d.get("coords", [])
+        if not all(isinstance(x, list) for x in (scalars, fps, layers, coords)):
+            raise RecordError("schema", "scalars, fingerprints, layers and coords must be arrays")
         for item in layers:
             if (
                 not isinstance(item, list)
@@ -156,7 +182,7 @@ class Schema:
                 or not isinstance(item[1], int)
             ):
                 raise RecordError("schema.layers", f"each entry must be [name, number of layers], got {item!r}")
-        sch = cls(scalars, fps, [tuple(x) for x in layers])
+        sch = cls(scalars, fps, [tuple(x) for x in layers], coords)
         if sch.text != bytes(text):
             raise RecordError("schema", "not in canonical form (compact JSON, keys in order)")
         return sch
@@ -174,6 +200,7 @@ class Schema:
                 ("local_rank", "<u4"),
                 ("host", "<u4"),
                 ("time", "<f8"),
+                ("coords", "<u4", (len(self.coords),)),
                 ("scalars", "<f8", (len(self.scalars),)),
                 ("fingerprints", "<u8", (len(self.fingerprints),)),
                 ("layers", "<f4", (self.n_layer_values,)),
@@ -191,7 +218,7 @@ class Schema:
     def __repr__(self) -> str:
         return (
             f"Schema(id={self.id:#018x}, scalars={len(self.scalars)}, fingerprints={len(self.fingerprints)}, "
-            f"layers={self.layers})"
+            f"layers={self.layers}, coords={self.coords})"
         )
 
 
@@ -199,10 +226,13 @@ _SCHEMAS: dict[tuple, Schema] = {}
 
 
 def schema_for(
-    scalars: Sequence[str], fingerprints: Sequence[str] = (), layers: Sequence[tuple[str, int]] = ()
+    scalars: Sequence[str],
+    fingerprints: Sequence[str] = (),
+    layers: Sequence[tuple[str, int]] = (),
+    coords: Sequence[str] = (),
 ) -> Schema:
     """The (cached) schema of a layout; raises RecordError on a bad name or size."""
-    key = (tuple(scalars), tuple(fingerprints), tuple(layers))
+    key = (tuple(scalars), tuple(fingerprints), tuple(layers), tuple(coords))
     sch = _SCHEMAS.get(key)
     if sch is None:
         sch = Schema(*key)
@@ -237,12 +267,17 @@ class PackedRecord:
         fingerprints: Mapping[str, int] | None = None,
         layers: Mapping[str, Sequence[float]] | None = None,
         *,
+        coords: Mapping[str, int] | None = None,
         schemas: dict | None = None,
     ) -> "PackedRecord":
-        """Pack one record; raises RecordError (bad name) or struct/type errors (bad value)."""
+        """Pack one record; raises RecordError (bad name) or struct/type errors (bad value).
+
+        ``coords`` are trusted canonical coordinates (the emitter validates them once).
+        """
         fps = fingerprints or {}
         lay = layers or {}
-        layout = (tuple(scalars), tuple(fps), tuple((k, len(v)) for k, v in lay.items()))
+        co = coords or {}
+        layout = (tuple(scalars), tuple(fps), tuple((k, len(v)) for k, v in lay.items()), tuple(co))
         cache = _SCHEMAS if schemas is None else schemas
         sch = cache.get(layout)
         if sch is None:
@@ -250,9 +285,36 @@ class PackedRecord:
             if schemas is not None:
                 schemas[layout] = sch
         row = sch.struct.pack(
-            step, rank, world, local_rank, 0, time, *scalars.values(), *fps.values(), *chain.from_iterable(lay.values())
+            step,
+            rank,
+            world,
+            local_rank,
+            0,
+            time,
+            *co.values(),
+            *scalars.values(),
+            *fps.values(),
+            *chain.from_iterable(lay.values()),
         )
         return cls(run, host, step, sch, row)
+
+    @classmethod
+    def from_record(cls, rec: Any, *, schemas: dict | None = None) -> "PackedRecord":
+        """Pack a :class:`~sdcwatch.core.record.Record` (tests, benchmarks, re-encoding)."""
+        return cls.pack(
+            rec.run,
+            rec.host,
+            rec.step,
+            rec.rank,
+            rec.world,
+            rec.local_rank,
+            rec.time,
+            rec.scalars,
+            rec.fingerprints,
+            rec.layers,
+            coords=rec.coords,
+            schemas=schemas,
+        )
 
     def to_record(self) -> Any:
         return row_to_record(self.schema, self.run, (self.host,), self.schema.struct.unpack(self.row))
@@ -263,7 +325,9 @@ def row_to_record(schema: Schema, run: str, hosts: Sequence[str], values: Sequen
     from sdcwatch.core.record import Record
 
     step, rank, world, local_rank, host, time = values[:6]
-    p = 6
+    nc = len(schema.coords)
+    coords = dict(zip(schema.coords, values[6 : 6 + nc]))
+    p = 6 + nc
     ns, nf = len(schema.scalars), len(schema.fingerprints)
     scalars = dict(zip(schema.scalars, values[p : p + ns]))
     p += ns
@@ -274,7 +338,7 @@ def row_to_record(schema: Schema, run: str, hosts: Sequence[str], values: Sequen
         layers[name] = tuple(values[p : p + k])
         p += k
     return Record(
-        run, step, rank, world, hosts[host] if host < len(hosts) else "", time, local_rank, scalars, fps, layers
+        run, step, rank, world, hosts[host] if host < len(hosts) else "", time, local_rank, scalars, fps, layers, coords
     )
 
 

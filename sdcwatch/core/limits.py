@@ -128,6 +128,11 @@ class RecordLimits:
                 f"limit is {self.max_step_values} (limits.max_step_values)",
                 "step_size",
             )
+        for dim, index in rec.coords.items():
+            if index >= world:
+                raise RecordError(
+                    f"coords.{dim}", f"{index} out of range [0, {world}): no mesh dim outnumbers the ranks"
+                )
         scalars = rec.scalars
         for name in COUNTER_SCALARS:
             v = scalars.get(name)

@@ -3,7 +3,9 @@ codec is :mod:`sdcwatch.core.record_json`).
 
 A record carries the identity of the rank (run, step, rank, world, host), scalars (loss, gradient
 norms, cosine, step time, non-finite count...), exact 64-bit fingerprints that must agree across
-data-parallel replicas, and per-layer vectors (attention entropy, q/k norms, largest logit).
+data-parallel replicas, per-layer vectors (attention entropy, q/k norms, largest logit), and the
+rank's coordinates in the job's device mesh (:mod:`sdcwatch.core.mesh`; empty for pure data
+parallel).
 
 Binary layout, version 1 (little-endian)::
 
@@ -12,6 +14,11 @@ Binary layout, version 1 (little-endian)::
     | u8 n_scalars  { str8 name | f64 value }*
     | u8 n_fingerprints { str8 name | u64 value }*
     | u8 n_layer_metrics { str8 name | u16 n | f32 * n }*
+    | [version 2 only: u8 n_coords { u8 dim | u32 index }*]
+
+A record with coordinates is written as version 2 (the same layout plus the coordinates, ``dim``
+the index of the dim in :data:`sdcwatch.core.mesh.DIMS`); one without is written as version 1,
+byte for byte what older emitters send.
 
 A bus message holds either one record or a batch of records that share a partition key (one
 rank's consecutive steps, or many ranks' records of one step)::
@@ -34,6 +41,7 @@ from typing import Any, Mapping, Sequence
 from sdcwatch.core.errors import RecordError, UnknownVersionError
 from sdcwatch.core.names import FINGERPRINTS, LAYER_METRICS, SCALARS, TELEMETRY_TOPIC
 from sdcwatch.core.limits import MAX_NAME_BYTES, LimitError, RecordLimits
+from sdcwatch.core.mesh import DIMS, MAX_COORD
 
 __all__ = [
     "Record",
@@ -52,6 +60,8 @@ __all__ = [
 ]
 
 VERSION = 1
+#: The record layout of a record that carries parallel coordinates.
+VERSION_COORDS = 2
 MAGIC = b"SDCW"
 BATCH_MAGIC = b"SDCB"
 _BATCH_HEAD = struct.Struct("<4sBI")
@@ -64,6 +74,7 @@ _U8 = struct.Struct("<B")
 _U16 = struct.Struct("<H")
 _F64 = struct.Struct("<d")
 _U64S = struct.Struct("<Q")
+_COORD = struct.Struct("<BI")
 _MAX_STR = MAX_NAME_BYTES  # run and host: one bound for encode, decode, validate and restore
 _F32S: dict[int, struct.Struct] = {}
 
@@ -89,6 +100,8 @@ class Record:
     scalars: Mapping[str, float] = field(default_factory=dict)
     fingerprints: Mapping[str, int] = field(default_factory=dict)
     layers: Mapping[str, Sequence[float]] = field(default_factory=dict)
+    #: {mesh dim: index} over :data:`sdcwatch.core.mesh.DIMS`; empty: one data-parallel group.
+    coords: Mapping[str, int] = field(default_factory=dict)
 
     @classmethod
     def make(cls, **kw: Any) -> "Record":
@@ -171,6 +184,20 @@ def validate(rec: Record) -> None:
                     float(v)  # numpy scalars
                 except (TypeError, ValueError):
                     raise RecordError(f"layers.{name}", f"element {v!r} is not a number") from None
+    if rec.coords:
+        _check_coords(rec.coords)
+
+
+_DIM_INDEX = {d: i for i, d in enumerate(DIMS)}
+
+
+def _check_coords(coords: Any) -> None:
+    if not isinstance(coords, Mapping):
+        raise RecordError("coords", "must be a mapping of mesh dim to index")
+    for dim, value in coords.items():
+        if dim not in _DIM_INDEX:
+            raise RecordError(f"coords.{dim}", f"unknown mesh dim (one of {', '.join(DIMS)})")
+        _check_int(f"coords.{dim}", value, 0, MAX_COORD)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -190,7 +217,18 @@ def encode(rec: Record) -> bytes:
     refuses values that do not fit, which surfaces as RecordError.
     """
     try:
-        out: list[bytes] = [_HEAD.pack(MAGIC, VERSION, rec.step, rec.rank, rec.world, rec.local_rank, float(rec.time))]
+        coords = rec.coords
+        out: list[bytes] = [
+            _HEAD.pack(
+                MAGIC,
+                VERSION_COORDS if coords else VERSION,
+                rec.step,
+                rec.rank,
+                rec.world,
+                rec.local_rank,
+                float(rec.time),
+            )
+        ]
         _put_str(out, rec.run, True)
         _put_str(out, rec.host, True)
         out.append(_U8.pack(len(rec.scalars)))
@@ -207,9 +245,13 @@ def encode(rec: Record) -> bytes:
             n = len(values)
             out.append(_U16.pack(n))
             out.append(_f32s(n).pack(*values))
+        if coords:
+            out.append(_U8.pack(len(coords)))
+            for dim, value in coords.items():
+                out.append(_COORD.pack(_DIM_INDEX[dim], value))
         return b"".join(out)
-    except (struct.error, OverflowError, TypeError, ValueError, AttributeError) as exc:
-        raise RecordError("record", f"cannot encode: {exc}") from None
+    except (struct.error, OverflowError, TypeError, ValueError, AttributeError, KeyError) as exc:
+        raise RecordError("record", f"cannot encode: {exc!r}") from None
 
 
 class _Reader:
@@ -274,7 +316,8 @@ def _decode_fast(buf: bytes, pos: int, end: int) -> Record | None:
     the careful path, which names the field that is wrong.
     """
     try:
-        if buf[pos : pos + 4] != MAGIC or buf[pos + 4] != VERSION:
+        version = buf[pos + 4]
+        if buf[pos : pos + 4] != MAGIC or (version != VERSION and version != VERSION_COORDS):
             return None
         _, _, step, rank, world, local_rank, time = _HEAD.unpack_from(buf, pos)
         p = pos + _HEAD_SIZE
@@ -301,11 +344,23 @@ def _decode_fast(buf: bytes, pos: int, end: int) -> Record | None:
             n = buf[p] | buf[p + 1] << 8
             layers[name] = _f32s(n).unpack_from(buf, p + 2)
             p += 2 + 4 * n
+        coords: dict[str, int] = {}
+        if version == VERSION_COORDS:
+            count = buf[p]
+            p += 1
+            for _ in range(count):
+                d, value = _COORD.unpack_from(buf, p)
+                p += 5
+                if value >= MAX_COORD or DIMS[d] in coords:
+                    return None
+                coords[DIMS[d]] = value
+            if not coords:
+                return None
     except (IndexError, KeyError, struct.error, UnicodeDecodeError):
         return None
     if p != end or not run or world < 1 or rank >= world or not math.isfinite(time):
         return None
-    return Record(run, step, rank, world, host, time, local_rank, scalars, fps, layers)
+    return Record(run, step, rank, world, host, time, local_rank, scalars, fps, layers, coords)
 
 
 def decode(data: bytes | bytearray | memoryview) -> Record:
@@ -323,8 +378,9 @@ def _decode_careful(buf: bytes) -> Record:
         raise RecordError("magic", f"record too short ({len(buf)} bytes)")
     if buf[:4] != MAGIC:
         raise RecordError("magic", f"not an sdcwatch record (starts with {buf[:4]!r})")
-    if buf[4] != VERSION:
-        raise UnknownVersionError(buf[4])
+    version = buf[4]
+    if version != VERSION and version != VERSION_COORDS:
+        raise UnknownVersionError(version)
     r = _Reader(buf)
     _, _, step, rank, world, local_rank, time = r.unpack(_HEAD, "header")
     run = r.string("run", True)
@@ -348,9 +404,23 @@ def _decode_careful(buf: bytes) -> Record:
         name = r.name("layers")
         (count,) = r.unpack(_U16, f"layers.{name}")
         layers[name] = _f32s(count).unpack(r.take(4 * count, f"layers.{name}"))
+    coords: dict[str, int] = {}
+    if version == VERSION_COORDS:
+        (n,) = r.unpack(_U8, "coords")
+        if not n:
+            raise RecordError("coords", "a version-2 record must carry coordinates")
+        for _ in range(n):
+            d, value = r.unpack(_COORD, "coords")
+            if d >= len(DIMS):
+                raise RecordError("coords", f"unknown mesh dim index {d} (0..{len(DIMS) - 1})")
+            if DIMS[d] in coords:
+                raise RecordError(f"coords.{DIMS[d]}", "given twice")
+            if value >= MAX_COORD:
+                raise RecordError(f"coords.{DIMS[d]}", f"{value} out of range [0, {MAX_COORD})")
+            coords[DIMS[d]] = value
     if r.pos != len(buf):
         raise RecordError("record", f"{len(buf) - r.pos} trailing bytes after the record")
-    rec = Record(run, step, rank, world, host, time, local_rank, scalars, fps, layers)
+    rec = Record(run, step, rank, world, host, time, local_rank, scalars, fps, layers, coords)
     if not run:
         raise RecordError("run", "must not be empty")
     if world < 1:

@@ -41,6 +41,7 @@ def to_dict(rec: Record) -> dict[str, Any]:
         "scalars": {k: json_float(v) for k, v in rec.scalars.items()},
         "fingerprints": {k: int(v) for k, v in rec.fingerprints.items()},
         "layers": {k: [json_float(x) for x in v] for k, v in rec.layers.items()},
+        **({"coords": dict(rec.coords)} if rec.coords else {}),
     }
 
 
@@ -67,11 +68,12 @@ def from_dict(d: Any) -> Record:
         "scalars",
         "fingerprints",
         "layers",
+        "coords",
     }
     if unknown:
         raise RecordError(sorted(unknown)[0], "unknown field")
     groups = {}
-    for g in ("scalars", "fingerprints", "layers"):
+    for g in ("scalars", "fingerprints", "layers", "coords"):
         val = d.get(g, {})
         if not isinstance(val, dict):
             raise RecordError(g, "must be a JSON object")
@@ -90,6 +92,7 @@ def from_dict(d: Any) -> Record:
             k: tuple(_pfloat(f"layers.{k}", x) for x in (v if isinstance(v, list) else _not_list(k)))
             for k, v in groups["layers"].items()
         },
+        coords=dict(groups["coords"]),
     )
     validate(rec)
     return rec

@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sdcwatch.core.errors import ConfigError, RecordError
+from sdcwatch.core.mesh import DIMS
 from sdcwatch.telemetry import Emitter, MemoryBus, MemoryTransport
 from sdcwatch.core.columnar import (
     MAGIC_V2,
@@ -36,6 +37,8 @@ def records(draw):
     fps = draw(st.dictionaries(names, st.integers(0, (1 << 64) - 1), max_size=3))
     layers = draw(st.dictionaries(names, st.lists(f32, max_size=5).map(tuple), max_size=3))
     world = draw(st.integers(1, 1 << 20))
+    dims = draw(st.lists(st.sampled_from(DIMS), unique=True, max_size=len(DIMS)))
+    coords = {d: draw(st.integers(0, world - 1)) for d in DIMS if d in dims}
     return Record(
         draw(st.text(min_size=1, max_size=8)),
         draw(st.integers(0, (1 << 63) - 1)),
@@ -47,28 +50,18 @@ def records(draw):
         scalars,
         fps,
         layers,
+        coords,
     )
 
 
 def pack(rec: Record) -> PackedRecord:
-    return PackedRecord.pack(
-        rec.run,
-        rec.host,
-        rec.step,
-        rec.rank,
-        rec.world,
-        rec.local_rank,
-        rec.time,
-        rec.scalars,
-        rec.fingerprints,
-        rec.layers,
-    )
+    return PackedRecord.from_record(rec)
 
 
 def same(a: Record, b: Record) -> bool:
     """Equal, NaN equal to NaN."""
     eq = lambda x, y: x == y or (isinstance(x, float) and math.isnan(x) and math.isnan(y))  # noqa: E731
-    return (a.key, a.world, a.host, a.time, a.local_rank, a.fingerprints, a.layers) == (
+    return (a.key, a.world, a.host, a.time, a.local_rank, a.fingerprints, a.layers, a.coords) == (
         b.key,
         b.world,
         b.host,
@@ -76,6 +69,7 @@ def same(a: Record, b: Record) -> bool:
         b.local_rank,
         b.fingerprints,
         b.layers,
+        b.coords,
     ) and (list(a.scalars) == list(b.scalars) and all(eq(a.scalars[k], b.scalars[k]) for k in a.scalars))
 
 
@@ -193,3 +187,33 @@ def test_the_codec_keeps_the_training_rank_light():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_a_schema_without_coordinates_keeps_its_text_and_id_and_one_with_them_carries_them():
+    plain = schema_for(("loss",))
+    assert plain.text == b'{"scalars":["loss"],"fingerprints":[],"layers":[]}'
+    placed = schema_for(("loss",), coords=("pp", "tp"))
+    assert placed.id != plain.id and Schema.from_text(placed.text) == placed
+    assert placed.row_size == plain.row_size + 8
+    with pytest.raises(RecordError, match="mesh dims"):
+        schema_for(("loss",), coords=("pp", "pp"))
+    with pytest.raises(RecordError, match="mesh dims"):
+        Schema.from_text(b'{"scalars":[],"fingerprints":[],"layers":[],"coords":["warp"]}')
+
+
+def test_the_emitter_puts_coordinates_from_the_environment_on_every_record():
+    bus = MemoryBus()
+    env = {"RANK": "5", "WORLD_SIZE": "16", "SDCWATCH_MESH": "tp=2,pp=2,dp=4", "SDCWATCH_RUN": "r"}
+    for wire in ("v1", "v2"):
+        with Emitter(MemoryTransport(bus), env=env, wire=wire, end_marker=False) as em:
+            em.emit(1, loss=1.0)
+        assert em.coords == {"pp": 0, "dp_replicate": 2, "tp": 1}
+    assert [r.coords for r in bus.records()] == [{"pp": 0, "dp_replicate": 2, "tp": 1}] * 2
+    explicit = {"RANK": "5", "WORLD_SIZE": "16", "SDCWATCH_COORDS": "pp=1,dp=0,tp=1"}
+    assert Emitter(MemoryTransport(MemoryBus()), env=explicit).coords == {"pp": 1, "dp_replicate": 0, "tp": 1}
+    with pytest.raises(ConfigError, match="SDCWATCH_MESH"):
+        Emitter(MemoryTransport(MemoryBus()), env={"WORLD_SIZE": "8", "SDCWATCH_MESH": "tp=2,pp=2,dp=4"})
+    with pytest.raises(ConfigError, match="unknown mesh dim 'warp'"):
+        Emitter(MemoryTransport(MemoryBus()), env={"WORLD_SIZE": "8", "SDCWATCH_COORDS": "warp=1"})
+    with pytest.raises(ConfigError, match=r"coords.tp"):
+        Emitter(MemoryTransport(MemoryBus()), world=2, coords={"tp": 3})

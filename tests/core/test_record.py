@@ -19,6 +19,7 @@ from sdcwatch.core.record import (
     encode_batch,
 )
 from sdcwatch.core.record_json import from_json, to_json
+from sdcwatch.core.mesh import DIMS, MAX_COORD
 
 names = st.from_regex(r"[A-Za-z_][A-Za-z0-9_.]{0,20}", fullmatch=True)
 f32 = st.floats(width=32, allow_nan=False)  # layer vectors travel as float32
@@ -39,6 +40,7 @@ def records(draw):
         scalars=draw(st.dictionaries(names, f64, max_size=12)),
         fingerprints=draw(st.dictionaries(names, st.integers(0, 2**64 - 1), max_size=4)),
         layers=draw(st.dictionaries(names, st.lists(f32, max_size=40).map(tuple), max_size=8)),
+        coords=draw(st.dictionaries(st.sampled_from(DIMS), st.integers(0, MAX_COORD - 1), max_size=len(DIMS))),
     )
 
 
@@ -124,10 +126,10 @@ def test_corrupted_records_raise_only_record_error(rec, data):
 
 def test_unknown_version_is_rejected_not_guessed():
     buf = bytearray(encode(Record("r", 1, 0, 1)))
-    buf[4] = 2
+    buf[4] = 3  # 1: no coordinates, 2: with coordinates
     with pytest.raises(UnknownVersionError) as info:
         decode(bytes(buf))
-    assert info.value.field == "version" and "2" in str(info.value)
+    assert info.value.field == "version" and "3" in str(info.value)
     assert isinstance(info.value, SdcwatchError)
     with pytest.raises(UnknownVersionError):
         from_json('{"v": 7, "run": "r", "step": 1, "rank": 0, "world": 1}')
@@ -202,3 +204,42 @@ def test_batch_errors_are_record_errors():
     with pytest.raises(RecordError) as info:
         decode_message(good + b"zz")
     assert info.value.field == "batch"
+
+
+def test_coordinates_travel_in_version_2_and_records_without_them_stay_version_1():
+    plain = Record("r", 3, 1, 16, "h", 1.0, 0, {"loss": 2.0})
+    placed = Record("r", 3, 1, 16, "h", 1.0, 0, {"loss": 2.0}, coords={"pp": 1, "dp_replicate": 3, "tp": 0})
+    assert encode(plain)[4] == 1 and encode(placed)[4] == 2
+    assert decode(encode(placed)).coords == {"pp": 1, "dp_replicate": 3, "tp": 0}
+    assert decode(encode(plain)).coords == {}
+    assert from_json(to_json(placed)) == placed and '"coords"' not in to_json(plain)
+
+
+@pytest.mark.parametrize(
+    "coords, field",
+    [
+        ({"tensor_x": 1}, "coords.tensor_x"),
+        ({"tp": -1}, "coords.tp"),
+        ({"tp": 1.5}, "coords.tp"),
+        ({"tp": True}, "coords.tp"),
+        ({"pp": MAX_COORD}, "coords.pp"),
+    ],
+)
+def test_bad_coordinates_are_named(coords, field):
+    with pytest.raises(RecordError) as info:
+        Record.make(run="r", step=1, rank=0, world=4, coords=coords)
+    assert info.value.field == field
+
+
+def test_a_corrupt_coordinate_section_is_a_record_error_naming_coords():
+    buf = encode(Record("r", 3, 1, 16, coords={"tp": 1}))
+    with pytest.raises(RecordError, match="coords"):
+        decode(buf[:-2])  # truncated index
+    bad_dim = bytearray(buf)
+    bad_dim[-5] = 9  # dim index past DIMS
+    with pytest.raises(RecordError, match="mesh dim"):
+        decode(bytes(bad_dim))
+    empty = bytearray(buf[:-5])
+    empty[-1] = 0  # version 2 with no coordinates
+    with pytest.raises(RecordError, match="coords"):
+        decode(bytes(empty))

@@ -12,28 +12,26 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sdcwatch.detectors import DetectionPipeline, DetectorService, StepAligner, StepFrame
-from sdcwatch.detectors.ingest import IngestDecoder, RecordColumns, SchemaRegistry, as_records, assemble_frame
+from sdcwatch.detectors.frame import DIM_INDEX
+from sdcwatch.detectors.ingest import (
+    IngestDecoder,
+    RecordColumns,
+    SchemaRegistry,
+    as_records,
+    assemble_frame,
+    frames_over_wire,
+)
 from sdcwatch.detectors.bus import MemorySource
 from sdcwatch.telemetry import MemoryBus
 from sdcwatch.core.columnar import PackedRecord, encode_items, encode_rows, schema_for
+from sdcwatch.core.errors import RecordError
 from sdcwatch.core.limits import RecordLimits
 from sdcwatch.core.record import Record, encode_batch
 from sdcwatch.core.record import record_key
 
 
 def pack(rec: Record) -> PackedRecord:
-    return PackedRecord.pack(
-        rec.run,
-        rec.host,
-        rec.step,
-        rec.rank,
-        rec.world,
-        rec.local_rank,
-        rec.time,
-        rec.scalars,
-        rec.fingerprints,
-        rec.layers,
-    )
+    return PackedRecord.from_record(rec)
 
 
 def v2_messages(records, sent=None) -> list[tuple[str, bytes, bytes]]:
@@ -48,7 +46,17 @@ def v1_messages(records) -> list[tuple[str, bytes, bytes]]:
 def frames_equal(a: StepFrame, b: StepFrame) -> None:
     assert (a.run, a.step, a.world, a.hosts, a.complete) == (b.run, b.step, b.world, b.hosts, b.complete)
     assert (a.scalar_names, a.layer_names, a.fp_names) == (b.scalar_names, b.layer_names, b.fp_names)
-    for name in ("present", "scalars", "layers", "fingerprints", "fp_present", "scalar_sent", "layer_sent", "times"):
+    for name in (
+        "present",
+        "scalars",
+        "layers",
+        "fingerprints",
+        "fp_present",
+        "scalar_sent",
+        "layer_sent",
+        "times",
+        "coords",
+    ):
         x, y = getattr(a, name), getattr(b, name)
         assert x.dtype == y.dtype and x.shape == y.shape, name
         assert np.array_equal(x, y, equal_nan=x.dtype.kind == "f"), name
@@ -332,3 +340,26 @@ def test_real_log_replays_give_the_same_incidents_over_either_wire(real_logs, lo
         got[wire] = _incident_key(pipe.book.history)
     assert got["v1"] == got["v2"] == got["direct"]
     assert got["v2"] or "clean" in log, "the log's known incidents were not found: the comparison proves little"
+
+
+def test_coordinates_reach_the_frame_over_either_wire_and_impossible_ones_are_dead_lettered():
+    recs = [
+        Record(
+            "r", 1, rank, 4, f"h{rank // 2}", 1.0, 0, {"loss": 1.0}, coords={"dp_replicate": rank // 2, "tp": rank % 2}
+        )
+        for rank in range(4)
+    ]
+    frames = {wire: frames_over_wire(recs, wire) for wire in ("v1", "v2")}
+    for (frame,) in frames.values():
+        frames_equal(frame, StepFrame.from_records("r", 1, 4, recs))
+        assert frame.coords[:, DIM_INDEX["tp"]].tolist() == [0, 1, 0, 1]
+        assert frame.coords[:, DIM_INDEX["dp_replicate"]].tolist() == [0, 0, 1, 1]
+        assert (frame.coords[:, DIM_INDEX["pp"]] == -1).all()  # not given: -1
+    sch = schema_for(("loss",), coords=("tp",))
+    ok = sch.struct.pack(1, 0, 4, 0, 0, 1.0, 1, 1.0)
+    bad = sch.struct.pack(1, 1, 4, 0, 0, 1.0, 4, 1.0)  # tp index 4 in a world of 4
+    msg = encode_rows(sch, "r", ["h"], ok + bad, 2, with_schema=True)
+    items, rejected = IngestDecoder().decode([("a", None, msg)])
+    assert not items and "coords" in rejected[0].reason and "4 out of range [0, 4)" in rejected[0].reason
+    with pytest.raises(RecordError, match="coords.tp"):
+        RecordLimits().check(Record("r", 1, 0, 4, coords={"tp": 4}))
