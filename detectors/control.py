@@ -30,31 +30,35 @@ log = logging.getLogger("sdcwatch.detectors.control")
 POLICY_ACTIONS = ("none", "skip", "rollback", "evict")
 
 
-@dataclass(frozen=True)
+@dataclass
 class ControlPolicy:
-    """Which decision each incident kind asks for. Rules name an action from :data:`POLICY_ACTIONS`.
+    """Which decision each incident kind asks for. Rules name an action from :data:`POLICY_ACTIONS`:
+    "none", "skip" (the update of the next step), "rollback" (to the guard's last snapshot before
+    the incident began; replicas resynchronised from a healthy one), "evict" (the rank the incident
+    names; the job exits with code 16 naming the host).
 
     A replica divergence is split by its evidence: parameter fingerprints that disagree are a
     replica's memory gone wrong (``on_replica_divergence``, by default a rollback that resynchronises
     the replicas from a healthy one); only the canary disagreeing is that rank computing wrongly
-    (``on_canary_divergence``, by default an eviction).
+    (``on_canary_divergence``, by default an eviction). ``sdcwatch serve`` takes these settings from
+    its ``[guard]`` table (:class:`sdcwatch.config.GuardPolicyConfig`).
     """
 
     actions: bool = False
-    """Publish decisions at all (False: detect and report only, the safe default)."""
+    """Publish decisions to the control topic at all; off by default (detect and report only)."""
     min_severity: str = "warning"
-    """Incidents below this severity never cause a decision."""
+    """Incidents below this severity (warning, critical) never cause a decision."""
     on_nonfinite: str = "none"
     """Non-finite values. The guard's own check already reruns or skips that step, before the
     update; "rollback" here also undoes what reached the weights when no guard acted."""
     on_loss_spike: str = "none"
-    """A loss spike with the ranks consistent: the data or the optimisation, not a rank."""
+    """A loss spike on every rank alike: the data or the optimisation, not a rank."""
     on_grad_spike: str = "none"
-    """A gradient spike with the ranks consistent."""
+    """A gradient spike on every rank alike."""
     on_replica_divergence: str = "rollback"
-    """Parameter fingerprints of one replica disagree with the others (a memory fault)."""
+    """One replica's parameter fingerprint disagrees with the others (its memory changed)."""
     on_canary_divergence: str = "evict"
-    """Only the canary output of a rank disagrees: that rank computes wrongly."""
+    """Only a rank's canary output disagrees: that rank computes wrongly."""
     on_rank_outlier: str = "none"
     """One rank's statistics deviate, not yet with confidence."""
     on_silent_drift: str = "evict"
@@ -62,7 +66,7 @@ class ControlPolicy:
     on_sdc_suspected: str = "evict"
     """A spike joined with one rank's evidence: SDC suspected on that rank."""
     lr_factor: float = 1.0
-    """Learning-rate factor a rollback decision carries (1.0: unchanged after the rollback)."""
+    """Learning-rate factor a rollback decision carries, in (0, 1] (1.0: unchanged)."""
 
     def __post_init__(self) -> None:
         for f in fields(self):

@@ -20,6 +20,7 @@ from sdcwatch.core.errors import ConfigError
 from sdcwatch.core.kafka import TEXT_SECURITY_KEYS
 from sdcwatch.core.names import ANOMALY_TOPIC, CONTROL_TOPIC, DEADLETTER_TOPIC, SUMMARY_TOPIC, TELEMETRY_TOPIC
 from sdcwatch.core.validate import check_type, did_you_mean, is_host, topic_problem, url_problem
+from sdcwatch.detectors.control import ControlPolicy
 from sdcwatch.detectors.registry import default_classes
 from sdcwatch.core.limits import RecordLimits
 
@@ -320,48 +321,24 @@ class LimitsConfig(_Section):
 
 
 @dataclass
-class GuardPolicyConfig(_Section):
+class GuardPolicyConfig(ControlPolicy, _Section):
     """[guard]: which decision each incident kind sends to the training job's guard (control topic).
 
-    Actions: "none", "skip" (the update of the next step), "rollback" (to the guard's last snapshot
-    before the incident began; replicas resynchronised from a healthy one), "evict" (the rank the
-    incident names; the job exits with code 16 naming the host). The guard's own settings
-    (snapshots, retries, spike rule) live in the training job: sdcwatch.telemetry.GuardConfig.
+    The settings are :class:`~sdcwatch.detectors.control.ControlPolicy`'s (one definition, its
+    docs); this section adds the TOML table, ``SDCWATCH_GUARD_*`` variables and ``--guard-*``
+    flags. The guard's own settings (snapshots, retries, spike rule) live in the training job:
+    sdcwatch.telemetry.GuardConfig.
     """
 
     section: ClassVar[str] = "guard"
 
-    actions: bool = False
-    """Publish decisions to the control topic at all; off by default (detect and report only)."""
-    min_severity: str = "warning"
-    """Incidents below this severity (warning, critical) never cause a decision."""
-    on_nonfinite: str = "none"
-    """Non-finite values (the guard's local check already reruns or skips that step itself)."""
-    on_loss_spike: str = "none"
-    """A loss spike on every rank alike: data or optimisation, never a rollback or an eviction."""
-    on_grad_spike: str = "none"
-    """A gradient spike on every rank alike."""
-    on_replica_divergence: str = "rollback"
-    """One replica's parameter fingerprint disagrees (its memory changed)."""
-    on_canary_divergence: str = "evict"
-    """Only a rank's canary output disagrees (it computes wrongly)."""
-    on_rank_outlier: str = "none"
-    """One rank deviates, not yet with confidence."""
-    on_silent_drift: str = "evict"
-    """One rank deviates persistently, with confidence (an unhealthy node)."""
-    on_sdc_suspected: str = "evict"
-    """A spike joined with one rank's evidence."""
-    lr_factor: float = 1.0
-    """Learning-rate factor a rollback decision carries, in (0, 1]."""
+    def __post_init__(self) -> None:
+        _Section.__post_init__(self)  # the declared types (ints accepted for floats)
+        ControlPolicy.__post_init__(self)  # the values; errors name guard.<key>
 
-    def _validate(self) -> None:
-        self.policy()  # ControlPolicy checks the values and names the key
-
-    def policy(self) -> Any:
+    def policy(self) -> ControlPolicy:
         """The :class:`~sdcwatch.detectors.control.ControlPolicy` these settings describe."""
-        from sdcwatch.detectors.control import ControlPolicy
-
-        return ControlPolicy(**{f.name: getattr(self, f.name) for f in fields(self)})
+        return ControlPolicy(**{f.name: getattr(self, f.name) for f in fields(ControlPolicy)})
 
 
 @dataclass
