@@ -31,7 +31,8 @@ import numpy as np
 
 from sdcwatch.core.validate import check_positive
 from sdcwatch.detectors.frame import StepFrame
-from sdcwatch.detectors.ingest import RecordColumns, assemble_frame
+from sdcwatch.detectors.frame import assemble_frame
+from sdcwatch.detectors.ingest import RecordColumns
 from sdcwatch.core.limits import RecordLimits
 from sdcwatch.core.record import Record
 from sdcwatch.core.record_json import from_dict, to_dict

@@ -17,7 +17,7 @@ from sdcwatch.core.mesh import DIMS
 from sdcwatch.core.names import CHECK_METRICS, FINGERPRINTS, LAYER_METRICS, SCALARS
 from sdcwatch.core.record import Record
 
-__all__ = ["StepFrame", "frame_stats", "DIM_INDEX", "no_coords", "ordered_names"]
+__all__ = ["StepFrame", "assemble_frame", "frame_stats", "DIM_INDEX", "no_coords", "ordered_names"]
 
 #: Column of each mesh dim in :attr:`StepFrame.coords`.
 DIM_INDEX = {d: i for i, d in enumerate(DIMS)}
@@ -74,62 +74,7 @@ class StepFrame:
         cls, run: str, step: int, world: int, records: Sequence[Record], *, wall: float = 0.0
     ) -> "StepFrame":
         """Assemble the frame of one step; ``records`` hold at most one record per rank."""
-        snames = ordered_names(SCALARS, (n for r in records for n in r.scalars))
-        lnames = ordered_names(LAYER_METRICS + CHECK_METRICS, (n for r in records for n in r.layers))
-        fnames = ordered_names(FINGERPRINTS, (n for r in records for n in r.fingerprints))
-        n_layers = max((len(v) for r in records for v in r.layers.values()), default=0)
-        sidx = {n: i for i, n in enumerate(snames)}
-        lidx = {n: i for i, n in enumerate(lnames)}
-        fidx = {n: i for i, n in enumerate(fnames)}
-        scalars = np.full((world, len(snames)), np.nan)
-        layers = np.full((world, len(lnames), n_layers), np.nan)
-        fps = np.zeros((world, len(fnames)), np.uint64)
-        fpp = np.zeros((world, len(fnames)), bool)
-        ssent = np.zeros((world, len(snames)), bool)
-        lsent = np.zeros((world, len(lnames)), np.int32)
-        present = np.zeros(world, bool)
-        times = np.full(world, np.nan)
-        hosts = [""] * world
-        coords = no_coords(world)
-        for rec in records:
-            r = rec.rank
-            present[r] = True
-            hosts[r] = rec.host
-            times[r] = rec.time
-            for d, v in rec.coords.items():
-                coords[r, DIM_INDEX[d]] = v
-            row, sent = scalars[r], ssent[r]
-            for n, v in rec.scalars.items():
-                i = sidx[n]
-                row[i] = v
-                sent[i] = True
-            for n, v in rec.layers.items():
-                i = lidx[n]
-                layers[r, i, : len(v)] = v
-                lsent[r, i] = len(v)
-            for n, v in rec.fingerprints.items():
-                fps[r, fidx[n]] = v
-                fpp[r, fidx[n]] = True
-        return cls(
-            run=run,
-            step=step,
-            world=world,
-            hosts=tuple(hosts),
-            present=present,
-            scalar_names=snames,
-            scalars=scalars,
-            layer_names=lnames,
-            layers=layers,
-            fp_names=fnames,
-            fingerprints=fps,
-            fp_present=fpp,
-            scalar_sent=ssent,
-            layer_sent=lsent,
-            times=times,
-            coords=coords,
-            wall=wall,
-            complete=bool(present.all()),
-        )
+        return assemble_frame(run, step, world, records, (), wall=wall)
 
     @classmethod
     def single(
@@ -228,3 +173,105 @@ def frame_stats(frame: StepFrame) -> dict[str, Any]:
                 block = np.where(np.isfinite(frame.layers[:, m, :]), frame.layers[:, m, :], np.nan)
                 layer_stats[name] = np.nanquantile(block, _QUANTILES, axis=0).T
     return {"scalars": scalar_stats, "layers": layer_stats}
+
+
+def assemble_frame(
+    run: str,
+    step: int,
+    world: int,
+    records: Sequence[Record],
+    blocks: Sequence[tuple[Any, np.ndarray]],
+    *,
+    wall: float = 0.0,
+) -> StepFrame:
+    """The frame of one step from records and column blocks ``(columns, row indices)``.
+
+    ``columns`` are :class:`~sdcwatch.detectors.ingest.RecordColumns` (wire v2, decoded in
+    batches); ``records`` are :class:`Record` objects (wire v1, JSON). At most one record per rank
+    across all of them. The one place a frame's columns are filled: either wire gives the same
+    frame (names in the same order, missing values NaN).
+    """
+    sseen: set[str] = {n for r in records for n in r.scalars}
+    lseen: set[str] = {n for r in records for n in r.layers}
+    fseen: set[str] = {n for r in records for n in r.fingerprints}
+    n_layers = max((len(v) for r in records for v in r.layers.values()), default=0)
+    for cols, _ in blocks:
+        sch = cols.schema
+        sseen.update(sch.scalars)
+        fseen.update(sch.fingerprints)
+        lseen.update(n for n, _ in sch.layers)
+        n_layers = max([n_layers, *(k for _, k in sch.layers)])
+    snames, fnames = ordered_names(SCALARS, sseen), ordered_names(FINGERPRINTS, fseen)
+    lnames = ordered_names(LAYER_METRICS + CHECK_METRICS, lseen)  # as StepFrame.from_records orders them
+    sidx = {n: i for i, n in enumerate(snames)}
+    lidx = {n: i for i, n in enumerate(lnames)}
+    fidx = {n: i for i, n in enumerate(fnames)}
+    scalars = np.full((world, len(snames)), np.nan)
+    layers = np.full((world, len(lnames), n_layers), np.nan)
+    fps = np.zeros((world, len(fnames)), np.uint64)
+    fpp = np.zeros((world, len(fnames)), bool)
+    ssent = np.zeros((world, len(snames)), bool)
+    lsent = np.zeros((world, len(lnames)), np.int32)
+    present = np.zeros(world, bool)
+    times = np.full(world, np.nan)
+    hosts = np.full(world, "", dtype=object)
+    coords = no_coords(world)
+    for cols, idx in blocks:
+        sch = cols.schema
+        whole = len(idx) == len(cols.rows)
+        rows = cols.rows if whole else cols.rows[idx]
+        r = rows["rank"].astype(np.intp)
+        present[r] = True
+        times[r] = rows["time"]
+        hosts[r] = cols.hosts[cols.host if whole else cols.host[idx]]
+        if sch.coords:
+            coords[r[:, None], [DIM_INDEX[d] for d in sch.coords]] = rows["coords"]
+        if sch.scalars:
+            si = np.array([sidx[n] for n in sch.scalars])
+            scalars[r[:, None], si] = rows["scalars"]
+            ssent[r[:, None], si] = True
+        if sch.fingerprints:
+            fi = np.array([fidx[n] for n in sch.fingerprints])
+            fps[r[:, None], fi] = rows["fingerprints"]
+            fpp[r[:, None], fi] = True
+        lv = rows["layers"]
+        for (name, k), off in zip(sch.layers, sch.layer_offsets):
+            li = lidx[name]
+            layers[r, li, :k] = lv[:, off : off + k]
+            lsent[r, li] = k
+    for rec in records:  # v1 records in a mixed step, as StepFrame.from_records fills them
+        r = rec.rank
+        present[r] = True
+        hosts[r] = rec.host
+        times[r] = rec.time
+        for d, v in rec.coords.items():
+            coords[r, DIM_INDEX[d]] = v
+        for n, v in rec.scalars.items():
+            scalars[r, sidx[n]] = v
+            ssent[r, sidx[n]] = True
+        for n, v in rec.layers.items():
+            layers[r, lidx[n], : len(v)] = v
+            lsent[r, lidx[n]] = len(v)
+        for n, v in rec.fingerprints.items():
+            fps[r, fidx[n]] = v
+            fpp[r, fidx[n]] = True
+    return StepFrame(
+        run=run,
+        step=step,
+        world=world,
+        hosts=tuple(hosts.tolist()),
+        present=present,
+        scalar_names=snames,
+        scalars=scalars,
+        layer_names=lnames,
+        layers=layers,
+        fp_names=fnames,
+        fingerprints=fps,
+        fp_present=fpp,
+        scalar_sent=ssent,
+        layer_sent=lsent,
+        times=times,
+        coords=coords,
+        wall=wall,
+        complete=bool(present.all()),
+    )

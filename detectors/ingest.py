@@ -4,7 +4,7 @@ Wire format v2 (``sdcwatch.core.columnar``) names a record layout by a schema id
 each record as fixed-size numbers. :class:`IngestDecoder` parses each message's small header in
 Python, joins the rows of every message of one (schema, run) and reads them with one
 ``numpy.frombuffer`` over the schema's structured dtype: a :class:`RecordColumns` block. Version 1
-messages still decode, record by record, in the same call. :func:`assemble_frame` fills one
+messages still decode, record by record, in the same call. :func:`~sdcwatch.detectors.frame.assemble_frame` fills one
 step's (rank x metric) arrays from those blocks with fancy indexing, and gives the same
 :class:`~sdcwatch.detectors.frame.StepFrame` as ``StepFrame.from_records`` on the same records.
 
@@ -26,11 +26,10 @@ from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 
-from sdcwatch.detectors.frame import DIM_INDEX, StepFrame, no_coords, ordered_names
+from sdcwatch.detectors.frame import StepFrame
 from sdcwatch.core.errors import RecordError
 from sdcwatch.core.limits import COUNTER_SCALARS, LimitError, RecordLimits, reason_of
 from sdcwatch.core.columnar import MAGIC_V2, MessageHeader, Schema, parse_header, row_to_record
-from sdcwatch.core.names import CHECK_METRICS, FINGERPRINTS, LAYER_METRICS, SCALARS
 from sdcwatch.core.record import Record, decode_message
 
 __all__ = [
@@ -40,7 +39,6 @@ __all__ = [
     "RecordColumns",
     "IngestDecoder",
     "Rejected",
-    "assemble_frame",
     "count_records",
     "as_records",
     "frames_over_wire",
@@ -412,106 +410,6 @@ class IngestDecoder:
         host = rows["host"].astype(np.int64) + np.repeat(np.fromiter(starts, np.int64, len(starts)), counts)
         hosts = np.array(names or [""], dtype=object)
         return RecordColumns(run, schema, rows, hosts, host)
-
-
-def assemble_frame(
-    run: str,
-    step: int,
-    world: int,
-    records: Sequence[Record],
-    blocks: Sequence[tuple[RecordColumns, np.ndarray]],
-    *,
-    wall: float = 0.0,
-) -> StepFrame:
-    """The frame of one step from v1 records and v2 blocks ``(columns, row indices)``.
-
-    At most one record per rank across all of them. Gives the same frame as
-    ``StepFrame.from_records`` on the same records: names in the same order, missing values NaN.
-    """
-    sseen: set[str] = {n for r in records for n in r.scalars}
-    lseen: set[str] = {n for r in records for n in r.layers}
-    fseen: set[str] = {n for r in records for n in r.fingerprints}
-    n_layers = max((len(v) for r in records for v in r.layers.values()), default=0)
-    for cols, _ in blocks:
-        sch = cols.schema
-        sseen.update(sch.scalars)
-        fseen.update(sch.fingerprints)
-        lseen.update(n for n, _ in sch.layers)
-        n_layers = max([n_layers, *(k for _, k in sch.layers)])
-    snames, fnames = ordered_names(SCALARS, sseen), ordered_names(FINGERPRINTS, fseen)
-    lnames = ordered_names(LAYER_METRICS + CHECK_METRICS, lseen)  # as StepFrame.from_records orders them
-    sidx = {n: i for i, n in enumerate(snames)}
-    lidx = {n: i for i, n in enumerate(lnames)}
-    fidx = {n: i for i, n in enumerate(fnames)}
-    scalars = np.full((world, len(snames)), np.nan)
-    layers = np.full((world, len(lnames), n_layers), np.nan)
-    fps = np.zeros((world, len(fnames)), np.uint64)
-    fpp = np.zeros((world, len(fnames)), bool)
-    ssent = np.zeros((world, len(snames)), bool)
-    lsent = np.zeros((world, len(lnames)), np.int32)
-    present = np.zeros(world, bool)
-    times = np.full(world, np.nan)
-    hosts = np.full(world, "", dtype=object)
-    coords = no_coords(world)
-    for cols, idx in blocks:
-        sch = cols.schema
-        whole = len(idx) == len(cols.rows)
-        rows = cols.rows if whole else cols.rows[idx]
-        r = rows["rank"].astype(np.intp)
-        present[r] = True
-        times[r] = rows["time"]
-        hosts[r] = cols.hosts[cols.host if whole else cols.host[idx]]
-        if sch.coords:
-            coords[r[:, None], [DIM_INDEX[d] for d in sch.coords]] = rows["coords"]
-        if sch.scalars:
-            si = np.array([sidx[n] for n in sch.scalars])
-            scalars[r[:, None], si] = rows["scalars"]
-            ssent[r[:, None], si] = True
-        if sch.fingerprints:
-            fi = np.array([fidx[n] for n in sch.fingerprints])
-            fps[r[:, None], fi] = rows["fingerprints"]
-            fpp[r[:, None], fi] = True
-        lv = rows["layers"]
-        for (name, k), off in zip(sch.layers, sch.layer_offsets):
-            li = lidx[name]
-            layers[r, li, :k] = lv[:, off : off + k]
-            lsent[r, li] = k
-    for rec in records:  # v1 records in a mixed step, as StepFrame.from_records fills them
-        r = rec.rank
-        present[r] = True
-        hosts[r] = rec.host
-        times[r] = rec.time
-        for d, v in rec.coords.items():
-            coords[r, DIM_INDEX[d]] = v
-        for n, v in rec.scalars.items():
-            scalars[r, sidx[n]] = v
-            ssent[r, sidx[n]] = True
-        for n, v in rec.layers.items():
-            layers[r, lidx[n], : len(v)] = v
-            lsent[r, lidx[n]] = len(v)
-        for n, v in rec.fingerprints.items():
-            fps[r, fidx[n]] = v
-            fpp[r, fidx[n]] = True
-    return StepFrame(
-        run=run,
-        step=step,
-        world=world,
-        hosts=tuple(hosts.tolist()),
-        present=present,
-        scalar_names=snames,
-        scalars=scalars,
-        layer_names=lnames,
-        layers=layers,
-        fp_names=fnames,
-        fingerprints=fps,
-        fp_present=fpp,
-        scalar_sent=ssent,
-        layer_sent=lsent,
-        times=times,
-        coords=coords,
-        wall=wall,
-        complete=bool(present.all()),
-    )
 
 
 def frames_over_wire(records: Sequence[Record], wire: str, *, per_message: int = 256) -> list[StepFrame]:

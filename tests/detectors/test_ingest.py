@@ -12,13 +12,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sdcwatch.detectors import DetectionPipeline, DetectorService, StepAligner, StepFrame
-from sdcwatch.detectors.frame import DIM_INDEX
+from sdcwatch.detectors.frame import DIM_INDEX, assemble_frame
 from sdcwatch.detectors.ingest import (
     IngestDecoder,
     RecordColumns,
     SchemaRegistry,
     as_records,
-    assemble_frame,
     frames_over_wire,
 )
 from sdcwatch.detectors.bus import MemorySource
