@@ -90,7 +90,7 @@ def bench_ingest(world: int, n_layers: int, steps: int = 3) -> dict:
 
 
 def bench_costs(world: int, n_layers: int, steps: int) -> dict:
-    both, spatial, temporal = (DetectionPipeline(role=r) for r in ("both", "spatial", "temporal"))
+    both, spatial, temporal = (DetectionPipeline(stage=r) for r in ("both", "spatial", "temporal"))
     cpu = {"both": 0.0, "spatial": 0.0, "temporal": 0.0}
     sizes = []
     n = 0
@@ -150,8 +150,8 @@ def bench_detection(
             both = DetectionPipeline()
             # two spatial instances take alternate 16-step windows, as two consumers of the
             # telemetry partitions would (records are keyed by run and step // 16)
-            spatial = [DetectionPipeline(role="spatial") for _ in range(2)]
-            temporal = DetectionPipeline(role="temporal")
+            spatial = [DetectionPipeline(stage="spatial") for _ in range(2)]
+            temporal = DetectionPipeline(stage="temporal")
             found = {"both": None, "split": None}
             for fr in frames:
                 both.process_frame(fr)

@@ -32,10 +32,10 @@ from sdcwatch.core.incident import IncidentEvent, PipelineView, RunView, Service
 from sdcwatch.core.errors import ConfigError
 from sdcwatch.core.limits import RecordLimits
 
-__all__ = ["DetectionPipeline", "PipelineSettings", "STATE_VERSION", "ROLES"]
+__all__ = ["DetectionPipeline", "PipelineSettings", "STATE_VERSION", "STAGES"]
 
 #: What a pipeline does: both stages (the default), or one stage of the scale-out.
-ROLES = ("both", "spatial", "temporal")
+STAGES = ("both", "spatial", "temporal")
 
 STATE_VERSION = 1
 
@@ -105,23 +105,23 @@ class DetectionPipeline:
         settings: PipelineSettings | None = None,
         *,
         detectors: Callable[[], Sequence] = default_detectors,
-        role: str = "both",
+        stage: str = "both",
         limits: RecordLimits | None = None,
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
     ) -> None:
         self.settings = settings or PipelineSettings()
-        if role not in ROLES:
-            raise ConfigError("service.stage", f"must be one of {', '.join(ROLES)}, got {role!r}")
-        self.role = role
+        if stage not in STAGES:
+            raise ConfigError("detectors.stage", f"must be one of {', '.join(STAGES)}, got {stage!r}")
+        self.stage = stage
         self.make_detectors = detectors
-        if role != "both":
+        if stage != "both":
             whole = [d.name for d in detectors() if not isinstance(d, SplitDetector)]
             if whole:
                 raise ConfigError(
                     "detectors",
                     f"{', '.join(whole)} need(s) whole steps and cannot run in a "
-                    f'split {role} stage; run the service with stage = "both"',
+                    f'split {stage} stage; run the service with stage = "both"',
                 )
         self.wall = wall
         self.limits = limits or RecordLimits()
@@ -183,13 +183,13 @@ class DetectionPipeline:
         for run, st in self._runs.items():
             if st.last_step >= 0 and now - st.last_step_wall >= self.settings.stale_after:
                 events += self.book.close_run(run, st.last_step)
-        waiting = self.order.held if self.role == "temporal" else self.aligner.open_steps_of
+        waiting = self.order.held if self.stage == "temporal" else self.aligner.open_steps_of
         for run in self.lifecycle.to_close(waiting):
             events += [e for frame in self.aligner.flush_run(run) for e in self.process_frame(frame)]
             st = self._runs.get(run)
             events += self.book.close_run(run, st.last_step if st is not None else -1)
             self.lifecycle.closed(run)
-            if self.role == "spatial" and st is not None:  # tell the temporal stage, after the last steps
+            if self.stage == "spatial" and st is not None:  # tell the temporal stage, after the last steps
                 self.outbox.append(StepSummary.end_of(run, st.last_step, st.world))
         for run, why in self.lifecycle.to_evict():
             events += self.evict(run, why)
@@ -213,7 +213,7 @@ class DetectionPipeline:
     def process_frame(self, frame: StepFrame) -> list[IncidentEvent]:
         """One aligned step: observe it (spatial), then judge it (temporal) or queue its summary."""
         summary = self.observe_step(frame)
-        if self.role == "spatial":
+        if self.stage == "spatial":
             self.outbox.append(summary)
             return []
         return self.judge_step(summary)
@@ -236,7 +236,7 @@ class DetectionPipeline:
         st = self._runs.get(run)
         if st is None:
             dets = list(self.make_detectors())
-            if self.role == "spatial":
+            if self.stage == "spatial":
                 for d in dets:
                     d.sparse = True
             st = self._runs[run] = _Run(dets, Attribution(self.settings.attribution_window))
@@ -282,7 +282,7 @@ class DetectionPipeline:
         for det in st.detectors:
             if isinstance(det, SplitDetector):
                 obs[det.name] = det.observe(frame)
-        if self.role == "spatial":
+        if self.stage == "spatial":
             st.hosts = list(hosts)
             if st.steps_total % self.settings.stats_every == 0:
                 summary.stats = frame_stats(frame)
@@ -369,7 +369,7 @@ class DetectionPipeline:
         """What the exporter shows: runs (at most ``max_runs``), pipeline health, incidents, counters.
         The source's own health (dead letters by reason, consumer lag, partitions) comes from
         whoever reads the source: the service."""
-        runs = [] if self.role == "spatial" else self._run_views(max_runs)
+        runs = [] if self.stage == "spatial" else self._run_views(max_runs)
         now = self.wall()
         recent = [(t, n) for t, n in self._rate if now - t <= 10.0]
         rps = 0.0
@@ -456,7 +456,7 @@ class DetectionPipeline:
             },
             "findings_total": [[d, k, n] for (d, k), n in self.findings_total.items()],
             "records_total": self.records_total,
-            "role": self.role,
+            "stage": self.stage,
             "order": self.order.snapshot(),
             "summaries_total": self.summaries_total,
             "lifecycle": self.lifecycle.snapshot(),
@@ -466,11 +466,12 @@ class DetectionPipeline:
         """Take back a :meth:`snapshot` (detectors missing from it start fresh)."""
         if state.get("version") != STATE_VERSION:
             raise ConfigError("state.version", f"unknown pipeline state version {state.get('version')!r}")
-        if state.get("role", "both") != self.role:
+        saved = state.get("stage", state.get("role", "both"))  # "role": the key of older states
+        if saved != self.stage:
             raise ConfigError(
                 "state.file",
-                f"the state was saved by a {state.get('role')!r} stage, this is a "
-                f"{self.role!r} stage: give each stage its own state directory",
+                f"the state was saved by a {saved!r} stage, this is a "
+                f"{self.stage!r} stage: give each stage its own state directory",
             )
         self.aligner.restore(state["aligner"])
         self.book.restore(state["book"])

@@ -42,7 +42,7 @@ class DetectorService:
     into the pipeline already (``sdcwatch serve`` does, to refuse a damaged state file before it
     connects to the bus).
 
-    The pipeline's role decides what flows: ``both`` reads records and publishes incidents;
+    The pipeline's stage decides what flows: ``both`` reads records and publishes incidents;
     ``spatial`` reads records and hands step summaries to ``summary_sink``; ``temporal`` reads
     summaries (a source built with ``decode=decode_summary_message``) and publishes incidents.
     """
@@ -66,7 +66,7 @@ class DetectorService:
             raise ConfigError("service.poll_timeout", f"must be positive, got {poll_timeout!r}")
         self.source = source
         self.pipeline = pipeline or DetectionPipeline()
-        if self.pipeline.role == "spatial" and summary_sink is None:
+        if self.pipeline.stage == "spatial" and summary_sink is None:
             raise ConfigError("service.summary_sink", "a spatial stage needs a summary sink (the summaries topic)")
         self.summary_sink = summary_sink
         self.sinks = list(sinks)
@@ -97,7 +97,7 @@ class DetectorService:
         """One iteration: poll, detect, close late steps, publish; snapshot when it is time."""
         items = self.source.poll(self.poll_timeout)
         with self._lock:
-            if self.pipeline.role == "temporal":
+            if self.pipeline.stage == "temporal":
                 events = self.pipeline.process_summaries(items)
             else:
                 events = self.pipeline.process(items)

@@ -1,6 +1,6 @@
 """Step summaries: what the spatial stage learns of one aligned step, for the temporal stage.
 
-The service can run as two stages (see ``role`` in :mod:`sdcwatch.detectors.pipeline`). The *spatial* stage
+The service can run as two stages (see ``stage`` in :mod:`sdcwatch.detectors.pipeline`). The *spatial* stage
 holds whole steps: it aligns records across ranks and runs the cross-rank half of every detector
 (``observe``). What it learns is a :class:`StepSummary`: the global loss and gradient norm, the
 non-finite cells, the replica vote, the robust z of the cells that stand out, the slow and the

@@ -59,7 +59,7 @@ def build_service(
     )
     configs = cfg.detectors.detector_configs()
     limits = cfg.limits.record_limits()
-    pipeline = DetectionPipeline(settings, role=stage, detectors=lambda: default_detectors(configs), limits=limits)
+    pipeline = DetectionPipeline(settings, stage=stage, detectors=lambda: default_detectors(configs), limits=limits)
     resumed = pipeline.load(Path(cfg.state.dir) / STATE_FILE)  # a damaged state fails here, before the bus
     if stage == "temporal":
         source = KafkaSource(

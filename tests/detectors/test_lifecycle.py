@@ -269,8 +269,8 @@ def test_split_stages_pass_the_end_of_a_run_from_the_spatial_to_the_temporal_sta
 
     synth = SyntheticRun(seed=1, run="split", faults=[Fault("nonfinite", 30, rank=3, length=1)])
     clock = Clock()
-    spatial = DetectionPipeline(PipelineSettings(), role="spatial", clock=clock, wall=clock)
-    temporal = DetectionPipeline(PipelineSettings(), role="temporal", clock=clock, wall=clock)
+    spatial = DetectionPipeline(PipelineSettings(), stage="spatial", clock=clock, wall=clock)
+    temporal = DetectionPipeline(PipelineSettings(), stage="temporal", clock=clock, wall=clock)
 
     def relay():
         wire = [encode_summary(x) for x in spatial.outbox]

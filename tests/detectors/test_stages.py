@@ -28,8 +28,8 @@ def one_process(synth, steps):
 def split(synth, steps, instances=2, window=16, seed=0):
     """Records of each 16-step window go to one spatial instance (as Kafka partitions would); the
     temporal stage gets their summaries as bytes, interleaved in a shuffled order within a few steps."""
-    spatial = [DetectionPipeline(role="spatial") for _ in range(instances)]
-    temporal = DetectionPipeline(role="temporal")
+    spatial = [DetectionPipeline(stage="spatial") for _ in range(instances)]
+    temporal = DetectionPipeline(stage="temporal")
     wire = []
     for s in steps:
         sp = spatial[(s // window) % instances]
@@ -96,7 +96,7 @@ def test_clean_run_is_silent_in_the_split_too():
 
 def test_a_summary_is_a_small_fraction_of_the_records_it_stands_for():
     synth = SyntheticRun(seed=1, world=1024)
-    spatial = DetectionPipeline(role="spatial")
+    spatial = DetectionPipeline(stage="spatial")
     sizes, raw = [], 0
     for s in range(30):
         recs = synth.records(s)
@@ -163,18 +163,18 @@ def test_bad_summary_bytes_are_named_and_dead_lettered():
 
 def test_a_detector_that_needs_whole_steps_is_refused_in_a_split_stage():
     with pytest.raises(ConfigError, match="river_hst"):
-        DetectionPipeline(role="spatial", detectors=lambda: [RiverHalfSpaceTrees()])
-    with pytest.raises(ConfigError, match="service.stage"):
-        DetectionPipeline(role="sideways")
+        DetectionPipeline(stage="spatial", detectors=lambda: [RiverHalfSpaceTrees()])
+    with pytest.raises(ConfigError, match="detectors.stage"):  # the key a user sets
+        DetectionPipeline(stage="sideways")
 
 
 def test_each_stage_keeps_its_own_state_file(tmp_path):
-    spatial = DetectionPipeline(role="spatial")
+    spatial = DetectionPipeline(stage="spatial")
     spatial.process(SyntheticRun(seed=1).records(0))
     spatial.save(tmp_path / "s.json")
     with pytest.raises(ConfigError, match="own state directory"):
-        DetectionPipeline(role="temporal").load(tmp_path / "s.json")
-    again = DetectionPipeline(role="spatial")
+        DetectionPipeline(stage="temporal").load(tmp_path / "s.json")
+    again = DetectionPipeline(stage="spatial")
     assert again.load(tmp_path / "s.json")
 
 
@@ -192,7 +192,7 @@ def test_temporal_stage_restarted_mid_run_resumes_without_repeats_or_warmup(tmp_
     synth = SyntheticRun(
         seed=8, world=16, faults=[Fault("rank_gross", step=150, rank=3), Fault("loss_spike", step=170)]
     )
-    spatial = DetectionPipeline(role="spatial")
+    spatial = DetectionPipeline(stage="spatial")
     blobs = []
     for s in range(230):
         spatial.process(synth.records(s))
@@ -204,12 +204,12 @@ def test_temporal_stage_restarted_mid_run_resumes_without_repeats_or_warmup(tmp_
         t[0] += 1.0
         return t[0]
 
-    straight = DetectionPipeline(role="temporal", clock=tick)
+    straight = DetectionPipeline(stage="temporal", clock=tick)
     events_straight = [e for b in blobs for e in straight.process_summaries([decode_summary(b)])]
-    first = DetectionPipeline(role="temporal", clock=tick)
+    first = DetectionPipeline(stage="temporal", clock=tick)
     events = [e for b in blobs[:120] for e in first.process_summaries([decode_summary(b)])]
     first.save(tmp_path / "t.json")
-    second = DetectionPipeline(role="temporal", clock=tick)
+    second = DetectionPipeline(stage="temporal", clock=tick)
     assert second.load(tmp_path / "t.json")
     events += [e for b in blobs[120:] for e in second.process_summaries([decode_summary(b)])]
     key = [(e.change, e.incident.kind, e.incident.first_step, e.incident.ranks) for e in events_straight]
