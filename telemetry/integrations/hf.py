@@ -16,68 +16,44 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from sdcwatch.telemetry.integrations import open_emitter
+from sdcwatch.telemetry.integrations import CallbackCore
 from transformers import TrainerCallback
 
 __all__ = ["SdcwatchCallback"]
 
 
-class SdcwatchCallback(TrainerCallback):
-    """Probes and emitter for a ``transformers.Trainer`` run.
-
-    ``emitter``: where records go (default: an :class:`~sdcwatch.telemetry.Emitter` from the
-    environment, closed at the end of training). ``injector``: a
-    :class:`~sdcwatch.telemetry.faults.FaultInjector` to test your alerting (attached to the model
-    and stepped with the run; its rank is set from ``torch.distributed``). ``settings``:
-    :class:`~sdcwatch.telemetry.probes.ProbeConfig` fields (``attention_every=...``).
+class SdcwatchCallback(TrainerCallback, CallbackCore):
+    """Probes and emitter for a ``transformers.Trainer`` run; arguments as :class:`CallbackCore`'s
+    (``emitter``, ``injector``, probe settings such as ``attention_every=8``).
     """
 
     def __init__(self, emitter: Any = None, *, injector: Any = None, **settings: Any) -> None:
-        from sdcwatch.telemetry.probes import ProbeConfig
-
-        ProbeConfig(**settings)  # a bad setting fails here, not when training has begun
-        self.settings = settings
-        self.injector = injector
-        self.emitter = emitter
-        self.watch = None
-        self.data_parallel = False
-        """Whether the probes see the DDP all-reduce (local and global gradient norms)."""
-        self._owns_emitter = False
+        CallbackCore.__init__(self, emitter, injector=injector, **settings)
         self._losses: list[Any] = []
         self._summed = False
         self._loss_hook = None
 
     # -- the run ------------------------------------------------------------------------------
+
     def on_train_begin(
         self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None, **kwargs: Any
     ) -> None:
         import torch.distributed as dist
-        from sdcwatch.telemetry.probes import attach
 
         rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-        self.emitter, self._owns_emitter = open_emitter(self.emitter, rank, world)
-        ddp = _ddp_wrapper(model)
-        self.data_parallel = ddp is not None
-        if self.injector is not None:
-            self.injector.rank = rank
-            self.injector.attach(model, optimizer)
-        self.watch = attach(model, self.emitter, optimizer=_inner_optimizer(optimizer), ddp=ddp, **self.settings)
+        self.start(model, _inner_optimizer(optimizer), _ddp_wrapper(model), rank, world)
         self._loss_hook = model.register_forward_hook(self._keep_loss, with_kwargs=True)
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.watch is None:
             return
         self._losses.clear()
-        self.watch.begin_step(state.global_step)
-        if self.injector is not None:
-            self.injector.begin_step(state.global_step)
+        self.begin(state.global_step)
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.watch is None:
             return
-        self.watch.step(state.global_step - 1, loss=self._step_loss())
-        if self.injector is not None:
-            self.injector.end_step()
+        self.end(state.global_step - 1, self._step_loss())
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.close()
@@ -87,14 +63,7 @@ class SdcwatchCallback(TrainerCallback):
         if self._loss_hook is not None:
             self._loss_hook.remove()
             self._loss_hook = None
-        if self.watch is not None:
-            self.watch.close()
-            self.watch = None
-        if self.injector is not None:
-            self.injector.detach()
-        if self._owns_emitter and self.emitter is not None:
-            self.emitter.close()
-            self._owns_emitter = False
+        CallbackCore.close(self)
 
     # -- the loss -----------------------------------------------------------------------------
     def _keep_loss(self, module: Any, args: Any, kwargs: dict, output: Any) -> None:

@@ -18,49 +18,29 @@ from __future__ import annotations
 from typing import Any
 
 import lightning.pytorch as pl
-from sdcwatch.telemetry.integrations import open_emitter
+from sdcwatch.telemetry.integrations import CallbackCore
 
 __all__ = ["SdcwatchCallback"]
 
 
-class SdcwatchCallback(pl.Callback):
-    """Probes and emitter for a ``lightning.Trainer`` run.
-
-    ``emitter``: where records go (default: an :class:`~sdcwatch.telemetry.Emitter` from the
-    environment, closed at the end of training). ``injector``: a
-    :class:`~sdcwatch.telemetry.faults.FaultInjector` to test your alerting (attached to the
-    module and stepped with the run; its rank is set to the trainer's). ``settings``:
-    :class:`~sdcwatch.telemetry.probes.ProbeConfig` fields.
+class SdcwatchCallback(pl.Callback, CallbackCore):
+    """Probes and emitter for a ``lightning.Trainer`` run; arguments as :class:`CallbackCore`'s
+    (``emitter``, ``injector``, probe settings).
     """
 
     def __init__(self, emitter: Any = None, *, injector: Any = None, **settings: Any) -> None:
-        from sdcwatch.telemetry.probes import ProbeConfig
-
-        ProbeConfig(**settings)  # a bad setting fails here, not when training has begun
-        self.settings = settings
-        self.injector = injector
-        self.emitter = emitter
-        self.watch = None
-        self.data_parallel = False
-        """Whether the probes see the DDP all-reduce (local and global gradient norms)."""
-        self._owns_emitter = False
+        CallbackCore.__init__(self, emitter, injector=injector, **settings)
         self._loss: Any = None
         self._closing: int | None = None  # the step whose optimizer step just ran
         self._in_forward = False
 
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        from sdcwatch.telemetry.probes import attach
         from torch.nn.parallel import DistributedDataParallel
 
-        self.emitter, self._owns_emitter = open_emitter(self.emitter, trainer.global_rank, trainer.world_size)
         wrapped = getattr(trainer.strategy, "model", None)
         ddp = wrapped if isinstance(wrapped, DistributedDataParallel) else None
-        self.data_parallel = ddp is not None
         optimizer = trainer.optimizers[0] if trainer.optimizers else None
-        if self.injector is not None:
-            self.injector.rank = trainer.global_rank
-            self.injector.attach(pl_module, optimizer)
-        self.watch = attach(pl_module, self.emitter, optimizer=optimizer, ddp=ddp, **self.settings)
+        self.start(pl_module, optimizer, ddp, trainer.global_rank, trainer.world_size)
 
     def on_train_batch_start(
         self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, batch_idx: int
@@ -68,9 +48,7 @@ class SdcwatchCallback(pl.Callback):
         if self.watch is None:
             return
         if self._loss is None:  # the first micro-batch of an optimizer step
-            self.watch.begin_step(trainer.global_step)
-            if self.injector is not None:
-                self.injector.begin_step(trainer.global_step)
+            self.begin(trainer.global_step)
         self.watch.begin_forward()
         self._in_forward = True
 
@@ -92,9 +70,7 @@ class SdcwatchCallback(pl.Callback):
         self._end_forward()  # a step without backward (training_step returned None)
         if self._closing is None:
             return
-        self.watch.step(self._closing, loss=self._loss)
-        if self.injector is not None:
-            self.injector.end_step()
+        self.end(self._closing, self._loss)
         self._closing, self._loss = None, None
 
     def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
@@ -106,14 +82,7 @@ class SdcwatchCallback(pl.Callback):
     def close(self) -> None:
         """Emit the last record, remove the hooks, and close the emitter if the callback made it."""
         self._end_forward()
-        if self.watch is not None:
-            self.watch.close()
-            self.watch = None
-        if self.injector is not None:
-            self.injector.detach()
-        if self._owns_emitter and self.emitter is not None:
-            self.emitter.close()
-            self._owns_emitter = False
+        CallbackCore.close(self)
 
     def _end_forward(self) -> None:
         if self._in_forward and self.watch is not None:
