@@ -322,21 +322,11 @@ class IngestDecoder:
             origin, key, value, head = m[:4]
             since = m[4] if len(m) > 4 else now
             if now - since >= self.schema_wait or self._pending_bytes + len(value) > self.max_pending_bytes:
-                rejected.append(
-                    Rejected(
-                        origin,
-                        key,
-                        value,
-                        str(
-                            RecordError(
-                                "schema id",
-                                f"unknown schema {head.schema_id:#018x}: no message carrying it arrived within "
-                                f"{self.schema_wait:g} s (or the wait buffer of {self.max_pending_bytes} bytes is full)",
-                            )
-                        ),
-                        "unknown_schema",
-                    )
+                why = (
+                    f"unknown schema {head.schema_id:#018x}: no message carrying it arrived within "
+                    f"{self.schema_wait:g} s (or the wait buffer of {self.max_pending_bytes} bytes is full)"
                 )
+                rejected.append(_rejected(origin, key, value, LimitError("schema id", why, "unknown_schema")))
             else:
                 self._pending.append((since, origin, key, value, head))
                 self._pending_bytes += len(value)
@@ -357,18 +347,8 @@ class IngestDecoder:
             for origin, key, value, head, *_ in msgs:
                 n = len(value) - head.rows_at
                 if n != head.count * size:
-                    rejected.append(
-                        Rejected(
-                            origin,
-                            key,
-                            value,
-                            str(
-                                RecordError(
-                                    "records", f"{n} bytes of records, the header says {head.count} of {size} bytes"
-                                )
-                            ),
-                        )
-                    )
+                    why = f"{n} bytes of records, the header says {head.count} of {size} bytes"
+                    rejected.append(_rejected(origin, key, value, RecordError("records", why)))
         if not good:
             return None
         if len(good) == 1:
