@@ -211,18 +211,16 @@ def test_capture_then_replay_gives_the_incidents_the_service_raised(bootstrap, t
     from sdcwatch.telemetry.faults import FaultSpec
     from sdcwatch.testbed.simulated import SimulatedRun
     from sdcwatch.telemetry.transports import ensure_topic
-    from test_serve import peek_anomalies, start_serve, wait_banner, wait_until
-    from test_serve import stop as stop_serve
-
-    from sdcwatch.broker import free_port
+    from polling import wait_for
+    from serve_process import ServeProcess, Topics
 
     torch.set_num_threads(1)
     tag = uuid.uuid4().hex[:8]
-    topics = {"telemetry": f"tel.{tag}", "anomalies": f"anom.{tag}", "dead": f"dead.{tag}"}
+    topics = Topics.fresh(tag)
     run_name = f"cap-{tag}"
     world, nan_step, steps = 4, 30, 45
-    serve = start_serve(bootstrap, topics, tmp_path / "state", f"g-{tag}", ["--metrics-port", str(free_port())])
-    wait_banner(serve)
+    serve = ServeProcess(bootstrap, topics, tmp_path / "state", group=f"g-{tag}", snapshot_interval_s=1)
+    serve.wait_banner()
     live_file = tmp_path / "live.jsonl"
     cmd = [
         sys.executable,
@@ -234,15 +232,15 @@ def test_capture_then_replay_gives_the_incidents_the_service_raised(bootstrap, t
         "--bus-bootstrap",
         bootstrap,
         "--bus-telemetry-topic",
-        topics["telemetry"],
+        topics.telemetry,
         "--idle-timeout",
         "120",
     ]
-    ensure_topic(bootstrap, topics["telemetry"], 4)  # an older run's topic: the capture starts at its end
+    ensure_topic(bootstrap, topics.telemetry, 4)  # an older run's topic: the capture starts at its end
     live = subprocess.Popen([*cmd, "-o", str(live_file)], stderr=subprocess.PIPE, text=True)
     assert live.stderr.readline().startswith("sdcwatch capture: reading")  # positions taken: from here on
     # another run on the same topic, which the capture must pass over
-    other = Emitter(KafkaTransport(bootstrap, topics["telemetry"]), run=f"other-{tag}", rank=0, world=1)
+    other = Emitter(KafkaTransport(bootstrap, topics.telemetry), run=f"other-{tag}", rank=0, world=1)
     other.emit(0, loss=1.0)
     other.close()
     fault = FaultSpec.from_dict(
@@ -262,7 +260,7 @@ def test_capture_then_replay_gives_the_incidents_the_service_raised(bootstrap, t
         faults=[fault],
         batch_size=4,
         emitter_factory=lambda rank: Emitter(
-            KafkaTransport(bootstrap, topics["telemetry"]), run=run_name, rank=rank, world=world, host=f"h{rank}"
+            KafkaTransport(bootstrap, topics.telemetry), run=run_name, rank=rank, world=world, host=f"h{rank}"
         ),
     )
     run.train(steps)
@@ -285,20 +283,24 @@ def test_capture_then_replay_gives_the_incidents_the_service_raised(bootstrap, t
     def service_incidents():
         """The latest state of each incident the service published."""
         latest = {}
-        for e in peek_anomalies(bootstrap, topics["anomalies"]):
+        for e in serve.events():
             latest[e["id"]] = e
         return latest
 
-    wait_until(
-        lambda: any(e["kind"] == "nonfinite" for e in service_incidents().values()), 60, "the service's incident"
+    wait_for(
+        lambda: any(e["kind"] == "nonfinite" for e in service_incidents().values()),
+        60,
+        "the service's incident",
+        interval=0.25,
     )
     # the finished run is closed: every incident it opened is resolved
-    wait_until(
+    wait_for(
         lambda: all(e["change"] == "resolved" for e in service_incidents().values()),
         60,
         "the service to close the finished run",
+        interval=0.25,
     )
-    stop_serve(serve)
+    serve.stop()
     replayed = subprocess.run(
         [sys.executable, "-m", "sdcwatch.cli", "replay", str(live_file), "--json"],
         capture_output=True,

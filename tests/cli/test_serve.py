@@ -2,128 +2,41 @@
 
 from __future__ import annotations
 
-import json
 import os
 import re
-import signal
 import subprocess
 import sys
-import time
 import uuid
 
 import pytest
-
-from sdcwatch.broker import free_port
+from polling import wait_for
+from serve_process import ServeProcess, Topics, metric, peek_events, wait_metric
 
 pytestmark = pytest.mark.integration
 
 torch = pytest.importorskip("torch")
 
 
-def start_serve(bootstrap, topics, state_dir, group, extra=()):
-    cmd = [
-        sys.executable,
-        "-m",
-        "sdcwatch.cli",
-        "serve",
-        "--bus-bootstrap",
-        bootstrap,
-        "--bus-telemetry-topic",
-        topics["telemetry"],
-        "--bus-anomalies-topic",
-        topics["anomalies"],
-        "--bus-deadletter-topic",
-        topics["dead"],
-        "--bus-group",
-        group,
-        "--metrics-port",
-        "0",
-        "--state-dir",
-        str(state_dir),
-        "--state-snapshot-interval-s",
-        "1",
-        "--no-alerts-log",
-        *extra,
-    ]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    return proc
-
-
-def wait_banner(proc, timeout=30):
-    deadline = time.monotonic() + timeout
-    line = ""
-    while time.monotonic() < deadline:
-        line = proc.stderr.readline()
-        if line.startswith("sdcwatch serve: consuming"):
-            return line
-        if proc.poll() is not None:
-            break
-    raise AssertionError(f"serve did not start: {line!r} {proc.stderr.read()[-2000:]}")
-
-
-def peek_anomalies(bootstrap, topic, timeout=2.0):
-    """What the anomalies topic holds now (no consumer group, so no join to wait for)."""
-    from kafka import KafkaConsumer
-
-    consumer = KafkaConsumer(
-        topic,
-        bootstrap_servers=[bootstrap],
-        auto_offset_reset="earliest",
-        group_id=None,
-        consumer_timeout_ms=int(timeout * 1000),
-    )
-    out = [json.loads(m.value) for m in consumer]
-    consumer.close()
-    return out
-
-
-def scrape(metrics_url) -> dict[str, float]:
-    """The service's unlabelled /metrics samples by name ({} while it is not serving yet)."""
-    import urllib.request
-
-    from prometheus_client.parser import text_string_to_metric_families
-
-    try:
-        text = urllib.request.urlopen(metrics_url, timeout=5).read().decode()
-    except OSError:
-        return {}
-    return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples if not s.labels}
-
-
-def wait_until(pred, timeout, what):
-    """Poll ``pred`` until it is true; slow machines take longer, so the bound is generous."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        time.sleep(0.25)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
-
-
 def wait_for_nonfinite_incident(bootstrap, topic, timeout):
-    wait_until(
-        lambda: any(e["kind"] == "nonfinite" for e in peek_anomalies(bootstrap, topic)),
+    wait_for(
+        lambda: any(e["kind"] == "nonfinite" for e in peek_events(bootstrap, topic)),
         timeout,
         f"a non-finite incident on {topic}",
+        interval=0.25,
     )
 
 
 def wait_taken(metrics_url, records, timeout=90.0):
     """Wait until the service has taken ``records`` distinct records (duplicates do not count)."""
 
-    def taken():
-        m = scrape(metrics_url)
-        return m.get("sdcwatch_pipeline_records_total", 0) - m.get("sdcwatch_pipeline_duplicates_total", 0)
+    def taken(samples):
+        return metric(samples, "sdcwatch_pipeline_records_total") - metric(
+            samples, "sdcwatch_pipeline_duplicates_total"
+        )
 
-    wait_until(lambda: taken() >= records, timeout, f"the service to take {records} records")
-
-
-def stop(proc):
-    proc.send_signal(signal.SIGTERM)
-    code = proc.wait(60)
-    err = proc.stderr.read()
-    assert code == 0, err[-3000:]
-    return err
+    wait_metric(
+        metrics_url, lambda samples: taken(samples) >= records, timeout, f"the service to take {records} records"
+    )
 
 
 def test_serve_detects_stops_on_sigterm_and_resumes_without_repeating_alerts(bootstrap, tmp_path):
@@ -133,7 +46,7 @@ def test_serve_detects_stops_on_sigterm_and_resumes_without_repeating_alerts(boo
 
     torch.set_num_threads(1)
     tag = uuid.uuid4().hex[:8]
-    topics = {"telemetry": f"tel.{tag}", "anomalies": f"anom.{tag}", "dead": f"dead.{tag}"}
+    topics = Topics.fresh(tag)
     group = f"serve-{tag}"
     state = tmp_path / "state"
     world = 4
@@ -153,44 +66,41 @@ def test_serve_detects_stops_on_sigterm_and_resumes_without_repeating_alerts(boo
 
     def factory(rank, host=""):
         em = Emitter(
-            KafkaTransport(bootstrap, topics["telemetry"]), run=f"serve-{tag}", rank=rank, world=world, host=host or "h"
+            KafkaTransport(bootstrap, topics.telemetry), run=f"serve-{tag}", rank=rank, world=world, host=host or "h"
         )
         emitters.append(em)
         return em
 
-    metrics = ["--metrics-port", str(free_port())]
-    proc = start_serve(bootstrap, topics, state, group, metrics)
-    metrics_url = re.search(r"metrics (http://\S+);", wait_banner(proc)).group(1)
+    serve = ServeProcess(bootstrap, topics, state, group=group, snapshot_interval_s=1)
+    metrics_url = serve.wait_banner()
     run = SimulatedRun(world=world, seed=3, faults=[fault], emitter_factory=factory, batch_size=4)
     run.train(nan_step + 5)
     for em in emitters:
         assert em.flush(30)
     # the service has read every record sent, and the incident is on the anomalies topic
     wait_taken(metrics_url, sum(em.sent for em in emitters))
-    wait_for_nonfinite_incident(bootstrap, topics["anomalies"], 60)
-    err = stop(proc)
+    wait_for_nonfinite_incident(bootstrap, topics.anomalies, 60)
+    err = serve.stop()
     assert "stopped" in err
     assert (state / "pipeline-state.json").exists()
-    first = peek_anomalies(bootstrap, topics["anomalies"])
+    first = serve.events()
     opened = [e for e in first if e["change"] == "opened"]
     nonfinite = [e for e in opened if e["kind"] == "nonfinite"]
     assert len(nonfinite) == 1 and nonfinite[0]["first_step"] == nan_step
     assert nonfinite[0]["ranks"] == [2]  # the other ranks only saw the all-reduced NaN
 
     # restart: the same group and state; the ranks go on training (NaN persists in the model)
-    metrics = ["--metrics-port", str(free_port())]
-    proc = start_serve(bootstrap, topics, state, group, metrics)
-    banner = wait_banner(proc)
-    assert "resumed" in banner
-    metrics_url = re.search(r"metrics (http://\S+);", banner).group(1)
+    serve = ServeProcess(bootstrap, topics, state, group=group, snapshot_interval_s=1)
+    metrics_url = serve.wait_banner()
+    assert "resumed" in serve.banner
     run.train(10)
     run.close()
     for em in emitters:
         em.close(30)
     # records_total is restored from the state, so this counts both lives of the service
     wait_taken(metrics_url, sum(em.sent for em in emitters))
-    stop(proc)
-    after = peek_anomalies(bootstrap, topics["anomalies"])
+    serve.stop()
+    after = serve.events()
     opened_ids = [e["id"] for e in after if e["change"] == "opened"]
     assert len(opened_ids) == len(set(opened_ids)), "an incident was opened twice"
     assert [e["id"] for e in after if e["change"] == "opened" and e["kind"] == "nonfinite"] == [nonfinite[0]["id"]]
@@ -217,30 +127,6 @@ def test_serve_config_error_names_the_key(tmp_path):
     assert out.returncode == 2 and "metrics.port" in out.stderr
 
 
-class StderrLines:
-    """Collects a process's stderr lines in the background (to wait for a line without blocking)."""
-
-    def __init__(self, proc) -> None:
-        import threading
-
-        self.lines: list[str] = []
-        self._thread = threading.Thread(target=lambda: self.lines.extend(iter(proc.stderr.readline, "")), daemon=True)
-        self._thread.start()
-
-    def wait_for(self, pred, timeout=60.0) -> str:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            for line in list(self.lines):
-                if pred(line):
-                    return line
-            time.sleep(0.1)
-        raise AssertionError(f"no such line in {self.lines[-20:]}")
-
-    def joined(self) -> str:
-        self._thread.join(10)
-        return "".join(self.lines)
-
-
 def test_split_service_spatial_instances_share_the_steps_and_the_temporal_stage_names_the_rank(bootstrap, tmp_path):
     """Two spatial instances in one consumer group, one temporal instance, all as `sdcwatch serve`."""
     from sdcwatch.telemetry import Emitter, KafkaTransport
@@ -250,29 +136,35 @@ def test_split_service_spatial_instances_share_the_steps_and_the_temporal_stage_
 
     torch.set_num_threads(1)
     tag = uuid.uuid4().hex[:8]
-    topics = {"telemetry": f"tel.{tag}", "anomalies": f"anom.{tag}", "dead": f"dead.{tag}"}
+    topics = Topics.fresh(tag)
     summaries = ["--bus-summaries-topic", f"sum.{tag}"]
     group = f"split-{tag}"
     world, steps, nan_step = 4, 64, 50
     # four partitions; the run's step windows (key run/step//16) of "split" fall in partitions 2, 0, 2, 1,
     # so either assignment of two partitions each gives both spatial instances whole steps to do
-    assert ensure_topic(bootstrap, topics["telemetry"], 4)
+    assert ensure_topic(bootstrap, topics.telemetry, 4)
     spatial = [
-        start_serve(bootstrap, topics, tmp_path / f"spatial{i}", group, ["--stage", "spatial", *summaries])
+        ServeProcess(
+            bootstrap,
+            topics,
+            tmp_path / f"spatial{i}",
+            "--stage",
+            "spatial",
+            *summaries,
+            group=group,
+            metrics_port=0,
+            snapshot_interval_s=1,
+        )
         for i in range(2)
     ]
-    temporal = start_serve(
-        bootstrap,
-        topics,
-        tmp_path / "temporal",
-        group,
-        ["--stage", "temporal", *summaries, "--metrics-port", str(free_port())],
+    temporal = ServeProcess(
+        bootstrap, topics, tmp_path / "temporal", "--stage", "temporal", *summaries, group=group, snapshot_interval_s=1
     )
-    logs = [StderrLines(p) for p in (*spatial, temporal)]
-    banners = [lg.wait_for(lambda line: line.startswith("sdcwatch serve: consuming")) for lg in logs]
-    temporal_metrics = re.search(r"metrics (http://\S+);", banners[2]).group(1)
-    for lg in logs[:2]:  # after the rebalance each spatial instance owns two partitions
-        lg.wait_for(lambda line: re.search(r"assigned partitions \[\d+, \d+\] ", line) is not None)
+    for p in (*spatial, temporal):
+        p.wait_banner()
+    temporal_metrics = temporal.metrics_url
+    for p in spatial:  # after the rebalance each spatial instance owns two partitions
+        p.wait_line(lambda line: re.search(r"assigned partitions \[\d+, \d+\] ", line) is not None)
 
     fault = FaultSpec.from_dict(
         {
@@ -292,19 +184,17 @@ def test_split_service_spatial_instances_share_the_steps_and_the_temporal_stage_
         batch_size=4,
         ranks_per_host=2,
         emitter_factory=lambda r, host: Emitter(
-            KafkaTransport(bootstrap, topics["telemetry"]), run="split", rank=r, world=world, host=host
+            KafkaTransport(bootstrap, topics.telemetry), run="split", rank=r, world=world, host=host
         ),
     )
     run.train(steps)
     run.close()
     assert [em.sent for em in run.emitters] == [steps] * world
     # consume, summarise, judge (slow machines take longer)
-    wait_for_nonfinite_incident(bootstrap, topics["anomalies"], 90)
+    wait_for_nonfinite_incident(bootstrap, topics.anomalies, 90)
     for p in spatial:  # the spatial stage publishes what it holds on the way out
-        p.send_signal(signal.SIGTERM)
-    for p in spatial:
-        assert p.wait(60) == 0
-    outs = [lg.joined() for lg in logs[:2]]
+        p.terminate()
+    outs = [p.stop() for p in spatial]
     published = []
     for out in outs:
         line = next(ln for ln in out.splitlines() if ln.startswith("sdcwatch serve: stopped"))
@@ -312,17 +202,16 @@ def test_split_service_spatial_instances_share_the_steps_and_the_temporal_stage_
     assert min(published) > 0, f"one spatial instance did no steps: {published}"
     assert sum(published) >= steps  # a rebalance may redeliver a window; the temporal stage drops repeats
 
-    wait_until(
-        lambda: scrape(temporal_metrics).get("sdcwatch_pipeline_summaries_total", 0) >= sum(published),
+    wait_metric(
+        temporal_metrics,
+        lambda samples: metric(samples, "sdcwatch_pipeline_summaries_total") >= sum(published),
         60,
         f"the temporal stage to take the {sum(published)} published summaries",
     )
-    temporal.send_signal(signal.SIGTERM)
-    assert temporal.wait(60) == 0
-    outs.append(logs[2].joined())
+    outs.append(temporal.stop())
     assert f"after {sum(published)} step summaries" in outs[2]
 
-    events = peek_anomalies(bootstrap, topics["anomalies"])
+    events = temporal.events()
     opened = [e for e in events if e["change"] == "opened"]
     nonfinite = [e for e in opened if e["kind"] == "nonfinite"]
     assert len(nonfinite) == 1, opened
@@ -377,7 +266,7 @@ def test_serve_with_guard_actions_publishes_decisions_to_the_control_topic(boots
         for s in service.sinks:
             s._flush()
         got = []
-        wait_until(lambda: got.extend(reader.poll()) or got, 30, "the decision on the control topic")
+        wait_for(lambda: got.extend(reader.poll()) or got, 30, "the decision on the control topic", interval=0.25)
         assert [(d.action, d.ranks, d.hosts, d.since_step) for d in got] == [("evict", (5,), ("h2",), 40)]
     finally:
         reader.close()

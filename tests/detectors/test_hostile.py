@@ -12,8 +12,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
-import signal
 import subprocess
 import sys
 import threading
@@ -23,6 +21,8 @@ import uuid
 from pathlib import Path
 
 import pytest
+from polling import wait_for
+from serve_process import ServeProcess, Topics, metric, peek_topic, scrape, wait_metric
 
 from sdcwatch.broker import free_port
 from sdcwatch.telemetry import Emitter, KafkaTransport, Record, encode
@@ -35,85 +35,13 @@ RSS_BOUND_MIB = 512
 # the real service and broker
 
 
-def _serve(bootstrap, topics, state_dir, group, *extra):
-    cmd = [
-        sys.executable,
-        "-m",
-        "sdcwatch.cli",
-        "serve",
-        "--bus-bootstrap",
-        bootstrap,
-        "--bus-telemetry-topic",
-        topics["telemetry"],
-        "--bus-anomalies-topic",
-        topics["anomalies"],
-        "--bus-deadletter-topic",
-        topics["dead"],
-        "--bus-group",
-        group,
-        "--metrics-port",
-        str(free_port()),
-        "--state-dir",
-        str(state_dir),
-        "--state-snapshot-interval-s",
-        "1",
-        "--no-alerts-log",
-        "--detectors-align-timeout-s",
-        "2",
-        *extra,
-    ]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    lines: list[str] = []
-    threading.Thread(target=lambda: lines.extend(iter(proc.stderr.readline, "")), daemon=True).start()
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        banner = next((ln for ln in list(lines) if ln.startswith("sdcwatch serve: consuming")), None)
-        if banner:
-            return proc, lines, re.search(r"metrics (http://\S+);", banner).group(1), banner
-        if proc.poll() is not None:
-            break
-        time.sleep(0.1)
-    proc.kill()
-    raise AssertionError(f"serve did not start: {''.join(lines)[-3000:]}")
-
-
-def _scrape(url, timeout=30.0):
-    from prometheus_client.parser import text_string_to_metric_families
-
-    text = urllib.request.urlopen(url, timeout=timeout).read().decode()
-    return [s for f in text_string_to_metric_families(text) for s in f.samples]
-
-
-def _value(samples, name, **labels):
-    return sum(s.value for s in samples if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
-
-
-def _wait(pred, timeout, what):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if pred():
-                return
-        except OSError:
-            pass
-        time.sleep(0.25)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
-
-
-def _peek(bootstrap, topic, timeout=3.0):
-    from kafka import KafkaConsumer
-
-    consumer = KafkaConsumer(
-        topic,
-        bootstrap_servers=[bootstrap],
-        auto_offset_reset="earliest",
-        group_id=None,
-        consumer_timeout_ms=int(timeout * 1000),
-        max_partition_fetch_bytes=8 << 20,
+def _serve(bootstrap, topics, state_dir, group, *flags) -> ServeProcess:
+    """The service under attack, started: snapshots every second, a short align timeout."""
+    serve = ServeProcess(
+        bootstrap, topics, state_dir, "--detectors-align-timeout-s", "2", *flags, group=group, snapshot_interval_s=1
     )
-    out = list(consumer)
-    consumer.close()
-    return out
+    serve.wait_banner()
+    return serve
 
 
 def _peak_rss_mib(pid: int) -> float:
@@ -152,23 +80,25 @@ def test_every_attack_on_one_real_service_is_dead_lettered_counted_and_survived(
     from kafka import KafkaProducer
 
     tag = uuid.uuid4().hex[:8]
-    topics = {"telemetry": f"tel.{tag}", "anomalies": f"anom.{tag}", "dead": f"dead.{tag}"}
+    topics = Topics.fresh(tag)
     group, state = f"hostile-{tag}", tmp_path / "state"
-    proc, lines, url, _ = _serve(bootstrap, topics, state, group, "--limits-max-message-bytes", "1500000")
+    serve = _serve(bootstrap, topics, state, group, "--limits-max-message-bytes", "1500000")
+    url = serve.metrics_url
     try:
         emitters = [
-            Emitter(KafkaTransport(bootstrap, topics["telemetry"]), run="victim", rank=r, world=4, host=f"h{r // 2}")
+            Emitter(KafkaTransport(bootstrap, topics.telemetry), run="victim", rank=r, world=4, host=f"h{r // 2}")
             for r in range(4)
         ]
         _victim_steps(emitters, range(20))
-        _wait(
-            lambda: _value(_scrape(url), "sdcwatch_training_last_step", run="victim") >= 19,
+        wait_metric(
+            url,
+            lambda samples: metric(samples, "sdcwatch_training_last_step", run="victim") >= 19,
             60,
             "the victim run's first 20 steps",
         )
 
         attacker = KafkaProducer(bootstrap_servers=[bootstrap], max_request_size=4 << 20, linger_ms=20)
-        send = lambda value, key=b"evil": attacker.send(topics["telemetry"], key=key, value=value)  # noqa: E731
+        send = lambda value, key=b"evil": attacker.send(topics.telemetry, key=key, value=value)  # noqa: E731
         expected = {  # reason -> dead letters
             "world": 2,
             "layers": 1,
@@ -199,14 +129,16 @@ def test_every_attack_on_one_real_service_is_dead_lettered_counted_and_survived(
         for rank in range(2):  # a deep model: 1,000 layers x 7 metrics, within the limits
             send(_rec(run="deep", rank=rank, world=2, layers=deep))
         attacker.flush(60)
-        _wait(lambda: _value(_scrape(url), "sdcwatch_pipeline_runs") >= 3, 60, "the deep run and the longest name")
+        wait_metric(
+            url, lambda samples: metric(samples, "sdcwatch_pipeline_runs") >= 3, 60, "the deep run and the longest name"
+        )
         for i in range(15_000):  # 16.6: 285,085 series and 7-28 s scrapes before
             send(_rec(run=f"flood-{i}", world=1), key=f"flood-{i}".encode())
         attacker.flush(60)
-        _wait(
-            lambda: (
-                _value(_scrape(url), "sdcwatch_pipeline_dead_letters_by_reason_total", reason="runs")
-                >= expected["runs"]
+        wait_metric(
+            url,
+            lambda samples: (
+                metric(samples, "sdcwatch_pipeline_dead_letters_by_reason_total", reason="runs") >= expected["runs"]
             ),
             60,
             "the flood of run names to be read",
@@ -232,8 +164,9 @@ def test_every_attack_on_one_real_service_is_dead_lettered_counted_and_survived(
         _victim_steps(emitters, range(20, 60), nan_step=40)
         for em in emitters:
             em.close(10)
-        _wait(
-            lambda: _value(_scrape(url), "sdcwatch_training_last_step", run="victim") >= 59,
+        wait_metric(
+            url,
+            lambda samples: metric(samples, "sdcwatch_training_last_step", run="victim") >= 59,
             120,
             "the victim run's steps after the attack",
         )
@@ -242,77 +175,72 @@ def test_every_attack_on_one_real_service_is_dead_lettered_counted_and_survived(
             th.join(60)
 
         # the NaN after the attack is found, on its rank and step
-        _wait(
-            lambda: any(
-                json.loads(m.value)["kind"] == "nonfinite" and json.loads(m.value)["run"] == "victim"
-                for m in _peek(bootstrap, topics["anomalies"])
-            ),
+        wait_for(
+            lambda: any(e["kind"] == "nonfinite" and e["run"] == "victim" for e in serve.events(timeout=3.0)),
             60,
             "the victim's non-finite incident",
+            interval=0.25,
+            retry_on=OSError,
         )
-        incidents = [json.loads(m.value) for m in _peek(bootstrap, topics["anomalies"])]
+        incidents = serve.events(timeout=3.0)
         nonfinite = [e for e in incidents if e["kind"] == "nonfinite" and e["run"] == "victim"]
         assert (nonfinite[0]["first_step"], nonfinite[0]["ranks"]) == (40, [2])
 
         # every bad record counted with its reason
-        _wait(
-            lambda: all(
-                _value(_scrape(url), "sdcwatch_pipeline_dead_letters_by_reason_total", reason=r) >= n
+        wait_metric(
+            url,
+            lambda samples: all(
+                metric(samples, "sdcwatch_pipeline_dead_letters_by_reason_total", reason=r) >= n
                 for r, n in expected.items()
             ),
             60,
             "every dead letter to be counted",
         )
         t = time.monotonic()
-        samples = _scrape(url)
+        samples = scrape(url)
         scrape_s = time.monotonic() - t
-        got = {r: _value(samples, "sdcwatch_pipeline_dead_letters_by_reason_total", reason=r) for r in expected}
+        got = {r: metric(samples, "sdcwatch_pipeline_dead_letters_by_reason_total", reason=r) for r in expected}
         assert got == expected
-        assert _value(samples, "sdcwatch_pipeline_dead_letters_total") == sum(expected.values())
-        assert _value(samples, "sdcwatch_pipeline_late_records_total") >= 0
-        assert _value(samples, "sdcwatch_pipeline_consumer_partitions") > 0  # 16.2: never evicted
-        assert not [ln for ln in lines if "lost its partitions" in ln]
+        assert metric(samples, "sdcwatch_pipeline_dead_letters_total") == sum(expected.values())
+        assert metric(samples, "sdcwatch_pipeline_late_records_total") >= 0
+        assert metric(samples, "sdcwatch_pipeline_consumer_partitions") > 0  # 16.2: never evicted
+        assert not [ln for ln in serve.lines if "lost its partitions" in ln]
         # 16.5: /metrics is whole: the good run's series are there
-        assert _value(samples, "sdcwatch_training_loss", run="victim") > 0
+        assert metric(samples, "sdcwatch_training_loss", run="victim") > 0
         # 16.6: series bounded by run and by layer, whatever came in
         runs = {s.labels["run"] for s in samples if "run" in s.labels}
         assert len(runs) <= 20 and {"victim", "deep"} <= runs
-        assert _value(samples, "sdcwatch_exporter_omitted", what="runs") >= 900
-        assert _value(samples, "sdcwatch_exporter_omitted", what="layers") == 1000 - 128
-        assert _value(samples, "sdcwatch_pipeline_runs") == 1000
+        assert metric(samples, "sdcwatch_exporter_omitted", what="runs") >= 900
+        assert metric(samples, "sdcwatch_exporter_omitted", what="layers") == 1000 - 128
+        assert metric(samples, "sdcwatch_pipeline_runs") == 1000
         assert len(samples) < 8000, len(samples)
         assert scrape_s < 5.0, scrape_s
         latencies.sort()
         p99 = latencies[int(0.99 * (len(latencies) - 1))]
         assert len(latencies) >= 20 and p99 < 10.0, (len(latencies), p99)
         # 16.7: the message over 1 MB is in the dead-letter topic, truncated, with its size and reason
-        dead = _peek(bootstrap, topics["dead"])
+        dead = peek_topic(bootstrap, topics.dead)
         big = [m for m in dead if dict(m.headers).get("sdcwatch.size") == b"2000004"]
         assert len(big) == 1 and len(big[0].value) == 64 * 1024
         assert dict(big[0].headers)["sdcwatch.truncated"] == b"true"
         assert dict(big[0].headers)["sdcwatch.reason_code"] == b"oversize"
-        peak = _peak_rss_mib(proc.pid)
+        peak = _peak_rss_mib(serve.pid)
         print(
             f"\nhostile: peak RSS {peak:.0f} MiB, {len(samples)} series, scrape {scrape_s:.2f}s, "
             f"{len(latencies)} concurrent scrapes p99 {p99:.2f}s"
         )
         assert peak < RSS_BOUND_MIB, peak
-        assert proc.poll() is None, "".join(lines)[-3000:]
+        assert serve.running(), serve.stderr()[-3000:]
 
         # 16.4 and 16.9: a clean stop writes the state; the next start loads it (no crash loop)
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(60) == 0, "".join(lines)[-3000:]
-        proc, lines, url, banner = _serve(bootstrap, topics, state, group)
-        assert "resumed" in banner
-        samples = _scrape(url)  # the state came back: the runs and the victim's incident
-        assert _value(samples, "sdcwatch_pipeline_runs") == 1000
-        assert _value(samples, "sdcwatch_incident_first_step", run="victim") == 40
+        serve.stop()
+        serve = _serve(bootstrap, topics, state, group)
+        assert "resumed" in serve.banner
+        samples = serve.scrape()  # the state came back: the runs and the victim's incident
+        assert metric(samples, "sdcwatch_pipeline_runs") == 1000
+        assert metric(samples, "sdcwatch_incident_first_step", run="victim") == 40
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        serve.close()
 
 
 @pytest.mark.integration

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import socket
 import subprocess
 import time
 import urllib.error
@@ -21,6 +20,9 @@ from typing import Any, Callable
 
 import numpy as np
 
+from polling import wait_for  # noqa: F401 (the tests call it as support.wait_for)
+
+from sdcwatch.broker import free_port
 from sdcwatch.core.incident import Incident, PipelineView, RunView, ServiceView, Severity
 
 REPO = Path(__file__).resolve().parents[2]
@@ -321,12 +323,6 @@ def rule_expressions() -> list[tuple[str, str]]:
 # -- real servers -----------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def http_json(url: str, *, data: bytes | None = None, timeout: float = 5.0) -> Any:
     req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"} if data else {})
     with urllib.request.urlopen(req, timeout=timeout) as resp:
@@ -473,17 +469,6 @@ def prom_query(base: str, expr: str, at: float | None = None) -> list[dict]:
         raise AssertionError(f"query {expr!r} failed: {exc.read().decode()}") from None
     assert body["status"] == "success", f"query {expr!r}: {body}"
     return body["data"]["result"]
-
-
-def wait_for(predicate, timeout: float, what: str, interval: float = 0.2):
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        last = predicate()
-        if last:
-            return last
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
 
 
 def load_generator():

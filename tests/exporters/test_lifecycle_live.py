@@ -3,14 +3,13 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import urllib.parse
 import uuid
 
 import numpy as np
 import pytest
 import sdcwatch_exporter_test_support as support  # registered by conftest.py
+from serve_process import ServeProcess, Topics, scrape_text
 
 pytestmark = pytest.mark.integration
 
@@ -43,13 +42,6 @@ def prom_alerts(base: str, alertname: str, run: str) -> list[dict]:
     return [a for a in alerts if a["labels"]["alertname"] == alertname and a["labels"].get("run") == run]
 
 
-def scrape(url: str) -> str:
-    import urllib.request
-
-    with urllib.request.urlopen(url, timeout=5) as resp:
-        return resp.read().decode()
-
-
 def emit_run(bootstrap, topic, run, *, world=2, steps=30, nan_step=20, nan_rank=1):
     from sdcwatch.telemetry import Emitter, KafkaTransport
 
@@ -71,44 +63,25 @@ def test_finished_run_resolves_in_alertmanager_and_never_stalls_while_a_silent_r
 ):
     tag = uuid.uuid4().hex[:8]
     ended, silent = f"ended-{tag}", f"silent-{tag}"
-    topic = f"tel.{tag}"
-    port = support.free_port()
-    serve = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "sdcwatch.cli",
-            "serve",
-            "--bus-bootstrap",
-            bootstrap,
-            "--bus-telemetry-topic",
-            topic,
-            "--bus-anomalies-topic",
-            f"anom.{tag}",
-            "--bus-deadletter-topic",
-            f"dead.{tag}",
-            "--bus-group",
-            f"g-{tag}",
-            "--metrics-port",
-            str(port),
-            "--state-dir",
-            str(tmp_path / "state"),
-            "--no-alerts-log",
-            "--alerts-alertmanager-url",
-            alertmanager.base_url,
-            "--detectors-run-end-expiry-s",
-            str(END_EXPIRY),
-            "--detectors-run-idle-expiry-s",
-            str(IDLE_EXPIRY),
-        ],
-        stderr=subprocess.PIPE,
-        text=True,
+    topics = Topics.fresh(tag)
+    topic = topics.telemetry
+    serve = ServeProcess(
+        bootstrap,
+        topics,
+        tmp_path / "state",
+        "--alerts-alertmanager-url",
+        alertmanager.base_url,
+        "--detectors-run-end-expiry-s",
+        str(END_EXPIRY),
+        "--detectors-run-idle-expiry-s",
+        str(IDLE_EXPIRY),
+        group=f"g-{tag}",
     )
     prometheus = None
     try:
-        assert serve.stderr.readline().startswith("sdcwatch serve: consuming")
-        metrics = f"http://127.0.0.1:{port}/metrics"
-        prometheus = support.start_prometheus(tmp_path / "prometheus", f"127.0.0.1:{port}", [stall_rules(tmp_path)])
+        metrics = serve.wait_banner()
+        target = urllib.parse.urlsplit(metrics).netloc
+        prometheus = support.start_prometheus(tmp_path / "prometheus", target, [stall_rules(tmp_path)])
         ended_emitters = emit_run(bootstrap, topic, ended)
         silent_emitters = emit_run(bootstrap, topic, silent)
         for run in (ended, silent):  # the service pushes each run's non-finite incident
@@ -143,8 +116,8 @@ def test_finished_run_resolves_in_alertmanager_and_never_stalls_while_a_silent_r
 
         support.wait_for(lambda: notified("resolved", ended), timeout=30, what="a resolved notification")
         assert am_alerts(alertmanager.base_url, alertname="SdcwatchNonfinite", run=silent)
-        assert f'sdcwatch_training_run_finished{{run="{ended}"}} 1.0' in scrape(metrics)
-        assert f'sdcwatch_training_run_finished{{run="{silent}"}} 0.0' in scrape(metrics)
+        assert f'sdcwatch_training_run_finished{{run="{ended}"}} 1.0' in scrape_text(metrics)
+        assert f'sdcwatch_training_run_finished{{run="{silent}"}} 0.0' in scrape_text(metrics)
 
         # the silent run stalls; the finished one, whose last step is just as old, does not
         support.wait_for(
@@ -168,29 +141,28 @@ def test_finished_run_resolves_in_alertmanager_and_never_stalls_while_a_silent_r
 
         # the end expiry drops the finished run's series; the silent one is still shown
         support.wait_for(
-            lambda: f'run="{ended}"' not in scrape(metrics),
+            lambda: f'run="{ended}"' not in scrape_text(metrics),
             timeout=END_EXPIRY + 20,
             what="the finished run's series to go",
         )
-        text = scrape(metrics)
+        text = scrape_text(metrics)
         assert f'run="{silent}"' in text
         assert 'sdcwatch_pipeline_runs_evicted_total{reason="finished"} 1.0' in text
 
         # the idle expiry evicts the silent run and resolves its incident in Alertmanager
         support.wait_for(
-            lambda: f'run="{silent}"' not in scrape(metrics),
+            lambda: f'run="{silent}"' not in scrape_text(metrics),
             timeout=IDLE_EXPIRY + 20,
             what="the idle run's series to go",
         )
-        assert 'sdcwatch_pipeline_runs_evicted_total{reason="idle"} 1.0' in scrape(metrics)
+        assert 'sdcwatch_pipeline_runs_evicted_total{reason="idle"} 1.0' in scrape_text(metrics)
         support.wait_for(
             lambda: not am_alerts(alertmanager.base_url, alertname="SdcwatchNonfinite", run=silent),
             timeout=30,
             what="the idle run's alert to be resolved",
         )
-        assert serve.poll() is None  # the service is still up
+        assert serve.running()  # the service is still up
     finally:
         if prometheus is not None:
             prometheus.stop()
-        serve.terminate()
-        serve.wait(60)
+        serve.close()

@@ -16,15 +16,14 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from serve_process import ServeProcess, Topics  # noqa: E402
 from tiny_llama import (  # noqa: E402
     BATCH,
     NAN_LAYER,
     NAN_RANK,
     NAN_STEP,
     STEPS,
-    Service,
     TokenDataset,
-    Topics,
     launch,
     nan_fault,
     tiny_llama,
@@ -139,15 +138,13 @@ def test_nan_in_layer_1_on_rank_1_is_an_incident_naming_both(how, bootstrap, tmp
         monkeypatch.setenv("TORCHELASTIC_RUN_ID", "sdcwatch-test")  # Lightning: the ranks are launched already
     topics = Topics.fresh()
     run = f"{how}-{uuid.uuid4().hex[:6]}"
-    service = Service(bootstrap, topics, tmp_path / "state")
-    try:
+    with ServeProcess(bootstrap, topics, tmp_path / "state") as service:
+        service.wait_banner()
         fn = {"plain": plain_rank, "hf": hf_rank, "lightning": lightning_rank}[how]
         extra = () if how == "plain" else (str(tmp_path / "out"),)
         launch(fn, bootstrap, topics.telemetry, run, *extra)
         opened = service.wait_incident("nonfinite")
         events = [e for e in service.events() if e["kind"] == "nonfinite"]
-    finally:
-        service.stop()
     assert opened["run"] == run
     assert opened["first_step"] == NAN_STEP
     assert opened["ranks"] == [NAN_RANK]

@@ -1,18 +1,10 @@
 """Shared by the model and integration tests: a tiny randomly initialised Llama (nothing is
-downloaded), its data, the NaN fault of the end-to-end tests, two real gloo ranks, and the
-detector service as a subprocess."""
+downloaded), its data, the NaN fault of the end-to-end tests and two real gloo ranks (the detector
+service they report to is tests/serve_process.py)."""
 
 from __future__ import annotations
 
-import json
 import os
-import re
-import signal
-import subprocess
-import sys
-import time
-import uuid
-from dataclasses import dataclass
 
 import torch
 from sdcwatch.telemetry.faults import FaultSpec
@@ -94,83 +86,3 @@ def _rank_main(rank: int, fn, world: int, args: tuple) -> None:
     os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world)})
     torch.set_num_threads(1)
     fn(rank, *args)
-
-
-@dataclass
-class Topics:
-    telemetry: str
-    anomalies: str
-    dead: str
-
-    @classmethod
-    def fresh(cls) -> "Topics":
-        tag = uuid.uuid4().hex[:8]
-        return cls(f"tel.{tag}", f"anom.{tag}", f"dead.{tag}")
-
-
-class Service:
-    """``sdcwatch serve`` as a subprocess on its own topics (stopped with SIGTERM)."""
-
-    def __init__(self, bootstrap: str, topics: Topics, state_dir) -> None:
-        self.bootstrap, self.topics = bootstrap, topics
-        cmd = [
-            sys.executable,
-            "-m",
-            "sdcwatch.cli",
-            "serve",
-            "--bus-bootstrap",
-            bootstrap,
-            "--bus-telemetry-topic",
-            topics.telemetry,
-            "--bus-anomalies-topic",
-            topics.anomalies,
-            "--bus-deadletter-topic",
-            topics.dead,
-            "--bus-group",
-            f"g-{uuid.uuid4().hex[:8]}",
-            "--metrics-port",
-            str(free_port()),
-            "--state-dir",
-            str(state_dir),
-            "--no-alerts-log",
-        ]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            line = self.proc.stderr.readline()
-            if line.startswith("sdcwatch serve: consuming"):
-                self.metrics_url = re.search(r"metrics (http://\S+);", line).group(1)
-                return
-            if self.proc.poll() is not None:
-                break
-        raise AssertionError(f"serve did not start: {self.proc.stderr.read()[-2000:]}")
-
-    def events(self) -> list[dict]:
-        """What the anomalies topic holds now."""
-        from kafka import KafkaConsumer
-
-        consumer = KafkaConsumer(
-            self.topics.anomalies,
-            bootstrap_servers=[self.bootstrap],
-            auto_offset_reset="earliest",
-            group_id=None,
-            consumer_timeout_ms=2000,
-        )
-        out = [json.loads(m.value) for m in consumer]
-        consumer.close()
-        return out
-
-    def wait_incident(self, kind: str, timeout: float = 90.0) -> dict:
-        """The first ``opened`` event of an incident of ``kind`` (generous bound: a shared machine)."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            opened = [e for e in self.events() if e["change"] == "opened" and e["kind"] == kind]
-            if opened:
-                return opened[0]
-            time.sleep(0.5)
-        raise AssertionError(f"no {kind} incident on {self.topics.anomalies} after {timeout:.0f}s: {self.events()}")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            self.proc.wait(60)
