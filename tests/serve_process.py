@@ -174,11 +174,16 @@ class ServeProcess:
             self._terminated = True
             self.proc.send_signal(signal.SIGTERM)
 
+    def wait(self, timeout: float = 60.0) -> int:
+        """Wait for the service to exit (and for the last of its stderr); its exit code."""
+        code = self.proc.wait(timeout)
+        self._reader.join(10)
+        return code
+
     def stop(self, timeout: float = 60.0) -> str:
         """SIGTERM, then wait: the service must exit 0 (after its final snapshot). Its stderr."""
         self.terminate()
-        code = self.proc.wait(timeout)
-        self._reader.join(10)
+        code = self.wait(timeout)
         assert code == 0, self.stderr()[-3000:]
         return self.stderr()
 

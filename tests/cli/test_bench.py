@@ -216,9 +216,9 @@ def test_quick_campaign_with_the_guard_runs_three_ways_and_saves_the_damage(tmp_
     assert "| target (guard) | measured | met |" in capsys.readouterr().out
 
 
-@pytest.mark.integration
-def test_quick_e2e_through_the_broker_finds_every_injected_fault(bootstrap, tmp_path):
-    out = tmp_path / "e2e.json"
+def quick_e2e(bootstrap, *options):
+    """The end-to-end benchmark's first scale, 128 ranks for 6 s with a fault every 6 steps; it
+    must take every step and find every fault it injected (at least 3)."""
     result = e2e_main(
         [
             "--bootstrap",
@@ -231,15 +231,20 @@ def test_quick_e2e_through_the_broker_finds_every_injected_fault(bootstrap, tmp_
             "4",
             "--fault-every",
             "6",
-            "--out",
-            str(out),
+            *options,
         ]
     )
-    assert json.loads(out.read_text())["scales"][0]["ranks"] == 128
     s = result["scales"][0]
     assert s["steps_processed"] == s["steps"]
-    assert s["faults_injected"] >= 3
-    assert s["faults_detected"] == s["faults_injected"]
+    assert s["faults_injected"] >= 3 and s["faults_detected"] == s["faults_injected"]
+    return s
+
+
+@pytest.mark.integration
+def test_quick_e2e_through_the_broker_finds_every_injected_fault(bootstrap, tmp_path):
+    out = tmp_path / "e2e.json"
+    s = quick_e2e(bootstrap, "--out", str(out))
+    assert json.loads(out.read_text())["scales"][0]["ranks"] == 128
     assert 0 < s["latency_s"]["p50"] <= s["latency_s"]["p99"]
     assert s["lag_samples"] and s["lag_at_producers_done"] is not None
 
@@ -307,27 +312,8 @@ def test_ingest_benchmark_refuses_bad_sizes():
 @pytest.mark.integration
 @pytest.mark.parametrize("options", [["--split"], ["--wire", "v1"]])
 def test_quick_e2e_split_and_v1_find_every_injected_fault(bootstrap, options):
-    result = e2e_main(
-        [
-            "--bootstrap",
-            bootstrap,
-            "--ranks",
-            "128",
-            "--duration",
-            "6",
-            "--rate",
-            "4",
-            "--fault-every",
-            "6",
-            "--per-message",
-            "50",
-            *options,
-        ]
-    )
-    s = result["scales"][0]
+    s = quick_e2e(bootstrap, "--per-message", "50", *options)
     assert (s["split"], s["wire"]) == ("--split" in options, "v1" if "v1" in options else "v2")
-    assert s["steps_processed"] == s["steps"]
-    assert s["faults_injected"] >= 3 and s["faults_detected"] == s["faults_injected"]
     assert s["spatial_steps_per_cpu_s"] > 0
     if s["split"]:
         assert s["temporal_steps_per_cpu_s"] > 0

@@ -243,16 +243,8 @@ def test_capture_then_replay_gives_the_incidents_the_service_raised(bootstrap, t
     other = Emitter(KafkaTransport(bootstrap, topics.telemetry), run=f"other-{tag}", rank=0, world=1)
     other.emit(0, loss=1.0)
     other.close()
-    fault = FaultSpec.from_dict(
-        {
-            "kind": "nan",
-            "rank": 2,
-            "step": nan_step,
-            "duration": 1,
-            "target": "blocks.0.attn.scores",
-            "where": "output",
-            "seed": 1,
-        }
+    fault = FaultSpec(
+        kind="nan", rank=2, step=nan_step, duration=1, target="blocks.0.attn.scores", where="output", seed=1
     )
     run = SimulatedRun(
         world=world,

@@ -19,10 +19,42 @@ pytest.importorskip("torch")
 SHORT = dict(ranks=4, steps=100, fault_step=70, fault_rank=2, seed=0)
 
 
-def run(preset, tmp_path):
+def run(preset, tmp_path, **settings):
+    """``run_demo`` of ``preset`` on the short run, quietly; ``settings`` override or add to it."""
     from sdcwatch.demo import run_demo
 
-    return run_demo(fault=preset, out_dir=str(tmp_path), progress=io.StringIO(), quiet=True, **SHORT)
+    return run_demo(fault=preset, out_dir=str(tmp_path), progress=io.StringIO(), quiet=True, **{**SHORT, **settings})
+
+
+def demo_cli(tmp_path, *flags):
+    """`sdcwatch demo --json` with a NaN on rank 1 at step 45 of 50, and ``flags``; it must exit 0."""
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "sdcwatch.cli",
+            "demo",
+            "--fault",
+            "nan",
+            "--ranks",
+            "4",
+            "--steps",
+            "50",
+            "--fault-step",
+            "45",
+            "--fault-rank",
+            "1",
+            "--json",
+            "--out-dir",
+            str(tmp_path),
+            *flags,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out
 
 
 @pytest.mark.parametrize("preset", ["bitflip", "nan", "near_inf"])
@@ -53,33 +85,7 @@ def test_clean_run_raises_nothing(tmp_path):
 
 def test_demo_cli_json_summary_and_report(tmp_path):
     report = tmp_path / "demo.html"
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "sdcwatch.cli",
-            "demo",
-            "--fault",
-            "nan",
-            "--ranks",
-            "4",
-            "--steps",
-            "50",
-            "--fault-step",
-            "45",
-            "--fault-rank",
-            "1",
-            "--json",
-            "--report",
-            str(report),
-            "--out-dir",
-            str(tmp_path),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
+    out = demo_cli(tmp_path, "--report", str(report))
     summary = json.loads(out.stdout)
     for key in ("injected", "incidents", "detected", "first_detection_step", "localized_rank"):
         assert key in summary
@@ -92,32 +98,7 @@ def test_demo_cli_json_summary_and_report(tmp_path):
 
 
 def test_demo_guard_reruns_a_transient_nan_and_reports_it_in_the_json_summary(tmp_path):
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "sdcwatch.cli",
-            "demo",
-            "--fault",
-            "nan",
-            "--ranks",
-            "4",
-            "--steps",
-            "50",
-            "--fault-step",
-            "45",
-            "--fault-rank",
-            "1",
-            "--json",
-            "--guard",
-            "--out-dir",
-            str(tmp_path),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
+    out = demo_cli(tmp_path, "--guard")
     summary = json.loads(out.stdout)
     assert [{k: a[k] for k in ("step", "action", "ranks", "reason")} for a in summary["guard_actions"]] == [
         {"step": 45, "action": "rerun", "ranks": [1], "reason": "nonfinite"}
@@ -130,16 +111,7 @@ def test_demo_guard_reruns_a_transient_nan_and_reports_it_in_the_json_summary(tm
 
 
 def test_demo_guard_evicts_an_unhealthy_node_through_the_control_topic(tmp_path):
-    from sdcwatch.demo import run_demo
-
-    r = run_demo(
-        fault="unhealthy-node",
-        out_dir=str(tmp_path),
-        progress=io.StringIO(),
-        quiet=True,
-        guard=True,
-        **{**SHORT, "steps": 110},
-    )
+    r = run("unhealthy-node", tmp_path, guard=True, steps=110)
     evictions = [a for a in r.guard_actions if a["action"] == "evict"]
     assert evictions and evictions[0]["ranks"] == [2] and evictions[0]["reason"] == "control"
     assert 70 <= evictions[0]["step"] <= 70 + 50

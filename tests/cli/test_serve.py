@@ -51,16 +51,8 @@ def test_serve_detects_stops_on_sigterm_and_resumes_without_repeating_alerts(boo
     state = tmp_path / "state"
     world = 4
     nan_step = 40
-    fault = FaultSpec.from_dict(
-        {
-            "kind": "nan",
-            "rank": 2,
-            "step": nan_step,
-            "duration": 1,
-            "target": "blocks.0.attn.scores",
-            "where": "output",
-            "seed": 1,
-        }
+    fault = FaultSpec(
+        kind="nan", rank=2, step=nan_step, duration=1, target="blocks.0.attn.scores", where="output", seed=1
     )
     emitters = []
 
@@ -166,16 +158,8 @@ def test_split_service_spatial_instances_share_the_steps_and_the_temporal_stage_
     for p in spatial:  # after the rebalance each spatial instance owns two partitions
         p.wait_line(lambda line: re.search(r"assigned partitions \[\d+, \d+\] ", line) is not None)
 
-    fault = FaultSpec.from_dict(
-        {
-            "kind": "nan",
-            "rank": 2,
-            "step": nan_step,
-            "duration": 1,
-            "target": "blocks.0.attn.scores",
-            "where": "output",
-            "seed": 1,
-        }
+    fault = FaultSpec(
+        kind="nan", rank=2, step=nan_step, duration=1, target="blocks.0.attn.scores", where="output", seed=1
     )
     run = SimulatedRun(
         world=world,

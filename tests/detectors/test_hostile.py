@@ -434,21 +434,9 @@ def test_serve_with_a_damaged_state_exits_clearly_and_starts_with_state_reset(tm
     state = tmp_path / "state"
     state.mkdir()
     (state / "pipeline-state.json").write_text('{"version": 1, "aligner"')
-    cmd = [
-        sys.executable,
-        "-m",
-        "sdcwatch.cli",
-        "serve",
-        "--bus-bootstrap",
-        f"127.0.0.1:{free_port()}",
-        "--state-dir",
-        str(state),
-        "--metrics-port",
-        "0",
-    ]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 2 and "Traceback" not in out.stderr
-    assert "pipeline-state.json" in out.stderr and "--state-reset" in out.stderr
+    serve = ServeProcess(f"127.0.0.1:{free_port()}", Topics.fresh(), state, metrics_port=0)
+    assert serve.wait(120) == 2 and "Traceback" not in serve.stderr()
+    assert "pipeline-state.json" in serve.stderr() and "--state-reset" in serve.stderr()
     from sdcwatch.serve import reset_state
 
     aside = reset_state(state)

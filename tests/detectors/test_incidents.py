@@ -19,8 +19,10 @@ from sdcwatch.detectors import (
 from sdcwatch.core.errors import ConfigError
 
 
-def finding(step, kind="loss_spike", sev=Severity.WARNING, ranks=(), msg="m", **kw):
-    return Finding(detector="d", kind=kind, severity=sev, run="r", step=step, score=1.0, message=msg, ranks=ranks, **kw)
+def finding(step, kind="loss_spike", sev=Severity.WARNING, ranks=(), msg="m", detector="d", score=1.0, **kw):
+    return Finding(
+        detector=detector, kind=kind, severity=sev, run="r", step=step, score=score, message=msg, ranks=ranks, **kw
+    )
 
 
 def run_pipeline(faults, steps=300, world=8, seed=2, pipe=None):
@@ -68,38 +70,11 @@ def test_incident_metric_and_layer_are_those_its_message_names():
     what the message says (a non-finite streak: the onset names attn_logit_max layer 1, a later step
     has more bad values in attn_entropy layer 0)."""
     book = IncidentBook()
-    book.add(
-        [
-            Finding(
-                detector="nonfinite",
-                kind="nonfinite",
-                severity=Severity.CRITICAL,
-                run="r",
-                step=88,
-                score=1.0,
-                message="non-finite value at step 88: attn_logit_max layer 1 = nan on rank 3",
-                ranks=(3,),
-                metric="attn_logit_max",
-                layer=1,
-            )
-        ]
-    )
-    book.add(
-        [
-            Finding(
-                detector="nonfinite",
-                kind="nonfinite",
-                severity=Severity.CRITICAL,
-                run="r",
-                step=89,
-                score=40.0,
-                message="non-finite values since step 88, which began on rank 3",
-                ranks=(3,),
-                metric="attn_entropy",
-                layer=0,
-            )
-        ]
-    )
+    nonfinite = dict(kind="nonfinite", sev=Severity.CRITICAL, ranks=(3,), detector="nonfinite")
+    onset = "non-finite value at step 88: attn_logit_max layer 1 = nan on rank 3"
+    book.add([finding(88, msg=onset, metric="attn_logit_max", layer=1, **nonfinite)])
+    streak = "non-finite values since step 88, which began on rank 3"
+    book.add([finding(89, msg=streak, metric="attn_entropy", layer=0, score=40.0, **nonfinite)])
     (inc,) = book.open_incidents
     assert inc.message.startswith("non-finite value at step 88: attn_logit_max layer 1")
     assert (inc.metric, inc.layer) == ("attn_logit_max", 1)

@@ -130,30 +130,36 @@ def test_comm_hook_norms_and_cosine_match_brute_force(ddp_records):
     }
 
 
+def run_with_a_nan(tmp_path, world, steps, nan_step, **settings):
+    """Real DDP ranks (fingerprints every step) writing JSON lines to ``tmp_path``, with a NaN in
+    rank 1's attention scores at ``nan_step``; every rank's records, end markers included."""
+    from sdcwatch.detectors.offline import read_records
+
+    launch(
+        DDPSettings(
+            world=world,
+            steps=steps,
+            seed=0,
+            jsonl_dir=str(tmp_path),
+            corpus_bytes=1 << 18,
+            probes={"fingerprint_every": 1},
+            faults=(
+                FaultSpec(
+                    kind="nan", rank=1, step=nan_step, duration=1, target="blocks.0.attn.scores", where="output", seed=1
+                ),
+            ),
+            **settings,
+        )
+    )
+    return [r for rank in range(world) for r in read_records(tmp_path / f"rank{rank}.jsonl")]
+
+
 @pytest.mark.parametrize("skip", [False, True], ids=["plain", "skip_nonfinite"])
 def test_skip_nonfinite_keeps_every_replica_finite_after_a_nan(tmp_path, skip):
     """A NaN in one rank's attention reaches every replica through the all-reduce; skipping that
     update keeps the replicas finite and identical, and the next steps train on."""
-    from sdcwatch.detectors.offline import read_records
-
     world, steps, nan_step = 2, 5, 2
-    settings = DDPSettings(
-        world=world,
-        steps=steps,
-        seed=0,
-        run="ddp-skip",
-        jsonl_dir=str(tmp_path),
-        corpus_bytes=1 << 18,
-        probes={"fingerprint_every": 1},
-        skip_nonfinite=skip,
-        faults=(
-            FaultSpec(
-                kind="nan", rank=1, step=nan_step, duration=1, target="blocks.0.attn.scores", where="output", seed=1
-            ),
-        ),
-    )
-    launch(settings)
-    records = [r for rank in range(world) for r in read_records(tmp_path / f"rank{rank}.jsonl")]
+    records = run_with_a_nan(tmp_path, world, steps, nan_step, run="ddp-skip", skip_nonfinite=skip)
     # each rank's file ends with its end-of-run marker at its last step
     assert sorted((r.step, r.rank) for r in records if is_end_marker(r)) == [(steps - 1, r) for r in range(world)]
     table = {(r.step, r.rank): r for r in records if not is_end_marker(r)}
@@ -173,31 +179,11 @@ def test_skip_nonfinite_keeps_every_replica_finite_after_a_nan(tmp_path, skip):
 def test_guard_nan_on_one_rank_is_handled_on_every_rank_and_replicas_agree(tmp_path, on_nonfinite, action):
     """The guard over real gloo processes: a NaN on rank 1 at step 3 is skipped (or rerun as the
     transient fault it is) on every rank at that step, training continues, the replicas agree."""
-    from sdcwatch.detectors.offline import read_records
-
     world, steps, nan_step = 3, 6, 3
-    settings = DDPSettings(
-        world=world,
-        steps=steps,
-        seed=0,
-        run="ddp-guard",
-        jsonl_dir=str(tmp_path),
-        corpus_bytes=1 << 18,
-        probes={"fingerprint_every": 1},
-        guard={"mode": "act", "on_nonfinite": on_nonfinite},
-        faults=(
-            FaultSpec(
-                kind="nan", rank=1, step=nan_step, duration=1, target="blocks.0.attn.scores", where="output", seed=1
-            ),
-        ),
+    records = run_with_a_nan(
+        tmp_path, world, steps, nan_step, run="ddp-guard", guard={"mode": "act", "on_nonfinite": on_nonfinite}
     )
-    launch(settings)
-    table = {
-        (r.step, r.rank): r
-        for rank in range(world)
-        for r in read_records(tmp_path / f"rank{rank}.jsonl")
-        if not is_end_marker(r)
-    }
+    table = {(r.step, r.rank): r for r in records if not is_end_marker(r)}
     assert set(table) == {(s, r) for s in range(steps) for r in range(world)}
     for r in range(world):  # every rank took the same action at the same step, and only there
         acted = [s for s in range(steps) if "guard_action" in table[s, r].scalars]

@@ -29,14 +29,16 @@ class Recorder:
         self.records[step] = {"layers": layers, "fingerprints": fingerprints, "scalars": scalars}
 
 
-def _run(world=4, faults=(), **kw):
+def _run(world=4, faults=(), *, batch_size=4, emitter_factory=lambda r: Recorder(), **kw):
+    """The small reference model on ``world`` simulated ranks, each recording into a Recorder unless
+    ``emitter_factory`` says otherwise."""
     return SimulatedRun(
         world=world,
         seed=0,
         faults=faults,
-        emitter_factory=lambda r: Recorder(),
+        emitter_factory=emitter_factory,
         model=SMALL,
-        batch_size=4,
+        batch_size=batch_size,
         corpus=shared_corpus(1 << 18),
         **kw,
     )
@@ -83,13 +85,9 @@ def test_canary_names_an_unhealthy_rank_that_no_statistic_shows():
             "seed": 3,
         }
     )
-    run = SimulatedRun(
-        world=4,
-        seed=0,
-        model=SMALL,
-        batch_size=2,
-        corpus=shared_corpus(1 << 18),
+    run = _run(
         faults=[fault],
+        batch_size=2,
         emitter_factory=lambda rank: Emitter(MemoryTransport(local), run="c", rank=rank, world=4),
     )
     run.train(21)
@@ -109,13 +107,9 @@ def test_near_inf_outside_the_attention_logits_shows_in_act_max_on_its_rank_only
 
     local = MemoryBus()
     fault = FaultSpec.from_dict({"kind": "near_inf", "rank": 2, "step": 5, "target": target, "seed": 1})
-    run = SimulatedRun(
-        world=4,
-        seed=0,
-        model=SMALL,
-        batch_size=2,
-        corpus=shared_corpus(1 << 18),
+    run = _run(
         faults=[fault],
+        batch_size=2,
         emitter_factory=lambda rank: Emitter(MemoryTransport(local), run="ni", rank=rank, world=4),
     )
     run.train(7)
@@ -131,12 +125,7 @@ def test_near_inf_outside_the_attention_logits_shows_in_act_max_on_its_rank_only
 
 
 def test_every_virtual_rank_reports_every_step_with_all_fields_and_identity():
-    run = SimulatedRun(
-        world=4,
-        seed=0,
-        model=SMALL,
-        batch_size=4,
-        corpus=shared_corpus(1 << 18),
+    run = _run(
         ranks_per_host=2,
         emitter_factory=lambda rank, host: Emitter(MemoryTransport(bus), run="sim", rank=rank, world=4, host=host),
     )
