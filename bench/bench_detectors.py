@@ -23,23 +23,16 @@ for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
 import argparse  # noqa: E402
 import json  # noqa: E402
 import platform  # noqa: E402
+import sys  # noqa: E402
 import time  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-from sdcwatch.detectors import DetectionPipeline, StepFrame  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # loaded by path too (sdcwatch bench)
+from healthy_steps import FPS, LAYERS, SCALARS, fingerprints, healthy_values  # noqa: E402
 
-SCALARS = (
-    "loss",
-    "grad_norm_local",
-    "grad_norm_global",
-    "grad_cosine",
-    "step_time",
-    "nonfinite",
-    "lr",
-    "emitter_dropped",
-)
-LAYERS = ("attn_entropy", "q_norm_mean", "k_norm_mean", "attn_logit_max")
+from sdcwatch.detectors import DetectionPipeline, StepFrame  # noqa: E402
 
 
 def make_frames(world: int, n_layers: int, count: int, seed: int = 0) -> list[StepFrame]:
@@ -47,23 +40,7 @@ def make_frames(world: int, n_layers: int, count: int, seed: int = 0) -> list[St
     rng = np.random.default_rng(seed)
     frames = []
     for i in range(count):
-        g = 1.0 + 0.1 * abs(rng.standard_normal())
-        S = np.column_stack(
-            [
-                3.0 * (1 + 0.02 * rng.standard_normal(world)),
-                g * (1 + 0.05 * rng.standard_normal(world)),
-                np.full(world, g),
-                0.9 + 0.01 * rng.standard_normal(world),
-                0.5 * (1 + 0.02 * rng.standard_normal(world)),
-                np.zeros(world),
-                np.full(world, 3e-4),
-                np.zeros(world),
-            ]
-        )
-        L = np.array([3.0, 12.0, 11.0, 8.0])[None, :, None] * (
-            1 + 0.01 * rng.standard_normal((world, len(LAYERS), n_layers))
-        )
-        fp = np.full((world, 2), i * 7919 + 1, np.uint64)
+        S, L = healthy_values(rng, world, n_layers)
         frames.append(
             StepFrame(
                 run="bench",
@@ -75,9 +52,9 @@ def make_frames(world: int, n_layers: int, count: int, seed: int = 0) -> list[St
                 scalars=S,
                 layer_names=LAYERS,
                 layers=L,
-                fp_names=("param_fp", "grad_fp"),
-                fingerprints=fp,
-                fp_present=np.ones((world, 2), bool),
+                fp_names=FPS,
+                fingerprints=fingerprints(world, i),
+                fp_present=np.ones((world, len(FPS)), bool),
             )
         )
     return frames

@@ -28,46 +28,20 @@ import gc  # noqa: E402
 import json  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-SCALARS = (
-    "loss",
-    "grad_norm_local",
-    "grad_norm_global",
-    "grad_cosine",
-    "step_time",
-    "nonfinite",
-    "lr",
-    "emitter_dropped",
-)
-LAYERS = ("attn_entropy", "q_norm_mean", "k_norm_mean", "attn_logit_max")
-FPS = ("param_fp", "grad_fp")
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # loaded by path too (sdcwatch bench ingest)
+from healthy_steps import FPS, LAYERS, SCALARS, fingerprints, healthy_values  # noqa: E402
+
 FORMATS = ("v1", "v2")
 
 
 def step_arrays(world: int, n_layers: int, step: int) -> dict:
     """One step of healthy values for every rank (what the ranks' probes would report)."""
-    rng = np.random.default_rng(step)
-    g = 1.0 + 0.1 * abs(rng.standard_normal())
-    scalars = np.column_stack(
-        [
-            3.0 * (1 + 0.02 * rng.standard_normal(world)),
-            g * (1 + 0.05 * rng.standard_normal(world)),
-            np.full(world, g),
-            0.9 + 0.01 * rng.standard_normal(world),
-            0.5 * (1 + 0.02 * rng.standard_normal(world)),
-            np.zeros(world),
-            np.full(world, 3e-4),
-            np.zeros(world),
-        ]
-    )
-    layers = (
-        np.array([3.0, 12.0, 11.0, 8.0])[None, :, None]
-        * (1 + 0.01 * rng.standard_normal((world, len(LAYERS), n_layers)))
-    ).astype(np.float32)
-    fps = np.full((world, 2), step * 7919 + 1, np.uint64)
-    return {"step": step, "scalars": scalars, "layers": layers, "fps": fps}
+    scalars, layers = healthy_values(np.random.default_rng(step), world, n_layers)
+    return {"step": step, "scalars": scalars, "layers": layers.astype(np.float32), "fps": fingerprints(world, step)}
 
 
 def messages_v1(run: str, world: int, a: dict, per_message: int) -> list[bytes]:

@@ -208,11 +208,10 @@ def test_capture_then_replay_gives_the_incidents_the_service_raised(bootstrap, t
     end markers with the same records; replaying the file raises the service's incidents."""
     torch = pytest.importorskip("torch")
     from sdcwatch.telemetry import Emitter, KafkaTransport
-    from sdcwatch.telemetry.faults import FaultSpec
-    from sdcwatch.testbed.simulated import SimulatedRun
     from sdcwatch.telemetry.transports import ensure_topic
     from polling import wait_for
     from serve_process import ServeProcess, Topics
+    from simulated_nan import nan_run
 
     torch.set_num_threads(1)
     tag = uuid.uuid4().hex[:8]
@@ -243,18 +242,7 @@ def test_capture_then_replay_gives_the_incidents_the_service_raised(bootstrap, t
     other = Emitter(KafkaTransport(bootstrap, topics.telemetry), run=f"other-{tag}", rank=0, world=1)
     other.emit(0, loss=1.0)
     other.close()
-    fault = FaultSpec(
-        kind="nan", rank=2, step=nan_step, duration=1, target="blocks.0.attn.scores", where="output", seed=1
-    )
-    run = SimulatedRun(
-        world=world,
-        seed=3,
-        faults=[fault],
-        batch_size=4,
-        emitter_factory=lambda rank: Emitter(
-            KafkaTransport(bootstrap, topics.telemetry), run=run_name, rank=rank, world=world, host=f"h{rank}"
-        ),
-    )
+    run = nan_run(bootstrap, topics.telemetry, run_name, nan_step, world)
     run.train(steps)
     run.close()  # the emitters send their end-of-run markers
     assert all(em.ended for em in run.emitters)

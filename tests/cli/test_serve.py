@@ -11,6 +11,7 @@ import uuid
 import pytest
 from polling import wait_for
 from serve_process import ServeProcess, Topics, metric, peek_events, wait_metric
+from simulated_nan import nan_run
 
 pytestmark = pytest.mark.integration
 
@@ -40,32 +41,16 @@ def wait_taken(metrics_url, records, timeout=90.0):
 
 
 def test_serve_detects_stops_on_sigterm_and_resumes_without_repeating_alerts(bootstrap, tmp_path):
-    from sdcwatch.telemetry import Emitter, KafkaTransport
-    from sdcwatch.telemetry.faults import FaultSpec
-    from sdcwatch.testbed.simulated import SimulatedRun
-
     torch.set_num_threads(1)
     tag = uuid.uuid4().hex[:8]
     topics = Topics.fresh(tag)
     group = f"serve-{tag}"
     state = tmp_path / "state"
-    world = 4
     nan_step = 40
-    fault = FaultSpec(
-        kind="nan", rank=2, step=nan_step, duration=1, target="blocks.0.attn.scores", where="output", seed=1
-    )
-    emitters = []
-
-    def factory(rank, host=""):
-        em = Emitter(
-            KafkaTransport(bootstrap, topics.telemetry), run=f"serve-{tag}", rank=rank, world=world, host=host or "h"
-        )
-        emitters.append(em)
-        return em
-
     serve = ServeProcess(bootstrap, topics, state, group=group, snapshot_interval_s=1)
     metrics_url = serve.wait_banner()
-    run = SimulatedRun(world=world, seed=3, faults=[fault], emitter_factory=factory, batch_size=4)
+    run = nan_run(bootstrap, topics.telemetry, f"serve-{tag}", nan_step)
+    emitters = run.emitters
     run.train(nan_step + 5)
     for em in emitters:
         assert em.flush(30)
@@ -121,9 +106,6 @@ def test_serve_config_error_names_the_key(tmp_path):
 
 def test_split_service_spatial_instances_share_the_steps_and_the_temporal_stage_names_the_rank(bootstrap, tmp_path):
     """Two spatial instances in one consumer group, one temporal instance, all as `sdcwatch serve`."""
-    from sdcwatch.telemetry import Emitter, KafkaTransport
-    from sdcwatch.telemetry.faults import FaultSpec
-    from sdcwatch.testbed.simulated import SimulatedRun
     from sdcwatch.telemetry.transports import ensure_topic
 
     torch.set_num_threads(1)
@@ -158,19 +140,7 @@ def test_split_service_spatial_instances_share_the_steps_and_the_temporal_stage_
     for p in spatial:  # after the rebalance each spatial instance owns two partitions
         p.wait_line(lambda line: re.search(r"assigned partitions \[\d+, \d+\] ", line) is not None)
 
-    fault = FaultSpec(
-        kind="nan", rank=2, step=nan_step, duration=1, target="blocks.0.attn.scores", where="output", seed=1
-    )
-    run = SimulatedRun(
-        world=world,
-        seed=3,
-        faults=[fault],
-        batch_size=4,
-        ranks_per_host=2,
-        emitter_factory=lambda r, host: Emitter(
-            KafkaTransport(bootstrap, topics.telemetry), run="split", rank=r, world=world, host=host
-        ),
-    )
+    run = nan_run(bootstrap, topics.telemetry, "split", nan_step, world, ranks_per_host=2)
     run.train(steps)
     run.close()
     assert [em.sent for em in run.emitters] == [steps] * world

@@ -23,31 +23,15 @@ import numpy as np
 from polling import wait_for  # noqa: F401 (the tests call it as support.wait_for)
 
 from sdcwatch.broker import free_port
+from sdcwatch.core import names
 from sdcwatch.core.incident import Incident, PipelineView, RunView, ServiceView, Severity
 
 REPO = Path(__file__).resolve().parents[2]
 DASHBOARDS = REPO / "dashboards"
 
-SCALARS = (
-    "loss",
-    "loss_global",
-    "grad_norm_local",
-    "grad_norm_global",
-    "grad_cosine",
-    "step_time",
-    "nonfinite",
-    "lr",
-    "emitter_dropped",
-)
-LAYER_METRICS = (
-    "attn_entropy",
-    "attn_entropy_min",
-    "q_norm_mean",
-    "q_norm_max",
-    "k_norm_mean",
-    "k_norm_max",
-    "attn_logit_max",
-)
+#: The scalars of every step (the sampled act_max* are not among them) and the per-layer metrics.
+SCALARS = tuple(name for name in names.SCALARS if not name.startswith("act_max"))
+LAYER_METRICS = names.LAYER_METRICS
 
 
 def sdc_incident(
