@@ -1,9 +1,11 @@
 """Non-finite values: NaN, Inf or |x| >= 1e10 (ATTNChecker's near-INF) anywhere in a step.
 
 No warm-up and no history: a non-finite value is a critical finding at the very step it is seen,
-naming the rank(s), the metric and the layer. With mesh coordinates, a rank whose bad values
-follow from an earlier pipeline stage's (the same pipeline, a later stage) is not blamed, and the
-ranks whose all-reduced values followed are counted within the culprit's data-parallel group. A rank's own ``nonfinite`` counter (NaN/Inf the
+naming the rank(s), the metric and the layer. With mesh coordinates, a rank whose bad values came
+to it through the pipeline is not blamed: the later stages' forward values (the activations they
+are sent) and the earlier stages' gradients (the backward pass) follow from the stage where the bad
+value was made; and the ranks whose all-reduced values followed are counted within the culprit's
+data-parallel group. A rank's own ``nonfinite`` counter (NaN/Inf the
 probes saw in gradients or activations) counts too. The incident book keeps one incident per run
 for it, so a run that stays NaN for 16,000 steps raises one alert, not 16,000.
 """
@@ -32,6 +34,9 @@ _SKIP = ("emitter_dropped",)  # bookkeeping counters, not model values
 #: values computed from the all-reduced gradient or loss: identical on every rank, so a NaN there
 #: spreads to all ranks and does not say which rank produced it
 _GLOBAL = ("grad_norm_global", "loss_global", "grad_cosine")
+#: values of the backward pass: a bad value made in a later pipeline stage reaches the earlier
+#: stages' gradients (and only them) through the backward pass
+_BACKWARD = ("grad_norm_local", "gemm_bwd")
 
 
 def _act_layer(frame: StepFrame, S: np.ndarray, rank: int, column: int) -> int | None:
@@ -43,21 +48,32 @@ def _act_layer(frame: StepFrame, S: np.ndarray, rank: int, column: int) -> int |
     return int(layer) if np.isfinite(layer) and layer >= 0 else None
 
 
-def _upstream(culprits: set[int], coords: np.ndarray | None) -> tuple[set[int], set[int]]:
-    """(culprits, downstream ranks): a rank with bad values of its own whose pipeline (same
-    coordinates but for ``pp`` and ``tp``) has a culprit at an earlier stage received them with
-    the activations it was sent, so it is not blamed."""
+def _through_pipeline(
+    culprits: set[int], coords: np.ndarray | None, backward_only: set[int]
+) -> tuple[set[int], set[int]]:
+    """(culprits, ranks it reached through the pipeline). Within one pipeline (the same
+    coordinates but for ``pp`` and ``tp``) a bad forward value made at stage s reaches the later
+    stages' forward values with the activations they are sent, and every stage's gradients with
+    the backward pass: those ranks are not blamed, the ranks with a bad forward value at the
+    earliest such stage are. When the pipeline has only bad gradients, the latest stage with one
+    is where it began (the backward pass runs from the last stage to the first)."""
     if coords is None or len(culprits) < 2:
         return culprits, set()
     c = np.array(sorted(culprits))
-    pp = coords[c, DIMS.index("pp")]
+    pp = coords[c, DIMS.index("pp")].astype(np.int64)
     if (pp < 0).all():
         return culprits, set()
+    fwd = ~np.isin(c, sorted(backward_only))
     pipe = group_keys(coords[c], KEYS["pipeline"])
-    first = np.full(int(pipe.max()) + 1, np.iinfo(np.int64).max)
-    np.minimum.at(first, pipe, pp)
-    later = pp > first[pipe]
-    return set(c[~later].tolist()), set(c[later].tolist())
+    n = int(pipe.max()) + 1
+    first_fwd = np.full(n, np.iinfo(np.int64).max)
+    np.minimum.at(first_fwd, pipe[fwd], pp[fwd])
+    last = np.full(n, -1)
+    np.maximum.at(last, pipe, pp)
+    has_fwd = first_fwd[pipe] < np.iinfo(np.int64).max
+    s0 = np.where(has_fwd, first_fwd[pipe], last[pipe])
+    reached = np.where(has_fwd, (fwd & (pp > s0)) | ~fwd, pp < s0)
+    return set(c[~reached].tolist()), set(c[reached].tolist())
 
 
 def _followers(culprits: set[int], others: set[int], coords: np.ndarray | None) -> set[int]:
@@ -127,6 +143,7 @@ class NonFiniteDetector(SplitDetector):
         self._last_bad: int | None = None
         self._origin_where: tuple[str, int | None] | None = None  # (metric, layer) the streak began at
         self._masks: dict[tuple[str, ...], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        self._bwd: dict[tuple[str, ...], np.ndarray] = {}
         self._limits: dict[tuple[str, ...], np.ndarray] = {}
 
     def _columns(self, names: tuple[str, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -152,6 +169,7 @@ class NonFiniteDetector(SplitDetector):
         hits: list[tuple[int, str, int | None, float]] = []  # (rank, metric, layer, value)
         n_bad = 0
         local_ranks: set[int] = set()  # ranks with a bad value of their own
+        forward_ranks: set[int] = set()  # ranks with a bad value of their own in the forward pass
         counted_ranks: set[int] = set()  # ranks whose own non-finite counter is set
         global_ranks: set[int] = set()  # ranks with bad all-reduced values
         S = frame.scalars
@@ -162,7 +180,10 @@ class NonFiniteDetector(SplitDetector):
                 calm = np.abs(S).max() < self.limit and not (counters.any() and (S[:, counters] > 0).any())
                 if not calm:
                     bad = ~(np.abs(S) < self.limit) & frame.sent_scalars() & values[None, :]
-                    local_ranks.update(np.nonzero((bad & ~is_global[None, :]).any(axis=1))[0].tolist())
+                    own = bad & ~is_global[None, :]
+                    local_ranks.update(np.nonzero(own.any(axis=1))[0].tolist())
+                    backward = self._backward(frame.scalar_names)
+                    forward_ranks.update(np.nonzero((own & ~backward[None, :]).any(axis=1))[0].tolist())
                     if counters.any():
                         counted = (S > 0) & counters[None, :]
                         counted_ranks.update(np.nonzero(counted.any(axis=1))[0].tolist())
@@ -183,6 +204,7 @@ class NonFiniteDetector(SplitDetector):
                 r, m, lay = np.nonzero(bad)
                 n_bad += r.size
                 local_ranks.update(np.unique(r).tolist())
+                forward_ranks.update(np.unique(r[~self._backward(frame.layer_names)[m]]).tolist())
                 hits += [(int(a), frame.layer_names[b], int(c), float(L[a, b, c])) for a, b, c in zip(r, m, lay)]
         if not hits:
             return None
@@ -192,13 +214,23 @@ class NonFiniteDetector(SplitDetector):
             # the culprits' layer hits stay whole (a few per product): the origin is read from them
             own = [h for h in order if h[0] in culprits and h[2] is not None][: 16 * self.max_listed]
             hits = own + [h for h in order if not (h[0] in culprits and h[2] is not None)][: 2 * self.max_listed]
-        return {
+        seen = {
             "hits": hits,
             "n_bad": n_bad,
             "local": sorted(local_ranks),
             "counted": sorted(counted_ranks),
             "global": sorted(global_ranks),
         }
+        if local_ranks - forward_ranks:  # ranks whose own bad values are all gradients
+            seen["backward_only"] = sorted(local_ranks - forward_ranks)
+        return seen
+
+    def _backward(self, names: tuple[str, ...]) -> np.ndarray:
+        """Which of ``names`` are values of the backward pass (cached)."""
+        mask = self._bwd.get(names)
+        if mask is None:
+            mask = self._bwd[names] = np.array([n in _BACKWARD for n in names], bool)
+        return mask
 
     def judge(self, frame: StepContext, seen: dict[str, Any] | None) -> list[Finding]:
         """Name the ranks of a non-finite step, keeping the rank a non-finite streak began on."""
@@ -223,7 +255,7 @@ class NonFiniteDetector(SplitDetector):
         if streak:
             culprits = set(self._origin)
         else:
-            culprits, downstream = _upstream(culprits, coords)
+            culprits, downstream = _through_pipeline(culprits, coords, set(seen.get("backward_only", ())))
             self._origin, self._origin_step = tuple(sorted(culprits)), frame.step
         ranks = tuple(sorted(culprits))
         own = [h for h in hits if h[0] in culprits] or hits
@@ -244,7 +276,7 @@ class NonFiniteDetector(SplitDetector):
             followed = _followers(culprits, global_ranks - culprits, coords)
             spread = f"; the all-reduced values of {len(followed)} other rank(s) followed" if followed else ""
             if downstream:
-                spread += f"; {len(downstream)} rank(s) of later pipeline stages received it downstream"
+                spread += f"; {len(downstream)} other rank(s) of its pipeline received it (activations, gradients)"
         elif frame.world > 1:
             on, more, spread = "the all-reduced values of every rank (not localised)", "", ""
         else:
@@ -274,7 +306,7 @@ class NonFiniteDetector(SplitDetector):
                     "values_bad": n_bad,
                     "ranks_with_own_bad_values": sorted(culprits),
                     "ranks_with_bad_all_reduced_values": sorted(global_ranks),
-                    **({"downstream_ranks": sorted(downstream)[: self.max_listed]} if downstream else {}),
+                    **({"pipeline_followers": sorted(downstream)[: self.max_listed]} if downstream else {}),
                     "hits": [{"rank": h[0], "metric": h[1], "layer": h[2], "value": h[3]} for h in listed],
                 },
             )

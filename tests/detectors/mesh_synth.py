@@ -104,11 +104,13 @@ class MeshRun:
             r = f.rank
             if f.family == "rank_shift":  # an unhealthy rank: its q norms drift by ~3 sigma
                 lay[r, 1:3, f.layer] *= 1.03
-            elif f.family == "nonfinite":  # a NaN in one rank's attention; the later stages of its
-                lay[r, 4, f.layer] = np.inf  # pipeline receive it, the all-reduce spreads it
-                for q in np.flatnonzero((pp > pp[r]) & (dp == dp[r])):
-                    lay[q, :, :] = np.nan
-                    loss[q] = np.nan
+            elif f.family == "nonfinite":  # a NaN in one rank's attention: the later stages of its
+                lay[r, 4, f.layer] = np.inf  # pipeline receive it forward, every stage's gradients
+                for q in np.flatnonzero(dp == dp[r]):  # backward, the all-reduce spreads it
+                    gl[q] = np.nan
+                    if pp[q] > pp[r]:
+                        lay[q, :, :] = np.nan
+                        loss[q] = np.nan
                 glob[:] = np.nan
                 nonfinite[:] = 1.0
             elif f.family == "replica":

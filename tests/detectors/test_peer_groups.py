@@ -145,18 +145,19 @@ def test_an_unhealthy_rank_is_named_with_its_coordinates(role):
     assert incident_from_dict(named[0].to_dict()).coords == named[0].coords
 
 
-def test_a_nan_is_blamed_on_its_rank_not_on_the_later_stage_that_received_it():
+def test_a_nan_is_blamed_on_its_rank_not_on_the_pipeline_it_reached():
     origin = MeshRun().rank_of(tp=1, pp=0, dp=2)
     mesh = MeshRun(faults=[MeshFault("nonfinite", step=30, rank=origin)])
     det = NonFiniteDetector()
     [f] = det.update(mesh.frame(30))
     assert f.ranks == (origin,)
     assert f.metric == "attn_logit_max" and f.layer == 1
-    downstream = [mesh.rank_of(tp=t, pp=1, dp=2) for t in range(2)]
-    assert f.evidence["downstream_ranks"] == sorted(downstream)
+    # its pipeline: the later stage's activations, every stage's gradients (the backward pass)
+    pipeline = [mesh.rank_of(tp=t, pp=p, dp=2) for p in range(2) for t in range(2)]
+    assert f.evidence["pipeline_followers"] == sorted(set(pipeline) - {origin})
     # the global norm went NaN everywhere, but only the 3 other replicas of its piece all-reduce with it
     assert "the all-reduced values of 3 other rank(s) followed" in f.message
-    assert "2 rank(s) of later pipeline stages received it downstream" in f.message
+    assert "3 other rank(s) of its pipeline received it (activations, gradients)" in f.message
     assert rank_label(mesh.frame(30), origin) in f.message
 
 
@@ -166,8 +167,8 @@ def test_a_nan_without_coordinates_counts_every_rank_as_before():
     frame = mesh.frame(30)
     frame.coords = None
     [f] = NonFiniteDetector().update(frame)
-    assert len(f.ranks) == 3  # the origin and the two downstream ranks: no pipeline to tell them apart
-    assert "the all-reduced values of 13 other rank(s) followed" in f.message
+    assert len(f.ranks) == 4  # its whole pipeline: no coordinates to tell the origin from the rest
+    assert "the all-reduced values of 12 other rank(s) followed" in f.message
 
 
 def test_shard_fingerprints_are_voted_within_their_replica_group():
@@ -419,3 +420,24 @@ def test_group_keys_of_huge_coordinates_do_not_collide():
     coords[3, DIMS.index("tp")] = 0
     ids = group_keys(coords, KEYS["peer"])
     assert ids[0] == ids[1] and len({int(ids[0]), int(ids[2]), int(ids[3])}) == 3
+
+
+def test_a_nan_made_in_the_last_stage_is_not_blamed_on_the_earlier_stages_whose_gradients_it_reached():
+    origin = MeshRun().rank_of(tp=0, pp=1, dp=3)
+    mesh = MeshRun(faults=[MeshFault("nonfinite", step=30, rank=origin)])
+    [f] = NonFiniteDetector().update(mesh.frame(30))
+    assert f.ranks == (origin,) and f.metric == "attn_logit_max"
+    followers = [mesh.rank_of(tp=t, pp=p, dp=3) for p in range(2) for t in range(2)]
+    assert f.evidence["pipeline_followers"] == sorted(set(followers) - {origin})
+
+
+def test_a_nan_only_in_gradients_began_on_the_latest_stage_that_shows_it():
+    """A bad gradient made in the backward pass of stage 1 reaches stage 0's gradients, not the
+    other way round."""
+    mesh = MeshRun()
+    frame = mesh.frame(12)
+    g = frame.scalar_names.index("grad_norm_local")
+    late, early = mesh.rank_of(tp=1, pp=1, dp=0), mesh.rank_of(tp=1, pp=0, dp=0)
+    frame.scalars[[late, early], g] = np.nan
+    [f] = NonFiniteDetector().update(frame)
+    assert f.ranks == (late,) and f.evidence["pipeline_followers"] == [early]

@@ -66,4 +66,5 @@ def test_a_3d_job_through_the_broker_names_the_nan_rank_with_its_coordinates(boo
     [nan] = opened.incidents  # nothing else: the pieces' by-design differences are not faults
     assert (nan.kind, nan.first_step, nan.ranks, nan.hosts) == ("nonfinite", bad_step, (bad,), (mesh.host(bad),))
     assert nan.coords == (mesh.coords(bad),) and "at pp=0,dp_replicate=2,tp=1" in nan.message
-    assert nan.evidence["downstream_ranks"] == [mesh.rank_of(tp=t, pp=1, dp=2) for t in range(2)]
+    pipeline = {mesh.rank_of(tp=t, pp=p, dp=2) for p in range(2) for t in range(2)}
+    assert nan.evidence["pipeline_followers"] == sorted(pipeline - {bad})
