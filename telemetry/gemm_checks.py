@@ -86,7 +86,8 @@ class GemmChecks:
             if isinstance(m, nn.Linear) and any(fnmatch.fnmatchcase(name, g) for g in globs):
                 i = self._add(name, m)
                 self._forward.append((m, self._forward_hook(i)))
-                if m.weight.requires_grad and owners.get(id(m.weight), 0) == 1:
+                # an FSDP2 shard (a DTensor) is outside the autograd graph: its hook would never fire
+                if m.weight.requires_grad and owners.get(id(m.weight), 0) == 1 and not _sharded(m.weight):
                     self._handles.append(m.weight.register_hook(self._weight_grad_hook(i)))
                     if m.bias is not None and m.bias.requires_grad and owners.get(id(m.bias), 0) == 1:
                         self._handles.append(m.bias.register_hook(self._bias_grad_hook(i)))
@@ -170,7 +171,8 @@ class GemmChecks:
         with torch.no_grad():
             for i, m in enumerate(self._modules):
                 w = getattr(m, "weight", None)
-                if isinstance(w, torch.Tensor) and w.dim() == 2 and self._weights:
+                # an FSDP2 shard: the forward sees the all-gathered weight, whose column sums differ
+                if isinstance(w, torch.Tensor) and w.dim() == 2 and self._weights and not _sharded(w):
                     acc = _accumulation_dtype(w.dtype)
                     b = getattr(m, "bias", None)
                     self._sealed_at[i] = (
@@ -315,3 +317,8 @@ class GemmChecks:
             lst = _OBSERVERS.get(m)
             if lst:
                 lst[:] = [c for c in lst if c is not self]
+
+
+def _sharded(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a DTensor shard (FSDP2): the checks that read a weight outside the forward skip it."""
+    return hasattr(t, "to_local")

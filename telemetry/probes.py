@@ -48,6 +48,8 @@ from sdcwatch.telemetry.attention import (
 from sdcwatch.telemetry.canary import canary_fingerprint, canary_running
 from sdcwatch.telemetry.ddp_hook import comm_hook
 from sdcwatch.telemetry.finite import FiniteChecks
+from sdcwatch.telemetry.fsdp import ShardedGradients, is_sharded, local_tensors
+from sdcwatch.telemetry.mesh_torch import coords_from_mesh
 from sdcwatch.telemetry.packing import PackedStep, pack_step, unpack_step
 from sdcwatch.telemetry.probe_config import ProbeConfig
 
@@ -78,11 +80,17 @@ class Watch(AttentionLayers):
         external: bool = False,
         background: bool = True,
         canary_input: Any = None,
+        mesh: Any = None,
+        mesh_names: Any = None,
     ) -> None:
         if not callable(getattr(emitter, "emit", None)):
             raise ConfigError("probes.emitter", f"needs an object with an emit() method, got {type(emitter).__name__}")
         self.model = model
         self.emitter = emitter
+        self.coords: dict[str, int] = {}
+        """This rank's parallel coordinates (from ``mesh``), carried by every record."""
+        if mesh is not None:
+            self.coords = coords_from_mesh(mesh, mesh_names, sharded=is_sharded(model))
         self.optimizer = optimizer
         self.config = config or ProbeConfig()
         self.canary_input = canary_input
@@ -122,10 +130,11 @@ class Watch(AttentionLayers):
         self._sync_activation_hooks()
         self._group = None
         self._ddp = ddp is not None and not external
+        self._sharded = None if self._ddp or external or not is_sharded(model) else ShardedGradients(self, model)
         if self._ddp:
             self._group = getattr(ddp, "process_group", None)
             ddp.register_comm_hook(self, comm_hook)
-        elif optimizer is not None and not external:
+        elif optimizer is not None and not external and self._sharded is None:
             self._handles.append(optimizer.register_step_pre_hook(lambda opt, args, kwargs: self._local_gradients()))
         LIVE_WATCHES.add(self)
 
@@ -270,12 +279,15 @@ class Watch(AttentionLayers):
             self._reset()
             self._handoff()
             return
-        if not self._external and not self._ddp and not self._grads_seen:
+        if self._sharded is not None:
+            self._sharded.reduce()
+        elif not self._external and not self._ddp and not self._grads_seen:
             self._local_gradients()
         if self._buckets:
             self._reduce_buckets()
         if not self._external and step % self.config.fingerprint_every == 0 and self._params:
-            self._fps["param_fp"] = fp.flat_fingerprint_device(self._params)
+            # the local shards under FSDP2: equal across the replicas of a shard
+            self._fps["param_fp"] = fp.flat_fingerprint_device(local_tensors(self._params))
         if (
             not self._external
             and self.canary_input is not None
@@ -398,6 +410,8 @@ class Watch(AttentionLayers):
         self._handles.clear()
         self._activations.remove()
         self._finite.remove()
+        if self._sharded is not None:
+            self._sharded.remove()
         LIVE_WATCHES.discard(self)
         if self._tap is not None:
             self._tap.close()
@@ -428,6 +442,8 @@ def attach(
     every: int = 1,
     config: ProbeConfig | None = None,
     canary_input: Any = None,
+    mesh: Any = None,
+    mesh_names: Any = None,
     **settings: Any,
 ) -> Watch:
     """Attach probes to ``model`` (and its optimizer, and its DDP wrapper) reporting to ``emitter``.
@@ -437,6 +453,12 @@ def attach(
     first backward); without it the gradient statistics come from ``p.grad`` just before
     ``optimizer.step()`` (or at ``watch.step()``): world size one. ``canary_input`` (a fixed
     input, the same on every rank) with ``canary_every=N`` turns on the canary check.
+
+    A model sharded by FSDP2 (``fully_shard``, HSDP included) is measured through its
+    reduce-scatters (:mod:`~sdcwatch.telemetry.fsdp`): attach after ``fully_shard``. ``mesh`` (a
+    torch ``DeviceMesh``, the job's whole mesh) puts this rank's parallel coordinates on every
+    record (:func:`~sdcwatch.telemetry.mesh_torch.coords_from_mesh`); ``mesh_names`` says what
+    mesh dims with other names are, e.g. ``{"model": "tp"}``.
     """
     known = set(ProbeConfig.__dataclass_fields__)
     unknown = sorted(set(settings) - known)
@@ -446,4 +468,13 @@ def attach(
         config = ProbeConfig(every=every, **settings)
     if ddp is not None and model is ddp:
         model = ddp.module
-    return Watch(model, emitter, optimizer=optimizer, ddp=ddp, config=config, canary_input=canary_input)
+    return Watch(
+        model,
+        emitter,
+        optimizer=optimizer,
+        ddp=ddp,
+        config=config,
+        canary_input=canary_input,
+        mesh=mesh,
+        mesh_names=mesh_names,
+    )

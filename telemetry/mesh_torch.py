@@ -1,0 +1,100 @@
+"""A torch ``DeviceMesh`` read as this rank's parallel coordinates: the record's ``coords``.
+
+Mesh dimensions are named by the training code; sdcwatch compares ranks by the canonical dims
+``dp_replicate``, ``dp_shard``, ``cp``, ``tp``, ``pp`` and ``ep``. torchtitan's world mesh already
+uses those names. Other spellings map as follows:
+
+* ``fsdp``, ``shard`` -> ``dp_shard``; ``ddp``, ``replicate`` -> ``dp_replicate``;
+  ``tensor`` -> ``tp``, ``pipeline`` -> ``pp``, ``context`` -> ``cp``, ``expert`` -> ``ep``;
+* ``dp`` (plain data parallel) is ``dp_shard`` when the model is sharded by FSDP2 (each rank holds a
+  different shard) and ``dp_replicate`` otherwise (DDP: each rank holds a replica);
+* anything else is an error naming the dimension: say what it is with ``names={"mine": "tp"}``.
+
+Two mesh dimensions mapped to one canonical dim combine into one index, row-major in mesh order
+(as ``DeviceMesh._flatten`` would number them).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+from sdcwatch.core.errors import ConfigError
+
+__all__ = ["MESH_DIMS", "MESH_ALIASES", "coords_from_mesh"]
+
+#: The canonical parallel dimensions, outermost data parallelism first.
+MESH_DIMS = ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep")
+#: Other names of the canonical dims (``dp`` depends on the model: see the module docstring).
+MESH_ALIASES = {
+    "fsdp": "dp_shard",
+    "shard": "dp_shard",
+    "ddp": "dp_replicate",
+    "replicate": "dp_replicate",
+    "tensor": "tp",
+    "pipeline": "pp",
+    "context": "cp",
+    "expert": "ep",
+}
+
+
+def coords_from_mesh(
+    device_mesh: Any, names: Mapping[str, str] | Sequence[str] | None = None, *, sharded: bool = False
+) -> dict[str, int]:
+    """This rank's coordinates in ``device_mesh`` as ``{canonical dim: index}``.
+
+    ``names`` says what the mesh's dimensions are when their names do not: a mapping from a mesh
+    dim name to a canonical dim (it overrides the built-in spellings), or one canonical name per
+    mesh dim (for a mesh built without ``mesh_dim_names``). ``sharded`` says how a plain ``dp``
+    dim is used: True when FSDP2 shards the model over it (``attach`` finds out by itself).
+    """
+    try:
+        shape = tuple(int(s) for s in device_mesh.shape)
+        coordinate = device_mesh.get_coordinate()
+        dim_names = device_mesh.mesh_dim_names
+    except AttributeError:
+        raise ConfigError("mesh", f"needs a torch DeviceMesh, got {type(device_mesh).__name__}") from None
+    if coordinate is None:
+        raise ConfigError("mesh", f"this rank is not part of the mesh {_describe(dim_names, shape)}")
+    if names is not None and not isinstance(names, Mapping):
+        if isinstance(names, str) or len(names) != len(shape):
+            raise ConfigError("mesh.names", f"needs one canonical name per mesh dim ({len(shape)}), got {names!r}")
+        canonical = [_canonical(str(n), {}, sharded, where="mesh.names") for n in names]
+    elif dim_names is None:
+        raise ConfigError(
+            "mesh",
+            f"the mesh {_describe(None, shape)} has no dim names: build it with mesh_dim_names=(...) "
+            f"or pass names=[...] with one of {', '.join(MESH_DIMS)} per dim",
+        )
+    else:
+        overrides = dict(names or {})
+        unused = sorted(set(overrides) - set(dim_names))
+        if unused:
+            raise ConfigError("mesh.names", f"{unused[0]!r} is not a dim of the mesh {_describe(dim_names, shape)}")
+        canonical = [_canonical(n, overrides, sharded, where="mesh") for n in dim_names]
+    coords: dict[str, int] = {}
+    for dim, index, size in zip(canonical, coordinate, shape):
+        coords[dim] = coords.get(dim, 0) * size + int(index)
+    return {d: coords[d] for d in MESH_DIMS if d in coords}
+
+
+def _canonical(name: str, overrides: Mapping[str, str], sharded: bool, *, where: str) -> str:
+    target = overrides.get(name, name)
+    if target in MESH_DIMS:
+        return target
+    if target in MESH_ALIASES:
+        return MESH_ALIASES[target]
+    if target == "dp":
+        return "dp_shard" if sharded else "dp_replicate"
+    if name in overrides:
+        raise ConfigError(f"{where}.{name}", f"maps to {target!r}, which is none of {', '.join(MESH_DIMS)}")
+    raise ConfigError(
+        f"{where}.{name}",
+        f"mesh dim {name!r} is not a parallel dimension sdcwatch knows ({', '.join(MESH_DIMS)}, or dp, "
+        f"{', '.join(MESH_ALIASES)}): pass names={{{name!r}: 'tp'}} (or whichever it is) to attach",
+    )
+
+
+def _describe(dim_names: Sequence[str] | None, shape: tuple[int, ...]) -> str:
+    if dim_names is None:
+        return "x".join(str(s) for s in shape)
+    return "(" + ", ".join(f"{n}={s}" for n, s in zip(dim_names, shape)) + ")"

@@ -1,0 +1,174 @@
+"""Real FSDP2 (``fully_shard``) and HSDP over gloo processes: the probes' gradient statistics against
+a brute-force computation, shard-wise fingerprints, and faults named through the detectors."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("torch.distributed.fsdp")
+
+from sdcwatch.detectors.offline import read_records  # noqa: E402
+from sdcwatch.detectors.pipeline import DetectionPipeline  # noqa: E402
+from sdcwatch.telemetry import is_end_marker  # noqa: E402
+from sdcwatch.telemetry.faults import FaultSpec  # noqa: E402
+from sdcwatch.testbed.fsdp import FSDPSettings, launch  # noqa: E402
+from sdcwatch.testbed.model import GPT  # noqa: E402
+from sdcwatch.testbed.simulated import shared_corpus  # noqa: E402
+
+pytestmark = pytest.mark.integration
+
+STEPS, NAN_STEP = 6, 3
+
+
+def _nan(rank: int) -> FaultSpec:
+    return FaultSpec(kind="nan", rank=rank, step=NAN_STEP, target="blocks.0.attn.scores", where="output", seed=1)
+
+
+def _run(tmp_path, **kw) -> tuple[FSDPSettings, dict]:
+    settings = FSDPSettings(
+        steps=STEPS,
+        seed=0,
+        run="fsdp-it",
+        jsonl_dir=str(tmp_path),
+        corpus_bytes=1 << 18,
+        ranks_per_host=1,
+        clip=None,
+        probes={"fingerprint_every": 1, "attention_every": 1},
+        **kw,
+    )
+    launch(settings)
+    records = [r for rank in range(settings.world) for r in read_records(tmp_path / f"rank{rank}.jsonl")]
+    assert sorted((r.step, r.rank) for r in records if is_end_marker(r)) == [
+        (STEPS - 1, r) for r in range(settings.world)
+    ]
+    table = {(r.step, r.rank): r for r in records if not is_end_marker(r)}
+    assert set(table) == {(s, r) for s in range(STEPS) for r in range(settings.world)}
+    return settings, table
+
+
+def _incidents(table: dict) -> list:
+    pipe = DetectionPipeline()
+    pipe.book.history = []
+    pipe.process(sorted(table.values(), key=lambda r: (r.step, r.rank)))
+    pipe.flush()
+    return list(pipe.book.history)
+
+
+def _nan_named(table: dict, rank: int) -> None:
+    """The records show the NaN where it happened, and the detectors name its rank at its step."""
+    assert table[NAN_STEP, rank].scalars["nonfinite"] > 0
+    assert all(table[s, r].scalars["nonfinite"] == 0 for s in range(NAN_STEP) for r in range(len(table) // STEPS))
+    found = [i for i in _incidents(table) if i.kind == "nonfinite"]
+    assert found, "no non-finite incident"
+    first = min(found, key=lambda i: i.first_step)
+    assert first.first_step == NAN_STEP and first.ranks == (rank,), (first.first_step, first.ranks, first.message)
+
+
+@pytest.fixture(scope="module")
+def fsdp3(tmp_path_factory):
+    """Plain FSDP over 3 ranks (uneven shards: FSDP pads them), a NaN on rank 1 at step 3."""
+    return _run(tmp_path_factory.mktemp("fsdp3"), world=3, faults=(_nan(1),))
+
+
+def _shard(t: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    """Rank ``rank``'s FSDP2 shard of ``t``: its dim-0 chunk (``torch.chunk``; the last may be short)."""
+    chunks = torch.chunk(t, world, dim=0)
+    return chunks[rank] if rank < len(chunks) else t[:0]
+
+
+def test_fsdp_gradient_statistics_match_brute_force(fsdp3):
+    """Local norm (the whole unsharded local gradient), global norm and the cosine over the rank's own
+    shard, against the gradients of an unsharded copy of the model on each rank's batch at step 0."""
+    settings, table = fsdp3
+    world = settings.world
+    torch.manual_seed(settings.seed)
+    model = GPT()
+    corpus = shared_corpus(settings.corpus_bytes)
+    local = []
+    for r in range(world):
+        model.zero_grad()
+        batch = corpus.batch(
+            seed=settings.seed, step=0, rank=r, batch_size=settings.batch_size, seq_len=model.cfg.seq_len
+        )
+        model.loss(batch).backward()
+        local.append([p.grad.clone() for p in model.parameters()])
+    mean = [torch.stack(gs).mean(0) for gs in zip(*local)]
+    flat = lambda ts: torch.cat([t.reshape(-1) for t in ts])  # noqa: E731
+    global_norm = float(flat(mean).norm())
+    for r in range(world):
+        s = table[0, r].scalars
+        own = flat([_shard(g, r, world) for g in local[r]])
+        avg = flat([_shard(g, r, world) for g in mean])
+        assert s["grad_norm_local"] == pytest.approx(float(flat(local[r]).norm()), rel=1e-4)
+        assert s["grad_norm_global"] == pytest.approx(global_norm, rel=1e-4)
+        assert s["grad_cosine"] == pytest.approx(float(own @ avg / (own.norm() * avg.norm())), rel=1e-4)
+        assert 0.5 < s["grad_cosine"] < 1.0  # a healthy rank's gradient points with the mean, not equal to it
+    for step in range(NAN_STEP):  # one global norm, the same bits on every rank
+        assert len({table[step, r].scalars["grad_norm_global"] for r in range(world)}) == 1
+
+
+def test_fsdp_records_carry_activation_and_attention_statistics_and_shard_fingerprints(fsdp3):
+    settings, table = fsdp3
+    for (step, rank), rec in table.items():
+        assert {"loss", "loss_global", "grad_norm_local", "grad_norm_global", "grad_cosine"} <= set(rec.scalars)
+        assert {"param_fp", "grad_fp"} <= set(rec.fingerprints)
+        assert len(rec.layers["attn_entropy"]) == 2 and len(rec.layers["stream_max"]) == 2
+        if step == 0:  # sampled every 16th step: measured on the unsharded compute of the forward
+            assert math.isfinite(rec.scalars["act_max"]) and len(rec.layers["gemm_fwd"]) > 0
+            assert max(rec.layers["gemm_fwd"]) < 1  # the forward checksums hold on the all-gathered weights
+    for step in range(STEPS):  # every rank holds a different shard: its fingerprints are its own
+        assert len({table[step, r].fingerprints["param_fp"] for r in range(settings.world)}) == settings.world
+
+
+def test_fsdp_nan_on_one_rank_is_named_at_its_step(fsdp3):
+    _nan_named(fsdp3[1], rank=1)
+
+
+@pytest.fixture(scope="module")
+def hsdp(tmp_path_factory):
+    """HSDP: 2 replicas x 2 shards (ranks 0, 1 are replica 0), a NaN on rank 2 at step 3."""
+    return _run(tmp_path_factory.mktemp("hsdp"), world=4, replicate=2, faults=(_nan(2),))
+
+
+def test_hsdp_replicas_of_a_shard_agree_bit_for_bit(hsdp):
+    settings, table = hsdp
+    for step in range(NAN_STEP):
+        for name in ("param_fp", "grad_fp"):
+            by_rank = [table[step, r].fingerprints[name] for r in range(4)]
+            # ranks 0 and 2 hold shard 0, ranks 1 and 3 shard 1
+            assert by_rank[0] == by_rank[2] and by_rank[1] == by_rank[3], (step, name)
+            assert by_rank[0] != by_rank[1], (step, name)
+        assert len({table[step, r].scalars["grad_norm_global"] for r in range(4)}) == 1
+
+
+def test_hsdp_nan_on_one_rank_is_named_at_its_step(hsdp):
+    _nan_named(hsdp[1], rank=2)
+
+
+FLIP_RANK, FLIP_STEP = 4, 2
+
+
+@pytest.fixture(scope="module")
+def hsdp3(tmp_path_factory):
+    """HSDP: 3 replicas x 2 shards, one flipped bit in rank 4's parameter shard at step 2 (it persists)."""
+    flip = FaultSpec(
+        kind="bitflip", rank=FLIP_RANK, step=FLIP_STEP, target="blocks.0.attn.qkv", where="param", bit=12, seed=1
+    )
+    return _run(tmp_path_factory.mktemp("hsdp3"), world=6, replicate=3, faults=(flip,))
+
+
+def test_hsdp_flipped_shard_is_the_odd_one_among_its_replicas(hsdp3):
+    """Rank 4 holds shard 0 with ranks 0 and 2: from the flip on, it alone disagrees with them; the
+    other shard's replicas agree throughout."""
+    settings, table = hsdp3
+    for step in range(STEPS):
+        shard0 = [table[step, r].fingerprints["param_fp"] for r in (0, 2, 4)]
+        shard1 = [table[step, r].fingerprints["param_fp"] for r in (1, 3, 5)]
+        assert len(set(shard1)) == 1, step
+        if step < FLIP_STEP:
+            assert len(set(shard0)) == 1, step
+        else:
+            assert shard0[0] == shard0[1] != shard0[2], step
