@@ -152,6 +152,11 @@ class GemmChecks:
                 self.bounds[("gemm_fwd", self.names[i])] = bound
             self._in[i] = self._max(self._in[i], xn.float())
             sealed = self._sealed_at[i]
+            if self._weights and sealed is not None and sealed[2] is not None:
+                # an FSDP2 shard: this rank's own shard of the weight, read where the optimizer wrote it
+                w, b = sealed[2].to_local(), None if sealed[3] is None else sealed[3].to_local()
+                v = _sum(w, 0, acc)
+                sw = torch.linalg.vector_norm(w, dim=1, dtype=acc).sum()
             if self._weights and sealed is not None and sealed[0].shape == v.shape:
                 # the same reduction of the same bits: any difference is a weight changed in memory
                 bound = (_gamma(w.shape[0], unit_roundoff(acc)) * sw).clamp_min(_TINY)
@@ -171,13 +176,18 @@ class GemmChecks:
         with torch.no_grad():
             for i, m in enumerate(self._modules):
                 w = getattr(m, "weight", None)
-                # an FSDP2 shard: the forward sees the all-gathered weight, whose column sums differ
-                if isinstance(w, torch.Tensor) and w.dim() == 2 and self._weights and not _sharded(w):
+                if isinstance(w, torch.Tensor) and w.dim() == 2 and self._weights:
                     acc = _accumulation_dtype(w.dtype)
                     b = getattr(m, "bias", None)
+                    b = b if isinstance(b, torch.Tensor) else None
+                    # an FSDP2 shard (a DTensor): the rank's own shard is sealed, and checked in the
+                    # forward against itself (the forward's all-gathered weight is every rank's)
+                    shard = _sharded(w)
                     self._sealed_at[i] = (
-                        _sum(w, 0, acc),  # as the forward does: the same bits give the same sum
-                        _sum(b, None, acc) if isinstance(b, torch.Tensor) else None,
+                        _sum(w.to_local() if shard else w, 0, acc),  # as the check does: same bits, same sum
+                        None if b is None else _sum(b.to_local() if shard else b, None, acc),
+                        w if shard else None,
+                        b if shard else None,
                     )
 
     def unseal(self) -> None:
@@ -320,5 +330,5 @@ class GemmChecks:
 
 
 def _sharded(t: torch.Tensor) -> bool:
-    """Whether ``t`` is a DTensor shard (FSDP2): the checks that read a weight outside the forward skip it."""
+    """Whether ``t`` is a DTensor shard (FSDP2), outside the autograd graph and the forward's weight."""
     return hasattr(t, "to_local")

@@ -36,8 +36,7 @@ def _run(tmp_path, **kw) -> tuple[FSDPSettings, dict]:
         corpus_bytes=1 << 18,
         ranks_per_host=1,
         clip=None,
-        probes={"fingerprint_every": 1, "attention_every": 1},
-        **kw,
+        **{"probes": {"fingerprint_every": 1, "attention_every": 1}, **kw},
     )
     launch(settings)
     records = [r for rank in range(settings.world) for r in read_records(tmp_path / f"rank{rank}.jsonl")]
@@ -127,10 +126,24 @@ def test_fsdp_nan_on_one_rank_is_named_at_its_step(fsdp3):
     _nan_named(fsdp3[1], rank=1)
 
 
+SHARD_FLIP_RANK, SHARD_FLIP_STEP = 3, 4
+
+
 @pytest.fixture(scope="module")
 def hsdp(tmp_path_factory):
-    """HSDP: 2 replicas x 2 shards (ranks 0, 1 are replica 0), a NaN on rank 2 at step 3."""
-    return _run(tmp_path_factory.mktemp("hsdp"), world=4, replicate=2, faults=(_nan(2),))
+    """HSDP: 2 replicas x 2 shards (ranks 0, 1 are replica 0), a NaN on rank 2 at step 3 (the update
+    skipped), then the lowest exponent bit of one weight flipped in rank 3's shard at step 4."""
+    flip = FaultSpec(
+        kind="bitflip", rank=SHARD_FLIP_RANK, step=SHARD_FLIP_STEP, target="blocks.0.attn.qkv", where="param", bit=23
+    )
+    return _run(
+        tmp_path_factory.mktemp("hsdp"),
+        world=4,
+        replicate=2,
+        faults=(_nan(2), flip),
+        skip_nonfinite=True,
+        probes={"fingerprint_every": 1, "attention_every": 1, "checksum_every": 1},
+    )
 
 
 def test_hsdp_replicas_of_a_shard_agree_bit_for_bit(hsdp):
@@ -172,3 +185,21 @@ def test_hsdp_flipped_shard_is_the_odd_one_among_its_replicas(hsdp3):
             assert len(set(shard0)) == 1, step
         else:
             assert shard0[0] == shard0[1] != shard0[2], step
+
+
+def test_hsdp_shard_changed_in_memory_is_named_by_its_own_rank_where_no_vote_can(hsdp):
+    """Two replicas of a shard cannot outvote each other; the weights-in-memory check compares the
+    rank's own shard with what the optimizer wrote, and names the rank, the layer and the step."""
+    settings, table = hsdp
+    step, rank = SHARD_FLIP_STEP, SHARD_FLIP_RANK
+    fps = [table[step, r].fingerprints["param_fp"] for r in range(4)]
+    assert fps[0] == fps[2] and fps[1] != fps[3]  # shard 1's two replicas now disagree: a tie
+    for s in range(STEPS):
+        for r in range(4):
+            odd = s == step and r == rank
+            assert (max(table[s, r].layers["gemm_weight"]) > 1) == odd, (s, r)
+    found = [i for i in _incidents(table) if i.kind == "checksum_mismatch"]
+    assert found and min(i.first_step for i in found) == step
+    first = min(found, key=lambda i: i.first_step)
+    assert first.ranks == (rank,) and first.metric == "gemm_weight", first.message
+    assert first.layer == 0  # product 0: blocks.0.attn.qkv, the model's first linear layer
