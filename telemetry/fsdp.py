@@ -26,7 +26,10 @@ replicas). Where each metric comes from (torch 2.13):
   the reduced gradient shard; both are bit-identical across the replicas of one shard under HSDP
   (the ranks with the same ``dp_shard`` coordinate) and differ across shards by design.
 * **activations and attention**: forward hooks run on the unsharded compute, so they are unchanged
-  and comparable across the data-parallel group.
+  and comparable across the data-parallel group; so do the forward checksums. The check of the
+  weights in memory seals each rank's own shard after the optimizer step and compares it in the
+  next checked forward (:mod:`~sdcwatch.telemetry.gemm_checks`); the weight-gradient checksum
+  needs a hook on the weight and is off for shards.
 
 With a reduce dtype that FSDP pre- or post-divides (fp16, or a custom gradient divide factor) the
 norms carry that fixed factor, the same on every rank; the cosine does not.
