@@ -195,7 +195,8 @@ class ShardedGradients:
         self._measured.clear()
         self._local.clear()
         group = self._group
-        if group is None:  # no reduce-scatter yet (no backward, or a shard group of one)
+        if group is None:  # FSDP ran no reduce-scatter: no backward, or a shard group of one
+            self._unreduced()
             return
         if measured:
             local_sq, own_sq, dot, out_sq = (torch.stack([m[k] for m in measured]).sum() for k in range(4))
@@ -214,6 +215,26 @@ class ShardedGradients:
         if all(p is not None for p in parts):
             w._fps["grad_fp"] = fp.combine_parts(parts)
         w._grads_seen = True
+
+    def before_optimizer(self) -> None:
+        """The optimizer's pre-step hook: where a single process reads its gradient (no collective
+        here: a rank that skips its optimizer step must not leave the others waiting)."""
+        if self._group is None and self._measuring and not self._watch._grads_seen:
+            self._unreduced()
+
+    def _unreduced(self) -> None:
+        """One process (FSDP skips the collective for a shard group of one): the gradient is the
+        rank's own, local is global, as for a model without data parallelism."""
+        import torch.distributed as dist
+
+        if self._watch._grads_seen or dist.is_initialized() and dist.get_world_size() > 1:
+            return  # replicas without shards (HSDP of shard size 1): the local gradient is not seen
+        grads = local_tensors(p.grad for p in self._watch._params if p.grad is not None)
+        if not grads:
+            return
+        self._watch._set_world1_norm(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))))
+        if self._watch.config.grad_fingerprint and self._watch._fingerprint_step:
+            self._watch._fps["grad_fp"] = fp.flat_fingerprint_device(grads)
 
     def remove(self) -> None:
         """Give FSDP back the reduce-scatter and hook it had before."""

@@ -134,8 +134,9 @@ class Watch(AttentionLayers):
         if self._ddp:
             self._group = getattr(ddp, "process_group", None)
             ddp.register_comm_hook(self, comm_hook)
-        elif optimizer is not None and not external and self._sharded is None:
-            self._handles.append(optimizer.register_step_pre_hook(lambda opt, args, kwargs: self._local_gradients()))
+        elif optimizer is not None and not external:
+            before = self._local_gradients if self._sharded is None else self._sharded.before_optimizer
+            self._handles.append(optimizer.register_step_pre_hook(lambda opt, args, kwargs: before()))
         LIVE_WATCHES.add(self)
 
     @property

@@ -203,3 +203,48 @@ def test_hsdp_shard_changed_in_memory_is_named_by_its_own_rank_where_no_vote_can
     first = min(found, key=lambda i: i.first_step)
     assert first.ranks == (rank,) and first.metric == "gemm_weight", first.message
     assert first.layer == 0  # product 0: blocks.0.attn.qkv, the model's first linear layer
+
+
+def test_one_process_fsdp_reports_its_gradient_as_local_and_global_and_records_only_sampled_steps(tmp_path):
+    """A shard group of one runs no reduce-scatter: the statistics come from the gradient itself;
+    with ``every=2`` the odd steps measure nothing and send nothing."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from sdcwatch.telemetry.probes import attach
+
+    class Emitter:
+        def __init__(self):
+            self.records = []
+
+        def emit(self, step, **kw):
+            self.records.append((step, kw))
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rv'}", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("dp",))
+        torch.manual_seed(0)
+        model = GPT()
+        fully_shard(model, mesh=mesh)
+        opt = torch.optim.SGD(model.parameters(), lr=0.0)
+        emitter = Emitter()
+        watch = attach(model, emitter, optimizer=opt, every=2, mesh=mesh)
+        assert watch.coords == {"dp_shard": 0}  # sharded: the dp dim holds shards
+        corpus = shared_corpus(1 << 18)
+        norms = []
+        for step in range(4):
+            batch = corpus.batch(seed=0, step=step, rank=0, batch_size=2, seq_len=model.cfg.seq_len)
+            model.loss(batch).backward()
+            norms.append(float(torch.cat([p.grad.to_local().reshape(-1) for p in model.parameters()]).norm()))
+            opt.step()
+            opt.zero_grad()
+            watch.step(step)
+        watch.close()
+        assert [s for s, _ in emitter.records] == [0, 2]
+        for step, kw in emitter.records:
+            assert kw["grad_norm_local"] == kw["grad_norm_global"] == pytest.approx(norms[step], rel=1e-5)
+            assert kw["grad_cosine"] == 1.0
+            assert watch.errors == 0
+    finally:
+        dist.destroy_process_group()
