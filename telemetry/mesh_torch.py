@@ -1,17 +1,16 @@
 """A torch ``DeviceMesh`` read as this rank's parallel coordinates: the record's ``coords``.
 
-Mesh dimensions are named by the training code; sdcwatch compares ranks by the canonical dims
-``dp_replicate``, ``dp_shard``, ``cp``, ``tp``, ``pp`` and ``ep``. torchtitan's world mesh already
-uses those names. Other spellings map as follows:
+Mesh dimensions are named by the training code; sdcwatch compares ranks by the canonical dims of
+:mod:`sdcwatch.core.mesh` (``pp``, ``dp_replicate``, ``dp_shard``, ``cp``, ``ep``, ``tp``).
+torchtitan's world mesh already uses those names; the aliases of :data:`~sdcwatch.core.mesh.ALIASES`
+(``fsdp``, ``ddp``, ``tensor``...) are read as the dims they stand for, except one:
 
-* ``fsdp``, ``shard`` -> ``dp_shard``; ``ddp``, ``replicate`` -> ``dp_replicate``;
-  ``tensor`` -> ``tp``, ``pipeline`` -> ``pp``, ``context`` -> ``cp``, ``expert`` -> ``ep``;
 * ``dp`` (plain data parallel) is ``dp_shard`` when the model is sharded by FSDP2 (each rank holds a
   different shard) and ``dp_replicate`` otherwise (DDP: each rank holds a replica);
-* anything else is an error naming the dimension: say what it is with ``names={"mine": "tp"}``.
+* any other name is an error naming the dimension: say what it is with ``names={"mine": "tp"}``.
 
 Two mesh dimensions mapped to one canonical dim combine into one index, row-major in mesh order
-(as ``DeviceMesh._flatten`` would number them).
+(as ``DeviceMesh._flatten`` numbers them). Reads the mesh's attributes only: no torch import.
 """
 
 from __future__ import annotations
@@ -19,28 +18,15 @@ from __future__ import annotations
 from typing import Any, Mapping, Sequence
 
 from sdcwatch.core.errors import ConfigError
+from sdcwatch.core.mesh import ALIASES, DIMS, check_coords
 
-__all__ = ["MESH_DIMS", "MESH_ALIASES", "coords_from_mesh"]
-
-#: The canonical parallel dimensions, outermost data parallelism first.
-MESH_DIMS = ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep")
-#: Other names of the canonical dims (``dp`` depends on the model: see the module docstring).
-MESH_ALIASES = {
-    "fsdp": "dp_shard",
-    "shard": "dp_shard",
-    "ddp": "dp_replicate",
-    "replicate": "dp_replicate",
-    "tensor": "tp",
-    "pipeline": "pp",
-    "context": "cp",
-    "expert": "ep",
-}
+__all__ = ["coords_from_mesh"]
 
 
 def coords_from_mesh(
     device_mesh: Any, names: Mapping[str, str] | Sequence[str] | None = None, *, sharded: bool = False
 ) -> dict[str, int]:
-    """This rank's coordinates in ``device_mesh`` as ``{canonical dim: index}``.
+    """This rank's coordinates in ``device_mesh`` as ``{canonical dim: index}``, in :data:`DIMS` order.
 
     ``names`` says what the mesh's dimensions are when their names do not: a mapping from a mesh
     dim name to a canonical dim (it overrides the built-in spellings), or one canonical name per
@@ -63,7 +49,7 @@ def coords_from_mesh(
         raise ConfigError(
             "mesh",
             f"the mesh {_describe(None, shape)} has no dim names: build it with mesh_dim_names=(...) "
-            f"or pass names=[...] with one of {', '.join(MESH_DIMS)} per dim",
+            f"or pass names=[...] with one of {', '.join(DIMS)} per dim",
         )
     else:
         overrides = dict(names or {})
@@ -74,23 +60,23 @@ def coords_from_mesh(
     coords: dict[str, int] = {}
     for dim, index, size in zip(canonical, coordinate, shape):
         coords[dim] = coords.get(dim, 0) * size + int(index)
-    return {d: coords[d] for d in MESH_DIMS if d in coords}
+    return check_coords(coords, key="mesh")
 
 
 def _canonical(name: str, overrides: Mapping[str, str], sharded: bool, *, where: str) -> str:
     target = overrides.get(name, name)
-    if target in MESH_DIMS:
-        return target
-    if target in MESH_ALIASES:
-        return MESH_ALIASES[target]
-    if target == "dp":
+    if target == "dp":  # the one alias whose meaning depends on the model
         return "dp_shard" if sharded else "dp_replicate"
+    if target in DIMS:
+        return target
+    if target in ALIASES:
+        return ALIASES[target]
     if name in overrides:
-        raise ConfigError(f"{where}.{name}", f"maps to {target!r}, which is none of {', '.join(MESH_DIMS)}")
+        raise ConfigError(f"{where}.{name}", f"maps to {target!r}, which is none of {', '.join(DIMS)}")
     raise ConfigError(
         f"{where}.{name}",
-        f"mesh dim {name!r} is not a parallel dimension sdcwatch knows ({', '.join(MESH_DIMS)}, or dp, "
-        f"{', '.join(MESH_ALIASES)}): pass names={{{name!r}: 'tp'}} (or whichever it is) to attach",
+        f"mesh dim {name!r} is not a parallel dimension sdcwatch knows ({', '.join(DIMS)}, or "
+        f"{', '.join(sorted(ALIASES))}): pass mesh_names={{{name!r}: 'tp'}} (or whichever it is) to attach",
     )
 
 

@@ -91,6 +91,9 @@ class Watch(AttentionLayers):
         """This rank's parallel coordinates (from ``mesh``), carried by every record."""
         if mesh is not None:
             self.coords = coords_from_mesh(mesh, mesh_names, sharded=is_sharded(model))
+            set_coords = getattr(emitter, "set_coords", None)  # the Emitter's; a stand-in may have none
+            if set_coords is not None:
+                set_coords(self.coords)
         self.optimizer = optimizer
         self.config = config or ProbeConfig()
         self.canary_input = canary_input

@@ -45,6 +45,9 @@ def _run(tmp_path, **kw) -> tuple[FSDPSettings, dict]:
     ]
     table = {(r.step, r.rank): r for r in records if not is_end_marker(r)}
     assert set(table) == {(s, r) for s in range(STEPS) for r in range(settings.world)}
+    shards = settings.world // settings.replicate
+    for (step, rank), rec in table.items():  # the mesh's coordinates, on every record
+        assert rec.coords == {"dp_replicate": rank // shards, "dp_shard": rank % shards}, (step, rank)
     return settings, table
 
 

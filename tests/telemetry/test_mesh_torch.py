@@ -9,7 +9,8 @@ torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
 
 from sdcwatch.core.errors import ConfigError  # noqa: E402
-from sdcwatch.telemetry.mesh_torch import MESH_DIMS, coords_from_mesh  # noqa: E402
+from sdcwatch.core.mesh import DIMS  # noqa: E402
+from sdcwatch.telemetry.mesh_torch import coords_from_mesh  # noqa: E402
 
 
 @pytest.fixture
@@ -38,7 +39,7 @@ def test_torchtitan_names_are_the_canonical_dims_and_every_rank_gets_its_own_coo
     seen = set()
     for rank in range(16):
         coords = coords_from_mesh(mesh_of(rank, shape, names))
-        assert list(coords) == [d for d in MESH_DIMS if d in names]  # canonical order, whatever the mesh's
+        assert list(coords) == [d for d in DIMS if d in names]  # canonical order, whatever the mesh's
         # row-major rank layout: pp outermost, tp innermost
         assert coords == {
             "pp": rank // 8,
@@ -75,7 +76,7 @@ def test_bad_names_are_clear_errors(mesh_of):
     mesh = mesh_of(0, (2, 2), ("dp_shard", "tp"))
     with pytest.raises(ConfigError, match=r"mesh\.names.*'cp' is not a dim of the mesh \(dp_shard=2, tp=2\)"):
         coords_from_mesh(mesh, {"cp": "cp"})
-    with pytest.raises(ConfigError, match=r"mesh\.tp.*maps to 'heads', which is none of dp_replicate"):
+    with pytest.raises(ConfigError, match=r"mesh\.tp.*maps to 'heads', which is none of pp, dp_replicate"):
         coords_from_mesh(mesh, {"tp": "heads"})
     with pytest.raises(ConfigError, match=r"one canonical name per mesh dim \(2\)"):
         coords_from_mesh(mesh, ["tp"])
@@ -83,19 +84,22 @@ def test_bad_names_are_clear_errors(mesh_of):
         coords_from_mesh({"tp": 2})
 
 
-def test_attach_puts_the_mesh_coordinates_on_the_watch(mesh_of):
+def test_attach_puts_the_mesh_coordinates_on_every_record(mesh_of, tmp_path):
+    from sdcwatch.detectors.offline import read_records
+    from sdcwatch.telemetry import Emitter, FileTransport, is_end_marker
     from sdcwatch.telemetry.probes import attach
     from sdcwatch.testbed.model import GPT, GPTConfig
 
-    class Emitter:
-        def emit(self, step, **kw):
-            pass
-
     mesh = mesh_of(3, (2, 2), ("dp", "tp"))
-    watch = attach(GPT(GPTConfig(n_layer=1)), Emitter(), mesh=mesh)
-    try:
-        assert watch.coords == {"dp_replicate": 1, "tp": 1}  # not sharded: dp holds replicas
-    finally:
-        watch.close()
+    emitter = Emitter(FileTransport(tmp_path / "rank3.jsonl"), run="mesh", rank=3, world=4)
+    watch = attach(GPT(GPTConfig(n_layer=1)), emitter, mesh=mesh)
+    assert watch.coords == {"dp_replicate": 1, "tp": 1}  # not sharded: dp holds replicas
+    for step in range(2):
+        watch.step(step, loss=1.0)
+    watch.close()
+    emitter.close()
+    records = [r for r in read_records(tmp_path / "rank3.jsonl") if not is_end_marker(r)]
+    assert [r.step for r in records] == [0, 1]
+    assert all(r.coords == {"dp_replicate": 1, "tp": 1} for r in records)
     with pytest.raises(ConfigError, match=r"mesh\.x"):
-        attach(GPT(GPTConfig(n_layer=1)), Emitter(), mesh=mesh_of(0, (2,), ("x",)))
+        attach(GPT(GPTConfig(n_layer=1)), emitter, mesh=mesh_of(0, (2,), ("x",)))
