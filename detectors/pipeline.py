@@ -86,6 +86,8 @@ class _Run:
     summary: StepSummary | None = None  # latest step (read by view())
     stats: dict[str, Any] | None = None  # latest cross-rank quantiles a spatial stage sent
     sent_hosts: tuple[str, ...] | None = None  # spatial: host table last put in a summary
+    coords: np.ndarray | None = None  # (world, mesh dims) last known coordinates of each rank
+    sent_coords: np.ndarray | None = None  # spatial: coordinate table last put in a summary
     view: RunView | None = None  # the exporter's view of the latest step, built once per step
 
 
@@ -278,6 +280,14 @@ class DetectionPipeline:
             frame=frame,
         )
         st.sent_hosts = hosts
+        if frame.coords is not None:
+            coords = frame.coords
+            known = st.coords
+            if not frame.complete and known is not None and known.shape == coords.shape:
+                coords = np.where(frame.present[:, None], coords, known)  # absent ranks: as last seen
+            if st.sent_coords is None or st.sent_coords.shape != coords.shape or (st.sent_coords != coords).any():
+                summary.coords = coords
+            st.sent_coords = st.coords = coords
         obs = summary.observations
         for det in st.detectors:
             if isinstance(det, SplitDetector):
@@ -298,6 +308,8 @@ class DetectionPipeline:
         self._remember(st, summary)
         if summary.hosts is None:
             summary.hosts = tuple(st.hosts)
+        if summary.coords is None and st.coords is not None and st.coords.shape[0] == summary.world:
+            summary.coords = st.coords
         findings = []
         for det in st.detectors:
             if isinstance(det, SplitDetector):
@@ -317,9 +329,12 @@ class DetectionPipeline:
         if st.world != summary.world:
             st.world = summary.world
             st.hosts = [""] * summary.world
+            st.coords = None
             st.dropped = np.zeros(summary.world)
         if summary.hosts is not None:
             st.hosts = list(summary.hosts)
+        if summary.coords is not None:
+            st.coords = summary.coords
         for r, n in summary.dropped.items():
             if 0 <= r < summary.world:
                 st.dropped[r] = n
@@ -451,6 +466,7 @@ class DetectionPipeline:
                     "last_step": st.last_step,
                     "hosts": st.hosts,
                     "dropped": st.dropped.tolist(),
+                    **({} if st.coords is None else {"coords": st.coords.tolist()}),
                 }
                 for run, st in self._runs.items()
             },
@@ -484,6 +500,8 @@ class DetectionPipeline:
             st.attribution.restore(d["attribution"])
             st.world, st.steps_total, st.last_step = int(d["world"]), int(d["steps_total"]), int(d["last_step"])
             st.hosts, st.dropped = list(d["hosts"]), np.array(d["dropped"], dtype=float)
+            if d.get("coords") is not None:
+                st.coords = np.array(d["coords"], dtype=np.int64).reshape(st.world, -1)
             st.last_step_wall = self.wall()  # the stale clock restarts with the service
             self._runs[run] = st
         self.findings_total = {(a, b): int(n) for a, b, n in state["findings_total"]}
