@@ -25,6 +25,7 @@ from sdcwatch.detectors.registry import default_detectors
 from sdcwatch.detectors.lifecycle import RunLifecycle
 from sdcwatch.detectors.statefile import read_state, restoring, write_state
 from sdcwatch.detectors.ingest import count_records
+from sdcwatch.detectors.peers import coords_of
 from sdcwatch.detectors.summary import StepSummary, SummaryOrder
 from sdcwatch.core.jsonsafe import json_safe
 from sdcwatch.core.validate import check_positive
@@ -97,6 +98,15 @@ def _count(values: np.ndarray) -> int:
     with np.errstate(over="ignore"):
         total = float(np.sum(v[np.isfinite(v) & (v > 0)]))
     return int(min(total, 2.0**53))  # past it a float no longer counts by ones
+
+
+def _name_coords(findings: list, coords: np.ndarray | None) -> list:
+    """Give each finding the mesh coordinates of the ranks it names (when the run has them)."""
+    if coords is not None:
+        for f in findings:
+            if f.ranks and not f.coords:
+                f.coords = tuple(coords_of(coords, r) for r in f.ranks[:64])
+    return findings
 
 
 class DetectionPipeline:
@@ -318,11 +328,12 @@ class DetectionPipeline:
                 found = det.update(summary.frame)
             else:
                 found = []
+            _name_coords(found, summary.coords)
             for f in found:
                 k = (f.detector, f.kind)
                 self.findings_total[k] = self.findings_total.get(k, 0) + 1
             findings += found
-        findings = st.attribution.apply(summary.step, summary.world, findings)
+        findings = _name_coords(st.attribution.apply(summary.step, summary.world, findings), summary.coords)
         return self.book.add(findings) + self.book.advance(summary.run, summary.step)
 
     def _remember(self, st: _Run, summary: StepSummary) -> None:
@@ -447,6 +458,7 @@ class DetectionPipeline:
             missing_ranks=shown.get("missing_ranks", 0),
             emitter_dropped=_count(st.dropped),
             finished=self.lifecycle.finished(run),
+            coords=st.coords,
         )
 
     # -- state ----------------------------------------------------------------------------------

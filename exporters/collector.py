@@ -24,6 +24,7 @@ from prometheus_client.registry import Collector
 from sdcwatch.core.incident import Incident, RunView, ServiceView
 from sdcwatch.core.errors import ConfigError
 from sdcwatch.core.kinds import guard_action_of
+from sdcwatch.detectors.peers import coords_text
 
 from .catalog import METRICS, STATS, MetricSpec, metric
 
@@ -35,6 +36,7 @@ __all__ = [
     "MAX_INCIDENTS_LISTED",
     "DEFAULT_MAX_LAYERS",
     "incident_rank_label",
+    "incident_coords_label",
 ]
 
 log = logging.getLogger(__name__)
@@ -60,6 +62,17 @@ def incident_rank_label(ranks: Sequence[int], limit: int = 8) -> str:
     if len(ranks) <= limit:
         return ",".join(str(r) for r in ranks)
     return ",".join(str(r) for r in ranks[:limit]) + f",...(+{len(ranks) - limit})"
+
+
+def incident_coords_label(coords: Sequence[dict[str, int]], limit: int = 8) -> str:
+    """The coordinates of an incident's ranks: ``"tp=1 pp=0 dp_replicate=2"``, ``;``-separated for
+    several ranks, ``...(+N)`` past ``limit``; empty when the records carry none."""
+    texts = [coords_text(c) for c in coords]
+    if not any(texts):
+        return ""
+    if len(texts) <= limit:
+        return ";".join(texts)
+    return ";".join(texts[:limit]) + f";...(+{len(texts) - limit})"
 
 
 def _hosts_label(hosts: Sequence[str], limit: int = 8) -> str:
@@ -177,9 +190,12 @@ class SdcwatchCollector(Collector):
             add("sdcwatch_training_run_finished", [r], 1 if run.finished else 0)
             for metric_name, score in sorted(run.spike_scores.items()):
                 add("sdcwatch_detector_spike_score", [r, metric_name], score)
+            coords = getattr(run, "coords", None)
             for rank in self._exported_ranks(run, open_incidents.get(r, [])):
                 host = run.hosts[rank] if rank < len(run.hosts) else ""
                 add("sdcwatch_rank_outlier_score", [r, rank, host], run.rank_scores[rank])
+                if coords is not None and rank < len(coords):  # one series per exported rank
+                    add("sdcwatch_rank_coordinates", [r, rank, *(str(v) if v >= 0 else "" for v in coords[rank])], 1)
             self._add_stats(fam["sdcwatch_rank_metric"], r, run.scalar_stats, self.scalar_stats, None)
             layer_stats = {
                 k: v for k, v in run.layer_stats.items() if self.layer_metrics is None or k in self.layer_metrics

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from sdcwatch.detectors.checksum import ChecksumDetector
+from sdcwatch.detectors.incidents import incident_from_dict
 from sdcwatch.detectors.nonfinite import NonFiniteDetector
 from sdcwatch.detectors.peers import MESH_DIMS, Groups, grouped_median, grouped_robust, rank_label
 from sdcwatch.detectors.pipeline import DetectionPipeline
@@ -134,6 +135,8 @@ def test_an_unhealthy_rank_is_named_with_its_coordinates(role):
     assert named and all(i.ranks == (bad,) for i in incidents if i.severity is not Severity.INFO)
     assert named[0].first_step < 40 + 50
     assert f"rank {bad} (host {mesh.host(bad)}, tp=1 pp=0 dp_replicate=2)" in named[0].message
+    assert named[0].coords == ({"dp_replicate": 2, "tp": 1, "pp": 0},)
+    assert incident_from_dict(named[0].to_dict()).coords == named[0].coords
 
 
 def test_a_nan_is_blamed_on_its_rank_not_on_the_later_stage_that_received_it():
