@@ -242,7 +242,8 @@ class RankOutlierDetector(SplitDetector):
         (features, groups, members) array, the typical spread is kept per (feature, group).
         """
         finite = np.isfinite(Xt)
-        G = peers.gather(np.where(finite, Xt, np.nan))  # (k, n, largest group)
+        all_finite = finite.all()
+        G = peers.gather(Xt if all_finite else np.where(finite, Xt, np.nan))  # (k, n, largest group)
         if G.shape[-1] > self.reference_ranks:  # a fixed, seeded sample of each group's members
             if self._sample is None or self._sample.size != self.reference_ranks or self._sample.max() >= G.shape[-1]:
                 rng = np.random.default_rng(G.shape[-1])
@@ -260,7 +261,8 @@ class RankOutlierDetector(SplitDetector):
         ids = peers.ids
         with np.errstate(invalid="ignore"):
             z = (Xt - med[:, ids]) / scale[:, ids]
-        z[~finite] = 0.0
+        if not all_finite:
+            z[~finite] = 0.0
         n_present = peers.counts(present)
         small = np.flatnonzero((n_present > 0) & (n_present < self.min_world))
         if small.size:
