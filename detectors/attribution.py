@@ -17,7 +17,7 @@ from collections import deque
 from dataclasses import replace
 from typing import Any
 
-from sdcwatch.detectors.peers import coords_text
+from sdcwatch.detectors.peers import format_coords
 from sdcwatch.core.kinds import SPIKE_KINDS
 from sdcwatch.core.names import DATA_METRICS
 from sdcwatch.core.validate import check_positive
@@ -177,11 +177,10 @@ def _local(f: Finding) -> dict[str, Any]:
 
 def _where(ev: dict[str, Any]) -> str:
     s = f"rank {ev['rank']}"
-    inside = ", ".join(
-        p for p in (f"host {ev['host']}" if ev["host"] else "", coords_text(ev.get("coords") or {})) if p
-    )
-    if inside:
-        s += f" ({inside})"
+    if ev["host"]:
+        s += f" (host {ev['host']})"
+    if ev.get("coords"):
+        s += f" at {format_coords(ev['coords'])}"
     if ev["layer"] is not None:
         part = "attention" if ev["metric"].startswith(("attn", "q_", "k_")) else ev["metric"]
         s += f", layer {ev['layer']} {part} ({ev['metric']})"

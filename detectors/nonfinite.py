@@ -22,7 +22,7 @@ from sdcwatch.detectors.registry import register
 from sdcwatch.detectors.frame import StepFrame
 from sdcwatch.core.incident import Finding, Severity
 from sdcwatch.core.names import RATIO_METRICS
-from sdcwatch.detectors.peers import KEYS, MESH_DIMS, group_keys, rank_label
+from sdcwatch.detectors.peers import DIMS, KEYS, group_keys, rank_label
 
 __all__ = ["NonFiniteDetector"]
 
@@ -49,7 +49,7 @@ def _upstream(culprits: set[int], coords: np.ndarray | None) -> tuple[set[int], 
     if coords is None or len(culprits) < 2:
         return culprits, set()
     c = np.array(sorted(culprits))
-    pp = coords[c, MESH_DIMS.index("pp")]
+    pp = coords[c, DIMS.index("pp")]
     if (pp < 0).all():
         return culprits, set()
     pipe = group_keys(coords[c], KEYS["pipeline"])

@@ -5,8 +5,8 @@ model, and their statistics differ by design. Ranks are compared only within the
 (same coordinates on every mesh dim except the data-parallel ones: the same model piece, across
 data-parallel replicas), and replicated values are voted on only within their *replica group*
 (the peer group and the same ``dp_shard``: the same shard of that piece). Stragglers are judged
-within a *pipeline stage*. A step's coordinates are a (world, dims) int array, -1 where a rank
-gave none; ranks that gave none at all form one group, so records without coordinates keep the
+within a *pipeline stage*. A step's coordinates are a (world, dims) int array over
+:data:`~sdcwatch.core.mesh.DIMS`, -1 where a rank gave none; ranks that gave none at all form one group, so records without coordinates keep the
 old meaning: one data-parallel group.
 
 :class:`Groups` holds one grouping (a group id per rank) with what the detectors need to work on
@@ -21,27 +21,47 @@ from typing import Any, Sequence
 
 import numpy as np
 
+
 __all__ = [
-    "MESH_DIMS",
-    "DATA_DIMS",
+    "DIMS",
+    "DATA_PARALLEL_DIMS",
+    "format_coords",
+    "peer_key",
+    "replica_key",
+    "KEYS",
     "Groups",
     "group_keys",
-    "coords_text",
     "coords_of",
     "rank_label",
     "grouped_median",
     "grouped_robust",
 ]
 
-#: The canonical mesh dims, in the order a step's coordinate array holds them.
-MESH_DIMS: tuple[str, ...] = ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep")
-#: The data-parallel dims: ranks that differ only there run the same model piece on other data.
-DATA_DIMS: tuple[str, ...] = ("dp_replicate", "dp_shard")
+#: The canonical mesh dims, outermost first, as ``sdcwatch.core.mesh.DIMS`` (coordinate array columns).
+DIMS: tuple[str, ...] = ("pp", "dp_replicate", "dp_shard", "cp", "ep", "tp")
+#: Dims along which ranks hold the same model piece on different data.
+DATA_PARALLEL_DIMS: tuple[str, ...] = ("dp_replicate", "dp_shard")
 
-_PEER = tuple(i for i, d in enumerate(MESH_DIMS) if d not in DATA_DIMS)
-_REPLICA = tuple(i for i, d in enumerate(MESH_DIMS) if d != "dp_replicate")
-_STAGE = (MESH_DIMS.index("pp"),)
-_PIPELINE = tuple(i for i, d in enumerate(MESH_DIMS) if d not in ("pp", "tp"))
+
+def format_coords(coords: dict[str, int]) -> str:
+    """``pp=1,dp_replicate=3,tp=0`` in :data:`DIMS` order; empty for no coordinates."""
+    return ",".join(f"{d}={coords[d]}" for d in DIMS if d in coords)
+
+
+def peer_key(coords: dict[str, int]) -> tuple[tuple[str, int], ...]:
+    """Every coordinate but the data-parallel ones: ranks holding the same model piece share it."""
+    return tuple((d, coords[d]) for d in DIMS if d in coords and d not in DATA_PARALLEL_DIMS)
+
+
+def replica_key(coords: dict[str, int]) -> tuple[tuple[str, int], ...]:
+    """The peer key plus ``dp_shard``: ranks holding the same parameter shard share it."""
+    return tuple((d, coords[d]) for d in DIMS if d in coords and d != "dp_replicate")
+
+
+_PEER = tuple(i for i, d in enumerate(DIMS) if d not in DATA_PARALLEL_DIMS)  # peer_key's dims
+_REPLICA = tuple(i for i, d in enumerate(DIMS) if d != "dp_replicate")  # replica_key's dims
+_STAGE = (DIMS.index("pp"),)
+_PIPELINE = tuple(i for i, d in enumerate(DIMS) if d not in ("pp", "tp"))
 #: which columns of the coordinate array each grouping keys on
 KEYS = {"peer": _PEER, "replica": _REPLICA, "stage": _STAGE, "pipeline": _PIPELINE}
 
@@ -173,20 +193,13 @@ def coords_of(coords: np.ndarray | None, rank: int) -> dict[str, int]:
     """{dim: index} of ``rank`` (the dims it gave), or {} when the step has no coordinates."""
     if coords is None or not 0 <= rank < len(coords):
         return {}
-    return {d: int(v) for d, v in zip(MESH_DIMS, coords[rank].tolist()) if v >= 0}
-
-
-def coords_text(c: dict[str, int]) -> str:
-    """``tp=1 pp=0 dp_shard=2``: the dims that tell the model piece first, the data-parallel ones last."""
-    order = [d for d in MESH_DIMS if d not in DATA_DIMS] + list(DATA_DIMS)
-    return " ".join(f"{d}={c[d]}" for d in order if d in c)
+    return {d: int(v) for d, v in zip(DIMS, coords[rank].tolist()) if v >= 0}
 
 
 def rank_label(at: Any, rank: int, *, host: bool = True) -> str:
-    """``rank 5 (host h3, tp=1 pp=0 dp_replicate=2)``, or ``rank 5 (host h3)`` for a step without
+    """``rank 5 (host h3) at pp=0,dp_replicate=2,tp=1``, or ``rank 5 (host h3)`` for a step without
     coordinates: how every finding names a rank. ``at`` is a frame or a step summary."""
     hosts = at.hosts
-    host = hosts[rank] if host and rank < len(hosts) and hosts[rank] else ""
-    where = coords_text(coords_of(getattr(at, "coords", None), rank))
-    inside = ", ".join(p for p in (f"host {host}" if host else "", where) if p)
-    return f"rank {rank}" + (f" ({inside})" if inside else "")
+    name = hosts[rank] if host and rank < len(hosts) and hosts[rank] else ""
+    where = format_coords(coords_of(getattr(at, "coords", None), rank))
+    return f"rank {rank}" + (f" (host {name})" if name else "") + (f" at {where}" if where else "")

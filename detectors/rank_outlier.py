@@ -28,7 +28,7 @@ from sdcwatch.core.incident import Finding, Severity
 from sdcwatch.core.errors import ConfigError
 from sdcwatch.core.kinds import IncidentKind
 from sdcwatch.core.names import CHECK_METRICS, RANK_SCALARS
-from sdcwatch.detectors.peers import Groups, coords_of, coords_text, grouped_robust, rank_label
+from sdcwatch.detectors.peers import Groups, coords_of, format_coords, grouped_robust, rank_label
 
 __all__ = ["RankOutlierDetector", "RankOutlierConfig"]
 
@@ -392,7 +392,7 @@ class RankOutlierDetector(SplitDetector):
         if too_few is None:
             return []
         r = int(too_few["example"])
-        where = coords_text(coords_of(getattr(frame, "coords", None), r))
+        where = format_coords(coords_of(getattr(frame, "coords", None), r))
         return [
             Finding(
                 detector=self.name,
@@ -403,7 +403,7 @@ class RankOutlierDetector(SplitDetector):
                 score=float(now[1]),
                 message=(
                     f"{now[1]} rank(s) in {now[0]} peer group(s) of fewer than {self.min_world} ranks are "
-                    f"not compared with their peers (e.g. rank {r}{', ' + where if where else ''})"
+                    f"not compared with their peers (e.g. rank {r}{' at ' + where if where else ''})"
                 ),
                 evidence={"groups": now[0], "ranks": now[1], "min_world": self.min_world},
             )

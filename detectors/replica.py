@@ -21,7 +21,7 @@ from sdcwatch.detectors.base import SplitDetector, StepContext
 from sdcwatch.detectors.registry import register
 from sdcwatch.detectors.frame import StepFrame
 from sdcwatch.core.incident import Finding, Severity
-from sdcwatch.detectors.peers import Groups, coords_of, coords_text, rank_label
+from sdcwatch.detectors.peers import Groups, coords_of, format_coords, rank_label, replica_key
 
 __all__ = ["ReplicaDivergenceDetector", "ReplicaConfig", "majority"]
 
@@ -169,8 +169,7 @@ class ReplicaDivergenceDetector(SplitDetector):
             metric = split[0]
             members = [int(r) for r in split_ranks.get(metric, [])]
             where = coords_of(getattr(frame, "coords", None), members[0]) if members else {}
-            where.pop("dp_replicate", None)
-            shard = coords_text(where)
+            shard = format_coords(dict(replica_key(where)))
             listed = ", ".join(str(r) for r in members[: self.max_listed])
             return [
                 Finding(

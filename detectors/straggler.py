@@ -23,7 +23,7 @@ from sdcwatch.detectors.base import SplitDetector, StepContext
 from sdcwatch.detectors.registry import register
 from sdcwatch.detectors.frame import StepFrame
 from sdcwatch.core.incident import Finding, Severity
-from sdcwatch.detectors.peers import Groups, coords_of, coords_text, grouped_median, rank_label
+from sdcwatch.detectors.peers import Groups, coords_of, format_coords, grouped_median, peer_key, rank_label
 
 __all__ = ["StragglerDetector", "StragglerConfig", "MissingRankDetector", "MissingRankConfig"]
 
@@ -226,9 +226,7 @@ class MissingRankDetector(SplitDetector):
                 pieces = []
                 for g in dark[:4].tolist():
                     where = coords_of(coords, int(peers.members(g)[0]))
-                    pieces.append(
-                        coords_text({d: v for d, v in where.items() if d not in ("dp_replicate", "dp_shard")})
-                    )
+                    pieces.append(format_coords(dict(peer_key(where))))
                 evidence["unwatched_pieces"] = pieces
                 message += f"; no rank of {'; '.join(p or 'the model' for p in pieces)} reports"
         return [

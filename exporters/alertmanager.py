@@ -2,7 +2,7 @@
 
 One alert per incident, identified by its labels (alertname, run, severity, kind, incident, rank,
 host, and coords/layer/metric when known; ``coords`` holds the mesh coordinates of the incident's
-ranks, e.g. ``tp=1 pp=0 dp_replicate=2``). Open alerts are re-sent every ``refresh_interval`` with an
+ranks, e.g. ``pp=0,dp_replicate=2,tp=1``). Open alerts are re-sent every ``refresh_interval`` with an
 ``endsAt`` a few intervals ahead, as Prometheus does, so they stay firing while sdcwatch runs and
 resolve by themselves if it dies; a resolved incident is sent once more with ``endsAt`` set to its
 resolution time. Delivery runs on a background thread with exponential backoff: a slow or dead

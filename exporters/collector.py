@@ -24,7 +24,6 @@ from prometheus_client.registry import Collector
 from sdcwatch.core.incident import Incident, RunView, ServiceView
 from sdcwatch.core.errors import ConfigError
 from sdcwatch.core.kinds import guard_action_of
-from sdcwatch.detectors.peers import coords_text
 
 from .catalog import METRICS, STATS, MetricSpec, metric
 
@@ -65,9 +64,9 @@ def incident_rank_label(ranks: Sequence[int], limit: int = 8) -> str:
 
 
 def incident_coords_label(coords: Sequence[dict[str, int]], limit: int = 8) -> str:
-    """The coordinates of an incident's ranks: ``"tp=1 pp=0 dp_replicate=2"``, ``;``-separated for
+    """The coordinates of an incident's ranks: ``"pp=0,dp_replicate=2,tp=1"``, ``;``-separated for
     several ranks, ``...(+N)`` past ``limit``; empty when the records carry none."""
-    texts = [coords_text(c) for c in coords]
+    texts = [",".join(f"{d}={v}" for d, v in c.items()) for c in coords]  # dicts in mesh dim order
     if not any(texts):
         return ""
     if len(texts) <= limit:

@@ -1,7 +1,7 @@
 """A synthetic 3D-parallel run for detector tests: ``tp x pp x dp`` ranks as plain records.
 
-Ranks are laid out as a torch ``DeviceMesh`` of shape (pp, dp, tp) lays them out (tensor parallel
-fastest). What each rank reports differs by its tensor and pipeline coordinates the way a real
+Ranks are numbered pipeline outermost, then data parallel, tensor parallel fastest (as torchtitan
+and ``sdcwatch.core.mesh`` number them). What each rank reports differs by its tensor and pipeline coordinates the way a real
 job's does: only the last stage has the loss, gradient norms and attention statistics are those
 of the rank's own shard and layers, the last stage is slower, checksum residuals depend on the
 shard's matrix sizes, parameter fingerprints are those of the shard (equal across data-parallel
@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from sdcwatch.detectors.peers import DIMS
 from sdcwatch.detectors.frame import StepFrame
-from sdcwatch.detectors.peers import MESH_DIMS
 from sdcwatch.core.record import Record
 
 SCALARS = ("loss", "grad_norm_local", "grad_norm_global", "grad_cosine", "step_time", "nonfinite", "lr")
@@ -47,19 +47,19 @@ class MeshRun:
         return self.tp * self.pp * self.dp
 
     def coords(self, rank: int) -> dict[str, int]:
-        """{dim: index} of ``rank`` in the (pp, dp, tp) mesh."""
+        """{dim: index} of ``rank``, in mesh dim order."""
         tp, rest = rank % self.tp, rank // self.tp
-        return {"dp_replicate": rest % self.dp, "tp": tp, "pp": rest // self.dp}
+        return {"pp": rest // self.dp, "dp_replicate": rest % self.dp, "tp": tp}
 
     def rank_of(self, *, tp: int, pp: int, dp: int) -> int:
         return (pp * self.dp + dp) * self.tp + tp
 
     def coord_array(self) -> np.ndarray:
         """(world, mesh dims) coordinates, -1 for the dims this layout does not have."""
-        a = np.full((self.world, len(MESH_DIMS)), -1, np.int64)
+        a = np.full((self.world, len(DIMS)), -1, np.int64)
         for r in range(self.world):
             for d, v in self.coords(r).items():
-                a[r, MESH_DIMS.index(d)] = v
+                a[r, DIMS.index(d)] = v
         return a
 
     def host(self, rank: int) -> str:
@@ -69,7 +69,8 @@ class MeshRun:
         rng = np.random.default_rng([self.seed, step])
         W, L = self.world, self.n_layers
         c = self.coord_array()
-        tp, pp = c[:, MESH_DIMS.index("tp")], c[:, MESH_DIMS.index("pp")]
+        tp, pp = c[:, DIMS.index("tp")], c[:, DIMS.index("pp")]
+        dp = c[:, DIMS.index("dp_replicate")]
         last = pp == self.pp - 1
         g = 1.0 + 0.1 * abs(rng.standard_normal())
         level = 2.5 + 8.0 * np.exp(-step / 300.0)
@@ -102,8 +103,7 @@ class MeshRun:
                 lay[r, 1:3, f.layer] *= 1.03
             elif f.family == "nonfinite":  # a NaN in one rank's attention; the later stages of its
                 lay[r, 4, f.layer] = np.inf  # pipeline receive it, the all-reduce spreads it
-                rc = c[r]
-                for q in np.flatnonzero((pp > rc[MESH_DIMS.index("pp")]) & (c[:, 0] == rc[0])):
+                for q in np.flatnonzero((pp > pp[r]) & (dp == dp[r])):
                     lay[q, :, :] = np.nan
                     loss[q] = np.nan
                 glob[:] = np.nan

@@ -12,7 +12,7 @@ import pytest
 from sdcwatch.detectors.checksum import ChecksumDetector
 from sdcwatch.detectors.incidents import incident_from_dict
 from sdcwatch.detectors.nonfinite import NonFiniteDetector
-from sdcwatch.detectors.peers import MESH_DIMS, Groups, grouped_median, grouped_robust, rank_label
+from sdcwatch.detectors.peers import DIMS, Groups, grouped_median, grouped_robust, rank_label
 from sdcwatch.detectors.pipeline import DetectionPipeline
 from sdcwatch.detectors.rank_outlier import RankOutlierDetector
 from sdcwatch.detectors.replica import ReplicaDivergenceDetector
@@ -69,9 +69,9 @@ def test_records_without_coordinates_are_one_group():
 
 
 def test_hsdp_shards_split_replica_groups_but_not_peer_groups():
-    coords = np.full((8, len(MESH_DIMS)), -1)
-    coords[:, 0] = np.arange(8) // 4  # dp_replicate
-    coords[:, 1] = np.arange(8) % 4  # dp_shard
+    coords = np.full((8, len(DIMS)), -1)
+    coords[:, DIMS.index("dp_replicate")] = np.arange(8) // 4
+    coords[:, DIMS.index("dp_shard")] = np.arange(8) % 4
     assert Groups.of(coords, 8, "peer").trivial
     rep = Groups.of(coords, 8, "replica")
     assert rep.n == 4 and [rep.members(g).tolist() for g in range(4)] == [[0, 4], [1, 5], [2, 6], [3, 7]]
@@ -134,8 +134,8 @@ def test_an_unhealthy_rank_is_named_with_its_coordinates(role):
     named = [i for i in incidents if bad in i.ranks]
     assert named and all(i.ranks == (bad,) for i in incidents if i.severity is not Severity.INFO)
     assert named[0].first_step < 40 + 50
-    assert f"rank {bad} (host {mesh.host(bad)}, tp=1 pp=0 dp_replicate=2)" in named[0].message
-    assert named[0].coords == ({"dp_replicate": 2, "tp": 1, "pp": 0},)
+    assert f"rank {bad} (host {mesh.host(bad)}) at pp=0,dp_replicate=2,tp=1" in named[0].message
+    assert named[0].coords == ({"pp": 0, "dp_replicate": 2, "tp": 1},)
     assert incident_from_dict(named[0].to_dict()).coords == named[0].coords
 
 
@@ -172,7 +172,7 @@ def test_shard_fingerprints_are_voted_within_their_replica_group():
     mesh.faults = [MeshFault("replica", step=6, rank=bad)]
     [f] = det.update(mesh.frame(6))
     assert f.ranks == (bad,) and f.metric == "param_fp"
-    assert "tp=0 pp=1 dp_replicate=3" in f.message
+    assert "rank 14 (host node3) at pp=1,dp_replicate=3,tp=0" in f.message
     flat = mesh.frame(5)
     flat.coords = None  # compared over all ranks, the four shards' fingerprints have no majority
     assert [x.message.startswith("replicas split") for x in det.update(flat)] == [True]
@@ -195,7 +195,7 @@ def test_stragglers_are_judged_within_their_pipeline_stage():
     mesh.faults = [MeshFault("straggler", step=60, rank=bad)]
     found = [x for s in range(60, 100) for x in det.update(mesh.frame(s))]
     assert found and {x.ranks for x in found} == {(bad,)}
-    assert "its pipeline stage's median" in found[0].message and "tp=0 pp=0 dp_replicate=1" in found[0].message
+    assert "its pipeline stage's median" in found[0].message and "at pp=0,dp_replicate=1,tp=0" in found[0].message
 
 
 def test_a_checksum_outlier_is_judged_against_its_peers():
@@ -207,7 +207,7 @@ def test_a_checksum_outlier_is_judged_against_its_peers():
     frame = mesh.frame(7)
     [f] = ChecksumDetector().update(frame)
     assert f.kind == "checksum_outlier" and f.ranks == (bad,) and f.layer == 1
-    assert "tp=0 pp=1" in f.message
+    assert "at pp=1,dp_replicate=0,tp=0" in f.message
     frame.coords = None
     assert ChecksumDetector().update(frame) == []  # against every rank's P90 it hides
     assert ChecksumDetector().update(mesh.frame(8)) == []
@@ -219,12 +219,12 @@ def test_a_missing_rank_is_named_with_its_coordinates_and_an_unwatched_piece_is_
     mesh.faults = [MeshFault("missing", step=10, rank=gone)]
     _, incidents = _run(mesh, 30)
     [inc] = [i for i in incidents if i.kind == "missing_rank"]
-    assert inc.ranks == (gone,) and "tp=1 pp=0 dp_replicate=3" in inc.message
+    assert inc.ranks == (gone,) and "at pp=0,dp_replicate=3,tp=1" in inc.message
     piece = [mesh.rank_of(tp=1, pp=0, dp=d) for d in range(4)]
     _, incidents = _run(MeshRun(faults=[MeshFault("missing", step=10, rank=r) for r in piece]), 30)
     [inc] = [i for i in incidents if i.kind == "missing_rank"]
     assert inc.ranks == tuple(piece)
-    assert inc.evidence["unwatched_pieces"] == ["tp=1 pp=0"] and "no rank of tp=1 pp=0 reports" in inc.message
+    assert inc.evidence["unwatched_pieces"] == ["pp=0,tp=1"] and "no rank of pp=0,tp=1 reports" in inc.message
 
 
 def test_peer_groups_too_small_to_judge_say_so_and_flag_nothing():
@@ -249,7 +249,7 @@ def test_a_frame_with_coordinates_of_one_data_parallel_group_judges_as_without()
         plain = run.frame(s)
         fa += a.update(plain)
         meshed = run.frame(s)
-        meshed.coords = np.full((run.world, len(MESH_DIMS)), -1)
-        meshed.coords[:, 0] = np.arange(run.world)
+        meshed.coords = np.full((run.world, len(DIMS)), -1)
+        meshed.coords[:, DIMS.index("dp_replicate")] = np.arange(run.world)
         fb += b.update(meshed)
     assert fa and findings_key(fa) == findings_key(fb)

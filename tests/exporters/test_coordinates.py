@@ -9,7 +9,7 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 import sdcwatch_exporter_test_support as support  # registered by conftest.py
-from sdcwatch.detectors.peers import MESH_DIMS
+from sdcwatch.detectors.peers import DIMS
 from sdcwatch.core.incident import IncidentEvent
 from sdcwatch.exporters import SdcwatchCollector
 from sdcwatch.exporters.alertmanager import alert_for
@@ -28,10 +28,10 @@ def mesh_coords(world: int, tp: int, pp: int) -> np.ndarray:
     """(world, dims) coordinates of a (pp, dp, tp) mesh, tensor parallel fastest."""
     dp = world // (tp * pp)
     r = np.arange(world)
-    c = np.full((world, len(MESH_DIMS)), -1)
-    c[:, MESH_DIMS.index("tp")] = r % tp
-    c[:, MESH_DIMS.index("dp_replicate")] = (r // tp) % dp
-    c[:, MESH_DIMS.index("pp")] = r // (tp * dp)
+    c = np.full((world, len(DIMS)), -1)
+    c[:, DIMS.index("tp")] = r % tp
+    c[:, DIMS.index("dp_replicate")] = (r // tp) % dp
+    c[:, DIMS.index("pp")] = r // (tp * dp)
     return c
 
 
@@ -55,7 +55,7 @@ def test_coordinates_of_an_exported_rank_are_its_own():
     view = with_coords(16_384)
     coords = view.runs[0].coords
     rank = view.incidents[0].ranks[0]
-    tp, dp, pp = (int(coords[rank, MESH_DIMS.index(d)]) for d in ("tp", "dp_replicate", "pp"))
+    tp, dp, pp = (int(coords[rank, DIMS.index(d)]) for d in ("tp", "dp_replicate", "pp"))
     line = next(s for s in render(view) if s.startswith("sdcwatch_rank_coordinates{") and f'rank="{rank}"' in s)
     assert f'tp="{tp}"' in line and f'pp="{pp}"' in line and f'dp_replicate="{dp}"' in line
     assert 'dp_shard=""' in line and line.endswith(" 1.0")
@@ -66,12 +66,12 @@ def test_no_coordinate_series_without_coordinates():
 
 
 def test_alert_labels_and_log_line_name_the_coordinates():
-    inc = dataclasses.replace(support.sdc_incident(), coords=({"tp": 1, "pp": 0, "dp_replicate": 2},))
+    inc = dataclasses.replace(support.sdc_incident(), coords=({"pp": 0, "dp_replicate": 2, "tp": 1},))
     alert = alert_for(inc, now=1000.0, valid_for=60.0)
-    assert alert["labels"]["coords"] == "tp=1 pp=0 dp_replicate=2"
-    assert "coords tp=1 pp=0 dp_replicate=2" in alert["annotations"]["description"]
-    assert 'coords="tp=1 pp=0 dp_replicate=2"' in format_logfmt(IncidentEvent("opened", inc))
-    assert inc.to_dict()["coords"] == [{"tp": 1, "pp": 0, "dp_replicate": 2}]
+    assert alert["labels"]["coords"] == "pp=0,dp_replicate=2,tp=1"
+    assert "coords pp=0,dp_replicate=2,tp=1" in alert["annotations"]["description"]
+    assert 'coords="pp=0,dp_replicate=2,tp=1"' in format_logfmt(IncidentEvent("opened", inc))
+    assert inc.to_dict()["coords"] == [{"pp": 0, "dp_replicate": 2, "tp": 1}]
     plain = support.sdc_incident()
     assert "coords" not in alert_for(plain, now=1000.0, valid_for=60.0)["labels"]
     assert "coords" not in plain.to_dict() and "coords" not in format_logfmt(IncidentEvent("opened", plain))
