@@ -26,7 +26,7 @@ from sdcwatch.detectors.base import SplitDetector, StepContext
 from sdcwatch.detectors.frame import StepFrame
 from sdcwatch.detectors.registry import register
 from sdcwatch.core.incident import Finding, Severity
-from sdcwatch.detectors.peers import Groups, rank_label
+from sdcwatch.detectors.peers import Groups, known_coords, rank_label
 
 __all__ = ["ChecksumDetector", "ChecksumConfig"]
 
@@ -171,7 +171,7 @@ class ChecksumDetector(SplitDetector):
             on = rank_label(frame, rank)
             more = f" and {len(ranks) - 1} more rank(s)" if len(ranks) > 1 else ""
             what = _WHAT.get(metric, metric)
-            others = "other ranks" if getattr(frame, "coords", None) is None else "rank's peers"
+            others = "other ranks" if known_coords(frame) is None else "rank's peers"
             if kind == "mismatch":
                 msg = (
                     f"checksum mismatch at step {frame.step} on {on}{more}: {metric} layer {layer} "

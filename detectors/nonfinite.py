@@ -22,7 +22,7 @@ from sdcwatch.detectors.registry import register
 from sdcwatch.detectors.frame import StepFrame
 from sdcwatch.core.incident import Finding, Severity
 from sdcwatch.core.names import RATIO_METRICS
-from sdcwatch.detectors.peers import DIMS, KEYS, group_keys, rank_label
+from sdcwatch.detectors.peers import DIMS, KEYS, group_keys, known_coords, rank_label
 
 __all__ = ["NonFiniteDetector"]
 
@@ -215,7 +215,7 @@ class NonFiniteDetector(SplitDetector):
         # counts the all-reduced gradient too, so it names ranks only when no rank has a bad value
         # of its own (a NaN the probes saw inside an activation that reached nothing else).
         culprits = local_ranks or counted_ranks
-        coords = getattr(frame, "coords", None)
+        coords = known_coords(frame)
         streak = self._origin is not None and self._last_bad is not None and 0 < frame.step - self._last_bad <= 1
         self._last_bad = frame.step
         downstream: set[int] = set()

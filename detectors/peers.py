@@ -32,6 +32,7 @@ __all__ = [
     "Groups",
     "group_keys",
     "coords_of",
+    "known_coords",
     "rank_label",
     "grouped_median",
     "grouped_robust",
@@ -189,6 +190,15 @@ def grouped_median(X: np.ndarray, groups: Groups) -> tuple[np.ndarray, np.ndarra
     return _middle(np.sort(G, axis=-1), count), count
 
 
+def known_coords(at: Any) -> np.ndarray | None:
+    """The (world, dims) coordinates of a frame or step summary, or None when no rank gave any
+    (records without coordinates: the findings read exactly as they did before coordinates)."""
+    coords = getattr(at, "coords", None)
+    if coords is None or not (np.asarray(coords) >= 0).any():
+        return None
+    return coords
+
+
 def coords_of(coords: np.ndarray | None, rank: int) -> dict[str, int]:
     """{dim: index} of ``rank`` (the dims it gave), or {} when the step has no coordinates."""
     if coords is None or not 0 <= rank < len(coords):
@@ -201,5 +211,5 @@ def rank_label(at: Any, rank: int, *, host: bool = True) -> str:
     coordinates: how every finding names a rank. ``at`` is a frame or a step summary."""
     hosts = at.hosts
     name = hosts[rank] if host and rank < len(hosts) and hosts[rank] else ""
-    where = format_coords(coords_of(getattr(at, "coords", None), rank))
+    where = format_coords(coords_of(known_coords(at), rank))
     return f"rank {rank}" + (f" (host {name})" if name else "") + (f" at {where}" if where else "")

@@ -25,7 +25,7 @@ from sdcwatch.detectors.registry import default_detectors
 from sdcwatch.detectors.lifecycle import RunLifecycle
 from sdcwatch.detectors.statefile import read_state, restoring, write_state
 from sdcwatch.detectors.ingest import count_records
-from sdcwatch.detectors.peers import coords_of
+from sdcwatch.detectors.peers import coords_of, known_coords
 from sdcwatch.detectors.summary import StepSummary, SummaryOrder
 from sdcwatch.core.jsonsafe import json_safe
 from sdcwatch.core.validate import check_positive
@@ -290,8 +290,8 @@ class DetectionPipeline:
             frame=frame,
         )
         st.sent_hosts = hosts
-        if frame.coords is not None:
-            coords = frame.coords
+        coords = known_coords(frame)
+        if coords is not None:
             known = st.coords
             if not frame.complete and known is not None and known.shape == coords.shape:
                 coords = np.where(frame.present[:, None], coords, known)  # absent ranks: as last seen

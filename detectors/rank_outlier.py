@@ -28,7 +28,7 @@ from sdcwatch.core.incident import Finding, Severity
 from sdcwatch.core.errors import ConfigError
 from sdcwatch.core.kinds import IncidentKind
 from sdcwatch.core.names import CHECK_METRICS, RANK_SCALARS
-from sdcwatch.detectors.peers import Groups, coords_of, format_coords, grouped_robust, rank_label
+from sdcwatch.detectors.peers import Groups, coords_of, format_coords, grouped_robust, known_coords, rank_label
 
 __all__ = ["RankOutlierDetector", "RankOutlierConfig"]
 
@@ -392,7 +392,7 @@ class RankOutlierDetector(SplitDetector):
         if too_few is None:
             return []
         r = int(too_few["example"])
-        where = format_coords(coords_of(getattr(frame, "coords", None), r))
+        where = format_coords(coords_of(known_coords(frame), r))
         return [
             Finding(
                 detector=self.name,
@@ -481,7 +481,7 @@ class RankOutlierDetector(SplitDetector):
     ) -> Finding:
         conf = min(0.999, 1.0 - 0.5 * math.exp(-3.0 * (ev / self.threshold - 1.0)))
         where = _where(metrics[c], layers[c])
-        others = "its peers" if getattr(frame, "coords", None) is not None else "the other ranks"
+        others = "its peers" if known_coords(frame) is not None else "the other ranks"
         msg = f"{rank_label(frame, r)} deviates from {others} in {where} (evidence {ev:.1f}, confidence {conf:.2f})"
         col, pos, neg = self._column(r), self._column(r, "pos"), self._column(r, "neg")
         top = np.argsort(-col)[:3]

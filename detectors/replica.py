@@ -21,7 +21,7 @@ from sdcwatch.detectors.base import SplitDetector, StepContext
 from sdcwatch.detectors.registry import register
 from sdcwatch.detectors.frame import StepFrame
 from sdcwatch.core.incident import Finding, Severity
-from sdcwatch.detectors.peers import Groups, coords_of, format_coords, rank_label, replica_key
+from sdcwatch.detectors.peers import Groups, coords_of, format_coords, known_coords, rank_label, replica_key
 
 __all__ = ["ReplicaDivergenceDetector", "ReplicaConfig", "majority"]
 
@@ -168,7 +168,7 @@ class ReplicaDivergenceDetector(SplitDetector):
         if split_ranks:  # replica groups split: their ranks disagree, none can be blamed
             metric = split[0]
             members = [int(r) for r in split_ranks.get(metric, [])]
-            where = coords_of(getattr(frame, "coords", None), members[0]) if members else {}
+            where = coords_of(known_coords(frame), members[0]) if members else {}
             shard = format_coords(dict(replica_key(where)))
             listed = ", ".join(str(r) for r in members[: self.max_listed])
             return [

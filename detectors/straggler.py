@@ -23,7 +23,15 @@ from sdcwatch.detectors.base import SplitDetector, StepContext
 from sdcwatch.detectors.registry import register
 from sdcwatch.detectors.frame import StepFrame
 from sdcwatch.core.incident import Finding, Severity
-from sdcwatch.detectors.peers import Groups, coords_of, format_coords, grouped_median, peer_key, rank_label
+from sdcwatch.detectors.peers import (
+    Groups,
+    coords_of,
+    format_coords,
+    grouped_median,
+    known_coords,
+    peer_key,
+    rank_label,
+)
 
 __all__ = ["StragglerDetector", "StragglerConfig", "MissingRankDetector", "MissingRankConfig"]
 
@@ -213,7 +221,7 @@ class MissingRankDetector(SplitDetector):
             return []
         ranks = tuple(int(r) for r in gone)
         listed = ", ".join(str(r) for r in ranks[:16]) + (" ..." if len(ranks) > 16 else "")
-        coords = getattr(frame, "coords", None)
+        coords = known_coords(frame)
         evidence: dict[str, Any] = {"absent_steps": {str(r): int(self._absent[r]) for r in ranks[:16]}}
         message = f"{len(ranks)} rank(s) not reporting for {self.after}+ steps: {listed}"
         if coords is not None:

@@ -253,3 +253,31 @@ def test_a_frame_with_coordinates_of_one_data_parallel_group_judges_as_without()
         meshed.coords[:, DIMS.index("dp_replicate")] = np.arange(run.world)
         fb += b.update(meshed)
     assert fa and findings_key(fa) == findings_key(fb)
+
+
+def test_ranks_that_give_no_coordinates_are_judged_and_worded_exactly_as_before():
+    """A frame whose coordinate matrix is all "not given" (records without coordinates) gives the
+    same incidents, word for word, as a frame without one."""
+    from detector_synth import Fault, SyntheticRun
+
+    faults = [
+        Fault("rank_shift", 30, rank=3),
+        Fault("nonfinite", 60, rank=5),
+        Fault("replica", 70, rank=2),
+        Fault("straggler", 80, rank=6),
+        Fault("missing", 90, rank=1, length=10),
+        Fault("checksum", 110, rank=4),
+    ]
+    run = SyntheticRun(faults=faults)
+    out = []
+    for blank in (False, True):
+        pipe = DetectionPipeline(wall=lambda: 1000.0)
+        events = []
+        for s in range(140):
+            f = run.frame(s)
+            if blank:
+                f.coords = np.full((run.world, len(DIMS)), -1)
+            events += pipe.process_frame(f)
+        out.append([(e.change, e.incident.to_dict()) for e in events])
+    assert len(out[0]) > 6 and out[0] == out[1]
+    assert all("coords" not in d for _, d in out[1])
