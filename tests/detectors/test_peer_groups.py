@@ -6,6 +6,8 @@ rank is named with its coordinates; groups too small to judge say so instead of 
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -19,6 +21,7 @@ from sdcwatch.detectors.replica import ReplicaDivergenceDetector
 from sdcwatch.detectors.straggler import StragglerDetector
 from sdcwatch.detectors.summary import decode_summary, encode_summary
 from sdcwatch.core.incident import Severity
+from sdcwatch.core.jsonsafe import json_safe
 
 from mesh_synth import MeshFault, MeshRun
 
@@ -281,3 +284,32 @@ def test_ranks_that_give_no_coordinates_are_judged_and_worded_exactly_as_before(
         out.append([(e.change, e.incident.to_dict()) for e in events])
     assert len(out[0]) > 6 and out[0] == out[1]
     assert all("coords" not in d for _, d in out[1])
+
+
+def test_a_summary_carries_the_coordinate_table_only_when_it_changed_and_a_bad_one_is_refused():
+    from sdcwatch.core.errors import SummaryError
+
+    mesh = MeshRun()
+    spatial = DetectionPipeline(role="spatial")
+    for s in range(3):
+        spatial.process_frame(mesh.frame(s))
+    first, second, _ = [decode_summary(encode_summary(x)) for x in spatial.take_summaries()]
+    assert (first.coords == mesh.coord_array()).all() and second.coords is None
+    assert decode_summary(encode_summary(first)).coords.shape == (mesh.world, len(DIMS))
+    first.coords = first.coords[:3]  # a table that does not cover the world
+    with pytest.raises(SummaryError, match="coords"):
+        decode_summary(encode_summary(first))
+
+
+def test_a_restored_pipeline_names_ranks_with_coordinates_as_an_uninterrupted_one():
+    mesh = MeshRun(faults=[MeshFault("rank_shift", step=40, rank=MeshRun().rank_of(tp=1, pp=1, dp=0))])
+    whole = DetectionPipeline(wall=lambda: 1000.0)
+    a = [e for s in range(150) for e in whole.process_frame(mesh.frame(s))]
+    first = DetectionPipeline(wall=lambda: 1000.0)
+    b = [e for s in range(60) for e in first.process_frame(mesh.frame(s))]
+    second = DetectionPipeline(wall=lambda: 1000.0)
+    second.restore(json.loads(json.dumps(json_safe(first.snapshot()))))
+    b += [e for s in range(60, 150) for e in second.process_frame(mesh.frame(s))]
+    key = [(e.change, e.incident.to_dict()) for e in a]
+    assert key and key == [(e.change, e.incident.to_dict()) for e in b]
+    assert any(d.get("coords") == [{"pp": 1, "dp_replicate": 0, "tp": 1}] for _, d in key)
