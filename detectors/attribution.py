@@ -17,7 +17,7 @@ from collections import deque
 from dataclasses import replace
 from typing import Any
 
-from sdcwatch.detectors.peers import format_coords
+from sdcwatch.core.mesh import format_coords
 from sdcwatch.core.kinds import SPIKE_KINDS
 from sdcwatch.core.names import DATA_METRICS
 from sdcwatch.core.validate import check_positive

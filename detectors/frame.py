@@ -67,7 +67,6 @@ class StepFrame:
     coords: np.ndarray | None = None
     wall: float = 0.0  # service clock when the step was closed
     complete: bool = True
-    coords: np.ndarray | None = None  # (world, len(DIMS)) int: mesh coordinates, -1 where not given
     _groups: dict = field(default_factory=dict, repr=False, compare=False)
 
     # -- construction -----------------------------------------------------------------------

@@ -22,7 +22,8 @@ from sdcwatch.detectors.registry import register
 from sdcwatch.detectors.frame import StepFrame
 from sdcwatch.core.incident import Finding, Severity
 from sdcwatch.core.names import RATIO_METRICS
-from sdcwatch.detectors.peers import DIMS, KEYS, group_keys, known_coords, rank_label
+from sdcwatch.core.mesh import DIMS
+from sdcwatch.detectors.peers import KEYS, group_keys, known_coords, rank_label
 
 __all__ = ["NonFiniteDetector"]
 

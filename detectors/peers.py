@@ -21,13 +21,10 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from sdcwatch.core.mesh import DATA_PARALLEL_DIMS, DIMS, format_coords
+
 
 __all__ = [
-    "DIMS",
-    "DATA_PARALLEL_DIMS",
-    "format_coords",
-    "peer_key",
-    "replica_key",
     "KEYS",
     "Groups",
     "group_keys",
@@ -37,27 +34,6 @@ __all__ = [
     "grouped_median",
     "grouped_robust",
 ]
-
-#: The canonical mesh dims, outermost first, as ``sdcwatch.core.mesh.DIMS`` (coordinate array columns).
-DIMS: tuple[str, ...] = ("pp", "dp_replicate", "dp_shard", "cp", "ep", "tp")
-#: Dims along which ranks hold the same model piece on different data.
-DATA_PARALLEL_DIMS: tuple[str, ...] = ("dp_replicate", "dp_shard")
-
-
-def format_coords(coords: dict[str, int]) -> str:
-    """``pp=1,dp_replicate=3,tp=0`` in :data:`DIMS` order; empty for no coordinates."""
-    return ",".join(f"{d}={coords[d]}" for d in DIMS if d in coords)
-
-
-def peer_key(coords: dict[str, int]) -> tuple[tuple[str, int], ...]:
-    """Every coordinate but the data-parallel ones: ranks holding the same model piece share it."""
-    return tuple((d, coords[d]) for d in DIMS if d in coords and d not in DATA_PARALLEL_DIMS)
-
-
-def replica_key(coords: dict[str, int]) -> tuple[tuple[str, int], ...]:
-    """The peer key plus ``dp_shard``: ranks holding the same parameter shard share it."""
-    return tuple((d, coords[d]) for d in DIMS if d in coords and d != "dp_replicate")
-
 
 _PEER = tuple(i for i, d in enumerate(DIMS) if d not in DATA_PARALLEL_DIMS)  # peer_key's dims
 _REPLICA = tuple(i for i, d in enumerate(DIMS) if d != "dp_replicate")  # replica_key's dims

@@ -28,7 +28,8 @@ from sdcwatch.core.incident import Finding, Severity
 from sdcwatch.core.errors import ConfigError
 from sdcwatch.core.kinds import IncidentKind
 from sdcwatch.core.names import CHECK_METRICS, RANK_SCALARS
-from sdcwatch.detectors.peers import Groups, coords_of, format_coords, grouped_robust, known_coords, rank_label
+from sdcwatch.core.mesh import format_coords
+from sdcwatch.detectors.peers import Groups, coords_of, grouped_robust, known_coords, rank_label
 
 __all__ = ["RankOutlierDetector", "RankOutlierConfig"]
 

@@ -21,7 +21,8 @@ from sdcwatch.detectors.base import SplitDetector, StepContext
 from sdcwatch.detectors.registry import register
 from sdcwatch.detectors.frame import StepFrame
 from sdcwatch.core.incident import Finding, Severity
-from sdcwatch.detectors.peers import Groups, coords_of, format_coords, known_coords, rank_label, replica_key
+from sdcwatch.core.mesh import format_coords, replica_key
+from sdcwatch.detectors.peers import Groups, coords_of, known_coords, rank_label
 
 __all__ = ["ReplicaDivergenceDetector", "ReplicaConfig", "majority"]
 

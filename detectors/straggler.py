@@ -23,15 +23,8 @@ from sdcwatch.detectors.base import SplitDetector, StepContext
 from sdcwatch.detectors.registry import register
 from sdcwatch.detectors.frame import StepFrame
 from sdcwatch.core.incident import Finding, Severity
-from sdcwatch.detectors.peers import (
-    Groups,
-    coords_of,
-    format_coords,
-    grouped_median,
-    known_coords,
-    peer_key,
-    rank_label,
-)
+from sdcwatch.core.mesh import format_coords, peer_key
+from sdcwatch.detectors.peers import Groups, coords_of, grouped_median, known_coords, rank_label
 
 __all__ = ["StragglerDetector", "StragglerConfig", "MissingRankDetector", "MissingRankConfig"]
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from sdcwatch.core.mesh import DIMS
+
 
 __all__ = ["MetricSpec", "METRICS", "STATS", "metric"]
 
@@ -91,7 +93,7 @@ METRICS: tuple[MetricSpec, ...] = (
     _m(
         "sdcwatch_rank_coordinates",
         "gauge",
-        ("run", "rank", "pp", "dp_replicate", "dp_shard", "cp", "ep", "tp"),  # the mesh dims
+        ("run", "rank", *DIMS),
         "Mesh coordinates of an exported rank (value 1; a dim the job does not have is empty): join "
         "with the per-rank series on run and rank. Only for runs whose records carry coordinates, "
         "and only for the ranks that have per-rank series.",

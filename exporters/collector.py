@@ -24,6 +24,7 @@ from prometheus_client.registry import Collector
 from sdcwatch.core.incident import Incident, RunView, ServiceView
 from sdcwatch.core.errors import ConfigError
 from sdcwatch.core.kinds import guard_action_of
+from sdcwatch.core.mesh import format_coords
 
 from .catalog import METRICS, STATS, MetricSpec, metric
 
@@ -66,7 +67,7 @@ def incident_rank_label(ranks: Sequence[int], limit: int = 8) -> str:
 def incident_coords_label(coords: Sequence[dict[str, int]], limit: int = 8) -> str:
     """The coordinates of an incident's ranks: ``"pp=0,dp_replicate=2,tp=1"``, ``;``-separated for
     several ranks, ``...(+N)`` past ``limit``; empty when the records carry none."""
-    texts = [",".join(f"{d}={v}" for d, v in c.items()) for c in coords]  # dicts in mesh dim order
+    texts = [format_coords(c) for c in coords]
     if not any(texts):
         return ""
     if len(texts) <= limit:

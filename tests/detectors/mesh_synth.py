@@ -1,7 +1,7 @@
 """A synthetic 3D-parallel run for detector tests: ``tp x pp x dp`` ranks as plain records.
 
-Ranks are numbered pipeline outermost, then data parallel, tensor parallel fastest (as torchtitan
-and ``sdcwatch.core.mesh`` number them). What each rank reports differs by its tensor and pipeline coordinates the way a real
+Ranks are numbered as :class:`~sdcwatch.core.mesh.Layout` numbers them (pipeline outermost, tensor
+parallel fastest), and each record carries its rank's coordinates. What each rank reports differs by its tensor and pipeline coordinates the way a real
 job's does: only the last stage has the loss, gradient norms and attention statistics are those
 of the rank's own shard and layers, the last stage is slower, checksum residuals depend on the
 shard's matrix sizes, parameter fingerprints are those of the shard (equal across data-parallel
@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from sdcwatch.detectors.peers import DIMS
+from sdcwatch.core.mesh import DIMS, Layout
 from sdcwatch.detectors.frame import StepFrame
 from sdcwatch.core.record import Record
 
@@ -46,13 +46,16 @@ class MeshRun:
     def world(self) -> int:
         return self.tp * self.pp * self.dp
 
+    @property
+    def layout(self) -> Layout:
+        return Layout({"tp": self.tp, "pp": self.pp, "dp": self.dp})
+
     def coords(self, rank: int) -> dict[str, int]:
-        """{dim: index} of ``rank``, in mesh dim order."""
-        tp, rest = rank % self.tp, rank // self.tp
-        return {"pp": rest // self.dp, "dp_replicate": rest % self.dp, "tp": tp}
+        """{dim: index} of ``rank``."""
+        return self.layout.coords(rank)
 
     def rank_of(self, *, tp: int, pp: int, dp: int) -> int:
-        return (pp * self.dp + dp) * self.tp + tp
+        return self.layout.rank_of({"tp": tp, "pp": pp, "dp_replicate": dp})
 
     def coord_array(self) -> np.ndarray:
         """(world, mesh dims) coordinates, -1 for the dims this layout does not have."""
@@ -142,12 +145,11 @@ class MeshRun:
                     scalars=scalars,
                     fingerprints={n: int(v) for n, v in zip(FPS, fp[r])},
                     layers=layers,
+                    coords=self.coords(r),
                 )
             )
         return out
 
     def frame(self, step: int) -> StepFrame:
-        """The step's frame, with the ranks' coordinates."""
-        f = StepFrame.from_records(self.run, step, self.world, self.records(step))
-        f.coords = np.where(f.present[:, None], self.coord_array(), -1)
-        return f
+        """The step's frame (the ranks' coordinates come with their records)."""
+        return StepFrame.from_records(self.run, step, self.world, self.records(step))

@@ -6,6 +6,7 @@ rank is named with its coordinates; groups too small to judge say so instead of 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -14,7 +15,8 @@ import pytest
 from sdcwatch.detectors.checksum import ChecksumDetector
 from sdcwatch.detectors.incidents import incident_from_dict
 from sdcwatch.detectors.nonfinite import NonFiniteDetector
-from sdcwatch.detectors.peers import DIMS, Groups, grouped_median, grouped_robust, rank_label
+from sdcwatch.core.mesh import DIMS
+from sdcwatch.detectors.peers import Groups, grouped_median, grouped_robust, rank_label
 from sdcwatch.detectors.pipeline import DetectionPipeline
 from sdcwatch.detectors.rank_outlier import RankOutlierDetector
 from sdcwatch.detectors.replica import ReplicaDivergenceDetector
@@ -22,6 +24,7 @@ from sdcwatch.detectors.straggler import StragglerDetector
 from sdcwatch.detectors.summary import decode_summary, encode_summary
 from sdcwatch.core.incident import Severity
 from sdcwatch.core.jsonsafe import json_safe
+from sdcwatch.core.names import TELEMETRY_TOPIC
 
 from mesh_synth import MeshFault, MeshRun
 
@@ -313,3 +316,63 @@ def test_a_restored_pipeline_names_ranks_with_coordinates_as_an_uninterrupted_on
     key = [(e.change, e.incident.to_dict()) for e in a]
     assert key and key == [(e.change, e.incident.to_dict()) for e in b]
     assert any(d.get("coords") == [{"pp": 1, "dp_replicate": 0, "tp": 1}] for _, d in key)
+
+
+def test_records_with_coordinates_over_either_wire_give_the_same_incidents():
+    """Plain records carrying coordinates, encoded as the emitters send them and decoded by the
+    service's decoder: v1 and v2 give the same incidents (to the bit), and the same kinds, steps,
+    ranks and coordinates as the frames built directly (the wire sends layers as float32)."""
+    from sdcwatch.detectors.ingest import frames_over_wire
+
+    bad = MeshRun().rank_of(tp=1, pp=0, dp=1)
+    mesh = MeshRun(faults=[MeshFault("rank_shift", step=30, rank=bad), MeshFault("nonfinite", step=100, rank=bad)])
+    records = [r for s in range(120) for r in mesh.records(s)]
+    out = {}
+    for how in ("direct", "v1", "v2"):
+        pipe = DetectionPipeline(wall=lambda: 1000.0)
+        frames = [mesh.frame(s) for s in range(120)] if how == "direct" else frames_over_wire(records, how)
+        assert (frames[-1].coords == mesh.coord_array()).all()
+        out[how] = [(e.change, e.incident.to_dict()) for f in frames for e in pipe.process_frame(f)]
+    assert out["v1"] == out["v2"]
+
+    def key(events):
+        return [(c, d["kind"], d["first_step"], d["ranks"], d.get("coords")) for c, d in events]
+
+    assert key(out["direct"]) == key(out["v2"])
+    kinds = {d["kind"]: d for _, d in out["v2"]}
+    assert kinds["nonfinite"]["ranks"] == [bad] and kinds["nonfinite"]["coords"] == [mesh.coords(bad)]
+    assert kinds["silent_drift"]["ranks"] == [bad] and kinds["silent_drift"]["first_step"] < 30 + 50
+
+
+def test_a_mixed_message_with_malformed_coordinates_is_dead_lettered_with_its_reason():
+    """A batch mixing records with coordinates, without, and one whose coordinates name no mesh dim:
+    the message goes to the dead-letter topic whole, with the reason; the steps sent before and
+    after are judged as usual and raise nothing."""
+    from sdcwatch.core.record import encode, encode_batch
+    from sdcwatch.detectors import DetectorService
+    from sdcwatch.detectors.bus import MemorySource
+    from sdcwatch.telemetry import MemoryBus, MemoryTransport
+
+    mesh = MeshRun()
+    bus = MemoryBus()
+    tr = MemoryTransport(bus)
+    for s in range(40):
+        tr.send(mesh.records(s))
+    good, plain, broken = mesh.records(40)[:3]
+    plain = dataclasses.replace(plain, coords={})
+    raw = encode(broken)
+    assert raw[-5] == DIMS.index("tp")  # the last coordinate: u8 dim | u32 index
+    batch = encode_batch([good, plain, broken])
+    batch = batch[: -len(raw)] + raw[:-5] + bytes([len(DIMS) + 3]) + raw[-4:]  # a dim that does not exist
+    bus.append(TELEMETRY_TOPIC, b"mesh/40", batch)
+    for s in range(40, 60):
+        tr.send(mesh.records(s)[3:] if s == 40 else mesh.records(s))
+    svc = DetectorService(MemorySource(bus), poll_timeout=0.01)
+    svc.run_for(until=lambda: svc.source.lag() == 0, max_iterations=10_000)
+    svc.pipeline.flush()
+    src = svc.source
+    assert src.dead_letters == 1 and src.dead_letter_reasons == {"malformed": 1}
+    assert "coord" in src.dead_letter_log[0].reason and "dim" in src.dead_letter_log[0].reason
+    assert svc.pipeline.records_total == 60 * mesh.world - 3
+    assert [i for i in svc.pipeline.incidents() if i.kind != "missing_rank"] == []
+    svc.close()

@@ -9,7 +9,7 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 import sdcwatch_exporter_test_support as support  # registered by conftest.py
-from sdcwatch.detectors.peers import DIMS
+from sdcwatch.core.mesh import DIMS
 from sdcwatch.core.incident import IncidentEvent
 from sdcwatch.exporters import SdcwatchCollector
 from sdcwatch.exporters.alertmanager import alert_for
