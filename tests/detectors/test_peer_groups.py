@@ -38,7 +38,7 @@ def _run(mesh: MeshRun, steps: int = STEPS, *, role: str = "both"):
         pipe = DetectionPipeline()
         events = [e for s in range(steps) for e in pipe.process_frame(mesh.frame(s))]
         return pipe, [e.incident for e in events if e.change == "opened"]
-    spatial, temporal = DetectionPipeline(role="spatial"), DetectionPipeline(role="temporal")
+    spatial, temporal = DetectionPipeline(stage="spatial"), DetectionPipeline(stage="temporal")
     events = []
     for s in range(steps):
         spatial.process_frame(mesh.frame(s))
@@ -293,7 +293,7 @@ def test_a_summary_carries_the_coordinate_table_only_when_it_changed_and_a_bad_o
     from sdcwatch.core.errors import SummaryError
 
     mesh = MeshRun()
-    spatial = DetectionPipeline(role="spatial")
+    spatial = DetectionPipeline(stage="spatial")
     for s in range(3):
         spatial.process_frame(mesh.frame(s))
     first, second, _ = [decode_summary(encode_summary(x)) for x in spatial.take_summaries()]
