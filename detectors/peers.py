@@ -71,7 +71,7 @@ class Groups:
     @classmethod
     def of(cls, coords: np.ndarray | None, world: int, kind: str) -> "Groups":
         """The ``kind`` grouping (``peer``, ``replica``, ``stage``, ``pipeline``) of a coordinate array."""
-        if coords is None:
+        if coords is None or not coords.size or coords.max() < 0:  # no rank gave a coordinate
             return cls.single(world)
         ids = group_keys(coords, KEYS[kind])
         return cls(ids, int(ids.max()) + 1 if ids.size else 0)
@@ -170,7 +170,7 @@ def known_coords(at: Any) -> np.ndarray | None:
     """The (world, dims) coordinates of a frame or step summary, or None when no rank gave any
     (records without coordinates: the findings read exactly as they did before coordinates)."""
     coords = getattr(at, "coords", None)
-    if coords is None or not (np.asarray(coords) >= 0).any():
+    if coords is None or not np.size(coords) or np.max(coords) < 0:
         return None
     return coords
 
