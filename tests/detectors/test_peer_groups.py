@@ -376,3 +376,31 @@ def test_a_mixed_message_with_malformed_coordinates_is_dead_lettered_with_its_re
     assert svc.pipeline.records_total == 60 * mesh.world - 3
     assert [i for i in svc.pipeline.incidents() if i.kind != "missing_rank"] == []
     svc.close()
+
+
+def test_hsdp_shard_fingerprints_are_voted_across_the_replicas_of_each_shard():
+    """HSDP with 3 replicas x 2 shards: each shard's parameter fingerprint differs by design; a
+    flipped bit on one rank is named by the vote among that shard's 3 replicas."""
+    from detector_synth import SyntheticRun
+
+    run = SyntheticRun(world=6, ranks_per_host=2)
+    coords = np.full((6, len(DIMS)), -1)
+    coords[:, DIMS.index("dp_replicate")] = np.arange(6) // 2
+    coords[:, DIMS.index("dp_shard")] = np.arange(6) % 2
+    det = ReplicaDivergenceDetector()
+
+    def frame(step, flip=None):
+        f = run.frame(step)
+        f.coords = coords
+        f.fingerprints[:, 0] += (np.arange(6) % 2).astype(np.uint64)  # one fingerprint per shard
+        if flip is not None:
+            f.fingerprints[flip, 0] ^= np.uint64(1 << 40)
+        return f
+
+    assert det.update(frame(1)) == []
+    [found] = det.update(frame(2, flip=3))
+    assert found.ranks == (3,) and found.metric == "param_fp"
+    assert "at dp_replicate=1,dp_shard=1" in found.message
+    flat = frame(3)
+    flat.coords = None  # over all ranks: two shards' fingerprints, 3 against 3, no majority
+    assert [f.ranks for f in det.update(flat)] == [()]
