@@ -16,6 +16,7 @@ median is one ``numpy`` call over a (features, groups, members) array, not a Pyt
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -49,6 +50,8 @@ def group_keys(coords: np.ndarray, columns: Sequence[int]) -> np.ndarray:
     if sub.shape[1] == 0 or not sub.any():
         return np.zeros(sub.shape[0], np.int64)
     radix = sub.max(axis=0) + 1
+    if math.prod(int(x) for x in radix) >= 1 << 62:  # coordinates too large for one int64 key
+        return np.unique(sub, axis=0, return_inverse=True)[1].reshape(-1).astype(np.int64)
     key = np.zeros(sub.shape[0], np.int64)
     for j in range(sub.shape[1]):  # mixed radix: a few columns, each a whole-array operation
         key = key * radix[j] + sub[:, j]

@@ -16,7 +16,7 @@ from sdcwatch.detectors.checksum import ChecksumDetector
 from sdcwatch.detectors.incidents import incident_from_dict
 from sdcwatch.detectors.nonfinite import NonFiniteDetector
 from sdcwatch.core.mesh import DIMS
-from sdcwatch.detectors.peers import Groups, grouped_median, grouped_robust, rank_label
+from sdcwatch.detectors.peers import KEYS, Groups, grouped_median, grouped_robust, rank_label
 from sdcwatch.detectors.pipeline import DetectionPipeline
 from sdcwatch.detectors.rank_outlier import RankOutlierDetector
 from sdcwatch.detectors.replica import ReplicaDivergenceDetector
@@ -404,3 +404,18 @@ def test_hsdp_shard_fingerprints_are_voted_across_the_replicas_of_each_shard():
     flat = frame(3)
     flat.coords = None  # over all ranks: two shards' fingerprints, 3 against 3, no majority
     assert [f.ranks for f in det.update(flat)] == [()]
+
+
+def test_group_keys_of_huge_coordinates_do_not_collide():
+    """Coordinates whose mixed-radix key would overflow 64 bits (allowed up to the world size on
+    every dim) are still grouped exactly."""
+    from sdcwatch.detectors.peers import group_keys
+
+    big = (1 << 20) - 1
+    row = [big] * len(DIMS)
+    coords = np.array([row, row, row, row])
+    coords[1, DIMS.index("dp_replicate")] = 0  # another replica of the same piece
+    coords[2, DIMS.index("pp")] = 0
+    coords[3, DIMS.index("tp")] = 0
+    ids = group_keys(coords, KEYS["peer"])
+    assert ids[0] == ids[1] and len({int(ids[0]), int(ids[2]), int(ids[3])}) == 3
