@@ -458,7 +458,6 @@ class DetectionPipeline:
             missing_ranks=shown.get("missing_ranks", 0),
             emitter_dropped=_count(st.dropped),
             finished=self.lifecycle.finished(run),
-            coords=st.coords,
         )
 
     # -- state ----------------------------------------------------------------------------------

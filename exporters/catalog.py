@@ -10,8 +10,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sdcwatch.core.mesh import DIMS
-
 
 __all__ = ["MetricSpec", "METRICS", "STATS", "metric"]
 
@@ -89,14 +87,6 @@ METRICS: tuple[MetricSpec, ...] = (
         ("run", "rank", "host"),
         "Accumulated rank-outlier evidence of a rank; exported for the top-K ranks and every "
         "rank in an open incident only.",
-    ),
-    _m(
-        "sdcwatch_rank_coordinates",
-        "gauge",
-        ("run", "rank", *DIMS),
-        "Mesh coordinates of an exported rank (value 1; a dim the job does not have is empty): join "
-        "with the per-rank series on run and rank. Only for runs whose records carry coordinates, "
-        "and only for the ranks that have per-rank series.",
     ),
     _m(
         "sdcwatch_rank_metric",

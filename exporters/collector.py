@@ -190,12 +190,9 @@ class SdcwatchCollector(Collector):
             add("sdcwatch_training_run_finished", [r], 1 if run.finished else 0)
             for metric_name, score in sorted(run.spike_scores.items()):
                 add("sdcwatch_detector_spike_score", [r, metric_name], score)
-            coords = getattr(run, "coords", None)
             for rank in self._exported_ranks(run, open_incidents.get(r, [])):
                 host = run.hosts[rank] if rank < len(run.hosts) else ""
                 add("sdcwatch_rank_outlier_score", [r, rank, host], run.rank_scores[rank])
-                if coords is not None and rank < len(coords):  # one series per exported rank
-                    add("sdcwatch_rank_coordinates", [r, rank, *(str(v) if v >= 0 else "" for v in coords[rank])], 1)
             self._add_stats(fam["sdcwatch_rank_metric"], r, run.scalar_stats, self.scalar_stats, None)
             layer_stats = {
                 k: v for k, v in run.layer_stats.items() if self.layer_metrics is None or k in self.layer_metrics

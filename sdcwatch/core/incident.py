@@ -161,7 +161,6 @@ class RunView:
     missing_ranks: int = 0  # ranks not heard from for a long time (dead)
     emitter_dropped: int = 0  # sum over ranks of the records their emitters dropped
     finished: bool = False  # every rank sent its end-of-run marker: the run is over, not stalled
-    coords: np.ndarray | None = None  # (world, mesh dims) coordinates of each rank, -1 not given; None: none sent
 
 
 @dataclass
