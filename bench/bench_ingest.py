@@ -1,7 +1,7 @@
 """Ingest cost: CPU per step to decode the bus messages, align them into a frame and run the detectors,
 wire format v1 and v2 side by side in one process.
 
-    sdcwatch bench ingest --ranks 16384 [--metrics 32] [--steps 5] [--per-message 256] [--json]
+    sdcwatch bench ingest --ranks 16384 [--metrics 32] [--steps 5] [--per-message 256] [--parallel L] [--json]
     python bench/bench_ingest.py --ranks 1024 16384 100000 --json
 
 Each step is W records of M metric values (8 scalars + 4 layer metrics x L layers, M = 8 + 4L, and
@@ -13,7 +13,9 @@ detectors). ``us_per_record`` = (decode + align) / W. CPU time of this process
 (``time.process_time``), one thread; the formats alternate step by step so a busy neighbour on a
 shared machine weighs on both alike, and a garbage collection runs before each timed part so
 that one format's garbage is not collected on the other's time. Targets: decode + align <= 2 us a record; 16,384
-ranks x 32 metrics <= 100 ms a step in one process, 100,000 ranks <= 500 ms.
+ranks x 32 metrics <= 100 ms a step in one process, 100,000 ranks <= 500 ms. With ``--parallel``
+(a layout such as ``tp=8,pp=16,dp=128`` of ``--ranks`` ranks) every record carries its rank's mesh
+coordinates and the detectors compare ranks within peer groups.
 """
 
 from __future__ import annotations
@@ -70,8 +72,18 @@ def step_arrays(world: int, n_layers: int, step: int) -> dict:
     return {"step": step, "scalars": scalars, "layers": layers, "fps": fps}
 
 
+def layout_coords(layout, world: int) -> tuple[tuple[str, ...], np.ndarray]:
+    """(the layout's dims, (world, dims) coordinates of every rank); no dims without a layout."""
+    if layout is None:
+        return (), np.zeros((world, 0), np.uint32)
+    dims = tuple(layout.sizes)
+    return dims, np.array([[c[d] for d in dims] for c in map(layout.coords, range(world))], np.uint32)
+
+
 def messages_v1(run: str, world: int, a: dict, per_message: int) -> list[bytes]:
     from sdcwatch.core.record import Record, encode, encode_batch
+
+    dims, coords = a["coords"]
 
     recs = [
         Record(
@@ -85,6 +97,7 @@ def messages_v1(run: str, world: int, a: dict, per_message: int) -> list[bytes]:
             dict(zip(SCALARS, a["scalars"][r].tolist())),
             dict(zip(FPS, a["fps"][r].tolist())),
             {n: tuple(a["layers"][r, i].tolist()) for i, n in enumerate(LAYERS)},
+            dict(zip(dims, coords[r].tolist())),
         )
         for r in range(world)
     ]
@@ -98,8 +111,11 @@ def messages_v2(run: str, world: int, a: dict, per_message: int, n_layers: int, 
     """Rows packed straight from the arrays, as a producer holding many ranks packs them."""
     from sdcwatch.core.columnar import encode_rows, schema_for
 
-    sch = schema_for(SCALARS, FPS, [(n, n_layers) for n in LAYERS])
+    dims, coords = a["coords"]
+    sch = schema_for(SCALARS, FPS, [(n, n_layers) for n in LAYERS], dims)
     rows = np.zeros(world, sch.dtype)
+    if dims:
+        rows["coords"] = coords
     rows["step"] = a["step"]
     rows["rank"] = np.arange(world)
     rows["world"] = world
@@ -117,7 +133,7 @@ def messages_v2(run: str, world: int, a: dict, per_message: int, n_layers: int, 
     return out
 
 
-def bench(world: int, metrics: int, steps: int, per_message: int, warmup: int = 1) -> list[dict]:
+def bench(world: int, metrics: int, steps: int, per_message: int, warmup: int = 1, layout=None) -> list[dict]:
     from sdcwatch.detectors import DetectionPipeline, StepAligner
     from sdcwatch.detectors.ingest import IngestDecoder
 
@@ -131,6 +147,7 @@ def bench(world: int, metrics: int, steps: int, per_message: int, warmup: int = 
     timed = 0
     for step in range(warmup + steps):
         a = step_arrays(world, n_layers, step)
+        a["coords"] = layout_coords(layout, world)
         msgs = {
             "v1": messages_v1("bench", world, a, per_message),
             "v2": messages_v2("bench", world, a, per_message, n_layers, first=step == 0),
@@ -157,6 +174,7 @@ def bench(world: int, metrics: int, steps: int, per_message: int, warmup: int = 
         a1, a2 = frames["v1"], frames["v2"]  # the two formats must give the same frame
         assert a1.scalar_names == a2.scalar_names and np.array_equal(a1.scalars, a2.scalars, equal_nan=True)
         assert np.array_equal(a1.layers, a2.layers, equal_nan=True) and a1.hosts == a2.hosts
+        assert np.array_equal(a1.coords, a2.coords)
         if step >= warmup:
             timed += 1
     rows = []
@@ -175,6 +193,7 @@ def bench(world: int, metrics: int, steps: int, per_message: int, warmup: int = 
                 "bytes_per_record": round(nbytes[f] / timed / world, 1),
                 "steps": timed,
                 "incidents": len(pipes[f].incidents()),
+                "parallel": "" if layout is None else str(layout),
             }
         )
     return rows
@@ -191,6 +210,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     )
     ap.add_argument("--steps", type=int, default=5, help="timed steps a format (default 5, after 1 warm-up step)")
     ap.add_argument("--per-message", type=int, default=256, help="records a bus message (default 256)")
+    ap.add_argument(
+        "--parallel",
+        metavar="LAYOUT",
+        help="records carry mesh coordinates of this layout of --ranks ranks, e.g. tp=8,pp=16,dp=128",
+    )
     ap.add_argument("--json", action="store_true", help="one JSON object a line a format")
     ap.add_argument("--out", help="also write the rows as a JSON array here")
     args = ap.parse_args(argv)
@@ -199,9 +223,20 @@ def main(argv: list[str] | None = None) -> list[dict]:
             ap.error(f"--{key.replace('_', '-')} must be positive")
     if any(w < 1 for w in args.ranks):
         ap.error("--ranks must be positive")
+    layout = None
+    if args.parallel:
+        from sdcwatch.core.errors import ConfigError
+        from sdcwatch.core.mesh import Layout
+
+        try:
+            layout = Layout.parse(args.parallel, key="--parallel")
+        except ConfigError as exc:
+            ap.error(str(exc))
+        if args.ranks != [layout.world]:
+            ap.error(f"--parallel {layout} has {layout.world} ranks: give --ranks {layout.world}")
     out = []
     for world in args.ranks:
-        rows = bench(world, args.metrics, args.steps, args.per_message)
+        rows = bench(world, args.metrics, args.steps, args.per_message, layout=layout)
         out += rows
         for r in rows:
             if args.json:

@@ -17,6 +17,7 @@ from collections import deque
 from dataclasses import replace
 from typing import Any
 
+from sdcwatch.core.mesh import format_coords
 from sdcwatch.core.kinds import SPIKE_KINDS
 from sdcwatch.core.names import DATA_METRICS
 from sdcwatch.core.validate import check_positive
@@ -160,7 +161,9 @@ class Attribution:
 
 
 def _local(f: Finding) -> dict[str, Any]:
+    where = {"coords": dict(f.coords[0])} if f.coords else {}  # only when the records carry them
     return {
+        **where,
         "rank": f.ranks[0],
         "host": f.hosts[0] if f.hosts else "",
         "metric": f.metric,
@@ -176,6 +179,8 @@ def _where(ev: dict[str, Any]) -> str:
     s = f"rank {ev['rank']}"
     if ev["host"]:
         s += f" (host {ev['host']})"
+    if ev.get("coords"):
+        s += f" at {format_coords(ev['coords'])}"
     if ev["layer"] is not None:
         part = "attention" if ev["metric"].startswith(("attn", "q_", "k_")) else ev["metric"]
         s += f", layer {ev['layer']} {part} ({ev['metric']})"

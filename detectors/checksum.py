@@ -6,7 +6,9 @@ rounding bound (``gemm_fwd``, ``gemm_bwd``, ``gemm_weight``; see
 product, not noise: a critical finding at that step naming the rank, the check and the layer. And
 as AEGIS does across data-parallel ranks, a ratio that stands ``outlier_factor`` (10^6) times above
 the 90th percentile of the other ranks' ratios for the same product is a warning, even under the
-bound. No warm-up and no history: a ratio is judged on its own step.
+bound. With mesh coordinates "the other ranks" are the rank's peer group (the same model piece
+on the other data-parallel ranks): tensor or pipeline shards multiply different matrices. No
+warm-up and no history: a ratio is judged on its own step.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from sdcwatch.detectors.base import SplitDetector, StepContext
 from sdcwatch.detectors.frame import StepFrame
 from sdcwatch.detectors.registry import register
 from sdcwatch.core.incident import Finding, Severity
+from sdcwatch.detectors.peers import Groups, known_coords, rank_label
 
 __all__ = ["ChecksumDetector", "ChecksumConfig"]
 
@@ -91,7 +94,11 @@ class ChecksumDetector(SplitDetector):
             r, c = np.nonzero(over)
             hits += [(int(a), name, int(b), float(block[a, b]), "mismatch") for a, b in zip(r, c)]
             if frame.world >= 4:
-                hits += self._outliers(block, over, name)
+                peers = frame.peers
+                if peers.trivial:
+                    hits += self._outliers(block, over, name)
+                else:
+                    hits += self._group_outliers(block, over, name, peers)
         if not hits:
             return None
         hits.sort(key=lambda h: -h[3])
@@ -119,6 +126,32 @@ class ChecksumDetector(SplitDetector):
             if not over[top[c], c]
         ]
 
+    def _group_outliers(
+        self, block: np.ndarray, over: np.ndarray, name: str, peers: Groups
+    ) -> list[tuple[int, str, int, float, str]]:
+        """As :meth:`_outliers`, per (product, peer group) at once: each group's top rank against the
+        90th percentile of the rest of its group (groups of fewer than 4 ranks with a value are skipped)."""
+        G = peers.gather(np.where(np.isfinite(block), block, np.nan).T)  # (layers, groups, members)
+        if np.all(np.isnan(G)):
+            return []
+        filled = np.where(np.isnan(G), -np.inf, G)
+        top = filled.argmax(axis=2)  # (layers, groups)
+        top_val = np.take_along_axis(filled, top[..., None], axis=2)[..., 0]
+        rest = G.copy()
+        np.put_along_axis(rest, top[..., None], np.nan, axis=2)
+        with np.errstate(invalid="ignore"), warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            p90 = np.nanquantile(rest, 0.9, axis=2)
+        enough = np.isfinite(G).sum(axis=2) >= 4
+        with np.errstate(invalid="ignore"):
+            hot = enough & (top_val > self.outlier_factor * p90) & (top_val > self.outlier_floor) & np.isfinite(p90)
+        out = []
+        for layer, g in zip(*np.nonzero(hot)):
+            r = int(peers.table[g, top[layer, g]])
+            if not over[r, layer]:
+                out.append((r, name, int(layer), float(top_val[layer, g]), "outlier"))
+        return out
+
     def judge(self, frame: StepContext, seen: dict[str, Any] | None) -> list[Finding]:
         """One finding per kind: the ranks whose products failed their checksum at this step."""
         if seen is None:
@@ -135,10 +168,10 @@ class ChecksumDetector(SplitDetector):
                 continue
             ranks = tuple(sorted({h[0] for h in mine}))
             rank, metric, layer, value, _ = mine[0]  # the largest ratio
-            host = frame.hosts[rank] if rank < len(frame.hosts) and frame.hosts[rank] else ""
-            on = f"rank {rank}" + (f" (host {host})" if host else "")
+            on = rank_label(frame, rank)
             more = f" and {len(ranks) - 1} more rank(s)" if len(ranks) > 1 else ""
             what = _WHAT.get(metric, metric)
+            others = "other ranks" if known_coords(frame) is None else "rank's peers"
             if kind == "mismatch":
                 msg = (
                     f"checksum mismatch at step {frame.step} on {on}{more}: {metric} layer {layer} "
@@ -147,7 +180,7 @@ class ChecksumDetector(SplitDetector):
             else:
                 msg = (
                     f"checksum outlier at step {frame.step} on {on}: {metric} layer {layer} ({what}) "
-                    f"residual {value:.3g} x bound, over {self.outlier_factor:.0e} x the other ranks' P90"
+                    f"residual {value:.3g} x bound, over {self.outlier_factor:.0e} x the {others}' P90"
                 )
             out.append(
                 Finding(

@@ -16,6 +16,7 @@ import numpy as np
 from sdcwatch.core.mesh import DIMS
 from sdcwatch.core.names import CHECK_METRICS, FINGERPRINTS, LAYER_METRICS, SCALARS
 from sdcwatch.core.record import Record
+from sdcwatch.detectors.peers import Groups
 
 __all__ = ["StepFrame", "assemble_frame", "frame_stats", "DIM_INDEX", "no_coords", "ordered_names"]
 
@@ -66,6 +67,7 @@ class StepFrame:
     coords: np.ndarray | None = None
     wall: float = 0.0  # service clock when the step was closed
     complete: bool = True
+    _groups: dict = field(default_factory=dict, repr=False, compare=False)
 
     # -- construction -----------------------------------------------------------------------
 
@@ -151,6 +153,27 @@ class StepFrame:
         if self.layer_sent is None:
             return np.broadcast_to(self.present[:, None, None], self.layers.shape)
         return np.arange(self.n_layers)[None, None, :] < self.layer_sent[:, :, None]
+
+    def groups(self, kind: str) -> Groups:
+        """The ``peer``, ``replica``, ``stage`` or ``pipeline`` grouping of the step's ranks
+        (:mod:`~sdcwatch.detectors.peers`), computed once per frame; one group without coordinates."""
+        if self._groups.get("coords") is not self.coords:  # computed for other coordinates
+            self._groups.clear()
+            self._groups["coords"] = self.coords
+        g = self._groups.get(kind)
+        if g is None:
+            g = self._groups[kind] = Groups.of(self.coords, self.world, kind)
+        return g
+
+    @property
+    def peers(self) -> Groups:
+        """Ranks holding the same model piece (compared with each other)."""
+        return self.groups("peer")
+
+    @property
+    def replicas(self) -> Groups:
+        """Ranks holding the same shard of the same piece (their fingerprints must agree)."""
+        return self.groups("replica")
 
     @property
     def n_layers(self) -> int:

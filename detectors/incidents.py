@@ -45,6 +45,7 @@ def incident_from_dict(d: dict[str, Any]) -> Incident:
         resolved_step=d.get("resolved_step"),
         opened_at=float(d.get("opened_at", 0.0)),
         resolved_at=d.get("resolved_at"),
+        coords=tuple({str(k): int(v) for k, v in c.items()} for c in d.get("coords", ())),
     )
 
 
@@ -111,6 +112,7 @@ class IncidentBook:
                     detector=f.detector,
                     peak_step=f.step,
                     opened_at=self.clock(),
+                    coords=f.coords[:_MAX_RANKS],
                 )
                 self._open[k] = inc
                 self.opened_total[(f.kind, f.severity.value)] = self.opened_total.get((f.kind, f.severity.value), 0) + 1
@@ -129,6 +131,9 @@ class IncidentBook:
                     )
             ranks = tuple(sorted(set(inc.ranks) | set(f.ranks)))[:_MAX_RANKS]
             if ranks != inc.ranks:
+                if inc.coords or f.coords:  # each rank's coordinates, in the order of ranks
+                    where = {**dict(zip(f.ranks, f.coords)), **dict(zip(inc.ranks, inc.coords))}
+                    inc.coords = tuple(where.get(r, {}) for r in ranks)
                 inc.ranks, changed = ranks, True
                 inc.hosts = tuple(sorted(set(inc.hosts) | set(f.hosts)))[:_MAX_RANKS]
             if f.score > inc.score:

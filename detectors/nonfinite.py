@@ -1,7 +1,9 @@
 """Non-finite values: NaN, Inf or |x| >= 1e10 (ATTNChecker's near-INF) anywhere in a step.
 
 No warm-up and no history: a non-finite value is a critical finding at the very step it is seen,
-naming the rank(s), the metric and the layer. A rank's own ``nonfinite`` counter (NaN/Inf the
+naming the rank(s), the metric and the layer. With mesh coordinates, a rank whose bad values
+follow from an earlier pipeline stage's (the same pipeline, a later stage) is not blamed, and the
+ranks whose all-reduced values followed are counted within the culprit's data-parallel group. A rank's own ``nonfinite`` counter (NaN/Inf the
 probes saw in gradients or activations) counts too. The incident book keeps one incident per run
 for it, so a run that stays NaN for 16,000 steps raises one alert, not 16,000.
 """
@@ -20,6 +22,8 @@ from sdcwatch.detectors.registry import register
 from sdcwatch.detectors.frame import StepFrame
 from sdcwatch.core.incident import Finding, Severity
 from sdcwatch.core.names import RATIO_METRICS
+from sdcwatch.core.mesh import DIMS
+from sdcwatch.detectors.peers import KEYS, group_keys, known_coords, rank_label
 
 __all__ = ["NonFiniteDetector"]
 
@@ -37,6 +41,33 @@ def _act_layer(frame: StepFrame, S: np.ndarray, rank: int, column: int) -> int |
         return None
     layer = S[rank, names.index("act_max_layer")]
     return int(layer) if np.isfinite(layer) and layer >= 0 else None
+
+
+def _upstream(culprits: set[int], coords: np.ndarray | None) -> tuple[set[int], set[int]]:
+    """(culprits, downstream ranks): a rank with bad values of its own whose pipeline (same
+    coordinates but for ``pp`` and ``tp``) has a culprit at an earlier stage received them with
+    the activations it was sent, so it is not blamed."""
+    if coords is None or len(culprits) < 2:
+        return culprits, set()
+    c = np.array(sorted(culprits))
+    pp = coords[c, DIMS.index("pp")]
+    if (pp < 0).all():
+        return culprits, set()
+    pipe = group_keys(coords[c], KEYS["pipeline"])
+    first = np.full(int(pipe.max()) + 1, np.iinfo(np.int64).max)
+    np.minimum.at(first, pipe, pp)
+    later = pp > first[pipe]
+    return set(c[~later].tolist()), set(c[later].tolist())
+
+
+def _followers(culprits: set[int], others: set[int], coords: np.ndarray | None) -> set[int]:
+    """The ranks of ``others`` in a culprit's data-parallel group (all of them without coordinates):
+    those an all-reduce with a culprit reaches."""
+    if coords is None or not others or not culprits:
+        return others
+    peers = group_keys(coords, KEYS["peer"])
+    mine = set(peers[sorted(culprits)].tolist())
+    return {r for r in others if int(peers[r]) in mine}
 
 
 def _origin_order(hits: list[tuple[int, str, int | None, float]]):
@@ -185,11 +216,14 @@ class NonFiniteDetector(SplitDetector):
         # counts the all-reduced gradient too, so it names ranks only when no rank has a bad value
         # of its own (a NaN the probes saw inside an activation that reached nothing else).
         culprits = local_ranks or counted_ranks
+        coords = known_coords(frame)
         streak = self._origin is not None and self._last_bad is not None and 0 < frame.step - self._last_bad <= 1
         self._last_bad = frame.step
+        downstream: set[int] = set()
         if streak:
             culprits = set(self._origin)
         else:
+            culprits, downstream = _upstream(culprits, coords)
             self._origin, self._origin_step = tuple(sorted(culprits)), frame.step
         ranks = tuple(sorted(culprits))
         own = [h for h in hits if h[0] in culprits] or hits
@@ -205,14 +239,12 @@ class NonFiniteDetector(SplitDetector):
             self._origin_where = (metric, layer)
         where = f"{metric}" + (f" layer {layer}" if layer is not None else "")
         if frame.world > 1 and ranks:
-            host = frame.hosts[rank] if frame.hosts[rank] else ""
-            on = f"rank {rank}" + (f" (host {host})" if host else "")
+            on = rank_label(frame, rank)
             more = f" and {len(ranks) - 1} more rank(s)" if len(ranks) > 1 else ""
-            spread = (
-                f"; the all-reduced values of {len(global_ranks - culprits)} other rank(s) followed"
-                if global_ranks - culprits
-                else ""
-            )
+            followed = _followers(culprits, global_ranks - culprits, coords)
+            spread = f"; the all-reduced values of {len(followed)} other rank(s) followed" if followed else ""
+            if downstream:
+                spread += f"; {len(downstream)} rank(s) of later pipeline stages received it downstream"
         elif frame.world > 1:
             on, more, spread = "the all-reduced values of every rank (not localised)", "", ""
         else:
@@ -242,6 +274,7 @@ class NonFiniteDetector(SplitDetector):
                     "values_bad": n_bad,
                     "ranks_with_own_bad_values": sorted(culprits),
                     "ranks_with_bad_all_reduced_values": sorted(global_ranks),
+                    **({"downstream_ranks": sorted(downstream)[: self.max_listed]} if downstream else {}),
                     "hits": [{"rank": h[0], "metric": h[1], "layer": h[2], "value": h[3]} for h in listed],
                 },
             )

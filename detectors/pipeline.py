@@ -25,6 +25,7 @@ from sdcwatch.detectors.registry import default_detectors
 from sdcwatch.detectors.lifecycle import RunLifecycle
 from sdcwatch.detectors.statefile import read_state, restoring, write_state
 from sdcwatch.detectors.ingest import count_records
+from sdcwatch.detectors.peers import coords_of, known_coords
 from sdcwatch.detectors.summary import StepSummary, SummaryOrder
 from sdcwatch.core.jsonsafe import json_safe
 from sdcwatch.core.validate import check_positive
@@ -86,6 +87,8 @@ class _Run:
     summary: StepSummary | None = None  # latest step (read by view())
     stats: dict[str, Any] | None = None  # latest cross-rank quantiles a spatial stage sent
     sent_hosts: tuple[str, ...] | None = None  # spatial: host table last put in a summary
+    coords: np.ndarray | None = None  # (world, mesh dims) last known coordinates of each rank
+    sent_coords: np.ndarray | None = None  # spatial: coordinate table last put in a summary
     view: RunView | None = None  # the exporter's view of the latest step, built once per step
 
 
@@ -95,6 +98,15 @@ def _count(values: np.ndarray) -> int:
     with np.errstate(over="ignore"):
         total = float(np.sum(v[np.isfinite(v) & (v > 0)]))
     return int(min(total, 2.0**53))  # past it a float no longer counts by ones
+
+
+def _name_coords(findings: list, coords: np.ndarray | None) -> list:
+    """Give each finding the mesh coordinates of the ranks it names (when the run has them)."""
+    if coords is not None:
+        for f in findings:
+            if f.ranks and not f.coords:
+                f.coords = tuple(coords_of(coords, r) for r in f.ranks[:64])
+    return findings
 
 
 class DetectionPipeline:
@@ -278,6 +290,14 @@ class DetectionPipeline:
             frame=frame,
         )
         st.sent_hosts = hosts
+        coords = known_coords(frame)
+        if coords is not None:
+            known = st.coords
+            if not frame.complete and known is not None and known.shape == coords.shape:
+                coords = np.where(frame.present[:, None], coords, known)  # absent ranks: as last seen
+            if st.sent_coords is None or st.sent_coords.shape != coords.shape or (st.sent_coords != coords).any():
+                summary.coords = coords
+            st.sent_coords = st.coords = coords
         obs = summary.observations
         for det in st.detectors:
             if isinstance(det, SplitDetector):
@@ -298,6 +318,8 @@ class DetectionPipeline:
         self._remember(st, summary)
         if summary.hosts is None:
             summary.hosts = tuple(st.hosts)
+        if summary.coords is None and st.coords is not None and st.coords.shape[0] == summary.world:
+            summary.coords = st.coords
         findings = []
         for det in st.detectors:
             if isinstance(det, SplitDetector):
@@ -306,20 +328,24 @@ class DetectionPipeline:
                 found = det.update(summary.frame)
             else:
                 found = []
+            _name_coords(found, summary.coords)
             for f in found:
                 k = (f.detector, f.kind)
                 self.findings_total[k] = self.findings_total.get(k, 0) + 1
             findings += found
-        findings = st.attribution.apply(summary.step, summary.world, findings)
+        findings = _name_coords(st.attribution.apply(summary.step, summary.world, findings), summary.coords)
         return self.book.add(findings) + self.book.advance(summary.run, summary.step)
 
     def _remember(self, st: _Run, summary: StepSummary) -> None:
         if st.world != summary.world:
             st.world = summary.world
             st.hosts = [""] * summary.world
+            st.coords = None
             st.dropped = np.zeros(summary.world)
         if summary.hosts is not None:
             st.hosts = list(summary.hosts)
+        if summary.coords is not None:
+            st.coords = summary.coords
         for r, n in summary.dropped.items():
             if 0 <= r < summary.world:
                 st.dropped[r] = n
@@ -451,6 +477,7 @@ class DetectionPipeline:
                     "last_step": st.last_step,
                     "hosts": st.hosts,
                     "dropped": st.dropped.tolist(),
+                    **({} if st.coords is None else {"coords": st.coords.tolist()}),
                 }
                 for run, st in self._runs.items()
             },
@@ -484,6 +511,8 @@ class DetectionPipeline:
             st.attribution.restore(d["attribution"])
             st.world, st.steps_total, st.last_step = int(d["world"]), int(d["steps_total"]), int(d["last_step"])
             st.hosts, st.dropped = list(d["hosts"]), np.array(d["dropped"], dtype=float)
+            if d.get("coords") is not None:
+                st.coords = np.array(d["coords"], dtype=np.int64).reshape(st.world, -1)
             st.last_step_wall = self.wall()  # the stale clock restarts with the service
             self._runs[run] = st
         self.findings_total = {(a, b): int(n) for a, b, n in state["findings_total"]}

@@ -1,8 +1,11 @@
-"""Rank outliers: each rank against all ranks, per metric and layer, with evidence over steps.
+"""Rank outliers: each rank against its peers, per metric and layer, with evidence over steps.
 
-Data parallelism makes every rank run the same model on different data, so compute-derived
-statistics agree in distribution across ranks; a faulty rank stands out. Each step, every
-(rank, feature) value gets a robust z against the cross-rank median and MAD. The z is clipped and
+Data parallelism makes every rank run the same model piece on different data, so compute-derived
+statistics agree in distribution across the ranks of a peer group (the same tensor, pipeline,
+context and expert coordinates; every rank when records carry no coordinates); a faulty rank
+stands out. Each step, every (rank, feature) value gets a robust z against its peer group's
+median and MAD; a peer group with fewer than ``min_world`` ranks is not judged (and the detector
+says so once, as an info finding). The z is clipped and
 fed to a two-sided CUSUM per (rank, feature): a single noisy step cannot name a rank, a persistent
 deviation of a couple of scales does within a few tens of steps. All of it is whole-matrix numpy.
 """
@@ -25,6 +28,8 @@ from sdcwatch.core.incident import Finding, Severity
 from sdcwatch.core.errors import ConfigError
 from sdcwatch.core.kinds import IncidentKind
 from sdcwatch.core.names import CHECK_METRICS, RANK_SCALARS
+from sdcwatch.core.mesh import format_coords
+from sdcwatch.detectors.peers import Groups, coords_of, grouped_robust, known_coords, rank_label
 
 __all__ = ["RankOutlierDetector", "RankOutlierConfig"]
 
@@ -42,7 +47,7 @@ class RankOutlierConfig:
     instant_z: float = 50.0
     """|z| at which a rank is extreme at a single step (read by attribution, never an incident alone)."""
     min_world: int = 4
-    """Fewest ranks for a cross-rank comparison."""
+    """Fewest ranks for a cross-rank comparison (in the world, and in each peer group)."""
     max_fraction: float = 0.25
     """A step where more than this fraction of ranks crosses the threshold names none (a job-wide change)."""
     max_named: int = 8
@@ -125,6 +130,7 @@ class RankOutlierDetector(SplitDetector):
         self._updated: np.ndarray | None = None
         self._hot = np.zeros(0, np.int64)
         self._scores: np.ndarray | None = np.zeros(0)
+        self._too_few: tuple[int, int] = (0, 0)  # (peer groups, ranks) last said to be too small to judge
 
     @property
     def warmup_steps(self) -> int:
@@ -155,7 +161,9 @@ class RankOutlierDetector(SplitDetector):
         if frame.layers.size and stats:
             block = frame.layers if len(stats) == len(frame.layer_names) else frame.layers[:, stats, :]
             X[k_s:] = block.reshape(frame.world, -1).T
-        return X, metrics, layers, f"{frame.world}:{sig}"
+        peers = frame.peers
+        shape = f"{frame.world}" if peers.trivial else f"{frame.world}/{peers.n}"
+        return X, metrics, layers, f"{shape}:{sig}"
 
     def _reset(self, sig: str, k: int, world: int) -> None:
         self._sig = sig
@@ -227,6 +235,41 @@ class RankOutlierDetector(SplitDetector):
             z[~finite] = 0.0
         return z
 
+    def _robust_zt_grouped(self, Xt: np.ndarray, peers: Groups, present: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(k, world) robust z of every value against its peer group's median and MAD, and the peer
+        groups with fewer than ``min_world`` present ranks (their ranks get z = 0: not judged).
+
+        As :meth:`_robust_zt`, per (feature, peer group): the statistics come from one sort of a
+        (features, groups, members) array, the typical spread is kept per (feature, group).
+        """
+        finite = np.isfinite(Xt)
+        all_finite = finite.all()
+        G = peers.gather(Xt if all_finite else np.where(finite, Xt, np.nan))  # (k, n, largest group)
+        if G.shape[-1] > self.reference_ranks:  # a fixed, seeded sample of each group's members
+            if self._sample is None or self._sample.size != self.reference_ranks or self._sample.max() >= G.shape[-1]:
+                rng = np.random.default_rng(G.shape[-1])
+                self._sample = np.sort(rng.choice(G.shape[-1], self.reference_ranks, replace=False))
+            G = G[..., self._sample]
+        med, mad, meandev, _ = grouped_robust(G)
+        med, mad, meandev = (np.where(np.isfinite(a), a, 0.0) for a in (med, mad, meandev))
+        spread = 1.2533 * meandev
+        if self._spread is None or self._spread.shape != spread.shape:
+            typical = self._spread = spread.copy()
+        else:
+            self._spread += self.spread_alpha * (spread - self._spread)
+            typical = self._spread
+        scale = np.maximum(1.4826 * mad, typical) + self.rel_floor * np.abs(med) + 1e-12
+        ids = peers.ids
+        with np.errstate(invalid="ignore"):
+            z = (Xt - med[:, ids]) / scale[:, ids]
+        if not all_finite:
+            z[~finite] = 0.0
+        n_present = peers.counts(present)
+        small = np.flatnonzero((n_present > 0) & (n_present < self.min_world))
+        if small.size:
+            z[:, np.isin(ids, small)] = 0.0
+        return z, small
+
     def observe(self, frame: StepFrame) -> dict[str, Any] | None:
         """This step's robust z of every (feature, rank), and the ranks extreme at this step alone."""
         if frame.world < self.min_world:
@@ -236,7 +279,15 @@ class RankOutlierDetector(SplitDetector):
             return None
         if sig != self._obs_sig:
             self._obs_sig, self._spread = sig, None
-        z = self._robust_zt(X)  # (k, world)
+        peers = frame.peers
+        too_few = None
+        if peers.trivial:
+            z = self._robust_zt(X)  # (k, world)
+        else:
+            z, small = self._robust_zt_grouped(X, peers, frame.present)
+            if small.size:
+                ranks = np.flatnonzero(np.isin(peers.ids, small) & frame.present)
+                too_few = {"groups": int(small.size), "ranks": int(ranks.size), "example": int(ranks[0])}
         absz = np.abs(z)
         peak = absz.max(axis=0)
         spiky = np.flatnonzero(peak >= self.instant_z)
@@ -257,6 +308,8 @@ class RankOutlierDetector(SplitDetector):
                     }
                 )
         seen: dict[str, Any] = {"sig": sig, "metrics": metrics, "layers": layers, "instant": instant}
+        if too_few is not None:
+            seen["too_few"] = too_few
         if self.sparse:
             c, r = np.nonzero(self._worth_sending(frame.step, sig, z, absz))
             seen["cells"] = np.stack([c, r]).astype(np.int32)
@@ -301,9 +354,9 @@ class RankOutlierDetector(SplitDetector):
             flagged, evidence, z_at = self._accumulate_dense(seen["z"])
         else:
             flagged, evidence, z_at = self._accumulate_sparse(seen["cells"], seen["cell_z"], frame.world)
+        findings: list[Finding] = self._say_too_few(frame, seen.get("too_few"))
         if self._steps <= self.warmup:
-            return []
-        findings: list[Finding] = []
+            return findings
         if 0 < flagged.size <= self._limit(frame.world):
             order = flagged[np.argsort(-evidence)][: self.max_named]
             for r in order:
@@ -321,7 +374,7 @@ class RankOutlierDetector(SplitDetector):
                     run=frame.run,
                     step=frame.step,
                     score=float(hit["peak"]),
-                    message=f"rank {r} extreme at step {frame.step}: {_where(metrics[c], layers[c])} z={hit['z']:.1f}",
+                    message=f"{rank_label(frame, r, host=False)} extreme at step {frame.step}: {_where(metrics[c], layers[c])} z={hit['z']:.1f}",
                     ranks=(r,),
                     hosts=_hosts(frame, r),
                     metric=metrics[c],
@@ -330,6 +383,32 @@ class RankOutlierDetector(SplitDetector):
                 )
             )
         return findings
+
+    def _say_too_few(self, frame: StepContext, too_few: dict[str, Any] | None) -> list[Finding]:
+        """An info finding when the peer groups too small to judge change (not every step)."""
+        now = (0, 0) if too_few is None else (int(too_few["groups"]), int(too_few["ranks"]))
+        if now == self._too_few:
+            return []
+        self._too_few = now
+        if too_few is None:
+            return []
+        r = int(too_few["example"])
+        where = format_coords(coords_of(known_coords(frame), r))
+        return [
+            Finding(
+                detector=self.name,
+                kind=IncidentKind.PEERS_TOO_FEW.value,
+                severity=Severity.INFO,
+                run=frame.run,
+                step=frame.step,
+                score=float(now[1]),
+                message=(
+                    f"{now[1]} rank(s) in {now[0]} peer group(s) of fewer than {self.min_world} ranks are "
+                    f"not compared with their peers (e.g. rank {r}{' at ' + where if where else ''})"
+                ),
+                evidence={"groups": now[0], "ranks": now[1], "min_world": self.min_world},
+            )
+        ]
 
     def _accumulate_dense(self, z: np.ndarray):
         """CUSUM step on every cell; (flagged ranks, their evidence, z lookup)."""
@@ -402,13 +481,9 @@ class RankOutlierDetector(SplitDetector):
         self, frame: StepContext, r: int, c: int, ev: float, z_cr: float, metrics: list[str], layers: list[int | None]
     ) -> Finding:
         conf = min(0.999, 1.0 - 0.5 * math.exp(-3.0 * (ev / self.threshold - 1.0)))
-        host = frame.hosts[r]
         where = _where(metrics[c], layers[c])
-        msg = (
-            f"rank {r}"
-            + (f" (host {host})" if host else "")
-            + f" deviates from the other ranks in {where} (evidence {ev:.1f}, confidence {conf:.2f})"
-        )
+        others = "its peers" if known_coords(frame) is not None else "the other ranks"
+        msg = f"{rank_label(frame, r)} deviates from {others} in {where} (evidence {ev:.1f}, confidence {conf:.2f})"
         col, pos, neg = self._column(r), self._column(r, "pos"), self._column(r, "neg")
         top = np.argsort(-col)[:3]
         return Finding(

@@ -3,7 +3,9 @@
 Parameter and gradient fingerprints and the all-reduced gradient norm are identical on every
 replica of a healthy data-parallel job. A majority vote per value names the odd rank(s) at the
 step it happens; no history is needed. When no value holds a majority, the replicas are split and
-no rank can be blamed.
+no rank can be blamed. With mesh coordinates the vote is taken within each replica group (ranks
+holding the same shard of the same model piece: the peer key and ``dp_shard``), so shard-wise
+fingerprints are compared only with the same shard's; a group of two that disagrees is split.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from sdcwatch.detectors.base import SplitDetector, StepContext
 from sdcwatch.detectors.registry import register
 from sdcwatch.detectors.frame import StepFrame
 from sdcwatch.core.incident import Finding, Severity
+from sdcwatch.core.mesh import format_coords, replica_key
+from sdcwatch.detectors.peers import Groups, coords_of, known_coords, rank_label
 
 __all__ = ["ReplicaDivergenceDetector", "ReplicaConfig", "majority"]
 
@@ -43,7 +47,7 @@ class ReplicaConfig:
     """Settings of the replica-divergence detector ``[detectors.replica]``."""
 
     min_world: int = 3
-    """Fewest ranks holding a value for a majority vote on it."""
+    """Fewest ranks holding a value for a majority vote on it (in the world, and in a replica group)."""
     max_listed: int = 16
     """Most ranks a finding names in its message and evidence."""
 
@@ -78,6 +82,9 @@ class ReplicaDivergenceDetector(SplitDetector):
         """The majority vote of the step: odd ranks per value, values with no majority (None if all agree)."""
         if frame.world < self.min_world:
             return None
+        replicas = frame.replicas
+        if not replicas.trivial:
+            return self._observe_groups(frame, replicas)
         odd_by_metric: dict[str, list[int]] = {}
         split: list[str] = []
         for name, bits, have in self._columns(frame):
@@ -93,6 +100,39 @@ class ReplicaDivergenceDetector(SplitDetector):
             return None
         return {"odd": odd_by_metric, "split": split}
 
+    def _observe_groups(self, frame: StepFrame, replicas: Groups) -> dict[str, Any] | None:
+        """The vote within each replica group: one comparison of every rank with its group's first
+        holder finds the groups that disagree; only those are voted on, one by one."""
+        odd_by_metric: dict[str, list[int]] = {}
+        split: list[str] = []
+        split_ranks: dict[str, list[int]] = {}
+        ids = replicas.ids
+        for name, bits, have in self._columns(frame):
+            idx = np.flatnonzero(have)
+            if idx.size < 2:
+                continue
+            gid = ids[idx]
+            first = np.full(replicas.n, -1, np.int64)
+            first[gid[::-1]] = idx[::-1]  # the lowest rank holding the value in each group
+            differs = bits[idx] != bits[first[gid]]
+            if not differs.any():  # the healthy fast path
+                continue
+            for g in np.unique(gid[differs]).tolist():
+                members = idx[gid == g]
+                value, odd = majority(bits[members]) if members.size >= self.min_world else (None, None)
+                if value is None:
+                    if name not in split:
+                        split.append(name)
+                    split_ranks.setdefault(name, []).extend(members.tolist())
+                else:
+                    odd_by_metric.setdefault(name, []).extend(members[odd].tolist())
+        if not odd_by_metric and not split:
+            return None
+        out: dict[str, Any] = {"odd": odd_by_metric, "split": split}
+        if split_ranks:
+            out["split_ranks"] = {k: v[: 4 * self.max_listed] for k, v in split_ranks.items()}
+        return out
+
     def judge(self, frame: StepContext, vote: dict[str, Any] | None) -> list[Finding]:
         if vote is None:
             return []
@@ -102,9 +142,7 @@ class ReplicaDivergenceDetector(SplitDetector):
             ranks = tuple(sorted({int(r) for v in odd_by_metric.values() for r in v}))
             metric = next(iter(odd_by_metric))
             hosts = tuple(sorted({frame.hosts[r] for r in ranks} - {""}))
-            who = ", ".join(
-                f"{r}" + (f" (host {frame.hosts[r]})" if frame.hosts[r] else "") for r in ranks[: self.max_listed]
-            )
+            who = ", ".join(rank_label(frame, r)[5:] for r in ranks[: self.max_listed])
             msg = (
                 f"SDC suspected: replica divergence at step {frame.step}: rank {who} "
                 f"disagree(s) with the majority on {', '.join(odd_by_metric)}"
@@ -124,6 +162,33 @@ class ReplicaDivergenceDetector(SplitDetector):
                     evidence={
                         "metrics": {k: [int(r) for r in v[: self.max_listed]] for k, v in odd_by_metric.items()},
                         "split": split,
+                    },
+                )
+            ]
+        split_ranks: dict[str, list[int]] = vote.get("split_ranks") or {}
+        if split_ranks:  # replica groups split: their ranks disagree, none can be blamed
+            metric = split[0]
+            members = [int(r) for r in split_ranks.get(metric, [])]
+            where = coords_of(known_coords(frame), members[0]) if members else {}
+            shard = format_coords(dict(replica_key(where)))
+            listed = ", ".join(str(r) for r in members[: self.max_listed])
+            return [
+                Finding(
+                    detector=self.name,
+                    kind=IncidentKind.REPLICA_DIVERGENCE.value,
+                    severity=Severity.CRITICAL,
+                    run=frame.run,
+                    step=frame.step,
+                    score=float(len(members)),
+                    metric=metric,
+                    message=(
+                        f"replicas split at step {frame.step}: no majority on {', '.join(split)}"
+                        + (f" among the replicas of {shard}" if shard else "")
+                        + f" (ranks {listed}; too few to tell which is wrong)"
+                    ),
+                    evidence={
+                        "split": split,
+                        "split_ranks": {k: [int(r) for r in v[: self.max_listed]] for k, v in split_ranks.items()},
                     },
                 )
             ]

@@ -2,7 +2,9 @@
 
 A straggler is a rank whose step time stays well above the cross-rank median (the median of its
 ratio over a window of steps, so a few slow steps are nothing); a missing rank is one absent from many consecutive
-closed steps (a dead process or host).
+closed steps (a dead process or host). With mesh coordinates a rank's step time is compared with
+its own pipeline stage's median (stages do different work), and a missing rank is named with its
+coordinates; a peer group none of whose ranks report is said so (that model piece is unwatched).
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from sdcwatch.detectors.base import SplitDetector, StepContext
 from sdcwatch.detectors.registry import register
 from sdcwatch.detectors.frame import StepFrame
 from sdcwatch.core.incident import Finding, Severity
+from sdcwatch.core.mesh import format_coords, peer_key
+from sdcwatch.detectors.peers import Groups, coords_of, grouped_median, known_coords, rank_label
 
 __all__ = ["StragglerDetector", "StragglerConfig", "MissingRankDetector", "MissingRankConfig"]
 
@@ -34,7 +38,7 @@ class StragglerConfig:
     window: int = 20
     """Steps over which a rank's typical (median) step-time ratio is taken."""
     min_world: int = 3
-    """Fewest ranks for a comparison with the median rank."""
+    """Fewest ranks for a comparison with the median rank (in the world, and in a pipeline stage)."""
 
     def __post_init__(self) -> None:
         check_positive("straggler", min_ratio=self.min_ratio, window=self.window, min_world=self.min_world)
@@ -79,24 +83,40 @@ class StragglerDetector(SplitDetector):
         if ok.sum() < self.min_world:
             return None
         med = float(np.median(t[ok]))
+        stages = frame.groups("stage")
+        by_rank = None
+        if stages.trivial:
+            base: float | np.ndarray = med
+        else:  # each rank against its own stage's median; a stage of too few ranks is not judged
+            stage_med, count = grouped_median(np.where(ok, t, np.nan), stages)
+            ok &= (count >= self.min_world)[stages.ids]
+            base = by_rank = np.where(ok, stage_med[stages.ids], med)
         with np.errstate(all="ignore"):
-            lr = np.where(ok, np.log(np.where(ok, t, 1.0) / med), 0.0)
+            lr = np.where(ok, np.log(np.where(ok, t, 1.0) / base), 0.0)
         if not self.sparse:
-            return {"median": med, "log_ratio": lr}
+            return {"median": med, "log_ratio": lr, **({} if by_rank is None else {"rank_median": by_rank})}
         # Only a rank at least sqrt(min_ratio) slower can be a straggler's typical step; the
         # others count as ratio 1. The window's median decides the same way unless a rank sits
         # between the two ratios for most of the window.
         slow = np.flatnonzero(lr >= 0.5 * math.log(self.min_ratio))
-        return {"median": med, "slow": slow, "slow_log_ratio": lr[slow]}
+        seen = {"median": med, "slow": slow, "slow_log_ratio": lr[slow]}
+        if by_rank is not None:
+            seen["slow_median"] = by_rank[slow]
+        return seen
 
     def judge(self, frame: StepContext, seen: dict[str, Any] | None) -> list[Finding]:
         if seen is None:
             return []
         med = seen["median"]
         lr = seen.get("log_ratio")
+        rank_median = seen.get("rank_median")
         if lr is None:
             lr = np.zeros(frame.world)
-            lr[np.asarray(seen["slow"], dtype=np.int64)] = seen["slow_log_ratio"]
+            slow_idx = np.asarray(seen["slow"], dtype=np.int64)
+            lr[slow_idx] = seen["slow_log_ratio"]
+            if seen.get("slow_median") is not None:
+                rank_median = np.full(frame.world, med)
+                rank_median[slow_idx] = seen["slow_median"]
         if self._ratios is None or self._ratios.shape[1] != frame.world:
             self._ratios = np.zeros((self.window, frame.world))
             self._steps = 0
@@ -114,6 +134,8 @@ class StragglerDetector(SplitDetector):
             ratio = float(math.exp(typical[r]))
             now = float(math.exp(lr[r]))
             host = frame.hosts[r]
+            base = med if rank_median is None else float(rank_median[r])
+            whose = "the median rank's" if rank_median is None else "its pipeline stage's median"
             out.append(
                 Finding(
                     detector=self.name,
@@ -125,14 +147,13 @@ class StragglerDetector(SplitDetector):
                     metric="step_time",
                     ranks=(r,),
                     hosts=(host,) if host else (),
-                    message=f"straggler: rank {r}"
-                    + (f" (host {host})" if host else "")
-                    + f" persistently slow: typical step {ratio:.2f}x the median rank's over {self.window} steps",
+                    message=f"straggler: {rank_label(frame, r)}"
+                    + f" persistently slow: typical step {ratio:.2f}x {whose} over {self.window} steps",
                     evidence={
                         "ratio_typical": ratio,
                         "ratio_now": now,
-                        "step_time": med * now,
-                        "median_step_time": med,
+                        "step_time": base * now,
+                        "median_step_time": base,
                     },
                 )
             )
@@ -193,6 +214,22 @@ class MissingRankDetector(SplitDetector):
             return []
         ranks = tuple(int(r) for r in gone)
         listed = ", ".join(str(r) for r in ranks[:16]) + (" ..." if len(ranks) > 16 else "")
+        coords = known_coords(frame)
+        evidence: dict[str, Any] = {"absent_steps": {str(r): int(self._absent[r]) for r in ranks[:16]}}
+        message = f"{len(ranks)} rank(s) not reporting for {self.after}+ steps: {listed}"
+        if coords is not None:
+            evidence["coords"] = {str(r): coords_of(coords, r) for r in ranks[:16]}
+            if len(ranks) == 1:
+                message = f"{rank_label(frame, ranks[0])} not reporting for {self.after}+ steps"
+            peers = Groups.of(coords, frame.world, "peer")
+            dark = np.flatnonzero(peers.counts(self._absent < self.after) == 0)
+            if dark.size:  # no rank of that model piece reports: nothing to compare it with either
+                pieces = []
+                for g in dark[:4].tolist():
+                    where = coords_of(coords, int(peers.members(g)[0]))
+                    pieces.append(format_coords(dict(peer_key(where))))
+                evidence["unwatched_pieces"] = pieces
+                message += f"; no rank of {'; '.join(p or 'the model' for p in pieces)} reports"
         return [
             Finding(
                 detector=self.name,
@@ -203,8 +240,8 @@ class MissingRankDetector(SplitDetector):
                 score=float(gone.size),
                 metric="present",
                 ranks=ranks,
-                message=f"{len(ranks)} rank(s) not reporting for {self.after}+ steps: {listed}",
-                evidence={"absent_steps": {str(r): int(self._absent[r]) for r in ranks[:16]}},
+                message=message,
+                evidence=evidence,
             )
         ]
 

@@ -60,7 +60,9 @@ class StepSummary:
     them every few steps. ``observations`` maps detector name to what its ``observe`` returned.
     ``frame`` is the aligned step itself when both stages run in one process (never sent).
     ``ended`` marks the run's end instead of a step: every rank sent its end-of-run marker and the
-    spatial stage has published the run's last steps (``step`` is the last one).
+    spatial stage has published the run's last steps (``step`` is the last one). ``coords`` is the
+    run's (world, mesh dims) coordinate table like ``hosts`` (sent when it changed; None for a run
+    whose records carry no coordinates, and on the wire when unchanged).
     """
 
     run: str
@@ -74,6 +76,7 @@ class StepSummary:
     observations: dict[str, Any] = field(default_factory=dict)
     frame: Any = None
     ended: bool = False
+    coords: np.ndarray | None = None
 
     @classmethod
     def end_of(cls, run: str, last_step: int, world: int) -> "StepSummary":
@@ -136,6 +139,8 @@ def encode_summary(s: StepSummary) -> bytes:
     }
     if s.ended:  # only then: older temporal stages read the head's known keys and drop the rest
         head["ended"] = True
+    if s.coords is not None:
+        head["coords"] = _pack(np.asarray(s.coords, dtype=np.int32), blobs)
     j = json.dumps(head, separators=(",", ":"), allow_nan=False).encode("utf-8")
     body = zlib.compress(b"".join([_HEAD.pack(len(j)), j, *blobs]), 1)
     return SUMMARY_MAGIC + bytes([SUMMARY_VERSION]) + body
@@ -186,6 +191,11 @@ def decode_summary(data: bytes | bytearray | memoryview) -> StepSummary:
             observations=_unpack(head["observations"], arrays),
             ended=head.get("ended") is True,
         )
+        if head.get("coords") is not None:
+            coords = _unpack(head["coords"], arrays)
+            if not isinstance(coords, np.ndarray) or coords.ndim != 2 or coords.shape[0] != s.world:
+                raise SummaryError("coords", f"must be a (world, dims) array for world {s.world}")
+            s.coords = coords.astype(np.int64)
     except SummaryError:
         raise
     except (KeyError, TypeError, ValueError, AttributeError) as exc:

@@ -1,7 +1,8 @@
 """Pushes incidents to Alertmanager's v2 API (``POST /api/v2/alerts``) as alerts.
 
 One alert per incident, identified by its labels (alertname, run, severity, kind, incident, rank,
-host, and layer/metric when known). Open alerts are re-sent every ``refresh_interval`` with an
+host, and coords/layer/metric when known; ``coords`` holds the mesh coordinates of the incident's
+ranks, e.g. ``pp=0,dp_replicate=2,tp=1``). Open alerts are re-sent every ``refresh_interval`` with an
 ``endsAt`` a few intervals ahead, as Prometheus does, so they stay firing while sdcwatch runs and
 resolve by themselves if it dies; a resolved incident is sent once more with ``endsAt`` set to its
 resolution time. Delivery runs on a background thread with exponential backoff: a slow or dead
@@ -23,7 +24,7 @@ from sdcwatch.core.incident import Incident, IncidentEvent
 from sdcwatch.core.errors import ConfigError
 from sdcwatch.core.validate import redact_url
 
-from .collector import incident_rank_label
+from .collector import incident_coords_label, incident_rank_label
 from .delivery import BackgroundSink, Backoff, DeliveryError, PostFn, encode_json, post_json
 
 __all__ = ["AlertmanagerSink", "alert_for", "alertname_for"]
@@ -54,6 +55,8 @@ def _describe(inc: Incident) -> str:
         parts.append("rank " + incident_rank_label(inc.ranks, limit=32))
     if inc.hosts:
         parts.append("host " + ",".join(dict.fromkeys(inc.hosts)))
+    if inc.coords:
+        parts.append("coords " + incident_coords_label(inc.coords, limit=32))
     if inc.layer is not None:
         parts.append(f"layer {inc.layer}")
     if inc.metric:
@@ -84,6 +87,7 @@ def alert_for(
         "incident": inc.id,
         "rank": incident_rank_label(inc.ranks),
         "host": ",".join(dict.fromkeys(h for h in inc.hosts if h)),
+        "coords": incident_coords_label(inc.coords),
         "layer": "" if inc.layer is None else str(inc.layer),
         "metric": inc.metric,
         "source": "sdcwatch",

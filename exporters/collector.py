@@ -24,6 +24,7 @@ from prometheus_client.registry import Collector
 from sdcwatch.core.incident import Incident, RunView, ServiceView
 from sdcwatch.core.errors import ConfigError
 from sdcwatch.core.kinds import guard_action_of
+from sdcwatch.core.mesh import format_coords
 
 from .catalog import METRICS, STATS, MetricSpec, metric
 
@@ -35,6 +36,7 @@ __all__ = [
     "MAX_INCIDENTS_LISTED",
     "DEFAULT_MAX_LAYERS",
     "incident_rank_label",
+    "incident_coords_label",
 ]
 
 log = logging.getLogger(__name__)
@@ -60,6 +62,17 @@ def incident_rank_label(ranks: Sequence[int], limit: int = 8) -> str:
     if len(ranks) <= limit:
         return ",".join(str(r) for r in ranks)
     return ",".join(str(r) for r in ranks[:limit]) + f",...(+{len(ranks) - limit})"
+
+
+def incident_coords_label(coords: Sequence[dict[str, int]], limit: int = 8) -> str:
+    """The coordinates of an incident's ranks: ``"pp=0,dp_replicate=2,tp=1"``, ``;``-separated for
+    several ranks, ``...(+N)`` past ``limit``; empty when the records carry none."""
+    texts = [format_coords(c) for c in coords]
+    if not any(texts):
+        return ""
+    if len(texts) <= limit:
+        return ";".join(texts)
+    return ";".join(texts[:limit]) + f";...(+{len(texts) - limit})"
 
 
 def _hosts_label(hosts: Sequence[str], limit: int = 8) -> str:

@@ -16,7 +16,7 @@ import re
 from sdcwatch.core.incident import IncidentEvent, Severity
 from sdcwatch.core.errors import ConfigError
 
-from .collector import incident_rank_label
+from .collector import incident_coords_label, incident_rank_label
 
 __all__ = ["LogSink", "format_logfmt", "format_json"]
 
@@ -46,6 +46,8 @@ def _fields(event: IncidentEvent) -> list[tuple[str, object]]:
         fields.append(("rank", incident_rank_label(inc.ranks, limit=32)))
     if inc.hosts:
         fields.append(("host", ",".join(dict.fromkeys(inc.hosts))))
+    if inc.coords:
+        fields.append(("coords", incident_coords_label(inc.coords, limit=32)))
     if inc.layer is not None:
         fields.append(("layer", inc.layer))
     if inc.metric:

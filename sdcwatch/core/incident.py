@@ -47,7 +47,8 @@ class Finding:
     ``kind`` is a stable machine name (``nonfinite``, ``loss_spike``, ``grad_spike``,
     ``rank_outlier``, ``replica_divergence``, ``straggler``, ``missing_rank``, ``sdc_suspected``,
     ``optimisation_instability``, ``silent_drift`` ...). ``ranks`` is empty when the finding
-    is not rank-local.
+    is not rank-local. ``coords`` gives the mesh coordinates ({dim: index}) of each of ``ranks``,
+    in the same order, when the records carry them (the pipeline fills them in).
     """
 
     detector: str
@@ -62,6 +63,7 @@ class Finding:
     metric: str = ""
     layer: int | None = None
     evidence: dict[str, Any] = field(default_factory=dict)
+    coords: tuple[dict[str, int], ...] = ()
 
 
 @dataclass
@@ -86,6 +88,7 @@ class Incident:
     resolved_step: int | None = None
     opened_at: float = 0.0  # wall time the incident was opened (service clock)
     resolved_at: float | None = None
+    coords: tuple[dict[str, int], ...] = ()  # mesh coordinates of each of ``ranks`` (when known)
 
     @property
     def open(self) -> bool:
@@ -114,6 +117,7 @@ class Incident:
             "opened_at": self.opened_at,
             "resolved_at": self.resolved_at,
             "open": self.open,
+            **({"coords": [dict(c) for c in self.coords]} if self.coords else {}),
         }
 
 
