@@ -251,3 +251,14 @@ def test_one_process_fsdp_reports_its_gradient_as_local_and_global_and_records_o
             assert watch.errors == 0
     finally:
         dist.destroy_process_group()
+
+
+def test_hsdp_flipped_shard_is_named_by_the_replica_vote_at_its_step(hsdp3):
+    """Through the detectors: the vote runs among the replicas of each shard (the records'
+    coordinates say which ranks those are), names rank 4 at the flip, and blames no other rank."""
+    settings, table = hsdp3
+    found = [i for i in _incidents(table) if i.kind == "replica_divergence"]
+    assert found, "no replica divergence"
+    first = min(found, key=lambda i: i.first_step)
+    assert first.first_step == FLIP_STEP and first.ranks == (FLIP_RANK,), (first.first_step, first.ranks, first.message)
+    assert all(i.ranks == (FLIP_RANK,) for i in found), [(i.first_step, i.ranks, i.message) for i in found]
