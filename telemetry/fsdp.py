@@ -194,6 +194,10 @@ class ShardedGradients:
         measured = [self._measured[i] for i in sorted(self._measured)]
         self._measured.clear()
         self._local.clear()
+        for m in measured:  # made on FSDP's reduce-scatter and all-reduce streams, read on this one
+            for t in m:
+                if t is not None and t.is_cuda:
+                    t.record_stream(torch.cuda.current_stream(t.device))
         group = self._group
         if group is None:  # FSDP ran no reduce-scatter: no backward, or a shard group of one
             self._unreduced()

@@ -27,7 +27,7 @@ def _nan(rank: int) -> FaultSpec:
     return FaultSpec(kind="nan", rank=rank, step=NAN_STEP, target="blocks.0.attn.scores", where="output", seed=1)
 
 
-def _run(tmp_path, **kw) -> tuple[FSDPSettings, dict]:
+def _run(tmp_path, probes: dict | None = None, **kw) -> tuple[FSDPSettings, dict]:
     settings = FSDPSettings(
         steps=STEPS,
         seed=0,
@@ -36,7 +36,8 @@ def _run(tmp_path, **kw) -> tuple[FSDPSettings, dict]:
         corpus_bytes=1 << 18,
         ranks_per_host=1,
         clip=None,
-        **{"probes": {"fingerprint_every": 1, "attention_every": 1}, **kw},
+        probes=probes or {"fingerprint_every": 1, "attention_every": 1},
+        **kw,
     )
     launch(settings)
     records = [r for rank in range(settings.world) for r in read_records(tmp_path / f"rank{rank}.jsonl")]
@@ -201,7 +202,11 @@ def test_hsdp_shard_changed_in_memory_is_named_by_its_own_rank_where_no_vote_can
         for r in range(4):
             odd = s == step and r == rank
             assert (max(table[s, r].layers["gemm_weight"]) > 1) == odd, (s, r)
-    found = [i for i in _incidents(table) if i.kind == "checksum_mismatch"]
+    incidents = _incidents(table)
+    votes = [i for i in incidents if i.kind == "replica_divergence"]
+    assert votes and min(i.first_step for i in votes) == step  # the disagreement is seen ...
+    assert all(i.ranks == () for i in votes), [i.message for i in votes]  # ... and pinned on no one
+    found = [i for i in incidents if i.kind == "checksum_mismatch"]
     assert found and min(i.first_step for i in found) == step
     first = min(found, key=lambda i: i.first_step)
     assert first.ranks == (rank,) and first.metric == "gemm_weight", first.message
@@ -245,6 +250,13 @@ def test_one_process_fsdp_reports_its_gradient_as_local_and_global_and_records_o
             watch.step(step)
         watch.close()
         assert [s for s, _ in emitter.records] == [0, 2]
+        # a gradient fault cannot reach a shard (outside the autograd graph): refused, not silently idle
+        from sdcwatch.core.errors import FaultSpecError
+        from sdcwatch.telemetry.faults import FaultInjector
+
+        grad_fault = FaultSpec(kind="scale", step=0, target="head", where="grad", magnitude=2.0)
+        with pytest.raises(FaultSpecError, match=r"where.*'grad' cannot reach 'head.weight': an FSDP2 shard"):
+            FaultInjector([grad_fault]).attach(model)
         for step, kw in emitter.records:
             assert kw["grad_norm_local"] == kw["grad_norm_global"] == pytest.approx(norms[step], rel=1e-5)
             assert kw["grad_cosine"] == 1.0
