@@ -27,9 +27,9 @@ def _nan(rank: int) -> FaultSpec:
     return FaultSpec(kind="nan", rank=rank, step=NAN_STEP, target="blocks.0.attn.scores", where="output", seed=1)
 
 
-def _run(tmp_path, probes: dict | None = None, **kw) -> tuple[FSDPSettings, dict]:
+def _run(tmp_path, probes: dict | None = None, steps: int = STEPS, **kw) -> tuple[FSDPSettings, dict]:
     settings = FSDPSettings(
-        steps=STEPS,
+        steps=steps,
         seed=0,
         run="fsdp-it",
         jsonl_dir=str(tmp_path),
@@ -42,10 +42,10 @@ def _run(tmp_path, probes: dict | None = None, **kw) -> tuple[FSDPSettings, dict
     launch(settings)
     records = [r for rank in range(settings.world) for r in read_records(tmp_path / f"rank{rank}.jsonl")]
     assert sorted((r.step, r.rank) for r in records if is_end_marker(r)) == [
-        (STEPS - 1, r) for r in range(settings.world)
+        (steps - 1, r) for r in range(settings.world)
     ]
     table = {(r.step, r.rank): r for r in records if not is_end_marker(r)}
-    assert set(table) == {(s, r) for s in range(STEPS) for r in range(settings.world)}
+    assert set(table) == {(s, r) for s in range(steps) for r in range(settings.world)}
     shards = settings.world // settings.replicate
     for (step, rank), rec in table.items():  # the mesh's coordinates, on every record
         assert rec.coords == {"dp_replicate": rank // shards, "dp_shard": rank % shards}, (step, rank)
@@ -170,18 +170,26 @@ FLIP_RANK, FLIP_STEP = 4, 2
 
 @pytest.fixture(scope="module")
 def hsdp3(tmp_path_factory):
-    """HSDP: 3 replicas x 2 shards, one flipped bit in rank 4's parameter shard at step 2 (it persists)."""
+    """HSDP: 3 replicas x 2 shards, one flipped bit in rank 4's parameter shard at step 2 (it persists);
+    4 steps and the fingerprints only (6 processes on a small machine)."""
     flip = FaultSpec(
         kind="bitflip", rank=FLIP_RANK, step=FLIP_STEP, target="blocks.0.attn.qkv", where="param", bit=12, seed=1
     )
-    return _run(tmp_path_factory.mktemp("hsdp3"), world=6, replicate=3, faults=(flip,))
+    return _run(
+        tmp_path_factory.mktemp("hsdp3"),
+        steps=4,
+        probes={"fingerprint_every": 1, "attention": "none", "checksum_every": 0},
+        world=6,
+        replicate=3,
+        faults=(flip,),
+    )
 
 
 def test_hsdp_flipped_shard_is_the_odd_one_among_its_replicas(hsdp3):
     """Rank 4 holds shard 0 with ranks 0 and 2: from the flip on, it alone disagrees with them; the
     other shard's replicas agree throughout."""
     settings, table = hsdp3
-    for step in range(STEPS):
+    for step in range(settings.steps):
         shard0 = [table[step, r].fingerprints["param_fp"] for r in (0, 2, 4)]
         shard1 = [table[step, r].fingerprints["param_fp"] for r in (1, 3, 5)]
         assert len(set(shard1)) == 1, step
