@@ -6,7 +6,8 @@ torchtitan's world mesh already uses those names; the aliases of :data:`~sdcwatc
 (``fsdp``, ``ddp``, ``tensor``...) are read as the dims they stand for, except one:
 
 * ``dp`` (plain data parallel) is ``dp_shard`` when the model is sharded by FSDP2 (each rank holds a
-  different shard) and ``dp_replicate`` otherwise (DDP: each rank holds a replica);
+  different shard) and no other dim is the shards' (HSDP named ``("dp", "fsdp")``), ``dp_replicate``
+  otherwise (DDP: each rank holds a replica);
 * any other name is an error naming the dimension: say what it is with ``names={"mine": "tp"}``.
 
 Two mesh dimensions mapped to one canonical dim combine into one index, row-major in mesh order
@@ -44,7 +45,7 @@ def coords_from_mesh(
     if names is not None and not isinstance(names, Mapping):
         if isinstance(names, str) or len(names) != len(shape):
             raise ConfigError("mesh.names", f"needs one canonical name per mesh dim ({len(shape)}), got {names!r}")
-        canonical = [_canonical(str(n), {}, sharded, where="mesh.names") for n in names]
+        canonical = [_canonical(str(n), {}, where="mesh.names") for n in names]
     elif dim_names is None:
         raise ConfigError(
             "mesh",
@@ -56,17 +57,20 @@ def coords_from_mesh(
         unused = sorted(set(overrides) - set(dim_names))
         if unused:
             raise ConfigError("mesh.names", f"{unused[0]!r} is not a dim of the mesh {_describe(dim_names, shape)}")
-        canonical = [_canonical(n, overrides, sharded, where="mesh") for n in dim_names]
+        canonical = [_canonical(n, overrides, where="mesh") for n in dim_names]
+    if "dp" in canonical:  # the shards' dim when nothing else is (HSDP's other dim makes it the replicas')
+        plain = "dp_shard" if sharded and "dp_shard" not in canonical else "dp_replicate"
+        canonical = [plain if d == "dp" else d for d in canonical]
     coords: dict[str, int] = {}
     for dim, index, size in zip(canonical, coordinate, shape):
         coords[dim] = coords.get(dim, 0) * size + int(index)
     return check_coords(coords, key="mesh")
 
 
-def _canonical(name: str, overrides: Mapping[str, str], sharded: bool, *, where: str) -> str:
+def _canonical(name: str, overrides: Mapping[str, str], *, where: str) -> str:
     target = overrides.get(name, name)
-    if target == "dp":  # the one alias whose meaning depends on the model
-        return "dp_shard" if sharded else "dp_replicate"
+    if target == "dp":  # the one alias whose meaning depends on the model: resolved by the caller
+        return "dp"
     if target in DIMS:
         return target
     if target in ALIASES:

@@ -57,6 +57,11 @@ def test_a_plain_dp_dim_is_replicas_under_ddp_and_shards_under_fsdp(mesh_of, sha
     assert coords_from_mesh(mesh_of(3, (4,), ("dp",)), sharded=sharded) == {dim: 3}
 
 
+def test_a_dp_dim_beside_a_shard_dim_is_the_replicas_of_hsdp(mesh_of):
+    mesh = mesh_of(5, (2, 4), ("dp", "fsdp"))
+    assert coords_from_mesh(mesh, sharded=True) == {"dp_replicate": 1, "dp_shard": 1}
+
+
 def test_aliases_and_user_names(mesh_of):
     mesh = mesh_of(5, (2, 2, 2), ("fsdp", "model", "stage"))
     with pytest.raises(ConfigError, match=r"mesh\.model.*'model' is not a parallel dimension.*names=\{'model': 'tp'\}"):
