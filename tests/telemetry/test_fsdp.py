@@ -4,6 +4,7 @@ a brute-force computation, shard-wise fingerprints, and faults named through the
 from __future__ import annotations
 
 import math
+import uuid
 
 import pytest
 
@@ -27,12 +28,19 @@ def _nan(rank: int) -> FaultSpec:
     return FaultSpec(kind="nan", rank=rank, step=NAN_STEP, target="blocks.0.attn.scores", where="output", seed=1)
 
 
-def _run(tmp_path, probes: dict | None = None, steps: int = STEPS, **kw) -> tuple[FSDPSettings, dict]:
+def _run(
+    tmp_path, probes: dict | None = None, steps: int = STEPS, bus: tuple | None = None, **kw
+) -> tuple[FSDPSettings, dict]:
+    """Run the sharded testbed; records from one JSON-lines file per rank, or with ``bus``
+    (bootstrap, consume) through the real broker on the default wire."""
+    topic = f"fsdp.{uuid.uuid4().hex[:8]}"
     settings = FSDPSettings(
         steps=steps,
         seed=0,
         run="fsdp-it",
-        jsonl_dir=str(tmp_path),
+        jsonl_dir=None if bus else str(tmp_path),
+        bootstrap=bus[0] if bus else None,
+        topic=topic,
         corpus_bytes=1 << 18,
         ranks_per_host=1,
         clip=None,
@@ -40,7 +48,11 @@ def _run(tmp_path, probes: dict | None = None, steps: int = STEPS, **kw) -> tupl
         **kw,
     )
     launch(settings)
-    records = [r for rank in range(settings.world) for r in read_records(tmp_path / f"rank{rank}.jsonl")]
+    if bus:
+        records, src = bus[1](bus[0], topic, settings.world * (steps + 1))
+        assert src.dead_letters == 0
+    else:
+        records = [r for rank in range(settings.world) for r in read_records(tmp_path / f"rank{rank}.jsonl")]
     assert sorted((r.step, r.rank) for r in records if is_end_marker(r)) == [
         (steps - 1, r) for r in range(settings.world)
     ]
@@ -134,9 +146,12 @@ SHARD_FLIP_RANK, SHARD_FLIP_STEP = 3, 4
 
 
 @pytest.fixture(scope="module")
-def hsdp(tmp_path_factory):
+def hsdp(tmp_path_factory, broker, consume):
     """HSDP: 2 replicas x 2 shards (ranks 0, 1 are replica 0), a NaN on rank 2 at step 3 (the update
-    skipped), then the lowest exponent bit of one weight flipped in rank 3's shard at step 4."""
+    skipped), then the lowest exponent bit of one weight flipped in rank 3's shard at step 4. Records
+    through the real broker (wire v2, coordinates in the record layout)."""
+    if not broker.running:
+        broker.start()
     flip = FaultSpec(
         kind="bitflip", rank=SHARD_FLIP_RANK, step=SHARD_FLIP_STEP, target="blocks.0.attn.qkv", where="param", bit=23
     )
@@ -147,6 +162,7 @@ def hsdp(tmp_path_factory):
         faults=(_nan(2), flip),
         skip_nonfinite=True,
         probes={"fingerprint_every": 1, "attention_every": 1, "checksum_every": 1},
+        bus=(broker.bootstrap, consume),
     )
 
 
