@@ -464,12 +464,9 @@ def attach(
     record (:func:`~sdcwatch.telemetry.mesh_torch.coords_from_mesh`); ``mesh_names`` says what
     mesh dims with other names are, e.g. ``{"model": "tp"}``.
     """
-    known = set(ProbeConfig.__dataclass_fields__)
-    unknown = sorted(set(settings) - known)
-    if unknown:
-        raise ConfigError(f"probes.{unknown[0]}", f"unknown setting (known: {', '.join(sorted(known))})")
+    built = ProbeConfig.from_settings(every=every, **settings)  # an unknown setting is a ConfigError
     if config is None:
-        config = ProbeConfig(every=every, **settings)
+        config = built
     if ddp is not None and model is ddp:
         model = ddp.module
     return Watch(

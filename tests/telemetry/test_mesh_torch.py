@@ -108,3 +108,23 @@ def test_attach_puts_the_mesh_coordinates_on_every_record(mesh_of, tmp_path):
     assert all(r.coords == {"dp_replicate": 1, "tp": 1} for r in records)
     with pytest.raises(ConfigError, match=r"mesh\.x"):
         attach(GPT(GPTConfig(n_layer=1)), emitter, mesh=mesh_of(0, (2,), ("x",)))
+
+
+def test_framework_callbacks_pass_the_mesh_to_the_probes(mesh_of, tmp_path):
+    from sdcwatch.telemetry import Emitter, FileTransport
+    from sdcwatch.telemetry.integrations import CallbackCore
+    from sdcwatch.testbed.model import GPT, GPTConfig
+
+    mesh = mesh_of(2, (2, 2), ("pp", "tp"))
+    emitter = Emitter(FileTransport(tmp_path / "rank2.jsonl"), run="cb", rank=2, world=4)
+    core = CallbackCore(emitter, mesh=mesh, attention_every=4)
+    model = GPT(GPTConfig(n_layer=1))
+    core.start(model, torch.optim.SGD(model.parameters(), lr=0.1), None, 2, 4)
+    try:
+        assert core.watch.coords == emitter.coords == {"pp": 1, "tp": 0}
+        assert core.watch.config.attention_every == 4
+    finally:
+        core.close()
+        emitter.close()
+    with pytest.raises(ConfigError, match=r"probes\.mesh_size"):
+        CallbackCore(emitter, mesh_size=4)  # anything else is still a probe setting, checked
