@@ -150,9 +150,9 @@ class ShardedGradients:
     # -- in FSDP's backward: never raise into it --------------------------------------------------
     def _before_reduce(self, index: int, grads: torch.Tensor, group: Any) -> None:
         self._group = group
-        if not self._measuring:
-            return
         try:
+            if not self._measuring:
+                return
             with torch.no_grad():
                 flat = grads.reshape(-1)
                 size, rank = group.size(), group.rank()
@@ -166,9 +166,9 @@ class ShardedGradients:
             if inner is not None:  # the user's hook first: it may be the replicas' all-reduce itself
                 inner(reduced)
             local = self._local.pop(index, None)
-            if local is None or not self._measuring:
-                return
             try:
+                if local is None or not self._measuring:
+                    return
                 local_sq, chunk = local
                 with torch.no_grad():
                     out = reduced.reshape(-1)

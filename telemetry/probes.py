@@ -10,7 +10,8 @@ Every metric is computed on the device as a 0-d tensor. At :meth:`Watch.step` th
 into one tensor that leaves the device in one asynchronous copy; the host reads it a step later
 and hands a record to the emitter. Nothing on the training path calls ``.item()``.
 Under DDP a communication hook sees each gradient bucket before and after the all-reduce (local
-and global norms, their dot product, the all-reduced gradient's fingerprint). Attention is seen
+and global norms, their dot product, the all-reduced gradient's fingerprint); under FSDP2 each
+module's reduce-scatter does (:mod:`~sdcwatch.telemetry.fsdp`). Attention is seen
 from outside on sampled steps (:mod:`~sdcwatch.telemetry.sdpa`), or layers report q, k and logits
 through :func:`observe_attention`; heads and query positions are sampled.
 
@@ -108,6 +109,10 @@ class Watch(AttentionLayers):
         self._layer_index: dict[nn.Module, int] = {}
         self.module_names: dict[nn.Module, str] = {m: n for n, m in model.named_modules()}
         self._self_reporting: set[nn.Module] = set()  # layers that call observe_attention themselves
+        # FSDP2: the gradient statistics come from the model's reduce-scatters (a ConfigError here,
+        # before any hook is registered, when they cannot)
+        sharded = ddp is None and not external and is_sharded(model)
+        self._sharded = ShardedGradients(self, model) if sharded else None
         self._activations = ActivationMax(model, self.module_names, lambda: self.enabled and not canary_running())
         self.act_max_module: str | None = None
         """The module that produced the largest output of the last sampled step emitted."""
@@ -133,7 +138,6 @@ class Watch(AttentionLayers):
         self._sync_activation_hooks()
         self._group = None
         self._ddp = ddp is not None and not external
-        self._sharded = None if self._ddp or external or not is_sharded(model) else ShardedGradients(self, model)
         if self._ddp:
             self._group = getattr(ddp, "process_group", None)
             ddp.register_comm_hook(self, comm_hook)
