@@ -1,4 +1,6 @@
-"""Overhead of sdcwatch at its default settings on a Hugging Face Llama under 2-rank DDP (gloo, CPU).
+"""Overhead of sdcwatch at its default settings on a Hugging Face Llama under 2-rank DDP (gloo, CPU),
+or under FSDP2 (``--fsdp``: ``fully_shard`` on every decoder layer and the root, the probes
+attached with the mesh, ``attach(model, emitter, optimizer=opt, mesh=mesh)``).
 
 Each rank holds two identical replicas of a randomly initialised ``LlamaForCausalLM`` (SDPA
 attention, grouped-query heads), each in its own DDP wrapper on the same process group: one with
@@ -55,11 +57,29 @@ def _rank(rank: int, args: argparse.Namespace, init: str, out: str) -> None:
     replicas = []
     bus = MemoryBus()
     emitter = Emitter(MemoryTransport(bus), run="bench", rank=rank, world=args.world, host="bench")
+    mesh = None
+    if args.fsdp:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (args.world,), mesh_dim_names=("dp_shard",))
     for watched in (True, False):
         model = _model(args)
-        ddp = DDP(model)
+        if mesh is not None:
+            from torch.distributed.fsdp import fully_shard
+
+            for layer in model.model.layers:
+                fully_shard(layer, mesh=mesh)
+            ddp = fully_shard(model, mesh=mesh)
+        else:
+            ddp = DDP(model)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        watch = attach(model, emitter, optimizer=opt, ddp=ddp) if watched else None  # the defaults
+        watch = None
+        if watched:  # the defaults
+            watch = (
+                attach(model, emitter, optimizer=opt, mesh=mesh)
+                if mesh
+                else attach(model, emitter, optimizer=opt, ddp=ddp)
+            )
         replicas.append((ddp, model, opt, watch))
     g = torch.Generator().manual_seed(rank)
     times: dict[bool, list[float]] = {True: [], False: []}
@@ -115,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--vocab", type=int, default=1024)
+    ap.add_argument("--fsdp", action="store_true", help="shard with FSDP2 instead of wrapping in DDP")
     ap.add_argument("--out", help="write the results as JSON here")
     args = ap.parse_args(argv)
     import torch.multiprocessing as mp
@@ -137,6 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         "load_average_1m": os.getloadavg()[0],
         "model": {k: getattr(args, k) for k in ("hidden", "layers", "heads", "vocab", "seq_len", "batch_size")},
         "world": args.world,
+        "parallel": "fsdp2" if args.fsdp else "ddp",
         "steps": args.steps,
         "median_step_ms_without": 1e3 * statistics.median([t for r in ranks for t in r["without"]]),
         "median_step_ms_with": 1e3 * statistics.median([t for r in ranks for t in r["with"]]),

@@ -27,6 +27,7 @@ from sdcwatch.telemetry.transports import (
 _LAZY = {
     "attach": "sdcwatch.telemetry.probes",
     "Watch": "sdcwatch.telemetry.probes",
+    "coords_from_mesh": "sdcwatch.telemetry.mesh_torch",
     "observe_attention": "sdcwatch.telemetry.attention",
     "ProbeConfig": "sdcwatch.telemetry.probe_config",
     "attention_stats": "sdcwatch.telemetry.attention",

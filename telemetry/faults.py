@@ -112,6 +112,13 @@ class FaultInjector:
                         "target", f"{spec.target!r} matches no module with parameters (modules: {_sample(names)})"
                     )
                 self._param_targets[i] = params
+                sharded = [n for n, p in params if hasattr(p, "to_local")]
+                if spec.where == "grad" and sharded:
+                    raise FaultSpecError(
+                        "where",
+                        f"'grad' cannot reach {sharded[0]!r}: an FSDP2 shard is outside the autograd graph "
+                        "(its hooks never fire); inject at the module's 'output' instead",
+                    )
                 if spec.where == "grad":
                     for pname, p in params:
                         self._handles.append(p.register_hook(self._grad_hook(i, spec, pname)))
@@ -186,11 +193,11 @@ class FaultInjector:
             if f.kind in ELEMENT_KINDS:
                 name, p = params[rng.randrange(len(params))]
                 with torch.no_grad():
-                    self._apply(i, f, p.data, name, rng)
+                    self._apply(i, f, _local(p), name, rng)
             else:
                 for name, p in params:
                     with torch.no_grad():
-                        p.data.copy_(self._transform(i, f, p.data, name, rng))
+                        _local(p).copy_(self._transform(i, f, _local(p), name, rng))
             hit.append(name)
         return hit
 
@@ -270,6 +277,12 @@ class FaultInjector:
         self.injections.append(
             Injection(self.step, self.rank, spec.kind, spec.where, name, index, before, flat[index].detach().clone())
         )
+
+
+def _local(p: "torch.Tensor") -> "torch.Tensor":
+    """The memory this rank holds of a parameter: its local shard under FSDP2 (a DTensor), else its data."""
+    data = p.data
+    return data.to_local() if hasattr(data, "to_local") else data
 
 
 def _first_tensor(output: Any):

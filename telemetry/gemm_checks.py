@@ -86,7 +86,8 @@ class GemmChecks:
             if isinstance(m, nn.Linear) and any(fnmatch.fnmatchcase(name, g) for g in globs):
                 i = self._add(name, m)
                 self._forward.append((m, self._forward_hook(i)))
-                if m.weight.requires_grad and owners.get(id(m.weight), 0) == 1:
+                # an FSDP2 shard (a DTensor) is outside the autograd graph: its hook would never fire
+                if m.weight.requires_grad and owners.get(id(m.weight), 0) == 1 and not _sharded(m.weight):
                     self._handles.append(m.weight.register_hook(self._weight_grad_hook(i)))
                     if m.bias is not None and m.bias.requires_grad and owners.get(id(m.bias), 0) == 1:
                         self._handles.append(m.bias.register_hook(self._bias_grad_hook(i)))
@@ -151,6 +152,11 @@ class GemmChecks:
                 self.bounds[("gemm_fwd", self.names[i])] = bound
             self._in[i] = self._max(self._in[i], xn.float())
             sealed = self._sealed_at[i]
+            if self._weights and sealed is not None and sealed[2] is not None:
+                # an FSDP2 shard: this rank's own shard of the weight, read where the optimizer wrote it
+                w, b = sealed[2].to_local(), None if sealed[3] is None else sealed[3].to_local()
+                v = _sum(w, 0, acc)
+                sw = torch.linalg.vector_norm(w, dim=1, dtype=acc).sum()
             if self._weights and sealed is not None and sealed[0].shape == v.shape:
                 # the same reduction of the same bits: any difference is a weight changed in memory
                 bound = (_gamma(w.shape[0], unit_roundoff(acc)) * sw).clamp_min(_TINY)
@@ -173,9 +179,15 @@ class GemmChecks:
                 if isinstance(w, torch.Tensor) and w.dim() == 2 and self._weights:
                     acc = _accumulation_dtype(w.dtype)
                     b = getattr(m, "bias", None)
+                    b = b if isinstance(b, torch.Tensor) else None
+                    # an FSDP2 shard (a DTensor): the rank's own shard is sealed, and checked in the
+                    # forward against itself (the forward's all-gathered weight is every rank's)
+                    shard = _sharded(w)
                     self._sealed_at[i] = (
-                        _sum(w, 0, acc),  # as the forward does: the same bits give the same sum
-                        _sum(b, None, acc) if isinstance(b, torch.Tensor) else None,
+                        _sum(w.to_local() if shard else w, 0, acc),  # as the check does: same bits, same sum
+                        None if b is None else _sum(b.to_local() if shard else b, None, acc),
+                        w if shard else None,
+                        b if shard else None,
                     )
 
     def unseal(self) -> None:
@@ -315,3 +327,8 @@ class GemmChecks:
             lst = _OBSERVERS.get(m)
             if lst:
                 lst[:] = [c for c in lst if c is not self]
+
+
+def _sharded(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a DTensor shard (FSDP2), outside the autograd graph and the forward's weight."""
+    return hasattr(t, "to_local")

@@ -59,6 +59,16 @@ class ProbeConfig:
     attention layer's logits on every this-many-th recorded step
     (:mod:`sdcwatch.telemetry.extremes`); 0 = off."""
 
+    @classmethod
+    def from_settings(cls, **settings: object) -> "ProbeConfig":
+        """A config from keyword settings (``attach``'s, a callback's); an unknown one is a
+        ConfigError naming it and the known ones."""
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(settings) - known)
+        if unknown:
+            raise ConfigError(f"probes.{unknown[0]}", f"unknown setting (known: {', '.join(sorted(known))})")
+        return cls(**settings)  # type: ignore[arg-type]
+
     def __post_init__(self) -> None:
         for key, lo in (
             ("every", 1),

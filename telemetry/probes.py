@@ -10,7 +10,8 @@ Every metric is computed on the device as a 0-d tensor. At :meth:`Watch.step` th
 into one tensor that leaves the device in one asynchronous copy; the host reads it a step later
 and hands a record to the emitter. Nothing on the training path calls ``.item()``.
 Under DDP a communication hook sees each gradient bucket before and after the all-reduce (local
-and global norms, their dot product, the all-reduced gradient's fingerprint). Attention is seen
+and global norms, their dot product, the all-reduced gradient's fingerprint); under FSDP2 each
+module's reduce-scatter does (:mod:`~sdcwatch.telemetry.fsdp`). Attention is seen
 from outside on sampled steps (:mod:`~sdcwatch.telemetry.sdpa`), or layers report q, k and logits
 through :func:`observe_attention`; heads and query positions are sampled.
 
@@ -48,6 +49,8 @@ from sdcwatch.telemetry.attention import (
 from sdcwatch.telemetry.canary import canary_fingerprint, canary_running
 from sdcwatch.telemetry.ddp_hook import comm_hook
 from sdcwatch.telemetry.finite import FiniteChecks
+from sdcwatch.telemetry.fsdp import ShardedGradients, is_sharded, local_tensors
+from sdcwatch.telemetry.mesh_torch import coords_from_mesh
 from sdcwatch.telemetry.packing import PackedStep, pack_step, unpack_step
 from sdcwatch.telemetry.probe_config import ProbeConfig
 
@@ -78,11 +81,20 @@ class Watch(AttentionLayers):
         external: bool = False,
         background: bool = True,
         canary_input: Any = None,
+        mesh: Any = None,
+        mesh_names: Any = None,
     ) -> None:
         if not callable(getattr(emitter, "emit", None)):
             raise ConfigError("probes.emitter", f"needs an object with an emit() method, got {type(emitter).__name__}")
         self.model = model
         self.emitter = emitter
+        self.coords: dict[str, int] = {}
+        """This rank's parallel coordinates (from ``mesh``), carried by every record."""
+        if mesh is not None:
+            self.coords = coords_from_mesh(mesh, mesh_names, sharded=is_sharded(model))
+            set_coords = getattr(emitter, "set_coords", None)  # the Emitter's; a stand-in may have none
+            if set_coords is not None:
+                set_coords(self.coords)
         self.optimizer = optimizer
         self.config = config or ProbeConfig()
         self.canary_input = canary_input
@@ -97,6 +109,10 @@ class Watch(AttentionLayers):
         self._layer_index: dict[nn.Module, int] = {}
         self.module_names: dict[nn.Module, str] = {m: n for n, m in model.named_modules()}
         self._self_reporting: set[nn.Module] = set()  # layers that call observe_attention themselves
+        # FSDP2: the gradient statistics come from the model's reduce-scatters (a ConfigError here,
+        # before any hook is registered, when they cannot)
+        sharded = ddp is None and not external and is_sharded(model)
+        self._sharded = ShardedGradients(self, model) if sharded else None
         self._activations = ActivationMax(model, self.module_names, lambda: self.enabled and not canary_running())
         self.act_max_module: str | None = None
         """The module that produced the largest output of the last sampled step emitted."""
@@ -126,7 +142,8 @@ class Watch(AttentionLayers):
             self._group = getattr(ddp, "process_group", None)
             ddp.register_comm_hook(self, comm_hook)
         elif optimizer is not None and not external:
-            self._handles.append(optimizer.register_step_pre_hook(lambda opt, args, kwargs: self._local_gradients()))
+            before = self._local_gradients if self._sharded is None else self._sharded.before_optimizer
+            self._handles.append(optimizer.register_step_pre_hook(lambda opt, args, kwargs: before()))
         LIVE_WATCHES.add(self)
 
     @property
@@ -270,12 +287,15 @@ class Watch(AttentionLayers):
             self._reset()
             self._handoff()
             return
-        if not self._external and not self._ddp and not self._grads_seen:
+        if self._sharded is not None:
+            self._sharded.reduce()
+        elif not self._external and not self._ddp and not self._grads_seen:
             self._local_gradients()
         if self._buckets:
             self._reduce_buckets()
         if not self._external and step % self.config.fingerprint_every == 0 and self._params:
-            self._fps["param_fp"] = fp.flat_fingerprint_device(self._params)
+            # the local shards under FSDP2: equal across the replicas of a shard
+            self._fps["param_fp"] = fp.flat_fingerprint_device(local_tensors(self._params))
         if (
             not self._external
             and self.canary_input is not None
@@ -398,6 +418,8 @@ class Watch(AttentionLayers):
         self._handles.clear()
         self._activations.remove()
         self._finite.remove()
+        if self._sharded is not None:
+            self._sharded.remove()
         LIVE_WATCHES.discard(self)
         if self._tap is not None:
             self._tap.close()
@@ -428,6 +450,8 @@ def attach(
     every: int = 1,
     config: ProbeConfig | None = None,
     canary_input: Any = None,
+    mesh: Any = None,
+    mesh_names: Any = None,
     **settings: Any,
 ) -> Watch:
     """Attach probes to ``model`` (and its optimizer, and its DDP wrapper) reporting to ``emitter``.
@@ -437,13 +461,25 @@ def attach(
     first backward); without it the gradient statistics come from ``p.grad`` just before
     ``optimizer.step()`` (or at ``watch.step()``): world size one. ``canary_input`` (a fixed
     input, the same on every rank) with ``canary_every=N`` turns on the canary check.
+
+    A model sharded by FSDP2 (``fully_shard``, HSDP included) is measured through its
+    reduce-scatters (:mod:`~sdcwatch.telemetry.fsdp`): attach after ``fully_shard``. ``mesh`` (a
+    torch ``DeviceMesh``, the job's whole mesh) puts this rank's parallel coordinates on every
+    record (:func:`~sdcwatch.telemetry.mesh_torch.coords_from_mesh`); ``mesh_names`` says what
+    mesh dims with other names are, e.g. ``{"model": "tp"}``.
     """
-    known = set(ProbeConfig.__dataclass_fields__)
-    unknown = sorted(set(settings) - known)
-    if unknown:
-        raise ConfigError(f"probes.{unknown[0]}", f"unknown setting (known: {', '.join(sorted(known))})")
+    built = ProbeConfig.from_settings(every=every, **settings)  # an unknown setting is a ConfigError
     if config is None:
-        config = ProbeConfig(every=every, **settings)
+        config = built
     if ddp is not None and model is ddp:
         model = ddp.module
-    return Watch(model, emitter, optimizer=optimizer, ddp=ddp, config=config, canary_input=canary_input)
+    return Watch(
+        model,
+        emitter,
+        optimizer=optimizer,
+        ddp=ddp,
+        config=config,
+        canary_input=canary_input,
+        mesh=mesh,
+        mesh_names=mesh_names,
+    )

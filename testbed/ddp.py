@@ -240,8 +240,9 @@ def _guard(
     )
 
 
-def launch(settings: DDPSettings) -> None:
-    """Spawn ``settings.world`` processes running :func:`train_rank`; raises if any rank failed."""
+def launch(settings: DDPSettings, target: Any = None) -> None:
+    """Spawn ``settings.world`` processes running :func:`train_rank` (or ``target``, called as
+    ``target(rank, settings)``); raises if any rank failed."""
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory(prefix="sdcwatch-ddp-") as tmp:
@@ -250,7 +251,7 @@ def launch(settings: DDPSettings) -> None:
         if settings.jsonl_dir:
             Path(settings.jsonl_dir).mkdir(parents=True, exist_ok=True)
         os.environ.setdefault("OMP_NUM_THREADS", "1")
-        mp.spawn(train_rank, args=(settings,), nprocs=settings.world, join=True)
+        mp.spawn(target or train_rank, args=(settings,), nprocs=settings.world, join=True)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

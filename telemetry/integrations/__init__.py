@@ -24,13 +24,17 @@ class CallbackCore:
     environment, with the framework's rank and world size, closed at the end of training).
     ``injector``: a :class:`~sdcwatch.telemetry.faults.FaultInjector` to test your alerting
     (attached to the model and stepped with the run; its rank is set to the framework's).
-    ``settings``: :class:`~sdcwatch.telemetry.probes.ProbeConfig` fields (``attention_every=...``).
+    ``settings``: :class:`~sdcwatch.telemetry.probes.ProbeConfig` fields (``attention_every=...``),
+    and ``mesh=`` / ``mesh_names=`` (the job's torch ``DeviceMesh``: every record carries the rank's
+    coordinates, as with :func:`~sdcwatch.telemetry.probes.attach`).
     """
 
     def __init__(self, emitter: Any = None, *, injector: Any = None, **settings: Any) -> None:
         from sdcwatch.telemetry.probes import ProbeConfig
 
-        ProbeConfig(**settings)  # a bad setting fails here, not when training has begun
+        self.mesh = settings.pop("mesh", None)
+        self.mesh_names = settings.pop("mesh_names", None)
+        ProbeConfig.from_settings(**settings)  # a bad setting fails here, not when training has begun
         self.settings = settings
         self.injector = injector
         self.emitter = emitter
@@ -51,7 +55,15 @@ class CallbackCore:
         if self.injector is not None:
             self.injector.rank = rank
             self.injector.attach(model, optimizer)
-        self.watch = attach(model, self.emitter, optimizer=optimizer, ddp=ddp, **self.settings)
+        self.watch = attach(
+            model,
+            self.emitter,
+            optimizer=optimizer,
+            ddp=ddp,
+            mesh=self.mesh,
+            mesh_names=self.mesh_names,
+            **self.settings,
+        )
 
     def begin(self, step: int) -> None:
         """An optimizer step begins (before its first micro-batch's forward)."""

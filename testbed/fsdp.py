@@ -1,0 +1,153 @@
+"""Real sharded data parallelism: the reference GPT under FSDP2 (``fully_shard``) or HSDP, gloo on CPU.
+
+The integration tests' driver and the example to copy for a sharded model: one process per rank,
+a device mesh ``(dp_replicate, dp_shard)``, ``fully_shard`` on every block and on the root, the
+probes attached with the mesh (records carry the rank's coordinates), faults through the injector::
+
+    python -m sdcwatch.testbed.fsdp --world 4 --replicate 2 --steps 20 --jsonl out/
+
+``replicate=1`` is plain FSDP (every rank holds a different shard); ``replicate=R`` is HSDP: R
+replicas of a model sharded over ``world // R`` ranks each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass
+from typing import Sequence
+
+from sdcwatch.core.errors import ConfigError
+from sdcwatch.core.names import TELEMETRY_TOPIC
+from sdcwatch.telemetry.faults import load_faults
+from sdcwatch.testbed.ddp import DDPSettings, _emitter, launch as _launch
+
+__all__ = ["FSDPSettings", "launch", "train_rank", "main"]
+
+
+@dataclass(frozen=True)
+class FSDPSettings(DDPSettings):
+    """One sharded reference run; the fields are :class:`~sdcwatch.testbed.ddp.DDPSettings`' and:"""
+
+    replicate: int = 1
+    """Replicas of the sharded model (HSDP when > 1); each is sharded over ``world // replicate`` ranks."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        r = self.replicate
+        if isinstance(r, bool) or not isinstance(r, int) or r < 1 or self.world % r:
+            raise ConfigError("fsdp.replicate", f"must be a positive divisor of world {self.world}, got {r!r}")
+        for key in ("guard", "load", "save"):
+            if getattr(self, key) is not None:
+                raise ConfigError(f"fsdp.{key}", "is not supported by the sharded driver (use the DDP one)")
+
+    @property
+    def mesh_shape(self) -> tuple[int, int]:
+        """(dp_replicate, dp_shard)."""
+        return (self.replicate, self.world // self.replicate)
+
+
+def train_rank(rank: int, settings: FSDPSettings) -> None:
+    """Everything one rank does: join the group, shard the model, train with probes and faults, report."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from sdcwatch.telemetry.faults import FaultInjector
+    from sdcwatch.telemetry.probes import attach
+    from sdcwatch.testbed.model import GPT, next_byte_loss
+    from sdcwatch.testbed.simulated import shared_corpus
+
+    torch.set_num_threads(1)  # several ranks share the CPU: more threads per rank run ~10x slower
+    dist.init_process_group("gloo", init_method=settings.init_method, rank=rank, world_size=settings.world)
+    emitter = watch = None
+    try:
+        mesh = init_device_mesh("cpu", settings.mesh_shape, mesh_dim_names=("dp_replicate", "dp_shard"))
+        fsdp_mesh = mesh if settings.replicate > 1 else mesh["dp_shard"]
+        torch.manual_seed(settings.seed)  # the same initial model on every rank, sharded from there
+        model = GPT()
+        for block in model.blocks:
+            fully_shard(block, mesh=fsdp_mesh)
+        fully_shard(model, mesh=fsdp_mesh)
+        optimizer = torch.optim.Adam(model.parameters(), lr=settings.lr)
+        injector = FaultInjector(settings.faults, rank=rank).attach(model, optimizer)
+        emitter = _emitter(settings, rank)
+        watch = attach(model, emitter, optimizer=optimizer, mesh=mesh, **settings.probes)
+        corpus = shared_corpus(settings.corpus_bytes)
+        for step in range(settings.steps):
+            watch.begin_step(step)
+            injector.begin_step(step)
+            batch = corpus.batch(
+                seed=settings.seed, step=step, rank=rank, batch_size=settings.batch_size, seq_len=model.cfg.seq_len
+            )
+            batch = injector.corrupt_batch(batch)
+            loss = next_byte_loss(model(batch[:, :-1]), batch)
+            loss.backward()
+            if settings.clip:
+                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), settings.clip)
+            else:
+                grad_norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
+            if hasattr(grad_norm, "full_tensor"):
+                grad_norm = grad_norm.full_tensor()  # a DTensor: the norm over every shard
+            # every rank holds the same total norm, so every rank skips alike
+            if not (settings.skip_nonfinite and not bool(torch.isfinite(grad_norm))):
+                optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            loss_global = loss.detach().clone()
+            dist.all_reduce(loss_global)
+            watch.step(step, loss=loss, loss_global=loss_global / settings.world)
+            injector.end_step()
+        watch.close()
+        dist.barrier()
+    finally:
+        if watch is not None:
+            watch.close()
+        if emitter is not None:
+            emitter.close(timeout=30.0)
+        dist.destroy_process_group()
+
+
+def launch(settings: FSDPSettings) -> None:
+    """Spawn ``settings.world`` processes running :func:`train_rank`; raises if any rank failed."""
+    _launch(settings, train_rank)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Command line: run the reference model under FSDP2/HSDP with probes, optionally with faults."""
+    ap = argparse.ArgumentParser(prog="python -m sdcwatch.testbed.fsdp", description=main.__doc__)
+    ap.add_argument("--world", type=int, default=4)
+    ap.add_argument("--replicate", type=int, default=1, help="HSDP replicas (1: plain FSDP)")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--run", default="fsdp-reference")
+    ap.add_argument("--bootstrap", help="Kafka address host:port")
+    ap.add_argument("--topic", default=TELEMETRY_TOPIC)
+    ap.add_argument("--jsonl", dest="jsonl_dir", help="folder for rank{r}.jsonl files instead of Kafka")
+    ap.add_argument("--faults", help="fault specs (.jsonl or .json array)")
+    ap.add_argument("--ranks-per-host", type=int)
+    ap.add_argument("--probes", default="{}", help='ProbeConfig settings as JSON, e.g. {"every": 2}')
+    args = ap.parse_args(argv)
+    try:
+        probes = json.loads(args.probes)
+    except ValueError as exc:
+        raise ConfigError("fsdp.probes", f"not valid JSON: {exc}") from None
+    settings = FSDPSettings(
+        world=args.world,
+        replicate=args.replicate,
+        steps=args.steps,
+        seed=args.seed,
+        run=args.run,
+        bootstrap=args.bootstrap,
+        topic=args.topic,
+        jsonl_dir=args.jsonl_dir,
+        faults=tuple(load_faults(args.faults)) if args.faults else (),
+        probes=probes,
+        ranks_per_host=args.ranks_per_host,
+    )
+    launch(settings)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
