@@ -54,14 +54,6 @@ def layout_coords(layout, world: int) -> tuple[tuple[str, ...], np.ndarray]:
     return dims, np.array([[c[d] for d in dims] for c in map(layout.coords, range(world))], np.uint32)
 
 
-def layout_coords(layout, world: int) -> tuple[tuple[str, ...], np.ndarray]:
-    """(the layout's dims, (world, dims) coordinates of every rank); no dims without a layout."""
-    if layout is None:
-        return (), np.zeros((world, 0), np.uint32)
-    dims = tuple(layout.sizes)
-    return dims, np.array([[c[d] for d in dims] for c in map(layout.coords, range(world))], np.uint32)
-
-
 def messages_v1(run: str, world: int, a: dict, per_message: int) -> list[bytes]:
     from sdcwatch.core.record import Record, encode, encode_batch
 
