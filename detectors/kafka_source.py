@@ -4,6 +4,9 @@ The reader thread owns the kafka-python consumer (which is not thread-safe): it 
 dead-letters, commits and measures the lag, and hands decoded batches to the service through a
 bounded queue. So the consumer keeps its group membership whatever the service does between two
 of its own calls, and a member that loses its partitions is logged and counted.
+
+The reader also holds back at a gap in a partition's offsets and re-fetches it until the missing
+batch arrives (:mod:`sdcwatch.detectors.offset_gaps`).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from sdcwatch.detectors.bus import (
     _decode_or_reason,
     dead_letter_value,
 )
+from sdcwatch.detectors.offset_gaps import GAP_WAIT_S, OffsetGaps
 from sdcwatch.detectors.ingest import IngestDecoder, Rejected, SchemaRegistry, count_records
 from sdcwatch.core.limits import RecordLimits
 from sdcwatch.core.record import Record, decode_message, encode
@@ -67,6 +71,7 @@ class KafkaSource(_DeadLetterCounts):
         limits: RecordLimits | None = None,
         ingest: IngestDecoder | None = None,
         queue_records: int = 100_000,
+        gap_wait_s: float = GAP_WAIT_S,
         **security: Any,
     ) -> None:
         from kafka.errors import KafkaError
@@ -85,6 +90,7 @@ class KafkaSource(_DeadLetterCounts):
         self.ingest = ingest if ingest is not None else IngestDecoder(SchemaRegistry(self.limits))
         self.schemas = self.ingest.registry
         self.queue_records = queue_records
+        self.gaps = OffsetGaps(gap_wait_s)  # partition offsets that skip ahead: re-fetched first
         self.records = 0
         self.dead_letters = 0
         self.dead_letter_reasons: dict[str, int] = {}
@@ -226,8 +232,10 @@ class KafkaSource(_DeadLetterCounts):
             consumer.pause(*parts)
         elif consumer.paused():
             consumer.resume(*consumer.paused())
+        self._learn_positions(parts)
         batches = consumer.poll(timeout_ms=100 if not full else 50, max_records=self.max_poll_records)
         self._track_assignment()
+        batches = self._hold_at_gaps(batches)
         out: list = []
         rejected: list[Rejected] = []
         offsets: dict[Any, int] = {}
@@ -265,6 +273,26 @@ class KafkaSource(_DeadLetterCounts):
                 self._cond.notify_all()
         if time.monotonic() - self._lag_at >= self.lag_interval:
             self._refresh_lag()
+
+    def _learn_positions(self, parts: Any) -> None:
+        """The fetch position of each newly assigned partition: where its first message must be."""
+        self.gaps.keep_only(parts)
+        for tp in parts:
+            if not self.gaps.knows(tp):
+                try:
+                    position = self._consumer.position(tp, timeout_ms=5000)
+                except Exception as exc:  # then the first message read sets it
+                    log.debug("position of %s unknown: %s", tp, exc)
+                    continue
+                if position is not None:
+                    self.gaps.expect(tp, position)
+
+    def _hold_at_gaps(self, batches: dict) -> dict:
+        """``batches`` up to the first young offset gap of each partition; the consumer goes back to it."""
+        held, seek = self.gaps.hold(batches, time.monotonic())
+        for tp, offset in seek.items():
+            self._consumer.seek(tp, offset)
+        return held
 
     def _track_assignment(self) -> None:
         parts = sorted(tp.partition for tp in self._consumer.assignment())
@@ -316,7 +344,10 @@ class KafkaSource(_DeadLetterCounts):
                     if done is None:
                         done = consumer.committed(tp)
                         done = consumer.position(tp) if done is None else done
-                    lag += max(0, ends[tp] - done)
+                    # the end as the fetches saw it too: the embedded broker's ListOffsets answers
+                    # the last-written batch's first offset + 1, short of the end
+                    end = max(ends[tp], consumer.highwater(tp) or 0)
+                    lag += max(0, end - done)
                 self._lag = int(lag)
             elif self._had_partitions and time.monotonic() - (self.unassigned_since or 0) > self._max_poll_interval:
                 # lost its partitions and not back within a rebalance: the group's lag from its
