@@ -510,6 +510,7 @@ def run_scale(
             "late_records": pipeline.aligner.late_records,
             "duplicates": pipeline.aligner.duplicates,
             "waiting_for_schema": source.ingest.pending,
+            "offset_gaps": dict(source.gaps.counts),
         },
         "producers": len(procs),
         "target_rate_steps_per_s": rate,

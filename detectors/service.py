@@ -17,7 +17,7 @@ import logging
 import threading
 import time
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 from sdcwatch.detectors.pipeline import DetectionPipeline
 from sdcwatch.detectors.bus import SummaryTopicSink
@@ -29,6 +29,20 @@ from sdcwatch.core.jsonsafe import json_safe
 __all__ = ["DetectorService", "RecordSource", "STATE_FILE", "SCHEMAS_FILE"]
 
 log = logging.getLogger("sdcwatch.detectors.service")
+
+
+def _waiting_for_schema(source: Any) -> int:
+    """v2 messages the source holds until their schema comes (0 for a source without v2 ingest)."""
+    ingest = getattr(source, "ingest", None)
+    return int(getattr(ingest, "pending", 0) or 0)
+
+
+def _offset_gaps(source: Any) -> dict[str, int]:
+    """Gaps in the source's partition offsets by outcome (refetched, filled, skipped); {} without."""
+    gaps = getattr(source, "gaps", None)
+    counts = getattr(gaps, "counts", None)
+    return {k: int(counts[k]) for k in ("refetched", "filled", "skipped")} if counts else {}
+
 
 STATE_FILE = "pipeline-state.json"
 #: The wire-v2 record layouts the source learnt (see ``DetectorService._save_schemas``).
@@ -184,6 +198,8 @@ class DetectorService:
                 consumer_lag=self.consumer_lag,
                 dead_letter_reasons=getattr(self.source, "dead_letter_reasons", None),
                 consumer_partitions=int(getattr(self.source, "partitions", -1)),
+                waiting_for_schema=_waiting_for_schema(self.source),
+                offset_gaps=_offset_gaps(self.source),
                 max_runs=max_runs,
             )
 

@@ -148,6 +148,20 @@ METRICS: tuple[MetricSpec, ...] = (
         "waiting for a rebalance: nothing is processed.",
     ),
     _m(
+        "sdcwatch_pipeline_messages_waiting_for_schema",
+        "gauge",
+        (),
+        "Wire v2 messages held until the message carrying their record layout comes (at most "
+        "detectors.schema_wait_s, then dead-lettered as unknown_schema).",
+    ),
+    _m(
+        "sdcwatch_pipeline_offset_gaps_total",
+        "counter",
+        ("outcome",),
+        "Gaps in a telemetry partition's offsets: refetched (times the reader went back to one), filled (the "
+        "missing messages came), skipped (taken as real after the gap wait; their messages were not read).",
+    ),
+    _m(
         "sdcwatch_pipeline_runs",
         "gauge",
         (),

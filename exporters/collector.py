@@ -224,6 +224,9 @@ class SdcwatchCollector(Collector):
         add("sdcwatch_pipeline_late_records_total", [], p.late_records_total)
         if p.consumer_partitions >= 0:
             add("sdcwatch_pipeline_consumer_partitions", [], p.consumer_partitions)
+        add("sdcwatch_pipeline_messages_waiting_for_schema", [], p.waiting_for_schema)
+        for outcome, count in sorted(p.offset_gaps.items()):
+            add("sdcwatch_pipeline_offset_gaps_total", [outcome], count)
         add("sdcwatch_pipeline_runs", [], p.runs_total)
         add("sdcwatch_pipeline_runs_forgotten_total", [], p.runs_forgotten_total)
         add("sdcwatch_exporter_omitted", ["runs"], max(0, p.runs_total - len(view.runs)))

@@ -42,6 +42,7 @@ def build_service(
     what it reads).
     """
     from sdcwatch.detectors.bus import AnomalyTopicSink, KafkaSource, SummaryTopicSink, decode_summary_message
+    from sdcwatch.detectors.ingest import IngestDecoder, SchemaRegistry
     from sdcwatch.detectors.pipeline import DetectionPipeline, PipelineSettings
     from sdcwatch.detectors.registry import default_detectors
     from sdcwatch.detectors.service import STATE_FILE, DetectorService
@@ -77,6 +78,7 @@ def build_service(
             group=cfg.bus.group,
             deadletter_topic=cfg.bus.deadletter_topic,
             limits=limits,
+            ingest=IngestDecoder(SchemaRegistry(limits), schema_wait=cfg.detectors.schema_wait_s),
             **security,
         )
     if wrap_source is not None:

@@ -249,6 +249,9 @@ class _DetectorsSettings(_Section):
     """An incident is resolved after this many consecutive steps without a new finding."""
     align_timeout_s: float = 5.0
     """Seconds the step aligner waits for the last ranks of a step before closing it without them."""
+    schema_wait_s: float = 2.0
+    """Seconds a v2 telemetry message whose record layout (schema) the service has not learnt yet
+    waits for the message that carries it, before it is dead-lettered (reason unknown_schema)."""
     max_runs: int = 1000
     """Runs whose detection state is kept (memory and the state file grow with them); past it a new
     run replaces one silent for 15 minutes, or its records are dead-lettered (reason runs)."""
@@ -268,7 +271,7 @@ class _DetectorsSettings(_Section):
         for name in ("resolve_after_steps", "max_runs"):
             if getattr(self, name) < 1:
                 self._fail(name, f"must be at least 1, got {getattr(self, name)}")
-        for name in ("align_timeout_s", "run_end_expiry_s", "run_idle_expiry_s"):
+        for name in ("align_timeout_s", "schema_wait_s", "run_end_expiry_s", "run_idle_expiry_s"):
             _positive(self, name)
         if self.stage not in ("both", "spatial", "temporal"):
             self._fail("stage", f"{self.stage!r} is not one of both, spatial, temporal")

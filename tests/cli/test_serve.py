@@ -225,3 +225,59 @@ def test_serve_with_guard_actions_publishes_decisions_to_the_control_topic(boots
     finally:
         reader.close()
         service.close()
+
+
+def test_schema_wait_from_the_environment_holds_a_v2_message_and_shows_it_on_metrics(bootstrap, tmp_path):
+    """``SDCWATCH_DETECTORS_SCHEMA_WAIT_S``: a v2 message whose schema has not come yet waits that
+    long (here past the 2 s default), counted by the waiting gauge, and decodes once its schema comes."""
+    import numpy as np
+    from kafka import KafkaProducer
+
+    from sdcwatch.config import load_config
+    from sdcwatch.core.columnar import encode_rows, schema_for
+    from sdcwatch.exporters.collector import SdcwatchCollector
+    from sdcwatch.serve import build_service
+
+    topic = f"t.{uuid.uuid4().hex[:8]}"
+    cfg = load_config(
+        overrides={
+            "bus.bootstrap": bootstrap,
+            "metrics.port": 0,
+            "state.dir": str(tmp_path / "s"),
+            "alerts.log": False,
+        },
+        env={"SDCWATCH_DETECTORS_SCHEMA_WAIT_S": "30", "SDCWATCH_BUS_TELEMETRY_TOPIC": topic},
+    )
+    assert cfg.detectors.schema_wait_s == 30.0
+    service, _ = build_service(cfg, sinks=[])
+    schema = schema_for(("loss",), (), [])
+
+    def message(rank: int, with_schema: bool) -> bytes:
+        rows = np.zeros(1, schema.dtype)
+        rows["step"], rows["rank"], rows["world"], rows["time"] = 0, rank, 2, time.time()
+        return encode_rows(schema, "r", ["h"], rows.tobytes(), 1, with_schema=with_schema)
+
+    producer = KafkaProducer(bootstrap_servers=bootstrap)
+    try:
+        deadline = time.monotonic() + 30
+        while not service.source.assigned and time.monotonic() < deadline:
+            service.step()
+        producer.send(topic, key=b"r/1", value=message(1, with_schema=False)).get(10)
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 3.0:  # past the default wait of 2 s
+            service.step()
+        view = service.view()
+        assert view.pipeline.waiting_for_schema == 1 and view.pipeline.dead_letters_total == 0
+        text = "\n".join(
+            f"{s.name} {s.value}" for fam in SdcwatchCollector(service.view).collect() for s in fam.samples
+        )
+        assert "sdcwatch_pipeline_messages_waiting_for_schema 1.0" in text
+        producer.send(topic, key=b"r/0", value=message(0, with_schema=True)).get(10)
+        deadline = time.monotonic() + 20
+        while service.pipeline.records_total < 2 and time.monotonic() < deadline:
+            service.step()
+        assert service.pipeline.records_total == 2
+        assert service.view().pipeline.waiting_for_schema == 0
+    finally:
+        producer.close()
+        service.close()

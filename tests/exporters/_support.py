@@ -124,6 +124,8 @@ def small_view(world: int = 8, layers: int = 2) -> ServiceView:
             incomplete_steps_total=5,
             dead_letter_reasons={"malformed": 1, "world": 1},
             consumer_partitions=4,
+            waiting_for_schema=3,
+            offset_gaps={"refetched": 2, "filled": 1, "skipped": 0},
             runs_total=1,
             runs_evicted_total={"finished": 3, "idle": 1},
         ),

@@ -115,6 +115,14 @@ sdcwatch_pipeline_dead_letters_by_reason_total{reason="world"} 1.0
 # HELP sdcwatch_pipeline_consumer_partitions Partitions of the telemetry topic this instance reads; 0 means evicted from its consumer group or waiting for a rebalance: nothing is processed.
 # TYPE sdcwatch_pipeline_consumer_partitions gauge
 sdcwatch_pipeline_consumer_partitions 4.0
+# HELP sdcwatch_pipeline_messages_waiting_for_schema Wire v2 messages held until the message carrying their record layout comes (at most detectors.schema_wait_s, then dead-lettered as unknown_schema).
+# TYPE sdcwatch_pipeline_messages_waiting_for_schema gauge
+sdcwatch_pipeline_messages_waiting_for_schema 3.0
+# HELP sdcwatch_pipeline_offset_gaps_total Gaps in a telemetry partition's offsets: refetched (times the reader went back to one), filled (the missing messages came), skipped (taken as real after the gap wait; their messages were not read).
+# TYPE sdcwatch_pipeline_offset_gaps_total counter
+sdcwatch_pipeline_offset_gaps_total{outcome="filled"} 1.0
+sdcwatch_pipeline_offset_gaps_total{outcome="refetched"} 2.0
+sdcwatch_pipeline_offset_gaps_total{outcome="skipped"} 0.0
 # HELP sdcwatch_pipeline_runs Runs whose detection state the service keeps (at most detectors.max_runs).
 # TYPE sdcwatch_pipeline_runs gauge
 sdcwatch_pipeline_runs 1.0
