@@ -34,6 +34,8 @@ __all__ = ["Emitter", "NullEmitter", "identity_from_env"]
 
 log = logging.getLogger("sdcwatch.telemetry")
 
+_wall = _time.time  # one global lookup in emit()
+
 #: Records the sender builds before it releases the GIL once (a few tens of microseconds of work):
 #: bounds how long an emit() in the training thread can wait for the interpreter lock.
 _YIELD_EVERY = 8
@@ -183,7 +185,7 @@ class Emitter:
         self.buffer = buffer
         self.batch = batch
         self.linger = linger
-        self.emitted = 0  # emit() calls accepted into the queue or dropped
+        self._taken = 0  # records the sender took from the queue (sent, in flight or invalid)
         self.sent = 0  # records the transport confirmed
         self.dropped = 0  # records dropped because the buffer was full (or after close)
         self.invalid = 0  # records rejected as invalid (bad metric name or value type)
@@ -193,6 +195,8 @@ class Emitter:
         self._last_step: int | None = None  # last step built into a record (sender thread)
         self._queue: collections.deque = collections.deque()
         self._inflight: list[Record] = []
+        # records emit() may still queue: buffer minus what the sender holds; 0 once closed
+        self._room = buffer
         self._taking = False  # the sender is moving records from the queue into _inflight
         self._closed = False
         self._stop = threading.Event()
@@ -225,26 +229,36 @@ class Emitter:
         time: float | None = None,
         **scalars: float,
     ) -> None:
-        """Queue this rank's record for ``step``. Returns at once; never raises."""
+        """Queue this rank's record for ``step``. Returns at once; never raises.
+
+        The hot path is one length check and one append (a training step calls it cold, its
+        caches evicted by the step: every bytecode counts); the rest is the sender's work.
+        """
         try:
-            self.emitted += 1
-            if self._closed:  # emit after close(): nothing to send it with
-                self.dropped += 1
-                return
-            if len(self._queue) + len(self._inflight) >= self.buffer:
-                self.dropped += 1
-                if not self._warned_drop:
-                    self._warned_drop = True
-                    log.warning(
-                        "sdcwatch emitter (rank %s): buffer of %d records full (bus down or slow); "
-                        "dropping records and counting them, training is unaffected",
-                        self.rank,
-                        self.buffer,
-                    )
-                return
-            self._queue.append((step, _time.time() if time is None else time, scalars, layers, fingerprints))
+            q = self._queue
+            if len(q) < self._room:
+                q.append((step, _wall() if time is None else time, scalars, layers, fingerprints))
+            else:
+                self._refuse()
         except Exception:  # never into the training loop
             self.dropped += 1
+
+    def _refuse(self) -> None:
+        """A record with no room (buffer full, or emitted after close): counted, warned once."""
+        self.dropped += 1
+        if not self._closed and not self._warned_drop:
+            self._warned_drop = True
+            log.warning(
+                "sdcwatch emitter (rank %s): buffer of %d records full (bus down or slow); "
+                "dropping records and counting them, training is unaffected",
+                self.rank,
+                self.buffer,
+            )
+
+    @property
+    def emitted(self) -> int:
+        """emit() calls: records taken by the sender, queued, or dropped."""
+        return self._taken + len(self._queue) + self.dropped
 
     def flush(self, timeout: float | None = 10.0) -> bool:
         """Wait until everything queued has been sent; False if ``timeout`` passed first."""
@@ -280,6 +294,7 @@ class Emitter:
                 pass
         flushed = self.flush(timeout)
         self._closed = True
+        self._room = 0
         self._stop.set()
         # the transport's calls end by the deadline; a little grace for the sender to notice the stop
         self._thread.join(timeout=None if deadline is None else max(0.0, deadline - _time.monotonic()) + 0.5)
@@ -386,10 +401,13 @@ class Emitter:
         batch: list[Record] = []
         q = self._queue
         self._taking = True
+        self._set_room(self.buffer - min(len(q), self.batch))  # the records about to be taken stay counted
         try:
             n = 0
             while q and len(batch) < self.batch:
-                rec = self._build(q.popleft())
+                item = q.popleft()
+                self._taken += 1
+                rec = self._build(item)
                 if rec is not None:
                     batch.append(rec)
                 n += 1
@@ -397,7 +415,12 @@ class Emitter:
                     _time.sleep(0)  # let the training thread have the GIL: its emit() must not wait for a batch
             self._inflight = batch
         finally:
+            self._set_room(self.buffer - len(self._inflight))
             self._taking = False
+
+    def _set_room(self, room: int) -> None:
+        """What emit() may still queue (nothing once closed)."""
+        self._room = 0 if self._closed else room
 
     def _run(self) -> None:
         backoff = 0.05
@@ -421,6 +444,7 @@ class Emitter:
                 if unsent is not None:
                     self.sent += len(self._inflight) - len(unsent)
                     self._inflight = list(unsent)
+                    self._set_room(self.buffer - len(self._inflight))
                 if self._down_since is None:
                     self._down_since = _time.monotonic()
                     log.warning(
@@ -435,6 +459,7 @@ class Emitter:
                 continue
             self.sent += len(self._inflight)
             self._inflight = []
+            self._set_room(self.buffer)
             backoff = 0.05
             if self._down_since is not None:
                 log.warning(
