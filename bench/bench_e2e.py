@@ -60,9 +60,136 @@ def fault_rank(step: int, world: int) -> int:
 
 # -- producer process ------------------------------------------------------------------------------
 
+SCALARS = ("loss", "loss_global", "grad_norm_local", "grad_norm_global", "grad_cosine", "step_time", "nonfinite", "lr")
+
+
+def synthetic_step(rng: np.random.Generator, step: int, n: int, rate: float) -> tuple[np.ndarray, np.ndarray, dict]:
+    """One healthy step of ``n`` ranks: scalars (n, SCALARS), layer values (n, metrics x layers)
+    in ``LAYER_METRICS`` order, and the fingerprints every rank shares (``param_fp`` every 50 steps)."""
+    base = 2.0 + 0.5 * math.exp(-step / 500)
+    sc = np.empty((n, len(SCALARS)))
+    sc[:, 0] = base + 0.05 * rng.standard_normal(n)
+    sc[:, 1] = base
+    sc[:, 2] = 1.0 + 0.1 * rng.standard_normal(n)
+    sc[:, 3] = 1.0
+    sc[:, 4] = 0.9 + 0.01 * rng.standard_normal(n)
+    sc[:, 5] = 1.0 / rate
+    sc[:, 6] = 0.0
+    sc[:, 7] = 3e-4
+    layers = 1.0 + 0.01 * rng.standard_normal((n, len(LAYER_METRICS) * N_LAYERS))
+    gfp = (step * 0x9E3779B97F4A7C15) & 0xFFFF_FFFF_FFFF_FFFF
+    fps = {"grad_fp": gfp}
+    if step % 50 == 0:
+        fps["param_fp"] = (gfp ^ 0xABCDEF) & 0xFFFF_FFFF_FFFF_FFFF
+    return sc, layers, fps
+
+
+class V1Sender:
+    """Sends a step as :class:`~sdcwatch.core.record.Record` objects through the emitters'
+    :class:`~sdcwatch.telemetry.KafkaTransport` (256 records a message)."""
+
+    def __init__(self, a: argparse.Namespace) -> None:
+        from sdcwatch.telemetry import KafkaTransport
+
+        self.a = a
+        self.transport = KafkaTransport(
+            a.bootstrap,
+            a.topic,
+            partitions=a.partitions,
+            linger_ms=5,
+            flush_timeout=30.0,
+            request_timeout_ms=10_000,
+            delivery_timeout_ms=30_000,
+        )
+        self.transport.send([])  # connect (and create the topic) before the clock starts
+
+    def send(self, step: int, ranks: np.ndarray, sc: np.ndarray, layers: np.ndarray, fps: dict, now: float) -> None:
+        from sdcwatch.core.record import Record
+
+        per = layers.reshape(len(ranks), len(LAYER_METRICS), N_LAYERS)
+        records = [
+            Record(
+                RUN,
+                step,
+                r,
+                self.a.world,
+                f"node{r // 8}",
+                now,
+                r % 8,
+                dict(zip(SCALARS, sc[i].tolist())),
+                dict(fps),
+                {m: per[i, j].tolist() for j, m in enumerate(LAYER_METRICS)},
+            )
+            for i, r in enumerate(ranks.tolist())
+        ]
+        self.transport.send(records)
+
+    def close(self) -> None:
+        self.transport.close()
+
+
+class V2Sender:
+    """Sends a step as v2 rows packed straight from the arrays, ``per_message`` ranks a message,
+    keyed like the emitters' records (run and 16-step window); the schema rides in the first
+    message of each key."""
+
+    def __init__(self, a: argparse.Namespace) -> None:
+        from kafka import KafkaProducer
+
+        from sdcwatch.core.columnar import schema_for
+        from sdcwatch.telemetry.transports import ensure_topic
+
+        self.a = a
+        layers = [(m, N_LAYERS) for m in LAYER_METRICS]
+        self.schemas = {
+            fp_names: schema_for(SCALARS, fp_names, layers) for fp_names in (("grad_fp",), ("grad_fp", "param_fp"))
+        }
+        ensure_topic(a.bootstrap, a.topic, a.partitions)
+        self.producer = KafkaProducer(
+            bootstrap_servers=a.bootstrap.split(","), linger_ms=5, acks=1, max_request_size=16 << 20, batch_size=1 << 20
+        )
+        self.producer.partitions_for(a.topic)
+        self.sent_keys: set = set()
+
+    def send(self, step: int, ranks: np.ndarray, sc: np.ndarray, layers: np.ndarray, fps: dict, now: float) -> None:
+        from sdcwatch.core.columnar import encode_rows
+        from sdcwatch.telemetry.transports import KEY_WINDOW
+
+        a, n = self.a, len(ranks)
+        sch = self.schemas[tuple(fps)]
+        rows = np.zeros(n, sch.dtype)
+        rows["step"] = step
+        rows["rank"] = ranks
+        rows["world"] = a.world
+        rows["local_rank"] = ranks % 8
+        rows["time"] = now
+        rows["scalars"] = sc
+        rows["fingerprints"] = list(fps.values())
+        rows["layers"] = layers
+        hosts_of = ranks // 8
+        key = f"{RUN}/{step // KEY_WINDOW}".encode()
+        futures = []
+        for i in range(0, n, a.per_message):
+            part = rows[i : i + a.per_message]
+            h0 = int(hosts_of[i])
+            part["host"] = hosts_of[i : i + a.per_message] - h0
+            hosts = [f"node{h}" for h in range(h0, int(hosts_of[min(i + a.per_message, n) - 1]) + 1)]
+            first = (key, sch.id) not in self.sent_keys
+            self.sent_keys.add((key, sch.id))
+            value = encode_rows(sch, RUN, hosts, part.tobytes(), len(part), with_schema=first)
+            futures.append(self.producer.send(a.topic, key=key, value=value))
+        self.producer.flush(timeout=30)
+        failed = sum(1 for f in futures if not f.succeeded())
+        if failed:
+            raise RuntimeError(f"the broker did not confirm {failed} messages at step {step}")
+
+    def close(self) -> None:
+        self.producer.close()
+
 
 def produce(argv: list[str]) -> int:
-    """One producer process: ranks [lo, hi) of ``world``, ``steps`` steps at ``rate`` steps/s from ``t0``."""
+    """One producer process: ranks [lo, hi) of ``world``, ``steps`` steps at ``rate`` steps/s from
+    the ``t0`` the parent writes to stdin; prints one JSON line of what it did."""
     ap = argparse.ArgumentParser()
     for name, typ in (
         ("--bootstrap", str),
@@ -80,182 +207,39 @@ def produce(argv: list[str]) -> int:
         ap.add_argument(name, type=typ, required=True)
     a = ap.parse_args(argv)
     logging.getLogger("kafka").setLevel(logging.CRITICAL)
-    if a.wire == "v2":
-        return produce_v2(a)
-    from sdcwatch.telemetry import KafkaTransport
-    from sdcwatch.core.record import Record
-
-    transport = KafkaTransport(
-        a.bootstrap,
-        a.topic,
-        partitions=a.partitions,
-        linger_ms=5,
-        flush_timeout=30.0,
-        request_timeout_ms=10_000,
-        delivery_timeout_ms=30_000,
-    )
-    transport.send([])  # connect (and create the topic) before the clock starts
+    sender = V2Sender(a) if a.wire == "v2" else V1Sender(a)
     print("ready", flush=True)
-    a.t0 = float(sys.stdin.readline())  # the parent starts every producer's clock together
+    t0 = float(sys.stdin.readline())  # the parent starts every producer's clock together
     rng = np.random.default_rng(a.lo)
-    ranks = range(a.lo, a.hi)
-    n = a.hi - a.lo
-    fault_times: dict[int, float] = {}
-    send_seconds = []
-    behind = 0
-    for step in range(a.steps):
-        due = a.t0 + step / a.rate
-        wait = due - time.time()
-        if wait > 0:
-            time.sleep(wait)
-        else:
-            behind += 1
-        base = 2.0 + 0.5 * math.exp(-step / 500)
-        loss = base + 0.05 * rng.standard_normal(n)
-        gnl = 1.0 + 0.1 * rng.standard_normal(n)
-        cos = 0.9 + 0.01 * rng.standard_normal(n)
-        layer = 1.0 + 0.01 * rng.standard_normal((n, len(LAYER_METRICS), N_LAYERS))
-        gfp = (step * 0x9E3779B97F4A7C15) & 0xFFFF_FFFF_FFFF_FFFF
-        fps = {"grad_fp": gfp}
-        if step % 50 == 0:
-            fps["param_fp"] = (gfp ^ 0xABCDEF) & 0xFFFF_FFFF_FFFF_FFFF
-        bad = fault_rank(step, a.world) if a.fault_every and step and step % a.fault_every == 0 else -1
-        now = time.time()
-        records = []
-        for i, r in enumerate(ranks):
-            scalars = {
-                "loss": float(loss[i]) if r != bad else float("nan"),
-                "loss_global": base,
-                "grad_norm_local": float(gnl[i]),
-                "grad_norm_global": 1.0,
-                "grad_cosine": float(cos[i]),
-                "step_time": 1.0 / a.rate,
-                "nonfinite": 0.0 if r != bad else 1.0,
-                "lr": 3e-4,
-            }
-            lay = {m: layer[i, j].tolist() for j, m in enumerate(LAYER_METRICS)}
-            records.append(Record(RUN, step, r, a.world, f"node{r // 8}", now, r % 8, scalars, dict(fps), lay))
-        if bad >= 0:  # every producer notes when it built this step: the step is whole only at the last one
-            fault_times[step] = [now, a.lo <= bad < a.hi]
-        t_send = time.perf_counter()
-        transport.send(records)
-        send_seconds.append(time.perf_counter() - t_send)
-    transport.close()
-    elapsed = time.time() - a.t0
-    print(
-        json.dumps(
-            {
-                "lo": a.lo,
-                "hi": a.hi,
-                "steps": a.steps,
-                "elapsed": elapsed,
-                "steps_behind_schedule": behind,
-                "send_seconds_p50": float(np.median(send_seconds)),
-                "fault_times": fault_times,
-            }
-        )
-    )
-    return 0
-
-
-def produce_v2(a: argparse.Namespace) -> int:
-    """A producer that holds many ranks: v2 rows packed from numpy arrays, ``per_message`` ranks a message."""
-    from kafka import KafkaProducer
-
-    from sdcwatch.core.columnar import encode_rows, schema_for
-    from sdcwatch.telemetry.transports import KEY_WINDOW, ensure_topic
-
-    scalar_names = (
-        "loss",
-        "loss_global",
-        "grad_norm_local",
-        "grad_norm_global",
-        "grad_cosine",
-        "step_time",
-        "nonfinite",
-        "lr",
-    )
-    with_param = schema_for(scalar_names, ("grad_fp", "param_fp"), [(m, N_LAYERS) for m in LAYER_METRICS])
-    without = schema_for(scalar_names, ("grad_fp",), [(m, N_LAYERS) for m in LAYER_METRICS])
-    ensure_topic(a.bootstrap, a.topic, a.partitions)
-    producer = KafkaProducer(
-        bootstrap_servers=a.bootstrap.split(","), linger_ms=5, acks=1, max_request_size=16 << 20, batch_size=1 << 20
-    )
-    producer.partitions_for(a.topic)
-    print("ready", flush=True)
-    a.t0 = float(sys.stdin.readline())
-    rng = np.random.default_rng(a.lo)
-    n = a.hi - a.lo
     ranks = np.arange(a.lo, a.hi)
-    hosts_of = ranks // 8
     fault_times: dict[int, list] = {}
     send_seconds = []
     behind = 0
-    sent_keys: set = set()
     for step in range(a.steps):
-        due = a.t0 + step / a.rate
-        wait = due - time.time()
+        wait = t0 + step / a.rate - time.time()
         if wait > 0:
             time.sleep(wait)
         else:
             behind += 1
-        t_send = time.perf_counter()
-        base = 2.0 + 0.5 * math.exp(-step / 500)
-        sch = with_param if step % 50 == 0 else without
-        rows = np.zeros(n, sch.dtype)
-        rows["step"] = step
-        rows["rank"] = ranks
-        rows["world"] = a.world
-        rows["local_rank"] = ranks % 8
         now = time.time()
-        rows["time"] = now
-        sc = rows["scalars"]
-        sc[:, 0] = base + 0.05 * rng.standard_normal(n)
-        sc[:, 1] = base
-        sc[:, 2] = 1.0 + 0.1 * rng.standard_normal(n)
-        sc[:, 3] = 1.0
-        sc[:, 4] = 0.9 + 0.01 * rng.standard_normal(n)
-        sc[:, 5] = 1.0 / a.rate
-        sc[:, 7] = 3e-4
-        gfp = (step * 0x9E3779B97F4A7C15) & 0xFFFF_FFFF_FFFF_FFFF
-        rows["fingerprints"][:, 0] = gfp
-        if sch is with_param:
-            rows["fingerprints"][:, 1] = (gfp ^ 0xABCDEF) & 0xFFFF_FFFF_FFFF_FFFF
-        rows["layers"] = (1.0 + 0.01 * rng.standard_normal((n, len(LAYER_METRICS) * N_LAYERS))).astype(np.float32)
+        sc, layers, fps = synthetic_step(rng, step, len(ranks), a.rate)
         bad = fault_rank(step, a.world) if a.fault_every and step and step % a.fault_every == 0 else -1
         if a.lo <= bad < a.hi:
-            sc[bad - a.lo, 0] = np.nan
-            sc[bad - a.lo, 6] = 1.0
-        if bad >= 0:
+            sc[bad - a.lo, SCALARS.index("loss")] = np.nan
+            sc[bad - a.lo, SCALARS.index("nonfinite")] = 1.0
+        if bad >= 0:  # every producer notes when it built this step: the step is whole only at the last one
             fault_times[step] = [now, a.lo <= bad < a.hi]
-        key = f"{RUN}/{step // KEY_WINDOW}".encode()
-        futures = []
-        for i in range(0, n, a.per_message):
-            part = rows[i : i + a.per_message]
-            h0 = int(hosts_of[i])
-            part["host"] = hosts_of[i : i + a.per_message] - h0
-            hosts = [f"node{h}" for h in range(h0, int(hosts_of[min(i + a.per_message, n) - 1]) + 1)]
-            first = (key, sch.id) not in sent_keys
-            sent_keys.add((key, sch.id))
-            futures.append(
-                producer.send(
-                    a.topic, key=key, value=encode_rows(sch, RUN, hosts, part.tobytes(), len(part), with_schema=first)
-                )
-            )
-        producer.flush(timeout=30)
-        failed = sum(1 for f in futures if not f.succeeded())
-        if failed:
-            raise RuntimeError(f"the broker did not confirm {failed} messages at step {step}")
+        t_send = time.perf_counter()
+        sender.send(step, ranks, sc, layers, fps, now)
         send_seconds.append(time.perf_counter() - t_send)
-    producer.close()
-    elapsed = time.time() - a.t0
+    sender.close()
     print(
         json.dumps(
             {
                 "lo": a.lo,
                 "hi": a.hi,
                 "steps": a.steps,
-                "elapsed": elapsed,
+                "elapsed": time.time() - t0,
                 "steps_behind_schedule": behind,
                 "send_seconds_p50": float(np.median(send_seconds)),
                 "fault_times": fault_times,

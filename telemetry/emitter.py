@@ -303,6 +303,7 @@ class Emitter:
         left = len(self._queue) + len(self._inflight)
         if left:
             self.dropped += left
+            self._taken -= len(self._inflight)  # counted as dropped now, not as taken
             self._queue.clear()
             self._inflight = []
             log.warning(

@@ -82,7 +82,7 @@ def test_closed_emitter_drops_and_counts():
     em = make(bus)
     em.close()
     em.emit(1, loss=1.0)
-    assert em.dropped == 1 and em.sent == 0
+    assert em.dropped == 1 and em.sent == 0 and em.emitted == 1
 
 
 def test_close_with_bus_down_counts_unsent_as_dropped():
@@ -95,6 +95,7 @@ def test_close_with_bus_down_counts_unsent_as_dropped():
     em.close(timeout=0.3)
     assert time.monotonic() - t0 < 6
     assert em.dropped == 20 and em.sent == 0
+    assert em.emitted == 20  # the batch the sender held counts once, as dropped
 
 
 def test_identity_from_torch_environment():
