@@ -1,6 +1,6 @@
 """The scale-out split: what a step summary costs and saves, and what sparse summaries cost in detection.
 
-    .venv/bin/python bench/bench_split.py [--ranks 1024 16384] [--out results/split.json]
+    .venv/bin/python bench/bench_split.py [--ranks 1024 16384] [--wire v2|v1] [--out results/split.json]
 
 Side by side in one process, step by step on the same frames (the machine is shared; ratios
 taken in one run are what to read):
@@ -38,58 +38,45 @@ import numpy as np  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_detectors import LAYERS, SCALARS, make_frames  # noqa: E402
 
-from sdcwatch.detectors import StepAligner  # noqa: E402
-from sdcwatch.core.record import decode_message, encode_batch  # noqa: E402
-
-from sdcwatch.detectors import DetectionPipeline  # noqa: E402
+from sdcwatch.detectors import DetectionPipeline, StepAligner  # noqa: E402
 from sdcwatch.detectors.summary import decode_summary, encode_summary  # noqa: E402
-from sdcwatch.core.record import Record, encode  # noqa: E402
 
 
-def step_records(frame) -> list[Record]:
-    return [
-        Record(
-            frame.run,
-            frame.step,
-            r,
-            frame.world,
-            frame.hosts[r],
-            1e9,
-            r % 8,
-            dict(zip(SCALARS, frame.scalars[r].tolist())),
-            {n: int(v) for n, v in zip(frame.fp_names, frame.fingerprints[r])},
-            {n: tuple(frame.layers[r, i].tolist()) for i, n in enumerate(LAYERS)},
-        )
-        for r in range(frame.world)
-    ]
+def bench_ingest(world: int, n_layers: int, wire: str = "v2", steps: int = 3) -> dict:
+    """CPU per step of what comes before the detectors: decoding the bus messages with the
+    service's decoder (256 records a message, as ``sdcwatch bench ingest``) and aligning the records
+    into a frame; ``wire`` is the format the ranks send (v2, the emitter's default, or v1)."""
+    from bench_ingest import messages_v1, messages_v2, step_arrays
 
+    from sdcwatch.detectors.ingest import IngestDecoder
 
-def bench_ingest(world: int, n_layers: int, steps: int = 3) -> dict:
-    """CPU per step of what comes before the detectors: decoding the bus messages (256 records
-    each, as the emitters batch them) and aligning the records into a frame."""
-    frames = make_frames(world, n_layers, steps, seed=42)
-    messages = []
-    for i, fr in enumerate(frames):
-        fr.step = i
-        recs = step_records(fr)
-        messages.append([encode_batch(recs[j : j + 256]) for j in range(0, world, 256)])
-    al = StepAligner(timeout=1e9)
+    decoder = IngestDecoder()
+    al = StepAligner(timeout=1e9, reorder_grace=1e9)
     decode_cpu = align_cpu = 0.0
-    for msgs in messages:
+    nbytes = 0
+    for step in range(steps + 1):  # the first step learns the schema and allocates: not timed
+        a = step_arrays(world, n_layers, step)
+        if wire == "v2":
+            msgs = messages_v2("bench", world, a, 256, n_layers, first=step == 0)
+        else:
+            msgs = messages_v1("bench", world, a, 256)
         c0 = time.process_time()
-        recs = [r for m in msgs for r in decode_message(m)]
+        items, rejected = decoder.decode([("bench/0/0", b"k", m) for m in msgs])
         c1 = time.process_time()
-        assert len(al.add(recs)) == 1
-        align_cpu += time.process_time() - c1
-        decode_cpu += c1 - c0
+        assert not rejected and len(al.add(items)) == 1, rejected[:1]
+        if step:
+            align_cpu += time.process_time() - c1
+            decode_cpu += c1 - c0
+            nbytes += sum(map(len, msgs))
     return {
+        "wire": wire,
         "decode_ms_per_step": 1e3 * decode_cpu / steps,
         "align_ms_per_step": 1e3 * align_cpu / steps,
-        "record_bytes_per_step": sum(len(encode(r)) for r in step_records(frames[0])),
+        "record_bytes_per_step": nbytes / steps,
     }
 
 
-def bench_costs(world: int, n_layers: int, steps: int) -> dict:
+def bench_costs(world: int, n_layers: int, steps: int, wire: str = "v2") -> dict:
     both, spatial, temporal = (DetectionPipeline(stage=r) for r in ("both", "spatial", "temporal"))
     cpu = {"both": 0.0, "spatial": 0.0, "temporal": 0.0}
     sizes = []
@@ -112,7 +99,7 @@ def bench_costs(world: int, n_layers: int, steps: int) -> dict:
             sizes.append(len(blob))
             n += 1
     values = world * (len(SCALARS) + len(LAYERS) * n_layers)
-    ingest = bench_ingest(world, n_layers)
+    ingest = bench_ingest(world, n_layers, wire)
     raw = ingest["record_bytes_per_step"]
     detect_ms = {k: 1e3 * v / n for k, v in cpu.items()}
     front = ingest["decode_ms_per_step"] + ingest["align_ms_per_step"]  # both and spatial read the records
@@ -180,6 +167,9 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=20, help="timed steps per world size")
     ap.add_argument("--detect-ranks", type=int, default=256, help="world size of the detection part")
     ap.add_argument("--seeds", type=int, default=5)
+    ap.add_argument(
+        "--wire", choices=("v2", "v1"), default="v2", help="format of the records the ranks send (default v2)"
+    )
     ap.add_argument("--out", help="write the results as JSON here")
     args = ap.parse_args(argv)
     results = {
@@ -189,11 +179,12 @@ def main(argv=None) -> int:
         "detection": [],
     }
     for world in args.ranks:
-        row = bench_costs(world, args.layers, args.steps)
+        row = bench_costs(world, args.layers, args.steps, args.wire)
         results["costs"].append(row)
         ms, dm, ing = row["cpu_ms_per_step"], row["detect_cpu_ms_per_step"], row["ingest"]
         print(
-            f"{world:>6} ranks x {row['metrics']} metrics: CPU ms/step (decode {ing['decode_ms_per_step']:.0f} + "
+            f"{world:>6} ranks x {row['metrics']} metrics, wire {ing['wire']}: CPU ms/step (decode "
+            f"{ing['decode_ms_per_step']:.0f} + "
             f"align {ing['align_ms_per_step']:.0f} + detectors) one process {ms['both']:.0f} "
             f"(detectors {dm['both']:.1f}), spatial {ms['spatial']:.0f} (detectors and summary {dm['spatial']:.1f}), "
             f"temporal {ms['temporal']:.2f} -> one temporal keeps up with "

@@ -280,6 +280,7 @@ def test_split_benchmark_reports_costs_sizes_and_detection(tmp_path):
     res = json.loads(out.read_text())
     (cost,) = res["costs"]
     assert cost["ranks"] == 512 and cost["metrics"] == 32
+    assert cost["ingest"]["wire"] == "v2"  # the records as the emitter sends them by default
     assert cost["bytes_ratio"] > 20  # a summary is far smaller than the records of its step
     assert cost["cpu_ms_per_step"]["temporal"] < cost["cpu_ms_per_step"]["spatial"]
     assert cost["incidents_on_clean_stream"] == {"both": 0, "split": 0}
