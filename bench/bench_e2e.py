@@ -465,10 +465,13 @@ def run_scale(
     latencies = sorted(opened[s] - t for s, t in fault_times.items() if s in opened)
     from_whole = sorted(opened[s] - step_built[s] for s in fault_times if s in opened)
     produce_seconds = max(st["elapsed"] for st in stats)
-    # service rate while producing, from the sample taken when the first step closed to the end of producing
+    # service rate while producing: from the sample taken when the first step closed to the first
+    # sample that shows the most steps closed before the producers ended (not to their exit: the
+    # producer processes' shutdown is not the service's time)
     during = [s for s in samples if s["t"] <= producing_end - t0 + 1e-6]
     first = next((s for s in during if s["steps"] > 0), None)
-    last = during[-1] if during else None
+    most = max((s["steps"] for s in during), default=0)
+    last = next((s for s in during if s["steps"] == most), None)
     processed_rate = None
     if first is not None and last is not None and last["t"] > first["t"]:
         processed_rate = (last["steps"] - first["steps"]) / (last["t"] - first["t"])
