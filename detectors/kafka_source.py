@@ -91,6 +91,7 @@ class KafkaSource(_DeadLetterCounts):
         self.schemas = self.ingest.registry
         self.queue_records = queue_records
         self.gaps = OffsetGaps(gap_wait_s)  # partition offsets that skip ahead: re-fetched first
+        self._positioned: set = set()  # partitions whose fetch position was asked since their assignment
         self.records = 0
         self.dead_letters = 0
         self.dead_letter_reasons: dict[str, int] = {}
@@ -275,17 +276,24 @@ class KafkaSource(_DeadLetterCounts):
             self._refresh_lag()
 
     def _learn_positions(self, parts: Any) -> None:
-        """The fetch position of each newly assigned partition: where its first message must be."""
+        """The fetch position of each newly assigned partition: where its first message must be.
+
+        Asked once per assignment, briefly (the reader must keep polling to stay in its group);
+        a partition whose position is not known then starts from its first message read.
+        """
         self.gaps.keep_only(parts)
+        self._positioned &= set(parts)
         for tp in parts:
-            if not self.gaps.knows(tp):
-                try:
-                    position = self._consumer.position(tp, timeout_ms=5000)
-                except Exception as exc:  # then the first message read sets it
-                    log.debug("position of %s unknown: %s", tp, exc)
-                    continue
-                if position is not None:
-                    self.gaps.expect(tp, position)
+            if tp in self._positioned:
+                continue
+            self._positioned.add(tp)
+            try:
+                position = self._consumer.position(tp, timeout_ms=1000)
+            except Exception as exc:
+                log.debug("position of %s unknown: %s", tp, exc)
+                continue
+            if position is not None:
+                self.gaps.expect(tp, position)
 
     def _hold_at_gaps(self, batches: dict) -> dict:
         """``batches`` up to the first young offset gap of each partition; the consumer goes back to it."""
@@ -301,6 +309,10 @@ class KafkaSource(_DeadLetterCounts):
         if self._had_partitions:  # the first join is not a rebalance
             self.rebalances += 1
         self._assignment = parts
+        # positions after a rebalance are the group's committed offsets, not where this member
+        # stopped: learn them afresh
+        self.gaps.keep_only(())
+        self._positioned.clear()
         self.partitions = len(parts)
         if parts:
             self._had_partitions = True
