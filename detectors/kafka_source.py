@@ -27,8 +27,8 @@ from sdcwatch.detectors.bus import (
     _decode_or_reason,
     dead_letter_value,
 )
-from sdcwatch.detectors.offset_gaps import GAP_WAIT_S, OffsetGaps
 from sdcwatch.detectors.ingest import IngestDecoder, Rejected, SchemaRegistry, count_records
+from sdcwatch.detectors.offset_gaps import GAP_WAIT_S, OffsetGaps
 from sdcwatch.core.limits import RecordLimits
 from sdcwatch.core.record import Record, decode_message, encode
 
@@ -299,7 +299,10 @@ class KafkaSource(_DeadLetterCounts):
         """``batches`` up to the first young offset gap of each partition; the consumer goes back to it."""
         held, seek = self.gaps.hold(batches, time.monotonic())
         for tp, offset in seek.items():
-            self._consumer.seek(tp, offset)
+            try:
+                self._consumer.seek(tp, offset)
+            except Exception as exc:  # revoked meanwhile: its next owner starts from the committed offset
+                log.debug("cannot go back to offset %d of %s: %s", offset, tp, exc)
         return held
 
     def _track_assignment(self) -> None:
