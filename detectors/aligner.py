@@ -5,7 +5,11 @@ record (late or missing ranks are then absent in the frame, and the missing-rank
 over). Frames leave in increasing step order: a complete step waits for earlier open steps (at
 most ``timeout``, or until more than ``max_open`` steps are open); a complete step that does not
 follow the last closed one by the run's usual stride waits ``reorder_grace`` seconds, since an
-earlier step may still be on its way (Kafka partitions are read at different paces). Duplicates (at-least-once
+earlier step may still be on its way (Kafka partitions are read at different paces), and waits
+while :attr:`StepAligner.backlog` says more records are waiting on the bus (up to ``timeout``): a
+service behind the topic reads one partition's window of steps after another's, and a step of the
+window read first would otherwise close ahead of the earlier steps, whose records then came late
+and were dropped. Duplicates (at-least-once
 delivery) and records for steps already closed are counted and dropped. Runs are kept apart; a
 change of world size (elastic training) closes what is open and starts the run's alignment afresh.
 
@@ -102,6 +106,9 @@ class StepAligner:
         self.admit: Callable[[str], bool] = lambda run: True
         self.timeout = float(timeout)
         self.reorder_grace = min(float(reorder_grace), self.timeout)
+        #: set by the reader of the bus: records are waiting there (consumer lag); a complete step
+        #: out of order then waits for the earlier ones up to ``timeout``, not ``reorder_grace``
+        self.backlog = False
         self.max_open = int(max_open)
         self.clock = clock
         self._runs: dict[str, _RunState] = {}
@@ -290,7 +297,7 @@ class StepAligner:
             complete = op.count == st.world
             age = now - op.first_seen
             in_order = step == st.last_closed + st.stride
-            ready = complete and (in_order or age >= self.reorder_grace)
+            ready = complete and (in_order or (age >= self.reorder_grace and not self.backlog))
             if not (ready or age >= self.timeout or force or len(st.open) > self.max_open):
                 break
             del st.open[step]

@@ -110,7 +110,9 @@ class DetectorService:
     def step(self) -> list[IncidentEvent]:
         """One iteration: poll, detect, close late steps, publish; snapshot when it is time."""
         items = self.source.poll(self.poll_timeout)
+        backlog = self._backlog()
         with self._lock:
+            self.pipeline.aligner.backlog = backlog
             if self.pipeline.stage == "temporal":
                 events = self.pipeline.process_summaries(items)
             else:
@@ -182,6 +184,13 @@ class DetectorService:
             registry.restore(json.loads(path.read_text()))
         except (ValueError, OSError, RecordError) as exc:  # a damaged file costs a wait for the schemas
             log.warning("could not read the saved record schemas %s: %s", path, exc)
+
+    def _backlog(self) -> bool:
+        """Whether records are waiting on the bus (the source's last lag; False if it has none)."""
+        try:
+            return int(self.source.lag()) > 0
+        except Exception:
+            return False
 
     def _refresh_lag(self) -> None:
         try:

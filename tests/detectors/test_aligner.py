@@ -90,6 +90,28 @@ def test_a_complete_step_after_a_gap_waits_the_reorder_grace():
     assert [f.step for f in al.add(synth.records(6))] == [6]
 
 
+def test_a_complete_step_out_of_order_waits_for_the_earlier_ones_while_the_bus_has_a_backlog():
+    # a service behind the topic reads the next 16-step window (another partition) before the
+    # rest of this one: the later step must not close ahead of them and make their records late
+    clock = Clock()
+    al = StepAligner(timeout=5.0, reorder_grace=0.5, clock=clock)
+    synth = SyntheticRun(world=2)
+    assert [f.step for f in al.add(synth.records(0))] == [0]
+    al.backlog = True
+    assert al.add(synth.records(16)) == []
+    clock.t = 2.0  # past the grace: still waiting, the earlier steps are on the bus
+    assert al.poll() == []
+    assert [f.step for f in al.add([r for s in range(1, 16) for r in synth.records(s)])] == list(range(1, 17))
+    assert al.late_records == 0
+    assert al.add(synth.records(18)) == []
+    clock.t = 7.1  # the timeout still bounds the wait
+    assert [f.step for f in al.poll()] == [18]
+    al.backlog = False
+    assert al.add(synth.records(23)) == []  # the stride is now 2: 20 was next
+    clock.t = 7.7  # no backlog: the grace applies again
+    assert [f.step for f in al.poll()] == [23]
+
+
 def test_too_many_open_steps_force_the_oldest_out():
     al = StepAligner(timeout=100.0, max_open=3, clock=Clock())
     synth = SyntheticRun(world=2)
