@@ -230,6 +230,8 @@ def test_serve_with_guard_actions_publishes_decisions_to_the_control_topic(boots
 def test_schema_wait_from_the_environment_holds_a_v2_message_and_shows_it_on_metrics(bootstrap, tmp_path):
     """``SDCWATCH_DETECTORS_SCHEMA_WAIT_S``: a v2 message whose schema has not come yet waits that
     long (here past the 2 s default), counted by the waiting gauge, and decodes once its schema comes."""
+    import time
+
     import numpy as np
     from kafka import KafkaProducer
 
@@ -237,6 +239,7 @@ def test_schema_wait_from_the_environment_holds_a_v2_message_and_shows_it_on_met
     from sdcwatch.core.columnar import encode_rows, schema_for
     from sdcwatch.exporters.collector import SdcwatchCollector
     from sdcwatch.serve import build_service
+    from sdcwatch.telemetry.transports import ensure_topic
 
     topic = f"t.{uuid.uuid4().hex[:8]}"
     cfg = load_config(
@@ -246,9 +249,14 @@ def test_schema_wait_from_the_environment_holds_a_v2_message_and_shows_it_on_met
             "state.dir": str(tmp_path / "s"),
             "alerts.log": False,
         },
-        env={"SDCWATCH_DETECTORS_SCHEMA_WAIT_S": "30", "SDCWATCH_BUS_TELEMETRY_TOPIC": topic},
+        env={
+            "SDCWATCH_DETECTORS_SCHEMA_WAIT_S": "30",
+            "SDCWATCH_BUS_TELEMETRY_TOPIC": topic,
+            "SDCWATCH_BUS_GROUP": f"g-{uuid.uuid4().hex[:8]}",  # not the group other tests' services left
+        },
     )
     assert cfg.detectors.schema_wait_s == 30.0
+    ensure_topic(bootstrap, topic, 1)
     service, _ = build_service(cfg, sinks=[])
     schema = schema_for(("loss",), (), [])
 
@@ -262,8 +270,11 @@ def test_schema_wait_from_the_environment_holds_a_v2_message_and_shows_it_on_met
         deadline = time.monotonic() + 30
         while not service.source.assigned and time.monotonic() < deadline:
             service.step()
+        assert service.source.assigned
         producer.send(topic, key=b"r/1", value=message(1, with_schema=False)).get(10)
         t0 = time.monotonic()
+        while service.view().pipeline.waiting_for_schema == 0 and time.monotonic() - t0 < 20:
+            service.step()
         while time.monotonic() - t0 < 3.0:  # past the default wait of 2 s
             service.step()
         view = service.view()
