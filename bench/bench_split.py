@@ -46,7 +46,7 @@ def bench_ingest(world: int, n_layers: int, wire: str = "v2", steps: int = 3) ->
     """CPU per step of what comes before the detectors: decoding the bus messages with the
     service's decoder (256 records a message, as ``sdcwatch bench ingest``) and aligning the records
     into a frame; ``wire`` is the format the ranks send (v2, the emitter's default, or v1)."""
-    from bench_ingest import messages_v1, messages_v2, step_arrays
+    from bench_ingest import layout_coords, messages_v1, messages_v2, step_arrays
 
     from sdcwatch.detectors.ingest import IngestDecoder
 
@@ -56,6 +56,7 @@ def bench_ingest(world: int, n_layers: int, wire: str = "v2", steps: int = 3) ->
     nbytes = 0
     for step in range(steps + 1):  # the first step learns the schema and allocates: not timed
         a = step_arrays(world, n_layers, step)
+        a["coords"] = layout_coords(None, world)  # pure data parallel
         if wire == "v2":
             msgs = messages_v2("bench", world, a, 256, n_layers, first=step == 0)
         else:
