@@ -248,7 +248,7 @@ def test_watch_records_sampled_checksums_and_a_near_inf_in_the_residual_stream_e
         assert (set(GEMM_METRICS) <= set(r["layers"])) == (r["step"] % 2 == 0)  # sampled
         if r["step"] % 2 == 0:
             assert len(r["layers"]["gemm_fwd"]) == len(watch.checksums.names)
-        assert len(r["layers"]["stream_max"]) == 2 and len(r["layers"]["logit_max"]) == 2
+        assert len(r["layers"]["stream_max"]) == 2 and len(r["layers"]["attn_logit_max"]) == 2
     assert rec.records[3]["layers"]["stream_max"][1] >= 1e11
     assert max(rec.records[2]["layers"]["stream_max"]) < 1e3
     assert all(max(r["layers"]["gemm_fwd"]) < 1 for r in rec.records if "gemm_fwd" in r["layers"])
