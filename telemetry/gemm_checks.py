@@ -7,9 +7,10 @@ output's row sums, one matrix-vector product with the input, the input's largest
 backward the output gradient's row sums and norm, one vector-matrix product, the gradient's
 column sums) and keeps their results on the device; the residuals and ratios of every product
 are formed once per step in :meth:`GemmChecks.collect` with stacked operations. On a *scanned*
-step (every step at the default) a hook only sums the product's output (``gemm_out``, one fast
-reduction): a NaN, Inf or near-INF the product wrote shows at its step and product, whichever
-step the checksums sample.
+step (every step at the default) a hook only takes the row sums of the product's output
+(``gemm_out`` is the largest |row sum|, one fast reduction): a NaN, Inf or near-INF the product
+wrote shows at its step and product, whichever step the checksums sample. A row, not the whole
+output, so that the values of a large model's wide outputs never add up to a near-INF.
 """
 
 from __future__ import annotations
@@ -98,9 +99,9 @@ class _Step:
         self.f_k: list[torch.Tensor] = []
         self.f_b: list[torch.Tensor] = []
         self.f_coef: list[float] = []
-        # scanned (not checked) calls: product index, the sum of the output (0-d)
+        # scanned (not checked) calls: product index, the output's row sums
         self.o_idx: list[int] = []
-        self.o_sum: list[torch.Tensor] = []
+        self.o_ys: list[torch.Tensor] = []
         # weights in memory against their sealed sums: product index, difference, bound
         self.w_idx: list[int] = []
         self.w_diff: list[torch.Tensor] = []
@@ -191,10 +192,10 @@ class GemmChecks:
 
     # -- forward ----------------------------------------------------------------------------------
     def _scanned(self, i: int, y: torch.Tensor) -> None:
-        """A scanned step: the sum of the product's output (NaN, Inf or near-INF survive a sum)."""
+        """A scanned step: the row sums of the product's output (a NaN, Inf or near-INF survives)."""
         if isinstance(y, torch.Tensor) and y.is_floating_point() and y.numel():
             self._step.o_idx.append(i)
-            self._step.o_sum.append(y.detach().sum(dtype=torch.float32))
+            self._step.o_ys.append(_sum(y.detach(), -1, torch.float32).reshape(-1))
 
     def _linear_hook(self, i: int, module: nn.Linear, args: tuple, output: Any) -> None:
         if not args:
@@ -414,9 +415,11 @@ class GemmChecks:
             out = None
             if st.o_idx:
                 with torch.no_grad():
-                    (idx,) = self._indices((tuple(st.o_idx),), st.o_sum[0].device)
-                    sums = torch.stack(st.o_sum).abs_()
-                    out = {"gemm_out": torch.zeros(n, device=sums.device).scatter_reduce_(0, idx, sums, "amax")}
+                    idx, lengths = self._indices(
+                        (tuple(st.o_idx), tuple(r.numel() for r in st.o_ys)), st.o_ys[0].device
+                    )
+                    ys = torch.cat(st.o_ys) if len(st.o_ys) > 1 else st.o_ys[0]
+                    out = {"gemm_out": self._largest(ys, lengths, idx, n)}
             self._reset()
             return out
         keep = self.keep_bounds
@@ -429,9 +432,7 @@ class GemmChecks:
             )
             ys = torch.cat(st.f_ys) if len(st.f_ys) > 1 else st.f_ys[0]
             res = ys - (torch.cat(st.f_ref) if len(st.f_ref) > 1 else st.f_ref[0])
-            # the output's sum (gemm_out, as a scanned step reports it) from its row sums
-            sums = torch.segment_reduce(ys, "sum", lengths=lengths).abs_().float()
-            out["gemm_out"] = torch.zeros(n, device=device).scatter_reduce_(0, idx, sums, "amax")
+            out["gemm_out"] = self._largest(ys, lengths, idx, n)  # as a scanned step reports it
             rmax = torch.segment_reduce(res.abs_(), "max", lengths=lengths)
             xm = torch.stack(st.f_xm).float()
             bound = (xm.to(rmax.dtype) * torch.stack(st.f_k) + torch.stack(st.f_b)).mul_(coef).clamp_min_(_TINY)
@@ -445,6 +446,12 @@ class GemmChecks:
             out["gemm_in"] = torch.zeros(n, device=device).scatter_reduce_(0, idx, xm, "amax")
         self._reset()
         return {name: out[name] for name in GEMM_METRICS}
+
+    @staticmethod
+    def _largest(ys: torch.Tensor, lengths: torch.Tensor, idx: torch.Tensor, n: int) -> torch.Tensor:
+        """``gemm_out``: the largest |row sum| of each product's output (NaN kept; 0 where none)."""
+        top = torch.segment_reduce(ys.abs(), "max", lengths=lengths).float()
+        return torch.zeros(n, device=ys.device).scatter_reduce_(0, idx, top, "amax")
 
     def _ratios(
         self,

@@ -86,7 +86,7 @@ GEMM_METRICS = (
     "gemm_bwd",  # largest weight- and bias-gradient residual / bound (0: not checked this step)
     "gemm_weight",  # change of the weights since the optimizer wrote them / rounding bound
     "gemm_in",  # largest |input| of the product: a NaN, Inf or near-INF fed into it shows here
-    "gemm_out",  # |sum of the product's output|, every step: a NaN, Inf or near-INF it wrote shows here
+    "gemm_out",  # largest |row sum| of the product's output, every step: a NaN, Inf or near-INF it wrote shows here
 )
 #: Extreme values outside the products, every step. The largest attention logit is measured every
 #: step too, as ``attn_logit_max`` (one of :data:`LAYER_METRICS`: one definition, whichever probe
