@@ -21,8 +21,9 @@ __all__ = ["FiniteChecks"]
 
 
 class FiniteChecks:
-    """The checksums (:class:`GemmChecks`) and the residual stream (:class:`ResidualStream`) of one
-    watch; either is None when its sampling is 0."""
+    """The checksums (:class:`GemmChecks`, which also scan the products' outputs on the steps they do
+    not check) and the residual stream (:class:`ResidualStream`) of one watch; either is None when
+    its sampling is 0 (the checksums: when both are)."""
 
     def __init__(self, watch: Any, model: nn.Module, *, optimizer: Any = None, external: bool = False) -> None:
         self._watch = watch
@@ -34,7 +35,7 @@ class FiniteChecks:
         # NaN, Inf and near-INF (gemm_out) with the residual stream
         self.checksums = (
             GemmChecks(model, active=lambda: self.due(self.checks_on), scan=lambda: self.due(self.stream_on))
-            if cfg.checksum_every
+            if cfg.checksum_every or cfg.stream_every
             else None
         )
         self.stream = (

@@ -186,6 +186,7 @@ class GemmChecks:
     def _reset(self) -> None:
         self._step = _Step()
         self._weights_seen: set[int] = set()  # products whose weights were compared this step
+        self._judged = (0, 0, 0)  # forward, gradient and weight checks violated() has judged
         # per product: this backward's weight-gradient reference [Σ s X, bound scale, tokens,
         # Σ s, bias bound scale, input roundoff, checks still waiting]
         self._pending: list[list | None] = [None] * len(self.names)
@@ -426,17 +427,8 @@ class GemmChecks:
         device = st.f_ys[0].device
         out = {}
         with torch.no_grad():
-            # forward: max |residual| per call (one segmented reduction), over its bound
-            idx, lengths, coef = self._indices(
-                (tuple(st.f_idx), tuple(r.numel() for r in st.f_ys), tuple(st.f_coef)), device
-            )
-            ys = torch.cat(st.f_ys) if len(st.f_ys) > 1 else st.f_ys[0]
-            res = ys - (torch.cat(st.f_ref) if len(st.f_ref) > 1 else st.f_ref[0])
+            idx, lengths, ys, ratio, bound, xm = self._forward_ratios(st)
             out["gemm_out"] = self._largest(ys, lengths, idx, n)  # as a scanned step reports it
-            rmax = torch.segment_reduce(res.abs_(), "max", lengths=lengths)
-            xm = torch.stack(st.f_xm).float()
-            bound = (xm.to(rmax.dtype) * torch.stack(st.f_k) + torch.stack(st.f_b)).mul_(coef).clamp_min_(_TINY)
-            ratio = (rmax / bound).float()
             out["gemm_fwd"] = torch.zeros(n, device=device).scatter_reduce_(0, idx, ratio, "amax")
             if keep:
                 for c, i in enumerate(st.f_idx):
@@ -446,6 +438,40 @@ class GemmChecks:
             out["gemm_in"] = torch.zeros(n, device=device).scatter_reduce_(0, idx, xm, "amax")
         self._reset()
         return {name: out[name] for name in GEMM_METRICS}
+
+    def _forward_ratios(self, st: _Step, start: int = 0) -> tuple[torch.Tensor, ...]:
+        """(product index, lengths, row sums, ratio, bound, largest |input|) of the forward checks
+        from call ``start`` on: max |residual| per call (one segmented reduction), over its bound."""
+        f_ys, f_ref = st.f_ys[start:], st.f_ref[start:]
+        idx, lengths, coef = self._indices(
+            (tuple(st.f_idx[start:]), tuple(r.numel() for r in f_ys), tuple(st.f_coef[start:])), f_ys[0].device
+        )
+        ys = torch.cat(f_ys) if len(f_ys) > 1 else f_ys[0]
+        res = ys - (torch.cat(f_ref) if len(f_ref) > 1 else f_ref[0])
+        rmax = torch.segment_reduce(res.abs_(), "max", lengths=lengths)
+        xm = torch.stack(st.f_xm[start:]).float()
+        k, b = torch.stack(st.f_k[start:]), torch.stack(st.f_b[start:])
+        bound = (xm.to(rmax.dtype) * k + b).mul_(coef).clamp_min_(_TINY)
+        return idx, lengths, ys, (rmax / bound).float(), bound, xm
+
+    def violated(self, bound: float = 1.0) -> bool:
+        """Whether a product checked since the last call (in this step) passed its rounding bound:
+        a forward, gradient or weight ratio above ``bound``, or NaN. The guard's trigger; it reads
+        the device (one sync), so it is called only where the guard decides, before the update."""
+        st = self._step
+        f0, g0, w0 = self._judged
+        self._judged = (len(st.f_idx), len(st.g_idx), len(st.w_idx))
+        parts = []
+        with torch.no_grad():
+            if len(st.f_idx) > f0:
+                parts.append(self._forward_ratios(st, f0)[3].max())
+            for res, bounds, lo in ((st.g_res, st.g_bound, g0), (st.w_diff, st.w_bound, w0)):
+                if len(res) > lo:
+                    parts.append((torch.stack(res[lo:]) / torch.stack(bounds[lo:])).max().float())
+            if not parts:
+                return False
+            top = float(torch.stack(parts).max()) if len(parts) > 1 else float(parts[0])
+        return not top <= bound  # NaN too
 
     @staticmethod
     def _largest(ys: torch.Tensor, lengths: torch.Tensor, idx: torch.Tensor, n: int) -> torch.Tensor:
