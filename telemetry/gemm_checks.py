@@ -57,6 +57,17 @@ def observe_gemm(
             checks.observe(owner, a, b, c, bias)
 
 
+def _rows(vectors: list[torch.Tensor]) -> torch.Tensor:
+    """The calls' vectors as the rows of one matrix, zero-padded to the longest (a zero never
+    raises a largest |value|): every call is then reduced by one operation."""
+    if len(vectors) == 1:
+        return vectors[0].unsqueeze(0)
+    n = vectors[0].numel()
+    if all(v.numel() == n for v in vectors):
+        return torch.stack(vectors)
+    return torch.nn.utils.rnn.pad_sequence(vectors, batch_first=True)
+
+
 class _Sealed:
     """A weight's reductions taken when the optimizer last wrote it: its column sums (the weight
     check compares against them), and the norms the forward bound needs (so a checked forward
@@ -396,8 +407,7 @@ class GemmChecks:
 
     # -- the step ---------------------------------------------------------------------------------
     def _indices(self, key: tuple, device: torch.device) -> tuple[torch.Tensor, ...]:
-        """Device tensors of this step's per-call bookkeeping (product indices, vector lengths,
-        coefficients); a step calls the layers as the previous one did, so they are cached."""
+        """Device tensors of this step's per-call bookkeeping (product indices, coefficients); a step calls the layers as the previous one did, so they are cached."""
         got = self._index_cache.get(key)
         if got is None:
             if len(self._index_cache) > 64:
@@ -416,19 +426,18 @@ class GemmChecks:
             out = None
             if st.o_idx:
                 with torch.no_grad():
-                    idx, lengths = self._indices(
-                        (tuple(st.o_idx), tuple(r.numel() for r in st.o_ys)), st.o_ys[0].device
-                    )
-                    ys = torch.cat(st.o_ys) if len(st.o_ys) > 1 else st.o_ys[0]
-                    out = {"gemm_out": self._largest(ys, lengths, idx, n)}
+                    (idx,) = self._indices((tuple(st.o_idx),), st.o_ys[0].device)
+                    top = _rows(st.o_ys).abs_().amax(-1).float()
+                    out = {"gemm_out": torch.zeros(n, device=top.device).scatter_reduce_(0, idx, top, "amax")}
             self._reset()
             return out
         keep = self.keep_bounds
         device = st.f_ys[0].device
         out = {}
         with torch.no_grad():
-            idx, lengths, ys, ratio, bound, xm = self._forward_ratios(st)
-            out["gemm_out"] = self._largest(ys, lengths, idx, n)  # as a scanned step reports it
+            idx, top, ratio, bound, xm = self._forward_ratios(st)
+            # gemm_out as a scanned step reports it
+            out["gemm_out"] = torch.zeros(n, device=device).scatter_reduce_(0, idx, top, "amax")
             out["gemm_fwd"] = torch.zeros(n, device=device).scatter_reduce_(0, idx, ratio, "amax")
             if keep:
                 for c, i in enumerate(st.f_idx):
@@ -440,19 +449,17 @@ class GemmChecks:
         return {name: out[name] for name in GEMM_METRICS}
 
     def _forward_ratios(self, st: _Step, start: int = 0) -> tuple[torch.Tensor, ...]:
-        """(product index, lengths, row sums, ratio, bound, largest |input|) of the forward checks
-        from call ``start`` on: max |residual| per call (one segmented reduction), over its bound."""
+        """(product index, largest |row sum|, ratio, bound, largest |input|) of the forward checks
+        from call ``start`` on: the max |residual| of every call at once, over its bound."""
         f_ys, f_ref = st.f_ys[start:], st.f_ref[start:]
-        idx, lengths, coef = self._indices(
-            (tuple(st.f_idx[start:]), tuple(r.numel() for r in f_ys), tuple(st.f_coef[start:])), f_ys[0].device
-        )
-        ys = torch.cat(f_ys) if len(f_ys) > 1 else f_ys[0]
-        res = ys - (torch.cat(f_ref) if len(f_ref) > 1 else f_ref[0])
-        rmax = torch.segment_reduce(res.abs_(), "max", lengths=lengths)
+        idx, coef = self._indices((tuple(st.f_idx[start:]), tuple(st.f_coef[start:])), f_ys[0].device)
+        ys = _rows(f_ys)
+        top = ys.abs().amax(-1).float()
+        rmax = (ys - _rows(f_ref)).abs_().amax(-1)
         xm = torch.stack(st.f_xm[start:]).float()
         k, b = torch.stack(st.f_k[start:]), torch.stack(st.f_b[start:])
         bound = (xm.to(rmax.dtype) * k + b).mul_(coef).clamp_min_(_TINY)
-        return idx, lengths, ys, (rmax / bound).float(), bound, xm
+        return idx, top, (rmax / bound).float(), bound, xm
 
     def violated(self, bound: float = 1.0) -> bool:
         """Whether a product checked since the last call (in this step) passed its rounding bound:
@@ -464,7 +471,7 @@ class GemmChecks:
         parts = []
         with torch.no_grad():
             if len(st.f_idx) > f0:
-                parts.append(self._forward_ratios(st, f0)[3].max())
+                parts.append(self._forward_ratios(st, f0)[2].max())
             for res, bounds, lo in ((st.g_res, st.g_bound, g0), (st.w_diff, st.w_bound, w0)):
                 if len(res) > lo:
                     parts.append((torch.stack(res[lo:]) / torch.stack(bounds[lo:])).max().float())
@@ -472,12 +479,6 @@ class GemmChecks:
                 return False
             top = float(torch.stack(parts).max()) if len(parts) > 1 else float(parts[0])
         return not top <= bound  # NaN too
-
-    @staticmethod
-    def _largest(ys: torch.Tensor, lengths: torch.Tensor, idx: torch.Tensor, n: int) -> torch.Tensor:
-        """``gemm_out``: the largest |row sum| of each product's output (NaN kept; 0 where none)."""
-        top = torch.segment_reduce(ys.abs(), "max", lengths=lengths).float()
-        return torch.zeros(n, device=ys.device).scatter_reduce_(0, idx, top, "amax")
 
     def _ratios(
         self,
