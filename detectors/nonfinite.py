@@ -94,7 +94,7 @@ def _origin_order(hits: list[tuple[int, str, int | None, float]]):
     product whose output is bad while its input is fine made it (``gemm_fwd`` or ``gemm_out``
     without ``gemm_in``), else the first product that received it. Scalars come last."""
     bad_inputs = {(h[0], h[2]) for h in hits if h[1] == "gemm_in"}
-    order = {"stream_max": 0, "attn_logit_max": 0}
+    order = {"stream_max": 0, "attn_logit_max": 0, "attn_logit_min": 0}
     products = {"gemm_in": 5, "gemm_bwd": 6, "gemm_weight": 6}
 
     def key(h: tuple[int, str, int | None, float]) -> tuple:

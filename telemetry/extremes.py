@@ -5,9 +5,11 @@ travels down the residual stream, where the next LayerNorm absorbs it: the loss 
 :class:`ResidualStream` records, on every checked step, the largest |value| of each block's output
 (``stream_max``, one value per block) and the largest logit of each attention layer
 (``attn_logit_max``, the attention statistic of that name, here measured on every step over every
-logit the layer hands over). The products' own outputs are covered by
-:mod:`sdcwatch.telemetry.gemm_checks` (``gemm_out`` every step, ``gemm_fwd`` on checked steps). ``-inf`` is how masked attention slots are written and is
-skipped; NaN and ``+inf`` count.
+logit the layer hands over) and the smallest logit that is not a mask (``attn_logit_min``: a
+near-INF written below zero into the scores acts like a mask, yet it is a fault). The products'
+own outputs are covered by :mod:`sdcwatch.telemetry.gemm_checks` (``gemm_out`` every step,
+``gemm_fwd`` on checked steps). ``-inf``, and the dtype's most negative value that Hugging Face
+adds instead, are how masked attention slots are written and are skipped; NaN and ``+inf`` count.
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ class ResidualStream:
         self._lo: list[torch.Tensor] = []
         self._layer: list[int] = []
         self._logit: list[torch.Tensor] = []
+        self._logit_low: list[torch.Tensor] = []
 
     def _hook(self, i: int) -> Callable:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
@@ -85,10 +88,13 @@ class ResidualStream:
         """The pre-softmax logits of attention layer ``layer`` (masked slots ``-inf``)."""
         if logits.numel() == 0:
             return
-        # the maximum skips masked slots (-inf) and keeps NaN and +inf; a large negative logit acts
-        # as a mask (its softmax weight is 0 either way) and is left out, which halves the cost
+        # the maximum skips masked slots (-inf) and keeps NaN and +inf; the minimum skips them too
+        # (-inf or the dtype's lowest value, which Hugging Face adds as a mask; NaN shows in the max)
+        logits = logits.detach()
         self._layer.append(int(layer))
-        self._logit.append(logits.detach().amax())
+        self._logit.append(logits.amax())
+        lowest = torch.finfo(logits.dtype).min
+        self._logit_low.append(torch.where(logits > lowest, logits, 0.0).amin())
 
     def collect(self, n_attention: int | None = None) -> dict[str, torch.Tensor] | None:
         """This step's values per :data:`STREAM_METRICS` (None if nothing was seen); resets."""
@@ -106,6 +112,8 @@ class ResidualStream:
                 n = self._n_attention if n_attention is None else n_attention
                 n = max(n, max(self._layer) + 1)
                 out["attn_logit_max"] = self._per_index(self._layer, torch.stack(self._logit).float(), n)
+                low = -torch.stack(self._logit_low).float()  # the smallest, as the largest of the negated
+                out["attn_logit_min"] = -self._per_index(self._layer, low, n)
         self._reset()
         return out
 

@@ -93,6 +93,7 @@ GEMM_METRICS = (
 #: measured it).
 STREAM_METRICS = (
     "stream_max",  # largest |value| of each block's output (the residual stream)
+    "attn_logit_min",  # smallest attention logit that is not a mask, every step (a near-INF below zero)
 )
 CHECK_METRICS = GEMM_METRICS + STREAM_METRICS
 #: Check metrics that are ratios to a bound (> 1 is the finding): large finite values are not near-INF.

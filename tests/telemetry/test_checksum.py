@@ -333,3 +333,23 @@ def test_the_largest_logit_is_one_metric_measured_every_step():
         assert len(layers["attn_logit_max"]) == CFG.n_layer  # the largest logit is not
         assert layers["attn_logit_max"][1] == pytest.approx(top, rel=1e-6)  # over every logit
     assert rec.records[2]["layers"]["attn_logit_max"][0] >= 1e11
+
+
+def test_a_near_inf_below_zero_in_the_logits_is_seen_and_a_mask_is_not():
+    # -inf (a causal mask) and the dtype's lowest value (Hugging Face's additive mask) are masks;
+    # a finite -5e10 acts like one downstream, yet it was written by a fault
+    stream = ResidualStream(torch.nn.Module(), n_attention=2)
+    mask = torch.ones(4, 4, dtype=torch.bool).triu(1)
+    clean = torch.randn(2, 2, 4, 4).masked_fill(mask, float("-inf"))
+    hf = torch.randn(2, 2, 4, 4).masked_fill(mask, torch.finfo(torch.float32).min)
+    stream.observe_logits(0, clean)
+    stream.observe_logits(1, hf)
+    got = stream.collect()
+    assert -10 < got["attn_logit_min"][0] < 0 and -10 < got["attn_logit_min"][1] < 0
+    bad = clean.clone()
+    bad[1, 0, 2, 1] = -5e10
+    stream.observe_logits(0, bad)
+    stream.observe_logits(1, hf)
+    got = stream.collect()
+    assert float(got["attn_logit_min"][0]) == pytest.approx(-5e10) and float(got["attn_logit_min"][1]) > -10
+    assert float(got["attn_logit_max"][0]) == float(clean.amax())  # the largest logit is unchanged
