@@ -8,8 +8,9 @@ travels down the residual stream, where the next LayerNorm absorbs it: the loss 
 logit the layer hands over) and the smallest logit that is not a mask (``attn_logit_min``: a
 near-INF written below zero into the scores acts like a mask, yet it is a fault). The products'
 own outputs are covered by :mod:`sdcwatch.telemetry.gemm_checks` (``gemm_out`` every step,
-``gemm_fwd`` on checked steps). ``-inf``, and the dtype's most negative value that Hugging Face
-adds instead, are how masked attention slots are written and are skipped; NaN and ``+inf`` count.
+``gemm_fwd`` on checked steps). ``-inf`` is how masked attention slots are written and is
+skipped (logits masked with the dtype's most negative value instead, as Hugging Face adds, report
+no minimum); NaN and ``+inf`` count.
 """
 
 from __future__ import annotations
@@ -89,12 +90,13 @@ class ResidualStream:
         if logits.numel() == 0:
             return
         # the maximum skips masked slots (-inf) and keeps NaN and +inf; the minimum skips them too
-        # (-inf or the dtype's lowest value, which Hugging Face adds as a mask; NaN shows in the max)
+        # (NaN and +inf show in the maximum). Logits masked with the dtype's lowest value instead
+        # of -inf (as Hugging Face adds) give no minimum: a mask cannot be told from a fault there
         logits = logits.detach()
         self._layer.append(int(layer))
         self._logit.append(logits.amax())
-        lowest = torch.finfo(logits.dtype).min
-        self._logit_low.append(torch.where(logits > lowest, logits, 0.0).amin())
+        low = logits.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0).amin()  # one pass (a select pass is 8x)
+        self._logit_low.append(torch.where(low > torch.finfo(logits.dtype).min / 2, low, torch.zeros_like(low)))
 
     def collect(self, n_attention: int | None = None) -> dict[str, torch.Tensor] | None:
         """This step's values per :data:`STREAM_METRICS` (None if nothing was seen); resets."""
