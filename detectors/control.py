@@ -51,6 +51,12 @@ class ControlPolicy:
     on_nonfinite: str = "none"
     """Non-finite values. The guard's own check already reruns or skips that step, before the
     update; "rollback" here also undoes what reached the weights when no guard acted."""
+    on_checksum_mismatch: str = "none"
+    """A product's checksum above its rounding bound on a rank. As with a non-finite value, the
+    guard's own check (``on_checksum``) already reruns that step before the update; "rollback"
+    here also undoes what reached the weights when no guard checked it."""
+    on_checksum_outlier: str = "none"
+    """One rank's checksum residual far above the other ranks' (under the bound): a warning."""
     on_loss_spike: str = "none"
     """A loss spike on every rank alike: the data or the optimisation, not a rank."""
     on_grad_spike: str = "none"

@@ -27,6 +27,7 @@ _SEVERE = ("rollback", "evict")
 _REASON_TEXT = {
     "nonfinite": "a non-finite loss or gradient",
     "spike": "a loss or gradient spike",
+    "checksum": "a matrix product's checksum above its rounding bound",
     "control": "a decision of the detector service",
     "": "an unstated reason",
 }

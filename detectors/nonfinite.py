@@ -91,17 +91,17 @@ def _origin_order(hits: list[tuple[int, str, int | None, float]]):
     layer (block) it is in: the residual stream or the largest attention logit of the lowest layer,
     else another metric of the lowest layer (``act_max`` last). The ``gemm_*`` metrics are indexed
     by product, not by layer, so they name the origin only when no layer metric went bad: then a
-    product whose output is bad while its input is fine made it (``gemm_fwd`` without
-    ``gemm_in``), else the first product that received it. Scalars come last."""
+    product whose output is bad while its input is fine made it (``gemm_fwd`` or ``gemm_out``
+    without ``gemm_in``), else the first product that received it. Scalars come last."""
     bad_inputs = {(h[0], h[2]) for h in hits if h[1] == "gemm_in"}
-    order = {"stream_max": 0, "logit_max": 0}
+    order = {"stream_max": 0, "attn_logit_max": 0, "attn_logit_min": 0}
     products = {"gemm_in": 5, "gemm_bwd": 6, "gemm_weight": 6}
 
     def key(h: tuple[int, str, int | None, float]) -> tuple:
         rank, metric, layer, _ = h
         if layer is None:
             return (7, 0, False, rank)
-        if metric == "gemm_fwd":
+        if metric in ("gemm_fwd", "gemm_out"):
             return (4 if (rank, layer) not in bad_inputs else 5, layer, False, rank)
         if metric in products:
             return (products[metric], layer, False, rank)

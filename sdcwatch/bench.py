@@ -126,8 +126,9 @@ def _campaign_parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--probes",
         default="default",
-        help="probe configuration of the ranks: default (what attach() ships), every-step, scalars-only, "
-        "or a JSON/TOML file of probe settings; bench/bench_overhead.py --probes takes the same",
+        help="probe configuration of the ranks: default (what attach() ships), checksums (the default "
+        "with the checksums on every step), every-step, scalars-only, or a JSON/TOML file of probe "
+        "settings; bench/bench_overhead.py --probes takes the same",
     )
     ap.add_argument("--classes", nargs="+", help="fault classes of the generator (default: all)")
     ap.add_argument("--out", help="write the JSON result here")

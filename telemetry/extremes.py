@@ -3,10 +3,14 @@
 A NaN, Inf or near-INF value (|x| >= 1e10, ATTNChecker's threshold) written into a block's output
 travels down the residual stream, where the next LayerNorm absorbs it: the loss may never show it.
 :class:`ResidualStream` records, on every checked step, the largest |value| of each block's output
-(``stream_max``, one value per block) and of each attention layer's logits (``logit_max``).
-The products' own inputs and outputs are covered by :mod:`sdcwatch.telemetry.checksum`
-(``gemm_in`` and ``gemm_fwd``). ``-inf`` is how masked attention slots are written and is
-skipped; NaN and ``+inf`` count.
+(``stream_max``, one value per block) and the largest logit of each attention layer
+(``attn_logit_max``, the attention statistic of that name, here measured on every step over every
+logit the layer hands over) and the smallest logit that is not a mask (``attn_logit_min``: a
+near-INF written below zero into the scores acts like a mask, yet it is a fault). The products'
+own outputs are covered by :mod:`sdcwatch.telemetry.gemm_checks` (``gemm_out`` every step,
+``gemm_fwd`` on checked steps). ``-inf`` is how masked attention slots are written and is
+skipped (logits masked with the dtype's most negative value instead, as Hugging Face adds, report
+no minimum); NaN and ``+inf`` count.
 """
 
 from __future__ import annotations
@@ -56,8 +60,14 @@ class ResidualStream:
         self._reset()
 
     def _reset(self) -> None:
-        self._stream: list[torch.Tensor | None] = [None] * len(self.blocks)
-        self._logits: dict[int, torch.Tensor] = {}
+        # per call: block index and the output's largest and smallest value (0-d device tensors);
+        # the -inf mask and the maxima over calls are resolved once per step in collect()
+        self._block: list[int] = []
+        self._hi: list[torch.Tensor] = []
+        self._lo: list[torch.Tensor] = []
+        self._layer: list[int] = []
+        self._logit: list[torch.Tensor] = []
+        self._logit_low: list[torch.Tensor] = []
 
     def _hook(self, i: int) -> Callable:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
@@ -68,9 +78,10 @@ class ResidualStream:
                 out = out[0]  # Hugging Face blocks return (hidden_states, ...)
             if not isinstance(out, torch.Tensor) or not out.is_floating_point() or out.numel() == 0:
                 return
-            m = peak(out)
-            old = self._stream[i]
-            self._stream[i] = m if old is None else torch.maximum(old, m)
+            out = out.detach()
+            self._block.append(i)
+            self._hi.append(out.amax())
+            self._lo.append(out.amin())
 
         return hook
 
@@ -78,29 +89,41 @@ class ResidualStream:
         """The pre-softmax logits of attention layer ``layer`` (masked slots ``-inf``)."""
         if logits.numel() == 0:
             return
-        # the maximum skips masked slots (-inf) and keeps NaN and +inf; a large negative logit acts
-        # as a mask (its softmax weight is 0 either way) and is left out, which halves the cost
-        m = logits.detach().amax().float()
-        old = self._logits.get(layer)
-        self._logits[layer] = m if old is None else torch.maximum(old, m)
+        # the maximum skips masked slots (-inf) and keeps NaN and +inf; the minimum skips them too
+        # (NaN and +inf show in the maximum). Logits masked with the dtype's lowest value instead
+        # of -inf (as Hugging Face adds) give no minimum: a mask cannot be told from a fault there
+        logits = logits.detach()
+        self._layer.append(int(layer))
+        self._logit.append(logits.amax())
+        low = logits.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0).amin()  # one pass (a select pass is 8x)
+        self._logit_low.append(torch.where(low > torch.finfo(logits.dtype).min / 2, low, torch.zeros_like(low)))
 
     def collect(self, n_attention: int | None = None) -> dict[str, torch.Tensor] | None:
         """This step's values per :data:`STREAM_METRICS` (None if nothing was seen); resets."""
-        seen = [t for t in self._stream if t is not None] + list(self._logits.values())
-        if not seen:
+        if not self._block and not self._layer:
             self._reset()
             return None
-        device = seen[0].device
-        zero = torch.zeros((), device=device)
         out = {}
-        if any(t is not None for t in self._stream):
-            out["stream_max"] = torch.stack([zero if t is None else t for t in self._stream])
-        n = self._n_attention if n_attention is None else n_attention
-        if self._logits:
-            n = max(n, max(self._logits) + 1)
-            out["logit_max"] = torch.stack([self._logits.get(i, zero).to(device) for i in range(n)])
+        with torch.no_grad():
+            if self._block:
+                hi, lo = torch.stack(self._hi).float(), torch.stack(self._lo).float()
+                lo_abs = torch.where(lo == float("-inf"), torch.zeros_like(lo), lo.abs())
+                peaks = torch.maximum(hi.abs(), lo_abs)  # NaN in hi or lo survives torch.maximum
+                out["stream_max"] = self._per_index(self._block, peaks, len(self.blocks))
+            if self._layer:
+                n = self._n_attention if n_attention is None else n_attention
+                n = max(n, max(self._layer) + 1)
+                out["attn_logit_max"] = self._per_index(self._layer, torch.stack(self._logit).float(), n)
+                low = -torch.stack(self._logit_low).float()  # the smallest, as the largest of the negated
+                out["attn_logit_min"] = -self._per_index(self._layer, low, n)
         self._reset()
         return out
+
+    @staticmethod
+    def _per_index(index: list[int], values: torch.Tensor, n: int) -> torch.Tensor:
+        """The largest of ``values`` per index in ``range(n)`` (0 where none; NaN kept)."""
+        idx = torch.tensor(index, device=values.device)
+        return torch.zeros(n, device=values.device).scatter_reduce_(0, idx, values, "amax", include_self=False)
 
     def discard(self) -> None:
         self._reset()

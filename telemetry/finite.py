@@ -21,8 +21,9 @@ __all__ = ["FiniteChecks"]
 
 
 class FiniteChecks:
-    """The checksums (:class:`GemmChecks`) and the residual stream (:class:`ResidualStream`) of one
-    watch; either is None when its sampling is 0."""
+    """The checksums (:class:`GemmChecks`, which also scan the products' outputs on the steps they do
+    not check) and the residual stream (:class:`ResidualStream`) of one watch; either is None when
+    its sampling is 0 (the checksums: when both are)."""
 
     def __init__(self, watch: Any, model: nn.Module, *, optimizer: Any = None, external: bool = False) -> None:
         self._watch = watch
@@ -30,7 +31,13 @@ class FiniteChecks:
         # fixed for the step by sync() (under torch.compile a hook reading the step number would
         # recompile at every checked step; two values compile twice, then never again)
         self.checks_on = self.stream_on = False
-        self.checksums = GemmChecks(model, active=lambda: self.due(self.checks_on)) if cfg.checksum_every else None
+        # on the steps the checksums do not check, the products' outputs are still scanned for
+        # NaN, Inf and near-INF (gemm_out) with the residual stream
+        self.checksums = (
+            GemmChecks(model, active=lambda: self.due(self.checks_on), scan=lambda: self.due(self.stream_on))
+            if cfg.checksum_every or cfg.stream_every
+            else None
+        )
         self.stream = (
             ResidualStream(model, active=lambda: self.due(self.stream_on), n_attention=watch.n_layers)
             if cfg.stream_every
@@ -60,7 +67,7 @@ class FiniteChecks:
         self.checks_on = not closed and self._scheduled(cfg.checksum_every)
         self.stream_on = not closed and self._scheduled(cfg.stream_every)
         if self.checksums is not None:
-            self.checksums.hook_forward(self.checks_on)
+            self.checksums.hook_forward(self.checks_on or self.stream_on)
 
     def seal(self) -> None:
         """The weights as the optimizer left them (see :meth:`GemmChecks.seal`), when the next step

@@ -1,11 +1,22 @@
 """The matrix checksums on a model: :class:`GemmChecks` hooks every ``nn.Linear`` (forward, weight
 and bias gradient, weights in memory) and the products modules report with :func:`observe_gemm`;
 the checks and their rounding bounds are :mod:`sdcwatch.telemetry.checksum`'s.
+
+Two depths. On a *checked* step a hook does the reductions that must read the step's tensors (the
+output's row sums, one matrix-vector product with the input, the input's largest |value|; in the
+backward the output gradient's row sums and norm, one vector-matrix product, the gradient's
+column sums) and keeps their results on the device; the residuals and ratios of every product
+are formed once per step in :meth:`GemmChecks.collect` with stacked operations. On a *scanned*
+step (every step at the default) a hook only takes the row sums of the product's output
+(``gemm_out`` is the largest |row sum|, one fast reduction): a NaN, Inf or near-INF the product
+wrote shows at its step and product, whichever step the checksums sample. A row, not the whole
+output, so that the values of a large model's wide outputs never add up to a near-INF.
 """
 
 from __future__ import annotations
 
 import fnmatch
+import functools
 import math
 import weakref
 from typing import Any, Callable
@@ -17,11 +28,8 @@ from sdcwatch.core.names import GEMM_METRICS
 from sdcwatch.telemetry.checksum import (
     _TINY,
     _accumulation_dtype,
-    _forward_ratio,
     _gamma,
-    _grad_reference,
     _input_roundoff,
-    _matmul_ratio,
     _sum,
     abs_max,
     rounding_coefficient,
@@ -49,20 +57,96 @@ def observe_gemm(
             checks.observe(owner, a, b, c, bias)
 
 
+def _rows(vectors: list[torch.Tensor]) -> torch.Tensor:
+    """The calls' vectors as the rows of one matrix, zero-padded to the longest (a zero never
+    raises a largest |value|): every call is then reduced by one operation."""
+    if len(vectors) == 1:
+        return vectors[0].unsqueeze(0)
+    n = vectors[0].numel()
+    if all(v.numel() == n for v in vectors):
+        return torch.stack(vectors)
+    return torch.nn.utils.rnn.pad_sequence(vectors, batch_first=True)
+
+
+class _Sealed:
+    """A weight's reductions taken when the optimizer last wrote it: its column sums (the weight
+    check compares against them), and the norms the forward bound needs (so a checked forward
+    does not read the weight for them again)."""
+
+    __slots__ = ("v", "b_sum", "k", "b_abs", "w_bound", "b_bound", "shard")
+
+    def __init__(self, w: torch.Tensor, b: torch.Tensor | None) -> None:
+        acc = _accumulation_dtype(w.dtype)
+        u = unit_roundoff(acc)
+        # an FSDP2 shard (a DTensor): the rank's own shard is sealed, and checked in the forward
+        # against itself (the forward's all-gathered weight is every rank's)
+        self.shard = (w, b) if _sharded(w) else None
+        if self.shard is not None:
+            w, b = w.to_local(), None if b is None else b.to_local()
+        self.v = _sum(w, 0, acc)  # as the check does: the same bits give the same sum
+        sw = torch.linalg.vector_norm(w, dim=1, dtype=acc).sum()
+        self.k = sw * math.sqrt(w.shape[1])  # Σ||w_j|| x sqrt(n): the forward bound's weight factor
+        self.w_bound = (sw * _gamma(w.shape[0], u)).clamp_min(_TINY)
+        self.b_sum = self.b_abs = self.b_bound = None
+        if isinstance(b, torch.Tensor):
+            self.b_sum = _sum(b, None, acc)
+            self.b_abs = _sum(b.abs(), None, acc)
+            self.b_bound = (self.b_abs * _gamma(b.numel(), u)).clamp_min(_TINY)
+        if self.shard is not None:  # a shard's norms are not the whole weight's the forward bound needs
+            self.k = self.b_abs = None
+
+
+class _Step:
+    """What the hooks measured in one step, as lists of device tensors (one entry per call)."""
+
+    def __init__(self) -> None:
+        # forward checks: product index, residual of the row sums (a vector), largest |input|,
+        # the bound's factor of the input (Σ||w_j|| sqrt(n)) and its constant term (Σ|b|), the
+        # rounding coefficient
+        self.f_idx: list[int] = []
+        self.f_ys: list[torch.Tensor] = []  # row sums of the output
+        self.f_ref: list[torch.Tensor] = []  # what they should be: x (W^T 1) + Σ b
+        self.f_xm: list[torch.Tensor] = []
+        self.f_k: list[torch.Tensor] = []
+        self.f_b: list[torch.Tensor] = []
+        self.f_coef: list[float] = []
+        # scanned (not checked) calls: product index, the output's row sums
+        self.o_idx: list[int] = []
+        self.o_ys: list[torch.Tensor] = []
+        # weights in memory against their sealed sums: product index, difference, bound
+        self.w_idx: list[int] = []
+        self.w_diff: list[torch.Tensor] = []
+        self.w_bound: list[torch.Tensor] = []
+        self.w_names: list[str] = []
+        # gradients: product index, residual (vector for the weight, 0-d for the bias), bound
+        self.g_idx: list[int] = []
+        self.g_res: list[torch.Tensor] = []
+        self.g_bound: list[torch.Tensor] = []
+        self.g_names: list[str] = []
+
+
 class GemmChecks:
     """Checksums of every ``nn.Linear`` of a model (forward, weight and bias gradient, weights),
     plus the custom products reported with :func:`observe_gemm`; one value per product and step.
 
     ``active`` says whether the step in progress is checked (the probes' sampling and enabled
-    flag); hooks cost a function call otherwise. :meth:`collect` returns this step's per-layer
+    flag), ``scan`` whether its products' outputs are summed (``gemm_out``) when it is not;
+    hooks cost a function call otherwise. :meth:`collect` returns this step's per-layer
     ratios (:data:`GEMM_METRICS`) as device tensors and starts the next step. A weight shared with
     another module (tied embeddings) is checked forward only: its gradient is a sum over uses.
     """
 
     def __init__(
-        self, model: nn.Module, *, active: Callable[[], bool] = lambda: True, modules: str = "*", weights: bool = True
+        self,
+        model: nn.Module,
+        *,
+        active: Callable[[], bool] = lambda: True,
+        scan: Callable[[], bool] = lambda: False,
+        modules: str = "*",
+        weights: bool = True,
     ) -> None:
         self.active = active
+        self.scan = scan
         self.names: list[str] = []
         """Names of the checked products, in layer order (the index in the ``gemm_*`` metrics)."""
         self._modules: list[nn.Module] = []
@@ -74,9 +158,10 @@ class GemmChecks:
         """Keep each check's absolute bound of the last step in :attr:`bounds` (fault-injection
         campaigns use it to tell which faults a checksum can see; off in training)."""
         self.bounds: dict[tuple[str, str], torch.Tensor] = {}
-        self._x_max: torch.Tensor | None = None
-        self._sealed_at: list[tuple | None] = []
+        self._sealed_at: list[_Sealed | None] = []
         self._bias_checked: list[bool] = []
+        self._index_cache: dict[tuple, tuple[torch.Tensor, ...]] = {}
+        self._zeros: dict[tuple, torch.Tensor] = {}
         owners: dict[int, int] = {}
         for _, m in model.named_modules():
             for p in m.parameters(recurse=False):
@@ -85,12 +170,12 @@ class GemmChecks:
         for name, m in model.named_modules():
             if isinstance(m, nn.Linear) and any(fnmatch.fnmatchcase(name, g) for g in globs):
                 i = self._add(name, m)
-                self._forward.append((m, self._forward_hook(i)))
+                self._forward.append((m, functools.partial(self._linear_hook, i)))
                 # an FSDP2 shard (a DTensor) is outside the autograd graph: its hook would never fire
                 if m.weight.requires_grad and owners.get(id(m.weight), 0) == 1 and not _sharded(m.weight):
-                    self._handles.append(m.weight.register_hook(self._weight_grad_hook(i)))
+                    self._handles.append(m.weight.register_hook(functools.partial(self._weight_grad_hook, i)))
                     if m.bias is not None and m.bias.requires_grad and owners.get(id(m.bias), 0) == 1:
-                        self._handles.append(m.bias.register_hook(self._bias_grad_hook(i)))
+                        self._handles.append(m.bias.register_hook(functools.partial(self._bias_grad_hook, i)))
                         self._bias_checked[i] = True
         for name, m in model.named_modules():
             _OBSERVERS.setdefault(m, []).append(self)
@@ -110,85 +195,105 @@ class GemmChecks:
         return len(self.names) - 1
 
     def _reset(self) -> None:
-        n = len(self.names)
-        self._fwd: list[torch.Tensor | None] = [None] * n
-        self._bwd: list[torch.Tensor | None] = [None] * n
-        self._wt: list[torch.Tensor | None] = [None] * n
-        self._in: list[torch.Tensor | None] = [None] * n
-        self._pending: list[list | None] = [None] * n  # weight-gradient references of this backward
-
-    @staticmethod
-    def _max(old: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
-        # a NaN must survive the running maximum (torch.maximum propagates it)
-        return new if old is None else torch.maximum(old, new)
+        self._step = _Step()
+        self._weights_seen: set[int] = set()  # products whose weights were compared this step
+        self._judged = (0, 0, 0)  # forward, gradient and weight checks violated() has judged
+        # per product: this backward's weight-gradient reference [Σ s X, bound scale, tokens,
+        # Σ s, bias bound scale, input roundoff, checks still waiting]
+        self._pending: list[list | None] = [None] * len(self.names)
 
     # -- forward ----------------------------------------------------------------------------------
-    def _forward_hook(self, i: int) -> Callable:
-        def hook(module: nn.Linear, args: tuple, output: Any) -> None:
-            if not args or not self.active():
-                return
-            x, y = args[0], output
-            if not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and y.is_floating_point()):
-                return
-            self._check_forward(i, module, x, y)
-            if y.requires_grad and torch.is_grad_enabled() and i < len(self._pending):
-                xd = x.detach()  # autograd keeps x for the weight gradient anyway: no extra memory
-                x_max = self._x_max
-                y.register_hook(lambda dy, i=i, xd=xd, x_max=x_max: self._output_grad(i, xd, dy, x_max))
+    def _scanned(self, i: int, y: torch.Tensor) -> None:
+        """A scanned step: the row sums of the product's output (a NaN, Inf or near-INF survives)."""
+        if isinstance(y, torch.Tensor) and y.is_floating_point() and y.numel():
+            self._step.o_idx.append(i)
+            self._step.o_ys.append(_sum(y.detach(), -1, torch.float32).reshape(-1))
 
-        return hook
+    def _linear_hook(self, i: int, module: nn.Linear, args: tuple, output: Any) -> None:
+        if not args:
+            return
+        if not self.active():
+            if self.scan():
+                self._scanned(i, output)
+            return
+        x, y = args[0], output
+        if not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and y.is_floating_point()):
+            return
+        if x.numel() == 0 or y.numel() == 0:
+            return
+        xm = self._check_forward(i, module, x, y)
+        if y.requires_grad and torch.is_grad_enabled():
+            # autograd keeps x for the weight gradient anyway: no extra memory
+            y.register_hook(functools.partial(self._output_grad, i, x.detach(), xm))
 
-    def _check_forward(self, i: int, module: nn.Linear, x: torch.Tensor, y: torch.Tensor) -> None:
+    def _check_forward(self, i: int, module: nn.Linear, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The forward check's reductions of one call: row sums of ``y`` against ``x (W^T 1) + Σ b``."""
         with torch.no_grad():
             w, b = module.weight, module.bias
             acc = _accumulation_dtype(y.dtype)
+            st = self._step
             v = _sum(w, 0, acc)
-            sw = torch.linalg.vector_norm(w, dim=1, dtype=acc).sum()
-            coef = rounding_coefficient(w.shape[1], w.shape[0], y.dtype, input_roundoff=_input_roundoff(x))
-            ratio, xn, bound = _forward_ratio(x, v, y, sw, b, coef)
-            self._x_max = xn
-            self._fwd[i] = self._max(self._fwd[i], ratio.float())
-            if self.keep_bounds:
-                self.bounds[("gemm_fwd", self.names[i])] = bound
-            self._in[i] = self._max(self._in[i], xn.float())
+            b_sum = _sum(b, None, acc) if b is not None else None
             sealed = self._sealed_at[i]
-            if self._weights and sealed is not None and sealed[2] is not None:
-                # an FSDP2 shard: this rank's own shard of the weight, read where the optimizer wrote it
-                w, b = sealed[2].to_local(), None if sealed[3] is None else sealed[3].to_local()
-                v = _sum(w, 0, acc)
-                sw = torch.linalg.vector_norm(w, dim=1, dtype=acc).sum()
-            if self._weights and sealed is not None and sealed[0].shape == v.shape:
-                # the same reduction of the same bits: any difference is a weight changed in memory
-                bound = (_gamma(w.shape[0], unit_roundoff(acc)) * sw).clamp_min(_TINY)
-                ratio = (v - sealed[0]).abs_().amax() / bound
-                if b is not None and sealed[1] is not None:
-                    b_bound = (_gamma(b.numel(), unit_roundoff(acc)) * _sum(b.abs(), None, acc)).clamp_min(_TINY)
-                    ratio = torch.maximum(ratio, (_sum(b, None, acc) - sealed[1]).abs() / b_bound)
-                    if self.keep_bounds:
-                        self.bounds[("gemm_weight", self.names[i] + ".bias")] = b_bound
-                self._wt[i] = self._max(self._wt[i], ratio.float())
-                if self.keep_bounds:
-                    self.bounds[("gemm_weight", self.names[i] + ".weight")] = bound
+            k = b_abs = None
+            if sealed is not None:
+                vw, bw = v, b_sum  # the weights as this rank holds them: a shard's own under FSDP2
+                if sealed.shard is not None:
+                    sw_, sb_ = sealed.shard
+                    vw = _sum(sw_.to_local(), 0, acc)
+                    bw = None if sb_ is None else _sum(sb_.to_local(), None, acc)
+                else:
+                    k, b_abs = sealed.k, sealed.b_abs
+                if self._weights and i not in self._weights_seen and sealed.v.shape == vw.shape:
+                    # the same reduction of the same bits: any difference is a weight changed in memory
+                    self._weights_seen.add(i)
+                    st.w_idx.append(i)
+                    st.w_diff.append((vw - sealed.v).abs_().amax())
+                    st.w_bound.append(sealed.w_bound)
+                    st.w_names.append(self.names[i] + ".weight")
+                    if bw is not None and sealed.b_sum is not None:
+                        st.w_idx.append(i)
+                        st.w_diff.append((bw - sealed.b_sum).abs())
+                        st.w_bound.append(sealed.b_bound)
+                        st.w_names.append(self.names[i] + ".bias")
+                if sealed.v.shape != v.shape and sealed.shard is None:
+                    k = b_abs = None  # the weight changed shape since it was sealed
+            if k is None:
+                k = torch.linalg.vector_norm(w, dim=1, dtype=acc).sum() * math.sqrt(w.shape[1])
+                b_abs = _sum(b.abs(), None, acc) if b is not None else None
+            ys = _sum(y, -1, acc).reshape(-1)
+            ref = ((x if x.dtype == acc else x.to(acc)) @ v).reshape(-1)
+            if b_sum is not None:
+                ref = ref.add_(b_sum)
+            xm = abs_max(x)
+            st.f_idx.append(i)
+            st.f_ys.append(ys)
+            st.f_ref.append(ref)
+            st.f_xm.append(xm)
+            st.f_k.append(k)
+            st.f_b.append(b_abs if b_abs is not None else self._zero(acc, y.device))
+            st.f_coef.append(rounding_coefficient(w.shape[1], w.shape[0], y.dtype, input_roundoff=_input_roundoff(x)))
+            return xm
+
+    def _zero(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A 0-d zero of ``dtype`` on ``device`` (kept: the bias term of a product without one)."""
+        key = (dtype, str(device))
+        zero = self._zeros.get(key)
+        if zero is None:
+            zero = self._zeros[key] = torch.zeros((), dtype=dtype, device=device)
+        return zero
 
     def seal(self) -> None:
         """Take the weights' column sums as they are now (call right after the optimizer step; the
         probes do): the next forward compares against them. Costs one pass over the weights."""
+        if not self._weights:
+            return
         with torch.no_grad():
             for i, m in enumerate(self._modules):
                 w = getattr(m, "weight", None)
-                if isinstance(w, torch.Tensor) and w.dim() == 2 and self._weights:
-                    acc = _accumulation_dtype(w.dtype)
+                if isinstance(w, torch.Tensor) and w.dim() == 2:
                     b = getattr(m, "bias", None)
-                    b = b if isinstance(b, torch.Tensor) else None
-                    # an FSDP2 shard (a DTensor): the rank's own shard is sealed, and checked in the
-                    # forward against itself (the forward's all-gathered weight is every rank's)
-                    shard = _sharded(w)
-                    self._sealed_at[i] = (
-                        _sum(w.to_local() if shard else w, 0, acc),  # as the check does: same bits, same sum
-                        None if b is None else _sum(b.to_local() if shard else b, None, acc),
-                        w if shard else None,
-                        b if shard else None,
-                    )
+                    self._sealed_at[i] = _Sealed(w, b if isinstance(b, torch.Tensor) else None)
 
     def unseal(self) -> None:
         """Forget the sealed column sums (after weights were changed outside the optimizer, e.g. a
@@ -196,40 +301,48 @@ class GemmChecks:
         self._sealed_at = [None] * len(self._sealed_at)
 
     # -- backward ---------------------------------------------------------------------------------
-    def _output_grad(self, i: int, x: torch.Tensor, dy: torch.Tensor, x_max: torch.Tensor | None) -> None:
+    def _output_grad(self, i: int, x: torch.Tensor, x_max: torch.Tensor, dy: torch.Tensor) -> None:
         """dY of one use of layer i: the expected column sums of its dW (summed over uses)."""
         try:
             with torch.no_grad():
-                ref, xcol, sdy, s_total, tokens = _grad_reference(x, dy, x_max)
-                bias_scale = math.sqrt(tokens) * sdy  # Σ|dY| <= sqrt(N m) ||dY||_F
+                acc = _accumulation_dtype(dy.dtype)
+                n, m = x.shape[-1], dy.shape[-1]
+                x2, dy2 = x.reshape(-1, n), dy.reshape(-1, m)
+                tokens = x2.shape[0]
+                s = _sum(dy2, -1, acc)
+                ref = s @ (x2 if x2.dtype == acc else x2.to(acc))
+                sdy = torch.linalg.vector_norm(dy2, dtype=acc)
+                # max_k ||X_:k|| <= sqrt(N) max|X|; Σ_j ||dY_:j|| <= sqrt(m) ||dY||_F
+                scale = (x_max.to(acc) * sdy).mul_(math.sqrt(tokens) * math.sqrt(m))
+                bias = self._bias_checked[i]
+                s_total = s.sum() if bias else None
+                bias_scale = sdy * math.sqrt(tokens * m) if bias else None  # Σ|dY| <= sqrt(N m) ||dY||_F
                 p = self._pending[i]
                 if p is None:
-                    waiting = {"weight"} | ({"bias"} if self._bias_checked[i] else set())
-                    self._pending[i] = [ref, xcol * sdy, tokens, s_total, bias_scale, _input_roundoff(x), waiting]
+                    waiting = {"weight"} | ({"bias"} if bias else set())
+                    self._pending[i] = [ref, scale, tokens, s_total, bias_scale, _input_roundoff(x), waiting]
                 else:  # the weight is used more than once: its gradient is the sum, so are the checks
                     p[0] = p[0] + ref
-                    p[1] = p[1] + xcol * sdy
+                    p[1] = p[1] + scale
                     p[2] = max(p[2], tokens)
-                    p[3] = p[3] + s_total
-                    p[4] = p[4] + bias_scale
+                    if bias:
+                        p[3] = p[3] + s_total
+                        p[4] = p[4] + bias_scale
         except Exception:  # a shape we do not understand: no check rather than a broken backward
             self._pending[i] = None
 
-    def _weight_grad_hook(self, i: int) -> Callable:
-        def hook(dw: torch.Tensor) -> None:
-            p = self._pending[i] if i < len(self._pending) else None
-            if p is None or dw.dim() != 2 or dw.shape[1] != p[0].shape[0]:
-                return
-            with torch.no_grad():
-                coef = rounding_coefficient(p[2], dw.shape[0], dw.dtype, input_roundoff=p[5])
-                res = (_sum(dw, 0, p[0].dtype) - p[0]).abs_().amax()
-                bound = (coef * p[1]).clamp_min(_TINY)
-                self._bwd[i] = self._max(self._bwd[i], (res / bound).float())
-                if self.keep_bounds:
-                    self.bounds[("gemm_bwd", self.names[i] + ".weight")] = bound
-            self._done(i, "weight")
-
-        return hook
+    def _weight_grad_hook(self, i: int, dw: torch.Tensor) -> None:
+        p = self._pending[i] if i < len(self._pending) else None
+        if p is None or dw.dim() != 2 or dw.shape[1] != p[0].shape[0]:
+            return
+        with torch.no_grad():
+            coef = rounding_coefficient(p[2], dw.shape[0], dw.dtype, input_roundoff=p[5])
+            st = self._step
+            st.g_idx.append(i)
+            st.g_res.append((_sum(dw, 0, p[0].dtype) - p[0]).abs_().amax())
+            st.g_bound.append((p[1] * coef).clamp_min_(_TINY))
+            st.g_names.append(self.names[i] + ".weight")
+        self._done(i, "weight")
 
     def _done(self, i: int, which: str) -> None:
         """The weight's or the bias's gradient was checked; forget the reference once both were
@@ -240,23 +353,20 @@ class GemmChecks:
             if not p[6]:
                 self._pending[i] = None
 
-    def _bias_grad_hook(self, i: int) -> Callable:
-        def hook(db: torch.Tensor) -> None:
-            p = self._pending[i] if i < len(self._pending) else None
-            if p is None:
-                return
-            with torch.no_grad():
-                # Σ db and Σ dY are the same sum in two orders: 2γ_N + γ_m, times Σ|dY| <= sqrt(N) Σ||dY_:j||
-                u = unit_roundoff(_accumulation_dtype(db.dtype))
-                coef = 2 * _gamma(p[2], u) + _gamma(db.numel(), u) + unit_roundoff(db.dtype)
-                res = (_sum(db, None, p[3].dtype) - p[3]).abs()
-                bound = (coef * p[4]).clamp_min(_TINY)
-                self._bwd[i] = self._max(self._bwd[i], (res / bound).float())
-                if self.keep_bounds:
-                    self.bounds[("gemm_bwd", self.names[i] + ".bias")] = bound
-            self._done(i, "bias")
-
-        return hook
+    def _bias_grad_hook(self, i: int, db: torch.Tensor) -> None:
+        p = self._pending[i] if i < len(self._pending) else None
+        if p is None or p[3] is None:
+            return
+        with torch.no_grad():
+            # Σ db and Σ dY are the same sum in two orders: 2γ_N + γ_m, times Σ|dY|
+            u = unit_roundoff(_accumulation_dtype(db.dtype))
+            coef = 2 * _gamma(p[2], u) + _gamma(db.numel(), u) + unit_roundoff(db.dtype)
+            st = self._step
+            st.g_idx.append(i)
+            st.g_res.append((_sum(db, None, p[3].dtype) - p[3]).abs())
+            st.g_bound.append((p[4] * coef).clamp_min_(_TINY))
+            st.g_names.append(self.names[i] + ".bias")
+        self._done(i, "bias")
 
     # -- custom products --------------------------------------------------------------------------
     def _product_hook(self, module: nn.Module, args: tuple, output: Any) -> None:
@@ -267,41 +377,129 @@ class GemmChecks:
         self, owner: nn.Module, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, bias: torch.Tensor | None = None
     ) -> None:
         """A custom product of ``owner`` (see :func:`observe_gemm`); a new owner becomes a new layer."""
-        if not self.active():
+        checked = self.active()
+        if not (checked or self.scan()) or a.numel() == 0 or c.numel() == 0:
             return
         try:
             i = self._modules.index(owner)
         except ValueError:
             i = self._add(self._module_names.get(id(owner), type(owner).__name__), owner)
-            for lst in (self._fwd, self._bwd, self._wt, self._in, self._pending):
-                lst.append(None)
+            self._pending.append(None)
+        if not checked:
+            self._scanned(i, c)
+            return
         with torch.no_grad():
             acc = _accumulation_dtype(c.dtype)
-            coef = rounding_coefficient(b.shape[-2], b.shape[-1], c.dtype, input_roundoff=_input_roundoff(a))
+            n, m = b.shape[-2], b.shape[-1]
             ys = _sum(c, -1, acc)
             ref = ((a if a.dtype == acc else a.to(acc)) @ _sum(b, -1, acc).unsqueeze(-1)).squeeze(-1)
             if bias is not None:
                 ref = ref + _sum(bias, None, acc)
-            ratio, bound = _matmul_ratio(a, b, ys, ref, bias, coef, acc)
-            self._fwd[i] = self._max(self._fwd[i], ratio)
-            self._in[i] = self._max(self._in[i], abs_max(a).float())
-            if self.keep_bounds:
-                self.bounds[("gemm_fwd", self.names[i])] = bound
+            st = self._step
+            st.f_idx.append(i)
+            st.f_ys.append(ys.reshape(-1))
+            st.f_ref.append(ref.reshape(-1))
+            st.f_xm.append(abs_max(a))
+            # ||a_i|| <= sqrt(n) max|a| and Σ_j ||b_:j|| <= m sqrt(n) max|b|
+            st.f_k.append(abs_max(b).to(acc) * (n * m))
+            st.f_b.append(_sum(bias.abs(), None, acc) if bias is not None else self._zero(acc, c.device))
+            st.f_coef.append(rounding_coefficient(n, m, c.dtype, input_roundoff=_input_roundoff(a)))
 
     # -- the step ---------------------------------------------------------------------------------
+    def _indices(self, key: tuple, device: torch.device) -> tuple[torch.Tensor, ...]:
+        """Device tensors of this step's per-call bookkeeping (product indices, coefficients); a step calls the layers as the previous one did, so they are cached."""
+        got = self._index_cache.get(key)
+        if got is None:
+            if len(self._index_cache) > 64:
+                self._index_cache.clear()
+            got = tuple(torch.tensor(part, device=device) for part in key)
+            self._index_cache[key] = got
+        return got
+
     def collect(self) -> dict[str, torch.Tensor] | None:
-        """This step's (n_products,) tensor per :data:`GEMM_METRICS` (None if nothing was checked);
-        resets for the next step. Products not checked this step report 0."""
-        if not any(t is not None for t in self._fwd):
+        """This step's (n_products,) tensor per :data:`GEMM_METRICS` on a checked step, only
+        ``gemm_out`` on a scanned one (None if nothing was seen); resets for the next step.
+        Products not seen this step report 0."""
+        st = self._step
+        n = len(self.names)
+        if not st.f_idx:
+            out = None
+            if st.o_idx:
+                with torch.no_grad():
+                    (idx,) = self._indices((tuple(st.o_idx),), st.o_ys[0].device)
+                    top = _rows(st.o_ys).abs_().amax(-1).float()
+                    out = {"gemm_out": torch.zeros(n, device=top.device).scatter_reduce_(0, idx, top, "amax")}
             self._reset()
-            return None
-        device = next(t for t in self._fwd if t is not None).device
-        zero = torch.zeros((), device=device)
+            return out
+        keep = self.keep_bounds
+        device = st.f_ys[0].device
         out = {}
-        for name, values in zip(GEMM_METRICS, (self._fwd, self._bwd, self._wt, self._in)):
-            out[name] = torch.stack([zero if t is None else t.to(device) for t in values])
+        with torch.no_grad():
+            idx, top, ratio, bound, xm = self._forward_ratios(st)
+            # gemm_out as a scanned step reports it
+            out["gemm_out"] = torch.zeros(n, device=device).scatter_reduce_(0, idx, top, "amax")
+            out["gemm_fwd"] = torch.zeros(n, device=device).scatter_reduce_(0, idx, ratio, "amax")
+            if keep:
+                for c, i in enumerate(st.f_idx):
+                    self.bounds[("gemm_fwd", self.names[i])] = bound[c]
+            out["gemm_bwd"] = self._ratios(st.g_idx, st.g_res, st.g_bound, st.g_names, "gemm_bwd", n, device)
+            out["gemm_weight"] = self._ratios(st.w_idx, st.w_diff, st.w_bound, st.w_names, "gemm_weight", n, device)
+            out["gemm_in"] = torch.zeros(n, device=device).scatter_reduce_(0, idx, xm, "amax")
         self._reset()
-        return out
+        return {name: out[name] for name in GEMM_METRICS}
+
+    def _forward_ratios(self, st: _Step, start: int = 0) -> tuple[torch.Tensor, ...]:
+        """(product index, largest |row sum|, ratio, bound, largest |input|) of the forward checks
+        from call ``start`` on: the max |residual| of every call at once, over its bound."""
+        f_ys, f_ref = st.f_ys[start:], st.f_ref[start:]
+        idx, coef = self._indices((tuple(st.f_idx[start:]), tuple(st.f_coef[start:])), f_ys[0].device)
+        ys = _rows(f_ys)
+        top = ys.abs().amax(-1).float()
+        rmax = (ys - _rows(f_ref)).abs_().amax(-1)
+        xm = torch.stack(st.f_xm[start:]).float()
+        k, b = torch.stack(st.f_k[start:]), torch.stack(st.f_b[start:])
+        bound = (xm.to(rmax.dtype) * k + b).mul_(coef).clamp_min_(_TINY)
+        return idx, top, (rmax / bound).float(), bound, xm
+
+    def violated(self, bound: float = 1.0) -> bool:
+        """Whether a product checked since the last call (in this step) passed its rounding bound:
+        a forward, gradient or weight ratio above ``bound``, or NaN. The guard's trigger; it reads
+        the device (one sync), so it is called only where the guard decides, before the update."""
+        st = self._step
+        f0, g0, w0 = self._judged
+        self._judged = (len(st.f_idx), len(st.g_idx), len(st.w_idx))
+        parts = []
+        with torch.no_grad():
+            if len(st.f_idx) > f0:
+                parts.append(self._forward_ratios(st, f0)[2].max())
+            for res, bounds, lo in ((st.g_res, st.g_bound, g0), (st.w_diff, st.w_bound, w0)):
+                if len(res) > lo:
+                    parts.append((torch.stack(res[lo:]) / torch.stack(bounds[lo:])).max().float())
+            if not parts:
+                return False
+            top = float(torch.stack(parts).max()) if len(parts) > 1 else float(parts[0])
+        return not top <= bound  # NaN too
+
+    def _ratios(
+        self,
+        index: list[int],
+        residuals: list[torch.Tensor],
+        bounds: list[torch.Tensor],
+        names: list[str],
+        check: str,
+        n: int,
+        device: torch.device,
+    ) -> torch.Tensor:
+        """Largest residual / bound per product of 0-d residuals and bounds (zeros where none)."""
+        out = torch.zeros(n, device=device)
+        if not index:
+            return out
+        (idx,) = self._indices((tuple(index),), device)
+        bound = torch.stack(bounds)
+        if self.keep_bounds:
+            for c, name in enumerate(names):
+                self.bounds[(check, name)] = bound[c]
+        return out.scatter_reduce_(0, idx, (torch.stack(residuals) / bound).float(), "amax")
 
     def discard(self) -> None:
         """Drop what this step measured (a step that is not recorded)."""

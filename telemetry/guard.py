@@ -100,7 +100,10 @@ class Guard(GuardActing):
             torch.distributed: broadcast the parameters from the lowest rank not suspected).
         host_of: ``host_of(rank) -> str`` for the eviction message (default: gathered from the ranks).
         watch: a :class:`~sdcwatch.telemetry.probes.Watch` whose record of the step is closed, with the
-            guard's scalars, before an eviction exits.
+            guard's scalars, before an eviction exits; its matrix checksums are a trigger too.
+        checksums: ``checksums() -> set of local ranks`` whose matrix checksums passed their
+            rounding bound in the forward and backward just computed (default: the ``watch``'s);
+            such a step is acted on like a non-finite one (``on_checksum``).
         distributed: agree through torch.distributed (default: when it is initialised).
     """
 
@@ -119,6 +122,7 @@ class Guard(GuardActing):
         resync: Callable[[set[int]], None] | None = None,
         host_of: Callable[[int], str] | None = None,
         watch: Any = None,
+        checksums: Callable[[], Iterable[int]] | None = None,
         group: Any = None,
         distributed: bool | None = None,
     ) -> None:
@@ -154,6 +158,9 @@ class Guard(GuardActing):
         self.resync = resync
         self.host_of = host_of
         self.watch = watch
+        if checksums is None and getattr(watch, "checksums", None) is not None:
+            checksums = lambda: {self.rank} if watch.checksums.violated() else set()  # noqa: E731
+        self.checksums = checksums
         c = self.config
         self.snapshots = SnapshotStore(int(c.snapshot_memory_mb * 2**20), c.snapshot_dir, self.rank)
         self._loss_base = [Baseline(c.window) for _ in self.local_ranks]
@@ -188,10 +195,14 @@ class Guard(GuardActing):
         act = c.mode == "act"
         if act and (step % c.snapshot_every == 0 or not len(self.snapshots)):  # the first step: one to go back to
             self.snapshots.take(step, step if data_pos is None else data_pos, self.model, self.optimizer)
-        rng = rng_state() if act and "rerun" in (c.on_nonfinite, c.on_spike) else None
+        rng = rng_state() if act and "rerun" in (c.on_nonfinite, c.on_spike, c.on_checksum) else None
         self.optimizer.zero_grad(set_to_none=True)
         values = self._values(compute())
         flag, suspects = self._judge(values)
+        if flag < 2 and self.checksums is not None:
+            wrong = set(self.checksums())  # a product off by more than rounding: a fault, finite or not
+            if wrong:
+                flag, suspects = 3, wrong
         control = self._next_control() if 0 in self.local_ranks else None
         agreed = self._group.max(ballot(flag, suspects, control))
         flag = agreed[0]
@@ -232,7 +243,7 @@ class Guard(GuardActing):
         return StepValues(losses, grad, local_grad)
 
     def _judge(self, v: StepValues) -> tuple[int, set[int]]:
-        """(flag, suspect ranks): 2 non-finite, 1 spike, 0 clean."""
+        """(flag, suspect ranks): 2 non-finite, 1 spike, 0 clean (3, a checksum, is judged in step())."""
         c = self.config
         bad = [r for r, x in zip(self.local_ranks, v.losses) if not math.isfinite(x)]
         if v.local_grad is not None:
@@ -275,10 +286,13 @@ class Guard(GuardActing):
         out: GuardOutcome,
     ) -> GuardOutcome:
         c = self.config
-        reason = "nonfinite" if flag == 2 else "spike"
-        action = c.on_nonfinite if flag == 2 else c.on_spike
+        reason = {3: "checksum", 2: "nonfinite"}.get(flag, "spike")
+        action = {3: c.on_checksum, 2: c.on_nonfinite}.get(flag, c.on_spike)
         out.reason, out.ranks = reason, tuple(suspects)
-        what = ("a non-finite loss or gradient" if flag == 2 else "a loss or gradient spike") + (
+        what = {
+            3: "a matrix product's checksum above its rounding bound",
+            2: "a non-finite loss or gradient",
+        }.get(flag, "a loss or gradient spike") + (
             f" on rank(s) {', '.join(map(str, suspects))}" if suspects else " in the all-reduced gradient"
         )
         if action == "none":
@@ -294,7 +308,10 @@ class Guard(GuardActing):
         self.optimizer.zero_grad(set_to_none=True)
         self.reruns += 1
         again = self._rerun_values = self._values(compute())
-        differs = self._group.max([0 if again.same_as(values, c.rerun_tolerance) else 1])[0]
+        differs = 0 if again.same_as(values, c.rerun_tolerance) else 1
+        if flag == 3 and self.checksums is not None and not set(self.checksums()):
+            differs = 1  # the products are right this time: a flip that came and went
+        differs = self._group.max([differs])[0]
         out.action = "rerun"
         if differs:
             out.verdict = "transient"

@@ -66,6 +66,9 @@ class GuardConfig:
     on_nonfinite: str = "rerun"
     """Action when a loss or the all-reduced gradient is not finite: "rerun" (tell a transient fault
     from a persistent one; a transient one costs nothing), "skip" or "none"."""
+    on_checksum: str = "rerun"
+    """Action when a matrix product's checksum passes its rounding bound on a rank in the step
+    (a flipped bit, finite or not; only on the steps the checksums check): "rerun", "skip" or "none"."""
     on_spike: str = "rerun"
     """Action when a loss or gradient norm is a spike: "rerun", "skip" or "none"."""
     on_persistent: str = "evict"
@@ -111,6 +114,7 @@ class GuardConfig:
     def __post_init__(self) -> None:
         _check_choice("mode", self.mode, _MODES)
         _check_choice("on_nonfinite", self.on_nonfinite, _LOCAL_ACTIONS)
+        _check_choice("on_checksum", self.on_checksum, _LOCAL_ACTIONS)
         _check_choice("on_spike", self.on_spike, _LOCAL_ACTIONS)
         _check_choice("on_persistent", self.on_persistent, _PERSISTENT_ACTIONS)
         for key in ("spike_z", "spike_rel", "grad_spike_rel", "snapshot_memory_mb"):

@@ -1,8 +1,8 @@
 """Named probe configurations, so a detection number and a cost number describe the same one.
 
 ``default`` is what :func:`~sdcwatch.telemetry.probes.attach` gives a user (matrix checksums every
-16th step, extreme values in the residual stream every step); ``checksums`` is the default with
-the checksums on every step; ``every-step`` turns every probe on, on every step (the instrument
+16th step; on every step the extreme values: each product's output, the residual stream, the
+largest attention logit); ``checksums`` is the default with the checksums on every step; ``every-step`` turns every probe on, on every step (the instrument
 of the first campaigns, plus checksums); ``scalars-only`` is the floor (loss, gradient norms,
 step time, lr). ``sdcwatch bench campaign --probes NAME|FILE`` and
 ``bench/bench_overhead.py --probes NAME|FILE`` take the same names, or a JSON/TOML file of

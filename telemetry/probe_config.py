@@ -55,9 +55,12 @@ class ProbeConfig:
     read every activation again, unfused); sampled, a device that keeps flipping bits is caught
     within this many steps (the ``checksums`` preset checks every step)."""
     stream_every: int = 1
-    """Record the largest |value| of every block's output (the residual stream) and of every
-    attention layer's logits on every this-many-th recorded step
-    (:mod:`sdcwatch.telemetry.extremes`); 0 = off."""
+    """On every this-many-th recorded step, record the extreme values: the largest |value| of every
+    block's output (``stream_max``, the residual stream), the largest logit of every attention
+    layer (``attn_logit_max``) and, on the steps the checksums do not check, the largest |row sum|
+    of every product's output (``gemm_out``: one reduction per product); 0 = off
+    (:mod:`sdcwatch.telemetry.extremes`, :mod:`sdcwatch.telemetry.gemm_checks`). With it, a NaN,
+    Inf or near-INF value anywhere in the forward pass shows at its step."""
 
     @classmethod
     def from_settings(cls, **settings: object) -> "ProbeConfig":

@@ -146,6 +146,11 @@ class AttentionTap(TorchFunctionMode):
         w = self.watch
         # training forwards of sampled steps only: an evaluation or generation pass is not the step's
         entered = w.enabled and w.attention_on and w.model.training and not canary_running()
+        if entered and self.forwards and not self.calls and w.n_layers and all(map(w.reports_itself, w._layers)):
+            # a sampled forward ran under the tap and every attention call came from layers that
+            # report themselves: the same code will not show the tap anything new, and a
+            # TorchFunctionMode costs on every torch call of the forward pass
+            entered = False
         self._stack.append(entered)
         if entered:
             self.forwards += 1

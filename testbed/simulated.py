@@ -135,6 +135,9 @@ class SimulatedRun:
                 peer=self._peer_loss,
                 resync=lambda suspects: self._deltas.clear(),
                 host_of=self.host_of,
+                checksums=lambda: {
+                    r for r, w in enumerate(self.watches) if w.checksums is not None and w.checksums.violated()
+                },
                 distributed=False,
             )
         self._deltas: dict[int, list[torch.Tensor | None]] = {}

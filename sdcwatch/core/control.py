@@ -34,7 +34,7 @@ __all__ = [
 #: Actions, in increasing order of weight; the code of an action is its index (``guard_action``).
 ACTIONS = ("none", "skip", "rerun", "rollback", "evict")
 #: Why the guard acted; the code is the index (``guard_reason``).
-REASONS = ("", "nonfinite", "spike", "control")
+REASONS = ("", "nonfinite", "spike", "control", "checksum")
 #: What a rerun found; the code is the index (``guard_verdict``). ``reproducible``: the result
 #: repeats and no other rank could recompute it (no ``peer``), so hardware and data are not told apart.
 VERDICTS = ("", "transient", "persistent", "data", "reproducible")

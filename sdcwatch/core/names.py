@@ -72,7 +72,7 @@ LAYER_METRICS = (
     "q_norm_max",
     "k_norm_mean",
     "k_norm_max",
-    "attn_logit_max",  # largest pre-softmax attention logit
+    "attn_logit_max",  # largest pre-softmax attention logit (every step when the layer hands its logits over)
 )
 #: The probes' name for the per-layer statistics (the same list).
 ATTENTION_STATS = LAYER_METRICS
@@ -86,10 +86,14 @@ GEMM_METRICS = (
     "gemm_bwd",  # largest weight- and bias-gradient residual / bound (0: not checked this step)
     "gemm_weight",  # change of the weights since the optimizer wrote them / rounding bound
     "gemm_in",  # largest |input| of the product: a NaN, Inf or near-INF fed into it shows here
+    "gemm_out",  # largest |row sum| of the product's output, every step: a NaN, Inf or near-INF it wrote shows here
 )
+#: Extreme values outside the products, every step. The largest attention logit is measured every
+#: step too, as ``attn_logit_max`` (one of :data:`LAYER_METRICS`: one definition, whichever probe
+#: measured it).
 STREAM_METRICS = (
     "stream_max",  # largest |value| of each block's output (the residual stream)
-    "logit_max",  # largest attention logit of each attention layer, every checked step
+    "attn_logit_min",  # smallest attention logit that is not a mask, every step (a near-INF below zero)
 )
 CHECK_METRICS = GEMM_METRICS + STREAM_METRICS
 #: Check metrics that are ratios to a bound (> 1 is the finding): large finite values are not near-INF.

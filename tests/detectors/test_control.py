@@ -104,3 +104,10 @@ def test_guard_actions_become_incidents_and_counted_findings():
     assert inc.ranks == (3,) and inc.hosts == ("node0",) and inc.severity is Severity.WARNING
     assert "skipped the update of step 30" in inc.message and "rerun verdict: data" in inc.message
     assert pipeline.view().findings_total[(GuardActionDetector.name, "guard_skip")] == 2
+
+
+def test_a_checksum_incident_asks_for_the_action_its_rule_names():
+    inc = incident("checksum_mismatch", ranks=(3,), severity=Severity.CRITICAL)
+    assert ControlPolicy(actions=True).decide(inc) is None  # the guard's own check reruns it
+    decision = ControlPolicy(actions=True, on_checksum_mismatch="rollback").decide(inc)
+    assert (decision.action, decision.ranks, decision.since_step) == ("rollback", (3,), 40)

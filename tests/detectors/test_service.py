@@ -184,7 +184,7 @@ def test_reference_run_fault_on_one_rank_through_the_real_broker_names_that_rank
         20,
         2,
         run.host_of(2),
-        "logit_max",
+        "attn_logit_max",
         0,
     )
 

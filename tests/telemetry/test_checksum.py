@@ -248,7 +248,108 @@ def test_watch_records_sampled_checksums_and_a_near_inf_in_the_residual_stream_e
         assert (set(GEMM_METRICS) <= set(r["layers"])) == (r["step"] % 2 == 0)  # sampled
         if r["step"] % 2 == 0:
             assert len(r["layers"]["gemm_fwd"]) == len(watch.checksums.names)
-        assert len(r["layers"]["stream_max"]) == 2 and len(r["layers"]["logit_max"]) == 2
+        assert len(r["layers"]["stream_max"]) == 2 and len(r["layers"]["attn_logit_max"]) == 2
     assert rec.records[3]["layers"]["stream_max"][1] >= 1e11
     assert max(rec.records[2]["layers"]["stream_max"]) < 1e3
     assert all(max(r["layers"]["gemm_fwd"]) < 1 for r in rec.records if "gemm_fwd" in r["layers"])
+
+
+def test_a_near_inf_in_any_product_output_shows_at_its_step_between_checksum_steps():
+    # the shipped default checks the products every 16th step; every other step each product's
+    # output is still scanned (gemm_out), so a one-step near-INF in an attention mix (probs @ v)
+    # or an MLP output, which the LayerNorms downstream absorb, is seen at its step and product
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    rec = Recorder()
+    watch = attach(model, rec, optimizer=opt)
+    assert ProbeConfig().checksum_every > 1
+    names = watch.checksums.names
+    faults = {3: "blocks.1.attn.mix", 5: "blocks.0.mlp.fc", 6: "blocks.0.attn.qkv"}
+    g = torch.Generator().manual_seed(0)
+    for s in range(8):
+        handle = None
+        if s in faults:
+            value = float("nan") if s == 6 else 3e10
+            handle = model.get_submodule(faults[s]).register_forward_hook(  # before the probes' hooks, as a fault
+                lambda m, a, out, v=value: (
+                    out.reshape(-1).index_put((torch.tensor([7]),), torch.tensor(v)).view_as(out)
+                ),
+                prepend=True,
+            )
+        loss = model.loss(torch.randint(0, 256, (2, CFG.seq_len + 1), generator=g))
+        if handle:
+            handle.remove()
+        opt.zero_grad()
+        if s != 6:  # a NaN would poison the weights: the step is dropped
+            loss.backward()
+            opt.step()
+        watch.step(s, loss=loss)
+    watch.close()
+    for r in rec.records:
+        out = r["layers"]["gemm_out"]
+        assert len(out) == len(names)
+        if r["step"] in faults:
+            hit = names.index(faults[r["step"]])
+            assert not abs(out[hit]) < 1e10, (r["step"], out)  # near-INF, or NaN
+        else:
+            assert max(out) < 1e4  # row sums of a healthy model are small
+        assert ("gemm_fwd" in r["layers"]) == (r["step"] == 0)  # checksums only on their step
+
+
+def test_the_largest_logit_is_one_metric_measured_every_step():
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    rec = Recorder()
+    watch = attach(model, rec, optimizer=opt, attention_every=4)
+    g = torch.Generator().manual_seed(0)
+    tops = []
+    hook = model.blocks[1].attn.scores.register_forward_hook(lambda m, a, out: tops.append(float(out.detach().amax())))
+    for s in range(6):
+        handle = None
+        if s == 2:  # not an attention-sampled step: a near-INF logit still shows at its step
+            handle = model.blocks[0].attn.scores.register_forward_hook(
+                lambda m, a, out: out.index_put(
+                    (torch.tensor([0]), torch.tensor([1]), torch.tensor([5]), torch.tensor([2])), torch.tensor(4e11)
+                )
+            )
+        loss = model.loss(torch.randint(0, 256, (2, CFG.seq_len + 1), generator=g))
+        if handle:
+            handle.remove()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        watch.step(s, loss=loss)
+    hook.remove()
+    watch.close()
+    from sdcwatch.core.names import LAYER_METRICS
+
+    assert "logit_max" not in STREAM_METRICS + GEMM_METRICS + LAYER_METRICS
+    for r, top in zip(rec.records, tops):
+        layers = r["layers"]
+        assert "logit_max" not in layers
+        assert (set(LAYER_METRICS) <= set(layers)) == (r["step"] % 4 == 0)  # the statistics are sampled
+        assert len(layers["attn_logit_max"]) == CFG.n_layer  # the largest logit is not
+        assert layers["attn_logit_max"][1] == pytest.approx(top, rel=1e-6)  # over every logit
+    assert rec.records[2]["layers"]["attn_logit_max"][0] >= 1e11
+
+
+def test_a_near_inf_below_zero_in_the_logits_is_seen_and_a_mask_is_not():
+    # -inf (a causal mask) and the dtype's lowest value (Hugging Face's additive mask) are masks,
+    # never near-INF findings; a finite -5e10 acts like one downstream, yet it was written by a fault
+    stream = ResidualStream(torch.nn.Module(), n_attention=2)
+    mask = torch.ones(4, 4, dtype=torch.bool).triu(1)
+    clean = torch.randn(2, 2, 4, 4).masked_fill(mask, float("-inf"))
+    hf = torch.randn(2, 2, 4, 4).masked_fill(mask, torch.finfo(torch.float32).min)
+    stream.observe_logits(0, clean)
+    stream.observe_logits(1, hf)
+    got = stream.collect()
+    assert -10 < got["attn_logit_min"][0] < 0 and -10 < got["attn_logit_min"][1] <= 0
+    bad = clean.clone()
+    bad[1, 0, 2, 1] = -5e10
+    stream.observe_logits(0, bad)
+    stream.observe_logits(1, hf)
+    got = stream.collect()
+    assert float(got["attn_logit_min"][0]) == pytest.approx(-5e10) and float(got["attn_logit_min"][1]) > -10
+    assert float(got["attn_logit_max"][0]) == float(clean.amax())  # the largest logit is unchanged

@@ -78,9 +78,12 @@ def test_every_rank_reports_every_step_with_all_fields(ddp_records):
     for (step, rank), rec in table.items():
         assert rec.run == "ddp-it" and rec.world == WORLD and rec.host == f"node{rank // 2}"
         assert EXPECTED_SCALARS <= set(rec.scalars), (step, rank, set(rec.scalars))
-        # attention statistics, the residual stream every step, the checksums on every 16th step
+        # attention statistics, the residual stream and the products' outputs every step, the
+        # checksums on every 16th step
         checked = step % 16 == 0
-        assert set(rec.layers) == set(LAYER_METRICS) | set(STREAM_METRICS) | (set(GEMM_METRICS) if checked else set())
+        assert set(rec.layers) == set(LAYER_METRICS) | set(STREAM_METRICS) | {"gemm_out"} | (
+            set(GEMM_METRICS) if checked else set()
+        )
         assert all(len(rec.layers[m]) == 2 for m in LAYER_METRICS + STREAM_METRICS)
         if checked:  # the forward, weight-gradient and weight checks hold under DDP's bucketed all-reduce
             assert max(max(rec.layers[m]) for m in ("gemm_fwd", "gemm_bwd", "gemm_weight")) < 1

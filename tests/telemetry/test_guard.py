@@ -220,3 +220,33 @@ def test_unreachable_control_bus_never_blocks_and_leaves_the_local_checks(caplog
             assert [a.action for a in run.guard.actions] == ["rerun"]
         reader.close()
     assert time.perf_counter() - t1 < 60
+
+
+def test_a_finite_flip_a_checksum_sees_is_rerun_like_a_non_finite_value():
+    # one exponent bit of one element of an MLP product's output: finite, and well above the
+    # checksum's rounding bound; the guard reruns the step and takes the clean result
+    from sdcwatch.telemetry.probes import ProbeConfig
+
+    probes = ProbeConfig(checksum_every=1)
+    flip = {"kind": "bitflip", "rank": 1, "step": 25, "target": "blocks.0.mlp.fc", "bit": 27, "seed": 3}
+    with sim([flip], probes=probes) as faulted, sim(probes=probes) as clean:
+        faulted.train(30)
+        clean.train(30)
+        assert math.isfinite(faulted.history[25])
+        (act,) = faulted.guard.actions
+        assert (act.step, act.action, act.reason, act.verdict, act.ranks, act.applied) == (
+            25,
+            "rerun",
+            "checksum",
+            "transient",
+            (1,),
+            True,
+        )
+        assert act.telemetry()["guard_reason"] == 4.0  # the wire code of "checksum"
+        assert clean.guard.actions == []  # correct products never pass their bound
+        assert torch.equal(flat(faulted), flat(clean))
+
+
+def test_on_checksum_is_checked():
+    with pytest.raises(ConfigError, match="guard.on_checksum"):
+        GuardConfig(on_checksum="evict")

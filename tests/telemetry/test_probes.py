@@ -124,8 +124,9 @@ def test_record_of_a_step_is_emitted_one_step_later_with_direct_values():
             assert r["fingerprints"]["param_fp"] == fingerprint(_flat(updated)) != fingerprint(_flat(params))
         else:
             assert r["fingerprints"] is None
-        # attention statistics, the residual stream every step, the checksums on every 16th step
-        assert set(r["layers"]) == set(LAYER_METRICS) | set(STREAM_METRICS) | (
+        # attention statistics, the residual stream and the products' outputs every step, the
+        # checksums on every 16th step
+        assert set(r["layers"]) == set(LAYER_METRICS) | set(STREAM_METRICS) | {"gemm_out"} | (
             set(GEMM_METRICS) if r["step"] == 0 else set()
         )
         assert all(len(r["layers"][m]) == CFG.n_layer for m in LAYER_METRICS + STREAM_METRICS)

@@ -437,3 +437,27 @@ def test_an_evaluation_forward_inside_a_sampled_step_is_not_the_steps_attention(
         watch.close()
         records.append(rec.records[0]["layers"])
     assert records[0] == records[1]
+
+
+def test_the_tap_steps_aside_for_a_model_whose_layers_all_report_themselves():
+    # the reference GPT hands its q, k and logits over itself: after one sampled forward under the
+    # tap that saw nothing new, later sampled steps run without a torch function mode
+    from sdcwatch.testbed.model import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    cfg = GPTConfig(seq_len=16, d_model=32, n_layer=2, n_head=4)
+    model = GPT(cfg)
+    rec = Recorder()
+    seen_modes = []
+    model.blocks[0].attn.register_forward_pre_hook(lambda m, a: seen_modes.append(torch._C._len_torch_function_stack()))
+    watch = attach(model, rec, attention_every=2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for s in range(5):
+        loss = model.loss(torch.randint(0, 256, (2, cfg.seq_len + 1), generator=torch.Generator().manual_seed(s)))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        watch.step(s, loss=loss)
+    watch.close()
+    assert seen_modes == [1, 0, 0, 0, 0]
+    assert [set(LAYER_METRICS) <= set(r["layers"]) for r in rec.records] == [True, False, True, False, True]

@@ -149,8 +149,11 @@ def test_every_virtual_rank_reports_every_step_with_all_fields_and_identity():
             "step_time",
             "lr",
         } <= set(r.scalars)
-        # attention statistics, the residual stream every step, the checksums on every 16th step
-        assert set(r.layers) == set(LAYER_METRICS) | set(STREAM_METRICS) | (set(GEMM_METRICS) if r.step == 0 else set())
+        # attention statistics, the residual stream and the products' outputs every step, the
+        # checksums on every 16th step
+        assert set(r.layers) == set(LAYER_METRICS) | set(STREAM_METRICS) | {"gemm_out"} | (
+            set(GEMM_METRICS) if r.step == 0 else set()
+        )
         assert all(len(r.layers[m]) == SMALL.n_layer for m in LAYER_METRICS + STREAM_METRICS)
         assert set(r.fingerprints) == ({"grad_fp", "param_fp", "canary_fp"} if r.step == 0 else set())
     assert losses[0] == pytest.approx(sum(r.scalars["loss"] for r in recs if r.step == 0) / 4, rel=1e-6)
