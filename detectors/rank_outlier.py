@@ -8,12 +8,14 @@ median and MAD; a peer group with fewer than ``min_world`` ranks is not judged (
 says so once, as an info finding). The z is clipped and
 fed to a two-sided CUSUM per (rank, feature): a single noisy step cannot name a rank, a persistent
 deviation of a couple of scales does within a few tens of steps. All of it is whole-matrix numpy.
+
+This file holds the detector: its features, what a step's observation carries, what it names.
+The z is :mod:`sdcwatch.detectors.cross_rank_z`'s, the evidence :mod:`sdcwatch.detectors.rank_evidence`'s.
 """
 
 from __future__ import annotations
 
 import math
-import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,7 +31,9 @@ from sdcwatch.core.errors import ConfigError
 from sdcwatch.core.kinds import IncidentKind
 from sdcwatch.core.names import CHECK_METRICS, RANK_SCALARS
 from sdcwatch.core.mesh import format_coords
-from sdcwatch.detectors.peers import Groups, coords_of, grouped_robust, known_coords, rank_label
+from sdcwatch.detectors.cross_rank_z import CrossRankZ
+from sdcwatch.detectors.peers import coords_of, known_coords, rank_label
+from sdcwatch.detectors.rank_evidence import RankEvidence, cusum_step
 
 __all__ = ["RankOutlierDetector", "RankOutlierConfig"]
 
@@ -116,20 +120,10 @@ class RankOutlierDetector(SplitDetector):
         self._local_step: int | None = None
         self._local_gap: int | None = None
         self._local_pos = self._local_neg = np.zeros((0, 0))
-        # The median and MAD of a feature are estimated on at most reference_ranks ranks (a fixed,
-        # seeded sample): at 2048 ranks the median's standard error is ~3% of the noise scale,
-        # and the sort costs a fraction of what all 16k ranks would. Every rank is still scored.
-        self._sample: np.ndarray | None = None
-        self.spread_alpha = 0.05
-        self._spread: np.ndarray | None = None  # (k,) typical cross-rank spread per feature
-        self._sig: str | None = None  # layout of the evidence arrays: world, metrics and layers
-        self._pos: np.ndarray | None = None
-        self._neg: np.ndarray | None = None
-        self._steps = 0
+        # cross-rank z (its reference sample and typical spread) and the evidence over steps
+        self._z = CrossRankZ(self.reference_ranks, self.rel_floor, self.min_world)
+        self._evidence = RankEvidence(self.threshold, self.drift, self.clip)
         self._layout: dict[tuple, tuple] = {}
-        self._updated: np.ndarray | None = None
-        self._hot = np.zeros(0, np.int64)
-        self._scores: np.ndarray | None = np.zeros(0)
         self._too_few: tuple[int, int] = (0, 0)  # (peer groups, ranks) last said to be too small to judge
 
     @property
@@ -165,15 +159,6 @@ class RankOutlierDetector(SplitDetector):
         shape = f"{frame.world}" if peers.trivial else f"{frame.world}/{peers.n}"
         return X, metrics, layers, f"{shape}:{sig}"
 
-    def _reset(self, sig: str, k: int, world: int) -> None:
-        self._sig = sig
-        self._pos = np.zeros((k, world))  # CUSUM of positive deviations per (feature, rank)
-        self._neg = np.zeros((k, world))
-        self._steps = 0
-        self._updated: np.ndarray | None = None  # sparse path: step each cell was last brought up to date
-        self._hot = np.zeros(0, np.int64)  # sparse path: cells with evidence >= threshold
-        self._scores = np.zeros(world)
-
     # -- detection --------------------------------------------------------------------------------
 
     def robust_z(self, X: np.ndarray) -> np.ndarray:
@@ -182,93 +167,7 @@ class RankOutlierDetector(SplitDetector):
         Stateless (the typical spread is this step's own); non-finite cells (missing ranks, NaN)
         get z = 0: they are the non-finite detector's.
         """
-        return self._robust_zt(np.ascontiguousarray(X.T), track=False).T
-
-    def _robust_zt(self, Xt: np.ndarray, track: bool = True) -> np.ndarray:
-        """Same on the transposed (k, world) layout, where each feature's ranks are contiguous;
-        ``track`` updates and uses the detector's typical spread per feature."""
-        finite = np.isfinite(Xt)
-        all_finite = finite.all()
-        n = Xt.shape[1]
-        ref = Xt
-        if n > self.reference_ranks:
-            if self._sample is None or self._sample.size != self.reference_ranks or self._sample.max() >= n:
-                self._sample = np.sort(np.random.default_rng(n).choice(n, self.reference_ranks, replace=False))
-            ref = Xt[:, self._sample]
-        if all_finite:
-            # one partition per statistic (the upper middle for an even count): np.median
-            # would partition twice and average, and the robust scale does not need it
-            mid = ref.shape[1] // 2
-            med = np.partition(ref, mid, axis=1)[:, mid]
-            absdev = np.abs(ref - med[:, None])
-            mad = np.partition(absdev, mid, axis=1)[:, mid]
-            meandev = absdev.mean(axis=1)
-        else:
-            Rn = np.where(np.isfinite(ref), ref, np.nan)
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", RuntimeWarning)
-                med = np.nanmedian(Rn, axis=1)
-                med = np.where(np.isfinite(med), med, 0.0)
-                absdev = np.abs(Rn - med[:, None])
-                mad = np.nanmedian(absdev, axis=1)
-                meandev = np.nanmean(absdev, axis=1)
-            mad = np.where(np.isfinite(mad), mad, 0.0)
-            meandev = np.where(np.isfinite(meandev), meandev, 0.0)
-        dev = Xt - med[:, None]
-        # Ties: a max-type statistic often has most ranks at the very same value (the same token
-        # wins everywhere), so this step's MAD is 0 while the ranks do spread over time. The
-        # feature's typical spread (a slow average of the mean absolute deviation, scaled to a
-        # Gaussian sigma) is the lower bound of its scale; one extreme step barely moves it. The
-        # floor keeps a feature on which all ranks agree to many digits from exploding.
-        spread = 1.2533 * meandev
-        if not track:
-            typical = spread
-        elif self._spread is None or self._spread.shape != spread.shape:
-            typical = self._spread = spread.copy()
-        else:
-            self._spread += self.spread_alpha * (spread - self._spread)
-            typical = self._spread
-        scale = np.maximum(1.4826 * mad, typical) + self.rel_floor * np.abs(med) + 1e-12
-        with np.errstate(invalid="ignore"):
-            z = dev / scale[:, None]
-        if not all_finite:
-            z[~finite] = 0.0
-        return z
-
-    def _robust_zt_grouped(self, Xt: np.ndarray, peers: Groups, present: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(k, world) robust z of every value against its peer group's median and MAD, and the peer
-        groups with fewer than ``min_world`` present ranks (their ranks get z = 0: not judged).
-
-        As :meth:`_robust_zt`, per (feature, peer group): the statistics come from one sort of a
-        (features, groups, members) array, the typical spread is kept per (feature, group).
-        """
-        finite = np.isfinite(Xt)
-        all_finite = finite.all()
-        G = peers.gather(Xt if all_finite else np.where(finite, Xt, np.nan))  # (k, n, largest group)
-        if G.shape[-1] > self.reference_ranks:  # a fixed, seeded sample of each group's members
-            if self._sample is None or self._sample.size != self.reference_ranks or self._sample.max() >= G.shape[-1]:
-                rng = np.random.default_rng(G.shape[-1])
-                self._sample = np.sort(rng.choice(G.shape[-1], self.reference_ranks, replace=False))
-            G = G[..., self._sample]
-        med, mad, meandev, _ = grouped_robust(G)
-        med, mad, meandev = (np.where(np.isfinite(a), a, 0.0) for a in (med, mad, meandev))
-        spread = 1.2533 * meandev
-        if self._spread is None or self._spread.shape != spread.shape:
-            typical = self._spread = spread.copy()
-        else:
-            self._spread += self.spread_alpha * (spread - self._spread)
-            typical = self._spread
-        scale = np.maximum(1.4826 * mad, typical) + self.rel_floor * np.abs(med) + 1e-12
-        ids = peers.ids
-        with np.errstate(invalid="ignore"):
-            z = (Xt - med[:, ids]) / scale[:, ids]
-        if not all_finite:
-            z[~finite] = 0.0
-        n_present = peers.counts(present)
-        small = np.flatnonzero((n_present > 0) & (n_present < self.min_world))
-        if small.size:
-            z[:, np.isin(ids, small)] = 0.0
-        return z, small
+        return self._z.zt(np.ascontiguousarray(X.T), track=False).T
 
     def observe(self, frame: StepFrame) -> dict[str, Any] | None:
         """This step's robust z of every (feature, rank), and the ranks extreme at this step alone."""
@@ -278,13 +177,14 @@ class RankOutlierDetector(SplitDetector):
         if X.shape[0] == 0:
             return None
         if sig != self._obs_sig:
-            self._obs_sig, self._spread = sig, None
+            self._obs_sig = sig
+            self._z.forget_spread()
         peers = frame.peers
         too_few = None
         if peers.trivial:
-            z = self._robust_zt(X)  # (k, world)
+            z = self._z.zt(X)  # (k, world)
         else:
-            z, small = self._robust_zt_grouped(X, peers, frame.present)
+            z, small = self._z.zt_grouped(X, peers, frame.present)
             if small.size:
                 ranks = np.flatnonzero(np.isin(peers.ids, small) & frame.present)
                 too_few = {"groups": int(small.size), "ranks": int(ranks.size), "example": int(ranks[0])}
@@ -336,7 +236,7 @@ class RankOutlierDetector(SplitDetector):
             self._local_neg = np.zeros(z.shape)
         self._local_step = step
         lp, ln = self._local_pos, self._local_neg
-        _cusum_step(lp, ln, np.clip(z, -self.clip, self.clip), self.drift)
+        cusum_step(lp, ln, np.clip(z, -self.clip, self.clip), self.drift)
         return (absz >= self.report_z) | (lp >= self.report_z) | (ln >= self.report_z)
 
     def _limit(self, world: int) -> int:
@@ -347,21 +247,22 @@ class RankOutlierDetector(SplitDetector):
         if seen is None:
             return []
         metrics, layers = seen["metrics"], seen["layers"]
-        if seen["sig"] != self._sig:
-            self._reset(seen["sig"], len(metrics), frame.world)
-        self._steps += 1
+        ev = self._evidence
+        if seen["sig"] != ev.sig:
+            ev.reset(seen["sig"], len(metrics), frame.world)
+        ev.steps += 1
         if seen.get("z") is not None:
-            flagged, evidence, z_at = self._accumulate_dense(seen["z"])
+            flagged, evidence, z_at = ev.add_dense(seen["z"])
         else:
-            flagged, evidence, z_at = self._accumulate_sparse(seen["cells"], seen["cell_z"], frame.world)
+            flagged, evidence, z_at = ev.add_sparse(seen["cells"], seen["cell_z"], frame.world)
         findings: list[Finding] = self._say_too_few(frame, seen.get("too_few"))
-        if self._steps <= self.warmup:
+        if ev.steps <= self.warmup:
             return findings
         if 0 < flagged.size <= self._limit(frame.world):
             order = flagged[np.argsort(-evidence)][: self.max_named]
             for r in order:
                 r = int(r)
-                col = self._column(r)
+                col = ev.column(r)
                 c = int(col.argmax())
                 findings.append(self._outlier(frame, r, c, float(col[c]), z_at(c, r), metrics, layers))
         for hit in seen["instant"]:
@@ -410,72 +311,10 @@ class RankOutlierDetector(SplitDetector):
             )
         ]
 
-    def _accumulate_dense(self, z: np.ndarray):
-        """CUSUM step on every cell; (flagged ranks, their evidence, z lookup)."""
-        self._materialize(self._steps - 1)  # cells a sparse step left behind catch up first
-        pos, neg = self._pos, self._neg
-        _cusum_step(pos, neg, np.clip(z, -self.clip, self.clip), self.drift)
-        evidence = np.maximum(pos, neg).max(axis=0)  # a reduction along rows is fast
-        self._scores = evidence / self.threshold
-        self._updated = None  # every cell is current
-        flagged = np.flatnonzero(evidence >= self.threshold)
-        return flagged, evidence[flagged], lambda c, r: float(z[c, r])
-
-    def _accumulate_sparse(self, cells: np.ndarray, cell_z: np.ndarray, world: int):
-        """The same CUSUM step touching only the cells sent (|z| >= report_z) and the few with
-        evidence above the threshold. A cell not sent has z = 0 and loses ``drift`` a step, so it
-        is brought up to date only when next touched: each cell keeps the step of its last update."""
-        t = self._steps
-        P, N = self._pos.reshape(-1), self._neg.reshape(-1)
-        if self._updated is None:  # after a dense step or a restore every cell is current as of t - 1
-            self._updated = np.full(P.size, t - 1, np.int64)
-            self._hot = np.flatnonzero(np.maximum(P, N) >= self.threshold)
-        cells = np.asarray(cells, dtype=np.int64).reshape(2, -1)
-        sent = cells[0] * world + cells[1]
-        zc = np.clip(np.asarray(cell_z, dtype=float), -self.clip, self.clip)
-        idle = (t - 1 - self._updated[sent]) * self.drift  # the decay of the steps nobody sent
-        p = np.maximum(P[sent] - idle, 0.0)
-        n = np.maximum(N[sent] - idle, 0.0)
-        _cusum_step(p, n, zc, self.drift)
-        P[sent], N[sent] = p, n
-        self._updated[sent] = t
-        hot = np.union1d(self._hot, sent[np.maximum(p, n) >= self.threshold])
-        now = self._current(hot)
-        self._hot = hot[now >= self.threshold]
-        self._scores = None  # per-rank scores on demand (rank_scores)
-        flagged = np.unique(self._hot % world)
-        evidence = np.array([self._column(int(r)).max() for r in flagged]) if flagged.size else np.zeros(0)
-        sent_z = dict(zip(sent.tolist(), np.asarray(cell_z, dtype=float).tolist())) if flagged.size else {}
-        return flagged, evidence, lambda c, r: sent_z.get(c * world + r, 0.0)
-
-    def _current(self, flat: np.ndarray) -> np.ndarray:
-        """Evidence max(pos, neg) of the given cells as of now."""
-        P, N = self._pos.reshape(-1), self._neg.reshape(-1)
-        if self._updated is None:
-            return np.maximum(P[flat], N[flat])
-        idle = (self._steps - self._updated[flat]) * self.drift
-        return np.maximum(np.maximum(P[flat] - idle, 0.0), np.maximum(N[flat] - idle, 0.0))
-
-    def _column(self, r: int, which: str = "both") -> np.ndarray:
-        """(k,) current evidence of rank ``r`` per feature (``pos``, ``neg`` or their max)."""
-        k, world = self._pos.shape
-        flat = np.arange(k) * world + r
-        if which == "both":
-            return self._current(flat)
-        a = (self._pos if which == "pos" else self._neg).reshape(-1)[flat]
-        if self._updated is None:
-            return a
-        return np.maximum(a - (self._steps - self._updated[flat]) * self.drift, 0.0)
-
     @property
     def rank_scores(self) -> np.ndarray:
         """(world,) evidence / threshold per rank, for the exporter."""
-        if self._scores is None:
-            if self._pos is None or not self._pos.size:
-                return np.zeros(0 if self._pos is None else self._pos.shape[1])
-            k, world = self._pos.shape
-            self._scores = self._current(np.arange(k * world)).reshape(k, world).max(axis=0) / self.threshold
-        return self._scores
+        return self._evidence.rank_scores
 
     def _outlier(
         self, frame: StepContext, r: int, c: int, ev: float, z_cr: float, metrics: list[str], layers: list[int | None]
@@ -484,7 +323,8 @@ class RankOutlierDetector(SplitDetector):
         where = _where(metrics[c], layers[c])
         others = "its peers" if known_coords(frame) is not None else "the other ranks"
         msg = f"{rank_label(frame, r)} deviates from {others} in {where} (evidence {ev:.1f}, confidence {conf:.2f})"
-        col, pos, neg = self._column(r), self._column(r, "pos"), self._column(r, "neg")
+        evidence = self._evidence
+        col, pos, neg = evidence.column(r), evidence.column(r, "pos"), evidence.column(r, "neg")
         top = np.argsort(-col)[:3]
         return Finding(
             detector=self.name,
@@ -506,59 +346,21 @@ class RankOutlierDetector(SplitDetector):
             },
         )
 
-    def _materialize(self, upto: int | None = None) -> None:
-        """Bring every cell up to step ``upto`` (default: the last judged step); the sparse path
-        leaves idle cells behind."""
-        if self._updated is None:
-            return
-        upto = self._steps if upto is None else upto
-        idle = ((upto - self._updated) * self.drift).reshape(self._pos.shape)
-        np.maximum(self._pos - idle, 0.0, out=self._pos)
-        np.maximum(self._neg - idle, 0.0, out=self._neg)
-        self._updated = None
-
     def metrics_view(self) -> dict[str, Any]:
         """Each rank's accumulated evidence over the threshold."""
         return {"rank_scores": self.rank_scores}
 
     def snapshot(self) -> dict[str, Any]:
-        self._materialize()
-        if self._sig is None:
-            return {
-                "sig": None,
-                "obs_sig": self._obs_sig,
-                "spread": None if self._spread is None else encode_array(self._spread),
-            }
-        return {
-            "sig": self._sig,
-            "pos": encode_array(self._pos),
-            "neg": encode_array(self._neg),
-            "steps": self._steps,
-            "spread": None if self._spread is None else encode_array(self._spread),
-            "obs_sig": self._obs_sig,
-        }
+        evidence = self._evidence.snapshot()
+        spread = None if self._z.spread is None else encode_array(self._z.spread)
+        if evidence["sig"] is None:
+            return {"sig": None, "obs_sig": self._obs_sig, "spread": spread}
+        return {**evidence, "spread": spread, "obs_sig": self._obs_sig}
 
     def restore(self, state: dict[str, Any]) -> None:
         self._obs_sig = state.get("obs_sig")
-        self._spread = None if state.get("spread") is None else decode_array(state["spread"])
-        if state.get("sig") is None:
-            self._sig = None
-            return
-        self._sig = state["sig"]
-        self._pos = decode_array(state["pos"])
-        self._neg = decode_array(state["neg"])
-        self._steps = int(state["steps"])
-        self._updated, self._scores = None, None
-
-
-def _cusum_step(pos: np.ndarray, neg: np.ndarray, zc: np.ndarray, drift: float) -> None:
-    """One step of the two-sided CUSUM, in place: ``pos = max(0, pos + zc - drift)``, ``neg`` likewise for -zc."""
-    pos += zc
-    pos -= drift
-    np.maximum(pos, 0.0, out=pos)
-    neg -= zc
-    neg -= drift
-    np.maximum(neg, 0.0, out=neg)
+        self._z.spread = None if state.get("spread") is None else decode_array(state["spread"])
+        self._evidence.restore(state)
 
 
 def _where(metric: str, layer: int | None) -> str:
