@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import time
 from collections import deque
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
@@ -20,6 +20,8 @@ from sdcwatch.detectors.aligner import StepAligner
 from sdcwatch.detectors.attribution import Attribution
 from sdcwatch.detectors.base import SplitDetector
 from sdcwatch.detectors.frame import StepFrame, frame_stats
+from sdcwatch.detectors.run_state import RunState
+from sdcwatch.detectors.run_view import run_view
 from sdcwatch.detectors.incidents import IncidentBook
 from sdcwatch.detectors.registry import default_detectors
 from sdcwatch.detectors.lifecycle import RunLifecycle
@@ -74,32 +76,6 @@ class PipelineSettings:
         check_positive("pipeline", **{f.name: getattr(self, f.name) for f in fields(self)})
 
 
-@dataclass
-class _Run:
-    detectors: list
-    attribution: Attribution
-    world: int = 0
-    steps_total: int = 0
-    last_step: int = -1
-    last_step_wall: float = 0.0
-    hosts: list[str] = field(default_factory=list)
-    dropped: np.ndarray = field(default_factory=lambda: np.zeros(0))
-    summary: StepSummary | None = None  # latest step (read by view())
-    stats: dict[str, Any] | None = None  # latest cross-rank quantiles a spatial stage sent
-    sent_hosts: tuple[str, ...] | None = None  # spatial: host table last put in a summary
-    coords: np.ndarray | None = None  # (world, mesh dims) last known coordinates of each rank
-    sent_coords: np.ndarray | None = None  # spatial: coordinate table last put in a summary
-    view: RunView | None = None  # the exporter's view of the latest step, built once per step
-
-
-def _count(values: np.ndarray) -> int:
-    """The sum of per-rank counters, as an int whatever they hold (NaN and negatives count 0)."""
-    v = np.asarray(values, dtype=float)
-    with np.errstate(over="ignore"):
-        total = float(np.sum(v[np.isfinite(v) & (v > 0)]))
-    return int(min(total, 2.0**53))  # past it a float no longer counts by ones
-
-
 def _name_coords(findings: list, coords: np.ndarray | None) -> list:
     """Give each finding the mesh coordinates of the ranks it names (when the run has them)."""
     if coords is not None:
@@ -149,7 +125,7 @@ class DetectionPipeline:
         self.lifecycle = RunLifecycle(
             self.settings.end_expiry, self.settings.idle_expiry, close_grace=self.settings.step_timeout, clock=wall
         )
-        self._runs: dict[str, _Run] = {}
+        self._runs: dict[str, RunState] = {}
         self.findings_total: dict[tuple[str, str], int] = {}
         self.records_total = 0
         self.runs_forgotten = 0  # stale runs dropped to make room for new ones (settings.max_runs)
@@ -244,14 +220,14 @@ class DetectionPipeline:
             self.last_record_wall = self.wall()
             self._rate.append((self.last_record_wall, n))
 
-    def _state(self, run: str) -> _Run:
+    def _state(self, run: str) -> RunState:
         st = self._runs.get(run)
         if st is None:
             dets = list(self.make_detectors())
             if self.stage == "spatial":
                 for d in dets:
                     d.sparse = True
-            st = self._runs[run] = _Run(dets, Attribution(self.settings.attribution_window))
+            st = self._runs[run] = RunState(dets, Attribution(self.settings.attribution_window))
         return st
 
     def _admit(self, run: str) -> bool:
@@ -315,7 +291,7 @@ class DetectionPipeline:
         """The temporal half: every detector's judgement, attribution and the incident book."""
         st = self._state(summary.run)
         self._runs[summary.run] = self._runs.pop(summary.run)  # most recently active last
-        self._remember(st, summary)
+        st.remember(summary, self.wall())
         if summary.hosts is None:
             summary.hosts = tuple(st.hosts)
         if summary.coords is None and st.coords is not None and st.coords.shape[0] == summary.world:
@@ -335,27 +311,6 @@ class DetectionPipeline:
             findings += found
         findings = _name_coords(st.attribution.apply(summary.step, summary.world, findings), summary.coords)
         return self.book.add(findings) + self.book.advance(summary.run, summary.step)
-
-    def _remember(self, st: _Run, summary: StepSummary) -> None:
-        if st.world != summary.world:
-            st.world = summary.world
-            st.hosts = [""] * summary.world
-            st.coords = None
-            st.dropped = np.zeros(summary.world)
-        if summary.hosts is not None:
-            st.hosts = list(summary.hosts)
-        if summary.coords is not None:
-            st.coords = summary.coords
-        for r, n in summary.dropped.items():
-            if 0 <= r < summary.world:
-                st.dropped[r] = n
-        if summary.stats is not None:
-            st.stats = summary.stats
-        st.steps_total += 1
-        st.last_step = summary.step
-        st.last_step_wall = self.wall()
-        st.summary = summary
-        st.view = None
 
     # -- reading ------------------------------------------------------------------------------
 
@@ -379,7 +334,7 @@ class DetectionPipeline:
         out = []
         for run, st in runs:
             if st.view is None or st.view.finished != self.lifecycle.finished(run):  # built per step or end
-                st.view = self._run_view(run, st)
+                st.view = run_view(run, st, self.lifecycle.finished(run))
             out.append(st.view)
         return out
 
@@ -431,39 +386,6 @@ class DetectionPipeline:
             findings_total=dict(self.findings_total),
         )
 
-    def _run_view(self, run: str, st: _Run) -> RunView:
-        f = st.summary
-        shown: dict[str, Any] = {}
-        for det in st.detectors:  # each detector reports its own numbers; the first to report one wins
-            for key, value in det.metrics_view().items():
-                shown.setdefault(key, value)
-        stats = frame_stats(f.frame) if f.frame is not None else (st.stats or {"scalars": {}, "layers": {}})
-        rank_scores = shown.get("rank_scores")
-        if rank_scores is None or rank_scores.shape[0] != f.world:
-            rank_scores = np.zeros(f.world)
-        nan = float("nan")
-        if "loss" not in shown:  # no detector follows the global series: read them off the last step
-            shown["loss"] = f.frame.global_value("loss_global", "loss") if f.frame else nan
-            shown["grad_norm"] = f.frame.global_value("grad_norm_global", reduce="median") if f.frame else nan
-        return RunView(
-            run=run,
-            world=f.world,
-            last_step=st.last_step,
-            last_step_wall=st.last_step_wall,
-            loss=shown["loss"],
-            grad_norm=shown["grad_norm"],
-            spike_scores=shown.get("spike_scores", {}),
-            rank_scores=np.array(rank_scores, copy=True),
-            hosts=list(st.hosts) if st.hosts else [""] * f.world,
-            scalar_stats={k: np.asarray(v, dtype=float) for k, v in stats["scalars"].items()},
-            layer_stats={k: np.asarray(v, dtype=float) for k, v in stats["layers"].items()},
-            steps_total=st.steps_total,
-            late_ranks=int(f.world - f.n_present),
-            missing_ranks=shown.get("missing_ranks", 0),
-            emitter_dropped=_count(st.dropped),
-            finished=self.lifecycle.finished(run),
-        )
-
     # -- state ----------------------------------------------------------------------------------
 
     def snapshot(self) -> dict[str, Any]:
@@ -472,19 +394,7 @@ class DetectionPipeline:
             "version": STATE_VERSION,
             "aligner": self.aligner.snapshot(),
             "book": self.book.snapshot(),
-            "runs": {
-                run: {
-                    "detectors": {d.name: d.snapshot() for d in st.detectors},
-                    "attribution": st.attribution.snapshot(),
-                    "world": st.world,
-                    "steps_total": st.steps_total,
-                    "last_step": st.last_step,
-                    "hosts": st.hosts,
-                    "dropped": st.dropped.tolist(),
-                    **({} if st.coords is None else {"coords": st.coords.tolist()}),
-                }
-                for run, st in self._runs.items()
-            },
+            "runs": {run: st.snapshot() for run, st in self._runs.items()},
             "findings_total": [[d, k, n] for (d, k), n in self.findings_total.items()],
             "records_total": self.records_total,
             "stage": self.stage,
@@ -509,15 +419,7 @@ class DetectionPipeline:
         self._runs = {}
         for run, d in state["runs"].items():
             st = self._state(run)
-            for det in st.detectors:
-                if det.name in d["detectors"]:
-                    det.restore(d["detectors"][det.name])
-            st.attribution.restore(d["attribution"])
-            st.world, st.steps_total, st.last_step = int(d["world"]), int(d["steps_total"]), int(d["last_step"])
-            st.hosts, st.dropped = list(d["hosts"]), np.array(d["dropped"], dtype=float)
-            if d.get("coords") is not None:
-                st.coords = np.array(d["coords"], dtype=np.int64).reshape(st.world, -1)
-            st.last_step_wall = self.wall()  # the stale clock restarts with the service
+            st.restore(d, self.wall())  # the stale clock restarts with the service
             self._runs[run] = st
         self.findings_total = {(a, b): int(n) for a, b, n in state["findings_total"]}
         self.records_total = int(state["records_total"])
