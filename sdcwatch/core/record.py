@@ -1,11 +1,9 @@
-"""The wire record: one per rank per step, its checks and its versioned binary codec (the JSON
-codec is :mod:`sdcwatch.core.record_json`).
+"""The wire record's versioned binary codec (v1), and the record's home for importers.
 
-A record carries the identity of the rank (run, step, rank, world, host), scalars (loss, gradient
-norms, cosine, step time, non-finite count...), exact 64-bit fingerprints that must agree across
-data-parallel replicas, per-layer vectors (attention entropy, q/k norms, largest logit), and the
-rank's coordinates in the job's device mesh (:mod:`sdcwatch.core.mesh`; empty for pure data
-parallel).
+:class:`Record` and :func:`validate` are :mod:`sdcwatch.core.record_type`'s and are re-exported
+here with the codec, so ``from sdcwatch.core.record import Record, encode`` keeps working. This
+module also gives a record its partition key (:func:`record_key`). The JSON codec is
+:mod:`sdcwatch.core.record_json`, the columnar v2 one :mod:`sdcwatch.core.columnar`.
 
 Binary layout, version 1 (little-endian)::
 
@@ -33,18 +31,18 @@ an unknown version raises :class:`~sdcwatch.core.errors.RecordError` naming the 
 from __future__ import annotations
 
 import math
-import re
 import struct
-from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any, Sequence
 
 from sdcwatch.core.errors import RecordError, UnknownVersionError
 from sdcwatch.core.names import FINGERPRINTS, LAYER_METRICS, SCALARS, TELEMETRY_TOPIC
 from sdcwatch.core.limits import MAX_NAME_BYTES, LimitError, RecordLimits
 from sdcwatch.core.mesh import DIMS, MAX_COORD
+from sdcwatch.core.record_type import Record, check_name, validate
 
 __all__ = [
     "Record",
+    "validate",
     "VERSION",
     "MAGIC",
     "encode",
@@ -67,8 +65,6 @@ BATCH_MAGIC = b"SDCB"
 _BATCH_HEAD = struct.Struct("<4sBI")
 _U32 = struct.Struct("<I")
 
-_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.:-]{0,63}$")
-_U64 = 1 << 64
 _HEAD = struct.Struct("<4sBQIIId")
 _U8 = struct.Struct("<B")
 _U16 = struct.Struct("<H")
@@ -77,6 +73,7 @@ _U64S = struct.Struct("<Q")
 _COORD = struct.Struct("<BI")
 _MAX_STR = MAX_NAME_BYTES  # run and host: one bound for encode, decode, validate and restore
 _F32S: dict[int, struct.Struct] = {}
+_DIM_INDEX = {d: i for i, d in enumerate(DIMS)}  # a dim's number on the wire
 
 
 def _f32s(n: int) -> struct.Struct:
@@ -84,124 +81,6 @@ def _f32s(n: int) -> struct.Struct:
     if st is None:
         st = _F32S[n] = struct.Struct(f"<{n}f")
     return st
-
-
-@dataclass(frozen=True, slots=True)
-class Record:
-    """One rank's telemetry for one step. Build with :meth:`make` to validate."""
-
-    run: str
-    step: int
-    rank: int
-    world: int
-    host: str = ""
-    time: float = 0.0
-    local_rank: int = 0
-    scalars: Mapping[str, float] = field(default_factory=dict)
-    fingerprints: Mapping[str, int] = field(default_factory=dict)
-    layers: Mapping[str, Sequence[float]] = field(default_factory=dict)
-    #: {mesh dim: index} over :data:`sdcwatch.core.mesh.DIMS`; empty: one data-parallel group.
-    coords: Mapping[str, int] = field(default_factory=dict)
-
-    @classmethod
-    def make(cls, **kw: Any) -> "Record":
-        """Build and validate a record; raises RecordError naming the bad field."""
-        rec = cls(**kw)
-        validate(rec)
-        return rec
-
-    @property
-    def key(self) -> tuple[str, int, int]:
-        """The identity used for de-duplication: (run, step, rank)."""
-        return (self.run, self.step, self.rank)
-
-
-def _check_int(name: str, value: Any, lo: int, hi: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise RecordError(name, f"must be an integer, got {type(value).__name__}")
-    if not lo <= value < hi:
-        raise RecordError(name, f"{value} out of range [{lo}, {hi})")
-
-
-def _check_str(name: str, value: Any, *, empty_ok: bool) -> None:
-    if not isinstance(value, str):
-        raise RecordError(name, f"must be a string, got {type(value).__name__}")
-    if not value and not empty_ok:
-        raise RecordError(name, "must not be empty")
-    if len(value.encode("utf-8", "surrogatepass")) > _MAX_STR:
-        raise LimitError(name, f"longer than {_MAX_STR} bytes", "name")
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        raise RecordError(name, "is not valid UTF-8") from None
-
-
-_GOOD_NAMES: set[str] = set()  # names already checked: the same few dozen recur in every record
-
-
-def _check_name(where: str, name: Any) -> None:
-    if name in _GOOD_NAMES:
-        return
-    if not isinstance(name, str) or not _NAME.match(name):
-        raise RecordError(where, f"bad metric name {name!r} (letters, digits, _.:-; at most 64)")
-    if len(_GOOD_NAMES) < 4096:
-        _GOOD_NAMES.add(name)
-
-
-def validate(rec: Record) -> None:
-    """Raise RecordError naming the first invalid field of ``rec``."""
-    _check_str("run", rec.run, empty_ok=False)
-    _check_int("step", rec.step, 0, _U64)
-    _check_int("world", rec.world, 1, 1 << 32)
-    _check_int("rank", rec.rank, 0, rec.world)
-    _check_int("local_rank", rec.local_rank, 0, 1 << 32)
-    _check_str("host", rec.host, empty_ok=True)
-    if not isinstance(rec.time, (int, float)) or isinstance(rec.time, bool) or not math.isfinite(rec.time):
-        raise RecordError("time", f"must be a finite number, got {rec.time!r}")
-    for group, limit in (("scalars", 255), ("fingerprints", 255), ("layers", 255)):
-        mapping = getattr(rec, group)
-        if not isinstance(mapping, Mapping):
-            raise RecordError(group, "must be a mapping")
-        if len(mapping) > limit:
-            raise RecordError(group, f"more than {limit} entries")
-    for name, value in rec.scalars.items():
-        if name not in _GOOD_NAMES:
-            _check_name(f"scalars.{name}", name)
-        if type(value) is not float and (isinstance(value, bool) or not isinstance(value, (int, float))):
-            raise RecordError(f"scalars.{name}", f"must be a number, got {type(value).__name__}")
-    for name, value in rec.fingerprints.items():
-        _check_name(f"fingerprints.{name}", name)
-        _check_int(f"fingerprints.{name}", value, 0, _U64)
-    for name, values in rec.layers.items():
-        _check_name(f"layers.{name}", name)
-        if isinstance(values, (str, bytes)) or not hasattr(values, "__len__"):
-            raise RecordError(f"layers.{name}", "must be a sequence of numbers")
-        if len(values) > 0xFFFF:
-            raise RecordError(f"layers.{name}", "more than 65535 layers")
-        for v in values:
-            if type(v) is not float and (isinstance(v, bool) or not isinstance(v, (int, float))):
-                try:
-                    float(v)  # numpy scalars
-                except (TypeError, ValueError):
-                    raise RecordError(f"layers.{name}", f"element {v!r} is not a number") from None
-    if rec.coords:
-        _check_coords(rec.coords)
-
-
-_DIM_INDEX = {d: i for i, d in enumerate(DIMS)}
-
-
-def _check_coords(coords: Any) -> None:
-    if not isinstance(coords, Mapping):
-        raise RecordError("coords", "must be a mapping of mesh dim to index")
-    for dim, value in coords.items():
-        if dim not in _DIM_INDEX:
-            raise RecordError(f"coords.{dim}", f"unknown mesh dim (one of {', '.join(DIMS)})")
-        _check_int(f"coords.{dim}", value, 0, MAX_COORD)
-
-
-# ---------------------------------------------------------------------------------------------
-# binary codec
 
 
 def _put_str(out: list[bytes], s: str, wide: bool) -> None:
@@ -281,8 +160,7 @@ class _Reader:
 
     def name(self, group: str) -> str:
         name = self.string(f"{group} name", False)
-        if name not in _GOOD_NAMES:
-            _check_name(f"{group} name", name)
+        check_name(f"{group} name", name)
         if len(_NAMES) < 4096:
             _NAMES[name.encode()] = name
         return name
