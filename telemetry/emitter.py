@@ -19,16 +19,16 @@ import logging
 import math
 import struct
 import os
-import socket
 import threading
 import time as _time
 from typing import Any, Mapping, Sequence
 
 from sdcwatch.core.errors import ConfigError, RecordError, TransportError
-from sdcwatch.core.mesh import Layout, check_coords, parse_coords
+from sdcwatch.core.mesh import check_coords
 from sdcwatch.core.names import TELEMETRY_TOPIC
 from sdcwatch.core.columnar import WIRES, PackedRecord
 from sdcwatch.core.record import Record, validate
+from sdcwatch.telemetry.identity import identity_from_env
 
 __all__ = ["Emitter", "NullEmitter", "identity_from_env"]
 
@@ -39,46 +39,6 @@ _wall = _time.time  # one global lookup in emit()
 #: Records the sender builds before it releases the GIL once (a few tens of microseconds of work):
 #: bounds how long an emit() in the training thread can wait for the interpreter lock.
 _YIELD_EVERY = 8
-
-
-def _env_int(env: Mapping[str, str], name: str, default: int) -> int:
-    raw = env.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        return int(raw)
-    except ValueError:
-        raise ConfigError(name, f"must be an integer, got {raw!r}") from None
-
-
-def identity_from_env(env: Mapping[str, str] | None = None) -> dict[str, Any]:
-    """Rank, world size, local rank, host, run and parallel coordinates from launcher variables.
-
-    torchrun/torch.distributed set RANK, WORLD_SIZE and LOCAL_RANK; SDCWATCH_RUN names the run
-    (falling back to TORCHELASTIC_RUN_ID, then "default"). The rank's place in the job's device
-    mesh (:mod:`sdcwatch.core.mesh`) comes from SDCWATCH_COORDS (``"pp=1,dp=3,tp=0"``) or else from
-    SDCWATCH_MESH, the job's layout (``"pp=2,dp=4,tp=2"``) with the rank numbered over it; neither
-    set: no coordinates (pure data parallel).
-    """
-    env = os.environ if env is None else env
-    rank = _env_int(env, "RANK", 0)
-    world = _env_int(env, "WORLD_SIZE", 1)
-    coords: dict[str, int] = {}
-    if env.get("SDCWATCH_COORDS"):
-        coords = parse_coords(env["SDCWATCH_COORDS"], key="SDCWATCH_COORDS")
-    elif env.get("SDCWATCH_MESH"):
-        layout = Layout.parse(env["SDCWATCH_MESH"], key="SDCWATCH_MESH")
-        if layout.world != world:
-            raise ConfigError("SDCWATCH_MESH", f"{layout} has {layout.world} ranks, WORLD_SIZE is {world}")
-        coords = layout.coords(rank)
-    return {
-        "rank": rank,
-        "world": world,
-        "local_rank": _env_int(env, "LOCAL_RANK", 0),
-        "host": env.get("SDCWATCH_HOST") or socket.gethostname(),
-        "run": env.get("SDCWATCH_RUN") or env.get("TORCHELASTIC_RUN_ID") or "default",
-        "coords": coords,
-    }
 
 
 def _ended_normally(exc: BaseException | None) -> bool:
