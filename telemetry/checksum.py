@@ -53,7 +53,12 @@ import math
 import torch
 
 __all__ = [
+    "TINY",
     "abs_max",
+    "accumulated_sum",
+    "accumulation_dtype",
+    "gemm_input_roundoff",
+    "rounding_gamma",
     "check_linear",
     "check_matmul",
     "check_weight_grad",
@@ -61,7 +66,8 @@ __all__ = [
     "unit_roundoff",
 ]
 
-_TINY = 1e-30  # keeps an all-zero product's bound positive (0 / tiny = 0, any residual is huge)
+#: Keeps an all-zero product's bound positive (0 / tiny = 0, any residual is huge).
+TINY = 1e-30
 
 
 def unit_roundoff(dtype: torch.dtype) -> float:
@@ -69,24 +75,25 @@ def unit_roundoff(dtype: torch.dtype) -> float:
     return torch.finfo(dtype).eps / 2
 
 
-def _gamma(k: int, u: float) -> float:
+def rounding_gamma(k: int, u: float) -> float:
+    """``γ_k = k u / (1 - k u)``: the relative error bound of a sum of ``k`` terms (inf past k u = 1/2)."""
     ku = k * u
     return ku / (1.0 - ku) if ku < 0.5 else math.inf
 
 
-def _sum(t: torch.Tensor, dim: int | None, acc: torch.dtype) -> torch.Tensor:
+def accumulated_sum(t: torch.Tensor, dim: int | None, acc: torch.dtype) -> torch.Tensor:
     """``t.sum`` accumulated in ``acc`` (asking for the dtype it already has takes a slower path)."""
     if t.dtype == acc:
         return t.sum() if dim is None else t.sum(dim)
     return t.sum(dtype=acc) if dim is None else t.sum(dim, dtype=acc)
 
 
-def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     """What GEMMs accumulate in: float64 for float64, float32 for everything narrower."""
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _input_roundoff(t: torch.Tensor) -> float:
+def gemm_input_roundoff(t: torch.Tensor) -> float:
     """Relative rounding of a GEMM's inputs before the products: TF32 on CUDA float32, else none."""
     if t.is_cuda and t.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32:
         return 2.0**-11
@@ -96,8 +103,8 @@ def _input_roundoff(t: torch.Tensor) -> float:
 def rounding_coefficient(n: int, m: int, out_dtype: torch.dtype, *, input_roundoff: float = 0.0) -> float:
     """``c = 2γ_n + 3γ_m + u_out + 2 u_in`` of the module docstring: the bound of a checksum over
     ``m`` outputs of inner products of length ``n``, relative to ``||row|| x Σ ||column||``."""
-    u = unit_roundoff(_accumulation_dtype(out_dtype))
-    return 2 * _gamma(n, u) + 3 * _gamma(m, u) + unit_roundoff(out_dtype) + 2 * input_roundoff
+    u = unit_roundoff(accumulation_dtype(out_dtype))
+    return 2 * rounding_gamma(n, u) + 3 * rounding_gamma(m, u) + unit_roundoff(out_dtype) + 2 * input_roundoff
 
 
 def abs_max(t: torch.Tensor) -> torch.Tensor:
@@ -110,15 +117,15 @@ def _forward_ratio(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(ratio, largest |input|, bound) given ``v = B 1`` (n,) and ``sw = Σ ||column of B||``."""
     acc = v.dtype
-    ys = _sum(y, -1, acc)
+    ys = accumulated_sum(y, -1, acc)
     ref = (x if x.dtype == acc else x.to(acc)) @ v
     if bias is not None:
-        ref = ref + _sum(bias, None, acc)
+        ref = ref + accumulated_sum(bias, None, acc)
     xn = abs_max(x).to(acc)
     scale = xn * (math.sqrt(x.shape[-1]) * sw)
     if bias is not None:
-        scale = scale + _sum(bias.abs(), None, acc)
-    bound = (scale * coef).clamp_min(_TINY)
+        scale = scale + accumulated_sum(bias.abs(), None, acc)
+    bound = (scale * coef).clamp_min(TINY)
     return (ys - ref).abs_().amax() / bound, xn, bound
 
 
@@ -134,11 +141,11 @@ def check_linear(
     with torch.no_grad():
         if x.numel() == 0 or y.numel() == 0:
             return torch.zeros((), device=y.device)
-        acc = _accumulation_dtype(y.dtype)
+        acc = accumulation_dtype(y.dtype)
         n, m = weight.shape[1], weight.shape[0]
-        v = _sum(weight, 0, acc)
+        v = accumulated_sum(weight, 0, acc)
         sw = torch.linalg.vector_norm(weight, dim=1, dtype=acc).sum()
-        coef = rounding_coefficient(n, m, y.dtype, input_roundoff=_input_roundoff(x))
+        coef = rounding_coefficient(n, m, y.dtype, input_roundoff=gemm_input_roundoff(x))
         return _forward_ratio(x, v, y, sw, bias, coef)[0].float()
 
 
@@ -152,14 +159,14 @@ def check_matmul(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, bias: torch.
     with torch.no_grad():
         if a.numel() == 0 or c.numel() == 0:
             return torch.zeros((), device=c.device)
-        acc = _accumulation_dtype(c.dtype)
+        acc = accumulation_dtype(c.dtype)
         n, m = b.shape[-2], b.shape[-1]
-        coef = rounding_coefficient(n, m, c.dtype, input_roundoff=_input_roundoff(a))
-        v = _sum(b, -1, acc)  # (..., n)
-        ys = _sum(c, -1, acc)  # (..., N)
+        coef = rounding_coefficient(n, m, c.dtype, input_roundoff=gemm_input_roundoff(a))
+        v = accumulated_sum(b, -1, acc)  # (..., n)
+        ys = accumulated_sum(c, -1, acc)  # (..., N)
         ref = ((a if a.dtype == acc else a.to(acc)) @ v.unsqueeze(-1)).squeeze(-1)
         if bias is not None:
-            ref = ref + _sum(bias, None, acc)
+            ref = ref + accumulated_sum(bias, None, acc)
         return _matmul_ratio(a, b, ys, ref, bias, coef, acc)[0]
 
 
@@ -177,8 +184,8 @@ def _matmul_ratio(
     n, m = b.shape[-2], b.shape[-1]
     scale = abs_max(a).to(acc) * abs_max(b).to(acc) * (n * m)
     if bias is not None:
-        scale = scale + _sum(bias.abs(), None, acc)
-    bound = (scale * coef).clamp_min(_TINY)
+        scale = scale + accumulated_sum(bias.abs(), None, acc)
+    bound = (scale * coef).clamp_min(TINY)
     return ((ys - ref).abs_().amax() / bound).float(), bound
 
 
@@ -187,11 +194,11 @@ def _grad_reference(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """For ``dW = dY^T X``: (expected column sums (n,), an upper bound of max_k ||X_:k||, of
     Σ_j ||dY_:j||, Σ dY, N tokens); ``x_max`` is max|X| when already known."""
-    acc = _accumulation_dtype(dy.dtype)
+    acc = accumulation_dtype(dy.dtype)
     n, m = x.shape[-1], dy.shape[-1]
     x2, dy2 = x.reshape(-1, n), dy.reshape(-1, m)
     tokens = x2.shape[0]
-    s = _sum(dy2, -1, acc)
+    s = accumulated_sum(dy2, -1, acc)
     ref = s @ (x2 if x2.dtype == acc else x2.to(acc))
     xcol = (abs_max(x2) if x_max is None else x_max).to(acc) * math.sqrt(tokens)
     sdy = torch.linalg.vector_norm(dy2, dtype=acc) * math.sqrt(m)
@@ -206,6 +213,6 @@ def check_weight_grad(x: torch.Tensor, dy: torch.Tensor, dw: torch.Tensor) -> to
     """
     with torch.no_grad():
         ref, xcol, sdy, _, tokens = _grad_reference(x, dy)
-        coef = rounding_coefficient(tokens, dw.shape[0], dw.dtype, input_roundoff=_input_roundoff(x))
-        res = (_sum(dw, 0, ref.dtype) - ref).abs_().amax()
-        return (res / (coef * xcol * sdy).clamp_min(_TINY)).float()
+        coef = rounding_coefficient(tokens, dw.shape[0], dw.dtype, input_roundoff=gemm_input_roundoff(x))
+        res = (accumulated_sum(dw, 0, ref.dtype) - ref).abs_().amax()
+        return (res / (coef * xcol * sdy).clamp_min(TINY)).float()

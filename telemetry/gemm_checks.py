@@ -18,7 +18,6 @@ from __future__ import annotations
 import fnmatch
 import functools
 import math
-import weakref
 from typing import Any, Callable
 
 import torch
@@ -26,103 +25,19 @@ from torch import nn
 
 from sdcwatch.core.names import GEMM_METRICS
 from sdcwatch.telemetry.checksum import (
-    _TINY,
-    _accumulation_dtype,
-    _gamma,
-    _input_roundoff,
-    _sum,
+    TINY,
+    accumulation_dtype,
+    rounding_gamma,
+    gemm_input_roundoff,
+    accumulated_sum,
     abs_max,
     rounding_coefficient,
     unit_roundoff,
 )
 
+from sdcwatch.telemetry.gemm_state import GEMM_OBSERVERS, SealedWeight, StepChecks, is_shard, observe_gemm, stack_rows
+
 __all__ = ["GemmChecks", "observe_gemm"]
-
-# custom-GEMM owner (a module) -> the GemmChecks that report it; weak so a dropped model leaves no trace
-_OBSERVERS: "weakref.WeakKeyDictionary[nn.Module, list[GemmChecks]]" = weakref.WeakKeyDictionary()
-
-
-def observe_gemm(
-    owner: nn.Module, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, bias: torch.Tensor | None = None
-) -> None:
-    """Report one custom or fused product ``c = a @ b (+ bias)`` computed inside ``owner``.
-
-    Every :class:`GemmChecks` attached to the model that holds ``owner`` checks it with
-    :func:`check_matmul` on its sampled steps; the product becomes a layer of the ``gemm_*``
-    metrics, named after ``owner``. Costs one dictionary look-up when nothing is attached.
-    """
-    observers = _OBSERVERS.get(owner)
-    if observers:
-        for checks in observers:
-            checks.observe(owner, a, b, c, bias)
-
-
-def _rows(vectors: list[torch.Tensor]) -> torch.Tensor:
-    """The calls' vectors as the rows of one matrix, zero-padded to the longest (a zero never
-    raises a largest |value|): every call is then reduced by one operation."""
-    if len(vectors) == 1:
-        return vectors[0].unsqueeze(0)
-    n = vectors[0].numel()
-    if all(v.numel() == n for v in vectors):
-        return torch.stack(vectors)
-    return torch.nn.utils.rnn.pad_sequence(vectors, batch_first=True)
-
-
-class _Sealed:
-    """A weight's reductions taken when the optimizer last wrote it: its column sums (the weight
-    check compares against them), and the norms the forward bound needs (so a checked forward
-    does not read the weight for them again)."""
-
-    __slots__ = ("v", "b_sum", "k", "b_abs", "w_bound", "b_bound", "shard")
-
-    def __init__(self, w: torch.Tensor, b: torch.Tensor | None) -> None:
-        acc = _accumulation_dtype(w.dtype)
-        u = unit_roundoff(acc)
-        # an FSDP2 shard (a DTensor): the rank's own shard is sealed, and checked in the forward
-        # against itself (the forward's all-gathered weight is every rank's)
-        self.shard = (w, b) if _sharded(w) else None
-        if self.shard is not None:
-            w, b = w.to_local(), None if b is None else b.to_local()
-        self.v = _sum(w, 0, acc)  # as the check does: the same bits give the same sum
-        sw = torch.linalg.vector_norm(w, dim=1, dtype=acc).sum()
-        self.k = sw * math.sqrt(w.shape[1])  # Σ||w_j|| x sqrt(n): the forward bound's weight factor
-        self.w_bound = (sw * _gamma(w.shape[0], u)).clamp_min(_TINY)
-        self.b_sum = self.b_abs = self.b_bound = None
-        if isinstance(b, torch.Tensor):
-            self.b_sum = _sum(b, None, acc)
-            self.b_abs = _sum(b.abs(), None, acc)
-            self.b_bound = (self.b_abs * _gamma(b.numel(), u)).clamp_min(_TINY)
-        if self.shard is not None:  # a shard's norms are not the whole weight's the forward bound needs
-            self.k = self.b_abs = None
-
-
-class _Step:
-    """What the hooks measured in one step, as lists of device tensors (one entry per call)."""
-
-    def __init__(self) -> None:
-        # forward checks: product index, residual of the row sums (a vector), largest |input|,
-        # the bound's factor of the input (Σ||w_j|| sqrt(n)) and its constant term (Σ|b|), the
-        # rounding coefficient
-        self.f_idx: list[int] = []
-        self.f_ys: list[torch.Tensor] = []  # row sums of the output
-        self.f_ref: list[torch.Tensor] = []  # what they should be: x (W^T 1) + Σ b
-        self.f_xm: list[torch.Tensor] = []
-        self.f_k: list[torch.Tensor] = []
-        self.f_b: list[torch.Tensor] = []
-        self.f_coef: list[float] = []
-        # scanned (not checked) calls: product index, the output's row sums
-        self.o_idx: list[int] = []
-        self.o_ys: list[torch.Tensor] = []
-        # weights in memory against their sealed sums: product index, difference, bound
-        self.w_idx: list[int] = []
-        self.w_diff: list[torch.Tensor] = []
-        self.w_bound: list[torch.Tensor] = []
-        self.w_names: list[str] = []
-        # gradients: product index, residual (vector for the weight, 0-d for the bias), bound
-        self.g_idx: list[int] = []
-        self.g_res: list[torch.Tensor] = []
-        self.g_bound: list[torch.Tensor] = []
-        self.g_names: list[str] = []
 
 
 class GemmChecks:
@@ -158,7 +73,7 @@ class GemmChecks:
         """Keep each check's absolute bound of the last step in :attr:`bounds` (fault-injection
         campaigns use it to tell which faults a checksum can see; off in training)."""
         self.bounds: dict[tuple[str, str], torch.Tensor] = {}
-        self._sealed_at: list[_Sealed | None] = []
+        self._sealed_at: list[SealedWeight | None] = []
         self._bias_checked: list[bool] = []
         self._index_cache: dict[tuple, tuple[torch.Tensor, ...]] = {}
         self._zeros: dict[tuple, torch.Tensor] = {}
@@ -172,13 +87,13 @@ class GemmChecks:
                 i = self._add(name, m)
                 self._forward.append((m, functools.partial(self._linear_hook, i)))
                 # an FSDP2 shard (a DTensor) is outside the autograd graph: its hook would never fire
-                if m.weight.requires_grad and owners.get(id(m.weight), 0) == 1 and not _sharded(m.weight):
+                if m.weight.requires_grad and owners.get(id(m.weight), 0) == 1 and not is_shard(m.weight):
                     self._handles.append(m.weight.register_hook(functools.partial(self._weight_grad_hook, i)))
                     if m.bias is not None and m.bias.requires_grad and owners.get(id(m.bias), 0) == 1:
                         self._handles.append(m.bias.register_hook(functools.partial(self._bias_grad_hook, i)))
                         self._bias_checked[i] = True
         for name, m in model.named_modules():
-            _OBSERVERS.setdefault(m, []).append(self)
+            GEMM_OBSERVERS.setdefault(m, []).append(self)
             if getattr(m, "_sdcwatch_gemm", False) and any(fnmatch.fnmatchcase(name, g) for g in globs):
                 self._add(name, m)  # a module whose forward(a, b) returns a @ b
                 self._forward.append((m, self._product_hook))
@@ -195,7 +110,7 @@ class GemmChecks:
         return len(self.names) - 1
 
     def _reset(self) -> None:
-        self._step = _Step()
+        self._step = StepChecks()
         self._weights_seen: set[int] = set()  # products whose weights were compared this step
         self._judged = (0, 0, 0)  # forward, gradient and weight checks violated() has judged
         # per product: this backward's weight-gradient reference [Σ s X, bound scale, tokens,
@@ -207,7 +122,7 @@ class GemmChecks:
         """A scanned step: the row sums of the product's output (a NaN, Inf or near-INF survives)."""
         if isinstance(y, torch.Tensor) and y.is_floating_point() and y.numel():
             self._step.o_idx.append(i)
-            self._step.o_ys.append(_sum(y.detach(), -1, torch.float32).reshape(-1))
+            self._step.o_ys.append(accumulated_sum(y.detach(), -1, torch.float32).reshape(-1))
 
     def _linear_hook(self, i: int, module: nn.Linear, args: tuple, output: Any) -> None:
         if not args:
@@ -230,18 +145,18 @@ class GemmChecks:
         """The forward check's reductions of one call: row sums of ``y`` against ``x (W^T 1) + Σ b``."""
         with torch.no_grad():
             w, b = module.weight, module.bias
-            acc = _accumulation_dtype(y.dtype)
+            acc = accumulation_dtype(y.dtype)
             st = self._step
-            v = _sum(w, 0, acc)
-            b_sum = _sum(b, None, acc) if b is not None else None
+            v = accumulated_sum(w, 0, acc)
+            b_sum = accumulated_sum(b, None, acc) if b is not None else None
             sealed = self._sealed_at[i]
             k = b_abs = None
             if sealed is not None:
                 vw, bw = v, b_sum  # the weights as this rank holds them: a shard's own under FSDP2
                 if sealed.shard is not None:
                     sw_, sb_ = sealed.shard
-                    vw = _sum(sw_.to_local(), 0, acc)
-                    bw = None if sb_ is None else _sum(sb_.to_local(), None, acc)
+                    vw = accumulated_sum(sw_.to_local(), 0, acc)
+                    bw = None if sb_ is None else accumulated_sum(sb_.to_local(), None, acc)
                 else:
                     k, b_abs = sealed.k, sealed.b_abs
                 if self._weights and i not in self._weights_seen and sealed.v.shape == vw.shape:
@@ -260,8 +175,8 @@ class GemmChecks:
                     k = b_abs = None  # the weight changed shape since it was sealed
             if k is None:
                 k = torch.linalg.vector_norm(w, dim=1, dtype=acc).sum() * math.sqrt(w.shape[1])
-                b_abs = _sum(b.abs(), None, acc) if b is not None else None
-            ys = _sum(y, -1, acc).reshape(-1)
+                b_abs = accumulated_sum(b.abs(), None, acc) if b is not None else None
+            ys = accumulated_sum(y, -1, acc).reshape(-1)
             ref = ((x if x.dtype == acc else x.to(acc)) @ v).reshape(-1)
             if b_sum is not None:
                 ref = ref.add_(b_sum)
@@ -272,7 +187,9 @@ class GemmChecks:
             st.f_xm.append(xm)
             st.f_k.append(k)
             st.f_b.append(b_abs if b_abs is not None else self._zero(acc, y.device))
-            st.f_coef.append(rounding_coefficient(w.shape[1], w.shape[0], y.dtype, input_roundoff=_input_roundoff(x)))
+            st.f_coef.append(
+                rounding_coefficient(w.shape[1], w.shape[0], y.dtype, input_roundoff=gemm_input_roundoff(x))
+            )
             return xm
 
     def _zero(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -293,7 +210,7 @@ class GemmChecks:
                 w = getattr(m, "weight", None)
                 if isinstance(w, torch.Tensor) and w.dim() == 2:
                     b = getattr(m, "bias", None)
-                    self._sealed_at[i] = _Sealed(w, b if isinstance(b, torch.Tensor) else None)
+                    self._sealed_at[i] = SealedWeight(w, b if isinstance(b, torch.Tensor) else None)
 
     def unseal(self) -> None:
         """Forget the sealed column sums (after weights were changed outside the optimizer, e.g. a
@@ -305,11 +222,11 @@ class GemmChecks:
         """dY of one use of layer i: the expected column sums of its dW (summed over uses)."""
         try:
             with torch.no_grad():
-                acc = _accumulation_dtype(dy.dtype)
+                acc = accumulation_dtype(dy.dtype)
                 n, m = x.shape[-1], dy.shape[-1]
                 x2, dy2 = x.reshape(-1, n), dy.reshape(-1, m)
                 tokens = x2.shape[0]
-                s = _sum(dy2, -1, acc)
+                s = accumulated_sum(dy2, -1, acc)
                 ref = s @ (x2 if x2.dtype == acc else x2.to(acc))
                 sdy = torch.linalg.vector_norm(dy2, dtype=acc)
                 # max_k ||X_:k|| <= sqrt(N) max|X|; Σ_j ||dY_:j|| <= sqrt(m) ||dY||_F
@@ -320,7 +237,7 @@ class GemmChecks:
                 p = self._pending[i]
                 if p is None:
                     waiting = {"weight"} | ({"bias"} if bias else set())
-                    self._pending[i] = [ref, scale, tokens, s_total, bias_scale, _input_roundoff(x), waiting]
+                    self._pending[i] = [ref, scale, tokens, s_total, bias_scale, gemm_input_roundoff(x), waiting]
                 else:  # the weight is used more than once: its gradient is the sum, so are the checks
                     p[0] = p[0] + ref
                     p[1] = p[1] + scale
@@ -339,8 +256,8 @@ class GemmChecks:
             coef = rounding_coefficient(p[2], dw.shape[0], dw.dtype, input_roundoff=p[5])
             st = self._step
             st.g_idx.append(i)
-            st.g_res.append((_sum(dw, 0, p[0].dtype) - p[0]).abs_().amax())
-            st.g_bound.append((p[1] * coef).clamp_min_(_TINY))
+            st.g_res.append((accumulated_sum(dw, 0, p[0].dtype) - p[0]).abs_().amax())
+            st.g_bound.append((p[1] * coef).clamp_min_(TINY))
             st.g_names.append(self.names[i] + ".weight")
         self._done(i, "weight")
 
@@ -359,12 +276,12 @@ class GemmChecks:
             return
         with torch.no_grad():
             # Σ db and Σ dY are the same sum in two orders: 2γ_N + γ_m, times Σ|dY|
-            u = unit_roundoff(_accumulation_dtype(db.dtype))
-            coef = 2 * _gamma(p[2], u) + _gamma(db.numel(), u) + unit_roundoff(db.dtype)
+            u = unit_roundoff(accumulation_dtype(db.dtype))
+            coef = 2 * rounding_gamma(p[2], u) + rounding_gamma(db.numel(), u) + unit_roundoff(db.dtype)
             st = self._step
             st.g_idx.append(i)
-            st.g_res.append((_sum(db, None, p[3].dtype) - p[3]).abs())
-            st.g_bound.append((p[4] * coef).clamp_min_(_TINY))
+            st.g_res.append((accumulated_sum(db, None, p[3].dtype) - p[3]).abs())
+            st.g_bound.append((p[4] * coef).clamp_min_(TINY))
             st.g_names.append(self.names[i] + ".bias")
         self._done(i, "bias")
 
@@ -389,12 +306,12 @@ class GemmChecks:
             self._scanned(i, c)
             return
         with torch.no_grad():
-            acc = _accumulation_dtype(c.dtype)
+            acc = accumulation_dtype(c.dtype)
             n, m = b.shape[-2], b.shape[-1]
-            ys = _sum(c, -1, acc)
-            ref = ((a if a.dtype == acc else a.to(acc)) @ _sum(b, -1, acc).unsqueeze(-1)).squeeze(-1)
+            ys = accumulated_sum(c, -1, acc)
+            ref = ((a if a.dtype == acc else a.to(acc)) @ accumulated_sum(b, -1, acc).unsqueeze(-1)).squeeze(-1)
             if bias is not None:
-                ref = ref + _sum(bias, None, acc)
+                ref = ref + accumulated_sum(bias, None, acc)
             st = self._step
             st.f_idx.append(i)
             st.f_ys.append(ys.reshape(-1))
@@ -402,8 +319,8 @@ class GemmChecks:
             st.f_xm.append(abs_max(a))
             # ||a_i|| <= sqrt(n) max|a| and Σ_j ||b_:j|| <= m sqrt(n) max|b|
             st.f_k.append(abs_max(b).to(acc) * (n * m))
-            st.f_b.append(_sum(bias.abs(), None, acc) if bias is not None else self._zero(acc, c.device))
-            st.f_coef.append(rounding_coefficient(n, m, c.dtype, input_roundoff=_input_roundoff(a)))
+            st.f_b.append(accumulated_sum(bias.abs(), None, acc) if bias is not None else self._zero(acc, c.device))
+            st.f_coef.append(rounding_coefficient(n, m, c.dtype, input_roundoff=gemm_input_roundoff(a)))
 
     # -- the step ---------------------------------------------------------------------------------
     def _indices(self, key: tuple, device: torch.device) -> tuple[torch.Tensor, ...]:
@@ -427,7 +344,7 @@ class GemmChecks:
             if st.o_idx:
                 with torch.no_grad():
                     (idx,) = self._indices((tuple(st.o_idx),), st.o_ys[0].device)
-                    top = _rows(st.o_ys).abs_().amax(-1).float()
+                    top = stack_rows(st.o_ys).abs_().amax(-1).float()
                     out = {"gemm_out": torch.zeros(n, device=top.device).scatter_reduce_(0, idx, top, "amax")}
             self._reset()
             return out
@@ -448,17 +365,17 @@ class GemmChecks:
         self._reset()
         return {name: out[name] for name in GEMM_METRICS}
 
-    def _forward_ratios(self, st: _Step, start: int = 0) -> tuple[torch.Tensor, ...]:
+    def _forward_ratios(self, st: StepChecks, start: int = 0) -> tuple[torch.Tensor, ...]:
         """(product index, largest |row sum|, ratio, bound, largest |input|) of the forward checks
         from call ``start`` on: the max |residual| of every call at once, over its bound."""
         f_ys, f_ref = st.f_ys[start:], st.f_ref[start:]
         idx, coef = self._indices((tuple(st.f_idx[start:]), tuple(st.f_coef[start:])), f_ys[0].device)
-        ys = _rows(f_ys)
+        ys = stack_rows(f_ys)
         top = ys.abs().amax(-1).float()
-        rmax = (ys - _rows(f_ref)).abs_().amax(-1)
+        rmax = (ys - stack_rows(f_ref)).abs_().amax(-1)
         xm = torch.stack(st.f_xm[start:]).float()
         k, b = torch.stack(st.f_k[start:]), torch.stack(st.f_b[start:])
-        bound = (xm.to(rmax.dtype) * k + b).mul_(coef).clamp_min_(_TINY)
+        bound = (xm.to(rmax.dtype) * k + b).mul_(coef).clamp_min_(TINY)
         return idx, top, (rmax / bound).float(), bound, xm
 
     def violated(self, bound: float = 1.0) -> bool:
@@ -522,11 +439,6 @@ class GemmChecks:
             h.remove()
         self._handles.clear()
         for m in self._owners:
-            lst = _OBSERVERS.get(m)
+            lst = GEMM_OBSERVERS.get(m)
             if lst:
                 lst[:] = [c for c in lst if c is not self]
-
-
-def _sharded(t: torch.Tensor) -> bool:
-    """Whether ``t`` is a DTensor shard (FSDP2), outside the autograd graph and the forward's weight."""
-    return hasattr(t, "to_local")

@@ -50,6 +50,7 @@ from sdcwatch.telemetry.canary import canary_fingerprint, canary_running
 from sdcwatch.telemetry.ddp_hook import comm_hook
 from sdcwatch.telemetry.finite import FiniteChecks
 from sdcwatch.telemetry.fsdp import ShardedGradients, is_sharded, local_tensors
+from sdcwatch.telemetry.gradients import GradientStats
 from sdcwatch.telemetry.mesh_torch import coords_from_mesh
 from sdcwatch.telemetry.packing import PackedStep, pack_step, unpack_step
 from sdcwatch.telemetry.probe_config import ProbeConfig
@@ -67,7 +68,7 @@ __all__ = [
 ]
 
 
-class Watch(AttentionLayers):
+class Watch(GradientStats, AttentionLayers):
     """Probes attached to one model replica (one rank). Build with :func:`attach`."""
 
     def __init__(
@@ -208,53 +209,6 @@ class Watch(AttentionLayers):
         if self._last_time is None:
             self._last_time = time.perf_counter()
 
-    def observe_gradients(
-        self,
-        *,
-        local_sq: torch.Tensor,
-        global_sq: torch.Tensor,
-        dot: torch.Tensor,
-        nonfinite: torch.Tensor | None = None,
-        grad_fp: torch.Tensor | None = None,
-    ) -> None:
-        """Gradient statistics computed elsewhere (the DDP hook, the simulated all-reduce): sums of
-        squares and the dot product of the local with the global gradient, on the device.
-        ``nonfinite`` is an extra count of non-finite values seen there (added to the record's own)."""
-        self._scalars["grad_norm_local"] = local_sq.sqrt()
-        self._scalars["grad_norm_global"] = global_sq.sqrt()
-        self._scalars["grad_cosine"] = dot / (local_sq.sqrt() * global_sq.sqrt()).clamp_min(1e-30)
-        if nonfinite is not None:
-            self._nonfinite.append(nonfinite)
-        if grad_fp is not None:
-            self._fps["grad_fp"] = grad_fp
-        self._grads_seen = True
-
-    def observe_fingerprint(self, name: str, raw: torch.Tensor) -> None:
-        """A raw device fingerprint (see :mod:`sdcwatch.telemetry.fingerprint`) computed elsewhere."""
-        self._fps[name] = raw
-
-    def _local_gradients(self) -> None:
-        """World-size-1 gradient statistics from ``p.grad`` (no all-reduce: local is global).
-
-        One fused norm over all gradient tensors (a NaN or Inf anywhere makes it non-finite, which
-        the record's ``nonfinite`` count then shows).
-        """
-        if not (self.enabled and self.recording) or self._grads_seen:
-            return
-        grads = [p.grad for p in self._params if p.grad is not None]
-        if not grads:
-            return
-        norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
-        self._set_world1_norm(norm)
-        if self.config.grad_fingerprint and self._fingerprint_step:
-            self._fps["grad_fp"] = fp.flat_fingerprint_device(grads)
-
-    def _set_world1_norm(self, norm: torch.Tensor) -> None:
-        self._scalars["grad_norm_local"] = norm
-        self._scalars["grad_norm_global"] = norm
-        self._host_scalars["grad_cosine"] = 1.0  # one replica: the local gradient is the global one
-        self._grads_seen = True
-
     @property
     def _fingerprint_step(self) -> bool:
         return self._hint % self.config.fingerprint_every == 0
@@ -386,16 +340,6 @@ class Watch(AttentionLayers):
             warnings.warn(
                 f"sdcwatch probes: record dropped ({type(exc).__name__}: {exc})", RuntimeWarning, stacklevel=3
             )
-
-    # -- DDP ------------------------------------------------------------------------------------------
-    def _reduce_buckets(self) -> None:
-        buckets = sorted(self._buckets, key=lambda b: b[0])
-        local_sq = torch.stack([b[1] for b in buckets]).sum()
-        dot = torch.stack([b[2] for b in buckets]).sum()
-        global_sq = torch.stack([b[3] for b in buckets]).sum()
-        parts = [b[4] for b in buckets if b[4] is not None]
-        grad_fp = fp.combine_parts(parts) if parts and len(parts) == len(buckets) else None
-        self.observe_gradients(local_sq=local_sq, global_sq=global_sq, dot=dot, grad_fp=grad_fp)
 
     # -- lifecycle --------------------------------------------------------------------------------
     def flush(self) -> None:

@@ -1,0 +1,110 @@
+"""What the matrix-checksum hooks of :mod:`sdcwatch.telemetry.gemm_checks` keep between calls: a
+weight's reductions sealed when the optimizer wrote it (:class:`SealedWeight`), one step's
+measurements as lists of device tensors (:class:`StepChecks`, reduced once per step by
+:func:`stack_rows`), and which checks report a custom product (:func:`observe_gemm`).
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from typing import Any
+
+import torch
+from torch import nn
+
+from sdcwatch.telemetry.checksum import TINY, accumulated_sum, accumulation_dtype, rounding_gamma, unit_roundoff
+
+__all__ = ["SealedWeight", "StepChecks", "stack_rows", "is_shard", "observe_gemm", "GEMM_OBSERVERS"]
+
+
+#: Custom-GEMM owner (a module) -> the GemmChecks that report it; weak so a dropped model leaves no trace.
+GEMM_OBSERVERS: "weakref.WeakKeyDictionary[nn.Module, list[Any]]" = weakref.WeakKeyDictionary()
+
+
+def observe_gemm(
+    owner: nn.Module, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, bias: torch.Tensor | None = None
+) -> None:
+    """Report one custom or fused product ``c = a @ b (+ bias)`` computed inside ``owner``.
+
+    Every :class:`GemmChecks` attached to the model that holds ``owner`` checks it with
+    :func:`~sdcwatch.telemetry.checksum.check_matmul` on its sampled steps; the product becomes a layer of the ``gemm_*``
+    metrics, named after ``owner``. Costs one dictionary look-up when nothing is attached.
+    """
+    observers = GEMM_OBSERVERS.get(owner)
+    if observers:
+        for checks in observers:
+            checks.observe(owner, a, b, c, bias)
+
+
+def stack_rows(vectors: list[torch.Tensor]) -> torch.Tensor:
+    """The calls' vectors as the rows of one matrix, zero-padded to the longest (a zero never
+    raises a largest |value|): every call is then reduced by one operation."""
+    if len(vectors) == 1:
+        return vectors[0].unsqueeze(0)
+    n = vectors[0].numel()
+    if all(v.numel() == n for v in vectors):
+        return torch.stack(vectors)
+    return torch.nn.utils.rnn.pad_sequence(vectors, batch_first=True)
+
+
+class SealedWeight:
+    """A weight's reductions taken when the optimizer last wrote it: its column sums (the weight
+    check compares against them), and the norms the forward bound needs (so a checked forward
+    does not read the weight for them again)."""
+
+    __slots__ = ("v", "b_sum", "k", "b_abs", "w_bound", "b_bound", "shard")
+
+    def __init__(self, w: torch.Tensor, b: torch.Tensor | None) -> None:
+        acc = accumulation_dtype(w.dtype)
+        u = unit_roundoff(acc)
+        # an FSDP2 shard (a DTensor): the rank's own shard is sealed, and checked in the forward
+        # against itself (the forward's all-gathered weight is every rank's)
+        self.shard = (w, b) if is_shard(w) else None
+        if self.shard is not None:
+            w, b = w.to_local(), None if b is None else b.to_local()
+        self.v = accumulated_sum(w, 0, acc)  # as the check does: the same bits give the same sum
+        sw = torch.linalg.vector_norm(w, dim=1, dtype=acc).sum()
+        self.k = sw * math.sqrt(w.shape[1])  # Σ||w_j|| x sqrt(n): the forward bound's weight factor
+        self.w_bound = (sw * rounding_gamma(w.shape[0], u)).clamp_min(TINY)
+        self.b_sum = self.b_abs = self.b_bound = None
+        if isinstance(b, torch.Tensor):
+            self.b_sum = accumulated_sum(b, None, acc)
+            self.b_abs = accumulated_sum(b.abs(), None, acc)
+            self.b_bound = (self.b_abs * rounding_gamma(b.numel(), u)).clamp_min(TINY)
+        if self.shard is not None:  # a shard's norms are not the whole weight's the forward bound needs
+            self.k = self.b_abs = None
+
+
+class StepChecks:
+    """What the hooks measured in one step, as lists of device tensors (one entry per call)."""
+
+    def __init__(self) -> None:
+        # forward checks: product index, residual of the row sums (a vector), largest |input|,
+        # the bound's factor of the input (Σ||w_j|| sqrt(n)) and its constant term (Σ|b|), the
+        # rounding coefficient
+        self.f_idx: list[int] = []
+        self.f_ys: list[torch.Tensor] = []  # row sums of the output
+        self.f_ref: list[torch.Tensor] = []  # what they should be: x (W^T 1) + Σ b
+        self.f_xm: list[torch.Tensor] = []
+        self.f_k: list[torch.Tensor] = []
+        self.f_b: list[torch.Tensor] = []
+        self.f_coef: list[float] = []
+        # scanned (not checked) calls: product index, the output's row sums
+        self.o_idx: list[int] = []
+        self.o_ys: list[torch.Tensor] = []
+        # weights in memory against their sealed sums: product index, difference, bound
+        self.w_idx: list[int] = []
+        self.w_diff: list[torch.Tensor] = []
+        self.w_bound: list[torch.Tensor] = []
+        self.w_names: list[str] = []
+        # gradients: product index, residual (vector for the weight, 0-d for the bias), bound
+        self.g_idx: list[int] = []
+        self.g_res: list[torch.Tensor] = []
+        self.g_bound: list[torch.Tensor] = []
+        self.g_names: list[str] = []
+
+
+def is_shard(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a DTensor shard (FSDP2), outside the autograd graph and the forward's weight."""
+    return hasattr(t, "to_local")
