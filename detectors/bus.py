@@ -94,7 +94,7 @@ def decode_summary_message(value: bytes) -> list:
 DEADLETTER_MAX_BYTES = 64 * 1024
 
 
-def _decode_or_reason(
+def decode_or_reason(
     value: Any, decode: Callable[..., list] = decode_message, limits: RecordLimits | None = None
 ) -> tuple[list | None, str, str]:
     """(records, "", "") or (None, reason code, description of the fault)."""
@@ -117,7 +117,7 @@ def dead_letter_value(value: bytes | None) -> tuple[bytes, list[tuple[str, bytes
     return value, headers
 
 
-class _DeadLetterCounts:
+class DeadLetterCounts:
     """Dead letters counted in total and by reason (mixed into both sources)."""
 
     dead_letters: int
@@ -129,7 +129,7 @@ class _DeadLetterCounts:
         self.dead_letter_reasons = {**self.dead_letter_reasons, reason: self.dead_letter_reasons.get(reason, 0) + n}
 
 
-class MemorySource(_DeadLetterCounts):
+class MemorySource(DeadLetterCounts):
     """Reads a :class:`~sdcwatch.telemetry.MemoryBus` topic (unit tests, in-process demos)."""
 
     def __init__(
@@ -168,7 +168,7 @@ class MemorySource(_DeadLetterCounts):
             out, rejected = self.ingest.decode([(o, k, v) for o, (k, v) in zip(origins, msgs)])
         else:
             for origin, (key, value) in zip(origins, msgs):
-                recs, reason, why = _decode_or_reason(value, self.decode, self.limits)
+                recs, reason, why = decode_or_reason(value, self.decode, self.limits)
                 if recs is None:
                     rejected.append(Rejected(origin, key, value, why, reason))
                 else:
@@ -238,7 +238,7 @@ def _kafka_sender(bootstrap: str, topic: str, **producer_settings: Any):
     return send, flush, close
 
 
-class _TopicWriter:
+class TopicWriter:
     """The writing end of one topic, shared by the sinks that publish to the bus.
 
     ``send(key: bytes, value: bytes)`` is where messages go: :meth:`to_bus` writes to a
@@ -277,7 +277,7 @@ class _TopicWriter:
                 log.exception("%s topic: close failed", self.LABEL)
 
 
-class AnomalyTopicSink(_TopicWriter):
+class AnomalyTopicSink(TopicWriter):
     """Publishes each incident change as JSON (``Incident.to_dict()`` plus ``change``) to a topic."""
 
     DEFAULT_TOPIC = ANOMALY_TOPIC
@@ -294,7 +294,7 @@ class AnomalyTopicSink(_TopicWriter):
             log.exception("anomaly topic: could not publish incident %s", event.incident.id)
 
 
-class SummaryTopicSink(_TopicWriter):
+class SummaryTopicSink(TopicWriter):
     """The spatial stage's output: each step summary as one message, keyed by run, to a topic.
 
     Keyed by run so that one run's summaries share a partition and so a temporal instance. The

@@ -17,7 +17,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, fields
 from typing import Any, Callable
 
-from sdcwatch.detectors.bus import _TopicWriter
+from sdcwatch.detectors.bus import TopicWriter
 from sdcwatch.core.incident import Incident, IncidentEvent, Severity
 from sdcwatch.core.errors import ConfigError
 from sdcwatch.core.control import CONTROL_TOPIC, ControlError, Decision
@@ -142,7 +142,7 @@ class ControlPolicy:
         return cls(**d)
 
 
-class ControlTopicSink(_TopicWriter):
+class ControlTopicSink(TopicWriter):
     """An incident sink that publishes the policy's decisions to the control topic.
 
     Each (incident, action) is decided once: an incident updated every step does not repeat its

@@ -23,8 +23,8 @@ from sdcwatch.core.names import DEADLETTER_TOPIC, TELEMETRY_TOPIC
 from sdcwatch.detectors.bus import (
     DEADLETTER_MAX_BYTES,
     FAST_JOIN,
-    _DeadLetterCounts,
-    _decode_or_reason,
+    DeadLetterCounts,
+    decode_or_reason,
     dead_letter_value,
 )
 from sdcwatch.detectors.ingest import IngestDecoder, Rejected, SchemaRegistry, count_records
@@ -37,7 +37,7 @@ __all__ = ["KafkaSource"]
 log = logging.getLogger("sdcwatch.detectors")
 
 
-class KafkaSource(_DeadLetterCounts):
+class KafkaSource(DeadLetterCounts):
     """Reads the telemetry topic in a consumer group, with a dead-letter topic for bad messages.
 
     A reader thread owns the consumer: it polls, decodes and dead-letters, and hands decoded
@@ -250,7 +250,7 @@ class KafkaSource(_DeadLetterCounts):
         else:
             for tp, msgs in batches.items():
                 for msg in msgs:
-                    recs, reason, why = _decode_or_reason(msg.value, self.decode, self.limits)
+                    recs, reason, why = decode_or_reason(msg.value, self.decode, self.limits)
                     if recs is not None:
                         out.extend(recs)
                     else:

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 __all__ = ["comm_hook"]
 
 
-def _dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def float_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Dot product of two flat buckets in float32 or wider, without a temporary of their size
     (three such temporaries a bucket cost about ten times more)."""
     if a.dtype not in (torch.float32, torch.float64):
@@ -34,7 +34,7 @@ def comm_hook(watch: Watch, bucket):  # noqa: ANN001,ANN201 - DDP rejects string
     measure = watch.enabled and watch.recording
     if measure:
         local = buf.detach().clone()  # transient, one bucket: the local gradient for the dot product
-        local_sq = _dot(local, local)
+        local_sq = float_dot(local, local)
     buf.div_(dist.get_world_size(group))
     fut = dist.all_reduce(buf, group=group, async_op=True).get_future()
     if not measure:
@@ -46,7 +46,7 @@ def comm_hook(watch: Watch, bucket):  # noqa: ANN001,ANN201 - DDP rejects string
         g = f.value()[0]
         with torch.no_grad():
             watch._buckets.append(
-                (index, local_sq, _dot(local, g), _dot(g, g), fp.tensor_parts(g) if want_fp else None)
+                (index, local_sq, float_dot(local, g), float_dot(g, g), fp.tensor_parts(g) if want_fp else None)
             )
         return g
 

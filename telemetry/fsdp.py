@@ -45,7 +45,7 @@ from torch import nn
 
 from sdcwatch.core.errors import ConfigError
 from sdcwatch.telemetry import fingerprint as fp
-from sdcwatch.telemetry.ddp_hook import _dot
+from sdcwatch.telemetry.ddp_hook import float_dot
 
 if TYPE_CHECKING:
     from sdcwatch.telemetry.probes import Watch
@@ -157,7 +157,7 @@ class ShardedGradients:
                 flat = grads.reshape(-1)
                 size, rank = group.size(), group.rank()
                 chunk = flat.view(size, -1)[rank].clone()  # FSDP pads the input to a multiple of the group
-                self._local[index] = (_dot(flat, flat), chunk)
+                self._local[index] = (float_dot(flat, flat), chunk)
         except Exception as exc:
             self._watch._fail(exc)
 
@@ -175,9 +175,9 @@ class ShardedGradients:
                     want_fp = self._watch.config.grad_fingerprint and self._watch._fingerprint_step
                     self._measured[index] = (
                         local_sq,
-                        _dot(chunk, chunk),
-                        _dot(chunk, out),
-                        _dot(out, out),
+                        float_dot(chunk, chunk),
+                        float_dot(chunk, out),
+                        float_dot(out, out),
                         fp.tensor_parts(out) if want_fp else None,
                     )
             except Exception as exc:

@@ -92,7 +92,7 @@ class DDPSettings:
             GuardConfig.from_dict(self.guard)  # fail here, not in every spawned rank
 
 
-def _emitter(settings: DDPSettings, rank: int) -> Any:
+def rank_emitter(settings: DDPSettings, rank: int) -> Any:
     from sdcwatch.telemetry.emitter import Emitter
     from sdcwatch.telemetry.transports import FileTransport, KafkaTransport
 
@@ -132,7 +132,7 @@ def train_rank(rank: int, settings: DDPSettings) -> None:
             start = int(state["step"])
         ddp = DDP(model)  # broadcasts rank 0's parameters: every replica starts identical
         injector = FaultInjector(settings.faults, rank=rank).attach(model, optimizer)
-        emitter = _emitter(settings, rank)
+        emitter = rank_emitter(settings, rank)
         watch = attach(model, emitter, optimizer=optimizer, ddp=ddp, **settings.probes)
         corpus = shared_corpus(settings.corpus_bytes)
         if settings.guard is not None:

@@ -20,7 +20,7 @@ from typing import Sequence
 from sdcwatch.core.errors import ConfigError
 from sdcwatch.core.names import TELEMETRY_TOPIC
 from sdcwatch.telemetry.faults import load_faults
-from sdcwatch.testbed.ddp import DDPSettings, _emitter, launch as _launch
+from sdcwatch.testbed.ddp import DDPSettings, rank_emitter, launch as _launch
 
 __all__ = ["FSDPSettings", "launch", "train_rank", "main"]
 
@@ -72,7 +72,7 @@ def train_rank(rank: int, settings: FSDPSettings) -> None:
         fully_shard(model, mesh=fsdp_mesh)
         optimizer = torch.optim.Adam(model.parameters(), lr=settings.lr)
         injector = FaultInjector(settings.faults, rank=rank).attach(model, optimizer)
-        emitter = _emitter(settings, rank)
+        emitter = rank_emitter(settings, rank)
         watch = attach(model, emitter, optimizer=optimizer, mesh=mesh, **settings.probes)
         corpus = shared_corpus(settings.corpus_bytes)
         for step in range(settings.steps):

@@ -23,7 +23,7 @@ from sdcwatch.core.record_json import from_json
 from sdcwatch.telemetry.lifecycle import is_end_marker
 
 _SCALARS = ("loss", "loss_global", "grad_norm_local", "grad_norm_global", "grad_cosine", "nonfinite", "step_time")
-_ENTROPY = "attn_entropy"
+ENTROPY = "attn_entropy"
 
 
 @dataclass
@@ -86,7 +86,7 @@ def load_records(path: str | Path, *, run: str | None = None) -> RunData:
                 raise ReplayError(str(path), lineno, str(exc)) from None
             if is_end_marker(rec):  # a rank's end-of-run marker (sdcwatch capture keeps them), not a step
                 continue
-            layer = rec.layers.get(_ENTROPY)
+            layer = rec.layers.get(ENTROPY)
             rows.setdefault(rec.run, []).append(
                 (
                     rec.step,
@@ -130,7 +130,7 @@ def _densify(run: str, rows: list[tuple], world: int, hosts: Mapping[int, str], 
             entropy[i, rank, : len(layer)] = layer
         times.append(wall)
     scalars_out = {name: values[k] for k, name in enumerate(_SCALARS) if name in seen}
-    layers = {_ENTROPY: entropy} if entropy is not None else {}
+    layers = {ENTROPY: entropy} if entropy is not None else {}
     finite_times = [t for t in times if t > 0]
     return RunData(
         run=run,
@@ -242,6 +242,6 @@ def load_incidents(path: str | Path) -> list[Incident]:
 
 
 # Read by both the plots (how an incident is labelled) and the page (the verdict, the suspects).
-def _is_localised(inc: Incident, world: int) -> bool:
+def is_localised(inc: Incident, world: int) -> bool:
     """Whether an incident blames a few ranks (not "ranks 0-5 all went NaN")."""
     return 0 < len(inc.ranks) <= min(3, max(1, world // 2))

@@ -17,7 +17,7 @@ import numpy as np
 from sdcwatch.core.names import DEVIATION_METRICS
 from sdcwatch.report.data import RunData
 
-_MIN_RANKS = 3  # a median and a MAD over fewer ranks say nothing about which one is odd
+MIN_RANKS = 3  # a median and a MAD over fewer ranks say nothing about which one is odd
 
 
 def robust_z(values: np.ndarray) -> np.ndarray:
@@ -35,7 +35,7 @@ def robust_z(values: np.ndarray) -> np.ndarray:
     """
     x = np.asarray(values, dtype=np.float64)
     finite = np.where(np.isfinite(x), x, np.nan)
-    with np.errstate(all="ignore"), _quiet_nan_warnings():
+    with np.errstate(all="ignore"), quiet_nan_warnings():
         med = np.nanmedian(finite, axis=1, keepdims=True)
         mad = np.nanmedian(np.abs(finite - med), axis=1, keepdims=True) * 1.4826
         scale = np.maximum(mad, np.maximum(np.abs(med) * 1e-6, 1e-12))
@@ -78,7 +78,7 @@ def rank_deviation(data: RunData) -> Deviation:
 
 
 @contextlib.contextmanager
-def _quiet_nan_warnings() -> Iterator[None]:
+def quiet_nan_warnings() -> Iterator[None]:
     """All-NaN slices (a step nobody reported) are expected; keep numpy quiet about them."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
@@ -94,7 +94,7 @@ def _mean_over_ranks(data: RunData, name: str) -> np.ndarray:
         return np.where(count > 0, total / np.maximum(count, 1), np.nan)
 
 
-def _global_series(data: RunData) -> tuple[tuple[str, np.ndarray, np.ndarray | None], ...]:
+def global_series(data: RunData) -> tuple[tuple[str, np.ndarray, np.ndarray | None], ...]:
     """(label, series, per-rank values for the spread band or None) for loss and gradient norm."""
     out = []
     if "loss_global" in data.scalars and np.any(data.present & ~np.isnan(data.scalars["loss_global"])):

@@ -14,8 +14,8 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from sdcwatch.core.incident import Incident
 from sdcwatch.core.errors import ReplayError
-from sdcwatch.report.data import _ENTROPY, RunData, _is_localised, incident_from_dict, load_incidents, load_records
-from sdcwatch.report.deviation import _MIN_RANKS
+from sdcwatch.report.data import ENTROPY, RunData, is_localised, incident_from_dict, load_incidents, load_records
+from sdcwatch.report.deviation import MIN_RANKS
 from sdcwatch.report.plots import Z_FLAG, plot_attention, plot_heatmap, plot_training
 
 
@@ -56,7 +56,7 @@ def _describe_injected(injected: Any) -> str:
 def _suspect_ranks(incidents: Sequence[Incident], world: int) -> list[int]:
     """Ranks blamed by the most severe localised incidents, the most specific first (at most 3)."""
     ranked = sorted(
-        (i for i in incidents if _is_localised(i, world)), key=lambda i: (-i.severity.rank, len(i.ranks), i.first_step)
+        (i for i in incidents if is_localised(i, world)), key=lambda i: (-i.severity.rank, len(i.ranks), i.first_step)
     )
     out: list[int] = []
     for inc in ranked:
@@ -118,9 +118,9 @@ def _verdict(incidents: Sequence[Incident], data: RunData, faults: Sequence[Mapp
         )
     if not incidents:
         return "clean", "No incidents were raised for this run."
-    top = sorted(incidents, key=lambda i: (-i.severity.rank, not _is_localised(i, data.world), i.first_step))[0]
+    top = sorted(incidents, key=lambda i: (-i.severity.rank, not is_localised(i, data.world), i.first_step))[0]
     where = ""
-    if _is_localised(top, data.world):
+    if is_localised(top, data.world):
         where = " — " + ", ".join(
             f"rank {r}" + (f" (host {data.host_of(r)})" if data.host_of(r) else "") for r in top.ranks
         )
@@ -224,10 +224,10 @@ def render_report(
             + "</section>"
         )
     heat, used, _ = plot_heatmap(data, incidents, faults)
-    if data.world < _MIN_RANKS:
+    if data.world < MIN_RANKS:
         parts.append(
             "<section id='ranks'><h2>Which rank strays from the others</h2><p class='caption'>This run has "
-            f"{data.world} rank{'s' * (data.world != 1)}: comparing ranks needs at least {_MIN_RANKS}.</p></section>"
+            f"{data.world} rank{'s' * (data.world != 1)}: comparing ranks needs at least {MIN_RANKS}.</p></section>"
         )
     elif heat:
         parts.append(
@@ -241,7 +241,7 @@ def render_report(
         )
     attention, shown = plot_attention(data, incidents, suspects, faults)
     if attention:
-        n_layers = data.layers[_ENTROPY].shape[2]
+        n_layers = data.layers[ENTROPY].shape[2]
         which = "every layer" if len(shown) == n_layers else f"{len(shown)} of {n_layers} layers"
         parts.append(
             "<section id='attention'><h2>Attention entropy per layer</h2><p class='caption'>Mean over ranks "

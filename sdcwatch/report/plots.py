@@ -15,8 +15,8 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from sdcwatch.core.incident import Incident
-from sdcwatch.report.data import _ENTROPY, RunData, _is_localised
-from sdcwatch.report.deviation import _MIN_RANKS, _global_series, _quiet_nan_warnings, rank_deviation
+from sdcwatch.report.data import ENTROPY, RunData, is_localised
+from sdcwatch.report.deviation import MIN_RANKS, global_series, quiet_nan_warnings, rank_deviation
 
 _Z_CAP = 10.0  # top of the heat map's colour scale; beyond it a rank is plainly off
 Z_FLAG = 3.5  # |z| counted as "flagged" in the per-rank bar
@@ -71,7 +71,7 @@ def _shade_incidents(ax: Any, incidents: Sequence[Incident], steps: np.ndarray, 
         ax.axvspan(inc.first_step - half, inc.last_step + half, color=colour, alpha=0.16, linewidth=0, zorder=0)
         ax.axvline(inc.first_step, color=colour, linewidth=1.0, alpha=0.8, zorder=1)
         if labels:
-            if _is_localised(inc, world):
+            if is_localised(inc, world):
                 text = f"#{n} {inc.kind} r{','.join(map(str, inc.ranks))}"
             else:
                 text = f"#{n} {inc.kind}" + (f" ({len(inc.ranks)} ranks)" if inc.ranks else "")
@@ -146,7 +146,7 @@ def _plot_series(
     limits = _robust_limits(series if per_rank is None else np.concatenate([series, per_rank[present]]))
     if per_rank is not None and per_rank.shape[1] > 1:
         masked = np.where(present & np.isfinite(per_rank), per_rank, np.nan)
-        with _quiet_nan_warnings():
+        with quiet_nan_warnings():
             lo, hi = np.nanmin(masked, axis=1), np.nanmax(masked, axis=1)
         ax.fill_between(steps, lo, hi, color=colour, alpha=0.14, linewidth=0, label="min-max over ranks")
     ax.plot(steps, np.where(np.isfinite(series), series, np.nan), color=colour, linewidth=1.3, label=label)
@@ -182,7 +182,7 @@ def _plot_series(
 
 
 def plot_training(data: RunData, incidents: Sequence[Incident], faults: Sequence[Mapping[str, Any]]) -> str | None:
-    series = _global_series(data)
+    series = global_series(data)
     if not series:
         return None
     fig = _new_figure(11.5, 2.5 * len(series) + 0.6)
@@ -203,7 +203,7 @@ def _bin_columns(score: np.ndarray, steps: np.ndarray) -> tuple[np.ndarray, np.n
     if len(steps) <= _HEATMAP_COLUMNS:
         return score, steps
     starts = np.linspace(0, len(steps), _HEATMAP_COLUMNS, endpoint=False).astype(int)
-    with _quiet_nan_warnings():
+    with quiet_nan_warnings():
         binned = np.fmax.reduceat(score, starts, axis=0)
     return binned, steps[starts]
 
@@ -212,7 +212,7 @@ def plot_heatmap(
     data: RunData, incidents: Sequence[Incident], faults: Sequence[Mapping[str, Any]]
 ) -> tuple[str | None, list[str], np.ndarray]:
     score, used, widespread = rank_deviation(data)
-    if not used or data.world < _MIN_RANKS:
+    if not used or data.world < MIN_RANKS:
         return None, used, np.zeros(data.world)
     from matplotlib.colors import LinearSegmentedColormap, ListedColormap
     from matplotlib.patches import Rectangle
@@ -221,7 +221,7 @@ def plot_heatmap(
     # (when every rank is non-finite, nobody stands out).
     comparable = np.isfinite(score).any(axis=1)
     flags = np.where(data.present, np.where(np.isnan(score), False, score > Z_FLAG), np.nan)[comparable]
-    with _quiet_nan_warnings():
+    with quiet_nan_warnings():
         flagged = np.nan_to_num(np.nanmean(flags, axis=0) * 100) if len(flags) else np.zeros(data.world)
     binned, starts = _bin_columns(score, data.steps)
     world = data.world
@@ -339,7 +339,7 @@ def plot_heatmap(
 def plot_attention(
     data: RunData, incidents: Sequence[Incident], suspects: Sequence[int], faults: Sequence[Mapping[str, Any]]
 ) -> tuple[str | None, list[int]]:
-    entropy = data.layers.get(_ENTROPY)
+    entropy = data.layers.get(ENTROPY)
     if entropy is None or entropy.shape[2] == 0:
         return None, []
     n_layers = entropy.shape[2]
@@ -357,7 +357,7 @@ def plot_attention(
     steps = data.steps
     present = data.present[:, :, None]
     values = np.where(present & np.isfinite(entropy), entropy, np.nan).astype(np.float64)
-    with _quiet_nan_warnings():
+    with quiet_nan_warnings():
         mean = np.nanmean(values, axis=1)
         lo = np.nanmin(values, axis=1)
         hi = np.nanmax(values, axis=1)

@@ -27,7 +27,7 @@ from sdcwatch.report import (
     report_main,
     write_report,
 )
-from sdcwatch.report.deviation import _global_series
+from sdcwatch.report.deviation import global_series
 from sdcwatch.report.plots import _robust_limits
 from sdcwatch.core.record import Record
 from sdcwatch.core.record_json import to_json
@@ -347,7 +347,7 @@ def test_real_benign_spike_stays_on_scale_and_is_marked(tmp_path):
     rows = _real_log("modded_nanogpt_muon_124m.csv")
     data = load_records(_records_from_log(rows, tmp_path / "muon.jsonl"))
     assert len(data.steps) == len(rows)
-    ((label, loss, _),) = _global_series(data)
+    ((label, loss, _),) = global_series(data)
     lo, hi = _robust_limits(loss)
     assert hi >= float(loss[data.steps == 947][0]) > 5.0  # a real spike is drawn, not clipped off
     spike = {
