@@ -115,6 +115,12 @@ def _campaign_parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=0, help="seed of the model, data and generator (default 0)")
     ap.add_argument("--ranks", type=int, help="simulated data-parallel ranks (default 8)")
     ap.add_argument(
+        "--parallel",
+        metavar="LAYOUT",
+        help="simulate a tensor x pipeline x data parallel layout instead, e.g. tp=2,pp=2,dp=4 "
+        "(16 ranks; a fault's rank is a global rank)",
+    )
+    ap.add_argument(
         "--steps",
         type=int,
         nargs=2,
@@ -160,8 +166,12 @@ def campaign_main(argv: Sequence[str]) -> dict:
         changes["classes"] = tuple(args.classes)
     if args.trials is not None:
         changes["trials"] = args.trials
+    if args.ranks is not None and args.parallel is not None:
+        raise ConfigError("ranks", "give --ranks or --parallel, not both (the layout sets the rank count)")
     if args.ranks is not None:
         changes["world"] = args.ranks
+    if args.parallel is not None:
+        changes["parallel"] = args.parallel
     if args.batch_size is not None:
         changes["batch_size"] = args.batch_size
     if args.wire is not None:

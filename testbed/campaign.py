@@ -147,8 +147,18 @@ class CampaignConfig:
     wire: str | None = None
     """Send the records through this wire format (``v1``, ``v2``) and the service's decoder and
     aligner before detection; None: detect on the records as built."""
+    parallel: str | None = None
+    """A ``tp x pp x dp`` layout such as ``tp=2,pp=2,dp=4`` (:mod:`sdcwatch.testbed.parallel3d`):
+    the ranks hold tensor and pipeline shards; ``world`` is then the layout's rank count. None:
+    ``world`` data-parallel replicas."""
 
     def __post_init__(self) -> None:
+        if self.parallel is not None:
+            from sdcwatch.testbed.parallel3d import parse_layout
+
+            layout = parse_layout(self.parallel)
+            object.__setattr__(self, "parallel", str(layout))
+            object.__setattr__(self, "world", layout.world)
         for key, lo in (
             ("world", 2),
             ("trials", 1),
@@ -218,9 +228,16 @@ def fault_class(spec: Any) -> str:
     return "bad_batch_all" if spec.rank is None else "bad_batch_rank"
 
 
-def _generate_one(cls: str, rng: random.Random, world: int, n_layer: int, step: int) -> dict[str, Any]:
+def _generate_one(
+    cls: str, rng: random.Random, world: int, n_layer: int, step: int, place: Callable | None = None
+) -> dict[str, Any]:
     layer = rng.randrange(n_layer)
     rank = rng.randrange(world)
+    spec = _generate_spec(cls, rng, rank, layer, step)
+    return spec if place is None else place(spec)
+
+
+def _generate_spec(cls: str, rng: random.Random, rank: int, layer: int, step: int) -> dict[str, Any]:
     seed = rng.randrange(1 << 30)
     base = {"rank": rank, "step": step, "seed": seed}
     if cls.endswith("_attn") or cls.endswith("_other"):
@@ -300,11 +317,18 @@ def generate_trials(config: CampaignConfig, n_layer: int | None = None) -> list[
 
         n_layer = GPTConfig().n_layer
     rng = random.Random(f"sdcwatch-campaign:{config.seed}")
+    place = None
+    if config.parallel is not None:
+        from sdcwatch.testbed.parallel3d import place_fault
+
+        place = lambda spec: place_fault(spec, config.parallel, n_layer)  # noqa: E731
     out = []
     for i in range(config.trials):
         cls = config.classes[i % len(config.classes)]
         step = rng.randint(*config.fault_offset)
-        spec = FaultSpec.from_dict(_generate_one(cls, rng, config.world, n_layer, step), where=f"generated[{i}]")
+        spec = FaultSpec.from_dict(
+            _generate_one(cls, rng, config.world, n_layer, step, place), where=f"generated[{i}]"
+        )
         out.append(Trial(i, cls, spec, data_seed=rng.randrange(1 << 20)))
     return out
 
@@ -335,8 +359,11 @@ class RecordCollector:
 
     dropped = 0
 
-    def __init__(self, sink: list, *, run: str, rank: int, world: int, host: str) -> None:
+    def __init__(
+        self, sink: list, *, run: str, rank: int, world: int, host: str, coords: dict[str, int] | None = None
+    ) -> None:
         self.sink, self.run, self.rank, self.world, self.host = sink, run, rank, world, host
+        self.coords = dict(coords or {})
 
     def emit(self, step: int, *, layers=None, fingerprints=None, time: float | None = None, **scalars: float) -> None:
         from sdcwatch.core.record import Record
@@ -397,13 +424,24 @@ def _flat_params(run: Any) -> list[Any]:
 
 
 def _new_run(config: CampaignConfig, faults: Sequence[Any], records: list, run_id: str, guard: Any = None) -> Any:
+    from sdcwatch.telemetry.presets import probe_config
     from sdcwatch.testbed.simulated import SimulatedRun
 
-    def factory(rank: int, host: str = "") -> RecordCollector:
-        return RecordCollector(records, run=run_id, rank=rank, world=config.world, host=host)
+    def factory(rank: int, host: str = "", coords: dict[str, int] | None = None) -> RecordCollector:
+        return RecordCollector(records, run=run_id, rank=rank, world=config.world, host=host, coords=coords)
 
-    from sdcwatch.telemetry.presets import probe_config
+    if config.parallel is not None:
+        from sdcwatch.testbed.parallel3d import ParallelSimulatedRun
 
+        return ParallelSimulatedRun(
+            config.parallel,
+            seed=config.seed,
+            faults=faults,
+            emitter_factory=factory,
+            batch_size=config.batch_size,
+            guard=guard,
+            probes=probe_config(config.probes)[1],
+        )
     return SimulatedRun(
         config.world,
         seed=config.seed,
@@ -682,7 +720,11 @@ def run_campaign(
 
     with tempfile.TemporaryDirectory(prefix="sdcwatch-campaign-", dir=workdir) as tmp:
         ckpt = Path(tmp) / "checkpoint.pt"
-        say(f"campaign: training {config.world} simulated ranks for {config.pretrain_steps} steps to the checkpoint")
+        shape = f" ({config.parallel})" if config.parallel else ""
+        say(
+            f"campaign: training {config.world} simulated ranks{shape} for {config.pretrain_steps} steps to the "
+            f"checkpoint"
+        )
         t0 = time.perf_counter()
         records: list = []
         # with the guard, the checkpoint carries its baselines (learnt in report mode: nothing changes)

@@ -269,22 +269,9 @@ class SimulatedRun:
         for r in range(self.world):
             inj.rank = r
             factors.append(inj.lr_factor())
-        common = factors[0] if all(f == factors[0] for f in factors) else 1.0
 
         def update() -> None:
-            before = [p.detach().clone() for p in self.params] if any(f != common for f in factors) else None
-            saved = [group["lr"] for group in self.optimizer.param_groups]
-            for group in self.optimizer.param_groups:
-                group["lr"] = group["lr"] * common
-            self.optimizer.step()
-            for group, lr in zip(self.optimizer.param_groups, saved):
-                group["lr"] = lr
-            if before is not None:  # a rank with its own learning rate drifts from the shared update
-                with torch.no_grad():
-                    for r, f in enumerate(factors):
-                        if f != common:
-                            for i, (p, b) in enumerate(zip(self.params, before)):
-                                self._add_delta(r, i, (p.detach() - b) * (f / common - 1.0))
+            self._update(factors)
 
         evicted: BaseException | None = None
         guard_scalars: dict[str, float] = {}
@@ -339,6 +326,24 @@ class SimulatedRun:
         if evicted is not None:
             raise evicted
         return value
+
+    def _update(self, factors: Sequence[float]) -> None:
+        """The optimizer step with each replica's learning-rate factor (an ``lr_spike`` on some
+        ranks): the shared update takes the common factor, a replica with its own drifts from it."""
+        common = factors[0] if all(f == factors[0] for f in factors) else 1.0
+        before = [p.detach().clone() for p in self.params] if any(f != common for f in factors) else None
+        saved = [group["lr"] for group in self.optimizer.param_groups]
+        for group in self.optimizer.param_groups:
+            group["lr"] = group["lr"] * common
+        self.optimizer.step()
+        for group, lr in zip(self.optimizer.param_groups, saved):
+            group["lr"] = lr
+        if before is not None:  # a rank with its own learning rate drifts from the shared update
+            with torch.no_grad():
+                for r, f in enumerate(factors):
+                    if f != common:
+                        for i, (p, b) in enumerate(zip(self.params, before)):
+                            self._add_delta(r, i, (p.detach() - b) * (f / common - 1.0))
 
     def _peer_loss(self, suspect: int, on: int) -> torch.Tensor:
         """``suspect``'s micro-batch of this step (its data, bad data included) through ``on``'s replica
