@@ -265,8 +265,15 @@ def run_demo(
     quiet: bool = False,
     progress_every: int = 10,
     guard: bool = False,
+    parallel: str | None = None,
 ) -> DemoResult:
-    """Run the demo end to end and return what happened (the CLI prints it)."""
+    """Run the demo end to end and return what happened (the CLI prints it).
+
+    ``parallel`` (e.g. ``"tp=2,pp=2,dp=4"``) simulates a tensor x pipeline x data parallel job
+    (:mod:`sdcwatch.testbed.parallel3d`) instead of ``ranks`` data-parallel replicas: ``ranks``
+    becomes the layout's rank count, the fault's default rank one on the last stage, and a preset's
+    layer one of its rank's stage.
+    """
     import torch
 
     from sdcwatch.broker import EmbeddedBroker
@@ -276,6 +283,16 @@ def run_demo(
     from sdcwatch.telemetry.faults import FaultSpec
     from sdcwatch.testbed.simulated import SimulatedRun
 
+    layout = None
+    if parallel is not None:
+        from sdcwatch.testbed.parallel3d import parse_layout, place_fault
+
+        layout = parse_layout(parallel)
+        if guard:
+            raise ConfigError("guard", "the guard is not simulated under tensor or pipeline parallelism")
+        if layout.dp < 2:
+            raise ConfigError("parallel", f"the demo needs at least 2 data-parallel replicas to compare, got {layout}")
+        ranks = layout.world
     if ranks < 2:
         raise ConfigError("ranks", f"the demo needs at least 2 ranks to compare, got {ranks}")
     if steps < 40:
@@ -283,10 +300,16 @@ def run_demo(
     torch.set_num_threads(1)
     t_start = time.monotonic()
     f_rank = (ranks // 2 - 1 if ranks > 2 else 1) if fault_rank is None else fault_rank
+    if layout is not None and fault_rank is None:  # a rank of the last stage, where the loss is
+        f_rank = layout.rank(layout.dp // 2 - 1, layout.pp - 1, layout.tp - 1)
     f_step = max(30, int(steps * 0.55)) if fault_step is None else fault_step
     if not 0 <= f_rank < ranks:
         raise ConfigError("fault_rank", f"must be in 0..{ranks - 1}, got {f_rank}")
     description, fault_dicts = preset_faults(fault, rank=f_rank, step=f_step, seed=seed)
+    if layout is not None and fault in PRESETS:
+        from sdcwatch.testbed.model import GPTConfig
+
+        fault_dicts = [place_fault(d, layout, GPTConfig().n_layer) for d in fault_dicts]
     faults = [FaultSpec.from_dict(d, where=f"fault {i}") for i, d in enumerate(fault_dicts)]
     injected_step = min((f.step for f in faults), default=None)
     ranks_hit = {f.rank for f in faults}
@@ -305,7 +328,9 @@ def run_demo(
             print(msg, file=progress, flush=True)
 
     say(
-        f"sdcwatch demo: {ranks} simulated ranks, {steps} steps, fault: {fault} ({description})"
+        f"sdcwatch demo: {ranks} simulated ranks"
+        + (f" ({layout})" if layout is not None else "")
+        + f", {steps} steps, fault: {fault} ({description})"
         + ("; guard on (skip, rerun, roll back, evict)" if guard else "")
     )
     if faults:
@@ -343,7 +368,7 @@ def run_demo(
 
         emitters: list[Any] = []
 
-        def factory(rank: int, host: str = "") -> Any:
+        def factory(rank: int, host: str = "", coords: dict[str, int] | None = None) -> Any:
             em = Emitter(
                 KafkaTransport(broker.bootstrap), run=run_id, rank=rank, world=ranks, host=host or f"node{rank // 4}"
             )
@@ -373,9 +398,14 @@ def run_demo(
         guard_config = GuardConfig(mode="act") if guard else None
         if guard and not quiet:  # the demo prints each action itself
             logging.getLogger("sdcwatch.guard").setLevel(logging.ERROR)
-        run = SimulatedRun(
-            world=ranks, seed=seed, faults=faults, emitter_factory=factory, guard=guard_config, control=control
-        )
+        if layout is not None:
+            from sdcwatch.testbed.parallel3d import ParallelSimulatedRun
+
+            run = ParallelSimulatedRun(layout, seed=seed, faults=faults, emitter_factory=factory)
+        else:
+            run = SimulatedRun(
+                world=ranks, seed=seed, faults=faults, emitter_factory=factory, guard=guard_config, control=control
+            )
         try:
             while run.step < steps:
                 try:
@@ -533,7 +563,14 @@ def demo_main(argv: Sequence[str]) -> int:
         help="a preset (" + ", ".join(PRESETS) + ") or a fault file in the injector's JSON format "
         "(default %(default)s)",
     )
-    parser.add_argument("--ranks", type=int, default=8, help="simulated data-parallel ranks (default %(default)s)")
+    parser.add_argument("--ranks", type=int, default=None, help="simulated data-parallel ranks (default 8)")
+    parser.add_argument(
+        "--parallel",
+        metavar="LAYOUT",
+        default=None,
+        help="simulate a tensor x pipeline x data parallel job instead, e.g. tp=2,pp=2,dp=4 (16 ranks; "
+        "--fault-rank is then a global rank, default one on the last pipeline stage)",
+    )
     parser.add_argument("--steps", type=int, default=160, help="training steps (default %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="seed for the model, data and fault (default %(default)s)")
     parser.add_argument("--fault-rank", type=int, default=None, help="rank the preset hits (default: ranks/2 - 1)")
@@ -555,9 +592,11 @@ def demo_main(argv: Sequence[str]) -> int:
         for name, (desc, _) in PRESETS.items():
             print(f"{name:15s} {desc}")
         return 0
+    if args.ranks is not None and args.parallel is not None:
+        raise ConfigError("ranks", "give --ranks or --parallel, not both (the layout sets the rank count)")
     result = run_demo(
         fault=args.fault,
-        ranks=args.ranks,
+        ranks=8 if args.ranks is None else args.ranks,
         steps=args.steps,
         seed=args.seed,
         fault_rank=args.fault_rank,
@@ -567,6 +606,7 @@ def demo_main(argv: Sequence[str]) -> int:
         metrics_port=args.metrics_port,
         quiet=False,
         guard=args.guard,
+        parallel=args.parallel,
     )
     if args.json:
         print(json.dumps(result.to_dict(), allow_nan=False))

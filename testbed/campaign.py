@@ -326,9 +326,7 @@ def generate_trials(config: CampaignConfig, n_layer: int | None = None) -> list[
     for i in range(config.trials):
         cls = config.classes[i % len(config.classes)]
         step = rng.randint(*config.fault_offset)
-        spec = FaultSpec.from_dict(
-            _generate_one(cls, rng, config.world, n_layer, step, place), where=f"generated[{i}]"
-        )
+        spec = FaultSpec.from_dict(_generate_one(cls, rng, config.world, n_layer, step, place), where=f"generated[{i}]")
         out.append(Trial(i, cls, spec, data_seed=rng.randrange(1 << 20)))
     return out
 

@@ -64,7 +64,16 @@ from sdcwatch.telemetry.faultspec import TENSOR_KINDS
 from sdcwatch.telemetry.probes import ProbeConfig
 from sdcwatch.testbed.simulated import SimulatedRun
 
-__all__ = ["Layout3D", "place_fault", "stage_blocks", "ShardPlan", "ShardInjector", "ShardProbe", "ParallelSimulatedRun", "parse_layout"]
+__all__ = [
+    "Layout3D",
+    "place_fault",
+    "stage_blocks",
+    "ShardPlan",
+    "ShardInjector",
+    "ShardProbe",
+    "ParallelSimulatedRun",
+    "parse_layout",
+]
 
 _BLOCK = re.compile(r"^blocks\.(\d+)(\.|$)")
 
@@ -645,7 +654,10 @@ class ParallelSimulatedRun(SimulatedRun):
                 loss = self.model.loss(batch)
                 loss.backward()
             torch.cat(
-                [p.grad.reshape(-1) if p.grad is not None else torch.zeros(n) for p, n in zip(self.params, self._sizes)],
+                [
+                    p.grad.reshape(-1) if p.grad is not None else torch.zeros(n)
+                    for p, n in zip(self.params, self._sizes)
+                ],
                 out=self._grads[r],
             )
             losses[r] = loss.detach()
