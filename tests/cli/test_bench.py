@@ -190,6 +190,23 @@ def test_quick_campaign_scores_every_detector_and_catches_the_nonfinite_fault(tm
     assert "Fault-injection campaign" in md.read_text()
 
 
+def test_quick_campaign_under_a_3d_layout_names_the_nan_rank_and_blames_nobody_else(tmp_path):
+    out = tmp_path / "campaign.json"
+    result = campaign_main(["--quick", "--parallel", "dp=2,tp=2,pp=2", "--detectors", "sdcwatch", "--out", str(out)])
+    assert result["config"]["parallel"] == "tp=2,pp=2,dp=2" and result["config"]["world"] == 8
+    by_class = {t["class"]: t for t in result["trials"]}
+    assert set(by_class) == {"nan_attn", "bad_batch_all", "unhealthy_node"}
+    nan = by_class["nan_attn"]
+    assert nan["impact"]["class"] == "nonfinite" and 0 <= nan["culprit_rank"] < 8
+    sw = nan["detectors"]["sdcwatch"]
+    assert sw["detected"] and sw["delay"] == 0 and sw["localized_rank"] == nan["culprit_rank"]
+    bad = by_class["bad_batch_all"]["detectors"]["sdcwatch"]
+    assert bad["attribution"] != "sdc"
+    assert all(t["detectors"]["sdcwatch"]["false_alarms"] == 0 for t in result["trials"]), result["trials"]
+    with pytest.raises(ConfigError, match="--parallel"):
+        campaign_main(["--quick", "--parallel", "tp=2,dp=2", "--ranks", "4"])
+
+
 def test_quick_campaign_with_the_guard_runs_three_ways_and_saves_the_damage(tmp_path, capsys):
     out = tmp_path / "campaign.json"
     result = campaign_main(["--quick", "--guard", "--detectors", "sdcwatch", "--out", str(out)])

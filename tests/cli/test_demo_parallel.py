@@ -1,0 +1,83 @@
+"""The demo on a simulated tensor x pipeline x data parallel job (``--parallel tp=2,pp=2,dp=4``),
+end to end on the real broker: ranks of different pieces differ by design and must not be blamed."""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+
+import pytest
+
+from sdcwatch.core.kinds import LOCALISING_KINDS
+
+pytestmark = pytest.mark.integration
+
+pytest.importorskip("torch")
+
+LAYOUT = "tp=2,pp=2,dp=4"
+
+
+def test_demo_parallel_names_the_unhealthy_rank_in_its_json_summary(tmp_path):
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "sdcwatch.cli",
+            "demo",
+            "--parallel",
+            LAYOUT,
+            "--fault",
+            "unhealthy-node",
+            "--steps",
+            "110",
+            "--fault-step",
+            "70",
+            "--json",
+            "--out-dir",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    summary = json.loads(out.stdout)
+    assert summary["ranks"] == 16
+    assert summary["fault_rank"] == 11  # the default: a rank of the last stage (replica 1, tensor shard 1)
+    assert summary["detected"] is True, summary["incidents"]
+    assert summary["localized_rank"] == 11, summary["incidents"]
+    assert summary["first_detection_step"] - 70 <= 50
+    assert summary["false_alarms"] == 0, summary["incidents"]
+    blamed = {r for i in summary["incidents"] if i["kind"] in LOCALISING_KINDS for r in i["ranks"]}
+    assert blamed == {11}, summary["incidents"]
+    assert f"({LAYOUT})" in out.stderr  # the progress says what it simulates
+
+
+def test_demo_parallel_clean_run_raises_nothing(tmp_path):
+    from sdcwatch.demo import run_demo
+
+    r = run_demo(
+        fault="none", parallel=LAYOUT, steps=110, seed=0, out_dir=str(tmp_path), progress=io.StringIO(), quiet=True
+    )
+    assert r.ranks == 16
+    assert r.incidents == []
+    assert not r.detected and r.localized_rank is None
+
+
+def test_demo_parallel_layout_errors_are_clear():
+    out = subprocess.run(
+        [sys.executable, "-m", "sdcwatch.cli", "demo", "--parallel", "tp=2,pp=2,dp=4", "--ranks", "8"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode != 0 and "--parallel" in out.stderr
+    out = subprocess.run(
+        [sys.executable, "-m", "sdcwatch.cli", "demo", "--parallel", "tp=2,pp=two"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode != 0 and "pp='two'" in out.stderr and "not an integer" in out.stderr
