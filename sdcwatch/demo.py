@@ -285,12 +285,13 @@ def run_demo(
 
     layout = None
     if parallel is not None:
-        from sdcwatch.testbed.parallel3d import parse_layout, place_fault
+        from sdcwatch.testbed.parallel3d import parse_layout, place_fault, rank_at, sizes
 
         layout = parse_layout(parallel)
         if guard:
             raise ConfigError("guard", "the guard is not simulated under tensor or pipeline parallelism")
-        if layout.dp < 2:
+        tp, pp, dp = sizes(layout)
+        if dp < 2:
             raise ConfigError("parallel", f"the demo needs at least 2 data-parallel replicas to compare, got {layout}")
         ranks = layout.world
     if ranks < 2:
@@ -301,7 +302,7 @@ def run_demo(
     t_start = time.monotonic()
     f_rank = (ranks // 2 - 1 if ranks > 2 else 1) if fault_rank is None else fault_rank
     if layout is not None and fault_rank is None:  # a rank of the last stage, where the loss is
-        f_rank = layout.rank(layout.dp // 2 - 1, layout.pp - 1, layout.tp - 1)
+        f_rank = rank_at(layout, dp // 2 - 1, pp - 1, tp - 1)
     f_step = max(30, int(steps * 0.55)) if fault_step is None else fault_step
     if not 0 <= f_rank < ranks:
         raise ConfigError("fault_rank", f"must be in 0..{ranks - 1}, got {f_rank}")
@@ -370,7 +371,12 @@ def run_demo(
 
         def factory(rank: int, host: str = "", coords: dict[str, int] | None = None) -> Any:
             em = Emitter(
-                KafkaTransport(broker.bootstrap), run=run_id, rank=rank, world=ranks, host=host or f"node{rank // 4}"
+                KafkaTransport(broker.bootstrap),
+                run=run_id,
+                rank=rank,
+                world=ranks,
+                host=host or f"node{rank // 4}",
+                coords=coords,
             )
             emitters.append(em)
             return em

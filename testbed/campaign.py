@@ -378,6 +378,7 @@ class RecordCollector:
                 dict(scalars),
                 dict(fingerprints or {}),
                 dict(layers or {}),
+                self.coords,
             )
         )
 

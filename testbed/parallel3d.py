@@ -47,7 +47,6 @@ import inspect
 import math
 import re
 import time
-from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
@@ -55,6 +54,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from sdcwatch.core.errors import ConfigError
+from sdcwatch.core.mesh import Layout
 from sdcwatch.telemetry import fingerprint as fp
 from sdcwatch.telemetry.checksum import abs_max, check_linear, check_matmul
 from sdcwatch.telemetry.emitter import NullEmitter
@@ -65,70 +65,53 @@ from sdcwatch.telemetry.probes import ProbeConfig
 from sdcwatch.testbed.simulated import SimulatedRun
 
 __all__ = [
-    "Layout3D",
-    "place_fault",
+    "SIMULATED_DIMS",
+    "parse_layout",
+    "sizes",
+    "rank_at",
+    "place_of",
     "stage_blocks",
+    "place_fault",
     "ShardPlan",
     "ShardInjector",
     "ShardProbe",
     "ParallelSimulatedRun",
-    "parse_layout",
 ]
 
 _BLOCK = re.compile(r"^blocks\.(\d+)(\.|$)")
 
 
-@dataclass(frozen=True)
-class Layout3D:
-    """A ``tp x pp x dp`` layout; global rank ``r = tp_index + tp * (dp_index + dp * pp_index)``
-    (Megatron-LM's order: tensor ranks adjacent, pipeline stages outermost)."""
-
-    tp: int = 1
-    pp: int = 1
-    dp: int = 1
-
-    def __post_init__(self) -> None:
-        for key in ("tp", "pp", "dp"):
-            v = getattr(self, key)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ConfigError(f"parallel.{key}", f"must be an integer >= 1, got {v!r}")
-
-    @property
-    def world(self) -> int:
-        return self.tp * self.pp * self.dp
-
-    def rank(self, dp: int, pp: int, tp: int) -> int:
-        """The global rank at these coordinates."""
-        return tp + self.tp * (dp + self.dp * pp)
-
-    def coords(self, rank: int) -> dict[str, int]:
-        """``{"dp_replicate": d, "tp": t, "pp": p}`` of a global rank."""
-        if not 0 <= rank < self.world:
-            raise ConfigError("parallel.rank", f"{rank} is outside the layout's {self.world} ranks")
-        t, rest = rank % self.tp, rank // self.tp
-        return {"dp_replicate": rest % self.dp, "tp": t, "pp": rest // self.dp}
-
-    def __str__(self) -> str:
-        return f"tp={self.tp},pp={self.pp},dp={self.dp}"
+#: The mesh dims the simulation lays ranks out on (:mod:`sdcwatch.core.mesh` names).
+SIMULATED_DIMS = ("pp", "dp_replicate", "tp")
 
 
-def parse_layout(text: str) -> Layout3D:
-    """``"tp=2,pp=2,dp=4"`` (any order; a dimension left out has size 1) as a :class:`Layout3D`."""
-    if not isinstance(text, str) or not text.strip():
-        raise ConfigError("parallel", f"expected a layout such as tp=2,pp=2,dp=4, got {text!r}")
-    sizes: dict[str, int] = {}
-    for part in text.split(","):
-        key, sep, value = part.strip().partition("=")
-        key = key.strip().lower()
-        if not sep or key not in ("tp", "pp", "dp"):
-            raise ConfigError("parallel", f"{part.strip()!r} in {text!r}: expected tp=N, pp=N or dp=N")
-        if key in sizes:
-            raise ConfigError("parallel", f"{key} given twice in {text!r}")
-        try:
-            sizes[key] = int(value)
-        except ValueError:
-            raise ConfigError("parallel", f"{key}={value.strip()!r} in {text!r} is not an integer") from None
-    return Layout3D(**sizes)
+def parse_layout(layout: "Layout | str") -> Layout:
+    """A ``tp x pp x dp`` layout (:class:`sdcwatch.core.mesh.Layout`) with all three dims, from
+    ``"tp=2,pp=2,dp=4"`` (any order; a dim left out has size 1) or a layout; ConfigError for a dim
+    the simulation does not model (context, expert or sharded data parallelism)."""
+    parsed = Layout.parse(layout, key="parallel") if isinstance(layout, str) else layout
+    if not isinstance(parsed, Layout):
+        raise ConfigError("parallel", f"expected a layout such as tp=2,pp=2,dp=4, got {layout!r}")
+    other = [d for d in parsed.sizes if d not in SIMULATED_DIMS]
+    if other:
+        raise ConfigError("parallel", f"{', '.join(other)} is not simulated (only tp, pp and dp): {parsed}")
+    return Layout({d: parsed.sizes.get(d, 1) for d in SIMULATED_DIMS}, key="parallel")
+
+
+def sizes(layout: Layout) -> tuple[int, int, int]:
+    """(tp, pp, dp) of a layout from :func:`parse_layout`."""
+    return layout.sizes["tp"], layout.sizes["pp"], layout.sizes["dp_replicate"]
+
+
+def rank_at(layout: Layout, dp: int, pp: int, tp: int) -> int:
+    """The global rank of data-parallel replica ``dp``, stage ``pp``, tensor shard ``tp``."""
+    return layout.rank_of({"pp": pp, "dp_replicate": dp, "tp": tp})
+
+
+def place_of(layout: Layout, rank: int) -> tuple[int, int, int]:
+    """(replica, stage, tensor shard) of global ``rank``."""
+    c = layout.coords(rank)
+    return c["dp_replicate"], c["pp"], c["tp"]
 
 
 # -- who holds what ----------------------------------------------------------------------------
@@ -147,23 +130,24 @@ def stage_blocks(n_layer: int, pp: int) -> list[list[int]]:
     return out
 
 
-def place_fault(spec: dict[str, Any], layout: Layout3D | str, n_layer: int) -> dict[str, Any]:
+def place_fault(spec: dict[str, Any], layout: Layout | str, n_layer: int) -> dict[str, Any]:
     """A fault dict moved where its rank can have it: a block target to a block of the rank's stage
     (same position within the stage list, modulo its length), a fault on the head to the rank of the
     same replica and tensor shard on the last stage. Faults on every rank are left as they are."""
-    layout = parse_layout(layout) if isinstance(layout, str) else layout
+    layout = parse_layout(layout)
     rank, target = spec.get("rank"), spec.get("target")
     if rank is None or not isinstance(target, str):
         return spec
-    c = layout.coords(rank)
-    stages = stage_blocks(n_layer, layout.pp)
-    if target.split(".", 1)[0] in ("head", "ln_f") and c["pp"] != layout.pp - 1:
-        return {**spec, "rank": layout.rank(c["dp_replicate"], layout.pp - 1, c["tp"])}
-    if target.split(".", 1)[0] in ("embed", "pos") and c["pp"] != 0:
-        return {**spec, "rank": layout.rank(c["dp_replicate"], 0, c["tp"])}
+    _, pp, _ = sizes(layout)
+    d, p, t = place_of(layout, rank)
+    stages = stage_blocks(n_layer, pp)
+    if target.split(".", 1)[0] in ("head", "ln_f") and p != pp - 1:
+        return {**spec, "rank": rank_at(layout, d, pp - 1, t)}
+    if target.split(".", 1)[0] in ("embed", "pos") and p != 0:
+        return {**spec, "rank": rank_at(layout, d, 0, t)}
     m = re.match(r"^blocks\.(\d+)(.*)$", target)
-    if m and int(m.group(1)) not in stages[c["pp"]]:
-        mine = stages[c["pp"]]
+    if m and int(m.group(1)) not in stages[p]:
+        mine = stages[p]
         return {**spec, "target": f"blocks.{mine[int(m.group(1)) % len(mine)]}{m.group(2)}"}
     return spec
 
@@ -180,10 +164,10 @@ class ShardPlan:
     module names (module docstring).
     """
 
-    def __init__(self, model: nn.Module, layout: Layout3D) -> None:
+    def __init__(self, model: nn.Module, layout: Layout) -> None:
         cfg = model.cfg
         self.layout = layout
-        tp, pp = layout.tp, layout.pp
+        self.tp, self.pp, self.dp = tp, pp, _ = sizes(layout)
         for what, n in (("n_head", cfg.n_head), ("vocab", cfg.vocab), ("mlp width", cfg.mlp_ratio * cfg.d_model)):
             if n % tp:
                 raise ConfigError("parallel.tp", f"{tp} tensor shards do not divide the model's {what} ({n})")
@@ -212,7 +196,7 @@ class ShardPlan:
         if root in ("embed", "pos"):
             return 0
         if root in ("ln_f", "head"):
-            return self.layout.pp - 1
+            return self.pp - 1
         return None
 
     def local_layer(self, name: str) -> int:
@@ -261,7 +245,7 @@ class ShardPlan:
 
     def mask(self, owner: tuple[int, torch.Tensor] | None, shape: Sequence[int], shard: int) -> torch.Tensor | None:
         """Boolean mask of ``shape`` true where shard ``shard`` holds the element (None: replicated)."""
-        if owner is None or self.layout.tp == 1:
+        if owner is None or self.tp == 1:
             return None
         dim, own = owner
         dim = dim % len(shape)
@@ -274,8 +258,8 @@ class ShardPlan:
     # the flat parameter vector ------------------------------------------------------------------
     def _flat_pieces(self) -> list[torch.Tensor]:
         """Per piece ``k = p * tp + t``: the flat-parameter indices that piece holds."""
-        tp = self.layout.tp
-        pieces: list[list[torch.Tensor]] = [[] for _ in range(self.layout.pp * tp)]
+        tp = self.tp
+        pieces: list[list[torch.Tensor]] = [[] for _ in range(self.pp * tp)]
         offset = 0
         for name, p in self.params:
             n = p.numel()
@@ -290,7 +274,7 @@ class ShardPlan:
 
     def piece_indices(self, pp: int, tp: int) -> torch.Tensor:
         """Flat-parameter indices held by the ranks at pipeline stage ``pp``, tensor shard ``tp``."""
-        return self._piece_index[pp * self.layout.tp + tp]
+        return self._piece_index[pp * self.tp + tp]
 
 
 # -- faults ----------------------------------------------------------------------------------------
@@ -371,11 +355,12 @@ class ShardProbe:
         self.plan = plan
         self.injectors = injectors
         self.layout = plan.layout
-        self.stage_leaves: list[list[str]] = [[] for _ in range(self.layout.pp)]
-        self.stage_products: list[list[str]] = [[] for _ in range(self.layout.pp)]
+        self.tp, self.pp = plan.tp, plan.pp
+        self.stage_leaves: list[list[str]] = [[] for _ in range(self.pp)]
+        self.stage_products: list[list[str]] = [[] for _ in range(self.pp)]
         self._handles: list[Any] = []
         self._clean: dict[str, torch.Tensor] = {}
-        products_mix: list[list[str]] = [[] for _ in range(self.layout.pp)]
+        products_mix: list[list[str]] = [[] for _ in range(self.pp)]
         for name, m in plan.modules.items():
             stage = plan.stage_of(name)
             if not name or stage is None:
@@ -389,7 +374,7 @@ class ShardProbe:
                 products_mix[stage].append(name)  # after the linear layers, as the watch orders them
             self._handles.append(m.register_forward_hook(self._before(name), prepend=True))
             self._handles.append(m.register_forward_hook(self._after(name, stage, leaf)))
-        for s in range(self.layout.pp):
+        for s in range(self.pp):
             self.stage_products[s] += products_mix[s]
         self._leaf_index = [{n: i for i, n in enumerate(ls)} for ls in self.stage_leaves]
         self._product_index = [{n: i for i, n in enumerate(ps)} for ps in self.stage_products]
@@ -402,7 +387,7 @@ class ShardProbe:
         """Start observing ``replica``'s pass (``checks``: checksum step; ``activations``: act_max step)."""
         self.replica, self.checks, self.activations = replica, checks, activations
         self._cursor = [len(inj.injections) for inj in self.injectors]
-        tp = self.layout.tp
+        tp = self.tp
         self.results[replica] = [
             {
                 "stream": [None] * len(self.plan.stage_blocks[k // tp]),
@@ -411,7 +396,7 @@ class ShardProbe:
                 "in": [None] * len(self.stage_products[k // tp]),
                 "act": [],
             }
-            for k in range(self.layout.pp * tp)
+            for k in range(self.pp * tp)
         ]
 
     def remove(self) -> None:
@@ -438,7 +423,7 @@ class ShardProbe:
         return out
 
     def _after(self, name: str, stage: int, leaf: bool) -> Callable:
-        plan, tp = self.plan, self.layout.tp
+        plan, tp = self.plan, self.tp
 
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             y = _tensor_of(output)
@@ -498,14 +483,14 @@ class ShardProbe:
             w, b = module.weight.detach(), module.bias
             row = plan.row_parallel(name)
             owner = plan.output_owner(name)
-            if row is not None and plan.layout.tp > 1:
+            if row is not None and plan.tp > 1:
                 cols = (row == t).nonzero().reshape(-1)
                 xs, ws = x.index_select(-1, cols), w.index_select(1, cols)
                 part = F.linear(xs, ws)
                 if culprit:  # this rank's partial sum is where the fault was
                     part = part + (y.detach() - clean.detach())
                 ratio, xin = check_linear(xs, ws, part), abs_max(xs)
-            elif owner is not None and plan.layout.tp > 1:
+            elif owner is not None and plan.tp > 1:
                 rows = (owner[1] == t).nonzero().reshape(-1)
                 ys = y.detach().index_select(-1, rows)
                 bs = None if b is None else b.detach().index_select(0, rows)
@@ -514,7 +499,7 @@ class ShardProbe:
                 ratio, xin = check_linear(x, w, y.detach(), None if b is None else b.detach()), abs_max(x)
         else:  # the attention mix: probs @ v, heads split
             a, b = args[0].detach(), args[1].detach()
-            if plan.layout.tp > 1:
+            if plan.tp > 1:
                 heads = (plan.head_owner == t).nonzero().reshape(-1)
                 a, b = a.index_select(1, heads), b.index_select(1, heads)
                 c = y.detach().index_select(1, heads)
@@ -533,14 +518,14 @@ class ParallelSimulatedRun(SimulatedRun):
     """``tp x pp x dp`` virtual ranks of the reference GPT in one process (module docstring).
 
     ``world`` is every rank (``tp * pp * dp``); a fault's ``rank`` is a global rank (see
-    :meth:`Layout3D.rank`); the emitter factory is called once per global rank, with ``host=`` and
+    :func:`rank_at`); the emitter factory is called once per global rank, with ``host=`` and
     ``coords=`` when it takes them. :attr:`replicas` is the number of data-parallel replicas
     actually computed.
     """
 
     def __init__(
         self,
-        layout: Layout3D | str,
+        layout: Layout | str,
         *,
         seed: int = 0,
         faults: Iterable[FaultSpec] = (),
@@ -551,30 +536,31 @@ class ParallelSimulatedRun(SimulatedRun):
         guard: Any = None,
         **kw: Any,
     ) -> None:
-        layout = parse_layout(layout) if isinstance(layout, str) else layout
+        layout = parse_layout(layout)
         if guard is not None:
             raise ConfigError("simulated.guard", "the guard is not simulated under tensor or pipeline parallelism")
         self.layout = layout
+        self.tp, self.pp, self.dp = sizes(layout)
         faults = list(faults)
         for f in faults:
             if f.rank is not None and not 0 <= f.rank < layout.world:
                 raise ConfigError("simulated.faults", f"fault on rank {f.rank} but the layout has {layout.world} ranks")
         # the replicas: a data-parallel run of dp ranks, without telemetry of its own
-        super().__init__(layout.dp, seed=seed, probes=probes, **kw)
+        super().__init__(self.dp, seed=seed, probes=probes, **kw)
         for w in self.watches:
             w.close()
         self.watches = []
         self.probe_config = probes or ProbeConfig(
             attention_every=1, activations_every=1, fingerprint_every=10, canary_every=10
         )
-        self.replicas = layout.dp
+        self.replicas = self.dp
         self.world = layout.world
         self.hosts = self._host_names(hosts, ranks_per_host)
         self.injector.detach()
         self.plan = ShardPlan(self.model, layout)
         self.injectors: list[ShardInjector] = []
-        for p in range(layout.pp):
-            for t in range(layout.tp):
+        for p in range(self.pp):
+            for t in range(self.tp):
                 mine = [f for f in faults if self._holds(f, p, t)]
                 inj = ShardInjector(mine, self.plan, p, t)
                 if mine:
@@ -593,7 +579,7 @@ class ParallelSimulatedRun(SimulatedRun):
                 kwargs["coords"] = layout.coords(r)
             self.emitters.append(factory(r, **kwargs))
         work = self._stage_work()
-        self.stage_time = [w * layout.pp / sum(work) for w in work]
+        self.stage_time = [w * self.pp / sum(work) for w in work]
         """Share of a replica's compute time each stage's ranks report (mean 1 over the stages)."""
 
     def _holds(self, f: FaultSpec, stage: int, shard: int) -> bool:
@@ -609,7 +595,7 @@ class ParallelSimulatedRun(SimulatedRun):
 
     def _stage_work(self) -> list[float]:
         """Multiply-adds per token of each stage (what its step time is proportional to)."""
-        work = [0.0] * self.layout.pp
+        work = [0.0] * self.pp
         for name, m in self.plan.modules.items():
             stage = self.plan.stage_of(name)
             if stage is not None and isinstance(m, nn.Linear):
@@ -630,7 +616,7 @@ class ParallelSimulatedRun(SimulatedRun):
     def _step(self) -> float:
         s, d = self.step, self.data_pos
         layout, plan, cfg = self.layout, self.plan, self.probe_config
-        R, tp = self.replicas, layout.tp
+        R, tp = self.replicas, self.tp
         inj = self.injector
         inj.step = s
         losses: list[torch.Tensor] = [torch.zeros(())] * R
@@ -665,7 +651,7 @@ class ParallelSimulatedRun(SimulatedRun):
         t0 = time.thread_time()
         g_all = self._grads
         g = g_all.mean(0)  # the all-reduce of every peer group
-        pieces = [plan.piece_indices(p, t) for p in range(layout.pp) for t in range(tp)]
+        pieces = [plan.piece_indices(p, t) for p in range(self.pp) for t in range(tp)]
         local = [g_all.index_select(1, idx) for idx in pieces]  # (R, n_k) per piece
         glob = [g.index_select(0, idx) for idx in pieces]
         local_sq = torch.stack([(x * x).sum(1) for x in local], 1)  # (R, pieces)
@@ -701,7 +687,7 @@ class ParallelSimulatedRun(SimulatedRun):
             k = p * tp + t
             res = self.probe.results[r][k]
             scalars: dict[str, float] = {}
-            if p == layout.pp - 1:
+            if p == self.pp - 1:
                 scalars["loss"] = float(losses[r])
                 scalars["loss_global"] = float(loss_global)
             ls, gs = float(local_sq[r, k]), float(global_sq[k])
@@ -789,7 +775,7 @@ class _Injectors:
     """The per-piece injectors behind one injector's interface: setting :attr:`rank` to a replica
     makes each piece's injector act for the global rank of that piece in that replica."""
 
-    def __init__(self, injectors: Sequence[ShardInjector], layout: Layout3D) -> None:
+    def __init__(self, injectors: Sequence[ShardInjector], layout: Layout) -> None:
         self._all, self._layout = list(injectors), layout
         self._step = -1
         self._replica = 0
@@ -824,7 +810,7 @@ class _Injectors:
     def rank(self, replica: int) -> None:
         self._replica = replica
         for x in self._all:
-            x.rank = self._layout.rank(replica, x.stage, x.shard)
+            x.rank = rank_at(self._layout, replica, x.stage, x.shard)
 
     def corrupt_batch(self, tokens: torch.Tensor) -> torch.Tensor:
         """The replica's micro-batch: garbage when a bad_batch fault is on any of its ranks."""

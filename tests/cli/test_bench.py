@@ -193,7 +193,7 @@ def test_quick_campaign_scores_every_detector_and_catches_the_nonfinite_fault(tm
 def test_quick_campaign_under_a_3d_layout_names_the_nan_rank_and_blames_nobody_else(tmp_path):
     out = tmp_path / "campaign.json"
     result = campaign_main(["--quick", "--parallel", "dp=2,tp=2,pp=2", "--detectors", "sdcwatch", "--out", str(out)])
-    assert result["config"]["parallel"] == "tp=2,pp=2,dp=2" and result["config"]["world"] == 8
+    assert result["config"]["parallel"] == "pp=2,dp_replicate=2,tp=2" and result["config"]["world"] == 8
     by_class = {t["class"]: t for t in result["trials"]}
     assert set(by_class) == {"nan_attn", "bad_batch_all", "unhealthy_node"}
     nan = by_class["nan_attn"]

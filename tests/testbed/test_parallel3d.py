@@ -12,7 +12,15 @@ from sdcwatch.core.errors import ConfigError, FaultSpecError  # noqa: E402
 from sdcwatch.telemetry.faults import FaultSpec  # noqa: E402
 from sdcwatch.testbed.campaign import CampaignConfig, generate_trials  # noqa: E402
 from sdcwatch.testbed.model import GPTConfig  # noqa: E402
-from sdcwatch.testbed.parallel3d import ParallelSimulatedRun, parse_layout, place_fault, stage_blocks  # noqa: E402
+from sdcwatch.testbed.parallel3d import (  # noqa: E402
+    ParallelSimulatedRun,
+    parse_layout,
+    place_fault,
+    place_of,
+    rank_at,
+    sizes,
+    stage_blocks,
+)
 from sdcwatch.testbed.simulated import shared_corpus  # noqa: E402
 
 torch.set_num_threads(1)
@@ -51,21 +59,22 @@ def _run(steps, faults=(), layout=LAYOUT):
 
 def test_layouts_parse_and_bad_ones_say_what_is_wrong():
     layout = parse_layout("tp=2, pp=2, dp=4")
-    assert (layout.tp, layout.pp, layout.dp, layout.world) == (2, 2, 4, 16)
-    assert parse_layout("dp=4").world == 4 and str(parse_layout("dp=4,tp=2")) == "tp=2,pp=1,dp=4"
+    assert sizes(layout) == (2, 2, 4) and layout.world == 16
+    assert sizes(parse_layout("dp=4")) == (1, 1, 4) and parse_layout("dp=4").world == 4
     seen = set()
     for rank in range(layout.world):
-        c = layout.coords(rank)
-        assert layout.rank(c["dp_replicate"], c["pp"], c["tp"]) == rank
-        seen.add((c["dp_replicate"], c["pp"], c["tp"]))
+        d, p, t = place_of(layout, rank)
+        assert rank_at(layout, d, p, t) == rank and layout.coords(rank) == {"pp": p, "dp_replicate": d, "tp": t}
+        seen.add((d, p, t))
     assert len(seen) == 16
-    assert layout.coords(1) == {"dp_replicate": 0, "tp": 1, "pp": 0}  # tensor ranks adjacent
+    assert place_of(layout, 1) == (0, 0, 1) and place_of(layout, 8) == (0, 1, 0)  # tp fastest, pp outermost
     for bad, match in (
         ("tp=0,dp=2", "parallel.tp"),
-        ("xx=2", "expected tp=N"),
+        ("xx=2", "unknown mesh dim"),
         ("tp=2,tp=2", "twice"),
-        ("tp=a", "not an integer"),
-        ("", "layout"),
+        ("tp=a", "not a whole number"),
+        ("", "dim=number"),
+        ("tp=2,cp=2,dp=2", "cp is not simulated"),
     ):
         with pytest.raises(ConfigError, match=match):
             parse_layout(bad)
@@ -80,7 +89,7 @@ def test_each_rank_reports_what_it_holds_and_peers_agree_where_they_must():
     layout = run.layout
     assert run.world == 8 and run.replicas == 2 and len(recs) == 8
     assert [r.coords for r in recs] == [layout.coords(r) for r in range(8)]
-    by = {(c["dp_replicate"], c["pp"], c["tp"]): recs[r] for r, c in enumerate(layout.coords(r) for r in range(8))}
+    by = {place_of(layout, r): recs[r] for r in range(8)}
     for step in (0, 10):
         for (d, p, t), rec in by.items():
             s = rec.records[step]["scalars"]
@@ -117,9 +126,9 @@ def test_each_rank_reports_what_it_holds_and_peers_agree_where_they_must():
 
 def test_a_nan_in_one_tensor_shard_spreads_as_the_collectives_carry_it():
     layout = parse_layout(LAYOUT)
-    culprit = layout.rank(1, 0, 1)  # replica 1, first stage, second tensor shard
+    culprit = rank_at(layout, 1, 0, 1)  # replica 1, first stage, second tensor shard
     run, recs = _run(4, [{"kind": "nan", "rank": culprit, "step": 2, "target": "blocks.0.attn.scores", "seed": 3}])
-    by = {tuple(layout.coords(r)[k] for k in ("dp_replicate", "pp", "tp")): recs[r] for r in range(8)}
+    by = {place_of(layout, r): recs[r] for r in range(8)}
 
     def at(d, p, t, step=2):
         return by[(d, p, t)].records[step]
@@ -141,7 +150,7 @@ def test_a_nan_in_one_tensor_shard_spreads_as_the_collectives_carry_it():
 
 def test_an_unhealthy_rank_breaks_only_its_own_checksums():
     layout = parse_layout(LAYOUT)
-    culprit = layout.rank(0, 1, 1)
+    culprit = rank_at(layout, 0, 1, 1)
     fault = {
         "kind": "noise",
         "rank": culprit,
@@ -161,11 +170,11 @@ def test_an_unhealthy_rank_breaks_only_its_own_checksums():
 def test_faults_go_where_their_rank_can_have_them():
     layout = parse_layout("tp=2,pp=2,dp=4")
     assert stage_blocks(2, 2) == [[0], [1]] and stage_blocks(5, 2) == [[0, 1, 2], [3, 4]]
-    first = layout.rank(2, 0, 1)
+    first = rank_at(layout, 2, 0, 1)
     moved = place_fault({"kind": "nan", "rank": first, "step": 1, "target": "blocks.1.mlp.fc"}, layout, 2)
     assert moved["target"] == "blocks.0.mlp.fc" and moved["rank"] == first
     head = place_fault({"kind": "nan", "rank": first, "step": 1, "target": "head"}, layout, 2)
-    assert layout.coords(head["rank"]) == {"dp_replicate": 2, "tp": 1, "pp": 1}
+    assert place_of(layout, head["rank"]) == (2, 1, 1)
     with pytest.raises(FaultSpecError, match="matches no module"):
         ParallelSimulatedRun(
             LAYOUT, model=SMALL, faults=[FaultSpec.from_dict({"kind": "nan", "rank": 0, "step": 1, "target": "head"})]
@@ -175,7 +184,7 @@ def test_faults_go_where_their_rank_can_have_them():
             LAYOUT, model=SMALL, faults=[FaultSpec.from_dict({"kind": "nan", "rank": 8, "step": 1, "target": "head"})]
         )
     config = CampaignConfig(parallel="dp=4,pp=2,tp=2", trials=26)
-    assert config.world == 16 and config.parallel == "tp=2,pp=2,dp=4"
+    assert config.world == 16 and config.parallel == "pp=2,dp_replicate=4,tp=2"
     for trial in generate_trials(config):
         f = trial.fault
         if f.rank is not None and f.target.split(".")[:2][-1].isdigit():
