@@ -449,7 +449,7 @@ class ShardProbe:
                     if leaf and self.activations:
                         v = mine.nan_to_num(nan=math.nan, posinf=math.inf, neginf=0.0).abs().amax().float()
                         r["act"].append((self._leaf_index[stage][name], layer, v))
-                    if module is not None and name.endswith("attn.scores") and layer >= 0:
+                    if name.endswith("attn.scores") and layer >= 0:
                         m = mine.amax().float()
                         old = r["logit"][layer]
                         r["logit"][layer] = m if old is None else torch.maximum(old, m)
@@ -547,12 +547,11 @@ class ParallelSimulatedRun(SimulatedRun):
                 raise ConfigError("simulated.faults", f"fault on rank {f.rank} but the layout has {layout.world} ranks")
         # the replicas: a data-parallel run of dp ranks, without telemetry of its own
         super().__init__(self.dp, seed=seed, probes=probes, **kw)
+        self.probe_config = self.watches[0].config
+        """The probes' sampling: what each rank measures on which step (as the watches would)."""
         for w in self.watches:
             w.close()
         self.watches = []
-        self.probe_config = probes or ProbeConfig(
-            attention_every=1, activations_every=1, fingerprint_every=10, canary_every=10
-        )
         self.replicas = self.dp
         self.world = layout.world
         self.hosts = self._host_names(hosts, ranks_per_host)
@@ -751,12 +750,6 @@ class ParallelSimulatedRun(SimulatedRun):
                     p.copy_(b)
         for i, delta in changed:
             self._add_delta(replica, i, delta)
-
-    def _param_fingerprints(self, step: int) -> None:  # per piece, in _step
-        return None
-
-    def _canary_fingerprints(self, step: int, probe_cfg: ProbeConfig) -> None:
-        return None
 
     def replace_ranks(self, ranks: Iterable[int]) -> None:
         raise ConfigError("simulated.replace_ranks", "not simulated under tensor or pipeline parallelism")

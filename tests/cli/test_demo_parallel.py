@@ -52,6 +52,8 @@ def test_demo_parallel_names_the_unhealthy_rank_in_its_json_summary(tmp_path):
     assert summary["false_alarms"] == 0, summary["incidents"]
     blamed = {r for i in summary["incidents"] if i["kind"] in LOCALISING_KINDS for r in i["ranks"]}
     assert blamed == {11}, summary["incidents"]
+    named = next(i for i in summary["incidents"] if i["ranks"] == [11])
+    assert named["coords"] == [{"pp": 1, "dp_replicate": 1, "tp": 1}]  # the incident says where the rank sits
     assert "16 simulated ranks (pp=2,dp_replicate=4,tp=2)" in out.stderr  # the progress says what it simulates
 
 
