@@ -17,10 +17,11 @@ what a telemetry stream of such a job looks like, so detection quality can be me
   and of ``mlp.proj``'s columns; a ``1/tp`` of the vocabulary of ``embed`` and ``head``. Layer
   norms, ``pos`` and the biases of row-parallel layers are replicated.
 * **Telemetry of a rank** (:class:`ShardProbe`): only what that rank computes. The loss and the
-  global loss only on the last stage (other stages send none); ``stream_max`` and ``logit_max``
-  (one value per block *of the rank's stage*, indexed from 0 within the stage), the logits over
-  the rank's heads only; the matrix checksums ``gemm_fwd`` and ``gemm_in`` of the rank's share of
-  each product (a row-parallel product checks its partial sum, before the all-reduce);
+  global loss only on the last stage (other stages send none); ``stream_max``,
+  ``attn_logit_max`` and ``attn_logit_min`` (one value per block *of the rank's stage*, indexed
+  from 0 within the stage), the logits over the rank's heads only; ``gemm_out`` every step and the
+  matrix checksums ``gemm_fwd`` and ``gemm_in`` on checked steps, of the rank's share of each
+  product (a row-parallel product's partial sum, before the all-reduce);
   ``act_max`` over the rank's own outputs; the gradient norms, cosine and fingerprints of the
   rank's shard of the parameters (they differ across tensor shards and stages and agree across
   data-parallel replicas); ``step_time`` the replica's compute time weighted by the stage's share
@@ -392,6 +393,8 @@ class ShardProbe:
             {
                 "stream": [None] * len(self.plan.stage_blocks[k // tp]),
                 "logit": [None] * len(self.plan.stage_blocks[k // tp]),
+                "logit_low": [None] * len(self.plan.stage_blocks[k // tp]),
+                "out": [None] * len(self.stage_products[k // tp]),
                 "fwd": [None] * len(self.stage_products[k // tp]),
                 "in": [None] * len(self.stage_products[k // tp]),
                 "act": [],
@@ -449,21 +452,24 @@ class ShardProbe:
                     if leaf and self.activations:
                         v = mine.nan_to_num(nan=math.nan, posinf=math.inf, neginf=0.0).abs().amax().float()
                         r["act"].append((self._leaf_index[stage][name], layer, v))
-                    if name.endswith("attn.scores") and layer >= 0:
+                    if name.endswith("attn.scores") and layer >= 0:  # its own heads' logits
                         m = mine.amax().float()
                         old = r["logit"][layer]
                         r["logit"][layer] = m if old is None else torch.maximum(old, m)
+                        low = mine.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0).amin().float()
+                        old = r["logit_low"][layer]
+                        r["logit_low"][layer] = low if old is None else torch.minimum(old, low)
                     if _BLOCK.match(name) and name.count(".") == 1:  # a block's output: the residual stream
                         m = peak(mine)
                         old = r["stream"][layer]
                         r["stream"][layer] = m if old is None else torch.maximum(old, m)
-                    if self.checks and name in self._product_index[stage]:
-                        self._check(r, stage, name, module, args, y, clean, t, t in culprits)
+                    if name in self._product_index[stage]:
+                        self._product(r, stage, name, module, args, y, clean, t, t in culprits)
             return None
 
         return hook
 
-    def _check(
+    def _product(
         self,
         r: dict,
         stage: int,
@@ -475,40 +481,44 @@ class ShardProbe:
         t: int,
         culprit: bool,
     ) -> None:
-        """The forward checksum of shard ``t``'s share of product ``name``."""
+        """Shard ``t``'s share of product ``name``: the largest |row sum| of its output every step
+        (``gemm_out``), the forward checksum and the largest |input| on checked steps."""
         plan = self.plan
         i = self._product_index[stage][name]
         if isinstance(module, nn.Linear):
             x = args[0].detach()
             w, b = module.weight.detach(), module.bias
+            b = None if b is None else b.detach()
             row = plan.row_parallel(name)
             owner = plan.output_owner(name)
-            if row is not None and plan.tp > 1:
+            if row is not None and plan.tp > 1:  # its partial sum, before the all-reduce (bias added after)
                 cols = (row == t).nonzero().reshape(-1)
-                xs, ws = x.index_select(-1, cols), w.index_select(1, cols)
-                part = F.linear(xs, ws)
+                x, w, b = x.index_select(-1, cols), w.index_select(1, cols), None
+                out = F.linear(x, w)
                 if culprit:  # this rank's partial sum is where the fault was
-                    part = part + (y.detach() - clean.detach())
-                ratio, xin = check_linear(xs, ws, part), abs_max(xs)
+                    out = out + (y.detach() - clean.detach())
             elif owner is not None and plan.tp > 1:
                 rows = (owner[1] == t).nonzero().reshape(-1)
-                ys = y.detach().index_select(-1, rows)
-                bs = None if b is None else b.detach().index_select(0, rows)
-                ratio, xin = check_linear(x, w.index_select(0, rows), ys, bs), abs_max(x)
+                out = y.detach().index_select(-1, rows)
+                w = w.index_select(0, rows)
+                b = None if b is None else b.index_select(0, rows)
             else:
-                ratio, xin = check_linear(x, w, y.detach(), None if b is None else b.detach()), abs_max(x)
+                out = y.detach()
+            check = (lambda: check_linear(x, w, out, b)) if self.checks else None
         else:  # the attention mix: probs @ v, heads split
-            a, b = args[0].detach(), args[1].detach()
+            a, v = args[0].detach(), args[1].detach()
+            out = y.detach()
             if plan.tp > 1:
                 heads = (plan.head_owner == t).nonzero().reshape(-1)
-                a, b = a.index_select(1, heads), b.index_select(1, heads)
-                c = y.detach().index_select(1, heads)
-            else:
-                c = y.detach()
-            ratio, xin = check_matmul(a, b, c), abs_max(a)
-        for key, v in (("fwd", ratio.float()), ("in", xin.float())):
+                a, v, out = a.index_select(1, heads), v.index_select(1, heads), out.index_select(1, heads)
+            x = a
+            check = (lambda: check_matmul(a, v, out)) if self.checks else None
+        values = {"out": out.sum(-1).abs().amax().float()}
+        if check is not None:
+            values["fwd"], values["in"] = check().float(), abs_max(x).float()
+        for key, value in values.items():
             old = r[key][i]
-            r[key][i] = v if old is None else torch.maximum(old, v)
+            r[key][i] = value if old is None else torch.maximum(old, value)
 
 
 # -- the run ---------------------------------------------------------------------------------------
@@ -707,7 +717,9 @@ class ParallelSimulatedRun(SimulatedRun):
             layers: dict[str, list[float]] = {}
             if cfg.stream_every and s % cfg.stream_every == 0 and res["stream"]:
                 layers["stream_max"] = [0.0 if v is None else float(v) for v in res["stream"]]
-                layers["logit_max"] = [0.0 if v is None else float(v) for v in res["logit"]]
+                layers["attn_logit_max"] = [0.0 if v is None else float(v) for v in res["logit"]]
+                layers["attn_logit_min"] = [0.0 if v is None else float(v) for v in res["logit_low"]]
+                layers["gemm_out"] = [0.0 if v is None else float(v) for v in res["out"]]
             if checks and res["fwd"]:
                 layers["gemm_fwd"] = [0.0 if v is None else float(v) for v in res["fwd"]]
                 layers["gemm_in"] = [0.0 if v is None else float(v) for v in res["in"]]

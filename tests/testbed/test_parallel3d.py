@@ -99,10 +99,13 @@ def test_each_rank_reports_what_it_holds_and_peers_agree_where_they_must():
             if p == 1:
                 assert s["loss"] == by[(d, 1, 1 - t)].records[step]["scalars"]["loss"]
             # one value per block of the rank's stage
-            assert len(layers["stream_max"]) == len(layers["logit_max"]) == 1
+            assert len(layers["stream_max"]) == len(layers["attn_logit_max"]) == len(layers["attn_logit_min"]) == 1
             # the residual stream is replicated over the tensor shards; the logits are per head
             assert layers["stream_max"] == by[(d, p, 1 - t)].records[step]["layers"]["stream_max"]
-            assert layers["logit_max"] != by[(d, p, 1 - t)].records[step]["layers"]["logit_max"]
+            assert layers["attn_logit_max"] != by[(d, p, 1 - t)].records[step]["layers"]["attn_logit_max"]
+            # every step, the largest row sum of the rank's share of each product
+            assert len(layers["gemm_out"]) == (5 if p == 0 else 6)
+            assert layers["gemm_out"] != by[(d, p, 1 - t)].records[step]["layers"]["gemm_out"]
             # the all-reduced gradient of a shard: equal across replicas, different across shards
             peer = by[(1 - d, p, t)].records[step]
             assert s["grad_norm_global"] == peer["scalars"]["grad_norm_global"]
@@ -135,8 +138,10 @@ def test_a_nan_in_one_tensor_shard_spreads_as_the_collectives_carry_it():
 
     assert all(math.isfinite(v) for rec in recs for v in rec.records[1]["scalars"].values())
     # the culprit's own heads hold the NaN; its tensor peer's heads do not
-    assert math.isnan(at(1, 0, 1)["layers"]["logit_max"][0])
-    assert math.isfinite(at(1, 0, 0)["layers"]["logit_max"][0])
+    assert math.isnan(at(1, 0, 1)["layers"]["attn_logit_max"][0])
+    assert math.isfinite(at(1, 0, 0)["layers"]["attn_logit_max"][0])
+    # and the product of its heads' attention (probs @ v, the last of the stage's products)
+    assert math.isnan(at(1, 0, 1)["layers"]["gemm_out"][4]) and math.isfinite(at(1, 0, 0)["layers"]["gemm_out"][4])
     # the row-parallel all-reduce hands it to the peer's residual stream, the pipeline to the next stage
     assert math.isnan(at(1, 0, 0)["layers"]["stream_max"][0]) and math.isnan(at(1, 1, 0)["layers"]["stream_max"][0])
     assert math.isnan(at(1, 1, 0)["scalars"]["loss"]) and math.isnan(at(1, 1, 1)["scalars"]["loss"])
