@@ -215,9 +215,9 @@ def test_quick_campaign_under_a_3d_layout_detects_at_the_step_and_blames_nobody_
 
 @pytest.mark.xfail(
     strict=True,
-    reason="non-finite origin within a tensor-parallel group: the culprit and its tensor peer share the "
-    "all-reduced residual stream, so both are named (the culprit's own heads' logits are the only per-step "
-    "value that differs)",
+    reason="non-finite origin within a tensor-parallel group: the culprit and its tensor peer both hold the "
+    "all-reduced residual stream, so both have a bad value of their own and both are named; only the culprit's "
+    "own share of the products (gemm_out) and its heads' logits go bad first",
 )
 def test_quick_campaign_under_a_3d_layout_names_the_nan_rank(campaign_3d):
     _, by_class = campaign_3d
