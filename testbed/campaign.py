@@ -415,7 +415,7 @@ def _frames(records: list, world: int, wire: str | None = None) -> list:
     return [StepFrame.from_records(recs[0].run, step, world, recs) for step, recs in sorted(by_step.items())]
 
 
-def _flat_params(run: Any) -> list[Any]:
+def flat_params(run: Any) -> list[Any]:
     """Each replica's parameters as one flat tensor (replicas differ only after a memory fault)."""
     import torch
 
@@ -478,7 +478,7 @@ def run_branch(
         run.load_checkpoint(checkpoint)
         run.seed = data_seed  # the branch's own data stream; both twins use the same one
         losses = run.train(config.branch_steps, on_step=keep_bounds if culprits else None)
-        params = _flat_params(run)
+        params = flat_params(run)
         injections = list(run.injector.injections)
     finally:
         run.close()  # emits the last step's record

@@ -103,7 +103,7 @@ def run_guarded_branch(
     ``runner`` is a warmed-up sdcwatch campaign runner (forked here, so every branch starts from the
     same detection state). At most ``max_factor * branch_steps`` steps are run.
     """
-    from sdcwatch.testbed.campaign import RecordCollector, _flat_params
+    from sdcwatch.testbed.campaign import RecordCollector, flat_params
     from sdcwatch.detectors.control import ControlPolicy, ControlTopicSink
     from sdcwatch.detectors.frame import StepFrame
     from sdcwatch.telemetry.control import MemoryControl
@@ -159,7 +159,7 @@ def run_guarded_branch(
                 if pos is not None:
                     run.data_pos = pos
         finished = run.data_pos >= end
-        params = _flat_params(run)
+        params = flat_params(run)
         steps_run = run.step - first
         actions = [
             {**a.to_dict(), "step": a.step - config.pretrain_steps} for a in run.guard.actions if a.action != "none"

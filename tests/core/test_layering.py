@@ -63,3 +63,19 @@ def test_no_module_is_over_the_line_bound(folder):
     sizes = {str(p.relative_to(ROOT)): len(p.read_text(encoding="utf-8").splitlines()) for p in files}
     over = [f"{name}: {n} lines" for name, n in sizes.items() if n > MAX_LINES]
     assert not over, f"modules over {MAX_LINES} lines (split them by the concepts they own):\n" + "\n".join(over)
+
+
+def test_no_module_imports_another_modules_private_names():
+    """A name with a leading underscore is its module's own; one that others need is made public."""
+    bad = []
+    for top in ("sdcwatch", "telemetry", "detectors", "exporters", "testbed"):
+        for p in sorted((ROOT / top).rglob("*.py")):
+            tree = ast.parse(p.read_text(encoding="utf-8"), str(p))
+            for node in ast.walk(tree):
+                if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("sdcwatch"):
+                    bad += [
+                        f"{p.relative_to(ROOT)}:{node.lineno} imports {node.module}.{a.name}"
+                        for a in node.names
+                        if a.name.startswith("_") and not a.name.startswith("__")
+                    ]
+    assert not bad, "\n".join(bad)
