@@ -265,9 +265,13 @@ class FaultInjector:
             self._apply(i, spec, out, name, rng)
         return out
 
+    def _pick(self, spec: FaultSpec, t: "torch.Tensor", name: str, rng: random.Random) -> int:
+        """The flat index of the element of ``t`` a one-element fault changes (any, here)."""
+        return rng.randrange(t.numel())
+
     def _apply(self, i: int, spec: FaultSpec, t: "torch.Tensor", name: str, rng: random.Random) -> None:
         """Change exactly one element of ``t`` in place, as ``spec`` says."""
-        index = rng.randrange(t.numel())
+        index = self._pick(spec, t, name, rng)
         flat = t.view(-1)
         before = flat[index].detach().clone()
         if spec.kind == "bitflip":

@@ -429,20 +429,14 @@ def _new_run(config: CampaignConfig, faults: Sequence[Any], records: list, run_i
     def factory(rank: int, host: str = "", coords: dict[str, int] | None = None) -> RecordCollector:
         return RecordCollector(records, run=run_id, rank=rank, world=config.world, host=host, coords=coords)
 
-    if config.parallel is not None:
+    run_class: Any = SimulatedRun
+    layout: Any = config.world
+    if config.parallel is not None:  # tensor x pipeline x data parallel ranks
         from sdcwatch.testbed.parallel3d import ParallelSimulatedRun
 
-        return ParallelSimulatedRun(
-            config.parallel,
-            seed=config.seed,
-            faults=faults,
-            emitter_factory=factory,
-            batch_size=config.batch_size,
-            guard=guard,
-            probes=probe_config(config.probes)[1],
-        )
-    return SimulatedRun(
-        config.world,
+        run_class, layout = ParallelSimulatedRun, config.parallel
+    return run_class(
+        layout,
         seed=config.seed,
         faults=faults,
         emitter_factory=factory,

@@ -60,7 +60,7 @@ from sdcwatch.telemetry import fingerprint as fp
 from sdcwatch.telemetry.checksum import abs_max, check_linear, check_matmul
 from sdcwatch.telemetry.emitter import NullEmitter
 from sdcwatch.telemetry.extremes import peak
-from sdcwatch.telemetry.faults import FaultInjector, FaultSpec, Injection, flip_bit
+from sdcwatch.telemetry.faults import FaultInjector, FaultSpec, Injection
 from sdcwatch.telemetry.faultspec import TENSOR_KINDS
 from sdcwatch.telemetry.probes import ProbeConfig
 from sdcwatch.testbed.simulated import SimulatedRun
@@ -313,22 +313,13 @@ class ShardInjector(FaultInjector):
         changed = super()._transform(i, spec, x, name, rng)
         return torch.where(mask.to(x.device), changed, x)
 
-    def _apply(self, i: int, spec: FaultSpec, t: torch.Tensor, name: str, rng: Any) -> None:
+    def _pick(self, spec: FaultSpec, t: torch.Tensor, name: str, rng: Any) -> int:
+        """An element of the rank's own shard of ``t`` (any element of a replicated tensor)."""
         mask = self.plan.mask(self._owner(name, spec.where), tuple(t.shape), self.shard)
         if mask is None:
-            index = rng.randrange(t.numel())
-        else:
-            allowed = mask.reshape(-1).nonzero().reshape(-1)
-            index = int(allowed[rng.randrange(allowed.numel())])
-        flat = t.view(-1)
-        before = flat[index].detach().clone()
-        if spec.kind == "bitflip":
-            flip_bit(t, index, spec.bit)
-        else:
-            flat[index] = spec.value
-        self.injections.append(
-            Injection(self.step, self.rank, spec.kind, spec.where, name, index, before, flat[index].detach().clone())
-        )
+            return rng.randrange(t.numel())
+        allowed = mask.reshape(-1).nonzero().reshape(-1)
+        return int(allowed[rng.randrange(allowed.numel())])
 
 
 # -- telemetry -------------------------------------------------------------------------------------
@@ -638,24 +629,9 @@ class ParallelSimulatedRun(SimulatedRun):
             t0 = time.thread_time()
             injecting = inj.cpu_seconds
             inj.rank = r
-            batch = self.corpus.batch(
-                seed=self.seed, step=d, rank=r, batch_size=self.batch_size, seq_len=self.config.seq_len
+            losses[r] = self._forward_backward(
+                r, d, inj, lambda r=r: self.probe.begin(r, checks=checks, activations=acts)
             )
-            batch = inj.corrupt_batch(batch)
-            self._apply_param_faults(r)
-            self.probe.begin(r, checks=checks, activations=acts)
-            with self._replica(r):
-                self.model.zero_grad(set_to_none=True)
-                loss = self.model.loss(batch)
-                loss.backward()
-            torch.cat(
-                [
-                    p.grad.reshape(-1) if p.grad is not None else torch.zeros(n)
-                    for p, n in zip(self.params, self._sizes)
-                ],
-                out=self._grads[r],
-            )
-            losses[r] = loss.detach()
             times[r] = time.thread_time() - t0 - (inj.cpu_seconds - injecting)
         t0 = time.thread_time()
         g_all = self._grads

@@ -227,23 +227,7 @@ class SimulatedRun:
                     w.enabled = i == r
                 watch = self.watches[r]
                 watch.begin_step(s)
-                batch = self.corpus.batch(
-                    seed=self.seed, step=d, rank=r, batch_size=self.batch_size, seq_len=self.config.seq_len
-                )
-                batch = inj.corrupt_batch(batch)
-                self._apply_param_faults(r)
-                with self._replica(r):
-                    self.model.zero_grad(set_to_none=True)
-                    loss = self.model.loss(batch)
-                    loss.backward()
-                torch.cat(
-                    [
-                        p.grad.reshape(-1) if p.grad is not None else torch.zeros(n)
-                        for p, n in zip(self.params, self._sizes)
-                    ],
-                    out=self._grads[r],
-                )
-                losses[r] = loss.detach()
+                losses[r] = self._forward_backward(r, d, inj)
                 times[r] = (
                     time.thread_time() - t0 - (inj.cpu_seconds - injecting)
                 )  # the fault's own cost is not the rank's
@@ -391,6 +375,27 @@ class SimulatedRun:
             with self._replica(r):
                 out.append(canary_fingerprint(self.model, self._canary))
         return out
+
+    def _forward_backward(self, r: int, d: int, inj: Any, before: Any = None) -> torch.Tensor:
+        """Virtual rank ``r``'s forward and backward on its batch of data step ``d`` (its faults
+        applied; ``before()`` runs just ahead of the forward): the loss, detached; the rank's flat
+        gradient lands in ``self._grads[r]``."""
+        batch = self.corpus.batch(
+            seed=self.seed, step=d, rank=r, batch_size=self.batch_size, seq_len=self.config.seq_len
+        )
+        batch = inj.corrupt_batch(batch)
+        self._apply_param_faults(r)
+        if before is not None:
+            before()
+        with self._replica(r):
+            self.model.zero_grad(set_to_none=True)
+            loss = self.model.loss(batch)
+            loss.backward()
+        torch.cat(
+            [p.grad.reshape(-1) if p.grad is not None else torch.zeros(n) for p, n in zip(self.params, self._sizes)],
+            out=self._grads[r],
+        )
+        return loss.detach()
 
     def _apply_param_faults(self, rank: int) -> None:
         """A ``where: "param"`` fault starting now on ``rank`` becomes that replica's delta."""
