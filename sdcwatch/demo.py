@@ -264,11 +264,13 @@ def run_demo(
     progress: TextIO = sys.stderr,
     quiet: bool = False,
     progress_every: int = 10,
-    guard: bool = False,
+    guard: Any = False,
     parallel: str | None = None,
 ) -> DemoResult:
     """Run the demo end to end and return what happened (the CLI prints it).
 
+    ``guard``: True runs the job under the guard with its shipped settings, acting (and the service
+    publishing decisions); a :class:`~sdcwatch.telemetry.GuardConfig` sets the guard's own settings.
     ``parallel`` (e.g. ``"tp=2,pp=2,dp=4"``) simulates a tensor x pipeline x data parallel job
     (:mod:`sdcwatch.testbed.parallel3d`) instead of ``ranks`` data-parallel replicas: ``ranks``
     becomes the layout's rank count, the fault's default rank one on the last stage, and a preset's
@@ -282,7 +284,11 @@ def run_demo(
     from sdcwatch.telemetry import Emitter, KafkaTransport
     from sdcwatch.telemetry.faults import FaultSpec
     from sdcwatch.testbed.simulated import SimulatedRun
+    from sdcwatch.telemetry.guard_config import GuardConfig, GuardEviction
 
+    # guard: True (the shipped guard settings, acting) or the caller's GuardConfig
+    guard_config = guard if isinstance(guard, GuardConfig) else (GuardConfig(mode="act") if guard else None)
+    guard = guard_config is not None
     layout = None
     if parallel is not None:
         from sdcwatch.testbed.parallel3d import parse_layout, place_fault, rank_at, sizes
@@ -399,9 +405,6 @@ def run_demo(
                 rate = (step + 1) / max(1e-9, time.monotonic() - t_train)
                 say(f"  step {step:4d}/{steps}  loss {loss:6.3f}  open incidents {n_open}  ({rate:.1f} steps/s)")
 
-        from sdcwatch.telemetry.guard_config import GuardConfig, GuardEviction
-
-        guard_config = GuardConfig(mode="act") if guard else None
         if guard and not quiet:  # the demo prints each action itself
             logging.getLogger("sdcwatch.guard").setLevel(logging.ERROR)
         if layout is not None:
