@@ -148,12 +148,8 @@ class ReplicaDivergenceDetector(SplitDetector):
                 f"disagree(s) with the majority on {', '.join(odd_by_metric)}"
             )
             return [
-                Finding(
-                    detector=self.name,
-                    kind=IncidentKind.REPLICA_DIVERGENCE.value,
-                    severity=Severity.CRITICAL,
-                    run=frame.run,
-                    step=frame.step,
+                self._finding(
+                    frame,
                     score=float(len(ranks)),
                     message=msg,
                     ranks=ranks,
@@ -173,12 +169,8 @@ class ReplicaDivergenceDetector(SplitDetector):
             shard = format_coords(dict(replica_key(where)))
             listed = ", ".join(str(r) for r in members[: self.max_listed])
             return [
-                Finding(
-                    detector=self.name,
-                    kind=IncidentKind.REPLICA_DIVERGENCE.value,
-                    severity=Severity.CRITICAL,
-                    run=frame.run,
-                    step=frame.step,
+                self._finding(
+                    frame,
                     score=float(len(members)),
                     metric=metric,
                     message=(
@@ -193,15 +185,22 @@ class ReplicaDivergenceDetector(SplitDetector):
                 )
             ]
         return [
-            Finding(
-                detector=self.name,
-                kind=IncidentKind.REPLICA_DIVERGENCE.value,
-                severity=Severity.CRITICAL,
-                run=frame.run,
-                step=frame.step,
+            self._finding(
+                frame,
                 score=float(frame.world),
                 metric=split[0],
                 message=f"replicas split at step {frame.step}: no majority on {', '.join(split)}",
                 evidence={"split": split},
             )
         ]
+
+    def _finding(self, frame: StepContext, **fields: Any) -> Finding:
+        """A critical replica-divergence finding of ``frame``'s step; ``fields`` say the rest."""
+        return Finding(
+            detector=self.name,
+            kind=IncidentKind.REPLICA_DIVERGENCE.value,
+            severity=Severity.CRITICAL,
+            run=frame.run,
+            step=frame.step,
+            **fields,
+        )

@@ -25,7 +25,7 @@ from sdcwatch.core.names import CONTROL_TOPIC, TELEMETRY_TOPIC
 from sdcwatch.core.errors import ConfigError
 from sdcwatch.telemetry.faults import FaultSpec, load_faults
 
-__all__ = ["DDPSettings", "launch", "train_rank", "main"]
+__all__ = ["DDPSettings", "launch", "train_rank", "main", "add_run_arguments", "json_setting"]
 
 
 @dataclass(frozen=True)
@@ -254,19 +254,32 @@ def launch(settings: DDPSettings, target: Any = None) -> None:
         mp.spawn(target or train_rank, args=(settings,), nprocs=settings.world, join=True)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Command line: run the reference model under DDP with probes, optionally with faults."""
-    ap = argparse.ArgumentParser(prog="python -m sdcwatch.testbed.ddp", description=main.__doc__)
+def add_run_arguments(ap: argparse.ArgumentParser, run: str) -> None:
+    """The options every multi-process reference run takes (this module's and the FSDP one's)."""
     ap.add_argument("--world", type=int, default=4)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--run", default="ddp-reference")
+    ap.add_argument("--run", default=run)
     ap.add_argument("--bootstrap", help="Kafka address host:port")
     ap.add_argument("--topic", default=TELEMETRY_TOPIC)
     ap.add_argument("--jsonl", dest="jsonl_dir", help="folder for rank{r}.jsonl files instead of Kafka")
     ap.add_argument("--faults", help="fault specs (.jsonl or .json array)")
     ap.add_argument("--ranks-per-host", type=int)
     ap.add_argument("--probes", default="{}", help='ProbeConfig settings as JSON, e.g. {"every": 2}')
+
+
+def json_setting(text: str, key: str) -> Any:
+    """A command-line option given as JSON; ConfigError naming ``key`` when it is not JSON."""
+    try:
+        return json.loads(text)
+    except ValueError as exc:
+        raise ConfigError(key, f"not valid JSON: {exc}") from None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Command line: run the reference model under DDP with probes, optionally with faults."""
+    ap = argparse.ArgumentParser(prog="python -m sdcwatch.testbed.ddp", description=main.__doc__)
+    add_run_arguments(ap, "ddp-reference")
     ap.add_argument(
         "--skip-nonfinite",
         action="store_true",
@@ -281,14 +294,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--load")
     ap.add_argument("--save")
     args = ap.parse_args(argv)
-    try:
-        probes = json.loads(args.probes)
-    except ValueError as exc:
-        raise ConfigError("ddp.probes", f"not valid JSON: {exc}") from None
-    try:
-        guard = None if args.guard is None else json.loads(args.guard)
-    except ValueError as exc:
-        raise ConfigError("ddp.guard", f"not valid JSON: {exc}") from None
+    probes = json_setting(args.probes, "ddp.probes")
+    guard = None if args.guard is None else json_setting(args.guard, "ddp.guard")
     settings = DDPSettings(
         world=args.world,
         steps=args.steps,

@@ -13,14 +13,12 @@ replicas of a model sharded over ``world // R`` ranks each.
 from __future__ import annotations
 
 import argparse
-import json
 from dataclasses import dataclass
 from typing import Sequence
 
 from sdcwatch.core.errors import ConfigError
-from sdcwatch.core.names import TELEMETRY_TOPIC
 from sdcwatch.telemetry.faults import load_faults
-from sdcwatch.testbed.ddp import DDPSettings, rank_emitter, launch as _launch
+from sdcwatch.testbed.ddp import DDPSettings, add_run_arguments, json_setting, rank_emitter, launch as _launch
 
 __all__ = ["FSDPSettings", "launch", "train_rank", "main"]
 
@@ -116,22 +114,10 @@ def launch(settings: FSDPSettings) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Command line: run the reference model under FSDP2/HSDP with probes, optionally with faults."""
     ap = argparse.ArgumentParser(prog="python -m sdcwatch.testbed.fsdp", description=main.__doc__)
-    ap.add_argument("--world", type=int, default=4)
+    add_run_arguments(ap, "fsdp-reference")
     ap.add_argument("--replicate", type=int, default=1, help="HSDP replicas (1: plain FSDP)")
-    ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--run", default="fsdp-reference")
-    ap.add_argument("--bootstrap", help="Kafka address host:port")
-    ap.add_argument("--topic", default=TELEMETRY_TOPIC)
-    ap.add_argument("--jsonl", dest="jsonl_dir", help="folder for rank{r}.jsonl files instead of Kafka")
-    ap.add_argument("--faults", help="fault specs (.jsonl or .json array)")
-    ap.add_argument("--ranks-per-host", type=int)
-    ap.add_argument("--probes", default="{}", help='ProbeConfig settings as JSON, e.g. {"every": 2}')
     args = ap.parse_args(argv)
-    try:
-        probes = json.loads(args.probes)
-    except ValueError as exc:
-        raise ConfigError("fsdp.probes", f"not valid JSON: {exc}") from None
+    probes = json_setting(args.probes, "fsdp.probes")
     settings = FSDPSettings(
         world=args.world,
         replicate=args.replicate,

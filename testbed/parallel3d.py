@@ -717,27 +717,16 @@ class ParallelSimulatedRun(SimulatedRun):
         self.history.append(value)
         return value
 
-    def _apply_param_faults(self, replica: int) -> None:
-        """A ``where: "param"`` fault starting now on a rank of ``replica`` becomes its delta."""
+    def _param_fault_starts(self, replica: int) -> bool:
+        """Whether a ``where: "param"`` fault starts at this step on a rank of ``replica`` (the
+        per-piece injectors then act for that replica's ranks)."""
         inj = self.injector
         inj.rank = replica
-        if not any(
+        return any(
             f.where == "param" and f.step == inj.step and f.hits(inj.step, x.rank)
             for x in self.injectors
             for f in x.faults
-        ):
-            return
-        with self._replica(replica):
-            before = [p.detach().clone() for p in self.params]
-            inj.apply_param_faults()
-            changed = [
-                (i, p.detach() - b) for i, (p, b) in enumerate(zip(self.params, before)) if not torch.equal(p, b)
-            ]
-            with torch.no_grad():
-                for p, b in zip(self.params, before):
-                    p.copy_(b)
-        for i, delta in changed:
-            self._add_delta(replica, i, delta)
+        )
 
     def replace_ranks(self, ranks: Iterable[int]) -> None:
         raise ConfigError("simulated.replace_ranks", "not simulated under tensor or pipeline parallelism")

@@ -397,11 +397,16 @@ class SimulatedRun:
         )
         return loss.detach()
 
+    def _param_fault_starts(self, rank: int) -> bool:
+        """Whether a ``where: "param"`` fault starts at this step on ``rank``."""
+        inj = self.injector
+        return any(f.where == "param" and f.step == inj.step and f.hits(inj.step, rank) for f in inj.faults)
+
     def _apply_param_faults(self, rank: int) -> None:
         """A ``where: "param"`` fault starting now on ``rank`` becomes that replica's delta."""
-        inj = self.injector
-        if not any(f.where == "param" and f.step == inj.step and f.hits(inj.step, rank) for f in inj.faults):
+        if not self._param_fault_starts(rank):
             return
+        inj = self.injector
         with self._replica(rank):  # the fault hits the replica as it is now
             before = [p.detach().clone() for p in self.params]
             inj.apply_param_faults()
