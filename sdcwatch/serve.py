@@ -20,10 +20,14 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from sdcwatch.config import ServeConfig, add_serve_arguments, config_from_args
+from sdcwatch.core.errors import TransportError
 
 __all__ = ["build_service", "serve_main", "reset_state"]
 
 log = logging.getLogger("sdcwatch.serve")
+
+#: What to run when there is no bus to connect to (said with the connection error).
+LOCAL_BROKER = "`sdcwatch broker` starts one on 127.0.0.1:9092"
 
 
 def build_service(
@@ -174,7 +178,12 @@ def serve_main(argv: Sequence[str]) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    service, metrics = build_service(cfg)
+    # kafka-python gives up on an unreachable bus after about 30 s: say what is being waited for
+    print(f"sdcwatch serve: connecting to Kafka at {cfg.bus.bootstrap}", file=sys.stderr, flush=True)
+    try:
+        service, metrics = build_service(cfg)
+    except TransportError as exc:
+        raise TransportError(f"{exc} (is a broker running there? For a trial on one machine, {LOCAL_BROKER})") from None
     if metrics is not None:
         metrics.start()
     resumed = " (resumed from the saved state)" if getattr(service, "resumed", False) else ""

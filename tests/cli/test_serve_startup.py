@@ -1,0 +1,49 @@
+"""`sdcwatch serve` with no broker at its address: it says at once what it is waiting for, and its
+error (after kafka-python's bootstrap timeout, about 30 s) names the address and how to get a bus.
+
+Before, the service printed nothing for those 30 s, then only kafka-python's timeout.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from sdcwatch.broker import free_port
+
+pytestmark = pytest.mark.integration
+
+
+def test_serve_without_a_broker_says_where_it_connects_then_how_to_get_a_bus(tmp_path):
+    address = f"127.0.0.1:{free_port()}"  # nothing listens there
+    cmd = [sys.executable, "-m", "sdcwatch.cli", "serve", "--bus-bootstrap", address, "--metrics-port", "0"]
+    cmd += ["--state-dir", str(tmp_path / "state")]
+    start = time.monotonic()
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    lines: list[tuple[float, str]] = []
+
+    def read() -> None:
+        for line in iter(proc.stderr.readline, ""):
+            lines.append((time.monotonic() - start, line))
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        code = proc.wait(120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    reader.join(10)
+    text = "".join(line for _, line in lines)
+    assert code == 2, text
+    first_at, first = lines[0]
+    assert first.startswith(f"sdcwatch serve: connecting to Kafka at {address}"), text
+    assert first_at < 15, f"the first line came {first_at:.1f} s after start: {text}"
+    error = lines[-1][1]
+    assert error.startswith(f"sdcwatch serve: error: cannot connect to Kafka at {address}"), text
+    assert "sdcwatch broker" in error, text
