@@ -71,9 +71,10 @@ class CallbackCore:
         if self.injector is not None:
             self.injector.begin_step(step)
 
-    def end(self, step: int, loss: Any) -> None:
-        """Optimizer step ``step`` is done: its record, with the step's loss (a tensor: read later)."""
-        self.watch.step(step, loss=loss)
+    def end(self, step: int, loss: Any, **scalars: Any) -> None:
+        """Optimizer step ``step`` is done: its record, with the step's loss (a tensor: read later)
+        and any scalar the framework knows better than the probes (``lr=``: the rate the step used)."""
+        self.watch.step(step, loss=loss, **scalars)
         if self.injector is not None:
             self.injector.end_step()
 

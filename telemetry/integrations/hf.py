@@ -8,7 +8,8 @@ The callback attaches the probes when training begins (to the Trainer's DDP wrap
 rank reports its local and the all-reduced gradient norm), reports one record per optimizer step
 (``state.global_step``, from 0) and closes at the end. The loss of a step is the model output's
 ``loss``, over every micro-batch of the step: their mean, or their sum when the Trainer passes
-``num_items_in_batch`` (then each micro-batch's loss is already a share of the step's).
+``num_items_in_batch`` (then each micro-batch's loss is already a share of the step's). The
+learning rate is the one the step used, read before the Trainer steps its scheduler.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ class SdcwatchCallback(TrainerCallback, CallbackCore):
         self._losses: list[Any] = []
         self._summed = False
         self._loss_hook = None
+        self._lr: float | None = None  # the rate of the optimizer step in progress
 
     # -- the run ------------------------------------------------------------------------------
 
@@ -50,10 +52,16 @@ class SdcwatchCallback(TrainerCallback, CallbackCore):
         self._losses.clear()
         self.begin(state.global_step)
 
+    def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        # the Trainer steps its scheduler before on_step_end: the rate this step used is read here
+        opt = self.watch.optimizer if self.watch is not None else None
+        self._lr = float(opt.param_groups[0]["lr"]) if opt is not None and opt.param_groups else None
+
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.watch is None:
             return
-        self.end(state.global_step - 1, self._step_loss())
+        lr, self._lr = self._lr, None
+        self.end(state.global_step - 1, self._step_loss(), **({} if lr is None else {"lr": lr}))
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.close()
