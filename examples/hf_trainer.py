@@ -7,7 +7,7 @@ the Trainer's DDP wrapper under ``torchrun``), reports one record per optimizer 
 the end. With the embedded broker and ``sdcwatch serve`` running (README, "Watch your own job on
 one machine"):
 
-    SDCWATCH_RUN=hf-nan python examples/hf_trainer.py --nan-step 20
+    SDCWATCH_RUN=hf-nan .venv/bin/python examples/hf_trainer.py --nan-step 20
 
 writes a NaN into block 1's attention input projection (``transformer.h.1.attn.c_attn``) at step
 20, and ``sdcwatch serve`` logs a non-finite incident at step 20 naming layer 1 (the block,

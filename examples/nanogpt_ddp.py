@@ -9,8 +9,8 @@ optimizer step, and the two ``close()`` calls.
 On one machine, with the embedded broker and the service running (see the README, "Watch your own
 job on one machine"):
 
-    SDCWATCH_RUN=clean torchrun --nproc-per-node 2 examples/nanogpt_ddp.py
-    SDCWATCH_RUN=nan torchrun --nproc-per-node 2 examples/nanogpt_ddp.py --nan-step 20 --nan-rank 1
+    SDCWATCH_RUN=clean .venv/bin/torchrun --nproc-per-node 2 examples/nanogpt_ddp.py
+    SDCWATCH_RUN=nan .venv/bin/torchrun --nproc-per-node 2 examples/nanogpt_ddp.py --nan-step 20 --nan-rank 1
 
 The second run writes a NaN into block 1's attention output on rank 1 at step 20 (sdcwatch's fault
 injector, the way to test your alerting); ``sdcwatch serve`` logs a non-finite incident naming
