@@ -5,7 +5,7 @@ The only sdcwatch line is ``callbacks=[SdcwatchCallback()]``: it opens the emitt
 ``$SDCWATCH_BOOTSTRAP``, run ``$SDCWATCH_RUN``), attaches the probes when training begins (and to
 the Trainer's DDP wrapper under ``torchrun``), reports one record per optimizer step and closes at
 the end. With the embedded broker and ``sdcwatch serve`` running (README, "Watch your own job on
-one machine"):
+one machine"; this needs the ``hf`` extra: ``.venv/bin/pip install -e '.[hf]' torch==2.13.0``):
 
     SDCWATCH_RUN=hf-nan .venv/bin/python examples/hf_trainer.py --nan-step 20
 
@@ -17,6 +17,7 @@ writes a NaN into block 1's attention input projection (``transformer.h.1.attn.c
 from __future__ import annotations
 
 import argparse
+import tempfile
 
 import torch
 from torch.utils.data import Dataset
@@ -43,7 +44,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--nan-step", type=int, default=None, help="write a NaN at this step (default: none)")
-    parser.add_argument("--output-dir", default="hf-trainer-out", help="the Trainer's output_dir (nothing is saved)")
+    parser.add_argument("--output-dir", default=None, help="the Trainer's output_dir (default: a temporary one)")
     args = parser.parse_args()
 
     torch.set_num_threads(1)
@@ -51,7 +52,7 @@ def main() -> None:
     config = GPT2Config(vocab_size=128, n_positions=32, n_embd=64, n_layer=2, n_head=4, bos_token_id=0, eos_token_id=0)
     model = GPT2LMHeadModel(config)
     training = TrainingArguments(
-        output_dir=args.output_dir,
+        output_dir=args.output_dir or tempfile.mkdtemp(prefix="hf-trainer-"),  # nothing is saved
         per_device_train_batch_size=8,
         max_steps=args.steps,
         learning_rate=1e-3,
