@@ -176,14 +176,16 @@ def serve_main(argv: Sequence[str]) -> int:
         log.warning("received %s: stopping after a final snapshot", signal.Signals(signum).name)
         stop.set()
 
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    # kafka-python gives up on an unreachable bus after about 30 s: say what is being waited for
+    # kafka-python gives up on an unreachable bus after about 30 s: say what is being waited for.
+    # Ctrl-C and SIGTERM stop that wait at once (nothing was read yet, so there is nothing to save);
+    # once the service runs they stop it after a final snapshot.
     print(f"sdcwatch serve: connecting to Kafka at {cfg.bus.bootstrap}", file=sys.stderr, flush=True)
     try:
         service, metrics = build_service(cfg)
     except TransportError as exc:
         raise TransportError(f"{exc} (is a broker running there? For a trial on one machine, {LOCAL_BROKER})") from None
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
     if metrics is not None:
         metrics.start()
     resumed = " (resumed from the saved state)" if getattr(service, "resumed", False) else ""

@@ -6,6 +6,7 @@ Before, the service printed nothing for those 30 s, then only kafka-python's tim
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 import threading
@@ -47,3 +48,25 @@ def test_serve_without_a_broker_says_where_it_connects_then_how_to_get_a_bus(tmp
     error = lines[-1][1]
     assert error.startswith(f"sdcwatch serve: error: cannot connect to Kafka at {address}"), text
     assert "sdcwatch broker" in error, text
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_ctrl_c_or_sigterm_while_connecting_stops_serve_at_once(tmp_path, sig):
+    address = f"127.0.0.1:{free_port()}"  # nothing listens there: serve waits in the connection
+    cmd = [sys.executable, "-m", "sdcwatch.cli", "serve", "--bus-bootstrap", address, "--metrics-port", "0"]
+    cmd += ["--state-dir", str(tmp_path / "state")]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        first = proc.stderr.readline()
+        assert first.startswith("sdcwatch serve: connecting to Kafka"), first
+        time.sleep(1.0)  # inside the connection attempt
+        sent = time.monotonic()
+        proc.send_signal(sig)
+        proc.wait(60)
+        took = time.monotonic() - sent
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    assert took < 10, f"serve took {took:.1f} s to stop after {sig.name} (the bus wait is about 30 s)"
+    assert proc.returncode in (130, -sig), proc.returncode
