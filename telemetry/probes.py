@@ -27,7 +27,7 @@ import queue
 import threading
 import time
 import warnings
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -144,7 +144,7 @@ class Watch(GradientStats, AttentionLayers):
             ddp.register_comm_hook(self, comm_hook)
         elif optimizer is not None and not external:
             before = self._local_gradients if self._sharded is None else self._sharded.before_optimizer
-            self._handles.append(optimizer.register_step_pre_hook(lambda opt, args, kwargs: before()))
+            self._handles.append(optimizer.register_step_pre_hook(_unless_closure(before)))
         LIVE_WATCHES.add(self)
 
     @property
@@ -427,3 +427,17 @@ def attach(
         mesh=mesh,
         mesh_names=mesh_names,
     )
+
+
+def _unless_closure(read: Callable[[], None]) -> Callable[[Any, tuple, dict], None]:
+    """An optimizer step pre-hook that reads the gradient, except for ``optimizer.step(closure)``
+    (Lightning's automatic optimisation, LBFGS): the closure runs this step's forward and backward
+    after the pre-hooks, so ``p.grad`` still holds the previous step's gradient there; the watch
+    reads it at ``watch.step()`` instead."""
+
+    def hook(optimizer: Any, args: tuple, kwargs: dict) -> None:
+        if (args and args[0] is not None) or kwargs.get("closure") is not None:
+            return
+        read()
+
+    return hook

@@ -2,11 +2,10 @@
 norm of that step's gradient.
 
 Lightning's automatic optimisation calls ``optimizer.step(closure)``: the forward and backward run
-inside the closure, after the optimizer's step pre-hooks. The probes read ``p.grad`` in such a
-pre-hook when there is no DDP wrapper (telemetry/probes.py registers it, gradients.py reads), so
-under Lightning they read the previous step's gradient: the record of step N carries step N-1's
-norm (step 0 happens to be right: no gradient exists yet, and the norm is read at ``watch.step``).
-The same holds for any ``optimizer.step(closure)`` in a plain loop (LBFGS).
+inside the closure, after the optimizer's step pre-hooks. Reading ``p.grad`` in such a pre-hook
+would read the previous step's gradient (the record of step N would carry step N-1's norm), so
+the probes skip the pre-hook read when a closure is passed and read the gradient at
+``watch.step()``. The same holds for ``optimizer.step(closure)`` in a plain loop (LBFGS).
 """
 
 from __future__ import annotations
@@ -50,11 +49,6 @@ class Regression(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the probes read p.grad in the optimizer's step pre-hook, which runs before Lightning's closure "
-    "(forward and backward): each record carries the previous step's gradient norm",
-)
 def test_each_record_carries_its_own_steps_gradient_norm(tmp_path):
     from sdcwatch.telemetry.integrations.lightning import SdcwatchCallback
 
