@@ -403,7 +403,8 @@ def attach(
     ``settings`` are :class:`ProbeConfig` fields (``every``, ``attention_every``, ``heads``...);
     an unknown one is a ConfigError. With ``ddp`` a communication hook is registered (before the
     first backward); without it the gradient statistics come from ``p.grad`` just before
-    ``optimizer.step()`` (or at ``watch.step()``): world size one. ``canary_input`` (a fixed
+    ``optimizer.step()`` (or at ``watch.step()``): world size one. A ``DistributedDataParallel``
+    passed as ``model`` is taken as its own ``ddp``. ``canary_input`` (a fixed
     input, the same on every rank) with ``canary_every=N`` turns on the canary check.
 
     A model sharded by FSDP2 (``fully_shard``, HSDP included) is measured through its
@@ -415,6 +416,8 @@ def attach(
     built = ProbeConfig.from_settings(every=every, **settings)  # an unknown setting is a ConfigError
     if config is None:
         config = built
+    if ddp is None and isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        ddp = model  # attach(DDP(model), ...): the wrapper is the DDP hook's, as if ddp= were given
     if ddp is not None and model is ddp:
         model = ddp.module
     return Watch(

@@ -133,7 +133,8 @@ def train_rank(rank: int, settings: DDPSettings) -> None:
         ddp = DDP(model)  # broadcasts rank 0's parameters: every replica starts identical
         injector = FaultInjector(settings.faults, rank=rank).attach(model, optimizer)
         emitter = rank_emitter(settings, rank)
-        watch = attach(model, emitter, optimizer=optimizer, ddp=ddp, **settings.probes)
+        # the wrapper as the model: attach takes it as its own ddp= (the README's loop passes ddp= explicitly)
+        watch = attach(ddp, emitter, optimizer=optimizer, **settings.probes)
         corpus = shared_corpus(settings.corpus_bytes)
         if settings.guard is not None:
             guard = _guard(settings, rank, model, optimizer, corpus, injector, watch, emitter.host)
