@@ -80,6 +80,9 @@ class Emitter:
             (see :func:`identity_from_env`).
         bootstrap: Kafka address for the default transport; default ``SDCWATCH_BOOTSTRAP``,
             then ``127.0.0.1:9092``.
+        topic: the telemetry topic for the default transport; default
+            ``SDCWATCH_BUS_TELEMETRY_TOPIC`` (the variable ``sdcwatch serve`` reads the same topic
+            from), then ``sdcwatch.telemetry``.
         buffer: records held while the bus is slow or down (queue plus the batch in flight);
             beyond it new records are dropped and counted.
         batch: records per send.
@@ -106,7 +109,7 @@ class Emitter:
         local_rank: int | None = None,
         host: str | None = None,
         bootstrap: str | None = None,
-        topic: str = TELEMETRY_TOPIC,
+        topic: str | None = None,
         buffer: int = 100_000,
         batch: int = 1024,
         linger: float = 0.005,
@@ -140,7 +143,10 @@ class Emitter:
             from sdcwatch.telemetry.transports import KafkaTransport
 
             env_map = os.environ if env is None else env
-            transport = KafkaTransport(bootstrap or env_map.get("SDCWATCH_BOOTSTRAP") or "127.0.0.1:9092", topic)
+            transport = KafkaTransport(
+                bootstrap or env_map.get("SDCWATCH_BOOTSTRAP") or "127.0.0.1:9092",
+                topic or env_map.get("SDCWATCH_BUS_TELEMETRY_TOPIC") or TELEMETRY_TOPIC,
+            )
         self.transport = transport
         self.buffer = buffer
         self.batch = batch

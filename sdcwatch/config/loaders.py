@@ -41,7 +41,17 @@ __all__ = ["ENV_PREFIX", "OTHER_ENV", "load_config", "env_name", "flag_name", "a
 ENV_PREFIX = "SDCWATCH_"
 #: ``SDCWATCH_*`` variables that are not serve settings: the emitter's, the loader's and dev.sh's.
 OTHER_ENV = frozenset(
-    {"SDCWATCH_RUN", "SDCWATCH_HOST", "SDCWATCH_CONFIG", "SDCWATCH_BOOTSTRAP", "SDCWATCH_VENV", "SDCWATCH_TORCH"}
+    {
+        "SDCWATCH_RUN",
+        "SDCWATCH_HOST",
+        "SDCWATCH_BOOTSTRAP",
+        "SDCWATCH_WIRE",
+        "SDCWATCH_MESH",
+        "SDCWATCH_COORDS",
+        "SDCWATCH_CONFIG",
+        "SDCWATCH_VENV",
+        "SDCWATCH_TORCH",
+    }
 )
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off"})

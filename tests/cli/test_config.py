@@ -95,8 +95,16 @@ def test_bootstrap_shortcut_and_its_precedence():
 
 
 def test_emitter_variables_are_not_serve_settings():
-    cfg = load_config(env={"SDCWATCH_RUN": "llama-7b", "SDCWATCH_HOST": "h1", "PATH": "/bin"})
-    assert cfg == ServeConfig()
+    # every variable the emitter reads: a job's environment exported in the shell that starts serve
+    env = {
+        "SDCWATCH_RUN": "llama-7b",
+        "SDCWATCH_HOST": "h1",
+        "SDCWATCH_WIRE": "v1",
+        "SDCWATCH_MESH": "pp=2,dp=4,tp=2",
+        "SDCWATCH_COORDS": "pp=1,dp_replicate=3,tp=0",
+        "PATH": "/bin",
+    }
+    assert load_config(env=env) == ServeConfig()
 
 
 @pytest.mark.parametrize(

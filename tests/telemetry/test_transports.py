@@ -32,3 +32,19 @@ def test_acks_0_confirms_without_offsets_and_is_never_a_lost_log():
     t._check_offsets(confirmed((0, 7)))
     t._check_offsets(confirmed((0, -1), (0, -1)))
     assert t.log_resets == 0
+
+
+def test_the_emitters_default_transport_takes_the_topic_and_bus_from_the_environment():
+    from sdcwatch.telemetry import Emitter
+
+    env = {"SDCWATCH_BOOTSTRAP": "127.0.0.1:1", "SDCWATCH_BUS_TELEMETRY_TOPIC": "team.telemetry"}
+    em = Emitter(run="r", rank=0, world=1, host="h", env=env)
+    try:
+        assert em.transport.topic == "team.telemetry"  # the variable serve reads its topic from
+    finally:
+        em.close(0.5)
+    em = Emitter(run="r", rank=0, world=1, host="h", env=env, topic="given")
+    try:
+        assert em.transport.topic == "given"  # an argument wins over the environment
+    finally:
+        em.close(0.5)
