@@ -110,7 +110,17 @@ def _fmt_steps(n: int) -> str:
     return f"{n:,}"
 
 
-def _verdict(incidents: Sequence[Incident], data: RunData, faults: Sequence[Mapping[str, Any]]) -> tuple[str, str]:
+_NOT_GIVEN = (
+    "No incidents were given, so this page shows the records only: <code>sdcwatch replay --json RECORDS"
+    " &gt; incidents.jsonl</code> runs the detectors over them; pass that file with <code>--incidents</code>."
+)
+
+
+def _verdict(
+    incidents: Sequence[Incident], data: RunData, faults: Sequence[Mapping[str, Any]], given: bool
+) -> tuple[str, str]:
+    if not given:
+        return "info", _NOT_GIVEN
     if not incidents and faults:
         return (
             "warning",
@@ -133,7 +143,9 @@ def _verdict(incidents: Sequence[Incident], data: RunData, faults: Sequence[Mapp
     )
 
 
-def _cards(data: RunData, incidents: Sequence[Incident], injected_text: str, suspects: Sequence[int]) -> str:
+def _cards(
+    data: RunData, incidents: Sequence[Incident], injected_text: str, suspects: Sequence[int], given: bool
+) -> str:
     by_sev = {s: sum(1 for i in incidents if i.severity.value == s) for s in ("critical", "warning", "info")}
     sev_text = ", ".join(f"{n} {s}" for s, n in by_sev.items() if n) or "none"
     hosts = len({h for h in data.hosts if h})
@@ -143,11 +155,15 @@ def _cards(data: RunData, incidents: Sequence[Incident], injected_text: str, sus
         ("ranks", f"{data.world}" + (f" <small>on {hosts} host{'s' * (hosts != 1)}</small>" if hosts else "")),
         ("steps", f"{_fmt_steps(len(data.steps))} <small>{data.steps[0]}–{data.steps[-1]}</small>"),
         ("records", f"{data.records:,}" + (f" <small>{data.missing:,} missing</small>" if data.missing else "")),
-        ("incidents", f"{len(incidents)} <small>{_e(sev_text)}</small>"),
+        ("incidents", f"{len(incidents)} <small>{_e(sev_text)}</small>" if given else "not given"),
         (
             "suspect ranks",
-            ", ".join(f"{r}" + (f" <small>{_e(data.host_of(r))}</small>" if data.host_of(r) else "") for r in suspects)
-            or "none",
+            ("rank " if len(suspects) == 1 else "ranks ")
+            + ", ".join(
+                f"{r}" + (f" <small>{_e(data.host_of(r))}</small>" if data.host_of(r) else "") for r in suspects
+            )
+            if suspects
+            else ("none" if given else "—"),
         ),
     ]
     if wall > 0:
@@ -160,7 +176,9 @@ def _cards(data: RunData, incidents: Sequence[Incident], injected_text: str, sus
     return "<div class='cards'>" + "".join(out) + "</div>"
 
 
-def _incident_table(incidents: Sequence[Incident]) -> str:
+def _incident_table(incidents: Sequence[Incident], given: bool) -> str:
+    if not given:
+        return f"<p class='muted'>{_NOT_GIVEN}</p>"
     if not incidents:
         return "<p class='muted'>No incidents were raised for this run.</p>"
     head = "".join(
@@ -188,18 +206,25 @@ def _figure(png: str, alt: str) -> str:
 
 
 def render_report(
-    data: RunData, incidents: Sequence[Incident], *, title: str | None = None, injected: Any = None, source: str = ""
+    data: RunData,
+    incidents: Sequence[Incident] | None,
+    *,
+    title: str | None = None,
+    injected: Any = None,
+    source: str = "",
 ) -> str:
-    """The report page for ``data`` and ``incidents`` (already loaded) as an HTML string."""
+    """The report page for ``data`` and ``incidents`` (already loaded) as an HTML string; None:
+    no incidents were given (the page says so rather than calling the run clean)."""
     from sdcwatch import __version__
 
-    incidents = [i for i in incidents if not i.run or i.run == data.run]
+    given = incidents is not None
+    incidents = [i for i in incidents or () if not i.run or i.run == data.run]
     incidents.sort(key=lambda i: (i.first_step, -i.severity.rank))
     faults = _injected_faults(injected)
     injected_text = _describe_injected(injected)
     suspects = _suspect_ranks(incidents, data.world)
     title = title or f"sdcwatch report — {data.run}"
-    level, verdict = _verdict(incidents, data, faults)
+    level, verdict = _verdict(incidents, data, faults, given)
     parts = [
         "<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>",
         "<meta name='viewport' content='width=device-width, initial-scale=1'>",
@@ -207,7 +232,7 @@ def render_report(
         f"<header><h1>{_e(title)}</h1><div class='sub'>{_e(source)} · generated "
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} by sdcwatch {__version__}</div></header>",
         f"<div class='verdict {level}' id='verdict'>{verdict}</div>",
-        _cards(data, incidents, injected_text, suspects),
+        _cards(data, incidents, injected_text, suspects, given),
     ]
     if data.other_runs:
         others = ", ".join(f"{_e(r)} ({n:,} records)" for r, n in sorted(data.other_runs.items()))
@@ -251,7 +276,7 @@ def render_report(
             + _figure(attention, "attention entropy per layer")
             + "</section>"
         )
-    parts.append(f"<section id='incident-table'><h2>Incidents</h2>{_incident_table(incidents)}</section>")
+    parts.append(f"<section id='incident-table'><h2>Incidents</h2>{_incident_table(incidents, given)}</section>")
     guarded = [i for i in incidents if i.kind.startswith("guard_")]
     if guarded:  # what the training job's guard did about it, step by step (no silent skips)
         items = "".join(
@@ -291,8 +316,9 @@ def write_report(
     picks one run when the records file holds several.
     """
     data = load_records(records_path, run=run)
+    loaded: list[Incident] | None
     if incidents is None:
-        loaded: list[Incident] = []
+        loaded = None
     elif isinstance(incidents, (str, Path)):
         loaded = load_incidents(incidents)
     else:

@@ -113,14 +113,23 @@ def images(page: str) -> list[bytes]:
 
 def test_clean_run_report_holds_every_plot_and_says_nothing_happened(tmp_path):
     records = make_records(tmp_path / "clean.jsonl")
-    out = write_report(records, None, tmp_path / "out" / "report.html")
+    out = write_report(records, [], tmp_path / "out" / "report.html")  # an empty incidents file
     page = out.read_text()
     pngs = images(page)
     assert len(pngs) == 3  # training curves, rank heat map, attention entropy
     assert all(p.startswith(PNG_MAGIC) and len(p) > 5_000 for p in pngs)
-    assert "id='verdict'" in page and "No incidents" in page
+    assert "verdict clean" in page and "No incidents were raised for this run." in page
     assert "<tr class='incident'" not in page
     assert "<script" not in page and "http" not in page.split("</header>")[1]  # self-contained, offline
+
+
+def test_without_incidents_the_page_says_they_were_not_given_rather_than_calling_the_run_clean(tmp_path):
+    records = make_records(tmp_path / "nan.jsonl", nan_at=(40, 2))
+    page = write_report(records, None, tmp_path / "r.html").read_text()
+    assert "verdict info" in page and "No incidents were given" in page
+    assert "sdcwatch replay --json RECORDS &gt; incidents.jsonl" in page
+    assert "No incidents were raised" not in page and "verdict clean" not in page
+    assert "<div class='k'>incidents</div><div class='v'>not given</div>" in page
 
 
 def test_incidents_become_table_rows_and_the_verdict_names_the_rank(tmp_path):
@@ -149,6 +158,8 @@ def test_incidents_become_table_rows_and_the_verdict_names_the_rank(tmp_path):
     assert "62–119" in sdc_row and "(peak 80)" in sdc_row and ">5<" in sdc_row and "node1" in sdc_row
     assert "&lt;off&gt;" in sdc_row  # messages are escaped, never injected as markup
     assert "verdict critical" in page and "rank 5 (host node1)" in page
+    # the suspect card names ranks (a lone "5" would read as a count)
+    assert "<div class='k'>suspect ranks</div><div class='v'>rank 5 <small>node1</small></div>" in page
     assert "noise on rank 5 from step 60" in page  # what was injected, in the header
     assert len(images(page)) == 3
 
