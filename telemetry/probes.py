@@ -439,8 +439,9 @@ def _unless_closure(read: Callable[[], None]) -> Callable[[Any, tuple, dict], No
     reads it at ``watch.step()`` instead."""
 
     def hook(optimizer: Any, args: tuple, kwargs: dict) -> None:
-        if (args and args[0] is not None) or kwargs.get("closure") is not None:
-            return
-        read()
+        # torch hands the pre-hook step's positional arguments with the optimizer first
+        closure = args[1] if len(args) > 1 else kwargs.get("closure")
+        if closure is None:
+            read()
 
     return hook

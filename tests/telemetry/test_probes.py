@@ -281,3 +281,36 @@ def test_canary_fingerprints_the_model_output_on_the_fixed_input_without_recordi
 def test_canary_without_an_input_is_a_config_error():
     with pytest.raises(ConfigError, match="canary_every"):
         attach(GPT(CFG), Recorder(), canary_every=10)
+
+
+@pytest.mark.parametrize("closure", [False, True])
+def test_the_gradient_norm_is_the_steps_own_with_or_without_an_optimizer_closure(closure):
+    """Without a closure the norm is read just before ``opt.step()`` (a loop may zero the gradient
+    before ``watch.step``); with ``opt.step(closure)`` (Lightning, LBFGS) the closure runs this
+    step's backward after the step pre-hooks, so the norm is read at ``watch.step``."""
+    torch.manual_seed(0)
+    model, rec = GPT(CFG), Recorder()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    watch = attach(model, rec, optimizer=opt, attention_every=1000, checksum_every=0)
+    g = torch.Generator().manual_seed(3)
+    norms = []
+    for step in range(3):
+        batch = torch.randint(0, 256, (2, CFG.seq_len + 1), generator=g)
+
+        def forward_backward():
+            opt.zero_grad()
+            loss = model.loss(batch)
+            loss.backward()
+            norms.append(math.sqrt(sum(float(p.grad.pow(2).sum()) for p in model.parameters())))
+            return loss
+
+        if closure:
+            loss = opt.step(forward_backward)
+        else:
+            loss = forward_backward()
+            opt.step()
+            opt.zero_grad()  # before watch.step: the norm must already have been read
+        watch.step(step, loss=loss)
+    watch.close()
+    got = [r["scalars"]["grad_norm_local"] for r in rec.records]
+    assert got == pytest.approx(norms, rel=1e-5)
