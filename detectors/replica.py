@@ -6,6 +6,11 @@ step it happens; no history is needed. When no value holds a majority, the repli
 no rank can be blamed. With mesh coordinates the vote is taken within each replica group (ranks
 holding the same shard of the same model piece: the peer key and ``dp_shard``), so shard-wise
 fingerprints are compared only with the same shard's; a group of two that disagrees is split.
+The canaries (:data:`PEER_VOTED`: a fixed input through the whole model, or through one product
+with its weight gathered whole) are computed from unsharded weights, which every data-parallel
+rank of a model piece holds alike under FSDP too: they are voted within the *peer group* (every
+``dp_replicate`` and ``dp_shard`` coordinate), where plain FSDP's one-replica shards still make a
+majority.
 """
 
 from __future__ import annotations
@@ -24,10 +29,12 @@ from sdcwatch.core.incident import Finding, Severity
 from sdcwatch.core.mesh import format_coords, replica_key
 from sdcwatch.detectors.peers import Groups, coords_of, known_coords, rank_label
 
-__all__ = ["ReplicaDivergenceDetector", "ReplicaConfig", "majority"]
+__all__ = ["ReplicaDivergenceDetector", "ReplicaConfig", "majority", "PEER_VOTED"]
 
 #: Float scalars that must agree exactly across replicas (compared by their bits).
 REPLICA_SCALARS = ("grad_norm_global",)
+#: Fingerprints of unsharded computations: equal across the whole peer group, voted there.
+PEER_VOTED = frozenset({"canary_fp", "gemm_canary_fp"})
 
 
 def majority(values: np.ndarray) -> tuple[np.ndarray | None, np.ndarray]:
@@ -82,9 +89,8 @@ class ReplicaDivergenceDetector(SplitDetector):
         """The majority vote of the step: odd ranks per value, values with no majority (None if all agree)."""
         if frame.world < self.min_world:
             return None
-        replicas = frame.replicas
-        if not replicas.trivial:
-            return self._observe_groups(frame, replicas)
+        if not frame.replicas.trivial:
+            return self._observe_groups(frame)
         odd_by_metric: dict[str, list[int]] = {}
         split: list[str] = []
         for name, bits, have in self._columns(frame):
@@ -100,14 +106,16 @@ class ReplicaDivergenceDetector(SplitDetector):
             return None
         return {"odd": odd_by_metric, "split": split}
 
-    def _observe_groups(self, frame: StepFrame, replicas: Groups) -> dict[str, Any] | None:
-        """The vote within each replica group: one comparison of every rank with its group's first
-        holder finds the groups that disagree; only those are voted on, one by one."""
+    def _observe_groups(self, frame: StepFrame) -> dict[str, Any] | None:
+        """The vote within each replica group (peer group for :data:`PEER_VOTED`): one comparison
+        of every rank with its group's first holder finds the groups that disagree; only those are
+        voted on, one by one."""
         odd_by_metric: dict[str, list[int]] = {}
         split: list[str] = []
         split_ranks: dict[str, list[int]] = {}
-        ids = replicas.ids
         for name, bits, have in self._columns(frame):
+            replicas: Groups = frame.peers if name in PEER_VOTED else frame.replicas
+            ids = replicas.ids
             idx = np.flatnonzero(have)
             if idx.size < 2:
                 continue

@@ -18,7 +18,8 @@ through :func:`observe_attention`; heads and query positions are sampled.
 The parts live beside it: :mod:`~sdcwatch.telemetry.attention` (the attention statistics),
 :mod:`~sdcwatch.telemetry.sdpa` (the attention tap), :mod:`~sdcwatch.telemetry.activations` (act_max),
 :mod:`~sdcwatch.telemetry.ddp_hook` (the communication hook), :mod:`~sdcwatch.telemetry.packing`
-(the device-to-host hand-off) and :mod:`~sdcwatch.telemetry.canary` (the canary check).
+(the device-to-host hand-off), :mod:`~sdcwatch.telemetry.canary` (the canary check) and
+:mod:`~sdcwatch.telemetry.gemm_canary` (one product of a known input per step).
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ from sdcwatch.telemetry.attention import (
 from sdcwatch.telemetry.canary import canary_fingerprint, canary_running
 from sdcwatch.telemetry.ddp_hook import comm_hook
 from sdcwatch.telemetry.finite import FiniteChecks
+from sdcwatch.telemetry.gemm_canary import GemmCanary
 from sdcwatch.telemetry.fsdp import ShardedGradients, is_sharded, local_tensors
 from sdcwatch.telemetry.gradients import GradientStats
 from sdcwatch.telemetry.mesh_torch import coords_from_mesh
@@ -136,6 +138,8 @@ class Watch(GradientStats, AttentionLayers):
             self._handles += self._tap.install(model)
         self._finite = FiniteChecks(self, model, optimizer=optimizer, external=external)
         self.checksums = self._finite.checksums  # GemmChecks: .names says which product each gemm_* layer is
+        self.gemm_canary = GemmCanary(model) if self.config.gemm_canary_every and not external else None
+        """The per-product canary (``gemm_canary_fp``); ``product_at(step)`` says which layer a step checks."""
         self._sync_activation_hooks()
         self._group = None
         self._ddp = ddp is not None and not external
@@ -257,6 +261,10 @@ class Watch(GradientStats, AttentionLayers):
             and step % self.config.canary_every == 0
         ):
             self._fps["canary_fp"] = canary_fingerprint(self.model, self.canary_input)
+        if self.gemm_canary is not None and step % self.config.gemm_canary_every == 0:
+            raw = self.gemm_canary.fingerprint(step)  # a collective under FSDP2: every rank, every due step
+            if raw is not None:
+                self._fps["gemm_canary_fp"] = raw
         host: dict[str, float] = dict(self._host_scalars)
         if step_time is None and self._last_time is not None:
             step_time = now - self._last_time

@@ -27,6 +27,7 @@ from sdcwatch.telemetry import fingerprint as fp
 from sdcwatch.telemetry.emitter import NullEmitter
 from sdcwatch.telemetry.faults import FaultInjector, FaultSpec
 from sdcwatch.telemetry.guard import Guard
+from sdcwatch.telemetry.gemm_canary import GemmCanary
 from sdcwatch.telemetry.guard_config import GuardConfig, GuardEviction
 from sdcwatch.telemetry.probes import ProbeConfig, Watch, canary_fingerprint
 from sdcwatch.testbed.corpus import Corpus
@@ -94,6 +95,7 @@ class SimulatedRun:
             torch.manual_seed(seed)
             self.model = GPT(self.config)
         self.params = [p for p in self.model.parameters()]
+        self._gemm_canary = GemmCanary(self.model)
         self._sizes = [p.numel() for p in self.params]
         self.optimizer = torch.optim.Adam(self.params, lr=self.lr)
         self.injector = FaultInjector(faults, rank=0).attach(self.model)
@@ -282,6 +284,7 @@ class SimulatedRun:
         t0 = time.thread_time()
         fps = self._param_fingerprints(s)
         canaries = self._canary_fingerprints(s, probe_cfg=cfg)
+        products = self._gemm_canary_fingerprints(s, probe_cfg=cfg)
         seconds = shared["seconds"] + time.thread_time() - t0
         loss_global = torch.stack(losses).mean()
         for r, w in enumerate(self.watches):
@@ -295,6 +298,8 @@ class SimulatedRun:
                 w.observe_fingerprint("param_fp", fps[r])
             if canaries is not None:
                 w.observe_fingerprint("canary_fp", canaries[r])
+            if products is not None:
+                w.observe_fingerprint("gemm_canary_fp", products[r])
             w.step(
                 s,
                 loss=losses[r],
@@ -368,12 +373,22 @@ class SimulatedRun:
         faults active (a faulty unit corrupts the canary as it corrupts training)."""
         if not probe_cfg.canary_every or step % probe_cfg.canary_every:
             return None
+        return self._each_replica(lambda: canary_fingerprint(self.model, self._canary))
+
+    def _gemm_canary_fingerprints(self, step: int, probe_cfg: ProbeConfig) -> list[torch.Tensor] | None:
+        """Each rank's per-product canary (:mod:`~sdcwatch.telemetry.gemm_canary`), its faults active."""
+        if not probe_cfg.gemm_canary_every or step % probe_cfg.gemm_canary_every:
+            return None
+        return self._each_replica(lambda: self._gemm_canary.fingerprint(step))
+
+    def _each_replica(self, compute: Callable[[], Any]) -> list[Any]:
+        """``compute()`` once per rank, on its replica's parameters with its faults active."""
         out = []
         inj = self.injector
         for r in range(self.world):
             inj.rank = r
             with self._replica(r):
-                out.append(canary_fingerprint(self.model, self._canary))
+                out.append(compute())
         return out
 
     def _forward_backward(self, r: int, d: int, inj: Any, before: Any = None) -> torch.Tensor:
