@@ -81,6 +81,9 @@ class GemmCanary:
             if isinstance(m, nn.Linear) and isinstance(m.weight, torch.Tensor) and m.weight.dim() == 2
         ]
         """(name, module) of every product checked, in rotation order."""
+        self.failed: set[str] = set()
+        """Products whose canary could not be computed (a subclass with its own weight layout, e.g. a
+        quantized one): skipped from then on, on every rank alike (they hold the same model)."""
 
     def product_at(self, step: int) -> tuple[str, nn.Linear] | None:
         """The product step ``step`` checks (None for a model without linear layers)."""
@@ -90,9 +93,15 @@ class GemmCanary:
         """Raw device fingerprint of step ``step``'s product of the known input (module docstring);
         no host synchronisation. Under FSDP2 a collective: call it on every rank of the step."""
         picked = self.product_at(step)
-        if picked is None:
+        if picked is None or picked[0] in self.failed:
             return None
-        _, module = picked
+        try:
+            return self._fingerprint(picked[1])
+        except Exception:  # never into the training loop: this product is not checked
+            self.failed.add(picked[0])
+            return None
+
+    def _fingerprint(self, module: nn.Linear) -> torch.Tensor | None:
         w, b = module.weight, module.bias
         with torch.no_grad(), canary_section():
             if is_shard(w) or (b is not None and is_shard(b)):

@@ -230,3 +230,22 @@ def test_a_real_fsdp_job_names_the_rank_whose_products_are_a_little_off(tmp_path
     assert fps[2][0] == fps[2][2] != fps[2][1]
     found = [x for x in _named(records, 3) if x[2] == "replica_divergence"]
     assert found and found[0][:2] == (2, (1,)), found
+
+
+def test_a_product_the_canary_cannot_compute_is_skipped_and_the_record_still_goes_out():
+    class Packed(torch.nn.Linear):  # a weight layout of its own (a quantized layer's, say)
+        def forward(self, x):
+            if x.shape[0] == 4:
+                raise RuntimeError("packed weights need the packed kernel")
+            return super().forward(x)
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), Packed(8, 8))
+    rec = Recorder()
+    watch = attach(model, rec, attention="none")
+    for step in range(4):
+        model(torch.randn(3, 8)).sum().backward()
+        watch.step(step, loss=torch.tensor(1.0))
+    watch.close()
+    assert [r["step"] for r in rec.records] == [0, 1, 2, 3] and watch.errors == 0
+    assert ["gemm_canary_fp" in (r["fingerprints"] or {}) for r in rec.records] == [True, False, True, False]
+    assert watch.gemm_canary.failed == {"1"}
