@@ -9,8 +9,9 @@ result differs, at the step that product is checked.
 
 **Which product.** The ``nn.Linear`` layers of the model in registration order
 (``model.named_modules()``, the order of :attr:`GemmChecks.names` without the custom products);
-step ``s`` checks layer ``s mod n`` (:meth:`GemmCanary.product_at`): the same layer on every rank
-at a step, every layer once every ``n`` steps. Under tensor parallelism each rank holds its own
+step ``s`` checks layer ``s mod n`` (:meth:`GemmCanary.product_at`; with sampling, the ``k``-th
+canary step checks layer ``k mod n``): the same layer on every rank at a step, every layer once
+every ``n`` canaries. Under tensor parallelism each rank holds its own
 share of each layer and checks that share: the replicas of the share agree.
 
 **Which input.** A few rows (:data:`ROWS`) of standard normal values drawn from a generator
@@ -74,7 +75,10 @@ def known_input(in_features: int, out_features: int, dtype: torch.dtype, device:
 class GemmCanary:
     """The known-answer products of one model's ``nn.Linear`` layers, one per step in rotation."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, stride: int = 1) -> None:
+        self.stride = max(1, int(stride))
+        """Steps between two canaries (``every * gemm_canary_every``): consecutive canaries check
+        consecutive products, whatever the sampling."""
         self.products: list[tuple[str, nn.Linear]] = [
             (name, m)
             for name, m in model.named_modules()
@@ -87,7 +91,7 @@ class GemmCanary:
 
     def product_at(self, step: int) -> tuple[str, nn.Linear] | None:
         """The product step ``step`` checks (None for a model without linear layers)."""
-        return self.products[step % len(self.products)] if self.products else None
+        return self.products[(step // self.stride) % len(self.products)] if self.products else None
 
     def fingerprint(self, step: int) -> torch.Tensor | None:
         """Raw device fingerprint of step ``step``'s product of the known input (module docstring);

@@ -47,8 +47,8 @@ class ProbeConfig:
     the fault is far too small to move any statistic (an unhealthy node). Needs ``canary_input``
     and replicas of one hardware type (kernels must be deterministic across them)."""
     gemm_canary_every: int = 1
-    """Run one linear layer's product on a fixed known input every this many recorded steps, the
-    layers in rotation, and fingerprint the result (``gemm_canary_fp``); 0 = off. Replicas must
+    """Run one linear layer's product on a fixed known input on every this-many-th recorded step,
+    the layers in rotation, and fingerprint the result (``gemm_canary_fp``); 0 = off. Replicas must
     get the same bits: the vote names a rank whose products are persistently a little off (an
     unhealthy node, below the checksums' rounding bound) within one rotation of the layers. A few
     rows times one weight: no input needed, next to nothing in cost

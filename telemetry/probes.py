@@ -138,7 +138,10 @@ class Watch(GradientStats, AttentionLayers):
             self._handles += self._tap.install(model)
         self._finite = FiniteChecks(self, model, optimizer=optimizer, external=external)
         self.checksums = self._finite.checksums  # GemmChecks: .names says which product each gemm_* layer is
-        self.gemm_canary = GemmCanary(model) if self.config.gemm_canary_every and not external else None
+        cfg = self.config
+        self.gemm_canary = (
+            GemmCanary(model, cfg.every * cfg.gemm_canary_every) if cfg.gemm_canary_every and not external else None
+        )
         """The per-product canary (``gemm_canary_fp``); ``product_at(step)`` says which layer a step checks."""
         self._sync_activation_hooks()
         self._group = None
@@ -261,7 +264,7 @@ class Watch(GradientStats, AttentionLayers):
             and step % self.config.canary_every == 0
         ):
             self._fps["canary_fp"] = canary_fingerprint(self.model, self.canary_input)
-        if self.gemm_canary is not None and step % self.config.gemm_canary_every == 0:
+        if self.gemm_canary is not None and step % self.gemm_canary.stride == 0:
             raw = self.gemm_canary.fingerprint(step)  # a collective under FSDP2: every rank, every due step
             if raw is not None:
                 self._fps["gemm_canary_fp"] = raw

@@ -29,14 +29,16 @@ __all__ = ["shard_canaries"]
 def shard_canaries(run: Any, step: int) -> dict[int, list[int]] | None:
     """``{replica: [fingerprint of piece k = pp * tp + tp_rank]}`` of ``step``'s known-answer
     products, or None when the probes do not check one at this step."""
-    every = run.probe_config.gemm_canary_every
+    cfg = run.probe_config
+    every = cfg.every * cfg.gemm_canary_every  # as the probes sample it (GemmCanary.stride)
     if not every or step % every:
         return None
     plan, probe, tp = run.plan, run.probe, run.tp
     picked: list[tuple[str, nn.Linear] | None] = []
     for names in probe.stage_products:
         linear = [n for n in names if isinstance(plan.modules[n], nn.Linear)]
-        picked.append((linear[step % len(linear)], plan.modules[linear[step % len(linear)]]) if linear else None)
+        name = linear[(step // every) % len(linear)] if linear else None
+        picked.append((name, plan.modules[name]) if name else None)
     out: dict[int, list[int]] = {}
     inj = run.injector
     for r in range(run.replicas):

@@ -95,7 +95,6 @@ class SimulatedRun:
             torch.manual_seed(seed)
             self.model = GPT(self.config)
         self.params = [p for p in self.model.parameters()]
-        self._gemm_canary = GemmCanary(self.model)
         self._sizes = [p.numel() for p in self.params]
         self.optimizer = torch.optim.Adam(self.params, lr=self.lr)
         self.injector = FaultInjector(faults, rank=0).attach(self.model)
@@ -109,6 +108,7 @@ class SimulatedRun:
         probe_config = probes or ProbeConfig(
             attention_every=1, activations_every=1, fingerprint_every=10, canary_every=10
         )
+        self._gemm_canary = GemmCanary(self.model, probe_config.every * probe_config.gemm_canary_every)
         # records are built on this thread: sender threads would run during the next rank's pass and
         # bias its measured step time (rank 0 would look like a straggler)
         self.watches = [
@@ -377,7 +377,7 @@ class SimulatedRun:
 
     def _gemm_canary_fingerprints(self, step: int, probe_cfg: ProbeConfig) -> list[torch.Tensor] | None:
         """Each rank's per-product canary (:mod:`~sdcwatch.telemetry.gemm_canary`), its faults active."""
-        if not probe_cfg.gemm_canary_every or step % probe_cfg.gemm_canary_every:
+        if not probe_cfg.gemm_canary_every or step % self._gemm_canary.stride:
             return None
         return self._each_replica(lambda: self._gemm_canary.fingerprint(step))
 

@@ -249,3 +249,16 @@ def test_a_product_the_canary_cannot_compute_is_skipped_and_the_record_still_goe
     assert [r["step"] for r in rec.records] == [0, 1, 2, 3] and watch.errors == 0
     assert ["gemm_canary_fp" in (r["fingerprints"] or {}) for r in rec.records] == [True, False, True, False]
     assert watch.gemm_canary.failed == {"1"}
+
+
+def test_sampled_canaries_still_visit_every_product_in_turn():
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    rec = Recorder()
+    watch = attach(model, rec, gemm_canary_every=3, attention="none")
+    assert [watch.gemm_canary.product_at(s)[0] for s in (0, 3, 6, 9)] == LINEARS
+    for step in range(7):
+        model.loss(torch.randint(0, 256, (2, CFG.seq_len + 1), generator=torch.Generator().manual_seed(step)))
+        watch.step(step)
+    watch.close()
+    assert [r["step"] for r in rec.records if "gemm_canary_fp" in (r["fingerprints"] or {})] == [0, 3, 6]
