@@ -10,7 +10,9 @@ The canaries (:data:`PEER_VOTED`: a fixed input through the whole model, or thro
 with its weight gathered whole) are computed from unsharded weights, which every data-parallel
 rank of a model piece holds alike under FSDP too: they are voted within the *peer group* (every
 ``dp_replicate`` and ``dp_shard`` coordinate), where plain FSDP's one-replica shards still make a
-majority.
+majority. A canary that disagrees alike on every rank of one FSDP shard group (the ranks that
+gather one weight) is that weight's, changed in one member's shard: not blamed on the group (the
+shard-wise fingerprints and the in-memory check name the member).
 """
 
 from __future__ import annotations
@@ -26,8 +28,8 @@ from sdcwatch.detectors.base import SplitDetector, StepContext
 from sdcwatch.detectors.registry import register
 from sdcwatch.detectors.frame import StepFrame
 from sdcwatch.core.incident import Finding, Severity
-from sdcwatch.core.mesh import format_coords, replica_key
-from sdcwatch.detectors.peers import Groups, coords_of, known_coords, rank_label
+from sdcwatch.core.mesh import DIMS, format_coords, replica_key
+from sdcwatch.detectors.peers import Groups, coords_of, group_keys, known_coords, rank_label
 
 __all__ = ["ReplicaDivergenceDetector", "ReplicaConfig", "majority", "PEER_VOTED"]
 
@@ -47,6 +49,26 @@ def majority(values: np.ndarray) -> tuple[np.ndarray | None, np.ndarray]:
     if counts[top] * 2 <= values.size:
         return None, np.ones(values.shape, bool)
     return uniq[top], inverse.reshape(values.shape) != top
+
+
+def _own_compute(frame: StepFrame, odd: np.ndarray, have: np.ndarray) -> np.ndarray:
+    """The ranks of ``odd`` whose canary disagrees through their own compute: not those whose
+    whole FSDP shard group (the ranks that all-gather one weight: same piece and ``dp_replicate``,
+    every ``dp_shard``; more than one of them reporting) disagrees alike. Those gathered a weight
+    changed in one member's shard: the shard-wise ``param_fp`` vote and the in-memory check
+    ``gemm_weight`` name that member, the canary cannot."""
+    coords = known_coords(frame)
+    if coords is None or odd.size < 2:
+        return odd
+    gather = group_keys(coords, _GATHER)
+    holders = np.bincount(gather[have], minlength=int(gather.max()) + 1)
+    flagged = np.bincount(gather[odd], minlength=holders.size)
+    whole = (flagged == holders) & (holders > 1)
+    return odd[~whole[gather[odd]]]
+
+
+#: Columns of an FSDP shard group's key: every mesh dim but ``dp_shard``.
+_GATHER = tuple(i for i, d in enumerate(DIMS) if d != "dp_shard")
 
 
 @dataclass(frozen=True)
@@ -133,7 +155,11 @@ class ReplicaDivergenceDetector(SplitDetector):
                         split.append(name)
                     split_ranks.setdefault(name, []).extend(members.tolist())
                 else:
-                    odd_by_metric.setdefault(name, []).extend(members[odd].tolist())
+                    bad = members[odd]
+                    if name in PEER_VOTED:
+                        bad = _own_compute(frame, bad, idx)
+                    if bad.size:
+                        odd_by_metric.setdefault(name, []).extend(bad.tolist())
         if not odd_by_metric and not split:
             return None
         out: dict[str, Any] = {"odd": odd_by_metric, "split": split}

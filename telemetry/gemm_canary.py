@@ -35,10 +35,10 @@ and pipeline piece then holds the same unsharded weight, so the vote runs over t
 has just one.
 
 A weight changed in one rank's *memory* (a flipped bit in its FSDP shard) reaches the gathered
-weight of every rank of that shard group: their canaries all disagree, and the canary names the
-group; the shard-wise ``param_fp`` vote (HSDP) and the in-memory check ``gemm_weight`` name the rank
-itself, and a divergence with ``param_fp`` in it is rolled back, not evicted
-(:class:`~sdcwatch.detectors.control.ControlPolicy`). Without FSDP only that rank's canary moves.
+weight of every rank of that shard group: their canaries all disagree alike. The vote then blames
+none of them on the canary's account (:mod:`sdcwatch.detectors.replica`): the shard-wise
+``param_fp`` vote (HSDP) and the in-memory check ``gemm_weight`` name the rank itself. Without
+FSDP only that rank's canary moves.
 
 The result is ``gemm_canary_fp`` in the record. Kernels must be deterministic across the
 replicas (one hardware type), as for every fingerprint.

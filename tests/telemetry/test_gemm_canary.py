@@ -130,6 +130,36 @@ def test_the_canary_is_voted_over_the_peer_group_where_every_shard_is_unique():
     assert ReplicaDivergenceDetector(min_world=2).update(StepFrame.from_records("r", 7, 4, records)) == []
 
 
+def test_a_shard_changed_in_memory_is_not_blamed_on_the_ranks_that_gathered_it():
+    """HSDP, 3 replicas x 2 shards: a flipped bit in rank 4's shard reaches the gathered weight of
+    ranks 4 and 5 (replica 2): both canaries disagree, but only rank 4's own shard does: rank 4
+    alone is named, by param_fp. A compute fault on rank 5 alone is named by the canary."""
+    coords = [{"dp_replicate": r // 2, "dp_shard": r % 2} for r in range(6)]
+
+    def frame(canary: list[int], params: list[int]) -> StepFrame:
+        records = [
+            Record(
+                run="r",
+                step=7,
+                rank=r,
+                world=6,
+                host=f"h{r}",
+                time=1.0,
+                scalars={"loss": 1.0},
+                fingerprints={"gemm_canary_fp": canary[r], "param_fp": params[r]},
+                coords=coords[r],
+            )  # fmt: skip
+            for r in range(6)
+        ]
+        return StepFrame.from_records("r", 7, 6, records)
+
+    shards = [100, 101, 100, 101, 100, 101]
+    [f] = ReplicaDivergenceDetector().update(frame([1, 1, 1, 1, 2, 2], [*shards[:4], 999, 101]))
+    assert f.ranks == (4,) and f.evidence["metrics"] == {"param_fp": [4]}
+    [f] = ReplicaDivergenceDetector().update(frame([1, 1, 1, 1, 1, 2], shards))
+    assert f.ranks == (5,) and f.evidence["metrics"] == {"gemm_canary_fp": [5]}
+
+
 def test_a_canary_divergence_alone_asks_for_an_eviction_and_with_the_parameters_a_rollback():
     policy = ControlPolicy(actions=True)
 
