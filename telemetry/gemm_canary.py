@@ -95,6 +95,21 @@ class GemmCanary:
         """Products whose canary could not be computed (a subclass with its own weight layout, e.g. a
         quantized one): skipped from then on, on every rank alike (they hold the same model)."""
 
+    @classmethod
+    def of(cls, model: nn.Module, config: Any) -> "GemmCanary | None":
+        """The canary a :class:`~sdcwatch.telemetry.probe_config.ProbeConfig` asks for (None when
+        ``gemm_canary_every`` is 0): on every ``every * gemm_canary_every``-th step."""
+        k = config.gemm_canary_every
+        return cls(model, config.every * k) if k else None
+
+    def report(self, step: int, fingerprints: dict[str, Any]) -> None:
+        """Put step ``step``'s ``gemm_canary_fp`` (a raw device fingerprint) into ``fingerprints``
+        when the step is a canary step."""
+        if step % self.stride == 0:
+            raw = self.fingerprint(step)
+            if raw is not None:
+                fingerprints["gemm_canary_fp"] = raw
+
     def product_at(self, step: int) -> tuple[str, nn.Linear] | None:
         """The product step ``step`` checks (None for a model without linear layers)."""
         return self.products[(step // self.stride) % len(self.products)] if self.products else None

@@ -138,10 +138,7 @@ class Watch(GradientStats, AttentionLayers):
             self._handles += self._tap.install(model)
         self._finite = FiniteChecks(self, model, optimizer=optimizer, external=external)
         self.checksums = self._finite.checksums  # GemmChecks: .names says which product each gemm_* layer is
-        cfg = self.config
-        self.gemm_canary = (
-            GemmCanary(model, cfg.every * cfg.gemm_canary_every) if cfg.gemm_canary_every and not external else None
-        )
+        self.gemm_canary = None if external else GemmCanary.of(model, self.config)
         """The per-product canary (``gemm_canary_fp``); ``product_at(step)`` says which layer a step checks."""
         self._sync_activation_hooks()
         self._group = None
@@ -264,10 +261,8 @@ class Watch(GradientStats, AttentionLayers):
             and step % self.config.canary_every == 0
         ):
             self._fps["canary_fp"] = canary_fingerprint(self.model, self.canary_input)
-        if self.gemm_canary is not None and step % self.gemm_canary.stride == 0:
-            raw = self.gemm_canary.fingerprint(step)  # a collective under FSDP2: every rank, every due step
-            if raw is not None:
-                self._fps["gemm_canary_fp"] = raw
+        if self.gemm_canary is not None:  # a collective under FSDP2: every rank, every due step
+            self.gemm_canary.report(step, self._fps)
         host: dict[str, float] = dict(self._host_scalars)
         if step_time is None and self._last_time is not None:
             step_time = now - self._last_time

@@ -108,7 +108,7 @@ class SimulatedRun:
         probe_config = probes or ProbeConfig(
             attention_every=1, activations_every=1, fingerprint_every=10, canary_every=10
         )
-        self._gemm_canary = GemmCanary(self.model, probe_config.every * probe_config.gemm_canary_every)
+        self._gemm_canary = GemmCanary.of(self.model, probe_config)
         # records are built on this thread: sender threads would run during the next rank's pass and
         # bias its measured step time (rank 0 would look like a straggler)
         self.watches = [
@@ -284,7 +284,7 @@ class SimulatedRun:
         t0 = time.thread_time()
         fps = self._param_fingerprints(s)
         canaries = self._canary_fingerprints(s, probe_cfg=cfg)
-        products = self._gemm_canary_fingerprints(s, probe_cfg=cfg)
+        products = self._gemm_canary_fingerprints(s)
         seconds = shared["seconds"] + time.thread_time() - t0
         loss_global = torch.stack(losses).mean()
         for r, w in enumerate(self.watches):
@@ -375,11 +375,12 @@ class SimulatedRun:
             return None
         return self._each_replica(lambda: canary_fingerprint(self.model, self._canary))
 
-    def _gemm_canary_fingerprints(self, step: int, probe_cfg: ProbeConfig) -> list[torch.Tensor] | None:
+    def _gemm_canary_fingerprints(self, step: int) -> list[torch.Tensor] | None:
         """Each rank's per-product canary (:mod:`~sdcwatch.telemetry.gemm_canary`), its faults active."""
-        if not probe_cfg.gemm_canary_every or step % self._gemm_canary.stride:
+        canary = self._gemm_canary
+        if canary is None or step % canary.stride:
             return None
-        return self._each_replica(lambda: self._gemm_canary.fingerprint(step))
+        return self._each_replica(lambda: canary.fingerprint(step))
 
     def _each_replica(self, compute: Callable[[], Any]) -> list[Any]:
         """``compute()`` once per rank, on its replica's parameters with its faults active."""
