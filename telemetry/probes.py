@@ -18,8 +18,7 @@ through :func:`observe_attention`; heads and query positions are sampled.
 The parts live beside it: :mod:`~sdcwatch.telemetry.attention` (the attention statistics),
 :mod:`~sdcwatch.telemetry.sdpa` (the attention tap), :mod:`~sdcwatch.telemetry.activations` (act_max),
 :mod:`~sdcwatch.telemetry.ddp_hook` (the communication hook), :mod:`~sdcwatch.telemetry.packing`
-(the device-to-host hand-off), :mod:`~sdcwatch.telemetry.canary` (the canary check) and
-:mod:`~sdcwatch.telemetry.gemm_canary` (one product of a known input per step).
+(the device-to-host hand-off) and :mod:`~sdcwatch.telemetry.canary` (the canary check).
 """
 
 from __future__ import annotations
@@ -138,8 +137,7 @@ class Watch(GradientStats, AttentionLayers):
             self._handles += self._tap.install(model)
         self._finite = FiniteChecks(self, model, optimizer=optimizer, external=external)
         self.checksums = self._finite.checksums  # GemmChecks: .names says which product each gemm_* layer is
-        self.gemm_canary = None if external else GemmCanary.of(model, self.config)
-        """The per-product canary (``gemm_canary_fp``); ``product_at(step)`` says which layer a step checks."""
+        self.gemm_canary = None if external else GemmCanary.of(model, self.config)  # gemm_canary_fp
         self._sync_activation_hooks()
         self._group = None
         self._ddp = ddp is not None and not external
@@ -261,7 +259,7 @@ class Watch(GradientStats, AttentionLayers):
             and step % self.config.canary_every == 0
         ):
             self._fps["canary_fp"] = canary_fingerprint(self.model, self.canary_input)
-        if self.gemm_canary is not None:  # a collective under FSDP2: every rank, every due step
+        if self.gemm_canary is not None:  # a collective under FSDP2 (every rank): one product of a known input
             self.gemm_canary.report(step, self._fps)
         host: dict[str, float] = dict(self._host_scalars)
         if step_time is None and self._last_time is not None:
