@@ -18,6 +18,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Callable
 
 from sdcwatch.detectors.bus import TopicWriter
+from sdcwatch.detectors.replica import PEER_VOTED
 from sdcwatch.core.incident import Incident, IncidentEvent, Severity
 from sdcwatch.core.errors import ConfigError
 from sdcwatch.core.control import CONTROL_TOPIC, ControlError, Decision
@@ -39,7 +40,8 @@ class ControlPolicy:
 
     A replica divergence is split by its evidence: parameter fingerprints that disagree are a
     replica's memory gone wrong (``on_replica_divergence``, by default a rollback that resynchronises
-    the replicas from a healthy one); only the canary disagreeing is that rank computing wrongly
+    the replicas from a healthy one); only a canary disagreeing (the whole-model ``canary_fp`` or
+    the per-product ``gemm_canary_fp``) is that rank computing wrongly
     (``on_canary_divergence``, by default an eviction). ``sdcwatch serve`` takes these settings from
     its ``[guard]`` table (:class:`sdcwatch.config.GuardPolicyConfig`).
     """
@@ -64,7 +66,7 @@ class ControlPolicy:
     on_replica_divergence: str = "rollback"
     """One replica's parameter fingerprint disagrees with the others (its memory changed)."""
     on_canary_divergence: str = "evict"
-    """Only a rank's canary output disagrees: that rank computes wrongly."""
+    """Only a rank's canary output (whole model or one product) disagrees: that rank computes wrongly."""
     on_rank_outlier: str = "none"
     """One rank's statistics deviate, not yet with confidence."""
     on_silent_drift: str = "evict"
@@ -94,7 +96,7 @@ class ControlPolicy:
         kind = incident.kind
         if kind == "replica_divergence":
             metrics = incident.evidence.get("metrics") if isinstance(incident.evidence, dict) else None
-            if isinstance(metrics, dict) and metrics and "param_fp" not in metrics and "canary_fp" in metrics:
+            if isinstance(metrics, dict) and metrics and "param_fp" not in metrics and PEER_VOTED & set(metrics):
                 kind = "canary_divergence"
         name = f"on_{kind}"
         return name, getattr(self, name, "none")

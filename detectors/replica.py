@@ -6,6 +6,13 @@ step it happens; no history is needed. When no value holds a majority, the repli
 no rank can be blamed. With mesh coordinates the vote is taken within each replica group (ranks
 holding the same shard of the same model piece: the peer key and ``dp_shard``), so shard-wise
 fingerprints are compared only with the same shard's; a group of two that disagrees is split.
+The canaries (:data:`PEER_VOTED`: a fixed input through the whole model, or through one product
+with its weight gathered whole) are computed from unsharded weights, which every data-parallel
+rank of a model piece holds alike under FSDP too: they are voted within the *peer group* (every
+``dp_replicate`` and ``dp_shard`` coordinate), where plain FSDP's one-replica shards still make a
+majority. A canary that disagrees alike on every rank of one FSDP shard group (the ranks that
+gather one weight) is that weight's, changed in one member's shard: not blamed on the group (the
+shard-wise fingerprints and the in-memory check name the member).
 """
 
 from __future__ import annotations
@@ -21,13 +28,15 @@ from sdcwatch.detectors.base import SplitDetector, StepContext
 from sdcwatch.detectors.registry import register
 from sdcwatch.detectors.frame import StepFrame
 from sdcwatch.core.incident import Finding, Severity
-from sdcwatch.core.mesh import format_coords, replica_key
-from sdcwatch.detectors.peers import Groups, coords_of, known_coords, rank_label
+from sdcwatch.core.mesh import DIMS, format_coords, replica_key
+from sdcwatch.detectors.peers import Groups, coords_of, group_keys, known_coords, rank_label
 
-__all__ = ["ReplicaDivergenceDetector", "ReplicaConfig", "majority"]
+__all__ = ["ReplicaDivergenceDetector", "ReplicaConfig", "majority", "PEER_VOTED"]
 
 #: Float scalars that must agree exactly across replicas (compared by their bits).
 REPLICA_SCALARS = ("grad_norm_global",)
+#: Fingerprints of unsharded computations: equal across the whole peer group, voted there.
+PEER_VOTED = frozenset({"canary_fp", "gemm_canary_fp"})
 
 
 def majority(values: np.ndarray) -> tuple[np.ndarray | None, np.ndarray]:
@@ -40,6 +49,26 @@ def majority(values: np.ndarray) -> tuple[np.ndarray | None, np.ndarray]:
     if counts[top] * 2 <= values.size:
         return None, np.ones(values.shape, bool)
     return uniq[top], inverse.reshape(values.shape) != top
+
+
+def _own_compute(frame: StepFrame, odd: np.ndarray, have: np.ndarray) -> np.ndarray:
+    """The ranks of ``odd`` whose canary disagrees through their own compute: not those whose
+    whole FSDP shard group (the ranks that all-gather one weight: same piece and ``dp_replicate``,
+    every ``dp_shard``; more than one of them reporting) disagrees alike. Those gathered a weight
+    changed in one member's shard: the shard-wise ``param_fp`` vote and the in-memory check
+    ``gemm_weight`` name that member, the canary cannot."""
+    coords = known_coords(frame)
+    if coords is None or odd.size < 2:
+        return odd
+    gather = group_keys(coords, _GATHER)
+    holders = np.bincount(gather[have], minlength=int(gather.max()) + 1)
+    flagged = np.bincount(gather[odd], minlength=holders.size)
+    whole = (flagged == holders) & (holders > 1)
+    return odd[~whole[gather[odd]]]
+
+
+#: Columns of an FSDP shard group's key: every mesh dim but ``dp_shard``.
+_GATHER = tuple(i for i, d in enumerate(DIMS) if d != "dp_shard")
 
 
 @dataclass(frozen=True)
@@ -82,9 +111,8 @@ class ReplicaDivergenceDetector(SplitDetector):
         """The majority vote of the step: odd ranks per value, values with no majority (None if all agree)."""
         if frame.world < self.min_world:
             return None
-        replicas = frame.replicas
-        if not replicas.trivial:
-            return self._observe_groups(frame, replicas)
+        if not frame.replicas.trivial:
+            return self._observe_groups(frame)
         odd_by_metric: dict[str, list[int]] = {}
         split: list[str] = []
         for name, bits, have in self._columns(frame):
@@ -100,14 +128,16 @@ class ReplicaDivergenceDetector(SplitDetector):
             return None
         return {"odd": odd_by_metric, "split": split}
 
-    def _observe_groups(self, frame: StepFrame, replicas: Groups) -> dict[str, Any] | None:
-        """The vote within each replica group: one comparison of every rank with its group's first
-        holder finds the groups that disagree; only those are voted on, one by one."""
+    def _observe_groups(self, frame: StepFrame) -> dict[str, Any] | None:
+        """The vote within each replica group (peer group for :data:`PEER_VOTED`): one comparison
+        of every rank with its group's first holder finds the groups that disagree; only those are
+        voted on, one by one."""
         odd_by_metric: dict[str, list[int]] = {}
         split: list[str] = []
         split_ranks: dict[str, list[int]] = {}
-        ids = replicas.ids
         for name, bits, have in self._columns(frame):
+            replicas: Groups = frame.peers if name in PEER_VOTED else frame.replicas
+            ids = replicas.ids
             idx = np.flatnonzero(have)
             if idx.size < 2:
                 continue
@@ -125,7 +155,11 @@ class ReplicaDivergenceDetector(SplitDetector):
                         split.append(name)
                     split_ranks.setdefault(name, []).extend(members.tolist())
                 else:
-                    odd_by_metric.setdefault(name, []).extend(members[odd].tolist())
+                    bad = members[odd]
+                    if name in PEER_VOTED:
+                        bad = _own_compute(frame, bad, idx)
+                    if bad.size:
+                        odd_by_metric.setdefault(name, []).extend(bad.tolist())
         if not odd_by_metric and not split:
             return None
         out: dict[str, Any] = {"odd": odd_by_metric, "split": split}

@@ -58,6 +58,7 @@ __all__ = [
     "accumulated_sum",
     "accumulation_dtype",
     "gemm_input_roundoff",
+    "grad_reference",
     "rounding_gamma",
     "check_linear",
     "check_matmul",
@@ -189,20 +190,16 @@ def _matmul_ratio(
     return ((ys - ref).abs_().amax() / bound).float(), bound
 
 
-def _grad_reference(
-    x: torch.Tensor, dy: torch.Tensor, x_max: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]:
-    """For ``dW = dY^T X``: (expected column sums (n,), an upper bound of max_k ||X_:k||, of
-    Σ_j ||dY_:j||, Σ dY, N tokens); ``x_max`` is max|X| when already known."""
+def grad_reference(x: torch.Tensor, dy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """The reductions the check of a weight gradient ``dW = dY^T X`` needs, kept on the device:
+    (expected column sums ``(dY 1)^T X`` (n,), the row sums ``s = dY 1`` (N,), ``||dY||_F``,
+    N tokens). ``Σ_j ||dY_:j|| <= sqrt(m) ||dY||_F`` and ``Σ dY = Σ s`` follow from them."""
     acc = accumulation_dtype(dy.dtype)
     n, m = x.shape[-1], dy.shape[-1]
     x2, dy2 = x.reshape(-1, n), dy.reshape(-1, m)
-    tokens = x2.shape[0]
     s = accumulated_sum(dy2, -1, acc)
     ref = s @ (x2 if x2.dtype == acc else x2.to(acc))
-    xcol = (abs_max(x2) if x_max is None else x_max).to(acc) * math.sqrt(tokens)
-    sdy = torch.linalg.vector_norm(dy2, dtype=acc) * math.sqrt(m)
-    return ref, xcol, sdy, s.sum(), tokens
+    return ref, s, torch.linalg.vector_norm(dy2, dtype=acc), x2.shape[0]
 
 
 def check_weight_grad(x: torch.Tensor, dy: torch.Tensor, dw: torch.Tensor) -> torch.Tensor:
@@ -212,7 +209,9 @@ def check_weight_grad(x: torch.Tensor, dy: torch.Tensor, dw: torch.Tensor) -> to
     Compares ``dw``'s column sums with ``(dy 1)^T x``; <= 1 for a correct product.
     """
     with torch.no_grad():
-        ref, xcol, sdy, _, tokens = _grad_reference(x, dy)
+        ref, _, dy_norm, tokens = grad_reference(x, dy)
+        xcol = abs_max(x).to(ref.dtype) * math.sqrt(tokens)  # max_k ||X_:k|| <= sqrt(N) max|X|
+        sdy = dy_norm * math.sqrt(dy.shape[-1])
         coef = rounding_coefficient(tokens, dw.shape[0], dw.dtype, input_roundoff=gemm_input_roundoff(x))
         res = (accumulated_sum(dw, 0, ref.dtype) - ref).abs_().amax()
         return (res / (coef * xcol * sdy).clamp_min(TINY)).float()

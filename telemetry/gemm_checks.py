@@ -29,6 +29,7 @@ from sdcwatch.telemetry.checksum import (
     accumulation_dtype,
     rounding_gamma,
     gemm_input_roundoff,
+    grad_reference,
     accumulated_sum,
     abs_max,
     rounding_coefficient,
@@ -222,15 +223,10 @@ class GemmChecks:
         """dY of one use of layer i: the expected column sums of its dW (summed over uses)."""
         try:
             with torch.no_grad():
-                acc = accumulation_dtype(dy.dtype)
-                n, m = x.shape[-1], dy.shape[-1]
-                x2, dy2 = x.reshape(-1, n), dy.reshape(-1, m)
-                tokens = x2.shape[0]
-                s = accumulated_sum(dy2, -1, acc)
-                ref = s @ (x2 if x2.dtype == acc else x2.to(acc))
-                sdy = torch.linalg.vector_norm(dy2, dtype=acc)
+                ref, s, sdy, tokens = grad_reference(x, dy)
+                m = dy.shape[-1]
                 # max_k ||X_:k|| <= sqrt(N) max|X|; Σ_j ||dY_:j|| <= sqrt(m) ||dY||_F
-                scale = (x_max.to(acc) * sdy).mul_(math.sqrt(tokens) * math.sqrt(m))
+                scale = (x_max.to(sdy.dtype) * sdy).mul_(math.sqrt(tokens) * math.sqrt(m))
                 bias = self._bias_checked[i]
                 s_total = s.sum() if bias else None
                 bias_scale = sdy * math.sqrt(tokens * m) if bias else None  # Σ|dY| <= sqrt(N m) ||dY||_F

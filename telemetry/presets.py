@@ -2,7 +2,8 @@
 
 ``default`` is what :func:`~sdcwatch.telemetry.probes.attach` gives a user (matrix checksums every
 16th step; on every step the extreme values: each product's output, the residual stream, the
-largest attention logit); ``checksums`` is the default with the checksums on every step; ``every-step`` turns every probe on, on every step (the instrument
+largest attention logit, and one linear layer's product of a known input, in rotation);
+``checksums`` is the default with the checksums on every step; ``every-step`` turns every probe on, on every step (the instrument
 of the first campaigns, plus checksums); ``scalars-only`` is the floor (loss, gradient norms,
 step time, lr). ``sdcwatch bench campaign --probes NAME|FILE`` and
 ``bench/bench_overhead.py --probes NAME|FILE`` take the same names, or a JSON/TOML file of
@@ -28,7 +29,12 @@ PROBE_PRESETS: dict[str, ProbeConfig] = {
         attention_every=1, activations_every=1, fingerprint_every=1, canary_every=10, checksum_every=1
     ),
     "scalars-only": ProbeConfig(
-        attention_every=_OFF, fingerprint_every=_OFF, activations_every=0, checksum_every=0, stream_every=0
+        attention_every=_OFF,
+        fingerprint_every=_OFF,
+        activations_every=0,
+        checksum_every=0,
+        stream_every=0,
+        gemm_canary_every=0,
     ),
 }
 

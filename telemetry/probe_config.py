@@ -46,6 +46,13 @@ class ProbeConfig:
     must be bit-identical: a rank whose compute is faulty stands out in the replica vote even when
     the fault is far too small to move any statistic (an unhealthy node). Needs ``canary_input``
     and replicas of one hardware type (kernels must be deterministic across them)."""
+    gemm_canary_every: int = 1
+    """Run one linear layer's product on a fixed known input on every this-many-th recorded step,
+    the layers in rotation, and fingerprint the result (``gemm_canary_fp``); 0 = off. Replicas must
+    get the same bits: the vote names a rank whose products are persistently a little off (an
+    unhealthy node, below the checksums' rounding bound) within one rotation of the layers. A few
+    rows times one weight: no input needed, next to nothing in cost
+    (:mod:`sdcwatch.telemetry.gemm_canary`)."""
 
     checksum_every: int = 16
     """Check every ``nn.Linear`` product (forward, weight gradient, weights in memory) on every
@@ -81,6 +88,7 @@ class ProbeConfig:
             ("queries", 1),
             ("sequences", 0),
             ("canary_every", 0),
+            ("gemm_canary_every", 0),
             ("activations_every", 0),
             ("checksum_every", 0),
             ("stream_every", 0),

@@ -49,6 +49,7 @@ from sdcwatch.telemetry.attention import (
 from sdcwatch.telemetry.canary import canary_fingerprint, canary_running
 from sdcwatch.telemetry.ddp_hook import comm_hook
 from sdcwatch.telemetry.finite import FiniteChecks
+from sdcwatch.telemetry.gemm_canary import GemmCanary
 from sdcwatch.telemetry.fsdp import ShardedGradients, is_sharded, local_tensors
 from sdcwatch.telemetry.gradients import GradientStats
 from sdcwatch.telemetry.mesh_torch import coords_from_mesh
@@ -136,6 +137,7 @@ class Watch(GradientStats, AttentionLayers):
             self._handles += self._tap.install(model)
         self._finite = FiniteChecks(self, model, optimizer=optimizer, external=external)
         self.checksums = self._finite.checksums  # GemmChecks: .names says which product each gemm_* layer is
+        self.gemm_canary = None if external else GemmCanary.of(model, self.config)  # gemm_canary_fp
         self._sync_activation_hooks()
         self._group = None
         self._ddp = ddp is not None and not external
@@ -257,6 +259,8 @@ class Watch(GradientStats, AttentionLayers):
             and step % self.config.canary_every == 0
         ):
             self._fps["canary_fp"] = canary_fingerprint(self.model, self.canary_input)
+        if self.gemm_canary is not None:  # a collective under FSDP2 (every rank): one product of a known input
+            self.gemm_canary.report(step, self._fps)
         host: dict[str, float] = dict(self._host_scalars)
         if step_time is None and self._last_time is not None:
             step_time = now - self._last_time

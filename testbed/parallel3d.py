@@ -57,12 +57,14 @@ from torch.nn import functional as F
 from sdcwatch.core.errors import ConfigError
 from sdcwatch.core.mesh import Layout
 from sdcwatch.telemetry import fingerprint as fp
+from sdcwatch.telemetry.canary import canary_running
 from sdcwatch.telemetry.checksum import abs_max, check_linear, check_matmul
 from sdcwatch.telemetry.emitter import NullEmitter
 from sdcwatch.telemetry.extremes import peak
 from sdcwatch.telemetry.faults import FaultInjector, FaultSpec, Injection
 from sdcwatch.telemetry.faultspec import TENSOR_KINDS
 from sdcwatch.telemetry.probes import ProbeConfig
+from sdcwatch.testbed.canary3d import shard_canaries
 from sdcwatch.testbed.simulated import SimulatedRun
 
 __all__ = [
@@ -401,7 +403,7 @@ class ShardProbe:
     def _before(self, name: str) -> Callable:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             t = _tensor_of(output)
-            if t is not None:
+            if t is not None and not canary_running():
                 self._clean[name] = t
             return None
 
@@ -421,7 +423,7 @@ class ShardProbe:
 
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             y = _tensor_of(output)
-            if y is None or not y.is_floating_point() or not self.results:
+            if y is None or not y.is_floating_point() or not self.results or canary_running():
                 return None
             clean = self._clean.pop(name, y)
             culprits = self._culprits(name) if clean is not y else set()
@@ -664,6 +666,7 @@ class ParallelSimulatedRun(SimulatedRun):
                 with self._replica(r):
                     flat = torch.cat([p.detach().reshape(-1) for p in self.params])
                 param_fp[r] = [fp.fingerprint_device([flat.index_select(0, idx)]) for idx in pieces]
+        products = shard_canaries(self, s)
         seconds = time.thread_time() - t0
         loss_global = torch.stack(losses).mean()
         for rank in range(layout.world):
@@ -709,6 +712,8 @@ class ParallelSimulatedRun(SimulatedRun):
                 fps["param_fp"] = fp.finalize(int(param_fp[r][k]))
             if grad_fp is not None:
                 fps["grad_fp"] = fp.finalize(int(grad_fp[k]))
+            if products is not None:
+                fps["gemm_canary_fp"] = products[r][k]
             self.emitters[rank].emit(s, layers=layers or None, fingerprints=fps or None, **scalars)
         self.probe.results.clear()
         self.step = s + 1

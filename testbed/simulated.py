@@ -27,6 +27,7 @@ from sdcwatch.telemetry import fingerprint as fp
 from sdcwatch.telemetry.emitter import NullEmitter
 from sdcwatch.telemetry.faults import FaultInjector, FaultSpec
 from sdcwatch.telemetry.guard import Guard
+from sdcwatch.telemetry.gemm_canary import GemmCanary
 from sdcwatch.telemetry.guard_config import GuardConfig, GuardEviction
 from sdcwatch.telemetry.probes import ProbeConfig, Watch, canary_fingerprint
 from sdcwatch.testbed.corpus import Corpus
@@ -107,6 +108,7 @@ class SimulatedRun:
         probe_config = probes or ProbeConfig(
             attention_every=1, activations_every=1, fingerprint_every=10, canary_every=10
         )
+        self._gemm_canary = GemmCanary.of(self.model, probe_config)
         # records are built on this thread: sender threads would run during the next rank's pass and
         # bias its measured step time (rank 0 would look like a straggler)
         self.watches = [
@@ -282,6 +284,7 @@ class SimulatedRun:
         t0 = time.thread_time()
         fps = self._param_fingerprints(s)
         canaries = self._canary_fingerprints(s, probe_cfg=cfg)
+        products = self._gemm_canary_fingerprints(s)
         seconds = shared["seconds"] + time.thread_time() - t0
         loss_global = torch.stack(losses).mean()
         for r, w in enumerate(self.watches):
@@ -295,6 +298,8 @@ class SimulatedRun:
                 w.observe_fingerprint("param_fp", fps[r])
             if canaries is not None:
                 w.observe_fingerprint("canary_fp", canaries[r])
+            if products is not None:
+                w.observe_fingerprint("gemm_canary_fp", products[r])
             w.step(
                 s,
                 loss=losses[r],
@@ -368,12 +373,23 @@ class SimulatedRun:
         faults active (a faulty unit corrupts the canary as it corrupts training)."""
         if not probe_cfg.canary_every or step % probe_cfg.canary_every:
             return None
+        return self._each_replica(lambda: canary_fingerprint(self.model, self._canary))
+
+    def _gemm_canary_fingerprints(self, step: int) -> list[torch.Tensor] | None:
+        """Each rank's per-product canary (:mod:`~sdcwatch.telemetry.gemm_canary`), its faults active."""
+        canary = self._gemm_canary
+        if canary is None or step % canary.stride:
+            return None
+        return self._each_replica(lambda: canary.fingerprint(step))
+
+    def _each_replica(self, compute: Callable[[], Any]) -> list[Any]:
+        """``compute()`` once per rank, on its replica's parameters with its faults active."""
         out = []
         inj = self.injector
         for r in range(self.world):
             inj.rank = r
             with self._replica(r):
-                out.append(canary_fingerprint(self.model, self._canary))
+                out.append(compute())
         return out
 
     def _forward_backward(self, r: int, d: int, inj: Any, before: Any = None) -> torch.Tensor:

@@ -77,7 +77,7 @@ LAYER_METRICS = (
 #: The probes' name for the per-layer statistics (the same list).
 ATTENTION_STATS = LAYER_METRICS
 #: Well-known fingerprints: exact, must be bit-identical across data-parallel replicas.
-FINGERPRINTS = ("param_fp", "grad_fp")
+FINGERPRINTS = ("param_fp", "grad_fp", "gemm_canary_fp")  # gemm_canary_fp: one product of a known input
 #: Per-layer checks: matrix-product checksums (one value per checked product, ratios to their
 #: rounding bound) and extreme values; read by the checksum and non-finite detectors, never
 #: compared across ranks as statistics.

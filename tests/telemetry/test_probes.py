@@ -13,6 +13,7 @@ torch = pytest.importorskip("torch")
 from sdcwatch.core.errors import ConfigError  # noqa: E402
 from sdcwatch.telemetry import LAYER_METRICS, MemoryBus, MemoryTransport, Emitter, is_end_marker  # noqa: E402
 from sdcwatch.telemetry.fingerprint import fingerprint  # noqa: E402
+from sdcwatch.telemetry.gemm_canary import known_input  # noqa: E402
 from sdcwatch.telemetry.probes import ATTENTION_STATS, attach, attention_stats  # noqa: E402
 from sdcwatch.core.names import GEMM_METRICS, STREAM_METRICS  # noqa: E402
 from sdcwatch.testbed.model import GPT, GPTConfig  # noqa: E402
@@ -123,7 +124,13 @@ def test_record_of_a_step_is_emitted_one_step_later_with_direct_values():
             assert r["fingerprints"]["grad_fp"] == fingerprint(_flat(grads))
             assert r["fingerprints"]["param_fp"] == fingerprint(_flat(updated)) != fingerprint(_flat(params))
         else:
-            assert r["fingerprints"] is None
+            assert set(r["fingerprints"]) == {"gemm_canary_fp"}
+        # every step, one product in rotation on its known input, with the weights as updated
+        name, module = watch.gemm_canary.product_at(r["step"])
+        assert name == [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)][r["step"]]
+        w, b = (updated[i] for i, p in enumerate(model.parameters()) if p is module.weight or p is module.bias)
+        x = known_input(w.shape[1], w.shape[0], w.dtype, w.device)
+        assert r["fingerprints"]["gemm_canary_fp"] == fingerprint(torch.nn.functional.linear(x, w, b))
         # attention statistics, the residual stream and the products' outputs every step, the
         # checksums on every 16th step
         assert set(r["layers"]) == set(LAYER_METRICS) | set(STREAM_METRICS) | {"gemm_out"} | (
@@ -208,7 +215,8 @@ def test_real_emitter_gets_valid_records_on_the_bus():
     assert {"loss", "grad_norm_local", "grad_norm_global", "grad_cosine", "nonfinite", "step_time"} <= set(
         recs[0].scalars
     )
-    assert set(recs[0].fingerprints) == {"param_fp", "grad_fp"}
+    assert set(recs[0].fingerprints) == {"param_fp", "grad_fp", "gemm_canary_fp"}
+    assert set(recs[1].fingerprints) == {"gemm_canary_fp"}
 
 
 def test_bad_settings_are_config_errors():

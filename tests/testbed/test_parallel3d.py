@@ -114,11 +114,12 @@ def test_each_rank_reports_what_it_holds_and_peers_agree_where_they_must():
             assert s["grad_norm_global"] != by[(d, 1 - p, t)].records[step]["scalars"]["grad_norm_global"]
             assert s["nonfinite"] == 0 and 0 < s["grad_cosine"] <= 1
     fps = {k: rec.records[10]["fingerprints"] for k, rec in by.items()}
-    assert all(set(f) == {"param_fp", "grad_fp"} for f in fps.values())
+    assert all(set(f) == {"param_fp", "grad_fp", "gemm_canary_fp"} for f in fps.values())
     for d, p, t in by:
         assert fps[(d, p, t)] == fps[(1 - d, p, t)]  # replicas of one shard: bit-identical
-        assert fps[(d, p, t)]["param_fp"] != fps[(d, p, 1 - t)]["param_fp"]
-        assert fps[(d, p, t)]["param_fp"] != fps[(d, 1 - p, t)]["param_fp"]
+        for name in ("param_fp", "gemm_canary_fp"):  # the canary: the rank's share of one product
+            assert fps[(d, p, t)][name] != fps[(d, p, 1 - t)][name]
+            assert fps[(d, p, t)][name] != fps[(d, 1 - p, t)][name]
     # products checked on the checksum steps: the stage's linear layers (+ the head) and attention mixes
     assert len(by[(0, 0, 0)].records[0]["layers"]["gemm_fwd"]) == 5
     assert len(by[(0, 1, 0)].records[0]["layers"]["gemm_fwd"]) == 6

@@ -155,7 +155,9 @@ def test_every_virtual_rank_reports_every_step_with_all_fields_and_identity():
             set(GEMM_METRICS) if r.step == 0 else set()
         )
         assert all(len(r.layers[m]) == SMALL.n_layer for m in LAYER_METRICS + STREAM_METRICS)
-        assert set(r.fingerprints) == ({"grad_fp", "param_fp", "canary_fp"} if r.step == 0 else set())
+        assert set(r.fingerprints) == ({"grad_fp", "param_fp", "canary_fp"} if r.step == 0 else set()) | {
+            "gemm_canary_fp"  # every step, one product in rotation
+        }
     assert losses[0] == pytest.approx(sum(r.scalars["loss"] for r in recs if r.step == 0) / 4, rel=1e-6)
 
 
