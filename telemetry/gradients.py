@@ -16,13 +16,13 @@ Three sources hand them in, all on the device as 0-d tensors (nothing here syncs
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from sdcwatch.telemetry import fingerprint as fp
 
-__all__ = ["GradientStats"]
+__all__ = ["GradientStats", "unless_closure"]
 
 
 class GradientStats:
@@ -95,3 +95,18 @@ class GradientStats:
         parts = [b[4] for b in buckets if b[4] is not None]
         grad_fp = fp.combine_parts(parts) if parts and len(parts) == len(buckets) else None
         self.observe_gradients(local_sq=local_sq, global_sq=global_sq, dot=dot, grad_fp=grad_fp)
+
+
+def unless_closure(read: Callable[[], None]) -> Callable[[Any, tuple, dict], None]:
+    """An optimizer step pre-hook that reads the gradient, except for ``optimizer.step(closure)``
+    (Lightning's automatic optimisation, LBFGS): the closure runs this step's forward and backward
+    after the pre-hooks, so ``p.grad`` still holds the previous step's gradient there; the watch
+    reads it at ``watch.step()`` instead."""
+
+    def hook(optimizer: Any, args: tuple, kwargs: dict) -> None:
+        # torch hands the pre-hook step's positional arguments with the optimizer first
+        closure = args[1] if len(args) > 1 else kwargs.get("closure")
+        if closure is None:
+            read()
+
+    return hook

@@ -27,7 +27,7 @@ import queue
 import threading
 import time
 import warnings
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -51,7 +51,7 @@ from sdcwatch.telemetry.ddp_hook import comm_hook
 from sdcwatch.telemetry.finite import FiniteChecks
 from sdcwatch.telemetry.gemm_canary import GemmCanary
 from sdcwatch.telemetry.fsdp import ShardedGradients, is_sharded, local_tensors
-from sdcwatch.telemetry.gradients import GradientStats
+from sdcwatch.telemetry.gradients import GradientStats, unless_closure
 from sdcwatch.telemetry.mesh_torch import coords_from_mesh
 from sdcwatch.telemetry.packing import PackedStep, pack_step, unpack_step
 from sdcwatch.telemetry.probe_config import ProbeConfig
@@ -146,7 +146,7 @@ class Watch(GradientStats, AttentionLayers):
             ddp.register_comm_hook(self, comm_hook)
         elif optimizer is not None and not external:
             before = self._local_gradients if self._sharded is None else self._sharded.before_optimizer
-            self._handles.append(optimizer.register_step_pre_hook(_unless_closure(before)))
+            self._handles.append(optimizer.register_step_pre_hook(unless_closure(before)))
         LIVE_WATCHES.add(self)
 
     @property
@@ -434,18 +434,3 @@ def attach(
         mesh=mesh,
         mesh_names=mesh_names,
     )
-
-
-def _unless_closure(read: Callable[[], None]) -> Callable[[Any, tuple, dict], None]:
-    """An optimizer step pre-hook that reads the gradient, except for ``optimizer.step(closure)``
-    (Lightning's automatic optimisation, LBFGS): the closure runs this step's forward and backward
-    after the pre-hooks, so ``p.grad`` still holds the previous step's gradient there; the watch
-    reads it at ``watch.step()`` instead."""
-
-    def hook(optimizer: Any, args: tuple, kwargs: dict) -> None:
-        # torch hands the pre-hook step's positional arguments with the optimizer first
-        closure = args[1] if len(args) > 1 else kwargs.get("closure")
-        if closure is None:
-            read()
-
-    return hook
