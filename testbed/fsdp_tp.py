@@ -30,7 +30,17 @@ from sdcwatch.telemetry.faults import load_faults
 from sdcwatch.testbed.ddp import DDPSettings, add_run_arguments, json_setting, rank_emitter, launch as _launch
 from sdcwatch.testbed.model import GPTConfig, next_byte_loss
 
-__all__ = ["FSDPTPSettings", "TPGPT", "TP_PLAN", "parallelize", "by_mesh", "total_grad_norm", "launch", "train_rank", "main"]
+__all__ = [
+    "FSDPTPSettings",
+    "TPGPT",
+    "TP_PLAN",
+    "parallelize",
+    "by_mesh",
+    "total_grad_norm",
+    "launch",
+    "train_rank",
+    "main",
+]
 
 
 class Scores(nn.Module):
