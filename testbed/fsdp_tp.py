@@ -169,17 +169,18 @@ class FSDPTPSettings(DDPSettings):
         return (self.world // self.tp, self.tp)
 
 
-def parallelize(model: TPGPT, mesh) -> TPGPT:
-    """Tensor parallelism on ``mesh["tp"]``, then FSDP2 on ``mesh["dp_shard"]`` (torchtitan's order)."""
+def parallelize(model: TPGPT, tp_mesh, dp_mesh) -> TPGPT:
+    """Tensor parallelism on ``tp_mesh`` (:data:`TP_PLAN` in every block), then FSDP2 of every block
+    and of the root on ``dp_mesh`` (torchtitan's order)."""
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
     for block in model.blocks:
-        parallelize_module(block, mesh["tp"], {name: styles[s]() for name, s in TP_PLAN.items()})
+        parallelize_module(block, tp_mesh, {name: styles[s]() for name, s in TP_PLAN.items()})
     for block in model.blocks:
-        fully_shard(block, mesh=mesh["dp_shard"])
-    fully_shard(model, mesh=mesh["dp_shard"])
+        fully_shard(block, mesh=dp_mesh)
+    fully_shard(model, mesh=dp_mesh)
     return model
 
 
@@ -220,7 +221,7 @@ def train_rank(rank: int, settings: FSDPTPSettings) -> None:
         mesh = init_device_mesh("cpu", settings.mesh_shape, mesh_dim_names=("dp_shard", "tp"))
         data_rank = mesh["dp_shard"].get_local_rank()  # the tensor-parallel group reads one batch
         torch.manual_seed(settings.seed)  # the same initial model on every rank, split from there
-        model = parallelize(TPGPT(), mesh)
+        model = parallelize(TPGPT(), mesh["tp"], mesh["dp_shard"])
         optimizer = torch.optim.Adam(model.parameters(), lr=settings.lr)
         injector = FaultInjector(settings.faults, rank=rank).attach(model, optimizer)
         emitter = rank_emitter(settings, rank)
