@@ -6,6 +6,7 @@ runs: its real mesh over torch's fake process group, the lookup on a Trainer-sha
 from __future__ import annotations
 
 import logging
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -183,3 +184,8 @@ def test_lightning_model_parallel_strategy_mesh_puts_coordinates_on_every_record
         # data_parallel holds FSDP2 shards here (configure_model shards on it): dp_shard; tensor_parallel: tp
         assert all(r.coords == {"dp_shard": 0, "tp": rank} for r in records), [r.coords for r in records]
         assert all(len(r.layers["attn_logit_max"]) == 2 for r in records)
+        # a data-parallel mesh of one: no reduction, the gradient of the rank's piece is local and global
+        for r in records:
+            s = r.scalars
+            assert math.isfinite(s["grad_norm_local"]) and s["grad_norm_local"] > 0, s
+            assert s["grad_norm_global"] == s["grad_norm_local"] and s["grad_cosine"] == 1.0, s
