@@ -112,6 +112,47 @@ def test_what_each_probe_gives_under_fsdp_and_tensor_parallelism(fsdp_tp):
             assert max(r.layers["gemm_weight"]) < 1  # the rank's own shard, as the optimizer wrote it
 
 
+def _piece(name: str, grad: torch.Tensor, t: int) -> torch.Tensor:
+    """Tensor-parallel rank ``t``'s piece of a parameter's gradient: its rows of a column-parallel
+    weight or bias, its columns of a row-parallel weight, the whole of anything replicated."""
+    module, _, kind = name.rpartition(".")
+    style = next((s for suffix, s in TP_PLAN.items() if module.endswith(suffix)), None)
+    if style == "colwise":
+        return torch.chunk(grad, TP, dim=0)[t]
+    if style == "rowwise" and kind == "weight":
+        return torch.chunk(grad, TP, dim=1)[t]
+    return grad
+
+
+def test_gradient_norms_are_those_of_the_ranks_tensor_parallel_piece(fsdp_tp):
+    """Against an unsharded copy of the model on each data-parallel batch of step 0: the local norm is
+    the rank's piece of its own batch's gradient, the global norm its piece of the mean gradient."""
+    from sdcwatch.testbed.fsdp_tp import TPGPT
+    from sdcwatch.testbed.model import next_byte_loss
+    from sdcwatch.testbed.simulated import shared_corpus
+
+    settings, table = fsdp_tp
+    torch.manual_seed(settings.seed)
+    model = TPGPT()
+    corpus = shared_corpus(settings.corpus_bytes)
+    local = []
+    for d in range(WORLD // TP):
+        model.zero_grad()
+        batch = corpus.batch(seed=settings.seed, step=0, rank=d, batch_size=settings.batch_size, seq_len=64)
+        next_byte_loss(model(batch[:, :-1]), batch).backward()
+        local.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    mean = {n: (local[0][n] + local[1][n]) / 2 for n in local[0]}
+
+    def norm(grads: dict, t: int) -> float:
+        return float(torch.cat([_piece(n, g, t).reshape(-1) for n, g in grads.items()]).norm())
+
+    for rank in range(WORLD):
+        d, t = divmod(rank, TP)
+        s = table[0, rank].scalars
+        assert s["grad_norm_local"] == pytest.approx(norm(local[d], t), rel=1e-4), rank
+        assert s["grad_norm_global"] == pytest.approx(norm(mean, t), rel=1e-4), rank
+
+
 def test_a_clean_run_raises_nothing_and_a_nan_in_one_ranks_heads_names_that_rank_at_its_step(fsdp_tp):
     _, table = fsdp_tp
     clean = [rec for (step, _), rec in table.items() if step < NAN_STEP]
