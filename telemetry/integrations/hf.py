@@ -22,7 +22,7 @@ from typing import Any
 from sdcwatch.telemetry.integrations import CallbackCore, FrameworkMesh
 from transformers import TrainerCallback
 
-__all__ = ["SdcwatchCallback", "ACCELERATE_DIMS"]
+__all__ = ["SdcwatchCallback", "ACCELERATE_DIMS", "framework_mesh"]
 
 
 class SdcwatchCallback(TrainerCallback, CallbackCore):
@@ -47,7 +47,7 @@ class SdcwatchCallback(TrainerCallback, CallbackCore):
         rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
         trainer = _calling_trainer(model)
         self.start(
-            model, _inner_optimizer(optimizer), _ddp_wrapper(trainer), rank, world, _framework_mesh(trainer, model)
+            model, _inner_optimizer(optimizer), _ddp_wrapper(trainer), rank, world, framework_mesh(trainer, model)
         )
         self._loss_hook = model.register_forward_hook(self._keep_loss, with_kwargs=True)
 
@@ -119,7 +119,7 @@ def _ddp_wrapper(trainer: Any) -> Any:
 ACCELERATE_DIMS = {"sp": "cp"}
 
 
-def _framework_mesh(trainer: Any, model: Any) -> FrameworkMesh | None:
+def framework_mesh(trainer: Any, model: Any) -> FrameworkMesh | None:
     """The job's device mesh as the Trainer's stack built it: accelerate's (``ParallelismConfig``,
     ``accelerator.torch_device_mesh``: dims ``dp_replicate, dp_shard, cp, sp, tp``), else the one a
     model loaded with a ``distributed_config`` keeps (``model._device_mesh``: ``pp, fsdp, tp``)."""

@@ -22,7 +22,7 @@ from typing import Any
 import lightning.pytorch as pl
 from sdcwatch.telemetry.integrations import CallbackCore, FrameworkMesh
 
-__all__ = ["SdcwatchCallback", "LIGHTNING_DIMS"]
+__all__ = ["SdcwatchCallback", "LIGHTNING_DIMS", "strategy_mesh"]
 
 
 class SdcwatchCallback(pl.Callback, CallbackCore):
@@ -42,7 +42,7 @@ class SdcwatchCallback(pl.Callback, CallbackCore):
         wrapped = getattr(trainer.strategy, "model", None)
         ddp = wrapped if isinstance(wrapped, DistributedDataParallel) else None
         optimizer = trainer.optimizers[0] if trainer.optimizers else None
-        self.start(pl_module, optimizer, ddp, trainer.global_rank, trainer.world_size, _strategy_mesh(trainer))
+        self.start(pl_module, optimizer, ddp, trainer.global_rank, trainer.world_size, strategy_mesh(trainer))
 
     def on_train_batch_start(
         self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, batch_idx: int
@@ -97,7 +97,7 @@ class SdcwatchCallback(pl.Callback, CallbackCore):
 LIGHTNING_DIMS = {"data_parallel": "dp", "tensor_parallel": "tp"}
 
 
-def _strategy_mesh(trainer: "pl.Trainer") -> FrameworkMesh | None:
+def strategy_mesh(trainer: "pl.Trainer") -> FrameworkMesh | None:
     """The strategy's device mesh (``ModelParallelStrategy.device_mesh``, set up before training
     starts), or None for a strategy without one."""
     try:

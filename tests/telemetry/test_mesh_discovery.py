@@ -55,12 +55,12 @@ def _start(core: CallbackCore, found: FrameworkMesh | None) -> None:
 def test_accelerate_parallelism_config_mesh_is_found_and_logged(fake_world, rank, caplog):
     pytest.importorskip("transformers")
     accelerate = pytest.importorskip("accelerate.parallelism_config")
-    from sdcwatch.telemetry.integrations.hf import _framework_mesh
+    from sdcwatch.telemetry.integrations.hf import framework_mesh
 
     fake_world(rank, 4)
     mesh = accelerate.ParallelismConfig(dp_shard_size=2, tp_size=2).build_device_mesh("cpu")
     trainer = SimpleNamespace(accelerator=SimpleNamespace(torch_device_mesh=mesh))  # what the Trainer holds
-    found = _framework_mesh(trainer, GPT(GPTConfig(n_layer=1)))
+    found = framework_mesh(trainer, GPT(GPTConfig(n_layer=1)))
     assert found is not None and found.where == "trainer.accelerator.torch_device_mesh"
     emitter = _Records()
     core = CallbackCore(emitter)
@@ -80,19 +80,19 @@ def test_a_model_loaded_with_a_distributed_config_gives_its_mesh(fake_world):
     pytest.importorskip("transformers")
     from torch.distributed.device_mesh import init_device_mesh
 
-    from sdcwatch.telemetry.integrations.hf import _framework_mesh
+    from sdcwatch.telemetry.integrations.hf import framework_mesh
 
     fake_world(5, 8)
     model = GPT(GPTConfig(n_layer=1))
     model._device_mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("pp", "fsdp", "tp"))  # transformers' dims
-    found = _framework_mesh(SimpleNamespace(accelerator=SimpleNamespace(torch_device_mesh=None)), model)
+    found = framework_mesh(SimpleNamespace(accelerator=SimpleNamespace(torch_device_mesh=None)), model)
     core = CallbackCore(_Records())
     _start(core, found)
     try:
         assert core.watch.coords == {"pp": 1, "dp_shard": 0, "tp": 1}
     finally:
         core.close()
-    assert _framework_mesh(None, GPT(GPTConfig(n_layer=1))) is None  # no Trainer, no mesh: none
+    assert framework_mesh(None, GPT(GPTConfig(n_layer=1))) is None  # no Trainer, no mesh: none
 
 
 def test_the_users_mesh_wins_mesh_false_turns_discovery_off_and_an_unreadable_mesh_is_a_warning(fake_world, caplog):
