@@ -21,13 +21,15 @@ from sdcwatch.testbed.fsdp_tp import FSDPTPSettings, TP_PLAN, launch  # noqa: E4
 
 pytestmark = pytest.mark.integration
 
-STEPS, NAN_STEP, NAN_RANK, WORLD, TP = 7, 4, 1, 4, 2
+STEPS, NAN_STEP, NAN_RANK, WORLD, TP = 8, 4, 1, 4, 2
+FC_STEP, FC_RANK = 6, 2  # a NaN in a column-parallel product (blocks.1.mlp.fc) of rank 2
 
 
 @pytest.fixture(scope="module")
 def fsdp_tp(tmp_path_factory, broker, consume):
-    """dp_shard=2 x tp=2, a NaN in rank 1's attention logits (its own heads) of block 0 at step 4;
-    every probe on every step."""
+    """dp_shard=2 x tp=2, a NaN in rank 1's attention logits (its own heads) of block 0 at step 4
+    (the update is skipped: step 5 is clean), a NaN in rank 2's column-parallel ``blocks.1.mlp.fc``
+    output at step 6 (the injector corrupts the rank's own product); every probe on every step."""
     if not broker.running:
         broker.start()
     topic = f"fsdp-tp.{uuid.uuid4().hex[:8]}"
@@ -44,7 +46,7 @@ def fsdp_tp(tmp_path_factory, broker, consume):
         ranks_per_host=1,
         clip=1.0,
         skip_nonfinite=True,
-        faults=(nan,),
+        faults=(nan, FaultSpec(kind="nan", rank=FC_RANK, step=FC_STEP, target="blocks.1.mlp.fc", seed=1)),
         probes={"fingerprint_every": 1, "attention_every": 1, "checksum_every": 1},
     )
     launch(settings)
@@ -161,8 +163,22 @@ def test_a_clean_run_raises_nothing_and_a_nan_in_one_ranks_heads_names_that_rank
     nan = [table[NAN_STEP, r] for r in range(WORLD)]
     assert math.isnan(nan[NAN_RANK].layers["attn_logit_max"][0])
     assert math.isfinite(nan[0].layers["attn_logit_max"][0]) and math.isnan(nan[0].layers["stream_max"][0])
-    found = [i for i in _incidents(table.values()) if i.kind == "nonfinite"]
+    before_fc = [rec for (step, _), rec in table.items() if step < FC_STEP]  # one incident merges both faults
+    found = [i for i in _incidents(before_fc) if i.kind == "nonfinite"]
     assert found, "no non-finite incident"
     first = min(found, key=lambda i: i.first_step)
     assert first.first_step == NAN_STEP and first.ranks == (NAN_RANK,), (first.first_step, first.ranks, first.message)
     assert "dp_shard=0,tp=1" in first.message and "tensor-parallel group received it" in first.message
+
+
+def test_a_nan_in_a_column_parallel_product_is_named_on_its_rank_by_the_order_of_the_products(fsdp_tp):
+    _, table = fsdp_tp
+    assert all(table[FC_STEP - 1, r].scalars["nonfinite"] == 0 for r in range(WORLD))  # the skipped update
+    fc = [table[FC_STEP, r] for r in range(WORLD)]
+    # block 1's stream goes bad on both ranks of the group; rank 2's fc output (product 10) first
+    assert math.isnan(fc[2].layers["gemm_out"][10]) and math.isfinite(fc[3].layers["gemm_out"][10])
+    assert math.isnan(fc[2].layers["stream_max"][1]) and math.isnan(fc[3].layers["stream_max"][1])
+    later = [rec for (step, _), rec in table.items() if step >= FC_STEP - 1]
+    found = [i for i in _incidents(later) if i.kind == "nonfinite"]
+    first = min(found, key=lambda i: i.first_step)
+    assert first.first_step == FC_STEP and first.ranks == (FC_RANK,), (first.first_step, first.ranks, first.message)
