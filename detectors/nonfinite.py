@@ -76,6 +76,46 @@ def _through_pipeline(
     return set(c[~reached].tolist()), set(c[reached].tolist())
 
 
+def _through_tensor_parallel(
+    culprits: set[int], coords: np.ndarray | None, hits: list[tuple[int, str, int | None, float]]
+) -> tuple[set[int], set[int]]:
+    """(culprits, ranks it reached through tensor parallelism). The ranks of one tensor-parallel
+    group (the same coordinates but for ``tp``) all-reduce the row-parallel outputs of every block
+    in the forward pass, so a bad value made in one rank's shard reaches its peers' residual stream
+    in the same step. Per rank, the first bad forward value in forward order (the lowest layer;
+    within a layer the attention logits of the rank's own heads before the block's output; then
+    the lowest product that made a bad output from a good input) says where it was made: the ranks
+    of a group whose first bad value is the earliest are blamed, the later ones reached."""
+    if coords is None or len(culprits) < 2:
+        return culprits, set()
+    tp = DIMS.index("tp")
+    c = np.array(sorted(culprits))
+    if (coords[c, tp] < 0).all():
+        return culprits, set()
+    bad_inputs = {(h[0], h[2]) for h in hits if h[1] == "gemm_in"}
+    never = (np.inf, np.inf)
+    first: dict[int, list] = {int(r): [never, np.inf] for r in c}
+    for rank, metric, layer, _ in hits:
+        if rank not in first or layer is None or metric in _BACKWARD or metric in _GLOBAL:
+            continue
+        if metric in ("gemm_fwd", "gemm_out"):
+            if (rank, layer) not in bad_inputs:
+                first[rank][1] = min(first[rank][1], layer)
+        elif metric not in ("gemm_in", "gemm_weight"):
+            within = 0 if metric in ("attn_logit_max", "attn_logit_min") else 1
+            first[rank][0] = min(first[rank][0], (layer, within))
+    group = group_keys(coords[c], tuple(i for i, d in enumerate(DIMS) if d != "tp"))
+    keys = [tuple(first[int(r)]) for r in c]
+    blamed, reached = set(), set()
+    for g in np.unique(group):
+        members = np.nonzero(group == g)[0]
+        earliest = min(keys[i] for i in members)
+        unplaced = earliest == (never, np.inf)  # no layer or product says where: blame them all
+        for i in members:
+            (blamed if unplaced or keys[i] == earliest else reached).add(int(c[i]))
+    return blamed, reached
+
+
 def _followers(culprits: set[int], others: set[int], coords: np.ndarray | None) -> set[int]:
     """The ranks of ``others`` in a culprit's data-parallel group (all of them without coordinates):
     those an all-reduce with a culprit reaches."""
@@ -252,10 +292,12 @@ class NonFiniteDetector(SplitDetector):
         streak = self._origin is not None and self._last_bad is not None and 0 < frame.step - self._last_bad <= 1
         self._last_bad = frame.step
         downstream: set[int] = set()
+        tensor_peers: set[int] = set()
         if streak:
             culprits = set(self._origin)
         else:
             culprits, downstream = _through_pipeline(culprits, coords, set(seen.get("backward_only", ())))
+            culprits, tensor_peers = _through_tensor_parallel(culprits, coords, hits)
             self._origin, self._origin_step = tuple(sorted(culprits)), frame.step
         ranks = tuple(sorted(culprits))
         own = [h for h in hits if h[0] in culprits] or hits
@@ -277,6 +319,8 @@ class NonFiniteDetector(SplitDetector):
             spread = f"; the all-reduced values of {len(followed)} other rank(s) followed" if followed else ""
             if downstream:
                 spread += f"; {len(downstream)} other rank(s) of its pipeline received it (activations, gradients)"
+            if tensor_peers:
+                spread += f"; {len(tensor_peers)} other rank(s) of its tensor-parallel group received it (all-reduce)"
         elif frame.world > 1:
             on, more, spread = "the all-reduced values of every rank (not localised)", "", ""
         else:
@@ -307,6 +351,7 @@ class NonFiniteDetector(SplitDetector):
                     "ranks_with_own_bad_values": sorted(culprits),
                     "ranks_with_bad_all_reduced_values": sorted(global_ranks),
                     **({"pipeline_followers": sorted(downstream)[: self.max_listed]} if downstream else {}),
+                    **({"tensor_parallel_followers": sorted(tensor_peers)[: self.max_listed]} if tensor_peers else {}),
                     "hits": [{"rank": h[0], "metric": h[1], "layer": h[2], "value": h[3]} for h in listed],
                 },
             )

@@ -219,7 +219,7 @@ class FaultInjector:
                 targets = self._targets[i]
                 if targets[rng.randrange(len(targets))] != name or not self._claim(i):
                     return None
-            tensor, rebuild = _first_tensor(output)
+            tensor, rebuild = _local_part(*_first_tensor(output))
             if tensor is None:
                 return None
             t0 = time.thread_time()
@@ -298,6 +298,31 @@ def _first_tensor(output: Any):
     if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
         return output[0], lambda t: type(output)([t, *output[1:]])
     return None, None
+
+
+def _local_part(tensor: Any, rebuild: Any):
+    """This rank's part of a DTensor output, and how to put a corrupted part back. Under tensor
+    parallelism the injector's hook runs before the output hook ``parallelize_module`` registered,
+    on the DTensor of the rank's product (a row-parallel one's partial sum, before its all-reduce):
+    the fault hits this rank's product, as a faulty device would. Changing the DTensor itself
+    would be a distributed operation run by one rank only (a collective the others never join)."""
+    if tensor is None or not hasattr(tensor, "to_local"):
+        return tensor, rebuild
+    dt = type(tensor)
+
+    def back(local: Any) -> Any:
+        return rebuild(
+            dt.from_local(
+                local,
+                tensor.device_mesh,
+                tensor.placements,
+                run_check=False,
+                shape=tensor.shape,
+                stride=tensor.stride(),
+            )
+        )
+
+    return tensor.to_local(), back
 
 
 def _sample(names: Sequence[str], n: int = 8) -> str:

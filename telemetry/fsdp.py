@@ -124,6 +124,7 @@ class ShardedGradients:
         self._measured: dict[int, tuple] = {}  # module -> (local sq, own sq, dot, reduced sq, fp parts)
         self._group: Any = None  # the reduce-scatter (shard) group, seen at the first reduce-scatter
         self._restore: list[Callable[[], None]] = []
+        self._data_parallel = 1  # ranks FSDP reduces gradients over (its mesh: shards x replicas)
         cls = _subclass_reduce_scatter()
         for i, module in enumerate(self.modules):
             groups = _param_groups(module)
@@ -136,6 +137,8 @@ class ShardedGradients:
             if not groups:  # fully_shard on a module without parameters of its own
                 continue
             group = groups[0]
+            mesh = getattr(getattr(group, "mesh_info", None), "mesh", None)
+            self._data_parallel = max(self._data_parallel, mesh.size() if mesh is not None else 2)
             inner_comm = getattr(group, "_reduce_scatter_comm", None)
             inner_hook = getattr(group, "_all_reduce_hook", None)
             module.set_custom_reduce_scatter(cls(self, i, inner_comm))
@@ -227,11 +230,10 @@ class ShardedGradients:
             self._unreduced()
 
     def _unreduced(self) -> None:
-        """One process (FSDP skips the collective for a shard group of one): the gradient is the
-        rank's own, local is global, as for a model without data parallelism."""
-        import torch.distributed as dist
-
-        if self._watch._grads_seen or dist.is_initialized() and dist.get_world_size() > 1:
+        """No data parallelism (FSDP skips the collective for a shard group of one): the gradient is
+        the rank's own, local is global, as for a model without data parallelism. Under tensor
+        parallelism with a data-parallel mesh of one, the rank's piece of it."""
+        if self._watch._grads_seen or self._data_parallel > 1:
             return  # replicas without shards (HSDP of shard size 1): the local gradient is not seen
         grads = local_tensors(p.grad for p in self._watch._params if p.grad is not None)
         if not grads:

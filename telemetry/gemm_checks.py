@@ -37,6 +37,7 @@ from sdcwatch.telemetry.checksum import (
 )
 
 from sdcwatch.telemetry.gemm_state import GEMM_OBSERVERS, SealedWeight, StepChecks, is_shard, observe_gemm, stack_rows
+from sdcwatch.telemetry.gemm_state import holds_whole_rows, local_part
 
 __all__ = ["GemmChecks", "observe_gemm"]
 
@@ -128,24 +129,25 @@ class GemmChecks:
     def _linear_hook(self, i: int, module: nn.Linear, args: tuple, output: Any) -> None:
         if not args:
             return
-        if not self.active():
-            if self.scan():
-                self._scanned(i, output)
+        tensor_parallel = is_shard(module.weight)  # its forward weight a DTensor: the rank's part is checked
+        if not self.active() or tensor_parallel and not holds_whole_rows(module.weight):  # row-wise: the
+            if self.scan() or self.active():  # output is the ranks' products all-reduced, scanned only
+                self._scanned(i, local_part(output))
             return
-        x, y = args[0], output
+        x, y = local_part(args[0]), local_part(output)
         if not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and y.is_floating_point()):
             return
         if x.numel() == 0 or y.numel() == 0:
             return
         xm = self._check_forward(i, module, x, y)
-        if y.requires_grad and torch.is_grad_enabled():
+        if y.requires_grad and torch.is_grad_enabled() and not tensor_parallel:
             # autograd keeps x for the weight gradient anyway: no extra memory
             y.register_hook(functools.partial(self._output_grad, i, x.detach(), xm))
 
     def _check_forward(self, i: int, module: nn.Linear, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """The forward check's reductions of one call: row sums of ``y`` against ``x (W^T 1) + Σ b``."""
         with torch.no_grad():
-            w, b = module.weight, module.bias
+            w, b = local_part(module.weight), local_part(module.bias)
             acc = accumulation_dtype(y.dtype)
             st = self._step
             v = accumulated_sum(w, 0, acc)
@@ -351,6 +353,9 @@ class GemmChecks:
             idx, top, ratio, bound, xm = self._forward_ratios(st)
             # gemm_out as a scanned step reports it
             out["gemm_out"] = torch.zeros(n, device=device).scatter_reduce_(0, idx, top, "amax")
+            if st.o_idx:  # products only scanned on a checked step (row-wise tensor parallel)
+                o_idx, o_top = self._indices((tuple(st.o_idx),), device)[0], stack_rows(st.o_ys).abs_().amax(-1)
+                out["gemm_out"].scatter_reduce_(0, o_idx, o_top.float(), "amax")
             out["gemm_fwd"] = torch.zeros(n, device=device).scatter_reduce_(0, idx, ratio, "amax")
             if keep:
                 for c, i in enumerate(st.f_idx):

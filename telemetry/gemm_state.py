@@ -15,7 +15,16 @@ from torch import nn
 
 from sdcwatch.telemetry.checksum import TINY, accumulated_sum, accumulation_dtype, rounding_gamma, unit_roundoff
 
-__all__ = ["SealedWeight", "StepChecks", "stack_rows", "is_shard", "observe_gemm", "GEMM_OBSERVERS"]
+__all__ = [
+    "SealedWeight",
+    "StepChecks",
+    "stack_rows",
+    "is_shard",
+    "local_part",
+    "holds_whole_rows",
+    "observe_gemm",
+    "GEMM_OBSERVERS",
+]
 
 
 #: Custom-GEMM owner (a module) -> the GemmChecks that report it; weak so a dropped model leaves no trace.
@@ -108,3 +117,19 @@ class StepChecks:
 def is_shard(t: torch.Tensor) -> bool:
     """Whether ``t`` is a DTensor shard (FSDP2), outside the autograd graph and the forward's weight."""
     return hasattr(t, "to_local")
+
+
+def local_part(t: Any) -> Any:
+    """This rank's part of a DTensor (``to_local()``): under tensor parallelism a linear layer's
+    forward weight, input and output are DTensors, and the rank computes the product of its parts.
+    Anything else as it is."""
+    return t.to_local() if t is not None and is_shard(t) else t
+
+
+def holds_whole_rows(w: Any) -> bool:
+    """Whether this rank holds whole rows of a tensor-parallel weight (``ColwiseParallel``: its
+    output columns are a complete product of its own, checked like any linear layer's).
+    ``RowwiseParallel`` splits the input dim (``Shard(1)``): the rank's product is a partial sum,
+    all-reduced by the output hook ``parallelize_module`` registered before the checks' hook, which
+    therefore sees the sum over the tensor-parallel ranks and cannot check this rank's part."""
+    return not any(p.is_shard() and getattr(p, "dim", 0) % w.dim() == 1 for p in getattr(w, "placements", ()))

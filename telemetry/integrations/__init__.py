@@ -9,9 +9,23 @@ Each module imports its framework when it is imported, never before: install the
 
 from __future__ import annotations
 
-from typing import Any
+import logging
+from typing import Any, Mapping, NamedTuple
 
-__all__ = ["CallbackCore"]
+__all__ = ["CallbackCore", "FrameworkMesh"]
+
+log = logging.getLogger("sdcwatch.telemetry")
+
+
+class FrameworkMesh(NamedTuple):
+    """A device mesh a framework built for the job, found by its callback when the user passed none."""
+
+    mesh: Any
+    """The torch ``DeviceMesh``."""
+    names: Mapping[str, str] | None
+    """What the framework's dim names mean, where they are not sdcwatch's (``{"tensor_parallel": "tp"}``)."""
+    where: str
+    """Where it was found, for the log line (``trainer.strategy.device_mesh``)."""
 
 
 class CallbackCore:
@@ -26,7 +40,9 @@ class CallbackCore:
     (attached to the model and stepped with the run; its rank is set to the framework's).
     ``settings``: :class:`~sdcwatch.telemetry.probes.ProbeConfig` fields (``attention_every=...``),
     and ``mesh=`` / ``mesh_names=`` (the job's torch ``DeviceMesh``: every record carries the rank's
-    coordinates, as with :func:`~sdcwatch.telemetry.probes.attach`).
+    coordinates, as with :func:`~sdcwatch.telemetry.probes.attach`). Without ``mesh=`` the callback
+    uses the mesh its framework built, if any (Lightning's ``ModelParallelStrategy``, accelerate's
+    ``ParallelismConfig``), and logs which dims it found; ``mesh=False`` turns that off.
     """
 
     def __init__(self, emitter: Any = None, *, injector: Any = None, **settings: Any) -> None:
@@ -39,12 +55,17 @@ class CallbackCore:
         self.injector = injector
         self.emitter = emitter
         self.watch: Any = None
+        self.mesh_found: FrameworkMesh | None = None
+        """The framework's mesh the probes use (None: the user's ``mesh=``, or none was found)."""
         self.data_parallel = False
         """Whether the probes see the DDP all-reduce (local and global gradient norms)."""
         self._owns_emitter = False
 
-    def start(self, model: Any, optimizer: Any, ddp: Any, rank: int, world: int) -> None:
-        """Training begins: the emitter (built here unless one was given), the probes, the injector."""
+    def start(
+        self, model: Any, optimizer: Any, ddp: Any, rank: int, world: int, found: FrameworkMesh | None = None
+    ) -> None:
+        """Training begins: the emitter (built here unless one was given), the probes, the injector.
+        ``found``: the framework's device mesh, used when the user passed no ``mesh=``."""
         from sdcwatch.telemetry.probes import attach
 
         if self.emitter is None:
@@ -55,15 +76,47 @@ class CallbackCore:
         if self.injector is not None:
             self.injector.rank = rank
             self.injector.attach(model, optimizer)
+        mesh, names = (None, None) if self.mesh is False else (self.mesh, self.mesh_names)
+        if self.mesh is None and found is not None:
+            mesh, names = self._framework_mesh(model, found)
         self.watch = attach(
-            model,
-            self.emitter,
-            optimizer=optimizer,
-            ddp=ddp,
-            mesh=self.mesh,
-            mesh_names=self.mesh_names,
-            **self.settings,
+            model, self.emitter, optimizer=optimizer, ddp=ddp, mesh=mesh, mesh_names=names, **self.settings
         )
+
+    def _framework_mesh(self, model: Any, found: FrameworkMesh) -> tuple[Any, Any]:
+        """(mesh, names) for the probes from the framework's mesh, and one log line saying which dims
+        were found and what this rank's coordinates are; a mesh whose dims cannot be read is logged
+        as a warning and not used (training goes on without coordinates)."""
+        from sdcwatch.core.errors import ConfigError
+        from sdcwatch.core.mesh import format_coords
+        from sdcwatch.telemetry.fsdp import is_sharded
+        from sdcwatch.telemetry.mesh_torch import coords_from_mesh
+
+        names = dict(found.names or {})
+        if self.mesh_names:
+            names.update(self.mesh_names)
+        mesh_dims = getattr(found.mesh, "mesh_dim_names", None)
+        names = {k: v for k, v in names.items() if mesh_dims and k in mesh_dims}
+        dims = ", ".join(f"{n}={s}" for n, s in zip(mesh_dims or (), getattr(found.mesh, "shape", ())))
+        try:
+            coords = coords_from_mesh(found.mesh, names or None, sharded=is_sharded(model))
+        except ConfigError as exc:
+            log.warning(
+                "sdcwatch: found a device mesh at %s (%s) but cannot read it: %s; records carry no "
+                "coordinates (pass mesh= and mesh_names= to the callback)",
+                found.where,
+                dims,
+                exc,
+            )
+            return None, None
+        self.mesh_found = found
+        log.info(
+            "sdcwatch: using the device mesh at %s: dims (%s); this rank is at %s",
+            found.where,
+            dims,
+            format_coords(coords),
+        )
+        return found.mesh, names or None
 
     def begin(self, step: int) -> None:
         """An optimizer step begins (before its first micro-batch's forward)."""

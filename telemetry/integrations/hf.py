@@ -6,7 +6,9 @@
 
 The callback attaches the probes when training begins (to the Trainer's DDP wrapper too, so each
 rank reports its local and the all-reduced gradient norm), reports one record per optimizer step
-(``state.global_step``, from 0) and closes at the end. The loss of a step is the model output's
+(``state.global_step``, from 0) and closes at the end. When the Trainer's accelerator built a
+device mesh (``TrainingArguments(parallelism_config=...)``) every record carries the rank's
+coordinates in it (unless the callback was given ``mesh=``). The loss of a step is the model output's
 ``loss``, over every micro-batch of the step: their mean, or their sum when the Trainer passes
 ``num_items_in_batch`` (then each micro-batch's loss is already a share of the step's). The
 learning rate is the one the step used, read before the Trainer steps its scheduler.
@@ -17,10 +19,10 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from sdcwatch.telemetry.integrations import CallbackCore
+from sdcwatch.telemetry.integrations import CallbackCore, FrameworkMesh
 from transformers import TrainerCallback
 
-__all__ = ["SdcwatchCallback"]
+__all__ = ["SdcwatchCallback", "ACCELERATE_DIMS", "framework_mesh"]
 
 
 class SdcwatchCallback(TrainerCallback, CallbackCore):
@@ -43,7 +45,10 @@ class SdcwatchCallback(TrainerCallback, CallbackCore):
         import torch.distributed as dist
 
         rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-        self.start(model, _inner_optimizer(optimizer), _ddp_wrapper(model), rank, world)
+        trainer = _calling_trainer(model)
+        self.start(
+            model, _inner_optimizer(optimizer), _ddp_wrapper(trainer), rank, world, framework_mesh(trainer, model)
+        )
         self._loss_hook = model.register_forward_hook(self._keep_loss, with_kwargs=True)
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -89,18 +94,45 @@ class SdcwatchCallback(TrainerCallback, CallbackCore):
         return total if self._summed or len(self._losses) == 1 else total / len(self._losses)
 
 
-def _ddp_wrapper(model: Any) -> Any:
-    """The Trainer's DDP wrapper of ``model`` (callbacks are given the bare model): found on the
-    Trainer that is calling us. None when the run is not data-parallel."""
-    from torch.nn.parallel import DistributedDataParallel
-
+def _calling_trainer(model: Any) -> Any:
+    """The Trainer that is calling us about ``model`` (callbacks are given the bare model, not the
+    Trainer): found on the call stack. None if there is none."""
     frame = sys._getframe(1)
     while frame is not None:
         owner = frame.f_locals.get("self")
-        wrapped = getattr(owner, "model_wrapped", None)
-        if wrapped is not None and getattr(owner, "model", None) is model:
-            return wrapped if isinstance(wrapped, DistributedDataParallel) else None
+        if getattr(owner, "model_wrapped", None) is not None and getattr(owner, "model", None) is model:
+            return owner
         frame = frame.f_back
+    return None
+
+
+def _ddp_wrapper(trainer: Any) -> Any:
+    """The Trainer's DDP wrapper of its model; None when the run is not data-parallel."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    wrapped = getattr(trainer, "model_wrapped", None)
+    return wrapped if isinstance(wrapped, DistributedDataParallel) else None
+
+
+#: accelerate's ``sp`` (sequence parallel, DeepSpeed Ulysses) splits each sequence over ranks that
+#: hold the same model, as context parallelism does; its other dims are sdcwatch's own names
+ACCELERATE_DIMS = {"sp": "cp"}
+
+
+def framework_mesh(trainer: Any, model: Any) -> FrameworkMesh | None:
+    """The job's device mesh as the Trainer's stack built it: accelerate's (``ParallelismConfig``,
+    ``accelerator.torch_device_mesh``: dims ``dp_replicate, dp_shard, cp, sp, tp``), else the one a
+    model loaded with a ``distributed_config`` keeps (``model._device_mesh``: ``pp, fsdp, tp``)."""
+    accelerator = getattr(trainer, "accelerator", None)
+    try:
+        mesh = getattr(accelerator, "torch_device_mesh", None)
+    except Exception:  # an accelerator state without a mesh
+        mesh = None
+    if mesh is not None:
+        return FrameworkMesh(mesh, ACCELERATE_DIMS, "trainer.accelerator.torch_device_mesh")
+    mesh = getattr(model, "_device_mesh", None)
+    if mesh is not None and hasattr(mesh, "get_coordinate"):
+        return FrameworkMesh(mesh, None, "model._device_mesh (transformers distributed_config)")
     return None
 
 

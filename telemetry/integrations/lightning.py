@@ -7,7 +7,9 @@
 The callback attaches the probes to the LightningModule when training starts (and a
 communication hook to the strategy's DDP wrapper, so each rank reports its local and the
 all-reduced gradient norm), reports one record per optimizer step (``trainer.global_step``, from
-0) and closes at the end. Lightning calls ``training_step`` rather than the module itself, so the
+0) and closes at the end. Under ``ModelParallelStrategy`` it reads the strategy's device mesh
+(``data_parallel``, ``tensor_parallel``): every record carries the rank's coordinates (unless the
+callback was given ``mesh=``). Lightning calls ``training_step`` rather than the module itself, so the
 callback brackets each training step's forward for the attention probes. The loss of a step is
 what ``training_step`` returned, summed over the step's micro-batches after Lightning divided each
 by ``accumulate_grad_batches``: the mean over the step.
@@ -18,9 +20,9 @@ from __future__ import annotations
 from typing import Any
 
 import lightning.pytorch as pl
-from sdcwatch.telemetry.integrations import CallbackCore
+from sdcwatch.telemetry.integrations import CallbackCore, FrameworkMesh
 
-__all__ = ["SdcwatchCallback"]
+__all__ = ["SdcwatchCallback", "LIGHTNING_DIMS", "strategy_mesh"]
 
 
 class SdcwatchCallback(pl.Callback, CallbackCore):
@@ -40,7 +42,7 @@ class SdcwatchCallback(pl.Callback, CallbackCore):
         wrapped = getattr(trainer.strategy, "model", None)
         ddp = wrapped if isinstance(wrapped, DistributedDataParallel) else None
         optimizer = trainer.optimizers[0] if trainer.optimizers else None
-        self.start(pl_module, optimizer, ddp, trainer.global_rank, trainer.world_size)
+        self.start(pl_module, optimizer, ddp, trainer.global_rank, trainer.world_size, strategy_mesh(trainer))
 
     def on_train_batch_start(
         self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, batch_idx: int
@@ -88,3 +90,20 @@ class SdcwatchCallback(pl.Callback, CallbackCore):
         if self._in_forward and self.watch is not None:
             self.watch.end_forward()
         self._in_forward = False
+
+
+#: What the dims of ``ModelParallelStrategy``'s mesh are: ``data_parallel`` holds FSDP2 shards when
+#: ``configure_model`` applies ``fully_shard`` (as the strategy expects), replicas otherwise.
+LIGHTNING_DIMS = {"data_parallel": "dp", "tensor_parallel": "tp"}
+
+
+def strategy_mesh(trainer: "pl.Trainer") -> FrameworkMesh | None:
+    """The strategy's device mesh (``ModelParallelStrategy.device_mesh``, set up before training
+    starts), or None for a strategy without one."""
+    try:
+        mesh = getattr(trainer.strategy, "device_mesh", None)
+    except RuntimeError:  # accessed before the processes were initialised
+        return None
+    if mesh is None or not hasattr(mesh, "get_coordinate"):
+        return None
+    return FrameworkMesh(mesh, LIGHTNING_DIMS, f"trainer.strategy.device_mesh ({type(trainer.strategy).__name__})")
