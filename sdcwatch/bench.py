@@ -2,6 +2,8 @@
 
     sdcwatch bench campaign [--faults FILE] [--trials N] [--seed S] [--ranks W] [--steps PRE BRANCH]
                             [--out results.json] [--quick]
+    sdcwatch bench clean [--steps N] [--runs R] [--workers P] [--probes NAME|FILE] [--parallel LAYOUT]
+                         [--out results.json]
     sdcwatch bench e2e [--ranks N ...] [--duration S] [--out e2e.json] [--quick]
     sdcwatch bench ingest [--ranks N ...] [--metrics M] [--json]
     sdcwatch bench all [--quick] [--out-dir results/]
@@ -30,6 +32,7 @@ from sdcwatch.core.errors import ConfigError
 __all__ = [
     "bench_main",
     "campaign_main",
+    "clean_main",
     "e2e_main",
     "ingest_main",
     "all_main",
@@ -201,6 +204,68 @@ def campaign_main(argv: Sequence[str]) -> dict:
 
         print()
         print(guard_table(result))
+    return result
+
+
+def _clean_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="sdcwatch bench clean",
+        description=(
+            "False alarms on clean training: fault-free simulated runs from step 0 (one per seed), every step "
+            "through the campaign's detectors; reports each alarm with its step, rank and message."
+        ),
+    )
+    ap.add_argument("--steps", type=int, default=10_000, help="clean steps in all, split over the runs (default 10000)")
+    ap.add_argument("--runs", type=int, default=4, help="independent runs, seeds SEED..SEED+RUNS-1 (default 4)")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the first run (default 0)")
+    ap.add_argument("--workers", type=int, default=2, help="worker processes (default 2; 1: in this process)")
+    ap.add_argument("--ranks", type=int, help="simulated data-parallel ranks (default 8)")
+    ap.add_argument(
+        "--parallel", metavar="LAYOUT", help="a tensor x pipeline x data parallel layout, e.g. tp=2,pp=2,dp=4"
+    )
+    ap.add_argument("--batch-size", type=int, help="sequences per rank per step (default 4)")
+    ap.add_argument(
+        "--probes", default="default", help="probe configuration: a preset name or a JSON/TOML file (as campaign)"
+    )
+    ap.add_argument("--detectors", nargs="+", help="detectors to run (default: sdcwatch and every baseline)")
+    ap.add_argument("--wire", choices=("v1", "v2"), help="send the records through this wire format first")
+    ap.add_argument("--out", help="write the JSON result here")
+    return ap
+
+
+def clean_main(argv: Sequence[str]) -> dict:
+    """``sdcwatch bench clean``; returns the result (also written to ``--out``)."""
+    from sdcwatch.testbed.clean_run import CleanRunConfig, clean_table, run_clean
+
+    args = _clean_parser().parse_args(list(argv))
+    if args.ranks is not None and args.parallel is not None:
+        raise ConfigError("ranks", "give --ranks or --parallel, not both (the layout sets the rank count)")
+    options = {
+        k: v
+        for k, v in dict(
+            steps=args.steps,
+            runs=args.runs,
+            seed=args.seed,
+            workers=args.workers,
+            world=args.ranks,
+            parallel=args.parallel,
+            batch_size=args.batch_size,
+            probes=args.probes,
+            detectors=tuple(args.detectors) if args.detectors else None,
+            wire=args.wire,
+        ).items()
+        if v is not None
+    }
+    at_start = machine()
+    command = "sdcwatch bench clean " + " ".join(argv)
+
+    def written(result: dict) -> None:  # after every run: a measurement cut short keeps its runs
+        result["machine"] = {**at_start, "load_1min_at_end": machine()["load_1min_at_start"]}
+        result["command"] = command
+        _write(args.out, result)
+
+    result = run_clean(CleanRunConfig(**options), on_run=written)
+    print(clean_table(result))
     return result
 
 
@@ -380,11 +445,11 @@ def _fmt(x: Any) -> str:
 def bench_main(argv: Sequence[str]) -> int:
     """Entry point of ``sdcwatch bench``."""
     argv = list(argv)
-    commands = {"campaign": campaign_main, "e2e": e2e_main, "ingest": ingest_main, "all": all_main}
+    commands = {"campaign": campaign_main, "clean": clean_main, "e2e": e2e_main, "ingest": ingest_main, "all": all_main}
     if not argv or argv[0] not in commands:
         asked = bool(argv) and argv[0] in ("-h", "--help")
         print(
-            "usage: sdcwatch bench {campaign,e2e,ingest,all} [options]  (sdcwatch bench COMMAND --help)",
+            "usage: sdcwatch bench {campaign,clean,e2e,ingest,all} [options]  (sdcwatch bench COMMAND --help)",
             file=sys.stdout if asked else sys.stderr,
         )
         return 0 if asked else 2

@@ -71,6 +71,9 @@ __all__ = [
     "run_campaign",
     "summarise",
     "RecordCollector",
+    "new_run",
+    "frames_of",
+    "make_detectors",
     "summary_table",
     "check_targets",
 ]
@@ -401,7 +404,9 @@ class Branch:
     bounds: dict = field(default_factory=dict)  # (check, tensor name) -> absolute checksum bound at the fault step
 
 
-def _frames(records: list, world: int, wire: str | None = None) -> list:
+def frames_of(records: list, world: int, wire: str | None = None) -> list:
+    """The step frames of ``records`` (every rank's record of a step in one frame), in step order;
+    with ``wire``, as the service would build them after sending the records in that format."""
     from sdcwatch.detectors.frame import StepFrame
 
     if wire is not None:
@@ -422,7 +427,8 @@ def flat_params(run: Any) -> list[Any]:
     return [torch.cat([p.reshape(-1) for p in run.replica_parameters(r)]) for r in range(run.world)]
 
 
-def _new_run(config: CampaignConfig, faults: Sequence[Any], records: list, run_id: str, guard: Any = None) -> Any:
+def new_run(config: CampaignConfig, faults: Sequence[Any], records: list, run_id: str, guard: Any = None) -> Any:
+    """A simulated run of the campaign's shape and probes whose ranks append their records to ``records``."""
     from sdcwatch.telemetry.presets import probe_config
     from sdcwatch.testbed.simulated import SimulatedRun
 
@@ -452,7 +458,7 @@ def run_branch(
     """Run ``branch_steps`` from the checkpoint with ``faults`` on the data stream ``data_seed``."""
     t0 = time.perf_counter()
     records: list = []
-    run = _new_run(config, faults, records, run_id)
+    run = new_run(config, faults, records, run_id)
     bounds: dict = {}
     culprits = {(f.step, f.rank) for f in faults if f.rank is not None}
     for w in run.watches:
@@ -477,7 +483,7 @@ def run_branch(
     finally:
         run.close()  # emits the last step's record
     return Branch(
-        _frames(records, config.world, config.wire), losses, params, time.perf_counter() - t0, injections, bounds
+        frames_of(records, config.world, config.wire), losses, params, time.perf_counter() - t0, injections, bounds
     )
 
 
@@ -721,14 +727,14 @@ def run_campaign(
         t0 = time.perf_counter()
         records: list = []
         # with the guard, the checkpoint carries its baselines (learnt in report mode: nothing changes)
-        run = _new_run(config, (), records, "campaign", guard=_report_guard() if guard else None)
+        run = new_run(config, (), records, "campaign", guard=_report_guard() if guard else None)
         try:
             pre_losses = run.train(config.pretrain_steps)
             run.save_checkpoint(ckpt)  # flushes the last record
             theta0 = torch.cat([p.detach().reshape(-1) for p in run.params]).clone()
         finally:
             run.close()
-        pre_frames = _frames(records, config.world, config.wire)
+        pre_frames = frames_of(records, config.world, config.wire)
         warm_alarms = {r.name: len(_alarms(r, pre_frames)) for r in runners}
         checkpoint = {
             "step": config.pretrain_steps,
