@@ -5,7 +5,13 @@ naming the rank(s), the metric and the layer. With mesh coordinates, a rank whos
 to it through the pipeline is not blamed: the later stages' forward values (the activations they
 are sent) and the earlier stages' gradients (the backward pass) follow from the stage where the bad
 value was made; and the ranks whose all-reduced values followed are counted within the culprit's
-data-parallel group. A rank's own ``nonfinite`` counter (NaN/Inf the
+data-parallel group. Within a tensor-parallel group (the same coordinates but for ``tp``) the
+culprit and its peers all hold the all-reduced residual stream, so all of them report a bad value
+at the same layer; the rank that saw it first in its forward pass (the smallest
+``nonfinite_first``, :mod:`sdcwatch.telemetry.forward_order`) is blamed and the others are listed
+as ``tensor_parallel_followers``. Records without that scalar (and ranks tied on it) are placed by
+their first bad layer metric in forward order, as before.
+A rank's own ``nonfinite`` counter (NaN/Inf the
 probes saw in gradients or activations) counts too. The incident book keeps one incident per run
 for it, so a run that stays NaN for 16,000 steps raises one alert, not 16,000.
 """
@@ -23,14 +29,15 @@ from sdcwatch.detectors.base import SplitDetector, StepContext
 from sdcwatch.detectors.registry import register
 from sdcwatch.detectors.frame import StepFrame
 from sdcwatch.core.incident import Finding, Severity
-from sdcwatch.core.names import RATIO_METRICS
+from sdcwatch.core.names import FIRST_BAD, RATIO_METRICS
 from sdcwatch.core.mesh import DIMS
 from sdcwatch.detectors.peers import KEYS, group_keys, known_coords, rank_label
 
 __all__ = ["NonFiniteDetector"]
 
 _COUNTERS = ("nonfinite",)  # scalars that count non-finite values seen inside the rank
-_SKIP = ("emitter_dropped",)  # bookkeeping counters, not model values
+#: bookkeeping counters and positions, not model values
+_SKIP = ("emitter_dropped", FIRST_BAD)
 #: values computed from the all-reduced gradient or loss: identical on every rank, so a NaN there
 #: spreads to all ranks and does not say which rank produced it
 _GLOBAL = ("grad_norm_global", "loss_global", "grad_cosine")
@@ -114,6 +121,29 @@ def _through_tensor_parallel(
         for i in members:
             (blamed if unplaced or keys[i] == earliest else reached).add(int(c[i]))
     return blamed, reached
+
+
+def _first_in_tensor_group(
+    culprits: set[int], coords: np.ndarray | None, first: dict[int, float]
+) -> tuple[set[int], set[int]]:
+    """(culprits, tensor-parallel followers). Within each tensor-parallel group of two or more
+    culprits whose ranks all give a ``tp`` coordinate and at least one of which reported where in
+    its forward pass it first saw a bad value (``first``: rank -> ordinal), the ranks with the
+    smallest ordinal made it; the others (a later ordinal, or none: nothing of theirs was bad
+    before the collective) received it through the tensor-parallel all-reduce. Other groups, and
+    steps without ordinals (older probes), keep all their culprits."""
+    if coords is None or len(culprits) < 2 or not first:
+        return culprits, set()
+    c = np.array(sorted(culprits))
+    order = np.array([first.get(r, np.inf) for r in c.tolist()], float)
+    group = group_keys(coords[c], KEYS["tensor"])
+    n = int(group.max()) + 1
+    lowest = np.full(n, np.inf)
+    np.minimum.at(lowest, group, order)
+    untensored = np.bincount(group, weights=coords[c, DIMS.index("tp")] < 0, minlength=n) > 0
+    judged = (np.bincount(group, minlength=n) >= 2) & np.isfinite(lowest) & ~untensored
+    later = judged[group] & (order > lowest[group])
+    return set(c[~later].tolist()), set(c[later].tolist())
 
 
 def _followers(culprits: set[int], others: set[int], coords: np.ndarray | None) -> set[int]:
@@ -263,7 +293,23 @@ class NonFiniteDetector(SplitDetector):
         }
         if local_ranks - forward_ranks:  # ranks whose own bad values are all gradients
             seen["backward_only"] = sorted(local_ranks - forward_ranks)
+        first = self._first_bad(frame, forward_ranks)
+        if first:
+            seen["first_bad"] = first
         return seen
+
+    @staticmethod
+    def _first_bad(frame: StepFrame, ranks: set[int]) -> list[list[float]]:
+        """[[rank, ordinal]] of ``ranks`` that sent ``nonfinite_first`` (a finite value >= 0: the
+        service's limits dead-letter any other, and a frame built elsewhere is read the same way)."""
+        col = frame.scalar(FIRST_BAD)
+        if col is None or not ranks:
+            return []
+        r = np.array(sorted(ranks))
+        v = col[r]
+        with np.errstate(invalid="ignore"):
+            ok = (v >= 0) & np.isfinite(v) & frame.sent_scalars()[r, frame.scalar_names.index(FIRST_BAD)]
+        return [[int(a), float(b)] for a, b in zip(r[ok], v[ok])]
 
     def _backward(self, names: tuple[str, ...]) -> np.ndarray:
         """Which of ``names`` are values of the backward pass (cached)."""
@@ -293,11 +339,18 @@ class NonFiniteDetector(SplitDetector):
         self._last_bad = frame.step
         downstream: set[int] = set()
         tensor_peers: set[int] = set()
+        ordinals = {int(r): float(o) for r, o in seen.get("first_bad", ())}
+        by_position = False
         if streak:
             culprits = set(self._origin)
         else:
             culprits, downstream = _through_pipeline(culprits, coords, set(seen.get("backward_only", ())))
-            culprits, tensor_peers = _through_tensor_parallel(culprits, coords, hits)
+            # where each rank saw it first in its forward pass decides; without positions (older
+            # probes) or on a tie, where its first bad value lies in the layer metrics
+            culprits, tensor_peers = _first_in_tensor_group(culprits, coords, ordinals)
+            by_position = bool(tensor_peers)
+            culprits, later = _through_tensor_parallel(culprits, coords, hits)
+            tensor_peers |= later
             self._origin, self._origin_step = tuple(sorted(culprits)), frame.step
         ranks = tuple(sorted(culprits))
         own = [h for h in hits if h[0] in culprits] or hits
@@ -320,6 +373,9 @@ class NonFiniteDetector(SplitDetector):
             if downstream:
                 spread += f"; {len(downstream)} other rank(s) of its pipeline received it (activations, gradients)"
             if tensor_peers:
+                at = ordinals.get(rank) if by_position else None
+                if at is not None:
+                    spread += f"; first in its tensor-parallel group's forward pass (position {at:g})"
                 spread += f"; {len(tensor_peers)} other rank(s) of its tensor-parallel group received it (all-reduce)"
         elif frame.world > 1:
             on, more, spread = "the all-reduced values of every rank (not localised)", "", ""
@@ -352,6 +408,11 @@ class NonFiniteDetector(SplitDetector):
                     "ranks_with_bad_all_reduced_values": sorted(global_ranks),
                     **({"pipeline_followers": sorted(downstream)[: self.max_listed]} if downstream else {}),
                     **({"tensor_parallel_followers": sorted(tensor_peers)[: self.max_listed]} if tensor_peers else {}),
+                    **(
+                        {"first_bad_position": {str(r): ordinals[r] for r in sorted(ordinals)[: self.max_listed]}}
+                        if by_position
+                        else {}
+                    ),
                     "hits": [{"rank": h[0], "metric": h[1], "layer": h[2], "value": h[3]} for h in listed],
                 },
             )

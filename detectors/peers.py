@@ -5,7 +5,9 @@ model, and their statistics differ by design. Ranks are compared only within the
 (same coordinates on every mesh dim except the data-parallel ones: the same model piece, across
 data-parallel replicas), and replicated values are voted on only within their *replica group*
 (the peer group and the same ``dp_shard``: the same shard of that piece). Stragglers are judged
-within a *pipeline stage*. A step's coordinates are a (world, dims) int array over
+within a *pipeline stage*. A *tensor-parallel group* (same coordinates on every dim but ``tp``:
+the ranks one tensor-parallel all-reduce joins) is where a non-finite value's origin is told from
+the peers the all-reduce handed it to. A step's coordinates are a (world, dims) int array over
 :data:`~sdcwatch.core.mesh.DIMS`, -1 where a rank gave none; ranks that gave none at all form one group, so records without coordinates keep the
 old meaning: one data-parallel group.
 
@@ -40,8 +42,9 @@ _PEER = tuple(i for i, d in enumerate(DIMS) if d not in DATA_PARALLEL_DIMS)  # p
 _REPLICA = tuple(i for i, d in enumerate(DIMS) if d != "dp_replicate")  # replica_key's dims
 _STAGE = (DIMS.index("pp"),)
 _PIPELINE = tuple(i for i, d in enumerate(DIMS) if d not in ("pp", "tp"))
+_TENSOR = tuple(i for i, d in enumerate(DIMS) if d != "tp")  # the ranks one tensor-parallel all-reduce joins
 #: which columns of the coordinate array each grouping keys on
-KEYS = {"peer": _PEER, "replica": _REPLICA, "stage": _STAGE, "pipeline": _PIPELINE}
+KEYS = {"peer": _PEER, "replica": _REPLICA, "stage": _STAGE, "pipeline": _PIPELINE, "tensor": _TENSOR}
 
 
 def group_keys(coords: np.ndarray, columns: Sequence[int]) -> np.ndarray:
@@ -73,7 +76,7 @@ class Groups:
 
     @classmethod
     def of(cls, coords: np.ndarray | None, world: int, kind: str) -> "Groups":
-        """The ``kind`` grouping (``peer``, ``replica``, ``stage``, ``pipeline``) of a coordinate array."""
+        """The ``kind`` grouping (``peer``, ``replica``, ``stage``, ``pipeline``, ``tensor``) of a coordinate array."""
         if coords is None or not coords.size or coords.max() < 0:  # no rank gave a coordinate
             return cls.single(world)
         ids = group_keys(coords, KEYS[kind])

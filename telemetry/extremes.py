@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sdcwatch.core.names import STREAM_METRICS
+from sdcwatch.telemetry.forward_order import ForwardOrder
 
 __all__ = ["STREAM_METRICS", "ResidualStream", "peak", "repeated_blocks"]
 
@@ -52,8 +53,17 @@ def repeated_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
 class ResidualStream:
     """Per-step largest |value| of every block's output and of every attention layer's logits."""
 
-    def __init__(self, model: nn.Module, *, active: Callable[[], bool] = lambda: True, n_attention: int = 0) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        active: Callable[[], bool] = lambda: True,
+        n_attention: int = 0,
+        order: ForwardOrder | None = None,
+    ) -> None:
         self.active = active
+        self.order = order
+        """Numbers each block output and logits observed in forward order (``nonfinite_first``)."""
         self.blocks = repeated_blocks(model)
         self.names = [n for n, _ in self.blocks]
         self._n_attention = n_attention
@@ -69,6 +79,8 @@ class ResidualStream:
         self._layer: list[int] = []
         self._logit: list[torch.Tensor] = []
         self._logit_low: list[torch.Tensor] = []
+        self._block_seq: list[int] = []  # forward ordinals of the block calls and the logits
+        self._layer_seq: list[int] = []
 
     def _hook(self, i: int) -> Callable:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
@@ -81,6 +93,8 @@ class ResidualStream:
                 return
             out = out.detach()
             self._block.append(i)
+            if self.order is not None:
+                self._block_seq.append(self.order.tick())
             self._hi.append(out.amax())
             self._lo.append(out.amin())
 
@@ -97,6 +111,8 @@ class ResidualStream:
         # a NaN shows in the maximum, so a NaN minimum reads as "no minimum" (0).
         logits = logits.detach()
         self._layer.append(int(layer))
+        if self.order is not None:
+            self._layer_seq.append(self.order.tick())
         self._logit.append(logits.amax())
         low = F.threshold(logits, torch.finfo(logits.dtype).min / 2, 0.0).amin()
         self._logit_low.append(torch.where(low.isnan(), torch.zeros_like(low), low))
@@ -113,12 +129,16 @@ class ResidualStream:
                 lo_abs = torch.where(lo == float("-inf"), torch.zeros_like(lo), lo.abs())
                 peaks = torch.maximum(hi.abs(), lo_abs)  # NaN in hi or lo survives torch.maximum
                 out["stream_max"] = self._per_index(self._block, peaks, len(self.blocks))
+                if self.order is not None:
+                    self.order.note(self._block_seq, peaks)
             if self._layer:
                 n = self._n_attention if n_attention is None else n_attention
                 n = max(n, max(self._layer) + 1)
                 out["attn_logit_max"] = self._per_index(self._layer, torch.stack(self._logit).float(), n)
                 low = -torch.stack(self._logit_low).float()  # the smallest, as the largest of the negated
                 out["attn_logit_min"] = -self._per_index(self._layer, low, n)
+                if self.order is not None:
+                    self.order.note(self._layer_seq, torch.maximum(torch.stack(self._logit).float().abs(), low.abs()))
         self._reset()
         return out
 

@@ -16,6 +16,7 @@ from torch import nn
 from sdcwatch.telemetry.canary import canary_running
 from sdcwatch.telemetry.gemm_checks import GemmChecks
 from sdcwatch.telemetry.extremes import ResidualStream
+from sdcwatch.telemetry.forward_order import FIRST_BAD, ForwardOrder
 
 __all__ = ["FiniteChecks"]
 
@@ -31,15 +32,19 @@ class FiniteChecks:
         # fixed for the step by sync() (under torch.compile a hook reading the step number would
         # recompile at every checked step; two values compile twice, then never again)
         self.checks_on = self.stream_on = False
+        # numbers the every-step observations of both probes in forward order (nonfinite_first)
+        self.order = ForwardOrder()
         # on the steps the checksums do not check, the products' outputs are still scanned for
         # NaN, Inf and near-INF (gemm_out) with the residual stream
         self.checksums = (
-            GemmChecks(model, active=lambda: self.due(self.checks_on), scan=lambda: self.due(self.stream_on))
+            GemmChecks(
+                model, active=lambda: self.due(self.checks_on), scan=lambda: self.due(self.stream_on), order=self.order
+            )
             if cfg.checksum_every or cfg.stream_every
             else None
         )
         self.stream = (
-            ResidualStream(model, active=lambda: self.due(self.stream_on), n_attention=watch.n_layers)
+            ResidualStream(model, active=lambda: self.due(self.stream_on), n_attention=watch.n_layers, order=self.order)
             if cfg.stream_every
             else None
         )
@@ -87,13 +92,16 @@ class FiniteChecks:
                 return
         self.stream.observe_logits(layer, logits)
 
-    def collect(self) -> dict[str, torch.Tensor]:
-        """This step's per-layer vectors (empty when nothing was measured); starts the next step."""
+    def collect(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """This step's (per-layer vectors, scalars), empty when nothing was measured; starts the next
+        step. The scalar is ``nonfinite_first`` (:mod:`~sdcwatch.telemetry.forward_order`), -1 on a
+        clean step: the watch drops it from the record then."""
         out: dict[str, torch.Tensor] = {}
         for probe in (self.checksums, self.stream):
             if probe is not None:
                 out.update(probe.collect() or {})
-        return out
+        first = self.order.first()
+        return out, ({} if first is None else {FIRST_BAD: first})
 
     def remove(self) -> None:
         for h in self.handles:

@@ -61,9 +61,11 @@ class GemmChecks:
         scan: Callable[[], bool] = lambda: False,
         modules: str = "*",
         weights: bool = True,
+        order: Any = None,  # a ForwardOrder numbering the outputs in forward order (nonfinite_first)
     ) -> None:
         self.active = active
         self.scan = scan
+        self.order = order
         self.names: list[str] = []
         """Names of the checked products, in layer order (the index in the ``gemm_*`` metrics)."""
         self._modules: list[nn.Module] = []
@@ -112,7 +114,7 @@ class GemmChecks:
         return len(self.names) - 1
 
     def _reset(self) -> None:
-        self._step = StepChecks()
+        self._step = StepChecks(self.order)
         self._weights_seen: set[int] = set()  # products whose weights were compared this step
         self._judged = (0, 0, 0)  # forward, gradient and weight checks violated() has judged
         # per product: this backward's weight-gradient reference [Σ s X, bound scale, tokens,
@@ -123,7 +125,7 @@ class GemmChecks:
     def _scanned(self, i: int, y: torch.Tensor) -> None:
         """A scanned step: the row sums of the product's output (a NaN, Inf or near-INF survives)."""
         if isinstance(y, torch.Tensor) and y.is_floating_point() and y.numel():
-            self._step.o_idx.append(i)
+            self._step.scanned(i)
             self._step.o_ys.append(accumulated_sum(y.detach(), -1, torch.float32).reshape(-1))
 
     def _linear_hook(self, i: int, module: nn.Linear, args: tuple, output: Any) -> None:
@@ -184,7 +186,7 @@ class GemmChecks:
             if b_sum is not None:
                 ref = ref.add_(b_sum)
             xm = abs_max(x)
-            st.f_idx.append(i)
+            st.checked(i)
             st.f_ys.append(ys)
             st.f_ref.append(ref)
             st.f_xm.append(xm)
@@ -311,7 +313,7 @@ class GemmChecks:
             if bias is not None:
                 ref = ref + accumulated_sum(bias, None, acc)
             st = self._step
-            st.f_idx.append(i)
+            st.checked(i)
             st.f_ys.append(ys.reshape(-1))
             st.f_ref.append(ref.reshape(-1))
             st.f_xm.append(abs_max(a))
@@ -344,6 +346,7 @@ class GemmChecks:
                     (idx,) = self._indices((tuple(st.o_idx),), st.o_ys[0].device)
                     top = stack_rows(st.o_ys).abs_().amax(-1).float()
                     out = {"gemm_out": torch.zeros(n, device=top.device).scatter_reduce_(0, idx, top, "amax")}
+                    st.note(st.o_seq, top)
             self._reset()
             return out
         keep = self.keep_bounds
@@ -351,6 +354,7 @@ class GemmChecks:
         out = {}
         with torch.no_grad():
             idx, top, ratio, bound, xm = self._forward_ratios(st)
+            st.note(st.f_seq, top)
             # gemm_out as a scanned step reports it
             out["gemm_out"] = torch.zeros(n, device=device).scatter_reduce_(0, idx, top, "amax")
             if st.o_idx:  # products only scanned on a checked step (row-wise tensor parallel)

@@ -88,7 +88,11 @@ class SealedWeight:
 class StepChecks:
     """What the hooks measured in one step, as lists of device tensors (one entry per call)."""
 
-    def __init__(self) -> None:
+    def __init__(self, order: Any = None) -> None:
+        self.order = order
+        """A :class:`~sdcwatch.telemetry.forward_order.ForwardOrder` numbering the calls (None: not numbered)."""
+        self.f_seq: list[int] = []  # the forward ordinals of the checked calls and of the scanned calls
+        self.o_seq: list[int] = []
         # forward checks: product index, residual of the row sums (a vector), largest |input|,
         # the bound's factor of the input (Σ||w_j|| sqrt(n)) and its constant term (Σ|b|), the
         # rounding coefficient
@@ -112,6 +116,23 @@ class StepChecks:
         self.g_res: list[torch.Tensor] = []
         self.g_bound: list[torch.Tensor] = []
         self.g_names: list[str] = []
+
+    def checked(self, i: int) -> None:
+        """A checked call of product ``i``, numbered in forward order when an order is kept."""
+        self.f_idx.append(i)
+        if self.order is not None:
+            self.f_seq.append(self.order.tick())
+
+    def scanned(self, i: int) -> None:
+        """A scanned call of product ``i``, numbered in forward order when an order is kept."""
+        self.o_idx.append(i)
+        if self.order is not None:
+            self.o_seq.append(self.order.tick())
+
+    def note(self, seq: list[int], top: torch.Tensor) -> None:
+        """The largest |row sum| of the calls numbered ``seq``, for the order (see :meth:`checked`)."""
+        if self.order is not None:
+            self.order.note(seq, top)
 
 
 def is_shard(t: torch.Tensor) -> bool:

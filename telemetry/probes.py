@@ -49,6 +49,7 @@ from sdcwatch.telemetry.attention import (
 from sdcwatch.telemetry.canary import canary_fingerprint, canary_running
 from sdcwatch.telemetry.ddp_hook import comm_hook
 from sdcwatch.telemetry.finite import FiniteChecks
+from sdcwatch.telemetry.forward_order import FIRST_BAD
 from sdcwatch.telemetry.gemm_canary import GemmCanary
 from sdcwatch.telemetry.fsdp import ShardedGradients, is_sharded, local_tensors
 from sdcwatch.telemetry.gradients import GradientStats, unless_closure
@@ -294,8 +295,9 @@ class Watch(GradientStats, AttentionLayers):
     def _pack(self, step: int, device_scalars: dict, attn: torch.Tensor | None, host: dict) -> None:
         """Start this step's copy to the host; the previous step's record goes to the sender."""
         extra = sum(self._nonfinite[1:], self._nonfinite[0]).reshape(()).float() if self._nonfinite else None
+        layers, finite_scalars = self._finite.collect()
         packed = pack_step(
-            step, device_scalars, attn, self._fps, host, nonfinite_extra=extra, layers=self._finite.collect()
+            step, {**device_scalars, **finite_scalars}, attn, self._fps, host, nonfinite_extra=extra, layers=layers
         )
         self._handoff()
         self._pending = packed
@@ -330,6 +332,8 @@ class Watch(GradientStats, AttentionLayers):
         """Read one packed step on the host and hand it to the emitter as a record."""
         try:
             step, scalars, layers, fingerprints = unpack_step(pending)
+            if scalars.get(FIRST_BAD, 0.0) < 0:  # a clean step: nothing to place
+                del scalars[FIRST_BAD]
             module = scalars.get("act_max_module")
             if module is not None and 0 <= module < len(self.leaf_names):
                 self.act_max_module = self.leaf_names[int(module)]

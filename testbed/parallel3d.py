@@ -25,7 +25,10 @@ what a telemetry stream of such a job looks like, so detection quality can be me
   ``act_max`` over the rank's own outputs; the gradient norms, cosine and fingerprints of the
   rank's shard of the parameters (they differ across tensor shards and stages and agree across
   data-parallel replicas); ``step_time`` the replica's compute time weighted by the stage's share
-  of the work. Every record carries its coordinates.
+  of the work; ``nonfinite_first`` (:mod:`sdcwatch.telemetry.forward_order`), on a step where one
+  of the rank's every-step observations (its share of each product, its heads' logits, each
+  block's output, in forward order) is NaN, Inf or near-INF, the position of the first. Every
+  record carries its coordinates.
 * **Faults keep their meaning.** A fault names a global rank: it fires in that rank's replica, on
   the modules of that rank's stage only, and on a sharded output or weight only in that rank's
   share (:class:`ShardInjector`). What it breaks spreads as it would: a NaN in one tensor shard
@@ -33,8 +36,14 @@ what a telemetry stream of such a job looks like, so detection quality can be me
   later stages through the pipeline, every replica through the gradient all-reduce. A fault on a
   replicated tensor (a block's output, a layer norm's) hits that rank's copy: the other tensor
   shards report that module's output clean (the single simulated copy carries the corruption on
-  to the next modules of everyone). Data and optimisation faults (``bad_batch``, ``lr_spike``) on
-  one rank hit that rank's whole replica (its micro-batch, its update).
+  to the next modules of everyone; their ``nonfinite_first`` follows the real job's order, though:
+  their own copies stay clean until a row-parallel all-reduce hands them a bad value). Data and
+  optimisation faults (``bad_batch``, ``lr_spike``) on one rank hit that rank's whole replica (its
+  micro-batch, its update).
+
+The parts live beside it: :mod:`~sdcwatch.testbed.shard_plan` (the layout and who holds what),
+:mod:`~sdcwatch.testbed.shard_injector` (the faults) and :mod:`~sdcwatch.testbed.shard_probe`
+(the telemetry); this module runs the steps.
 
 Not simulated: the attention statistics sampled per head (``attn_entropy``, ``q_norm_*``...), the
 backward and weight checksums (``gemm_bwd``, ``gemm_weight``), the canary, the guard, sequence
@@ -46,26 +55,34 @@ from __future__ import annotations
 import fnmatch
 import inspect
 import math
-import re
 import time
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 from sdcwatch.core.errors import ConfigError
 from sdcwatch.core.mesh import Layout
 from sdcwatch.telemetry import fingerprint as fp
-from sdcwatch.telemetry.canary import canary_running
-from sdcwatch.telemetry.checksum import abs_max, check_linear, check_matmul
 from sdcwatch.telemetry.emitter import NullEmitter
-from sdcwatch.telemetry.extremes import peak
-from sdcwatch.telemetry.faults import FaultInjector, FaultSpec, Injection
+from sdcwatch.telemetry.faults import FaultSpec, Injection
 from sdcwatch.telemetry.faultspec import TENSOR_KINDS
+from sdcwatch.telemetry.forward_order import FIRST_BAD
 from sdcwatch.telemetry.probes import ProbeConfig
 from sdcwatch.testbed.canary3d import shard_canaries
 from sdcwatch.testbed.simulated import SimulatedRun
+from sdcwatch.testbed.shard_injector import ShardInjector
+from sdcwatch.testbed.shard_plan import (
+    SIMULATED_DIMS,
+    ShardPlan,
+    parse_layout,
+    place_fault,
+    place_of,
+    rank_at,
+    sizes,
+    stage_blocks,
+)
+from sdcwatch.testbed.shard_probe import ShardProbe, first_bad
 
 __all__ = [
     "SIMULATED_DIMS",
@@ -80,441 +97,6 @@ __all__ = [
     "ShardProbe",
     "ParallelSimulatedRun",
 ]
-
-_BLOCK = re.compile(r"^blocks\.(\d+)(\.|$)")
-
-
-#: The mesh dims the simulation lays ranks out on (:mod:`sdcwatch.core.mesh` names).
-SIMULATED_DIMS = ("pp", "dp_replicate", "tp")
-
-
-def parse_layout(layout: "Layout | str") -> Layout:
-    """A ``tp x pp x dp`` layout (:class:`sdcwatch.core.mesh.Layout`) with all three dims, from
-    ``"tp=2,pp=2,dp=4"`` (any order; a dim left out has size 1) or a layout; ConfigError for a dim
-    the simulation does not model (context, expert or sharded data parallelism)."""
-    parsed = Layout.parse(layout, key="parallel") if isinstance(layout, str) else layout
-    if not isinstance(parsed, Layout):
-        raise ConfigError("parallel", f"expected a layout such as tp=2,pp=2,dp=4, got {layout!r}")
-    other = [d for d in parsed.sizes if d not in SIMULATED_DIMS]
-    if other:
-        raise ConfigError("parallel", f"{', '.join(other)} is not simulated (only tp, pp and dp): {parsed}")
-    return Layout({d: parsed.sizes.get(d, 1) for d in SIMULATED_DIMS}, key="parallel")
-
-
-def sizes(layout: Layout) -> tuple[int, int, int]:
-    """(tp, pp, dp) of a layout from :func:`parse_layout`."""
-    return layout.sizes["tp"], layout.sizes["pp"], layout.sizes["dp_replicate"]
-
-
-def rank_at(layout: Layout, dp: int, pp: int, tp: int) -> int:
-    """The global rank of data-parallel replica ``dp``, stage ``pp``, tensor shard ``tp``."""
-    return layout.rank_of({"pp": pp, "dp_replicate": dp, "tp": tp})
-
-
-def place_of(layout: Layout, rank: int) -> tuple[int, int, int]:
-    """(replica, stage, tensor shard) of global ``rank``."""
-    c = layout.coords(rank)
-    return c["dp_replicate"], c["pp"], c["tp"]
-
-
-# -- who holds what ----------------------------------------------------------------------------
-
-
-def stage_blocks(n_layer: int, pp: int) -> list[list[int]]:
-    """The blocks of each pipeline stage: as even as it gets, the earlier stages taking the remainder."""
-    if pp > n_layer:
-        raise ConfigError("parallel.pp", f"{pp} stages for a model of {n_layer} blocks")
-    per, extra = divmod(n_layer, pp)
-    out, start = [], 0
-    for p in range(pp):
-        n = per + (1 if p < extra else 0)
-        out.append(list(range(start, start + n)))
-        start += n
-    return out
-
-
-def place_fault(spec: dict[str, Any], layout: Layout | str, n_layer: int) -> dict[str, Any]:
-    """A fault dict moved where its rank can have it: a block target to a block of the rank's stage
-    (same position within the stage list, modulo its length), a fault on the head to the rank of the
-    same replica and tensor shard on the last stage. Faults on every rank are left as they are."""
-    layout = parse_layout(layout)
-    rank, target = spec.get("rank"), spec.get("target")
-    if rank is None or not isinstance(target, str):
-        return spec
-    _, pp, _ = sizes(layout)
-    d, p, t = place_of(layout, rank)
-    stages = stage_blocks(n_layer, pp)
-    if target.split(".", 1)[0] in ("head", "ln_f") and p != pp - 1:
-        return {**spec, "rank": rank_at(layout, d, pp - 1, t)}
-    if target.split(".", 1)[0] in ("embed", "pos") and p != 0:
-        return {**spec, "rank": rank_at(layout, d, 0, t)}
-    m = re.match(r"^blocks\.(\d+)(.*)$", target)
-    if m and int(m.group(1)) not in stages[p]:
-        mine = stages[p]
-        return {**spec, "target": f"blocks.{mine[int(m.group(1)) % len(mine)]}{m.group(2)}"}
-    return spec
-
-
-def _contiguous(n: int, tp: int) -> torch.Tensor:
-    return torch.arange(n) // (n // tp)
-
-
-class ShardPlan:
-    """Which stage holds each module and which tensor shard holds each element of the model.
-
-    ``owner`` maps are integer tensors over a dimension: shard index per position (``-1`` never
-    appears: a replicated tensor has no map). All of it follows :class:`~sdcwatch.testbed.model.GPT`'s
-    module names (module docstring).
-    """
-
-    def __init__(self, model: nn.Module, layout: Layout) -> None:
-        cfg = model.cfg
-        self.layout = layout
-        self.tp, self.pp, self.dp = tp, pp, _ = sizes(layout)
-        for what, n in (("n_head", cfg.n_head), ("vocab", cfg.vocab), ("mlp width", cfg.mlp_ratio * cfg.d_model)):
-            if n % tp:
-                raise ConfigError("parallel.tp", f"{tp} tensor shards do not divide the model's {what} ({n})")
-        self.n_layer, self.n_head, self.d_head = cfg.n_layer, cfg.n_head, cfg.d_model // cfg.n_head
-        self.d_model, self.hidden, self.vocab = cfg.d_model, cfg.mlp_ratio * cfg.d_model, cfg.vocab
-        self.stage_blocks = stage_blocks(cfg.n_layer, pp)
-        self._block_stage = {b: p for p, bs in enumerate(self.stage_blocks) for b in bs}
-        heads = torch.arange(cfg.n_head) // (cfg.n_head // tp)
-        col_head = torch.arange(cfg.d_model) // self.d_head  # a (head, d_head) position's head
-        self.qkv_cols = heads[col_head].repeat(3)  # [q | k | v], each head-major
-        self.head_owner = heads
-        self.proj_cols = heads[col_head]
-        self.fc_cols = _contiguous(self.hidden, tp)
-        self.vocab_owner = _contiguous(cfg.vocab, tp)
-        self.modules = dict(model.named_modules())
-        self.params = [(n, p) for n, p in model.named_parameters()]
-        self._piece_index = self._flat_pieces()
-
-    # modules --------------------------------------------------------------------------------------
-    def stage_of(self, name: str) -> int | None:
-        """The pipeline stage holding module (or parameter) ``name``; None for a container of all."""
-        m = _BLOCK.match(name)
-        if m:
-            return self._block_stage[int(m.group(1))]
-        root = name.split(".", 1)[0]
-        if root in ("embed", "pos"):
-            return 0
-        if root in ("ln_f", "head"):
-            return self.pp - 1
-        return None
-
-    def local_layer(self, name: str) -> int:
-        """The index within its stage of the block holding ``name`` (-1 outside every block)."""
-        m = _BLOCK.match(name)
-        if not m:
-            return -1
-        b = int(m.group(1))
-        return self.stage_blocks[self._block_stage[b]].index(b)
-
-    def output_owner(self, name: str) -> tuple[int, torch.Tensor] | None:
-        """(dimension, shard of each position) of a sharded module output; None if replicated."""
-        leaf = name.rsplit(".", 1)[-1]
-        if name.endswith("attn.qkv"):
-            return -1, self.qkv_cols
-        if name.endswith("attn.scores") or name.endswith("attn.mix"):
-            return 1, self.head_owner
-        if name.endswith("mlp.fc") or name.endswith("mlp.act"):
-            return -1, self.fc_cols
-        if leaf == "head":
-            return -1, self.vocab_owner
-        return None
-
-    def row_parallel(self, name: str) -> torch.Tensor | None:
-        """Shard of each input column of a row-parallel linear layer (its output is all-reduced)."""
-        if name.endswith("attn.proj"):
-            return self.proj_cols
-        if name.endswith("mlp.proj"):
-            return self.fc_cols
-        return None
-
-    def param_owner(self, name: str) -> tuple[int, torch.Tensor] | None:
-        """(dimension, shard of each position) of a sharded parameter; None if replicated."""
-        module, _, kind = name.rpartition(".")
-        if module.endswith("attn.qkv"):
-            return 0, self.qkv_cols
-        if module.endswith("mlp.fc"):
-            return 0, self.fc_cols
-        if module in ("head", "embed"):
-            return 0, self.vocab_owner
-        if kind == "weight" and module.endswith("attn.proj"):
-            return 1, self.proj_cols
-        if kind == "weight" and module.endswith("mlp.proj"):
-            return 1, self.fc_cols
-        return None
-
-    def mask(self, owner: tuple[int, torch.Tensor] | None, shape: Sequence[int], shard: int) -> torch.Tensor | None:
-        """Boolean mask of ``shape`` true where shard ``shard`` holds the element (None: replicated)."""
-        if owner is None or self.tp == 1:
-            return None
-        dim, own = owner
-        dim = dim % len(shape)
-        if shape[dim] != own.numel():
-            return None
-        view = [1] * len(shape)
-        view[dim] = own.numel()
-        return (own == shard).reshape(view).expand(*shape)
-
-    # the flat parameter vector ------------------------------------------------------------------
-    def _flat_pieces(self) -> list[torch.Tensor]:
-        """Per piece ``k = p * tp + t``: the flat-parameter indices that piece holds."""
-        tp = self.tp
-        pieces: list[list[torch.Tensor]] = [[] for _ in range(self.pp * tp)]
-        offset = 0
-        for name, p in self.params:
-            n = p.numel()
-            stage = self.stage_of(name)
-            idx = torch.arange(offset, offset + n)
-            for t in range(tp):
-                m = self.mask(self.param_owner(name), p.shape, t)
-                sel = idx if m is None else idx[m.reshape(-1)]
-                pieces[stage * tp + t].append(sel)
-            offset += n
-        return [torch.cat(parts) for parts in pieces]
-
-    def piece_indices(self, pp: int, tp: int) -> torch.Tensor:
-        """Flat-parameter indices held by the ranks at pipeline stage ``pp``, tensor shard ``tp``."""
-        return self._piece_index[pp * self.tp + tp]
-
-
-# -- faults ----------------------------------------------------------------------------------------
-
-
-class _StageView:
-    """What an injector attaches to: the modules of one pipeline stage."""
-
-    def __init__(self, plan: ShardPlan, stage: int) -> None:
-        self._modules = [(n, m) for n, m in plan.modules.items() if n and plan.stage_of(n) == stage]
-
-    def named_modules(self):
-        return iter(self._modules)
-
-
-class ShardInjector(FaultInjector):
-    """The injector of the ranks at one (stage, tensor shard): it hooks the stage's modules only
-    and corrupts a sharded tensor only in the shard's part (one element drawn there; noise and
-    scale on the shard's part alone)."""
-
-    def __init__(self, faults: Iterable[FaultSpec], plan: ShardPlan, stage: int, shard: int) -> None:
-        super().__init__(faults, rank=0)
-        self.plan, self.stage, self.shard = plan, stage, shard
-
-    def attach_stage(self) -> "ShardInjector":
-        return self.attach(_StageView(self.plan, self.stage))  # type: ignore[arg-type]
-
-    def _owner(self, name: str, where: str) -> tuple[int, torch.Tensor] | None:
-        return self.plan.param_owner(name) if where in ("grad", "param") else self.plan.output_owner(name)
-
-    def _transform(self, i: int, spec: FaultSpec, x: torch.Tensor, name: str, rng: Any):
-        mask = self.plan.mask(self._owner(name, spec.where), tuple(x.shape), self.shard)
-        if mask is None or spec.kind not in ("noise", "scale"):
-            return super()._transform(i, spec, x, name, rng)
-        changed = super()._transform(i, spec, x, name, rng)
-        return torch.where(mask.to(x.device), changed, x)
-
-    def _pick(self, spec: FaultSpec, t: torch.Tensor, name: str, rng: Any) -> int:
-        """An element of the rank's own shard of ``t`` (any element of a replicated tensor)."""
-        mask = self.plan.mask(self._owner(name, spec.where), tuple(t.shape), self.shard)
-        if mask is None:
-            return rng.randrange(t.numel())
-        allowed = mask.reshape(-1).nonzero().reshape(-1)
-        return int(allowed[rng.randrange(allowed.numel())])
-
-
-# -- telemetry -------------------------------------------------------------------------------------
-
-
-def _tensor_of(output: Any) -> torch.Tensor | None:
-    if isinstance(output, torch.Tensor):
-        return output
-    if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
-        return output[0]
-    return None
-
-
-class ShardProbe:
-    """Per-rank metrics of one replica's forward pass, as each (stage, tensor shard) sees it.
-
-    Hooks every module of the model. Before the injectors' hooks a module's clean output is kept;
-    after them the probe knows whether a fault changed it and whose fault it was (the injectors'
-    :class:`~sdcwatch.telemetry.faults.Injection` log), and gives each piece its own view: its
-    share of a sharded output; for a replicated output, the corrupted copy only to the rank whose
-    fault it was; for a row-parallel product, its partial sum for the checksum.
-    """
-
-    def __init__(self, model: nn.Module, plan: ShardPlan, injectors: Sequence[ShardInjector]) -> None:
-        self.plan = plan
-        self.injectors = injectors
-        self.layout = plan.layout
-        self.tp, self.pp = plan.tp, plan.pp
-        self.stage_leaves: list[list[str]] = [[] for _ in range(self.pp)]
-        self.stage_products: list[list[str]] = [[] for _ in range(self.pp)]
-        self._handles: list[Any] = []
-        self._clean: dict[str, torch.Tensor] = {}
-        products_mix: list[list[str]] = [[] for _ in range(self.pp)]
-        for name, m in plan.modules.items():
-            stage = plan.stage_of(name)
-            if not name or stage is None:
-                continue
-            leaf = not any(True for _ in m.children())
-            if leaf:
-                self.stage_leaves[stage].append(name)
-            if isinstance(m, nn.Linear):
-                self.stage_products[stage].append(name)
-            elif getattr(m, "_sdcwatch_gemm", False):
-                products_mix[stage].append(name)  # after the linear layers, as the watch orders them
-            self._handles.append(m.register_forward_hook(self._before(name), prepend=True))
-            self._handles.append(m.register_forward_hook(self._after(name, stage, leaf)))
-        for s in range(self.pp):
-            self.stage_products[s] += products_mix[s]
-        self._leaf_index = [{n: i for i, n in enumerate(ls)} for ls in self.stage_leaves]
-        self._product_index = [{n: i for i, n in enumerate(ps)} for ps in self.stage_products]
-        self.replica = 0
-        self.checks = self.activations = False
-        self._cursor = [0] * len(injectors)
-        self.results: dict[int, list[dict[str, Any]]] = {}
-
-    def begin(self, replica: int, *, checks: bool, activations: bool) -> None:
-        """Start observing ``replica``'s pass (``checks``: checksum step; ``activations``: act_max step)."""
-        self.replica, self.checks, self.activations = replica, checks, activations
-        self._cursor = [len(inj.injections) for inj in self.injectors]
-        tp = self.tp
-        self.results[replica] = [
-            {
-                "stream": [None] * len(self.plan.stage_blocks[k // tp]),
-                "logit": [None] * len(self.plan.stage_blocks[k // tp]),
-                "logit_low": [None] * len(self.plan.stage_blocks[k // tp]),
-                "out": [None] * len(self.stage_products[k // tp]),
-                "fwd": [None] * len(self.stage_products[k // tp]),
-                "in": [None] * len(self.stage_products[k // tp]),
-                "act": [],
-            }
-            for k in range(self.pp * tp)
-        ]
-
-    def remove(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
-
-    def _before(self, name: str) -> Callable:
-        def hook(module: nn.Module, args: Any, output: Any) -> None:
-            t = _tensor_of(output)
-            if t is not None and not canary_running():
-                self._clean[name] = t
-            return None
-
-        return hook
-
-    def _culprits(self, name: str) -> set[int]:
-        """Tensor shards whose injector changed ``name``'s output in this pass."""
-        out = set()
-        for i, inj in enumerate(self.injectors):
-            for rec in inj.injections[self._cursor[i] :]:
-                if rec.target == name and rec.where == "output":
-                    out.add(inj.shard)
-        return out
-
-    def _after(self, name: str, stage: int, leaf: bool) -> Callable:
-        plan, tp = self.plan, self.tp
-
-        def hook(module: nn.Module, args: Any, output: Any) -> None:
-            y = _tensor_of(output)
-            if y is None or not y.is_floating_point() or not self.results or canary_running():
-                return None
-            clean = self._clean.pop(name, y)
-            culprits = self._culprits(name) if clean is not y else set()
-            res = self.results[self.replica]
-            owner = plan.output_owner(name)
-            row = plan.row_parallel(name)
-            layer = plan.local_layer(name)
-            with torch.no_grad():
-                for t in range(tp):
-                    r = res[stage * tp + t]
-                    # what this rank holds of the output
-                    if owner is not None and tp > 1:
-                        dim, own = owner
-                        mine = y.detach().index_select(dim % y.dim(), (own == t).nonzero().reshape(-1))
-                    elif t in culprits or not culprits or row is not None:
-                        mine = y.detach()  # its own copy, or the all-reduced output everyone holds
-                    else:
-                        mine = clean.detach()  # another rank's copy was hit, not this one
-                    if leaf and self.activations:
-                        v = mine.nan_to_num(nan=math.nan, posinf=math.inf, neginf=0.0).abs().amax().float()
-                        r["act"].append((self._leaf_index[stage][name], layer, v))
-                    if name.endswith("attn.scores") and layer >= 0:  # its own heads' logits
-                        m = mine.amax().float()
-                        old = r["logit"][layer]
-                        r["logit"][layer] = m if old is None else torch.maximum(old, m)
-                        low = mine.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0).amin().float()
-                        old = r["logit_low"][layer]
-                        r["logit_low"][layer] = low if old is None else torch.minimum(old, low)
-                    if _BLOCK.match(name) and name.count(".") == 1:  # a block's output: the residual stream
-                        m = peak(mine)
-                        old = r["stream"][layer]
-                        r["stream"][layer] = m if old is None else torch.maximum(old, m)
-                    if name in self._product_index[stage]:
-                        self._product(r, stage, name, module, args, y, clean, t, t in culprits)
-            return None
-
-        return hook
-
-    def _product(
-        self,
-        r: dict,
-        stage: int,
-        name: str,
-        module: nn.Module,
-        args: Any,
-        y: torch.Tensor,
-        clean: torch.Tensor,
-        t: int,
-        culprit: bool,
-    ) -> None:
-        """Shard ``t``'s share of product ``name``: the largest |row sum| of its output every step
-        (``gemm_out``), the forward checksum and the largest |input| on checked steps."""
-        plan = self.plan
-        i = self._product_index[stage][name]
-        if isinstance(module, nn.Linear):
-            x = args[0].detach()
-            w, b = module.weight.detach(), module.bias
-            b = None if b is None else b.detach()
-            row = plan.row_parallel(name)
-            owner = plan.output_owner(name)
-            if row is not None and plan.tp > 1:  # its partial sum, before the all-reduce (bias added after)
-                cols = (row == t).nonzero().reshape(-1)
-                x, w, b = x.index_select(-1, cols), w.index_select(1, cols), None
-                out = F.linear(x, w)
-                if culprit:  # this rank's partial sum is where the fault was
-                    out = out + (y.detach() - clean.detach())
-            elif owner is not None and plan.tp > 1:
-                rows = (owner[1] == t).nonzero().reshape(-1)
-                out = y.detach().index_select(-1, rows)
-                w = w.index_select(0, rows)
-                b = None if b is None else b.index_select(0, rows)
-            else:
-                out = y.detach()
-            check = (lambda: check_linear(x, w, out, b)) if self.checks else None
-        else:  # the attention mix: probs @ v, heads split
-            a, v = args[0].detach(), args[1].detach()
-            out = y.detach()
-            if plan.tp > 1:
-                heads = (plan.head_owner == t).nonzero().reshape(-1)
-                a, v, out = a.index_select(1, heads), v.index_select(1, heads), out.index_select(1, heads)
-            x = a
-            check = (lambda: check_matmul(a, v, out)) if self.checks else None
-        values = {"out": out.sum(-1).abs().amax().float()}
-        if check is not None:
-            values["fwd"], values["in"] = check().float(), abs_max(x).float()
-        for key, value in values.items():
-            old = r[key][i]
-            r[key][i] = value if old is None else torch.maximum(old, value)
-
-
-# -- the run ---------------------------------------------------------------------------------------
 
 
 class ParallelSimulatedRun(SimulatedRun):
@@ -702,6 +284,9 @@ class ParallelSimulatedRun(SimulatedRun):
             if checks and res["fwd"]:
                 layers["gemm_fwd"] = [0.0 if v is None else float(v) for v in res["fwd"]]
                 layers["gemm_in"] = [0.0 if v is None else float(v) for v in res["in"]]
+            first = first_bad(res["order"]) if layers else None
+            if first is not None:  # as the probes send it: only on a step with a bad value
+                scalars[FIRST_BAD] = float(first)
             # as the probes count it: the record's own non-finite values
             scalars["nonfinite"] = float(
                 sum(not math.isfinite(v) for v in scalars.values())

@@ -15,6 +15,7 @@ __all__ = [
     "CONTROL_TOPIC",
     "TOPICS",
     "SCALARS",
+    "FIRST_BAD",
     "LAYER_METRICS",
     "ATTENTION_STATS",
     "FINGERPRINTS",
@@ -48,6 +49,10 @@ TOPICS = {
     "control": CONTROL_TOPIC,
 }
 
+#: The scalar a rank sends on a step where its probes saw a NaN, Inf or near-INF output: the
+#: forward position (an ordinal of the probes' observations) of the first such output; the ranks
+#: of a tensor-parallel group that saw it first made it (:mod:`sdcwatch.telemetry.forward_order`).
+FIRST_BAD = "nonfinite_first"
 #: Well-known scalar names (others are allowed; these are what the probes and detectors use).
 SCALARS = (
     "loss",  # the rank's own micro-batch loss
@@ -62,6 +67,7 @@ SCALARS = (
     "act_max",  # largest |output| of any module in the forward pass (sampled steps)
     "act_max_module",  # which module produced act_max: an index into the rank's Watch.leaf_names
     "act_max_layer",  # the attention layer whose block holds that module (-1: outside every layer)
+    FIRST_BAD,  # forward position of the first NaN/Inf/near-INF output the probes saw (only then sent)
 )
 #: Well-known per-layer metrics, one value per layer: the statistics one attention observation
 #: yields, in this order.

@@ -11,6 +11,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("torch.distributed.fsdp")
 
+from sdcwatch.core.names import FIRST_BAD  # noqa: E402
 from sdcwatch.detectors.offline import read_records  # noqa: E402
 from sdcwatch.detectors.pipeline import DetectionPipeline  # noqa: E402
 from sdcwatch.telemetry import is_end_marker  # noqa: E402
@@ -76,6 +77,11 @@ def _nan_named(table: dict, rank: int) -> None:
     """The records show the NaN where it happened, and the detectors name its rank at its step."""
     assert table[NAN_STEP, rank].scalars["nonfinite"] > 0
     assert all(table[s, r].scalars["nonfinite"] == 0 for s in range(NAN_STEP) for r in range(len(table) // STEPS))
+    # where in its forward pass the rank saw it: the first attention layer's logits, after one product
+    # (qkv); the other ranks' forward passes were clean (without tensor parallelism nothing else changes)
+    assert table[NAN_STEP, rank].scalars[FIRST_BAD] == 1.0
+    world = len(table) // STEPS
+    assert all(FIRST_BAD not in table[s, r].scalars for s in range(NAN_STEP + 1) for r in range(world) if r != rank)
     found = [i for i in _incidents(table) if i.kind == "nonfinite"]
     assert found, "no non-finite incident"
     first = min(found, key=lambda i: i.first_step)

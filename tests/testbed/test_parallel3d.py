@@ -9,6 +9,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from sdcwatch.core.errors import ConfigError, FaultSpecError  # noqa: E402
+from sdcwatch.core.names import FIRST_BAD  # noqa: E402
 from sdcwatch.telemetry.faults import FaultSpec  # noqa: E402
 from sdcwatch.testbed.campaign import CampaignConfig, generate_trials  # noqa: E402
 from sdcwatch.testbed.model import GPTConfig  # noqa: E402
@@ -154,6 +155,30 @@ def test_a_nan_in_one_tensor_shard_spreads_as_the_collectives_carry_it():
     assert [i.rank for i in run.injector.injections] == [culprit]
 
 
+@pytest.mark.parametrize(
+    "target, kind",
+    [
+        ("blocks.0.attn.scores", "nan"),  # its heads' logits
+        ("blocks.0.attn.qkv", "inf"),  # its share of a column-parallel product
+        ("blocks.0.attn.proj", "nan"),  # its partial sum of a row-parallel product
+        ("blocks.0.mlp", "near_inf"),  # its copy of a replicated output
+        ("blocks.0", "nan"),  # its copy of the residual stream
+        ("blocks.0.attn", "near_inf"),  # its copy of an all-reduced output: the next LayerNorm absorbs it
+    ],
+)
+def test_the_culprit_sees_a_bad_value_earlier_in_its_forward_pass_than_its_tensor_peer(target, kind):
+    """``nonfinite_first``: the rank whose shard made it first, its tensor peer after the all-reduce
+    (or not at all in this stage); nothing on a clean step or in a replica that computed cleanly."""
+    layout = parse_layout(LAYOUT)
+    culprit, peer = rank_at(layout, 1, 0, 1), rank_at(layout, 1, 0, 0)
+    _, recs = _run(4, [{"kind": kind, "rank": culprit, "step": 2, "target": target, "seed": 3}])
+    first = {r: recs[r].records[2]["scalars"].get(FIRST_BAD) for r in range(layout.world)}
+    assert first[culprit] is not None
+    assert first[peer] is None or first[peer] > first[culprit], first
+    assert all(first[rank_at(layout, 0, p, t)] is None for p in range(2) for t in range(2))  # the clean replica
+    assert all(FIRST_BAD not in rec.records[1]["scalars"] for rec in recs)  # a clean step sends none
+
+
 def test_an_unhealthy_rank_breaks_only_its_own_checksums():
     layout = parse_layout(LAYOUT)
     culprit = rank_at(layout, 0, 1, 1)
@@ -195,3 +220,14 @@ def test_faults_go_where_their_rank_can_have_them():
         f = trial.fault
         if f.rank is not None and f.target.split(".")[:2][-1].isdigit():
             assert int(f.target.split(".")[1]) in stage_blocks(2, 2)[layout.coords(f.rank)["pp"]]
+
+
+def test_the_public_names_stay_importable_from_the_run_module():
+    """The simulation's parts live in their own modules; the run's module still offers every name."""
+    from sdcwatch.testbed import parallel3d, shard_injector, shard_plan, shard_probe
+
+    parts = {**vars(shard_plan), **vars(shard_injector), **vars(shard_probe)}
+    for name in parallel3d.__all__:
+        assert hasattr(parallel3d, name), name
+        if name != "ParallelSimulatedRun":
+            assert getattr(parallel3d, name) is parts[name], name
