@@ -379,8 +379,8 @@ class NonFiniteDetector(SplitDetector):
                 spread += f"; {len(tensor_peers)} other rank(s) of its tensor-parallel group received it (all-reduce)"
         elif frame.world > 1:
             on, more, spread = "the all-reduced values of every rank (not localised)", "", ""
-        else:
-            on, more, spread = "the run", "", ""
+        else:  # one process: nothing to localise, but say where it ran
+            on, more, spread = rank_label(frame, rank), "", ""
         if streak:
             msg = (
                 f"non-finite values since step {self._origin_step}, which began on {on}{more}; "

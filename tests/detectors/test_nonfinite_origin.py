@@ -57,3 +57,13 @@ def test_act_max_is_placed_in_the_layer_that_produced_it():
 def test_the_lowest_layer_of_a_step_is_named_the_forward_pass_reached_it_first():
     (f,) = NonFiniteDetector().update(frame(5, bad=[(0, "attn_entropy", 2), (0, "q_norm_max", 1)]))
     assert (f.metric, f.layer) == ("q_norm_max", 1)
+
+
+def test_one_process_names_where_it_ran_not_an_empty_rank():
+    records = [
+        Record.make(
+            run="r", step=7, rank=0, world=1, host="h1", scalars={"loss": math.nan, "nonfinite": 1.0}, layers={}
+        )
+    ]
+    (f,) = NonFiniteDetector().update(StepFrame.from_records("r", 7, 1, records))
+    assert f.message == "non-finite value at step 7: loss = nan on rank 0 (host h1)"
