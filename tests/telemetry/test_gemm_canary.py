@@ -230,18 +230,25 @@ def test_simulated_runs_name_an_unhealthy_rank_by_the_canary_vote():
 
 
 @pytest.mark.integration
-def test_a_real_fsdp_job_names_the_rank_whose_products_are_a_little_off(tmp_path):
-    """Plain FSDP2 over 3 gloo processes at the shipped default probes: rank 1's MLP products carry
-    relative noise of 1e-4 from step 1 on. Every shard is unique, so only the canary on the gathered
-    weights can be voted: it names rank 1 at the first step that checks an MLP product, and nothing
-    is raised before."""
+@pytest.mark.parametrize(
+    "world, replicate, bad",
+    [(3, 1, 1), (4, 2, 3)],
+    ids=["fsdp-3-ranks", "hsdp-2x2"],
+)
+def test_a_real_fsdp_job_names_the_rank_whose_products_are_a_little_off(tmp_path, world, replicate, bad):
+    """FSDP2 over 3 gloo processes, and HSDP of 2 replicas x 2 shards, at the shipped default probes:
+    one rank's MLP products carry relative noise of 1e-4 from step 1 on. Under FSDP every shard is
+    unique, and under HSDP 2 x 2 two replicas of a shard cannot outvote each other; the canary runs
+    on the gathered weights, the same on every rank of the data-parallel group, so its vote names
+    the noisy rank at the first step that checks an MLP product, and nothing is raised before."""
     from sdcwatch.detectors.offline import read_records
     from sdcwatch.telemetry import is_end_marker
     from sdcwatch.testbed.fsdp import FSDPSettings, launch
 
     settings = FSDPSettings(
         steps=4,
-        world=3,
+        world=world,
+        replicate=replicate,
         seed=0,
         run="fsdp-canary",
         jsonl_dir=str(tmp_path),
@@ -250,16 +257,17 @@ def test_a_real_fsdp_job_names_the_rank_whose_products_are_a_little_off(tmp_path
         ranks_per_host=1,
         clip=None,
         probes={"attention_every": 16},  # the shipped default
-        faults=(_noise(rank=1, step=1, target="blocks.*.mlp.fc"),),
+        faults=(_noise(rank=bad, step=1, target="blocks.*.mlp.fc"),),
     )
     launch(settings)
-    records = [r for rank in range(3) for r in read_records(tmp_path / f"rank{rank}.jsonl") if not is_end_marker(r)]
+    records = [r for rank in range(world) for r in read_records(tmp_path / f"rank{rank}.jsonl") if not is_end_marker(r)]
     table = {(r.step, r.rank): r for r in records}
-    fps = {s: [table[s, r].fingerprints["gemm_canary_fp"] for r in range(3)] for s in range(4)}
+    fps = {s: [table[s, r].fingerprints["gemm_canary_fp"] for r in range(world)] for s in range(4)}
     assert [len(set(v)) for v in fps.values()] == [1, 1, 2, 1]  # step 2 checks blocks.0.mlp.fc
-    assert fps[2][0] == fps[2][2] != fps[2][1]
-    found = [x for x in _named(records, 3) if x[2] == "replica_divergence"]
-    assert found and found[0][:2] == (2, (1,)), found
+    healthy = {fps[2][r] for r in range(world) if r != bad}
+    assert len(healthy) == 1 and fps[2][bad] not in healthy
+    found = [x for x in _named(records, world) if x[2] == "replica_divergence"]
+    assert found and found[0][:2] == (2, (bad,)), found
 
 
 def test_a_product_the_canary_cannot_compute_is_skipped_and_the_record_still_goes_out():
