@@ -495,6 +495,10 @@ def fault_visibility(fault: Any, branch: Branch) -> dict[str, Any]:
     the weight check for a weight in memory); ``False`` when no checksum covers the tensor (a
     container's output, an attention GEMM), ``None`` when the fault changed no single element.
     ``direction`` of a flip: ``up`` when the magnitude grew, ``down`` when it shrank.
+    The bounds are the ones the probes computed at the fault's step, so under a sampled
+    configuration (the default checks every 16th step) a flip on an unchecked step reads not
+    detectable: compare configurations on the same faults (``--probes checksums`` gives every
+    flip's bound).
     """
     hits = [
         i
