@@ -20,7 +20,7 @@ from sdcwatch.core.errors import ConfigError
 from sdcwatch.telemetry.faults import load_faults
 from sdcwatch.testbed.ddp import DDPSettings, add_run_arguments, json_setting, rank_emitter, launch as _launch
 
-__all__ = ["FSDPSettings", "launch", "train_rank", "main"]
+__all__ = ["FSDPSettings", "by_mesh", "total_grad_norm", "train_steps", "launch", "train_rank", "main"]
 
 
 @dataclass(frozen=True)
@@ -45,6 +45,63 @@ class FSDPSettings(DDPSettings):
         return (self.replicate, self.world // self.replicate)
 
 
+def by_mesh(params) -> dict:
+    """The parameters that have a gradient, grouped by the device mesh their gradient lives on."""
+    groups: dict = {}
+    for p in params:
+        if p.grad is not None:
+            groups.setdefault(getattr(p.grad, "device_mesh", None), []).append(p)
+    return groups
+
+
+def total_grad_norm(params):
+    """The norm of the whole model's gradient, the same on every rank. ``clip_grad_norm_`` cannot
+    take it when parameters live on different meshes (under tensor parallelism the tensor-parallel
+    ones on the 2-D mesh, the others on ``dp_shard`` alone: "All operands in aten.stack.default
+    must have the same mesh"), so it is taken per mesh (one all-reduce each) and combined."""
+    import torch
+
+    norms = []
+    for group in by_mesh(params).values():
+        norm = torch.nn.utils.get_total_norm([p.grad for p in group])
+        norms.append(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # a DTensor: over every shard
+    if len(norms) == 1:
+        return norms[0]
+    return torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
+
+
+def train_steps(settings, model, optimizer, injector, watch, corpus, data_rank: int) -> None:
+    """The steps of a sharded reference run (FSDP2, HSDP, FSDP2 + tensor parallel): the batch of
+    ``data_rank``, forward and backward, the gradient's norm (clipped to ``settings.clip``), the
+    optimizer step unless the norm is non-finite and ``skip_nonfinite`` is set (every rank holds
+    the same norm, so every rank skips alike), the probes' step with the global loss."""
+    import torch
+    import torch.distributed as dist
+
+    from sdcwatch.testbed.model import next_byte_loss
+
+    for step in range(settings.steps):
+        watch.begin_step(step)
+        injector.begin_step(step)
+        batch = corpus.batch(
+            seed=settings.seed, step=step, rank=data_rank, batch_size=settings.batch_size, seq_len=model.cfg.seq_len
+        )
+        batch = injector.corrupt_batch(batch)
+        loss = next_byte_loss(model(batch[:, :-1]), batch)
+        loss.backward()
+        grad_norm = total_grad_norm(model.parameters())
+        if settings.clip:
+            for params in by_mesh(model.parameters()).values():  # one mesh per foreach call
+                torch.nn.utils.clip_grads_with_norm_(params, settings.clip, grad_norm)
+        if not (settings.skip_nonfinite and not bool(torch.isfinite(grad_norm))):
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        loss_global = loss.detach().clone()
+        dist.all_reduce(loss_global)
+        watch.step(step, loss=loss, loss_global=loss_global / settings.world)
+        injector.end_step()
+
+
 def train_rank(rank: int, settings: FSDPSettings) -> None:
     """Everything one rank does: join the group, shard the model, train with probes and faults, report."""
     import torch
@@ -54,7 +111,7 @@ def train_rank(rank: int, settings: FSDPSettings) -> None:
 
     from sdcwatch.telemetry.faults import FaultInjector
     from sdcwatch.telemetry.probes import attach
-    from sdcwatch.testbed.model import GPT, next_byte_loss
+    from sdcwatch.testbed.model import GPT
     from sdcwatch.testbed.simulated import shared_corpus
 
     torch.set_num_threads(1)  # several ranks share the CPU: more threads per rank run ~10x slower
@@ -72,30 +129,7 @@ def train_rank(rank: int, settings: FSDPSettings) -> None:
         injector = FaultInjector(settings.faults, rank=rank).attach(model, optimizer)
         emitter = rank_emitter(settings, rank)
         watch = attach(model, emitter, optimizer=optimizer, mesh=mesh, **settings.probes)
-        corpus = shared_corpus(settings.corpus_bytes)
-        for step in range(settings.steps):
-            watch.begin_step(step)
-            injector.begin_step(step)
-            batch = corpus.batch(
-                seed=settings.seed, step=step, rank=rank, batch_size=settings.batch_size, seq_len=model.cfg.seq_len
-            )
-            batch = injector.corrupt_batch(batch)
-            loss = next_byte_loss(model(batch[:, :-1]), batch)
-            loss.backward()
-            if settings.clip:
-                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), settings.clip)
-            else:
-                grad_norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
-            if hasattr(grad_norm, "full_tensor"):
-                grad_norm = grad_norm.full_tensor()  # a DTensor: the norm over every shard
-            # every rank holds the same total norm, so every rank skips alike
-            if not (settings.skip_nonfinite and not bool(torch.isfinite(grad_norm))):
-                optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            loss_global = loss.detach().clone()
-            dist.all_reduce(loss_global)
-            watch.step(step, loss=loss, loss_global=loss_global / settings.world)
-            injector.end_step()
+        train_steps(settings, model, optimizer, injector, watch, shared_corpus(settings.corpus_bytes), rank)
         watch.close()
         dist.barrier()
     finally:

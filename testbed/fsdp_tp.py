@@ -28,15 +28,14 @@ from torch.nn import functional as F
 from sdcwatch.core.errors import ConfigError
 from sdcwatch.telemetry.faults import load_faults
 from sdcwatch.testbed.ddp import DDPSettings, add_run_arguments, json_setting, rank_emitter, launch as _launch
-from sdcwatch.testbed.model import GPTConfig, next_byte_loss
+from sdcwatch.testbed.fsdp import train_steps
+from sdcwatch.testbed.model import GPTConfig
 
 __all__ = [
     "FSDPTPSettings",
     "TPGPT",
     "TP_PLAN",
     "parallelize",
-    "by_mesh",
-    "total_grad_norm",
     "launch",
     "train_rank",
     "main",
@@ -184,27 +183,6 @@ def parallelize(model: TPGPT, tp_mesh, dp_mesh) -> TPGPT:
     return model
 
 
-def by_mesh(params) -> dict:
-    """The parameters that have a gradient, grouped by the device mesh their gradient lives on."""
-    groups: dict = {}
-    for p in params:
-        if p.grad is not None:
-            groups.setdefault(getattr(p.grad, "device_mesh", None), []).append(p)
-    return groups
-
-
-def total_grad_norm(params) -> torch.Tensor:
-    """The norm of the whole model's gradient, the same on every rank. ``clip_grad_norm_`` cannot
-    take it when parameters live on different meshes (tensor-parallel ones on the 2-D mesh, the
-    others on ``dp_shard`` alone: "All operands in aten.stack.default must have the same mesh"), so
-    it is taken per mesh (one all-reduce each) and combined."""
-    norms = []
-    for group in by_mesh(params).values():
-        norm = torch.nn.utils.get_total_norm([p.grad for p in group])
-        norms.append(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
-    return torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
-
-
 def train_rank(rank: int, settings: FSDPTPSettings) -> None:
     """Everything one rank does: join the group, parallelize the model, train with probes and faults, report."""
     import torch.distributed as dist
@@ -226,27 +204,7 @@ def train_rank(rank: int, settings: FSDPTPSettings) -> None:
         injector = FaultInjector(settings.faults, rank=rank).attach(model, optimizer)
         emitter = rank_emitter(settings, rank)
         watch = attach(model, emitter, optimizer=optimizer, mesh=mesh, **settings.probes)
-        corpus = shared_corpus(settings.corpus_bytes)
-        for step in range(settings.steps):
-            watch.begin_step(step)
-            injector.begin_step(step)
-            batch = corpus.batch(
-                seed=settings.seed, step=step, rank=data_rank, batch_size=settings.batch_size, seq_len=model.cfg.seq_len
-            )
-            batch = injector.corrupt_batch(batch)
-            loss = next_byte_loss(model(batch[:, :-1]), batch)
-            loss.backward()
-            grad_norm = total_grad_norm(model.parameters())  # the same on every rank
-            if settings.clip:
-                for params in by_mesh(model.parameters()).values():  # one mesh per foreach call
-                    torch.nn.utils.clip_grads_with_norm_(params, settings.clip, grad_norm)
-            if not (settings.skip_nonfinite and not bool(torch.isfinite(grad_norm))):
-                optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            loss_global = loss.detach().clone()
-            dist.all_reduce(loss_global)
-            watch.step(step, loss=loss, loss_global=loss_global / settings.world)
-            injector.end_step()
+        train_steps(settings, model, optimizer, injector, watch, shared_corpus(settings.corpus_bytes), data_rank)
         watch.close()
         dist.barrier()
     finally:
