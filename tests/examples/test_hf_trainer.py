@@ -5,9 +5,7 @@ at step 12 naming layer 1 (block ``transformer.h.1``); the same script without i
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 import uuid
 from pathlib import Path
 
@@ -17,6 +15,7 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
+from example_runs import EXAMPLES, finish, start_example  # noqa: E402
 from polling import wait_for  # noqa: E402
 from serve_process import ServeProcess, Topics, metric, wait_metric  # noqa: E402
 
@@ -24,27 +23,13 @@ from sdcwatch.core.names import TELEMETRY_TOPIC  # noqa: E402
 
 pytestmark = pytest.mark.integration
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "hf_trainer.py"
+EXAMPLE = EXAMPLES / "hf_trainer.py"
 STEPS, NAN_STEP = 24, 12
 
 
 def start(bootstrap: str, run: str, out: Path, *flags: str) -> subprocess.Popen:
     """Start ``python examples/hf_trainer.py`` with the run's environment."""
-    env = dict(os.environ, SDCWATCH_BOOTSTRAP=bootstrap, SDCWATCH_RUN=run, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, str(EXAMPLE), "--steps", str(STEPS), "--output-dir", str(out), *flags]
-    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-
-def finish(proc: subprocess.Popen) -> str:
-    """Wait for a run started by :func:`start` (it must succeed); its output."""
-    try:
-        out, _ = proc.communicate(timeout=180)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-    assert proc.returncode == 0, out
-    return out
+    return start_example([str(EXAMPLE), "--steps", str(STEPS), "--output-dir", str(out), *flags], bootstrap, run)
 
 
 def test_nan_is_an_incident_at_its_step_and_layer_and_a_clean_run_raises_nothing(bootstrap, tmp_path):

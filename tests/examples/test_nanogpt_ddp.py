@@ -8,42 +8,26 @@ script without the fault must raise no incident at all.
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 import uuid
-from pathlib import Path
 
 import pytest
 
 pytest.importorskip("torch")
 
+from example_runs import EXAMPLES, finish, start_example  # noqa: E402
 from serve_process import ServeProcess, Topics, metric, wait_metric  # noqa: E402
 
 pytestmark = pytest.mark.integration
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "nanogpt_ddp.py"
+EXAMPLE = EXAMPLES / "nanogpt_ddp.py"
 STEPS, NAN_STEP, NAN_RANK, NAN_LAYER = 24, 12, 1, 1
 
 
 def torchrun(bootstrap: str, topic: str, run: str, *flags: str) -> subprocess.Popen:
     """Start the example on two ranks as ``torchrun --standalone --nproc-per-node 2`` would."""
-    env = dict(os.environ, SDCWATCH_BOOTSTRAP=bootstrap, SDCWATCH_RUN=run, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(EXAMPLE)]
-    cmd += ["--steps", str(STEPS), "--topic", topic, *flags]
-    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-
-def finish(proc: subprocess.Popen) -> str:
-    """Wait for a run started by :func:`torchrun` (it must succeed); its output."""
-    try:
-        out, _ = proc.communicate(timeout=180)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-    assert proc.returncode == 0, out
-    return out
+    args = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(EXAMPLE)]
+    return start_example([*args, "--steps", str(STEPS), "--topic", topic, *flags], bootstrap, run)
 
 
 def test_nan_on_rank_1_is_named_and_a_clean_run_raises_nothing(bootstrap, tmp_path):
