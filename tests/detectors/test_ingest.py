@@ -324,7 +324,7 @@ def test_real_log_replays_give_the_same_incidents_over_either_wire(real_logs, lo
                 f.step,
                 0,
                 1,
-                "h",
+                f.hosts[0],  # the log names no host: the records name none either
                 0.0,
                 0,
                 {n: float(v) for n, v, s in zip(f.scalar_names, f.scalars[0], sent) if s},
