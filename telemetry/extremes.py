@@ -15,6 +15,7 @@ skipped, and so is anything at or below half the dtype's lowest value: the mask 
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 import torch
@@ -36,6 +37,13 @@ def peak(t: torch.Tensor) -> torch.Tensor:
     lo, hi = t.amin(), t.amax()
     lo_abs = torch.where(lo == float("-inf"), torch.zeros_like(lo), lo.abs())
     return torch.maximum(hi.abs(), lo_abs).float()  # NaN in hi or lo survives torch.maximum
+
+
+@functools.lru_cache(maxsize=None)
+def _mask_level(dtype: torch.dtype) -> float:
+    """Half the dtype's lowest value: a logit at or below it is a mask mark (-inf, or Hugging Face's
+    additive ``torch.finfo(dtype).min`` moved by a few units in the last place), not a logit."""
+    return torch.finfo(dtype).min / 2
 
 
 def repeated_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -67,6 +75,7 @@ class ResidualStream:
         self.blocks = repeated_blocks(model)
         self.names = [n for n, _ in self.blocks]
         self._n_attention = n_attention
+        self._index: dict[tuple, torch.Tensor] = {}
         self._handles = [m.register_forward_hook(self._hook(i)) for i, (_, m) in enumerate(self.blocks)]
         self._reset()
 
@@ -108,14 +117,14 @@ class ResidualStream:
         # mark: -inf and the dtype's lowest value (Hugging Face's additive mask, moved by a logit
         # added to it by a few units in the last place at most), both at or below half the lowest
         # value, where no logit lives. One elementwise pass (F.threshold), as cheap as nan_to_num;
-        # a NaN shows in the maximum, so a NaN minimum reads as "no minimum" (0).
+        # a NaN shows in the maximum, so a NaN minimum reads as "no minimum" (0), set for every
+        # layer at once in collect(): per call, only the three passes over the logits.
         logits = logits.detach()
         self._layer.append(int(layer))
         if self.order is not None:
             self._layer_seq.append(self.order.tick())
         self._logit.append(logits.amax())
-        low = F.threshold(logits, torch.finfo(logits.dtype).min / 2, 0.0).amin()
-        self._logit_low.append(torch.where(low.isnan(), torch.zeros_like(low), low))
+        self._logit_low.append(F.threshold(logits, _mask_level(logits.dtype), 0.0).amin())  # NaN: see collect()
 
     def collect(self, n_attention: int | None = None) -> dict[str, torch.Tensor] | None:
         """This step's values per :data:`STREAM_METRICS` (None if nothing was seen); resets."""
@@ -134,18 +143,26 @@ class ResidualStream:
             if self._layer:
                 n = self._n_attention if n_attention is None else n_attention
                 n = max(n, max(self._layer) + 1)
-                out["attn_logit_max"] = self._per_index(self._layer, torch.stack(self._logit).float(), n)
-                low = -torch.stack(self._logit_low).float()  # the smallest, as the largest of the negated
+                hi = torch.stack(self._logit).float()
+                low = torch.stack(self._logit_low).float()
+                low = -torch.where(low.isnan(), 0.0, low)  # the smallest, as the largest of the negated
+                out["attn_logit_max"] = self._per_index(self._layer, hi, n)
                 out["attn_logit_min"] = -self._per_index(self._layer, low, n)
                 if self.order is not None:
-                    self.order.note(self._layer_seq, torch.maximum(torch.stack(self._logit).float().abs(), low.abs()))
+                    self.order.note(self._layer_seq, torch.maximum(hi.abs(), low.abs()))
         self._reset()
         return out
 
-    @staticmethod
-    def _per_index(index: list[int], values: torch.Tensor, n: int) -> torch.Tensor:
+    def _per_index(self, index: list[int], values: torch.Tensor, n: int) -> torch.Tensor:
         """The largest of ``values`` per index in ``range(n)`` (0 where none; NaN kept)."""
-        idx = torch.tensor(index, device=values.device)
+        if len(index) == n and index == list(range(n)) and values.dtype == torch.get_default_dtype():
+            return values  # every index once, in order (the usual step): the values are the maxima
+        key = (tuple(index), values.device)
+        idx = self._index.get(key)
+        if idx is None:  # a step calls the blocks and layers as the previous one did: cached
+            if len(self._index) > 64:
+                self._index.clear()
+            idx = self._index[key] = torch.tensor(index, device=values.device)
         return torch.zeros(n, device=values.device).scatter_reduce_(0, idx, values, "amax", include_self=False)
 
     def discard(self) -> None:

@@ -72,8 +72,8 @@ class ForwardOrder:
                 if len(self._index) > 64:
                     self._index.clear()
                 order = self._index[key] = torch.tensor(ordinals, dtype=torch.float32).to(peak.device)
-            bad = ~(peak.abs() < self.limit)  # NaN fails the comparison
-            return torch.where(bad, order, torch.full_like(order, float("inf"))).amin().nan_to_num(posinf=-1.0)
+            fine = peak.abs() < self.limit  # NaN fails the comparison: it is bad
+            return torch.where(fine, float("inf"), order).amin().nan_to_num(posinf=-1.0)
 
     def reset(self) -> None:
         self._next = 0
