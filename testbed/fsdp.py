@@ -20,7 +20,7 @@ from sdcwatch.core.errors import ConfigError
 from sdcwatch.telemetry.faults import load_faults
 from sdcwatch.testbed.ddp import DDPSettings, add_run_arguments, json_setting, rank_emitter, launch as _launch
 
-__all__ = ["FSDPSettings", "by_mesh", "total_grad_norm", "train_steps", "launch", "train_rank", "main"]
+__all__ = ["FSDPSettings", "by_mesh", "total_grad_norm", "train_steps", "run_rank", "launch", "train_rank", "main"]
 
 
 @dataclass(frozen=True)
@@ -102,34 +102,31 @@ def train_steps(settings, model, optimizer, injector, watch, corpus, data_rank: 
         injector.end_step()
 
 
-def train_rank(rank: int, settings: FSDPSettings) -> None:
-    """Everything one rank does: join the group, shard the model, train with probes and faults, report."""
+def run_rank(rank: int, settings, dims: tuple[str, str], build) -> None:
+    """Everything one rank of a sharded reference run does: join the gloo group, build the device
+    mesh with ``dims``, the model with ``build(mesh)`` (the same initial weights on every rank,
+    sharded or split from there; it returns the model and the rank whose data this rank reads),
+    train with probes and faults, report, leave."""
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
     from sdcwatch.telemetry.faults import FaultInjector
     from sdcwatch.telemetry.probes import attach
-    from sdcwatch.testbed.model import GPT
     from sdcwatch.testbed.simulated import shared_corpus
 
     torch.set_num_threads(1)  # several ranks share the CPU: more threads per rank run ~10x slower
     dist.init_process_group("gloo", init_method=settings.init_method, rank=rank, world_size=settings.world)
     emitter = watch = None
     try:
-        mesh = init_device_mesh("cpu", settings.mesh_shape, mesh_dim_names=("dp_replicate", "dp_shard"))
-        fsdp_mesh = mesh if settings.replicate > 1 else mesh["dp_shard"]
-        torch.manual_seed(settings.seed)  # the same initial model on every rank, sharded from there
-        model = GPT()
-        for block in model.blocks:
-            fully_shard(block, mesh=fsdp_mesh)
-        fully_shard(model, mesh=fsdp_mesh)
+        mesh = init_device_mesh("cpu", settings.mesh_shape, mesh_dim_names=dims)
+        torch.manual_seed(settings.seed)
+        model, data_rank = build(mesh)
         optimizer = torch.optim.Adam(model.parameters(), lr=settings.lr)
         injector = FaultInjector(settings.faults, rank=rank).attach(model, optimizer)
         emitter = rank_emitter(settings, rank)
         watch = attach(model, emitter, optimizer=optimizer, mesh=mesh, **settings.probes)
-        train_steps(settings, model, optimizer, injector, watch, shared_corpus(settings.corpus_bytes), rank)
+        train_steps(settings, model, optimizer, injector, watch, shared_corpus(settings.corpus_bytes), data_rank)
         watch.close()
         dist.barrier()
     finally:
@@ -138,6 +135,24 @@ def train_rank(rank: int, settings: FSDPSettings) -> None:
         if emitter is not None:
             emitter.close(timeout=30.0)
         dist.destroy_process_group()
+
+
+def train_rank(rank: int, settings: FSDPSettings) -> None:
+    """One rank of the FSDP2/HSDP run: the reference model, ``fully_shard`` on every block and the root."""
+
+    def build(mesh):
+        from torch.distributed.fsdp import fully_shard
+
+        from sdcwatch.testbed.model import GPT
+
+        fsdp_mesh = mesh if settings.replicate > 1 else mesh["dp_shard"]
+        model = GPT()
+        for block in model.blocks:
+            fully_shard(block, mesh=fsdp_mesh)
+        fully_shard(model, mesh=fsdp_mesh)
+        return model, rank
+
+    run_rank(rank, settings, ("dp_replicate", "dp_shard"), build)
 
 
 def launch(settings: FSDPSettings) -> None:

@@ -27,8 +27,8 @@ from torch.nn import functional as F
 
 from sdcwatch.core.errors import ConfigError
 from sdcwatch.telemetry.faults import load_faults
-from sdcwatch.testbed.ddp import DDPSettings, add_run_arguments, json_setting, rank_emitter, launch as _launch
-from sdcwatch.testbed.fsdp import train_steps
+from sdcwatch.testbed.ddp import DDPSettings, add_run_arguments, json_setting, launch as _launch
+from sdcwatch.testbed.fsdp import run_rank
 from sdcwatch.testbed.model import GPTConfig
 
 __all__ = [
@@ -184,35 +184,13 @@ def parallelize(model: TPGPT, tp_mesh, dp_mesh) -> TPGPT:
 
 
 def train_rank(rank: int, settings: FSDPTPSettings) -> None:
-    """Everything one rank does: join the group, parallelize the model, train with probes and faults, report."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
+    """One rank of the 2-D run: tensor parallel within ``tp``, then FSDP2 over ``dp_shard``; the
+    ranks of a tensor-parallel group read one batch."""
 
-    from sdcwatch.telemetry.faults import FaultInjector
-    from sdcwatch.telemetry.probes import attach
-    from sdcwatch.testbed.simulated import shared_corpus
+    def build(mesh):
+        return parallelize(TPGPT(), mesh["tp"], mesh["dp_shard"]), mesh["dp_shard"].get_local_rank()
 
-    torch.set_num_threads(1)  # several ranks share the CPU: more threads per rank run ~10x slower
-    dist.init_process_group("gloo", init_method=settings.init_method, rank=rank, world_size=settings.world)
-    emitter = watch = None
-    try:
-        mesh = init_device_mesh("cpu", settings.mesh_shape, mesh_dim_names=("dp_shard", "tp"))
-        data_rank = mesh["dp_shard"].get_local_rank()  # the tensor-parallel group reads one batch
-        torch.manual_seed(settings.seed)  # the same initial model on every rank, split from there
-        model = parallelize(TPGPT(), mesh["tp"], mesh["dp_shard"])
-        optimizer = torch.optim.Adam(model.parameters(), lr=settings.lr)
-        injector = FaultInjector(settings.faults, rank=rank).attach(model, optimizer)
-        emitter = rank_emitter(settings, rank)
-        watch = attach(model, emitter, optimizer=optimizer, mesh=mesh, **settings.probes)
-        train_steps(settings, model, optimizer, injector, watch, shared_corpus(settings.corpus_bytes), data_rank)
-        watch.close()
-        dist.barrier()
-    finally:
-        if watch is not None:
-            watch.close()
-        if emitter is not None:
-            emitter.close(timeout=30.0)
-        dist.destroy_process_group()
+    run_rank(rank, settings, ("dp_shard", "tp"), build)
 
 
 def launch(settings: FSDPTPSettings) -> None:
