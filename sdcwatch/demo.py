@@ -29,7 +29,10 @@ __all__ = ["PRESETS", "preset_faults", "DemoResult", "run_demo", "demo_main"]
 
 log = logging.getLogger("sdcwatch.demo")
 
-#: Incident kinds that blame a rank (an SDC suspect) rather than the run as a whole.
+#: With the guard on, how many steps the demo's training may run ahead of the detector service,
+#: and how long it waits at most for it to catch up (see ``keep_pace`` in :func:`run_demo`).
+PACE_LAG_STEPS = 3
+PACE_TIMEOUT_S = 20.0
 
 
 def _fault(kind: str, step: int, rank: int | None, **kw: Any) -> dict[str, Any]:
@@ -391,9 +394,31 @@ def run_demo(
         t_train = time.monotonic()
         told = [0]
 
+        pace_gave_up: list[int] = []
+        deciders = [s for s in service.sinks if hasattr(s, "policy") and hasattr(s, "published")]
+
+        def keep_pace(step: int) -> None:
+            # A real job's steps take seconds; the detector and the control topic answer in a fraction
+            # of one. The demo's steps take milliseconds, so with the guard on it waits (a bounded
+            # while) for the service to read the ranks' records up to a few steps back and for the
+            # guard's reader to receive every decision published: the loop then behaves as it would
+            # at a real step time, on a loaded machine too.
+            if pace_gave_up:
+                return
+            deadline = time.monotonic() + PACE_TIMEOUT_S
+            want = max(0, step + 1 - PACE_LAG_STEPS) * ranks
+            while source.seen < want or control.received < sum(s.published for s in deciders):
+                if time.monotonic() > deadline:  # a stalled service must not stall the demo too
+                    pace_gave_up.append(step)
+                    log.warning("the detector service fell %.0f s behind at step %d", PACE_TIMEOUT_S, step)
+                    return
+                time.sleep(0.005)
+
         def on_step(step: int, run: Any) -> None:
             if injected_step is not None and step == injected_step:
                 fault_wall.append(time.time())
+            if control is not None:
+                keep_pace(step)
             if run.guard is not None:
                 for act in run.guard.actions[told[0] :]:
                     if act.action != "none":
