@@ -17,23 +17,18 @@ Ranks are laid out as torchtitan lays them out, tensor parallel fastest: rank ``
 from __future__ import annotations
 
 import argparse
-import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
-
-import torch
-from torch import nn
-from torch.nn import functional as F
 
 from sdcwatch.core.errors import ConfigError
 from sdcwatch.telemetry.faults import load_faults
 from sdcwatch.testbed.ddp import DDPSettings, add_run_arguments, json_setting, launch as _launch
 from sdcwatch.testbed.fsdp import run_rank
-from sdcwatch.testbed.model import GPTConfig
+from sdcwatch.testbed.model import GPT, GPTConfig
 
 __all__ = [
     "FSDPTPSettings",
-    "TPGPT",
+    "tp_gpt",
     "TP_PLAN",
     "parallelize",
     "launch",
@@ -42,94 +37,11 @@ __all__ = [
 ]
 
 
-class Scores(nn.Module):
-    """Causal q k^T / sqrt(d_head) of this rank's heads: the attention logits, a module so faults hit it."""
-
-    def __init__(self, d_head: int) -> None:
-        super().__init__()
-        self.scale = 1.0 / math.sqrt(d_head)
-
-    def forward(self, q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        return ((q @ k.transpose(-2, -1)) * self.scale).masked_fill(mask, float("-inf"))
-
-
-class TPAttention(nn.Module):
-    """Causal self-attention with separate q, k, v projections (a fused qkv cannot be split by
-    columns into heads): under ``ColwiseParallel`` each projection returns this rank's heads, so
-    the number of heads is read from the tensors, not the config."""
-
-    _sdcwatch_attention = True
-
-    def __init__(self, cfg: GPTConfig) -> None:
-        super().__init__()
-        self.d_head = cfg.d_model // cfg.n_head
-        self.wq = nn.Linear(cfg.d_model, cfg.d_model)
-        self.wk = nn.Linear(cfg.d_model, cfg.d_model)
-        self.wv = nn.Linear(cfg.d_model, cfg.d_model)
-        self.scores = Scores(self.d_head)
-        self.wo = nn.Linear(cfg.d_model, cfg.d_model)
-        mask = torch.ones(cfg.seq_len, cfg.seq_len, dtype=torch.bool).triu(1)
-        self.register_buffer("mask", mask, persistent=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from sdcwatch.telemetry.probes import observe_attention
-
-        b, t, _ = x.shape
-        q, k, v = (w(x).view(b, t, -1, self.d_head).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
-        logits = self.scores(q, k, self.mask[:t, :t])
-        observe_attention(self, q, k, logits=logits)
-        y = F.softmax(logits, dim=-1) @ v
-        return self.wo(y.transpose(1, 2).reshape(b, t, -1))
-
-
-class TPMLP(nn.Module):
-    def __init__(self, cfg: GPTConfig) -> None:
-        super().__init__()
-        self.fc = nn.Linear(cfg.d_model, cfg.mlp_ratio * cfg.d_model)
-        self.proj = nn.Linear(cfg.mlp_ratio * cfg.d_model, cfg.d_model)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(F.gelu(self.fc(x)))
-
-
-class TPBlock(nn.Module):
-    def __init__(self, cfg: GPTConfig) -> None:
-        super().__init__()
-        self.ln1 = nn.LayerNorm(cfg.d_model)
-        self.attn = TPAttention(cfg)
-        self.ln2 = nn.LayerNorm(cfg.d_model)
-        self.mlp = TPMLP(cfg)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x))
-        return x + self.mlp(self.ln2(x))
-
-
-class TPGPT(nn.Module):
-    """The reference byte-level GPT's shape (:class:`~sdcwatch.testbed.model.GPTConfig`) with
-    tensor-parallel-ready blocks. Module names: ``embed, pos, blocks.{i}.attn.{wq,wk,wv,scores,wo},
-    blocks.{i}.mlp.{fc,proj}, blocks.{i}.ln{1,2}, ln_f, head``."""
-
-    def __init__(self, cfg: GPTConfig | None = None) -> None:
-        super().__init__()
-        self.cfg = c = cfg or GPTConfig()
-        self.embed = nn.Embedding(c.vocab, c.d_model)
-        self.pos = nn.Embedding(c.seq_len, c.d_model)
-        self.blocks = nn.ModuleList(TPBlock(c) for _ in range(c.n_layer))
-        self.ln_f = nn.LayerNorm(c.d_model)
-        self.head = nn.Linear(c.d_model, c.vocab, bias=False)
-        for m in self.modules():
-            if isinstance(m, (nn.Linear, nn.Embedding)):
-                nn.init.normal_(m.weight, std=0.02)
-            if isinstance(m, nn.Linear) and m.bias is not None:
-                nn.init.zeros_(m.bias)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        t = tokens.shape[1]
-        x = self.embed(tokens) + self.pos(torch.arange(t, device=tokens.device))
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.ln_f(x))
+def tp_gpt(cfg: GPTConfig | None = None) -> GPT:
+    """The reference GPT (``cfg``'s shape, the default one without it) with separate q, k, v
+    projections, which :data:`TP_PLAN` splits by columns into heads. Module names: the reference
+    model's, with ``blocks.{i}.attn.{wq,wk,wv}`` in place of ``blocks.{i}.attn.qkv``."""
+    return GPT(replace(cfg or GPTConfig(), fused_qkv=False))
 
 
 #: Each block's tensor-parallel plan (torchtitan's for Llama, without sequence parallelism).
@@ -137,7 +49,7 @@ TP_PLAN = {
     "attn.wq": "colwise",
     "attn.wk": "colwise",
     "attn.wv": "colwise",
-    "attn.wo": "rowwise",
+    "attn.proj": "rowwise",
     "mlp.fc": "colwise",
     "mlp.proj": "rowwise",
 }
@@ -168,7 +80,7 @@ class FSDPTPSettings(DDPSettings):
         return (self.world // self.tp, self.tp)
 
 
-def parallelize(model: TPGPT, tp_mesh, dp_mesh) -> TPGPT:
+def parallelize(model: GPT, tp_mesh, dp_mesh) -> GPT:
     """Tensor parallelism on ``tp_mesh`` (:data:`TP_PLAN` in every block), then FSDP2 of every block
     and of the root on ``dp_mesh`` (torchtitan's order)."""
     from torch.distributed.fsdp import fully_shard
@@ -188,7 +100,7 @@ def train_rank(rank: int, settings: FSDPTPSettings) -> None:
     ranks of a tensor-parallel group read one batch."""
 
     def build(mesh):
-        return parallelize(TPGPT(), mesh["tp"], mesh["dp_shard"]), mesh["dp_shard"].get_local_rank()
+        return parallelize(tp_gpt(), mesh["tp"], mesh["dp_shard"]), mesh["dp_shard"].get_local_rank()
 
     run_rank(rank, settings, ("dp_shard", "tp"), build)
 

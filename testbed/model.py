@@ -6,6 +6,9 @@ Module names are stable and are what fault targets glob over::
     blocks.{i}.attn.mix (softmax(logits) v), blocks.{i}.attn.proj, blocks.{i}.ln2,
     blocks.{i}.mlp.fc, blocks.{i}.mlp.act, blocks.{i}.mlp.proj, ln_f, head
 
+With ``GPTConfig(fused_qkv=False)`` (the tensor-parallel drivers' model) ``blocks.{i}.attn.wq``,
+``.wk`` and ``.wv`` stand in place of ``blocks.{i}.attn.qkv``.
+
 Each attention layer hands its q, k and pre-softmax logits to
 :func:`sdcwatch.telemetry.probes.observe_attention`, which costs one dictionary look-up when no
 probe is attached.
@@ -46,6 +49,9 @@ class GPTConfig:
     """Attention heads per block; must divide ``d_model``."""
     mlp_ratio: int = 4
     """Hidden width of the MLP as a multiple of ``d_model``."""
+    fused_qkv: bool = True
+    """One q, k, v projection (``attn.qkv``); ``False``: three (``attn.wq``, ``attn.wk``, ``attn.wv``),
+    which tensor parallelism can split by columns into heads, as it cannot split a fused one."""
 
     def __post_init__(self) -> None:
         for key in ("vocab", "seq_len", "d_model", "n_layer", "n_head", "mlp_ratio"):
@@ -54,6 +60,8 @@ class GPTConfig:
                 raise ConfigError(f"model.{key}", f"must be a positive integer, got {v!r}")
         if self.d_model % self.n_head:
             raise ConfigError("model.n_head", f"{self.n_head} does not divide d_model {self.d_model}")
+        if not isinstance(self.fused_qkv, bool):
+            raise ConfigError("model.fused_qkv", f"must be true or false, got {self.fused_qkv!r}")
 
 
 class _Scores(nn.Module):
@@ -85,7 +93,11 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         self.n_head = cfg.n_head
         self.d_head = cfg.d_model // cfg.n_head
-        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
+        self.fused_qkv = cfg.fused_qkv
+        if cfg.fused_qkv:
+            self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
+        else:
+            self.wq, self.wk, self.wv = (nn.Linear(cfg.d_model, cfg.d_model) for _ in range(3))
         self.scores = _Scores(self.d_head)
         self.mix = _Mix()
         self.proj = nn.Linear(cfg.d_model, cfg.d_model)
@@ -95,12 +107,15 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from sdcwatch.telemetry.probes import observe_attention
 
-        b, t, d = x.shape
-        q, k, v = self.qkv(x).view(b, t, 3, self.n_head, self.d_head).permute(2, 0, 3, 1, 4)
+        b, t, _ = x.shape
+        if self.fused_qkv:
+            q, k, v = self.qkv(x).view(b, t, 3, self.n_head, self.d_head).permute(2, 0, 3, 1, 4)
+        else:  # under tensor parallelism each projection returns this rank's heads: count them from it
+            q, k, v = (w(x).view(b, t, -1, self.d_head).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
         logits = self.scores(q, k, self.mask[:t, :t])
         observe_attention(self, q, k, logits=logits)
         y = self.mix(F.softmax(logits, dim=-1), v)
-        return self.proj(y.transpose(1, 2).reshape(b, t, d))
+        return self.proj(y.transpose(1, 2).reshape(b, t, -1))
 
 
 class _MLP(nn.Module):

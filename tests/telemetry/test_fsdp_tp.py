@@ -98,10 +98,12 @@ def test_what_each_probe_gives_under_fsdp_and_tensor_parallelism(fsdp_tp):
         if step == 0:
             assert math.isfinite(s[0]["act_max"]) and math.isfinite(s[3]["act_max"])
         # checksums: each column-parallel linear's own product holds its bound; a row-parallel
-        # one's output is seen after its all-reduce (gemm_out only, no forward check)
-        products = 6 * 2 + 1  # wq wk wv wo fc proj per block, and the head
-        plan = [TP_PLAN[n] for n in ("attn.wq", "attn.wk", "attn.wv", "attn.wo", "mlp.fc", "mlp.proj")] * 2
+        # one's output is seen after its all-reduce (gemm_out only, no forward check); after the
+        # linears, each block's probs @ v (attn.mix) of the rank's own heads holds its bound too
+        products = 6 * 2 + 1 + 2  # wq wk wv proj fc proj per block, the head, each block's mix
+        plan = [TP_PLAN[n] for n in ("attn.wq", "attn.wk", "attn.wv", "attn.proj", "mlp.fc", "mlp.proj")] * 2
         plan.append("replicated")  # the head
+        plan += ["own heads"] * 2  # blocks.{0,1}.attn.mix
         for r in recs:
             fwd, out = r.layers["gemm_fwd"], r.layers["gemm_out"]
             assert len(fwd) == len(out) == products
@@ -129,13 +131,13 @@ def _piece(name: str, grad: torch.Tensor, t: int) -> torch.Tensor:
 def test_gradient_norms_are_those_of_the_ranks_tensor_parallel_piece(fsdp_tp):
     """Against an unsharded copy of the model on each data-parallel batch of step 0: the local norm is
     the rank's piece of its own batch's gradient, the global norm its piece of the mean gradient."""
-    from sdcwatch.testbed.fsdp_tp import TPGPT
+    from sdcwatch.testbed.fsdp_tp import tp_gpt
     from sdcwatch.testbed.model import next_byte_loss
     from sdcwatch.testbed.simulated import shared_corpus
 
     settings, table = fsdp_tp
     torch.manual_seed(settings.seed)
-    model = TPGPT()
+    model = tp_gpt()
     corpus = shared_corpus(settings.corpus_bytes)
     local = []
     for d in range(WORLD // TP):

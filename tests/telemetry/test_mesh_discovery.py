@@ -128,14 +128,14 @@ def lightning_rank(rank: int, out: str) -> None:
 
     from sdcwatch.telemetry import Emitter, FileTransport
     from sdcwatch.telemetry.integrations.lightning import SdcwatchCallback
-    from sdcwatch.testbed.fsdp_tp import TPGPT, parallelize
+    from sdcwatch.testbed.fsdp_tp import parallelize, tp_gpt
     from sdcwatch.testbed.model import next_byte_loss
 
     class LitTP(L.LightningModule):
         def __init__(self):
             super().__init__()
             torch.manual_seed(0)
-            self.model = TPGPT()
+            self.model = tp_gpt()
 
         def configure_model(self):
             parallelize(self.model, self.device_mesh["tensor_parallel"], self.device_mesh["data_parallel"])
@@ -161,7 +161,7 @@ def lightning_rank(rank: int, out: str) -> None:
         callbacks=[callback],
     )
     g = torch.Generator().manual_seed(0)
-    data = [torch.randint(0, 256, (TPGPT().cfg.seq_len + 1,), generator=g) for _ in range(8)]
+    data = [torch.randint(0, 256, (GPTConfig().seq_len + 1,), generator=g) for _ in range(8)]
     trainer.fit(LitTP(), torch.utils.data.DataLoader(data, batch_size=4))
     emitter.close(timeout=30.0)
     assert callback.mesh_found is not None, "the strategy's mesh was not found"

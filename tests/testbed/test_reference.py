@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -52,6 +53,27 @@ def test_model_has_the_documented_module_names_and_bad_shapes_are_config_errors(
         GPTConfig(d_model=30, n_head=4)
     with pytest.raises(ConfigError, match="model.seq_len"):
         GPT(SMALL)(torch.zeros(1, 40, dtype=torch.long))
+
+
+def test_separate_q_k_v_projections_are_the_fused_one_split_by_output():
+    """``fused_qkv=False`` (the model tensor parallelism splits into heads): ``wq, wk, wv`` in place
+    of ``qkv``, and the same function of the same weights."""
+    torch.manual_seed(0)
+    fused = GPT(SMALL)
+    split = GPT(dataclasses.replace(SMALL, fused_qkv=False))
+    names = dict(split.named_modules())
+    assert all(f"blocks.1.attn.{w}" in names for w in ("wq", "wk", "wv")) and "blocks.1.attn.qkv" not in names
+    state = {}
+    for name, value in fused.state_dict().items():
+        if ".attn.qkv." in name:  # the fused output is q, then k, then v
+            state.update({name.replace("qkv", w): part for w, part in zip(("wq", "wk", "wv"), value.chunk(3))})
+        else:
+            state[name] = value
+    split.load_state_dict(state)
+    batch = shared_corpus(1 << 18).batch(seed=0, step=0, rank=0, batch_size=2, seq_len=SMALL.seq_len)
+    torch.testing.assert_close(split(batch[:, :-1]), fused(batch[:, :-1]), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ConfigError, match="model.fused_qkv"):
+        GPTConfig(fused_qkv="no")
 
 
 def test_corpus_is_stdlib_source_and_batches_are_a_function_of_seed_step_rank():
