@@ -25,7 +25,7 @@ from sdcwatch.core.names import CONTROL_TOPIC, TELEMETRY_TOPIC
 from sdcwatch.core.errors import ConfigError
 from sdcwatch.telemetry.faults import FaultSpec, load_faults
 
-__all__ = ["DDPSettings", "launch", "train_rank", "main", "add_run_arguments", "json_setting"]
+__all__ = ["DDPSettings", "launch", "train_rank", "main", "add_run_arguments", "run_settings", "json_setting"]
 
 
 @dataclass(frozen=True)
@@ -256,7 +256,8 @@ def launch(settings: DDPSettings, target: Any = None) -> None:
 
 
 def add_run_arguments(ap: argparse.ArgumentParser, run: str) -> None:
-    """The options every multi-process reference run takes (this module's and the FSDP one's)."""
+    """The options every multi-process reference run takes (this module's and the sharded ones'),
+    which :func:`run_settings` reads."""
     ap.add_argument("--world", type=int, default=4)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--seed", type=int, default=0)
@@ -267,6 +268,24 @@ def add_run_arguments(ap: argparse.ArgumentParser, run: str) -> None:
     ap.add_argument("--faults", help="fault specs (.jsonl or .json array)")
     ap.add_argument("--ranks-per-host", type=int)
     ap.add_argument("--probes", default="{}", help='ProbeConfig settings as JSON, e.g. {"every": 2}')
+
+
+def run_settings(args: argparse.Namespace, driver: str) -> dict[str, Any]:
+    """The settings every multi-process reference run takes, from the options of
+    :func:`add_run_arguments`: keyword arguments of :class:`DDPSettings` or a driver's subclass of
+    it; ``driver`` names the driver in errors (``fsdp.probes``)."""
+    return dict(
+        world=args.world,
+        steps=args.steps,
+        seed=args.seed,
+        run=args.run,
+        bootstrap=args.bootstrap,
+        topic=args.topic,
+        jsonl_dir=args.jsonl_dir,
+        probes=json_setting(args.probes, f"{driver}.probes"),
+        faults=tuple(load_faults(args.faults)) if args.faults else (),
+        ranks_per_host=args.ranks_per_host,
+    )
 
 
 def json_setting(text: str, key: str) -> Any:
@@ -295,24 +314,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--load")
     ap.add_argument("--save")
     args = ap.parse_args(argv)
-    probes = json_setting(args.probes, "ddp.probes")
+    shared = run_settings(args, "ddp")
     guard = None if args.guard is None else json_setting(args.guard, "ddp.guard")
-    settings = DDPSettings(
-        world=args.world,
-        steps=args.steps,
-        seed=args.seed,
-        run=args.run,
-        bootstrap=args.bootstrap,
-        topic=args.topic,
-        jsonl_dir=args.jsonl_dir,
-        faults=tuple(load_faults(args.faults)) if args.faults else (),
-        probes=probes,
-        ranks_per_host=args.ranks_per_host,
-        load=args.load,
-        save=args.save,
-        skip_nonfinite=args.skip_nonfinite,
-        guard=guard,
-    )
+    settings = DDPSettings(**shared, load=args.load, save=args.save, skip_nonfinite=args.skip_nonfinite, guard=guard)
     launch(settings)
     return 0
 

@@ -17,8 +17,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from sdcwatch.core.errors import ConfigError
-from sdcwatch.telemetry.faults import load_faults
-from sdcwatch.testbed.ddp import DDPSettings, add_run_arguments, json_setting, rank_emitter, launch as _launch
+from sdcwatch.testbed.ddp import DDPSettings, add_run_arguments, run_settings, rank_emitter, launch as _launch
 
 __all__ = ["FSDPSettings", "by_mesh", "total_grad_norm", "train_steps", "run_rank", "launch", "train_rank", "main"]
 
@@ -166,20 +165,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     add_run_arguments(ap, "fsdp-reference")
     ap.add_argument("--replicate", type=int, default=1, help="HSDP replicas (1: plain FSDP)")
     args = ap.parse_args(argv)
-    probes = json_setting(args.probes, "fsdp.probes")
-    settings = FSDPSettings(
-        world=args.world,
-        replicate=args.replicate,
-        steps=args.steps,
-        seed=args.seed,
-        run=args.run,
-        bootstrap=args.bootstrap,
-        topic=args.topic,
-        jsonl_dir=args.jsonl_dir,
-        faults=tuple(load_faults(args.faults)) if args.faults else (),
-        probes=probes,
-        ranks_per_host=args.ranks_per_host,
-    )
+    settings = FSDPSettings(**run_settings(args, "fsdp"), replicate=args.replicate)
     launch(settings)
     return 0
 

@@ -21,8 +21,7 @@ from dataclasses import dataclass, replace
 from typing import Sequence
 
 from sdcwatch.core.errors import ConfigError
-from sdcwatch.telemetry.faults import load_faults
-from sdcwatch.testbed.ddp import DDPSettings, add_run_arguments, json_setting, launch as _launch
+from sdcwatch.testbed.ddp import DDPSettings, add_run_arguments, run_settings, launch as _launch
 from sdcwatch.testbed.fsdp import run_rank
 from sdcwatch.testbed.model import GPT, GPTConfig
 
@@ -116,19 +115,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     add_run_arguments(ap, "fsdp-tp-reference")
     ap.add_argument("--tp", type=int, default=2, help="tensor-parallel ranks per group")
     args = ap.parse_args(argv)
-    settings = FSDPTPSettings(
-        world=args.world,
-        tp=args.tp,
-        steps=args.steps,
-        seed=args.seed,
-        run=args.run,
-        bootstrap=args.bootstrap,
-        topic=args.topic,
-        jsonl_dir=args.jsonl_dir,
-        faults=tuple(load_faults(args.faults)) if args.faults else (),
-        probes=json_setting(args.probes, "fsdp_tp.probes"),
-        ranks_per_host=args.ranks_per_host,
-    )
+    settings = FSDPTPSettings(**run_settings(args, "fsdp_tp"), tp=args.tp)
     launch(settings)
     return 0
 
