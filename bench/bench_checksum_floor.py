@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 
-from sdcwatch.testbed.model import GPT, GPTConfig
-from sdcwatch.testbed.simulated import shared_corpus
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from reference_step import at_width, batches, reference_model, train_step  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,11 +34,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", help="write the results as JSON here")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    cfg = GPTConfig(d_model=args.d_model, n_head=max(4, args.d_model // 64))
-    torch.manual_seed(0)
-    model = GPT(cfg)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    batch = shared_corpus(1 << 20).batch(seed=0, step=0, rank=0, batch_size=args.batch_size, seq_len=cfg.seq_len)
+    cfg = at_width(args.d_model)
+    model, opt = reference_model(cfg)
+    batch = batches(args.batch_size, cfg.seq_len)(0)
     linears, products = [], []
 
     def grab_linear(module, inputs, output):
@@ -56,10 +54,7 @@ def main(argv: list[str] | None = None) -> int:
         h.remove()
 
     def step() -> None:
-        loss = model.loss(batch)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
+        train_step(model, opt, batch)
 
     def linear_reductions() -> None:
         for w, x, y, dy in linears:

@@ -22,9 +22,10 @@ from pathlib import Path
 
 import torch
 
-from sdcwatch.telemetry.gemm_canary import GemmCanary
-from sdcwatch.testbed.model import GPT, GPTConfig
-from sdcwatch.testbed.simulated import shared_corpus
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from reference_step import at_width, batches, reference_model, train_step  # noqa: E402
+
+from sdcwatch.telemetry.gemm_canary import GemmCanary  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,17 +36,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", help="write the results as JSON here")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    cfg = GPTConfig(d_model=args.d_model, n_head=max(4, args.d_model // 64))
-    torch.manual_seed(0)
-    model = GPT(cfg)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    corpus = shared_corpus(1 << 20)
+    cfg = at_width(args.d_model)
+    model, opt = reference_model(cfg)
+    batch = batches(args.batch_size, cfg.seq_len)
     canary = GemmCanary(model)
 
     def step(s: int) -> None:
-        opt.zero_grad(set_to_none=True)
-        model.loss(corpus.batch(seed=0, step=s, rank=0, batch_size=args.batch_size, seq_len=cfg.seq_len)).backward()
-        opt.step()
+        train_step(model, opt, batch(s))
 
     for s in range(3):  # warm-up
         step(s)

@@ -30,10 +30,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from sdcwatch.telemetry.guard import Guard
-from sdcwatch.telemetry.guard_config import GuardConfig
-from sdcwatch.testbed.model import GPT, GPTConfig
-from sdcwatch.testbed.simulated import shared_corpus
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from reference_step import batches, reference_model  # noqa: E402
+
+from sdcwatch.telemetry.guard import Guard  # noqa: E402
+from sdcwatch.telemetry.guard_config import GuardConfig  # noqa: E402
+from sdcwatch.testbed.model import GPTConfig  # noqa: E402
 
 CONFIGS = {
     "report": GuardConfig(),  # the default: decides and reports, changes nothing
@@ -44,9 +46,7 @@ CONFIGS = {
 
 class _Replica:
     def __init__(self, model_cfg: GPTConfig, guard: GuardConfig | None) -> None:
-        torch.manual_seed(0)
-        self.model = GPT(model_cfg)
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
+        self.model, self.opt = reference_model(model_cfg)
         self.guard = Guard(self.model, self.opt, guard) if guard is not None else None
 
     def step(self, step: int, batch: torch.Tensor) -> tuple[float, float]:
@@ -68,11 +68,11 @@ class _Replica:
 
 
 def measure(guard: GuardConfig, steps: int, warmup: int, batch_size: int, model_cfg: GPTConfig) -> dict:
-    corpus = shared_corpus(1 << 20)
+    batch_of = batches(batch_size, model_cfg.seq_len)
     guarded, plain = _Replica(model_cfg, guard), _Replica(model_cfg, None)
     g_t, p_t, ratios, cpu_ratios, g_cpu, p_cpu = [], [], [], [], [], []
     for step in range(warmup + steps):
-        batch = corpus.batch(seed=0, step=step, rank=0, batch_size=batch_size, seq_len=model_cfg.seq_len)
+        batch = batch_of(step)
         if step % 2:
             a, b = guarded.step(step, batch), plain.step(step, batch)
         else:
@@ -105,9 +105,7 @@ def measure(guard: GuardConfig, steps: int, warmup: int, batch_size: int, model_
 
 def own_cost(guard: GuardConfig, model_cfg: GPTConfig, calls: int = 2000) -> dict:
     """The guard's own time per clean step, without the training around it (see the module docstring)."""
-    torch.manual_seed(0)
-    model = GPT(model_cfg)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, opt = reference_model(model_cfg)
     model.loss(torch.randint(0, model_cfg.vocab, (2, model_cfg.seq_len + 1))).backward()
     opt.step()  # the optimizer has its state: a snapshot copies it
     g = Guard(model, opt, replace(guard, snapshot_every=1 << 40))  # snapshots timed apart, below

@@ -22,11 +22,13 @@ from pathlib import Path
 
 import torch
 
-from sdcwatch.telemetry import Emitter, MemoryBus, MemoryTransport, NullEmitter
-from sdcwatch.telemetry.presets import PROBE_PRESETS, probe_config
-from sdcwatch.telemetry.probes import ProbeConfig, attach
-from sdcwatch.testbed.model import GPT, GPTConfig
-from sdcwatch.testbed.simulated import shared_corpus
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # loaded by path too (sdcwatch bench)
+from reference_step import batches, reference_model, train_step  # noqa: E402
+
+from sdcwatch.telemetry import Emitter, MemoryBus, MemoryTransport, NullEmitter  # noqa: E402
+from sdcwatch.telemetry.presets import PROBE_PRESETS, probe_config  # noqa: E402
+from sdcwatch.telemetry.probes import ProbeConfig, attach  # noqa: E402
+from sdcwatch.testbed.model import GPTConfig  # noqa: E402
 
 # the campaign's names (sdcwatch.telemetry.presets): the cost and the detection of one configuration
 CONFIGS = dict(PROBE_PRESETS)
@@ -43,9 +45,7 @@ class _Replica:
         bus: MemoryBus | None,
         null_emitter: bool = False,
     ):
-        torch.manual_seed(seed)
-        self.model = GPT(model_cfg)
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
+        self.model, self.opt = reference_model(model_cfg, seed)
         self.emitter = None
         self.watch = None
         if probes is not None:
@@ -65,11 +65,7 @@ class _Replica:
         """Run one step; returns its wall time and the training thread's CPU time."""
         t0 = time.perf_counter()
         c0 = time.thread_time()
-        loss = self.model.loss(batch)
-        self.opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
-        self.opt.step()
+        loss = train_step(self.model, self.opt, batch, clip=1.0)
         if self.watch is not None:
             self.watch.step(step, loss=loss)
         return time.perf_counter() - t0, time.thread_time() - c0
@@ -83,13 +79,13 @@ class _Replica:
 def measure(
     probes: ProbeConfig, steps: int, warmup: int, batch_size: int, model_cfg: GPTConfig, null_emitter: bool = False
 ) -> dict:
-    corpus = shared_corpus(1 << 20)
+    batch_of = batches(batch_size, model_cfg.seq_len)
     bus = MemoryBus()
     watched = _Replica(0, model_cfg, probes, bus, null_emitter)
     plain = _Replica(0, model_cfg, None, None)
     with_t, without_t, ratios, cpu_ratios, with_cpu, without_cpu = [], [], [], [], [], []
     for step in range(warmup + steps):
-        batch = corpus.batch(seed=0, step=step, rank=0, batch_size=batch_size, seq_len=model_cfg.seq_len)
+        batch = batch_of(step)
         if step % 2:  # alternate who goes first, so neither always runs on a warmer cache
             a = watched.step(step, batch)
             b = plain.step(step, batch)

@@ -25,12 +25,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_overhead import _Replica  # noqa: E402
+from reference_step import batches  # noqa: E402
 
 from sdcwatch.telemetry import MemoryBus  # noqa: E402
 from sdcwatch.telemetry import extremes, finite, forward_order, gemm_canary, gemm_checks  # noqa: E402
 from sdcwatch.telemetry.presets import probe_config  # noqa: E402
 from sdcwatch.testbed.model import GPTConfig  # noqa: E402
-from sdcwatch.testbed.simulated import shared_corpus  # noqa: E402
 
 #: (owner, function, what it is) of every piece timed
 PIECES = [
@@ -76,11 +76,11 @@ def main(argv: list[str] | None = None) -> int:
     name, cfg = probe_config(args.probes)
     model_cfg = GPTConfig()
     replica = _Replica(0, model_cfg, cfg, MemoryBus())
-    corpus = shared_corpus(1 << 20)
+    batch_of = batches(args.batch_size, model_cfg.seq_len)
     total = steps = 0
     sampled = [cfg.checksum_every, cfg.attention_every, cfg.activations_every]
     for step in range(args.warmup + args.steps):
-        batch = corpus.batch(seed=0, step=step, rank=0, batch_size=args.batch_size, seq_len=model_cfg.seq_len)
+        batch = batch_of(step)
         before = collections.Counter(acc)
         c0 = time.thread_time_ns()
         replica.step(step, batch)
