@@ -13,18 +13,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from sdcwatch.core.names import STEP_SCALARS as SCALARS
+
 __all__ = ["FPS", "LAYERS", "SCALARS", "fingerprints", "healthy_values"]
 
-SCALARS = (
-    "loss",
-    "grad_norm_local",
-    "grad_norm_global",
-    "grad_cosine",
-    "step_time",
-    "nonfinite",
-    "lr",
-    "emitter_dropped",
-)
 LAYERS = ("attn_entropy", "q_norm_mean", "k_norm_mean", "attn_logit_max")
 FPS = ("param_fp", "grad_fp")
 

@@ -15,6 +15,7 @@ __all__ = [
     "CONTROL_TOPIC",
     "TOPICS",
     "SCALARS",
+    "STEP_SCALARS",
     "FIRST_BAD",
     "LAYER_METRICS",
     "ATTENTION_STATS",
@@ -104,6 +105,21 @@ STREAM_METRICS = (
 CHECK_METRICS = GEMM_METRICS + STREAM_METRICS
 #: Check metrics that are ratios to a bound (> 1 is the finding): large finite values are not near-INF.
 RATIO_METRICS = ("gemm_fwd", "gemm_bwd", "gemm_weight")
+
+#: What a data-parallel rank's record carries on every step when the training hands the probes its
+#: loss and optimizer (``loss_global`` too when it passes one; the rest of :data:`SCALARS` only on
+#: sampled or bad steps), in the order the synthetic healthy steps of the benchmarks and the
+#: detector tests lay out their columns.
+STEP_SCALARS = (
+    "loss",
+    "grad_norm_local",
+    "grad_norm_global",
+    "grad_cosine",
+    "step_time",
+    "nonfinite",
+    "lr",
+    "emitter_dropped",
+)
 
 #: Per-rank scalars that vary across ranks with the rank's data, compared rank against rank.
 #: Values that must be identical (global norm, lr, fingerprints) belong to the replica detector,

@@ -11,19 +11,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from sdcwatch.core.names import STEP_SCALARS as SCALARS
 from sdcwatch.detectors.frame import StepFrame
 from sdcwatch.core.record import Record
 
-SCALARS = (
-    "loss",
-    "grad_norm_local",
-    "grad_norm_global",
-    "grad_cosine",
-    "step_time",
-    "nonfinite",
-    "lr",
-    "emitter_dropped",
-)
 LAYERS = ("attn_entropy", "q_norm_mean", "q_norm_max", "k_norm_mean", "attn_logit_max", "gemm_fwd", "gemm_bwd")
 FPS = ("param_fp", "grad_fp")
 FAMILIES = (
