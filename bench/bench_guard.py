@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from reference_step import batches, reference_model  # noqa: E402
+from reference_step import reference_model, side_by_side  # noqa: E402
 
 from sdcwatch.telemetry.guard import Guard  # noqa: E402
 from sdcwatch.telemetry.guard_config import GuardConfig  # noqa: E402
@@ -68,23 +68,11 @@ class _Replica:
 
 
 def measure(guard: GuardConfig, steps: int, warmup: int, batch_size: int, model_cfg: GPTConfig) -> dict:
-    batch_of = batches(batch_size, model_cfg.seq_len)
     guarded, plain = _Replica(model_cfg, guard), _Replica(model_cfg, None)
-    g_t, p_t, ratios, cpu_ratios, g_cpu, p_cpu = [], [], [], [], [], []
-    for step in range(warmup + steps):
-        batch = batch_of(step)
-        if step % 2:
-            a, b = guarded.step(step, batch), plain.step(step, batch)
-        else:
-            b = plain.step(step, batch)
-            a = guarded.step(step, batch)
-        if step >= warmup:
-            g_t.append(a[0])
-            p_t.append(b[0])
-            g_cpu.append(a[1])
-            p_cpu.append(b[1])
-            ratios.append(a[0] / b[0])
-            cpu_ratios.append(a[1] / b[1])
+    timed = side_by_side(guarded, plain, batch_size, model_cfg.seq_len, steps, warmup)
+    (g_t, g_cpu), (p_t, p_cpu) = (list(zip(*t)) for t in timed)
+    ratios = [a / b for a, b in zip(g_t, p_t)]
+    cpu_ratios = [a / b for a, b in zip(g_cpu, p_cpu)]
     assert torch.equal(
         torch.cat([p.reshape(-1) for p in guarded.model.parameters()]),
         torch.cat([p.reshape(-1) for p in plain.model.parameters()]),

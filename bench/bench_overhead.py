@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # loaded by path too (sdcwatch bench)
-from reference_step import batches, reference_model, train_step  # noqa: E402
+from reference_step import reference_model, side_by_side, train_step  # noqa: E402
 
 from sdcwatch.telemetry import Emitter, MemoryBus, MemoryTransport, NullEmitter  # noqa: E402
 from sdcwatch.telemetry.presets import PROBE_PRESETS, probe_config  # noqa: E402
@@ -79,26 +79,13 @@ class _Replica:
 def measure(
     probes: ProbeConfig, steps: int, warmup: int, batch_size: int, model_cfg: GPTConfig, null_emitter: bool = False
 ) -> dict:
-    batch_of = batches(batch_size, model_cfg.seq_len)
     bus = MemoryBus()
     watched = _Replica(0, model_cfg, probes, bus, null_emitter)
     plain = _Replica(0, model_cfg, None, None)
-    with_t, without_t, ratios, cpu_ratios, with_cpu, without_cpu = [], [], [], [], [], []
-    for step in range(warmup + steps):
-        batch = batch_of(step)
-        if step % 2:  # alternate who goes first, so neither always runs on a warmer cache
-            a = watched.step(step, batch)
-            b = plain.step(step, batch)
-        else:
-            b = plain.step(step, batch)
-            a = watched.step(step, batch)
-        if step >= warmup:
-            with_t.append(a[0])
-            without_t.append(b[0])
-            ratios.append(a[0] / b[0])
-            cpu_ratios.append(a[1] / b[1])
-            with_cpu.append(a[1])
-            without_cpu.append(b[1])
+    timed = side_by_side(watched, plain, batch_size, model_cfg.seq_len, steps, warmup)
+    (with_t, with_cpu), (without_t, without_cpu) = (list(zip(*t)) for t in timed)
+    ratios = [a / b for a, b in zip(with_t, without_t)]
+    cpu_ratios = [a / b for a, b in zip(with_cpu, without_cpu)]
     watched.close()
     records = len(bus.records())
     return {
