@@ -19,7 +19,17 @@ from typing import Sequence
 from sdcwatch.core.errors import ConfigError
 from sdcwatch.testbed.ddp import DDPSettings, add_run_arguments, run_settings, rank_emitter, launch as _launch
 
-__all__ = ["FSDPSettings", "by_mesh", "total_grad_norm", "train_steps", "run_rank", "launch", "train_rank", "main"]
+__all__ = [
+    "FSDPSettings",
+    "check_sharded",
+    "by_mesh",
+    "total_grad_norm",
+    "train_steps",
+    "run_rank",
+    "launch",
+    "train_rank",
+    "main",
+]
 
 
 @dataclass(frozen=True)
@@ -31,17 +41,24 @@ class FSDPSettings(DDPSettings):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        r = self.replicate
-        if isinstance(r, bool) or not isinstance(r, int) or r < 1 or self.world % r:
-            raise ConfigError("fsdp.replicate", f"must be a positive divisor of world {self.world}, got {r!r}")
-        for key in ("guard", "load", "save"):
-            if getattr(self, key) is not None:
-                raise ConfigError(f"fsdp.{key}", "is not supported by the sharded driver (use the DDP one)")
+        check_sharded(self, "fsdp", "replicate")
 
     @property
     def mesh_shape(self) -> tuple[int, int]:
         """(dp_replicate, dp_shard)."""
         return (self.replicate, self.world // self.replicate)
+
+
+def check_sharded(settings: DDPSettings, driver: str, dim: str) -> None:
+    """What the settings of every sharded run must hold (a ConfigError naming ``driver``'s field
+    otherwise): the size of its mesh dimension ``dim`` divides the world; no guard and no
+    checkpoints, which only the DDP driver has."""
+    n = getattr(settings, dim)
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1 or settings.world % n:
+        raise ConfigError(f"{driver}.{dim}", f"must be a positive divisor of world {settings.world}, got {n!r}")
+    for key in ("guard", "load", "save"):
+        if getattr(settings, key) is not None:
+            raise ConfigError(f"{driver}.{key}", "is not supported by the sharded drivers (use the DDP one)")
 
 
 def by_mesh(params) -> dict:

@@ -22,7 +22,7 @@ from typing import Sequence
 
 from sdcwatch.core.errors import ConfigError
 from sdcwatch.testbed.ddp import DDPSettings, add_run_arguments, run_settings, launch as _launch
-from sdcwatch.testbed.fsdp import run_rank
+from sdcwatch.testbed.fsdp import check_sharded, run_rank
 from sdcwatch.testbed.model import GPT, GPTConfig
 
 __all__ = [
@@ -63,15 +63,10 @@ class FSDPTPSettings(DDPSettings):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        tp = self.tp
-        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1 or self.world % tp:
-            raise ConfigError("fsdp_tp.tp", f"must be a positive divisor of world {self.world}, got {tp!r}")
+        check_sharded(self, "fsdp_tp", "tp")
         heads = GPTConfig().n_head
-        if heads % tp:
-            raise ConfigError("fsdp_tp.tp", f"must divide the model's {heads} attention heads, got {tp}")
-        for key in ("guard", "load", "save"):
-            if getattr(self, key) is not None:
-                raise ConfigError(f"fsdp_tp.{key}", "is not supported by the 2-D driver (use the DDP one)")
+        if heads % self.tp:
+            raise ConfigError("fsdp_tp.tp", f"must divide the model's {heads} attention heads, got {self.tp}")
 
     @property
     def mesh_shape(self) -> tuple[int, int]:

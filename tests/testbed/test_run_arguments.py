@@ -58,3 +58,16 @@ def test_every_driver_defaults_to_its_own_run_name_and_names_itself_in_a_bad_opt
     assert _launched(module, monkeypatch, ["--jsonl", str(tmp_path)]) == [settings(jsonl_dir=str(tmp_path), run=run)]
     with pytest.raises(ConfigError, match=f"{key}.probes"):
         module.main(["--jsonl", str(tmp_path), "--probes", "{checksum_every: 1}"])
+
+
+@pytest.mark.parametrize(
+    "settings, dim, driver", [(fsdp.FSDPSettings, "replicate", "fsdp"), (fsdp_tp.FSDPTPSettings, "tp", "fsdp_tp")]
+)
+def test_a_sharded_run_takes_a_divisor_of_the_world_and_neither_a_guard_nor_checkpoints(settings, dim, driver):
+    assert settings(world=4, jsonl_dir="out", **{dim: 2}).mesh_shape == (2, 2)
+    for bad in (3, 0, True, "2"):
+        with pytest.raises(ConfigError, match=rf"{driver}\.{dim}.*positive divisor of world 4, got {bad!r}"):
+            settings(world=4, jsonl_dir="out", **{dim: bad})
+    for key, value in (("guard", {"mode": "act"}), ("load", "a.pt"), ("save", "b.pt")):
+        with pytest.raises(ConfigError, match=rf"{driver}\.{key}.*is not supported .*\(use the DDP one\)"):
+            settings(world=4, jsonl_dir="out", **{key: value})
