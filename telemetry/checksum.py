@@ -56,15 +56,21 @@ __all__ = [
     "TINY",
     "abs_max",
     "accumulated_sum",
+    "bias_grad_bound",
     "accumulation_dtype",
     "gemm_input_roundoff",
     "grad_reference",
+    "linear_bound",
+    "matmul_bound",
+    "memory_bound",
+    "memory_bound_of",
     "rounding_gamma",
     "check_linear",
     "check_matmul",
     "check_weight_grad",
     "rounding_coefficient",
     "unit_roundoff",
+    "weight_grad_bound",
 ]
 
 #: Keeps an all-zero product's bound positive (0 / tiny = 0, any residual is huge).
@@ -122,12 +128,29 @@ def _forward_ratio(
     ref = (x if x.dtype == acc else x.to(acc)) @ v
     if bias is not None:
         ref = ref + accumulated_sum(bias, None, acc)
+    xn, bound = _forward_bound(x, sw, bias, coef, acc)
+    return (ys - ref).abs_().amax() / bound, xn, bound
+
+
+def _forward_bound(
+    x: torch.Tensor, sw: torch.Tensor, bias: torch.Tensor | None, coef: float, acc: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(largest |input|, ``c (sqrt(n) max|x| S_w + S_b)``): the bound of a linear layer's checksum."""
     xn = abs_max(x).to(acc)
     scale = xn * (math.sqrt(x.shape[-1]) * sw)
     if bias is not None:
         scale = scale + accumulated_sum(bias.abs(), None, acc)
-    bound = (scale * coef).clamp_min(TINY)
-    return (ys - ref).abs_().amax() / bound, xn, bound
+    return xn, (scale * coef).clamp_min(TINY)
+
+
+def _linear_terms(
+    x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype
+) -> tuple[torch.dtype, torch.Tensor, float]:
+    """(accumulation dtype, ``S_w = Σ_j ||w_j||``, rounding coefficient) of ``x weight^T``."""
+    acc = accumulation_dtype(out_dtype)
+    sw = torch.linalg.vector_norm(weight, dim=1, dtype=acc).sum()
+    coef = rounding_coefficient(weight.shape[1], weight.shape[0], out_dtype, input_roundoff=gemm_input_roundoff(x))
+    return acc, sw, coef
 
 
 def check_linear(
@@ -142,11 +165,8 @@ def check_linear(
     with torch.no_grad():
         if x.numel() == 0 or y.numel() == 0:
             return torch.zeros((), device=y.device)
-        acc = accumulation_dtype(y.dtype)
-        n, m = weight.shape[1], weight.shape[0]
+        acc, sw, coef = _linear_terms(x, weight, y.dtype)
         v = accumulated_sum(weight, 0, acc)
-        sw = torch.linalg.vector_norm(weight, dim=1, dtype=acc).sum()
-        coef = rounding_coefficient(n, m, y.dtype, input_roundoff=gemm_input_roundoff(x))
         return _forward_ratio(x, v, y, sw, bias, coef)[0].float()
 
 
@@ -182,12 +202,19 @@ def _matmul_ratio(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(ratio, bound) of a product's checksum; ``||a_i|| <= sqrt(n) max|a|`` and
     ``Σ_j ||b_:j|| <= m sqrt(n) max|b|`` (one fast reduction each)."""
+    bound = _matmul_bound(a, b, bias, coef, acc)
+    return ((ys - ref).abs_().amax() / bound).float(), bound
+
+
+def _matmul_bound(
+    a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, coef: float, acc: torch.dtype
+) -> torch.Tensor:
+    """``c (n m max|a| max|b| + Σ|bias|)``: the bound of a product's checksum."""
     n, m = b.shape[-2], b.shape[-1]
     scale = abs_max(a).to(acc) * abs_max(b).to(acc) * (n * m)
     if bias is not None:
         scale = scale + accumulated_sum(bias.abs(), None, acc)
-    bound = (scale * coef).clamp_min(TINY)
-    return ((ys - ref).abs_().amax() / bound).float(), bound
+    return (scale * coef).clamp_min(TINY)
 
 
 def grad_reference(x: torch.Tensor, dy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
@@ -210,8 +237,72 @@ def check_weight_grad(x: torch.Tensor, dy: torch.Tensor, dw: torch.Tensor) -> to
     """
     with torch.no_grad():
         ref, _, dy_norm, tokens = grad_reference(x, dy)
-        xcol = abs_max(x).to(ref.dtype) * math.sqrt(tokens)  # max_k ||X_:k|| <= sqrt(N) max|X|
-        sdy = dy_norm * math.sqrt(dy.shape[-1])
-        coef = rounding_coefficient(tokens, dw.shape[0], dw.dtype, input_roundoff=gemm_input_roundoff(x))
         res = (accumulated_sum(dw, 0, ref.dtype) - ref).abs_().amax()
-        return (res / (coef * xcol * sdy).clamp_min(TINY)).float()
+        return (res / _weight_grad_bound(x, dy_norm, tokens, dy.shape[-1], dw)).float()
+
+
+def _weight_grad_bound(x: torch.Tensor, dy_norm: torch.Tensor, tokens: int, m: int, dw: torch.Tensor) -> torch.Tensor:
+    """``c' sqrt(N) max|X| sqrt(m) ||dY||_F``: the bound of a weight gradient's checksum
+    (``max_k ||X_:k|| <= sqrt(N) max|X|``, ``Σ_j ||dY_:j|| <= sqrt(m) ||dY||_F``)."""
+    xcol = abs_max(x).to(dy_norm.dtype) * math.sqrt(tokens)
+    coef = rounding_coefficient(tokens, dw.shape[0], dw.dtype, input_roundoff=gemm_input_roundoff(x))
+    return (coef * xcol * (dy_norm * math.sqrt(m))).clamp_min(TINY)
+
+
+# -- the bounds on their own: how large a change of one element each check is sure to see ------------
+# (a fault-injection campaign asks it of every fault, whether or not the probes checked its step)
+
+
+def linear_bound(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype) -> float:
+    """The absolute bound :func:`check_linear` holds the row sums of ``y = x weight^T + bias`` to:
+    an element of ``y`` changed by more than this breaks the forward checksum."""
+    with torch.no_grad():
+        acc, sw, coef = _linear_terms(x, weight, out_dtype)
+        return float(_forward_bound(x, sw, bias, coef, acc)[1])
+
+
+def matmul_bound(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, bias: torch.Tensor | None = None) -> float:
+    """The absolute bound :func:`check_matmul` holds the row sums of ``a @ b (+ bias)`` to."""
+    with torch.no_grad():
+        acc = accumulation_dtype(out_dtype)
+        n, m = b.shape[-2], b.shape[-1]
+        coef = rounding_coefficient(n, m, out_dtype, input_roundoff=gemm_input_roundoff(a))
+        return float(_matmul_bound(a, b, bias, coef, acc))
+
+
+def weight_grad_bound(x: torch.Tensor, dy: torch.Tensor, dw: torch.Tensor) -> float:
+    """The absolute bound :func:`check_weight_grad` holds the column sums of ``dw = dy^T x`` to:
+    an element of ``dw`` changed by more than this breaks the weight-gradient checksum."""
+    with torch.no_grad():
+        _, _, dy_norm, tokens = grad_reference(x, dy)
+        return float(_weight_grad_bound(x, dy_norm, tokens, dy.shape[-1], dw))
+
+
+def bias_grad_bound(dy: torch.Tensor, db: torch.Tensor) -> float:
+    """The absolute bound of the bias gradient's check ``Σ db = Σ dY`` (the same sum in two orders:
+    ``(2γ_N + γ_m + u_out) Σ|dY|``, with ``Σ|dY| <= sqrt(N m) ||dY||_F``)."""
+    with torch.no_grad():
+        m = dy.shape[-1]
+        dy2 = dy.reshape(-1, m)
+        tokens = dy2.shape[0]
+        u = unit_roundoff(accumulation_dtype(db.dtype))
+        coef = 2 * rounding_gamma(tokens, u) + rounding_gamma(db.numel(), u) + unit_roundoff(db.dtype)
+        norm = torch.linalg.vector_norm(dy2, dtype=accumulation_dtype(dy.dtype))
+        return float((norm * math.sqrt(tokens * m) * coef).clamp_min(TINY))
+
+
+def memory_bound(t: torch.Tensor) -> float:
+    """The absolute bound of the weight check (weights in memory against their sums when last
+    written): ``γ_m Σ_j ||w_j||`` for a (m, n) weight, ``γ_m Σ|b|`` for a bias of m values; a
+    change of one value by less than this is lost in the column sum's own rounding."""
+    with torch.no_grad():
+        acc = accumulation_dtype(t.dtype)
+        if t.dim() == 2:
+            return float(memory_bound_of(torch.linalg.vector_norm(t, dim=1, dtype=acc).sum(), t.shape[0]))
+        return float(memory_bound_of(accumulated_sum(t.abs(), None, acc), t.numel()))
+
+
+def memory_bound_of(total: torch.Tensor, m: int) -> torch.Tensor:
+    """``γ_m total`` (in ``total``'s dtype, the accumulation's): the weight check's bound from the
+    weight's ``Σ_j ||w_j||`` (or a bias's ``Σ|b|``) over its ``m`` rows."""
+    return (total * rounding_gamma(m, unit_roundoff(total.dtype))).clamp_min(TINY)

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from sdcwatch.telemetry.checksum import TINY, accumulated_sum, accumulation_dtype, rounding_gamma, unit_roundoff
+from sdcwatch.telemetry.checksum import accumulated_sum, accumulation_dtype, memory_bound_of
 
 __all__ = [
     "SealedWeight",
@@ -66,7 +66,6 @@ class SealedWeight:
 
     def __init__(self, w: torch.Tensor, b: torch.Tensor | None) -> None:
         acc = accumulation_dtype(w.dtype)
-        u = unit_roundoff(acc)
         # an FSDP2 shard (a DTensor): the rank's own shard is sealed, and checked in the forward
         # against itself (the forward's all-gathered weight is every rank's)
         self.shard = (w, b) if is_shard(w) else None
@@ -75,12 +74,12 @@ class SealedWeight:
         self.v = accumulated_sum(w, 0, acc)  # as the check does: the same bits give the same sum
         sw = torch.linalg.vector_norm(w, dim=1, dtype=acc).sum()
         self.k = sw * math.sqrt(w.shape[1])  # Σ||w_j|| x sqrt(n): the forward bound's weight factor
-        self.w_bound = (sw * rounding_gamma(w.shape[0], u)).clamp_min(TINY)
+        self.w_bound = memory_bound_of(sw, w.shape[0])
         self.b_sum = self.b_abs = self.b_bound = None
         if isinstance(b, torch.Tensor):
             self.b_sum = accumulated_sum(b, None, acc)
             self.b_abs = accumulated_sum(b.abs(), None, acc)
-            self.b_bound = (self.b_abs * rounding_gamma(b.numel(), u)).clamp_min(TINY)
+            self.b_bound = memory_bound_of(self.b_abs, b.numel())
         if self.shard is not None:  # a shard's norms are not the whole weight's the forward bound needs
             self.k = self.b_abs = None
 

@@ -400,8 +400,7 @@ class Branch:
     losses: list[float]
     params: list[Any]  # per rank: flat parameter tensor of its replica (shared ones are the same object)
     seconds: float
-    injections: list = field(default_factory=list)  # what the injector changed (telemetry.faults.Injection)
-    bounds: dict = field(default_factory=dict)  # (check, tensor name) -> absolute checksum bound at the fault step
+    injections: list = field(default_factory=list)  # what the injector changed (Injection, CoveredInjection)
 
 
 def frames_of(records: list, world: int, wire: str | None = None) -> list:
@@ -427,8 +426,17 @@ def flat_params(run: Any) -> list[Any]:
     return [torch.cat([p.reshape(-1) for p in run.replica_parameters(r)]) for r in range(run.world)]
 
 
-def new_run(config: CampaignConfig, faults: Sequence[Any], records: list, run_id: str, guard: Any = None) -> Any:
-    """A simulated run of the campaign's shape and probes whose ranks append their records to ``records``."""
+def new_run(
+    config: CampaignConfig,
+    faults: Sequence[Any],
+    records: list,
+    run_id: str,
+    guard: Any = None,
+    fault_bounds: bool = False,
+) -> Any:
+    """A simulated run of the campaign's shape and probes whose ranks append their records to ``records``
+    (``fault_bounds``: its injections carry the bound of the checksum covering their tensor,
+    :mod:`sdcwatch.testbed.fault_bounds`; not under a layout)."""
     from sdcwatch.telemetry.presets import probe_config
     from sdcwatch.testbed.simulated import SimulatedRun
 
@@ -437,10 +445,11 @@ def new_run(config: CampaignConfig, faults: Sequence[Any], records: list, run_id
 
     run_class: Any = SimulatedRun
     layout: Any = config.world
+    extra: dict[str, Any] = {"fault_bounds": fault_bounds}
     if config.parallel is not None:  # tensor x pipeline x data parallel ranks
         from sdcwatch.testbed.parallel3d import ParallelSimulatedRun
 
-        run_class, layout = ParallelSimulatedRun, config.parallel
+        run_class, layout, extra = ParallelSimulatedRun, config.parallel, {}
     return run_class(
         layout,
         seed=config.seed,
@@ -449,6 +458,7 @@ def new_run(config: CampaignConfig, faults: Sequence[Any], records: list, run_id
         batch_size=config.batch_size,
         guard=guard,
         probes=probe_config(config.probes)[1],
+        **extra,
     )
 
 
@@ -458,47 +468,30 @@ def run_branch(
     """Run ``branch_steps`` from the checkpoint with ``faults`` on the data stream ``data_seed``."""
     t0 = time.perf_counter()
     records: list = []
-    run = new_run(config, faults, records, run_id)
-    bounds: dict = {}
-    culprits = {(f.step, f.rank) for f in faults if f.rank is not None}
-    for w in run.watches:
-        if w.checksums is not None:
-            w.checksums.keep_bounds = bool(culprits)
-
-    def keep_bounds(step: int, run: Any) -> None:
-        """The checksum bounds on the fault's rank at the fault's step: what a checksum could see."""
-        for w in run.watches:
-            if w.checksums is None:
-                continue
-            if any((step, r) in culprits for r in range(run.world) if run.watches[r] is w):
-                bounds.update({k: float(v) for k, v in w.checksums.bounds.items()})
-            w.checksums.bounds.clear()
-
+    run = new_run(config, faults, records, run_id, fault_bounds=bool(faults))
     try:
         run.load_checkpoint(checkpoint)
         run.seed = data_seed  # the branch's own data stream; both twins use the same one
-        losses = run.train(config.branch_steps, on_step=keep_bounds if culprits else None)
+        losses = run.train(config.branch_steps)
         params = flat_params(run)
         injections = list(run.injector.injections)
     finally:
         run.close()  # emits the last step's record
-    return Branch(
-        frames_of(records, config.world, config.wire), losses, params, time.perf_counter() - t0, injections, bounds
-    )
+    return Branch(frames_of(records, config.world, config.wire), losses, params, time.perf_counter() - t0, injections)
 
 
 def fault_visibility(fault: Any, branch: Branch) -> dict[str, Any]:
-    """How big the fault's change was against the checksum bound of the tensor it hit.
+    """How big the fault's change was against the checksum bound of the tensor it hit: a property
+    of the fault alone, whatever the probes checked.
 
     ``detectable``: the change of the element exceeds the bound of the check that covers it (the
     forward checksum of the product whose output it is, the weight- or bias-gradient checksum,
-    the weight check for a weight in memory); ``False`` when no checksum covers the tensor (a
-    container's output, an attention GEMM), ``None`` when the fault changed no single element.
-    ``direction`` of a flip: ``up`` when the magnitude grew, ``down`` when it shrank.
-    The bounds are the ones the probes computed at the fault's step, so under a sampled
-    configuration (the default checks every 16th step) a flip on an unchecked step reads not
-    detectable: compare configurations on the same faults (``--probes checksums`` gives every
-    flip's bound).
+    the weight check for a weight in memory), that bound computed when the fault was injected
+    from the tensors it hit (:mod:`sdcwatch.testbed.fault_bounds`), on a step the probes check or
+    not; ``False`` when no checksum covers the tensor (a container's output, the attention
+    logits), ``None`` when the fault changed no single element or its bound was not kept (under a
+    ``tp x pp x dp`` layout). ``check`` names the covering check; ``direction`` of a flip: ``up``
+    when the magnitude grew, ``down`` when it shrank.
     """
     hits = [
         i
@@ -506,22 +499,18 @@ def fault_visibility(fault: Any, branch: Branch) -> dict[str, Any]:
         if i.index is not None and i.step == fault.step and (fault.rank is None or i.rank == fault.rank)
     ]
     if not hits:
-        return {"detectable": None, "change": None, "bound": None, "direction": None}
+        return {"detectable": None, "change": None, "bound": None, "check": None, "direction": None}
     inj = hits[0]
     before, after = float(inj.before), float(inj.after)
     change = abs(after - before) if math.isfinite(after) and math.isfinite(before) else math.inf
-    if fault.where == "output":
-        key = ("gemm_fwd", inj.target)
-    elif fault.where == "grad":
-        key = ("gemm_bwd", inj.target)
-    else:
-        key = ("gemm_weight", inj.target)
-    bound = branch.bounds.get(key) if key else None
     direction = "up" if not math.isfinite(after) or abs(after) > abs(before) else "down"
+    covered = hasattr(inj, "check")  # a bounded injector's record (not kept under a layout)
+    check, bound = getattr(inj, "check", None), getattr(inj, "bound", None)
     return {
-        "detectable": bool(bound is not None and change > bound),
+        "detectable": (bound is not None and change > bound) if covered else None,
         "change": _num(change),
         "bound": bound,
+        "check": check,
         "direction": direction,
         "tensor": inj.target,
     }

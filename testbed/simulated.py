@@ -31,6 +31,7 @@ from sdcwatch.telemetry.gemm_canary import GemmCanary
 from sdcwatch.telemetry.guard_config import GuardConfig, GuardEviction
 from sdcwatch.telemetry.probes import ProbeConfig, Watch, canary_fingerprint
 from sdcwatch.testbed.corpus import Corpus
+from sdcwatch.testbed.fault_bounds import BoundedInjector
 from sdcwatch.testbed.model import GPT, GPTConfig
 
 __all__ = ["SimulatedRun", "shared_corpus"]
@@ -71,6 +72,7 @@ class SimulatedRun:
         corpus: Corpus | None = None,
         guard: GuardConfig | None = None,
         control: Any = None,
+        fault_bounds: bool = False,
     ) -> None:
         if isinstance(world, bool) or not isinstance(world, int) or world < 1:
             raise ConfigError("simulated.world", f"must be an integer >= 1, got {world!r}")
@@ -97,7 +99,10 @@ class SimulatedRun:
         self.params = [p for p in self.model.parameters()]
         self._sizes = [p.numel() for p in self.params]
         self.optimizer = torch.optim.Adam(self.params, lr=self.lr)
-        self.injector = FaultInjector(faults, rank=0).attach(self.model)
+        # with fault_bounds, each one-element fault records the bound of the checksum covering its
+        # tensor (testbed.fault_bounds): how a campaign tells the faults a checksum can see
+        self._injector_type = BoundedInjector if fault_bounds else FaultInjector
+        self.injector = self._injector_type(faults, rank=0).attach(self.model)
         for f in self.injector.faults:
             if f.rank is not None and f.rank >= world:
                 raise ConfigError("simulated.faults", f"fault on rank {f.rank} but world is {world}")
@@ -364,7 +369,7 @@ class SimulatedRun:
         gone = set(ranks)
         keep = [f for f in self.injector.faults if f.rank is None or f.rank not in gone]
         self.injector.detach()
-        self.injector = FaultInjector(keep, rank=0).attach(self.model)
+        self.injector = self._injector_type(keep, rank=0).attach(self.model)
         for r in gone:
             self._deltas.pop(r, None)
 

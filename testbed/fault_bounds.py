@@ -1,0 +1,179 @@
+"""What a checksum could see of a fault: the injector of the campaigns, which records with each
+one-element fault the rounding bound of the check that covers the tensor it hit.
+
+A fault is *detectable* when its change exceeds that bound: a property of the fault alone, not of
+the probes' sampling. :class:`BoundedInjector` computes the bound at injection time, from the
+tensors its hooks see, with the bound functions of :mod:`sdcwatch.telemetry.checksum` (the ones
+the checks hold their residuals to), on every step a fault fires, checked by the probes or not:
+
+* a linear layer's output (``nn.Linear``): :func:`~sdcwatch.telemetry.checksum.linear_bound` of
+  the call's input, weight and bias (the forward checksum, ``gemm_fwd``);
+* a product module's output (``_sdcwatch_gemm``, ``forward(a, b) = a @ b``):
+  :func:`~sdcwatch.telemetry.checksum.matmul_bound` of ``a`` and ``b``;
+* a linear layer's weight or bias gradient: :func:`~sdcwatch.telemetry.checksum.weight_grad_bound`
+  or :func:`~sdcwatch.telemetry.checksum.bias_grad_bound` of the layer's input and output gradient
+  in that backward (``gemm_bwd``; the injector keeps them for the fault's rank and step only);
+* a linear layer's weight or bias in memory: :func:`~sdcwatch.telemetry.checksum.memory_bound` of
+  the tensor as it was before the fault (``gemm_weight``).
+
+Any other tensor (a block's or a layer norm's output, the attention logits, an embedding, the
+gradient of a weight shared by several modules, which is a sum over uses) is covered by no
+checksum: its injections carry ``check=None``. The cost stays here: the training path's injector
+(:class:`~sdcwatch.telemetry.faults.FaultInjector`) computes nothing of this, and the time spent
+counts as the fault's (``cpu_seconds``), not the rank's.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from dataclasses import dataclass, fields
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from sdcwatch.telemetry.checksum import bias_grad_bound, linear_bound, matmul_bound, memory_bound, weight_grad_bound
+from sdcwatch.telemetry.faults import FaultInjector, FaultSpec, Injection
+from sdcwatch.telemetry.faultspec import ELEMENT_KINDS
+
+__all__ = ["BoundedInjector", "CoveredInjection"]
+
+
+@dataclass
+class CoveredInjection(Injection):
+    """An :class:`~sdcwatch.telemetry.faults.Injection` with the check that covers its tensor."""
+
+    check: str | None = None
+    """``gemm_fwd``, ``gemm_bwd`` or ``gemm_weight``; None when no checksum covers the tensor."""
+    bound: float | None = None
+    """That check's absolute rounding bound at the injection: a change above it breaks the check."""
+
+
+def _covered(inj: Injection, check: str | None, bound: float | None) -> CoveredInjection:
+    return CoveredInjection(**{f.name: getattr(inj, f.name) for f in fields(Injection)}, check=check, bound=bound)
+
+
+class BoundedInjector(FaultInjector):
+    """A :class:`~sdcwatch.telemetry.faults.FaultInjector` whose one-element injections are
+    :class:`CoveredInjection` s (module docstring). Same faults, same elements, same values."""
+
+    def __init__(self, faults: Any = (), *, rank: int = 0) -> None:
+        super().__init__(faults, rank=rank)
+        # per linear layer under a gradient fault: (input, output gradient) of its last use in a
+        # pass of the fault's rank and step (what the weight- and bias-gradient checks read)
+        self._grad_context: dict[str, list[torch.Tensor | None]] = {}
+
+    # -- wiring -------------------------------------------------------------------------------------
+    def attach(self, model: nn.Module, optimizer: Any = None) -> "BoundedInjector":
+        super().attach(model, optimizer)
+        owners = {}
+        for i, spec in enumerate(self.faults):
+            if spec.where != "grad" or spec.kind not in ELEMENT_KINDS:
+                continue
+            for pname, _ in self._param_targets.get(i, ()):
+                owner = pname.rpartition(".")[0]
+                if isinstance(self._modules.get(owner), nn.Linear):
+                    owners.setdefault(owner, []).append(spec)
+        for owner, specs in owners.items():
+            hook = functools.partial(self._keep_grad_context, owner, specs)
+            self._handles.append(self._modules[owner].register_forward_hook(hook))
+        return self
+
+    def _keep_grad_context(self, owner: str, specs: list[FaultSpec], module: nn.Module, args: Any, output: Any) -> None:
+        """On a pass of a gradient fault's rank and step: keep the layer's input, and its output
+        gradient when the backward computes it (it comes before the weight's gradient)."""
+        if not any(s.hits(self.step, self.rank) for s in specs):
+            return
+        x = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if x is None or not isinstance(output, torch.Tensor) or not output.requires_grad:
+            return
+        t0 = time.thread_time()
+        context: list[torch.Tensor | None] = [x.detach(), None]
+        self._grad_context[owner] = context
+
+        def keep(dy: torch.Tensor) -> None:
+            context[1] = dy.detach()
+
+        output.register_hook(keep)
+        self.cpu_seconds += time.thread_time() - t0
+
+    # -- the bounds ---------------------------------------------------------------------------------
+    def _bounded(self, start: int, covering: Callable[[], tuple[str | None, float | None]]) -> None:
+        """Give the one-element injections recorded from ``start`` on the check ``covering()`` names."""
+        new = [k for k in range(start, len(self.injections)) if self.injections[k].index is not None]
+        if not new:
+            return
+        t0 = time.thread_time()
+        check, bound = covering()
+        for k in new:
+            self.injections[k] = _covered(self.injections[k], check, bound)
+        self.cpu_seconds += time.thread_time() - t0
+
+    def _output_hook(self, i: int, spec: FaultSpec, name: str):
+        inner = super()._output_hook(i, spec, name)
+
+        def hook(module: nn.Module, inputs: Any, output: Any) -> Any:
+            start = len(self.injections)
+            out = inner(module, inputs, output)
+            if len(self.injections) > start:
+                self._bounded(start, lambda: _forward_cover(module, inputs, output))
+            return out
+
+        return hook
+
+    def _grad_hook(self, i: int, spec: FaultSpec, pname: str):
+        inner = super()._grad_hook(i, spec, pname)
+        owner, _, which = pname.rpartition(".")
+
+        def hook(grad: torch.Tensor) -> Any:
+            start = len(self.injections)
+            out = inner(grad)
+            if len(self.injections) > start:
+                self._bounded(start, lambda: self._grad_cover(owner, which, grad))
+            return out
+
+        return hook
+
+    def _grad_cover(self, owner: str, which: str, grad: torch.Tensor) -> tuple[str | None, float | None]:
+        module = self._modules.get(owner)
+        context = self._grad_context.pop(owner, None)
+        if not isinstance(module, nn.Linear) or _shared(module, self._modules) or context is None:
+            return None, None
+        x, dy = context
+        if dy is None:
+            return None, None
+        if which == "weight":
+            return "gemm_bwd", weight_grad_bound(x, dy, grad)
+        return "gemm_bwd", bias_grad_bound(dy, grad)
+
+    def _apply(self, i: int, spec: FaultSpec, t: torch.Tensor, name: str, rng: Any) -> None:
+        start = len(self.injections)
+        cover: tuple[str | None, float | None] = (None, None)
+        if spec.where == "param":  # the bound of the weight as the optimizer left it, before the fault
+            owner = self._modules.get(name.rpartition(".")[0])
+            if isinstance(owner, nn.Linear) and t.dim() in (1, 2):
+                cover = ("gemm_weight", memory_bound(t))
+        super()._apply(i, spec, t, name, rng)
+        if spec.where == "param":
+            self._bounded(start, lambda: cover)
+
+
+def _forward_cover(module: nn.Module, inputs: Any, output: Any) -> tuple[str | None, float | None]:
+    """The forward checksum covering ``module``'s output, and its bound for this call."""
+    y = output[0] if isinstance(output, (tuple, list)) and output else output
+    if not isinstance(y, torch.Tensor) or not inputs or not isinstance(inputs[0], torch.Tensor):
+        return None, None
+    if isinstance(module, nn.Linear):
+        bias = module.bias if isinstance(module.bias, torch.Tensor) else None
+        return "gemm_fwd", linear_bound(inputs[0], module.weight, bias, y.dtype)
+    if getattr(module, "_sdcwatch_gemm", False) and len(inputs) >= 2 and isinstance(inputs[1], torch.Tensor):
+        return "gemm_fwd", matmul_bound(inputs[0], inputs[1], y.dtype)
+    return None, None
+
+
+def _shared(module: nn.Module, modules: dict[str, nn.Module]) -> bool:
+    """Whether ``module``'s weight belongs to another module too (tied embeddings): no gradient or
+    memory check covers it (its gradient is a sum over uses)."""
+    w = getattr(module, "weight", None)
+    return sum(1 for m in modules.values() if m is not module and getattr(m, "weight", None) is w) > 0
