@@ -1,10 +1,22 @@
 """The incident book: folds findings into incidents, one per problem, and announces each change.
 
-A finding opens an incident or updates the open one with the same key: (run, kind) for problems
-of the whole job (a loss spike, non-finite values, diverged replicas), (run, kind, rank) for
-rank-local ones (SDC suspected on rank 5, a straggler). An incident resolves once its signal has
-been quiet for ``quiet_steps`` steps of its run. Info findings never open incidents.
-Every change (opened, updated, resolved) goes to the sinks as an :class:`IncidentEvent`.
+A finding opens an incident or updates the open one of the same problem:
+
+- problems of the whole job (a loss spike, a missing rank, a guard action): one incident per
+  (run, kind);
+- rank-local problems (SDC suspected on rank 5, a checksum mismatch, a straggler): one incident
+  per (run, kind, rank); a finding naming several ranks updates each rank's own incident;
+- the job-level kinds that blame ranks (non-finite values, diverged replicas): one incident per
+  *onset*. A finding continues the open incident that already blames its rank(s); ranks that no
+  open incident of the kind blames are a new fault and open a new incident at this step, naming
+  only them (a NaN on rank 5 at step 300 is not folded into rank 1's NaN of step 45, whether or
+  not that one is still open). What spreads from one fault within its step (the all-reduce, the
+  pipeline) is the detector's to tell: it names the origin only, and lists the ranks reached in
+  the evidence. A finding that blames no rank joins the kind's most recently active incident.
+
+An incident resolves once its signal has been quiet for ``quiet_steps`` steps of its run. Info
+findings never open incidents. Every change (opened, updated, resolved) goes to the sinks as an
+:class:`IncidentEvent`.
 """
 
 from __future__ import annotations
@@ -12,10 +24,10 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import replace
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Sequence
 
 from sdcwatch.core.jsonsafe import parse_float
-from sdcwatch.core.kinds import RANK_FAULT_KINDS, RANK_LOCAL_KINDS, SPIKE_KINDS
+from sdcwatch.core.kinds import LOCALISING_KINDS, RANK_FAULT_KINDS, RANK_LOCAL_KINDS, SPIKE_KINDS
 from sdcwatch.core.validate import check_positive
 from sdcwatch.core.incident import Finding, Incident, IncidentEvent, Severity
 
@@ -54,6 +66,43 @@ def _event(change: str, inc: Incident) -> IncidentEvent:
     return IncidentEvent(change, replace(inc, evidence=dict(inc.evidence)))
 
 
+def _family(kind: str) -> str:
+    """The kinds that share one incident: a rank fault seen more clearly over time escalates in place."""
+    return "rank_fault" if kind in RANK_FAULT_KINDS else kind
+
+
+#: Job-level kinds that blame ranks: one incident per onset (the module docstring).
+_ONSET_KINDS = LOCALISING_KINDS - RANK_LOCAL_KINDS
+
+
+def _narrow(f: Finding, ranks: tuple[int, ...], hosts: Sequence[str] | None) -> Finding:
+    """The part of ``f`` about ``ranks`` only: their coordinates and hosts, and the metric and layer
+    of their first listed hit (``evidence["hits"]``, when the detector lists them). The message is
+    the step's, about every rank of ``f``; ``evidence["finding_ranks"]`` lists those."""
+    if ranks == f.ranks:
+        return f
+    where = dict(zip(f.ranks, f.coords))
+    if hosts is not None:
+        named = tuple(sorted({hosts[r] for r in ranks if 0 <= r < len(hosts)} - {""}))
+    else:  # without the host table, one host can only be every rank's
+        named = f.hosts if len(f.hosts) == 1 else ()
+    metric, layer = f.metric, f.layer
+    hits = f.evidence.get("hits")
+    if isinstance(hits, list):
+        hit = next((h for h in hits if isinstance(h, dict) and h.get("rank") in ranks), None)
+        if hit is not None and "metric" in hit:
+            metric, layer = str(hit["metric"]), hit.get("layer")
+    return replace(
+        f,
+        ranks=ranks,
+        hosts=named,
+        coords=tuple(where.get(r, {}) for r in ranks) if f.coords else (),
+        metric=metric,
+        layer=layer,
+        evidence={**f.evidence, "finding_ranks": list(f.ranks[:_MAX_RANKS])},
+    )
+
+
 class IncidentBook:
     """Open and recently resolved incidents, counters, and the sinks that hear of every change."""
 
@@ -79,74 +128,106 @@ class IncidentBook:
 
     @staticmethod
     def key(f: Finding) -> tuple:
-        kind = "rank_fault" if f.kind in RANK_FAULT_KINDS else f.kind
+        """The key of the incident ``f`` opens (see the module docstring: per kind, per rank, or
+        per onset step for the job-level kinds that blame ranks)."""
+        family = _family(f.kind)
         if f.kind in RANK_LOCAL_KINDS and f.ranks:
-            return (f.run, kind, f.ranks[0])
-        return (f.run, kind)
+            return (f.run, family, f.ranks[0])
+        if f.kind in _ONSET_KINDS:
+            return (f.run, family, f.step)
+        return (f.run, family)
 
     # -- folding ------------------------------------------------------------------------------
 
-    def add(self, findings: Iterable[Finding]) -> list[IncidentEvent]:
-        """Fold findings into incidents; returns the events (opened / updated) they caused."""
+    def add(self, findings: Iterable[Finding], hosts: Sequence[str] | None = None) -> list[IncidentEvent]:
+        """Fold findings into incidents; returns the events (opened / updated) they caused.
+        ``hosts`` is the run's host table (index = rank), used to name the hosts of each part of a
+        finding whose ranks belong to different incidents."""
         events: list[IncidentEvent] = []
         for f in findings:
             if f.severity is Severity.INFO:
                 continue
-            k = self.key(f)
-            inc = self._open.get(k)
-            if inc is None:
-                inc = Incident(
-                    id=f"{f.run}:{f.kind}:{f.step}" + (f":r{f.ranks[0]}" if len(k) == 3 else ""),
-                    run=f.run,
-                    kind=f.kind,
-                    severity=f.severity,
-                    first_step=f.step,
-                    last_step=f.step,
-                    message=f.message,
-                    ranks=f.ranks[:_MAX_RANKS],
-                    hosts=f.hosts[:_MAX_RANKS],
-                    metric=f.metric,
-                    layer=f.layer,
-                    score=f.score,
-                    evidence=dict(f.evidence),
-                    detector=f.detector,
-                    peak_step=f.step,
-                    opened_at=self.clock(),
-                    coords=f.coords[:_MAX_RANKS],
-                )
-                self._open[k] = inc
-                self.opened_total[(f.kind, f.severity.value)] = self.opened_total.get((f.kind, f.severity.value), 0) + 1
-                if self.history is not None:
-                    self.history.append(inc)
-                events.append(_event("opened", inc))
-                continue
-            changed = False
-            inc.last_step = max(inc.last_step, f.step)
-            if f.severity.rank > inc.severity.rank:
-                inc.severity, changed = f.severity, True
-                if f.kind != inc.kind:  # escalation (silent drift -> SDC suspected) names the new kind,
-                    inc.kind = f.kind  # and counts as an incident of that kind being opened
-                    self.opened_total[(f.kind, f.severity.value)] = (
-                        self.opened_total.get((f.kind, f.severity.value), 0) + 1
-                    )
-            ranks = tuple(sorted(set(inc.ranks) | set(f.ranks)))[:_MAX_RANKS]
-            if ranks != inc.ranks:
-                if inc.coords or f.coords:  # each rank's coordinates, in the order of ranks
-                    where = {**dict(zip(f.ranks, f.coords)), **dict(zip(inc.ranks, inc.coords))}
-                    inc.coords = tuple(where.get(r, {}) for r in ranks)
-                inc.ranks, changed = ranks, True
-                inc.hosts = tuple(sorted(set(inc.hosts) | set(f.hosts)))[:_MAX_RANKS]
-            if f.score > inc.score:
-                inc.score, inc.peak_step = f.score, f.step
-            inc.evidence = {**inc.evidence, **f.evidence}
-            # the message follows a new spike onset or an escalation; not every step's wording. The
-            # metric and layer are the message's: an incident says one thing
-            if f.message != inc.message and (changed or f.evidence.get("phase") == "onset"):
-                inc.message, changed = f.message, True
-                inc.metric, inc.layer = f.metric or inc.metric, f.layer if f.layer is not None else inc.layer
-            if changed:
-                events.append(_event("updated", inc))
+            for k, part in self._place(f, hosts):
+                events += self._fold(k, part)
         return events
+
+    def _place(self, f: Finding, hosts: Sequence[str] | None) -> list[tuple[tuple, Finding]]:
+        """(incident key, the part of ``f`` that goes there) for each incident ``f`` feeds."""
+        if f.kind in RANK_LOCAL_KINDS and f.ranks:  # each rank its own incident
+            return [(self.key(part), part) for part in (_narrow(f, (r,), hosts) for r in dict.fromkeys(f.ranks))]
+        if f.kind not in _ONSET_KINDS:
+            return [(self.key(f), f)]
+        family = _family(f.kind)
+        mine = [(k, inc) for k, inc in self._open.items() if inc.run == f.run and _family(inc.kind) == family]
+        if not f.ranks:  # blames no rank: the kind's latest incident goes on, or this one begins
+            if mine:
+                return [(max(mine, key=lambda ki: (ki[1].last_step, ki[1].first_step))[0], f)]
+            return [(self.key(f), f)]
+        holder: dict[int, tuple] = {}
+        for k, inc in mine:
+            for r in inc.ranks:
+                holder.setdefault(r, k)
+        listed = f.ranks[:_MAX_RANKS]  # what an incident lists; the rest go with the first part
+        parts: dict[tuple, list[int]] = {}
+        for r in listed:
+            parts.setdefault(holder.get(r, self.key(f)), []).append(r)
+        if len(parts) == 1:
+            return [(next(iter(parts)), f)]
+        first = holder.get(listed[0], self.key(f))
+        parts[first] += f.ranks[_MAX_RANKS:]
+        return [(k, _narrow(f, tuple(ranks), hosts)) for k, ranks in parts.items()]
+
+    def _fold(self, k: tuple, f: Finding) -> list[IncidentEvent]:
+        """Open the incident ``k`` with ``f``, or update it; the events that caused."""
+        inc = self._open.get(k)
+        if inc is None:
+            inc = Incident(
+                id=f"{f.run}:{f.kind}:{f.step}" + (f":r{f.ranks[0]}" if f.kind in RANK_LOCAL_KINDS and f.ranks else ""),
+                run=f.run,
+                kind=f.kind,
+                severity=f.severity,
+                first_step=f.step,
+                last_step=f.step,
+                message=f.message,
+                ranks=f.ranks[:_MAX_RANKS],
+                hosts=f.hosts[:_MAX_RANKS],
+                metric=f.metric,
+                layer=f.layer,
+                score=f.score,
+                evidence=dict(f.evidence),
+                detector=f.detector,
+                peak_step=f.step,
+                opened_at=self.clock(),
+                coords=f.coords[:_MAX_RANKS],
+            )
+            self._open[k] = inc
+            self.opened_total[(f.kind, f.severity.value)] = self.opened_total.get((f.kind, f.severity.value), 0) + 1
+            if self.history is not None:
+                self.history.append(inc)
+            return [_event("opened", inc)]
+        changed = False
+        inc.last_step = max(inc.last_step, f.step)
+        if f.severity.rank > inc.severity.rank:
+            inc.severity, changed = f.severity, True
+            if f.kind != inc.kind:  # escalation (silent drift -> SDC suspected) names the new kind,
+                inc.kind = f.kind  # and counts as an incident of that kind being opened
+                self.opened_total[(f.kind, f.severity.value)] = self.opened_total.get((f.kind, f.severity.value), 0) + 1
+        ranks = tuple(sorted(set(inc.ranks) | set(f.ranks)))[:_MAX_RANKS]
+        if ranks != inc.ranks:
+            if inc.coords or f.coords:  # each rank's coordinates, in the order of ranks
+                where = {**dict(zip(f.ranks, f.coords)), **dict(zip(inc.ranks, inc.coords))}
+                inc.coords = tuple(where.get(r, {}) for r in ranks)
+            inc.ranks, changed = ranks, True
+            inc.hosts = tuple(sorted(set(inc.hosts) | set(f.hosts)))[:_MAX_RANKS]
+        if f.score > inc.score:
+            inc.score, inc.peak_step = f.score, f.step
+        inc.evidence = {**inc.evidence, **f.evidence}
+        # the message follows a new spike onset or an escalation; not every step's wording. The
+        # metric and layer are the message's: an incident says one thing
+        if f.message != inc.message and (changed or f.evidence.get("phase") == "onset"):
+            inc.message, changed = f.message, True
+            inc.metric, inc.layer = f.metric or inc.metric, f.layer if f.layer is not None else inc.layer
+        return [_event("updated", inc)] if changed else []
 
     def advance(self, run: str, step: int) -> list[IncidentEvent]:
         """The run reached ``step``: resolve its incidents quiet for ``quiet_steps`` steps."""

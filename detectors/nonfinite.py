@@ -12,8 +12,10 @@ at the same layer; the rank that saw it first in its forward pass (the smallest
 as ``tensor_parallel_followers``. Records without that scalar (and ranks tied on it) are placed by
 their first bad layer metric in forward order, as before.
 A rank's own ``nonfinite`` counter (NaN/Inf the
-probes saw in gradients or activations) counts too. The incident book keeps one incident per run
-for it, so a run that stays NaN for 16,000 steps raises one alert, not 16,000.
+probes saw in gradients or activations) counts too. A streak of non-finite steps keeps naming the rank(s) it began on while they stay
+bad, and the incident book keeps one incident per onset (:mod:`sdcwatch.detectors.incidents`), so
+a run that stays NaN for 16,000 steps raises one alert, not 16,000, and a later NaN on other ranks
+(once the first fault's ranks are clean again) raises its own.
 """
 
 from __future__ import annotations
@@ -291,6 +293,8 @@ class NonFiniteDetector(SplitDetector):
             "counted": sorted(counted_ranks),
             "global": sorted(global_ranks),
         }
+        if not frame.complete:  # a streak's origin may be among them: it says nothing this step
+            seen["absent"] = np.flatnonzero(~frame.present).tolist()
         if local_ranks - forward_ranks:  # ranks whose own bad values are all gradients
             seen["backward_only"] = sorted(local_ranks - forward_ranks)
         first = self._first_bad(frame, forward_ranks)
@@ -335,7 +339,16 @@ class NonFiniteDetector(SplitDetector):
         # of its own (a NaN the probes saw inside an activation that reached nothing else).
         culprits = local_ranks or counted_ranks
         coords = known_coords(frame)
-        streak = self._origin is not None and self._last_bad is not None and 0 < frame.step - self._last_bad <= 1
+        # the streak goes on while its origin is still bad (or silent): one step after a rank's NaN
+        # reaches the all-reduce every rank has bad values of its own, the origin's among them. A
+        # new fault on other ranks while the origin is clean again is a new onset, judged afresh
+        # (the all-reduced values and the counters that count them say nothing of who is bad)
+        streak = (
+            self._origin is not None
+            and self._last_bad is not None
+            and 0 < frame.step - self._last_bad <= 1
+            and (not self._origin or bool(set(self._origin) & (culprits | set(seen.get("absent", ())))))
+        )
         self._last_bad = frame.step
         downstream: set[int] = set()
         tensor_peers: set[int] = set()

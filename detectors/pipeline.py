@@ -310,7 +310,7 @@ class DetectionPipeline:
                 self.findings_total[k] = self.findings_total.get(k, 0) + 1
             findings += found
         findings = _name_coords(st.attribution.apply(summary.step, summary.world, findings), summary.coords)
-        return self.book.add(findings) + self.book.advance(summary.run, summary.step)
+        return self.book.add(findings, summary.hosts) + self.book.advance(summary.run, summary.step)
 
     # -- reading ------------------------------------------------------------------------------
 
