@@ -31,7 +31,7 @@ from sdcwatch.detectors.base import SplitDetector, StepContext
 from sdcwatch.detectors.registry import register
 from sdcwatch.detectors.frame import StepFrame
 from sdcwatch.core.incident import Finding, Severity
-from sdcwatch.core.names import FIRST_BAD, RATIO_METRICS
+from sdcwatch.core.names import CANARY_PRODUCT, FIRST_BAD, RATIO_METRICS
 from sdcwatch.core.mesh import DIMS
 from sdcwatch.detectors.peers import KEYS, group_keys, known_coords, rank_label
 
@@ -39,7 +39,7 @@ __all__ = ["NonFiniteDetector"]
 
 _COUNTERS = ("nonfinite",)  # scalars that count non-finite values seen inside the rank
 #: bookkeeping counters and positions, not model values
-_SKIP = ("emitter_dropped", FIRST_BAD)
+_SKIP = ("emitter_dropped", FIRST_BAD, CANARY_PRODUCT)
 #: values computed from the all-reduced gradient or loss: identical on every rank, so a NaN there
 #: spreads to all ranks and does not say which rank produced it
 _GLOBAL = ("grad_norm_global", "loss_global", "grad_cosine")

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from sdcwatch.core.kinds import IncidentKind
+from sdcwatch.core.names import CANARY_PRODUCT
 from sdcwatch.core.validate import check_positive
 from sdcwatch.detectors.base import SplitDetector, StepContext
 from sdcwatch.detectors.registry import register
@@ -31,12 +32,29 @@ from sdcwatch.core.incident import Finding, Severity
 from sdcwatch.core.mesh import DIMS, format_coords, replica_key
 from sdcwatch.detectors.peers import Groups, coords_of, group_keys, known_coords, rank_label
 
-__all__ = ["ReplicaDivergenceDetector", "ReplicaConfig", "majority", "PEER_VOTED"]
+__all__ = ["ReplicaDivergenceDetector", "ReplicaConfig", "majority", "checked_product", "PEER_VOTED"]
 
 #: Float scalars that must agree exactly across replicas (compared by their bits).
 REPLICA_SCALARS = ("grad_norm_global",)
 #: Fingerprints of unsharded computations: equal across the whole peer group, voted there.
 PEER_VOTED = frozenset({"canary_fp", "gemm_canary_fp"})
+#: The per-product canary's fingerprint: which product it checked comes with it (``CANARY_PRODUCT``).
+_PRODUCT_FP = "gemm_canary_fp"
+
+
+def checked_product(frame: StepFrame, ranks: Any) -> int | None:
+    """The product the per-product canary checked at ``frame``'s step (the index every rank sends
+    as ``gemm_canary_product`` with its ``gemm_canary_fp``; ingest bounds it as a counter): the value
+    most of ``ranks`` sent, when it is a whole number; None when none sent one (older probes)."""
+    col = frame.scalar(CANARY_PRODUCT)
+    if col is None:
+        return None
+    v = col[np.asarray(ranks, np.int64)]
+    v = v[np.isfinite(v) & (v >= 0) & (v == np.floor(v))]
+    if not v.size:
+        return None
+    values, counts = np.unique(v, return_counts=True)
+    return int(values[counts.argmax()])
 
 
 def majority(values: np.ndarray) -> tuple[np.ndarray | None, np.ndarray]:
@@ -126,7 +144,17 @@ class ReplicaDivergenceDetector(SplitDetector):
                 odd_by_metric[name] = idx[differs].tolist()
         if not odd_by_metric and not split:
             return None
-        return {"odd": odd_by_metric, "split": split}
+        return self._with_product(frame, {"odd": odd_by_metric, "split": split})
+
+    @staticmethod
+    def _with_product(frame: StepFrame, vote: dict[str, Any]) -> dict[str, Any]:
+        """``vote``, with the product the canary checked when the canary is among what disagrees."""
+        if _PRODUCT_FP in vote["odd"] or _PRODUCT_FP in vote["split"]:
+            j = frame.fp_names.index(_PRODUCT_FP)
+            product = checked_product(frame, np.flatnonzero(frame.fp_present[:, j] & frame.present))
+            if product is not None:
+                vote["product"] = product
+        return vote
 
     def _observe_groups(self, frame: StepFrame) -> dict[str, Any] | None:
         """The vote within each replica group (peer group for :data:`PEER_VOTED`): one comparison
@@ -165,13 +193,17 @@ class ReplicaDivergenceDetector(SplitDetector):
         out: dict[str, Any] = {"odd": odd_by_metric, "split": split}
         if split_ranks:
             out["split_ranks"] = {k: v[: 4 * self.max_listed] for k, v in split_ranks.items()}
-        return out
+        return self._with_product(frame, out)
 
     def judge(self, frame: StepContext, vote: dict[str, Any] | None) -> list[Finding]:
         if vote is None:
             return []
         odd_by_metric: dict[str, list[int]] = vote["odd"]
         split: list[str] = vote["split"]
+        product = vote.get("product")
+        # the canary's product is named like a layer: an index whose meaning its metric gives
+        named = {_PRODUCT_FP: f"{_PRODUCT_FP} (product {product})"} if product is not None else {}
+        checked = {"gemm_canary_product": int(product)} if product is not None else {}
         if odd_by_metric:
             ranks = tuple(sorted({int(r) for v in odd_by_metric.values() for r in v}))
             metric = next(iter(odd_by_metric))
@@ -179,7 +211,7 @@ class ReplicaDivergenceDetector(SplitDetector):
             who = ", ".join(rank_label(frame, r)[5:] for r in ranks[: self.max_listed])
             msg = (
                 f"SDC suspected: replica divergence at step {frame.step}: rank {who} "
-                f"disagree(s) with the majority on {', '.join(odd_by_metric)}"
+                f"disagree(s) with the majority on {', '.join(named.get(m, m) for m in odd_by_metric)}"
             )
             return [
                 self._finding(
@@ -189,9 +221,11 @@ class ReplicaDivergenceDetector(SplitDetector):
                     ranks=ranks,
                     hosts=hosts,
                     metric=metric,
+                    layer=product if metric == _PRODUCT_FP else None,
                     evidence={
                         "metrics": {k: [int(r) for r in v[: self.max_listed]] for k, v in odd_by_metric.items()},
                         "split": split,
+                        **checked,
                     },
                 )
             ]
@@ -207,14 +241,16 @@ class ReplicaDivergenceDetector(SplitDetector):
                     frame,
                     score=float(len(members)),
                     metric=metric,
+                    layer=product if metric == _PRODUCT_FP else None,
                     message=(
-                        f"replicas split at step {frame.step}: no majority on {', '.join(split)}"
+                        f"replicas split at step {frame.step}: no majority on {', '.join(named.get(m, m) for m in split)}"
                         + (f" among the replicas of {shard}" if shard else "")
                         + f" (ranks {listed}; too few to tell which is wrong)"
                     ),
                     evidence={
                         "split": split,
                         "split_ranks": {k: [int(r) for r in v[: self.max_listed]] for k, v in split_ranks.items()},
+                        **checked,
                     },
                 )
             ]
@@ -223,8 +259,9 @@ class ReplicaDivergenceDetector(SplitDetector):
                 frame,
                 score=float(frame.world),
                 metric=split[0],
-                message=f"replicas split at step {frame.step}: no majority on {', '.join(split)}",
-                evidence={"split": split},
+                layer=product if split[0] == _PRODUCT_FP else None,
+                message=f"replicas split at step {frame.step}: no majority on {', '.join(named.get(m, m) for m in split)}",
+                evidence={"split": split, **checked},
             )
         ]
 

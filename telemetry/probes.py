@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from sdcwatch.core.errors import ConfigError
-from sdcwatch.core.names import ATTENTION_STATS
+from sdcwatch.core.names import ATTENTION_STATS, CANARY_PRODUCT
 from sdcwatch.telemetry import fingerprint as fp
 from sdcwatch.telemetry.activations import ActivationMax, layer_of_module
 from sdcwatch.telemetry.attention_layers import AttentionLayers
@@ -66,6 +66,7 @@ __all__ = [
     "sampled_heads",
     "sampled_queries",
     "canary_fingerprint",
+    "canary_product",
     "ATTENTION_STATS",
 ]
 
@@ -260,9 +261,11 @@ class Watch(GradientStats, AttentionLayers):
             and step % self.config.canary_every == 0
         ):
             self._fps["canary_fp"] = canary_fingerprint(self.model, self.canary_input)
+        host: dict[str, float] = dict(self._host_scalars)
         if self.gemm_canary is not None:  # a collective under FSDP2 (every rank): one product of a known input
             self.gemm_canary.report(step, self._fps)
-        host: dict[str, float] = dict(self._host_scalars)
+            if "gemm_canary_fp" in self._fps:  # which product: an incident on it names it
+                host.update(canary_product(self.gemm_canary, step))
         if step_time is None and self._last_time is not None:
             step_time = now - self._last_time
         if step_time is not None:
@@ -385,6 +388,13 @@ class Watch(GradientStats, AttentionLayers):
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def canary_product(canary: GemmCanary, step: int) -> dict[str, float]:
+    """``{CANARY_PRODUCT: index}`` of the product ``canary`` checks at ``step`` (its index in
+    ``canary.products``), sent with that step's ``gemm_canary_fp``; empty without a product."""
+    picked = canary.product_at(step)
+    return {} if picked is None else {CANARY_PRODUCT: float(canary.products.index(picked))}
 
 
 def _scalar(t: torch.Tensor) -> torch.Tensor:

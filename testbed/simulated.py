@@ -29,7 +29,7 @@ from sdcwatch.telemetry.faults import FaultInjector, FaultSpec
 from sdcwatch.telemetry.guard import Guard
 from sdcwatch.telemetry.gemm_canary import GemmCanary
 from sdcwatch.telemetry.guard_config import GuardConfig, GuardEviction
-from sdcwatch.telemetry.probes import ProbeConfig, Watch, canary_fingerprint
+from sdcwatch.telemetry.probes import ProbeConfig, Watch, canary_fingerprint, canary_product
 from sdcwatch.testbed.corpus import Corpus
 from sdcwatch.testbed.fault_bounds import BoundedInjector
 from sdcwatch.testbed.model import GPT, GPTConfig
@@ -290,6 +290,7 @@ class SimulatedRun:
         fps = self._param_fingerprints(s)
         canaries = self._canary_fingerprints(s, probe_cfg=cfg)
         products = self._gemm_canary_fingerprints(s)
+        checked = canary_product(self._gemm_canary, s) if products is not None else {}  # which product
         seconds = shared["seconds"] + time.thread_time() - t0
         loss_global = torch.stack(losses).mean()
         for r, w in enumerate(self.watches):
@@ -312,6 +313,7 @@ class SimulatedRun:
                 step_time=times[r] + seconds,
                 lr=self.lr * factors[r],
                 **guard_scalars,
+                **(checked if products is not None and products[r] is not None else {}),
             )
         self.step = s + 1
         self.data_pos = d + 1

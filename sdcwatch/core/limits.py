@@ -19,15 +19,15 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from sdcwatch.core.errors import ConfigError, RecordError
-from sdcwatch.core.names import FIRST_BAD
+from sdcwatch.core.names import CANARY_PRODUCT, FIRST_BAD
 
 __all__ = ["RecordLimits", "LimitError", "MAX_NAME_BYTES", "COUNTER_SCALARS", "DEAD_LETTER_REASONS", "reason_of"]
 
 #: Longest run or host name, in UTF-8 bytes: one rule for the codec, the validator and restore.
 MAX_NAME_BYTES = 1024
-#: Scalars that are counters (or, like ``nonfinite_first``, positions): finite, >= 0, at most
-#: ``RecordLimits.max_counter``.
-COUNTER_SCALARS = ("emitter_dropped", FIRST_BAD)
+#: Scalars that are counters (or, like ``nonfinite_first``, positions, and like
+#: ``gemm_canary_product``, indexes): finite, >= 0, at most ``RecordLimits.max_counter``.
+COUNTER_SCALARS = ("emitter_dropped", FIRST_BAD, CANARY_PRODUCT)
 #: Why a message went to the dead-letter topic (the ``reason`` label; a small, fixed set).
 DEAD_LETTER_REASONS = (
     "malformed",  # not a record: bad bytes, a bad field, trailing bytes

@@ -17,6 +17,7 @@ __all__ = [
     "SCALARS",
     "STEP_SCALARS",
     "FIRST_BAD",
+    "CANARY_PRODUCT",
     "LAYER_METRICS",
     "ATTENTION_STATS",
     "FINGERPRINTS",
@@ -54,6 +55,11 @@ TOPICS = {
 #: forward position (an ordinal of the probes' observations) of the first such output; the ranks
 #: of a tensor-parallel group that saw it first made it (:mod:`sdcwatch.telemetry.forward_order`).
 FIRST_BAD = "nonfinite_first"
+#: The scalar a rank sends with its ``gemm_canary_fp``: the index of the product the per-product
+#: canary checked at that step, in the rank's ``watch.gemm_canary.products`` (its ``nn.Linear``
+#: layers in registration order, :mod:`sdcwatch.telemetry.gemm_canary`): what a replica-divergence
+#: incident on the canary names as its layer.
+CANARY_PRODUCT = "gemm_canary_product"
 #: Well-known scalar names (others are allowed; these are what the probes and detectors use).
 SCALARS = (
     "loss",  # the rank's own micro-batch loss
@@ -69,6 +75,7 @@ SCALARS = (
     "act_max_module",  # which module produced act_max: an index into the rank's Watch.leaf_names
     "act_max_layer",  # the attention layer whose block holds that module (-1: outside every layer)
     FIRST_BAD,  # forward position of the first NaN/Inf/near-INF output the probes saw (only then sent)
+    CANARY_PRODUCT,  # the product the per-product canary checked at this step (sent with gemm_canary_fp)
 )
 #: Well-known per-layer metrics, one value per layer: the statistics one attention observation
 #: yields, in this order.
