@@ -16,6 +16,8 @@ from __future__ import annotations
 import argparse
 import collections
 import functools
+import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -64,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=150)
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--batch-size", type=int, default=32)
+    ap.add_argument("--out", help="write the results as JSON here")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     acc: collections.Counter = collections.Counter()
@@ -99,6 +102,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {label:50s} {us:8.1f} us/step  {100 * acc[label] / total:5.2f}% of the step")
     inside = sum(acc.values())
     print(f"  {'all of the above':50s} {inside / steps / 1e3:8.1f} us/step  {100 * inside / total:5.2f}% of the step")
+    if args.out:
+        result = {
+            "probes": name,
+            "batch_size": args.batch_size,
+            "steps": steps,
+            "step_ms": total / steps / 1e6,
+            "us_per_step": {label: acc[label] / steps / 1e3 for _, _, label in PIECES},
+            "all_us_per_step": inside / steps / 1e3,
+            "all_percent_of_step": 100 * inside / total,
+            "load_average": list(os.getloadavg()),
+        }
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     return 0
 
 

@@ -29,6 +29,7 @@ __all__ = [
     "parse_faults",
     "load_faults",
     "flip_bit",
+    "output_faults",
 ]
 
 
@@ -227,6 +228,7 @@ class FaultInjector:
             self.cpu_seconds += time.thread_time() - t0
             return out
 
+        hook.corrupts_output = True  # type: ignore[attr-defined]  # found by output_faults()
         return hook
 
     def _grad_hook(self, i: int, spec: FaultSpec, pname: str):
@@ -281,6 +283,22 @@ class FaultInjector:
         self.injections.append(
             Injection(self.step, self.rank, spec.kind, spec.where, name, index, before, flat[index].detach().clone())
         )
+
+
+def output_faults(module: Any) -> list[Any]:
+    """The forward hooks with which fault injectors corrupt ``module``'s output, in the order the
+    module runs them (empty when none is attached: the usual case).
+
+    Whoever computes the module's product outside a module call (the per-product canary,
+    :mod:`sdcwatch.telemetry.gemm_canary`, calls ``F.linear`` on its weights: the module's other
+    hooks are the probes', which skip it anyway) passes its result through them,
+    ``hook(module, inputs, output)`` and a non-None result replacing the output, as the module
+    call would: a simulated faulty device then corrupts that product too, as a real one would.
+    """
+    hooks = getattr(module, "_forward_hooks", None)
+    if not hooks:
+        return []
+    return [h for h in hooks.values() if getattr(h, "corrupts_output", False)]
 
 
 def _local(p: "torch.Tensor") -> "torch.Tensor":

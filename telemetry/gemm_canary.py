@@ -18,11 +18,14 @@ share of each layer and checks that share: the replicas of the share agree.
 seeded by the layer's shape (:func:`known_input`): the same on every rank and every run, without
 anything to ship or configure (the whole-model canary needs a user's ``canary_input``).
 
-**Through the faulty path.** The product is computed by calling the module itself, so that every
-forward hook it carries runs on the canary's output, a fault injector's included: a faulty
-device corrupts the canary's product as it corrupts the step's, and the simulated unhealthy node
-(a forward hook adding noise to the module's output, :mod:`sdcwatch.telemetry.faults`) must be
-seen the same way. The probes' own hooks skip it (:func:`~sdcwatch.telemetry.canary.canary_section`).
+**Through the faulty path.** The product is ``F.linear`` on the layer's own weight and bias, the
+kernel the layer's forward calls, so a faulty device corrupts the canary's product as it corrupts
+the step's. The simulated unhealthy node (a forward hook adding noise to the module's output,
+:mod:`sdcwatch.telemetry.faults`) must be seen the same way: the canary passes its product
+through the module's fault hooks (:func:`~sdcwatch.telemetry.faults.output_faults`), and through
+none of its other hooks, the probes' (which would skip it) and their module-call machinery (what
+most of the canary's cost was). A subclass with a forward of its own is called instead, with
+its hooks, the probes' skipping it (:func:`~sdcwatch.telemetry.canary.canary_section`).
 
 **When, and under FSDP2.** It runs in :meth:`Watch.step` after the step's forward and backward,
 outside any compiled graph (a choice read inside ``torch.compile``'d hooks would recompile on
@@ -50,10 +53,12 @@ import zlib
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from sdcwatch.telemetry import fingerprint as fp
 from sdcwatch.telemetry.canary import canary_section
+from sdcwatch.telemetry.faults import output_faults
 from sdcwatch.telemetry.gemm_state import is_shard
 
 __all__ = ["GemmCanary", "known_input", "ROWS"]
@@ -62,6 +67,7 @@ __all__ = ["GemmCanary", "known_input", "ROWS"]
 ROWS = 4
 
 _INPUTS: dict[tuple, torch.Tensor] = {}
+_LINEAR_FORWARD = nn.Linear.forward
 
 
 def known_input(in_features: int, out_features: int, dtype: torch.dtype, device: Any, rows: int = ROWS) -> torch.Tensor:
@@ -128,16 +134,27 @@ class GemmCanary:
 
     def _fingerprint(self, module: nn.Linear) -> torch.Tensor | None:
         w, b = module.weight, module.bias
-        with torch.no_grad(), canary_section():
-            if is_shard(w) or (b is not None and is_shard(b)):
-                whole = {"weight": _whole(w)}
-                if b is not None:
-                    whole["bias"] = _whole(b)
-                w = whole["weight"]
+        sharded = is_shard(w) or (b is not None and is_shard(b))
+        if type(module).forward is _LINEAR_FORWARD:  # the product itself, and the faults on its output
+            with torch.no_grad():
+                if sharded:
+                    w, b = _whole(w), None if b is None else _whole(b)
                 x = known_input(w.shape[1], w.shape[0], w.dtype, w.device)
-                y = torch.func.functional_call(module, whole, (x,))
-            else:
-                y = module(known_input(w.shape[1], w.shape[0], w.dtype, w.device))
+                y = F.linear(x, w, b)
+                for hook in output_faults(module):
+                    got = hook(module, (x,), y)
+                    y = y if got is None else got
+        else:  # a layer with a forward of its own: called, its own hooks too (the probes skip it)
+            with torch.no_grad(), canary_section():
+                if sharded:
+                    whole = {"weight": _whole(w)}
+                    if b is not None:
+                        whole["bias"] = _whole(b)
+                    w = whole["weight"]
+                    x = known_input(w.shape[1], w.shape[0], w.dtype, w.device)
+                    y = torch.func.functional_call(module, whole, (x,))
+                else:
+                    y = module(known_input(w.shape[1], w.shape[0], w.dtype, w.device))
         if not isinstance(y, torch.Tensor):
             return None
         return fp.fingerprint_device([y])

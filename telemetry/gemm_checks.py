@@ -37,7 +37,7 @@ from sdcwatch.telemetry.checksum import (
 )
 
 from sdcwatch.telemetry.gemm_state import GEMM_OBSERVERS, SealedWeight, StepChecks, is_shard, observe_gemm, stack_rows
-from sdcwatch.telemetry.gemm_state import holds_whole_rows, local_part
+from sdcwatch.telemetry.gemm_state import call_peaks, holds_whole_rows, local_part
 
 __all__ = ["GemmChecks", "observe_gemm"]
 
@@ -124,18 +124,17 @@ class GemmChecks:
     # -- forward ----------------------------------------------------------------------------------
     def _scanned(self, i: int, y: torch.Tensor) -> None:
         """A scanned step: the row sums of the product's output (a NaN, Inf or near-INF survives)."""
+        y = y if type(y) is torch.Tensor else local_part(y)  # a DTensor: this rank's part
         if isinstance(y, torch.Tensor) and y.is_floating_point() and y.numel():
             self._step.scanned(i)
             self._step.o_ys.append(accumulated_sum(y.detach(), -1, torch.float32).reshape(-1))
 
     def _linear_hook(self, i: int, module: nn.Linear, args: tuple, output: Any) -> None:
-        if not args:
-            return
+        if not args or not self.active():  # a scanned step (the usual one), or nothing: the least work first
+            return self._scanned(i, output) if args and self.scan() else None
         tensor_parallel = is_shard(module.weight)  # its forward weight a DTensor: the rank's part is checked
-        if not self.active() or tensor_parallel and not holds_whole_rows(module.weight):  # row-wise: the
-            if self.scan() or self.active():  # output is the ranks' products all-reduced, scanned only
-                self._scanned(i, local_part(output))
-            return
+        if tensor_parallel and not holds_whole_rows(module.weight):  # row-wise: the output is the ranks'
+            return self._scanned(i, output)  # products all-reduced, scanned only
         x, y = local_part(args[0]), local_part(output)
         if not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and y.is_floating_point()):
             return
@@ -344,7 +343,7 @@ class GemmChecks:
             if st.o_idx:
                 with torch.no_grad():
                     (idx,) = self._indices((tuple(st.o_idx),), st.o_ys[0].device)
-                    top = stack_rows(st.o_ys).abs_().amax(-1).float()
+                    top = call_peaks(st.o_ys).float()
                     out = {"gemm_out": torch.zeros(n, device=top.device).scatter_reduce_(0, idx, top, "amax")}
                     st.note(st.o_seq, top)
             self._reset()

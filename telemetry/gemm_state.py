@@ -19,6 +19,7 @@ __all__ = [
     "SealedWeight",
     "StepChecks",
     "stack_rows",
+    "call_peaks",
     "is_shard",
     "local_part",
     "holds_whole_rows",
@@ -55,6 +56,38 @@ def stack_rows(vectors: list[torch.Tensor]) -> torch.Tensor:
     if all(v.numel() == n for v in vectors):
         return torch.stack(vectors)
     return torch.nn.utils.rnn.pad_sequence(vectors, batch_first=True)
+
+
+_CHUNKS: dict[tuple, torch.Tensor] = {}
+
+
+def call_peaks(vectors: list[torch.Tensor]) -> torch.Tensor:
+    """The largest |value| of each of the calls' vectors, as one ``(calls,)`` tensor (NaN kept):
+    what ``stack_rows(vectors).abs_().amax(-1)`` gives, in a few operations whatever the lengths.
+
+    The step-end reduction of the every-step scan (``gemm_out``) runs on a cold cache, where each
+    operation costs more than its arithmetic, and zero-padding copies vector by vector. The
+    vectors' lengths share a factor (the tokens of the step: a linear layer's row sums are one per
+    token, an attention product's one per head and token): the concatenated vectors, cut into
+    rows of that length, are reduced at once, then each call's rows by one small scatter.
+    """
+    if len(vectors) == 1:
+        return vectors[0].abs().amax().reshape(1)
+    sizes = tuple(v.numel() for v in vectors)
+    chunk = math.gcd(*sizes)
+    if chunk < 64:  # no common length worth reducing by: pad
+        return stack_rows(vectors).abs_().amax(-1)
+    peaks = torch.cat(vectors).abs_().view(-1, chunk).amax(-1)
+    if peaks.numel() == len(vectors):  # every call one row (the same length)
+        return peaks
+    key = (sizes, peaks.device)
+    index = _CHUNKS.get(key)
+    if index is None:  # a step calls the products as the previous one did: cached
+        if len(_CHUNKS) > 64:
+            _CHUNKS.clear()
+        rows = torch.tensor([n // chunk for n in sizes])
+        index = _CHUNKS[key] = torch.repeat_interleave(torch.arange(len(sizes)), rows).to(peaks.device)
+    return torch.zeros(len(vectors), dtype=peaks.dtype, device=peaks.device).scatter_reduce_(0, index, peaks, "amax")
 
 
 class SealedWeight:

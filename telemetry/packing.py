@@ -54,16 +54,20 @@ def pack_step(
         values.append(nonfinite_extra)
     if len({v.device for v in values}) > 1:
         values = [v.to(values[0].device) for v in values]
-    floats = torch.stack(values) if values else None
+    parts = [torch.stack(values)] if values else []
     n_attn = 0
     if attn is not None:
-        floats = attn.reshape(-1).float() if floats is None else torch.cat([floats, attn.reshape(-1).float()])
+        parts.append(attn.reshape(-1))
         n_attn = attn.shape[0]
     extra_sizes = []  # per-layer vectors of other probes (checksums, residual stream)
     for name, vec in (layers or {}).items():
-        vec = vec.reshape(-1).float().to(floats.device if floats is not None else vec.device)
-        floats = vec if floats is None else torch.cat([floats, vec])
-        extra_sizes.append((name, vec.numel()))
+        parts.append(vec.reshape(-1))
+        extra_sizes.append((name, parts[-1].numel()))
+    floats = None
+    if parts:  # one concatenation (float32, on the first part's device), not one per part
+        dev = parts[0].device
+        parts = [p if p.dtype == torch.float32 and p.device == dev else p.float().to(dev) for p in parts]
+        floats = torch.cat(parts) if len(parts) > 1 else parts[0]
     fp_names = list(fingerprints)
     pieces = [floats.double().view(torch.int64)] if floats is not None else []
     if fp_names:

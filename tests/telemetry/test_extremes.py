@@ -77,3 +77,47 @@ def test_hugging_faces_own_masked_logits_give_the_smallest_unmasked_logit_of_eve
     for i, s in enumerate(spy.seen):
         smallest = float(s[s > lowest / 2].min())
         assert smallest < 0 and float(got[i]) == pytest.approx(smallest, rel=1e-6)
+
+
+class _Blocks(torch.nn.Module):
+    """Two blocks whose outputs are whatever the test sets (the hooks see them as the block outputs)."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Identity()) for _ in range(2))
+
+    def forward(self, xs):
+        return [b(x) for b, x in zip(self.blocks, xs)]
+
+
+@pytest.mark.parametrize(
+    "values, peak",
+    [
+        ([0.5, 2.0, 3.0], 3.0),  # all above zero: the largest
+        ([-4.0, -1.0, -0.5], 4.0),  # all below zero: the smallest's magnitude
+        # -inf is a mask mark, not a value: the minimum then counts for nothing, the maximum's magnitude does
+        ([float("-inf"), -3.0, 1.0], 1.0),
+        ([float("-inf"), -3.0, -2.0], 2.0),
+        ([float("inf"), 0.0, 1.0], math.inf),
+        ([-0.0, -0.0, -0.0], 0.0),
+        ([float("nan"), 1.0, -2.0], math.nan),
+    ],
+)
+def test_each_blocks_largest_magnitude_skips_minus_inf_and_keeps_nan(values, peak):
+    model = _Blocks()
+    stream = ResidualStream(model, n_attention=1)
+    model([torch.tensor(values), torch.tensor([1.0, -7.0])])
+    stream.observe_logits(0, torch.tensor([[float("-inf"), 2.0], [-3.0, float("nan")]]))
+    got = stream.collect()
+    first, second = (float(v) for v in got["stream_max"])
+    assert (math.isnan(first) if math.isnan(peak) else first == peak) and second == 7.0
+    assert math.isnan(float(got["attn_logit_max"][0])) and float(got["attn_logit_min"][0]) == 0.0
+    # a step that sees a block twice and the layers out of order: the largest per block, the smallest per layer
+    model([torch.tensor([1.0, -7.0]), torch.tensor([2.0])])
+    model([torch.tensor([-9.0]), torch.tensor([1.0])])
+    stream.observe_logits(1, torch.tensor([[-2.0, float("-inf")]]))
+    stream.observe_logits(0, torch.tensor([[-5.0, 4.0]]))
+    stream.observe_logits(1, torch.tensor([[-6.0, 3.0]]))
+    got = stream.collect(2)
+    assert got["stream_max"].tolist() == [9.0, 2.0]
+    assert got["attn_logit_max"].tolist() == [4.0, 3.0] and got["attn_logit_min"].tolist() == [-5.0, -6.0]

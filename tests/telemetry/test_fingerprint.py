@@ -76,3 +76,13 @@ def test_fingerprint_of_a_module_is_stable_across_copies():
     with torch.no_grad():
         m2.bias[1] += 1e-7 * abs(float(m2.bias[1])) + 1e-30
     assert fingerprint(list(m.parameters())) != fingerprint(list(m2.parameters()))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64, torch.int8])
+def test_one_tensors_fingerprint_is_the_combination_of_its_parts(dtype):
+    """The one-tensor shortcut (the canary's) gives the value the general combination gives."""
+    from sdcwatch.telemetry.fingerprint import combine_parts, tensor_parts
+
+    t = (1e3 * torch.randn(5, 7)).to(dtype)
+    assert int(fingerprint_device([t])) == int(combine_parts([tensor_parts(t)]))
+    assert int(fingerprint_device(iter([t]))) == int(fingerprint_device([t]))

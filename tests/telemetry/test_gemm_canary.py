@@ -79,6 +79,31 @@ def test_a_faulty_units_noise_reaches_the_canary_through_the_modules_own_hooks()
     assert int(ca.fingerprint(2)) == int(cb.fingerprint(2))
 
 
+def test_the_canary_is_the_layers_product_through_its_fault_hooks_and_no_other_hook():
+    """The product is ``F.linear`` on the layer's weights, passed through the fault injectors' output
+    hooks only (:func:`output_faults`): the module's other hooks (a probe's, a user's) never run."""
+    from sdcwatch.telemetry import fingerprint as fp
+    from sdcwatch.telemetry.faults import output_faults
+
+    a, b = _twins()
+    fc = b.blocks[0].mlp.fc
+    calls = []
+    fc.register_forward_hook(lambda m, args, out: calls.append(1))
+    assert output_faults(fc) == []
+    x = known_input(fc.in_features, fc.out_features, fc.weight.dtype, fc.weight.device)
+    with torch.no_grad():
+        clean = int(fp.fingerprint_device([torch.nn.functional.linear(x, fc.weight, fc.bias)]))
+    canary = GemmCanary(b)
+    assert int(canary.fingerprint(2)) == clean and calls == []
+    injector = FaultInjector([_noise(rank=1)], rank=1).attach(b)
+    injector.begin_step(5)
+    assert len(output_faults(fc)) == 1 and output_faults(b.blocks[0].mlp.proj) == []
+    assert int(canary.fingerprint(2)) != clean and calls == []  # the fault reaches it, the other hook does not run
+    assert int(canary.fingerprint(2)) == int(GemmCanary(b).fingerprint(2))  # the same noise at the same step
+    injector.detach()
+    assert output_faults(fc) == [] and int(canary.fingerprint(2)) == clean
+
+
 def test_the_probes_do_not_record_the_canary_and_report_it_every_step():
     """The canary's product goes through the module, not through the step's measurements: every other
     metric of the record is what it is with the canary off."""
