@@ -130,7 +130,7 @@ class FaultInjector:
                 for n in matched:
                     # first among the module's forward hooks, whenever the probes (or anything else)
                     # registered theirs: every observer sees the corrupted output, as with real hardware
-                    hook = self._output_hook(i, spec, n)
+                    hook = _OutputFault(self._output_hook(i, spec, n))  # whatever a subclass makes of it
                     self._handles.append(self._modules[n].register_forward_hook(hook, prepend=True))
         return self
 
@@ -228,7 +228,6 @@ class FaultInjector:
             self.cpu_seconds += time.thread_time() - t0
             return out
 
-        hook.corrupts_output = True  # type: ignore[attr-defined]  # found by output_faults()
         return hook
 
     def _grad_hook(self, i: int, spec: FaultSpec, pname: str):
@@ -285,6 +284,18 @@ class FaultInjector:
         )
 
 
+class _OutputFault:
+    """A fault injector's forward hook on a module's output, as :func:`output_faults` finds it."""
+
+    __slots__ = ("hook",)
+
+    def __init__(self, hook: Any) -> None:
+        self.hook = hook
+
+    def __call__(self, module: Any, inputs: Any, output: Any) -> Any:
+        return self.hook(module, inputs, output)
+
+
 def output_faults(module: Any) -> list[Any]:
     """The forward hooks with which fault injectors corrupt ``module``'s output, in the order the
     module runs them (empty when none is attached: the usual case).
@@ -298,7 +309,7 @@ def output_faults(module: Any) -> list[Any]:
     hooks = getattr(module, "_forward_hooks", None)
     if not hooks:
         return []
-    return [h for h in hooks.values() if getattr(h, "corrupts_output", False)]
+    return [h for h in hooks.values() if isinstance(h, _OutputFault)]
 
 
 def _local(p: "torch.Tensor") -> "torch.Tensor":

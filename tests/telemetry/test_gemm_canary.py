@@ -79,9 +79,13 @@ def test_a_faulty_units_noise_reaches_the_canary_through_the_modules_own_hooks()
     assert int(ca.fingerprint(2)) == int(cb.fingerprint(2))
 
 
-def test_the_canary_is_the_layers_product_through_its_fault_hooks_and_no_other_hook():
+@pytest.mark.parametrize("bounded", [False, True])
+def test_the_canary_is_the_layers_product_through_its_fault_hooks_and_no_other_hook(bounded):
     """The product is ``F.linear`` on the layer's weights, passed through the fault injectors' output
-    hooks only (:func:`output_faults`): the module's other hooks (a probe's, a user's) never run."""
+    hooks only (:func:`output_faults`): the module's other hooks (a probe's, a user's) never run.
+    An injector subclass that wraps the hooks (the campaign's, which records each fault's bound)
+    corrupts it alike."""
+    from sdcwatch.testbed.fault_bounds import BoundedInjector
     from sdcwatch.telemetry import fingerprint as fp
     from sdcwatch.telemetry.faults import output_faults
 
@@ -95,7 +99,7 @@ def test_the_canary_is_the_layers_product_through_its_fault_hooks_and_no_other_h
         clean = int(fp.fingerprint_device([torch.nn.functional.linear(x, fc.weight, fc.bias)]))
     canary = GemmCanary(b)
     assert int(canary.fingerprint(2)) == clean and calls == []
-    injector = FaultInjector([_noise(rank=1)], rank=1).attach(b)
+    injector = (BoundedInjector if bounded else FaultInjector)([_noise(rank=1)], rank=1).attach(b)
     injector.begin_step(5)
     assert len(output_faults(fc)) == 1 and output_faults(b.blocks[0].mlp.proj) == []
     assert int(canary.fingerprint(2)) != clean and calls == []  # the fault reaches it, the other hook does not run
