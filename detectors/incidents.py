@@ -50,6 +50,7 @@ def incident_from_dict(d: dict[str, Any]) -> Incident:
         hosts=tuple(d.get("hosts", ())),
         metric=d.get("metric", ""),
         layer=d.get("layer"),
+        layer_name=d.get("layer_name"),
         score=parse_float(d.get("score", 0.0)),
         evidence=dict(d.get("evidence", {})),
         detector=d.get("detector", ""),
@@ -193,6 +194,7 @@ class IncidentBook:
                 hosts=f.hosts[:_MAX_RANKS],
                 metric=f.metric,
                 layer=f.layer,
+                layer_name=f.layer_name,
                 score=f.score,
                 evidence=dict(f.evidence),
                 detector=f.detector,
@@ -227,6 +229,7 @@ class IncidentBook:
         if f.message != inc.message and (changed or f.evidence.get("phase") == "onset"):
             inc.message, changed = f.message, True
             inc.metric, inc.layer = f.metric or inc.metric, f.layer if f.layer is not None else inc.layer
+            inc.layer_name = f.layer_name if f.layer is not None else inc.layer_name
         return [_event("updated", inc)] if changed else []
 
     def advance(self, run: str, step: int) -> list[IncidentEvent]:

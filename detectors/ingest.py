@@ -31,6 +31,7 @@ from sdcwatch.core.errors import RecordError
 from sdcwatch.core.limits import COUNTER_SCALARS, LimitError, RecordLimits, reason_of
 from sdcwatch.core.columnar import MAGIC_V2, MessageHeader, Schema, parse_header, row_to_record
 from sdcwatch.core.record import Record, decode_message
+from sdcwatch.core.layer_names import NAMES_MAGIC, LayerNames, decode_names
 
 __all__ = [
     "check_schema",
@@ -217,8 +218,8 @@ class RecordColumns:
 
 
 def count_records(items: Sequence[Any]) -> int:
-    """Records in a list of decoded items (records and column blocks)."""
-    return sum(len(x) if isinstance(x, RecordColumns) else 1 for x in items)
+    """Records in a list of decoded items (records and column blocks; layer names are none)."""
+    return sum(len(x) if isinstance(x, RecordColumns) else 0 if isinstance(x, LayerNames) else 1 for x in items)
 
 
 def as_records(items: Iterable[Any]) -> list[Record]:
@@ -227,7 +228,7 @@ def as_records(items: Iterable[Any]) -> list[Record]:
     for x in items:
         if isinstance(x, RecordColumns):
             out.extend(x.to_records())
-        else:
+        elif not isinstance(x, LayerNames):
             out.append(x)
     return out
 
@@ -265,6 +266,7 @@ class IngestDecoder:
         self.clock = clock
         self._pending: deque[tuple[float, str, bytes | None, bytes, MessageHeader]] = deque()
         self._pending_bytes = 0
+        self._names: dict = {}  # layer-names payloads checked before (decode_names' cache)
 
     @property
     def pending(self) -> int:
@@ -282,6 +284,12 @@ class IngestDecoder:
                 continue
             if not isinstance(value, bytes):
                 value = bytes(value)
+            if value[:4] == NAMES_MAGIC:  # a rank's layer names (sdcwatch.core.layer_names)
+                try:
+                    items.append(decode_names(value, self.limits, self._names))
+                except RecordError as exc:
+                    rejected.append(_rejected(origin, key, value, exc))
+                continue
             if value[:4] != MAGIC_V2:
                 try:
                     items.extend(decode_message(value, self.limits))

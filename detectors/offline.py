@@ -28,6 +28,7 @@ from sdcwatch.core.errors import RecordError, ReplayError
 from sdcwatch.core.limits import RecordLimits
 from sdcwatch.core.record import Record
 from sdcwatch.core.record_json import from_json
+from sdcwatch.core.layer_names import LayerNames, is_names_line, names_from_json
 
 __all__ = [
     "replay",
@@ -83,8 +84,8 @@ def _is_jsonl(path: Path) -> bool:
     return False
 
 
-def read_records(path: str | Path) -> Iterator[Record]:
-    """Records from a JSON-lines file; ReplayError names the first bad line."""
+def read_records(path: str | Path) -> Iterator[Record | LayerNames]:
+    """Records (and layer names) from a JSON-lines file; ReplayError names the first bad line."""
     path = Path(path)
     with open(path, encoding="utf-8", errors="strict") as fh:
         lineno = 0
@@ -93,6 +94,9 @@ def read_records(path: str | Path) -> Iterator[Record]:
                 if not line.strip():
                     continue
                 try:
+                    if is_names_line(line):  # a rank's layer names (sdcwatch.core.layer_names)
+                        yield names_from_json(line, _LIMITS)
+                        continue
                     rec = from_json(line)
                     _LIMITS.check(rec)  # the service's limits: a file cannot size memory either
                     yield rec

@@ -23,6 +23,7 @@ from sdcwatch.detectors.frame import StepFrame, frame_stats
 from sdcwatch.detectors.run_state import RunState
 from sdcwatch.detectors.run_view import run_view
 from sdcwatch.detectors.incidents import IncidentBook
+from sdcwatch.detectors.layer_names import LayerNameBook
 from sdcwatch.detectors.registry import default_detectors
 from sdcwatch.detectors.lifecycle import RunLifecycle
 from sdcwatch.detectors.statefile import read_state, restoring, write_state
@@ -122,6 +123,7 @@ class DetectionPipeline:
         )
         self.aligner.admit = self._admit
         self.book = IncidentBook(self.settings.quiet_steps, clock=wall)
+        self.names = LayerNameBook(self.settings.max_runs)  # each run's layer names: incidents name modules
         self.lifecycle = RunLifecycle(
             self.settings.end_expiry, self.settings.idle_expiry, close_grace=self.settings.step_timeout, clock=wall
         )
@@ -140,7 +142,7 @@ class DetectionPipeline:
 
     def process(self, records: Iterable[Any]) -> list[IncidentEvent]:
         """Align records (v1 ``Record``, v2 ``RecordColumns``); run every closed step through the detectors."""
-        records, markers, restarted, new = self.lifecycle.sort_mixed(list(records))
+        records, markers, restarted, new = self.lifecycle.sort_mixed(self.names.take(records))
         self.records_total += (n := count_records(records))  # telemetry: end-of-run markers not counted
         self._arrived(n + len(markers))
         events: list[IncidentEvent] = []
@@ -188,6 +190,7 @@ class DetectionPipeline:
         st = self._runs.pop(run, None)
         events = self.book.close_run(run, st.last_step if st is not None else -1)
         self.book.forget_run(run)
+        self.names.forget(run)
         self.aligner.forget(run)
         self.order.forget(run)
         self.lifecycle.forget(run, why)
@@ -310,6 +313,7 @@ class DetectionPipeline:
                 self.findings_total[k] = self.findings_total.get(k, 0) + 1
             findings += found
         findings = _name_coords(st.attribution.apply(summary.step, summary.world, findings), summary.coords)
+        findings = self.names.enrich(findings, summary.run)  # a layer index names its module
         return self.book.add(findings, summary.hosts) + self.book.advance(summary.run, summary.step)
 
     # -- reading ------------------------------------------------------------------------------
@@ -401,6 +405,7 @@ class DetectionPipeline:
             "order": self.order.snapshot(),
             "summaries_total": self.summaries_total,
             "lifecycle": self.lifecycle.snapshot(),
+            "layer_names": self.names.snapshot(),
         }
 
     def restore(self, state: dict[str, Any]) -> None:
@@ -426,6 +431,7 @@ class DetectionPipeline:
         self.order.restore(state.get("order", {}))
         self.summaries_total = int(state.get("summaries_total", 0))
         self.lifecycle.restore(state.get("lifecycle", {}), runs=self._runs)
+        self.names.restore(state.get("layer_names", {}))
 
     def save(self, path: str | os.PathLike, state: dict[str, Any] | None = None) -> None:
         """Write the state (``state``, or a snapshot taken now); see :func:`~sdcwatch.detectors.statefile.write_state`."""

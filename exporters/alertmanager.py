@@ -58,7 +58,7 @@ def _describe(inc: Incident) -> str:
     if inc.coords:
         parts.append("coords " + incident_coords_label(inc.coords, limit=32))
     if inc.layer is not None:
-        parts.append(f"layer {inc.layer}")
+        parts.append(f"layer {inc.layer}" + (f" ({inc.layer_name})" if inc.layer_name else ""))
     if inc.metric:
         parts.append(f"metric {inc.metric}")
     score = float(inc.score)

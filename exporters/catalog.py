@@ -111,7 +111,7 @@ METRICS: tuple[MetricSpec, ...] = (
     _m(
         "sdcwatch_incident_info",
         "info",
-        ("run", "id", "kind", "severity", "state", "rank", "host", "layer", "metric", "detector"),
+        ("run", "id", "kind", "severity", "state", "rank", "host", "layer", "layer_name", "metric", "detector"),
         "One series per open or recently resolved incident, carrying its description as labels.",
     ),
     _m(

@@ -75,6 +75,11 @@ def incident_coords_label(coords: Sequence[dict[str, int]], limit: int = 8) -> s
     return ";".join(texts[:limit]) + f";...(+{len(texts) - limit})"
 
 
+def _bounded(value: str, limit: int = 128) -> str:
+    """A label value of at most ``limit`` characters (a module path is a few tens)."""
+    return value if len(value) <= limit else value[: limit - 3] + "..."
+
+
 def _hosts_label(hosts: Sequence[str], limit: int = 8) -> str:
     unique = list(dict.fromkeys(h for h in hosts if h))
     if len(unique) <= limit:
@@ -337,6 +342,7 @@ class SdcwatchCollector(Collector):
                     "rank": incident_rank_label(inc.ranks),
                     "host": _hosts_label(inc.hosts),
                     "layer": "" if inc.layer is None else str(inc.layer),
+                    "layer_name": _bounded(inc.layer_name or ""),
                     "metric": inc.metric,
                     "detector": inc.detector,
                 },

@@ -50,6 +50,8 @@ def _fields(event: IncidentEvent) -> list[tuple[str, object]]:
         fields.append(("coords", incident_coords_label(inc.coords, limit=32)))
     if inc.layer is not None:
         fields.append(("layer", inc.layer))
+    if inc.layer_name:
+        fields.append(("layer_name", inc.layer_name))
     if inc.metric:
         fields.append(("metric", inc.metric))
     fields.append(("score", f"{score:.4g}" if math.isfinite(score) else str(score)))

@@ -24,6 +24,7 @@ from sdcwatch.detectors.ingest import IngestDecoder, as_records
 from sdcwatch.telemetry.lifecycle import is_end_marker
 from sdcwatch.core.record import Record
 from sdcwatch.core.record_json import to_json
+from sdcwatch.core.layer_names import LayerNames, names_to_json
 
 __all__ = ["Capture", "KafkaTopicReader", "capture_main"]
 
@@ -48,9 +49,11 @@ class Capture:
     def take(self, values: Iterable[bytes | None]) -> int:
         """Decode and write the run's records among ``values`` (either wire: a v2 message's layout
         arrives ahead of it in its partition); returns how many were written."""
-        lines = []
         items, rejected = self.decoder.decode(("capture", None, value) for value in values)
         self.skipped += len(rejected)
+        # the run's layer names go along, so a replay of the file names the modules too
+        lines = [names_to_json(x) for x in items if isinstance(x, LayerNames) and x.run == self.run]
+        named = len(lines)
         for rec in as_records(items):
             if rec.run != self.run:
                 self.other += 1
@@ -60,8 +63,8 @@ class Capture:
         if lines:
             self.out.write("\n".join(lines) + "\n")
             self.out.flush()
-        self.records += len(lines)
-        return len(lines)
+        self.records += len(lines) - named
+        return len(lines) - named
 
     def _note(self, rec: Record) -> None:
         if is_end_marker(rec):

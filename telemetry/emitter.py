@@ -29,6 +29,7 @@ from sdcwatch.core.names import TELEMETRY_TOPIC
 from sdcwatch.core.columnar import WIRES, PackedRecord
 from sdcwatch.core.record import Record, validate
 from sdcwatch.telemetry.identity import identity_from_env
+from sdcwatch.telemetry.names_outbox import NamesOutbox
 
 __all__ = ["Emitter", "NullEmitter", "identity_from_env"]
 
@@ -159,6 +160,7 @@ class Emitter:
         self.end_marker = end_marker
         self.ended = False  # the end-of-run marker was confirmed by the bus
         self._last_step: int | None = None  # last step built into a record (sender thread)
+        self.names = NamesOutbox(self.run, self.rank, self.world)  # layer names, once per key window
         self._queue: collections.deque = collections.deque()
         self._inflight: list[Record] = []
         # records emit() may still queue: buffer minus what the sender holds; 0 once closed
@@ -183,6 +185,10 @@ class Emitter:
             if index >= self.world:
                 raise ConfigError(f"coords.{dim}", f"{index} out of range [0, {self.world}) (world size {self.world})")
         self.coords = checked
+
+    def set_names(self, names: Mapping[str, Sequence[str]]) -> None:
+        """This rank's layer names, ``{family: [module, ...]}`` (:mod:`sdcwatch.core.layer_names`)."""
+        self.names.set(names)
 
     # -- training-loop side -------------------------------------------------------------------
 
@@ -377,6 +383,7 @@ class Emitter:
                 rec = self._build(item)
                 if rec is not None:
                     batch.append(rec)
+                    self.names.note(rec.step)
                 n += 1
                 if n % _YIELD_EVERY == 0:
                     _time.sleep(0)  # let the training thread have the GIL: its emit() must not wait for a batch
@@ -404,6 +411,7 @@ class Emitter:
                     self.max_pending = pending
                 if not self._inflight:
                     continue
+            self.names.send(self.transport)
             try:
                 self.transport.send(self._inflight)
             except Exception as exc:

@@ -56,6 +56,7 @@ from sdcwatch.telemetry.gradients import GradientStats, unless_closure
 from sdcwatch.telemetry.mesh_torch import coords_from_mesh
 from sdcwatch.telemetry.packing import PackedStep, pack_step, unpack_step
 from sdcwatch.telemetry.probe_config import ProbeConfig
+from sdcwatch.telemetry.probe_names import NameHandoff
 
 __all__ = [
     "ProbeConfig",
@@ -139,6 +140,7 @@ class Watch(GradientStats, AttentionLayers):
             self._handles += self._tap.install(model)
         self._finite = FiniteChecks(self, model, optimizer=optimizer, external=external)
         self.checksums = self._finite.checksums  # GemmChecks: .names says which product each gemm_* layer is
+        self._names = NameHandoff(self)  # the emitter sends the name lists ahead of the records
         self.gemm_canary = None if external else GemmCanary.of(model, self.config)  # gemm_canary_fp
         self._sync_activation_hooks()
         self._group = None
@@ -341,6 +343,7 @@ class Watch(GradientStats, AttentionLayers):
             if module is not None and 0 <= module < len(self.leaf_names):
                 self.act_max_module = self.leaf_names[int(module)]
                 scalars["act_max_layer"] = float(layer_of_module(self.act_max_module, self.layer_names))
+            self._names()
             self.emitter.emit(step, layers=layers, fingerprints=fingerprints, **scalars)
         except Exception as exc:
             self._fail(exc)

@@ -27,6 +27,7 @@ from sdcwatch.core.names import TELEMETRY_TOPIC
 from sdcwatch.core.columnar import PackedRecord, decode_stream, encode_items
 from sdcwatch.core.record import KEY_WINDOW, Record, record_key
 from sdcwatch.core.record_json import to_json
+from sdcwatch.core.layer_names import LayerNames, names_to_json
 
 __all__ = [
     "Transport",
@@ -98,6 +99,12 @@ class MemoryTransport:
         pass
 
 
+def _json_line(item: Any) -> str:
+    if isinstance(item, LayerNames):
+        return names_to_json(item) + "\n"
+    return to_json(item.to_record() if isinstance(item, PackedRecord) else item) + "\n"
+
+
 class FileTransport:
     """Appends records as JSON lines (offline capture; ``sdcwatch replay`` reads them back)."""
 
@@ -112,9 +119,7 @@ class FileTransport:
                 if self._fh is None:
                     self.path.parent.mkdir(parents=True, exist_ok=True)
                     self._fh = open(self.path, "a", encoding="utf-8")
-                self._fh.write(
-                    "".join(to_json(r.to_record() if isinstance(r, PackedRecord) else r) + "\n" for r in records)
-                )
+                self._fh.write("".join(_json_line(r) for r in records))
                 self._fh.flush()
             except OSError as exc:
                 raise _unsent(f"cannot write {self.path}: {exc}", records) from None

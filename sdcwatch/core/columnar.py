@@ -37,6 +37,7 @@ import struct
 from typing import Any, Iterable, Sequence
 
 from sdcwatch.core.errors import RecordError
+from sdcwatch.core.layer_names import NAMES_MAGIC, LayerNames, encode_names
 from sdcwatch.core.schema import MAX_SCHEMA_BYTES, ROW_HEAD, PackedRecord, Schema, row_to_record, schema_for
 
 __all__ = [
@@ -109,7 +110,8 @@ def encode_message(records: Sequence[PackedRecord], *, with_schema: bool) -> byt
 def encode_items(
     items: Sequence[Any], key_of: Any, max_per_message: int, schemas_sent: set | None = None
 ) -> list[tuple[bytes, bytes, list]]:
-    """Bus messages for a transport: ``(key, value, items)``, v1 records and v2 packed records alike.
+    """Bus messages for a transport: ``(key, value, items)``, v1 records and v2 packed records alike
+    (and :class:`~sdcwatch.core.layer_names.LayerNames`, each a message of its own).
 
     Items sharing a key travel together (at most ``max_per_message`` each); v2 items also share
     schema and host per message. ``schemas_sent`` holds ``(key, schema id)`` pairs already sent
@@ -120,7 +122,9 @@ def encode_items(
 
     groups: dict[tuple, list] = {}
     for it in items:
-        if isinstance(it, PackedRecord):
+        if isinstance(it, LayerNames):  # a message of its own, ahead of its window's records
+            groups[(key_of(it), "names", id(it))] = [it]
+        elif isinstance(it, PackedRecord):
             groups.setdefault((key_of(it), it.schema, it.host), []).append(it)
         else:
             groups.setdefault((key_of(it), None, None), []).append(it)
@@ -128,7 +132,9 @@ def encode_items(
     for (key, schema, _), its in groups.items():
         for i in range(0, len(its), max_per_message):
             part = its[i : i + max_per_message]
-            if schema is None:
+            if isinstance(schema, str):  # "names"
+                value = encode_names(part[0])
+            elif schema is None:
                 value = encode(part[0]) if len(part) == 1 else encode_batch(part)
             else:
                 inline = schemas_sent is None or (key, schema.id) not in schemas_sent
@@ -263,6 +269,8 @@ def decode_stream(values: Iterable[bytes], schemas: dict[int, Schema] | None = N
     schemas = {} if schemas is None else schemas
     out: list[Any] = []
     for value in values:
+        if bytes(value[:4]) == NAMES_MAGIC:  # layer names describe records; they are none
+            continue
         if bytes(value[:4]) != MAGIC_V2:
             out.extend(decode_message(value))
             continue

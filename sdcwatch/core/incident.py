@@ -64,6 +64,7 @@ class Finding:
     layer: int | None = None
     evidence: dict[str, Any] = field(default_factory=dict)
     coords: tuple[dict[str, int], ...] = ()
+    layer_name: str | None = None  # the module ``layer`` indexes, when the rank sent its names
 
 
 @dataclass
@@ -89,6 +90,7 @@ class Incident:
     opened_at: float = 0.0  # wall time the incident was opened (service clock)
     resolved_at: float | None = None
     coords: tuple[dict[str, int], ...] = ()  # mesh coordinates of each of ``ranks`` (when known)
+    layer_name: str | None = None  # the module ``layer`` indexes (sdcwatch.core.layer_names), when known
 
     @property
     def open(self) -> bool:
@@ -110,6 +112,7 @@ class Incident:
             "hosts": list(self.hosts),
             "metric": self.metric,
             "layer": self.layer,
+            "layer_name": self.layer_name,
             "score": json_float(self.score),
             "message": self.message,
             "detector": self.detector,

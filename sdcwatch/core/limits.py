@@ -44,6 +44,7 @@ DEAD_LETTER_REASONS = (
     "step_jump",  # a step implausibly far ahead of the run's recent steps
     "runs",  # a new run while the service keeps detectors.max_runs runs and none is stale
     "unknown_schema",  # a wire-v2 message whose schema did not arrive within the wait
+    "names",  # a layer-names message past its bounds (names, families, lengths) or with a control character
 )
 
 

@@ -1,0 +1,204 @@
+"""The layer names each run's ranks sent, and the findings named with them before they become incidents.
+
+Records index modules by position (``gemm_out`` layer 11 is the rank's twelfth checked product);
+each rank sends what the positions are once per key window (:mod:`sdcwatch.core.layer_names`).
+:class:`LayerNameBook` keeps them per run, one copy of each distinct list (every data-parallel
+replica sends the same; under pipeline parallelism each stage has its own products, so each rank
+points at its list), and :meth:`LayerNameBook.enrich` names the module of every finding that
+carries a layer index, in one place, before the incident book folds the findings: the finding
+gets ``layer_name`` and its message says ``gemm_out of model.layers.1.mlp.gate_proj (product 11)``
+where it said ``gemm_out layer 11``. A finding on a rank that sent no names (an older emitter, or
+names not yet arrived) keeps the index alone: a name is given only when that rank's own list has
+it (or the run has one list and the finding names no rank).
+
+Memory is bounded like the rest of run state: at most ``max_runs`` runs (the least recently named
+goes first), :data:`MAX_TABLES_PER_RUN` distinct lists per run, :data:`MAX_RANK_ENTRIES` ranks and
+``max_bytes`` of names over all runs; a list past a bound is refused and counted (``refused``);
+runs that are training send theirs again within a window. Names were checked when decoded (no
+control character, bounded length), so they cannot break a log line or a label.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections import OrderedDict
+from typing import Any, Iterable
+
+from sdcwatch.core.layer_names import NOUNS, LayerNames, check_names, family_of
+
+__all__ = ["LayerNameBook", "name_in_message", "MAX_TABLES_PER_RUN", "MAX_RANK_ENTRIES"]
+
+log = logging.getLogger("sdcwatch.detectors")
+
+#: Distinct name lists one run may hold (a pipeline stage, or a virtual stage, each has its own).
+MAX_TABLES_PER_RUN = 64
+#: Ranks whose list the book remembers, over all runs (a 100,000-rank job fits five times).
+MAX_RANK_ENTRIES = 1 << 19
+#: Bytes of names kept over all runs.
+MAX_BYTES = 64 << 20
+
+
+def _size(names: dict[str, tuple[str, ...]]) -> int:
+    return sum(len(n) + 8 for lst in names.values() for n in lst) + 64
+
+
+def name_in_message(message: str, metric: str, layer: int, name: str, noun: str) -> str:
+    """``message`` with the module ``name`` beside the index: ``gemm_out layer 11`` becomes
+    ``gemm_out of <name> (product 11)``; another mention of ``layer 11`` becomes ``<name> (product
+    11)``; a message without one gets the name appended."""
+    where = re.compile(rf"(?<![\w.]){re.escape(metric)} layer {layer}(?!\d)")
+    if where.search(message):
+        return where.sub(lambda _: f"{metric} of {name} ({noun} {layer})", message, count=1)
+    bare = re.compile(rf"(?<![\w.])layer {layer}(?!\d)")
+    if bare.search(message):
+        return bare.sub(lambda _: f"{name} ({noun} {layer})", message, count=1)
+    return f"{message} [{metric} {noun} {layer}: {name}]"
+
+
+class _Run:
+    __slots__ = ("world", "tables", "by_rank")
+
+    def __init__(self, world: int) -> None:
+        self.world = world
+        self.tables: dict[int, dict[str, tuple[str, ...]]] = {}  # digest -> {family: names}
+        self.by_rank: dict[int, int] = {}  # rank -> digest of its list
+
+
+class LayerNameBook:
+    """Per run, each rank's layer names; names the modules of findings."""
+
+    def __init__(self, max_runs: int = 1000, *, max_bytes: int = MAX_BYTES) -> None:
+        self.max_runs = max_runs
+        self.max_bytes = max_bytes
+        self._runs: OrderedDict[str, _Run] = OrderedDict()  # least recently named first
+        self.bytes = 0
+        self.ranks = 0
+        self.learnt = 0  # lists taken (a rank's first, or a changed one)
+        self.refused = 0  # lists refused at a bound
+        self.named = 0  # findings given a module name
+
+    def take(self, items: Iterable[Any]) -> list:
+        """Learn the :class:`LayerNames` among decoded items; returns the other items."""
+        out = []
+        for x in items:
+            if isinstance(x, LayerNames):
+                self.learn(x)
+            else:
+                out.append(x)
+        return out
+
+    def learn(self, msg: LayerNames) -> bool:
+        """Remember ``msg``'s lists for its rank; False when a bound refused them."""
+        run = self._runs.get(msg.run)
+        if run is None:
+            while len(self._runs) >= self.max_runs:
+                self.forget(next(iter(self._runs)))
+            run = self._runs[msg.run] = _Run(msg.world)
+        else:
+            self._runs.move_to_end(msg.run)
+        if msg.world != run.world:  # a new world size: ranks past it are gone
+            self._rebind(run, {r: d for r, d in run.by_rank.items() if r < msg.world})
+            run.world = msg.world
+        old = run.by_rank.get(msg.rank)
+        if old == msg.digest:
+            return True
+        if msg.digest not in run.tables:
+            size = _size(msg.names)
+            if len(run.tables) >= MAX_TABLES_PER_RUN or not self._room(msg.run, size, 0):
+                return self._refuse(msg, f"past {MAX_TABLES_PER_RUN} lists a run or {self.max_bytes} bytes")
+            run.tables[msg.digest] = msg.names
+            self.bytes += size
+        if old is None and not self._room(msg.run, 0, 1):
+            return self._refuse(msg, f"past {MAX_RANK_ENTRIES} ranks over all runs")
+        run.by_rank[msg.rank] = msg.digest
+        if old is None:
+            self.ranks += 1
+        elif old not in run.by_rank.values():  # the rank's list changed (it grew): the old one may go
+            self.bytes -= _size(run.tables.pop(old))
+        self.learnt += 1
+        return True
+
+    def _room(self, keep: str, size: int, ranks: int) -> bool:
+        """Make room for ``size`` bytes and ``ranks`` ranks by forgetting the least recently named
+        other runs; False when even that does not."""
+        while self.bytes + size > self.max_bytes or self.ranks + ranks > MAX_RANK_ENTRIES:
+            other = next((r for r in self._runs if r != keep), None)
+            if other is None:
+                return False
+            self.forget(other)
+        return True
+
+    def _refuse(self, msg: LayerNames, why: str) -> bool:
+        self.refused += 1
+        if self.refused == 1:
+            log.warning("layer names of run %r rank %d not kept: %s", msg.run[:80], msg.rank, why)
+        return False
+
+    def _rebind(self, run: _Run, by_rank: dict[int, int]) -> None:
+        """Point the run's ranks at their lists; drop lists no rank points at."""
+        self.ranks += len(by_rank) - len(run.by_rank)
+        run.by_rank = by_rank
+        used = set(by_rank.values())
+        for digest in [d for d in run.tables if d not in used]:
+            self.bytes -= _size(run.tables.pop(digest))
+
+    def forget(self, run: str) -> None:
+        """Drop ``run``'s names (the run was evicted)."""
+        st = self._runs.pop(run, None)
+        if st is not None:
+            self.ranks -= len(st.by_rank)
+            self.bytes -= sum(_size(t) for t in st.tables.values())
+
+    def names_of(self, run: str, rank: int | None) -> dict[str, tuple[str, ...]] | None:
+        """The lists ``rank`` of ``run`` sent; with no rank, the run's only list (None: unknown)."""
+        st = self._runs.get(run)
+        if st is None:
+            return None
+        if rank is not None:
+            digest = st.by_rank.get(rank)
+            return None if digest is None else st.tables[digest]
+        return next(iter(st.tables.values())) if len(st.tables) == 1 else None
+
+    def enrich(self, findings: list, run: str) -> list:
+        """Give each finding of ``run`` that carries a layer index its module's name (in place)."""
+        if run not in self._runs:
+            return findings
+        for f in findings:
+            fam = family_of(f.metric) if f.layer is not None and not f.layer_name else None
+            if fam is None:
+                continue
+            names = self.names_of(run, f.ranks[0] if f.ranks else None)
+            lst = names.get(fam, ()) if names is not None else ()
+            name = lst[f.layer] if 0 <= f.layer < len(lst) else ""
+            if name:
+                f.layer_name = name
+                f.message = name_in_message(f.message, f.metric, f.layer, name, NOUNS.get(fam, "index"))
+                self.named += 1
+        return findings
+
+    def snapshot(self) -> dict[str, Any]:
+        """JSON-safe: per run, its world, its lists by digest and which ranks point at each."""
+        out = {}
+        for name, st in self._runs.items():
+            ranks: dict[str, list[int]] = {}
+            for r, d in st.by_rank.items():
+                ranks.setdefault(f"{d:016x}", []).append(r)
+            tables = {f"{d:016x}": {k: list(v) for k, v in t.items()} for d, t in st.tables.items()}
+            out[name] = {"world": st.world, "tables": tables, "ranks": ranks}
+        return {"runs": out}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """Take back a :meth:`snapshot`; what breaks a bound or does not parse is left out."""
+        self._runs.clear()
+        self.bytes = self.ranks = 0
+        for name, st in (state.get("runs") or {}).items():
+            try:
+                world = int(st["world"])
+                for digest, names in st["tables"].items():
+                    for r in st["ranks"].get(digest, ()):
+                        if not 0 <= int(r) < world:
+                            continue
+                        self.learn(LayerNames(str(name), int(r), world, 0, check_names(names), int(digest, 16)))
+            except (KeyError, TypeError, ValueError, AttributeError) as exc:
+                log.warning("saved layer names of run %r not restored: %s", str(name)[:80], exc)

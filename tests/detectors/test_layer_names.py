@@ -1,0 +1,178 @@
+"""Layer names at the service: learnt from the emitters' own messages on every wire, kept per run and
+rank within bounds, and put on the incidents that carry a layer index (and only when known)."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import zlib
+
+import pytest
+
+from sdcwatch.core.incident import Finding, Severity
+from sdcwatch.core.layer_names import LayerNames, encode_names
+from sdcwatch.core.names import TELEMETRY_TOPIC
+from sdcwatch.core.record import KEY_WINDOW
+from sdcwatch.detectors.ingest import IngestDecoder
+from sdcwatch.detectors.layer_names import MAX_TABLES_PER_RUN, LayerNameBook, name_in_message
+from sdcwatch.detectors.offline import replay
+from sdcwatch.detectors.pipeline import DetectionPipeline
+from sdcwatch.exporters.logsink import format_logfmt
+from sdcwatch.telemetry.emitter import Emitter
+from sdcwatch.telemetry.transports import FileTransport, MemoryBus, MemoryTransport
+
+GATE = "model.layers.1.mlp.gate_proj"
+PRODUCTS = ["model.layers.0.mlp.gate_proj", "model.layers.1.self_attn.q_proj", GATE]
+FAULT_STEP = 40
+
+
+def _train(transport, run: str, wire: str = "v2", *, names: bool = True, steps: int = 48) -> Emitter:
+    """One rank's records as the probes send them: ``gemm_out`` of three products, the third
+    written to -1e12 at FAULT_STEP; the names handed over as the watch does."""
+    e = Emitter(transport, run=run, rank=0, world=1, host="vm", wire=wire, batch=4)
+    if names:
+        e.set_names({"products": PRODUCTS, "blocks": ["model.layers.0", "model.layers.1"], "layers": [], "modules": []})
+    for s in range(steps):
+        e.emit(s, loss=2.0, layers={"gemm_out": [3.0, 3.0, -1e12 if s == FAULT_STEP else 3.0]})
+    e.close()
+    return e
+
+
+def _incidents(messages, pipe: DetectionPipeline | None = None) -> list:
+    """The incidents the non-finite value opens (the warm-up's other findings are not at issue)."""
+    pipe = pipe or DetectionPipeline()
+    items, rejected = IngestDecoder().decode(("t", k, v) for k, v in messages)
+    assert not rejected
+    events = pipe.process(items) + pipe.flush()
+    return [e.incident for e in events if e.change == "opened" and e.incident.kind == "nonfinite"]
+
+
+@pytest.mark.parametrize("wire", ["v1", "v2"])
+def test_an_incident_names_the_module_of_its_layer_index(wire):
+    bus = MemoryBus()
+    e = _train(MemoryTransport(bus), "r", wire)
+    (inc,) = _incidents(bus.messages(TELEMETRY_TOPIC))
+    assert (inc.kind, inc.metric, inc.layer, inc.layer_name) == ("nonfinite", "gemm_out", 2, GATE)
+    assert f"gemm_out of {GATE} (product 2) = -1e+12" in inc.message
+    assert inc.to_dict()["layer_name"] == GATE
+    line = format_logfmt(__import__("sdcwatch.core.incident", fromlist=["x"]).IncidentEvent("opened", inc))
+    assert f"layer=2 layer_name={GATE} metric=gemm_out" in line
+    # once per key window, not per record: 48 steps are 3 windows
+    assert e.names.sent == 48 // KEY_WINDOW
+
+
+def test_a_service_that_joins_mid_run_learns_the_names_within_a_window():
+    bus = MemoryBus()
+    _train(MemoryTransport(bus), "late")
+    messages = bus.messages(TELEMETRY_TOPIC)
+    # the service starts after the run's first two windows (steps 0-31) went by
+    late = [(k, v) for k, v in messages if int(k.split(b"/")[1]) >= 2]
+    assert late[0][1][:4] == b"SDCN"  # the window's names come ahead of its records
+    (inc,) = _incidents(late)
+    assert inc.layer_name == GATE
+
+
+def test_an_older_emitter_without_names_still_gets_the_index_alone():
+    bus = MemoryBus()
+    _train(MemoryTransport(bus), "old", names=False)
+    (inc,) = _incidents(bus.messages(TELEMETRY_TOPIC))
+    assert inc.layer == 2 and inc.layer_name is None
+    assert "gemm_out layer 2 = -1e+12" in inc.message
+    assert inc.to_dict()["layer_name"] is None
+
+
+def test_the_json_file_wire_carries_the_names_to_replay(tmp_path):
+    path = tmp_path / "run.jsonl"
+    _train(FileTransport(path), "file")
+    assert sum('"kind":"layer_names"' in ln for ln in path.read_text().splitlines()) == 3
+    (inc,) = replay(path)
+    assert inc.layer_name == GATE and f"of {GATE}" in inc.message
+
+
+def test_each_pipeline_stage_rank_is_named_from_its_own_list_and_an_unknown_rank_is_not():
+    book = LayerNameBook()
+    stage0 = LayerNames.build("pp", 0, 4, 0, {"products": ["model.layers.0.mlp.up_proj"]})
+    stage1 = LayerNames.build("pp", 2, 4, 0, {"products": ["model.layers.8.mlp.up_proj"]})
+    book.take([stage0, stage1, LayerNames.build("pp", 1, 4, 0, {"products": ["model.layers.0.mlp.up_proj"]})])
+    assert len(book._runs["pp"].tables) == 2  # ranks 0 and 1 share one copy
+
+    def finding(rank):
+        return Finding("nonfinite", "nonfinite", Severity.CRITICAL, "pp", 5, 1.0, "x: gemm_in layer 0 = nan",
+                       ranks=(rank,), metric="gemm_in", layer=0)  # fmt: skip
+
+    named = book.enrich([finding(0), finding(1), finding(2), finding(3)], "pp")
+    assert [f.layer_name for f in named] == [
+        "model.layers.0.mlp.up_proj",
+        "model.layers.0.mlp.up_proj",
+        "model.layers.8.mlp.up_proj",
+        None,  # rank 3 sent nothing: not guessed from another stage
+    ]
+    assert named[3].message == "x: gemm_in layer 0 = nan"
+    # a finding past the list, or of a metric that is not indexed, stays as it is
+    past = Finding("d", "k", Severity.WARNING, "pp", 5, 1.0, "m", ranks=(0,), metric="gemm_in", layer=7)
+    loss = Finding("d", "k", Severity.WARNING, "pp", 5, 1.0, "m", ranks=(0,), metric="loss", layer=0)
+    book.enrich([past, loss], "pp")
+    assert past.layer_name is None and loss.layer_name is None
+
+
+def test_a_rank_whose_list_grew_points_at_the_new_one_and_the_old_copy_goes():
+    book = LayerNameBook()
+    book.learn(LayerNames.build("g", 0, 1, 0, {"products": ["a"]}))
+    before = book.bytes
+    book.learn(LayerNames.build("g", 0, 1, 16, {"products": ["a", "b.c"]}))
+    assert len(book._runs["g"].tables) == 1 and book.bytes > before
+    assert book.names_of("g", 0)["products"] == ("a", "b.c")
+
+
+def test_memory_stays_bounded_runs_tables_and_bytes(caplog):
+    book = LayerNameBook(max_runs=3)
+    for i in range(10):
+        book.learn(LayerNames.build(f"run{i}", 0, 1, 0, {"products": ["x"]}))
+    assert list(book._runs) == ["run7", "run8", "run9"]
+    with caplog.at_level(logging.WARNING, "sdcwatch.detectors"):
+        for r in range(MAX_TABLES_PER_RUN + 5):
+            book.learn(LayerNames.build("wide", r, 1000, 0, {"products": [f"p{r}"]}))
+    assert len(book._runs["wide"].tables) == MAX_TABLES_PER_RUN and book.refused == 5
+    assert "not kept" in caplog.text
+    small = LayerNameBook(max_bytes=2000)
+    for i in range(20):
+        small.learn(LayerNames.build(f"b{i}", 0, 1, 0, {"products": [f"{i}.{'n' * 100}"]}))
+    assert small.bytes <= 2000 and "b19" in small._runs
+    for run in list(small._runs):
+        small.forget(run)
+    assert small.bytes == 0 and small.ranks == 0
+
+
+def test_the_names_survive_a_restart_in_the_saved_state(tmp_path):
+    bus = MemoryBus()
+    _train(MemoryTransport(bus), "saved", steps=FAULT_STEP - 2)
+    pipe = DetectionPipeline()
+    assert _incidents(bus.messages(TELEMETRY_TOPIC), pipe) == []
+    pipe.save(tmp_path / "state.json")
+    restored = DetectionPipeline()
+    assert restored.load(tmp_path / "state.json")
+    assert restored.names.names_of("saved", 0)["products"] == tuple(PRODUCTS)
+
+
+def test_a_malformed_names_message_is_rejected_with_reason_names_and_the_rest_kept():
+    good = LayerNames.build("h", 0, 1, 0, {"products": ["a"]})
+    text = b'{"products":["a\\u001b[31m"]}'  # an escape sequence for the log line, digest and all right
+    digest = int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little")
+    bad = encode_names(LayerNames("h", 0, 1, 0, {}, digest, zlib.compress(text)))
+    items, rejected = IngestDecoder().decode([("t", b"h/0", bad), ("t", b"h/0", encode_names(good))])
+    assert [r.code for r in rejected] == ["names"] and "control character" in rejected[0].reason
+    assert [x.names for x in items] == [good.names]
+
+
+def test_the_message_names_the_module_where_the_index_was():
+    assert (
+        name_in_message("v at step 4: gemm_out layer 11 = 1e+12 on rank 0", "gemm_out", 11, GATE, "product")
+        == f"v at step 4: gemm_out of {GATE} (product 11) = 1e+12 on rank 0"
+    )
+    assert (
+        name_in_message("SDC on rank 5, layer 2 attention (attn_entropy)", "attn_entropy", 2, "m.l.2.attn", "layer")
+        == "SDC on rank 5, m.l.2.attn (layer 2) attention (attn_entropy)"
+    )
+    assert name_in_message("gemm_out layer 12 = 1", "gemm_out", 1, "x", "product").endswith("[gemm_out product 1: x]")
+    # a name with regex replacement syntax goes in as it is
+    assert "a\\1b" in name_in_message("gemm_in layer 0", "gemm_in", 0, "a\\1b", "product")
