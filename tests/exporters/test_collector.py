@@ -86,7 +86,7 @@ sdcwatch_incidents_total{kind="loss_spike",severity="warning"} 2.0
 sdcwatch_incidents_total{kind="sdc_suspected",severity="critical"} 1.0
 # HELP sdcwatch_incident_info One series per open or recently resolved incident, carrying its description as labels.
 # TYPE sdcwatch_incident_info gauge
-sdcwatch_incident_info{detector="attribution",host="h2",id="inc-sdc-1",kind="sdc_suspected",layer="1",metric="attn_entropy",rank="5",run="r1",severity="critical",state="open"} 1.0
+sdcwatch_incident_info{detector="attribution",host="h2",id="inc-sdc-1",kind="sdc_suspected",layer="1",layer_name="",metric="attn_entropy",rank="5",run="r1",severity="critical",state="open"} 1.0
 # HELP sdcwatch_incident_first_step First training step of an open or recently resolved incident.
 # TYPE sdcwatch_incident_first_step gauge
 sdcwatch_incident_first_step{id="inc-sdc-1",run="r1"} 100.0
