@@ -295,9 +295,9 @@ def names_to_json(msg: LayerNames) -> str:
     return json.dumps(names_to_dict(msg), separators=(",", ":"), ensure_ascii=False)
 
 
-def is_names_line(line: str) -> bool:
+def is_names_line(line: str | bytes) -> bool:
     """Whether a JSON line is a layer-names object (a record never holds this key and value)."""
-    return '"kind":"layer_names"' in line
+    return (b'"kind":"layer_names"' if isinstance(line, bytes) else '"kind":"layer_names"') in line
 
 
 def names_from_json(line: str | bytes, limits: RecordLimits | None = None) -> LayerNames:

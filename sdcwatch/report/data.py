@@ -20,6 +20,7 @@ from sdcwatch.core.errors import RecordError, ReplayError
 from sdcwatch.detectors.offline import bounded_lines
 from sdcwatch.core.limits import RecordLimits
 from sdcwatch.core.record_json import from_json
+from sdcwatch.core.layer_names import is_names_line
 from sdcwatch.telemetry.lifecycle import is_end_marker
 
 _SCALARS = ("loss", "loss_global", "grad_norm_local", "grad_norm_global", "grad_cosine", "nonfinite", "step_time")
@@ -77,7 +78,7 @@ def load_records(path: str | Path, *, run: str | None = None) -> RunData:
         raise ReplayError(str(path), 0, f"cannot read records: {exc.strerror or exc}") from None
     with fh:
         for lineno, line in enumerate(bounded_lines(fh, path), 1):
-            if not line.strip():
+            if not line.strip() or is_names_line(line):  # layer names: the report shows indices
                 continue
             try:
                 rec = from_json(line)

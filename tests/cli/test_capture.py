@@ -15,6 +15,7 @@ import uuid
 import pytest
 from sdcwatch.telemetry import Record, end_marker, from_json, is_end_marker, to_json
 from sdcwatch.core.record import encode, encode_batch
+from sdcwatch.core.layer_names import is_names_line, names_from_json
 
 from sdcwatch.capture import Capture, capture
 
@@ -254,7 +255,10 @@ def test_capture_then_replay_gives_the_incidents_the_service_raised(bootstrap, t
     out = subprocess.run([*cmd, "--from-beginning", "-o", str(after_file)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "stopped: the run ended" in out.stderr, out.stderr
     assert sorted(after_file.read_text().splitlines()) == sorted(live_file.read_text().splitlines())
-    recs = [from_json(line) for line in live_file.read_text().splitlines()]
+    lines = live_file.read_text().splitlines()
+    names = [names_from_json(line) for line in lines if is_names_line(line)]  # the ranks' layer names
+    assert {(n.run, n.rank) for n in names} == {(run_name, r) for r in range(world)}
+    recs = [from_json(line) for line in lines if not is_names_line(line)]
     assert {r.run for r in recs} == {run_name} and sum(map(is_end_marker, recs)) == world
     assert sorted((r.step, r.rank) for r in recs if not is_end_marker(r)) == [
         (s, r) for s in range(steps) for r in range(world)
