@@ -262,7 +262,7 @@ def build_dashboard() -> dash.Dashboard:
     d = d.with_row(dash.Row("Incidents").grid_pos(GridPos(h=1, w=24, x=0, y=y)))
     y += 1
     info = f'sdcwatch_incident_info{{{RUN}, state="open"}}'
-    labels = "kind, severity, rank, host, layer, metric, detector"
+    labels = "kind, severity, rank, host, layer, layer_name, metric, detector"
     d = d.with_panel(
         table.Panel()
         .title("Open incidents")
