@@ -87,12 +87,12 @@ def _narrow(f: Finding, ranks: tuple[int, ...], hosts: Sequence[str] | None) -> 
         named = tuple(sorted({hosts[r] for r in ranks if 0 <= r < len(hosts)} - {""}))
     else:  # without the host table, one host can only be every rank's
         named = f.hosts if len(f.hosts) == 1 else ()
-    metric, layer = f.metric, f.layer
+    metric, layer, layer_name = f.metric, f.layer, f.layer_name
     hits = f.evidence.get("hits")
     if isinstance(hits, list):
         hit = next((h for h in hits if isinstance(h, dict) and h.get("rank") in ranks), None)
         if hit is not None and "metric" in hit:
-            metric, layer = str(hit["metric"]), hit.get("layer")
+            metric, layer, layer_name = str(hit["metric"]), hit.get("layer"), hit.get("layer_name")
     return replace(
         f,
         ranks=ranks,
@@ -100,6 +100,7 @@ def _narrow(f: Finding, ranks: tuple[int, ...], hosts: Sequence[str] | None) -> 
         coords=tuple(where.get(r, {}) for r in ranks) if f.coords else (),
         metric=metric,
         layer=layer,
+        layer_name=layer_name,
         evidence={**f.evidence, "finding_ranks": list(f.ranks[:_MAX_RANKS])},
     )
 

@@ -44,12 +44,15 @@ def _size(names: dict[str, tuple[str, ...]]) -> int:
 
 
 def name_in_message(message: str, metric: str, layer: int, name: str, noun: str) -> str:
-    """``message`` with the module ``name`` beside the index: ``gemm_out layer 11`` becomes
-    ``gemm_out of <name> (product 11)``; another mention of ``layer 11`` becomes ``<name> (product
+    """``message`` with the module ``name`` beside the index: ``gemm_out layer 11`` (or
+    ``gemm_canary_fp (product 11)``) becomes ``gemm_out of <name> (product 11)``; another mention of ``layer 11`` becomes ``<name> (product
     11)``; a message without one gets the name appended."""
-    where = re.compile(rf"(?<![\w.]){re.escape(metric)} layer {layer}(?!\d)")
-    if where.search(message):
-        return where.sub(lambda _: f"{metric} of {name} ({noun} {layer})", message, count=1)
+    for where in (
+        re.compile(rf"(?<![\w.]){re.escape(metric)} layer {layer}(?!\d)"),
+        re.compile(rf"(?<![\w.]){re.escape(metric)} \({noun} {layer}\)"),
+    ):
+        if where.search(message):
+            return where.sub(lambda _: f"{metric} of {name} ({noun} {layer})", message, count=1)
     bare = re.compile(rf"(?<![\w.])layer {layer}(?!\d)")
     if bare.search(message):
         return bare.sub(lambda _: f"{name} ({noun} {layer})", message, count=1)
@@ -175,7 +178,21 @@ class LayerNameBook:
                 f.layer_name = name
                 f.message = name_in_message(f.message, f.metric, f.layer, name, NOUNS.get(fam, "index"))
                 self.named += 1
+            self._name_hits(f.evidence.get("hits"), run)
         return findings
+
+    def _name_hits(self, hits: Any, run: str) -> None:
+        """Each listed hit (``{rank, metric, layer}``) gets its module's name, from its own rank's
+        list: an incident narrowed to a hit's rank takes its name from there."""
+        for h in hits if isinstance(hits, list) else ():
+            if not isinstance(h, dict) or not isinstance(h.get("layer"), int) or "layer_name" in h:
+                continue
+            fam = family_of(str(h.get("metric")))
+            rank = h.get("rank")
+            names = self.names_of(run, rank) if fam is not None and isinstance(rank, int) else None
+            lst = names.get(fam, ()) if names is not None else ()
+            if 0 <= h["layer"] < len(lst) and lst[h["layer"]]:
+                h["layer_name"] = lst[h["layer"]]
 
     def snapshot(self) -> dict[str, Any]:
         """JSON-safe: per run, its world, its lists by digest and which ranks point at each."""

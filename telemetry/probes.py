@@ -35,7 +35,7 @@ from torch import nn
 from sdcwatch.core.errors import ConfigError
 from sdcwatch.core.names import ATTENTION_STATS, CANARY_PRODUCT
 from sdcwatch.telemetry import fingerprint as fp
-from sdcwatch.telemetry.activations import ActivationMax, layer_of_module
+from sdcwatch.telemetry.activations import ActivationMax
 from sdcwatch.telemetry.attention_layers import AttentionLayers
 from sdcwatch.telemetry.attention import (
     ATTENTION_WATCHES,
@@ -339,11 +339,7 @@ class Watch(GradientStats, AttentionLayers):
             step, scalars, layers, fingerprints = unpack_step(pending)
             if scalars.get(FIRST_BAD, 0.0) < 0:  # a clean step: nothing to place
                 del scalars[FIRST_BAD]
-            module = scalars.get("act_max_module")
-            if module is not None and 0 <= module < len(self.leaf_names):
-                self.act_max_module = self.leaf_names[int(module)]
-                scalars["act_max_layer"] = float(layer_of_module(self.act_max_module, self.layer_names))
-            self._names()
+            self._names(scalars)  # act_max_module's layer; the name lists to the emitter when they grew
             self.emitter.emit(step, layers=layers, fingerprints=fingerprints, **scalars)
         except Exception as exc:
             self._fail(exc)

@@ -81,9 +81,10 @@ FAMILIES: dict[str, tuple[str, ...]] = {
     "blocks": ("stream_max",),
     "layers": (*LAYER_METRICS, "attn_logit_min", "act_max"),
     "modules": ("act_max_module",),
+    "canary_products": ("gemm_canary_fp",),  # the per-product canary's rotation (gemm_canary_product)
 }
 #: What one index of a family is called in a message (``product 11``, ``block 3``).
-NOUNS = {"products": "product", "blocks": "block", "layers": "layer", "modules": "module"}
+NOUNS = {"products": "product", "blocks": "block", "layers": "layer", "modules": "module", "canary_products": "product"}
 _FAMILY_OF = {m: fam for fam, metrics in FAMILIES.items() for m in metrics}
 
 #: Most families in one message (sdcwatch's probes send 4; a newer emitter may send more).

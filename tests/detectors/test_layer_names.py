@@ -176,3 +176,28 @@ def test_the_message_names_the_module_where_the_index_was():
     assert name_in_message("gemm_out layer 12 = 1", "gemm_out", 1, "x", "product").endswith("[gemm_out product 1: x]")
     # a name with regex replacement syntax goes in as it is
     assert "a\\1b" in name_in_message("gemm_in layer 0", "gemm_in", 0, "a\\1b", "product")
+
+
+def test_a_finding_split_per_rank_names_each_rank_from_its_own_list():
+    """A checksum mismatch on one rank of each pipeline stage opens one incident per rank; each
+    names its own product, from its own stage's list."""
+    from sdcwatch.detectors.incidents import IncidentBook
+
+    names = LayerNameBook()
+    names.learn(LayerNames.build("pp", 0, 4, 0, {"products": ["model.layers.0.mlp.up_proj"]}))
+    names.learn(LayerNames.build("pp", 2, 4, 0, {"products": ["model.layers.8.mlp.up_proj"]}))
+    hits = [{"rank": 0, "metric": "gemm_fwd", "layer": 0, "ratio": 40.0}, {"rank": 2, "metric": "gemm_fwd", "layer": 0, "ratio": 30.0}]  # fmt: skip
+    f = Finding("checksum", "checksum_mismatch", Severity.CRITICAL, "pp", 9, 40.0,
+                "checksum mismatch at step 9 on rank 0 and 1 more rank(s): gemm_fwd layer 0 (forward) is off",
+                ranks=(0, 2), metric="gemm_fwd", layer=0, evidence={"hits": hits})  # fmt: skip
+    book = IncidentBook()
+    events = book.add(names.enrich([f], "pp"), ["h0", "h1", "h2", "h3"])
+    by_rank = {e.incident.ranks: e.incident.layer_name for e in events if e.change == "opened"}
+    assert by_rank == {(0,): "model.layers.0.mlp.up_proj", (2,): "model.layers.8.mlp.up_proj"}
+
+
+def test_the_canary_product_of_a_replica_divergence_is_named():
+    msg = "SDC suspected: replica divergence at step 8: rank 3 disagree(s) with the majority on gemm_canary_fp (product 5)"
+    assert name_in_message(msg, "gemm_canary_fp", 5, GATE, "product").endswith(
+        f"on gemm_canary_fp of {GATE} (product 5)"
+    )
