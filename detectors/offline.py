@@ -84,8 +84,9 @@ def _is_jsonl(path: Path) -> bool:
     return False
 
 
-def read_records(path: str | Path) -> Iterator[Record | LayerNames]:
-    """Records (and layer names) from a JSON-lines file; ReplayError names the first bad line."""
+def read_records(path: str | Path, *, names: bool = False) -> Iterator[Record | LayerNames]:
+    """Records from a JSON-lines file, and with ``names`` the ranks' layer names in it (else
+    passed over); ReplayError names the first bad line."""
     path = Path(path)
     with open(path, encoding="utf-8", errors="strict") as fh:
         lineno = 0
@@ -95,7 +96,9 @@ def read_records(path: str | Path) -> Iterator[Record | LayerNames]:
                     continue
                 try:
                     if is_names_line(line):  # a rank's layer names (sdcwatch.core.layer_names)
-                        yield names_from_json(line, _LIMITS)
+                        msg = names_from_json(line, _LIMITS)
+                        if names:
+                            yield msg
                         continue
                     rec = from_json(line)
                     _LIMITS.check(rec)  # the service's limits: a file cannot size memory either
@@ -176,7 +179,7 @@ def replay(path: str | Path, settings: PipelineSettings | None = None, **pipelin
     pipe.book.history = []
     if _is_jsonl(path):
         batch: list[Record] = []
-        for rec in read_records(path):
+        for rec in read_records(path, names=True):
             batch.append(rec)
             if len(batch) >= 4096:
                 pipe.process(batch)
