@@ -1,5 +1,6 @@
 """A watch's finite-SDC probes: the matrix checksums and the residual stream, sampled as its
-:class:`~sdcwatch.telemetry.probe_config.ProbeConfig` says (``checksum_every``, ``stream_every``).
+:class:`~sdcwatch.telemetry.probe_config.ProbeConfig` says (``checksum_every``,
+``checksum_forward_every``, ``stream_every``).
 
 The :class:`~sdcwatch.telemetry.probes.Watch` owns one; this module decides which step each probe
 measures, keeps the checksums' forward hooks registered only on checked steps, seals the weights
@@ -31,16 +32,20 @@ class FiniteChecks:
         cfg = watch.config
         # fixed for the step by sync() (under torch.compile a hook reading the step number would
         # recompile at every checked step; two values compile twice, then never again)
-        self.checks_on = self.stream_on = False
+        self.checks_on = self.backward_on = self.stream_on = False
         # numbers the every-step observations of both probes in forward order (nonfinite_first)
         self.order = ForwardOrder()
         # on the steps the checksums do not check, the products' outputs are still scanned for
         # NaN, Inf and near-INF (gemm_out) with the residual stream
         self.checksums = (
             GemmChecks(
-                model, active=lambda: self.due(self.checks_on), scan=lambda: self.due(self.stream_on), order=self.order
+                model,
+                active=lambda: self.due(self.checks_on),
+                backward=lambda: self.due(self.backward_on),
+                scan=lambda: self.due(self.stream_on),
+                order=self.order,
             )
-            if cfg.checksum_every or cfg.stream_every
+            if cfg.checksum_every or cfg.checksum_forward_every or cfg.stream_every
             else None
         )
         self.stream = (
@@ -59,6 +64,11 @@ class FiniteChecks:
         cfg = self._watch.config
         return bool(every) and step % cfg.every == 0 and (step // cfg.every) % every == 0
 
+    def _checked_at(self, step: int) -> bool:
+        """Whether ``step``'s forward products and weights are checked (the backward's steps too)."""
+        cfg = self._watch.config
+        return self._scheduled_at(step, cfg.checksum_every) or self._scheduled_at(step, cfg.checksum_forward_every)
+
     def due(self, on: bool) -> bool:
         """Whether a probe switched ``on`` for this step measures the forward running now: the
         step's training forwards only (an evaluation pass or the canary is not the step's)."""
@@ -69,17 +79,18 @@ class FiniteChecks:
         """Switch the probes for the step about to run; keep the checksums' forward hooks only for a
         step that is checked (a module with a forward hook leaves PyTorch's fast call path)."""
         cfg = self._watch.config
-        self.checks_on = not closed and self._scheduled(cfg.checksum_every)
+        self.backward_on = not closed and self._scheduled(cfg.checksum_every)
+        self.checks_on = not closed and self._checked_at(self._watch._hint)
         self.stream_on = not closed and self._scheduled(cfg.stream_every)
         if self.checksums is not None:
             self.checksums.hook_forward(self.checks_on or self.stream_on)
 
     def seal(self) -> None:
         """The weights as the optimizer left them (see :meth:`GemmChecks.seal`), when the next step
-        is checked: the optimizer's hook runs before ``watch.step()`` closes the step, so the step
+        is checked forward: the optimizer's hook runs before ``watch.step()`` closes the step, so the step
         after the one announced is the next forward."""
         w = self._watch
-        if self.checksums is not None and self._scheduled_at(w._hint + 1, w.config.checksum_every):
+        if self.checksums is not None and self._checked_at(w._hint + 1):
             self.checksums.seal()
 
     def observe_logits(self, layer: int | nn.Module, logits: torch.Tensor | None) -> None:

@@ -3,9 +3,10 @@ and bias gradient, weights in memory) and the products modules report with :func
 the checks and their rounding bounds are :mod:`sdcwatch.telemetry.checksum`'s.
 
 Two depths. On a *checked* step a hook does the reductions that must read the step's tensors (the
-output's row sums, one matrix-vector product with the input, the input's largest |value|; in the
-backward the output gradient's row sums and norm, one vector-matrix product, the gradient's
-column sums) and keeps their results on the device; the residuals and ratios of every product
+output's row sums, one matrix-vector product with the input, the input's largest |value|, the
+weight's column sums against the sealed ones; in the backward, when that is checked too
+(:mod:`sdcwatch.telemetry.gemm_backward`, sampled on its own), the output gradient's row sums
+and norm, one vector-matrix product, the gradient's column sums) and keeps their results on the device; the residuals and ratios of every product
 are formed once per step in :meth:`GemmChecks.collect` with stacked operations. On a *scanned*
 step (every step at the default) a hook only takes the row sums of the product's output
 (``gemm_out`` is the largest |row sum|, one fast reduction): a NaN, Inf or near-INF the product
@@ -26,28 +27,27 @@ from torch import nn
 from sdcwatch.core.names import GEMM_METRICS
 from sdcwatch.telemetry.checksum import (
     TINY,
-    accumulation_dtype,
-    rounding_gamma,
-    gemm_input_roundoff,
-    grad_reference,
-    accumulated_sum,
     abs_max,
+    accumulated_sum,
+    accumulation_dtype,
+    gemm_input_roundoff,
     rounding_coefficient,
-    unit_roundoff,
 )
-
+from sdcwatch.telemetry.gemm_backward import GradientChecks
 from sdcwatch.telemetry.gemm_state import GEMM_OBSERVERS, SealedWeight, StepChecks, is_shard, observe_gemm, stack_rows
 from sdcwatch.telemetry.gemm_state import call_peaks, holds_whole_rows, local_part
 
 __all__ = ["GemmChecks", "observe_gemm"]
 
 
-class GemmChecks:
+class GemmChecks(GradientChecks):
     """Checksums of every ``nn.Linear`` of a model (forward, weight and bias gradient, weights),
     plus the custom products reported with :func:`observe_gemm`; one value per product and step.
 
-    ``active`` says whether the step in progress is checked (the probes' sampling and enabled
-    flag), ``scan`` whether its products' outputs are summed (``gemm_out``) when it is not;
+    ``active`` says whether the step in progress is checked forward (the products and the weights
+    in memory; the probes' sampling and enabled flag), ``backward`` whether its weight gradients
+    are checked too (a checked forward only: the backward's reference is taken in the forward),
+    ``scan`` whether its products' outputs are summed (``gemm_out``) when it is not checked;
     hooks cost a function call otherwise. :meth:`collect` returns this step's per-layer
     ratios (:data:`GEMM_METRICS`) as device tensors and starts the next step. A weight shared with
     another module (tied embeddings) is checked forward only: its gradient is a sum over uses.
@@ -59,12 +59,14 @@ class GemmChecks:
         *,
         active: Callable[[], bool] = lambda: True,
         scan: Callable[[], bool] = lambda: False,
+        backward: Callable[[], bool] | None = None,
         modules: str = "*",
         weights: bool = True,
         order: Any = None,  # a ForwardOrder numbering the outputs in forward order (nonfinite_first)
     ) -> None:
         self.active = active
         self.scan = scan
+        self.backward = active if backward is None else backward
         self.order = order
         self.names: list[str] = []
         """Names of the checked products, in layer order (the index in the ``gemm_*`` metrics)."""
@@ -141,7 +143,7 @@ class GemmChecks:
         if x.numel() == 0 or y.numel() == 0:
             return
         xm = self._check_forward(i, module, x, y)
-        if y.requires_grad and torch.is_grad_enabled() and not tensor_parallel:
+        if y.requires_grad and torch.is_grad_enabled() and not tensor_parallel and self.backward():
             # autograd keeps x for the weight gradient anyway: no extra memory
             y.register_hook(functools.partial(self._output_grad, i, x.detach(), xm))
 
@@ -220,69 +222,6 @@ class GemmChecks:
         """Forget the sealed column sums (after weights were changed outside the optimizer, e.g. a
         checkpoint loaded): the weight check resumes after the next :meth:`seal`."""
         self._sealed_at = [None] * len(self._sealed_at)
-
-    # -- backward ---------------------------------------------------------------------------------
-    def _output_grad(self, i: int, x: torch.Tensor, x_max: torch.Tensor, dy: torch.Tensor) -> None:
-        """dY of one use of layer i: the expected column sums of its dW (summed over uses)."""
-        try:
-            with torch.no_grad():
-                ref, s, sdy, tokens = grad_reference(x, dy)
-                m = dy.shape[-1]
-                # max_k ||X_:k|| <= sqrt(N) max|X|; Σ_j ||dY_:j|| <= sqrt(m) ||dY||_F
-                scale = (x_max.to(sdy.dtype) * sdy).mul_(math.sqrt(tokens) * math.sqrt(m))
-                bias = self._bias_checked[i]
-                s_total = s.sum() if bias else None
-                bias_scale = sdy * math.sqrt(tokens * m) if bias else None  # Σ|dY| <= sqrt(N m) ||dY||_F
-                p = self._pending[i]
-                if p is None:
-                    waiting = {"weight"} | ({"bias"} if bias else set())
-                    self._pending[i] = [ref, scale, tokens, s_total, bias_scale, gemm_input_roundoff(x), waiting]
-                else:  # the weight is used more than once: its gradient is the sum, so are the checks
-                    p[0] = p[0] + ref
-                    p[1] = p[1] + scale
-                    p[2] = max(p[2], tokens)
-                    if bias:
-                        p[3] = p[3] + s_total
-                        p[4] = p[4] + bias_scale
-        except Exception:  # a shape we do not understand: no check rather than a broken backward
-            self._pending[i] = None
-
-    def _weight_grad_hook(self, i: int, dw: torch.Tensor) -> None:
-        p = self._pending[i] if i < len(self._pending) else None
-        if p is None or dw.dim() != 2 or dw.shape[1] != p[0].shape[0]:
-            return
-        with torch.no_grad():
-            coef = rounding_coefficient(p[2], dw.shape[0], dw.dtype, input_roundoff=p[5])
-            st = self._step
-            st.g_idx.append(i)
-            st.g_res.append((accumulated_sum(dw, 0, p[0].dtype) - p[0]).abs_().amax())
-            st.g_bound.append((p[1] * coef).clamp_min_(TINY))
-            st.g_names.append(self.names[i] + ".weight")
-        self._done(i, "weight")
-
-    def _done(self, i: int, which: str) -> None:
-        """The weight's or the bias's gradient was checked; forget the reference once both were
-        (autograd may run either hook first)."""
-        p = self._pending[i]
-        if p is not None:
-            p[6].discard(which)
-            if not p[6]:
-                self._pending[i] = None
-
-    def _bias_grad_hook(self, i: int, db: torch.Tensor) -> None:
-        p = self._pending[i] if i < len(self._pending) else None
-        if p is None or p[3] is None:
-            return
-        with torch.no_grad():
-            # Σ db and Σ dY are the same sum in two orders: 2γ_N + γ_m, times Σ|dY|
-            u = unit_roundoff(accumulation_dtype(db.dtype))
-            coef = 2 * rounding_gamma(p[2], u) + rounding_gamma(db.numel(), u) + unit_roundoff(db.dtype)
-            st = self._step
-            st.g_idx.append(i)
-            st.g_res.append((accumulated_sum(db, None, p[3].dtype) - p[3]).abs())
-            st.g_bound.append((p[4] * coef).clamp_min_(TINY))
-            st.g_names.append(self.names[i] + ".bias")
-        self._done(i, "bias")
 
     # -- custom products --------------------------------------------------------------------------
     def _product_hook(self, module: nn.Module, args: tuple, output: Any) -> None:

@@ -3,7 +3,10 @@
 ``default`` is what :func:`~sdcwatch.telemetry.probes.attach` gives a user (matrix checksums every
 16th step; on every step the extreme values: each product's output, the residual stream, the
 largest attention logit, and one linear layer's product of a known input, in rotation);
-``checksums`` is the default with the checksums on every step; ``every-step`` turns every probe on, on every step (the instrument
+``forward-checksums`` is the default with the forward and weights-in-memory checksums on every
+step and the weight-gradient one still every 16th (``checksum_forward_every=1``: a flip in a
+product's output or in a weight named at its step, for a fraction of the next one's cost);
+``checksums`` is the default with every checksum on every step; ``every-step`` turns every probe on, on every step (the instrument
 of the first campaigns, plus checksums); ``scalars-only`` is the floor (loss, gradient norms,
 step time, lr). ``sdcwatch bench campaign --probes NAME|FILE`` and
 ``bench/bench_overhead.py --probes NAME|FILE`` take the same names, or a JSON/TOML file of
@@ -24,6 +27,7 @@ __all__ = ["PROBE_PRESETS", "probe_config", "describe"]
 _OFF = 1 << 30
 PROBE_PRESETS: dict[str, ProbeConfig] = {
     "default": ProbeConfig(),
+    "forward-checksums": ProbeConfig(checksum_forward_every=1),
     "checksums": ProbeConfig(checksum_every=1),
     "every-step": ProbeConfig(
         attention_every=1, activations_every=1, fingerprint_every=1, canary_every=10, checksum_every=1

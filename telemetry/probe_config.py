@@ -61,6 +61,15 @@ class ProbeConfig:
     step (1) catches a one-off flip at its step but costs several percent of a step (the checks
     read every activation again, unfused); sampled, a device that keeps flipping bits is caught
     within this many steps (the ``checksums`` preset checks every step)."""
+    checksum_forward_every: int = 0
+    """Also check the forward products and the weights in memory (``gemm_fwd``, ``gemm_weight``)
+    on every this-many-th recorded step; the weight-gradient check (``gemm_bwd``) stays on
+    ``checksum_every``'s steps; 0 = only on those. The forward check reuses the row sums the scan
+    takes anyway (``gemm_out``) and adds one matrix-vector product with the input; the weight
+    check re-sums each weight (O(d^2), nothing next to the product's O(N d^2)) against its sums
+    taken after the optimizer step. So 1 names a one-off flip in a product's output or a weight
+    flipped in memory at its step for a fraction of what every check on every step costs (a
+    gradient flip is still caught on ``checksum_every``'s steps only)."""
     stream_every: int = 1
     """On every this-many-th recorded step, record the extreme values: the largest |value| of every
     block's output (``stream_max``, the residual stream), the largest logit of every attention
@@ -91,6 +100,7 @@ class ProbeConfig:
             ("gemm_canary_every", 0),
             ("activations_every", 0),
             ("checksum_every", 0),
+            ("checksum_forward_every", 0),
             ("stream_every", 0),
         ):
             v = getattr(self, key)

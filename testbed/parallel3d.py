@@ -205,7 +205,7 @@ class ParallelSimulatedRun(SimulatedRun):
         inj.step = s
         losses: list[torch.Tensor] = [torch.zeros(())] * R
         times = [0.0] * R
-        checks = bool(cfg.checksum_every) and s % cfg.checksum_every == 0
+        checks = any(every and s % every == 0 for every in (cfg.checksum_every, cfg.checksum_forward_every))
         acts = bool(cfg.activations_every) and s % cfg.activations_every == 0
         fingerprint_step = bool(cfg.fingerprint_every) and s % cfg.fingerprint_every == 0
         order = torch.randperm(R, generator=torch.Generator().manual_seed(self.seed * 7919 + s)).tolist()
