@@ -131,16 +131,18 @@ class StepChecks:
         self.f_idx: list[int] = []
         self.f_ys: list[torch.Tensor] = []  # row sums of the output
         self.f_ref: list[torch.Tensor] = []  # what they should be: x (W^T 1) + Σ b
-        self.f_xm: list[torch.Tensor] = []
+        self.f_xhi: list[torch.Tensor] = []  # the input's largest and smallest value (max |x| at the step's end)
+        self.f_xlo: list[torch.Tensor] = []
         self.f_k: list[torch.Tensor] = []
         self.f_b: list[torch.Tensor] = []
         self.f_coef: list[float] = []
         # scanned (not checked) calls: product index, the output's row sums
         self.o_idx: list[int] = []
         self.o_ys: list[torch.Tensor] = []
-        # weights in memory against their sealed sums: product index, difference, bound
+        # weights in memory against their sealed sums: product index, column sums now and sealed, bound
         self.w_idx: list[int] = []
-        self.w_diff: list[torch.Tensor] = []
+        self.w_now: list[torch.Tensor] = []
+        self.w_then: list[torch.Tensor] = []
         self.w_bound: list[torch.Tensor] = []
         self.w_names: list[str] = []
         # gradients: product index, residual (vector for the weight, 0-d for the bias), bound
