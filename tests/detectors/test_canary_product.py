@@ -4,19 +4,13 @@ the index is a bounded counter at ingest on every wire, and records without it r
 
 from __future__ import annotations
 
-import dataclasses
-import math
 
 import pytest
+from counter_wire import FORGED, assert_forged_is_dead_lettered, assert_travels_on_every_wire
 
-from sdcwatch.core.columnar import PackedRecord, encode_items
-from sdcwatch.core.limits import LimitError, RecordLimits
 from sdcwatch.core.names import CANARY_PRODUCT
-from sdcwatch.core.record import Record, decode_message, encode_batch, record_key
-from sdcwatch.core.record_json import from_json, to_json
+from sdcwatch.core.record import Record
 from sdcwatch.detectors import DetectionPipeline, StepFrame
-from sdcwatch.detectors.ingest import IngestDecoder, as_records
-from sdcwatch.detectors.offline import ReplayError, read_records
 from sdcwatch.detectors.replica import ReplicaDivergenceDetector
 
 
@@ -103,30 +97,9 @@ def _record(value: float) -> Record:
 
 
 def test_the_index_travels_on_every_wire():
-    rec = _record(12.0)
-    [v1] = decode_message(encode_batch([rec]), RecordLimits())
-    [(key, v2, _)] = encode_items([PackedRecord.from_record(rec)], record_key, 16, set())
-    items, rejected = IngestDecoder().decode([("t/0/0", key, v2)])
-    assert not rejected
-    [v2rec] = as_records(items)
-    assert v1.scalars[CANARY_PRODUCT] == v2rec.scalars[CANARY_PRODUCT] == 12.0
-    assert from_json(to_json(rec)).scalars[CANARY_PRODUCT] == 12.0
+    assert_travels_on_every_wire(_record(12.0), CANARY_PRODUCT)
 
 
-@pytest.mark.parametrize("bad", [math.nan, math.inf, -1.0, -math.inf, 2.0**60])
+@pytest.mark.parametrize("bad", FORGED)
 def test_a_forged_index_is_dead_lettered_on_every_wire(bad, tmp_path):
-    rec = _record(bad)
-    with pytest.raises(LimitError, match=f"scalars.{CANARY_PRODUCT}") as err:
-        decode_message(encode_batch([rec]), RecordLimits())
-    assert err.value.reason == "counter"
-    good = PackedRecord.from_record(dataclasses.replace(rec, rank=1, scalars={**rec.scalars, CANARY_PRODUCT: 3.0}))
-    [(k1, ok, _)] = encode_items([good], record_key, 16, set())
-    [(k2, forged, _)] = encode_items([PackedRecord.from_record(rec)], record_key, 16, set())
-    items, rejected = IngestDecoder().decode([("t/0/0", k1, ok), ("t/0/1", k2, forged)])
-    assert [r.rank for r in as_records(items)] == [1]  # the forged message only is dead-lettered
-    [rj] = rejected
-    assert rj.code == "counter" and CANARY_PRODUCT in rj.reason
-    path = tmp_path / "capture.jsonl"
-    path.write_text(to_json(rec) + "\n")
-    with pytest.raises(ReplayError, match=CANARY_PRODUCT):
-        list(read_records(path))
+    assert_forged_is_dead_lettered(_record(bad), CANARY_PRODUCT, 3.0, tmp_path)

@@ -9,16 +9,12 @@ import dataclasses
 import math
 
 import pytest
+from counter_wire import FORGED, assert_forged_is_dead_lettered, assert_travels_on_every_wire
 from mesh_synth import MeshFault, MeshRun
 
-from sdcwatch.core.columnar import PackedRecord, encode_items
-from sdcwatch.core.limits import LimitError, RecordLimits
 from sdcwatch.core.names import FIRST_BAD
-from sdcwatch.core.record import Record, decode_message, encode_batch, record_key
-from sdcwatch.core.record_json import from_json, to_json
+from sdcwatch.core.record import Record
 from sdcwatch.detectors import DetectionPipeline, NonFiniteDetector, StepFrame
-from sdcwatch.detectors.ingest import IngestDecoder, as_records
-from sdcwatch.detectors.offline import ReplayError, read_records
 from sdcwatch.detectors.summary import decode_summary, encode_summary
 
 STEP = 30
@@ -135,30 +131,9 @@ def _record(value: float) -> Record:
 
 
 def test_a_position_travels_on_every_wire():
-    rec = _record(12.0)
-    [v1] = decode_message(encode_batch([rec]), RecordLimits())
-    [(key, v2, _)] = encode_items([PackedRecord.from_record(rec)], record_key, 16, set())
-    items, rejected = IngestDecoder().decode([("t/0/0", key, v2)])
-    assert not rejected
-    [v2rec] = as_records(items)
-    assert v1.scalars[FIRST_BAD] == v2rec.scalars[FIRST_BAD] == from_json(to_json(rec)).scalars[FIRST_BAD] == 12.0
+    assert_travels_on_every_wire(_record(12.0), FIRST_BAD)
 
 
-@pytest.mark.parametrize("bad", [math.nan, math.inf, -1.0, -math.inf, 2.0**60])
+@pytest.mark.parametrize("bad", FORGED)
 def test_a_forged_position_is_dead_lettered_on_every_wire(bad, tmp_path):
-    rec = _record(bad)
-    with pytest.raises(LimitError, match=f"scalars.{FIRST_BAD}") as err:
-        decode_message(encode_batch([rec]), RecordLimits())
-    assert err.value.reason == "counter"
-    good = PackedRecord.from_record(dataclasses.replace(rec, rank=1, scalars={**rec.scalars, FIRST_BAD: 3.0}))
-    [(k1, ok, _)] = encode_items([good], record_key, 16, set())
-    [(k2, forged, _)] = encode_items([PackedRecord.from_record(rec)], record_key, 16, set())
-    items, rejected = IngestDecoder().decode([("t/0/0", k1, ok), ("t/0/1", k2, forged)])
-    assert [r.rank for r in as_records(items)] == [1]  # the forged message only is dead-lettered
-    [rj] = rejected
-    assert rj.code == "counter" and FIRST_BAD in rj.reason
-    path = tmp_path / "capture.jsonl"
-    line = to_json(rec)  # NaN and Infinity as the JSON records write them
-    path.write_text(line + "\n")
-    with pytest.raises(ReplayError, match=FIRST_BAD):
-        list(read_records(path))
+    assert_forged_is_dead_lettered(_record(bad), FIRST_BAD, 3.0, tmp_path)
