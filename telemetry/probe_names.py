@@ -24,12 +24,16 @@ def watch_names(watch: Any) -> dict[str, list[str]]:
     """``{family: names}`` of a watch's indexed metrics, as they are now."""
     finite = watch._finite
     canary = getattr(watch, "gemm_canary", None)
+    # a driver that computes the canary outside the watch (the simulated ranks) names its products here
+    canary_names = getattr(watch, "gemm_canary_names", None)
+    if canary_names is None:
+        canary_names = [name for name, _ in canary.products] if canary is not None else []
     return {
         "products": list(finite.checksums.names) if finite.checksums is not None else [],
         "blocks": list(finite.stream.names) if finite.stream is not None else [],
         "layers": watch.layer_names,
         "modules": list(watch.leaf_names),
-        "canary_products": [name for name, _ in canary.products] if canary is not None else [],
+        "canary_products": list(canary_names),
     }
 
 

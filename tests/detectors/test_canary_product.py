@@ -87,6 +87,10 @@ def test_a_training_job_with_an_unhealthy_rank_names_the_product_its_canary_chec
     assert (inc.first_step, inc.ranks, inc.metric) == (2, (3,), "gemm_canary_fp")
     assert products[inc.layer] == "blocks.0.mlp.fc"
     assert f"gemm_canary_fp (product {inc.layer})" in inc.message
+    # the run computes the canary outside its watches: they still hand the service its products' names
+    from sdcwatch.telemetry.probe_names import watch_names
+
+    assert all(watch_names(w)["canary_products"] == products for w in run.watches)
 
 
 # -- the wire ------------------------------------------------------------------------------------
