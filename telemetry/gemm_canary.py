@@ -116,9 +116,14 @@ class GemmCanary:
             if raw is not None:
                 fingerprints["gemm_canary_fp"] = raw
 
+    def index_at(self, step: int) -> int | None:
+        """The index in :attr:`products` of the product step ``step`` checks (None without one)."""
+        return (step // self.stride) % len(self.products) if self.products else None
+
     def product_at(self, step: int) -> tuple[str, nn.Linear] | None:
         """The product step ``step`` checks (None for a model without linear layers)."""
-        return self.products[(step // self.stride) % len(self.products)] if self.products else None
+        k = self.index_at(step)
+        return None if k is None else self.products[k]
 
     def fingerprint(self, step: int) -> torch.Tensor | None:
         """Raw device fingerprint of step ``step``'s product of the known input (module docstring);

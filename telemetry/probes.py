@@ -392,8 +392,8 @@ class Watch(GradientStats, AttentionLayers):
 def canary_product(canary: GemmCanary, step: int) -> dict[str, float]:
     """``{CANARY_PRODUCT: index}`` of the product ``canary`` checks at ``step`` (its index in
     ``canary.products``), sent with that step's ``gemm_canary_fp``; empty without a product."""
-    picked = canary.product_at(step)
-    return {} if picked is None else {CANARY_PRODUCT: float(canary.products.index(picked))}
+    k = canary.index_at(step)
+    return {} if k is None else {CANARY_PRODUCT: float(k)}
 
 
 def _scalar(t: torch.Tensor) -> torch.Tensor:
