@@ -21,6 +21,7 @@ from sdcwatch.telemetry.faults import flip_bit  # noqa: E402
 from sdcwatch.telemetry.probes import ProbeConfig, attach  # noqa: E402
 from sdcwatch.core.names import GEMM_METRICS, STREAM_METRICS  # noqa: E402
 from sdcwatch.testbed.model import GPT, GPTConfig  # noqa: E402
+from reference_loop import train_reference  # noqa: E402
 
 torch.set_num_threads(1)
 CFG = GPTConfig(seq_len=32, d_model=32, n_layer=2, n_head=4)
@@ -221,23 +222,17 @@ def test_watch_records_sampled_checksums_and_a_near_inf_in_the_residual_stream_e
     rec = Recorder()
     watch = attach(model, rec, optimizer=opt, checksum_every=2)
     assert ProbeConfig().stream_every == 1
-    g = torch.Generator().manual_seed(0)
-    for s in range(7):
-        if s == 4:  # a weight flipped in memory after the optimizer wrote it, before a checked step
-            with torch.no_grad():
-                flip_bit(model.blocks[0].mlp.fc.weight.data, 11, 29)
-        handle = None
-        if s == 3:  # the issue's fault: 1e12 written into an attention block's output on one step
-            handle = model.blocks[1].attn.register_forward_hook(
-                lambda m, a, out: out.index_put((torch.tensor([0]), torch.tensor([3])), torch.tensor(1e12))
-            )
-        loss = model.loss(torch.randint(0, 256, (2, CFG.seq_len + 1), generator=g))
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        watch.step(s, loss=loss)
-        if handle:
-            handle.remove()
+
+    def flip_weight():  # a weight flipped in memory after the optimizer wrote it, before a checked step
+        with torch.no_grad():
+            flip_bit(model.blocks[0].mlp.fc.weight.data, 11, 29)
+
+    def near_inf_block_output():  # the issue's fault: 1e12 written into an attention block's output on one step
+        return model.blocks[1].attn.register_forward_hook(
+            lambda m, a, out: out.index_put((torch.tensor([0]), torch.tensor([3])), torch.tensor(1e12))
+        )
+
+    train_reference(model, opt, watch, 7, faults={4: flip_weight, 3: near_inf_block_output})
     watch.close()
     assert [r["step"] for r in rec.records] == list(range(7))
     fc = watch.checksums.names.index("blocks.0.mlp.fc")
@@ -266,25 +261,22 @@ def test_a_near_inf_in_any_product_output_shows_at_its_step_between_checksum_ste
     assert ProbeConfig().checksum_every > 1
     names = watch.checksums.names
     faults = {3: "blocks.1.attn.mix", 5: "blocks.0.mlp.fc", 6: "blocks.0.attn.qkv"}
-    g = torch.Generator().manual_seed(0)
-    for s in range(8):
-        handle = None
-        if s in faults:
-            value = float("nan") if s == 6 else 3e10
-            handle = model.get_submodule(faults[s]).register_forward_hook(  # before the probes' hooks, as a fault
-                lambda m, a, out, v=value: (
-                    out.reshape(-1).index_put((torch.tensor([7]),), torch.tensor(v)).view_as(out)
-                ),
-                prepend=True,
-            )
-        loss = model.loss(torch.randint(0, 256, (2, CFG.seq_len + 1), generator=g))
-        if handle:
-            handle.remove()
-        opt.zero_grad()
-        if s != 6:  # a NaN would poison the weights: the step is dropped
-            loss.backward()
-            opt.step()
-        watch.step(s, loss=loss)
+
+    def fault(name: str, value: float):  # before the probes' hooks, as a fault
+        return lambda: model.get_submodule(name).register_forward_hook(
+            lambda m, a, out: out.reshape(-1).index_put((torch.tensor([7]),), torch.tensor(value)).view_as(out),
+            prepend=True,
+        )
+
+    # a NaN would poison the weights: its step is not taken
+    train_reference(
+        model,
+        opt,
+        watch,
+        8,
+        faults={s: fault(n, float("nan") if s == 6 else 3e10) for s, n in faults.items()},
+        no_update={6},
+    )
     watch.close()
     for r in rec.records:
         out = r["layers"]["gemm_out"]
@@ -303,24 +295,17 @@ def test_the_largest_logit_is_one_metric_measured_every_step():
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     rec = Recorder()
     watch = attach(model, rec, optimizer=opt, attention_every=4)
-    g = torch.Generator().manual_seed(0)
     tops = []
     hook = model.blocks[1].attn.scores.register_forward_hook(lambda m, a, out: tops.append(float(out.detach().amax())))
-    for s in range(6):
-        handle = None
-        if s == 2:  # not an attention-sampled step: a near-INF logit still shows at its step
-            handle = model.blocks[0].attn.scores.register_forward_hook(
-                lambda m, a, out: out.index_put(
-                    (torch.tensor([0]), torch.tensor([1]), torch.tensor([5]), torch.tensor([2])), torch.tensor(4e11)
-                )
+
+    def near_inf_logit():  # not an attention-sampled step: a near-INF logit still shows at its step
+        return model.blocks[0].attn.scores.register_forward_hook(
+            lambda m, a, out: out.index_put(
+                (torch.tensor([0]), torch.tensor([1]), torch.tensor([5]), torch.tensor([2])), torch.tensor(4e11)
             )
-        loss = model.loss(torch.randint(0, 256, (2, CFG.seq_len + 1), generator=g))
-        if handle:
-            handle.remove()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        watch.step(s, loss=loss)
+        )
+
+    train_reference(model, opt, watch, 6, faults={2: near_inf_logit})
     hook.remove()
     watch.close()
     from sdcwatch.core.names import LAYER_METRICS

@@ -15,6 +15,7 @@ from sdcwatch.telemetry.faults import flip_bit  # noqa: E402
 from sdcwatch.telemetry.presets import PROBE_PRESETS, probe_config  # noqa: E402
 from sdcwatch.telemetry.probes import ProbeConfig, attach  # noqa: E402
 from sdcwatch.testbed.model import GPT, GPTConfig  # noqa: E402
+from reference_loop import train_reference  # noqa: E402
 
 torch.set_num_threads(1)
 CFG = GPTConfig(seq_len=32, d_model=32, n_layer=2, n_head=4)
@@ -37,7 +38,6 @@ def _train(config: ProbeConfig, steps: int = 8) -> tuple[list[dict], list[str]]:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     rec = Recorder()
     watch = attach(model, rec, optimizer=opt, config=config)
-    g = torch.Generator().manual_seed(0)
 
     def flip_output(module, args, out):
         out = out.clone()
@@ -45,20 +45,17 @@ def _train(config: ProbeConfig, steps: int = 8) -> tuple[list[dict], list[str]]:
         flip_bit(flat, int(flat.abs().argmax()), 23)  # the lowest exponent bit: the value doubles or halves
         return out
 
-    for s in range(steps):
-        handle = None
-        if s == OUTPUT_FLIP[0]:  # a one-off fault of the product, before the probes' hooks see it
-            handle = model.get_submodule(OUTPUT_FLIP[1]).register_forward_hook(flip_output, prepend=True)
-        if s == WEIGHT_FLIP[0]:  # a weight changed in memory after the optimizer wrote it
-            w = model.get_submodule(WEIGHT_FLIP[1]).weight.data
-            flip_bit(w, int(w.abs().argmax()), 23)
-        loss = model.loss(torch.randint(0, 256, (2, CFG.seq_len + 1), generator=g))
-        if handle:
-            handle.remove()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        watch.step(s, loss=loss)
+    def flip_weight():  # a weight changed in memory after the optimizer wrote it
+        w = model.get_submodule(WEIGHT_FLIP[1]).weight.data
+        flip_bit(w, int(w.abs().argmax()), 23)
+
+    # a one-off fault of the product, before the probes' hooks see it
+    output = model.get_submodule(OUTPUT_FLIP[1])
+    faults = {
+        OUTPUT_FLIP[0]: lambda: output.register_forward_hook(flip_output, prepend=True),
+        WEIGHT_FLIP[0]: flip_weight,
+    }
+    train_reference(model, opt, watch, steps, faults=faults)
     names = list(watch.checksums.names)
     watch.close()
     assert [r["step"] for r in rec.records] == list(range(steps))

@@ -19,6 +19,7 @@ from sdcwatch.telemetry.faults import FaultInjector, FaultSpec  # noqa: E402
 from sdcwatch.telemetry.gemm_canary import GemmCanary, known_input  # noqa: E402
 from sdcwatch.telemetry.probes import attach  # noqa: E402
 from sdcwatch.testbed.model import GPT, GPTConfig  # noqa: E402
+from reference_loop import train_reference  # noqa: E402
 
 CFG = GPTConfig(seq_len=16, d_model=32, n_layer=2, n_head=4)
 LINEARS = ["blocks.0.attn.qkv", "blocks.0.attn.proj", "blocks.0.mlp.fc", "blocks.0.mlp.proj"]
@@ -118,12 +119,7 @@ def test_the_probes_do_not_record_the_canary_and_report_it_every_step():
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
         rec = Recorder()
         watch = attach(model, rec, optimizer=opt, gemm_canary_every=every, checksum_every=2, activations_every=1)
-        g = torch.Generator().manual_seed(1)
-        for step in range(4):
-            opt.zero_grad()
-            model.loss(torch.randint(0, 256, (2, CFG.seq_len + 1), generator=g)).backward()
-            opt.step()
-            watch.step(step, loss=torch.tensor(1.0))
+        train_reference(model, opt, watch, 4, seed=1)
         watch.close()
         records.append(rec.records)
     with_canary, without = records

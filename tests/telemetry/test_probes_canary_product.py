@@ -11,6 +11,7 @@ torch = pytest.importorskip("torch")
 from sdcwatch.core.names import CANARY_PRODUCT  # noqa: E402
 from sdcwatch.telemetry.probes import attach  # noqa: E402
 from sdcwatch.testbed.model import GPT, GPTConfig  # noqa: E402
+from reference_loop import train_reference  # noqa: E402
 
 CFG = GPTConfig(seq_len=16, d_model=32, n_layer=2, n_head=4)
 
@@ -29,12 +30,7 @@ def _train(steps: int, **settings) -> tuple[list, object]:
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     rec = Recorder()
     watch = attach(model, rec, optimizer=opt, **settings)
-    g = torch.Generator().manual_seed(1)
-    for step in range(steps):
-        opt.zero_grad()
-        model.loss(torch.randint(0, 256, (2, CFG.seq_len + 1), generator=g)).backward()
-        opt.step()
-        watch.step(step, loss=torch.tensor(1.0))
+    train_reference(model, opt, watch, steps, seed=1)
     watch.close()
     return rec.records, watch
 
