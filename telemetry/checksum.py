@@ -38,7 +38,7 @@ the same reduction of the same bits gives the same result, so any change of a we
 between the update and its use shows (relative to ``γ_m S_w``, below which a change is lost in
 the sum's own rounding).
 
-Use it on any model through :class:`~sdcwatch.telemetry.gemm_checks.GemmChecks` (forward hooks on ``nn.Linear`` modules, tensor
+Use it on any model through :class:`~sdcwatch.telemetry.gemm_checks.GemmChecks` (forward hooks on linear layers: ``nn.Linear`` and ``Conv1D``, tensor
 hooks for the backward; :func:`sdcwatch.telemetry.probes.attach` does it). A module whose
 ``forward(a, b)`` returns ``a @ b`` and that sets ``_sdcwatch_gemm = True`` is checked the same way
 (the reference model's attention ``probs @ v``). Inside a custom or fused kernel's module, call

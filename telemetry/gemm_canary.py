@@ -7,7 +7,7 @@ same fixed input times the same weight must give the same bits on every healthy 
 product each step, on every rank, and the replica vote on its fingerprint names the rank whose
 result differs, at the step that product is checked.
 
-**Which product.** The ``nn.Linear`` layers of the model in registration order
+**Which product.** The linear layers of the model (``nn.Linear``, ``Conv1D``) in registration order
 (``model.named_modules()``, the order of :attr:`GemmChecks.names` without the custom products);
 step ``s`` checks layer ``s mod n`` (:meth:`GemmCanary.product_at`; with sampling, the ``k``-th
 canary step checks layer ``k mod n``): the same layer on every rank at a step, every layer once
@@ -60,6 +60,7 @@ from sdcwatch.telemetry import fingerprint as fp
 from sdcwatch.telemetry.canary import canary_section
 from sdcwatch.telemetry.faults import output_faults
 from sdcwatch.telemetry.gemm_state import is_shard
+from sdcwatch.telemetry.linear_layout import is_linear, linear_weight
 
 __all__ = ["GemmCanary", "known_input", "ROWS"]
 
@@ -85,7 +86,7 @@ def known_input(in_features: int, out_features: int, dtype: torch.dtype, device:
 
 
 class GemmCanary:
-    """The known-answer products of one model's ``nn.Linear`` layers, one per step in rotation."""
+    """The known-answer products of one model's linear layers, one per step in rotation."""
 
     def __init__(self, model: nn.Module, stride: int = 1) -> None:
         self.stride = max(1, int(stride))
@@ -94,7 +95,7 @@ class GemmCanary:
         self.products: list[tuple[str, nn.Linear]] = [
             (name, m)
             for name, m in model.named_modules()
-            if isinstance(m, nn.Linear) and isinstance(m.weight, torch.Tensor) and m.weight.dim() == 2
+            if is_linear(m) and isinstance(m.weight, torch.Tensor) and m.weight.dim() == 2
         ]
         """(name, module) of every product checked, in rotation order."""
         self.failed: set[str] = set()
@@ -138,7 +139,7 @@ class GemmCanary:
             return None
 
     def _fingerprint(self, module: nn.Linear) -> torch.Tensor | None:
-        w, b = module.weight, module.bias
+        w, b = linear_weight(module)  # (out, in), whatever the layout
         sharded = is_shard(w) or (b is not None and is_shard(b))
         if type(module).forward is _LINEAR_FORWARD:  # the product itself, and the faults on its output
             with torch.no_grad():
@@ -152,10 +153,9 @@ class GemmCanary:
         else:  # a layer with a forward of its own: called, its own hooks too (the probes skip it)
             with torch.no_grad(), canary_section():
                 if sharded:
-                    whole = {"weight": _whole(w)}
+                    whole = {"weight": _whole(module.weight)}
                     if b is not None:
                         whole["bias"] = _whole(b)
-                    w = whole["weight"]
                     x = known_input(w.shape[1], w.shape[0], w.dtype, w.device)
                     y = torch.func.functional_call(module, whole, (x,))
                 else:

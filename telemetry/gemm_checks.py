@@ -1,4 +1,5 @@
-"""The matrix checksums on a model: :class:`GemmChecks` hooks every ``nn.Linear`` (forward, weight
+"""The matrix checksums on a model: :class:`GemmChecks` hooks every linear layer (``nn.Linear`` and
+Hugging Face's ``Conv1D``, :mod:`~sdcwatch.telemetry.linear_layout`; forward, weight
 and bias gradient, weights in memory) and the products modules report with :func:`observe_gemm`;
 the checks and their rounding bounds are :mod:`sdcwatch.telemetry.checksum`'s.
 
@@ -36,12 +37,13 @@ from sdcwatch.telemetry.checksum import (
 from sdcwatch.telemetry.gemm_backward import GradientChecks
 from sdcwatch.telemetry.gemm_state import GEMM_OBSERVERS, SealedWeight, StepChecks, is_shard, observe_gemm, stack_rows
 from sdcwatch.telemetry.gemm_state import call_peaks, holds_whole_rows, local_part
+from sdcwatch.telemetry.linear_layout import is_linear, linear_weight, transposed
 
 __all__ = ["GemmChecks", "observe_gemm"]
 
 
 class GemmChecks(GradientChecks):
-    """Checksums of every ``nn.Linear`` of a model (forward, weight and bias gradient, weights),
+    """Checksums of every linear layer of a model (forward, weight and bias gradient, weights),
     plus the custom products reported with :func:`observe_gemm`; one value per product and step.
 
     ``active`` says whether the step in progress is checked forward (the products and the weights
@@ -89,12 +91,14 @@ class GemmChecks(GradientChecks):
                 owners[id(p)] = owners.get(id(p), 0) + 1
         globs = [g.strip() for g in modules.split(",") if g.strip()]
         for name, m in model.named_modules():
-            if isinstance(m, nn.Linear) and any(fnmatch.fnmatchcase(name, g) for g in globs):
+            if is_linear(m) and any(fnmatch.fnmatchcase(name, g) for g in globs):
                 i = self._add(name, m)
                 self._forward.append((m, functools.partial(self._linear_hook, i)))
                 # an FSDP2 shard (a DTensor) is outside the autograd graph: its hook would never fire
                 if m.weight.requires_grad and owners.get(id(m.weight), 0) == 1 and not is_shard(m.weight):
-                    self._handles.append(m.weight.register_hook(functools.partial(self._weight_grad_hook, i)))
+                    hook = functools.partial(self._weight_grad_hook, i)  # Conv1D's gradient is (in, out): turned
+                    hook = functools.partial(_turned, hook) if transposed(m) else hook
+                    self._handles.append(m.weight.register_hook(hook))
                     if m.bias is not None and m.bias.requires_grad and owners.get(id(m.bias), 0) == 1:
                         self._handles.append(m.bias.register_hook(functools.partial(self._bias_grad_hook, i)))
                         self._bias_checked[i] = True
@@ -154,7 +158,7 @@ class GemmChecks(GradientChecks):
         the weight's column sums beside the sealed ones (subtracted for every product at once in
         :meth:`collect`); returns the input's largest and smallest value."""
         with torch.no_grad():
-            w, b = local_part(module.weight), local_part(module.bias)
+            w, b = (local_part(t) for t in linear_weight(module))
             acc = accumulation_dtype(y.dtype)
             st = self._step
             v = accumulated_sum(w, 0, acc)
@@ -220,9 +224,8 @@ class GemmChecks(GradientChecks):
             return
         with torch.no_grad():
             for i, m in enumerate(self._modules):
-                w = getattr(m, "weight", None)
+                w, b = linear_weight(m) if is_linear(m) else (getattr(m, "weight", None), getattr(m, "bias", None))
                 if isinstance(w, torch.Tensor) and w.dim() == 2:
-                    b = getattr(m, "bias", None)
                     self._sealed_at[i] = SealedWeight(w, b if isinstance(b, torch.Tensor) else None)
 
     def unseal(self) -> None:
@@ -403,3 +406,8 @@ class GemmChecks(GradientChecks):
             lst = GEMM_OBSERVERS.get(m)
             if lst:
                 lst[:] = [c for c in lst if c is not self]
+
+
+def _turned(hook: Callable, grad: torch.Tensor) -> None:
+    """``hook`` on the transpose of ``grad``: a ``Conv1D`` weight's gradient, as ``(out, in)``."""
+    hook(grad.t())

@@ -55,7 +55,7 @@ class ProbeConfig:
     (:mod:`sdcwatch.telemetry.gemm_canary`)."""
 
     checksum_every: int = 16
-    """Check every ``nn.Linear`` product (forward, weight gradient, weights in memory) on every
+    """Check every linear layer's product (``nn.Linear``, Hugging Face's ``Conv1D``; forward, weight gradient, weights in memory) on every
     this-many-th recorded step with matrix checksums (:mod:`sdcwatch.telemetry.checksum`); 0 = off.
     Catches finite corruption (a flipped bit) that no statistic shows, naming the layer. Every
     step (1) catches a one-off flip at its step but costs several percent of a step (the checks
