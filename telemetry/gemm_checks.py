@@ -20,6 +20,7 @@ from __future__ import annotations
 import fnmatch
 import functools
 import math
+import warnings
 from typing import Any, Callable
 
 import torch
@@ -108,6 +109,8 @@ class GemmChecks(GradientChecks):
                 self._add(name, m)  # a module whose forward(a, b) returns a @ b
                 self._forward.append((m, self._product_hook))
         self.hook_forward(True)
+        self._n_registered = len(self.names)  # the products found here (observe_gemm may add more)
+        self._coverage_told = False
         self._owners = [m for _, m in model.named_modules()]
         self._module_names = {id(m): n for n, m in model.named_modules()}
         self._reset()
@@ -289,6 +292,8 @@ class GemmChecks(GradientChecks):
         Products not seen this step report 0."""
         st = self._step
         n = len(self.names)
+        if not self._coverage_told and (st.f_idx or st.o_idx):
+            self._tell_unseen(set(st.f_idx) | set(st.o_idx))
         if not st.f_idx:
             out = None
             if st.o_idx:
@@ -321,6 +326,23 @@ class GemmChecks(GradientChecks):
             out["gemm_in"] = torch.zeros(n, device=device).scatter_reduce_(0, idx, xm, "amax")
         self._reset()
         return {name: out[name] for name in GEMM_METRICS}
+
+    def _tell_unseen(self, seen: set[int]) -> None:
+        """Warn once, on the first step any product ran, about the linear layers whose forward did
+        not run in it: their products are neither checked nor scanned (``nn.MultiheadAttention``,
+        for one, multiplies by its ``out_proj`` weight without calling the module)."""
+        self._coverage_told = True
+        unseen = [self.names[i] for i in range(self._n_registered) if i not in seen]
+        if unseen:
+            warnings.warn(
+                f"sdcwatch checksums: {len(unseen)} of {self._n_registered} linear layers ran no forward in the "
+                f"first training step, and are neither checked nor scanned while they do not: "
+                f"{', '.join(unseen[:8])}{' ...' if len(unseen) > 8 else ''} (a module that multiplies by a "
+                "layer's weight without calling the layer, such as nn.MultiheadAttention, can report the product "
+                "with observe_gemm; an idle expert of a mixture of experts is checked when it runs)",
+                RuntimeWarning,
+                stacklevel=2,
+            )
 
     def _forward_ratios(self, st: StepChecks, start: int = 0) -> tuple[torch.Tensor, ...]:
         """(product index, largest |row sum|, ratio, bound, largest |input|) of the forward checks

@@ -121,3 +121,39 @@ def test_the_per_product_canary_computes_a_conv1d_product_in_its_layout():
 
     assert torch.equal(canary.fingerprint(k), fp.fingerprint_device([expected]))
     assert not canary.failed
+
+
+class _MHAModel(torch.nn.Module):
+    """nn.MultiheadAttention multiplies by out_proj's weight without calling out_proj."""
+
+    def __init__(self):
+        super().__init__()
+        self.attn = torch.nn.MultiheadAttention(16, 2, batch_first=True)
+        self.head = torch.nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.head(self.attn(x, x, x, need_weights=False)[0])
+
+
+def _steps(model, n=2):
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    watch = attach(model, Recorder(), optimizer=opt)
+    for s in range(n):
+        loss = model(torch.randn(2, 5, 16)).square().mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        watch.step(s, loss=loss)
+    watch.close()
+
+
+def test_a_linear_layer_whose_forward_never_runs_is_named_in_one_warning():
+    torch.manual_seed(0)
+    with pytest.warns(RuntimeWarning, match=r"1 of 2 linear layers ran no forward.*: attn\.out_proj \(") as got:
+        _steps(_MHAModel(), n=3)
+    assert sum("ran no forward" in str(w.message) for w in got) == 1  # once, not every step
+
+
+def test_no_coverage_warning_when_every_linear_layer_runs(recwarn):
+    _train()
+    assert not [w for w in recwarn if "ran no forward" in str(w.message)]
