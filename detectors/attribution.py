@@ -22,6 +22,7 @@ from sdcwatch.core.kinds import SPIKE_KINDS
 from sdcwatch.core.names import DATA_METRICS
 from sdcwatch.core.validate import check_positive
 from sdcwatch.core.incident import Finding, Severity
+from sdcwatch.core.where import index_text, noun_of, where
 
 __all__ = ["Attribution"]
 
@@ -115,6 +116,7 @@ class Attribution:
                 hosts=(ev["host"],) if ev["host"] else (),
                 metric=ev["metric"],
                 layer=ev["layer"],
+                layer_name=ev.get("layer_name"),
                 message=f"SDC suspected on {where}: {f.kind.replace('_', ' ')} at step {f.evidence['onset_step']} "
                 f"with rank-local evidence ({ev['message']})",
                 evidence={"spike": f.evidence, "rank_evidence": ev},
@@ -143,12 +145,14 @@ class Attribution:
                 severity=Severity.CRITICAL,
                 message=f"SDC suspected on {where}: persistent deviation and a "
                 f"{kind.replace('_', ' ')} at step {step} ({f.message})",
+                around=None,  # composed from the finding's message, already named
                 evidence={**f.evidence, "spike_step": step, "attribution": "sdc"},
             )
         return replace(
             f,
             kind="silent_drift",
             message=f"silent drift suspected on {where}: {f.message}",
+            around=None,
             evidence={**f.evidence, "attribution": "silent_drift"},
         )
 
@@ -168,6 +172,7 @@ def _local(f: Finding) -> dict[str, Any]:
         "host": f.hosts[0] if f.hosts else "",
         "metric": f.metric,
         "layer": f.layer,
+        **({"layer_name": f.layer_name} if f.layer_name else {}),
         "score": float(f.score),
         "kind": f.kind,
         "step": f.step,
@@ -181,9 +186,10 @@ def _where(ev: dict[str, Any]) -> str:
         s += f" (host {ev['host']})"
     if ev.get("coords"):
         s += f" at {format_coords(ev['coords'])}"
+    name = ev.get("layer_name")
     if ev["layer"] is not None:
         part = "attention" if ev["metric"].startswith(("attn", "q_", "k_")) else ev["metric"]
-        s += f", layer {ev['layer']} {part} ({ev['metric']})"
+        s += f", {index_text(ev['layer'], name, noun_of(ev['metric']) if name else 'layer')} {part} ({ev['metric']})"
     else:
-        s += f", {ev['metric']}"
+        s += f", {where(ev['metric'], None, name)}"
     return s

@@ -26,6 +26,7 @@ from sdcwatch.detectors.base import SplitDetector, StepContext
 from sdcwatch.detectors.frame import StepFrame
 from sdcwatch.detectors.registry import register
 from sdcwatch.core.incident import Finding, Severity
+from sdcwatch.core.where import message_at
 from sdcwatch.detectors.peers import Groups, known_coords, rank_label
 
 __all__ = ["ChecksumDetector", "ChecksumConfig"]
@@ -173,15 +174,12 @@ class ChecksumDetector(SplitDetector):
             what = _WHAT.get(metric, metric)
             others = "other ranks" if known_coords(frame) is None else "rank's peers"
             if kind == "mismatch":
-                msg = (
-                    f"checksum mismatch at step {frame.step} on {on}{more}: {metric} layer {layer} "
-                    f"({what}) is off by {value:.3g} x its rounding bound"
-                )
+                head = f"checksum mismatch at step {frame.step} on {on}{more}: "
+                tail = f" ({what}) is off by {value:.3g} x its rounding bound"
             else:
-                msg = (
-                    f"checksum outlier at step {frame.step} on {on}: {metric} layer {layer} ({what}) "
-                    f"residual {value:.3g} x bound, over {self.outlier_factor:.0e} x the {others}' P90"
-                )
+                head = f"checksum outlier at step {frame.step} on {on}: "
+                tail = f" ({what}) residual {value:.3g} x bound, over {self.outlier_factor:.0e} x the {others}' P90"
+            msg, around = message_at(head, metric, layer, tail)
             out.append(
                 Finding(
                     detector=self.name,
@@ -191,6 +189,7 @@ class ChecksumDetector(SplitDetector):
                     step=frame.step,
                     score=value,
                     message=msg,
+                    around=around,
                     ranks=ranks if frame.world > 1 else (),
                     hosts=tuple(sorted({frame.hosts[r] for r in ranks if r < len(frame.hosts)} - {""})),
                     metric=metric,

@@ -5,11 +5,14 @@ each rank sends what the positions are once per key window (:mod:`sdcwatch.core.
 :class:`LayerNameBook` keeps them per run, one copy of each distinct list (every data-parallel
 replica sends the same; under pipeline parallelism each stage has its own products, so each rank
 points at its list), and :meth:`LayerNameBook.enrich` names the module of every finding that
-carries a layer index, in one place, before the incident book folds the findings: the finding
-gets ``layer_name`` and its message says ``gemm_out of model.layers.1.mlp.gate_proj (product 11)``
-where it said ``gemm_out layer 11``. A finding on a rank that sent no names (an older emitter, or
-names not yet arrived) keeps the index alone: a name is given only when that rank's own list has
-it (or the run has one list and the finding names no rank).
+carries a layer index, in one place, as the detectors hand their findings on (before attribution
+composes them and the incident book folds them): the finding gets ``layer_name`` and renders its
+message again from its fields (:mod:`sdcwatch.core.where`), so it says
+``gemm_out of model.layers.1.mlp.gate_proj (product 11)`` where it said ``gemm_out layer 11``.
+A non-finite ``act_max`` is named by the leaf module whose output it was (``act_max_module``),
+when the rank sent its leaf-module names. A finding on a rank that sent no names (an older
+emitter, or names not yet arrived) keeps the index alone: a name is given only when that rank's
+own list has it (or the run has one list and the finding names no rank).
 
 Memory is bounded like the rest of run state: at most ``max_runs`` runs (the least recently named
 goes first), :data:`MAX_TABLES_PER_RUN` distinct lists per run, :data:`MAX_RANK_ENTRIES` ranks and
@@ -21,13 +24,12 @@ control character, bounded length), so they cannot break a log line or a label.
 from __future__ import annotations
 
 import logging
-import re
 from collections import OrderedDict
 from typing import Any, Iterable
 
 from sdcwatch.core.layer_names import NOUNS, LayerNames, check_names, family_of
 
-__all__ = ["LayerNameBook", "name_in_message", "MAX_TABLES_PER_RUN", "MAX_RANK_ENTRIES"]
+__all__ = ["LayerNameBook", "MAX_TABLES_PER_RUN", "MAX_RANK_ENTRIES"]
 
 log = logging.getLogger("sdcwatch.detectors")
 
@@ -41,22 +43,6 @@ MAX_BYTES = 64 << 20
 
 def _size(names: dict[str, tuple[str, ...]]) -> int:
     return sum(len(n) + 8 for lst in names.values() for n in lst) + 64
-
-
-def name_in_message(message: str, metric: str, layer: int, name: str, noun: str) -> str:
-    """``message`` with the module ``name`` beside the index: ``gemm_out layer 11`` (or
-    ``gemm_canary_fp (product 11)``) becomes ``gemm_out of <name> (product 11)``; another mention of ``layer 11`` becomes ``<name> (product
-    11)``; a message without one gets the name appended."""
-    for where in (
-        re.compile(rf"(?<![\w.]){re.escape(metric)} layer {layer}(?!\d)"),
-        re.compile(rf"(?<![\w.]){re.escape(metric)} \({noun} {layer}\)"),
-    ):
-        if where.search(message):
-            return where.sub(lambda _: f"{metric} of {name} ({noun} {layer})", message, count=1)
-    bare = re.compile(rf"(?<![\w.])layer {layer}(?!\d)")
-    if bare.search(message):
-        return bare.sub(lambda _: f"{name} ({noun} {layer})", message, count=1)
-    return f"{message} [{metric} {noun} {layer}: {name}]"
 
 
 class _Run:
@@ -164,35 +150,49 @@ class LayerNameBook:
         return next(iter(st.tables.values())) if len(st.tables) == 1 else None
 
     def enrich(self, findings: list, run: str) -> list:
-        """Give each finding of ``run`` that carries a layer index its module's name (in place)."""
+        """Give each finding of ``run`` that names a place its module's name (in place): the finding
+        gets ``layer_name`` and renders its message again from its fields
+        (:meth:`~sdcwatch.core.incident.Finding.name_module`); so do its listed hits."""
         if run not in self._runs:
             return findings
         for f in findings:
-            fam = family_of(f.metric) if f.layer is not None and not f.layer_name else None
-            if fam is None:
-                continue
-            names = self.names_of(run, f.ranks[0] if f.ranks else None)
-            lst = names.get(fam, ()) if names is not None else ()
-            name = lst[f.layer] if 0 <= f.layer < len(lst) else ""
-            if name:
-                f.layer_name = name
-                f.message = name_in_message(f.message, f.metric, f.layer, name, NOUNS.get(fam, "index"))
-                self.named += 1
+            if not f.layer_name and (f.layer is not None or f.metric == "act_max"):
+                module = f.evidence.get("act_max_module") if f.metric == "act_max" else None
+                named = self._module(run, f.ranks[0] if f.ranks else None, f.metric, f.layer, module)
+                if named is not None:
+                    f.name_module(*named)
+                    self.named += 1
             self._name_hits(f.evidence.get("hits"), run)
         return findings
 
+    def _module(self, run: str, rank: int | None, metric: str, layer: Any, module: Any) -> tuple[str, str] | None:
+        """``(name, noun)`` of the module a place on ``rank`` is in, from that rank's own lists (None:
+        not known). An ``act_max`` names its own leaf module (``module``, an index into the rank's
+        ``modules``) when the rank sent them, else the attention layer it is in; another metric,
+        the module its index points at in its family's list."""
+        names = self.names_of(run, rank)
+        if names is None:
+            return None
+        if metric == "act_max" and isinstance(module, int):
+            leaves = names.get("modules", ())
+            if 0 <= module < len(leaves) and leaves[module]:
+                return leaves[module], "layer"
+        fam = family_of(metric)
+        if fam is None or not isinstance(layer, int):
+            return None
+        lst = names.get(fam, ())
+        return (lst[layer], NOUNS.get(fam, "index")) if 0 <= layer < len(lst) and lst[layer] else None
+
     def _name_hits(self, hits: Any, run: str) -> None:
-        """Each listed hit (``{rank, metric, layer}``) gets its module's name, from its own rank's
-        list: an incident narrowed to a hit's rank takes its name from there."""
+        """Each listed hit (``{rank, metric, layer}``, an ``act_max`` hit with its ``module``) gets
+        its module's name, from its own rank's list: an incident narrowed to a hit's rank takes its
+        name from there."""
         for h in hits if isinstance(hits, list) else ():
-            if not isinstance(h, dict) or not isinstance(h.get("layer"), int) or "layer_name" in h:
+            if not isinstance(h, dict) or "layer_name" in h or not isinstance(h.get("rank"), int):
                 continue
-            fam = family_of(str(h.get("metric")))
-            rank = h.get("rank")
-            names = self.names_of(run, rank) if fam is not None and isinstance(rank, int) else None
-            lst = names.get(fam, ()) if names is not None else ()
-            if 0 <= h["layer"] < len(lst) and lst[h["layer"]]:
-                h["layer_name"] = lst[h["layer"]]
+            named = self._module(run, h["rank"], str(h.get("metric")), h.get("layer"), h.get("module"))
+            if named is not None:
+                h["layer_name"] = named[0]
 
     def snapshot(self) -> dict[str, Any]:
         """JSON-safe: per run, its world, its lists by digest and which ranks point at each."""

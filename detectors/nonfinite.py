@@ -33,6 +33,8 @@ from sdcwatch.detectors.frame import StepFrame
 from sdcwatch.core.incident import Finding, Severity
 from sdcwatch.core.names import CANARY_PRODUCT, FIRST_BAD, RATIO_METRICS
 from sdcwatch.core.mesh import DIMS
+from sdcwatch.core.where import message_at
+from sdcwatch.detectors.act_module import act_layer, act_modules, listed_hit
 from sdcwatch.detectors.peers import KEYS, group_keys, known_coords, rank_label
 
 __all__ = ["NonFiniteDetector"]
@@ -46,15 +48,6 @@ _GLOBAL = ("grad_norm_global", "loss_global", "grad_cosine")
 #: values of the backward pass: a bad value made in a later pipeline stage reaches the earlier
 #: stages' gradients (and only them) through the backward pass
 _BACKWARD = ("grad_norm_local", "gemm_bwd")
-
-
-def _act_layer(frame: StepFrame, S: np.ndarray, rank: int, column: int) -> int | None:
-    """The layer of an ``act_max`` hit, from the rank's ``act_max_layer`` (None for other scalars)."""
-    names = frame.scalar_names
-    if names[column] != "act_max" or "act_max_layer" not in names:
-        return None
-    layer = S[rank, names.index("act_max_layer")]
-    return int(layer) if np.isfinite(layer) and layer >= 0 else None
 
 
 def _through_pipeline(
@@ -213,7 +206,7 @@ class NonFiniteDetector(SplitDetector):
         self._origin: tuple[int, ...] | None = None
         self._origin_step: int | None = None
         self._last_bad: int | None = None
-        self._origin_where: tuple[str, int | None] | None = None  # (metric, layer) the streak began at
+        self._origin_where: tuple[str, int | None, int | None] | None = None  # (metric, layer, act_max module)
         self._masks: dict[tuple[str, ...], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         self._bwd: dict[tuple[str, ...], np.ndarray] = {}
         self._limits: dict[tuple[str, ...], np.ndarray] = {}
@@ -264,8 +257,7 @@ class NonFiniteDetector(SplitDetector):
                     r, c = np.nonzero(bad)
                     n_bad += r.size
                     hits += [
-                        (int(a), frame.scalar_names[b], _act_layer(frame, S, a, b), float(S[a, b]))
-                        for a, b in zip(r, c)
+                        (int(a), frame.scalar_names[b], act_layer(frame, S, a, b), float(S[a, b])) for a, b in zip(r, c)
                     ]
         L = frame.layers
         if L.size and not np.abs(L).max() < self.limit:  # NaN fails the comparison: look closer
@@ -300,6 +292,9 @@ class NonFiniteDetector(SplitDetector):
         first = self._first_bad(frame, forward_ranks)
         if first:
             seen["first_bad"] = first
+        modules = act_modules(frame, {h[0] for h in hits if h[1] == "act_max"})
+        if modules:  # the leaf module each rank's act_max came from: it names the module
+            seen["act_max_module"] = modules
         return seen
 
     @staticmethod
@@ -328,6 +323,7 @@ class NonFiniteDetector(SplitDetector):
             self._origin = None
             return []
         hits = [(int(r), str(m), None if lay is None else int(lay), float(v)) for r, m, lay, v in seen["hits"]]
+        modules = {int(r): int(m) for r, m in seen.get("act_max_module", ())}
         n_bad = int(seen["n_bad"])
         local_ranks, counted_ranks = set(seen["local"]), set(seen["counted"])
         global_ranks = set(seen["global"])
@@ -373,11 +369,11 @@ class NonFiniteDetector(SplitDetector):
         rank, metric, layer, value = first
         if ranks and rank not in culprits:  # the streak's origin was cut from a long list of hits
             rank = ranks[0]
+        module = modules.get(rank) if metric == "act_max" else None
         if streak and self._origin_where is not None:
-            metric, layer = self._origin_where  # where it began, not where it has spread to since
+            metric, layer, module = self._origin_where  # where it began, not where it has spread to since
         else:
-            self._origin_where = (metric, layer)
-        where = f"{metric}" + (f" layer {layer}" if layer is not None else "")
+            self._origin_where = (metric, layer, module)
         if frame.world > 1 and ranks:
             on = rank_label(frame, rank)
             more = f" and {len(ranks) - 1} more rank(s)" if len(ranks) > 1 else ""
@@ -394,13 +390,16 @@ class NonFiniteDetector(SplitDetector):
             on, more, spread = "the all-reduced values of every rank (not localised)", "", ""
         else:  # one process: nothing to localise, but say where it ran
             on, more, spread = rank_label(frame, rank), "", ""
+        around = None
         if streak:
             msg = (
                 f"non-finite values since step {self._origin_step}, which began on {on}{more}; "
                 f"still non-finite at step {frame.step}"
             )
         else:
-            msg = f"non-finite value at step {frame.step}: {where} = {value:.4g} on {on}{more}{spread}"
+            msg, around = message_at(
+                f"non-finite value at step {frame.step}: ", metric, layer, f" = {value:.4g} on {on}{more}{spread}"
+            )
         listed = own[: self.max_listed]
         return [
             Finding(
@@ -411,6 +410,7 @@ class NonFiniteDetector(SplitDetector):
                 step=frame.step,
                 score=float(n_bad),
                 message=msg,
+                around=around,
                 ranks=ranks if frame.world > 1 else (),
                 hosts=tuple(sorted({frame.hosts[r] for r in ranks} - {""})),
                 metric=metric,
@@ -426,7 +426,8 @@ class NonFiniteDetector(SplitDetector):
                         if by_position
                         else {}
                     ),
-                    "hits": [{"rank": h[0], "metric": h[1], "layer": h[2], "value": h[3]} for h in listed],
+                    **({"act_max_module": module} if module is not None else {}),
+                    "hits": [listed_hit(h, modules) for h in listed],
                 },
             )
         ]
@@ -443,5 +444,7 @@ class NonFiniteDetector(SplitDetector):
         self._origin = None if state.get("origin") is None else tuple(int(r) for r in state["origin"])
         self._origin_step = state.get("origin_step")
         self._last_bad = state.get("last_bad")
-        where = state.get("origin_where")
-        self._origin_where = None if where is None else (str(where[0]), None if where[1] is None else int(where[1]))
+        where = [*(state.get("origin_where") or [None]), None][:3]  # [metric, layer] when saved without module
+        self._origin_where = (
+            None if where[0] is None else (str(where[0]), *(w if w is None else int(w) for w in where[1:]))
+        )

@@ -312,8 +312,8 @@ class DetectionPipeline:
                 k = (f.detector, f.kind)
                 self.findings_total[k] = self.findings_total.get(k, 0) + 1
             findings += found
-        findings = _name_coords(st.attribution.apply(summary.step, summary.world, findings), summary.coords)
         findings = self.names.enrich(findings, summary.run)  # a layer index names its module
+        findings = _name_coords(st.attribution.apply(summary.step, summary.world, findings), summary.coords)
         return self.book.add(findings, summary.hosts) + self.book.advance(summary.run, summary.step)
 
     # -- reading ------------------------------------------------------------------------------

@@ -31,6 +31,7 @@ from sdcwatch.core.errors import ConfigError
 from sdcwatch.core.kinds import IncidentKind
 from sdcwatch.core.names import CHECK_METRICS, RANK_SCALARS
 from sdcwatch.core.mesh import format_coords
+from sdcwatch.core.where import message_at
 from sdcwatch.detectors.cross_rank_z import CrossRankZ
 from sdcwatch.detectors.peers import coords_of, known_coords, rank_label
 from sdcwatch.detectors.rank_evidence import RankEvidence, cusum_step
@@ -267,6 +268,8 @@ class RankOutlierDetector(SplitDetector):
                 findings.append(self._outlier(frame, r, c, float(col[c]), z_at(c, r), metrics, layers))
         for hit in seen["instant"]:
             r, c = int(hit["rank"]), int(hit["feature"])
+            head = f"{rank_label(frame, r, host=False)} extreme at step {frame.step}: "
+            msg, around = message_at(head, metrics[c], layers[c], f" z={hit['z']:.1f}")
             findings.append(
                 Finding(
                     detector=self.name,
@@ -275,7 +278,8 @@ class RankOutlierDetector(SplitDetector):
                     run=frame.run,
                     step=frame.step,
                     score=float(hit["peak"]),
-                    message=f"{rank_label(frame, r, host=False)} extreme at step {frame.step}: {_where(metrics[c], layers[c])} z={hit['z']:.1f}",
+                    message=msg,
+                    around=around,
                     ranks=(r,),
                     hosts=_hosts(frame, r),
                     metric=metrics[c],
@@ -320,9 +324,9 @@ class RankOutlierDetector(SplitDetector):
         self, frame: StepContext, r: int, c: int, ev: float, z_cr: float, metrics: list[str], layers: list[int | None]
     ) -> Finding:
         conf = min(0.999, 1.0 - 0.5 * math.exp(-3.0 * (ev / self.threshold - 1.0)))
-        where = _where(metrics[c], layers[c])
         others = "its peers" if known_coords(frame) is not None else "the other ranks"
-        msg = f"{rank_label(frame, r)} deviates from {others} in {where} (evidence {ev:.1f}, confidence {conf:.2f})"
+        head = f"{rank_label(frame, r)} deviates from {others} in "
+        msg, around = message_at(head, metrics[c], layers[c], f" (evidence {ev:.1f}, confidence {conf:.2f})")
         evidence = self._evidence
         col, pos, neg = evidence.column(r), evidence.column(r, "pos"), evidence.column(r, "neg")
         top = np.argsort(-col)[:3]
@@ -334,6 +338,7 @@ class RankOutlierDetector(SplitDetector):
             step=frame.step,
             score=ev,
             message=msg,
+            around=around,
             ranks=(r,),
             hosts=_hosts(frame, r),
             metric=metrics[c],
@@ -361,10 +366,6 @@ class RankOutlierDetector(SplitDetector):
         self._obs_sig = state.get("obs_sig")
         self._z.spread = None if state.get("spread") is None else decode_array(state["spread"])
         self._evidence.restore(state)
-
-
-def _where(metric: str, layer: int | None) -> str:
-    return metric if layer is None else f"{metric} layer {layer}"
 
 
 def _hosts(frame: StepContext, r: int) -> tuple[str, ...]:

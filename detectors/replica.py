@@ -30,6 +30,7 @@ from sdcwatch.detectors.registry import register
 from sdcwatch.detectors.frame import StepFrame
 from sdcwatch.core.incident import Finding, Severity
 from sdcwatch.core.mesh import DIMS, format_coords, replica_key
+from sdcwatch.core.where import message_at, where
 from sdcwatch.detectors.peers import Groups, coords_of, group_keys, known_coords, rank_label
 
 __all__ = ["ReplicaDivergenceDetector", "ReplicaConfig", "majority", "checked_product", "PEER_VOTED"]
@@ -201,27 +202,21 @@ class ReplicaDivergenceDetector(SplitDetector):
         odd_by_metric: dict[str, list[int]] = vote["odd"]
         split: list[str] = vote["split"]
         product = vote.get("product")
-        # the canary's product is named like a layer: an index whose meaning its metric gives
-        named = {_PRODUCT_FP: f"{_PRODUCT_FP} (product {product})"} if product is not None else {}
         checked = {"gemm_canary_product": int(product)} if product is not None else {}
         if odd_by_metric:
             ranks = tuple(sorted({int(r) for v in odd_by_metric.values() for r in v}))
-            metric = next(iter(odd_by_metric))
             hosts = tuple(sorted({frame.hosts[r] for r in ranks} - {""}))
             who = ", ".join(rank_label(frame, r)[5:] for r in ranks[: self.max_listed])
-            msg = (
-                f"SDC suspected: replica divergence at step {frame.step}: rank {who} "
-                f"disagree(s) with the majority on {', '.join(named.get(m, m) for m in odd_by_metric)}"
+            head = (
+                f"SDC suspected: replica divergence at step {frame.step}: rank {who} disagree(s) with the majority on "
             )
             return [
                 self._finding(
                     frame,
                     score=float(len(ranks)),
-                    message=msg,
                     ranks=ranks,
                     hosts=hosts,
-                    metric=metric,
-                    layer=product if metric == _PRODUCT_FP else None,
+                    **_on(head, list(odd_by_metric), product),
                     evidence={
                         "metrics": {k: [int(r) for r in v[: self.max_listed]] for k, v in odd_by_metric.items()},
                         "split": split,
@@ -233,19 +228,19 @@ class ReplicaDivergenceDetector(SplitDetector):
         if split_ranks:  # replica groups split: their ranks disagree, none can be blamed
             metric = split[0]
             members = [int(r) for r in split_ranks.get(metric, [])]
-            where = coords_of(known_coords(frame), members[0]) if members else {}
-            shard = format_coords(dict(replica_key(where)))
+            at = coords_of(known_coords(frame), members[0]) if members else {}
+            shard = format_coords(dict(replica_key(at)))
             listed = ", ".join(str(r) for r in members[: self.max_listed])
             return [
                 self._finding(
                     frame,
                     score=float(len(members)),
-                    metric=metric,
-                    layer=product if metric == _PRODUCT_FP else None,
-                    message=(
-                        f"replicas split at step {frame.step}: no majority on {', '.join(named.get(m, m) for m in split)}"
-                        + (f" among the replicas of {shard}" if shard else "")
-                        + f" (ranks {listed}; too few to tell which is wrong)"
+                    **_on(
+                        f"replicas split at step {frame.step}: no majority on ",
+                        split,
+                        product,
+                        (f" among the replicas of {shard}" if shard else "")
+                        + f" (ranks {listed}; too few to tell which is wrong)",
                     ),
                     evidence={
                         "split": split,
@@ -258,9 +253,7 @@ class ReplicaDivergenceDetector(SplitDetector):
             self._finding(
                 frame,
                 score=float(frame.world),
-                metric=split[0],
-                layer=product if split[0] == _PRODUCT_FP else None,
-                message=f"replicas split at step {frame.step}: no majority on {', '.join(named.get(m, m) for m in split)}",
+                **_on(f"replicas split at step {frame.step}: no majority on ", split, product),
                 evidence={"split": split, **checked},
             )
         ]
@@ -275,3 +268,13 @@ class ReplicaDivergenceDetector(SplitDetector):
             step=frame.step,
             **fields,
         )
+
+
+def _on(head: str, metrics: list[str], product: int | None, tail: str = "") -> dict[str, Any]:
+    """A finding's message, place and metric: ``head``, ``metrics`` (the first is the finding's
+    place), ``tail``. The canary's product is named like a layer: an index its metric gives meaning."""
+    first, *rest = metrics
+    layer = product if first == _PRODUCT_FP else None
+    others = "".join(", " + where(m, product if m == _PRODUCT_FP else None, noun="product") for m in rest)
+    message, around = message_at(head, first, layer, others + tail, noun="product")
+    return {"message": message, "around": around, "metric": first, "layer": layer}

@@ -15,6 +15,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from sdcwatch.core.jsonsafe import json_float, json_safe
+from sdcwatch.core.where import where
 
 __all__ = [
     "Severity",
@@ -49,6 +50,11 @@ class Finding:
     ``optimisation_instability``, ``silent_drift`` ...). ``ranks`` is empty when the finding
     is not rank-local. ``coords`` gives the mesh coordinates ({dim: index}) of each of ``ranks``,
     in the same order, when the records carry them (the pipeline fills them in).
+
+    ``around`` is the message's text either side of where it names ``metric`` and ``layer``
+    (:func:`sdcwatch.core.where.message_at`): the message is ``around[0]``, that place rendered
+    from the fields (:func:`~sdcwatch.core.where.where`), ``around[1]``; None for a message that
+    names no place, or whose text was composed further.
     """
 
     detector: str
@@ -65,6 +71,18 @@ class Finding:
     evidence: dict[str, Any] = field(default_factory=dict)
     coords: tuple[dict[str, int], ...] = ()
     layer_name: str | None = None  # the module ``layer`` indexes, when the rank sent its names
+    around: tuple[str, str] | None = None  # the message's text either side of its place
+
+    def name_module(self, name: str, noun: str = "layer") -> None:
+        """Give the finding its module's ``name`` (``noun`` says what ``layer`` counts) and say it in
+        the message: rendered again from ``around`` and the fields, or, for a message that names no
+        place of its own, added at its end."""
+        self.layer_name = name
+        if self.around is not None:
+            self.message = self.around[0] + where(self.metric, self.layer, name, noun) + self.around[1]
+        else:
+            at = "" if self.layer is None else f" {noun} {self.layer}"
+            self.message = f"{self.message} [{self.metric}{at}: {name}]"
 
 
 @dataclass

@@ -11,12 +11,16 @@ import pytest
 
 from sdcwatch.core.incident import Finding, Severity
 from sdcwatch.core.layer_names import LayerNames, encode_names
-from sdcwatch.core.names import TELEMETRY_TOPIC
-from sdcwatch.core.record import KEY_WINDOW
+from sdcwatch.core.names import CANARY_PRODUCT, TELEMETRY_TOPIC
+from sdcwatch.core.record import KEY_WINDOW, Record
+from sdcwatch.detectors.frame import StepFrame
 from sdcwatch.detectors.ingest import IngestDecoder
-from sdcwatch.detectors.layer_names import MAX_TABLES_PER_RUN, LayerNameBook, name_in_message
+from sdcwatch.core.where import message_at
+from sdcwatch.detectors.attribution import Attribution
+from sdcwatch.detectors.layer_names import MAX_TABLES_PER_RUN, LayerNameBook
 from sdcwatch.detectors.offline import replay
 from sdcwatch.detectors.pipeline import DetectionPipeline
+from sdcwatch.detectors.replica import ReplicaDivergenceDetector
 from sdcwatch.exporters.logsink import format_logfmt
 from sdcwatch.telemetry.emitter import Emitter
 from sdcwatch.telemetry.transports import FileTransport, MemoryBus, MemoryTransport
@@ -164,18 +168,48 @@ def test_a_malformed_names_message_is_rejected_with_reason_names_and_the_rest_ke
     assert [x.names for x in items] == [good.names]
 
 
+def _named(message: str, around, metric: str, layer: int | None, names: dict, rank: int = 0) -> Finding:
+    """A finding on ``rank`` of run ``w`` (world 4, every rank sent ``names``), after the book named it."""
+    book = LayerNameBook()
+    for r in range(4):
+        book.learn(LayerNames.build("w", r, 4, 0, names))
+    f = Finding("d", "k", Severity.CRITICAL, "w", 4, 1.0, message, ranks=(rank,), metric=metric, layer=layer, around=around)  # fmt: skip
+    (out,) = book.enrich([f], "w")
+    return out
+
+
 def test_the_message_names_the_module_where_the_index_was():
-    assert (
-        name_in_message("v at step 4: gemm_out layer 11 = 1e+12 on rank 0", "gemm_out", 11, GATE, "product")
-        == f"v at step 4: gemm_out of {GATE} (product 11) = 1e+12 on rank 0"
+    products = {"products": [f"p{i}" for i in range(11)] + [GATE]}
+    msg, around = message_at("v at step 4: ", "gemm_out", 11, " = 1e+12 on rank 0")
+    assert msg == "v at step 4: gemm_out layer 11 = 1e+12 on rank 0"
+    f = _named(msg, around, "gemm_out", 11, products)
+    assert f.layer_name == GATE
+    assert f.message == f"v at step 4: gemm_out of {GATE} (product 11) = 1e+12 on rank 0"
+    # rendered from the fields, not found in the text: text that reads like the place is left alone
+    msg, around = message_at("on host gemm_out layer 11: ", "gemm_out", 11, " = nan")
+    assert _named(msg, around, "gemm_out", 11, products).message == (
+        f"on host gemm_out layer 11: gemm_out of {GATE} (product 11) = nan"
     )
-    assert (
-        name_in_message("SDC on rank 5, layer 2 attention (attn_entropy)", "attn_entropy", 2, "m.l.2.attn", "layer")
-        == "SDC on rank 5, m.l.2.attn (layer 2) attention (attn_entropy)"
+    # a message that names no place of its own gets the name at its end
+    assert _named("gemm_out layer 12 = 1", None, "gemm_out", 1, {"products": ["a", "x"]}).message.endswith(
+        "[gemm_out product 1: x]"
     )
-    assert name_in_message("gemm_out layer 12 = 1", "gemm_out", 1, "x", "product").endswith("[gemm_out product 1: x]")
     # a name with regex replacement syntax goes in as it is
-    assert "a\\1b" in name_in_message("gemm_in layer 0", "gemm_in", 0, "a\\1b", "product")
+    assert "a\\1b" in _named("v", message_at("", "gemm_in", 0, "")[1], "gemm_in", 0, {"products": ["a\\1b"]}).message
+
+
+def test_the_rank_local_evidence_names_its_layer_where_attribution_places_it():
+    """A persistent rank outlier in an attention statistic becomes silent drift: both the place
+    attribution gives (``layer 2 attention``) and the outlier's own message name the module."""
+    msg, around = message_at("rank 1 deviates from the other ranks in ", "attn_entropy", 2, " (evidence 9.0)")
+    f = _named(msg, around, "attn_entropy", 2, {"layers": ["m.l.0.attn", "m.l.1.attn", "m.l.2.attn"]}, rank=1)
+    f.kind = "rank_outlier"
+    (drift,) = Attribution().apply(4, 4, [f])
+    assert drift.kind == "silent_drift" and drift.layer_name == "m.l.2.attn"
+    assert drift.message == (
+        "silent drift suspected on rank 1, m.l.2.attn (layer 2) attention (attn_entropy): "
+        "rank 1 deviates from the other ranks in attn_entropy of m.l.2.attn (layer 2) (evidence 9.0)"
+    )
 
 
 def test_a_finding_split_per_rank_names_each_rank_from_its_own_list():
@@ -197,7 +231,20 @@ def test_a_finding_split_per_rank_names_each_rank_from_its_own_list():
 
 
 def test_the_canary_product_of_a_replica_divergence_is_named():
-    msg = "SDC suspected: replica divergence at step 8: rank 3 disagree(s) with the majority on gemm_canary_fp (product 5)"
-    assert name_in_message(msg, "gemm_canary_fp", 5, GATE, "product").endswith(
-        f"on gemm_canary_fp of {GATE} (product 5)"
+    records = [
+        Record.make(
+            run="w",
+            step=8,
+            rank=r,
+            world=4,
+            scalars={CANARY_PRODUCT: 5.0},
+            fingerprints={"gemm_canary_fp": 0xBAD if r == 3 else 1},
+        )  # fmt: skip
+        for r in range(4)
+    ]
+    (f,) = ReplicaDivergenceDetector().update(StepFrame.from_records("w", 8, 4, records))
+    assert f.message.endswith("disagree(s) with the majority on gemm_canary_fp (product 5)")
+    f = _named(
+        f.message, f.around, f.metric, f.layer, {"canary_products": [f"p{i}" for i in range(5)] + [GATE]}, rank=3
     )
+    assert f.message.endswith(f"on gemm_canary_fp of {GATE} (product 5)")
