@@ -12,9 +12,9 @@ from sdcwatch.core.record import LAYER_METRICS, Record
 WORLD, LAYERS = 4, 3
 
 
-def frame(step, bad=(), act=None):
+def frame(step, bad=(), act=None, modules=None):
     """Clean records, with NaN at each (rank, metric, layer) in ``bad`` (layer None: a scalar);
-    ``act`` = {rank: (act_max, act_max_layer)}."""
+    ``act`` = {rank: (act_max, act_max_layer)}, ``modules`` = {rank: act_max_module}."""
     records = []
     for rank in range(WORLD):
         scalars = {"loss": 2.0, "grad_norm_local": 1.0, "grad_norm_global": 1.0, "nonfinite": 0.0}
@@ -27,6 +27,8 @@ def frame(step, bad=(), act=None):
                     layers[metric][layer] = math.nan
         if act and rank in act:
             scalars["act_max"], scalars["act_max_layer"] = act[rank]
+        if modules and rank in modules:
+            scalars["act_max_module"] = float(modules[rank])
         records.append(Record.make(run="r", step=step, rank=rank, world=WORLD, scalars=scalars, layers=layers))
     return StepFrame.from_records("r", step, WORLD, records)
 
@@ -67,3 +69,20 @@ def test_one_process_names_where_it_ran_not_an_empty_rank():
     ]
     (f,) = NonFiniteDetector().update(StepFrame.from_records("r", 7, 1, records))
     assert f.message == "non-finite value at step 7: loss = nan on rank 0 (host h1)"
+
+
+def test_a_streak_keeps_the_leaf_module_it_began_in_also_across_a_restart():
+    """The module of the origin's act_max travels with the streak and in the saved state; a state
+    saved before the module was kept ([metric, layer]) still restores."""
+    det = NonFiniteDetector()
+    (f,) = det.update(frame(5, act={2: (math.nan, 1.0)}, modules={2: 7}))
+    assert (f.metric, f.layer, f.evidence["act_max_module"]) == ("act_max", 1, 7)
+    again = NonFiniteDetector()
+    again.restore(det.snapshot())
+    spread = frame(6, bad=[(r, "loss", None) for r in range(WORLD)], act={2: (math.nan, 0.0)}, modules={2: 3})
+    (g,) = again.update(spread)
+    assert (g.ranks, g.metric, g.layer, g.evidence["act_max_module"]) == ((2,), "act_max", 1, 7)
+    old = {**det.snapshot(), "origin_where": ["act_max", 1]}
+    again.restore(old)
+    (h,) = again.update(spread)
+    assert (h.metric, h.layer) == ("act_max", 1) and "act_max_module" not in h.evidence
