@@ -19,6 +19,14 @@ goes first), :data:`MAX_TABLES_PER_RUN` distinct lists per run, :data:`MAX_RANK_
 ``max_bytes`` of names over all runs; a list past a bound is refused and counted (``refused``);
 runs that are training send theirs again within a window. Names were checked when decoded (no
 control character, bounded length), so they cannot break a log line or a label.
+
+Split into stages (``sdcwatch serve --stage``), the names reach the spatial stage with the
+records, and the temporal stage, which names the findings, reads only step summaries: the spatial
+stage's book (``forwards``) puts the lists its ranks took since the last summary on the run's next
+one (:meth:`LayerNameBook.stamp`, :attr:`StepSummary.names`), in the form the saved state keeps,
+and the temporal stage's book takes them from the summaries as they arrive (:meth:`LayerNameBook.take`),
+checked and bounded as a names message is, each digest computed afresh. A spatial stage that
+restarts from its saved state sends every list once more.
 """
 
 from __future__ import annotations
@@ -27,7 +35,9 @@ import logging
 from collections import OrderedDict
 from typing import Any, Iterable
 
-from sdcwatch.core.layer_names import NOUNS, LayerNames, check_names, family_of
+from sdcwatch.core.errors import RecordError
+from sdcwatch.core.layer_names import NOUNS, LayerNames, family_of
+from sdcwatch.detectors.summary import StepSummary
 
 __all__ = ["LayerNameBook", "MAX_TABLES_PER_RUN", "MAX_RANK_ENTRIES"]
 
@@ -46,20 +56,22 @@ def _size(names: dict[str, tuple[str, ...]]) -> int:
 
 
 class _Run:
-    __slots__ = ("world", "tables", "by_rank")
+    __slots__ = ("world", "tables", "by_rank", "unsent")
 
     def __init__(self, world: int) -> None:
         self.world = world
         self.tables: dict[int, dict[str, tuple[str, ...]]] = {}  # digest -> {family: names}
         self.by_rank: dict[int, int] = {}  # rank -> digest of its list
+        self.unsent: set[int] = set()  # ranks whose list the temporal stage has not been sent
 
 
 class LayerNameBook:
     """Per run, each rank's layer names; names the modules of findings."""
 
-    def __init__(self, max_runs: int = 1000, *, max_bytes: int = MAX_BYTES) -> None:
+    def __init__(self, max_runs: int = 1000, *, max_bytes: int = MAX_BYTES, forwards: bool = False) -> None:
         self.max_runs = max_runs
         self.max_bytes = max_bytes
+        self.forwards = forwards  # a spatial stage's: it sends what it learns on with the summaries
         self._runs: OrderedDict[str, _Run] = OrderedDict()  # least recently named first
         self.bytes = 0
         self.ranks = 0
@@ -68,14 +80,43 @@ class LayerNameBook:
         self.named = 0  # findings given a module name
 
     def take(self, items: Iterable[Any]) -> list:
-        """Learn the :class:`LayerNames` among decoded items; returns the other items."""
+        """Learn the :class:`LayerNames` among decoded items, and the lists a spatial stage put on
+        step summaries; returns the other items (the summaries among them)."""
         out = []
         for x in items:
             if isinstance(x, LayerNames):
                 self.learn(x)
-            else:
-                out.append(x)
+                continue
+            if isinstance(x, StepSummary) and x.names is not None:
+                self.absorb(x.run, x.names)
+            out.append(x)
         return out
+
+    def stamp(self, summaries: list[StepSummary]) -> list[StepSummary]:
+        """Put on each run's first summary the lists its ranks took since the last one was sent
+        (a spatial stage's book; the temporal stage's takes them)."""
+        for s in summaries:
+            st = self._runs.get(s.run)
+            if st is not None and st.unsent and not s.ended:
+                s.names, st.unsent = self._lists(st, sorted(st.unsent)), set()
+        return summaries
+
+    def absorb(self, run: str, lists: Any) -> None:
+        """Take ``run``'s lists in the form the saved state keeps them (``{world, tables, ranks}``,
+        :meth:`snapshot`), from the state or from a summary: each list is checked against the
+        bounds of a names message and its digest computed afresh; what breaks a bound or does not
+        parse is left out, and the book goes on."""
+        try:
+            world = int(lists["world"])
+            for digest, names in lists["tables"].items():
+                msg = LayerNames.build(run, 0, world, 0, names)
+                for r in lists["ranks"].get(digest, ()):
+                    if 0 <= int(r) < world:
+                        self.learn(LayerNames(run, int(r), world, 0, msg.names, msg.digest, msg.payload))
+        except (KeyError, TypeError, ValueError, AttributeError, RecordError) as exc:
+            self.refused += 1
+            if self.refused == 1 or self.refused % 100 == 0:
+                log.warning("layer names of run %r not taken (%d so far): %s", str(run)[:80], self.refused, exc)
 
     def learn(self, msg: LayerNames) -> bool:
         """Remember ``msg``'s lists for its rank; False when a bound refused them."""
@@ -101,6 +142,8 @@ class LayerNameBook:
         if old is None and not self._room(msg.run, 0, 1):
             return self._refuse(msg, f"past {MAX_RANK_ENTRIES} ranks over all runs")
         run.by_rank[msg.rank] = msg.digest
+        if self.forwards:
+            run.unsent.add(msg.rank)
         if old is None:
             self.ranks += 1
         elif old not in run.by_rank.values():  # the rank's list changed (it grew): the old one may go
@@ -128,6 +171,7 @@ class LayerNameBook:
         """Point the run's ranks at their lists; drop lists no rank points at."""
         self.ranks += len(by_rank) - len(run.by_rank)
         run.by_rank = by_rank
+        run.unsent &= by_rank.keys()
         used = set(by_rank.values())
         for digest in [d for d in run.tables if d not in used]:
             self.bytes -= _size(run.tables.pop(digest))
@@ -194,28 +238,23 @@ class LayerNameBook:
             if named is not None:
                 h["layer_name"] = named[0]
 
+    @staticmethod
+    def _lists(st: _Run, ranks: Iterable[int]) -> dict[str, Any]:
+        """JSON-safe ``{world, tables, ranks}``: the lists of ``ranks`` by digest, and which of them
+        point at each."""
+        by: dict[str, list[int]] = {}
+        for r in ranks:
+            by.setdefault(f"{st.by_rank[r]:016x}", []).append(r)
+        tables = {d: {k: list(v) for k, v in st.tables[int(d, 16)].items()} for d in by}
+        return {"world": st.world, "tables": tables, "ranks": by}
+
     def snapshot(self) -> dict[str, Any]:
         """JSON-safe: per run, its world, its lists by digest and which ranks point at each."""
-        out = {}
-        for name, st in self._runs.items():
-            ranks: dict[str, list[int]] = {}
-            for r, d in st.by_rank.items():
-                ranks.setdefault(f"{d:016x}", []).append(r)
-            tables = {f"{d:016x}": {k: list(v) for k, v in t.items()} for d, t in st.tables.items()}
-            out[name] = {"world": st.world, "tables": tables, "ranks": ranks}
-        return {"runs": out}
+        return {"runs": {name: self._lists(st, st.by_rank) for name, st in self._runs.items()}}
 
     def restore(self, state: dict[str, Any]) -> None:
         """Take back a :meth:`snapshot`; what breaks a bound or does not parse is left out."""
         self._runs.clear()
         self.bytes = self.ranks = 0
         for name, st in (state.get("runs") or {}).items():
-            try:
-                world = int(st["world"])
-                for digest, names in st["tables"].items():
-                    for r in st["ranks"].get(digest, ()):
-                        if not 0 <= int(r) < world:
-                            continue
-                        self.learn(LayerNames(str(name), int(r), world, 0, check_names(names), int(digest, 16)))
-            except (KeyError, TypeError, ValueError, AttributeError) as exc:
-                log.warning("saved layer names of run %r not restored: %s", str(name)[:80], exc)
+            self.absorb(str(name), st)

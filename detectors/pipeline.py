@@ -123,7 +123,7 @@ class DetectionPipeline:
         )
         self.aligner.admit = self._admit
         self.book = IncidentBook(self.settings.quiet_steps, clock=wall)
-        self.names = LayerNameBook(self.settings.max_runs)  # each run's layer names: incidents name modules
+        self.names = LayerNameBook(self.settings.max_runs, forwards=stage == "spatial")  # incidents name modules
         self.lifecycle = RunLifecycle(
             self.settings.end_expiry, self.settings.idle_expiry, close_grace=self.settings.step_timeout, clock=wall
         )
@@ -214,7 +214,7 @@ class DetectionPipeline:
         summaries = list(summaries)
         self.summaries_total += len(summaries)
         self._arrived(len(summaries))
-        summaries = self.lifecycle.take_summaries(summaries)  # a run's end closes it in expire()
+        summaries = self.lifecycle.take_summaries(self.names.take(summaries))  # the end closes a run in expire()
         return self._with_forgotten([e for s in self.order.add(summaries) for e in self.judge_step(s)])
 
     def _arrived(self, n: int) -> None:
@@ -325,7 +325,7 @@ class DetectionPipeline:
     def take_summaries(self) -> list[StepSummary]:
         """Spatial stage: the step summaries made since the last call, for the summaries topic."""
         summaries, self.outbox = self.outbox, []
-        return summaries
+        return self.names.stamp(summaries)  # with the layer names the temporal stage has not had
 
     def _run_views(self, max_runs: int | None) -> list[RunView]:
         """Views of the runs to export: all, or the ``max_runs`` with open incidents first, then the

@@ -62,7 +62,9 @@ class StepSummary:
     ``ended`` marks the run's end instead of a step: every rank sent its end-of-run marker and the
     spatial stage has published the run's last steps (``step`` is the last one). ``coords`` is the
     run's (world, mesh dims) coordinate table like ``hosts`` (sent when it changed; None for a run
-    whose records carry no coordinates, and on the wire when unchanged).
+    whose records carry no coordinates, and on the wire when unchanged). ``names`` holds the layer
+    names the run's ranks sent since the last summary, ``{world, tables, ranks}``
+    (:meth:`~sdcwatch.detectors.layer_names.LayerNameBook.stamp`; None: nothing new).
     """
 
     run: str
@@ -77,6 +79,7 @@ class StepSummary:
     frame: Any = None
     ended: bool = False
     coords: np.ndarray | None = None
+    names: dict[str, Any] | None = None
 
     @classmethod
     def end_of(cls, run: str, last_step: int, world: int) -> "StepSummary":
@@ -141,6 +144,8 @@ def encode_summary(s: StepSummary) -> bytes:
         head["ended"] = True
     if s.coords is not None:
         head["coords"] = _pack(np.asarray(s.coords, dtype=np.int32), blobs)
+    if s.names is not None:  # checked again by the temporal stage's book, like a names message
+        head["names"] = s.names
     j = json.dumps(head, separators=(",", ":"), allow_nan=False).encode("utf-8")
     body = zlib.compress(b"".join([_HEAD.pack(len(j)), j, *blobs]), 1)
     return SUMMARY_MAGIC + bytes([SUMMARY_VERSION]) + body
@@ -190,7 +195,10 @@ def decode_summary(data: bytes | bytearray | memoryview) -> StepSummary:
             stats=_unpack(head["stats"], arrays),
             observations=_unpack(head["observations"], arrays),
             ended=head.get("ended") is True,
+            names=head.get("names"),
         )
+        if s.names is not None and not isinstance(s.names, dict):
+            raise SummaryError("names", f"must be an object, got {type(s.names).__name__}")
         if head.get("coords") is not None:
             coords = _unpack(head["coords"], arrays)
             if not isinstance(coords, np.ndarray) or coords.ndim != 2 or coords.shape[0] != s.world:

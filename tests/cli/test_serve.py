@@ -105,7 +105,8 @@ def test_serve_config_error_names_the_key(tmp_path):
 
 
 def test_split_service_spatial_instances_share_the_steps_and_the_temporal_stage_names_the_rank(bootstrap, tmp_path):
-    """Two spatial instances in one consumer group, one temporal instance, all as `sdcwatch serve`."""
+    """Two spatial instances in one consumer group, one temporal instance, all as `sdcwatch serve`;
+    the incident names the rank and, from the names the ranks sent, the module."""
     from sdcwatch.telemetry.transports import ensure_topic
 
     torch.set_num_threads(1)
@@ -174,6 +175,13 @@ def test_split_service_spatial_instances_share_the_steps_and_the_temporal_stage_
         [2],
         [run.host_of(2)],
     )
+    # the ranks' layer names reached the spatial instances; the temporal stage names the module with them
+    assert (nonfinite[0]["metric"], nonfinite[0]["layer"], nonfinite[0]["layer_name"]) == (
+        "attn_logit_max",
+        0,
+        "blocks.0.attn",
+    )
+    assert "attn_logit_max of blocks.0.attn (layer 0) = nan on rank 2" in nonfinite[0]["message"]
 
 
 def test_serve_with_guard_actions_publishes_decisions_to_the_control_topic(bootstrap, tmp_path):

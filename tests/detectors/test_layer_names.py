@@ -17,10 +17,12 @@ from sdcwatch.detectors.frame import StepFrame
 from sdcwatch.detectors.ingest import IngestDecoder
 from sdcwatch.core.where import message_at
 from sdcwatch.detectors.attribution import Attribution
+from sdcwatch.detectors.bus import decode_summary_message
 from sdcwatch.detectors.layer_names import MAX_TABLES_PER_RUN, LayerNameBook
 from sdcwatch.detectors.offline import replay
 from sdcwatch.detectors.pipeline import DetectionPipeline
 from sdcwatch.detectors.replica import ReplicaDivergenceDetector
+from sdcwatch.detectors.summary import SummaryError, decode_summary, encode_summary
 from sdcwatch.exporters.logsink import format_logfmt
 from sdcwatch.telemetry.emitter import Emitter
 from sdcwatch.telemetry.transports import FileTransport, MemoryBus, MemoryTransport
@@ -248,3 +250,66 @@ def test_the_canary_product_of_a_replica_divergence_is_named():
         f.message, f.around, f.metric, f.layer, {"canary_products": [f"p{i}" for i in range(5)] + [GATE]}, rank=3
     )
     assert f.message.endswith(f"on gemm_canary_fp of {GATE} (product 5)")
+
+
+def _spatial(messages, state=None) -> tuple[list, DetectionPipeline]:
+    """A spatial stage (restored from ``state`` when given) fed ``messages``: its summaries on the
+    wire, in the order it publishes them."""
+    spatial = DetectionPipeline(stage="spatial")
+    if state is not None:
+        assert spatial.load(state)
+    items, rejected = IngestDecoder().decode(("t", k, v) for k, v in messages)
+    assert not rejected
+    spatial.process(items)
+    spatial.flush()
+    return [encode_summary(s) for s in spatial.take_summaries()], spatial
+
+
+def _judged(wire: list) -> tuple[list, DetectionPipeline]:
+    """A temporal stage's non-finite incidents from summaries on the wire."""
+    temporal = DetectionPipeline(stage="temporal")
+    events = temporal.process_summaries(x for w in wire for x in decode_summary_message(w)) + temporal.flush()
+    return [e.incident for e in events if e.change == "opened" and e.incident.kind == "nonfinite"], temporal
+
+
+def test_split_stages_the_temporal_stage_names_the_module_from_the_names_the_spatial_stage_took():
+    bus = MemoryBus()
+    _train(MemoryTransport(bus), "split")
+    wire, _ = _spatial(bus.messages(TELEMETRY_TOPIC))
+    # the names ride on the run's first summary only: the windows after send the same lists again
+    assert [i for i, w in enumerate(wire) if decode_summary(w).names is not None] == [0]
+    (inc,), temporal = _judged(wire)
+    assert (inc.metric, inc.layer, inc.layer_name) == ("gemm_out", 2, GATE)
+    assert f"gemm_out of {GATE} (product 2) = -1e+12" in inc.message
+    assert temporal.names.names_of("split", 0)["products"] == tuple(PRODUCTS)
+
+
+def test_a_spatial_stage_restarted_from_its_state_sends_the_names_again(tmp_path):
+    bus = MemoryBus()
+    _train(MemoryTransport(bus), "again")
+    messages = bus.messages(TELEMETRY_TOPIC)
+    first = [(k, v) for k, v in messages if int(k.split(b"/")[1]) < 1]  # the first window, names and all
+    _, spatial = _spatial(first)
+    spatial.save(tmp_path / "spatial.json")
+    # the rest of the run without its names messages: only the restarted stage's book has them
+    rest = [(k, v) for k, v in messages if int(k.split(b"/")[1]) >= 1 and v[:4] != b"SDCN"]
+    wire, _ = _spatial(rest, tmp_path / "spatial.json")
+    assert decode_summary(wire[0]).names is not None
+    (inc,), _ = _judged(wire)  # a temporal stage that saw nothing of the first window
+    assert inc.layer_name == GATE
+
+
+def test_names_on_a_summary_that_break_a_bound_are_refused_and_the_step_is_still_judged(caplog):
+    bus = MemoryBus()
+    _train(MemoryTransport(bus), "forged")
+    wire, _ = _spatial(bus.messages(TELEMETRY_TOPIC))
+    first = decode_summary(wire[0])
+    digest = next(iter(first.names["tables"]))
+    first.names = {"world": 1, "tables": {digest: {"products": ["x\nincident=resolved"]}}, "ranks": {digest: [0]}}
+    with caplog.at_level(logging.WARNING, "sdcwatch.detectors"):
+        (inc,), temporal = _judged([encode_summary(first), *wire[1:]])
+    assert inc.layer == 2 and inc.layer_name is None  # judged, named by nothing forged
+    assert temporal.names.refused == 1 and "control character" in caplog.text
+    first.names = ["not", "an", "object"]
+    with pytest.raises(SummaryError, match="names"):
+        decode_summary(encode_summary(first))
