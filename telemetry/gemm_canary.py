@@ -102,6 +102,12 @@ class GemmCanary:
         """Products whose canary could not be computed (a subclass with its own weight layout, e.g. a
         quantized one): skipped from then on, on every rank alike (they hold the same model)."""
 
+    @property
+    def names(self) -> list[str]:
+        """The names of :attr:`products`, in rotation order: what ``gemm_canary_product`` indexes
+        (the ``canary_products`` layer names a rank hands the service)."""
+        return [name for name, _ in self.products]
+
     @classmethod
     def of(cls, model: nn.Module, config: Any) -> "GemmCanary | None":
         """The canary a :class:`~sdcwatch.telemetry.probe_config.ProbeConfig` asks for (None when

@@ -27,7 +27,7 @@ def watch_names(watch: Any) -> dict[str, list[str]]:
     # a driver that computes the canary outside the watch (the simulated ranks) names its products here
     canary_names = getattr(watch, "gemm_canary_names", None)
     if canary_names is None:
-        canary_names = [name for name, _ in canary.products] if canary is not None else []
+        canary_names = canary.names if canary is not None else []
     return {
         "products": list(finite.checksums.names) if finite.checksums is not None else [],
         "blocks": list(finite.stream.names) if finite.stream is not None else [],

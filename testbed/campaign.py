@@ -436,7 +436,7 @@ def new_run(
 ) -> Any:
     """A simulated run of the campaign's shape and probes whose ranks append their records to ``records``
     (``fault_bounds``: its injections carry the bound of the checksum covering their tensor,
-    :mod:`sdcwatch.testbed.fault_bounds`; not under a layout)."""
+    :mod:`sdcwatch.testbed.fault_bounds`; under a layout, of the rank's own share of it)."""
     from sdcwatch.telemetry.presets import probe_config
     from sdcwatch.testbed.simulated import SimulatedRun
 
@@ -449,7 +449,7 @@ def new_run(
     if config.parallel is not None:  # tensor x pipeline x data parallel ranks
         from sdcwatch.testbed.parallel3d import ParallelSimulatedRun
 
-        run_class, layout, extra = ParallelSimulatedRun, config.parallel, {}
+        run_class, layout = ParallelSimulatedRun, config.parallel
     return run_class(
         layout,
         seed=config.seed,
@@ -488,9 +488,10 @@ def fault_visibility(fault: Any, branch: Branch) -> dict[str, Any]:
     forward checksum of the product whose output it is, the weight- or bias-gradient checksum,
     the weight check for a weight in memory), that bound computed when the fault was injected
     from the tensors it hit (:mod:`sdcwatch.testbed.fault_bounds`), on a step the probes check or
-    not; ``False`` when no checksum covers the tensor (a container's output, the attention
-    logits), ``None`` when the fault changed no single element or its bound was not kept (under a
-    ``tp x pp x dp`` layout). ``check`` names the covering check; ``direction`` of a flip: ``up``
+    not, of the share of the tensor the faulty rank computes under a ``tp x pp x dp`` layout (a
+    tensor-parallel rank checks its own part); ``False`` when no checksum covers the tensor (a
+    container's output, the attention logits), ``None`` when the fault changed no single element
+    or its bound was not kept. ``check`` names the covering check; ``direction`` of a flip: ``up``
     when the magnitude grew, ``down`` when it shrank.
     """
     hits = [
@@ -504,7 +505,7 @@ def fault_visibility(fault: Any, branch: Branch) -> dict[str, Any]:
     before, after = float(inj.before), float(inj.after)
     change = abs(after - before) if math.isfinite(after) and math.isfinite(before) else math.inf
     direction = "up" if not math.isfinite(after) or abs(after) > abs(before) else "down"
-    covered = hasattr(inj, "check")  # a bounded injector's record (not kept under a layout)
+    covered = hasattr(inj, "check")  # a bounded injector's record
     check, bound = getattr(inj, "check", None), getattr(inj, "bound", None)
     return {
         "detectable": (bound is not None and change > bound) if covered else None,

@@ -1,14 +1,17 @@
 """The per-product canary (:mod:`sdcwatch.telemetry.gemm_canary`) of the simulated 3D ranks.
 
-Each rank of :class:`~sdcwatch.testbed.parallel3d.ParallelSimulatedRun` checks, at step ``s``,
-linear layer ``s mod n`` of its own pipeline stage (the stage's ``nn.Linear`` layers in
-registration order, as the probes of that rank's model piece would list them) on the layer's
-known input, and reports the fingerprint of *its share* of the product: the rows of a
-column-parallel weight it holds, the partial sum of a row-parallel one (before the all-reduce).
-The product goes through the module, so the pieces' fault injectors run on it as on the step's
-forward (the simulated unhealthy node's noise lands in the faulty rank's share only); the probe's
-own hooks skip it. The vote is the replica vote within the peer group: the ranks with the same
-tensor and pipeline coordinates on every data-parallel replica.
+Each pipeline stage has the canary the probes of that stage's model piece would build
+(:func:`stage_canaries`: a :class:`~sdcwatch.telemetry.gemm_canary.GemmCanary` over the stage's
+modules): at step ``s`` each rank checks the stage's linear layer :meth:`GemmCanary.product_at`
+names (the stage's ``nn.Linear`` layers in registration order, in rotation) on the layer's known
+input, reports the fingerprint of *its share* of the product (the rows of a column-parallel weight
+it holds, the partial sum of a row-parallel one, before the all-reduce) and, beside it, which
+product it checked (``gemm_canary_product``, the index in its stage's list, whose names the rank
+hands the service as its ``canary_products``). The product goes through the module, so the
+pieces' fault injectors run on it as on the step's forward (the simulated unhealthy node's noise
+lands in the faulty rank's share only); the probe's own hooks skip it. The vote is the replica
+vote within the peer group: the ranks with the same tensor and pipeline coordinates on every
+data-parallel replica.
 """
 
 from __future__ import annotations
@@ -21,24 +24,31 @@ from torch.nn import functional as F
 
 from sdcwatch.telemetry import fingerprint as fp
 from sdcwatch.telemetry.canary import canary_section
-from sdcwatch.telemetry.gemm_canary import known_input
+from sdcwatch.telemetry.gemm_canary import GemmCanary, known_input
+from sdcwatch.telemetry.probes import canary_product
 
-__all__ = ["shard_canaries"]
+__all__ = ["stage_canaries", "shard_canaries", "checked_products"]
+
+
+def stage_canaries(plan: Any, config: Any) -> list[GemmCanary | None]:
+    """Each pipeline stage's canary for the probes' ``config`` (None when they run none)."""
+    return [GemmCanary.of(plan.stage_view(p), config) for p in range(plan.pp)]
+
+
+def checked_products(run: Any, step: int) -> list[dict[str, float]]:
+    """Per stage, ``{gemm_canary_product: index}`` of the product its canary checks at ``step``
+    (:func:`~sdcwatch.telemetry.probes.canary_product`), sent beside that step's ``gemm_canary_fp``."""
+    return [{} if c is None else canary_product(c, step) for c in run.stage_canaries]
 
 
 def shard_canaries(run: Any, step: int) -> dict[int, list[int]] | None:
     """``{replica: [fingerprint of piece k = pp * tp + tp_rank]}`` of ``step``'s known-answer
     products, or None when the probes do not check one at this step."""
-    cfg = run.probe_config
-    every = cfg.every * cfg.gemm_canary_every  # as the probes sample it (GemmCanary.stride)
-    if not every or step % every:
+    canaries = run.stage_canaries
+    if not any(c is not None and step % c.stride == 0 for c in canaries):
         return None
-    plan, probe, tp = run.plan, run.probe, run.tp
-    picked: list[tuple[str, nn.Linear] | None] = []
-    for names in probe.stage_products:
-        linear = [n for n in names if isinstance(plan.modules[n], nn.Linear)]
-        name = linear[(step // every) % len(linear)] if linear else None
-        picked.append((name, plan.modules[name]) if name else None)
+    tp = run.tp
+    picked = [None if c is None else c.product_at(step) for c in canaries]
     out: dict[int, list[int]] = {}
     inj = run.injector
     for r in range(run.replicas):
@@ -70,16 +80,15 @@ def _shares(run: Any, name: str, module: nn.Linear) -> list[torch.Tensor]:
         for rec in i.injections[start:]
         if rec.target == name and rec.where == "output"
     }
-    row, owner = plan.row_parallel(name), plan.output_owner(name)
     shares = []
     for t in range(tp):
-        if row is not None and tp > 1:  # its partial sum; a fault on it is where the fault was
-            cols = (row == t).nonzero().reshape(-1)
-            share = F.linear(x.index_select(-1, cols), w.index_select(1, cols))
+        part = plan.share(name, t)
+        if part.cols is not None:  # its partial sum; a fault on it is where the fault was
+            share = F.linear(part.inputs(x), part.weight(w))
             if t in culprits:
                 share = share + (y - clean)
-        elif owner is not None and tp > 1:
-            share = y.index_select(-1, (owner[1] == t).nonzero().reshape(-1))
+        elif part.rows is not None:
+            share = part.outputs(y)
         else:  # replicated: the faulty rank's copy is its own
             share = y if t in culprits or not culprits else clean
         shares.append(share)

@@ -18,7 +18,15 @@ the checks hold their residuals to), on every step a fault fires, checked by the
 
 Any other tensor (a block's or a layer norm's output, the attention logits, an embedding, the
 gradient of a weight shared by several modules, which is a sum over uses) is covered by no
-checksum: its injections carry ``check=None``. The cost stays here: the training path's injector
+checksum: its injections carry ``check=None``.
+
+**A rank checks its own share.** Under tensor parallelism a rank computes a part of each product
+(:class:`Share`: some output features of a column-parallel layer, a partial sum over some input
+features of a row-parallel one, some attention heads), and its checksums cover that part only: the
+bound is that of the check of the rank's share, from the same tensors restricted to it. An
+injector says which share its rank holds of a module (:meth:`BoundedInjector._share`, all of it
+here; the simulated 3D ranks' injector, :class:`~sdcwatch.testbed.shard_injector.BoundedShardInjector`,
+asks the layout). The cost stays here: the training path's injector
 (:class:`~sdcwatch.telemetry.faults.FaultInjector`) computes nothing of this, and the time spent
 counts as the fault's (``cpu_seconds``), not the rank's.
 """
@@ -37,7 +45,60 @@ from sdcwatch.telemetry.checksum import bias_grad_bound, linear_bound, matmul_bo
 from sdcwatch.telemetry.faults import FaultInjector, FaultSpec, Injection
 from sdcwatch.telemetry.faultspec import ELEMENT_KINDS
 
-__all__ = ["BoundedInjector", "CoveredInjection"]
+__all__ = ["BoundedInjector", "CoveredInjection", "Share", "WHOLE"]
+
+
+@dataclass(frozen=True)
+class Share:
+    """The part of a product one rank computes, and so the part its checksums cover (module
+    docstring): of a linear layer ``y = x W^T + b``, the output features ``rows`` (rows of ``W``
+    and ``b``) and the input features ``cols`` (columns of ``x`` and ``W``: a partial sum, its bias
+    added after the all-reduce); of a product module's ``a @ b``, the positions ``batch = (dim,
+    indices)`` of a batch dimension of both operands and of the output (attention heads). None:
+    all of them."""
+
+    rows: torch.Tensor | None = None
+    cols: torch.Tensor | None = None
+    batch: tuple[int, torch.Tensor] | None = None
+
+    def inputs(self, x: torch.Tensor) -> torch.Tensor:
+        """The share's input features of a linear layer's input."""
+        return x if self.cols is None else x.index_select(-1, self.cols)
+
+    def outputs(self, y: torch.Tensor) -> torch.Tensor:
+        """The share's part of a product's output (of a column-parallel layer or a batch split; a
+        partial sum is no part of ``y``: compute it from :meth:`inputs` and :meth:`weight`)."""
+        if self.rows is not None:
+            y = y.index_select(-1, self.rows)
+        if self.batch is not None:
+            y = y.index_select(self.batch[0], self.batch[1])
+        return y
+
+    def weight(self, t: torch.Tensor) -> torch.Tensor:
+        """The share's part of a linear layer's weight (or its gradient); of a bias when 1-D (all
+        of a row-parallel layer's bias, added after the all-reduce)."""
+        if self.rows is not None:
+            t = t.index_select(0, self.rows)
+        if self.cols is not None and t.dim() == 2:
+            t = t.index_select(1, self.cols)
+        return t
+
+    def linear(
+        self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """``(x, w, b)`` of the share's product (no bias for a partial sum)."""
+        return self.inputs(x), self.weight(w), None if b is None or self.cols is not None else self.weight(b)
+
+    def matmul(self, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(a, b)`` of the share's ``a @ b``."""
+        if self.batch is None:
+            return a, b
+        dim, idx = self.batch
+        return a.index_select(dim, idx), b.index_select(dim, idx)
+
+
+#: The whole product: what a rank computes without tensor parallelism.
+WHOLE = Share()
 
 
 @dataclass
@@ -99,6 +160,10 @@ class BoundedInjector(FaultInjector):
         self.cpu_seconds += time.thread_time() - t0
 
     # -- the bounds ---------------------------------------------------------------------------------
+    def _share(self, module: str) -> Share:
+        """The share of module ``module``'s product this injector's rank computes (all of it)."""
+        return WHOLE
+
     def _bounded(self, start: int, covering: Callable[[], tuple[str | None, float | None]]) -> None:
         """Give the one-element injections recorded from ``start`` on the check ``covering()`` names."""
         new = [k for k in range(start, len(self.injections)) if self.injections[k].index is not None]
@@ -117,7 +182,7 @@ class BoundedInjector(FaultInjector):
             start = len(self.injections)
             out = inner(module, inputs, output)
             if len(self.injections) > start:
-                self._bounded(start, lambda: _forward_cover(module, inputs, output))
+                self._bounded(start, lambda: _forward_cover(module, inputs, output, self._share(name)))
             return out
 
         return hook
@@ -143,32 +208,34 @@ class BoundedInjector(FaultInjector):
         x, dy = context
         if dy is None:
             return None, None
+        share = self._share(owner)
+        dy = share.outputs(dy)  # the gradient of its output features
         if which == "weight":
-            return "gemm_bwd", weight_grad_bound(x, dy, grad)
-        return "gemm_bwd", bias_grad_bound(dy, grad)
+            return "gemm_bwd", weight_grad_bound(share.inputs(x), dy, share.weight(grad))
+        return "gemm_bwd", bias_grad_bound(dy, share.weight(grad))
 
     def _apply(self, i: int, spec: FaultSpec, t: torch.Tensor, name: str, rng: Any) -> None:
         start = len(self.injections)
         cover: tuple[str | None, float | None] = (None, None)
         if spec.where == "param":  # the bound of the weight as the optimizer left it, before the fault
-            owner = self._modules.get(name.rpartition(".")[0])
-            if isinstance(owner, nn.Linear) and t.dim() in (1, 2):
-                cover = ("gemm_weight", memory_bound(t))
+            owner = name.rpartition(".")[0]
+            if isinstance(self._modules.get(owner), nn.Linear) and t.dim() in (1, 2):
+                cover = ("gemm_weight", memory_bound(self._share(owner).weight(t)))
         super()._apply(i, spec, t, name, rng)
         if spec.where == "param":
             self._bounded(start, lambda: cover)
 
 
-def _forward_cover(module: nn.Module, inputs: Any, output: Any) -> tuple[str | None, float | None]:
-    """The forward checksum covering ``module``'s output, and its bound for this call."""
+def _forward_cover(module: nn.Module, inputs: Any, output: Any, share: Share) -> tuple[str | None, float | None]:
+    """The forward checksum covering ``module``'s output, and its bound for this call, of ``share``."""
     y = output[0] if isinstance(output, (tuple, list)) and output else output
     if not isinstance(y, torch.Tensor) or not inputs or not isinstance(inputs[0], torch.Tensor):
         return None, None
     if isinstance(module, nn.Linear):
         bias = module.bias if isinstance(module.bias, torch.Tensor) else None
-        return "gemm_fwd", linear_bound(inputs[0], module.weight, bias, y.dtype)
+        return "gemm_fwd", linear_bound(*share.linear(inputs[0], module.weight, bias), y.dtype)
     if getattr(module, "_sdcwatch_gemm", False) and len(inputs) >= 2 and isinstance(inputs[1], torch.Tensor):
-        return "gemm_fwd", matmul_bound(inputs[0], inputs[1], y.dtype)
+        return "gemm_fwd", matmul_bound(*share.matmul(inputs[0], inputs[1]), y.dtype)
     return None, None
 
 

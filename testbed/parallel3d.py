@@ -22,7 +22,9 @@ what a telemetry stream of such a job looks like, so detection quality can be me
   from 0 within the stage), the logits over the rank's heads only; ``gemm_out`` every step and the
   matrix checksums ``gemm_fwd`` and ``gemm_in`` on checked steps, of the rank's share of each
   product (a row-parallel product's partial sum, before the all-reduce);
-  ``act_max`` over the rank's own outputs; the gradient norms, cosine and fingerprints of the
+  ``act_max`` over the rank's own outputs; ``gemm_canary_fp`` of the rank's share of its stage's
+  per-product canary and ``gemm_canary_product``, which product that was
+  (:mod:`~sdcwatch.testbed.canary3d`); the gradient norms, cosine and fingerprints of the
   rank's shard of the parameters (they differ across tensor shards and stages and agree across
   data-parallel replicas); ``step_time`` the replica's compute time weighted by the stage's share
   of the work; ``nonfinite_first`` (:mod:`sdcwatch.telemetry.forward_order`), on a step where one
@@ -46,7 +48,7 @@ The parts live beside it: :mod:`~sdcwatch.testbed.shard_plan` (the layout and wh
 (the telemetry); this module runs the steps.
 
 Not simulated: the attention statistics sampled per head (``attn_entropy``, ``q_norm_*``...), the
-backward and weight checksums (``gemm_bwd``, ``gemm_weight``), the canary, the guard, sequence
+backward and weight checksums (``gemm_bwd``, ``gemm_weight``), the whole-model canary, the guard, sequence
 parallelism and the pipeline schedule's bubbles.
 """
 
@@ -69,9 +71,9 @@ from sdcwatch.telemetry.faults import FaultSpec, Injection
 from sdcwatch.telemetry.faultspec import TENSOR_KINDS
 from sdcwatch.telemetry.forward_order import FIRST_BAD
 from sdcwatch.telemetry.probes import ProbeConfig
-from sdcwatch.testbed.canary3d import shard_canaries
+from sdcwatch.testbed.canary3d import checked_products, shard_canaries, stage_canaries
 from sdcwatch.testbed.simulated import SimulatedRun
-from sdcwatch.testbed.shard_injector import ShardInjector
+from sdcwatch.testbed.shard_injector import BoundedShardInjector, ShardInjector
 from sdcwatch.testbed.shard_plan import (
     SIMULATED_DIMS,
     ShardPlan,
@@ -105,7 +107,8 @@ class ParallelSimulatedRun(SimulatedRun):
     ``world`` is every rank (``tp * pp * dp``); a fault's ``rank`` is a global rank (see
     :func:`rank_at`); the emitter factory is called once per global rank, with ``host=`` and
     ``coords=`` when it takes them. :attr:`replicas` is the number of data-parallel replicas
-    actually computed.
+    actually computed. ``fault_bounds`` (the campaigns): each one-element fault records the bound
+    of the checksum covering the tensor it hit, in its rank's share (:class:`BoundedShardInjector`).
     """
 
     def __init__(
@@ -119,6 +122,7 @@ class ParallelSimulatedRun(SimulatedRun):
         ranks_per_host: int = 4,
         probes: ProbeConfig | None = None,
         guard: Any = None,
+        fault_bounds: bool = False,
         **kw: Any,
     ) -> None:
         layout = parse_layout(layout)
@@ -143,15 +147,19 @@ class ParallelSimulatedRun(SimulatedRun):
         self.injector.detach()
         self.plan = ShardPlan(self.model, layout)
         self.injectors: list[ShardInjector] = []
+        # with fault_bounds, a one-element fault records the bound of the check of its rank's share
+        injector_type = BoundedShardInjector if fault_bounds else ShardInjector
         for p in range(self.pp):
             for t in range(self.tp):
                 mine = [f for f in faults if self._holds(f, p, t)]
-                inj = ShardInjector(mine, self.plan, p, t)
+                inj = injector_type(mine, self.plan, p, t)
                 if mine:
                     inj.attach_stage()
                 self.injectors.append(inj)
         self.injector = _Injectors(self.injectors, layout)
         self.probe = ShardProbe(self.model, self.plan, self.injectors)
+        self.stage_canaries = stage_canaries(self.plan, self.probe_config)
+        """Each stage's per-product canary (:mod:`~sdcwatch.testbed.canary3d`); None without one."""
         factory = emitter_factory or (lambda rank: NullEmitter())
         params = inspect.signature(factory).parameters
         self.emitters = []
@@ -162,9 +170,20 @@ class ParallelSimulatedRun(SimulatedRun):
             if "coords" in params:
                 kwargs["coords"] = layout.coords(r)
             self.emitters.append(factory(r, **kwargs))
+        self._name_canary_products()
         work = self._stage_work()
         self.stage_time = [w * self.pp / sum(work) for w in work]
         """Share of a replica's compute time each stage's ranks report (mean 1 over the stages)."""
+
+    def _name_canary_products(self) -> None:
+        """Hand each rank's emitter the names of its stage's canary products (what its
+        ``gemm_canary_product`` indexes), as the data-parallel ranks' watches do; an emitter
+        without ``set_names`` (a stand-in) is left alone."""
+        for rank, emitter in enumerate(self.emitters):
+            canary = self.stage_canaries[self.layout.coords(rank)["pp"]]
+            set_names = getattr(emitter, "set_names", None)
+            if canary is not None and callable(set_names):
+                set_names({"canary_products": canary.names})
 
     def _holds(self, f: FaultSpec, stage: int, shard: int) -> bool:
         """Whether the injector of (``stage``, ``shard``) applies fault ``f``: a fault on one rank
@@ -249,6 +268,7 @@ class ParallelSimulatedRun(SimulatedRun):
                     flat = torch.cat([p.detach().reshape(-1) for p in self.params])
                 param_fp[r] = [fp.fingerprint_device([flat.index_select(0, idx)]) for idx in pieces]
         products = shard_canaries(self, s)
+        checked = checked_products(self, s) if products is not None else None  # which product, per stage
         seconds = time.thread_time() - t0
         loss_global = torch.stack(losses).mean()
         for rank in range(layout.world):
@@ -297,8 +317,9 @@ class ParallelSimulatedRun(SimulatedRun):
                 fps["param_fp"] = fp.finalize(int(param_fp[r][k]))
             if grad_fp is not None:
                 fps["grad_fp"] = fp.finalize(int(grad_fp[k]))
-            if products is not None:
+            if products is not None and checked is not None:
                 fps["gemm_canary_fp"] = products[r][k]
+                scalars.update(checked[p])
             self.emitters[rank].emit(s, layers=layers or None, fingerprints=fps or None, **scalars)
         self.probe.results.clear()
         self.step = s + 1

@@ -1,5 +1,7 @@
 """The fault injector of one (pipeline stage, tensor shard) of a simulated ``tp x pp x dp`` job:
-:class:`ShardInjector` (see :mod:`sdcwatch.testbed.parallel3d`, "Faults keep their meaning").
+:class:`ShardInjector` (see :mod:`sdcwatch.testbed.parallel3d`, "Faults keep their meaning"), and
+the campaigns' :class:`BoundedShardInjector`, whose one-element injections carry the bound of the
+checksum that covers the tensor they hit in the rank's own share (:mod:`sdcwatch.testbed.fault_bounds`).
 """
 
 from __future__ import annotations
@@ -9,19 +11,10 @@ from typing import Any, Iterable
 import torch
 
 from sdcwatch.telemetry.faults import FaultInjector, FaultSpec
+from sdcwatch.testbed.fault_bounds import BoundedInjector, Share
 from sdcwatch.testbed.shard_plan import ShardPlan
 
-__all__ = ["ShardInjector"]
-
-
-class _StageView:
-    """What an injector attaches to: the modules of one pipeline stage."""
-
-    def __init__(self, plan: ShardPlan, stage: int) -> None:
-        self._modules = [(n, m) for n, m in plan.modules.items() if n and plan.stage_of(n) == stage]
-
-    def named_modules(self):
-        return iter(self._modules)
+__all__ = ["ShardInjector", "BoundedShardInjector"]
 
 
 class ShardInjector(FaultInjector):
@@ -34,7 +27,7 @@ class ShardInjector(FaultInjector):
         self.plan, self.stage, self.shard = plan, stage, shard
 
     def attach_stage(self) -> "ShardInjector":
-        return self.attach(_StageView(self.plan, self.stage))  # type: ignore[arg-type]
+        return self.attach(self.plan.stage_view(self.stage))  # type: ignore[arg-type]
 
     def _owner(self, name: str, where: str) -> tuple[int, torch.Tensor] | None:
         return self.plan.param_owner(name) if where in ("grad", "param") else self.plan.output_owner(name)
@@ -53,3 +46,13 @@ class ShardInjector(FaultInjector):
             return rng.randrange(t.numel())
         allowed = mask.reshape(-1).nonzero().reshape(-1)
         return int(allowed[rng.randrange(allowed.numel())])
+
+
+class BoundedShardInjector(ShardInjector, BoundedInjector):
+    """A :class:`ShardInjector` whose one-element injections are
+    :class:`~sdcwatch.testbed.fault_bounds.CoveredInjection` s: the bound of the check of the
+    rank's own share of the product (:meth:`ShardPlan.share`), as a tensor-parallel rank checks
+    its part. Same faults, same elements, same values as :class:`ShardInjector`."""
+
+    def _share(self, module: str) -> Share:
+        return self.plan.share(module, self.shard)

@@ -16,6 +16,7 @@ from torch import nn
 
 from sdcwatch.core.errors import ConfigError
 from sdcwatch.core.mesh import Layout
+from sdcwatch.testbed.fault_bounds import WHOLE, Share
 
 __all__ = [
     "SIMULATED_DIMS",
@@ -27,6 +28,7 @@ __all__ = [
     "stage_blocks",
     "place_fault",
     "ShardPlan",
+    "StageView",
 ]
 
 #: A module name inside a transformer block: ``blocks.<index>`` and what it holds.
@@ -108,6 +110,17 @@ def _contiguous(n: int, tp: int) -> torch.Tensor:
     return torch.arange(n) // (n // tp)
 
 
+class StageView:
+    """The modules of one pipeline stage, named and ordered as in the whole model (``named_modules``):
+    the model piece a stage's ranks hold, as its fault injector and its canary see it."""
+
+    def __init__(self, plan: "ShardPlan", stage: int) -> None:
+        self._modules = [(n, m) for n, m in plan.modules.items() if n and plan.stage_of(n) == stage]
+
+    def named_modules(self):
+        return iter(self._modules)
+
+
 class ShardPlan:
     """Which stage holds each module and which tensor shard holds each element of the model.
 
@@ -137,6 +150,7 @@ class ShardPlan:
         self.modules = dict(model.named_modules())
         self.params = [(n, p) for n, p in model.named_parameters()]
         self._piece_index = self._flat_pieces()
+        self._shares: dict[tuple[str, int], Share] = {}  # share() of each (module, shard), built once
 
     # modules --------------------------------------------------------------------------------------
     def stage_of(self, name: str) -> int | None:
@@ -150,6 +164,10 @@ class ShardPlan:
         if root in ("ln_f", "head"):
             return self.pp - 1
         return None
+
+    def stage_view(self, stage: int) -> StageView:
+        """The modules pipeline stage ``stage`` holds."""
+        return StageView(self, stage)
 
     def local_layer(self, name: str) -> int:
         """The index within its stage of the block holding ``name`` (-1 outside every block)."""
@@ -179,6 +197,29 @@ class ShardPlan:
         if name.endswith("mlp.proj"):
             return self.fc_cols
         return None
+
+    def share(self, name: str, shard: int) -> Share:
+        """What tensor shard ``shard`` computes of module ``name``'s product, and so what its
+        checksums cover: the input features of a row-parallel layer (its partial sum), the output
+        features of a column-parallel one, the heads of an attention product; all of a replicated one."""
+        key = (name, shard)
+        got = self._shares.get(key)
+        if got is None:
+            got = self._shares[key] = self._share(name, shard)
+        return got
+
+    def _share(self, name: str, shard: int) -> Share:
+        if self.tp == 1:
+            return WHOLE
+        row = self.row_parallel(name)
+        if row is not None:
+            return Share(cols=(row == shard).nonzero().reshape(-1))
+        owner = self.output_owner(name)
+        if owner is None:
+            return WHOLE
+        dim, own = owner
+        mine = (own == shard).nonzero().reshape(-1)
+        return Share(rows=mine) if dim == -1 else Share(batch=(dim, mine))
 
     def param_owner(self, name: str) -> tuple[int, torch.Tensor] | None:
         """(dimension, shard of each position) of a sharded parameter; None if replicated."""

@@ -206,32 +206,20 @@ class ShardProbe:
         checked steps."""
         plan = self.plan
         i = self._product_index[stage][name]
+        share = plan.share(name, t)
         if isinstance(module, nn.Linear):
-            x = args[0].detach()
-            w, b = module.weight.detach(), module.bias
-            b = None if b is None else b.detach()
-            row = plan.row_parallel(name)
-            owner = plan.output_owner(name)
-            if row is not None and plan.tp > 1:  # its partial sum, before the all-reduce (bias added after)
-                cols = (row == t).nonzero().reshape(-1)
-                x, w, b = x.index_select(-1, cols), w.index_select(1, cols), None
+            b = None if module.bias is None else module.bias.detach()
+            x, w, b = share.linear(args[0].detach(), module.weight.detach(), b)
+            if share.cols is not None:  # its partial sum, before the all-reduce (bias added after)
                 out = F.linear(x, w)
                 if culprit:  # this rank's partial sum is where the fault was
                     out = out + (y.detach() - clean.detach())
-            elif owner is not None and plan.tp > 1:
-                rows = (owner[1] == t).nonzero().reshape(-1)
-                out = y.detach().index_select(-1, rows)
-                w = w.index_select(0, rows)
-                b = None if b is None else b.index_select(0, rows)
-            else:
-                out = y.detach()
+            else:  # its output features (all of a replicated layer's)
+                out = share.outputs(y.detach())
             check = (lambda: check_linear(x, w, out, b)) if self.checks else None
         else:  # the attention mix: probs @ v, heads split
-            a, v = args[0].detach(), args[1].detach()
-            out = y.detach()
-            if plan.tp > 1:
-                heads = (plan.head_owner == t).nonzero().reshape(-1)
-                a, v, out = a.index_select(1, heads), v.index_select(1, heads), out.index_select(1, heads)
+            a, v = share.matmul(args[0].detach(), args[1].detach())
+            out = share.outputs(y.detach())
             x = a
             check = (lambda: check_matmul(a, v, out)) if self.checks else None
         values = {"out": out.sum(-1).abs().amax().float()}

@@ -121,7 +121,7 @@ class SimulatedRun:
         ]
         if self._gemm_canary is not None:  # the run computes the canary itself: its watches name its products
             for w in self.watches:
-                w.gemm_canary_names = [name for name, _ in self._gemm_canary.products]
+                w.gemm_canary_names = self._gemm_canary.names
         # the canary input: fixed, the same for every rank and every run (like a golden test vector)
         self._canary = torch.randint(
             0, self.config.vocab, (2, self.config.seq_len), generator=torch.Generator().manual_seed(0x5DC)

@@ -54,6 +54,11 @@ def test_demo_parallel_names_the_unhealthy_rank_in_its_json_summary(tmp_path):
     assert blamed == {11}, summary["incidents"]
     named = next(i for i in summary["incidents"] if i["ranks"] == [11])
     assert named["coords"] == [{"pp": 1, "dp_replicate": 1, "tp": 1}]  # the incident says where the rank sits
+    # the canary's incident names the product: at step 70 the last stage's canary checks its
+    # product 70 mod 5 (blocks.1.attn.qkv, blocks.1.attn.proj, blocks.1.mlp.fc, blocks.1.mlp.proj, head)
+    canary = next(i for i in summary["incidents"] if i["metric"] == "gemm_canary_fp")
+    assert (canary["ranks"], canary["first_step"], canary["layer"]) == ([11], 70, 0), canary
+    assert "gemm_canary_fp of blocks.1.attn.qkv (product 0)" in canary["message"], canary
     assert "16 simulated ranks (pp=2,dp_replicate=4,tp=2)" in out.stderr  # the progress says what it simulates
 
 

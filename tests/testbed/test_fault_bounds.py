@@ -163,3 +163,50 @@ def test_recall_over_detectable_flips_counts_the_one_the_default_misses_at_its_s
     assert (caught["delay"], caught["localized_rank"]) == (0, 1)
     at_checksums = checksums["summary"]["all"]["sdcwatch"]
     assert (at_checksums["detectable"], at_checksums["recall_detectable"]) == (1, 1.0)
+
+
+# -- under a tensor x pipeline x data parallel layout ---------------------------------------------
+
+
+def test_a_campaign_under_a_layout_counts_the_flips_above_the_bound_of_the_culprit_share():
+    """The same definition under ``tp x pp x dp``: a flip is detectable when its change exceeds the
+    bound of the check of the culprit's share of the tensor; the campaign counts them, and with the
+    checksums on every step the one above its bound is caught at its step on its rank."""
+    from sdcwatch.testbed.parallel3d import parse_layout, rank_at
+
+    torch.set_num_threads(1)
+    layout = parse_layout("tp=2,pp=2,dp=2")
+    culprit = rank_at(layout, 1, 0, 1)  # replica 1, first stage, tensor shard 1
+    faults = [
+        FaultSpec.from_dict(
+            {
+                "kind": "bitflip",
+                "rank": culprit,
+                "step": 1,
+                "seed": seed,
+                "bit": bit,
+                "where": "output",
+                "target": "blocks.0.mlp.fc",
+            }
+        )
+        for seed, bit in ((6, 23), (2, 0))  # a x2 or /2 change of one element; its lowest mantissa bit
+    ]
+    config = CampaignConfig(
+        parallel=str(layout),
+        pretrain_steps=4,
+        branch_steps=4,
+        batch_size=2,
+        window=4,
+        fault_offset=(0, 1),
+        probes="checksums",
+    )
+    result = run_campaign(config, faults, detectors=["sdcwatch"], progress=None)
+    above, below = (t["visibility"] for t in result["trials"])
+    assert above["check"] == below["check"] == "gemm_fwd"
+    assert above["change"] > above["bound"] and above["detectable"] is True
+    assert below["change"] < below["bound"] and below["detectable"] is False
+    summary = result["summary"]["all"]["sdcwatch"]
+    assert summary["detectable"] == 1
+    caught = result["trials"][0]["detectors"]["sdcwatch"]
+    assert (caught["delay"], caught["localized_rank"]) == (0, culprit)
+    assert summary["recall_detectable"] == 1.0
