@@ -149,10 +149,15 @@ class ReplicaDivergenceDetector(SplitDetector):
 
     @staticmethod
     def _with_product(frame: StepFrame, vote: dict[str, Any]) -> dict[str, Any]:
-        """``vote``, with the product the canary checked when the canary is among what disagrees."""
+        """``vote``, with the product the canary checked when the canary is among what disagrees: the
+        one the ranks it names checked (under pipeline parallelism each stage rotates over its own
+        products: another stage's ranks checked another one at the same step)."""
         if _PRODUCT_FP in vote["odd"] or _PRODUCT_FP in vote["split"]:
-            j = frame.fp_names.index(_PRODUCT_FP)
-            product = checked_product(frame, np.flatnonzero(frame.fp_present[:, j] & frame.present))
+            ranks = vote["odd"].get(_PRODUCT_FP) or (vote.get("split_ranks") or {}).get(_PRODUCT_FP)
+            if not ranks:  # a split over every rank (no groups): all of them
+                j = frame.fp_names.index(_PRODUCT_FP)
+                ranks = np.flatnonzero(frame.fp_present[:, j] & frame.present)
+            product = checked_product(frame, ranks)
             if product is not None:
                 vote["product"] = product
         return vote

@@ -50,6 +50,25 @@ def test_a_split_vote_names_the_product_too():
     assert (f.ranks, f.layer) == ((), 1) and "no majority on gemm_canary_fp (product 1)" in f.message
 
 
+def test_under_pipeline_parallelism_the_product_is_the_one_the_named_rank_stage_checked():
+    """Two stages rotate over their own products: at this step the 4 ranks of stage 0 checked their
+    product 0, the 4 of stage 1 their product 4; stage 1's rank 6 disagrees with its replicas. The
+    finding names stage 1's product (a count over every rank would tie and could name stage 0's)."""
+    records = []
+    for r in range(8):
+        coords = {"pp": r // 4, "dp_replicate": r % 4}
+        product = 0.0 if coords["pp"] == 0 else 4.0
+        fps = {"gemm_canary_fp": 0xBAD if r == 6 else 0x600D + coords["pp"]}
+        records.append(
+            Record.make(
+                run="r", step=4, rank=r, world=8, scalars={CANARY_PRODUCT: product}, fingerprints=fps, coords=coords
+            )
+        )
+    (f,) = ReplicaDivergenceDetector().update(StepFrame.from_records("r", 4, 8, records))
+    assert (f.ranks, f.metric, f.layer, f.evidence["gemm_canary_product"]) == ((6,), "gemm_canary_fp", 4, 4)
+    assert f.message.endswith("on gemm_canary_fp (product 4)")
+
+
 def test_a_training_job_with_an_unhealthy_rank_names_the_product_its_canary_checked():
     """Relative noise of 1e-4 on rank 3's MLP input products from step 2 on (an unhealthy node, far
     under the checksums' bound): the canary checks blocks.0.mlp.fc at step 2, the incident says so."""

@@ -21,7 +21,7 @@ from sdcwatch.testbed.simulated import shared_corpus  # noqa: E402
 torch.set_num_threads(1)
 SMALL = GPTConfig(seq_len=16, d_model=32, n_layer=2, n_head=4)
 LAYOUT = "tp=2,pp=2,dp=4"
-ONSET, STEPS = 2, 5
+ONSET, STEPS = 8, 10  # at step 8 stage 0 checks its product 0, stage 1 its product 3 (blocks.1.mlp.proj)
 
 
 class NamedCollector(RecordCollector):
