@@ -33,14 +33,7 @@ def act_layer(frame: StepFrame, S: np.ndarray, rank: int, column: int) -> int | 
 def act_modules(frame: StepFrame, ranks: set[int]) -> list[list[int]]:
     """[[rank, module]] of ``ranks``: the leaf module (an index into the rank's module names) whose
     output was the rank's ``act_max``, from its ``act_max_module`` (ranks without one are left out)."""
-    col = frame.scalar(MODULE)
-    if col is None or not ranks:
-        return []
-    r = np.array(sorted(ranks))
-    v = col[r]
-    with np.errstate(invalid="ignore"):
-        ok = np.isfinite(v) & (v >= 0) & (v < 1 << 31) & frame.sent_scalars()[r, frame.scalar_names.index(MODULE)]
-    return [[int(a), int(b)] for a, b in zip(r[ok], v[ok])]
+    return [[r, int(v)] for r, v in frame.sent_positions(MODULE, ranks, 1 << 31)]
 
 
 def listed_hit(h: tuple[int, str, int | None, float], modules: dict[int, int]) -> dict[str, Any]:

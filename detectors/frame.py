@@ -148,6 +148,19 @@ class StepFrame:
             return self.scalar_sent
         return np.broadcast_to(self.present[:, None], self.scalars.shape)
 
+    def sent_positions(self, name: str, ranks: set[int], below: float = float("inf")) -> list[tuple[int, float]]:
+        """(rank, value), in rank order, of ``ranks`` that sent scalar ``name`` as a finite value in
+        ``[0, below)``: an index or an ordinal a record carries (the service's limits dead-letter any
+        other; a frame built elsewhere is read the same way)."""
+        col = self.scalar(name)
+        if col is None or not ranks:
+            return []
+        r = np.array(sorted(ranks))
+        v = col[r]
+        with np.errstate(invalid="ignore"):
+            ok = np.isfinite(v) & (v >= 0) & (v < below) & self.sent_scalars()[r, self.scalar_names.index(name)]
+        return [(int(a), float(b)) for a, b in zip(r[ok], v[ok])]
+
     def sent_layers(self) -> np.ndarray:
         """(world, n_metrics, n_layers) bool: which layer cells hold a value a rank actually sent."""
         if self.layer_sent is None:

@@ -299,16 +299,8 @@ class NonFiniteDetector(SplitDetector):
 
     @staticmethod
     def _first_bad(frame: StepFrame, ranks: set[int]) -> list[list[float]]:
-        """[[rank, ordinal]] of ``ranks`` that sent ``nonfinite_first`` (a finite value >= 0: the
-        service's limits dead-letter any other, and a frame built elsewhere is read the same way)."""
-        col = frame.scalar(FIRST_BAD)
-        if col is None or not ranks:
-            return []
-        r = np.array(sorted(ranks))
-        v = col[r]
-        with np.errstate(invalid="ignore"):
-            ok = (v >= 0) & np.isfinite(v) & frame.sent_scalars()[r, frame.scalar_names.index(FIRST_BAD)]
-        return [[int(a), float(b)] for a, b in zip(r[ok], v[ok])]
+        """[[rank, ordinal]] of ``ranks`` that sent ``nonfinite_first``."""
+        return [[r, v] for r, v in frame.sent_positions(FIRST_BAD, ranks)]
 
     def _backward(self, names: tuple[str, ...]) -> np.ndarray:
         """Which of ``names`` are values of the backward pass (cached)."""

@@ -110,13 +110,14 @@ def test_the_training_injector_keeps_no_bound():
     assert not isinstance(inj, CoveredInjection) and not hasattr(inj, "bound")
 
 
-def _campaign(probes: str) -> dict:
-    # branch step 1 after 4 steps: step 5, which the default's checksums (every 16th step) skip
-    faults = [
+def _two_flips(rank: int) -> list[FaultSpec]:
+    """Two one-off flips in ``blocks.0.mlp.fc``'s output on ``rank`` at branch step 1: a x2 or /2
+    change of one element (above the checksum's bound), and its lowest mantissa bit (below)."""
+    return [
         FaultSpec.from_dict(
             {
                 "kind": "bitflip",
-                "rank": 1,
+                "rank": rank,
                 "step": 1,
                 "seed": seed,
                 "bit": bit,
@@ -124,8 +125,13 @@ def _campaign(probes: str) -> dict:
                 "target": "blocks.0.mlp.fc",
             }
         )
-        for seed, bit in ((6, 23), (2, 0))  # a x2 or /2 change of one element; its lowest mantissa bit
+        for seed, bit in ((6, 23), (2, 0))
     ]
+
+
+def _campaign(probes: str) -> dict:
+    # branch step 1 after 4 steps: step 5, which the default's checksums (every 16th step) skip
+    faults = _two_flips(rank=1)
     config = CampaignConfig(
         world=2, pretrain_steps=4, branch_steps=4, batch_size=2, window=4, fault_offset=(0, 1), probes=probes
     )
@@ -177,20 +183,7 @@ def test_a_campaign_under_a_layout_counts_the_flips_above_the_bound_of_the_culpr
     torch.set_num_threads(1)
     layout = parse_layout("tp=2,pp=2,dp=2")
     culprit = rank_at(layout, 1, 0, 1)  # replica 1, first stage, tensor shard 1
-    faults = [
-        FaultSpec.from_dict(
-            {
-                "kind": "bitflip",
-                "rank": culprit,
-                "step": 1,
-                "seed": seed,
-                "bit": bit,
-                "where": "output",
-                "target": "blocks.0.mlp.fc",
-            }
-        )
-        for seed, bit in ((6, 23), (2, 0))  # a x2 or /2 change of one element; its lowest mantissa bit
-    ]
+    faults = _two_flips(rank=culprit)
     config = CampaignConfig(
         parallel=str(layout),
         pretrain_steps=4,
