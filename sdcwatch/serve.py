@@ -145,6 +145,12 @@ def reset_state(state_dir: Path) -> Path | None:
     return aside
 
 
+def _leave_while_connecting(signum: int, frame: Any) -> None:
+    """Ctrl-C before the service runs: nothing was read, so there is nothing to save; exit 130."""
+    os.write(2, b"sdcwatch serve: interrupted while connecting to Kafka\n")
+    os._exit(130)
+
+
 def serve_main(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="sdcwatch serve",
@@ -180,6 +186,10 @@ def serve_main(argv: Sequence[str]) -> int:
     # Ctrl-C and SIGTERM stop that wait at once (nothing was read yet, so there is nothing to save);
     # once the service runs they stop it after a final snapshot.
     print(f"sdcwatch serve: connecting to Kafka at {cfg.bus.bootstrap}", file=sys.stderr, flush=True)
+    # Python's own Ctrl-C raises KeyboardInterrupt wherever the connection happens to be, and the
+    # client's clean-up on the way out can wait out its own 30 s: leave at once instead (SIGTERM's
+    # default already does)
+    signal.signal(signal.SIGINT, _leave_while_connecting)
     try:
         service, metrics = build_service(cfg)
     except TransportError as exc:
