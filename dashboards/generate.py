@@ -46,6 +46,10 @@ OUTPUT = Path(__file__).resolve().parent / "sdcwatch.json"
 DS = DataSourceRef(type_val="prometheus", uid="${datasource}")
 #: Every query selects the runs picked in the ``$run`` variable.
 RUN = 'run=~"$run"'
+#: Cross-rank statistics are per model piece (``piece="pp=1,tp=0"``) under tensor or pipeline
+#: parallelism; panels show the pieces picked in ``$piece`` (All: every piece, and the series of a
+#: plain data-parallel run, which have no piece label).
+PIECE = 'piece=~"$piece"'
 
 
 def _q(expr: str, legend: str = "", *, ref: str = "A", instant: bool = False, table_format: bool = False) -> PromQuery:
@@ -106,7 +110,23 @@ def _variables() -> list:
         .all_value(".*")
         .description("Training run(s), from the run label of the exporter's series.")
     )
-    return [datasource, run]
+    piece = (
+        dash.QueryVariable("piece")
+        .label("Model piece")
+        .datasource(DS)
+        .query(f"label_values(sdcwatch_rank_metric{{{RUN}}}, piece)")
+        .definition(f"label_values(sdcwatch_rank_metric{{{RUN}}}, piece)")
+        .refresh(VariableRefresh.ON_TIME_RANGE_CHANGED)
+        .sort(VariableSort.ALPHABETICAL_ASC)
+        .multi(True)
+        .include_all(True)
+        .all_value(".*")
+        .description(
+            "Model piece(s) under tensor or pipeline parallelism (pp stage, tp rank...: the ranks the "
+            "detectors compare); a plain data-parallel run has one piece and no values here."
+        )
+    )
+    return [datasource, run, piece]
 
 
 def _annotation() -> dash.AnnotationQuery:
@@ -220,9 +240,13 @@ def build_dashboard() -> dash.Dashboard:
         _ts(
             "Per-rank spread of scalars",
             "Across-rank min, quartiles and max of the local "
-            "gradient norm and loss: a single rank far outside the band is suspect.",
+            "gradient norm and loss: a single rank far outside the band is suspect. Under tensor or "
+            "pipeline parallelism one band per model piece (its ranks hold the same piece).",
             GridPos(h=9, w=12, x=12, y=y),
-            _q(f'sdcwatch_rank_metric{{{RUN}, metric=~"grad_norm_local|loss"}}', "{{metric}} {{stat}}"),
+            _q(
+                f'sdcwatch_rank_metric{{{RUN}, {PIECE}, metric=~"grad_norm_local|loss"}}',
+                "{{piece}} {{metric}} {{stat}}",
+            ),
         )
     )
     y += 9
@@ -232,9 +256,13 @@ def build_dashboard() -> dash.Dashboard:
     d = d.with_panel(
         _ts(
             "Attention entropy per layer (median over ranks)",
-            "Median over ranks of each layer's attention entropy; collapse towards 0 is an attention-entropy collapse.",
+            "Median over ranks of each layer's attention entropy; collapse towards 0 is an attention-entropy "
+            "collapse. Under pipeline parallelism a stage numbers its own layers: a series per piece and layer.",
             GridPos(h=8, w=8, x=0, y=y),
-            _q(f'sdcwatch_layer_metric{{{RUN}, metric="attn_entropy", stat="median"}}', "layer {{layer}}"),
+            _q(
+                f'sdcwatch_layer_metric{{{RUN}, {PIECE}, metric="attn_entropy", stat="median"}}',
+                "{{piece}} layer {{layer}}",
+            ),
         )
     )
     d = d.with_panel(
@@ -244,8 +272,8 @@ def build_dashboard() -> dash.Dashboard:
             "precedes attention-logit blow-ups.",
             GridPos(h=8, w=8, x=8, y=y),
             _q(
-                f'sdcwatch_layer_metric{{{RUN}, metric=~"q_norm_max|k_norm_max", stat="max"}}',
-                "{{metric}} layer {{layer}}",
+                f'sdcwatch_layer_metric{{{RUN}, {PIECE}, metric=~"q_norm_max|k_norm_max", stat="max"}}',
+                "{{piece}} {{metric}} layer {{layer}}",
             ),
         )
     )
@@ -254,7 +282,10 @@ def build_dashboard() -> dash.Dashboard:
             "Largest attention logit per layer (max over ranks)",
             "Near-INF logits (|x| > 1e10) in attention drive training to a non-trainable state.",
             GridPos(h=8, w=8, x=16, y=y),
-            _q(f'sdcwatch_layer_metric{{{RUN}, metric="attn_logit_max", stat="max"}}', "layer {{layer}}"),
+            _q(
+                f'sdcwatch_layer_metric{{{RUN}, {PIECE}, metric="attn_logit_max", stat="max"}}',
+                "{{piece}} layer {{layer}}",
+            ),
         )
     )
     y += 8

@@ -17,6 +17,7 @@ from sdcwatch.core.mesh import DIMS
 from sdcwatch.core.names import CHECK_METRICS, FINGERPRINTS, LAYER_METRICS, SCALARS
 from sdcwatch.core.record import Record
 from sdcwatch.detectors.peers import Groups
+from sdcwatch.detectors.piece_stats import piece_stats
 
 __all__ = ["StepFrame", "assemble_frame", "frame_stats", "DIM_INDEX", "no_coords", "ordered_names"]
 
@@ -194,7 +195,10 @@ class StepFrame:
 
 
 def frame_stats(frame: StepFrame) -> dict[str, Any]:
-    """Cross-rank quantiles (min, q25, median, q75, max) of every scalar and of every layer metric."""
+    """Cross-rank quantiles (min, q25, median, q75, max) of every scalar and of every layer metric;
+    under tensor or pipeline parallelism also per model piece (``pieces``, see
+    :func:`~sdcwatch.detectors.piece_stats.piece_stats`), which the exporter shows instead. The
+    run-wide ones stay, so a temporal stage of an older version reads the summary as before."""
     scalar_stats = {}
     for j, name in enumerate(frame.scalar_names):
         col = frame.scalars[:, j]
@@ -208,7 +212,11 @@ def frame_stats(frame: StepFrame) -> dict[str, Any]:
             for m, name in enumerate(frame.layer_names):
                 block = np.where(np.isfinite(frame.layers[:, m, :]), frame.layers[:, m, :], np.nan)
                 layer_stats[name] = np.nanquantile(block, _QUANTILES, axis=0).T
-    return {"scalars": scalar_stats, "layers": layer_stats}
+    out: dict[str, Any] = {"scalars": scalar_stats, "layers": layer_stats}
+    pieces = piece_stats(frame)
+    if pieces is not None:
+        out["pieces"] = pieces
+    return out
 
 
 def assemble_frame(

@@ -37,6 +37,15 @@ def run_view(run: str, st: RunState, finished: bool) -> RunView:
     rank_scores = shown.get("rank_scores")
     if rank_scores is None or rank_scores.shape[0] != f.world:
         rank_scores = np.zeros(f.world)
+    scalars, layers, pieces = stats["scalars"], stats["layers"], stats.get("pieces")
+    piece_view: dict[str, Any] = {}
+    if pieces:  # tensor or pipeline parallel: the statistics of each model piece, not of all ranks
+        scalars, layers = pieces["scalars"], pieces["layers"]
+        piece_view = {
+            "pieces": tuple(str(p) for p in pieces["names"]),
+            "piece_layers": tuple(int(n) for n in np.asarray(pieces["n_layers"]).reshape(-1)),
+            "pieces_omitted": int(pieces["omitted"]),
+        }
     nan = float("nan")
     if "loss" not in shown:  # no detector follows the global series: read them off the last step
         shown["loss"] = f.frame.global_value("loss_global", "loss") if f.frame else nan
@@ -51,11 +60,12 @@ def run_view(run: str, st: RunState, finished: bool) -> RunView:
         spike_scores=shown.get("spike_scores", {}),
         rank_scores=np.array(rank_scores, copy=True),
         hosts=list(st.hosts) if st.hosts else [""] * f.world,
-        scalar_stats={k: np.asarray(v, dtype=float) for k, v in stats["scalars"].items()},
-        layer_stats={k: np.asarray(v, dtype=float) for k, v in stats["layers"].items()},
+        scalar_stats={k: np.asarray(v, dtype=float) for k, v in scalars.items()},
+        layer_stats={k: np.asarray(v, dtype=float) for k, v in layers.items()},
         steps_total=st.steps_total,
         late_ranks=int(f.world - f.n_present),
         missing_ranks=shown.get("missing_ranks", 0),
         emitter_dropped=count_total(st.dropped),
         finished=finished,
+        **piece_view,
     )

@@ -56,7 +56,8 @@ class StepSummary:
     ``hosts`` is the run's host table (index = rank) when the spatial instance saw it change,
     else None (the temporal stage keeps the last one). ``dropped`` maps the ranks whose emitter
     dropped records to their count. ``stats`` holds the cross-rank quantiles the exporter shows
-    (``scalars``: name -> 5 quantiles, ``layers``: name -> (n_layers, 5)); the spatial stage sends
+    (``scalars``: name -> 5 quantiles, ``layers``: name -> (n_layers, 5); under tensor or pipeline
+    parallelism ``pieces``: the same per model piece, see :mod:`~sdcwatch.detectors.piece_stats`); the spatial stage sends
     them every few steps. ``observations`` maps detector name to what its ``observe`` returned.
     ``frame`` is the aligned step itself when both stages run in one process (never sent).
     ``ended`` marks the run's end instead of a step: every rank sent its end-of-run marker and the

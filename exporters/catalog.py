@@ -91,14 +91,17 @@ METRICS: tuple[MetricSpec, ...] = (
     _m(
         "sdcwatch_rank_metric",
         "gauge",
-        ("run", "metric", "stat"),
-        "Statistic across ranks (min, q25, median, q75, max) of a per-rank scalar at the last step.",
+        ("run", "piece", "metric", "stat"),
+        "Statistic across ranks (min, q25, median, q75, max) of a per-rank scalar at the last step; under "
+        'tensor or pipeline parallelism across the ranks of one model piece (piece="pp=1,tp=0", no piece label '
+        "for plain data parallel).",
     ),
     _m(
         "sdcwatch_layer_metric",
         "gauge",
-        ("run", "metric", "layer", "stat"),
-        "Statistic across ranks of a per-layer metric at the last step.",
+        ("run", "piece", "metric", "layer", "stat"),
+        "Statistic across ranks of a per-layer metric at the last step, per model piece like sdcwatch_rank_metric "
+        "(a pipeline stage numbers its own layers from 0).",
     ),
     # incidents
     _m("sdcwatch_incidents_open", "gauge", ("run", "kind", "severity"), "Incidents currently open."),
@@ -236,8 +239,9 @@ METRICS: tuple[MetricSpec, ...] = (
         "sdcwatch_exporter_omitted",
         "gauge",
         ("what",),
-        "Runs (what=runs) beyond metrics.max_runs and layers (what=layers, summed over runs) beyond "
-        "metrics.max_layers that have no series of their own at this scrape.",
+        "Runs (what=runs) beyond metrics.max_runs, model pieces (what=pieces) beyond metrics.max_pieces and "
+        "layers (what=layers, (piece, layer) pairs) beyond metrics.max_layers, summed over runs, that have "
+        "no series of their own at this scrape.",
     ),
     _m(
         "sdcwatch_exporter_view_errors_total",

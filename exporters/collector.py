@@ -4,10 +4,11 @@ The service hands over a ``view_fn`` returning one consistent :class:`ServiceVie
 turns that snapshot into metric families (catalogue in :mod:`sdcwatch.exporters.catalog`).
 Cardinality is bounded whatever the world size, the number of runs or the depth of the model:
 per-rank series exist only for the top-K ranks by outlier score and for ranks named by an open
-incident; per-layer series only for ``max_layers`` layers of a run (those of open incidents, then
-the widest spread across ranks); per-run series only for the runs the service view holds (the
-service passes its ``metrics.max_runs``). Everything else is aggregated or left out, and
-``sdcwatch_exporter_omitted`` says how much.
+incident; cross-rank statistics per model piece (peer group) for ``max_pieces`` pieces of a run,
+per-layer series only for ``max_layers`` (piece, layer) pairs of a run (those of open incidents,
+then the widest spread across ranks: :mod:`sdcwatch.exporters.pieces`); per-run series only for
+the runs the service view holds (the service passes its ``metrics.max_runs``). Everything else is
+aggregated or left out, and ``sdcwatch_exporter_omitted`` says how much.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from sdcwatch.core.kinds import guard_action_of
 from sdcwatch.core.mesh import format_coords
 
 from .catalog import METRICS, STATS, MetricSpec, metric
+from .pieces import DEFAULT_MAX_PIECES, add_stats, by_piece, exported_layers, exported_pieces
 
 __all__ = [
     "SdcwatchCollector",
@@ -35,6 +37,7 @@ __all__ = [
     "MAX_RANKS_PER_INCIDENT",
     "MAX_INCIDENTS_LISTED",
     "DEFAULT_MAX_LAYERS",
+    "DEFAULT_MAX_PIECES",
     "incident_rank_label",
     "incident_coords_label",
 ]
@@ -52,7 +55,8 @@ DEFAULT_LAYER_STATS: tuple[str, ...] = ("min", "median", "max")
 MAX_RANKS_PER_INCIDENT = 8
 #: Most incidents described by ``sdcwatch_incident_*`` series (open ones first, then newest).
 MAX_INCIDENTS_LISTED = 50
-#: Layers of one run with per-layer series (open-incident layers, then the widest spread).
+#: (piece, layer) pairs of one run with per-layer series (open-incident layers, then the widest
+#: spread); without pipeline or tensor parallelism, layers.
 DEFAULT_MAX_LAYERS = 128
 
 
@@ -105,6 +109,7 @@ class SdcwatchCollector(Collector):
         scalar_stats: Sequence[str] = STATS,
         layer_metrics: Sequence[str] | None = None,
         max_layers: int = DEFAULT_MAX_LAYERS,
+        max_pieces: int = DEFAULT_MAX_PIECES,
         cache_seconds: float = 0.0,
         clock: Callable[[], float] = time.time,
     ) -> None:
@@ -114,6 +119,8 @@ class SdcwatchCollector(Collector):
             raise ConfigError("exporter.top_k", f"must be an integer >= 0, got {top_k!r}")
         if isinstance(max_layers, bool) or not isinstance(max_layers, int) or max_layers < 1:
             raise ConfigError("exporter.max_layers", f"must be an integer >= 1, got {max_layers!r}")
+        if isinstance(max_pieces, bool) or not isinstance(max_pieces, int) or max_pieces < 1:
+            raise ConfigError("exporter.max_pieces", f"must be an integer >= 1, got {max_pieces!r}")
         if not cache_seconds >= 0:
             raise ConfigError("exporter.cache_seconds", f"must be >= 0, got {cache_seconds!r}")
         for key, stats in (("exporter.layer_stats", layer_stats), ("exporter.scalar_stats", scalar_stats)):
@@ -126,6 +133,8 @@ class SdcwatchCollector(Collector):
         self.scalar_stats = tuple(scalar_stats)
         self.layer_metrics = None if layer_metrics is None else frozenset(layer_metrics)
         self.max_layers = max_layers
+        self.max_pieces = max_pieces
+        self._capped_runs: set[str] = set()  # runs whose pieces past max_pieces were logged
         self.cache_seconds = float(cache_seconds)
         self.clock = clock
         self._view_errors = 0
@@ -184,7 +193,7 @@ class SdcwatchCollector(Collector):
             if inc.open:
                 open_incidents.setdefault(inc.run, []).append(inc)
 
-        layers_omitted = 0
+        layers_omitted = pieces_omitted = 0
         for run in view.runs:
             r = run.run
             add("sdcwatch_training_loss", [r], run.loss)
@@ -198,13 +207,32 @@ class SdcwatchCollector(Collector):
             for rank in self._exported_ranks(run, open_incidents.get(r, [])):
                 host = run.hosts[rank] if rank < len(run.hosts) else ""
                 add("sdcwatch_rank_outlier_score", [r, rank, host], run.rank_scores[rank])
-            self._add_stats(fam["sdcwatch_rank_metric"], r, run.scalar_stats, self.scalar_stats, None)
+            incidents = open_incidents.get(r, [])
+            n = len(run.pieces)
+            scalars = {k: by_piece(v, n, False) for k, v in run.scalar_stats.items()}
             layer_stats = {
-                k: v for k, v in run.layer_stats.items() if self.layer_metrics is None or k in self.layer_metrics
+                k: by_piece(v, n, True)
+                for k, v in run.layer_stats.items()
+                if self.layer_metrics is None or k in self.layer_metrics
             }
-            layers, n_layers = self._exported_layers(layer_stats, open_incidents.get(r, []))
-            layers_omitted += n_layers - len(layers)
-            self._add_stats(fam["sdcwatch_layer_metric"], r, layer_stats, self.layer_stats, "layer", layers)
+            pieces = exported_pieces(run, scalars, layer_stats, incidents, self.max_pieces, MAX_RANKS_PER_INCIDENT)
+            pieces_omitted += n - len(pieces) + run.pieces_omitted
+            if len(pieces) < n + run.pieces_omitted and r not in self._capped_runs:
+                if len(self._capped_runs) >= 1000:  # logged once a run; the memory of it bounded
+                    self._capped_runs.clear()
+                self._capped_runs.add(r)
+                log.warning(
+                    "sdcwatch exporter: run %s has %d model pieces, statistics series for %d (metrics.max_pieces)",
+                    r,
+                    n + run.pieces_omitted,
+                    len(pieces),
+                )
+            add_stats(fam["sdcwatch_rank_metric"], run, scalars, self.scalar_stats, pieces)
+            pairs, n_pairs = exported_layers(
+                run, layer_stats, pieces, incidents, self.max_layers, MAX_RANKS_PER_INCIDENT
+            )
+            layers_omitted += n_pairs - len(pairs)
+            add_stats(fam["sdcwatch_layer_metric"], run, layer_stats, self.layer_stats, pieces, pairs)
             add("sdcwatch_pipeline_late_ranks", [r], run.late_ranks)
             add("sdcwatch_pipeline_missing_ranks", [r], run.missing_ranks)
             add("sdcwatch_emitter_dropped_records_total", [r], run.emitter_dropped)
@@ -236,6 +264,7 @@ class SdcwatchCollector(Collector):
         add("sdcwatch_pipeline_runs_forgotten_total", [], p.runs_forgotten_total)
         add("sdcwatch_exporter_omitted", ["runs"], max(0, p.runs_total - len(view.runs)))
         add("sdcwatch_exporter_omitted", ["layers"], layers_omitted)
+        add("sdcwatch_exporter_omitted", ["pieces"], pieces_omitted)
         add("sdcwatch_pipeline_duplicates_total", [], p.duplicates_total)
         add("sdcwatch_pipeline_world_changes_total", [], p.world_changes_total)
         add("sdcwatch_pipeline_incomplete_steps_total", [], p.incomplete_steps_total)
@@ -268,49 +297,6 @@ class SdcwatchCollector(Collector):
         for inc in incidents:
             chosen.update(int(r) for r in inc.ranks[:MAX_RANKS_PER_INCIDENT] if 0 <= int(r) < n)
         return sorted(chosen)
-
-    def _exported_layers(self, stats: dict[str, np.ndarray], incidents: list[Incident]) -> tuple[list[int], int]:
-        """(layers to export, layers there are): all up to ``max_layers``; past it the layers of open
-        incidents, then those whose values spread most across ranks ((max - min) / IQR of any metric)."""
-        blocks = [np.asarray(v, dtype=np.float64).reshape(-1, len(STATS)) for v in stats.values()]
-        n = max((b.shape[0] for b in blocks), default=0)
-        if n <= self.max_layers:
-            return list(range(n)), n
-        chosen = {int(inc.layer) for inc in incidents if inc.layer is not None and 0 <= int(inc.layer) < n}
-        score = np.full(n, -np.inf)
-        with np.errstate(all="ignore"):
-            for b in blocks:
-                spread = (b[:, 4] - b[:, 0]) / np.maximum(b[:, 3] - b[:, 1], 1e-12 * np.abs(b[:, 2]) + 1e-30)
-                spread = np.where(np.isnan(spread), np.inf, spread)  # NaN evidence ranks first
-                score[: b.shape[0]] = np.maximum(score[: b.shape[0]], spread)
-        for layer in np.argsort(-score, kind="stable"):
-            if len(chosen) >= self.max_layers:
-                break
-            chosen.add(int(layer))
-        return sorted(chosen), n
-
-    @staticmethod
-    def _add_stats(
-        family: Metric,
-        run: str,
-        stats: dict[str, np.ndarray],
-        which: tuple[str, ...],
-        per: str | None,
-        layers: Sequence[int] | None = None,
-    ) -> None:
-        columns = [(name, STATS.index(name)) for name in which]
-        for metric_name in sorted(stats):
-            values = np.asarray(stats[metric_name], dtype=np.float64)
-            if per is None:
-                for stat, col in columns:
-                    family.add_metric([run, metric_name, stat], float(values.reshape(-1)[col]))
-            else:
-                values = values.reshape(-1, len(STATS))
-                for layer in range(values.shape[0]) if layers is None else layers:
-                    if layer >= values.shape[0]:
-                        continue
-                    for stat, col in columns:
-                        family.add_metric([run, metric_name, str(layer), stat], float(values[layer, col]))
 
     @staticmethod
     def _add_incidents(fam: dict[str, Metric], view: ServiceView, open_incidents: dict[str, list[Incident]]) -> None:

@@ -17,6 +17,7 @@ from sdcwatch.core.incident import ServiceView
 from sdcwatch.core.errors import ConfigError
 
 from .collector import DEFAULT_LAYER_STATS, DEFAULT_MAX_LAYERS, DEFAULT_TOP_K, SdcwatchCollector
+from .pieces import DEFAULT_MAX_PIECES
 from .catalog import STATS
 
 __all__ = ["MetricsServer", "DEFAULT_METRICS_ADDRESS", "DEFAULT_METRICS_PORT"]
@@ -46,6 +47,7 @@ class MetricsServer:
         scalar_stats: Sequence[str] = STATS,
         layer_metrics: Sequence[str] | None = None,
         max_layers: int = DEFAULT_MAX_LAYERS,
+        max_pieces: int = DEFAULT_MAX_PIECES,
         cache_seconds: float = 1.0,
     ) -> None:
         if not isinstance(address, str) or not address:
@@ -61,6 +63,7 @@ class MetricsServer:
             scalar_stats=scalar_stats,
             layer_metrics=layer_metrics,
             max_layers=max_layers,
+            max_pieces=max_pieces,
             cache_seconds=cache_seconds,
         )
         self.registry.register(self.collector)

@@ -127,6 +127,7 @@ def build_service(
             port=cfg.metrics.port,
             top_k=cfg.metrics.top_k,
             max_layers=cfg.metrics.max_layers,
+            max_pieces=cfg.metrics.max_pieces,
         )
     return service, metrics
 

@@ -176,14 +176,18 @@ class MetricsConfig(_Section):
     max_runs: int = 20
     """Runs with per-run series: those with open incidents first, then the most recently active."""
     max_layers: int = 128
-    """Layers with per-layer series in each run: those of open incidents, then the widest spread across ranks."""
+    """Layers with per-layer series in each run: those of open incidents, then the widest spread across ranks
+    (under pipeline or tensor parallelism, (model piece, layer) pairs)."""
+    max_pieces: int = 32
+    """Model pieces (peer groups: same pp stage, tp rank...) of a run with cross-rank statistics series:
+    those of open incidents, then the widest spread across their ranks; plain data parallel has one."""
 
     def _validate(self) -> None:
         if not is_host(self.address):
             self._fail("address", f"{self.address!r} is neither an IP address nor a host name")
         if not 0 <= self.port <= 65535:
             self._fail("port", f"{self.port} out of range 0-65535 (0 = off)")
-        for name in ("top_k", "max_runs", "max_layers"):
+        for name in ("top_k", "max_runs", "max_layers", "max_pieces"):
             if getattr(self, name) < 1:
                 self._fail(name, f"must be at least 1, got {getattr(self, name)}")
 

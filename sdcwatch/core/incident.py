@@ -175,13 +175,20 @@ class RunView:
     spike_scores: dict[str, float]  # metric ("loss", "grad_norm") -> current spike score
     rank_scores: np.ndarray  # (world,) accumulated rank-outlier evidence per rank
     hosts: list[str]  # (world,) host of each rank ("" when unknown)
-    scalar_stats: dict[str, np.ndarray]  # scalar metric -> (5,) min, q25, median, q75, max over ranks
-    layer_stats: dict[str, np.ndarray]  # layer metric -> (n_layers, 5) same statistics per layer
+    # scalar metric -> (5,) min, q25, median, q75, max over ranks; (len(pieces), 5): over each piece's ranks
+    scalar_stats: dict[str, np.ndarray]
+    # layer metric -> (n_layers, 5) the same statistics per layer; (len(pieces), n_layers, 5) per piece
+    layer_stats: dict[str, np.ndarray]
     steps_total: int = 0
     late_ranks: int = 0  # ranks that missed the alignment deadline at the last closed step
     missing_ranks: int = 0  # ranks not heard from for a long time (dead)
     emitter_dropped: int = 0  # sum over ranks of the records their emitters dropped
     finished: bool = False  # every rank sent its end-of-run marker: the run is over, not stalled
+    # the model pieces (peer groups) the statistics are taken over, by sdcwatch.core.mesh.piece_label:
+    # ("",) for one piece (plain data parallel), ("pp=0,tp=0", "pp=0,tp=1", ...) under tp/pp
+    pieces: tuple[str, ...] = ("",)
+    piece_layers: tuple[int, ...] = ()  # layers each piece holds (its ranks sent); () = every layer
+    pieces_omitted: int = 0  # pieces past the service's bound, without statistics
 
 
 @dataclass

@@ -51,6 +51,7 @@ __all__ = [
     "check_coords",
     "parse_coords",
     "peer_key",
+    "piece_label",
     "replica_key",
     "format_coords",
 ]
@@ -203,6 +204,18 @@ def peer_key(coords: Mapping[str, int]) -> tuple[tuple[str, int], ...]:
     ()
     """
     return tuple((d, coords[d]) for d in DIMS if d in coords and d not in DATA_PARALLEL_DIMS)
+
+
+def piece_label(coords: Mapping[str, int]) -> str:
+    """The model piece a rank holds, as text: its :func:`peer_key` written ``pp=1,tp=0``; empty when
+    the peer key is (plain data parallel: one piece). Labels the exporter's per-piece statistics.
+
+    >>> piece_label({'pp': 1, 'dp_replicate': 3, 'tp': 0})
+    'pp=1,tp=0'
+    >>> piece_label({'dp_replicate': 3})
+    ''
+    """
+    return format_coords(dict(peer_key(coords)))
 
 
 def replica_key(coords: Mapping[str, int]) -> tuple[tuple[str, int], ...]:

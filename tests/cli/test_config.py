@@ -201,6 +201,7 @@ FILE_ERRORS = [
     ("[bus.security]\nssl_check_hostname = 'true'\n", "bus.security.ssl_check_hostname", "must be true or false"),
     ("[state]\nsnapshot_interval_s = -5\n", "state.snapshot_interval_s", "greater than 0"),
     ("[metrics]\ntop_k = 0\n", "metrics.top_k", "at least 1"),
+    ("[metrics]\nmax_pieces = 0\n", "metrics.max_pieces", "at least 1"),
     ("[detectors]\nresolve_after_steps = 2.5\n", "detectors.resolve_after_steps", "must be an integer"),
     ("[detectors]\nalign_timeout_s = 'soon'\n", "detectors.align_timeout_s", "must be a number"),
     ("[detectors]\nwarmup = 3\n", "detectors.warmup", "unknown key"),

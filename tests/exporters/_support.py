@@ -254,6 +254,70 @@ class TroubledService:
         )
 
 
+# -- a tensor x pipeline x data parallel run, through the real detection pipeline --------------
+
+#: The simulated ranks' layout: 16 ranks, 4 model pieces of 4 data-parallel replicas each.
+LAYOUT_3D = "tp=2,pp=2,dp=4"
+PIECES_3D = ("pp=0,tp=0", "pp=0,tp=1", "pp=1,tp=0", "pp=1,tp=1")
+
+
+def piece_scale(coords: dict[str, int]) -> float:
+    """Each piece's values sit in their own decade: stage 0 at 10-20, stage 1 at 100-200, so a
+    value of one stage in another stage's quantiles cannot go unseen."""
+    return 10.0 ** (1 + coords.get("pp", 0)) * (1 + coords.get("tp", 0))
+
+
+def records_3d(step: int, *, layout: str = LAYOUT_3D, run: str = "r3d") -> list:
+    """One step of every rank: the last stage alone has the loss; stage 0 holds 2 layers and
+    stage 1 holds 3 (a stage numbers its own layers from 0); replicas differ by noise."""
+    from sdcwatch.core.mesh import Layout
+    from sdcwatch.core.record import Record
+
+    lay = Layout.parse(layout)
+    rng = np.random.default_rng([7, step])
+    out = []
+    for rank in range(lay.world):
+        c = lay.coords(rank)
+        scale = piece_scale(c)
+        scalars = {"grad_norm_local": scale * (1 + 0.05 * rng.standard_normal()), "nonfinite": 0.0}
+        if c.get("pp", 0) == lay.sizes.get("pp", 1) - 1:
+            scalars["loss"] = 3.0 + 0.01 * rng.standard_normal()
+        n_layers = 2 + c.get("pp", 0)
+        entropy = scale * np.arange(1, n_layers + 1) * (1 + 0.01 * rng.standard_normal(n_layers))
+        out.append(
+            Record.make(
+                run=run,
+                step=step,
+                rank=rank,
+                world=lay.world,
+                host=f"node{rank // 4}",
+                time=float(step),
+                scalars=scalars,
+                layers={  # every per-layer metric the dashboard plots, in the piece's decade
+                    "attn_entropy": entropy.tolist(),
+                    "q_norm_max": (2 * entropy).tolist(),
+                    "k_norm_max": (3 * entropy).tolist(),
+                    "attn_logit_max": (4 * entropy).tolist(),
+                },
+                coords=c,
+            )
+        )
+    return out
+
+
+def pipeline_view_3d(steps: int = 12, **kw: Any) -> tuple[ServiceView, dict[int, list]]:
+    """(the detection pipeline's view after ``steps`` steps of :func:`records_3d`, records by step)."""
+    from sdcwatch.detectors import DetectionPipeline
+
+    pipeline = DetectionPipeline()
+    sent = {}
+    for step in range(steps):
+        sent[step] = records_3d(step, **kw)
+        pipeline.process(sent[step])
+    pipeline.flush()
+    return pipeline.view(), sent
+
+
 # -- the queries of the dashboard and the rules ------------------------------------------------
 
 #: What Grafana would put in place of the template and built-in variables.
@@ -264,6 +328,8 @@ SUBSTITUTIONS = {
     "$__range": "1m",
     "${run}": "r1",
     "$run": "r1",
+    "${piece}": ".*",  # All (the variable's all value)
+    "$piece": ".*",
 }
 
 

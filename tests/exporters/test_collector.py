@@ -61,14 +61,14 @@ sdcwatch_guard_actions_total{action="skip"} 1.0
 # TYPE sdcwatch_rank_outlier_score gauge
 sdcwatch_rank_outlier_score{host="h1",rank="2",run="r1"} 1.0
 sdcwatch_rank_outlier_score{host="h2",rank="5",run="r1"} 9.5
-# HELP sdcwatch_rank_metric Statistic across ranks (min, q25, median, q75, max) of a per-rank scalar at the last step.
+# HELP sdcwatch_rank_metric Statistic across ranks (min, q25, median, q75, max) of a per-rank scalar at the last step; under tensor or pipeline parallelism across the ranks of one model piece (piece="pp=1,tp=0", no piece label for plain data parallel).
 # TYPE sdcwatch_rank_metric gauge
 sdcwatch_rank_metric{metric="loss",run="r1",stat="min"} 2.0
 sdcwatch_rank_metric{metric="loss",run="r1",stat="q25"} 2.25
 sdcwatch_rank_metric{metric="loss",run="r1",stat="median"} 2.5
 sdcwatch_rank_metric{metric="loss",run="r1",stat="q75"} 2.75
 sdcwatch_rank_metric{metric="loss",run="r1",stat="max"} 3.0
-# HELP sdcwatch_layer_metric Statistic across ranks of a per-layer metric at the last step.
+# HELP sdcwatch_layer_metric Statistic across ranks of a per-layer metric at the last step, per model piece like sdcwatch_rank_metric (a pipeline stage numbers its own layers from 0).
 # TYPE sdcwatch_layer_metric gauge
 sdcwatch_layer_metric{layer="0",metric="attn_entropy",run="r1",stat="min"} 0.0
 sdcwatch_layer_metric{layer="0",metric="attn_entropy",run="r1",stat="median"} 2.0
@@ -166,10 +166,11 @@ sdcwatch_pipeline_missing_ranks{run="r1"} 0.0
 # HELP sdcwatch_emitter_dropped_records_total Records the in-rank emitters dropped (buffer full or bus down), summed over ranks.
 # TYPE sdcwatch_emitter_dropped_records_total counter
 sdcwatch_emitter_dropped_records_total{run="r1"} 3.0
-# HELP sdcwatch_exporter_omitted Runs (what=runs) beyond metrics.max_runs and layers (what=layers, summed over runs) beyond metrics.max_layers that have no series of their own at this scrape.
+# HELP sdcwatch_exporter_omitted Runs (what=runs) beyond metrics.max_runs, model pieces (what=pieces) beyond metrics.max_pieces and layers (what=layers, (piece, layer) pairs) beyond metrics.max_layers, summed over runs, that have no series of their own at this scrape.
 # TYPE sdcwatch_exporter_omitted gauge
 sdcwatch_exporter_omitted{what="runs"} 0.0
 sdcwatch_exporter_omitted{what="layers"} 0.0
+sdcwatch_exporter_omitted{what="pieces"} 0.0
 # HELP sdcwatch_exporter_view_errors_total Scrapes at which reading the service state failed (the scrape then shows only this).
 # TYPE sdcwatch_exporter_view_errors_total counter
 sdcwatch_exporter_view_errors_total 0.0
@@ -279,6 +280,7 @@ def test_layer_metric_filter_and_stats_choice():
         ({"top_k": 2.5}, "exporter.top_k"),
         ({"layer_stats": ["p99"]}, "exporter.layer_stats"),
         ({"scalar_stats": "median"}, "exporter.scalar_stats"),
+        ({"max_pieces": 0}, "exporter.max_pieces"),
     ],
 )
 def test_bad_settings_are_rejected_naming_the_key(options, key):

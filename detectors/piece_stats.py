@@ -1,0 +1,90 @@
+"""Cross-rank statistics per model piece: the quantiles the exporter shows, within each peer group.
+
+Under tensor, pipeline, context or expert parallelism two ranks hold different pieces of the
+model: stage 0's "layer 0" and stage 1's "layer 0" are different layers, and a tensor-parallel
+rank's local gradient norm is the norm of its own shard. Quantiles over all ranks would mix them,
+so the exporter's statistics (min, q25, median, q75, max) are taken within each **peer group**
+(:attr:`StepFrame.peers <sdcwatch.detectors.frame.StepFrame.peers>`, the grouping the detectors
+compare within), each named by its :func:`~sdcwatch.core.mesh.piece_label` (``pp=1,tp=0``).
+
+A frame with one piece (plain data parallel, or no coordinates) has no per-piece statistics: the
+run-wide ones are the piece's. Every group at once, as in :mod:`~sdcwatch.detectors.peers`: one
+sort over a (..., pieces, members) array, no Python loop over pieces.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from sdcwatch.core.mesh import piece_label
+from sdcwatch.detectors.peers import coords_of, known_coords
+
+if TYPE_CHECKING:  # frame.py imports this module
+    from sdcwatch.detectors.frame import StepFrame
+
+__all__ = ["MAX_PIECES", "QUANTILES", "piece_stats", "sorted_quantiles"]
+
+#: The statistics' quantiles, in the column order of ``RunView.scalar_stats`` / ``layer_stats``.
+QUANTILES = (0.0, 0.25, 0.5, 0.75, 1.0)
+#: Most pieces of one step given statistics (the first in key order; the rest are counted as
+#: ``omitted``). A 100,000-rank job laid out ``pp=16, tp=8`` has 128; the exporter shows fewer
+#: (``metrics.max_pieces``). The bound keeps a step summary small whatever coordinates ranks send.
+MAX_PIECES = 1024
+
+
+def sorted_quantiles(S: np.ndarray, count: np.ndarray, qs: tuple[float, ...] = QUANTILES) -> np.ndarray:
+    """(..., len(qs)) quantiles of rows sorted along the last axis with NaN last, ``count`` finite
+    values each; linear interpolation, as :func:`numpy.quantile`; NaN where a row has no value."""
+    q = np.asarray(qs, dtype=np.float64)
+    n = np.asarray(count, dtype=np.int64)[..., None]
+    pos = q * np.maximum(n - 1, 0)
+    lo = np.floor(pos).astype(np.int64)
+    hi = np.minimum(lo + 1, np.maximum(n - 1, 0))
+    a = np.take_along_axis(S, lo, axis=-1)
+    b = np.take_along_axis(S, hi, axis=-1)
+    with np.errstate(invalid="ignore"):
+        out = a + (b - a) * (pos - lo)
+    return np.where(n > 0, out, np.nan)
+
+
+def _grouped_quantiles(G: np.ndarray) -> np.ndarray:
+    """(..., len(QUANTILES)) quantiles over the last axis of a grouped array, ignoring non-finite cells."""
+    G = np.where(np.isfinite(G), G, np.nan)
+    return sorted_quantiles(np.sort(G, axis=-1), np.isfinite(G).sum(axis=-1))
+
+
+def piece_stats(frame: "StepFrame") -> dict[str, Any] | None:
+    """Per-piece statistics of ``frame``, or None when it holds one piece.
+
+    ``names``: each piece's label, in peer-key order; ``scalars``: {name: (pieces, 5)};
+    ``layers``: {name: (pieces, layers, 5)}; ``n_layers``: (pieces,) layers each piece's ranks
+    sent (a pipeline stage holds its own layers, numbered from 0); ``omitted``: pieces past
+    :data:`MAX_PIECES`. A piece with no value of a scalar has NaN statistics for it.
+    """
+    coords = known_coords(frame)
+    groups = frame.peers
+    if coords is None or groups.n <= 1:
+        return None
+    keep = min(groups.n, MAX_PIECES)
+    first = groups.table[:keep, 0]  # each piece's lowest rank names it
+    names = [piece_label(coords_of(coords, int(r))) for r in first]
+    scalars: dict[str, np.ndarray] = {}
+    if frame.scalars.size:
+        q = _grouped_quantiles(groups.gather(np.asarray(frame.scalars, dtype=np.float64).T)[:, :keep])
+        scalars = {name: q[j] for j, name in enumerate(frame.scalar_names)}
+    layers: dict[str, np.ndarray] = {}
+    n_layers = np.zeros(keep, np.int64)
+    if frame.layers.size:
+        X = np.moveaxis(np.asarray(frame.layers, dtype=np.float64), 0, -1)  # (metrics, layers, world)
+        q = _grouped_quantiles(groups.gather(X)[:, :, :keep])  # (metrics, layers, pieces, 5)
+        layers = {name: np.ascontiguousarray(q[m].transpose(1, 0, 2)) for m, name in enumerate(frame.layer_names)}
+        if frame.layer_sent is None:
+            sent = np.where(frame.present, frame.n_layers, 0)
+        else:
+            sent = np.asarray(frame.layer_sent, dtype=np.int64).max(axis=1, initial=0)
+        per_piece = np.zeros(groups.n, np.int64)
+        np.maximum.at(per_piece, groups.ids, sent)
+        n_layers = per_piece[:keep]
+    return {"names": names, "scalars": scalars, "layers": layers, "n_layers": n_layers, "omitted": groups.n - keep}
