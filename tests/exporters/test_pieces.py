@@ -6,8 +6,11 @@ from __future__ import annotations
 import dataclasses
 import logging
 import re
+import shutil
+import subprocess
 
 import numpy as np
+import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -184,3 +187,15 @@ def test_a_scalar_a_piece_does_not_report_and_layers_it_does_not_hold_do_not_pic
     view.runs[0].scalar_stats["grad_norm_local"][90, 4] = 3.0
     shown = {s.labels["piece"] for s in samples(render(view, top_k=2, max_pieces=2), "sdcwatch_rank_metric")}
     assert shown == {pieces[10], pieces[100]}
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed")
+def test_promtool_accepts_pieces_beside_a_plain_run():
+    """A 3D run's series (with piece) and a data-parallel run's (without) in one family."""
+    view, _ = support.pipeline_view_3d()
+    plain, _ = support.pipeline_view_3d(layout="dp=8", run="dp")
+    view.runs += plain.runs
+    text = render(view)
+    assert 'piece="pp=1,tp=0"' in text and 'sdcwatch_rank_metric{metric="grad_norm_local",run="dp",stat="max"}' in text
+    result = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True, timeout=30)
+    assert result.returncode == 0 and not (result.stdout + result.stderr).strip(), result.stdout + result.stderr
