@@ -139,7 +139,7 @@ def _annotation() -> dash.AnnotationQuery:
         .icon_color("red")
         .expr(f'sdcwatch_incident_info{{{RUN}, state="open"}}')
         .title_format("{{kind}} ({{severity}}) rank {{rank}} {{host}}")
-        .text_format("incident {{id}}: layer {{layer}} metric {{metric}}, detector {{detector}}")
+        .text_format("incident {{id}}: {{metric}} index {{layer}} {{layer_name}}, detector {{detector}}")
         .tag_keys("kind,severity,rank,host")
         .step("15s")
         .use_value_for_time(False)

@@ -186,10 +186,9 @@ def _where(ev: dict[str, Any]) -> str:
         s += f" (host {ev['host']})"
     if ev.get("coords"):
         s += f" at {format_coords(ev['coords'])}"
-    name = ev.get("layer_name")
-    if ev["layer"] is not None:
-        part = "attention" if ev["metric"].startswith(("attn", "q_", "k_")) else ev["metric"]
-        s += f", {index_text(ev['layer'], name, noun_of(ev['metric']) if name else 'layer')} {part} ({ev['metric']})"
-    else:
-        s += f", {where(ev['metric'], None, name)}"
+    name, metric = ev.get("layer_name"), ev["metric"]
+    if ev["layer"] is not None and metric.startswith(("attn", "q_", "k_")):
+        s += f", {index_text(ev['layer'], name, noun_of(metric))} attention ({metric})"
+    else:  # a product, a block, a scalar: said as every message says it
+        s += f", {where(metric, ev['layer'], name)}"
     return s

@@ -175,10 +175,10 @@ class ChecksumDetector(SplitDetector):
             others = "other ranks" if known_coords(frame) is None else "rank's peers"
             if kind == "mismatch":
                 head = f"checksum mismatch at step {frame.step} on {on}{more}: "
-                tail = f" ({what}) is off by {value:.3g} x its rounding bound"
+                tail = f" is off by {value:.3g} x its rounding bound ({what})"
             else:
                 head = f"checksum outlier at step {frame.step} on {on}: "
-                tail = f" ({what}) residual {value:.3g} x bound, over {self.outlier_factor:.0e} x the {others}' P90"
+                tail = f" residual {value:.3g} x bound, over {self.outlier_factor:.0e} x the {others}' P90 ({what})"
             msg, around = message_at(head, metric, layer, tail)
             out.append(
                 Finding(

@@ -8,7 +8,7 @@ points at its list), and :meth:`LayerNameBook.enrich` names the module of every 
 carries a layer index, in one place, as the detectors hand their findings on (before attribution
 composes them and the incident book folds them): the finding gets ``layer_name`` and renders its
 message again from its fields (:mod:`sdcwatch.core.where`), so it says
-``gemm_out of model.layers.1.mlp.gate_proj (product 11)`` where it said ``gemm_out layer 11``.
+``gemm_out of model.layers.1.mlp.gate_proj (product 11)`` where it said ``gemm_out (product 11)``.
 A non-finite ``act_max`` is named by the leaf module whose output it was (``act_max_module``),
 when the rank sent its leaf-module names. A finding on a rank that sent no names (an older
 emitter, or names not yet arrived) keeps the index alone: a name is given only when that rank's

@@ -23,6 +23,7 @@ from typing import Any
 from sdcwatch.core.incident import Incident, IncidentEvent
 from sdcwatch.core.errors import ConfigError
 from sdcwatch.core.validate import redact_url
+from sdcwatch.core.where import noun_of
 
 from .collector import incident_coords_label, incident_rank_label
 from .delivery import BackgroundSink, Backoff, DeliveryError, PostFn, encode_json, post_json
@@ -58,7 +59,8 @@ def _describe(inc: Incident) -> str:
     if inc.coords:
         parts.append("coords " + incident_coords_label(inc.coords, limit=32))
     if inc.layer is not None:
-        parts.append(f"layer {inc.layer}" + (f" ({inc.layer_name})" if inc.layer_name else ""))
+        at = f"{noun_of(inc.metric)} {inc.layer}"  # a product or a block is not a layer
+        parts.append(at + (f" ({inc.layer_name})" if inc.layer_name else ""))
     if inc.metric:
         parts.append(f"metric {inc.metric}")
     score = float(inc.score)

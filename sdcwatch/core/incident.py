@@ -15,7 +15,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from sdcwatch.core.jsonsafe import json_float, json_safe
-from sdcwatch.core.where import where
+from sdcwatch.core.where import noun_of, where
 
 __all__ = [
     "Severity",
@@ -73,11 +73,12 @@ class Finding:
     layer_name: str | None = None  # the module ``layer`` indexes, when the rank sent its names
     around: tuple[str, str] | None = None  # the message's text either side of its place
 
-    def name_module(self, name: str, noun: str = "layer") -> None:
-        """Give the finding its module's ``name`` (``noun`` says what ``layer`` counts) and say it in
-        the message: rendered again from ``around`` and the fields, or, for a message that names no
-        place of its own, added at its end."""
+    def name_module(self, name: str, noun: str | None = None) -> None:
+        """Give the finding its module's ``name`` (``noun`` says what ``layer`` counts; default: what
+        its metric's family counts) and say it in the message: rendered again from ``around`` and
+        the fields, or, for a message that names no place of its own, added at its end."""
         self.layer_name = name
+        noun = noun or noun_of(self.metric)
         if self.around is not None:
             self.message = self.around[0] + where(self.metric, self.layer, name, noun) + self.around[1]
         else:

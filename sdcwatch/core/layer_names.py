@@ -6,7 +6,7 @@ the ``act_max_module`` scalar every leaf module. The positions mean something on
 the rank's probes built (``watch.checksums.names``, the block names, ``watch.layer_names``,
 ``watch.leaf_names``). A :class:`LayerNames` message carries those lists, one per *family*
 (:data:`FAMILIES`), so the service can say ``gemm_out of model.layers.1.mlp.gate_proj (product 11)``
-instead of ``gemm_out layer 11``.
+instead of ``gemm_out (product 11)``.
 
 Where the names travel, and why: as a message of their own on the telemetry topic, under the
 same partition key as the rank's records (run and 16-step window, ``record_key``), sent by the

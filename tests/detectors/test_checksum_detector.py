@@ -55,7 +55,11 @@ def test_a_ratio_over_the_bound_names_rank_check_layer_and_step():
         "gemm_fwd",
         6,
     )
-    assert "rank 5 (host node1)" in f.message and "gemm_fwd layer 6" in f.message and "32.8" in f.message
+    assert (
+        "rank 5 (host node1)" in f.message
+        and "gemm_fwd (product 6) is off by 32.8 x" in f.message
+        and "32.8" in f.message
+    )
     assert det.update(frame(51, clean(51))) == []
 
 

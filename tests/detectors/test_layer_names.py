@@ -83,7 +83,7 @@ def test_an_older_emitter_without_names_still_gets_the_index_alone():
     _train(MemoryTransport(bus), "old", names=False)
     (inc,) = _incidents(bus.messages(TELEMETRY_TOPIC))
     assert inc.layer == 2 and inc.layer_name is None
-    assert "gemm_out layer 2 = -1e+12" in inc.message
+    assert "gemm_out (product 2) = -1e+12" in inc.message  # a product, not a layer
     assert inc.to_dict()["layer_name"] is None
 
 
@@ -103,7 +103,7 @@ def test_each_pipeline_stage_rank_is_named_from_its_own_list_and_an_unknown_rank
     assert len(book._runs["pp"].tables) == 2  # ranks 0 and 1 share one copy
 
     def finding(rank):
-        return Finding("nonfinite", "nonfinite", Severity.CRITICAL, "pp", 5, 1.0, "x: gemm_in layer 0 = nan",
+        return Finding("nonfinite", "nonfinite", Severity.CRITICAL, "pp", 5, 1.0, "x: gemm_in (product 0) = nan",
                        ranks=(rank,), metric="gemm_in", layer=0)  # fmt: skip
 
     named = book.enrich([finding(0), finding(1), finding(2), finding(3)], "pp")
@@ -113,7 +113,7 @@ def test_each_pipeline_stage_rank_is_named_from_its_own_list_and_an_unknown_rank
         "model.layers.8.mlp.up_proj",
         None,  # rank 3 sent nothing: not guessed from another stage
     ]
-    assert named[3].message == "x: gemm_in layer 0 = nan"
+    assert named[3].message == "x: gemm_in (product 0) = nan"
     # a finding past the list, or of a metric that is not indexed, stays as it is
     past = Finding("d", "k", Severity.WARNING, "pp", 5, 1.0, "m", ranks=(0,), metric="gemm_in", layer=7)
     loss = Finding("d", "k", Severity.WARNING, "pp", 5, 1.0, "m", ranks=(0,), metric="loss", layer=0)
@@ -183,17 +183,17 @@ def _named(message: str, around, metric: str, layer: int | None, names: dict, ra
 def test_the_message_names_the_module_where_the_index_was():
     products = {"products": [f"p{i}" for i in range(11)] + [GATE]}
     msg, around = message_at("v at step 4: ", "gemm_out", 11, " = 1e+12 on rank 0")
-    assert msg == "v at step 4: gemm_out layer 11 = 1e+12 on rank 0"
+    assert msg == "v at step 4: gemm_out (product 11) = 1e+12 on rank 0"
     f = _named(msg, around, "gemm_out", 11, products)
     assert f.layer_name == GATE
     assert f.message == f"v at step 4: gemm_out of {GATE} (product 11) = 1e+12 on rank 0"
     # rendered from the fields, not found in the text: text that reads like the place is left alone
-    msg, around = message_at("on host gemm_out layer 11: ", "gemm_out", 11, " = nan")
+    msg, around = message_at("on host gemm_out (product 11): ", "gemm_out", 11, " = nan")
     assert _named(msg, around, "gemm_out", 11, products).message == (
-        f"on host gemm_out layer 11: gemm_out of {GATE} (product 11) = nan"
+        f"on host gemm_out (product 11): gemm_out of {GATE} (product 11) = nan"
     )
     # a message that names no place of its own gets the name at its end
-    assert _named("gemm_out layer 12 = 1", None, "gemm_out", 1, {"products": ["a", "x"]}).message.endswith(
+    assert _named("gemm_out (product 12) = 1", None, "gemm_out", 1, {"products": ["a", "x"]}).message.endswith(
         "[gemm_out product 1: x]"
     )
     # a name with regex replacement syntax goes in as it is
@@ -214,6 +214,21 @@ def test_the_rank_local_evidence_names_its_layer_where_attribution_places_it():
     )
 
 
+def test_without_names_a_product_or_a_block_is_called_so_not_a_layer():
+    """Where attribution places rank-local evidence on a block or a product, it says what the index
+    counts, as the message itself does; an attention statistic's index stays a layer."""
+    msg, around = message_at("rank 1 deviates from the other ranks in ", "stream_max", 3, " (evidence 9.0)")
+    f = Finding("rank_outlier", "rank_outlier", Severity.WARNING, "w", 4, 9.0, msg, ranks=(1,),
+                metric="stream_max", layer=3, around=around)  # fmt: skip
+    (drift,) = Attribution().apply(4, 4, [f])
+    assert drift.message == (
+        "silent drift suspected on rank 1, stream_max (block 3): "
+        "rank 1 deviates from the other ranks in stream_max (block 3) (evidence 9.0)"
+    )
+    assert message_at("", "gemm_bwd", 7, "")[0] == "gemm_bwd (product 7)"
+    assert message_at("", "attn_entropy", 2, "")[0] == "attn_entropy layer 2"
+
+
 def test_a_finding_split_per_rank_names_each_rank_from_its_own_list():
     """A checksum mismatch on one rank of each pipeline stage opens one incident per rank; each
     names its own product, from its own stage's list."""
@@ -224,7 +239,7 @@ def test_a_finding_split_per_rank_names_each_rank_from_its_own_list():
     names.learn(LayerNames.build("pp", 2, 4, 0, {"products": ["model.layers.8.mlp.up_proj"]}))
     hits = [{"rank": 0, "metric": "gemm_fwd", "layer": 0, "ratio": 40.0}, {"rank": 2, "metric": "gemm_fwd", "layer": 0, "ratio": 30.0}]  # fmt: skip
     f = Finding("checksum", "checksum_mismatch", Severity.CRITICAL, "pp", 9, 40.0,
-                "checksum mismatch at step 9 on rank 0 and 1 more rank(s): gemm_fwd layer 0 (forward) is off",
+                "checksum mismatch at step 9 on rank 0 and 1 more rank(s): gemm_fwd (product 0) is off",
                 ranks=(0, 2), metric="gemm_fwd", layer=0, evidence={"hits": hits})  # fmt: skip
     book = IncidentBook()
     events = book.add(names.enrich([f], "pp"), ["h0", "h1", "h2", "h3"])

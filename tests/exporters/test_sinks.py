@@ -14,7 +14,7 @@ import pytest
 import sdcwatch_exporter_test_support as support  # registered by conftest.py
 from sdcwatch.core.incident import IncidentEvent, Severity
 from sdcwatch.core.errors import ConfigError
-from sdcwatch.exporters import AlertmanagerSink, Backoff, DeliveryError, LogSink, WebhookSink, alertname_for
+from sdcwatch.exporters import AlertmanagerSink, Backoff, DeliveryError, LogSink, WebhookSink, alert_for, alertname_for
 from sdcwatch.exporters.logsink import format_logfmt
 
 
@@ -91,6 +91,21 @@ def test_alert_carries_the_labels_and_annotations_operators_route_on():
     assert json.loads(alert["annotations"]["evidence"]) == {"robust_z": 12.25, "steps": [100, 110, 120]}
     assert parse_time(alert["startsAt"]) == 1000.0
     assert parse_time(alert["endsAt"]) == 2000.0 + 4 * 60  # open: valid for four refresh intervals
+
+
+def test_the_description_says_what_the_index_counts():
+    """A checksum's index is a product and stream_max's a block: the description says so, with the
+    module's name when the rank sent it; an attention statistic's index is a layer."""
+    inc = support.sdc_incident()
+    inc.metric, inc.layer = "gemm_out", 11
+    assert "; product 11; metric gemm_out;" in alert_for(inc, now=0.0, valid_for=60)["annotations"]["description"]
+    inc.metric, inc.layer, inc.layer_name = "stream_max", 3, "model.layers.3"
+    assert (
+        "; block 3 (model.layers.3); metric stream_max;"
+        in alert_for(inc, now=0.0, valid_for=60)["annotations"]["description"]
+    )
+    inc.metric, inc.layer, inc.layer_name = "attn_entropy", 1, None
+    assert "; layer 1; metric attn_entropy;" in alert_for(inc, now=0.0, valid_for=60)["annotations"]["description"]
 
 
 def test_resolution_is_sent_with_ends_at_the_resolution_time():
