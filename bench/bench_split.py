@@ -161,6 +161,90 @@ def bench_detection(
     return rows
 
 
+def _llama_names(layers: range) -> dict[str, list[str]]:
+    """The lists a Llama-style pipeline stage holding ``layers`` sends (the probes' families)."""
+    proj = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj"]
+    proj += ["mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
+    products = [f"model.layers.{i}.{p}" for i in layers for p in proj]
+    leaves = ["input_layernorm", "post_attention_layernorm", "mlp.act_fn", *proj]
+    return {
+        "products": products,
+        "blocks": [f"model.layers.{i}" for i in layers],
+        "layers": [f"model.layers.{i}.self_attn" for i in layers],
+        "modules": [f"model.layers.{i}.{p}" for i in layers for p in leaves],
+        "canary_products": products,
+    }
+
+
+def bench_names(world: int, n_layers: int = 32, stages: int = 4, period: float = 300.0, step_s: float = 1.0) -> list:
+    """What re-sending every rank's layer names costs a summary (``LayerNameBook.stamp``): a
+    ``world``-rank job of a ``n_layers``-layer Llama in ``stages`` pipeline stages, one summary a
+    ``step_s`` seconds over one ``period``. Bytes are the encoded summary with its names less the
+    same summary without them (zlib compresses the two together). Layouts: one list (pure data
+    parallel), the stages in contiguous rank blocks (pipeline outermost, as Megatron orders it),
+    and interleaved (rank % stages: every summary's ranks point at every list, the worst case)."""
+    from sdcwatch.core.layer_names import LayerNames
+    from sdcwatch.detectors.layer_names import LayerNameBook
+    from sdcwatch.detectors.summary import StepSummary
+
+    per = n_layers // stages
+    tables = [
+        LayerNames.build("bench", 0, world, 0, _llama_names(range(k * per, (k + 1) * per))) for k in range(stages)
+    ]
+    whole = LayerNames.build("bench", 0, world, 0, _llama_names(range(n_layers)))
+    layouts = {
+        "one list": lambda r: whole,
+        f"{stages} stages, contiguous": lambda r: tables[r * stages // world],
+        f"{stages} stages, interleaved": lambda r: tables[r % stages],
+    }
+    rows = []
+    for layout, of in layouts.items():
+        now = [0.0]
+        spatial = LayerNameBook(resend=period, clock=lambda: now[0])
+        temporal = LayerNameBook()
+        for r in range(world):
+            t = of(r)
+            spatial.learn(LayerNames("bench", r, world, 0, t.names, t.digest, t.payload))
+        added, cpu_stamp, cpu_take, seen, first = [], 0.0, 0.0, set(), 0
+        for i in range(int(period / step_s) + 1):
+            now[0] = i * step_s
+            s = StepSummary(run="bench", step=i, world=world, n_present=world)
+            c0 = time.process_time()
+            spatial.stamp([s])
+            c1 = time.process_time()
+            blob = encode_summary(s)
+            bare = len(blob) if s.names is None else len(encode_summary(StepSummary("bench", i, world, world)))
+            c2 = time.process_time()
+            temporal.take([decode_summary(blob)])
+            c3 = time.process_time()
+            if i == 0:  # every rank's list is new: the burst a (re)start sends, not the re-send
+                first = len(blob) - bare
+                temporal = LayerNameBook()  # a temporal stage that starts after it, with no state
+                continue
+            added.append(len(blob) - bare)
+            cpu_stamp += c1 - c0
+            cpu_take += c3 - c2
+            seen.update(int(r) for rs in (s.names or {}).get("ranks", {}).values() for r in rs)
+        n = len(added)
+        rows.append(
+            {
+                "layout": layout,
+                "ranks": world,
+                "lists": len({id(of(r)) for r in range(0, world, max(world // 64, 1))}),
+                "period_s": period,
+                "step_s": step_s,
+                "first_summary_added_bytes": first,
+                "added_bytes_mean": float(np.mean(added)),
+                "added_bytes_max": int(max(added)),
+                "stamp_cpu_ms_per_summary": 1e3 * cpu_stamp / n,
+                "take_cpu_ms_per_summary": 1e3 * cpu_take / n,
+                "ranks_resent_in_one_period": len(seen),
+                "fresh_temporal_knows_every_rank": all(temporal.names_of("bench", r) for r in range(world)),
+            }
+        )
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ranks", type=int, nargs="+", default=[1024, 16384])
@@ -171,6 +255,10 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--wire", choices=("v2", "v1"), default="v2", help="format of the records the ranks send (default v2)"
     )
+    ap.add_argument(
+        "--parts", nargs="+", choices=("costs", "detection", "names"), default=["costs", "detection", "names"]
+    )
+    ap.add_argument("--names-layers", type=int, default=32, help="layers of the model whose names are re-sent")
     ap.add_argument("--out", help="write the results as JSON here")
     args = ap.parse_args(argv)
     results = {
@@ -179,7 +267,7 @@ def main(argv=None) -> int:
         "costs": [],
         "detection": [],
     }
-    for world in args.ranks:
+    for world in args.ranks if "costs" in args.parts else ():
         row = bench_costs(world, args.layers, args.steps, args.wire)
         results["costs"].append(row)
         ms, dm, ing = row["cpu_ms_per_step"], row["detect_cpu_ms_per_step"], row["ingest"]
@@ -195,7 +283,20 @@ def main(argv=None) -> int:
             f"incidents on the clean stream {row['incidents_on_clean_stream']}",
             flush=True,
         )
-    results["detection"] = bench_detection(args.detect_ranks, args.layers, [2.0, 3.0, 6.0], args.seeds)
+    for world in args.ranks if "names" in args.parts else ():
+        for row in bench_names(world, args.names_layers):
+            results.setdefault("names", []).append(row)
+            print(
+                f"{world:>6} ranks, {row['layout']}: names re-sent over {row['period_s']:.0f} s add "
+                f"{row['added_bytes_mean'] / 1e3:.2f} kB a summary (max {row['added_bytes_max'] / 1e3:.2f}; "
+                f"all new on the first: {row['first_summary_added_bytes'] / 1e3:.0f} kB), "
+                f"stamp {row['stamp_cpu_ms_per_summary']:.2f} ms, take {row['take_cpu_ms_per_summary']:.2f} ms; "
+                f"{row['ranks_resent_in_one_period']} ranks re-sent, a fresh temporal stage knows all: "
+                f"{row['fresh_temporal_knows_every_rank']}",
+                flush=True,
+            )
+    if "detection" in args.parts:
+        results["detection"] = bench_detection(args.detect_ranks, args.layers, [2.0, 3.0, 6.0], args.seeds)
     for row in results["detection"]:
         b, s = row["both"], row["split"]
         print(

@@ -27,19 +27,33 @@ one (:meth:`LayerNameBook.stamp`, :attr:`StepSummary.names`), in the form the sa
 and the temporal stage's book takes them from the summaries as they arrive (:meth:`LayerNameBook.take`),
 checked and bounded as a names message is, each digest computed afresh. A spatial stage that
 restarts from its saved state sends every list once more.
+
+A temporal stage that restarts *without* its state (a lost disk, a new deployment) would otherwise
+not learn the names again until a rank's list changed: the emitters send theirs every window, but
+the spatial book forwards only what is new to it. So the spatial book also sends every rank's list
+again, spread over ``resend`` seconds (``detectors.names_resend_s``, 5 minutes by default): each
+summary of a run carries the next ``world x elapsed / resend`` ranks in rank order (at most
+:data:`MAX_RESEND_RANKS`), so the summaries of any ``resend`` seconds carry every rank once and a
+fresh temporal stage names every rank's modules within that time. Spreading keeps the cost flat:
+a 100,000-rank job at one step a second adds 334 ranks to a summary (their rank numbers and the
+one or few lists they point at, compressed with the summary: ``bench/bench_split.py --parts
+names``), rather than all 100,000 at once every few minutes; a rank's list is sent whole only when
+it is new or changed.
 """
 
 from __future__ import annotations
 
 import logging
+import math
+import time
 from collections import OrderedDict
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from sdcwatch.core.errors import RecordError
 from sdcwatch.core.layer_names import NOUNS, LayerNames, family_of
 from sdcwatch.detectors.summary import StepSummary
 
-__all__ = ["LayerNameBook", "MAX_TABLES_PER_RUN", "MAX_RANK_ENTRIES"]
+__all__ = ["LayerNameBook", "MAX_TABLES_PER_RUN", "MAX_RANK_ENTRIES", "MAX_RESEND_RANKS"]
 
 log = logging.getLogger("sdcwatch.detectors")
 
@@ -49,6 +63,9 @@ MAX_TABLES_PER_RUN = 64
 MAX_RANK_ENTRIES = 1 << 19
 #: Bytes of names kept over all runs.
 MAX_BYTES = 64 << 20
+#: Most ranks whose lists one summary sends again (a run whose steps are so slow that its cycle
+#: would need more takes longer than ``resend`` seconds).
+MAX_RESEND_RANKS = 4096
 
 
 def _size(names: dict[str, tuple[str, ...]]) -> int:
@@ -56,22 +73,38 @@ def _size(names: dict[str, tuple[str, ...]]) -> int:
 
 
 class _Run:
-    __slots__ = ("world", "tables", "by_rank", "unsent")
+    __slots__ = ("world", "tables", "by_rank", "unsent", "cursor", "credit", "stamped")
 
     def __init__(self, world: int) -> None:
         self.world = world
         self.tables: dict[int, dict[str, tuple[str, ...]]] = {}  # digest -> {family: names}
         self.by_rank: dict[int, int] = {}  # rank -> digest of its list
         self.unsent: set[int] = set()  # ranks whose list the temporal stage has not been sent
+        self.cursor = 0  # the next rank whose list is sent again
+        self.credit = 0.0  # ranks sent ahead of the cycle's pace (<= 0)
+        self.stamped: float | None = None  # when a summary of the run was last stamped
 
 
 class LayerNameBook:
     """Per run, each rank's layer names; names the modules of findings."""
 
-    def __init__(self, max_runs: int = 1000, *, max_bytes: int = MAX_BYTES, forwards: bool = False) -> None:
+    def __init__(
+        self,
+        max_runs: int = 1000,
+        *,
+        max_bytes: int = MAX_BYTES,
+        resend: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """``resend``: a spatial stage's book, which puts the lists on the summaries and sends each
+        rank's again within that many seconds (None: the book does not forward)."""
+        if resend is not None and not resend > 0:
+            raise ValueError(f"resend must be a positive number of seconds, got {resend!r}")
         self.max_runs = max_runs
         self.max_bytes = max_bytes
-        self.forwards = forwards  # a spatial stage's: it sends what it learns on with the summaries
+        self.resend = resend
+        self.forwards = resend is not None  # a spatial stage's: it sends what it learns on with the summaries
+        self.clock = clock
         self._runs: OrderedDict[str, _Run] = OrderedDict()  # least recently named first
         self.bytes = 0
         self.ranks = 0
@@ -93,13 +126,33 @@ class LayerNameBook:
         return out
 
     def stamp(self, summaries: list[StepSummary]) -> list[StepSummary]:
-        """Put on each run's first summary the lists its ranks took since the last one was sent
-        (a spatial stage's book; the temporal stage's takes them)."""
+        """Put on a run's summary the lists its ranks took since the last one was sent, and the
+        next ranks' lists once more (a spatial stage's book; the temporal stage's takes them)."""
+        now = self.clock()
         for s in summaries:
             st = self._runs.get(s.run)
-            if st is not None and st.unsent and not s.ended:
-                s.names, st.unsent = self._lists(st, sorted(st.unsent)), set()
+            if st is None or s.ended or not self.forwards:
+                continue
+            ranks = st.unsent.union(self._again(st, now))
+            if ranks:
+                s.names, st.unsent = self._lists(st, sorted(ranks)), set()
         return summaries
+
+    def _again(self, st: _Run, now: float) -> list[int]:
+        """The ranks whose lists go again on this summary: the next ``world x elapsed / resend``
+        rank numbers from the run's cursor (rounded up, the excess owed back; at most
+        :data:`MAX_RESEND_RANKS`), those of them that sent names."""
+        if st.stamped is None:  # the run's first summary: its lists are all new
+            st.stamped = now
+            return []
+        due = st.credit + st.world * max(now - st.stamped, 0.0) / self.resend
+        st.stamped = now
+        n = min(math.ceil(due), MAX_RESEND_RANKS, st.world)
+        st.credit = min(due - n, 0.0)  # past the cap the cycle slows down rather than bursts
+        if n <= 0:
+            return []
+        start, st.cursor = st.cursor, (st.cursor + n) % st.world
+        return [r % st.world for r in range(start, start + n) if r % st.world in st.by_rank]
 
     def absorb(self, run: str, lists: Any) -> None:
         """Take ``run``'s lists in the form the saved state keeps them (``{world, tables, ranks}``,
@@ -109,41 +162,56 @@ class LayerNameBook:
         try:
             world = int(lists["world"])
             for digest, names in lists["tables"].items():
-                msg = LayerNames.build(run, 0, world, 0, names)
+                msg = self._held(run, digest, names) or LayerNames.build(run, 0, world, 0, names)
                 for r in lists["ranks"].get(digest, ()):
                     if 0 <= int(r) < world:
-                        self.learn(LayerNames(run, int(r), world, 0, msg.names, msg.digest, msg.payload))
+                        self._bind(run, int(r), world, msg.digest, msg.names)
         except (KeyError, TypeError, ValueError, AttributeError, RecordError) as exc:
             self.refused += 1
             if self.refused == 1 or self.refused % 100 == 0:
                 log.warning("layer names of run %r not taken (%d so far): %s", str(run)[:80], self.refused, exc)
 
+    def _held(self, run: str, digest: Any, names: Any) -> LayerNames | None:
+        """The list the book already holds under ``digest`` when ``names`` is that very list (a
+        list sent again: no need to check and hash it afresh), else None."""
+        st = self._runs.get(run)
+        held = st.tables.get(int(digest, 16)) if st is not None and isinstance(digest, str) else None
+        if held is None or not isinstance(names, dict) or names.keys() != held.keys():
+            return None
+        if any(names[k] != list(v) for k, v in held.items()):
+            return None
+        return LayerNames(run, 0, st.world, 0, held, int(digest, 16), b"")
+
     def learn(self, msg: LayerNames) -> bool:
         """Remember ``msg``'s lists for its rank; False when a bound refused them."""
-        run = self._runs.get(msg.run)
+        return self._bind(msg.run, msg.rank, msg.world, msg.digest, msg.names)
+
+    def _bind(self, name: str, rank: int, world: int, digest: int, names: dict[str, tuple[str, ...]]) -> bool:
+        """Point ``rank`` of run ``name`` at the list ``names`` (whose digest was computed from it)."""
+        run = self._runs.get(name)
         if run is None:
             while len(self._runs) >= self.max_runs:
                 self.forget(next(iter(self._runs)))
-            run = self._runs[msg.run] = _Run(msg.world)
+            run = self._runs[name] = _Run(world)
         else:
-            self._runs.move_to_end(msg.run)
-        if msg.world != run.world:  # a new world size: ranks past it are gone
-            self._rebind(run, {r: d for r, d in run.by_rank.items() if r < msg.world})
-            run.world = msg.world
-        old = run.by_rank.get(msg.rank)
-        if old == msg.digest:
+            self._runs.move_to_end(name)
+        if world != run.world:  # a new world size: ranks past it are gone
+            self._rebind(run, {r: d for r, d in run.by_rank.items() if r < world})
+            run.world = world
+        old = run.by_rank.get(rank)
+        if old == digest:
             return True
-        if msg.digest not in run.tables:
-            size = _size(msg.names)
-            if len(run.tables) >= MAX_TABLES_PER_RUN or not self._room(msg.run, size, 0):
-                return self._refuse(msg, f"past {MAX_TABLES_PER_RUN} lists a run or {self.max_bytes} bytes")
-            run.tables[msg.digest] = msg.names
+        if digest not in run.tables:
+            size = _size(names)
+            if len(run.tables) >= MAX_TABLES_PER_RUN or not self._room(name, size, 0):
+                return self._refuse(name, rank, f"past {MAX_TABLES_PER_RUN} lists a run or {self.max_bytes} bytes")
+            run.tables[digest] = names
             self.bytes += size
-        if old is None and not self._room(msg.run, 0, 1):
-            return self._refuse(msg, f"past {MAX_RANK_ENTRIES} ranks over all runs")
-        run.by_rank[msg.rank] = msg.digest
+        if old is None and not self._room(name, 0, 1):
+            return self._refuse(name, rank, f"past {MAX_RANK_ENTRIES} ranks over all runs")
+        run.by_rank[rank] = digest
         if self.forwards:
-            run.unsent.add(msg.rank)
+            run.unsent.add(rank)
         if old is None:
             self.ranks += 1
         elif old not in run.by_rank.values():  # the rank's list changed (it grew): the old one may go
@@ -161,10 +229,10 @@ class LayerNameBook:
             self.forget(other)
         return True
 
-    def _refuse(self, msg: LayerNames, why: str) -> bool:
+    def _refuse(self, run: str, rank: int, why: str) -> bool:
         self.refused += 1
         if self.refused == 1:
-            log.warning("layer names of run %r rank %d not kept: %s", msg.run[:80], msg.rank, why)
+            log.warning("layer names of run %r rank %d not kept: %s", run[:80], rank, why)
         return False
 
     def _rebind(self, run: _Run, by_rank: dict[int, int]) -> None:

@@ -63,6 +63,8 @@ class PipelineSettings:
     """Temporal stage: seconds a step summary waits for the summaries of earlier steps."""
     stats_every: int = 10
     """Spatial stage: steps between the cross-rank quantiles it sends for the dashboards."""
+    names_resend: float = 300.0
+    """Spatial stage: seconds over which it sends every rank's layer names again (:class:`LayerNameBook`)."""
     max_runs: int = 1000
     """Runs whose detection state is kept (memory and the state file grow with them). A new run past
     it takes the place of a run silent for ``stale_after`` seconds (forgotten, its open incidents
@@ -123,7 +125,8 @@ class DetectionPipeline:
         )
         self.aligner.admit = self._admit
         self.book = IncidentBook(self.settings.quiet_steps, clock=wall)
-        self.names = LayerNameBook(self.settings.max_runs, forwards=stage == "spatial")  # incidents name modules
+        resend = self.settings.names_resend if stage == "spatial" else None  # a spatial stage forwards the names
+        self.names = LayerNameBook(self.settings.max_runs, resend=resend, clock=clock)  # incidents name modules
         self.lifecycle = RunLifecycle(
             self.settings.end_expiry, self.settings.idle_expiry, close_grace=self.settings.step_timeout, clock=wall
         )
@@ -414,11 +417,8 @@ class DetectionPipeline:
             raise ConfigError("state.version", f"unknown pipeline state version {state.get('version')!r}")
         saved = state.get("stage", state.get("role", "both"))  # "role": the key of older states
         if saved != self.stage:
-            raise ConfigError(
-                "state.file",
-                f"the state was saved by a {saved!r} stage, this is a "
-                f"{self.stage!r} stage: give each stage its own state directory",
-            )
+            which = f"the state was saved by a {saved!r} stage, this is a {self.stage!r} stage"
+            raise ConfigError("state.file", f"{which}: give each stage its own state directory")
         self.aligner.restore(state["aligner"])
         self.book.restore(state["book"])
         self._runs = {}

@@ -64,8 +64,9 @@ class StepSummary:
     spatial stage has published the run's last steps (``step`` is the last one). ``coords`` is the
     run's (world, mesh dims) coordinate table like ``hosts`` (sent when it changed; None for a run
     whose records carry no coordinates, and on the wire when unchanged). ``names`` holds the layer
-    names the run's ranks sent since the last summary, ``{world, tables, ranks}``
-    (:meth:`~sdcwatch.detectors.layer_names.LayerNameBook.stamp`; None: nothing new).
+    names the run's ranks sent since the last summary and those of the next few ranks once more,
+    ``{world, tables, ranks}`` (:meth:`~sdcwatch.detectors.layer_names.LayerNameBook.stamp`; None:
+    none).
     """
 
     run: str
@@ -174,7 +175,7 @@ def decode_summary(data: bytes | bytearray | memoryview) -> StepSummary:
         raise SummaryError("head", f"not JSON: {exc}") from None
     try:
         arrays, pos = [], 4 + n
-        for spec in _array_specs(head):
+        for spec in _array_specs({k: v for k, v in head.items() if k != "names"}):  # names hold no arrays
             dtype = np.dtype(spec["dtype"])
             count = int(np.prod(spec["shape"], dtype=np.int64))
             size = count * dtype.itemsize

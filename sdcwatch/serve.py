@@ -22,12 +22,26 @@ from typing import Any, Callable, Sequence
 from sdcwatch.config import ServeConfig, add_serve_arguments, config_from_args
 from sdcwatch.core.errors import TransportError
 
-__all__ = ["build_service", "serve_main", "reset_state"]
+__all__ = ["build_service", "pipeline_settings", "serve_main", "reset_state"]
 
 log = logging.getLogger("sdcwatch.serve")
 
 #: What to run when there is no bus to connect to (said with the connection error).
 LOCAL_BROKER = "`sdcwatch broker` starts one on 127.0.0.1:9092"
+
+
+def pipeline_settings(cfg: ServeConfig) -> Any:
+    """The :class:`~sdcwatch.detectors.pipeline.PipelineSettings` that ``cfg``'s ``[detectors]`` gives."""
+    from sdcwatch.detectors.pipeline import PipelineSettings
+
+    return PipelineSettings(
+        step_timeout=cfg.detectors.align_timeout_s,
+        quiet_steps=cfg.detectors.resolve_after_steps,
+        max_runs=cfg.detectors.max_runs,
+        end_expiry=cfg.detectors.run_end_expiry_s,
+        idle_expiry=cfg.detectors.run_idle_expiry_s,
+        names_resend=cfg.detectors.names_resend_s,
+    )
 
 
 def build_service(
@@ -47,7 +61,7 @@ def build_service(
     """
     from sdcwatch.detectors.bus import AnomalyTopicSink, KafkaSource, SummaryTopicSink, decode_summary_message
     from sdcwatch.detectors.ingest import IngestDecoder, SchemaRegistry
-    from sdcwatch.detectors.pipeline import DetectionPipeline, PipelineSettings
+    from sdcwatch.detectors.pipeline import DetectionPipeline
     from sdcwatch.detectors.registry import default_detectors
     from sdcwatch.detectors.service import STATE_FILE, DetectorService
     from sdcwatch.exporters import AlertmanagerSink, LogSink, WebhookSink
@@ -55,13 +69,7 @@ def build_service(
 
     security = dict(cfg.bus.security)
     stage = cfg.detectors.stage
-    settings = PipelineSettings(
-        step_timeout=cfg.detectors.align_timeout_s,
-        quiet_steps=cfg.detectors.resolve_after_steps,
-        max_runs=cfg.detectors.max_runs,
-        end_expiry=cfg.detectors.run_end_expiry_s,
-        idle_expiry=cfg.detectors.run_idle_expiry_s,
-    )
+    settings = pipeline_settings(cfg)
     configs = cfg.detectors.detector_configs()
     limits = cfg.limits.record_limits()
     pipeline = DetectionPipeline(settings, stage=stage, detectors=lambda: default_detectors(configs), limits=limits)

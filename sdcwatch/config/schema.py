@@ -265,6 +265,10 @@ class _DetectorsSettings(_Section):
     run_idle_expiry_s: float = 21600.0
     """Seconds without a record after which a run that did not finish is evicted from memory and
     /metrics, its open incidents resolved. Keep it above the stall alert's 11 minutes."""
+    names_resend_s: float = 300.0
+    """Spatial stage: seconds over which it sends every rank's layer names to the temporal stage
+    again, a few ranks on each step summary, so a temporal instance that started without its
+    state names the modules again within this time (at most 4,096 ranks a summary)."""
     stage: str = "both"
     """What this instance runs: "both" (one process does everything, the default); or, to scale out,
     "spatial" (alignment and the cross-rank detectors; run several in one consumer group, each
@@ -275,7 +279,7 @@ class _DetectorsSettings(_Section):
         for name in ("resolve_after_steps", "max_runs"):
             if getattr(self, name) < 1:
                 self._fail(name, f"must be at least 1, got {getattr(self, name)}")
-        for name in ("align_timeout_s", "schema_wait_s", "run_end_expiry_s", "run_idle_expiry_s"):
+        for name in ("align_timeout_s", "schema_wait_s", "run_end_expiry_s", "run_idle_expiry_s", "names_resend_s"):
             _positive(self, name)
         if self.stage not in ("both", "spatial", "temporal"):
             self._fail("stage", f"{self.stage!r} is not one of both, spatial, temporal")

@@ -315,6 +315,12 @@ def test_split_benchmark_reports_costs_sizes_and_detection(tmp_path):
     assert cost["incidents_on_clean_stream"] == {"both": 0, "split": 0}
     six = next(r for r in res["detection"] if r["shift_sigmas"] == 6.0)
     assert six["both"]["found"] == six["split"]["found"] == 1
+    # re-sending every rank's layer names over the period: every rank once, a fresh temporal
+    # stage knows them all at its end, and a summary gains a small part of its size
+    assert [r["layout"] for r in res["names"]] == ["one list", "4 stages, contiguous", "4 stages, interleaved"]
+    for r in res["names"]:
+        assert r["ranks_resent_in_one_period"] == 512 and r["fresh_temporal_knows_every_rank"]
+        assert 0 < r["added_bytes_mean"] < r["first_summary_added_bytes"]
 
 
 def test_ingest_benchmark_prints_one_json_object_a_line_a_format(capsys):
