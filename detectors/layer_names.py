@@ -64,7 +64,7 @@ MAX_RANK_ENTRIES = 1 << 19
 #: Bytes of names kept over all runs.
 MAX_BYTES = 64 << 20
 #: Most ranks whose lists one summary sends again (a run whose steps are so slow that its cycle
-#: would need more takes longer than ``resend`` seconds).
+#: would need more on every summary takes longer than ``resend`` seconds).
 MAX_RESEND_RANKS = 4096
 
 
@@ -81,7 +81,7 @@ class _Run:
         self.by_rank: dict[int, int] = {}  # rank -> digest of its list
         self.unsent: set[int] = set()  # ranks whose list the temporal stage has not been sent
         self.cursor = 0  # the next rank whose list is sent again
-        self.credit = 0.0  # ranks sent ahead of the cycle's pace (<= 0)
+        self.credit = 0.0  # ranks owed to the cycle's pace (< 0: sent ahead; at most one cycle)
         self.stamped: float | None = None  # when a summary of the run was last stamped
 
 
@@ -140,15 +140,17 @@ class LayerNameBook:
 
     def _again(self, st: _Run, now: float) -> list[int]:
         """The ranks whose lists go again on this summary: the next ``world x elapsed / resend``
-        rank numbers from the run's cursor (rounded up, the excess owed back; at most
-        :data:`MAX_RESEND_RANKS`), those of them that sent names."""
+        rank numbers from the run's cursor, those of them that sent names. Rounded up (the excess
+        is owed back) and at most :data:`MAX_RESEND_RANKS` (what that holds back, up to one cycle,
+        goes on the next summaries: a spatial instance that holds every other key window, or a run
+        after a pause, keeps the period as long as the cap allows)."""
         if st.stamped is None:  # the run's first summary: its lists are all new
             st.stamped = now
             return []
         due = st.credit + st.world * max(now - st.stamped, 0.0) / self.resend
         st.stamped = now
         n = min(math.ceil(due), MAX_RESEND_RANKS, st.world)
-        st.credit = min(due - n, 0.0)  # past the cap the cycle slows down rather than bursts
+        st.credit = min(due - n, float(st.world))  # what the cap held back goes on the next ones
         if n <= 0:
             return []
         start, st.cursor = st.cursor, (st.cursor + n) % st.world
