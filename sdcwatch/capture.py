@@ -153,10 +153,15 @@ class KafkaTopicReader:
 
     def at_end(self) -> bool:
         """Whether everything on the topic so far has been read."""
-        if not self._parts:
-            return True
-        ends = self._consumer.end_offsets(self._parts)
-        return all(self._consumer.position(tp) >= ends[tp] for tp in self._parts)
+        return self.past(self.end_mark())
+
+    def end_mark(self) -> dict[Any, int]:
+        """The end offset of every partition now: what the topic holds so far."""
+        return dict(self._consumer.end_offsets(self._parts)) if self._parts else {}
+
+    def past(self, mark: dict[Any, int]) -> bool:
+        """Whether every partition has been read up to ``mark`` (from :meth:`end_mark`)."""
+        return all(self._consumer.position(tp) >= end for tp, end in mark.items())
 
     def close(self) -> None:
         self._consumer.close()
@@ -173,15 +178,25 @@ def capture(
     clock: Callable[[], float] = time.monotonic,
 ) -> str:
     """Read until the run ends, ``idle_timeout`` passes at the end of the topic without a record
-    of the run (0: never), or ``stop`` is set. Returns why it stopped."""
+    of the run (0: never), or ``stop`` is set. Returns why it stopped.
+
+    The run's records are keyed by window, so they lie in several partitions: the last rank's
+    end-of-run marker can be read before an earlier window's records in another partition. The
+    run has ended once every rank's marker is read *and* every partition has been read up to
+    where the topic ended when the last marker was seen (each rank sends its marker after
+    everything it emitted was confirmed, so all of the run lies before that point)."""
     last_record = last_progress = clock()
+    end_mark = None
     while True:
         if stop.is_set():
             return "interrupted"
         if cap.take(reader.poll(0.5)):
             last_record = clock()
         if cap.finished:
-            return "the run ended (every rank sent its end-of-run marker)"
+            if end_mark is None:
+                end_mark = reader.end_mark()
+            if reader.past(end_mark):
+                return "the run ended (every rank sent its end-of-run marker)"
         now = clock()
         if idle_timeout and now - last_record >= idle_timeout:
             if reader.at_end():

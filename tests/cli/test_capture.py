@@ -40,6 +40,55 @@ class ListReader:
         self.at_end_calls += 1
         return not self.polls
 
+    def end_mark(self) -> int:  # one partition, read in order: what was handed out is all there was
+        return 0
+
+    def past(self, mark: int) -> bool:
+        return True
+
+
+class PartitionReader:
+    """A test double of a topic with several partitions, fetched one whole partition after the other
+    (as a consumer may: each poll returns what one partition's fetch brought)."""
+
+    def __init__(self, partitions: list[list[bytes]], order: list[int]) -> None:
+        self.partitions = partitions
+        self.read = [0] * len(partitions)
+        self.order = list(order)
+
+    def poll(self, timeout: float):
+        if not self.order:
+            return []
+        p = self.order.pop(0)
+        out = self.partitions[p][self.read[p] :]
+        self.read[p] = len(self.partitions[p])
+        return out
+
+    def at_end(self) -> bool:
+        return self.past(self.end_mark())
+
+    def end_mark(self) -> list[int]:
+        return [len(p) for p in self.partitions]
+
+    def past(self, mark: list[int]) -> bool:
+        return all(r >= m for r, m in zip(self.read, mark))
+
+
+def test_capture_reads_every_partition_before_it_calls_a_run_ended():
+    """The last window's partition, with the end markers, can be fetched before an earlier
+    window's: the file must still hold every step the ranks sent, not stop at the markers."""
+    window_0 = [encode(rec("a", s, r)) for s in range(16) for r in range(2)]
+    window_1 = [encode(rec("a", s, r)) for s in range(16, 32) for r in range(2)]
+    last = [encode(rec("a", 32, r)) for r in range(2)] + [encode(end_marker("a", 32, r, 2)) for r in range(2)]
+    reader = PartitionReader([window_0, window_1, last], order=[2, 0, 1])
+    out = io.StringIO()
+    cap = Capture("a", out)
+    why = capture(reader, cap, idle_timeout=60, stop=threading.Event(), clock=FakeClock())
+    assert why.startswith("the run ended")
+    steps = sorted({from_json(line).step for line in out.getvalue().splitlines()})
+    assert steps == list(range(33))
+    assert cap.records == 2 * 33 + 2
+
 
 class FakeClock:
     def __init__(self) -> None:
