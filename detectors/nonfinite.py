@@ -20,6 +20,7 @@ a run that stays NaN for 16,000 steps raises one alert, not 16,000, and a later 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -389,8 +390,10 @@ class NonFiniteDetector(SplitDetector):
                 f"still non-finite at step {frame.step}"
             )
         else:
+            # a finite value here is past the near-INF limit: call it what it is, not "non-finite"
+            what = "non-finite value" if not math.isfinite(value) else "near-INF value"
             msg, around = message_at(
-                f"non-finite value at step {frame.step}: ", metric, layer, f" = {value:.4g} on {on}{more}{spread}"
+                f"{what} at step {frame.step}: ", metric, layer, f" = {value:.4g} on {on}{more}{spread}"
             )
         listed = own[: self.max_listed]
         return [

@@ -86,3 +86,12 @@ def test_a_streak_keeps_the_leaf_module_it_began_in_also_across_a_restart():
     again.restore(old)
     (h,) = again.update(spread)
     assert (h.metric, h.layer) == ("act_max", 1) and "act_max_module" not in h.evidence
+
+
+def test_a_finite_value_past_the_limit_is_called_near_inf_not_non_finite():
+    """3.6e10 is a number: the message says it is a near-INF value, as the README's limit names it."""
+    records = [
+        Record.make(run="r", step=20, rank=0, world=1, host="h1", scalars={"loss": 2.0, "grad_norm_global": 3.6e10})
+    ]
+    (f,) = NonFiniteDetector().update(StepFrame.from_records("r", 20, 1, records))
+    assert f.message == "near-INF value at step 20: grad_norm_global = 3.6e+10 on rank 0 (host h1)"
