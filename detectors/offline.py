@@ -76,6 +76,10 @@ _NAME_OK = re.compile(r"[^A-Za-z0-9_.:-]")
 
 
 def _is_jsonl(path: Path) -> bool:
+    """JSON lines by name (so a damaged first line is reported as a bad record, not as a CSV
+    header), else by the first non-blank line."""
+    if path.suffix.lower() in (".jsonl", ".ndjson"):
+        return True
     with open(path, "rb") as fh:
         for raw in iter(lambda: fh.readline(MAX_LINE_BYTES), b""):
             line = raw.strip()

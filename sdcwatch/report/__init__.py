@@ -57,10 +57,15 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p = parser or argparse.ArgumentParser(prog="sdcwatch report")
     p.description = "Write a self-contained HTML report of a captured run: loss and gradient norm with incidents, a rank x step heat map of deviation, attention entropy per layer, and the incident table."
     p.add_argument(
-        "records", metavar="RECORDS.jsonl", help="records written by the file transport (one JSON record per line)"
+        "records",
+        metavar="RECORDS.jsonl",
+        help="the run's records as JSON lines: what 'sdcwatch capture' (or the emitter's file transport) wrote",
     )
     p.add_argument(
-        "--incidents", metavar="INCIDENTS.jsonl", help="incidents, one Incident.to_dict() JSON object per line"
+        "--incidents",
+        metavar="INCIDENTS.jsonl",
+        help="the incidents to mark, one JSON object a line: 'sdcwatch replay RECORDS.jsonl --json' writes them "
+        "(the report draws; it does not detect)",
     )
     p.add_argument(
         "-o", "--output", metavar="PATH", default="report.html", help="where to write the report (default: report.html)"

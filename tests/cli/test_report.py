@@ -447,3 +447,10 @@ def test_guard_actions_get_their_own_section(tmp_path):
     assert "step 70-72: <b>skip</b>" in section and "step 72 on every rank, &lt;b&gt;" in section
     clean = write_report(records, [sdc_incident()], tmp_path / "c.html").read_text()
     assert "<section id='guard'>" not in clean
+
+
+def test_the_help_says_which_commands_write_the_files_it_reads():
+    """A user with only the CLI learns from --help where the records and the incidents come from."""
+    text = " ".join(report.build_parser().format_help().split())  # argparse wraps the lines
+    assert "sdcwatch capture" in text and "sdcwatch replay RECORDS.jsonl --json" in text
+    assert "to_dict" not in text

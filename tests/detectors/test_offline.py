@@ -133,3 +133,11 @@ def test_missing_file_and_exit_code(tmp_path, capsys):
 
 def test_format_table_without_incidents():
     assert format_table([]) == "no incidents"
+
+
+def test_a_jsonl_file_with_a_bad_first_line_is_a_bad_record_not_a_csv_header(tmp_path):
+    path = tmp_path / "records.jsonl"
+    path.write_text("garbage\n")
+    with pytest.raises(ReplayError) as exc:
+        replay(path)
+    assert exc.value.line == 1 and "not valid JSON" in str(exc.value) and "header" not in str(exc.value)
