@@ -75,7 +75,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SdcwatchError as exc:
         print(f"sdcwatch {argv[0]}: error: {exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # a command that had nothing of its own to say on Ctrl-C: say why it ended
+        print(f"sdcwatch {argv[0]}: interrupted", file=sys.stderr)
         return 130
 
 

@@ -70,3 +70,6 @@ def test_ctrl_c_or_sigterm_while_connecting_stops_serve_at_once(tmp_path, sig):
             proc.wait(10)
     assert took < 10, f"serve took {took:.1f} s to stop after {sig.name} (the bus wait is about 30 s)"
     assert proc.returncode in (130, -sig), proc.returncode
+    if proc.returncode == 130:  # stopped by the signal, it says so rather than end in silence
+        rest = proc.stderr.read()
+        assert "sdcwatch serve: interrupted" in rest, rest
