@@ -234,8 +234,8 @@ def _env_layer(env: Mapping[str, str]) -> tuple[dict[str, Any], dict[str, str]]:
             raise ConfigError(
                 var,
                 f"unknown sdcwatch environment variable{hint}; sections are "
-                f"{', '.join(s.upper() for s in SECTIONS)}; the emitter's own are "
-                f"{', '.join(sorted(OTHER_ENV))}",
+                f"{', '.join(s.upper() for s in SECTIONS)}; the other variables sdcwatch reads are "
+                f"{', '.join(sorted(OTHER_ENV))} (the emitter's, --config's and dev.sh's)",
             )
         sources[dotted] = f"environment {var}"
         try:

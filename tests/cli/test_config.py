@@ -432,3 +432,12 @@ def test_detector_settings_have_flags():
     cfg = config_from_args(ns, env={})
     assert cfg.detectors.spike.warmup == 30
     assert cfg.detectors.rank_outlier.scalars == ("loss", "grad_cosine")
+
+
+def test_the_unknown_variable_error_does_not_call_every_other_variable_the_emitters():
+    """SDCWATCH_CONFIG is the loader's and SDCWATCH_VENV dev.sh's: the list says whose they are."""
+    with pytest.raises(ConfigError) as err:
+        load_config(env={"SDCWATCH_WHATEVER": "x"})
+    text = str(err.value)
+    assert "the emitter's own are" not in text
+    assert "SDCWATCH_RUN" in text and "SDCWATCH_CONFIG" in text and "(the emitter's, --config's and dev.sh's)" in text
