@@ -371,3 +371,37 @@ def test_capture_then_replay_gives_the_incidents_the_service_raised(bootstrap, t
     )
     assert report.returncode == 0, report.stderr
     assert run_name in page.read_text()
+
+
+@pytest.mark.integration
+def test_the_topic_reader_is_past_an_end_mark_only_once_every_partition_is_read(bootstrap, unique_topic):
+    """What the capture waits on once every rank ended: the end offsets of all partitions, read."""
+    from kafka import KafkaProducer
+
+    from sdcwatch.capture import KafkaTopicReader
+    from sdcwatch.telemetry.transports import ensure_topic
+
+    ensure_topic(bootstrap, unique_topic, 4)
+    producer = KafkaProducer(bootstrap_servers=[bootstrap])
+    sent = 0
+    for p in range(4):
+        for i in range(5 + 10 * p):
+            producer.send(unique_topic, value=f"{p}/{i}".encode(), partition=p)
+            sent += 1
+    producer.flush()
+    producer.close()
+    reader = KafkaTopicReader(bootstrap, unique_topic, from_beginning=True)
+    try:
+        assert reader.assign()
+        mark = reader.end_mark()
+        # every partition holds records (the embedded broker gives the last batch's first offset + 1
+        # as the end: a batch is fetched whole, so reaching it still means the batch was read)
+        assert len(mark) == 4 and all(end >= 1 for end in mark.values())
+        assert not reader.past(mark)
+        got: list[bytes | None] = []
+        deadline = time.monotonic() + 60
+        while not reader.past(mark) and time.monotonic() < deadline:
+            got += reader.poll(0.5)
+        assert reader.past(mark) and len(got) == sent
+    finally:
+        reader.close()
