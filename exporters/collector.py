@@ -116,11 +116,11 @@ class SdcwatchCollector(Collector):
         if not callable(view_fn):
             raise ConfigError("exporter.view_fn", f"must be callable, got {type(view_fn).__name__}")
         if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
-            raise ConfigError("exporter.top_k", f"must be an integer >= 0, got {top_k!r}")
+            raise ConfigError("metrics.top_k", f"must be an integer >= 0, got {top_k!r}")
         if isinstance(max_layers, bool) or not isinstance(max_layers, int) or max_layers < 1:
-            raise ConfigError("exporter.max_layers", f"must be an integer >= 1, got {max_layers!r}")
+            raise ConfigError("metrics.max_layers", f"must be an integer >= 1, got {max_layers!r}")
         if isinstance(max_pieces, bool) or not isinstance(max_pieces, int) or max_pieces < 1:
-            raise ConfigError("exporter.max_pieces", f"must be an integer >= 1, got {max_pieces!r}")
+            raise ConfigError("metrics.max_pieces", f"must be an integer >= 1, got {max_pieces!r}")
         if not cache_seconds >= 0:
             raise ConfigError("exporter.cache_seconds", f"must be >= 0, got {cache_seconds!r}")
         for key, stats in (("exporter.layer_stats", layer_stats), ("exporter.scalar_stats", scalar_stats)):

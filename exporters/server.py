@@ -51,9 +51,9 @@ class MetricsServer:
         cache_seconds: float = 1.0,
     ) -> None:
         if not isinstance(address, str) or not address:
-            raise ConfigError("exporter.address", f"must be a non-empty host or IP, got {address!r}")
+            raise ConfigError("metrics.address", f"must be a non-empty host or IP, got {address!r}")
         if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
-            raise ConfigError("exporter.port", f"must be an integer in 0..65535, got {port!r}")
+            raise ConfigError("metrics.port", f"must be an integer in 0..65535, got {port!r}")
         self.address = address
         self.registry = CollectorRegistry(auto_describe=True)
         self.collector = SdcwatchCollector(
@@ -96,7 +96,7 @@ class MetricsServer:
             )
         except OSError as exc:
             raise ConfigError(
-                "exporter.port", f"cannot listen on {self.address}:{self._requested_port}: {exc}"
+                "metrics.port", f"cannot listen on {self.address}:{self._requested_port}: {exc}"
             ) from exc
         self._httpd.socket.listen(128)  # the default backlog of 5 resets a burst of concurrent scrapers
         return self

@@ -276,11 +276,11 @@ def test_layer_metric_filter_and_stats_choice():
 @pytest.mark.parametrize(
     "options,key",
     [
-        ({"top_k": -1}, "exporter.top_k"),
-        ({"top_k": 2.5}, "exporter.top_k"),
+        ({"top_k": -1}, "metrics.top_k"),
+        ({"top_k": 2.5}, "metrics.top_k"),
         ({"layer_stats": ["p99"]}, "exporter.layer_stats"),
         ({"scalar_stats": "median"}, "exporter.scalar_stats"),
-        ({"max_pieces": 0}, "exporter.max_pieces"),
+        ({"max_pieces": 0}, "metrics.max_pieces"),
     ],
 )
 def test_bad_settings_are_rejected_naming_the_key(options, key):

@@ -99,8 +99,8 @@ def test_metrics_server_serves_the_view_on_loopback():
 
 
 def test_metrics_server_rejects_a_bad_port_and_a_taken_one():
-    with pytest.raises(ConfigError, match="exporter.port"):
+    with pytest.raises(ConfigError, match="metrics.port"):
         MetricsServer(support.small_view, port=70000)
     with MetricsServer(support.small_view, port=0) as first:
-        with pytest.raises(ConfigError, match="exporter.port"):
+        with pytest.raises(ConfigError, match="metrics.port"):
             MetricsServer(support.small_view, port=first.port).start()
