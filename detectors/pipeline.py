@@ -237,11 +237,9 @@ class DetectionPipeline:
         return st
 
     def _admit(self, run: str) -> bool:
-        """Whether a new run fits within ``max_runs`` (the aligner asks before it takes one).
-
-        Past the bound the run silent longest makes room if it has been silent for ``stale_after``
-        seconds: ``_runs`` is kept in order of activity, so it is the first one.
-        """
+        """Whether a new run fits within ``max_runs`` (the aligner asks before it takes one). Past the
+        bound the run silent longest (``_runs`` is in order of activity: the first) makes room if it
+        has been silent for ``stale_after`` seconds."""
         if self.aligner.runs() < self.settings.max_runs:
             return True
         idlest = next(iter(self._runs), None)
@@ -284,13 +282,16 @@ class DetectionPipeline:
         for det in st.detectors:
             if isinstance(det, SplitDetector):
                 obs[det.name] = det.observe(frame)
+        sampled = st.held.measures_sampled(frame.layer_names)  # attention statistics: held on view (held_layers)
         if self.stage == "spatial":
             st.hosts = list(hosts)
-            if st.steps_total % self.settings.stats_every == 0:
+            if sampled or st.steps_total % self.settings.stats_every == 0:
                 summary.stats = frame_stats(frame)
             st.steps_total += 1
             st.last_step, st.last_step_wall, st.world = frame.step, self.wall(), frame.world
             self._runs[frame.run] = self._runs.pop(frame.run)  # most recently active last
+        elif sampled:
+            st.held.hold(frame_stats(frame), frame.step)
         return summary
 
     def judge_step(self, summary: StepSummary) -> list[IncidentEvent]:

@@ -16,6 +16,7 @@ import numpy as np
 
 from sdcwatch.core.incident import RunView
 from sdcwatch.detectors.attribution import Attribution
+from sdcwatch.detectors.held_layers import HeldLayers
 from sdcwatch.detectors.summary import StepSummary
 
 __all__ = ["RunState"]
@@ -39,6 +40,7 @@ class RunState:
     coords: np.ndarray | None = None  # (world, mesh dims) last known coordinates of each rank
     sent_coords: np.ndarray | None = None  # spatial: coordinate table last put in a summary
     view: RunView | None = None  # the exporter's view of the latest step, built once per step
+    held: HeldLayers = field(default_factory=HeldLayers)  # last statistics of sampled layer metrics
 
     def remember(self, summary: StepSummary, wall: float) -> None:
         """Take what a judged step says of the run (a new world size starts the rank tables over)."""
@@ -56,6 +58,7 @@ class RunState:
                 self.dropped[r] = n
         if summary.stats is not None:
             self.stats = summary.stats
+            self.held.hold(summary.stats, summary.step)
         self.steps_total += 1
         self.last_step = summary.step
         self.last_step_wall = wall

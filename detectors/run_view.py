@@ -46,6 +46,7 @@ def run_view(run: str, st: RunState, finished: bool) -> RunView:
             "piece_layers": tuple(int(n) for n in np.asarray(pieces["n_layers"]).reshape(-1)),
             "pieces_omitted": int(pieces["omitted"]),
         }
+    layers = st.held.fill(layers, piece_view.get("pieces", ()), st.last_step)  # sampled metrics: their last
     nan = float("nan")
     if "loss" not in shown:  # no detector follows the global series: read them off the last step
         shown["loss"] = f.frame.global_value("loss_global", "loss") if f.frame else nan

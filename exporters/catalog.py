@@ -100,7 +100,8 @@ METRICS: tuple[MetricSpec, ...] = (
         "sdcwatch_layer_metric",
         "gauge",
         ("run", "piece", "metric", "layer", "stat"),
-        "Statistic across ranks of a per-layer metric at the last step, per model piece like sdcwatch_rank_metric "
+        "Statistic across ranks of a per-layer metric at the last step (a sampled one, such as the attention "
+        "statistics: at the last step that measured it, up to 256 steps back), per model piece like sdcwatch_rank_metric "
         "(a pipeline stage numbers its own layers from 0).",
     ),
     # incidents

@@ -95,9 +95,7 @@ class MetricsServer:
                 registry=self.registry,
             )
         except OSError as exc:
-            raise ConfigError(
-                "metrics.port", f"cannot listen on {self.address}:{self._requested_port}: {exc}"
-            ) from exc
+            raise ConfigError("metrics.port", f"cannot listen on {self.address}:{self._requested_port}: {exc}") from exc
         self._httpd.socket.listen(128)  # the default backlog of 5 resets a burst of concurrent scrapers
         return self
 

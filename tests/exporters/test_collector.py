@@ -68,7 +68,7 @@ sdcwatch_rank_metric{metric="loss",run="r1",stat="q25"} 2.25
 sdcwatch_rank_metric{metric="loss",run="r1",stat="median"} 2.5
 sdcwatch_rank_metric{metric="loss",run="r1",stat="q75"} 2.75
 sdcwatch_rank_metric{metric="loss",run="r1",stat="max"} 3.0
-# HELP sdcwatch_layer_metric Statistic across ranks of a per-layer metric at the last step, per model piece like sdcwatch_rank_metric (a pipeline stage numbers its own layers from 0).
+# HELP sdcwatch_layer_metric Statistic across ranks of a per-layer metric at the last step (a sampled one, such as the attention statistics: at the last step that measured it, up to 256 steps back), per model piece like sdcwatch_rank_metric (a pipeline stage numbers its own layers from 0).
 # TYPE sdcwatch_layer_metric gauge
 sdcwatch_layer_metric{layer="0",metric="attn_entropy",run="r1",stat="min"} 0.0
 sdcwatch_layer_metric{layer="0",metric="attn_entropy",run="r1",stat="median"} 2.0
