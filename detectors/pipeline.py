@@ -282,16 +282,15 @@ class DetectionPipeline:
         for det in st.detectors:
             if isinstance(det, SplitDetector):
                 obs[det.name] = det.observe(frame)
-        sampled = st.held.measures_sampled(frame.layer_names)  # attention statistics: held on view (held_layers)
-        if self.stage == "spatial":
+        spatial = self.stage == "spatial"
+        # a step measuring a sampled layer metric (attention statistics) keeps its statistics: held on view
+        if st.held.measures_sampled(frame.layer_names) or (spatial and st.steps_total % self.settings.stats_every == 0):
+            summary.stats = frame_stats(frame)
+        if spatial:
             st.hosts = list(hosts)
-            if sampled or st.steps_total % self.settings.stats_every == 0:
-                summary.stats = frame_stats(frame)
             st.steps_total += 1
             st.last_step, st.last_step_wall, st.world = frame.step, self.wall(), frame.world
             self._runs[frame.run] = self._runs.pop(frame.run)  # most recently active last
-        elif sampled:
-            st.held.hold(frame_stats(frame), frame.step)
         return summary
 
     def judge_step(self, summary: StepSummary) -> list[IncidentEvent]:

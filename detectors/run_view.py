@@ -33,7 +33,10 @@ def run_view(run: str, st: RunState, finished: bool) -> RunView:
     for det in st.detectors:  # each detector reports its own numbers; the first to report one wins
         for key, value in det.metrics_view().items():
             shown.setdefault(key, value)
-    stats = frame_stats(f.frame) if f.frame is not None else (st.stats or {"scalars": {}, "layers": {}})
+    if f.frame is not None:  # one process: this step's, taken when it was judged if it measured a sampled metric
+        stats = f.stats if f.stats is not None else frame_stats(f.frame)
+    else:  # temporal stage: the latest a spatial stage sent
+        stats = st.stats or {"scalars": {}, "layers": {}}
     rank_scores = shown.get("rank_scores")
     if rank_scores is None or rank_scores.shape[0] != f.world:
         rank_scores = np.zeros(f.world)
