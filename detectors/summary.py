@@ -114,6 +114,31 @@ def _pack(obj: Any, blobs: list[bytes]) -> Any:
     return obj
 
 
+def _check_stats(stats: Any) -> None:
+    """``stats`` is None or ``frame_stats``'s form: ``scalars`` and ``layers`` objects of arrays, and
+    under tensor or pipeline parallelism ``pieces`` with its names, statistics and layer counts (the
+    temporal stage keeps and shows them: a forged shape is dead-lettered here, not met later)."""
+    if stats is None:
+        return
+
+    def arrays(x: Any) -> bool:
+        return isinstance(x, dict) and all(isinstance(v, np.ndarray) for v in x.values())
+
+    pieces = stats.get("pieces") if isinstance(stats, dict) else None
+    ok = isinstance(stats, dict) and arrays(stats.get("scalars")) and arrays(stats.get("layers"))
+    if ok and pieces is not None:
+        ok = (
+            isinstance(pieces, dict)
+            and isinstance(pieces.get("names"), list)
+            and arrays(pieces.get("scalars"))
+            and arrays(pieces.get("layers"))
+            and isinstance(pieces.get("n_layers"), np.ndarray)
+            and isinstance(pieces.get("omitted"), int)
+        )
+    if not ok:
+        raise SummaryError("stats", "must hold scalars and layers statistics (and a pieces object) as arrays")
+
+
 def _unpack(obj: Any, arrays: list[np.ndarray]) -> Any:
     if isinstance(obj, dict):
         if "__nd__" in obj:
@@ -201,6 +226,7 @@ def decode_summary(data: bytes | bytearray | memoryview) -> StepSummary:
         )
         if s.names is not None and not isinstance(s.names, dict):
             raise SummaryError("names", f"must be an object, got {type(s.names).__name__}")
+        _check_stats(s.stats)
         if head.get("coords") is not None:
             coords = _unpack(head["coords"], arrays)
             if not isinstance(coords, np.ndarray) or coords.ndim != 2 or coords.shape[0] != s.world:

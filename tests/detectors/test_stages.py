@@ -238,3 +238,19 @@ def test_rank_outlier_evidence_is_the_same_whether_cells_are_updated_lazily_or_e
             lazy.snapshot()
         assert np.allclose(lazy.rank_scores, dense.rank_scores)
     assert dense.rank_scores.argmax() == 4 and dense.rank_scores.max() >= 1.0
+
+
+@pytest.mark.parametrize(
+    "stats",
+    [
+        "x",
+        {"scalars": {}},
+        {"scalars": {"loss": 1.0}, "layers": {}},
+        {"scalars": {}, "layers": {}, "pieces": {"names": []}},
+    ],
+)
+def test_a_summary_with_forged_statistics_is_dead_lettered_naming_them(stats):
+    """The temporal stage keeps a summary's statistics and shows them: a shape frame_stats never
+    makes is refused at decoding, before it is kept."""
+    with pytest.raises(SummaryError, match="stats"):
+        decode_summary(encode_summary(StepSummary("r", 3, 4, 4, stats=stats)))
