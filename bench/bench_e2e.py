@@ -11,7 +11,7 @@ message packed straight from numpy arrays, keyed like the emitters' records (run
 window); with ``--wire v1`` it sends :class:`~sdcwatch.core.record.Record` objects through
 :class:`~sdcwatch.telemetry.KafkaTransport` (256 a message). The detection service
 (:class:`~sdcwatch.detectors.DetectorService` reading a
-:class:`~sdcwatch.detectors.bus.KafkaSource` consumer group, default pipeline) runs in this
+:class:`~sdcwatch.service.bus.KafkaSource` consumer group, default pipeline) runs in this
 process; with ``--split`` (the default above 16,384 ranks) it runs as one *spatial* instance
 publishing step summaries to a summaries topic on the broker and one *temporal* instance reading
 them, both in this process, and the CPU time of each is measured apart: the spatial instance's
@@ -47,7 +47,7 @@ from pathlib import Path
 
 import numpy as np
 
-from sdcwatch.core.names import LAYER_METRICS
+from sdcwatch.core.vocabulary import LAYER_METRICS
 
 N_LAYERS = 2
 RUN = "e2e"
@@ -104,7 +104,7 @@ class V1Sender:
         self.transport.send([])  # connect (and create the topic) before the clock starts
 
     def send(self, step: int, ranks: np.ndarray, sc: np.ndarray, layers: np.ndarray, fps: dict, now: float) -> None:
-        from sdcwatch.core.record import Record
+        from sdcwatch.core.record_type import Record
 
         per = layers.reshape(len(ranks), len(LAYER_METRICS), N_LAYERS)
         records = [
@@ -136,8 +136,8 @@ class V2Sender:
     def __init__(self, a: argparse.Namespace) -> None:
         from kafka import KafkaProducer
 
-        from sdcwatch.core.columnar import schema_for
-        from sdcwatch.telemetry.transports import ensure_topic
+        from sdcwatch.core.schema import schema_for
+        from sdcwatch.telemetry.wire.transports import ensure_topic
 
         self.a = a
         layers = [(m, N_LAYERS) for m in LAYER_METRICS]
@@ -153,7 +153,7 @@ class V2Sender:
 
     def send(self, step: int, ranks: np.ndarray, sc: np.ndarray, layers: np.ndarray, fps: dict, now: float) -> None:
         from sdcwatch.core.columnar import encode_rows
-        from sdcwatch.telemetry.transports import KEY_WINDOW
+        from sdcwatch.core.record import KEY_WINDOW
 
         a, n = self.a, len(ranks)
         sch = self.schemas[tuple(fps)]
@@ -272,7 +272,7 @@ def run_scale(
 
     from sdcwatch.config import BusConfig, DetectorsConfig, MetricsConfig, ServeConfig, StateConfig
     from sdcwatch.serve import build_service
-    from sdcwatch.telemetry.transports import ensure_topic
+    from sdcwatch.telemetry.wire.transports import ensure_topic
 
     topic = f"bench.e2e.{world}.{uuid.uuid4().hex[:6]}"
     ensure_topic(bootstrap, topic, partitions)

@@ -1,7 +1,7 @@
 """The per-product canary's cost, timed alone next to the training step it rides on.
 
 Each step the probes multiply a 4-row known input by one linear layer's weight, in rotation, and
-fingerprint the result (:mod:`sdcwatch.telemetry.gemm_canary`). Its work does not grow with the
+fingerprint the result (:mod:`sdcwatch.telemetry.probes.gemm_canary`). Its work does not grow with the
 batch, so its share of a step falls as the batch and the model grow. This benchmark times the
 call (training-thread CPU, every product of the rotation in turn) and the reference model's
 training step, interleaved, and reports the ratio: a measurement on a quiet thread, where the
@@ -25,7 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from reference_step import at_width, batches, reference_model, train_step  # noqa: E402
 
-from sdcwatch.telemetry.gemm_canary import GemmCanary  # noqa: E402
+from sdcwatch.telemetry.probes.gemm_canary import GemmCanary  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -55,7 +55,8 @@ def layout_coords(layout, world: int) -> tuple[tuple[str, ...], np.ndarray]:
 
 
 def messages_v1(run: str, world: int, a: dict, per_message: int) -> list[bytes]:
-    from sdcwatch.core.record import Record, encode, encode_batch
+    from sdcwatch.core.record_type import Record
+    from sdcwatch.core.record import encode, encode_batch
 
     dims, coords = a["coords"]
 
@@ -83,7 +84,8 @@ def messages_v1(run: str, world: int, a: dict, per_message: int) -> list[bytes]:
 
 def messages_v2(run: str, world: int, a: dict, per_message: int, n_layers: int, first: bool) -> list[bytes]:
     """Rows packed straight from the arrays, as a producer holding many ranks packs them."""
-    from sdcwatch.core.columnar import encode_rows, schema_for
+    from sdcwatch.core.columnar import encode_rows
+    from sdcwatch.core.schema import schema_for
 
     dims, coords = a["coords"]
     sch = schema_for(SCALARS, FPS, [(n, n_layers) for n in LAYERS], dims)
@@ -108,8 +110,9 @@ def messages_v2(run: str, world: int, a: dict, per_message: int, n_layers: int, 
 
 
 def bench(world: int, metrics: int, steps: int, per_message: int, warmup: int = 1, layout=None) -> list[dict]:
-    from sdcwatch.detectors import DetectionPipeline, StepAligner
-    from sdcwatch.detectors.ingest import IngestDecoder
+    from sdcwatch.service.pipeline import DetectionPipeline
+    from sdcwatch.service.aligner import StepAligner
+    from sdcwatch.service.ingest import IngestDecoder
 
     n_layers = max(1, (metrics - len(SCALARS)) // len(LAYERS))
     metrics = len(SCALARS) + len(LAYERS) * n_layers

@@ -26,11 +26,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # loaded by path too (
 from reference_step import reference_model, side_by_side, train_step  # noqa: E402
 
 from sdcwatch.telemetry import Emitter, MemoryBus, MemoryTransport, NullEmitter  # noqa: E402
-from sdcwatch.telemetry.presets import PROBE_PRESETS, probe_config  # noqa: E402
-from sdcwatch.telemetry.probes import ProbeConfig, attach  # noqa: E402
+from sdcwatch.telemetry.probes.presets import PROBE_PRESETS, probe_config  # noqa: E402
+from sdcwatch.telemetry.probes.config import ProbeConfig  # noqa: E402
+from sdcwatch.telemetry.probes.watch import attach  # noqa: E402
 from sdcwatch.testbed.model import GPTConfig  # noqa: E402
 
-# the campaign's names (sdcwatch.telemetry.presets): the cost and the detection of one configuration
+# the campaign's names (sdcwatch.telemetry.probes.presets): the cost and the detection of one configuration
 CONFIGS = dict(PROBE_PRESETS)
 
 

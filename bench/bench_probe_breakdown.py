@@ -30,8 +30,8 @@ from bench_overhead import _Replica  # noqa: E402
 from reference_step import batches  # noqa: E402
 
 from sdcwatch.telemetry import MemoryBus  # noqa: E402
-from sdcwatch.telemetry import extremes, finite, forward_order, gemm_canary, gemm_checks  # noqa: E402
-from sdcwatch.telemetry.presets import probe_config  # noqa: E402
+from sdcwatch.telemetry.probes import extremes, finite, forward_order, gemm_canary, gemm_checks  # noqa: E402
+from sdcwatch.telemetry.probes.presets import probe_config  # noqa: E402
 from sdcwatch.testbed.model import GPTConfig  # noqa: E402
 
 #: (owner, function, what it is) of every piece timed

@@ -38,8 +38,9 @@ import numpy as np  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_detectors import LAYERS, SCALARS, make_frames  # noqa: E402
 
-from sdcwatch.detectors import DetectionPipeline, StepAligner  # noqa: E402
-from sdcwatch.detectors.summary import decode_summary, encode_summary  # noqa: E402
+from sdcwatch.service.pipeline import DetectionPipeline  # noqa: E402
+from sdcwatch.service.aligner import StepAligner  # noqa: E402
+from sdcwatch.service.summary import decode_summary, encode_summary  # noqa: E402
 
 
 def bench_ingest(world: int, n_layers: int, wire: str = "v2", steps: int = 3) -> dict:
@@ -48,7 +49,7 @@ def bench_ingest(world: int, n_layers: int, wire: str = "v2", steps: int = 3) ->
     into a frame; ``wire`` is the format the ranks send (v2, the emitter's default, or v1)."""
     from bench_ingest import layout_coords, messages_v1, messages_v2, step_arrays
 
-    from sdcwatch.detectors.ingest import IngestDecoder
+    from sdcwatch.service.ingest import IngestDecoder
 
     decoder = IngestDecoder()
     al = StepAligner(timeout=1e9, reorder_grace=1e9)
@@ -184,8 +185,8 @@ def bench_names(world: int, n_layers: int = 32, stages: int = 4, period: float =
     parallel), the stages in contiguous rank blocks (pipeline outermost, as Megatron orders it),
     and interleaved (rank % stages: every summary's ranks point at every list, the worst case)."""
     from sdcwatch.core.layer_names import LayerNames
-    from sdcwatch.detectors.layer_names import LayerNameBook
-    from sdcwatch.detectors.summary import StepSummary
+    from sdcwatch.service.layer_names import LayerNameBook
+    from sdcwatch.service.summary import StepSummary
 
     per = n_layers // stages
     tables = [

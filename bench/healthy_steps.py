@@ -5,7 +5,7 @@ A rank reports 8 scalars and 4 per-layer metrics x L layers (32 metric values at
 the targets name) and 2 fingerprints. The values are those of a healthy data-parallel job: the
 global gradient norm and the fingerprints are the same on every rank, the rest vary a little
 with each rank's data. The detector tests have their own generator
-(``tests/detectors/detector_synth.py``): a decaying loss, checksum ratios and seeded faults,
+(``tests/detector_synth.py``): a decaying loss, checksum ratios and seeded faults,
 which a throughput benchmark does not need.
 """
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from sdcwatch.core.names import STEP_SCALARS as SCALARS
+from sdcwatch.core.vocabulary import STEP_SCALARS as SCALARS
 
 __all__ = ["FPS", "LAYERS", "SCALARS", "fingerprints", "healthy_values"]
 

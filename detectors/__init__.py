@@ -1,11 +1,11 @@
-"""Online detectors, step alignment, incidents, the detection service and offline replay.
+"""The detectors: what turns an aligned step of every rank into findings.
 
-Records flow ``StepAligner`` -> :class:`StepFrame` -> detectors -> :class:`Attribution` ->
-:class:`IncidentBook`; :class:`DetectionPipeline` holds all of it, :class:`DetectorService` runs it
-on a stream, :func:`replay` on a file. A detector is one class in one file (:class:`Detector` or,
-split in a cross-rank and a temporal half, :class:`SplitDetector`) with its own ``Config``,
-registered in :mod:`~sdcwatch.detectors.registry`; the split lets the service run scaled out:
-spatial instances send a :class:`StepSummary` per step to one temporal instance.
+A detector is one class in one file (:class:`Detector` or, split in a cross-rank and a temporal
+half, :class:`SplitDetector`) with its own ``Config``, registered with ``@register`` (discovered
+by :mod:`~sdcwatch.detectors.registry`). What they share lives here too: the aligned step
+(:class:`StepFrame`), the peer groups of a parallel job, the cross-rank statistics, and
+:class:`Attribution`, which joins findings into what a person decides on. The streaming service
+that feeds them (alignment, pipeline, incidents, bus, replay) is :mod:`sdcwatch.service`.
 
 Importing this package is cheap: each name is imported on first use (PEP 562).
 """
@@ -16,41 +16,25 @@ import importlib
 from typing import Any
 
 _LAZY = {
-    "StepAligner": "sdcwatch.detectors.aligner",
     "Attribution": "sdcwatch.detectors.attribution",
     "Detector": "sdcwatch.detectors.base",
     "SplitDetector": "sdcwatch.detectors.base",
     "StepContext": "sdcwatch.detectors.base",
     "StepFrame": "sdcwatch.detectors.frame",
-    "IncidentBook": "sdcwatch.detectors.incidents",
-    "incident_from_dict": "sdcwatch.detectors.incidents",
-    "RunLifecycle": "sdcwatch.detectors.lifecycle",
     "NonFiniteDetector": "sdcwatch.detectors.nonfinite",
     "ChecksumDetector": "sdcwatch.detectors.checksum",
     "LearningRateJump": "sdcwatch.detectors.lr_jump",
-    "DetectionPipeline": "sdcwatch.detectors.pipeline",
-    "PipelineSettings": "sdcwatch.detectors.pipeline",
     "RankOutlierDetector": "sdcwatch.detectors.rank_outlier",
     "register": "sdcwatch.detectors.registry",
     "default_detectors": "sdcwatch.detectors.registry",
     "detector_classes": "sdcwatch.detectors.registry",
     "baseline_classes": "sdcwatch.detectors.registry",
-    "format_table": "sdcwatch.detectors.offline",
-    "replay": "sdcwatch.detectors.offline",
-    "replay_main": "sdcwatch.detectors.offline",
     "ReplicaDivergenceDetector": "sdcwatch.detectors.replica",
     "RiverHalfSpaceTrees": "sdcwatch.detectors.baselines.river_hst",
-    "AnomalyTopicSink": "sdcwatch.detectors.bus",
-    "DetectorService": "sdcwatch.detectors.service",
-    "SummaryTopicSink": "sdcwatch.detectors.bus",
     "SeriesSettings": "sdcwatch.detectors.spike",
     "SpikeDetector": "sdcwatch.detectors.spike",
     "MissingRankDetector": "sdcwatch.detectors.straggler",
     "StragglerDetector": "sdcwatch.detectors.straggler",
-    "StepSummary": "sdcwatch.detectors.summary",
-    "SummaryOrder": "sdcwatch.detectors.summary",
-    "decode_summary": "sdcwatch.detectors.summary",
-    "encode_summary": "sdcwatch.detectors.summary",
     "Finding": "sdcwatch.core.incident",
     "Incident": "sdcwatch.core.incident",
     "IncidentEvent": "sdcwatch.core.incident",
@@ -59,8 +43,6 @@ _LAZY = {
     "RunView": "sdcwatch.core.incident",
     "ServiceView": "sdcwatch.core.incident",
     "Severity": "sdcwatch.core.incident",
-    "ANOMALY_TOPIC": "sdcwatch.core.names",
-    "SUMMARY_TOPIC": "sdcwatch.core.names",
 }
 
 __all__ = ["DETECTORS", *sorted(_LAZY)]

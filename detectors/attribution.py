@@ -19,7 +19,7 @@ from typing import Any
 
 from sdcwatch.core.mesh import format_coords
 from sdcwatch.core.kinds import SPIKE_KINDS
-from sdcwatch.core.names import DATA_METRICS
+from sdcwatch.core.vocabulary import DATA_METRICS
 from sdcwatch.core.validate import check_positive
 from sdcwatch.core.incident import Finding, Severity
 from sdcwatch.core.where import index_text, noun_of, where

@@ -26,7 +26,7 @@ class NoSettings:
 
 class StepContext(Protocol):
     """Which step a judgement is about: a :class:`~sdcwatch.detectors.frame.StepFrame` or a
-    :class:`~sdcwatch.detectors.summary.StepSummary` (hosts indexed by rank)."""
+    :class:`~sdcwatch.service.summary.StepSummary` (hosts indexed by rank)."""
 
     run: str
     step: int

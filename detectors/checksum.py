@@ -2,7 +2,7 @@
 
 Every rank reports, per checked product (layer), the largest checksum residual relative to its
 rounding bound (``gemm_fwd``, ``gemm_bwd``, ``gemm_weight``; see
-:mod:`sdcwatch.telemetry.checksum`). The bound is a worst case, so a ratio above 1 is a wrong
+:mod:`sdcwatch.telemetry.probes.checksum_bounds`). The bound is a worst case, so a ratio above 1 is a wrong
 product, not noise: a critical finding at that step naming the rank, the check and the layer. And
 as AEGIS does across data-parallel ranks, a ratio that stands ``outlier_factor`` (10^6) times above
 the 90th percentile of the other ranks' ratios for the same product is a warning, even under the
@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from sdcwatch.core.kinds import IncidentKind
-from sdcwatch.core.names import RATIO_METRICS
+from sdcwatch.core.vocabulary import RATIO_METRICS
 from sdcwatch.core.validate import check_positive
 from sdcwatch.detectors.base import SplitDetector, StepContext
 from sdcwatch.detectors.frame import StepFrame

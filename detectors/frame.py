@@ -14,8 +14,8 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 
 from sdcwatch.core.mesh import DIMS
-from sdcwatch.core.names import CHECK_METRICS, FINGERPRINTS, LAYER_METRICS, SCALARS
-from sdcwatch.core.record import Record
+from sdcwatch.core.vocabulary import CHECK_METRICS, FINGERPRINTS, LAYER_METRICS, SCALARS
+from sdcwatch.core.record_type import Record
 from sdcwatch.detectors.peers import Groups
 from sdcwatch.detectors.piece_stats import piece_stats
 
@@ -230,7 +230,7 @@ def assemble_frame(
 ) -> StepFrame:
     """The frame of one step from records and column blocks ``(columns, row indices)``.
 
-    ``columns`` are :class:`~sdcwatch.detectors.ingest.RecordColumns` (wire v2, decoded in
+    ``columns`` are :class:`~sdcwatch.service.ingest.RecordColumns` (wire v2, decoded in
     batches); ``records`` are :class:`Record` objects (wire v1, JSON). At most one record per rank
     across all of them. The one place a frame's columns are filled: either wire gives the same
     frame (names in the same order, missing values NaN).

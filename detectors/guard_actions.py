@@ -1,6 +1,6 @@
 """The guard's actions, made visible: each step at which a training job's guard acted becomes a finding.
 
-The guard (``sdcwatch.telemetry.guard``) writes what it did at a step into that step's records
+The guard (``sdcwatch.telemetry.guard.guard``) writes what it did at a step into that step's records
 (``guard_action``, ``guard_reason``, ``guard_verdict``, ``guard_rank``: codes, the same on every
 rank, since every rank took the same action). This detector turns each such step into a finding of
 kind ``guard_<action>`` (``guard_skip``, ``guard_rerun``, ``guard_rollback``, ``guard_evict``), so an
@@ -14,14 +14,13 @@ from typing import Any
 
 import numpy as np
 
-from sdcwatch.core.kinds import GUARD_KINDS
 from sdcwatch.detectors.base import SplitDetector, StepContext
 from sdcwatch.detectors.frame import StepFrame
 from sdcwatch.detectors.registry import register
 from sdcwatch.core.incident import Finding, Severity
 from sdcwatch.core.control import ACTIONS, REASONS, VERDICTS
 
-__all__ = ["GuardActionDetector", "GUARD_KINDS"]
+__all__ = ["GuardActionDetector"]
 
 _SEVERE = ("rollback", "evict")
 _REASON_TEXT = {

@@ -8,12 +8,12 @@ value was made; and the ranks whose all-reduced values followed are counted with
 data-parallel group. Within a tensor-parallel group (the same coordinates but for ``tp``) the
 culprit and its peers all hold the all-reduced residual stream, so all of them report a bad value
 at the same layer; the rank that saw it first in its forward pass (the smallest
-``nonfinite_first``, :mod:`sdcwatch.telemetry.forward_order`) is blamed and the others are listed
+``nonfinite_first``, :mod:`sdcwatch.telemetry.probes.forward_order`) is blamed and the others are listed
 as ``tensor_parallel_followers``. Records without that scalar (and ranks tied on it) are placed by
 their first bad layer metric in forward order, as before.
 A rank's own ``nonfinite`` counter (NaN/Inf the
 probes saw in gradients or activations) counts too. A streak of non-finite steps keeps naming the rank(s) it began on while they stay
-bad, and the incident book keeps one incident per onset (:mod:`sdcwatch.detectors.incidents`), so
+bad, and the incident book keeps one incident per onset (:mod:`sdcwatch.service.incidents`), so
 a run that stays NaN for 16,000 steps raises one alert, not 16,000, and a later NaN on other ranks
 (once the first fault's ranks are clean again) raises its own.
 """
@@ -32,7 +32,7 @@ from sdcwatch.detectors.base import SplitDetector, StepContext
 from sdcwatch.detectors.registry import register
 from sdcwatch.detectors.frame import StepFrame
 from sdcwatch.core.incident import Finding, Severity
-from sdcwatch.core.names import CANARY_PRODUCT, FIRST_BAD, RATIO_METRICS
+from sdcwatch.core.vocabulary import CANARY_PRODUCT, FIRST_BAD, RATIO_METRICS
 from sdcwatch.core.mesh import DIMS
 from sdcwatch.core.where import message_at
 from sdcwatch.detectors.act_module import act_layer, act_modules, listed_hit

@@ -29,7 +29,7 @@ from sdcwatch.detectors.frame import StepFrame
 from sdcwatch.core.incident import Finding, Severity
 from sdcwatch.core.errors import ConfigError
 from sdcwatch.core.kinds import IncidentKind
-from sdcwatch.core.names import CHECK_METRICS, RANK_SCALARS
+from sdcwatch.core.vocabulary import CHECK_METRICS, RANK_SCALARS
 from sdcwatch.core.mesh import format_coords
 from sdcwatch.core.where import message_at
 from sdcwatch.detectors.cross_rank_z import CrossRankZ

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from sdcwatch.core.kinds import IncidentKind
-from sdcwatch.core.names import CANARY_PRODUCT
+from sdcwatch.core.vocabulary import CANARY_PRODUCT
 from sdcwatch.core.validate import check_positive
 from sdcwatch.detectors.base import SplitDetector, StepContext
 from sdcwatch.detectors.registry import register

@@ -23,7 +23,7 @@ import torch
 from torch.utils.data import Dataset
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
-from sdcwatch.telemetry.faults import FaultInjector, FaultSpec
+from sdcwatch.testbed import FaultInjector, FaultSpec
 from sdcwatch.telemetry.integrations.hf import SdcwatchCallback
 
 

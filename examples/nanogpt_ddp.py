@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 from sdcwatch.telemetry import Emitter, attach
-from sdcwatch.telemetry.faults import FaultInjector, FaultSpec
+from sdcwatch.testbed import FaultInjector, FaultSpec
 
 VOCAB, BLOCK = 256, 32
 

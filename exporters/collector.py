@@ -37,7 +37,6 @@ __all__ = [
     "MAX_RANKS_PER_INCIDENT",
     "MAX_INCIDENTS_LISTED",
     "DEFAULT_MAX_LAYERS",
-    "DEFAULT_MAX_PIECES",
     "incident_rank_label",
     "incident_coords_label",
 ]

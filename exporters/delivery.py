@@ -25,7 +25,7 @@ from sdcwatch.core.incident import IncidentEvent
 from sdcwatch.core.errors import ConfigError, DeliveryError
 from sdcwatch.core.validate import redact_url
 
-__all__ = ["BackgroundSink", "Backoff", "DeliveryError", "PostFn", "post_json", "encode_json"]
+__all__ = ["BackgroundSink", "Backoff", "PostFn", "post_json", "encode_json"]
 
 log = logging.getLogger(__name__)
 

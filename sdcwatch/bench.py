@@ -188,10 +188,10 @@ def campaign_main(argv: Sequence[str]) -> dict:
     config = replace(config, **changes)
     faults = None
     if args.faults:
-        from sdcwatch.telemetry.faults import load_faults
+        from sdcwatch.testbed.faultspec import load_faults
 
         faults = load_faults(args.faults)
-    from sdcwatch.telemetry.presets import probe_config
+    from sdcwatch.telemetry.probes.presets import probe_config
 
     result = run_campaign(config, faults, detectors=args.detectors, guard=args.guard)
     result["config"]["probe_settings"] = dict(probe_config(config.probes)[1].__dict__)

@@ -20,9 +20,9 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from sdcwatch.core.errors import ConfigError, TransportError
-from sdcwatch.detectors.ingest import IngestDecoder, as_records
-from sdcwatch.telemetry.lifecycle import is_end_marker
-from sdcwatch.core.record import Record
+from sdcwatch.service.ingest import IngestDecoder, as_records
+from sdcwatch.telemetry.wire.end_marker import is_end_marker
+from sdcwatch.core.record_type import Record
 from sdcwatch.core.record_json import to_json
 from sdcwatch.core.layer_names import LayerNames, names_to_json
 

@@ -34,7 +34,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
         "write one run's telemetry from the bus as JSON lines (for replay and report)",
     ),
     "replay": (
-        "sdcwatch.detectors.offline",
+        "sdcwatch.service.offline",
         "replay_main",
         "run the detectors over a captured run (JSON lines) or a CSV training log",
     ),

@@ -85,7 +85,7 @@ def preset_faults(name_or_path: str, *, rank: int, step: int, seed: int) -> tupl
     path = Path(name_or_path)
     if not path.is_file():
         raise ConfigError("fault", f"{name_or_path!r} is neither a preset ({', '.join(PRESETS)}) nor a file")
-    from sdcwatch.telemetry.faults import load_faults
+    from sdcwatch.testbed.faultspec import load_faults
 
     faults = [f.to_dict() for f in load_faults(path)]
     return f"{len(faults)} fault(s) from {path}", faults
@@ -160,7 +160,7 @@ class _CapturingSource:
         return getattr(self._source, name)
 
     def poll(self, timeout: float) -> list:
-        from sdcwatch.detectors.ingest import as_records
+        from sdcwatch.service.ingest import as_records
 
         records = self._source.poll(timeout)
         if records:
@@ -285,16 +285,16 @@ def run_demo(
     from sdcwatch.config import AlertsConfig, BusConfig, GuardPolicyConfig, MetricsConfig, ServeConfig, StateConfig
     from sdcwatch.serve import build_service
     from sdcwatch.telemetry import Emitter, KafkaTransport
-    from sdcwatch.telemetry.faults import FaultSpec
+    from sdcwatch.testbed.faultspec import FaultSpec
     from sdcwatch.testbed.simulated import SimulatedRun
-    from sdcwatch.telemetry.guard_config import GuardConfig, GuardEviction
+    from sdcwatch.telemetry.guard.config import GuardConfig, GuardEviction
 
     # guard: True (the shipped guard settings, acting) or the caller's GuardConfig
     guard_config = guard if isinstance(guard, GuardConfig) else (GuardConfig(mode="act") if guard else None)
     guard = guard_config is not None
     layout = None
     if parallel is not None:
-        from sdcwatch.testbed.parallel3d import parse_layout, place_fault, rank_at, sizes
+        from sdcwatch.testbed.shard_plan import parse_layout, place_fault, rank_at, sizes
 
         layout = parse_layout(parallel)
         if guard:
@@ -366,7 +366,7 @@ def run_demo(
         metrics.start()
         control = None
         if guard:
-            from sdcwatch.telemetry.control import KafkaControl
+            from sdcwatch.telemetry.guard.control_topic import KafkaControl
 
             control = KafkaControl(broker.bootstrap, run_id)
         say(f"  metrics: {metrics.url}  (point Prometheus here; Grafana dashboard in dashboards/)")

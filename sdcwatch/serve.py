@@ -31,8 +31,8 @@ LOCAL_BROKER = "`sdcwatch broker` starts one on 127.0.0.1:9092"
 
 
 def pipeline_settings(cfg: ServeConfig) -> Any:
-    """The :class:`~sdcwatch.detectors.pipeline.PipelineSettings` that ``cfg``'s ``[detectors]`` gives."""
-    from sdcwatch.detectors.pipeline import PipelineSettings
+    """The :class:`~sdcwatch.service.pipeline.PipelineSettings` that ``cfg``'s ``[detectors]`` gives."""
+    from sdcwatch.service.pipeline import PipelineSettings
 
     return PipelineSettings(
         step_timeout=cfg.detectors.align_timeout_s,
@@ -59,11 +59,12 @@ def build_service(
     ``extra_sinks`` are added to them; ``wrap_source`` wraps the Kafka source (the demo records
     what it reads).
     """
-    from sdcwatch.detectors.bus import AnomalyTopicSink, KafkaSource, SummaryTopicSink, decode_summary_message
-    from sdcwatch.detectors.ingest import IngestDecoder, SchemaRegistry
-    from sdcwatch.detectors.pipeline import DetectionPipeline
+    from sdcwatch.service.bus import AnomalyTopicSink, SummaryTopicSink, decode_summary_message
+    from sdcwatch.service.kafka_source import KafkaSource
+    from sdcwatch.service.ingest import IngestDecoder, SchemaRegistry
+    from sdcwatch.service.pipeline import DetectionPipeline
     from sdcwatch.detectors.registry import default_detectors
-    from sdcwatch.detectors.service import STATE_FILE, DetectorService
+    from sdcwatch.service.loop import STATE_FILE, DetectorService
     from sdcwatch.exporters import AlertmanagerSink, LogSink, WebhookSink
     from sdcwatch.exporters.server import MetricsServer
 
@@ -110,7 +111,7 @@ def build_service(
         if cfg.alerts.log:
             chosen.append(LogSink())
         if cfg.guard.actions:  # the loop back to the training jobs' guards
-            from sdcwatch.detectors.control import ControlTopicSink
+            from sdcwatch.service.control_policy import ControlTopicSink
 
             chosen.append(
                 ControlTopicSink.to_kafka(
@@ -142,7 +143,7 @@ def build_service(
 
 def reset_state(state_dir: Path) -> Path | None:
     """Move the state file out of the way (renamed, never deleted); returns where it went."""
-    from sdcwatch.detectors.service import STATE_FILE
+    from sdcwatch.service.loop import STATE_FILE
 
     path = Path(state_dir) / STATE_FILE
     if not path.exists() and not path.is_symlink():

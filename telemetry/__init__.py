@@ -1,8 +1,15 @@
-"""In-rank telemetry: the wire record, the emitter and its transports, torch probes, the guard and
-the fault injector (the reference training run is in :mod:`sdcwatch.testbed`).
+"""In-rank telemetry: what runs inside every training rank, in three sub-packages by concept.
 
-Importing this package is cheap: torch and kafka-python are imported only when a name that
-needs them is first used (``attach``, ``FaultInjector``, ``KafkaTransport``'s first send ...).
+- :mod:`~sdcwatch.telemetry.wire`: the emitter, its transports, the rank's identity, the end-of-run
+  marker (no torch);
+- :mod:`~sdcwatch.telemetry.probes`: the watch (``attach``) and the checks it runs on the model:
+  gradients, attention, activations, matrix checksums, the residual-stream scan, fingerprints;
+- :mod:`~sdcwatch.telemetry.guard`: acting on a detection at the step boundary;
+- :mod:`~sdcwatch.telemetry.integrations`: the Hugging Face and Lightning callbacks.
+
+The fault injector that tests all of it is :mod:`sdcwatch.testbed.faults`. Importing this package
+is cheap: torch and kafka-python are imported only when a name that needs them is first used
+(``attach``, ``KafkaTransport``'s first send ...).
 """
 
 from __future__ import annotations
@@ -10,49 +17,43 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from sdcwatch.telemetry.emitter import Emitter, NullEmitter, identity_from_env
-from sdcwatch.telemetry.lifecycle import RUN_END, end_marker, is_end_marker
-from sdcwatch.core.record import FINGERPRINTS, LAYER_METRICS, SCALARS, Record, decode, encode
+from sdcwatch.telemetry.wire.emitter import Emitter, NullEmitter
+from sdcwatch.telemetry.wire.identity import identity_from_env
+from sdcwatch.core.vocabulary import RUN_END
+from sdcwatch.telemetry.wire.end_marker import end_marker, is_end_marker
+from sdcwatch.core.vocabulary import FINGERPRINTS, LAYER_METRICS, SCALARS
+from sdcwatch.core.record_type import Record
+from sdcwatch.core.record import decode, encode
 from sdcwatch.core.record_json import from_json, to_json
-from sdcwatch.telemetry.transports import (
-    TELEMETRY_TOPIC,
-    FileTransport,
-    KafkaTransport,
-    MemoryBus,
-    MemoryTransport,
-    Transport,
-)
+from sdcwatch.core.vocabulary import TELEMETRY_TOPIC
+from sdcwatch.telemetry.wire.transports import FileTransport, KafkaTransport, MemoryBus, MemoryTransport, Transport
 
 # names whose modules import torch: resolved on first access (PEP 562)
 _LAZY = {
-    "attach": "sdcwatch.telemetry.probes",
-    "Watch": "sdcwatch.telemetry.probes",
-    "coords_from_mesh": "sdcwatch.telemetry.mesh_torch",
-    "observe_attention": "sdcwatch.telemetry.attention",
-    "ProbeConfig": "sdcwatch.telemetry.probe_config",
-    "attention_stats": "sdcwatch.telemetry.attention",
-    "canary_fingerprint": "sdcwatch.telemetry.canary",
-    "FaultSpec": "sdcwatch.telemetry.faultspec",
-    "FaultInjector": "sdcwatch.telemetry.faults",
-    "load_faults": "sdcwatch.telemetry.faultspec",
-    "parse_faults": "sdcwatch.telemetry.faultspec",
+    "attach": "sdcwatch.telemetry.probes.watch",
+    "Watch": "sdcwatch.telemetry.probes.watch",
+    "coords_from_mesh": "sdcwatch.telemetry.probes.mesh_torch",
+    "observe_attention": "sdcwatch.telemetry.probes.attention",
+    "ProbeConfig": "sdcwatch.telemetry.probes.config",
+    "attention_stats": "sdcwatch.telemetry.probes.attention",
+    "canary_fingerprint": "sdcwatch.telemetry.probes.canary",
     # the guard and its control decisions import no torch, but stay off the emitter's import path
-    "Guard": "sdcwatch.telemetry.guard",
-    "GuardConfig": "sdcwatch.telemetry.guard_config",
-    "GuardEviction": "sdcwatch.telemetry.guard_config",
-    "GuardOutcome": "sdcwatch.telemetry.guard_config",
-    "EXIT_CODE_EVICT": "sdcwatch.telemetry.guard_config",
-    "Decision": "sdcwatch.telemetry.control",
-    "KafkaControl": "sdcwatch.telemetry.control",
-    "MemoryControl": "sdcwatch.telemetry.control",
-    "GemmChecks": "sdcwatch.telemetry.gemm_checks",
-    "check_linear": "sdcwatch.telemetry.checksum",
-    "check_matmul": "sdcwatch.telemetry.checksum",
-    "check_weight_grad": "sdcwatch.telemetry.checksum",
-    "observe_gemm": "sdcwatch.telemetry.gemm_checks",
-    "ResidualStream": "sdcwatch.telemetry.extremes",
-    "PROBE_PRESETS": "sdcwatch.telemetry.presets",
-    "probe_config": "sdcwatch.telemetry.presets",
+    "Guard": "sdcwatch.telemetry.guard.guard",
+    "GuardConfig": "sdcwatch.telemetry.guard.config",
+    "GuardEviction": "sdcwatch.telemetry.guard.config",
+    "GuardOutcome": "sdcwatch.telemetry.guard.config",
+    "EXIT_CODE_EVICT": "sdcwatch.telemetry.guard.config",
+    "Decision": "sdcwatch.core.control",
+    "KafkaControl": "sdcwatch.telemetry.guard.control_topic",
+    "MemoryControl": "sdcwatch.telemetry.guard.control_topic",
+    "GemmChecks": "sdcwatch.telemetry.probes.gemm_checks",
+    "check_linear": "sdcwatch.telemetry.probes.checksum_bounds",
+    "check_matmul": "sdcwatch.telemetry.probes.checksum_bounds",
+    "check_weight_grad": "sdcwatch.telemetry.probes.checksum_bounds",
+    "observe_gemm": "sdcwatch.telemetry.probes.gemm_checks",
+    "ResidualStream": "sdcwatch.telemetry.probes.extremes",
+    "PROBE_PRESETS": "sdcwatch.telemetry.probes.presets",
+    "probe_config": "sdcwatch.telemetry.probes.presets",
 }
 
 __all__ = [

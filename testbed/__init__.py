@@ -1,39 +1,48 @@
 """The test bed: what the tests, the demo and the benchmarks train and inject faults into.
 
-Not part of what runs in a rank. The reference training run, a small byte-level GPT on a corpus
-built from the stdlib, and the example users copy:
+Not part of what runs in a rank's normal training. The reference training run, a small byte-level
+GPT on a corpus built from the stdlib, the fault injector, and the example users copy:
 
 * :mod:`.model` - the GPT, attention written out so probes and faults reach q, k and the logits;
 * :mod:`.corpus` - the standard library's ``.py`` files as bytes, batches a function of
   ``(seed, step, rank)``;
+* :mod:`.faultspec` / :mod:`.faults` - what a fault is, and the injector that applies faults to a
+  model (in any training loop: to test your alerting);
 * :mod:`.simulated` - W virtual data-parallel ranks in one process (fast: demos, benchmarks);
 * :mod:`.ddp` - real ``torch.distributed`` DDP over gloo (integration test, user example);
 * :mod:`.campaign` - the fault-injection campaign that scores sdcwatch and the baselines.
 
-Importing this package imports torch.
+Importing this package is cheap; each name imports its module (and torch) on first use (PEP 562).
 """
 
-from sdcwatch.testbed.corpus import Corpus, stdlib_sources
-from sdcwatch.testbed.model import GPT, GPTConfig, next_byte_loss
-from sdcwatch.testbed.simulated import SimulatedRun, shared_corpus
+from __future__ import annotations
 
-__all__ = [
-    "GPT",
-    "GPTConfig",
-    "next_byte_loss",
-    "Corpus",
-    "stdlib_sources",
-    "shared_corpus",
-    "SimulatedRun",
-    "DDPSettings",
-    "launch",
-]
+import importlib
+from typing import Any
+
+_LAZY = {
+    "GPT": "sdcwatch.testbed.model",
+    "GPTConfig": "sdcwatch.testbed.model",
+    "next_byte_loss": "sdcwatch.testbed.model",
+    "Corpus": "sdcwatch.testbed.corpus",
+    "stdlib_sources": "sdcwatch.testbed.corpus",
+    "shared_corpus": "sdcwatch.testbed.simulated",
+    "SimulatedRun": "sdcwatch.testbed.simulated",
+    "DDPSettings": "sdcwatch.testbed.ddp",
+    "launch": "sdcwatch.testbed.ddp",
+    "FaultSpec": "sdcwatch.testbed.faultspec",
+    "load_faults": "sdcwatch.testbed.faultspec",
+    "parse_faults": "sdcwatch.testbed.faultspec",
+    "FaultInjector": "sdcwatch.testbed.faults",
+}
+
+__all__ = sorted(_LAZY)
 
 
-def __getattr__(name: str):
-    # the DDP driver pulls in torch.distributed: only when asked for
-    if name in ("DDPSettings", "launch"):
-        from sdcwatch.testbed import ddp
-
-        return getattr(ddp, name)
-    raise AttributeError(f"module 'sdcwatch.testbed' has no attribute {name!r}")
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'sdcwatch.testbed' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

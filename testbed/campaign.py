@@ -144,7 +144,7 @@ class CampaignConfig:
     classes: tuple[str, ...] = FAULT_CLASSES
     """Fault classes the generator draws from, round-robin."""
     probes: str = "default"
-    """Probe configuration of every simulated rank: a preset of :mod:`sdcwatch.telemetry.presets`
+    """Probe configuration of every simulated rank: a preset of :mod:`sdcwatch.telemetry.probes.presets`
     (``default``: what ``attach()`` gives a user; ``every-step``) or a JSON/TOML file of settings.
     The overhead benchmark takes the same names: detection and cost of one configuration."""
     wire: str | None = None
@@ -157,7 +157,7 @@ class CampaignConfig:
 
     def __post_init__(self) -> None:
         if self.parallel is not None:
-            from sdcwatch.testbed.parallel3d import parse_layout
+            from sdcwatch.testbed.shard_plan import parse_layout
 
             layout = parse_layout(self.parallel)
             object.__setattr__(self, "parallel", str(layout))
@@ -179,7 +179,7 @@ class CampaignConfig:
                 "campaign.fault_offset",
                 f"must be 0 <= lo <= hi < branch_steps ({self.branch_steps}), got {self.fault_offset!r}",
             )
-        from sdcwatch.telemetry.presets import probe_config
+        from sdcwatch.telemetry.probes.presets import probe_config
 
         probe_config(self.probes)  # a ConfigError naming an unknown preset or a bad file
         if self.wire not in (None, "v1", "v2"):
@@ -313,7 +313,7 @@ def _generate_spec(cls: str, rng: random.Random, rank: int, layer: int, step: in
 
 def generate_trials(config: CampaignConfig, n_layer: int | None = None) -> list[Trial]:
     """``config.trials`` seeded trials, the classes taken round-robin so a short campaign covers many."""
-    from sdcwatch.telemetry.faults import FaultSpec
+    from sdcwatch.testbed.faultspec import FaultSpec
 
     if n_layer is None:
         from sdcwatch.testbed.model import GPTConfig
@@ -322,7 +322,7 @@ def generate_trials(config: CampaignConfig, n_layer: int | None = None) -> list[
     rng = random.Random(f"sdcwatch-campaign:{config.seed}")
     place = None
     if config.parallel is not None:
-        from sdcwatch.testbed.parallel3d import place_fault
+        from sdcwatch.testbed.shard_plan import place_fault
 
         place = lambda spec: place_fault(spec, config.parallel, n_layer)  # noqa: E731
     out = []
@@ -367,7 +367,7 @@ class RecordCollector:
         self.coords = dict(coords or {})
 
     def emit(self, step: int, *, layers=None, fingerprints=None, time: float | None = None, **scalars: float) -> None:
-        from sdcwatch.core.record import Record
+        from sdcwatch.core.record_type import Record
 
         self.sink.append(
             Record(
@@ -409,7 +409,7 @@ def frames_of(records: list, world: int, wire: str | None = None) -> list:
     from sdcwatch.detectors.frame import StepFrame
 
     if wire is not None:
-        from sdcwatch.detectors.ingest import frames_over_wire
+        from sdcwatch.service.ingest import frames_over_wire
 
         return frames_over_wire(records, wire)
 
@@ -437,7 +437,7 @@ def new_run(
     """A simulated run of the campaign's shape and probes whose ranks append their records to ``records``
     (``fault_bounds``: its injections carry the bound of the checksum covering their tensor,
     :mod:`sdcwatch.testbed.fault_bounds`; under a layout, of the rank's own share of it)."""
-    from sdcwatch.telemetry.presets import probe_config
+    from sdcwatch.telemetry.probes.presets import probe_config
     from sdcwatch.testbed.simulated import SimulatedRun
 
     def factory(rank: int, host: str = "", coords: dict[str, int] | None = None) -> RecordCollector:
@@ -574,12 +574,12 @@ class _SdcwatchRunner:
     name = "sdcwatch"
 
     def __init__(self) -> None:
-        from sdcwatch.detectors.pipeline import DetectionPipeline
+        from sdcwatch.service.pipeline import DetectionPipeline
 
         self.pipeline = DetectionPipeline()
 
     def fork(self) -> "_SdcwatchRunner":
-        from sdcwatch.detectors.pipeline import DetectionPipeline
+        from sdcwatch.service.pipeline import DetectionPipeline
 
         other = object.__new__(_SdcwatchRunner)
         other.pipeline = DetectionPipeline(self.pipeline.settings)
@@ -828,7 +828,7 @@ def run_campaign(
 
 
 def _report_guard() -> Any:
-    from sdcwatch.telemetry.guard_config import GuardConfig
+    from sdcwatch.telemetry.guard.config import GuardConfig
 
     return GuardConfig()
 

@@ -1,7 +1,7 @@
-"""The per-product canary (:mod:`sdcwatch.telemetry.gemm_canary`) of the simulated 3D ranks.
+"""The per-product canary (:mod:`sdcwatch.telemetry.probes.gemm_canary`) of the simulated 3D ranks.
 
 Each pipeline stage has the canary the probes of that stage's model piece would build
-(:func:`stage_canaries`: a :class:`~sdcwatch.telemetry.gemm_canary.GemmCanary` over the stage's
+(:func:`stage_canaries`: a :class:`~sdcwatch.telemetry.probes.gemm_canary.GemmCanary` over the stage's
 modules): at step ``s`` each rank checks the stage's linear layer :meth:`GemmCanary.product_at`
 names (the stage's ``nn.Linear`` layers in registration order, in rotation) on the layer's known
 input, reports the fingerprint of *its share* of the product (the rows of a column-parallel weight
@@ -22,10 +22,10 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from sdcwatch.telemetry import fingerprint as fp
-from sdcwatch.telemetry.canary import canary_section
-from sdcwatch.telemetry.gemm_canary import GemmCanary, known_input
-from sdcwatch.telemetry.probes import canary_product
+from sdcwatch.telemetry.probes import fingerprint as fp
+from sdcwatch.telemetry.probes.canary import canary_section
+from sdcwatch.telemetry.probes.gemm_canary import GemmCanary, known_input
+from sdcwatch.telemetry.probes.watch import canary_product
 
 __all__ = ["stage_canaries", "shard_canaries", "checked_products"]
 
@@ -37,7 +37,7 @@ def stage_canaries(plan: Any, config: Any) -> list[GemmCanary | None]:
 
 def checked_products(run: Any, step: int) -> list[dict[str, float]]:
     """Per stage, ``{gemm_canary_product: index}`` of the product its canary checks at ``step``
-    (:func:`~sdcwatch.telemetry.probes.canary_product`), sent beside that step's ``gemm_canary_fp``."""
+    (:func:`~sdcwatch.telemetry.probes.watch.canary_product`), sent beside that step's ``gemm_canary_fp``."""
     return [{} if c is None else canary_product(c, step) for c in run.stage_canaries]
 
 

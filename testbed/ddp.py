@@ -21,9 +21,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Sequence
 
-from sdcwatch.core.names import CONTROL_TOPIC, TELEMETRY_TOPIC
+from sdcwatch.core.vocabulary import CONTROL_TOPIC, TELEMETRY_TOPIC
 from sdcwatch.core.errors import ConfigError
-from sdcwatch.telemetry.faults import FaultSpec, load_faults
+from sdcwatch.testbed.faultspec import FaultSpec, load_faults
 
 __all__ = ["DDPSettings", "launch", "train_rank", "main", "add_run_arguments", "run_settings", "json_setting"]
 
@@ -59,9 +59,9 @@ class DDPSettings:
     loss scalers do; otherwise one NaN poisons every replica at the next step. Every rank holds the
     same all-reduced gradient, so every rank makes the same choice without talking to the others."""
     probes: dict[str, Any] = field(default_factory=dict)
-    """ProbeConfig settings for :func:`sdcwatch.telemetry.probes.attach`."""
+    """ProbeConfig settings for :func:`sdcwatch.telemetry.probes.watch.attach`."""
     guard: dict[str, Any] | None = None
-    """:class:`~sdcwatch.telemetry.guard.GuardConfig` settings (``{"mode": "act"}``); None: no guard.
+    """:class:`~sdcwatch.telemetry.guard.guard.GuardConfig` settings (``{"mode": "act"}``); None: no guard.
     With a guard, rank 0 also reads the control topic of the run when ``bootstrap`` is set."""
     control_topic: str = CONTROL_TOPIC
     """Topic rank 0's guard reads decisions from."""
@@ -87,14 +87,14 @@ class DDPSettings:
             if f.rank is not None and f.rank >= self.world:
                 raise ConfigError("ddp.faults", f"fault on rank {f.rank} but world is {self.world}")
         if self.guard is not None:
-            from sdcwatch.telemetry.guard_config import GuardConfig
+            from sdcwatch.telemetry.guard.config import GuardConfig
 
             GuardConfig.from_dict(self.guard)  # fail here, not in every spawned rank
 
 
 def rank_emitter(settings: DDPSettings, rank: int) -> Any:
-    from sdcwatch.telemetry.emitter import Emitter
-    from sdcwatch.telemetry.transports import FileTransport, KafkaTransport
+    from sdcwatch.telemetry.wire.emitter import Emitter
+    from sdcwatch.telemetry.wire.transports import FileTransport, KafkaTransport
 
     if settings.bootstrap:
         transport = KafkaTransport(settings.bootstrap, settings.topic)
@@ -110,8 +110,8 @@ def train_rank(rank: int, settings: DDPSettings) -> None:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from sdcwatch.telemetry.faults import FaultInjector
-    from sdcwatch.telemetry.probes import attach
+    from sdcwatch.testbed.faults import FaultInjector
+    from sdcwatch.telemetry.probes.watch import attach
     from sdcwatch.testbed.model import GPT, next_byte_loss
     from sdcwatch.testbed.simulated import shared_corpus
 
@@ -204,9 +204,9 @@ def _guard(
     """
     import torch
 
-    from sdcwatch.telemetry.control import KafkaControl
-    from sdcwatch.telemetry.guard import Guard
-    from sdcwatch.telemetry.guard_config import GuardConfig
+    from sdcwatch.telemetry.guard.control_topic import KafkaControl
+    from sdcwatch.telemetry.guard.guard import Guard
+    from sdcwatch.telemetry.guard.config import GuardConfig
     from sdcwatch.testbed.model import next_byte_loss
 
     def peer(suspect: int, on: int) -> Any:

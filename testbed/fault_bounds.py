@@ -3,17 +3,17 @@ one-element fault the rounding bound of the check that covers the tensor it hit.
 
 A fault is *detectable* when its change exceeds that bound: a property of the fault alone, not of
 the probes' sampling. :class:`BoundedInjector` computes the bound at injection time, from the
-tensors its hooks see, with the bound functions of :mod:`sdcwatch.telemetry.checksum` (the ones
+tensors its hooks see, with the bound functions of :mod:`sdcwatch.telemetry.probes.checksum_bounds` (the ones
 the checks hold their residuals to), on every step a fault fires, checked by the probes or not:
 
-* a linear layer's output (``nn.Linear``): :func:`~sdcwatch.telemetry.checksum.linear_bound` of
+* a linear layer's output (``nn.Linear``): :func:`~sdcwatch.telemetry.probes.checksum_bounds.linear_bound` of
   the call's input, weight and bias (the forward checksum, ``gemm_fwd``);
 * a product module's output (``_sdcwatch_gemm``, ``forward(a, b) = a @ b``):
-  :func:`~sdcwatch.telemetry.checksum.matmul_bound` of ``a`` and ``b``;
-* a linear layer's weight or bias gradient: :func:`~sdcwatch.telemetry.checksum.weight_grad_bound`
-  or :func:`~sdcwatch.telemetry.checksum.bias_grad_bound` of the layer's input and output gradient
+  :func:`~sdcwatch.telemetry.probes.checksum_bounds.matmul_bound` of ``a`` and ``b``;
+* a linear layer's weight or bias gradient: :func:`~sdcwatch.telemetry.probes.checksum_bounds.weight_grad_bound`
+  or :func:`~sdcwatch.telemetry.probes.checksum_bounds.bias_grad_bound` of the layer's input and output gradient
   in that backward (``gemm_bwd``; the injector keeps them for the fault's rank and step only);
-* a linear layer's weight or bias in memory: :func:`~sdcwatch.telemetry.checksum.memory_bound` of
+* a linear layer's weight or bias in memory: :func:`~sdcwatch.telemetry.probes.checksum_bounds.memory_bound` of
   the tensor as it was before the fault (``gemm_weight``).
 
 Any other tensor (a block's or a layer norm's output, the attention logits, an embedding, the
@@ -27,7 +27,7 @@ bound is that of the check of the rank's share, from the same tensors restricted
 injector says which share its rank holds of a module (:meth:`BoundedInjector._share`, all of it
 here; the simulated 3D ranks' injector, :class:`~sdcwatch.testbed.shard_injector.BoundedShardInjector`,
 asks the layout). The cost stays here: the training path's injector
-(:class:`~sdcwatch.telemetry.faults.FaultInjector`) computes nothing of this, and the time spent
+(:class:`~sdcwatch.testbed.faults.FaultInjector`) computes nothing of this, and the time spent
 counts as the fault's (``cpu_seconds``), not the rank's.
 """
 
@@ -41,9 +41,16 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from sdcwatch.telemetry.checksum import bias_grad_bound, linear_bound, matmul_bound, memory_bound, weight_grad_bound
-from sdcwatch.telemetry.faults import FaultInjector, FaultSpec, Injection
-from sdcwatch.telemetry.faultspec import ELEMENT_KINDS
+from sdcwatch.telemetry.probes.checksum_bounds import (
+    bias_grad_bound,
+    linear_bound,
+    matmul_bound,
+    memory_bound,
+    weight_grad_bound,
+)
+from sdcwatch.testbed.faults import FaultInjector, Injection
+from sdcwatch.testbed.faultspec import FaultSpec
+from sdcwatch.testbed.faultspec import ELEMENT_KINDS
 
 __all__ = ["BoundedInjector", "CoveredInjection", "Share", "WHOLE"]
 
@@ -103,7 +110,7 @@ WHOLE = Share()
 
 @dataclass
 class CoveredInjection(Injection):
-    """An :class:`~sdcwatch.telemetry.faults.Injection` with the check that covers its tensor."""
+    """An :class:`~sdcwatch.testbed.faults.Injection` with the check that covers its tensor."""
 
     check: str | None = None
     """``gemm_fwd``, ``gemm_bwd`` or ``gemm_weight``; None when no checksum covers the tensor."""
@@ -116,7 +123,7 @@ def _covered(inj: Injection, check: str | None, bound: float | None) -> CoveredI
 
 
 class BoundedInjector(FaultInjector):
-    """A :class:`~sdcwatch.telemetry.faults.FaultInjector` whose one-element injections are
+    """A :class:`~sdcwatch.testbed.faults.FaultInjector` whose one-element injections are
     :class:`CoveredInjection` s (module docstring). Same faults, same elements, same values."""
 
     def __init__(self, faults: Any = (), *, rank: int = 0) -> None:

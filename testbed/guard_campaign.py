@@ -4,7 +4,7 @@
 twin (guarded too: any action on it is a false action), the faulted run (unguarded, as in the
 detection campaign) and the faulted run with the guard. The guarded branches close the loop in
 process: each completed step's frame goes through a forked, warmed-up copy of the default
-detection pipeline, the incidents through :class:`~sdcwatch.detectors.control.ControlPolicy` (every
+detection pipeline, the incidents through :class:`~sdcwatch.service.control_policy.ControlPolicy` (every
 action on), the decisions into the guard's control reader, and the ranks act on them at the next
 step boundary. An eviction is followed by what a launcher does: the evicted rank gets healthy
 hardware, the job restarts from the last snapshot before the incident and goes on.
@@ -69,7 +69,7 @@ _VERDICTS = ("transient", "persistent", "data", "reproducible")
 
 def campaign_guard_config() -> Any:
     """The guard the campaign measures: the default settings with actions on."""
-    from sdcwatch.telemetry.guard_config import GuardConfig
+    from sdcwatch.telemetry.guard.config import GuardConfig
 
     return GuardConfig(mode="act")
 
@@ -104,10 +104,10 @@ def run_guarded_branch(
     same detection state). At most ``max_factor * branch_steps`` steps are run.
     """
     from sdcwatch.testbed.campaign import RecordCollector, flat_params
-    from sdcwatch.detectors.control import ControlPolicy, ControlTopicSink
+    from sdcwatch.service.control_policy import ControlPolicy, ControlTopicSink
     from sdcwatch.detectors.frame import StepFrame
-    from sdcwatch.telemetry.control import MemoryControl
-    from sdcwatch.telemetry.guard_config import GuardEviction
+    from sdcwatch.telemetry.guard.control_topic import MemoryControl
+    from sdcwatch.telemetry.guard.config import GuardEviction
     from sdcwatch.testbed.simulated import SimulatedRun
 
     t0 = time.perf_counter()

@@ -10,7 +10,7 @@ With ``GPTConfig(fused_qkv=False)`` (the tensor-parallel drivers' model) ``block
 ``.wk`` and ``.wv`` stand in place of ``blocks.{i}.attn.qkv``.
 
 Each attention layer hands its q, k and pre-softmax logits to
-:func:`sdcwatch.telemetry.probes.observe_attention`, which costs one dictionary look-up when no
+:func:`sdcwatch.telemetry.probes.watch.observe_attention`, which costs one dictionary look-up when no
 probe is attached.
 """
 
@@ -105,7 +105,7 @@ class CausalSelfAttention(nn.Module):
         self.register_buffer("mask", mask, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from sdcwatch.telemetry.probes import observe_attention
+        from sdcwatch.telemetry.probes.attention import observe_attention
 
         b, t, _ = x.shape
         if self.fused_qkv:

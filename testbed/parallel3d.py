@@ -27,7 +27,7 @@ what a telemetry stream of such a job looks like, so detection quality can be me
   (:mod:`~sdcwatch.testbed.canary3d`); the gradient norms, cosine and fingerprints of the
   rank's shard of the parameters (they differ across tensor shards and stages and agree across
   data-parallel replicas); ``step_time`` the replica's compute time weighted by the stage's share
-  of the work; ``nonfinite_first`` (:mod:`sdcwatch.telemetry.forward_order`), on a step where one
+  of the work; ``nonfinite_first`` (:mod:`sdcwatch.telemetry.probes.forward_order`), on a step where one
   of the rank's every-step observations (its share of each product, its heads' logits, each
   block's output, in forward order) is NaN, Inf or near-INF, the position of the first. Every
   record carries its coordinates.
@@ -65,40 +65,25 @@ from torch import nn
 
 from sdcwatch.core.errors import ConfigError
 from sdcwatch.core.mesh import Layout
-from sdcwatch.telemetry import fingerprint as fp
-from sdcwatch.telemetry.emitter import NullEmitter
-from sdcwatch.telemetry.faults import FaultSpec, Injection
-from sdcwatch.telemetry.faultspec import TENSOR_KINDS
-from sdcwatch.telemetry.forward_order import FIRST_BAD
-from sdcwatch.telemetry.probes import ProbeConfig
+from sdcwatch.telemetry.probes import fingerprint as fp
+from sdcwatch.telemetry.wire.emitter import NullEmitter
+from sdcwatch.testbed.faultspec import FaultSpec
+from sdcwatch.testbed.faults import Injection
+from sdcwatch.testbed.faultspec import TENSOR_KINDS
+from sdcwatch.core.vocabulary import FIRST_BAD
+from sdcwatch.telemetry.probes.config import ProbeConfig
 from sdcwatch.testbed.canary3d import checked_products, shard_canaries, stage_canaries
 from sdcwatch.testbed.simulated import SimulatedRun
 from sdcwatch.testbed.shard_injector import BoundedShardInjector, ShardInjector
 from sdcwatch.testbed.shard_plan import (
-    SIMULATED_DIMS,
     ShardPlan,
     parse_layout,
-    place_fault,
-    place_of,
     rank_at,
     sizes,
-    stage_blocks,
 )
 from sdcwatch.testbed.shard_probe import ShardProbe, first_bad
 
-__all__ = [
-    "SIMULATED_DIMS",
-    "parse_layout",
-    "sizes",
-    "rank_at",
-    "place_of",
-    "stage_blocks",
-    "place_fault",
-    "ShardPlan",
-    "ShardInjector",
-    "ShardProbe",
-    "ParallelSimulatedRun",
-]
+__all__ = ["ParallelSimulatedRun"]
 
 
 class ParallelSimulatedRun(SimulatedRun):

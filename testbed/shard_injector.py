@@ -10,7 +10,8 @@ from typing import Any, Iterable
 
 import torch
 
-from sdcwatch.telemetry.faults import FaultInjector, FaultSpec
+from sdcwatch.testbed.faults import FaultInjector
+from sdcwatch.testbed.faultspec import FaultSpec
 from sdcwatch.testbed.fault_bounds import BoundedInjector, Share
 from sdcwatch.testbed.shard_plan import ShardPlan
 

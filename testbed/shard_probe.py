@@ -12,10 +12,10 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from sdcwatch.telemetry.canary import canary_running
-from sdcwatch.telemetry.checksum import abs_max, check_linear, check_matmul
-from sdcwatch.telemetry.extremes import peak
-from sdcwatch.telemetry.forward_order import NEAR_INF
+from sdcwatch.telemetry.probes.canary import canary_running
+from sdcwatch.telemetry.probes.checksum_bounds import abs_max, check_linear, check_matmul
+from sdcwatch.telemetry.probes.extremes import peak
+from sdcwatch.telemetry.probes.forward_order import NEAR_INF
 from sdcwatch.testbed.shard_injector import ShardInjector
 from sdcwatch.testbed.shard_plan import BLOCK as _BLOCK
 from sdcwatch.testbed.shard_plan import ShardPlan
@@ -33,7 +33,7 @@ def _tensor_of(output: Any) -> torch.Tensor | None:
 
 def first_bad(order: Sequence[tuple[int, torch.Tensor]]) -> int | None:
     """The smallest forward ordinal whose value is NaN, Inf or near-INF (None when none is): what a
-    rank's probes send as ``nonfinite_first`` (:mod:`sdcwatch.telemetry.forward_order`)."""
+    rank's probes send as ``nonfinite_first`` (:mod:`sdcwatch.telemetry.probes.forward_order`)."""
     bad = [n for n, v in order if not abs(float(v)) < NEAR_INF]
     return min(bad) if bad else None
 
@@ -43,7 +43,7 @@ class ShardProbe:
 
     Hooks every module of the model. Before the injectors' hooks a module's clean output is kept;
     after them the probe knows whether a fault changed it and whose fault it was (the injectors'
-    :class:`~sdcwatch.telemetry.faults.Injection` log), and gives each piece its own view: its
+    :class:`~sdcwatch.testbed.faults.Injection` log), and gives each piece its own view: its
     share of a sharded output; for a replicated output, the corrupted copy only to the rank whose
     fault it was; for a row-parallel product, its partial sum for the checksum.
     """

@@ -23,13 +23,16 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 
 from sdcwatch.core.errors import ConfigError
-from sdcwatch.telemetry import fingerprint as fp
-from sdcwatch.telemetry.emitter import NullEmitter
-from sdcwatch.telemetry.faults import FaultInjector, FaultSpec
-from sdcwatch.telemetry.guard import Guard
-from sdcwatch.telemetry.gemm_canary import GemmCanary
-from sdcwatch.telemetry.guard_config import GuardConfig, GuardEviction
-from sdcwatch.telemetry.probes import ProbeConfig, Watch, canary_fingerprint, canary_product
+from sdcwatch.telemetry.probes import fingerprint as fp
+from sdcwatch.telemetry.wire.emitter import NullEmitter
+from sdcwatch.testbed.faults import FaultInjector
+from sdcwatch.testbed.faultspec import FaultSpec
+from sdcwatch.telemetry.guard.guard import Guard
+from sdcwatch.telemetry.probes.gemm_canary import GemmCanary
+from sdcwatch.telemetry.guard.config import GuardConfig, GuardEviction
+from sdcwatch.telemetry.probes.config import ProbeConfig
+from sdcwatch.telemetry.probes.watch import Watch, canary_product
+from sdcwatch.telemetry.probes.canary import canary_fingerprint
 from sdcwatch.testbed.corpus import Corpus
 from sdcwatch.testbed.fault_bounds import BoundedInjector
 from sdcwatch.testbed.model import GPT, GPTConfig
@@ -386,7 +389,7 @@ class SimulatedRun:
         return self._each_replica(lambda: canary_fingerprint(self.model, self._canary))
 
     def _gemm_canary_fingerprints(self, step: int) -> list[torch.Tensor] | None:
-        """Each rank's per-product canary (:mod:`~sdcwatch.telemetry.gemm_canary`), its faults active."""
+        """Each rank's per-product canary (:mod:`~sdcwatch.telemetry.probes.gemm_canary`), its faults active."""
         canary = self._gemm_canary
         if canary is None or step % canary.stride:
             return None

@@ -9,7 +9,15 @@ import pkgutil
 import pytest
 
 #: The packages, each from its own folder (the wheel maps telemetry/, detectors/, exporters/ in).
-PACKAGES = ("sdcwatch", "sdcwatch.telemetry", "sdcwatch.detectors", "sdcwatch.exporters", "sdcwatch.testbed")
+PACKAGES = (
+    "sdcwatch",
+    "sdcwatch.core",
+    "sdcwatch.telemetry",
+    "sdcwatch.detectors",
+    "sdcwatch.service",
+    "sdcwatch.exporters",
+    "sdcwatch.testbed",
+)
 
 
 def _modules() -> list[str]:

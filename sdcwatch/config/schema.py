@@ -18,9 +18,9 @@ from typing import Any, ClassVar
 
 from sdcwatch.core.errors import ConfigError
 from sdcwatch.core.kafka import TEXT_SECURITY_KEYS
-from sdcwatch.core.names import ANOMALY_TOPIC, CONTROL_TOPIC, DEADLETTER_TOPIC, SUMMARY_TOPIC, TELEMETRY_TOPIC
+from sdcwatch.core.vocabulary import ANOMALY_TOPIC, CONTROL_TOPIC, DEADLETTER_TOPIC, SUMMARY_TOPIC, TELEMETRY_TOPIC
 from sdcwatch.core.validate import check_type, did_you_mean, is_host, topic_problem, url_problem
-from sdcwatch.detectors.control import ControlPolicy
+from sdcwatch.service.control_policy import ControlPolicy
 from sdcwatch.detectors.registry import default_classes
 from sdcwatch.core.limits import RecordLimits
 
@@ -335,7 +335,7 @@ class LimitsConfig(_Section):
 class GuardPolicyConfig(ControlPolicy, _Section):
     """[guard]: which decision each incident kind sends to the training job's guard (control topic).
 
-    The settings are :class:`~sdcwatch.detectors.control.ControlPolicy`'s (one definition, its
+    The settings are :class:`~sdcwatch.service.control_policy.ControlPolicy`'s (one definition, its
     docs); this section adds the TOML table, ``SDCWATCH_GUARD_*`` variables and ``--guard-*``
     flags. The guard's own settings (snapshots, retries, spike rule) live in the training job:
     sdcwatch.telemetry.GuardConfig.
@@ -348,7 +348,7 @@ class GuardPolicyConfig(ControlPolicy, _Section):
         ControlPolicy.__post_init__(self)  # the values; errors name guard.<key>
 
     def policy(self) -> ControlPolicy:
-        """The :class:`~sdcwatch.detectors.control.ControlPolicy` these settings describe."""
+        """The :class:`~sdcwatch.service.control_policy.ControlPolicy` these settings describe."""
         return ControlPolicy(**{f.name: getattr(self, f.name) for f in fields(ControlPolicy)})
 
 

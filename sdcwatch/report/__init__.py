@@ -25,7 +25,8 @@ from typing import Any, Sequence
 
 from sdcwatch.core.errors import SdcwatchError
 from sdcwatch.report.data import RunData, incident_from_dict, load_incidents, load_records
-from sdcwatch.report.deviation import DEVIATION_METRICS, Deviation, rank_deviation, robust_z
+from sdcwatch.core.vocabulary import DEVIATION_METRICS
+from sdcwatch.report.deviation import Deviation, rank_deviation, robust_z
 from sdcwatch.report.page import render_report, write_report
 
 __all__ = [
@@ -87,7 +88,7 @@ def report_main(argv: Sequence[str] | None = None) -> int:
     try:
         injected: Any = args.injected
         if injected and Path(injected).suffix in (".json", ".jsonl") and Path(injected).is_file():
-            from sdcwatch.telemetry.faults import load_faults
+            from sdcwatch.testbed.faultspec import load_faults
 
             injected = [f.to_dict() for f in load_faults(injected)]
         out = write_report(args.records, args.incidents, args.output, title=args.title, injected=injected, run=args.run)

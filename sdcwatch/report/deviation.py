@@ -14,7 +14,7 @@ from typing import Iterator, NamedTuple
 
 import numpy as np
 
-from sdcwatch.core.names import DEVIATION_METRICS
+from sdcwatch.core.vocabulary import DEVIATION_METRICS
 from sdcwatch.report.data import RunData
 
 MIN_RANKS = 3  # a median and a MAD over fewer ranks say nothing about which one is odd

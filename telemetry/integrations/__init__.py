@@ -36,17 +36,17 @@ class CallbackCore:
 
     ``emitter``: where records go (default: an :class:`~sdcwatch.telemetry.Emitter` from the
     environment, with the framework's rank and world size, closed at the end of training).
-    ``injector``: a :class:`~sdcwatch.telemetry.faults.FaultInjector` to test your alerting
+    ``injector``: a :class:`~sdcwatch.testbed.faults.FaultInjector` to test your alerting
     (attached to the model and stepped with the run; its rank is set to the framework's).
-    ``settings``: :class:`~sdcwatch.telemetry.probes.ProbeConfig` fields (``attention_every=...``),
+    ``settings``: :class:`~sdcwatch.telemetry.probes.watch.ProbeConfig` fields (``attention_every=...``),
     and ``mesh=`` / ``mesh_names=`` (the job's torch ``DeviceMesh``: every record carries the rank's
-    coordinates, as with :func:`~sdcwatch.telemetry.probes.attach`). Without ``mesh=`` the callback
+    coordinates, as with :func:`~sdcwatch.telemetry.probes.watch.attach`). Without ``mesh=`` the callback
     uses the mesh its framework built, if any (Lightning's ``ModelParallelStrategy``, accelerate's
     ``ParallelismConfig``), and logs which dims it found; ``mesh=False`` turns that off.
     """
 
     def __init__(self, emitter: Any = None, *, injector: Any = None, **settings: Any) -> None:
-        from sdcwatch.telemetry.probes import ProbeConfig
+        from sdcwatch.telemetry.probes.config import ProbeConfig
 
         self.mesh = settings.pop("mesh", None)
         self.mesh_names = settings.pop("mesh_names", None)
@@ -66,10 +66,10 @@ class CallbackCore:
     ) -> None:
         """Training begins: the emitter (built here unless one was given), the probes, the injector.
         ``found``: the framework's device mesh, used when the user passed no ``mesh=``."""
-        from sdcwatch.telemetry.probes import attach
+        from sdcwatch.telemetry.probes.watch import attach
 
         if self.emitter is None:
-            from sdcwatch.telemetry.emitter import Emitter
+            from sdcwatch.telemetry.wire.emitter import Emitter
 
             self.emitter, self._owns_emitter = Emitter(rank=rank, world=world), True
         self.data_parallel = ddp is not None
@@ -89,8 +89,8 @@ class CallbackCore:
         as a warning and not used (training goes on without coordinates)."""
         from sdcwatch.core.errors import ConfigError
         from sdcwatch.core.mesh import format_coords
-        from sdcwatch.telemetry.fsdp import is_sharded
-        from sdcwatch.telemetry.mesh_torch import coords_from_mesh
+        from sdcwatch.telemetry.probes.fsdp import is_sharded
+        from sdcwatch.telemetry.probes.mesh_torch import coords_from_mesh
 
         names = dict(found.names or {})
         if self.mesh_names:

@@ -10,7 +10,7 @@ def nan_run(bootstrap: str, topic: str, run: str, nan_step: int, world: int = 4,
     """A ``SimulatedRun`` of ``world`` ranks (seed 3, batches of 4) emitting run ``run`` to ``topic``,
     with a NaN in block 0's attention scores on rank 2 at ``nan_step``; ``settings`` go to it."""
     from sdcwatch.telemetry import Emitter, KafkaTransport
-    from sdcwatch.telemetry.faults import FaultSpec
+    from sdcwatch.testbed.faultspec import FaultSpec
     from sdcwatch.testbed.simulated import SimulatedRun
 
     fault = FaultSpec(

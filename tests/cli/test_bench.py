@@ -22,8 +22,8 @@ from sdcwatch.testbed.campaign import (
 )
 from sdcwatch.detectors.frame import StepFrame
 from sdcwatch.core.errors import ConfigError, FaultSpecError
-from sdcwatch.telemetry.faults import parse_faults
-from sdcwatch.core.record import Record
+from sdcwatch.testbed.faultspec import parse_faults
+from sdcwatch.core.record_type import Record
 
 DETECTORS = {"sdcwatch", "megatron", "zclip", "nan_check", "river_hst"}
 
@@ -119,8 +119,8 @@ def test_faults_from_a_file_count_from_the_checkpoint_and_are_checked():
 
 
 def test_probe_presets_are_shared_by_the_campaign_and_the_overhead_benchmark(tmp_path):
-    from sdcwatch.telemetry.presets import PROBE_PRESETS, probe_config
-    from sdcwatch.telemetry.probes import ProbeConfig
+    from sdcwatch.telemetry.probes.presets import PROBE_PRESETS, probe_config
+    from sdcwatch.telemetry.probes.config import ProbeConfig
 
     assert probe_config("default") == ("default", ProbeConfig())
     assert set(PROBE_PRESETS) >= {"default", "every-step", "scalars-only"}

@@ -188,7 +188,7 @@ def test_the_report_reads_a_captured_file_and_skips_the_end_markers(tmp_path):
 def test_capture_stops_cleanly_on_ctrl_c(bootstrap, tmp_path):
     import signal
 
-    from sdcwatch.telemetry.transports import ensure_topic
+    from sdcwatch.telemetry.wire.transports import ensure_topic
 
     topic = f"tel.{uuid.uuid4().hex[:8]}"
     ensure_topic(bootstrap, topic, 4)
@@ -258,7 +258,7 @@ def test_capture_then_replay_gives_the_incidents_the_service_raised(bootstrap, t
     end markers with the same records; replaying the file raises the service's incidents."""
     torch = pytest.importorskip("torch")
     from sdcwatch.telemetry import Emitter, KafkaTransport
-    from sdcwatch.telemetry.transports import ensure_topic
+    from sdcwatch.telemetry.wire.transports import ensure_topic
     from polling import wait_for
     from serve_process import ServeProcess, Topics
     from simulated_nan import nan_run
@@ -379,7 +379,7 @@ def test_the_topic_reader_is_past_an_end_mark_only_once_every_partition_is_read(
     from kafka import KafkaProducer
 
     from sdcwatch.capture import KafkaTopicReader
-    from sdcwatch.telemetry.transports import ensure_topic
+    from sdcwatch.telemetry.wire.transports import ensure_topic
 
     ensure_topic(bootstrap, unique_topic, 4)
     producer = KafkaProducer(bootstrap_servers=[bootstrap])

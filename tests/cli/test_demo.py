@@ -111,7 +111,7 @@ def test_demo_guard_reruns_a_transient_nan_and_reports_it_in_the_json_summary(tm
 
 
 def test_demo_guard_evicts_an_unhealthy_node_through_the_control_topic(tmp_path):
-    from sdcwatch.telemetry.guard_config import GuardConfig
+    from sdcwatch.telemetry.guard.config import GuardConfig
 
     # the guard's own checksum check may reach the same eviction first (at a checked step, when the
     # noise passes the rounding bound): off here, so that the path under test is the control topic's

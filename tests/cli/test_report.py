@@ -29,7 +29,7 @@ from sdcwatch.report import (
 )
 from sdcwatch.report.deviation import global_series
 from sdcwatch.report.plots import _robust_limits
-from sdcwatch.core.record import Record
+from sdcwatch.core.record_type import Record
 from sdcwatch.core.record_json import to_json
 
 REAL_LOGS = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "real-logs"

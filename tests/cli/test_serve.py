@@ -107,7 +107,7 @@ def test_serve_config_error_names_the_key(tmp_path):
 def test_split_service_spatial_instances_share_the_steps_and_the_temporal_stage_names_the_rank(bootstrap, tmp_path):
     """Two spatial instances in one consumer group, one temporal instance, all as `sdcwatch serve`;
     the incident names the rank and, from the names the ranks sent, the module."""
-    from sdcwatch.telemetry.transports import ensure_topic
+    from sdcwatch.telemetry.wire.transports import ensure_topic
 
     torch.set_num_threads(1)
     tag = uuid.uuid4().hex[:8]
@@ -188,10 +188,10 @@ def test_serve_with_guard_actions_publishes_decisions_to_the_control_topic(boots
     """[guard] actions = true wires the policy's sink; an incident becomes one decision that the
     training side's reader (KafkaControl) decodes; with the default config there is no such sink."""
     from sdcwatch.config import load_config
-    from sdcwatch.detectors.control import ControlTopicSink
+    from sdcwatch.service.control_policy import ControlTopicSink
     from sdcwatch.core.incident import Incident, IncidentEvent, Severity
     from sdcwatch.serve import build_service
-    from sdcwatch.telemetry.control import KafkaControl
+    from sdcwatch.telemetry.guard.control_topic import KafkaControl
 
     topic = f"control.{uuid.uuid4().hex[:8]}"
     base = {
@@ -244,10 +244,11 @@ def test_schema_wait_from_the_environment_holds_a_v2_message_and_shows_it_on_met
     from kafka import KafkaProducer
 
     from sdcwatch.config import load_config
-    from sdcwatch.core.columnar import encode_rows, schema_for
+    from sdcwatch.core.columnar import encode_rows
+    from sdcwatch.core.schema import schema_for
     from sdcwatch.exporters.collector import SdcwatchCollector
     from sdcwatch.serve import build_service
-    from sdcwatch.telemetry.transports import ensure_topic
+    from sdcwatch.telemetry.wire.transports import ensure_topic
 
     topic = f"t.{uuid.uuid4().hex[:8]}"
     cfg = load_config(

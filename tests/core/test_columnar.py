@@ -13,18 +13,11 @@ from hypothesis import strategies as st
 from sdcwatch.core.errors import ConfigError, RecordError
 from sdcwatch.core.mesh import DIMS
 from sdcwatch.telemetry import Emitter, MemoryBus, MemoryTransport
-from sdcwatch.core.columnar import (
-    MAGIC_V2,
-    PackedRecord,
-    Schema,
-    decode_stream,
-    encode_items,
-    encode_rows,
-    parse_header,
-    schema_for,
-)
-from sdcwatch.telemetry.lifecycle import RUN_END
-from sdcwatch.core.record import MAGIC, Record
+from sdcwatch.core.columnar import MAGIC_V2, decode_stream, encode_items, encode_rows, parse_header
+from sdcwatch.core.schema import PackedRecord, Schema, schema_for
+from sdcwatch.core.vocabulary import RUN_END
+from sdcwatch.core.record import MAGIC
+from sdcwatch.core.record_type import Record
 from sdcwatch.core.record import record_key
 
 f32 = st.floats(width=32, allow_nan=False)

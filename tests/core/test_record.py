@@ -10,14 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sdcwatch.core.errors import RecordError, SdcwatchError, UnknownVersionError
-from sdcwatch.core.record import (
-    MAGIC,
-    Record,
-    decode,
-    decode_message,
-    encode,
-    encode_batch,
-)
+from sdcwatch.core.record import MAGIC, decode, decode_message, encode, encode_batch
+from sdcwatch.core.record_type import Record
 from sdcwatch.core.record_json import from_json, to_json
 from sdcwatch.core.mesh import DIMS, MAX_COORD
 

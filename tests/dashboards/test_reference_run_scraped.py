@@ -15,13 +15,13 @@ torch = pytest.importorskip("torch")
 
 
 def test_dashboard_and_rules_on_a_faulted_reference_run(start_prometheus):
-    from sdcwatch.detectors.pipeline import DetectionPipeline
-    from sdcwatch.detectors.service import DetectorService
-    from sdcwatch.detectors.bus import MemorySource
+    from sdcwatch.service.pipeline import DetectionPipeline
+    from sdcwatch.service.loop import DetectorService
+    from sdcwatch.service.bus import MemorySource
     from sdcwatch.exporters import MetricsServer
     from sdcwatch.telemetry import Emitter, MemoryBus, MemoryTransport
-    from sdcwatch.telemetry.faults import FaultSpec
-    from sdcwatch.telemetry.guard_config import GuardConfig
+    from sdcwatch.testbed.faultspec import FaultSpec
+    from sdcwatch.telemetry.guard.config import GuardConfig
     from sdcwatch.testbed.model import GPTConfig
     from sdcwatch.testbed.simulated import SimulatedRun, shared_corpus
 

@@ -8,9 +8,10 @@ from __future__ import annotations
 import pytest
 from counter_wire import FORGED, assert_forged_is_dead_lettered, assert_travels_on_every_wire
 
-from sdcwatch.core.names import CANARY_PRODUCT
-from sdcwatch.core.record import Record
-from sdcwatch.detectors import DetectionPipeline, StepFrame
+from sdcwatch.core.vocabulary import CANARY_PRODUCT
+from sdcwatch.core.record_type import Record
+from sdcwatch.service.pipeline import DetectionPipeline
+from sdcwatch.detectors import StepFrame
 from sdcwatch.detectors.replica import ReplicaDivergenceDetector
 
 
@@ -75,7 +76,7 @@ def test_a_training_job_with_an_unhealthy_rank_names_the_product_its_canary_chec
     pytest.importorskip("torch")
     import torch
 
-    from sdcwatch.telemetry.faults import FaultSpec
+    from sdcwatch.testbed.faultspec import FaultSpec
     from sdcwatch.testbed.campaign import RecordCollector
     from sdcwatch.testbed.model import GPTConfig
     from sdcwatch.testbed.simulated import SimulatedRun, shared_corpus
@@ -107,7 +108,7 @@ def test_a_training_job_with_an_unhealthy_rank_names_the_product_its_canary_chec
     assert products[inc.layer] == "blocks.0.mlp.fc"
     assert f"gemm_canary_fp (product {inc.layer})" in inc.message
     # the run computes the canary outside its watches: they still hand the service its products' names
-    from sdcwatch.telemetry.probe_names import watch_names
+    from sdcwatch.telemetry.probes.layer_names import watch_names
 
     assert all(watch_names(w)["canary_products"] == products for w in run.watches)
 

@@ -8,8 +8,8 @@ import numpy as np
 from sdcwatch.detectors.checksum import ChecksumDetector
 from sdcwatch.detectors.frame import StepFrame
 from sdcwatch.detectors.nonfinite import NonFiniteDetector
-from sdcwatch.detectors.pipeline import DetectionPipeline
-from sdcwatch.core.record import Record
+from sdcwatch.service.pipeline import DetectionPipeline
+from sdcwatch.core.record_type import Record
 
 WORLD = 8
 

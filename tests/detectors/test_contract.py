@@ -112,7 +112,7 @@ def test_every_detector_but_the_river_baseline_splits_in_two_halves():
 @SPLIT
 def test_halves_across_the_wire_equal_update(cls):
     """observe -> step summary bytes -> judge, in two detector objects, finds exactly what update finds."""
-    from sdcwatch.detectors.summary import StepSummary, decode_summary, encode_summary
+    from sdcwatch.service.summary import StepSummary, decode_summary, encode_summary
 
     synth = SyntheticRun(seed=9, faults=[Fault(cls.fault, step=int(cls().warmup_steps) + 30)])
     whole, spatial, temporal = cls(), cls(), cls()

@@ -9,8 +9,11 @@ import math
 import pytest
 
 from detector_synth import Fault, SyntheticRun
-from sdcwatch.core.record import LAYER_METRICS, Record
-from sdcwatch.detectors import DetectionPipeline, Finding, IncidentBook, NonFiniteDetector, PipelineSettings, Severity
+from sdcwatch.core.vocabulary import LAYER_METRICS
+from sdcwatch.core.record_type import Record
+from sdcwatch.service.pipeline import DetectionPipeline, PipelineSettings
+from sdcwatch.detectors import Finding, NonFiniteDetector, Severity
+from sdcwatch.service.incidents import IncidentBook
 from sdcwatch.detectors.frame import StepFrame
 
 
@@ -83,7 +86,7 @@ def _simulated(faults, steps, **settings):
     pytest.importorskip("torch")
     import torch
 
-    from sdcwatch.telemetry.faults import FaultSpec
+    from sdcwatch.testbed.faultspec import FaultSpec
     from sdcwatch.testbed.campaign import RecordCollector
     from sdcwatch.testbed.model import GPTConfig
     from sdcwatch.testbed.simulated import SimulatedRun, shared_corpus

@@ -7,8 +7,8 @@ import math
 
 from sdcwatch.detectors.frame import StepFrame
 from sdcwatch.detectors.lr_jump import LearningRateJump
-from sdcwatch.detectors.pipeline import DetectionPipeline
-from sdcwatch.core.record import Record
+from sdcwatch.service.pipeline import DetectionPipeline
+from sdcwatch.core.record_type import Record
 
 
 def schedule(step: int, peak: float = 3e-3, warmup: int = 100, total: int = 2000) -> float:

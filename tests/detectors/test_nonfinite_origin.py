@@ -6,8 +6,9 @@ from __future__ import annotations
 import math
 
 from sdcwatch.detectors import NonFiniteDetector, StepFrame
-from sdcwatch.detectors.incidents import IncidentBook
-from sdcwatch.core.record import LAYER_METRICS, Record
+from sdcwatch.service.incidents import IncidentBook
+from sdcwatch.core.vocabulary import LAYER_METRICS
+from sdcwatch.core.record_type import Record
 
 WORLD, LAYERS = 4, 3
 

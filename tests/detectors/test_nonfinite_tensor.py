@@ -12,10 +12,11 @@ import pytest
 from counter_wire import FORGED, assert_forged_is_dead_lettered, assert_travels_on_every_wire
 from mesh_synth import MeshFault, MeshRun
 
-from sdcwatch.core.names import FIRST_BAD
-from sdcwatch.core.record import Record
-from sdcwatch.detectors import DetectionPipeline, NonFiniteDetector, StepFrame
-from sdcwatch.detectors.summary import decode_summary, encode_summary
+from sdcwatch.core.vocabulary import FIRST_BAD
+from sdcwatch.core.record_type import Record
+from sdcwatch.service.pipeline import DetectionPipeline
+from sdcwatch.detectors import NonFiniteDetector, StepFrame
+from sdcwatch.service.summary import decode_summary, encode_summary
 
 STEP = 30
 

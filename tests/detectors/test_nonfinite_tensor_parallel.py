@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 
-from sdcwatch.core.record import Record
+from sdcwatch.core.record_type import Record
 from sdcwatch.detectors.frame import StepFrame
 from sdcwatch.detectors.nonfinite import NonFiniteDetector
 

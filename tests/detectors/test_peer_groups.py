@@ -13,18 +13,18 @@ import numpy as np
 import pytest
 
 from sdcwatch.detectors.checksum import ChecksumDetector
-from sdcwatch.detectors.incidents import incident_from_dict
+from sdcwatch.service.incidents import incident_from_dict
 from sdcwatch.detectors.nonfinite import NonFiniteDetector
 from sdcwatch.core.mesh import DIMS
 from sdcwatch.detectors.peers import KEYS, Groups, grouped_median, grouped_robust, rank_label
-from sdcwatch.detectors.pipeline import DetectionPipeline
+from sdcwatch.service.pipeline import DetectionPipeline
 from sdcwatch.detectors.rank_outlier import RankOutlierDetector
 from sdcwatch.detectors.replica import ReplicaDivergenceDetector
 from sdcwatch.detectors.straggler import StragglerDetector
-from sdcwatch.detectors.summary import decode_summary, encode_summary
+from sdcwatch.service.summary import decode_summary, encode_summary
 from sdcwatch.core.incident import Severity
 from sdcwatch.core.jsonsafe import json_safe
-from sdcwatch.core.names import TELEMETRY_TOPIC
+from sdcwatch.core.vocabulary import TELEMETRY_TOPIC
 
 from mesh_synth import MeshFault, MeshRun
 
@@ -323,7 +323,7 @@ def test_records_with_coordinates_over_either_wire_give_the_same_incidents():
     """Plain records carrying coordinates, encoded as the emitters send them and decoded by the
     service's decoder: v1 and v2 give the same incidents (to the bit), and the same kinds, steps,
     ranks and coordinates as the frames built directly (the wire sends layers as float32)."""
-    from sdcwatch.detectors.ingest import frames_over_wire
+    from sdcwatch.service.ingest import frames_over_wire
 
     bad = MeshRun().rank_of(tp=1, pp=0, dp=1)
     mesh = MeshRun(faults=[MeshFault("rank_shift", step=30, rank=bad), MeshFault("nonfinite", step=100, rank=bad)])
@@ -350,8 +350,8 @@ def test_a_mixed_message_with_malformed_coordinates_is_dead_lettered_with_its_re
     the message goes to the dead-letter topic whole, with the reason; the steps sent before and
     after are judged as usual and raise nothing."""
     from sdcwatch.core.record import encode, encode_batch
-    from sdcwatch.detectors import DetectorService
-    from sdcwatch.detectors.bus import MemorySource
+    from sdcwatch.service.loop import DetectorService
+    from sdcwatch.service.bus import MemorySource
     from sdcwatch.telemetry import MemoryBus, MemoryTransport
 
     mesh = MeshRun()

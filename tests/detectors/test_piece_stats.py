@@ -10,7 +10,7 @@ from mesh_synth import MeshRun
 from sdcwatch.core.mesh import piece_label
 from sdcwatch.detectors import piece_stats as ps
 from sdcwatch.detectors.frame import frame_stats
-from sdcwatch.detectors.summary import StepSummary, decode_summary, encode_summary
+from sdcwatch.service.summary import StepSummary, decode_summary, encode_summary
 
 QUANTILES = list(ps.QUANTILES)
 

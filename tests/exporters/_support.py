@@ -23,7 +23,7 @@ import numpy as np
 from polling import wait_for  # noqa: F401 (the tests call it as support.wait_for)
 
 from sdcwatch.broker import free_port
-from sdcwatch.core import names
+from sdcwatch.core import vocabulary as names
 from sdcwatch.core.incident import Incident, PipelineView, RunView, ServiceView, Severity
 
 REPO = Path(__file__).resolve().parents[2]
@@ -271,7 +271,7 @@ def records_3d(step: int, *, layout: str = LAYOUT_3D, run: str = "r3d") -> list:
     """One step of every rank: the last stage alone has the loss; stage 0 holds 2 layers and
     stage 1 holds 3 (a stage numbers its own layers from 0); replicas differ by noise."""
     from sdcwatch.core.mesh import Layout
-    from sdcwatch.core.record import Record
+    from sdcwatch.core.record_type import Record
 
     lay = Layout.parse(layout)
     rng = np.random.default_rng([7, step])
@@ -307,7 +307,7 @@ def records_3d(step: int, *, layout: str = LAYOUT_3D, run: str = "r3d") -> list:
 
 def pipeline_view_3d(steps: int = 12, **kw: Any) -> tuple[ServiceView, dict[int, list]]:
     """(the detection pipeline's view after ``steps`` steps of :func:`records_3d`, records by step)."""
-    from sdcwatch.detectors import DetectionPipeline
+    from sdcwatch.service.pipeline import DetectionPipeline
 
     pipeline = DetectionPipeline()
     sent = {}

@@ -305,8 +305,8 @@ def test_promtool_check_metrics_accepts_the_exposition(make_view):
 
 def test_collector_renders_a_real_detection_pipeline_view():
     """The collector against the detector service's own view (not a hand-built one)."""
-    from sdcwatch.detectors import DetectionPipeline
-    from sdcwatch.core.record import Record
+    from sdcwatch.service.pipeline import DetectionPipeline
+    from sdcwatch.core.record_type import Record
 
     rng = np.random.default_rng(0)
     world, layers = 8, 3

@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import sdcwatch_exporter_test_support as support  # registered by conftest.py
 from sdcwatch.core.mesh import Layout, peer_key, piece_label
-from sdcwatch.detectors import DetectionPipeline
+from sdcwatch.service.pipeline import DetectionPipeline
 from sdcwatch.exporters import SdcwatchCollector
 from sdcwatch.exporters.catalog import STATS
 

@@ -9,17 +9,19 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from sdcwatch.telemetry.checksum import (  # noqa: E402
+from sdcwatch.telemetry.probes.checksum_bounds import (  # noqa: E402
     check_linear,
     check_matmul,
     check_weight_grad,
     rounding_coefficient,
 )
-from sdcwatch.telemetry.gemm_checks import GemmChecks, observe_gemm  # noqa: E402
-from sdcwatch.telemetry.extremes import ResidualStream, peak, repeated_blocks  # noqa: E402
-from sdcwatch.telemetry.faults import flip_bit  # noqa: E402
-from sdcwatch.telemetry.probes import ProbeConfig, attach  # noqa: E402
-from sdcwatch.core.names import GEMM_METRICS, STREAM_METRICS  # noqa: E402
+from sdcwatch.telemetry.probes.gemm_checks import GemmChecks  # noqa: E402
+from sdcwatch.telemetry.probes.gemm_state import observe_gemm  # noqa: E402
+from sdcwatch.telemetry.probes.extremes import ResidualStream, peak, repeated_blocks  # noqa: E402
+from sdcwatch.testbed.faults import flip_bit  # noqa: E402
+from sdcwatch.telemetry.probes.config import ProbeConfig  # noqa: E402
+from sdcwatch.telemetry.probes.watch import attach  # noqa: E402
+from sdcwatch.core.vocabulary import GEMM_METRICS, STREAM_METRICS  # noqa: E402
 from sdcwatch.testbed.model import GPT, GPTConfig  # noqa: E402
 from reference_loop import train_reference  # noqa: E402
 
@@ -308,7 +310,7 @@ def test_the_largest_logit_is_one_metric_measured_every_step():
     train_reference(model, opt, watch, 6, faults={2: near_inf_logit})
     hook.remove()
     watch.close()
-    from sdcwatch.core.names import LAYER_METRICS
+    from sdcwatch.core.vocabulary import LAYER_METRICS
 
     assert "logit_max" not in STREAM_METRICS + GEMM_METRICS + LAYER_METRICS
     for r, top in zip(rec.records, tops):

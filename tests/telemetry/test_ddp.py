@@ -8,9 +8,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from sdcwatch.core.names import GEMM_METRICS, STREAM_METRICS  # noqa: E402
+from sdcwatch.core.vocabulary import GEMM_METRICS, STREAM_METRICS  # noqa: E402
 from sdcwatch.telemetry import FINGERPRINTS, LAYER_METRICS, is_end_marker  # noqa: E402
-from sdcwatch.telemetry.faults import FaultSpec  # noqa: E402
+from sdcwatch.testbed.faultspec import FaultSpec  # noqa: E402
 from sdcwatch.testbed.ddp import DDPSettings, launch  # noqa: E402
 from sdcwatch.testbed.model import GPT  # noqa: E402
 from sdcwatch.testbed.simulated import shared_corpus  # noqa: E402
@@ -136,7 +136,7 @@ def test_comm_hook_norms_and_cosine_match_brute_force(ddp_records):
 def run_with_a_nan(tmp_path, world, steps, nan_step, **settings):
     """Real DDP ranks (fingerprints every step) writing JSON lines to ``tmp_path``, with a NaN in
     rank 1's attention scores at ``nan_step``; every rank's records, end markers included."""
-    from sdcwatch.detectors.offline import read_records
+    from sdcwatch.service.offline import read_records
 
     launch(
         DDPSettings(

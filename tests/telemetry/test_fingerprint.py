@@ -6,13 +6,13 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from sdcwatch.telemetry.fingerprint import (  # noqa: E402
+from sdcwatch.telemetry.probes.fingerprint import (  # noqa: E402
     fingerprint,
     fingerprint_device,
     finalize,
     splitmix64,
 )
-from sdcwatch.telemetry.faults import flip_bit  # noqa: E402
+from sdcwatch.testbed.faults import flip_bit  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -81,7 +81,7 @@ def test_fingerprint_of_a_module_is_stable_across_copies():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64, torch.int8])
 def test_one_tensors_fingerprint_is_the_combination_of_its_parts(dtype):
     """The one-tensor shortcut (the canary's) gives the value the general combination gives."""
-    from sdcwatch.telemetry.fingerprint import combine_parts, tensor_parts
+    from sdcwatch.telemetry.probes.fingerprint import combine_parts, tensor_parts
 
     t = (1e3 * torch.randn(5, 7)).to(dtype)
     assert int(fingerprint_device([t])) == int(combine_parts([tensor_parts(t)]))

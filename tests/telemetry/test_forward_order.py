@@ -9,9 +9,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from sdcwatch.core.names import FIRST_BAD  # noqa: E402
-from sdcwatch.telemetry.forward_order import ForwardOrder  # noqa: E402
-from sdcwatch.telemetry.probes import attach  # noqa: E402
+from sdcwatch.core.vocabulary import FIRST_BAD  # noqa: E402
+from sdcwatch.telemetry.probes.forward_order import ForwardOrder  # noqa: E402
+from sdcwatch.telemetry.probes.watch import attach  # noqa: E402
 from sdcwatch.testbed.model import GPT, GPTConfig  # noqa: E402
 
 torch.set_num_threads(1)

@@ -11,12 +11,12 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("torch.distributed.fsdp")
 
-from sdcwatch.core.names import FIRST_BAD  # noqa: E402
-from sdcwatch.detectors.offline import read_records  # noqa: E402
-from sdcwatch.detectors.pipeline import DetectionPipeline  # noqa: E402
+from sdcwatch.core.vocabulary import FIRST_BAD  # noqa: E402
+from sdcwatch.service.offline import read_records  # noqa: E402
+from sdcwatch.service.pipeline import DetectionPipeline  # noqa: E402
 from sdcwatch.telemetry import is_end_marker  # noqa: E402
-from sdcwatch.telemetry.faults import FaultSpec  # noqa: E402
-from sdcwatch.testbed.fsdp import FSDPSettings, launch  # noqa: E402
+from sdcwatch.testbed.faultspec import FaultSpec  # noqa: E402
+from sdcwatch.testbed.fsdp_run import FSDPSettings, launch  # noqa: E402
 from sdcwatch.testbed.model import GPT  # noqa: E402
 from sdcwatch.testbed.simulated import shared_corpus  # noqa: E402
 
@@ -250,7 +250,7 @@ def test_one_process_fsdp_reports_its_gradient_as_local_and_global_and_records_o
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from sdcwatch.telemetry.probes import attach
+    from sdcwatch.telemetry.probes.watch import attach
 
     class Emitter:
         def __init__(self):
@@ -282,7 +282,7 @@ def test_one_process_fsdp_reports_its_gradient_as_local_and_global_and_records_o
         assert [s for s, _ in emitter.records] == [0, 2]
         # a gradient fault cannot reach a shard (outside the autograd graph): refused, not silently idle
         from sdcwatch.core.errors import FaultSpecError
-        from sdcwatch.telemetry.faults import FaultInjector
+        from sdcwatch.testbed.faults import FaultInjector
 
         grad_fault = FaultSpec(kind="scale", step=0, target="head", where="grad", magnitude=2.0)
         with pytest.raises(FaultSpecError, match=r"where.*'grad' cannot reach 'head.weight': an FSDP2 shard"):

@@ -14,9 +14,9 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("torch.distributed.tensor.parallel")
 
-from sdcwatch.detectors.pipeline import DetectionPipeline  # noqa: E402
+from sdcwatch.service.pipeline import DetectionPipeline  # noqa: E402
 from sdcwatch.telemetry import is_end_marker  # noqa: E402
-from sdcwatch.telemetry.faults import FaultSpec  # noqa: E402
+from sdcwatch.testbed.faultspec import FaultSpec  # noqa: E402
 from sdcwatch.testbed.fsdp_tp import FSDPTPSettings, TP_PLAN, launch  # noqa: E402
 
 pytestmark = pytest.mark.integration

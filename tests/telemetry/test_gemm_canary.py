@@ -11,13 +11,14 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from sdcwatch.core.incident import Incident, Severity  # noqa: E402
-from sdcwatch.core.record import Record  # noqa: E402
-from sdcwatch.detectors.control import ControlPolicy  # noqa: E402
+from sdcwatch.core.record_type import Record  # noqa: E402
+from sdcwatch.service.control_policy import ControlPolicy  # noqa: E402
 from sdcwatch.detectors.frame import StepFrame  # noqa: E402
 from sdcwatch.detectors.replica import ReplicaDivergenceDetector  # noqa: E402
-from sdcwatch.telemetry.faults import FaultInjector, FaultSpec  # noqa: E402
-from sdcwatch.telemetry.gemm_canary import GemmCanary, known_input  # noqa: E402
-from sdcwatch.telemetry.probes import attach  # noqa: E402
+from sdcwatch.testbed.faults import FaultInjector  # noqa: E402
+from sdcwatch.testbed.faultspec import FaultSpec  # noqa: E402
+from sdcwatch.telemetry.probes.gemm_canary import GemmCanary, known_input  # noqa: E402
+from sdcwatch.telemetry.probes.watch import attach  # noqa: E402
 from sdcwatch.testbed.model import GPT, GPTConfig  # noqa: E402
 from reference_loop import train_reference  # noqa: E402
 
@@ -87,8 +88,8 @@ def test_the_canary_is_the_layers_product_through_its_fault_hooks_and_no_other_h
     An injector subclass that wraps the hooks (the campaign's, which records each fault's bound)
     corrupts it alike."""
     from sdcwatch.testbed.fault_bounds import BoundedInjector
-    from sdcwatch.telemetry import fingerprint as fp
-    from sdcwatch.telemetry.faults import output_faults
+    from sdcwatch.telemetry.probes import fingerprint as fp
+    from sdcwatch.telemetry.probes.output_faults import output_faults
 
     a, b = _twins()
     fc = b.blocks[0].mlp.fc
@@ -199,7 +200,7 @@ def test_a_canary_divergence_alone_asks_for_an_eviction_and_with_the_parameters_
 
 
 def _named(records: list[Record], world: int) -> list[tuple[int, tuple[int, ...], str]]:
-    from sdcwatch.detectors.pipeline import DetectionPipeline
+    from sdcwatch.service.pipeline import DetectionPipeline
 
     pipe = DetectionPipeline()
     pipe.book.history = []
@@ -212,8 +213,9 @@ def _named(records: list[Record], world: int) -> list[tuple[int, tuple[int, ...]
 def test_simulated_runs_name_an_unhealthy_rank_by_the_canary_vote():
     """The pure data-parallel and the 3D simulation, shipped default probes: noise of 1e-4 on one
     rank's MLP products from step 2 on is named by the vote at the step its canary checks one."""
-    from sdcwatch.telemetry.presets import PROBE_PRESETS
-    from sdcwatch.testbed.parallel3d import ParallelSimulatedRun, parse_layout, rank_at
+    from sdcwatch.telemetry.probes.presets import PROBE_PRESETS
+    from sdcwatch.testbed.parallel3d import ParallelSimulatedRun
+    from sdcwatch.testbed.shard_plan import parse_layout, rank_at
     from sdcwatch.testbed.simulated import SimulatedRun
 
     class Sink:
@@ -266,9 +268,9 @@ def test_a_real_fsdp_job_names_the_rank_whose_products_are_a_little_off(tmp_path
     unique, and under HSDP 2 x 2 two replicas of a shard cannot outvote each other; the canary runs
     on the gathered weights, the same on every rank of the data-parallel group, so its vote names
     the noisy rank at the first step that checks an MLP product, and nothing is raised before."""
-    from sdcwatch.detectors.offline import read_records
+    from sdcwatch.service.offline import read_records
     from sdcwatch.telemetry import is_end_marker
-    from sdcwatch.testbed.fsdp import FSDPSettings, launch
+    from sdcwatch.testbed.fsdp_run import FSDPSettings, launch
 
     settings = FSDPSettings(
         steps=4,

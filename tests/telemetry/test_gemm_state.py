@@ -8,7 +8,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from sdcwatch.telemetry.gemm_state import call_peaks, stack_rows  # noqa: E402
+from sdcwatch.telemetry.probes.gemm_state import call_peaks, stack_rows  # noqa: E402
 
 torch.set_num_threads(1)
 

@@ -11,9 +11,11 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from sdcwatch.core.errors import ConfigError  # noqa: E402
-from sdcwatch.telemetry.control import ControlError, Decision, KafkaControl, MemoryControl, decode_decision  # noqa: E402
-from sdcwatch.telemetry.faults import FaultSpec  # noqa: E402
-from sdcwatch.telemetry.guard_config import EXIT_CODE_EVICT, GuardConfig, GuardEviction  # noqa: E402
+from sdcwatch.core.errors import ControlError  # noqa: E402
+from sdcwatch.core.control import Decision, decode_decision  # noqa: E402
+from sdcwatch.telemetry.guard.control_topic import KafkaControl, MemoryControl  # noqa: E402
+from sdcwatch.testbed.faultspec import FaultSpec  # noqa: E402
+from sdcwatch.telemetry.guard.config import EXIT_CODE_EVICT, GuardConfig, GuardEviction  # noqa: E402
 from sdcwatch.testbed.model import GPTConfig  # noqa: E402
 from sdcwatch.testbed.simulated import SimulatedRun, shared_corpus  # noqa: E402
 
@@ -208,7 +210,7 @@ def test_decisions_round_trip_and_malformed_ones_name_the_field():
 
 def test_unreachable_control_bus_never_blocks_and_leaves_the_local_checks(caplog):
     t0 = time.perf_counter()
-    with caplog.at_level(logging.WARNING, "sdcwatch.telemetry.control"):
+    with caplog.at_level(logging.WARNING, "sdcwatch.telemetry.guard.control_topic"):
         reader = KafkaControl("127.0.0.1:1", run="r")
         assert time.perf_counter() - t0 < 0.5
         assert reader.poll() == []
@@ -225,7 +227,7 @@ def test_unreachable_control_bus_never_blocks_and_leaves_the_local_checks(caplog
 def test_a_finite_flip_a_checksum_sees_is_rerun_like_a_non_finite_value():
     # one exponent bit of one element of an MLP product's output: finite, and well above the
     # checksum's rounding bound; the guard reruns the step and takes the clean result
-    from sdcwatch.telemetry.probes import ProbeConfig
+    from sdcwatch.telemetry.probes.config import ProbeConfig
 
     probes = ProbeConfig(checksum_every=1)
     flip = {"kind": "bitflip", "rank": 1, "step": 25, "target": "blocks.0.mlp.fc", "bit": 27, "seed": 3}

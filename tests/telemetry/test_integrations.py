@@ -43,7 +43,7 @@ def plain_rank(rank: int, bootstrap: str, topic: str, run: str) -> None:
     """The README's loop under DDP; the injector is attached after the probes."""
     import torch.distributed as dist
     from sdcwatch.telemetry import attach
-    from sdcwatch.telemetry.faults import FaultInjector
+    from sdcwatch.testbed.faults import FaultInjector
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     dist.init_process_group("gloo")
@@ -67,7 +67,7 @@ def plain_rank(rank: int, bootstrap: str, topic: str, run: str) -> None:
 
 
 def hf_rank(rank: int, bootstrap: str, topic: str, run: str, out: str) -> None:
-    from sdcwatch.telemetry.faults import FaultInjector
+    from sdcwatch.testbed.faults import FaultInjector
     from sdcwatch.telemetry.integrations.hf import SdcwatchCallback
     from transformers import Trainer, TrainingArguments
 
@@ -94,7 +94,7 @@ def hf_rank(rank: int, bootstrap: str, topic: str, run: str, out: str) -> None:
 def lightning_rank(rank: int, bootstrap: str, topic: str, run: str, out: str) -> None:
     import lightning as L
     from lightning.pytorch.strategies import DDPStrategy
-    from sdcwatch.telemetry.faults import FaultInjector
+    from sdcwatch.testbed.faults import FaultInjector
     from sdcwatch.telemetry.integrations.lightning import SdcwatchCallback
 
     class LitLlama(L.LightningModule):

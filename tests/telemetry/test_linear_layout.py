@@ -9,11 +9,11 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from sdcwatch.core.names import GEMM_METRICS  # noqa: E402
-from sdcwatch.telemetry.faults import flip_bit  # noqa: E402
-from sdcwatch.telemetry.gemm_canary import GemmCanary, known_input  # noqa: E402
-from sdcwatch.telemetry.linear_layout import is_linear, linear_weight, transposed  # noqa: E402
-from sdcwatch.telemetry.probes import attach  # noqa: E402
+from sdcwatch.core.vocabulary import GEMM_METRICS  # noqa: E402
+from sdcwatch.testbed.faults import flip_bit  # noqa: E402
+from sdcwatch.telemetry.probes.gemm_canary import GemmCanary, known_input  # noqa: E402
+from sdcwatch.telemetry.probes.linear_layout import is_linear, linear_weight, transposed  # noqa: E402
+from sdcwatch.telemetry.probes.watch import attach  # noqa: E402
 
 torch.set_num_threads(1)
 STEPS, OUTPUT_FLIP, WEIGHT_FLIP = 6, 2, 4
@@ -117,7 +117,7 @@ def test_the_per_product_canary_computes_a_conv1d_product_in_its_layout():
     conv = model.get_submodule(FC)
     w, b = linear_weight(conv)
     expected = torch.addmm(b, known_input(w.shape[1], w.shape[0], w.dtype, w.device), conv.weight)
-    from sdcwatch.telemetry import fingerprint as fp
+    from sdcwatch.telemetry.probes import fingerprint as fp
 
     assert torch.equal(canary.fingerprint(k), fp.fingerprint_device([expected]))
     assert not canary.failed

@@ -173,7 +173,7 @@ def test_lightning_model_parallel_strategy_mesh_puts_coordinates_on_every_record
     pytest.importorskip("lightning")
     from tiny_llama import launch
 
-    from sdcwatch.detectors.offline import read_records
+    from sdcwatch.service.offline import read_records
     from sdcwatch.telemetry import is_end_marker
 
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "sdcwatch-test")  # Lightning: the ranks are launched already

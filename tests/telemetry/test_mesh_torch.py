@@ -10,7 +10,7 @@ dist = pytest.importorskip("torch.distributed")
 
 from sdcwatch.core.errors import ConfigError  # noqa: E402
 from sdcwatch.core.mesh import DIMS  # noqa: E402
-from sdcwatch.telemetry.mesh_torch import coords_from_mesh  # noqa: E402
+from sdcwatch.telemetry.probes.mesh_torch import coords_from_mesh  # noqa: E402
 
 
 @pytest.fixture
@@ -90,9 +90,9 @@ def test_bad_names_are_clear_errors(mesh_of):
 
 
 def test_attach_puts_the_mesh_coordinates_on_every_record(mesh_of, tmp_path):
-    from sdcwatch.detectors.offline import read_records
+    from sdcwatch.service.offline import read_records
     from sdcwatch.telemetry import Emitter, FileTransport, is_end_marker
-    from sdcwatch.telemetry.probes import attach
+    from sdcwatch.telemetry.probes.watch import attach
     from sdcwatch.testbed.model import GPT, GPTConfig
 
     mesh = mesh_of(3, (2, 2), ("dp", "tp"))

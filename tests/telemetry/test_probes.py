@@ -12,10 +12,12 @@ torch = pytest.importorskip("torch")
 
 from sdcwatch.core.errors import ConfigError  # noqa: E402
 from sdcwatch.telemetry import LAYER_METRICS, MemoryBus, MemoryTransport, Emitter, is_end_marker  # noqa: E402
-from sdcwatch.telemetry.fingerprint import fingerprint  # noqa: E402
-from sdcwatch.telemetry.gemm_canary import known_input  # noqa: E402
-from sdcwatch.telemetry.probes import ATTENTION_STATS, attach, attention_stats  # noqa: E402
-from sdcwatch.core.names import GEMM_METRICS, STREAM_METRICS  # noqa: E402
+from sdcwatch.telemetry.probes.fingerprint import fingerprint  # noqa: E402
+from sdcwatch.telemetry.probes.gemm_canary import known_input  # noqa: E402
+from sdcwatch.core.vocabulary import ATTENTION_STATS  # noqa: E402
+from sdcwatch.telemetry.probes.watch import attach  # noqa: E402
+from sdcwatch.telemetry.probes.attention import attention_stats  # noqa: E402
+from sdcwatch.core.vocabulary import GEMM_METRICS, STREAM_METRICS  # noqa: E402
 from sdcwatch.testbed.model import GPT, GPTConfig  # noqa: E402
 
 torch.set_num_threads(1)
@@ -235,7 +237,7 @@ def test_importing_telemetry_does_not_import_torch():
 
 
 def test_explicit_observe_attention_for_a_custom_layer():
-    from sdcwatch.telemetry.probes import observe_attention
+    from sdcwatch.telemetry.probes.attention import observe_attention
 
     class MyAttention(torch.nn.Module):
         def forward(self, x):

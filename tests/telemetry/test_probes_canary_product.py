@@ -8,8 +8,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from sdcwatch.core.names import CANARY_PRODUCT  # noqa: E402
-from sdcwatch.telemetry.probes import attach  # noqa: E402
+from sdcwatch.core.vocabulary import CANARY_PRODUCT  # noqa: E402
+from sdcwatch.telemetry.probes.watch import attach  # noqa: E402
 from sdcwatch.testbed.model import GPT, GPTConfig  # noqa: E402
 from reference_loop import train_reference  # noqa: E402
 

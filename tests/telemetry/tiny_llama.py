@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 
 import torch
-from sdcwatch.telemetry.faults import FaultSpec
+from sdcwatch.testbed.faultspec import FaultSpec
 
 from sdcwatch.broker import free_port
 

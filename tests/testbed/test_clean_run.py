@@ -10,7 +10,7 @@ pytest.importorskip("torch")
 
 from sdcwatch.bench import clean_main  # noqa: E402
 from sdcwatch.core.errors import ConfigError  # noqa: E402
-from sdcwatch.telemetry.faults import FaultSpec  # noqa: E402
+from sdcwatch.testbed.faultspec import FaultSpec  # noqa: E402
 from sdcwatch.testbed.clean_run import (  # noqa: E402
     LISTED,
     WARMUP_REGION,

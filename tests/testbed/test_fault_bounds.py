@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sdcwatch.telemetry.checksum import (
+from sdcwatch.telemetry.probes.checksum_bounds import (
     check_linear,
     check_matmul,
     check_weight_grad,
@@ -14,8 +14,8 @@ from sdcwatch.telemetry.checksum import (
     matmul_bound,
     weight_grad_bound,
 )
-from sdcwatch.telemetry.faults import FaultSpec
-from sdcwatch.telemetry.probes import ProbeConfig
+from sdcwatch.testbed.faultspec import FaultSpec
+from sdcwatch.telemetry.probes.config import ProbeConfig
 from sdcwatch.testbed.campaign import CampaignConfig, run_campaign
 from sdcwatch.testbed.fault_bounds import CoveredInjection
 from sdcwatch.testbed.simulated import SimulatedRun
@@ -178,7 +178,7 @@ def test_a_campaign_under_a_layout_counts_the_flips_above_the_bound_of_the_culpr
     """The same definition under ``tp x pp x dp``: a flip is detectable when its change exceeds the
     bound of the check of the culprit's share of the tensor; the campaign counts them, and with the
     checksums on every step the one above its bound is caught at its step on its rank."""
-    from sdcwatch.testbed.parallel3d import parse_layout, rank_at
+    from sdcwatch.testbed.shard_plan import parse_layout, rank_at
 
     torch.set_num_threads(1)
     layout = parse_layout("tp=2,pp=2,dp=2")

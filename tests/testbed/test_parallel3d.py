@@ -9,19 +9,12 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from sdcwatch.core.errors import ConfigError, FaultSpecError  # noqa: E402
-from sdcwatch.core.names import FIRST_BAD  # noqa: E402
-from sdcwatch.telemetry.faults import FaultSpec  # noqa: E402
+from sdcwatch.core.vocabulary import FIRST_BAD  # noqa: E402
+from sdcwatch.testbed.faultspec import FaultSpec  # noqa: E402
 from sdcwatch.testbed.campaign import CampaignConfig, generate_trials  # noqa: E402
 from sdcwatch.testbed.model import GPTConfig  # noqa: E402
-from sdcwatch.testbed.parallel3d import (  # noqa: E402
-    ParallelSimulatedRun,
-    parse_layout,
-    place_fault,
-    place_of,
-    rank_at,
-    sizes,
-    stage_blocks,
-)
+from sdcwatch.testbed.parallel3d import ParallelSimulatedRun  # noqa: E402
+from sdcwatch.testbed.shard_plan import parse_layout, place_fault, place_of, rank_at, sizes, stage_blocks  # noqa: E402
 from sdcwatch.testbed.simulated import shared_corpus  # noqa: E402
 
 torch.set_num_threads(1)

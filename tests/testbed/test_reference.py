@@ -11,9 +11,9 @@ torch = pytest.importorskip("torch")
 
 from sdcwatch.core.errors import ConfigError  # noqa: E402
 from sdcwatch.telemetry import LAYER_METRICS, MemoryBus, MemoryTransport, Emitter, is_end_marker  # noqa: E402
-from sdcwatch.core.names import GEMM_METRICS, STREAM_METRICS  # noqa: E402
-from sdcwatch.telemetry.faults import FaultSpec  # noqa: E402
-from sdcwatch.telemetry.fingerprint import fingerprint  # noqa: E402
+from sdcwatch.core.vocabulary import GEMM_METRICS, STREAM_METRICS  # noqa: E402
+from sdcwatch.testbed.faultspec import FaultSpec  # noqa: E402
+from sdcwatch.telemetry.probes.fingerprint import fingerprint  # noqa: E402
 from sdcwatch.testbed.corpus import Corpus  # noqa: E402
 from sdcwatch.testbed.model import GPT, GPTConfig  # noqa: E402
 from sdcwatch.testbed.simulated import SimulatedRun, shared_corpus  # noqa: E402
@@ -92,7 +92,7 @@ def test_corpus_is_stdlib_source_and_batches_are_a_function_of_seed_step_rank():
 def test_canary_names_an_unhealthy_rank_that_no_statistic_shows():
     """Noise of 1e-4 on one rank's block outputs moves no statistic (see the fault-visibility
     notes) but the canary output of that replica differs bit-wise from every other's."""
-    from sdcwatch.telemetry.faults import FaultSpec
+    from sdcwatch.testbed.faultspec import FaultSpec
 
     local = MemoryBus()
     fault = FaultSpec.from_dict(
@@ -124,8 +124,8 @@ def test_canary_names_an_unhealthy_rank_that_no_statistic_shows():
 
 @pytest.mark.parametrize("target", ["blocks.0.mlp.fc", "blocks.1.attn.mix"])
 def test_near_inf_outside_the_attention_logits_shows_in_act_max_on_its_rank_only(target):
-    from sdcwatch.detectors.pipeline import DetectionPipeline
-    from sdcwatch.telemetry.faults import FaultSpec
+    from sdcwatch.service.pipeline import DetectionPipeline
+    from sdcwatch.testbed.faultspec import FaultSpec
 
     local = MemoryBus()
     fault = FaultSpec.from_dict({"kind": "near_inf", "rank": 2, "step": 5, "target": target, "seed": 1})
@@ -248,7 +248,7 @@ def test_param_fault_and_rank_lr_spike_make_exactly_that_replica_diverge():
         FaultSpec(kind="bitflip", rank=1, step=1, target="blocks.0.mlp.fc", where="param", bit=20, seed=2),
         FaultSpec(kind="lr_spike", rank=3, step=2, magnitude=10.0),
     ]
-    from sdcwatch.telemetry.probes import ProbeConfig
+    from sdcwatch.telemetry.probes.config import ProbeConfig
 
     run = _run(faults=faults, probes=ProbeConfig(fingerprint_every=1))
     run.train(4)

@@ -9,8 +9,8 @@ import pytest
 pytest.importorskip("torch")
 
 from sdcwatch.core.errors import ConfigError  # noqa: E402
-from sdcwatch.telemetry.faults import load_faults  # noqa: E402
-from sdcwatch.testbed import ddp, fsdp, fsdp_tp  # noqa: E402
+from sdcwatch.testbed.faultspec import load_faults  # noqa: E402
+from sdcwatch.testbed import ddp, fsdp_run, fsdp_tp  # noqa: E402
 
 FAULT = '{"kind": "nan", "rank": 1, "step": 3, "target": "blocks.0.attn.scores", "seed": 1}\n'
 DRIVERS = [
@@ -21,7 +21,7 @@ DRIVERS = [
         dict(skip_nonfinite=True, guard={"mode": "act"}, save="end.pt"),
         id="ddp",
     ),
-    pytest.param(fsdp, fsdp.FSDPSettings, ["--replicate", "2"], dict(replicate=2), id="fsdp"),
+    pytest.param(fsdp_run, fsdp_run.FSDPSettings, ["--replicate", "2"], dict(replicate=2), id="fsdp"),
     pytest.param(fsdp_tp, fsdp_tp.FSDPTPSettings, ["--tp", "2"], dict(tp=2), id="fsdp_tp"),
 ]
 
@@ -52,7 +52,7 @@ def test_every_driver_defaults_to_its_own_run_name_and_names_itself_in_a_bad_opt
 ):
     run, key = {
         ddp: ("ddp-reference", "ddp"),
-        fsdp: ("fsdp-reference", "fsdp"),
+        fsdp_run: ("fsdp-reference", "fsdp"),
         fsdp_tp: ("fsdp-tp-reference", "fsdp_tp"),
     }[module]
     assert _launched(module, monkeypatch, ["--jsonl", str(tmp_path)]) == [settings(jsonl_dir=str(tmp_path), run=run)]
@@ -61,7 +61,7 @@ def test_every_driver_defaults_to_its_own_run_name_and_names_itself_in_a_bad_opt
 
 
 @pytest.mark.parametrize(
-    "settings, dim, driver", [(fsdp.FSDPSettings, "replicate", "fsdp"), (fsdp_tp.FSDPTPSettings, "tp", "fsdp_tp")]
+    "settings, dim, driver", [(fsdp_run.FSDPSettings, "replicate", "fsdp"), (fsdp_tp.FSDPTPSettings, "tp", "fsdp_tp")]
 )
 def test_a_sharded_run_takes_a_divisor_of_the_world_and_neither_a_guard_nor_checkpoints(settings, dim, driver):
     assert settings(world=4, jsonl_dir="out", **{dim: 2}).mesh_shape == (2, 2)

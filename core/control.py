@@ -1,0 +1,150 @@
+"""The guard's wire: the decisions the detector service sends to a training job's guard, and the
+codes a guarded step's records carry back.
+
+The service publishes one JSON object per :class:`Decision` to the control topic
+(``sdcwatch.control``), keyed by run; the guard on rank 0 reads it
+(:mod:`sdcwatch.telemetry.guard.control_topic`). When the guard acts at a step, every rank's record of that step
+carries :data:`GUARD_SCALARS`, whose values index :data:`ACTIONS`, :data:`REASONS` and
+:data:`VERDICTS`; the service's guard-action detector reads them back. Both sides import this one
+definition.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from sdcwatch.core.errors import ControlError
+
+__all__ = ["CONTROL_ACTIONS", "Decision", "decode_decision", "ACTIONS", "REASONS", "VERDICTS", "GUARD_SCALARS"]
+
+#: Actions, in increasing order of weight; the code of an action is its index (``guard_action``).
+ACTIONS = ("none", "skip", "rerun", "rollback", "evict")
+#: Why the guard acted; the code is the index (``guard_reason``).
+REASONS = ("", "nonfinite", "spike", "control", "checksum")
+#: What a rerun found; the code is the index (``guard_verdict``). ``reproducible``: the result
+#: repeats and no other rank could recompute it (no ``peer``), so hardware and data are not told apart.
+VERDICTS = ("", "transient", "persistent", "data", "reproducible")
+#: Scalars a guarded step's telemetry record carries when the guard acted (read by the service).
+GUARD_SCALARS = ("guard_action", "guard_reason", "guard_verdict", "guard_rank")
+
+#: Actions the service may ask for (the guard's local checks add ``rerun`` on their own).
+CONTROL_ACTIONS = ("skip", "rollback", "evict")
+_MAX_RANKS = 64
+_MAX_TEXT = 1024
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One decision for one run: ``action`` on ``ranks`` (empty: the run as a whole).
+
+    ``since_step`` is the first step the problem was seen at: a rollback goes to a snapshot
+    taken before it. ``lr_factor`` scales the learning rate after a rollback (1.0: unchanged).
+    """
+
+    run: str
+    action: str
+    reason: str
+    ranks: tuple[int, ...] = ()
+    hosts: tuple[str, ...] = ()
+    since_step: int | None = None
+    incident: str = ""
+    lr_factor: float = 1.0
+    issued_at: float = field(default=0.0, compare=False)
+
+    def __post_init__(self) -> None:
+        _check(self)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "run": self.run,
+            "action": self.action,
+            "reason": self.reason,
+            "ranks": list(self.ranks),
+            "hosts": list(self.hosts),
+            "since_step": self.since_step,
+            "incident": self.incident,
+            "lr_factor": self.lr_factor,
+            "issued_at": self.issued_at,
+        }
+
+    def encode(self) -> bytes:
+        return json.dumps(self.to_dict(), allow_nan=False).encode("utf-8")
+
+
+def _check(d: Decision) -> None:
+    if not isinstance(d.run, str) or not d.run or len(d.run) > _MAX_TEXT:
+        raise ControlError("run", f"must be a non-empty string, got {d.run!r}")
+    if d.action not in CONTROL_ACTIONS:
+        raise ControlError("action", f"must be one of {', '.join(CONTROL_ACTIONS)}, got {d.action!r}")
+    if not isinstance(d.reason, str) or len(d.reason) > _MAX_TEXT:
+        raise ControlError("reason", "must be a string of at most 1024 characters")
+    if (
+        not isinstance(d.ranks, tuple)
+        or len(d.ranks) > _MAX_RANKS
+        or not all(isinstance(r, int) and not isinstance(r, bool) and 0 <= r < 1 << 24 for r in d.ranks)
+    ):
+        raise ControlError("ranks", f"must be at most {_MAX_RANKS} ranks in 0..2^24, got {d.ranks!r}")
+    if not isinstance(d.hosts, tuple) or not all(isinstance(h, str) and len(h) <= 255 for h in d.hosts):
+        raise ControlError("hosts", "must be a list of host names")
+    if d.since_step is not None and (
+        isinstance(d.since_step, bool) or not isinstance(d.since_step, int) or d.since_step < 0
+    ):
+        raise ControlError("since_step", f"must be a step >= 0 or null, got {d.since_step!r}")
+    if (
+        isinstance(d.lr_factor, bool)
+        or not isinstance(d.lr_factor, (int, float))
+        or not (math.isfinite(d.lr_factor) and 0 < d.lr_factor <= 1)
+    ):
+        raise ControlError("lr_factor", f"must be a number in (0, 1], got {d.lr_factor!r}")
+    if d.action == "evict" and not d.ranks:
+        raise ControlError("ranks", "an evict decision must name the rank(s) to evict")
+
+
+def decode_decision(data: bytes | str | Mapping[str, Any]) -> Decision:
+    """A :class:`Decision` from a control message; :class:`ControlError` naming what is wrong."""
+    if isinstance(data, Mapping):
+        obj: Any = data
+    else:
+        try:
+            obj = json.loads(data)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise ControlError("message", f"not JSON: {exc}") from None
+    if not isinstance(obj, dict):
+        raise ControlError("message", f"must be a JSON object, got {type(obj).__name__}")
+    unknown = set(obj) - {
+        "run",
+        "action",
+        "reason",
+        "ranks",
+        "hosts",
+        "since_step",
+        "incident",
+        "lr_factor",
+        "issued_at",
+    }
+    if unknown:
+        raise ControlError(sorted(unknown)[0], "unknown field")
+    for key in ("run", "action"):
+        if key not in obj:
+            raise ControlError(key, "is required")
+    ranks, hosts = obj.get("ranks", []), obj.get("hosts", [])
+    if not isinstance(ranks, list) or not isinstance(hosts, list):
+        raise ControlError("ranks" if not isinstance(ranks, list) else "hosts", "must be a list")
+    issued = obj.get("issued_at", 0.0)
+    if isinstance(issued, bool) or not isinstance(issued, (int, float)):
+        raise ControlError("issued_at", "must be a number")
+    lr = obj.get("lr_factor", 1.0)
+    return Decision(
+        run=obj["run"],
+        action=obj["action"],
+        reason=obj.get("reason", ""),
+        ranks=tuple(ranks),
+        hosts=tuple(hosts),
+        since_step=obj.get("since_step"),
+        incident=str(obj.get("incident", ""))[:_MAX_TEXT],
+        lr_factor=float(lr) if isinstance(lr, int) and not isinstance(lr, bool) else lr,
+        issued_at=float(issued),
+    )

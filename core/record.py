@@ -1,0 +1,361 @@
+"""The wire record's versioned binary codec (v1), and the record's home for importers.
+
+:class:`Record` and :func:`validate` are :mod:`sdcwatch.core.record_type`'s and are re-exported
+here with the codec, so ``from sdcwatch.core.record import Record, encode`` keeps working. This
+module also gives a record its partition key (:func:`record_key`). The JSON codec is
+:mod:`sdcwatch.core.record_json`, the columnar v2 one :mod:`sdcwatch.core.columnar`.
+
+Binary layout, version 1 (little-endian)::
+
+    b"SDCW" | u8 version | u64 step | u32 rank | u32 world | u32 local_rank | f64 time
+    | str16 run | str16 host
+    | u8 n_scalars  { str8 name | f64 value }*
+    | u8 n_fingerprints { str8 name | u64 value }*
+    | u8 n_layer_metrics { str8 name | u16 n | f32 * n }*
+    | [version 2 only: u8 n_coords { u8 dim | u32 index }*]
+
+A record with coordinates is written as version 2 (the same layout plus the coordinates, ``dim``
+the index of the dim in :data:`sdcwatch.core.mesh.DIMS`); one without is written as version 1,
+byte for byte what older emitters send.
+
+A bus message holds either one record or a batch of records that share a partition key (one
+rank's consecutive steps, or many ranks' records of one step)::
+
+    b"SDCB" | u8 version | u32 count | { u32 length | record }*
+
+``str8``/``str16`` are UTF-8 with a u8/u16 length prefix. Layer vectors travel as float32: they
+are diagnostics, and half the bytes matter at 16k ranks. Decoding never guesses: a bad field or
+an unknown version raises :class:`~sdcwatch.core.errors.RecordError` naming the field.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from typing import Any, Sequence
+
+from sdcwatch.core.errors import RecordError, UnknownVersionError
+from sdcwatch.core.limits import MAX_NAME_BYTES, LimitError, RecordLimits
+from sdcwatch.core.mesh import DIMS, MAX_COORD
+from sdcwatch.core.record_type import Record, check_name
+
+__all__ = ["VERSION", "MAGIC", "encode", "decode", "encode_batch", "decode_message", "KEY_WINDOW", "record_key"]
+
+VERSION = 1
+#: The record layout of a record that carries parallel coordinates.
+VERSION_COORDS = 2
+MAGIC = b"SDCW"
+BATCH_MAGIC = b"SDCB"
+_BATCH_HEAD = struct.Struct("<4sBI")
+_U32 = struct.Struct("<I")
+
+_HEAD = struct.Struct("<4sBQIIId")
+_U8 = struct.Struct("<B")
+_U16 = struct.Struct("<H")
+_F64 = struct.Struct("<d")
+_U64S = struct.Struct("<Q")
+_COORD = struct.Struct("<BI")
+_MAX_STR = MAX_NAME_BYTES  # run and host: one bound for encode, decode, validate and restore
+_F32S: dict[int, struct.Struct] = {}
+_DIM_INDEX = {d: i for i, d in enumerate(DIMS)}  # a dim's number on the wire
+
+
+def _f32s(n: int) -> struct.Struct:
+    st = _F32S.get(n)
+    if st is None:
+        st = _F32S[n] = struct.Struct(f"<{n}f")
+    return st
+
+
+def _put_str(out: list[bytes], s: str, wide: bool) -> None:
+    b = s.encode("utf-8")
+    out.append((_U16 if wide else _U8).pack(len(b)))
+    out.append(b)
+
+
+def encode(rec: Record) -> bytes:
+    """Encode a record into the compact binary form (version 1).
+
+    The record is trusted to be valid (records built by the emitter are); ``struct`` still
+    refuses values that do not fit, which surfaces as RecordError.
+    """
+    try:
+        coords = rec.coords
+        out: list[bytes] = [
+            _HEAD.pack(
+                MAGIC,
+                VERSION_COORDS if coords else VERSION,
+                rec.step,
+                rec.rank,
+                rec.world,
+                rec.local_rank,
+                float(rec.time),
+            )
+        ]
+        _put_str(out, rec.run, True)
+        _put_str(out, rec.host, True)
+        out.append(_U8.pack(len(rec.scalars)))
+        for name, value in rec.scalars.items():
+            _put_str(out, name, False)
+            out.append(_F64.pack(float(value)))
+        out.append(_U8.pack(len(rec.fingerprints)))
+        for name, value in rec.fingerprints.items():
+            _put_str(out, name, False)
+            out.append(_U64S.pack(int(value)))
+        out.append(_U8.pack(len(rec.layers)))
+        for name, values in rec.layers.items():
+            _put_str(out, name, False)
+            n = len(values)
+            out.append(_U16.pack(n))
+            out.append(_f32s(n).pack(*values))
+        if coords:
+            out.append(_U8.pack(len(coords)))
+            for dim, value in coords.items():
+                out.append(_COORD.pack(_DIM_INDEX[dim], value))
+        return b"".join(out)
+    except (struct.error, OverflowError, TypeError, ValueError, AttributeError, KeyError) as exc:
+        raise RecordError("record", f"cannot encode: {exc!r}") from None
+
+
+class _Reader:
+    __slots__ = ("buf", "pos")
+
+    def __init__(self, buf: bytes) -> None:
+        self.buf = buf
+        self.pos = 0
+
+    def take(self, n: int, what: str) -> memoryview:
+        end = self.pos + n
+        if end > len(self.buf):
+            raise RecordError(what, f"truncated: needs {n} bytes at offset {self.pos}, {len(self.buf) - self.pos} left")
+        view = memoryview(self.buf)[self.pos : end]
+        self.pos = end
+        return view
+
+    def unpack(self, st: struct.Struct, what: str) -> tuple:
+        return st.unpack(self.take(st.size, what))
+
+    def string(self, what: str, wide: bool) -> str:
+        (n,) = self.unpack(_U16 if wide else _U8, what)
+        try:
+            return str(self.take(n, what), "utf-8")
+        except UnicodeDecodeError:
+            raise RecordError(what, "is not valid UTF-8") from None
+
+    def name(self, group: str) -> str:
+        name = self.string(f"{group} name", False)
+        check_name(f"{group} name", name)
+        if len(_NAMES) < 4096:
+            _NAMES[name.encode()] = name
+        return name
+
+
+_NAMES: dict[bytes, str] = {}  # encoded metric name -> name, for names already validated
+_HEAD_SIZE = _HEAD.size
+_f64_from = _F64.unpack_from
+_u64_from = _U64S.unpack_from
+
+
+def _fixed_group(buf: bytes, p: int, unpack_from: Any) -> tuple[dict, int]:
+    """A counted group of (str8 name, 8-byte value) at ``p``: (dict, offset after it)."""
+    names = _NAMES
+    out = {}
+    count = buf[p]
+    p += 1
+    for _ in range(count):
+        k = buf[p]
+        out[names[buf[p + 1 : p + 1 + k]]] = unpack_from(buf, p + 1 + k)[0]
+        p += 9 + k
+    return out, p
+
+
+def _decode_fast(buf: bytes, pos: int, end: int) -> Record | None:
+    """Decode the record in ``buf[pos:end]`` on the common path, or return None.
+
+    The service decodes every record of every rank, so this is the hot path of ingest: offsets
+    instead of views, names looked up among those seen before. Anything unusual (a new name, a
+    bad length, invalid UTF-8, a value out of range) returns None, and :func:`decode` then takes
+    the careful path, which names the field that is wrong.
+    """
+    try:
+        version = buf[pos + 4]
+        if buf[pos : pos + 4] != MAGIC or (version != VERSION and version != VERSION_COORDS):
+            return None
+        _, _, step, rank, world, local_rank, time = _HEAD.unpack_from(buf, pos)
+        p = pos + _HEAD_SIZE
+        n = buf[p] | buf[p + 1] << 8
+        p += 2
+        run = buf[p : p + n].decode()
+        p += n
+        m = buf[p] | buf[p + 1] << 8
+        p += 2
+        host = buf[p : p + m].decode()
+        p += m
+        if n > _MAX_STR or m > _MAX_STR:
+            return None  # the careful path names the field
+        names = _NAMES
+        scalars, p = _fixed_group(buf, p, _f64_from)
+        fps, p = _fixed_group(buf, p, _u64_from)
+        layers: dict[str, tuple[float, ...]] = {}
+        count = buf[p]
+        p += 1
+        for _ in range(count):
+            k = buf[p]
+            name = names[buf[p + 1 : p + 1 + k]]
+            p += 1 + k
+            n = buf[p] | buf[p + 1] << 8
+            layers[name] = _f32s(n).unpack_from(buf, p + 2)
+            p += 2 + 4 * n
+        coords: dict[str, int] = {}
+        if version == VERSION_COORDS:
+            count = buf[p]
+            p += 1
+            for _ in range(count):
+                d, value = _COORD.unpack_from(buf, p)
+                p += 5
+                if value >= MAX_COORD or DIMS[d] in coords:
+                    return None
+                coords[DIMS[d]] = value
+            if not coords:
+                return None
+    except (IndexError, KeyError, struct.error, UnicodeDecodeError):
+        return None
+    if p != end or not run or world < 1 or rank >= world or not math.isfinite(time):
+        return None
+    return Record(run, step, rank, world, host, time, local_rank, scalars, fps, layers, coords)
+
+
+def decode(data: bytes | bytearray | memoryview) -> Record:
+    """Decode one binary record; raises RecordError (never anything else) when it is bad."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise RecordError("record", f"expected bytes, got {type(data).__name__}")
+    buf = bytes(data)
+    rec = _decode_fast(buf, 0, len(buf))
+    return rec if rec is not None else _decode_careful(buf)
+
+
+def _decode_careful(buf: bytes) -> Record:
+    """Decode step by step, raising RecordError that names the first bad field."""
+    if len(buf) < 5:
+        raise RecordError("magic", f"record too short ({len(buf)} bytes)")
+    if buf[:4] != MAGIC:
+        raise RecordError("magic", f"not an sdcwatch record (starts with {buf[:4]!r})")
+    version = buf[4]
+    if version != VERSION and version != VERSION_COORDS:
+        raise UnknownVersionError(version)
+    r = _Reader(buf)
+    _, _, step, rank, world, local_rank, time = r.unpack(_HEAD, "header")
+    run = r.string("run", True)
+    host = r.string("host", True)
+    for name, value in (("run", run), ("host", host)):
+        if len(value.encode()) > _MAX_STR:
+            raise LimitError(name, f"{len(value.encode())} bytes, longer than {_MAX_STR}", "name")
+    (n,) = r.unpack(_U8, "scalars")
+    scalars: dict[str, float] = {}
+    for _ in range(n):
+        name = r.name("scalars")
+        (scalars[name],) = r.unpack(_F64, f"scalars.{name}")
+    (n,) = r.unpack(_U8, "fingerprints")
+    fps: dict[str, int] = {}
+    for _ in range(n):
+        name = r.name("fingerprints")
+        (fps[name],) = r.unpack(_U64S, f"fingerprints.{name}")
+    (n,) = r.unpack(_U8, "layers")
+    layers: dict[str, tuple[float, ...]] = {}
+    for _ in range(n):
+        name = r.name("layers")
+        (count,) = r.unpack(_U16, f"layers.{name}")
+        layers[name] = _f32s(count).unpack(r.take(4 * count, f"layers.{name}"))
+    coords: dict[str, int] = {}
+    if version == VERSION_COORDS:
+        (n,) = r.unpack(_U8, "coords")
+        if not n:
+            raise RecordError("coords", "a version-2 record must carry coordinates")
+        for _ in range(n):
+            d, value = r.unpack(_COORD, "coords")
+            if d >= len(DIMS):
+                raise RecordError("coords", f"unknown mesh dim index {d} (0..{len(DIMS) - 1})")
+            if DIMS[d] in coords:
+                raise RecordError(f"coords.{DIMS[d]}", "given twice")
+            if value >= MAX_COORD:
+                raise RecordError(f"coords.{DIMS[d]}", f"{value} out of range [0, {MAX_COORD})")
+            coords[DIMS[d]] = value
+    if r.pos != len(buf):
+        raise RecordError("record", f"{len(buf) - r.pos} trailing bytes after the record")
+    rec = Record(run, step, rank, world, host, time, local_rank, scalars, fps, layers, coords)
+    if not run:
+        raise RecordError("run", "must not be empty")
+    if world < 1:
+        raise RecordError("world", f"{world} out of range [1, {1 << 32})")
+    if rank >= world:
+        raise RecordError("rank", f"{rank} out of range [0, {world})")
+    if not math.isfinite(time):
+        raise RecordError("time", f"must be a finite number, got {time!r}")
+    return rec
+
+
+def encode_batch(records: Sequence[Record]) -> bytes:
+    """Encode several records into one bus message (see the module docstring)."""
+    out = [_BATCH_HEAD.pack(BATCH_MAGIC, VERSION, len(records))]
+    for rec in records:
+        b = encode(rec)
+        out.append(_U32.pack(len(b)))
+        out.append(b)
+    return b"".join(out)
+
+
+def decode_message(data: bytes | bytearray | memoryview, limits: RecordLimits | None = None) -> list[Record]:
+    """Decode a bus message: a single record or a batch. Raises RecordError when any part is bad.
+
+    With ``limits`` (the service always passes them) a message or a record past a limit raises
+    :class:`~sdcwatch.core.limits.LimitError`, before anything is sized by its claims.
+    """
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise RecordError("record", f"expected bytes, got {type(data).__name__}")
+    if limits is not None and len(data) > limits.max_message_bytes:
+        raise LimitError(
+            "message",
+            f"{len(data)} bytes, the limit is {limits.max_message_bytes} (limits.max_message_bytes)",
+            "oversize",
+        )
+    records = _decode_message(bytes(data))
+    if limits is not None:
+        for rec in records:
+            limits.check(rec)
+    return records
+
+
+def _decode_message(buf: bytes) -> list[Record]:
+    if buf[:4] != BATCH_MAGIC:
+        return [decode(buf)]
+    if len(buf) < _BATCH_HEAD.size:
+        raise RecordError("batch", f"truncated batch header ({len(buf)} bytes)")
+    _, version, count = _BATCH_HEAD.unpack_from(buf)
+    if version != VERSION:
+        raise UnknownVersionError(version)
+    pos = _BATCH_HEAD.size
+    out = []
+    for i in range(count):
+        if pos + 4 > len(buf):
+            raise RecordError("batch", f"truncated: record {i} of {count} missing")
+        (n,) = _U32.unpack_from(buf, pos)
+        pos += 4
+        if pos + n > len(buf):
+            raise RecordError("batch", f"truncated: record {i} of {count} needs {n} bytes, {len(buf) - pos} left")
+        rec = _decode_fast(buf, pos, pos + n)
+        out.append(rec if rec is not None else _decode_careful(buf[pos : pos + n]))
+        pos += n
+    if pos != len(buf):
+        raise RecordError("batch", f"{len(buf) - pos} trailing bytes after {count} records")
+    return out
+
+
+#: Steps per partition key. All records whose steps fall in one window share a key, so every
+#: rank of a step lands in the same partition (a detector instance sees whole steps), and one
+#: rank's consecutive steps can travel in one message.
+KEY_WINDOW = 16
+
+
+def record_key(rec: Any) -> bytes:
+    """Partition key of a record (or a packed one): run and step window, so every rank of one step lands in one partition."""
+    return f"{rec.run}/{rec.step // KEY_WINDOW}".encode()

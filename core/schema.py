@@ -1,0 +1,313 @@
+"""The v2 record layout: a :class:`Schema` (names and sizes, its id) and records packed in it.
+
+The names of a rank's metrics and the length of its layer vectors are fixed for a run (a few
+layouts at most: sampled steps add attention statistics). A schema fixes them once, so a record
+travels as fixed-size numbers in the schema's order (one ``struct`` to pack in the emitter, one
+``numpy.frombuffer`` for thousands of rows in the service) and its names travel once::
+
+    row = u64 step | u32 rank | u32 world | u32 local_rank | u32 host index | f64 time
+          | u32 x len(coords) | f64 x len(scalars) | u64 x len(fingerprints) | f32 x sum(layer lengths)
+
+A schema names the mesh dims its rows carry coordinates for (``coords``, canonical dims of
+:mod:`sdcwatch.core.mesh`); a schema without coordinates has the same text, and so the same id,
+as before coordinates existed. The id is a hash of the schema's canonical text, so an id cannot be
+re-bound to another layout by anyone who can write to the topic. The messages that carry rows
+and schemas are :mod:`sdcwatch.core.columnar`'s.
+
+This module imports only the standard library (numpy lazily, for :meth:`Schema.dtype`): it runs
+in every training rank.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import struct
+from itertools import chain
+from typing import Any, Mapping, Sequence
+
+from sdcwatch.core.errors import RecordError
+from sdcwatch.core.mesh import DIMS
+
+__all__ = [
+    "Schema",
+    "PackedRecord",
+    "ROW_HEAD",
+    "MAX_NAMES",
+    "MAX_LAYERS",
+    "MAX_SCHEMA_BYTES",
+    "schema_for",
+    "row_to_record",
+]
+
+#: Fixed head of every row: step, rank, world, local_rank, host index, time.
+ROW_HEAD = "QIIIId"
+_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.:-]{0,63}$")
+#: Layout limits the decoder enforces too (a schema is data anyone who can write the topic sends).
+MAX_NAMES = 255
+MAX_LAYERS = 65535
+MAX_SCHEMA_BYTES = 1 << 16
+_SCHEMA_KEYS = {"scalars", "fingerprints", "layers", "coords"}
+
+
+class Schema:
+    """One record layout: scalar names, fingerprint names, (layer metric, number of layers), and the
+    mesh dims whose coordinates each row carries.
+
+    Build with :func:`schema_for` (cached, validated). ``id`` is the first 8 bytes of the BLAKE2b
+    hash of :attr:`text`, the canonical JSON the wire carries.
+    """
+
+    __slots__ = (
+        "coords",
+        "scalars",
+        "fingerprints",
+        "layers",
+        "text",
+        "id",
+        "struct",
+        "row_size",
+        "_dtype",
+        "n_layer_values",
+        "layer_offsets",
+    )
+
+    def __init__(
+        self,
+        scalars: Sequence[str],
+        fingerprints: Sequence[str],
+        layers: Sequence[tuple[str, int]],
+        coords: Sequence[str] = (),
+    ) -> None:
+        self.coords = tuple(coords)
+        if any(d not in DIMS for d in self.coords) or len(set(self.coords)) != len(self.coords):
+            raise RecordError(
+                "schema.coords", f"must be distinct mesh dims among {', '.join(DIMS)}, got {self.coords!r}"
+            )
+        self.scalars = tuple(scalars)
+        self.fingerprints = tuple(fingerprints)
+        self.layers = tuple((str(n), int(k)) for n, k in layers)
+        for group, names in (
+            ("scalars", self.scalars),
+            ("fingerprints", self.fingerprints),
+            ("layers", [n for n, _ in self.layers]),
+        ):
+            if len(names) > MAX_NAMES:
+                raise RecordError(group, f"more than {MAX_NAMES} entries")
+            if len(set(names)) != len(names):
+                raise RecordError(group, "a name appears twice in the layout")
+            for n in names:
+                if not isinstance(n, str) or not _NAME.match(n):
+                    raise RecordError(f"{group} name", f"bad metric name {n!r} (letters, digits, _.:-; at most 64)")
+        for n, k in self.layers:
+            if not 0 <= k <= MAX_LAYERS:
+                raise RecordError(f"layers.{n}", f"{k} layers out of range [0, {MAX_LAYERS}]")
+        text: dict[str, Any] = {
+            "scalars": list(self.scalars),
+            "fingerprints": list(self.fingerprints),
+            "layers": [list(x) for x in self.layers],
+        }
+        if self.coords:
+            text["coords"] = list(self.coords)
+        self.text = json.dumps(text, separators=(",", ":")).encode()
+        self.id = int.from_bytes(hashlib.blake2b(self.text, digest_size=8).digest(), "little")
+        self.n_layer_values = sum(k for _, k in self.layers)
+        offsets, o = [], 0
+        for _, k in self.layers:
+            offsets.append(o)
+            o += k
+        self.layer_offsets = tuple(offsets)
+        fmt = (
+            "<"
+            + ROW_HEAD
+            + "I" * len(self.coords)
+            + "d" * len(self.scalars)
+            + "Q" * len(self.fingerprints)
+            + "f" * self.n_layer_values
+        )
+        self.struct = struct.Struct(fmt)
+        self.row_size = self.struct.size
+        self._dtype = None
+
+    @classmethod
+    def from_text(cls, text: bytes) -> "Schema":
+        """Parse the wire form; raises RecordError naming what is wrong."""
+        if len(text) > MAX_SCHEMA_BYTES:
+            raise RecordError("schema", f"longer than {MAX_SCHEMA_BYTES} bytes")
+        try:
+            d = json.loads(text)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise RecordError("schema", f"not valid JSON: {exc}") from None
+        if not isinstance(d, dict) or not {"scalars", "fingerprints", "layers"} <= set(d) <= _SCHEMA_KEYS:
+            raise RecordError("schema", "must be an object with scalars, fingerprints, layers and optionally coords")
+        scalars, fps, layers, coords = d["scalars"], d["fingerprints"], d["layers"], d.get("coords", [])
+        if not all(isinstance(x, list) for x in (scalars, fps, layers, coords)):
+            raise RecordError("schema", "scalars, fingerprints, layers and coords must be arrays")
+        for item in layers:
+            if (
+                not isinstance(item, list)
+                or len(item) != 2
+                or not isinstance(item[0], str)
+                or isinstance(item[1], bool)
+                or not isinstance(item[1], int)
+            ):
+                raise RecordError("schema.layers", f"each entry must be [name, number of layers], got {item!r}")
+        sch = cls(scalars, fps, [tuple(x) for x in layers], coords)
+        if sch.text != bytes(text):
+            raise RecordError("schema", "not in canonical form (compact JSON, keys in order)")
+        return sch
+
+    @property
+    def dtype(self) -> Any:
+        """The numpy structured dtype of one row (packed, no padding)."""
+        if self._dtype is None:
+            import numpy as np
+
+            fields = [
+                ("step", "<u8"),
+                ("rank", "<u4"),
+                ("world", "<u4"),
+                ("local_rank", "<u4"),
+                ("host", "<u4"),
+                ("time", "<f8"),
+                ("coords", "<u4", (len(self.coords),)),
+                ("scalars", "<f8", (len(self.scalars),)),
+                ("fingerprints", "<u8", (len(self.fingerprints),)),
+                ("layers", "<f4", (self.n_layer_values,)),
+            ]
+            self._dtype = np.dtype(fields)
+            assert self._dtype.itemsize == self.row_size
+        return self._dtype
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Schema) and other.text == self.text
+
+    def __hash__(self) -> int:
+        return self.id
+
+    def __repr__(self) -> str:
+        return (
+            f"Schema(id={self.id:#018x}, scalars={len(self.scalars)}, fingerprints={len(self.fingerprints)}, "
+            f"layers={self.layers}, coords={self.coords})"
+        )
+
+
+_SCHEMAS: dict[tuple, Schema] = {}
+
+
+def schema_for(
+    scalars: Sequence[str],
+    fingerprints: Sequence[str] = (),
+    layers: Sequence[tuple[str, int]] = (),
+    coords: Sequence[str] = (),
+) -> Schema:
+    """The (cached) schema of a layout; raises RecordError on a bad name or size."""
+    key = (tuple(scalars), tuple(fingerprints), tuple(layers), tuple(coords))
+    sch = _SCHEMAS.get(key)
+    if sch is None:
+        sch = Schema(*key)
+        if len(_SCHEMAS) < 4096:
+            _SCHEMAS[key] = sch
+    return sch
+
+
+class PackedRecord:
+    """One record packed in its schema's row layout (what a v2 emitter hands its transport).
+
+    Carries what the message header needs (run, host) and what keys it (step); ``to_record()``
+    unpacks it for transports that write JSON.
+    """
+
+    __slots__ = ("run", "host", "step", "schema", "row")
+
+    def __init__(self, run: str, host: str, step: int, schema: Schema, row: bytes) -> None:
+        self.run, self.host, self.step, self.schema, self.row = run, host, step, schema, row
+
+    @classmethod
+    def pack(
+        cls,
+        run: str,
+        host: str,
+        step: int,
+        rank: int,
+        world: int,
+        local_rank: int,
+        time: float,
+        scalars: Mapping[str, float],
+        fingerprints: Mapping[str, int] | None = None,
+        layers: Mapping[str, Sequence[float]] | None = None,
+        *,
+        coords: Mapping[str, int] | None = None,
+        schemas: dict | None = None,
+    ) -> "PackedRecord":
+        """Pack one record; raises RecordError (bad name) or struct/type errors (bad value).
+
+        ``coords`` are trusted canonical coordinates (the emitter validates them once).
+        """
+        fps = fingerprints or {}
+        lay = layers or {}
+        co = coords or {}
+        layout = (tuple(scalars), tuple(fps), tuple((k, len(v)) for k, v in lay.items()), tuple(co))
+        cache = _SCHEMAS if schemas is None else schemas
+        sch = cache.get(layout)
+        if sch is None:
+            sch = schema_for(*layout)
+            if schemas is not None:
+                schemas[layout] = sch
+        row = sch.struct.pack(
+            step,
+            rank,
+            world,
+            local_rank,
+            0,
+            time,
+            *co.values(),
+            *scalars.values(),
+            *fps.values(),
+            *chain.from_iterable(lay.values()),
+        )
+        return cls(run, host, step, sch, row)
+
+    @classmethod
+    def from_record(cls, rec: Any, *, schemas: dict | None = None) -> "PackedRecord":
+        """Pack a :class:`~sdcwatch.core.record.Record` (tests, benchmarks, re-encoding)."""
+        return cls.pack(
+            rec.run,
+            rec.host,
+            rec.step,
+            rec.rank,
+            rec.world,
+            rec.local_rank,
+            rec.time,
+            rec.scalars,
+            rec.fingerprints,
+            rec.layers,
+            coords=rec.coords,
+            schemas=schemas,
+        )
+
+    def to_record(self) -> Any:
+        return row_to_record(self.schema, self.run, (self.host,), self.schema.struct.unpack(self.row))
+
+
+def row_to_record(schema: Schema, run: str, hosts: Sequence[str], values: Sequence[Any]) -> Any:
+    """A :class:`~sdcwatch.core.record.Record` from one unpacked row."""
+    from sdcwatch.core.record_type import Record
+
+    step, rank, world, local_rank, host, time = values[:6]
+    nc = len(schema.coords)
+    coords = dict(zip(schema.coords, values[6 : 6 + nc]))
+    p = 6 + nc
+    ns, nf = len(schema.scalars), len(schema.fingerprints)
+    scalars = dict(zip(schema.scalars, values[p : p + ns]))
+    p += ns
+    fps = dict(zip(schema.fingerprints, values[p : p + nf]))
+    p += nf
+    layers = {}
+    for name, k in schema.layers:
+        layers[name] = tuple(values[p : p + k])
+        p += k
+    return Record(
+        run, step, rank, world, hosts[host] if host < len(hosts) else "", time, local_rank, scalars, fps, layers, coords
+    )

@@ -1,0 +1,391 @@
+"""Step alignment: one run's records grouped by step across ranks, closed in step order.
+
+A step closes when all ranks of the world have arrived, or ``timeout`` seconds after its first
+record (late or missing ranks are then absent in the frame, and the missing-rank detector takes
+over). Frames leave in increasing step order: a complete step waits for earlier open steps (at
+most ``timeout``, or until more than ``max_open`` steps are open); a complete step that does not
+follow the last closed one by the run's usual stride waits ``reorder_grace`` seconds, since an
+earlier step may still be on its way (Kafka partitions are read at different paces), and waits
+while :attr:`StepAligner.backlog` says more records are waiting on the bus (up to ``timeout``): a
+service behind the topic reads one partition's window of steps after another's, and a step of the
+window read first would otherwise close ahead of the earlier steps, whose records then came late
+and were dropped. Duplicates (at-least-once
+delivery) and records for steps already closed are counted and dropped. Runs are kept apart; a
+change of world size (elastic training) closes what is open and starts the run's alignment afresh.
+
+Two guards keep one record from blinding or swamping a run. A step more than ``max_step_jump``
+steps ahead of the run's last closed step closes only if most of the run's ranks sent it (a real
+jump: every rank restarted from a later checkpoint); otherwise its records are set aside in
+:attr:`StepAligner.rejected` (reason ``step_jump``) instead of making every later record late.
+A record that would make its step hold more than ``max_step_values`` values (world x the union
+of the metrics its ranks sent) is set aside too (reason ``step_size``).
+
+Input is records (wire v1) or :class:`~sdcwatch.service.ingest.RecordColumns` blocks (wire v2):
+a block is placed into its steps with array operations (no object per record), and a step's
+(rank x metric) arrays are filled from the blocks when it closes.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+import numpy as np
+
+from sdcwatch.core.validate import check_positive
+from sdcwatch.detectors.frame import StepFrame
+from sdcwatch.detectors.frame import assemble_frame
+from sdcwatch.service.ingest import RecordColumns
+from sdcwatch.core.limits import RecordLimits
+from sdcwatch.core.record_type import Record
+from sdcwatch.core.record_json import from_dict, to_dict
+
+__all__ = ["StepAligner"]
+
+
+@dataclass
+class _OpenStep:
+    first_seen: float
+    world: int
+    records: dict[int, Record] = field(default_factory=dict)
+    scalar_names: set[str] = field(default_factory=set)  # union over its records (the frame's width)
+    layer_names: set[str] = field(default_factory=set)
+    layer_len: int = 0
+    blocks: list[tuple[RecordColumns, np.ndarray]] = field(default_factory=list)  # v2 rows of this step
+    present: np.ndarray = None  # type: ignore[assignment]  # ranks that sent (v1 or v2)
+    count: int = 0
+
+    def __post_init__(self) -> None:
+        if self.present is None:
+            self.present = np.zeros(self.world, bool)
+
+    def all_records(self) -> list[Record]:
+        """Every record of the step, column blocks expanded (saved state, dead letters)."""
+        out = list(self.records.values())
+        for cols, idx in self.blocks:
+            out += cols.to_records(idx)
+        return out
+
+
+@dataclass
+class _RunState:
+    world: int
+    open: dict[int, _OpenStep] = field(default_factory=dict)
+    last_closed: int = -1
+    stride: int = 1  # usual distance between consecutive closed steps (runs may log every N steps)
+    generation: int = 0  # bumped by a world-size change
+
+
+class StepAligner:
+    """Turns a stream of records (any order, any duplicates) into complete-or-timed-out frames."""
+
+    def __init__(
+        self,
+        timeout: float = 5.0,
+        max_open: int = 64,
+        *,
+        reorder_grace: float = 1.0,
+        max_step_jump: int = RecordLimits.max_step_jump,
+        max_step_values: int = RecordLimits.max_step_values,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        check_positive(
+            "aligner",
+            timeout=timeout,
+            max_open=max_open,
+            reorder_grace=reorder_grace,
+            max_step_jump=max_step_jump,
+            max_step_values=max_step_values,
+        )
+        self.max_step_jump = int(max_step_jump)
+        self.max_step_values = int(max_step_values)
+        #: records set aside, as (reason, description, records); the owner takes and dead-letters them
+        self.rejected: list[tuple[str, str, list[Record]]] = []
+        #: asked before a new run is taken; False sets its record aside (reason ``runs``)
+        self.admit: Callable[[str], bool] = lambda run: True
+        self.timeout = float(timeout)
+        self.reorder_grace = min(float(reorder_grace), self.timeout)
+        #: set by the reader of the bus: records are waiting there (consumer lag); a complete step
+        #: out of order then waits for the earlier ones up to ``timeout``, not ``reorder_grace``
+        self.backlog = False
+        self.max_open = int(max_open)
+        self.clock = clock
+        self._runs: dict[str, _RunState] = {}
+        self.duplicates = 0
+        self.late_records = 0
+        self.world_changes = 0
+        self.incomplete_steps = 0
+        self.jumps_rejected = 0  # steps set aside as implausibly far ahead
+
+    # -- input --------------------------------------------------------------------------------
+
+    def add(self, records: Iterable[Record | RecordColumns]) -> list[StepFrame]:
+        """Take records or v2 column blocks; returns the frames that closed (in step order per run)."""
+        now = self.clock()
+        out: list[StepFrame] = []
+        touched: set[str] = set()
+        for rec in records:
+            if isinstance(rec, RecordColumns):
+                self._add_columns(rec, now, out, touched)
+                continue
+            st = self._run_state(rec.run, rec.world, now, out, lambda rec=rec: [rec])
+            if st is None:
+                continue
+            if rec.step <= st.last_closed:
+                self.late_records += 1
+                continue
+            op = st.open.get(rec.step)
+            if op is None:
+                op = st.open[rec.step] = _OpenStep(first_seen=now, world=st.world)
+            if op.present[rec.rank]:
+                self.duplicates += 1
+                continue
+            if not self._fits(
+                st,
+                op,
+                rec.step,
+                rec.run,
+                rec.scalars.keys(),
+                rec.layers.keys(),
+                max(map(len, rec.layers.values()), default=0),
+                lambda rec=rec: [rec],
+            ):
+                continue
+            op.records[rec.rank] = rec
+            op.present[rec.rank] = True
+            op.count += 1
+            touched.add(rec.run)
+        for run in touched:
+            out += self._drain(run, self._runs[run], force=False, now=now)
+        return out
+
+    def _run_state(
+        self, run: str, world: int, now: float, out: list[StepFrame], what: Callable[[], list[Record]]
+    ) -> _RunState | None:
+        """The run's state, started afresh (open steps closed first) when its world size changed;
+        None when the run is not admitted (its records, ``what()``, are set aside)."""
+        st = self._runs.get(run)
+        if st is None:
+            if not self.admit(run):
+                self.rejected.append(
+                    (
+                        "runs",
+                        f"run {run!r} is one more than the service keeps "
+                        "(detectors.max_runs) and no run is stale enough to make room",
+                        what(),
+                    )
+                )
+                return None
+            st = self._runs[run] = _RunState(world=world)
+        elif world != st.world:
+            out += self._drain(run, st, force=True, now=now)
+            self.world_changes += 1
+            st = self._runs[run] = _RunState(
+                world=world, last_closed=st.last_closed, stride=st.stride, generation=st.generation + 1
+            )
+        return st
+
+    def _add_columns(self, cols: RecordColumns, now: float, out: list[StepFrame], touched: set[str]) -> None:
+        """Place a block's rows into their open steps: late, duplicate and new rows told apart with arrays."""
+        worlds = cols.rows["world"]
+        cuts = (np.flatnonzero(worlds[1:] != worlds[:-1]) + 1).tolist()  # a world change splits the block
+        sch = cols.schema
+        scalar_names, layer_names = sch.scalars, [n for n, _ in sch.layers]
+        layer_len = max((k for _, k in sch.layers), default=0)
+        for a, b in zip([0, *cuts], [*cuts, len(cols)]):
+            part = cols if (a, b) == (0, len(cols)) else cols.take(slice(a, b))
+            st = self._run_state(cols.run, int(worlds[a]), now, out, part.to_records)
+            if st is None:
+                continue
+            steps = part.rows["step"].astype(np.int64)
+            order = np.argsort(steps, kind="stable")
+            sorted_steps = steps[order]
+            starts = np.flatnonzero(np.r_[True, sorted_steps[1:] != sorted_steps[:-1]])
+            ranks_all = part.rows["rank"].astype(np.intp)
+            for i, j in zip(starts.tolist(), [*starts[1:].tolist(), len(order)]):
+                step = int(sorted_steps[i])
+                idx = order[i:j]
+                if step <= st.last_closed:
+                    self.late_records += len(idx)
+                    continue
+                op = st.open.get(step)
+                if op is None:
+                    op = st.open[step] = _OpenStep(first_seen=now, world=st.world)
+                ranks = ranks_all[idx]
+                uniq, first = np.unique(ranks, return_index=True)
+                new = ~op.present[uniq]
+                self.duplicates += len(idx) - int(new.sum())
+                if not new.any():
+                    continue
+                idx = idx[first[new]]
+                if not self._fits(
+                    st,
+                    op,
+                    step,
+                    cols.run,
+                    scalar_names,
+                    layer_names,
+                    layer_len,
+                    lambda idx=idx, part=part: part.to_records(idx),
+                ):
+                    continue
+                op.present[uniq[new]] = True
+                op.count += len(idx)
+                op.blocks.append((part, idx))
+                touched.add(cols.run)
+
+    def _fits(
+        self,
+        st: _RunState,
+        op: _OpenStep,
+        step: int,
+        run: str,
+        scalar_names: Iterable[str],
+        layer_names: Iterable[str],
+        n: int,
+        what: Callable[[], list[Record]],
+    ) -> bool:
+        """Whether records of these names keep their step within ``max_step_values``; widens ``op``
+        if so, sets the records (``what()``) aside if not."""
+        scalar_names, layer_names = set(scalar_names), set(layer_names)
+        if scalar_names <= op.scalar_names and layer_names <= op.layer_names and n <= op.layer_len:
+            return True
+        scalars = op.scalar_names | scalar_names
+        layers = op.layer_names | layer_names
+        length = max(n, op.layer_len)
+        width = len(scalars) + len(layers) * length
+        if st.world * width > self.max_step_values:
+            self.rejected.append(
+                (
+                    "step_size",
+                    f"step {step} of run {run!r} would hold {st.world} ranks x "
+                    f"{width} values, the limit is {self.max_step_values} (limits.max_step_values)",
+                    what(),
+                )
+            )
+            return False
+        op.scalar_names, op.layer_names, op.layer_len = scalars, layers, length
+        return True
+
+    def take_rejected(self) -> list[tuple[str, str, list[Record]]]:
+        """The records set aside since the last call (see the module docstring)."""
+        out, self.rejected = self.rejected, []
+        return out
+
+    def poll(self) -> list[StepFrame]:
+        """Close steps whose deadline passed (call regularly, also when no records arrive)."""
+        now = self.clock()
+        out: list[StepFrame] = []
+        for run, st in list(self._runs.items()):
+            out += self._drain(run, st, force=False, now=now)
+        return out
+
+    def flush(self) -> list[StepFrame]:
+        """Close every open step now (end of a replay file, shutdown)."""
+        now = self.clock()
+        out: list[StepFrame] = []
+        for run, st in list(self._runs.items()):
+            out += self._drain(run, st, force=True, now=now)
+        return out
+
+    def _drain(self, run: str, st: _RunState, *, force: bool, now: float) -> list[StepFrame]:
+        out = []
+        while st.open:
+            step = min(st.open)
+            op = st.open[step]
+            complete = op.count == st.world
+            age = now - op.first_seen
+            in_order = step == st.last_closed + st.stride
+            ready = complete and (in_order or (age >= self.reorder_grace and not self.backlog))
+            if not (ready or age >= self.timeout or force or len(st.open) > self.max_open):
+                break
+            del st.open[step]
+            jump = step - st.last_closed
+            if st.last_closed >= 0 and jump > self.max_step_jump and 2 * op.count <= st.world:
+                self.jumps_rejected += 1
+                self.rejected.append(
+                    (
+                        "step_jump",
+                        f"step {step} of run {run!r} is {jump} steps ahead of its last "
+                        f"step {st.last_closed} (limits.max_step_jump {self.max_step_jump}) and only "
+                        f"{op.count} of {st.world} ranks sent it",
+                        op.all_records(),
+                    )
+                )
+                continue
+            if not complete:
+                self.incomplete_steps += 1
+            if st.last_closed >= 0:
+                st.stride = step - st.last_closed
+            st.last_closed = step
+            if op.blocks:
+                out.append(assemble_frame(run, step, st.world, list(op.records.values()), op.blocks, wall=time.time()))
+            else:
+                out.append(StepFrame.from_records(run, step, st.world, list(op.records.values()), wall=time.time()))
+        return out
+
+    def flush_run(self, run: str) -> list[StepFrame]:
+        """Close every open step of ``run`` now (the run ended)."""
+        st = self._runs.get(run)
+        return [] if st is None else self._drain(run, st, force=True, now=self.clock())
+
+    def holds(self, run: str) -> bool:
+        """Whether ``run`` is being aligned (it was admitted and not forgotten)."""
+        return run in self._runs
+
+    def open_steps_of(self, run: str) -> int:
+        """Steps of ``run`` waiting for ranks."""
+        st = self._runs.get(run)
+        return 0 if st is None else len(st.open)
+
+    # -- state --------------------------------------------------------------------------------
+
+    def last_closed(self, run: str) -> int:
+        """The run's last closed step (-1: none yet)."""
+        st = self._runs.get(run)
+        return -1 if st is None else st.last_closed
+
+    def runs(self) -> int:
+        """Runs being aligned."""
+        return len(self._runs)
+
+    def forget(self, run: str) -> None:
+        """Drop a run's alignment state (its open steps are discarded)."""
+        self._runs.pop(run, None)
+
+    def snapshot(self) -> dict[str, Any]:
+        """JSON-safe state, including the records of still-open steps (they are not re-read)."""
+        return {
+            "runs": {
+                run: {
+                    "world": st.world,
+                    "last_closed": st.last_closed,
+                    "stride": st.stride,
+                    "generation": st.generation,
+                    "open": [[step, [to_dict(r) for r in op.all_records()]] for step, op in st.open.items()],
+                }
+                for run, st in self._runs.items()
+            },
+            "counters": [self.duplicates, self.late_records, self.world_changes, self.incomplete_steps],
+        }
+
+    def restore(self, state: dict[str, Any]) -> None:
+        now = self.clock()
+        self._runs = {}
+        for run, d in state["runs"].items():
+            st = _RunState(
+                world=int(d["world"]),
+                last_closed=int(d["last_closed"]),
+                stride=int(d.get("stride", 1)),
+                generation=int(d["generation"]),
+            )
+            for step, recs in d["open"]:
+                op = st.open[int(step)] = _OpenStep(first_seen=now, world=st.world)
+                for r in map(from_dict, recs):
+                    if 0 <= r.rank < st.world and not op.present[r.rank]:
+                        op.records[r.rank] = r
+                        op.present[r.rank] = True
+                        op.count += 1
+            self._runs[run] = st
+        self.duplicates, self.late_records, self.world_changes, self.incomplete_steps = state["counters"]

@@ -1,0 +1,433 @@
+"""Batched ingest: many bus messages decoded at once into numpy columns, and steps assembled from them.
+
+Wire format v2 (``sdcwatch.core.columnar``) names a record layout by a schema id and packs
+each record as fixed-size numbers. :class:`IngestDecoder` parses each message's small header in
+Python, joins the rows of every message of one (schema, run) and reads them with one
+``numpy.frombuffer`` over the schema's structured dtype: a :class:`RecordColumns` block. Version 1
+messages still decode, record by record, in the same call. :func:`~sdcwatch.detectors.frame.assemble_frame` fills one
+step's (rank x metric) arrays from those blocks with fancy indexing, and gives the same
+:class:`~sdcwatch.detectors.frame.StepFrame` as ``StepFrame.from_records`` on the same records.
+
+A v2 message whose schema is not known yet waits (at most ``schema_wait`` seconds and
+``max_pending_bytes``) for a message that carries it, then goes to the dead-letter topic with the
+reason. Every v2 record is checked against the same
+:class:`~sdcwatch.core.limits.RecordLimits` as a v1 record (world size, layer metrics, layers,
+values, step size, counters), on whole columns, plus what makes a row malformed (rank beyond the
+world, host index beyond the message's table, non-finite time); a message holding a bad record is
+dead-lettered whole, as a bad v1 batch is.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Sequence
+
+import numpy as np
+
+from sdcwatch.detectors.frame import StepFrame
+from sdcwatch.core.errors import RecordError
+from sdcwatch.core.limits import COUNTER_SCALARS, LimitError, RecordLimits, reason_of
+from sdcwatch.core.columnar import MAGIC_V2, MessageHeader, parse_header
+from sdcwatch.core.schema import Schema, row_to_record
+from sdcwatch.core.record_type import Record
+from sdcwatch.core.record import decode_message
+from sdcwatch.core.layer_names import NAMES_MAGIC, LayerNames, decode_names
+
+__all__ = [
+    "check_schema",
+    "bad_rows",
+    "SchemaRegistry",
+    "RecordColumns",
+    "IngestDecoder",
+    "Rejected",
+    "count_records",
+    "as_records",
+    "frames_over_wire",
+]
+
+
+def check_schema(limits: RecordLimits, schema: Schema) -> None:
+    """Raise LimitError naming the first claim of a layout past ``limits`` (the shared record limits)."""
+    if len(schema.layers) > limits.max_layer_metrics:
+        raise LimitError(
+            "layers",
+            f"{len(schema.layers)} layer metrics, the limit is {limits.max_layer_metrics} (limits.max_layer_metrics)",
+            "layer_metrics",
+        )
+    for name, k in schema.layers:
+        if k > limits.max_layers:
+            raise LimitError(
+                f"layers.{name}", f"{k} layers, the limit is {limits.max_layers} (limits.max_layers)", "layers"
+            )
+    values = len(schema.scalars) + schema.n_layer_values
+    if values > limits.max_values:
+        raise LimitError("record", f"{values} values, the limit is {limits.max_values} (limits.max_values)", "values")
+
+
+def bad_rows(
+    limits: RecordLimits, rows: np.ndarray, schema: Schema, n_hosts: np.ndarray
+) -> tuple[np.ndarray, list[RecordError]]:
+    """(mask of the rows past ``limits`` or malformed, the error of each, in row order).
+
+    The same claims :meth:`RecordLimits.check` bounds for a v1 record, checked on whole columns.
+    """
+    world = rows["world"]
+    rank = rows["rank"]
+    values = len(schema.scalars) + schema.n_layer_values
+    checks = [
+        (
+            "world",
+            "world",
+            world > limits.max_world,
+            lambda i: f"{world[i]} ranks claimed, the limit is {limits.max_world} (limits.max_world)",
+        ),
+        (
+            "step_size",
+            "world",
+            world.astype(np.int64) * values > limits.max_step_values,
+            lambda i: (
+                f"{world[i]} ranks x {values} values a step, the limit is {limits.max_step_values} "
+                "(limits.max_step_values)"
+            ),
+        ),
+        ("malformed", "world", world < 1, lambda i: f"{world[i]} out of range [1, 2**32)"),
+        ("malformed", "rank", rank >= world, lambda i: f"{rank[i]} out of range [0, {world[i]})"),
+        ("malformed", "step", rows["step"] >= (1 << 63), lambda i: f"{rows['step'][i]} out of range [0, 2**63)"),
+        (
+            "malformed",
+            "host",
+            rows["host"] >= n_hosts,
+            lambda i: f"index {rows['host'][i]} beyond the message's {n_hosts[i]} hosts",
+        ),
+        (
+            "malformed",
+            "time",
+            ~np.isfinite(rows["time"]),
+            lambda i: f"must be a finite number, got {rows['time'][i]!r}",
+        ),
+    ]
+    if schema.coords:
+        top = rows["coords"].max(axis=1)
+        checks.append(
+            (
+                "malformed",
+                "coords",
+                top >= world,
+                lambda i: f"{top[i]} out of range [0, {world[i]}): no mesh dim outnumbers the ranks",
+            )
+        )
+    sc = rows["scalars"]
+    for name in COUNTER_SCALARS:
+        if name in schema.scalars:
+            col = sc[:, schema.scalars.index(name)]
+            with np.errstate(invalid="ignore"):
+                bad = ~((col >= 0.0) & (col <= limits.max_counter))  # NaN fails both comparisons
+            checks.append(
+                (
+                    "counter",
+                    f"scalars.{name}",
+                    bad,
+                    lambda i, col=col: (
+                        f"a counter must be finite, >= 0 and <= {limits.max_counter:g}, got {float(col[i])!r}"
+                    ),
+                )
+            )
+    mask = np.zeros(len(rows), bool)
+    for _, _, bad, _ in checks:
+        mask |= bad
+    errors: list[RecordError] = []
+    for i in np.flatnonzero(mask):
+        for code, field, bad, why in checks:
+            if bad[i]:
+                errors.append(RecordError(field, why(i)) if code == "malformed" else LimitError(field, why(i), code))
+                break
+    return mask, errors
+
+
+class SchemaRegistry:
+    """The layouts this service has learnt, by id (bounded; the oldest is forgotten first)."""
+
+    def __init__(self, limits: RecordLimits | None = None, max_schemas: int = 1024) -> None:
+        self.limits = limits if limits is not None else RecordLimits()
+        self.max_schemas = max_schemas
+        self._by_id: dict[int, Schema] = {}
+
+    def get(self, schema_id: int) -> Schema | None:
+        return self._by_id.get(schema_id)
+
+    def learn(self, schema_id: int, text: bytes) -> Schema:
+        """Check and remember a schema sent inline; raises RecordError when it is bad or its id is wrong."""
+        known = self._by_id.get(schema_id)
+        if known is not None and known.text == text:
+            return known
+        sch = Schema.from_text(text)
+        if sch.id != schema_id:
+            raise RecordError(
+                "schema id", f"{schema_id:#018x} is not the hash of the schema sent with it ({sch.id:#018x})"
+            )
+        check_schema(self.limits, sch)
+        if len(self._by_id) >= self.max_schemas:
+            self._by_id.pop(next(iter(self._by_id)))
+        self._by_id[schema_id] = sch
+        return sch
+
+    def __len__(self) -> int:
+        return len(self._by_id)
+
+    def __contains__(self, schema_id: int) -> bool:
+        return schema_id in self._by_id
+
+    def snapshot(self) -> list[str]:
+        return [s.text.decode() for s in list(self._by_id.values())]
+
+    def restore(self, texts: Iterable[str]) -> None:
+        for t in texts:
+            sch = Schema.from_text(t.encode())
+            self._by_id[sch.id] = sch
+
+
+class RecordColumns:
+    """Records of one run and one schema as columns: ``rows`` is a structured array (see ``Schema.dtype``).
+
+    ``hosts`` is the host table of the messages the rows came from, ``host`` (n,) each row's index
+    into it.
+    """
+
+    __slots__ = ("run", "schema", "rows", "hosts", "host")
+
+    def __init__(self, run: str, schema: Schema, rows: np.ndarray, hosts: np.ndarray, host: np.ndarray) -> None:
+        self.run, self.schema, self.rows, self.hosts, self.host = run, schema, rows, hosts, host
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def take(self, idx: np.ndarray | slice) -> "RecordColumns":
+        return RecordColumns(self.run, self.schema, self.rows[idx], self.hosts, self.host[idx])
+
+    def to_records(self, idx: Sequence[int] | np.ndarray | None = None) -> list[Record]:
+        """Expand to :class:`Record` objects (state snapshots, JSON capture, tests)."""
+        rows = self.rows if idx is None else self.rows[idx]
+        host = self.host if idx is None else self.host[idx]
+        st = self.schema.struct
+        out = []
+        for vals, h in zip(st.iter_unpack(np.ascontiguousarray(rows).tobytes()), host.tolist()):
+            vals = list(vals)
+            vals[4] = 0  # the host index, here into a one-entry table
+            out.append(row_to_record(self.schema, self.run, (str(self.hosts[h]),), vals))
+        return out
+
+
+def count_records(items: Sequence[Any]) -> int:
+    """Records in a list of decoded items (records and column blocks; layer names are none)."""
+    return sum(len(x) if isinstance(x, RecordColumns) else 0 if isinstance(x, LayerNames) else 1 for x in items)
+
+
+def as_records(items: Iterable[Any]) -> list[Record]:
+    """Every item as :class:`Record` objects (column blocks expanded)."""
+    out: list[Record] = []
+    for x in items:
+        if isinstance(x, RecordColumns):
+            out.extend(x.to_records())
+        elif not isinstance(x, LayerNames):
+            out.append(x)
+    return out
+
+
+@dataclass(frozen=True)
+class Rejected:
+    """A message the decoder could not use, and why (the source dead-letters it)."""
+
+    origin: str
+    key: bytes | None
+    value: bytes | None
+    reason: str
+    code: str = "malformed"  # the dead-letter reason code (one of DEAD_LETTER_REASONS)
+
+
+def _rejected(origin: str, key: bytes | None, value: bytes | None, exc: RecordError, prefix: str = "") -> Rejected:
+    return Rejected(origin, key, value, prefix + str(exc), reason_of(exc))
+
+
+class IngestDecoder:
+    """Decodes batches of bus messages (v1 and v2 mixed) into records and :class:`RecordColumns`."""
+
+    def __init__(
+        self,
+        registry: SchemaRegistry | None = None,
+        *,
+        schema_wait: float = 2.0,
+        max_pending_bytes: int = 64 << 20,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.registry = registry if registry is not None else SchemaRegistry()
+        self.limits = self.registry.limits
+        self.schema_wait = schema_wait
+        self.max_pending_bytes = max_pending_bytes
+        self.clock = clock
+        self._pending: deque[tuple[float, str, bytes | None, bytes, MessageHeader]] = deque()
+        self._pending_bytes = 0
+        self._names: dict = {}  # layer-names payloads checked before (decode_names' cache)
+
+    @property
+    def pending(self) -> int:
+        """Messages waiting for their schema."""
+        return len(self._pending)
+
+    def decode(self, messages: Iterable[tuple[str, bytes | None, Any]]) -> tuple[list, list[Rejected]]:
+        """``(origin, key, value)`` messages -> (records and column blocks, rejected messages)."""
+        items: list = []
+        rejected: list[Rejected] = []
+        v2: list[tuple[str, bytes | None, bytes, MessageHeader]] = []
+        for origin, key, value in messages:
+            if value is None:
+                rejected.append(Rejected(origin, key, value, "empty message (null value)", "empty"))
+                continue
+            if not isinstance(value, bytes):
+                value = bytes(value)
+            if value[:4] == NAMES_MAGIC:  # a rank's layer names (sdcwatch.core.layer_names)
+                try:
+                    items.append(decode_names(value, self.limits, self._names))
+                except RecordError as exc:
+                    rejected.append(_rejected(origin, key, value, exc))
+                continue
+            if value[:4] != MAGIC_V2:
+                try:
+                    items.extend(decode_message(value, self.limits))
+                except RecordError as exc:
+                    rejected.append(_rejected(origin, key, value, exc))
+                continue
+            try:
+                if len(value) > self.limits.max_message_bytes:
+                    raise LimitError(
+                        "message",
+                        f"{len(value)} bytes, the limit is {self.limits.max_message_bytes} (limits.max_message_bytes)",
+                        "oversize",
+                    )
+                head = parse_header(value)
+                if head.schema_text is not None:
+                    self.registry.learn(head.schema_id, head.schema_text)
+            except RecordError as exc:
+                rejected.append(_rejected(origin, key, value, exc))
+                continue
+            v2.append((origin, key, value, head))
+        now = self.clock()
+        ready: dict[tuple[int, str], list] = {}
+        known = self.registry
+        if self._pending:
+            waiting = [(origin, key, value, head, since) for since, origin, key, value, head in self._pending]
+            self._pending.clear()
+            self._pending_bytes = 0
+            v2 = [*waiting, *v2]
+        for m in v2:
+            head = m[3]
+            if head.schema_id in known:
+                group = ready.get(head.group)
+                if group is None:
+                    ready[head.group] = [m]
+                else:
+                    group.append(m)
+                continue
+            origin, key, value, head = m[:4]
+            since = m[4] if len(m) > 4 else now
+            if now - since >= self.schema_wait or self._pending_bytes + len(value) > self.max_pending_bytes:
+                why = (
+                    f"unknown schema {head.schema_id:#018x}: no message carrying it arrived within "
+                    f"{self.schema_wait:g} s (or the wait buffer of {self.max_pending_bytes} bytes is full)"
+                )
+                rejected.append(_rejected(origin, key, value, LimitError("schema id", why, "unknown_schema")))
+            else:
+                self._pending.append((since, origin, key, value, head))
+                self._pending_bytes += len(value)
+        for (schema_id, run), msgs in ready.items():
+            cols = self._columns(self.registry.get(schema_id), run, msgs, rejected)
+            if cols is not None:
+                items.append(cols)
+        return items, rejected
+
+    def expire(self) -> list[Rejected]:
+        """Give up on messages whose schema did not come in time (call when idle)."""
+        return self.decode(())[1] if self._pending else []
+
+    def _columns(self, schema: Schema, run: str, msgs: list, rejected: list[Rejected]) -> RecordColumns | None:
+        size = schema.row_size
+        good = [m for m in msgs if len(m[2]) - m[3].rows_at == m[3].count * size]
+        if len(good) < len(msgs):
+            for origin, key, value, head, *_ in msgs:
+                n = len(value) - head.rows_at
+                if n != head.count * size:
+                    why = f"{n} bytes of records, the header says {head.count} of {size} bytes"
+                    rejected.append(_rejected(origin, key, value, RecordError("records", why)))
+        if not good:
+            return None
+        if len(good) == 1:
+            origin, key, value, head = good[0][:4]
+            rows = np.frombuffer(value, schema.dtype, offset=head.rows_at)
+        else:
+            rows = np.frombuffer(b"".join([memoryview(m[2])[m[3].rows_at :] for m in good]), schema.dtype)
+        heads = [m[3] for m in good]
+        counts = np.fromiter([h.count for h in heads], np.int64, len(heads))
+        tables = [h.hosts for h in heads]
+        n_hosts = np.repeat(np.fromiter(map(len, tables), np.int64, len(tables)), counts)
+        bad, errors = bad_rows(self.limits, rows, schema, n_hosts)
+        if bad.any():
+            starts = np.cumsum(counts) - counts
+            msg_of = np.searchsorted(starts, np.flatnonzero(bad), side="right") - 1
+            bad_msgs: dict[int, tuple[int, RecordError]] = {}
+            for m, exc, row in zip(msg_of.tolist(), errors, np.flatnonzero(bad).tolist()):
+                bad_msgs.setdefault(m, (row - int(starts[m]), exc))
+            for m, (row, exc) in bad_msgs.items():
+                origin, key, value = good[m][:3]
+                rejected.append(_rejected(origin, key, value, exc, prefix=f"record {row}: "))
+            keep_msg = np.ones(len(good), bool)
+            keep_msg[list(bad_msgs)] = False
+            keep = np.repeat(keep_msg, counts)
+            rows = rows[keep]
+            counts = counts[keep_msg]
+            tables = [t for t, k in zip(tables, keep_msg) if k]
+            if not len(rows):
+                return None
+        start_of: dict[int, int] = {}  # one copy of each distinct host table (the tuples are shared)
+        names: list[str] = []
+        starts = []
+        for t in tables:
+            o = start_of.get(id(t))
+            if o is None:
+                o = start_of[id(t)] = len(names)
+                names.extend(t)
+            starts.append(o)
+        host = rows["host"].astype(np.int64) + np.repeat(np.fromiter(starts, np.int64, len(starts)), counts)
+        hosts = np.array(names or [""], dtype=object)
+        return RecordColumns(run, schema, rows, hosts, host)
+
+
+def frames_over_wire(records: Sequence[Record], wire: str, *, per_message: int = 256) -> list[StepFrame]:
+    """The frames the service would build from ``records`` sent in wire format ``wire`` (``v1``/``v2``).
+
+    Encodes as the emitters' transports do, decodes with :class:`IngestDecoder`, aligns with a
+    :class:`~sdcwatch.service.aligner.StepAligner` that waits for every rank. Lets offline
+    tools (the campaign) run detection on exactly what crosses the bus.
+    """
+    from sdcwatch.service.aligner import StepAligner
+    from sdcwatch.core.columnar import WIRES, encode_items
+    from sdcwatch.core.schema import PackedRecord
+    from sdcwatch.core.record import record_key
+
+    if wire not in WIRES:
+        raise ValueError(f"wire must be one of {', '.join(WIRES)}, got {wire!r}")
+    items = list(records) if wire == "v1" else [PackedRecord.from_record(r) for r in records]
+    messages = [
+        (f"wire/0/{i}", key, value)
+        for i, (key, value, _) in enumerate(encode_items(items, record_key, per_message, set()))
+    ]
+    decoder = IngestDecoder()
+    aligner = StepAligner(timeout=1e9, max_open=1 << 30, reorder_grace=1e9)
+    frames: list[StepFrame] = []
+    for i in range(0, len(messages), 16):  # a poll's worth at a time, as the service reads them
+        decoded, rejected = decoder.decode(messages[i : i + 16])
+        if rejected:
+            raise RecordError("record", f"{len(rejected)} messages did not decode: {rejected[0].reason}")
+        frames += aligner.add(decoded)
+    frames += aligner.flush()
+    return sorted(frames, key=lambda f: (f.run, f.step))

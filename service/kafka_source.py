@@ -1,0 +1,397 @@
+"""KafkaSource: the telemetry topic read in a consumer group by a reader thread of its own.
+
+The reader thread owns the kafka-python consumer (which is not thread-safe): it polls, decodes,
+dead-letters, commits and measures the lag, and hands decoded batches to the service through a
+bounded queue. So the consumer keeps its group membership whatever the service does between two
+of its own calls, and a member that loses its partitions is logged and counted.
+
+The reader also holds back at a gap in a partition's offsets and re-fetches it until the missing
+batch arrives (:mod:`sdcwatch.service.offset_gaps`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from typing import Any, Callable, Sequence
+
+from sdcwatch.core.errors import TransportError
+from sdcwatch.core.kafka import new_consumer, new_producer, security_settings
+from sdcwatch.core.vocabulary import DEADLETTER_TOPIC, TELEMETRY_TOPIC
+from sdcwatch.service.bus import (
+    DEADLETTER_MAX_BYTES,
+    FAST_JOIN,
+    DeadLetterCounts,
+    decode_or_reason,
+    dead_letter_value,
+)
+from sdcwatch.service.ingest import IngestDecoder, Rejected, SchemaRegistry, count_records
+from sdcwatch.service.offset_gaps import GAP_WAIT_S, OffsetGaps
+from sdcwatch.core.limits import RecordLimits
+from sdcwatch.core.record_type import Record
+from sdcwatch.core.record import decode_message, encode
+
+__all__ = ["KafkaSource"]
+
+log = logging.getLogger("sdcwatch.detectors")
+
+
+class KafkaSource(DeadLetterCounts):
+    """Reads the telemetry topic in a consumer group, with a dead-letter topic for bad messages.
+
+    A reader thread owns the consumer: it polls, decodes and dead-letters, and hands decoded
+    batches to :meth:`poll` through a bounded queue. So the consumer polls the group on time
+    whatever the service does between two of its own calls (a slow scrape, a large snapshot): it
+    keeps its membership instead of being evicted after ``max_poll_interval_ms``. When the queue
+    holds ``queue_records`` records the reader pauses its partitions (and keeps polling, which
+    keeps it in the group) until the service catches up. Commits, lag and the assignment are
+    handled on the reader thread too (kafka-python's consumer is not thread-safe); a member
+    without partitions (evicted, or waiting for a rebalance) is logged and counted.
+
+    The group timings default to :data:`FAST_JOIN`: kafka-python's first join of a new group waits
+    for the rebalance and session timeouts; at the defaults a fresh service would sit idle for
+    tens of seconds before its first record.
+    """
+
+    def __init__(
+        self,
+        bootstrap: str,
+        topic: str = TELEMETRY_TOPIC,
+        *,
+        group: str = "sdcwatch-detectors",
+        deadletter_topic: str = DEADLETTER_TOPIC,
+        auto_offset_reset: str = "earliest",
+        max_poll_records: int = 20_000,
+        max_poll_interval_ms: int = FAST_JOIN["max_poll_interval_ms"],
+        session_timeout_ms: int = FAST_JOIN["session_timeout_ms"],
+        heartbeat_interval_ms: int = FAST_JOIN["heartbeat_interval_ms"],
+        lag_interval: float = 1.0,
+        decode: Callable[..., list] = decode_message,
+        limits: RecordLimits | None = None,
+        ingest: IngestDecoder | None = None,
+        queue_records: int = 100_000,
+        gap_wait_s: float = GAP_WAIT_S,
+        **security: Any,
+    ) -> None:
+        from kafka.errors import KafkaError
+
+        security = security_settings(security)
+        self.bootstrap = bootstrap
+        self.topic = topic
+        self.group = group
+        self.deadletter_topic = deadletter_topic
+        self.max_poll_records = max_poll_records
+        self.lag_interval = lag_interval
+        self.decode = decode  # decode_summary_message for the temporal stage
+        self.limits = limits if limits is not None else (RecordLimits() if decode is decode_message else None)
+        # telemetry (v1 and v2) is decoded a poll at a time by the reader thread; ``schemas`` is
+        # what it learnt (the service saves it with its state)
+        self.ingest = ingest if ingest is not None else IngestDecoder(SchemaRegistry(self.limits))
+        self.schemas = self.ingest.registry
+        self.queue_records = queue_records
+        self.gaps = OffsetGaps(gap_wait_s)  # partition offsets that skip ahead: re-fetched first
+        self._positioned: set = set()  # partitions whose fetch position was asked since their assignment
+        self.records = 0
+        self.dead_letters = 0
+        self.dead_letter_reasons: dict[str, int] = {}
+        self.partitions = 0  # partitions this member owns now
+        self.rebalances = 0  # times the assignment changed after the first join
+        self.unassigned_since: float | None = None  # monotonic time the member lost its partitions
+        self._lag = 0
+        self._lag_at = 0.0
+        self._assignment: list[int] | None = None
+        self._had_partitions = False
+        # reader thread <-> service thread
+        self._cond = threading.Condition()
+        # (records and column blocks, messages, offsets, records)
+        self._queue: deque[tuple[list, int, dict[Any, int], int]] = deque()
+        self._queued_records = 0
+        self._queued_messages = 0
+        self._handed: dict[Any, int] = {}  # partition -> next offset of what poll() returned
+        self._requests: deque[tuple[Callable[[], Any], threading.Event, list]] = deque()
+        self._stop = threading.Event()
+        self._max_poll_interval = max_poll_interval_ms / 1000
+        try:
+            self._consumer = new_consumer(
+                bootstrap,
+                topic,
+                security=security,
+                group_id=group,
+                enable_auto_commit=False,
+                auto_offset_reset=auto_offset_reset,
+                max_poll_records=max_poll_records,
+                max_poll_interval_ms=max_poll_interval_ms,
+                session_timeout_ms=session_timeout_ms,
+                heartbeat_interval_ms=heartbeat_interval_ms,
+                fetch_max_wait_ms=100,
+                # producers that batch many ranks send messages of hundreds of kB, which the broker
+                # batches further: fetch whole record batches of up to 16 MB a partition
+                max_partition_fetch_bytes=16 << 20,
+            )
+            # a dead letter is kept whole up to DEADLETTER_MAX_BYTES: above the 1 MB default request
+            self._dl_producer = new_producer(
+                bootstrap, security, linger_ms=5, max_block_ms=5000, max_request_size=DEADLETTER_MAX_BYTES + (1 << 20)
+            )
+        except (KafkaError, OSError, ValueError) as exc:
+            raise TransportError(f"cannot connect to Kafka at {bootstrap}: {exc}") from None
+        self._thread = threading.Thread(target=self._read, name=f"sdcwatch-reader-{topic}", daemon=True)
+        self._thread.start()
+
+    # -- the service's side ---------------------------------------------------------------------
+
+    def poll(self, timeout: float = 1.0, max_records: int | None = None) -> list:
+        """Decoded records and v2 column blocks (whole messages, about ``max_records`` records);
+        bad messages are dead-lettered."""
+        limit = max_records or self.max_poll_records
+        out: list = []
+        n = 0
+        with self._cond:
+            if not self._queue:
+                self._cond.wait(timeout)
+            while self._queue and (not out or n + self._queue[0][3] <= limit):
+                recs, messages, offsets, count = self._queue.popleft()
+                self._queued_records -= count
+                self._queued_messages -= messages
+                self._handed.update(offsets)
+                out.extend(recs)
+                n += count
+            self._cond.notify_all()
+        self.records += n
+        return out
+
+    @property
+    def assigned(self) -> bool:
+        """Whether this member has joined its group and owns partitions (records can flow)."""
+        return self.partitions > 0
+
+    def commit(self, timeout: float = 10.0) -> None:
+        """Commit everything returned by ``poll`` so far (call after processing it)."""
+        with self._cond:
+            offsets = dict(self._handed)
+        if offsets:
+            self._on_reader(lambda: self._commit(offsets), timeout, "offset commit")
+
+    def lag(self) -> int:
+        """Messages between what this service processed and the end of the topic (refreshed each
+        ``lag_interval`` seconds by the reader); the group's lag from its committed offsets while
+        this member owns no partitions."""
+        return self._lag
+
+    def dead_letter(self, records: Sequence[Record], reason: str, why: str) -> None:
+        """Route records the pipeline refused (e.g. an implausible step) to the dead-letter topic."""
+        for rec in records:
+            self._send_dead_letter(None, encode(rec), reason, why, "pipeline")
+        with self._cond:
+            self._count_dead_letter(reason, len(records))
+
+    def close(self) -> None:
+        self._stop.set()
+        with self._cond:
+            self._cond.notify_all()
+        self._thread.join(timeout=self._max_poll_interval + 10)
+        try:
+            self._dl_producer.close(timeout=5)
+        finally:
+            self._consumer.close()
+
+    # -- the reader thread ----------------------------------------------------------------------
+
+    def _on_reader(self, fn: Callable[[], Any], timeout: float, what: str) -> Any:
+        done = threading.Event()
+        box: list = []
+        with self._cond:
+            self._requests.append((fn, done, box))
+        if not done.wait(timeout):
+            log.warning("%s: the reader did not answer within %.0fs", what, timeout)
+            return None
+        return box[0] if box else None
+
+    def _read(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._read_once()
+            except Exception:  # the reader must outlive any one failure
+                log.exception("group %s: reading %s failed; retrying", self.group, self.topic)
+                self._stop.wait(1.0)
+
+    def _read_once(self) -> None:
+        while True:
+            with self._cond:
+                if not self._requests:
+                    break
+                fn, done, box = self._requests.popleft()
+            try:
+                box.append(fn())
+            finally:
+                done.set()
+        consumer = self._consumer
+        parts = consumer.assignment()
+        with self._cond:
+            full = self._queued_records >= self.queue_records
+        if full:
+            consumer.pause(*parts)
+        elif consumer.paused():
+            consumer.resume(*consumer.paused())
+        self._learn_positions(parts)
+        batches = consumer.poll(timeout_ms=100 if not full else 50, max_records=self.max_poll_records)
+        self._track_assignment()
+        batches = self._hold_at_gaps(batches)
+        out: list = []
+        rejected: list[Rejected] = []
+        offsets: dict[Any, int] = {}
+        messages = sum(len(msgs) for msgs in batches.values())
+        if self.decode is decode_message:  # telemetry: v1 and v2, many messages at once
+            out, rejected = self.ingest.decode(
+                (f"{tp.topic}/{tp.partition}/{msg.offset}", msg.key, msg.value)
+                for tp, msgs in batches.items()
+                for msg in msgs
+            )
+        else:
+            for tp, msgs in batches.items():
+                for msg in msgs:
+                    recs, reason, why = decode_or_reason(msg.value, self.decode, self.limits)
+                    if recs is not None:
+                        out.extend(recs)
+                    else:
+                        rejected.append(
+                            Rejected(f"{tp.topic}/{tp.partition}/{msg.offset}", msg.key, msg.value, why, reason)
+                        )
+        for rj in rejected:
+            log.debug("dead letter %s: %s", rj.origin, rj.reason)
+            self._send_dead_letter(rj.key, rj.value, rj.code, rj.reason, rj.origin)
+            with self._cond:
+                self._count_dead_letter(rj.code)
+        for tp, msgs in batches.items():
+            if msgs:
+                offsets[tp] = msgs[-1].offset + 1
+        if offsets:
+            count = count_records(out)
+            with self._cond:
+                self._queue.append((out, messages, offsets, count))
+                self._queued_records += count
+                self._queued_messages += messages
+                self._cond.notify_all()
+        if time.monotonic() - self._lag_at >= self.lag_interval:
+            self._refresh_lag()
+
+    def _learn_positions(self, parts: Any) -> None:
+        """The fetch position of each newly assigned partition: where its first message must be.
+
+        Asked once per assignment, briefly (the reader must keep polling to stay in its group);
+        a partition whose position is not known then starts from its first message read.
+        """
+        self.gaps.keep_only(parts)
+        self._positioned &= set(parts)
+        for tp in parts:
+            if tp in self._positioned:
+                continue
+            self._positioned.add(tp)
+            try:
+                position = self._consumer.position(tp, timeout_ms=1000)
+            except Exception as exc:
+                log.debug("position of %s unknown: %s", tp, exc)
+                continue
+            if position is not None:
+                self.gaps.expect(tp, position)
+
+    def _hold_at_gaps(self, batches: dict) -> dict:
+        """``batches`` up to the first young offset gap of each partition; the consumer goes back to it."""
+        held, seek = self.gaps.hold(batches, time.monotonic())
+        for tp, offset in seek.items():
+            try:
+                self._consumer.seek(tp, offset)
+            except Exception as exc:  # revoked meanwhile: its next owner starts from the committed offset
+                log.debug("cannot go back to offset %d of %s: %s", offset, tp, exc)
+        return held
+
+    def _track_assignment(self) -> None:
+        parts = sorted(tp.partition for tp in self._consumer.assignment())
+        if parts == self._assignment:
+            return
+        if self._had_partitions:  # the first join is not a rebalance
+            self.rebalances += 1
+        self._assignment = parts
+        # positions after a rebalance are the group's committed offsets, not where this member
+        # stopped: learn them afresh
+        self.gaps.keep_only(())
+        self._positioned.clear()
+        self.partitions = len(parts)
+        if parts:
+            self._had_partitions = True
+            self.unassigned_since = None
+            log.info("group %s: assigned partitions %s of %s", self.group, parts, self.topic)
+        else:
+            self.unassigned_since = time.monotonic()
+            if self._had_partitions:
+                log.warning(
+                    "group %s: this member lost its partitions of %s (evicted from the group or a "
+                    "rebalance); no records flow until it is assigned again",
+                    self.group,
+                    self.topic,
+                )
+
+    def _commit(self, offsets: dict[Any, int]) -> None:
+        from kafka.structs import OffsetAndMetadata
+
+        owned = self._consumer.assignment()
+        mine = {tp: OffsetAndMetadata(off, "", -1) for tp, off in offsets.items() if tp in owned}
+        try:
+            if self.dead_letters:
+                self._dl_producer.flush(timeout=2)
+            if mine:
+                self._consumer.commit(mine)
+        except Exception as exc:  # a failed commit means redelivery, which dedup absorbs
+            log.warning("offset commit failed (records may be redelivered): %s", exc)
+
+    def _refresh_lag(self) -> None:
+        self._lag_at = time.monotonic()
+        consumer = self._consumer
+        try:
+            parts = consumer.assignment()
+            if parts:
+                ends = consumer.end_offsets(list(parts))
+                with self._cond:
+                    handed = dict(self._handed)
+                lag = 0
+                for tp in parts:
+                    done = handed.get(tp)
+                    if done is None:
+                        done = consumer.committed(tp)
+                        done = consumer.position(tp) if done is None else done
+                    # the end as the fetches saw it too: the embedded broker's ListOffsets answers
+                    # the last-written batch's first offset + 1, short of the end
+                    end = max(ends[tp], consumer.highwater(tp) or 0)
+                    lag += max(0, end - done)
+                self._lag = int(lag)
+            elif self._had_partitions and time.monotonic() - (self.unassigned_since or 0) > self._max_poll_interval:
+                # lost its partitions and not back within a rebalance: the group's lag from its
+                # committed offsets, not a reassuring 0 (never during a join: these calls would stall it)
+                from kafka.structs import TopicPartition
+
+                ids = consumer.partitions_for_topic(self.topic) or ()
+                tps = [TopicPartition(self.topic, p) for p in ids]
+                if tps:
+                    ends = consumer.end_offsets(tps)
+                    self._lag = int(sum(max(0, ends[tp] - (consumer.committed(tp, timeout_ms=500) or 0)) for tp in tps))
+                self._lag_at = time.monotonic() + 4 * self.lag_interval  # at most every few seconds
+        except Exception as exc:
+            log.debug("lag unavailable: %s", exc)
+
+    def _send_dead_letter(self, key: bytes | None, value: bytes | None, reason: str, why: str, origin: str) -> None:
+        body, headers = dead_letter_value(value)
+        try:
+            self._dl_producer.send(
+                self.deadletter_topic,
+                key=key,
+                value=body,
+                headers=[
+                    ("sdcwatch.reason", why.encode()),
+                    ("sdcwatch.reason_code", reason.encode()),
+                    ("sdcwatch.origin", origin.encode()),
+                    *headers,
+                ],
+            )
+        except Exception as exc:  # the count stays; the service must keep going
+            log.warning("could not dead-letter %s: %s", origin, exc)

@@ -1,0 +1,448 @@
+"""DetectionPipeline: aligner -> detectors -> attribution -> incident book, for any number of runs.
+
+The pipeline is the whole detection state of the service and of offline replay. It is plain,
+single-threaded and clocked from outside, so tests drive it step by step; ``view()`` gives the
+exporter a consistent :class:`ServiceView`, ``save()``/``load()`` put the entire state in one JSON
+file so a restarted service resumes without a new warm-up and without repeating alerts.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import deque
+from dataclasses import dataclass, fields
+from typing import Any, Callable, Iterable, Sequence
+
+import numpy as np
+
+from sdcwatch.service.aligner import StepAligner
+from sdcwatch.detectors.attribution import Attribution
+from sdcwatch.detectors.base import SplitDetector
+from sdcwatch.detectors.frame import StepFrame, frame_stats
+from sdcwatch.service.run_state import RunState
+from sdcwatch.service.run_view import run_view
+from sdcwatch.service.incidents import IncidentBook
+from sdcwatch.service.layer_names import LayerNameBook
+from sdcwatch.detectors.registry import default_detectors
+from sdcwatch.service.run_lifecycle import RunLifecycle
+from sdcwatch.service.statefile import read_state, restoring, write_state
+from sdcwatch.service.ingest import count_records
+from sdcwatch.detectors.peers import coords_of, known_coords
+from sdcwatch.service.summary import StepSummary, SummaryOrder
+from sdcwatch.core.jsonsafe import json_safe
+from sdcwatch.core.validate import check_positive
+from sdcwatch.core.incident import IncidentEvent, PipelineView, RunView, ServiceView
+from sdcwatch.core.errors import ConfigError
+from sdcwatch.core.limits import RecordLimits
+
+__all__ = ["DetectionPipeline", "PipelineSettings", "STATE_VERSION", "STAGES"]
+
+#: What a pipeline does: both stages (the default), or one stage of the scale-out.
+STAGES = ("both", "spatial", "temporal")
+
+STATE_VERSION = 1
+
+
+@dataclass(frozen=True)
+class PipelineSettings:
+    """Settings of the detection pipeline."""
+
+    step_timeout: float = 5.0
+    """Seconds after a step's first record before it closes without the late ranks."""
+    max_open_steps: int = 64
+    """Open steps per run before the oldest is closed regardless of its deadline."""
+    quiet_steps: int = 50
+    """Steps without a finding after which an incident resolves."""
+    attribution_window: int = 50
+    """Steps within which a spike and rank-local evidence are joined."""
+    stale_after: float = 900.0
+    """Seconds without a step after which a run's open incidents resolve (the run ended or died;
+    the exporter's last-step age and the missing-rank alerts say which)."""
+    order_grace: float = 2.0
+    """Temporal stage: seconds a step summary waits for the summaries of earlier steps."""
+    stats_every: int = 10
+    """Spatial stage: steps between the cross-rank quantiles it sends for the dashboards."""
+    names_resend: float = 300.0
+    """Spatial stage: seconds over which it sends every rank's layer names again (:class:`LayerNameBook`)."""
+    max_runs: int = 1000
+    """Runs whose detection state is kept (memory and the state file grow with them). A new run past
+    it takes the place of a run silent for ``stale_after`` seconds (forgotten, its open incidents
+    resolved); when no run is that stale, the new run's records are dead-lettered (reason runs), so
+    a flood of run names cannot push out the runs that are training."""
+    end_expiry: float = 300.0
+    """Seconds a finished run (every rank sent its end-of-run marker) stays in memory and /metrics."""
+    idle_expiry: float = 6 * 3600.0
+    """Seconds without a record before an unfinished run is evicted, its open incidents resolved."""
+
+    def __post_init__(self) -> None:
+        check_positive("pipeline", **{f.name: getattr(self, f.name) for f in fields(self)})
+
+
+def _name_coords(findings: list, coords: np.ndarray | None) -> list:
+    """Give each finding the mesh coordinates of the ranks it names (when the run has them)."""
+    if coords is not None:
+        for f in findings:
+            if f.ranks and not f.coords:
+                f.coords = tuple(coords_of(coords, r) for r in f.ranks[:64])
+    return findings
+
+
+class DetectionPipeline:
+    """All detection state: feed records (or frames), get incident events; read ``view()``."""
+
+    def __init__(
+        self,
+        settings: PipelineSettings | None = None,
+        *,
+        detectors: Callable[[], Sequence] = default_detectors,
+        stage: str = "both",
+        limits: RecordLimits | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
+    ) -> None:
+        self.settings = settings or PipelineSettings()
+        if stage not in STAGES:
+            raise ConfigError("detectors.stage", f"must be one of {', '.join(STAGES)}, got {stage!r}")
+        self.stage = stage
+        self.make_detectors = detectors
+        if stage != "both":
+            whole = [d.name for d in detectors() if not isinstance(d, SplitDetector)]
+            if whole:
+                raise ConfigError(
+                    "detectors",
+                    f"{', '.join(whole)} need(s) whole steps and cannot run in a "
+                    f'split {stage} stage; run the service with stage = "both"',
+                )
+        self.wall = wall
+        self.limits = limits or RecordLimits()
+        self.aligner = StepAligner(
+            self.settings.step_timeout,
+            self.settings.max_open_steps,
+            clock=clock,
+            max_step_jump=self.limits.max_step_jump,
+            max_step_values=self.limits.max_step_values,
+        )
+        self.aligner.admit = self._admit
+        self.book = IncidentBook(self.settings.quiet_steps, clock=wall)
+        resend = self.settings.names_resend if stage == "spatial" else None  # a spatial stage forwards the names
+        self.names = LayerNameBook(self.settings.max_runs, resend=resend, clock=clock)  # incidents name modules
+        self.lifecycle = RunLifecycle(
+            self.settings.end_expiry, self.settings.idle_expiry, close_grace=self.settings.step_timeout, clock=wall
+        )
+        self._runs: dict[str, RunState] = {}
+        self.findings_total: dict[tuple[str, str], int] = {}
+        self.records_total = 0
+        self.runs_forgotten = 0  # stale runs dropped to make room for new ones (settings.max_runs)
+        self.last_record_wall = 0.0
+        self._rate: deque[tuple[float, int]] = deque(maxlen=64)
+        self.order = SummaryOrder(self.settings.order_grace, clock=clock)
+        self.summaries_total = 0  # temporal stage: summaries received
+        self.outbox: list[StepSummary] = []  # spatial stage: summaries for the temporal stage
+        self.forgotten_events: list[IncidentEvent] = []  # resolutions of forgotten runs' incidents
+
+    # -- input --------------------------------------------------------------------------------
+
+    def process(self, records: Iterable[Any]) -> list[IncidentEvent]:
+        """Align records (v1 ``Record``, v2 ``RecordColumns``); run every closed step through the detectors."""
+        records, markers, restarted, new = self.lifecycle.sort_mixed(self.names.take(records))
+        self.records_total += (n := count_records(records))  # telemetry: end-of-run markers not counted
+        self._arrived(n + len(markers))
+        events: list[IncidentEvent] = []
+        for run in restarted:  # a finished run's name is used again: the old run goes first
+            events += self.evict(run, "finished")
+        self.lifecycle.arrived(restarted)
+        for frame in self.aligner.add(records):
+            events += self.process_frame(frame)
+        self.lifecycle.arrived([run for run in new if self.aligner.holds(run)])  # admitted (max_runs)
+        for marker in markers:  # the run closes in expire(), once its last steps are judged
+            self.lifecycle.end(marker)
+        return self._with_forgotten(events)
+
+    def _with_forgotten(self, events: list[IncidentEvent]) -> list[IncidentEvent]:
+        if self.forgotten_events:
+            events, self.forgotten_events = self.forgotten_events + events, []
+        return events
+
+    def tick(self) -> list[IncidentEvent]:
+        """Close steps whose alignment deadline passed, release waiting summaries (call regularly)."""
+        events = [e for frame in self.aligner.poll() for e in self.process_frame(frame)]
+        return self._with_forgotten(events + [e for s in self.order.poll() for e in self.judge_step(s)])
+
+    def expire(self) -> list[IncidentEvent]:
+        """Resolve incidents of runs silent for ``stale_after`` s, close finished runs, evict expired ones."""
+        now = self.wall()
+        events: list[IncidentEvent] = []
+        for run, st in self._runs.items():
+            if st.last_step >= 0 and now - st.last_step_wall >= self.settings.stale_after:
+                events += self.book.close_run(run, st.last_step)
+        waiting = self.order.held if self.stage == "temporal" else self.aligner.open_steps_of
+        for run in self.lifecycle.to_close(waiting):
+            events += [e for frame in self.aligner.flush_run(run) for e in self.process_frame(frame)]
+            st = self._runs.get(run)
+            events += self.book.close_run(run, st.last_step if st is not None else -1)
+            self.lifecycle.closed(run)
+            if self.stage == "spatial" and st is not None:  # tell the temporal stage, after the last steps
+                self.outbox.append(StepSummary.end_of(run, st.last_step, st.world))
+        for run, why in self.lifecycle.to_evict():
+            events += self.evict(run, why)
+        return events
+
+    def evict(self, run: str, why: str = "") -> list[IncidentEvent]:
+        """Forget ``run``: its open incidents resolve (the events say so), its state and series go."""
+        st = self._runs.pop(run, None)
+        events = self.book.close_run(run, st.last_step if st is not None else -1)
+        self.book.forget_run(run)
+        self.names.forget(run)
+        self.aligner.forget(run)
+        self.order.forget(run)
+        self.lifecycle.forget(run, why)
+        return events
+
+    def flush(self) -> list[IncidentEvent]:
+        """Close every open step and release every waiting summary (end of input)."""
+        events = [e for frame in self.aligner.flush() for e in self.process_frame(frame)]
+        return events + [e for s in self.order.flush() for e in self.judge_step(s)]
+
+    def process_frame(self, frame: StepFrame) -> list[IncidentEvent]:
+        """One aligned step: observe it (spatial), then judge it (temporal) or queue its summary."""
+        summary = self.observe_step(frame)
+        if self.stage == "spatial":
+            self.outbox.append(summary)
+            return []
+        return self.judge_step(summary)
+
+    def process_summaries(self, summaries: Iterable[StepSummary]) -> list[IncidentEvent]:
+        """Temporal stage: take summaries from the spatial instances, judge them in step order."""
+        summaries = list(summaries)
+        self.summaries_total += len(summaries)
+        self._arrived(len(summaries))
+        summaries = self.lifecycle.take_summaries(self.names.take(summaries))  # the end closes a run in expire()
+        return self._with_forgotten([e for s in self.order.add(summaries) for e in self.judge_step(s)])
+
+    def _arrived(self, n: int) -> None:
+        """Input rate and age of the last input: records (one process, spatial) or summaries (temporal)."""
+        if n:
+            self.last_record_wall = self.wall()
+            self._rate.append((self.last_record_wall, n))
+
+    def _state(self, run: str) -> RunState:
+        st = self._runs.get(run)
+        if st is None:
+            dets = list(self.make_detectors())
+            if self.stage == "spatial":
+                for d in dets:
+                    d.sparse = True
+            st = self._runs[run] = RunState(dets, Attribution(self.settings.attribution_window))
+        return st
+
+    def _admit(self, run: str) -> bool:
+        """Whether a new run fits within ``max_runs`` (the aligner asks before it takes one). Past the
+        bound the run silent longest (``_runs`` is in order of activity: the first) makes room if it
+        has been silent for ``stale_after`` seconds."""
+        if self.aligner.runs() < self.settings.max_runs:
+            return True
+        idlest = next(iter(self._runs), None)
+        if idlest is None or self.wall() - self._runs[idlest].last_step_wall < self.settings.stale_after:
+            return False
+        self.runs_forgotten += 1
+        self.forgotten_events += self.evict(idlest)
+        return True
+
+    def observe_step(self, frame: StepFrame) -> StepSummary:
+        """The cross-rank half of every detector on one step, as a :class:`StepSummary`."""
+        st = self._state(frame.run)
+        known = st.hosts if len(st.hosts) == frame.world else [""] * frame.world
+        hosts = tuple(frame.hosts) if frame.complete else tuple(new or old for new, old in zip(frame.hosts, known))
+        col = frame.scalar("emitter_dropped")
+        dropped: dict[int, float] = {}
+        if col is not None:
+            nz = np.flatnonzero(np.isfinite(col) & (col > 0))
+            dropped = dict(zip(nz.tolist(), col[nz].tolist()))
+        summary = StepSummary(
+            run=frame.run,
+            step=frame.step,
+            world=frame.world,
+            n_present=int(frame.present.sum()),
+            complete=frame.complete,
+            hosts=None if hosts == st.sent_hosts else hosts,
+            dropped=dropped,
+            frame=frame,
+        )
+        st.sent_hosts = hosts
+        coords = known_coords(frame)
+        if coords is not None:
+            known = st.coords
+            if not frame.complete and known is not None and known.shape == coords.shape:
+                coords = np.where(frame.present[:, None], coords, known)  # absent ranks: as last seen
+            if st.sent_coords is None or st.sent_coords.shape != coords.shape or (st.sent_coords != coords).any():
+                summary.coords = coords
+            st.sent_coords = st.coords = coords
+        obs = summary.observations
+        for det in st.detectors:
+            if isinstance(det, SplitDetector):
+                obs[det.name] = det.observe(frame)
+        spatial = self.stage == "spatial"
+        # a step measuring a sampled layer metric (attention statistics) keeps its statistics: held on view
+        if st.held.measures_sampled(frame.layer_names) or (spatial and st.steps_total % self.settings.stats_every == 0):
+            summary.stats = frame_stats(frame)
+        if spatial:
+            st.hosts = list(hosts)
+            st.steps_total += 1
+            st.last_step, st.last_step_wall, st.world = frame.step, self.wall(), frame.world
+            self._runs[frame.run] = self._runs.pop(frame.run)  # most recently active last
+        return summary
+
+    def judge_step(self, summary: StepSummary) -> list[IncidentEvent]:
+        """The temporal half: every detector's judgement, attribution and the incident book."""
+        st = self._state(summary.run)
+        self._runs[summary.run] = self._runs.pop(summary.run)  # most recently active last
+        st.remember(summary, self.wall())
+        if summary.hosts is None:
+            summary.hosts = tuple(st.hosts)
+        if summary.coords is None and st.coords is not None and st.coords.shape[0] == summary.world:
+            summary.coords = st.coords
+        findings = []
+        for det in st.detectors:
+            if isinstance(det, SplitDetector):
+                found = det.judge(summary, summary.observations.get(det.name))
+            elif summary.frame is not None:  # a detector that needs the whole step (both stages here)
+                found = det.update(summary.frame)
+            else:
+                found = []
+            _name_coords(found, summary.coords)
+            for f in found:
+                k = (f.detector, f.kind)
+                self.findings_total[k] = self.findings_total.get(k, 0) + 1
+            findings += found
+        findings = self.names.enrich(findings, summary.run)  # a layer index names its module
+        findings = _name_coords(st.attribution.apply(summary.step, summary.world, findings), summary.coords)
+        return self.book.add(findings, summary.hosts) + self.book.advance(summary.run, summary.step)
+
+    # -- reading ------------------------------------------------------------------------------
+
+    def incidents(self) -> list:
+        """Open incidents and the recently resolved ones."""
+        return self.book.current()
+
+    def take_summaries(self) -> list[StepSummary]:
+        """Spatial stage: the step summaries made since the last call, for the summaries topic."""
+        summaries, self.outbox = self.outbox, []
+        return self.names.stamp(summaries)  # with the layer names the temporal stage has not had
+
+    def _run_views(self, max_runs: int | None) -> list[RunView]:
+        """Views of the runs to export: all, or the ``max_runs`` with open incidents first, then the
+        most recently active (each view is built once per step and reused by later scrapes)."""
+        runs = [(run, st) for run, st in self._runs.items() if st.summary is not None]
+        if max_runs is not None and len(runs) > max_runs:
+            alerting = {inc.run for inc in self.book.current() if inc.open}
+            runs.sort(key=lambda rs: (rs[0] not in alerting, -rs[1].last_step_wall, rs[0]))
+            runs = runs[:max_runs]
+        out = []
+        for run, st in runs:
+            if st.view is None or st.view.finished != self.lifecycle.finished(run):  # built per step or end
+                st.view = run_view(run, st, self.lifecycle.finished(run))
+            out.append(st.view)
+        return out
+
+    def view(
+        self,
+        *,
+        dead_letters_total: int = 0,
+        consumer_lag: int = 0,
+        dead_letter_reasons: dict[str, int] | None = None,
+        consumer_partitions: int = -1,
+        waiting_for_schema: int = 0,
+        offset_gaps: dict[str, int] | None = None,
+        max_runs: int | None = None,
+    ) -> ServiceView:
+        """What the exporter shows: runs (at most ``max_runs``), pipeline health, incidents, counters.
+        The source's own health (dead letters by reason, consumer lag, partitions, messages waiting
+        for a schema, offset gaps) comes from whoever reads the source: the service."""
+        runs = [] if self.stage == "spatial" else self._run_views(max_runs)
+        now = self.wall()
+        recent = [(t, n) for t, n in self._rate if now - t <= 10.0]
+        rps = 0.0
+        if len(recent) >= 2 and now > recent[0][0]:
+            rps = sum(n for _, n in recent[1:]) / max(now - recent[0][0], 1e-6)
+        pipe = PipelineView(
+            records_total=self.records_total,
+            records_per_second=rps,
+            duplicates_total=self.aligner.duplicates + self.order.duplicates,
+            summaries_total=self.summaries_total,
+            summaries_late_total=self.order.late,
+            dead_letters_total=dead_letters_total,
+            consumer_lag=consumer_lag,
+            last_record_wall=self.last_record_wall,
+            late_records_total=self.aligner.late_records,
+            world_changes_total=self.aligner.world_changes,
+            incomplete_steps_total=self.aligner.incomplete_steps,
+            dead_letter_reasons=dict(dead_letter_reasons or {}),
+            consumer_partitions=consumer_partitions,
+            waiting_for_schema=waiting_for_schema,
+            offset_gaps=dict(offset_gaps or {}),
+            runs_total=len(self._runs),
+            runs_forgotten_total=self.runs_forgotten,
+            runs_evicted_total=dict(self.lifecycle.evicted_total),
+        )
+        return ServiceView(
+            runs=runs,
+            pipeline=pipe,
+            incidents=self.book.current(),
+            incidents_total=dict(self.book.opened_total),
+            findings_total=dict(self.findings_total),
+        )
+
+    # -- state ----------------------------------------------------------------------------------
+
+    def snapshot(self) -> dict[str, Any]:
+        """The entire detection state, JSON-safe."""
+        return {
+            "version": STATE_VERSION,
+            "aligner": self.aligner.snapshot(),
+            "book": self.book.snapshot(),
+            "runs": {run: st.snapshot() for run, st in self._runs.items()},
+            "findings_total": [[d, k, n] for (d, k), n in self.findings_total.items()],
+            "records_total": self.records_total,
+            "stage": self.stage,
+            "order": self.order.snapshot(),
+            "summaries_total": self.summaries_total,
+            "lifecycle": self.lifecycle.snapshot(),
+            "layer_names": self.names.snapshot(),
+        }
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """Take back a :meth:`snapshot` (detectors missing from it start fresh)."""
+        if state.get("version") != STATE_VERSION:
+            raise ConfigError("state.version", f"unknown pipeline state version {state.get('version')!r}")
+        saved = state.get("stage", state.get("role", "both"))  # "role": the key of older states
+        if saved != self.stage:
+            which = f"the state was saved by a {saved!r} stage, this is a {self.stage!r} stage"
+            raise ConfigError("state.file", f"{which}: give each stage its own state directory")
+        self.aligner.restore(state["aligner"])
+        self.book.restore(state["book"])
+        self._runs = {}
+        for run, d in state["runs"].items():
+            st = self._state(run)
+            st.restore(d, self.wall())  # the stale clock restarts with the service
+            self._runs[run] = st
+        self.findings_total = {(a, b): int(n) for a, b, n in state["findings_total"]}
+        self.records_total = int(state["records_total"])
+        self.order.restore(state.get("order", {}))
+        self.summaries_total = int(state.get("summaries_total", 0))
+        self.lifecycle.restore(state.get("lifecycle", {}), runs=self._runs)
+        self.names.restore(state.get("layer_names", {}))
+
+    def save(self, path: str | os.PathLike, state: dict[str, Any] | None = None) -> None:
+        """Write the state (``state``, or a snapshot taken now); see :func:`~sdcwatch.service.statefile.write_state`."""
+        write_state(path, json_safe(state if state is not None else self.snapshot()))
+
+    def load(self, path: str | os.PathLike) -> bool:
+        """Restore from ``path`` if it exists; returns whether it did. A state file that cannot be
+        read or restored raises ConfigError naming the file, the fault and the ways out."""
+        state = read_state(path)
+        if state is None:
+            return False
+        with restoring(path):
+            self.restore(state)
+        return True

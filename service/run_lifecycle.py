@@ -1,0 +1,270 @@
+"""Run lifecycle in the service: which runs are live, finished or idle, and when each is forgotten.
+
+One mechanism for every way a run leaves the service:
+
+- **live**: its records arrive.
+- **finished**: every rank of its world sent the end-of-run marker
+  (:mod:`sdcwatch.telemetry.wire.end_marker`). The pipeline then *closes* the run: its open steps are
+  aligned and judged, its open incidents resolve (the sinks, Alertmanager among them, hear it) and
+  the exporter marks it finished, so no stall alert fires for it. ``end_expiry`` seconds after the
+  last marker the run is *evicted*: its detection state and all its /metrics series are dropped.
+- **idle**: not finished and no record for ``idle_expiry`` seconds (ranks killed, job preempted,
+  emitters that never send a marker). Evicted the same way; its open incidents are resolved first.
+
+A record newer than its rank's marker (the run name is used again: a restart, or the launcher's
+default name) starts the run afresh: the finished run is evicted at once. Redelivered old records
+(at-least-once delivery) are older than the marker and are dropped by the aligner as late.
+Times are the service's wall clock; after a restart the clocks of restored runs start again.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from sdcwatch.core.validate import check_positive
+from sdcwatch.core.vocabulary import RUN_END
+from sdcwatch.core.record_type import Record
+
+__all__ = ["RunLifecycle"]
+
+
+@dataclass
+class _Life:
+    last_input: float  # service wall time of the run's last record (or summary)
+    world: int = 0  # world size the markers were sent for
+    ended: dict[int, float] = field(default_factory=dict)  # rank -> time field of its marker
+    end_step: int = -1  # highest step named by a marker
+    finished_at: float | None = None  # service wall time the last marker arrived
+    closed: bool = False  # open steps judged and incidents resolved after the run finished
+
+
+class _RunSeen:
+    """Stands for a column block's run in :meth:`RunLifecycle.sort` (which reads ``run`` and ``scalars``)."""
+
+    __slots__ = ("run",)
+    scalars: dict = {}
+
+    def __init__(self, run: str) -> None:
+        self.run = run
+
+
+class RunLifecycle:
+    """Tracks every run's input and end markers; says which runs to close and which to evict.
+
+    Args:
+        end_expiry: seconds a finished run stays (in memory and in /metrics) after its last marker.
+        idle_expiry: seconds without input after which a run that did not finish is evicted.
+        close_grace: longest wait, after the last marker, for the run's open steps to complete
+            before it is closed anyway (the aligner's step timeout).
+        clock: wall time.
+    """
+
+    def __init__(
+        self,
+        end_expiry: float = 300.0,
+        idle_expiry: float = 6 * 3600.0,
+        *,
+        close_grace: float = 5.0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        check_positive("runs", end_expiry=end_expiry, idle_expiry=idle_expiry, close_grace=close_grace)
+        self.end_expiry = float(end_expiry)
+        self.idle_expiry = float(idle_expiry)
+        self.close_grace = float(close_grace)
+        self.clock = clock
+        self._runs: dict[str, _Life] = {}
+        self.finished_total = 0  # runs that finished with every rank's marker
+        self.evicted_total: dict[str, int] = {"finished": 0, "idle": 0}
+
+    # -- input --------------------------------------------------------------------------------
+
+    def sort(self, records: Iterable[Record]) -> tuple[list[Record], list[Record], set[str], set[str]]:
+        """Split input into (telemetry, end markers, runs started again, runs not known yet); note
+        the input time of the known runs.
+
+        A run is started again when one of its ranks sends telemetry newer than its marker after
+        the run finished; the caller evicts the old run before it aligns the new records. New runs
+        are the caller's to admit (within its bound on runs) and report with :meth:`arrived`.
+        """
+        now = self.clock()
+        records = records if isinstance(records, list) else list(records)
+        runs = self._runs
+        # the hot path of ingest: comprehensions over every record, a loop only over the ranks of
+        # runs that have sent markers
+        markers = [rec for rec in records if RUN_END in rec.scalars]
+        data = [rec for rec in records if RUN_END not in rec.scalars] if markers else records
+        seen = {rec.run for rec in records}
+        restarted: set[str] = set()
+        watched = {run for run in seen if run in runs and runs[run].ended}
+        for rec in data if watched else ():
+            if rec.run in watched:
+                life = runs[rec.run]
+                t = life.ended.get(rec.rank)
+                if t is not None and rec.time > t:  # newer than the rank's marker: the rank is back
+                    if life.finished_at is not None:
+                        restarted.add(rec.run)
+                    else:
+                        del life.ended[rec.rank]
+        new: set[str] = set()
+        for run in seen - restarted:  # the caller evicts a restarted run, then reports its input
+            life = runs.get(run)
+            if life is None:
+                new.add(run)
+            else:
+                life.last_input = now
+        return data, markers, restarted, new
+
+    def sort_mixed(self, items: list) -> tuple[list, list[Record], set[str], set[str]]:
+        """:meth:`sort` over records and wire-v2 column blocks (``RecordColumns``): a block of a run
+        with ranks that ended, or one carrying end markers, is taken as records (rare); any other
+        block counts by its run only and is returned as it is."""
+        blocks = [x for x in items if hasattr(x, "schema")]
+        if not blocks:
+            return self.sort(items)
+        plain = [x for x in items if not hasattr(x, "schema")]
+        kept = []
+        for b in blocks:
+            if RUN_END in b.schema.scalars or self.ended_ranks(b.run):
+                plain += b.to_records()
+            else:
+                kept.append(b)
+        proxies = [_RunSeen(run) for run in {b.run for b in kept}]
+        data, markers, restarted, new = self.sort(plain + proxies)
+        return [x for x in data if not isinstance(x, _RunSeen)] + kept, markers, restarted, new
+
+    def arrived(self, runs: Iterable[str]) -> None:
+        """Input for ``runs`` that carries no markers (the temporal stage's step summaries)."""
+        now = self.clock()
+        for run in runs:
+            life = self._runs.get(run)
+            if life is None:
+                self._runs[run] = _Life(now)
+            else:
+                life.last_input = now
+
+    def take_summaries(self, summaries: list) -> list:
+        """The temporal stage's input: note each run's input, finish the runs whose end the spatial
+        stage sent (:meth:`StepSummary.end_of`), and return the step summaries to judge."""
+        self.arrived({s.run for s in summaries})
+        for s in summaries:
+            if s.ended:
+                self.finish(s.run)
+        return [s for s in summaries if not s.ended]
+
+    def end(self, marker: Record) -> bool:
+        """Take one rank's marker; True when it completes the run (every rank of its world ended)."""
+        life = self._runs.get(marker.run)
+        if life is None or life.finished_at is not None:
+            return False  # a run never admitted, or a redelivered marker of a finished run
+        if marker.world != life.world:  # the world changed (elastic): only markers of the new world count
+            life.world, life.ended = marker.world, {}
+        life.ended[marker.rank] = marker.time
+        life.end_step = max(life.end_step, marker.step)
+        if len(life.ended) < life.world:
+            return False
+        life.finished_at = self.clock()
+        self.finished_total += 1
+        return True
+
+    def finish(self, run: str) -> bool:
+        """The run ended as a whole (the temporal stage hears it from the spatial stage's summary)."""
+        life = self._runs.get(run)
+        if life is None:
+            life = self._runs[run] = _Life(self.clock())
+        if life.finished_at is not None:
+            return False
+        life.finished_at = self.clock()
+        self.finished_total += 1
+        return True
+
+    # -- decisions ----------------------------------------------------------------------------
+
+    def to_close(self, open_steps: Callable[[str], int]) -> list[str]:
+        """Finished runs to close now: their open steps are done, or ``close_grace`` has passed."""
+        now = self.clock()
+        return [
+            run
+            for run, life in self._runs.items()
+            if life.finished_at is not None
+            and not life.closed
+            and (open_steps(run) == 0 or now - life.finished_at >= self.close_grace)
+        ]
+
+    def closed(self, run: str) -> None:
+        life = self._runs.get(run)
+        if life is not None:
+            life.closed = True
+
+    def to_evict(self) -> list[tuple[str, str]]:
+        """(run, why) of the runs to evict now: ``finished`` past ``end_expiry``, ``idle`` past ``idle_expiry``."""
+        now = self.clock()
+        out = []
+        for run, life in self._runs.items():
+            if life.finished_at is not None:
+                if life.closed and now - life.finished_at >= self.end_expiry:
+                    out.append((run, "finished"))
+            elif now - life.last_input >= self.idle_expiry:
+                out.append((run, "idle"))
+        return out
+
+    def forget(self, run: str, why: str | None = None) -> None:
+        if self._runs.pop(run, None) is not None and why in self.evicted_total:
+            self.evicted_total[why] += 1
+
+    # -- reading ------------------------------------------------------------------------------
+
+    def finished(self, run: str) -> bool:
+        life = self._runs.get(run)
+        return life is not None and life.finished_at is not None
+
+    def ended_ranks(self, run: str) -> int:
+        life = self._runs.get(run)
+        return 0 if life is None else len(life.ended)
+
+    def __contains__(self, run: str) -> bool:
+        return run in self._runs
+
+    def __len__(self) -> int:
+        return len(self._runs)
+
+    # -- state --------------------------------------------------------------------------------
+
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            "runs": {
+                run: {
+                    "world": life.world,
+                    "ended": [[r, t] for r, t in life.ended.items()],
+                    "end_step": life.end_step,
+                    "finished": life.finished_at is not None,
+                    "closed": life.closed,
+                }
+                for run, life in self._runs.items()
+            },
+            "finished_total": self.finished_total,
+            "evicted_total": dict(self.evicted_total),
+        }
+
+    def restore(self, state: dict[str, Any], runs: Iterable[str] = ()) -> None:
+        """Take back a :meth:`snapshot`; ``runs`` are runs the pipeline holds (older state files
+        have no lifecycle part). Every clock starts again now."""
+        now = self.clock()
+        self._runs = {}
+        for run, d in state.get("runs", {}).items():
+            self._runs[run] = _Life(
+                now,
+                world=int(d["world"]),
+                ended={int(r): float(t) for r, t in d["ended"]},
+                end_step=int(d["end_step"]),
+                finished_at=now if d["finished"] else None,
+                closed=bool(d["closed"]),
+            )
+        for run in runs:
+            self._runs.setdefault(run, _Life(now))
+        self.finished_total = int(state.get("finished_total", 0))
+        self.evicted_total.update(
+            {k: int(v) for k, v in state.get("evicted_total", {}).items() if k in self.evicted_total}
+        )

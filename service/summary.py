@@ -1,0 +1,358 @@
+"""Step summaries: what the spatial stage learns of one aligned step, for the temporal stage.
+
+The service can run as two stages (see ``stage`` in :mod:`sdcwatch.service.pipeline`). The *spatial* stage
+holds whole steps: it aligns records across ranks and runs the cross-rank half of every detector
+(``observe``). What it learns is a :class:`StepSummary`: the global loss and gradient norm, the
+non-finite cells, the replica vote, the robust z of the cells that stand out, the slow and the
+absent ranks. The *temporal* stage folds summaries, in step order, into each detector's history
+(``judge``), attributes and keeps incidents. A summary is a few kilobytes where the step's
+records are megabytes, so one temporal instance keeps up with many spatial ones.
+
+On the bus a summary is one message (key: the run, so a run's summaries share a partition):
+``SDCS``, a version byte, then zlib of a small JSON head followed by the raw bytes of the numpy
+arrays it refers to. A bad message raises :class:`SummaryError` (a ``RecordError``), which the
+source routes to the dead-letter topic like any malformed record.
+"""
+
+from __future__ import annotations
+
+import base64
+import heapq
+from collections import deque
+import json
+import math
+import struct
+import time
+import zlib
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+from sdcwatch.core.validate import check_positive
+from sdcwatch.core.errors import SummaryError
+
+__all__ = ["StepSummary", "SummaryOrder", "encode_summary", "decode_summary", "SUMMARY_MAGIC", "SUMMARY_VERSION"]
+
+SUMMARY_MAGIC = b"SDCS"
+SUMMARY_VERSION = 1
+_HEAD = struct.Struct(">I")
+
+
+@dataclass
+class StepSummary:
+    """One run's step as the temporal stage sees it.
+
+    ``hosts`` is the run's host table (index = rank) when the spatial instance saw it change,
+    else None (the temporal stage keeps the last one). ``dropped`` maps the ranks whose emitter
+    dropped records to their count. ``stats`` holds the cross-rank quantiles the exporter shows
+    (``scalars``: name -> 5 quantiles, ``layers``: name -> (n_layers, 5); under tensor or pipeline
+    parallelism ``pieces``: the same per model piece, see :mod:`~sdcwatch.detectors.piece_stats`); the spatial stage sends
+    them every few steps. ``observations`` maps detector name to what its ``observe`` returned.
+    ``frame`` is the aligned step itself when both stages run in one process (never sent).
+    ``ended`` marks the run's end instead of a step: every rank sent its end-of-run marker and the
+    spatial stage has published the run's last steps (``step`` is the last one). ``coords`` is the
+    run's (world, mesh dims) coordinate table like ``hosts`` (sent when it changed; None for a run
+    whose records carry no coordinates, and on the wire when unchanged). ``names`` holds the layer
+    names the run's ranks sent since the last summary and those of the next few ranks once more,
+    ``{world, tables, ranks}`` (:meth:`~sdcwatch.service.layer_names.LayerNameBook.stamp`; None:
+    none).
+    """
+
+    run: str
+    step: int
+    world: int
+    n_present: int
+    complete: bool = True
+    hosts: tuple[str, ...] | None = None
+    dropped: dict[int, float] = field(default_factory=dict)
+    stats: dict[str, Any] | None = None
+    observations: dict[str, Any] = field(default_factory=dict)
+    frame: Any = None
+    ended: bool = False
+    coords: np.ndarray | None = None
+    names: dict[str, Any] | None = None
+
+    @classmethod
+    def end_of(cls, run: str, last_step: int, world: int) -> "StepSummary":
+        """The summary that tells the temporal stage ``run`` ended (after its last steps' summaries)."""
+        return cls(run=run, step=max(last_step, 0), world=max(world, 1), n_present=0, complete=False, ended=True)
+
+
+# -- codec ---------------------------------------------------------------------------------------
+
+
+def _pack(obj: Any, blobs: list[bytes]) -> Any:
+    """JSON-ready copy of ``obj`` with numpy arrays moved to ``blobs`` and floats kept exact."""
+    if isinstance(obj, np.ndarray):
+        a = np.ascontiguousarray(obj)
+        blobs.append(a.tobytes())
+        return {"__nd__": len(blobs) - 1, "dtype": a.dtype.str, "shape": list(a.shape)}
+    if isinstance(obj, dict):
+        return (
+            {"__map__": [[_pack(k, blobs), _pack(v, blobs)] for k, v in obj.items()]}
+            if any(not isinstance(k, str) for k in obj)
+            else {k: _pack(v, blobs) for k, v in obj.items()}
+        )
+    if isinstance(obj, (list, tuple)):
+        return [_pack(v, blobs) for v in obj]
+    if isinstance(obj, (np.integer,)):
+        return int(obj)
+    if isinstance(obj, (float, np.floating)):
+        f = float(obj)
+        return f if math.isfinite(f) else {"__f__": repr(f)}
+    return obj
+
+
+def _check_stats(stats: Any) -> None:
+    """``stats`` is None or ``frame_stats``'s form: ``scalars`` and ``layers`` objects of arrays, and
+    under tensor or pipeline parallelism ``pieces`` with its names, statistics and layer counts (the
+    temporal stage keeps and shows them: a forged shape is dead-lettered here, not met later)."""
+    if stats is None:
+        return
+
+    def arrays(x: Any) -> bool:
+        return isinstance(x, dict) and all(isinstance(v, np.ndarray) for v in x.values())
+
+    pieces = stats.get("pieces") if isinstance(stats, dict) else None
+    ok = isinstance(stats, dict) and arrays(stats.get("scalars")) and arrays(stats.get("layers"))
+    if ok and pieces is not None:
+        ok = (
+            isinstance(pieces, dict)
+            and isinstance(pieces.get("names"), list)
+            and arrays(pieces.get("scalars"))
+            and arrays(pieces.get("layers"))
+            and isinstance(pieces.get("n_layers"), np.ndarray)
+            and isinstance(pieces.get("omitted"), int)
+        )
+    if not ok:
+        raise SummaryError("stats", "must hold scalars and layers statistics (and a pieces object) as arrays")
+
+
+def _unpack(obj: Any, arrays: list[np.ndarray]) -> Any:
+    if isinstance(obj, dict):
+        if "__nd__" in obj:
+            return arrays[obj["__nd__"]]
+        if "__f__" in obj:
+            return float(obj["__f__"])
+        if "__map__" in obj:
+            return {_unpack(k, arrays): _unpack(v, arrays) for k, v in obj["__map__"]}
+        return {k: _unpack(v, arrays) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_unpack(v, arrays) for v in obj]
+    return obj
+
+
+def encode_summary(s: StepSummary) -> bytes:
+    """One bus message for ``s`` (its ``frame`` stays behind)."""
+    blobs: list[bytes] = []
+    head = {
+        "run": s.run,
+        "step": s.step,
+        "world": s.world,
+        "n_present": s.n_present,
+        "complete": s.complete,
+        "hosts": None if s.hosts is None else list(s.hosts),
+        "dropped": _pack(s.dropped, blobs),
+        "stats": _pack(s.stats, blobs),
+        "observations": _pack(s.observations, blobs),
+    }
+    if s.ended:  # only then: older temporal stages read the head's known keys and drop the rest
+        head["ended"] = True
+    if s.coords is not None:
+        head["coords"] = _pack(np.asarray(s.coords, dtype=np.int32), blobs)
+    if s.names is not None:  # checked again by the temporal stage's book, like a names message
+        head["names"] = s.names
+    j = json.dumps(head, separators=(",", ":"), allow_nan=False).encode("utf-8")
+    body = zlib.compress(b"".join([_HEAD.pack(len(j)), j, *blobs]), 1)
+    return SUMMARY_MAGIC + bytes([SUMMARY_VERSION]) + body
+
+
+def decode_summary(data: bytes | bytearray | memoryview) -> StepSummary:
+    """Inverse of :func:`encode_summary`; raises SummaryError naming what is wrong."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise SummaryError("summary", f"expected bytes, got {type(data).__name__}")
+    buf = bytes(data)
+    if buf[:4] != SUMMARY_MAGIC:
+        raise SummaryError("magic", f"not an sdcwatch step summary (starts with {buf[:4]!r})")
+    if len(buf) < 5 or buf[4] != SUMMARY_VERSION:
+        raise SummaryError("version", f"unknown step-summary version {buf[4] if len(buf) > 4 else None!r}")
+    try:
+        raw = zlib.decompress(buf[5:])
+    except zlib.error as exc:
+        raise SummaryError("body", f"not zlib data: {exc}") from None
+    if len(raw) < 4:
+        raise SummaryError("head", "truncated")
+    (n,) = _HEAD.unpack_from(raw)
+    try:
+        head = json.loads(raw[4 : 4 + n])
+    except ValueError as exc:
+        raise SummaryError("head", f"not JSON: {exc}") from None
+    try:
+        arrays, pos = [], 4 + n
+        for spec in _array_specs({k: v for k, v in head.items() if k != "names"}):  # names hold no arrays
+            dtype = np.dtype(spec["dtype"])
+            count = int(np.prod(spec["shape"], dtype=np.int64))
+            size = count * dtype.itemsize
+            if pos + size > len(raw):
+                raise SummaryError("arrays", f"array {len(arrays)} needs {size} bytes, {len(raw) - pos} left")
+            arrays.append(np.frombuffer(raw, dtype, count, pos).reshape(spec["shape"]).copy())
+            pos += size
+        if pos != len(raw):
+            raise SummaryError("arrays", f"{len(raw) - pos} trailing bytes")
+        hosts = head["hosts"]
+        s = StepSummary(
+            run=str(head["run"]),
+            step=int(head["step"]),
+            world=int(head["world"]),
+            n_present=int(head["n_present"]),
+            complete=bool(head["complete"]),
+            hosts=None if hosts is None else tuple(str(h) for h in hosts),
+            dropped={int(k): float(v) for k, v in _unpack(head["dropped"], arrays).items()},
+            stats=_unpack(head["stats"], arrays),
+            observations=_unpack(head["observations"], arrays),
+            ended=head.get("ended") is True,
+            names=head.get("names"),
+        )
+        if s.names is not None and not isinstance(s.names, dict):
+            raise SummaryError("names", f"must be an object, got {type(s.names).__name__}")
+        _check_stats(s.stats)
+        if head.get("coords") is not None:
+            coords = _unpack(head["coords"], arrays)
+            if not isinstance(coords, np.ndarray) or coords.ndim != 2 or coords.shape[0] != s.world:
+                raise SummaryError("coords", f"must be a (world, dims) array for world {s.world}")
+            s.coords = coords.astype(np.int64)
+    except SummaryError:
+        raise
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise SummaryError("head", f"malformed: {type(exc).__name__}: {exc}") from None
+    if s.world < 1 or s.step < 0 or not s.run:
+        raise SummaryError("head", f"bad identity: run={s.run!r} step={s.step} world={s.world}")
+    return s
+
+
+def _array_specs(obj: Any) -> list[dict[str, Any]]:
+    """The array references in ``obj``, in the order their bytes follow the head."""
+    found: list[dict[str, Any]] = []
+
+    def walk(o: Any) -> None:
+        if isinstance(o, dict):
+            if "__nd__" in o:
+                found.append(o)
+                return
+            for v in o.values():
+                walk(v)
+        elif isinstance(o, list):
+            for v in o:
+                walk(v)
+
+    walk(obj)
+    found.sort(key=lambda o: o["__nd__"])
+    if [o["__nd__"] for o in found] != list(range(len(found))):
+        raise SummaryError("arrays", "array references are not 0..n-1")
+    return found
+
+
+# -- ordering ------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Held:
+    heap: list = field(default_factory=list)  # (step, arrival, seq, summary)
+    steps: set = field(default_factory=set)
+    last: int | None = None  # last step released
+    gaps: deque = field(default_factory=lambda: deque(maxlen=8))  # between recent released steps
+
+    @property
+    def stride(self) -> int:
+        """The run's usual distance between steps (a run logging every N steps has N): the smallest recent gap."""
+        return min(self.gaps) if self.gaps else 1
+
+
+class SummaryOrder:
+    """Puts each run's summaries back in step order.
+
+    Several spatial instances publish the summaries of one run, each for the step windows its
+    partitions hold, so they arrive slightly out of order. A summary is released when it follows
+    the last released step by the run's usual stride, or once it has waited ``grace`` seconds (an
+    earlier step may be lost for good), or when more than ``max_held`` wait. A summary for a step
+    already released is late: counted and dropped (the detectors need increasing steps), as is a
+    second summary of a step still held (a redelivery).
+    """
+
+    def __init__(self, grace: float = 2.0, max_held: int = 256, *, clock: Callable[[], float] = time.monotonic):
+        check_positive("order", grace=grace, max_held=max_held)
+        self.grace, self.max_held, self.clock = float(grace), int(max_held), clock
+        self._runs: dict[str, _Held] = {}
+        self._seq = 0
+        self.late = 0
+        self.duplicates = 0
+
+    def add(self, summaries: list[StepSummary]) -> list[StepSummary]:
+        now = self.clock()
+        for s in summaries:
+            h = self._runs.setdefault(s.run, _Held())
+            if h.last is not None and s.step <= h.last:
+                self.late += 1
+                continue
+            if s.step in h.steps:
+                self.duplicates += 1
+                continue
+            h.steps.add(s.step)
+            self._seq += 1
+            heapq.heappush(h.heap, (s.step, now, self._seq, s))
+        return self.poll(now)
+
+    def poll(self, now: float | None = None) -> list[StepSummary]:
+        """Summaries ready to go, in step order per run."""
+        now = self.clock() if now is None else now
+        out: list[StepSummary] = []
+        for h in self._runs.values():
+            while h.heap:
+                step, arrived, _, s = h.heap[0]
+                in_order = h.last is not None and step - h.last <= h.stride
+                if not (in_order or now - arrived >= self.grace or len(h.heap) > self.max_held):
+                    break
+                heapq.heappop(h.heap)
+                h.steps.discard(step)
+                if h.last is not None:
+                    h.gaps.append(step - h.last)
+                h.last = step
+                out.append(s)
+        return out
+
+    def flush(self) -> list[StepSummary]:
+        """Everything held, in step order (end of input)."""
+        return self.poll(now=math.inf)
+
+    def forget(self, run: str) -> None:
+        """Drop ``run`` and what it holds (the run was evicted)."""
+        self._runs.pop(run, None)
+
+    def held(self, run: str) -> int:
+        """Summaries of ``run`` waiting for earlier steps."""
+        h = self._runs.get(run)
+        return 0 if h is None else len(h.heap)
+
+    def snapshot(self) -> dict[str, Any]:
+        """Per run: the last step released, the stride, and the summaries still waiting (encoded),
+        whose offsets may already be committed."""
+        return {
+            run: {
+                "last": h.last,
+                "stride": h.stride,
+                "held": [base64.b64encode(encode_summary(item[3])).decode("ascii") for item in sorted(h.heap)],
+            }
+            for run, h in self._runs.items()
+        }
+
+    def restore(self, state: dict[str, Any]) -> None:
+        self._runs = {run: _Held(last=d["last"], gaps=deque([int(d["stride"])], maxlen=8)) for run, d in state.items()}
+        now = self.clock()
+        for run, d in state.items():
+            h = self._runs[run]
+            for blob in d.get("held", []):
+                s = decode_summary(base64.b64decode(blob))
+                self._seq += 1
+                h.steps.add(s.step)
+                heapq.heappush(h.heap, (s.step, now, self._seq, s))

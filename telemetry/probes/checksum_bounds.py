@@ -1,0 +1,308 @@
+"""Matrix-product checksums (algorithm-based fault tolerance) for every linear layer of a model.
+
+A product ``C = A B`` (a linear layer: ``y = x W^T + b``) satisfies ``C 1 = A (B 1)``: the row sums
+of the output equal the input times the row sums of ``B``, one matrix-vector product next to the
+matrix-matrix one (O(N d) beside O(N d^2)). Its weight gradient ``dW = dY^T X`` satisfies
+``1^T dW = (dY 1)^T X``. A hardware fault that changes an element of the product by more than the
+rounding error breaks the identity; nothing else does. The tolerance is the rounding bound
+of the two sides, derived below, so a correct product can never pass it and no constant is tuned.
+
+**The bound.** With unit roundoff ``u`` of the accumulation and ``γ_k = k u / (1 - k u)``, an
+inner product of length ``n`` computed in any order (blocked, FMA, split-K) has an error at most
+``γ_n Σ_k |a_k b_k| <= γ_n ||a|| ||b||`` (Higham, *Accuracy and Stability of Numerical Algorithms*,
+§3.1). For row ``i`` of ``y = x W^T + b`` (``W`` is m x n) and its checksum:
+
+* each ``y_ij`` is off by at most ``γ_n ||x_i|| ||w_j||`` plus one rounding to the output type
+  (``u_out |y_ij|``), and summing the ``m`` values adds ``γ_m Σ_j |y_ij|``;
+* the reference ``x_i · (W^T 1) + Σ_j b_j`` is off by ``γ_m`` (forming ``W^T 1``) plus ``γ_n``
+  (the dot product), each times at most ``||x_i|| Σ_j ||w_j||``;
+
+so ``|Σ_j y_ij - x_i·(W^T 1) - Σ_j b_j| <= c (||x_i|| S_w + S_b)`` with ``S_w = Σ_j ||w_j||``,
+``S_b = Σ_j |b_j|`` and ``c = 2γ_n + 3γ_m + u_out + 2 u_in`` (``u_in``: when the kernel rounds
+its inputs first, as TF32 does, each product is off by ``2 u_in`` relative). The weight gradient's
+check is the same with the roles of the token (length ``N``) and feature dimensions exchanged:
+``|Σ_j dW_jk - Σ_i s_i X_ik| <= c' ||X_:k|| Σ_j ||dY_:j||`` with ``s = dY 1`` and
+``c' = 2γ_N + 3γ_m + u_out + 2 u_in``. The bound is rigorous (a worst case); the error seen in
+practice grows like ``sqrt(n) u`` and sits two to four orders of magnitude below it. The
+reported *ratio* is the largest residual of a layer divided by one bound that holds for every
+row: ``max_i |r_i| / (c (sqrt(n) max|x| S_w + S_b))``, since ``||x_i|| <= sqrt(n) max|x|``; in
+the backward ``max_k ||X_:k|| <= sqrt(N) max|X|`` and ``Σ_j ||dY_:j|| <= sqrt(m) ||dY||_F``.
+These norms cost one fast reduction each where exact row and column norms cost more than the
+product's own checksum; they loosen the bound by a small factor (about max|x| over the rows'
+RMS). The ratio never exceeds the per-row one, so "ratio > 1" cannot fire on a correct product.
+A NaN or Inf in the product makes it NaN or Inf.
+
+The weights themselves get a third check: the column sums ``W^T 1`` the forward check needs are
+compared with those taken when the optimizer last wrote the weights (``GemmChecks.seal``);
+the same reduction of the same bits gives the same result, so any change of a weight in memory
+between the update and its use shows (relative to ``γ_m S_w``, below which a change is lost in
+the sum's own rounding).
+
+Use it on any model through :class:`~sdcwatch.telemetry.probes.gemm_checks.GemmChecks` (forward hooks on linear layers: ``nn.Linear`` and ``Conv1D``, tensor
+hooks for the backward; :func:`sdcwatch.telemetry.probes.watch.attach` does it). A module whose
+``forward(a, b)`` returns ``a @ b`` and that sets ``_sdcwatch_gemm = True`` is checked the same way
+(the reference model's attention ``probs @ v``). Inside a custom or fused kernel's module, call
+:func:`~sdcwatch.telemetry.probes.gemm_checks.observe_gemm` (or :func:`check_matmul` on its own) with
+the kernel's inputs and output: a compiled model whose ``nn.Linear`` hooks no longer run keeps its checks that way.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = [
+    "TINY",
+    "abs_max",
+    "accumulated_sum",
+    "bias_grad_bound",
+    "accumulation_dtype",
+    "gemm_input_roundoff",
+    "grad_reference",
+    "linear_bound",
+    "matmul_bound",
+    "memory_bound",
+    "memory_bound_of",
+    "rounding_gamma",
+    "check_linear",
+    "check_matmul",
+    "check_weight_grad",
+    "rounding_coefficient",
+    "unit_roundoff",
+    "weight_grad_bound",
+]
+
+#: Keeps an all-zero product's bound positive (0 / tiny = 0, any residual is huge).
+TINY = 1e-30
+
+
+def unit_roundoff(dtype: torch.dtype) -> float:
+    """Unit roundoff ``u`` of a floating dtype (2^-24 for float32, 2^-8 for bfloat16)."""
+    return torch.finfo(dtype).eps / 2
+
+
+def rounding_gamma(k: int, u: float) -> float:
+    """``γ_k = k u / (1 - k u)``: the relative error bound of a sum of ``k`` terms (inf past k u = 1/2)."""
+    ku = k * u
+    return ku / (1.0 - ku) if ku < 0.5 else math.inf
+
+
+def accumulated_sum(t: torch.Tensor, dim: int | None, acc: torch.dtype) -> torch.Tensor:
+    """``t.sum`` accumulated in ``acc`` (asking for the dtype it already has takes a slower path)."""
+    if t.dtype == acc:
+        return t.sum() if dim is None else t.sum(dim)
+    return t.sum(dtype=acc) if dim is None else t.sum(dim, dtype=acc)
+
+
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """What GEMMs accumulate in: float64 for float64, float32 for everything narrower."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def gemm_input_roundoff(t: torch.Tensor) -> float:
+    """Relative rounding of a GEMM's inputs before the products: TF32 on CUDA float32, else none."""
+    if t.is_cuda and t.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32:
+        return 2.0**-11
+    return 0.0
+
+
+def rounding_coefficient(n: int, m: int, out_dtype: torch.dtype, *, input_roundoff: float = 0.0) -> float:
+    """``c = 2γ_n + 3γ_m + u_out + 2 u_in`` of the module docstring: the bound of a checksum over
+    ``m`` outputs of inner products of length ``n``, relative to ``||row|| x Σ ||column||``."""
+    u = unit_roundoff(accumulation_dtype(out_dtype))
+    return 2 * rounding_gamma(n, u) + 3 * rounding_gamma(m, u) + unit_roundoff(out_dtype) + 2 * input_roundoff
+
+
+def abs_max(t: torch.Tensor) -> torch.Tensor:
+    """Largest |value| of ``t`` as a 0-d tensor (NaN if any; two fast reductions, no copy)."""
+    return torch.maximum(t.amax(), -t.amin())
+
+
+def _forward_ratio(
+    x: torch.Tensor, v: torch.Tensor, y: torch.Tensor, sw: torch.Tensor, bias: torch.Tensor | None, coef: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(ratio, largest |input|, bound) given ``v = B 1`` (n,) and ``sw = Σ ||column of B||``."""
+    acc = v.dtype
+    ys = accumulated_sum(y, -1, acc)
+    ref = (x if x.dtype == acc else x.to(acc)) @ v
+    if bias is not None:
+        ref = ref + accumulated_sum(bias, None, acc)
+    xn, bound = _forward_bound(x, sw, bias, coef, acc)
+    return (ys - ref).abs_().amax() / bound, xn, bound
+
+
+def _forward_bound(
+    x: torch.Tensor, sw: torch.Tensor, bias: torch.Tensor | None, coef: float, acc: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(largest |input|, ``c (sqrt(n) max|x| S_w + S_b)``): the bound of a linear layer's checksum."""
+    xn = abs_max(x).to(acc)
+    scale = xn * (math.sqrt(x.shape[-1]) * sw)
+    if bias is not None:
+        scale = scale + accumulated_sum(bias.abs(), None, acc)
+    return xn, (scale * coef).clamp_min(TINY)
+
+
+def _linear_terms(
+    x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype
+) -> tuple[torch.dtype, torch.Tensor, float]:
+    """(accumulation dtype, ``S_w = Σ_j ||w_j||``, rounding coefficient) of ``x weight^T``."""
+    acc = accumulation_dtype(out_dtype)
+    sw = torch.linalg.vector_norm(weight, dim=1, dtype=acc).sum()
+    coef = rounding_coefficient(weight.shape[1], weight.shape[0], out_dtype, input_roundoff=gemm_input_roundoff(x))
+    return acc, sw, coef
+
+
+def check_linear(
+    x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Forward checksum of ``y = x weight^T + bias`` (``torch.nn.functional.linear``): a 0-d tensor.
+
+    The largest residual of ``y``'s row sums against ``x (weight^T 1) + Σ bias``, over its rounding
+    bound (module docstring): <= 1 for a correct product, > 1 when an element of ``y`` is off by
+    more than rounding can explain, NaN or Inf when ``y`` holds one. Stays on the device.
+    """
+    with torch.no_grad():
+        if x.numel() == 0 or y.numel() == 0:
+            return torch.zeros((), device=y.device)
+        acc, sw, coef = _linear_terms(x, weight, y.dtype)
+        v = accumulated_sum(weight, 0, acc)
+        return _forward_ratio(x, v, y, sw, bias, coef)[0].float()
+
+
+def check_matmul(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Checksum of a (batched) product ``c = a @ b (+ bias)`` from any kernel: a 0-d ratio tensor.
+
+    ``a`` is (..., N, n), ``b`` (..., n, m) or (n, m), ``c`` (..., N, m); ``bias`` (m,). Use it on a
+    custom or fused GEMM with the kernel's own inputs and output (e.g. ``probs @ v`` of attention).
+    Same meaning as :func:`check_linear`: <= 1 for a correct product.
+    """
+    with torch.no_grad():
+        if a.numel() == 0 or c.numel() == 0:
+            return torch.zeros((), device=c.device)
+        acc = accumulation_dtype(c.dtype)
+        n, m = b.shape[-2], b.shape[-1]
+        coef = rounding_coefficient(n, m, c.dtype, input_roundoff=gemm_input_roundoff(a))
+        v = accumulated_sum(b, -1, acc)  # (..., n)
+        ys = accumulated_sum(c, -1, acc)  # (..., N)
+        ref = ((a if a.dtype == acc else a.to(acc)) @ v.unsqueeze(-1)).squeeze(-1)
+        if bias is not None:
+            ref = ref + accumulated_sum(bias, None, acc)
+        return _matmul_ratio(a, b, ys, ref, bias, coef, acc)[0]
+
+
+def _matmul_ratio(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    ys: torch.Tensor,
+    ref: torch.Tensor,
+    bias: torch.Tensor | None,
+    coef: float,
+    acc: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ratio, bound) of a product's checksum; ``||a_i|| <= sqrt(n) max|a|`` and
+    ``Σ_j ||b_:j|| <= m sqrt(n) max|b|`` (one fast reduction each)."""
+    bound = _matmul_bound(a, b, bias, coef, acc)
+    return ((ys - ref).abs_().amax() / bound).float(), bound
+
+
+def _matmul_bound(
+    a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, coef: float, acc: torch.dtype
+) -> torch.Tensor:
+    """``c (n m max|a| max|b| + Σ|bias|)``: the bound of a product's checksum."""
+    n, m = b.shape[-2], b.shape[-1]
+    scale = abs_max(a).to(acc) * abs_max(b).to(acc) * (n * m)
+    if bias is not None:
+        scale = scale + accumulated_sum(bias.abs(), None, acc)
+    return (scale * coef).clamp_min(TINY)
+
+
+def grad_reference(x: torch.Tensor, dy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """The reductions the check of a weight gradient ``dW = dY^T X`` needs, kept on the device:
+    (expected column sums ``(dY 1)^T X`` (n,), the row sums ``s = dY 1`` (N,), ``||dY||_F``,
+    N tokens). ``Σ_j ||dY_:j|| <= sqrt(m) ||dY||_F`` and ``Σ dY = Σ s`` follow from them."""
+    acc = accumulation_dtype(dy.dtype)
+    n, m = x.shape[-1], dy.shape[-1]
+    x2, dy2 = x.reshape(-1, n), dy.reshape(-1, m)
+    s = accumulated_sum(dy2, -1, acc)
+    ref = s @ (x2 if x2.dtype == acc else x2.to(acc))
+    return ref, s, torch.linalg.vector_norm(dy2, dtype=acc), x2.shape[0]
+
+
+def check_weight_grad(x: torch.Tensor, dy: torch.Tensor, dw: torch.Tensor) -> torch.Tensor:
+    """Checksum of a weight gradient ``dw = dy^T x`` (a linear layer's backward): a 0-d ratio tensor.
+
+    ``x`` (..., n) is the layer's input, ``dy`` (..., m) the gradient of its output, ``dw`` (m, n).
+    Compares ``dw``'s column sums with ``(dy 1)^T x``; <= 1 for a correct product.
+    """
+    with torch.no_grad():
+        ref, _, dy_norm, tokens = grad_reference(x, dy)
+        res = (accumulated_sum(dw, 0, ref.dtype) - ref).abs_().amax()
+        return (res / _weight_grad_bound(x, dy_norm, tokens, dy.shape[-1], dw)).float()
+
+
+def _weight_grad_bound(x: torch.Tensor, dy_norm: torch.Tensor, tokens: int, m: int, dw: torch.Tensor) -> torch.Tensor:
+    """``c' sqrt(N) max|X| sqrt(m) ||dY||_F``: the bound of a weight gradient's checksum
+    (``max_k ||X_:k|| <= sqrt(N) max|X|``, ``Σ_j ||dY_:j|| <= sqrt(m) ||dY||_F``)."""
+    xcol = abs_max(x).to(dy_norm.dtype) * math.sqrt(tokens)
+    coef = rounding_coefficient(tokens, dw.shape[0], dw.dtype, input_roundoff=gemm_input_roundoff(x))
+    return (coef * xcol * (dy_norm * math.sqrt(m))).clamp_min(TINY)
+
+
+# -- the bounds on their own: how large a change of one element each check is sure to see ------------
+# (a fault-injection campaign asks it of every fault, whether or not the probes checked its step)
+
+
+def linear_bound(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype) -> float:
+    """The absolute bound :func:`check_linear` holds the row sums of ``y = x weight^T + bias`` to:
+    an element of ``y`` changed by more than this breaks the forward checksum."""
+    with torch.no_grad():
+        acc, sw, coef = _linear_terms(x, weight, out_dtype)
+        return float(_forward_bound(x, sw, bias, coef, acc)[1])
+
+
+def matmul_bound(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, bias: torch.Tensor | None = None) -> float:
+    """The absolute bound :func:`check_matmul` holds the row sums of ``a @ b (+ bias)`` to."""
+    with torch.no_grad():
+        acc = accumulation_dtype(out_dtype)
+        n, m = b.shape[-2], b.shape[-1]
+        coef = rounding_coefficient(n, m, out_dtype, input_roundoff=gemm_input_roundoff(a))
+        return float(_matmul_bound(a, b, bias, coef, acc))
+
+
+def weight_grad_bound(x: torch.Tensor, dy: torch.Tensor, dw: torch.Tensor) -> float:
+    """The absolute bound :func:`check_weight_grad` holds the column sums of ``dw = dy^T x`` to:
+    an element of ``dw`` changed by more than this breaks the weight-gradient checksum."""
+    with torch.no_grad():
+        _, _, dy_norm, tokens = grad_reference(x, dy)
+        return float(_weight_grad_bound(x, dy_norm, tokens, dy.shape[-1], dw))
+
+
+def bias_grad_bound(dy: torch.Tensor, db: torch.Tensor) -> float:
+    """The absolute bound of the bias gradient's check ``Σ db = Σ dY`` (the same sum in two orders:
+    ``(2γ_N + γ_m + u_out) Σ|dY|``, with ``Σ|dY| <= sqrt(N m) ||dY||_F``)."""
+    with torch.no_grad():
+        m = dy.shape[-1]
+        dy2 = dy.reshape(-1, m)
+        tokens = dy2.shape[0]
+        u = unit_roundoff(accumulation_dtype(db.dtype))
+        coef = 2 * rounding_gamma(tokens, u) + rounding_gamma(db.numel(), u) + unit_roundoff(db.dtype)
+        norm = torch.linalg.vector_norm(dy2, dtype=accumulation_dtype(dy.dtype))
+        return float((norm * math.sqrt(tokens * m) * coef).clamp_min(TINY))
+
+
+def memory_bound(t: torch.Tensor) -> float:
+    """The absolute bound of the weight check (weights in memory against their sums when last
+    written): ``γ_m Σ_j ||w_j||`` for a (m, n) weight, ``γ_m Σ|b|`` for a bias of m values; a
+    change of one value by less than this is lost in the column sum's own rounding."""
+    with torch.no_grad():
+        acc = accumulation_dtype(t.dtype)
+        if t.dim() == 2:
+            return float(memory_bound_of(torch.linalg.vector_norm(t, dim=1, dtype=acc).sum(), t.shape[0]))
+        return float(memory_bound_of(accumulated_sum(t.abs(), None, acc), t.numel()))
+
+
+def memory_bound_of(total: torch.Tensor, m: int) -> torch.Tensor:
+    """``γ_m total`` (in ``total``'s dtype, the accumulation's): the weight check's bound from the
+    weight's ``Σ_j ||w_j||`` (or a bias's ``Σ|b|``) over its ``m`` rows."""
+    return (total * rounding_gamma(m, unit_roundoff(total.dtype))).clamp_min(TINY)

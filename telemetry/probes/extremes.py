@@ -1,0 +1,173 @@
+"""Extreme values in the forward pass that no matrix-product checksum sees: the residual stream.
+
+A NaN, Inf or near-INF value (|x| >= 1e10, ATTNChecker's threshold) written into a block's output
+travels down the residual stream, where the next LayerNorm absorbs it: the loss may never show it.
+:class:`ResidualStream` records, on every checked step, the largest |value| of each block's output
+(``stream_max``, one value per block) and the largest logit of each attention layer
+(``attn_logit_max``, the attention statistic of that name, here measured on every step over every
+logit the layer hands over) and the smallest logit that is not a mask (``attn_logit_min``: a
+near-INF written below zero into the scores acts like a mask, yet it is a fault). The products'
+own outputs are covered by :mod:`sdcwatch.telemetry.probes.gemm_checks` (``gemm_out`` every step,
+``gemm_fwd`` on checked steps). ``-inf`` is how masked attention slots are written and is
+skipped, and so is anything at or below half the dtype's lowest value: the mask Hugging Face adds
+(``torch.finfo(dtype).min``, which a logit added to it barely moves); NaN and ``+inf`` count.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from sdcwatch.telemetry.probes.forward_order import ForwardOrder
+
+__all__ = ["ResidualStream", "peak", "repeated_blocks"]
+
+
+def peak(t: torch.Tensor) -> torch.Tensor:
+    """Largest |value| of ``t`` as a 0-d float32 device tensor; ``-inf`` skipped, NaN propagates.
+
+    Two fast reductions, no copy; the minimum counts unless it is ``-inf`` (a mask).
+    """
+    t = t.detach()
+    lo, hi = t.amin(), t.amax()
+    lo_abs = torch.where(lo == float("-inf"), torch.zeros_like(lo), lo.abs())
+    return torch.maximum(hi.abs(), lo_abs).float()  # NaN in hi or lo survives torch.maximum
+
+
+@functools.lru_cache(maxsize=None)
+def _mask_level(dtype: torch.dtype) -> float:
+    """Half the dtype's lowest value: a logit at or below it is a mask mark (-inf, or Hugging Face's
+    additive ``torch.finfo(dtype).min`` moved by a few units in the last place), not a logit."""
+    return torch.finfo(dtype).min / 2
+
+
+def repeated_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The transformer blocks: children of every ``nn.ModuleList`` that are not single layers
+    (``blocks.0``, ``h.3``, ``model.layers.11``...), in model order."""
+    out = []
+    for name, m in model.named_modules():
+        if isinstance(m, nn.ModuleList):
+            for i, child in enumerate(m):
+                if any(True for _ in child.children()):  # a container, i.e. a block
+                    out.append((f"{name}.{i}" if name else str(i), child))
+    return out
+
+
+class ResidualStream:
+    """Per-step largest |value| of every block's output and of every attention layer's logits."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        active: Callable[[], bool] = lambda: True,
+        n_attention: int = 0,
+        order: ForwardOrder | None = None,
+    ) -> None:
+        self.active = active
+        self.order = order
+        """Numbers each block output and logits observed in forward order (``nonfinite_first``)."""
+        self.blocks = repeated_blocks(model)
+        self.names = [n for n, _ in self.blocks]
+        self._n_attention = n_attention
+        self._index: dict[tuple, torch.Tensor] = {}
+        self._handles = [m.register_forward_hook(self._hook(i)) for i, (_, m) in enumerate(self.blocks)]
+        self._reset()
+
+    def _reset(self) -> None:
+        # per call: block index and the output's largest and smallest value (0-d device tensors);
+        # the -inf mask and the maxima over calls are resolved once per step in collect()
+        self._block: list[int] = []
+        self._hi: list[torch.Tensor] = []
+        self._lo: list[torch.Tensor] = []
+        self._layer: list[int] = []
+        self._logit: list[torch.Tensor] = []
+        self._logit_low: list[torch.Tensor] = []
+        self._block_seq: list[int] = []  # forward ordinals of the block calls and the logits
+        self._layer_seq: list[int] = []
+
+    def _hook(self, i: int) -> Callable:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            if not self.active():
+                return
+            out = output
+            if isinstance(out, (tuple, list)) and out:
+                out = out[0]  # Hugging Face blocks return (hidden_states, ...)
+            if not isinstance(out, torch.Tensor) or not out.is_floating_point() or out.numel() == 0:
+                return
+            out = out.detach()
+            self._block.append(i)
+            if self.order is not None:
+                self._block_seq.append(self.order.tick())
+            self._hi.append(out.amax())
+            self._lo.append(out.amin())
+
+        return hook
+
+    def observe_logits(self, layer: int, logits: torch.Tensor) -> None:
+        """The pre-softmax logits of attention layer ``layer`` (masked slots ``-inf`` or the dtype's lowest value)."""
+        if logits.numel() == 0:
+            return
+        # the maximum skips masked slots (-inf) and keeps NaN and +inf. The minimum skips every mask
+        # mark: -inf and the dtype's lowest value (Hugging Face's additive mask, moved by a logit
+        # added to it by a few units in the last place at most), both at or below half the lowest
+        # value, where no logit lives. One elementwise pass (F.threshold), as cheap as nan_to_num;
+        # a NaN shows in the maximum, so a NaN minimum reads as "no minimum" (0), set for every
+        # layer at once in collect(): per call, only the three passes over the logits.
+        logits = logits.detach()
+        self._layer.append(int(layer))
+        if self.order is not None:
+            self._layer_seq.append(self.order.tick())
+        self._logit.append(logits.amax())
+        self._logit_low.append(F.threshold(logits, _mask_level(logits.dtype), 0.0).amin())  # NaN: see collect()
+
+    def collect(self, n_attention: int | None = None) -> dict[str, torch.Tensor] | None:
+        """This step's values per :data:`STREAM_METRICS` (None if nothing was seen); resets."""
+        if not self._block and not self._layer:
+            self._reset()
+            return None
+        out = {}
+        with torch.no_grad():
+            if self._block:
+                hi, lo = torch.stack(self._hi).float(), torch.stack(self._lo).float()
+                lo_abs = torch.where(lo == float("-inf"), torch.zeros_like(lo), lo.abs())
+                peaks = torch.maximum(hi.abs(), lo_abs)  # NaN in hi or lo survives torch.maximum
+                out["stream_max"] = self._per_index(self._block, peaks, len(self.blocks))
+                if self.order is not None:
+                    self.order.note(self._block_seq, peaks)
+            if self._layer:
+                n = self._n_attention if n_attention is None else n_attention
+                n = max(n, max(self._layer) + 1)
+                hi = torch.stack(self._logit).float()
+                low = torch.stack(self._logit_low).float()
+                low = -torch.where(low.isnan(), 0.0, low)  # the smallest, as the largest of the negated
+                out["attn_logit_max"] = self._per_index(self._layer, hi, n)
+                out["attn_logit_min"] = -self._per_index(self._layer, low, n)
+                if self.order is not None:
+                    self.order.note(self._layer_seq, torch.maximum(hi.abs(), low.abs()))
+        self._reset()
+        return out
+
+    def _per_index(self, index: list[int], values: torch.Tensor, n: int) -> torch.Tensor:
+        """The largest of ``values`` per index in ``range(n)`` (0 where none; NaN kept)."""
+        if len(index) == n and index == list(range(n)) and values.dtype == torch.get_default_dtype():
+            return values  # every index once, in order (the usual step): the values are the maxima
+        key = (tuple(index), values.device)
+        idx = self._index.get(key)
+        if idx is None:  # a step calls the blocks and layers as the previous one did: cached
+            if len(self._index) > 64:
+                self._index.clear()
+            idx = self._index[key] = torch.tensor(index, device=values.device)
+        return torch.zeros(n, device=values.device).scatter_reduce_(0, idx, values, "amax", include_self=False)
+
+    def discard(self) -> None:
+        self._reset()
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()

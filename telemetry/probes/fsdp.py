@@ -1,0 +1,270 @@
+"""FSDP2 (``torch.distributed.fsdp.fully_shard``) and HSDP: what the probes measure on a sharded model.
+
+Between steps an FSDP2 module's parameters are DTensor shards; its forward and backward run on
+unsharded copies that FSDP all-gathers for the module and frees again, and its gradient leaves the
+backward through one reduce-scatter per module (followed, under HSDP, by an all-reduce across the
+replicas). Where each metric comes from (torch 2.13):
+
+* **local gradient** (this rank's, before any reduction): the reduce-scatter's input is this rank's
+  whole unsharded gradient of the module's parameters (flat, zero-padded). A custom reduce-scatter
+  (``FSDPModule.set_custom_reduce_scatter``) takes its sum of squares and copies the chunk this rank
+  will own, then runs the reduce-scatter FSDP would have run. A hook on ``model.parameters()`` cannot
+  see it: those are the sharded DTensors, outside the autograd graph (their ``register_hook`` never
+  fires; FSDP assigns their ``.grad``).
+* **reduced gradient**: ``FSDPModule.set_all_reduce_hook`` receives the reduce-scatter's output
+  (FSDP) or that output after the all-reduce across replicas (HSDP): this rank's shard of the
+  data-parallel mean gradient. Its sum of squares, its dot product with the kept chunk and its
+  fingerprint are taken there, before the optimizer or a gradient clip touches it.
+* **global gradient norm**: the shards' sums of squares, all-reduced over the reduce-scatter group at
+  ``watch.step`` (one scalar per recorded step; HSDP replicas hold the same shard, so the shard
+  group is enough). It is the norm of the gradient of the parameters FSDP shards over that group.
+* **cosine**: over this rank's own shard, cos(local[shard], mean[shard]). The cosine over the whole
+  gradient would need the other shards of the mean gradient (an all-gather of the gradient) or the
+  other ranks' local chunks (an all-to-all in place of the reduce-scatter): a second gradient's
+  worth of traffic per step, which a probe must not add.
+* **fingerprints**: ``param_fp`` of the local parameter shards (``to_local()``) and ``grad_fp`` of
+  the reduced gradient shard; both are bit-identical across the replicas of one shard under HSDP
+  (the ranks with the same ``dp_shard`` coordinate) and differ across shards by design.
+* **activations and attention**: forward hooks run on the unsharded compute, so they are unchanged
+  and comparable across the data-parallel group; so do the forward checksums. The check of the
+  weights in memory seals each rank's own shard after the optimizer step and compares it in the
+  next checked forward (:mod:`~sdcwatch.telemetry.probes.gemm_checks`); the weight-gradient checksum
+  needs a hook on the weight and is off for shards.
+
+With a reduce dtype that FSDP pre- or post-divides (fp16, or a custom gradient divide factor) the
+norms carry that fixed factor, the same on every rank; the cosine does not.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import TYPE_CHECKING, Any, Callable, Iterable
+
+import torch
+from torch import nn
+
+from sdcwatch.core.errors import ConfigError
+from sdcwatch.telemetry.probes import fingerprint as fp
+from sdcwatch.telemetry.probes.ddp_hook import float_dot
+
+if TYPE_CHECKING:
+    from sdcwatch.telemetry.probes.watch import Watch
+
+__all__ = ["ShardedGradients", "fsdp_modules", "is_sharded", "local_tensors"]
+
+
+def fsdp_modules(model: nn.Module) -> list[nn.Module]:
+    """The modules of ``model`` that ``fully_shard`` was applied to (the root first), in module order."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a torch without FSDP2
+        return []
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """Whether ``model`` (or a module in it) is sharded by FSDP2."""
+    return bool(fsdp_modules(model))
+
+
+def local_tensors(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    """This rank's part of each tensor: ``to_local()`` of a DTensor, the tensor itself otherwise."""
+    return [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
+
+
+class _MeasuredReduceScatter:
+    """The reduce-scatter FSDP would run for one module, measuring its input first (see the module
+    docstring). A ``torch.distributed.fsdp`` ``ReduceScatter`` by duck typing: ``allocate`` and the call."""
+
+    def __init__(self, owner: "ShardedGradients", index: int, inner: Any) -> None:
+        self.owner = owner
+        self.index = index
+        self.inner = inner
+
+    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        if self.inner is not None:
+            return self.inner.allocate(size, dtype=dtype, device=device)
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(
+        self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any, async_op: bool = False
+    ):
+        self.owner._before_reduce(self.index, input_tensor, group)
+        if self.inner is not None:
+            return self.inner(
+                output_tensor=output_tensor, input_tensor=input_tensor, group=group, op=op, async_op=async_op
+            )
+        import torch.distributed as dist
+
+        return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+
+
+def _subclass_reduce_scatter() -> type:
+    """:class:`_MeasuredReduceScatter` as a subclass of FSDP's ``ReduceScatter`` interface, where
+    this torch has it (a private module: the duck-typed class works without it)."""
+    try:
+        from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+    except ImportError:
+        return _MeasuredReduceScatter
+    return type("MeasuredReduceScatter", (_MeasuredReduceScatter, ReduceScatter), {})
+
+
+class ShardedGradients:
+    """Gradient statistics of an FSDP2/HSDP model, measured in its reduce-scatters (see the module
+    docstring); a :class:`~sdcwatch.telemetry.probes.watch.Watch` owns one when its model is sharded.
+
+    Configure FSDP (custom collectives, process-group allocation) before attaching: a
+    reduce-scatter or all-reduce hook set earlier is kept and runs inside the measured one.
+    """
+
+    def __init__(self, watch: "Watch", model: nn.Module) -> None:
+        self._watch = watch
+        self.modules = fsdp_modules(model)
+        self._local: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # module -> (local sum sq, own chunk)
+        self._measured: dict[int, tuple] = {}  # module -> (local sq, own sq, dot, reduced sq, fp parts)
+        self._group: Any = None  # the reduce-scatter (shard) group, seen at the first reduce-scatter
+        self._restore: list[Callable[[], None]] = []
+        self._data_parallel = 1  # ranks FSDP reduces gradients over (its mesh: shards x replicas)
+        cls = _subclass_reduce_scatter()
+        for i, module in enumerate(self.modules):
+            groups = _param_groups(module)
+            if len(groups) > 1:
+                raise ConfigError(
+                    "probes.fsdp",
+                    f"module {type(module).__name__} has {len(groups)} FSDP parameter groups (per-parameter "
+                    "meshes): FSDP allows no custom reduce-scatter there, so its local gradient cannot be measured",
+                )
+            if not groups:  # fully_shard on a module without parameters of its own
+                continue
+            group = groups[0]
+            mesh = getattr(getattr(group, "mesh_info", None), "mesh", None)
+            self._data_parallel = max(self._data_parallel, mesh.size() if mesh is not None else 2)
+            inner_comm = getattr(group, "_reduce_scatter_comm", None)
+            inner_hook = getattr(group, "_all_reduce_hook", None)
+            module.set_custom_reduce_scatter(cls(self, i, inner_comm))
+            module.set_all_reduce_hook(self._after_reduce_hook(i, inner_hook))
+            self._restore.append(_restorer(group, inner_comm, inner_hook))
+
+    @property
+    def _measuring(self) -> bool:
+        w = self._watch
+        return w.enabled and w.recording and not w._closed
+
+    # -- in FSDP's backward: never raise into it --------------------------------------------------
+    def _before_reduce(self, index: int, grads: torch.Tensor, group: Any) -> None:
+        self._group = group
+        try:
+            if not self._measuring:
+                return
+            with torch.no_grad():
+                flat = grads.reshape(-1)
+                size, rank = group.size(), group.rank()
+                chunk = flat.view(size, -1)[rank].clone()  # FSDP pads the input to a multiple of the group
+                self._local[index] = (float_dot(flat, flat), chunk)
+        except Exception as exc:
+            self._watch._fail(exc)
+
+    def _after_reduce_hook(self, index: int, inner: Callable | None) -> Callable[[torch.Tensor], None]:
+        def hook(reduced: torch.Tensor) -> None:
+            if inner is not None:  # the user's hook first: it may be the replicas' all-reduce itself
+                inner(reduced)
+            local = self._local.pop(index, None)
+            try:
+                if local is None or not self._measuring:
+                    return
+                local_sq, chunk = local
+                with torch.no_grad():
+                    out = reduced.reshape(-1)
+                    want_fp = self._watch.config.grad_fingerprint and self._watch._fingerprint_step
+                    self._measured[index] = (
+                        local_sq,
+                        float_dot(chunk, chunk),
+                        float_dot(chunk, out),
+                        float_dot(out, out),
+                        fp.tensor_parts(out) if want_fp else None,
+                    )
+            except Exception as exc:
+                self._watch._fail(exc)
+
+        return hook
+
+    # -- at watch.step ----------------------------------------------------------------------------
+    def reduce(self) -> None:
+        """Close the step's gradient statistics into the watch's scalars (one all-reduce of one scalar
+        over the shard group, on every rank at the same recorded step)."""
+        import torch.distributed as dist
+
+        measured = [self._measured[i] for i in sorted(self._measured)]
+        self._measured.clear()
+        self._local.clear()
+        for m in measured:  # made on FSDP's reduce-scatter and all-reduce streams, read on this one
+            for t in m:
+                if t is not None and t.is_cuda:
+                    t.record_stream(torch.cuda.current_stream(t.device))
+        group = self._group
+        if group is None:  # FSDP ran no reduce-scatter: no backward, or a shard group of one
+            self._unreduced()
+            return
+        if measured:
+            local_sq, own_sq, dot, out_sq = (torch.stack([m[k] for m in measured]).sum() for k in range(4))
+        else:  # a hook failed on this rank: still take part in the all-reduce the others run
+            local_sq = own_sq = dot = out_sq = torch.full((), float("nan"))
+        global_sq = out_sq.detach().clone().reshape(1).double()
+        if group.size() > 1:
+            dist.all_reduce(global_sq, group=group)
+        if not measured:
+            return
+        w = self._watch
+        w._scalars["grad_norm_local"] = local_sq.sqrt()
+        w._scalars["grad_norm_global"] = global_sq.reshape(()).sqrt().to(out_sq.dtype)
+        w._scalars["grad_cosine"] = dot / (own_sq.sqrt() * out_sq.sqrt()).clamp_min(1e-30)
+        parts = [m[4] for m in measured]
+        if all(p is not None for p in parts):
+            w._fps["grad_fp"] = fp.combine_parts(parts)
+        w._grads_seen = True
+
+    def before_optimizer(self) -> None:
+        """The optimizer's pre-step hook: where a single process reads its gradient (no collective
+        here: a rank that skips its optimizer step must not leave the others waiting)."""
+        if self._group is None and self._measuring and not self._watch._grads_seen:
+            self._unreduced()
+
+    def _unreduced(self) -> None:
+        """No data parallelism (FSDP skips the collective for a shard group of one): the gradient is
+        the rank's own, local is global, as for a model without data parallelism. Under tensor
+        parallelism with a data-parallel mesh of one, the rank's piece of it."""
+        if self._watch._grads_seen or self._data_parallel > 1:
+            return  # replicas without shards (HSDP of shard size 1): the local gradient is not seen
+        grads = local_tensors(p.grad for p in self._watch._params if p.grad is not None)
+        if not grads:
+            return
+        self._watch._set_world1_norm(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))))
+        if self._watch.config.grad_fingerprint and self._watch._fingerprint_step:
+            self._watch._fps["grad_fp"] = fp.flat_fingerprint_device(grads)
+
+    def remove(self) -> None:
+        """Give FSDP back the reduce-scatter and hook it had before."""
+        for restore in self._restore:
+            try:
+                restore()
+            except Exception as exc:  # a torch whose FSDP internals moved: the measured comm stays, idle
+                warnings.warn(f"sdcwatch: could not restore FSDP's reduce-scatter ({exc})", RuntimeWarning)
+        self._restore.clear()
+
+
+def _param_groups(module: nn.Module) -> list[Any]:
+    state = module._get_fsdp_state()
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:  # torch before per-parameter meshes: one group or none
+        one = getattr(state, "_fsdp_param_group", None)
+        groups = [] if one is None else [one]
+    return list(groups)
+
+
+def _restorer(group: Any, comm: Any, hook: Any) -> Callable[[], None]:
+    def restore() -> None:
+        if comm is not None:
+            group._reduce_scatter_comm = comm
+        group._all_reduce_hook = hook
+
+    return restore

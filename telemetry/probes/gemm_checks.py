@@ -1,0 +1,441 @@
+"""The matrix checksums on a model: :class:`GemmChecks` hooks every linear layer (``nn.Linear`` and
+Hugging Face's ``Conv1D``, :mod:`~sdcwatch.telemetry.probes.linear_layout`; forward, weight
+and bias gradient, weights in memory) and the products modules report with :func:`observe_gemm`;
+the checks and their rounding bounds are :mod:`sdcwatch.telemetry.probes.checksum_bounds`'s.
+
+Two depths. On a *checked* step a hook does the reductions that must read the step's tensors (the
+output's row sums, one matrix-vector product with the input, the input's largest |value|, the
+weight's column sums against the sealed ones; in the backward, when that is checked too
+(:mod:`sdcwatch.telemetry.probes.gemm_backward`, sampled on its own), the output gradient's row sums
+and norm, one vector-matrix product, the gradient's column sums) and keeps their results on the device; the residuals and ratios of every product
+are formed once per step in :meth:`GemmChecks.collect` with stacked operations. On a *scanned*
+step (every step at the default) a hook only takes the row sums of the product's output
+(``gemm_out`` is the largest |row sum|, one fast reduction): a NaN, Inf or near-INF the product
+wrote shows at its step and product, whichever step the checksums sample. A row, not the whole
+output, so that the values of a large model's wide outputs never add up to a near-INF.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import functools
+import math
+import warnings
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from sdcwatch.core.vocabulary import GEMM_METRICS
+from sdcwatch.telemetry.probes.checksum_bounds import (
+    TINY,
+    abs_max,
+    accumulated_sum,
+    accumulation_dtype,
+    gemm_input_roundoff,
+    rounding_coefficient,
+)
+from sdcwatch.telemetry.probes.gemm_backward import GradientChecks
+from sdcwatch.telemetry.probes.gemm_state import (
+    GEMM_OBSERVERS,
+    SealedWeight,
+    StepChecks,
+    is_shard,
+    stack_rows,
+)
+from sdcwatch.telemetry.probes.gemm_state import call_peaks, holds_whole_rows, local_part
+from sdcwatch.telemetry.probes.linear_layout import is_linear, linear_weight, transposed
+
+__all__ = ["GemmChecks"]
+
+
+class GemmChecks(GradientChecks):
+    """Checksums of every linear layer of a model (forward, weight and bias gradient, weights),
+    plus the custom products reported with :func:`observe_gemm`; one value per product and step.
+
+    ``active`` says whether the step in progress is checked forward (the products and the weights
+    in memory; the probes' sampling and enabled flag), ``backward`` whether its weight gradients
+    are checked too (a checked forward only: the backward's reference is taken in the forward),
+    ``scan`` whether its products' outputs are summed (``gemm_out``) when it is not checked;
+    hooks cost a function call otherwise. :meth:`collect` returns this step's per-layer
+    ratios (:data:`GEMM_METRICS`) as device tensors and starts the next step. A weight shared with
+    another module (tied embeddings) is checked forward only: its gradient is a sum over uses.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        active: Callable[[], bool] = lambda: True,
+        scan: Callable[[], bool] = lambda: False,
+        backward: Callable[[], bool] | None = None,
+        modules: str = "*",
+        weights: bool = True,
+        order: Any = None,  # a ForwardOrder numbering the outputs in forward order (nonfinite_first)
+    ) -> None:
+        self.active = active
+        self.scan = scan
+        self.backward = active if backward is None else backward
+        self.order = order
+        self.names: list[str] = []
+        """Names of the checked products, in layer order (the index in the ``gemm_*`` metrics)."""
+        self._modules: list[nn.Module] = []
+        self._handles: list[Any] = []
+        self._forward: list[tuple[nn.Module, Callable]] = []  # forward hooks, registered only when due
+        self._forward_handles: list[Any] = []
+        self._weights = weights
+        self.keep_bounds = False
+        """Keep each check's absolute bound of the last step in :attr:`bounds` (fault-injection
+        campaigns use it to tell which faults a checksum can see; off in training)."""
+        self.bounds: dict[tuple[str, str], torch.Tensor] = {}
+        self._sealed_at: list[SealedWeight | None] = []
+        self._bias_checked: list[bool] = []
+        self._index_cache: dict[tuple, tuple[torch.Tensor, ...]] = {}
+        self._zeros: dict[tuple, torch.Tensor] = {}
+        owners: dict[int, int] = {}
+        for _, m in model.named_modules():
+            for p in m.parameters(recurse=False):
+                owners[id(p)] = owners.get(id(p), 0) + 1
+        globs = [g.strip() for g in modules.split(",") if g.strip()]
+        for name, m in model.named_modules():
+            if is_linear(m) and any(fnmatch.fnmatchcase(name, g) for g in globs):
+                i = self._add(name, m)
+                self._forward.append((m, functools.partial(self._linear_hook, i)))
+                # an FSDP2 shard (a DTensor) is outside the autograd graph: its hook would never fire
+                if m.weight.requires_grad and owners.get(id(m.weight), 0) == 1 and not is_shard(m.weight):
+                    hook = functools.partial(self._weight_grad_hook, i)  # Conv1D's gradient is (in, out): turned
+                    hook = functools.partial(_turned, hook) if transposed(m) else hook
+                    self._handles.append(m.weight.register_hook(hook))
+                    if m.bias is not None and m.bias.requires_grad and owners.get(id(m.bias), 0) == 1:
+                        self._handles.append(m.bias.register_hook(functools.partial(self._bias_grad_hook, i)))
+                        self._bias_checked[i] = True
+        for name, m in model.named_modules():
+            GEMM_OBSERVERS.setdefault(m, []).append(self)
+            if getattr(m, "_sdcwatch_gemm", False) and any(fnmatch.fnmatchcase(name, g) for g in globs):
+                self._add(name, m)  # a module whose forward(a, b) returns a @ b
+                self._forward.append((m, self._product_hook))
+        self.hook_forward(True)
+        self._n_registered = len(self.names)  # the products found here (observe_gemm may add more)
+        self._coverage_told = False
+        self._owners = [m for _, m in model.named_modules()]
+        self._module_names = {id(m): n for n, m in model.named_modules()}
+        self._reset()
+
+    def _add(self, name: str, module: nn.Module) -> int:
+        self.names.append(name)
+        self._modules.append(module)
+        self._sealed_at.append(None)
+        self._bias_checked.append(False)
+        return len(self.names) - 1
+
+    def _reset(self) -> None:
+        self._step = StepChecks(self.order)
+        self._weights_seen: set[int] = set()  # products whose weights were compared this step
+        self._judged = (0, 0, 0)  # forward, gradient and weight checks violated() has judged
+        # per product: this backward's weight-gradient reference [Σ s X, bound scale, tokens,
+        # Σ s, bias bound scale, input roundoff, checks still waiting]
+        self._pending: list[list | None] = [None] * len(self.names)
+
+    # -- forward ----------------------------------------------------------------------------------
+    def _scanned(self, i: int, y: torch.Tensor) -> None:
+        """A scanned step: the row sums of the product's output (a NaN, Inf or near-INF survives)."""
+        y = y if type(y) is torch.Tensor else local_part(y)  # a DTensor: this rank's part
+        if isinstance(y, torch.Tensor) and y.is_floating_point() and y.numel():
+            self._step.scanned(i)
+            self._step.o_ys.append(accumulated_sum(y.detach(), -1, torch.float32).reshape(-1))
+
+    def _linear_hook(self, i: int, module: nn.Linear, args: tuple, output: Any) -> None:
+        if not args or not self.active():  # a scanned step (the usual one), or nothing: the least work first
+            return self._scanned(i, output) if args and self.scan() else None
+        tensor_parallel = is_shard(module.weight)  # its forward weight a DTensor: the rank's part is checked
+        if tensor_parallel and not holds_whole_rows(module.weight):  # row-wise: the output is the ranks'
+            return self._scanned(i, output)  # products all-reduced, scanned only
+        x, y = local_part(args[0]), local_part(output)
+        if not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and y.is_floating_point()):
+            return
+        if x.numel() == 0 or y.numel() == 0:
+            return
+        hi, lo = self._check_forward(i, module, x, y)
+        if y.requires_grad and torch.is_grad_enabled() and not tensor_parallel and self.backward():
+            # autograd keeps x for the weight gradient anyway: no extra memory
+            y.register_hook(functools.partial(self._output_grad, i, x.detach(), torch.maximum(hi, -lo)))
+
+    def _check_forward(
+        self, i: int, module: nn.Linear, x: torch.Tensor, y: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The forward check's reductions of one call: row sums of ``y`` against ``x (W^T 1) + Σ b``,
+        the weight's column sums beside the sealed ones (subtracted for every product at once in
+        :meth:`collect`); returns the input's largest and smallest value."""
+        with torch.no_grad():
+            w, b = (local_part(t) for t in linear_weight(module))
+            acc = accumulation_dtype(y.dtype)
+            st = self._step
+            v = accumulated_sum(w, 0, acc)
+            b_sum = accumulated_sum(b, None, acc) if b is not None else None
+            sealed = self._sealed_at[i]
+            k = b_abs = None
+            if sealed is not None:
+                vw, bw = v, b_sum  # the weights as this rank holds them: a shard's own under FSDP2
+                if sealed.shard is not None:
+                    sw_, sb_ = sealed.shard
+                    vw = accumulated_sum(sw_.to_local(), 0, acc)
+                    bw = None if sb_ is None else accumulated_sum(sb_.to_local(), None, acc)
+                else:
+                    k, b_abs = sealed.k, sealed.b_abs
+                if self._weights and i not in self._weights_seen and sealed.v.shape == vw.shape:
+                    # the same reduction of the same bits: any difference is a weight changed in memory
+                    self._weights_seen.add(i)
+                    st.w_idx.append(i)
+                    st.w_now.append(vw)
+                    st.w_then.append(sealed.v)
+                    st.w_bound.append(sealed.w_bound)
+                    st.w_names.append(self.names[i] + ".weight")
+                    if bw is not None and sealed.b_sum is not None:
+                        st.w_idx.append(i)
+                        st.w_now.append(bw.reshape(1))
+                        st.w_then.append(sealed.b_sum.reshape(1))
+                        st.w_bound.append(sealed.b_bound)
+                        st.w_names.append(self.names[i] + ".bias")
+                if sealed.v.shape != v.shape and sealed.shard is None:
+                    k = b_abs = None  # the weight changed shape since it was sealed
+            if k is None:
+                k = torch.linalg.vector_norm(w, dim=1, dtype=acc).sum() * math.sqrt(w.shape[1])
+                b_abs = accumulated_sum(b.abs(), None, acc) if b is not None else None
+            ys = accumulated_sum(y, -1, acc).reshape(-1)
+            ref = ((x if x.dtype == acc else x.to(acc)) @ v).reshape(-1)
+            if b_sum is not None:
+                ref = ref.add_(b_sum)
+            hi, lo = x.amax(), x.amin()
+            st.checked(i)
+            st.f_ys.append(ys)
+            st.f_ref.append(ref)
+            st.f_xhi.append(hi)
+            st.f_xlo.append(lo)
+            st.f_k.append(k)
+            st.f_b.append(b_abs if b_abs is not None else self._zero(acc, y.device))
+            st.f_coef.append(
+                rounding_coefficient(w.shape[1], w.shape[0], y.dtype, input_roundoff=gemm_input_roundoff(x))
+            )
+            return hi, lo
+
+    def _zero(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A 0-d zero of ``dtype`` on ``device`` (kept: the bias term of a product without one)."""
+        key = (dtype, str(device))
+        zero = self._zeros.get(key)
+        if zero is None:
+            zero = self._zeros[key] = torch.zeros((), dtype=dtype, device=device)
+        return zero
+
+    def seal(self) -> None:
+        """Take the weights' column sums as they are now (call right after the optimizer step; the
+        probes do): the next forward compares against them. Costs one pass over the weights."""
+        if not self._weights:
+            return
+        with torch.no_grad():
+            for i, m in enumerate(self._modules):
+                w, b = linear_weight(m) if is_linear(m) else (getattr(m, "weight", None), getattr(m, "bias", None))
+                if isinstance(w, torch.Tensor) and w.dim() == 2:
+                    self._sealed_at[i] = SealedWeight(w, b if isinstance(b, torch.Tensor) else None)
+
+    def unseal(self) -> None:
+        """Forget the sealed column sums (after weights were changed outside the optimizer, e.g. a
+        checkpoint loaded): the weight check resumes after the next :meth:`seal`."""
+        self._sealed_at = [None] * len(self._sealed_at)
+
+    # -- custom products --------------------------------------------------------------------------
+    def _product_hook(self, module: nn.Module, args: tuple, output: Any) -> None:
+        if len(args) >= 2 and isinstance(output, torch.Tensor):
+            self.observe(module, args[0], args[1], output)
+
+    def observe(
+        self, owner: nn.Module, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> None:
+        """A custom product of ``owner`` (see :func:`observe_gemm`); a new owner becomes a new layer."""
+        checked = self.active()
+        if not (checked or self.scan()) or a.numel() == 0 or c.numel() == 0:
+            return
+        try:
+            i = self._modules.index(owner)
+        except ValueError:
+            i = self._add(self._module_names.get(id(owner), type(owner).__name__), owner)
+            self._pending.append(None)
+        if not checked:
+            self._scanned(i, c)
+            return
+        with torch.no_grad():
+            acc = accumulation_dtype(c.dtype)
+            n, m = b.shape[-2], b.shape[-1]
+            ys = accumulated_sum(c, -1, acc)
+            # a batched matrix-vector product as a batched dot product: the same sums, a faster kernel on CPU
+            ref = torch.linalg.vecdot(a if a.dtype == acc else a.to(acc), accumulated_sum(b, -1, acc).unsqueeze(-2))
+            if bias is not None:
+                ref = ref + accumulated_sum(bias, None, acc)
+            st = self._step
+            st.checked(i)
+            st.f_ys.append(ys.reshape(-1))
+            st.f_ref.append(ref.reshape(-1))
+            st.f_xhi.append(a.amax())
+            st.f_xlo.append(a.amin())
+            # ||a_i|| <= sqrt(n) max|a| and Σ_j ||b_:j|| <= m sqrt(n) max|b|
+            st.f_k.append(abs_max(b).to(acc) * (n * m))
+            st.f_b.append(accumulated_sum(bias.abs(), None, acc) if bias is not None else self._zero(acc, c.device))
+            st.f_coef.append(rounding_coefficient(n, m, c.dtype, input_roundoff=gemm_input_roundoff(a)))
+
+    # -- the step ---------------------------------------------------------------------------------
+    def _indices(self, key: tuple, device: torch.device) -> tuple[torch.Tensor, ...]:
+        """Device tensors of this step's per-call bookkeeping (product indices, coefficients); a step calls the layers as the previous one did, so they are cached."""
+        got = self._index_cache.get(key)
+        if got is None:
+            if len(self._index_cache) > 64:
+                self._index_cache.clear()
+            got = tuple(torch.tensor(part, device=device) for part in key)
+            self._index_cache[key] = got
+        return got
+
+    def collect(self) -> dict[str, torch.Tensor] | None:
+        """This step's (n_products,) tensor per :data:`GEMM_METRICS` on a checked step, only
+        ``gemm_out`` on a scanned one (None if nothing was seen); resets for the next step.
+        Products not seen this step report 0."""
+        st = self._step
+        n = len(self.names)
+        if not self._coverage_told and (st.f_idx or st.o_idx):
+            self._tell_unseen(set(st.f_idx) | set(st.o_idx))
+        if not st.f_idx:
+            out = None
+            if st.o_idx:
+                with torch.no_grad():
+                    (idx,) = self._indices((tuple(st.o_idx),), st.o_ys[0].device)
+                    top = call_peaks(st.o_ys).float()
+                    out = {"gemm_out": torch.zeros(n, device=top.device).scatter_reduce_(0, idx, top, "amax")}
+                    st.note(st.o_seq, top)
+            self._reset()
+            return out
+        keep = self.keep_bounds
+        device = st.f_ys[0].device
+        out = {}
+        with torch.no_grad():
+            idx, top, ratio, bound, xm = self._forward_ratios(st)
+            st.note(st.f_seq, top)
+            # gemm_out as a scanned step reports it
+            out["gemm_out"] = torch.zeros(n, device=device).scatter_reduce_(0, idx, top, "amax")
+            if st.o_idx:  # products only scanned on a checked step (row-wise tensor parallel)
+                o_idx, o_top = self._indices((tuple(st.o_idx),), device)[0], stack_rows(st.o_ys).abs_().amax(-1)
+                out["gemm_out"].scatter_reduce_(0, o_idx, o_top.float(), "amax")
+            out["gemm_fwd"] = torch.zeros(n, device=device).scatter_reduce_(0, idx, ratio, "amax")
+            if keep:
+                for c, i in enumerate(st.f_idx):
+                    self.bounds[("gemm_fwd", self.names[i])] = bound[c]
+            g_res = torch.stack(st.g_res) if st.g_res else None
+            out["gemm_bwd"] = self._ratios(st.g_idx, g_res, st.g_bound, st.g_names, "gemm_bwd", n, device)
+            w_diff = self._weight_differences(st) if st.w_idx else None
+            out["gemm_weight"] = self._ratios(st.w_idx, w_diff, st.w_bound, st.w_names, "gemm_weight", n, device)
+            out["gemm_in"] = torch.zeros(n, device=device).scatter_reduce_(0, idx, xm, "amax")
+        self._reset()
+        return {name: out[name] for name in GEMM_METRICS}
+
+    def _tell_unseen(self, seen: set[int]) -> None:
+        """Warn once, on the first step any product ran, about the linear layers whose forward did
+        not run in it: their products are neither checked nor scanned (``nn.MultiheadAttention``,
+        for one, multiplies by its ``out_proj`` weight without calling the module)."""
+        self._coverage_told = True
+        unseen = [self.names[i] for i in range(self._n_registered) if i not in seen]
+        if unseen:
+            warnings.warn(
+                f"sdcwatch checksums: {len(unseen)} of {self._n_registered} linear layers ran no forward in the "
+                f"first training step, and are neither checked nor scanned while they do not: "
+                f"{', '.join(unseen[:8])}{' ...' if len(unseen) > 8 else ''} (a module that multiplies by a "
+                "layer's weight without calling the layer, such as nn.MultiheadAttention, can report the product "
+                "with observe_gemm; an idle expert of a mixture of experts is checked when it runs)",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+
+    def _forward_ratios(self, st: StepChecks, start: int = 0) -> tuple[torch.Tensor, ...]:
+        """(product index, largest |row sum|, ratio, bound, largest |input|) of the forward checks
+        from call ``start`` on: the max |residual| of every call at once, over its bound."""
+        f_ys, f_ref = st.f_ys[start:], st.f_ref[start:]
+        idx, coef = self._indices((tuple(st.f_idx[start:]), tuple(st.f_coef[start:])), f_ys[0].device)
+        ys = stack_rows(f_ys)
+        top = ys.abs().amax(-1).float()
+        rmax = (ys - stack_rows(f_ref)).abs_().amax(-1)
+        xm = torch.maximum(torch.stack(st.f_xhi[start:]), torch.stack(st.f_xlo[start:]).neg_()).float()
+        k, b = torch.stack(st.f_k[start:]), torch.stack(st.f_b[start:])
+        bound = (xm.to(rmax.dtype) * k + b).mul_(coef).clamp_min_(TINY)
+        return idx, top, (rmax / bound).float(), bound, xm
+
+    def violated(self, bound: float = 1.0) -> bool:
+        """Whether a product checked since the last call (in this step) passed its rounding bound:
+        a forward, gradient or weight ratio above ``bound``, or NaN. The guard's trigger; it reads
+        the device (one sync), so it is called only where the guard decides, before the update."""
+        st = self._step
+        f0, g0, w0 = self._judged
+        self._judged = (len(st.f_idx), len(st.g_idx), len(st.w_idx))
+        parts = []
+        with torch.no_grad():
+            if len(st.f_idx) > f0:
+                parts.append(self._forward_ratios(st, f0)[2].max())
+            if len(st.g_idx) > g0:
+                parts.append((torch.stack(st.g_res[g0:]) / torch.stack(st.g_bound[g0:])).max().float())
+            if len(st.w_idx) > w0:
+                parts.append((self._weight_differences(st, w0) / torch.stack(st.w_bound[w0:])).max().float())
+            if not parts:
+                return False
+            top = float(torch.stack(parts).max()) if len(parts) > 1 else float(parts[0])
+        return not top <= bound  # NaN too
+
+    def _ratios(
+        self,
+        index: list[int],
+        residuals: torch.Tensor | None,
+        bounds: list[torch.Tensor],
+        names: list[str],
+        check: str,
+        n: int,
+        device: torch.device,
+    ) -> torch.Tensor:
+        """Largest residual / bound per product of the stacked residuals and 0-d bounds (zeros where none)."""
+        out = torch.zeros(n, device=device)
+        if not index or residuals is None:
+            return out
+        (idx,) = self._indices((tuple(index),), device)
+        bound = torch.stack(bounds)
+        if self.keep_bounds:
+            for c, name in enumerate(names):
+                self.bounds[(check, name)] = bound[c]
+        return out.scatter_reduce_(0, idx, (residuals / bound).float(), "amax")
+
+    @staticmethod
+    def _weight_differences(st: StepChecks, start: int = 0) -> torch.Tensor:
+        """The largest |column sum now - sealed| of each weight (and |Σ b now - sealed|) compared from
+        entry ``start`` on: one subtraction and one reduction for them all."""
+        return (stack_rows(st.w_now[start:]) - stack_rows(st.w_then[start:])).abs_().amax(-1)
+
+    def discard(self) -> None:
+        """Drop what this step measured (a step that is not recorded)."""
+        self._reset()
+
+    def hook_forward(self, want: bool) -> None:
+        """Register the forward hooks (``True``) or remove them: a module with a forward hook leaves
+        PyTorch's fast call path, so the probes keep them only on the steps that are checked."""
+        if want and not self._forward_handles:
+            self._forward_handles = [m.register_forward_hook(hook) for m, hook in self._forward]
+        elif not want and self._forward_handles:
+            for h in self._forward_handles:
+                h.remove()
+            self._forward_handles = []
+
+    def remove(self) -> None:
+        """Remove every hook."""
+        self.hook_forward(False)
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        for m in self._owners:
+            lst = GEMM_OBSERVERS.get(m)
+            if lst:
+                lst[:] = [c for c in lst if c is not self]
+
+
+def _turned(hook: Callable, grad: torch.Tensor) -> None:
+    """``hook`` on the transpose of ``grad``: a ``Conv1D`` weight's gradient, as ``(out, in)``."""
+    hook(grad.t())

@@ -1,0 +1,190 @@
+"""What the matrix-checksum hooks of :mod:`sdcwatch.telemetry.probes.gemm_checks` keep between calls: a
+weight's reductions sealed when the optimizer wrote it (:class:`SealedWeight`), one step's
+measurements as lists of device tensors (:class:`StepChecks`, reduced once per step by
+:func:`stack_rows`), and which checks report a custom product (:func:`observe_gemm`).
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from typing import Any
+
+import torch
+from torch import nn
+
+from sdcwatch.telemetry.probes.checksum_bounds import accumulated_sum, accumulation_dtype, memory_bound_of
+
+__all__ = [
+    "SealedWeight",
+    "StepChecks",
+    "stack_rows",
+    "call_peaks",
+    "is_shard",
+    "local_part",
+    "holds_whole_rows",
+    "observe_gemm",
+    "GEMM_OBSERVERS",
+]
+
+
+#: Custom-GEMM owner (a module) -> the GemmChecks that report it; weak so a dropped model leaves no trace.
+GEMM_OBSERVERS: "weakref.WeakKeyDictionary[nn.Module, list[Any]]" = weakref.WeakKeyDictionary()
+
+
+def observe_gemm(
+    owner: nn.Module, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, bias: torch.Tensor | None = None
+) -> None:
+    """Report one custom or fused product ``c = a @ b (+ bias)`` computed inside ``owner``.
+
+    Every :class:`GemmChecks` attached to the model that holds ``owner`` checks it with
+    :func:`~sdcwatch.telemetry.probes.checksum_bounds.check_matmul` on its sampled steps; the product becomes a layer of the ``gemm_*``
+    metrics, named after ``owner``. Costs one dictionary look-up when nothing is attached.
+    """
+    observers = GEMM_OBSERVERS.get(owner)
+    if observers:
+        for checks in observers:
+            checks.observe(owner, a, b, c, bias)
+
+
+def stack_rows(vectors: list[torch.Tensor]) -> torch.Tensor:
+    """The calls' vectors as the rows of one matrix, zero-padded to the longest (a zero never
+    raises a largest |value|): every call is then reduced by one operation."""
+    if len(vectors) == 1:
+        return vectors[0].unsqueeze(0)
+    n = vectors[0].numel()
+    if all(v.numel() == n for v in vectors):
+        return torch.stack(vectors)
+    return torch.nn.utils.rnn.pad_sequence(vectors, batch_first=True)
+
+
+_CHUNKS: dict[tuple, torch.Tensor] = {}
+
+
+def call_peaks(vectors: list[torch.Tensor]) -> torch.Tensor:
+    """The largest |value| of each of the calls' vectors, as one ``(calls,)`` tensor (NaN kept):
+    what ``stack_rows(vectors).abs_().amax(-1)`` gives, in a few operations whatever the lengths.
+
+    The step-end reduction of the every-step scan (``gemm_out``) runs on a cold cache, where each
+    operation costs more than its arithmetic, and zero-padding copies vector by vector. The
+    vectors' lengths share a factor (the tokens of the step: a linear layer's row sums are one per
+    token, an attention product's one per head and token): the concatenated vectors, cut into
+    rows of that length, are reduced at once, then each call's rows by one small scatter.
+    """
+    if len(vectors) == 1:
+        return vectors[0].abs().amax().reshape(1)
+    sizes = tuple(v.numel() for v in vectors)
+    chunk = math.gcd(*sizes)
+    if chunk < 64:  # no common length worth reducing by: pad
+        return stack_rows(vectors).abs_().amax(-1)
+    peaks = torch.cat(vectors).abs_().view(-1, chunk).amax(-1)
+    if peaks.numel() == len(vectors):  # every call one row (the same length)
+        return peaks
+    key = (sizes, peaks.device)
+    index = _CHUNKS.get(key)
+    if index is None:  # a step calls the products as the previous one did: cached
+        if len(_CHUNKS) > 64:
+            _CHUNKS.clear()
+        rows = torch.tensor([n // chunk for n in sizes])
+        index = _CHUNKS[key] = torch.repeat_interleave(torch.arange(len(sizes)), rows).to(peaks.device)
+    return torch.zeros(len(vectors), dtype=peaks.dtype, device=peaks.device).scatter_reduce_(0, index, peaks, "amax")
+
+
+class SealedWeight:
+    """A weight's reductions taken when the optimizer last wrote it: its column sums (the weight
+    check compares against them), and the norms the forward bound needs (so a checked forward
+    does not read the weight for them again)."""
+
+    __slots__ = ("v", "b_sum", "k", "b_abs", "w_bound", "b_bound", "shard")
+
+    def __init__(self, w: torch.Tensor, b: torch.Tensor | None) -> None:
+        acc = accumulation_dtype(w.dtype)
+        # an FSDP2 shard (a DTensor): the rank's own shard is sealed, and checked in the forward
+        # against itself (the forward's all-gathered weight is every rank's)
+        self.shard = (w, b) if is_shard(w) else None
+        if self.shard is not None:
+            w, b = w.to_local(), None if b is None else b.to_local()
+        self.v = accumulated_sum(w, 0, acc)  # as the check does: the same bits give the same sum
+        sw = torch.linalg.vector_norm(w, dim=1, dtype=acc).sum()
+        self.k = sw * math.sqrt(w.shape[1])  # Σ||w_j|| x sqrt(n): the forward bound's weight factor
+        self.w_bound = memory_bound_of(sw, w.shape[0])
+        self.b_sum = self.b_abs = self.b_bound = None
+        if isinstance(b, torch.Tensor):
+            self.b_sum = accumulated_sum(b, None, acc)
+            self.b_abs = accumulated_sum(b.abs(), None, acc)
+            self.b_bound = memory_bound_of(self.b_abs, b.numel())
+        if self.shard is not None:  # a shard's norms are not the whole weight's the forward bound needs
+            self.k = self.b_abs = None
+
+
+class StepChecks:
+    """What the hooks measured in one step, as lists of device tensors (one entry per call)."""
+
+    def __init__(self, order: Any = None) -> None:
+        self.order = order
+        """A :class:`~sdcwatch.telemetry.probes.forward_order.ForwardOrder` numbering the calls (None: not numbered)."""
+        self.f_seq: list[int] = []  # the forward ordinals of the checked calls and of the scanned calls
+        self.o_seq: list[int] = []
+        # forward checks: product index, residual of the row sums (a vector), largest |input|,
+        # the bound's factor of the input (Σ||w_j|| sqrt(n)) and its constant term (Σ|b|), the
+        # rounding coefficient
+        self.f_idx: list[int] = []
+        self.f_ys: list[torch.Tensor] = []  # row sums of the output
+        self.f_ref: list[torch.Tensor] = []  # what they should be: x (W^T 1) + Σ b
+        self.f_xhi: list[torch.Tensor] = []  # the input's largest and smallest value (max |x| at the step's end)
+        self.f_xlo: list[torch.Tensor] = []
+        self.f_k: list[torch.Tensor] = []
+        self.f_b: list[torch.Tensor] = []
+        self.f_coef: list[float] = []
+        # scanned (not checked) calls: product index, the output's row sums
+        self.o_idx: list[int] = []
+        self.o_ys: list[torch.Tensor] = []
+        # weights in memory against their sealed sums: product index, column sums now and sealed, bound
+        self.w_idx: list[int] = []
+        self.w_now: list[torch.Tensor] = []
+        self.w_then: list[torch.Tensor] = []
+        self.w_bound: list[torch.Tensor] = []
+        self.w_names: list[str] = []
+        # gradients: product index, residual (vector for the weight, 0-d for the bias), bound
+        self.g_idx: list[int] = []
+        self.g_res: list[torch.Tensor] = []
+        self.g_bound: list[torch.Tensor] = []
+        self.g_names: list[str] = []
+
+    def checked(self, i: int) -> None:
+        """A checked call of product ``i``, numbered in forward order when an order is kept."""
+        self.f_idx.append(i)
+        if self.order is not None:
+            self.f_seq.append(self.order.tick())
+
+    def scanned(self, i: int) -> None:
+        """A scanned call of product ``i``, numbered in forward order when an order is kept."""
+        self.o_idx.append(i)
+        if self.order is not None:
+            self.o_seq.append(self.order.tick())
+
+    def note(self, seq: list[int], top: torch.Tensor) -> None:
+        """The largest |row sum| of the calls numbered ``seq``, for the order (see :meth:`checked`)."""
+        if self.order is not None:
+            self.order.note(seq, top)
+
+
+def is_shard(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a DTensor shard (FSDP2), outside the autograd graph and the forward's weight."""
+    return hasattr(t, "to_local")
+
+
+def local_part(t: Any) -> Any:
+    """This rank's part of a DTensor (``to_local()``): under tensor parallelism a linear layer's
+    forward weight, input and output are DTensors, and the rank computes the product of its parts.
+    Anything else as it is."""
+    return t.to_local() if t is not None and is_shard(t) else t
+
+
+def holds_whole_rows(w: Any) -> bool:
+    """Whether this rank holds whole rows of a tensor-parallel weight (``ColwiseParallel``: its
+    output columns are a complete product of its own, checked like any linear layer's).
+    ``RowwiseParallel`` splits the input dim (``Shard(1)``): the rank's product is a partial sum,
+    all-reduced by the output hook ``parallelize_module`` registered before the checks' hook, which
+    therefore sees the sum over the tensor-parallel ranks and cannot check this rank's part."""
+    return not any(p.is_shard() and getattr(p, "dim", 0) % w.dim() == 1 for p in getattr(w, "placements", ()))

@@ -1,0 +1,112 @@
+"""The gradient half of a watch: per-step gradient statistics, however the job reduces gradients.
+
+Three sources hand them in, all on the device as 0-d tensors (nothing here syncs):
+
+- under DDP the communication hook (:mod:`~sdcwatch.telemetry.probes.ddp_hook`) sees each bucket before
+  and after the all-reduce; :meth:`GradientStats._reduce_buckets` folds the buckets into the
+  local and global norms, their cosine and the all-reduced gradient's fingerprint;
+- under FSDP2 the reduce-scatter hooks (:mod:`~sdcwatch.telemetry.probes.fsdp`), and in simulations the
+  simulated all-reduce, call :meth:`GradientStats.observe_gradients` with the same sums;
+- with neither (world size one) :meth:`GradientStats._local_gradients` reads ``p.grad`` just
+  before ``optimizer.step()``: local is global.
+
+:class:`~sdcwatch.telemetry.probes.watch.Watch` mixes this in; it owns the state used here (the step's
+``_scalars``, ``_fps``, ``_nonfinite``, ``_buckets``...).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from sdcwatch.telemetry.probes import fingerprint as fp
+
+__all__ = ["GradientStats", "unless_closure"]
+
+
+class GradientStats:
+    """Gradient statistics of one watch's step (see the module docstring)."""
+
+    _scalars: dict[str, Any]
+    _host_scalars: dict[str, float]
+    _fps: dict[str, Any]
+    _nonfinite: list[Any]
+    _buckets: list[Any]
+    _grads_seen: bool
+    _params: list[Any]
+    enabled: bool
+    recording: bool
+    config: Any
+    _fingerprint_step: bool
+
+    def observe_gradients(
+        self,
+        *,
+        local_sq: torch.Tensor,
+        global_sq: torch.Tensor,
+        dot: torch.Tensor,
+        nonfinite: torch.Tensor | None = None,
+        grad_fp: torch.Tensor | None = None,
+    ) -> None:
+        """Gradient statistics computed elsewhere (the DDP hook, the simulated all-reduce): sums of
+        squares and the dot product of the local with the global gradient, on the device.
+        ``nonfinite`` is an extra count of non-finite values seen there (added to the record's own)."""
+        self._scalars["grad_norm_local"] = local_sq.sqrt()
+        self._scalars["grad_norm_global"] = global_sq.sqrt()
+        self._scalars["grad_cosine"] = dot / (local_sq.sqrt() * global_sq.sqrt()).clamp_min(1e-30)
+        if nonfinite is not None:
+            self._nonfinite.append(nonfinite)
+        if grad_fp is not None:
+            self._fps["grad_fp"] = grad_fp
+        self._grads_seen = True
+
+    def observe_fingerprint(self, name: str, raw: torch.Tensor) -> None:
+        """A raw device fingerprint (see :mod:`sdcwatch.telemetry.probes.fingerprint`) computed elsewhere."""
+        self._fps[name] = raw
+
+    def _local_gradients(self) -> None:
+        """World-size-1 gradient statistics from ``p.grad`` (no all-reduce: local is global).
+
+        One fused norm over all gradient tensors (a NaN or Inf anywhere makes it non-finite, which
+        the record's ``nonfinite`` count then shows).
+        """
+        if not (self.enabled and self.recording) or self._grads_seen:
+            return
+        grads = [p.grad for p in self._params if p.grad is not None]
+        if not grads:
+            return
+        norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
+        self._set_world1_norm(norm)
+        if self.config.grad_fingerprint and self._fingerprint_step:
+            self._fps["grad_fp"] = fp.flat_fingerprint_device(grads)
+
+    def _set_world1_norm(self, norm: torch.Tensor) -> None:
+        self._scalars["grad_norm_local"] = norm
+        self._scalars["grad_norm_global"] = norm
+        self._host_scalars["grad_cosine"] = 1.0  # one replica: the local gradient is the global one
+        self._grads_seen = True
+
+    def _reduce_buckets(self) -> None:
+        buckets = sorted(self._buckets, key=lambda b: b[0])
+        local_sq = torch.stack([b[1] for b in buckets]).sum()
+        dot = torch.stack([b[2] for b in buckets]).sum()
+        global_sq = torch.stack([b[3] for b in buckets]).sum()
+        parts = [b[4] for b in buckets if b[4] is not None]
+        grad_fp = fp.combine_parts(parts) if parts and len(parts) == len(buckets) else None
+        self.observe_gradients(local_sq=local_sq, global_sq=global_sq, dot=dot, grad_fp=grad_fp)
+
+
+def unless_closure(read: Callable[[], None]) -> Callable[[Any, tuple, dict], None]:
+    """An optimizer step pre-hook that reads the gradient, except for ``optimizer.step(closure)``
+    (Lightning's automatic optimisation, LBFGS): the closure runs this step's forward and backward
+    after the pre-hooks, so ``p.grad`` still holds the previous step's gradient there; the watch
+    reads it at ``watch.step()`` instead."""
+
+    def hook(optimizer: Any, args: tuple, kwargs: dict) -> None:
+        # torch hands the pre-hook step's positional arguments with the optimizer first
+        closure = args[1] if len(args) > 1 else kwargs.get("closure")
+        if closure is None:
+            read()
+
+    return hook

@@ -1,0 +1,117 @@
+"""The watch's device-to-host hand-off: one step's metrics packed into one tensor, copied to the
+host asynchronously, and read back a step later as a record's scalars, layers and fingerprints.
+
+Float metrics travel as float64 bit-cast to int64 next to the int64 fingerprints, so the whole
+step is one tensor and one copy; nothing on the training thread waits for the device.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import numpy
+import torch
+
+from sdcwatch.core.vocabulary import ATTENTION_STATS
+from sdcwatch.telemetry.probes import fingerprint as fp
+
+__all__ = ["PackedStep", "pack_step", "unpack_step"]
+
+_EXTRA = "_nonfinite_extra"  # the slot of the non-finite count measured elsewhere (the DDP hook)
+
+
+class PackedStep(NamedTuple):
+    """One step on its way to the host: the packed tensor, the event that says it has arrived
+    (CUDA) and what is where in it."""
+
+    step: int
+    packed: torch.Tensor
+    event: Any
+    names: list[str]
+    n_attn: int
+    fp_names: list[str]
+    host: dict[str, float]
+    extra_sizes: list[tuple[str, int]] = []
+    """Per-layer vectors of other probes (checksums, residual stream) after the attention grid."""
+
+
+def pack_step(
+    step: int,
+    device_scalars: dict[str, torch.Tensor],
+    attn: torch.Tensor | None,
+    fingerprints: dict[str, torch.Tensor],
+    host: dict[str, float],
+    *,
+    nonfinite_extra: torch.Tensor | None = None,
+    layers: dict[str, torch.Tensor] | None = None,
+) -> PackedStep:
+    """One device tensor (float64 values bit-cast to int64, then fingerprints) and its async copy."""
+    names = list(device_scalars)
+    values = [t if t.dtype == torch.float32 else t.float() for t in device_scalars.values()]  # all 0-d
+    if nonfinite_extra is not None:
+        names.append(_EXTRA)
+        values.append(nonfinite_extra)
+    if len({v.device for v in values}) > 1:
+        values = [v.to(values[0].device) for v in values]
+    parts = [torch.stack(values)] if values else []
+    n_attn = 0
+    if attn is not None:
+        parts.append(attn.reshape(-1))
+        n_attn = attn.shape[0]
+    extra_sizes = []  # per-layer vectors of other probes (checksums, residual stream)
+    for name, vec in (layers or {}).items():
+        parts.append(vec.reshape(-1))
+        extra_sizes.append((name, parts[-1].numel()))
+    floats = None
+    if parts:  # one concatenation (float32, on the first part's device), not one per part
+        dev = parts[0].device
+        parts = [p if p.dtype == torch.float32 and p.device == dev else p.float().to(dev) for p in parts]
+        floats = torch.cat(parts) if len(parts) > 1 else parts[0]
+    fp_names = list(fingerprints)
+    pieces = [floats.double().view(torch.int64)] if floats is not None else []
+    if fp_names:
+        pieces.append(torch.stack([fingerprints[n].reshape(()) for n in fp_names]))
+    if not pieces:
+        packed = torch.zeros(0, dtype=torch.int64)
+    else:
+        device = pieces[0].device
+        packed = torch.cat([pc.to(device) for pc in pieces]) if len(pieces) > 1 else pieces[0]
+    event = None
+    if packed.device.type == "cuda":
+        host_buf = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+        host_buf.copy_(packed, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        packed = host_buf
+    elif packed.device.type != "cpu":
+        packed = packed.to("cpu", non_blocking=True)
+    return PackedStep(step, packed, event, names, n_attn, fp_names, host, extra_sizes)
+
+
+def unpack_step(pending: PackedStep) -> tuple[int, dict[str, float], dict[str, list] | None, dict[str, int] | None]:
+    """(step, scalars, layers, fingerprints) of a packed step, read on the host (waits for its copy)."""
+    step, packed, event, names, n_attn, fp_names, host, extra_sizes = pending
+    if event is not None:
+        event.synchronize()
+    values = packed.numpy()
+    at = len(names) + n_attn * len(ATTENTION_STATS)
+    n_float = at + sum(n for _, n in extra_sizes)
+    floats = values[:n_float].view("float64")
+    scalars = dict(host)
+    scalars.update(zip(names, floats[: len(names)].tolist()))
+    # non-finite values among the metrics themselves: the loss, the gradient norms (a NaN or
+    # Inf anywhere in the gradient makes them so), the attention statistics (q, k, logits)
+    extra = scalars.pop(_EXTRA, 0.0)
+    seen = numpy.count_nonzero(~numpy.isfinite(floats))
+    scalars["nonfinite"] = float(seen) + (extra if math.isfinite(extra) else 0.0)
+    layers = None
+    if n_attn:
+        grid = floats[len(names) : at].reshape(n_attn, len(ATTENTION_STATS))
+        layers = dict(zip(ATTENTION_STATS, grid.T.tolist()))
+    for name, n in extra_sizes:
+        layers = layers if layers is not None else {}
+        layers[name] = floats[at : at + n].tolist()
+        at += n
+    fingerprints = {n: fp.finalize(v) for n, v in zip(fp_names, values[n_float:].tolist())} or None
+    return step, scalars, layers, fingerprints

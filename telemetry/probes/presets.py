@@ -1,0 +1,79 @@
+"""Named probe configurations, so a detection number and a cost number describe the same one.
+
+``default`` is what :func:`~sdcwatch.telemetry.probes.watch.attach` gives a user (matrix checksums every
+16th step; on every step the extreme values: each product's output, the residual stream, the
+largest attention logit, and one linear layer's product of a known input, in rotation);
+``forward-checksums`` is the default with the forward and weights-in-memory checksums on every
+step and the weight-gradient one still every 16th (``checksum_forward_every=1``: a flip in a
+product's output or in a weight named at its step, for a fraction of the next one's cost);
+``checksums`` is the default with every checksum on every step; ``every-step`` turns every probe on, on every step (the instrument
+of the first campaigns, plus checksums); ``scalars-only`` is the floor (loss, gradient norms,
+step time, lr). ``sdcwatch bench campaign --probes NAME|FILE`` and
+``bench/bench_overhead.py --probes NAME|FILE`` take the same names, or a JSON/TOML file of
+:class:`~sdcwatch.telemetry.probes.watch.ProbeConfig` fields.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from sdcwatch.core.errors import ConfigError
+from sdcwatch.telemetry.probes.config import ProbeConfig
+
+__all__ = ["PROBE_PRESETS", "probe_config", "describe"]
+
+_OFF = 1 << 30
+PROBE_PRESETS: dict[str, ProbeConfig] = {
+    "default": ProbeConfig(),
+    "forward-checksums": ProbeConfig(checksum_forward_every=1),
+    "checksums": ProbeConfig(checksum_every=1),
+    "every-step": ProbeConfig(
+        attention_every=1, activations_every=1, fingerprint_every=1, canary_every=10, checksum_every=1
+    ),
+    "scalars-only": ProbeConfig(
+        attention_every=_OFF,
+        fingerprint_every=_OFF,
+        activations_every=0,
+        checksum_every=0,
+        stream_every=0,
+        gemm_canary_every=0,
+    ),
+}
+
+
+def probe_config(spec: str | ProbeConfig) -> tuple[str, ProbeConfig]:
+    """(name, config) of a preset name or a JSON/TOML file of ProbeConfig fields."""
+    if isinstance(spec, ProbeConfig):
+        return "custom", spec
+    if spec in PROBE_PRESETS:
+        return spec, PROBE_PRESETS[spec]
+    path = Path(spec)
+    if not path.is_file():
+        raise ConfigError("probes", f"{spec!r} is neither a preset ({', '.join(PROBE_PRESETS)}) nor a file")
+    text = path.read_text(encoding="utf-8")
+    try:
+        if path.suffix == ".toml":
+            import tomllib
+
+            data: Any = tomllib.loads(text)
+            data = data.get("probes", data)
+        else:
+            data = json.loads(text)
+    except ValueError as exc:
+        raise ConfigError(
+            "probes", f"{path}: not valid {'TOML' if path.suffix == '.toml' else 'JSON'}: {exc}"
+        ) from None
+    if not isinstance(data, dict):
+        raise ConfigError("probes", f"{path}: must hold an object of probe settings")
+    known = set(ProbeConfig.__dataclass_fields__)
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ConfigError(f"probes.{unknown[0]}", f"unknown setting in {path} (known: {', '.join(sorted(known))})")
+    return path.stem, ProbeConfig(**data)
+
+
+def describe(config: ProbeConfig) -> dict[str, Any]:
+    """The config's fields (JSON-ready)."""
+    return dict(config.__dict__)

@@ -1,0 +1,333 @@
+"""Transports: how the emitter's batches reach the bus. One method, ``send(records)``.
+
+- :class:`KafkaTransport`: the real bus (kafka-python), keyed by run and step so that all ranks
+  of one step land in one partition and a detector instance sees whole steps.
+- :class:`FileTransport`: JSON lines, for offline capture and later replay.
+- :class:`MemoryTransport` over a :class:`MemoryBus`: in-process topics, for unit tests and
+  single-process tools.
+
+A transport raises :class:`~sdcwatch.core.errors.TransportError` when the bus refuses or cannot be
+reached; its ``unsent`` attribute lists the records that were not confirmed, which the emitter
+keeps and retries. Transports are built cheaply (no connection in ``__init__``), so constructing
+one in a training script can neither fail nor block on the network.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any, Protocol, Sequence
+
+from sdcwatch.core.errors import ConfigError, TransportError
+from sdcwatch.core.kafka import new_admin, new_producer, security_settings
+from sdcwatch.core.vocabulary import TELEMETRY_TOPIC
+from sdcwatch.core.schema import PackedRecord
+from sdcwatch.core.columnar import decode_stream, encode_items
+from sdcwatch.core.record import record_key
+from sdcwatch.core.record_type import Record
+from sdcwatch.core.record_json import to_json
+from sdcwatch.core.layer_names import LayerNames, names_to_json
+
+__all__ = ["Transport", "KafkaTransport", "FileTransport", "MemoryTransport", "MemoryBus"]
+
+log = logging.getLogger("sdcwatch.telemetry")
+
+
+class Transport(Protocol):
+    """Sends a batch of records; raises TransportError (with ``unsent``) when it cannot."""
+
+    def send(self, records: Sequence[Record]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def _unsent(message: str, records: Sequence[Record]) -> TransportError:
+    return TransportError(message, unsent=records)
+
+
+class MemoryBus:
+    """In-process topics: lists of (key, value) messages. Thread-safe, for tests and demos."""
+
+    def __init__(self) -> None:
+        self._topics: dict[str, list[tuple[bytes | None, bytes]]] = {}
+        self._lock = threading.Lock()
+        self.down = False  # set True to simulate an outage
+
+    def append(self, topic: str, key: bytes | None, value: bytes) -> None:
+        with self._lock:
+            self._topics.setdefault(topic, []).append((key, value))
+
+    def messages(self, topic: str, start: int = 0) -> list[tuple[bytes | None, bytes]]:
+        """Raw messages of ``topic`` from offset ``start``."""
+        with self._lock:
+            return list(self._topics.get(topic, [])[start:])
+
+    def records(self, topic: str = TELEMETRY_TOPIC) -> list[Record]:
+        """Decoded records of ``topic`` (raises RecordError on a malformed one)."""
+        return decode_stream(v for _, v in self.messages(topic))
+
+    def size(self, topic: str) -> int:
+        with self._lock:
+            return len(self._topics.get(topic, []))
+
+
+class MemoryTransport:
+    """Publishes encoded records into a :class:`MemoryBus` topic."""
+
+    def __init__(self, bus: MemoryBus, topic: str = TELEMETRY_TOPIC) -> None:
+        self.bus = bus
+        self.topic = topic
+        self._schemas_sent: set = set()  # (key, schema id) pairs whose schema went inline
+
+    def send(self, records: Sequence[Record | PackedRecord]) -> None:
+        if self.bus.down:
+            raise _unsent("memory bus is down", records)
+        for key, value, _ in encode_items(records, record_key, 256, self._schemas_sent):
+            self.bus.append(self.topic, key, value)
+
+    def close(self) -> None:
+        pass
+
+
+def _json_line(item: Any) -> str:
+    if isinstance(item, LayerNames):
+        return names_to_json(item) + "\n"
+    return to_json(item.to_record() if isinstance(item, PackedRecord) else item) + "\n"
+
+
+class FileTransport:
+    """Appends records as JSON lines (offline capture; ``sdcwatch replay`` reads them back)."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = Path(path)
+        self._fh = None
+        self._lock = threading.Lock()
+
+    def send(self, records: Sequence[Record]) -> None:
+        with self._lock:
+            try:
+                if self._fh is None:
+                    self.path.parent.mkdir(parents=True, exist_ok=True)
+                    self._fh = open(self.path, "a", encoding="utf-8")
+                self._fh.write("".join(_json_line(r) for r in records))
+                self._fh.flush()
+            except OSError as exc:
+                raise _unsent(f"cannot write {self.path}: {exc}", records) from None
+
+    def close(self) -> None:
+        with self._lock:
+            if self._fh is not None:
+                self._fh.close()
+                self._fh = None
+
+
+class KafkaTransport:
+    """Produces records to a Kafka topic with kafka-python.
+
+    The producer is created at the first ``send`` (from the emitter's background thread) and
+    re-created after a failure, so a broker that is down when training starts, or restarts
+    mid-run, is picked up again without anyone's help. The topic is created if missing with
+    ``partitions`` partitions (brokers that auto-create topics would otherwise pick their own
+    default).
+
+    No call blocks for long: a connection attempt gives up after ``connect_timeout_ms`` (kafka-python
+    waits 30 s by default, which delayed the emitter's "bus unavailable" warning and its close),
+    and once :attr:`deadline` is set (the emitter sets it when it closes) every wait ends by then.
+    """
+
+    def __init__(
+        self,
+        bootstrap: str,
+        topic: str = TELEMETRY_TOPIC,
+        *,
+        partitions: int = 4,
+        replication: int = 1,
+        acks: int | str = 1,
+        linger_ms: int = 5,
+        batch_size: int = 256 * 1024,
+        compression_type: str | None = None,
+        max_block_ms: int = 2000,
+        request_timeout_ms: int = 3000,
+        delivery_timeout_ms: int = 6000,
+        flush_timeout: float = 10.0,
+        max_records_per_message: int = 256,
+        connect_timeout_ms: int = 2000,
+        **security: Any,
+    ) -> None:
+        if not bootstrap or not isinstance(bootstrap, str):
+            raise ConfigError("bootstrap", f"must be 'host:port[,host:port]', got {bootstrap!r}")
+        if not isinstance(partitions, int) or partitions < 1:
+            raise ConfigError("partitions", f"must be a positive integer, got {partitions!r}")
+        if acks not in (0, 1, -1, "all"):
+            raise ConfigError("acks", f"must be 0, 1, -1 or 'all', got {acks!r}")
+        self.bootstrap = bootstrap
+        self.topic = topic
+        self.partitions = partitions
+        self.replication = replication
+        self.flush_timeout = flush_timeout
+        self.max_records_per_message = max_records_per_message
+        self.connect_timeout_ms = connect_timeout_ms
+        #: monotonic time by which every call must return (None: no deadline); set by Emitter.close
+        self.deadline: float | None = None
+        self.security = security_settings(security)
+        self._producer_config = dict(
+            acks=acks,
+            linger_ms=linger_ms,
+            batch_size=batch_size,
+            compression_type=compression_type,
+            max_block_ms=max_block_ms,
+            request_timeout_ms=request_timeout_ms,
+            delivery_timeout_ms=max(delivery_timeout_ms, linger_ms + request_timeout_ms),
+            retries=3,
+            enable_idempotence=False,
+        )
+        self._producer = None
+        self._topic_ready = False
+        self._schemas_sent: set = set()  # (key, schema id) pairs whose schema went inline on this connection
+        self._last_offsets: dict[int, int] = {}  # partition -> highest offset the broker confirmed
+        self.log_resets = 0  # times the broker's log went back (it lost confirmed records)
+
+    def _budget_ms(self, wanted_ms: float) -> int:
+        """``wanted_ms``, shortened to what is left before :attr:`deadline`."""
+        if self.deadline is None:
+            return int(wanted_ms)
+        return int(max(0.0, min(wanted_ms, (self.deadline - time.monotonic()) * 1000)))
+
+    def _connect(self):
+        from kafka.errors import KafkaError
+
+        budget = self._budget_ms(self.connect_timeout_ms)
+        if budget <= 0:
+            raise TransportError(f"cannot connect to Kafka at {self.bootstrap}: no time left before close")
+        try:
+            self._producer = new_producer(
+                self.bootstrap, self.security, **self._producer_config, bootstrap_timeout_ms=budget
+            )
+        except (KafkaError, OSError, ValueError) as exc:
+            raise TransportError(f"cannot connect to Kafka at {self.bootstrap}: {exc}") from None
+        if not self._topic_ready:
+            self._topic_ready = ensure_topic(
+                self.bootstrap,
+                self.topic,
+                self.partitions,
+                self.replication,
+                self.security,
+                timeout_ms=max(1, self._budget_ms(3000)),
+            )
+        return self._producer
+
+    def send(self, records: Sequence[Record]) -> None:
+        from kafka.errors import KafkaError
+
+        try:
+            producer = self._producer or self._connect()
+        except TransportError as exc:
+            raise _unsent(str(exc), records) from None
+        encoded = encode_items(records, record_key, self.max_records_per_message, self._schemas_sent)
+        messages = [(key, recs) for key, _, recs in encoded]
+        futures = []
+        try:
+            for key, value, _ in encoded:
+                futures.append(producer.send(self.topic, key=key, value=value))
+            producer.flush(timeout=self._budget_ms(self.flush_timeout * 1000) / 1000)
+        except (KafkaError, OSError) as exc:
+            failed = [r for (_, recs), f in zip(messages, futures) if not (f.is_done and f.succeeded()) for r in recs]
+            failed.extend(r for _, recs in messages[len(futures) :] for r in recs)
+            self._reset()
+            raise _unsent(f"Kafka send to {self.bootstrap} failed: {exc}", failed) from None
+        failed = [r for (_, recs), f in zip(messages, futures) if not (f.is_done and f.succeeded()) for r in recs]
+        self._check_offsets([f.value for f in futures if f.is_done and f.succeeded()])
+        if failed:
+            exc = next((f.exception for f in futures if f.is_done and f.failed()), None)
+            self._reset()
+            raise _unsent(f"Kafka did not confirm {len(failed)} of {len(records)} records: {exc}", failed)
+
+    def _check_offsets(self, confirmed: Sequence[Any]) -> None:
+        """Warn when a partition's offsets go back: the broker lost records it had confirmed.
+
+        Kafka offsets only grow. A broker that restarts without persistent storage (the embedded
+        one keeps everything in memory) starts its log again at 0, and what it confirmed before
+        is gone. The emitter cannot get those records back, but it must not stay silent about it.
+        The producer is replaced, so the next send starts from fresh metadata and creates the
+        topic again if the broker has none.
+        """
+        confirmed = [md for md in confirmed if md is not None and md.offset >= 0]  # acks=0: no offsets
+        went_back = [
+            (md.partition, self._last_offsets[md.partition], md.offset)
+            for md in confirmed
+            if md.offset < self._last_offsets.get(md.partition, -1)
+        ]
+        if went_back:  # the whole log started again: forget the old offsets of every partition
+            self._last_offsets = {}
+        for md in confirmed:
+            self._last_offsets[md.partition] = max(md.offset, self._last_offsets.get(md.partition, -1))
+        if went_back:
+            self.log_resets += 1
+            part, last, now = went_back[0]
+            log.warning(
+                "Kafka at %s: %s partition %d went back from offset %d to %d: the broker lost records it "
+                "had confirmed (restarted without persistent storage?); telemetry sent before is gone "
+                "from the bus",
+                self.bootstrap,
+                self.topic,
+                part,
+                last,
+                now,
+            )
+            self._reset()
+
+    def _reset(self) -> None:
+        producer, self._producer = self._producer, None
+        self._topic_ready = False
+        self._schemas_sent = set()  # what the broker had may be gone: send each schema again
+        if producer is not None:
+            try:
+                producer.close(timeout=0)
+            except Exception:  # closing a broken producer must not raise into the sender
+                pass
+
+    def close(self) -> None:
+        if self._producer is not None:
+            try:
+                self._producer.close(timeout=self._budget_ms(self.flush_timeout * 1000) / 1000)
+            finally:
+                self._producer = None
+
+
+def ensure_topic(
+    bootstrap: str,
+    topic: str,
+    partitions: int,
+    replication: int = 1,
+    security: dict[str, Any] | None = None,
+    timeout_ms: int = 3000,
+) -> bool:
+    """Create ``topic`` if it does not exist; True when it exists afterwards.
+
+    Failure to reach the admin API is not fatal: a broker that auto-creates topics still takes
+    the records, so the caller logs and carries on.
+    """
+    from kafka.admin import NewTopic
+    from kafka.errors import KafkaError, TopicAlreadyExistsError
+
+    try:
+        admin = new_admin(bootstrap, security, request_timeout_ms=timeout_ms, bootstrap_timeout_ms=timeout_ms)
+    except (KafkaError, OSError, ValueError) as exc:
+        log.debug("cannot reach Kafka admin API at %s: %s", bootstrap, exc)
+        return False
+    try:
+        if topic in set(admin.list_topics()):
+            return True
+        try:
+            admin.create_topics([NewTopic(name=topic, num_partitions=partitions, replication_factor=replication)])
+        except TopicAlreadyExistsError:
+            pass
+        return True
+    except KafkaError as exc:
+        log.warning("could not create topic %s on %s: %s", topic, bootstrap, exc)
+        return False
+    finally:
+        admin.close()

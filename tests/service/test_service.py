@@ -1,0 +1,208 @@
+"""The detection service: source -> pipeline -> sinks, the anomalies topic, restarts."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import uuid
+
+import pytest
+
+from detector_synth import Fault, SyntheticRun
+from sdcwatch.core.vocabulary import ANOMALY_TOPIC
+from sdcwatch.service.bus import AnomalyTopicSink
+from sdcwatch.service.pipeline import DetectionPipeline
+from sdcwatch.service.loop import DetectorService
+from sdcwatch.service.bus import MemorySource
+from sdcwatch.core.errors import ConfigError
+from sdcwatch.telemetry import MemoryBus, MemoryTransport
+
+
+class ListSink:
+    def __init__(self) -> None:
+        self.events = []
+        self.closed = False
+
+    def publish(self, event) -> None:
+        self.events.append(event)
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class BrokenSink:
+    def publish(self, event) -> None:
+        raise RuntimeError("receiver down")
+
+    def close(self) -> None:
+        raise RuntimeError("still down")
+
+
+def emit(bus, synth, steps):
+    tr = MemoryTransport(bus)
+    for s in steps:
+        tr.send(synth.records(s))
+
+
+def drain(service, bus):
+    service.run_for(until=lambda: service.source.lag() == 0, max_iterations=10_000)
+
+
+def anomalies(bus):
+    return [json.loads(v) for _, v in bus.messages(ANOMALY_TOPIC)]
+
+
+def test_service_publishes_incidents_to_the_anomalies_topic_and_sinks():
+    bus = MemoryBus()
+    emit(bus, SyntheticRun(seed=2, faults=[Fault("replica", 60, rank=6)]), range(100))
+    sink = ListSink()
+    svc = DetectorService(
+        MemorySource(bus), sinks=[AnomalyTopicSink.to_bus(bus), BrokenSink(), sink], poll_timeout=0.01
+    )
+    drain(svc, bus)
+    (msg,) = anomalies(bus)
+    assert msg["change"] == "opened" and msg["kind"] == "replica_divergence"
+    assert msg["ranks"] == [6] and msg["hosts"] == ["node1"] and msg["step"] == 60
+    assert [e.incident.kind for e in sink.events] == ["replica_divergence"]
+    view = svc.view()
+    assert view.pipeline.records_total == 800 and view.runs[0].last_step == 99
+    svc.close()
+    assert sink.closed
+
+
+def test_restart_resumes_without_warmup_and_without_repeating_alerts(tmp_path):
+    bus = MemoryBus()
+    # a rank drifts from step 100 (incident before the restart); a loss spike right after the
+    # restart at step 152: a fresh spike detector would still be warming up (59 steps) and miss it
+    synth = SyntheticRun(seed=4, faults=[Fault("rank_shift", 100, rank=3, layer=1), Fault("loss_spike", 152)])
+    emit(bus, synth, range(150))
+    first = DetectorService(
+        MemorySource(bus), sinks=[AnomalyTopicSink.to_bus(bus)], state_dir=tmp_path, poll_timeout=0.01
+    )
+    assert not first.resumed
+    drain(first, bus)
+    first.close()  # snapshots
+    before = anomalies(bus)
+    assert [m["kind"] for m in before] == ["silent_drift"]
+
+    emit(bus, synth, range(150, 200))
+    # the new instance re-reads the topic from the start (worst-case redelivery)
+    second = DetectorService(
+        MemorySource(bus), sinks=[AnomalyTopicSink.to_bus(bus)], state_dir=tmp_path, poll_timeout=0.01
+    )
+    assert second.resumed
+    drain(second, bus)
+    second.close()
+    after = anomalies(bus)[len(before) :]
+    assert [m["id"] for m in after if m["change"] == "opened"] and all(
+        m["id"] != before[0]["id"] or m["change"] != "opened" for m in after
+    )
+    kinds = [(m["change"], m["kind"]) for m in after]
+    assert ("opened", "loss_spike") in kinds  # no new warm-up: the spike at 152 is caught
+    assert ("updated", "sdc_suspected") in kinds  # and joined with the drift seen before the restart
+
+    fresh = DetectionPipeline()
+    for s in range(150, 200):
+        fresh.process(synth.records(s))
+    assert not any(i.kind == "loss_spike" for i in fresh.incidents())  # the warm-up it avoided
+
+
+def test_run_forever_stops_and_snapshots(tmp_path):
+    bus = MemoryBus()
+    emit(bus, SyntheticRun(seed=1), range(20))
+    svc = DetectorService(MemorySource(bus), state_dir=tmp_path, poll_timeout=0.01)
+    stop = threading.Event()
+    t = threading.Thread(target=svc.run_forever, args=(stop,))
+    t.start()
+    deadline = time.monotonic() + 10
+    while svc.pipeline.records_total < 160 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    stop.set()
+    t.join(10)
+    assert not t.is_alive()
+    assert (tmp_path / "pipeline-state.json").is_file()
+
+
+def test_bad_service_settings_are_named():
+    with pytest.raises(ConfigError, match="service.snapshot_every"):
+        DetectorService(MemorySource(MemoryBus()), snapshot_every=0)
+
+
+@pytest.mark.integration
+def test_reference_run_fault_on_one_rank_through_the_real_broker_names_that_rank(bootstrap, unique_topic):
+    """The probes' records of a real (simulated data-parallel) training run, through Kafka."""
+    torch = pytest.importorskip("torch")
+    from kafka import KafkaConsumer
+
+    from sdcwatch.service.kafka_source import KafkaSource
+    from sdcwatch.telemetry import Emitter, KafkaTransport
+    from sdcwatch.testbed.faultspec import FaultSpec
+    from sdcwatch.testbed.model import GPTConfig
+    from sdcwatch.testbed.simulated import SimulatedRun, shared_corpus
+
+    torch.set_num_threads(1)
+    world, steps = 4, 30
+    fault = FaultSpec.from_dict({"kind": "near_inf", "step": 20, "rank": 2, "target": "blocks.0.attn.scores"})
+    run = SimulatedRun(
+        world=world,
+        seed=0,
+        faults=[fault],
+        model=GPTConfig(seq_len=32, d_model=32, n_layer=2, n_head=4),
+        batch_size=4,
+        corpus=shared_corpus(1 << 18),
+        ranks_per_host=2,
+        emitter_factory=lambda r, host: Emitter(
+            KafkaTransport(bootstrap, unique_topic), run="ref", rank=r, world=world, host=host
+        ),
+    )
+    run.train(steps)
+    run.close()  # emits each rank's last record, then flushes and closes the emitters
+    assert [w.errors for w in run.watches] == [0] * world  # the probes dropped nothing
+    assert [(em.emitted, em.sent, em.dropped, em.invalid) for em in run.emitters] == [(steps, steps, 0, 0)] * world
+
+    anomalies_topic = f"{unique_topic}.anomalies"
+    source = KafkaSource(
+        bootstrap, unique_topic, group=f"g-{uuid.uuid4().hex[:8]}", deadletter_topic=f"{unique_topic}.dead"
+    )
+    svc = DetectorService(source, sinks=[AnomalyTopicSink.to_kafka(bootstrap, topic=anomalies_topic)], poll_timeout=0.5)
+    deadline = time.monotonic() + 60
+    svc.run_for(until=lambda: svc.pipeline.records_total >= world * steps or time.monotonic() > deadline)
+    svc.close()
+    assert (svc.pipeline.records_total, source.dead_letters) == (world * steps, 0), "the broker confirmed every record"
+    consumer = KafkaConsumer(
+        anomalies_topic,
+        bootstrap_servers=bootstrap,
+        auto_offset_reset="earliest",
+        consumer_timeout_ms=10_000,
+        group_id=None,
+    )
+    msgs = [json.loads(m.value) for m in consumer]
+    consumer.close()
+    opened = [m for m in msgs if m["change"] == "opened"]
+    nonfinite = [m for m in opened if m["kind"] == "nonfinite"]
+    assert nonfinite, f"no non-finite incident in {opened}"
+    inc = nonfinite[0]
+    assert (inc["step"], inc["ranks"][0], inc["hosts"][0], inc["metric"], inc["layer"]) == (
+        20,
+        2,
+        run.host_of(2),
+        "attn_logit_max",
+        0,
+    )
+
+
+@pytest.mark.integration
+def test_summary_the_broker_refuses_is_reported_and_blocks_the_commit(bootstrap, unique_topic):
+    """A summary larger than the broker takes is not taken for delivered: flush says so."""
+    from sdcwatch.service.bus import SummaryTopicSink
+    from sdcwatch.service.summary import StepSummary
+
+    sink = SummaryTopicSink.to_kafka(bootstrap, topic=f"{unique_topic}.sum", max_request_size=2048)
+    sink.publish([StepSummary("r", 1, 4, 4)])
+    assert sink.flush()
+    big = StepSummary("r", 2, 4, 4, observations={"x": __import__("numpy").random.default_rng(0).random(4096)})
+    sink.publish([big])  # ~32 kB of incompressible floats: over the producer's 2 kB limit
+    assert not sink.flush()
+    assert sink.flush()  # the failure is reported once
+    sink.close()
