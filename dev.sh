@@ -3,7 +3,8 @@
 #   ./dev.sh demo [ARGS]   install sdcwatch into .venv and run the demo on the embedded broker
 #   ./dev.sh test [ARGS]   install the test dependencies too (Prometheus, Alertmanager, Chromium
 #                          from Debian) and run the whole test suite
-#   ./dev.sh lint          install the dev dependencies and run ruff (lint and format check)
+#   ./dev.sh lint          install the dev dependencies, run ruff (lint and format check) and build
+#                          the documentation site (docs/, mkdocs.yml) with mkdocs --strict
 set -euo pipefail
 cd "$(dirname "$0")"
 VENV=${SDCWATCH_VENV:-.venv}
@@ -50,7 +51,12 @@ case "$cmd" in
   lint)
     need_venv dev
     "$VENV/bin/ruff" check .
-    exec "$VENV/bin/ruff" format --check .
+    "$VENV/bin/ruff" format --check .
+    # strict: a broken link or anchor, or a page left out of the nav, fails the build
+    site=$(mktemp -d)
+    trap 'rm -rf "$site"' EXIT
+    NO_MKDOCS_2_WARNING=1 "$VENV/bin/mkdocs" build --strict --quiet --site-dir "$site"
+    echo "==> docs: mkdocs build --strict passed"
     ;;
   test)
     need_debian

@@ -136,7 +136,7 @@ class V2Sender:
     def __init__(self, a: argparse.Namespace) -> None:
         from kafka import KafkaProducer
 
-        from sdcwatch.core.schema import schema_for
+        from sdcwatch.core.record_layout import schema_for
         from sdcwatch.telemetry.wire.transports import ensure_topic
 
         self.a = a
@@ -252,6 +252,288 @@ def produce(argv: list[str]) -> int:
 # -- one scale ------------------------------------------------------------------------------------
 
 
+class LatencySink:
+    """Notes when each non-finite incident opened (service wall clock), and every other incident."""
+
+    def __init__(self) -> None:
+        self.opened: dict[int, float] = {}
+        self.other: list[str] = []
+
+    def publish(self, event) -> None:
+        inc = event.incident
+        if event.change != "opened":
+            return
+        if inc.kind == "nonfinite":
+            self.opened.setdefault(inc.first_step, time.time())
+        else:
+            self.other.append(f"{inc.kind} at step {inc.first_step}: {inc.message}")
+
+    def close(self) -> None:
+        pass
+
+
+class ServicesUnderTest:
+    """The detection service as ``sdcwatch serve`` builds it (the benchmark's sink only, no periodic
+    snapshot): one instance, or with ``split`` a spatial one publishing step summaries and a
+    temporal one reading them; both stepped in this process, the CPU time of each counted apart."""
+
+    def __init__(self, bootstrap: str, topic: str, *, fault_every: int, split: bool, sink: LatencySink) -> None:
+        import tempfile
+        from dataclasses import replace
+
+        from sdcwatch.config import BusConfig, DetectorsConfig, MetricsConfig, ServeConfig, StateConfig
+        from sdcwatch.serve import build_service
+        from sdcwatch.telemetry.wire.transports import ensure_topic
+
+        # incidents resolve quickly, so each injected fault opens its own incident
+        sum_topic = f"{topic}.summaries"
+        cfg = ServeConfig(
+            bus=BusConfig(
+                bootstrap=bootstrap,
+                telemetry_topic=topic,
+                group=f"bench-{uuid.uuid4().hex[:8]}",
+                summaries_topic=sum_topic,
+            ),
+            metrics=MetricsConfig(port=0),
+            state=StateConfig(dir=Path(tempfile.mkdtemp(prefix="sdcwatch-bench-")), snapshot_interval_s=1e9),
+            detectors=DetectorsConfig(align_timeout_s=10.0, resolve_after_steps=max(1, fault_every // 2)),
+        )
+        self.split = split
+        self.cpu = {"spatial": 0.0, "temporal": 0.0}
+        self.temporal = self.temporal_pipeline = None
+        self.state_dirs = [cfg.state.dir]
+        if split:
+            ensure_topic(bootstrap, sum_topic, 1)
+            spatial_cfg = replace(cfg, detectors=replace(cfg.detectors, stage="spatial"))
+            self.service, _ = build_service(spatial_cfg, poll_timeout=0.05)
+            temporal_dir = Path(tempfile.mkdtemp(prefix="sdcwatch-bench-"))
+            self.state_dirs.append(temporal_dir)
+            temporal_cfg = replace(
+                cfg, detectors=replace(cfg.detectors, stage="temporal"), state=replace(cfg.state, dir=temporal_dir)
+            )
+            self.temporal, _ = build_service(temporal_cfg, sinks=[sink], poll_timeout=0.01)
+            self.temporal_pipeline = self.temporal.pipeline
+        else:
+            self.service, _ = build_service(cfg, sinks=[sink], poll_timeout=0.05)
+        self.source, self.pipeline = self.service.source, self.service.pipeline
+
+    def step(self) -> None:
+        """One poll of each instance, its CPU time counted."""
+        c0 = time.process_time()
+        self.service.step()
+        c1 = time.process_time()
+        self.cpu["spatial"] += c1 - c0
+        if self.temporal is not None:
+            self.temporal.step()
+            self.cpu["temporal"] += time.process_time() - c1
+
+    def join(self, timeout: float = 20.0) -> None:
+        """Wait for the consumer-group joins, so that the first steps are not measured as lag; the
+        CPU time counts from here."""
+        deadline = time.monotonic() + timeout
+        while (
+            not self.source.assigned or (self.temporal is not None and not self.temporal.source.assigned)
+        ) and time.monotonic() < deadline:
+            self.step()
+        self.cpu = {"spatial": 0.0, "temporal": 0.0}
+
+    def steps_done(self) -> int:
+        """Steps the (temporal) service has closed."""
+        runs = (self.temporal or self.service).view().runs
+        return runs[0].steps_total if runs else 0
+
+    def sample(self, t: float) -> dict:
+        """One lag sample at ``t`` seconds after the producers' start."""
+        return {
+            "t": round(t, 2),
+            "lag": int(self.source.lag()),
+            "steps": self.steps_done(),
+            "records": self.pipeline.records_total,
+            "spatial_cpu_s": round(self.cpu["spatial"], 3),
+            "temporal_cpu_s": round(self.cpu["temporal"], 3),
+            "summaries": self.temporal_pipeline.summaries_total if self.temporal_pipeline else None,
+            "summaries_published": self.service.summary_sink.published if self.split else None,
+        }
+
+    def close(self) -> None:
+        self.service.close()
+        if self.temporal is not None:
+            self.temporal.run_for(max_iterations=5)
+            self.temporal.close()
+        for d in self.state_dirs:
+            shutil.rmtree(d, ignore_errors=True)
+
+    def counters(self) -> dict:
+        """What the service dropped, waited for or saw twice."""
+        source, aligner = self.source, self.pipeline.aligner
+        return {
+            "dead_letters": source.dead_letters,
+            "incomplete_steps": aligner.incomplete_steps,
+            "late_records": aligner.late_records,
+            "duplicates": aligner.duplicates,
+            "waiting_for_schema": source.ingest.pending,
+            "offset_gaps": dict(source.gaps.counts),
+        }
+
+
+def start_producers(bootstrap: str, topic: str, world: int, slices: list[tuple[int, int]], **options) -> list:
+    """One producer process a slice of ranks (``options``: steps, rate, fault_every, partitions,
+    wire, per_message); returns once every one is connected, their clocks not yet started."""
+    procs = []
+    for lo, hi in slices:
+        cmd = [sys.executable, __file__, "--produce", "--bootstrap", bootstrap, "--topic", topic, "--world", str(world)]
+        cmd += ["--lo", str(lo), "--hi", str(hi)]
+        for name, value in options.items():
+            cmd += [f"--{name.replace('_', '-')}", str(value)]
+        procs.append(
+            subprocess.Popen(
+                cmd,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                env={**os.environ, "OMP_NUM_THREADS": "1"},
+            )
+        )
+    for p in procs:  # wait until every producer is connected
+        line = p.stdout.readline().strip()
+        if line != "ready":
+            raise RuntimeError(f"producer did not start: {line!r} {p.stderr.read()[-2000:]}")
+    return procs
+
+
+def start_clocks(procs: list) -> float:
+    """Start every producer's clock together, half a second from now; returns that start time."""
+    t0 = time.time() + 0.5
+    for p in procs:
+        p.stdin.write(f"{t0!r}\n")
+        p.stdin.flush()
+    return t0
+
+
+def measure(services: ServicesUnderTest, procs: list, t0: float, steps: int, world: int) -> tuple[list, float, float]:
+    """Step the services while the producers run, sampling the lag every 0.5 s, then until every
+    step is closed (or a drain deadline passes). Returns (samples, when the producers ended, when
+    the drain ended)."""
+    samples = []
+    next_sample = time.time()
+    producing_end = None
+    drain_deadline = None
+    while True:
+        services.step()
+        now = time.time()
+        if now >= next_sample:
+            next_sample = now + 0.5
+            samples.append(services.sample(now - t0))
+        if producing_end is None and all(p.poll() is not None for p in procs):
+            producing_end = now
+            sample = services.sample(now - t0)
+            samples.append({k: sample[k] for k in ("t", "lag", "steps", "records")} | {"producers_done": True})
+            drain_deadline = now + max(30.0, 5 * world / 5000)
+        if producing_end is not None and (services.steps_done() >= steps or now > drain_deadline):
+            break
+    return samples, producing_end, time.time()
+
+
+def producer_stats(procs: list) -> list[dict]:
+    """What each producer process reported on exit (its last line)."""
+    stats = []
+    for p in procs:
+        out, err = p.communicate()
+        if p.returncode != 0:
+            raise RuntimeError(f"producer failed ({p.returncode}): {err.strip()[-2000:]}")
+        stats.append(json.loads(out.strip().splitlines()[-1]))
+    return stats
+
+
+def fault_latencies(stats: list[dict], opened: dict[int, float]) -> tuple[dict[int, float], list[float], list[float]]:
+    """(each fault step's faulty-record build time, emit-to-incident latencies, latencies from when
+    the last producer built the fault step), the latencies sorted; a fault without incident has none."""
+    fault_times: dict[int, float] = {}  # the faulty record's build time
+    step_built: dict[int, float] = {}  # when the last producer built the fault step
+    for st in stats:
+        for s, (t, owner) in st["fault_times"].items():
+            s = int(s)
+            if owner:
+                fault_times[s] = t
+            step_built[s] = max(step_built.get(s, 0.0), t)
+    latencies = sorted(opened[s] - t for s, t in fault_times.items() if s in opened)
+    from_whole = sorted(opened[s] - step_built[s] for s in fault_times if s in opened)
+    return fault_times, latencies, from_whole
+
+
+def processed_rate(samples: list[dict], producing_end: float, t0: float) -> float | None:
+    """The service's rate while producing: from the sample taken when the first step closed to the
+    first sample that shows the most steps closed before the producers ended (not to their exit:
+    the producer processes' shutdown is not the service's time)."""
+    during = [s for s in samples if s["t"] <= producing_end - t0 + 1e-6]
+    first = next((s for s in during if s["steps"] > 0), None)
+    most = max((s["steps"] for s in during), default=0)
+    last = next((s for s in during if s["steps"] == most), None)
+    if first is not None and last is not None and last["t"] > first["t"]:
+        return (last["steps"] - first["steps"]) / (last["t"] - first["t"])
+    return None
+
+
+def producer_slices(world: int, producers: int) -> list[tuple[int, int]]:
+    """The ranks [lo, hi) of each producer process: ``world`` cut into ``producers`` even slices."""
+    per = -(-world // producers)
+    return [(p * per, min(world, (p + 1) * per)) for p in range(producers) if p * per < world]
+
+
+def cpu_result(services: ServicesUnderTest, spatial_steps: float) -> dict:
+    """Steps per CPU second of each instance (the temporal one's in summaries), and its CPU time."""
+    spatial_cpu, temporal_cpu = services.cpu["spatial"], services.cpu["temporal"]
+    temporal_pipeline = services.temporal_pipeline
+    return {
+        "spatial_steps_per_cpu_s": spatial_steps / spatial_cpu if spatial_cpu > 0 else None,
+        "spatial_cpu_s": round(spatial_cpu, 2),
+        "temporal_steps_per_cpu_s": (
+            temporal_pipeline.summaries_total / temporal_cpu
+            if temporal_pipeline is not None and temporal_cpu > 0
+            else None
+        ),
+        "temporal_cpu_s": round(temporal_cpu, 2),
+    }
+
+
+def _percentile(values: list[float], q: float) -> float | None:
+    return float(np.percentile(values, q)) if values else None
+
+
+def latency_result(sink: LatencySink, stats: list[dict]) -> dict:
+    """The faults injected and found, and the emit-to-incident latencies."""
+    opened = sink.opened
+    fault_times, latencies, from_whole = fault_latencies(stats, opened)
+    return {
+        "faults_injected": len(fault_times),
+        "faults_detected": len(latencies),
+        "latency_s": {
+            "p50": _percentile(latencies, 50),
+            "p99": _percentile(latencies, 99),
+            "max": latencies[-1] if latencies else None,
+        },
+        "latency_from_whole_step_s": {"p50": _percentile(from_whole, 50), "p99": _percentile(from_whole, 99)},
+        "fault_latencies": [
+            {"step": s, "latency_s": opened[s] - t if s in opened else None} for s, t in sorted(fault_times.items())
+        ],
+        "other_incidents": sink.other[:20],
+        "other_incidents_total": len(sink.other),
+    }
+
+
+def lag_result(samples: list[dict], messages_per_step: int) -> dict:
+    """The consumer lag: its most, and when the producers stopped (bounded: at most 3 steps' worth)."""
+    lag_at_stop = next((s["lag"] for s in samples if s.get("producers_done")), None)
+    return {
+        "messages_per_step": messages_per_step,
+        "lag_max": max((s["lag"] for s in samples), default=None),
+        "lag_at_producers_done": lag_at_stop,
+        "lag_at_producers_done_steps": None if lag_at_stop is None else lag_at_stop / messages_per_step,
+        "bounded_lag": lag_at_stop is not None and lag_at_stop <= 3 * messages_per_step,
+    }
+
+
 def run_scale(
     bootstrap: str,
     world: int,
@@ -267,238 +549,50 @@ def run_scale(
     log=print,
 ) -> dict:
     """Run the producers and the service for one world size; returns the measurements."""
-    import tempfile
-    from dataclasses import replace
-
-    from sdcwatch.config import BusConfig, DetectorsConfig, MetricsConfig, ServeConfig, StateConfig
-    from sdcwatch.serve import build_service
     from sdcwatch.telemetry.wire.transports import ensure_topic
 
     topic = f"bench.e2e.{world}.{uuid.uuid4().hex[:6]}"
     ensure_topic(bootstrap, topic, partitions)
     steps = max(2, int(round(duration * rate)))
-    opened: dict[int, float] = {}
-    other: list[str] = []
-
-    class LatencySink:
-        """Notes when each incident opened (service wall clock)."""
-
-        def publish(self, event) -> None:
-            inc = event.incident
-            if event.change != "opened":
-                return
-            if inc.kind == "nonfinite":
-                opened.setdefault(inc.first_step, time.time())
-            else:
-                other.append(f"{inc.kind} at step {inc.first_step}: {inc.message}")
-
-        def close(self) -> None:
-            pass
-
-    # incidents resolve quickly, so each injected fault opens its own incident
-    # the services as sdcwatch serve builds them, with the benchmark's sink only and no periodic snapshot
-    group = f"bench-{uuid.uuid4().hex[:8]}"
-    sum_topic = f"{topic}.summaries"
-    cfg = ServeConfig(
-        bus=BusConfig(bootstrap=bootstrap, telemetry_topic=topic, group=group, summaries_topic=sum_topic),
-        metrics=MetricsConfig(port=0),
-        state=StateConfig(dir=Path(tempfile.mkdtemp(prefix="sdcwatch-bench-")), snapshot_interval_s=1e9),
-        detectors=DetectorsConfig(align_timeout_s=10.0, resolve_after_steps=max(1, fault_every // 2)),
-    )
-    cpu = {"spatial": 0.0, "temporal": 0.0}
-    temporal = temporal_pipeline = None
-    state_dirs = [cfg.state.dir]
-    if split:
-        ensure_topic(bootstrap, sum_topic, 1)
-        spatial_cfg = replace(cfg, detectors=replace(cfg.detectors, stage="spatial"))
-        service, _ = build_service(spatial_cfg, poll_timeout=0.05)
-        temporal_dir = Path(tempfile.mkdtemp(prefix="sdcwatch-bench-"))
-        state_dirs.append(temporal_dir)
-        temporal_cfg = replace(
-            cfg, detectors=replace(cfg.detectors, stage="temporal"), state=replace(cfg.state, dir=temporal_dir)
-        )
-        temporal, _ = build_service(temporal_cfg, sinks=[LatencySink()], poll_timeout=0.01)
-        temporal_pipeline = temporal.pipeline
-    else:
-        service, _ = build_service(cfg, sinks=[LatencySink()], poll_timeout=0.05)
-    source, pipeline = service.source, service.pipeline
-
-    def step_services() -> None:
-        c0 = time.process_time()
-        service.step()
-        c1 = time.process_time()
-        cpu["spatial"] += c1 - c0
-        if temporal is not None:
-            temporal.step()
-            cpu["temporal"] += time.process_time() - c1
-
-    # wait for the consumer-group joins, so that the first steps are not measured as lag
-    join_deadline = time.monotonic() + 20
-    while (
-        not source.assigned or (temporal is not None and not temporal.source.assigned)
-    ) and time.monotonic() < join_deadline:
-        step_services()
-    cpu = {"spatial": 0.0, "temporal": 0.0}
-    per = -(-world // producers)
-    slices = [(p * per, min(world, (p + 1) * per)) for p in range(producers) if p * per < world]
+    sink = LatencySink()
+    services = ServicesUnderTest(bootstrap, topic, fault_every=fault_every, split=split, sink=sink)
+    services.join()
+    slices = producer_slices(world, producers)
     # v1: KafkaTransport packs up to 256 records of one step window a message; lag counts messages
     per_msg = per_message if wire == "v2" else 256
     messages_per_step = sum(-(-(hi - lo) // per_msg) for lo, hi in slices)
-    procs = []
-    for lo, hi in slices:
-        cmd = [
-            sys.executable,
-            __file__,
-            "--produce",
-            "--bootstrap",
-            bootstrap,
-            "--topic",
-            topic,
-            "--world",
-            str(world),
-            "--lo",
-            str(lo),
-            "--hi",
-            str(hi),
-            "--steps",
-            str(steps),
-            "--rate",
-            str(rate),
-            "--fault-every",
-            str(fault_every),
-            "--partitions",
-            str(partitions),
-            "--wire",
-            wire,
-            "--per-message",
-            str(per_message),
-        ]
-        procs.append(
-            subprocess.Popen(
-                cmd,
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-                env={**os.environ, "OMP_NUM_THREADS": "1"},
-            )
-        )
-    for p in procs:  # wait until every producer is connected, then start all clocks together
-        line = p.stdout.readline().strip()
-        if line != "ready":
-            raise RuntimeError(f"producer did not start: {line!r} {p.stderr.read()[-2000:]}")
-    t0 = time.time() + 0.5
-    for p in procs:
-        p.stdin.write(f"{t0!r}\n")
-        p.stdin.flush()
+    procs = start_producers(
+        bootstrap,
+        topic,
+        world,
+        slices,
+        steps=steps,
+        rate=rate,
+        fault_every=fault_every,
+        partitions=partitions,
+        wire=wire,
+        per_message=per_message,
+    )
+    t0 = start_clocks(procs)
     log(
         f"e2e: {world} ranks, {len(procs)} producer processes, {steps} steps at {rate:g} steps/s, wire {wire}"
         f"{', split (one spatial, one temporal instance)' if split else ''}"
     )
-    samples = []
-    next_sample = time.time()
-    producing_end = None
-    drain_deadline = None
-
-    def steps_done() -> int:
-        runs = (temporal or service).view().runs
-        return runs[0].steps_total if runs else 0
-
-    cpu_at_start = dict(cpu)
-    while True:
-        step_services()
-        now = time.time()
-        if now >= next_sample:
-            next_sample = now + 0.5
-            samples.append(
-                {
-                    "t": round(now - t0, 2),
-                    "lag": int(source.lag()),
-                    "steps": steps_done(),
-                    "records": pipeline.records_total,
-                    "spatial_cpu_s": round(cpu["spatial"], 3),
-                    "temporal_cpu_s": round(cpu["temporal"], 3),
-                    "summaries": temporal_pipeline.summaries_total if temporal_pipeline else None,
-                    "summaries_published": service.summary_sink.published if split else None,
-                }
-            )
-        if producing_end is None and all(p.poll() is not None for p in procs):
-            producing_end = now
-            samples.append(
-                {
-                    "t": round(now - t0, 2),
-                    "lag": int(source.lag()),
-                    "steps": steps_done(),
-                    "records": pipeline.records_total,
-                    "producers_done": True,
-                }
-            )
-            drain_deadline = now + max(30.0, 5 * world / 5000)
-        if producing_end is not None and (steps_done() >= steps or now > drain_deadline):
-            break
-    drain_end = time.time()
-    spatial_steps = pipeline.view().pipeline.records_total / world  # records read, in steps
-    spatial_cpu = cpu["spatial"] - cpu_at_start["spatial"]
-    temporal_cpu = cpu["temporal"] - cpu_at_start["temporal"]
-    service.pipeline.flush()
-    stats = []
-    for p in procs:
-        out, err = p.communicate()
-        if p.returncode != 0:
-            raise RuntimeError(f"producer failed ({p.returncode}): {err.strip()[-2000:]}")
-        stats.append(json.loads(out.strip().splitlines()[-1]))
-    service.close()
-    if temporal is not None:
-        temporal.run_for(max_iterations=5)
-        temporal.close()
-    for d in state_dirs:
-        shutil.rmtree(d, ignore_errors=True)
-
-    fault_times: dict[int, float] = {}  # the faulty record's build time
-    step_built: dict[int, float] = {}  # when the last producer built the fault step
-    for st in stats:
-        for s, (t, owner) in st["fault_times"].items():
-            s = int(s)
-            if owner:
-                fault_times[s] = t
-            step_built[s] = max(step_built.get(s, 0.0), t)
-    latencies = sorted(opened[s] - t for s, t in fault_times.items() if s in opened)
-    from_whole = sorted(opened[s] - step_built[s] for s in fault_times if s in opened)
+    samples, producing_end, drain_end = measure(services, procs, t0, steps, world)
+    spatial_steps = services.pipeline.view().pipeline.records_total / world  # records read, in steps
+    services.pipeline.flush()
+    stats = producer_stats(procs)
+    services.close()
+    done = services.steps_done()
     produce_seconds = max(st["elapsed"] for st in stats)
-    # service rate while producing: from the sample taken when the first step closed to the first
-    # sample that shows the most steps closed before the producers ended (not to their exit: the
-    # producer processes' shutdown is not the service's time)
-    during = [s for s in samples if s["t"] <= producing_end - t0 + 1e-6]
-    first = next((s for s in during if s["steps"] > 0), None)
-    most = max((s["steps"] for s in during), default=0)
-    last = next((s for s in during if s["steps"] == most), None)
-    processed_rate = None
-    if first is not None and last is not None and last["t"] > first["t"]:
-        processed_rate = (last["steps"] - first["steps"]) / (last["t"] - first["t"])
-    lag_at_stop = next((s["lag"] for s in samples if s.get("producers_done")), None)
-    done = steps_done()
     return {
         "ranks": world,
         "wire": wire,
         "split": split,
         "records_per_message": per_msg,
-        "spatial_steps_per_cpu_s": spatial_steps / spatial_cpu if spatial_cpu > 0 else None,
-        "spatial_cpu_s": round(spatial_cpu, 2),
-        "temporal_steps_per_cpu_s": (
-            temporal_pipeline.summaries_total / temporal_cpu
-            if temporal_pipeline is not None and temporal_cpu > 0
-            else None
-        ),
-        "temporal_cpu_s": round(temporal_cpu, 2),
+        **cpu_result(services, spatial_steps),
         "load_1min_at_end": os.getloadavg()[0],
-        "service_counters": {
-            "dead_letters": source.dead_letters,
-            "incomplete_steps": pipeline.aligner.incomplete_steps,
-            "late_records": pipeline.aligner.late_records,
-            "duplicates": pipeline.aligner.duplicates,
-            "waiting_for_schema": source.ingest.pending,
-            "offset_gaps": dict(source.gaps.counts),
-        },
+        "service_counters": services.counters(),
         "producers": len(procs),
         "target_rate_steps_per_s": rate,
         "steps": steps,
@@ -506,31 +600,12 @@ def run_scale(
         "produced_steps_per_s": steps / produce_seconds,
         "producers_behind_schedule_steps": max(st["steps_behind_schedule"] for st in stats),
         "producer_send_seconds_p50": max(st["send_seconds_p50"] for st in stats),
-        "processed_steps_per_s": processed_rate,
+        "processed_steps_per_s": processed_rate(samples, producing_end, t0),
         "steps_processed": done,
         "drain_seconds_after_producers": round(drain_end - producing_end, 2),
         "overall_steps_per_s": done / max(drain_end - t0, 1e-9),
-        "messages_per_step": messages_per_step,
-        "lag_max": max((s["lag"] for s in samples), default=None),
-        "lag_at_producers_done": lag_at_stop,
-        "lag_at_producers_done_steps": None if lag_at_stop is None else lag_at_stop / messages_per_step,
-        "bounded_lag": lag_at_stop is not None and lag_at_stop <= 3 * messages_per_step,
-        "faults_injected": len(fault_times),
-        "faults_detected": len(latencies),
-        "latency_s": {
-            "p50": float(np.percentile(latencies, 50)) if latencies else None,
-            "p99": float(np.percentile(latencies, 99)) if latencies else None,
-            "max": latencies[-1] if latencies else None,
-        },
-        "latency_from_whole_step_s": {
-            "p50": float(np.percentile(from_whole, 50)) if from_whole else None,
-            "p99": float(np.percentile(from_whole, 99)) if from_whole else None,
-        },
-        "fault_latencies": [
-            {"step": s, "latency_s": opened[s] - t if s in opened else None} for s, t in sorted(fault_times.items())
-        ],
-        "other_incidents": other[:20],
-        "other_incidents_total": len(other),
+        **lag_result(samples, messages_per_step),
+        **latency_result(sink, stats),
         "lag_samples": samples,
     }
 

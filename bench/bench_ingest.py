@@ -85,7 +85,7 @@ def messages_v1(run: str, world: int, a: dict, per_message: int) -> list[bytes]:
 def messages_v2(run: str, world: int, a: dict, per_message: int, n_layers: int, first: bool) -> list[bytes]:
     """Rows packed straight from the arrays, as a producer holding many ranks packs them."""
     from sdcwatch.core.columnar import encode_rows
-    from sdcwatch.core.schema import schema_for
+    from sdcwatch.core.record_layout import schema_for
 
     dims, coords = a["coords"]
     sch = schema_for(SCALARS, FPS, [(n, n_layers) for n in LAYERS], dims)

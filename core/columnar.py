@@ -15,7 +15,7 @@ Message layout, version 2 (little-endian)::
           | u32 x len(coords) | f64 x len(scalars) | u64 x len(fingerprints) | f32 x sum(layer lengths)
 
 The layout and its rows (:class:`Schema`, :func:`schema_for`, :class:`PackedRecord`,
-:func:`row_to_record`) are :mod:`sdcwatch.core.schema`'s and are re-exported here; this module
+:func:`row_to_record`) are :mod:`sdcwatch.core.record_layout`'s and are re-exported here; this module
 owns the messages that carry them: encoding, the header, decoding a stream.
 
 Where the schema travels, and why: in-band, inline in the first message a sender sends under
@@ -38,7 +38,7 @@ from typing import Any, Iterable, Sequence
 
 from sdcwatch.core.errors import RecordError
 from sdcwatch.core.layer_names import NAMES_MAGIC, LayerNames, encode_names
-from sdcwatch.core.schema import MAX_SCHEMA_BYTES, PackedRecord, Schema, row_to_record
+from sdcwatch.core.record_layout import MAX_SCHEMA_BYTES, PackedRecord, Schema, row_to_record
 
 __all__ = [
     "MAGIC_V2",

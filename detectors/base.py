@@ -40,7 +40,16 @@ class Detector:
     ``name`` is the stable detector label (used in findings, metrics and the ``[detectors.<name>]``
     config section); ``fault`` names the fault family the detector exists to find (the contract
     test injects exactly that family). Build one with its ``Config`` or with keyword settings
-    (``SpikeDetector(warmup=20)``), which are checked by the ``Config``.
+    (``SpikeDetector(warmup=20)``), which are checked by the ``Config``; the settings are stored
+    on the detector under their names, and a name the ``Config`` does not have is refused:
+
+    >>> from sdcwatch.detectors.spike import SpikeDetector
+    >>> SpikeDetector(warmup=20).warmup
+    20
+    >>> SpikeDetector(warmpu=20)
+    Traceback (most recent call last):
+    ...
+    sdcwatch.core.errors.ConfigError: spike.warmpu: unknown setting (known: ..., warmup, window)
     """
 
     name: ClassVar[str]

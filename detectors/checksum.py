@@ -61,7 +61,7 @@ class ChecksumConfig:
         )
 
 
-@register(default=True)
+@register(default=True, order=20)
 class ChecksumDetector(SplitDetector):
     """Critical ``checksum_mismatch`` for a ratio above the bound; ``checksum_outlier`` (warning)
     for one rank's ratio ``outlier_factor`` x above the other ranks' 90th percentile."""

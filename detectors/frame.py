@@ -34,7 +34,11 @@ _QUANTILES = np.array([0.0, 0.25, 0.5, 0.75, 1.0])
 
 
 def ordered_names(known: Sequence[str], seen: Iterable[str]) -> tuple[str, ...]:
-    """Names in ``known`` order first (those seen), then the others seen, sorted: a stable column order."""
+    """Names in ``known`` order first (those seen), then the others seen, sorted: a stable column order.
+
+    >>> ordered_names(("loss", "grad_norm_local", "lr"), {"lr", "zeta", "loss", "alpha"})
+    ('loss', 'lr', 'alpha', 'zeta')
+    """
     seen = set(seen)
     return tuple(n for n in known if n in seen) + tuple(sorted(seen.difference(known)))
 
@@ -219,6 +223,114 @@ def frame_stats(frame: StepFrame) -> dict[str, Any]:
     return out
 
 
+@dataclass
+class _FrameColumns:
+    """The arrays of one step's frame while they are filled: every name the step's records sent,
+    in frame order, and every cell NaN (unsent) until a rank's record fills it."""
+
+    scalar_names: tuple[str, ...]
+    layer_names: tuple[str, ...]
+    fp_names: tuple[str, ...]
+    scalars: np.ndarray
+    layers: np.ndarray
+    fingerprints: np.ndarray
+    fp_present: np.ndarray
+    scalar_sent: np.ndarray
+    layer_sent: np.ndarray
+    present: np.ndarray
+    times: np.ndarray
+    hosts: np.ndarray
+    coords: np.ndarray
+
+    @classmethod
+    def laid_out(
+        cls, world: int, records: Sequence[Record], blocks: Sequence[tuple[Any, np.ndarray]]
+    ) -> "_FrameColumns":
+        """Empty columns for every name any record or block of the step sent, in the order
+        :func:`ordered_names` gives (the known names first), as long as the longest layer list."""
+        sseen: set[str] = {n for r in records for n in r.scalars}
+        lseen: set[str] = {n for r in records for n in r.layers}
+        fseen: set[str] = {n for r in records for n in r.fingerprints}
+        n_layers = max((len(v) for r in records for v in r.layers.values()), default=0)
+        for cols, _ in blocks:
+            sch = cols.schema
+            sseen.update(sch.scalars)
+            fseen.update(sch.fingerprints)
+            lseen.update(n for n, _ in sch.layers)
+            n_layers = max([n_layers, *(k for _, k in sch.layers)])
+        snames, fnames = ordered_names(SCALARS, sseen), ordered_names(FINGERPRINTS, fseen)
+        lnames = ordered_names(LAYER_METRICS + CHECK_METRICS, lseen)  # as StepFrame.from_records orders them
+        return cls(
+            scalar_names=snames,
+            layer_names=lnames,
+            fp_names=fnames,
+            scalars=np.full((world, len(snames)), np.nan),
+            layers=np.full((world, len(lnames), n_layers), np.nan),
+            fingerprints=np.zeros((world, len(fnames)), np.uint64),
+            fp_present=np.zeros((world, len(fnames)), bool),
+            scalar_sent=np.zeros((world, len(snames)), bool),
+            layer_sent=np.zeros((world, len(lnames)), np.int32),
+            present=np.zeros(world, bool),
+            times=np.full(world, np.nan),
+            hosts=np.full(world, "", dtype=object),
+            coords=no_coords(world),
+        )
+
+    def fill_blocks(self, blocks: Sequence[tuple[Any, np.ndarray]]) -> None:
+        """Fill the rows of wire-v2 column blocks, a block's every rank at once (fancy indexing)."""
+        sidx = {n: i for i, n in enumerate(self.scalar_names)}
+        lidx = {n: i for i, n in enumerate(self.layer_names)}
+        fidx = {n: i for i, n in enumerate(self.fp_names)}
+        for cols, idx in blocks:
+            sch = cols.schema
+            whole = len(idx) == len(cols.rows)
+            rows = cols.rows if whole else cols.rows[idx]
+            r = rows["rank"].astype(np.intp)
+            self.present[r] = True
+            self.times[r] = rows["time"]
+            self.hosts[r] = cols.hosts[cols.host if whole else cols.host[idx]]
+            if sch.coords:
+                self.coords[r[:, None], [DIM_INDEX[d] for d in sch.coords]] = rows["coords"]
+            if sch.scalars:
+                si = np.array([sidx[n] for n in sch.scalars])
+                self.scalars[r[:, None], si] = rows["scalars"]
+                self.scalar_sent[r[:, None], si] = True
+            if sch.fingerprints:
+                fi = np.array([fidx[n] for n in sch.fingerprints])
+                self.fingerprints[r[:, None], fi] = rows["fingerprints"]
+                self.fp_present[r[:, None], fi] = True
+            lv = rows["layers"]
+            for (name, k), off in zip(sch.layers, sch.layer_offsets):
+                li = lidx[name]
+                self.layers[r, li, :k] = lv[:, off : off + k]
+                self.layer_sent[r, li] = k
+
+    def fill_records(self, records: Sequence[Record]) -> None:
+        """Fill the rows of wire-v1 records (in a mixed step too), one record at a time."""
+        sidx = {n: i for i, n in enumerate(self.scalar_names)}
+        lidx = {n: i for i, n in enumerate(self.layer_names)}
+        fidx = {n: i for i, n in enumerate(self.fp_names)}
+        present, hosts, times, coords = self.present, self.hosts, self.times, self.coords
+        scalars, ssent, layers, lsent = self.scalars, self.scalar_sent, self.layers, self.layer_sent
+        fps, fpp = self.fingerprints, self.fp_present
+        for rec in records:
+            r = rec.rank
+            present[r] = True
+            hosts[r] = rec.host
+            times[r] = rec.time
+            for d, v in rec.coords.items():
+                coords[r, DIM_INDEX[d]] = v
+            for n, v in rec.scalars.items():
+                scalars[r, sidx[n]] = v
+                ssent[r, sidx[n]] = True
+            for n, v in rec.layers.items():
+                layers[r, lidx[n], : len(v)] = v
+                lsent[r, lidx[n]] = len(v)
+            for n, v in rec.fingerprints.items():
+                fps[r, fidx[n]] = v
+                fpp[r, fidx[n]] = True
+
+
 def assemble_frame(
     run: str,
     step: int,
@@ -235,87 +347,26 @@ def assemble_frame(
     across all of them. The one place a frame's columns are filled: either wire gives the same
     frame (names in the same order, missing values NaN).
     """
-    sseen: set[str] = {n for r in records for n in r.scalars}
-    lseen: set[str] = {n for r in records for n in r.layers}
-    fseen: set[str] = {n for r in records for n in r.fingerprints}
-    n_layers = max((len(v) for r in records for v in r.layers.values()), default=0)
-    for cols, _ in blocks:
-        sch = cols.schema
-        sseen.update(sch.scalars)
-        fseen.update(sch.fingerprints)
-        lseen.update(n for n, _ in sch.layers)
-        n_layers = max([n_layers, *(k for _, k in sch.layers)])
-    snames, fnames = ordered_names(SCALARS, sseen), ordered_names(FINGERPRINTS, fseen)
-    lnames = ordered_names(LAYER_METRICS + CHECK_METRICS, lseen)  # as StepFrame.from_records orders them
-    sidx = {n: i for i, n in enumerate(snames)}
-    lidx = {n: i for i, n in enumerate(lnames)}
-    fidx = {n: i for i, n in enumerate(fnames)}
-    scalars = np.full((world, len(snames)), np.nan)
-    layers = np.full((world, len(lnames), n_layers), np.nan)
-    fps = np.zeros((world, len(fnames)), np.uint64)
-    fpp = np.zeros((world, len(fnames)), bool)
-    ssent = np.zeros((world, len(snames)), bool)
-    lsent = np.zeros((world, len(lnames)), np.int32)
-    present = np.zeros(world, bool)
-    times = np.full(world, np.nan)
-    hosts = np.full(world, "", dtype=object)
-    coords = no_coords(world)
-    for cols, idx in blocks:
-        sch = cols.schema
-        whole = len(idx) == len(cols.rows)
-        rows = cols.rows if whole else cols.rows[idx]
-        r = rows["rank"].astype(np.intp)
-        present[r] = True
-        times[r] = rows["time"]
-        hosts[r] = cols.hosts[cols.host if whole else cols.host[idx]]
-        if sch.coords:
-            coords[r[:, None], [DIM_INDEX[d] for d in sch.coords]] = rows["coords"]
-        if sch.scalars:
-            si = np.array([sidx[n] for n in sch.scalars])
-            scalars[r[:, None], si] = rows["scalars"]
-            ssent[r[:, None], si] = True
-        if sch.fingerprints:
-            fi = np.array([fidx[n] for n in sch.fingerprints])
-            fps[r[:, None], fi] = rows["fingerprints"]
-            fpp[r[:, None], fi] = True
-        lv = rows["layers"]
-        for (name, k), off in zip(sch.layers, sch.layer_offsets):
-            li = lidx[name]
-            layers[r, li, :k] = lv[:, off : off + k]
-            lsent[r, li] = k
-    for rec in records:  # v1 records in a mixed step, as StepFrame.from_records fills them
-        r = rec.rank
-        present[r] = True
-        hosts[r] = rec.host
-        times[r] = rec.time
-        for d, v in rec.coords.items():
-            coords[r, DIM_INDEX[d]] = v
-        for n, v in rec.scalars.items():
-            scalars[r, sidx[n]] = v
-            ssent[r, sidx[n]] = True
-        for n, v in rec.layers.items():
-            layers[r, lidx[n], : len(v)] = v
-            lsent[r, lidx[n]] = len(v)
-        for n, v in rec.fingerprints.items():
-            fps[r, fidx[n]] = v
-            fpp[r, fidx[n]] = True
+    c = _FrameColumns.laid_out(world, records, blocks)
+    c.fill_blocks(blocks)
+    c.fill_records(records)
     return StepFrame(
         run=run,
         step=step,
         world=world,
-        hosts=tuple(hosts.tolist()),
-        present=present,
-        scalar_names=snames,
-        scalars=scalars,
-        layer_names=lnames,
-        layers=layers,
-        fp_names=fnames,
-        fingerprints=fps,
-        fp_present=fpp,
-        scalar_sent=ssent,
-        layer_sent=lsent,
-        times=times,
-        coords=coords,
+        hosts=tuple(c.hosts.tolist()),
+        present=c.present,
+        scalar_names=c.scalar_names,
+        scalars=c.scalars,
+        layer_names=c.layer_names,
+        layers=c.layers,
+        fp_names=c.fp_names,
+        fingerprints=c.fingerprints,
+        fp_present=c.fp_present,
+        scalar_sent=c.scalar_sent,
+        layer_sent=c.layer_sent,
+        times=c.times,
+        coords=c.coords,
         wall=wall,
-        complete=bool(present.all()),
+        complete=bool(c.present.all()),
     )

@@ -43,7 +43,7 @@ def _code(col: np.ndarray | None, table: tuple[str, ...]) -> int:
     return v if 0 <= v < len(table) else -1
 
 
-@register(default=True)
+@register(default=True, order=90)
 class GuardActionDetector(SplitDetector):
     """A finding for every step at which the guard skipped, reran, rolled back or evicted."""
 

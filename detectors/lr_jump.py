@@ -40,7 +40,7 @@ class LearningRateJumpConfig:
         check_positive("lr_jump", factor=self.factor, window=self.window)
 
 
-@register(default=True)
+@register(default=True, order=40)
 class LearningRateJump(SplitDetector):
     """``lr_jump`` (warning, no rank): the learning rate above ``factor`` x its recent maximum."""
 

@@ -1,28 +1,20 @@
 """Non-finite values: NaN, Inf or |x| >= 1e10 (ATTNChecker's near-INF) anywhere in a step.
 
 No warm-up and no history: a non-finite value is a critical finding at the very step it is seen,
-naming the rank(s), the metric and the layer. With mesh coordinates, a rank whose bad values came
-to it through the pipeline is not blamed: the later stages' forward values (the activations they
-are sent) and the earlier stages' gradients (the backward pass) follow from the stage where the bad
-value was made; and the ranks whose all-reduced values followed are counted within the culprit's
-data-parallel group. Within a tensor-parallel group (the same coordinates but for ``tp``) the
-culprit and its peers all hold the all-reduced residual stream, so all of them report a bad value
-at the same layer; the rank that saw it first in its forward pass (the smallest
-``nonfinite_first``, :mod:`sdcwatch.telemetry.probes.forward_order`) is blamed and the others are listed
-as ``tensor_parallel_followers``. Records without that scalar (and ranks tied on it) are placed by
-their first bad layer metric in forward order, as before.
-A rank's own ``nonfinite`` counter (NaN/Inf the
-probes saw in gradients or activations) counts too. A streak of non-finite steps keeps naming the rank(s) it began on while they stay
-bad, and the incident book keeps one incident per onset (:mod:`sdcwatch.service.incidents`), so
-a run that stays NaN for 16,000 steps raises one alert, not 16,000, and a later NaN on other ranks
-(once the first fault's ranks are clean again) raises its own.
+naming the rank(s), the metric and the layer; with mesh coordinates, the rank it began on and not
+the ranks it spread to (:mod:`~sdcwatch.detectors.spread`). A rank's own ``nonfinite`` counter
+(NaN/Inf the probes saw in gradients or activations) counts too. A streak of non-finite steps keeps
+naming the rank(s) it began on while they stay bad, and the incident book keeps one incident per
+onset (:mod:`sdcwatch.service.incidents`), so a run that stays NaN for 16,000 steps raises one
+alert, not 16,000, and a later NaN on other ranks (once the first fault's ranks are clean again)
+raises its own.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -33,123 +25,23 @@ from sdcwatch.detectors.registry import register
 from sdcwatch.detectors.frame import StepFrame
 from sdcwatch.core.incident import Finding, Severity
 from sdcwatch.core.vocabulary import CANARY_PRODUCT, FIRST_BAD, RATIO_METRICS
-from sdcwatch.core.mesh import DIMS
 from sdcwatch.core.where import message_at
 from sdcwatch.detectors.act_module import act_layer, act_modules, listed_hit
-from sdcwatch.detectors.peers import KEYS, group_keys, known_coords, rank_label
+from sdcwatch.detectors.peers import known_coords, rank_label
+from sdcwatch.detectors.spread import (
+    ALL_REDUCED_METRICS,
+    BACKWARD_METRICS,
+    all_reduce_followers,
+    first_in_tensor_group,
+    through_pipeline,
+    through_tensor_parallel,
+)
 
 __all__ = ["NonFiniteDetector"]
 
 _COUNTERS = ("nonfinite",)  # scalars that count non-finite values seen inside the rank
 #: bookkeeping counters and positions, not model values
 _SKIP = ("emitter_dropped", FIRST_BAD, CANARY_PRODUCT)
-#: values computed from the all-reduced gradient or loss: identical on every rank, so a NaN there
-#: spreads to all ranks and does not say which rank produced it
-_GLOBAL = ("grad_norm_global", "loss_global", "grad_cosine")
-#: values of the backward pass: a bad value made in a later pipeline stage reaches the earlier
-#: stages' gradients (and only them) through the backward pass
-_BACKWARD = ("grad_norm_local", "gemm_bwd")
-
-
-def _through_pipeline(
-    culprits: set[int], coords: np.ndarray | None, backward_only: set[int]
-) -> tuple[set[int], set[int]]:
-    """(culprits, ranks it reached through the pipeline). Within one pipeline (the same
-    coordinates but for ``pp`` and ``tp``) a bad forward value made at stage s reaches the later
-    stages' forward values with the activations they are sent, and every stage's gradients with
-    the backward pass: those ranks are not blamed, the ranks with a bad forward value at the
-    earliest such stage are. When the pipeline has only bad gradients, the latest stage with one
-    is where it began (the backward pass runs from the last stage to the first)."""
-    if coords is None or len(culprits) < 2:
-        return culprits, set()
-    c = np.array(sorted(culprits))
-    pp = coords[c, DIMS.index("pp")].astype(np.int64)
-    if (pp < 0).all():
-        return culprits, set()
-    fwd = ~np.isin(c, sorted(backward_only))
-    pipe = group_keys(coords[c], KEYS["pipeline"])
-    n = int(pipe.max()) + 1
-    first_fwd = np.full(n, np.iinfo(np.int64).max)
-    np.minimum.at(first_fwd, pipe[fwd], pp[fwd])
-    last = np.full(n, -1)
-    np.maximum.at(last, pipe, pp)
-    has_fwd = first_fwd[pipe] < np.iinfo(np.int64).max
-    s0 = np.where(has_fwd, first_fwd[pipe], last[pipe])
-    reached = np.where(has_fwd, (fwd & (pp > s0)) | ~fwd, pp < s0)
-    return set(c[~reached].tolist()), set(c[reached].tolist())
-
-
-def _through_tensor_parallel(
-    culprits: set[int], coords: np.ndarray | None, hits: list[tuple[int, str, int | None, float]]
-) -> tuple[set[int], set[int]]:
-    """(culprits, ranks it reached through tensor parallelism). The ranks of one tensor-parallel
-    group (the same coordinates but for ``tp``) all-reduce the row-parallel outputs of every block
-    in the forward pass, so a bad value made in one rank's shard reaches its peers' residual stream
-    in the same step. Per rank, the first bad forward value in forward order (the lowest layer;
-    within a layer the attention logits of the rank's own heads before the block's output; then
-    the lowest product that made a bad output from a good input) says where it was made: the ranks
-    of a group whose first bad value is the earliest are blamed, the later ones reached."""
-    if coords is None or len(culprits) < 2:
-        return culprits, set()
-    tp = DIMS.index("tp")
-    c = np.array(sorted(culprits))
-    if (coords[c, tp] < 0).all():
-        return culprits, set()
-    bad_inputs = {(h[0], h[2]) for h in hits if h[1] == "gemm_in"}
-    never = (np.inf, np.inf)
-    first: dict[int, list] = {int(r): [never, np.inf] for r in c}
-    for rank, metric, layer, _ in hits:
-        if rank not in first or layer is None or metric in _BACKWARD or metric in _GLOBAL:
-            continue
-        if metric in ("gemm_fwd", "gemm_out"):
-            if (rank, layer) not in bad_inputs:
-                first[rank][1] = min(first[rank][1], layer)
-        elif metric not in ("gemm_in", "gemm_weight"):
-            within = 0 if metric in ("attn_logit_max", "attn_logit_min") else 1
-            first[rank][0] = min(first[rank][0], (layer, within))
-    group = group_keys(coords[c], tuple(i for i, d in enumerate(DIMS) if d != "tp"))
-    keys = [tuple(first[int(r)]) for r in c]
-    blamed, reached = set(), set()
-    for g in np.unique(group):
-        members = np.nonzero(group == g)[0]
-        earliest = min(keys[i] for i in members)
-        unplaced = earliest == (never, np.inf)  # no layer or product says where: blame them all
-        for i in members:
-            (blamed if unplaced or keys[i] == earliest else reached).add(int(c[i]))
-    return blamed, reached
-
-
-def _first_in_tensor_group(
-    culprits: set[int], coords: np.ndarray | None, first: dict[int, float]
-) -> tuple[set[int], set[int]]:
-    """(culprits, tensor-parallel followers). Within each tensor-parallel group of two or more
-    culprits whose ranks all give a ``tp`` coordinate and at least one of which reported where in
-    its forward pass it first saw a bad value (``first``: rank -> ordinal), the ranks with the
-    smallest ordinal made it; the others (a later ordinal, or none: nothing of theirs was bad
-    before the collective) received it through the tensor-parallel all-reduce. Other groups, and
-    steps without ordinals (older probes), keep all their culprits."""
-    if coords is None or len(culprits) < 2 or not first:
-        return culprits, set()
-    c = np.array(sorted(culprits))
-    order = np.array([first.get(r, np.inf) for r in c.tolist()], float)
-    group = group_keys(coords[c], KEYS["tensor"])
-    n = int(group.max()) + 1
-    lowest = np.full(n, np.inf)
-    np.minimum.at(lowest, group, order)
-    untensored = np.bincount(group, weights=coords[c, DIMS.index("tp")] < 0, minlength=n) > 0
-    judged = (np.bincount(group, minlength=n) >= 2) & np.isfinite(lowest) & ~untensored
-    later = judged[group] & (order > lowest[group])
-    return set(c[~later].tolist()), set(c[later].tolist())
-
-
-def _followers(culprits: set[int], others: set[int], coords: np.ndarray | None) -> set[int]:
-    """The ranks of ``others`` in a culprit's data-parallel group (all of them without coordinates):
-    those an all-reduce with a culprit reaches."""
-    if coords is None or not others or not culprits:
-        return others
-    peers = group_keys(coords, KEYS["peer"])
-    mine = set(peers[sorted(culprits)].tolist())
-    return {r for r in others if int(peers[r]) in mine}
 
 
 def _origin_order(hits: list[tuple[int, str, int | None, float]]):
@@ -176,6 +68,94 @@ def _origin_order(hits: list[tuple[int, str, int | None, float]]):
     return key
 
 
+_Hit = tuple[int, str, int | None, float]  # (rank, metric, layer or None for a scalar, value)
+
+
+@dataclass(frozen=True)
+class _BadStep:
+    """A non-finite step's observation, read back from its JSON-safe form."""
+
+    hits: list[_Hit]
+    n_bad: int
+    local: set[int]  # ranks with a bad value of their own
+    counted: set[int]  # ranks whose own non-finite counter is set
+    all_reduced: set[int]  # ranks with bad all-reduced values
+    absent: set[int]  # ranks absent from the step (an incomplete step)
+    backward_only: set[int]  # ranks whose own bad values are all gradients
+    ordinals: dict[int, float]  # rank -> where in its forward pass it first saw a bad value
+    modules: dict[int, int]  # rank -> the leaf module its act_max came from
+
+    @classmethod
+    def read(cls, seen: dict[str, Any]) -> "_BadStep":
+        return cls(
+            hits=[(int(r), str(m), None if lay is None else int(lay), float(v)) for r, m, lay, v in seen["hits"]],
+            n_bad=int(seen["n_bad"]),
+            local=set(seen["local"]),
+            counted=set(seen["counted"]),
+            all_reduced=set(seen["global"]),
+            absent=set(seen.get("absent", ())),
+            backward_only=set(seen.get("backward_only", ())),
+            ordinals={int(r): float(o) for r, o in seen.get("first_bad", ())},
+            modules={int(r): int(m) for r, m in seen.get("act_max_module", ())},
+        )
+
+    @property
+    def suspects(self) -> set[int]:
+        """The ranks the step's bad values name. A value that is bad in a rank's own numbers (its
+        loss, its local gradient, its layers) names that rank. The all-reduced values (global
+        gradient norm, global loss, the cosine with the global gradient) go bad on every rank at
+        once when one rank poisons the all-reduce: they are a consequence and never blame a rank. A
+        rank's non-finite counter counts the all-reduced gradient too, so it names ranks only when
+        no rank has a bad value of its own (a NaN the probes saw inside an activation that reached
+        nothing else)."""
+        return self.local or self.counted
+
+
+@dataclass(frozen=True)
+class _Blame:
+    """Whom a non-finite step blames, and the ranks the bad value reached from them."""
+
+    culprits: set[int]
+    pipeline: set[int] = field(default_factory=set)  # received it through the pipeline
+    tensor_parallel: set[int] = field(default_factory=set)  # received it through a tensor-parallel all-reduce
+    by_position: bool = False  # a tensor-parallel group was told apart by where its ranks first saw it
+
+
+class _Where(NamedTuple):
+    """The hit a finding names, and the leaf module of an ``act_max`` hit."""
+
+    rank: int
+    metric: str
+    layer: int | None
+    value: float
+    module: int | None
+
+
+def _spread_text(
+    frame: StepContext, bad: _BadStep, blame: _Blame, coords: np.ndarray | None, rank: int
+) -> tuple[str, str, str]:
+    """(on, more, spread) of a finding's message: the rank named, how many more were blamed, and
+    the ranks the bad value reached from them."""
+    ranks = blame.culprits
+    if frame.world > 1 and ranks:
+        more = f" and {len(ranks) - 1} more rank(s)" if len(ranks) > 1 else ""
+        followed = all_reduce_followers(ranks, bad.all_reduced - ranks, coords)
+        spread = f"; the all-reduced values of {len(followed)} other rank(s) followed" if followed else ""
+        if blame.pipeline:
+            spread += f"; {len(blame.pipeline)} other rank(s) of its pipeline received it (activations, gradients)"
+        if blame.tensor_parallel:
+            at = bad.ordinals.get(rank) if blame.by_position else None
+            if at is not None:
+                spread += f"; first in its tensor-parallel group's forward pass (position {at:g})"
+            spread += (
+                f"; {len(blame.tensor_parallel)} other rank(s) of its tensor-parallel group received it (all-reduce)"
+            )
+        return rank_label(frame, rank), more, spread
+    if frame.world > 1:
+        return "the all-reduced values of every rank (not localised)", "", ""
+    return rank_label(frame, rank), "", ""  # one process: nothing to localise, but say where it ran
+
+
 @dataclass(frozen=True)
 class NonFiniteConfig:
     """Settings of the non-finite detector ``[detectors.nonfinite]``."""
@@ -189,7 +169,7 @@ class NonFiniteConfig:
         check_positive("nonfinite", limit=self.limit, max_listed=self.max_listed)
 
 
-@register(default=True)
+@register(default=True, order=10)
 class NonFiniteDetector(SplitDetector):
     """Critical finding for any NaN, Inf or near-INF value, localised to rank, metric and layer."""
 
@@ -218,7 +198,7 @@ class NonFiniteDetector(SplitDetector):
         if masks is None:
             counters = np.array([n in _COUNTERS for n in names], bool)
             values = ~counters & np.array([n not in _SKIP for n in names], bool)
-            is_global = np.array([n in _GLOBAL for n in names], bool)
+            is_global = np.array([n in ALL_REDUCED_METRICS for n in names], bool)
             masks = self._masks[names] = (values, counters, is_global)
         return masks
 
@@ -307,7 +287,7 @@ class NonFiniteDetector(SplitDetector):
         """Which of ``names`` are values of the backward pass (cached)."""
         mask = self._bwd.get(names)
         if mask is None:
-            mask = self._bwd[names] = np.array([n in _BACKWARD for n in names], bool)
+            mask = self._bwd[names] = np.array([n in BACKWARD_METRICS for n in names], bool)
         return mask
 
     def judge(self, frame: StepContext, seen: dict[str, Any] | None) -> list[Finding]:
@@ -315,87 +295,15 @@ class NonFiniteDetector(SplitDetector):
         if seen is None:
             self._origin = None
             return []
-        hits = [(int(r), str(m), None if lay is None else int(lay), float(v)) for r, m, lay, v in seen["hits"]]
-        modules = {int(r): int(m) for r, m in seen.get("act_max_module", ())}
-        n_bad = int(seen["n_bad"])
-        local_ranks, counted_ranks = set(seen["local"]), set(seen["counted"])
-        global_ranks = set(seen["global"])
-        # A value that is bad in a rank's own numbers (its loss, its local gradient, its layers)
-        # names that rank. The all-reduced values (global gradient norm, global loss, the cosine
-        # with the global gradient) go bad on every rank at once when one rank poisons the
-        # all-reduce: they are a consequence and never blame a rank. A rank's non-finite counter
-        # counts the all-reduced gradient too, so it names ranks only when no rank has a bad value
-        # of its own (a NaN the probes saw inside an activation that reached nothing else).
-        culprits = local_ranks or counted_ranks
+        bad = _BadStep.read(seen)
         coords = known_coords(frame)
-        # the streak goes on while its origin is still bad (or silent): one step after a rank's NaN
-        # reaches the all-reduce every rank has bad values of its own, the origin's among them. A
-        # new fault on other ranks while the origin is clean again is a new onset, judged afresh
-        # (the all-reduced values and the counters that count them say nothing of who is bad)
-        streak = (
-            self._origin is not None
-            and self._last_bad is not None
-            and 0 < frame.step - self._last_bad <= 1
-            and (not self._origin or bool(set(self._origin) & (culprits | set(seen.get("absent", ())))))
-        )
+        streak = self._continues_streak(frame.step, bad)
         self._last_bad = frame.step
-        downstream: set[int] = set()
-        tensor_peers: set[int] = set()
-        ordinals = {int(r): float(o) for r, o in seen.get("first_bad", ())}
-        by_position = False
-        if streak:
-            culprits = set(self._origin)
-        else:
-            culprits, downstream = _through_pipeline(culprits, coords, set(seen.get("backward_only", ())))
-            # where each rank saw it first in its forward pass decides; without positions (older
-            # probes) or on a tie, where its first bad value lies in the layer metrics
-            culprits, tensor_peers = _first_in_tensor_group(culprits, coords, ordinals)
-            by_position = bool(tensor_peers)
-            culprits, later = _through_tensor_parallel(culprits, coords, hits)
-            tensor_peers |= later
-            self._origin, self._origin_step = tuple(sorted(culprits)), frame.step
-        ranks = tuple(sorted(culprits))
-        own = [h for h in hits if h[0] in culprits] or hits
-        # name the layer-level hit first: it localises better than a loss; the product that made a
-        # bad value first, else the lowest layer the forward pass reached, a layer metric before act_max
-        first = min(own, key=_origin_order(own))
-        rank, metric, layer, value = first
-        if ranks and rank not in culprits:  # the streak's origin was cut from a long list of hits
-            rank = ranks[0]
-        module = modules.get(rank) if metric == "act_max" else None
-        if streak and self._origin_where is not None:
-            metric, layer, module = self._origin_where  # where it began, not where it has spread to since
-        else:
-            self._origin_where = (metric, layer, module)
-        if frame.world > 1 and ranks:
-            on = rank_label(frame, rank)
-            more = f" and {len(ranks) - 1} more rank(s)" if len(ranks) > 1 else ""
-            followed = _followers(culprits, global_ranks - culprits, coords)
-            spread = f"; the all-reduced values of {len(followed)} other rank(s) followed" if followed else ""
-            if downstream:
-                spread += f"; {len(downstream)} other rank(s) of its pipeline received it (activations, gradients)"
-            if tensor_peers:
-                at = ordinals.get(rank) if by_position else None
-                if at is not None:
-                    spread += f"; first in its tensor-parallel group's forward pass (position {at:g})"
-                spread += f"; {len(tensor_peers)} other rank(s) of its tensor-parallel group received it (all-reduce)"
-        elif frame.world > 1:
-            on, more, spread = "the all-reduced values of every rank (not localised)", "", ""
-        else:  # one process: nothing to localise, but say where it ran
-            on, more, spread = rank_label(frame, rank), "", ""
-        around = None
-        if streak:
-            msg = (
-                f"non-finite values since step {self._origin_step}, which began on {on}{more}; "
-                f"still non-finite at step {frame.step}"
-            )
-        else:
-            # a finite value here is past the near-INF limit: call it what it is, not "non-finite"
-            what = "non-finite value" if not math.isfinite(value) else "near-INF value"
-            msg, around = message_at(
-                f"{what} at step {frame.step}: ", metric, layer, f" = {value:.4g} on {on}{more}{spread}"
-            )
-        listed = own[: self.max_listed]
+        blame = _Blame(set(self._origin)) if streak else self._blame_onset(frame.step, bad, coords)
+        own = [h for h in bad.hits if h[0] in blame.culprits] or bad.hits
+        where = self._where(bad, blame, own, streak)
+        msg, around = self._message(frame, streak, where, _spread_text(frame, bad, blame, coords, where.rank))
+        ranks = tuple(sorted(blame.culprits))
         return [
             Finding(
                 detector=self.name,
@@ -403,29 +311,94 @@ class NonFiniteDetector(SplitDetector):
                 severity=Severity.CRITICAL,
                 run=frame.run,
                 step=frame.step,
-                score=float(n_bad),
+                score=float(bad.n_bad),
                 message=msg,
                 around=around,
                 ranks=ranks if frame.world > 1 else (),
                 hosts=tuple(sorted({frame.hosts[r] for r in ranks} - {""})),
-                metric=metric,
-                layer=layer,
-                evidence={
-                    "values_bad": n_bad,
-                    "ranks_with_own_bad_values": sorted(culprits),
-                    "ranks_with_bad_all_reduced_values": sorted(global_ranks),
-                    **({"pipeline_followers": sorted(downstream)[: self.max_listed]} if downstream else {}),
-                    **({"tensor_parallel_followers": sorted(tensor_peers)[: self.max_listed]} if tensor_peers else {}),
-                    **(
-                        {"first_bad_position": {str(r): ordinals[r] for r in sorted(ordinals)[: self.max_listed]}}
-                        if by_position
-                        else {}
-                    ),
-                    **({"act_max_module": module} if module is not None else {}),
-                    "hits": [listed_hit(h, modules) for h in listed],
-                },
+                metric=where.metric,
+                layer=where.layer,
+                evidence=self._evidence(bad, blame, where, own[: self.max_listed]),
             )
         ]
+
+    def _continues_streak(self, step: int, bad: _BadStep) -> bool:
+        """Whether the step goes on with the current non-finite streak: the next step, with the
+        streak's origin still bad (or silent). One step after a rank's NaN reaches the all-reduce
+        every rank has bad values of its own, the origin's among them. A new fault on other ranks
+        while the origin is clean again is a new onset, judged afresh (the all-reduced values and
+        the counters that count them say nothing of who is bad)."""
+        return (
+            self._origin is not None
+            and self._last_bad is not None
+            and 0 < step - self._last_bad <= 1
+            and (not self._origin or bool(set(self._origin) & (bad.suspects | bad.absent)))
+        )
+
+    def _blame_onset(self, step: int, bad: _BadStep, coords: np.ndarray | None) -> _Blame:
+        """The culprits of a new onset: the suspects less the ranks it reached through the pipeline
+        and the tensor-parallel all-reduce; they become the streak's origin."""
+        culprits, downstream = through_pipeline(bad.suspects, coords, bad.backward_only)
+        # where each rank saw it first in its forward pass decides; without positions (older
+        # probes) or on a tie, where its first bad value lies in the layer metrics
+        culprits, tensor_peers = first_in_tensor_group(culprits, coords, bad.ordinals)
+        by_position = bool(tensor_peers)
+        culprits, later = through_tensor_parallel(culprits, coords, bad.hits)
+        self._origin, self._origin_step = tuple(sorted(culprits)), step
+        return _Blame(culprits, downstream, tensor_peers | later, by_position)
+
+    def _where(self, bad: _BadStep, blame: _Blame, own: list[_Hit], streak: bool) -> _Where:
+        """The hit the finding names: the layer-level hit first (it localises better than a loss):
+        the product that made a bad value first, else the lowest layer the forward pass reached, a
+        layer metric before act_max. A streak names where it began, not where it has spread to since."""
+        rank, metric, layer, value = min(own, key=_origin_order(own))
+        if blame.culprits and rank not in blame.culprits:  # the streak's origin was cut from a long list of hits
+            rank = min(blame.culprits)
+        module = bad.modules.get(rank) if metric == "act_max" else None
+        if streak and self._origin_where is not None:
+            metric, layer, module = self._origin_where
+        else:
+            self._origin_where = (metric, layer, module)
+        return _Where(rank, metric, layer, value, module)
+
+    def _message(self, frame: StepContext, streak: bool, where: _Where, on: tuple[str, str, str]) -> tuple[str, Any]:
+        """(message, around): the onset's bad value and where it spread to, or the streak it goes on with."""
+        named, more, spread = on
+        if streak:
+            return (
+                f"non-finite values since step {self._origin_step}, which began on {named}{more}; "
+                f"still non-finite at step {frame.step}"
+            ), None
+        # a finite value here is past the near-INF limit: call it what it is, not "non-finite"
+        what = "non-finite value" if not math.isfinite(where.value) else "near-INF value"
+        return message_at(
+            f"{what} at step {frame.step}: ",
+            where.metric,
+            where.layer,
+            f" = {where.value:.4g} on {named}{more}{spread}",
+        )
+
+    def _evidence(self, bad: _BadStep, blame: _Blame, where: _Where, listed: list[_Hit]) -> dict[str, Any]:
+        """The finding's evidence: the counts, the culprits, whom it reached, and the hits listed."""
+        ordinals = bad.ordinals
+        return {
+            "values_bad": bad.n_bad,
+            "ranks_with_own_bad_values": sorted(blame.culprits),
+            "ranks_with_bad_all_reduced_values": sorted(bad.all_reduced),
+            **({"pipeline_followers": sorted(blame.pipeline)[: self.max_listed]} if blame.pipeline else {}),
+            **(
+                {"tensor_parallel_followers": sorted(blame.tensor_parallel)[: self.max_listed]}
+                if blame.tensor_parallel
+                else {}
+            ),
+            **(
+                {"first_bad_position": {str(r): ordinals[r] for r in sorted(ordinals)[: self.max_listed]}}
+                if blame.by_position
+                else {}
+            ),
+            **({"act_max_module": where.module} if where.module is not None else {}),
+            "hits": [listed_hit(h, bad.modules) for h in listed],
+        }
 
     def snapshot(self) -> dict[str, Any]:
         return {

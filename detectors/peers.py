@@ -48,7 +48,13 @@ KEYS = {"peer": _PEER, "replica": _REPLICA, "stage": _STAGE, "pipeline": _PIPELI
 
 
 def group_keys(coords: np.ndarray, columns: Sequence[int]) -> np.ndarray:
-    """(world,) int group ids: ranks with equal ``coords[:, columns]`` share an id (0..n-1, in key order)."""
+    """(world,) int group ids: ranks with equal ``coords[:, columns]`` share an id (0..n-1, in key order).
+
+    Four ranks at (pp, tp) = (0, 0), (0, 1), (1, 0), (1, 1), grouped by ``pp`` (column 0):
+
+    >>> group_keys(np.array([[0, 0], [0, 1], [1, 0], [1, 1]]), [0]).tolist()
+    [0, 0, 1, 1]
+    """
     sub = np.asarray(coords, dtype=np.int64)[:, list(columns)] + 1  # -1 (none given) -> 0
     if sub.shape[1] == 0 or not sub.any():
         return np.zeros(sub.shape[0], np.int64)

@@ -86,7 +86,7 @@ class RankOutlierConfig:
         object.__setattr__(self, "scalars", tuple(self.scalars))
 
 
-@register(default=True)
+@register(default=True, order=50)
 class RankOutlierDetector(SplitDetector):
     """Names a rank whose statistics persistently deviate from the other ranks'.
 

@@ -1,94 +1,122 @@
 """The one registry of detectors: it feeds the default pipeline, the ``[detectors.<name>]`` config
-sections, the campaign's baselines and the contract test.
-
-A detector class joins with ``@register(...)`` in its own module; nothing else needs to know it.
+sections, the campaign's baselines and the contract test. A detector joins with ``@register(...)``
+in its own module; the registry imports every module of the package to find it.
 
 - :func:`detector_classes`: sdcwatch's own detectors, in the order the pipeline runs them (the
   contract test runs on every one);
-- :func:`default_detectors`: the set a run gets unless told otherwise;
-- :func:`baseline_classes`: what teams use today, scored beside sdcwatch by the campaign.
+- :func:`default_classes`, :func:`default_detectors`: the set a run gets unless told otherwise;
+- :func:`baseline_classes`: what teams use today, scored beside sdcwatch by the campaign;
+- :func:`detector_class`: one of them by name.
+
+>>> [cls.name for cls in default_classes()]
+['nonfinite', 'checksum', 'spike', 'lr_jump', 'rank_outlier', 'replica', 'straggler', 'missing_rank', 'guard']
+>>> list(baseline_classes())
+['megatron', 'zclip', 'nan_check', 'river_hst']
 """
 
 from __future__ import annotations
 
 import importlib
+import pkgutil
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 __all__ = ["register", "detector_classes", "default_classes", "default_detectors", "baseline_classes", "detector_class"]
 
-#: The modules that define the built-in detectors (imported on first use of the registry).
-_MODULES = (
-    "sdcwatch.detectors.nonfinite",
-    "sdcwatch.detectors.checksum",
-    "sdcwatch.detectors.spike",
-    "sdcwatch.detectors.lr_jump",
-    "sdcwatch.detectors.rank_outlier",
-    "sdcwatch.detectors.replica",
-    "sdcwatch.detectors.straggler",
-    "sdcwatch.detectors.guard_actions",
-    "sdcwatch.detectors.baselines.rules",
-    "sdcwatch.detectors.baselines.river_hst",
-)
-
-_OWN: list[type] = []  # sdcwatch's detectors, pipeline order
-_DEFAULT: list[type] = []
-_BASELINES: dict[str, type] = {}
+#: The package whose every module (sub-packages included) is imported to find the detectors.
+_PACKAGE = "sdcwatch.detectors"
 
 
-def register(*, default: bool = False, baseline: bool = False, own: bool = True) -> Callable[[type], type]:
+@dataclass(frozen=True)
+class _Entry:
+    """One registered detector class and how it was registered."""
+
+    cls: type
+    order: int
+    default: bool
+    baseline: bool
+    own: bool
+
+
+_ENTRIES: dict[str, _Entry] = {}  # "module.qualname" -> entry (a re-imported module replaces its own)
+_loaded = False
+
+
+def register(*, order: int, default: bool = False, baseline: bool = False, own: bool = True) -> Callable[[type], type]:
     """Class decorator: add a detector to the registry.
 
+    ``order``: where the pipeline runs it, ascending, unique among all registered detectors. It
+    fixes the order of findings within a step, and so the incidents: a new detector takes a free
+    number where it should run, and an existing one keeps its number. Today's: ``nonfinite`` 10,
+    ``checksum`` 20, ``spike`` 30, ``lr_jump`` 40, ``rank_outlier`` 50, ``replica`` 60,
+    ``straggler`` 70, ``missing_rank`` 80, ``guard`` 90; the baselines ``megatron`` 110, ``zclip``
+    120, ``nan_check`` 130, ``river_hst`` 140 (also one of sdcwatch's own, opt-in).
     ``default``: in the set every run gets; ``baseline``: scored by the campaign as a baseline;
     ``own``: one of sdcwatch's detectors (the contract test runs on it; False for a baseline that
     only mirrors another tool's rule).
+
+    A second detector with the same ``order`` or the same ``name`` is refused:
+
+    >>> detector_class("nonfinite").__name__
+    'NonFiniteDetector'
+    >>> @register(order=10)
+    ... class Twin:
+    ...     name = "twin"
+    Traceback (most recent call last):
+    ...
+    ValueError: detector twin: order 10 is taken by nonfinite (...NonFiniteDetector)
     """
 
     def add(cls: type) -> type:
-        if own and cls not in _OWN:
-            _OWN.append(cls)
-        if default and cls not in _DEFAULT:
-            _DEFAULT.append(cls)
-        if baseline:
-            _BASELINES[cls.name] = cls
+        key = f"{cls.__module__}.{cls.__qualname__}"
+        for other_key, other in _ENTRIES.items():
+            if other_key == key:
+                continue
+            if other.order == order:
+                raise ValueError(f"detector {cls.name}: order {order} is taken by {other.cls.name} ({other_key})")
+            if other.cls.name == cls.name:
+                raise ValueError(f"detector {cls.name}: the name is taken by {other_key}")
+        _ENTRIES[key] = _Entry(cls, order, default, baseline, own)
         return cls
 
     return add
 
 
 def _load() -> None:
-    for module in _MODULES:
-        importlib.import_module(module)
+    """Import every module of the package once (each registers its detectors as it is imported)."""
+    global _loaded
+    if _loaded:
+        return
+    package = importlib.import_module(_PACKAGE)
+    for module in pkgutil.walk_packages(package.__path__, _PACKAGE + "."):
+        importlib.import_module(module.name)
+    _loaded = True  # not before: a module that failed to import is tried again, and raises again
 
 
-def _ordered(classes: list[type]) -> list[type]:
-    """In the order of :data:`_MODULES` (then of registration), however the modules were imported:
-    the pipeline's order of detectors is the order of findings within a step."""
-    rank = {m: i for i, m in enumerate(_MODULES)}
-    return sorted(classes, key=lambda c: (rank.get(c.__module__, len(rank)), classes.index(c)))
+def _classes(keep: Callable[[_Entry], bool]) -> list[type]:
+    """The registered classes ``keep`` selects, in pipeline order."""
+    _load()
+    return [e.cls for e in sorted(_ENTRIES.values(), key=lambda e: e.order) if keep(e)]
 
 
 def detector_classes() -> list[type]:
     """sdcwatch's own detector classes, in the order the pipeline runs them."""
-    _load()
-    return _ordered(_OWN)
+    return _classes(lambda e: e.own)
 
 
 def default_classes() -> list[type]:
     """The detector classes a run gets by default (river's HalfSpaceTrees is opt-in: it is slow)."""
-    _load()
-    return _ordered(_DEFAULT)
+    return _classes(lambda e: e.default)
 
 
 def baseline_classes() -> dict[str, type]:
     """Baseline name -> class; the campaign scores each next to sdcwatch on the same trials."""
-    _load()
-    return {cls.name: cls for cls in _ordered(list(_BASELINES.values()))}
+    return {cls.name: cls for cls in _classes(lambda e: e.baseline)}
 
 
 def detector_class(name: str) -> type:
     """The registered detector (own or baseline) called ``name``."""
-    _load()
-    for cls in [*_OWN, *_BASELINES.values()]:
+    for cls in _classes(lambda e: e.own or e.baseline):
         if cls.name == name:
             return cls
     raise KeyError(name)

@@ -103,7 +103,7 @@ class ReplicaConfig:
         check_positive("replica", min_world=self.min_world, max_listed=self.max_listed)
 
 
-@register(default=True)
+@register(default=True, order=60)
 class ReplicaDivergenceDetector(SplitDetector):
     """Critical ``replica_divergence`` naming the rank(s) whose replicated values differ."""
 

@@ -144,7 +144,7 @@ class SpikeConfig:
                 raise ConfigError(f"spike.{key}", f"must be a SeriesSettings, got {getattr(self, key)!r}")
 
 
-@register(default=True)
+@register(default=True, order=30)
 class SpikeDetector(SplitDetector):
     """Loss and gradient-norm spikes of the whole job (one value per step, all ranks reduced).
 

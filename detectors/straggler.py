@@ -1,10 +1,6 @@
-"""Slow and missing ranks: step time far above the others' persistently, and ranks that stop reporting.
-
-A straggler is a rank whose step time stays well above the cross-rank median (the median of its
-ratio over a window of steps, so a few slow steps are nothing); a missing rank is one absent from many consecutive
-closed steps (a dead process or host). With mesh coordinates a rank's step time is compared with
-its own pipeline stage's median (stages do different work), and a missing rank is named with its
-coordinates; a peer group none of whose ranks report is said so (that model piece is unwatched).
+"""Slow ranks: a rank whose step time stays well above the cross-rank median (the median of its
+ratio over a window of steps, so a few slow steps are nothing). With mesh coordinates a rank's step
+time is compared with its own pipeline stage's median (stages do different work).
 """
 
 from __future__ import annotations
@@ -23,10 +19,9 @@ from sdcwatch.detectors.base import SplitDetector, StepContext
 from sdcwatch.detectors.registry import register
 from sdcwatch.detectors.frame import StepFrame
 from sdcwatch.core.incident import Finding, Severity
-from sdcwatch.core.mesh import format_coords, peer_key
-from sdcwatch.detectors.peers import Groups, coords_of, grouped_median, known_coords, rank_label
+from sdcwatch.detectors.peers import grouped_median, rank_label
 
-__all__ = ["StragglerDetector", "StragglerConfig", "MissingRankDetector", "MissingRankConfig"]
+__all__ = ["StragglerDetector", "StragglerConfig"]
 
 
 @dataclass(frozen=True)
@@ -46,7 +41,7 @@ class StragglerConfig:
             raise ConfigError("straggler.min_ratio", f"must be > 1, got {self.min_ratio!r}")
 
 
-@register(default=True)
+@register(default=True, order=70)
 class StragglerDetector(SplitDetector):
     """``straggler`` (warning) for a rank persistently ``min_ratio`` times slower than the median.
 
@@ -54,6 +49,22 @@ class StragglerDetector(SplitDetector):
     the median of that ratio over the last ``window`` steps is at least ``min_ratio``: more than
     half of its recent steps were slow. A median, not an average, so that a few very slow steps
     (a checkpoint save, a garbage collection, a noisy neighbour) are not a straggler.
+
+    Four ranks; rank 3 takes 3x as long on every step, then 10x as long on one step in four:
+
+    >>> import numpy as np
+    >>> from sdcwatch.detectors.frame import StepFrame
+    >>> def step(s, times):
+    ...     return StepFrame("run", s, 4, ("",) * 4, np.ones(4, bool), ("step_time",), np.array(times)[:, None])
+    >>> det = StragglerDetector(window=4)
+    >>> found = [f for s in range(8) for f in det.update(step(s, [1.0, 1.0, 1.0, 3.0]))]
+    >>> [f.step for f in found]  # silent while its window fills
+    [4, 5, 6, 7]
+    >>> found[0].message
+    "straggler: rank 3 persistently slow: typical step 3.00x the median rank's over 4 steps"
+    >>> det = StragglerDetector(window=4)
+    >>> [f for s in range(16) for f in det.update(step(s, [1.0, 1.0, 1.0, 10.0 if s % 4 == 0 else 1.0]))]
+    []
     """
 
     name = "straggler"
@@ -165,92 +176,3 @@ class StragglerDetector(SplitDetector):
     def restore(self, state: dict[str, Any]) -> None:
         self._ratios = None if state["ratios"] is None else decode_array(state["ratios"])
         self._steps = int(state["steps"])
-
-
-@dataclass(frozen=True)
-class MissingRankConfig:
-    """Settings of the missing-rank detector ``[detectors.missing_rank]``."""
-
-    after: int = 5
-    """Consecutive closed steps a rank must be absent from to be reported missing."""
-
-    def __post_init__(self) -> None:
-        check_positive("missing_rank", after=self.after)
-
-
-@register(default=True)
-class MissingRankDetector(SplitDetector):
-    """``missing_rank`` (critical) for ranks absent from ``after`` consecutive closed steps."""
-
-    name = "missing_rank"
-    fault = "missing"
-    Config = MissingRankConfig
-    after: int
-
-    def __init__(self, config: MissingRankConfig | None = None, /, **settings: Any) -> None:
-        super().__init__(config, **settings)
-        self._absent: np.ndarray | None = None
-        self.late = 0  # ranks absent at the last step
-        self.missing = 0  # ranks absent for `after` steps or more
-
-    def observe(self, frame: StepFrame) -> np.ndarray | None:
-        """The ranks absent from the step (None for a one-rank run)."""
-        if frame.world == 1:  # a closed one-rank step always has its rank
-            return None
-        return np.flatnonzero(~frame.present)
-
-    def judge(self, frame: StepContext, absent: np.ndarray | None) -> list[Finding]:
-        if absent is None:
-            return []
-        if self._absent is None or self._absent.shape[0] != frame.world:
-            self._absent = np.zeros(frame.world, np.int64)
-        present = np.ones(frame.world, bool)
-        present[np.asarray(absent, dtype=np.int64)] = False
-        self._absent = np.where(present, 0, self._absent + 1)
-        self.late = int((self._absent > 0).sum())
-        gone = np.flatnonzero(self._absent >= self.after)
-        self.missing = int(gone.size)
-        if gone.size == 0:
-            return []
-        ranks = tuple(int(r) for r in gone)
-        listed = ", ".join(str(r) for r in ranks[:16]) + (" ..." if len(ranks) > 16 else "")
-        coords = known_coords(frame)
-        evidence: dict[str, Any] = {"absent_steps": {str(r): int(self._absent[r]) for r in ranks[:16]}}
-        message = f"{len(ranks)} rank(s) not reporting for {self.after}+ steps: {listed}"
-        if coords is not None:
-            evidence["coords"] = {str(r): coords_of(coords, r) for r in ranks[:16]}
-            if len(ranks) == 1:
-                message = f"{rank_label(frame, ranks[0])} not reporting for {self.after}+ steps"
-            peers = Groups.of(coords, frame.world, "peer")
-            dark = np.flatnonzero(peers.counts(self._absent < self.after) == 0)
-            if dark.size:  # no rank of that model piece reports: nothing to compare it with either
-                pieces = []
-                for g in dark[:4].tolist():
-                    where = coords_of(coords, int(peers.members(g)[0]))
-                    pieces.append(format_coords(dict(peer_key(where))))
-                evidence["unwatched_pieces"] = pieces
-                message += f"; no rank of {'; '.join(p or 'the model' for p in pieces)} reports"
-        return [
-            Finding(
-                detector=self.name,
-                kind=IncidentKind.MISSING_RANK.value,
-                severity=Severity.CRITICAL,
-                run=frame.run,
-                step=frame.step,
-                score=float(gone.size),
-                metric="present",
-                ranks=ranks,
-                message=message,
-                evidence=evidence,
-            )
-        ]
-
-    def metrics_view(self) -> dict[str, Any]:
-        """Ranks not heard from for ``after`` steps or more."""
-        return {"missing_ranks": self.missing}
-
-    def snapshot(self) -> dict[str, Any]:
-        return {"absent": None if self._absent is None else encode_array(self._absent)}
-
-    def restore(self, state: dict[str, Any]) -> None:
-        self._absent = None if state["absent"] is None else decode_array(state["absent"])

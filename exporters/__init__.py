@@ -9,10 +9,11 @@
 
 from .alertmanager import AlertmanagerSink, alert_for, alertname_for
 from .catalog import METRICS, STATS, MetricSpec, metric
-from .collector import DEFAULT_LAYER_STATS, DEFAULT_TOP_K, SdcwatchCollector
+from .collector import DEFAULT_LAYER_STATS, DEFAULT_MAX_LAYERS, DEFAULT_TOP_K, SdcwatchCollector, check_cardinality
 from .delivery import Backoff, DeliveryError, post_json
 from .logsink import LogSink
-from .server import DEFAULT_METRICS_ADDRESS, DEFAULT_METRICS_PORT, MetricsServer
+from .pieces import DEFAULT_MAX_PIECES
+from .server import DEFAULT_METRICS_ADDRESS, DEFAULT_METRICS_PORT, MetricsServer, check_address, check_port
 from .webhook import WebhookSink, webhook_payload
 
 __all__ = [
@@ -24,8 +25,13 @@ __all__ = [
     "metric",
     "DEFAULT_TOP_K",
     "DEFAULT_LAYER_STATS",
+    "DEFAULT_MAX_LAYERS",
+    "DEFAULT_MAX_PIECES",
+    "check_cardinality",
     "DEFAULT_METRICS_ADDRESS",
     "DEFAULT_METRICS_PORT",
+    "check_address",
+    "check_port",
     "AlertmanagerSink",
     "alert_for",
     "alertname_for",

@@ -22,7 +22,7 @@ import numpy as np
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from sdcwatch.core.incident import Incident, RunView, ServiceView
+from sdcwatch.core.incident import Incident, PipelineView, RunView, ServiceView
 from sdcwatch.core.errors import ConfigError
 from sdcwatch.core.kinds import guard_action_of
 from sdcwatch.core.mesh import format_coords
@@ -37,13 +37,14 @@ __all__ = [
     "MAX_RANKS_PER_INCIDENT",
     "MAX_INCIDENTS_LISTED",
     "DEFAULT_MAX_LAYERS",
+    "check_cardinality",
     "incident_rank_label",
     "incident_coords_label",
 ]
 
 log = logging.getLogger(__name__)
 
-#: Ranks exported individually by outlier score, besides those in open incidents.
+#: Ranks exported individually by outlier score, besides those in open incidents (0: only those).
 DEFAULT_TOP_K = 16
 #: Statistics exported per layer. Per-layer series scale with depth x metrics x stats, so the
 #: default keeps three: at 80 layers and 7 layer metrics that is 1,680 series.
@@ -57,6 +58,18 @@ MAX_INCIDENTS_LISTED = 50
 #: (piece, layer) pairs of one run with per-layer series (open-incident layers, then the widest
 #: spread); without pipeline or tensor parallelism, layers.
 DEFAULT_MAX_LAYERS = 128
+
+
+def check_cardinality(*, top_k: int, max_layers: int, max_pieces: int) -> None:
+    """Raise ConfigError('metrics.<key>') unless each bound on the exported series is an integer in
+    range: ``top_k`` at least 0 (with 0, per-rank series exist only for the ranks an open incident
+    names: a choice, not a mistake), ``max_layers`` and ``max_pieces`` at least 1 (a run always
+    shows its widest layer and piece). ``sdcwatch serve``'s ``[metrics]`` checks its values here."""
+    for key, value, least in (("top_k", top_k, 0), ("max_layers", max_layers, 1), ("max_pieces", max_pieces, 1)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"metrics.{key}", f"must be an integer, got {value!r}")
+        if value < least:
+            raise ConfigError(f"metrics.{key}", f"must be at least {least}, got {value}")
 
 
 def incident_rank_label(ranks: Sequence[int], limit: int = 8) -> str:
@@ -114,12 +127,7 @@ class SdcwatchCollector(Collector):
     ) -> None:
         if not callable(view_fn):
             raise ConfigError("exporter.view_fn", f"must be callable, got {type(view_fn).__name__}")
-        if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
-            raise ConfigError("metrics.top_k", f"must be an integer >= 0, got {top_k!r}")
-        if isinstance(max_layers, bool) or not isinstance(max_layers, int) or max_layers < 1:
-            raise ConfigError("metrics.max_layers", f"must be an integer >= 1, got {max_layers!r}")
-        if isinstance(max_pieces, bool) or not isinstance(max_pieces, int) or max_pieces < 1:
-            raise ConfigError("metrics.max_pieces", f"must be an integer >= 1, got {max_pieces!r}")
+        check_cardinality(top_k=top_k, max_layers=max_layers, max_pieces=max_pieces)
         if not cache_seconds >= 0:
             raise ConfigError("exporter.cache_seconds", f"must be >= 0, got {cache_seconds!r}")
         for key, stats in (("exporter.layer_stats", layer_stats), ("exporter.scalar_stats", scalar_stats)):
@@ -182,6 +190,7 @@ class SdcwatchCollector(Collector):
         return GaugeMetricFamily(spec.family, spec.help, labels=spec.labels)
 
     def _families(self, view: ServiceView, now: float) -> dict[str, Metric]:
+        """Every family filled from one view: the runs, the incidents, the findings, the pipeline."""
         fam = {spec.name: self._family(spec) for spec in METRICS}
 
         def add(name: str, labels: Sequence[str], value: float) -> None:
@@ -191,89 +200,73 @@ class SdcwatchCollector(Collector):
         for inc in view.incidents:
             if inc.open:
                 open_incidents.setdefault(inc.run, []).append(inc)
-
         layers_omitted = pieces_omitted = 0
         for run in view.runs:
-            r = run.run
-            add("sdcwatch_training_loss", [r], run.loss)
-            add("sdcwatch_training_grad_norm", [r], run.grad_norm)
-            add("sdcwatch_training_last_step", [r], run.last_step)
-            add("sdcwatch_training_steps_total", [r], run.steps_total)
-            add("sdcwatch_training_world_size", [r], run.world)
-            add("sdcwatch_training_run_finished", [r], 1 if run.finished else 0)
-            for metric_name, score in sorted(run.spike_scores.items()):
-                add("sdcwatch_detector_spike_score", [r, metric_name], score)
-            for rank in self._exported_ranks(run, open_incidents.get(r, [])):
-                host = run.hosts[rank] if rank < len(run.hosts) else ""
-                add("sdcwatch_rank_outlier_score", [r, rank, host], run.rank_scores[rank])
-            incidents = open_incidents.get(r, [])
-            n = len(run.pieces)
-            scalars = {k: by_piece(v, n, False) for k, v in run.scalar_stats.items()}
-            layer_stats = {
-                k: by_piece(v, n, True)
-                for k, v in run.layer_stats.items()
-                if self.layer_metrics is None or k in self.layer_metrics
-            }
-            pieces = exported_pieces(run, scalars, layer_stats, incidents, self.max_pieces, MAX_RANKS_PER_INCIDENT)
-            pieces_omitted += n - len(pieces) + run.pieces_omitted
-            if len(pieces) < n + run.pieces_omitted and r not in self._capped_runs:
-                if len(self._capped_runs) >= 1000:  # logged once a run; the memory of it bounded
-                    self._capped_runs.clear()
-                self._capped_runs.add(r)
-                log.warning(
-                    "sdcwatch exporter: run %s has %d model pieces, statistics series for %d (metrics.max_pieces)",
-                    r,
-                    n + run.pieces_omitted,
-                    len(pieces),
-                )
-            add_stats(fam["sdcwatch_rank_metric"], run, scalars, self.scalar_stats, pieces)
-            pairs, n_pairs = exported_layers(
-                run, layer_stats, pieces, incidents, self.max_layers, MAX_RANKS_PER_INCIDENT
-            )
-            layers_omitted += n_pairs - len(pairs)
-            add_stats(fam["sdcwatch_layer_metric"], run, layer_stats, self.layer_stats, pieces, pairs)
-            add("sdcwatch_pipeline_late_ranks", [r], run.late_ranks)
-            add("sdcwatch_pipeline_missing_ranks", [r], run.missing_ranks)
-            add("sdcwatch_emitter_dropped_records_total", [r], run.emitter_dropped)
-            if run.last_step_wall > 0:
-                add("sdcwatch_pipeline_last_step_age_seconds", [r], max(0.0, now - run.last_step_wall))
-
+            layers, pieces = self._add_run(fam, add, run, open_incidents.get(run.run, []), now)
+            layers_omitted += layers
+            pieces_omitted += pieces
         self._add_incidents(fam, view, open_incidents)
-
-        for (detector, kind), count in sorted(view.findings_total.items()):
-            add("sdcwatch_detector_findings_total", [detector, kind], count)
-            action = guard_action_of(kind)
-            if action is not None:
-                add("sdcwatch_guard_actions_total", [action], count)
-
-        p = view.pipeline
-        add("sdcwatch_pipeline_records_total", [], p.records_total)
-        add("sdcwatch_pipeline_records_per_second", [], p.records_per_second)
-        add("sdcwatch_pipeline_consumer_lag_records", [], p.consumer_lag)
-        add("sdcwatch_pipeline_dead_letters_total", [], p.dead_letters_total)
-        for reason, count in sorted(p.dead_letter_reasons.items()):
-            add("sdcwatch_pipeline_dead_letters_by_reason_total", [reason], count)
-        add("sdcwatch_pipeline_late_records_total", [], p.late_records_total)
-        if p.consumer_partitions >= 0:
-            add("sdcwatch_pipeline_consumer_partitions", [], p.consumer_partitions)
-        add("sdcwatch_pipeline_messages_waiting_for_schema", [], p.waiting_for_schema)
-        for outcome, count in sorted(p.offset_gaps.items()):
-            add("sdcwatch_pipeline_offset_gaps_total", [outcome], count)
-        add("sdcwatch_pipeline_runs", [], p.runs_total)
-        add("sdcwatch_pipeline_runs_forgotten_total", [], p.runs_forgotten_total)
-        add("sdcwatch_exporter_omitted", ["runs"], max(0, p.runs_total - len(view.runs)))
+        _add_findings(add, view)
+        _add_pipeline(add, view.pipeline, now)
+        add("sdcwatch_exporter_omitted", ["runs"], max(0, view.pipeline.runs_total - len(view.runs)))
         add("sdcwatch_exporter_omitted", ["layers"], layers_omitted)
         add("sdcwatch_exporter_omitted", ["pieces"], pieces_omitted)
-        add("sdcwatch_pipeline_duplicates_total", [], p.duplicates_total)
-        add("sdcwatch_pipeline_world_changes_total", [], p.world_changes_total)
-        add("sdcwatch_pipeline_incomplete_steps_total", [], p.incomplete_steps_total)
-        add("sdcwatch_pipeline_summaries_total", [], p.summaries_total)
-        add("sdcwatch_pipeline_summaries_late_total", [], p.summaries_late_total)
-        for reason, count in sorted(p.runs_evicted_total.items()):
-            add("sdcwatch_pipeline_runs_evicted_total", [reason], count)
-        if p.last_record_wall > 0:
-            add("sdcwatch_pipeline_last_record_age_seconds", [], max(0.0, now - p.last_record_wall))
         return fam
+
+    def _add_run(
+        self,
+        fam: dict[str, Metric],
+        add: Callable[[str, Sequence[str], float], None],
+        run: RunView,
+        incidents: list[Incident],
+        now: float,
+    ) -> tuple[int, int]:
+        """One run's series: training, spike and outlier scores, the statistics of its exported
+        pieces and layers, its health. Returns the (piece, layer) pairs and pieces left out."""
+        r = run.run
+        add("sdcwatch_training_loss", [r], run.loss)
+        add("sdcwatch_training_grad_norm", [r], run.grad_norm)
+        add("sdcwatch_training_last_step", [r], run.last_step)
+        add("sdcwatch_training_steps_total", [r], run.steps_total)
+        add("sdcwatch_training_world_size", [r], run.world)
+        add("sdcwatch_training_run_finished", [r], 1 if run.finished else 0)
+        for metric_name, score in sorted(run.spike_scores.items()):
+            add("sdcwatch_detector_spike_score", [r, metric_name], score)
+        for rank in self._exported_ranks(run, incidents):
+            host = run.hosts[rank] if rank < len(run.hosts) else ""
+            add("sdcwatch_rank_outlier_score", [r, rank, host], run.rank_scores[rank])
+        n = len(run.pieces)
+        scalars = {k: by_piece(v, n, False) for k, v in run.scalar_stats.items()}
+        layer_stats = {
+            k: by_piece(v, n, True)
+            for k, v in run.layer_stats.items()
+            if self.layer_metrics is None or k in self.layer_metrics
+        }
+        pieces = exported_pieces(run, scalars, layer_stats, incidents, self.max_pieces, MAX_RANKS_PER_INCIDENT)
+        self._note_capped_pieces(run, len(pieces))
+        add_stats(fam["sdcwatch_rank_metric"], run, scalars, self.scalar_stats, pieces)
+        pairs, n_pairs = exported_layers(run, layer_stats, pieces, incidents, self.max_layers, MAX_RANKS_PER_INCIDENT)
+        add_stats(fam["sdcwatch_layer_metric"], run, layer_stats, self.layer_stats, pieces, pairs)
+        add("sdcwatch_pipeline_late_ranks", [r], run.late_ranks)
+        add("sdcwatch_pipeline_missing_ranks", [r], run.missing_ranks)
+        add("sdcwatch_emitter_dropped_records_total", [r], run.emitter_dropped)
+        if run.last_step_wall > 0:
+            add("sdcwatch_pipeline_last_step_age_seconds", [r], max(0.0, now - run.last_step_wall))
+        return n_pairs - len(pairs), n - len(pieces) + run.pieces_omitted
+
+    def _note_capped_pieces(self, run: RunView, shown: int) -> None:
+        """Log, once a run, that a run has more model pieces than get statistics series."""
+        total = len(run.pieces) + run.pieces_omitted
+        if shown < total and run.run not in self._capped_runs:
+            if len(self._capped_runs) >= 1000:  # logged once a run; the memory of it bounded
+                self._capped_runs.clear()
+            self._capped_runs.add(run.run)
+            log.warning(
+                "sdcwatch exporter: run %s has %d model pieces, statistics series for %d (metrics.max_pieces)",
+                run.run,
+                total,
+                shown,
+            )
 
     def _exported_ranks(self, run: RunView, incidents: list[Incident]) -> list[int]:
         """Top-K ranks by outlier score (ties to the lower rank) plus open-incident ranks, sorted."""
@@ -336,3 +329,39 @@ class SdcwatchCollector(Collector):
             fam["sdcwatch_incident_first_step"].add_metric(ident, inc.first_step)
             fam["sdcwatch_incident_last_step"].add_metric(ident, inc.last_step)
             fam["sdcwatch_incident_score"].add_metric(ident, float(inc.score))
+
+
+def _add_findings(add: Callable[[str, Sequence[str], float], None], view: ServiceView) -> None:
+    """Findings by detector and kind, and the guard actions they stand for."""
+    for (detector, kind), count in sorted(view.findings_total.items()):
+        add("sdcwatch_detector_findings_total", [detector, kind], count)
+        action = guard_action_of(kind)
+        if action is not None:
+            add("sdcwatch_guard_actions_total", [action], count)
+
+
+def _add_pipeline(add: Callable[[str, Sequence[str], float], None], p: PipelineView, now: float) -> None:
+    """The pipeline's health: input, lag, dead letters, partitions, offset gaps, runs, alignment, stages."""
+    add("sdcwatch_pipeline_records_total", [], p.records_total)
+    add("sdcwatch_pipeline_records_per_second", [], p.records_per_second)
+    add("sdcwatch_pipeline_consumer_lag_records", [], p.consumer_lag)
+    add("sdcwatch_pipeline_dead_letters_total", [], p.dead_letters_total)
+    for reason, count in sorted(p.dead_letter_reasons.items()):
+        add("sdcwatch_pipeline_dead_letters_by_reason_total", [reason], count)
+    add("sdcwatch_pipeline_late_records_total", [], p.late_records_total)
+    if p.consumer_partitions >= 0:
+        add("sdcwatch_pipeline_consumer_partitions", [], p.consumer_partitions)
+    add("sdcwatch_pipeline_messages_waiting_for_schema", [], p.waiting_for_schema)
+    for outcome, count in sorted(p.offset_gaps.items()):
+        add("sdcwatch_pipeline_offset_gaps_total", [outcome], count)
+    add("sdcwatch_pipeline_runs", [], p.runs_total)
+    add("sdcwatch_pipeline_runs_forgotten_total", [], p.runs_forgotten_total)
+    add("sdcwatch_pipeline_duplicates_total", [], p.duplicates_total)
+    add("sdcwatch_pipeline_world_changes_total", [], p.world_changes_total)
+    add("sdcwatch_pipeline_incomplete_steps_total", [], p.incomplete_steps_total)
+    add("sdcwatch_pipeline_summaries_total", [], p.summaries_total)
+    add("sdcwatch_pipeline_summaries_late_total", [], p.summaries_late_total)
+    for reason, count in sorted(p.runs_evicted_total.items()):
+        add("sdcwatch_pipeline_runs_evicted_total", [reason], count)
+    if p.last_record_wall > 0:
+        add("sdcwatch_pipeline_last_record_age_seconds", [], max(0.0, now - p.last_record_wall))

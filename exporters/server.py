@@ -15,16 +15,33 @@ from prometheus_client import CollectorRegistry, generate_latest, start_http_ser
 
 from sdcwatch.core.incident import ServiceView
 from sdcwatch.core.errors import ConfigError
+from sdcwatch.core.validate import is_host
 
 from .collector import DEFAULT_LAYER_STATS, DEFAULT_MAX_LAYERS, DEFAULT_TOP_K, SdcwatchCollector
 from .pieces import DEFAULT_MAX_PIECES
 from .catalog import STATS
 
-__all__ = ["MetricsServer", "DEFAULT_METRICS_ADDRESS", "DEFAULT_METRICS_PORT"]
+__all__ = ["MetricsServer", "DEFAULT_METRICS_ADDRESS", "DEFAULT_METRICS_PORT", "check_address", "check_port"]
 
+#: Default address of the service's /metrics endpoint: loopback (beyond the host is a choice).
 DEFAULT_METRICS_ADDRESS = "127.0.0.1"
 #: Default port of the service's /metrics endpoint.
 DEFAULT_METRICS_PORT = 9400
+
+
+def check_address(address: str) -> None:
+    """Raise ConfigError('metrics.address') unless ``address`` is an IP address or a host name."""
+    if not isinstance(address, str) or not is_host(address):
+        raise ConfigError("metrics.address", f"{address!r} is neither an IP address nor a host name")
+
+
+def check_port(port: int, *, zero: str = "any free port") -> None:
+    """Raise ConfigError('metrics.port') unless ``port`` is an integer in 0-65535; ``zero`` says
+    what 0 means to the caller (to the server, a free port the system picks; to the config, off)."""
+    if isinstance(port, bool) or not isinstance(port, int):
+        raise ConfigError("metrics.port", f"must be an integer, got {port!r}")
+    if not 0 <= port <= 65535:
+        raise ConfigError("metrics.port", f"{port} out of range 0-65535 (0 = {zero})")
 
 
 class MetricsServer:
@@ -50,10 +67,8 @@ class MetricsServer:
         max_pieces: int = DEFAULT_MAX_PIECES,
         cache_seconds: float = 1.0,
     ) -> None:
-        if not isinstance(address, str) or not address:
-            raise ConfigError("metrics.address", f"must be a non-empty host or IP, got {address!r}")
-        if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
-            raise ConfigError("metrics.port", f"must be an integer in 0..65535, got {port!r}")
+        check_address(address)
+        check_port(port)
         self.address = address
         self.registry = CollectorRegistry(auto_describe=True)
         self.collector = SdcwatchCollector(

@@ -12,6 +12,10 @@
 ``bench/bench_overhead.py``, ``bench/bench_detectors.py`` and ``bench/bench_split.py`` (those present), writes every result as
 JSON into ``--out-dir`` and the table ``benchmarks.md`` generated from them, with the machine and
 the command.
+
+``campaign`` and ``clean`` run from the installed package (:mod:`sdcwatch.testbed`); ``e2e``,
+``ingest`` and ``all`` run scripts of the repository's ``bench/`` folder, which the wheel does not
+hold: from an installed sdcwatch they need a clone (``SDCWATCH_BENCH_DIR`` names its ``bench/``).
 """
 
 from __future__ import annotations
@@ -37,6 +41,10 @@ __all__ = [
     "ingest_main",
     "all_main",
     "bench_dir",
+    "bench_usage",
+    "BENCH_DIR_ENV",
+    "FROM_PACKAGE",
+    "FROM_CLONE",
     "machine",
     "write_markdown",
 ]
@@ -61,12 +69,46 @@ QUICK_SCRIPT_ARGS = {
 }
 
 
+#: Names a clone's ``bench/`` folder: the clone-only benchmarks then run from an installed sdcwatch.
+BENCH_DIR_ENV = "SDCWATCH_BENCH_DIR"
+#: The benchmarks the installed package runs itself (:mod:`sdcwatch.testbed`), with what they measure.
+FROM_PACKAGE = {
+    "campaign": "fault-injection campaign: sdcwatch and the baselines on faulted branches and their clean twins",
+    "clean": "false alarms on fault-free simulated training",
+}
+#: The benchmarks that run scripts of the repository's ``bench/`` folder (not in the wheel).
+FROM_CLONE = {
+    "e2e": "end to end through a broker at scale: runs bench/bench_e2e.py",
+    "ingest": "decode, align and detect cost per record: runs bench/bench_ingest.py",
+    "all": "every benchmark and the table benchmarks.md: the campaign, bench/bench_e2e.py and the other bench/ scripts",
+}
+
+
+def _bench_dir_candidate() -> Path:
+    """Where the ``bench/`` folder should be: ``$SDCWATCH_BENCH_DIR``, else beside the package (a clone's)."""
+    named = os.environ.get(BENCH_DIR_ENV)
+    return Path(named) if named else Path(__file__).resolve().parents[1] / "bench"
+
+
+def _missing_bench_dir() -> str | None:
+    """Why the clone-only benchmarks cannot run here, in one sentence; None when they can."""
+    d = _bench_dir_candidate()
+    if (d / "bench_e2e.py").is_file():
+        return None
+    return (
+        f"needs a clone of the repository: it runs scripts of its bench/ folder, which the installed package "
+        f"does not include (none at {d}); run it from a clone, or set {BENCH_DIR_ENV} to a clone's bench/ folder "
+        "('sdcwatch bench campaign' and 'clean' run from the installed package)"
+    )
+
+
 def bench_dir() -> Path:
-    """The repository's ``bench/`` folder (the scripts live beside the package, not inside it)."""
-    d = Path(__file__).resolve().parents[1] / "bench"
-    if not d.is_dir():
-        raise ConfigError("bench", f"{d} not found: the benchmarks run from a clone of the repository")
-    return d
+    """The repository's ``bench/`` folder (the scripts live beside the package, not inside it):
+    ``$SDCWATCH_BENCH_DIR`` when set, else the clone's beside the package."""
+    missing = _missing_bench_dir()
+    if missing:
+        raise ConfigError("bench", missing)
+    return _bench_dir_candidate()
 
 
 def machine() -> dict[str, Any]:
@@ -97,6 +139,12 @@ def _write(path: str | Path | None, result: dict) -> None:
         p.write_text(json.dumps(result, indent=2, allow_nan=False))
 
 
+_FROM_PACKAGE_NOTE = (
+    "Runs from the installed package (sdcwatch.testbed; needs torch): no clone of the repository needed. "
+    "'sdcwatch bench e2e', 'ingest' and 'all' need a clone: they run its bench/ scripts."
+)
+
+
 def _campaign_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="sdcwatch bench campaign",
@@ -104,6 +152,7 @@ def _campaign_parser() -> argparse.ArgumentParser:
             "Fault-injection campaign: train W simulated ranks to a checkpoint, then per fault a faulted branch and its "
             "clean twin; score sdcwatch and the baselines (Megatron-LM rules, ZClip, NaN check, river HalfSpaceTrees)."
         ),
+        epilog=_FROM_PACKAGE_NOTE,
     )
     ap.add_argument(
         "--faults",
@@ -160,9 +209,10 @@ def campaign_main(argv: Sequence[str]) -> dict:
     """``sdcwatch bench campaign``; returns the result (also written to ``--out``)."""
     from dataclasses import replace
 
-    from sdcwatch.testbed.campaign import CampaignConfig, run_campaign, summary_table
+    args = _campaign_parser().parse_args(list(argv))  # before the imports: --help needs no torch
+    from sdcwatch.testbed.campaign import CampaignConfig, run_campaign
+    from sdcwatch.testbed.campaign_summary import summary_table
 
-    args = _campaign_parser().parse_args(list(argv))
     config = CampaignConfig(**QUICK_CAMPAIGN) if args.quick else CampaignConfig()
     changes: dict[str, Any] = {"seed": args.seed, "probes": args.probes}
     if args.classes:
@@ -214,6 +264,7 @@ def _clean_parser() -> argparse.ArgumentParser:
             "False alarms on clean training: fault-free simulated runs from step 0 (one per seed), every step "
             "through the campaign's detectors; reports each alarm with its step, rank and message."
         ),
+        epilog=_FROM_PACKAGE_NOTE,
     )
     ap.add_argument("--steps", type=int, default=10_000, help="clean steps in all, split over the runs (default 10000)")
     ap.add_argument("--runs", type=int, default=4, help="independent runs, seeds SEED..SEED+RUNS-1 (default 4)")
@@ -235,9 +286,11 @@ def _clean_parser() -> argparse.ArgumentParser:
 
 def clean_main(argv: Sequence[str]) -> dict:
     """``sdcwatch bench clean``; returns the result (also written to ``--out``)."""
+    args = _clean_parser().parse_args(list(argv))  # before the imports: --help needs no torch
+    import torch  # noqa: F401  (without it, fail here rather than in the worker processes)
+
     from sdcwatch.testbed.clean_run import CleanRunConfig, clean_table, run_clean
 
-    args = _clean_parser().parse_args(list(argv))
     if args.ranks is not None and args.parallel is not None:
         raise ConfigError("ranks", "give --ranks or --parallel, not both (the layout sets the rank count)")
     options = {
@@ -271,6 +324,8 @@ def clean_main(argv: Sequence[str]) -> dict:
 
 def _load_script(name: str) -> Any:
     path = bench_dir() / name
+    if not path.is_file():
+        raise ConfigError("bench", f"{path} not found: the benchmark runs from a full clone of the repository")
     spec = importlib.util.spec_from_file_location(f"sdcwatch_bench_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)  # type: ignore[union-attr]
@@ -336,7 +391,12 @@ def _run_script(name: str, out: Path, quick: bool) -> dict:
 
 def all_main(argv: Sequence[str]) -> dict:
     """``sdcwatch bench all``: every benchmark, JSON per benchmark and ``benchmarks.md``."""
-    ap = argparse.ArgumentParser(prog="sdcwatch bench all", description="Run every benchmark and write the table.")
+    ap = argparse.ArgumentParser(
+        prog="sdcwatch bench all",
+        description="Run every benchmark and write the table.",
+        epilog="Needs a clone of the repository: it runs bench/bench_e2e.py and the other scripts of its bench/ "
+        f"folder, which the installed package does not include ({BENCH_DIR_ENV} names a clone's bench/ folder).",
+    )
     ap.add_argument("--quick", action="store_true", help="CI sizes (minutes, not hours)")
     ap.add_argument("--out-dir", default="results", help="where the JSON files and benchmarks.md go (default results/)")
     args = ap.parse_args(list(argv))
@@ -371,7 +431,7 @@ def _load_json(path: Path) -> dict | None:
 
 def write_markdown(out_dir: str | Path, runs: dict[str, Any] | None = None, *, command: str = "") -> Path:
     """``benchmarks.md`` in ``out_dir``, generated from the JSON results there."""
-    from sdcwatch.testbed.campaign import summary_table
+    from sdcwatch.testbed.campaign_summary import summary_table
 
     out_dir = Path(out_dir)
     m = machine()
@@ -442,16 +502,58 @@ def _fmt(x: Any) -> str:
     return "–" if x is None else f"{x:.3g}"
 
 
+def bench_usage() -> str:
+    """``sdcwatch bench``'s help: the benchmarks, which run from the installed package and which
+    need a clone of the repository, and whether its ``bench/`` folder is found here."""
+    lines = [
+        "usage: sdcwatch bench COMMAND [options]  (sdcwatch bench COMMAND --help)",
+        "",
+        "from the installed package (sdcwatch.testbed):",
+        *(f"  {name:9s} {what}" for name, what in FROM_PACKAGE.items()),
+        "from a clone of the repository (they run scripts of its bench/ folder, which the installed package "
+        "does not include):",
+        *(f"  {name:9s} {what}" for name, what in FROM_CLONE.items()),
+        "",
+    ]
+    missing = _missing_bench_dir()
+    if missing:
+        lines.append(f"no bench/ folder at {_bench_dir_candidate()}: set {BENCH_DIR_ENV} to a clone's bench/ folder")
+    else:
+        lines.append(f"bench/ folder: {_bench_dir_candidate()}")
+    return "\n".join(lines)
+
+
+def _clone_only_help(name: str) -> bool:
+    """For ``sdcwatch bench e2e|ingest --help``: say that it needs a clone; True when the script's
+    own help cannot follow (no ``bench/`` folder here)."""
+    print(f"sdcwatch bench {name}: {FROM_CLONE[name]}, from a clone of the repository (not in the installed package)")
+    missing = _missing_bench_dir()
+    if missing:
+        print(
+            f"no bench/ folder at {_bench_dir_candidate()}: run it from a clone, or set {BENCH_DIR_ENV} to a clone's bench/ folder"
+        )
+        return True
+    print()
+    return False
+
+
 def bench_main(argv: Sequence[str]) -> int:
-    """Entry point of ``sdcwatch bench``."""
+    """Entry point of ``sdcwatch bench``; 2 (and one line) for a clone-only benchmark without a clone."""
     argv = list(argv)
     commands = {"campaign": campaign_main, "clean": clean_main, "e2e": e2e_main, "ingest": ingest_main, "all": all_main}
     if not argv or argv[0] not in commands:
         asked = bool(argv) and argv[0] in ("-h", "--help")
-        print(
-            "usage: sdcwatch bench {campaign,clean,e2e,ingest,all} [options]  (sdcwatch bench COMMAND --help)",
-            file=sys.stdout if asked else sys.stderr,
-        )
+        print(bench_usage(), file=sys.stdout if asked else sys.stderr)
         return 0 if asked else 2
-    commands[argv[0]](argv[1:])
+    name, rest = argv[0], argv[1:]
+    asked = "-h" in rest or "--help" in rest
+    if name in FROM_CLONE and asked and name != "all":  # all's own help says it
+        if _clone_only_help(name):
+            return 0
+    elif name in FROM_CLONE and not asked:
+        missing = _missing_bench_dir()
+        if missing:
+            print(f"sdcwatch bench {name}: {missing}", file=sys.stderr)
+            return 2
+    commands[name](rest)
     return 0

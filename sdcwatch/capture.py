@@ -26,7 +26,7 @@ from sdcwatch.core.record_type import Record
 from sdcwatch.core.record_json import to_json
 from sdcwatch.core.layer_names import LayerNames, names_to_json
 
-__all__ = ["Capture", "KafkaTopicReader", "capture_main"]
+__all__ = ["Capture", "KafkaTopicReader", "capture", "build_parser", "capture_main"]
 
 
 @dataclass
@@ -207,10 +207,8 @@ def capture(
             progress(cap.describe())
 
 
-def capture_main(argv: Sequence[str]) -> int:
-    """``sdcwatch capture --run NAME -o FILE``; returns the exit code (0 done, 2 bad input)."""
-    from sdcwatch.config import load_config
-
+def build_parser() -> argparse.ArgumentParser:
+    """Declare ``sdcwatch capture``'s options."""
     parser = argparse.ArgumentParser(
         prog="sdcwatch capture",
         description="Write one run's telemetry from the bus as JSON lines, for 'sdcwatch replay' and "
@@ -257,7 +255,11 @@ def capture_main(argv: Sequence[str]) -> int:
         help="telemetry topic [SDCWATCH_BUS_TELEMETRY_TOPIC; default sdcwatch.telemetry]",
     )
     parser.add_argument("--config", metavar="PATH", help="serve configuration file (TOML) for the bus settings")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def _output_path(args: argparse.Namespace) -> Path:
+    """The file to write, once the timeouts are checked; an existing one only with ``--force``."""
     if args.idle_timeout < 0:
         raise ConfigError("--idle-timeout", f"must be >= 0 seconds, got {args.idle_timeout:g}")
     if args.connect_timeout <= 0:
@@ -265,9 +267,11 @@ def capture_main(argv: Sequence[str]) -> int:
     out_path = Path(args.output)
     if out_path.exists() and not args.force:
         raise ConfigError("--output", f"{out_path} exists; pass --force to overwrite it")
-    cfg = load_config(args.config, overrides={"bus.bootstrap": args.bootstrap, "bus.telemetry_topic": args.topic})
-    bus = cfg.bus
+    return out_path
 
+
+def _stop_on_signals() -> threading.Event:
+    """An event set on SIGTERM or Ctrl-C: the capture stops there, its file complete."""
     stop = threading.Event()
 
     def on_signal(signum: int, frame: Any) -> None:
@@ -275,10 +279,44 @@ def capture_main(argv: Sequence[str]) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    return stop
 
-    def say(text: str) -> None:
-        print(f"sdcwatch capture: {text}", file=sys.stderr, flush=True)
 
+def _say(text: str) -> None:
+    print(f"sdcwatch capture: {text}", file=sys.stderr, flush=True)
+
+
+def _capture_into(
+    reader: KafkaTopicReader, args: argparse.Namespace, out_path: Path, stop: threading.Event
+) -> tuple[Capture, str]:
+    """Write the run's records from ``reader`` into ``out_path``; returns the capture and why it stopped."""
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        fh = open(out_path, "w", encoding="utf-8")  # noqa: SIM115 (closed by the with below)
+    except OSError as exc:
+        raise ConfigError("--output", f"cannot write {out_path}: {exc.strerror or exc}") from None
+    with fh:
+        cap = Capture(args.run, fh)
+        start = "the beginning" if args.from_beginning else "now on"
+        if not reader.assign():
+            _say(f"topic {reader.topic} does not exist on {reader.bootstrap} yet: waiting for it")
+        _say(
+            f"reading {reader.topic} on {reader.bootstrap} from {start} for run {args.run!r} "
+            f"into {out_path} (Ctrl-C to stop)"
+        )
+        why = capture(reader, cap, idle_timeout=args.idle_timeout, stop=stop, progress=_say)
+    return cap, why
+
+
+def capture_main(argv: Sequence[str]) -> int:
+    """``sdcwatch capture --run NAME -o FILE``; returns the exit code (0 done, 2 bad input)."""
+    from sdcwatch.config import load_config
+
+    args = build_parser().parse_args(argv)
+    out_path = _output_path(args)
+    cfg = load_config(args.config, overrides={"bus.bootstrap": args.bootstrap, "bus.telemetry_topic": args.topic})
+    bus = cfg.bus
+    stop = _stop_on_signals()
     reader = KafkaTopicReader(
         bus.bootstrap,
         bus.telemetry_topic,
@@ -287,27 +325,13 @@ def capture_main(argv: Sequence[str]) -> int:
         **bus.security,
     )
     try:
-        out_path.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            fh = open(out_path, "w", encoding="utf-8")  # noqa: SIM115 (closed by the with below)
-        except OSError as exc:
-            raise ConfigError("--output", f"cannot write {out_path}: {exc.strerror or exc}") from None
-        with fh:
-            cap = Capture(args.run, fh)
-            start = "the beginning" if args.from_beginning else "now on"
-            if not reader.assign():
-                say(f"topic {bus.telemetry_topic} does not exist on {bus.bootstrap} yet: waiting for it")
-            say(
-                f"reading {bus.telemetry_topic} on {bus.bootstrap} from {start} for run {args.run!r} "
-                f"into {out_path} (Ctrl-C to stop)"
-            )
-            why = capture(reader, cap, idle_timeout=args.idle_timeout, stop=stop, progress=say)
+        cap, why = _capture_into(reader, args, out_path, stop)
     finally:
         reader.close()
     skipped = f"; {cap.skipped} undecodable messages skipped" if cap.skipped else ""
-    say(f"wrote {cap.describe()} to {out_path}; stopped: {why}{skipped}")
+    _say(f"wrote {cap.describe()} to {out_path}; stopped: {why}{skipped}")
     if cap.records == 0:
-        say(
+        _say(
             f"no record of run {args.run!r} was seen"
             + ("" if args.from_beginning else " (records sent before the capture started need --from-beginning)")
         )

@@ -16,9 +16,12 @@ from typing import Callable, Sequence
 from sdcwatch import __version__
 from sdcwatch.core.errors import SdcwatchError
 
-__all__ = ["main", "build_parser"]
+__all__ = ["main", "build_parser", "broker_main", "TORCH_MISSING"]
 
 log = logging.getLogger("sdcwatch")
+
+#: What a command that trains (demo, bench campaign and clean) says when torch is not installed.
+TORCH_MISSING = "this command needs PyTorch, which is not installed: pip install 'sdcwatch[torch]'"
 
 # subcommand -> (module, function taking argv, one-line help)
 COMMANDS: dict[str, tuple[str, str, str]] = {
@@ -40,7 +43,11 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     ),
     "report": ("sdcwatch.report", "report_main", "write an HTML report (plots and incidents) of a captured run"),
     "broker": ("sdcwatch.cli", "broker_main", "run the embedded Kafka-protocol broker (Tansu) on loopback"),
-    "bench": ("sdcwatch.bench", "bench_main", "run the benchmarks (fault-injection campaign, overhead, throughput)"),
+    "bench": (
+        "sdcwatch.bench",
+        "bench_main",
+        "run the benchmarks (campaign and clean from the package; e2e, ingest and all need a clone)",
+    ),
 }
 
 
@@ -74,6 +81,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(_resolve(argv[0])(argv[1:]) or 0)
     except SdcwatchError as exc:
         print(f"sdcwatch {argv[0]}: error: {exc}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as exc:  # an optional dependency: one line saying what to install
+        if (exc.name or "").partition(".")[0] != "torch":
+            raise
+        print(f"sdcwatch {argv[0]}: error: {TORCH_MISSING}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # a command that had nothing of its own to say on Ctrl-C: say why it ended
         print(f"sdcwatch {argv[0]}: interrupted", file=sys.stderr)

@@ -22,26 +22,12 @@ from typing import Any, Callable, Sequence
 from sdcwatch.config import ServeConfig, add_serve_arguments, config_from_args
 from sdcwatch.core.errors import TransportError
 
-__all__ = ["build_service", "pipeline_settings", "serve_main", "reset_state"]
+__all__ = ["build_service", "serve_main", "reset_state"]
 
 log = logging.getLogger("sdcwatch.serve")
 
 #: What to run when there is no bus to connect to (said with the connection error).
 LOCAL_BROKER = "`sdcwatch broker` starts one on 127.0.0.1:9092"
-
-
-def pipeline_settings(cfg: ServeConfig) -> Any:
-    """The :class:`~sdcwatch.service.pipeline.PipelineSettings` that ``cfg``'s ``[detectors]`` gives."""
-    from sdcwatch.service.pipeline import PipelineSettings
-
-    return PipelineSettings(
-        step_timeout=cfg.detectors.align_timeout_s,
-        quiet_steps=cfg.detectors.resolve_after_steps,
-        max_runs=cfg.detectors.max_runs,
-        end_expiry=cfg.detectors.run_end_expiry_s,
-        idle_expiry=cfg.detectors.run_idle_expiry_s,
-        names_resend=cfg.detectors.names_resend_s,
-    )
 
 
 def build_service(
@@ -59,65 +45,19 @@ def build_service(
     ``extra_sinks`` are added to them; ``wrap_source`` wraps the Kafka source (the demo records
     what it reads).
     """
-    from sdcwatch.service.bus import AnomalyTopicSink, SummaryTopicSink, decode_summary_message
-    from sdcwatch.service.kafka_source import KafkaSource
-    from sdcwatch.service.ingest import IngestDecoder, SchemaRegistry
-    from sdcwatch.service.pipeline import DetectionPipeline
-    from sdcwatch.detectors.registry import default_detectors
-    from sdcwatch.service.loop import STATE_FILE, DetectorService
-    from sdcwatch.exporters import AlertmanagerSink, LogSink, WebhookSink
-    from sdcwatch.exporters.server import MetricsServer
+    from sdcwatch.service.bus import SummaryTopicSink
+    from sdcwatch.service.loop import DetectorService
 
-    security = dict(cfg.bus.security)
-    stage = cfg.detectors.stage
-    settings = pipeline_settings(cfg)
-    configs = cfg.detectors.detector_configs()
-    limits = cfg.limits.record_limits()
-    pipeline = DetectionPipeline(settings, stage=stage, detectors=lambda: default_detectors(configs), limits=limits)
-    resumed = pipeline.load(Path(cfg.state.dir) / STATE_FILE)  # a damaged state fails here, before the bus
-    if stage == "temporal":
-        source = KafkaSource(
-            cfg.bus.bootstrap,
-            cfg.bus.summaries_topic,
-            group=f"{cfg.bus.group}.temporal",
-            deadletter_topic=cfg.bus.deadletter_topic,
-            decode=decode_summary_message,
-            **security,
-        )
-    else:
-        source = KafkaSource(
-            cfg.bus.bootstrap,
-            cfg.bus.telemetry_topic,
-            group=cfg.bus.group,
-            deadletter_topic=cfg.bus.deadletter_topic,
-            limits=limits,
-            ingest=IngestDecoder(SchemaRegistry(limits), schema_wait=cfg.detectors.schema_wait_s),
-            **security,
-        )
+    pipeline, resumed = _pipeline(cfg)  # a damaged state fails here, before the bus
+    source = _source(cfg)
     if wrap_source is not None:
         source = wrap_source(source)
     summary_sink = None
-    if stage == "spatial":  # incidents come from the temporal stage
-        summary_sink = SummaryTopicSink.to_kafka(cfg.bus.bootstrap, cfg.bus.summaries_topic, **security)
+    if cfg.detectors.stage == "spatial":  # incidents come from the temporal stage
+        summary_sink = SummaryTopicSink.to_kafka(cfg.bus.bootstrap, cfg.bus.summaries_topic, **cfg.bus.security)
         chosen: list[Any] = []
-    elif sinks is not None:
-        chosen = list(sinks)
     else:
-        chosen = [AnomalyTopicSink.to_kafka(cfg.bus.bootstrap, cfg.bus.anomalies_topic, **security)]
-        if cfg.alerts.alertmanager_url:
-            chosen.append(AlertmanagerSink(cfg.alerts.alertmanager_url, timeout=cfg.alerts.timeout_s))
-        if cfg.alerts.webhook_url:
-            chosen.append(WebhookSink(cfg.alerts.webhook_url, timeout=cfg.alerts.timeout_s))
-        if cfg.alerts.log:
-            chosen.append(LogSink())
-        if cfg.guard.actions:  # the loop back to the training jobs' guards
-            from sdcwatch.service.control_policy import ControlTopicSink
-
-            chosen.append(
-                ControlTopicSink.to_kafka(
-                    cfg.bus.bootstrap, cfg.bus.control_topic, policy=cfg.guard.policy(), **security
-                )
-            )
+        chosen = list(sinks) if sinks is not None else _incident_sinks(cfg)
     service = DetectorService(
         source,
         pipeline,
@@ -128,17 +68,90 @@ def build_service(
         poll_timeout=poll_timeout,
         resumed=resumed,
     )
-    metrics = None
-    if cfg.metrics.port:
-        metrics = MetricsServer(
-            functools.partial(service.view, max_runs=cfg.metrics.max_runs),
-            address=cfg.metrics.address,
-            port=cfg.metrics.port,
-            top_k=cfg.metrics.top_k,
-            max_layers=cfg.metrics.max_layers,
-            max_pieces=cfg.metrics.max_pieces,
+    return service, _metrics_server(cfg, service)
+
+
+def _pipeline(cfg: ServeConfig) -> tuple[Any, bool]:
+    """The detection pipeline ``[detectors]`` and ``[limits]`` describe, with its saved state
+    loaded from ``state.dir`` if there is one; and whether there was."""
+    from sdcwatch.detectors.registry import default_detectors
+    from sdcwatch.service.loop import STATE_FILE
+    from sdcwatch.service.pipeline import DetectionPipeline
+
+    configs = cfg.detectors.detector_configs()
+    pipeline = DetectionPipeline(
+        cfg.detectors,  # the [detectors] section is the pipeline's settings
+        stage=cfg.detectors.stage,
+        detectors=lambda: default_detectors(configs),
+        limits=cfg.limits.record_limits(),
+    )
+    return pipeline, pipeline.load(Path(cfg.state.dir) / STATE_FILE)
+
+
+def _source(cfg: ServeConfig) -> Any:
+    """The Kafka source of the stage: step summaries for a temporal stage, else telemetry."""
+    from sdcwatch.service.bus import decode_summary_message
+    from sdcwatch.service.ingest import IngestDecoder, SchemaRegistry
+    from sdcwatch.service.kafka_source import KafkaSource
+
+    bus = cfg.bus
+    if cfg.detectors.stage == "temporal":
+        return KafkaSource(
+            bus.bootstrap,
+            bus.summaries_topic,
+            group=f"{bus.group}.temporal",
+            deadletter_topic=bus.deadletter_topic,
+            decode=decode_summary_message,
+            **bus.security,
         )
-    return service, metrics
+    limits = cfg.limits.record_limits()
+    return KafkaSource(
+        bus.bootstrap,
+        bus.telemetry_topic,
+        group=bus.group,
+        deadletter_topic=bus.deadletter_topic,
+        limits=limits,
+        ingest=IngestDecoder(SchemaRegistry(limits), schema_wait=cfg.detectors.schema_wait_s),
+        **bus.security,
+    )
+
+
+def _incident_sinks(cfg: ServeConfig) -> list[Any]:
+    """Where the config sends incident changes: the anomalies topic, then Alertmanager, the
+    webhook, the log and the training jobs' guards, each when configured."""
+    from sdcwatch.exporters import AlertmanagerSink, LogSink, WebhookSink
+    from sdcwatch.service.bus import AnomalyTopicSink
+
+    bus, alerts = cfg.bus, cfg.alerts
+    chosen: list[Any] = [AnomalyTopicSink.to_kafka(bus.bootstrap, bus.anomalies_topic, **bus.security)]
+    if alerts.alertmanager_url:
+        chosen.append(AlertmanagerSink(alerts.alertmanager_url, timeout=alerts.timeout_s))
+    if alerts.webhook_url:
+        chosen.append(WebhookSink(alerts.webhook_url, timeout=alerts.timeout_s))
+    if alerts.log:
+        chosen.append(LogSink())
+    if cfg.guard.actions:  # the loop back to the training jobs' guards
+        from sdcwatch.service.control_policy import ControlTopicSink
+
+        policy = cfg.guard.policy()
+        chosen.append(ControlTopicSink.to_kafka(bus.bootstrap, bus.control_topic, policy=policy, **bus.security))
+    return chosen
+
+
+def _metrics_server(cfg: ServeConfig, service: Any) -> Any | None:
+    """The /metrics server of ``service`` (not started), or None when ``metrics.port`` is 0."""
+    from sdcwatch.exporters.server import MetricsServer
+
+    if not cfg.metrics.enabled:
+        return None
+    return MetricsServer(
+        functools.partial(service.view, max_runs=cfg.metrics.max_runs),
+        address=cfg.metrics.address,
+        port=cfg.metrics.port,
+        top_k=cfg.metrics.top_k,
+        max_layers=cfg.metrics.max_layers,
+        max_pieces=cfg.metrics.max_pieces,
+    )
 
 
 def reset_state(state_dir: Path) -> Path | None:

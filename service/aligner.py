@@ -22,26 +22,31 @@ of the metrics its ranks sent) is set aside too (reason ``step_size``).
 
 Input is records (wire v1) or :class:`~sdcwatch.service.ingest.RecordColumns` blocks (wire v2):
 a block is placed into its steps with array operations (no object per record), and a step's
-(rank x metric) arrays are filled from the blocks when it closes.
+(rank x metric) arrays are filled from the blocks when it closes. :func:`frames_over_wire` runs
+records through a wire, the decoder and an aligner: the frames the service would see.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 
+from sdcwatch.core.columnar import WIRES, encode_items
+from sdcwatch.core.errors import RecordError
 from sdcwatch.core.validate import check_positive
 from sdcwatch.detectors.frame import StepFrame
 from sdcwatch.detectors.frame import assemble_frame
-from sdcwatch.service.ingest import RecordColumns
+from sdcwatch.service.ingest import IngestDecoder, RecordColumns
 from sdcwatch.core.limits import RecordLimits
+from sdcwatch.core.record import record_key
+from sdcwatch.core.record_layout import PackedRecord
 from sdcwatch.core.record_type import Record
 from sdcwatch.core.record_json import from_dict, to_dict
 
-__all__ = ["StepAligner"]
+__all__ = ["StepAligner", "frames_over_wire"]
 
 
 @dataclass
@@ -389,3 +394,30 @@ class StepAligner:
                         op.count += 1
             self._runs[run] = st
         self.duplicates, self.late_records, self.world_changes, self.incomplete_steps = state["counters"]
+
+
+def frames_over_wire(records: Sequence[Record], wire: str, *, per_message: int = 256) -> list[StepFrame]:
+    """The frames the service would build from ``records`` sent in wire format ``wire`` (``v1``/``v2``).
+
+    Encodes as the emitters' transports do, decodes with
+    :class:`~sdcwatch.service.ingest.IngestDecoder`, aligns with a :class:`StepAligner` that waits
+    for every rank. Lets offline
+    tools (the campaign) run detection on exactly what crosses the bus.
+    """
+    if wire not in WIRES:
+        raise ValueError(f"wire must be one of {', '.join(WIRES)}, got {wire!r}")
+    items = list(records) if wire == "v1" else [PackedRecord.from_record(r) for r in records]
+    messages = [
+        (f"wire/0/{i}", key, value)
+        for i, (key, value, _) in enumerate(encode_items(items, record_key, per_message, set()))
+    ]
+    decoder = IngestDecoder()
+    aligner = StepAligner(timeout=1e9, max_open=1 << 30, reorder_grace=1e9)
+    frames: list[StepFrame] = []
+    for i in range(0, len(messages), 16):  # a poll's worth at a time, as the service reads them
+        decoded, rejected = decoder.decode(messages[i : i + 16])
+        if rejected:
+            raise RecordError("record", f"{len(rejected)} messages did not decode: {rejected[0].reason}")
+        frames += aligner.add(decoded)
+    frames += aligner.flush()
+    return sorted(frames, key=lambda f: (f.run, f.step))

@@ -26,11 +26,10 @@ from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 
-from sdcwatch.detectors.frame import StepFrame
 from sdcwatch.core.errors import RecordError
 from sdcwatch.core.limits import COUNTER_SCALARS, LimitError, RecordLimits, reason_of
 from sdcwatch.core.columnar import MAGIC_V2, MessageHeader, parse_header
-from sdcwatch.core.schema import Schema, row_to_record
+from sdcwatch.core.record_layout import Schema, row_to_record
 from sdcwatch.core.record_type import Record
 from sdcwatch.core.record import decode_message
 from sdcwatch.core.layer_names import NAMES_MAGIC, LayerNames, decode_names
@@ -44,7 +43,6 @@ __all__ = [
     "Rejected",
     "count_records",
     "as_records",
-    "frames_over_wire",
 ]
 
 
@@ -400,34 +398,3 @@ class IngestDecoder:
         host = rows["host"].astype(np.int64) + np.repeat(np.fromiter(starts, np.int64, len(starts)), counts)
         hosts = np.array(names or [""], dtype=object)
         return RecordColumns(run, schema, rows, hosts, host)
-
-
-def frames_over_wire(records: Sequence[Record], wire: str, *, per_message: int = 256) -> list[StepFrame]:
-    """The frames the service would build from ``records`` sent in wire format ``wire`` (``v1``/``v2``).
-
-    Encodes as the emitters' transports do, decodes with :class:`IngestDecoder`, aligns with a
-    :class:`~sdcwatch.service.aligner.StepAligner` that waits for every rank. Lets offline
-    tools (the campaign) run detection on exactly what crosses the bus.
-    """
-    from sdcwatch.service.aligner import StepAligner
-    from sdcwatch.core.columnar import WIRES, encode_items
-    from sdcwatch.core.schema import PackedRecord
-    from sdcwatch.core.record import record_key
-
-    if wire not in WIRES:
-        raise ValueError(f"wire must be one of {', '.join(WIRES)}, got {wire!r}")
-    items = list(records) if wire == "v1" else [PackedRecord.from_record(r) for r in records]
-    messages = [
-        (f"wire/0/{i}", key, value)
-        for i, (key, value, _) in enumerate(encode_items(items, record_key, per_message, set()))
-    ]
-    decoder = IngestDecoder()
-    aligner = StepAligner(timeout=1e9, max_open=1 << 30, reorder_grace=1e9)
-    frames: list[StepFrame] = []
-    for i in range(0, len(messages), 16):  # a poll's worth at a time, as the service reads them
-        decoded, rejected = decoder.decode(messages[i : i + 16])
-        if rejected:
-            raise RecordError("record", f"{len(rejected)} messages did not decode: {rejected[0].reason}")
-        frames += aligner.add(decoded)
-    frames += aligner.flush()
-    return sorted(frames, key=lambda f: (f.run, f.step))

@@ -75,23 +75,43 @@ class KafkaSource(DeadLetterCounts):
         gap_wait_s: float = GAP_WAIT_S,
         **security: Any,
     ) -> None:
-        from kafka.errors import KafkaError
-
-        security = security_settings(security)
+        security = security_settings(security)  # an unknown key fails before anything is opened
         self.bootstrap = bootstrap
         self.topic = topic
         self.group = group
         self.deadletter_topic = deadletter_topic
         self.max_poll_records = max_poll_records
         self.lag_interval = lag_interval
-        self.decode = decode  # decode_summary_message for the temporal stage
+        self.queue_records = queue_records
+        self._max_poll_interval = max_poll_interval_ms / 1000
+        self._set_decoding(decode, limits, ingest)
+        self.gaps = OffsetGaps(gap_wait_s)  # partition offsets that skip ahead: re-fetched first
+        self._start_health()
+        self._open_handover()
+        self._connect(
+            security,
+            auto_offset_reset=auto_offset_reset,
+            max_poll_interval_ms=max_poll_interval_ms,
+            session_timeout_ms=session_timeout_ms,
+            heartbeat_interval_ms=heartbeat_interval_ms,
+        )
+        self._thread = threading.Thread(target=self._read, name=f"sdcwatch-reader-{topic}", daemon=True)
+        self._thread.start()
+
+    def _set_decoding(
+        self, decode: Callable[..., list], limits: RecordLimits | None, ingest: IngestDecoder | None
+    ) -> None:
+        """How messages become records: ``decode`` (``decode_summary_message`` for the temporal
+        stage), or telemetry (v1 and v2) decoded a poll at a time by the reader thread, within
+        ``limits``; ``schemas`` is what it learnt (the service saves it with its state)."""
+        self.decode = decode
         self.limits = limits if limits is not None else (RecordLimits() if decode is decode_message else None)
-        # telemetry (v1 and v2) is decoded a poll at a time by the reader thread; ``schemas`` is
-        # what it learnt (the service saves it with its state)
         self.ingest = ingest if ingest is not None else IngestDecoder(SchemaRegistry(self.limits))
         self.schemas = self.ingest.registry
-        self.queue_records = queue_records
-        self.gaps = OffsetGaps(gap_wait_s)  # partition offsets that skip ahead: re-fetched first
+
+    def _start_health(self) -> None:
+        """The source's health, read by the service for /metrics: records, dead letters, the
+        assignment and the lag."""
         self._positioned: set = set()  # partitions whose fetch position was asked since their assignment
         self.records = 0
         self.dead_letters = 0
@@ -103,7 +123,10 @@ class KafkaSource(DeadLetterCounts):
         self._lag_at = 0.0
         self._assignment: list[int] | None = None
         self._had_partitions = False
-        # reader thread <-> service thread
+
+    def _open_handover(self) -> None:
+        """The reader thread <-> service thread handover: decoded batches one way, requests to run
+        on the reader (commits) the other, under one condition."""
         self._cond = threading.Condition()
         # (records and column blocks, messages, offsets, records)
         self._queue: deque[tuple[list, int, dict[Any, int], int]] = deque()
@@ -112,16 +135,29 @@ class KafkaSource(DeadLetterCounts):
         self._handed: dict[Any, int] = {}  # partition -> next offset of what poll() returned
         self._requests: deque[tuple[Callable[[], Any], threading.Event, list]] = deque()
         self._stop = threading.Event()
-        self._max_poll_interval = max_poll_interval_ms / 1000
+
+    def _connect(
+        self,
+        security: dict[str, Any],
+        *,
+        auto_offset_reset: str,
+        max_poll_interval_ms: int,
+        session_timeout_ms: int,
+        heartbeat_interval_ms: int,
+    ) -> None:
+        """The group consumer of the topic and the dead-letter producer; TransportError when the
+        bus cannot be reached."""
+        from kafka.errors import KafkaError
+
         try:
             self._consumer = new_consumer(
-                bootstrap,
-                topic,
+                self.bootstrap,
+                self.topic,
                 security=security,
-                group_id=group,
+                group_id=self.group,
                 enable_auto_commit=False,
                 auto_offset_reset=auto_offset_reset,
-                max_poll_records=max_poll_records,
+                max_poll_records=self.max_poll_records,
                 max_poll_interval_ms=max_poll_interval_ms,
                 session_timeout_ms=session_timeout_ms,
                 heartbeat_interval_ms=heartbeat_interval_ms,
@@ -132,12 +168,14 @@ class KafkaSource(DeadLetterCounts):
             )
             # a dead letter is kept whole up to DEADLETTER_MAX_BYTES: above the 1 MB default request
             self._dl_producer = new_producer(
-                bootstrap, security, linger_ms=5, max_block_ms=5000, max_request_size=DEADLETTER_MAX_BYTES + (1 << 20)
+                self.bootstrap,
+                security,
+                linger_ms=5,
+                max_block_ms=5000,
+                max_request_size=DEADLETTER_MAX_BYTES + (1 << 20),
             )
         except (KafkaError, OSError, ValueError) as exc:
-            raise TransportError(f"cannot connect to Kafka at {bootstrap}: {exc}") from None
-        self._thread = threading.Thread(target=self._read, name=f"sdcwatch-reader-{topic}", daemon=True)
-        self._thread.start()
+            raise TransportError(f"cannot connect to Kafka at {self.bootstrap}: {exc}") from None
 
     # -- the service's side ---------------------------------------------------------------------
 

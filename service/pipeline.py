@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import time
 from collections import deque
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
@@ -31,7 +31,6 @@ from sdcwatch.service.ingest import count_records
 from sdcwatch.detectors.peers import coords_of, known_coords
 from sdcwatch.service.summary import StepSummary, SummaryOrder
 from sdcwatch.core.jsonsafe import json_safe
-from sdcwatch.core.validate import check_positive
 from sdcwatch.core.incident import IncidentEvent, PipelineView, RunView, ServiceView
 from sdcwatch.core.errors import ConfigError
 from sdcwatch.core.limits import RecordLimits
@@ -44,39 +43,60 @@ STAGES = ("both", "spatial", "temporal")
 STATE_VERSION = 1
 
 
-@dataclass(frozen=True)
-class PipelineSettings:
-    """Settings of the detection pipeline."""
+def _fixed(default: float) -> Any:
+    """A pipeline setting that ``sdcwatch serve`` keeps at its default: no ``[detectors]`` key,
+    variable or flag (tests and benchmarks set it in code; the config schema skips ``fixed`` fields)."""
+    return field(default=default, metadata={"fixed": True})
 
-    step_timeout: float = 5.0
-    """Seconds after a step's first record before it closes without the late ranks."""
-    max_open_steps: int = 64
-    """Open steps per run before the oldest is closed regardless of its deadline."""
-    quiet_steps: int = 50
-    """Steps without a finding after which an incident resolves."""
-    attribution_window: int = 50
-    """Steps within which a spike and rank-local evidence are joined."""
-    stale_after: float = 900.0
-    """Seconds without a step after which a run's open incidents resolve (the run ended or died;
-    the exporter's last-step age and the missing-rank alerts say which)."""
-    order_grace: float = 2.0
-    """Temporal stage: seconds a step summary waits for the summaries of earlier steps."""
-    stats_every: int = 10
-    """Spatial stage: steps between the cross-rank quantiles it sends for the dashboards."""
-    names_resend: float = 300.0
-    """Spatial stage: seconds over which it sends every rank's layer names again (:class:`LayerNameBook`)."""
+
+@dataclass
+class PipelineSettings:
+    """Settings of the detection pipeline: the ``[detectors]`` table of ``sdcwatch serve``, whose
+    section (:class:`sdcwatch.config.DetectorsConfig`) adds the stage, the schema wait and one
+    table per detector. The docstrings are the reference of the keys; the bounds are checked here,
+    errors name ``detectors.<key>``.
+    """
+
+    resolve_after_steps: int = 50
+    """An incident is resolved after this many consecutive steps without a new finding."""
+    align_timeout_s: float = 5.0
+    """Seconds the step aligner waits for the last ranks of a step before closing it without them."""
     max_runs: int = 1000
-    """Runs whose detection state is kept (memory and the state file grow with them). A new run past
-    it takes the place of a run silent for ``stale_after`` seconds (forgotten, its open incidents
-    resolved); when no run is that stale, the new run's records are dead-lettered (reason runs), so
-    a flood of run names cannot push out the runs that are training."""
-    end_expiry: float = 300.0
-    """Seconds a finished run (every rank sent its end-of-run marker) stays in memory and /metrics."""
-    idle_expiry: float = 6 * 3600.0
-    """Seconds without a record before an unfinished run is evicted, its open incidents resolved."""
+    """Runs whose detection state is kept (memory and the state file grow with them); past it a new
+    run replaces one silent for 15 minutes, or its records are dead-lettered (reason runs)."""
+    run_end_expiry_s: float = 300.0
+    """Seconds a finished run (every rank sent its end-of-run marker; its incidents resolved) stays
+    in memory and /metrics before its series are dropped."""
+    run_idle_expiry_s: float = 21600.0
+    """Seconds without a record after which a run that did not finish is evicted from memory and
+    /metrics, its open incidents resolved. Keep it above the stall alert's 11 minutes."""
+    names_resend_s: float = 300.0
+    """Spatial stage: seconds over which it sends every rank's layer names to the temporal stage
+    again, a few ranks on each step summary, so a temporal instance that started without its
+    state names the modules again within this time (at most 4,096 ranks a summary)."""
+
+    # fixed in the service (no key): tuned by tests and benchmarks
+    max_open_steps: int = _fixed(64)
+    """Open steps per run before the oldest is closed regardless of its deadline."""
+    attribution_window: int = _fixed(50)
+    """Steps within which a spike and rank-local evidence are joined."""
+    stale_after: float = _fixed(900.0)
+    """Seconds without a step after which a run's open incidents resolve (the run ended or died;
+    the exporter's last-step age and the missing-rank alerts say which). A new run past
+    ``max_runs`` takes the place of a run silent this long (forgotten, its open incidents resolved)."""
+    order_grace: float = _fixed(2.0)
+    """Temporal stage: seconds a step summary waits for the summaries of earlier steps."""
+    stats_every: int = _fixed(10)
+    """Spatial stage: steps between the cross-rank quantiles it sends for the dashboards."""
 
     def __post_init__(self) -> None:
-        check_positive("pipeline", **{f.name: getattr(self, f.name) for f in fields(self)})
+        for f in fields(PipelineSettings):
+            value = getattr(self, f.name)
+            counted = f.type in ("int", int)  # steps, runs: at least one; seconds: above zero
+            number = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if not number or not (value >= 1 if counted else value > 0):
+                bound = "at least 1" if counted else "greater than 0"
+                raise ConfigError(f"detectors.{f.name}", f"must be {bound}, got {value}")
 
 
 def _name_coords(findings: list, coords: np.ndarray | None) -> list:
@@ -117,18 +137,21 @@ class DetectionPipeline:
         self.wall = wall
         self.limits = limits or RecordLimits()
         self.aligner = StepAligner(
-            self.settings.step_timeout,
+            self.settings.align_timeout_s,
             self.settings.max_open_steps,
             clock=clock,
             max_step_jump=self.limits.max_step_jump,
             max_step_values=self.limits.max_step_values,
         )
         self.aligner.admit = self._admit
-        self.book = IncidentBook(self.settings.quiet_steps, clock=wall)
-        resend = self.settings.names_resend if stage == "spatial" else None  # a spatial stage forwards the names
+        self.book = IncidentBook(self.settings.resolve_after_steps, clock=wall)
+        resend = self.settings.names_resend_s if stage == "spatial" else None  # a spatial stage forwards the names
         self.names = LayerNameBook(self.settings.max_runs, resend=resend, clock=clock)  # incidents name modules
         self.lifecycle = RunLifecycle(
-            self.settings.end_expiry, self.settings.idle_expiry, close_grace=self.settings.step_timeout, clock=wall
+            self.settings.run_end_expiry_s,
+            self.settings.run_idle_expiry_s,
+            close_grace=self.settings.align_timeout_s,
+            clock=wall,
         )
         self._runs: dict[str, RunState] = {}
         self.findings_total: dict[tuple[str, str], int] = {}

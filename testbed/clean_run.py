@@ -89,7 +89,7 @@ class CleanRunConfig:
             )
         self.campaign_config(self.seed)  # the campaign's own checks: probes, layout, wire
         if self.detectors is not None:
-            from sdcwatch.testbed.campaign import make_detectors
+            from sdcwatch.testbed.scoring import make_detectors
 
             make_detectors(self.detectors)  # a ConfigError naming an unknown detector
 
@@ -131,51 +131,14 @@ def run_one_seed(
     alarms that must appear."""
     import torch
 
-    from sdcwatch.testbed.campaign import frames_of, make_detectors, new_run
+    from sdcwatch.testbed.branches import new_run
+    from sdcwatch.testbed.scoring import make_detectors
 
     torch.set_num_threads(1)
     say = progress or (lambda msg: None)
     cc = config.campaign_config(seed)
-    runners = make_detectors(config.detectors)
-    records: list = []
-    alarms: list[dict[str, Any]] = []
-    counted = {"frames": 0, "incomplete": 0}
-    recent: deque[float] = deque(maxlen=9)  # the last global losses: how far a step's loss stood above them
+    feed = _StepFeed(make_detectors(config.detectors), seed, cc.world, cc.wire)
     t0 = last = time.perf_counter()
-
-    def feed(upto: int | None) -> None:
-        """Detect on every step before ``upto`` (all of them when None) whose records are in."""
-        ready = [r for r in records if upto is None or r.step < upto]
-        if not ready:
-            return
-        records[:] = [r for r in records if not (upto is None or r.step < upto)]
-        for frame in frames_of(ready, cc.world, cc.wire):
-            counted["frames"] += 1
-            if int(frame.present.sum()) < cc.world:
-                counted["incomplete"] += 1
-            losses = frame.scalar("loss")
-            losses = [] if losses is None else [float(x) for x in losses]
-            finite = [x for x in losses if math.isfinite(x)]
-            loss = sum(finite) / len(finite) if finite else math.nan
-            excess = loss / median(recent) - 1 if recent and math.isfinite(loss) else None
-            if math.isfinite(loss):
-                recent.append(loss)
-            for runner in runners:
-                for a in runner.feed(frame):
-                    alarms.append(
-                        {
-                            "detector": runner.name,
-                            "seed": seed,
-                            "step": a.step,
-                            "kind": a.kind,
-                            "ranks": list(a.ranks),
-                            "attribution": a.attribution,
-                            "message": a.message,
-                            "frame_step": frame.step,
-                            "loss_by_rank": [None if not math.isfinite(x) else round(float(x), 4) for x in losses],
-                            "loss_excess": None if excess is None else round(excess, 4),
-                        }
-                    )
 
     def on_step(step: int, run: Any) -> None:
         nonlocal last
@@ -184,31 +147,82 @@ def run_one_seed(
         if now - last >= config.progress_every:
             last = now
             rate = (step + 1) / (now - t0)
-            mine = sum(1 for a in alarms if a["detector"] == "sdcwatch")
+            mine = sum(1 for a in feed.alarms if a["detector"] == "sdcwatch")
             say(
                 f"clean: seed {seed}: step {step + 1}/{steps}, loss {run.history[-1]:.3f}, "
                 f"{mine} sdcwatch alarm(s), {rate:.1f} steps/s, eta {(steps - step - 1) / rate:.0f}s"
             )
 
-    run = new_run(cc, faults, records, f"clean-{seed}")
+    run = new_run(cc, faults, feed.records, f"clean-{seed}")
     try:
         losses = run.train(steps, on_step=on_step)
     finally:
         run.close()  # emits the last step's records
     feed(None)
     seconds = time.perf_counter() - t0
-    mine = sum(a["detector"] == "sdcwatch" for a in alarms)
+    mine = sum(a["detector"] == "sdcwatch" for a in feed.alarms)
     say(f"clean: seed {seed}: {steps} steps in {seconds:.0f}s, {mine} sdcwatch alarm(s)")
     return {
         "seed": seed,
         "steps": steps,
-        "clean_steps": counted["frames"],
-        "incomplete_frames": counted["incomplete"],
+        "clean_steps": feed.frames,
+        "incomplete_frames": feed.incomplete,
         "seconds": round(seconds, 1),
         "loss_first": losses[0] if losses else None,
         "loss_last": losses[-1] if losses else None,
-        **listed_alarms(alarms),
+        **listed_alarms(feed.alarms),
     }
+
+
+class _StepFeed:
+    """A clean run's records fed to the detectors step by step, as the run goes (memory stays flat):
+    the frames counted and every alarm, with the ranks' losses at the step it was raised."""
+
+    def __init__(self, runners: list[Any], seed: int, world: int, wire: str | None) -> None:
+        self.runners, self.seed, self.world, self.wire = runners, seed, world, wire
+        self.records: list = []
+        self.alarms: list[dict[str, Any]] = []
+        self.frames = 0
+        self.incomplete = 0
+        self.recent: deque[float] = deque(maxlen=9)  # the last global losses: how far a step's loss stood above them
+
+    def __call__(self, upto: int | None) -> None:
+        """Detect on every step before ``upto`` (all of them when None) whose records are in."""
+        from sdcwatch.testbed.branches import frames_of
+
+        records = self.records
+        ready = [r for r in records if upto is None or r.step < upto]
+        if not ready:
+            return
+        records[:] = [r for r in records if not (upto is None or r.step < upto)]
+        for frame in frames_of(ready, self.world, self.wire):
+            self.frames += 1
+            if int(frame.present.sum()) < self.world:
+                self.incomplete += 1
+            losses = frame.scalar("loss")
+            losses = [] if losses is None else [float(x) for x in losses]
+            finite = [x for x in losses if math.isfinite(x)]
+            loss = sum(finite) / len(finite) if finite else math.nan
+            excess = loss / median(self.recent) - 1 if self.recent and math.isfinite(loss) else None
+            if math.isfinite(loss):
+                self.recent.append(loss)
+            for runner in self.runners:
+                for a in runner.feed(frame):
+                    self.alarms.append(self._alarm(runner.name, a, frame.step, losses, excess))
+
+    def _alarm(self, detector: str, a: Any, frame_step: int, losses: list[float], excess: float | None) -> dict:
+        return {
+            "detector": detector,
+            "seed": self.seed,
+            "step": a.step,
+            "kind": a.kind,
+            "ranks": list(a.ranks),
+            "attribution": a.attribution,
+            "message": a.message,
+            "frame_step": frame_step,
+            "loss_by_rank": [None if not math.isfinite(x) else round(float(x), 4) for x in losses],
+            "loss_excess": None if excess is None else round(excess, 4),
+        }
 
 
 def listed_alarms(alarms: list[dict[str, Any]]) -> dict[str, Any]:
@@ -300,7 +314,7 @@ def _result(
 
 
 def _detectors(config: CleanRunConfig) -> list[Any]:
-    from sdcwatch.testbed.campaign import make_detectors
+    from sdcwatch.testbed.scoring import make_detectors
 
     return make_detectors(config.detectors)
 

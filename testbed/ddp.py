@@ -112,7 +112,6 @@ def train_rank(rank: int, settings: DDPSettings) -> None:
 
     from sdcwatch.testbed.faults import FaultInjector
     from sdcwatch.telemetry.probes.watch import attach
-    from sdcwatch.testbed.model import GPT, next_byte_loss
     from sdcwatch.testbed.simulated import shared_corpus
 
     torch.set_num_threads(1)  # several ranks share the CPU: more threads per rank run ~10x slower
@@ -121,15 +120,7 @@ def train_rank(rank: int, settings: DDPSettings) -> None:
     watch = None
     guard = None
     try:
-        torch.manual_seed(settings.seed)
-        model = GPT()
-        optimizer = torch.optim.Adam(model.parameters(), lr=settings.lr)
-        start = 0
-        if settings.load:
-            state = torch.load(settings.load, weights_only=False)
-            model.load_state_dict(state["model"])
-            optimizer.load_state_dict(state["optimizer"])
-            start = int(state["step"])
+        model, optimizer, start = _model_and_optimizer(settings)
         ddp = DDP(model)  # broadcasts rank 0's parameters: every replica starts identical
         injector = FaultInjector(settings.faults, rank=rank).attach(model, optimizer)
         emitter = rank_emitter(settings, rank)
@@ -138,43 +129,8 @@ def train_rank(rank: int, settings: DDPSettings) -> None:
         corpus = shared_corpus(settings.corpus_bytes)
         if settings.guard is not None:
             guard = _guard(settings, rank, model, optimizer, corpus, injector, watch, emitter.host)
-        skipped: list[int] = []
-        for step in range(start, start + settings.steps):
-            watch.begin_step(step)
-            injector.begin_step(step)
-            batch = corpus.batch(
-                seed=settings.seed, step=step, rank=rank, batch_size=settings.batch_size, seq_len=model.cfg.seq_len
-            )
-            batch = injector.corrupt_batch(batch)
-            out: dict[str, Any] = {}
-
-            def compute() -> tuple[Any, Any]:
-                """This step's forward and backward (the guard may run it twice: same batch, same RNG)."""
-                out["loss"] = loss = next_byte_loss(ddp(batch[:, :-1]), batch)
-                loss.backward()
-                grads = [p.grad for p in model.parameters() if p.grad is not None]
-                if settings.clip:
-                    return loss.detach(), torch.nn.utils.clip_grad_norm_(model.parameters(), settings.clip)
-                return loss.detach(), torch.nn.utils.get_total_norm(grads)
-
-            guarded: dict[str, float] = {}
-            if guard is not None:
-                outcome = guard.step(step, compute)
-                guarded = outcome.telemetry()
-                if not outcome.applied:
-                    skipped.append(step)
-            else:
-                _, grad_norm = compute()
-                if settings.skip_nonfinite and not bool(torch.isfinite(grad_norm)):
-                    skipped.append(step)
-                else:
-                    optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            loss = out["loss"]
-            loss_global = loss.detach().clone()
-            dist.all_reduce(loss_global)  # a user's loss logging does this anyway
-            watch.step(step, loss=loss, loss_global=loss_global / settings.world, **guarded)
-            injector.end_step()  # after watch.step, so the record shows a spiked learning rate
+        rank_step = _RankStep(settings, rank, model, ddp, optimizer, corpus, injector, watch, guard)
+        skipped = [step for step in range(start, start + settings.steps) if not rank_step(step)]
         watch.close()
         if skipped and rank == 0:
             print(f"sdcwatch ddp: skipped the update at steps {skipped}", flush=True)
@@ -192,6 +148,89 @@ def train_rank(rank: int, settings: DDPSettings) -> None:
         if emitter is not None:
             emitter.close(timeout=30.0)
         dist.destroy_process_group()
+
+
+def _model_and_optimizer(settings: DDPSettings) -> tuple[Any, Any, int]:
+    """The rank's model and optimizer, fresh from the seed or loaded from ``settings.load``, and the first step."""
+    import torch
+
+    from sdcwatch.testbed.model import GPT
+
+    torch.manual_seed(settings.seed)
+    model = GPT()
+    optimizer = torch.optim.Adam(model.parameters(), lr=settings.lr)
+    start = 0
+    if settings.load:
+        state = torch.load(settings.load, weights_only=False)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        start = int(state["step"])
+    return model, optimizer, start
+
+
+@dataclass
+class _RankStep:
+    """One training step of one rank: its batch (faults applied), forward and backward, the update
+    (decided by the guard when there is one) and the step's record."""
+
+    settings: DDPSettings
+    rank: int
+    model: Any
+    ddp: Any
+    optimizer: Any
+    corpus: Any
+    injector: Any
+    watch: Any
+    guard: Any
+
+    def __call__(self, step: int) -> bool:
+        """Run ``step``; whether the update was applied (False: skipped)."""
+        import torch.distributed as dist
+
+        settings, model, injector, watch = self.settings, self.model, self.injector, self.watch
+        watch.begin_step(step)
+        injector.begin_step(step)
+        batch = self.corpus.batch(
+            seed=settings.seed, step=step, rank=self.rank, batch_size=settings.batch_size, seq_len=model.cfg.seq_len
+        )
+        batch = injector.corrupt_batch(batch)
+        out: dict[str, Any] = {}
+        applied, guarded = self._update(step, lambda: self._compute(batch, out))
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = out["loss"]
+        loss_global = loss.detach().clone()
+        dist.all_reduce(loss_global)  # a user's loss logging does this anyway
+        watch.step(step, loss=loss, loss_global=loss_global / settings.world, **guarded)
+        injector.end_step()  # after watch.step, so the record shows a spiked learning rate
+        return applied
+
+    def _compute(self, batch: Any, out: dict[str, Any]) -> tuple[Any, Any]:
+        """This step's forward and backward (the guard may run it twice: same batch, same RNG)."""
+        import torch
+
+        from sdcwatch.testbed.model import next_byte_loss
+
+        model = self.model
+        out["loss"] = loss = next_byte_loss(self.ddp(batch[:, :-1]), batch)
+        loss.backward()
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        if self.settings.clip:
+            return loss.detach(), torch.nn.utils.clip_grad_norm_(model.parameters(), self.settings.clip)
+        return loss.detach(), torch.nn.utils.get_total_norm(grads)
+
+    def _update(self, step: int, compute: Any) -> tuple[bool, dict[str, float]]:
+        """Compute the step and update, as the guard decides or skipping a non-finite gradient when
+        asked; whether the update was applied, and the guard's scalars for the record."""
+        import torch
+
+        if self.guard is not None:
+            outcome = self.guard.step(step, compute)
+            return outcome.applied, outcome.telemetry()
+        _, grad_norm = compute()
+        if self.settings.skip_nonfinite and not bool(torch.isfinite(grad_norm)):
+            return False, {}
+        self.optimizer.step()
+        return True, {}
 
 
 def _guard(

@@ -30,6 +30,9 @@ from pathlib import Path
 from statistics import median
 from typing import Any, Sequence
 
+from sdcwatch.testbed.branches import RecordCollector, flat_params
+from sdcwatch.testbed.impact import json_number
+
 __all__ = [
     "EXPECTED_VERDICT",
     "GuardedBranch",
@@ -76,7 +79,7 @@ def campaign_guard_config() -> Any:
 
 @dataclass
 class GuardedBranch:
-    """A guarded branch: what :class:`~sdcwatch.testbed.campaign.Branch` holds, plus what the guard did."""
+    """A guarded branch: what :class:`~sdcwatch.testbed.branches.Branch` holds, plus what the guard did."""
 
     frames: list
     losses: list[float]
@@ -87,6 +90,42 @@ class GuardedBranch:
     steps_run: int = 0
     evictions: list[tuple[int, tuple[int, ...]]] = field(default_factory=list)
     finished: bool = True
+
+
+class _InProcessLoop:
+    """The loop of a guarded branch in process: the ranks' records, once a step's are complete, as a
+    frame through a forked copy of the warmed-up pipeline; its incidents through the control policy
+    (every action on) into the control reader the guard acts on."""
+
+    def __init__(self, runner: Any, run_id: str, world: int) -> None:
+        from sdcwatch.service.control_policy import ControlPolicy, ControlTopicSink
+        from sdcwatch.telemetry.guard.control_topic import MemoryControl
+
+        self.run_id, self.world = run_id, world
+        self.records: list = []
+        self.control = MemoryControl()
+        self.pipeline = runner.fork().pipeline
+        self.sink = ControlTopicSink.with_policy(ControlPolicy(actions=True), self.control.put)
+        self.frames: list = []
+        self._pending: dict[int, list] = {}
+        self._cursor = 0
+
+    def emitter(self, rank: int, host: str = "") -> RecordCollector:
+        """A rank's emitter: its records join the loop's."""
+        return RecordCollector(self.records, run=self.run_id, rank=rank, world=self.world, host=host)
+
+    def feed(self, upto: int) -> None:
+        """Detect on every step up to ``upto`` whose records are in, and publish what the policy decides."""
+        from sdcwatch.detectors.frame import StepFrame
+
+        for rec in self.records[self._cursor :]:
+            self._pending.setdefault(rec.step, []).append(rec)
+        self._cursor = len(self.records)
+        for s in sorted(k for k in self._pending if k <= upto):
+            frame = StepFrame.from_records(self.run_id, s, self.world, self._pending.pop(s))
+            self.frames.append(frame)
+            for ev in self.pipeline.process_frame(frame):
+                self.sink.publish(ev)
 
 
 def run_guarded_branch(
@@ -103,61 +142,25 @@ def run_guarded_branch(
     ``runner`` is a warmed-up sdcwatch campaign runner (forked here, so every branch starts from the
     same detection state). At most ``max_factor * branch_steps`` steps are run.
     """
-    from sdcwatch.testbed.campaign import RecordCollector, flat_params
-    from sdcwatch.service.control_policy import ControlPolicy, ControlTopicSink
-    from sdcwatch.detectors.frame import StepFrame
-    from sdcwatch.telemetry.guard.control_topic import MemoryControl
-    from sdcwatch.telemetry.guard.config import GuardEviction
     from sdcwatch.testbed.simulated import SimulatedRun
 
     t0 = time.perf_counter()
-    records: list = []
-    control = MemoryControl()
-    pipeline = runner.fork().pipeline
-    sink = ControlTopicSink.with_policy(ControlPolicy(actions=True), control.put)
-    frames: list = []
-    pending: dict[int, list] = {}
-    cursor = [0]
-
-    def feed(upto: int) -> None:
-        for rec in records[cursor[0] :]:
-            pending.setdefault(rec.step, []).append(rec)
-        cursor[0] = len(records)
-        for s in sorted(k for k in pending if k <= upto):
-            frame = StepFrame.from_records(run_id, s, config.world, pending.pop(s))
-            frames.append(frame)
-            for ev in pipeline.process_frame(frame):
-                sink.publish(ev)
-
-    def factory(rank: int, host: str = "") -> RecordCollector:
-        return RecordCollector(records, run=run_id, rank=rank, world=config.world, host=host)
-
+    loop = _InProcessLoop(runner, run_id, config.world)
     run = SimulatedRun(
         config.world,
         seed=config.seed,
         faults=faults,
-        emitter_factory=factory,
+        emitter_factory=loop.emitter,
         batch_size=config.batch_size,
         guard=campaign_guard_config(),
-        control=control,
+        control=loop.control,
     )
-    evictions: list[tuple[int, tuple[int, ...]]] = []
     try:
         run.load_checkpoint(checkpoint)
         run.seed = data_seed
-        end = run.data_pos + config.branch_steps
         first = run.step
-        limit = first + max_factor * config.branch_steps
-        while run.data_pos < end and run.step < limit:
-            try:
-                # records of step s are complete once step s + 1 ran (the probes read one step late)
-                run.train(1, on_step=lambda step, _run: feed(step - 1))
-            except GuardEviction as ev:  # what a launcher does: restart without the node, from a snapshot
-                evictions.append((ev.step, tuple(ev.ranks)))
-                run.replace_ranks(ev.ranks)
-                pos = run.guard.restore(ev.since_step, ev.ranks)
-                if pos is not None:
-                    run.data_pos = pos
+        end = run.data_pos + config.branch_steps
+        evictions = _train_on_the_twins_data(run, loop, end, first + max_factor * config.branch_steps)
         finished = run.data_pos >= end
         params = flat_params(run)
         steps_run = run.step - first
@@ -168,9 +171,9 @@ def run_guarded_branch(
         losses = list(run.history[-config.branch_steps :])
     finally:
         run.close()
-    feed(1 << 62)
+    loop.feed(1 << 62)
     return GuardedBranch(
-        frames,
+        loop.frames,
         losses,
         params,
         time.perf_counter() - t0,
@@ -180,6 +183,25 @@ def run_guarded_branch(
         [(s - config.pretrain_steps, r) for s, r in evictions],
         finished,
     )
+
+
+def _train_on_the_twins_data(run: Any, loop: _InProcessLoop, end: int, limit: int) -> list[tuple[int, tuple[int, ...]]]:
+    """Train step by step until the data position reaches ``end`` (a rollback replays data) or the
+    step ``limit``; an eviction is followed by what a launcher does. Returns the evictions."""
+    from sdcwatch.telemetry.guard.config import GuardEviction
+
+    evictions: list[tuple[int, tuple[int, ...]]] = []
+    while run.data_pos < end and run.step < limit:
+        try:
+            # records of step s are complete once step s + 1 ran (the probes read one step late)
+            run.train(1, on_step=lambda step, _run: loop.feed(step - 1))
+        except GuardEviction as ev:  # what a launcher does: restart without the node, from a snapshot
+            evictions.append((ev.step, tuple(ev.ranks)))
+            run.replace_ranks(ev.ranks)
+            pos = run.guard.restore(ev.since_step, ev.ranks)
+            if pos is not None:
+                run.data_pos = pos
+    return evictions
 
 
 def _drift(params: Sequence[Any], twin: Any, theta0: Any) -> float:
@@ -195,10 +217,6 @@ def _excess(loss: float, ref: float) -> float:
     return (loss - ref) / ref if math.isfinite(loss) else math.inf
 
 
-def _num(v: float) -> float | str:
-    return v if math.isfinite(v) else ("NaN" if math.isnan(v) else "Infinity")
-
-
 def guard_trial(
     trial: Any, fault_step: int, faulted: Any, twin: GuardedBranch, guarded: GuardedBranch, theta0: Any, window: int
 ) -> dict[str, Any]:
@@ -210,17 +228,17 @@ def guard_trial(
     ev = next(((s, r) for s, r in guarded.evictions if s >= rel), None)
     return {
         "final_loss": {
-            "twin": _num(twin.losses[-1]),
-            "faulted": _num(faulted.losses[-1]),
-            "guarded": _num(guarded.losses[-1]) if guarded.losses else None,
+            "twin": json_number(twin.losses[-1]),
+            "faulted": json_number(faulted.losses[-1]),
+            "guarded": json_number(guarded.losses[-1]) if guarded.losses else None,
         },
         "final_excess": {
-            "faulted": _num(_excess(faulted.losses[-1], twin.losses[-1])),
-            "guarded": _num(_excess(guarded.losses[-1], twin.losses[-1])),
+            "faulted": json_number(_excess(faulted.losses[-1], twin.losses[-1])),
+            "guarded": json_number(_excess(guarded.losses[-1], twin.losses[-1])),
         },
         "drift": {
-            "faulted": _num(_drift(faulted.params, twin, theta0)),
-            "guarded": _num(_drift(guarded.params, twin, theta0)),
+            "faulted": json_number(_drift(faulted.params, twin, theta0)),
+            "guarded": json_number(_drift(guarded.params, twin, theta0)),
         },
         "actions": guarded.actions,
         "twin_actions": twin.actions,
@@ -262,7 +280,7 @@ def summarise_guard(trials: Sequence[dict]) -> dict[str, Any]:
         def med(key: str, way: str) -> float | None:
             vals = [_f(x[key][way]) for x in g]
             vals = [v for v in vals if not math.isnan(v)]
-            return _num(median(vals)) if vals else None
+            return json_number(median(vals)) if vals else None
 
         out[cls] = {
             "trials": len(ts),

@@ -58,6 +58,7 @@ import fnmatch
 import inspect
 import math
 import time
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
@@ -84,6 +85,27 @@ from sdcwatch.testbed.shard_plan import (
 from sdcwatch.testbed.shard_probe import ShardProbe, first_bad
 
 __all__ = ["ParallelSimulatedRun"]
+
+
+@dataclass
+class _ReplicaStep:
+    """One step of the replicas as every rank's record reads it: each replica's loss and compute
+    time, every piece's gradient statistics, then the update's learning-rate factors, the
+    fingerprints and canary products, the reduction's CPU time and the global loss."""
+
+    losses: list[torch.Tensor]
+    times: list[float]
+    pieces: list[torch.Tensor]
+    local_sq: torch.Tensor  # (replicas, pieces)
+    global_sq: torch.Tensor  # (pieces,)
+    dot: torch.Tensor  # (replicas, pieces)
+    grad_fp: list[torch.Tensor] | None
+    factors: list[float] = field(default_factory=list)
+    param_fp: dict[int, list[torch.Tensor]] | None = None
+    products: Any = None
+    checked: Any = None
+    seconds: float = 0.0
+    loss_global: Any = None
 
 
 class ParallelSimulatedRun(SimulatedRun):
@@ -203,15 +225,42 @@ class ParallelSimulatedRun(SimulatedRun):
     # -- a step ------------------------------------------------------------------------------------
     def _step(self) -> float:
         s, d = self.step, self.data_pos
-        layout, plan, cfg = self.layout, self.plan, self.probe_config
-        R, tp = self.replicas, self.tp
+        cfg = self.probe_config
         inj = self.injector
         inj.step = s
-        losses: list[torch.Tensor] = [torch.zeros(())] * R
-        times = [0.0] * R
         checks = any(every and s % every == 0 for every in (cfg.checksum_every, cfg.checksum_forward_every))
         acts = bool(cfg.activations_every) and s % cfg.activations_every == 0
         fingerprint_step = bool(cfg.fingerprint_every) and s % cfg.fingerprint_every == 0
+        losses, times = self._forward_replicas(s, d, checks, acts)
+        t0 = time.thread_time()
+        g = self._grads.mean(0)  # the all-reduce of every peer group
+        st = self._piece_statistics(g, losses, times, cfg.grad_fingerprint and fingerprint_step)
+        self._set_gradient(g)
+        st.factors = self._lr_factors(self.replicas)
+        if self.skip_nonfinite and not bool(torch.isfinite(g @ g)):
+            self.skipped.append(s)
+        else:
+            self._update(st.factors)
+        st.param_fp = self._piece_fingerprints(st.pieces) if fingerprint_step else None
+        st.products = shard_canaries(self, s)
+        st.checked = checked_products(self, s) if st.products is not None else None  # which product, per stage
+        st.seconds = time.thread_time() - t0
+        st.loss_global = torch.stack(losses).mean()
+        for rank in range(self.layout.world):
+            self._record(rank, s, st, checks)
+        self.probe.results.clear()
+        self.step = s + 1
+        self.data_pos = d + 1
+        value = float(st.loss_global)
+        self.history.append(value)
+        return value
+
+    def _forward_replicas(self, s: int, d: int, checks: bool, acts: bool) -> tuple[list[torch.Tensor], list[float]]:
+        """Every replica's forward and backward with the shard probes on (checksums on ``checks``
+        steps, activations on ``acts`` steps): its loss and its CPU time less its faults' own."""
+        R, inj = self.replicas, self.injector
+        losses: list[torch.Tensor] = [torch.zeros(())] * R
+        times = [0.0] * R
         order = torch.randperm(R, generator=torch.Generator().manual_seed(self.seed * 7919 + s)).tolist()
         for r in order:
             t0 = time.thread_time()
@@ -221,97 +270,98 @@ class ParallelSimulatedRun(SimulatedRun):
                 r, d, inj, lambda r=r: self.probe.begin(r, checks=checks, activations=acts)
             )
             times[r] = time.thread_time() - t0 - (inj.cpu_seconds - injecting)
-        t0 = time.thread_time()
+        return losses, times
+
+    def _piece_statistics(self, g: torch.Tensor, losses: list, times: list[float], grad_fp: Any) -> _ReplicaStep:
+        """The gradient statistics of every piece (a stage's tensor shard of the parameters): each
+        replica's local and the all-reduced ``g``'s squared norms, their dot products, and with
+        ``grad_fp`` the fingerprint of each piece of ``g``."""
         g_all = self._grads
-        g = g_all.mean(0)  # the all-reduce of every peer group
-        pieces = [plan.piece_indices(p, t) for p in range(self.pp) for t in range(tp)]
+        pieces = [self.plan.piece_indices(p, t) for p in range(self.pp) for t in range(self.tp)]
         local = [g_all.index_select(1, idx) for idx in pieces]  # (R, n_k) per piece
         glob = [g.index_select(0, idx) for idx in pieces]
-        local_sq = torch.stack([(x * x).sum(1) for x in local], 1)  # (R, pieces)
-        global_sq = torch.stack([(x * x).sum() for x in glob])  # (pieces,)
-        dot = torch.stack([x @ y for x, y in zip(local, glob)], 1)
-        grad_fp = [fp.fingerprint_device([x]) for x in glob] if cfg.grad_fingerprint and fingerprint_step else None
-        offset = 0
-        for p, n in zip(self.params, self._sizes):
-            p.grad = g[offset : offset + n].view_as(p).clone()
-            offset += n
-        if self.clip:
-            torch.nn.utils.clip_grad_norm_(self.params, self.clip)
-        factors = []
-        for r in range(R):
-            inj.rank = r
-            factors.append(inj.lr_factor())
-        if self.skip_nonfinite and not bool(torch.isfinite(g @ g)):
-            self.skipped.append(s)
-        else:
-            self._update(factors)
-        param_fp = None
-        if fingerprint_step:
-            param_fp = {}
-            for r in range(R):
-                with self._replica(r):
-                    flat = torch.cat([p.detach().reshape(-1) for p in self.params])
-                param_fp[r] = [fp.fingerprint_device([flat.index_select(0, idx)]) for idx in pieces]
-        products = shard_canaries(self, s)
-        checked = checked_products(self, s) if products is not None else None  # which product, per stage
-        seconds = time.thread_time() - t0
-        loss_global = torch.stack(losses).mean()
-        for rank in range(layout.world):
-            c = layout.coords(rank)
-            r, p, t = c["dp_replicate"], c["pp"], c["tp"]
-            k = p * tp + t
-            res = self.probe.results[r][k]
-            scalars: dict[str, float] = {}
-            if p == self.pp - 1:
-                scalars["loss"] = float(losses[r])
-                scalars["loss_global"] = float(loss_global)
-            ls, gs = float(local_sq[r, k]), float(global_sq[k])
-            scalars["grad_norm_local"] = math.sqrt(ls)
-            scalars["grad_norm_global"] = math.sqrt(gs)
-            scalars["grad_cosine"] = float(dot[r, k]) / max(math.sqrt(ls) * math.sqrt(gs), 1e-30)
-            scalars["step_time"] = times[r] * self.stage_time[p] + seconds
-            scalars["lr"] = self.lr * factors[r]
-            if res["act"]:
-                values = torch.stack([v for _, _, v in res["act"]])
-                first = int(values.nan_to_num(nan=math.inf).argmax())
-                scalars["act_max"] = float(values.amax())
-                scalars["act_max_module"] = float(res["act"][first][0])
-                scalars["act_max_layer"] = float(res["act"][first][1])
-            dropped = getattr(self.emitters[rank], "dropped", None)
-            if isinstance(dropped, (int, float)) and not isinstance(dropped, bool):
-                scalars["emitter_dropped"] = float(dropped)
-            layers: dict[str, list[float]] = {}
-            if cfg.stream_every and s % cfg.stream_every == 0 and res["stream"]:
-                layers["stream_max"] = [0.0 if v is None else float(v) for v in res["stream"]]
-                layers["attn_logit_max"] = [0.0 if v is None else float(v) for v in res["logit"]]
-                layers["attn_logit_min"] = [0.0 if v is None else float(v) for v in res["logit_low"]]
-                layers["gemm_out"] = [0.0 if v is None else float(v) for v in res["out"]]
-            if checks and res["fwd"]:
-                layers["gemm_fwd"] = [0.0 if v is None else float(v) for v in res["fwd"]]
-                layers["gemm_in"] = [0.0 if v is None else float(v) for v in res["in"]]
-            first = first_bad(res["order"]) if layers else None
-            if first is not None:  # as the probes send it: only on a step with a bad value
-                scalars[FIRST_BAD] = float(first)
-            # as the probes count it: the record's own non-finite values
-            scalars["nonfinite"] = float(
-                sum(not math.isfinite(v) for v in scalars.values())
-                + sum(not math.isfinite(v) for vs in layers.values() for v in vs)
-            )
-            fps: dict[str, int] = {}
-            if param_fp is not None:
-                fps["param_fp"] = fp.finalize(int(param_fp[r][k]))
-            if grad_fp is not None:
-                fps["grad_fp"] = fp.finalize(int(grad_fp[k]))
-            if products is not None and checked is not None:
-                fps["gemm_canary_fp"] = products[r][k]
-                scalars.update(checked[p])
-            self.emitters[rank].emit(s, layers=layers or None, fingerprints=fps or None, **scalars)
-        self.probe.results.clear()
-        self.step = s + 1
-        self.data_pos = d + 1
-        value = float(loss_global)
-        self.history.append(value)
-        return value
+        return _ReplicaStep(
+            losses=losses,
+            times=times,
+            pieces=pieces,
+            local_sq=torch.stack([(x * x).sum(1) for x in local], 1),  # (R, pieces)
+            global_sq=torch.stack([(x * x).sum() for x in glob]),  # (pieces,)
+            dot=torch.stack([x @ y for x, y in zip(local, glob)], 1),
+            grad_fp=[fp.fingerprint_device([x]) for x in glob] if grad_fp else None,
+        )
+
+    def _piece_fingerprints(self, pieces: list[torch.Tensor]) -> dict[int, list[torch.Tensor]]:
+        """Each replica's parameter fingerprint of every piece."""
+        param_fp = {}
+        for r in range(self.replicas):
+            with self._replica(r):
+                flat = torch.cat([p.detach().reshape(-1) for p in self.params])
+            param_fp[r] = [fp.fingerprint_device([flat.index_select(0, idx)]) for idx in pieces]
+        return param_fp
+
+    def _record(self, rank: int, s: int, st: _ReplicaStep, checks: bool) -> None:
+        """Global ``rank``'s record of step ``s``: what its piece of its replica computed."""
+        c = self.layout.coords(rank)
+        r, p = c["dp_replicate"], c["pp"]
+        k = p * self.tp + c["tp"]
+        res = self.probe.results[r][k]
+        scalars = self._rank_scalars(rank, r, p, k, res, st)
+        layers = self._rank_layers(res, s, checks)
+        first = first_bad(res["order"]) if layers else None
+        if first is not None:  # as the probes send it: only on a step with a bad value
+            scalars[FIRST_BAD] = float(first)
+        # as the probes count it: the record's own non-finite values
+        scalars["nonfinite"] = float(
+            sum(not math.isfinite(v) for v in scalars.values())
+            + sum(not math.isfinite(v) for vs in layers.values() for v in vs)
+        )
+        fps: dict[str, int] = {}
+        if st.param_fp is not None:
+            fps["param_fp"] = fp.finalize(int(st.param_fp[r][k]))
+        if st.grad_fp is not None:
+            fps["grad_fp"] = fp.finalize(int(st.grad_fp[k]))
+        if st.products is not None and st.checked is not None:
+            fps["gemm_canary_fp"] = st.products[r][k]
+            scalars.update(st.checked[p])
+        self.emitters[rank].emit(s, layers=layers or None, fingerprints=fps or None, **scalars)
+
+    def _rank_scalars(self, rank: int, r: int, p: int, k: int, res: dict, st: _ReplicaStep) -> dict[str, float]:
+        """The scalars of the rank holding piece ``k`` (of stage ``p``) of replica ``r``."""
+        scalars: dict[str, float] = {}
+        if p == self.pp - 1:
+            scalars["loss"] = float(st.losses[r])
+            scalars["loss_global"] = float(st.loss_global)
+        ls, gs = float(st.local_sq[r, k]), float(st.global_sq[k])
+        scalars["grad_norm_local"] = math.sqrt(ls)
+        scalars["grad_norm_global"] = math.sqrt(gs)
+        scalars["grad_cosine"] = float(st.dot[r, k]) / max(math.sqrt(ls) * math.sqrt(gs), 1e-30)
+        scalars["step_time"] = st.times[r] * self.stage_time[p] + st.seconds
+        scalars["lr"] = self.lr * st.factors[r]
+        if res["act"]:
+            values = torch.stack([v for _, _, v in res["act"]])
+            first = int(values.nan_to_num(nan=math.inf).argmax())
+            scalars["act_max"] = float(values.amax())
+            scalars["act_max_module"] = float(res["act"][first][0])
+            scalars["act_max_layer"] = float(res["act"][first][1])
+        dropped = getattr(self.emitters[rank], "dropped", None)
+        if isinstance(dropped, (int, float)) and not isinstance(dropped, bool):
+            scalars["emitter_dropped"] = float(dropped)
+        return scalars
+
+    def _rank_layers(self, res: dict, s: int, checks: bool) -> dict[str, list[float]]:
+        """The per-layer values of a rank's record: its stage's stream, logits and products on a
+        stream step, its shares' checksums on a checked step."""
+        cfg = self.probe_config
+        layers: dict[str, list[float]] = {}
+        if cfg.stream_every and s % cfg.stream_every == 0 and res["stream"]:
+            layers["stream_max"] = [0.0 if v is None else float(v) for v in res["stream"]]
+            layers["attn_logit_max"] = [0.0 if v is None else float(v) for v in res["logit"]]
+            layers["attn_logit_min"] = [0.0 if v is None else float(v) for v in res["logit_low"]]
+            layers["gemm_out"] = [0.0 if v is None else float(v) for v in res["out"]]
+        if checks and res["fwd"]:
+            layers["gemm_fwd"] = [0.0 if v is None else float(v) for v in res["fwd"]]
+            layers["gemm_in"] = [0.0 if v is None else float(v) for v in res["in"]]
+        return layers
 
     def _param_fault_starts(self, replica: int) -> bool:
         """Whether a ``where: "param"`` fault starts at this step on a rank of ``replica`` (the

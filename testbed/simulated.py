@@ -50,6 +50,16 @@ def shared_corpus(max_bytes: int = 4 << 20) -> Corpus:
     return corpus
 
 
+def _check_shape(world: Any, batch_size: Any, lr: Any) -> None:
+    """ConfigError naming the first of the run's shape settings that is not what it must be."""
+    if isinstance(world, bool) or not isinstance(world, int) or world < 1:
+        raise ConfigError("simulated.world", f"must be an integer >= 1, got {world!r}")
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ConfigError("simulated.batch_size", f"must be an integer >= 1, got {batch_size!r}")
+    if not isinstance(lr, (int, float)) or not lr > 0:
+        raise ConfigError("simulated.lr", f"must be a number > 0, got {lr!r}")
+
+
 class SimulatedRun:
     """W virtual data-parallel ranks training the reference GPT in one process.
 
@@ -77,12 +87,7 @@ class SimulatedRun:
         control: Any = None,
         fault_bounds: bool = False,
     ) -> None:
-        if isinstance(world, bool) or not isinstance(world, int) or world < 1:
-            raise ConfigError("simulated.world", f"must be an integer >= 1, got {world!r}")
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise ConfigError("simulated.batch_size", f"must be an integer >= 1, got {batch_size!r}")
-        if not isinstance(lr, (int, float)) or not lr > 0:
-            raise ConfigError("simulated.lr", f"must be a number > 0, got {lr!r}")
+        _check_shape(world, batch_size, lr)
         self.world = world
         self.seed = seed
         self.batch_size = batch_size
@@ -96,22 +101,44 @@ class SimulatedRun:
         self.hosts = self._host_names(hosts, ranks_per_host)
         self.config = model or GPTConfig()
         self.corpus = corpus or shared_corpus()
+        self._init_model(seed)
+        self._init_faults(faults, fault_bounds)
+        self._init_probes(emitter_factory, probes)
+        self.step = 0
+        """The next step to run."""
+        self.data_pos = 0
+        """The data position of the next step (it equals the step until a guard rollback replays data)."""
+        self.guard: Guard | None = None if guard is None else self._new_guard(guard, control)
+        """The guard, when the run has one (``guard=GuardConfig(...)``): it decides every update."""
+        self._deltas: dict[int, list[torch.Tensor | None]] = {}
+        self._grads = torch.empty(world, sum(self._sizes))
+        self.history: list[float] = []
+        """Mean loss over ranks of each step run so far."""
+
+    def _init_model(self, seed: int) -> None:
+        """The shared model, initialised from ``seed`` (the global RNG left as it was), and its optimizer."""
         with torch.random.fork_rng():
             torch.manual_seed(seed)
             self.model = GPT(self.config)
         self.params = [p for p in self.model.parameters()]
         self._sizes = [p.numel() for p in self.params]
         self.optimizer = torch.optim.Adam(self.params, lr=self.lr)
+
+    def _init_faults(self, faults: Iterable[FaultSpec], fault_bounds: bool) -> None:
+        """The injector of every rank's faults, attached to the model."""
         # with fault_bounds, each one-element fault records the bound of the checksum covering its
         # tensor (testbed.fault_bounds): how a campaign tells the faults a checksum can see
         self._injector_type = BoundedInjector if fault_bounds else FaultInjector
         self.injector = self._injector_type(faults, rank=0).attach(self.model)
         for f in self.injector.faults:
-            if f.rank is not None and f.rank >= world:
-                raise ConfigError("simulated.faults", f"fault on rank {f.rank} but world is {world}")
+            if f.rank is not None and f.rank >= self.world:
+                raise ConfigError("simulated.faults", f"fault on rank {f.rank} but world is {self.world}")
+
+    def _init_probes(self, emitter_factory: Callable[..., Any] | None, probes: ProbeConfig | None) -> None:
+        """Each virtual rank's emitter and watch, the per-product canary and the canary input."""
         factory = emitter_factory or (lambda rank: NullEmitter())
         takes_host = "host" in inspect.signature(factory).parameters
-        self.emitters = [factory(r, host=self.hosts[r]) if takes_host else factory(r) for r in range(world)]
+        self.emitters = [factory(r, host=self.hosts[r]) if takes_host else factory(r) for r in range(self.world)]
         # a demo and test instrument: attention on every step, fingerprints every 10 (cost is not the point)
         probe_config = probes or ProbeConfig(
             attention_every=1, activations_every=1, fingerprint_every=10, canary_every=10
@@ -129,34 +156,26 @@ class SimulatedRun:
         self._canary = torch.randint(
             0, self.config.vocab, (2, self.config.seq_len), generator=torch.Generator().manual_seed(0x5DC)
         )
-        self.step = 0
-        """The next step to run."""
-        self.data_pos = 0
-        """The data position of the next step (it equals the step until a guard rollback replays data)."""
-        self.guard: Guard | None = None
-        """The guard, when the run has one (``guard=GuardConfig(...)``): it decides every update."""
-        if guard is not None:
-            self.guard = Guard(
-                self.model,
-                self.optimizer,
-                guard,
-                rank=0,
-                world=world,
-                host=self.hosts[0],
-                local_ranks=range(world),
-                control=control,
-                peer=self._peer_loss,
-                resync=lambda suspects: self._deltas.clear(),
-                host_of=self.host_of,
-                checksums=lambda: {
-                    r for r, w in enumerate(self.watches) if w.checksums is not None and w.checksums.violated()
-                },
-                distributed=False,
-            )
-        self._deltas: dict[int, list[torch.Tensor | None]] = {}
-        self._grads = torch.empty(world, sum(self._sizes))
-        self.history: list[float] = []
-        """Mean loss over ranks of each step run so far."""
+
+    def _new_guard(self, guard: GuardConfig, control: Any) -> Guard:
+        """The run's guard: one guard over every virtual rank, their replicas and their checksums."""
+        return Guard(
+            self.model,
+            self.optimizer,
+            guard,
+            rank=0,
+            world=self.world,
+            host=self.hosts[0],
+            local_ranks=range(self.world),
+            control=control,
+            peer=self._peer_loss,
+            resync=lambda suspects: self._deltas.clear(),
+            host_of=self.host_of,
+            checksums=lambda: {
+                r for r, w in enumerate(self.watches) if w.checksums is not None and w.checksums.violated()
+            },
+            distributed=False,
+        )
 
     def _host_names(self, hosts: int | Sequence[str] | None, ranks_per_host: int) -> list[str]:
         if hosts is None:
@@ -223,49 +242,95 @@ class SimulatedRun:
         losses: list[torch.Tensor | None] = [None] * self.world
         times = [0.0] * self.world
         cfg = self.watches[0].config
+        shared: dict[str, Any] = {}
+        compute = self._step_computation(s, d, cfg, inj, losses, times, shared)
+        factors = self._lr_factors(self.world)
+        d, evicted, guard_scalars = self._update_step(s, d, compute, factors, shared)
+        for r, w in enumerate(self.watches):  # each replica's weights as its optimizer left them
+            if w.checksums is not None:
+                with self._replica(r):
+                    w.checksums.seal()
+        loss_global = self._record_step(s, cfg, losses, times, shared, factors, guard_scalars)
+        self.step = s + 1
+        self.data_pos = d + 1
+        value = float(loss_global)
+        self.history.append(value)
+        if evicted is not None:
+            raise evicted
+        return value
+
+    def _step_computation(
+        self, s: int, d: int, cfg: ProbeConfig, inj: Any, losses: list, times: list[float], shared: dict[str, Any]
+    ) -> Callable[[], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Step ``s``'s computation on data step ``d``, repeatable (a guard reruns it): every virtual
+        rank's forward and backward into ``losses`` and ``times``, then the all-reduce into ``shared``;
+        it returns the ranks' losses, the global and the local gradient norms."""
         fingerprint_step = s % cfg.fingerprint_every == 0
         # Ranks run one after the other here; a fixed order would give the first one every step the
         # cold caches after the optimizer step (it would look like a straggler). A per-step
         # shuffle spreads that over all ranks; CPU time of this thread ignores other processes.
         order = torch.randperm(self.world, generator=torch.Generator().manual_seed(self.seed * 7919 + s)).tolist()
-        shared: dict[str, Any] = {}
 
         def compute() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-            """Every virtual rank's forward and backward, then the all-reduce (repeatable: a guard reruns it)."""
-            for r in order:
-                t0 = time.thread_time()
-                injecting = inj.cpu_seconds
-                inj.rank = r
-                for i, w in enumerate(self.watches):
-                    w.enabled = i == r
-                watch = self.watches[r]
-                watch.begin_step(s)
-                losses[r] = self._forward_backward(r, d, inj)
-                times[r] = (
-                    time.thread_time() - t0 - (inj.cpu_seconds - injecting)
-                )  # the fault's own cost is not the rank's
-            for w in self.watches:
-                w.enabled = True
-            t0 = time.thread_time()
-            g_all = self._grads
-            g = g_all.mean(0)  # the all-reduce (average)
-            shared["local_sq"] = local_sq = (g_all * g_all).sum(1)
-            shared["dot"] = g_all @ g
-            shared["global_sq"] = global_sq = g @ g
-            shared["grad_fp"] = fp.fingerprint_device([g]) if cfg.grad_fingerprint and fingerprint_step else None
-            offset = 0
-            for p, n in zip(self.params, self._sizes):
-                p.grad = g[offset : offset + n].view_as(p).clone()
-                offset += n
-            if self.clip:
-                torch.nn.utils.clip_grad_norm_(self.params, self.clip)
-            shared["seconds"] = time.thread_time() - t0
-            return torch.stack(losses), global_sq.sqrt(), local_sq.sqrt()
+            self._forward_ranks(order, s, d, inj, losses, times)
+            self._all_reduce(cfg.grad_fingerprint and fingerprint_step, shared)
+            return torch.stack(losses), shared["global_sq"].sqrt(), shared["local_sq"].sqrt()
 
+        return compute
+
+    def _forward_ranks(self, order: list[int], s: int, d: int, inj: Any, losses: list, times: list[float]) -> None:
+        """Every virtual rank's forward and backward in ``order``, only its own watch on; a rank's time
+        is its CPU time less its faults' own."""
+        for r in order:
+            t0 = time.thread_time()
+            injecting = inj.cpu_seconds
+            inj.rank = r
+            for i, w in enumerate(self.watches):
+                w.enabled = i == r
+            watch = self.watches[r]
+            watch.begin_step(s)
+            losses[r] = self._forward_backward(r, d, inj)
+            times[r] = time.thread_time() - t0 - (inj.cpu_seconds - injecting)  # the fault's own cost is not the rank's
+        for w in self.watches:
+            w.enabled = True
+
+    def _all_reduce(self, grad_fingerprint: Any, shared: dict[str, Any]) -> None:
+        """The all-reduce (average) of the ranks' gradients, installed for the update; into ``shared``
+        the gradient statistics every rank's probes report and the reduction's CPU time."""
+        t0 = time.thread_time()
+        g_all = self._grads
+        g = g_all.mean(0)  # the all-reduce (average)
+        shared["local_sq"] = (g_all * g_all).sum(1)
+        shared["dot"] = g_all @ g
+        shared["global_sq"] = g @ g
+        shared["grad_fp"] = fp.fingerprint_device([g]) if grad_fingerprint else None
+        self._set_gradient(g)
+        shared["seconds"] = time.thread_time() - t0
+
+    def _set_gradient(self, g: torch.Tensor) -> None:
+        """The flat all-reduced gradient ``g`` as every parameter's gradient, clipped (``clip``)."""
+        offset = 0
+        for p, n in zip(self.params, self._sizes):
+            p.grad = g[offset : offset + n].view_as(p).clone()
+            offset += n
+        if self.clip:
+            torch.nn.utils.clip_grad_norm_(self.params, self.clip)
+
+    def _lr_factors(self, replicas: int) -> list[float]:
+        """Each replica's learning-rate factor at this step (an ``lr_spike`` on its ranks)."""
+        inj = self.injector
         factors = []
-        for r in range(self.world):
+        for r in range(replicas):
             inj.rank = r
             factors.append(inj.lr_factor())
+        return factors
+
+    def _update_step(
+        self, s: int, d: int, compute: Callable[[], Any], factors: list[float], shared: dict[str, Any]
+    ) -> tuple[int, BaseException | None, dict[str, float]]:
+        """Compute step ``s`` and update: as the guard decides when there is one, else skipping a
+        non-finite gradient when asked. Returns the data position (a rollback replays data), the
+        guard's eviction (raised once the step's records are out) and its scalars for the records."""
 
         def update() -> None:
             self._update(factors)
@@ -278,20 +343,30 @@ class SimulatedRun:
                 self.skipped.append(s)
             else:
                 update()
-        else:
-            try:
-                outcome = self.guard.step(s, compute, update=update, data_pos=d)
-            except GuardEviction as exc:  # the step's records still go out, with the eviction in them
-                evicted, outcome = exc, self.guard.actions[-1]
-            guard_scalars = outcome.telemetry()
-            if not outcome.applied:
-                self.skipped.append(s)
-            if outcome.resume_from is not None:
-                d = outcome.resume_from - 1  # replay the data from the snapshot on
-        for r, w in enumerate(self.watches):  # each replica's weights as its optimizer left them
-            if w.checksums is not None:
-                with self._replica(r):
-                    w.checksums.seal()
+            return d, evicted, guard_scalars
+        try:
+            outcome = self.guard.step(s, compute, update=update, data_pos=d)
+        except GuardEviction as exc:  # the step's records still go out, with the eviction in them
+            evicted, outcome = exc, self.guard.actions[-1]
+        guard_scalars = outcome.telemetry()
+        if not outcome.applied:
+            self.skipped.append(s)
+        if outcome.resume_from is not None:
+            d = outcome.resume_from - 1  # replay the data from the snapshot on
+        return d, evicted, guard_scalars
+
+    def _record_step(
+        self,
+        s: int,
+        cfg: ProbeConfig,
+        losses: list,
+        times: list[float],
+        shared: dict,
+        factors: list,
+        guard_scalars: dict,
+    ) -> torch.Tensor:
+        """Every rank's watch observes the step (gradients, fingerprints, canaries) and records it;
+        returns the global loss."""
         t0 = time.thread_time()
         fps = self._param_fingerprints(s)
         canaries = self._canary_fingerprints(s, probe_cfg=cfg)
@@ -321,13 +396,7 @@ class SimulatedRun:
                 **guard_scalars,
                 **(checked if products is not None and products[r] is not None else {}),
             )
-        self.step = s + 1
-        self.data_pos = d + 1
-        value = float(loss_global)
-        self.history.append(value)
-        if evicted is not None:
-            raise evicted
-        return value
+        return loss_global
 
     def _update(self, factors: Sequence[float]) -> None:
         """The optimizer step with each replica's learning-rate factor (an ``lr_spike`` on some

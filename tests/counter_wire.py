@@ -11,7 +11,7 @@ import dataclasses
 
 import pytest
 
-from sdcwatch.core.schema import PackedRecord
+from sdcwatch.core.record_layout import PackedRecord
 from sdcwatch.core.columnar import encode_items
 from sdcwatch.core.limits import LimitError, RecordLimits
 from sdcwatch.core.record_type import Record

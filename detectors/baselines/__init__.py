@@ -1,26 +1,37 @@
 """What teams use today, as detectors on the same aligned steps sdcwatch sees: the campaign's
-baselines (Megatron-LM's rules, ZClip, a NaN-loss check) and river's HalfSpaceTrees.
+baselines (Megatron-LM's rules, ZClip, a NaN-loss check) and river's HalfSpaceTrees, one per file.
 
-Each is registered with ``@register(baseline=True)``; :func:`~sdcwatch.detectors.registry.baseline_classes`
-lists them for the campaign.
+Each takes one :class:`~sdcwatch.detectors.frame.StepFrame` per step and answers with findings,
+exactly like sdcwatch's own detectors, so the fault-injection campaign scores every detector with
+one code path. Each is registered with ``@register(baseline=True, order=...)``;
+:func:`~sdcwatch.detectors.registry.baseline_classes` lists them for the campaign.
+
+Importing this package is cheap: each name is imported on first use (PEP 562).
 """
 
-from sdcwatch.detectors.baselines.river_hst import RiverConfig, RiverHalfSpaceTrees, rank_features
-from sdcwatch.detectors.baselines.rules import (
-    MegatronConfig,
-    MegatronRules,
-    NanLossCheck,
-    ZClipConfig,
-    ZClipDetector,
-)
+from __future__ import annotations
 
-__all__ = [
-    "MegatronRules",
-    "MegatronConfig",
-    "ZClipDetector",
-    "ZClipConfig",
-    "NanLossCheck",
-    "RiverHalfSpaceTrees",
-    "RiverConfig",
-    "rank_features",
-]
+import importlib
+from typing import Any
+
+_LAZY = {
+    "MegatronRules": "sdcwatch.detectors.baselines.megatron",
+    "MegatronConfig": "sdcwatch.detectors.baselines.megatron",
+    "ZClipDetector": "sdcwatch.detectors.baselines.zclip",
+    "ZClipConfig": "sdcwatch.detectors.baselines.zclip",
+    "NanLossCheck": "sdcwatch.detectors.baselines.nan_check",
+    "RiverHalfSpaceTrees": "sdcwatch.detectors.baselines.river_hst",
+    "RiverConfig": "sdcwatch.detectors.baselines.river_hst",
+    "rank_features": "sdcwatch.detectors.baselines.river_hst",
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'sdcwatch.detectors.baselines' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

@@ -82,7 +82,7 @@ class RiverConfig:
         )
 
 
-@register(baseline=True)
+@register(baseline=True, order=140)
 class RiverHalfSpaceTrees(Detector):
     """``rank_outlier`` from river ``anomaly.HalfSpaceTrees``: a rank persistently scored above the others.
 

@@ -2,8 +2,11 @@
 
 Every section checks its values when it is built (``__post_init__``), so a config made in code
 is as safe as a loaded one; a bad value raises :class:`~sdcwatch.core.errors.ConfigError` naming
-its dotted key. ``[detectors]`` holds one sub-section per default detector, ``[detectors.<name>]``,
-whose schema is the detector's own ``Config`` (from the registry: a new detector needs no edit here).
+its dotted key. A section whose settings belong to a component is built on that component's own
+definition: ``[detectors]`` is the pipeline's :class:`~sdcwatch.service.pipeline.PipelineSettings`
+plus one sub-section per default detector, ``[detectors.<name>]``, whose schema is the detector's
+own ``Config`` (from the registry: a new detector needs no edit here); ``[metrics]`` takes the
+exporter's defaults and bounds, ``[guard]`` is the service's ``ControlPolicy``.
 """
 
 from __future__ import annotations
@@ -19,10 +22,14 @@ from typing import Any, ClassVar
 from sdcwatch.core.errors import ConfigError
 from sdcwatch.core.kafka import TEXT_SECURITY_KEYS
 from sdcwatch.core.vocabulary import ANOMALY_TOPIC, CONTROL_TOPIC, DEADLETTER_TOPIC, SUMMARY_TOPIC, TELEMETRY_TOPIC
-from sdcwatch.core.validate import check_type, did_you_mean, is_host, topic_problem, url_problem
+from sdcwatch.core.validate import check_type, did_you_mean, topic_problem, url_problem
 from sdcwatch.service.control_policy import ControlPolicy
+from sdcwatch.service.pipeline import STAGES, PipelineSettings
 from sdcwatch.detectors.registry import default_classes
 from sdcwatch.core.limits import RecordLimits
+from sdcwatch.exporters.collector import DEFAULT_MAX_LAYERS, DEFAULT_TOP_K, check_cardinality
+from sdcwatch.exporters.pieces import DEFAULT_MAX_PIECES
+from sdcwatch.exporters.server import DEFAULT_METRICS_ADDRESS, DEFAULT_METRICS_PORT, check_address, check_port
 
 __all__ = [
     "BusConfig",
@@ -49,10 +56,15 @@ _SECRET = re.compile(r"password|secret|token", re.IGNORECASE)
 
 @functools.lru_cache(maxsize=None)
 def hints(cls: type) -> dict[str, type]:
-    """Field name -> type of a config dataclass (``tuple[str, ...]`` is ``tuple``; a nested
-    dataclass is a sub-section)."""
+    """Field name -> type of the settable fields of a config dataclass (``tuple[str, ...]`` is
+    ``tuple``; a nested dataclass is a sub-section). A field whose metadata says ``fixed`` (a
+    pipeline setting the service keeps at its default) has no key."""
     resolved = typing.get_type_hints(cls)
-    return {f.name: typing.get_origin(resolved[f.name]) or resolved[f.name] for f in fields(cls)}
+    return {
+        f.name: typing.get_origin(resolved[f.name]) or resolved[f.name]
+        for f in fields(cls)
+        if not f.metadata.get("fixed")
+    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -65,10 +77,8 @@ class _Section:
     section: ClassVar[str]
 
     def __post_init__(self) -> None:
-        for f in fields(self):  # type: ignore[arg-type]
-            key = f"{self.section}.{f.name}"
-            value = getattr(self, f.name)
-            setattr(self, f.name, check_type(key, value, hints(type(self))[f.name]))
+        for name, kind in hints(type(self)).items():
+            setattr(self, name, check_type(f"{self.section}.{name}", getattr(self, name), kind))
         self._validate()
 
     def _validate(self) -> None:
@@ -166,30 +176,30 @@ class MetricsConfig(_Section):
 
     section: ClassVar[str] = "metrics"
 
-    address: str = "127.0.0.1"
+    address: str = DEFAULT_METRICS_ADDRESS
     """Address the /metrics HTTP server listens on; 0.0.0.0 (or ::) to be scraped from other hosts."""
-    port: int = 9400
+    port: int = DEFAULT_METRICS_PORT
     """Port of the /metrics HTTP server; 0 turns the endpoint off."""
-    top_k: int = 16
+    top_k: int = DEFAULT_TOP_K
     """Ranks with their own per-rank series on /metrics: the K with the highest outlier score (plus
-    every rank an open incident names); the rest are summarised across ranks."""
+    every rank an open incident names); the rest are summarised across ranks. 0: only the ranks an
+    open incident names."""
     max_runs: int = 20
     """Runs with per-run series: those with open incidents first, then the most recently active."""
-    max_layers: int = 128
+    max_layers: int = DEFAULT_MAX_LAYERS
     """Layers with per-layer series in each run: those of open incidents, then the widest spread across ranks
     (under pipeline or tensor parallelism, (model piece, layer) pairs)."""
-    max_pieces: int = 32
+    max_pieces: int = DEFAULT_MAX_PIECES
     """Model pieces (peer groups: same pp stage, tp rank...) of a run with cross-rank statistics series:
     those of open incidents, then the widest spread across their ranks; plain data parallel has one."""
 
     def _validate(self) -> None:
-        if not is_host(self.address):
-            self._fail("address", f"{self.address!r} is neither an IP address nor a host name")
-        if not 0 <= self.port <= 65535:
-            self._fail("port", f"{self.port} out of range 0-65535 (0 = off)")
-        for name in ("top_k", "max_runs", "max_layers", "max_pieces"):
-            if getattr(self, name) < 1:
-                self._fail(name, f"must be at least 1, got {getattr(self, name)}")
+        # the endpoint and the series bounds are the exporter's (MetricsServer, SdcwatchCollector)
+        check_address(self.address)
+        check_port(self.port, zero="off")
+        check_cardinality(top_k=self.top_k, max_layers=self.max_layers, max_pieces=self.max_pieces)
+        if self.max_runs < 1:
+            self._fail("max_runs", f"must be at least 1, got {self.max_runs}")
 
     @property
     def enabled(self) -> bool:
@@ -243,52 +253,34 @@ class StateConfig(_Section):
 
 
 @dataclass
-class _DetectorsSettings(_Section):
+class _DetectorsSettings(PipelineSettings, _Section):
     """[detectors]: the incident book, the step aligner, the stage; one [detectors.<name>] table
     per detector."""
 
     section: ClassVar[str] = "detectors"
 
-    resolve_after_steps: int = 50
-    """An incident is resolved after this many consecutive steps without a new finding."""
-    align_timeout_s: float = 5.0
-    """Seconds the step aligner waits for the last ranks of a step before closing it without them."""
+    # the pipeline's settings are PipelineSettings' fields (one definition, its docs and bounds)
     schema_wait_s: float = 2.0
     """Seconds a v2 telemetry message whose record layout (schema) the service has not learnt yet
     waits for the message that carries it, before it is dead-lettered (reason unknown_schema)."""
-    max_runs: int = 1000
-    """Runs whose detection state is kept (memory and the state file grow with them); past it a new
-    run replaces one silent for 15 minutes, or its records are dead-lettered (reason runs)."""
-    run_end_expiry_s: float = 300.0
-    """Seconds a finished run (every rank sent its end-of-run marker; its incidents resolved) stays
-    in memory and /metrics before its series are dropped."""
-    run_idle_expiry_s: float = 21600.0
-    """Seconds without a record after which a run that did not finish is evicted from memory and
-    /metrics, its open incidents resolved. Keep it above the stall alert's 11 minutes."""
-    names_resend_s: float = 300.0
-    """Spatial stage: seconds over which it sends every rank's layer names to the temporal stage
-    again, a few ranks on each step summary, so a temporal instance that started without its
-    state names the modules again within this time (at most 4,096 ranks a summary)."""
     stage: str = "both"
     """What this instance runs: "both" (one process does everything, the default); or, to scale out,
     "spatial" (alignment and the cross-rank detectors; run several in one consumer group, each
     takes whole steps) and one "temporal" (the detectors over time, incidents and alerts, on the
     spatial instances' step summaries)."""
 
+    def __post_init__(self) -> None:
+        _Section.__post_init__(self)  # the declared types (ints accepted for floats), then _validate
+
     def _validate(self) -> None:
-        for name in ("resolve_after_steps", "max_runs"):
-            if getattr(self, name) < 1:
-                self._fail(name, f"must be at least 1, got {getattr(self, name)}")
-        for name in ("align_timeout_s", "schema_wait_s", "run_end_expiry_s", "run_idle_expiry_s", "names_resend_s"):
-            _positive(self, name)
-        if self.stage not in ("both", "spatial", "temporal"):
-            self._fail("stage", f"{self.stage!r} is not one of both, spatial, temporal")
+        PipelineSettings.__post_init__(self)  # the pipeline's bounds; errors name detectors.<key>
+        _positive(self, "schema_wait_s")
+        if self.stage not in STAGES:
+            self._fail("stage", f"{self.stage!r} is not one of {', '.join(STAGES)}")
 
     def detector_configs(self) -> dict[str, Any]:
         """Detector name -> its ``Config``, for :func:`~sdcwatch.detectors.registry.default_detectors`."""
-        return {
-            f.name: getattr(self, f.name) for f in fields(self) if dataclasses.is_dataclass(hints(type(self))[f.name])
-        }
+        return {name: getattr(self, name) for name, kind in hints(type(self)).items() if dataclasses.is_dataclass(kind)}
 
 
 #: [detectors], with one field per default detector whose type is the detector's ``Config``.
@@ -383,8 +375,8 @@ class ServeConfig:
 
 def _table(obj: Any, redact: bool) -> dict[str, Any]:
     values: dict[str, Any] = {}
-    for f in fields(obj):
-        value = getattr(obj, f.name)
+    for name in hints(type(obj)):
+        value = getattr(obj, name)
         if dataclasses.is_dataclass(value):
             value = _table(value, redact)
         elif isinstance(value, Path):
@@ -393,7 +385,7 @@ def _table(obj: Any, redact: bool) -> dict[str, Any]:
             value = list(value)
         elif isinstance(value, dict):
             value = {k: ("***" if redact and _SECRET.search(k) else v) for k, v in value.items()}
-        values[f.name] = value
+        values[name] = value
     return values
 
 

@@ -205,6 +205,103 @@ def _figure(png: str, alt: str) -> str:
     return f"<figure><img alt='{_e(alt)}' src='data:image/png;base64,{png}'></figure>"
 
 
+def _head(title: str, source: str, level: str, verdict: str) -> list[str]:
+    """The page's head, its title line and the verdict."""
+    from sdcwatch import __version__
+
+    return [
+        "<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>",
+        "<meta name='viewport' content='width=device-width, initial-scale=1'>",
+        f"<title>{_e(title)}</title><style>{_CSS}</style></head><body><main>",
+        f"<header><h1>{_e(title)}</h1><div class='sub'>{_e(source)} · generated "
+        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} by sdcwatch {__version__}</div></header>",
+        f"<div class='verdict {level}' id='verdict'>{verdict}</div>",
+    ]
+
+
+def _training_section(data: RunData, incidents: Sequence[Incident], faults: Sequence[Mapping[str, Any]]) -> str:
+    """Loss and gradient norm per step, with the incidents and faults marked ("" without them)."""
+    training = plot_training(data, incidents, faults)
+    if not training:
+        return ""
+    return (
+        "<section id='training'><h2>Loss and gradient norm</h2><p class='caption'>Global values per step; "
+        "the band is the spread over ranks. Shaded spans are incidents (numbered as in the table), hatched "
+        "ones what was injected. Values far off the scale (a near-infinite loss) sit on the edge as ▲; "
+        "steps with a non-finite value show as a purple strip along the top.</p>"
+        + _figure(training, "loss and gradient norm per step")
+        + "</section>"
+    )
+
+
+def _ranks_section(data: RunData, incidents: Sequence[Incident], faults: Sequence[Mapping[str, Any]]) -> str:
+    """The rank x step heat map of deviation, or why ranks cannot be compared ("" without a score)."""
+    heat, used, _ = plot_heatmap(data, incidents, faults)
+    if data.world < MIN_RANKS:
+        return (
+            "<section id='ranks'><h2>Which rank strays from the others</h2><p class='caption'>This run has "
+            f"{data.world} rank{'s' * (data.world != 1)}: comparing ranks needs at least {MIN_RANKS}.</p></section>"
+        )
+    if not heat:
+        return ""
+    return (
+        "<section id='ranks'><h2>Which rank strays from the others</h2><p class='caption'>Each cell is the "
+        f"largest robust z-score of a rank against the median of all ranks at that step, over "
+        f"{_e(', '.join(used))}. Data-parallel ranks run the same model on different data, so a healthy rank "
+        "stays pale; a faulty one lights up. Dark purple: a non-finite value on this rank only; light purple: "
+        "non-finite on most ranks (the corruption has spread and no longer says which rank); grey: no record. "
+        "Blue boxes are the ranks incidents named. The bar shows the share of steps each rank was flagged "
+        f"(|z| &gt; {Z_FLAG:g}).</p>" + _figure(heat, "rank by step heat map of deviation") + "</section>"
+    )
+
+
+def _attention_section(
+    data: RunData, incidents: Sequence[Incident], suspects: Sequence[int], faults: Sequence[Mapping[str, Any]]
+) -> str:
+    """Attention entropy per layer ("" when the run has none)."""
+    attention, shown = plot_attention(data, incidents, suspects, faults)
+    if not attention:
+        return ""
+    n_layers = data.layers[ENTROPY].shape[2]
+    which = "every layer" if len(shown) == n_layers else f"{len(shown)} of {n_layers} layers"
+    return (
+        "<section id='attention'><h2>Attention entropy per layer</h2><p class='caption'>Mean over ranks "
+        f"({which}), with the spread over ranks as a band"
+        + (" and the suspect ranks drawn in colour" if suspects else "")
+        + ". Corrupted attention shows as entropy collapsing (one logit dominates) or jumping.</p>"
+        + _figure(attention, "attention entropy per layer")
+        + "</section>"
+    )
+
+
+def _guard_section(incidents: Sequence[Incident]) -> str:
+    """What the training job's guard did about it, step by step (no silent skips); "" if nothing."""
+    guarded = [i for i in incidents if i.kind.startswith("guard_")]
+    if not guarded:
+        return ""
+    items = "".join(
+        f"<li>step {i.first_step}"
+        + (f"-{i.last_step}" if i.last_step != i.first_step else "")
+        + f": <b>{_e(i.kind.removeprefix('guard_'))}</b> — {_e(i.message)}</li>"
+        for i in guarded
+    )
+    return (
+        "<section id='guard'><h2>What the guard did</h2><p class='caption'>Steps at which the "
+        "training job's guard skipped an update, reran a step, rolled back or evicted a rank "
+        "(the last message of each kind).</p><ul>" + items + "</ul></section>"
+    )
+
+
+def _footer(data: RunData) -> str:
+    """Notes on the records: duplicates read and rank-steps missing."""
+    notes = []
+    if data.duplicates:
+        notes.append(f"{data.duplicates:,} duplicate records (same step and rank) were read; the last one counts.")
+    if data.missing:
+        notes.append(f"{data.missing:,} of {data.present.size:,} rank-steps have no record.")
+    return f"<footer>{' '.join(_e(n) for n in notes)}</footer></main></body></html>"
+
+
 def render_report(
     data: RunData,
     incidents: Sequence[Incident] | None,
@@ -215,8 +312,6 @@ def render_report(
 ) -> str:
     """The report page for ``data`` and ``incidents`` (already loaded) as an HTML string; None:
     no incidents were given (the page says so rather than calling the run clean)."""
-    from sdcwatch import __version__
-
     given = incidents is not None
     incidents = [i for i in incidents or () if not i.run or i.run == data.run]
     incidents.sort(key=lambda i: (i.first_step, -i.severity.rank))
@@ -225,77 +320,20 @@ def render_report(
     suspects = _suspect_ranks(incidents, data.world)
     title = title or f"sdcwatch report — {data.run}"
     level, verdict = _verdict(incidents, data, faults, given)
-    parts = [
-        "<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>",
-        "<meta name='viewport' content='width=device-width, initial-scale=1'>",
-        f"<title>{_e(title)}</title><style>{_CSS}</style></head><body><main>",
-        f"<header><h1>{_e(title)}</h1><div class='sub'>{_e(source)} · generated "
-        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} by sdcwatch {__version__}</div></header>",
-        f"<div class='verdict {level}' id='verdict'>{verdict}</div>",
-        _cards(data, incidents, injected_text, suspects, given),
-    ]
+    parts = _head(title, source, level, verdict)
+    parts.append(_cards(data, incidents, injected_text, suspects, given))
     if data.other_runs:
         others = ", ".join(f"{_e(r)} ({n:,} records)" for r, n in sorted(data.other_runs.items()))
         parts.append(f"<p class='muted'>The file also holds other runs, not shown: {others}.</p>")
-
-    training = plot_training(data, incidents, faults)
-    if training:
-        parts.append(
-            "<section id='training'><h2>Loss and gradient norm</h2><p class='caption'>Global values per step; "
-            "the band is the spread over ranks. Shaded spans are incidents (numbered as in the table), hatched "
-            "ones what was injected. Values far off the scale (a near-infinite loss) sit on the edge as ▲; "
-            "steps with a non-finite value show as a purple strip along the top.</p>"
-            + _figure(training, "loss and gradient norm per step")
-            + "</section>"
-        )
-    heat, used, _ = plot_heatmap(data, incidents, faults)
-    if data.world < MIN_RANKS:
-        parts.append(
-            "<section id='ranks'><h2>Which rank strays from the others</h2><p class='caption'>This run has "
-            f"{data.world} rank{'s' * (data.world != 1)}: comparing ranks needs at least {MIN_RANKS}.</p></section>"
-        )
-    elif heat:
-        parts.append(
-            "<section id='ranks'><h2>Which rank strays from the others</h2><p class='caption'>Each cell is the "
-            f"largest robust z-score of a rank against the median of all ranks at that step, over "
-            f"{_e(', '.join(used))}. Data-parallel ranks run the same model on different data, so a healthy rank "
-            "stays pale; a faulty one lights up. Dark purple: a non-finite value on this rank only; light purple: "
-            "non-finite on most ranks (the corruption has spread and no longer says which rank); grey: no record. "
-            "Blue boxes are the ranks incidents named. The bar shows the share of steps each rank was flagged "
-            f"(|z| &gt; {Z_FLAG:g}).</p>" + _figure(heat, "rank by step heat map of deviation") + "</section>"
-        )
-    attention, shown = plot_attention(data, incidents, suspects, faults)
-    if attention:
-        n_layers = data.layers[ENTROPY].shape[2]
-        which = "every layer" if len(shown) == n_layers else f"{len(shown)} of {n_layers} layers"
-        parts.append(
-            "<section id='attention'><h2>Attention entropy per layer</h2><p class='caption'>Mean over ranks "
-            f"({which}), with the spread over ranks as a band"
-            + (" and the suspect ranks drawn in colour" if suspects else "")
-            + ". Corrupted attention shows as entropy collapsing (one logit dominates) or jumping.</p>"
-            + _figure(attention, "attention entropy per layer")
-            + "</section>"
-        )
-    parts.append(f"<section id='incident-table'><h2>Incidents</h2>{_incident_table(incidents, given)}</section>")
-    guarded = [i for i in incidents if i.kind.startswith("guard_")]
-    if guarded:  # what the training job's guard did about it, step by step (no silent skips)
-        items = "".join(
-            f"<li>step {i.first_step}"
-            + (f"-{i.last_step}" if i.last_step != i.first_step else "")
-            + f": <b>{_e(i.kind.removeprefix('guard_'))}</b> — {_e(i.message)}</li>"
-            for i in guarded
-        )
-        parts.append(
-            "<section id='guard'><h2>What the guard did</h2><p class='caption'>Steps at which the "
-            "training job's guard skipped an update, reran a step, rolled back or evicted a rank "
-            "(the last message of each kind).</p><ul>" + items + "</ul></section>"
-        )
-    notes = []
-    if data.duplicates:
-        notes.append(f"{data.duplicates:,} duplicate records (same step and rank) were read; the last one counts.")
-    if data.missing:
-        notes.append(f"{data.missing:,} of {data.present.size:,} rank-steps have no record.")
-    parts.append(f"<footer>{' '.join(_e(n) for n in notes)}</footer></main></body></html>")
+    sections = (
+        _training_section(data, incidents, faults),
+        _ranks_section(data, incidents, faults),
+        _attention_section(data, incidents, suspects, faults),
+        f"<section id='incident-table'><h2>Incidents</h2>{_incident_table(incidents, given)}</section>",
+        _guard_section(incidents),
+    )
+    parts += [section for section in sections if section]
+    parts.append(_footer(data))
     return "\n".join(parts)
 
 

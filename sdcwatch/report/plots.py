@@ -208,28 +208,22 @@ def _bin_columns(score: np.ndarray, steps: np.ndarray) -> tuple[np.ndarray, np.n
     return binned, steps[starts]
 
 
-def plot_heatmap(
-    data: RunData, incidents: Sequence[Incident], faults: Sequence[Mapping[str, Any]]
-) -> tuple[str | None, list[str], np.ndarray]:
-    score, used, widespread = rank_deviation(data)
-    if not used or data.world < MIN_RANKS:
-        return None, used, np.zeros(data.world)
-    from matplotlib.colors import LinearSegmentedColormap, ListedColormap
-    from matplotlib.patches import Rectangle
-
-    # Share of steps each rank was flagged, over the steps where ranks can be compared at all
-    # (when every rank is non-finite, nobody stands out).
+def _flagged_share(score: np.ndarray, data: RunData) -> np.ndarray:
+    """The percentage of steps each rank was flagged (|z| > Z_FLAG), over the steps where ranks
+    can be compared at all (when every rank is non-finite, nobody stands out)."""
     comparable = np.isfinite(score).any(axis=1)
     flags = np.where(data.present, np.where(np.isnan(score), False, score > Z_FLAG), np.nan)[comparable]
     with quiet_nan_warnings():
-        flagged = np.nan_to_num(np.nanmean(flags, axis=0) * 100) if len(flags) else np.zeros(data.world)
-    binned, starts = _bin_columns(score, data.steps)
+        return np.nan_to_num(np.nanmean(flags, axis=0) * 100) if len(flags) else np.zeros(data.world)
+
+
+def _draw_deviation(
+    fig: Any, ax: Any, bar: Any, data: RunData, binned: np.ndarray, starts: np.ndarray, widespread: np.ndarray
+) -> float:
+    """The heat map itself, its non-finite overlay and its colour bar; returns a column's width in steps."""
+    from matplotlib.colors import LinearSegmentedColormap, ListedColormap
+
     world = data.world
-    height = min(6.0, 1.6 + 0.16 * world)
-    fig = _new_figure(11.5, height)
-    grid = fig.add_gridspec(1, 2, width_ratios=(6.4, 1))
-    ax = fig.add_subplot(grid[0, 0])
-    bar = fig.add_subplot(grid[0, 1], sharey=ax)
     # White up to |z| = 2 and pale to 3.5 (what 8-64 healthy ranks show among themselves), then
     # orange to dark red.
     cmap = LinearSegmentedColormap.from_list(
@@ -264,7 +258,14 @@ def plot_heatmap(
     cbar = fig.colorbar(mesh, ax=bar, extend="max", fraction=0.25, pad=0.05, shrink=0.9 if world <= 16 else 0.6)
     cbar.set_label("|robust z| vs other ranks", fontsize=8.5)
     cbar.ax.tick_params(labelsize=8)
-    half = max(_min_span(data.steps), step_w / 2)
+    return step_w
+
+
+def _box_named_ranks(ax: Any, incidents: Sequence[Incident], world: int, half: float) -> None:
+    """A blue box round each rank an incident named, over its steps (a dotted line for a run-wide
+    one), numbered as in the table."""
+    from matplotlib.patches import Rectangle
+
     for n, inc in enumerate(incidents, 1):
         colour = "#1565c0"
         if inc.ranks:
@@ -294,6 +295,9 @@ def plot_heatmap(
             va="bottom",
             fontweight="bold",
         )
+
+
+def _point_at_injected_ranks(ax: Any, faults: Sequence[Mapping[str, Any]], world: int) -> None:
     for f in faults:
         if f.get("rank") is not None and 0 <= f["rank"] < world:
             ax.annotate(
@@ -307,6 +311,11 @@ def plot_heatmap(
                 color="#222",
                 style="italic",
             )
+
+
+def _label_heatmap_axes(ax: Any, data: RunData, starts: np.ndarray) -> None:
+    """The step axis (saying when columns are binned) and the rank axis (with hosts on small runs)."""
+    world = data.world
     ax.set_xlabel(
         "step"
         + (
@@ -325,7 +334,11 @@ def plot_heatmap(
         [f"{r} · {data.hosts[r]}" if show_hosts and data.hosts[r] else str(r) for r in ticks], fontsize=7.5
     )
     ax.tick_params(labelsize=8)
-    # Red only for a rank flagged far more often than its peers, not for the noisiest of equals.
+
+
+def _draw_flag_bar(bar: Any, flagged: np.ndarray, world: int) -> None:
+    """The share of steps each rank was flagged, red for a rank flagged far more often than its
+    peers (not for the noisiest of equals)."""
     standout = max(10.0, 3 * float(np.median(flagged)))
     bar.barh(range(world), flagged, color=["#d62728" if v >= standout else "#9e9e9e" for v in flagged], height=0.7)
     bar.set_xlabel(f"% of steps\n|z| > {Z_FLAG:g}", fontsize=8.5)
@@ -333,90 +346,107 @@ def plot_heatmap(
     bar.set_xlim(0, max(5.0, float(flagged.max()) * 1.15))
     bar.spines[["top", "right"]].set_visible(False)
     bar.grid(True, axis="x", color="#e6e6e6")
+
+
+def plot_heatmap(
+    data: RunData, incidents: Sequence[Incident], faults: Sequence[Mapping[str, Any]]
+) -> tuple[str | None, list[str], np.ndarray]:
+    """The rank x step heat map of deviation with the share of steps each rank was flagged beside
+    it; returns (the PNG or None, the metrics scored, the share per rank)."""
+    score, used, widespread = rank_deviation(data)
+    if not used or data.world < MIN_RANKS:
+        return None, used, np.zeros(data.world)
+    flagged = _flagged_share(score, data)
+    binned, starts = _bin_columns(score, data.steps)
+    fig = _new_figure(11.5, min(6.0, 1.6 + 0.16 * data.world))
+    grid = fig.add_gridspec(1, 2, width_ratios=(6.4, 1))
+    ax = fig.add_subplot(grid[0, 0])
+    bar = fig.add_subplot(grid[0, 1], sharey=ax)
+    step_w = _draw_deviation(fig, ax, bar, data, binned, starts, widespread)
+    _box_named_ranks(ax, incidents, data.world, max(_min_span(data.steps), step_w / 2))
+    _point_at_injected_ranks(ax, faults, data.world)
+    _label_heatmap_axes(ax, data, starts)
+    _draw_flag_bar(bar, flagged, data.world)
     return _png(fig), used, flagged
 
 
-def plot_attention(
-    data: RunData, incidents: Sequence[Incident], suspects: Sequence[int], faults: Sequence[Mapping[str, Any]]
-) -> tuple[str | None, list[int]]:
-    entropy = data.layers.get(ENTROPY)
-    if entropy is None or entropy.shape[2] == 0:
-        return None, []
-    n_layers = entropy.shape[2]
+_SUSPECT_COLOURS = ("#d62728", "#e377c2", "#ff7f0e")
+
+
+def _layers_shown(n_layers: int, incidents: Sequence[Incident]) -> tuple[list[int], list[int]]:
+    """(the layers drawn, the layers incidents named): every layer up to _MAX_LAYER_PANELS, else
+    an even spread plus the named ones."""
     named_layers = sorted({i.layer for i in incidents if i.layer is not None and 0 <= i.layer < n_layers})
     if n_layers <= _MAX_LAYER_PANELS:
-        shown = list(range(n_layers))
-    else:
-        shown = sorted(
-            set(np.linspace(0, n_layers - 1, _MAX_LAYER_PANELS - len(named_layers)).astype(int)) | set(named_layers)
-        )
-    cols = min(4, len(shown))
-    rows = math.ceil(len(shown) / cols)
-    fig = _new_figure(11.5, 0.5 + 1.9 * rows)
-    axes = np.atleast_1d(fig.subplots(rows, cols, sharex=True, squeeze=False).ravel())
+        return list(range(n_layers)), named_layers
+    spread = np.linspace(0, n_layers - 1, _MAX_LAYER_PANELS - len(named_layers)).astype(int)
+    return sorted(set(spread) | set(named_layers)), named_layers
+
+
+def _draw_layer_panel(
+    ax: Any,
+    layer: int,
+    data: RunData,
+    band: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray],
+    incidents: Sequence[Incident],
+    suspects: Sequence[int],
+    injected_ranks: Sequence[int],
+    faults: Sequence[Mapping[str, Any]],
+    named_layers: Sequence[int],
+) -> None:
+    """One layer's entropy: the mean and spread over ranks, the suspect and injected ranks, the
+    incidents and faults; a layer an incident named is titled and framed in red."""
+    values, mean, lo, hi = band
     steps = data.steps
-    present = data.present[:, :, None]
-    values = np.where(present & np.isfinite(entropy), entropy, np.nan).astype(np.float64)
-    with quiet_nan_warnings():
-        mean = np.nanmean(values, axis=1)
-        lo = np.nanmin(values, axis=1)
-        hi = np.nanmax(values, axis=1)
-    suspect_colours = ("#d62728", "#e377c2", "#ff7f0e")
-    injected_ranks = [
-        f["rank"]
-        for f in faults
-        if isinstance(f.get("rank"), int) and 0 <= f["rank"] < data.world and f["rank"] not in suspects
-    ][:1]
-    for ax, layer in zip(axes, shown):
-        ax.fill_between(steps, lo[:, layer], hi[:, layer], color="#1f5fa8", alpha=0.15, linewidth=0)
-        ax.plot(steps, mean[:, layer], color="#1f5fa8", linewidth=1.4, zorder=3)
-        for colour, rank in zip(suspect_colours, suspects):
-            ax.plot(
-                steps,
-                values[:, rank, layer],
-                color=colour,
-                linewidth=0.9,
-                alpha=0.8 if layer in named_layers or not named_layers else 0.45,
-                zorder=2,
-            )
-            _mark_nonfinite(ax, steps, data.present[:, rank] & ~np.isfinite(entropy[:, rank, layer]), colour)
-        for rank in injected_ranks:  # ground truth the incidents did not name: drawn, but apart
-            ax.plot(
-                steps, values[:, rank, layer], color="#333", linewidth=0.9, linestyle=(0, (3, 1.5)), alpha=0.7, zorder=2
-            )
-            _mark_nonfinite(ax, steps, data.present[:, rank] & ~np.isfinite(entropy[:, rank, layer]), "#333")
-        for inc in incidents:
-            if inc.layer == layer or inc.layer is None:
-                ax.axvspan(
-                    inc.first_step - _min_span(steps),
-                    inc.last_step + _min_span(steps),
-                    color=_SEVERITY_COLOUR[inc.severity.value],
-                    alpha=0.12 if inc.layer == layer else 0.06,
-                    linewidth=0,
-                )
-        for f in faults:
-            ax.axvline(f["step"], color="#333", linestyle="--", linewidth=0.8)
-        limits = _robust_limits(
-            np.concatenate([mean[:, layer], *(values[:, r, layer] for r in [*suspects, *injected_ranks])])
+    entropy = data.layers[ENTROPY]
+    ax.fill_between(steps, lo[:, layer], hi[:, layer], color="#1f5fa8", alpha=0.15, linewidth=0)
+    ax.plot(steps, mean[:, layer], color="#1f5fa8", linewidth=1.4, zorder=3)
+    for colour, rank in zip(_SUSPECT_COLOURS, suspects):
+        ax.plot(
+            steps,
+            values[:, rank, layer],
+            color=colour,
+            linewidth=0.9,
+            alpha=0.8 if layer in named_layers or not named_layers else 0.45,
+            zorder=2,
         )
-        if limits is not None:
-            ax.set_ylim(*limits)
-        is_named = layer in named_layers
-        ax.set_title(
-            f"layer {layer}" + ("  ◀ named by an incident" if is_named else ""),
-            fontsize=9,
-            color="#d62728" if is_named else "#222",
-            fontweight="bold" if is_named else "normal",
-            loc="left",
+        _mark_nonfinite(ax, steps, data.present[:, rank] & ~np.isfinite(entropy[:, rank, layer]), colour)
+    for rank in injected_ranks:  # ground truth the incidents did not name: drawn, but apart
+        ax.plot(
+            steps, values[:, rank, layer], color="#333", linewidth=0.9, linestyle=(0, (3, 1.5)), alpha=0.7, zorder=2
         )
-        if is_named:
-            for side in ("left", "bottom"):
-                ax.spines[side].set_color("#d62728")
-        _style_axes(ax)
-    for ax in axes[len(shown) :]:
-        ax.set_visible(False)
-    for ax in axes[(rows - 1) * cols :]:
-        ax.set_xlabel("step", fontsize=8.5)
+        _mark_nonfinite(ax, steps, data.present[:, rank] & ~np.isfinite(entropy[:, rank, layer]), "#333")
+    for inc in incidents:
+        if inc.layer == layer or inc.layer is None:
+            ax.axvspan(
+                inc.first_step - _min_span(steps),
+                inc.last_step + _min_span(steps),
+                color=_SEVERITY_COLOUR[inc.severity.value],
+                alpha=0.12 if inc.layer == layer else 0.06,
+                linewidth=0,
+            )
+    for f in faults:
+        ax.axvline(f["step"], color="#333", linestyle="--", linewidth=0.8)
+    limits = _robust_limits(
+        np.concatenate([mean[:, layer], *(values[:, r, layer] for r in [*suspects, *injected_ranks])])
+    )
+    if limits is not None:
+        ax.set_ylim(*limits)
+    is_named = layer in named_layers
+    ax.set_title(
+        f"layer {layer}" + ("  ◀ named by an incident" if is_named else ""),
+        fontsize=9,
+        color="#d62728" if is_named else "#222",
+        fontweight="bold" if is_named else "normal",
+        loc="left",
+    )
+    if is_named:
+        for side in ("left", "bottom"):
+            ax.spines[side].set_color("#d62728")
+    _style_axes(ax)
+
+
+def _attention_legend(fig: Any, data: RunData, suspects: Sequence[int], injected_ranks: Sequence[int]) -> None:
     from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
 
@@ -426,11 +456,41 @@ def plot_attention(
     ]
     handles += [
         Line2D([], [], color=c, label=f"rank {r}" + (f" ({data.host_of(r)})" if data.host_of(r) else ""))
-        for c, r in zip(suspect_colours, suspects)
+        for c, r in zip(_SUSPECT_COLOURS, suspects)
     ]
     handles += [
         Line2D([], [], color="#333", linestyle=(0, (3, 1.5)), label=f"rank {r} (injected)") for r in injected_ranks
     ]
     fig.legend(handles=handles, loc="outside upper right", ncols=len(handles), fontsize=8.5, frameon=False)
+
+
+def plot_attention(
+    data: RunData, incidents: Sequence[Incident], suspects: Sequence[int], faults: Sequence[Mapping[str, Any]]
+) -> tuple[str | None, list[int]]:
+    """Attention entropy per layer, one panel a layer; returns (the PNG or None, the layers drawn)."""
+    entropy = data.layers.get(ENTROPY)
+    if entropy is None or entropy.shape[2] == 0:
+        return None, []
+    shown, named_layers = _layers_shown(entropy.shape[2], incidents)
+    cols = min(4, len(shown))
+    rows = math.ceil(len(shown) / cols)
+    fig = _new_figure(11.5, 0.5 + 1.9 * rows)
+    axes = np.atleast_1d(fig.subplots(rows, cols, sharex=True, squeeze=False).ravel())
+    present = data.present[:, :, None]
+    values = np.where(present & np.isfinite(entropy), entropy, np.nan).astype(np.float64)
+    with quiet_nan_warnings():
+        band = (values, np.nanmean(values, axis=1), np.nanmin(values, axis=1), np.nanmax(values, axis=1))
+    injected_ranks = [
+        f["rank"]
+        for f in faults
+        if isinstance(f.get("rank"), int) and 0 <= f["rank"] < data.world and f["rank"] not in suspects
+    ][:1]
+    for ax, layer in zip(axes, shown):
+        _draw_layer_panel(ax, layer, data, band, incidents, suspects, injected_ranks, faults, named_layers)
+    for ax in axes[len(shown) :]:
+        ax.set_visible(False)
+    for ax in axes[(rows - 1) * cols :]:
+        ax.set_xlabel("step", fontsize=8.5)
+    _attention_legend(fig, data, suspects, injected_ranks)
     fig.supylabel("attention entropy (nats)", fontsize=9.5)
     return _png(fig), shown

@@ -61,7 +61,7 @@ log = logging.getLogger("sdcwatch.guard")
 class Guard(GuardActing):
     """Guards the updates of one training process (one rank, or all the ranks it simulates).
 
-    Use ``outcome = guard.step(step, compute)`` in place of ``optimizer.step()`` (the README shows a
+    Use ``outcome = guard.step(step, compute)`` in place of ``optimizer.step()`` (docs/guard.md shows a
     loop). ``compute()`` runs the step's forward and backward and returns the loss, or ``(loss,
     grad_norm)``, or ``(losses, grad_norm, local_grad_norms)`` with one loss per rank of ``local_ranks``;
     the guard restores the RNG state before a rerun, the closure must use the same micro-batches.

@@ -27,7 +27,7 @@ from sdcwatch.core.errors import ConfigError, RecordError, TransportError
 from sdcwatch.core.mesh import check_coords
 from sdcwatch.core.vocabulary import TELEMETRY_TOPIC
 from sdcwatch.core.columnar import WIRES
-from sdcwatch.core.schema import PackedRecord
+from sdcwatch.core.record_layout import PackedRecord
 from sdcwatch.core.record_type import Record, validate
 from sdcwatch.telemetry.wire.identity import identity_from_env
 from sdcwatch.core.layer_names import NamesOutbox

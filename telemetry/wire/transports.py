@@ -24,7 +24,7 @@ from typing import Any, Protocol, Sequence
 from sdcwatch.core.errors import ConfigError, TransportError
 from sdcwatch.core.kafka import new_admin, new_producer, security_settings
 from sdcwatch.core.vocabulary import TELEMETRY_TOPIC
-from sdcwatch.core.schema import PackedRecord
+from sdcwatch.core.record_layout import PackedRecord
 from sdcwatch.core.columnar import decode_stream, encode_items
 from sdcwatch.core.record import record_key
 from sdcwatch.core.record_type import Record

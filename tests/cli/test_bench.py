@@ -12,14 +12,10 @@ import pytest
 
 from sdcwatch.detectors.baselines import MegatronRules, NanLossCheck, ZClipDetector
 from sdcwatch.bench import bench_main, campaign_main, e2e_main, write_markdown
-from sdcwatch.testbed.campaign import (
-    BENIGN_CLASSES,
-    FAULT_CLASSES,
-    IMPACT_CLASSES,
-    CampaignConfig,
-    generate_trials,
-    trials_from_faults,
-)
+from sdcwatch.testbed.campaign import CampaignConfig
+from sdcwatch.testbed.fault_classes import BENIGN_CLASSES, FAULT_CLASSES
+from sdcwatch.testbed.impact import IMPACT_CLASSES
+from sdcwatch.testbed.trials import generate_trials, trials_from_faults
 from sdcwatch.detectors.frame import StepFrame
 from sdcwatch.core.errors import ConfigError, FaultSpecError
 from sdcwatch.testbed.faultspec import parse_faults
@@ -139,7 +135,7 @@ def test_probe_presets_are_shared_by_the_campaign_and_the_overhead_benchmark(tmp
 
 
 def test_masked_fault_classes_from_a_file():
-    from sdcwatch.testbed.campaign import fault_class
+    from sdcwatch.testbed.fault_classes import fault_class
 
     faults = parse_faults(
         '{"kind": "near_inf", "rank": 6, "step": 7, "target": "*att*", "where": "output", "magnitude": 1e12}\n'

@@ -200,10 +200,15 @@ FILE_ERRORS = [
     ("[bus.security]\nssl_cafile = '/nonexistent/ca.pem'\n", "bus.security.ssl_cafile", "no such file"),
     ("[bus.security]\nssl_check_hostname = 'true'\n", "bus.security.ssl_check_hostname", "must be true or false"),
     ("[state]\nsnapshot_interval_s = -5\n", "state.snapshot_interval_s", "greater than 0"),
-    ("[metrics]\ntop_k = 0\n", "metrics.top_k", "at least 1"),
+    ("[metrics]\ntop_k = -1\n", "metrics.top_k", "at least 0"),
+    ("[metrics]\nmax_layers = 0\n", "metrics.max_layers", "at least 1"),
+    ("[metrics]\nmax_runs = 0\n", "metrics.max_runs", "at least 1"),
     ("[metrics]\nmax_pieces = 0\n", "metrics.max_pieces", "at least 1"),
     ("[detectors]\nresolve_after_steps = 2.5\n", "detectors.resolve_after_steps", "must be an integer"),
     ("[detectors]\nalign_timeout_s = 'soon'\n", "detectors.align_timeout_s", "must be a number"),
+    ("[detectors]\nresolve_after_steps = 0\n", "detectors.resolve_after_steps", "must be at least 1, got 0"),
+    ("[detectors]\nalign_timeout_s = 0\n", "detectors.align_timeout_s", "must be greater than 0, got 0.0"),
+    ("[detectors]\nstage = 'all'\n", "detectors.stage", "not one of both, spatial, temporal"),
     ("[detectors]\nwarmup = 3\n", "detectors.warmup", "unknown key"),
     ("[metrics\nport = 1\n", "config", "not valid TOML"),
 ]
@@ -347,6 +352,50 @@ def test_help_lists_every_setting_with_its_environment_variable():
             dotted = row.split("`")[1]
             assert flag_name(dotted) in text
             assert env_name(dotted) in text.replace("\n", "").replace(" ", "")
+
+
+# ---------------------------------------------------------------------------------------------
+# settings defined once: by the component they configure
+
+
+def test_the_detectors_section_is_the_pipelines_settings():
+    """[detectors] is PipelineSettings (its keys, defaults and bounds), plus the stage, the schema
+    wait and one table per detector; the pipeline's fixed settings have no key."""
+    from dataclasses import fields
+
+    from sdcwatch.config.loaders import all_keys
+    from sdcwatch.service.pipeline import DetectionPipeline, PipelineSettings
+
+    cfg = load_config(env={"SDCWATCH_DETECTORS_ALIGN_TIMEOUT_S": "7", "SDCWATCH_DETECTORS_RESOLVE_AFTER_STEPS": "9"})
+    assert isinstance(cfg.detectors, PipelineSettings)
+    pipe = DetectionPipeline(cfg.detectors)
+    assert (pipe.aligner.timeout, pipe.book.quiet_steps) == (7.0, 9)
+    for f in fields(PipelineSettings):
+        assert getattr(ServeConfig().detectors, f.name) == getattr(PipelineSettings(), f.name)
+        assert (f"detectors.{f.name}" in all_keys()) == (not f.metadata.get("fixed"))
+    with pytest.raises(ConfigError, match=r"^detectors\.run_end_expiry_s: must be greater than 0, got 0$"):
+        PipelineSettings(run_end_expiry_s=0)
+
+
+def test_the_metrics_section_takes_the_exporters_defaults_and_bounds():
+    from sdcwatch.exporters import (
+        DEFAULT_MAX_LAYERS,
+        DEFAULT_MAX_PIECES,
+        DEFAULT_METRICS_ADDRESS,
+        DEFAULT_METRICS_PORT,
+        DEFAULT_TOP_K,
+    )
+
+    m = MetricsConfig()
+    assert (m.address, m.port, m.top_k, m.max_layers, m.max_pieces) == (
+        DEFAULT_METRICS_ADDRESS,
+        DEFAULT_METRICS_PORT,
+        DEFAULT_TOP_K,
+        DEFAULT_MAX_LAYERS,
+        DEFAULT_MAX_PIECES,
+    )
+    # top_k = 0 is a choice (per-rank series only for the ranks an open incident names), as in the collector
+    assert load_config(env={"SDCWATCH_METRICS_TOP_K": "0"}).metrics.top_k == 0
 
 
 # ---------------------------------------------------------------------------------------------

@@ -245,7 +245,7 @@ def test_schema_wait_from_the_environment_holds_a_v2_message_and_shows_it_on_met
 
     from sdcwatch.config import load_config
     from sdcwatch.core.columnar import encode_rows
-    from sdcwatch.core.schema import schema_for
+    from sdcwatch.core.record_layout import schema_for
     from sdcwatch.exporters.collector import SdcwatchCollector
     from sdcwatch.serve import build_service
     from sdcwatch.telemetry.wire.transports import ensure_topic

@@ -14,7 +14,7 @@ from sdcwatch.core.errors import ConfigError, RecordError
 from sdcwatch.core.mesh import DIMS
 from sdcwatch.telemetry import Emitter, MemoryBus, MemoryTransport
 from sdcwatch.core.columnar import MAGIC_V2, decode_stream, encode_items, encode_rows, parse_header
-from sdcwatch.core.schema import PackedRecord, Schema, schema_for
+from sdcwatch.core.record_layout import PackedRecord, Schema, schema_for
 from sdcwatch.core.vocabulary import RUN_END
 from sdcwatch.core.record import MAGIC
 from sdcwatch.core.record_type import Record

@@ -77,7 +77,7 @@ def test_a_training_job_with_an_unhealthy_rank_names_the_product_its_canary_chec
     import torch
 
     from sdcwatch.testbed.faultspec import FaultSpec
-    from sdcwatch.testbed.campaign import RecordCollector
+    from sdcwatch.testbed.branches import RecordCollector
     from sdcwatch.testbed.model import GPTConfig
     from sdcwatch.testbed.simulated import SimulatedRun, shared_corpus
 

@@ -52,13 +52,61 @@ def test_deterministic_for_a_seed(cls):
     assert findings_key(a) == findings_key(b)
 
 
+#: Whether each detector has a warm-up (steps during which it only learns): said here, not read from
+#: the detector, so a detector whose warm-up disappears or appears fails instead of skipping a check.
+HAS_WARMUP = {
+    "nonfinite": False,
+    "checksum": False,
+    "spike": True,
+    "lr_jump": True,
+    "rank_outlier": True,
+    "replica": False,
+    "straggler": True,
+    "missing_rank": False,
+    "guard": False,
+    "river_hst": True,
+}
+WITH_WARMUP = pytest.mark.parametrize(
+    "cls", [c for c in DETECTORS if HAS_WARMUP.get(c.name, True)], ids=lambda c: c.name
+)
+WITHOUT_WARMUP = pytest.mark.parametrize(
+    "cls", [c for c in DETECTORS if not HAS_WARMUP.get(c.name, True)], ids=lambda c: c.name
+)
+
+
 @ALL
+def test_says_whether_it_has_a_warmup(cls):
+    assert cls.name in HAS_WARMUP, f"a new detector: say in HAS_WARMUP whether {cls.name} has a warm-up"
+    assert (int(cls().warmup_steps) > 0) == HAS_WARMUP[cls.name]
+
+
+@WITH_WARMUP
 def test_silent_during_warmup(cls):
+    """Its fault, injected in the second half of the warm-up, gives no finding before it ends."""
     det = cls()
     n = int(det.warmup_steps)
-    synth = SyntheticRun(seed=1, faults=[Fault(cls.fault, step=max(0, n // 2), length=max(1, n // 2))])
+    assert n >= 1, f"{cls.name} is said to have a warm-up but has none"
+    fault = Fault(cls.fault, step=n // 2, length=max(1, n - n // 2))
+    assert fault.step < n, "the fault must fall inside the warm-up"
+    synth = SyntheticRun(seed=1, faults=[fault])
+    checked = 0
     for s in range(n):
         assert det.update(synth.frame(s)) == [], f"finding during warm-up at step {s}"
+        checked += 1
+    assert checked == n
+
+
+@WITHOUT_WARMUP
+def test_judges_from_its_first_step_without_a_warmup(cls):
+    """No warm-up: its fault, there from the very first step, is found as soon as it can be."""
+    det = cls()
+    assert int(det.warmup_steps) == 0
+    fault = Fault(cls.fault, step=0)
+    synth = SyntheticRun(seed=3, faults=[fault])
+    found = [f for s in range(50) for f in det.update(synth.frame(s))]
+    assert found, "no finding for a fault present from step 0"
+    # at once, or after the few steps that make it (missing_rank: absent from `after` steps in a row)
+    assert min(f.step for f in found) <= 10, "a detector without a warm-up waited as if it had one"
 
 
 @ALL

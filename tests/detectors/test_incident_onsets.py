@@ -87,7 +87,7 @@ def _simulated(faults, steps, **settings):
     import torch
 
     from sdcwatch.testbed.faultspec import FaultSpec
-    from sdcwatch.testbed.campaign import RecordCollector
+    from sdcwatch.testbed.branches import RecordCollector
     from sdcwatch.testbed.model import GPTConfig
     from sdcwatch.testbed.simulated import SimulatedRun, shared_corpus
 
@@ -126,7 +126,7 @@ def test_two_nans_in_a_training_job_are_two_incidents_naming_their_own_rank_step
     cleanly after each NaN: rank 1's at step 4 in block 1, rank 3's at step 20 in block 0."""
     records = _simulated([(1, 4, 1), (3, 20, 0)], 24, skip_nonfinite=True)
     # the first incident still open at step 20 (the default: resolved after 50 quiet steps), and resolved
-    for settings in (None, PipelineSettings(quiet_steps=10)):
+    for settings in (None, PipelineSettings(resolve_after_steps=10)):
         a, b = _incidents(records, settings)
         assert (a.first_step, a.last_step, a.ranks, a.layer) == (4, 4, (1,), 1), a
         assert (b.first_step, b.last_step, b.ranks, b.layer) == (20, 20, (3,), 0), b

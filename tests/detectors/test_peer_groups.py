@@ -323,7 +323,7 @@ def test_records_with_coordinates_over_either_wire_give_the_same_incidents():
     """Plain records carrying coordinates, encoded as the emitters send them and decoded by the
     service's decoder: v1 and v2 give the same incidents (to the bit), and the same kinds, steps,
     ranks and coordinates as the frames built directly (the wire sends layers as float32)."""
-    from sdcwatch.service.ingest import frames_over_wire
+    from sdcwatch.service.aligner import frames_over_wire
 
     bad = MeshRun().rank_of(tp=1, pp=0, dp=1)
     mesh = MeshRun(faults=[MeshFault("rank_shift", step=30, rank=bad), MeshFault("nonfinite", step=100, rank=bad)])

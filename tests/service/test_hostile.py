@@ -27,7 +27,7 @@ from serve_process import ServeProcess, Topics, metric, peek_topic, scrape, wait
 from sdcwatch.broker import free_port
 from sdcwatch.telemetry import Emitter, KafkaTransport, Record, encode
 
-#: Peak resident memory the service may reach during the whole attack (measured: see README).
+#: Peak resident memory the service may reach during the whole attack (measured: see docs/operating.md).
 RSS_BOUND_MIB = 512
 
 

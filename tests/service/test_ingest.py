@@ -25,7 +25,7 @@ from sdcwatch.service.ingest import (
 )
 from sdcwatch.service.bus import MemorySource
 from sdcwatch.telemetry import MemoryBus
-from sdcwatch.core.schema import PackedRecord, schema_for
+from sdcwatch.core.record_layout import PackedRecord, schema_for
 from sdcwatch.core.columnar import encode_items, encode_rows
 from sdcwatch.core.errors import RecordError
 from sdcwatch.core.limits import RecordLimits

@@ -12,7 +12,7 @@ from sdcwatch.service.loop import DetectorService
 from sdcwatch.service.kafka_source import KafkaSource
 from sdcwatch.telemetry import Emitter, KafkaTransport
 from sdcwatch.core.columnar import encode_rows
-from sdcwatch.core.schema import schema_for
+from sdcwatch.core.record_layout import schema_for
 
 pytestmark = pytest.mark.integration
 

@@ -162,17 +162,30 @@ def test_import_is_light():
 
 
 def test_in_rank_package_imports_only_itself_and_the_shared_core():
-    """Every module of the in-rank package, torch ones included, pulls in no detector, exporter, CLI or
-    test-bed module: a rank carries only what it needs (the reference model lives in the test bed)."""
+    """Every module of the in-rank package and its sub-packages, torch ones included, pulls in no
+    detector, service, exporter, CLI or test-bed module: a rank carries only what it needs."""
     code = (
         "import sys, pkgutil, importlib, sdcwatch.telemetry as t; "
-        "[importlib.import_module(f'sdcwatch.telemetry.{m.name}') for m in pkgutil.iter_modules(t.__path__) "
-        " if not m.ispkg]; "
+        "names = [m.name for m in pkgutil.walk_packages(t.__path__, 'sdcwatch.telemetry.')]; "
+        "[importlib.import_module(n) for n in names]; "
         "bad = sorted(m for m in sys.modules if m.startswith('sdcwatch.') and not "
-        "m.startswith(('sdcwatch.telemetry', 'sdcwatch.core'))); print(','.join(bad))"
+        "m.startswith(('sdcwatch.telemetry', 'sdcwatch.core'))); print(len(names), ','.join(bad))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
-    assert out == ""
+    count, _, bad = out.partition(" ")
+    assert int(count) >= 40, f"the walk found only {count} modules"  # the sub-packages are walked
+    assert bad == ""
+
+
+def test_the_wire_imports_no_torch():
+    """The emitter's side (``telemetry/wire``) is what a loop that only emits carries: no torch."""
+    code = (
+        "import sys, pkgutil, importlib, sdcwatch.telemetry.wire as w; "
+        "[importlib.import_module(m.name) for m in pkgutil.walk_packages(w.__path__, 'sdcwatch.telemetry.wire.')]; "
+        "print(len(w.__path__), 'torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert out == "1 False"
 
 
 def test_flush_waits_for_a_record_the_sender_is_still_building(monkeypatch):
