@@ -142,7 +142,7 @@ METRICS: tuple[MetricSpec, ...] = (
         ("reason",),
         "Records routed to the dead-letter topic, by reason: malformed, unknown_version, empty, oversize, "
         "world, layers, layer_metrics, values, step_size, counter, name, step_jump, runs, unknown_schema "
-        "(see the README's limits).",
+        "(see docs/operating.md, Limits).",
     ),
     _m(
         "sdcwatch_pipeline_consumer_partitions",

@@ -58,6 +58,8 @@ MAX_INCIDENTS_LISTED = 50
 #: (piece, layer) pairs of one run with per-layer series (open-incident layers, then the widest
 #: spread); without pipeline or tensor parallelism, layers.
 DEFAULT_MAX_LAYERS = 128
+#: How a family gets one sample: ``add(metric name, label values, value)``.
+_AddSample = Callable[[str, Sequence[str], float], None]
 
 
 def check_cardinality(*, top_k: int, max_layers: int, max_pieces: int) -> None:
@@ -216,7 +218,7 @@ class SdcwatchCollector(Collector):
     def _add_run(
         self,
         fam: dict[str, Metric],
-        add: Callable[[str, Sequence[str], float], None],
+        add: _AddSample,
         run: RunView,
         incidents: list[Incident],
         now: float,
@@ -331,7 +333,7 @@ class SdcwatchCollector(Collector):
             fam["sdcwatch_incident_score"].add_metric(ident, float(inc.score))
 
 
-def _add_findings(add: Callable[[str, Sequence[str], float], None], view: ServiceView) -> None:
+def _add_findings(add: _AddSample, view: ServiceView) -> None:
     """Findings by detector and kind, and the guard actions they stand for."""
     for (detector, kind), count in sorted(view.findings_total.items()):
         add("sdcwatch_detector_findings_total", [detector, kind], count)
@@ -340,7 +342,7 @@ def _add_findings(add: Callable[[str, Sequence[str], float], None], view: Servic
             add("sdcwatch_guard_actions_total", [action], count)
 
 
-def _add_pipeline(add: Callable[[str, Sequence[str], float], None], p: PipelineView, now: float) -> None:
+def _add_pipeline(add: _AddSample, p: PipelineView, now: float) -> None:
     """The pipeline's health: input, lag, dead letters, partitions, offset gaps, runs, alignment, stages."""
     add("sdcwatch_pipeline_records_total", [], p.records_total)
     add("sdcwatch_pipeline_records_per_second", [], p.records_per_second)

@@ -10,7 +10,10 @@ GPT on a corpus built from the stdlib, the fault injector, and the example users
   model (in any training loop: to test your alerting);
 * :mod:`.simulated` - W virtual data-parallel ranks in one process (fast: demos, benchmarks);
 * :mod:`.ddp` - real ``torch.distributed`` DDP over gloo (integration test, user example);
-* :mod:`.campaign` - the fault-injection campaign that scores sdcwatch and the baselines.
+* :mod:`.campaign` - the fault-injection campaign that scores sdcwatch and the baselines, from its
+  parts: :mod:`.fault_classes`, :mod:`.trials`, :mod:`.branches` (a run from the checkpoint),
+  :mod:`.impact` (the ground truth), :mod:`.scoring`, :mod:`.campaign_summary`,
+  :mod:`.campaign_targets` and :mod:`.guard_campaign` (the guarded third way).
 
 Importing this package is cheap; each name imports its module (and torch) on first use (PEP 562).
 """

@@ -107,11 +107,15 @@ def _own_docs(cls: type) -> dict[str, str]:
 
 
 def _class_docs(cls: type) -> dict[str, str]:
-    """Field docs of a dataclass and of its bases; a sub-section without one gets its class's first line."""
+    """Docs of the settable fields of a dataclass, written in it or in its bases (``[detectors]``'s
+    are :class:`~sdcwatch.service.pipeline.PipelineSettings`'); a sub-section without one gets its
+    class's first line."""
     docs: dict[str, str] = {}
     for klass in reversed(cls.__mro__):
         docs.update(_own_docs(klass))
-    for name, kind in hints(cls).items():
+    settable = hints(cls)
+    docs = {name: doc for name, doc in docs.items() if name in settable}
+    for name, kind in settable.items():
         if name not in docs and dataclasses.is_dataclass(kind):
             docs[name] = (kind.__doc__ or "").strip().splitlines()[0] if kind.__doc__ else ""
     return docs

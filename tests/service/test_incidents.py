@@ -112,8 +112,8 @@ def test_incident_round_trips_through_its_dict():
 def test_bad_book_settings_are_named():
     with pytest.raises(ConfigError, match="incidents.quiet_steps"):
         IncidentBook(quiet_steps=0)
-    with pytest.raises(ConfigError, match="pipeline.step_timeout"):
-        PipelineSettings(step_timeout=-1)
+    with pytest.raises(ConfigError, match="detectors.align_timeout_s"):
+        PipelineSettings(align_timeout_s=-1)
 
 
 # -- attribution through the pipeline ---------------------------------------------------------------

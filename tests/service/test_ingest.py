@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from sdcwatch.service.pipeline import DetectionPipeline
 from sdcwatch.service.loop import DetectorService
-from sdcwatch.service.aligner import StepAligner
+from sdcwatch.service.aligner import StepAligner, frames_over_wire
 from sdcwatch.detectors import StepFrame
 from sdcwatch.detectors.frame import DIM_INDEX, assemble_frame
 from sdcwatch.service.ingest import (
@@ -21,7 +21,6 @@ from sdcwatch.service.ingest import (
     RecordColumns,
     SchemaRegistry,
     as_records,
-    frames_over_wire,
 )
 from sdcwatch.service.bus import MemorySource
 from sdcwatch.telemetry import MemoryBus
@@ -316,7 +315,6 @@ def test_real_log_replays_give_the_same_incidents_over_either_wire(real_logs, lo
     through v2: the same incidents, and the same as replaying the log's rows directly."""
     from itertools import islice
 
-    from sdcwatch.service.ingest import frames_over_wire
     from sdcwatch.service.offline import read_csv_frames
 
     frames = list(islice(read_csv_frames(real_logs / log), 20_000))

@@ -60,7 +60,7 @@ def test_mixed_v1_and_v2_emitters_of_one_run_through_the_broker(bootstrap, uniqu
         bootstrap, unique_topic, group=f"g-{uuid.uuid4().hex[:8]}", deadletter_topic=f"{unique_topic}.dead"
     )
     events = Events()
-    pipe = DetectionPipeline(PipelineSettings(step_timeout=30.0))
+    pipe = DetectionPipeline(PipelineSettings(align_timeout_s=30.0))
     svc = DetectorService(source, pipe, sinks=[events], poll_timeout=0.5)
     deadline = time.monotonic() + 60
     svc.run_for(until=lambda: pipe.records_total >= world * steps or time.monotonic() > deadline)

@@ -33,8 +33,8 @@ class Clock:
 
 def pipeline(**settings) -> tuple[DetectionPipeline, Clock]:
     clock = Clock()
-    settings.setdefault("end_expiry", 300.0)
-    settings.setdefault("idle_expiry", 3600.0)
+    settings.setdefault("run_end_expiry_s", 300.0)
+    settings.setdefault("run_idle_expiry_s", 3600.0)
     return DetectionPipeline(PipelineSettings(**settings), clock=clock, wall=clock), clock
 
 
@@ -97,7 +97,7 @@ def test_a_run_whose_ranks_go_silent_is_not_finished_and_is_evicted_when_idle():
 
 def test_input_keeps_a_run_alive_and_eviction_is_per_run():
     a, b = SyntheticRun(seed=1, run="a"), SyntheticRun(seed=2, run="b")
-    pipe, clock = pipeline(idle_expiry=100.0)
+    pipe, clock = pipeline(run_idle_expiry_s=100.0)
     feed(pipe, a, range(5))
     feed(pipe, b, range(5))
     clock.t += 60.0
@@ -123,7 +123,7 @@ def test_last_steps_are_judged_before_the_run_closes():
 
 def test_an_incomplete_last_step_closes_after_the_step_timeout():
     synth = SyntheticRun(seed=1, run="gap")
-    pipe, clock = pipeline(step_timeout=5.0)
+    pipe, clock = pipeline(align_timeout_s=5.0)
     feed(pipe, synth, range(10))
     pipe.process(synth.records(10)[:-1] + markers(synth, 10))  # rank 7's last record was lost
     assert pipe.expire() == [] and run_view(pipe, "gap").last_step == 9
@@ -169,7 +169,7 @@ def test_lifecycle_survives_a_snapshot():
     assert "saved" not in restored.lifecycle and restored.view().pipeline.runs_evicted_total["finished"] == 1
     old_state = dict(state)
     del old_state["lifecycle"]  # a state file written before the lifecycle existed
-    old, clock3 = pipeline(idle_expiry=50.0)
+    old, clock3 = pipeline(run_idle_expiry_s=50.0)
     old.restore(old_state)
     clock3.t += 50.0
     old.expire()
@@ -186,8 +186,8 @@ def test_markers_of_another_world_size_count_afresh():
 
 
 def test_settings_are_checked():
-    with pytest.raises(ConfigError, match="end_expiry"):
-        PipelineSettings(end_expiry=0)
+    with pytest.raises(ConfigError, match="run_end_expiry_s"):
+        PipelineSettings(run_end_expiry_s=0)
     with pytest.raises(ConfigError, match="idle_expiry"):
         RunLifecycle(idle_expiry=-1.0)
 

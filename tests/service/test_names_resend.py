@@ -49,7 +49,7 @@ def _records(steps: int) -> dict[int, list]:
 def _spatial_wire(steps: int) -> list[bytes]:
     """A spatial stage fed one step every STEP_S seconds: its summaries on the wire, one a step."""
     now = [0.0]
-    spatial = DetectionPipeline(PipelineSettings(names_resend=RESEND), stage="spatial", clock=lambda: now[0])
+    spatial = DetectionPipeline(PipelineSettings(names_resend_s=RESEND), stage="spatial", clock=lambda: now[0])
     wire = []
     for step, items in sorted(_records(steps).items()):
         now[0] = step * STEP_S
@@ -148,14 +148,13 @@ def test_the_period_is_a_serve_setting_that_reaches_the_spatial_stage():
 
     from sdcwatch.config import load_config
     from sdcwatch.core.errors import ConfigError
-    from sdcwatch.serve import pipeline_settings
 
     cfg = load_config(env={"SDCWATCH_DETECTORS_NAMES_RESEND_S": "120"})
     assert cfg.detectors.names_resend_s == 120.0
-    spatial = DetectionPipeline(pipeline_settings(cfg), stage="spatial")
+    spatial = DetectionPipeline(cfg.detectors, stage="spatial")
     assert spatial.names.resend == 120.0 and spatial.names.forwards
-    assert not DetectionPipeline(pipeline_settings(cfg), stage="temporal").names.forwards
-    assert load_config(env={}).detectors.names_resend_s == PipelineSettings().names_resend == 300.0
+    assert not DetectionPipeline(cfg.detectors, stage="temporal").names.forwards
+    assert load_config(env={}).detectors.names_resend_s == PipelineSettings().names_resend_s == 300.0
     with pytest.raises(ConfigError, match="names_resend_s"):
         load_config(env={"SDCWATCH_DETECTORS_NAMES_RESEND_S": "0"})
 

@@ -57,7 +57,7 @@ def test_a_3d_job_through_the_broker_names_the_nan_rank_with_its_coordinates(boo
         bootstrap, unique_topic, group=f"g-{uuid.uuid4().hex[:8]}", deadletter_topic=f"{unique_topic}.dead"
     )
     opened = Opened()
-    pipe = DetectionPipeline(PipelineSettings(step_timeout=30.0))
+    pipe = DetectionPipeline(PipelineSettings(align_timeout_s=30.0))
     svc = DetectorService(source, pipe, sinks=[opened], poll_timeout=0.5)
     deadline = time.monotonic() + 90
     svc.run_for(until=lambda: pipe.records_total >= mesh.world * steps or time.monotonic() > deadline)
