@@ -31,9 +31,8 @@ import numpy as np  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # loaded by path too (sdcwatch bench)
 from healthy_steps import FPS, LAYERS, SCALARS, fingerprints, healthy_values  # noqa: E402
-
-from sdcwatch.service.pipeline import DetectionPipeline  # noqa: E402
 from sdcwatch.detectors import StepFrame  # noqa: E402
+from sdcwatch.service.pipeline import DetectionPipeline  # noqa: E402
 
 
 def make_frames(world: int, n_layers: int, count: int, seed: int = 0) -> list[StepFrame]:
@@ -120,8 +119,8 @@ def bench_river(world: int, n_layers: int, rank_records: int) -> dict:
 
 def bench_alignment(world: int, n_layers: int, steps: int = 3) -> dict:
     """Records -> StepAligner -> StepFrame: the per-record Python cost in front of the detectors."""
-    from sdcwatch.service.aligner import StepAligner
     from sdcwatch.core.record_type import Record
+    from sdcwatch.service.aligner import StepAligner
 
     (fr,) = make_frames(world, n_layers, 1, seed=99)
     records = [

@@ -46,7 +46,6 @@ import uuid
 from pathlib import Path
 
 import numpy as np
-
 from sdcwatch.core.vocabulary import LAYER_METRICS
 
 N_LAYERS = 2
@@ -135,7 +134,6 @@ class V2Sender:
 
     def __init__(self, a: argparse.Namespace) -> None:
         from kafka import KafkaProducer
-
         from sdcwatch.core.record_layout import schema_for
         from sdcwatch.telemetry.wire.transports import ensure_topic
 
@@ -281,9 +279,10 @@ class ServicesUnderTest:
         import tempfile
         from dataclasses import replace
 
+        from sdcwatch.telemetry.wire.transports import ensure_topic
+
         from sdcwatch.config import BusConfig, DetectorsConfig, MetricsConfig, ServeConfig, StateConfig
         from sdcwatch.serve import build_service
-        from sdcwatch.telemetry.wire.transports import ensure_topic
 
         # incidents resolve quickly, so each injected fault opens its own incident
         sum_topic = f"{topic}.summaries"

@@ -17,17 +17,18 @@ records/s per process; memory flat at the configured buffer during a broker outa
 from __future__ import annotations
 
 import argparse
-from array import array
 import json
 import logging
 import os
 import resource
 import sys
 import time
+from array import array
 from pathlib import Path
 
-from sdcwatch.broker import EmbeddedBroker
 from sdcwatch.telemetry import Emitter, KafkaTransport
+
+from sdcwatch.broker import EmbeddedBroker
 
 LAYERS = {name: [1.0, 2.0, 3.0, 4.0] for name in ("attn_entropy", "q_norm_max", "k_norm_max", "attn_logit_max")}
 SCALARS = dict(loss=2.5, grad_norm_local=1.1, grad_norm_global=1.0, grad_cosine=0.93, step_time=0.2, nonfinite=0.0)

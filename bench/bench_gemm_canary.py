@@ -24,7 +24,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from reference_step import at_width, batches, reference_model, train_step  # noqa: E402
-
 from sdcwatch.telemetry.probes.gemm_canary import GemmCanary  # noqa: E402
 
 

@@ -32,9 +32,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from reference_step import reference_model, side_by_side  # noqa: E402
-
-from sdcwatch.telemetry.guard.guard import Guard  # noqa: E402
 from sdcwatch.telemetry.guard.config import GuardConfig  # noqa: E402
+from sdcwatch.telemetry.guard.guard import Guard  # noqa: E402
 from sdcwatch.testbed.model import GPTConfig  # noqa: E402
 
 CONFIGS = {

@@ -55,8 +55,8 @@ def layout_coords(layout, world: int) -> tuple[tuple[str, ...], np.ndarray]:
 
 
 def messages_v1(run: str, world: int, a: dict, per_message: int) -> list[bytes]:
-    from sdcwatch.core.record_type import Record
     from sdcwatch.core.record import encode, encode_batch
+    from sdcwatch.core.record_type import Record
 
     dims, coords = a["coords"]
 
@@ -110,9 +110,9 @@ def messages_v2(run: str, world: int, a: dict, per_message: int, n_layers: int, 
 
 
 def bench(world: int, metrics: int, steps: int, per_message: int, warmup: int = 1, layout=None) -> list[dict]:
-    from sdcwatch.service.pipeline import DetectionPipeline
     from sdcwatch.service.aligner import StepAligner
     from sdcwatch.service.ingest import IngestDecoder
+    from sdcwatch.service.pipeline import DetectionPipeline
 
     n_layers = max(1, (metrics - len(SCALARS)) // len(LAYERS))
     metrics = len(SCALARS) + len(LAYERS) * n_layers

@@ -24,10 +24,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # loaded by path too (sdcwatch bench)
 from reference_step import reference_model, side_by_side, train_step  # noqa: E402
-
 from sdcwatch.telemetry import Emitter, MemoryBus, MemoryTransport, NullEmitter  # noqa: E402
-from sdcwatch.telemetry.probes.presets import PROBE_PRESETS, probe_config  # noqa: E402
 from sdcwatch.telemetry.probes.config import ProbeConfig  # noqa: E402
+from sdcwatch.telemetry.probes.presets import PROBE_PRESETS, probe_config  # noqa: E402
 from sdcwatch.telemetry.probes.watch import attach  # noqa: E402
 from sdcwatch.testbed.model import GPTConfig  # noqa: E402
 

@@ -48,9 +48,8 @@ def _model(args: argparse.Namespace):
 
 def _rank(rank: int, args: argparse.Namespace, init: str, out: str) -> None:
     import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
     from sdcwatch.telemetry import Emitter, MemoryBus, MemoryTransport, attach
+    from torch.nn.parallel import DistributedDataParallel as DDP
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=args.world)

@@ -16,7 +16,6 @@ import json
 import time
 
 import numpy as np
-
 from sdcwatch.core.mesh import DIMS, Layout
 from sdcwatch.detectors.frame import StepFrame, frame_stats
 from sdcwatch.detectors.piece_stats import piece_stats

@@ -28,7 +28,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_overhead import _Replica  # noqa: E402
 from reference_step import batches  # noqa: E402
-
 from sdcwatch.telemetry import MemoryBus  # noqa: E402
 from sdcwatch.telemetry.probes import extremes, finite, forward_order, gemm_canary, gemm_checks  # noqa: E402
 from sdcwatch.telemetry.probes.presets import probe_config  # noqa: E402

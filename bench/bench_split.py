@@ -37,9 +37,8 @@ import numpy as np  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_detectors import LAYERS, SCALARS, make_frames  # noqa: E402
-
-from sdcwatch.service.pipeline import DetectionPipeline  # noqa: E402
 from sdcwatch.service.aligner import StepAligner  # noqa: E402
+from sdcwatch.service.pipeline import DetectionPipeline  # noqa: E402
 from sdcwatch.service.summary import decode_summary, encode_summary  # noqa: E402
 
 
@@ -48,7 +47,6 @@ def bench_ingest(world: int, n_layers: int, wire: str = "v2", steps: int = 3) ->
     service's decoder (256 records a message, as ``sdcwatch bench ingest``) and aligning the records
     into a frame; ``wire`` is the format the ranks send (v2, the emitter's default, or v1)."""
     from bench_ingest import layout_coords, messages_v1, messages_v2, step_arrays
-
     from sdcwatch.service.ingest import IngestDecoder
 
     decoder = IngestDecoder()

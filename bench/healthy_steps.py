@@ -12,7 +12,6 @@ which a throughput benchmark does not need.
 from __future__ import annotations
 
 import numpy as np
-
 from sdcwatch.core.vocabulary import STEP_SCALARS as SCALARS
 
 __all__ = ["FPS", "LAYERS", "SCALARS", "fingerprints", "healthy_values"]

@@ -10,7 +10,6 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import torch
-
 from sdcwatch.testbed.model import GPT, GPTConfig
 from sdcwatch.testbed.simulated import shared_corpus
 

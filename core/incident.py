@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
-
 from sdcwatch.core.jsonsafe import json_float, json_safe
 from sdcwatch.core.where import noun_of, where
 

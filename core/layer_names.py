@@ -39,8 +39,8 @@ name with a control character (it would break a log line) with :class:`LimitErro
 from __future__ import annotations
 
 import hashlib
-import logging
 import json
+import logging
 import re
 import struct
 import zlib

@@ -15,6 +15,8 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from sdcwatch.core.lazy import lazy_attributes
+
 _LAZY = {
     "Attribution": "sdcwatch.detectors.attribution",
     "Detector": "sdcwatch.detectors.base",
@@ -51,13 +53,12 @@ _LAZY = {
 __all__ = ["DETECTORS", *sorted(_LAZY)]
 
 
+_lazy = lazy_attributes(__name__, _LAZY)
+
+
 def __getattr__(name: str) -> Any:
     if name == "DETECTORS":  # every registered detector class of sdcwatch, in pipeline order
-        value: Any = importlib.import_module("sdcwatch.detectors.registry").detector_classes()
-    else:
-        module = _LAZY.get(name)
-        if module is None:
-            raise AttributeError(f"module 'sdcwatch.detectors' has no attribute {name!r}")
-        value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+        value = importlib.import_module("sdcwatch.detectors.registry").detector_classes()
+        globals()[name] = value
+        return value
+    return _lazy(name)

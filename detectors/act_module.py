@@ -13,7 +13,6 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-
 from sdcwatch.detectors.frame import StepFrame
 
 __all__ = ["act_layer", "act_modules", "listed_hit"]

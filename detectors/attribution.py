@@ -17,11 +17,11 @@ from collections import deque
 from dataclasses import replace
 from typing import Any
 
-from sdcwatch.core.mesh import format_coords
-from sdcwatch.core.kinds import SPIKE_KINDS
-from sdcwatch.core.vocabulary import DATA_METRICS
-from sdcwatch.core.validate import check_positive
 from sdcwatch.core.incident import Finding, Severity
+from sdcwatch.core.kinds import SPIKE_KINDS
+from sdcwatch.core.mesh import format_coords
+from sdcwatch.core.validate import check_positive
+from sdcwatch.core.vocabulary import DATA_METRICS
 from sdcwatch.core.where import index_text, noun_of, where
 
 __all__ = ["Attribution"]

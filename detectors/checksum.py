@@ -18,16 +18,15 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-
+from sdcwatch.core.incident import Finding, Severity
 from sdcwatch.core.kinds import IncidentKind
-from sdcwatch.core.vocabulary import RATIO_METRICS
 from sdcwatch.core.validate import check_positive
+from sdcwatch.core.vocabulary import RATIO_METRICS
+from sdcwatch.core.where import message_at
 from sdcwatch.detectors.base import SplitDetector, StepContext
 from sdcwatch.detectors.frame import StepFrame
-from sdcwatch.detectors.registry import register
-from sdcwatch.core.incident import Finding, Severity
-from sdcwatch.core.where import message_at
 from sdcwatch.detectors.peers import Groups, known_coords, rank_label
+from sdcwatch.detectors.registry import register
 
 __all__ = ["ChecksumDetector", "ChecksumConfig"]
 

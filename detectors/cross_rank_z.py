@@ -15,7 +15,6 @@ from __future__ import annotations
 import warnings
 
 import numpy as np
-
 from sdcwatch.detectors.peers import Groups, grouped_robust
 
 __all__ = ["CrossRankZ"]

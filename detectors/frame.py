@@ -12,10 +12,9 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
 import numpy as np
-
 from sdcwatch.core.mesh import DIMS
-from sdcwatch.core.vocabulary import CHECK_METRICS, FINGERPRINTS, LAYER_METRICS, SCALARS
 from sdcwatch.core.record_type import Record
+from sdcwatch.core.vocabulary import CHECK_METRICS, FINGERPRINTS, LAYER_METRICS, SCALARS
 from sdcwatch.detectors.peers import Groups
 from sdcwatch.detectors.piece_stats import piece_stats
 

@@ -13,12 +13,11 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-
+from sdcwatch.core.control import ACTIONS, REASONS, VERDICTS
+from sdcwatch.core.incident import Finding, Severity
 from sdcwatch.detectors.base import SplitDetector, StepContext
 from sdcwatch.detectors.frame import StepFrame
 from sdcwatch.detectors.registry import register
-from sdcwatch.core.incident import Finding, Severity
-from sdcwatch.core.control import ACTIONS, REASONS, VERDICTS
 
 __all__ = ["GuardActionDetector"]
 

@@ -16,13 +16,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-
+from sdcwatch.core.incident import Finding, Severity
 from sdcwatch.core.kinds import IncidentKind
 from sdcwatch.core.validate import check_positive
 from sdcwatch.detectors.base import SplitDetector, StepContext
 from sdcwatch.detectors.frame import StepFrame
 from sdcwatch.detectors.registry import register
-from sdcwatch.core.incident import Finding, Severity
 
 __all__ = ["LearningRateJump", "LearningRateJumpConfig"]
 

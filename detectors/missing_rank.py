@@ -9,16 +9,15 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-
+from sdcwatch.core.incident import Finding, Severity
 from sdcwatch.core.jsonsafe import decode_array, encode_array
 from sdcwatch.core.kinds import IncidentKind
+from sdcwatch.core.mesh import format_coords, peer_key
 from sdcwatch.core.validate import check_positive
 from sdcwatch.detectors.base import SplitDetector, StepContext
-from sdcwatch.detectors.registry import register
 from sdcwatch.detectors.frame import StepFrame
-from sdcwatch.core.incident import Finding, Severity
-from sdcwatch.core.mesh import format_coords, peer_key
 from sdcwatch.detectors.peers import Groups, coords_of, known_coords, rank_label
+from sdcwatch.detectors.registry import register
 
 __all__ = ["MissingRankDetector", "MissingRankConfig"]
 

@@ -17,17 +17,16 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import numpy as np
-
+from sdcwatch.core.incident import Finding, Severity
 from sdcwatch.core.kinds import IncidentKind
 from sdcwatch.core.validate import check_positive
-from sdcwatch.detectors.base import SplitDetector, StepContext
-from sdcwatch.detectors.registry import register
-from sdcwatch.detectors.frame import StepFrame
-from sdcwatch.core.incident import Finding, Severity
 from sdcwatch.core.vocabulary import CANARY_PRODUCT, FIRST_BAD, RATIO_METRICS
 from sdcwatch.core.where import message_at
 from sdcwatch.detectors.act_module import act_layer, act_modules, listed_hit
+from sdcwatch.detectors.base import SplitDetector, StepContext
+from sdcwatch.detectors.frame import StepFrame
 from sdcwatch.detectors.peers import known_coords, rank_label
+from sdcwatch.detectors.registry import register
 from sdcwatch.detectors.spread import (
     ALL_REDUCED_METRICS,
     BACKWARD_METRICS,

@@ -23,9 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import numpy as np
-
 from sdcwatch.core.mesh import DATA_PARALLEL_DIMS, DIMS, format_coords
-
 
 __all__ = [
     "KEYS",

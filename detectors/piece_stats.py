@@ -17,7 +17,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-
 from sdcwatch.core.mesh import piece_label
 from sdcwatch.detectors.peers import coords_of, known_coords
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import numpy as np
-
 from sdcwatch.core.jsonsafe import decode_array, encode_array
 
 __all__ = ["RankEvidence", "cusum_step"]

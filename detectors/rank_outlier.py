@@ -20,21 +20,20 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-
-from sdcwatch.core.jsonsafe import decode_array, encode_array
-from sdcwatch.core.validate import check_positive
-from sdcwatch.detectors.base import SplitDetector, StepContext
-from sdcwatch.detectors.registry import register
-from sdcwatch.detectors.frame import StepFrame
-from sdcwatch.core.incident import Finding, Severity
 from sdcwatch.core.errors import ConfigError
+from sdcwatch.core.incident import Finding, Severity
+from sdcwatch.core.jsonsafe import decode_array, encode_array
 from sdcwatch.core.kinds import IncidentKind
-from sdcwatch.core.vocabulary import CHECK_METRICS, RANK_SCALARS
 from sdcwatch.core.mesh import format_coords
+from sdcwatch.core.validate import check_positive
+from sdcwatch.core.vocabulary import CHECK_METRICS, RANK_SCALARS
 from sdcwatch.core.where import message_at
+from sdcwatch.detectors.base import SplitDetector, StepContext
 from sdcwatch.detectors.cross_rank_z import CrossRankZ
+from sdcwatch.detectors.frame import StepFrame
 from sdcwatch.detectors.peers import coords_of, known_coords, rank_label
 from sdcwatch.detectors.rank_evidence import RankEvidence, cusum_step
+from sdcwatch.detectors.registry import register
 
 __all__ = ["RankOutlierDetector", "RankOutlierConfig"]
 

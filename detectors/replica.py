@@ -21,17 +21,16 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-
-from sdcwatch.core.kinds import IncidentKind
-from sdcwatch.core.vocabulary import CANARY_PRODUCT
-from sdcwatch.core.validate import check_positive
-from sdcwatch.detectors.base import SplitDetector, StepContext
-from sdcwatch.detectors.registry import register
-from sdcwatch.detectors.frame import StepFrame
 from sdcwatch.core.incident import Finding, Severity
+from sdcwatch.core.kinds import IncidentKind
 from sdcwatch.core.mesh import DIMS, format_coords, replica_key
+from sdcwatch.core.validate import check_positive
+from sdcwatch.core.vocabulary import CANARY_PRODUCT
 from sdcwatch.core.where import message_at, where
+from sdcwatch.detectors.base import SplitDetector, StepContext
+from sdcwatch.detectors.frame import StepFrame
 from sdcwatch.detectors.peers import Groups, coords_of, group_keys, known_coords, rank_label
+from sdcwatch.detectors.registry import register
 
 __all__ = ["ReplicaDivergenceDetector", "ReplicaConfig", "majority", "checked_product", "PEER_VOTED"]
 

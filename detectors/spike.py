@@ -17,14 +17,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-
+from sdcwatch.core.errors import ConfigError
+from sdcwatch.core.incident import Finding, Severity
 from sdcwatch.core.kinds import IncidentKind
 from sdcwatch.core.validate import check_positive
 from sdcwatch.detectors.base import SplitDetector, StepContext
-from sdcwatch.detectors.registry import register
 from sdcwatch.detectors.frame import StepFrame
-from sdcwatch.core.incident import Finding, Severity
-from sdcwatch.core.errors import ConfigError
+from sdcwatch.detectors.registry import register
 
 __all__ = ["SeriesSettings", "SpikeConfig", "RobustBaseline", "SpikeDetector"]
 

@@ -16,7 +16,6 @@ value)``, ``layer`` None for a scalar.
 from __future__ import annotations
 
 import numpy as np
-
 from sdcwatch.core.mesh import DIMS
 from sdcwatch.detectors.peers import KEYS, group_keys
 

@@ -10,16 +10,15 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-
-from sdcwatch.core.jsonsafe import decode_array, encode_array
 from sdcwatch.core.errors import ConfigError
+from sdcwatch.core.incident import Finding, Severity
+from sdcwatch.core.jsonsafe import decode_array, encode_array
 from sdcwatch.core.kinds import IncidentKind
 from sdcwatch.core.validate import check_positive
 from sdcwatch.detectors.base import SplitDetector, StepContext
-from sdcwatch.detectors.registry import register
 from sdcwatch.detectors.frame import StepFrame
-from sdcwatch.core.incident import Finding, Severity
 from sdcwatch.detectors.peers import grouped_median, rank_label
+from sdcwatch.detectors.registry import register
 
 __all__ = ["StragglerDetector", "StragglerConfig"]
 

@@ -20,11 +20,10 @@ import argparse
 import tempfile
 
 import torch
+from sdcwatch.telemetry.integrations.hf import SdcwatchCallback
+from sdcwatch.testbed import FaultInjector, FaultSpec
 from torch.utils.data import Dataset
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
-
-from sdcwatch.testbed import FaultInjector, FaultSpec
-from sdcwatch.telemetry.integrations.hf import SdcwatchCallback
 
 
 class RandomTokens(Dataset):

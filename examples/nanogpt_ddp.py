@@ -26,10 +26,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.nn.parallel import DistributedDataParallel
-
 from sdcwatch.telemetry import Emitter, attach
 from sdcwatch.testbed import FaultInjector, FaultSpec
+from torch.nn.parallel import DistributedDataParallel
 
 VOCAB, BLOCK = 256, 32
 

@@ -20,8 +20,8 @@ from collections.abc import Callable, Mapping
 from datetime import datetime, timezone
 from typing import Any
 
-from sdcwatch.core.incident import Incident, IncidentEvent
 from sdcwatch.core.errors import ConfigError
+from sdcwatch.core.incident import Incident, IncidentEvent
 from sdcwatch.core.validate import redact_url
 from sdcwatch.core.where import noun_of
 

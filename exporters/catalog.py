@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-
 __all__ = ["MetricSpec", "METRICS", "STATS", "metric"]
 
 #: Cross-rank statistics, in the column order of ``RunView.scalar_stats`` / ``layer_stats``.

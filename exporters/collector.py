@@ -21,9 +21,8 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 import numpy as np
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
 from prometheus_client.registry import Collector
-
-from sdcwatch.core.incident import Incident, PipelineView, RunView, ServiceView
 from sdcwatch.core.errors import ConfigError
+from sdcwatch.core.incident import Incident, PipelineView, RunView, ServiceView
 from sdcwatch.core.kinds import guard_action_of
 from sdcwatch.core.mesh import format_coords
 

@@ -21,8 +21,8 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from sdcwatch.core.incident import IncidentEvent
 from sdcwatch.core.errors import ConfigError, DeliveryError
+from sdcwatch.core.incident import IncidentEvent
 from sdcwatch.core.validate import redact_url
 
 __all__ = ["BackgroundSink", "Backoff", "PostFn", "post_json", "encode_json"]

@@ -13,8 +13,8 @@ import logging
 import math
 import re
 
-from sdcwatch.core.incident import IncidentEvent, Severity
 from sdcwatch.core.errors import ConfigError
+from sdcwatch.core.incident import IncidentEvent, Severity
 
 from .collector import incident_coords_label, incident_rank_label
 

@@ -20,7 +20,6 @@ from collections.abc import Sequence
 import numpy as np
 from prometheus_client.core import Metric
 from prometheus_client.samples import Sample
-
 from sdcwatch.core.incident import Incident, RunView
 from sdcwatch.core.mesh import piece_label
 

@@ -12,14 +12,13 @@ from collections.abc import Callable, Sequence
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, generate_latest, start_http_server
-
-from sdcwatch.core.incident import ServiceView
 from sdcwatch.core.errors import ConfigError
+from sdcwatch.core.incident import ServiceView
 from sdcwatch.core.validate import is_host
 
+from .catalog import STATS
 from .collector import DEFAULT_LAYER_STATS, DEFAULT_MAX_LAYERS, DEFAULT_TOP_K, SdcwatchCollector
 from .pieces import DEFAULT_MAX_PIECES
-from .catalog import STATS
 
 __all__ = ["MetricsServer", "DEFAULT_METRICS_ADDRESS", "DEFAULT_METRICS_PORT", "check_address", "check_port"]
 

@@ -8,12 +8,12 @@ exponential backoff up to ``max_attempts`` per event, then that event is given u
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from collections.abc import Mapping
-import time
 
-from sdcwatch.core.incident import IncidentEvent
 from sdcwatch.core.errors import ConfigError
+from sdcwatch.core.incident import IncidentEvent
 from sdcwatch.core.validate import redact_url
 
 from .delivery import BackgroundSink, Backoff, DeliveryError, PostFn, encode_json, post_json

@@ -20,11 +20,11 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from sdcwatch.core.errors import ConfigError, TransportError
+from sdcwatch.core.layer_names import LayerNames, names_to_json
+from sdcwatch.core.record_json import to_json
+from sdcwatch.core.record_type import Record
 from sdcwatch.service.ingest import IngestDecoder, as_records
 from sdcwatch.telemetry.wire.end_marker import is_end_marker
-from sdcwatch.core.record_type import Record
-from sdcwatch.core.record_json import to_json
-from sdcwatch.core.layer_names import LayerNames, names_to_json
 
 __all__ = ["Capture", "KafkaTopicReader", "capture", "build_parser", "capture_main"]
 

@@ -13,8 +13,7 @@ Importing it is cheap: each name is imported on first use (PEP 562).
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from sdcwatch.core.lazy import lazy_attributes
 
 _LAZY = {
     "StepAligner": "sdcwatch.service.aligner",
@@ -47,10 +46,4 @@ _LAZY = {
 __all__ = sorted(_LAZY)
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'sdcwatch.service' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_attributes(__name__, _LAZY)

@@ -33,18 +33,16 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
-
 from sdcwatch.core.columnar import WIRES, encode_items
 from sdcwatch.core.errors import RecordError
-from sdcwatch.core.validate import check_positive
-from sdcwatch.detectors.frame import StepFrame
-from sdcwatch.detectors.frame import assemble_frame
-from sdcwatch.service.ingest import IngestDecoder, RecordColumns
 from sdcwatch.core.limits import RecordLimits
 from sdcwatch.core.record import record_key
+from sdcwatch.core.record_json import from_dict, to_dict
 from sdcwatch.core.record_layout import PackedRecord
 from sdcwatch.core.record_type import Record
-from sdcwatch.core.record_json import from_dict, to_dict
+from sdcwatch.core.validate import check_positive
+from sdcwatch.detectors.frame import StepFrame, assemble_frame
+from sdcwatch.service.ingest import IngestDecoder, RecordColumns
 
 __all__ = ["StepAligner", "frames_over_wire"]
 

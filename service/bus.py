@@ -16,21 +16,21 @@ the pipeline refuses later (a step too far ahead, a run too many) go the same wa
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from dataclasses import dataclass
-import json
 from typing import Any, Callable, ClassVar, Protocol, Sequence
 
 from sdcwatch.core.errors import RecordError
+from sdcwatch.core.incident import IncidentEvent
 from sdcwatch.core.kafka import SECURITY_KEYS, new_producer
+from sdcwatch.core.limits import RecordLimits, reason_of
+from sdcwatch.core.record import decode_message, encode
+from sdcwatch.core.record_type import Record
 from sdcwatch.core.vocabulary import ANOMALY_TOPIC, DEADLETTER_TOPIC, SUMMARY_TOPIC, TELEMETRY_TOPIC
 from sdcwatch.service.ingest import IngestDecoder, Rejected, SchemaRegistry, count_records
 from sdcwatch.service.summary import StepSummary, encode_summary
-from sdcwatch.core.incident import IncidentEvent
-from sdcwatch.core.limits import RecordLimits, reason_of
-from sdcwatch.core.record_type import Record
-from sdcwatch.core.record import decode_message, encode
 
 __all__ = [
     "Source",

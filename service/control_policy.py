@@ -17,13 +17,12 @@ from collections import OrderedDict
 from dataclasses import dataclass, fields
 from typing import Any, Callable
 
-from sdcwatch.service.bus import TopicWriter
-from sdcwatch.detectors.replica import PEER_VOTED
-from sdcwatch.core.incident import Incident, IncidentEvent, Severity
-from sdcwatch.core.errors import ConfigError
-from sdcwatch.core.vocabulary import CONTROL_TOPIC
-from sdcwatch.core.errors import ControlError
 from sdcwatch.core.control import Decision
+from sdcwatch.core.errors import ConfigError, ControlError
+from sdcwatch.core.incident import Incident, IncidentEvent, Severity
+from sdcwatch.core.vocabulary import CONTROL_TOPIC
+from sdcwatch.detectors.replica import PEER_VOTED
+from sdcwatch.service.bus import TopicWriter
 
 __all__ = ["ControlPolicy", "ControlTopicSink", "POLICY_ACTIONS"]
 

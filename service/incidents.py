@@ -26,10 +26,10 @@ from collections import deque
 from dataclasses import replace
 from typing import Any, Callable, Iterable, Sequence
 
+from sdcwatch.core.incident import Finding, Incident, IncidentEvent, Severity
 from sdcwatch.core.jsonsafe import parse_float
 from sdcwatch.core.kinds import LOCALISING_KINDS, RANK_FAULT_KINDS, RANK_LOCAL_KINDS, SPIKE_KINDS
 from sdcwatch.core.validate import check_positive
-from sdcwatch.core.incident import Finding, Incident, IncidentEvent, Severity
 
 __all__ = ["IncidentBook", "incident_from_dict"]
 

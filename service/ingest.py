@@ -25,14 +25,13 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
-
-from sdcwatch.core.errors import RecordError
-from sdcwatch.core.limits import COUNTER_SCALARS, LimitError, RecordLimits, reason_of
 from sdcwatch.core.columnar import MAGIC_V2, MessageHeader, parse_header
+from sdcwatch.core.errors import RecordError
+from sdcwatch.core.layer_names import NAMES_MAGIC, LayerNames, decode_names
+from sdcwatch.core.limits import COUNTER_SCALARS, LimitError, RecordLimits, reason_of
+from sdcwatch.core.record import decode_message
 from sdcwatch.core.record_layout import Schema, row_to_record
 from sdcwatch.core.record_type import Record
-from sdcwatch.core.record import decode_message
-from sdcwatch.core.layer_names import NAMES_MAGIC, LayerNames, decode_names
 
 __all__ = [
     "check_schema",

@@ -19,19 +19,19 @@ from typing import Any, Callable, Sequence
 
 from sdcwatch.core.errors import TransportError
 from sdcwatch.core.kafka import new_consumer, new_producer, security_settings
+from sdcwatch.core.limits import RecordLimits
+from sdcwatch.core.record import decode_message, encode
+from sdcwatch.core.record_type import Record
 from sdcwatch.core.vocabulary import DEADLETTER_TOPIC, TELEMETRY_TOPIC
 from sdcwatch.service.bus import (
     DEADLETTER_MAX_BYTES,
     FAST_JOIN,
     DeadLetterCounts,
-    decode_or_reason,
     dead_letter_value,
+    decode_or_reason,
 )
 from sdcwatch.service.ingest import IngestDecoder, Rejected, SchemaRegistry, count_records
 from sdcwatch.service.offset_gaps import GAP_WAIT_S, OffsetGaps
-from sdcwatch.core.limits import RecordLimits
-from sdcwatch.core.record_type import Record
-from sdcwatch.core.record import decode_message, encode
 
 __all__ = ["KafkaSource"]
 

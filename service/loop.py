@@ -19,12 +19,12 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from sdcwatch.service.pipeline import DetectionPipeline
-from sdcwatch.service.bus import SummaryTopicSink
-from sdcwatch.service.bus import Source as RecordSource  # the protocol the service reads through
-from sdcwatch.core.incident import IncidentEvent, IncidentSink, ServiceView
 from sdcwatch.core.errors import ConfigError, RecordError
+from sdcwatch.core.incident import IncidentEvent, IncidentSink, ServiceView
 from sdcwatch.core.jsonsafe import json_safe
+from sdcwatch.service.bus import Source as RecordSource  # the protocol the service reads through
+from sdcwatch.service.bus import SummaryTopicSink
+from sdcwatch.service.pipeline import DetectionPipeline
 
 __all__ = ["DetectorService", "STATE_FILE", "SCHEMAS_FILE"]
 

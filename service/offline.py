@@ -20,15 +20,14 @@ from pathlib import Path
 from typing import Iterator, Sequence
 
 import numpy as np
-
+from sdcwatch.core.errors import RecordError, ReplayError
+from sdcwatch.core.incident import Incident
+from sdcwatch.core.layer_names import LayerNames, is_names_line, names_from_json
+from sdcwatch.core.limits import RecordLimits
+from sdcwatch.core.record_json import from_json
+from sdcwatch.core.record_type import Record
 from sdcwatch.detectors.frame import StepFrame
 from sdcwatch.service.pipeline import DetectionPipeline, PipelineSettings
-from sdcwatch.core.incident import Incident
-from sdcwatch.core.errors import RecordError, ReplayError
-from sdcwatch.core.limits import RecordLimits
-from sdcwatch.core.record_type import Record
-from sdcwatch.core.record_json import from_json
-from sdcwatch.core.layer_names import LayerNames, is_names_line, names_from_json
 
 __all__ = [
     "replay",

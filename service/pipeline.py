@@ -15,25 +15,24 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
-
-from sdcwatch.service.aligner import StepAligner
+from sdcwatch.core.errors import ConfigError
+from sdcwatch.core.incident import IncidentEvent, PipelineView, RunView, ServiceView
+from sdcwatch.core.jsonsafe import json_safe
+from sdcwatch.core.limits import RecordLimits
 from sdcwatch.detectors.attribution import Attribution
 from sdcwatch.detectors.base import SplitDetector
 from sdcwatch.detectors.frame import StepFrame, frame_stats
+from sdcwatch.detectors.peers import coords_of, known_coords
+from sdcwatch.detectors.registry import default_detectors
+from sdcwatch.service.aligner import StepAligner
+from sdcwatch.service.incidents import IncidentBook
+from sdcwatch.service.ingest import count_records
+from sdcwatch.service.layer_names import LayerNameBook
+from sdcwatch.service.run_lifecycle import RunLifecycle
 from sdcwatch.service.run_state import RunState
 from sdcwatch.service.run_view import run_view
-from sdcwatch.service.incidents import IncidentBook
-from sdcwatch.service.layer_names import LayerNameBook
-from sdcwatch.detectors.registry import default_detectors
-from sdcwatch.service.run_lifecycle import RunLifecycle
 from sdcwatch.service.statefile import read_state, restoring, write_state
-from sdcwatch.service.ingest import count_records
-from sdcwatch.detectors.peers import coords_of, known_coords
 from sdcwatch.service.summary import StepSummary, SummaryOrder
-from sdcwatch.core.jsonsafe import json_safe
-from sdcwatch.core.incident import IncidentEvent, PipelineView, RunView, ServiceView
-from sdcwatch.core.errors import ConfigError
-from sdcwatch.core.limits import RecordLimits
 
 __all__ = ["DetectionPipeline", "PipelineSettings", "STATE_VERSION", "STAGES"]
 

@@ -24,9 +24,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from sdcwatch.core.record_type import Record
 from sdcwatch.core.validate import check_positive
 from sdcwatch.core.vocabulary import RUN_END
-from sdcwatch.core.record_type import Record
 
 __all__ = ["RunLifecycle"]
 

@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-
 from sdcwatch.core.incident import RunView
 from sdcwatch.detectors.attribution import Attribution
 from sdcwatch.service.held_layers import HeldLayers

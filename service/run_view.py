@@ -10,7 +10,6 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-
 from sdcwatch.core.incident import RunView
 from sdcwatch.detectors.frame import frame_stats
 from sdcwatch.service.run_state import RunState

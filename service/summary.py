@@ -18,19 +18,18 @@ from __future__ import annotations
 
 import base64
 import heapq
-from collections import deque
 import json
 import math
 import struct
 import time
 import zlib
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import numpy as np
-
-from sdcwatch.core.validate import check_positive
 from sdcwatch.core.errors import SummaryError
+from sdcwatch.core.validate import check_positive
 
 __all__ = ["StepSummary", "SummaryOrder", "encode_summary", "decode_summary", "SUMMARY_MAGIC", "SUMMARY_VERSION"]
 

@@ -14,18 +14,14 @@ is cheap: torch and kafka-python are imported only when a name that needs them i
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
-
-from sdcwatch.telemetry.wire.emitter import Emitter, NullEmitter
-from sdcwatch.telemetry.wire.identity import identity_from_env
-from sdcwatch.core.vocabulary import RUN_END
-from sdcwatch.telemetry.wire.end_marker import end_marker, is_end_marker
-from sdcwatch.core.vocabulary import FINGERPRINTS, LAYER_METRICS, SCALARS
-from sdcwatch.core.record_type import Record
+from sdcwatch.core.lazy import lazy_attributes
 from sdcwatch.core.record import decode, encode
 from sdcwatch.core.record_json import from_json, to_json
-from sdcwatch.core.vocabulary import TELEMETRY_TOPIC
+from sdcwatch.core.record_type import Record
+from sdcwatch.core.vocabulary import FINGERPRINTS, LAYER_METRICS, RUN_END, SCALARS, TELEMETRY_TOPIC
+from sdcwatch.telemetry.wire.emitter import Emitter, NullEmitter
+from sdcwatch.telemetry.wire.end_marker import end_marker, is_end_marker
+from sdcwatch.telemetry.wire.identity import identity_from_env
 from sdcwatch.telemetry.wire.transports import FileTransport, KafkaTransport, MemoryBus, MemoryTransport, Transport
 
 # names whose modules import torch: resolved on first access (PEP 562)
@@ -81,10 +77,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'sdcwatch.telemetry' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_attributes(__name__, _LAZY)

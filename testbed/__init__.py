@@ -20,8 +20,7 @@ Importing this package is cheap; each name imports its module (and torch) on fir
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from sdcwatch.core.lazy import lazy_attributes
 
 _LAZY = {
     "GPT": "sdcwatch.testbed.model",
@@ -42,10 +41,4 @@ _LAZY = {
 __all__ = sorted(_LAZY)
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'sdcwatch.testbed' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_attributes(__name__, _LAZY)

@@ -19,13 +19,12 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch import nn
-from torch.nn import functional as F
-
 from sdcwatch.telemetry.probes import fingerprint as fp
 from sdcwatch.telemetry.probes.canary import canary_section
 from sdcwatch.telemetry.probes.gemm_canary import GemmCanary, known_input
 from sdcwatch.telemetry.probes.watch import canary_product
+from torch import nn
+from torch.nn import functional as F
 
 __all__ = ["stage_canaries", "shard_canaries", "checked_products"]
 

@@ -130,7 +130,6 @@ def run_one_seed(
     ``faults`` (injector specs, steps from 0) make it a positive control: the same counting, with
     alarms that must appear."""
     import torch
-
     from sdcwatch.testbed.branches import new_run
     from sdcwatch.testbed.scoring import make_detectors
 

@@ -11,7 +11,6 @@ import sysconfig
 from pathlib import Path
 
 import torch
-
 from sdcwatch.core.errors import ConfigError
 
 __all__ = ["Corpus", "stdlib_sources"]

@@ -21,8 +21,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Sequence
 
-from sdcwatch.core.vocabulary import CONTROL_TOPIC, TELEMETRY_TOPIC
 from sdcwatch.core.errors import ConfigError
+from sdcwatch.core.vocabulary import CONTROL_TOPIC, TELEMETRY_TOPIC
 from sdcwatch.testbed.faultspec import FaultSpec, load_faults
 
 __all__ = ["DDPSettings", "launch", "train_rank", "main", "add_run_arguments", "run_settings", "json_setting"]
@@ -108,11 +108,10 @@ def train_rank(rank: int, settings: DDPSettings) -> None:
     """Everything one rank does: join the group, train with probes and faults, report, leave."""
     import torch
     import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    from sdcwatch.testbed.faults import FaultInjector
     from sdcwatch.telemetry.probes.watch import attach
+    from sdcwatch.testbed.faults import FaultInjector
     from sdcwatch.testbed.simulated import shared_corpus
+    from torch.nn.parallel import DistributedDataParallel as DDP
 
     torch.set_num_threads(1)  # several ranks share the CPU: more threads per rank run ~10x slower
     dist.init_process_group("gloo", init_method=settings.init_method, rank=rank, world_size=settings.world)
@@ -153,7 +152,6 @@ def train_rank(rank: int, settings: DDPSettings) -> None:
 def _model_and_optimizer(settings: DDPSettings) -> tuple[Any, Any, int]:
     """The rank's model and optimizer, fresh from the seed or loaded from ``settings.load``, and the first step."""
     import torch
-
     from sdcwatch.testbed.model import GPT
 
     torch.manual_seed(settings.seed)
@@ -207,7 +205,6 @@ class _RankStep:
     def _compute(self, batch: Any, out: dict[str, Any]) -> tuple[Any, Any]:
         """This step's forward and backward (the guard may run it twice: same batch, same RNG)."""
         import torch
-
         from sdcwatch.testbed.model import next_byte_loss
 
         model = self.model
@@ -242,10 +239,9 @@ def _guard(
     (seed, step, rank), so any rank can rebuild any other's batch (bad data included) without sending it.
     """
     import torch
-
+    from sdcwatch.telemetry.guard.config import GuardConfig
     from sdcwatch.telemetry.guard.control_topic import KafkaControl
     from sdcwatch.telemetry.guard.guard import Guard
-    from sdcwatch.telemetry.guard.config import GuardConfig
     from sdcwatch.testbed.model import next_byte_loss
 
     def peer(suspect: int, on: int) -> Any:

@@ -39,8 +39,6 @@ from dataclasses import dataclass, fields
 from typing import Any, Callable
 
 import torch
-from torch import nn
-
 from sdcwatch.telemetry.probes.checksum_bounds import (
     bias_grad_bound,
     linear_bound,
@@ -49,8 +47,8 @@ from sdcwatch.telemetry.probes.checksum_bounds import (
     weight_grad_bound,
 )
 from sdcwatch.testbed.faults import FaultInjector, Injection
-from sdcwatch.testbed.faultspec import FaultSpec
-from sdcwatch.testbed.faultspec import ELEMENT_KINDS
+from sdcwatch.testbed.faultspec import ELEMENT_KINDS, FaultSpec
+from torch import nn
 
 __all__ = ["BoundedInjector", "CoveredInjection", "Share", "WHOLE"]
 

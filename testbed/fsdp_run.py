@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from sdcwatch.core.errors import ConfigError
-from sdcwatch.testbed.ddp import DDPSettings, add_run_arguments, run_settings, rank_emitter, launch as _launch
+from sdcwatch.testbed.ddp import DDPSettings, add_run_arguments, rank_emitter, run_settings
+from sdcwatch.testbed.ddp import launch as _launch
 
 __all__ = [
     "FSDPSettings",
@@ -93,7 +94,6 @@ def train_steps(settings, model, optimizer, injector, watch, corpus, data_rank: 
     the same norm, so every rank skips alike), the probes' step with the global loss."""
     import torch
     import torch.distributed as dist
-
     from sdcwatch.testbed.model import next_byte_loss
 
     for step in range(settings.steps):
@@ -125,11 +125,10 @@ def run_rank(rank: int, settings, dims: tuple[str, str], build) -> None:
     train with probes and faults, report, leave."""
     import torch
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from sdcwatch.testbed.faults import FaultInjector
     from sdcwatch.telemetry.probes.watch import attach
+    from sdcwatch.testbed.faults import FaultInjector
     from sdcwatch.testbed.simulated import shared_corpus
+    from torch.distributed.device_mesh import init_device_mesh
 
     torch.set_num_threads(1)  # several ranks share the CPU: more threads per rank run ~10x slower
     dist.init_process_group("gloo", init_method=settings.init_method, rank=rank, world_size=settings.world)
@@ -157,9 +156,8 @@ def train_rank(rank: int, settings: FSDPSettings) -> None:
     """One rank of the FSDP2/HSDP run: the reference model, ``fully_shard`` on every block and the root."""
 
     def build(mesh):
-        from torch.distributed.fsdp import fully_shard
-
         from sdcwatch.testbed.model import GPT
+        from torch.distributed.fsdp import fully_shard
 
         fsdp_mesh = mesh if settings.replicate > 1 else mesh["dp_shard"]
         model = GPT()

@@ -21,7 +21,8 @@ from dataclasses import dataclass, replace
 from typing import Sequence
 
 from sdcwatch.core.errors import ConfigError
-from sdcwatch.testbed.ddp import DDPSettings, add_run_arguments, run_settings, launch as _launch
+from sdcwatch.testbed.ddp import DDPSettings, add_run_arguments, run_settings
+from sdcwatch.testbed.ddp import launch as _launch
 from sdcwatch.testbed.fsdp_run import check_sharded, run_rank
 from sdcwatch.testbed.model import GPT, GPTConfig
 

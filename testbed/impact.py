@@ -8,7 +8,6 @@ import math
 from typing import Any
 
 import numpy as np
-
 from sdcwatch.testbed.branches import Branch
 
 __all__ = ["SPIKE_REL", "DRIFT_REL", "IMPACT_CLASSES", "impact_class", "fault_visibility", "json_number"]

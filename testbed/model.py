@@ -20,10 +20,9 @@ import math
 from dataclasses import dataclass
 
 import torch
+from sdcwatch.core.errors import ConfigError
 from torch import nn
 from torch.nn import functional as F
-
-from sdcwatch.core.errors import ConfigError
 
 __all__ = ["GPTConfig", "GPT", "CausalSelfAttention", "next_byte_loss"]
 

@@ -62,19 +62,15 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
-from torch import nn
-
 from sdcwatch.core.errors import ConfigError
 from sdcwatch.core.mesh import Layout
-from sdcwatch.telemetry.probes import fingerprint as fp
-from sdcwatch.telemetry.wire.emitter import NullEmitter
-from sdcwatch.testbed.faultspec import FaultSpec
-from sdcwatch.testbed.faults import Injection
-from sdcwatch.testbed.faultspec import TENSOR_KINDS
 from sdcwatch.core.vocabulary import FIRST_BAD
+from sdcwatch.telemetry.probes import fingerprint as fp
 from sdcwatch.telemetry.probes.config import ProbeConfig
+from sdcwatch.telemetry.wire.emitter import NullEmitter
 from sdcwatch.testbed.canary3d import checked_products, shard_canaries, stage_canaries
-from sdcwatch.testbed.simulated import SimulatedRun
+from sdcwatch.testbed.faults import Injection
+from sdcwatch.testbed.faultspec import TENSOR_KINDS, FaultSpec
 from sdcwatch.testbed.shard_injector import BoundedShardInjector, ShardInjector
 from sdcwatch.testbed.shard_plan import (
     ShardPlan,
@@ -83,6 +79,8 @@ from sdcwatch.testbed.shard_plan import (
     sizes,
 )
 from sdcwatch.testbed.shard_probe import ShardProbe, first_bad
+from sdcwatch.testbed.simulated import SimulatedRun
+from torch import nn
 
 __all__ = ["ParallelSimulatedRun"]
 

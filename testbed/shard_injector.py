@@ -9,10 +9,9 @@ from __future__ import annotations
 from typing import Any, Iterable
 
 import torch
-
+from sdcwatch.testbed.fault_bounds import BoundedInjector, Share
 from sdcwatch.testbed.faults import FaultInjector
 from sdcwatch.testbed.faultspec import FaultSpec
-from sdcwatch.testbed.fault_bounds import BoundedInjector, Share
 from sdcwatch.testbed.shard_plan import ShardPlan
 
 __all__ = ["ShardInjector", "BoundedShardInjector"]

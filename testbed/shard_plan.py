@@ -12,11 +12,10 @@ import re
 from typing import Any, Sequence
 
 import torch
-from torch import nn
-
 from sdcwatch.core.errors import ConfigError
 from sdcwatch.core.mesh import Layout
 from sdcwatch.testbed.fault_bounds import WHOLE, Share
+from torch import nn
 
 __all__ = [
     "SIMULATED_DIMS",

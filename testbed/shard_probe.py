@@ -9,9 +9,6 @@ import math
 from typing import Any, Callable, Sequence
 
 import torch
-from torch import nn
-from torch.nn import functional as F
-
 from sdcwatch.telemetry.probes.canary import canary_running
 from sdcwatch.telemetry.probes.checksum_bounds import abs_max, check_linear, check_matmul
 from sdcwatch.telemetry.probes.extremes import peak
@@ -19,6 +16,8 @@ from sdcwatch.telemetry.probes.forward_order import NEAR_INF
 from sdcwatch.testbed.shard_injector import ShardInjector
 from sdcwatch.testbed.shard_plan import BLOCK as _BLOCK
 from sdcwatch.testbed.shard_plan import ShardPlan
+from torch import nn
+from torch.nn import functional as F
 
 __all__ = ["ShardProbe", "first_bad"]
 

@@ -21,20 +21,19 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
-
 from sdcwatch.core.errors import ConfigError
-from sdcwatch.telemetry.probes import fingerprint as fp
-from sdcwatch.telemetry.wire.emitter import NullEmitter
-from sdcwatch.testbed.faults import FaultInjector
-from sdcwatch.testbed.faultspec import FaultSpec
-from sdcwatch.telemetry.guard.guard import Guard
-from sdcwatch.telemetry.probes.gemm_canary import GemmCanary
 from sdcwatch.telemetry.guard.config import GuardConfig, GuardEviction
-from sdcwatch.telemetry.probes.config import ProbeConfig
-from sdcwatch.telemetry.probes.watch import Watch, canary_product
+from sdcwatch.telemetry.guard.guard import Guard
+from sdcwatch.telemetry.probes import fingerprint as fp
 from sdcwatch.telemetry.probes.canary import canary_fingerprint
+from sdcwatch.telemetry.probes.config import ProbeConfig
+from sdcwatch.telemetry.probes.gemm_canary import GemmCanary
+from sdcwatch.telemetry.probes.watch import Watch, canary_product
+from sdcwatch.telemetry.wire.emitter import NullEmitter
 from sdcwatch.testbed.corpus import Corpus
 from sdcwatch.testbed.fault_bounds import BoundedInjector
+from sdcwatch.testbed.faults import FaultInjector
+from sdcwatch.testbed.faultspec import FaultSpec
 from sdcwatch.testbed.model import GPT, GPTConfig
 
 __all__ = ["SimulatedRun", "shared_corpus"]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import numpy as np
-
 from sdcwatch.core.incident import Finding, Severity
 from sdcwatch.core.kinds import IncidentKind
 from sdcwatch.detectors.base import Detector

@@ -5,7 +5,6 @@ hosts, nothing more (no baseline attributes a problem to hardware or to the opti
 from __future__ import annotations
 
 import numpy as np
-
 from sdcwatch.core.incident import Finding, Severity
 from sdcwatch.detectors.frame import StepFrame
 

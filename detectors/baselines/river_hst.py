@@ -17,16 +17,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-
+from sdcwatch.core.incident import Finding, Severity
 from sdcwatch.core.kinds import IncidentKind
-from sdcwatch.core.vocabulary import RANK_SCALARS
 from sdcwatch.core.validate import check_positive
+from sdcwatch.core.vocabulary import CHECK_METRICS, RANK_SCALARS
 from sdcwatch.detectors.base import Detector
 from sdcwatch.detectors.frame import StepFrame
 from sdcwatch.detectors.rank_outlier import RankOutlierDetector
 from sdcwatch.detectors.registry import register
-from sdcwatch.core.incident import Finding, Severity
-from sdcwatch.core.vocabulary import CHECK_METRICS
 
 __all__ = ["RiverHalfSpaceTrees", "RiverConfig", "rank_features"]
 

@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from sdcwatch.core.errors import SdcwatchError
-from sdcwatch.report.data import RunData, incident_from_dict, load_incidents, load_records
 from sdcwatch.core.vocabulary import DEVIATION_METRICS
+from sdcwatch.report.data import RunData, incident_from_dict, load_incidents, load_records
 from sdcwatch.report.deviation import Deviation, rank_deviation, robust_z
 from sdcwatch.report.page import render_report, write_report
 

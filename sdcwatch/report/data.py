@@ -15,12 +15,12 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from sdcwatch.core.incident import Incident, Severity
 from sdcwatch.core.errors import RecordError, ReplayError
-from sdcwatch.service.offline import bounded_lines
+from sdcwatch.core.incident import Incident, Severity
+from sdcwatch.core.layer_names import is_names_line
 from sdcwatch.core.limits import RecordLimits
 from sdcwatch.core.record_json import from_json
-from sdcwatch.core.layer_names import is_names_line
+from sdcwatch.service.offline import bounded_lines
 from sdcwatch.telemetry.wire.end_marker import is_end_marker
 
 _SCALARS = ("loss", "loss_global", "grad_norm_local", "grad_norm_global", "grad_cosine", "nonfinite", "step_time")

@@ -12,9 +12,9 @@ import time
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
-from sdcwatch.core.incident import Incident
 from sdcwatch.core.errors import ReplayError
-from sdcwatch.report.data import ENTROPY, RunData, is_localised, incident_from_dict, load_incidents, load_records
+from sdcwatch.core.incident import Incident
+from sdcwatch.report.data import ENTROPY, RunData, incident_from_dict, is_localised, load_incidents, load_records
 from sdcwatch.report.deviation import MIN_RANKS
 from sdcwatch.report.plots import Z_FLAG, plot_attention, plot_heatmap, plot_training
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 import logging
 from typing import Any, Iterable, Sequence
 
-from sdcwatch.telemetry.guard.checks import DistGroup, LocalGroup
 from sdcwatch.core.control import ACTIONS
+from sdcwatch.telemetry.guard.checks import DistGroup, LocalGroup
 from sdcwatch.telemetry.guard.config import GuardEviction, GuardOutcome
 from sdcwatch.telemetry.guard.snapshots import clone_state
 

@@ -20,9 +20,9 @@ import threading
 from typing import Any, Iterable
 
 from sdcwatch.core.control import Decision, decode_decision
-from sdcwatch.core.vocabulary import CONTROL_TOPIC
 from sdcwatch.core.errors import ControlError
 from sdcwatch.core.kafka import new_consumer
+from sdcwatch.core.vocabulary import CONTROL_TOPIC
 
 __all__ = ["MemoryControl", "KafkaControl"]
 

@@ -34,23 +34,22 @@ import math
 from typing import Any, Callable, Iterable
 
 import numpy as np
-
 from sdcwatch.core.errors import ConfigError
+from sdcwatch.telemetry.guard.acting import GuardActing
 from sdcwatch.telemetry.guard.checks import (
     Baseline,
     DistGroup,
     LocalGroup,
     StepValues,
+    ballot,
     grad_norm,
     rng_state,
     same,
     set_rng_state,
-    ballot,
     suspects_from,
     to_numpy,
 )
 from sdcwatch.telemetry.guard.config import GuardConfig, GuardOutcome
-from sdcwatch.telemetry.guard.acting import GuardActing
 from sdcwatch.telemetry.guard.snapshots import SnapshotStore
 
 __all__ = ["Guard"]

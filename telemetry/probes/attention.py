@@ -15,9 +15,8 @@ import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import nn
-
 from sdcwatch.telemetry.probes.canary import canary_running
+from torch import nn
 
 if TYPE_CHECKING:
     from sdcwatch.telemetry.probes.watch import Watch

@@ -15,10 +15,9 @@ import fnmatch
 from typing import Callable
 
 import torch
-from torch import nn
-
 from sdcwatch.core.errors import ConfigError
 from sdcwatch.telemetry.probes.attention import ATTENTION_WATCHES, attention_stats, combine_attention, mha_qk_logits
+from torch import nn
 
 __all__ = ["AttentionLayers"]
 

@@ -9,9 +9,8 @@ import threading
 from typing import Any, Iterator
 
 import torch
-from torch import nn
-
 from sdcwatch.telemetry.probes import fingerprint as fp
+from torch import nn
 
 __all__ = ["canary_fingerprint", "canary_running", "canary_section"]
 

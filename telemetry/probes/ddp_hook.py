@@ -8,7 +8,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import torch
-
 from sdcwatch.telemetry.probes import fingerprint as fp
 
 if TYPE_CHECKING:

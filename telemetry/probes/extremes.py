@@ -20,9 +20,8 @@ from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
-from torch import nn
-
 from sdcwatch.telemetry.probes.forward_order import ForwardOrder
+from torch import nn
 
 __all__ = ["ResidualStream", "peak", "repeated_blocks"]
 

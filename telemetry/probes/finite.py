@@ -12,13 +12,12 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch import nn
-
-from sdcwatch.telemetry.probes.canary import canary_running
-from sdcwatch.telemetry.probes.gemm_checks import GemmChecks
-from sdcwatch.telemetry.probes.extremes import ResidualStream
 from sdcwatch.core.vocabulary import FIRST_BAD
+from sdcwatch.telemetry.probes.canary import canary_running
+from sdcwatch.telemetry.probes.extremes import ResidualStream
 from sdcwatch.telemetry.probes.forward_order import ForwardOrder
+from sdcwatch.telemetry.probes.gemm_checks import GemmChecks
+from torch import nn
 
 __all__ = ["FiniteChecks"]
 

@@ -27,7 +27,6 @@ from typing import Sequence
 
 import torch
 
-
 __all__ = ["NEAR_INF", "ForwardOrder"]
 
 #: ATTNChecker's near-INF threshold, the non-finite detector's default ``limit``.

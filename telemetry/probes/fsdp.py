@@ -41,11 +41,10 @@ import warnings
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import torch
-from torch import nn
-
 from sdcwatch.core.errors import ConfigError
 from sdcwatch.telemetry.probes import fingerprint as fp
 from sdcwatch.telemetry.probes.ddp_hook import float_dot
+from torch import nn
 
 if TYPE_CHECKING:
     from sdcwatch.telemetry.probes.watch import Watch

@@ -15,7 +15,6 @@ import math
 from typing import Any
 
 import torch
-
 from sdcwatch.telemetry.probes.checksum_bounds import (
     TINY,
     accumulated_sum,

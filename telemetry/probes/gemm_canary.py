@@ -54,13 +54,12 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import nn
-
 from sdcwatch.telemetry.probes import fingerprint as fp
 from sdcwatch.telemetry.probes.canary import canary_section
-from sdcwatch.telemetry.probes.output_faults import output_faults
 from sdcwatch.telemetry.probes.gemm_state import is_shard
 from sdcwatch.telemetry.probes.linear_layout import is_linear, linear_weight
+from sdcwatch.telemetry.probes.output_faults import output_faults
+from torch import nn
 
 __all__ = ["GemmCanary", "known_input", "ROWS"]
 

@@ -24,8 +24,6 @@ import warnings
 from typing import Any, Callable
 
 import torch
-from torch import nn
-
 from sdcwatch.core.vocabulary import GEMM_METRICS
 from sdcwatch.telemetry.probes.checksum_bounds import (
     TINY,
@@ -40,11 +38,14 @@ from sdcwatch.telemetry.probes.gemm_state import (
     GEMM_OBSERVERS,
     SealedWeight,
     StepChecks,
+    call_peaks,
+    holds_whole_rows,
     is_shard,
+    local_part,
     stack_rows,
 )
-from sdcwatch.telemetry.probes.gemm_state import call_peaks, holds_whole_rows, local_part
 from sdcwatch.telemetry.probes.linear_layout import is_linear, linear_weight, transposed
+from torch import nn
 
 __all__ = ["GemmChecks"]
 

@@ -11,9 +11,8 @@ import weakref
 from typing import Any
 
 import torch
-from torch import nn
-
 from sdcwatch.telemetry.probes.checksum_bounds import accumulated_sum, accumulation_dtype, memory_bound_of
+from torch import nn
 
 __all__ = [
     "SealedWeight",

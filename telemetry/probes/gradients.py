@@ -19,7 +19,6 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import torch
-
 from sdcwatch.telemetry.probes import fingerprint as fp
 
 __all__ = ["GradientStats", "unless_closure"]

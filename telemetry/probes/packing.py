@@ -12,7 +12,6 @@ from typing import Any, NamedTuple
 
 import numpy
 import torch
-
 from sdcwatch.core.vocabulary import ATTENTION_STATS
 from sdcwatch.telemetry.probes import fingerprint as fp
 

@@ -30,29 +30,27 @@ import warnings
 from typing import Any
 
 import torch
-from torch import nn
-
 from sdcwatch.core.errors import ConfigError
-from sdcwatch.core.vocabulary import CANARY_PRODUCT
+from sdcwatch.core.vocabulary import CANARY_PRODUCT, FIRST_BAD
 from sdcwatch.telemetry.probes import fingerprint as fp
 from sdcwatch.telemetry.probes.activations import ActivationMax
-from sdcwatch.telemetry.probes.attention_layers import AttentionLayers
 from sdcwatch.telemetry.probes.attention import (
     ATTENTION_WATCHES,
     LIVE_WATCHES,
     finish_attention,
 )
+from sdcwatch.telemetry.probes.attention_layers import AttentionLayers
 from sdcwatch.telemetry.probes.canary import canary_fingerprint, canary_running
+from sdcwatch.telemetry.probes.config import ProbeConfig
 from sdcwatch.telemetry.probes.ddp_hook import comm_hook
 from sdcwatch.telemetry.probes.finite import FiniteChecks
-from sdcwatch.core.vocabulary import FIRST_BAD
-from sdcwatch.telemetry.probes.gemm_canary import GemmCanary
 from sdcwatch.telemetry.probes.fsdp import ShardedGradients, is_sharded, local_tensors
+from sdcwatch.telemetry.probes.gemm_canary import GemmCanary
 from sdcwatch.telemetry.probes.gradients import GradientStats, unless_closure
+from sdcwatch.telemetry.probes.layer_names import NameHandoff
 from sdcwatch.telemetry.probes.mesh_torch import coords_from_mesh
 from sdcwatch.telemetry.probes.packing import PackedStep, pack_step, unpack_step
-from sdcwatch.telemetry.probes.config import ProbeConfig
-from sdcwatch.telemetry.probes.layer_names import NameHandoff
+from torch import nn
 
 __all__ = ["Watch", "attach", "canary_product"]
 

@@ -17,20 +17,20 @@ from __future__ import annotations
 import collections
 import logging
 import math
-import struct
 import os
+import struct
 import threading
 import time as _time
 from typing import Any, Mapping, Sequence
 
-from sdcwatch.core.errors import ConfigError, RecordError, TransportError
-from sdcwatch.core.mesh import check_coords
-from sdcwatch.core.vocabulary import TELEMETRY_TOPIC
 from sdcwatch.core.columnar import WIRES
+from sdcwatch.core.errors import ConfigError, RecordError, TransportError
+from sdcwatch.core.layer_names import NamesOutbox
+from sdcwatch.core.mesh import check_coords
 from sdcwatch.core.record_layout import PackedRecord
 from sdcwatch.core.record_type import Record, validate
+from sdcwatch.core.vocabulary import TELEMETRY_TOPIC
 from sdcwatch.telemetry.wire.identity import identity_from_env
-from sdcwatch.core.layer_names import NamesOutbox
 
 __all__ = ["Emitter", "NullEmitter"]
 

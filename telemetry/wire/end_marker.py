@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import time as _time
 
-from sdcwatch.core.vocabulary import RUN_END
 from sdcwatch.core.record_type import Record
+from sdcwatch.core.vocabulary import RUN_END
 
 __all__ = ["end_marker", "is_end_marker"]
 

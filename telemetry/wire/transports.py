@@ -21,15 +21,15 @@ import time
 from pathlib import Path
 from typing import Any, Protocol, Sequence
 
+from sdcwatch.core.columnar import decode_stream, encode_items
 from sdcwatch.core.errors import ConfigError, TransportError
 from sdcwatch.core.kafka import new_admin, new_producer, security_settings
-from sdcwatch.core.vocabulary import TELEMETRY_TOPIC
-from sdcwatch.core.record_layout import PackedRecord
-from sdcwatch.core.columnar import decode_stream, encode_items
-from sdcwatch.core.record import record_key
-from sdcwatch.core.record_type import Record
-from sdcwatch.core.record_json import to_json
 from sdcwatch.core.layer_names import LayerNames, names_to_json
+from sdcwatch.core.record import record_key
+from sdcwatch.core.record_json import to_json
+from sdcwatch.core.record_layout import PackedRecord
+from sdcwatch.core.record_type import Record
+from sdcwatch.core.vocabulary import TELEMETRY_TOPIC
 
 __all__ = ["Transport", "KafkaTransport", "FileTransport", "MemoryTransport", "MemoryBus"]
 
