@@ -39,7 +39,8 @@ from sdcwatch.core.validate import check_type, describe, did_you_mean, is_secret
 __all__ = ["ENV_PREFIX", "OTHER_ENV", "load_config", "env_name", "flag_name", "all_keys", "default_of", "parse_text"]
 
 ENV_PREFIX = "SDCWATCH_"
-#: ``SDCWATCH_*`` variables that are not serve settings: the emitter's, the loader's and dev.sh's.
+#: ``SDCWATCH_*`` variables that are not serve settings: the emitter's, the loader's, ``sdcwatch bench``'s
+#: and dev.sh's.
 OTHER_ENV = frozenset(
     {
         "SDCWATCH_RUN",
@@ -51,6 +52,7 @@ OTHER_ENV = frozenset(
         "SDCWATCH_CONFIG",
         "SDCWATCH_VENV",
         "SDCWATCH_TORCH",
+        "SDCWATCH_BENCH_DIR",
     }
 )
 _TRUE = frozenset({"1", "true", "yes", "on"})
@@ -235,7 +237,7 @@ def _env_layer(env: Mapping[str, str]) -> tuple[dict[str, Any], dict[str, str]]:
                 var,
                 f"unknown sdcwatch environment variable{hint}; sections are "
                 f"{', '.join(s.upper() for s in SECTIONS)}; the other variables sdcwatch reads are "
-                f"{', '.join(sorted(OTHER_ENV))} (the emitter's, --config's and dev.sh's)",
+                f"{', '.join(sorted(OTHER_ENV))} (the emitter's, --config's, sdcwatch bench's and dev.sh's)",
             )
         sources[dotted] = f"environment {var}"
         try:

@@ -102,6 +102,7 @@ def test_emitter_variables_are_not_serve_settings():
         "SDCWATCH_WIRE": "v1",
         "SDCWATCH_MESH": "pp=2,dp=4,tp=2",
         "SDCWATCH_COORDS": "pp=1,dp_replicate=3,tp=0",
+        "SDCWATCH_BENCH_DIR": "/src/sdcwatch/bench",  # sdcwatch bench's, exported in the same shell
         "PATH": "/bin",
     }
     assert load_config(env=env) == ServeConfig()
@@ -489,4 +490,4 @@ def test_the_unknown_variable_error_does_not_call_every_other_variable_the_emitt
         load_config(env={"SDCWATCH_WHATEVER": "x"})
     text = str(err.value)
     assert "the emitter's own are" not in text
-    assert "SDCWATCH_RUN" in text and "SDCWATCH_CONFIG" in text and "(the emitter's, --config's and dev.sh's)" in text
+    assert "SDCWATCH_RUN" in text and "SDCWATCH_CONFIG" in text and "(the emitter's, --config's, sdcwatch bench's and dev.sh's)" in text

@@ -33,7 +33,8 @@ import sys, time
 import numpy as np
 from kafka import KafkaProducer
 from sdcwatch.core.vocabulary import LAYER_METRICS
-from sdcwatch.core.columnar import encode_rows, schema_for
+from sdcwatch.core.columnar import encode_rows
+from sdcwatch.core.record_layout import schema_for
 
 bootstrap, topic, producer_id, steps, rate, per_message, world = sys.argv[1:8]
 producer_id, steps, per_message, world, rate = int(producer_id), int(steps), int(per_message), int(world), float(rate)
