@@ -490,4 +490,8 @@ def test_the_unknown_variable_error_does_not_call_every_other_variable_the_emitt
         load_config(env={"SDCWATCH_WHATEVER": "x"})
     text = str(err.value)
     assert "the emitter's own are" not in text
-    assert "SDCWATCH_RUN" in text and "SDCWATCH_CONFIG" in text and "(the emitter's, --config's, sdcwatch bench's and dev.sh's)" in text
+    assert (
+        "SDCWATCH_RUN" in text
+        and "SDCWATCH_CONFIG" in text
+        and "(the emitter's, --config's, sdcwatch bench's and dev.sh's)" in text
+    )
