@@ -1,39 +1,18 @@
-"""The shared leaf: concepts every layer of sdcwatch uses, defined once.
+"""The shared leaf: concepts every layer of sdcwatch uses, defined once, each imported from its module.
 
-- :mod:`~sdcwatch.core.errors`: the exception tree;
+- :mod:`~sdcwatch.core.errors`: the exception tree (also re-exported by :mod:`sdcwatch`);
 - :mod:`~sdcwatch.core.validate`: the validators (each names the dotted key of a bad value);
 - :mod:`~sdcwatch.core.jsonsafe`: one JSON codec for NaN/Inf and numpy arrays;
 - :mod:`~sdcwatch.core.vocabulary`: topic names and metric-name lists;
-- :mod:`~sdcwatch.core.kinds`: :class:`IncidentKind` and its sets.
+- :mod:`~sdcwatch.core.kinds`: :class:`~sdcwatch.core.kinds.IncidentKind` and its sets;
+- the wire record and its codecs: :mod:`~sdcwatch.core.record_type`, :mod:`~sdcwatch.core.record`,
+  :mod:`~sdcwatch.core.record_json`, :mod:`~sdcwatch.core.record_layout`, :mod:`~sdcwatch.core.columnar`;
+  the layer-names message :mod:`~sdcwatch.core.layer_names`; what a record may claim
+  :mod:`~sdcwatch.core.limits`; parallel coordinates :mod:`~sdcwatch.core.mesh`;
+- the guard's wire :mod:`~sdcwatch.core.control`; findings, incidents and views
+  :mod:`~sdcwatch.core.incident`, rendered in words by :mod:`~sdcwatch.core.where`;
+- Kafka clients :mod:`~sdcwatch.core.kafka`; lazy package attributes :mod:`~sdcwatch.core.lazy`.
 
 This package imports nothing of the project (and nothing heavier than numpy), so the in-rank
-telemetry, the detectors, the exporters and the CLI may all import it.
+telemetry, the detectors, the service, the exporters and the CLI may all import it.
 """
-
-from sdcwatch.core.errors import (
-    BrokerError,
-    ConfigError,
-    DeliveryError,
-    FaultSpecError,
-    RecordError,
-    ReplayError,
-    SdcwatchError,
-    SummaryError,
-    TransportError,
-    UnknownVersionError,
-)
-from sdcwatch.core.kinds import IncidentKind
-
-__all__ = [
-    "SdcwatchError",
-    "ConfigError",
-    "RecordError",
-    "UnknownVersionError",
-    "SummaryError",
-    "TransportError",
-    "DeliveryError",
-    "BrokerError",
-    "FaultSpecError",
-    "ReplayError",
-    "IncidentKind",
-]

@@ -31,6 +31,7 @@ from statistics import median
 from typing import Any, Sequence
 
 from sdcwatch.testbed.branches import RecordCollector, flat_params
+from sdcwatch.testbed.fault_classes import BENIGN_CLASSES, HARDWARE_CLASSES
 from sdcwatch.testbed.impact import json_number
 
 __all__ = [
@@ -48,24 +49,10 @@ __all__ = [
 #: repeat (transient); an unhealthy unit or a corrupted replica repeats on that rank only
 #: (persistent); bad data and a learning-rate spike repeat wherever they are computed (data).
 EXPECTED_VERDICT = {
-    **{
-        c: "transient"
-        for c in (
-            "nan_attn",
-            "inf_attn",
-            "near_inf_attn",
-            "nan_other",
-            "inf_other",
-            "near_inf_other",
-            "bitflip_exponent",
-            "bitflip_mantissa",
-        )
-    },
+    **{c: "transient" for c in HARDWARE_CLASSES[: HARDWARE_CLASSES.index("unhealthy_node")]},
     "unhealthy_node": "persistent",
     "param_bitflip": "persistent",
-    "lr_spike": "data",
-    "bad_batch_all": "data",
-    "bad_batch_rank": "data",
+    **{c: "data" for c in BENIGN_CLASSES},
 }
 _VERDICTS = ("transient", "persistent", "data", "reproducible")
 
