@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # Set-up and the two everyday jobs, on a fresh machine:
-#   ./dev.sh demo [ARGS]   install sdcwatch into .venv and run the demo on the embedded broker
-#   ./dev.sh test [ARGS]   install the test dependencies too (Prometheus, Alertmanager, Chromium
-#                          from Debian) and run the whole test suite
-#   ./dev.sh lint          install the dev dependencies, run ruff (lint and format check) and build
-#                          the documentation site (docs/, mkdocs.yml) with mkdocs --strict
+#   ./dev.sh demo [ARGS]   install sdcwatch[all] (service, broker, torch) into .venv and run the demo
+#                          on the embedded broker
+#   ./dev.sh test [ARGS]   install sdcwatch[dev] (every extra and the pinned versions the tests run)
+#                          and the test dependencies from Debian (Prometheus, Alertmanager, Chromium),
+#                          then run the whole test suite
+#   ./dev.sh lint          install sdcwatch[dev], run ruff (lint and format check) and build the
+#                          documentation site (docs/, mkdocs.yml) with mkdocs --strict
+# A training rank needs only `pip install sdcwatch` (README.md, "Set-up").
 set -euo pipefail
 cd "$(dirname "$0")"
 VENV=${SDCWATCH_VENV:-.venv}
@@ -45,7 +48,7 @@ cmd=${1:-}
 shift || true
 case "$cmd" in
   demo)
-    need_venv torch
+    need_venv all
     exec "$VENV/bin/sdcwatch" demo "$@"
     ;;
   lint)

@@ -189,6 +189,9 @@ class RunView:
     pieces: tuple[str, ...] = ("",)
     piece_layers: tuple[int, ...] = ()  # layers each piece holds (its ranks sent); () = every layer
     pieces_omitted: int = 0  # pieces past the service's bound, without statistics
+    # per piece (as ``pieces``), the names its ranks sent for the indices of indexed metrics
+    # ({family: names}, sdcwatch.core.layer_names); () when none of its ranks sent any
+    layer_names: tuple[dict[str, tuple[str, ...]], ...] = ()
 
 
 @dataclass

@@ -63,6 +63,9 @@ class IncidentKind(str, enum.Enum):
     """One rank's checksum residual 10^6 x above the other ranks' 90th percentile (warning)."""
     LR_JUMP = "lr_jump"
     """The learning rate rose several-fold in one step (optimisation, no rank blamed)."""
+    RANKS_DISAGREE = "ranks_disagree"
+    """Two or three ranks (too few to vote) plainly disagree at a step (info, read by attribution,
+    never an incident)."""
     PEERS_TOO_FEW = "peers_too_few"
     """Peer groups with too few ranks for a cross-rank comparison: their ranks are not judged
     (info, never an incident)."""

@@ -25,10 +25,15 @@ with warnings.catch_warnings():
     warnings.filterwarnings("ignore", "Prefer using dashboardv2", DeprecationWarning)
     from grafana_foundation_sdk.builders import dashboard as dash
     from grafana_foundation_sdk.builders import heatmap, stat, table, timeseries
-    from grafana_foundation_sdk.builders.common import VizLegendOptions
+    from grafana_foundation_sdk.builders.common import ScaleDistributionConfig, VizLegendOptions
     from grafana_foundation_sdk.builders.prometheus import Dataquery as PromQuery
     from grafana_foundation_sdk.cog.encoder import JSONEncoder
-    from grafana_foundation_sdk.models.common import DataSourceRef, LegendDisplayMode, LegendPlacement
+    from grafana_foundation_sdk.models.common import (
+        DataSourceRef,
+        LegendDisplayMode,
+        LegendPlacement,
+        ScaleDistribution,
+    )
     from grafana_foundation_sdk.models.dashboard import (
         DataTransformerConfig,
         GridPos,
@@ -146,70 +151,57 @@ def _annotation() -> dash.AnnotationQuery:
     )
 
 
-def build_dashboard() -> dash.Dashboard:
-    """The dashboard builder: rows for training, ranks, layers, incidents and the pipeline."""
-    d = (
-        dash.Dashboard("sdcwatch: silent data corruption and loss spikes")
-        .uid(DASHBOARD_UID)
-        .description(
-            "Training health as seen by the sdcwatch detector service: global loss and gradient "
-            "norm with incident annotations, spike scores, rank outliers, per-layer attention "
-            "statistics, open incidents and ingest pipeline health."
-        )
-        .tags(["sdcwatch", "training", "sdc"])
-        .refresh("30s")
-        .time("now-6h", "now")
-        .timezone("browser")
-        .variables(_variables())
-        .annotation(_annotation())
+#: Metrics of the every-step non-finite scan and of the matrix checksums: the incidents they open
+#: are listed in the scan row (a NaN is left out of the cross-rank statistics, an incident is not).
+SCAN_METRICS = "stream_max|gemm_out|attn_logit_max|attn_logit_min|gemm_fwd|gemm_bwd|gemm_weight|gemm_in"
+
+
+def _symlog(panel: timeseries.Panel) -> timeseries.Panel:
+    """A log axis that keeps 0 and negative values (a product's largest row sum may be either)."""
+    return panel.scale_distribution(
+        ScaleDistributionConfig().type(ScaleDistribution.SYMLOG).log(10).linear_threshold(1)
     )
 
-    y = 0
-    d = d.with_row(dash.Row("Training").grid_pos(GridPos(h=1, w=24, x=0, y=y)))
+
+def _training_row(y: int) -> tuple[list, int]:
+    """Loss, gradient norm, last step, open incidents, spike scores, incidents opened."""
+    items: list = [dash.Row("Training").grid_pos(GridPos(h=1, w=24, x=0, y=y))]
     y += 1
-    d = d.with_panel(
+    items += [
         _ts(
             "Global loss",
             "Latest global loss (mean over ranks) per completed step. Red regions: open incidents.",
             GridPos(h=8, w=9, x=0, y=y),
             _q(f"sdcwatch_training_loss{{{RUN}}}", "{{run}}"),
-        )
-    )
-    d = d.with_panel(
+        ),
         _ts(
             "Global gradient norm",
             "Global gradient norm per completed step.",
             GridPos(h=8, w=9, x=9, y=y),
             _q(f"sdcwatch_training_grad_norm{{{RUN}}}", "{{run}}"),
-        )
-    )
-    d = d.with_panel(
+        ),
         _stat(
             "Last step",
             "Last training step the service completed.",
             GridPos(h=4, w=6, x=18, y=y),
             _q(f"max by (run) (sdcwatch_training_last_step{{{RUN}}})", "{{run}}"),
-        )
-    )
-    d = d.with_panel(
+        ),
         _stat(
             "Open incidents",
-            "Incidents currently open, all kinds.",
+            "Incidents currently open, all kinds (0 when none ever opened).",
             GridPos(h=4, w=6, x=18, y=y + 4),
-            _q(f"sum(sdcwatch_incidents_open{{{RUN}}})", "open"),
-        )
-    )
+            _q(f"sum(sdcwatch_incidents_open{{{RUN}}}) or on() vector(0)", "open"),
+        ),
+    ]
     y += 8
-    d = d.with_panel(
+    items += [
         _ts(
             "Spike scores",
             "Robust, trend-aware spike score of the global loss and gradient norm; "
             "the spike detector alarms above its threshold.",
             GridPos(h=8, w=12, x=0, y=y),
             _q(f"sdcwatch_detector_spike_score{{{RUN}}}", "{{run}} {{metric}}"),
-        )
-    )
-    d = d.with_panel(
+        ),
         _ts(
             "Incidents opened",
             "Incidents opened per interval, by kind and severity.",
@@ -218,13 +210,16 @@ def build_dashboard() -> dash.Dashboard:
                 "sum by (kind, severity) (increase(sdcwatch_incidents_total[$__rate_interval]))",
                 "{{kind}} {{severity}}",
             ),
-        )
-    )
-    y += 8
+        ),
+    ]
+    return items, y + 8
 
-    d = d.with_row(dash.Row("Ranks").grid_pos(GridPos(h=1, w=24, x=0, y=y)))
+
+def _ranks_row(y: int) -> tuple[list, int]:
+    """Rank-outlier evidence and the across-rank spread of the scalars."""
+    items: list = [dash.Row("Ranks").grid_pos(GridPos(h=1, w=24, x=0, y=y))]
     y += 1
-    d = d.with_panel(
+    items += [
         heatmap.Panel()
         .title("Rank-outlier score (top-K ranks)")
         .description(
@@ -234,9 +229,7 @@ def build_dashboard() -> dash.Dashboard:
         .datasource(DS)
         .grid_pos(GridPos(h=9, w=12, x=0, y=y))
         .calculate(False)
-        .with_target(_q(f"sdcwatch_rank_outlier_score{{{RUN}}}", "rank {{rank}} {{host}}"))
-    )
-    d = d.with_panel(
+        .with_target(_q(f"sdcwatch_rank_outlier_score{{{RUN}}}", "rank {{rank}} {{host}}")),
         _ts(
             "Per-rank spread of scalars",
             "Across-rank min, quartiles and max of the local "
@@ -247,13 +240,94 @@ def build_dashboard() -> dash.Dashboard:
                 f'sdcwatch_rank_metric{{{RUN}, {PIECE}, metric=~"grad_norm_local|loss"}}',
                 "{{piece}} {{metric}} {{stat}}",
             ),
+        ),
+    ]
+    return items, y + 9
+
+
+def _scan_row(y: int) -> tuple[list, int]:
+    """The every-step non-finite scan (residual stream, product outputs), the matrix checksums, and
+    the incidents they opened: where NaN, Inf and near-INF values and wrong products are caught."""
+    items: list = [dash.Row("Every-step scan and checksums").grid_pos(GridPos(h=1, w=24, x=0, y=y))]
+    y += 1
+    layer = "{{piece}} {{metric}} {{layer}} {{layer_name}}"
+    items += [
+        _symlog(
+            _ts(
+                "Residual stream per block (max over ranks)",
+                "stream_max: the largest |value| of each block's output, every step, largest over the ranks "
+                "(values that are not finite are left out of the statistic: the incidents below name them). "
+                "A near-INF value (|x| >= 1e10) stands out; a block is named by its module when the ranks "
+                "sent their names.",
+                GridPos(h=8, w=6, x=0, y=y),
+                _q(f'sdcwatch_layer_metric{{{RUN}, {PIECE}, metric="stream_max", stat="max"}}', layer),
+            )
+        ),
+        _symlog(
+            _ts(
+                "Product outputs (max over ranks)",
+                "gemm_out: each checked matrix product's largest output row sum, every step, largest over "
+                "the ranks; the index is the product (product 11), named by its module when known.",
+                GridPos(h=8, w=6, x=6, y=y),
+                _q(f'sdcwatch_layer_metric{{{RUN}, {PIECE}, metric="gemm_out", stat="max"}}', layer),
+            )
+        ),
+        _symlog(
+            _ts(
+                "Checksums: residual over its rounding bound (max over ranks)",
+                "gemm_fwd (forward product), gemm_bwd (weight gradient), gemm_weight (weights in memory): "
+                "each product's largest checksum residual divided by its rounding bound, on checked steps "
+                "(every 16th by default). Above 1 the product is wrong: the checksum detector raises it.",
+                GridPos(h=8, w=6, x=12, y=y),
+                _q(
+                    f'sdcwatch_layer_metric{{{RUN}, {PIECE}, metric=~"gemm_fwd|gemm_bwd|gemm_weight", stat="max"}}',
+                    layer,
+                ),
+            )
+        ),
+        _ts(
+            "Non-finite values (worst rank)",
+            "The largest count over the ranks of NaN and Inf values in the loss, the gradients and the "
+            "probed activations at the last step.",
+            GridPos(h=8, w=6, x=18, y=y),
+            _q(f'sdcwatch_rank_metric{{{RUN}, {PIECE}, metric="nonfinite", stat="max"}}', "{{piece}} {{run}}"),
+        ),
+    ]
+    y += 8
+    info = f'sdcwatch_incident_info{{{RUN}, metric=~"{SCAN_METRICS}"}}'
+    labels = "kind, state, rank, host, metric, layer, layer_name"
+    items.append(
+        table.Panel()
+        .title("Caught by the scan and checksums")
+        .description(
+            "Open and recently resolved incidents on a scanned or checked metric: the rank, the metric "
+            "(stream_max, gemm_out, the attention logits, gemm_fwd...), its index and module, the first step."
+        )
+        .datasource(DS)
+        .grid_pos(GridPos(h=6, w=24, x=0, y=y))
+        .no_value("nothing caught")
+        .with_target(
+            _q(
+                f"sdcwatch_incident_first_step{{{RUN}}} * on (run, id) group_left ({labels}) {info}",
+                instant=True,
+                table_format=True,
+            )
+        )
+        .with_transformation(
+            DataTransformerConfig(
+                id_val="organize",
+                options={"excludeByName": {"Time": True}, "renameByName": {"Value": "first step"}},
+            )
         )
     )
-    y += 9
+    return items, y + 6
 
-    d = d.with_row(dash.Row("Layers").grid_pos(GridPos(h=1, w=24, x=0, y=y)))
+
+def _layers_row(y: int) -> tuple[list, int]:
+    """The sampled attention statistics per layer."""
+    items: list = [dash.Row("Layers").grid_pos(GridPos(h=1, w=24, x=0, y=y))]
     y += 1
-    d = d.with_panel(
+    items += [
         _ts(
             "Attention entropy per layer (median over ranks)",
             "Median over ranks of each layer's attention entropy; collapse towards 0 is an attention-entropy "
@@ -261,11 +335,9 @@ def build_dashboard() -> dash.Dashboard:
             GridPos(h=8, w=8, x=0, y=y),
             _q(
                 f'sdcwatch_layer_metric{{{RUN}, {PIECE}, metric="attn_entropy", stat="median"}}',
-                "{{piece}} layer {{layer}}",
+                "{{piece}} layer {{layer}} {{layer_name}}",
             ),
-        )
-    )
-    d = d.with_panel(
+        ),
         _ts(
             "q/k norms per layer (max over ranks)",
             "Largest query and key norms of each layer over all ranks: runaway growth "
@@ -273,28 +345,29 @@ def build_dashboard() -> dash.Dashboard:
             GridPos(h=8, w=8, x=8, y=y),
             _q(
                 f'sdcwatch_layer_metric{{{RUN}, {PIECE}, metric=~"q_norm_max|k_norm_max", stat="max"}}',
-                "{{piece}} {{metric}} layer {{layer}}",
+                "{{piece}} {{metric}} layer {{layer}} {{layer_name}}",
             ),
-        )
-    )
-    d = d.with_panel(
+        ),
         _ts(
             "Largest attention logit per layer (max over ranks)",
             "Near-INF logits (|x| > 1e10) in attention drive training to a non-trainable state.",
             GridPos(h=8, w=8, x=16, y=y),
             _q(
                 f'sdcwatch_layer_metric{{{RUN}, {PIECE}, metric="attn_logit_max", stat="max"}}',
-                "{{piece}} layer {{layer}}",
+                "{{piece}} layer {{layer}} {{layer_name}}",
             ),
-        )
-    )
-    y += 8
+        ),
+    ]
+    return items, y + 8
 
-    d = d.with_row(dash.Row("Incidents").grid_pos(GridPos(h=1, w=24, x=0, y=y)))
+
+def _incidents_row(y: int) -> tuple[list, int]:
+    """The open incidents and the guard's actions."""
+    items: list = [dash.Row("Incidents").grid_pos(GridPos(h=1, w=24, x=0, y=y))]
     y += 1
     info = f'sdcwatch_incident_info{{{RUN}, state="open"}}'
     labels = "kind, severity, rank, host, layer, layer_name, metric, detector"
-    d = d.with_panel(
+    items.append(
         table.Panel()
         .title("Open incidents")
         .description(
@@ -329,57 +402,59 @@ def build_dashboard() -> dash.Dashboard:
             )
         )
     )
-    d = d.with_panel(
+    # no guard action yet is a line at 0 named "no actions", not Grafana's "No data"
+    none = 'label_replace(vector(0), "action", "no actions", "", "")'
+    items.append(
         _ts(
             "Guard actions",
             "Steps at which the training job's guard skipped an update, reran a "
             "step, rolled back or evicted a rank, per interval (each is also an incident "
-            "guard_<action>).",
+            "guard_<action>); a line at 0 named no actions while it has not acted.",
             GridPos(h=8, w=8, x=16, y=y),
-            _q("sum by (action) (increase(sdcwatch_guard_actions_total[$__rate_interval]))", "{{action}}"),
-        )
+            _q(
+                f"sum by (action) (increase(sdcwatch_guard_actions_total[$__rate_interval])) or on() {none}",
+                "{{action}}",
+            ),
+        ).no_value("no actions")
     )
-    y += 8
+    return items, y + 8
 
-    d = d.with_row(dash.Row("Pipeline").grid_pos(GridPos(h=1, w=24, x=0, y=y)))
+
+def _pipeline_row(y: int) -> tuple[list, int]:
+    """The ingest pipeline's health."""
+    items: list = [dash.Row("Pipeline").grid_pos(GridPos(h=1, w=24, x=0, y=y))]
     y += 1
-    d = d.with_panel(
+    items += [
         _ts(
             "Records per second",
             "Telemetry records consumed per second by the service.",
             GridPos(h=8, w=8, x=0, y=y),
             _q("sdcwatch_pipeline_records_per_second", "records/s"),
             unit="short",
-        )
-    )
-    d = d.with_panel(
+        ),
         _ts(
             "Consumer lag",
             "Records between the service's position and the end of the telemetry topic.",
             GridPos(h=8, w=8, x=8, y=y),
             _q("sdcwatch_pipeline_consumer_lag_records", "lag"),
-        )
-    )
-    d = d.with_panel(
+        ),
         _ts(
             "Age of the last step",
             "Seconds since the service completed the last step: grows when training or the pipeline stalls.",
             GridPos(h=8, w=8, x=16, y=y),
             _q(f"sdcwatch_pipeline_last_step_age_seconds{{{RUN}}}", "{{run}}"),
             unit="s",
-        )
-    )
+        ),
+    ]
     y += 8
-    d = d.with_panel(
+    items += [
         _ts(
             "Late and missing ranks",
             "Ranks that missed the alignment deadline at the last step, and ranks not heard from for long.",
             GridPos(h=8, w=8, x=0, y=y),
             _q(f"sdcwatch_pipeline_late_ranks{{{RUN}}}", "late {{run}}", ref="A"),
             _q(f"sdcwatch_pipeline_missing_ranks{{{RUN}}}", "missing {{run}}", ref="B"),
-        )
-    )
-    d = d.with_panel(
+        ),
         _ts(
             "Dead letters and duplicates",
             "Malformed records sent to the dead-letter topic "
@@ -389,16 +464,41 @@ def build_dashboard() -> dash.Dashboard:
             _q("rate(sdcwatch_pipeline_dead_letters_total[$__rate_interval])", "dead letters", ref="A"),
             _q("rate(sdcwatch_pipeline_duplicates_total[$__rate_interval])", "duplicates", ref="B"),
             _q("rate(sdcwatch_pipeline_summaries_late_total[$__rate_interval])", "late summaries", ref="C"),
-        )
-    )
-    d = d.with_panel(
+        ),
         _ts(
             "Records dropped by emitters",
             "Records the in-rank emitters dropped (buffer full or bus unreachable), per second.",
             GridPos(h=8, w=8, x=16, y=y),
             _q(f"rate(sdcwatch_emitter_dropped_records_total{{{RUN}}}[$__rate_interval])", "{{run}}"),
+        ),
+    ]
+    return items, y + 8
+
+
+def build_dashboard() -> dash.Dashboard:
+    """The dashboard builder: rows for training, ranks, the every-step scan and checksums, layers,
+    incidents and the pipeline."""
+    d = (
+        dash.Dashboard("sdcwatch: silent data corruption and loss spikes")
+        .uid(DASHBOARD_UID)
+        .description(
+            "Training health as seen by the sdcwatch detector service: global loss and gradient "
+            "norm with incident annotations, spike scores, rank outliers, the every-step non-finite "
+            "scan and the matrix checksums, per-layer attention statistics, open incidents and "
+            "ingest pipeline health."
         )
+        .tags(["sdcwatch", "training", "sdc"])
+        .refresh("30s")
+        .time("now-6h", "now")
+        .timezone("browser")
+        .variables(_variables())
+        .annotation(_annotation())
     )
+    y = 0
+    for row in (_training_row, _ranks_row, _scan_row, _layers_row, _incidents_row, _pipeline_row):
+        items, y = row(y)
+        for item in items:
+            d = d.with_row(item) if isinstance(item, dash.Row) else d.with_panel(item)
     return d
 
 

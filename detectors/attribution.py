@@ -4,11 +4,15 @@
   extreme in an internal statistic) is *SDC suspected on rank r (host h), layer l*;
 - a spike with all ranks consistent (or one rank's own loss off: a bad batch) is
   *optimisation/data instability*, and no rank is blamed;
+- a spike in a job of too few ranks to vote (two, three) whose ranks plainly disagreed at or before
+  its onset is *the ranks disagree*: a rank-local fault is likely (a bad batch when their own
+  losses disagree), but which rank cannot be told, so none is blamed and none is called consistent;
+- a spike in a one-rank job has nothing to compare with: instability or a fault on that rank;
 - persistent rank-local evidence without any spike is *silent drift suspected on rank r*.
 
 It rewrites the detectors' findings of one step: ``rank_outlier`` becomes ``sdc_suspected`` or
-``silent_drift``, ``rank_deviation`` (single-step, info) is consumed, spikes get an
-``attribution`` in their evidence and message.
+``silent_drift``, ``rank_deviation`` and ``ranks_disagree`` (single-step, info) are consumed,
+spikes get an ``attribution`` in their evidence and message.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from sdcwatch.core.mesh import format_coords
 from sdcwatch.core.validate import check_positive
 from sdcwatch.core.vocabulary import DATA_METRICS
 from sdcwatch.core.where import index_text, noun_of, where
+from sdcwatch.detectors.rank_outlier import RANKS_DISAGREE, disagreement_text
 
 __all__ = ["Attribution"]
 
@@ -35,12 +40,15 @@ class Attribution:
         self.window = int(window)
         self._spikes: deque[tuple[int, str]] = deque()  # (step, kind) of spike findings
         self._local: deque[tuple[int, dict[str, Any]]] = deque()  # (step, rank evidence) hardware-like
+        self._disagree: deque[tuple[int, dict[str, Any]]] = deque()  # (step, evidence) too few ranks to vote
 
     def _trim(self, step: int) -> None:
         while self._spikes and self._spikes[0][0] < step - self.window:
             self._spikes.popleft()
         while self._local and self._local[0][0] < step - self.window:
             self._local.popleft()
+        while self._disagree and self._disagree[0][0] < step - self.window:
+            self._disagree.popleft()
 
     @staticmethod
     def _hardware_like(f: Finding) -> bool:
@@ -63,8 +71,9 @@ class Attribution:
         first = min(onsets)
         return not any(ev["rank"] == f.ranks[0] and s <= first for s, ev in self._local)
 
-    def apply(self, step: int, world: int, findings: list[Finding]) -> list[Finding]:
-        """The attributed findings of one step (call once per step, in step order)."""
+    def apply(self, step: int, world: int, findings: list[Finding], ranks_known: bool = True) -> list[Finding]:
+        """The attributed findings of one step (call once per step, in step order); ``ranks_known``
+        is False for a single series no rank sent (a CSV log)."""
         self._trim(step)
         findings = [
             f for f in findings if f.kind not in ("rank_deviation", "rank_outlier") or not self._consequence(f, step)
@@ -78,22 +87,24 @@ class Attribution:
                     data_ranks.append(f)
             elif f.kind in ("rank_outlier",):
                 self._local.append((step, _local(f)))
+            elif f.kind == RANKS_DISAGREE:
+                self._disagree.append((step, dict(f.evidence)))
         spikes_now = [f for f in findings if f.kind in SPIKE_KINDS and f.evidence.get("phase") == "onset"]
         for f in spikes_now:
             self._spikes.append((step, f.kind))
         out: list[Finding] = []
         for f in findings:
-            if f.kind == "rank_deviation":
+            if f.kind in ("rank_deviation", RANKS_DISAGREE):
                 continue
             if f.kind in SPIKE_KINDS:
-                out.extend(self._spike(f, world, data_ranks))
+                out.extend(self._spike(f, world, data_ranks, ranks_known))
             elif f.kind == "rank_outlier":
                 out.append(self._rank_local(f))
             else:
                 out.append(f)
         return out
 
-    def _spike(self, f: Finding, world: int, data_ranks: list[Finding]) -> list[Finding]:
+    def _spike(self, f: Finding, world: int, data_ranks: list[Finding], ranks_known: bool) -> list[Finding]:
         label = f.message
         if self._local:
             _, ev = max(self._local, key=lambda item: item[1]["score"])
@@ -122,17 +133,29 @@ class Attribution:
                 evidence={"spike": f.evidence, "rank_evidence": ev},
             )
             return [attributed, sdc]
-        if world < 2:
+        disagree = self._disagreement(f)
+        if world < 2 and not ranks_known:
             why = "single series (ranks unknown): optimisation/data instability or an unlocalised fault"
+        elif world < 2:
+            why = "one rank, nothing to compare it with: optimisation/data instability or a fault on that rank"
         elif f.metric == "loss_max":
             r = f.evidence.get("max_rank")
             why = f"only rank {r}'s own loss (a bad batch?), other ranks consistent: data, not hardware"
+        elif disagree is not None:
+            return [_disagreeing(f, label, disagree)]
         elif data_ranks:
             r = data_ranks[0].ranks[0]
             why = f"ranks consistent except rank {r}'s own loss (a bad batch?): optimisation/data instability"
         else:
             why = "ranks consistent, optimisation/data instability"
         return [replace(f, message=f"{label}: {why}", evidence={**f.evidence, "attribution": "optimisation_data"})]
+
+    def _disagreement(self, f: Finding) -> dict[str, Any] | None:
+        """The strongest disagreement of too few ranks to vote at or before the spike's onset (one
+        that first shows after it is a consequence, as for rank evidence), or None."""
+        onset = f.evidence.get("onset_step", f.step)
+        seen = [ev for s, ev in self._disagree if s <= onset]
+        return max(seen, key=lambda ev: ev["features"][0]["typical_gaps"]) if seen else None
 
     def _rank_local(self, f: Finding) -> Finding:
         ev = _local(f)
@@ -157,11 +180,30 @@ class Attribution:
         )
 
     def snapshot(self) -> dict[str, Any]:
-        return {"spikes": [list(s) for s in self._spikes], "local": [[s, e] for s, e in self._local]}
+        state = {"spikes": [list(s) for s in self._spikes], "local": [[s, e] for s, e in self._local]}
+        if self._disagree:
+            state["disagree"] = [[s, e] for s, e in self._disagree]
+        return state
 
     def restore(self, state: dict[str, Any]) -> None:
         self._spikes = deque((int(s), k) for s, k in state["spikes"])
         self._local = deque((int(s), dict(e)) for s, e in state["local"])
+        self._disagree = deque((int(s), dict(e)) for s, e in state.get("disagree", ()))
+
+
+def _disagreeing(f: Finding, label: str, ev: dict[str, Any]) -> Finding:
+    """The spike said with what too few ranks to vote are known to show: that they disagree. Their
+    own losses disagreeing is a bad batch on one of them; anything else a rank-local fault."""
+    n = int(ev["world"])
+    which = "two ranks cannot say which" if n == 2 else f"{n} ranks are too few to say which"
+    at = "" if ev["step"] == f.step else f" at step {ev['step']}"
+    said = f"the {n} ranks disagree ({disagreement_text(ev['features'])}{at})"
+    if any(x["metric"] == "loss" for x in ev["features"]):
+        why, attribution = f"{said}: one rank's own loss is off (a bad batch?), but {which}", "optimisation_data"
+    else:
+        why, attribution = f"{said}: a rank-local fault is likely but {which}", "ranks_disagree"
+    evidence = {**f.evidence, "attribution": attribution, "disagreement": ev}
+    return replace(f, message=f"{label}: {why}", evidence=evidence)
 
 
 def _local(f: Finding) -> dict[str, Any]:

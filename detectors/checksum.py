@@ -189,7 +189,7 @@ class ChecksumDetector(SplitDetector):
                     score=value,
                     message=msg,
                     around=around,
-                    ranks=ranks if frame.world > 1 else (),
+                    ranks=ranks,
                     hosts=tuple(sorted({frame.hosts[r] for r in ranks if r < len(frame.hosts)} - {""})),
                     metric=metric,
                     layer=layer,

@@ -50,7 +50,8 @@ class StepFrame:
     ``fingerprints`` (world, n_fp) uint64 with ``fp_present`` telling which were sent.
     ``coords`` (world, len(DIMS)) holds each rank's parallel coordinates (-1: not given; columns
     in :data:`sdcwatch.core.mesh.DIMS` order, see :data:`DIM_INDEX`); None for frames built
-    without ranks' records (offline replay of a log).
+    without ranks' records (offline replay of a log). ``ranks_known`` is False for a single series
+    that no rank sent (a CSV log): its one row is the job's, not rank 0's, and no finding names a rank.
     """
 
     run: str
@@ -71,6 +72,7 @@ class StepFrame:
     coords: np.ndarray | None = None
     wall: float = 0.0  # service clock when the step was closed
     complete: bool = True
+    ranks_known: bool = True
     _groups: dict = field(default_factory=dict, repr=False, compare=False)
 
     # -- construction -----------------------------------------------------------------------
@@ -105,6 +107,7 @@ class StepFrame:
             scalars=values,
             scalar_sent=None if sent is None else np.asarray(sent, bool).reshape(1, -1),
             wall=wall,
+            ranks_known=False,
         )
 
     # -- access -------------------------------------------------------------------------------

@@ -313,7 +313,7 @@ class NonFiniteDetector(SplitDetector):
                 score=float(bad.n_bad),
                 message=msg,
                 around=around,
-                ranks=ranks if frame.world > 1 else (),
+                ranks=ranks,
                 hosts=tuple(sorted({frame.hosts[r] for r in ranks} - {""})),
                 metric=where.metric,
                 layer=where.layer,

@@ -5,7 +5,9 @@ statistics agree in distribution across the ranks of a peer group (the same tens
 context and expert coordinates; every rank when records carry no coordinates); a faulty rank
 stands out. Each step, every (rank, feature) value gets a robust z against its peer group's
 median and MAD; a peer group with fewer than ``min_world`` ranks is not judged (and the detector
-says so once, as an info finding). The z is clipped and
+says so once, as an info finding). A whole job of two or three ranks cannot vote either, but its
+ranks may plainly disagree: that is said each step it happens, as an info finding for attribution
+(:mod:`sdcwatch.detectors.rank_disagreement`), naming no rank. The z is clipped and
 fed to a two-sided CUSUM per (rank, feature): a single noisy step cannot name a rank, a persistent
 deviation of a couple of scales does within a few tens of steps. All of it is whole-matrix numpy.
 
@@ -27,15 +29,19 @@ from sdcwatch.core.kinds import IncidentKind
 from sdcwatch.core.mesh import format_coords
 from sdcwatch.core.validate import check_positive
 from sdcwatch.core.vocabulary import CHECK_METRICS, RANK_SCALARS
-from sdcwatch.core.where import message_at
+from sdcwatch.core.where import message_at, where
 from sdcwatch.detectors.base import SplitDetector, StepContext
 from sdcwatch.detectors.cross_rank_z import CrossRankZ
 from sdcwatch.detectors.frame import StepFrame
 from sdcwatch.detectors.peers import coords_of, known_coords, rank_label
+from sdcwatch.detectors.rank_disagreement import RankDisagreement
 from sdcwatch.detectors.rank_evidence import RankEvidence, cusum_step
 from sdcwatch.detectors.registry import register
 
-__all__ = ["RankOutlierDetector", "RankOutlierConfig"]
+__all__ = ["RankOutlierDetector", "RankOutlierConfig", "RANKS_DISAGREE", "disagreement_text"]
+
+#: The kind of the info finding that two or three ranks plainly disagree (read by attribution).
+RANKS_DISAGREE = IncidentKind.RANKS_DISAGREE.value
 
 
 @dataclass(frozen=True)
@@ -52,6 +58,9 @@ class RankOutlierConfig:
     """|z| at which a rank is extreme at a single step (read by attribution, never an incident alone)."""
     min_world: int = 4
     """Fewest ranks for a cross-rank comparison (in the world, and in each peer group)."""
+    disagree_ratio: float = 2.0
+    """With too few ranks to vote (fewer than ``min_world``): ranks disagree on a feature when its
+    values differ by this factor or more, and their gap is ``instant_z`` typical gaps or more."""
     max_fraction: float = 0.25
     """A step where more than this fraction of ranks crosses the threshold names none (a job-wide change)."""
     max_named: int = 8
@@ -75,10 +84,13 @@ class RankOutlierConfig:
             clip=self.clip,
             instant_z=self.instant_z,
             min_world=self.min_world,
+            disagree_ratio=self.disagree_ratio,
             max_fraction=self.max_fraction,
             max_named=self.max_named,
             rel_floor=self.rel_floor,
         )
+        if self.disagree_ratio <= 1.0:
+            raise ConfigError("rank_outlier.disagree_ratio", f"must exceed 1.0, got {self.disagree_ratio}")
         if self.clip <= self.drift:
             raise ConfigError("rank_outlier.clip", f"must exceed drift ({self.drift}), got {self.clip}")
         check_positive("rank_outlier", reference_ranks=self.reference_ranks, report_z=self.report_z)
@@ -102,6 +114,7 @@ class RankOutlierDetector(SplitDetector):
     clip: float
     instant_z: float
     min_world: int
+    disagree_ratio: float
     max_fraction: float
     max_named: int
     rel_floor: float
@@ -125,6 +138,8 @@ class RankOutlierDetector(SplitDetector):
         self._evidence = RankEvidence(self.threshold, self.drift, self.clip)
         self._layout: dict[tuple, tuple] = {}
         self._too_few: tuple[int, int] = (0, 0)  # (peer groups, ranks) last said to be too small to judge
+        # a job of too few ranks to vote: the features its ranks plainly disagree on
+        self._few = RankDisagreement(self.instant_z, self.disagree_ratio, self.warmup, self.rel_floor)
 
     @property
     def warmup_steps(self) -> int:
@@ -170,9 +185,13 @@ class RankOutlierDetector(SplitDetector):
         return self._z.zt(np.ascontiguousarray(X.T), track=False).T
 
     def observe(self, frame: StepFrame) -> dict[str, Any] | None:
-        """This step's robust z of every (feature, rank), and the ranks extreme at this step alone."""
+        """This step's robust z of every (feature, rank), and the ranks extreme at this step alone
+        (with too few ranks to vote: their values, to tell whether they disagree)."""
         if frame.world < self.min_world:
-            return None
+            if frame.world < 2 or not frame.peers.trivial:
+                return None
+            X, metrics, layers, sig = self._features(frame)
+            return {"sig": sig, "metrics": metrics, "layers": layers, "few": X} if X.shape[0] else None
         X, metrics, layers, sig = self._features(frame)
         if X.shape[0] == 0:
             return None
@@ -246,6 +265,8 @@ class RankOutlierDetector(SplitDetector):
         """Add a step's z to the per-(feature, rank) CUSUM evidence; name ranks that cross the threshold."""
         if seen is None:
             return []
+        if seen.get("few") is not None:
+            return self._disagreement(frame, seen)
         metrics, layers = seen["metrics"], seen["layers"]
         ev = self._evidence
         if seen["sig"] != ev.sig:
@@ -287,6 +308,37 @@ class RankOutlierDetector(SplitDetector):
                 )
             )
         return findings
+
+    def _disagreement(self, frame: StepContext, seen: dict[str, Any]) -> list[Finding]:
+        """An info finding when two or three ranks plainly disagree at this step (no rank named)."""
+        X, metrics, layers = np.asarray(seen["few"], dtype=float), seen["metrics"], seen["layers"]
+        hits = self._few.step(seen["sig"], X)
+        if not hits:
+            return []
+        features = [
+            {
+                "metric": metrics[c],
+                "layer": layers[c],
+                "values": [float(v) if math.isfinite(v) else None for v in X[c]],
+                "typical_gaps": round(times, 1),
+            }
+            for c, times in hits[:3]
+        ]
+        first = features[0]
+        return [
+            Finding(
+                detector=self.name,
+                kind=RANKS_DISAGREE,
+                severity=Severity.INFO,
+                run=frame.run,
+                step=frame.step,
+                score=hits[0][1],
+                message=f"the {frame.world} ranks disagree at step {frame.step}: {disagreement_text(features)}",
+                metric=first["metric"],
+                layer=first["layer"],
+                evidence={"world": frame.world, "step": frame.step, "features": features},
+            )
+        ]
 
     def _say_too_few(self, frame: StepContext, too_few: dict[str, Any] | None) -> list[Finding]:
         """An info finding when the peer groups too small to judge change (not every step)."""
@@ -357,14 +409,29 @@ class RankOutlierDetector(SplitDetector):
     def snapshot(self) -> dict[str, Any]:
         evidence = self._evidence.snapshot()
         spread = None if self._z.spread is None else encode_array(self._z.spread)
+        few = {} if self._few.sig is None else {"few": self._few.snapshot()}
         if evidence["sig"] is None:
-            return {"sig": None, "obs_sig": self._obs_sig, "spread": spread}
-        return {**evidence, "spread": spread, "obs_sig": self._obs_sig}
+            return {"sig": None, "obs_sig": self._obs_sig, "spread": spread, **few}
+        return {**evidence, "spread": spread, "obs_sig": self._obs_sig, **few}
 
     def restore(self, state: dict[str, Any]) -> None:
         self._obs_sig = state.get("obs_sig")
         self._z.spread = None if state.get("spread") is None else decode_array(state["spread"])
         self._evidence.restore(state)
+        self._few.restore(state.get("few"))
+
+
+def disagreement_text(features: list[dict[str, Any]], most: int = 2) -> str:
+    """``grad_norm_local 65.7 vs 1.1; grad_cosine 0.019 vs 1``: what the ranks disagree on, in rank order.
+
+    >>> disagreement_text([{"metric": "grad_norm_local", "layer": None, "values": [1.1, 65.7]}])
+    'grad_norm_local 1.1 vs 65.7'
+    """
+    parts = []
+    for f in features[:most]:
+        values = " vs ".join("-" if v is None else f"{v:.3g}" for v in f["values"])
+        parts.append(f"{where(f['metric'], f['layer'])} {values}")
+    return "; ".join(parts)
 
 
 def _hosts(frame: StepContext, r: int) -> tuple[str, ...]:

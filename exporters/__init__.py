@@ -5,40 +5,42 @@
   :data:`METRICS`).
 - :class:`AlertmanagerSink`, :class:`WebhookSink`, :class:`LogSink`: implementations of
   :class:`~sdcwatch.core.incident.IncidentSink`.
+
+Importing this package is cheap: each name is imported on first use (PEP 562), so the settings'
+bounds (:mod:`~sdcwatch.exporters.bounds`) are read without prometheus_client.
 """
 
-from .alertmanager import AlertmanagerSink, alert_for, alertname_for
-from .catalog import METRICS, STATS, MetricSpec, metric
-from .collector import DEFAULT_LAYER_STATS, DEFAULT_MAX_LAYERS, DEFAULT_TOP_K, SdcwatchCollector, check_cardinality
-from .delivery import Backoff, DeliveryError, post_json
-from .logsink import LogSink
-from .pieces import DEFAULT_MAX_PIECES
-from .server import DEFAULT_METRICS_ADDRESS, DEFAULT_METRICS_PORT, MetricsServer, check_address, check_port
-from .webhook import WebhookSink, webhook_payload
+from __future__ import annotations
 
-__all__ = [
-    "SdcwatchCollector",
-    "MetricsServer",
-    "METRICS",
-    "STATS",
-    "MetricSpec",
-    "metric",
-    "DEFAULT_TOP_K",
-    "DEFAULT_LAYER_STATS",
-    "DEFAULT_MAX_LAYERS",
-    "DEFAULT_MAX_PIECES",
-    "check_cardinality",
-    "DEFAULT_METRICS_ADDRESS",
-    "DEFAULT_METRICS_PORT",
-    "check_address",
-    "check_port",
-    "AlertmanagerSink",
-    "alert_for",
-    "alertname_for",
-    "WebhookSink",
-    "webhook_payload",
-    "LogSink",
-    "Backoff",
-    "DeliveryError",
-    "post_json",
-]
+from sdcwatch.core.lazy import lazy_attributes
+
+_LAZY = {
+    "SdcwatchCollector": "sdcwatch.exporters.collector",
+    "MetricsServer": "sdcwatch.exporters.server",
+    "METRICS": "sdcwatch.exporters.catalog",
+    "STATS": "sdcwatch.exporters.catalog",
+    "MetricSpec": "sdcwatch.exporters.catalog",
+    "metric": "sdcwatch.exporters.catalog",
+    "DEFAULT_TOP_K": "sdcwatch.exporters.bounds",
+    "DEFAULT_LAYER_STATS": "sdcwatch.exporters.bounds",
+    "DEFAULT_MAX_LAYERS": "sdcwatch.exporters.bounds",
+    "DEFAULT_MAX_PIECES": "sdcwatch.exporters.bounds",
+    "check_cardinality": "sdcwatch.exporters.bounds",
+    "DEFAULT_METRICS_ADDRESS": "sdcwatch.exporters.bounds",
+    "DEFAULT_METRICS_PORT": "sdcwatch.exporters.bounds",
+    "check_address": "sdcwatch.exporters.bounds",
+    "check_port": "sdcwatch.exporters.bounds",
+    "AlertmanagerSink": "sdcwatch.exporters.alertmanager",
+    "alert_for": "sdcwatch.exporters.alertmanager",
+    "alertname_for": "sdcwatch.exporters.alertmanager",
+    "WebhookSink": "sdcwatch.exporters.webhook",
+    "webhook_payload": "sdcwatch.exporters.webhook",
+    "LogSink": "sdcwatch.exporters.logsink",
+    "Backoff": "sdcwatch.exporters.delivery",
+    "DeliveryError": "sdcwatch.core.errors",
+    "post_json": "sdcwatch.exporters.delivery",
+}
+
+__all__ = sorted(_LAZY)
+
+__getattr__ = lazy_attributes(__name__, _LAZY)

@@ -98,10 +98,11 @@ METRICS: tuple[MetricSpec, ...] = (
     _m(
         "sdcwatch_layer_metric",
         "gauge",
-        ("run", "piece", "metric", "layer", "stat"),
+        ("run", "piece", "metric", "layer", "layer_name", "stat"),
         "Statistic across ranks of a per-layer metric at the last step (a sampled one, such as the attention "
         "statistics: at the last step that measured it, up to 256 steps back), per model piece like sdcwatch_rank_metric "
-        "(a pipeline stage numbers its own layers from 0).",
+        "(a pipeline stage numbers its own layers from 0); only at the indices the metric has, layer_name the "
+        "module an index is when the ranks sent their names.",
     ),
     # incidents
     _m("sdcwatch_incidents_open", "gauge", ("run", "kind", "severity"), "Incidents currently open."),

@@ -6,7 +6,9 @@ Cardinality is bounded whatever the world size, the number of runs or the depth 
 per-rank series exist only for the top-K ranks by outlier score and for ranks named by an open
 incident; cross-rank statistics per model piece (peer group) for ``max_pieces`` pieces of a run,
 per-layer series only for ``max_layers`` (piece, layer) pairs of a run (those of open incidents,
-then the widest spread across ranks: :mod:`sdcwatch.exporters.pieces`); per-run series only for
+then the widest spread across ranks: :mod:`sdcwatch.exporters.pieces`), each layer metric's only at
+the indices it has (no NaN padding) and named in ``layer_name`` when the ranks sent their names
+(:mod:`sdcwatch.exporters.layer_indices`: one name per index, so no series more); per-run series only for
 the runs the service view holds (the service passes its ``metrics.max_runs``). Everything else is
 aggregated or left out, and ``sdcwatch_exporter_omitted`` says how much.
 """
@@ -26,51 +28,29 @@ from sdcwatch.core.incident import Incident, PipelineView, RunView, ServiceView
 from sdcwatch.core.kinds import guard_action_of
 from sdcwatch.core.mesh import format_coords
 
+from .bounds import DEFAULT_LAYER_STATS, DEFAULT_MAX_LAYERS, DEFAULT_MAX_PIECES, DEFAULT_TOP_K, check_cardinality
 from .catalog import METRICS, STATS, MetricSpec, metric
-from .pieces import DEFAULT_MAX_PIECES, add_stats, by_piece, exported_layers, exported_pieces
+from .layer_indices import bounded_label, index_names, layer_extents
+from .pieces import add_layer_stats, add_stats, by_piece, exported_layers, exported_pieces
 
 __all__ = [
     "SdcwatchCollector",
-    "DEFAULT_TOP_K",
-    "DEFAULT_LAYER_STATS",
     "MAX_RANKS_PER_INCIDENT",
     "MAX_INCIDENTS_LISTED",
-    "DEFAULT_MAX_LAYERS",
-    "check_cardinality",
     "incident_rank_label",
     "incident_coords_label",
 ]
 
 log = logging.getLogger(__name__)
 
-#: Ranks exported individually by outlier score, besides those in open incidents (0: only those).
-DEFAULT_TOP_K = 16
-#: Statistics exported per layer. Per-layer series scale with depth x metrics x stats, so the
-#: default keeps three: at 80 layers and 7 layer metrics that is 1,680 series.
-DEFAULT_LAYER_STATS: tuple[str, ...] = ("min", "median", "max")
 #: Most ranks of one incident exported individually: an SDC names one rank or a few; an incident
 #: naming every rank (an optimisation instability) is not rank-local and must not blow up
 #: cardinality, so only its first ranks get series.
 MAX_RANKS_PER_INCIDENT = 8
 #: Most incidents described by ``sdcwatch_incident_*`` series (open ones first, then newest).
 MAX_INCIDENTS_LISTED = 50
-#: (piece, layer) pairs of one run with per-layer series (open-incident layers, then the widest
-#: spread); without pipeline or tensor parallelism, layers.
-DEFAULT_MAX_LAYERS = 128
 #: How a family gets one sample: ``add(metric name, label values, value)``.
 _AddSample = Callable[[str, Sequence[str], float], None]
-
-
-def check_cardinality(*, top_k: int, max_layers: int, max_pieces: int) -> None:
-    """Raise ConfigError('metrics.<key>') unless each bound on the exported series is an integer in
-    range: ``top_k`` at least 0 (with 0, per-rank series exist only for the ranks an open incident
-    names: a choice, not a mistake), ``max_layers`` and ``max_pieces`` at least 1 (a run always
-    shows its widest layer and piece). ``sdcwatch serve``'s ``[metrics]`` checks its values here."""
-    for key, value, least in (("top_k", top_k, 0), ("max_layers", max_layers, 1), ("max_pieces", max_pieces, 1)):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"metrics.{key}", f"must be an integer, got {value!r}")
-        if value < least:
-            raise ConfigError(f"metrics.{key}", f"must be at least {least}, got {value}")
 
 
 def incident_rank_label(ranks: Sequence[int], limit: int = 8) -> str:
@@ -90,11 +70,6 @@ def incident_coords_label(coords: Sequence[dict[str, int]], limit: int = 8) -> s
     if len(texts) <= limit:
         return ";".join(texts)
     return ";".join(texts[:limit]) + f";...(+{len(texts) - limit})"
-
-
-def _bounded(value: str, limit: int = 128) -> str:
-    """A label value of at most ``limit`` characters (a module path is a few tens)."""
-    return value if len(value) <= limit else value[: limit - 3] + "..."
 
 
 def _hosts_label(hosts: Sequence[str], limit: int = 8) -> str:
@@ -243,11 +218,14 @@ class SdcwatchCollector(Collector):
             for k, v in run.layer_stats.items()
             if self.layer_metrics is None or k in self.layer_metrics
         }
-        pieces = exported_pieces(run, scalars, layer_stats, incidents, self.max_pieces, MAX_RANKS_PER_INCIDENT)
+        extents = layer_extents(run, layer_stats)  # the indices each metric has: no NaN padding
+        limit = MAX_RANKS_PER_INCIDENT
+        pieces = exported_pieces(run, scalars, layer_stats, extents, incidents, self.max_pieces, limit)
         self._note_capped_pieces(run, len(pieces))
         add_stats(fam["sdcwatch_rank_metric"], run, scalars, self.scalar_stats, pieces)
-        pairs, n_pairs = exported_layers(run, layer_stats, pieces, incidents, self.max_layers, MAX_RANKS_PER_INCIDENT)
-        add_stats(fam["sdcwatch_layer_metric"], run, layer_stats, self.layer_stats, pieces, pairs)
+        pairs, n_pairs = exported_layers(run, layer_stats, extents, pieces, incidents, self.max_layers, limit)
+        names = index_names(run)
+        add_layer_stats(fam["sdcwatch_layer_metric"], run, layer_stats, self.layer_stats, pairs, extents, names)
         add("sdcwatch_pipeline_late_ranks", [r], run.late_ranks)
         add("sdcwatch_pipeline_missing_ranks", [r], run.missing_ranks)
         add("sdcwatch_emitter_dropped_records_total", [r], run.emitter_dropped)
@@ -321,7 +299,7 @@ class SdcwatchCollector(Collector):
                     "rank": incident_rank_label(inc.ranks),
                     "host": _hosts_label(inc.hosts),
                     "layer": "" if inc.layer is None else str(inc.layer),
-                    "layer_name": _bounded(inc.layer_name or ""),
+                    "layer_name": bounded_label(inc.layer_name or ""),
                     "metric": inc.metric,
                     "detector": inc.detector,
                 },

@@ -10,7 +10,9 @@ Both are bounded. At most ``max_pieces`` pieces of a run (default 32) get series
 incident names, then those whose values spread most across their ranks; at most ``max_layers``
 (piece, layer) pairs of the exported pieces (under pipeline parallelism a stage's layer 3 is
 another layer than the next stage's): those of open incidents, then the widest spread. The rest
-is counted in ``sdcwatch_exporter_omitted`` (``what="pieces"``, ``what="layers"``).
+is counted in ``sdcwatch_exporter_omitted`` (``what="pieces"``, ``what="layers"``). A layer metric
+has series only for the indices it has (:mod:`sdcwatch.exporters.layer_indices`), with the name of
+each index beside it when the ranks sent their names.
 """
 
 from __future__ import annotations
@@ -24,13 +26,9 @@ from sdcwatch.core.incident import Incident, RunView
 from sdcwatch.core.mesh import piece_label
 
 from .catalog import STATS
+from .layer_indices import PieceNames, index_name
 
-__all__ = ["DEFAULT_MAX_PIECES", "spread", "by_piece", "exported_pieces", "exported_layers", "add_stats"]
-
-#: Pieces of one run with statistics series. A 100,000-rank job laid out ``pp=16, tp=8`` has 128
-#: pieces; 32 of them with 9 scalars x 5 statistics are 1,440 series, and per-layer series stay
-#: within ``max_layers`` (piece, layer) pairs whatever the number of pieces.
-DEFAULT_MAX_PIECES = 32
+__all__ = ["spread", "by_piece", "exported_pieces", "exported_layers", "add_stats", "add_layer_stats"]
 
 
 def spread(block: np.ndarray) -> np.ndarray:
@@ -64,12 +62,14 @@ def exported_pieces(
     run: RunView,
     scalars: dict[str, np.ndarray],
     layers: dict[str, np.ndarray],
+    extents: dict[str, np.ndarray],
     incidents: Sequence[Incident],
     max_pieces: int,
     rank_limit: int,
 ) -> list[int]:
     """The pieces with series: all up to ``max_pieces``; past it those of open incidents, then the
-    widest spread of any scalar or layer metric across the piece's ranks (ties: key order)."""
+    widest spread of any scalar or layer metric across the piece's ranks (ties: key order), a layer
+    metric's within the indices it has there (``extents``, :func:`~.layer_indices.layer_extents`)."""
     n = len(run.pieces)
     if n <= max_pieces:
         return list(range(n))
@@ -77,15 +77,14 @@ def exported_pieces(
     for p, _ in _incident_pieces(run, incidents, rank_limit):
         if p not in chosen and len(chosen) < max_pieces:
             chosen.append(p)
-    # a scalar a piece does not report (all NaN: the loss off the last stage) and the layers a piece
-    # does not hold are no evidence; a NaN among values is (it ranks first)
+    # a scalar a piece does not report (all NaN: the loss off the last stage) and the indices a
+    # metric does not have there are no evidence; a NaN among values is (it ranks first)
     score = np.full(n, -np.inf)
     for v in scalars.values():
         score = np.maximum(score, np.where(np.isnan(v).all(axis=-1), -np.inf, spread(v)))
-    held = np.array([run.piece_layers[p] if p < len(run.piece_layers) else 1 << 30 for p in range(n)])
-    for v in layers.values():
+    for metric, v in layers.items():
         s = np.where(np.isnan(v).all(axis=-1), -np.inf, spread(v).reshape(v.shape[:2]))
-        s[np.arange(v.shape[1])[None, :] >= held[:, None]] = -np.inf
+        s[np.arange(v.shape[1])[None, :] >= extents[metric][:, None]] = -np.inf
         score = np.maximum(score, s.max(axis=1, initial=-np.inf))
     for p in np.argsort(-score, kind="stable"):
         if len(chosen) >= max_pieces:
@@ -98,16 +97,19 @@ def exported_pieces(
 def exported_layers(
     run: RunView,
     layers: dict[str, np.ndarray],
+    extents: dict[str, np.ndarray],
     pieces: Sequence[int],
     incidents: Sequence[Incident],
     max_layers: int,
     rank_limit: int,
 ) -> tuple[list[tuple[int, int]], int]:
     """((piece, layer) pairs to export, pairs there are in ``pieces``): all up to ``max_layers``; past
-    it those of open incidents, then the widest spread ((max - min) / IQR of any layer metric)."""
-    n_layers = max((v.shape[1] for v in layers.values()), default=0)
-    held = run.piece_layers
-    pairs = [(p, layer) for p in pieces for layer in range(min(n_layers, held[p]) if p < len(held) else n_layers)]
+    it those of open incidents, then the widest spread ((max - min) / IQR of any layer metric, within
+    the indices it has). A pair is an index some metric has in that piece (``extents``)."""
+    widest = np.zeros(len(run.pieces), np.int64)
+    for extent in extents.values():
+        widest = np.maximum(widest, extent)
+    pairs = [(p, layer) for p in pieces for layer in range(int(widest[p]))]
     if len(pairs) <= max_layers:
         return pairs, len(pairs)
     where = {pair: i for i, pair in enumerate(pairs)}
@@ -115,8 +117,8 @@ def exported_layers(
     chosen &= set(where)
     score = np.full(len(pairs), -np.inf)
     rows = np.array(pairs, dtype=np.int64).reshape(-1, 2)
-    for v in layers.values():
-        ok = rows[:, 1] < v.shape[1]
+    for metric, v in layers.items():
+        ok = rows[:, 1] < extents[metric][rows[:, 0]]
         s = np.full(len(pairs), -np.inf)
         s[ok] = spread(v[rows[ok, 0], rows[ok, 1]])
         score = np.maximum(score, s)
@@ -133,27 +135,44 @@ def add_stats(
     stats: dict[str, np.ndarray],
     which: Sequence[str],
     pieces: Sequence[int],
-    pairs: Sequence[tuple[int, int]] | None = None,
 ) -> None:
-    """The series of ``stats`` (per piece, see :func:`by_piece`): per scalar when ``pairs`` is None,
-    else per (piece, layer) pair. A piece's label is left out when empty (one piece); a scalar a
-    piece has no value of gets no series there."""
-    columns = [(name, STATS.index(name)) for name in which]
-
-    def add(p: int, values: np.ndarray, extra: dict[str, str]) -> None:
-        for stat, col in columns:
-            labels = {"run": run.run, **extra, "stat": stat}
-            if run.pieces[p]:
-                labels["piece"] = run.pieces[p]
-            family.samples.append(Sample(family.name, labels, float(values[col])))
-
+    """The series of the scalars' ``stats`` (per piece, see :func:`by_piece`). A piece's label is
+    left out when empty (one piece); a scalar a piece has no value of gets no series there."""
     for metric_name in sorted(stats):
         values = stats[metric_name]
-        if pairs is None:
-            for p in pieces:
-                if len(run.pieces) == 1 or not np.isnan(values[p]).all():
-                    add(p, values[p], {"metric": metric_name})
-        else:
-            for p, layer in pairs:
-                if layer < values.shape[1]:
-                    add(p, values[p, layer], {"metric": metric_name, "layer": str(layer)})
+        for p in pieces:
+            if len(run.pieces) == 1 or not np.isnan(values[p]).all():
+                _add_row(family, run, p, values[p], {"metric": metric_name}, which)
+
+
+def add_layer_stats(
+    family: Metric,
+    run: RunView,
+    stats: dict[str, np.ndarray],
+    which: Sequence[str],
+    pairs: Sequence[tuple[int, int]],
+    extents: dict[str, np.ndarray],
+    names: tuple[PieceNames, ...],
+) -> None:
+    """The series of the layer metrics' ``stats`` per (piece, layer) pair of ``pairs``, each
+    metric's only at the indices it has (``extents``), with ``layer_name`` when known (``names``)."""
+    for metric_name in sorted(stats):
+        values, extent = stats[metric_name], extents[metric_name]
+        for p, layer in pairs:
+            if layer < extent[p]:
+                labels = {"metric": metric_name, "layer": str(layer)}
+                name = index_name(names, p, metric_name, layer)
+                if name:
+                    labels["layer_name"] = name
+                _add_row(family, run, p, values[p, layer], labels, which)
+
+
+def _add_row(
+    family: Metric, run: RunView, p: int, values: np.ndarray, extra: dict[str, str], which: Sequence[str]
+) -> None:
+    """One statistics row: a series per statistic of ``which``."""
+    for stat in which:
+        labels = {"run": run.run, **extra, "stat": stat}
+        if run.pieces[p]:
+            labels["piece"] = run.pieces[p]
+        family.samples.append(Sample(family.name, labels, float(values[STATS.index(stat)])))

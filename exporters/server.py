@@ -14,33 +14,21 @@ from wsgiref.simple_server import WSGIServer
 from prometheus_client import CollectorRegistry, generate_latest, start_http_server
 from sdcwatch.core.errors import ConfigError
 from sdcwatch.core.incident import ServiceView
-from sdcwatch.core.validate import is_host
 
+from .bounds import (
+    DEFAULT_LAYER_STATS,
+    DEFAULT_MAX_LAYERS,
+    DEFAULT_MAX_PIECES,
+    DEFAULT_METRICS_ADDRESS,
+    DEFAULT_METRICS_PORT,
+    DEFAULT_TOP_K,
+    check_address,
+    check_port,
+)
 from .catalog import STATS
-from .collector import DEFAULT_LAYER_STATS, DEFAULT_MAX_LAYERS, DEFAULT_TOP_K, SdcwatchCollector
-from .pieces import DEFAULT_MAX_PIECES
+from .collector import SdcwatchCollector
 
-__all__ = ["MetricsServer", "DEFAULT_METRICS_ADDRESS", "DEFAULT_METRICS_PORT", "check_address", "check_port"]
-
-#: Default address of the service's /metrics endpoint: loopback (beyond the host is a choice).
-DEFAULT_METRICS_ADDRESS = "127.0.0.1"
-#: Default port of the service's /metrics endpoint.
-DEFAULT_METRICS_PORT = 9400
-
-
-def check_address(address: str) -> None:
-    """Raise ConfigError('metrics.address') unless ``address`` is an IP address or a host name."""
-    if not isinstance(address, str) or not is_host(address):
-        raise ConfigError("metrics.address", f"{address!r} is neither an IP address nor a host name")
-
-
-def check_port(port: int, *, zero: str = "any free port") -> None:
-    """Raise ConfigError('metrics.port') unless ``port`` is an integer in 0-65535; ``zero`` says
-    what 0 means to the caller (to the server, a free port the system picks; to the config, off)."""
-    if isinstance(port, bool) or not isinstance(port, int):
-        raise ConfigError("metrics.port", f"must be an integer, got {port!r}")
-    if not 0 <= port <= 65535:
-        raise ConfigError("metrics.port", f"{port} out of range 0-65535 (0 = {zero})")
+__all__ = ["MetricsServer"]
 
 
 class MetricsServer:

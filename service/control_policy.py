@@ -93,10 +93,19 @@ class ControlPolicy:
             raise ConfigError("guard.lr_factor", f"must be a number in (0, 1], got {self.lr_factor!r}")
 
     def rule(self, incident: Incident) -> tuple[str, str]:
-        """(rule name, action) for an incident."""
-        kind = incident.kind
+        """(rule name, action) for an incident: the strongest of its own kind's rule and those of
+        the findings of the same fault it holds as related evidence (a replica divergence folded
+        into a silent drift still asks for what either asks for)."""
+        evidence = incident.evidence if isinstance(incident.evidence, dict) else {}
+        rules = [self._kind_rule(incident.kind, evidence)]
+        for rel in evidence.get("related", ()) or ():
+            if isinstance(rel, dict) and isinstance(rel.get("kind"), str):
+                rules.append(self._kind_rule(rel["kind"], rel))
+        return max(rules, key=lambda r: POLICY_ACTIONS.index(r[1]) if r[1] in POLICY_ACTIONS else 0)
+
+    def _kind_rule(self, kind: str, evidence: Any) -> tuple[str, str]:
         if kind == "replica_divergence":
-            metrics = incident.evidence.get("metrics") if isinstance(incident.evidence, dict) else None
+            metrics = evidence.get("metrics") if isinstance(evidence, dict) else None
             if isinstance(metrics, dict) and metrics and "param_fp" not in metrics and PEER_VOTED & set(metrics):
                 kind = "canary_divergence"
         name = f"on_{kind}"

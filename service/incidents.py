@@ -14,6 +14,17 @@ A finding opens an incident or updates the open one of the same problem:
   pipeline) is the detector's to tell: it names the origin only, and lists the ranks reached in
   the evidence. A finding that blames no rank joins the kind's most recently active incident.
 
+One fault seen by several detectors is one incident. A finding of a localising kind (non-finite
+values, a checksum, a diverged replica, rank evidence) that would open an incident joins, as
+*related* evidence, the open localising incident of another kind of its run that already names
+all its ranks and began within ``related_steps`` steps of it: a flip seen as a NaN and as a
+checksum mismatch at one step, an unhealthy node seen as a diverged replica and by its checksums
+or rank evidence. Later findings of a kind already related go on joining it. The incident keeps
+its kind and message; ``evidence["related"]`` lists each related kind once (its detector, ranks,
+metric, layer, first and last step, score, message and how many findings), its severity rises to
+the most severe, and it stays open while they go on. A finding that begins long after the
+incident's onset is a new event, and opens its own incident.
+
 An incident resolves once its signal has been quiet for ``quiet_steps`` steps of its run. Info
 findings never open incidents. Every change (opened, updated, resolved) goes to the sinks as an
 :class:`IncidentEvent`.
@@ -105,6 +116,30 @@ def _narrow(f: Finding, ranks: tuple[int, ...], hosts: Sequence[str] | None) -> 
     )
 
 
+def _relates(inc: Incident, kind: str) -> bool:
+    """Whether ``inc`` already lists findings of ``kind`` as related evidence."""
+    return any(isinstance(r, dict) and r.get("kind") == kind for r in inc.evidence.get("related", ()))
+
+
+def _related_entry(f: Finding) -> dict[str, Any]:
+    """What an incident keeps of a related finding (see the module docstring)."""
+    return {
+        "kind": f.kind,
+        "detector": f.detector,
+        "severity": f.severity.value,
+        "ranks": list(f.ranks[:_MAX_RANKS]),
+        **({"coords": [dict(c) for c in f.coords[:_MAX_RANKS]]} if f.coords else {}),
+        "metric": f.metric,
+        "layer": f.layer,
+        **({"layer_name": f.layer_name} if f.layer_name else {}),
+        "first_step": f.step,
+        "last_step": f.step,
+        "score": f.score,
+        "message": f.message,
+        "findings": 1,
+    }
+
+
 class IncidentBook:
     """Open and recently resolved incidents, counters, and the sinks that hear of every change."""
 
@@ -113,15 +148,22 @@ class IncidentBook:
         quiet_steps: int = 50,
         *,
         spike_quiet_steps: int = 20,
+        related_steps: int = 50,
         keep_resolved: int = 200,
         clock: Callable[[], float] = time.time,
     ) -> None:
         check_positive(
-            "incidents", quiet_steps=quiet_steps, spike_quiet_steps=spike_quiet_steps, keep_resolved=keep_resolved
+            "incidents",
+            quiet_steps=quiet_steps,
+            spike_quiet_steps=spike_quiet_steps,
+            related_steps=related_steps,
+            keep_resolved=keep_resolved,
         )
         self.quiet_steps = int(quiet_steps)
         # a spike has its own onset and recovery: a burst of spikes closer than this is one incident
         self.spike_quiet_steps = int(spike_quiet_steps)
+        # a finding of another localising kind naming the incident's ranks this close is its evidence
+        self.related_steps = int(related_steps)
         self.clock = clock
         self._open: dict[tuple, Incident] = {}
         self._resolved: deque[Incident] = deque(maxlen=int(keep_resolved))
@@ -150,8 +192,45 @@ class IncidentBook:
             if f.severity is Severity.INFO:
                 continue
             for k, part in self._place(f, hosts):
-                events += self._fold(k, part)
+                home = None if k in self._open else self._related_home(part)
+                events += self._fold(k, part) if home is None else self._relate(home, part)
         return events
+
+    def _related_home(self, f: Finding) -> tuple | None:
+        """The key of the open incident ``f`` is related evidence of (the module docstring), or None."""
+        if f.kind not in LOCALISING_KINDS or not f.ranks:
+            return None
+        ranks, family, near = set(f.ranks), _family(f.kind), self.related_steps
+        homes = [
+            (inc.first_step, inc.id, k)
+            for k, inc in self._open.items()
+            if inc.run == f.run
+            and inc.kind in LOCALISING_KINDS
+            and _family(inc.kind) != family
+            and ranks <= set(inc.ranks)
+            and (abs(f.step - inc.first_step) <= near or _relates(inc, f.kind))
+        ]
+        return min(homes)[2] if homes else None
+
+    def _relate(self, k: tuple, f: Finding) -> list[IncidentEvent]:
+        """Add ``f`` to the related evidence of incident ``k``; an event when a kind is new to it or
+        its severity rises."""
+        inc = self._open[k]
+        inc.last_step = max(inc.last_step, f.step)
+        related = [dict(r) for r in inc.evidence.get("related", ())]  # copies: events hold the old ones
+        entry = next((r for r in related if r.get("kind") == f.kind), None)
+        changed = entry is None
+        if entry is None:
+            related.append(_related_entry(f))
+        else:
+            entry["last_step"] = max(int(entry["last_step"]), f.step)
+            entry["findings"] = int(entry.get("findings", 1)) + 1
+            if f.score > parse_float(entry.get("score", 0.0)):
+                entry["score"] = f.score
+        if f.severity.rank > inc.severity.rank:
+            inc.severity, changed = f.severity, True
+        inc.evidence = {**inc.evidence, "related": related}
+        return [_event("updated", inc)] if changed else []
 
     def _place(self, f: Finding, hosts: Sequence[str] | None) -> list[tuple[tuple, Finding]]:
         """(incident key, the part of ``f`` that goes there) for each incident ``f`` feeds."""

@@ -1,12 +1,13 @@
-"""KafkaSource: the telemetry topic read in a consumer group by a reader thread of its own.
+"""KafkaSource: the telemetry topic read in a consumer group by a reader thread of its own; TopicReader:
+any topic read whole without a group (``sdcwatch capture``, ``sdcwatch incidents``).
 
 The reader thread owns the kafka-python consumer (which is not thread-safe): it polls, decodes,
 dead-letters, commits and measures the lag, and hands decoded batches to the service through a
 bounded queue. So the consumer keeps its group membership whatever the service does between two
 of its own calls, and a member that loses its partitions is logged and counted.
 
-The reader also holds back at a gap in a partition's offsets and re-fetches it until the missing
-batch arrives (:mod:`sdcwatch.service.offset_gaps`).
+Both hold back at a gap in a partition's offsets and re-fetch it until the missing batch arrives
+(:mod:`sdcwatch.service.offset_gaps`).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from sdcwatch.service.bus import (
 from sdcwatch.service.ingest import IngestDecoder, Rejected, SchemaRegistry, count_records
 from sdcwatch.service.offset_gaps import GAP_WAIT_S, OffsetGaps
 
-__all__ = ["KafkaSource"]
+__all__ = ["KafkaSource", "TopicReader"]
 
 log = logging.getLogger("sdcwatch.detectors")
 
@@ -336,13 +337,7 @@ class KafkaSource(DeadLetterCounts):
 
     def _hold_at_gaps(self, batches: dict) -> dict:
         """``batches`` up to the first young offset gap of each partition; the consumer goes back to it."""
-        held, seek = self.gaps.hold(batches, time.monotonic())
-        for tp, offset in seek.items():
-            try:
-                self._consumer.seek(tp, offset)
-            except Exception as exc:  # revoked meanwhile: its next owner starts from the committed offset
-                log.debug("cannot go back to offset %d of %s: %s", offset, tp, exc)
-        return held
+        return self.gaps.refetch(self._consumer, batches, time.monotonic())
 
     def _track_assignment(self) -> None:
         parts = sorted(tp.partition for tp in self._consumer.assignment())
@@ -433,3 +428,106 @@ class KafkaSource(DeadLetterCounts):
             )
         except Exception as exc:  # the count stays; the service must keep going
             log.warning("could not dead-letter %s: %s", origin, exc)
+
+
+class TopicReader:
+    """Every partition of one topic, read whole without a consumer group, from its start or its end.
+
+    What ``sdcwatch capture`` (the telemetry topic) and ``sdcwatch incidents`` (the anomalies
+    topic) read through: it commits nothing and takes no partitions from the service's group, and
+    holds back at an offset gap and re-fetches it as :class:`KafkaSource` does
+    (:mod:`sdcwatch.service.offset_gaps`), so a batch the broker listed late is read, not skipped.
+    Raises :class:`TransportError` naming the address when no broker answers within
+    ``connect_timeout`` seconds. ``consumer``: an open kafka-python consumer to read through instead
+    of a new one (a test's, which may fetch as a racing broker would).
+    """
+
+    def __init__(
+        self,
+        bootstrap: str,
+        topic: str,
+        *,
+        from_beginning: bool,
+        connect_timeout: float = 10.0,
+        gap_wait_s: float = GAP_WAIT_S,
+        consumer: Any = None,
+        **security: Any,
+    ) -> None:
+        from kafka import TopicPartition
+
+        self.topic = topic
+        self.bootstrap = bootstrap
+        self.from_beginning = from_beginning
+        self.gaps = OffsetGaps(gap_wait_s)
+        self._partition = TopicPartition
+        self._parts: list[Any] = []
+        self._existed: bool | None = None  # whether the topic existed at the first look
+        self._consumer = consumer if consumer is not None else self._connect(connect_timeout, security)
+
+    def _connect(self, connect_timeout: float, security: dict[str, Any]) -> Any:
+        from kafka.errors import KafkaError
+
+        try:
+            return new_consumer(
+                self.bootstrap,
+                security=security_settings(security),
+                group_id=None,
+                enable_auto_commit=False,
+                fetch_max_wait_ms=200,
+                max_partition_fetch_bytes=16 << 20,  # whole batches of the largest telemetry messages
+                bootstrap_timeout_ms=int(connect_timeout * 1000),
+            )
+        except (KafkaError, OSError, ValueError) as exc:
+            raise TransportError(
+                f"cannot reach Kafka at {self.bootstrap} within {connect_timeout:g} s ({exc})"
+            ) from None
+
+    def assign(self) -> bool:
+        """Take every partition of the topic once it exists; False while it does not."""
+        if self._parts:
+            return True
+        parts = self._consumer.partitions_for_topic(self.topic)
+        if self._existed is None:
+            self._existed = bool(parts)
+        if not parts:
+            return False
+        self._parts = [self._partition(self.topic, p) for p in sorted(parts)]
+        self._consumer.assign(self._parts)
+        if self.from_beginning or not self._existed:  # a topic that appeared since holds only new records
+            self._consumer.seek_to_beginning(*self._parts)
+        else:
+            self._consumer.seek_to_end(*self._parts)
+        for tp in self._parts:  # resolved now: records sent from here on are read, and gaps seen
+            position = self._consumer.position(tp)
+            if position is not None:
+                self.gaps.expect(tp, position)
+        return True
+
+    def poll_messages(self, timeout: float) -> list[Any]:
+        """The next messages (kafka-python's, with their offset and timestamp), partition by
+        partition in offset order, never past a gap that is still being re-fetched."""
+        if not self.assign():
+            time.sleep(timeout)
+            return []
+        batches = self._consumer.poll(timeout_ms=int(timeout * 1000), max_records=10_000)
+        held = self.gaps.refetch(self._consumer, batches, time.monotonic())
+        return [m for msgs in held.values() for m in msgs]
+
+    def poll(self, timeout: float) -> list[bytes | None]:
+        """The values of the next messages (:meth:`poll_messages`)."""
+        return [m.value for m in self.poll_messages(timeout)]
+
+    def at_end(self) -> bool:
+        """Whether everything on the topic so far has been read."""
+        return self.past(self.end_mark())
+
+    def end_mark(self) -> dict[Any, int]:
+        """The end offset of every partition now: what the topic holds so far."""
+        return dict(self._consumer.end_offsets(self._parts)) if self._parts else {}
+
+    def past(self, mark: dict[Any, int]) -> bool:
+        """Whether every partition has been read up to ``mark`` (from :meth:`end_mark`)."""
+        return all(self._consumer.position(tp) >= end for tp, end in mark.items())
+
+    def close(self) -> None:
+        self._consumer.close()

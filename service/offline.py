@@ -2,8 +2,9 @@
 
 Input is JSON lines of records (the file transport's output) or a CSV whose header has ``step``
 and ``loss`` and optionally ``grad_norm``, ``lr`` and other numeric columns (W&B, TensorBoard and
-llm.c exports). A CSV is one series: it runs as a one-rank job, so spikes and non-finite values are
-found, ranks cannot be named. A malformed file raises :class:`ReplayError` naming the line, and
+llm.c exports). A CSV is one series no rank sent: it runs as a one-rank job whose ranks are unknown,
+so spikes and non-finite values are found and no rank is named (records of a one-rank job name
+rank 0). A malformed file raises :class:`ReplayError` naming the line, and
 so does a line longer than :data:`MAX_LINE_BYTES` or a header of more than :data:`MAX_COLUMNS`
 columns: memory stays bounded by those, not by the file.
 """

@@ -106,3 +106,15 @@ class OffsetGaps:
             if keep:
                 out[tp] = list(msgs[:keep])
         return out, seek
+
+    def refetch(self, consumer: Any, batches: Mapping[Any, Sequence[Any]], now: float) -> dict:
+        """``batches`` (a kafka-python poll) up to the first young gap of each partition, with
+        ``consumer`` sent back to each gap: what the service's source and the group-less topic
+        reader (``sdcwatch capture``, ``sdcwatch incidents``) hand on."""
+        held, seek = self.hold(batches, now)
+        for tp, offset in seek.items():
+            try:
+                consumer.seek(tp, offset)
+            except Exception as exc:  # revoked meanwhile: its next owner starts from the committed offset
+                log.debug("cannot go back to offset %d of %s: %s", offset, tp, exc)
+        return held

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import time
 from collections import deque
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
@@ -78,7 +78,8 @@ class PipelineSettings:
     max_open_steps: int = _fixed(64)
     """Open steps per run before the oldest is closed regardless of its deadline."""
     attribution_window: int = _fixed(50)
-    """Steps within which a spike and rank-local evidence are joined."""
+    """Steps within which a spike and rank-local evidence are joined, and within which findings of
+    one fault on the same ranks are one incident (the others its related evidence)."""
     stale_after: float = _fixed(900.0)
     """Seconds without a step after which a run's open incidents resolve (the run ended or died;
     the exporter's last-step age and the missing-rank alerts say which). A new run past
@@ -105,6 +106,12 @@ def _name_coords(findings: list, coords: np.ndarray | None) -> list:
             if f.ranks and not f.coords:
                 f.coords = tuple(coords_of(coords, r) for r in f.ranks[:64])
     return findings
+
+
+def _no_ranks(findings: list) -> list:
+    """A single series no rank sent (a CSV log): its findings name no rank, though a detector reads
+    its one row as rank 0's. A one-rank job's records name their rank: its findings keep rank 0."""
+    return [replace(f, ranks=(), hosts=(), coords=()) if f.ranks else f for f in findings]
 
 
 class DetectionPipeline:
@@ -143,7 +150,9 @@ class DetectionPipeline:
             max_step_values=self.limits.max_step_values,
         )
         self.aligner.admit = self._admit
-        self.book = IncidentBook(self.settings.resolve_after_steps, clock=wall)
+        self.book = IncidentBook(
+            self.settings.resolve_after_steps, related_steps=self.settings.attribution_window, clock=wall
+        )
         resend = self.settings.names_resend_s if stage == "spatial" else None  # a spatial stage forwards the names
         self.names = LayerNameBook(self.settings.max_runs, resend=resend, clock=clock)  # incidents name modules
         self.lifecycle = RunLifecycle(
@@ -338,7 +347,10 @@ class DetectionPipeline:
                 self.findings_total[k] = self.findings_total.get(k, 0) + 1
             findings += found
         findings = self.names.enrich(findings, summary.run)  # a layer index names its module
-        findings = _name_coords(st.attribution.apply(summary.step, summary.world, findings), summary.coords)
+        # a step judged from ranks' records (over the bus, or here) has ranks, a single series has none
+        ranks_known = summary.frame is None or summary.frame.ranks_known
+        findings = st.attribution.apply(summary.step, summary.world, findings, ranks_known)
+        findings = _name_coords(findings if ranks_known else _no_ranks(findings), summary.coords)
         return self.book.add(findings, summary.hosts) + self.book.advance(summary.run, summary.step)
 
     # -- reading ------------------------------------------------------------------------------
@@ -363,7 +375,7 @@ class DetectionPipeline:
         out = []
         for run, st in runs:
             if st.view is None or st.view.finished != self.lifecycle.finished(run):  # built per step or end
-                st.view = run_view(run, st, self.lifecycle.finished(run))
+                st.view = run_view(run, st, self.lifecycle.finished(run), self.names.names_of)
             out.append(st.view)
         return out
 

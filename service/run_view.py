@@ -7,7 +7,7 @@ detector follows (the loss and gradient norm when no spike detector runs) is rea
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 from sdcwatch.core.incident import RunView
@@ -25,8 +25,27 @@ def count_total(values: np.ndarray) -> int:
     return int(min(total, 2.0**53))  # past it a float no longer counts by ones
 
 
-def run_view(run: str, st: RunState, finished: bool) -> RunView:
-    """The view of ``run``'s latest judged step (``st.summary`` must be set)."""
+#: The lists of names a rank of a run sent (``LayerNameBook.names_of``; rank None: the run's only list).
+NamesOf = Callable[[str, "int | None"], "dict[str, tuple[str, ...]] | None"]
+
+
+def _index_names(run: str, st: RunState, n_pieces: int, names_of: NamesOf) -> tuple[dict[str, tuple[str, ...]], ...]:
+    """Per piece, the names one of its ranks sent (each piece's lowest rank, the one that names it);
+    () when no rank sent any."""
+    frame = st.summary.frame
+    if n_pieces == 1:
+        lists = names_of(run, None) or names_of(run, 0)
+        return (dict(lists),) if lists else ()
+    if frame is None:  # temporal stage: which ranks make each piece is the spatial stage's
+        return ()
+    first = frame.peers.table[:n_pieces, 0]
+    found = tuple(dict(names_of(run, int(r)) or {}) for r in first)
+    return found if any(found) else ()
+
+
+def run_view(run: str, st: RunState, finished: bool, names_of: NamesOf | None = None) -> RunView:
+    """The view of ``run``'s latest judged step (``st.summary`` must be set); ``names_of`` gives the
+    names the run's ranks sent (the pipeline's ``LayerNameBook.names_of``), for the labels."""
     f = st.summary
     shown: dict[str, Any] = {}
     for det in st.detectors:  # each detector reports its own numbers; the first to report one wins
@@ -70,5 +89,6 @@ def run_view(run: str, st: RunState, finished: bool) -> RunView:
         missing_ranks=shown.get("missing_ranks", 0),
         emitter_dropped=count_total(st.dropped),
         finished=finished,
+        layer_names=_index_names(run, st, len(piece_view.get("pieces", ("",))), names_of) if names_of else (),
         **piece_view,
     )

@@ -3,12 +3,14 @@ to a model, through forward and gradient hooks, on the fault's rank, steps and t
 
 It is both the test instrument of sdcwatch and a feature: users inject faults into their own run
 to check their alerting. Every random choice derives from ``(seed, step, rank)``: a fault is
-deterministic, and touches nothing outside its rank, steps and target.
+deterministic, and touches nothing outside its rank, steps and target. Each fault says, once per
+rank, when it first fires (an INFO line of the ``sdcwatch.faults`` logger).
 """
 
 from __future__ import annotations
 
 import fnmatch
+import logging
 import random
 import time
 from dataclasses import dataclass
@@ -22,6 +24,8 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = ["FaultInjector", "Injection", "flip_bit"]
+
+log = logging.getLogger("sdcwatch.faults")
 
 
 def flip_bit(t: "torch.Tensor", index: int, bit: int) -> None:
@@ -79,6 +83,7 @@ class FaultInjector:
         self.cpu_seconds = 0.0
         self._handles: list[Any] = []
         self._done: set[tuple[int, int, int]] = set()
+        self._fired: set[tuple[int, int]] = set()  # (fault, rank) already announced in the log
         self._targets: dict[int, list[str]] = {}
         self._param_targets: dict[int, list[tuple[str, "torch.Tensor"]]] = {}
         self._optimizer = None
@@ -140,6 +145,9 @@ class FaultInjector:
         """Enter ``step``: apply lr spikes (restored by :meth:`end_step`) and parameter faults."""
         self.step = step
         factor = self.lr_factor()
+        for i, f in enumerate(self.faults):
+            if f.kind == "lr_spike" and f.hits(step, self.rank):
+                self._announce(i, "optimizer", "lr")
         if self._optimizer is not None and factor != 1.0:
             self._saved_lrs = [g["lr"] for g in self._optimizer.param_groups]
             for g in self._optimizer.param_groups:
@@ -168,7 +176,7 @@ class FaultInjector:
             if f.kind == "bad_batch" and f.hits(self.step, self.rank):
                 gen = torch.Generator().manual_seed(_rng(i, f, self.step, self.rank).getrandbits(63))
                 garbage = torch.randint(0, vocab, tokens.shape, generator=gen, dtype=torch.int64)
-                self.injections.append(Injection(self.step, self.rank, f.kind, "data", "batch"))
+                self._record(i, Injection(self.step, self.rank, f.kind, "data", "batch"))
                 return garbage.to(device=tokens.device, dtype=tokens.dtype)
         return tokens
 
@@ -242,7 +250,7 @@ class FaultInjector:
         import torch
 
         if spec.kind == "scale":
-            self.injections.append(Injection(self.step, self.rank, spec.kind, spec.where, name))
+            self._record(i, Injection(self.step, self.rank, spec.kind, spec.where, name))
             return x * spec.magnitude
         if spec.kind == "noise":
             gen = torch.Generator(device=x.device).manual_seed(rng.getrandbits(63))
@@ -250,7 +258,7 @@ class FaultInjector:
             finite = x.detach().float()
             finite = torch.where(torch.isfinite(finite), finite, torch.zeros((), device=x.device))
             rms = finite.pow(2).mean().sqrt().to(x.dtype)  # masked -inf logits must not make it inf
-            self.injections.append(Injection(self.step, self.rank, spec.kind, spec.where, name))
+            self._record(i, Injection(self.step, self.rank, spec.kind, spec.where, name))
             return x + noise * (rms * spec.magnitude)
         out = x.clone()
         with torch.no_grad():
@@ -270,8 +278,36 @@ class FaultInjector:
             flip_bit(t, index, spec.bit)
         else:
             flat[index] = spec.value
-        self.injections.append(
-            Injection(self.step, self.rank, spec.kind, spec.where, name, index, before, flat[index].detach().clone())
+        self._record(
+            i, Injection(self.step, self.rank, spec.kind, spec.where, name, index, before, flat[index].detach().clone())
+        )
+
+    def _record(self, i: int, injection: Injection) -> None:
+        """Keep ``injection`` (fault ``i`` applied) and announce the fault if it is its first on this rank."""
+        self.injections.append(injection)
+        self._announce(i, injection.where, injection.target)
+
+    def _announce(self, i: int, where: str, target: str) -> None:
+        """One INFO line when fault ``i`` first fires on this rank: not one a step of a lasting fault."""
+        if (i, self.rank) in self._fired:
+            return
+        self._fired.add((i, self.rank))
+        spec = self.faults[i]
+        if spec.duration == 1:
+            lasting = ""
+        elif spec.duration == 0:
+            lasting = "; on to the end of the run"
+        else:
+            lasting = f"; on until step {spec.step + spec.duration - 1}"
+        log.info(
+            "fault %d fired on rank %d at step %d: %s at %s (%s)%s",
+            i,
+            self.rank,
+            self.step,
+            spec.kind,
+            target,
+            where,
+            lasting,
         )
 
 

@@ -39,8 +39,8 @@ def read_topic(bootstrap: str, topic: str, want: int, timeout: float = 90.0, *, 
     ``grace`` seconds more, to catch anything beyond what was expected. Returns (records, source)."""
     import time
 
-    from sdcwatch.service.kafka_source import KafkaSource
     from sdcwatch.service.ingest import as_records
+    from sdcwatch.service.kafka_source import KafkaSource
 
     src = KafkaSource(bootstrap, topic, group=f"g-{uuid.uuid4().hex[:8]}", deadletter_topic=f"{topic}.dead")
     got = []

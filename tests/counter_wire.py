@@ -10,15 +10,14 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-
-from sdcwatch.core.record_layout import PackedRecord
 from sdcwatch.core.columnar import encode_items
+from sdcwatch.core.errors import ReplayError
 from sdcwatch.core.limits import LimitError, RecordLimits
-from sdcwatch.core.record_type import Record
 from sdcwatch.core.record import decode_message, encode_batch, record_key
 from sdcwatch.core.record_json import from_json, to_json
+from sdcwatch.core.record_layout import PackedRecord
+from sdcwatch.core.record_type import Record
 from sdcwatch.service.ingest import IngestDecoder, as_records
-from sdcwatch.core.errors import ReplayError
 from sdcwatch.service.offline import read_records
 
 #: Forged values of a counter, each refused at ingest.

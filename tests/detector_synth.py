@@ -10,10 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
-
+from sdcwatch.core.record_type import Record
 from sdcwatch.core.vocabulary import STEP_SCALARS as SCALARS
 from sdcwatch.detectors.frame import StepFrame
-from sdcwatch.core.record_type import Record
 
 LAYERS = ("attn_entropy", "q_norm_mean", "q_norm_max", "k_norm_mean", "attn_logit_max", "gemm_fwd", "gemm_bwd")
 FPS = ("param_fp", "grad_fp")

@@ -13,10 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
-
 from sdcwatch.core.mesh import DIMS, Layout
-from sdcwatch.detectors.frame import StepFrame
 from sdcwatch.core.record_type import Record
+from sdcwatch.detectors.frame import StepFrame
 
 SCALARS = ("loss", "grad_norm_local", "grad_norm_global", "grad_cosine", "step_time", "nonfinite", "lr")
 LAYERS = ("attn_entropy", "q_norm_mean", "q_norm_max", "k_norm_mean", "attn_logit_max", "gemm_fwd")

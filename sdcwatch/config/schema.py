@@ -25,9 +25,16 @@ from sdcwatch.core.limits import RecordLimits
 from sdcwatch.core.validate import check_type, did_you_mean, topic_problem, url_problem
 from sdcwatch.core.vocabulary import ANOMALY_TOPIC, CONTROL_TOPIC, DEADLETTER_TOPIC, SUMMARY_TOPIC, TELEMETRY_TOPIC
 from sdcwatch.detectors.registry import default_classes
-from sdcwatch.exporters.collector import DEFAULT_MAX_LAYERS, DEFAULT_TOP_K, check_cardinality
-from sdcwatch.exporters.pieces import DEFAULT_MAX_PIECES
-from sdcwatch.exporters.server import DEFAULT_METRICS_ADDRESS, DEFAULT_METRICS_PORT, check_address, check_port
+from sdcwatch.exporters.bounds import (
+    DEFAULT_MAX_LAYERS,
+    DEFAULT_MAX_PIECES,
+    DEFAULT_METRICS_ADDRESS,
+    DEFAULT_METRICS_PORT,
+    DEFAULT_TOP_K,
+    check_address,
+    check_cardinality,
+    check_port,
+)
 from sdcwatch.service.control_policy import ControlPolicy
 from sdcwatch.service.pipeline import STAGES, PipelineSettings
 

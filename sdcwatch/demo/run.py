@@ -89,7 +89,9 @@ def _train_beside_the_service(
             from sdcwatch.telemetry.guard.control_topic import KafkaControl
 
             control = KafkaControl(broker.bootstrap, plan.run_id)
-        say(f"  metrics: {service.metrics.url}  (point Prometheus here; Grafana dashboard in dashboards/)")
+        say(
+            f"  metrics: {service.metrics.url}  (point Prometheus here; the Grafana dashboard and rules: sdcwatch stack export DIR)"
+        )
         service.start()
         training = DemoTraining(plan, broker.bootstrap, service, control, say, progress_every)
         if plan.guard and not quiet:  # the demo prints each action itself

@@ -3,12 +3,14 @@
 From a captured run (the JSON-lines records of the file transport, plus the incidents the
 service raised) it draws the global loss and gradient norm with the incidents shaded, a rank x
 step heat map of how far each rank strays from the others, and the attention entropy of every
-layer; a header sums the run up and a table lists the incidents. The plots are PNGs embedded as
-base64, so the one file can be mailed, attached to a ticket or opened offline.
+layer at the steps it was measured on (one in 16 by default); a header sums the run up and a table
+lists the incidents, each as the service last said (open or resolved) and its index read in its
+metric's family (a product, a block, an attention layer). The plots are PNGs embedded as base64,
+so the one file can be mailed, attached to a ticket or opened offline.
 
 The deviation score is computed here from the records with numpy (robust z against the
-cross-rank median and MAD); it deliberately does not reuse the detectors, so the picture is an
-independent view of the data the detectors saw.
+cross-rank median and MAD, calibrated on the run so healthy ranks stay calm); it deliberately does
+not reuse the detectors, so the picture is an independent view of the data the detectors saw.
 
 Layout: :mod:`~sdcwatch.report.data` loads records and incidents, :mod:`~sdcwatch.report.deviation`
 scores ranks against each other, :mod:`~sdcwatch.report.plots` draws the figures (importing

@@ -17,7 +17,7 @@ import numpy as np
 
 from sdcwatch.core.errors import RecordError, ReplayError
 from sdcwatch.core.incident import Incident, Severity
-from sdcwatch.core.layer_names import is_names_line
+from sdcwatch.core.layer_names import NOUNS, family_of, is_names_line
 from sdcwatch.core.limits import RecordLimits
 from sdcwatch.core.record_json import from_json
 from sdcwatch.service.offline import bounded_lines
@@ -32,7 +32,10 @@ class RunData:
     """One run's records as dense arrays: ``steps`` (S,), per-rank scalars (S, R), layers (S, R, L).
 
     A missing record is NaN in every array and False in ``present``; a non-finite value the rank
-    really reported stays NaN/Inf with ``present`` True, so the two are never confused.
+    really reported stays NaN/Inf with ``present`` True, so the two are never confused. A layer
+    metric is measured on sampled steps only (the probes' ``attention_every``, 16 by default):
+    ``measured[name]`` (S, R) says which records carried it, so a step it was not measured on is
+    never read as a non-finite value. ``ended``: the ranks whose end-of-run marker is in the file.
     """
 
     run: str
@@ -47,11 +50,19 @@ class RunData:
     other_runs: dict[str, int] = field(default_factory=dict)
     wall_start: float = 0.0
     wall_end: float = 0.0
+    measured: dict[str, np.ndarray] = field(default_factory=dict)
+    ended: frozenset[int] = frozenset()
 
     @property
     def missing(self) -> int:
         """Rank-steps with no record."""
         return int(self.present.size - self.present.sum())
+
+    @property
+    def finished(self) -> bool:
+        """Every rank of the run sent its end-of-run marker: the run ended (the service then
+        resolves its open incidents)."""
+        return self.world > 0 and self.ended >= set(range(self.world))
 
     def host_of(self, rank: int) -> str:
         return self.hosts[rank] if 0 <= rank < len(self.hosts) else ""
@@ -72,6 +83,7 @@ def load_records(path: str | Path, *, run: str | None = None) -> RunData:
     hosts: dict[str, dict[int, str]] = {}
     worlds: dict[str, int] = {}
     seen: dict[str, set[str]] = {}  # scalar names each run reported at least once
+    ended: dict[str, set[int]] = {}  # ranks whose end-of-run marker was read, per run
     try:
         fh = open(path, "rb")
     except OSError as exc:
@@ -86,6 +98,7 @@ def load_records(path: str | Path, *, run: str | None = None) -> RunData:
             except RecordError as exc:
                 raise ReplayError(str(path), lineno, str(exc)) from None
             if is_end_marker(rec):  # a rank's end-of-run marker (sdcwatch capture keeps them), not a step
+                ended.setdefault(rec.run, set()).add(rec.rank)
                 continue
             layer = rec.layers.get(ENTROPY)
             rows.setdefault(rec.run, []).append(
@@ -109,6 +122,7 @@ def load_records(path: str | Path, *, run: str | None = None) -> RunData:
         raise ReplayError(str(path), 0, f"holds no records of run {run!r} (runs: {', '.join(sorted(rows))})")
     data = _densify(run, rows[run], worlds[run], hosts.get(run, {}), seen[run])
     data.other_runs = {r: len(v) for r, v in rows.items() if r != run}
+    data.ended = frozenset(ended.get(run, ()))
     return data
 
 
@@ -120,6 +134,7 @@ def _densify(run: str, rows: list[tuple], world: int, hosts: Mapping[int, str], 
     values = np.full((len(_SCALARS), n_steps, world), np.nan)
     n_layers = max((len(r[4]) for r in rows if r[4] is not None), default=0)
     entropy = np.full((n_steps, world, n_layers), np.nan, dtype=np.float32) if n_layers else None
+    measured = np.zeros((n_steps, world), dtype=bool)
     duplicates = 0
     times = []
     for step, rank, wall, scalars, layer in rows:
@@ -129,6 +144,7 @@ def _densify(run: str, rows: list[tuple], world: int, hosts: Mapping[int, str], 
         values[:, i, rank] = scalars
         if entropy is not None and layer is not None:
             entropy[i, rank, : len(layer)] = layer
+            measured[i, rank] = True
         times.append(wall)
     scalars_out = {name: values[k] for k, name in enumerate(_SCALARS) if name in seen}
     layers = {ENTROPY: entropy} if entropy is not None else {}
@@ -145,15 +161,19 @@ def _densify(run: str, rows: list[tuple], world: int, hosts: Mapping[int, str], 
         duplicates=duplicates,
         wall_start=min(finite_times, default=0.0),
         wall_end=max(finite_times, default=0.0),
+        measured={ENTROPY: measured} if entropy is not None else {},
     )
 
 
 def incident_from_dict(d: Mapping[str, Any]) -> Incident:
     """Rebuild an :class:`Incident` from :meth:`Incident.to_dict` output (or an event wrapping one).
 
+    An event's ``change`` (``resolved``) or an ``open: false`` counts as the service's word that
+    the incident is resolved, even where no ``resolved_step`` came with it (then its last step).
     Raises ValueError naming the bad field; :func:`load_incidents` adds the file and line.
     """
-    if "incident" in d and isinstance(d["incident"], Mapping):  # an IncidentEvent on the anomalies topic
+    change = d.get("change")
+    if "incident" in d and isinstance(d["incident"], Mapping):  # an IncidentEvent (log sink, webhook)
         d = d["incident"]
     for key in ("kind", "severity", "message"):
         if key not in d:
@@ -177,6 +197,9 @@ def incident_from_dict(d: Mapping[str, Any]) -> Incident:
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
             raise ValueError(f"incident field {key!r} must be an integer or null, got {value!r:.80}")
     layer = d.get("layer")
+    resolved_step = d.get("resolved_step")
+    if resolved_step is None and (change == "resolved" or d.get("open") is False):
+        resolved_step = last
     for key in ("opened_at", "resolved_at"):
         value = d.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
@@ -204,17 +227,21 @@ def incident_from_dict(d: Mapping[str, Any]) -> Incident:
         evidence=dict(d.get("evidence") or {}),
         detector=str(d.get("detector") or ""),
         peak_step=d.get("peak_step"),
-        resolved_step=d.get("resolved_step"),
+        resolved_step=resolved_step,
         opened_at=float(d.get("opened_at") or 0.0),
         resolved_at=d.get("resolved_at"),
+        layer_name=str(d["layer_name"]) if d.get("layer_name") else None,
     )
 
 
 def load_incidents(path: str | Path) -> list[Incident]:
-    """Read a JSON-lines file of ``Incident.to_dict()`` objects (or incident events).
+    """Read a JSON-lines file of ``Incident.to_dict()`` objects or incident events: what ``sdcwatch
+    replay --json``, ``sdcwatch incidents --json``, the demo, the anomalies topic or the log sink's
+    JSON lines hold.
 
-    An incident that appears several times (opened, updated, resolved) is kept once, in its
-    last state. A malformed line raises :class:`ReplayError` naming the file and the line.
+    An incident that appears several times (opened, updated, resolved) is kept once, as its last
+    line says: open or resolved as the service last said. A malformed line raises
+    :class:`ReplayError` naming the file and the line.
     """
     path = Path(path)
     latest: dict[str, Incident] = {}
@@ -246,3 +273,27 @@ def load_incidents(path: str | Path) -> list[Incident]:
 def is_localised(inc: Incident, world: int) -> bool:
     """Whether an incident blames a few ranks (not "ranks 0-5 all went NaN")."""
     return 0 < len(inc.ranks) <= min(3, max(1, world // 2))
+
+
+def attention_layer(inc: Incident) -> int | None:
+    """The attention layer an incident names, or None: its ``layer`` counts attention layers only
+    when its metric is of the ``layers`` family (``gemm_canary_fp``'s layer 0 is a product, and
+    ``stream_max``'s a block: neither is attention layer 0).
+
+    >>> inc = Incident("i", "r", "replica_divergence", Severity.CRITICAL, 5, 5, "m", metric="gemm_canary_fp", layer=0)
+    >>> attention_layer(inc) is None, attention_layer(Incident("j", "r", "k", Severity.WARNING, 5, 5, "m",
+    ...     metric="attn_entropy", layer=2))
+    (True, 2)
+    """
+    return inc.layer if inc.layer is not None and family_of(inc.metric) == "layers" else None
+
+
+def where_in_model(inc: Incident) -> str:
+    """What an incident's index points at, read in its metric's family: ``product 11
+    (model.layers.1.mlp.gate_proj)``, ``block 3``, ``layer 2``; ``index 4`` for a metric sdcwatch
+    does not know; "" without one."""
+    if inc.layer is None:
+        return ""
+    family = family_of(inc.metric)
+    text = f"{NOUNS.get(family, 'index') if family else 'index'} {inc.layer}"
+    return text + (f" ({inc.layer_name})" if inc.layer_name else "")

@@ -4,6 +4,15 @@ The deviation score is computed here from the records with numpy (robust z again
 cross-rank median and MAD); it deliberately does not reuse the detectors, so the picture is an
 independent view of the data the detectors saw. No plotting here, so the numbers can be checked
 (and tested) apart from how they are drawn.
+
+Two things keep a healthy rank calm, most of all in a small job. The MAD of one step's 4 ranks is
+a noisy spread: a step where three ranks happen to agree gives the fourth |z| of 5 to 20, on 10-17%
+of a healthy rank's steps. So the spread is never taken below its typical value (the median of the
+per-step spreads over :data:`TYPICAL_BLOCK` steps), as the detectors bound theirs. And ranks fed
+different data differ with heavy tails (a hard batch), so the score is calibrated on the run: the
+deviation a typical rank exceeds on 1 cell of the heat map in 200 (the median over ranks of each
+rank's :data:`CALIBRATION_QUANTILE` percentile: a faulty rank does not set it) is scored
+:data:`Z_FLAG`, never less (a run of ranks that agree closely is not magnified).
 """
 
 from __future__ import annotations
@@ -18,13 +27,20 @@ from sdcwatch.core.vocabulary import DEVIATION_METRICS
 from sdcwatch.report.data import RunData
 
 MIN_RANKS = 3  # a median and a MAD over fewer ranks say nothing about which one is odd
+# the calibrated score of what a typical rank of the run exceeds on 1 cell in 200; the bar counts |z| above it
+Z_FLAG = 3.5
+Z_ALARM = 5.5  # where the heat map's colours turn red: alarming
+TYPICAL_BLOCK = 32  # steps over which the typical cross-rank spread is taken
+CALIBRATION_QUANTILE = 99.5  # the percentile of a rank's scores the calibration reads
+HEATMAP_COLUMNS = 720  # at most this many step columns; longer runs are binned (max per bin)
 
 
-def robust_z(values: np.ndarray) -> np.ndarray:
+def robust_z(values: np.ndarray, floor: np.ndarray | None = None) -> np.ndarray:
     """Robust z of each rank against the others at every step: ``(x - median) / (1.4826 MAD)``.
 
     ``values`` is (steps, ranks) with NaN for a missing rank. The scale has a floor (a millionth
-    of the median's magnitude) so ranks that agree to the last bit do not divide by zero. An
+    of the median's magnitude) so ranks that agree to the last bit do not divide by zero, and
+    ``floor`` (steps,), when given, bounds it from below too (the typical spread). An
     infinite value scores +Inf (the most deviant thing a rank can report); NaN is read as
     "no value" and stays NaN (see :func:`rank_deviation` for NaN a rank reported).
 
@@ -39,20 +55,70 @@ def robust_z(values: np.ndarray) -> np.ndarray:
         med = np.nanmedian(finite, axis=1, keepdims=True)
         mad = np.nanmedian(np.abs(finite - med), axis=1, keepdims=True) * 1.4826
         scale = np.maximum(mad, np.maximum(np.abs(med) * 1e-6, 1e-12))
+        if floor is not None:
+            scale = np.fmax(scale, np.asarray(floor, dtype=np.float64).reshape(-1, 1))
         z = (finite - med) / scale
     return np.where(np.isinf(x), np.inf, z)
+
+
+def typical_spread(values: np.ndarray, block: int = TYPICAL_BLOCK) -> np.ndarray:
+    """(steps,) the typical cross-rank spread (1.4826 MAD) around each step: the median of the
+    per-step spreads of its block of ``block`` steps (NaN where no step of the block has one).
+
+    >>> import numpy as np
+    >>> x = np.tile([1.0, 2.0, 3.0, 4.0], (8, 1)); x[3] = [2.0, 2.0, 2.0, 9.0]  # one step's MAD is 0
+    >>> typical_spread(x, block=4).round(2).tolist()
+    [1.48, 1.48, 1.48, 1.48, 1.48, 1.48, 1.48, 1.48]
+    """
+    x = np.where(np.isfinite(values), values, np.nan)
+    with quiet_nan_warnings():
+        med = np.nanmedian(x, axis=1, keepdims=True)
+        spread = np.nanmedian(np.abs(x - med), axis=1) * 1.4826
+        pad = (-len(spread)) % block
+        blocks = np.pad(spread, (0, pad), constant_values=np.nan).reshape(-1, block)
+        return np.repeat(np.nanmedian(blocks, axis=1), block)[: len(spread)]
+
+
+def bin_columns(score: np.ndarray, steps: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Bin the step axis to at most :data:`HEATMAP_COLUMNS` columns, keeping each bin's worst score;
+    returns (the columns, the first step of each)."""
+    if len(steps) <= HEATMAP_COLUMNS:
+        return score, steps
+    starts = np.linspace(0, len(steps), HEATMAP_COLUMNS, endpoint=False).astype(int)
+    with quiet_nan_warnings():
+        binned = np.fmax.reduceat(score, starts, axis=0)
+    return binned, steps[starts]
+
+
+def calibration_anchor(score: np.ndarray, steps: np.ndarray) -> float:
+    """The raw score a typical rank of the run exceeds on 1 heat-map cell in 200: each rank's
+    :data:`CALIBRATION_QUANTILE` percentile over the columns the heat map draws, the median over
+    ranks (so one faulty rank, or a minority, does not set it), never below :data:`Z_FLAG`."""
+    columns, _ = bin_columns(score, steps)
+    finite = np.where(np.isfinite(columns), columns, np.nan)
+    with quiet_nan_warnings():
+        per_rank = np.nanpercentile(finite, CALIBRATION_QUANTILE, axis=0)
+        typical = float(np.nanmedian(per_rank)) if np.isfinite(per_rank).any() else Z_FLAG
+    return max(Z_FLAG, typical)
 
 
 class Deviation(NamedTuple):
     """How far each rank strays from the others, per step (see :func:`rank_deviation`)."""
 
-    score: np.ndarray  # (S, R) largest |robust z| over the metrics; +Inf: non-finite on this rank only
+    score: np.ndarray  # (S, R) largest |robust z| over the metrics, calibrated; +Inf: non-finite on this rank only
     metrics: list[str]  # the metrics that were available
     widespread: np.ndarray  # (S, R) bool: non-finite together with most ranks (the run broke, not the rank)
+    anchor: float = Z_FLAG  # the raw |z| scored Z_FLAG (see calibration_anchor)
+
+    @property
+    def z(self) -> np.ndarray:
+        """(S, R) the score before calibration: the largest |robust z| itself (the spread floored)."""
+        return self.score * (self.anchor / Z_FLAG)
 
 
 def rank_deviation(data: RunData) -> Deviation:
-    """Per rank and step, the largest |robust z| over :data:`DEVIATION_METRICS`.
+    """Per rank and step, the largest |robust z| over :data:`DEVIATION_METRICS`, the spread
+    bounded by its typical value and the score calibrated on the run (the module docstring).
 
     A value only this rank (or a minority) reported as NaN/Inf scores +Inf: that is how SDC
     looks on the step it strikes. Once most ranks are non-finite (the corruption has spread
@@ -68,13 +134,15 @@ def rank_deviation(data: RunData) -> Deviation:
         raw = data.scalars[name]
         nonfinite = present & ~np.isfinite(raw)
         most = nonfinite.sum(axis=1, keepdims=True) * 2 > n_present
-        z = np.abs(robust_z(np.where(present & np.isfinite(raw), raw, np.nan)))
+        values = np.where(present & np.isfinite(raw), raw, np.nan)
+        z = np.abs(robust_z(values, floor=typical_spread(values)))
         z = np.where(nonfinite & ~most, np.inf, z)
         score = np.fmax(score, z)
         widespread |= nonfinite & most
     score[~present] = np.nan
     widespread &= np.isnan(score)  # a rank that still stands out on another metric is scored
-    return Deviation(score, used, widespread)
+    anchor = calibration_anchor(score, data.steps) if used else Z_FLAG
+    return Deviation(score * (Z_FLAG / anchor), used, widespread, anchor)
 
 
 @contextlib.contextmanager

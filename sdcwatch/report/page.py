@@ -12,11 +12,22 @@ import time
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
+import numpy as np
+
 from sdcwatch.core.errors import ReplayError
 from sdcwatch.core.incident import Incident
-from sdcwatch.report.data import ENTROPY, RunData, incident_from_dict, is_localised, load_incidents, load_records
-from sdcwatch.report.deviation import MIN_RANKS
-from sdcwatch.report.plots import Z_FLAG, plot_attention, plot_heatmap, plot_training
+from sdcwatch.report.data import (
+    ENTROPY,
+    RunData,
+    attention_layer,
+    incident_from_dict,
+    is_localised,
+    load_incidents,
+    load_records,
+    where_in_model,
+)
+from sdcwatch.report.deviation import CALIBRATION_QUANTILE, MIN_RANKS, TYPICAL_BLOCK, Z_ALARM, Z_FLAG
+from sdcwatch.report.plots import plot_attention, plot_heatmap, plot_training
 
 
 def _injected_faults(injected: Any) -> list[dict[str, Any]]:
@@ -98,6 +109,7 @@ td.num { font-variant-numeric: tabular-nums; white-space:nowrap; }
 .badge { display:inline-block; padding:1px 8px; border-radius:10px; font-size:11.5px; font-weight:600; color:#fff; }
 .badge.critical { background:#d62728; } .badge.warning { background:#ef7d00; } .badge.info { background:#1f77b4; }
 .muted { color:var(--muted); }
+td.status.open { font-weight:600; } td.status.resolved { color:var(--muted); }
 footer { color:var(--muted); font-size:12px; margin-top:22px; }
 """
 
@@ -176,27 +188,46 @@ def _cards(
     return "<div class='cards'>" + "".join(out) + "</div>"
 
 
-def _incident_table(incidents: Sequence[Incident], given: bool) -> str:
+def _status(inc: Incident, data: RunData) -> tuple[str, str]:
+    """(the status cell, its tooltip): as the incidents' last word says; an incident still open
+    there in a run whose every rank sent its end-of-run marker was resolved at the run's end (the
+    service resolves a run's open incidents when it ends; ``replay`` stops at the end of the file)."""
+    if not inc.open:
+        return f"resolved at {inc.resolved_step}", ""
+    if data.finished and (not inc.run or inc.run == data.run):
+        end = int(data.steps[-1])
+        return (
+            f"resolved at {end} (run end)",
+            "open in the incidents file; every rank sent its end-of-run marker, and the service resolves a "
+            f"run's open incidents when it ends (at its last step, {end})",
+        )
+    return "open", ""
+
+
+def _incident_table(incidents: Sequence[Incident], given: bool, data: RunData) -> str:
     if not given:
         return f"<p class='muted'>{_NOT_GIVEN}</p>"
     if not incidents:
         return "<p class='muted'>No incidents were raised for this run.</p>"
     head = "".join(
         f"<th>{h}</th>"
-        for h in ("#", "kind", "severity", "steps", "ranks", "hosts", "layer", "metric", "status", "message")
+        for h in ("#", "kind", "severity", "steps", "ranks", "hosts", "where", "metric", "status", "message")
     )
     rows = []
     for n, inc in enumerate(incidents, 1):
         steps = _e(f"{inc.first_step}–{inc.last_step}" if inc.last_step != inc.first_step else f"{inc.first_step}")
         if inc.peak_step is not None and inc.peak_step not in (inc.first_step, inc.last_step):
             steps += f" <span class='muted'>(peak {_e(inc.peak_step)})</span>"
-        status = "open" if inc.open else f"resolved at {inc.resolved_step}"
+        status, why = _status(inc, data)
+        state = "open" if status == "open" else "resolved"
         rows.append(
             f"<tr class='incident' data-kind='{_e(inc.kind)}'><td class='num'>{n}</td><td>{_e(inc.kind)}</td>"
             f"<td><span class='badge {_e(inc.severity.value)}'>{_e(inc.severity.value)}</span></td>"
             f"<td class='num'>{steps}</td><td class='num'>{_e(', '.join(map(str, inc.ranks)) or '–')}</td>"
-            f"<td>{_e(', '.join(inc.hosts) or '–')}</td><td class='num'>{'–' if inc.layer is None else _e(inc.layer)}</td>"
-            f"<td>{_e(inc.metric or '–')}</td><td>{_e(status)}</td><td>{_e(inc.message)}</td></tr>"
+            f"<td>{_e(', '.join(inc.hosts) or '–')}</td><td>{_e(where_in_model(inc) or '–')}</td>"
+            f"<td>{_e(inc.metric or '–')}</td><td class='status {state}'"
+            + (f" title='{_e(why)}'" if why else "")
+            + f">{_e(status)}</td><td>{_e(inc.message)}</td></tr>"
         )
     return f"<table id='incidents'><thead><tr>{head}</tr></thead><tbody>{''.join(rows)}</tbody></table>"
 
@@ -236,7 +267,7 @@ def _training_section(data: RunData, incidents: Sequence[Incident], faults: Sequ
 
 def _ranks_section(data: RunData, incidents: Sequence[Incident], faults: Sequence[Mapping[str, Any]]) -> str:
     """The rank x step heat map of deviation, or why ranks cannot be compared ("" without a score)."""
-    heat, used, _ = plot_heatmap(data, incidents, faults)
+    heat, deviation, _ = plot_heatmap(data, incidents, faults)
     if data.world < MIN_RANKS:
         return (
             "<section id='ranks'><h2>Which rank strays from the others</h2><p class='caption'>This run has "
@@ -244,14 +275,40 @@ def _ranks_section(data: RunData, incidents: Sequence[Incident], faults: Sequenc
         )
     if not heat:
         return ""
+    scaled = (
+        f"a robust z of {deviation.anchor:.3g}, what a typical rank of this run exceeds on one cell in "
+        f"{round(100 / (100 - CALIBRATION_QUANTILE))}, is drawn at {Z_FLAG:g}"
+        if deviation.anchor > Z_FLAG
+        else f"this run's ranks agree closely: the scale is the plain robust z (a typical rank stays under {Z_FLAG:g})"
+    )
     return (
         "<section id='ranks'><h2>Which rank strays from the others</h2><p class='caption'>Each cell is the "
         f"largest robust z-score of a rank against the median of all ranks at that step, over "
-        f"{_e(', '.join(used))}. Data-parallel ranks run the same model on different data, so a healthy rank "
-        "stays pale; a faulty one lights up. Dark purple: a non-finite value on this rank only; light purple: "
-        "non-finite on most ranks (the corruption has spread and no longer says which rank); grey: no record. "
-        "Blue boxes are the ranks incidents named. The bar shows the share of steps each rank was flagged "
-        f"(|z| &gt; {Z_FLAG:g}).</p>" + _figure(heat, "rank by step heat map of deviation") + "</section>"
+        f"{_e(', '.join(deviation.metrics))}, the spread never below its typical value over {TYPICAL_BLOCK} steps "
+        f"(a step's few ranks give a noisy spread), scaled to this run's own spread between ranks: {_e(scaled)}. "
+        "Data-parallel ranks run the same model on different data, so a healthy rank stays pale; orange is "
+        f"rarer than anything a typical rank shows, red (from {Z_ALARM:g}) is alarming. Dark purple: a "
+        "non-finite value on this rank only; light purple: non-finite on most ranks (the corruption has spread "
+        "and no longer says which rank); grey: no record. Blue boxes are the ranks incidents named. The bar "
+        f"shows the share of steps each rank's robust z exceeded {Z_FLAG:g} before the scaling, red for a rank "
+        "that strays far more often than its peers: a persistent shift too small for one cell's colour.</p>"
+        + _figure(heat, "rank by step heat map of deviation")
+        + "</section>"
+    )
+
+
+def _sampling(data: RunData) -> str:
+    """How often attention was measured, as the caption says it ("" when on every step)."""
+    measured = data.measured.get(ENTROPY)
+    if measured is None:
+        return ""
+    at = data.steps[measured.any(axis=1)]
+    if len(at) < 2 or len(at) * 2 >= len(data.steps):
+        return ""
+    every = int(np.median(np.diff(at)))
+    return (
+        f" Attention is measured on sampled steps (one in {every} here, the probes' <code>attention_every</code>;"
+        " loss and gradients every step): each point is one measurement, on the step it was taken."
     )
 
 
@@ -259,16 +316,26 @@ def _attention_section(
     data: RunData, incidents: Sequence[Incident], suspects: Sequence[int], faults: Sequence[Mapping[str, Any]]
 ) -> str:
     """Attention entropy per layer ("" when the run has none)."""
-    attention, shown = plot_attention(data, incidents, suspects, faults)
+    attention, shown, named = plot_attention(data, incidents, suspects, faults)
     if not attention:
         return ""
+    framed = "; ".join(
+        f"layer {layer} (incident "
+        + ", ".join(f"#{n} on {inc.metric}" for n, inc in enumerate(incidents, 1) if attention_layer(inc) == layer)
+        + ")"
+        for layer in named
+    )
     n_layers = data.layers[ENTROPY].shape[2]
     which = "every layer" if len(shown) == n_layers else f"{len(shown)} of {n_layers} layers"
     return (
         "<section id='attention'><h2>Attention entropy per layer</h2><p class='caption'>Mean over ranks "
         f"({which}), with the spread over ranks as a band"
         + (" and the suspect ranks drawn in colour" if suspects else "")
-        + ". Corrupted attention shows as entropy collapsing (one logit dominates) or jumping.</p>"
+        + ". Corrupted attention shows as entropy collapsing (one logit dominates) or jumping."
+        + _sampling(data)
+        + " A layer is framed in red when an incident names that attention layer"
+        + (f": {_e(framed)}" if framed else " (none here)")
+        + "; an incident on a product, a block or a scalar is shaded lightly in every panel.</p>"
         + _figure(attention, "attention entropy per layer")
         + "</section>"
     )
@@ -329,7 +396,7 @@ def render_report(
         _training_section(data, incidents, faults),
         _ranks_section(data, incidents, faults),
         _attention_section(data, incidents, suspects, faults),
-        f"<section id='incident-table'><h2>Incidents</h2>{_incident_table(incidents, given)}</section>",
+        f"<section id='incident-table'><h2>Incidents</h2>{_incident_table(incidents, given, data)}</section>",
         _guard_section(incidents),
     )
     parts += [section for section in sections if section]

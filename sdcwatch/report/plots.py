@@ -10,18 +10,26 @@ from __future__ import annotations
 import base64
 import io
 import math
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, NamedTuple, Sequence
 
 import numpy as np
 
 from sdcwatch.core.incident import Incident
-from sdcwatch.report.data import ENTROPY, RunData, is_localised
-from sdcwatch.report.deviation import MIN_RANKS, global_series, quiet_nan_warnings, rank_deviation
+from sdcwatch.report.data import ENTROPY, RunData, attention_layer, is_localised
+from sdcwatch.report.deviation import (
+    MIN_RANKS,
+    Z_ALARM,
+    Z_FLAG,
+    Deviation,
+    bin_columns,
+    global_series,
+    quiet_nan_warnings,
+    rank_deviation,
+)
 
 _Z_CAP = 10.0  # top of the heat map's colour scale; beyond it a rank is plainly off
-Z_FLAG = 3.5  # |z| counted as "flagged" in the per-rank bar
-_HEATMAP_COLUMNS = 720  # at most this many step columns; longer runs are binned (max per bin)
 _MAX_LAYER_PANELS = 16
+_SAMPLED = 0.5  # a series measured on fewer than this share of the steps is drawn as points
 _SEVERITY_COLOUR = {"critical": "#d62728", "warning": "#ff7f0e", "info": "#1f77b4"}
 
 
@@ -198,38 +206,50 @@ def plot_training(data: RunData, incidents: Sequence[Incident], faults: Sequence
     return _png(fig)
 
 
-def _bin_columns(score: np.ndarray, steps: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Bin the step axis to at most _HEATMAP_COLUMNS columns, keeping each bin's worst score."""
-    if len(steps) <= _HEATMAP_COLUMNS:
-        return score, steps
-    starts = np.linspace(0, len(steps), _HEATMAP_COLUMNS, endpoint=False).astype(int)
-    with quiet_nan_warnings():
-        binned = np.fmax.reduceat(score, starts, axis=0)
-    return binned, steps[starts]
-
-
 def _flagged_share(score: np.ndarray, data: RunData) -> np.ndarray:
-    """The percentage of steps each rank was flagged (|z| > Z_FLAG), over the steps where ranks
-    can be compared at all (when every rank is non-finite, nobody stands out)."""
+    """The percentage of steps each rank was flagged (|z| > Z_FLAG before calibration: a persistent
+    shift shows here even where one cell's colour stays calm), over the steps where ranks can be
+    compared at all (when every rank is non-finite, nobody stands out)."""
     comparable = np.isfinite(score).any(axis=1)
     flags = np.where(data.present, np.where(np.isnan(score), False, score > Z_FLAG), np.nan)[comparable]
     with quiet_nan_warnings():
         return np.nan_to_num(np.nanmean(flags, axis=0) * 100) if len(flags) else np.zeros(data.world)
 
 
+def _deviation_cmap() -> Any:
+    """The heat map's colours on the calibrated score: white up to 2 and pale to Z_FLAG (what
+    healthy ranks of this run show among themselves), orange beyond it (rarer than a typical rank's
+    1 cell in 200), red from Z_ALARM (alarming) to dark red at _Z_CAP and beyond."""
+    from matplotlib.colors import LinearSegmentedColormap
+
+    return LinearSegmentedColormap.from_list(
+        "sdc_deviation",
+        [
+            (0.0, "#ffffff"),
+            (2.0 / _Z_CAP, "#ffffff"),
+            (Z_FLAG / _Z_CAP, "#fff1c1"),
+            ((Z_FLAG + Z_ALARM) / 2 / _Z_CAP, "#fdae61"),
+            (Z_ALARM / _Z_CAP, "#e34a33"),
+            (1.0, "#7f0000"),
+        ],
+    ).with_extremes(over="#7f0000", bad="#c8c8c8")  # bad: no record
+
+
+def deviation_colours(score: np.ndarray) -> np.ndarray:
+    """The RGBA colour the heat map draws each (calibrated) score in; +Inf as the top of the scale
+    (the map draws a rank's own non-finite value in purple on top)."""
+    x = np.where(np.isinf(score), _Z_CAP, np.asarray(score, dtype=np.float64))
+    return _deviation_cmap()(np.ma.masked_invalid(x / _Z_CAP))
+
+
 def _draw_deviation(
     fig: Any, ax: Any, bar: Any, data: RunData, binned: np.ndarray, starts: np.ndarray, widespread: np.ndarray
 ) -> float:
     """The heat map itself, its non-finite overlay and its colour bar; returns a column's width in steps."""
-    from matplotlib.colors import LinearSegmentedColormap, ListedColormap
+    from matplotlib.colors import ListedColormap
 
     world = data.world
-    # White up to |z| = 2 and pale to 3.5 (what 8-64 healthy ranks show among themselves), then
-    # orange to dark red.
-    cmap = LinearSegmentedColormap.from_list(
-        "sdc_deviation",
-        [(0.0, "#ffffff"), (0.2, "#ffffff"), (0.35, "#fff1c1"), (0.55, "#fdae61"), (0.75, "#e34a33"), (1.0, "#7f0000")],
-    ).with_extremes(over="#7f0000", bad="#c8c8c8")  # bad: no record
+    cmap = _deviation_cmap()
     step_w = (float(data.steps[-1]) - float(data.steps[0])) / max(len(starts) - 1, 1) if len(starts) > 1 else 1.0
     extent = (float(starts[0]) - step_w / 2, float(starts[-1]) + step_w / 2, world - 0.5, -0.5)
     mesh = ax.imshow(
@@ -243,7 +263,7 @@ def _draw_deviation(
     )
     # Non-finite values get their own colours on top, never confused with a large z: dark purple
     # for a rank that alone went non-finite, light purple once most ranks did.
-    spread, _ = _bin_columns(widespread.astype(float), data.steps)
+    spread, _ = bin_columns(widespread.astype(float), data.steps)
     nonfinite = np.where(np.isinf(binned), 2.0, np.where(spread > 0, 1.0, np.nan)).T
     if np.isfinite(nonfinite).any():
         ax.imshow(
@@ -256,7 +276,7 @@ def _draw_deviation(
             extent=extent,
         )
     cbar = fig.colorbar(mesh, ax=bar, extend="max", fraction=0.25, pad=0.05, shrink=0.9 if world <= 16 else 0.6)
-    cbar.set_label("|robust z| vs other ranks", fontsize=8.5)
+    cbar.set_label("deviation vs other ranks\n(robust z, calibrated)", fontsize=8.5)
     cbar.ax.tick_params(labelsize=8)
     return step_w
 
@@ -350,14 +370,15 @@ def _draw_flag_bar(bar: Any, flagged: np.ndarray, world: int) -> None:
 
 def plot_heatmap(
     data: RunData, incidents: Sequence[Incident], faults: Sequence[Mapping[str, Any]]
-) -> tuple[str | None, list[str], np.ndarray]:
+) -> tuple[str | None, Deviation, np.ndarray]:
     """The rank x step heat map of deviation with the share of steps each rank was flagged beside
-    it; returns (the PNG or None, the metrics scored, the share per rank)."""
-    score, used, widespread = rank_deviation(data)
+    it; returns (the PNG or None, the deviation it draws, the share per rank)."""
+    deviation = rank_deviation(data)
+    score, used, widespread = deviation.score, deviation.metrics, deviation.widespread
     if not used or data.world < MIN_RANKS:
-        return None, used, np.zeros(data.world)
-    flagged = _flagged_share(score, data)
-    binned, starts = _bin_columns(score, data.steps)
+        return None, deviation, np.zeros(data.world)
+    flagged = _flagged_share(deviation.z, data)
+    binned, starts = bin_columns(score, data.steps)
     fig = _new_figure(11.5, min(6.0, 1.6 + 0.16 * data.world))
     grid = fig.add_gridspec(1, 2, width_ratios=(6.4, 1))
     ax = fig.add_subplot(grid[0, 0])
@@ -367,68 +388,102 @@ def plot_heatmap(
     _point_at_injected_ranks(ax, faults, data.world)
     _label_heatmap_axes(ax, data, starts)
     _draw_flag_bar(bar, flagged, data.world)
-    return _png(fig), used, flagged
+    return _png(fig), deviation, flagged
 
 
 _SUSPECT_COLOURS = ("#d62728", "#e377c2", "#ff7f0e")
 
 
+class _Measured(NamedTuple):
+    """A layer metric at the steps it was measured on: (M,) steps, (M, R, L) values (NaN where a
+    rank did not measure it or reported NaN), their mean, min and max over ranks (M, L), and the
+    non-finite values ranks really reported (M, R, L)."""
+
+    steps: np.ndarray
+    values: np.ndarray
+    mean: np.ndarray
+    lo: np.ndarray
+    hi: np.ndarray
+    nonfinite: np.ndarray
+    points: bool  # sampled (a step in 16 by default): each measurement drawn as a point
+
+
+def _measured(data: RunData, name: str) -> _Measured:
+    """``name`` at the steps some rank measured it: a step it was not measured on is no value, not
+    a NaN (and never an off-scale mark)."""
+    raw = data.layers[name]
+    measured = data.measured.get(name, data.present) & data.present
+    at = np.flatnonzero(measured.any(axis=1))
+    ok = measured[at][:, :, None]
+    values = np.where(ok & np.isfinite(raw[at]), raw[at], np.nan).astype(np.float64)
+    with quiet_nan_warnings():
+        mean, lo, hi = np.nanmean(values, axis=1), np.nanmin(values, axis=1), np.nanmax(values, axis=1)
+    points = len(at) < _SAMPLED * len(data.steps)
+    return _Measured(data.steps[at], values, mean, lo, hi, ok & ~np.isfinite(raw[at]), points)
+
+
 def _layers_shown(n_layers: int, incidents: Sequence[Incident]) -> tuple[list[int], list[int]]:
-    """(the layers drawn, the layers incidents named): every layer up to _MAX_LAYER_PANELS, else
-    an even spread plus the named ones."""
-    named_layers = sorted({i.layer for i in incidents if i.layer is not None and 0 <= i.layer < n_layers})
+    """(the layers drawn, the attention layers incidents named): every layer up to
+    _MAX_LAYER_PANELS, else an even spread plus the named ones. An incident names an attention
+    layer only when its metric counts attention layers (:func:`attention_layer`)."""
+    named = {attention_layer(i) for i in incidents}
+    named_layers = sorted(n for n in named if n is not None and 0 <= n < n_layers)
     if n_layers <= _MAX_LAYER_PANELS:
         return list(range(n_layers)), named_layers
     spread = np.linspace(0, n_layers - 1, _MAX_LAYER_PANELS - len(named_layers)).astype(int)
     return sorted(set(spread) | set(named_layers)), named_layers
 
 
+def _draw_measured(ax: Any, m: _Measured, y: np.ndarray, colour: str, **style: Any) -> None:
+    """One series at its measured steps: a line joining the measurements (broken at a NaN), with
+    a point at each when sampled."""
+    marker = dict(marker="o", markersize=3.2, markeredgewidth=0) if m.points else {}
+    ax.plot(m.steps, y, color=colour, **marker, **style)
+
+
+def _shade_layer_incidents(ax: Any, layer: int, steps: np.ndarray, incidents: Sequence[Incident]) -> None:
+    """Incidents on one layer's panel: strong where the incident names this attention layer,
+    light where it names none (a product, a block, a scalar: it concerns every layer)."""
+    for inc in incidents:
+        named = attention_layer(inc)
+        if named is None or named == layer:
+            ax.axvspan(
+                inc.first_step - _min_span(steps),
+                inc.last_step + _min_span(steps),
+                color=_SEVERITY_COLOUR[inc.severity.value],
+                alpha=0.12 if named == layer else 0.06,
+                linewidth=0,
+            )
+
+
 def _draw_layer_panel(
     ax: Any,
     layer: int,
     data: RunData,
-    band: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray],
+    m: _Measured,
     incidents: Sequence[Incident],
-    suspects: Sequence[int],
-    injected_ranks: Sequence[int],
+    ranks: tuple[Sequence[int], Sequence[int]],
     faults: Sequence[Mapping[str, Any]],
     named_layers: Sequence[int],
 ) -> None:
     """One layer's entropy: the mean and spread over ranks, the suspect and injected ranks, the
     incidents and faults; a layer an incident named is titled and framed in red."""
-    values, mean, lo, hi = band
-    steps = data.steps
-    entropy = data.layers[ENTROPY]
-    ax.fill_between(steps, lo[:, layer], hi[:, layer], color="#1f5fa8", alpha=0.15, linewidth=0)
-    ax.plot(steps, mean[:, layer], color="#1f5fa8", linewidth=1.4, zorder=3)
+    suspects, injected_ranks = ranks
+    ax.fill_between(m.steps, m.lo[:, layer], m.hi[:, layer], color="#1f5fa8", alpha=0.15, linewidth=0)
+    _draw_measured(ax, m, m.mean[:, layer], "#1f5fa8", linewidth=1.4, zorder=3)
     for colour, rank in zip(_SUSPECT_COLOURS, suspects):
-        ax.plot(
-            steps,
-            values[:, rank, layer],
-            color=colour,
-            linewidth=0.9,
-            alpha=0.8 if layer in named_layers or not named_layers else 0.45,
-            zorder=2,
-        )
-        _mark_nonfinite(ax, steps, data.present[:, rank] & ~np.isfinite(entropy[:, rank, layer]), colour)
+        alpha = 0.8 if layer in named_layers or not named_layers else 0.45
+        _draw_measured(ax, m, m.values[:, rank, layer], colour, linewidth=0.9, alpha=alpha, zorder=2)
+        _mark_nonfinite(ax, m.steps, m.nonfinite[:, rank, layer], colour)
     for rank in injected_ranks:  # ground truth the incidents did not name: drawn, but apart
-        ax.plot(
-            steps, values[:, rank, layer], color="#333", linewidth=0.9, linestyle=(0, (3, 1.5)), alpha=0.7, zorder=2
-        )
-        _mark_nonfinite(ax, steps, data.present[:, rank] & ~np.isfinite(entropy[:, rank, layer]), "#333")
-    for inc in incidents:
-        if inc.layer == layer or inc.layer is None:
-            ax.axvspan(
-                inc.first_step - _min_span(steps),
-                inc.last_step + _min_span(steps),
-                color=_SEVERITY_COLOUR[inc.severity.value],
-                alpha=0.12 if inc.layer == layer else 0.06,
-                linewidth=0,
-            )
+        dashed = (0, (3, 1.5))
+        _draw_measured(ax, m, m.values[:, rank, layer], "#333", linewidth=0.9, linestyle=dashed, alpha=0.7, zorder=2)
+        _mark_nonfinite(ax, m.steps, m.nonfinite[:, rank, layer], "#333")
+    _shade_layer_incidents(ax, layer, data.steps, incidents)
     for f in faults:
         ax.axvline(f["step"], color="#333", linestyle="--", linewidth=0.8)
     limits = _robust_limits(
-        np.concatenate([mean[:, layer], *(values[:, r, layer] for r in [*suspects, *injected_ranks])])
+        np.concatenate([m.mean[:, layer], *(m.values[:, r, layer] for r in [*suspects, *injected_ranks])])
     )
     if limits is not None:
         ax.set_ylim(*limits)
@@ -446,51 +501,56 @@ def _draw_layer_panel(
     _style_axes(ax)
 
 
-def _attention_legend(fig: Any, data: RunData, suspects: Sequence[int], injected_ranks: Sequence[int]) -> None:
+def _attention_legend(
+    fig: Any, data: RunData, suspects: Sequence[int], injected_ranks: Sequence[int], points: bool
+) -> None:
     from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
 
+    marker = dict(marker="o", markersize=3.2, markeredgewidth=0) if points else {}
     handles = [
-        Line2D([], [], color="#1f5fa8", label="mean over ranks"),
+        Line2D([], [], color="#1f5fa8", label="mean over ranks" + (" (• a measurement)" if points else ""), **marker),
         Patch(color="#1f5fa8", alpha=0.15, label="min-max over ranks"),
     ]
     handles += [
-        Line2D([], [], color=c, label=f"rank {r}" + (f" ({data.host_of(r)})" if data.host_of(r) else ""))
+        Line2D([], [], color=c, label=f"rank {r}" + (f" ({data.host_of(r)})" if data.host_of(r) else ""), **marker)
         for c, r in zip(_SUSPECT_COLOURS, suspects)
     ]
     handles += [
-        Line2D([], [], color="#333", linestyle=(0, (3, 1.5)), label=f"rank {r} (injected)") for r in injected_ranks
+        Line2D([], [], color="#333", linestyle=(0, (3, 1.5)), label=f"rank {r} (injected)", **marker)
+        for r in injected_ranks
     ]
     fig.legend(handles=handles, loc="outside upper right", ncols=len(handles), fontsize=8.5, frameon=False)
 
 
 def plot_attention(
     data: RunData, incidents: Sequence[Incident], suspects: Sequence[int], faults: Sequence[Mapping[str, Any]]
-) -> tuple[str | None, list[int]]:
-    """Attention entropy per layer, one panel a layer; returns (the PNG or None, the layers drawn)."""
+) -> tuple[str | None, list[int], list[int]]:
+    """Attention entropy per layer, one panel a layer, at the steps it was measured on; returns
+    (the PNG or None, the layers drawn, the attention layers incidents named)."""
     entropy = data.layers.get(ENTROPY)
     if entropy is None or entropy.shape[2] == 0:
-        return None, []
+        return None, [], []
+    m = _measured(data, ENTROPY)
+    if len(m.steps) == 0:
+        return None, [], []
     shown, named_layers = _layers_shown(entropy.shape[2], incidents)
     cols = min(4, len(shown))
     rows = math.ceil(len(shown) / cols)
     fig = _new_figure(11.5, 0.5 + 1.9 * rows)
     axes = np.atleast_1d(fig.subplots(rows, cols, sharex=True, squeeze=False).ravel())
-    present = data.present[:, :, None]
-    values = np.where(present & np.isfinite(entropy), entropy, np.nan).astype(np.float64)
-    with quiet_nan_warnings():
-        band = (values, np.nanmean(values, axis=1), np.nanmin(values, axis=1), np.nanmax(values, axis=1))
     injected_ranks = [
         f["rank"]
         for f in faults
         if isinstance(f.get("rank"), int) and 0 <= f["rank"] < data.world and f["rank"] not in suspects
     ][:1]
     for ax, layer in zip(axes, shown):
-        _draw_layer_panel(ax, layer, data, band, incidents, suspects, injected_ranks, faults, named_layers)
+        _draw_layer_panel(ax, layer, data, m, incidents, (suspects, injected_ranks), faults, named_layers)
+    axes[0].set_xlim(data.steps[0] - 0.5, data.steps[-1] + 0.5)
     for ax in axes[len(shown) :]:
         ax.set_visible(False)
     for ax in axes[(rows - 1) * cols :]:
         ax.set_xlabel("step", fontsize=8.5)
-    _attention_legend(fig, data, suspects, injected_ranks)
+    _attention_legend(fig, data, suspects, injected_ranks, m.points)
     fig.supylabel("attention entropy (nats)", fontsize=9.5)
-    return _png(fig), shown
+    return _png(fig), shown, named_layers

@@ -8,18 +8,20 @@ The callback attaches the probes when training begins (to the Trainer's DDP wrap
 rank reports its local and the all-reduced gradient norm), reports one record per optimizer step
 (``state.global_step``, from 0) and closes at the end. When the Trainer's accelerator built a
 device mesh (``TrainingArguments(parallelism_config=...)``) every record carries the rank's
-coordinates in it (unless the callback was given ``mesh=``). The loss of a step is the model output's
-``loss``, over every micro-batch of the step: their mean, or their sum when the Trainer passes
-``num_items_in_batch`` (then each micro-batch's loss is already a share of the step's). The
+coordinates in it (unless the callback was given ``mesh=``). The loss of a step is the loss the Trainer
+logs: what its ``training_step`` returned, summed over the step's micro-batches, whatever its token
+averaging (under DDP each rank's share of it; the Trainer logs the ranks' mean). The gradient norm
+is the one the Trainer logs as ``grad_norm``: before clipping, on one rank and on many. The
 learning rate is the one the step used, read before the Trainer steps its scheduler.
 """
 
 from __future__ import annotations
 
+import functools
 import sys
-from typing import Any
+from typing import Any, Callable
 
-from sdcwatch.telemetry.integrations import CallbackCore, FrameworkMesh
+from sdcwatch.telemetry.integrations import CallbackCore, FrameworkMesh, log
 from transformers import TrainerCallback
 
 __all__ = ["SdcwatchCallback", "ACCELERATE_DIMS", "framework_mesh"]
@@ -32,9 +34,9 @@ class SdcwatchCallback(TrainerCallback, CallbackCore):
 
     def __init__(self, emitter: Any = None, *, injector: Any = None, **settings: Any) -> None:
         CallbackCore.__init__(self, emitter, injector=injector, **settings)
-        self._losses: list[Any] = []
-        self._summed = False
-        self._loss_hook = None
+        self._losses: list[Any] = []  # what training_step returned, one per micro-batch of the step
+        self._trainer: Any = None  # whose training_step the callback wraps
+        self._replaced: Any = None  # a training_step the user had set on that Trainer, put back at the end
         self._lr: float | None = None  # the rate of the optimizer step in progress
 
     # -- the run ------------------------------------------------------------------------------
@@ -49,7 +51,11 @@ class SdcwatchCallback(TrainerCallback, CallbackCore):
         self.start(
             model, _inner_optimizer(optimizer), _ddp_wrapper(trainer), rank, world, framework_mesh(trainer, model)
         )
-        self._loss_hook = model.register_forward_hook(self._keep_loss, with_kwargs=True)
+        if trainer is None:
+            log.warning("sdcwatch: the Trainer calling the callback was not found: records carry no loss")
+        else:
+            self._trainer, self._replaced = trainer, vars(trainer).get("training_step")
+            trainer.training_step = self._keeping_loss(trainer.training_step)
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.watch is None:
@@ -73,25 +79,35 @@ class SdcwatchCallback(TrainerCallback, CallbackCore):
 
     def close(self) -> None:
         """Emit the last record, remove the hooks, and close the emitter if the callback made it."""
-        if self._loss_hook is not None:
-            self._loss_hook.remove()
-            self._loss_hook = None
+        trainer, self._trainer = self._trainer, None
+        if trainer is not None and getattr(vars(trainer).get("training_step"), "sdcwatch_wrapped", False):
+            if self._replaced is None:
+                del trainer.training_step  # the Trainer's own method again
+            else:
+                trainer.training_step = self._replaced
         CallbackCore.close(self)
 
     # -- the loss -----------------------------------------------------------------------------
-    def _keep_loss(self, module: Any, args: Any, kwargs: dict, output: Any) -> None:
-        loss = getattr(output, "loss", None)
-        if loss is None and isinstance(output, dict):
-            loss = output.get("loss")
-        if loss is not None and module.training:
-            self._losses.append(loss.detach())
-            self._summed = kwargs.get("num_items_in_batch") is not None
+    def _keeping_loss(self, training_step: Callable[..., Any]) -> Callable[..., Any]:
+        """``training_step`` keeping what it returns: the micro-batch's loss as the Trainer adds it
+        into the loss it logs (scaled by the world size under its token averaging, divided by the
+        accumulation steps when not), detached, on the device."""
+
+        @functools.wraps(training_step)
+        def keeping_loss(*args: Any, **kwargs: Any) -> Any:
+            loss = training_step(*args, **kwargs)
+            if self.watch is not None and hasattr(loss, "detach"):
+                self._losses.append(loss.detach())
+            return loss
+
+        keeping_loss.sdcwatch_wrapped = True  # type: ignore[attr-defined]
+        return keeping_loss
 
     def _step_loss(self) -> Any:
+        """The step's loss as the Trainer sums it into ``tr_loss`` (None without a micro-batch)."""
         if not self._losses:
             return None
-        total = self._losses[0] if len(self._losses) == 1 else sum(self._losses[1:], self._losses[0])
-        return total if self._summed or len(self._losses) == 1 else total / len(self._losses)
+        return self._losses[0] if len(self._losses) == 1 else sum(self._losses[1:], self._losses[0])
 
 
 def _calling_trainer(model: Any) -> Any:

@@ -12,7 +12,10 @@ all-reduced gradient norm), reports one record per optimizer step (``trainer.glo
 callback was given ``mesh=``). Lightning calls ``training_step`` rather than the module itself, so the
 callback brackets each training step's forward for the attention probes. The loss of a step is
 what ``training_step`` returned, summed over the step's micro-batches after Lightning divided each
-by ``accumulate_grad_batches``: the mean over the step.
+by ``accumulate_grad_batches``: the mean over the step, each rank its own (what ``self.log`` logs
+without ``sync_dist``). The gradient norm is the one before ``gradient_clip_val`` clips it (what
+``lightning.pytorch.utilities.grad_norm`` gives in ``on_before_optimizer_step``), on one device and
+on many.
 """
 
 from __future__ import annotations

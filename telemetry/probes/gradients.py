@@ -7,8 +7,10 @@ Three sources hand them in, all on the device as 0-d tensors (nothing here syncs
   local and global norms, their cosine and the all-reduced gradient's fingerprint;
 - under FSDP2 the reduce-scatter hooks (:mod:`~sdcwatch.telemetry.probes.fsdp`), and in simulations the
   simulated all-reduce, call :meth:`GradientStats.observe_gradients` with the same sums;
-- with neither (world size one) :meth:`GradientStats._local_gradients` reads ``p.grad`` just
-  before ``optimizer.step()``: local is global.
+- with neither (world size one) :meth:`GradientStats._watch_backward` reads ``p.grad`` when each
+  backward has finished accumulating it, before any clipping, as the DDP hook does (local is
+  global); :meth:`GradientStats._local_gradients` reads it just before ``optimizer.step()`` or at
+  ``watch.step()`` when no backward was seen (gradients set by hand).
 
 :class:`~sdcwatch.telemetry.probes.watch.Watch` mixes this in; it owns the state used here (the step's
 ``_scalars``, ``_fps``, ``_nonfinite``, ``_buckets``...).
@@ -38,6 +40,8 @@ class GradientStats:
     recording: bool
     config: Any
     _fingerprint_step: bool
+    _backward_queued: bool = False
+    _fail: Callable[[Exception], None]
 
     def observe_gradients(
         self,
@@ -64,14 +68,46 @@ class GradientStats:
         """A raw device fingerprint (see :mod:`sdcwatch.telemetry.probes.fingerprint`) computed elsewhere."""
         self._fps[name] = raw
 
-    def _local_gradients(self) -> None:
-        """World-size-1 gradient statistics from ``p.grad`` (no all-reduce: local is global).
+    def _watch_backward(self) -> list[Any]:
+        """World size one: read the gradient each time a backward has finished accumulating it.
 
-        One fused norm over all gradient tensors (a NaN or Inf anywhere makes it non-finite, which
-        the record's ``nonfinite`` count then shows).
+        A post-accumulate-grad hook on every trainable parameter queues, once per backward, a
+        callback that autograd runs when that backward is over: all of ``p.grad`` is read there, as
+        the optimizer will see it, but before any clipping (``clip_grad_norm_``, the Hugging Face
+        Trainer's and Lightning's clipping run after the backward). Under gradient accumulation the
+        last backward of the step wins: the accumulated gradient. Returns the hooks' handles.
         """
+        return [p.register_post_accumulate_grad_hook(self._grad_accumulated) for p in self._params if p.requires_grad]
+
+    def _grad_accumulated(self, param: torch.Tensor) -> None:
+        # compiled autograd traces the hooks (and queues a callback only under fullgraph): there
+        # the read falls back to optimizer.step()
+        if self._backward_queued or torch.compiler.is_compiling() or not (self.enabled and self.recording):
+            return
+        try:  # torch's own DDP and FSDP end their backward work this way
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
+            self._backward_queued = True
+        except Exception as exc:  # the read falls back to optimizer.step() / watch.step()
+            self._fail(exc)
+
+    def _backward_done(self) -> None:
+        self._backward_queued = False
+        try:
+            with torch.no_grad():
+                self._read_local_gradients()
+        except Exception as exc:  # raised here, it would fail the user's backward
+            self._fail(exc)
+
+    def _local_gradients(self) -> None:
+        """World-size-1 gradient statistics from ``p.grad`` where no backward read them (gradients
+        set by hand): just before ``optimizer.step()``, else at ``watch.step()``."""
         if not (self.enabled and self.recording) or self._grads_seen:
             return
+        self._read_local_gradients()
+
+    def _read_local_gradients(self) -> None:
+        """One fused norm over all gradient tensors (no all-reduce: local is global; a NaN or Inf
+        anywhere makes it non-finite, which the record's ``nonfinite`` count then shows)."""
         grads = [p.grad for p in self._params if p.grad is not None]
         if not grads:
             return

@@ -55,7 +55,10 @@ def probe_config(spec: str | ProbeConfig) -> tuple[str, ProbeConfig]:
     text = path.read_text(encoding="utf-8")
     try:
         if path.suffix == ".toml":
-            import tomllib
+            try:
+                import tomllib
+            except ModuleNotFoundError:  # Python 3.10: the tomli backport (a dependency there)
+                import tomli as tomllib
 
             data: Any = tomllib.loads(text)
             data = data.get("probes", data)

@@ -131,9 +131,12 @@ class Watch(GradientStats, AttentionLayers):
         if self._ddp:
             self._group = getattr(ddp, "process_group", None)
             ddp.register_comm_hook(self, comm_hook)
-        elif optimizer is not None and not external:
+        elif not external:
+            if self._sharded is None:  # world size one: read at the end of each backward, before clipping
+                self._handles += self._watch_backward()
             before = self._local_gradients if self._sharded is None else self._sharded.before_optimizer
-            self._handles.append(optimizer.register_step_pre_hook(unless_closure(before)))
+            if optimizer is not None:
+                self._handles.append(optimizer.register_step_pre_hook(unless_closure(before)))
         LIVE_WATCHES.add(self)
 
     @property
@@ -155,6 +158,7 @@ class Watch(GradientStats, AttentionLayers):
         self._fps: dict[str, torch.Tensor] = {}
         self._buckets: list[tuple] = []
         self._grads_seen = False
+        self._backward_queued = False  # a backward that failed never ran its end-of-backward read
         self._activations.clear()
 
     @property
@@ -402,8 +406,8 @@ def attach(
 
     ``settings`` are :class:`ProbeConfig` fields (``every``, ``attention_every``, ``heads``...);
     an unknown one is a ConfigError. With ``ddp`` a communication hook is registered (before the
-    first backward); without it the gradient statistics come from ``p.grad`` just before
-    ``optimizer.step()`` (or at ``watch.step()``): world size one. A ``DistributedDataParallel``
+    first backward); without it the gradient statistics come from ``p.grad`` at the end of each
+    backward, before any clipping (world size one). A ``DistributedDataParallel``
     passed as ``model`` is taken as its own ``ddp``. ``canary_input`` (a fixed
     input, the same on every rank) with ``canary_every=N`` turns on the canary check.
 

@@ -9,17 +9,17 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
+from sdcwatch.core.errors import ConfigError, FaultSpecError
+from sdcwatch.core.record_type import Record
 from sdcwatch.detectors.baselines import MegatronRules, NanLossCheck, ZClipDetector
-from sdcwatch.bench import bench_main, campaign_main, e2e_main, write_markdown
+from sdcwatch.detectors.frame import StepFrame
 from sdcwatch.testbed.campaign import CampaignConfig
 from sdcwatch.testbed.fault_classes import BENIGN_CLASSES, FAULT_CLASSES
+from sdcwatch.testbed.faultspec import parse_faults
 from sdcwatch.testbed.impact import IMPACT_CLASSES
 from sdcwatch.testbed.trials import generate_trials, trials_from_faults
-from sdcwatch.detectors.frame import StepFrame
-from sdcwatch.core.errors import ConfigError, FaultSpecError
-from sdcwatch.testbed.faultspec import parse_faults
-from sdcwatch.core.record_type import Record
+
+from sdcwatch.bench import bench_main, campaign_main, e2e_main, write_markdown
 
 DETECTORS = {"sdcwatch", "megatron", "zclip", "nan_check", "river_hst"}
 
@@ -115,8 +115,8 @@ def test_faults_from_a_file_count_from_the_checkpoint_and_are_checked():
 
 
 def test_probe_presets_are_shared_by_the_campaign_and_the_overhead_benchmark(tmp_path):
-    from sdcwatch.telemetry.probes.presets import PROBE_PRESETS, probe_config
     from sdcwatch.telemetry.probes.config import ProbeConfig
+    from sdcwatch.telemetry.probes.presets import PROBE_PRESETS, probe_config
 
     assert probe_config("default") == ("default", ProbeConfig())
     assert set(PROBE_PRESETS) >= {"default", "every-step", "scalars-only"}

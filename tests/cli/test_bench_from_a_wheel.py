@@ -7,10 +7,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from sdcwatch.core.errors import ConfigError
 
 from sdcwatch.bench import BENCH_DIR_ENV, bench_dir, bench_main
 from sdcwatch.cli import main
-from sdcwatch.core.errors import ConfigError
 
 CLONE_ONLY = ("e2e", "ingest", "all")
 REPO_BENCH = Path(__file__).resolve().parents[2] / "bench"

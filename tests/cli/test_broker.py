@@ -9,9 +9,9 @@ import sys
 import time
 
 import pytest
+from sdcwatch.core.errors import BrokerError
 
 from sdcwatch.broker import EmbeddedBroker, free_port
-from sdcwatch.core.errors import BrokerError
 
 pytestmark = pytest.mark.integration
 

@@ -13,9 +13,9 @@ import time
 import uuid
 
 import pytest
-from sdcwatch.telemetry import Record, end_marker, from_json, is_end_marker, to_json
-from sdcwatch.core.record import encode, encode_batch
 from sdcwatch.core.layer_names import is_names_line, names_from_json
+from sdcwatch.core.record import encode, encode_batch
+from sdcwatch.telemetry import Record, end_marker, from_json, is_end_marker, to_json
 
 from sdcwatch.capture import Capture, capture
 
@@ -257,9 +257,9 @@ def test_capture_then_replay_gives_the_incidents_the_service_raised(bootstrap, t
     """A live capture started before the run and one from the beginning after it both stop at the
     end markers with the same records; replaying the file raises the service's incidents."""
     torch = pytest.importorskip("torch")
+    from polling import wait_for
     from sdcwatch.telemetry import Emitter, KafkaTransport
     from sdcwatch.telemetry.wire.transports import ensure_topic
-    from polling import wait_for
     from serve_process import ServeProcess, Topics
     from simulated_nan import nan_run
 
@@ -377,8 +377,7 @@ def test_capture_then_replay_gives_the_incidents_the_service_raised(bootstrap, t
 def test_the_topic_reader_is_past_an_end_mark_only_once_every_partition_is_read(bootstrap, unique_topic):
     """What the capture waits on once every rank ended: the end offsets of all partitions, read."""
     from kafka import KafkaProducer
-
-    from sdcwatch.capture import KafkaTopicReader
+    from sdcwatch.service.kafka_source import TopicReader
     from sdcwatch.telemetry.wire.transports import ensure_topic
 
     ensure_topic(bootstrap, unique_topic, 4)
@@ -390,7 +389,7 @@ def test_the_topic_reader_is_past_an_end_mark_only_once_every_partition_is_read(
             sent += 1
     producer.flush()
     producer.close()
-    reader = KafkaTopicReader(bootstrap, unique_topic, from_beginning=True)
+    reader = TopicReader(bootstrap, unique_topic, from_beginning=True)
     try:
         assert reader.assign()
         mark = reader.end_mark()
@@ -405,3 +404,65 @@ def test_the_topic_reader_is_past_an_end_mark_only_once_every_partition_is_read(
         assert reader.past(mark) and len(got) == sent
     finally:
         reader.close()
+
+
+class RacingConsumer:
+    """A real consumer that fetches as the embedded broker does when two producers write one
+    partition at once: one fetch lists a later batch without the earlier one at ``offset`` (its
+    offsets given out, its bytes not yet written). kafka-python takes that as a legal gap and moves
+    past it for good; what reads through this must go back for it."""
+
+    def __init__(self, consumer, offset: int) -> None:
+        self._consumer = consumer
+        self.offset = offset
+        self.dropped = None  # (partition, offset) the racing fetch left out, once it did
+
+    def poll(self, **kwargs):
+        batches = self._consumer.poll(**kwargs)
+        for tp, msgs in batches.items():
+            later = [m for m in msgs if m.offset > self.offset]
+            if self.dropped is None and later and any(m.offset == self.offset for m in msgs):
+                batches[tp] = [m for m in msgs if m.offset != self.offset]
+                self.dropped = (tp.partition, self.offset)
+        return batches
+
+    def __getattr__(self, name):
+        return getattr(self._consumer, name)
+
+
+@pytest.mark.integration
+def test_capture_goes_back_for_a_batch_a_racing_fetch_left_out(bootstrap, unique_topic, tmp_path):
+    """Finding 13: capture lost rank 0's step 285 that serve recovered through its offset-gap
+    re-fetch. Capture reads through the service's reader: a record the broker listed late is in
+    the file, not skipped."""
+    from kafka import KafkaProducer
+    from sdcwatch.core.kafka import new_consumer
+    from sdcwatch.service.kafka_source import TopicReader
+    from sdcwatch.service.offset_gaps import OffsetGaps
+    from sdcwatch.telemetry.wire.transports import ensure_topic
+
+    from sdcwatch.capture import open_reader
+    from sdcwatch.config import load_config
+
+    ensure_topic(bootstrap, unique_topic, 1)
+    producer = KafkaProducer(bootstrap_servers=[bootstrap])
+    sent = [rec("g", s, r) for s in range(20) for r in range(2)] + [end_marker("g", 19, r, 2) for r in range(2)]
+    for r in sent:  # one message each: offset = index in ``sent``
+        producer.send(unique_topic, value=encode(r))
+    producer.flush()
+    producer.close()
+    lost = 2 * 15  # rank 0, step 15
+    racing = RacingConsumer(new_consumer(bootstrap, group_id=None, enable_auto_commit=False), lost)
+    bus = load_config(None, env={}, overrides={"bus.bootstrap": bootstrap}).bus
+    reader = open_reader(bus, unique_topic, from_beginning=True, connect_timeout=10, consumer=racing)
+    assert isinstance(reader, TopicReader) and isinstance(reader.gaps, OffsetGaps)  # the service's reader
+    out = io.StringIO()
+    try:
+        why = capture(reader, Capture("g", out), idle_timeout=30, stop=threading.Event())
+    finally:
+        reader.close()
+    assert racing.dropped == (0, lost), "the racing fetch never left a batch out: the test proves nothing"
+    assert why.startswith("the run ended")
+    got = sorted((r.step, r.rank) for r in map(from_json, out.getvalue().splitlines()) if not is_end_marker(r))
+    assert got == [(s, r) for s in range(20) for r in range(2)], "rank 0's step 15 was lost"
+    assert reader.gaps.counts["filled"] == 1 and reader.gaps.counts["skipped"] == 0

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
+from sdcwatch.core.errors import ConfigError
 
 from sdcwatch.config import (
     AlertsConfig,
@@ -21,7 +22,6 @@ from sdcwatch.config import (
     load_config,
     overrides_from_args,
 )
-from sdcwatch.core.errors import ConfigError
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "sdcwatch" / "serve.example.toml"
 
@@ -364,8 +364,9 @@ def test_the_detectors_section_is_the_pipelines_settings():
     wait and one table per detector; the pipeline's fixed settings have no key."""
     from dataclasses import fields
 
-    from sdcwatch.config.loaders import all_keys
     from sdcwatch.service.pipeline import DetectionPipeline, PipelineSettings
+
+    from sdcwatch.config.loaders import all_keys
 
     cfg = load_config(env={"SDCWATCH_DETECTORS_ALIGN_TIMEOUT_S": "7", "SDCWATCH_DETECTORS_RESOLVE_AFTER_STEPS": "9"})
     assert isinstance(cfg.detectors, PipelineSettings)

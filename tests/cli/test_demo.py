@@ -8,7 +8,6 @@ import subprocess
 import sys
 
 import pytest
-
 from sdcwatch.core.kinds import LOCALISING_KINDS
 
 pytestmark = pytest.mark.integration

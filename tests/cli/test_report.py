@@ -15,10 +15,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from sdcwatch.core.errors import ReplayError
+from sdcwatch.core.incident import Incident, Severity
+from sdcwatch.core.record_json import to_json
+from sdcwatch.core.record_type import Record
 
 import sdcwatch.report as report
-from sdcwatch.core.incident import Incident, Severity
-from sdcwatch.core.errors import ReplayError
 from sdcwatch.report import (
     incident_from_dict,
     load_incidents,
@@ -29,8 +31,6 @@ from sdcwatch.report import (
 )
 from sdcwatch.report.deviation import global_series
 from sdcwatch.report.plots import _robust_limits
-from sdcwatch.core.record_type import Record
-from sdcwatch.core.record_json import to_json
 
 REAL_LOGS = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "real-logs"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -176,7 +176,7 @@ def test_an_injected_fault_without_incidents_is_called_a_missed_detection(tmp_pa
 
 def test_deviating_rank_stands_out_in_the_deviation_score(tmp_path):
     data = load_records(make_records(tmp_path / "bad.jsonl", world=16, bad_rank=11, start=40))
-    score, used, widespread = rank_deviation(data)
+    score, used, widespread, _ = rank_deviation(data)
     assert not widespread.any()
     assert used == ["loss", "grad_norm_local", "grad_cosine"]
     assert score.shape == (120, 16)

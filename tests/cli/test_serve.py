@@ -187,11 +187,12 @@ def test_split_service_spatial_instances_share_the_steps_and_the_temporal_stage_
 def test_serve_with_guard_actions_publishes_decisions_to_the_control_topic(bootstrap, tmp_path):
     """[guard] actions = true wires the policy's sink; an incident becomes one decision that the
     training side's reader (KafkaControl) decodes; with the default config there is no such sink."""
-    from sdcwatch.config import load_config
-    from sdcwatch.service.control_policy import ControlTopicSink
     from sdcwatch.core.incident import Incident, IncidentEvent, Severity
-    from sdcwatch.serve import build_service
+    from sdcwatch.service.control_policy import ControlTopicSink
     from sdcwatch.telemetry.guard.control_topic import KafkaControl
+
+    from sdcwatch.config import load_config
+    from sdcwatch.serve import build_service
 
     topic = f"control.{uuid.uuid4().hex[:8]}"
     base = {
@@ -242,13 +243,13 @@ def test_schema_wait_from_the_environment_holds_a_v2_message_and_shows_it_on_met
 
     import numpy as np
     from kafka import KafkaProducer
-
-    from sdcwatch.config import load_config
     from sdcwatch.core.columnar import encode_rows
     from sdcwatch.core.record_layout import schema_for
     from sdcwatch.exporters.collector import SdcwatchCollector
-    from sdcwatch.serve import build_service
     from sdcwatch.telemetry.wire.transports import ensure_topic
+
+    from sdcwatch.config import load_config
+    from sdcwatch.serve import build_service
 
     topic = f"t.{uuid.uuid4().hex[:8]}"
     cfg = load_config(

@@ -9,16 +9,14 @@ import sys
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
+from sdcwatch.core.columnar import MAGIC_V2, decode_stream, encode_items, encode_rows, parse_header
 from sdcwatch.core.errors import ConfigError, RecordError
 from sdcwatch.core.mesh import DIMS
-from sdcwatch.telemetry import Emitter, MemoryBus, MemoryTransport
-from sdcwatch.core.columnar import MAGIC_V2, decode_stream, encode_items, encode_rows, parse_header
+from sdcwatch.core.record import MAGIC, record_key
 from sdcwatch.core.record_layout import PackedRecord, Schema, schema_for
-from sdcwatch.core.vocabulary import RUN_END
-from sdcwatch.core.record import MAGIC
 from sdcwatch.core.record_type import Record
-from sdcwatch.core.record import record_key
+from sdcwatch.core.vocabulary import RUN_END
+from sdcwatch.telemetry import Emitter, MemoryBus, MemoryTransport
 
 f32 = st.floats(width=32, allow_nan=False)
 names = st.from_regex(r"[a-z_][a-z0-9_]{0,10}", fullmatch=True)

@@ -7,7 +7,6 @@ import struct
 import zlib
 
 import pytest
-
 from sdcwatch.core.errors import RecordError, UnknownVersionError
 from sdcwatch.core.layer_names import (
     MAX_FAMILY_NAMES,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from sdcwatch.core.errors import ConfigError
 from sdcwatch.core.mesh import DIMS, Layout, check_coords, format_coords, parse_coords, peer_key, replica_key
 

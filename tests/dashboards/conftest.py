@@ -58,13 +58,15 @@ def troubled_prometheus(tmp_path_factory):
 
 @pytest.fixture
 def start_prometheus(tmp_path):
-    """Factory: ``start_prometheus("127.0.0.1:PORT", rule_files=[...])`` -> a running Prometheus
-    (scrape and evaluation every second, own storage in tmp_path), stopped after the test.
-    For end-to-end tests that serve their own exporter."""
+    """Factory: ``start_prometheus("127.0.0.1:PORT", rule_files=[...], alertmanager=URL)`` -> a
+    running Prometheus (scrape and evaluation every second, own storage in tmp_path, its alerts
+    sent to ``alertmanager`` when given), stopped after the test. For end-to-end tests that serve
+    their own exporter."""
     started = []
 
-    def start(scrape_target: str, rule_files=()):
-        server = support.start_prometheus(tmp_path / f"prometheus-{len(started)}", scrape_target, list(rule_files))
+    def start(scrape_target: str, rule_files=(), alertmanager=None):
+        workdir = tmp_path / f"prometheus-{len(started)}"
+        server = support.start_prometheus(workdir, scrape_target, list(rule_files), alertmanager)
         started.append(server)
         return server
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 import sdcwatch_exporter_test_support as support  # registered by conftest.py
 
 pytestmark = pytest.mark.integration

@@ -6,7 +6,6 @@ from __future__ import annotations
 import threading
 
 import pytest
-
 import sdcwatch_exporter_test_support as support  # registered by conftest.py
 
 pytestmark = pytest.mark.integration
@@ -15,13 +14,13 @@ torch = pytest.importorskip("torch")
 
 
 def test_dashboard_and_rules_on_a_faulted_reference_run(start_prometheus):
-    from sdcwatch.service.pipeline import DetectionPipeline
-    from sdcwatch.service.loop import DetectorService
-    from sdcwatch.service.bus import MemorySource
     from sdcwatch.exporters import MetricsServer
+    from sdcwatch.service.bus import MemorySource
+    from sdcwatch.service.loop import DetectorService
+    from sdcwatch.service.pipeline import DetectionPipeline
     from sdcwatch.telemetry import Emitter, MemoryBus, MemoryTransport
-    from sdcwatch.testbed.faultspec import FaultSpec
     from sdcwatch.telemetry.guard.config import GuardConfig
+    from sdcwatch.testbed.faultspec import FaultSpec
     from sdcwatch.testbed.model import GPTConfig
     from sdcwatch.testbed.simulated import SimulatedRun, shared_corpus
 
@@ -84,7 +83,33 @@ def test_dashboard_and_rules_on_a_faulted_reference_run(start_prometheus):
             assert result, f"{where}: {expr!r} returned no data on a real run"
         for alert, expr in support.rule_expressions():
             support.prom_query(prometheus.base_url, expr)  # raises on an evaluation error
+        _the_scan_row_shows_the_fault(prometheus.base_url)
     finally:
         stop.set()
         thread.join(10)
         exporter.close()
+
+
+def _panel(title: str) -> str:
+    (expr,) = [e for where, e in support.dashboard_expressions() if where.startswith(f"panel {title!r}")]
+    return support.substitute(expr)
+
+
+def _the_scan_row_shows_the_fault(base: str) -> None:
+    """The scan row on the faulted run: the incident that caught the near-INF logit, with its rank
+    and index; the every-step series of each metric only at the indices it has (2 blocks of
+    residual stream, the checked products), none of them NaN. Before, every layer metric was padded
+    to the products' count with NaN series (blocks 2-10 of a 2-block model)."""
+    caught = support.prom_query(base, _panel("Caught by the scan and checksums"))
+    where = [(s["metric"]["kind"], s["metric"]["metric"], s["metric"]["layer"], s["metric"]["rank"]) for s in caught]
+    assert where == [("nonfinite", "attn_logit_max", "1", "2")]
+    stream = support.prom_query(base, _panel("Residual stream per block (max over ranks)"))
+    assert sorted(s["metric"]["layer"] for s in stream) == ["0", "1"]  # n_layer=2
+    products = support.prom_query(base, _panel("Product outputs (max over ranks)"))
+    assert len(products) > 2 and {s["metric"]["layer"] for s in products} == {str(i) for i in range(len(products))}
+    checks = support.prom_query(base, _panel("Checksums: residual over its rounding bound (max over ranks)"))
+    assert {s["metric"]["metric"] for s in checks} == {"gemm_fwd", "gemm_bwd", "gemm_weight"}
+    assert len(checks) == 3 * len(products)
+    entropy = support.prom_query(base, 'sdcwatch_layer_metric{run="r1", metric="attn_entropy", stat="max"}')
+    assert sorted(s["metric"]["layer"] for s in entropy) == ["0", "1"]
+    assert support.prom_query(base, "sdcwatch_layer_metric != sdcwatch_layer_metric") == []  # no NaN series

@@ -4,15 +4,13 @@ the index is a bounded counter at ingest on every wire, and records without it r
 
 from __future__ import annotations
 
-
 import pytest
 from counter_wire import FORGED, assert_forged_is_dead_lettered, assert_travels_on_every_wire
-
-from sdcwatch.core.vocabulary import CANARY_PRODUCT
 from sdcwatch.core.record_type import Record
-from sdcwatch.service.pipeline import DetectionPipeline
+from sdcwatch.core.vocabulary import CANARY_PRODUCT
 from sdcwatch.detectors import StepFrame
 from sdcwatch.detectors.replica import ReplicaDivergenceDetector
+from sdcwatch.service.pipeline import DetectionPipeline
 
 
 def canary_step(product: float | None, odd: int = 3, world: int = 4, step: int = 7) -> StepFrame:
@@ -75,9 +73,8 @@ def test_a_training_job_with_an_unhealthy_rank_names_the_product_its_canary_chec
     under the checksums' bound): the canary checks blocks.0.mlp.fc at step 2, the incident says so."""
     pytest.importorskip("torch")
     import torch
-
-    from sdcwatch.testbed.faultspec import FaultSpec
     from sdcwatch.testbed.branches import RecordCollector
+    from sdcwatch.testbed.faultspec import FaultSpec
     from sdcwatch.testbed.model import GPTConfig
     from sdcwatch.testbed.simulated import SimulatedRun, shared_corpus
 

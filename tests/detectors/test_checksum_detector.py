@@ -4,12 +4,11 @@ step; one rank far above the others is a warning; clean ratios never raise anyth
 from __future__ import annotations
 
 import numpy as np
-
+from sdcwatch.core.record_type import Record
 from sdcwatch.detectors.checksum import ChecksumDetector
 from sdcwatch.detectors.frame import StepFrame
 from sdcwatch.detectors.nonfinite import NonFiniteDetector
 from sdcwatch.service.pipeline import DetectionPipeline
-from sdcwatch.core.record_type import Record
 
 WORLD = 8
 

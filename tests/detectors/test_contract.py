@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from detector_synth import Fault, SyntheticRun, findings_key
 from sdcwatch.detectors import DETECTORS, Detector, SplitDetector
 

@@ -6,8 +6,8 @@ import math
 
 import numpy as np
 import pytest
-
 from detector_synth import Fault, SyntheticRun
+from sdcwatch.core.errors import ConfigError
 from sdcwatch.detectors import (
     MissingRankDetector,
     NonFiniteDetector,
@@ -21,7 +21,6 @@ from sdcwatch.detectors import (
 )
 from sdcwatch.detectors.replica import majority
 from sdcwatch.detectors.spike import RobustBaseline
-from sdcwatch.core.errors import ConfigError
 
 
 def feed(det, synth, steps):

@@ -7,14 +7,13 @@ from __future__ import annotations
 import math
 
 import pytest
-
 from detector_synth import Fault, SyntheticRun
-from sdcwatch.core.vocabulary import LAYER_METRICS
 from sdcwatch.core.record_type import Record
-from sdcwatch.service.pipeline import DetectionPipeline, PipelineSettings
+from sdcwatch.core.vocabulary import LAYER_METRICS
 from sdcwatch.detectors import Finding, NonFiniteDetector, Severity
-from sdcwatch.service.incidents import IncidentBook
 from sdcwatch.detectors.frame import StepFrame
+from sdcwatch.service.incidents import IncidentBook
+from sdcwatch.service.pipeline import DetectionPipeline, PipelineSettings
 
 
 def finding(step, ranks, kind="nonfinite", sev=Severity.CRITICAL, msg="m", **kw):
@@ -85,9 +84,8 @@ def _simulated(faults, steps, **settings):
     (rank, step, block)), as the demo's NaN preset writes them."""
     pytest.importorskip("torch")
     import torch
-
-    from sdcwatch.testbed.faultspec import FaultSpec
     from sdcwatch.testbed.branches import RecordCollector
+    from sdcwatch.testbed.faultspec import FaultSpec
     from sdcwatch.testbed.model import GPTConfig
     from sdcwatch.testbed.simulated import SimulatedRun, shared_corpus
 

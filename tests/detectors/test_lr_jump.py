@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import math
 
+from sdcwatch.core.record_type import Record
 from sdcwatch.detectors.frame import StepFrame
 from sdcwatch.detectors.lr_jump import LearningRateJump
 from sdcwatch.service.pipeline import DetectionPipeline
-from sdcwatch.core.record_type import Record
 
 
 def schedule(step: int, peak: float = 3e-3, warmup: int = 100, total: int = 2000) -> float:

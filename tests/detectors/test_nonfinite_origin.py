@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import math
 
+from sdcwatch.core.record_type import Record
+from sdcwatch.core.vocabulary import LAYER_METRICS
 from sdcwatch.detectors import NonFiniteDetector, StepFrame
 from sdcwatch.service.incidents import IncidentBook
-from sdcwatch.core.vocabulary import LAYER_METRICS
-from sdcwatch.core.record_type import Record
 
 WORLD, LAYERS = 4, 3
 

@@ -11,11 +11,10 @@ import math
 import pytest
 from counter_wire import FORGED, assert_forged_is_dead_lettered, assert_travels_on_every_wire
 from mesh_synth import MeshFault, MeshRun
-
-from sdcwatch.core.vocabulary import FIRST_BAD
 from sdcwatch.core.record_type import Record
-from sdcwatch.service.pipeline import DetectionPipeline
+from sdcwatch.core.vocabulary import FIRST_BAD
 from sdcwatch.detectors import NonFiniteDetector, StepFrame
+from sdcwatch.service.pipeline import DetectionPipeline
 from sdcwatch.service.summary import decode_summary, encode_summary
 
 STEP = 30

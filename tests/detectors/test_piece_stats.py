@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from mesh_synth import MeshRun
 from sdcwatch.core.mesh import piece_label
 from sdcwatch.detectors import piece_stats as ps

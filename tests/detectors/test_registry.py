@@ -7,7 +7,6 @@ import ast
 from pathlib import Path
 
 import pytest
-
 import sdcwatch.detectors
 from sdcwatch.detectors.registry import (
     baseline_classes,

@@ -17,9 +17,8 @@ pytest.importorskip("accelerate")
 
 from example_runs import EXAMPLES, finish, start_example  # noqa: E402
 from polling import wait_for  # noqa: E402
-from serve_process import ServeProcess, Topics, metric, wait_metric  # noqa: E402
-
 from sdcwatch.core.vocabulary import TELEMETRY_TOPIC  # noqa: E402
+from serve_process import ServeProcess, Topics, metric, wait_metric  # noqa: E402
 
 pytestmark = pytest.mark.integration
 

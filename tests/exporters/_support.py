@@ -10,21 +10,22 @@ import json
 import re
 import shutil
 import subprocess
+import threading
 import time
 import urllib.error
 import urllib.parse
 import urllib.request
 from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
-
 from polling import wait_for  # noqa: F401 (the tests call it as support.wait_for)
-
-from sdcwatch.broker import free_port
 from sdcwatch.core import vocabulary as names
 from sdcwatch.core.incident import Incident, PipelineView, RunView, ServiceView, Severity
+
+from sdcwatch.broker import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 DASHBOARDS = REPO / "dashboards"
@@ -32,6 +33,8 @@ DASHBOARDS = REPO / "dashboards"
 #: The scalars of every step (the sampled act_max* are not among them) and the per-layer metrics.
 SCALARS = tuple(name for name in names.SCALARS if not name.startswith("act_max"))
 LAYER_METRICS = names.LAYER_METRICS
+#: The every-step scan's and the checksums' per-index metrics (products, blocks).
+CHECK_METRICS = names.CHECK_METRICS
 
 
 def sdc_incident(
@@ -69,7 +72,8 @@ def sdc_incident(
 
 
 def nonfinite_incident(run: str = "r1", *, rank: int = 2, opened_at: float = 0.0) -> Incident:
-    """An open non-finite incident, as the non-finite detector opens it."""
+    """An open non-finite incident, as the non-finite detector opens it: the every-step scan saw a
+    NaN in block 1's output (``stream_max``)."""
     return Incident(
         id=f"{run}:nonfinite:110",
         run=run,
@@ -77,11 +81,12 @@ def nonfinite_incident(run: str = "r1", *, rank: int = 2, opened_at: float = 0.0
         severity=Severity.CRITICAL,
         first_step=110,
         last_step=110,
-        message=f"NaN on rank {rank}",
+        message=f"non-finite value at step 110: stream_max of blocks.1 (block 1) = nan on rank {rank}",
         ranks=(rank,),
         hosts=(f"h{rank // 2}",),
-        metric="attn_entropy",
+        metric="stream_max",
         layer=1,
+        layer_name="blocks.1",
         score=float("inf"),
         detector="nonfinite",
         peak_step=110,
@@ -226,7 +231,7 @@ class TroubledService:
             rank_scores=scores,
             hosts=[f"h{r // 2}" for r in range(self.world)],
             scalar_stats=stats,
-            layer_stats={name: layer.copy() for name in LAYER_METRICS},
+            layer_stats={name: layer.copy() for name in LAYER_METRICS + CHECK_METRICS},
             steps_total=120 + n,
             late_ranks=1,
             missing_ranks=2,
@@ -298,6 +303,9 @@ def records_3d(step: int, *, layout: str = LAYOUT_3D, run: str = "r3d") -> list:
                     "q_norm_max": (2 * entropy).tolist(),
                     "k_norm_max": (3 * entropy).tolist(),
                     "attn_logit_max": (4 * entropy).tolist(),
+                    "stream_max": (5 * entropy).tolist(),  # a block a layer
+                    "gemm_out": (6 * entropy).tolist(),  # a checked product a layer
+                    "gemm_fwd": (1e-5 * entropy).tolist(),  # residuals far under their bound
                 },
                 coords=c,
             )
@@ -375,6 +383,53 @@ def rule_expressions() -> list[tuple[str, str]]:
 # -- real servers -----------------------------------------------------------------------------
 
 
+class Receiver:
+    """An HTTP endpoint on loopback that records every JSON POST (and its path); ``fail_next`` answers 503."""
+
+    def __init__(self) -> None:
+        self.bodies: list = []
+        self.paths: list[str] = []
+        self.fail_next = 0
+        self._lock = threading.Lock()
+        receiver = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802 (http.server naming)
+                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                with receiver._lock:
+                    if receiver.fail_next > 0:
+                        receiver.fail_next -= 1
+                        status = 503
+                    else:
+                        receiver.bodies.append(json.loads(body))
+                        receiver.paths.append(self.path)
+                        status = 200
+                self.send_response(status)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        self._thread.start()
+
+    def snapshot(self) -> list:
+        with self._lock:
+            return list(self.bodies)
+
+    def received(self) -> list[tuple[str, dict]]:
+        """(path, body) of every POST so far."""
+        with self._lock:
+            return list(zip(self.paths, self.bodies))
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+
 def http_json(url: str, *, data: bytes | None = None, timeout: float = 5.0) -> Any:
     req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"} if data else {})
     with urllib.request.urlopen(req, timeout=timeout) as resp:
@@ -443,19 +498,27 @@ def on_free_port(start: Callable[[int], Server], attempts: int = 3) -> Server:
     raise AssertionError("unreachable")
 
 
-def start_prometheus(workdir: Path, scrape_target: str, rule_files: list[Path] = ()) -> Server:
-    """Prometheus scraping ``scrape_target`` (host:port) every second, evaluating ``rule_files``."""
-    return on_free_port(lambda port: _start_prometheus(workdir, scrape_target, rule_files, port))
+def start_prometheus(
+    workdir: Path, scrape_target: str, rule_files: list[Path] = (), alertmanager: str | None = None
+) -> Server:
+    """Prometheus scraping ``scrape_target`` (host:port) every second, evaluating ``rule_files``
+    and sending their alerts to ``alertmanager`` (its base URL) when given."""
+    return on_free_port(lambda port: _start_prometheus(workdir, scrape_target, rule_files, alertmanager, port))
 
 
-def _start_prometheus(workdir: Path, scrape_target: str, rule_files: list[Path], port: int) -> Server:
+def _start_prometheus(
+    workdir: Path, scrape_target: str, rule_files: list[Path], alertmanager: str | None, port: int
+) -> Server:
     binary = require_binary("prometheus")
     workdir.mkdir(parents=True, exist_ok=True)
-    config = {
+    config: dict[str, Any] = {
         "global": {"scrape_interval": "1s", "evaluation_interval": "1s", "scrape_timeout": "1s"},
         "rule_files": [str(p) for p in rule_files],
         "scrape_configs": [{"job_name": "sdcwatch", "static_configs": [{"targets": [scrape_target]}]}],
     }
+    if alertmanager is not None:
+        target = urllib.parse.urlsplit(alertmanager).netloc
+        config["alerting"] = {"alertmanagers": [{"static_configs": [{"targets": [target]}]}]}
     cfg = workdir / "prometheus.yml"
     cfg.write_text(json.dumps(config))  # JSON is YAML
     base = f"http://127.0.0.1:{port}"
@@ -475,12 +538,6 @@ def _start_prometheus(workdir: Path, scrape_target: str, rule_files: list[Path],
 
 def start_alertmanager(workdir: Path, webhook_url: str) -> Server:
     """Alertmanager routing everything to ``webhook_url`` at once (group_wait 0s, interval 1s)."""
-    return on_free_port(lambda port: _start_alertmanager(workdir, webhook_url, port))
-
-
-def _start_alertmanager(workdir: Path, webhook_url: str, port: int) -> Server:
-    binary = require_binary("prometheus-alertmanager")
-    workdir.mkdir(parents=True, exist_ok=True)
     config = {
         "route": {
             "receiver": "test",
@@ -491,6 +548,29 @@ def _start_alertmanager(workdir: Path, webhook_url: str, port: int) -> Server:
         },
         "receivers": [{"name": "test", "webhook_configs": [{"url": webhook_url, "send_resolved": True}]}],
     }
+    return start_alertmanager_with(workdir, config)
+
+
+def shipped_alertmanager_config(receiver_url: str) -> dict:
+    """dashboards/alertmanager.yml as shipped, each receiver's webhooks posting to
+    ``receiver_url/<receiver name>`` instead of the example addresses."""
+    import yaml
+
+    config = yaml.safe_load((DASHBOARDS / "alertmanager.yml").read_text())
+    for receiver in config["receivers"]:
+        for hook in receiver.get("webhook_configs", ()):
+            hook["url"] = f"{receiver_url}/{receiver['name']}"
+    return config
+
+
+def start_alertmanager_with(workdir: Path, config: dict) -> Server:
+    """Alertmanager with ``config`` (the parsed YAML)."""
+    return on_free_port(lambda port: _start_alertmanager(workdir, config, port))
+
+
+def _start_alertmanager(workdir: Path, config: dict, port: int) -> Server:
+    binary = require_binary("prometheus-alertmanager")
+    workdir.mkdir(parents=True, exist_ok=True)
     cfg = workdir / "alertmanager.yml"
     cfg.write_text(json.dumps(config))
     base = f"http://127.0.0.1:{port}"

@@ -8,10 +8,9 @@ import subprocess
 
 import numpy as np
 import pytest
+import sdcwatch_exporter_test_support as support  # registered by conftest.py
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
-
-import sdcwatch_exporter_test_support as support  # registered by conftest.py
 from sdcwatch.core.errors import ConfigError
 from sdcwatch.exporters import METRICS, SdcwatchCollector
 from sdcwatch.exporters.collector import MAX_RANKS_PER_INCIDENT
@@ -68,7 +67,7 @@ sdcwatch_rank_metric{metric="loss",run="r1",stat="q25"} 2.25
 sdcwatch_rank_metric{metric="loss",run="r1",stat="median"} 2.5
 sdcwatch_rank_metric{metric="loss",run="r1",stat="q75"} 2.75
 sdcwatch_rank_metric{metric="loss",run="r1",stat="max"} 3.0
-# HELP sdcwatch_layer_metric Statistic across ranks of a per-layer metric at the last step (a sampled one, such as the attention statistics: at the last step that measured it, up to 256 steps back), per model piece like sdcwatch_rank_metric (a pipeline stage numbers its own layers from 0).
+# HELP sdcwatch_layer_metric Statistic across ranks of a per-layer metric at the last step (a sampled one, such as the attention statistics: at the last step that measured it, up to 256 steps back), per model piece like sdcwatch_rank_metric (a pipeline stage numbers its own layers from 0); only at the indices the metric has, layer_name the module an index is when the ranks sent their names.
 # TYPE sdcwatch_layer_metric gauge
 sdcwatch_layer_metric{layer="0",metric="attn_entropy",run="r1",stat="min"} 0.0
 sdcwatch_layer_metric{layer="0",metric="attn_entropy",run="r1",stat="median"} 2.0
@@ -305,8 +304,8 @@ def test_promtool_check_metrics_accepts_the_exposition(make_view):
 
 def test_collector_renders_a_real_detection_pipeline_view():
     """The collector against the detector service's own view (not a hand-built one)."""
-    from sdcwatch.service.pipeline import DetectionPipeline
     from sdcwatch.core.record_type import Record
+    from sdcwatch.service.pipeline import DetectionPipeline
 
     rng = np.random.default_rng(0)
     world, layers = 8, 3

@@ -5,9 +5,8 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from prometheus_client import CollectorRegistry, generate_latest
-
 import sdcwatch_exporter_test_support as support  # registered by conftest.py
+from prometheus_client import CollectorRegistry, generate_latest
 from sdcwatch.core.incident import IncidentEvent
 from sdcwatch.exporters import SdcwatchCollector
 from sdcwatch.exporters.alertmanager import alert_for

@@ -8,10 +8,9 @@ import urllib.parse
 import urllib.request
 
 import pytest
-
 import sdcwatch_exporter_test_support as support  # registered by conftest.py
-from sdcwatch.core.incident import IncidentEvent
 from sdcwatch.core.errors import ConfigError
+from sdcwatch.core.incident import IncidentEvent
 from sdcwatch.exporters import METRICS, AlertmanagerSink, Backoff, MetricsServer, WebhookSink
 
 

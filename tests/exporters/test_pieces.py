@@ -11,14 +11,13 @@ import subprocess
 
 import numpy as np
 import pytest
+import sdcwatch_exporter_test_support as support  # registered by conftest.py
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
-
-import sdcwatch_exporter_test_support as support  # registered by conftest.py
 from sdcwatch.core.mesh import Layout, peer_key, piece_label
-from sdcwatch.service.pipeline import DetectionPipeline
 from sdcwatch.exporters import SdcwatchCollector
 from sdcwatch.exporters.catalog import STATS
+from sdcwatch.service.pipeline import DetectionPipeline
 
 QUANTILES = [0.0, 0.25, 0.5, 0.75, 1.0]
 

@@ -10,10 +10,9 @@ import time
 from datetime import datetime
 
 import pytest
-
 import sdcwatch_exporter_test_support as support  # registered by conftest.py
-from sdcwatch.core.incident import IncidentEvent, Severity
 from sdcwatch.core.errors import ConfigError
+from sdcwatch.core.incident import IncidentEvent, Severity
 from sdcwatch.exporters import AlertmanagerSink, Backoff, DeliveryError, LogSink, WebhookSink, alert_for, alertname_for
 from sdcwatch.exporters.logsink import format_logfmt
 

@@ -7,13 +7,13 @@ import math
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
-
 from detector_synth import SyntheticRun
-from sdcwatch.service.aligner import StepAligner
-from sdcwatch.detectors import StepFrame
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from sdcwatch.core.errors import ConfigError
 from sdcwatch.core.record_type import Record
+from sdcwatch.detectors import StepFrame
+from sdcwatch.service.aligner import StepAligner
 
 
 class Clock:

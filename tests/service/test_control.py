@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 import pytest
-
 from detector_synth import Fault, SyntheticRun
-from sdcwatch.service.control_policy import ControlPolicy, ControlTopicSink
-from sdcwatch.detectors.guard_actions import GuardActionDetector
-from sdcwatch.service.pipeline import DetectionPipeline
-from sdcwatch.core.incident import Incident, IncidentEvent, Severity
-from sdcwatch.core.errors import ConfigError
-from sdcwatch.telemetry import MemoryBus
-from sdcwatch.core.vocabulary import CONTROL_TOPIC
 from sdcwatch.core.control import decode_decision
+from sdcwatch.core.errors import ConfigError
+from sdcwatch.core.incident import Incident, IncidentEvent, Severity
+from sdcwatch.core.vocabulary import CONTROL_TOPIC
+from sdcwatch.detectors.guard_actions import GuardActionDetector
+from sdcwatch.service.control_policy import ControlPolicy, ControlTopicSink
+from sdcwatch.service.pipeline import DetectionPipeline
+from sdcwatch.telemetry import MemoryBus
 
 ON = ControlPolicy(actions=True)
 
@@ -56,6 +55,18 @@ def test_policy_rules(kind, evidence, action):
     if d is not None:
         assert d.ranks == (5,) and d.hosts == ("h2",) and d.since_step == 40 and d.run == "r1"
         assert kind in d.reason and d.incident == f"r1:{kind}:40"
+
+
+def test_an_incident_asks_for_the_strongest_rule_of_the_findings_it_holds_as_related():
+    """One fault, one incident: a kind folded into another incident as related evidence keeps its
+    rule (a parameter divergence, rollback, folded into a silent drift, evict, asks for evict)."""
+    related = [{"kind": "silent_drift", "ranks": [5], "first_step": 41}]
+    folded = incident("replica_divergence", evidence={"metrics": {"param_fp": [5]}, "related": related})
+    assert ON.decide(folded).action == "evict"
+    milder = incident("silent_drift", evidence={"related": [{"kind": "replica_divergence", "ranks": [5]}]})
+    assert ON.decide(milder).action == "evict"
+    only_info = incident("nonfinite", evidence={"related": [{"kind": "checksum_mismatch", "ranks": [5]}]})
+    assert ON.decide(only_info) is None  # neither rule acts by default
 
 
 def test_min_severity_and_one_rank_for_an_eviction():

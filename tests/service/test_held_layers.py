@@ -5,10 +5,9 @@ last measurement, in one process and in a split service; for HOLD_STEPS steps at
 from __future__ import annotations
 
 import numpy as np
-
 from detector_synth import SyntheticRun
-from sdcwatch.service.pipeline import DetectionPipeline
 from sdcwatch.service.held_layers import HOLD_STEPS, HeldLayers
+from sdcwatch.service.pipeline import DetectionPipeline
 from sdcwatch.service.summary import decode_summary, encode_summary
 
 SAMPLED = "q_norm_mean"

@@ -22,10 +22,10 @@ from pathlib import Path
 
 import pytest
 from polling import wait_for
+from sdcwatch.telemetry import Emitter, KafkaTransport, Record, encode
 from serve_process import ServeProcess, Topics, metric, peek_topic, scrape, wait_metric
 
 from sdcwatch.broker import free_port
-from sdcwatch.telemetry import Emitter, KafkaTransport, Record, encode
 
 #: Peak resident memory the service may reach during the whole attack (measured: see docs/operating.md).
 RSS_BOUND_MIB = 512
@@ -247,9 +247,9 @@ def test_every_attack_on_one_real_service_is_dead_lettered_counted_and_survived(
 def test_a_slow_snapshot_does_not_evict_the_consumer_from_its_group(bootstrap, unique_topic, tmp_path):
     """16.2: a snapshot that takes longer than max_poll_interval_ms (6 s) once had the consumer
     evicted, its commits failing and the lag gauge at 0; now the reader keeps polling meanwhile."""
-    from sdcwatch.service.pipeline import DetectionPipeline
-    from sdcwatch.service.loop import DetectorService
     from sdcwatch.service.kafka_source import KafkaSource
+    from sdcwatch.service.loop import DetectorService
+    from sdcwatch.service.pipeline import DetectionPipeline
 
     class SlowSave(DetectionPipeline):
         slow = True
@@ -329,7 +329,6 @@ def test_records_past_the_limits_are_refused_at_decode_with_the_reason():
 def test_an_emitter_dropped_sum_past_float_range_does_not_blank_the_metrics():
     """16.5: counters that sum to infinity used to raise OverflowError in the view."""
     import numpy as np
-
     from sdcwatch.service.run_view import count_total as _count
 
     assert _count(np.array([1e308, 1e308, 1e308, 1e308])) == 2**53
@@ -339,10 +338,9 @@ def test_an_emitter_dropped_sum_past_float_range_does_not_blank_the_metrics():
 def test_a_step_far_ahead_is_set_aside_and_the_run_is_not_blinded():
     """16.3: one record at step 2**62 once made every later record late."""
     from detector_synth import SyntheticRun
-
-    from sdcwatch.service.pipeline import DetectionPipeline
-    from sdcwatch.service.loop import DetectorService
     from sdcwatch.service.bus import MemorySource
+    from sdcwatch.service.loop import DetectorService
+    from sdcwatch.service.pipeline import DetectionPipeline
     from sdcwatch.telemetry import MemoryBus, MemoryTransport
 
     bus = MemoryBus()
@@ -403,8 +401,8 @@ def test_a_step_far_ahead_is_set_aside_and_the_run_is_not_blinded():
 )
 def test_a_bad_state_file_is_one_clear_error_naming_the_file_and_the_way_out(tmp_path, content, fault):
     """16.9: raw KeyError/IsADirectoryError tracebacks before."""
-    from sdcwatch.service.pipeline import DetectionPipeline
     from sdcwatch.core.errors import ConfigError
+    from sdcwatch.service.pipeline import DetectionPipeline
 
     path = tmp_path / "pipeline-state.json"
     path.write_bytes(content)
@@ -414,9 +412,9 @@ def test_a_bad_state_file_is_one_clear_error_naming_the_file_and_the_way_out(tmp
 
 
 def test_state_writes_keep_the_previous_snapshot_and_a_folder_is_named(tmp_path):
+    from sdcwatch.core.errors import ConfigError
     from sdcwatch.service.pipeline import DetectionPipeline
     from sdcwatch.service.statefile import previous_state
-    from sdcwatch.core.errors import ConfigError
 
     path = tmp_path / "pipeline-state.json"
     pipe = DetectionPipeline()
@@ -491,6 +489,7 @@ def test_credentials_in_the_alertmanager_url_are_sent_as_basic_auth_and_never_lo
 def test_report_escapes_and_type_checks_incident_fields(tmp_path):
     """16.10: "peak_step": "<script>..." was written into the page raw."""
     from sdcwatch.core.errors import ReplayError
+
     from sdcwatch.report.data import load_incidents
 
     bad = tmp_path / "incidents.jsonl"
@@ -515,8 +514,8 @@ def test_replay_bounds_lines_and_columns_with_a_clear_error(tmp_path):
     """16.11: a 1 GiB CSV line took 2-4 GB; a huge header raised an uncaught _csv.Error."""
     import resource
 
-    from sdcwatch.service.offline import MAX_LINE_BYTES, replay
     from sdcwatch.core.errors import ReplayError
+    from sdcwatch.service.offline import MAX_LINE_BYTES, replay
 
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     long_line = tmp_path / "long.csv"
@@ -575,7 +574,6 @@ def test_concurrent_scrapes_share_one_render():
 
     _sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "exporters"))
     from _support import small_view
-
     from sdcwatch.exporters.server import MetricsServer
 
     calls = []

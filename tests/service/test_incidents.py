@@ -6,12 +6,11 @@ import json
 
 import numpy as np
 import pytest
-
 from detector_synth import Fault, SyntheticRun
-from sdcwatch.service.pipeline import DetectionPipeline, PipelineSettings
+from sdcwatch.core.errors import ConfigError
 from sdcwatch.detectors import Finding, Severity
 from sdcwatch.service.incidents import IncidentBook, incident_from_dict
-from sdcwatch.core.errors import ConfigError
+from sdcwatch.service.pipeline import DetectionPipeline, PipelineSettings
 
 
 def finding(step, kind="loss_spike", sev=Severity.WARNING, ranks=(), msg="m", detector="d", score=1.0, **kw):

@@ -6,13 +6,12 @@ import time
 import uuid
 
 import pytest
-
-from sdcwatch.service.pipeline import DetectionPipeline, PipelineSettings
-from sdcwatch.service.loop import DetectorService
-from sdcwatch.service.kafka_source import KafkaSource
-from sdcwatch.telemetry import Emitter, KafkaTransport
 from sdcwatch.core.columnar import encode_rows
 from sdcwatch.core.record_layout import schema_for
+from sdcwatch.service.kafka_source import KafkaSource
+from sdcwatch.service.loop import DetectorService
+from sdcwatch.service.pipeline import DetectionPipeline, PipelineSettings
+from sdcwatch.telemetry import Emitter, KafkaTransport
 
 pytestmark = pytest.mark.integration
 

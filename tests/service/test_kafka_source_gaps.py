@@ -17,9 +17,8 @@ import uuid
 
 import numpy as np
 import pytest
-
-from sdcwatch.service.kafka_source import KafkaSource
 from sdcwatch.service.ingest import RecordColumns
+from sdcwatch.service.kafka_source import KafkaSource
 from sdcwatch.telemetry.wire.transports import ensure_topic
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

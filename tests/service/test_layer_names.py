@@ -8,24 +8,23 @@ import logging
 import zlib
 
 import pytest
-
+from sdcwatch.core.errors import SummaryError
 from sdcwatch.core.incident import Finding, Severity
 from sdcwatch.core.layer_names import LayerNames, encode_names
-from sdcwatch.core.vocabulary import CANARY_PRODUCT, TELEMETRY_TOPIC
 from sdcwatch.core.record import KEY_WINDOW
 from sdcwatch.core.record_type import Record
-from sdcwatch.detectors.frame import StepFrame
-from sdcwatch.service.ingest import IngestDecoder
+from sdcwatch.core.vocabulary import CANARY_PRODUCT, TELEMETRY_TOPIC
 from sdcwatch.core.where import message_at
 from sdcwatch.detectors.attribution import Attribution
+from sdcwatch.detectors.frame import StepFrame
+from sdcwatch.detectors.replica import ReplicaDivergenceDetector
+from sdcwatch.exporters.logsink import format_logfmt
 from sdcwatch.service.bus import decode_summary_message
+from sdcwatch.service.ingest import IngestDecoder
 from sdcwatch.service.layer_names import MAX_TABLES_PER_RUN, LayerNameBook
 from sdcwatch.service.offline import replay
 from sdcwatch.service.pipeline import DetectionPipeline
-from sdcwatch.detectors.replica import ReplicaDivergenceDetector
-from sdcwatch.core.errors import SummaryError
 from sdcwatch.service.summary import decode_summary, encode_summary
-from sdcwatch.exporters.logsink import format_logfmt
 from sdcwatch.telemetry.wire.emitter import Emitter
 from sdcwatch.telemetry.wire.transports import FileTransport, MemoryBus, MemoryTransport
 

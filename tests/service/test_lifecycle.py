@@ -7,10 +7,11 @@ from dataclasses import replace
 import numpy as np
 import pytest
 from detector_synth import Fault, SyntheticRun
-from sdcwatch.service.pipeline import DetectionPipeline
+from sdcwatch.core.errors import ConfigError
+from sdcwatch.core.record import decode_message, encode_batch
 from sdcwatch.service.aligner import StepAligner
+from sdcwatch.service.pipeline import DetectionPipeline, PipelineSettings
 from sdcwatch.service.run_lifecycle import RunLifecycle
-from sdcwatch.service.pipeline import PipelineSettings
 from sdcwatch.telemetry import (
     Emitter,
     MemoryBus,
@@ -18,9 +19,6 @@ from sdcwatch.telemetry import (
     end_marker,
     is_end_marker,
 )
-from sdcwatch.core.record import decode_message, encode_batch
-
-from sdcwatch.core.errors import ConfigError
 
 
 class Clock:

@@ -145,9 +145,9 @@ def test_a_summary_resends_at_most_the_bound_and_catches_up_after_a_pause():
 
 def test_the_period_is_a_serve_setting_that_reaches_the_spatial_stage():
     import pytest
+    from sdcwatch.core.errors import ConfigError
 
     from sdcwatch.config import load_config
-    from sdcwatch.core.errors import ConfigError
 
     cfg = load_config(env={"SDCWATCH_DETECTORS_NAMES_RESEND_S": "120"})
     assert cfg.detectors.names_resend_s == 120.0

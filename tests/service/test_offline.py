@@ -7,12 +7,11 @@ import time
 from pathlib import Path
 
 import pytest
-
 from detector_synth import Fault, SyntheticRun
-from sdcwatch.service.offline import format_table, replay_main
-from sdcwatch.service import replay
 from sdcwatch.core.errors import ReplayError
 from sdcwatch.core.record_json import to_json
+from sdcwatch.service import replay
+from sdcwatch.service.offline import format_table, replay_main
 
 REAL_LOGS = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "real-logs"
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections import namedtuple
 
 import pytest
-
 from sdcwatch.service.offset_gaps import OffsetGaps
 
 Msg = namedtuple("Msg", "offset")
@@ -63,3 +62,29 @@ def test_partitions_are_independent_and_revoked_ones_forgotten():
 def test_a_wait_that_is_not_a_duration_is_refused():
     with pytest.raises(ValueError, match="gap wait"):
         OffsetGaps(wait_s=float("nan"))
+
+
+class SeekLog:
+    """A consumer double that records where it was sent back to (and may refuse a partition)."""
+
+    def __init__(self, revoked=()) -> None:
+        self.seeks: list[tuple[str, int]] = []
+        self.revoked = set(revoked)
+
+    def seek(self, tp, offset) -> None:
+        if tp in self.revoked:
+            raise AssertionError(f"{tp} is not assigned")
+        self.seeks.append((tp, offset))
+
+
+def test_refetch_sends_the_consumer_back_to_each_gap_and_survives_a_revoked_partition():
+    # what KafkaSource and the group-less TopicReader (capture, incidents) both call after a poll
+    gaps = OffsetGaps(wait_s=2.0)
+    gaps.expect("p0", 0)
+    gaps.expect("p1", 0)
+    consumer = SeekLog(revoked={"p1"})
+    kept = gaps.refetch(consumer, {"p0": [Msg(0), Msg(2)], "p1": [Msg(1)]}, now=0.0)
+    assert offsets(kept, "p0") == [0] and "p1" not in kept
+    assert consumer.seeks == [("p0", 1)]  # p1's seek failed (revoked meanwhile) without raising
+    kept = gaps.refetch(consumer, {"p0": [Msg(1), Msg(2)]}, now=0.1)
+    assert offsets(kept, "p0") == [1, 2] and consumer.seeks == [("p0", 1)]

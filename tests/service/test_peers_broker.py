@@ -8,11 +8,10 @@ import time
 import uuid
 
 import pytest
-
 from mesh_synth import MeshFault, MeshRun
-from sdcwatch.service.pipeline import DetectionPipeline, PipelineSettings
-from sdcwatch.service.loop import DetectorService
 from sdcwatch.service.kafka_source import KafkaSource
+from sdcwatch.service.loop import DetectorService
+from sdcwatch.service.pipeline import DetectionPipeline, PipelineSettings
 from sdcwatch.telemetry import Emitter, KafkaTransport
 
 pytestmark = pytest.mark.integration

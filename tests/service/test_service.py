@@ -8,14 +8,12 @@ import time
 import uuid
 
 import pytest
-
 from detector_synth import Fault, SyntheticRun
-from sdcwatch.core.vocabulary import ANOMALY_TOPIC
-from sdcwatch.service.bus import AnomalyTopicSink
-from sdcwatch.service.pipeline import DetectionPipeline
-from sdcwatch.service.loop import DetectorService
-from sdcwatch.service.bus import MemorySource
 from sdcwatch.core.errors import ConfigError
+from sdcwatch.core.vocabulary import ANOMALY_TOPIC
+from sdcwatch.service.bus import AnomalyTopicSink, MemorySource
+from sdcwatch.service.loop import DetectorService
+from sdcwatch.service.pipeline import DetectionPipeline
 from sdcwatch.telemetry import MemoryBus, MemoryTransport
 
 
@@ -134,7 +132,6 @@ def test_reference_run_fault_on_one_rank_through_the_real_broker_names_that_rank
     """The probes' records of a real (simulated data-parallel) training run, through Kafka."""
     torch = pytest.importorskip("torch")
     from kafka import KafkaConsumer
-
     from sdcwatch.service.kafka_source import KafkaSource
     from sdcwatch.telemetry import Emitter, KafkaTransport
     from sdcwatch.testbed.faultspec import FaultSpec

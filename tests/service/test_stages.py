@@ -6,16 +6,14 @@ import json
 
 import numpy as np
 import pytest
-
 from detector_synth import Fault, SyntheticRun
-from sdcwatch.service.pipeline import DetectionPipeline
+from sdcwatch.core.errors import ConfigError, SummaryError
+from sdcwatch.core.record import encode
 from sdcwatch.detectors.baselines.river_hst import RiverHalfSpaceTrees
 from sdcwatch.service.bus import MemorySource, decode_summary_message
+from sdcwatch.service.pipeline import DetectionPipeline
 from sdcwatch.service.summary import StepSummary, SummaryOrder, decode_summary, encode_summary
-from sdcwatch.core.errors import SummaryError
-from sdcwatch.core.errors import ConfigError
 from sdcwatch.telemetry import MemoryBus
-from sdcwatch.core.record import encode
 
 
 def one_process(synth, steps):

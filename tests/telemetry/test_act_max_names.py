@@ -10,8 +10,6 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from tiny_llama import tiny_llama, tokens  # noqa: E402
-
 from sdcwatch.core.incident import Finding, Severity  # noqa: E402
 from sdcwatch.core.layer_names import LayerNames  # noqa: E402
 from sdcwatch.core.vocabulary import TELEMETRY_TOPIC  # noqa: E402
@@ -20,9 +18,10 @@ from sdcwatch.service.layer_names import LayerNameBook  # noqa: E402
 from sdcwatch.service.pipeline import DetectionPipeline  # noqa: E402
 from sdcwatch.telemetry import attach  # noqa: E402
 from sdcwatch.telemetry.wire.emitter import Emitter  # noqa: E402
+from sdcwatch.telemetry.wire.transports import MemoryBus, MemoryTransport  # noqa: E402
 from sdcwatch.testbed.faults import FaultInjector  # noqa: E402
 from sdcwatch.testbed.faultspec import FaultSpec  # noqa: E402
-from sdcwatch.telemetry.wire.transports import MemoryBus, MemoryTransport  # noqa: E402
+from tiny_llama import tiny_llama, tokens  # noqa: E402
 
 LEAF = "model.layers.1.mlp.up_proj"
 FAULT_STEP, STEPS = 2, 3

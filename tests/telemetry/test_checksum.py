@@ -9,21 +9,21 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from reference_loop import train_reference  # noqa: E402
+from sdcwatch.core.vocabulary import GEMM_METRICS, STREAM_METRICS  # noqa: E402
 from sdcwatch.telemetry.probes.checksum_bounds import (  # noqa: E402
     check_linear,
     check_matmul,
     check_weight_grad,
     rounding_coefficient,
 )
+from sdcwatch.telemetry.probes.config import ProbeConfig  # noqa: E402
+from sdcwatch.telemetry.probes.extremes import ResidualStream, peak, repeated_blocks  # noqa: E402
 from sdcwatch.telemetry.probes.gemm_checks import GemmChecks  # noqa: E402
 from sdcwatch.telemetry.probes.gemm_state import observe_gemm  # noqa: E402
-from sdcwatch.telemetry.probes.extremes import ResidualStream, peak, repeated_blocks  # noqa: E402
-from sdcwatch.testbed.faults import flip_bit  # noqa: E402
-from sdcwatch.telemetry.probes.config import ProbeConfig  # noqa: E402
 from sdcwatch.telemetry.probes.watch import attach  # noqa: E402
-from sdcwatch.core.vocabulary import GEMM_METRICS, STREAM_METRICS  # noqa: E402
+from sdcwatch.testbed.faults import flip_bit  # noqa: E402
 from sdcwatch.testbed.model import GPT, GPTConfig  # noqa: E402
-from reference_loop import train_reference  # noqa: E402
 
 torch.set_num_threads(1)
 CFG = GPTConfig(seq_len=32, d_model=32, n_layer=2, n_head=4)

@@ -10,8 +10,8 @@ torch = pytest.importorskip("torch")
 
 from sdcwatch.core.vocabulary import GEMM_METRICS, STREAM_METRICS  # noqa: E402
 from sdcwatch.telemetry import FINGERPRINTS, LAYER_METRICS, is_end_marker  # noqa: E402
-from sdcwatch.testbed.faultspec import FaultSpec  # noqa: E402
 from sdcwatch.testbed.ddp import DDPSettings, launch  # noqa: E402
+from sdcwatch.testbed.faultspec import FaultSpec  # noqa: E402
 from sdcwatch.testbed.model import GPT  # noqa: E402
 from sdcwatch.testbed.simulated import shared_corpus  # noqa: E402
 

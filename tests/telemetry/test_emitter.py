@@ -9,7 +9,6 @@ import sys
 import time
 
 import pytest
-
 from sdcwatch.core.errors import ConfigError
 from sdcwatch.telemetry import Emitter, FileTransport, MemoryBus, MemoryTransport, NullEmitter, from_json, is_end_marker
 

@@ -49,8 +49,8 @@ def test_hugging_faces_own_masked_logits_give_the_smallest_unmasked_logit_of_eve
     """The logits a real Hugging Face Llama hands to softmax (eager attention, causal and padding
     mask added as the dtype's lowest value), as a layer reporting them would pass them on."""
     pytest.importorskip("transformers")
-    from torch.overrides import TorchFunctionMode
     from tiny_llama import tiny_llama, tokens
+    from torch.overrides import TorchFunctionMode
 
     batch = tokens(0, 0)
     mask = torch.ones_like(batch)

@@ -7,9 +7,9 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from sdcwatch.telemetry.probes.fingerprint import (  # noqa: E402
+    finalize,
     fingerprint,
     fingerprint_device,
-    finalize,
     splitmix64,
 )
 from sdcwatch.testbed.faults import flip_bit  # noqa: E402

@@ -9,14 +9,14 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from reference_loop import train_reference  # noqa: E402
 from sdcwatch.core.errors import ConfigError  # noqa: E402
 from sdcwatch.core.vocabulary import GEMM_METRICS  # noqa: E402
-from sdcwatch.testbed.faults import flip_bit  # noqa: E402
-from sdcwatch.telemetry.probes.presets import PROBE_PRESETS, probe_config  # noqa: E402
 from sdcwatch.telemetry.probes.config import ProbeConfig  # noqa: E402
+from sdcwatch.telemetry.probes.presets import PROBE_PRESETS, probe_config  # noqa: E402
 from sdcwatch.telemetry.probes.watch import attach  # noqa: E402
+from sdcwatch.testbed.faults import flip_bit  # noqa: E402
 from sdcwatch.testbed.model import GPT, GPTConfig  # noqa: E402
-from reference_loop import train_reference  # noqa: E402
 
 torch.set_num_threads(1)
 CFG = GPTConfig(seq_len=32, d_model=32, n_layer=2, n_head=4)

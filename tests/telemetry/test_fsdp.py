@@ -247,10 +247,9 @@ def test_one_process_fsdp_reports_its_gradient_as_local_and_global_and_records_o
     """A shard group of one runs no reduce-scatter: the statistics come from the gradient itself;
     with ``every=2`` the odd steps measure nothing and send nothing."""
     import torch.distributed as dist
+    from sdcwatch.telemetry.probes.watch import attach
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-
-    from sdcwatch.telemetry.probes.watch import attach
 
     class Emitter:
         def __init__(self):

@@ -17,7 +17,7 @@ pytest.importorskip("torch.distributed.tensor.parallel")
 from sdcwatch.service.pipeline import DetectionPipeline  # noqa: E402
 from sdcwatch.telemetry import is_end_marker  # noqa: E402
 from sdcwatch.testbed.faultspec import FaultSpec  # noqa: E402
-from sdcwatch.testbed.fsdp_tp import FSDPTPSettings, TP_PLAN, launch  # noqa: E402
+from sdcwatch.testbed.fsdp_tp import TP_PLAN, FSDPTPSettings, launch  # noqa: E402
 
 pytestmark = pytest.mark.integration
 

@@ -10,17 +10,17 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from reference_loop import train_reference  # noqa: E402
 from sdcwatch.core.incident import Incident, Severity  # noqa: E402
 from sdcwatch.core.record_type import Record  # noqa: E402
-from sdcwatch.service.control_policy import ControlPolicy  # noqa: E402
 from sdcwatch.detectors.frame import StepFrame  # noqa: E402
 from sdcwatch.detectors.replica import ReplicaDivergenceDetector  # noqa: E402
-from sdcwatch.testbed.faults import FaultInjector  # noqa: E402
-from sdcwatch.testbed.faultspec import FaultSpec  # noqa: E402
+from sdcwatch.service.control_policy import ControlPolicy  # noqa: E402
 from sdcwatch.telemetry.probes.gemm_canary import GemmCanary, known_input  # noqa: E402
 from sdcwatch.telemetry.probes.watch import attach  # noqa: E402
+from sdcwatch.testbed.faults import FaultInjector  # noqa: E402
+from sdcwatch.testbed.faultspec import FaultSpec  # noqa: E402
 from sdcwatch.testbed.model import GPT, GPTConfig  # noqa: E402
-from reference_loop import train_reference  # noqa: E402
 
 CFG = GPTConfig(seq_len=16, d_model=32, n_layer=2, n_head=4)
 LINEARS = ["blocks.0.attn.qkv", "blocks.0.attn.proj", "blocks.0.mlp.fc", "blocks.0.mlp.proj"]
@@ -87,9 +87,9 @@ def test_the_canary_is_the_layers_product_through_its_fault_hooks_and_no_other_h
     hooks only (:func:`output_faults`): the module's other hooks (a probe's, a user's) never run.
     An injector subclass that wraps the hooks (the campaign's, which records each fault's bound)
     corrupts it alike."""
-    from sdcwatch.testbed.fault_bounds import BoundedInjector
     from sdcwatch.telemetry.probes import fingerprint as fp
     from sdcwatch.telemetry.probes.output_faults import output_faults
+    from sdcwatch.testbed.fault_bounds import BoundedInjector
 
     a, b = _twins()
     fc = b.blocks[0].mlp.fc

@@ -10,12 +10,11 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from sdcwatch.core.errors import ConfigError  # noqa: E402
-from sdcwatch.core.errors import ControlError  # noqa: E402
 from sdcwatch.core.control import Decision, decode_decision  # noqa: E402
+from sdcwatch.core.errors import ConfigError, ControlError  # noqa: E402
+from sdcwatch.telemetry.guard.config import EXIT_CODE_EVICT, GuardConfig, GuardEviction  # noqa: E402
 from sdcwatch.telemetry.guard.control_topic import KafkaControl, MemoryControl  # noqa: E402
 from sdcwatch.testbed.faultspec import FaultSpec  # noqa: E402
-from sdcwatch.telemetry.guard.config import EXIT_CODE_EVICT, GuardConfig, GuardEviction  # noqa: E402
 from sdcwatch.testbed.model import GPTConfig  # noqa: E402
 from sdcwatch.testbed.simulated import SimulatedRun, shared_corpus  # noqa: E402
 

@@ -67,8 +67,8 @@ def plain_rank(rank: int, bootstrap: str, topic: str, run: str) -> None:
 
 
 def hf_rank(rank: int, bootstrap: str, topic: str, run: str, out: str) -> None:
-    from sdcwatch.testbed.faults import FaultInjector
     from sdcwatch.telemetry.integrations.hf import SdcwatchCallback
+    from sdcwatch.testbed.faults import FaultInjector
     from transformers import Trainer, TrainingArguments
 
     emitter = _emitter(bootstrap, topic, run)
@@ -94,8 +94,8 @@ def hf_rank(rank: int, bootstrap: str, topic: str, run: str, out: str) -> None:
 def lightning_rank(rank: int, bootstrap: str, topic: str, run: str, out: str) -> None:
     import lightning as L
     from lightning.pytorch.strategies import DDPStrategy
-    from sdcwatch.testbed.faults import FaultInjector
     from sdcwatch.telemetry.integrations.lightning import SdcwatchCallback
+    from sdcwatch.testbed.faults import FaultInjector
 
     class LitLlama(L.LightningModule):
         def __init__(self):

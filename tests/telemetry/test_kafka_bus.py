@@ -8,9 +8,8 @@ import textwrap
 import time
 
 import pytest
-
-from sdcwatch.telemetry import Emitter, KafkaTransport, Record, encode, is_end_marker
 from sdcwatch.core.record import encode_batch
+from sdcwatch.telemetry import Emitter, KafkaTransport, Record, encode, is_end_marker
 
 pytestmark = pytest.mark.integration
 

@@ -15,10 +15,9 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from serve_process import ServeProcess, Topics, metric, peek_topic, scrape, wait_metric  # noqa: E402
-
 from sdcwatch.core.layer_names import LayerNames, encode_names  # noqa: E402
 from sdcwatch.core.record import KEY_WINDOW  # noqa: E402
+from serve_process import ServeProcess, Topics, metric, peek_topic, scrape, wait_metric  # noqa: E402
 
 GATE = "model.layers.1.mlp.gate_proj"
 FAULT_STEP, STEPS, VOCAB, SEQ = 40, 48, 64, 16
@@ -26,9 +25,8 @@ FAULT_STEP, STEPS, VOCAB, SEQ = 40, 48, 64, 16
 
 def _train(bootstrap: str, topic: str, run: str) -> int:
     """The user's loop; returns the index of the faulty product in the watch's ``checksums.names``."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
     from sdcwatch.telemetry import Emitter, attach
+    from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.set_num_threads(1)
     torch.manual_seed(0)

@@ -3,9 +3,9 @@ norm of that step's gradient.
 
 Lightning's automatic optimisation calls ``optimizer.step(closure)``: the forward and backward run
 inside the closure, after the optimizer's step pre-hooks. Reading ``p.grad`` in such a pre-hook
-would read the previous step's gradient (the record of step N would carry step N-1's norm), so
-the probes skip the pre-hook read when a closure is passed and read the gradient at
-``watch.step()``. The same holds for ``optimizer.step(closure)`` in a plain loop (LBFGS).
+would read the previous step's gradient (the record of step N would carry step N-1's norm); the
+probes read it when the closure's backward ends (and skip the pre-hook read when a closure is
+passed). The same holds for ``optimizer.step(closure)`` in a plain loop (LBFGS).
 """
 
 from __future__ import annotations

@@ -10,10 +10,10 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from sdcwatch.core.vocabulary import GEMM_METRICS  # noqa: E402
-from sdcwatch.testbed.faults import flip_bit  # noqa: E402
 from sdcwatch.telemetry.probes.gemm_canary import GemmCanary, known_input  # noqa: E402
 from sdcwatch.telemetry.probes.linear_layout import is_linear, linear_weight, transposed  # noqa: E402
 from sdcwatch.telemetry.probes.watch import attach  # noqa: E402
+from sdcwatch.testbed.faults import flip_bit  # noqa: E402
 
 torch.set_num_threads(1)
 STEPS, OUTPUT_FLIP, WEIGHT_FLIP = 6, 2, 4

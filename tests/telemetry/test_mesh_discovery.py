@@ -78,9 +78,8 @@ def test_accelerate_parallelism_config_mesh_is_found_and_logged(fake_world, rank
 
 def test_a_model_loaded_with_a_distributed_config_gives_its_mesh(fake_world):
     pytest.importorskip("transformers")
-    from torch.distributed.device_mesh import init_device_mesh
-
     from sdcwatch.telemetry.integrations.hf import framework_mesh
+    from torch.distributed.device_mesh import init_device_mesh
 
     fake_world(5, 8)
     model = GPT(GPTConfig(n_layer=1))
@@ -125,7 +124,6 @@ def lightning_rank(rank: int, out: str) -> None:
     strategy's mesh; the callback is given no mesh."""
     import lightning as L
     from lightning.pytorch.strategies import ModelParallelStrategy
-
     from sdcwatch.telemetry import Emitter, FileTransport
     from sdcwatch.telemetry.integrations.lightning import SdcwatchCallback
     from sdcwatch.testbed.fsdp_tp import parallelize, tp_gpt
@@ -171,10 +169,9 @@ def lightning_rank(rank: int, out: str) -> None:
 @pytest.mark.integration
 def test_lightning_model_parallel_strategy_mesh_puts_coordinates_on_every_record(tmp_path, monkeypatch):
     pytest.importorskip("lightning")
-    from tiny_llama import launch
-
     from sdcwatch.service.offline import read_records
     from sdcwatch.telemetry import is_end_marker
+    from tiny_llama import launch
 
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "sdcwatch-test")  # Lightning: the ranks are launched already
     launch(lightning_rank, str(tmp_path), world=2)

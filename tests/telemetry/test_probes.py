@@ -11,13 +11,16 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from sdcwatch.core.errors import ConfigError  # noqa: E402
-from sdcwatch.telemetry import LAYER_METRICS, MemoryBus, MemoryTransport, Emitter, is_end_marker  # noqa: E402
+from sdcwatch.core.vocabulary import (  # noqa: E402
+    ATTENTION_STATS,  # noqa: E402
+    GEMM_METRICS,
+    STREAM_METRICS,
+)
+from sdcwatch.telemetry import LAYER_METRICS, Emitter, MemoryBus, MemoryTransport, is_end_marker  # noqa: E402
+from sdcwatch.telemetry.probes.attention import attention_stats  # noqa: E402
 from sdcwatch.telemetry.probes.fingerprint import fingerprint  # noqa: E402
 from sdcwatch.telemetry.probes.gemm_canary import known_input  # noqa: E402
-from sdcwatch.core.vocabulary import ATTENTION_STATS  # noqa: E402
 from sdcwatch.telemetry.probes.watch import attach  # noqa: E402
-from sdcwatch.telemetry.probes.attention import attention_stats  # noqa: E402
-from sdcwatch.core.vocabulary import GEMM_METRICS, STREAM_METRICS  # noqa: E402
 from sdcwatch.testbed.model import GPT, GPTConfig  # noqa: E402
 
 torch.set_num_threads(1)
@@ -158,8 +161,10 @@ def test_nonfinite_values_among_the_metrics_are_counted():
     watch = attach(model, rec, optimizer=opt, attention_every=1)
     batch = torch.randint(0, 256, (2, CFG.seq_len + 1))
     loss = model.loss(batch)
+    bias = model.blocks[0].mlp.fc.bias  # one Inf element in its gradient, as a fault in the backward leaves it
+    handle = bias.register_hook(lambda g: g.index_fill(0, torch.tensor([0]), float("inf")))
     loss.backward()
-    model.blocks[0].mlp.fc.bias.grad[0] = float("inf")
+    handle.remove()
     watch.step(0, loss=loss * float("nan"))  # no optimizer step: the parameters stay finite
     loss = model.loss(batch)  # finite again: the count is per record, not cumulative
     opt.zero_grad()

@@ -8,10 +8,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from reference_loop import train_reference  # noqa: E402
 from sdcwatch.core.vocabulary import CANARY_PRODUCT  # noqa: E402
 from sdcwatch.telemetry.probes.watch import attach  # noqa: E402
 from sdcwatch.testbed.model import GPT, GPTConfig  # noqa: E402
-from reference_loop import train_reference  # noqa: E402
 
 CFG = GPTConfig(seq_len=16, d_model=32, n_layer=2, n_head=4)
 

@@ -10,13 +10,12 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from sdcwatch.core.vocabulary import LAYER_METRICS  # noqa: E402
-from sdcwatch.testbed.faults import FaultInjector  # noqa: E402
-from sdcwatch.testbed.faultspec import FaultSpec  # noqa: E402
-from sdcwatch.core.vocabulary import ATTENTION_STATS  # noqa: E402
-from sdcwatch.telemetry.probes.watch import attach  # noqa: E402
+from sdcwatch.core.vocabulary import ATTENTION_STATS, LAYER_METRICS  # noqa: E402
 from sdcwatch.telemetry.probes.attention import observe_attention  # noqa: E402
 from sdcwatch.telemetry.probes.sdpa import sdpa_attention_stats  # noqa: E402
+from sdcwatch.telemetry.probes.watch import attach  # noqa: E402
+from sdcwatch.testbed.faults import FaultInjector  # noqa: E402
+from sdcwatch.testbed.faultspec import FaultSpec  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.nn import functional as F  # noqa: E402
 

@@ -12,8 +12,8 @@ torch = pytest.importorskip("torch")
 from sdcwatch.core.layer_names import LayerNames  # noqa: E402
 from sdcwatch.core.vocabulary import CANARY_PRODUCT  # noqa: E402
 from sdcwatch.service.pipeline import DetectionPipeline  # noqa: E402
-from sdcwatch.testbed.faultspec import FaultSpec  # noqa: E402
 from sdcwatch.testbed.branches import RecordCollector  # noqa: E402
+from sdcwatch.testbed.faultspec import FaultSpec  # noqa: E402
 from sdcwatch.testbed.model import GPTConfig  # noqa: E402
 from sdcwatch.testbed.parallel3d import ParallelSimulatedRun  # noqa: E402
 from sdcwatch.testbed.shard_plan import parse_layout, rank_at  # noqa: E402

@@ -8,9 +8,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from sdcwatch.bench import clean_main  # noqa: E402
 from sdcwatch.core.errors import ConfigError  # noqa: E402
-from sdcwatch.testbed.faultspec import FaultSpec  # noqa: E402
 from sdcwatch.testbed.clean_run import (  # noqa: E402
     LISTED,
     WARMUP_REGION,
@@ -20,6 +18,9 @@ from sdcwatch.testbed.clean_run import (  # noqa: E402
     run_one_seed,
     summarise_clean,
 )
+from sdcwatch.testbed.faultspec import FaultSpec  # noqa: E402
+
+from sdcwatch.bench import clean_main  # noqa: E402
 
 
 @pytest.mark.slow

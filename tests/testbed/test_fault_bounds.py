@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from sdcwatch.telemetry.probes.checksum_bounds import (
     check_linear,
     check_matmul,
@@ -14,10 +13,10 @@ from sdcwatch.telemetry.probes.checksum_bounds import (
     matmul_bound,
     weight_grad_bound,
 )
-from sdcwatch.testbed.faultspec import FaultSpec
 from sdcwatch.telemetry.probes.config import ProbeConfig
 from sdcwatch.testbed.campaign import CampaignConfig, run_campaign
 from sdcwatch.testbed.fault_bounds import CoveredInjection
+from sdcwatch.testbed.faultspec import FaultSpec
 from sdcwatch.testbed.simulated import SimulatedRun
 
 STEP = 3

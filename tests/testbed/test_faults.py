@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import re
 
 import pytest
 
@@ -275,3 +277,116 @@ def test_injector_counts_the_cpu_time_of_its_own_corruption_only_when_a_fault_fi
     assert inj.cpu_seconds == 0.0  # nothing fired: the rank's step time keeps everything
     _outputs(m, "head", inj, 2, 1)
     assert inj.cpu_seconds > 0.0 and inj.injections
+
+
+# -- the injector says when a fault fires ----------------------------------------------------------
+
+
+def _fired(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "sdcwatch.faults" and r.levelname == "INFO"]
+
+
+def test_each_fault_logs_once_per_rank_when_it_first_fires_not_every_step(caplog):
+    faults = [
+        FaultSpec(kind="noise", rank=None, step=2, duration=0, target="blocks.*.mlp.fc", magnitude=0.01, seed=1),
+        FaultSpec(kind="nan", rank=1, step=3, target="blocks.0.attn.scores", seed=2),
+        FaultSpec(kind="lr_spike", rank=0, step=4, duration=2, magnitude=10.0),
+    ]
+    m = _model()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    inj = FaultInjector(faults).attach(m, opt)
+    caplog.set_level("INFO", logger="sdcwatch.faults")
+    for step in range(7):
+        for rank in (0, 1):
+            _outputs(m, "head", inj, step, rank)
+            inj.end_step()
+        if step == 1:
+            assert _fired(caplog) == []  # nothing fired before its step
+    assert _fired(caplog) == [
+        # a persistent fault on every rank: once per rank (the first module it reached), at step 2
+        "fault 0 fired on rank 0 at step 2: noise at blocks.0.mlp.fc (output); on to the end of the run",
+        "fault 0 fired on rank 1 at step 2: noise at blocks.0.mlp.fc (output); on to the end of the run",
+        "fault 1 fired on rank 1 at step 3: nan at blocks.0.attn.scores (output)",
+        "fault 2 fired on rank 0 at step 4: lr_spike at lr (optimizer); on until step 5",
+    ]
+    assert len(inj.injections) > 4  # it kept firing every step, and said so once
+
+
+def test_grad_param_and_batch_faults_name_what_they_hit(caplog):
+    caplog.set_level("INFO", logger="sdcwatch.faults")
+    m = _model()
+    inj = FaultInjector(
+        [
+            FaultSpec(kind="bitflip", rank=0, step=1, target="blocks.1.attn.proj", where="param", bit=5),
+            FaultSpec(kind="scale", rank=0, step=1, target="blocks.0.mlp.fc", where="grad", magnitude=1000.0),
+            FaultSpec(kind="bad_batch", rank=0, step=1),
+        ],
+        rank=0,
+    ).attach(m)
+    inj.begin_step(1)
+    inj.corrupt_batch(_batch(1))
+    m.loss(_batch(1)).backward()
+    (param, batch, grad) = _fired(caplog)  # in the order they fired: at begin_step, on the data, in backward
+    assert param.startswith("fault 0 fired on rank 0 at step 1: bitflip at blocks.1.attn.proj.") and "(param)" in param
+    assert batch == "fault 2 fired on rank 0 at step 1: bad_batch at batch (data)"
+    assert grad.startswith("fault 1 fired on rank 0 at step 1: scale at blocks.0.mlp.fc.") and grad.endswith("(grad)")
+
+
+def _doc_blocks(section: str) -> dict[str, str]:
+    """The first block of each language under ``section`` of docs/fault-injection.md."""
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "fault-injection.md").read_text()
+    body = text.split(f"\n## {section}\n", 1)[1].split("\n## ", 1)[0]
+    blocks: dict[str, str] = {}
+    for lang, code in re.findall(r"```(\w+)\n(.*?)```", body, re.S):
+        blocks.setdefault(lang, code)
+    return blocks
+
+
+@pytest.mark.integration
+def test_the_documented_plain_loop_runs_logs_its_fault_and_the_service_opens_the_incident(bootstrap, tmp_path):
+    """docs/fault-injection.md's loop, as a user copies it with its fault file: it runs, says the
+    NaN fired on rank 0 at step 5 (and nothing of rank 1's fault), and `sdcwatch incidents` shows
+    the service's nonfinite incident at that step."""
+    import subprocess
+    import sys
+    import uuid
+
+    from polling import wait_for
+    from serve_process import ServeProcess, Topics
+
+    blocks = _doc_blocks("In your own training loop")
+    (tmp_path / "faults.jsonl").write_text(blocks["json"])
+    (tmp_path / "loop.py").write_text(blocks["python"])
+    tag = uuid.uuid4().hex[:8]
+    topics = Topics.fresh(tag)
+    run = f"doc-{tag}"
+    env = {
+        **os.environ,
+        "SDCWATCH_BOOTSTRAP": bootstrap,
+        "SDCWATCH_RUN": run,
+        "SDCWATCH_BUS_TELEMETRY_TOPIC": topics.telemetry,
+        "OMP_NUM_THREADS": "1",
+    }
+    with ServeProcess(bootstrap, topics, tmp_path / "state", metrics_port=0) as serve:
+        serve.wait_banner()
+        out = subprocess.run(
+            [sys.executable, "loop.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+        )
+        assert out.returncode == 0, out.stderr[-3000:]
+        fired = [line for line in out.stderr.splitlines() if "sdcwatch.faults" in line]
+        assert fired == ["INFO:sdcwatch.faults:fault 0 fired on rank 0 at step 5: nan at fc1 (output)"], out.stderr
+        serve.wait_incident("nonfinite")
+
+        def listed():
+            cmd = ["-m", "sdcwatch.incidents", "--json", "--run", run, "--bus-anomalies-topic", topics.anomalies]
+            got = subprocess.run([sys.executable, *cmd], env=env, capture_output=True, text=True, timeout=60)
+            assert got.returncode == 0, got.stderr
+            return [json.loads(line) for line in got.stdout.splitlines()]
+
+        incidents = wait_for(
+            lambda: [e for e in listed() if e["kind"] == "nonfinite"], 30, "the incident", interval=0.5
+        )
+        assert [e["first_step"] for e in incidents] == [5]
+        serve.stop()

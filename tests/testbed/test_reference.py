@@ -10,11 +10,11 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from sdcwatch.core.errors import ConfigError  # noqa: E402
-from sdcwatch.telemetry import LAYER_METRICS, MemoryBus, MemoryTransport, Emitter, is_end_marker  # noqa: E402
 from sdcwatch.core.vocabulary import GEMM_METRICS, STREAM_METRICS  # noqa: E402
-from sdcwatch.testbed.faultspec import FaultSpec  # noqa: E402
+from sdcwatch.telemetry import LAYER_METRICS, Emitter, MemoryBus, MemoryTransport, is_end_marker  # noqa: E402
 from sdcwatch.telemetry.probes.fingerprint import fingerprint  # noqa: E402
 from sdcwatch.testbed.corpus import Corpus  # noqa: E402
+from sdcwatch.testbed.faultspec import FaultSpec  # noqa: E402
 from sdcwatch.testbed.model import GPT, GPTConfig  # noqa: E402
 from sdcwatch.testbed.simulated import SimulatedRun, shared_corpus  # noqa: E402
 

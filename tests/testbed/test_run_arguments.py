@@ -9,8 +9,8 @@ import pytest
 pytest.importorskip("torch")
 
 from sdcwatch.core.errors import ConfigError  # noqa: E402
-from sdcwatch.testbed.faultspec import load_faults  # noqa: E402
 from sdcwatch.testbed import ddp, fsdp_run, fsdp_tp  # noqa: E402
+from sdcwatch.testbed.faultspec import load_faults  # noqa: E402
 
 FAULT = '{"kind": "nan", "rank": 1, "step": 3, "target": "blocks.0.attn.scores", "seed": 1}\n'
 DRIVERS = [

@@ -10,13 +10,13 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from sdcwatch.telemetry.probes.checksum_bounds import bias_grad_bound, linear_bound, memory_bound, weight_grad_bound  # noqa: E402
-from sdcwatch.testbed.faultspec import FaultSpec  # noqa: E402
 from sdcwatch.telemetry.probes.config import ProbeConfig  # noqa: E402
 from sdcwatch.testbed.fault_bounds import CoveredInjection  # noqa: E402
+from sdcwatch.testbed.faultspec import FaultSpec  # noqa: E402
 from sdcwatch.testbed.model import GPTConfig  # noqa: E402
 from sdcwatch.testbed.parallel3d import ParallelSimulatedRun  # noqa: E402
-from sdcwatch.testbed.shard_plan import parse_layout, rank_at  # noqa: E402
 from sdcwatch.testbed.shard_injector import ShardInjector  # noqa: E402
+from sdcwatch.testbed.shard_plan import parse_layout, rank_at  # noqa: E402
 from sdcwatch.testbed.simulated import shared_corpus  # noqa: E402
 
 torch.set_num_threads(1)
