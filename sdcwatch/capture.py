@@ -31,7 +31,7 @@ from sdcwatch.telemetry.wire.end_marker import is_end_marker
 if TYPE_CHECKING:
     from sdcwatch.config import BusConfig
 
-__all__ = ["Capture", "open_reader", "capture", "build_parser", "capture_main"]
+__all__ = ["Capture", "open_reader", "capture", "build_parser", "add_bus_arguments", "capture_main"]
 
 
 @dataclass
@@ -179,6 +179,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="stop after this long without a record of the run, once the topic is read to "
         "its end; 0 waits for the end marker or Ctrl-C (default %(default)s)",
     )
+    parser.add_argument("--force", action="store_true", help="overwrite FILE if it exists")
+    add_bus_arguments(parser, "telemetry")
+    return parser
+
+
+def add_bus_arguments(parser: argparse.ArgumentParser, topic: str) -> None:
+    """The options of a command that reads one topic (``topic``: its key in ``[bus]``, ``telemetry``
+    or ``anomalies``): the broker, the topic, the serve configuration, how long to wait."""
     parser.add_argument(
         "--connect-timeout",
         type=float,
@@ -186,7 +194,6 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="how long to wait for the broker to answer (default %(default)s)",
     )
-    parser.add_argument("--force", action="store_true", help="overwrite FILE if it exists")
     parser.add_argument(
         "--bus-bootstrap",
         "--bootstrap",
@@ -195,14 +202,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="Kafka bootstrap servers [SDCWATCH_BOOTSTRAP; default: the serve configuration's]",
     )
     parser.add_argument(
-        "--bus-telemetry-topic",
+        f"--bus-{topic}-topic",
         "--topic",
         dest="topic",
         metavar="TOPIC",
-        help="telemetry topic [SDCWATCH_BUS_TELEMETRY_TOPIC; default sdcwatch.telemetry]",
+        help=f"{topic} topic [SDCWATCH_BUS_{topic.upper()}_TOPIC; default sdcwatch.{topic}]",
     )
     parser.add_argument("--config", metavar="PATH", help="serve configuration file (TOML) for the bus settings")
-    return parser
 
 
 def _output_path(args: argparse.Namespace) -> Path:

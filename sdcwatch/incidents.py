@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Sequence, TextIO
 
-from sdcwatch.capture import open_reader
+from sdcwatch.capture import add_bus_arguments, open_reader
 from sdcwatch.core.errors import ConfigError, SdcwatchError
 from sdcwatch.core.jsonsafe import json_safe
 from sdcwatch.service.kafka_source import TopicReader
@@ -173,28 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "-f", "--follow", action="store_true", help="then keep reading and print each change as it arrives"
     )
-    parser.add_argument(
-        "--connect-timeout",
-        type=float,
-        default=10.0,
-        metavar="SECONDS",
-        help="how long to wait for the broker to answer (default %(default)s)",
-    )
-    parser.add_argument(
-        "--bus-bootstrap",
-        "--bootstrap",
-        dest="bootstrap",
-        metavar="HOST:PORT",
-        help="Kafka bootstrap servers [SDCWATCH_BOOTSTRAP; default: the serve configuration's]",
-    )
-    parser.add_argument(
-        "--bus-anomalies-topic",
-        "--topic",
-        dest="topic",
-        metavar="TOPIC",
-        help="anomalies topic [SDCWATCH_BUS_ANOMALIES_TOPIC; default sdcwatch.anomalies]",
-    )
-    parser.add_argument("--config", metavar="PATH", help="serve configuration file (TOML) for the bus settings")
+    add_bus_arguments(parser, "anomalies")
     return parser
 
 

@@ -190,6 +190,7 @@ def replay(path: str | Path, settings: PipelineSettings | None = None, **pipelin
                 batch = []
         pipe.process(batch)
         pipe.flush()
+        pipe.expire()  # runs whose every rank sent its end marker close: their open incidents resolve, as live
     else:
         for frame in read_csv_frames(path):
             pipe.process_frame(frame)
