@@ -245,3 +245,14 @@ def test_every_module_is_in_a_package_the_wheel_installs():
     listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
     found = {m for m, p in MODULES.items() if p.name == "__init__.py"}
     assert found <= listed, f"packages missing from pyproject.toml: {sorted(found - listed)}"
+
+
+def test_test_modules_have_unique_names():
+    """The test folders mirror the package folders, so two of them may hold a test of the same
+    concept: pytest imports test modules by their base name, and a second one would not collect."""
+    names: dict[str, list[str]] = defaultdict(list)
+    for p in sorted((ROOT / "tests").rglob("*.py")):
+        if p.name != "__init__.py" and p.name != "conftest.py":
+            names[p.name].append(str(p.relative_to(ROOT)))
+    twins = {n: ps for n, ps in names.items() if len(ps) > 1}
+    assert not twins, f"test modules sharing a name: {twins}"
