@@ -93,7 +93,7 @@ class IncidentBoard:
             event = json.loads(value) if value is not None else None
         except ValueError:
             event = None
-        if not isinstance(event, dict) or not isinstance(event.get("id"), str):
+        if not _well_formed(event):  # anyone who can write to the topic can write anything: count it
             self.unreadable += 1
             return None
         changed_at = timestamp_ms / 1000 if timestamp_ms and timestamp_ms > 0 else _wall_of(event)
@@ -110,6 +110,23 @@ class IncidentBoard:
         """The latest state of each incident asked for, in the order they were opened."""
         shown = [e for i, e in self._latest.items() if self._shows(e, self._changed_at[i])]
         return sorted(shown, key=lambda e: (e.get("opened_at") or 0.0, e.get("first_step") or 0, e["id"]))
+
+
+def _well_formed(event: Any) -> bool:
+    """Whether a message has the shape the service writes, so that listing it cannot fail: an id,
+    lists of ranks and hosts, whole steps, numeric times (absent fields are fine)."""
+    if not isinstance(event, dict) or not isinstance(event.get("id"), str):
+        return False
+    lists = all(isinstance(event.get(k, []), list) for k in ("ranks", "hosts"))
+    steps = all(
+        event.get(k) is None or (isinstance(event[k], int) and not isinstance(event[k], bool))
+        for k in ("first_step", "last_step", "resolved_step")
+    )
+    times = all(
+        event.get(k) is None or (isinstance(event[k], (int, float)) and not isinstance(event[k], bool))
+        for k in ("opened_at", "resolved_at")
+    )
+    return lists and steps and times
 
 
 def _wall_of(event: dict[str, Any]) -> float:

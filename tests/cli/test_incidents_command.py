@@ -92,6 +92,18 @@ def test_the_board_keeps_the_latest_state_of_each_incident_and_filters_by_run():
     assert board.unreadable == 2
 
 
+def test_a_forged_message_of_another_shape_is_counted_and_breaks_nothing():
+    """Anyone who can write to the topic can write JSON with an id and fields of any type: it is
+    counted as unreadable instead of failing the listing (ranks not a list, a step or a time as text)."""
+    board = IncidentBoard()
+    good = json.loads(event("r:a", "opened"))
+    for forged in ({"ranks": 5}, {"hosts": "h1"}, {"first_step": "40"}, {"resolved_at": "yesterday"}):
+        assert board.take(json.dumps({**good, "id": "r:forged", **forged}).encode(), 1_000) is None
+    assert board.unreadable == 4 and board.incidents() == []
+    assert board.take(json.dumps(good).encode(), 1_000)["id"] == "r:a"
+    assert incident_line(good, "open").startswith("open")
+
+
 def test_since_a_step_keeps_open_incidents_and_those_whose_steps_reach_it():
     board = IncidentBoard(since=parse_since("40", now=0.0))
     board.take(event("early", "resolved", first=10, last=12), 0)  # resolved at step 62: reaches 40
