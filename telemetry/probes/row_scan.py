@@ -1,0 +1,157 @@
+"""One read of a product's output for the finite-SDC checks: each row's fp32 sum (the forward checksum's
+left side), largest |value| and count of NaN/Inf/near-INF elements, from one Triton kernel on a GPU
+(:mod:`~sdcwatch.telemetry.probes.row_scan_kernel`) or plain torch ops elsewhere; and ``sdcwatch::row_scan``,
+the same as one custom operator that ``torch.compile`` calls without a graph break.
+
+Near-INF is ``|v| >= NEAR_INF`` compared in the tensor's own dtype, as ``y.abs() >= NEAR_INF`` does in
+torch: in bf16 the threshold is 1e10 rounded to bf16 (9999220736), in fp16 it is +inf (fp16 tops out
+at 65504), in fp32 exactly 1e10.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+from sdcwatch.telemetry.probes.forward_order import NEAR_INF
+
+__all__ = [
+    "FUSED_DTYPES",
+    "near_inf_limit",
+    "row_scan",
+    "row_scan_op",
+    "row_scan_reference",
+    "scan_peaks",
+    "triton_available",
+]
+
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+#: The dtypes the fused kernel reads.
+FUSED_DTYPES = _KERNEL_DTYPES
+# worked out at import, so the step path never reads a tensor to the host for them
+_limits = {dtype: float(torch.tensor(NEAR_INF, dtype=dtype)) for dtype in (*_KERNEL_DTYPES, torch.float64)}
+
+
+def near_inf_limit(dtype: torch.dtype) -> float:
+    """:data:`NEAR_INF` as a tensor of ``dtype`` holds it: 1e10 in fp32, 9999220736 in bf16, inf in fp16."""
+    limit = _limits.get(dtype)
+    if limit is None:
+        limit = _limits[dtype] = float(torch.tensor(NEAR_INF, dtype=dtype))
+    return limit
+
+
+@functools.cache
+def triton_available() -> bool:
+    """Whether triton imports here (tried once)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _rows(y: torch.Tensor) -> torch.Tensor:
+    """``y`` as (R, n) over its last dim, the last dim contiguous (a view where strides allow)."""
+    if y.dim() == 0:
+        y = y.reshape(1)
+    if y.stride(-1) != 1:
+        y = y.contiguous()
+    return y.reshape(math.prod(y.shape[:-1]), y.shape[-1])
+
+
+def _empty_scan(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    R = math.prod(y.shape[:-1])
+    zeros = torch.zeros(R, dtype=torch.float32, device=y.device)
+    return zeros, zeros.clone(), torch.zeros(R, dtype=torch.int32, device=y.device)
+
+
+def row_scan_reference(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What :func:`row_scan` gives, in plain torch ops on ``y`` as it is laid out (bit for bit what
+    ``y.sum(-1, dtype=torch.float32)`` and ``y.abs().amax(-1).float()`` give, flattened to (R,)).
+
+    Rows of no elements give 0, 0, 0. No gradient flows through the outputs.
+    """
+    y = y.detach()
+    if y.dim() == 0:
+        y = y.reshape(1)
+    if y.shape[-1] == 0:
+        return _empty_scan(y)
+    a = y.abs()
+    sums = y.sum(-1, dtype=torch.float32).reshape(-1)
+    peaks = a.amax(-1).float().reshape(-1)
+    bad = ((a >= near_inf_limit(y.dtype)) | a.isnan()).sum(-1, dtype=torch.int32).reshape(-1)
+    return sums, peaks, bad
+
+
+def row_scan(y: torch.Tensor, *, use_triton: bool | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each row's fp32 sum, largest |value| and count of NaN/Inf/near-INF elements, the rows being ``y``
+    viewed as (R, n) over its last dim: three (R,) tensors (float32, float32, int32) on ``y``'s device.
+
+    ``sums`` is ``y.sum(-1, dtype=torch.float32)`` to fp32 rounding (NaN and +-inf as IEEE addition
+    gives them), ``peaks`` exactly ``y.abs().amax(-1).float()`` (NaN where the row holds one), ``bad``
+    the count of elements that are NaN, +-inf or ``>= NEAR_INF`` in magnitude. ``use_triton``: None
+    runs the Triton kernel where ``y`` is on CUDA and triton imports, else :func:`row_scan_reference`;
+    True always the kernel (a CPU tensor only under ``TRITON_INTERPRET=1``); False the reference.
+    """
+    if not y.is_floating_point():
+        raise TypeError(f"row_scan needs a floating tensor, got {y.dtype}")
+    if use_triton is None:
+        use_triton = y.is_cuda and y.dtype in _KERNEL_DTYPES and triton_available()
+    if not use_triton:
+        return row_scan_reference(y)
+    if y.dtype not in _KERNEL_DTYPES:
+        raise TypeError(f"the row_scan kernel reads float32, bfloat16 or float16, got {y.dtype}")
+    y2 = _rows(y.detach())
+    if y2.shape[0] == 0 or y2.shape[1] == 0:
+        return _empty_scan(y2)
+    from sdcwatch.telemetry.probes.row_scan_kernel import launch_row_scan
+
+    R = y2.shape[0]
+    sums = torch.empty(R, dtype=torch.float32, device=y2.device)
+    peaks = torch.empty(R, dtype=torch.float32, device=y2.device)
+    bad = torch.empty(R, dtype=torch.int32, device=y2.device)
+    if y2.is_cuda:
+        with torch.cuda.device(y2.device):  # triton launches on the current device
+            launch_row_scan(y2, sums, peaks, bad, near_inf_limit(y2.dtype))
+    else:
+        launch_row_scan(y2, sums, peaks, bad, near_inf_limit(y2.dtype))
+    return sums, peaks, bad
+
+
+def scan_peaks(sums: torch.Tensor, peaks: torch.Tensor, bad: torch.Tensor) -> torch.Tensor:
+    """(3,) float32 on the rows' device: [largest |row sum|, largest |value|, count of bad elements],
+    NaN in the first two wherever a NaN came in (as ``torch.amax``); zeros for no rows. No host sync.
+    """
+    if sums.numel() == 0:
+        return torch.zeros(3, dtype=torch.float32, device=sums.device)
+    return torch.stack([sums.abs().amax().float(), peaks.amax().float(), bad.sum(dtype=torch.float32)])
+
+
+@torch.library.custom_op("sdcwatch::row_scan", mutates_args=())
+def row_scan_op(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`row_scan` (the kernel on CUDA where triton imports) as ``torch.ops.sdcwatch.row_scan``:
+    one opaque call to ``torch.compile``. Its outputs carry no gradient."""
+    return row_scan(y)
+
+
+@row_scan_op.register_fake
+def _row_scan_fake(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    R = math.prod(y.shape[:-1]) if y.dim() else 1
+    return (
+        y.new_empty((R,), dtype=torch.float32),
+        y.new_empty((R,), dtype=torch.float32),
+        y.new_empty((R,), dtype=torch.int32),
+    )
+
+
+def _no_gradient(ctx, inputs, output) -> None:
+    ctx.mark_non_differentiable(*output)
+
+
+def _backward(ctx, *grads) -> None:
+    return None
+
+
+row_scan_op.register_autograd(_backward, setup_context=_no_gradient)
