@@ -32,6 +32,17 @@ product's own checksum; they loosen the bound by a small factor (about max|x| ov
 RMS). The ratio never exceeds the per-row one, so "ratio > 1" cannot fire on a correct product.
 A NaN or Inf in the product makes it NaN or Inf.
 
+**bf16 and fp16.** The accumulation stays float32 (``u`` of ``γ`` is 2^-24); what is narrow is
+the product's own rounding. ``u_out`` is that of the dtype the product was *rounded to*: the
+output's, or under autocast, where a float32 weight's gradient is a bfloat16 product cast up,
+the output gradient's (:func:`product_dtype`); it dominates (2^-8 for bfloat16, 2^-11 for float16).
+Under autocast the float32 inputs and weights are cast to the product's dtype first, and the
+reference uses them as they were: each product is then off by ``2 u_in`` with ``u_in = u_out``
+(:func:`gemm_input_roundoff`). Beyond the first order, a narrow product's coefficient is
+multiplied by ``(1 + u_out)(1 + u_in)^2``. Float16's subnormal outputs are off by up to
+``u_out 2^-14`` each, absolute: ``m`` of them add :func:`underflow_floor` (a cast input below
+2^-14 is covered while ``max|x|`` is above it and the weights' RMS far above it).
+
 The weights themselves get a third check: the column sums ``W^T 1`` the forward check needs are
 compared with those taken when the optimizer last wrote the weights (``GemmChecks.seal``);
 the same reduction of the same bits gives the same result, so any change of a weight in memory
@@ -58,17 +69,20 @@ __all__ = [
     "accumulated_sum",
     "bias_grad_bound",
     "accumulation_dtype",
+    "bias_grad_coefficient",
     "gemm_input_roundoff",
     "grad_reference",
     "linear_bound",
     "matmul_bound",
     "memory_bound",
     "memory_bound_of",
+    "product_dtype",
     "rounding_gamma",
     "check_linear",
     "check_matmul",
     "check_weight_grad",
     "rounding_coefficient",
+    "underflow_floor",
     "unit_roundoff",
     "weight_grad_bound",
 ]
@@ -79,7 +93,11 @@ TINY = 1e-30
 
 def unit_roundoff(dtype: torch.dtype) -> float:
     """Unit roundoff ``u`` of a floating dtype (2^-24 for float32, 2^-8 for bfloat16)."""
-    return torch.finfo(dtype).eps / 2
+    u = _UNIT_ROUNDOFF.get(dtype)
+    return torch.finfo(dtype).eps / 2 if u is None else u
+
+
+_UNIT_ROUNDOFF = {d: torch.finfo(d).eps / 2 for d in (torch.float64, torch.float32, torch.bfloat16, torch.float16)}
 
 
 def rounding_gamma(k: int, u: float) -> float:
@@ -100,18 +118,85 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def gemm_input_roundoff(t: torch.Tensor) -> float:
-    """Relative rounding of a GEMM's inputs before the products: TF32 on CUDA float32, else none."""
-    if t.is_cuda and t.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32:
-        return 2.0**-11
+def product_dtype(*dtypes: torch.dtype) -> torch.dtype:
+    """The dtype a product was rounded to: the narrowest floating one of its result's and its
+    output gradient's (autocast computes a float32 weight's gradient in bfloat16, then casts it up)."""
+    floats = [d for d in dtypes if d.is_floating_point] or list(dtypes)
+    return max(floats, key=unit_roundoff)
+
+
+#: Where ``torch.is_autocast_enabled`` knows the device type.
+_AUTOCAST_DEVICES = frozenset({"cpu", "cuda", "xpu", "mps", "hpu"})
+
+
+def gemm_input_roundoff(a: torch.Tensor, b: torch.Tensor | None = None, *, compute: torch.dtype | None = None) -> float:
+    """Relative rounding of a GEMM's inputs before the products (``u_in``; the coefficient counts
+    ``2 u_in``, the mean over the two operands ``a`` and ``b``).
+
+    ``compute`` is the dtype the product is computed in (its output's); None: the autocast dtype
+    where autocast is on for ``a``'s device (a forward hook runs inside it), else ``a``'s. An
+    operand wider than it was cast to it (autocast): its unit roundoff. A float32 product on
+    CUDA float32 operands: TF32 where ``allow_tf32``; else none. ``b`` unknown (None): like ``a``,
+    but cast under autocast (a float32 weight). Reads no setting a compiled graph breaks on.
+    """
+    autocast = False
+    if compute is None:
+        device = "cuda" if a.is_cuda else "cpu" if a.is_cpu else a.device.type
+        autocast = device in _AUTOCAST_DEVICES and torch.is_autocast_enabled(device) and a.is_floating_point()
+        compute = torch.get_autocast_dtype(device) if autocast else a.dtype
+    ra = _operand_roundoff(a, compute)
+    if b is not None:
+        rb = _operand_roundoff(b, compute)
+    elif autocast and unit_roundoff(compute) > unit_roundoff(torch.float32):
+        rb = unit_roundoff(compute)
+    else:
+        rb = ra
+    return ra if ra == rb else (ra + rb) / 2
+
+
+def _operand_roundoff(t: torch.Tensor, compute: torch.dtype) -> float:
+    """Relative rounding of one GEMM operand: cast down to ``compute``, or TF32 on CUDA float32."""
+    if t.dtype == compute:
+        tf32 = compute == torch.float32 and t.is_cuda and torch.backends.cuda.matmul.allow_tf32
+        return 2.0**-11 if tf32 else 0.0
+    if t.is_floating_point() and compute.is_floating_point and unit_roundoff(t.dtype) < unit_roundoff(compute):
+        return unit_roundoff(compute)
     return 0.0
 
 
 def rounding_coefficient(n: int, m: int, out_dtype: torch.dtype, *, input_roundoff: float = 0.0) -> float:
     """``c = 2γ_n + 3γ_m + u_out + 2 u_in`` of the module docstring: the bound of a checksum over
-    ``m`` outputs of inner products of length ``n``, relative to ``||row|| x Σ ||column||``."""
+    ``m`` outputs of inner products of length ``n``, relative to ``||row|| x Σ ||column||``;
+    ``out_dtype`` is the dtype the products were rounded to (:func:`product_dtype`). A product
+    narrower than its accumulation, or on rounded inputs, has its second order too:
+    ``x (1 + u_out)(1 + u_in)^2``."""
     u = unit_roundoff(accumulation_dtype(out_dtype))
-    return 2 * rounding_gamma(n, u) + 3 * rounding_gamma(m, u) + unit_roundoff(out_dtype) + 2 * input_roundoff
+    u_out = unit_roundoff(out_dtype)
+    c = 2 * rounding_gamma(n, u) + 3 * rounding_gamma(m, u) + u_out + 2 * input_roundoff
+    if u_out > u or input_roundoff > 0:
+        c *= (1 + u_out) * (1 + input_roundoff) ** 2
+    return c
+
+
+def underflow_floor(m: int, out_dtype: torch.dtype) -> float:
+    """Absolute error of ``m`` outputs rounded into ``out_dtype``'s subnormal range (``u_out``
+    times its smallest normal each), where it is above :data:`TINY`: float16's; 0 otherwise."""
+    if not out_dtype.is_floating_point:
+        return 0.0
+    floor = m * unit_roundoff(out_dtype) * torch.finfo(out_dtype).smallest_normal
+    return floor if floor > TINY else 0.0
+
+
+def bias_grad_coefficient(tokens: int, m: int, out_dtype: torch.dtype) -> float:
+    """``2γ_N + γ_m + u_out``: the bias gradient's check ``Σ db = Σ dY`` (the same sum in two
+    orders) relative to ``Σ|dY|``; ``out_dtype`` the dtype ``db`` was rounded to (:func:`product_dtype`).
+    A narrow ``db``: ``(2γ_N + 2γ_m + u_out)(1 + u_out)``."""
+    u = unit_roundoff(accumulation_dtype(out_dtype))
+    u_out = unit_roundoff(out_dtype)
+    c = 2 * rounding_gamma(tokens, u) + rounding_gamma(m, u) + u_out
+    if u_out > u:  # a narrow db: the reference's row sums (γ_m) and the second order too
+        c = (c + rounding_gamma(m, u)) * (1 + u_out)
+    return c
 
 
 def abs_max(t: torch.Tensor) -> torch.Tensor:
@@ -128,19 +213,20 @@ def _forward_ratio(
     ref = (x if x.dtype == acc else x.to(acc)) @ v
     if bias is not None:
         ref = ref + accumulated_sum(bias, None, acc)
-    xn, bound = _forward_bound(x, sw, bias, coef, acc)
+    xn, bound = _forward_bound(x, sw, bias, coef, acc, underflow_floor(y.shape[-1], y.dtype))
     return (ys - ref).abs_().amax() / bound, xn, bound
 
 
 def _forward_bound(
-    x: torch.Tensor, sw: torch.Tensor, bias: torch.Tensor | None, coef: float, acc: torch.dtype
+    x: torch.Tensor, sw: torch.Tensor, bias: torch.Tensor | None, coef: float, acc: torch.dtype, floor: float = 0.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(largest |input|, ``c (sqrt(n) max|x| S_w + S_b)``): the bound of a linear layer's checksum."""
+    """(largest |input|, ``c (sqrt(n) max|x| S_w + S_b)`` (+ ``floor``)): the bound of a linear layer's checksum."""
     xn = abs_max(x).to(acc)
     scale = xn * (math.sqrt(x.shape[-1]) * sw)
     if bias is not None:
         scale = scale + accumulated_sum(bias.abs(), None, acc)
-    return xn, (scale * coef).clamp_min(TINY)
+    bound = scale * coef
+    return xn, (bound + floor if floor else bound).clamp_min(TINY)
 
 
 def _linear_terms(
@@ -149,7 +235,8 @@ def _linear_terms(
     """(accumulation dtype, ``S_w = Σ_j ||w_j||``, rounding coefficient) of ``x weight^T``."""
     acc = accumulation_dtype(out_dtype)
     sw = torch.linalg.vector_norm(weight, dim=1, dtype=acc).sum()
-    coef = rounding_coefficient(weight.shape[1], weight.shape[0], out_dtype, input_roundoff=gemm_input_roundoff(x))
+    roundoff = gemm_input_roundoff(x, weight, compute=out_dtype)
+    coef = rounding_coefficient(weight.shape[1], weight.shape[0], out_dtype, input_roundoff=roundoff)
     return acc, sw, coef
 
 
@@ -182,13 +269,13 @@ def check_matmul(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, bias: torch.
             return torch.zeros((), device=c.device)
         acc = accumulation_dtype(c.dtype)
         n, m = b.shape[-2], b.shape[-1]
-        coef = rounding_coefficient(n, m, c.dtype, input_roundoff=gemm_input_roundoff(a))
+        coef = rounding_coefficient(n, m, c.dtype, input_roundoff=gemm_input_roundoff(a, b, compute=c.dtype))
         v = accumulated_sum(b, -1, acc)  # (..., n)
         ys = accumulated_sum(c, -1, acc)  # (..., N)
         ref = ((a if a.dtype == acc else a.to(acc)) @ v.unsqueeze(-1)).squeeze(-1)
         if bias is not None:
             ref = ref + accumulated_sum(bias, None, acc)
-        return _matmul_ratio(a, b, ys, ref, bias, coef, acc)[0]
+        return _matmul_ratio(a, b, ys, ref, bias, coef, acc, underflow_floor(m, c.dtype))[0]
 
 
 def _matmul_ratio(
@@ -199,22 +286,24 @@ def _matmul_ratio(
     bias: torch.Tensor | None,
     coef: float,
     acc: torch.dtype,
+    floor: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(ratio, bound) of a product's checksum; ``||a_i|| <= sqrt(n) max|a|`` and
     ``Σ_j ||b_:j|| <= m sqrt(n) max|b|`` (one fast reduction each)."""
-    bound = _matmul_bound(a, b, bias, coef, acc)
+    bound = _matmul_bound(a, b, bias, coef, acc, floor)
     return ((ys - ref).abs_().amax() / bound).float(), bound
 
 
 def _matmul_bound(
-    a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, coef: float, acc: torch.dtype
+    a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, coef: float, acc: torch.dtype, floor: float = 0.0
 ) -> torch.Tensor:
-    """``c (n m max|a| max|b| + Σ|bias|)``: the bound of a product's checksum."""
+    """``c (n m max|a| max|b| + Σ|bias|)`` (+ ``floor``): the bound of a product's checksum."""
     n, m = b.shape[-2], b.shape[-1]
     scale = abs_max(a).to(acc) * abs_max(b).to(acc) * (n * m)
     if bias is not None:
         scale = scale + accumulated_sum(bias.abs(), None, acc)
-    return (scale * coef).clamp_min(TINY)
+    bound = scale * coef
+    return (bound + floor if floor else bound).clamp_min(TINY)
 
 
 def grad_reference(x: torch.Tensor, dy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
@@ -238,15 +327,21 @@ def check_weight_grad(x: torch.Tensor, dy: torch.Tensor, dw: torch.Tensor) -> to
     with torch.no_grad():
         ref, _, dy_norm, tokens = grad_reference(x, dy)
         res = (accumulated_sum(dw, 0, ref.dtype) - ref).abs_().amax()
-        return (res / _weight_grad_bound(x, dy_norm, tokens, dy.shape[-1], dw)).float()
+        return (res / _weight_grad_bound(x, dy, dy_norm, tokens, dw)).float()
 
 
-def _weight_grad_bound(x: torch.Tensor, dy_norm: torch.Tensor, tokens: int, m: int, dw: torch.Tensor) -> torch.Tensor:
+def _weight_grad_bound(
+    x: torch.Tensor, dy: torch.Tensor, dy_norm: torch.Tensor, tokens: int, dw: torch.Tensor
+) -> torch.Tensor:
     """``c' sqrt(N) max|X| sqrt(m) ||dY||_F``: the bound of a weight gradient's checksum
-    (``max_k ||X_:k|| <= sqrt(N) max|X|``, ``Σ_j ||dY_:j|| <= sqrt(m) ||dY||_F``)."""
+    (``max_k ||X_:k|| <= sqrt(N) max|X|``, ``Σ_j ||dY_:j|| <= sqrt(m) ||dY||_F``); the product was
+    rounded to ``dY``'s dtype where that is narrower than ``dW``'s (autocast)."""
     xcol = abs_max(x).to(dy_norm.dtype) * math.sqrt(tokens)
-    coef = rounding_coefficient(tokens, dw.shape[0], dw.dtype, input_roundoff=gemm_input_roundoff(x))
-    return (coef * xcol * (dy_norm * math.sqrt(m))).clamp_min(TINY)
+    out = product_dtype(dw.dtype, dy.dtype)
+    coef = rounding_coefficient(tokens, dw.shape[0], out, input_roundoff=gemm_input_roundoff(x, dy, compute=out))
+    bound = coef * xcol * (dy_norm * math.sqrt(dy.shape[-1]))
+    floor = underflow_floor(dw.shape[0], out)
+    return (bound + floor if floor else bound).clamp_min(TINY)
 
 
 # -- the bounds on their own: how large a change of one element each check is sure to see ------------
@@ -258,7 +353,7 @@ def linear_bound(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     an element of ``y`` changed by more than this breaks the forward checksum."""
     with torch.no_grad():
         acc, sw, coef = _linear_terms(x, weight, out_dtype)
-        return float(_forward_bound(x, sw, bias, coef, acc)[1])
+        return float(_forward_bound(x, sw, bias, coef, acc, underflow_floor(weight.shape[0], out_dtype))[1])
 
 
 def matmul_bound(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, bias: torch.Tensor | None = None) -> float:
@@ -266,8 +361,8 @@ def matmul_bound(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, bias:
     with torch.no_grad():
         acc = accumulation_dtype(out_dtype)
         n, m = b.shape[-2], b.shape[-1]
-        coef = rounding_coefficient(n, m, out_dtype, input_roundoff=gemm_input_roundoff(a))
-        return float(_matmul_bound(a, b, bias, coef, acc))
+        coef = rounding_coefficient(n, m, out_dtype, input_roundoff=gemm_input_roundoff(a, b, compute=out_dtype))
+        return float(_matmul_bound(a, b, bias, coef, acc, underflow_floor(m, out_dtype)))
 
 
 def weight_grad_bound(x: torch.Tensor, dy: torch.Tensor, dw: torch.Tensor) -> float:
@@ -275,20 +370,21 @@ def weight_grad_bound(x: torch.Tensor, dy: torch.Tensor, dw: torch.Tensor) -> fl
     an element of ``dw`` changed by more than this breaks the weight-gradient checksum."""
     with torch.no_grad():
         _, _, dy_norm, tokens = grad_reference(x, dy)
-        return float(_weight_grad_bound(x, dy_norm, tokens, dy.shape[-1], dw))
+        return float(_weight_grad_bound(x, dy, dy_norm, tokens, dw))
 
 
 def bias_grad_bound(dy: torch.Tensor, db: torch.Tensor) -> float:
     """The absolute bound of the bias gradient's check ``Σ db = Σ dY`` (the same sum in two orders:
-    ``(2γ_N + γ_m + u_out) Σ|dY|``, with ``Σ|dY| <= sqrt(N m) ||dY||_F``)."""
+    :func:`bias_grad_coefficient` times ``Σ|dY| <= sqrt(N m) ||dY||_F``)."""
     with torch.no_grad():
         m = dy.shape[-1]
         dy2 = dy.reshape(-1, m)
         tokens = dy2.shape[0]
-        u = unit_roundoff(accumulation_dtype(db.dtype))
-        coef = 2 * rounding_gamma(tokens, u) + rounding_gamma(db.numel(), u) + unit_roundoff(db.dtype)
-        norm = torch.linalg.vector_norm(dy2, dtype=accumulation_dtype(dy.dtype))
-        return float((norm * math.sqrt(tokens * m) * coef).clamp_min(TINY))
+        out = product_dtype(db.dtype, dy.dtype)
+        coef = bias_grad_coefficient(tokens, db.numel(), out)
+        bound = torch.linalg.vector_norm(dy2, dtype=accumulation_dtype(dy.dtype)) * math.sqrt(tokens * m) * coef
+        floor = underflow_floor(db.numel(), out)
+        return float((bound + floor if floor else bound).clamp_min(TINY))
 
 
 def memory_bound(t: torch.Tensor) -> float:
