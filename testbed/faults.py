@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import fnmatch
 import logging
+import math
 import random
 import time
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 from sdcwatch.core.errors import FaultSpecError
 from sdcwatch.telemetry.probes.output_faults import OutputFault
-from sdcwatch.testbed.faultspec import ELEMENT_KINDS, TENSOR_KINDS, FaultSpec
+from sdcwatch.testbed.faultspec import ELEMENT_KINDS, NEAR_INF, TENSOR_KINDS, FaultSpec
 
 if TYPE_CHECKING:
     import torch
@@ -276,6 +277,8 @@ class FaultInjector:
         before = flat[index].detach().clone()
         if spec.kind == "bitflip":
             flip_bit(t, index, spec.bit)
+        elif spec.kind == "near_inf":
+            flat[index] = at_least(spec.value, t.dtype)
         else:
             flat[index] = spec.value
         self._record(
@@ -309,6 +312,18 @@ class FaultInjector:
             where,
             lasting,
         )
+
+
+def at_least(value: float, dtype: "torch.dtype") -> "torch.Tensor":
+    """``value`` as a 0-d CPU tensor of ``dtype``, still near-INF: rounded to nearest, unless that
+    takes a value at or above the near-INF threshold below it (1e10 is 9.9992e9 in bf16), then the
+    next one away from zero."""
+    import torch
+
+    v = torch.tensor(value, dtype=dtype)
+    if math.isfinite(value) and abs(value) >= NEAR_INF > abs(float(v)):
+        v = torch.nextafter(v, torch.tensor(math.copysign(math.inf, value), dtype=dtype))
+    return v
 
 
 def _local(p: "torch.Tensor") -> "torch.Tensor":

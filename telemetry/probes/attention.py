@@ -58,7 +58,7 @@ def observe_attention(
         )
     if canary_running():
         return
-    entries = ATTENTION_WATCHES.get(layer)
+    entries = getattr(layer, "_sdcwatch_watches", None)  # its list in ATTENTION_WATCHES, set by the watch
     if entries:
         for watch, index in entries:
             if watch.enabled:

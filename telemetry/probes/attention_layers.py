@@ -43,12 +43,19 @@ class AttentionLayers:
                 raise ConfigError("probes.attention", f"{spec!r} matches no module")
         for _, m in chosen:
             self._register_layer(m)
+            if getattr(m, "_sdcwatch_attention", False):
+                # known now, not at its first report: compiled code then sees the same set every step
+                self._self_reporting.add(m)
 
     def _register_layer(self, module: nn.Module) -> int:
         index = len(self._layers)
         self._layers.append(module)
         self._layer_index[module] = index
-        ATTENTION_WATCHES.setdefault(module, []).append((self, index))
+        entries = ATTENTION_WATCHES.setdefault(module, [])
+        entries.append((self, index))
+        # the same list on the module, where observe_attention reads it: compiled code then guards on
+        # the module's attribute, not on the keys of a global weak dictionary that garbage collection changes
+        object.__setattr__(module, "_sdcwatch_watches", entries)
         if isinstance(module, nn.MultiheadAttention):
             self._handles.append(module.register_forward_pre_hook(self._mha_hook(index), with_kwargs=True))
         return index

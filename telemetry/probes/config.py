@@ -36,6 +36,11 @@ class ProbeConfig:
     attention: str = "auto"
     """Which modules are attention layers: "auto" (the reference model's and
     ``nn.MultiheadAttention``), "none", or a comma-separated list of module-name globs."""
+    attention_compiled: bool = False
+    """Keep the attention tap on in forward passes that torch.compile runs: the attention statistics
+    of layers that do not report themselves, at the cost of a graph break at each attention call on
+    sampled steps. Off (the default), compiled code gets no graph break from sdcwatch and such layers
+    report nothing while compiled (layers calling ``observe_attention`` still report)."""
     activations_every: int = 16
     """Record ``act_max``, the largest |output| of every leaf module of the model, on every
     this-many-th recorded step; 0 = off (-inf, the mark of a masked attention slot, is skipped). It catches a NaN, Inf or near-INF value wherever it
@@ -106,6 +111,8 @@ class ProbeConfig:
             v = getattr(self, key)
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise ConfigError(f"probes.{key}", f"must be an integer >= {lo}, got {v!r}")
+        if not isinstance(self.attention_compiled, bool):
+            raise ConfigError("probes.attention_compiled", f"must be a bool, got {self.attention_compiled!r}")
         if not isinstance(self.grad_fingerprint, bool):
             raise ConfigError("probes.grad_fingerprint", f"must be a bool, got {self.grad_fingerprint!r}")
         if not isinstance(self.attention, str) or not self.attention:

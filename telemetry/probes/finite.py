@@ -19,7 +19,13 @@ from sdcwatch.telemetry.probes.forward_order import ForwardOrder
 from sdcwatch.telemetry.probes.gemm_checks import GemmChecks
 from torch import nn
 
-__all__ = ["FiniteChecks"]
+__all__ = ["FiniteChecks", "fills_kv_cache"]
+
+
+def fills_kv_cache(model: nn.Module) -> bool:
+    """Whether ``model`` (or a module in it) is a Hugging Face model whose config keeps
+    ``use_cache`` on: its forward then fills a key/value cache even in training."""
+    return any(getattr(getattr(m, "config", None), "use_cache", False) is True for m in model.modules())
 
 
 class FiniteChecks:
@@ -48,6 +54,10 @@ class FiniteChecks:
             if cfg.checksum_every or cfg.checksum_forward_every or cfg.stream_every
             else None
         )
+        if self.checksums is not None:
+            # a Hugging Face model that fills a key/value cache in its training forward: Dynamo
+            # cannot trace a hook on the products' outputs there (the check runs in eager code)
+            self.checksums.traced_backward = self.checksums.traced_backward and not fills_kv_cache(model)
         self.stream = (
             ResidualStream(model, active=lambda: self.due(self.stream_on), n_attention=watch.n_layers, order=self.order)
             if cfg.stream_every
@@ -84,6 +94,9 @@ class FiniteChecks:
         self.stream_on = not closed and self._scheduled(cfg.stream_every)
         if self.checksums is not None:
             self.checksums.hook_forward(self.checks_on or self.stream_on)
+            self.checksums.seal_provisionally()  # a no-op once the optimizer sealed the weights
+            if self.backward_on:
+                self.checksums.arm_traced_backward()
 
     def seal(self) -> None:
         """The weights as the optimizer left them (see :meth:`GemmChecks.seal`), when the next step

@@ -18,15 +18,41 @@ import torch
 from sdcwatch.telemetry.probes.checksum_bounds import (
     TINY,
     accumulated_sum,
-    accumulation_dtype,
+    bias_grad_coefficient,
     gemm_input_roundoff,
     grad_reference,
+    product_dtype,
     rounding_coefficient,
-    rounding_gamma,
-    unit_roundoff,
+    underflow_floor,
 )
 
-__all__ = ["GradientChecks"]
+__all__ = ["GradientChecks", "TracedReference"]
+
+
+class TracedReference:
+    """One product's weight-gradient reference, summed on the device by the output-gradient hook
+    when torch.compile traces that hook into the backward graph: traced code may add into tensors
+    allocated beforehand, not change Python state (a list item set in a traced hook is a graph
+    break). The eager weight and bias hooks read it as they read a reference kept in a list."""
+
+    __slots__ = ("ref", "scale", "s_total", "bias_scale", "uses")
+
+    def __init__(self, n: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.ref = torch.zeros(n, dtype=dtype, device=device)
+        self.scale = torch.zeros((), dtype=dtype, device=device)
+        self.s_total = torch.zeros((), dtype=dtype, device=device)
+        self.bias_scale = torch.zeros((), dtype=dtype, device=device)
+        self.uses = torch.zeros((), dtype=dtype, device=device)
+        """Output gradients added (0: the hook never ran, and there is nothing to compare with)."""
+
+    def clear(self) -> None:
+        for t in (self.ref, self.scale, self.s_total, self.bias_scale, self.uses):
+            t.zero_()
+
+    def bound_scale(self, scale: torch.Tensor) -> torch.Tensor:
+        """``scale``, or +inf where no output gradient was added: the check then passes (a NaN
+        gradient still fails it) instead of comparing the gradient with a zero reference."""
+        return torch.where(self.uses > 0, scale, torch.full_like(scale, math.inf))
 
 
 class GradientChecks:
@@ -40,8 +66,13 @@ class GradientChecks:
     _bias_checked: list[bool]
     _pending: list[list | None]
 
+    _traced: dict[int, TracedReference]
+    _traced_meta: dict[int, tuple[int, float, torch.dtype]]
+
     def _output_grad(self, i: int, x: torch.Tensor, x_max: torch.Tensor, dy: torch.Tensor) -> None:
         """dY of one use of layer i: the expected column sums of its dW (summed over uses)."""
+        if torch.compiler.is_compiling():
+            return self._traced_output_grad(i, x, x_max, dy)
         try:
             with torch.no_grad():
                 ref, s, sdy, tokens = grad_reference(x, dy)
@@ -52,29 +83,67 @@ class GradientChecks:
                 s_total = s.sum() if bias else None
                 bias_scale = sdy * math.sqrt(tokens * m) if bias else None  # Σ|dY| <= sqrt(N m) ||dY||_F
                 p = self._pending[i]
+                # the product was rounded to dY's dtype (autocast: a bf16 dW cast up to the fp32 weight's)
+                roundoff = gemm_input_roundoff(x, dy, compute=dy.dtype)
                 if p is None:
                     waiting = {"weight"} | ({"bias"} if bias else set())
-                    self._pending[i] = [ref, scale, tokens, s_total, bias_scale, gemm_input_roundoff(x), waiting]
+                    self._pending[i] = [ref, scale, tokens, s_total, bias_scale, roundoff, waiting, dy.dtype]
                 else:  # the weight is used more than once: its gradient is the sum, so are the checks
                     p[0] = p[0] + ref
                     p[1] = p[1] + scale
                     p[2] = max(p[2], tokens)
+                    p[5], p[7] = max(p[5], roundoff), product_dtype(p[7], dy.dtype)
                     if bias:
                         p[3] = p[3] + s_total
                         p[4] = p[4] + bias_scale
         except Exception:  # a shape we do not understand: no check rather than a broken backward
             self._pending[i] = None
 
+    def _traced_output_grad(self, i: int, x: torch.Tensor, x_max: torch.Tensor, dy: torch.Tensor) -> None:
+        """:meth:`_output_grad` as torch.compile traces it: the same reductions, added into the
+        product's :class:`TracedReference` (the tokens and the input's roundoff, host numbers, were
+        noted by the forward hook in ``_traced_meta``)."""
+        held = self._traced.get(i)
+        if held is None:
+            return
+        with torch.no_grad():
+            ref, s, sdy, tokens = grad_reference(x, dy)
+            m = dy.shape[-1]
+            held.ref.add_(ref.to(held.ref.dtype))
+            held.uses.add_(1)
+            held.scale.add_((x_max.to(sdy.dtype) * sdy) * (math.sqrt(tokens) * math.sqrt(m)))
+            if self._bias_checked[i]:
+                held.s_total.add_(s.sum())
+                held.bias_scale.add_(sdy * math.sqrt(tokens * m))
+
+    def _traced_pending(self, i: int) -> list | None:
+        """The reference a traced backward summed for product ``i``, in ``_pending``'s form; None
+        when no traced forward noted one."""
+        meta = self._traced_meta.pop(i, None)
+        held = self._traced.get(i)
+        if meta is None or held is None:
+            return None
+        bias = self._bias_checked[i]
+        waiting = {"weight"} | ({"bias"} if bias else set())
+        scale, bias_scale = held.bound_scale(held.scale), held.bound_scale(held.bias_scale) if bias else None
+        p = [held.ref, scale, meta[0], held.s_total if bias else None, bias_scale]
+        self._pending[i] = p + [meta[1], waiting, meta[2]]
+        return self._pending[i]
+
     def _weight_grad_hook(self, i: int, dw: torch.Tensor) -> None:
         p = self._pending[i] if i < len(self._pending) else None
+        if p is None and i < len(self._pending):
+            p = self._traced_pending(i)
         if p is None or dw.dim() != 2 or dw.shape[1] != p[0].shape[0]:
             return
         with torch.no_grad():
-            coef = rounding_coefficient(p[2], dw.shape[0], dw.dtype, input_roundoff=p[5])
+            out = product_dtype(dw.dtype, p[7])
+            coef = rounding_coefficient(p[2], dw.shape[0], out, input_roundoff=p[5])
+            floor = underflow_floor(dw.shape[0], out)
             st = self._step
             st.g_idx.append(i)
             st.g_res.append((accumulated_sum(dw, 0, p[0].dtype) - p[0]).abs_().amax())
-            st.g_bound.append((p[1] * coef).clamp_min_(TINY))
+            st.g_bound.append((p[1] * coef + floor if floor else p[1] * coef).clamp_min_(TINY))
             st.g_names.append(self.names[i] + ".weight")
         self._done(i, "weight")
 
@@ -86,15 +155,19 @@ class GradientChecks:
             p[6].discard(which)
             if not p[6]:
                 self._pending[i] = None
+                held = self._traced.get(i)
+                if held is not None and p[0] is held.ref:
+                    held.clear()  # the next traced backward adds from zero
 
     def _bias_grad_hook(self, i: int, db: torch.Tensor) -> None:
         p = self._pending[i] if i < len(self._pending) else None
+        if p is None and i < len(self._pending):
+            p = self._traced_pending(i)
         if p is None or p[3] is None:
             return
         with torch.no_grad():
             # Σ db and Σ dY are the same sum in two orders: 2γ_N + γ_m, times Σ|dY|
-            u = unit_roundoff(accumulation_dtype(db.dtype))
-            coef = 2 * rounding_gamma(p[2], u) + rounding_gamma(db.numel(), u) + unit_roundoff(db.dtype)
+            coef = bias_grad_coefficient(p[2], db.numel(), product_dtype(db.dtype, p[7]))
             st = self._step
             st.g_idx.append(i)
             st.g_res.append((accumulated_sum(db, None, p[3].dtype) - p[3]).abs())

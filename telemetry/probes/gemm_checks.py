@@ -20,6 +20,7 @@ from __future__ import annotations
 import fnmatch
 import functools
 import math
+import os
 import warnings
 from typing import Any, Callable
 
@@ -31,9 +32,10 @@ from sdcwatch.telemetry.probes.checksum_bounds import (
     accumulated_sum,
     accumulation_dtype,
     gemm_input_roundoff,
+    product_dtype,
     rounding_coefficient,
 )
-from sdcwatch.telemetry.probes.gemm_backward import GradientChecks
+from sdcwatch.telemetry.probes.gemm_backward import GradientChecks, TracedReference
 from sdcwatch.telemetry.probes.gemm_state import (
     GEMM_OBSERVERS,
     SealedWeight,
@@ -44,6 +46,7 @@ from sdcwatch.telemetry.probes.gemm_state import (
     local_part,
     stack_rows,
 )
+from sdcwatch.telemetry.probes.row_scan import FUSED_DTYPES, triton_available
 from sdcwatch.telemetry.probes.linear_layout import is_linear, linear_weight, transposed
 from torch import nn
 
@@ -98,6 +101,7 @@ class GemmChecks(GradientChecks):
             for p in m.parameters(recurse=False):
                 owners[id(p)] = owners.get(id(p), 0) + 1
         globs = [g.strip() for g in modules.split(",") if g.strip()]
+        self._grad_hooked: list[int] = []  # products whose weight gradient is checked
         for name, m in model.named_modules():
             if is_linear(m) and any(fnmatch.fnmatchcase(name, g) for g in globs):
                 i = self._add(name, m)
@@ -107,6 +111,7 @@ class GemmChecks(GradientChecks):
                     hook = functools.partial(self._weight_grad_hook, i)  # Conv1D's gradient is (in, out): turned
                     hook = functools.partial(_turned, hook) if transposed(m) else hook
                     self._handles.append(m.weight.register_hook(hook))
+                    self._grad_hooked.append(i)
                     if m.bias is not None and m.bias.requires_grad and owners.get(id(m.bias), 0) == 1:
                         self._handles.append(m.bias.register_hook(functools.partial(self._bias_grad_hook, i)))
                         self._bias_checked[i] = True
@@ -116,6 +121,17 @@ class GemmChecks(GradientChecks):
                 self._add(name, m)  # a module whose forward(a, b) returns a @ b
                 self._forward.append((m, self._product_hook))
         self.hook_forward(True)
+        self._sealed_by_optimizer = False
+        self.seal_provisionally()
+        # decided once (a cached call in a traced hook is a guard); SDCWATCH_TRITON=0 keeps torch's ops
+        self._fused = triton_available() and os.environ.get("SDCWATCH_TRITON", "1") != "0"
+        # opt in (SDCWATCH_COMPILED_GRAD_CHECK=1): inductor took it on torch 2.13 (CPU) but failed to
+        # compile it on torch 2.11 (CUDA, an H100), an error that would stop the job
+        self.traced_backward = os.environ.get("SDCWATCH_COMPILED_GRAD_CHECK", "0") == "1"
+        """Whether the weight-gradient check runs in compiled code (a hook on each product's output
+        that torch.compile traces into the backward graph); off where it breaks the graph."""
+        self._traced: dict[int, TracedReference] = {}
+        self._traced_meta: dict[int, tuple[int, float, torch.dtype]] = {}
         self._n_registered = len(self.names)  # the products found here (observe_gemm may add more)
         self._coverage_told = False
         self._owners = [m for _, m in model.named_modules()]
@@ -143,7 +159,15 @@ class GemmChecks(GradientChecks):
         y = y if type(y) is torch.Tensor else local_part(y)  # a DTensor: this rank's part
         if isinstance(y, torch.Tensor) and y.is_floating_point() and y.numel():
             self._step.scanned(i)
-            self._step.o_ys.append(accumulated_sum(y.detach(), -1, torch.float32).reshape(-1))
+            self._step.o_ys.append(self._row_sums(y.detach(), torch.float32))
+
+    def _row_sums(self, y: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
+        """The (rows,) sums of ``y``'s last dim accumulated in ``acc``: on a GPU one read of ``y`` by
+        the fused Triton kernel (:mod:`~sdcwatch.telemetry.probes.row_scan`, a custom operator that
+        torch.compile calls as it is), elsewhere ``y.sum`` (the records of the CPU stay bit for bit)."""
+        if self._fused and y.is_cuda and acc == torch.float32 and y.dtype in FUSED_DTYPES:
+            return torch.ops.sdcwatch.row_scan(y)[0]
+        return accumulated_sum(y, -1, acc).reshape(-1)
 
     def _linear_hook(self, i: int, module: nn.Linear, args: tuple, output: Any) -> None:
         if not args or not self.active():  # a scanned step (the usual one), or nothing: the least work first
@@ -158,6 +182,20 @@ class GemmChecks(GradientChecks):
             return
         hi, lo = self._check_forward(i, module, x, y)
         if y.requires_grad and torch.is_grad_enabled() and not tensor_parallel and self.backward():
+            if torch.compiler.is_compiling():  # the hook is traced: it adds into buffers (see TracedReference)
+                if i not in self._traced:
+                    return
+                tokens = x.numel() // x.shape[-1]
+                before = self._traced_meta.get(i)
+                # dW = dY^T X is rounded to y's dtype (dY's); under autocast X is cast to it
+                roundoff, out = gemm_input_roundoff(x, y, compute=y.dtype), y.dtype
+                if before is not None:
+                    tokens, roundoff, out = (
+                        max(before[0], tokens),
+                        max(before[1], roundoff),
+                        product_dtype(before[2], out),
+                    )
+                self._traced_meta[i] = (tokens, roundoff, out)
             # autograd keeps x for the weight gradient anyway: no extra memory
             y.register_hook(functools.partial(self._output_grad, i, x.detach(), torch.maximum(hi, -lo)))
 
@@ -174,6 +212,9 @@ class GemmChecks(GradientChecks):
             v = accumulated_sum(w, 0, acc)
             b_sum = accumulated_sum(b, None, acc) if b is not None else None
             sealed = self._sealed_at[i]
+            traced = torch.compiler.is_compiling()  # a constant while Dynamo traces the hook
+            if not traced and sealed is not None and sealed.provisional:
+                sealed = None  # eager code: only the optimizer's seal counts (see SealedWeight)
             k = b_abs = None
             if sealed is not None:
                 vw, bw = v, b_sum  # the weights as this rank holds them: a shard's own under FSDP2
@@ -181,7 +222,7 @@ class GemmChecks(GradientChecks):
                     sw_, sb_ = sealed.shard
                     vw = accumulated_sum(sw_.to_local(), 0, acc)
                     bw = None if sb_ is None else accumulated_sum(sb_.to_local(), None, acc)
-                else:
+                elif not traced:  # traced: the norms taken now, the same code on every checked step
                     k, b_abs = sealed.k, sealed.b_abs
                 if self._weights and i not in self._weights_seen and sealed.v.shape == vw.shape:
                     # the same reduction of the same bits: any difference is a weight changed in memory
@@ -202,7 +243,7 @@ class GemmChecks(GradientChecks):
             if k is None:
                 k = torch.linalg.vector_norm(w, dim=1, dtype=acc).sum() * math.sqrt(w.shape[1])
                 b_abs = accumulated_sum(b.abs(), None, acc) if b is not None else None
-            ys = accumulated_sum(y, -1, acc).reshape(-1)
+            ys = self._row_sums(y, acc)
             ref = ((x if x.dtype == acc else x.to(acc)) @ v).reshape(-1)
             if b_sum is not None:
                 ref = ref.add_(b_sum)
@@ -215,23 +256,59 @@ class GemmChecks(GradientChecks):
             st.f_k.append(k)
             st.f_b.append(b_abs if b_abs is not None else self._zero(acc, y.device))
             st.f_coef.append(
-                rounding_coefficient(w.shape[1], w.shape[0], y.dtype, input_roundoff=gemm_input_roundoff(x))
+                rounding_coefficient(
+                    w.shape[1], w.shape[0], y.dtype, input_roundoff=gemm_input_roundoff(x, w, compute=y.dtype)
+                )
             )
             return hi, lo
 
     def _zero(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A 0-d zero of ``dtype`` on ``device`` (kept: the bias term of a product without one)."""
+        if torch.compiler.is_compiling():  # a constant of the graph (a cache filled on the first step is a guard)
+            return torch.zeros((), dtype=dtype, device=device)
         key = (dtype, str(device))
         zero = self._zeros.get(key)
         if zero is None:
             zero = self._zeros[key] = torch.zeros((), dtype=dtype, device=device)
         return zero
 
+    def arm_traced_backward(self) -> None:
+        """Before a step whose weight gradients are checked: a :class:`TracedReference` for every
+        product whose gradient is hooked (allocated once; compiled backwards add into them), and
+        no forward noted yet."""
+        if not self.traced_backward:
+            return
+        for i in self._traced_meta:  # a backward that never reached the weight's hook: start from zero
+            if i in self._traced:
+                self._traced[i].clear()
+        self._traced_meta.clear()
+        for i in self._grad_hooked:
+            held = self._traced.get(i)
+            w, _ = linear_weight(self._modules[i])
+            if held is None or held.ref.device != w.device:
+                self._traced[i] = TracedReference(w.shape[1], accumulation_dtype(w.dtype), w.device)
+
+    def seal_provisionally(self) -> None:
+        """A provisional seal of every weight not sealed yet, or sealed provisionally on another
+        device than the weight's now (see :class:`SealedWeight`): taken when the checks are made,
+        and while the optimizer has not stepped, so that compiled code sees one structure."""
+        if not self._weights or self._sealed_by_optimizer:
+            return
+        with torch.no_grad():
+            for i, m in enumerate(self._modules):
+                sealed = self._sealed_at[i]
+                w, b = linear_weight(m) if is_linear(m) else (getattr(m, "weight", None), getattr(m, "bias", None))
+                if not isinstance(w, torch.Tensor) or w.dim() != 2 or is_shard(w):
+                    continue
+                if sealed is None or (sealed.provisional and sealed.v.device != w.device):
+                    self._sealed_at[i] = SealedWeight(w, b if isinstance(b, torch.Tensor) else None, provisional=True)
+
     def seal(self) -> None:
         """Take the weights' column sums as they are now (call right after the optimizer step; the
         probes do): the next forward compares against them. Costs one pass over the weights."""
         if not self._weights:
             return
+        self._sealed_by_optimizer = True
         with torch.no_grad():
             for i, m in enumerate(self._modules):
                 w, b = linear_weight(m) if is_linear(m) else (getattr(m, "weight", None), getattr(m, "bias", None))
@@ -242,6 +319,8 @@ class GemmChecks(GradientChecks):
         """Forget the sealed column sums (after weights were changed outside the optimizer, e.g. a
         checkpoint loaded): the weight check resumes after the next :meth:`seal`."""
         self._sealed_at = [None] * len(self._sealed_at)
+        self._sealed_by_optimizer = False
+        self.seal_provisionally()
 
     # -- custom products --------------------------------------------------------------------------
     def _product_hook(self, module: nn.Module, args: tuple, output: Any) -> None:
@@ -280,7 +359,9 @@ class GemmChecks(GradientChecks):
             # ||a_i|| <= sqrt(n) max|a| and Σ_j ||b_:j|| <= m sqrt(n) max|b|
             st.f_k.append(abs_max(b).to(acc) * (n * m))
             st.f_b.append(accumulated_sum(bias.abs(), None, acc) if bias is not None else self._zero(acc, c.device))
-            st.f_coef.append(rounding_coefficient(n, m, c.dtype, input_roundoff=gemm_input_roundoff(a)))
+            st.f_coef.append(
+                rounding_coefficient(n, m, c.dtype, input_roundoff=gemm_input_roundoff(a, b, compute=c.dtype))
+            )
 
     # -- the step ---------------------------------------------------------------------------------
     def _indices(self, key: tuple, device: torch.device) -> tuple[torch.Tensor, ...]:

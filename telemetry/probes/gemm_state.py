@@ -92,12 +92,19 @@ def call_peaks(vectors: list[torch.Tensor]) -> torch.Tensor:
 class SealedWeight:
     """A weight's reductions taken when the optimizer last wrote it: its column sums (the weight
     check compares against them), and the norms the forward bound needs (so a checked forward
-    does not read the weight for them again)."""
+    does not read the weight for them again).
 
-    __slots__ = ("v", "b_sum", "k", "b_abs", "w_bound", "b_bound", "shard")
+    A *provisional* seal is taken when the checks are made, before any optimizer step: under
+    torch.compile every checked step then runs the same code (a seal or none would be two
+    graphs), while its ``w_bound`` is infinite (``trusted`` 0), so that weights loaded after
+    attaching (a checkpoint) are not taken for weights changed in memory. Eager code ignores it.
+    """
 
-    def __init__(self, w: torch.Tensor, b: torch.Tensor | None) -> None:
+    __slots__ = ("v", "b_sum", "k", "b_abs", "w_bound", "b_bound", "shard", "provisional")
+
+    def __init__(self, w: torch.Tensor, b: torch.Tensor | None, *, provisional: bool = False) -> None:
         acc = accumulation_dtype(w.dtype)
+        self.provisional = provisional
         # an FSDP2 shard (a DTensor): the rank's own shard is sealed, and checked in the forward
         # against itself (the forward's all-gathered weight is every rank's)
         self.shard = (w, b) if is_shard(w) else None
@@ -112,6 +119,9 @@ class SealedWeight:
             self.b_sum = accumulated_sum(b, None, acc)
             self.b_abs = accumulated_sum(b.abs(), None, acc)
             self.b_bound = memory_bound_of(self.b_abs, b.numel())
+        if provisional:  # no difference from a provisional seal is ever a violation (NaN still is)
+            self.w_bound = torch.full_like(self.w_bound, math.inf)
+            self.b_bound = None if self.b_bound is None else torch.full_like(self.b_bound, math.inf)
         if self.shard is not None:  # a shard's norms are not the whole weight's the forward bound needs
             self.k = self.b_abs = None
 

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from sdcwatch.telemetry.probes.attention import attention_stats, attention_vector, sampled_heads, sampled_queries
 from sdcwatch.telemetry.probes.canary import canary_running
+from sdcwatch.telemetry.probes.compiled import running_compiled
 from torch import nn
 from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode
@@ -129,6 +130,13 @@ class AttentionTap(TorchFunctionMode):
         self.modules = watch.module_names
         self._stack: list[bool] = []
         self._warned = False
+        self.compiled = False
+        """Whether a sampled forward ran compiled, where the tap sees nothing: it finds the layer on
+        the Python call stack, which compiled code does not have (layers reporting with
+        observe_attention still report)."""
+        self.reported = bool(watch.n_layers) and all(map(watch.reports_itself, watch._layers))
+        """Every attention layer found when attaching reports itself: the tap is never entered
+        (decided once, so that compiled code sees the same mode stack on every sampled step)."""
 
     def install(self, model: nn.Module) -> list[Any]:
         """Bracket ``model``'s forward; warn once about attention it cannot see. Returns the hooks."""
@@ -146,7 +154,15 @@ class AttentionTap(TorchFunctionMode):
         w = self.watch
         # training forwards of sampled steps only: an evaluation or generation pass is not the step's
         entered = w.enabled and w.attention_on and w.model.training and not canary_running()
-        if entered and self.forwards and not self.calls and w.n_layers and all(map(w.reports_itself, w._layers)):
+        if entered and self.reported:
+            entered = False  # every layer reports itself: the tap would see nothing new
+        elif entered and not w.config.attention_compiled and running_compiled():
+            # a forward run by torch.compile: the tap finds the layer on the Python call stack,
+            # which compiled code does not have; entering it would only make every compiled frame
+            # compile once more for the mode on the stack
+            self.compiled = True
+            entered = False
+        elif entered and self.forwards and not self.calls and w.n_layers and all(map(w.reports_itself, w._layers)):
             # a sampled forward ran under the tap and every attention call came from layers that
             # report themselves: the same code will not show the tap anything new, and a
             # TorchFunctionMode costs on every torch call of the forward pass
@@ -179,13 +195,18 @@ class AttentionTap(TorchFunctionMode):
 
     def check_seen(self) -> None:
         """At a recorded step: a forward pass ran under the tap and no layer showed up."""
-        if self.forwards and not self.watch.n_layers:
+        if self.compiled and not self.watch.n_layers:
+            self.warn_blind("the forward pass is compiled (torch.compile), where the attention tap sees nothing")
+        elif self.forwards and not self.watch.n_layers:
             self.warn_blind("no attention call was seen in a sampled forward pass")
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         if func is _SDPA or func in _SOFTMAX:
-            self._observe(func, args, kwargs)
+            if torch.compiler.is_compiling() and not self.watch.config.attention_compiled:
+                self.compiled = True  # a compiled part of an eager forward: see forward_begin
+            else:
+                self._observe(func, args, kwargs)
         return func(*args, **kwargs)
 
     @torch.compiler.disable  # under torch.compile: a graph break here, the observation runs eagerly

@@ -41,6 +41,7 @@ from sdcwatch.telemetry.probes.attention import (
 )
 from sdcwatch.telemetry.probes.attention_layers import AttentionLayers
 from sdcwatch.telemetry.probes.canary import canary_fingerprint, canary_running
+from sdcwatch.telemetry.probes.compiled import watch_compiled_code
 from sdcwatch.telemetry.probes.config import ProbeConfig
 from sdcwatch.telemetry.probes.ddp_hook import comm_hook
 from sdcwatch.telemetry.probes.finite import FiniteChecks
@@ -420,10 +421,12 @@ def attach(
     built = ProbeConfig.from_settings(every=every, **settings)  # an unknown setting is a ConfigError
     if config is None:
         config = built
+    model = getattr(model, "_orig_mod", model)  # torch.compile's wrapper: hooks go on the module it compiles
     if ddp is None and isinstance(model, torch.nn.parallel.DistributedDataParallel):
         ddp = model  # attach(DDP(model), ...): the wrapper is the DDP hook's, as if ddp= were given
     if ddp is not None and model is ddp:
         model = ddp.module
+    watch_compiled_code(model)  # compiled code runs the hooks the watch adds
     return Watch(
         model,
         emitter,

@@ -390,3 +390,19 @@ def test_the_documented_plain_loop_runs_logs_its_fault_and_the_service_opens_the
         )
         assert [e["first_step"] for e in incidents] == [5]
         serve.stop()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_near_inf_is_at_least_the_threshold_in_every_dtype(dtype):
+    """1e10 rounds to 9.9992e9 in bf16, below the near-INF threshold: the injector rounds away from zero."""
+    from sdcwatch.testbed.faults import at_least
+
+    for value in (1e10, -1e10):
+        v = float(at_least(value, dtype))
+        assert abs(v) >= 1e10 and math.copysign(1, v) == math.copysign(1, value)
+    lin = torch.nn.Sequential(torch.nn.Linear(4, 4)).to(dtype)
+    inj = FaultInjector([FaultSpec(kind="near_inf", step=0, target="0", where="output")]).attach(lin)
+    inj.begin_step(0)
+    out = lin(torch.ones(2, 4, dtype=dtype))
+    inj.end_step()
+    assert out.float().abs().max() >= 1e10

@@ -1,0 +1,65 @@
+"""The probes and torch.compile: whether code runs compiled, and making compiled code run the
+probes' hooks.
+
+Dynamo does not guard on module hooks by default (``torch._dynamo.config.skip_nnmodule_hook_guards``):
+a graph compiled before :func:`~sdcwatch.telemetry.probes.watch.attach` keeps running without the
+hooks attach() adds, and a model compiled after it may reuse a graph another instance of its class
+compiled without them. The probes would then measure nothing in compiled code, silently (Lightning
+runs its sanity-check validation compiled before the training callbacks attach, for one).
+:func:`watch_compiled_code` turns those guards on and, when the model already has compiled code,
+drops Dynamo's caches once so that it compiles again with the hooks.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import nn
+
+__all__ = ["running_compiled", "watch_compiled_code"]
+
+
+def running_compiled() -> bool:
+    """Whether the calling code runs under torch.compile: traced by Dynamo now, or called from a
+    frame that torch.compile evaluates (a hook of a compiled module that Dynamo did not inline)."""
+    if torch.compiler.is_compiling():
+        return True
+    try:
+        return torch._C._dynamo.eval_frame.get_eval_frame_callback() not in (None, False)
+    except Exception:  # a torch without this private hook: taken as eager
+        return False
+
+
+def _has_compiled_code(model: nn.Module) -> bool:
+    """Whether Dynamo holds compiled code for the forward of any module class in ``model`` (or for
+    the module call itself, which ``module.compile()`` compiles)."""
+    try:
+        entries = torch._C._dynamo.eval_frame._debug_get_cache_entry_list
+    except AttributeError:
+        return False
+    codes = {type(m).forward.__code__ for m in model.modules() if hasattr(type(m).forward, "__code__")}
+    codes.add(nn.Module._call_impl.__code__)
+    return any(entries(code) for code in codes)
+
+
+def watch_compiled_code(model: nn.Module) -> None:
+    """Make compiled code run the hooks attach() adds to ``model`` (see the module docstring): turn
+    on Dynamo's guards on module hooks and, when the model already ran compiled, reset Dynamo's
+    caches (everything compiled in this process compiles again, once). Never raises."""
+    try:
+        import torch._dynamo
+
+        torch._dynamo.config.skip_nnmodule_hook_guards = False
+        if _has_compiled_code(model):
+            warnings.warn(
+                "sdcwatch probes: torch.compile already compiled code for this model's modules (this model or "
+                "another of the same classes: Dynamo shares it between them, without the probes' hooks); "
+                "Dynamo's caches are reset so that compiled code runs the hooks (a one-time recompile). "
+                "Attach before the first compiled step to avoid it.",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            torch._dynamo.reset()
+    except Exception:  # a torch without Dynamo: nothing is compiled
+        pass
