@@ -17,7 +17,7 @@ import warnings
 import torch
 from torch import nn
 
-__all__ = ["running_compiled", "watch_compiled_code"]
+__all__ = ["make_room_for_blocks", "running_compiled", "watch_compiled_code"]
 
 
 def running_compiled() -> bool:
@@ -43,6 +43,21 @@ def _has_compiled_code(model: nn.Module) -> bool:
     return any(entries(code) for code in codes)
 
 
+def make_room_for_blocks(model: nn.Module) -> None:
+    """Raise Dynamo's recompile limit to what compiling ``model``'s blocks one by one needs with the
+    probes attached: each block's hooks hold the block's own products (constants Dynamo guards on), so
+    each block compiles its own variants (sampled and plain steps, up to three), where the default limit (8)
+    would run the blocks past the third eagerly. Never lowers a limit."""
+    from sdcwatch.telemetry.probes.extremes import repeated_blocks
+
+    config = torch._dynamo.config
+    blocks = len(repeated_blocks(model))
+    if blocks and hasattr(config, "recompile_limit"):
+        config.recompile_limit = max(config.recompile_limit, 4 * blocks + 8)
+        if hasattr(config, "accumulated_recompile_limit"):
+            config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 8 * blocks + 64)
+
+
 def watch_compiled_code(model: nn.Module) -> None:
     """Make compiled code run the hooks attach() adds to ``model`` (see the module docstring): turn
     on Dynamo's guards on module hooks and, when the model already ran compiled, reset Dynamo's
@@ -51,6 +66,7 @@ def watch_compiled_code(model: nn.Module) -> None:
         import torch._dynamo
 
         torch._dynamo.config.skip_nnmodule_hook_guards = False
+        make_room_for_blocks(model)
         if _has_compiled_code(model):
             warnings.warn(
                 "sdcwatch probes: torch.compile already compiled code for this model's modules (this model or "

@@ -292,3 +292,31 @@ def test_lightning_compiled_module():
     assert not counters["graph_break"] and counters["stats"]["unique_graphs"] == 2
     assert len(sink.by_step) == 20
     assert "gemm_out" in sink.by_step[3]["layers"] and max(sink.by_step[16]["layers"]["gemm_fwd"]) > 0
+
+
+def test_blocks_compiled_one_by_one_all_stay_compiled():
+    """Compiled block by block (as torchtitan does), each block compiles its own variants with the
+    probes attached; attach() raises Dynamo's recompile limit so that none of 6 blocks falls back to
+    eager code (the default limit, 8, holds fewer than three blocks' variants)."""
+    from sdcwatch.testbed.model import GPT, GPTConfig
+
+    torch._dynamo.reset()
+    counters.clear()
+    limit = torch._dynamo.config.recompile_limit
+    try:
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(n_layer=6))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        records = Records()
+        w = attach(model, records, optimizer=opt)
+        assert torch._dynamo.config.recompile_limit >= 4 * 6
+        for block in model.blocks:
+            block.compile(backend="aot_eager")
+        _steps(
+            model, lambda m, x: m(x).float().logsumexp(-1).mean(), lambda s: _tokens(s, 256, (4, 32)), opt, w, range(18)
+        )
+        assert counters["stats"]["unique_graphs"] >= 2 * 6  # every block compiled its sampled and plain variants
+        assert not counters["graph_break"]
+        assert len(records.by_step[16]["layers"]["stream_max"]) == 6
+    finally:
+        torch._dynamo.config.recompile_limit = limit
