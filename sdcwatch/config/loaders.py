@@ -39,8 +39,8 @@ from sdcwatch.core.validate import check_type, describe, did_you_mean, is_secret
 __all__ = ["ENV_PREFIX", "OTHER_ENV", "load_config", "env_name", "flag_name", "all_keys", "default_of", "parse_text"]
 
 ENV_PREFIX = "SDCWATCH_"
-#: ``SDCWATCH_*`` variables that are not serve settings: the emitter's, the loader's, ``sdcwatch bench``'s
-#: and dev.sh's.
+#: ``SDCWATCH_*`` variables that are not serve settings: the emitter's, the probes' (``SDCWATCH_TRITON``,
+#: ``SDCWATCH_COMPILED_GRAD_CHECK``), the loader's, ``sdcwatch bench``'s and dev.sh's.
 OTHER_ENV = frozenset(
     {
         "SDCWATCH_RUN",
@@ -49,6 +49,8 @@ OTHER_ENV = frozenset(
         "SDCWATCH_WIRE",
         "SDCWATCH_MESH",
         "SDCWATCH_COORDS",
+        "SDCWATCH_TRITON",
+        "SDCWATCH_COMPILED_GRAD_CHECK",
         "SDCWATCH_CONFIG",
         "SDCWATCH_VENV",
         "SDCWATCH_TORCH",
