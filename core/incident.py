@@ -213,6 +213,7 @@ class PipelineView:
     consumer_partitions: int = -1  # partitions the reader owns (0: evicted or unassigned; -1: unknown)
     waiting_for_schema: int = 0  # v2 messages held until the message carrying their schema comes
     offset_gaps: dict[str, int] = field(default_factory=dict)  # gaps in partition offsets by outcome
+    state_write_errors_total: int = 0  # state snapshots that could not be written (a full or read-only disk)
     runs_total: int = 0  # runs whose detection state is kept
     runs_forgotten_total: int = 0  # stale runs dropped to make room for new ones
     runs_evicted_total: dict[str, int] = field(default_factory=dict)  # why ("finished", "idle") -> runs

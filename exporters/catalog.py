@@ -137,6 +137,12 @@ METRICS: tuple[MetricSpec, ...] = (
     ),
     _m("sdcwatch_pipeline_dead_letters_total", "counter", (), "Malformed records routed to the dead-letter topic."),
     _m(
+        "sdcwatch_state_write_errors_total",
+        "counter",
+        (),
+        "State snapshots that could not be written (a full or read-only disk); detection goes on, each is retried.",
+    ),
+    _m(
         "sdcwatch_pipeline_dead_letters_by_reason_total",
         "counter",
         ("reason",),

@@ -90,6 +90,9 @@ class DetectorService:
         self.clock = clock
         self.resumed = False
         self.events_published = 0
+        self.state_write_errors = 0
+        self._state_failing = 0  # failed snapshots since the last one written
+        """Snapshots that could not be written (a full or read-only disk): counted, logged, retried."""
         self.consumer_lag = 0  # records behind the end of the topic, refreshed about once a second
         self._lock = threading.Lock()  # guards the pipeline against view() from the scrape thread
         self._last_snapshot = clock()
@@ -151,8 +154,15 @@ class DetectorService:
             return
         with self._lock:  # the state is copied under the lock, written without it (scrapes go on)
             state = json_safe(self.pipeline.snapshot())
-        self.pipeline.save(self.state_path, state)
-        self._save_schemas()
+        try:
+            self.pipeline.save(self.state_path, state)
+            self._save_schemas()
+        except OSError as exc:  # detection goes on; the offsets stay uncommitted, the next snapshot retries
+            self._state_not_saved(exc)
+            return
+        if self.state_write_errors and self._state_failing:
+            log.warning("state written to %s again after %d failed snapshot(s)", self.state_path, self._state_failing)
+        self._state_failing = 0
         if self.summary_sink is not None and not self.summary_sink.flush():
             log.warning("summaries not confirmed by the bus: offsets not committed (the steps will be re-read)")
             self._last_snapshot = self.clock()
@@ -164,6 +174,24 @@ class DetectorService:
         self._refresh_lag()
         self._last_snapshot = self.clock()
 
+    def _state_not_saved(self, exc: OSError) -> None:
+        """A snapshot that could not be written: counted (``sdcwatch_state_write_errors_total``,
+        which an alert watches), logged at the first failure of a streak and every tenth after,
+        retried at the next snapshot. The source is not committed: a restart re-reads from the last
+        snapshot that was written."""
+        self.state_write_errors += 1
+        self._state_failing += 1
+        if self._state_failing == 1 or self._state_failing % 10 == 0:
+            log.error(
+                "state not written to %s (%s; %d snapshot(s) in a row): detection goes on, offsets stay "
+                "uncommitted, the next snapshot retries in %.0f s",
+                self.state_path,
+                exc.strerror or exc,
+                self._state_failing,
+                self.snapshot_every,
+            )
+        self._last_snapshot = self.clock()
+
     def _save_schemas(self) -> None:
         """The wire-v2 layouts the source learnt, beside the state: after a restart, records re-read
         from the middle of a window decode without waiting for their schema to come round again."""
@@ -172,7 +200,11 @@ class DetectorService:
             return
         path = self.state_path.with_name(SCHEMAS_FILE)
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(registry.snapshot()))
+        try:
+            tmp.write_text(json.dumps(registry.snapshot()))
+        except OSError:
+            tmp.unlink(missing_ok=True)
+            raise
         tmp.replace(path)
 
     def _load_schemas(self) -> None:
@@ -209,6 +241,7 @@ class DetectorService:
                 consumer_partitions=int(getattr(self.source, "partitions", -1)),
                 waiting_for_schema=_waiting_for_schema(self.source),
                 offset_gaps=_offset_gaps(self.source),
+                state_write_errors_total=self.state_write_errors,
                 max_runs=max_runs,
             )
 

@@ -388,11 +388,13 @@ class DetectionPipeline:
         consumer_partitions: int = -1,
         waiting_for_schema: int = 0,
         offset_gaps: dict[str, int] | None = None,
+        state_write_errors_total: int = 0,
         max_runs: int | None = None,
     ) -> ServiceView:
         """What the exporter shows: runs (at most ``max_runs``), pipeline health, incidents, counters.
         The source's own health (dead letters by reason, consumer lag, partitions, messages waiting
-        for a schema, offset gaps) comes from whoever reads the source: the service."""
+        for a schema, offset gaps) and of its state file come from whoever reads the source and
+        writes the state: the service."""
         runs = [] if self.stage == "spatial" else self._run_views(max_runs)
         now = self.wall()
         recent = [(t, n) for t, n in self._rate if now - t <= 10.0]
@@ -415,6 +417,7 @@ class DetectionPipeline:
             consumer_partitions=consumer_partitions,
             waiting_for_schema=waiting_for_schema,
             offset_gaps=dict(offset_gaps or {}),
+            state_write_errors_total=state_write_errors_total,
             runs_total=len(self._runs),
             runs_forgotten_total=self.runs_forgotten,
             runs_evicted_total=dict(self.lifecycle.evicted_total),

@@ -38,10 +38,14 @@ def write_state(path: str | os.PathLike, state: dict[str, Any]) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(path.suffix + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as fh:
-        json.dump(state, fh, separators=(",", ":"), allow_nan=False)
-        fh.flush()
-        os.fsync(fh.fileno())
+    try:
+        with open(tmp, "w", encoding="utf-8") as fh:
+            json.dump(state, fh, separators=(",", ":"), allow_nan=False)
+            fh.flush()
+            os.fsync(fh.fileno())
+    except OSError:  # a full disk: no half-written file left behind; the last snapshot stays as it was
+        tmp.unlink(missing_ok=True)
+        raise
     if path.is_file():
         os.replace(path, previous_state(path))
     os.replace(tmp, path)

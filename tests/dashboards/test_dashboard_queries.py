@@ -106,6 +106,7 @@ def test_prometheus_loads_the_rules_and_leaves_the_incidents_to_the_service(trou
         "SdcwatchPipelineStalled",
         "SdcwatchPipelineLagging",
         "SdcwatchConsumerUnassigned",
+        "SdcwatchStateNotSaved",
     }
     assert not [a for a in alerts if "rank" in a["labels"] or "kind" in a["labels"]]
 

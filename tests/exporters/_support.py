@@ -205,7 +205,8 @@ def large_view(world: int, layers: int = 80, seed: int = 0, incidents: int = 3) 
 class TroubledService:
     """A live, changing view in which every alert rule's condition holds, and every dashboard
     panel has data: loss spike, an open SDC incident on rank 5 (host h2), an open non-finite incident,
-    missing ranks, a stalled run, a lagging consumer and growing dead letters."""
+    missing ranks, a stalled run, a lagging consumer, growing dead letters and state snapshots that
+    cannot be written."""
 
     world: int = 8
     layers: int = 4
@@ -248,6 +249,7 @@ class TroubledService:
                 last_record_wall=time.time(),
                 consumer_partitions=0,
                 dead_letter_reasons={"world": n},
+                state_write_errors_total=n,
             ),
             incidents=[sdc_incident(opened_at=self.started), nonfinite_incident(opened_at=self.started)],
             incidents_total={

@@ -203,3 +203,43 @@ def test_summary_the_broker_refuses_is_reported_and_blocks_the_commit(bootstrap,
     assert not sink.flush()
     assert sink.flush()  # the failure is reported once
     sink.close()
+
+
+def test_a_state_that_cannot_be_written_is_counted_and_retried_while_detection_goes_on(tmp_path, caplog):
+    """A state folder that cannot be written (here: replaced by a file, a real OSError from the file
+    system; a full or read-only disk alike) does not stop the service: each failed snapshot is
+    counted and logged, the offsets stay uncommitted, detection goes on, and once the folder is
+    back the next snapshot writes the state."""
+    now = [0.0]
+    bus = MemoryBus()
+    synth = SyntheticRun(seed=2, faults=[Fault("replica", 60, rank=6)])
+    emit(bus, synth, range(30))
+    state = tmp_path / "state"
+    svc = DetectorService(MemorySource(bus), state_dir=state, snapshot_every=5.0, clock=lambda: now[0])
+    drain(svc, bus)
+    now[0] += 6
+    svc.step()
+    assert (state / "pipeline-state.json").is_file() and svc.state_write_errors == 0
+    committed = svc.source._committed
+
+    for f in state.iterdir():  # the folder becomes unwritable: a file where the folder was
+        f.unlink()
+    state.rmdir()
+    state.write_text("not a folder")
+    emit(bus, synth, range(30, 100))  # the fault at step 60 comes while the state cannot be saved
+    for _ in range(3):
+        drain(svc, bus)
+        now[0] += 6
+        svc.step()
+    assert svc.state_write_errors == 3
+    assert svc.view().pipeline.state_write_errors_total == 3
+    assert svc.source._committed == committed  # nothing committed past the last state written
+    assert any(i.kind == "replica_divergence" for i in svc.pipeline.incidents())  # detection went on
+    assert "state not written" in caplog.text
+    assert not list(tmp_path.glob("state*.tmp"))
+
+    state.unlink()  # the disk is back
+    now[0] += 6
+    svc.step()
+    assert (state / "pipeline-state.json").is_file()
+    assert svc.state_write_errors == 3 and svc.source._committed > committed
