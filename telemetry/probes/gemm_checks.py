@@ -122,6 +122,7 @@ class GemmChecks(GradientChecks):
                 self._forward.append((m, self._product_hook))
         self.hook_forward(True)
         self._sealed_by_optimizer = False
+        self._provisional_key: tuple | None = None  # (device, products) of the last provisional seals
         self.seal_provisionally()
         # decided once (a cached call in a traced hook is a guard); SDCWATCH_TRITON=0 keeps torch's ops
         self._fused = triton_available() and os.environ.get("SDCWATCH_TRITON", "1") != "0"
@@ -294,6 +295,12 @@ class GemmChecks(GradientChecks):
         and while the optimizer has not stepped, so that compiled code sees one structure."""
         if not self._weights or self._sealed_by_optimizer:
             return
+        # called before every step until the optimizer seals (never, without one): the walk over the
+        # products runs only when the model moved or gained a product since the last one
+        first = next((p.device for m in self._modules[:1] for p in m.parameters(recurse=False)), None)
+        if self._provisional_key == (first, len(self._modules)):
+            return
+        self._provisional_key = (first, len(self._modules))
         with torch.no_grad():
             for i, m in enumerate(self._modules):
                 sealed = self._sealed_at[i]
@@ -320,6 +327,7 @@ class GemmChecks(GradientChecks):
         checkpoint loaded): the weight check resumes after the next :meth:`seal`."""
         self._sealed_at = [None] * len(self._sealed_at)
         self._sealed_by_optimizer = False
+        self._provisional_key = None
         self.seal_provisionally()
 
     # -- custom products --------------------------------------------------------------------------
