@@ -9,7 +9,8 @@ total times (which includes the snapshots the median passes over). On a shared m
 ratios carry a noise of a percent or two, more than the guard costs, so the guard's own time is also
 measured directly: ``Guard.step`` around a no-op compute and update (median of 2,000 calls, the
 ``zero_grad`` a plain loop does anyway subtracted) plus one snapshot's time divided by the snapshot
-interval, as a share of the plain step::
+interval, as a share of the plain step. ``device_skip`` is :class:`DeviceSkip` (the verdict on the
+device, no host read) in place of ``optimizer.step()``, against the same plain step::
 
     .venv/bin/python bench/bench_guard.py --steps 400 --out bench/results/guard.json
 """
@@ -33,6 +34,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from reference_step import reference_model, side_by_side  # noqa: E402
 from sdcwatch.telemetry.guard.config import GuardConfig  # noqa: E402
+from sdcwatch.telemetry.guard.device_skip import DeviceSkip, DeviceSkipConfig  # noqa: E402
 from sdcwatch.telemetry.guard.guard import Guard  # noqa: E402
 from sdcwatch.testbed.model import GPTConfig  # noqa: E402
 
@@ -40,13 +42,20 @@ CONFIGS = {
     "report": GuardConfig(),  # the default: decides and reports, changes nothing
     "act": GuardConfig(mode="act"),  # actions on, snapshot every 10 steps
     "act_snapshot_every_step": GuardConfig(mode="act", snapshot_every=1),
+    # the skip decided on the device (no host read, no collective): AdamW as it is (restore path)
+    "device_skip": DeviceSkipConfig(),
+    # the same with AdamW(fused=True), against a plain fused AdamW: the optimizer skips itself (found_inf)
+    "device_skip_fused": DeviceSkipConfig(how="found_inf"),
 }
 
 
 class _Replica:
-    def __init__(self, model_cfg: GPTConfig, guard: GuardConfig | None) -> None:
+    def __init__(self, model_cfg: GPTConfig, guard: GuardConfig | DeviceSkipConfig | None, fused: bool = False) -> None:
         self.model, self.opt = reference_model(model_cfg)
-        self.guard = Guard(self.model, self.opt, guard) if guard is not None else None
+        if fused:
+            self.opt = torch.optim.AdamW(self.model.parameters(), lr=self.opt.defaults["lr"], fused=True)
+        self.skip = DeviceSkip(self.opt, guard) if isinstance(guard, DeviceSkipConfig) else None
+        self.guard = Guard(self.model, self.opt, guard) if isinstance(guard, GuardConfig) else None
 
     def step(self, step: int, batch: torch.Tensor) -> tuple[float, float]:
         t0, c0 = time.perf_counter(), time.thread_time()
@@ -56,7 +65,11 @@ class _Replica:
             loss.backward()
             return loss.detach(), torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
 
-        if self.guard is None:
+        if self.skip is not None:
+            self.opt.zero_grad(set_to_none=True)
+            loss, norm = compute()
+            self.skip.step(norm, loss=loss)
+        elif self.guard is None:
             self.opt.zero_grad(set_to_none=True)
             compute()
             self.opt.step()
@@ -67,7 +80,8 @@ class _Replica:
 
 
 def measure(guard: GuardConfig, steps: int, warmup: int, batch_size: int, model_cfg: GPTConfig) -> dict:
-    guarded, plain = _Replica(model_cfg, guard), _Replica(model_cfg, None)
+    fused = isinstance(guard, DeviceSkipConfig) and guard.how == "found_inf"
+    guarded, plain = _Replica(model_cfg, guard, fused), _Replica(model_cfg, None, fused)
     timed = side_by_side(guarded, plain, batch_size, model_cfg.seq_len, steps, warmup)
     (g_t, g_cpu), (p_t, p_cpu) = (list(zip(*t)) for t in timed)
     ratios = [a / b for a, b in zip(g_t, p_t)]
@@ -85,7 +99,8 @@ def measure(guard: GuardConfig, steps: int, warmup: int, batch_size: int, model_
         "total_time_overhead_pct": 100.0 * (sum(g_t) / sum(p_t) - 1.0),
         "cpu_overhead_pct": 100.0 * (statistics.median(cpu_ratios) - 1.0),
         "total_cpu_overhead_pct": 100.0 * (sum(g_cpu) / sum(p_cpu) - 1.0),
-        "snapshots": guarded.guard.snapshots.taken,
+        "snapshots": guarded.guard.snapshots.taken if guarded.guard is not None else 0,
+        "device_skips": guarded.skip.skipped()["skips"] if guarded.skip is not None else None,
         "identical_parameters_after": True,
     }
 
@@ -149,6 +164,14 @@ def main(argv: list[str] | None = None) -> int:
                 if name not in CONFIGS:
                     ap.error(f"unknown config {name!r}; known: {list(CONFIGS)}")
                 r = measure(CONFIGS[name], args.steps, args.warmup, args.batch_size, model_cfg)
+                if isinstance(CONFIGS[name], DeviceSkipConfig):  # its cost is in the step it makes: no own time
+                    results["results"][name] = r
+                    print(
+                        f"{name:26s} step {r['median_step_ms_plain']:.2f} ms -> {r['median_step_ms_guarded']:.2f} ms; "
+                        f"overhead {r['overhead_pct']:+.2f}% (median of paired ratios), "
+                        f"{r['total_time_overhead_pct']:+.2f}% of total time; {r['device_skips']} skips"
+                    )
+                    continue
                 own = r["own"] = own_cost(CONFIGS[name], model_cfg)
                 r["own_overhead_pct"] = 100.0 * own["per_step_us"] / (1e3 * r["median_step_ms_plain"])
                 results["results"][name] = r

@@ -1,7 +1,7 @@
 """Ingest cost: CPU per step to decode the bus messages, align them into a frame and run the detectors,
 wire format v1 and v2 side by side in one process.
 
-    sdcwatch bench ingest --ranks 16384 [--metrics 32] [--steps 5] [--per-message 256] [--parallel L] [--json]
+    sdcwatch bench ingest --ranks 16384 [--metrics 32] [--steps 5] [--per-message 256] [--parallel L] [--signed] [--json]
     python bench/bench_ingest.py --ranks 1024 16384 100000 --json
 
 Each step is W records of M metric values (8 scalars + 4 layer metrics x L layers, M = 8 + 4L, and
@@ -15,7 +15,9 @@ shared machine weighs on both alike, and a garbage collection runs before each t
 that one format's garbage is not collected on the other's time. Targets: decode + align <= 2 us a record; 16,384
 ranks x 32 metrics <= 100 ms a step in one process, 100,000 ranks <= 500 ms. With ``--parallel``
 (a layout such as ``tp=8,pp=16,dp=128`` of ``--ranks`` ranks) every record carries its rank's mesh
-coordinates and the detectors compare ranks within peer groups.
+coordinates and the detectors compare ranks within peer groups. With ``--signed`` a third format,
+``v2-signed``, is the v2 messages each signed with a job key and verified (and its run bound) at
+ingest, as the service reads them with ``[auth]`` keys.
 """
 
 from __future__ import annotations
@@ -109,18 +111,25 @@ def messages_v2(run: str, world: int, a: dict, per_message: int, n_layers: int, 
     return out
 
 
-def bench(world: int, metrics: int, steps: int, per_message: int, warmup: int = 1, layout=None) -> list[dict]:
+def bench(
+    world: int, metrics: int, steps: int, per_message: int, warmup: int = 1, layout=None, signed: bool = False
+) -> list[dict]:
+    from sdcwatch.core.signing import JobKey, Keyring
     from sdcwatch.service.aligner import StepAligner
+    from sdcwatch.service.auth import Authenticator
     from sdcwatch.service.ingest import IngestDecoder
     from sdcwatch.service.pipeline import DetectionPipeline
 
     n_layers = max(1, (metrics - len(SCALARS)) // len(LAYERS))
     metrics = len(SCALARS) + len(LAYERS) * n_layers
-    decoders = {f: IngestDecoder() for f in FORMATS}
-    aligners = {f: StepAligner(timeout=1e9, reorder_grace=1e9) for f in FORMATS}
-    pipes = {f: DetectionPipeline() for f in FORMATS}
-    cpu = {f: {"decode": 0.0, "align": 0.0, "detect": 0.0} for f in FORMATS}
-    nbytes = {f: 0 for f in FORMATS}
+    formats = ("v1", "v2", "v2-signed") if signed else ("v1", "v2")
+    key = JobKey("bench", b"a bench key of 32 bytes, not a secret")
+    decoders = {f: IngestDecoder() for f in formats}
+    decoders["v2-signed"] = IngestDecoder(auth=Authenticator(Keyring([key])))
+    aligners = {f: StepAligner(timeout=1e9, reorder_grace=1e9) for f in formats}
+    pipes = {f: DetectionPipeline() for f in formats}
+    cpu = {f: {"decode": 0.0, "align": 0.0, "detect": 0.0} for f in formats}
+    nbytes = {f: 0 for f in formats}
     timed = 0
     for step in range(warmup + steps):
         a = step_arrays(world, n_layers, step)
@@ -129,8 +138,10 @@ def bench(world: int, metrics: int, steps: int, per_message: int, warmup: int = 
             "v1": messages_v1("bench", world, a, per_message),
             "v2": messages_v2("bench", world, a, per_message, n_layers, first=step == 0),
         }
+        if signed:  # the same messages, each signed by the rank (the job key) and verified at ingest
+            msgs["v2-signed"] = [key.sign(m) for m in msgs["v2"]]
         frames = {}
-        for f in FORMATS if step % 2 == 0 else FORMATS[::-1]:
+        for f in formats if step % 2 == 0 else formats[::-1]:
             batch = [("bench/0/0", b"k", m) for m in msgs[f]]
             items = rejected = frame = None  # free the other format's records before, not inside, the timing
             gc.collect()  # each format pays for its own garbage, not for the other's
@@ -152,10 +163,12 @@ def bench(world: int, metrics: int, steps: int, per_message: int, warmup: int = 
         assert a1.scalar_names == a2.scalar_names and np.array_equal(a1.scalars, a2.scalars, equal_nan=True)
         assert np.array_equal(a1.layers, a2.layers, equal_nan=True) and a1.hosts == a2.hosts
         assert np.array_equal(a1.coords, a2.coords)
+        if signed:
+            assert np.array_equal(frames["v2-signed"].scalars, a2.scalars, equal_nan=True)
         if step >= warmup:
             timed += 1
     rows = []
-    for f in FORMATS:
+    for f in formats:
         ms = {k: 1e3 * v / timed for k, v in cpu[f].items()}
         rows.append(
             {
@@ -192,6 +205,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
         metavar="LAYOUT",
         help="records carry mesh coordinates of this layout of --ranks ranks, e.g. tp=8,pp=16,dp=128",
     )
+    ap.add_argument(
+        "--signed", action="store_true", help="also v2 signed with a job key and verified at ingest (v2-signed)"
+    )
     ap.add_argument("--json", action="store_true", help="one JSON object a line a format")
     ap.add_argument("--out", help="also write the rows as a JSON array here")
     args = ap.parse_args(argv)
@@ -213,7 +229,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             ap.error(f"--parallel {layout} has {layout.world} ranks: give --ranks {layout.world}")
     out = []
     for world in args.ranks:
-        rows = bench(world, args.metrics, args.steps, args.per_message, layout=layout)
+        rows = bench(world, args.metrics, args.steps, args.per_message, layout=layout, signed=args.signed)
         out += rows
         for r in rows:
             if args.json:
@@ -227,12 +243,19 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     f"{r['bytes_per_record']:.0f} bytes a record",
                     flush=True,
                 )
-        if len(rows) == 2 and not args.json:
-            v1, v2 = rows
+        if not args.json:
+            v1, v2 = rows[:2]
             print(
                 f"       v2 decode + align {v1['us_per_record'] / max(v2['us_per_record'], 1e-9):.0f}x faster than v1",
                 flush=True,
             )
+            if args.signed:
+                sig = rows[2]
+                print(
+                    f"       signed v2: {sig['us_per_record'] - v2['us_per_record']:+.3f} us a record for the "
+                    f"signature check ({sig['us_per_record'] / max(v2['us_per_record'], 1e-9):.2f}x v2)",
+                    flush=True,
+                )
     if args.out:
         with open(args.out, "w") as fh:
             json.dump(out, fh, indent=2)

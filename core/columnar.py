@@ -36,6 +36,7 @@ from __future__ import annotations
 import struct
 from typing import Any, Iterable, Sequence
 
+from sdcwatch.core.checkpoints import CKPT_MAGIC, CheckpointNote, encode_note
 from sdcwatch.core.errors import RecordError
 from sdcwatch.core.layer_names import NAMES_MAGIC, LayerNames, encode_names
 from sdcwatch.core.record_layout import MAX_SCHEMA_BYTES, PackedRecord, Schema, row_to_record
@@ -119,6 +120,8 @@ def encode_items(
     for it in items:
         if isinstance(it, LayerNames):  # a message of its own, ahead of its window's records
             groups[(key_of(it), "names", id(it))] = [it]
+        elif isinstance(it, CheckpointNote):  # a message of its own, ordered with its window's records
+            groups[(key_of(it), "checkpoint", id(it))] = [it]
         elif isinstance(it, PackedRecord):
             groups.setdefault((key_of(it), it.schema, it.host), []).append(it)
         else:
@@ -127,8 +130,8 @@ def encode_items(
     for (key, schema, _), its in groups.items():
         for i in range(0, len(its), max_per_message):
             part = its[i : i + max_per_message]
-            if isinstance(schema, str):  # "names"
-                value = encode_names(part[0])
+            if isinstance(schema, str):  # "names" or "checkpoint"
+                value = encode_names(part[0]) if schema == "names" else encode_note(part[0])
             elif schema is None:
                 value = encode(part[0]) if len(part) == 1 else encode_batch(part)
             else:
@@ -264,7 +267,7 @@ def decode_stream(values: Iterable[bytes], schemas: dict[int, Schema] | None = N
     schemas = {} if schemas is None else schemas
     out: list[Any] = []
     for value in values:
-        if bytes(value[:4]) == NAMES_MAGIC:  # layer names describe records; they are none
+        if bytes(value[:4]) in (NAMES_MAGIC, CKPT_MAGIC):  # layer names, checkpoint notes: not records
             continue
         if bytes(value[:4]) != MAGIC_V2:
             out.extend(decode_message(value))

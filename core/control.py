@@ -7,6 +7,10 @@ The service publishes one JSON object per :class:`Decision` to the control topic
 carries :data:`GUARD_SCALARS`, whose values index :data:`ACTIONS`, :data:`REASONS` and
 :data:`VERDICTS`; the service's guard-action detector reads them back. Both sides import this one
 definition.
+
+When the run's ranks sign their telemetry with a job key (:mod:`sdcwatch.core.signing`), the
+service signs each decision for that run with the same key and numbers it (``seq``, increasing);
+the guard reads only decisions signed with its key, each number once (:func:`open_decision`).
 """
 
 from __future__ import annotations
@@ -17,11 +21,23 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from sdcwatch.core.errors import ControlError
+from sdcwatch.core.signing import AuthError, JobKey, is_signed
 
-__all__ = ["CONTROL_ACTIONS", "Decision", "decode_decision", "ACTIONS", "REASONS", "VERDICTS", "GUARD_SCALARS"]
+__all__ = [
+    "CONTROL_ACTIONS",
+    "Decision",
+    "decode_decision",
+    "open_decision",
+    "ACTIONS",
+    "REASONS",
+    "VERDICTS",
+    "GUARD_SCALARS",
+]
 
-#: Actions, in increasing order of weight; the code of an action is its index (``guard_action``).
-ACTIONS = ("none", "skip", "rerun", "rollback", "evict")
+#: Actions; the code of an action is its index (``guard_action``): in increasing order of weight, then
+#: ``leave`` (an eviction carried out by the rank's replica group leaving the quorum while the others
+#: go on; appended so that older codes keep their meaning).
+ACTIONS = ("none", "skip", "rerun", "rollback", "evict", "leave")
 #: Why the guard acted; the code is the index (``guard_reason``).
 REASONS = ("", "nonfinite", "spike", "control", "checksum")
 #: What a rerun found; the code is the index (``guard_verdict``). ``reproducible``: the result
@@ -53,6 +69,12 @@ class Decision:
     incident: str = ""
     lr_factor: float = 1.0
     issued_at: float = field(default=0.0, compare=False)
+    seq: int = field(default=0, compare=False)
+    """The service's sequence number of the decision for its run, increasing (a guard that holds a
+    job key acts on each number once: a replayed decision is refused)."""
+    checkpoint: str = ""
+    """A rollback's certified checkpoint: the newest the service marked clean at or before
+    ``since_step`` (its path, or ``step N`` when the job named no path; "" when none is known)."""
 
     def __post_init__(self) -> None:
         _check(self)
@@ -68,10 +90,16 @@ class Decision:
             "incident": self.incident,
             "lr_factor": self.lr_factor,
             "issued_at": self.issued_at,
+            "seq": self.seq,
+            **({"checkpoint": self.checkpoint} if self.checkpoint else {}),
         }
 
     def encode(self) -> bytes:
         return json.dumps(self.to_dict(), allow_nan=False).encode("utf-8")
+
+    def sign(self, key: JobKey) -> bytes:
+        """The decision as a control message signed with ``key`` (the key its run is bound to)."""
+        return key.sign(self.encode())
 
 
 def _check(d: Decision) -> None:
@@ -101,6 +129,10 @@ def _check(d: Decision) -> None:
         raise ControlError("lr_factor", f"must be a number in (0, 1], got {d.lr_factor!r}")
     if d.action == "evict" and not d.ranks:
         raise ControlError("ranks", "an evict decision must name the rank(s) to evict")
+    if isinstance(d.seq, bool) or not isinstance(d.seq, int) or not 0 <= d.seq < 1 << 63:
+        raise ControlError("seq", f"must be an integer in [0, 2^63), got {d.seq!r}")
+    if not isinstance(d.checkpoint, str) or len(d.checkpoint) > _MAX_TEXT or any(ord(c) < 32 for c in d.checkpoint):
+        raise ControlError("checkpoint", "must be a string of at most 1024 characters, no control character")
 
 
 def decode_decision(data: bytes | str | Mapping[str, Any]) -> Decision:
@@ -124,6 +156,8 @@ def decode_decision(data: bytes | str | Mapping[str, Any]) -> Decision:
         "incident",
         "lr_factor",
         "issued_at",
+        "seq",
+        "checkpoint",
     }
     if unknown:
         raise ControlError(sorted(unknown)[0], "unknown field")
@@ -147,4 +181,19 @@ def decode_decision(data: bytes | str | Mapping[str, Any]) -> Decision:
         incident=str(obj.get("incident", ""))[:_MAX_TEXT],
         lr_factor=float(lr) if isinstance(lr, int) and not isinstance(lr, bool) else lr,
         issued_at=float(issued),
+        seq=obj.get("seq", 0),
+        checkpoint=obj.get("checkpoint", ""),
     )
+
+
+def open_decision(value: bytes, key: JobKey | None) -> Decision:
+    """A decision from a control message. With ``key`` (the job's key), only a message signed with
+    it is read: ControlError ``signature`` for an unsigned, forged or altered one."""
+    if key is not None:
+        try:
+            value = key.open(value)
+        except AuthError as exc:
+            raise ControlError("signature", exc.problem) from None
+    elif is_signed(value):
+        raise ControlError("signature", "the decision is signed but this job holds no key (SDCWATCH_KEY_FILE)")
+    return decode_decision(value)

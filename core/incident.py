@@ -228,3 +228,4 @@ class ServiceView:
     incidents: list[Incident]  # open ones, plus those resolved recently
     incidents_total: dict[tuple[str, str], int]  # (kind, severity) -> count opened so far
     findings_total: dict[tuple[str, str], int]  # (detector, kind) -> count of findings
+    checkpoints: list = field(default_factory=list)  # the runs' recent checkpoints and their marks

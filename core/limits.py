@@ -45,6 +45,8 @@ DEAD_LETTER_REASONS = (
     "runs",  # a new run while the service keeps detectors.max_runs runs and none is stale
     "unknown_schema",  # a wire-v2 message whose schema did not arrive within the wait
     "names",  # a layer-names message past its bounds (names, families, lengths) or with a control character
+    "auth",  # unsigned, badly signed, or signed with a key that may not speak for its run ([auth])
+    "budget",  # a run past its record budget (detectors.run_record_budget)
 )
 
 

@@ -52,6 +52,8 @@ class StepFrame:
     in :data:`sdcwatch.core.mesh.DIMS` order, see :data:`DIM_INDEX`); None for frames built
     without ranks' records (offline replay of a log). ``ranks_known`` is False for a single series
     that no rank sent (a CSV log): its one row is the job's, not rank 0's, and no finding names a rank.
+    ``departed`` marks the ranks that said they left before this step (their end-of-run marker: a
+    replica group that left the job while the others go on); they are absent, not missing.
     """
 
     run: str
@@ -73,6 +75,7 @@ class StepFrame:
     wall: float = 0.0  # service clock when the step was closed
     complete: bool = True
     ranks_known: bool = True
+    departed: np.ndarray | None = None  # (world,) bool: ranks that sent their end-of-run marker earlier
     _groups: dict = field(default_factory=dict, repr=False, compare=False)
 
     # -- construction -----------------------------------------------------------------------

@@ -87,6 +87,7 @@ class GuardActionDetector(SplitDetector):
             "rerun": "reran",
             "rollback": "rolled back at",
             "evict": f"evicted{on} at",
+            "leave": "let a replica group leave the quorum (the others go on) at",
             "unknown": "acted at",
         }[action]
         msg = f"guard {done} step {at.step} on every rank, for {_REASON_TEXT.get(reason, reason)}"

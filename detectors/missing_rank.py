@@ -1,6 +1,7 @@
 """Missing ranks: a rank absent from many consecutive closed steps (a dead process or host). With
 mesh coordinates it is named with its coordinates, and a peer group none of whose ranks report is
-said so (that model piece is unwatched).
+said so (that model piece is unwatched). A rank that sent its end-of-run marker (a replica that
+left the job, the others going on) is not missing.
 """
 
 from __future__ import annotations
@@ -66,7 +67,10 @@ class MissingRankDetector(SplitDetector):
         """The ranks absent from the step (None for a one-rank run)."""
         if frame.world == 1:  # a closed one-rank step always has its rank
             return None
-        return np.flatnonzero(~frame.present)
+        absent = ~frame.present
+        if frame.departed is not None and frame.departed.shape == absent.shape:
+            absent &= ~frame.departed  # a rank that said it left (its end-of-run marker) is not missing
+        return np.flatnonzero(absent)
 
     def judge(self, frame: StepContext, absent: np.ndarray | None) -> list[Finding]:
         if absent is None:

@@ -126,6 +126,20 @@ METRICS: tuple[MetricSpec, ...] = (
     ),
     _m("sdcwatch_incident_last_step", "gauge", ("run", "id"), "Last training step at which an incident was seen."),
     _m("sdcwatch_incident_score", "gauge", ("run", "id"), "Peak detector score of an incident."),
+    # certified checkpoints: the checkpoints a run reported, as the service marked them
+    _m(
+        "sdcwatch_checkpoint_newest_clean_step",
+        "gauge",
+        ("run",),
+        "Step of the newest checkpoint of the run marked clean (no fault began at or before it): the one to resume from.",
+    ),
+    _m(
+        "sdcwatch_checkpoint_step",
+        "gauge",
+        ("run", "slot", "mark"),
+        "Step of a recent checkpoint of the run (slot 0 the newest, at most 8, and the newest clean one), "
+        "labelled with its marking: clean, suspect or after-fault.",
+    ),
     # ingest pipeline
     _m("sdcwatch_pipeline_records_total", "counter", (), "Telemetry records the service has consumed."),
     _m("sdcwatch_pipeline_records_per_second", "gauge", (), "Recent rate of consumed telemetry records."),
@@ -181,7 +195,7 @@ METRICS: tuple[MetricSpec, ...] = (
         "sdcwatch_pipeline_runs_forgotten_total",
         "counter",
         (),
-        "Runs silent for long (pipeline stale_after) forgotten to make room for new ones within detectors.max_runs.",
+        "Runs that gave way to new ones within detectors.max_runs (on probation and silent, or stale).",
     ),
     _m("sdcwatch_pipeline_duplicates_total", "counter", (), "Duplicate records (same run, step and rank) discarded."),
     _m(

@@ -24,6 +24,7 @@ import numpy as np
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
 from prometheus_client.registry import Collector
 from sdcwatch.core.errors import ConfigError
+from sdcwatch.core.checkpoints import CheckpointMark
 from sdcwatch.core.incident import Incident, PipelineView, RunView, ServiceView
 from sdcwatch.core.kinds import guard_action_of
 from sdcwatch.core.mesh import format_coords
@@ -183,6 +184,7 @@ class SdcwatchCollector(Collector):
             pieces_omitted += pieces
         self._add_incidents(fam, view, open_incidents)
         _add_findings(add, view)
+        _add_checkpoints(add, getattr(view, "checkpoints", None) or ())
         _add_pipeline(add, view.pipeline, now)
         add("sdcwatch_exporter_omitted", ["runs"], max(0, view.pipeline.runs_total - len(view.runs)))
         add("sdcwatch_exporter_omitted", ["layers"], layers_omitted)
@@ -317,6 +319,20 @@ def _add_findings(add: _AddSample, view: ServiceView) -> None:
         action = guard_action_of(kind)
         if action is not None:
             add("sdcwatch_guard_actions_total", [action], count)
+
+
+def _add_checkpoints(add: _AddSample, marks: Sequence[CheckpointMark]) -> None:
+    """The runs' recent checkpoints (newest first per run, the service bounds
+    them) by slot, and each run's newest clean one."""
+    slots: dict[str, int] = {}
+    newest_clean: dict[str, int] = {}
+    for m in marks:
+        slot = slots[m.run] = slots.get(m.run, -1) + 1
+        add("sdcwatch_checkpoint_step", [m.run, str(slot), m.mark], m.step)
+        if m.mark == "clean" and m.step > newest_clean.get(m.run, -1):
+            newest_clean[m.run] = m.step
+    for run, step in newest_clean.items():
+        add("sdcwatch_checkpoint_newest_clean_step", [run], step)
 
 
 def _add_pipeline(add: _AddSample, p: PipelineView, now: float) -> None:

@@ -202,6 +202,14 @@ def _campaign_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="also run every trial guarded (the clean twin too) and measure the damage the guard saves",
     )
+    ap.add_argument(
+        "--guard-mitigations",
+        nargs="+",
+        choices=("lr", "clip", "lr+clip"),
+        default=[],
+        help="with --guard: run the benign and spike classes' trials guarded once more per spike mitigation "
+        "(GuardConfig.spike_mitigation) and compare them with the guard without one and with no guard",
+    )
     return ap
 
 
@@ -243,7 +251,9 @@ def campaign_main(argv: Sequence[str]) -> dict:
         faults = load_faults(args.faults)
     from sdcwatch.telemetry.probes.presets import probe_config
 
-    result = run_campaign(config, faults, detectors=args.detectors, guard=args.guard)
+    result = run_campaign(
+        config, faults, detectors=args.detectors, guard=args.guard, mitigations=args.guard_mitigations
+    )
     result["config"]["probe_settings"] = dict(probe_config(config.probes)[1].__dict__)
     result["machine"] = machine()
     result["command"] = "sdcwatch bench campaign " + " ".join(argv)

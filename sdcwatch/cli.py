@@ -1,4 +1,4 @@
-"""The ``sdcwatch`` command line: demo, serve, capture, incidents, replay, report, broker, stack, bench.
+"""The ``sdcwatch`` command line: demo, serve, capture, incidents, checkpoints, replay, report, broker, stack, bench.
 
 Each subcommand lives in its own module and is imported only when it runs, so ``sdcwatch --help``
 stays fast. What a command needs beyond the base install (an extra: ``service``, ``broker``,
@@ -90,6 +90,11 @@ COMMANDS: dict[str, Command] = {
         "sdcwatch.incidents",
         "incidents_main",
         "the incidents the service published on the anomalies topic, open and resolved",
+    ),
+    "checkpoints": Command(
+        "sdcwatch.checkpoints",
+        "checkpoints_main",
+        "a run's checkpoints as the service marked them (clean, suspect, after-fault), the newest clean one",
     ),
     "replay": Command(
         "sdcwatch.service.offline",

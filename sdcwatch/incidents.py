@@ -17,14 +17,24 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Sequence, TextIO
+from typing import Any, Callable, Sequence, TextIO
 
 from sdcwatch.capture import add_bus_arguments, open_reader
 from sdcwatch.core.errors import ConfigError, SdcwatchError
 from sdcwatch.core.jsonsafe import json_safe
 from sdcwatch.service.kafka_source import TopicReader
 
-__all__ = ["Since", "parse_since", "IncidentBoard", "status_of", "incident_line", "build_parser", "incidents_main"]
+__all__ = [
+    "Since",
+    "parse_since",
+    "IncidentBoard",
+    "status_of",
+    "incident_line",
+    "build_parser",
+    "incidents_main",
+    "stop_on_signals",
+    "read_to_end",
+]
 
 _UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 _DURATION = re.compile(r"(\d+(?:\.\d+)?)([smhd])")
@@ -95,6 +105,8 @@ class IncidentBoard:
             event = None
         if not _well_formed(event):  # anyone who can write to the topic can write anything: count it
             self.unreadable += 1
+            return None
+        if event.get("change") == "checkpoint":  # a checkpoint's marking, not an incident (sdcwatch checkpoints)
             return None
         changed_at = timestamp_ms / 1000 if timestamp_ms and timestamp_ms > 0 else _wall_of(event)
         self._latest[event["id"]] = event
@@ -212,8 +224,8 @@ def _say(text: str) -> None:
     print(f"sdcwatch incidents: {text}", file=sys.stderr, flush=True)
 
 
-def _stop_on_signals() -> tuple[threading.Event, list[int]]:
-    """An event set on Ctrl-C or SIGTERM, and the signals that set it."""
+def stop_on_signals() -> tuple[threading.Event, list[int]]:
+    """An event set on Ctrl-C or SIGTERM, and the signals that set it (the topic readers' commands)."""
     stop, got = threading.Event(), []
 
     def on_signal(signum: int, frame: Any) -> None:
@@ -225,14 +237,14 @@ def _stop_on_signals() -> tuple[threading.Event, list[int]]:
     return stop, got
 
 
-def _read_to_end(reader: TopicReader, board: IncidentBoard, stop: threading.Event) -> bool:
-    """Fold in everything the topic holds now; False when it does not exist (no incident published yet)."""
+def read_to_end(reader: TopicReader, take: Callable[[Any], Any], stop: threading.Event) -> bool:
+    """Hand every message the topic holds now to ``take``; False when the topic does not exist."""
     if not reader.assign():
         return False
     mark = reader.end_mark()
     while not stop.is_set() and not reader.past(mark):
         for msg in reader.poll_messages(0.5):
-            board.take(msg.value, msg.timestamp)
+            take(msg)
     return True
 
 
@@ -260,12 +272,12 @@ def incidents_main(argv: Sequence[str]) -> int:
     if args.connect_timeout <= 0:
         raise ConfigError("--connect-timeout", f"must be > 0 seconds, got {args.connect_timeout:g}")
     bus = load_config(args.config, overrides={"bus.bootstrap": args.bootstrap, "bus.anomalies_topic": args.topic}).bus
-    stop, signals = _stop_on_signals()
+    stop, signals = stop_on_signals()
     board = IncidentBoard(args.run, since)
     printer = _Printer(sys.stdout, args.json)
     reader = open_reader(bus, bus.anomalies_topic, from_beginning=True, connect_timeout=args.connect_timeout)
     try:
-        exists = _read_to_end(reader, board, stop)
+        exists = read_to_end(reader, lambda msg: board.take(msg.value, msg.timestamp), stop)
         shown = [] if stop.is_set() else board.incidents()  # interrupted: no half-read listing
         for event in shown:
             printer.show(event, status_of(event))

@@ -37,19 +37,25 @@ def build_service(
     extra_sinks: Sequence[Any] = (),
     wrap_source: Callable[[Any], Any] | None = None,
     poll_timeout: float = 0.2,
+    state_reset: bool = False,
 ) -> tuple[Any, Any | None]:
     """The service and its metrics server (None when ``metrics.port`` is 0, not started), from a config.
 
     ``sdcwatch serve``, the demo and the end-to-end benchmark all build the service here. ``sinks``
     replaces the incident sinks the config names (the anomalies topic, Alertmanager, webhook, log);
     ``extra_sinks`` are added to them; ``wrap_source`` wraps the Kafka source (the demo records
-    what it reads).
+    what it reads). ``state_reset``: start afresh, not from the state topic's snapshot (its next
+    snapshot replaces it).
     """
     from sdcwatch.service.bus import SummaryTopicSink
     from sdcwatch.service.loop import DetectorService
 
-    pipeline, resumed = _pipeline(cfg)  # a damaged state fails here, before the bus
-    source = _source(cfg)
+    changelog = _changelog(cfg)
+    pipeline, resumed, taken = _pipeline(cfg, None if state_reset else changelog)  # a damaged state fails here
+    auth = _authenticator(cfg)  # an unreadable key file too
+    source = _source(cfg, auth)
+    if taken is not None and taken.schemas:  # the record layouts the snapshot's writer had learnt
+        source.schemas.restore(taken.schemas)
     if wrap_source is not None:
         source = wrap_source(source)
     summary_sink = None
@@ -57,7 +63,7 @@ def build_service(
         summary_sink = SummaryTopicSink.to_kafka(cfg.bus.bootstrap, cfg.bus.summaries_topic, **cfg.bus.security)
         chosen: list[Any] = []
     else:
-        chosen = list(sinks) if sinks is not None else _incident_sinks(cfg)
+        chosen = list(sinks) if sinks is not None else _incident_sinks(cfg, auth)
     service = DetectorService(
         source,
         pipeline,
@@ -67,14 +73,32 @@ def build_service(
         snapshot_every=cfg.state.snapshot_interval_s,
         poll_timeout=poll_timeout,
         resumed=resumed,
+        changelog=changelog,
+        taken=taken,
     )
     return service, _metrics_server(cfg, service)
 
 
-def _pipeline(cfg: ServeConfig) -> tuple[Any, bool]:
+def _changelog(cfg: ServeConfig) -> Any | None:
+    """The state topic ``state.topic`` names, keyed by the consumer group and the stage; None when off."""
+    if not cfg.state.topic:
+        return None
+    from sdcwatch.service.changelog import StateChangelog
+
+    temporal = cfg.detectors.stage == "temporal"
+    group = f"{cfg.bus.group}.temporal" if temporal else cfg.bus.group
+    return StateChangelog(
+        cfg.bus.bootstrap, cfg.state.topic, group=group, stage=cfg.detectors.stage, security=cfg.bus.security
+    )
+
+
+def _pipeline(cfg: ServeConfig, changelog: Any = None) -> tuple[Any, bool, Any]:
     """The detection pipeline ``[detectors]`` and ``[limits]`` describe, with its saved state
-    loaded from ``state.dir`` if there is one; and whether there was."""
+    loaded from ``state.dir``, or from the state topic when it holds a newer snapshot; whether
+    there was one; the topic's snapshot when the state came from it (its record layouts and
+    journal are the service's)."""
     from sdcwatch.detectors.registry import default_detectors
+    from sdcwatch.service.changelog import resume_state
     from sdcwatch.service.loop import STATE_FILE
     from sdcwatch.service.pipeline import DetectionPipeline
 
@@ -85,10 +109,31 @@ def _pipeline(cfg: ServeConfig) -> tuple[Any, bool]:
         detectors=lambda: default_detectors(configs),
         limits=cfg.limits.record_limits(),
     )
-    return pipeline, pipeline.load(Path(cfg.state.dir) / STATE_FILE)
+    origin, snap = resume_state(pipeline, Path(cfg.state.dir) / STATE_FILE, changelog)
+    if snap is not None:
+        print(
+            f"sdcwatch serve: resuming from state topic {changelog.topic} (snapshot {snap.snapshot}, written "
+            f"{max(0.0, time.time() - snap.written_at):.1f} s ago, {pipeline.records_total} records)",
+            file=sys.stderr,
+            flush=True,
+        )
+    return pipeline, origin is not None, snap
 
 
-def _source(cfg: ServeConfig) -> Any:
+def _authenticator(cfg: ServeConfig) -> Any | None:
+    """The [auth] keys as an Authenticator (verifies telemetry, binds runs to keys), None when off."""
+    keyring = cfg.auth.keyring()
+    if keyring is None:
+        return None
+    from sdcwatch.service.auth import Authenticator
+
+    log.info(
+        "auth: verifying telemetry with key(s) %s; unsigned messages: %s", ", ".join(keyring.kids), cfg.auth.unsigned
+    )
+    return Authenticator(keyring, unsigned=cfg.auth.unsigned)
+
+
+def _source(cfg: ServeConfig, auth: Any = None) -> Any:
     """The Kafka source of the stage: step summaries for a temporal stage, else telemetry."""
     from sdcwatch.service.bus import decode_summary_message
     from sdcwatch.service.ingest import IngestDecoder, SchemaRegistry
@@ -102,6 +147,7 @@ def _source(cfg: ServeConfig) -> Any:
             group=f"{bus.group}.temporal",
             deadletter_topic=bus.deadletter_topic,
             decode=decode_summary_message,
+            sole_member_after_s=bus.share_timeout_s or None,
             **bus.security,
         )
     limits = cfg.limits.record_limits()
@@ -111,12 +157,13 @@ def _source(cfg: ServeConfig) -> Any:
         group=bus.group,
         deadletter_topic=bus.deadletter_topic,
         limits=limits,
-        ingest=IngestDecoder(SchemaRegistry(limits), schema_wait=cfg.detectors.schema_wait_s),
+        sole_member_after_s=bus.share_timeout_s if bus.share_timeout_s and cfg.detectors.stage == "both" else None,
+        ingest=IngestDecoder(SchemaRegistry(limits), auth=auth, schema_wait=cfg.detectors.schema_wait_s),
         **bus.security,
     )
 
 
-def _incident_sinks(cfg: ServeConfig) -> list[Any]:
+def _incident_sinks(cfg: ServeConfig, auth: Any = None) -> list[Any]:
     """Where the config sends incident changes: the anomalies topic, then Alertmanager, the
     webhook, the log and the training jobs' guards, each when configured."""
     from sdcwatch.exporters import AlertmanagerSink, LogSink, WebhookSink
@@ -134,7 +181,10 @@ def _incident_sinks(cfg: ServeConfig) -> list[Any]:
         from sdcwatch.service.control_policy import ControlTopicSink
 
         policy = cfg.guard.policy()
-        chosen.append(ControlTopicSink.to_kafka(bus.bootstrap, bus.control_topic, policy=policy, **bus.security))
+        keys = auth.key_of if auth is not None else None  # each run's decisions signed with its key
+        chosen.append(
+            ControlTopicSink.to_kafka(bus.bootstrap, bus.control_topic, policy=policy, keys=keys, **bus.security)
+        )
     return chosen
 
 
@@ -188,7 +238,8 @@ def serve_main(argv: Sequence[str]) -> int:
         "--state-reset",
         action="store_true",
         help="move the state file aside (kept as pipeline-state.json.bad-<time>) and start without "
-        "it: the way out of a damaged state file; detectors warm up again",
+        "it, nor the state topic's snapshot (the next snapshot replaces it): the way out of a damaged "
+        "state; detectors warm up again",
     )
     args = parser.parse_args(argv)
     logging.getLogger().setLevel(logging.INFO if args.verbose else logging.WARNING)
@@ -214,7 +265,7 @@ def serve_main(argv: Sequence[str]) -> int:
     # default already does)
     signal.signal(signal.SIGINT, _leave_while_connecting)
     try:
-        service, metrics = build_service(cfg)
+        service, metrics = build_service(cfg, state_reset=args.state_reset)
     except TransportError as exc:
         raise TransportError(f"{exc} (is a broker running there? For a trial on one machine, {LOCAL_BROKER})") from None
     signal.signal(signal.SIGTERM, on_signal)

@@ -20,6 +20,16 @@ jump: every rank restarted from a later checkpoint); otherwise its records are s
 A record that would make its step hold more than ``max_step_values`` values (world x the union
 of the metrics its ranks sent) is set aside too (reason ``step_size``).
 
+Admission and budget. A new run is taken only if :attr:`StepAligner.admit` says so (the pipeline
+keeps a bounded number of runs; refused records are set aside, reason ``runs``). A run is *on
+probation* until ``probation_steps`` of its steps closed; :meth:`StepAligner.idlest_on_probation`
+names the one silent longest, which the pipeline may let go for a new run. Within one call of
+:meth:`StepAligner.add` the records of runs already held go first, then the new runs, most records
+first (then by name), so which new run gets a free place never depends on the order a poll read
+them in. Each run may send ``record_budget`` records a second, averaged over ``budget_window``
+seconds (a token bucket holding ``record_budget * budget_window``); records past it are set aside
+(reason ``budget``).
+
 Input is records (wire v1) or :class:`~sdcwatch.service.ingest.RecordColumns` blocks (wire v2):
 a block is placed into its steps with array operations (no object per record), and a step's
 (rank x metric) arrays are filled from the blocks when it closes. :func:`frames_over_wire` runs
@@ -78,6 +88,9 @@ class _RunState:
     last_closed: int = -1
     stride: int = 1  # usual distance between consecutive closed steps (runs may log every N steps)
     generation: int = 0  # bumped by a world-size change
+    steps_closed: int = 0  # steps shown so far (on probation until probation_steps)
+    tokens: float = 0.0  # records the run may still send now (its budget's bucket)
+    tokens_at: float = 0.0  # clock time the bucket was last refilled
 
 
 class StepAligner:
@@ -91,6 +104,9 @@ class StepAligner:
         reorder_grace: float = 1.0,
         max_step_jump: int = RecordLimits.max_step_jump,
         max_step_values: int = RecordLimits.max_step_values,
+        probation_steps: int = 3,
+        record_budget: float = float("inf"),
+        budget_window: float = 10.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         check_positive(
@@ -100,7 +116,15 @@ class StepAligner:
             reorder_grace=reorder_grace,
             max_step_jump=max_step_jump,
             max_step_values=max_step_values,
+            probation_steps=probation_steps,
+            record_budget=record_budget,
+            budget_window=budget_window,
         )
+        self.probation_steps = int(probation_steps)
+        self.record_budget = float(record_budget)
+        self._budget_cap = self.record_budget * float(budget_window)  # the bucket's size
+        self._probation: dict[str, float] = {}  # runs on probation -> clock of their last record, oldest first
+        self.over_budget = 0  # records set aside past their run's budget
         self.max_step_jump = int(max_step_jump)
         self.max_step_values = int(max_step_values)
         #: records set aside, as (reason, description, records); the owner takes and dead-letters them
@@ -128,12 +152,18 @@ class StepAligner:
         now = self.clock()
         out: list[StepFrame] = []
         touched: set[str] = set()
-        for rec in records:
+        over: dict[str, list[Record]] = {}  # records past their run's budget
+        for rec in self._admission_order(records):
             if isinstance(rec, RecordColumns):
-                self._add_columns(rec, now, out, touched)
+                self._add_columns(rec, now, out, touched, over)
                 continue
             st = self._run_state(rec.run, rec.world, now, out, lambda rec=rec: [rec])
             if st is None:
+                continue
+            if st.tokens >= 1.0:  # within its budget (the common case, without a call)
+                st.tokens -= 1.0
+            elif not self._grant(st, 1, now):
+                over.setdefault(rec.run, []).append(rec)
                 continue
             if rec.step <= st.last_closed:
                 self.late_records += 1
@@ -161,7 +191,39 @@ class StepAligner:
             touched.add(rec.run)
         for run in touched:
             out += self._drain(run, self._runs[run], force=False, now=now)
+        for run, recs in over.items():
+            self.over_budget += len(recs)
+            why = (
+                f"run {run!r} sent more than its budget of {self.record_budget:g} records a second "
+                f"(detectors.run_record_budget, averaged over detectors.run_budget_window_s)"
+            )
+            self.rejected.append(("budget", why, recs))
         return out
+
+    def _admission_order(self, records: Iterable[Record | RecordColumns]) -> list:
+        """The input with the records of runs held first, then those of new runs, most records first
+        (then by name): the order in which new runs are offered to :attr:`admit`, whatever the order
+        a poll read them in. Each run's own records keep their order."""
+        items = records if isinstance(records, list) else list(records)
+        new = {x.run for x in items}.difference(self._runs)
+        if not new:
+            return items
+        count = dict.fromkeys(new, 0)
+        for x in items:
+            if x.run in count:
+                count[x.run] += len(x) if isinstance(x, RecordColumns) else 1
+        rank = {run: i for i, run in enumerate(sorted(new, key=lambda run: (-count[run], run)))}
+        held = [x for x in items if x.run not in rank]
+        return held + sorted((x for x in items if x.run in rank), key=lambda x: rank[x.run])
+
+    def _grant(self, st: _RunState, n: int, now: float) -> int:
+        """How many of ``n`` records the run's budget takes now (spent from its bucket)."""
+        if st.tokens < n:  # refill lazily: only when the bucket runs short
+            st.tokens = min(self._budget_cap, st.tokens + (now - st.tokens_at) * self.record_budget)
+            st.tokens_at = now
+            n = min(n, int(st.tokens))
+        st.tokens -= n
+        return n
 
     def _run_state(
         self, run: str, world: int, now: float, out: list[StepFrame], what: Callable[[], list[Record]]
@@ -174,22 +236,34 @@ class StepAligner:
                 self.rejected.append(
                     (
                         "runs",
-                        f"run {run!r} is one more than the service keeps "
-                        "(detectors.max_runs) and no run is stale enough to make room",
+                        f"run {run!r} is one more than the service keeps (detectors.max_runs): every "
+                        "run it keeps is training, or on probation and sent within "
+                        "detectors.run_probation_idle_s, and none is stale (detectors.run_stale_s)",
                         what(),
                     )
                 )
                 return None
-            st = self._runs[run] = _RunState(world=world)
+            st = self._runs[run] = _RunState(world=world, tokens=self._budget_cap, tokens_at=now)
         elif world != st.world:
             out += self._drain(run, st, force=True, now=now)
             self.world_changes += 1
             st = self._runs[run] = _RunState(
-                world=world, last_closed=st.last_closed, stride=st.stride, generation=st.generation + 1
+                world=world,
+                last_closed=st.last_closed,
+                stride=st.stride,
+                generation=st.generation + 1,
+                steps_closed=st.steps_closed,
+                tokens=st.tokens,
+                tokens_at=st.tokens_at,
             )
+        if st.steps_closed < self.probation_steps:  # on probation: note its input, most recent last
+            self._probation.pop(run, None)
+            self._probation[run] = now
         return st
 
-    def _add_columns(self, cols: RecordColumns, now: float, out: list[StepFrame], touched: set[str]) -> None:
+    def _add_columns(
+        self, cols: RecordColumns, now: float, out: list[StepFrame], touched: set[str], over: dict[str, list[Record]]
+    ) -> None:
         """Place a block's rows into their open steps: late, duplicate and new rows told apart with arrays."""
         worlds = cols.rows["world"]
         cuts = (np.flatnonzero(worlds[1:] != worlds[:-1]) + 1).tolist()  # a world change splits the block
@@ -201,6 +275,12 @@ class StepAligner:
             st = self._run_state(cols.run, int(worlds[a]), now, out, part.to_records)
             if st is None:
                 continue
+            granted = self._grant(st, len(part), now)
+            if granted < len(part):
+                over.setdefault(cols.run, []).extend(part.take(slice(granted, None)).to_records())
+                if not granted:
+                    continue
+                part = part.take(slice(0, granted))
             steps = part.rows["step"].astype(np.int64)
             order = np.argsort(steps, kind="stable")
             sorted_steps = steps[order]
@@ -319,6 +399,9 @@ class StepAligner:
                 continue
             if not complete:
                 self.incomplete_steps += 1
+            st.steps_closed += 1
+            if st.steps_closed >= self.probation_steps:
+                self._probation.pop(run, None)  # the run has shown its steps: it holds its place
             if st.last_closed >= 0:
                 st.stride = step - st.last_closed
             st.last_closed = step
@@ -336,6 +419,16 @@ class StepAligner:
     def holds(self, run: str) -> bool:
         """Whether ``run`` is being aligned (it was admitted and not forgotten)."""
         return run in self._runs
+
+    def on_probation(self, run: str) -> bool:
+        """Whether ``run`` is held but has not yet shown ``probation_steps`` steps."""
+        return run in self._probation
+
+    def idlest_on_probation(self, idle: float) -> str | None:
+        """The run on probation silent longest, if it has been silent ``idle`` seconds; else None."""
+        for run, last in self._probation.items():
+            return run if self.clock() - last >= idle else None
+        return None
 
     def open_steps_of(self, run: str) -> int:
         """Steps of ``run`` waiting for ranks."""
@@ -356,6 +449,7 @@ class StepAligner:
     def forget(self, run: str) -> None:
         """Drop a run's alignment state (its open steps are discarded)."""
         self._runs.pop(run, None)
+        self._probation.pop(run, None)
 
     def snapshot(self) -> dict[str, Any]:
         """JSON-safe state, including the records of still-open steps (they are not re-read)."""
@@ -366,6 +460,7 @@ class StepAligner:
                     "last_closed": st.last_closed,
                     "stride": st.stride,
                     "generation": st.generation,
+                    "steps_closed": st.steps_closed,
                     "open": [[step, [to_dict(r) for r in op.all_records()]] for step, op in st.open.items()],
                 }
                 for run, st in self._runs.items()
@@ -375,14 +470,19 @@ class StepAligner:
 
     def restore(self, state: dict[str, Any]) -> None:
         now = self.clock()
-        self._runs = {}
+        self._runs, self._probation = {}, {}
         for run, d in state["runs"].items():
             st = _RunState(
                 world=int(d["world"]),
                 last_closed=int(d["last_closed"]),
                 stride=int(d.get("stride", 1)),
                 generation=int(d["generation"]),
+                steps_closed=int(d.get("steps_closed", self.probation_steps)),  # older states: runs that trained
+                tokens=self._budget_cap,
+                tokens_at=now,
             )
+            if st.steps_closed < self.probation_steps:
+                self._probation[run] = now
             for step, recs in d["open"]:
                 op = st.open[int(step)] = _OpenStep(first_seen=now, world=st.world)
                 for r in map(from_dict, recs):

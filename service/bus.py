@@ -269,6 +269,10 @@ class TopicWriter:
     def to_kafka(cls, bootstrap: str, topic: str | None = None, **producer_settings: Any):
         return cls(*_kafka_sender(bootstrap, topic or cls.DEFAULT_TOPIC, **{**cls.KAFKA_SETTINGS, **producer_settings}))
 
+    def confirm(self) -> bool:
+        """Wait until what was published is on the bus; False if the bus did not take all of it."""
+        return bool(self._flush())
+
     def close(self) -> None:
         if self._close is not None:
             try:

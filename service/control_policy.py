@@ -3,8 +3,8 @@
 :class:`ControlPolicy` says which action (``skip``, ``rollback``, ``evict`` or none) an incident of
 each kind asks for, from which severity on; :class:`ControlTopicSink` is an incident sink that
 applies it to every opened or updated incident and publishes each new decision, once per incident
-and action, as JSON (:class:`~sdcwatch.telemetry.guard.control_topic.Decision`) keyed by run to
-``sdcwatch.control``. The guard on rank 0 of the run reads it and the ranks agree on it at the next
+and action, as JSON (:class:`~sdcwatch.core.control.Decision`) keyed by run to
+``sdcwatch.control``, numbered, and signed with the run's job key when the run signs its telemetry. The guard on rank 0 of the run reads it and the ranks agree on it at the next
 step boundary. The policy's default takes no action: sdcwatch detects and reports until the user
 turns actions on (``[guard] actions = true``).
 """
@@ -14,12 +14,13 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any, Callable
 
 from sdcwatch.core.control import Decision
 from sdcwatch.core.errors import ConfigError, ControlError
 from sdcwatch.core.incident import Incident, IncidentEvent, Severity
+from sdcwatch.core.signing import JobKey
 from sdcwatch.core.vocabulary import CONTROL_TOPIC
 from sdcwatch.detectors.replica import PEER_VOTED
 from sdcwatch.service.bus import TopicWriter
@@ -173,26 +174,51 @@ class ControlTopicSink(TopicWriter):
         *,
         policy: ControlPolicy | None = None,
         remember: int = 10_000,
+        keys: Callable[[str], JobKey | None] | None = None,
     ) -> None:
         super().__init__(send, flush, close)
         self.policy = policy or ControlPolicy()
+        self.keys = keys
+        """The key a run is bound to (``Authenticator.key_of``): its decisions are signed with it."""
+        self._seq = 0
         self.decisions: list[Decision] = []
         """Decisions published so far (the newest ``remember``)."""
         self._seen: OrderedDict[tuple[str, str], None] = OrderedDict()
         self._remember = int(remember)
 
+    def _next_seq(self) -> int:
+        """An increasing number, across restarts too: microseconds of wall time, or one more than
+        the last (a guard acts on each number of its run once and refuses older ones)."""
+        self._seq = max(self._seq + 1, time.time_ns() // 1000)
+        return self._seq
+
     @classmethod
     def to_kafka(
-        cls, bootstrap: str, topic: str | None = None, *, policy: ControlPolicy | None = None, **producer_settings: Any
+        cls,
+        bootstrap: str,
+        topic: str | None = None,
+        *,
+        policy: ControlPolicy | None = None,
+        keys: Callable[[str], JobKey | None] | None = None,
+        **producer_settings: Any,
     ) -> "ControlTopicSink":
         sink = super().to_kafka(bootstrap, topic, **producer_settings)
         sink.policy = policy or ControlPolicy()
+        sink.keys = keys
         return sink
 
     @classmethod
-    def to_bus(cls, bus: Any, topic: str | None = None, *, policy: ControlPolicy | None = None) -> "ControlTopicSink":
+    def to_bus(
+        cls,
+        bus: Any,
+        topic: str | None = None,
+        *,
+        policy: ControlPolicy | None = None,
+        keys: Callable[[str], JobKey | None] | None = None,
+    ) -> "ControlTopicSink":
         sink = super().to_bus(bus, topic)
         sink.policy = policy or ControlPolicy()
+        sink.keys = keys
         return sink
 
     @classmethod
@@ -215,11 +241,15 @@ class ControlTopicSink(TopicWriter):
             self._seen[key] = None
             while len(self._seen) > self._remember:
                 self._seen.popitem(last=False)
+            decision = replace(decision, seq=self._next_seq())
             deliver = getattr(self, "_deliver", None)
             if deliver is not None:
                 deliver(decision)
             else:
-                self._send(decision.run.encode("utf-8"), decision.encode())
+                job_key = self.keys(decision.run) if self.keys is not None else None
+                self._send(
+                    decision.run.encode("utf-8"), decision.encode() if job_key is None else decision.sign(job_key)
+                )
             self.decisions.append(decision)
             del self.decisions[: -self._remember]
             self.published += 1

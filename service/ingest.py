@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
+from sdcwatch.core.checkpoints import CKPT_MAGIC, CheckpointNote, decode_note
 from sdcwatch.core.columnar import MAGIC_V2, MessageHeader, parse_header
 from sdcwatch.core.errors import RecordError
 from sdcwatch.core.layer_names import NAMES_MAGIC, LayerNames, decode_names
@@ -32,6 +33,7 @@ from sdcwatch.core.limits import COUNTER_SCALARS, LimitError, RecordLimits, reas
 from sdcwatch.core.record import decode_message
 from sdcwatch.core.record_layout import Schema, row_to_record
 from sdcwatch.core.record_type import Record
+from sdcwatch.service.auth import Authenticator
 
 __all__ = [
     "check_schema",
@@ -144,20 +146,51 @@ def bad_rows(
 
 
 class SchemaRegistry:
-    """The layouts this service has learnt, by id (bounded; the oldest is forgotten first)."""
+    """The layouts this service has learnt, per run (a v2 header names its run and its layout).
 
-    def __init__(self, limits: RecordLimits | None = None, max_schemas: int = 1024) -> None:
+    At most ``per_run`` layouts a run (its oldest forgotten first), so one run's layouts cannot push
+    out another's; at most ``max_schemas`` in all, past which the least recently used run that
+    ``holds`` does not claim is forgotten whole. ``holds`` (the pipeline's: the runs it keeps) is
+    never asked to give way, so a flood of layouts under new run names leaves a training run's
+    layouts in place; the registry then holds at most ``max_schemas`` plus ``per_run`` for each run
+    held. Layouts restored from an older state file (a list, no runs) serve any run until then.
+    """
+
+    def __init__(
+        self,
+        limits: RecordLimits | None = None,
+        max_schemas: int = 1024,
+        *,
+        per_run: int = 64,
+        holds: Callable[[str], bool] | None = None,
+    ) -> None:
         self.limits = limits if limits is not None else RecordLimits()
         self.max_schemas = max_schemas
-        self._by_id: dict[int, Schema] = {}
+        self.per_run = per_run
+        self.holds = holds
+        self._runs: dict[str, dict[int, Schema]] = {}  # run -> its layouts, least recently used run first
+        self._count = 0
+        self._unowned: dict[int, Schema] = {}  # restored from a state file that did not name runs
+        self.forgotten = 0  # layouts forgotten to keep the bounds
 
-    def get(self, schema_id: int) -> Schema | None:
-        return self._by_id.get(schema_id)
+    def get(self, schema_id: int, run: str) -> Schema | None:
+        """The layout ``schema_id`` of ``run`` (None if not learnt); the run counts as used."""
+        layouts = self._runs.get(run)
+        sch = layouts.get(schema_id) if layouts is not None else None
+        if sch is not None:
+            self._runs[run] = self._runs.pop(run)  # most recently used last
+            return sch
+        sch = self._unowned.get(schema_id)
+        if sch is not None:  # adopted by the run that uses it
+            self._add(run, sch)
+        return sch
 
-    def learn(self, schema_id: int, text: bytes) -> Schema:
-        """Check and remember a schema sent inline; raises RecordError when it is bad or its id is wrong."""
-        known = self._by_id.get(schema_id)
+    def learn(self, schema_id: int, text: bytes, run: str) -> Schema:
+        """Check and remember a schema ``run`` sent inline; raises RecordError when it is bad or its id is wrong."""
+        layouts = self._runs.get(run)
+        known = layouts.get(schema_id) if layouts is not None else None
         if known is not None and known.text == text:
+            self._runs[run] = self._runs.pop(run)
             return known
         sch = Schema.from_text(text)
         if sch.id != schema_id:
@@ -165,24 +198,82 @@ class SchemaRegistry:
                 "schema id", f"{schema_id:#018x} is not the hash of the schema sent with it ({sch.id:#018x})"
             )
         check_schema(self.limits, sch)
-        if len(self._by_id) >= self.max_schemas:
-            self._by_id.pop(next(iter(self._by_id)))
-        self._by_id[schema_id] = sch
+        self._add(run, sch)
         return sch
 
+    def _add(self, run: str, sch: Schema) -> None:
+        layouts = self._runs.pop(run, None)
+        if layouts is None:
+            layouts = {}
+        elif sch.id in layouts:
+            self._count -= 1
+            del layouts[sch.id]
+        elif len(layouts) >= self.per_run:
+            del layouts[next(iter(layouts))]  # the run's oldest layout
+            self._count -= 1
+            self.forgotten += 1
+        self._runs[run] = layouts
+        layouts[sch.id] = sch
+        self._count += 1
+        self._trim(run)
+
+    def _trim(self, keep: str) -> None:
+        """Forget the least recently used runs not held until at most ``max_schemas`` layouts remain."""
+        holds = self.holds
+        for _ in range(len(self._runs)):  # each run looked at once at most
+            if self._count <= self.max_schemas:
+                return
+            run = next(iter(self._runs))
+            layouts = self._runs.pop(run)
+            if run == keep or (holds is not None and holds(run)):
+                self._runs[run] = layouts  # held: looked at again only after the others
+                continue
+            self._count -= len(layouts)
+            self.forgotten += len(layouts)
+
     def __len__(self) -> int:
-        return len(self._by_id)
+        return self._count + len(self._unowned)
 
-    def __contains__(self, schema_id: int) -> bool:
-        return schema_id in self._by_id
+    def __contains__(self, group: tuple[int, str]) -> bool:
+        """Whether ``(schema_id, run)`` (a header's ``group``) is known."""
+        schema_id, run = group
+        layouts = self._runs.get(run)
+        return (layouts is not None and schema_id in layouts) or schema_id in self._unowned
 
-    def snapshot(self) -> list[str]:
-        return [s.text.decode() for s in list(self._by_id.values())]
+    def runs(self) -> int:
+        """Runs with layouts learnt."""
+        return len(self._runs)
 
-    def restore(self, texts: Iterable[str]) -> None:
-        for t in texts:
-            sch = Schema.from_text(t.encode())
-            self._by_id[sch.id] = sch
+    def snapshot(self) -> dict[str, Any]:
+        """Every run's layouts (JSON-safe): ``{"runs": {run: [schema text, ...]}}``."""
+        return {
+            "runs": {
+                run: [s.text.decode() for s in list(layouts.values())] for run, layouts in list(self._runs.items())
+            }
+        }
+
+    def restore(self, state: dict[str, Any] | list[str]) -> None:
+        """Take back a :meth:`snapshot`, or the list of schema texts older versions saved (known to every
+        run until a run uses one). Raises ValueError for any other shape, RecordError for a bad schema."""
+        if isinstance(state, list):
+            for t in state[-self.max_schemas :]:
+                sch = Schema.from_text(_text(t))
+                self._unowned[sch.id] = sch
+            return
+        runs = state.get("runs") if isinstance(state, dict) else None
+        if not isinstance(runs, dict):
+            raise ValueError("saved schemas: expected {'runs': {run: [schema text, ...]}} or a list of schema texts")
+        for run, texts in runs.items():
+            if not isinstance(run, str) or not isinstance(texts, list):
+                raise ValueError(f"saved schemas of run {run!r}: expected a list of schema texts")
+            for t in texts:
+                self._add(run, Schema.from_text(_text(t)))
+
+
+def _text(t: Any) -> bytes:
+    if not isinstance(t, str):
+        raise ValueError(f"saved schema: expected a text, got {type(t).__name__}")
+    return t.encode()
 
 
 class RecordColumns:
@@ -216,9 +307,12 @@ class RecordColumns:
         return out
 
 
+_NOT_RECORDS = (LayerNames, CheckpointNote)  # messages that describe a run's records, not records
+
+
 def count_records(items: Sequence[Any]) -> int:
-    """Records in a list of decoded items (records and column blocks; layer names are none)."""
-    return sum(len(x) if isinstance(x, RecordColumns) else 0 if isinstance(x, LayerNames) else 1 for x in items)
+    """Records in a list of decoded items (records and column blocks; layer names and checkpoint notes are none)."""
+    return sum(len(x) if isinstance(x, RecordColumns) else 0 if isinstance(x, _NOT_RECORDS) else 1 for x in items)
 
 
 def as_records(items: Iterable[Any]) -> list[Record]:
@@ -227,7 +321,7 @@ def as_records(items: Iterable[Any]) -> list[Record]:
     for x in items:
         if isinstance(x, RecordColumns):
             out.extend(x.to_records())
-        elif not isinstance(x, LayerNames):
+        elif not isinstance(x, _NOT_RECORDS):
             out.append(x)
     return out
 
@@ -254,11 +348,13 @@ class IngestDecoder:
         self,
         registry: SchemaRegistry | None = None,
         *,
+        auth: Authenticator | None = None,
         schema_wait: float = 2.0,
         max_pending_bytes: int = 64 << 20,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.registry = registry if registry is not None else SchemaRegistry()
+        self.auth = auth  # verifies signed messages first (None: no keys, every message is read)
         self.limits = self.registry.limits
         self.schema_wait = schema_wait
         self.max_pending_bytes = max_pending_bytes
@@ -283,32 +379,13 @@ class IngestDecoder:
                 continue
             if not isinstance(value, bytes):
                 value = bytes(value)
-            if value[:4] == NAMES_MAGIC:  # a rank's layer names (sdcwatch.core.layer_names)
-                try:
-                    items.append(decode_names(value, self.limits, self._names))
-                except RecordError as exc:
-                    rejected.append(_rejected(origin, key, value, exc))
-                continue
-            if value[:4] != MAGIC_V2:
-                try:
-                    items.extend(decode_message(value, self.limits))
-                except RecordError as exc:
-                    rejected.append(_rejected(origin, key, value, exc))
-                continue
             try:
-                if len(value) > self.limits.max_message_bytes:
-                    raise LimitError(
-                        "message",
-                        f"{len(value)} bytes, the limit is {self.limits.max_message_bytes} (limits.max_message_bytes)",
-                        "oversize",
-                    )
-                head = parse_header(value)
-                if head.schema_text is not None:
-                    self.registry.learn(head.schema_id, head.schema_text)
+                message, head = self._read(value, items)
             except RecordError as exc:
                 rejected.append(_rejected(origin, key, value, exc))
                 continue
-            v2.append((origin, key, value, head))
+            if head is not None:
+                v2.append((origin, key, message, head))
         now = self.clock()
         ready: dict[tuple[int, str], list] = {}
         known = self.registry
@@ -319,7 +396,7 @@ class IngestDecoder:
             v2 = [*waiting, *v2]
         for m in v2:
             head = m[3]
-            if head.schema_id in known:
+            if head.group in known:
                 group = ready.get(head.group)
                 if group is None:
                     ready[head.group] = [m]
@@ -338,10 +415,49 @@ class IngestDecoder:
                 self._pending.append((since, origin, key, value, head))
                 self._pending_bytes += len(value)
         for (schema_id, run), msgs in ready.items():
-            cols = self._columns(self.registry.get(schema_id), run, msgs, rejected)
+            cols = self._columns(self.registry.get(schema_id, run), run, msgs, rejected)
             if cols is not None:
                 items.append(cols)
         return items, rejected
+
+    def _read(self, value: bytes, items: list) -> tuple[bytes, MessageHeader | None]:
+        """One message: its signature checked (with keys), then layer names and v1 records decoded
+        into ``items``; a v2 message's header parsed (its rows are read with the others of its
+        schema and run). Returns (the message without its envelope, the v2 header or None); raises
+        RecordError (AuthError, LimitError) for a message to dead-letter."""
+        auth, kid = self.auth, None
+        if auth is not None:  # the signature first: nothing unverified reaches a decoder
+            value, kid = auth.open(value)
+        if value[:4] == NAMES_MAGIC:  # a rank's layer names (sdcwatch.core.layer_names)
+            names = decode_names(value, self.limits, self._names)
+            if auth is not None:
+                auth.bind((names.run,), kid)
+            items.append(names)
+            return value, None
+        if value[:4] == CKPT_MAGIC:  # a checkpoint the job saved (sdcwatch.core.checkpoints)
+            note = decode_note(value, self.limits)
+            if auth is not None:
+                auth.bind((note.run,), kid)
+            items.append(note)
+            return value, None
+        if value[:4] != MAGIC_V2:
+            recs = decode_message(value, self.limits)
+            if auth is not None:
+                auth.bind({r.run for r in recs}, kid)
+            items.extend(recs)
+            return value, None
+        if len(value) > self.limits.max_message_bytes:
+            raise LimitError(
+                "message",
+                f"{len(value)} bytes, the limit is {self.limits.max_message_bytes} (limits.max_message_bytes)",
+                "oversize",
+            )
+        head = parse_header(value)
+        if auth is not None:
+            auth.bind((head.run,), kid)
+        if head.schema_text is not None:
+            self.registry.learn(head.schema_id, head.schema_text, head.run)
+        return value, head
 
     def expire(self) -> list[Rejected]:
         """Give up on messages whose schema did not come in time (call when idle)."""

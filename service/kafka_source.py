@@ -18,10 +18,10 @@ import time
 from collections import deque
 from typing import Any, Callable, Sequence
 
-from sdcwatch.core.errors import TransportError
+from sdcwatch.core.errors import ConfigError, TransportError
 from sdcwatch.core.kafka import new_consumer, new_producer, security_settings
 from sdcwatch.core.limits import RecordLimits
-from sdcwatch.core.record import decode_message, encode
+from sdcwatch.core.record import decode_message, encode, encode_batch
 from sdcwatch.core.record_type import Record
 from sdcwatch.core.vocabulary import DEADLETTER_TOPIC, TELEMETRY_TOPIC
 from sdcwatch.service.bus import (
@@ -34,9 +34,13 @@ from sdcwatch.service.bus import (
 from sdcwatch.service.ingest import IngestDecoder, Rejected, SchemaRegistry, count_records
 from sdcwatch.service.offset_gaps import GAP_WAIT_S, OffsetGaps
 
-__all__ = ["KafkaSource", "TopicReader"]
+__all__ = ["KafkaSource", "TopicReader", "DEAD_LETTER_BATCH"]
 
 log = logging.getLogger("sdcwatch.detectors")
+
+
+#: Records the pipeline refused that go to the dead-letter topic in one message (a v1 batch).
+DEAD_LETTER_BATCH = 256
 
 
 class KafkaSource(DeadLetterCounts):
@@ -54,6 +58,13 @@ class KafkaSource(DeadLetterCounts):
     The group timings default to :data:`FAST_JOIN`: kafka-python's first join of a new group waits
     for the rebalance and session timeouts; at the defaults a fresh service would sit idle for
     tens of seconds before its first record.
+
+    ``sole_member_after_s`` (stage both and temporal, which must read the whole topic): a member
+    that, since it started, has held only part of the topic's partitions for that long shares its
+    group with another instance: :meth:`poll` raises ConfigError saying so (a member with no
+    partitions is a standby and may wait). While it does not own the whole topic the source
+    commits nothing and :attr:`owns_topic` is False, so the instance that stays re-reads what a
+    refused one took.
     """
 
     def __init__(
@@ -74,9 +85,11 @@ class KafkaSource(DeadLetterCounts):
         ingest: IngestDecoder | None = None,
         queue_records: int = 100_000,
         gap_wait_s: float = GAP_WAIT_S,
+        sole_member_after_s: float | None = None,
         **security: Any,
     ) -> None:
         security = security_settings(security)  # an unknown key fails before anything is opened
+        self._sole_after = sole_member_after_s
         self.bootstrap = bootstrap
         self.topic = topic
         self.group = group
@@ -124,6 +137,11 @@ class KafkaSource(DeadLetterCounts):
         self._lag_at = 0.0
         self._assignment: list[int] | None = None
         self._had_partitions = False
+        self.owns_topic = self._sole_after is None  # every partition of the topic is this member's
+        self.shared: str | None = None  # why this member must leave (it shares its group), once known
+        self._whole_once = False  # this member held the whole topic since it started
+        self._partial_since: float | None = None
+        self._commit_after = 0.0  # monotonic time before which no commit is tried (after a failed one)
 
     def _open_handover(self) -> None:
         """The reader thread <-> service thread handover: decoded batches one way, requests to run
@@ -183,6 +201,8 @@ class KafkaSource(DeadLetterCounts):
     def poll(self, timeout: float = 1.0, max_records: int | None = None) -> list:
         """Decoded records and v2 column blocks (whole messages, about ``max_records`` records);
         bad messages are dead-lettered."""
+        if self.shared:
+            raise ConfigError("bus.group", self.shared)
         limit = max_records or self.max_poll_records
         out: list = []
         n = 0
@@ -207,6 +227,8 @@ class KafkaSource(DeadLetterCounts):
 
     def commit(self, timeout: float = 10.0) -> None:
         """Commit everything returned by ``poll`` so far (call after processing it)."""
+        if not self.owns_topic:  # a member sharing its group keeps the offsets for the one that stays
+            return
         with self._cond:
             offsets = dict(self._handed)
         if offsets:
@@ -219,9 +241,13 @@ class KafkaSource(DeadLetterCounts):
         return self._lag
 
     def dead_letter(self, records: Sequence[Record], reason: str, why: str) -> None:
-        """Route records the pipeline refused (e.g. an implausible step) to the dead-letter topic."""
-        for rec in records:
-            self._send_dead_letter(None, encode(rec), reason, why, "pipeline")
+        """Route records the pipeline refused (e.g. an implausible step, a run with no place) to the
+        dead-letter topic, up to :data:`DEAD_LETTER_BATCH` records a message (a flood of refused
+        records costs the loop a few sends, not one each); each record is counted."""
+        for i in range(0, len(records), DEAD_LETTER_BATCH):
+            part = records[i : i + DEAD_LETTER_BATCH]
+            value = encode(part[0]) if len(part) == 1 else encode_batch(part)
+            self._send_dead_letter(None, value, reason, why, "pipeline")
         with self._cond:
             self._count_dead_letter(reason, len(records))
 
@@ -341,6 +367,8 @@ class KafkaSource(DeadLetterCounts):
 
     def _track_assignment(self) -> None:
         parts = sorted(tp.partition for tp in self._consumer.assignment())
+        if self._sole_after is not None:
+            self._check_sole(parts)
         if parts == self._assignment:
             return
         if self._had_partitions:  # the first join is not a rebalance
@@ -365,18 +393,54 @@ class KafkaSource(DeadLetterCounts):
                     self.topic,
                 )
 
+    def _check_sole(self, parts: list[int]) -> None:
+        """Whether this member owns the whole topic; a member that never did and has held part of it
+        for ``sole_member_after_s`` shares its group: :attr:`shared` says why and what to do."""
+        total = len(self._consumer.partitions_for_topic(self.topic) or ())
+        self.owns_topic = bool(parts) and len(parts) >= total
+        now = time.monotonic()
+        if self.owns_topic or not parts:  # the whole topic, or none (a standby, or joining)
+            self._whole_once = self._whole_once or self.owns_topic
+            self._partial_since = None
+            return
+        if self._partial_since is None:
+            self._partial_since = now
+        if now - self._partial_since < self._sole_after or self.shared:
+            return
+        why = (
+            f"group {self.group}: this instance has held only partitions {parts} of the {total} of "
+            f"{self.topic} for {now - self._partial_since:.0f} s: another instance shares its consumer group"
+        )
+        if self._whole_once:  # the instance that was here first stays (the newcomer leaves)
+            log.error("%s; it should leave (stage both and temporal: one instance per group)", why)
+            self._partial_since = now
+            return
+        self.shared = (
+            f"{why}. This stage reads the whole topic (a run's 16-step windows are spread over the "
+            f"partitions, and its end-of-run markers reach only one instance): run one instance per group, "
+            f"give this one its own --bus-group, or scale out with --stage spatial (several per group) and "
+            f"one --stage temporal. Leaving without committing, so the other instance re-reads what this one took"
+        )
+        log.error("%s", self.shared)
+        with self._cond:
+            self._cond.notify_all()
+
     def _commit(self, offsets: dict[Any, int]) -> None:
         from kafka.structs import OffsetAndMetadata
 
+        if time.monotonic() < self._commit_after:  # the group is rebalancing: polls (the join) come first
+            return
         owned = self._consumer.assignment()
         mine = {tp: OffsetAndMetadata(off, "", -1) for tp, off in offsets.items() if tp in owned}
         try:
             if self.dead_letters:
                 self._dl_producer.flush(timeout=2)
             if mine:
-                self._consumer.commit(mine)
+                self._consumer.commit(mine, timeout_ms=2000)
         except Exception as exc:  # a failed commit means redelivery, which dedup absorbs
             log.warning("offset commit failed (records may be redelivered): %s", exc)
+            # back to polling: a commit retried at every snapshot would starve the rejoin it waits for
+            self._commit_after = time.monotonic() + 2 * self._max_poll_interval
 
     def _refresh_lag(self) -> None:
         self._lag_at = time.monotonic()
@@ -390,9 +454,9 @@ class KafkaSource(DeadLetterCounts):
                 lag = 0
                 for tp in parts:
                     done = handed.get(tp)
-                    if done is None:
-                        done = consumer.committed(tp)
-                        done = consumer.position(tp) if done is None else done
+                    if done is None:  # the fetch position: asking the group's committed offset (an
+                        # OffsetFetch) in the middle of a rebalance makes kafka-python join again, forever
+                        done = consumer.position(tp)
                     # the end as the fetches saw it too: the embedded broker's ListOffsets answers
                     # the last-written batch's first offset + 1, short of the end
                     end = max(ends[tp], consumer.highwater(tp) or 0)

@@ -19,11 +19,16 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from sdcwatch.core.errors import ConfigError, RecordError
+from sdcwatch.core.errors import ConfigError, RecordError, TransportError
 from sdcwatch.core.incident import IncidentEvent, IncidentSink, ServiceView
 from sdcwatch.core.jsonsafe import json_safe
+from sdcwatch.service.announced import JOURNAL_FILE, AnnouncementJournal
 from sdcwatch.service.bus import Source as RecordSource  # the protocol the service reads through
-from sdcwatch.service.bus import SummaryTopicSink
+from sdcwatch.service.bus import AnomalyTopicSink, SummaryTopicSink
+from sdcwatch.service.changelog import ChangelogSnapshot, StateChangelog, resume_state
+from sdcwatch.service.ingest import RecordColumns
+from sdcwatch.service.checkpoints import CertifiedPolicy
+from sdcwatch.service.control_policy import ControlTopicSink
 from sdcwatch.service.pipeline import DetectionPipeline
 
 __all__ = ["DetectorService", "STATE_FILE", "SCHEMAS_FILE"]
@@ -44,6 +49,29 @@ def _offset_gaps(source: Any) -> dict[str, int]:
     return {k: int(counts[k]) for k in ("refetched", "filled", "skipped")} if counts else {}
 
 
+#: Records (or summaries) fed to the pipeline under one hold of the lock: /metrics, which takes the
+#: same lock, waits for at most this many, not for a whole poll of up to 20,000 (a second of CPU
+#: under a flood).
+SLICE_RECORDS = 2048
+
+
+def _slices(items: list, size: int) -> list[list]:
+    """``items`` (records, column blocks, summaries) in runs of about ``size`` records, in order;
+    at least one (empty) run, so the pipeline hears of an empty poll too."""
+    if len(items) <= 1:
+        return [items]
+    out: list[list] = [[]]
+    n = 0
+    for it in items:
+        k = len(it) if isinstance(it, RecordColumns) else 1
+        if n and n + k > size:
+            out.append([])
+            n = 0
+        out[-1].append(it)
+        n += k
+    return out
+
+
 STATE_FILE = "pipeline-state.json"
 #: The wire-v2 record layouts the source learnt (see ``DetectorService._save_schemas``).
 SCHEMAS_FILE = "schemas.json"
@@ -54,7 +82,10 @@ class DetectorService:
 
     The state is loaded from ``state_dir`` here unless ``resumed`` says the caller has loaded it
     into the pipeline already (``sdcwatch serve`` does, to refuse a damaged state file before it
-    connects to the bus).
+    connects to the bus). ``changelog`` (optional, with ``state_dir``): each snapshot also goes to
+    that compacted topic, and the state is loaded from it when there is no state file or the file
+    is older than the topic's newest snapshot (an instance on another machine resumes). ``taken``:
+    the topic's snapshot the caller resumed from (with ``resumed``): its journal is adopted.
 
     The pipeline's stage decides what flows: ``both`` reads records and publishes incidents;
     ``spatial`` reads records and hands step summaries to ``summary_sink``; ``temporal`` reads
@@ -73,6 +104,8 @@ class DetectorService:
         poll_timeout: float = 0.2,
         clock: Callable[[], float] = time.monotonic,
         resumed: bool | None = None,
+        changelog: StateChangelog | None = None,
+        taken: ChangelogSnapshot | None = None,
     ) -> None:
         if snapshot_every <= 0:
             raise ConfigError("service.snapshot_every", f"must be a positive number of seconds, got {snapshot_every!r}")
@@ -84,7 +117,14 @@ class DetectorService:
             raise ConfigError("service.summary_sink", "a spatial stage needs a summary sink (the summaries topic)")
         self.summary_sink = summary_sink
         self.sinks = list(sinks)
+        for sink in self.sinks:  # a rollback names the newest clean checkpoint before the incident
+            if isinstance(sink, ControlTopicSink) and not isinstance(sink.policy, CertifiedPolicy):
+                sink.policy = CertifiedPolicy.around(sink.policy, self.pipeline.checkpoints)
+        self.marks_published = 0
         self.state_path = Path(state_dir) / STATE_FILE if state_dir is not None else None
+        if changelog is not None and self.state_path is None:
+            raise ConfigError("state.topic", "the state topic is written beside the state folder: give state_dir too")
+        self.changelog = changelog
         self.snapshot_every = snapshot_every
         self.poll_timeout = poll_timeout
         self.clock = clock
@@ -92,6 +132,7 @@ class DetectorService:
         self.events_published = 0
         self.state_write_errors = 0
         self._state_failing = 0  # failed snapshots since the last one written
+        self._state_cause = ""  # why the last one failed (a new cause is logged at once)
         """Snapshots that could not be written (a full or read-only disk): counted, logged, retried."""
         self.consumer_lag = 0  # records behind the end of the topic, refreshed about once a second
         self._lock = threading.Lock()  # guards the pipeline against view() from the scrape thread
@@ -101,29 +142,49 @@ class DetectorService:
             self.resumed = resumed
         elif self.state_path is not None:
             try:
-                self.resumed = self.pipeline.load(self.state_path)
+                origin, taken = resume_state(self.pipeline, self.state_path, changelog)
             except Exception:
                 self.source.close()  # the caller never gets the service: release the consumer here
                 raise
+            self.resumed = origin is not None
+            if taken is not None and taken.schemas and getattr(self.source, "schemas", None) is not None:
+                self.source.schemas.restore(taken.schemas)
             if self.resumed:
-                log.info("resumed detection state from %s", self.state_path)
+                log.info("resumed detection state from %s", self.state_path if origin == "file" else changelog.topic)
+        registry = getattr(self.source, "schemas", None)
+        if registry is not None and self.pipeline.stage != "temporal":  # the runs watched keep their layouts
+            registry.holds = self.pipeline.holds
+        auth = self._auth()
+        if auth is not None and self.resumed:
+            auth.bindings.restore(self.pipeline.carried.get("auth_bindings") or {})
+        self.journal = None
         if self.state_path is not None:
             self._load_schemas()
+            mirror = self.changelog.write_journal if self.changelog is not None else None
+            self.journal = AnnouncementJournal(self.state_path.with_name(JOURNAL_FILE), mirror=mirror)
+            if taken is not None and taken.journal:  # the state came from the topic: so does the journal
+                self.journal.adopt(taken.journal)
+
+    def _auth(self) -> Any:
+        """The source's authenticator (the runs' key bindings), None without keys."""
+        return getattr(getattr(self.source, "ingest", None), "auth", None)
 
     def step(self) -> list[IncidentEvent]:
         """One iteration: poll, detect, close late steps, publish; snapshot when it is time."""
         items = self.source.poll(self.poll_timeout)
         backlog = self._backlog()
+        process = self.pipeline.process_summaries if self.pipeline.stage == "temporal" else self.pipeline.process
+        events: list[IncidentEvent] = []
+        for part in _slices(items, SLICE_RECORDS):  # a scrape waits for one slice, never a whole poll
+            with self._lock:
+                self.pipeline.aligner.backlog = backlog
+                events += process(part)
         with self._lock:
-            self.pipeline.aligner.backlog = backlog
-            if self.pipeline.stage == "temporal":
-                events = self.pipeline.process_summaries(items)
-            else:
-                events = self.pipeline.process(items)
             events += self.pipeline.tick()
             events += self.pipeline.expire()
             rejected = self.pipeline.aligner.take_rejected()
             summaries = self.pipeline.take_summaries()
+            marks = self.pipeline.take_marks()
         for reason, why, records in rejected:  # records the aligner refused: dead-lettered, counted
             log.warning("dead-lettering %d record(s): %s", len(records), why)
             try:
@@ -133,6 +194,7 @@ class DetectorService:
         if summaries:
             self.summary_sink.publish(summaries)
         self._publish(events)
+        self._publish_marks(marks)
         if self.clock() - self._last_lag >= 1.0:
             self._refresh_lag()
         if self.state_path is not None and self.clock() - self._last_snapshot >= self.snapshot_every:
@@ -140,6 +202,11 @@ class DetectorService:
         return events
 
     def _publish(self, events: list[IncidentEvent]) -> None:
+        """Hand each incident change to every sink, once: a change the journal says was announced
+        (before a kill, re-found in the records re-read since the snapshot) is not repeated."""
+        journal = self.journal
+        if journal is not None:
+            events = [ev for ev in events if not journal.said(ev)]
         for ev in events:
             for sink in self.sinks:
                 try:
@@ -147,22 +214,62 @@ class DetectorService:
                 except Exception:  # the protocol says publish never raises; be sure anyway
                     log.exception("sink %r failed", sink)
             self.events_published += 1
+        if journal is not None and events:
+            for sink in self.sinks:  # on the bus before the journal says it was announced
+                confirm = getattr(sink, "confirm", None)
+                if confirm is not None:
+                    try:
+                        confirm()
+                    except Exception:
+                        log.exception("sink %r: confirming delivery failed", sink)
+            for ev in events:
+                journal.note(ev)
+
+    def _publish_marks(self, marks: list) -> None:
+        """Each checkpoint marking (:class:`~sdcwatch.core.checkpoints.CheckpointMark`) to the anomalies
+        topic, as ``{"change": "checkpoint", ...}`` keyed by the checkpoint's id; the other sinks
+        (alerts, webhooks, the control topic) take incidents only. A marking published again after a
+        restart says the same: readers keep the latest per id."""
+        for mark in marks:
+            bad = mark.mark != "clean" or mark.was is not None
+            (log.warning if bad else log.info)(
+                "checkpoint of run %s at step %d (%s): %s; %s", mark.run, mark.step, mark.path, mark.mark, mark.reason
+            )
+            for sink in self.sinks:
+                if isinstance(sink, AnomalyTopicSink):
+                    sink.publish(IncidentEvent("checkpoint", mark))  # type: ignore[arg-type]  # id and to_dict()
+            self.marks_published += 1
 
     def snapshot(self) -> None:
         """Write the state, then commit the source (never the other way round)."""
         if self.state_path is None:
             return
         with self._lock:  # the state is copied under the lock, written without it (scrapes go on)
+            auth = self._auth()
+            if auth is not None:  # a restart keeps which key speaks for which run
+                self.pipeline.carried["auth_bindings"] = auth.bindings.snapshot()
             state = json_safe(self.pipeline.snapshot())
+        failed = None  # detection goes on; the offsets stay uncommitted, the next snapshot retries
+        # the topic first (a file as new as the topic's snapshot is the one to resume from); never by a
+        # member that holds only part of the telemetry (sharing its group): the key is the group's
+        if self.changelog is not None and getattr(self.source, "owns_topic", True):
+            try:
+                self.changelog.write(state, self._schema_texts())
+            except TransportError as exc:
+                failed = (exc, f"topic {self.changelog.topic}")
         try:
             self.pipeline.save(self.state_path, state)
             self._save_schemas()
-        except OSError as exc:  # detection goes on; the offsets stay uncommitted, the next snapshot retries
-            self._state_not_saved(exc)
+        except OSError as exc:
+            failed = failed or (exc, str(self.state_path))
+        if failed:
+            self._state_not_saved(*failed)
             return
         if self.state_write_errors and self._state_failing:
             log.warning("state written to %s again after %d failed snapshot(s)", self.state_path, self._state_failing)
         self._state_failing = 0
+        if self.journal is not None:  # the state written holds every incident announced so far
+            self.journal.snapshot_written()
         if self.summary_sink is not None and not self.summary_sink.flush():
             log.warning("summaries not confirmed by the bus: offsets not committed (the steps will be re-read)")
             self._last_snapshot = self.clock()
@@ -174,23 +281,31 @@ class DetectorService:
         self._refresh_lag()
         self._last_snapshot = self.clock()
 
-    def _state_not_saved(self, exc: OSError) -> None:
+    def _state_not_saved(self, exc: Exception, where: str | None = None) -> None:
         """A snapshot that could not be written: counted (``sdcwatch_state_write_errors_total``,
-        which an alert watches), logged at the first failure of a streak and every tenth after,
+        which an alert watches), logged at the first failure of a streak, every tenth after and
+        whenever the cause changes,
         retried at the next snapshot. The source is not committed: a restart re-reads from the last
-        snapshot that was written."""
+        snapshot that was written. ``where``: the file or state topic that failed."""
         self.state_write_errors += 1
         self._state_failing += 1
-        if self._state_failing == 1 or self._state_failing % 10 == 0:
+        cause = str(getattr(exc, "strerror", None) or exc)
+        if self._state_failing == 1 or self._state_failing % 10 == 0 or cause != self._state_cause:
             log.error(
                 "state not written to %s (%s; %d snapshot(s) in a row): detection goes on, offsets stay "
                 "uncommitted, the next snapshot retries in %.0f s",
-                self.state_path,
-                exc.strerror or exc,
+                where or self.state_path,
+                cause,
                 self._state_failing,
                 self.snapshot_every,
             )
+        self._state_cause = cause
         self._last_snapshot = self.clock()
+
+    def _schema_texts(self) -> list | None:
+        """The wire-v2 layouts the source learnt (what the state topic carries with the state), or None."""
+        registry = getattr(self.source, "schemas", None)
+        return registry.snapshot() if registry is not None and len(registry) else None
 
     def _save_schemas(self) -> None:
         """The wire-v2 layouts the source learnt, beside the state: after a restart, records re-read
@@ -278,6 +393,10 @@ class DetectorService:
         try:
             self.snapshot()
         finally:
+            if self.journal is not None:
+                self.journal.close()
+            if self.changelog is not None:
+                self.changelog.close()
             try:
                 self.source.close()
             finally:

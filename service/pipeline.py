@@ -25,6 +25,7 @@ from sdcwatch.detectors.frame import StepFrame, frame_stats
 from sdcwatch.detectors.peers import coords_of, known_coords
 from sdcwatch.detectors.registry import default_detectors
 from sdcwatch.service.aligner import StepAligner
+from sdcwatch.service.checkpoints import CheckpointBook
 from sdcwatch.service.incidents import IncidentBook
 from sdcwatch.service.ingest import count_records
 from sdcwatch.service.layer_names import LayerNameBook
@@ -61,8 +62,27 @@ class PipelineSettings:
     align_timeout_s: float = 5.0
     """Seconds the step aligner waits for the last ranks of a step before closing it without them."""
     max_runs: int = 1000
-    """Runs whose detection state is kept (memory and the state file grow with them); past it a new
-    run replaces one silent for 15 minutes, or its records are dead-lettered (reason runs)."""
+    """Runs whose detection state is kept (memory and the state file grow with them). Past it a new
+    run takes the place of a run on probation silent for run_probation_idle_s, else of a run silent
+    for run_stale_s; if there is none, its records are dead-lettered (reason runs)."""
+    run_probation_steps: int = 3
+    """Steps a new run must show before it holds its place: until then it is on probation, and when
+    the service keeps max_runs runs it gives way to a new run once silent for run_probation_idle_s. A
+    run past probation (training) leaves only when stale, finished or idle, never for a new run."""
+    run_probation_idle_s: float = 2.0
+    """Seconds without a record after which a run on probation gives way to a new run (only when
+    the service keeps max_runs runs)."""
+    run_stale_s: float = 900.0
+    """Seconds without a step after which a run's open incidents resolve (the run ended or died;
+    the exporter's last-step age and the missing-rank alerts say which); a run silent this long also
+    gives way to a new run past max_runs (forgotten, its open incidents resolved)."""
+    run_record_budget: float = 250000.0
+    """Records a run may send a second, averaged over run_budget_window_s (a 16,384-rank job at 15
+    steps a second fits); records past it are dead-lettered (reason budget), so one run cannot flood
+    the service."""
+    run_budget_window_s: float = 10.0
+    """Seconds over which a run's record budget is averaged: a run may send run_record_budget x this
+    many records at once (a burst, a catch-up after an outage) before its budget binds."""
     run_end_expiry_s: float = 300.0
     """Seconds a finished run (every rank sent its end-of-run marker; its incidents resolved) stays
     in memory and /metrics before its series are dropped."""
@@ -80,10 +100,6 @@ class PipelineSettings:
     attribution_window: int = _fixed(50)
     """Steps within which a spike and rank-local evidence are joined, and within which findings of
     one fault on the same ranks are one incident (the others its related evidence)."""
-    stale_after: float = _fixed(900.0)
-    """Seconds without a step after which a run's open incidents resolve (the run ended or died;
-    the exporter's last-step age and the missing-rank alerts say which). A new run past
-    ``max_runs`` takes the place of a run silent this long (forgotten, its open incidents resolved)."""
     order_grace: float = _fixed(2.0)
     """Temporal stage: seconds a step summary waits for the summaries of earlier steps."""
     stats_every: int = _fixed(10)
@@ -148,6 +164,9 @@ class DetectionPipeline:
             clock=clock,
             max_step_jump=self.limits.max_step_jump,
             max_step_values=self.limits.max_step_values,
+            probation_steps=self.settings.run_probation_steps,
+            record_budget=self.settings.run_record_budget,
+            budget_window=self.settings.run_budget_window_s,
         )
         self.aligner.admit = self._admit
         self.book = IncidentBook(
@@ -155,6 +174,8 @@ class DetectionPipeline:
         )
         resend = self.settings.names_resend_s if stage == "spatial" else None  # a spatial stage forwards the names
         self.names = LayerNameBook(self.settings.max_runs, resend=resend, clock=clock)  # incidents name modules
+        # the checkpoints the runs saved, marked from their incidents (a spatial stage forwards the notes)
+        self.checkpoints = CheckpointBook(self.settings.max_runs, forwards=stage == "spatial", clock=wall)
         self.lifecycle = RunLifecycle(
             self.settings.run_end_expiry_s,
             self.settings.run_idle_expiry_s,
@@ -164,19 +185,22 @@ class DetectionPipeline:
         self._runs: dict[str, RunState] = {}
         self.findings_total: dict[tuple[str, str], int] = {}
         self.records_total = 0
-        self.runs_forgotten = 0  # stale runs dropped to make room for new ones (settings.max_runs)
+        self.runs_forgotten = 0  # runs dropped to make room for new ones (settings.max_runs)
         self.last_record_wall = 0.0
         self._rate: deque[tuple[float, int]] = deque(maxlen=64)
         self.order = SummaryOrder(self.settings.order_grace, clock=clock)
         self.summaries_total = 0  # temporal stage: summaries received
         self.outbox: list[StepSummary] = []  # spatial stage: summaries for the temporal stage
         self.forgotten_events: list[IncidentEvent] = []  # resolutions of forgotten runs' incidents
+        self.carried: dict[str, Any] = {}
+        """What the service keeps in the pipeline's state for its other parts (JSON-safe; the runs'
+        key bindings): saved and restored with it, file and state topic alike."""
 
     # -- input --------------------------------------------------------------------------------
 
     def process(self, records: Iterable[Any]) -> list[IncidentEvent]:
         """Align records (v1 ``Record``, v2 ``RecordColumns``); run every closed step through the detectors."""
-        records, markers, restarted, new = self.lifecycle.sort_mixed(self.names.take(records))
+        records, markers, restarted, new = self.lifecycle.sort_mixed(self.checkpoints.take(self.names.take(records)))
         self.records_total += (n := count_records(records))  # telemetry: end-of-run markers not counted
         self._arrived(n + len(markers))
         events: list[IncidentEvent] = []
@@ -201,11 +225,11 @@ class DetectionPipeline:
         return self._with_forgotten(events + [e for s in self.order.poll() for e in self.judge_step(s)])
 
     def expire(self) -> list[IncidentEvent]:
-        """Resolve incidents of runs silent for ``stale_after`` s, close finished runs, evict expired ones."""
+        """Resolve incidents of runs silent for ``run_stale_s``, close finished runs, evict expired ones."""
         now = self.wall()
         events: list[IncidentEvent] = []
         for run, st in self._runs.items():
-            if st.last_step >= 0 and now - st.last_step_wall >= self.settings.stale_after:
+            if st.last_step >= 0 and now - st.last_step_wall >= self.settings.run_stale_s:
                 events += self.book.close_run(run, st.last_step)
         waiting = self.order.held if self.stage == "temporal" else self.aligner.open_steps_of
         for run in self.lifecycle.to_close(waiting):
@@ -217,6 +241,7 @@ class DetectionPipeline:
                 self.outbox.append(StepSummary.end_of(run, st.last_step, st.world))
         for run, why in self.lifecycle.to_evict():
             events += self.evict(run, why)
+        self.checkpoints.events(events)  # resolutions of stale and closed runs' incidents
         return events
 
     def evict(self, run: str, why: str = "") -> list[IncidentEvent]:
@@ -225,6 +250,7 @@ class DetectionPipeline:
         events = self.book.close_run(run, st.last_step if st is not None else -1)
         self.book.forget_run(run)
         self.names.forget(run)
+        self.checkpoints.forget(run)
         self.aligner.forget(run)
         self.order.forget(run)
         self.lifecycle.forget(run, why)
@@ -248,7 +274,9 @@ class DetectionPipeline:
         summaries = list(summaries)
         self.summaries_total += len(summaries)
         self._arrived(len(summaries))
-        summaries = self.lifecycle.take_summaries(self.names.take(summaries))  # the end closes a run in expire()
+        summaries = self.lifecycle.take_summaries(
+            self.checkpoints.take(self.names.take(summaries))
+        )  # the end closes a run in expire()
         return self._with_forgotten([e for s in self.order.add(summaries) for e in self.judge_step(s)])
 
     def _arrived(self, n: int) -> None:
@@ -268,20 +296,31 @@ class DetectionPipeline:
         return st
 
     def _admit(self, run: str) -> bool:
-        """Whether a new run fits within ``max_runs`` (the aligner asks before it takes one). Past the
-        bound the run silent longest (``_runs`` is in order of activity: the first) makes room if it
-        has been silent for ``stale_after`` seconds."""
+        """Whether a new run gets a place within ``max_runs`` (the aligner asks before it takes one,
+        new runs of one poll in a fixed order). Past the bound a run makes room: the run on probation
+        silent longest, if silent ``run_probation_idle_s``; else the run silent longest (``_runs`` is
+        in order of activity: the first), if silent ``run_stale_s``. A training run is never the
+        one for a newcomer."""
         if self.aligner.runs() < self.settings.max_runs:
             return True
-        idlest = next(iter(self._runs), None)
-        if idlest is None or self.wall() - self._runs[idlest].last_step_wall < self.settings.stale_after:
+        victim = self.aligner.idlest_on_probation(self.settings.run_probation_idle_s)
+        if victim is None:
+            idlest = next(iter(self._runs), None)
+            if idlest is not None and self.wall() - self._runs[idlest].last_step_wall >= self.settings.run_stale_s:
+                victim = idlest
+        if victim is None:
             return False
         self.runs_forgotten += 1
-        self.forgotten_events += self.evict(idlest)
+        self.forgotten_events += self.evict(victim)
         return True
+
+    def holds(self, run: str) -> bool:
+        """Whether the pipeline keeps ``run`` (its schemas are then kept too: see ``SchemaRegistry.holds``)."""
+        return self.aligner.holds(run) or run in self._runs
 
     def observe_step(self, frame: StepFrame) -> StepSummary:
         """The cross-rank half of every detector on one step, as a :class:`StepSummary`."""
+        frame.departed = self.lifecycle.departed(frame.run, frame.step, frame.world)
         st = self._state(frame.run)
         known = st.hosts if len(st.hosts) == frame.world else [""] * frame.world
         hosts = tuple(frame.hosts) if frame.complete else tuple(new or old for new, old in zip(frame.hosts, known))
@@ -351,7 +390,10 @@ class DetectionPipeline:
         ranks_known = summary.frame is None or summary.frame.ranks_known
         findings = st.attribution.apply(summary.step, summary.world, findings, ranks_known)
         findings = _name_coords(findings if ranks_known else _no_ranks(findings), summary.coords)
-        return self.book.add(findings, summary.hosts) + self.book.advance(summary.run, summary.step)
+        events = self.book.add(findings, summary.hosts) + self.book.advance(summary.run, summary.step)
+        self.checkpoints.events(events)  # incidents first: a checkpoint of this step is marked with them
+        self.checkpoints.judged(summary.run, summary.step)
+        return events
 
     # -- reading ------------------------------------------------------------------------------
 
@@ -362,7 +404,12 @@ class DetectionPipeline:
     def take_summaries(self) -> list[StepSummary]:
         """Spatial stage: the step summaries made since the last call, for the summaries topic."""
         summaries, self.outbox = self.outbox, []
-        return self.names.stamp(summaries)  # with the layer names the temporal stage has not had
+        summaries = self.names.stamp(summaries)  # with the layer names the temporal stage has not had
+        return self.checkpoints.stamp(summaries)  # and the checkpoints the ranks saved
+
+    def take_marks(self) -> list:
+        """The checkpoints marked (or marked again) since the last call, for the anomalies topic."""
+        return self.checkpoints.take_marks()
 
     def _run_views(self, max_runs: int | None) -> list[RunView]:
         """Views of the runs to export: all, or the ``max_runs`` with open incidents first, then the
@@ -428,6 +475,7 @@ class DetectionPipeline:
             incidents=self.book.current(),
             incidents_total=dict(self.book.opened_total),
             findings_total=dict(self.findings_total),
+            checkpoints=self.checkpoints.view({r.run for r in runs}),
         )
 
     # -- state ----------------------------------------------------------------------------------
@@ -446,6 +494,8 @@ class DetectionPipeline:
             "summaries_total": self.summaries_total,
             "lifecycle": self.lifecycle.snapshot(),
             "layer_names": self.names.snapshot(),
+            "checkpoints": self.checkpoints.snapshot(),
+            "carried": self.carried,
         }
 
     def restore(self, state: dict[str, Any]) -> None:
@@ -469,6 +519,9 @@ class DetectionPipeline:
         self.summaries_total = int(state.get("summaries_total", 0))
         self.lifecycle.restore(state.get("lifecycle", {}), runs=self._runs)
         self.names.restore(state.get("layer_names", {}))
+        self.checkpoints.restore(state.get("checkpoints", {}))
+        carried = state.get("carried")
+        self.carried = carried if isinstance(carried, dict) else {}
 
     def save(self, path: str | os.PathLike, state: dict[str, Any] | None = None) -> None:
         """Write the state (``state``, or a snapshot taken now); see :func:`~sdcwatch.service.statefile.write_state`."""

@@ -24,6 +24,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from sdcwatch.core.record_type import Record
 from sdcwatch.core.validate import check_positive
 from sdcwatch.core.vocabulary import RUN_END
@@ -36,6 +38,7 @@ class _Life:
     last_input: float  # service wall time of the run's last record (or summary)
     world: int = 0  # world size the markers were sent for
     ended: dict[int, float] = field(default_factory=dict)  # rank -> time field of its marker
+    ended_step: dict[int, int] = field(default_factory=dict)  # rank -> the step its marker names
     end_step: int = -1  # highest step named by a marker
     finished_at: float | None = None  # service wall time the last marker arrived
     closed: bool = False  # open steps judged and incidents resolved after the run finished
@@ -108,6 +111,7 @@ class RunLifecycle:
                         restarted.add(rec.run)
                     else:
                         del life.ended[rec.rank]
+                        life.ended_step.pop(rec.rank, None)
         new: set[str] = set()
         for run in seen - restarted:  # the caller evicts a restarted run, then reports its input
             life = runs.get(run)
@@ -160,8 +164,9 @@ class RunLifecycle:
         if life is None or life.finished_at is not None:
             return False  # a run never admitted, or a redelivered marker of a finished run
         if marker.world != life.world:  # the world changed (elastic): only markers of the new world count
-            life.world, life.ended = marker.world, {}
+            life.world, life.ended, life.ended_step = marker.world, {}, {}
         life.ended[marker.rank] = marker.time
+        life.ended_step[marker.rank] = marker.step
         life.end_step = max(life.end_step, marker.step)
         if len(life.ended) < life.world:
             return False
@@ -220,6 +225,19 @@ class RunLifecycle:
         life = self._runs.get(run)
         return life is not None and life.finished_at is not None
 
+    def departed(self, run: str, step: int, world: int) -> np.ndarray | None:
+        """(world,) mask of the ranks whose end-of-run marker names a step before ``step`` (a replica
+        that left the job while the others go on); None when there is none."""
+        life = self._runs.get(run)
+        if life is None or not life.ended_step:
+            return None
+        gone = [r for r, s in life.ended_step.items() if s < step and r < world]
+        if not gone:
+            return None
+        mask = np.zeros(world, bool)
+        mask[gone] = True
+        return mask
+
     def ended_ranks(self, run: str) -> int:
         life = self._runs.get(run)
         return 0 if life is None else len(life.ended)
@@ -238,6 +256,7 @@ class RunLifecycle:
                 run: {
                     "world": life.world,
                     "ended": [[r, t] for r, t in life.ended.items()],
+                    "ended_steps": [[r, s] for r, s in life.ended_step.items()],
                     "end_step": life.end_step,
                     "finished": life.finished_at is not None,
                     "closed": life.closed,
@@ -258,6 +277,7 @@ class RunLifecycle:
                 now,
                 world=int(d["world"]),
                 ended={int(r): float(t) for r, t in d["ended"]},
+                ended_step={int(r): int(s) for r, s in d.get("ended_steps", ())},
                 end_step=int(d["end_step"]),
                 finished_at=now if d["finished"] else None,
                 closed=bool(d["closed"]),

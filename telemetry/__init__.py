@@ -18,6 +18,7 @@ from sdcwatch.core.lazy import lazy_attributes
 from sdcwatch.core.record import decode, encode
 from sdcwatch.core.record_json import from_json, to_json
 from sdcwatch.core.record_type import Record
+from sdcwatch.core.signing import JobKey
 from sdcwatch.core.vocabulary import FINGERPRINTS, LAYER_METRICS, RUN_END, SCALARS, TELEMETRY_TOPIC
 from sdcwatch.telemetry.wire.emitter import Emitter, NullEmitter
 from sdcwatch.telemetry.wire.end_marker import end_marker, is_end_marker
@@ -39,6 +40,8 @@ _LAZY = {
     "GuardEviction": "sdcwatch.telemetry.guard.config",
     "GuardOutcome": "sdcwatch.telemetry.guard.config",
     "EXIT_CODE_EVICT": "sdcwatch.telemetry.guard.config",
+    "DeviceSkip": "sdcwatch.telemetry.guard.device_skip",
+    "DeviceSkipConfig": "sdcwatch.telemetry.guard.device_skip",
     "Decision": "sdcwatch.core.control",
     "KafkaControl": "sdcwatch.telemetry.guard.control_topic",
     "MemoryControl": "sdcwatch.telemetry.guard.control_topic",
@@ -54,6 +57,7 @@ _LAZY = {
 
 __all__ = [
     "Record",
+    "JobKey",
     "encode",
     "decode",
     "to_json",

@@ -15,11 +15,14 @@ from sdcwatch.core.errors import ConfigError
 from sdcwatch.testbed.branches import Branch, frames_of, new_run, run_branch
 from sdcwatch.testbed.campaign_summary import summarise
 from sdcwatch.testbed.campaign_targets import check_targets
-from sdcwatch.testbed.fault_classes import FAULT_CLASSES
+from sdcwatch.testbed.fault_classes import BENIGN_CLASSES, FAULT_CLASSES
 from sdcwatch.testbed.guard_campaign import (
+    MITIGATIONS,
     GuardedBranch,
+    campaign_guard_config,
     check_guard_targets,
     guard_trial,
+    mitigation_result,
     run_guarded_branch,
     summarise_guard,
 )
@@ -114,6 +117,7 @@ def run_campaign(
     workdir: str | Path | None = None,
     progress: Callable[[str], None] | None = _progress,
     guard: bool = False,
+    mitigations: Sequence[str] = (),
 ) -> dict[str, Any]:
     """Run the whole campaign; returns the JSON-ready result (``config``, ``checkpoint``, ``trials``, ``summary``).
 
@@ -127,12 +131,17 @@ def run_campaign(
 
     With ``guard``, every trial runs three ways (see :mod:`sdcwatch.testbed.guard_campaign`): the clean twin
     and a third branch run guarded, and the result gains ``guard_summary`` and ``guard_targets``.
+    ``mitigations`` (of :data:`~sdcwatch.testbed.guard_campaign.MITIGATIONS`, with ``guard``): the
+    trials of the benign and spike classes run guarded once more per spike mitigation (the arm).
     """
     import torch
 
     torch.set_num_threads(1)
     say = progress or (lambda msg: None)
     t_start = time.perf_counter()
+    bad = [m for m in mitigations if m not in MITIGATIONS]
+    if bad or (mitigations and not guard):
+        raise ConfigError("campaign.mitigations", f"need the guard and one of {', '.join(MITIGATIONS)}, got {bad!r}")
     trials = trials_from_faults(faults, config) if faults is not None else generate_trials(config)
     runners = make_detectors(detectors)
 
@@ -148,9 +157,12 @@ def run_campaign(
         results = []
         t_trials = time.perf_counter()
         for i, trial in enumerate(trials):
-            results.append(_run_trial(config, start, trial, runners, loop, say))
+            results.append(_run_trial(config, start, trial, runners, loop, say, tuple(mitigations)))
             say(_trial_line(trial, results[-1], i + 1, len(trials), time.perf_counter() - t_trials))
-    return _campaign_result(config, faults, checkpoint, results, [r.name for r in runners], guard, t_start)
+    result = _campaign_result(config, faults, checkpoint, results, [r.name for r in runners], guard, t_start)
+    if mitigations:
+        result["config"]["guard_mitigations"] = list(mitigations)
+    return result
 
 
 @dataclass
@@ -216,6 +228,7 @@ def _run_trial(
     runners: Sequence[Any],
     loop: SdcwatchRunner | None,
     say: Callable[[str], None],
+    mitigations: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     """One trial's row of the result: its faulted run and clean twin from the checkpoint, the ground
     truth and every detector's verdict; with the guard's ``loop``, the faulted run again, guarded."""
@@ -240,6 +253,8 @@ def _run_trial(
     }
     if loop is not None:
         row["guard"] = _guarded_run(config, start, trial, fault, faulted, twin, loop, say)
+        if mitigations and trial.fault_class in BENIGN_CLASSES:
+            row["guard"]["mitigated"] = _mitigated_runs(config, start, trial, fault, twin, loop, say, mitigations)
     return row
 
 
@@ -274,6 +289,28 @@ def _guarded_run(
         f"drift {g['drift']['faulted']} -> {g['drift']['guarded']}"
     )
     return g
+
+
+def _mitigated_runs(
+    config: CampaignConfig,
+    start: _Checkpoint,
+    trial: Trial,
+    fault: Any,
+    twin: GuardedBranch,
+    loop: SdcwatchRunner,
+    say: Callable[[str], None],
+    mitigations: tuple[str, ...],
+) -> dict[str, Any]:
+    """The mitigation arm: the guarded run again with each spike mitigation on, against the twin."""
+    out = {}
+    for m in mitigations:
+        guard = campaign_guard_config(m)
+        branch = run_guarded_branch(config, start.path, [fault], trial.data_seed, loop, guard=guard)
+        out[m] = mitigation_result(twin, branch, start.theta0)
+        say(
+            f"campaign:   mitigated ({m}): {out[m]['mitigations']} mitigation(s); final loss excess {out[m]['final_excess']}"
+        )
+    return out
 
 
 def _trial_line(trial: Trial, row: dict[str, Any], done: int, total: int, seconds: float) -> str:

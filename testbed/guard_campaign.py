@@ -18,7 +18,12 @@ so it may take more steps: those are the *steps spent*. Per trial:
   steps after rollbacks and restarts) and ``reruns`` (extra forward/backward passes);
 * ``verdict`` / ``verdict_right``: the first rerun verdict at or after the fault against the ground
   truth of the fault's class (:data:`EXPECTED_VERDICT`);
-* ``evicted_rank`` / ``evicted_after``: the first eviction and its delay from the fault's first step.
+* ``evicted_rank`` / ``evicted_after``: the first eviction and its delay from the fault's first step;
+* ``mitigated`` (benign and spike classes, with ``--guard-mitigations``): the guarded run again with
+  each ``spike_mitigation`` variant on, its final loss excess and drift against the same twin.
+
+:func:`run_clean_guarded` trains one long clean run with the whole loop closed (the shipped guard's
+false actions over many steps: ``bench/guard_clean_steps.py``).
 """
 
 from __future__ import annotations
@@ -43,6 +48,9 @@ __all__ = [
     "check_guard_targets",
     "guard_table",
     "campaign_guard_config",
+    "MITIGATIONS",
+    "mitigation_result",
+    "run_clean_guarded",
 ]
 
 #: Ground truth for a rerun's verdict, by fault class: a one-off corruption of a value does not
@@ -52,16 +60,24 @@ EXPECTED_VERDICT = {
     **{c: "transient" for c in HARDWARE_CLASSES[: HARDWARE_CLASSES.index("unhealthy_node")]},
     "unhealthy_node": "persistent",
     "param_bitflip": "persistent",
+    "nonfinite_stream": "transient",
+    "bitflip_container": "transient",
+    "param_bitflip_mantissa": "persistent",
     **{c: "data" for c in BENIGN_CLASSES},
 }
 _VERDICTS = ("transient", "persistent", "data", "reproducible")
+#: The spike mitigations the campaign's mitigation arm can measure (``GuardConfig.spike_mitigation``).
+MITIGATIONS = ("lr", "clip", "lr+clip")
 
 
-def campaign_guard_config() -> Any:
-    """The guard the campaign measures: the default settings with actions on."""
+def campaign_guard_config(spike_mitigation: str = "none") -> Any:
+    """The guard the campaign measures: the default settings with actions on (and, for the
+    mitigation arm, a ``spike_mitigation`` other than the default)."""
     from sdcwatch.telemetry.guard.config import GuardConfig
 
-    return GuardConfig(mode="act")
+    if spike_mitigation == "none":
+        return GuardConfig(mode="act")
+    return GuardConfig(mode="act", spike_mitigation=spike_mitigation)
 
 
 @dataclass
@@ -95,7 +111,6 @@ class _InProcessLoop:
         self.sink = ControlTopicSink.with_policy(ControlPolicy(actions=True), self.control.put)
         self.frames: list = []
         self._pending: dict[int, list] = {}
-        self._cursor = 0
 
     def emitter(self, rank: int, host: str = "") -> RecordCollector:
         """A rank's emitter: its records join the loop's."""
@@ -105,9 +120,9 @@ class _InProcessLoop:
         """Detect on every step up to ``upto`` whose records are in, and publish what the policy decides."""
         from sdcwatch.detectors.frame import StepFrame
 
-        for rec in self.records[self._cursor :]:
+        for rec in self.records:
             self._pending.setdefault(rec.step, []).append(rec)
-        self._cursor = len(self.records)
+        del self.records[:]  # the ranks' collectors share this list: consumed records go (long runs)
         for s in sorted(k for k in self._pending if k <= upto):
             frame = StepFrame.from_records(self.run_id, s, self.world, self._pending.pop(s))
             self.frames.append(frame)
@@ -123,11 +138,13 @@ def run_guarded_branch(
     runner: Any,
     run_id: str = "campaign-guarded",
     max_factor: int = 3,
+    guard: Any = None,
 ) -> GuardedBranch:
     """Run the branch with the guard and the in-process loop until it has trained on the twin's data.
 
     ``runner`` is a warmed-up sdcwatch campaign runner (forked here, so every branch starts from the
-    same detection state). At most ``max_factor * branch_steps`` steps are run.
+    same detection state). At most ``max_factor * branch_steps`` steps are run. ``guard``: the guard's
+    settings (default :func:`campaign_guard_config`).
     """
     from sdcwatch.testbed.simulated import SimulatedRun
 
@@ -139,7 +156,7 @@ def run_guarded_branch(
         faults=faults,
         emitter_factory=loop.emitter,
         batch_size=config.batch_size,
-        guard=campaign_guard_config(),
+        guard=guard if guard is not None else campaign_guard_config(),
         control=loop.control,
     )
     try:
@@ -242,6 +259,82 @@ def guard_trial(
     }
 
 
+def mitigation_result(twin: GuardedBranch, mitigated: GuardedBranch, theta0: Any) -> dict[str, Any]:
+    """The mitigation arm of one trial: the guarded run with a ``spike_mitigation`` on, against the twin."""
+    return {
+        "final_loss": json_number(mitigated.losses[-1]) if mitigated.losses else None,
+        "final_excess": json_number(_excess(mitigated.losses[-1], twin.losses[-1])) if mitigated.losses else None,
+        "drift": json_number(_drift(mitigated.params, twin, theta0)),
+        "actions": mitigated.actions,
+        "mitigations": sum(1 for a in mitigated.actions if a.get("mitigation")),
+        "reruns": mitigated.reruns,
+        "finished": mitigated.finished,
+    }
+
+
+def run_clean_guarded(
+    config: Any,
+    checkpoint: Path,
+    data_seed: int,
+    runner: Any,
+    steps: int,
+    *,
+    guard: Any = None,
+    chunk: int = 500,
+    progress: Any = None,
+) -> dict[str, Any]:
+    """Train ``steps`` clean steps from ``checkpoint`` with the guard (default: the campaign's, as
+    shipped with actions on) and the whole loop closed: every action is a false one. Returns the
+    actions, the steps, the losses at the ends and the time; ``progress(dict)`` after every ``chunk``."""
+    from sdcwatch.testbed.simulated import SimulatedRun
+
+    t0 = time.perf_counter()
+    loop = _InProcessLoop(runner, "clean-guarded", config.world)
+    run = SimulatedRun(
+        config.world,
+        seed=config.seed,
+        emitter_factory=loop.emitter,
+        batch_size=config.batch_size,
+        guard=guard if guard is not None else campaign_guard_config(),
+        control=loop.control,
+    )
+    evictions: list[tuple[int, tuple[int, ...]]] = []
+    frames = 0
+    try:
+        run.load_checkpoint(checkpoint)
+        run.seed = data_seed
+        first, end, start_loss = run.step, run.data_pos + steps, run.history[-1]
+        while run.data_pos < end:
+            evictions += _train_on_the_twins_data(run, loop, min(end, run.data_pos + chunk), first + 3 * steps)
+            frames += len(loop.frames)
+            loop.frames.clear()  # the detection state lives in the pipeline; frames are not kept
+            if progress is not None:
+                progress(_clean_state(run, first, frames, evictions, t0))
+            if run.step >= first + 3 * steps:
+                break
+    finally:
+        run.close()  # flushes the last step's records
+    loop.feed(1 << 62)
+    frames += len(loop.frames)
+    return {**_clean_state(run, first, frames, evictions, t0), "checkpoint_loss": start_loss}
+
+
+def _clean_state(run: Any, first: int, frames: int, evictions: list, t0: float) -> dict[str, Any]:
+    acts = [a.to_dict() for a in run.guard.actions if a.action != "none"]
+    would = [a.to_dict() for a in run.guard.actions if a.action == "none" and a.would]
+    return {
+        "steps": run.step - first,
+        "frames_detected": frames,
+        "actions": len(acts),
+        "reported_only": len(would),
+        "action_list": (acts + would)[:50],
+        "evictions": [[s, list(r)] for s, r in evictions],
+        "reruns": run.guard.reruns,
+        "last_loss": run.history[-1],
+        "seconds": round(time.perf_counter() - t0, 1),
+    }
+
+
 def _f(x: Any) -> float:
     if isinstance(x, str):
         return {"NaN": math.nan, "Infinity": math.inf}.get(x, math.nan)
@@ -281,6 +374,34 @@ def summarise_guard(trials: Sequence[dict]) -> dict[str, Any]:
             "verdicts_right": f"{sum(bool(x['verdict_right']) for x in judged)}/{len(judged)}",
             "evicted_in_window": f"{sum(x['evicted_in_window'] for x in g)}/{len(g)}",
             "twin_actions": sum(len(x["twin_actions"]) for x in g),
+        }
+        arm = _summarise_mitigations(g)
+        if arm:
+            out[cls]["mitigated"] = arm
+    return out
+
+
+def _summarise_mitigations(g: Sequence[dict]) -> dict[str, Any]:
+    """Per spike mitigation measured on these trials: the median final loss excess over the twin, the
+    mitigations started, the trials where it beat (or lost to) the guard without it, and the
+    rollbacks and evictions (a benign spike must have none)."""
+    out: dict[str, Any] = {}
+    for m in MITIGATIONS:
+        arm = [(x, x["mitigated"][m]) for x in g if m in x.get("mitigated", {})]
+        if not arm:
+            continue
+        vals = [_f(a["final_excess"]) for _, a in arm]
+        off = [_f(x["final_excess"]["guarded"]) for x, _ in arm]
+        out[m] = {
+            "trials": len(arm),
+            "final_excess": json_number(median(vals)),
+            "final_excess_off": json_number(median(off)),
+            "better": sum(v < o for v, o in zip(vals, off)),
+            "worse": sum(v > o for v, o in zip(vals, off)),
+            "mitigations": sum(a["mitigations"] for _, a in arm),
+            "rollbacks_evictions": sum(
+                1 for _, a in arm for act in a["actions"] if act["action"] in ("rollback", "evict")
+            ),
         }
     return out
 
@@ -368,11 +489,31 @@ def guard_table(result: dict[str, Any]) -> str:
             f"{acts} | {s['steps_spent']} | {s['reruns']} | {s['verdicts_right']} | "
             f"{s['evicted_in_window']} | {s['twin_actions']} |"
         )
+    lines += _mitigation_table(result["guard_summary"], f)
     lines += ["", "| target (guard) | measured | met |", "|---|---|---|"]
     for t in result.get("guard_targets") or []:
         met = "–" if t["met"] is None else ("yes" if t["met"] else "**no**")
         lines.append(f"| {t['target']} | {t['count']} | {met} |")
     return "\n".join(lines)
+
+
+def _mitigation_table(summary: dict[str, Any], f: Any) -> list[str]:
+    """The mitigation arm's rows (none when it was not run)."""
+    rows = [
+        f"| {cls} | {m} | {a['trials']} | {f(s['final_excess_faulted'], True)} | {f(a['final_excess_off'], True)} | "
+        f"{f(a['final_excess'], True)} | {a['better']} / {a['worse']} | {a['mitigations']} | {a['rollbacks_evictions']} |"
+        for cls, s in summary.items()
+        for m, a in s.get("mitigated", {}).items()
+    ]
+    if not rows:
+        return []
+    return [
+        "",
+        "| class | spike mitigation | trials | final loss excess, unguarded | guarded, no mitigation | guarded, "
+        "mitigated | mitigated better / worse (trials) | mitigations | rollbacks + evictions |",
+        "|---|---|---|---|---|---|---|---|---|",
+        *rows,
+    ]
 
 
 def shifted(fault: Any, by: int) -> Any:

@@ -9,7 +9,8 @@ Replica divergence is simulated too: a fault that only one real replica would su
 all-reduce (a ``where: "param"`` memory flip, an ``lr_spike`` on one rank) is kept as a per-rank
 delta on top of the shared parameters, applied while that rank computes and when its parameter
 fingerprint is taken. The delta is exact for a one-off change when the update is shared, which is
-what data parallelism guarantees.
+what data parallelism guarantees. A rank's replica can leave the quorum (the guard's ``on_evict =
+"leave"``): the others go on without it.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from sdcwatch.telemetry.probes.gemm_canary import GemmCanary
 from sdcwatch.telemetry.probes.watch import Watch, canary_product
 from sdcwatch.telemetry.wire.emitter import NullEmitter
 from sdcwatch.testbed.corpus import Corpus
+from sdcwatch.testbed.elastic import SimulatedMembership, close_departed, quorum_mean, stand_in_losses
 from sdcwatch.testbed.fault_bounds import BoundedInjector
 from sdcwatch.testbed.faults import FaultInjector
 from sdcwatch.testbed.faultspec import FaultSpec
@@ -107,6 +109,8 @@ class SimulatedRun:
         """The next step to run."""
         self.data_pos = 0
         """The data position of the next step (it equals the step until a guard rollback replays data)."""
+        self.left: dict[int, int] = {}
+        """Ranks whose replica left the quorum (``on_evict="leave"``) -> the step after which it left."""
         self.guard: Guard | None = None if guard is None else self._new_guard(guard, control)
         """The guard, when the run has one (``guard=GuardConfig(...)``): it decides every update."""
         self._deltas: dict[int, list[torch.Tensor | None]] = {}
@@ -171,9 +175,12 @@ class SimulatedRun:
             resync=lambda suspects: self._deltas.clear(),
             host_of=self.host_of,
             checksums=lambda: {
-                r for r, w in enumerate(self.watches) if w.checksums is not None and w.checksums.violated()
+                r
+                for r, w in enumerate(self.watches)
+                if r not in self.left and w.checksums is not None and w.checksums.violated()
             },
             distributed=False,
+            elastic=SimulatedMembership(self) if guard.on_evict == "leave" else None,
         )
 
     def _host_names(self, hosts: int | Sequence[str] | None, ranks_per_host: int) -> list[str]:
@@ -265,9 +272,8 @@ class SimulatedRun:
         rank's forward and backward into ``losses`` and ``times``, then the all-reduce into ``shared``;
         it returns the ranks' losses, the global and the local gradient norms."""
         fingerprint_step = s % cfg.fingerprint_every == 0
-        # Ranks run one after the other here; a fixed order would give the first one every step the
-        # cold caches after the optimizer step (it would look like a straggler). A per-step
-        # shuffle spreads that over all ranks; CPU time of this thread ignores other processes.
+        # Ranks run one after the other: a fixed order would give the first the cold caches after the
+        # optimizer step (a straggler); a per-step shuffle spreads that (thread CPU time ignores others).
         order = torch.randperm(self.world, generator=torch.Generator().manual_seed(self.seed * 7919 + s)).tolist()
 
         def compute() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -280,7 +286,7 @@ class SimulatedRun:
     def _forward_ranks(self, order: list[int], s: int, d: int, inj: Any, losses: list, times: list[float]) -> None:
         """Every virtual rank's forward and backward in ``order``, only its own watch on; a rank's time
         is its CPU time less its faults' own."""
-        for r in order:
+        for r in (r for r in order if r not in self.left):  # a replica that left computes nothing
             t0 = time.thread_time()
             injecting = inj.cpu_seconds
             inj.rank = r
@@ -292,13 +298,14 @@ class SimulatedRun:
             times[r] = time.thread_time() - t0 - (inj.cpu_seconds - injecting)  # the fault's own cost is not the rank's
         for w in self.watches:
             w.enabled = True
+        stand_in_losses(losses, self.left)
 
     def _all_reduce(self, grad_fingerprint: Any, shared: dict[str, Any]) -> None:
         """The all-reduce (average) of the ranks' gradients, installed for the update; into ``shared``
         the gradient statistics every rank's probes report and the reduction's CPU time."""
         t0 = time.thread_time()
         g_all = self._grads
-        g = g_all.mean(0)  # the all-reduce (average)
+        g = quorum_mean(g_all, self.left)  # the all-reduce (average) over the replicas in the quorum
         shared["local_sq"] = (g_all * g_all).sum(1)
         shared["dot"] = g_all @ g
         shared["global_sq"] = g @ g
@@ -374,6 +381,8 @@ class SimulatedRun:
         seconds = shared["seconds"] + time.thread_time() - t0
         loss_global = torch.stack(losses).mean()
         for r, w in enumerate(self.watches):
+            if self.left.get(r, s) < s:  # its process is gone
+                continue
             w.observe_gradients(
                 local_sq=shared["local_sq"][r],
                 global_sq=shared["global_sq"],
@@ -395,6 +404,7 @@ class SimulatedRun:
                 **guard_scalars,
                 **(checked if products is not None and products[r] is not None else {}),
             )
+        close_departed(self.left, s, self.watches, self.emitters)
         return loss_global
 
     def _update(self, factors: Sequence[float]) -> None:

@@ -73,3 +73,6 @@ def real_logs() -> Path:
 
 def pytest_configure(config):
     os.environ.setdefault("SDCWATCH_HOST", "testhost")
+    # a developer's exported job key would make every in-memory bus sign (tests that want one set it)
+    os.environ.pop("SDCWATCH_KEY", None)
+    os.environ.pop("SDCWATCH_KEY_FILE", None)

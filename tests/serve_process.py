@@ -58,7 +58,8 @@ class ServeProcess:
     """``sdcwatch serve`` started on ``topics`` with ``flags`` added to the command line.
 
     ``metrics_port`` None takes a free port, 0 turns the metrics server off; ``group`` None takes a
-    fresh group; ``snapshot_interval_s`` None keeps the configured interval. stderr is collected in
+    fresh group; ``snapshot_interval_s`` None keeps the configured interval; ``prefix`` is a command
+    the service runs under (it must exec it, so :attr:`pid` is the service's). stderr is collected in
     the background (a full pipe would block the service), so a test can wait for any line while the
     service runs; stdout is not read. Stop with :meth:`stop` (SIGTERM, exit code checked) or, when
     cleaning up after a failure, :meth:`close` (also the context manager's exit).
@@ -73,12 +74,14 @@ class ServeProcess:
         group: str | None = None,
         metrics_port: int | None = None,
         snapshot_interval_s: float | None = None,
+        prefix: tuple[str, ...] = (),
     ) -> None:
         self.bootstrap, self.topics, self.state_dir = bootstrap, topics, Path(state_dir)
         self.group = group or f"g-{uuid.uuid4().hex[:8]}"
         port = free_port() if metrics_port is None else metrics_port
         snapshots = () if snapshot_interval_s is None else ("--state-snapshot-interval-s", f"{snapshot_interval_s:g}")
         cmd = [
+            *prefix,  # a wrapper the service runs under (e.g. a mount namespace of its own)
             sys.executable,
             "-m",
             "sdcwatch.cli",

@@ -49,6 +49,8 @@ OTHER_ENV = frozenset(
         "SDCWATCH_WIRE",
         "SDCWATCH_MESH",
         "SDCWATCH_COORDS",
+        "SDCWATCH_KEY",
+        "SDCWATCH_KEY_FILE",
         "SDCWATCH_TRITON",
         "SDCWATCH_COMPILED_GRAD_CHECK",
         "SDCWATCH_CONFIG",

@@ -46,6 +46,7 @@ __all__ = [
     "DetectorsConfig",
     "LimitsConfig",
     "GuardPolicyConfig",
+    "AuthConfig",
     "ServeConfig",
     "SECTIONS",
     "SECURITY_KEYS",
@@ -114,8 +115,14 @@ class BusConfig(_Section):
     control_topic: str = CONTROL_TOPIC
     """Topic the service writes decisions for the training jobs' guards to (when guard.actions is on)."""
     group: str = "sdcwatch-detectors"
-    """Kafka consumer group of the service; instances sharing it share the partitions (whole steps).
-    A temporal stage reads the summaries topic as group <group>.temporal."""
+    """Kafka consumer group of the service. Stage both (the default) and the temporal stage: one instance
+    per group; each would see only part of every run (an instance that finds it shares its group exits
+    with an error: share_timeout_s). To scale out, several --stage spatial instances share a group (whole
+    steps each) and one --stage temporal reads the summaries topic as group <group>.temporal."""
+    share_timeout_s: float = 30.0
+    """Stage both and temporal: seconds an instance may hold only part of its topic's partitions before it
+    concludes another instance shares its group and exits with an error, committing nothing (the other
+    re-reads what it took). Longer than a restart's overlap with the instance before it; 0 = never."""
     security: dict = field(default_factory=dict)
     """Kafka security settings passed to kafka-python as keywords: security_protocol, ssl_cafile,
     sasl_mechanism, sasl_plain_username, sasl_plain_password, ... (see SECURITY_KEYS)."""
@@ -138,6 +145,8 @@ class BusConfig(_Section):
             topics[topic] = name
         if not self.group.strip():
             self._fail("group", "must not be empty")
+        if self.share_timeout_s < 0:
+            self._fail("share_timeout_s", f"must be 0 (never) or more seconds, got {self.share_timeout_s}")
         self._validate_security()
 
     def _validate_security(self) -> None:
@@ -240,6 +249,35 @@ class AlertsConfig(_Section):
 
 
 @dataclass
+class AuthConfig(_Section):
+    """[auth]: job keys. With a key file, the service reads only telemetry signed with one of its
+    keys (a run is bound to the key of its first verified message) and signs each run's control
+    decisions with that run's key. Kafka's own SASL/SSL and ACLs ([bus.security]) stay the first line."""
+
+    section: ClassVar[str] = "auth"
+
+    key_file: str = ""
+    """File of the keys the service accepts, one ``kid:secret`` a line (the jobs hold one of them in
+    ``SDCWATCH_KEY_FILE``); empty = off: every message is read, decisions go unsigned."""
+    unsigned: str = "refuse"
+    """With keys: ``refuse`` unsigned messages (dead-lettered ``auth``), or ``accept`` them for runs
+    no key has claimed while a fleet moves to signing (a run bound to a key is never spoken for
+    unsigned)."""
+
+    def _validate(self) -> None:
+        if self.unsigned not in ("refuse", "accept"):
+            self._fail("unsigned", f"must be refuse or accept, got {self.unsigned!r}")
+        if self.key_file:
+            self.key_file = str(Path(self.key_file).expanduser())
+
+    def keyring(self) -> Any:
+        """The keys of ``key_file`` (a Keyring), None when off; ConfigError naming a bad line, never a secret."""
+        from sdcwatch.core.signing import Keyring
+
+        return Keyring.from_file(self.key_file, "auth.key_file") if self.key_file else None
+
+
+@dataclass
 class StateConfig(_Section):
     """[state]: where the service keeps its snapshot so a restart resumes without repeated alerts."""
 
@@ -249,8 +287,16 @@ class StateConfig(_Section):
     """Folder for the state snapshot (created if missing); relative paths are from the working directory."""
     snapshot_interval_s: float = 30.0
     """Seconds between periodic snapshots; one is always written on a clean stop (Ctrl-C, SIGTERM)."""
+    topic: str = ""
+    """Compacted Kafka topic (created if missing) each snapshot also goes to, keyed by consumer group and
+    stage, before the offsets are committed; an instance started without a state file, or with one older
+    than the topic's snapshot, resumes from it: on another machine too. Empty = off. Stages both and temporal."""
 
     def _validate(self) -> None:
+        if self.topic:
+            problem = topic_problem(self.topic)
+            if problem:
+                self._fail("topic", problem)
         self.dir = self.dir.expanduser()
         if str(self.dir) in ("", "."):
             self._fail("dir", "must name a folder for the snapshot (not the working directory itself)")
@@ -369,11 +415,29 @@ class ServeConfig:
     """[limits] bounds on what one record may claim."""
     guard: GuardPolicyConfig = field(default_factory=GuardPolicyConfig)
     """[guard] decisions for the training jobs' guards."""
+    auth: AuthConfig = field(default_factory=AuthConfig)
+    """[auth] job keys: signed telemetry and control."""
 
     def __post_init__(self) -> None:
         for name, cls in SECTIONS.items():
             if not isinstance(getattr(self, name), cls):
                 raise ConfigError(name, f"must be a {cls.__name__}, got {type(getattr(self, name)).__name__}")
+        self._check_state_topic()
+
+    def _check_state_topic(self) -> None:
+        """The state topic has one purpose, and one writer per key: not a spatial stage's instances."""
+        topic = self.state.topic
+        if not topic:
+            return
+        for name in ("telemetry_topic", "anomalies_topic", "deadletter_topic", "summaries_topic", "control_topic"):
+            if getattr(self.bus, name) == topic:
+                raise ConfigError("state.topic", f"{topic!r} is also bus.{name}; each topic has one purpose")
+        if self.detectors.stage == "spatial":
+            raise ConfigError(
+                "state.topic",
+                "spatial instances share one consumer group, each with a state of its own partitions: give each "
+                "its state folder (the state topic is for stage both and the temporal stage)",
+            )
 
     def to_dict(self, *, redact: bool = True) -> dict[str, dict[str, Any]]:
         """Plain nested dict (TOML shape); secrets are shown as ``***`` unless ``redact=False``."""
@@ -404,6 +468,7 @@ SECTIONS: dict[str, type[_Section]] = {
     "detectors": DetectorsConfig,
     "limits": LimitsConfig,
     "guard": GuardPolicyConfig,
+    "auth": AuthConfig,
 }
 
 

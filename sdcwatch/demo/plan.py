@@ -42,10 +42,11 @@ class DemoPlan:
 
 
 def _guard_config(guard: Any) -> Any:
-    """True: the shipped guard settings, acting; a GuardConfig: the caller's; falsy: no guard."""
+    """True: the shipped guard settings, acting, an eviction carried out by the rank's replica
+    leaving the quorum (the simulated job goes on without it); a GuardConfig: the caller's; falsy: no guard."""
     from sdcwatch.telemetry.guard.config import GuardConfig
 
-    return guard if isinstance(guard, GuardConfig) else (GuardConfig(mode="act") if guard else None)
+    return guard if isinstance(guard, GuardConfig) else (GuardConfig(mode="act", on_evict="leave") if guard else None)
 
 
 def _job_shape(ranks: int, steps: int, parallel: str | None, guard: bool) -> tuple[int, Any]:

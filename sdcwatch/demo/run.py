@@ -57,7 +57,11 @@ def _announce(plan: DemoPlan, say: Callable[[str], None]) -> None:
         f"sdcwatch demo: {plan.ranks} simulated ranks"
         + (f" ({plan.layout})" if plan.layout is not None else "")
         + f", {plan.steps} steps, fault: {plan.fault} ({plan.description})"
-        + ("; guard on (skip, rerun, roll back, evict)" if plan.guard else "")
+        + (
+            f"; guard on (skip, rerun, roll back, evict{': the replica leaves, the others go on' if plan.guard_config.on_evict == 'leave' else ''})"
+            if plan.guard
+            else ""
+        )
     )
     if plan.faults:
         where = f"rank {plan.injected_rank}" if plan.injected_rank is not None else "all ranks"
@@ -99,7 +103,7 @@ def _train_beside_the_service(
         run = training.build_run()
         final_loss = training.train(run)
         # wait until the service has seen every step the ranks sent, then let it close them
-        service.drain(plan.run_id, plan.steps, plan.ranks)
+        service.drain(plan.run_id, plan.steps, plan.ranks, training.records_sent)
         service.stop()
     return service, training, run, final_loss
 

@@ -140,10 +140,11 @@ class DemoService:
         """Run the service on its thread."""
         self._thread.start()
 
-    def drain(self, run_id: str, steps: int, ranks: int) -> None:
-        """Wait (bounded) until the service has read every step the ranks sent and closed them."""
+    def drain(self, run_id: str, steps: int, ranks: int, records: int | None = None) -> None:
+        """Wait (bounded) until the service has read every step the ranks sent (``records``, default
+        ``steps`` x ``ranks``) and closed them."""
         deadline = time.monotonic() + 30
-        expected = steps * ranks
+        expected = steps * ranks if records is None else records
         while self.source.seen < expected and time.monotonic() < deadline:
             time.sleep(0.05)
         deadline = time.monotonic() + 10

@@ -50,6 +50,8 @@ class DemoTraining:
         self.t_train = time.monotonic()
         self._told = 0  # guard actions printed so far
         self._pace_gave_up: list[int] = []
+        self.records_sent = 0
+        """Records the ranks sent so far (a rank whose replica left the quorum sends no more)."""
         self._deciders = service.deciders
 
     def emitter(self, rank: int, host: str = "", coords: dict[str, int] | None = None) -> Any:
@@ -79,7 +81,7 @@ class DemoTraining:
         if self._pace_gave_up:
             return
         deadline = time.monotonic() + PACE_TIMEOUT_S
-        want = max(0, step + 1 - PACE_LAG_STEPS) * self.plan.ranks
+        want = self.records_sent - PACE_LAG_STEPS * self.plan.ranks
         source = self.service.source
         while source.seen < want or self.control.received < sum(s.published for s in self._deciders):
             if time.monotonic() > deadline:  # a stalled service must not stall the demo too
@@ -91,6 +93,8 @@ class DemoTraining:
     def on_step(self, step: int, run: Any) -> None:
         """After each step: note the fault's wall time, keep pace, print guard actions and progress."""
         plan = self.plan
+        left = getattr(run, "left", {})
+        self.records_sent += sum(1 for r in range(plan.ranks) if left.get(r, step) >= step)
         if plan.injected_step is not None and step == plan.injected_step:
             self.fault_wall.append(time.time())
         if self.control is not None:

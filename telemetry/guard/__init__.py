@@ -3,6 +3,27 @@
 :mod:`~sdcwatch.telemetry.guard.guard` (``Guard``) judges each step and agrees on an action;
 its settings and outcome are :mod:`~sdcwatch.telemetry.guard.config`, the robust checks
 :mod:`~sdcwatch.telemetry.guard.checks`, rollback snapshots :mod:`~sdcwatch.telemetry.guard.snapshots`,
-decisions read from the control topic :mod:`~sdcwatch.telemetry.guard.control_topic`. The public
-names are re-exported (lazily) by :mod:`sdcwatch.telemetry`.
+decisions read from the control topic :mod:`~sdcwatch.telemetry.guard.control_topic`, the skip decided
+on the device with no host sync :mod:`~sdcwatch.telemetry.guard.device_skip` (``DeviceSkip``), a
+replica group leaving the job while the others go on :mod:`~sdcwatch.telemetry.guard.elastic`. The
+public names are re-exported (lazily) here and by :mod:`sdcwatch.telemetry`.
 """
+
+from sdcwatch.core.lazy import lazy_attributes
+
+_LAZY = {
+    "Guard": "sdcwatch.telemetry.guard.guard",
+    "GuardConfig": "sdcwatch.telemetry.guard.config",
+    "GuardOutcome": "sdcwatch.telemetry.guard.config",
+    "GuardEviction": "sdcwatch.telemetry.guard.config",
+    "EXIT_CODE_EVICT": "sdcwatch.telemetry.guard.config",
+    "DeviceSkip": "sdcwatch.telemetry.guard.device_skip",
+    "DeviceSkipConfig": "sdcwatch.telemetry.guard.device_skip",
+    "ReplicaMembership": "sdcwatch.telemetry.guard.elastic",
+    "TorchFTMembership": "sdcwatch.telemetry.guard.elastic",
+    "TorchFTAgreement": "sdcwatch.telemetry.guard.elastic",
+}
+
+__all__ = list(_LAZY)
+
+__getattr__ = lazy_attributes(__name__, _LAZY)

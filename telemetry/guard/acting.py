@@ -1,4 +1,6 @@
-"""The guard's heavier actions: decisions from the control topic, rollback to a snapshot, eviction.
+"""The guard's heavier actions: decisions from the control topic, rollback to a snapshot, eviction
+(by exiting, or by the rank's replica group leaving the quorum: :mod:`~sdcwatch.telemetry.guard.elastic`),
+the mitigation of an optimisation spike (a learning-rate cut and a tighter clip for a few steps).
 
 A mixin of :class:`~sdcwatch.telemetry.guard.guard.Guard` (its state lives there); every method here is
 called on every process at the same step, so the collectives inside (broadcasts, the host gather)
@@ -11,8 +13,11 @@ import logging
 from typing import Any, Iterable, Sequence
 
 from sdcwatch.core.control import ACTIONS
-from sdcwatch.telemetry.guard.checks import DistGroup, LocalGroup
+from sdcwatch.core.errors import ConfigError
+import numpy as np
+from sdcwatch.telemetry.guard.checks import DistGroup, LocalGroup, drop_through
 from sdcwatch.telemetry.guard.config import GuardEviction, GuardOutcome
+from sdcwatch.telemetry.guard.elastic import leave_quorum
 from sdcwatch.telemetry.guard.snapshots import clone_state
 
 __all__ = ["GuardActing"]
@@ -60,8 +65,7 @@ class GuardActing:
             return self._skip(step, out, what)
         if action == "rollback":
             return self._rollback(step, since, lr, set(ranks), out, what)
-        self._evict(step, ranks, what, out, since)
-        return out  # not reached
+        return self._evict(step, ranks, what, out, since)
 
     def _rollback(
         self, step: int, since: int | None, lr: float, suspects: set[int], out: GuardOutcome, what: str
@@ -71,7 +75,7 @@ class GuardActing:
             self._rollbacks.popleft()
         if len(self._rollbacks) >= c.max_rollbacks:
             if suspects:
-                self._evict(
+                return self._evict(
                     step,
                     tuple(sorted(suspects)),
                     what + f"; rollback budget spent ({c.max_rollbacks} in {c.budget_window} steps)",
@@ -126,17 +130,67 @@ class GuardActing:
                 for p in self.model.parameters():
                     self._group.dist.broadcast(p.data, src=src, group=self._group.group)
 
-    def _evict(self, step: int, ranks: Sequence[int], what: str, out: GuardOutcome, since: int | None = None) -> None:
-        ranks = tuple(sorted(ranks))
+    def _mitigate(self, step: int, out: GuardOutcome) -> GuardOutcome:
+        """After a spike that is not transient: the learning-rate cut and / or tighter clip of
+        ``spike_mitigation`` for ``mitigation_steps`` steps from this one, within its budget."""
+        c = self.config
+        if out.verdict == "transient" or not (out.action != "none" or out.would):
+            return out  # the rerun's clean result was used, or nothing was seen to act on
+        kind, _, until = self._mitigation
+        if step <= until:
+            out.message += f"; the spike mitigation ({kind}) is in force until step {until}"
+            return out
+        drop_through(self._mitigations, step - c.budget_window)
+        if len(self._mitigations) >= c.max_mitigations:
+            out.message += f"; mitigation budget spent ({c.max_mitigations} in {c.budget_window} steps)"
+            return out
+        self._mitigations.append(step)
+        kind = c.spike_mitigation
+        factor = c.mitigation_lr_factor if "lr" in kind else 1.0
+        self._mitigation = (kind, factor, step + c.mitigation_steps - 1)
+        out.mitigation, out.lr_factor = kind, factor
+        parts = ([f"learning rate x{factor:g}"] if "lr" in kind else []) + (
+            [f"gradient clipped to {c.mitigation_clip:g}x the median norm"] if "clip" in kind else []
+        )
+        out.message += f"; mitigated: {' and '.join(parts)} for steps {step}-{step + c.mitigation_steps - 1}"
+        return out
+
+    def _clip(self) -> None:
+        """Clip the gradient to ``mitigation_clip`` times the median norm of recent clean steps."""
+        values = [v for v in self._grad_base.values if v > 0]
+        if not values:
+            return
+        import torch
+
+        params = [p for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
+        torch.nn.utils.clip_grad_norm_(params, self.config.mitigation_clip * float(np.median(values)))
+
+    def _elastic_agreement(self, elastic: Any) -> Any:
+        """``elastic``'s agreement across the quorum's groups (None: the guard's own); ``on_evict =
+        "leave"`` without a membership is refused."""
+        if self.config.on_evict == "leave" and elastic is None:
+            raise ConfigError("guard.on_evict", "'leave' needs the job's replica membership: Guard(elastic=...)")
+        return None if elastic is None else elastic.agreement()
+
+    def _hosts(self, ranks: Sequence[int]) -> list[str]:
         if self.host_of is not None:
-            hosts = [self.host_of(r) for r in ranks]
-        else:
-            table = self._group.gather_hosts(self.host)
-            hosts = (
-                [table[r] if 0 <= r < len(table) else "" for r in ranks]
-                if len(table) > 1
-                else [self.host if r == self.rank else "" for r in ranks]
-            )
+            return [self.host_of(r) for r in ranks]
+        table = self._group.gather_hosts(self.host)
+        if len(table) > 1:
+            return [table[r] if 0 <= r < len(table) else "" for r in ranks]
+        return [self.host if r == self.rank else "" for r in ranks]
+
+    def _evict(
+        self, step: int, ranks: Sequence[int], what: str, out: GuardOutcome, since: int | None = None
+    ) -> GuardOutcome:
+        """Evict ``ranks``: with ``on_evict="leave"`` (and room in the quorum) their replica groups
+        leave and the outcome is returned; otherwise :class:`GuardEviction` is raised on every process."""
+        ranks = tuple(sorted(ranks))
+        hosts = self._hosts(ranks)
+        if self.config.on_evict == "leave" and self.elastic is not None:
+            left = leave_quorum(self.elastic, step, ranks, hosts, what.removeprefix(f"step {step}: "), out)
+            if left is not None:
+                return left
         out.action, out.applied, out.ranks = "evict", False, ranks
         reason = what.removeprefix(f"step {step}: ")
         exc = GuardEviction(step, ranks, hosts, reason, since if since is not None else step)

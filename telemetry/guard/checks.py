@@ -23,6 +23,7 @@ __all__ = [
     "set_rng_state",
     "ballot",
     "BIG",
+    "drop_through",
 ]
 
 BIG = 1 << 40
@@ -154,6 +155,12 @@ class DistGroup:
         box = [text]
         self.dist.broadcast_object_list(box, src=0, group=self.group)
         return str(box[0])
+
+
+def drop_through(steps: "collections.deque[int]", step: int) -> None:
+    """Forget the steps of a budget's window at or before ``step`` (the oldest first)."""
+    while steps and steps[0] <= step:
+        steps.popleft()
 
 
 def suspects_from(hi: int, lo_enc: int) -> list[int]:

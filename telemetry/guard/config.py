@@ -21,6 +21,8 @@ EXIT_CODE_EVICT = 16
 _MODES = ("report", "act")
 _LOCAL_ACTIONS = ("none", "skip", "rerun")
 _PERSISTENT_ACTIONS = ("none", "skip", "rollback", "evict")
+_EVICTIONS = ("exit", "leave")
+_MITIGATIONS = ("none", "lr", "clip", "lr+clip")
 
 
 class GuardEviction(SystemExit):
@@ -65,6 +67,11 @@ class GuardConfig:
     on_persistent: str = "evict"
     """Action when a rerun finds a fault that repeats on one rank and not on another (hardware):
     "evict", "rollback", "skip" or "none"."""
+    on_evict: str = "exit"
+    """How an eviction (``on_persistent``, a rollback past its budget, a control decision) is carried
+    out: "exit" raises :class:`GuardEviction` on every process (exit code 16, a launcher restarts the
+    job without the node); "leave" makes the evicted rank's replica group leave the quorum at the step
+    boundary while the others go on (needs ``Guard(elastic=...)``, :mod:`~sdcwatch.telemetry.guard.elastic`)."""
     spike_z: float = 8.0
     """A value is a spike when it exceeds the median of recent clean steps by ``spike_z`` robust
     standard deviations (1.4826 x MAD) ..."""
@@ -101,6 +108,24 @@ class GuardConfig:
     """Learning-rate factor after a rollback the guard decides itself (a control decision carries its own)."""
     lr_cut_steps: int = 50
     """Steps the learning rate stays cut after a rollback."""
+    max_reruns: int = 10
+    """Reruns allowed per ``budget_window`` steps (a rerun is one extra forward and backward, at most
+    one a step, plus one recomputation on a peer). Past it a step is not rerun: it is skipped within
+    ``max_skips``, and once both are spent a non-finite or checksum fault naming a rank gets
+    ``on_persistent`` (evict by default): reruns that keep disagreeing end, never loop."""
+    spike_mitigation: str = "none"
+    """After a spike that is not transient (the data or the optimisation): "lr" cuts the learning
+    rate by ``mitigation_lr_factor``, "clip" clips the gradient to ``mitigation_clip`` times the
+    median recent norm, "lr+clip" both, for ``mitigation_steps`` steps from the spike's; then restored."""
+    mitigation_lr_factor: float = 0.5
+    """The learning-rate factor of a spike mitigation."""
+    mitigation_clip: float = 1.0
+    """The gradient-norm clip of a spike mitigation, as a multiple of the median norm of recent clean steps."""
+    mitigation_steps: int = 20
+    """Steps a spike mitigation lasts (the spike's step included)."""
+    max_mitigations: int = 2
+    """Spike mitigations allowed per ``budget_window`` steps; past it a spike is only skipped (as
+    ``on_spike`` says) and the guard says so."""
 
     def __post_init__(self) -> None:
         _check_choice("mode", self.mode, _MODES)
@@ -108,7 +133,9 @@ class GuardConfig:
         _check_choice("on_checksum", self.on_checksum, _LOCAL_ACTIONS)
         _check_choice("on_spike", self.on_spike, _LOCAL_ACTIONS)
         _check_choice("on_persistent", self.on_persistent, _PERSISTENT_ACTIONS)
-        for key in ("spike_z", "spike_rel", "grad_spike_rel", "snapshot_memory_mb"):
+        _check_choice("on_evict", self.on_evict, _EVICTIONS)
+        _check_choice("spike_mitigation", self.spike_mitigation, _MITIGATIONS)
+        for key in ("spike_z", "spike_rel", "grad_spike_rel", "snapshot_memory_mb", "mitigation_clip"):
             v = getattr(self, key)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and v > 0):
                 raise ConfigError(f"guard.{key}", f"must be a number > 0, got {v!r}")
@@ -126,18 +153,19 @@ class GuardConfig:
             ("budget_window", 1),
             ("snapshot_every", 1),
             ("lr_cut_steps", 0),
+            ("max_reruns", 0),
+            ("mitigation_steps", 1),
+            ("max_mitigations", 0),
         ):
             v = getattr(self, key)
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise ConfigError(f"guard.{key}", f"must be an integer >= {lo}, got {v!r}")
         if self.warmup > self.window:
             raise ConfigError("guard.warmup", f"must be <= window ({self.window}), got {self.warmup}")
-        if (
-            isinstance(self.lr_factor, bool)
-            or not isinstance(self.lr_factor, (int, float))
-            or not 0 < self.lr_factor <= 1
-        ):
-            raise ConfigError("guard.lr_factor", f"must be a number in (0, 1], got {self.lr_factor!r}")
+        for key in ("lr_factor", "mitigation_lr_factor"):
+            v = getattr(self, key)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 1:
+                raise ConfigError(f"guard.{key}", f"must be a number in (0, 1], got {v!r}")
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "GuardConfig":
@@ -165,6 +193,7 @@ class GuardOutcome:
     resume_from: Any = None
     lr_factor: float = 1.0
     would: str = ""  # report mode: the action that was not taken
+    mitigation: str = ""  # a spike mitigation started at this step ("lr", "clip", "lr+clip")
 
     def telemetry(self) -> dict[str, float]:
         """The scalars for this step's telemetry record (empty when the guard did nothing)."""
@@ -187,4 +216,5 @@ class GuardOutcome:
             "verdict": self.verdict,
             "applied": self.applied,
             "message": self.message,
+            **({"mitigation": self.mitigation, "lr_factor": self.lr_factor} if self.mitigation else {}),
         }

@@ -19,14 +19,52 @@ import logging
 import threading
 from typing import Any, Iterable
 
-from sdcwatch.core.control import Decision, decode_decision
+from sdcwatch.core.control import Decision, open_decision
 from sdcwatch.core.errors import ControlError
+from sdcwatch.core.signing import JobKey, job_key_from_env
 from sdcwatch.core.kafka import new_consumer
 from sdcwatch.core.vocabulary import CONTROL_TOPIC
 
-__all__ = ["MemoryControl", "KafkaControl"]
+__all__ = ["DecisionCheck", "MemoryControl", "KafkaControl"]
 
 log = logging.getLogger("sdcwatch.telemetry.guard.control_topic")
+
+
+class DecisionCheck:
+    """What the guard reads off the control topic: decisions for its run, signed with its job key
+    when it holds one, each sequence number once (a replayed or older decision is refused).
+
+    ``refused`` counts what was not taken (malformed, forged, unsigned while a key is held, replayed);
+    the first and every hundredth refusal is logged with its reason (never a secret).
+    """
+
+    def __init__(self, run: str, key: JobKey | None) -> None:
+        self.run, self.key = run, key
+        self.refused = 0
+        self.replayed = 0
+        self._last_seq = -1
+
+    def take(self, value: bytes) -> Decision | None:
+        """The decision in a control message, or None (another run's, or refused)."""
+        try:
+            d = open_decision(value, self.key)
+        except ControlError as exc:
+            self._refuse(str(exc))
+            return None
+        if d.run != self.run:
+            return None
+        if self.key is not None:
+            if d.seq <= self._last_seq:
+                self.replayed += 1
+                self._refuse(f"decision {d.seq} replayed or out of date (the last taken was {self._last_seq})")
+                return None
+            self._last_seq = d.seq
+        return d
+
+    def _refuse(self, why: str) -> None:
+        self.refused += 1
+        if self.refused == 1 or self.refused % 100 == 0:
+            log.warning("sdcwatch guard: refused %d control message(s); latest: %s", self.refused, why)
 
 
 class MemoryControl:
@@ -55,17 +93,27 @@ class KafkaControl:
     """Reads the control topic from a daemon thread of its own; ``poll()`` returns what arrived.
 
     Only decisions for ``run`` are kept; it starts at the end of the topic (a decision about an
-    earlier run of the same name is not acted on). If kafka-python is missing or the bus cannot be
+    earlier run of the same name is not acted on). With a job key (``key``, by default the one
+    ``SDCWATCH_KEY_FILE`` or ``SDCWATCH_KEY`` names, as the emitter's), only decisions the service
+    signed with it are taken, each sequence number once: a forged, unsigned or replayed decision is
+    refused, counted in ``rejected`` and logged. If kafka-python is missing or the bus cannot be
     reached, it logs one warning and stays empty: the guard's local checks still work.
     """
 
     def __init__(
-        self, bootstrap: str, run: str, topic: str = CONTROL_TOPIC, *, poll_timeout: float = 0.2, **kafka_settings: Any
+        self,
+        bootstrap: str,
+        run: str,
+        topic: str = CONTROL_TOPIC,
+        *,
+        poll_timeout: float = 0.2,
+        key: JobKey | None | str = "env",
+        **kafka_settings: Any,
     ) -> None:
         self.bootstrap, self.run, self.topic = bootstrap, run, topic
         self.poll_timeout = poll_timeout
         self.kafka_settings = kafka_settings
-        self.rejected = 0  # malformed messages
+        self.check = DecisionCheck(run, job_key_from_env() if key == "env" else key)  # type: ignore[arg-type]
         self.received = 0  # decisions for this run
         self.available = True  # False once the bus was found unusable
         self._queue: collections.deque[Decision] = collections.deque(maxlen=1024)
@@ -146,15 +194,14 @@ class KafkaControl:
                 except Exception:
                     pass
 
+    @property
+    def rejected(self) -> int:
+        """Control messages refused: malformed, forged, unsigned while a key is held, or replayed."""
+        return self.check.refused
+
     def _take(self, value: bytes) -> None:
-        try:
-            d = decode_decision(value)
-        except ControlError as exc:
-            self.rejected += 1
-            if self.rejected == 1 or self.rejected % 100 == 0:
-                log.warning("sdcwatch guard: ignored %d malformed control message(s); latest: %s", self.rejected, exc)
-            return
-        if d.run != self.run:
+        d = self.check.take(value)
+        if d is None:
             return
         with self._lock:
             self._queue.append(d)

@@ -16,6 +16,10 @@ update of each step (``guard.step(step, compute)``) and, before the optimizer st
   documented code :data:`EXIT_CODE_EVICT` and a message naming the rank and its host, so a launcher
   (torchrun elastic, a scheduler) restarts the job without that node.
 
+Every retry is bounded (``max_reruns``, ``max_skips``, ``max_rollbacks``, ``max_mitigations`` per
+window), each with a documented escape (docs/guard.md); a spike that is not transient may also be
+mitigated (a learning-rate cut and / or a tighter clip for a few steps, ``spike_mitigation``).
+
 All ranks take the same action at the same step: each process's local verdict and rank 0's pending
 control decision (from the detector service, read off the bus by a background thread) are combined
 with one small all-reduce (MAX of a few integers) at the step boundary; no rank acts on the bus
@@ -42,6 +46,7 @@ from sdcwatch.telemetry.guard.checks import (
     LocalGroup,
     StepValues,
     ballot,
+    drop_through,
     grad_norm,
     rng_state,
     same,
@@ -50,6 +55,7 @@ from sdcwatch.telemetry.guard.checks import (
     to_numpy,
 )
 from sdcwatch.telemetry.guard.config import GuardConfig, GuardOutcome
+from sdcwatch.telemetry.guard.resume import GuardResume
 from sdcwatch.telemetry.guard.snapshots import SnapshotStore
 
 __all__ = ["Guard"]
@@ -57,7 +63,7 @@ __all__ = ["Guard"]
 log = logging.getLogger("sdcwatch.guard")
 
 
-class Guard(GuardActing):
+class Guard(GuardActing, GuardResume):
     """Guards the updates of one training process (one rank, or all the ranks it simulates).
 
     Use ``outcome = guard.step(step, compute)`` in place of ``optimizer.step()`` (docs/guard.md shows a
@@ -84,6 +90,9 @@ class Guard(GuardActing):
             rounding bound in the forward and backward just computed (default: the ``watch``'s);
             such a step is acted on like a non-finite one (``on_checksum``).
         distributed: agree through torch.distributed (default: when it is initialised).
+        elastic: a :class:`~sdcwatch.telemetry.guard.elastic.ReplicaMembership`: with ``on_evict="leave"``
+            an eviction makes the rank's replica group leave the quorum (the others go on) instead of
+            exiting; its ``agreement()``, when not None, is what the processes agree through.
     """
 
     def __init__(
@@ -104,6 +113,7 @@ class Guard(GuardActing):
         checksums: Callable[[], Iterable[int]] | None = None,
         group: Any = None,
         distributed: bool | None = None,
+        elastic: Any = None,
     ) -> None:
         from sdcwatch.telemetry.wire.identity import identity_from_env
 
@@ -128,6 +138,8 @@ class Guard(GuardActing):
             world = dist.get_world_size(group) if world is None else world
         else:
             self._group = LocalGroup()
+        self.elastic = elastic
+        self._group = self._elastic_agreement(elastic) or self._group
         self.rank = ident["rank"] if rank is None else int(rank)
         self.world = ident["world"] if world is None else int(world)
         self.host = ident["host"] if host is None else host
@@ -149,6 +161,9 @@ class Guard(GuardActing):
         self._rollbacks: collections.deque[int] = collections.deque()
         self._lr_scale = 1.0
         self._lr_until = -1
+        self._rerun_steps: collections.deque[int] = collections.deque()
+        self._mitigations: collections.deque[int] = collections.deque()
+        self._mitigation: tuple[str, float, int] = ("none", 1.0, -1)  # kind, lr factor, last step
         self._pending: collections.deque[Any] = collections.deque(maxlen=64)
         self._warned_budget = -1
         self.actions: list[GuardOutcome] = []
@@ -192,6 +207,8 @@ class Guard(GuardActing):
             out = self._on_control(step, agreed, control, out)
         elif flag:
             out = self._on_local(step, flag, suspects, values, rng, compute, out)
+            if flag == 1 and act and c.spike_mitigation != "none":
+                out = self._mitigate(step, out)
         if out.applied:
             self._learn(self._rerun_values if out.action == "rerun" and self._rerun_values is not None else values)
             self._update(step, update)
@@ -282,16 +299,42 @@ class Guard(GuardActing):
             return out
         if action == "skip":
             return self._skip(step, out, f"step {step}: {what}")
-        # rerun in place: same micro-batches, same RNG state
+        drop_through(self._rerun_steps, step - c.budget_window)
+        if len(self._rerun_steps) >= c.max_reruns:  # the bound on reruns; its escape: skip, then evict
+            return self._escalate(
+                step, out, f"step {step}: {what}; rerun budget spent ({c.max_reruns} in {c.budget_window} steps)"
+            )
+        return self._rerun(step, flag, suspects, values, rng, compute, out, what)
+
+    def _rerun(
+        self,
+        step: int,
+        flag: int,
+        suspects: list[int],
+        values: StepValues,
+        rng: Any,
+        compute: Callable[[], Any],
+        out: GuardOutcome,
+        what: str,
+    ) -> GuardOutcome:
+        """Rerun in place (same micro-batches, same RNG state), once; then recompute on a peer, once."""
+        c = self.config
         set_rng_state(rng)
         self.optimizer.zero_grad(set_to_none=True)
         self.reruns += 1
+        self._rerun_steps.append(step)
         again = self._rerun_values = self._values(compute())
         differs = 0 if again.same_as(values, c.rerun_tolerance) else 1
-        if flag == 3 and self.checksums is not None and not set(self.checksums()):
-            differs = 1  # the products are right this time: a flip that came and went
-        differs = self._group.max([differs])[0]
+        still = 1 if flag == 3 and self.checksums is not None and set(self.checksums()) else 0
+        differs, still = self._group.max([differs, still])
         out.action = "rerun"
+        if flag == 3:  # a product's checksum does not depend on the data: it judges on its own
+            if still:
+                out.verdict = "persistent"
+                return self._on_persistent(
+                    step, out, f"step {step}: {what}; the rerun's products pass their bound again: persistent fault"
+                )
+            differs = 1  # the products are right this time: a flip that came and went
         if differs:
             out.verdict = "transient"
             flag2, _ = self._judge(again)
@@ -338,9 +381,7 @@ class Guard(GuardActing):
     def _skip(self, step: int, out: GuardOutcome, what: str) -> GuardOutcome:
         """Skip the update, within the budget; a rerun before it shows in ``verdict``."""
         c = self.config
-        while self._skips and self._skips[0] <= step - c.budget_window:
-            self._skips.popleft()
-        if len(self._skips) >= c.max_skips:
+        if not self._skips_left(step):
             out.applied = True
             out.action = "rerun" if out.verdict else "none"
             out.would = "skip"
@@ -354,10 +395,24 @@ class Guard(GuardActing):
         out.message = f"{what}; update skipped on every rank"
         return out
 
+    def _skips_left(self, step: int) -> bool:
+        drop_through(self._skips, step - self.config.budget_window)
+        return len(self._skips) < self.config.max_skips
+
+    def _escalate(self, step: int, out: GuardOutcome, what: str) -> GuardOutcome:
+        """No rerun left: skip while the skip budget lasts; then a hardware-like fault (non-finite or a
+        checksum) naming a rank gets ``on_persistent``; anything else goes through, reported."""
+        if self._skips_left(step) or not out.ranks or out.reason == "spike":
+            return self._skip(step, out, what)
+        c = self.config
+        return self._on_persistent(
+            step, out, f"{what}; skip budget spent too ({c.max_skips} in {c.budget_window} steps)"
+        )
+
     def _on_persistent(self, step: int, out: GuardOutcome, what: str) -> GuardOutcome:
         act = self.config.on_persistent
         if act == "evict":
-            self._evict(step, out.ranks, what, out)
+            return self._evict(step, out.ranks, what, out)  # returns only when the group left (on_evict)
         if act == "rollback":
             return self._rollback(step, None, self.config.lr_factor, set(out.ranks), out, what)
         if act == "skip":
@@ -369,6 +424,16 @@ class Guard(GuardActing):
 
     def _update(self, step: int, update: Callable[[], Any] | None) -> None:
         scale = self._lr_scale if step <= self._lr_until else 1.0
+        kind, factor, until = self._mitigation
+        if step <= until:
+            scale *= factor if "lr" in kind else 1.0
+            if "clip" in kind:
+                self._clip()
+        elif until >= 0 and step == until + 1:
+            self._mitigation = ("none", 1.0, -1)
+            log.info(
+                "sdcwatch guard (rank %s): step %s: the spike mitigation ended, learning rate restored", self.rank, step
+            )
         if scale != 1.0:
             saved = [g["lr"] for g in self.optimizer.param_groups]
             for g in self.optimizer.param_groups:
@@ -381,34 +446,6 @@ class Guard(GuardActing):
                     g["lr"] = lr
 
     _rerun_values: StepValues | None = None
-
-    def state_dict(self) -> dict[str, Any]:
-        """The guard's own state (baselines, budgets, learning-rate cut): saved with a checkpoint so a
-        resumed job does not warm up again. Snapshots are not part of it."""
-        return {
-            "loss": [list(b.values) for b in self._loss_base],
-            "local_grad": [list(b.values) for b in self._local_grad_base],
-            "grad": list(self._grad_base.values),
-            "skips": list(self._skips),
-            "rollbacks": list(self._rollbacks),
-            "lr_scale": self._lr_scale,
-            "lr_until": self._lr_until,
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        if len(state["loss"]) != len(self._loss_base):
-            raise ConfigError(
-                "guard.state", f"saved for {len(state['loss'])} local ranks, this guard has {len(self._loss_base)}"
-            )
-        for bases, saved in ((self._loss_base, state["loss"]), (self._local_grad_base, state["local_grad"])):
-            for b, vals in zip(bases, saved):
-                b.clear()
-                b.values.extend(float(v) for v in vals)
-        self._grad_base.clear()
-        self._grad_base.values.extend(float(v) for v in state["grad"])
-        self._skips = collections.deque(int(v) for v in state["skips"])
-        self._rollbacks = collections.deque(int(v) for v in state["rollbacks"])
-        self._lr_scale, self._lr_until = float(state["lr_scale"]), int(state["lr_until"])
 
     def close(self) -> None:
         """Stop the control reader."""

@@ -6,7 +6,8 @@
 
 The callback attaches the probes when training begins (to the Trainer's DDP wrapper too, so each
 rank reports its local and the all-reduced gradient norm), reports one record per optimizer step
-(``state.global_step``, from 0) and closes at the end. When the Trainer's accelerator built a
+(``state.global_step``, from 0), tells the service of each checkpoint the Trainer saves (``on_save``:
+``checkpoint-<global_step>`` under ``output_dir``) and closes at the end. When the Trainer's accelerator built a
 device mesh (``TrainingArguments(parallelism_config=...)``) every record carries the rank's
 coordinates in it (unless the callback was given ``mesh=``). The loss of a step is the loss the Trainer
 logs: what its ``training_step`` returned, summed over the step's micro-batches, whatever its token
@@ -18,6 +19,7 @@ learning rate is the one the step used, read before the Trainer steps its schedu
 from __future__ import annotations
 
 import functools
+import os
 import sys
 from typing import Any, Callable
 
@@ -73,6 +75,13 @@ class SdcwatchCallback(TrainerCallback, CallbackCore):
             return
         lr, self._lr = self._lr, None
         self.end(state.global_step - 1, self._step_loss(), **({} if lr is None else {"lr": lr}))
+
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """The Trainer saved ``checkpoint-<global_step>`` under ``output_dir``: it holds the updates of
+        steps up to ``global_step - 1`` (the step of the last record), which the note names."""
+        if self.watch is not None and state.global_step > 0:
+            path = os.path.join(args.output_dir or "", f"checkpoint-{state.global_step}")
+            self.watch.checkpoint(state.global_step - 1, path)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.close()

@@ -7,7 +7,8 @@
 The callback attaches the probes to the LightningModule when training starts (and a
 communication hook to the strategy's DDP wrapper, so each rank reports its local and the
 all-reduced gradient norm), reports one record per optimizer step (``trainer.global_step``, from
-0) and closes at the end. Under ``ModelParallelStrategy`` it reads the strategy's device mesh
+0), tells the service of each checkpoint it saves (``on_save_checkpoint``) and closes at the end.
+Under ``ModelParallelStrategy`` it reads the strategy's device mesh
 (``data_parallel``, ``tensor_parallel``): every record carries the rank's coordinates (unless the
 callback was given ``mesh=``). Lightning calls ``training_step`` rather than the module itself, so the
 callback brackets each training step's forward for the attention probes. The loss of a step is
@@ -20,6 +21,8 @@ on many.
 
 from __future__ import annotations
 
+import os
+import sys
 from typing import Any
 
 import lightning.pytorch as pl
@@ -78,6 +81,15 @@ class SdcwatchCallback(pl.Callback, CallbackCore):
         self.end(self._closing, self._loss)
         self._closing, self._loss = None, None
 
+    def on_save_checkpoint(
+        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", checkpoint: dict[str, Any]
+    ) -> None:
+        """Lightning is saving a checkpoint after ``trainer.global_step`` optimizer steps: it holds the
+        updates up to step ``global_step - 1`` (the last record's), which the note names, with the
+        file ``Trainer.save_checkpoint`` writes when it is on the call stack ("" otherwise)."""
+        if self.watch is not None and trainer.global_step > 0:
+            self.watch.checkpoint(trainer.global_step - 1, _saving_to())
+
     def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self.close()
 
@@ -93,6 +105,18 @@ class SdcwatchCallback(pl.Callback, CallbackCore):
         if self._in_forward and self.watch is not None:
             self.watch.end_forward()
         self._in_forward = False
+
+
+def _saving_to() -> str:
+    """The ``filepath`` of the ``Trainer.save_checkpoint`` call that is saving now (Lightning does not
+    hand it to the callbacks), found on the call stack; "" if there is none."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        path = frame.f_locals.get("filepath") if frame.f_code.co_name == "save_checkpoint" else None
+        if isinstance(path, (str, os.PathLike)):
+            return os.fspath(path)
+        frame = frame.f_back
+    return ""
 
 
 #: What the dims of ``ModelParallelStrategy``'s mesh are: ``data_parallel`` holds FSDP2 shards when

@@ -339,6 +339,16 @@ class Watch(GradientStats, AttentionLayers):
                 f"sdcwatch probes: record dropped ({type(exc).__name__}: {exc})", RuntimeWarning, stacklevel=3
             )
 
+    def checkpoint(self, step: int, path: Any = "") -> None:
+        """Tell the service the job saved a checkpoint holding the update of ``step`` at ``path``
+        (the emitter's :meth:`~sdcwatch.telemetry.wire.emitter.Emitter.checkpoint`; never raises)."""
+        note = getattr(self.emitter, "checkpoint", None)  # a stand-in emitter may have none
+        if note is not None:
+            try:
+                note(step, path)
+            except Exception:  # never into the training loop
+                pass
+
     # -- lifecycle --------------------------------------------------------------------------------
     def flush(self) -> None:
         """Emit every record packed so far, the last step's included, and wait until they are."""

@@ -2,10 +2,20 @@
 
 ``emit()`` appends a tuple to a bounded queue and returns; a background thread builds records,
 batches them and hands them to a transport. The training loop is never blocked and never sees an
-exception: when the bus is down the queue fills up to ``buffer`` records, further records are
-dropped and counted (``dropped``, and as the ``emitter_dropped`` scalar in every later record), a
-single log line says so, and sending resumes by itself when the bus is back. ``close()`` ends the
-rank's part of the run with an end-of-run marker (:mod:`sdcwatch.telemetry.wire.end_marker`).
+exception: when the bus is down the sender keeps draining the queue into a spool of packed bytes
+(:class:`RecordSpool`: a few Python objects however many records, so a collection pass never walks
+them) up to ``buffer`` records; further records are dropped and counted (``dropped``, and as the
+``emitter_dropped`` scalar in every later record), a single log line says so, and sending resumes
+by itself, oldest first, when the bus is back. ``close()`` ends the rank's part of the run with an
+end-of-run marker (:mod:`sdcwatch.telemetry.wire.end_marker`).
+
+With a job key (``key=``, or ``SDCWATCH_KEY_FILE`` / ``SDCWATCH_KEY``: :mod:`sdcwatch.core.signing`)
+the transport signs every message it sends, on the sender thread (the end-of-run marker in
+``close()``): ``emit()`` does no more work.
+
+``checkpoint(step, path)`` tells the service the job saved a checkpoint: a small message of its own
+(:mod:`sdcwatch.core.checkpoints`) under the records' partition key, queued like a record and sent by
+the same thread; it never raises or blocks either.
 
 The sender packs each record in wire format v2 by default (one ``struct.pack`` of a fixed layout,
 ``sdcwatch.core.columnar``); ``wire="v1"`` (or ``SDCWATCH_WIRE=v1``) sends version 1 records
@@ -23,16 +33,18 @@ import threading
 import time as _time
 from typing import Any, Mapping, Sequence
 
+from sdcwatch.core.checkpoints import NoteOutbox
 from sdcwatch.core.columnar import WIRES
 from sdcwatch.core.errors import ConfigError, RecordError, TransportError
 from sdcwatch.core.layer_names import NamesOutbox
 from sdcwatch.core.mesh import check_coords
+from sdcwatch.core.record import decode_message, encode
 from sdcwatch.core.record_layout import PackedRecord
 from sdcwatch.core.record_type import Record, validate
 from sdcwatch.core.vocabulary import TELEMETRY_TOPIC
-from sdcwatch.telemetry.wire.identity import identity_from_env
+from sdcwatch.telemetry.wire.identity import identity_from_env, job_key, key_for_transport
 
-__all__ = ["Emitter", "NullEmitter"]
+__all__ = ["Emitter", "NullEmitter", "RecordSpool"]
 
 log = logging.getLogger("sdcwatch.telemetry")
 
@@ -41,6 +53,9 @@ _wall = _time.time  # one global lookup in emit()
 #: Records the sender builds before it releases the GIL once (a few tens of microseconds of work):
 #: bounds how long an emit() in the training thread can wait for the interpreter lock.
 _YIELD_EVERY = 8
+#: Seconds the sender sleeps every ``_YIELD_EVERY`` records it packs into the spool: long enough
+#: for a training thread waiting on the lock to take it (it still packs ~50,000 records a second).
+_HANDOVER = 0.0001
 
 
 def _ended_normally(exc: BaseException | None) -> bool:
@@ -52,12 +67,75 @@ def _ended_normally(exc: BaseException | None) -> bool:
     return isinstance(exc, SystemExit) and exc.code in (0, None)
 
 
+_STEP = struct.Struct("<Q")  # a v2 row starts with its step
+_LEN = struct.Struct("<I")
+
+
+class RecordSpool:
+    """Records held while the bus is down, as bytes: the oldest first, counted in records.
+
+    A v2 record is its packed row already; a v1 record is kept as its encoded bytes. Rows go into
+    chunks of up to ``chunk`` records that share a layout, one ``bytearray`` each, so a full buffer
+    of 100,000 records is about a hundred Python objects (a collection pass is over in microseconds)
+    instead of hundreds of thousands. Only the sender thread touches it.
+    """
+
+    __slots__ = ("run", "host", "chunk", "count", "_chunks")
+
+    def __init__(self, run: str, host: str, chunk: int) -> None:
+        self.run, self.host, self.chunk = run, host, chunk
+        self.count = 0
+        self._chunks: collections.deque = collections.deque()  # [schema or None, bytearray, records]
+
+    def put(self, rec: Record | PackedRecord) -> None:
+        if isinstance(rec, PackedRecord):
+            schema, data = rec.schema, rec.row
+        else:
+            schema, data = None, encode(rec)
+            data = _LEN.pack(len(data)) + data
+        last = self._chunks[-1] if self._chunks else None
+        if last is None or last[0] is not schema or last[2] >= self.chunk:
+            last = [schema, bytearray(), 0]
+            self._chunks.append(last)
+        last[1] += data
+        last[2] += 1
+        self.count += 1
+
+    def take(self) -> list[Record | PackedRecord]:
+        """The oldest chunk's records (at most ``chunk``), unpacked for the transport (a v1 record
+        that does not decode again is left out: the caller sees fewer than it counted)."""
+        schema, buf, n = self._chunks.popleft()
+        self.count -= n
+        if schema is None:
+            out, p = [], 0
+            for _ in range(n):
+                (size,) = _LEN.unpack_from(buf, p)
+                try:
+                    out.extend(decode_message(bytes(buf[p + 4 : p + 4 + size])))
+                except RecordError:  # cannot happen to what encode() wrote; never kills the sender
+                    pass
+                p += 4 + size
+            return out
+        size, run, host = schema.row_size, self.run, self.host
+        return [
+            PackedRecord(run, host, _STEP.unpack_from(buf, p)[0], schema, bytes(buf[p : p + size]))
+            for p in range(0, n * size, size)
+        ]
+
+    def clear(self) -> None:
+        self._chunks.clear()
+        self.count = 0
+
+
 class NullEmitter:
     """Does nothing, cheaply: use it instead of ``if enabled:`` branches in the training loop."""
 
     emitted = sent = dropped = invalid = 0
 
     def emit(self, step: int, **kwargs: Any) -> None:
+        pass
+
+    def checkpoint(self, step: int, path: Any = "") -> None:
         pass
 
     def flush(self, timeout: float | None = 10.0) -> bool:
@@ -85,8 +163,9 @@ class Emitter:
         topic: the telemetry topic for the default transport; default
             ``SDCWATCH_BUS_TELEMETRY_TOPIC`` (the variable ``sdcwatch serve`` reads the same topic
             from), then ``sdcwatch.telemetry``.
-        buffer: records held while the bus is slow or down (queue plus the batch in flight);
-            beyond it new records are dropped and counted.
+        buffer: records held while the bus is slow or down (queue, spool and the batch in flight);
+            beyond it new records are dropped and counted. While the bus is down they wait as
+            packed bytes (:class:`RecordSpool`), not as Python objects.
         batch: records per send.
         linger: seconds the sender waits for more records before sending a partial batch.
         end_marker: send the end-of-run marker on :meth:`close` (so the service closes the run
@@ -99,6 +178,10 @@ class Emitter:
             compares it only with ranks that hold the same model piece; default from
             ``SDCWATCH_COORDS`` or ``SDCWATCH_MESH`` (see :func:`identity_from_env`), else none
             (pure data parallel).
+        key: the job key every message is signed with (a :class:`~sdcwatch.core.signing.JobKey`
+            or ``"kid:secret"``); default from ``SDCWATCH_KEY_FILE`` or ``SDCWATCH_KEY``, else
+            none (unsigned). The transport signs, on the sender thread; an unusable key raises
+            ConfigError here, naming the variable and never the secret.
     """
 
     def __init__(
@@ -119,6 +202,7 @@ class Emitter:
         env: Mapping[str, str] | None = None,
         end_marker: bool = True,
         coords: Mapping[str, int] | None = None,
+        key: Any = None,
     ) -> None:
         if not isinstance(buffer, int) or buffer < 1:
             raise ConfigError("buffer", f"must be a positive integer, got {buffer!r}")
@@ -141,6 +225,7 @@ class Emitter:
         self.set_coords(coords if coords is not None else ident["coords"])
         # fail early, in the constructor, on an identity the service would reject
         validate(Record(self.run, 0, self.rank, self.world, self.host, 0.0, self.local_rank))
+        self.key = job_key(key, env)
         if transport is None:
             from sdcwatch.telemetry.wire.transports import KafkaTransport
 
@@ -148,12 +233,14 @@ class Emitter:
             transport = KafkaTransport(
                 bootstrap or env_map.get("SDCWATCH_BOOTSTRAP") or "127.0.0.1:9092",
                 topic or env_map.get("SDCWATCH_BUS_TELEMETRY_TOPIC") or TELEMETRY_TOPIC,
+                key=self.key,
             )
         self.transport = transport
+        self.key = key_for_transport(self.key, transport, explicit=key is not None)
         self.buffer = buffer
         self.batch = batch
         self.linger = linger
-        self._taken = 0  # records the sender took from the queue (sent, in flight or invalid)
+        self._taken = 0  # records the sender took from the queue (sent, held or invalid)
         self.sent = 0  # records the transport confirmed
         self.dropped = 0  # records dropped because the buffer was full (or after close)
         self.invalid = 0  # records rejected as invalid (bad metric name or value type)
@@ -162,11 +249,14 @@ class Emitter:
         self.ended = False  # the end-of-run marker was confirmed by the bus
         self._last_step: int | None = None  # last step built into a record (sender thread)
         self.names = NamesOutbox(self.run, self.rank, self.world)  # layer names, once per key window
+        self.notes = NoteOutbox(self.run, self.rank, self.world)  # checkpoints saved, for the sender
         self._queue: collections.deque = collections.deque()
+        self._spool = RecordSpool(self.run, self.host, batch)  # packed, while the bus is down
         self._inflight: list[Record] = []
+        self._held = 0  # records the sender holds: spooled or in flight
         # records emit() may still queue: buffer minus what the sender holds; 0 once closed
         self._room = buffer
-        self._taking = False  # the sender is moving records from the queue into _inflight
+        self._taking = False  # the sender is moving records off the queue
         self._closed = False
         self._stop = threading.Event()
         self._warned_drop = False
@@ -228,6 +318,15 @@ class Emitter:
                 self.buffer,
             )
 
+    def checkpoint(self, step: int, path: Any = "") -> None:
+        """Tell the service this job saved a checkpoint after ``step`` at ``path`` (a folder or file;
+        "" when there is none to name). Returns at once; never raises. Sent by the sender thread,
+        before the end-of-run marker; while the bus is down it waits (``self.notes``: sent, dropped)."""
+        try:
+            self.notes.add(step, path, not self._closed)
+        except Exception:  # never into the training loop
+            pass
+
     @property
     def emitted(self) -> int:
         """emit() calls: records taken by the sender, queued, or dropped."""
@@ -237,8 +336,9 @@ class Emitter:
         """Wait until everything queued has been sent; False if ``timeout`` passed first."""
         deadline = None if timeout is None else _time.monotonic() + timeout
         # Read in this order: the sender sets _taking before it pops the queue and clears it only
-        # after _inflight holds the batch, so a record is always visible in one of the three.
-        while self._queue or self._taking or self._inflight:
+        # after _held counts what it popped (until the bus confirms it), so a record is always
+        # visible in one of the three.
+        while self._queue or self._taking or self._held or len(self.notes):
             if not self._thread.is_alive():
                 return False
             if deadline is not None and _time.monotonic() >= deadline:
@@ -273,12 +373,15 @@ class Emitter:
         self._thread.join(timeout=None if deadline is None else max(0.0, deadline - _time.monotonic()) + 0.5)
         if self._thread.is_alive():  # a connection attempt begun before close(): it ends on its own bound
             self._thread.join(timeout=getattr(self.transport, "connect_timeout_ms", 0) / 1000)
-        left = len(self._queue) + len(self._inflight)
+        self.notes.drop()  # checkpoint notes the bus did not take in time
+        left = len(self._queue) + self._held
         if left:
             self.dropped += left
-            self._taken -= len(self._inflight)  # counted as dropped now, not as taken
+            self._taken -= self._held  # counted as dropped now, not as taken
             self._queue.clear()
+            self._spool.clear()
             self._inflight = []
+            self._held = 0
             log.warning(
                 "sdcwatch emitter (rank %s): closed with %d records unsent (bus %s)",
                 self.rank,
@@ -294,8 +397,8 @@ class Emitter:
 
     @property
     def pending(self) -> int:
-        """Records queued or in flight."""
-        return len(self._queue) + len(self._inflight)
+        """Records queued, spooled or in flight."""
+        return len(self._queue) + self._held
 
     def __enter__(self) -> "Emitter":
         return self
@@ -363,35 +466,79 @@ class Emitter:
                 )
                 validate(rec)
         except (RecordError, struct.error, TypeError, ValueError, OverflowError) as exc:
-            self.invalid += 1
-            if not self._warned_invalid:
-                self._warned_invalid = True
-                log.warning("sdcwatch emitter (rank %s): invalid record at step %s not sent: %s", self.rank, step, exc)
+            self._note_invalid(step, exc)
             return None
         self._last_step = step
         return rec
 
-    def _take_batch(self) -> None:
-        batch: list[Record] = []
+    def _note_invalid(self, step: Any, exc: Exception) -> None:
+        self.invalid += 1
+        if not self._warned_invalid:
+            self._warned_invalid = True
+            log.warning("sdcwatch emitter (rank %s): invalid record at step %s not sent: %s", self.rank, step, exc)
+
+    def _take(self, put: Any, pause: float = 0.0) -> None:
+        """Move up to a batch of records off the queue, built, to ``put`` (a list's append, the spool's
+        put), sleeping ``pause`` seconds every few records."""
         q = self._queue
         self._taking = True
-        self._set_room(self.buffer - min(len(q), self.batch))  # the records about to be taken stay counted
+        self._set_room(self.buffer - self._held - min(len(q), self.batch))  # those about to be taken stay counted
         try:
             n = 0
-            while q and len(batch) < self.batch:
+            while q and n < self.batch:
                 item = q.popleft()
                 self._taken += 1
                 rec = self._build(item)
                 if rec is not None:
-                    batch.append(rec)
-                    self.names.note(rec.step)
+                    try:
+                        put(rec)
+                    except (RecordError, struct.error, TypeError, ValueError, OverflowError) as exc:
+                        self._note_invalid(rec.step, exc)  # a v1 value encode() refuses
+                    else:
+                        self._held += 1
                 n += 1
                 if n % _YIELD_EVERY == 0:
-                    _time.sleep(0)  # let the training thread have the GIL: its emit() must not wait for a batch
-            self._inflight = batch
+                    _time.sleep(pause)  # let the training thread have the GIL: its emit() must not wait for a batch
         finally:
-            self._set_room(self.buffer - len(self._inflight))
+            self._set_room(self.buffer - self._held)
             self._taking = False
+
+    def _next_batch(self) -> None:
+        """The next records to send, oldest first: the spool's (what waited out an outage), else the queue's."""
+        if self._spool.count:
+            self._spool_queue()  # what arrived meanwhile waits packed too, behind the spool
+            before = self._spool.count
+            batch = self._spool.take()
+            lost = before - self._spool.count - len(batch)
+            if lost:
+                self._held -= lost
+                self.invalid += lost
+        else:
+            batch = []
+            self._take(batch.append)
+        for rec in batch:
+            self.names.note(rec.step)
+        self._inflight = batch
+
+    def _spool_queue(self) -> None:
+        """Pack everything queued into the spool: the bus is down, or the spool is not empty yet.
+
+        Nothing waits on it, so it pauses for real between a few records (a ``sleep(0)`` releases
+        the interpreter lock but often takes it straight back): the training thread never waits.
+        """
+        while self._queue:
+            self._take(self._spool.put, _HANDOVER)
+
+    def _wait_down(self, seconds: float) -> bool:
+        """Wait ``seconds`` before the next try, packing what emit() queues meanwhile; True: closing."""
+        until = _time.monotonic() + seconds
+        while True:
+            self._spool_queue()
+            left = until - _time.monotonic()
+            if left <= 0:
+                return False
+            if self._stop.wait(min(left, max(self.linger, 0.005))):
+                return True
 
     def _set_room(self, room: int) -> None:
         """What emit() may still queue (nothing once closed)."""
@@ -400,14 +547,15 @@ class Emitter:
     def _run(self) -> None:
         backoff = 0.05
         while True:
+            self.notes.send(self.transport)
             if not self._inflight:
-                if not self._queue:
+                if not self._queue and not self._spool.count:
                     if self._stop.is_set():
                         return
                     self._stop.wait(self.linger)
                     continue
-                self._take_batch()
-                pending = len(self._queue) + len(self._inflight)
+                self._next_batch()
+                pending = len(self._queue) + self._held
                 if pending > self.max_pending:
                     self.max_pending = pending
                 if not self._inflight:
@@ -418,9 +566,11 @@ class Emitter:
             except Exception as exc:
                 unsent = exc.unsent if isinstance(exc, TransportError) else None
                 if unsent is not None:
-                    self.sent += len(self._inflight) - len(unsent)
+                    done = len(self._inflight) - len(unsent)
+                    self.sent += done
+                    self._held -= done
                     self._inflight = list(unsent)
-                    self._set_room(self.buffer - len(self._inflight))
+                    self._set_room(self.buffer - self._held)
                 if self._down_since is None:
                     self._down_since = _time.monotonic()
                     log.warning(
@@ -429,13 +579,14 @@ class Emitter:
                         self.buffer,
                         exc,
                     )
-                if self._stop.wait(backoff):
+                if self._wait_down(backoff):
                     return  # closing: close() counts what is left
                 backoff = min(backoff * 2, 2.0)
                 continue
             self.sent += len(self._inflight)
+            self._held -= len(self._inflight)
             self._inflight = []
-            self._set_room(self.buffer)
+            self._set_room(self.buffer - self._held)
             backoff = 0.05
             if self._down_since is not None:
                 log.warning(

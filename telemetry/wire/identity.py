@@ -1,4 +1,5 @@
-"""A rank's identity from its launcher's environment: run, rank, world, host, mesh coordinates.
+"""A rank's identity from its launcher's environment: run, rank, world, host, mesh coordinates,
+and the job key it signs with.
 
 The emitter (and the guard) name every record by the rank that sent it; torchrun and
 torch.distributed already say most of it in environment variables, so a training script needs
@@ -7,14 +8,18 @@ no arguments. Read once, when an emitter is built: nothing here is on the per-st
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 from typing import Any, Mapping
 
 from sdcwatch.core.errors import ConfigError
 from sdcwatch.core.mesh import Layout, parse_coords
+from sdcwatch.core.signing import KEY_ENV, KEY_FILE_ENV, JobKey, job_key_from_env
 
-__all__ = ["identity_from_env"]
+__all__ = ["identity_from_env", "job_key", "key_for_transport"]
+
+log = logging.getLogger("sdcwatch.telemetry")
 
 
 def _env_int(env: Mapping[str, str], name: str, default: int) -> int:
@@ -55,3 +60,45 @@ def identity_from_env(env: Mapping[str, str] | None = None) -> dict[str, Any]:
         "run": env.get("SDCWATCH_RUN") or env.get("TORCHELASTIC_RUN_ID") or "default",
         "coords": coords,
     }
+
+
+def job_key(key: Any = None, env: Mapping[str, str] | None = None) -> JobKey | None:
+    """The key this rank signs with: ``key`` (a JobKey or ``"kid:secret"``), else the environment's
+    (``SDCWATCH_KEY_FILE``, then ``SDCWATCH_KEY``), else None.
+
+    An unusable key raises ConfigError naming where it came from (``key`` or the variable) and
+    what is wrong with it, never the secret, and with no chained exception that could show it.
+    """
+    if isinstance(key, JobKey):
+        return key
+    if key is not None and not isinstance(key, str):
+        raise ConfigError("key", f"must be a JobKey or 'kid:secret', got a {type(key).__name__}")
+    env = os.environ if env is None else env
+    where = "key" if key is not None else KEY_FILE_ENV if env.get(KEY_FILE_ENV) else KEY_ENV
+    try:
+        return JobKey.parse(key, "key") if key is not None else job_key_from_env(env)
+    except ConfigError as exc:
+        raise ConfigError(exc.key, exc.problem) from None
+    except Exception as exc:  # a key file that is not text, say: its bytes must not reach a log
+        raise ConfigError(where, f"cannot read the job key ({type(exc).__name__})") from None
+
+
+def key_for_transport(key: JobKey | None, transport: Any, *, explicit: bool) -> JobKey | None:
+    """Give ``key`` to a transport that signs (one with a ``key`` attribute) and has none; returns
+    the key the transport signs with.
+
+    A transport built with its own key keeps it (an explicit, different ``key`` is an error); one
+    that cannot sign (``FileTransport``, a transport of the caller's) is said once, by key id.
+    """
+    if key is None:
+        return getattr(transport, "key", None)
+    if not hasattr(transport, "key"):
+        log.warning("sdcwatch: transport %s does not sign; key %r is not used", type(transport).__name__, key.kid)
+        return key
+    own = transport.key
+    if own is None:
+        transport.key = key
+        return key
+    if explicit and own is not key and own.kid != key.kid:
+        raise ConfigError("key", f"key {key.kid!r} given, the transport signs with {own.kid!r}")
+    return own

@@ -10,6 +10,12 @@ A transport raises :class:`~sdcwatch.core.errors.TransportError` when the bus re
 reached; its ``unsent`` attribute lists the records that were not confirmed, which the emitter
 keeps and retries. Transports are built cheaply (no connection in ``__init__``), so constructing
 one in a training script can neither fail nor block on the network.
+
+Signing: the Kafka and in-memory transports take a job key (``key=``, a
+:class:`~sdcwatch.core.signing.JobKey`; the emitter hands them its own) and wrap every message
+they send (records, layer names, the end-of-run marker; v1 and v2) with ``JobKey.sign`` just
+before it goes on the bus, on the emitter's sender thread. The file transport writes JSON lines
+for offline capture and signs nothing.
 """
 
 from __future__ import annotations
@@ -21,14 +27,16 @@ import time
 from pathlib import Path
 from typing import Any, Protocol, Sequence
 
+from sdcwatch.core.checkpoints import CheckpointNote, note_to_json
 from sdcwatch.core.columnar import decode_stream, encode_items
-from sdcwatch.core.errors import ConfigError, TransportError
+from sdcwatch.core.errors import ConfigError, RecordError, TransportError
 from sdcwatch.core.kafka import new_admin, new_producer, security_settings
 from sdcwatch.core.layer_names import LayerNames, names_to_json
 from sdcwatch.core.record import record_key
 from sdcwatch.core.record_json import to_json
 from sdcwatch.core.record_layout import PackedRecord
 from sdcwatch.core.record_type import Record
+from sdcwatch.core.signing import JobKey, Keyring, is_signed
 from sdcwatch.core.vocabulary import TELEMETRY_TOPIC
 
 __all__ = ["Transport", "KafkaTransport", "FileTransport", "MemoryTransport", "MemoryBus"]
@@ -48,6 +56,12 @@ def _unsent(message: str, records: Sequence[Record]) -> TransportError:
     return TransportError(message, unsent=records)
 
 
+def _checked_key(key: Any) -> JobKey | None:
+    if key is not None and not isinstance(key, JobKey):
+        raise ConfigError("key", f"must be a JobKey (sdcwatch.core.signing), got a {type(key).__name__}")
+    return key
+
+
 class MemoryBus:
     """In-process topics: lists of (key, value) messages. Thread-safe, for tests and demos."""
 
@@ -65,9 +79,21 @@ class MemoryBus:
         with self._lock:
             return list(self._topics.get(topic, [])[start:])
 
-    def records(self, topic: str = TELEMETRY_TOPIC) -> list[Record]:
-        """Decoded records of ``topic`` (raises RecordError on a malformed one)."""
-        return decode_stream(v for _, v in self.messages(topic))
+    def records(self, topic: str = TELEMETRY_TOPIC, *, keyring: Keyring | None = None) -> list[Record]:
+        """Decoded records of ``topic`` (raises RecordError on a malformed one).
+
+        Signed messages are verified with ``keyring`` first (AuthError when one does not verify);
+        without a keyring a signed message is a RecordError.
+        """
+
+        def opened(value: bytes) -> bytes:
+            if not is_signed(value):
+                return value
+            if keyring is None:
+                raise RecordError("signature", "a signed message: pass the keyring that verifies it")
+            return keyring.verify(value)[1]
+
+        return decode_stream(opened(v) for _, v in self.messages(topic))
 
     def size(self, topic: str) -> int:
         with self._lock:
@@ -75,18 +101,21 @@ class MemoryBus:
 
 
 class MemoryTransport:
-    """Publishes encoded records into a :class:`MemoryBus` topic."""
+    """Publishes encoded records into a :class:`MemoryBus` topic, each message signed with ``key``
+    when one is set."""
 
-    def __init__(self, bus: MemoryBus, topic: str = TELEMETRY_TOPIC) -> None:
+    def __init__(self, bus: MemoryBus, topic: str = TELEMETRY_TOPIC, *, key: JobKey | None = None) -> None:
         self.bus = bus
         self.topic = topic
+        self.key = _checked_key(key)
         self._schemas_sent: set = set()  # (key, schema id) pairs whose schema went inline
 
     def send(self, records: Sequence[Record | PackedRecord]) -> None:
         if self.bus.down:
             raise _unsent("memory bus is down", records)
+        sign = self.key.sign if self.key is not None else None
         for key, value, _ in encode_items(records, record_key, 256, self._schemas_sent):
-            self.bus.append(self.topic, key, value)
+            self.bus.append(self.topic, key, sign(value) if sign else value)
 
     def close(self) -> None:
         pass
@@ -95,11 +124,17 @@ class MemoryTransport:
 def _json_line(item: Any) -> str:
     if isinstance(item, LayerNames):
         return names_to_json(item) + "\n"
+    if isinstance(item, CheckpointNote):
+        return note_to_json(item) + "\n"
     return to_json(item.to_record() if isinstance(item, PackedRecord) else item) + "\n"
 
 
 class FileTransport:
-    """Appends records as JSON lines (offline capture; ``sdcwatch replay`` reads them back)."""
+    """Appends records as JSON lines (offline capture; ``sdcwatch replay`` reads them back).
+
+    Unsigned: a capture file is read by whoever holds it, not by a service on a shared bus, so it
+    takes no job key (an emitter with one says so once and writes the lines unsigned).
+    """
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = Path(path)
@@ -136,6 +171,9 @@ class KafkaTransport:
     No call blocks for long: a connection attempt gives up after ``connect_timeout_ms`` (kafka-python
     waits 30 s by default, which delayed the emitter's "bus unavailable" warning and its close),
     and once :attr:`deadline` is set (the emitter sets it when it closes) every wait ends by then.
+
+    With ``key`` (a :class:`~sdcwatch.core.signing.JobKey`) every message is signed just before it
+    is produced; the service verifies it with the same key in its keyring.
     """
 
     def __init__(
@@ -155,6 +193,7 @@ class KafkaTransport:
         flush_timeout: float = 10.0,
         max_records_per_message: int = 256,
         connect_timeout_ms: int = 2000,
+        key: JobKey | None = None,
         **security: Any,
     ) -> None:
         if not bootstrap or not isinstance(bootstrap, str):
@@ -170,6 +209,7 @@ class KafkaTransport:
         self.flush_timeout = flush_timeout
         self.max_records_per_message = max_records_per_message
         self.connect_timeout_ms = connect_timeout_ms
+        self.key = _checked_key(key)
         #: monotonic time by which every call must return (None: no deadline); set by Emitter.close
         self.deadline: float | None = None
         self.security = security_settings(security)
@@ -228,10 +268,11 @@ class KafkaTransport:
             raise _unsent(str(exc), records) from None
         encoded = encode_items(records, record_key, self.max_records_per_message, self._schemas_sent)
         messages = [(key, recs) for key, _, recs in encoded]
+        sign = self.key.sign if self.key is not None else None
         futures = []
         try:
             for key, value, _ in encoded:
-                futures.append(producer.send(self.topic, key=key, value=value))
+                futures.append(producer.send(self.topic, key=key, value=sign(value) if sign else value))
             producer.flush(timeout=self._budget_ms(self.flush_timeout * 1000) / 1000)
         except (KafkaError, OSError) as exc:
             failed = [r for (_, recs), f in zip(messages, futures) if not (f.is_done and f.succeeded()) for r in recs]

@@ -114,7 +114,7 @@ def test_demo_guard_evicts_an_unhealthy_node_through_the_control_topic(tmp_path)
 
     # the guard's own checksum check may reach the same eviction first (at a checked step, when the
     # noise passes the rounding bound): off here, so that the path under test is the control topic's
-    guard = GuardConfig(mode="act", on_checksum="none")
+    guard = GuardConfig(mode="act", on_checksum="none")  # on_evict="exit": the launcher restarts the job
     r = run("unhealthy-node", tmp_path, guard=guard, steps=110)
     evictions = [a for a in r.guard_actions if a["action"] == "evict"]
     assert evictions and evictions[0]["ranks"] == [2] and evictions[0]["reason"] == "control"
@@ -123,6 +123,30 @@ def test_demo_guard_evicts_an_unhealthy_node_through_the_control_topic(tmp_path)
     assert not [a for a in r.guard_actions if a["step"] < 70]
     assert isinstance(r.final_loss, float)
     assert any(i["kind"] == "guard_evict" for i in r.incidents)
+
+
+def test_demo_guard_lets_the_unhealthy_replica_leave_and_the_others_finish(tmp_path):
+    """`sdcwatch demo --guard --fault unhealthy-node`: the faulty replica leaves the quorum at a step
+    boundary and the others run to the last step, without a restart or a rollback."""
+    out = subprocess.run(
+        [sys.executable, "-m", "sdcwatch.cli", "demo", "--guard", "--fault", "unhealthy-node", "--json"]
+        + ["--ranks", "4", "--steps", "110", "--fault-step", "70", "--fault-rank", "2", "--out-dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    summary = json.loads(out.stdout)
+    acts = summary["guard_actions"]
+    leaves = [a for a in acts if a["action"] == "leave"]
+    assert len(leaves) == 1 and leaves[0]["ranks"] == [2], acts
+    assert 70 <= leaves[0]["step"] <= 70 + 50 and leaves[0]["applied"] is True
+    assert "left the quorum" in leaves[0]["message"] and "no restart" in leaves[0]["message"]
+    assert not [a for a in acts if a["action"] in ("evict", "rollback")], acts  # nothing stopped the world
+    assert isinstance(summary["final_loss"], float) and 0 < summary["final_loss"] < 6
+    assert "GUARD  [leave]" in out.stderr and "restarted" not in out.stderr
+    assert f"step {109:4d}/110" in out.stderr  # the others trained to the end
+    assert any(i["kind"] == "guard_leave" for i in summary["incidents"])
 
 
 def test_unknown_fault_is_a_clear_error():

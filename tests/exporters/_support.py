@@ -23,6 +23,7 @@ from typing import Any, Callable
 import numpy as np
 from polling import wait_for  # noqa: F401 (the tests call it as support.wait_for)
 from sdcwatch.core import vocabulary as names
+from sdcwatch.core.checkpoints import CheckpointMark
 from sdcwatch.core.incident import Incident, PipelineView, RunView, ServiceView, Severity
 
 from sdcwatch.broker import free_port
@@ -137,6 +138,10 @@ def small_view(world: int = 8, layers: int = 2) -> ServiceView:
         incidents=[sdc_incident(opened_at=990.0)],
         incidents_total={("sdc_suspected", "critical"): 1, ("loss_spike", "warning"): 2},
         findings_total={("rank_outlier", "rank_outlier"): 7, ("guard", "guard_skip"): 1},
+        checkpoints=[
+            CheckpointMark("r1", 80, "/ckpt/80", "after-fault", ("r1:sdc_suspected:50",)),
+            CheckpointMark("r1", 40, "/ckpt/40", "clean"),
+        ],
     )
 
 

@@ -95,6 +95,13 @@ sdcwatch_incident_last_step{id="inc-sdc-1",run="r1"} 120.0
 # HELP sdcwatch_incident_score Peak detector score of an incident.
 # TYPE sdcwatch_incident_score gauge
 sdcwatch_incident_score{id="inc-sdc-1",run="r1"} 9.5
+# HELP sdcwatch_checkpoint_newest_clean_step Step of the newest checkpoint of the run marked clean (no fault began at or before it): the one to resume from.
+# TYPE sdcwatch_checkpoint_newest_clean_step gauge
+sdcwatch_checkpoint_newest_clean_step{run="r1"} 40.0
+# HELP sdcwatch_checkpoint_step Step of a recent checkpoint of the run (slot 0 the newest, at most 8, and the newest clean one), labelled with its marking: clean, suspect or after-fault.
+# TYPE sdcwatch_checkpoint_step gauge
+sdcwatch_checkpoint_step{mark="after-fault",run="r1",slot="0"} 80.0
+sdcwatch_checkpoint_step{mark="clean",run="r1",slot="1"} 40.0
 # HELP sdcwatch_pipeline_records_total Telemetry records the service has consumed.
 # TYPE sdcwatch_pipeline_records_total counter
 sdcwatch_pipeline_records_total 960.0
@@ -128,7 +135,7 @@ sdcwatch_pipeline_offset_gaps_total{outcome="skipped"} 0.0
 # HELP sdcwatch_pipeline_runs Runs whose detection state the service keeps (at most detectors.max_runs).
 # TYPE sdcwatch_pipeline_runs gauge
 sdcwatch_pipeline_runs 1.0
-# HELP sdcwatch_pipeline_runs_forgotten_total Runs silent for long (pipeline stale_after) forgotten to make room for new ones within detectors.max_runs.
+# HELP sdcwatch_pipeline_runs_forgotten_total Runs that gave way to new ones within detectors.max_runs (on probation and silent, or stale).
 # TYPE sdcwatch_pipeline_runs_forgotten_total counter
 sdcwatch_pipeline_runs_forgotten_total 0.0
 # HELP sdcwatch_pipeline_duplicates_total Duplicate records (same run, step and rank) discarded.

@@ -253,9 +253,9 @@ def test_save_and_load_resume_without_warmup_or_repeats(tmp_path):
     assert second.view().pipeline.late_records_total == 50 * 8  # exported as a metric
 
 
-def test_a_run_that_goes_silent_has_its_incidents_resolved_after_stale_after():
+def test_a_run_that_goes_silent_has_its_incidents_resolved_after_run_stale_s():
     now = [1000.0]
-    pipe = DetectionPipeline(PipelineSettings(stale_after=60), wall=lambda: now[0])
+    pipe = DetectionPipeline(PipelineSettings(run_stale_s=60), wall=lambda: now[0])
     synth = SyntheticRun(seed=2, faults=[Fault("replica", 20, rank=6)])
     for s in range(40):
         pipe.process(synth.records(s))

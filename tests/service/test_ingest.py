@@ -10,7 +10,7 @@ import pytest
 from detector_synth import FAMILIES, Fault, SyntheticRun
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from sdcwatch.core.columnar import encode_items, encode_rows
+from sdcwatch.core.columnar import encode_items, encode_rows, parse_header
 from sdcwatch.core.errors import RecordError
 from sdcwatch.core.limits import RecordLimits
 from sdcwatch.core.record import encode_batch, record_key
@@ -27,7 +27,7 @@ from sdcwatch.service.ingest import (
     as_records,
 )
 from sdcwatch.service.loop import DetectorService
-from sdcwatch.service.pipeline import DetectionPipeline
+from sdcwatch.service.pipeline import DetectionPipeline, PipelineSettings
 from sdcwatch.telemetry import MemoryBus
 
 
@@ -368,3 +368,99 @@ def test_coordinates_reach_the_frame_over_either_wire_and_impossible_ones_are_de
     assert not items and "coords" in rejected[0].reason and "4 out of range [0, 4)" in rejected[0].reason
     with pytest.raises(RecordError, match="coords.tp"):
         RecordLimits().check(Record("r", 1, 0, 4, coords={"tp": 4}))
+
+
+# ---------------------------------------------------------------------------------------------
+# the schema registry: per run, bounded per run and in all, the runs the pipeline keeps kept
+
+
+def _layout(i: int):
+    return schema_for(("loss", f"x{i}"))
+
+
+def test_one_runs_layouts_cannot_push_out_anothers():
+    reg = SchemaRegistry(max_schemas=1024, per_run=64)
+    real = _layout(-1)
+    reg.learn(real.id, real.text, "real")
+    for i in range(5000):  # one run sending ever new layouts: its own oldest go
+        reg.learn(_layout(i).id, _layout(i).text, "flood")
+    assert (real.id, "real") in reg and reg.get(real.id, "real").text == real.text
+    assert len(reg) == 1 + 64 and (_layout(4999).id, "flood") in reg and (_layout(0).id, "flood") not in reg
+    assert (real.id, "flood") not in reg  # a layout is known to the run that sent it
+
+
+def test_a_flood_of_layouts_under_new_names_keeps_the_layouts_of_the_runs_held_and_stays_bounded():
+    reg = SchemaRegistry(max_schemas=1024, holds=lambda run: run in ("real", "other"))
+    for run in ("real", "other"):
+        reg.learn(_layout(-1).id, _layout(-1).text, run)
+    for i in range(5000):
+        reg.learn(_layout(i).id, _layout(i).text, f"flood-{i}")
+    assert (_layout(-1).id, "real") in reg and (_layout(-1).id, "other") in reg
+    assert len(reg) == 1024 and reg.forgotten == 5002 - 1024
+    assert (_layout(4999).id, "flood-4999") in reg and (_layout(0).id, "flood-0") not in reg
+
+
+def test_saved_layouts_come_back_per_run_and_from_the_older_list_format(tmp_path):
+    reg = SchemaRegistry()
+    for i, run in enumerate(("a", "b", "b")):
+        reg.learn(_layout(i).id, _layout(i).text, run)
+    again = SchemaRegistry()
+    again.restore(json.loads(json.dumps(reg.snapshot())))
+    known = {(i, run) for i in range(3) for run in ("a", "b") if (_layout(i).id, run) in again}
+    assert known == {(0, "a"), (1, "b"), (2, "b")} and again.snapshot() == reg.snapshot()
+    old = SchemaRegistry()
+    old.restore([_layout(7).text.decode()])  # what older versions wrote: texts, no runs
+    assert (_layout(7).id, "any") in old and old.get(_layout(7).id, "any").text == _layout(7).text
+    assert old.snapshot() == {"runs": {"any": [_layout(7).text.decode()]}}  # adopted by the run that used it
+    with pytest.raises(ValueError):
+        SchemaRegistry().restore({"layouts": 1})
+
+
+def test_service_reads_the_older_saved_schemas_file(tmp_path):
+    synth = SyntheticRun(world=4)
+    sent: set = set()
+    v2_messages(synth.records(0), sent)  # the layout went out before the restart
+    (tmp_path / "schemas.json").write_text(json.dumps([pack(synth.records(0)[0]).schema.text.decode()]))
+    bus = MemoryBus()
+    for s in range(1, 4):
+        for _, k, v in v2_messages(synth.records(s), sent):
+            bus.append("sdcwatch.telemetry", k, v)
+    source = MemorySource(bus)
+    svc = DetectorService(source, state_dir=tmp_path, poll_timeout=0.01)
+    svc.run_for(max_iterations=2)
+    assert source.dead_letters == 0 and svc.pipeline.records_total == 4 * 3
+
+
+def test_a_schema_flood_under_other_run_names_does_not_blind_a_v2_run():
+    """10,000 distinct valid layouts, each under a new run name, between a real run's messages:
+    before, the real run's layouts were pushed out of the 1,024-layout registry and its messages
+    dead-lettered unknown_schema (35-72%), its NaN missed."""
+    now = [1000.0]
+    clock = lambda: now[0]  # noqa: E731
+    pipe = DetectionPipeline(PipelineSettings(max_runs=8), clock=clock, wall=clock)
+    bus = MemoryBus()
+    source = MemorySource(bus, ingest=IngestDecoder(schema_wait=2.0, clock=clock))
+    source.schemas.holds = pipe.holds  # the runs the pipeline keeps keep their layouts
+    svc = DetectorService(source, pipe, poll_timeout=0.01, clock=clock)
+    real = SyntheticRun(world=4, run="real", seed=9, faults=[Fault("nonfinite", 20, rank=1, length=1)])
+    sent: set = set()
+    flood = [Record(f"flood-{i}", 0, 0, 1, "h", 1.0, 0, {"loss": 1.0, f"x{i}": 0.0}) for i in range(10_000)]
+    events = []
+    for step in range(40):
+        for _, k, v in v2_messages(real.records(step), sent):  # layouts inline once a 16-step window
+            bus.append("sdcwatch.telemetry", k, v)
+        if step in (5, 6):  # 2,000 new layouts a poll, after the real run's messages
+            batch = flood[(step - 5) * 2000 : (step - 4) * 2000]
+        else:  # then 400 a poll: 10,000 in all over 12 s
+            batch = flood[4000 + (step - 7) * 400 : 4000 + (step - 6) * 400] if 7 <= step < 22 else []
+        for _, k, v in v2_messages(batch):
+            bus.append("sdcwatch.telemetry", k, v)
+        events += svc.step()
+        now[0] += 0.5
+    events += pipe.flush()
+    lost = [d for d in source.dead_letter_log if d.code == "unknown_schema" and parse_header(d.value).run == "real"]
+    assert lost == [] and source.dead_letter_reasons.get("unknown_schema", 0) > 0  # the flood's own, not the run's
+    assert pipe.aligner.last_closed("real") == 39 and pipe.aligner.incomplete_steps == 0
+    nonfinite = [e.incident for e in events if e.change == "opened" and e.incident.kind == "nonfinite"]
+    assert [(i.first_step, i.ranks) for i in nonfinite if i.run == "real"] == [(20, (1,))]
+    assert len(source.schemas) <= source.schemas.max_schemas + 9 * source.schemas.per_run  # bounded

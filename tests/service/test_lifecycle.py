@@ -79,7 +79,7 @@ def test_a_run_that_ends_with_every_ranks_marker_resolves_its_incidents_then_lea
 
 def test_a_run_whose_ranks_go_silent_is_not_finished_and_is_evicted_when_idle():
     synth = SyntheticRun(seed=1, run="silent", faults=[Fault("nonfinite", 30, rank=3, length=1)])
-    pipe, clock = pipeline(stale_after=10_000.0)
+    pipe, clock = pipeline(run_stale_s=10_000.0)
     feed(pipe, synth, range(40))
     pipe.process(markers(synth, 39, ranks=range(synth.world - 1)))  # one rank never says goodbye
     assert pipe.expire() == []
@@ -302,7 +302,7 @@ def test_runs_past_max_runs_leave_no_lifecycle_state_and_a_stale_run_makes_room_
         SyntheticRun(seed=1, run="a", faults=[Fault("nonfinite", 5, rank=3, length=1)]),
         SyntheticRun(seed=2, run="b"),
     )
-    pipe, clock = pipeline(max_runs=1, stale_after=100.0)
+    pipe, clock = pipeline(max_runs=1, run_stale_s=100.0)
     feed(pipe, a, range(10))
     feed(pipe, b, range(3))  # run a is training: b does not fit
     pipe.process(markers(b, 2))
@@ -311,3 +311,31 @@ def test_runs_past_max_runs_leave_no_lifecycle_state_and_a_stale_run_makes_room_
     events = pipe.expire() + feed(pipe, b, range(3, 6))
     assert [(e.change, e.incident.run) for e in events] == [("resolved", "a")]
     assert "a" not in pipe.lifecycle and "b" in pipe.lifecycle and [i.run for i in pipe.view().incidents] == []
+
+
+def test_a_rank_that_left_with_its_marker_is_not_reported_missing_and_one_that_vanished_is():
+    """A replica that leaves the job (the guard's elastic eviction) sends its end-of-run marker at the
+    step it leaves; the others go on: its absence is no missing rank. A rank that just stops is."""
+
+    def gone_after(synth: SyntheticRun, rank: int, last: int, steps) -> list:
+        events = []
+        for s in steps:
+            recs = synth.records(s)
+            events += pipe.process([r for r in recs if r.rank != rank or s <= last])
+        return events
+
+    synth = SyntheticRun(seed=3, run="elastic")
+    pipe, clock = pipeline()
+    events = feed(pipe, synth, range(20))
+    pipe.process(markers(synth, 19, ranks=[5]))  # rank 5 left after step 19
+    events += gone_after(synth, 5, 19, range(20, 60))
+    events += pipe.flush()
+    assert not [e for e in events if e.incident.kind == "missing_rank"]
+
+    vanished = SyntheticRun(seed=3, run="vanished")
+    pipe, clock = pipeline()
+    events = feed(pipe, vanished, range(20))
+    events += gone_after(vanished, 5, 19, range(20, 60))
+    events += pipe.flush()
+    missing = [e.incident for e in events if e.change == "opened" and e.incident.kind == "missing_rank"]
+    assert [i.ranks for i in missing] == [(5,)]

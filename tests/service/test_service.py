@@ -243,3 +243,26 @@ def test_a_state_that_cannot_be_written_is_counted_and_retried_while_detection_g
     svc.step()
     assert (state / "pipeline-state.json").is_file()
     assert svc.state_write_errors == 3 and svc.source._committed > committed
+
+
+def test_a_large_poll_is_fed_in_slices_so_a_scrape_never_waits_for_all_of_it():
+    """The service holds its lock (which /metrics takes too) for one slice of a poll at a time: under
+    a flood a scrape waits for ~2,048 records, not for a poll of 20,000 (a second of CPU)."""
+    from sdcwatch.service.loop import SLICE_RECORDS
+
+    bus = MemoryBus()
+    synth = SyntheticRun(seed=5, world=8, faults=[Fault("nonfinite", 700, rank=2)])
+    emit(bus, synth, range(800))  # 6,400 records, one poll
+    svc = DetectorService(MemorySource(bus), poll_timeout=0.01)
+    fed, process = [], svc.pipeline.process
+
+    def counting(items):
+        assert not svc._lock.acquire(blocking=False)  # fed under the lock
+        fed.append(len(items))
+        return process(items)
+
+    svc.pipeline.process = counting
+    svc.step()
+    assert sum(fed) == 800 * 8 and len(fed) >= 3 and max(fed) <= SLICE_RECORDS
+    drain(svc, bus)
+    assert [i.first_step for i in svc.pipeline.incidents() if i.kind == "nonfinite"] == [700]

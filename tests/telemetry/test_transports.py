@@ -48,3 +48,20 @@ def test_the_emitters_default_transport_takes_the_topic_and_bus_from_the_environ
         assert em.transport.topic == "given"  # an argument wins over the environment
     finally:
         em.close(0.5)
+
+
+def test_a_transports_key_must_be_a_job_key_and_a_signed_topic_needs_its_keyring():
+    import pytest
+    from sdcwatch.core.errors import ConfigError, RecordError
+    from sdcwatch.core.signing import JobKey, Keyring
+    from sdcwatch.telemetry import MemoryBus, MemoryTransport, Record
+
+    with pytest.raises(ConfigError) as info:
+        KafkaTransport("127.0.0.1:1", "tel", key="kid:0123456789abcdef-secret")
+    assert info.value.key == "key" and "0123456789abcdef" not in str(info.value)
+    key = JobKey("kid", b"0123456789abcdef-secret")
+    bus = MemoryBus()
+    MemoryTransport(bus, "tel", key=key).send([Record.make(run="r", step=1, rank=0, world=1, scalars={"loss": 1.0})])
+    with pytest.raises(RecordError, match="keyring"):
+        bus.records("tel")
+    assert [r.step for r in bus.records("tel", keyring=Keyring([key]))] == [1]

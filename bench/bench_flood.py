@@ -1,0 +1,334 @@
+"""A flood of junk runs against one real `sdcwatch serve`: how late a real NaN, how slow a scrape, how much memory.
+
+One `sdcwatch serve` (its own topics, group, state folder and metrics port) on the embedded broker
+watches a real 4-rank run emitting at ``--rate`` steps/s with the Emitter. After ``WARM_S`` seconds
+an attacker process (kafka-python, one record a message, unsigned) sends ``--records`` records for
+``--runs`` run names over ``--seconds`` seconds (each run: steps 0.. of a 4-rank job, step-major so
+every junk run is live through the flood); 1 s into the flood rank 2 of the real run reports a NaN.
+Measured per arm: the seconds from the NaN's emit() to its incident on the anomalies topic (and its
+step and rank), the longest and p99 /metrics scrape (one scraper, every 0.5 s) during and after the
+flood, the service's peak RSS (VmHWM) and its RSS at the end, and the runs it still holds
+``--after`` seconds after the flood (``sdcwatch_pipeline_runs``) with the settings that say how long
+they stay. Arms: ``open`` (no keys: the attack as found) and ``signed`` (``--auth-key-file``, the
+real run signs, the junk does not)::
+
+    .venv/bin/python bench/bench_flood.py [--records 200000] [--runs 500] [--seconds 5] [--json] [--out F]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import multiprocessing as mp
+import os
+import platform
+import re
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+
+from sdcwatch.broker import EmbeddedBroker, free_port
+from sdcwatch.core.record import record_key
+from sdcwatch.core.signing import JobKey
+from sdcwatch.service.pipeline import PipelineSettings
+from sdcwatch.telemetry import Emitter, KafkaTransport, Record, encode
+
+WORLD, NAN_RANK = 4, 2
+WARM_S = 4.0  # the real run trains alone this long (past probation) before the flood
+NAN_AFTER_S = 1.0  # the NaN comes this long after the flood starts
+KEY = "bench:" + "k" * 32
+
+
+# ---------------------------------------------------------------------------------------------
+# the attacker, in a process of its own (its sending must not share the GIL with the measuring)
+
+
+def _attacker(bootstrap: str, topic: str, records: int, runs: int, seconds: float, go, done) -> None:
+    from kafka import KafkaProducer
+
+    steps = math.ceil(records / (runs * WORLD))
+    msgs = []
+    for step in range(steps):  # step-major: every junk run is live for the whole flood
+        for i in range(runs):
+            for rank in range(WORLD):
+                if len(msgs) < records:
+                    rec = Record(f"junk-{i}", step, rank, WORLD, "evil", time.time(), 0, {"loss": 1.0}, {}, {})
+                    msgs.append((record_key(rec), encode(rec)))
+    producer = KafkaProducer(bootstrap_servers=[bootstrap], linger_ms=5, batch_size=1 << 20, acks=1)
+    producer.partitions_for(topic)  # metadata before the clock starts
+    go.wait()
+    t0 = time.monotonic()
+    slices = max(1, int(seconds * 20))
+    for s in range(slices):  # an even rate: 1/20 s of records at a time
+        for key, value in msgs[s * len(msgs) // slices : (s + 1) * len(msgs) // slices]:
+            producer.send(topic, key=key, value=value)
+        time.sleep(max(0.0, t0 + (s + 1) * seconds / slices - time.monotonic()))
+    producer.flush(120)
+    done.put((len(msgs), time.monotonic() - t0))
+    producer.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# the service and what is read from it
+
+
+def _serve(bootstrap: str, tag: str, state: Path, port: int, key_file: Path | None) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "sdcwatch.cli", "serve", "--bus-bootstrap", bootstrap]
+    cmd += ["--bus-telemetry-topic", f"tel.{tag}", "--bus-anomalies-topic", f"anom.{tag}"]
+    cmd += ["--bus-deadletter-topic", f"dead.{tag}", "--bus-group", f"g.{tag}", "--metrics-port", str(port)]
+    cmd += ["--state-dir", str(state), "--no-alerts-log"]
+    cmd += ["--auth-key-file", str(key_file)] if key_file else []
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def _proc_kib(pid: int, field: str) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    return 0
+
+
+def _cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) the process has used."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _sample(text: str, name: str) -> float:
+    m = re.search(rf"^{name} (\S+)$", text, re.M)
+    return float(m.group(1)) if m else math.nan
+
+
+class _Scraper:
+    """GET /metrics every ``every`` seconds (one at a time): (start, seconds, text) of each."""
+
+    def __init__(self, url: str, every: float = 0.5) -> None:
+        self.url, self.every, self.got = url, every, []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            t = time.monotonic()
+            try:
+                with urllib.request.urlopen(self.url, timeout=60) as resp:
+                    text = resp.read().decode()
+            except OSError:
+                text = ""
+            self.got.append((t, time.monotonic() - t, text))
+            self._stop.wait(max(0.0, self.every - (time.monotonic() - t)))
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(90)
+
+
+class _Incidents:
+    """The anomalies topic read as it is written: (time seen, event) of each incident change."""
+
+    def __init__(self, bootstrap: str, topic: str) -> None:
+        from kafka import KafkaConsumer
+
+        self.events: list[tuple[float, dict]] = []
+        self._stop = threading.Event()
+        self._consumer = KafkaConsumer(
+            topic, bootstrap_servers=[bootstrap], auto_offset_reset="earliest", group_id=None, fetch_max_wait_ms=50
+        )
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            for msgs in self._consumer.poll(100).values():
+                now = time.monotonic()
+                self.events += [(now, json.loads(m.value)) for m in msgs]
+
+    def first(self, kind: str, run: str) -> tuple[float, dict] | None:
+        return next(((t, e) for t, e in list(self.events) if e["kind"] == kind and e["run"] == run), None)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+        self._consumer.close()
+
+
+def _train(emitters: list, rate: float, nan_at: threading.Event, stop: threading.Event, out: dict) -> None:
+    """The real run: a step every 1/rate s; the first step after ``nan_at`` is set has rank 2's NaN."""
+    step = 0
+    while not stop.is_set():
+        t = time.monotonic()
+        nan = nan_at.is_set() and "nan_step" not in out
+        for em in emitters:
+            loss = math.nan if nan and em.rank == NAN_RANK else 2.0 + 0.01 * ((step * 7 + em.rank) % 5)
+            em.emit(step, loss=loss, grad_norm_local=1.0 + 0.01 * em.rank, grad_norm_global=1.0)
+        if nan:
+            out["nan_step"], out["nan_sent"] = step, time.monotonic()
+        step += 1
+        time.sleep(max(0.0, 1 / rate - (time.monotonic() - t)))
+    out["last_step"] = step - 1
+
+
+def _quantile(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else math.nan
+
+
+def _scrape_stats(scrapes: list, lo: float, hi: float) -> dict:
+    secs = [s for t, s, _ in scrapes if lo <= t < hi]
+    return {"n": len(secs), "max_s": round(max(secs, default=math.nan), 3), "p99_s": round(_quantile(secs, 0.99), 3)}
+
+
+# ---------------------------------------------------------------------------------------------
+# one arm
+
+
+def flood(bootstrap: str, arm: str, args: argparse.Namespace, workdir: Path) -> dict:
+    """One flood against a fresh service (``arm`` open or signed); what it measured."""
+    tag = uuid.uuid4().hex[:8]
+    key_file = None
+    if arm == "signed":
+        key_file = workdir / f"{tag}.keys"
+        key_file.write_text(KEY + "\n")
+        key_file.chmod(0o600)
+    port = free_port()
+    serve = _serve(bootstrap, tag, workdir / tag, port, key_file)
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(iter(serve.stderr.readline, "")), daemon=True).start()
+    ctx = mp.get_context("spawn")
+    go, done = ctx.Event(), ctx.Queue()
+    attacker = ctx.Process(
+        target=_attacker, args=(bootstrap, f"tel.{tag}", args.records, args.runs, args.seconds, go, done)
+    )
+    attacker.start()
+    deadline = time.monotonic() + 90
+    while not any("consuming" in ln for ln in lines):
+        if time.monotonic() > deadline or serve.poll() is not None:
+            raise RuntimeError("serve did not start: " + "".join(lines)[-2000:])
+        time.sleep(0.1)
+    rss_start = _proc_kib(serve.pid, "VmRSS")
+    key = JobKey.parse(KEY) if key_file else None
+    emitters = [
+        Emitter(KafkaTransport(bootstrap, f"tel.{tag}"), run="victim", rank=r, world=WORLD, host=f"h{r // 2}", key=key)
+        for r in range(WORLD)
+    ]
+    incidents = _Incidents(bootstrap, f"anom.{tag}")
+    scraper = _Scraper(f"http://127.0.0.1:{port}/metrics")
+    nan_at, stop, trained = threading.Event(), threading.Event(), {}
+    trainer = threading.Thread(target=_train, args=(emitters, args.rate, nan_at, stop, trained), daemon=True)
+    trainer.start()
+    time.sleep(WARM_S)
+    rss_before, cpu_before = _proc_kib(serve.pid, "VmRSS"), _cpu_s(serve.pid)
+    flood_start = time.monotonic()
+    go.set()
+    time.sleep(NAN_AFTER_S)
+    nan_at.set()
+    sent, send_s = done.get(timeout=300)
+    flood_end = flood_start + send_s
+    attacker.join(30)
+    found = None
+    while found is None and time.monotonic() < flood_end + 120:
+        found = incidents.first("nonfinite", "victim")
+        time.sleep(0.05)
+    time.sleep(max(0.0, flood_end + args.after - time.monotonic()))  # the service's state a while after
+    stop.set()
+    trainer.join(10)
+    scraper.stop()
+    incidents.stop()
+    rss_end, peak = _proc_kib(serve.pid, "VmRSS"), _proc_kib(serve.pid, "VmHWM")
+    cpu = _cpu_s(serve.pid) - cpu_before
+    last = next((text for _, _, text in reversed(scraper.got) if text), "")
+    serve.terminate()
+    serve.wait(60)
+    for em in emitters:
+        em.close(5)
+    settings = PipelineSettings()
+    ev = found[1] if found else {}
+    return {
+        "arm": arm,
+        "records_sent": sent,
+        "send_s": round(send_s, 2),
+        "nan_step": trained.get("nan_step"),
+        "incident_delay_s": round(found[0] - trained["nan_sent"], 2) if found else None,
+        "incident_step": ev.get("first_step"),
+        "incident_ranks": ev.get("ranks"),
+        "incident_right": bool(found) and ev.get("first_step") == trained.get("nan_step") and ev.get("ranks") == [2],
+        "scrape_during": _scrape_stats(scraper.got, flood_start, flood_end),
+        "scrape_after": _scrape_stats(scraper.got, flood_end, math.inf),
+        "scrape_all": _scrape_stats(scraper.got, flood_start, math.inf),
+        "service_cpu_s": round(cpu, 1),
+        "rss_start_mib": round(rss_start / 1024, 1),
+        "rss_before_flood_mib": round(rss_before / 1024, 1),
+        "rss_peak_mib": round(peak / 1024, 1),
+        "rss_end_mib": round(rss_end / 1024, 1),
+        "runs_held_after": _sample(last, "sdcwatch_pipeline_runs"),
+        "after_s": args.after,
+        "records_consumed": _sample(last, "sdcwatch_pipeline_records_total"),
+        "dead_letters": _sample(last, "sdcwatch_pipeline_dead_letters_total"),
+        "run_probation_idle_s": settings.run_probation_idle_s,
+        "run_idle_expiry_s": settings.run_idle_expiry_s,
+        "max_runs": settings.max_runs,
+    }
+
+
+def _table(rows: list[dict]) -> str:
+    head = "arm     sent in  NaN delay  step,rank ok  scrape max/p99 during  after        RSS start/peak/end MiB  runs held"
+    out = [head]
+    for r in rows:
+        d, a = r["scrape_during"], r["scrape_after"]
+        out.append(
+            f"{r['arm']:<7} {r['send_s']:>5.1f}s  {r['incident_delay_s']!s:>8}s  {r['incident_right']!s:<12} "
+            f"{d['max_s']:>5.2f}/{d['p99_s']:<5.2f}s  {a['max_s']:>5.2f}/{a['p99_s']:<5.2f}s  "
+            f"{r['rss_before_flood_mib']:>6.0f}/{r['rss_peak_mib']:.0f}/{r['rss_end_mib']:.0f}"
+            f"{'':>10}{r['runs_held_after']:.0f} after {r['after_s']:.0f} s"
+        )
+    s = rows[0]
+    out.append(
+        f"settings: max_runs {s['max_runs']}, run_probation_idle_s {s['run_probation_idle_s']:g}, "
+        f"run_idle_expiry_s {s['run_idle_expiry_s']:g} ({s['run_idle_expiry_s'] / 3600:g} h)"
+    )
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--records", type=int, default=200_000, help="junk records in the flood")
+    ap.add_argument("--runs", type=int, default=500, help="junk run names")
+    ap.add_argument("--seconds", type=float, default=5.0, help="seconds over which the junk is sent")
+    ap.add_argument("--rate", type=float, default=10.0, help="steps a second of the real run")
+    ap.add_argument("--after", type=float, default=60.0, help="seconds after the flood at which the runs are counted")
+    ap.add_argument("--arms", nargs="+", default=["open", "signed"], choices=["open", "signed"])
+    ap.add_argument("--json", action="store_true", help="print each arm as one JSON line, not the table")
+    ap.add_argument("--out", type=Path, help="write the results as JSON here (bench/results/flood.json)")
+    args = ap.parse_args(argv)
+    rows = []
+    load = os.getloadavg()
+    with EmbeddedBroker(port=0) as broker, tempfile.TemporaryDirectory() as tmp:
+        for arm in args.arms:
+            row = flood(broker.bootstrap, arm, args, Path(tmp))
+            rows.append(row)
+            if args.json:
+                print(json.dumps(row), flush=True)
+    if not args.json:
+        print(_table(rows))
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        out = {
+            "machine": platform.platform(),
+            "cpus": os.cpu_count(),
+            "load_avg_at_start": [round(x, 2) for x in load],
+            "command": " ".join(["bench/bench_flood.py", *(argv if argv is not None else sys.argv[1:])]),
+            "arms": rows,
+        }
+        args.out.write_text(json.dumps(out, indent=1))
+    return 0 if all(r["incident_right"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,364 @@
+"""The state changelog: the pipeline's snapshots in a compacted Kafka topic (as Kafka Streams keeps a
+store's changelog), so an instance on another machine, without the state folder, resumes a run's
+history; and the choice at start between the state file and the topic's newer snapshot.
+
+A snapshot is zlib-compressed JSON, split into chunks under the broker's message limit, each chunk
+acknowledged before its manifest is written: a reader takes a snapshot only through its manifest,
+so never half of one. The chunks of the snapshot before are tombstoned once the new manifest is in.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import time
+import uuid
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, Mapping
+
+from sdcwatch.core.errors import ConfigError, TransportError
+from sdcwatch.core.kafka import new_admin, new_consumer, new_producer, security_settings
+
+__all__ = ["FORMAT", "ChangelogSnapshot", "StateChangelog", "resume_state"]
+
+log = logging.getLogger("sdcwatch.service.changelog")
+
+#: What a manifest says it is; a manifest of another format is refused, never guessed at.
+FORMAT = "sdcwatch.state-changelog/1"
+#: Chunk size when the broker does not say its limit: under Kafka's default message.max.bytes (1 MiB).
+DEFAULT_CHUNK_BYTES = 900_000
+_OVERHEAD = 16_384  # a record batch's headers and the key, below the broker's limit
+
+
+@dataclass(frozen=True)
+class ChangelogSnapshot:
+    """One complete snapshot read back from the topic."""
+
+    state: dict[str, Any]
+    """The pipeline's state (what ``DetectionPipeline.snapshot`` gave)."""
+    schemas: list | None
+    """The wire-v2 record layouts the source had learnt, or None."""
+    written_at: float
+    """Wall-clock time (seconds since the epoch) the writer took the snapshot."""
+    snapshot: str
+    """The snapshot's id."""
+    size: int
+    """Compressed bytes."""
+    journal: dict | None = None
+    """The incident changes the writer had announced since that snapshot (its journal), or None."""
+
+
+class StateChangelog:
+    """Snapshots of one consumer group's stage in the compacted topic ``topic``.
+
+    The manifest's key is ``m:<stage>:<group>``, a chunk's ``c:<stage>:<snapshot>:<index>:<group>``;
+    everything goes to partition 0, so a reader sees chunks before their manifest. ``chunk_bytes``
+    None takes the topic's ``max.message.bytes`` (less room for the batch) when the broker says it,
+    else :data:`DEFAULT_CHUNK_BYTES`. The topic is created (cleanup.policy=compact) if missing.
+    """
+
+    def __init__(
+        self,
+        bootstrap: str,
+        topic: str,
+        *,
+        group: str,
+        stage: str,
+        security: Mapping[str, Any] | None = None,
+        chunk_bytes: int | None = None,
+        timeout: float = 10.0,
+    ) -> None:
+        if chunk_bytes is not None and chunk_bytes < 1024:
+            raise ConfigError("state.topic", f"chunk_bytes must be at least 1024, got {chunk_bytes}")
+        self.bootstrap, self.topic, self.group, self.stage = bootstrap, topic, group, stage
+        self.security = security_settings(security or {})
+        self.timeout = timeout
+        self.chunk_bytes = chunk_bytes
+        self.written = 0  # snapshots written
+        self._producer: Any = None
+        self._live: set[bytes] = set()  # chunk keys of ours no newer manifest needs: tombstoned after the next one
+
+    @property
+    def manifest_key(self) -> bytes:
+        return f"m:{self.stage}:{self.group}".encode()
+
+    @property
+    def journal_key(self) -> bytes:
+        return f"j:{self.stage}:{self.group}".encode()
+
+    def write_journal(self, entries: Mapping[str, float]) -> None:
+        """The incident changes announced since the last snapshot (the service's journal), acknowledged:
+        an instance that takes over elsewhere does not announce them again. TransportError on failure."""
+        from kafka.errors import KafkaError
+
+        try:
+            producer = self._open()
+            value = _json({"entries": dict(entries)})
+            self._wait(producer, [producer.send(self.topic, key=self.journal_key, value=value, partition=0)])
+        except (KafkaError, OSError, ValueError) as exc:
+            raise TransportError(f"state topic {self.topic}: journal not written ({exc})") from None
+
+    def _chunk_key(self, snapshot: str, index: int) -> bytes:
+        return f"c:{self.stage}:{snapshot}:{index}:{self.group}".encode()
+
+    def _ours(self, key: bytes) -> bool:
+        parts = key.decode("utf-8", "replace").split(":", 4)
+        return len(parts) == 5 and parts[0] == "c" and parts[1] == self.stage and parts[4] == self.group
+
+    # -- writing --------------------------------------------------------------------------------
+
+    def write(self, state: dict[str, Any], schemas: list | None = None) -> None:
+        """Write one snapshot: its chunks, each acknowledged, then its manifest. TransportError
+        when the bus does not take it (the manifest before stays the one a reader takes)."""
+        from kafka.errors import KafkaError
+
+        body = json.dumps({"state": state, "schemas": schemas}, separators=(",", ":"), allow_nan=False).encode()
+        blob = zlib.compress(body)
+        snapshot = f"{time.time_ns():x}{uuid.uuid4().hex[:6]}"
+        try:
+            producer = self._open()
+            size = self._limit()
+            keys = [self._chunk_key(snapshot, i) for i in range(max(1, -(-len(blob) // size)))]
+            sent = [
+                producer.send(self.topic, key=k, value=blob[i * size : (i + 1) * size], partition=0)
+                for i, k in enumerate(keys)
+            ]
+            self._wait(producer, sent)
+            manifest = {
+                "format": FORMAT,
+                "snapshot": snapshot,
+                "chunks": len(keys),
+                "bytes": len(blob),
+                "sha256": hashlib.sha256(blob).hexdigest(),
+                "written_at": time.time(),
+                "group": self.group,
+                "stage": self.stage,
+            }
+            self._wait(producer, [producer.send(self.topic, key=self.manifest_key, value=_json(manifest), partition=0)])
+        except (KafkaError, OSError, ValueError) as exc:
+            raise TransportError(f"state topic {self.topic}: snapshot not written ({exc})") from None
+        for key in self._live:  # the snapshot before is no longer needed: compaction drops it
+            with contextlib.suppress(KafkaError, OSError, ValueError):
+                producer.send(self.topic, key=key, value=None, partition=0)
+        self._live = set(keys)
+        self.written += 1
+
+    def _open(self) -> Any:
+        if self._producer is None:
+            self._ensure_topic()
+            self.chunk_bytes = self._limit()
+            self._producer = new_producer(
+                self.bootstrap,
+                self.security,
+                acks="all",
+                linger_ms=0,
+                max_block_ms=int(self.timeout * 1000),
+                request_timeout_ms=int(self.timeout * 1000),
+                max_request_size=self.chunk_bytes + _OVERHEAD,
+            )
+        return self._producer
+
+    def _wait(self, producer: Any, futures: list) -> None:
+        """Every send acknowledged within the timeout, or the first failure raised."""
+        deadline = time.monotonic() + self.timeout
+        producer.flush(timeout=self.timeout)
+        for fut in futures:
+            fut.get(timeout=max(0.1, deadline - time.monotonic()))
+
+    def _ensure_topic(self) -> None:
+        """Create the topic, compacted, unless it exists; an admin API that does not answer is not
+        fatal here (a broker that creates topics on first use still takes the snapshots)."""
+        from kafka.admin import NewTopic
+        from kafka.errors import KafkaError, TopicAlreadyExistsError
+
+        try:
+            ms = int(self.timeout * 1000)
+            admin = new_admin(self.bootstrap, self.security, request_timeout_ms=ms, bootstrap_timeout_ms=ms)
+        except (KafkaError, OSError, ValueError) as exc:
+            raise TransportError(f"state topic {self.topic}: cannot reach Kafka at {self.bootstrap}: {exc}") from None
+        try:
+            if self.topic not in set(admin.list_topics()):
+                with contextlib.suppress(TopicAlreadyExistsError):
+                    admin.create_topics([NewTopic(self.topic, 1, 1, topic_configs={"cleanup.policy": "compact"})])
+                log.info("created the compacted state topic %s", self.topic)
+            self._limit_from(admin)
+        except KafkaError as exc:
+            log.warning("state topic %s: could not check or create it (%s)", self.topic, exc)
+        finally:
+            admin.close()
+
+    def _limit_from(self, admin: Any) -> None:
+        """The topic's ``max.message.bytes``, when the broker describes it, as the chunk size."""
+        from kafka.admin import ConfigResource, ConfigResourceType
+
+        if self.chunk_bytes is not None:
+            return
+        try:
+            answer = admin.describe_configs(
+                [ConfigResource(ConfigResourceType.TOPIC, self.topic, {"max.message.bytes": None})], config_filter="all"
+            )
+            value = answer.get("topic", {}).get(self.topic, {}).get("max.message.bytes", {}).get("value")
+            if value is not None and str(value).isdigit():
+                self.chunk_bytes = max(1024, int(value) - _OVERHEAD)
+        except Exception as exc:  # a broker that does not describe configs: the default size
+            log.debug("max.message.bytes of %s unknown: %s", self.topic, exc)
+
+    def _limit(self) -> int:
+        return self.chunk_bytes or DEFAULT_CHUNK_BYTES
+
+    # -- reading --------------------------------------------------------------------------------
+
+    def read(self) -> ChangelogSnapshot | None:
+        """The newest complete snapshot of this group's stage, None when the topic holds none;
+        ConfigError naming the topic, the key and the way out when it is damaged."""
+        manifest, chunks, journal = self._scan()
+        self._live = {k for k in chunks if self._ours(k)}  # tombstoned after our first snapshot
+        if manifest is None:
+            return None
+        where = f"state topic {self.topic}, key {self.manifest_key.decode()}"
+        try:
+            meta = json.loads(manifest)
+            if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+                raise ValueError(f"not a manifest of {FORMAT}")
+            snapshot, n = str(meta["snapshot"]), int(meta["chunks"])
+            keys = [self._chunk_key(snapshot, i) for i in range(n)]
+            missing = [i for i, k in enumerate(keys) if chunks.get(k) is None]
+            if missing:
+                raise ValueError(
+                    f"snapshot {snapshot} lists {n} chunk(s); {len(missing)} missing (first: {missing[0]})"
+                )
+            blob = b"".join(chunks[k] for k in keys)
+            if hashlib.sha256(blob).hexdigest() != meta["sha256"]:
+                raise ValueError(f"snapshot {snapshot}: its chunks do not match the manifest's checksum")
+            body = json.loads(zlib.decompress(blob))
+            if not isinstance(body, dict) or not isinstance(body.get("state"), dict):
+                raise ValueError(f"snapshot {snapshot} holds no state object")
+        except (ValueError, KeyError, TypeError, zlib.error) as exc:
+            raise ConfigError("state.topic", f"{where}: not a valid snapshot ({exc}){_RECOVERY}") from None
+        return ChangelogSnapshot(
+            body["state"], body.get("schemas"), float(meta["written_at"]), snapshot, len(blob), _entries(journal)
+        )
+
+    def _scan(self) -> tuple[bytes | None, dict[bytes, bytes | None], bytes | None]:
+        """The topic read whole: the latest manifest of ours, every live chunk (tombstones applied)
+        and the latest journal of ours."""
+        from kafka import TopicPartition
+        from kafka.errors import KafkaError
+
+        manifest: bytes | None = None
+        journal: bytes | None = None
+        chunks: dict[bytes, bytes | None] = {}
+        try:
+            consumer = new_consumer(
+                self.bootstrap,
+                security=self.security,
+                group_id=None,
+                enable_auto_commit=False,
+                fetch_max_wait_ms=100,
+                max_partition_fetch_bytes=64 << 20,
+                request_timeout_ms=int(self.timeout * 1000) + 1000,
+                bootstrap_timeout_ms=int(self.timeout * 1000),
+            )
+        except (KafkaError, OSError, ValueError) as exc:
+            raise TransportError(f"state topic {self.topic}: cannot reach Kafka at {self.bootstrap}: {exc}") from None
+        try:
+            ids = consumer.partitions_for_topic(self.topic)
+            if not ids:
+                return None, {}, None
+            parts = [TopicPartition(self.topic, p) for p in sorted(ids)]
+            consumer.assign(parts)
+            consumer.seek_to_beginning(*parts)
+            for msg in _read_to_end(consumer, parts, self.timeout * 3):
+                if msg.key == self.manifest_key:
+                    manifest = msg.value
+                elif msg.key == self.journal_key:
+                    journal = msg.value
+                elif msg.key is not None and msg.key.startswith(b"c:"):
+                    chunks[msg.key] = msg.value
+        except KafkaError as exc:
+            raise TransportError(f"state topic {self.topic}: cannot be read ({exc})") from None
+        finally:
+            consumer.close()
+        return manifest, {k: v for k, v in chunks.items() if v is not None}, journal
+
+    @contextlib.contextmanager
+    def restoring(self) -> Iterator[None]:
+        """Turn any fault met while restoring a snapshot from the topic into one ConfigError."""
+        where = f"state topic {self.topic}, key {self.manifest_key.decode()}"
+        try:
+            yield
+        except ConfigError as exc:
+            raise ConfigError(exc.key, f"{where}: {exc.problem}{_RECOVERY}") from None
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
+            fault = f"missing key {exc}" if isinstance(exc, KeyError) else f"{type(exc).__name__}: {exc}"
+            raise ConfigError(
+                "state.topic", f"{where}: the snapshot is structurally wrong ({fault}){_RECOVERY}"
+            ) from None
+
+    def close(self) -> None:
+        if self._producer is not None:
+            with contextlib.suppress(Exception):
+                self._producer.close(timeout=5)
+            self._producer = None
+
+
+_RECOVERY = "; start with --state-reset to begin afresh (the next snapshot replaces it)"
+
+
+def _entries(journal: bytes | None) -> dict | None:
+    """A journal's entries ({change key: wall time}); None for none or a damaged one (a journal only
+    saves repeated alerts: a damaged one costs at most a repeat, never the resume)."""
+    if journal is None:
+        return None
+    try:
+        entries = json.loads(journal)["entries"]
+    except (ValueError, KeyError, TypeError):
+        log.warning("the state topic's journal of announced incidents is damaged: ignored")
+        return None
+    return entries if isinstance(entries, dict) else None
+
+
+def _json(obj: Any) -> bytes:
+    return json.dumps(obj, separators=(",", ":")).encode()
+
+
+def _read_to_end(consumer: Any, parts: list, timeout: float) -> Iterator[Any]:
+    """Every message of ``parts`` from where the consumer stands to the end seen now, in offset order."""
+    deadline = time.monotonic() + timeout
+    ends = consumer.end_offsets(parts)
+    while True:
+        batches = consumer.poll(timeout_ms=200)
+        for tp in parts:
+            yield from batches.get(tp, ())
+        # the end as the fetches saw it too (the embedded broker's ListOffsets can answer short)
+        done = all(consumer.position(tp) >= max(ends[tp], consumer.highwater(tp) or 0) for tp in parts)
+        if done and not batches:
+            return
+        if time.monotonic() > deadline:
+            raise TransportError(f"reading {parts[0].topic} to its end took over {timeout:.0f} s")
+
+
+def resume_state(
+    pipeline: Any, path: str | os.PathLike, changelog: StateChangelog | None = None
+) -> tuple[str | None, ChangelogSnapshot | None]:
+    """Restore ``pipeline`` from the state file ``path`` or, when there is no file or it is older
+    than the topic's newest snapshot, from ``changelog``. Returns where the state came from
+    ("file", "topic" or None) and the topic's snapshot when it was taken (its ``schemas`` are for
+    the source). A damaged file or snapshot raises ConfigError naming it."""
+    path = Path(path)
+    snap = changelog.read() if changelog is not None else None
+    if snap is not None:
+        try:
+            file_time = path.stat().st_mtime
+        except OSError:
+            file_time = None
+        if file_time is None or file_time < snap.written_at:
+            with changelog.restoring():
+                pipeline.restore(snap.state)
+            return "topic", snap
+    return ("file" if pipeline.load(path) else None), None

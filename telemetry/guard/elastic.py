@@ -1,0 +1,183 @@
+"""Elastic eviction: the replica group of an evicted rank leaves the job's quorum at a step boundary
+and the other groups go on training; nothing restarts.
+
+With ``GuardConfig(on_evict="leave")`` the guard hands an eviction to a :class:`ReplicaMembership`
+(``Guard(..., elastic=membership)``) instead of exiting with code 16. :class:`TorchFTMembership`
+implements it over torchft's ``Manager`` (its lighthouse re-forms the quorum without the group); a
+torch.distributed subgroup rebuild, or the test bed's simulated ranks, implement the same few
+methods. Importing this module imports neither torch nor torchft.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Protocol, Sequence, runtime_checkable
+
+__all__ = ["ReplicaMembership", "TorchFTMembership", "TorchFTAgreement", "leave_quorum"]
+
+_HOST_BYTES = 64
+
+
+@runtime_checkable
+class ReplicaMembership(Protocol):
+    """Who is in the job's quorum of replica groups, and how a group leaves it.
+
+    Global ranks are the identities the detector service names; a replica group is the set of
+    ranks holding one copy of the model (one rank under plain data parallelism).
+    """
+
+    min_replicas: int
+    """The fewest replica groups the job may go on with; a leave that would go below it is refused
+    (the guard then evicts by exiting, as without a membership)."""
+
+    def replica_of(self, rank: int) -> int:
+        """The replica group that holds global ``rank``."""
+        ...
+
+    def replicas(self) -> int:
+        """How many replica groups are in the quorum now."""
+        ...
+
+    def agreement(self) -> Any:
+        """The guard's agreement across every process still in (``max``, ``sum``, ``broadcast_text``,
+        ``gather_hosts``), or None to keep the guard's own (torch.distributed or local)."""
+        ...
+
+    def leave(self, step: int, replicas: Iterable[int]) -> bool:
+        """Called on every process at the boundary after ``step``: ``replicas`` leave the quorum.
+        Returns whether this process goes on training (False: its group left; stop the loop)."""
+        ...
+
+
+def leave_quorum(
+    membership: ReplicaMembership, step: int, ranks: Sequence[int], hosts: Sequence[str], reason: str, out: Any
+) -> Any:
+    """The guard's eviction of ``ranks`` carried out by ``membership``: their replica groups leave
+    after ``step`` and ``out`` (the step's :class:`~sdcwatch.telemetry.guard.config.GuardOutcome`)
+    says so, with action ``leave``; ``out.applied`` is false on the processes that left. Returns
+    None, changing nothing, when too few groups would be left (the caller then exits instead)."""
+    going = sorted({membership.replica_of(r) for r in ranks})
+    remaining = membership.replicas() - len(going)
+    if remaining < max(1, membership.min_replicas):
+        return None
+    named = ", ".join(f"rank {r}" + (f" (host {h})" if h else "") for r, h in zip(ranks, hosts))
+    out.action, out.ranks = "leave", tuple(ranks)
+    out.message = (
+        f"sdcwatch guard: {named} left the quorum after step {step} with replica group(s) "
+        f"{', '.join(map(str, going))}: {reason}; the other {remaining} group(s) go on from step {step + 1}, "
+        f"no restart"
+    )
+    out.applied = bool(membership.leave(step, going))
+    return out
+
+
+class TorchFTAgreement:
+    """The guard's agreement over torchft: an all-reduce across replica groups through the
+    ``Manager`` (which follows the quorum as it changes), then, for groups of more than one
+    process, one inside the group (``group``, a torch.distributed group of the replica's ranks)."""
+
+    def __init__(self, manager: Any, *, rank: int, world: int, group: Any = None) -> None:
+        self.manager, self.rank, self.world, self.group = manager, int(rank), int(world), group
+
+    def _reduce(self, t: Any, op: str) -> Any:
+        from torch.distributed import ReduceOp
+
+        red = ReduceOp.MAX if op == "max" else ReduceOp.SUM
+        self.manager.allreduce(t, reduce_op=red).wait()
+        if self.group is not None:
+            import torch.distributed as dist
+
+            dist.all_reduce(t, op=red, group=self.group)
+        return t
+
+    def max(self, values: list[int]) -> list[int]:
+        import torch
+
+        return [int(v) for v in self._reduce(torch.tensor(values, dtype=torch.int64), "max").tolist()]
+
+    def sum(self, values: list[float]) -> list[float]:
+        import torch
+
+        return [float(v) for v in self._reduce(torch.tensor(values, dtype=torch.float64), "sum").tolist()]
+
+    def broadcast_text(self, text: str) -> str:
+        """Rank 0's ``text`` (at most 1024 bytes) on every process: a MAX with zeros elsewhere."""
+        import torch
+
+        t = torch.zeros(1024, dtype=torch.int64)
+        if self.rank == 0:
+            raw = text.encode("utf-8")[:1024]
+            t[: len(raw)] = torch.tensor(list(raw), dtype=torch.int64)
+        raw = bytes(int(b) for b in self._reduce(t, "max").tolist() if b)
+        return raw.decode("utf-8", errors="replace")
+
+    def gather_hosts(self, host: str) -> list[str]:
+        """Every global rank's host name (a rank that left: "")."""
+        import torch
+
+        t = torch.zeros(self.world, _HOST_BYTES, dtype=torch.int64)
+        raw = host.encode("utf-8")[:_HOST_BYTES]
+        t[self.rank, : len(raw)] = torch.tensor(list(raw), dtype=torch.int64)
+        rows = self._reduce(t, "max").tolist()
+        return [bytes(int(b) for b in row if b).decode("utf-8", errors="replace") for row in rows]
+
+
+class TorchFTMembership:
+    """Replica groups as torchft sees them: a ``torchft.Manager`` per group, a lighthouse quorum.
+
+    Ranks are numbered group by group (global rank = replica x ``group_size`` + group rank).
+    Leaving shuts this group's manager down: its heartbeats stop, the lighthouse forms the next
+    quorum from the other groups (within its ``heartbeat_timeout_ms``), and their next step runs
+    with them alone; their optimizer state and step count are untouched.
+
+    Args:
+        manager: this process's ``torchft.Manager``.
+        replica: this process's replica group.
+        group_rank, group_size: this process's rank in its group and the group's size.
+        replicas: the number of replica groups at the start.
+        group: a torch.distributed group of this replica's ranks (groups of more than one process).
+        min_replicas: the fewest groups to go on with (default 1).
+    """
+
+    def __init__(
+        self,
+        manager: Any,
+        *,
+        replica: int,
+        replicas: int,
+        group_rank: int = 0,
+        group_size: int = 1,
+        group: Any = None,
+        min_replicas: int = 1,
+    ) -> None:
+        from sdcwatch.core.errors import ConfigError
+
+        for key, v, lo in (("replica", replica, 0), ("replicas", replicas, 1), ("group_size", group_size, 1)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+                raise ConfigError(f"elastic.{key}", f"must be an integer >= {lo}, got {v!r}")
+        if not 0 <= replica < replicas:
+            raise ConfigError("elastic.replica", f"must be in 0..{replicas - 1}, got {replica}")
+        self.manager, self.replica, self.group_size, self.group = manager, replica, group_size, group
+        self.min_replicas = int(min_replicas)
+        self.rank = replica * group_size + int(group_rank)
+        self.world = replicas * group_size
+        self._in = set(range(replicas))
+        self.left_at: int | None = None
+        """The step after which this process's group left (None: still in)."""
+
+    def replica_of(self, rank: int) -> int:
+        return int(rank) // self.group_size
+
+    def replicas(self) -> int:
+        return len(self._in)
+
+    def agreement(self) -> TorchFTAgreement:
+        return TorchFTAgreement(self.manager, rank=self.rank, world=self.world, group=self.group)
+
+    def leave(self, step: int, replicas: Iterable[int]) -> bool:
+        going = set(replicas)
+        self._in -= going
+        if self.replica not in going:
+            return True
+        self.left_at = int(step)
+        self.manager.shutdown(wait=False)  # heartbeats stop: the lighthouse drops this group
+        return False

@@ -1,0 +1,225 @@
+"""Signed telemetry and control: what a forger on the bus can no longer do (in process; the live
+attacks on a real `sdcwatch serve` are in test_hostile.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from detector_synth import Fault, SyntheticRun
+from sdcwatch.core.control import Decision, open_decision
+from sdcwatch.core.errors import ConfigError, ControlError
+from sdcwatch.core.record_layout import PackedRecord
+from sdcwatch.core.signing import AuthError, JobKey, Keyring, job_key_from_env
+from sdcwatch.core.vocabulary import CONTROL_TOPIC, TELEMETRY_TOPIC
+from sdcwatch.service.auth import Authenticator
+from sdcwatch.service.bus import MemorySource
+from sdcwatch.service.control_policy import ControlPolicy, ControlTopicSink
+from sdcwatch.service.ingest import IngestDecoder, SchemaRegistry
+from sdcwatch.service.loop import DetectorService
+from sdcwatch.telemetry import MemoryBus, MemoryTransport
+from sdcwatch.telemetry.guard.control_topic import DecisionCheck
+
+SECRET_A = "a-secret-of-job-a-0123456789"
+SECRET_B = "b-secret-of-job-b-9876543210"
+KEY_A = JobKey.parse(f"job-a:{SECRET_A}")
+KEY_B = JobKey.parse(f"job-b:{SECRET_B}")
+
+
+def _messages(synth: SyntheticRun, steps, wire: str = "v2") -> list[tuple[bytes | None, bytes]]:
+    """The bus messages a real transport sends for ``steps`` of ``synth`` (unsigned)."""
+    staging = MemoryBus()
+    tr = MemoryTransport(staging)
+    for s in steps:
+        recs = synth.records(s)
+        if wire == "v2":
+            recs = [
+                PackedRecord.pack(
+                    r.run, r.host, r.step, r.rank, r.world, r.local_rank, r.time, r.scalars, r.fingerprints, r.layers
+                )
+                for r in recs
+            ]
+        tr.send(recs)
+    return staging.messages(TELEMETRY_TOPIC)
+
+
+def _put(bus: MemoryBus, messages, key: JobKey | None) -> None:
+    for k, v in messages:
+        bus.append(TELEMETRY_TOPIC, k, v if key is None else key.sign(v))
+
+
+def _service(bus: MemoryBus, auth: Authenticator, sinks=()) -> DetectorService:
+    source = MemorySource(bus, ingest=IngestDecoder(SchemaRegistry(), auth=auth))
+    return DetectorService(source, sinks=list(sinks), poll_timeout=0.01)
+
+
+class ListSink:
+    def __init__(self) -> None:
+        self.events = []
+
+    def publish(self, event) -> None:
+        self.events.append(event)
+
+    def close(self) -> None:
+        pass
+
+
+def _drain(svc: DetectorService) -> None:
+    svc.run_for(until=lambda: svc.source.lag() == 0, max_iterations=10_000)
+    svc.run_for(max_iterations=3)
+
+
+def test_a_signed_run_is_watched_and_forged_unsigned_or_foreign_records_reach_no_detector():
+    bus = MemoryBus()
+    real = SyntheticRun(seed=1, run="victim", faults=[Fault("nonfinite", 70, rank=2)])
+    forged = SyntheticRun(seed=9, run="victim", faults=[Fault("nonfinite", 40, rank=3)])
+    # the run's first messages bind it to job-a's key
+    _put(bus, _messages(real, range(0, 30)), KEY_A)
+    # a forger without the key: unsigned records "from rank 3" with a NaN, and a tampered message
+    _put(bus, _messages(forged, range(40, 41)), None)
+    k, v = _messages(forged, range(41, 42))[0]
+    signed = bytearray(KEY_A.sign(v))
+    signed[-3] ^= 0x40
+    bus.append(TELEMETRY_TOPIC, k, bytes(signed))
+    # another job's key (held by the service) may not speak for this run
+    _put(bus, _messages(forged, range(42, 43)), KEY_B)
+    _put(bus, _messages(real, range(30, 100)), KEY_A)
+    sink = ListSink()
+    svc = _service(bus, Authenticator(Keyring([KEY_A, KEY_B])), [sink])
+    _drain(svc)
+    opened = [e.incident for e in sink.events if e.change == "opened"]
+    assert [(i.kind, i.first_step, i.ranks) for i in opened] == [("nonfinite", 70, (2,))]
+    per_step = len(_messages(forged, range(40, 41)))  # one message per host
+    assert svc.source.dead_letter_reasons == {"auth": 2 * per_step + 1}
+    reasons = [d.reason for d in svc.source.dead_letter_log]
+    assert any("not signed" in r for r in reasons)
+    assert any("forged or altered" in r for r in reasons)
+    assert any("bound to key 'job-a'" in r for r in reasons)
+    assert svc.source.ingest.auth.key_of("victim") is KEY_A
+    assert all(SECRET_A not in r and SECRET_B not in r for r in reasons)
+
+
+def test_unsigned_accept_mode_reads_unsigned_runs_but_never_for_a_run_bound_to_a_key():
+    bus = MemoryBus()
+    _put(bus, _messages(SyntheticRun(seed=2, run="signed"), range(0, 5)), KEY_A)
+    _put(bus, _messages(SyntheticRun(seed=3, run="legacy"), range(0, 5), wire="v1"), None)
+    _put(bus, _messages(SyntheticRun(seed=4, run="signed"), range(5, 6)), None)
+    svc = _service(bus, Authenticator(Keyring([KEY_A]), unsigned="accept"))
+    _drain(svc)
+    refused = len(_messages(SyntheticRun(seed=4, run="signed"), range(5, 6)))
+    assert svc.source.dead_letter_reasons == {"auth": refused}
+    assert "signs with key 'job-a'; this message is unsigned" in svc.source.dead_letter_log[0].reason
+    assert svc.pipeline.records_total == 5 * 8 * 2  # both runs' first five steps, nothing of the forgery
+
+
+def test_a_message_signed_with_a_key_the_service_does_not_hold_is_refused_naming_the_key_id_only():
+    bus = MemoryBus()
+    stranger = JobKey.parse("stranger:another-secret-0123456789")
+    msgs = _messages(SyntheticRun(run="x"), range(0, 2))
+    _put(bus, msgs, stranger)
+    svc = _service(bus, Authenticator(Keyring([KEY_A])))
+    _drain(svc)
+    assert svc.pipeline.records_total == 0
+    assert svc.source.dead_letter_reasons == {"auth": len(msgs)}
+    assert "'stranger', which this service does not hold" in svc.source.dead_letter_log[0].reason
+
+
+def test_keys_are_checked_and_no_error_or_repr_shows_a_secret(tmp_path):
+    with pytest.raises(ConfigError) as e:
+        JobKey.parse("job:short")
+    assert "short" not in str(e.value).replace("at least", "")
+    with pytest.raises(ConfigError, match="kid:secret"):
+        JobKey.parse("no-colon-here-0123456789")
+    assert SECRET_A not in repr(KEY_A) and SECRET_A not in str(Keyring([KEY_A]))
+    f = tmp_path / "keys"
+    f.write_text(f"# the service's keys\njob-a:{SECRET_A}\n\njob-b:{SECRET_B}\n")
+    assert Keyring.from_file(f).kids == ("job-a", "job-b")
+    with pytest.raises(ConfigError, match="exactly one key"):
+        job_key_from_env({"SDCWATCH_KEY_FILE": str(f)})
+    assert job_key_from_env({"SDCWATCH_KEY": f"job-a:{SECRET_A}"}).kid == "job-a"
+    assert job_key_from_env({}) is None
+    f.write_text(f"job-a:{SECRET_A}\njob-a:{SECRET_B}\n")
+    with pytest.raises(ConfigError, match="given twice") as e:
+        Keyring.from_file(f)
+    assert SECRET_A not in str(e.value) and SECRET_B not in str(e.value)
+    with pytest.raises(AuthError, match="not signed"):
+        Keyring([KEY_A]).verify(b"SDC2 unsigned")
+
+
+# -- control ------------------------------------------------------------------------------------
+
+
+def _incident_event(run: str, rank: int = 1):
+    from sdcwatch.core.incident import Incident, IncidentEvent, Severity
+
+    inc = Incident(
+        id=f"{run}:silent_drift:50:r{rank}",
+        run=run,
+        kind="silent_drift",
+        severity=Severity.CRITICAL,
+        first_step=50,
+        last_step=50,
+        message="drift",
+        ranks=(rank,),
+        hosts=("node0",),
+    )
+    return IncidentEvent("opened", inc)
+
+
+def test_the_service_signs_each_runs_decisions_with_its_key_and_the_guard_refuses_forgeries_and_replays():
+    bus = MemoryBus()
+    auth = Authenticator(Keyring([KEY_A, KEY_B]))
+    auth.bind(["victim"], "job-a")
+    sink = ControlTopicSink.to_bus(bus, policy=ControlPolicy(actions=True), keys=auth.key_of)
+    sink.publish(_incident_event("victim", 1))
+    sink.publish(_incident_event("victim", 2))
+    (_, first), (_, second) = bus.messages(CONTROL_TOPIC)
+    guard = DecisionCheck("victim", KEY_A)
+    d1 = guard.take(first)
+    assert d1 is not None and d1.action == "evict" and d1.ranks == (1,) and d1.seq > 0
+    assert guard.take(first) is None  # replayed
+    d2 = guard.take(second)
+    assert d2 is not None and d2.ranks == (2,) and d2.seq > d1.seq
+    assert guard.take(first) is None  # an older decision after a newer one
+    forged = Decision("victim", "evict", "forged", ranks=(1,), seq=d2.seq + 10**9)
+    assert guard.take(forged.encode()) is None  # unsigned
+    assert guard.take(forged.sign(KEY_B)) is None  # another job's key
+    tampered = bytearray(second)
+    tampered[-5] ^= 1
+    assert guard.take(bytes(tampered)) is None
+    assert guard.refused == 5 and guard.replayed == 2
+    # a guard without a key reads unsigned decisions as before, and refuses signed ones it cannot check
+    legacy = DecisionCheck("victim", None)
+    assert legacy.take(forged.encode()) is not None
+    assert legacy.take(second) is None
+    with pytest.raises(ControlError, match="signature"):
+        open_decision(forged.encode(), KEY_A)
+
+
+def test_an_unbound_runs_decisions_go_unsigned_and_the_sequence_survives_the_wire():
+    bus = MemoryBus()
+    sink = ControlTopicSink.to_bus(bus, policy=ControlPolicy(actions=True), keys=lambda run: None)
+    sink.publish(_incident_event("open-run"))
+    ((_, value),) = bus.messages(CONTROL_TOPIC)
+    body = json.loads(value)
+    assert body["seq"] > 0 and body["run"] == "open-run"
+
+
+def test_the_runs_bindings_survive_a_restart_so_no_other_key_takes_a_run_over_after_it(tmp_path):
+    bus = MemoryBus()
+    _put(bus, _messages(SyntheticRun(seed=1, run="victim"), range(0, 5)), KEY_A)
+    first = DetectorService(
+        MemorySource(bus, ingest=IngestDecoder(SchemaRegistry(), auth=Authenticator(Keyring([KEY_A, KEY_B])))),
+        state_dir=tmp_path,
+        poll_timeout=0.01,
+    )
+    _drain(first)
+    first.close()
+    taker = _messages(SyntheticRun(seed=2, run="victim"), range(5, 6))
+    _put(bus, taker, KEY_B)  # after the restart, another job's key tries to speak for the run first
+    source = MemorySource(bus, ingest=IngestDecoder(SchemaRegistry(), auth=Authenticator(Keyring([KEY_A, KEY_B]))))
+    source._offset = 5 * len(taker)
+    second = DetectorService(source, state_dir=tmp_path, poll_timeout=0.01)
+    assert second.resumed and source.ingest.auth.key_of("victim") is KEY_A
+    _drain(second)
+    assert source.dead_letter_reasons == {"auth": len(taker)}

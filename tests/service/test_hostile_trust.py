@@ -1,0 +1,441 @@
+"""The trust boundary under attack, with real components: forged control decisions against a real
+guarded gloo DDP job, and forged records, floods and storage faults against one real `sdcwatch serve`
+on the real broker. Each attack waits until the service has read what came before it (by its own
+counters), so no outcome depends on what one poll happens to read first."""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+
+import numpy as np
+import pytest
+from polling import wait_for
+from sdcwatch.core.control import ACTIONS, Decision
+from sdcwatch.core.signing import JobKey, Keyring
+from sdcwatch.service.auth import Authenticator
+from sdcwatch.service.ingest import IngestDecoder, SchemaRegistry, as_records
+
+torch = pytest.importorskip("torch")
+
+pytestmark = pytest.mark.integration
+
+KEY_A = JobKey.parse(f"job-a:{'a' * 8}-secret-{uuid.uuid4().hex}")
+KEY_B = JobKey.parse(f"job-b:{'b' * 8}-secret-{uuid.uuid4().hex}")
+
+
+class _Steps:
+    """The newest step each rank of a run has on a telemetry topic, read in the background (signed or not)."""
+
+    def __init__(self, bootstrap: str, topic: str, run: str) -> None:
+        from sdcwatch.service.kafka_source import KafkaSource
+
+        auth = Authenticator(Keyring([KEY_A]), unsigned="accept")
+        self.src = KafkaSource(
+            bootstrap,
+            topic,
+            group=f"watch-{uuid.uuid4().hex[:8]}",
+            deadletter_topic=f"{topic}.dead",
+            ingest=IngestDecoder(SchemaRegistry(), auth=auth),
+        )
+        self.run, self.last, self.records = run, -1, []
+        self.job: threading.Thread | None = None  # the training job, when it runs in a thread
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        while not self._stop.is_set():
+            for rec in as_records(self.src.poll(0.2)):
+                if rec.run == self.run:
+                    self.records.append(rec)
+                    self.last = max(self.last, rec.step)
+
+    def wait(self, step: int, timeout: float = 120.0) -> int:
+        def reached() -> int | None:
+            if self.last >= step:
+                return self.last
+            if self.job is not None and not self.job.is_alive():
+                time.sleep(1.0)  # its last records
+                assert self.last >= step, f"the job ended at step {self.last}, before step {step}"
+            return None
+
+        return wait_for(reached, timeout, f"step {step} of {self.run}")
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+        self.src.close()
+
+
+def test_a_forged_control_decision_does_not_stop_a_signed_job_and_the_services_signed_one_does(bootstrap, monkeypatch):
+    """Before: one unsigned ``{"run": R, "action": "evict", "ranks": [1]}`` on the control topic
+    stopped a real guarded 2-rank gloo job with exit code 16 within seconds. Now the job holds a key:
+    the forged decision and one signed with another job's key are refused and the job trains to its
+    last step; a decision signed with the job's key (as the service signs it) still evicts."""
+    from kafka import KafkaProducer
+    from sdcwatch.telemetry.wire.transports import ensure_topic
+    from sdcwatch.testbed.ddp import DDPSettings
+
+    monkeypatch.setenv("SDCWATCH_KEY", f"job-a:{KEY_A._secret.decode()}")  # every rank (spawned) holds it
+    tag = uuid.uuid4().hex[:8]
+    control = f"ctl.{tag}"
+    base = DDPSettings(
+        world=2,
+        steps=400,
+        run=f"guarded-{tag}",
+        bootstrap=bootstrap,
+        topic=f"tel.{tag}",
+        control_topic=control,
+        guard={"mode": "act"},
+        corpus_bytes=1 << 16,
+        batch_size=2,
+    )
+    ensure_topic(bootstrap, control, 1)  # the guard's reader is on it from the first step
+    producer = KafkaProducer(bootstrap_servers=[bootstrap], linger_ms=0)
+
+    def send(value: bytes) -> None:
+        producer.send(control, key=base.run.encode(), value=value)
+        producer.flush()
+
+    def attack_then_decide(steps: _Steps) -> None:
+        # at step 5: the attack as found, and a decision signed with another job's key
+        send(Decision(base.run, "evict", "forged", ranks=(1,)).encode())
+        send(Decision(base.run, "evict", "x", ranks=(1,), seq=time.time_ns() // 1000).sign(KEY_B))
+        steps.wait(40)  # 35 steps later the job still trains; now the service's decision
+        send(Decision(base.run, "evict", "rank 1 computes wrongly", ranks=(1,), seq=time.time_ns() // 1000).sign(KEY_A))
+
+    try:
+        exit_code, records = _guarded_job(bootstrap, base, attack_then_decide)
+    finally:
+        producer.close()
+    assert exit_code == 16, "the job did not act on the decision signed with its key"
+    evicted = [r.step for r in records if r.scalars.get("guard_action") == ACTIONS.index("evict")]
+    assert evicted, "no record says the guard evicted"
+    assert min(evicted) >= 40, f"the job was evicted at step {min(evicted)}, by a forged decision"
+
+
+def _guarded_job(bootstrap: str, settings, at_step_5) -> tuple[int, list]:
+    """Run the guarded DDP job; call ``at_step_5(steps)`` once step 5 is on the bus. (exit code, records)."""
+    from sdcwatch.testbed.ddp import launch
+    from torch.multiprocessing import ProcessExitedException
+
+    outcome: dict = {}
+
+    def job() -> None:
+        try:
+            launch(settings)
+            outcome["exit"] = 0
+        except ProcessExitedException as exc:
+            outcome["exit"] = exc.exit_code
+        except Exception as exc:  # reported below
+            outcome["error"] = exc
+
+    steps = _Steps(bootstrap, settings.topic, settings.run)
+    trainer = steps.job = threading.Thread(target=job, daemon=True)
+    trainer.start()
+    try:
+        steps.wait(5)
+        at_step_5(steps)
+        trainer.join(240)
+        assert not trainer.is_alive(), "the job did not finish"
+        assert "error" not in outcome, outcome
+        time.sleep(1.0)  # the last records
+        return outcome["exit"], list(steps.records)
+    finally:
+        steps.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# one real service under every attack
+
+
+def _own_mount_namespace() -> tuple[str, ...] | None:
+    """A prefix that runs a command in a mount namespace of its own (where the test can fill or
+    freeze the state folder under the service alone), or None where this machine does not allow it."""
+    import shutil
+    import subprocess
+
+    if not (shutil.which("unshare") and shutil.which("nsenter")):
+        return None
+    probe = subprocess.run(
+        ["unshare", "-m", "sh", "-c", "mount -t tmpfs -o size=64k tmpfs /mnt && umount /mnt"],
+        capture_output=True,
+        timeout=30,
+    )
+    return ("unshare", "-m") if probe.returncode == 0 else None
+
+
+def _in_namespace(pid: int, *cmd: str) -> None:
+    import subprocess
+
+    subprocess.run(["nsenter", "-t", str(pid), "-m", *cmd], check=True, capture_output=True, timeout=30)
+
+
+class _Victim:
+    """A 4-rank job signed with job-a's key, sending the service what a training loop would."""
+
+    def __init__(self, bootstrap: str, topic: str, run: str, key: JobKey) -> None:
+        from sdcwatch.telemetry import Emitter
+
+        self.run = run
+        self.emitters = [
+            Emitter(bootstrap=bootstrap, topic=topic, key=key, run=run, rank=r, world=4, host=f"h{r // 2}")
+            for r in range(4)
+        ]
+        self.next = 0
+        self.rng = np.random.default_rng(sum(map(ord, run)))
+
+    def train(self, steps: int, nan_at: int | None = None, pace: float = 0.01) -> None:
+        import math
+
+        for step in range(self.next, self.next + steps):
+            for em in self.emitters:  # healthy ranks: the same distribution, independent noise
+                bad = step == nan_at and em.rank == 2
+                noise = self.rng.normal(0.0, 0.01, 3)
+                em.emit(
+                    step,
+                    loss=math.nan if bad else 2.0 + noise[0],
+                    grad_norm_local=1.0 + noise[1],
+                    grad_norm_global=1.0,
+                    layers={"attn_entropy": [1.5 + noise[2], 1.6 + noise[2]]},
+                )
+            time.sleep(pace)
+        for em in self.emitters:
+            assert em.flush(60)
+        self.next += steps
+
+    def close(self) -> None:
+        for em in self.emitters:
+            em.close(5)
+
+
+def _settled(serve, **want: float) -> list:
+    """Wait until the service has read everything on its topic (lag 0, records no longer growing)
+    and each ``metric=value`` floor holds; its samples then."""
+    from serve_process import metric, scrape
+
+    seen = {"records": -1.0}
+
+    def done() -> list | None:
+        samples = scrape(serve.metrics_url)
+        if metric(samples, "sdcwatch_pipeline_consumer_lag_records") > 0:
+            return None
+        total = metric(samples, "sdcwatch_pipeline_records_total") + metric(
+            samples, "sdcwatch_pipeline_dead_letters_total"
+        )
+        if total != seen["records"]:
+            seen["records"] = total
+            return None
+        for name, floor in want.items():
+            if metric(samples, name) < floor:
+                return None
+        return samples
+
+    return wait_for(done, 120, f"the service to read everything ({want})", interval=0.5, retry_on=OSError)
+
+
+def _opened(serve, run: str) -> list[dict]:
+    return [e for e in serve.events() if e["change"] == "opened" and e["run"] == run]
+
+
+def _forged(run: str, step: int, rank: int, world: int = 4, **scalars: float) -> bytes:
+    from sdcwatch.core.record import encode
+    from sdcwatch.core.record_type import Record
+
+    return encode(Record(run, step, rank, world, "evil", time.time(), 0, scalars or {"loss": 1.0}, {}, {}))
+
+
+def _flood_schemas(n: int, runs: int) -> list[tuple[bytes, bytes]]:
+    """``n`` valid v2 messages, each carrying a layout of its own, under ``runs`` run names."""
+    import numpy as np
+    from sdcwatch.core.columnar import encode_rows
+    from sdcwatch.core.record_layout import Schema
+
+    out = []
+    for i in range(n):
+        schema = Schema(("loss", f"m{i}"), (), (), ())
+        rows = np.zeros(1, schema.dtype)
+        rows["step"], rows["rank"], rows["world"], rows["time"] = i // runs, 0, 1, time.time()
+        run = f"flood-{i % runs}"
+        out.append((run.encode(), KEY_B.sign(encode_rows(schema, run, ["x"], rows.tobytes(), 1, with_schema=True))))
+    return out
+
+
+def _dead_letters(bootstrap: str, topic: str) -> list[tuple[str, str]]:
+    """(run, reason code) of every dead letter on ``topic`` (signed ones opened with the test's keys)."""
+    from serve_process import peek_topic
+    from sdcwatch.core.columnar import MAGIC_V2, parse_header
+    from sdcwatch.core.record import decode_message
+    from sdcwatch.core.signing import is_signed
+
+    ring = Keyring([KEY_A, KEY_B])
+    out = []
+    for m in peek_topic(bootstrap, topic):
+        reason = dict(m.headers).get("sdcwatch.reason_code", b"").decode()
+        value = ring.verify(m.value)[1] if is_signed(m.value) else m.value
+        try:
+            runs = [parse_header(value).run] if value[:4] == MAGIC_V2 else [r.run for r in decode_message(value)]
+        except Exception:  # not a record at all
+            runs = ["?"]
+        out += [(run, reason) for run in runs]
+    return out
+
+
+def _nan_incident(serve, run: str, step: int) -> dict:
+    inc = wait_for(
+        lambda: next((e for e in _opened(serve, run) if e["first_step"] == step), None),
+        90,
+        f"the NaN of {run} at step {step}",
+        interval=0.5,
+    )
+    assert inc["kind"] == "nonfinite" and inc["ranks"] == [2], inc
+    return inc
+
+
+def test_signed_runs_are_watched_through_forgeries_floods_and_a_sigkill_on_one_real_service(bootstrap, tmp_path):
+    """Before, on this service and broker: 11 forged records "from rank 3" opened a critical
+    incident blaming rank 3; forged end markers ended a run; 1,000 one-record runs locked every new
+    run out for 15 minutes; a schema flood dead-lettered 35-72% of a v2 run's messages and its NaN was
+    missed; a SIGKILL announced an incident twice. Each attack here waits for the service to read
+    what came before it, and each phase has a real NaN that must be found at its step and rank."""
+    from kafka import KafkaProducer
+    from serve_process import ServeProcess, Topics, metric
+    from sdcwatch.telemetry.wire.end_marker import end_marker
+
+    keys = tmp_path / "keys"
+    keys.write_text(f"job-a:{KEY_A._secret.decode()}\njob-b:{KEY_B._secret.decode()}\n")
+    topics, group, state = Topics.fresh(), f"trust-{uuid.uuid4().hex[:8]}", tmp_path / "state"
+    flags = ("--auth-key-file", str(keys), "--detectors-align-timeout-s", "2")
+
+    def start(snapshot_s: float) -> ServeProcess:
+        serve = ServeProcess(bootstrap, topics, state, *flags, group=group, snapshot_interval_s=snapshot_s)
+        serve.wait_banner()
+        return serve
+
+    serve = start(1)
+    victim = _Victim(bootstrap, topics.telemetry, "victim", KEY_A)
+    producer = KafkaProducer(bootstrap_servers=[bootstrap], linger_ms=5, max_request_size=4 << 20)
+    send = lambda value, key=b"evil": producer.send(topics.telemetry, key=key, value=value)  # noqa: E731
+    try:
+        victim.train(20)
+        _settled(serve, sdcwatch_training_last_step=19)
+
+        # 1. forged records and end markers: unsigned, and signed with another job's key
+        for sign in (lambda v: v, KEY_B.sign):
+            for step in range(20, 23):
+                send(sign(_forged("victim", step, 3, loss=float("nan"), nonfinite=1.0)))
+            for rank in range(4):
+                send(sign(_encode(end_marker("victim", 20, rank, 4))))
+        producer.flush()
+        samples = _settled(serve, sdcwatch_pipeline_dead_letters_total=14)
+        assert metric(samples, "sdcwatch_pipeline_dead_letters_by_reason_total", reason="auth") == 14
+        assert metric(samples, "sdcwatch_training_run_finished", run="victim") == 0
+        victim.train(30, nan_at=35)  # steps 20-49
+        _nan_incident(serve, "victim", 35)
+        assert not [e for e in serve.events() if 3 in e.get("ranks", [])], "an incident names the forged rank"
+
+        # 2. 1,000 one-record runs (another job's key: an insider), then a new real run
+        for i in range(1000):
+            send(KEY_B.sign(_forged(f"junk-{i}", 0, 0, world=1)), key=f"junk-{i}".encode())
+        producer.flush()
+        samples = _settled(serve)
+        refused_before = metric(samples, "sdcwatch_pipeline_dead_letters_by_reason_total", reason="runs")
+        fresh = _Victim(bootstrap, topics.telemetry, "fresh", KEY_A)
+        fresh.train(80, nan_at=70, pace=0.1)  # a training run keeps sending: 8 s at 10 steps a second
+        _nan_incident(serve, "fresh", 70)
+        samples = _settled(serve)
+        waited = metric(samples, "sdcwatch_pipeline_dead_letters_by_reason_total", reason="runs") - refused_before
+        assert waited < 40 * 4, f"the new run waited {waited / 4:.0f} of its 80 steps (over 4 s) for a place"
+        fresh.close()
+
+        # 3. a schema flood while the victim trains on the default wire (v2)
+        forged = len([1 for run, _ in _dead_letters(bootstrap, topics.dead) if run == "victim"])
+        assert forged == 14  # the forgeries of phase 1, and nothing of the victim's own
+        flood = _flood_schemas(10_000, runs=100)
+        flooder = threading.Thread(target=lambda: [send(v, key=k) for k, v in flood] and producer.flush())
+        flooder.start()
+        victim.train(100, nan_at=120)  # steps 50-149: the first incident resolves, a new one opens
+        flooder.join(120)
+        _settled(serve)
+        _nan_incident(serve, "victim", 120)
+        lost = [reason for run, reason in _dead_letters(bootstrap, topics.dead) if run == "victim"][forged:]
+        assert lost == [], f"the victim's messages were dead-lettered: {lost[:5]}"
+
+        # 4. SIGKILL after an incident was announced and before a snapshot held it
+        serve.stop()
+        serve = start(600)  # no periodic snapshot: the kill loses everything since the start
+        victim.train(70, nan_at=200)  # steps 150-219
+        _nan_incident(serve, "victim", 200)
+        serve.proc.kill()
+        serve.wait()
+        serve = start(1)
+        victim.train(10)  # steps 220-229
+        _settled(serve, sdcwatch_training_last_step=229)
+        ids = [e["id"] for e in _opened(serve, "victim")]
+        assert sorted(ids) == sorted(set(ids)), f"an incident was announced twice: {ids}"
+        assert {e["first_step"] for e in _opened(serve, "victim")} == {35, 120, 200}
+        assert serve.running()
+    finally:
+        producer.close()
+        victim.close()
+        serve.close()
+
+
+def _encode(rec) -> bytes:
+    from sdcwatch.core.record import encode
+
+    return encode(rec)
+
+
+def test_serve_survives_a_full_and_a_read_only_state_folder_and_finds_the_fault_meanwhile(bootstrap, tmp_path):
+    """Before: a full or read-only state folder crashed `sdcwatch serve` at its next snapshot
+    (uncaught OSError, exit 1), and again after every restart. The folder is filled (a 256 KiB file
+    system mounted over it) and then made read-only under the running service, in a mount
+    namespace of its own: each snapshot fails, is counted, detection goes on, and once the
+    folder is back the state is written again."""
+    from serve_process import ServeProcess, Topics, metric
+
+    prefix = _own_mount_namespace()
+    if prefix is None:
+        pytest.skip("this machine does not let a process mount a file system in a namespace of its own (unshare -m)")
+    keys = tmp_path / "keys"
+    keys.write_text(f"job-a:{KEY_A._secret.decode()}\n")
+    topics, state = Topics.fresh(), tmp_path / "state"
+    state.mkdir()
+    serve = ServeProcess(bootstrap, topics, state, "--auth-key-file", str(keys), snapshot_interval_s=0.5, prefix=prefix)
+    serve.wait_banner()
+    victim = _Victim(bootstrap, topics.telemetry, "disk", KEY_A)
+    try:
+        victim.train(20)
+        _settled(serve, sdcwatch_training_last_step=19)
+        assert (state / "pipeline-state.json").is_file()
+
+        def errors() -> float:
+            return metric(serve.scrape(), "sdcwatch_state_write_errors_total")
+
+        _in_namespace(serve.pid, "mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(state))  # full
+        _in_namespace(serve.pid, "sh", "-c", f"dd if=/dev/zero of={state}/fill bs=4k 2>/dev/null; true")
+        victim.train(30, nan_at=30)  # steps 20-49
+        _nan_incident(serve, "disk", 30)
+        wait_for(lambda: errors() >= 2 or None, 30, "failed snapshots counted (disk full)")
+        full_errors = errors()
+        _in_namespace(serve.pid, "umount", str(state))
+
+        _in_namespace(serve.pid, "mount", "--bind", str(state), str(state))  # read-only
+        _in_namespace(serve.pid, "mount", "-o", "remount,ro,bind", str(state))
+        victim.train(70, nan_at=100)  # steps 50-119
+        _nan_incident(serve, "disk", 100)
+        wait_for(lambda: errors() >= full_errors + 2 or None, 30, "failed snapshots counted (read-only)")
+        _in_namespace(serve.pid, "umount", str(state))
+
+        written = (state / "pipeline-state.json").stat().st_mtime
+        wait_for(
+            lambda: (state / "pipeline-state.json").stat().st_mtime > written or None, 30, "the state written again"
+        )
+        assert serve.running()
+        assert "No space left on device" in serve.stderr() and "Read-only file system" in serve.stderr()
+    finally:
+        victim.close()
+        serve.close()
