@@ -4,7 +4,7 @@
 #                          on the embedded broker
 #   ./dev.sh test [ARGS]   install sdcwatch[dev] (every extra and the pinned versions the tests run)
 #                          and the test dependencies from Debian (Prometheus, Alertmanager, Chromium),
-#                          then run the whole test suite
+#                          then run the test suite (the `bench`-marked end-to-end runs: -m bench)
 #   ./dev.sh lint          install sdcwatch[dev], run ruff (lint and format check) and build the
 #                          documentation site (docs/, mkdocs.yml) with mkdocs --strict
 # A training rank needs only `pip install sdcwatch` (README.md, "Set-up").

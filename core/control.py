@@ -90,7 +90,8 @@ class Decision:
             "incident": self.incident,
             "lr_factor": self.lr_factor,
             "issued_at": self.issued_at,
-            "seq": self.seq,
+            # only when set: a guard of an earlier release refuses a field it does not know
+            **({"seq": self.seq} if self.seq else {}),
             **({"checkpoint": self.checkpoint} if self.checkpoint else {}),
         }
 

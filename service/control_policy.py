@@ -241,15 +241,16 @@ class ControlTopicSink(TopicWriter):
             self._seen[key] = None
             while len(self._seen) > self._remember:
                 self._seen.popitem(last=False)
-            decision = replace(decision, seq=self._next_seq())
             deliver = getattr(self, "_deliver", None)
             if deliver is not None:
                 deliver(decision)
             else:
                 job_key = self.keys(decision.run) if self.keys is not None else None
-                self._send(
-                    decision.run.encode("utf-8"), decision.encode() if job_key is None else decision.sign(job_key)
-                )
+                if job_key is None:  # an unsigned decision, as an earlier release reads it
+                    self._send(decision.run.encode("utf-8"), decision.encode())
+                else:  # numbered and signed: the job's guard takes each number once
+                    decision = replace(decision, seq=self._next_seq())
+                    self._send(decision.run.encode("utf-8"), decision.sign(job_key))
             self.decisions.append(decision)
             del self.decisions[: -self._remember]
             self.published += 1

@@ -194,6 +194,7 @@ def campaign_3d(tmp_path_factory):
     return result, {t["class"]: t for t in result["trials"]}
 
 
+@pytest.mark.bench
 def test_quick_campaign_under_a_3d_layout_detects_at_the_step_and_blames_nobody_on_the_clean_twins(campaign_3d):
     result, by_class = campaign_3d
     assert result["config"]["parallel"] == "pp=2,dp_replicate=2,tp=2" and result["config"]["world"] == 8
@@ -209,6 +210,7 @@ def test_quick_campaign_under_a_3d_layout_detects_at_the_step_and_blames_nobody_
         campaign_main(["--quick", "--parallel", "tp=2,dp=2", "--ranks", "4"])
 
 
+@pytest.mark.bench
 def test_quick_campaign_under_a_3d_layout_names_the_nan_rank(campaign_3d):
     _, by_class = campaign_3d
     nan = by_class["nan_attn"]
@@ -342,6 +344,7 @@ def test_ingest_benchmark_refuses_bad_sizes():
 
 
 @pytest.mark.integration
+@pytest.mark.bench
 @pytest.mark.parametrize("options", [["--split"], ["--wire", "v1"]])
 def test_quick_e2e_split_and_v1_find_every_injected_fault(bootstrap, options):
     s = quick_e2e(bootstrap, "--per-message", "50", *options)

@@ -56,7 +56,10 @@ def demo_cli(tmp_path, *flags):
     return out
 
 
-@pytest.mark.parametrize("preset", ["bitflip", "nan", "near_inf"])
+@pytest.mark.parametrize(
+    "preset",
+    [pytest.param("bitflip", marks=pytest.mark.bench), "nan", pytest.param("near_inf", marks=pytest.mark.bench)],
+)
 def test_sdc_presets_are_detected_and_localised(preset, tmp_path):
     r = run(preset, tmp_path)
     assert r.detected, r.incidents
@@ -65,7 +68,7 @@ def test_sdc_presets_are_detected_and_localised(preset, tmp_path):
     assert r.first_detection_step is not None and r.first_detection_step - 70 <= 5
 
 
-@pytest.mark.parametrize("preset", ["bad-batch", "lr-spike"])
+@pytest.mark.parametrize("preset", ["bad-batch", pytest.param("lr-spike", marks=pytest.mark.bench)])
 def test_benign_spikes_are_reported_and_not_blamed_on_a_rank(preset, tmp_path):
     r = run(preset, tmp_path)
     assert r.detected, r.incidents
@@ -109,6 +112,7 @@ def test_demo_guard_reruns_a_transient_nan_and_reports_it_in_the_json_summary(tm
     assert {"nonfinite", "guard_rerun"} <= kinds  # detected, and the action is an incident too
 
 
+@pytest.mark.bench
 def test_demo_guard_evicts_an_unhealthy_node_through_the_control_topic(tmp_path):
     from sdcwatch.telemetry.guard.config import GuardConfig
 

@@ -18,6 +18,7 @@ pytest.importorskip("torch")
 LAYOUT = "tp=2,pp=2,dp=4"
 
 
+@pytest.mark.bench
 def test_demo_parallel_names_the_unhealthy_rank_in_its_json_summary(tmp_path):
     out = subprocess.run(
         [
@@ -61,6 +62,7 @@ def test_demo_parallel_names_the_unhealthy_rank_in_its_json_summary(tmp_path):
     assert "16 simulated ranks (pp=2,dp_replicate=4,tp=2)" in out.stderr  # the progress says what it simulates
 
 
+@pytest.mark.bench
 def test_demo_parallel_clean_run_raises_nothing(tmp_path):
     from sdcwatch.demo import run_demo
 

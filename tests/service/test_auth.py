@@ -196,13 +196,17 @@ def test_the_service_signs_each_runs_decisions_with_its_key_and_the_guard_refuse
         open_decision(forged.encode(), KEY_A)
 
 
-def test_an_unbound_runs_decisions_go_unsigned_and_the_sequence_survives_the_wire():
+def test_an_unbound_runs_decisions_go_unsigned_in_the_earlier_releases_form():
+    """A run that signs nothing gets its decisions as before: unsigned, and without the fields an
+    earlier guard would refuse as unknown (``seq``, ``checkpoint``)."""
     bus = MemoryBus()
     sink = ControlTopicSink.to_bus(bus, policy=ControlPolicy(actions=True), keys=lambda run: None)
     sink.publish(_incident_event("open-run"))
     ((_, value),) = bus.messages(CONTROL_TOPIC)
     body = json.loads(value)
-    assert body["seq"] > 0 and body["run"] == "open-run"
+    assert body["run"] == "open-run" and body["action"] == "evict"
+    earlier = {"run", "action", "reason", "ranks", "hosts", "since_step", "incident", "lr_factor", "issued_at"}
+    assert set(body) == earlier
 
 
 def test_the_runs_bindings_survive_a_restart_so_no_other_key_takes_a_run_over_after_it(tmp_path):

@@ -236,6 +236,7 @@ def _train(emitters, steps, spike_step=None):
 
 
 @pytest.mark.integration
+@pytest.mark.bench
 def test_a_successor_with_an_empty_state_folder_takes_over_after_a_sigkill_and_finds_the_spike(bootstrap, tmp_path):
     from sdcwatch.telemetry import Emitter, KafkaTransport
     from serve_process import ServeProcess, Topics

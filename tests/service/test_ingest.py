@@ -306,7 +306,12 @@ def _incident_key(incidents) -> list[tuple]:
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "log",
-    ["llmc_gpt2_124m_nan.csv", "llmc_gpt2_124m_ok.csv", "modded_nanogpt_muon_124m.csv", "pythia160m_seed5_clean.csv"],
+    [
+        "llmc_gpt2_124m_nan.csv",
+        pytest.param("llmc_gpt2_124m_ok.csv", marks=pytest.mark.bench),
+        pytest.param("modded_nanogpt_muon_124m.csv", marks=pytest.mark.bench),
+        pytest.param("pythia160m_seed5_clean.csv", marks=pytest.mark.bench),
+    ],
 )
 def test_real_log_replays_give_the_same_incidents_over_either_wire(real_logs, log):
     """Each row of a real training log (the first 20,000) as one rank's record, through v1 and

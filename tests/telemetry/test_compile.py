@@ -129,7 +129,7 @@ def _one_thread(monkeypatch):
     torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.bench) if n == "gpt2-eager" else n for n in MODELS])
 def test_no_graph_break_and_one_extra_graph(name):
     build = MODELS[name]
     bare_graphs, _, bare_reasons, _ = _train(build, watch=False)

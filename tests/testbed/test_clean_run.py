@@ -24,6 +24,7 @@ from sdcwatch.bench import clean_main  # noqa: E402
 
 
 @pytest.mark.slow
+@pytest.mark.bench
 def test_clean_runs_over_two_workers_count_every_step_and_raise_nothing(tmp_path, capfd):
     out = tmp_path / "clean.json"
     result = clean_main(
@@ -117,6 +118,7 @@ def test_plan_splits_the_steps_over_consecutive_seeds():
 
 
 @pytest.mark.slow
+@pytest.mark.bench
 def test_a_3d_layout_runs_clean_with_every_rank_in_every_frame():
     config = CleanRunConfig(steps=80, runs=1, workers=1, parallel="tp=2,pp=2,dp=2", detectors=("sdcwatch",))
     run = run_one_seed(config, 3, 80, None)
