@@ -14,34 +14,12 @@ from sdcwatch.core.control import Decision, decode_decision  # noqa: E402
 from sdcwatch.core.errors import ConfigError, ControlError  # noqa: E402
 from sdcwatch.telemetry.guard.config import EXIT_CODE_EVICT, GuardConfig, GuardEviction  # noqa: E402
 from sdcwatch.telemetry.guard.control_topic import KafkaControl, MemoryControl  # noqa: E402
-from sdcwatch.testbed.faultspec import FaultSpec  # noqa: E402
-from sdcwatch.testbed.model import GPTConfig  # noqa: E402
-from sdcwatch.testbed.simulated import SimulatedRun, shared_corpus  # noqa: E402
-
-SMALL = GPTConfig(seq_len=32, d_model=32, n_layer=2, n_head=4)
-ACT = GuardConfig(mode="act")
+from guard_sim import flat, sim  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
 def _one_thread():
     torch.set_num_threads(1)
-
-
-def sim(faults=(), guard=ACT, world=4, **kw):
-    return SimulatedRun(
-        world=world,
-        seed=1,
-        model=SMALL,
-        batch_size=2,
-        corpus=shared_corpus(1 << 18),
-        faults=[FaultSpec.from_dict(f) for f in faults],
-        guard=guard,
-        **kw,
-    )
-
-
-def flat(run):
-    return torch.cat([p.detach().reshape(-1) for p in run.params]).clone()
 
 
 def test_default_config_only_reports():
