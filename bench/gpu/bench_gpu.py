@@ -16,6 +16,7 @@ Progress lines go out as it runs; one markdown table is printed last and the JSO
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import importlib.abc
 import importlib.util
@@ -37,6 +38,21 @@ from typing import Any, Callable
 ROOT = Path(__file__).resolve().parents[2]
 T0 = time.perf_counter()
 CONFIGS = ("clean", "scalars-only", "default", "forward-checksums")
+
+
+@contextlib.contextmanager
+def environment(env: dict[str, str]):
+    """``env`` set in ``os.environ`` for the block, the earlier values (or their absence) back after."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def say(msg: str) -> None:
@@ -229,6 +245,9 @@ class Plan:
     budget_s: float
     smoke: bool
     json_path: str | None = None
+    clip: bool = False
+    """Clip gradients in every loop (``--clip``): the clean replica with torch's clipping, the watched
+    one with :meth:`Watch.clip_grad_norm_`, which reuses the norm the probes measured."""
     scope: str = "model"
     """What torch.compile compiles: "model" (the whole model, one frame) or "blocks" (each block on
     its own, as torchtitan does)."""
@@ -265,6 +284,11 @@ def parse_plan(argv: list[str] | None) -> Plan:
     ap.add_argument("--steps", type=int, default=None, help="timed steps per replica (default 32; smoke 4)")
     ap.add_argument("--warmup", type=int, default=None, help="warm-up steps, step 0 sampled (default 3; smoke 2)")
     ap.add_argument("--cudagraphs", action="store_true", help="also compiled with mode='reduce-overhead'")
+    ap.add_argument(
+        "--clip",
+        action="store_true",
+        help="clip gradients to norm 1 in every loop (torch's clipping; the watched one through watch.clip_grad_norm_)",
+    )
     ap.add_argument(
         "--compile-scope",
         choices=("model", "blocks"),
@@ -314,6 +338,7 @@ def parse_plan(argv: list[str] | None) -> Plan:
         fault_steps=8 if smoke else 16,
         sync_steps=3,
         scope=a.compile_scope,
+        clip=a.clip,
         budget_s=a.budget_s if a.budget_s is not None else (120.0 if smoke else 330.0),
         smoke=smoke,
     )
@@ -363,6 +388,7 @@ class Replica:
                     for hook in output_faults(m):
                         hook.hook = torch.compiler.disable(hook.hook)
         self.step_no = 0
+        self.clip = plan.clip
 
     def step(self, tokens: torch.Tensor) -> None:
         s = self.step_no
@@ -373,6 +399,11 @@ class Replica:
         logits = self.model(tokens[:, :-1])
         loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
         loss.backward()
+        if self.clip:  # as most LLM loops do; the watch's clipping reuses the norm it measured
+            if self.watch is not None:
+                self.watch.clip_grad_norm_(1.0)
+            else:
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         if self.watch is not None:

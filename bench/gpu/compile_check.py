@@ -10,7 +10,6 @@ file the benchmark's run sources), so one device session can find the failing pa
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import traceback
 from pathlib import Path
@@ -35,11 +34,9 @@ def attempt(d: int, preset: str, env: dict, device: str) -> str:
     from sdcwatch.telemetry.probes.watch import attach
     from torch._dynamo.utils import counters
 
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
     torch._dynamo.reset()
     counters.clear()
-    try:
+    with bench_gpu.environment(env):  # read when the probes are attached
         torch.manual_seed(0)
         shape = bench_gpu.ModelShape(d_model=d, layers=2, seq=512, vocab=4096, head_dim=128 if d >= 512 else 16)
         with torch.device(device):
@@ -63,12 +60,6 @@ def attempt(d: int, preset: str, env: dict, device: str) -> str:
             watch.step(step, loss=loss)
         watch.close()
         return f"ok: {counters['stats']['unique_graphs']} graphs, {sum(counters['graph_break'].values())} breaks"
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def main() -> int:

@@ -114,15 +114,36 @@ def fingerprint_device(tensors: Iterable["torch.Tensor"]) -> "torch.Tensor":
     return combine_parts([tensor_parts(t) for t in tensors])
 
 
-def flat_fingerprint_device(tensors: Sequence["torch.Tensor"]) -> "torch.Tensor":
-    """Raw device fingerprint of the concatenation of ``tensors`` (flattened, in order).
+#: Elements one pass of :func:`flat_fingerprint_device` reads at a time: its temporaries (the bit
+#: patterns shifted and mixed, two of the tensor's size) stay under 2 x 2**25 elements.
+FLAT_CHUNK = 1 << 25
 
-    One copy and a few passes instead of a few kernels per tensor: what the probes use for a
-    model's parameters and gradients (``param_fp``, ``grad_fp``).
+
+def flat_fingerprint_device(tensors: Sequence["torch.Tensor"]) -> "torch.Tensor":
+    """Raw device fingerprint of the concatenation of ``tensors`` (flattened, in order): what the
+    probes use for a model's parameters and gradients (``param_fp``, ``grad_fp``). For tensors of
+    one dtype it is ``fingerprint_device([torch.cat(...)])`` bit for bit; tensors of several dtypes
+    are each read in their own bits (a concatenation would have promoted them).
+
+    No concatenation: the two sums of the whole are the sums of the parts' (wrap-around integer
+    addition is associative), so each tensor is summed where it lies, in chunks of
+    :data:`FLAT_CHUNK` elements. The concatenated copy (the model's size) and its temporaries
+    (three times that) would otherwise be allocated on the fingerprint steps, a transient of
+    several GiB on a GPU holding a billion parameters.
     """
     import torch
 
-    return fingerprint_device([torch.cat([t.detach().reshape(-1) for t in tensors])])
+    if not tensors:
+        return torch.zeros((), dtype=torch.int64)
+    if len(tensors) == 1 and tensors[0].numel() <= FLAT_CHUNK:
+        return fingerprint_device([tensors[0].detach().reshape(-1)])
+    device = tensors[0].device
+    total = torch.zeros(2, dtype=torch.int64, device=device)
+    for t in tensors:
+        flat = t.detach().reshape(-1)
+        for start in range(0, flat.numel(), FLAT_CHUNK):
+            total += tensor_parts(flat[start : start + FLAT_CHUNK]).to(device)
+    return (total * _weights(1, device)).sum()
 
 
 def finalize(raw: int) -> int:

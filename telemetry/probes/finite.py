@@ -66,6 +66,7 @@ class FiniteChecks:
         self.handles: list[Any] = []
         if self.checksums is not None and optimizer is not None and not external:
             self.handles.append(optimizer.register_step_post_hook(lambda opt, args, kwargs: self.seal()))
+            self.checksums.optimizer_seals = True
 
     def _scheduled(self, every: int) -> bool:
         return self._scheduled_at(self._watch._hint, every)

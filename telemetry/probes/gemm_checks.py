@@ -122,6 +122,9 @@ class GemmChecks(GradientChecks):
                 self._forward.append((m, self._product_hook))
         self.hook_forward(True)
         self._sealed_by_optimizer = False
+        self.optimizer_seals = False
+        """Whether an optimizer's step hook seals the weights after each update (set by the watch):
+        compiled code then takes the weight's sums from the seal instead of reading the weight."""
         self._provisional_key: tuple | None = None  # (device, products) of the last provisional seals
         self.seal_provisionally()
         # decided once (a cached call in a traced hook is a guard); SDCWATCH_TRITON=0 keeps torch's ops
@@ -163,10 +166,19 @@ class GemmChecks(GradientChecks):
             self._step.o_ys.append(self._row_sums(y.detach(), torch.float32))
 
     def _row_sums(self, y: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
-        """The (rows,) sums of ``y``'s last dim accumulated in ``acc``: on a GPU one read of ``y`` by
-        the fused Triton kernel (:mod:`~sdcwatch.telemetry.probes.row_scan`, a custom operator that
-        torch.compile calls as it is), elsewhere ``y.sum`` (the records of the CPU stay bit for bit)."""
-        if self._fused and y.is_cuda and acc == torch.float32 and y.dtype in FUSED_DTYPES:
+        """The (rows,) sums of ``y``'s last dim accumulated in ``acc``: in eager code on a GPU one read
+        of ``y`` by the fused Triton kernel (:mod:`~sdcwatch.telemetry.probes.row_scan`), elsewhere
+        ``y.sum`` (the records of the CPU stay bit for bit). In code torch.compile traces, ``y.sum``
+        too: inductor fuses the row reduction into the kernel that already reads ``y`` beside it (the
+        rotary embedding, the activation, the residual add and the next normalisation), where the
+        custom operator would be one more read of ``y``."""
+        if (
+            self._fused
+            and y.is_cuda
+            and acc == torch.float32
+            and y.dtype in FUSED_DTYPES
+            and not torch.compiler.is_compiling()
+        ):
             return torch.ops.sdcwatch.row_scan(y)[0]
         return accumulated_sum(y, -1, acc).reshape(-1)
 
@@ -209,10 +221,18 @@ class GemmChecks(GradientChecks):
         with torch.no_grad():
             w, b = (local_part(t) for t in linear_weight(module))
             acc = accumulation_dtype(y.dtype)
-            st = self._step
+            sealed = self._sealed_at[i]
+            if (
+                torch.compiler.is_compiling()
+                and self.optimizer_seals
+                and sealed is not None
+                and sealed.shard is None
+                and sealed.k is not None
+                and tuple(sealed.v.shape) == (w.shape[1],)
+            ):
+                return self._check_forward_traced(i, sealed, w, b, x, y, acc)
             v = accumulated_sum(w, 0, acc)
             b_sum = accumulated_sum(b, None, acc) if b is not None else None
-            sealed = self._sealed_at[i]
             traced = torch.compiler.is_compiling()  # a constant while Dynamo traces the hook
             if not traced and sealed is not None and sealed.provisional:
                 sealed = None  # eager code: only the optimizer's seal counts (see SealedWeight)
@@ -226,19 +246,7 @@ class GemmChecks(GradientChecks):
                 elif not traced:  # traced: the norms taken now, the same code on every checked step
                     k, b_abs = sealed.k, sealed.b_abs
                 if self._weights and i not in self._weights_seen and sealed.v.shape == vw.shape:
-                    # the same reduction of the same bits: any difference is a weight changed in memory
-                    self._weights_seen.add(i)
-                    st.w_idx.append(i)
-                    st.w_now.append(vw)
-                    st.w_then.append(sealed.v)
-                    st.w_bound.append(sealed.w_bound)
-                    st.w_names.append(self.names[i] + ".weight")
-                    if bw is not None and sealed.b_sum is not None:
-                        st.w_idx.append(i)
-                        st.w_now.append(bw.reshape(1))
-                        st.w_then.append(sealed.b_sum.reshape(1))
-                        st.w_bound.append(sealed.b_bound)
-                        st.w_names.append(self.names[i] + ".bias")
+                    self._compare_weight(i, sealed, vw, bw)
                 if sealed.v.shape != v.shape and sealed.shard is None:
                     k = b_abs = None  # the weight changed shape since it was sealed
             if k is None:
@@ -249,19 +257,77 @@ class GemmChecks(GradientChecks):
             if b_sum is not None:
                 ref = ref.add_(b_sum)
             hi, lo = x.amax(), x.amin()
-            st.checked(i)
-            st.f_ys.append(ys)
-            st.f_ref.append(ref)
-            st.f_xhi.append(hi)
-            st.f_xlo.append(lo)
-            st.f_k.append(k)
-            st.f_b.append(b_abs if b_abs is not None else self._zero(acc, y.device))
-            st.f_coef.append(
-                rounding_coefficient(
-                    w.shape[1], w.shape[0], y.dtype, input_roundoff=gemm_input_roundoff(x, w, compute=y.dtype)
-                )
-            )
+            self._note_check(i, w, x, y, ys, ref, hi, lo, k, b_abs if b_abs is not None else self._zero(acc, y.device))
             return hi, lo
+
+    def _compare_weight(self, i: int, sealed: SealedWeight, vw: torch.Tensor, bw: torch.Tensor | None) -> None:
+        """Keep product ``i``'s weight sums now (``vw``; ``bw`` its bias's) beside the sealed ones, once a
+        step: the same reduction of the same bits, so any difference past rounding is a weight changed
+        in memory (compared for every product at once in :meth:`collect`)."""
+        self._weights_seen.add(i)
+        st = self._step
+        st.w_idx.append(i)
+        st.w_now.append(vw)
+        st.w_then.append(sealed.v)
+        st.w_bound.append(sealed.w_bound)
+        st.w_names.append(self.names[i] + ".weight")
+        if bw is not None and sealed.b_sum is not None:
+            st.w_idx.append(i)
+            st.w_now.append(bw.reshape(1))
+            st.w_then.append(sealed.b_sum.reshape(1))
+            st.w_bound.append(sealed.b_bound)
+            st.w_names.append(self.names[i] + ".bias")
+
+    def _note_check(self, i: int, w, x, y, ys, ref, hi, lo, k, b_abs, trust=None) -> None:
+        """Keep one checked call's reductions for :meth:`collect` (see :class:`StepChecks`)."""
+        st = self._step
+        st.checked(i)
+        st.f_ys.append(ys)
+        st.f_ref.append(ref)
+        st.f_xhi.append(hi)
+        st.f_xlo.append(lo)
+        st.f_k.append(k)
+        st.f_b.append(b_abs)
+        st.f_trust.append(trust)
+        st.f_coef.append(
+            rounding_coefficient(
+                w.shape[1], w.shape[0], y.dtype, input_roundoff=gemm_input_roundoff(x, w, compute=y.dtype)
+            )
+        )
+
+    def _check_forward_traced(
+        self,
+        i: int,
+        sealed: SealedWeight,
+        w: torch.Tensor,
+        b: torch.Tensor | None,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        acc: torch.dtype,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The forward check in code torch.compile traces: the weight's sums and norms as the seal took
+        them right after the optimizer wrote the weight (no read of the weight in the forward), and
+        every reduction of ``x`` and ``y`` a row reduction that inductor fuses into the kernels that
+        already read them (the normalisation that wrote ``x``, the rotary embedding, the activation or
+        the residual add that reads ``y``): about no extra bytes.
+
+        A weight changed in memory after its seal shows here as a product whose row sums miss the
+        reference at this step; on the steps whose weight gradients are checked too, the weight is
+        also compared with its seal (``gemm_weight``), naming the weight. A provisional seal (before the
+        optimizer's first step) carries an infinite ``trust``: its sums may predate a checkpoint load,
+        so the call is measured but never judged (NaN still is)."""
+        if self._weights and self.backward() and i not in self._weights_seen:
+            bw = accumulated_sum(b, None, acc) if b is not None else None
+            self._compare_weight(i, sealed, accumulated_sum(w, 0, acc), bw)
+        ys = accumulated_sum(y, -1, acc).reshape(-1)
+        ref = accumulated_sum((x if x.dtype == acc else x.to(acc)) * sealed.v, -1, acc).reshape(-1)
+        b_abs = self._zero(acc, y.device)
+        if b is not None and sealed.b_sum is not None:
+            ref = ref + sealed.b_sum
+            b_abs = sealed.b_abs
+        hi, lo = x.amax(), x.amin()
+        self._note_check(i, w, x, y, ys, ref, hi, lo, sealed.k, b_abs, sealed.trust)
+        return hi, lo
 
     def _zero(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A 0-d zero of ``dtype`` on ``device`` (kept: the bias term of a product without one)."""
@@ -367,6 +433,7 @@ class GemmChecks(GradientChecks):
             # ||a_i|| <= sqrt(n) max|a| and Σ_j ||b_:j|| <= m sqrt(n) max|b|
             st.f_k.append(abs_max(b).to(acc) * (n * m))
             st.f_b.append(accumulated_sum(bias.abs(), None, acc) if bias is not None else self._zero(acc, c.device))
+            st.f_trust.append(None)
             st.f_coef.append(
                 rounding_coefficient(n, m, c.dtype, input_roundoff=gemm_input_roundoff(a, b, compute=c.dtype))
             )
@@ -451,6 +518,10 @@ class GemmChecks(GradientChecks):
         xm = torch.maximum(torch.stack(st.f_xhi[start:]), torch.stack(st.f_xlo[start:]).neg_()).float()
         k, b = torch.stack(st.f_k[start:]), torch.stack(st.f_b[start:])
         bound = (xm.to(rmax.dtype) * k + b).mul_(coef).clamp_min_(TINY)
+        trust = st.f_trust[start:]
+        if any(t is not None for t in trust):  # traced checks against provisional seals: never judged
+            one = torch.ones((), dtype=bound.dtype, device=bound.device)
+            bound = bound * torch.stack([one if t is None else t.to(bound.dtype) for t in trust])
         return idx, top, (rmax / bound).float(), bound, xm
 
     def violated(self, bound: float = 1.0) -> bool:

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 from sdcwatch.telemetry.probes.checksum_bounds import accumulated_sum, accumulation_dtype, memory_bound_of
+from sdcwatch.telemetry.probes.weight_sums import weight_sums
 from torch import nn
 
 __all__ = [
@@ -100,7 +101,7 @@ class SealedWeight:
     attaching (a checkpoint) are not taken for weights changed in memory. Eager code ignores it.
     """
 
-    __slots__ = ("v", "b_sum", "k", "b_abs", "w_bound", "b_bound", "shard", "provisional")
+    __slots__ = ("v", "b_sum", "k", "b_abs", "w_bound", "b_bound", "shard", "provisional", "trust")
 
     def __init__(self, w: torch.Tensor, b: torch.Tensor | None, *, provisional: bool = False) -> None:
         acc = accumulation_dtype(w.dtype)
@@ -110,8 +111,9 @@ class SealedWeight:
         self.shard = (w, b) if is_shard(w) else None
         if self.shard is not None:
             w, b = w.to_local(), None if b is None else b.to_local()
-        self.v = accumulated_sum(w, 0, acc)  # as the check does: the same bits give the same sum
-        sw = torch.linalg.vector_norm(w, dim=1, dtype=acc).sum()
+        # the column sums (as the check takes them: the same bits give the same sum, to rounding on
+        # a GPU) and Σ_j ||w_j||, in one read of the weight where the Triton kernel runs
+        self.v, sw = weight_sums(w, acc)
         self.k = sw * math.sqrt(w.shape[1])  # Σ||w_j|| x sqrt(n): the forward bound's weight factor
         self.w_bound = memory_bound_of(sw, w.shape[0])
         self.b_sum = self.b_abs = self.b_bound = None
@@ -119,6 +121,9 @@ class SealedWeight:
             self.b_sum = accumulated_sum(b, None, acc)
             self.b_abs = accumulated_sum(b.abs(), None, acc)
             self.b_bound = memory_bound_of(self.b_abs, b.numel())
+        # what compiled code multiplies the forward check's bound by (a tensor, so that a provisional
+        # and an optimizer's seal run the same graph): 1, or inf for a provisional seal
+        self.trust = torch.full_like(self.w_bound, math.inf if provisional else 1.0)
         if provisional:  # no difference from a provisional seal is ever a violation (NaN still is)
             self.w_bound = torch.full_like(self.w_bound, math.inf)
             self.b_bound = None if self.b_bound is None else torch.full_like(self.b_bound, math.inf)
@@ -145,6 +150,7 @@ class StepChecks:
         self.f_k: list[torch.Tensor] = []
         self.f_b: list[torch.Tensor] = []
         self.f_coef: list[float] = []
+        self.f_trust: list[torch.Tensor | None] = []  # traced checks: 1, or inf against a provisional seal
         # scanned (not checked) calls: product index, the output's row sums
         self.o_idx: list[int] = []
         self.o_ys: list[torch.Tensor] = []

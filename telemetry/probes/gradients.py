@@ -122,6 +122,43 @@ class GradientStats:
         self._host_scalars["grad_cosine"] = 1.0  # one replica: the local gradient is the global one
         self._grads_seen = True
 
+    def clip_grad_norm_(
+        self, max_norm: float, *, parameters: Any = None, error_if_nonfinite: bool = False, foreach: bool | None = None
+    ) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` over the model's gradients (or ``parameters``'), reusing
+        the norm the watch measured this step: one pass over the gradients for the record and the
+        clipping instead of two (on a billion parameters that pass is about 1% of a GPU step).
+
+        Call it where the loop clips, after the backward and before ``optimizer.step()``; it returns
+        the total norm, as torch's does. The norm is reused when the watch read it this step, from
+        the gradients the clipping sees: the model's own parameters, world size one or DDP. Otherwise
+        (FSDP2, another parameter list, a step not recorded) torch computes it, as without sdcwatch.
+        """
+        params = list(self._params if parameters is None else _as_list(parameters))
+        grads = [p.grad for p in params if p.grad is not None]
+        if not grads:
+            return torch.zeros(())
+        if not self._grads_seen and self._buckets:  # DDP: every bucket was all-reduced in the backward
+            self._reduce_buckets()
+        elif not self._grads_seen and self.enabled and self.recording and not self._ddp_like():
+            self._local_gradients()  # the end-of-backward read did not run (compiled autograd, say)
+        norm = self._scalars.get("grad_norm_global") if self._grads_seen else None
+        same = parameters is None or {id(p) for p in params} == {id(p) for p in self._params}
+        if norm is None or not same or getattr(self, "_sharded", None) is not None:
+            return torch.nn.utils.clip_grad_norm_(
+                params, max_norm, error_if_nonfinite=error_if_nonfinite, foreach=foreach
+            )
+        if error_if_nonfinite and bool(torch.logical_or(norm.isnan(), norm.isinf())):  # torch's check: a sync
+            raise RuntimeError(
+                "The total norm of gradients is non-finite, so it cannot be clipped "
+                "(error_if_nonfinite=True, as torch.nn.utils.clip_grad_norm_ says)"
+            )
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=foreach)
+        return norm
+
+    def _ddp_like(self) -> bool:
+        return bool(getattr(self, "_ddp", False) or getattr(self, "_external", False))
+
     def _reduce_buckets(self) -> None:
         buckets = sorted(self._buckets, key=lambda b: b[0])
         local_sq = torch.stack([b[1] for b in buckets]).sum()
@@ -130,6 +167,11 @@ class GradientStats:
         parts = [b[4] for b in buckets if b[4] is not None]
         grad_fp = fp.combine_parts(parts) if parts and len(parts) == len(buckets) else None
         self.observe_gradients(local_sq=local_sq, global_sq=global_sq, dot=dot, grad_fp=grad_fp)
+
+
+def _as_list(parameters: Any) -> list[Any]:
+    """``parameters`` as torch's clipping takes them: one tensor or an iterable of tensors."""
+    return [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
 
 
 def unless_closure(read: Callable[[], None]) -> Callable[[Any, tuple, dict], None]:

@@ -86,3 +86,20 @@ def test_one_tensors_fingerprint_is_the_combination_of_its_parts(dtype):
     t = (1e3 * torch.randn(5, 7)).to(dtype)
     assert int(fingerprint_device([t])) == int(combine_parts([tensor_parts(t)]))
     assert int(fingerprint_device(iter([t]))) == int(fingerprint_device([t]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_flat_fingerprint_is_the_concatenations_without_concatenating(dtype, monkeypatch):
+    """param_fp / grad_fp: the fingerprint of the tensors laid end to end, summed tensor by tensor
+    and chunk by chunk (no copy of the model), bit for bit what the concatenation gives; a flip in
+    any chunk of any tensor changes it."""
+    from sdcwatch.telemetry.probes import fingerprint as fp
+
+    torch.manual_seed(3)
+    tensors = [torch.randn(n).to(dtype) for n in (1000, 37, 4096, 1)] + [torch.randn(13, 11).to(dtype)]
+    whole = int(fp.fingerprint_device([torch.cat([t.reshape(-1) for t in tensors])]))
+    monkeypatch.setattr(fp, "FLAT_CHUNK", 100)  # every large tensor in several chunks
+    assert int(fp.flat_fingerprint_device(tensors)) == whole
+    flipped = [t.clone() for t in tensors]
+    flip_bit(flipped[2], 3999, 3)  # in the tensor's last chunk
+    assert int(fp.flat_fingerprint_device(flipped)) != whole
