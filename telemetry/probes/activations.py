@@ -10,14 +10,17 @@ afterwards. -inf, the mark of a masked attention slot, is not a fault and is ski
 
 from __future__ import annotations
 
-import functools
+import itertools
 import math
 from typing import Any, Callable
 
 import torch
+from sdcwatch.telemetry.probes.forward_order import ForwardOrder
 from torch import nn
 
 __all__ = ["ActivationMax", "layer_of_module"]
+
+_SERIALS = itertools.count()
 
 
 class ActivationMax:
@@ -32,16 +35,25 @@ class ActivationMax:
         self._allowed = allowed  # the watch is enabled and no canary forward is running
         self._handles: list[Any] = []
         self._seen: list[tuple[int, torch.Tensor]] = []  # (leaf index, max |output|) per module call
+        # compiled code keeps each call on the module itself, numbered by a device counter (see _hook)
+        self._order = ForwardOrder()
+        self._calls_attr = f"_sdcwatch_act_{next(_SERIALS)}"
+        self._leaf_of = {id(m): i for i, m in enumerate(self.leaves)}
+        for m in self.leaves:
+            m.__dict__[self._calls_attr] = []
 
     def sync(self, want: bool) -> None:
         """Hook the leaves for a sampled step, unhook them otherwise. The hooks test only
         :attr:`on`: under torch.compile, a hook that read the step number would make Dynamo guard
         on it and recompile at every sampled step."""
         self.on = want
+        if want:
+            device = next((p.device for m in self.leaves for p in m.parameters(recurse=False)), None)
+            if device is not None:
+                self._order.place(device)
         if want and not self._handles:
-            self._handles = [
-                m.register_forward_hook(functools.partial(self._hook, i)) for i, m in enumerate(self.leaves)
-            ]
+            # one hook for every leaf: code torch.compile traces then holds no leaf index
+            self._handles = [m.register_forward_hook(self._hook) for m in self.leaves]
         elif not want and self._handles:
             self.remove()
 
@@ -50,7 +62,7 @@ class ActivationMax:
             h.remove()
         self._handles = []
 
-    def _hook(self, index: int, module: nn.Module, args: Any, output: Any) -> None:
+    def _hook(self, module: nn.Module, args: Any, output: Any) -> None:
         if not (self.on and self._allowed()):
             return
         out = output if isinstance(output, torch.Tensor) else None
@@ -59,12 +71,34 @@ class ActivationMax:
         if out is None or not out.is_floating_point() or out.numel() == 0:
             return
         m = out.detach().nan_to_num(nan=math.nan, posinf=math.inf, neginf=0.0).abs().amax().float()
-        self._seen.append((index, m))
+        if torch.compiler.is_compiling():  # kept on the module, in the order counted on the device
+            module.__dict__[self._calls_attr].append((m, self._order.traced_tick()))
+            return
+        self._seen.append((self._leaf_of[id(module)], m))
+
+    def _drain(self) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+        """The calls compiled code kept on the leaves: (leaf index, max |output|, ordinal)."""
+        out = []
+        for i, m in enumerate(self.leaves):
+            calls = m.__dict__.get(self._calls_attr)
+            if calls:
+                out.extend((i, v, ordinal) for v, ordinal in calls)
+                calls.clear()
+        return out
 
     def take(self) -> dict[str, torch.Tensor]:
         """The step's ``act_max`` and ``act_max_module`` as device scalars ({} when nothing was
         seen), and a fresh start for the next step."""
         seen, self._seen = self._seen, []
+        traced = self._drain()
+        self._order.reset()
+        if traced:  # the first call, in the order they ran, that reached the maximum (NaN the largest)
+            values = torch.stack([v for _, v, _ in traced])
+            key = values.nan_to_num(nan=math.inf)
+            ordinals = torch.stack([o.reshape(()).float().to(values.device) for _, _, o in traced])
+            first = torch.where(key == key.amax(), ordinals, math.inf).argmin()
+            ids = torch.tensor([i for i, _, _ in traced], dtype=torch.float32).to(values.device, non_blocking=True)
+            return {"act_max": values.amax(), "act_max_module": ids[first]}
         if not seen:
             return {}
         values = torch.stack([v for _, v in seen])
@@ -74,6 +108,7 @@ class ActivationMax:
 
     def clear(self) -> None:
         self._seen = []
+        self._drain()
 
 
 def layer_of_module(name: str, layers: list[str]) -> int:

@@ -60,6 +60,11 @@ def observe_attention(
         return
     entries = getattr(layer, "_sdcwatch_watches", None)  # its list in ATTENTION_WATCHES, set by the watch
     if entries:
+        if torch.compiler.is_compiling():  # the module, not its index: traced code then holds no index
+            for entry in entries:
+                if entry[0].enabled:
+                    entry[0].observe_attention(layer, q, k, logits=logits, causal=causal)
+            return
         for watch, index in entries:
             if watch.enabled:
                 watch.observe_attention(index, q, k, logits=logits, causal=causal)

@@ -50,6 +50,7 @@ class AttentionLayers:
     def _register_layer(self, module: nn.Module) -> int:
         index = len(self._layers)
         self._layers.append(module)
+        module.__dict__.setdefault(self._attn_attr, [])  # compiled code's observations (observe_attention)
         self._layer_index[module] = index
         entries = ATTENTION_WATCHES.setdefault(module, [])
         entries.append((self, index))
@@ -103,6 +104,14 @@ class AttentionLayers:
         """Measure one attention layer (index, or a module; an unknown module becomes a new layer)."""
         if not self.attention_on:
             return
+        if isinstance(layer, nn.Module) and torch.compiler.is_compiling() and self._attn_attr in layer.__dict__:
+            # kept on the layer (no layer index in the traced code); folded in at the step's end
+            cfg = self.config
+            stats = attention_stats(
+                q, k, logits=logits, heads=cfg.heads, queries=cfg.queries, sequences=cfg.sequences, causal=causal
+            )
+            layer.__dict__[self._attn_attr].append(stats)
+            return
         if isinstance(layer, nn.Module):
             self._self_reporting.add(layer)
             known = self._layer_index.get(layer)
@@ -114,6 +123,15 @@ class AttentionLayers:
             q, k, logits=logits, heads=cfg.heads, queries=cfg.queries, sequences=cfg.sequences, causal=causal
         )
         self.record_attention(layer, stats)
+
+    def _drain_attention(self) -> None:
+        """Fold in the observations compiled code kept on the layers (see :meth:`observe_attention`)."""
+        for i, m in enumerate(self._layers):
+            kept = m.__dict__.get(self._attn_attr)
+            if kept:
+                for stats in kept:
+                    self.record_attention(i, stats)
+                kept.clear()
 
     def record_attention(self, layer: int, stats: torch.Tensor) -> None:
         """Fold one observation of ``layer`` into the step's: every micro-batch (gradient

@@ -16,6 +16,7 @@ skipped, and so is anything at or below half the dtype's lowest value: the mask 
 from __future__ import annotations
 
 import functools
+import itertools
 from typing import Any, Callable
 
 import torch
@@ -24,6 +25,8 @@ from sdcwatch.telemetry.probes.forward_order import ForwardOrder
 from torch import nn
 
 __all__ = ["ResidualStream", "peak", "repeated_blocks"]
+
+_SERIALS = itertools.count()
 
 
 def peak(t: torch.Tensor) -> torch.Tensor:
@@ -74,10 +77,26 @@ class ResidualStream:
         self.names = [n for n, _ in self.blocks]
         self._n_attention = n_attention
         self._index: dict[tuple, torch.Tensor] = {}
-        self._handles = [m.register_forward_hook(self._hook(i)) for i, (_, m) in enumerate(self.blocks)]
+        # compiled code keeps each call on the block itself (see _traced_block): named per instance
+        serial = next(_SERIALS)
+        self._calls_attr = f"_sdcwatch_stream_{serial}"
+        self.logits_attr = f"_sdcwatch_logits_{serial}"
+        """The attribute of an attention layer where compiled code keeps its logits' calls."""
+        self.attention_layers: list[nn.Module] = []
+        """The watch's attention layers in layer order (where :meth:`collect` finds those calls)."""
+        self._block_of: dict[int, int] = {}
+        for i, (_, m) in enumerate(self.blocks):
+            self._block_of[id(m)] = i
+            m.__dict__[self._calls_attr] = []
+        self._handles = [m.register_forward_hook(self._block_hook) for _, m in self.blocks]
         self._reset()
 
     def _reset(self) -> None:
+        for m in [m for _, m in self.blocks] + list(getattr(self, "attention_layers", ())):
+            for attr in (self._calls_attr, self.logits_attr):
+                calls = m.__dict__.get(attr)
+                if calls:
+                    calls.clear()
         # per call: block index and the output's largest and smallest value (0-d device tensors);
         # the -inf mask and the maxima over calls are resolved once per step in collect()
         self._block: list[int] = []
@@ -89,23 +108,61 @@ class ResidualStream:
         self._block_seq: list[int] = []  # forward ordinals of the block calls and the logits
         self._layer_seq: list[int] = []
 
-    def _hook(self, i: int) -> Callable:
-        def hook(module: nn.Module, args: Any, output: Any) -> None:
-            if not self.active():
-                return
-            out = output
-            if isinstance(out, (tuple, list)) and out:
-                out = out[0]  # Hugging Face blocks return (hidden_states, ...)
-            if not isinstance(out, torch.Tensor) or not out.is_floating_point() or out.numel() == 0:
-                return
-            out = out.detach()
-            self._block.append(i)
-            if self.order is not None:
-                self._block_seq.append(self.order.tick())
-            self._hi.append(out.amax())
-            self._lo.append(out.amin())
+    def _block_hook(self, module: nn.Module, args: Any, output: Any) -> None:
+        """The forward hook of every block: one function for all of them (code torch.compile traces
+        then holds no block index, a constant Dynamo would compile each block's own graph for)."""
+        if not self.active():
+            return
+        out = output
+        if isinstance(out, (tuple, list)) and out:
+            out = out[0]  # Hugging Face blocks return (hidden_states, ...)
+        if not isinstance(out, torch.Tensor) or not out.is_floating_point() or out.numel() == 0:
+            return
+        out = out.detach()
+        if torch.compiler.is_compiling():  # the call kept on the block, its ordinal counted on the device
+            ordinal = self.order.traced_tick() if self.order is not None else None
+            module.__dict__[self._calls_attr].append((out.amax(), out.amin(), ordinal))
+            return
+        self._block.append(self._block_of[id(module)])
+        if self.order is not None:
+            self._block_seq.append(self.order.tick())
+        self._hi.append(out.amax())
+        self._lo.append(out.amin())
 
-        return hook
+    def observe_logits_traced(self, module: nn.Module, logits: torch.Tensor) -> None:
+        """:meth:`observe_logits` in code torch.compile traces: kept on the attention layer itself, its
+        ordinal counted on the device (no layer index in the traced code)."""
+        if logits.numel() == 0:
+            return
+        logits = logits.detach()
+        ordinal = self.order.traced_tick() if self.order is not None else None
+        low = F.threshold(logits, _mask_level(logits.dtype), 0.0).amin()
+        module.__dict__[self.logits_attr].append((logits.amax(), low, ordinal))
+
+    def _drain(self) -> None:
+        """Move the calls compiled code kept on the blocks and attention layers into this step's lists."""
+        for i, m in enumerate(self.attention_layers):
+            calls = m.__dict__.get(self.logits_attr)
+            if not calls:
+                continue
+            for hi, low, ordinal in calls:
+                self._layer.append(i)
+                if ordinal is not None:
+                    self._layer_seq.append(ordinal)
+                self._logit.append(hi)
+                self._logit_low.append(low)
+            calls.clear()
+        for i, (_, m) in enumerate(self.blocks):
+            calls = m.__dict__.get(self._calls_attr)
+            if not calls:
+                continue
+            for hi, lo, ordinal in calls:
+                self._block.append(i)
+                if ordinal is not None:
+                    self._block_seq.append(ordinal)
+                self._hi.append(hi)
+                self._lo.append(lo)
+            calls.clear()
 
     def observe_logits(self, layer: int, logits: torch.Tensor) -> None:
         """The pre-softmax logits of attention layer ``layer`` (masked slots ``-inf`` or the dtype's lowest value)."""
@@ -126,6 +183,7 @@ class ResidualStream:
 
     def collect(self, n_attention: int | None = None) -> dict[str, torch.Tensor] | None:
         """This step's values per :data:`STREAM_METRICS` (None if nothing was seen); resets."""
+        self._drain()
         if not self._block and not self._layer:
             self._reset()
             return None
@@ -170,3 +228,7 @@ class ResidualStream:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        for _, m in self.blocks:
+            m.__dict__.pop(self._calls_attr, None)
+        for m in self.attention_layers:
+            m.__dict__.pop(self.logits_attr, None)

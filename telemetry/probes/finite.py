@@ -93,6 +93,13 @@ class FiniteChecks:
         self.backward_on = not closed and self._scheduled(cfg.checksum_every)
         self.checks_on = not closed and self._checked_at(self._watch._hint)
         self.stream_on = not closed and self._scheduled(cfg.stream_every)
+        if self.stream is not None:  # where compiled code keeps each attention layer's logits
+            self.stream.attention_layers = self._watch._layers
+            for m in self._watch._layers:
+                m.__dict__.setdefault(self.stream.logits_attr, [])
+        device = next((p.device for p in self._watch.model.parameters()), None)
+        if device is not None:
+            self.order.place(device)
         if self.checksums is not None:
             self.checksums.hook_forward(self.checks_on or self.stream_on)
             self.checksums.seal_provisionally()  # a no-op once the optimizer sealed the weights
@@ -112,6 +119,9 @@ class FiniteChecks:
         if self.stream is None or logits is None or not self.due(self.stream_on):
             return
         if isinstance(layer, nn.Module):
+            if torch.compiler.is_compiling() and self.stream.logits_attr in layer.__dict__:
+                self.stream.observe_logits_traced(layer, logits)  # kept on the layer (see ResidualStream)
+                return
             layer = self._watch.layer_of(layer)
             if layer is None:  # not an attention layer of this watch
                 return

@@ -39,7 +39,8 @@ class ForwardOrder:
     def __init__(self, limit: float = NEAR_INF) -> None:
         self.limit = float(limit)
         self._next = 0
-        self._ordinals: list[int] = []
+        self._counter: torch.Tensor | None = None  # compiled code's ordinals (see traced_tick)
+        self._ordinals: list[int | torch.Tensor] = []
         self._peaks: list[torch.Tensor] = []
         self._index: dict[tuple, torch.Tensor] = {}  # the ordinals as a device tensor: a step calls as the last did
 
@@ -49,10 +50,29 @@ class ForwardOrder:
         self._next = n + 1
         return n
 
-    def note(self, ordinals: Sequence[int], peaks: torch.Tensor) -> None:
+    def place(self, device: torch.device) -> None:
+        """Keep compiled code's counter on ``device`` (the model's): called before each step."""
+        if self._counter is None or self._counter.device != device:
+            self._counter = torch.zeros((), dtype=torch.float32, device=device)
+            try:  # its address fixed: CUDA graphs (mode="reduce-overhead") take its in-place count
+                torch._dynamo.mark_static_address(self._counter)
+            except Exception:  # a torch without Dynamo
+                pass
+
+    def traced_tick(self) -> torch.Tensor:
+        """:meth:`tick` for code torch.compile traces: the ordinal as a 0-d device tensor, counted on the
+        device, so that the traced code holds no Python number that differs from call to call (blocks
+        compiled one by one would each compile their own graph). The two counts are kept apart: one
+        step's observations are numbered by one of them (all compiled, or all eager)."""
+        if self._counter is None:  # never placed: the ordinal of a lone call
+            return torch.zeros(())
+        self._counter.add_(1)
+        return self._counter - 1
+
+    def note(self, ordinals: Sequence[int | torch.Tensor], peaks: torch.Tensor) -> None:
         """The (calls,) largest |value| of the observations numbered ``ordinals`` (NaN kept)."""
         if len(ordinals) and peaks.numel() == len(ordinals):
-            self._ordinals.extend(int(o) for o in ordinals)
+            self._ordinals.extend(o if isinstance(o, torch.Tensor) else int(o) for o in ordinals)
             self._peaks.append(peaks.detach().reshape(-1).float())
 
     def first(self) -> torch.Tensor | None:
@@ -64,6 +84,16 @@ class ForwardOrder:
             return None
         with torch.no_grad():
             peak = torch.cat(peaks)
+            if any(isinstance(o, torch.Tensor) for o in ordinals):  # counted on the device (compiled code)
+                order = torch.stack(
+                    [
+                        o.reshape(()).float().to(peak.device)
+                        if isinstance(o, torch.Tensor)
+                        else torch.tensor(float(o), device=peak.device)
+                        for o in ordinals
+                    ]
+                )
+                return torch.where(peak.abs() < self.limit, float("inf"), order).amin().nan_to_num(posinf=-1.0)
             key = (tuple(ordinals), peak.device)
             order = self._index.get(key)
             if order is None:
@@ -75,5 +105,7 @@ class ForwardOrder:
 
     def reset(self) -> None:
         self._next = 0
+        if self._counter is not None:
+            self._counter.zero_()
         self._ordinals = []
         self._peaks = []

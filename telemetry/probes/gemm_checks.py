@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import fnmatch
 import functools
+import itertools
 import math
 import os
 import warnings
@@ -52,6 +53,8 @@ from torch import nn
 
 __all__ = ["GemmChecks"]
 
+_SERIALS = itertools.count()
+
 
 class GemmChecks(GradientChecks):
     """Checksums of every linear layer of a model (forward, weight and bias gradient, weights),
@@ -77,6 +80,12 @@ class GemmChecks(GradientChecks):
         weights: bool = True,
         order: Any = None,  # a ForwardOrder numbering the outputs in forward order (nonfinite_first)
     ) -> None:
+        # per-module attributes the hooks of compiled code keep this step's calls and the seal in (see
+        # _traced_linear): named per instance, so that two watches of one model never share them
+        serial = next(_SERIALS)
+        self._calls_attr = f"_sdcwatch_calls_{serial}"
+        self._seal_attr = f"_sdcwatch_seal_{serial}"
+        self._index_of: dict[int, int] = {}  # id(module) -> product index (eager code)
         self.active = active
         self.scan = scan
         self.backward = active if backward is None else backward
@@ -105,7 +114,7 @@ class GemmChecks(GradientChecks):
         for name, m in model.named_modules():
             if is_linear(m) and any(fnmatch.fnmatchcase(name, g) for g in globs):
                 i = self._add(name, m)
-                self._forward.append((m, functools.partial(self._linear_hook, i)))
+                self._forward.append((m, self._any_linear_hook))
                 # an FSDP2 shard (a DTensor) is outside the autograd graph: its hook would never fire
                 if m.weight.requires_grad and owners.get(id(m.weight), 0) == 1 and not is_shard(m.weight):
                     hook = functools.partial(self._weight_grad_hook, i)  # Conv1D's gradient is (in, out): turned
@@ -120,6 +129,7 @@ class GemmChecks(GradientChecks):
             if getattr(m, "_sdcwatch_gemm", False) and any(fnmatch.fnmatchcase(name, g) for g in globs):
                 self._add(name, m)  # a module whose forward(a, b) returns a @ b
                 self._forward.append((m, self._product_hook))
+        self._fused = triton_available() and os.environ.get("SDCWATCH_TRITON", "1") != "0"
         self.hook_forward(True)
         self._sealed_by_optimizer = False
         self.optimizer_seals = False
@@ -128,8 +138,7 @@ class GemmChecks(GradientChecks):
         self._provisional_key: tuple | None = None  # (device, products) of the last provisional seals
         self.seal_provisionally()
         # decided once (a cached call in a traced hook is a guard); SDCWATCH_TRITON=0 keeps torch's ops
-        self._fused = triton_available() and os.environ.get("SDCWATCH_TRITON", "1") != "0"
-        # opt in (SDCWATCH_COMPILED_GRAD_CHECK=1): inductor took it on torch 2.13 (CPU) but failed to
+        # (self._fused, above); opt in (SDCWATCH_COMPILED_GRAD_CHECK=1): inductor took it on torch 2.13 (CPU) but failed to
         # compile it on torch 2.11 (CUDA, an H100), an error that would stop the job
         self.traced_backward = os.environ.get("SDCWATCH_COMPILED_GRAD_CHECK", "0") == "1"
         """Whether the weight-gradient check runs in compiled code (a hook on each product's output
@@ -147,9 +156,21 @@ class GemmChecks(GradientChecks):
         self._modules.append(module)
         self._sealed_at.append(None)
         self._bias_checked.append(False)
+        self._index_of[id(module)] = len(self.names) - 1
+        module.__dict__[self._calls_attr] = []
+        module.__dict__[self._seal_attr] = None
         return len(self.names) - 1
 
+    def _set_seal(self, i: int, sealed: SealedWeight | None) -> None:
+        """Product ``i``'s seal, kept in the watch's list and on its module (for compiled code)."""
+        self._sealed_at[i] = sealed
+        self._modules[i].__dict__[self._seal_attr] = sealed
+
     def _reset(self) -> None:
+        for m in self._modules:
+            calls = m.__dict__.get(self._calls_attr)
+            if calls:
+                calls.clear()
         self._step = StepChecks(self.order)
         self._weights_seen: set[int] = set()  # products whose weights were compared this step
         self._judged = (0, 0, 0)  # forward, gradient and weight checks violated() has judged
@@ -181,6 +202,83 @@ class GemmChecks(GradientChecks):
         ):
             return torch.ops.sdcwatch.row_scan(y)[0]
         return accumulated_sum(y, -1, acc).reshape(-1)
+
+    def _any_linear_hook(self, module: nn.Linear, args: tuple, output: Any) -> None:
+        """The forward hook of every linear layer: one function for all of them, so that code
+        torch.compile traces holds no product index (a constant Dynamo guards on: blocks compiled one
+        by one would each compile their own graphs)."""
+        if torch.compiler.is_compiling() and self._traced_linear(module, args, output):
+            return
+        self._linear_hook(self._index_of[id(module)], module, args, output)
+
+    def _traced_linear(self, module: nn.Linear, args: tuple, output: Any) -> bool:
+        """The hook in code torch.compile traces: what it measures goes into the module's own list of
+        this step's calls (``_calls_attr``, emptied at each step's end, so every block's first call
+        sees it empty), its forward-order ordinal from a device counter, its seal from the module:
+        the traced code reads no Python value that differs between blocks. Returns False for what
+        it leaves to the indexed hook (a tensor-parallel or sharded weight, no optimizer's seal, the
+        weight-gradient check in compiled backwards)."""
+        if not args:
+            return True
+        if not self.active():
+            if self.scan():
+                self._traced_scan(module, output)
+            return True
+        if self.traced_backward or is_shard(module.weight):
+            return False
+        sealed = module.__dict__.get(self._seal_attr)
+        w, b = linear_weight(module)
+        if not self._seal_usable(sealed, w):
+            return False
+        x, y = args[0], output
+        if not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and y.is_floating_point()):
+            return True
+        if x.numel() == 0 or y.numel() == 0:
+            return True
+        with torch.no_grad():
+            self._check_forward_traced(module, sealed, w, b, x, y, accumulation_dtype(y.dtype))
+        return True
+
+    def _seal_usable(self, sealed: SealedWeight | None, w: torch.Tensor) -> bool:
+        """Whether compiled code checks this weight's product against its seal: an optimizer seals
+        it after every update, and the seal is of the whole weight as the forward reads it."""
+        return (
+            self.optimizer_seals
+            and sealed is not None
+            and sealed.shard is None
+            and sealed.k is not None
+            and tuple(sealed.v.shape) == (w.shape[1],)
+        )
+
+    def _traced_scan(self, module: nn.Module, y: Any) -> None:
+        y = y if type(y) is torch.Tensor else local_part(y)
+        if isinstance(y, torch.Tensor) and y.is_floating_point() and y.numel():
+            ordinal = self.order.traced_tick() if self.order is not None else None
+            ys = accumulated_sum(y.detach(), -1, torch.float32).reshape(-1)
+            module.__dict__[self._calls_attr].append(("o", ys, ordinal))
+
+    def _drain(self) -> None:
+        """Move the calls compiled code kept on the modules into this step's lists, product by product
+        (their order there does not matter: each call carries its product and its ordinal)."""
+        st = self._step
+        for i, m in enumerate(self._modules):
+            calls = m.__dict__.get(self._calls_attr)
+            if not calls:
+                continue
+            for c in calls:
+                if c[0] == "o":
+                    st.o_idx.append(i)
+                    st.o_ys.append(c[1])
+                    if c[2] is not None:
+                        st.o_seq.append(c[2])
+                elif c[0] == "f":
+                    st.f_idx.append(i)
+                    if c[-1] is not None:
+                        st.f_seq.append(c[-1])
+                    st.add_check(*c[1:-1])
+                else:  # "w": the weight (and bias) sums now beside the sealed ones
+                    self._compare_weight(i, c[1], c[2], c[3])
+            calls.clear()
 
     def _linear_hook(self, i: int, module: nn.Linear, args: tuple, output: Any) -> None:
         if not args or not self.active():  # a scanned step (the usual one), or nothing: the least work first
@@ -222,15 +320,9 @@ class GemmChecks(GradientChecks):
             w, b = (local_part(t) for t in linear_weight(module))
             acc = accumulation_dtype(y.dtype)
             sealed = self._sealed_at[i]
-            if (
-                torch.compiler.is_compiling()
-                and self.optimizer_seals
-                and sealed is not None
-                and sealed.shard is None
-                and sealed.k is not None
-                and tuple(sealed.v.shape) == (w.shape[1],)
-            ):
-                return self._check_forward_traced(i, sealed, w, b, x, y, acc)
+            if torch.compiler.is_compiling() and self._seal_usable(sealed, w):  # the weight-gradient check's path
+                self._check_forward_traced(module, sealed, w, b, x, y, acc)
+                return x.amax(), x.amin()
             v = accumulated_sum(w, 0, acc)
             b_sum = accumulated_sum(b, None, acc) if b is not None else None
             traced = torch.compiler.is_compiling()  # a constant while Dynamo traces the hook
@@ -280,54 +372,49 @@ class GemmChecks(GradientChecks):
 
     def _note_check(self, i: int, w, x, y, ys, ref, hi, lo, k, b_abs, trust=None) -> None:
         """Keep one checked call's reductions for :meth:`collect` (see :class:`StepChecks`)."""
-        st = self._step
-        st.checked(i)
-        st.f_ys.append(ys)
-        st.f_ref.append(ref)
-        st.f_xhi.append(hi)
-        st.f_xlo.append(lo)
-        st.f_k.append(k)
-        st.f_b.append(b_abs)
-        st.f_trust.append(trust)
-        st.f_coef.append(
-            rounding_coefficient(
-                w.shape[1], w.shape[0], y.dtype, input_roundoff=gemm_input_roundoff(x, w, compute=y.dtype)
-            )
+        self._step.checked(i)
+        coef = rounding_coefficient(
+            w.shape[1], w.shape[0], y.dtype, input_roundoff=gemm_input_roundoff(x, w, compute=y.dtype)
         )
+        self._step.add_check(ys, ref, hi, lo, k, b_abs, trust, coef)
 
     def _check_forward_traced(
         self,
-        i: int,
+        module: nn.Module,
         sealed: SealedWeight,
         w: torch.Tensor,
         b: torch.Tensor | None,
         x: torch.Tensor,
         y: torch.Tensor,
         acc: torch.dtype,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> None:
         """The forward check in code torch.compile traces: the weight's sums and norms as the seal took
         them right after the optimizer wrote the weight (no read of the weight in the forward), and
         every reduction of ``x`` and ``y`` a row reduction that inductor fuses into the kernels that
         already read them (the normalisation that wrote ``x``, the rotary embedding, the activation or
-        the residual add that reads ``y``): about no extra bytes.
+        the residual add that reads ``y``): about no extra bytes. What it measures goes into the
+        module's list of this step's calls (see :meth:`_traced_linear`).
 
         A weight changed in memory after its seal shows here as a product whose row sums miss the
         reference at this step; on the steps whose weight gradients are checked too, the weight is
         also compared with its seal (``gemm_weight``), naming the weight. A provisional seal (before the
         optimizer's first step) carries an infinite ``trust``: its sums may predate a checkpoint load,
         so the call is measured but never judged (NaN still is)."""
-        if self._weights and self.backward() and i not in self._weights_seen:
+        calls = module.__dict__[self._calls_attr]
+        if self._weights and self.backward() and not any(c[0] == "w" for c in calls):
             bw = accumulated_sum(b, None, acc) if b is not None else None
-            self._compare_weight(i, sealed, accumulated_sum(w, 0, acc), bw)
+            calls.append(("w", sealed, accumulated_sum(w, 0, acc), bw))
         ys = accumulated_sum(y, -1, acc).reshape(-1)
         ref = accumulated_sum((x if x.dtype == acc else x.to(acc)) * sealed.v, -1, acc).reshape(-1)
         b_abs = self._zero(acc, y.device)
         if b is not None and sealed.b_sum is not None:
             ref = ref + sealed.b_sum
             b_abs = sealed.b_abs
-        hi, lo = x.amax(), x.amin()
-        self._note_check(i, w, x, y, ys, ref, hi, lo, sealed.k, b_abs, sealed.trust)
-        return hi, lo
+        coef = rounding_coefficient(
+            w.shape[1], w.shape[0], y.dtype, input_roundoff=gemm_input_roundoff(x, w, compute=y.dtype)
+        )
+        ordinal = self.order.traced_tick() if self.order is not None else None
+        calls.append(("f", ys, ref, x.amax(), x.amin(), sealed.k, b_abs, sealed.trust, coef, ordinal))
 
     def _zero(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A 0-d zero of ``dtype`` on ``device`` (kept: the bias term of a product without one)."""
@@ -374,7 +461,7 @@ class GemmChecks(GradientChecks):
                 if not isinstance(w, torch.Tensor) or w.dim() != 2 or is_shard(w):
                     continue
                 if sealed is None or (sealed.provisional and sealed.v.device != w.device):
-                    self._sealed_at[i] = SealedWeight(w, b if isinstance(b, torch.Tensor) else None, provisional=True)
+                    self._set_seal(i, SealedWeight(w, b if isinstance(b, torch.Tensor) else None, provisional=True))
 
     def seal(self) -> None:
         """Take the weights' column sums as they are now (call right after the optimizer step; the
@@ -386,12 +473,13 @@ class GemmChecks(GradientChecks):
             for i, m in enumerate(self._modules):
                 w, b = linear_weight(m) if is_linear(m) else (getattr(m, "weight", None), getattr(m, "bias", None))
                 if isinstance(w, torch.Tensor) and w.dim() == 2:
-                    self._sealed_at[i] = SealedWeight(w, b if isinstance(b, torch.Tensor) else None)
+                    self._set_seal(i, SealedWeight(w, b if isinstance(b, torch.Tensor) else None))
 
     def unseal(self) -> None:
         """Forget the sealed column sums (after weights were changed outside the optimizer, e.g. a
         checkpoint loaded): the weight check resumes after the next :meth:`seal`."""
-        self._sealed_at = [None] * len(self._sealed_at)
+        for i in range(len(self._sealed_at)):
+            self._set_seal(i, None)
         self._sealed_by_optimizer = False
         self._provisional_key = None
         self.seal_provisionally()
@@ -408,35 +496,41 @@ class GemmChecks(GradientChecks):
         checked = self.active()
         if not (checked or self.scan()) or a.numel() == 0 or c.numel() == 0:
             return
-        try:
-            i = self._modules.index(owner)
-        except ValueError:
-            i = self._add(self._module_names.get(id(owner), type(owner).__name__), owner)
-            self._pending.append(None)
-        if not checked:
-            self._scanned(i, c)
+        traced = torch.compiler.is_compiling() and self._calls_attr in owner.__dict__  # kept on the owner
+        if traced and not checked:
+            self._traced_scan(owner, c)
             return
+        i = None
+        if not traced:
+            try:
+                i = self._modules.index(owner)
+            except ValueError:
+                i = self._add(self._module_names.get(id(owner), type(owner).__name__), owner)
+                self._pending.append(None)
+            if not checked:
+                self._scanned(i, c)
+                return
         with torch.no_grad():
             acc = accumulation_dtype(c.dtype)
             n, m = b.shape[-2], b.shape[-1]
-            ys = accumulated_sum(c, -1, acc)
+            ys = accumulated_sum(c, -1, acc).reshape(-1)
             # a batched matrix-vector product as a batched dot product: the same sums, a faster kernel on CPU
             ref = torch.linalg.vecdot(a if a.dtype == acc else a.to(acc), accumulated_sum(b, -1, acc).unsqueeze(-2))
             if bias is not None:
                 ref = ref + accumulated_sum(bias, None, acc)
-            st = self._step
-            st.checked(i)
-            st.f_ys.append(ys.reshape(-1))
-            st.f_ref.append(ref.reshape(-1))
-            st.f_xhi.append(a.amax())
-            st.f_xlo.append(a.amin())
+            ref = ref.reshape(-1)
             # ||a_i|| <= sqrt(n) max|a| and Σ_j ||b_:j|| <= m sqrt(n) max|b|
-            st.f_k.append(abs_max(b).to(acc) * (n * m))
-            st.f_b.append(accumulated_sum(bias.abs(), None, acc) if bias is not None else self._zero(acc, c.device))
-            st.f_trust.append(None)
-            st.f_coef.append(
-                rounding_coefficient(n, m, c.dtype, input_roundoff=gemm_input_roundoff(a, b, compute=c.dtype))
-            )
+            k = abs_max(b).to(acc) * (n * m)
+            b_abs = accumulated_sum(bias.abs(), None, acc) if bias is not None else self._zero(acc, c.device)
+            coef = rounding_coefficient(n, m, c.dtype, input_roundoff=gemm_input_roundoff(a, b, compute=c.dtype))
+            if traced:
+                ordinal = self.order.traced_tick() if self.order is not None else None
+                owner.__dict__[self._calls_attr].append(
+                    ("f", ys, ref, a.amax(), a.amin(), k, b_abs, None, coef, ordinal)
+                )
+                return
+            self._step.checked(i)
+            self._step.add_check(ys, ref, a.amax(), a.amin(), k, b_abs, None, coef)
 
     # -- the step ---------------------------------------------------------------------------------
     def _indices(self, key: tuple, device: torch.device) -> tuple[torch.Tensor, ...]:
@@ -453,6 +547,7 @@ class GemmChecks(GradientChecks):
         """This step's (n_products,) tensor per :data:`GEMM_METRICS` on a checked step, only
         ``gemm_out`` on a scanned one (None if nothing was seen); resets for the next step.
         Products not seen this step report 0."""
+        self._drain()
         st = self._step
         n = len(self.names)
         if not self._coverage_told and (st.f_idx or st.o_idx):
@@ -528,6 +623,7 @@ class GemmChecks(GradientChecks):
         """Whether a product checked since the last call (in this step) passed its rounding bound:
         a forward, gradient or weight ratio above ``bound``, or NaN. The guard's trigger; it reads
         the device (one sync), so it is called only where the guard decides, before the update."""
+        self._drain()
         st = self._step
         f0, g0, w0 = self._judged
         self._judged = (len(st.f_idx), len(st.g_idx), len(st.w_idx))
@@ -586,8 +682,11 @@ class GemmChecks(GradientChecks):
             self._forward_handles = []
 
     def remove(self) -> None:
-        """Remove every hook."""
+        """Remove every hook (and what the hooks kept on the modules)."""
         self.hook_forward(False)
+        for m in self._modules:
+            m.__dict__.pop(self._calls_attr, None)
+            m.__dict__.pop(self._seal_attr, None)
         for h in self._handles:
             h.remove()
         self._handles.clear()

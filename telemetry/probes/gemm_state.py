@@ -172,6 +172,17 @@ class StepChecks:
         if self.order is not None:
             self.f_seq.append(self.order.tick())
 
+    def add_check(self, ys, ref, hi, lo, k, b_abs, trust, coef: float) -> None:  # noqa: ANN001 - tensors
+        """The reductions of one checked call (its product and ordinal noted by :meth:`checked`)."""
+        self.f_ys.append(ys)
+        self.f_ref.append(ref)
+        self.f_xhi.append(hi)
+        self.f_xlo.append(lo)
+        self.f_k.append(k)
+        self.f_b.append(b_abs)
+        self.f_trust.append(trust)
+        self.f_coef.append(coef)
+
     def scanned(self, i: int) -> None:
         """A scanned call of product ``i``, numbered in forward order when an order is kept."""
         self.o_idx.append(i)

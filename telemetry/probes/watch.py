@@ -23,6 +23,7 @@ The parts live beside it: :mod:`~sdcwatch.telemetry.probes.attention` (the atten
 
 from __future__ import annotations
 
+import itertools
 import queue
 import threading
 import time
@@ -54,6 +55,8 @@ from sdcwatch.telemetry.probes.packing import PackedStep, pack_step, unpack_step
 from torch import nn
 
 __all__ = ["Watch", "attach", "canary_product"]
+
+_SERIALS = itertools.count()
 
 
 class Watch(GradientStats, AttentionLayers):
@@ -96,6 +99,7 @@ class Watch(GradientStats, AttentionLayers):
         self._params = [p for p in model.parameters()]
         self._layers: list[nn.Module] = []
         self._layer_index: dict[nn.Module, int] = {}
+        self._attn_attr = f"_sdcwatch_attn_{next(_SERIALS)}"  # compiled code's attention observations
         self.module_names: dict[nn.Module, str] = {m: n for n, m in model.named_modules()}
         self._self_reporting: set[nn.Module] = set()  # layers that call observe_attention themselves
         # FSDP2: the gradient statistics come from the model's reduce-scatters (a ConfigError here,
@@ -156,6 +160,10 @@ class Watch(GradientStats, AttentionLayers):
         self._nonfinite: list[torch.Tensor] = []
         self._host_scalars: dict[str, float] = {}
         self._attn: dict[int, tuple[torch.Tensor, int]] = {}  # layer -> (folded statistics, observations)
+        for m in getattr(self, "_layers", ()):
+            kept = m.__dict__.get(self._attn_attr)
+            if kept:
+                kept.clear()
         self._fps: dict[str, torch.Tensor] = {}
         self._buckets: list[tuple] = []
         self._grads_seen = False
@@ -278,6 +286,7 @@ class Watch(GradientStats, AttentionLayers):
             elif value is not None:
                 host[name] = float(value)
         attn = None
+        self._drain_attention()
         if self._attn and len(self._attn) == len(self._layers):
             attn = torch.stack([finish_attention(*self._attn[i]) for i in range(len(self._layers))])  # (layers, 7)
         elif self._tap is not None:

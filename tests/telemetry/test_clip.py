@@ -111,6 +111,7 @@ def _ddp_rank(rank: int, world: int, port: int, out: str) -> None:
         grads = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
         torch.save({"norm": norm, "expected": expected, "passes": calls[0], "after": grads.norm()}, f"{out}.{rank}")
         w.close()
+        dist.barrier()  # neither rank leaves the group while the other still talks to it
     finally:
         dist.destroy_process_group()
 
