@@ -12,6 +12,7 @@ state it uses (``_layers``, ``_layer_index``, ``_self_reporting``, ``_attn``, ``
 from __future__ import annotations
 
 import fnmatch
+import itertools
 from typing import Callable
 
 import torch
@@ -21,11 +22,14 @@ from torch import nn
 
 __all__ = ["AttentionLayers"]
 
+_SERIALS = itertools.count()
+
 
 class AttentionLayers:
     """The attention-layer half of a watch (a mixin of :class:`~sdcwatch.telemetry.probes.watch.Watch`)."""
 
     def _discover_attention(self, model: nn.Module) -> None:
+        self._attn_attr = f"_sdcwatch_attn_{next(_SERIALS)}"  # where compiled code keeps a layer's observations
         spec = self.config.attention
         named = [(n, m) for n, m in model.named_modules()]
         if spec == "none":

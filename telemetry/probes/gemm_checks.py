@@ -37,6 +37,7 @@ from sdcwatch.telemetry.probes.checksum_bounds import (
     rounding_coefficient,
 )
 from sdcwatch.telemetry.probes.gemm_backward import GradientChecks, TracedReference
+from sdcwatch.telemetry.probes.gemm_traced import TracedCalls
 from sdcwatch.telemetry.probes.gemm_state import (
     GEMM_OBSERVERS,
     SealedWeight,
@@ -56,7 +57,7 @@ __all__ = ["GemmChecks"]
 _SERIALS = itertools.count()
 
 
-class GemmChecks(GradientChecks):
+class GemmChecks(TracedCalls, GradientChecks):
     """Checksums of every linear layer of a model (forward, weight and bias gradient, weights),
     plus the custom products reported with :func:`observe_gemm`; one value per product and step.
 
@@ -80,9 +81,7 @@ class GemmChecks(GradientChecks):
         weights: bool = True,
         order: Any = None,  # a ForwardOrder numbering the outputs in forward order (nonfinite_first)
     ) -> None:
-        # per-module attributes the hooks of compiled code keep this step's calls and the seal in (see
-        # _traced_linear): named per instance, so that two watches of one model never share them
-        serial = next(_SERIALS)
+        serial = next(_SERIALS)  # compiled code's per-module attributes (TracedCalls), one pair a watch
         self._calls_attr = f"_sdcwatch_calls_{serial}"
         self._seal_attr = f"_sdcwatch_seal_{serial}"
         self._index_of: dict[int, int] = {}  # id(module) -> product index (eager code)
@@ -203,83 +202,6 @@ class GemmChecks(GradientChecks):
             return torch.ops.sdcwatch.row_scan(y)[0]
         return accumulated_sum(y, -1, acc).reshape(-1)
 
-    def _any_linear_hook(self, module: nn.Linear, args: tuple, output: Any) -> None:
-        """The forward hook of every linear layer: one function for all of them, so that code
-        torch.compile traces holds no product index (a constant Dynamo guards on: blocks compiled one
-        by one would each compile their own graphs)."""
-        if torch.compiler.is_compiling() and self._traced_linear(module, args, output):
-            return
-        self._linear_hook(self._index_of[id(module)], module, args, output)
-
-    def _traced_linear(self, module: nn.Linear, args: tuple, output: Any) -> bool:
-        """The hook in code torch.compile traces: what it measures goes into the module's own list of
-        this step's calls (``_calls_attr``, emptied at each step's end, so every block's first call
-        sees it empty), its forward-order ordinal from a device counter, its seal from the module:
-        the traced code reads no Python value that differs between blocks. Returns False for what
-        it leaves to the indexed hook (a tensor-parallel or sharded weight, no optimizer's seal, the
-        weight-gradient check in compiled backwards)."""
-        if not args:
-            return True
-        if not self.active():
-            if self.scan():
-                self._traced_scan(module, output)
-            return True
-        if self.traced_backward or is_shard(module.weight):
-            return False
-        sealed = module.__dict__.get(self._seal_attr)
-        w, b = linear_weight(module)
-        if not self._seal_usable(sealed, w):
-            return False
-        x, y = args[0], output
-        if not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and y.is_floating_point()):
-            return True
-        if x.numel() == 0 or y.numel() == 0:
-            return True
-        with torch.no_grad():
-            self._check_forward_traced(module, sealed, w, b, x, y, accumulation_dtype(y.dtype))
-        return True
-
-    def _seal_usable(self, sealed: SealedWeight | None, w: torch.Tensor) -> bool:
-        """Whether compiled code checks this weight's product against its seal: an optimizer seals
-        it after every update, and the seal is of the whole weight as the forward reads it."""
-        return (
-            self.optimizer_seals
-            and sealed is not None
-            and sealed.shard is None
-            and sealed.k is not None
-            and tuple(sealed.v.shape) == (w.shape[1],)
-        )
-
-    def _traced_scan(self, module: nn.Module, y: Any) -> None:
-        y = y if type(y) is torch.Tensor else local_part(y)
-        if isinstance(y, torch.Tensor) and y.is_floating_point() and y.numel():
-            ordinal = self.order.traced_tick() if self.order is not None else None
-            ys = accumulated_sum(y.detach(), -1, torch.float32).reshape(-1)
-            module.__dict__[self._calls_attr].append(("o", ys, ordinal))
-
-    def _drain(self) -> None:
-        """Move the calls compiled code kept on the modules into this step's lists, product by product
-        (their order there does not matter: each call carries its product and its ordinal)."""
-        st = self._step
-        for i, m in enumerate(self._modules):
-            calls = m.__dict__.get(self._calls_attr)
-            if not calls:
-                continue
-            for c in calls:
-                if c[0] == "o":
-                    st.o_idx.append(i)
-                    st.o_ys.append(c[1])
-                    if c[2] is not None:
-                        st.o_seq.append(c[2])
-                elif c[0] == "f":
-                    st.f_idx.append(i)
-                    if c[-1] is not None:
-                        st.f_seq.append(c[-1])
-                    st.add_check(*c[1:-1])
-                else:  # "w": the weight (and bias) sums now beside the sealed ones
-                    self._compare_weight(i, c[1], c[2], c[3])
-            calls.clear()
-
     def _linear_hook(self, i: int, module: nn.Linear, args: tuple, output: Any) -> None:
         if not args or not self.active():  # a scanned step (the usual one), or nothing: the least work first
             return self._scanned(i, output) if args and self.scan() else None
@@ -377,44 +299,6 @@ class GemmChecks(GradientChecks):
             w.shape[1], w.shape[0], y.dtype, input_roundoff=gemm_input_roundoff(x, w, compute=y.dtype)
         )
         self._step.add_check(ys, ref, hi, lo, k, b_abs, trust, coef)
-
-    def _check_forward_traced(
-        self,
-        module: nn.Module,
-        sealed: SealedWeight,
-        w: torch.Tensor,
-        b: torch.Tensor | None,
-        x: torch.Tensor,
-        y: torch.Tensor,
-        acc: torch.dtype,
-    ) -> None:
-        """The forward check in code torch.compile traces: the weight's sums and norms as the seal took
-        them right after the optimizer wrote the weight (no read of the weight in the forward), and
-        every reduction of ``x`` and ``y`` a row reduction that inductor fuses into the kernels that
-        already read them (the normalisation that wrote ``x``, the rotary embedding, the activation or
-        the residual add that reads ``y``): about no extra bytes. What it measures goes into the
-        module's list of this step's calls (see :meth:`_traced_linear`).
-
-        A weight changed in memory after its seal shows here as a product whose row sums miss the
-        reference at this step; on the steps whose weight gradients are checked too, the weight is
-        also compared with its seal (``gemm_weight``), naming the weight. A provisional seal (before the
-        optimizer's first step) carries an infinite ``trust``: its sums may predate a checkpoint load,
-        so the call is measured but never judged (NaN still is)."""
-        calls = module.__dict__[self._calls_attr]
-        if self._weights and self.backward() and not any(c[0] == "w" for c in calls):
-            bw = accumulated_sum(b, None, acc) if b is not None else None
-            calls.append(("w", sealed, accumulated_sum(w, 0, acc), bw))
-        ys = accumulated_sum(y, -1, acc).reshape(-1)
-        ref = accumulated_sum((x if x.dtype == acc else x.to(acc)) * sealed.v, -1, acc).reshape(-1)
-        b_abs = self._zero(acc, y.device)
-        if b is not None and sealed.b_sum is not None:
-            ref = ref + sealed.b_sum
-            b_abs = sealed.b_abs
-        coef = rounding_coefficient(
-            w.shape[1], w.shape[0], y.dtype, input_roundoff=gemm_input_roundoff(x, w, compute=y.dtype)
-        )
-        ordinal = self.order.traced_tick() if self.order is not None else None
-        calls.append(("f", ys, ref, x.amax(), x.amin(), sealed.k, b_abs, sealed.trust, coef, ordinal))
 
     def _zero(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A 0-d zero of ``dtype`` on ``device`` (kept: the bias term of a product without one)."""

@@ -23,7 +23,6 @@ The parts live beside it: :mod:`~sdcwatch.telemetry.probes.attention` (the atten
 
 from __future__ import annotations
 
-import itertools
 import queue
 import threading
 import time
@@ -55,8 +54,6 @@ from sdcwatch.telemetry.probes.packing import PackedStep, pack_step, unpack_step
 from torch import nn
 
 __all__ = ["Watch", "attach", "canary_product"]
-
-_SERIALS = itertools.count()
 
 
 class Watch(GradientStats, AttentionLayers):
@@ -99,7 +96,6 @@ class Watch(GradientStats, AttentionLayers):
         self._params = [p for p in model.parameters()]
         self._layers: list[nn.Module] = []
         self._layer_index: dict[nn.Module, int] = {}
-        self._attn_attr = f"_sdcwatch_attn_{next(_SERIALS)}"  # compiled code's attention observations
         self.module_names: dict[nn.Module, str] = {m: n for n, m in model.named_modules()}
         self._self_reporting: set[nn.Module] = set()  # layers that call observe_attention themselves
         # FSDP2: the gradient statistics come from the model's reduce-scatters (a ConfigError here,
