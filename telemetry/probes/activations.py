@@ -15,6 +15,7 @@ import math
 from typing import Any, Callable
 
 import torch
+from sdcwatch.telemetry.probes.kept import kept_calls
 from sdcwatch.telemetry.probes.forward_order import ForwardOrder
 from torch import nn
 
@@ -78,13 +79,7 @@ class ActivationMax:
 
     def _drain(self) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
         """The calls compiled code kept on the leaves: (leaf index, max |output|, ordinal)."""
-        out = []
-        for i, m in enumerate(self.leaves):
-            calls = m.__dict__.get(self._calls_attr)
-            if calls:
-                out.extend((i, v, ordinal) for v, ordinal in calls)
-                calls.clear()
-        return out
+        return [(i, v, ordinal) for i, (v, ordinal) in kept_calls(self.leaves, self._calls_attr)]
 
     def take(self) -> dict[str, torch.Tensor]:
         """The step's ``act_max`` and ``act_max_module`` as device scalars ({} when nothing was

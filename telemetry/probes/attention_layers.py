@@ -17,6 +17,7 @@ from typing import Callable
 
 import torch
 from sdcwatch.core.errors import ConfigError
+from sdcwatch.telemetry.probes.kept import kept_calls
 from sdcwatch.telemetry.probes.attention import ATTENTION_WATCHES, attention_stats, combine_attention, mha_qk_logits
 from torch import nn
 
@@ -130,12 +131,8 @@ class AttentionLayers:
 
     def _drain_attention(self) -> None:
         """Fold in the observations compiled code kept on the layers (see :meth:`observe_attention`)."""
-        for i, m in enumerate(self._layers):
-            kept = m.__dict__.get(self._attn_attr)
-            if kept:
-                for stats in kept:
-                    self.record_attention(i, stats)
-                kept.clear()
+        for i, stats in kept_calls(self._layers, self._attn_attr):
+            self.record_attention(i, stats)
 
     def record_attention(self, layer: int, stats: torch.Tensor) -> None:
         """Fold one observation of ``layer`` into the step's: every micro-batch (gradient

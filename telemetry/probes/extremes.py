@@ -21,6 +21,7 @@ from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
+from sdcwatch.telemetry.probes.kept import kept_calls
 from sdcwatch.telemetry.probes.forward_order import ForwardOrder
 from torch import nn
 
@@ -92,11 +93,8 @@ class ResidualStream:
         self._reset()
 
     def _reset(self) -> None:
-        for m in [m for _, m in self.blocks] + list(getattr(self, "attention_layers", ())):
-            for attr in (self._calls_attr, self.logits_attr):
-                calls = m.__dict__.get(attr)
-                if calls:
-                    calls.clear()
+        kept_calls([m for _, m in self.blocks], self._calls_attr)  # compiled code's calls of a dropped step
+        kept_calls(getattr(self, "attention_layers", ()), self.logits_attr)
         # per call: block index and the output's largest and smallest value (0-d device tensors);
         # the -inf mask and the maxima over calls are resolved once per step in collect()
         self._block: list[int] = []
@@ -141,28 +139,18 @@ class ResidualStream:
 
     def _drain(self) -> None:
         """Move the calls compiled code kept on the blocks and attention layers into this step's lists."""
-        for i, m in enumerate(self.attention_layers):
-            calls = m.__dict__.get(self.logits_attr)
-            if not calls:
-                continue
-            for hi, low, ordinal in calls:
-                self._layer.append(i)
-                if ordinal is not None:
-                    self._layer_seq.append(ordinal)
-                self._logit.append(hi)
-                self._logit_low.append(low)
-            calls.clear()
-        for i, (_, m) in enumerate(self.blocks):
-            calls = m.__dict__.get(self._calls_attr)
-            if not calls:
-                continue
-            for hi, lo, ordinal in calls:
-                self._block.append(i)
-                if ordinal is not None:
-                    self._block_seq.append(ordinal)
-                self._hi.append(hi)
-                self._lo.append(lo)
-            calls.clear()
+        for i, (hi, low, ordinal) in kept_calls(self.attention_layers, self.logits_attr):
+            self._layer.append(i)
+            self._logit.append(hi)
+            self._logit_low.append(low)
+            if ordinal is not None:
+                self._layer_seq.append(ordinal)
+        for i, (hi, lo, ordinal) in kept_calls([m for _, m in self.blocks], self._calls_attr):
+            self._block.append(i)
+            self._hi.append(hi)
+            self._lo.append(lo)
+            if ordinal is not None:
+                self._block_seq.append(ordinal)
 
     def observe_logits(self, layer: int, logits: torch.Tensor) -> None:
         """The pre-softmax logits of attention layer ``layer`` (masked slots ``-inf`` or the dtype's lowest value)."""

@@ -37,6 +37,7 @@ from sdcwatch.telemetry.probes.checksum_bounds import (
     rounding_coefficient,
 )
 from sdcwatch.telemetry.probes.gemm_backward import GradientChecks, TracedReference
+from sdcwatch.telemetry.probes.kept import kept_calls
 from sdcwatch.telemetry.probes.gemm_traced import TracedCalls
 from sdcwatch.telemetry.probes.gemm_state import (
     GEMM_OBSERVERS,
@@ -166,10 +167,7 @@ class GemmChecks(TracedCalls, GradientChecks):
         self._modules[i].__dict__[self._seal_attr] = sealed
 
     def _reset(self) -> None:
-        for m in self._modules:
-            calls = m.__dict__.get(self._calls_attr)
-            if calls:
-                calls.clear()
+        kept_calls(self._modules, self._calls_attr)  # compiled code's calls of a dropped step
         self._step = StepChecks(self.order)
         self._weights_seen: set[int] = set()  # products whose weights were compared this step
         self._judged = (0, 0, 0)  # forward, gradient and weight checks violated() has judged

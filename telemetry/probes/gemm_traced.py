@@ -23,6 +23,7 @@ from sdcwatch.telemetry.probes.checksum_bounds import (
     gemm_input_roundoff,
     rounding_coefficient,
 )
+from sdcwatch.telemetry.probes.kept import kept_calls
 from sdcwatch.telemetry.probes.gemm_state import SealedWeight, is_shard, local_part
 from sdcwatch.telemetry.probes.linear_layout import linear_weight
 from torch import nn
@@ -108,24 +109,19 @@ class TracedCalls:
         """Move the calls compiled code kept on the modules into this step's lists, product by product
         (their order there does not matter: each call carries its product and its ordinal)."""
         st = self._step
-        for i, m in enumerate(self._modules):
-            calls = m.__dict__.get(self._calls_attr)
-            if not calls:
-                continue
-            for c in calls:
-                if c[0] == "o":
-                    st.o_idx.append(i)
-                    st.o_ys.append(c[1])
-                    if c[2] is not None:
-                        st.o_seq.append(c[2])
-                elif c[0] == "f":
-                    st.f_idx.append(i)
-                    if c[-1] is not None:
-                        st.f_seq.append(c[-1])
-                    st.add_check(*c[1:-1])
-                else:  # "w": the weight (and bias) sums now beside the sealed ones
-                    self._compare_weight(i, c[1], c[2], c[3])
-            calls.clear()
+        for i, c in kept_calls(self._modules, self._calls_attr):
+            if c[0] == "o":
+                st.o_idx.append(i)
+                st.o_ys.append(c[1])
+                if c[2] is not None:
+                    st.o_seq.append(c[2])
+            elif c[0] == "f":
+                st.f_idx.append(i)
+                if c[-1] is not None:
+                    st.f_seq.append(c[-1])
+                st.add_check(*c[1:-1])
+            else:  # "w": the weight (and bias) sums now beside the sealed ones
+                self._compare_weight(i, c[1], c[2], c[3])
 
     def _check_forward_traced(
         self,

@@ -42,6 +42,7 @@ from sdcwatch.telemetry.probes.attention import (
 from sdcwatch.telemetry.probes.attention_layers import AttentionLayers
 from sdcwatch.telemetry.probes.canary import canary_fingerprint, canary_running
 from sdcwatch.telemetry.probes.compiled import watch_compiled_code
+from sdcwatch.telemetry.probes.kept import kept_calls
 from sdcwatch.telemetry.probes.config import ProbeConfig
 from sdcwatch.telemetry.probes.ddp_hook import comm_hook
 from sdcwatch.telemetry.probes.finite import FiniteChecks
@@ -156,10 +157,8 @@ class Watch(GradientStats, AttentionLayers):
         self._nonfinite: list[torch.Tensor] = []
         self._host_scalars: dict[str, float] = {}
         self._attn: dict[int, tuple[torch.Tensor, int]] = {}  # layer -> (folded statistics, observations)
-        for m in getattr(self, "_layers", ()):
-            kept = m.__dict__.get(self._attn_attr)
-            if kept:
-                kept.clear()
+        if getattr(self, "_layers", None):
+            kept_calls(self._layers, self._attn_attr)  # compiled code's observations of a dropped step
         self._fps: dict[str, torch.Tensor] = {}
         self._buckets: list[tuple] = []
         self._grads_seen = False
