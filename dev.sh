@@ -8,6 +8,8 @@
 #   ./dev.sh lint          install sdcwatch[dev], run ruff (lint and format check) and build the
 #                          documentation site (docs/, mkdocs.yml) with mkdocs --strict
 # A training rank needs only `pip install sdcwatch` (README.md, "Set-up").
+# The editable install holds testbed/campaign/ too (the campaign and `sdcwatch bench`, which the base
+# wheel leaves out: the sdcwatch-campaign distribution, testbed/campaign/pyproject.toml).
 set -euo pipefail
 cd "$(dirname "$0")"
 VENV=${SDCWATCH_VENV:-.venv}

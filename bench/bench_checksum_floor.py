@@ -13,8 +13,6 @@ overhead for unfused kernels (AEGIS fuses them into the GEMM's epilogue and read
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import sys
 import time
@@ -23,20 +21,13 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from reference_step import at_width, batches, reference_model, train_step  # noqa: E402
+from reference_step import timed_alone, train_step, write_result  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--batch-size", type=int, default=32)
-    ap.add_argument("--d-model", type=int, default=64)
-    ap.add_argument("--repeats", type=int, default=30, help="timed rounds (each: a step, then the reductions)")
-    ap.add_argument("--out", help="write the results as JSON here")
-    args = ap.parse_args(argv)
-    torch.set_num_threads(1)
-    cfg = at_width(args.d_model)
-    model, opt = reference_model(cfg)
-    batch = batches(args.batch_size, cfg.seq_len)(0)
+    help = "timed rounds (each: a step, then the reductions)"
+    args, cfg, model, opt, batch_of = timed_alone(__doc__, argv, "repeats", 30, help)
+    batch = batch_of(0)
     linears, products = [], []
 
     def grab_linear(module, inputs, output):
@@ -100,8 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{med['scan']:.2f} ms = {result['scan_floor_pct']:.1f}%",
         flush=True,
     )
-    if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    write_result(args.out, result)
     return 0
 
 

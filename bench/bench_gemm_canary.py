@@ -13,31 +13,20 @@ loaded machine::
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import sys
 import time
 from pathlib import Path
 
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from reference_step import at_width, batches, reference_model, train_step  # noqa: E402
+from reference_step import timed_alone, train_step, write_result  # noqa: E402
 from sdcwatch.telemetry.probes.gemm_canary import GemmCanary  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--batch-size", type=int, default=32)
-    ap.add_argument("--d-model", type=int, default=64)
-    ap.add_argument("--rounds", type=int, default=20, help="timed rounds (each: 5 steps, then 500 canary calls)")
-    ap.add_argument("--out", help="write the results as JSON here")
-    args = ap.parse_args(argv)
-    torch.set_num_threads(1)
-    cfg = at_width(args.d_model)
-    model, opt = reference_model(cfg)
-    batch = batches(args.batch_size, cfg.seq_len)
+    help = "timed rounds (each: 5 steps, then 500 canary calls)"
+    args, cfg, model, opt, batch = timed_alone(__doc__, argv, "rounds", 20, help)
     canary = GemmCanary(model)
 
     def step(s: int) -> None:
@@ -70,8 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         f"per-product canary: {out['canary_cpu_us']:.1f} us CPU a step against a {out['step_cpu_ms']:.1f} ms "
         f"training step (batch {args.batch_size}, d_model {args.d_model}): {out['share_of_step_pct']:.3f}%"
     )
-    if args.out:
-        Path(args.out).write_text(json.dumps(out, indent=2) + "\n", encoding="utf-8")
+    write_result(args.out, out)
     return 0
 
 

@@ -13,7 +13,6 @@ suffer from other processes on a shared machine; the training thread's CPU time 
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import sys
@@ -23,7 +22,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # loaded by path too (sdcwatch bench)
-from reference_step import reference_model, side_by_side, train_step  # noqa: E402
+from reference_step import reference_model, side_by_side, train_step, write_result  # noqa: E402
 from sdcwatch.telemetry import Emitter, MemoryBus, MemoryTransport, NullEmitter  # noqa: E402
 from sdcwatch.telemetry.probes.config import ProbeConfig  # noqa: E402
 from sdcwatch.telemetry.probes.presets import PROBE_PRESETS, probe_config  # noqa: E402
@@ -174,8 +173,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"(training thread; {r['steps']} step pairs); {r['records_emitted']} records",
                 flush=True,
             )
-    if args.out:
-        Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
+    write_result(args.out, results)
     return 0
 
 

@@ -29,21 +29,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_overhead import _Replica  # noqa: E402
 from reference_step import batches  # noqa: E402
 from sdcwatch.telemetry import MemoryBus  # noqa: E402
-from sdcwatch.telemetry.probes import extremes, finite, forward_order, gemm_canary, gemm_checks  # noqa: E402
+from sdcwatch.telemetry.probes import forward_order, gemm_canary, gemm_checks, residual_stream, sampled_checks  # noqa: E402
 from sdcwatch.telemetry.probes.presets import probe_config  # noqa: E402
 from sdcwatch.testbed.model import GPTConfig  # noqa: E402
 
 #: (owner, function, what it is) of every piece timed
 PIECES = [
-    (extremes.ResidualStream, "observe_logits", "attention logits: max, masked min (attn_logit_*)"),
-    (extremes.ResidualStream, "_hook", "block outputs: max, min (stream_max)"),
+    (residual_stream.ResidualStream, "observe_logits", "attention logits: max, masked min (attn_logit_*)"),
+    (residual_stream.ResidualStream, "_hook", "block outputs: max, min (stream_max)"),
     (gemm_checks.GemmChecks, "_linear_hook", "linear outputs: row sums (gemm_out)"),
     (gemm_checks.GemmChecks, "_product_hook", "custom products' outputs: row sums (gemm_out)"),
     (gemm_checks.GemmChecks, "collect", "step end: gemm_out per product"),
-    (extremes.ResidualStream, "collect", "step end: stream_max, attn_logit_* per layer"),
+    (residual_stream.ResidualStream, "collect", "step end: stream_max, attn_logit_* per layer"),
     (forward_order.ForwardOrder, "first", "step end: nonfinite_first"),
     (gemm_canary.GemmCanary, "report", "per-product canary (gemm_canary_fp)"),
-    (finite.FiniteChecks, "sync", "per-step switches"),
+    (sampled_checks.SampledChecks, "sync", "per-step switches"),
 ]
 
 

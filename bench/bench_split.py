@@ -182,8 +182,8 @@ def bench_names(world: int, n_layers: int = 32, stages: int = 4, period: float =
     same summary without them (zlib compresses the two together). Layouts: one list (pure data
     parallel), the stages in contiguous rank blocks (pipeline outermost, as Megatron orders it),
     and interleaved (rank % stages: every summary's ranks point at every list, the worst case)."""
-    from sdcwatch.core.layer_names import LayerNames
-    from sdcwatch.service.layer_names import LayerNameBook
+    from sdcwatch.core.rank_notes import LayerNames
+    from sdcwatch.service.layer_name_book import LayerNameBook
     from sdcwatch.service.summary import StepSummary
 
     per = n_layers // stages

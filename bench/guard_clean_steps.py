@@ -3,7 +3,7 @@
 Trains the campaign's simulated ranks to its checkpoint (the guard learning its baselines in report
 mode, as the campaign does), warms the default detection pipeline up on those steps, then trains N
 clean steps with ``GuardConfig(mode="act")`` and every completed step through the pipeline and
-``ControlPolicy(actions=True)`` into the guard (:func:`sdcwatch.testbed.guard_campaign.run_clean_guarded`).
+``ControlPolicy(actions=True)`` into the guard (:func:`sdcwatch.testbed.campaign.guarded.run_clean_guarded`).
 Every action is a false one; the target is none.
 
     python bench/guard_clean_steps.py --steps 10000 --ranks 4 --out results/guard_clean_steps.json
@@ -35,10 +35,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     import torch
 
     from sdcwatch.telemetry.guard.config import GuardConfig
-    from sdcwatch.testbed.branches import frames_of, new_run
-    from sdcwatch.testbed.campaign import CampaignConfig
-    from sdcwatch.testbed.guard_campaign import campaign_guard_config, run_clean_guarded
-    from sdcwatch.testbed.scoring import SdcwatchRunner, alarms_of
+    from sdcwatch.testbed.campaign.branches import frames_of, new_run
+    from sdcwatch.testbed.campaign.run import CampaignConfig
+    from sdcwatch.testbed.campaign.guarded import campaign_guard_config, run_clean_guarded
+    from sdcwatch.testbed.campaign.scoring import SdcwatchRunner, alarms_of
 
     torch.set_num_threads(1)
     config = replace(CampaignConfig(), world=args.ranks, pretrain_steps=args.pretrain, seed=args.seed)

@@ -7,13 +7,26 @@ that every benchmark's step time describes the same step (``bench_overhead.py``,
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import argparse
+import json
+from pathlib import Path
+from typing import Any, Callable, Sequence
 
 import torch
 from sdcwatch.testbed.model import GPT, GPTConfig
 from sdcwatch.testbed.simulated import shared_corpus
 
-__all__ = ["CORPUS_BYTES", "LR", "at_width", "reference_model", "batches", "train_step", "side_by_side"]
+__all__ = [
+    "CORPUS_BYTES",
+    "LR",
+    "at_width",
+    "reference_model",
+    "batches",
+    "train_step",
+    "side_by_side",
+    "timed_alone",
+    "write_result",
+]
 
 CORPUS_BYTES = 1 << 20
 """Bytes of stdlib source the benchmarks train on."""
@@ -71,3 +84,25 @@ def side_by_side(
             times[0].append(a)
             times[1].append(b)
     return times
+
+
+def timed_alone(doc: str, argv: Sequence[str] | None, rounds: str, default: int, help: str) -> tuple[Any, ...]:
+    """What a benchmark that times one piece alone beside the training step sets up, on one thread:
+    its options (``--batch-size``, ``--d-model``, ``--out`` and ``--{rounds}``, its timed rounds),
+    the model at that width, its optimizer and its batches. Returns ``(args, cfg, model, opt, batch_of)``."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--batch-size", type=int, default=32)
+    ap.add_argument("--d-model", type=int, default=64)
+    ap.add_argument(f"--{rounds}", type=int, default=default, help=help)
+    ap.add_argument("--out", help="write the results as JSON here")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    cfg = at_width(args.d_model)
+    model, opt = reference_model(cfg)
+    return args, cfg, model, opt, batches(args.batch_size, cfg.seq_len)
+
+
+def write_result(out: str | None, result: Any) -> None:
+    """The result as indented JSON into ``out`` (the raw result; ``bench/summarise.py`` makes its page)."""
+    if out:
+        Path(out).write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")

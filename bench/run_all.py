@@ -7,7 +7,7 @@ Writes one JSON file per benchmark and ``results/benchmarks.md`` (machine, comma
 
 import sys
 
-from sdcwatch.bench import all_main
+from sdcwatch.testbed.campaign.cli import all_main
 
 if __name__ == "__main__":
     all_main(sys.argv[1:])

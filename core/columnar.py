@@ -1,34 +1,7 @@
-"""Wire format v2: a record layout (schema) sent once, records as packed numbers in its order.
+"""Wire format v2: a record layout (schema) sent inline once per key window, records as packed rows in its order.
 
-The names of a rank's metrics and the length of its layer vectors are fixed for a run (a few
-layouts at most: sampled steps add attention statistics). Version 1 spells every name in every
-record and is decoded one record at a time; version 2 names a :class:`Schema` by a 64-bit id and
-packs each record as fixed-size numbers, so the service reads thousands of records with one
-``numpy.frombuffer`` (``sdcwatch.service.ingest``) and the emitter packs one ``struct``.
-
-Message layout, version 2 (little-endian)::
-
-    b"SDC2" | u8 version (2) | u8 flags | u32 header length | u64 schema id | u32 count | str16 run
-    | u16 n_hosts | u32 n | host names joined by "\n", n bytes | [flags & 1: u32 n | schema JSON, n bytes]
-    | count x row
-    row = u64 step | u32 rank | u32 world | u32 local_rank | u32 host index | f64 time
-          | u32 x len(coords) | f64 x len(scalars) | u64 x len(fingerprints) | f32 x sum(layer lengths)
-
-The layout and its rows (:class:`Schema`, :func:`schema_for`, :class:`PackedRecord`,
-:func:`row_to_record`) are :mod:`sdcwatch.core.record_layout`'s and are re-exported here; this module
-owns the messages that carry them: encoding, the header, decoding a stream.
-
-Where the schema travels, and why: in-band, inline in the first message a sender sends under
-each partition key (run and 16-step window) and whenever a new layout appears; every other
-message names it by id. Kafka orders a partition, and a key maps to one partition, so a schema
-always reaches a consumer ahead of the records it describes, in the partition they share: no
-second topic, no registry service, no ordering between topics, and a consumer that joins
-mid-run learns every layout within one window (the service also keeps the schemas it learnt in
-its saved state). The id is a hash of the schema's text, so an id cannot be re-bound to another
-layout by anyone who can write to the topic; the decoder checks it. The cost: one schema
-(a few hundred bytes) per rank per 16 steps.
-
-This module imports only the standard library: it runs in every training rank.
+The messages that carry the rows of :mod:`sdcwatch.core.record_layout`: encoding, the header, the
+rows of one message (layout and why the schema travels in-band: docs/messages.md). Standard library only.
 """
 
 from __future__ import annotations
@@ -36,9 +9,7 @@ from __future__ import annotations
 import struct
 from typing import Any, Iterable, Sequence
 
-from sdcwatch.core.checkpoints import CKPT_MAGIC, CheckpointNote, encode_note
-from sdcwatch.core.errors import RecordError
-from sdcwatch.core.layer_names import NAMES_MAGIC, LayerNames, encode_names
+from sdcwatch.core.errors import RecordError, UnknownVersionError
 from sdcwatch.core.record_layout import MAX_SCHEMA_BYTES, PackedRecord, Schema, row_to_record
 
 __all__ = [
@@ -46,11 +17,11 @@ __all__ = [
     "VERSION_V2",
     "encode_rows",
     "encode_message",
-    "encode_items",
     "parse_header",
     "MessageHeader",
     "WIRES",
-    "decode_stream",
+    "rows_of",
+    "check_rows",
 ]
 
 MAGIC_V2 = b"SDC2"
@@ -103,48 +74,6 @@ def encode_message(records: Sequence[PackedRecord], *, with_schema: bool) -> byt
     )
 
 
-def encode_items(
-    items: Sequence[Any], key_of: Any, max_per_message: int, schemas_sent: set | None = None
-) -> list[tuple[bytes, bytes, list]]:
-    """Bus messages for a transport: ``(key, value, items)``, v1 records and v2 packed records alike
-    (and :class:`~sdcwatch.core.layer_names.LayerNames`, each a message of its own).
-
-    Items sharing a key travel together (at most ``max_per_message`` each); v2 items also share
-    schema and host per message. ``schemas_sent`` holds ``(key, schema id)`` pairs already sent
-    inline under that key: a schema rides with the first message of each key (it is updated here;
-    the transport forgets it when it reconnects).
-    """
-    from sdcwatch.core.record import encode, encode_batch
-
-    groups: dict[tuple, list] = {}
-    for it in items:
-        if isinstance(it, LayerNames):  # a message of its own, ahead of its window's records
-            groups[(key_of(it), "names", id(it))] = [it]
-        elif isinstance(it, CheckpointNote):  # a message of its own, ordered with its window's records
-            groups[(key_of(it), "checkpoint", id(it))] = [it]
-        elif isinstance(it, PackedRecord):
-            groups.setdefault((key_of(it), it.schema, it.host), []).append(it)
-        else:
-            groups.setdefault((key_of(it), None, None), []).append(it)
-    out = []
-    for (key, schema, _), its in groups.items():
-        for i in range(0, len(its), max_per_message):
-            part = its[i : i + max_per_message]
-            if isinstance(schema, str):  # "names" or "checkpoint"
-                value = encode_names(part[0]) if schema == "names" else encode_note(part[0])
-            elif schema is None:
-                value = encode(part[0]) if len(part) == 1 else encode_batch(part)
-            else:
-                inline = schemas_sent is None or (key, schema.id) not in schemas_sent
-                value = encode_message(part, with_schema=inline)
-                if inline and schemas_sent is not None:
-                    if len(schemas_sent) > 4096:
-                        schemas_sent.clear()
-                    schemas_sent.add((key, schema.id))
-            out.append((key, value, part))
-    return out
-
-
 _HOST_TABLES: dict[bytes, tuple[str, ...]] = {}  # host tables seen before: the same few recur
 
 
@@ -191,8 +120,6 @@ def _parse_header(buf: bytes) -> MessageHeader:
     if magic != MAGIC_V2:
         raise RecordError("magic", f"not an sdcwatch v2 message (starts with {magic!r})")
     if version != VERSION_V2:
-        from sdcwatch.core.errors import UnknownVersionError
-
         raise UnknownVersionError(version)
     if flags & ~FLAG_SCHEMA:
         raise RecordError("flags", f"unknown flags {flags:#x}")
@@ -255,37 +182,32 @@ def _parse_header(buf: bytes) -> MessageHeader:
     return MessageHeader(schema_id, count, run, hosts, text, p)
 
 
-def decode_stream(values: Iterable[bytes], schemas: dict[int, Schema] | None = None) -> list[Any]:
-    """Records of a sequence of bus messages, in order, one at a time (tests, small tools).
+def rows_of(value: bytes, head: MessageHeader, schemas: dict[int, Schema], limits: Any = None) -> list[Any]:
+    """The records of one v2 message, one at a time (tests, tools; the service reads v2 in bulk).
 
-    v1 messages decode as ever; a v2 message needs its schema inline or in an earlier message of
-    the sequence (``schemas`` holds what was learnt). The service reads v2 in bulk with
-    ``sdcwatch.service.ingest`` instead. Raises RecordError on a bad message or an unknown schema.
+    Its schema comes inline (learnt into ``schemas``) or from ``schemas``; RecordError on an
+    unknown schema or rows that do not fill the message; ``limits`` checks each record.
     """
-    from sdcwatch.core.record import decode_message
-
-    schemas = {} if schemas is None else schemas
-    out: list[Any] = []
-    for value in values:
-        if bytes(value[:4]) in (NAMES_MAGIC, CKPT_MAGIC):  # layer names, checkpoint notes: not records
-            continue
-        if bytes(value[:4]) != MAGIC_V2:
-            out.extend(decode_message(value))
-            continue
-        head = parse_header(value)
-        if head.schema_text is not None:
-            sch = Schema.from_text(head.schema_text)
-            if sch.id != head.schema_id:
-                raise RecordError("schema id", f"{head.schema_id:#018x} is not the hash of the schema sent with it")
-            schemas[sch.id] = sch
-        sch = schemas.get(head.schema_id)
-        if sch is None:
-            raise RecordError("schema id", f"unknown schema {head.schema_id:#018x}")
-        body = memoryview(value)[head.rows_at :]
-        if len(body) != head.count * sch.row_size:
-            raise RecordError(
-                "records", f"{len(body)} bytes of records, the header says {head.count} of {sch.row_size} bytes"
-            )
-        for vals in sch.struct.iter_unpack(body):
-            out.append(row_to_record(sch, head.run, head.hosts, vals))
+    if head.schema_text is not None:
+        sch = Schema.from_text(head.schema_text)
+        if sch.id != head.schema_id:
+            raise RecordError("schema id", f"{head.schema_id:#018x} is not the hash of the schema sent with it")
+        schemas[sch.id] = sch
+    sch = schemas.get(head.schema_id)
+    if sch is None:
+        raise RecordError("schema id", f"unknown schema {head.schema_id:#018x}")
+    body = memoryview(value)[head.rows_at :]
+    check_rows(len(body), head, sch)
+    out = [row_to_record(sch, head.run, head.hosts, vals) for vals in sch.struct.iter_unpack(body)]
+    if limits is not None:
+        for rec in out:
+            limits.check(rec)
     return out
+
+
+def check_rows(size: int, head: MessageHeader, schema: Schema) -> None:
+    """RecordError unless ``size`` bytes are exactly the header's count of ``schema``'s rows."""
+    if size != head.count * schema.row_size:
+        raise RecordError(
+            "records", f"{size} bytes of records, the header says {head.count} of {schema.row_size} bytes"
+        )

@@ -1,16 +1,6 @@
-"""The guard's wire: the decisions the detector service sends to a training job's guard, and the
-codes a guarded step's records carry back.
-
-The service publishes one JSON object per :class:`Decision` to the control topic
-(``sdcwatch.control``), keyed by run; the guard on rank 0 reads it
-(:mod:`sdcwatch.telemetry.guard.control_topic`). When the guard acts at a step, every rank's record of that step
-carries :data:`GUARD_SCALARS`, whose values index :data:`ACTIONS`, :data:`REASONS` and
-:data:`VERDICTS`; the service's guard-action detector reads them back. Both sides import this one
-definition.
-
-When the run's ranks sign their telemetry with a job key (:mod:`sdcwatch.core.signing`), the
-service signs each decision for that run with the same key and numbers it (``seq``, increasing);
-the guard reads only decisions signed with its key, each number once (:func:`open_decision`).
+"""The guard's wire: the decisions the detector service sends to a training job's guard (one JSON
+object a :class:`Decision` on the control topic, signed and numbered for a signed run), and the
+codes a guarded step's records carry back (:data:`GUARD_SCALARS`). Both sides import this one definition.
 """
 
 from __future__ import annotations
@@ -50,6 +40,7 @@ GUARD_SCALARS = ("guard_action", "guard_reason", "guard_verdict", "guard_rank")
 CONTROL_ACTIONS = ("skip", "rollback", "evict")
 _MAX_RANKS = 64
 _MAX_TEXT = 1024
+_FIELDS = frozenset("run action reason ranks hosts since_step incident lr_factor issued_at seq checkpoint".split())
 
 
 @dataclass(frozen=True)
@@ -147,19 +138,7 @@ def decode_decision(data: bytes | str | Mapping[str, Any]) -> Decision:
             raise ControlError("message", f"not JSON: {exc}") from None
     if not isinstance(obj, dict):
         raise ControlError("message", f"must be a JSON object, got {type(obj).__name__}")
-    unknown = set(obj) - {
-        "run",
-        "action",
-        "reason",
-        "ranks",
-        "hosts",
-        "since_step",
-        "incident",
-        "lr_factor",
-        "issued_at",
-        "seq",
-        "checkpoint",
-    }
+    unknown = set(obj) - _FIELDS
     if unknown:
         raise ControlError(sorted(unknown)[0], "unknown field")
     for key in ("run", "action"):

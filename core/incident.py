@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Mapping, Protocol
 
 import numpy as np
-from sdcwatch.core.jsonsafe import json_float, json_safe
-from sdcwatch.core.where import noun_of, where
+from sdcwatch.core.jsonsafe import json_float, json_safe, parse_float
+from sdcwatch.core.model_place import noun_of, where
 
 __all__ = [
     "Severity",
@@ -51,8 +51,8 @@ class Finding:
     in the same order, when the records carry them (the pipeline fills them in).
 
     ``around`` is the message's text either side of where it names ``metric`` and ``layer``
-    (:func:`sdcwatch.core.where.message_at`): the message is ``around[0]``, that place rendered
-    from the fields (:func:`~sdcwatch.core.where.where`), ``around[1]``; None for a message that
+    (:func:`sdcwatch.core.model_place.message_at`): the message is ``around[0]``, that place rendered
+    from the fields (:func:`~sdcwatch.core.model_place.where`), ``around[1]``; None for a message that
     names no place, or whose text was composed further.
     """
 
@@ -72,6 +72,17 @@ class Finding:
     layer_name: str | None = None  # the module ``layer`` indexes, when the rank sent its names
     around: tuple[str, str] | None = None  # the message's text either side of its place
 
+    @classmethod
+    def at(
+        cls, context: Any, detector: str, kind: Any, severity: Severity, score: float, message: str, **fields: Any
+    ) -> "Finding":
+        """A finding of ``detector`` about ``context``'s run and step (a step frame, a step summary);
+        ``kind`` a string or an :class:`~sdcwatch.core.kinds.IncidentKind`; ``fields`` the rest, where
+        ``hosts`` defaults to those of ``ranks`` in ``context``."""
+        fields.setdefault("hosts", _rank_hosts(context, fields.get("ranks", ())))
+        kind = getattr(kind, "value", kind)
+        return cls(detector, kind, severity, context.run, context.step, score, message, **fields)
+
     def name_module(self, name: str, noun: str | None = None) -> None:
         """Give the finding its module's ``name`` (``noun`` says what ``layer`` counts; default: what
         its metric's family counts) and say it in the message: rendered again from ``around`` and
@@ -83,6 +94,11 @@ class Finding:
         else:
             at = "" if self.layer is None else f" {noun} {self.layer}"
             self.message = f"{self.message} [{self.metric}{at}: {name}]"
+
+
+def _rank_hosts(context: Any, ranks: Any) -> tuple[str, ...]:
+    """The hosts of ``ranks`` in ``context`` (a step frame or summary), sorted, unknown ("") ones left out."""
+    return tuple(sorted({context.hosts[r] for r in ranks if r < len(context.hosts)} - {""}))
 
 
 @dataclass
@@ -108,7 +124,7 @@ class Incident:
     opened_at: float = 0.0  # wall time the incident was opened (service clock)
     resolved_at: float | None = None
     coords: tuple[dict[str, int], ...] = ()  # mesh coordinates of each of ``ranks`` (when known)
-    layer_name: str | None = None  # the module ``layer`` indexes (sdcwatch.core.layer_names), when known
+    layer_name: str | None = None  # the module ``layer`` indexes (sdcwatch.core.rank_notes), when known
 
     @property
     def open(self) -> bool:
@@ -141,6 +157,77 @@ class Incident:
             **({"coords": [dict(c) for c in self.coords]} if self.coords else {}),
         }
 
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "Incident":
+        """Inverse of :meth:`to_dict`, also of the anomalies topic's form (``to_dict`` plus ``change``:
+        ``resolved``, or ``open: false``, marks it resolved even without a ``resolved_step``) and of
+        an event wrapping one (``{"change", "incident"}``: the log sink's, a webhook's).
+        Raises ValueError naming the bad field."""
+        if isinstance(d.get("incident"), Mapping):
+            d = {**d["incident"], "change": d.get("change")}
+        for key in ("kind", "severity", "message"):
+            if key not in d:
+                raise ValueError(f"incident field {key!r} is missing")
+        try:
+            severity = Severity(d["severity"])
+        except ValueError:
+            raise ValueError(
+                f"incident field 'severity': {d['severity']!r:.40} is not one of info, warning, critical"
+            ) from None
+        first = d.get("first_step", d.get("step"))
+        last = d.get("last_step", first)
+        _check_fields(d, first, last)
+        resolved_step = d.get("resolved_step")
+        if resolved_step is None and (d.get("change") == "resolved" or d.get("open") is False):
+            resolved_step = last
+        return cls(
+            id=str(d.get("id", f"{d['kind']}@{first}")),
+            run=str(d.get("run", "")),
+            kind=str(d["kind"]),
+            severity=severity,
+            first_step=first,
+            last_step=last,
+            message=str(d["message"]),
+            ranks=tuple(d.get("ranks") or ()),
+            hosts=tuple(str(h) for h in d.get("hosts") or ()),
+            metric=str(d.get("metric") or ""),
+            layer=d.get("layer"),
+            score=parse_float(d.get("score", 0.0)),
+            evidence=dict(d.get("evidence") or {}),
+            detector=str(d.get("detector") or ""),
+            peak_step=d.get("peak_step"),
+            resolved_step=resolved_step,
+            opened_at=float(d.get("opened_at") or 0.0),
+            resolved_at=d.get("resolved_at"),
+            coords=tuple({str(k): int(v) for k, v in c.items()} for c in d.get("coords") or ()),
+            layer_name=d.get("layer_name"),
+        )
+
+
+def _check_fields(d: Mapping[str, Any], first: Any, last: Any) -> None:
+    """ValueError naming the first field of an incident's dict with the wrong type."""
+    for key, value in (("first_step", first), ("last_step", last)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"incident field {key!r} must be an integer, got {value!r:.40}")
+    ranks = d.get("ranks") or ()
+    if not isinstance(ranks, (list, tuple)) or not all(isinstance(r, int) and not isinstance(r, bool) for r in ranks):
+        raise ValueError(f"incident field 'ranks' must be a list of integers, got {ranks!r:.80}")
+    for key, types, what in (
+        ("layer", int, "an integer"),
+        ("peak_step", int, "an integer"),
+        ("resolved_step", int, "an integer"),
+        ("opened_at", (int, float), "a number"),
+        ("resolved_at", (int, float), "a number"),
+    ):
+        value = d.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, types)):
+            raise ValueError(f"incident field {key!r} must be {what} or null, got {value!r:.80}")
+    for key, types in (("hosts", (list, tuple)), ("coords", (list, tuple)), ("evidence", Mapping)):
+        if d.get(key) is not None and not isinstance(d[key], types):
+            raise ValueError(f"incident field {key!r} has the wrong type: {d[key]!r:.80}")
+    if not all(isinstance(c, Mapping) for c in d.get("coords") or ()):
+        raise ValueError("incident field 'coords' must be a list of objects")
+
 
 @dataclass(frozen=True)
 class IncidentEvent:
@@ -164,16 +251,13 @@ class IncidentSink(Protocol):
 
 @dataclass
 class RunView:
-    """The latest state of one run, as the exporter shows it (read at scrape time)."""
+    """The latest state of one run, as the exporter shows it (read at scrape time): what is the
+    run's; each detector's own numbers are in ``detector_values``."""
 
     run: str
     world: int
     last_step: int
     last_step_wall: float  # wall time (service clock) when the last step completed
-    loss: float  # latest global loss (mean over ranks)
-    grad_norm: float  # latest global gradient norm
-    spike_scores: dict[str, float]  # metric ("loss", "grad_norm") -> current spike score
-    rank_scores: np.ndarray  # (world,) accumulated rank-outlier evidence per rank
     hosts: list[str]  # (world,) host of each rank ("" when unknown)
     # scalar metric -> (5,) min, q25, median, q75, max over ranks; (len(pieces), 5): over each piece's ranks
     scalar_stats: dict[str, np.ndarray]
@@ -181,7 +265,6 @@ class RunView:
     layer_stats: dict[str, np.ndarray]
     steps_total: int = 0
     late_ranks: int = 0  # ranks that missed the alignment deadline at the last closed step
-    missing_ranks: int = 0  # ranks not heard from for a long time (dead)
     emitter_dropped: int = 0  # sum over ranks of the records their emitters dropped
     finished: bool = False  # every rank sent its end-of-run marker: the run is over, not stalled
     # the model pieces (peer groups) the statistics are taken over, by sdcwatch.core.mesh.piece_label:
@@ -190,8 +273,13 @@ class RunView:
     piece_layers: tuple[int, ...] = ()  # layers each piece holds (its ranks sent); () = every layer
     pieces_omitted: int = 0  # pieces past the service's bound, without statistics
     # per piece (as ``pieces``), the names its ranks sent for the indices of indexed metrics
-    # ({family: names}, sdcwatch.core.layer_names); () when none of its ranks sent any
+    # ({family: names}, sdcwatch.core.rank_notes); () when none of its ranks sent any
     layer_names: tuple[dict[str, tuple[str, ...]], ...] = ()
+    # the metric families the run's detectors declare (sdcwatch.core.metric_spec.MetricSpec), in
+    # pipeline order, and their values at this step: metric name -> a number, {label value: number},
+    # or a (world,) array of a per-rank metric
+    detector_metrics: tuple[Any, ...] = ()
+    detector_values: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

@@ -8,7 +8,7 @@ import importlib
 import sys
 from typing import Any, Callable, Mapping
 
-__all__ = ["lazy_attributes"]
+__all__ = ["by_module", "lazy_attributes"]
 
 
 def lazy_attributes(package: str, table: Mapping[str, str]) -> Callable[[str], Any]:
@@ -32,3 +32,13 @@ def lazy_attributes(package: str, table: Mapping[str, str]) -> Callable[[str], A
         return value
 
     return __getattr__
+
+
+def by_module(modules: Mapping[str, str]) -> dict[str, str]:
+    """The ``name -> module`` table of :func:`lazy_attributes` from ``module -> "name name ..."``
+    (names separated by spaces, as in :func:`collections.namedtuple`).
+
+    >>> by_module({"sdcwatch.core.kinds": "IncidentKind Severity"})
+    {'IncidentKind': 'sdcwatch.core.kinds', 'Severity': 'sdcwatch.core.kinds'}
+    """
+    return {name: module for module, names in modules.items() for name in names.split()}

@@ -1,24 +1,17 @@
 """Limits on what one telemetry record may claim, checked when the service decodes it.
 
-A record is small on the wire but tells the service how much memory to set aside: its world
-size sizes every array of its step, its layer vectors multiply that again. One well-formed record
-with ``world = 10**9`` would make the service allocate gigabytes. :class:`RecordLimits` bounds
-those claims; a record past a limit raises :class:`LimitError` (a ``RecordError``) naming the field
-and the limit, and the service dead-letters it under the error's ``reason``. The defaults fit a
-100,000-rank job with a few hundred layers; ``[limits]`` in the serve configuration changes them.
-
-Every decoder of the service (the per-record codec for wire v1, ``sdcwatch.service.ingest`` for
-the columnar wire v2) applies the same :class:`RecordLimits`; run and host names have one fixed bound, :data:`MAX_NAME_BYTES`, shared by
-the codec, the record validator and the state restore.
+One well-formed record with ``world = 10**9`` would make the service allocate gigabytes:
+:class:`RecordLimits` bounds those claims, and a record past one raises :class:`LimitError` naming
+the field and the limit, its ``reason`` the dead-letter reason (docs/messages.md).
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, Sequence
 
 from sdcwatch.core.errors import ConfigError, RecordError
+from sdcwatch.core.validate import check_number
 from sdcwatch.core.vocabulary import CANARY_PRODUCT, FIRST_BAD
 
 __all__ = ["RecordLimits", "LimitError", "MAX_NAME_BYTES", "COUNTER_SCALARS", "DEAD_LETTER_REASONS", "reason_of"]
@@ -94,13 +87,26 @@ class RecordLimits:
 
     def __post_init__(self) -> None:
         for f in fields(self):
-            v = getattr(self, f.name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0 or not math.isfinite(v):
-                raise ConfigError(f"limits.{f.name}", f"must be a positive number, got {v!r}")
+            check_number(f"limits.{f.name}", getattr(self, f.name), 0, lo_open=True)
         if self.max_world >= 1 << 32:
             raise ConfigError("limits.max_world", f"must be below 2**32 (the wire field), got {self.max_world}")
         if self.max_layers > 0xFFFF:
             raise ConfigError("limits.max_layers", f"must be at most 65535 (the wire field), got {self.max_layers}")
+
+    def check_shape(self, layers: Sequence[tuple[str, int]], n_scalars: int) -> int:
+        """The values of a record of this shape (``(layer metric, length)`` pairs and a number of
+        scalars: a record's, or a v2 layout's); LimitError naming the first claim past a limit."""
+        if len(layers) > self.max_layer_metrics:
+            why = f"{len(layers)} layer metrics, the limit is {self.max_layer_metrics} (limits.max_layer_metrics)"
+            raise LimitError("layers", why, "layer_metrics")
+        for name, n in layers:
+            if n > self.max_layers:
+                why = f"{n} layers, the limit is {self.max_layers} (limits.max_layers)"
+                raise LimitError(f"layers.{name}", why, "layers")
+        values = n_scalars + sum(n for _, n in layers)
+        if values > self.max_values:
+            raise LimitError("record", f"{values} values, the limit is {self.max_values} (limits.max_values)", "values")
+        return values
 
     def check(self, rec: Any) -> None:
         """Raise :class:`LimitError` naming the first claim of ``rec`` past a limit."""
@@ -109,23 +115,7 @@ class RecordLimits:
             raise LimitError(
                 "world", f"{world} ranks claimed, the limit is {self.max_world} (limits.max_world)", "world"
             )
-        layers = rec.layers
-        if len(layers) > self.max_layer_metrics:
-            raise LimitError(
-                "layers",
-                f"{len(layers)} layer metrics, the limit is {self.max_layer_metrics} (limits.max_layer_metrics)",
-                "layer_metrics",
-            )
-        values = len(rec.scalars)
-        for name, vec in layers.items():
-            n = len(vec)
-            if n > self.max_layers:
-                raise LimitError(
-                    f"layers.{name}", f"{n} layers, the limit is {self.max_layers} (limits.max_layers)", "layers"
-                )
-            values += n
-        if values > self.max_values:
-            raise LimitError("record", f"{values} values, the limit is {self.max_values} (limits.max_values)", "values")
+        values = self.check_shape([(name, len(vec)) for name, vec in rec.layers.items()], len(rec.scalars))
         if world * values > self.max_step_values:
             raise LimitError(
                 "world",
@@ -147,12 +137,3 @@ class RecordLimits:
                     f"a counter must be finite, >= 0 and <= {self.max_counter:g}, got {v!r}",
                     "counter",
                 )
-
-    @classmethod
-    def from_mapping(cls, values: dict[str, Any]) -> "RecordLimits":
-        """Limits from a ``{name: value}`` table (the serve configuration's ``[limits]``)."""
-        known = {f.name for f in fields(cls)}
-        for key in values:
-            if key not in known:
-                raise ConfigError(f"limits.{key}", f"unknown limit (known: {', '.join(sorted(known))})")
-        return cls(**values)

@@ -1,31 +1,7 @@
-"""The wire record's versioned binary codec (v1), and the record's home for importers.
+"""The wire record's versioned binary codec (v1: one record or a batch) and its partition key.
 
-:class:`Record` and :func:`validate` are :mod:`sdcwatch.core.record_type`'s and are re-exported
-here with the codec, so ``from sdcwatch.core.record import Record, encode`` keeps working. This
-module also gives a record its partition key (:func:`record_key`). The JSON codec is
-:mod:`sdcwatch.core.record_json`, the columnar v2 one :mod:`sdcwatch.core.columnar`.
-
-Binary layout, version 1 (little-endian)::
-
-    b"SDCW" | u8 version | u64 step | u32 rank | u32 world | u32 local_rank | f64 time
-    | str16 run | str16 host
-    | u8 n_scalars  { str8 name | f64 value }*
-    | u8 n_fingerprints { str8 name | u64 value }*
-    | u8 n_layer_metrics { str8 name | u16 n | f32 * n }*
-    | [version 2 only: u8 n_coords { u8 dim | u32 index }*]
-
-A record with coordinates is written as version 2 (the same layout plus the coordinates, ``dim``
-the index of the dim in :data:`sdcwatch.core.mesh.DIMS`); one without is written as version 1,
-byte for byte what older emitters send.
-
-A bus message holds either one record or a batch of records that share a partition key (one
-rank's consecutive steps, or many ranks' records of one step)::
-
-    b"SDCB" | u8 version | u32 count | { u32 length | record }*
-
-``str8``/``str16`` are UTF-8 with a u8/u16 length prefix. Layer vectors travel as float32: they
-are diagnostics, and half the bytes matter at 16k ranks. Decoding never guesses: a bad field or
-an unknown version raises :class:`~sdcwatch.core.errors.RecordError` naming the field.
+Layout and rationale: docs/messages.md. Decoding never guesses: a bad field or an unknown version
+raises :class:`~sdcwatch.core.errors.RecordError` naming the field.
 """
 
 from __future__ import annotations
@@ -39,7 +15,7 @@ from sdcwatch.core.limits import MAX_NAME_BYTES, LimitError, RecordLimits
 from sdcwatch.core.mesh import DIMS, MAX_COORD
 from sdcwatch.core.record_type import Record, check_name
 
-__all__ = ["VERSION", "MAGIC", "encode", "decode", "encode_batch", "decode_message", "KEY_WINDOW", "record_key"]
+__all__ = ["VERSION", "MAGIC", "encode", "decode", "encode_batch", "decode_records", "KEY_WINDOW", "record_key"]
 
 VERSION = 1
 #: The record layout of a record that carries parallel coordinates.
@@ -304,8 +280,8 @@ def encode_batch(records: Sequence[Record]) -> bytes:
     return b"".join(out)
 
 
-def decode_message(data: bytes | bytearray | memoryview, limits: RecordLimits | None = None) -> list[Record]:
-    """Decode a bus message: a single record or a batch. Raises RecordError when any part is bad.
+def decode_records(data: bytes | bytearray | memoryview, limits: RecordLimits | None = None) -> list[Record]:
+    """Decode a v1 bus message: a single record or a batch. Raises RecordError when any part is bad.
 
     With ``limits`` (the service always passes them) a message or a record past a limit raises
     :class:`~sdcwatch.core.limits.LimitError`, before anything is sized by its claims.

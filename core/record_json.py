@@ -18,6 +18,7 @@ __all__ = ["to_dict", "from_dict", "to_json", "from_json"]
 
 
 _SPECIAL = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
+_FIELDS = frozenset("v run step rank world local_rank host time scalars fingerprints layers coords".split())
 
 
 def _pfloat(where: str, v: Any) -> float:
@@ -57,20 +58,7 @@ def from_dict(d: Any) -> Record:
     for key in ("run", "step", "rank", "world"):
         if key not in d:
             raise RecordError(key, "missing")
-    unknown = set(d) - {
-        "v",
-        "run",
-        "step",
-        "rank",
-        "world",
-        "local_rank",
-        "host",
-        "time",
-        "scalars",
-        "fingerprints",
-        "layers",
-        "coords",
-    }
+    unknown = set(d) - _FIELDS
     if unknown:
         raise RecordError(sorted(unknown)[0], "unknown field")
     groups = {}

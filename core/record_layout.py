@@ -1,21 +1,7 @@
-"""The v2 record layout: a :class:`Schema` (names and sizes, its id) and records packed in it.
+"""The v2 record layout: a :class:`Schema` (names and sizes; its id a hash of its text) and records packed in it.
 
-The names of a rank's metrics and the length of its layer vectors are fixed for a run (a few
-layouts at most: sampled steps add attention statistics). A schema fixes them once, so a record
-travels as fixed-size numbers in the schema's order (one ``struct`` to pack in the emitter, one
-``numpy.frombuffer`` for thousands of rows in the service) and its names travel once::
-
-    row = u64 step | u32 rank | u32 world | u32 local_rank | u32 host index | f64 time
-          | u32 x len(coords) | f64 x len(scalars) | u64 x len(fingerprints) | f32 x sum(layer lengths)
-
-A schema names the mesh dims its rows carry coordinates for (``coords``, canonical dims of
-:mod:`sdcwatch.core.mesh`); a schema without coordinates has the same text, and so the same id,
-as before coordinates existed. The id is a hash of the schema's canonical text, so an id cannot be
-re-bound to another layout by anyone who can write to the topic. The messages that carry rows
-and schemas are :mod:`sdcwatch.core.columnar`'s.
-
-This module imports only the standard library (numpy lazily, for :meth:`Schema.dtype`): it runs
-in every training rank.
+One ``struct`` packs a row in the emitter, one ``numpy.frombuffer`` reads thousands in the service
+(layout: docs/messages.md). Standard library only (numpy lazily, for :meth:`Schema.dtype`).
 """
 
 from __future__ import annotations

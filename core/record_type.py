@@ -1,13 +1,6 @@
-"""The wire record: one rank's telemetry for one step (:class:`Record`), and its checks.
-
-A record carries the identity of the rank (run, step, rank, world, host), scalars (loss, gradient
-norms, cosine, step time, non-finite count...), exact 64-bit fingerprints that must agree across
-data-parallel replicas, per-layer vectors (attention entropy, q/k norms, largest logit), and the
-rank's coordinates in the job's device mesh (:mod:`sdcwatch.core.mesh`; empty for pure data
-parallel). :func:`validate` says what every codec may assume of a record: it raises
-:class:`~sdcwatch.core.errors.RecordError` naming the first bad field. The codecs live beside it
-(binary :mod:`sdcwatch.core.record`, JSON :mod:`sdcwatch.core.record_json`, columnar
-:mod:`sdcwatch.core.columnar`); this module imports none of them.
+"""The wire record: one rank's telemetry for one step (:class:`Record`: identity, scalars, exact
+fingerprints, per-layer vectors, mesh coordinates), and :func:`validate`, what every codec may
+assume of one (RecordError naming the first bad field). The codecs import it; it imports none.
 """
 
 from __future__ import annotations

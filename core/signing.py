@@ -1,32 +1,8 @@
 """Signed messages: a job key with which each rank signs what it sends and the service signs what it decides.
 
-Anyone who can write to a topic can otherwise speak for any run: forge a NaN "from rank 3", end a
-run, or ask a guard to evict a healthy rank. Kafka's own SASL/SSL and ACLs (who may write which
-topic) remain the first line; a job key is the second, for a bus shared by many jobs and teams.
-
-A key has an id (``kid``, so keys can rotate: the service holds several, a job signs with one) and
-a secret. A signed message is the unsigned one behind a small envelope::
-
-    b"SDCS" | u8 version (1) | u8 len(kid) | kid | 32-byte HMAC-SHA256 tag | message
-
-The tag is HMAC-SHA256 of the message under the secret of the key the envelope names. The message
-names the run, the ranks, the steps and the values (every wire format does), so the tag covers
-them all; a message relabelled with another key id does not verify under that key's secret.
-Verifying costs one HMAC per message (a message carries up to a batch of records), about a
-microsecond for a small one.
-
-Where it is used:
-
-- the emitter (and the end-of-run marker, and the layer names) signs every message when a key is
-  set (:func:`job_key_from_env`: ``SDCWATCH_KEY_FILE`` or ``SDCWATCH_KEY``);
-- the service verifies before decoding (:class:`Keyring`, ``[auth]`` in ``sdcwatch serve``); a
-  run's first verified message binds the run to its key id, so no other key, and no unsigned
-  message, speaks for it afterwards (:class:`RunBindings`);
-- the service signs each control decision with the key its run is bound to, and the guard verifies
-  it with the job's key (a forged or replayed decision is refused and counted).
-
-The secret is never printed: :class:`JobKey` and :class:`Keyring` show key ids only. This module
-imports only the standard library: it runs in every training rank.
+A key has an id (``kid``, so keys rotate) and a secret; a signed message is the unsigned one behind
+an HMAC-SHA256 envelope (layout and where it is used: docs/messages.md). The secret is never
+printed: :class:`JobKey` and :class:`Keyring` show key ids only. Standard library only.
 """
 
 from __future__ import annotations
@@ -196,7 +172,7 @@ class Keyring:
             raise AuthError("signature", f"signed with key {kid[:_MAX_KID]!r}, which this service does not hold")
         message = value[start + _TAG :]
         if len(value) < start + _TAG or not hmac.compare_digest(
-            value[start : start + _TAG], _hmac_digest(key._secret, message, "sha256")
+            value[start : start + _TAG], key.tag(message)
         ):
             raise AuthError("signature", f"does not verify under key {key.kid!r} (forged or altered)")
         return key.kid, message

@@ -10,6 +10,7 @@ sdcwatch.core.errors.ConfigError: spike.window: must be a positive number, got 0
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import ipaddress
 import math
@@ -21,6 +22,11 @@ from urllib.parse import urlsplit
 from sdcwatch.core.errors import ConfigError
 
 __all__ = [
+    "check_known",
+    "check_int",
+    "check_number",
+    "check_choice",
+    "settings_from",
     "check_positive",
     "check_type",
     "describe",
@@ -54,6 +60,103 @@ def check_positive(owner: str, **values: float) -> None:
     for key, v in values.items():
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
             raise ConfigError(f"{owner}.{key}", f"must be a positive number, got {v!r}")
+
+
+def check_known(owner: str, given: Iterable[str], known: Iterable[str], *, where: str = "") -> None:
+    """Raise ConfigError('<owner>.<key>') for the first key of ``given`` not in ``known``, naming
+    the known ones (and the closest, when one is close); ``where`` says where it was read.
+
+    >>> check_known("guard", ["window"], ["window", "warmup"])
+    >>> check_known("guard", ["windw"], ["window", "warmup"])
+    Traceback (most recent call last):
+    ...
+    sdcwatch.core.errors.ConfigError: guard.windw: unknown setting (did you mean window?) (known: warmup, window)
+    """
+    known = set(known)
+    for key in given:
+        if key not in known:
+            place = f" in {where}" if where else ""
+            raise ConfigError(
+                f"{owner}.{key}",
+                f"unknown setting{place}{did_you_mean(key, known)} (known: {', '.join(sorted(known))})",
+            )
+
+
+def _bound_text(lo: float | None, hi: float | None, lo_open: bool, hi_open: bool) -> str:
+    if lo is not None and hi is not None:
+        return f"in {'(' if lo_open else '['}{lo:g}, {hi:g}{')' if hi_open else ']'}"
+    if lo is not None:
+        return f"{'>' if lo_open else '>='} {lo:g}"
+    if hi is not None:
+        return f"{'<' if hi_open else '<='} {hi:g}"
+    return ""
+
+
+def _in_bounds(v: float, lo: float | None, hi: float | None, lo_open: bool, hi_open: bool) -> bool:
+    if lo is not None and (v <= lo if lo_open else v < lo):
+        return False
+    return not (hi is not None and (v >= hi if hi_open else v > hi))
+
+
+def check_int(key: str, value: Any, lo: int | None = None, hi: int | None = None) -> int:
+    """Return ``value`` when it is an integer (not a bool) within ``[lo, hi]``, else raise naming ``key``.
+
+    >>> check_int("probes.every", 0, lo=1)
+    Traceback (most recent call last):
+    ...
+    sdcwatch.core.errors.ConfigError: probes.every: must be an integer >= 1, got 0
+    """
+    if isinstance(value, bool) or not isinstance(value, int) or not _in_bounds(value, lo, hi, False, False):
+        bound = _bound_text(lo, hi, False, False)
+        raise ConfigError(key, f"must be an integer{' ' + bound if bound else ''}, got {value!r}")
+    return value
+
+
+def check_number(
+    key: str,
+    value: Any,
+    lo: float | None = None,
+    hi: float | None = None,
+    *,
+    lo_open: bool = False,
+    hi_open: bool = False,
+) -> float:
+    """Return ``value`` when it is a finite number (not a bool) within its bounds (``lo_open``:
+    ``lo`` itself refused), else raise naming ``key``.
+
+    >>> check_number("guard.lr_factor", 0.0, 0, 1, lo_open=True)
+    Traceback (most recent call last):
+    ...
+    sdcwatch.core.errors.ConfigError: guard.lr_factor: must be a number in (0, 1], got 0.0
+    """
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or not _in_bounds(value, lo, hi, lo_open, hi_open):
+        bound = _bound_text(lo, hi, lo_open, hi_open)
+        raise ConfigError(key, f"must be a number{' ' + bound if bound else ''}, got {value!r}")
+    return value
+
+
+def check_choice(key: str, value: Any, choices: Iterable[Any]) -> Any:
+    """Return ``value`` when it is one of ``choices``, else raise naming ``key`` and the choices.
+
+    >>> check_choice("guard.on_fault", "stop", ("rerun", "skip"))
+    Traceback (most recent call last):
+    ...
+    sdcwatch.core.errors.ConfigError: guard.on_fault: must be one of rerun, skip, got 'stop'
+    """
+    options = list(choices)
+    if value not in options:
+        hint = did_you_mean(value, [str(c) for c in options]) if isinstance(value, str) else ""
+        raise ConfigError(key, f"must be one of {', '.join(str(c) for c in options)}, got {value!r}{hint}")
+    return value
+
+
+def settings_from(cls: type, owner: str, settings: dict[str, Any], *, where: str = "") -> Any:
+    """An instance of the dataclass ``cls`` from ``settings`` (a dict read from TOML or JSON, or
+    keyword settings), an unknown key refused naming it and the known ones (:func:`check_known`).
+    The dataclass's own ``__post_init__`` checks the values."""
+    check_known(owner, settings, (f.name for f in dataclasses.fields(cls)), where=where)
+    return cls(**settings)
 
 
 def did_you_mean(name: str, choices: Iterable[str]) -> str:

@@ -28,6 +28,9 @@ __all__ = [
     "RANK_SCALARS",
     "DATA_METRICS",
     "DEVIATION_METRICS",
+    "FAMILIES",
+    "NOUNS",
+    "family_of",
 ]
 
 #: The topic the emitters write to and the detector service reads.
@@ -40,7 +43,7 @@ DEADLETTER_TOPIC = "sdcwatch.deadletter"
 SUMMARY_TOPIC = "sdcwatch.summaries"
 #: Decisions for the training jobs' guards (skip, roll back, evict), keyed by run; rank 0 reads it.
 CONTROL_TOPIC = "sdcwatch.control"
-#: The reserved scalar that makes a record an end-of-run marker (:mod:`sdcwatch.telemetry.wire.end_marker`).
+#: The reserved scalar that makes a record an end-of-run marker (:mod:`sdcwatch.core.messages`).
 RUN_END = "sdcwatch.run_end"
 #: Every default topic, by its purpose.
 TOPICS = {
@@ -136,3 +139,22 @@ RANK_SCALARS = ("loss", "grad_norm_local", "grad_cosine")
 DATA_METRICS = RANK_SCALARS
 #: The report's heat map of cross-rank deviation (the same list).
 DEVIATION_METRICS = RANK_SCALARS
+
+#: Layer-name families (:class:`~sdcwatch.core.rank_notes.LayerNames`): family -> the metrics whose
+#: index is a position in that family's list. ``act_max`` carries the attention layer of its module
+#: (``act_max_layer``), so it is named from the layers.
+FAMILIES: dict[str, tuple[str, ...]] = {
+    "products": GEMM_METRICS,
+    "blocks": ("stream_max",),
+    "layers": (*LAYER_METRICS, "attn_logit_min", "act_max"),
+    "modules": ("act_max_module",),
+    "canary_products": ("gemm_canary_fp",),  # the per-product canary's rotation (gemm_canary_product)
+}
+#: What one index of a family is called in a message (``product 11``, ``block 3``).
+NOUNS = {"products": "product", "blocks": "block", "layers": "layer", "modules": "module", "canary_products": "product"}
+_FAMILY_OF = {m: fam for fam, metrics in FAMILIES.items() for m in metrics}
+
+
+def family_of(metric: str) -> str | None:
+    """The family whose list a ``metric``'s index points into (None: not an indexed metric)."""
+    return _FAMILY_OF.get(metric)

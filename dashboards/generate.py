@@ -1,9 +1,10 @@
 """Builds the sdcwatch Grafana dashboard (dashboards/sdcwatch.json) with grafana-foundation-sdk.
 
-The committed JSON is what users import; this file is its source. Regenerate after a change:
+The committed JSON is what users import; this file is its source, and of the metrics table of
+dashboards/README.md (both pick up every registered detector's metrics). Regenerate after a change:
 
-    python dashboards/generate.py            # rewrites dashboards/sdcwatch.json
-    python dashboards/generate.py --check    # exit 1 if the committed JSON is out of date
+    python dashboards/generate.py            # rewrites dashboards/sdcwatch.json and the README's table
+    python dashboards/generate.py --check    # exit 1 if either is out of date
 
 Pinned SDK: grafana-foundation-sdk==0.0.21 (cog-generated builders for current Grafana; dashboard
 schemaVersion 42, i.e. Grafana 12, in the classic JSON model). Every query reads metrics from the
@@ -42,10 +43,16 @@ with warnings.catch_warnings():
     )
     from grafana_foundation_sdk.models.prometheus import PromQueryFormat
 
-__all__ = ["DASHBOARD_UID", "OUTPUT", "build_dashboard", "build_model", "render", "main"]
+from sdcwatch.detectors.registry import detector_metrics
+from sdcwatch.exporters.catalog import catalogue
+
+__all__ = ["DASHBOARD_UID", "OUTPUT", "README", "build_dashboard", "build_model", "render", "render_readme", "main"]
 
 DASHBOARD_UID = "sdcwatch-overview"
 OUTPUT = Path(__file__).resolve().parent / "sdcwatch.json"
+README = OUTPUT.with_name("README.md")
+#: Where the README's metrics table (made by :func:`render_readme`) begins and ends.
+TABLE_MARKS = ("<!-- metrics table: made by dashboards/generate.py -->", "<!-- end of the metrics table -->")
 
 #: Panels and annotations query Prometheus through the ``$datasource`` variable.
 DS = DataSourceRef(type_val="prometheus", uid="${datasource}")
@@ -57,8 +64,9 @@ RUN = 'run=~"$run"'
 PIECE = 'piece=~"$piece"'
 
 
-def _q(expr: str, legend: str = "", *, ref: str = "A", instant: bool = False, table_format: bool = False) -> PromQuery:
-    query = PromQuery().expr(expr).ref_id(ref).datasource(DS)
+def _q(expr: str, legend: str = "", *, instant: bool = False, table_format: bool = False) -> PromQuery:
+    """A query on ``$datasource`` (its ref id set by the panel that takes it)."""
+    query = PromQuery().expr(expr).datasource(DS)
     if legend:
         query = query.legend_format(legend)
     if instant:
@@ -68,31 +76,70 @@ def _q(expr: str, legend: str = "", *, ref: str = "A", instant: bool = False, ta
     return query
 
 
-def _legend() -> VizLegendOptions:
-    return VizLegendOptions().show_legend(True).display_mode(LegendDisplayMode.LIST).placement(LegendPlacement.BOTTOM)
-
-
-def _ts(title: str, description: str, pos: GridPos, *queries: PromQuery, unit: str = "") -> timeseries.Panel:
-    panel = (
-        timeseries.Panel()
-        .title(title)
-        .description(description)
-        .datasource(DS)
-        .grid_pos(pos)
-        .legend(_legend())
-        .line_width(1)
-        .fill_opacity(0)
-    )
-    if unit:
-        panel = panel.unit(unit)
-    for query in queries:
-        panel = panel.with_target(query)
+def _with(panel, title: str, description: str, *queries: PromQuery):
+    """``panel`` titled, described, on ``$datasource``, with ``queries`` (refs A, B, ... in order)."""
+    panel = panel.title(title).description(description).datasource(DS)
+    for ref, query in zip("ABCDEFGH", queries):
+        panel = panel.with_target(query.ref_id(ref))
     return panel
 
 
-def _stat(title: str, description: str, pos: GridPos, query: PromQuery, unit: str = "") -> stat.Panel:
-    panel = stat.Panel().title(title).description(description).datasource(DS).grid_pos(pos).with_target(query)
+def _ts(title: str, description: str, *queries: PromQuery, unit: str = "", symlog: bool = False) -> timeseries.Panel:
+    """A time series panel; ``symlog``: a log axis that keeps 0 and negative values (a product's
+    largest row sum may be either)."""
+    legend = VizLegendOptions().show_legend(True).display_mode(LegendDisplayMode.LIST).placement(LegendPlacement.BOTTOM)
+    panel = _with(timeseries.Panel().legend(legend).line_width(1).fill_opacity(0), title, description, *queries)
+    if symlog:
+        panel = panel.scale_distribution(
+            ScaleDistributionConfig().type(ScaleDistribution.SYMLOG).log(10).linear_threshold(1)
+        )
     return panel.unit(unit) if unit else panel
+
+
+def _stat(title: str, description: str, query: PromQuery) -> stat.Panel:
+    return _with(stat.Panel(), title, description, query)
+
+
+def _table(title: str, description: str, *queries: PromQuery, rename: dict[str, str]) -> table.Panel:
+    """An instant table of ``queries`` (merged when several), without the time column."""
+    panel = _with(table.Panel(), title, description, *queries)
+    if len(queries) > 1:
+        panel = panel.with_transformation(DataTransformerConfig(id_val="merge", options={}))
+    options = {"excludeByName": {"Time": True}, "renameByName": rename}
+    return panel.with_transformation(DataTransformerConfig(id_val="organize", options=options))
+
+
+def _row(title: str, y: int, *lines: tuple[int, list]) -> tuple[list, int]:
+    """A row from ``y``: each line ``(height, panels)`` fills the width, the panels in equal shares
+    (a pair of panels in one list stacks them in the share)."""
+    items: list = [dash.Row(title).grid_pos(GridPos(h=1, w=24, x=0, y=y))]
+    y += 1
+    for height, panels in lines:
+        width = 24 // len(panels)
+        for i, panel in enumerate(panels):
+            stacked = panel if isinstance(panel, list) else [panel]
+            for j, one in enumerate(stacked):
+                h = height // len(stacked)
+                items.append(one.grid_pos(GridPos(h=h, w=width, x=i * width, y=y + j * h)))
+        y += height
+    return items, y
+
+
+def _variable(name: str, label: str, query: str, description: str) -> dash.QueryVariable:
+    """A multi-value query variable with All (``.*``), refreshed with the time range."""
+    return (
+        dash.QueryVariable(name)
+        .label(label)
+        .datasource(DS)
+        .query(query)
+        .definition(query)
+        .refresh(VariableRefresh.ON_TIME_RANGE_CHANGED)
+        .sort(VariableSort.ALPHABETICAL_ASC)
+        .multi(True)
+        .include_all(True)
+        .all_value(".*")
+        .description(description)
+    )
 
 
 def _variables() -> list:
@@ -102,34 +149,18 @@ def _variables() -> list:
         .type("prometheus")
         .description("Prometheus that scrapes the sdcwatch service.")
     )
-    run = (
-        dash.QueryVariable("run")
-        .label("Run")
-        .datasource(DS)
-        .query("label_values(sdcwatch_training_last_step, run)")
-        .definition("label_values(sdcwatch_training_last_step, run)")
-        .refresh(VariableRefresh.ON_TIME_RANGE_CHANGED)
-        .sort(VariableSort.ALPHABETICAL_ASC)
-        .multi(True)
-        .include_all(True)
-        .all_value(".*")
-        .description("Training run(s), from the run label of the exporter's series.")
+    run = _variable(
+        "run",
+        "Run",
+        "label_values(sdcwatch_training_last_step, run)",
+        "Training run(s), from the run label of the exporter's series.",
     )
-    piece = (
-        dash.QueryVariable("piece")
-        .label("Model piece")
-        .datasource(DS)
-        .query(f"label_values(sdcwatch_rank_metric{{{RUN}}}, piece)")
-        .definition(f"label_values(sdcwatch_rank_metric{{{RUN}}}, piece)")
-        .refresh(VariableRefresh.ON_TIME_RANGE_CHANGED)
-        .sort(VariableSort.ALPHABETICAL_ASC)
-        .multi(True)
-        .include_all(True)
-        .all_value(".*")
-        .description(
-            "Model piece(s) under tensor or pipeline parallelism (pp stage, tp rank...: the ranks the "
-            "detectors compare); a plain data-parallel run has one piece and no values here."
-        )
+    piece = _variable(
+        "piece",
+        "Model piece",
+        f"label_values(sdcwatch_rank_metric{{{RUN}}}, piece)",
+        "Model piece(s) under tensor or pipeline parallelism (pp stage, tp rank...: the ranks the "
+        "detectors compare); a plain data-parallel run has one piece and no values here.",
     )
     return [datasource, run, piece]
 
@@ -156,193 +187,131 @@ def _annotation() -> dash.AnnotationQuery:
 SCAN_METRICS = "stream_max|gemm_out|attn_logit_max|attn_logit_min|gemm_fwd|gemm_bwd|gemm_weight|gemm_in"
 
 
-def _symlog(panel: timeseries.Panel) -> timeseries.Panel:
-    """A log axis that keeps 0 and negative values (a product's largest row sum may be either)."""
-    return panel.scale_distribution(
-        ScaleDistributionConfig().type(ScaleDistribution.SYMLOG).log(10).linear_threshold(1)
-    )
-
-
 def _training_row(y: int) -> tuple[list, int]:
-    """Loss, gradient norm, last step, open incidents, spike scores, incidents opened."""
-    items: list = [dash.Row("Training").grid_pos(GridPos(h=1, w=24, x=0, y=y))]
-    y += 1
-    items += [
-        _ts(
-            "Global loss",
-            "Latest global loss (mean over ranks) per completed step. Red regions: open incidents.",
-            GridPos(h=8, w=9, x=0, y=y),
-            _q(f"sdcwatch_training_loss{{{RUN}}}", "{{run}}"),
-        ),
-        _ts(
-            "Global gradient norm",
-            "Global gradient norm per completed step.",
-            GridPos(h=8, w=9, x=9, y=y),
-            _q(f"sdcwatch_training_grad_norm{{{RUN}}}", "{{run}}"),
-        ),
-        _stat(
-            "Last step",
-            "Last training step the service completed.",
-            GridPos(h=4, w=6, x=18, y=y),
-            _q(f"max by (run) (sdcwatch_training_last_step{{{RUN}}})", "{{run}}"),
-        ),
-        _stat(
-            "Open incidents",
-            "Incidents currently open, all kinds (0 when none ever opened).",
-            GridPos(h=4, w=6, x=18, y=y + 4),
-            _q(f"sum(sdcwatch_incidents_open{{{RUN}}}) or on() vector(0)", "open"),
-        ),
-    ]
-    y += 8
-    items += [
-        _ts(
-            "Spike scores",
-            "Robust, trend-aware spike score of the global loss and gradient norm; "
-            "the spike detector alarms above its threshold.",
-            GridPos(h=8, w=12, x=0, y=y),
-            _q(f"sdcwatch_detector_spike_score{{{RUN}}}", "{{run}} {{metric}}"),
-        ),
-        _ts(
-            "Incidents opened",
-            "Incidents opened per interval, by kind and severity.",
-            GridPos(h=8, w=12, x=12, y=y),
-            _q(
-                "sum by (kind, severity) (increase(sdcwatch_incidents_total[$__rate_interval]))",
-                "{{kind}} {{severity}}",
-            ),
-        ),
-    ]
-    return items, y + 8
+    """Loss, gradient norm, last step, open incidents, incidents opened, the spread across ranks."""
+    loss = _ts(
+        "Global loss",
+        "Latest global loss (mean over ranks) per completed step. Red regions: open incidents.",
+        _q(f"sdcwatch_training_loss{{{RUN}}}", "{{run}}"),
+    )
+    grad_norm = _ts(
+        "Global gradient norm",
+        "Global gradient norm per completed step.",
+        _q(f"sdcwatch_training_grad_norm{{{RUN}}}", "{{run}}"),
+    )
+    last = _stat(
+        "Last step",
+        "Last training step the service completed.",
+        _q(f"max by (run) (sdcwatch_training_last_step{{{RUN}}})", "{{run}}"),
+    )
+    open_now = _stat(
+        "Open incidents",
+        "Incidents currently open, all kinds (0 when none ever opened).",
+        _q(f"sum(sdcwatch_incidents_open{{{RUN}}}) or on() vector(0)", "open"),
+    )
+    opened = _ts(
+        "Incidents opened",
+        "Incidents opened per interval, by kind and severity.",
+        _q("sum by (kind, severity) (increase(sdcwatch_incidents_total[$__rate_interval]))", "{{kind}} {{severity}}"),
+    )
+    spread = _ts(
+        "Per-rank spread of scalars",
+        "Across-rank min, quartiles and max of the local gradient norm and loss: a single rank far outside "
+        "the band is suspect. Under tensor or pipeline parallelism one band per model piece (its ranks hold "
+        "the same piece).",
+        _q(f'sdcwatch_rank_metric{{{RUN}, {PIECE}, metric=~"grad_norm_local|loss"}}', "{{piece}} {{metric}} {{stat}}"),
+    )
+    return _row("Training", y, (8, [loss, grad_norm, [last, open_now]]), (8, [opened, spread]))
 
 
-def _ranks_row(y: int) -> tuple[list, int]:
-    """Rank-outlier evidence and the across-rank spread of the scalars."""
-    items: list = [dash.Row("Ranks").grid_pos(GridPos(h=1, w=24, x=0, y=y))]
-    y += 1
-    items += [
-        heatmap.Panel()
-        .title("Rank-outlier score (top-K ranks)")
-        .description(
-            "Accumulated rank-outlier evidence of the top-K ranks and of every rank in an open "
-            "incident; a persistently bright row is a rank that deviates from its peers."
-        )
-        .datasource(DS)
-        .grid_pos(GridPos(h=9, w=12, x=0, y=y))
-        .calculate(False)
-        .with_target(_q(f"sdcwatch_rank_outlier_score{{{RUN}}}", "rank {{rank}} {{host}}")),
-        _ts(
-            "Per-rank spread of scalars",
-            "Across-rank min, quartiles and max of the local "
-            "gradient norm and loss: a single rank far outside the band is suspect. Under tensor or "
-            "pipeline parallelism one band per model piece (its ranks hold the same piece).",
-            GridPos(h=9, w=12, x=12, y=y),
-            _q(
-                f'sdcwatch_rank_metric{{{RUN}, {PIECE}, metric=~"grad_norm_local|loss"}}',
-                "{{piece}} {{metric}} {{stat}}",
-            ),
-        ),
-    ]
-    return items, y + 9
+def _detector_panel(spec):
+    """The panel of a detector's metric: a heatmap of a per-rank one (its top-K ranks), else the
+    series of each run (and label value)."""
+    query = f"{spec.name}{{{RUN}}}"
+    if spec.kind == "counter":
+        query = f"increase({query}[$__rate_interval])"
+    if spec.per_rank:
+        return _with(heatmap.Panel().calculate(False), spec.panel, spec.help, _q(query, "rank {{rank}} {{host}}"))
+    return _ts(spec.panel, spec.help, _q(query, " ".join(f"{{{{{label}}}}}" for label in spec.labels)))
+
+
+def _detectors_row(y: int) -> tuple[list, int]:
+    """A panel for each metric a registered detector declares with a panel title, two abreast."""
+    panels = [_detector_panel(spec) for spec in detector_metrics() if spec.panel]
+    lines = [(9, panels[i : i + 2]) for i in range(0, len(panels), 2)]
+    return _row("Detectors", y, *lines)
 
 
 def _scan_row(y: int) -> tuple[list, int]:
     """The every-step non-finite scan (residual stream, product outputs), the matrix checksums, and
     the incidents they opened: where NaN, Inf and near-INF values and wrong products are caught."""
-    items: list = [dash.Row("Every-step scan and checksums").grid_pos(GridPos(h=1, w=24, x=0, y=y))]
-    y += 1
     layer = "{{piece}} {{metric}} {{layer}} {{layer_name}}"
-    items += [
-        _symlog(
-            _ts(
-                "Residual stream per block (max over ranks)",
-                "stream_max: the largest |value| of each block's output, every step, largest over the ranks "
-                "(values that are not finite are left out of the statistic: the incidents below name them). "
-                "A near-INF value (|x| >= 1e10) stands out; a block is named by its module when the ranks "
-                "sent their names.",
-                GridPos(h=8, w=6, x=0, y=y),
-                _q(f'sdcwatch_layer_metric{{{RUN}, {PIECE}, metric="stream_max", stat="max"}}', layer),
-            )
+
+    def layer_max(metric: str) -> PromQuery:
+        return _q(f'sdcwatch_layer_metric{{{RUN}, {PIECE}, metric{metric}, stat="max"}}', layer)
+
+    info = f'sdcwatch_incident_info{{{RUN}, metric=~"{SCAN_METRICS}"}}'
+    labels = "kind, state, rank, host, metric, layer, layer_name"
+    panels = [
+        _ts(
+            "Residual stream per block (max over ranks)",
+            "stream_max: the largest |value| of each block's output, every step, largest over the ranks "
+            "(values that are not finite are left out of the statistic: the incidents below name them). "
+            "A near-INF value (|x| >= 1e10) stands out; a block is named by its module when the ranks "
+            "sent their names.",
+            layer_max('="stream_max"'),
+            symlog=True,
         ),
-        _symlog(
-            _ts(
-                "Product outputs (max over ranks)",
-                "gemm_out: each checked matrix product's largest output row sum, every step, largest over "
-                "the ranks; the index is the product (product 11), named by its module when known.",
-                GridPos(h=8, w=6, x=6, y=y),
-                _q(f'sdcwatch_layer_metric{{{RUN}, {PIECE}, metric="gemm_out", stat="max"}}', layer),
-            )
+        _ts(
+            "Product outputs (max over ranks)",
+            "gemm_out: each checked matrix product's largest output row sum, every step, largest over "
+            "the ranks; the index is the product (product 11), named by its module when known.",
+            layer_max('="gemm_out"'),
+            symlog=True,
         ),
-        _symlog(
-            _ts(
-                "Checksums: residual over its rounding bound (max over ranks)",
-                "gemm_fwd (forward product), gemm_bwd (weight gradient), gemm_weight (weights in memory): "
-                "each product's largest checksum residual divided by its rounding bound, on checked steps "
-                "(every 16th by default). Above 1 the product is wrong: the checksum detector raises it.",
-                GridPos(h=8, w=6, x=12, y=y),
-                _q(
-                    f'sdcwatch_layer_metric{{{RUN}, {PIECE}, metric=~"gemm_fwd|gemm_bwd|gemm_weight", stat="max"}}',
-                    layer,
-                ),
-            )
+        _ts(
+            "Checksums: residual over its rounding bound (max over ranks)",
+            "gemm_fwd (forward product), gemm_bwd (weight gradient), gemm_weight (weights in memory): "
+            "each product's largest checksum residual divided by its rounding bound, on checked steps "
+            "(every 16th by default). Above 1 the product is wrong: the checksum detector raises it.",
+            layer_max('=~"gemm_fwd|gemm_bwd|gemm_weight"'),
+            symlog=True,
         ),
         _ts(
             "Non-finite values (worst rank)",
             "The largest count over the ranks of NaN and Inf values in the loss, the gradients and the "
             "probed activations at the last step.",
-            GridPos(h=8, w=6, x=18, y=y),
             _q(f'sdcwatch_rank_metric{{{RUN}, {PIECE}, metric="nonfinite", stat="max"}}', "{{piece}} {{run}}"),
         ),
     ]
-    y += 8
-    info = f'sdcwatch_incident_info{{{RUN}, metric=~"{SCAN_METRICS}"}}'
-    labels = "kind, state, rank, host, metric, layer, layer_name"
-    items.append(
-        table.Panel()
-        .title("Caught by the scan and checksums")
-        .description(
-            "Open and recently resolved incidents on a scanned or checked metric: the rank, the metric "
-            "(stream_max, gemm_out, the attention logits, gemm_fwd...), its index and module, the first step."
-        )
-        .datasource(DS)
-        .grid_pos(GridPos(h=6, w=24, x=0, y=y))
-        .no_value("nothing caught")
-        .with_target(
-            _q(
-                f"sdcwatch_incident_first_step{{{RUN}}} * on (run, id) group_left ({labels}) {info}",
-                instant=True,
-                table_format=True,
-            )
-        )
-        .with_transformation(
-            DataTransformerConfig(
-                id_val="organize",
-                options={"excludeByName": {"Time": True}, "renameByName": {"Value": "first step"}},
-            )
-        )
-    )
-    return items, y + 6
+    caught = _table(
+        "Caught by the scan and checksums",
+        "Open and recently resolved incidents on a scanned or checked metric: the rank, the metric "
+        "(stream_max, gemm_out, the attention logits, gemm_fwd...), its index and module, the first step.",
+        _q(
+            f"sdcwatch_incident_first_step{{{RUN}}} * on (run, id) group_left ({labels}) {info}",
+            instant=True,
+            table_format=True,
+        ),
+        rename={"Value": "first step"},
+    ).no_value("nothing caught")
+    return _row("Every-step scan and checksums", y, (8, panels), (6, [caught]))
 
 
 def _layers_row(y: int) -> tuple[list, int]:
     """The sampled attention statistics per layer."""
-    items: list = [dash.Row("Layers").grid_pos(GridPos(h=1, w=24, x=0, y=y))]
-    y += 1
-    items += [
+    layer = "{{piece}} layer {{layer}} {{layer_name}}"
+    panels = [
         _ts(
             "Attention entropy per layer (median over ranks)",
             "Median over ranks of each layer's attention entropy; collapse towards 0 is an attention-entropy "
             "collapse. Under pipeline parallelism a stage numbers its own layers: a series per piece and layer.",
-            GridPos(h=8, w=8, x=0, y=y),
-            _q(
-                f'sdcwatch_layer_metric{{{RUN}, {PIECE}, metric="attn_entropy", stat="median"}}',
-                "{{piece}} layer {{layer}} {{layer_name}}",
-            ),
+            _q(f'sdcwatch_layer_metric{{{RUN}, {PIECE}, metric="attn_entropy", stat="median"}}', layer),
         ),
         _ts(
             "q/k norms per layer (max over ranks)",
             "Largest query and key norms of each layer over all ranks: runaway growth "
             "precedes attention-logit blow-ups.",
-            GridPos(h=8, w=8, x=8, y=y),
             _q(
                 f'sdcwatch_layer_metric{{{RUN}, {PIECE}, metric=~"q_norm_max|k_norm_max", stat="max"}}',
                 "{{piece}} {{metric}} layer {{layer}} {{layer_name}}",
@@ -351,133 +320,91 @@ def _layers_row(y: int) -> tuple[list, int]:
         _ts(
             "Largest attention logit per layer (max over ranks)",
             "Near-INF logits (|x| > 1e10) in attention drive training to a non-trainable state.",
-            GridPos(h=8, w=8, x=16, y=y),
-            _q(
-                f'sdcwatch_layer_metric{{{RUN}, {PIECE}, metric="attn_logit_max", stat="max"}}',
-                "{{piece}} layer {{layer}} {{layer_name}}",
-            ),
+            _q(f'sdcwatch_layer_metric{{{RUN}, {PIECE}, metric="attn_logit_max", stat="max"}}', layer),
         ),
     ]
-    return items, y + 8
+    return _row("Layers", y, (8, panels))
 
 
 def _incidents_row(y: int) -> tuple[list, int]:
     """The open incidents and the guard's actions."""
-    items: list = [dash.Row("Incidents").grid_pos(GridPos(h=1, w=24, x=0, y=y))]
-    y += 1
     info = f'sdcwatch_incident_info{{{RUN}, state="open"}}'
     labels = "kind, severity, rank, host, layer, layer_name, metric, detector"
-    items.append(
-        table.Panel()
-        .title("Open incidents")
-        .description(
-            "One row per open incident: where (rank, host, layer, metric), since which step, and the detector's score."
-        )
-        .datasource(DS)
-        .grid_pos(GridPos(h=8, w=16, x=0, y=y))
-        .with_target(
-            _q(
-                f"sdcwatch_incident_first_step{{{RUN}}} * on (run, id) group_left ({labels}) {info}",
-                ref="A",
-                instant=True,
-                table_format=True,
-            )
-        )
-        .with_target(
-            _q(
-                f"sdcwatch_incident_score{{{RUN}}} * on (run, id) group_left () {info}",
-                ref="B",
-                instant=True,
-                table_format=True,
-            )
-        )
-        .with_transformation(DataTransformerConfig(id_val="merge", options={}))
-        .with_transformation(
-            DataTransformerConfig(
-                id_val="organize",
-                options={
-                    "excludeByName": {"Time": True},
-                    "renameByName": {"Value #A": "first step", "Value #B": "score"},
-                },
-            )
-        )
+    incidents = _table(
+        "Open incidents",
+        "One row per open incident: where (rank, host, layer, metric), since which step, and the detector's score.",
+        _q(
+            f"sdcwatch_incident_first_step{{{RUN}}} * on (run, id) group_left ({labels}) {info}",
+            instant=True,
+            table_format=True,
+        ),
+        _q(f"sdcwatch_incident_score{{{RUN}}} * on (run, id) group_left () {info}", instant=True, table_format=True),
+        rename={"Value #A": "first step", "Value #B": "score"},
     )
     # no guard action yet is a line at 0 named "no actions", not Grafana's "No data"
     none = 'label_replace(vector(0), "action", "no actions", "", "")'
-    items.append(
-        _ts(
-            "Guard actions",
-            "Steps at which the training job's guard skipped an update, reran a "
-            "step, rolled back or evicted a rank, per interval (each is also an incident "
-            "guard_<action>); a line at 0 named no actions while it has not acted.",
-            GridPos(h=8, w=8, x=16, y=y),
-            _q(
-                f"sum by (action) (increase(sdcwatch_guard_actions_total[$__rate_interval])) or on() {none}",
-                "{{action}}",
-            ),
-        ).no_value("no actions")
-    )
-    return items, y + 8
+    guard = _ts(
+        "Guard actions",
+        "Steps at which the training job's guard skipped an update, reran a "
+        "step, rolled back or evicted a rank, per interval (each is also an incident "
+        "guard_<action>); a line at 0 named no actions while it has not acted.",
+        _q(
+            f"sum by (action) (increase(sdcwatch_guard_actions_total[$__rate_interval])) or on() {none}",
+            "{{action}}",
+        ),
+    ).no_value("no actions")
+    return _row("Incidents", y, (8, [incidents, guard]))
 
 
 def _pipeline_row(y: int) -> tuple[list, int]:
     """The ingest pipeline's health."""
-    items: list = [dash.Row("Pipeline").grid_pos(GridPos(h=1, w=24, x=0, y=y))]
-    y += 1
-    items += [
+    first = [
         _ts(
             "Records per second",
             "Telemetry records consumed per second by the service.",
-            GridPos(h=8, w=8, x=0, y=y),
             _q("sdcwatch_pipeline_records_per_second", "records/s"),
             unit="short",
         ),
         _ts(
             "Consumer lag",
             "Records between the service's position and the end of the telemetry topic.",
-            GridPos(h=8, w=8, x=8, y=y),
             _q("sdcwatch_pipeline_consumer_lag_records", "lag"),
         ),
         _ts(
             "Age of the last step",
             "Seconds since the service completed the last step: grows when training or the pipeline stalls.",
-            GridPos(h=8, w=8, x=16, y=y),
             _q(f"sdcwatch_pipeline_last_step_age_seconds{{{RUN}}}", "{{run}}"),
             unit="s",
         ),
     ]
-    y += 8
-    items += [
+    second = [
         _ts(
             "Late and missing ranks",
             "Ranks that missed the alignment deadline at the last step, and ranks not heard from for long.",
-            GridPos(h=8, w=8, x=0, y=y),
-            _q(f"sdcwatch_pipeline_late_ranks{{{RUN}}}", "late {{run}}", ref="A"),
-            _q(f"sdcwatch_pipeline_missing_ranks{{{RUN}}}", "missing {{run}}", ref="B"),
+            _q(f"sdcwatch_pipeline_late_ranks{{{RUN}}}", "late {{run}}"),
+            _q(f"sdcwatch_pipeline_missing_ranks{{{RUN}}}", "missing {{run}}"),
         ),
         _ts(
             "Dead letters and duplicates",
             "Malformed records sent to the dead-letter topic "
             "and duplicates discarded, per second; with the service split in stages, step "
             "summaries that came too late for the temporal stage.",
-            GridPos(h=8, w=8, x=8, y=y),
-            _q("rate(sdcwatch_pipeline_dead_letters_total[$__rate_interval])", "dead letters", ref="A"),
-            _q("rate(sdcwatch_pipeline_duplicates_total[$__rate_interval])", "duplicates", ref="B"),
-            _q("rate(sdcwatch_pipeline_summaries_late_total[$__rate_interval])", "late summaries", ref="C"),
+            _q("rate(sdcwatch_pipeline_dead_letters_total[$__rate_interval])", "dead letters"),
+            _q("rate(sdcwatch_pipeline_duplicates_total[$__rate_interval])", "duplicates"),
+            _q("rate(sdcwatch_pipeline_summaries_late_total[$__rate_interval])", "late summaries"),
         ),
         _ts(
             "Records dropped by emitters",
             "Records the in-rank emitters dropped (buffer full or bus unreachable), per second.",
-            GridPos(h=8, w=8, x=16, y=y),
             _q(f"rate(sdcwatch_emitter_dropped_records_total{{{RUN}}}[$__rate_interval])", "{{run}}"),
         ),
     ]
-    return items, y + 8
+    return _row("Pipeline", y, (8, first), (8, second))
 
 
 def build_dashboard() -> dash.Dashboard:
-    """The dashboard builder: rows for training, ranks, the every-step scan and checksums, layers,
-    incidents and the pipeline."""
+    """The dashboard builder: rows for training, the detectors' own numbers, the every-step scan and
+    checksums, layers, incidents and the pipeline."""
     d = (
         dash.Dashboard("sdcwatch: silent data corruption and loss spikes")
         .uid(DASHBOARD_UID)
@@ -495,7 +422,7 @@ def build_dashboard() -> dash.Dashboard:
         .annotation(_annotation())
     )
     y = 0
-    for row in (_training_row, _ranks_row, _scan_row, _layers_row, _incidents_row, _pipeline_row):
+    for row in (_training_row, _detectors_row, _scan_row, _layers_row, _incidents_row, _pipeline_row):
         items, y = row(y)
         for item in items:
             d = d.with_row(item) if isinstance(item, dash.Row) else d.with_panel(item)
@@ -518,21 +445,35 @@ def render() -> str:
     return JSONEncoder(sort_keys=True, indent=2).encode(model) + "\n"
 
 
+def render_readme(readme: str) -> str:
+    """``readme`` with its metrics table (between :data:`TABLE_MARKS`) made from the catalogue: the
+    service's families and every registered detector's."""
+    rows = ["| metric | type | labels | meaning |", "|---|---|---|---|"]
+    for spec in catalogue(detector_metrics()):
+        kind = "info (gauge 1)" if spec.kind == "info" else spec.kind
+        rows.append(f"| `{spec.name}` | {kind} | {', '.join(spec.labels)} | {spec.help.replace('|', '/')} |")
+    head, rest = readme.split(TABLE_MARKS[0], 1)
+    return head + TABLE_MARKS[0] + "\n" + "\n".join(rows) + "\n" + TABLE_MARKS[1] + rest.split(TABLE_MARKS[1], 1)[1]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--output", type=Path, default=OUTPUT, help="where to write (default: %(default)s)")
-    parser.add_argument("--check", action="store_true", help="do not write; exit 1 if the file is out of date")
+    parser.add_argument("--readme", type=Path, default=README, help="its metrics table (default: %(default)s)")
+    parser.add_argument("--check", action="store_true", help="do not write; exit 1 if a file is out of date")
     args = parser.parse_args(argv)
     text = render()
     json.loads(text)  # the encoder's output must be plain JSON
+    readme = args.readme.read_text()
+    wanted = {args.output: text, args.readme: render_readme(readme)}
+    stale = [path for path, content in wanted.items() if (path.read_text() if path.exists() else "") != content]
     if args.check:
-        current = args.output.read_text() if args.output.exists() else ""
-        if current != text:
-            print(f"{args.output} is out of date: run python dashboards/generate.py", file=sys.stderr)
-            return 1
-        return 0
-    args.output.write_text(text)
-    print(f"wrote {args.output}")
+        for path in stale:
+            print(f"{path} is out of date: run python dashboards/generate.py", file=sys.stderr)
+        return 1 if stale else 0
+    for path in stale:
+        path.write_text(wanted[path])
+        print(f"wrote {path}")
     return 0
 
 

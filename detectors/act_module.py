@@ -2,7 +2,7 @@
 
 A record's ``act_max`` is the largest |output| of every leaf module on a sampled step; two
 scalars beside it say where it was made: ``act_max_module``, an index into the rank's leaf-module
-names (the ``modules`` family of its names message, :mod:`sdcwatch.core.layer_names`), and
+names (the ``modules`` family of its names message, :mod:`sdcwatch.core.rank_notes`), and
 ``act_max_layer``, the attention layer whose block holds that module. A non-finite ``act_max``
 is placed in its layer and carries its module, so the service can name the very module whose
 output went bad (``act_max of model.layers.1.mlp.down_proj (layer 1)``).

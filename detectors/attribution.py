@@ -22,11 +22,11 @@ from dataclasses import replace
 from typing import Any
 
 from sdcwatch.core.incident import Finding, Severity
-from sdcwatch.core.kinds import SPIKE_KINDS
+from sdcwatch.core.kinds import SPIKE_KINDS, IncidentKind
 from sdcwatch.core.mesh import format_coords
+from sdcwatch.core.model_place import index_text, noun_of, where
 from sdcwatch.core.validate import check_positive
 from sdcwatch.core.vocabulary import DATA_METRICS
-from sdcwatch.core.where import index_text, noun_of, where
 from sdcwatch.detectors.rank_outlier import RANKS_DISAGREE, disagreement_text
 
 __all__ = ["Attribution"]
@@ -116,20 +116,22 @@ class Attribution:
             )
             if f.evidence.get("phase") != "onset":
                 return [attributed]
-            sdc = Finding(
-                detector="attribution",
-                kind="sdc_suspected",
-                severity=Severity.CRITICAL,
-                run=f.run,
-                step=f.step,
-                score=float(ev["score"]),
+            said = (
+                f"SDC suspected on {where}: {f.kind.replace('_', ' ')} at step {f.evidence['onset_step']} "
+                f"with rank-local evidence ({ev['message']})"
+            )
+            sdc = Finding.at(
+                f,
+                "attribution",
+                IncidentKind.SDC_SUSPECTED,
+                Severity.CRITICAL,
+                float(ev["score"]),
+                said,
                 ranks=(ev["rank"],),
                 hosts=(ev["host"],) if ev["host"] else (),
                 metric=ev["metric"],
                 layer=ev["layer"],
                 layer_name=ev.get("layer_name"),
-                message=f"SDC suspected on {where}: {f.kind.replace('_', ' ')} at step {f.evidence['onset_step']} "
-                f"with rank-local evidence ({ev['message']})",
                 evidence={"spike": f.evidence, "rank_evidence": ev},
             )
             return [attributed, sdc]

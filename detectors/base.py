@@ -5,8 +5,8 @@ order and answers with findings. Its settings are its own ``Config`` dataclass (
 default and one doc line; ``sdcwatch serve`` sets them as ``[detectors.<name>]``), stored on the
 detector under their names. Its whole state is explicit: ``snapshot()`` returns a JSON-safe dict and
 ``restore()`` takes it back, so a restarted service resumes without a new warm-up. During its
-warm-up a detector learns and stays silent. ``metrics_view()`` gives the numbers it shows on
-``/metrics`` (the way a Prometheus collector reports its own).
+warm-up a detector learns and stays silent. ``metrics`` declares the numbers it shows on
+``/metrics`` (:class:`~sdcwatch.core.metric_spec.MetricSpec`, each read off its state).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import dataclasses
 from typing import Any, ClassVar, Protocol
 
 from sdcwatch.core.errors import ConfigError
+from sdcwatch.core.validate import check_known
 
 __all__ = ["Detector", "SplitDetector", "StepContext", "NoSettings"]
 
@@ -49,7 +50,7 @@ class Detector:
     >>> SpikeDetector(warmpu=20)
     Traceback (most recent call last):
     ...
-    sdcwatch.core.errors.ConfigError: spike.warmpu: unknown setting (known: ..., warmup, window)
+    sdcwatch.core.errors.ConfigError: spike.warmpu: unknown setting (did you mean warmup?) (known: ..., warmup, window)
     """
 
     name: ClassVar[str]
@@ -59,16 +60,15 @@ class Detector:
     """Steps (with data) during which the detector only learns."""
     sparse: bool = False
     """Set on the scale-out's spatial stage: observations may drop what cannot matter much."""
+    metrics: ClassVar[tuple] = ()
+    """The metric families it owns (:class:`~sdcwatch.core.metric_spec.MetricSpec` with ``read``)."""
 
     def __init__(self, config: Any = None, /, **settings: Any) -> None:
         cfg = self.Config() if config is None else config
         if not isinstance(cfg, self.Config):
             raise ConfigError(self.name, f"expects a {type(self).__name__}.Config, got {type(cfg).__name__}")
         if settings:
-            known = {f.name for f in dataclasses.fields(cfg)}
-            for key in settings:
-                if key not in known:
-                    raise ConfigError(f"{self.name}.{key}", f"unknown setting (known: {', '.join(sorted(known))})")
+            check_known(self.name, settings, (f.name for f in dataclasses.fields(cfg)))
             cfg = dataclasses.replace(cfg, **settings)
         self.config = cfg
         for f in dataclasses.fields(cfg):
@@ -84,11 +84,6 @@ class Detector:
 
     def restore(self, state: dict[str, Any]) -> None:
         """Take back a :meth:`snapshot`."""
-
-    def metrics_view(self) -> dict[str, Any]:
-        """What this detector shows on ``/metrics``: :class:`~sdcwatch.core.incident.RunView`
-        fields it owns (``loss``, ``spike_scores``, ``rank_scores``, ``missing_ranks`` ...)."""
-        return {}
 
 
 class SplitDetector(Detector):

@@ -20,13 +20,13 @@ from typing import Any
 import numpy as np
 from sdcwatch.core.incident import Finding, Severity
 from sdcwatch.core.kinds import IncidentKind
-from sdcwatch.core.validate import check_positive
+from sdcwatch.core.model_place import message_at
 from sdcwatch.core.vocabulary import RATIO_METRICS
-from sdcwatch.core.where import message_at
 from sdcwatch.detectors.base import SplitDetector, StepContext
 from sdcwatch.detectors.frame import StepFrame
 from sdcwatch.detectors.peers import Groups, known_coords, rank_label
 from sdcwatch.detectors.registry import register
+from sdcwatch.detectors.settings import DetectorSettings
 
 __all__ = ["ChecksumDetector", "ChecksumConfig"]
 
@@ -38,7 +38,7 @@ _WHAT = {
 
 
 @dataclass(frozen=True)
-class ChecksumConfig:
+class ChecksumConfig(DetectorSettings, section="checksum", positive="bound outlier_factor outlier_floor max_listed"):
     """Settings of the checksum detector ``[detectors.checksum]``."""
 
     bound: float = 1.0
@@ -50,15 +50,6 @@ class ChecksumConfig:
     max_listed: int = 16
     """Most cells a finding lists in its evidence."""
 
-    def __post_init__(self) -> None:
-        check_positive(
-            "checksum",
-            bound=self.bound,
-            outlier_factor=self.outlier_factor,
-            outlier_floor=self.outlier_floor,
-            max_listed=self.max_listed,
-        )
-
 
 @register(default=True, order=20)
 class ChecksumDetector(SplitDetector):
@@ -68,10 +59,6 @@ class ChecksumDetector(SplitDetector):
     name = "checksum"
     fault = "checksum"
     Config = ChecksumConfig
-    bound: float
-    outlier_factor: float
-    outlier_floor: float
-    max_listed: int
 
     def __init__(self, config: ChecksumConfig | None = None, /, **settings: Any) -> None:
         super().__init__(config, **settings)
@@ -180,17 +167,15 @@ class ChecksumDetector(SplitDetector):
                 tail = f" residual {value:.3g} x bound, over {self.outlier_factor:.0e} x the {others}' P90 ({what})"
             msg, around = message_at(head, metric, layer, tail)
             out.append(
-                Finding(
-                    detector=self.name,
-                    kind=incident.value,
-                    severity=severity,
-                    run=frame.run,
-                    step=frame.step,
-                    score=value,
-                    message=msg,
+                Finding.at(
+                    frame,
+                    self.name,
+                    incident,
+                    severity,
+                    value,
+                    msg,
                     around=around,
                     ranks=ranks,
-                    hosts=tuple(sorted({frame.hosts[r] for r in ranks if r < len(frame.hosts)} - {""})),
                     metric=metric,
                     layer=layer,
                     evidence={

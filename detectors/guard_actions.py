@@ -96,16 +96,14 @@ class GuardActionDetector(SplitDetector):
         if verdict:
             msg += f"; rerun verdict: {verdict}"
         return [
-            Finding(
-                detector=self.name,
-                kind=f"guard_{action}" if action != "unknown" else "guard_unknown",
-                severity=severity,
-                run=at.run,
-                step=at.step,
-                score=float(max(code, 0)),
-                message=msg,
+            Finding.at(
+                at,
+                self.name,
+                f"guard_{action}",
+                severity,
+                float(max(code, 0)),
+                msg,
                 ranks=ranks,
-                hosts=(host,) if host else (),
                 metric="guard_action",
                 # every action is its own event: "onset" lets the incident book announce each one
                 evidence={"action": action, "reason": reason, "verdict": verdict, "phase": "onset"},

@@ -18,25 +18,22 @@ from typing import Any
 import numpy as np
 from sdcwatch.core.incident import Finding, Severity
 from sdcwatch.core.kinds import IncidentKind
-from sdcwatch.core.validate import check_positive
 from sdcwatch.detectors.base import SplitDetector, StepContext
 from sdcwatch.detectors.frame import StepFrame
 from sdcwatch.detectors.registry import register
+from sdcwatch.detectors.settings import DetectorSettings
 
 __all__ = ["LearningRateJump", "LearningRateJumpConfig"]
 
 
 @dataclass(frozen=True)
-class LearningRateJumpConfig:
+class LearningRateJumpConfig(DetectorSettings, section="lr_jump", positive="factor window"):
     """Settings of the learning-rate jump detector ``[detectors.lr_jump]``."""
 
     factor: float = 3.0
     """How many times its recent maximum the learning rate must reach to be a jump."""
     window: int = 10
     """Steps of learning rates the jump is measured against."""
-
-    def __post_init__(self) -> None:
-        check_positive("lr_jump", factor=self.factor, window=self.window)
 
 
 @register(default=True, order=40)
@@ -47,8 +44,6 @@ class LearningRateJump(SplitDetector):
     fault = "lr_jump"
     Config = LearningRateJumpConfig
     warmup_steps = 1  # one learning rate to compare with
-    factor: float
-    window: int
 
     def __init__(self, config: LearningRateJumpConfig | None = None, /, **settings: Any) -> None:
         super().__init__(config, **settings)
@@ -69,20 +64,14 @@ class LearningRateJump(SplitDetector):
         before = max(self._recent) if self._recent else None
         if before is not None and before > 0 and lr > self.factor * before:
             ratio = lr / before
+            msg = (
+                f"learning rate jumped x{ratio:.3g} at step {frame.step} ({before:.3g} -> {lr:.3g}) on every "
+                f"rank: optimisation or configuration, no rank blamed"
+            )
+            evidence = {"attribution": "optimisation_data", "lr": lr, "recent_max": before, "ratio": ratio}
             found.append(
-                Finding(
-                    detector=self.name,
-                    kind=IncidentKind.LR_JUMP.value,
-                    severity=Severity.WARNING,
-                    run=frame.run,
-                    step=frame.step,
-                    score=ratio,
-                    metric="lr",
-                    message=(
-                        f"learning rate jumped x{ratio:.3g} at step {frame.step} ({before:.3g} -> {lr:.3g}) on every "
-                        f"rank: optimisation or configuration, no rank blamed"
-                    ),
-                    evidence={"attribution": "optimisation_data", "lr": lr, "recent_max": before, "ratio": ratio},
+                Finding.at(
+                    frame, self.name, IncidentKind.LR_JUMP, Severity.WARNING, ratio, msg, metric="lr", evidence=evidence
                 )
             )
         self._recent.append(lr)

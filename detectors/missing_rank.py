@@ -14,24 +14,22 @@ from sdcwatch.core.incident import Finding, Severity
 from sdcwatch.core.jsonsafe import decode_array, encode_array
 from sdcwatch.core.kinds import IncidentKind
 from sdcwatch.core.mesh import format_coords, peer_key
-from sdcwatch.core.validate import check_positive
+from sdcwatch.core.metric_spec import MetricSpec
 from sdcwatch.detectors.base import SplitDetector, StepContext
 from sdcwatch.detectors.frame import StepFrame
 from sdcwatch.detectors.peers import Groups, coords_of, known_coords, rank_label
 from sdcwatch.detectors.registry import register
+from sdcwatch.detectors.settings import DetectorSettings
 
 __all__ = ["MissingRankDetector", "MissingRankConfig"]
 
 
 @dataclass(frozen=True)
-class MissingRankConfig:
+class MissingRankConfig(DetectorSettings, section="missing_rank", positive="after"):
     """Settings of the missing-rank detector ``[detectors.missing_rank]``."""
 
     after: int = 5
     """Consecutive closed steps a rank must be absent from to be reported missing."""
-
-    def __post_init__(self) -> None:
-        check_positive("missing_rank", after=self.after)
 
 
 @register(default=True, order=80)
@@ -55,7 +53,15 @@ class MissingRankDetector(SplitDetector):
     name = "missing_rank"
     fault = "missing"
     Config = MissingRankConfig
-    after: int
+    metrics = (
+        MetricSpec(
+            "sdcwatch_pipeline_missing_ranks",
+            "gauge",
+            ("run",),
+            "Ranks not heard from for a long time (presumed dead).",
+            read=lambda d: d.missing,  # ranks absent for ``after`` steps or more
+        ),
+    )
 
     def __init__(self, config: MissingRankConfig | None = None, /, **settings: Any) -> None:
         super().__init__(config, **settings)
@@ -103,24 +109,21 @@ class MissingRankDetector(SplitDetector):
                     pieces.append(format_coords(dict(peer_key(where))))
                 evidence["unwatched_pieces"] = pieces
                 message += f"; no rank of {'; '.join(p or 'the model' for p in pieces)} reports"
+        kind, score = IncidentKind.MISSING_RANK, float(gone.size)
         return [
-            Finding(
-                detector=self.name,
-                kind=IncidentKind.MISSING_RANK.value,
-                severity=Severity.CRITICAL,
-                run=frame.run,
-                step=frame.step,
-                score=float(gone.size),
+            Finding.at(
+                frame,
+                self.name,
+                kind,
+                Severity.CRITICAL,
+                score,
+                message,
                 metric="present",
                 ranks=ranks,
-                message=message,
+                hosts=(),  # its ranks are absent: named by rank and coordinates only
                 evidence=evidence,
             )
         ]
-
-    def metrics_view(self) -> dict[str, Any]:
-        """Ranks not heard from for ``after`` steps or more."""
-        return {"missing_ranks": self.missing}
 
     def snapshot(self) -> dict[str, Any]:
         return {"absent": None if self._absent is None else encode_array(self._absent)}

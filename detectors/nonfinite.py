@@ -12,6 +12,7 @@ raises its own.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -19,14 +20,14 @@ from typing import Any, NamedTuple
 import numpy as np
 from sdcwatch.core.incident import Finding, Severity
 from sdcwatch.core.kinds import IncidentKind
-from sdcwatch.core.validate import check_positive
+from sdcwatch.core.model_place import message_at
 from sdcwatch.core.vocabulary import CANARY_PRODUCT, FIRST_BAD, RATIO_METRICS
-from sdcwatch.core.where import message_at
 from sdcwatch.detectors.act_module import act_layer, act_modules, listed_hit
 from sdcwatch.detectors.base import SplitDetector, StepContext
 from sdcwatch.detectors.frame import StepFrame
 from sdcwatch.detectors.peers import known_coords, rank_label
 from sdcwatch.detectors.registry import register
+from sdcwatch.detectors.settings import DetectorSettings
 from sdcwatch.detectors.spread import (
     ALL_REDUCED_METRICS,
     BACKWARD_METRICS,
@@ -65,6 +66,27 @@ def _origin_order(hits: list[tuple[int, str, int | None, float]]):
         return (order.get(metric, 1), layer, metric == "act_max", rank)
 
     return key
+
+
+@functools.lru_cache(maxsize=256)
+def _columns(names: tuple[str, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(value columns, counter columns, all-reduced columns) of a scalar layout."""
+    counters = np.array([n in _COUNTERS for n in names], bool)
+    values = ~counters & np.array([n not in _SKIP for n in names], bool)
+    return values, counters, np.array([n in ALL_REDUCED_METRICS for n in names], bool)
+
+
+@functools.lru_cache(maxsize=256)
+def _layer_limits(names: tuple[str, ...], limit: float) -> np.ndarray:
+    """Per layer metric: ``limit``, or infinity for ratios to a bound (only NaN/Inf count there;
+    a large ratio is the checksum detector's finding, not a near-INF value)."""
+    return np.array([np.inf if n in RATIO_METRICS else limit for n in names])
+
+
+@functools.lru_cache(maxsize=256)
+def _backward(names: tuple[str, ...]) -> np.ndarray:
+    """Which of ``names`` are values of the backward pass."""
+    return np.array([n in BACKWARD_METRICS for n in names], bool)
 
 
 _Hit = tuple[int, str, int | None, float]  # (rank, metric, layer or None for a scalar, value)
@@ -156,16 +178,13 @@ def _spread_text(
 
 
 @dataclass(frozen=True)
-class NonFiniteConfig:
+class NonFiniteConfig(DetectorSettings, section="nonfinite", positive="limit max_listed"):
     """Settings of the non-finite detector ``[detectors.nonfinite]``."""
 
     limit: float = 1e10
     """A value of at least this magnitude counts as non-finite (ATTNChecker's near-INF)."""
     max_listed: int = 16
     """Most bad values a finding lists in its evidence."""
-
-    def __post_init__(self) -> None:
-        check_positive("nonfinite", limit=self.limit, max_listed=self.max_listed)
 
 
 @register(default=True, order=10)
@@ -175,8 +194,6 @@ class NonFiniteDetector(SplitDetector):
     name = "nonfinite"
     fault = "nonfinite"
     Config = NonFiniteConfig
-    limit: float
-    max_listed: int
 
     def __init__(self, config: NonFiniteConfig | None = None, /, **settings: Any) -> None:
         super().__init__(config, **settings)
@@ -187,27 +204,6 @@ class NonFiniteDetector(SplitDetector):
         self._origin_step: int | None = None
         self._last_bad: int | None = None
         self._origin_where: tuple[str, int | None, int | None] | None = None  # (metric, layer, act_max module)
-        self._masks: dict[tuple[str, ...], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
-        self._bwd: dict[tuple[str, ...], np.ndarray] = {}
-        self._limits: dict[tuple[str, ...], np.ndarray] = {}
-
-    def _columns(self, names: tuple[str, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(value columns, counter columns, all-reduced columns) of a scalar layout (cached)."""
-        masks = self._masks.get(names)
-        if masks is None:
-            counters = np.array([n in _COUNTERS for n in names], bool)
-            values = ~counters & np.array([n not in _SKIP for n in names], bool)
-            is_global = np.array([n in ALL_REDUCED_METRICS for n in names], bool)
-            masks = self._masks[names] = (values, counters, is_global)
-        return masks
-
-    def _layer_limits(self, names: tuple[str, ...]) -> np.ndarray:
-        """Per layer metric: ``limit``, or infinity for ratios to a bound (only NaN/Inf count there;
-        a large ratio is the checksum detector's finding, not a near-INF value)."""
-        limits = self._limits.get(names)
-        if limits is None:
-            limits = self._limits[names] = np.array([np.inf if n in RATIO_METRICS else self.limit for n in names])
-        return limits
 
     def observe(self, frame: StepFrame) -> dict[str, Any] | None:
         """Every bad cell of the step and which ranks it blames (None on a clean step)."""
@@ -219,7 +215,7 @@ class NonFiniteDetector(SplitDetector):
         global_ranks: set[int] = set()  # ranks with bad all-reduced values
         S = frame.scalars
         if S.size:
-            values, counters, is_global = self._columns(frame.scalar_names)
+            values, counters, is_global = _columns(frame.scalar_names)
             with np.errstate(invalid="ignore"):
                 # the common case costs one reduction: every cell finite and small, no counter set
                 calm = np.abs(S).max() < self.limit and not (counters.any() and (S[:, counters] > 0).any())
@@ -227,7 +223,7 @@ class NonFiniteDetector(SplitDetector):
                     bad = ~(np.abs(S) < self.limit) & frame.sent_scalars() & values[None, :]
                     own = bad & ~is_global[None, :]
                     local_ranks.update(np.nonzero(own.any(axis=1))[0].tolist())
-                    backward = self._backward(frame.scalar_names)
+                    backward = _backward(frame.scalar_names)
                     forward_ranks.update(np.nonzero((own & ~backward[None, :]).any(axis=1))[0].tolist())
                     if counters.any():
                         counted = (S > 0) & counters[None, :]
@@ -241,14 +237,14 @@ class NonFiniteDetector(SplitDetector):
                     ]
         L = frame.layers
         if L.size and not np.abs(L).max() < self.limit:  # NaN fails the comparison: look closer
-            limits = self._layer_limits(frame.layer_names)
+            limits = _layer_limits(frame.layer_names, self.limit)
             with np.errstate(invalid="ignore"):
                 bad = ~(np.abs(L) < limits[None, :, None]) & frame.sent_layers()
             if bad.any():
                 r, m, lay = np.nonzero(bad)
                 n_bad += r.size
                 local_ranks.update(np.unique(r).tolist())
-                forward_ranks.update(np.unique(r[~self._backward(frame.layer_names)[m]]).tolist())
+                forward_ranks.update(np.unique(r[~_backward(frame.layer_names)[m]]).tolist())
                 hits += [(int(a), frame.layer_names[b], int(c), float(L[a, b, c])) for a, b, c in zip(r, m, lay)]
         if not hits:
             return None
@@ -282,13 +278,6 @@ class NonFiniteDetector(SplitDetector):
         """[[rank, ordinal]] of ``ranks`` that sent ``nonfinite_first``."""
         return [[r, v] for r, v in frame.sent_positions(FIRST_BAD, ranks)]
 
-    def _backward(self, names: tuple[str, ...]) -> np.ndarray:
-        """Which of ``names`` are values of the backward pass (cached)."""
-        mask = self._bwd.get(names)
-        if mask is None:
-            mask = self._bwd[names] = np.array([n in BACKWARD_METRICS for n in names], bool)
-        return mask
-
     def judge(self, frame: StepContext, seen: dict[str, Any] | None) -> list[Finding]:
         """Name the ranks of a non-finite step, keeping the rank a non-finite streak began on."""
         if seen is None:
@@ -304,17 +293,15 @@ class NonFiniteDetector(SplitDetector):
         msg, around = self._message(frame, streak, where, _spread_text(frame, bad, blame, coords, where.rank))
         ranks = tuple(sorted(blame.culprits))
         return [
-            Finding(
-                detector=self.name,
-                kind=IncidentKind.NONFINITE.value,
-                severity=Severity.CRITICAL,
-                run=frame.run,
-                step=frame.step,
-                score=float(bad.n_bad),
-                message=msg,
+            Finding.at(
+                frame,
+                self.name,
+                IncidentKind.NONFINITE,
+                Severity.CRITICAL,
+                float(bad.n_bad),
+                msg,
                 around=around,
                 ranks=ranks,
-                hosts=tuple(sorted({frame.hosts[r] for r in ranks} - {""})),
                 metric=where.metric,
                 layer=where.layer,
                 evidence=self._evidence(bad, blame, where, own[: self.max_listed]),

@@ -27,9 +27,10 @@ from sdcwatch.core.incident import Finding, Severity
 from sdcwatch.core.jsonsafe import decode_array, encode_array
 from sdcwatch.core.kinds import IncidentKind
 from sdcwatch.core.mesh import format_coords
+from sdcwatch.core.metric_spec import PER_RANK, MetricSpec
+from sdcwatch.core.model_place import message_at, where
 from sdcwatch.core.validate import check_positive
 from sdcwatch.core.vocabulary import CHECK_METRICS, RANK_SCALARS
-from sdcwatch.core.where import message_at, where
 from sdcwatch.detectors.base import SplitDetector, StepContext
 from sdcwatch.detectors.cross_rank_z import CrossRankZ
 from sdcwatch.detectors.frame import StepFrame
@@ -37,15 +38,31 @@ from sdcwatch.detectors.peers import coords_of, known_coords, rank_label
 from sdcwatch.detectors.rank_disagreement import RankDisagreement
 from sdcwatch.detectors.rank_evidence import RankEvidence, cusum_step
 from sdcwatch.detectors.registry import register
+from sdcwatch.detectors.settings import DetectorSettings
 
-__all__ = ["RankOutlierDetector", "RankOutlierConfig", "RANKS_DISAGREE", "disagreement_text"]
+__all__ = ["RankOutlierDetector", "RankOutlierConfig", "RANKS_DISAGREE", "RANK_OUTLIER_SCORE", "disagreement_text"]
 
 #: The kind of the info finding that two or three ranks plainly disagree (read by attribution).
 RANKS_DISAGREE = IncidentKind.RANKS_DISAGREE.value
 
+#: Each rank's accumulated evidence over the threshold (``rank_scores``), on ``/metrics``.
+RANK_OUTLIER_SCORE = MetricSpec(
+    "sdcwatch_rank_outlier_score",
+    "gauge",
+    PER_RANK,
+    "Accumulated rank-outlier evidence of a rank; exported for the top-K ranks and every "
+    "rank in an open incident only.",
+    read=lambda d: d.rank_scores,
+    panel="Rank-outlier score (top-K ranks)",
+)
+
 
 @dataclass(frozen=True)
-class RankOutlierConfig:
+class RankOutlierConfig(
+    DetectorSettings,
+    section="rank_outlier",
+    positive="threshold drift clip instant_z min_world disagree_ratio max_fraction max_named rel_floor",
+):
     """Settings of the rank-outlier detector ``[detectors.rank_outlier]``."""
 
     threshold: float = 24.0
@@ -77,18 +94,7 @@ class RankOutlierConfig:
     """Per-rank scalars compared rank against rank (every layer metric is, too)."""
 
     def __post_init__(self) -> None:
-        check_positive(
-            "rank_outlier",
-            threshold=self.threshold,
-            drift=self.drift,
-            clip=self.clip,
-            instant_z=self.instant_z,
-            min_world=self.min_world,
-            disagree_ratio=self.disagree_ratio,
-            max_fraction=self.max_fraction,
-            max_named=self.max_named,
-            rel_floor=self.rel_floor,
-        )
+        super().__post_init__()
         if self.disagree_ratio <= 1.0:
             raise ConfigError("rank_outlier.disagree_ratio", f"must exceed 1.0, got {self.disagree_ratio}")
         if self.clip <= self.drift:
@@ -109,19 +115,7 @@ class RankOutlierDetector(SplitDetector):
     name = "rank_outlier"
     fault = "rank_shift"
     Config = RankOutlierConfig
-    threshold: float
-    drift: float
-    clip: float
-    instant_z: float
-    min_world: int
-    disagree_ratio: float
-    max_fraction: float
-    max_named: int
-    rel_floor: float
-    warmup: int
-    reference_ranks: int
-    report_z: float
-    scalars: tuple[str, ...]
+    metrics = (RANK_OUTLIER_SCORE,)
 
     def __init__(self, config: RankOutlierConfig | None = None, /, **settings: Any) -> None:
         super().__init__(config, **settings)
@@ -290,23 +284,10 @@ class RankOutlierDetector(SplitDetector):
             r, c = int(hit["rank"]), int(hit["feature"])
             head = f"{rank_label(frame, r, host=False)} extreme at step {frame.step}: "
             msg, around = message_at(head, metrics[c], layers[c], f" z={hit['z']:.1f}")
-            findings.append(
-                Finding(
-                    detector=self.name,
-                    kind=IncidentKind.RANK_DEVIATION.value,
-                    severity=Severity.INFO,
-                    run=frame.run,
-                    step=frame.step,
-                    score=float(hit["peak"]),
-                    message=msg,
-                    around=around,
-                    ranks=(r,),
-                    hosts=_hosts(frame, r),
-                    metric=metrics[c],
-                    layer=layers[c],
-                    evidence={"z": hit["z"], "loss_z": hit["loss_z"], "value": hit["value"]},
-                )
-            )
+            evidence = {"z": hit["z"], "loss_z": hit["loss_z"], "value": hit["value"]}
+            kind, score = IncidentKind.RANK_DEVIATION, float(hit["peak"])
+            place = {"metric": metrics[c], "layer": layers[c], "around": around, "ranks": (r,), "evidence": evidence}
+            findings.append(Finding.at(frame, self.name, kind, Severity.INFO, score, msg, **place))
         return findings
 
     def _disagreement(self, frame: StepContext, seen: dict[str, Any]) -> list[Finding]:
@@ -326,14 +307,13 @@ class RankOutlierDetector(SplitDetector):
         ]
         first = features[0]
         return [
-            Finding(
-                detector=self.name,
-                kind=RANKS_DISAGREE,
-                severity=Severity.INFO,
-                run=frame.run,
-                step=frame.step,
-                score=hits[0][1],
-                message=f"the {frame.world} ranks disagree at step {frame.step}: {disagreement_text(features)}",
+            Finding.at(
+                frame,
+                self.name,
+                RANKS_DISAGREE,
+                Severity.INFO,
+                hits[0][1],
+                f"the {frame.world} ranks disagree at step {frame.step}: {disagreement_text(features)}",
                 metric=first["metric"],
                 layer=first["layer"],
                 evidence={"world": frame.world, "step": frame.step, "features": features},
@@ -351,17 +331,14 @@ class RankOutlierDetector(SplitDetector):
         r = int(too_few["example"])
         where = format_coords(coords_of(known_coords(frame), r))
         return [
-            Finding(
-                detector=self.name,
-                kind=IncidentKind.PEERS_TOO_FEW.value,
-                severity=Severity.INFO,
-                run=frame.run,
-                step=frame.step,
-                score=float(now[1]),
-                message=(
-                    f"{now[1]} rank(s) in {now[0]} peer group(s) of fewer than {self.min_world} ranks are "
-                    f"not compared with their peers (e.g. rank {r}{' at ' + where if where else ''})"
-                ),
+            Finding.at(
+                frame,
+                self.name,
+                IncidentKind.PEERS_TOO_FEW,
+                Severity.INFO,
+                float(now[1]),
+                f"{now[1]} rank(s) in {now[0]} peer group(s) of fewer than {self.min_world} ranks are "
+                f"not compared with their peers (e.g. rank {r}{' at ' + where if where else ''})",
                 evidence={"groups": now[0], "ranks": now[1], "min_world": self.min_world},
             )
         ]
@@ -381,30 +358,14 @@ class RankOutlierDetector(SplitDetector):
         evidence = self._evidence
         col, pos, neg = evidence.column(r), evidence.column(r, "pos"), evidence.column(r, "neg")
         top = np.argsort(-col)[:3]
-        return Finding(
-            detector=self.name,
-            kind=IncidentKind.RANK_OUTLIER.value,
-            severity=Severity.WARNING,
-            run=frame.run,
-            step=frame.step,
-            score=ev,
-            message=msg,
-            around=around,
-            ranks=(r,),
-            hosts=_hosts(frame, r),
-            metric=metrics[c],
-            layer=layers[c],
-            evidence={
-                "confidence": conf,
-                "z": z_cr,
-                "direction": "high" if pos[c] >= neg[c] else "low",
-                "top": [{"metric": metrics[i], "layer": layers[i], "evidence": float(col[i])} for i in top],
-            },
-        )
-
-    def metrics_view(self) -> dict[str, Any]:
-        """Each rank's accumulated evidence over the threshold."""
-        return {"rank_scores": self.rank_scores}
+        said = {
+            "confidence": conf,
+            "z": z_cr,
+            "direction": "high" if pos[c] >= neg[c] else "low",
+            "top": [{"metric": metrics[i], "layer": layers[i], "evidence": float(col[i])} for i in top],
+        }
+        place = {"metric": metrics[c], "layer": layers[c], "around": around, "ranks": (r,), "evidence": said}
+        return Finding.at(frame, self.name, IncidentKind.RANK_OUTLIER, Severity.WARNING, ev, msg, **place)
 
     def snapshot(self) -> dict[str, Any]:
         evidence = self._evidence.snapshot()
@@ -432,7 +393,3 @@ def disagreement_text(features: list[dict[str, Any]], most: int = 2) -> str:
         values = " vs ".join("-" if v is None else f"{v:.3g}" for v in f["values"])
         parts.append(f"{where(f['metric'], f['layer'])} {values}")
     return "; ".join(parts)
-
-
-def _hosts(frame: StepContext, r: int) -> tuple[str, ...]:
-    return (frame.hosts[r],) if frame.hosts[r] else ()

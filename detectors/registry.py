@@ -5,13 +5,15 @@ in its own module; the registry imports every module of the package to find it.
 - :func:`detector_classes`: sdcwatch's own detectors, in the order the pipeline runs them (the
   contract test runs on every one);
 - :func:`default_classes`, :func:`default_detectors`: the set a run gets unless told otherwise;
-- :func:`baseline_classes`: what teams use today, scored beside sdcwatch by the campaign;
-- :func:`detector_class`: one of them by name.
+- :func:`baseline_classes`: the product's detectors the campaign also scores as a baseline (the
+  others, which mirror another tool's rule, are the campaign's: ``sdcwatch.testbed.campaign``);
+- :func:`detector_class`: one of them by name;
+- :func:`detector_metrics`: the metric families they declare, for ``/metrics`` and the dashboard.
 
 >>> [cls.name for cls in default_classes()]
 ['nonfinite', 'checksum', 'spike', 'lr_jump', 'rank_outlier', 'replica', 'straggler', 'missing_rank', 'guard']
 >>> list(baseline_classes())
-['megatron', 'zclip', 'nan_check', 'river_hst']
+['river_hst']
 """
 
 from __future__ import annotations
@@ -21,7 +23,15 @@ import pkgutil
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
-__all__ = ["register", "detector_classes", "default_classes", "default_detectors", "baseline_classes", "detector_class"]
+__all__ = [
+    "register",
+    "detector_classes",
+    "default_classes",
+    "default_detectors",
+    "baseline_classes",
+    "detector_class",
+    "detector_metrics",
+]
 
 #: The package whose every module (sub-packages included) is imported to find the detectors.
 _PACKAGE = "sdcwatch.detectors"
@@ -49,8 +59,8 @@ def register(*, order: int, default: bool = False, baseline: bool = False, own: 
     fixes the order of findings within a step, and so the incidents: a new detector takes a free
     number where it should run, and an existing one keeps its number. Today's: ``nonfinite`` 10,
     ``checksum`` 20, ``spike`` 30, ``lr_jump`` 40, ``rank_outlier`` 50, ``replica`` 60,
-    ``straggler`` 70, ``missing_rank`` 80, ``guard`` 90; the baselines ``megatron`` 110, ``zclip``
-    120, ``nan_check`` 130, ``river_hst`` 140 (also one of sdcwatch's own, opt-in).
+    ``straggler`` 70, ``missing_rank`` 80, ``guard`` 90; ``river_hst`` 140 (opt-in, also a campaign
+    baseline; 110-130 are the campaign's own baselines, which are not registered).
     ``default``: in the set every run gets; ``baseline``: scored by the campaign as a baseline;
     ``own``: one of sdcwatch's detectors (the contract test runs on it; False for a baseline that
     only mirrors another tool's rule).
@@ -127,3 +137,18 @@ def default_detectors(configs: Mapping[str, Any] | None = None) -> list:
     (its ``Config``), else with its defaults."""
     configs = configs or {}
     return [cls(configs.get(cls.name)) for cls in default_classes()]
+
+
+def detector_metrics() -> list:
+    """Every metric family a registered detector declares (its ``metrics``), in pipeline order;
+    detectors that show the same number share one :class:`~sdcwatch.core.metric_spec.MetricSpec`.
+
+    >>> [spec.name for spec in detector_metrics()][:3]
+    ['sdcwatch_training_loss', 'sdcwatch_training_grad_norm', 'sdcwatch_detector_spike_score']
+    """
+    specs: dict[str, Any] = {}
+    for cls in _classes(lambda e: True):
+        for spec in cls.metrics:
+            if specs.setdefault(spec.name, spec) is not spec:
+                raise ValueError(f"detector {cls.name}: metric {spec.name} is declared otherwise by another detector")
+    return list(specs.values())

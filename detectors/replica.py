@@ -24,13 +24,13 @@ import numpy as np
 from sdcwatch.core.incident import Finding, Severity
 from sdcwatch.core.kinds import IncidentKind
 from sdcwatch.core.mesh import DIMS, format_coords, replica_key
-from sdcwatch.core.validate import check_positive
+from sdcwatch.core.model_place import message_at, where
 from sdcwatch.core.vocabulary import CANARY_PRODUCT
-from sdcwatch.core.where import message_at, where
 from sdcwatch.detectors.base import SplitDetector, StepContext
 from sdcwatch.detectors.frame import StepFrame
 from sdcwatch.detectors.peers import Groups, coords_of, group_keys, known_coords, rank_label
 from sdcwatch.detectors.registry import register
+from sdcwatch.detectors.settings import DetectorSettings
 
 __all__ = ["ReplicaDivergenceDetector", "ReplicaConfig", "majority", "checked_product", "PEER_VOTED"]
 
@@ -90,16 +90,13 @@ _GATHER = tuple(i for i, d in enumerate(DIMS) if d != "dp_shard")
 
 
 @dataclass(frozen=True)
-class ReplicaConfig:
+class ReplicaConfig(DetectorSettings, section="replica", positive="min_world max_listed"):
     """Settings of the replica-divergence detector ``[detectors.replica]``."""
 
     min_world: int = 3
     """Fewest ranks holding a value for a majority vote on it (in the world, and in a replica group)."""
     max_listed: int = 16
     """Most ranks a finding names in its message and evidence."""
-
-    def __post_init__(self) -> None:
-        check_positive("replica", min_world=self.min_world, max_listed=self.max_listed)
 
 
 @register(default=True, order=60)
@@ -109,8 +106,6 @@ class ReplicaDivergenceDetector(SplitDetector):
     name = "replica"
     fault = "replica"
     Config = ReplicaConfig
-    min_world: int
-    max_listed: int
 
     def __init__(self, config: ReplicaConfig | None = None, /, **settings: Any) -> None:
         super().__init__(config, **settings)
@@ -209,7 +204,6 @@ class ReplicaDivergenceDetector(SplitDetector):
         checked = {"gemm_canary_product": int(product)} if product is not None else {}
         if odd_by_metric:
             ranks = tuple(sorted({int(r) for v in odd_by_metric.values() for r in v}))
-            hosts = tuple(sorted({frame.hosts[r] for r in ranks} - {""}))
             who = ", ".join(rank_label(frame, r)[5:] for r in ranks[: self.max_listed])
             head = (
                 f"SDC suspected: replica divergence at step {frame.step}: rank {who} disagree(s) with the majority on "
@@ -219,7 +213,6 @@ class ReplicaDivergenceDetector(SplitDetector):
                     frame,
                     score=float(len(ranks)),
                     ranks=ranks,
-                    hosts=hosts,
                     **_on(head, list(odd_by_metric), product),
                     evidence={
                         "metrics": {k: [int(r) for r in v[: self.max_listed]] for k, v in odd_by_metric.items()},
@@ -264,14 +257,7 @@ class ReplicaDivergenceDetector(SplitDetector):
 
     def _finding(self, frame: StepContext, **fields: Any) -> Finding:
         """A critical replica-divergence finding of ``frame``'s step; ``fields`` say the rest."""
-        return Finding(
-            detector=self.name,
-            kind=IncidentKind.REPLICA_DIVERGENCE.value,
-            severity=Severity.CRITICAL,
-            run=frame.run,
-            step=frame.step,
-            **fields,
-        )
+        return Finding.at(frame, self.name, IncidentKind.REPLICA_DIVERGENCE, Severity.CRITICAL, **fields)
 
 
 def _on(head: str, metrics: list[str], product: int | None, tail: str = "") -> dict[str, Any]:

@@ -1,122 +1,26 @@
-"""Spikes over time in the global loss and gradient norm, against a robust, trend-aware baseline.
-
-Each series is followed in log space. The baseline is the median of the last few accepted values
-(it follows a falling or rising loss within a few steps, and one outlier cannot move it); the
-noise scale is an exponentially weighted mean of absolute residuals, each clipped at a few scales
-(so a spike hardly inflates it). A step is a spike when its robust z is high *and* the value
-exceeds the baseline by a ratio a person would call a spike: micro-batch noise can reach a high
-z, a real spike must also be large. Onset, peak and recovery of one spike make one incident.
-A gradient spike that leaves the loss alone is reported as ``grad_spike``, never as a loss spike.
+"""Spikes over time in the global loss and gradient norm, against the robust baseline every spike
+check shares (:mod:`sdcwatch.core.spike_baseline`: log-space median, clipped noise scale, a spike
+needs a high z *and* a large ratio). Onset, peak and recovery of one spike make one incident. A
+gradient spike that leaves the loss alone is reported as ``grad_spike``, never as a loss spike.
 """
 
 from __future__ import annotations
 
 import math
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from sdcwatch.core.errors import ConfigError
 from sdcwatch.core.incident import Finding, Severity
 from sdcwatch.core.kinds import IncidentKind
-from sdcwatch.core.validate import check_positive
+from sdcwatch.core.metric_spec import MetricSpec
+from sdcwatch.core.spike_baseline import RobustBaseline, SeriesSettings
+from sdcwatch.core.validate import check_positive, check_type
 from sdcwatch.detectors.base import SplitDetector, StepContext
 from sdcwatch.detectors.frame import StepFrame
 from sdcwatch.detectors.registry import register
 
-__all__ = ["SeriesSettings", "SpikeConfig", "RobustBaseline", "SpikeDetector"]
-
-
-@dataclass(frozen=True)
-class SeriesSettings:
-    """When one series counts as spiking."""
-
-    z_on: float = 8.0
-    """Robust z (residual over the noise scale) a step must reach to open a spike."""
-    min_ratio: float = 1.3
-    """And the value must be at least this multiple of the baseline."""
-    z_off: float = 3.0
-    """The spike is over when z falls below this."""
-
-    def __post_init__(self) -> None:
-        check_positive("spike", z_on=self.z_on, z_off=self.z_off, min_ratio=self.min_ratio)
-        if self.z_off >= self.z_on:
-            raise ConfigError("spike.z_off", f"must be below z_on ({self.z_on}), got {self.z_off}")
-        if self.min_ratio <= 1.0:
-            raise ConfigError("spike.min_ratio", f"must exceed 1.0, got {self.min_ratio}")
-
-
-class RobustBaseline:
-    """Baseline and noise scale of one positive series, in log space (pure Python, O(1) a step).
-
-    >>> b = RobustBaseline(window=5, warmup=5)
-    >>> for v in [4.0, 4.1, 3.9, 4.05, 3.95, 4.0, 4.02, 3.98, 4.01, 3.99, 4.0]:
-    ...     _ = b.update(v)
-    >>> z, ratio, base = b.score(8.0)
-    >>> round(base, 2), ratio > 1.9, z > 8
-    (4.0, True, True)
-    """
-
-    def __init__(
-        self, window: int = 9, warmup: int = 50, scale_alpha: float = 0.02, clip: float = 3.0, floor: float = 0.002
-    ) -> None:
-        check_positive("spike", window=window, warmup=warmup, scale_alpha=scale_alpha, clip=clip, floor=floor)
-        self.window = int(window)
-        self.warmup = int(warmup)
-        self.scale_alpha = scale_alpha
-        self.clip = clip
-        self.floor = floor  # smallest noise scale (log units): a perfectly smooth series still has one
-        self._buf: deque[float] = deque(maxlen=self.window)
-        self._scale = 0.0
-        self._n = 0  # values seen after the window filled
-
-    @property
-    def ready(self) -> bool:
-        """True once warm-up is over and scores mean something."""
-        return self._n >= self.warmup
-
-    def _base(self) -> float:
-        return sorted(self._buf)[len(self._buf) // 2]
-
-    def score(self, value: float) -> tuple[float, float, float]:
-        """(z, ratio to baseline, baseline) of ``value``; (0, 1, NaN) when not ready or not positive."""
-        if not self.ready or not (value > 0.0 and math.isfinite(value)):
-            return 0.0, 1.0, math.nan
-        base = self._base()
-        r = math.log(value) - base
-        return r / max(self._scale, self.floor), math.exp(r), math.exp(base)
-
-    def update(self, value: float) -> bool:
-        """Learn one value (non-positive and non-finite values are skipped); returns True if used."""
-        if not (value > 0.0 and math.isfinite(value)):
-            return False
-        t = math.log(value)
-        if len(self._buf) < self.window:
-            self._buf.append(t)
-            return True
-        base = self._base()
-        r = t - base
-        if self._n < self.warmup:  # plain running mean of |r| while warming up
-            self._scale += (abs(r) * 1.2533 - self._scale) / (self._n + 1)
-            accepted = t
-        else:
-            lim = self.clip * max(self._scale, self.floor)
-            cr = max(-lim, min(lim, r))
-            # 1.2533 * mean|r| estimates sigma for Gaussian noise
-            self._scale += self.scale_alpha * (abs(cr) * 1.2533 - self._scale)
-            accepted = base + cr  # a spike enters the window clipped: it cannot drag the baseline
-        self._buf.append(accepted)
-        self._n += 1
-        return True
-
-    def snapshot(self) -> dict[str, Any]:
-        return {"buf": list(self._buf), "scale": self._scale, "n": self._n}
-
-    def restore(self, state: dict[str, Any]) -> None:
-        self._buf = deque((float(v) for v in state["buf"]), maxlen=self.window)
-        self._scale = float(state["scale"])
-        self._n = int(state["n"])
+__all__ = ["SpikeConfig", "SpikeDetector"]
 
 
 @dataclass(frozen=True)
@@ -139,8 +43,7 @@ class SpikeConfig:
     def __post_init__(self) -> None:
         check_positive("spike", window=self.window, warmup=self.warmup, scale_alpha=self.scale_alpha)
         for key in ("loss", "grad_norm", "loss_max"):
-            if not isinstance(getattr(self, key), SeriesSettings):
-                raise ConfigError(f"spike.{key}", f"must be a SeriesSettings, got {getattr(self, key)!r}")
+            check_type(f"spike.{key}", getattr(self, key), SeriesSettings)
 
 
 @register(default=True, order=30)
@@ -152,6 +55,13 @@ class SpikeDetector(SplitDetector):
     the highest rank's ``loss`` (one rank's bad batch barely moves the mean). Emits ``loss_spike``
     on onset, while the spike lasts and at recovery (``metric`` is ``loss_max`` when only one
     rank's loss spiked); ``grad_spike`` (warning) for a gradient-norm spike while the loss is calm.
+
+    >>> det = SpikeDetector(warmup=5)
+    >>> steps = [StepFrame.single("r", i, ("loss",), np.array([4.0 + 0.01 * (i % 3)])) for i in range(20)]
+    >>> [f for frame in steps for f in det.update(frame)]
+    []
+    >>> [(f.kind, f.evidence["phase"]) for f in det.update(StepFrame.single("r", 20, ("loss",), np.array([9.0])))]
+    [('loss_spike', 'onset')]
     """
 
     name = "spike"
@@ -169,6 +79,31 @@ class SpikeDetector(SplitDetector):
         "grad_norm": (("grad_norm_global", "grad_norm", "grad_norm_local"), "median"),
         "loss_max": (("loss",), "max"),
     }
+
+    metrics = (  # the latest global loss and gradient norm, and the spike score of each series
+        MetricSpec(
+            "sdcwatch_training_loss",
+            "gauge",
+            ("run",),
+            "Latest global training loss (mean over ranks) of the last completed step.",
+            read=lambda d: d.latest["loss"],
+        ),
+        MetricSpec(
+            "sdcwatch_training_grad_norm",
+            "gauge",
+            ("run",),
+            "Latest global gradient norm of the last completed step.",
+            read=lambda d: d.latest["grad_norm"],
+        ),
+        MetricSpec(
+            "sdcwatch_detector_spike_score",
+            "gauge",
+            ("run", "metric"),
+            "Current spike score of a global metric against its robust trend-aware baseline.",
+            read=lambda d: d.scores,
+            panel="Spike scores",
+        ),
+    )
 
     def __init__(self, config: SpikeConfig | None = None, /, **settings: Any) -> None:
         super().__init__(config, **settings)
@@ -225,7 +160,7 @@ class SpikeDetector(SplitDetector):
         s = self._settings(key)
         active = self._active[key]
         if active is None:
-            if z >= s.z_on and ratio >= s.min_ratio:
+            if s.spikes(z, ratio):
                 self._active[key] = {
                     "onset": step,
                     "peak_step": step,
@@ -288,10 +223,6 @@ class SpikeDetector(SplitDetector):
             metric=key,
             evidence=evidence,
         )
-
-    def metrics_view(self) -> dict[str, Any]:
-        """The latest global loss and gradient norm, and the spike score of each series."""
-        return {"loss": self.latest["loss"], "grad_norm": self.latest["grad_norm"], "spike_scores": dict(self.scores)}
 
     def snapshot(self) -> dict[str, Any]:
         return {

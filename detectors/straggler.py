@@ -14,17 +14,17 @@ from sdcwatch.core.errors import ConfigError
 from sdcwatch.core.incident import Finding, Severity
 from sdcwatch.core.jsonsafe import decode_array, encode_array
 from sdcwatch.core.kinds import IncidentKind
-from sdcwatch.core.validate import check_positive
 from sdcwatch.detectors.base import SplitDetector, StepContext
 from sdcwatch.detectors.frame import StepFrame
 from sdcwatch.detectors.peers import grouped_median, rank_label
 from sdcwatch.detectors.registry import register
+from sdcwatch.detectors.settings import DetectorSettings
 
 __all__ = ["StragglerDetector", "StragglerConfig"]
 
 
 @dataclass(frozen=True)
-class StragglerConfig:
+class StragglerConfig(DetectorSettings, section="straggler", positive="min_ratio window min_world"):
     """Settings of the straggler detector ``[detectors.straggler]``."""
 
     min_ratio: float = 1.5
@@ -35,7 +35,7 @@ class StragglerConfig:
     """Fewest ranks for a comparison with the median rank (in the world, and in a pipeline stage)."""
 
     def __post_init__(self) -> None:
-        check_positive("straggler", min_ratio=self.min_ratio, window=self.window, min_world=self.min_world)
+        super().__post_init__()
         if self.min_ratio <= 1:
             raise ConfigError("straggler.min_ratio", f"must be > 1, got {self.min_ratio!r}")
 
@@ -69,9 +69,6 @@ class StragglerDetector(SplitDetector):
     name = "straggler"
     fault = "straggler"
     Config = StragglerConfig
-    min_ratio: float
-    window: int
-    min_world: int
 
     def __init__(self, config: StragglerConfig | None = None, /, **settings: Any) -> None:
         super().__init__(config, **settings)
@@ -143,22 +140,19 @@ class StragglerDetector(SplitDetector):
             r = int(r)
             ratio = float(math.exp(typical[r]))
             now = float(math.exp(lr[r]))
-            host = frame.hosts[r]
             base = med if rank_median is None else float(rank_median[r])
             whose = "the median rank's" if rank_median is None else "its pipeline stage's median"
             out.append(
-                Finding(
-                    detector=self.name,
-                    kind=IncidentKind.STRAGGLER.value,
-                    severity=Severity.WARNING,
-                    run=frame.run,
-                    step=frame.step,
-                    score=ratio,
+                Finding.at(
+                    frame,
+                    self.name,
+                    IncidentKind.STRAGGLER,
+                    Severity.WARNING,
+                    ratio,
+                    f"straggler: {rank_label(frame, r)} persistently slow: typical step {ratio:.2f}x {whose} over "
+                    f"{self.window} steps",
                     metric="step_time",
                     ranks=(r,),
-                    hosts=(host,) if host else (),
-                    message=f"straggler: {rank_label(frame, r)}"
-                    + f" persistently slow: typical step {ratio:.2f}x {whose} over {self.window} steps",
                     evidence={
                         "ratio_typical": ratio,
                         "ratio_now": now,

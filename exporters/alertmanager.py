@@ -22,11 +22,11 @@ from typing import Any
 
 from sdcwatch.core.errors import ConfigError
 from sdcwatch.core.incident import Incident, IncidentEvent
-from sdcwatch.core.validate import redact_url
-from sdcwatch.core.where import noun_of
+from sdcwatch.core.model_place import noun_of
+from sdcwatch.core.validate import check_number
 
 from .collector import incident_coords_label, incident_rank_label
-from .delivery import BackgroundSink, Backoff, DeliveryError, PostFn, encode_json, post_json
+from .delivery import BackgroundSink, Backoff, DeliveryError, PostFn, check_url, encode_json, post_json
 
 __all__ = ["AlertmanagerSink", "alert_for", "alertname_for"]
 
@@ -139,12 +139,9 @@ class AlertmanagerSink(BackgroundSink):
         clock: Callable[[], float] = time.time,
         max_queue: int = 10_000,
     ) -> None:
-        if not isinstance(url, str) or not url.startswith(("http://", "https://")):
-            raise ConfigError("alertmanager.url", f"must be an http(s) URL, got {redact_url(url)!r}")
-        if not (isinstance(refresh_interval, (int, float)) and refresh_interval > 0):
-            raise ConfigError("alertmanager.refresh_interval", f"must be > 0 seconds, got {refresh_interval!r}")
-        if not (isinstance(timeout, (int, float)) and timeout > 0):
-            raise ConfigError("alertmanager.timeout", f"must be > 0 seconds, got {timeout!r}")
+        check_url("alertmanager.url", url)
+        check_number("alertmanager.refresh_interval", refresh_interval, 0, lo_open=True)
+        check_number("alertmanager.timeout", timeout, 0, lo_open=True)
         for name in extra_labels or {}:
             if not _LABEL_NAME.match(name):
                 raise ConfigError("alertmanager.extra_labels", f"{name!r} is not a valid label name")
@@ -209,10 +206,12 @@ class AlertmanagerSink(BackgroundSink):
         valid_for = VALIDITY_INTERVALS * self.refresh_interval
         batch = dict(self._pending)
         alerts = []
+        labels: dict[str, dict[str, str]] = {}  # incident id -> its alert's labels
         for inc_id, inc in batch.items():
             alert = alert_for(
                 inc, now=now, valid_for=valid_for, extra_labels=self.extra_labels, generator_url=self.generator_url
             )
+            labels[inc_id] = alert["labels"]
             previous = self._accepted.get(inc_id)
             if previous is not None and previous != alert["labels"]:
                 alerts.append({**alert, "labels": previous, "endsAt": _rfc3339(max(now, inc.opened_at))})
@@ -230,9 +229,7 @@ class AlertmanagerSink(BackgroundSink):
         self.sent += len(alerts)
         for inc_id, inc in batch.items():
             if inc.open:
-                self._accepted[inc_id] = alert_for(inc, now=now, valid_for=valid_for, extra_labels=self.extra_labels)[
-                    "labels"
-                ]
+                self._accepted[inc_id] = labels[inc_id]
             else:
                 self._accepted.pop(inc_id, None)
         self._pending.clear()

@@ -1,93 +1,59 @@
 """The catalogue of every metric sdcwatch exposes: name, type, labels and help text.
 
-One table serves the collector (which builds its families from it), the documentation
-(dashboards/README.md lists the same names, checked by a test) and the cardinality budget.
+The service's own families are listed here; each detector declares its own in its file
+(``metrics``, read off its state), and they come with the run views (``RunView.detector_metrics``)
+or, for the dashboard and its README, from the detector registry. One catalogue serves the
+collector (which builds its families from it), the dashboard and its README, and the cardinality
+budget.
 Names follow ``sdcwatch_<subsystem>_<name>_<unit>``; counters end in ``_total``; no label ever
 carries a step number.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
 
-__all__ = ["MetricSpec", "METRICS", "STATS", "metric"]
+from sdcwatch.core.metric_spec import MetricSpec
+
+__all__ = ["catalogue", "STATS", "metric"]
 
 #: Cross-rank statistics, in the column order of ``RunView.scalar_stats`` / ``layer_stats``.
 STATS: tuple[str, ...] = ("min", "q25", "median", "q75", "max")
 
 
-@dataclass(frozen=True)
-class MetricSpec:
-    """One exposed metric family.
-
-    ``name`` is the full sample name (counters include ``_total``, info metrics ``_info``);
-    ``kind`` is the Prometheus type (``gauge``, ``counter`` or ``info``).
-    """
-
-    name: str
-    kind: str
-    labels: tuple[str, ...]
-    help: str
-
-    @property
-    def family(self) -> str:
-        """The family name prometheus-client wants (without ``_total`` / ``_info``)."""
-        suffix = {"counter": "_total", "info": "_info"}.get(self.kind, "")
-        return self.name[: -len(suffix)] if suffix else self.name
-
-
-def _m(name: str, kind: str, labels: tuple[str, ...], help: str) -> MetricSpec:
-    return MetricSpec(name, kind, labels, help)
-
-
-METRICS: tuple[MetricSpec, ...] = (
-    # training: the run as a whole
-    _m(
-        "sdcwatch_training_loss",
-        "gauge",
-        ("run",),
-        "Latest global training loss (mean over ranks) of the last completed step.",
+#: The run as a whole (its detectors' families follow these).
+_RUN: tuple[MetricSpec, ...] = (
+    MetricSpec("sdcwatch_training_last_step", "gauge", ("run",), "Last training step the detector service completed."),
+    MetricSpec(
+        "sdcwatch_training_steps_total", "counter", ("run",), "Training steps the detector service has completed."
     ),
-    _m("sdcwatch_training_grad_norm", "gauge", ("run",), "Latest global gradient norm of the last completed step."),
-    _m("sdcwatch_training_last_step", "gauge", ("run",), "Last training step the detector service completed."),
-    _m("sdcwatch_training_steps_total", "counter", ("run",), "Training steps the detector service has completed."),
-    _m("sdcwatch_training_world_size", "gauge", ("run",), "Number of ranks (world size) of the run."),
-    _m(
+    MetricSpec("sdcwatch_training_world_size", "gauge", ("run",), "Number of ranks (world size) of the run."),
+    MetricSpec(
         "sdcwatch_training_run_finished",
         "gauge",
         ("run",),
         "1 once every rank of the run sent its end-of-run marker (it ended normally: no stall alert; "
         "its series go after the end expiry), else 0.",
     ),
-    # detectors
-    _m(
-        "sdcwatch_detector_spike_score",
-        "gauge",
-        ("run", "metric"),
-        "Current spike score of a global metric against its robust trend-aware baseline.",
-    ),
-    _m(
+)
+
+#: The findings, incidents, checkpoints, statistics across ranks, and the service's own health.
+_SERVICE: tuple[MetricSpec, ...] = (
+    MetricSpec(
         "sdcwatch_detector_findings_total",
         "counter",
         ("detector", "kind"),
         "Findings produced by each detector, by kind.",
     ),
     # the training job's guard, as its records report it
-    _m(
+    MetricSpec(
         "sdcwatch_guard_actions_total",
         "counter",
         ("action",),
         "Steps at which a training job's guard acted: skip, rerun, rollback or evict.",
     ),
     # ranks: per-rank only for the top-K outliers and ranks in open incidents
-    _m(
-        "sdcwatch_rank_outlier_score",
-        "gauge",
-        ("run", "rank", "host"),
-        "Accumulated rank-outlier evidence of a rank; exported for the top-K ranks and every "
-        "rank in an open incident only.",
-    ),
-    _m(
+    MetricSpec(
         "sdcwatch_rank_metric",
         "gauge",
         ("run", "piece", "metric", "stat"),
@@ -95,7 +61,7 @@ METRICS: tuple[MetricSpec, ...] = (
         'tensor or pipeline parallelism across the ranks of one model piece (piece="pp=1,tp=0", no piece label '
         "for plain data parallel).",
     ),
-    _m(
+    MetricSpec(
         "sdcwatch_layer_metric",
         "gauge",
         ("run", "piece", "metric", "layer", "layer_name", "stat"),
@@ -105,35 +71,37 @@ METRICS: tuple[MetricSpec, ...] = (
         "module an index is when the ranks sent their names.",
     ),
     # incidents
-    _m("sdcwatch_incidents_open", "gauge", ("run", "kind", "severity"), "Incidents currently open."),
-    _m(
+    MetricSpec("sdcwatch_incidents_open", "gauge", ("run", "kind", "severity"), "Incidents currently open."),
+    MetricSpec(
         "sdcwatch_incidents_total",
         "counter",
         ("kind", "severity"),
         "Incidents opened since the service started (an escalation counts under its new kind too).",
     ),
-    _m(
+    MetricSpec(
         "sdcwatch_incident_info",
         "info",
         ("run", "id", "kind", "severity", "state", "rank", "host", "layer", "layer_name", "metric", "detector"),
         "One series per open or recently resolved incident, carrying its description as labels.",
     ),
-    _m(
+    MetricSpec(
         "sdcwatch_incident_first_step",
         "gauge",
         ("run", "id"),
         "First training step of an open or recently resolved incident.",
     ),
-    _m("sdcwatch_incident_last_step", "gauge", ("run", "id"), "Last training step at which an incident was seen."),
-    _m("sdcwatch_incident_score", "gauge", ("run", "id"), "Peak detector score of an incident."),
+    MetricSpec(
+        "sdcwatch_incident_last_step", "gauge", ("run", "id"), "Last training step at which an incident was seen."
+    ),
+    MetricSpec("sdcwatch_incident_score", "gauge", ("run", "id"), "Peak detector score of an incident."),
     # certified checkpoints: the checkpoints a run reported, as the service marked them
-    _m(
+    MetricSpec(
         "sdcwatch_checkpoint_newest_clean_step",
         "gauge",
         ("run",),
         "Step of the newest checkpoint of the run marked clean (no fault began at or before it): the one to resume from.",
     ),
-    _m(
+    MetricSpec(
         "sdcwatch_checkpoint_step",
         "gauge",
         ("run", "slot", "mark"),
@@ -141,22 +109,24 @@ METRICS: tuple[MetricSpec, ...] = (
         "labelled with its marking: clean, suspect or after-fault.",
     ),
     # ingest pipeline
-    _m("sdcwatch_pipeline_records_total", "counter", (), "Telemetry records the service has consumed."),
-    _m("sdcwatch_pipeline_records_per_second", "gauge", (), "Recent rate of consumed telemetry records."),
-    _m(
+    MetricSpec("sdcwatch_pipeline_records_total", "counter", (), "Telemetry records the service has consumed."),
+    MetricSpec("sdcwatch_pipeline_records_per_second", "gauge", (), "Recent rate of consumed telemetry records."),
+    MetricSpec(
         "sdcwatch_pipeline_consumer_lag_records",
         "gauge",
         (),
         "Records between the consumer position and the end of the telemetry topic.",
     ),
-    _m("sdcwatch_pipeline_dead_letters_total", "counter", (), "Malformed records routed to the dead-letter topic."),
-    _m(
+    MetricSpec(
+        "sdcwatch_pipeline_dead_letters_total", "counter", (), "Malformed records routed to the dead-letter topic."
+    ),
+    MetricSpec(
         "sdcwatch_state_write_errors_total",
         "counter",
         (),
         "State snapshots that could not be written (a full or read-only disk); detection goes on, each is retried.",
     ),
-    _m(
+    MetricSpec(
         "sdcwatch_pipeline_dead_letters_by_reason_total",
         "counter",
         ("reason",),
@@ -164,99 +134,102 @@ METRICS: tuple[MetricSpec, ...] = (
         "world, layers, layer_metrics, values, step_size, counter, name, step_jump, runs, unknown_schema "
         "(see docs/operating.md, Limits).",
     ),
-    _m(
+    MetricSpec(
         "sdcwatch_pipeline_consumer_partitions",
         "gauge",
         (),
         "Partitions of the telemetry topic this instance reads; 0 means evicted from its consumer group or "
         "waiting for a rebalance: nothing is processed.",
     ),
-    _m(
+    MetricSpec(
         "sdcwatch_pipeline_messages_waiting_for_schema",
         "gauge",
         (),
         "Wire v2 messages held until the message carrying their record layout comes (at most "
         "detectors.schema_wait_s, then dead-lettered as unknown_schema).",
     ),
-    _m(
+    MetricSpec(
         "sdcwatch_pipeline_offset_gaps_total",
         "counter",
         ("outcome",),
         "Gaps in a telemetry partition's offsets: refetched (times the reader went back to one), filled (the "
         "missing messages came), skipped (taken as real after the gap wait; their messages were not read).",
     ),
-    _m(
+    MetricSpec(
         "sdcwatch_pipeline_runs",
         "gauge",
         (),
         "Runs whose detection state the service keeps (at most detectors.max_runs).",
     ),
-    _m(
+    MetricSpec(
         "sdcwatch_pipeline_runs_forgotten_total",
         "counter",
         (),
         "Runs that gave way to new ones within detectors.max_runs (on probation and silent, or stale).",
     ),
-    _m("sdcwatch_pipeline_duplicates_total", "counter", (), "Duplicate records (same run, step and rank) discarded."),
-    _m(
+    MetricSpec(
+        "sdcwatch_pipeline_duplicates_total", "counter", (), "Duplicate records (same run, step and rank) discarded."
+    ),
+    MetricSpec(
         "sdcwatch_pipeline_late_records_total",
         "counter",
         (),
         "Records that arrived after their step had closed, and were dropped.",
     ),
-    _m(
+    MetricSpec(
         "sdcwatch_pipeline_world_changes_total",
         "counter",
         (),
         "Times a run's world size changed (its open steps were closed and alignment started over).",
     ),
-    _m(
+    MetricSpec(
         "sdcwatch_pipeline_incomplete_steps_total",
         "counter",
         (),
         "Steps closed without every rank's record (late or missing ranks).",
     ),
-    _m(
+    MetricSpec(
         "sdcwatch_pipeline_summaries_total",
         "counter",
         (),
         "Step summaries a temporal stage received from the spatial stage (scale-out).",
     ),
-    _m(
+    MetricSpec(
         "sdcwatch_pipeline_summaries_late_total",
         "counter",
         (),
         "Step summaries that arrived after a later step had been judged, and were dropped.",
     ),
-    _m("sdcwatch_pipeline_last_record_age_seconds", "gauge", (), "Seconds since the service consumed its last record."),
-    _m(
+    MetricSpec(
+        "sdcwatch_pipeline_last_record_age_seconds", "gauge", (), "Seconds since the service consumed its last record."
+    ),
+    MetricSpec(
         "sdcwatch_pipeline_last_step_age_seconds",
         "gauge",
         ("run",),
         "Seconds since the service completed the last step of the run.",
     ),
-    _m(
+    MetricSpec(
         "sdcwatch_pipeline_runs_evicted_total",
         "counter",
         ("reason",),
         'Runs dropped from memory and /metrics: "finished" (end expiry after the end-of-run markers) '
         'or "idle" (no record for the idle expiry; their open incidents resolved).',
     ),
-    _m(
+    MetricSpec(
         "sdcwatch_pipeline_late_ranks",
         "gauge",
         ("run",),
         "Ranks that missed the alignment deadline at the last closed step.",
     ),
-    _m("sdcwatch_pipeline_missing_ranks", "gauge", ("run",), "Ranks not heard from for a long time (presumed dead)."),
-    _m(
+    MetricSpec(
         "sdcwatch_emitter_dropped_records_total",
         "counter",
         ("run",),
         "Records the in-rank emitters dropped (buffer full or bus down), summed over ranks.",
     ),
     # the exporter itself
-    _m(
+    MetricSpec(
         "sdcwatch_exporter_omitted",
         "gauge",
         ("what",),
@@ -264,7 +237,7 @@ METRICS: tuple[MetricSpec, ...] = (
         "layers (what=layers, (piece, layer) pairs) beyond metrics.max_layers, summed over runs, that have "
         "no series of their own at this scrape.",
     ),
-    _m(
+    MetricSpec(
         "sdcwatch_exporter_view_errors_total",
         "counter",
         (),
@@ -272,12 +245,16 @@ METRICS: tuple[MetricSpec, ...] = (
     ),
 )
 
-_BY_NAME = {spec.name: spec for spec in METRICS}
+
+def catalogue(detector_metrics: Sequence[MetricSpec] = ()) -> tuple[MetricSpec, ...]:
+    """Every family, in exposition order: the run's, then its detectors' (``detector_metrics``: the
+    runs' ``detector_metrics``, or the registry's ``detector_metrics()``), then the service's."""
+    return (*_RUN, *detector_metrics, *_SERVICE)
 
 
-def metric(name: str) -> MetricSpec:
+def metric(name: str, detector_metrics: Sequence[MetricSpec] = ()) -> MetricSpec:
     """The spec of ``name``; ``KeyError`` naming it when the catalogue has no such metric."""
-    try:
-        return _BY_NAME[name]
-    except KeyError:
-        raise KeyError(f"no metric {name!r} in the sdcwatch catalogue") from None
+    for spec in catalogue(detector_metrics):
+        if spec.name == name:
+            return spec
+    raise KeyError(f"no metric {name!r} in the sdcwatch catalogue")

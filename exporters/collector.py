@@ -1,38 +1,52 @@
 """A prometheus-client custom collector that reads the detector service's state at scrape time.
 
 The service hands over a ``view_fn`` returning one consistent :class:`ServiceView`; every scrape
-turns that snapshot into metric families (catalogue in :mod:`sdcwatch.exporters.catalog`).
-Cardinality is bounded whatever the world size, the number of runs or the depth of the model:
-per-rank series exist only for the top-K ranks by outlier score and for ranks named by an open
-incident; cross-rank statistics per model piece (peer group) for ``max_pieces`` pieces of a run,
-per-layer series only for ``max_layers`` (piece, layer) pairs of a run (those of open incidents,
-then the widest spread across ranks: :mod:`sdcwatch.exporters.pieces`), each layer metric's only at
-the indices it has (no NaN padding) and named in ``layer_name`` when the ranks sent their names
-(:mod:`sdcwatch.exporters.layer_indices`: one name per index, so no series more); per-run series only for
-the runs the service view holds (the service passes its ``metrics.max_runs``). Everything else is
-aggregated or left out, and ``sdcwatch_exporter_omitted`` says how much.
-"""
+turns that snapshot into metric families (the service's own in :mod:`sdcwatch.exporters.catalog`,
+each detector's as its ``metrics`` declare). Cardinality is bounded whatever the world size, the
+number of runs or the depth of the model: per-rank series exist only for the top-K ranks by a
+per-rank metric (the outlier score) and for ranks named by an open incident; the cross-rank
+statistics for ``max_pieces`` pieces and ``max_layers`` (piece, layer) pairs of a run, each layer
+metric's only at the indices it has, named in ``layer_name`` when the ranks sent their names
+(:mod:`sdcwatch.exporters.statistics_series`); per-run series only for the runs the service view
+holds (the service passes its ``metrics.max_runs``). Everything else is aggregated or left out,
+and ``sdcwatch_exporter_omitted`` says how much."""
 
 from __future__ import annotations
 
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
 from prometheus_client.registry import Collector
 from sdcwatch.core.errors import ConfigError
-from sdcwatch.core.checkpoints import CheckpointMark
 from sdcwatch.core.incident import Incident, PipelineView, RunView, ServiceView
 from sdcwatch.core.kinds import guard_action_of
 from sdcwatch.core.mesh import format_coords
+from sdcwatch.core.metric_spec import MetricSpec
+from sdcwatch.core.rank_notes import CheckpointMark
+from sdcwatch.core.validate import check_choice, check_number
 
-from .bounds import DEFAULT_LAYER_STATS, DEFAULT_MAX_LAYERS, DEFAULT_MAX_PIECES, DEFAULT_TOP_K, check_cardinality
-from .catalog import METRICS, STATS, MetricSpec, metric
-from .layer_indices import bounded_label, index_names, layer_extents
-from .pieces import add_layer_stats, add_stats, by_piece, exported_layers, exported_pieces
+from .catalog import STATS, catalogue, metric
+from .metrics_settings import (
+    DEFAULT_LAYER_STATS,
+    DEFAULT_MAX_LAYERS,
+    DEFAULT_MAX_PIECES,
+    DEFAULT_TOP_K,
+    check_cardinality,
+)
+from .statistics_series import (
+    add_layer_stats,
+    add_stats,
+    bounded_label,
+    by_piece,
+    exported_layers,
+    exported_pieces,
+    index_names,
+    layer_extents,
+)
 
 __all__ = [
     "SdcwatchCollector",
@@ -105,12 +119,12 @@ class SdcwatchCollector(Collector):
         if not callable(view_fn):
             raise ConfigError("exporter.view_fn", f"must be callable, got {type(view_fn).__name__}")
         check_cardinality(top_k=top_k, max_layers=max_layers, max_pieces=max_pieces)
-        if not cache_seconds >= 0:
-            raise ConfigError("exporter.cache_seconds", f"must be >= 0, got {cache_seconds!r}")
+        check_number("exporter.cache_seconds", cache_seconds, 0)
         for key, stats in (("exporter.layer_stats", layer_stats), ("exporter.scalar_stats", scalar_stats)):
-            unknown = [s for s in stats if s not in STATS]
-            if unknown or isinstance(stats, str):
-                raise ConfigError(key, f"unknown statistic(s) {unknown or stats!r}; choose from {list(STATS)}")
+            if isinstance(stats, str):
+                raise ConfigError(key, f"must be a list of statistics, got {stats!r}")
+            for name in stats:
+                check_choice(key, name, STATS)
         self.view_fn = view_fn
         self.top_k = top_k
         self.layer_stats = tuple(layer_stats)
@@ -128,8 +142,9 @@ class SdcwatchCollector(Collector):
     # -- prometheus-client protocol -------------------------------------------------------------
 
     def describe(self) -> Iterable[Metric]:
-        """Empty families of every metric, so the registry can detect name clashes up front."""
-        return [self._family(spec) for spec in METRICS]
+        """Empty families of the service's own metrics, so the registry can detect name clashes up
+        front (the detectors' come with the runs)."""
+        return [self._family(spec) for spec in catalogue()]
 
     def collect(self) -> Iterator[Metric]:
         if not self.cache_seconds:
@@ -151,10 +166,7 @@ class SdcwatchCollector(Collector):
         errors = self._family(metric("sdcwatch_exporter_view_errors_total"))
         errors.add_metric([], self._view_errors)
         families["sdcwatch_exporter_view_errors_total"] = errors
-        for spec in METRICS:
-            family = families.get(spec.name)
-            if family is not None and family.samples:
-                yield family
+        yield from (family for family in families.values() if family.samples)
 
     # -- building ---------------------------------------------------------------------------------
 
@@ -167,8 +179,13 @@ class SdcwatchCollector(Collector):
         return GaugeMetricFamily(spec.family, spec.help, labels=spec.labels)
 
     def _families(self, view: ServiceView, now: float) -> dict[str, Metric]:
-        """Every family filled from one view: the runs, the incidents, the findings, the pipeline."""
-        fam = {spec.name: self._family(spec) for spec in METRICS}
+        """Every family filled from one view (the runs, the incidents, the findings, the pipeline), in
+        catalogue order; the detectors' families are those the runs' detectors declare."""
+        owned: dict[str, MetricSpec] = {}
+        for run in view.runs:
+            for spec in run.detector_metrics:
+                owned.setdefault(spec.name, spec)
+        fam = {spec.name: self._family(spec) for spec in catalogue(list(owned.values()))}
 
         def add(name: str, labels: Sequence[str], value: float) -> None:
             fam[name].add_metric([str(v) for v in labels], float(value))
@@ -199,20 +216,23 @@ class SdcwatchCollector(Collector):
         incidents: list[Incident],
         now: float,
     ) -> tuple[int, int]:
-        """One run's series: training, spike and outlier scores, the statistics of its exported
+        """One run's series: its progress, its detectors' numbers, the statistics of its exported
         pieces and layers, its health. Returns the (piece, layer) pairs and pieces left out."""
         r = run.run
-        add("sdcwatch_training_loss", [r], run.loss)
-        add("sdcwatch_training_grad_norm", [r], run.grad_norm)
         add("sdcwatch_training_last_step", [r], run.last_step)
         add("sdcwatch_training_steps_total", [r], run.steps_total)
         add("sdcwatch_training_world_size", [r], run.world)
         add("sdcwatch_training_run_finished", [r], 1 if run.finished else 0)
-        for metric_name, score in sorted(run.spike_scores.items()):
-            add("sdcwatch_detector_spike_score", [r, metric_name], score)
-        for rank in self._exported_ranks(run, incidents):
-            host = run.hosts[rank] if rank < len(run.hosts) else ""
-            add("sdcwatch_rank_outlier_score", [r, rank, host], run.rank_scores[rank])
+        for spec in run.detector_metrics:
+            value = run.detector_values[spec.name]
+            if spec.per_rank:
+                for rank in self._exported_ranks(value, incidents):
+                    add(spec.name, [r, rank, run.hosts[rank] if rank < len(run.hosts) else ""], value[rank])
+            elif isinstance(value, Mapping):
+                for key, number in sorted(value.items()):
+                    add(spec.name, [r, key], number)
+            else:
+                add(spec.name, [r], value)
         n = len(run.pieces)
         scalars = {k: by_piece(v, n, False) for k, v in run.scalar_stats.items()}
         layer_stats = {
@@ -229,7 +249,6 @@ class SdcwatchCollector(Collector):
         names = index_names(run)
         add_layer_stats(fam["sdcwatch_layer_metric"], run, layer_stats, self.layer_stats, pairs, extents, names)
         add("sdcwatch_pipeline_late_ranks", [r], run.late_ranks)
-        add("sdcwatch_pipeline_missing_ranks", [r], run.missing_ranks)
         add("sdcwatch_emitter_dropped_records_total", [r], run.emitter_dropped)
         if run.last_step_wall > 0:
             add("sdcwatch_pipeline_last_step_age_seconds", [r], max(0.0, now - run.last_step_wall))
@@ -249,9 +268,10 @@ class SdcwatchCollector(Collector):
                 shown,
             )
 
-    def _exported_ranks(self, run: RunView, incidents: list[Incident]) -> list[int]:
-        """Top-K ranks by outlier score (ties to the lower rank) plus open-incident ranks, sorted."""
-        scores = np.asarray(run.rank_scores, dtype=np.float64).reshape(-1)
+    def _exported_ranks(self, values: np.ndarray, incidents: list[Incident]) -> list[int]:
+        """Top-K ranks by a per-rank metric's ``values`` (ties to the lower rank) plus open-incident
+        ranks, sorted."""
+        scores = np.asarray(values, dtype=np.float64).reshape(-1)
         n = scores.shape[0]
         chosen: set[int] = set()
         k = min(self.top_k, n)

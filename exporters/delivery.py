@@ -23,9 +23,9 @@ from typing import Any
 
 from sdcwatch.core.errors import ConfigError, DeliveryError
 from sdcwatch.core.incident import IncidentEvent
-from sdcwatch.core.validate import redact_url
+from sdcwatch.core.validate import check_int, check_number, redact_url, url_problem
 
-__all__ = ["BackgroundSink", "Backoff", "PostFn", "post_json", "encode_json"]
+__all__ = ["BackgroundSink", "Backoff", "PostFn", "post_json", "encode_json", "check_url"]
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +71,13 @@ def post_json(url: str, body: bytes, headers: Mapping[str, str], timeout: float)
         raise DeliveryError(f"{url}: {exc}") from exc
 
 
+def check_url(key: str, url: Any) -> None:
+    """Raise ConfigError(``key``) unless ``url`` is an http(s) URL with a host (never showing its password)."""
+    problem = url_problem(url) if isinstance(url, str) else f"must be an http(s) URL, got {type(url).__name__}"
+    if problem:
+        raise ConfigError(key, problem)
+
+
 def encode_json(payload: Any) -> bytes:
     """Strict JSON (no NaN/Infinity tokens: receivers such as Alertmanager reject them)."""
     return json.dumps(payload, allow_nan=False, separators=(",", ":"), default=str).encode("utf-8")
@@ -80,12 +87,9 @@ class Backoff:
     """Exponential retry delays: ``initial``, x``factor`` each failure, capped at ``maximum``."""
 
     def __init__(self, initial: float = 0.5, maximum: float = 30.0, factor: float = 2.0) -> None:
-        if not initial > 0:
-            raise ConfigError("sink.backoff_initial", f"must be > 0 seconds, got {initial!r}")
-        if not maximum >= initial:
-            raise ConfigError("sink.backoff_max", f"must be >= backoff_initial ({initial}), got {maximum!r}")
-        if not factor >= 1:
-            raise ConfigError("sink.backoff_factor", f"must be >= 1, got {factor!r}")
+        check_number("sink.backoff_initial", initial, 0, lo_open=True)
+        check_number("sink.backoff_max", maximum, initial)
+        check_number("sink.backoff_factor", factor, 1)
         self.initial = initial
         self.maximum = maximum
         self.factor = factor
@@ -120,8 +124,7 @@ class BackgroundSink:
     """
 
     def __init__(self, *, name: str, max_queue: int = 10_000) -> None:
-        if isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 1:
-            raise ConfigError("sink.max_queue", f"must be an integer >= 1, got {max_queue!r}")
+        check_int("sink.max_queue", max_queue, lo=1)
         self.max_queue = max_queue
         self.dropped = 0  # events lost because the queue was full
         self._queue: deque[IncidentEvent] = deque()

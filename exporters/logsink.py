@@ -13,8 +13,8 @@ import logging
 import math
 import re
 
-from sdcwatch.core.errors import ConfigError
 from sdcwatch.core.incident import IncidentEvent, Severity
+from sdcwatch.core.validate import check_choice
 
 from .collector import incident_coords_label, incident_rank_label
 
@@ -77,10 +77,8 @@ class LogSink:
     """An :class:`IncidentSink` that logs each incident change on one line."""
 
     def __init__(self, logger: logging.Logger | str = "sdcwatch.incidents", *, format: str = "logfmt") -> None:
-        if format not in ("logfmt", "json"):
-            raise ConfigError("log_sink.format", f"must be 'logfmt' or 'json', got {format!r}")
+        self.format = check_choice("log_sink.format", format, ("logfmt", "json"))
         self.logger = logging.getLogger(logger) if isinstance(logger, str) else logger
-        self.format = format
         self._formatter = format_logfmt if format == "logfmt" else format_json
 
     def publish(self, event: IncidentEvent) -> None:

@@ -8,25 +8,16 @@ exposing the endpoint beyond the host is an explicit choice.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
+from typing import Any
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, generate_latest, start_http_server
 from sdcwatch.core.errors import ConfigError
 from sdcwatch.core.incident import ServiceView
 
-from .bounds import (
-    DEFAULT_LAYER_STATS,
-    DEFAULT_MAX_LAYERS,
-    DEFAULT_MAX_PIECES,
-    DEFAULT_METRICS_ADDRESS,
-    DEFAULT_METRICS_PORT,
-    DEFAULT_TOP_K,
-    check_address,
-    check_port,
-)
-from .catalog import STATS
 from .collector import SdcwatchCollector
+from .metrics_settings import DEFAULT_METRICS_ADDRESS, DEFAULT_METRICS_PORT, check_address, check_port
 
 __all__ = ["MetricsServer"]
 
@@ -35,9 +26,9 @@ class MetricsServer:
     """An HTTP server for ``/metrics`` fed by ``view_fn`` at every scrape.
 
     ``port=0`` picks a free port (read it back from :attr:`port`). Use as a context manager or
-    call :meth:`start` / :meth:`close`. The collector options are passed through to
-    :class:`SdcwatchCollector`. A scrape within ``cache_seconds`` of the last one gets the same
-    metrics (rendered once): many scrapers cost the service one view a second, not one each.
+    call :meth:`start` / :meth:`close`. The other options are :class:`SdcwatchCollector`'s (``top_k``,
+    ``max_layers``, ...). A scrape within ``cache_seconds`` of the last one gets the same metrics
+    (rendered once): many scrapers cost the service one view a second, not one each.
     """
 
     def __init__(
@@ -46,28 +37,14 @@ class MetricsServer:
         *,
         address: str = DEFAULT_METRICS_ADDRESS,
         port: int = DEFAULT_METRICS_PORT,
-        top_k: int = DEFAULT_TOP_K,
-        layer_stats: Sequence[str] = DEFAULT_LAYER_STATS,
-        scalar_stats: Sequence[str] = STATS,
-        layer_metrics: Sequence[str] | None = None,
-        max_layers: int = DEFAULT_MAX_LAYERS,
-        max_pieces: int = DEFAULT_MAX_PIECES,
         cache_seconds: float = 1.0,
+        **collector_options: Any,
     ) -> None:
         check_address(address)
         check_port(port)
         self.address = address
         self.registry = CollectorRegistry(auto_describe=True)
-        self.collector = SdcwatchCollector(
-            view_fn,
-            top_k=top_k,
-            layer_stats=layer_stats,
-            scalar_stats=scalar_stats,
-            layer_metrics=layer_metrics,
-            max_layers=max_layers,
-            max_pieces=max_pieces,
-            cache_seconds=cache_seconds,
-        )
+        self.collector = SdcwatchCollector(view_fn, cache_seconds=cache_seconds, **collector_options)
         self.registry.register(self.collector)
         self._requested_port = port
         self._httpd: WSGIServer | None = None

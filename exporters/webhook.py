@@ -12,11 +12,10 @@ import time
 from collections import deque
 from collections.abc import Mapping
 
-from sdcwatch.core.errors import ConfigError
 from sdcwatch.core.incident import IncidentEvent
-from sdcwatch.core.validate import redact_url
+from sdcwatch.core.validate import check_int, check_number, redact_url
 
-from .delivery import BackgroundSink, Backoff, DeliveryError, PostFn, encode_json, post_json
+from .delivery import BackgroundSink, Backoff, DeliveryError, PostFn, check_url, encode_json, post_json
 
 __all__ = ["WebhookSink", "WEBHOOK_PAYLOAD_VERSION", "webhook_payload"]
 
@@ -48,12 +47,9 @@ class WebhookSink(BackgroundSink):
         post: PostFn = post_json,
         max_queue: int = 10_000,
     ) -> None:
-        if not isinstance(url, str) or not url.startswith(("http://", "https://")):
-            raise ConfigError("webhook.url", f"must be an http(s) URL, got {redact_url(url)!r}")
-        if not (isinstance(timeout, (int, float)) and timeout > 0):
-            raise ConfigError("webhook.timeout", f"must be > 0 seconds, got {timeout!r}")
-        if isinstance(max_attempts, bool) or not isinstance(max_attempts, int) or max_attempts < 1:
-            raise ConfigError("webhook.max_attempts", f"must be an integer >= 1, got {max_attempts!r}")
+        check_url("webhook.url", url)
+        check_number("webhook.timeout", timeout, 0, lo_open=True)
+        check_int("webhook.max_attempts", max_attempts, lo=1)
         self.url = url
         self.timeout = float(timeout)
         self.max_attempts = max_attempts

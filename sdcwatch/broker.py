@@ -146,10 +146,7 @@ class EmbeddedBroker:
         if self._log_file is not None:
             self._log_file.close()
             self._log_file = None
-        # wait until the port is really released, so a restart on it succeeds
-        deadline = time.monotonic() + timeout
-        while _port_open(self.host, self.port) and time.monotonic() < deadline:
-            time.sleep(0.02)
+        self._released(timeout)
 
     def terminate(self) -> None:
         """Ask the broker to stop (SIGTERM) without waiting: safe inside a signal handler."""
@@ -162,7 +159,11 @@ class EmbeddedBroker:
         if proc is not None and proc.poll() is None:
             proc.kill()
             proc.wait(5)
-        deadline = time.monotonic() + 5
+        self._released(5.0)
+
+    def _released(self, timeout: float) -> None:
+        """Wait until the port is really released, so a restart on it succeeds."""
+        deadline = time.monotonic() + timeout
         while _port_open(self.host, self.port) and time.monotonic() < deadline:
             time.sleep(0.02)
 

@@ -1,37 +1,32 @@
 """``sdcwatch capture``: one run's telemetry from the bus into the JSON lines ``replay`` and ``report`` read.
 
-It reads the telemetry topic without a consumer group (it commits nothing and takes no partitions
-from the detector service) but with the service's re-fetch of offset gaps, keeps the records of one
-run, and writes each as one line of strict JSON, the end-of-run markers included. It stops when
-every rank of the run has sent its marker, after ``--idle-timeout`` seconds at the end of the topic
-without a record of the run, or on Ctrl-C / SIGTERM; what was written until then is a complete
-file. Progress goes to stderr.
+It reads the topic without a consumer group, verifies a signed run with the service's keys, and
+writes the run's records, layer names, checkpoint notes and end markers in the order the ranks made
+them; it stops when every rank sent its end marker, after ``--idle-timeout``, or on Ctrl-C.
 """
 
 from __future__ import annotations
 
 import argparse
-import signal
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import Any, TextIO
 
-from sdcwatch.core.errors import ConfigError, TransportError
-from sdcwatch.core.layer_names import LayerNames, names_to_json
-from sdcwatch.core.record_json import to_json
+from sdcwatch.bus_reading import Refusals, add_bus_arguments, bus_settings, open_reader, stop_on_signals
+from sdcwatch.core.errors import ConfigError
+from sdcwatch.core.messages import encode_line, is_end_marker
 from sdcwatch.core.record_type import Record
-from sdcwatch.service.ingest import IngestDecoder, as_records
+from sdcwatch.core.signing import Keyring
+from sdcwatch.core.validate import check_number
+from sdcwatch.service.auth import Authenticator
+from sdcwatch.service.ingest import IngestDecoder, RecordColumns
 from sdcwatch.service.kafka_source import TopicReader
-from sdcwatch.telemetry.wire.end_marker import is_end_marker
 
-if TYPE_CHECKING:
-    from sdcwatch.config import BusConfig
-
-__all__ = ["Capture", "open_reader", "capture", "build_parser", "add_bus_arguments", "capture_main"]
+__all__ = ["Capture", "capture", "build_parser", "capture_main"]
 
 
 @dataclass
@@ -40,8 +35,9 @@ class Capture:
 
     run: str
     out: TextIO
+    keyring: Keyring | None = None  # verifies signed messages (unsigned ones are read too)
     records: int = 0  # records of the run written (markers included)
-    skipped: int = 0  # messages that did not decode (the service dead-letters them)
+    refused: Refusals = field(default_factory=Refusals)  # messages that did not decode or verify, by why
     other: int = 0  # records of other runs, passed over
     first_step: int | None = None
     last_step: int | None = None
@@ -49,27 +45,37 @@ class Capture:
     ranks: set[int] = field(default_factory=set)
     ended: set[int] = field(default_factory=set)  # ranks whose end-of-run marker was written
     end_world: int = 0
-    decoder: IngestDecoder = field(default_factory=IngestDecoder)  # remembers the v2 layouts seen
+    decoder: IngestDecoder = field(init=False)  # remembers the v2 layouts seen
+
+    def __post_init__(self) -> None:
+        auth = Authenticator(self.keyring, unsigned="accept") if self.keyring is not None else None
+        self.decoder = IngestDecoder(auth=auth)
 
     def take(self, values: Iterable[bytes | None]) -> int:
-        """Decode and write the run's records among ``values`` (either wire: a v2 message's layout
-        arrives ahead of it in its partition); returns how many were written."""
-        items, rejected = self.decoder.decode(("capture", None, value) for value in values)
-        self.skipped += len(rejected)
-        # the run's layer names go along, so a replay of the file names the modules too
-        lines = [names_to_json(x) for x in items if isinstance(x, LayerNames) and x.run == self.run]
-        named = len(lines)
-        for rec in as_records(items):
-            if rec.run != self.run:
-                self.other += 1
-                continue
-            lines.append(to_json(rec))
-            self._note(rec)
+        """Decode and write the run's messages among ``values`` (either wire: a v2 message's layout
+        arrives ahead of it in its partition); returns how many records were written."""
+        items = []
+        for value in values:  # one at a time: the file keeps the order the ranks made them in
+            got, rejected = self.decoder.decode([("capture", None, value)])
+            items += got
+            for rj in rejected:
+                self.refused.add(rj.code, rj.reason)
+        lines, written = [], 0
+        for item in items:
+            recs = item.to_records() if isinstance(item, RecordColumns) else [item]
+            for rec in recs:
+                if rec.run != self.run:
+                    self.other += isinstance(rec, Record)
+                    continue
+                lines.append(encode_line(rec))
+                if isinstance(rec, Record):
+                    written += 1
+                    self._note(rec)
         if lines:
             self.out.write("\n".join(lines) + "\n")
             self.out.flush()
-        self.records += len(lines) - named
-        return len(lines) - named
+        self.records += written
+        return written
 
     def _note(self, rec: Record) -> None:
         if is_end_marker(rec):
@@ -91,27 +97,6 @@ class Capture:
         steps = "no steps yet" if self.first_step is None else f"steps {self.first_step}-{self.last_step}"
         ended = f", {len(self.ended)}/{self.end_world} ranks ended" if self.ended else ""
         return f"{self.records} records of run {self.run!r} ({steps}, {len(self.ranks)} of {self.world} ranks{ended})"
-
-
-def open_reader(
-    bus: BusConfig, topic: str, *, from_beginning: bool, connect_timeout: float, consumer: Any = None
-) -> TopicReader:
-    """``topic`` on ``bus``'s broker, read as the service reads it: every partition, offset gaps
-    re-fetched (:class:`~sdcwatch.service.kafka_source.TopicReader`). A broker that does not answer
-    is a :class:`TransportError` that says where its address came from."""
-    try:
-        return TopicReader(
-            bus.bootstrap,
-            topic,
-            from_beginning=from_beginning,
-            connect_timeout=connect_timeout,
-            consumer=consumer,
-            **bus.security,
-        )
-    except TransportError as exc:
-        raise TransportError(
-            f"{exc}; check --bus-bootstrap / SDCWATCH_BOOTSTRAP and that the broker is running"
-        ) from None
 
 
 def capture(
@@ -184,55 +169,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def add_bus_arguments(parser: argparse.ArgumentParser, topic: str) -> None:
-    """The options of a command that reads one topic (``topic``: its key in ``[bus]``, ``telemetry``
-    or ``anomalies``): the broker, the topic, the serve configuration, how long to wait."""
-    parser.add_argument(
-        "--connect-timeout",
-        type=float,
-        default=10.0,
-        metavar="SECONDS",
-        help="how long to wait for the broker to answer (default %(default)s)",
-    )
-    parser.add_argument(
-        "--bus-bootstrap",
-        "--bootstrap",
-        dest="bootstrap",
-        metavar="HOST:PORT",
-        help="Kafka bootstrap servers [SDCWATCH_BOOTSTRAP; default: the serve configuration's]",
-    )
-    parser.add_argument(
-        f"--bus-{topic}-topic",
-        "--topic",
-        dest="topic",
-        metavar="TOPIC",
-        help=f"{topic} topic [SDCWATCH_BUS_{topic.upper()}_TOPIC; default sdcwatch.{topic}]",
-    )
-    parser.add_argument("--config", metavar="PATH", help="serve configuration file (TOML) for the bus settings")
-
-
 def _output_path(args: argparse.Namespace) -> Path:
     """The file to write, once the timeouts are checked; an existing one only with ``--force``."""
-    if args.idle_timeout < 0:
-        raise ConfigError("--idle-timeout", f"must be >= 0 seconds, got {args.idle_timeout:g}")
-    if args.connect_timeout <= 0:
-        raise ConfigError("--connect-timeout", f"must be > 0 seconds, got {args.connect_timeout:g}")
+    check_number("--idle-timeout", args.idle_timeout, lo=0)
     out_path = Path(args.output)
     if out_path.exists() and not args.force:
         raise ConfigError("--output", f"{out_path} exists; pass --force to overwrite it")
     return out_path
-
-
-def _stop_on_signals() -> threading.Event:
-    """An event set on SIGTERM or Ctrl-C: the capture stops there, its file complete."""
-    stop = threading.Event()
-
-    def on_signal(signum: int, frame: Any) -> None:
-        stop.set()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    return stop
 
 
 def _say(text: str) -> None:
@@ -240,7 +183,7 @@ def _say(text: str) -> None:
 
 
 def _capture_into(
-    reader: TopicReader, args: argparse.Namespace, out_path: Path, stop: threading.Event
+    reader: TopicReader, args: argparse.Namespace, out_path: Path, stop: threading.Event, keyring: Keyring | None
 ) -> tuple[Capture, str]:
     """Write the run's records from ``reader`` into ``out_path``; returns the capture and why it stopped."""
     out_path.parent.mkdir(parents=True, exist_ok=True)
@@ -249,7 +192,7 @@ def _capture_into(
     except OSError as exc:
         raise ConfigError("--output", f"cannot write {out_path}: {exc.strerror or exc}") from None
     with fh:
-        cap = Capture(args.run, fh)
+        cap = Capture(args.run, fh, keyring)
         start = "the beginning" if args.from_beginning else "now on"
         if not reader.assign():
             _say(f"topic {reader.topic} does not exist on {reader.bootstrap} yet: waiting for it")
@@ -263,21 +206,19 @@ def _capture_into(
 
 def capture_main(argv: Sequence[str]) -> int:
     """``sdcwatch capture --run NAME -o FILE``; returns the exit code (0 done, 2 bad input)."""
-    from sdcwatch.config import load_config
-
     args = build_parser().parse_args(argv)
     out_path = _output_path(args)
-    cfg = load_config(args.config, overrides={"bus.bootstrap": args.bootstrap, "bus.telemetry_topic": args.topic})
-    bus = cfg.bus
-    stop = _stop_on_signals()
+    settings = bus_settings(args, "telemetry_topic")
+    bus = settings.bus
+    stop, _ = stop_on_signals()
     reader = open_reader(
         bus, bus.telemetry_topic, from_beginning=args.from_beginning, connect_timeout=args.connect_timeout
     )
     try:
-        cap, why = _capture_into(reader, args, out_path, stop)
+        cap, why = _capture_into(reader, args, out_path, stop, settings.keyring)
     finally:
         reader.close()
-    skipped = f"; {cap.skipped} undecodable messages skipped" if cap.skipped else ""
+    skipped = f"; {len(cap.refused)} messages refused: {cap.refused.describe()}" if cap.refused else ""
     _say(f"wrote {cap.describe()} to {out_path}; stopped: {why}{skipped}")
     if cap.records == 0:
         _say(

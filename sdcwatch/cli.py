@@ -92,7 +92,7 @@ COMMANDS: dict[str, Command] = {
         "the incidents the service published on the anomalies topic, open and resolved",
     ),
     "checkpoints": Command(
-        "sdcwatch.checkpoints",
+        "sdcwatch.checkpoint_list",
         "checkpoints_main",
         "a run's checkpoints as the service marked them (clean, suspect, after-fault), the newest clean one",
     ),
@@ -121,7 +121,7 @@ COMMANDS: dict[str, Command] = {
     "bench": Command(
         "sdcwatch.bench",
         "bench_main",
-        "run the benchmarks (campaign and clean from the package; e2e, ingest and all need a clone)",
+        "run the benchmarks (needs sdcwatch-campaign; e2e, ingest and all also need a clone)",
     ),
 }
 

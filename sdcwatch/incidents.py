@@ -1,10 +1,11 @@
 """``sdcwatch incidents``: the incidents the detector service published, read from the anomalies topic.
 
 Each change of an incident (opened, updated, resolved) is one JSON message on the topic
-(:class:`~sdcwatch.service.bus.AnomalyTopicSink`); this command folds them into the latest state of
+(:class:`~sdcwatch.exporters.topics.AnomalyTopicSink`); this command folds them into the latest state of
 each incident and prints it, one line each or one JSON object a line, then with ``--follow`` every
 change as it arrives. It reads the topic like ``sdcwatch capture`` (no consumer group, offset gaps
-re-fetched) and needs only the base install.
+re-fetched; :mod:`sdcwatch.bus_reading`), each message decoded by
+:func:`~sdcwatch.core.messages.decode_object`, and needs only the base install.
 """
 
 from __future__ import annotations
@@ -12,16 +13,24 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import signal
 import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence, TextIO
+from typing import Any, Sequence, TextIO
 
-from sdcwatch.capture import add_bus_arguments, open_reader
-from sdcwatch.core.errors import ConfigError, SdcwatchError
+from sdcwatch.bus_reading import (
+    Refusals,
+    add_bus_arguments,
+    bus_settings,
+    open_reader,
+    read_to_end,
+    stop_on_signals,
+)
+from sdcwatch.core.errors import ConfigError, RecordError
+from sdcwatch.core.incident import Incident
 from sdcwatch.core.jsonsafe import json_safe
+from sdcwatch.core.messages import decode_object, open_signed
 from sdcwatch.service.kafka_source import TopicReader
 
 __all__ = [
@@ -32,8 +41,6 @@ __all__ = [
     "incident_line",
     "build_parser",
     "incidents_main",
-    "stop_on_signals",
-    "read_to_end",
 ]
 
 _UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
@@ -82,9 +89,10 @@ class IncidentBoard:
     """The latest state of each incident on the anomalies topic, and which of them a reader asked for.
 
     >>> board = IncidentBoard(run="a")
-    >>> board.take(b'{"change": "opened", "id": "a:nonfinite:3", "run": "a", "open": true}', 0)["id"]
+    >>> seen = b'"kind": "nonfinite", "severity": "critical", "first_step": 3, "message": "NaN"'
+    >>> board.take(b'{"change": "opened", "id": "a:nonfinite:3", "run": "a", ' + seen + b'}', 0)["id"]
     'a:nonfinite:3'
-    >>> board.take(b'{"change": "opened", "id": "b:loss_spike:9", "run": "b", "open": true}', 0) is None
+    >>> board.take(b'{"change": "opened", "id": "b:nonfinite:9", "run": "b", ' + seen + b'}', 0) is None
     True
     >>> [e["change"] for e in board.incidents()], board.unreadable
     (['opened'], 0)
@@ -93,20 +101,21 @@ class IncidentBoard:
     def __init__(self, run: str | None = None, since: Since | None = None) -> None:
         self.run = run
         self.since = since
-        self.unreadable = 0  # messages that are not an incident change (JSON object with an id)
+        self.unreadable = 0  # messages that are not an incident change (nor a checkpoint's marking)
         self._latest: dict[str, dict[str, Any]] = {}
         self._changed_at: dict[str, float] = {}
 
     def take(self, value: bytes | None, timestamp_ms: int | None) -> dict[str, Any] | None:
         """Fold one message of the topic in; the incident's new state when the reader asked for it."""
-        try:
+        try:  # anyone who can write to the topic can write anything: count it
             event = json.loads(value) if value is not None else None
-        except ValueError:
-            event = None
-        if not _well_formed(event):  # anyone who can write to the topic can write anything: count it
+            if not isinstance(decode_object(event), Incident):
+                return None  # a checkpoint's marking (sdcwatch checkpoints)
+        except (ValueError, RecordError):
             self.unreadable += 1
             return None
-        if event.get("change") == "checkpoint":  # a checkpoint's marking, not an incident (sdcwatch checkpoints)
+        if not isinstance(event.get("id"), str):
+            self.unreadable += 1
             return None
         changed_at = timestamp_ms / 1000 if timestamp_ms and timestamp_ms > 0 else _wall_of(event)
         self._latest[event["id"]] = event
@@ -122,23 +131,6 @@ class IncidentBoard:
         """The latest state of each incident asked for, in the order they were opened."""
         shown = [e for i, e in self._latest.items() if self._shows(e, self._changed_at[i])]
         return sorted(shown, key=lambda e: (e.get("opened_at") or 0.0, e.get("first_step") or 0, e["id"]))
-
-
-def _well_formed(event: Any) -> bool:
-    """Whether a message has the shape the service writes, so that listing it cannot fail: an id,
-    lists of ranks and hosts, whole steps, numeric times (absent fields are fine)."""
-    if not isinstance(event, dict) or not isinstance(event.get("id"), str):
-        return False
-    lists = all(isinstance(event.get(k, []), list) for k in ("ranks", "hosts"))
-    steps = all(
-        event.get(k) is None or (isinstance(event[k], int) and not isinstance(event[k], bool))
-        for k in ("first_step", "last_step", "resolved_step")
-    )
-    times = all(
-        event.get(k) is None or (isinstance(event[k], (int, float)) and not isinstance(event[k], bool))
-        for k in ("opened_at", "resolved_at")
-    )
-    return lists and steps and times
 
 
 def _wall_of(event: dict[str, Any]) -> float:
@@ -224,35 +216,11 @@ def _say(text: str) -> None:
     print(f"sdcwatch incidents: {text}", file=sys.stderr, flush=True)
 
 
-def stop_on_signals() -> tuple[threading.Event, list[int]]:
-    """An event set on Ctrl-C or SIGTERM, and the signals that set it (the topic readers' commands)."""
-    stop, got = threading.Event(), []
-
-    def on_signal(signum: int, frame: Any) -> None:
-        got.append(signum)
-        stop.set()
-
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGTERM, on_signal)
-    return stop, got
-
-
-def read_to_end(reader: TopicReader, take: Callable[[Any], Any], stop: threading.Event) -> bool:
-    """Hand every message the topic holds now to ``take``; False when the topic does not exist."""
-    if not reader.assign():
-        return False
-    mark = reader.end_mark()
-    while not stop.is_set() and not reader.past(mark):
-        for msg in reader.poll_messages(0.5):
-            take(msg)
-    return True
-
-
-def _follow(reader: TopicReader, board: IncidentBoard, printer: _Printer, stop: threading.Event) -> None:
+def _follow(reader: TopicReader, take: Any, printer: _Printer, stop: threading.Event) -> None:
     """Print each change (opened, updated, resolved) the reader asked for, as it arrives, until ``stop``."""
     while not stop.is_set():
         for msg in reader.poll_messages(0.5):
-            event = board.take(msg.value, msg.timestamp)
+            event = take(msg)
             if event is not None:
                 printer.show(event, str(event.get("change", status_of(event))))
 
@@ -265,19 +233,25 @@ def _nothing(args: argparse.Namespace, topic: str, exists: bool) -> str:
 def incidents_main(argv: Sequence[str]) -> int:
     """``sdcwatch incidents [--run R] [--since S] [--json] [--follow]``; the exit code (0 shown,
     2 bad input, 130 Ctrl-C)."""
-    from sdcwatch.config import load_config
-
     args = build_parser().parse_args(argv)
     since = parse_since(args.since, time.time()) if args.since is not None else None
-    if args.connect_timeout <= 0:
-        raise ConfigError("--connect-timeout", f"must be > 0 seconds, got {args.connect_timeout:g}")
-    bus = load_config(args.config, overrides={"bus.bootstrap": args.bootstrap, "bus.anomalies_topic": args.topic}).bus
+    settings = bus_settings(args, "anomalies_topic")
+    bus = settings.bus
     stop, signals = stop_on_signals()
     board = IncidentBoard(args.run, since)
     printer = _Printer(sys.stdout, args.json)
+    refused = Refusals()
+
+    def take(msg: Any) -> dict[str, Any] | None:
+        try:
+            return board.take(open_signed(msg.value, settings.keyring), msg.timestamp)
+        except RecordError as exc:  # a signed message that does not verify
+            refused.refused(exc)
+            return None
+
     reader = open_reader(bus, bus.anomalies_topic, from_beginning=True, connect_timeout=args.connect_timeout)
     try:
-        exists = read_to_end(reader, lambda msg: board.take(msg.value, msg.timestamp), stop)
+        exists = read_to_end(reader, take, stop)
         shown = [] if stop.is_set() else board.incidents()  # interrupted: no half-read listing
         for event in shown:
             printer.show(event, status_of(event))
@@ -289,26 +263,17 @@ def incidents_main(argv: Sequence[str]) -> int:
                 print(nothing, flush=True)
         if board.unreadable:
             _say(f"{board.unreadable} messages on {bus.anomalies_topic} are not incident changes; skipped")
+        if refused:
+            _say(f"{len(refused)} messages on {bus.anomalies_topic} refused: {refused.describe()}")
         if args.follow and not stop.is_set():
             _say(f"following {bus.anomalies_topic} on {bus.bootstrap} (Ctrl-C to stop)")
-            _follow(reader, board, printer, stop)
+            _follow(reader, take, printer, stop)
     finally:
         reader.close()
     return 128 + signals[0] if signals else 0
 
 
-def _script_main() -> int:
-    """``python -m sdcwatch.incidents``: as ``sdcwatch incidents`` runs, errors in one line."""
-    import logging
+if __name__ == "__main__":  # ``python -m sdcwatch.incidents``: as ``sdcwatch incidents`` runs
+    from sdcwatch.cli import main
 
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("kafka").setLevel(logging.CRITICAL)
-    try:
-        return incidents_main(sys.argv[1:])
-    except SdcwatchError as exc:
-        print(f"sdcwatch incidents: error: {exc}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":
-    raise SystemExit(_script_main())
+    raise SystemExit(main(["incidents", *sys.argv[1:]]))

@@ -47,8 +47,9 @@ def build_service(
     what it reads). ``state_reset``: start afresh, not from the state topic's snapshot (its next
     snapshot replaces it).
     """
-    from sdcwatch.service.bus import SummaryTopicSink
+    from sdcwatch.exporters.topics import SummaryTopicSink
     from sdcwatch.service.loop import DetectorService
+    from sdcwatch.service.summary import encode_summary
 
     changelog = _changelog(cfg)
     pipeline, resumed, taken = _pipeline(cfg, None if state_reset else changelog)  # a damaged state fails here
@@ -60,10 +61,12 @@ def build_service(
         source = wrap_source(source)
     summary_sink = None
     if cfg.detectors.stage == "spatial":  # incidents come from the temporal stage
-        summary_sink = SummaryTopicSink.to_kafka(cfg.bus.bootstrap, cfg.bus.summaries_topic, **cfg.bus.security)
+        summary_sink = SummaryTopicSink.to_kafka(
+            cfg.bus.bootstrap, cfg.bus.summaries_topic, encode=encode_summary, **cfg.bus.security
+        )
         chosen: list[Any] = []
     else:
-        chosen = list(sinks) if sinks is not None else _incident_sinks(cfg, auth)
+        chosen = list(sinks) if sinks is not None else _incident_sinks(cfg, pipeline, auth)
     service = DetectorService(
         source,
         pipeline,
@@ -163,11 +166,12 @@ def _source(cfg: ServeConfig, auth: Any = None) -> Any:
     )
 
 
-def _incident_sinks(cfg: ServeConfig, auth: Any = None) -> list[Any]:
+def _incident_sinks(cfg: ServeConfig, pipeline: Any, auth: Any = None) -> list[Any]:
     """Where the config sends incident changes: the anomalies topic, then Alertmanager, the
     webhook, the log and the training jobs' guards, each when configured."""
     from sdcwatch.exporters import AlertmanagerSink, LogSink, WebhookSink
-    from sdcwatch.service.bus import AnomalyTopicSink
+    from sdcwatch.exporters.topics import AnomalyTopicSink, ControlTopicSink
+    from sdcwatch.service.checkpoint_marks import CertifiedPolicy
 
     bus, alerts = cfg.bus, cfg.alerts
     chosen: list[Any] = [AnomalyTopicSink.to_kafka(bus.bootstrap, bus.anomalies_topic, **bus.security)]
@@ -178,9 +182,8 @@ def _incident_sinks(cfg: ServeConfig, auth: Any = None) -> list[Any]:
     if alerts.log:
         chosen.append(LogSink())
     if cfg.guard.actions:  # the loop back to the training jobs' guards
-        from sdcwatch.service.control_policy import ControlTopicSink
-
-        policy = cfg.guard.policy()
+        # a rollback names the newest clean checkpoint before the incident
+        policy = CertifiedPolicy.around(cfg.guard.policy(), pipeline.checkpoints)
         keys = auth.key_of if auth is not None else None  # each run's decisions signed with its key
         chosen.append(
             ControlTopicSink.to_kafka(bus.bootstrap, bus.control_topic, policy=policy, keys=keys, **bus.security)

@@ -43,14 +43,15 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
-from sdcwatch.core.columnar import WIRES, encode_items
+from sdcwatch.core.columnar import WIRES
+from sdcwatch.core.messages import encode_items
 from sdcwatch.core.errors import RecordError
 from sdcwatch.core.limits import RecordLimits
 from sdcwatch.core.record import record_key
 from sdcwatch.core.record_json import from_dict, to_dict
 from sdcwatch.core.record_layout import PackedRecord
 from sdcwatch.core.record_type import Record
-from sdcwatch.core.validate import check_positive
+from sdcwatch.core.validate import check_choice, check_positive
 from sdcwatch.detectors.frame import StepFrame, assemble_frame
 from sdcwatch.service.ingest import IngestDecoder, RecordColumns
 
@@ -82,7 +83,9 @@ class _OpenStep:
 
 
 @dataclass
-class _RunState:
+class _RunSteps:
+    """One run's alignment: its open steps, the last closed one, its budget."""
+
     world: int
     open: dict[int, _OpenStep] = field(default_factory=dict)
     last_closed: int = -1
@@ -138,7 +141,7 @@ class StepAligner:
         self.backlog = False
         self.max_open = int(max_open)
         self.clock = clock
-        self._runs: dict[str, _RunState] = {}
+        self._runs: dict[str, _RunSteps] = {}
         self.duplicates = 0
         self.late_records = 0
         self.world_changes = 0
@@ -216,7 +219,7 @@ class StepAligner:
         held = [x for x in items if x.run not in rank]
         return held + sorted((x for x in items if x.run in rank), key=lambda x: rank[x.run])
 
-    def _grant(self, st: _RunState, n: int, now: float) -> int:
+    def _grant(self, st: _RunSteps, n: int, now: float) -> int:
         """How many of ``n`` records the run's budget takes now (spent from its bucket)."""
         if st.tokens < n:  # refill lazily: only when the bucket runs short
             st.tokens = min(self._budget_cap, st.tokens + (now - st.tokens_at) * self.record_budget)
@@ -227,7 +230,7 @@ class StepAligner:
 
     def _run_state(
         self, run: str, world: int, now: float, out: list[StepFrame], what: Callable[[], list[Record]]
-    ) -> _RunState | None:
+    ) -> _RunSteps | None:
         """The run's state, started afresh (open steps closed first) when its world size changed;
         None when the run is not admitted (its records, ``what()``, are set aside)."""
         st = self._runs.get(run)
@@ -243,11 +246,11 @@ class StepAligner:
                     )
                 )
                 return None
-            st = self._runs[run] = _RunState(world=world, tokens=self._budget_cap, tokens_at=now)
+            st = self._runs[run] = _RunSteps(world=world, tokens=self._budget_cap, tokens_at=now)
         elif world != st.world:
             out += self._drain(run, st, force=True, now=now)
             self.world_changes += 1
-            st = self._runs[run] = _RunState(
+            st = self._runs[run] = _RunSteps(
                 world=world,
                 last_closed=st.last_closed,
                 stride=st.stride,
@@ -320,7 +323,7 @@ class StepAligner:
 
     def _fits(
         self,
-        st: _RunState,
+        st: _RunSteps,
         op: _OpenStep,
         step: int,
         run: str,
@@ -356,23 +359,17 @@ class StepAligner:
         out, self.rejected = self.rejected, []
         return out
 
-    def poll(self) -> list[StepFrame]:
-        """Close steps whose deadline passed (call regularly, also when no records arrive)."""
+    def poll(self, *, force: bool = False) -> list[StepFrame]:
+        """Close steps whose deadline passed (call regularly, also when no records arrive); every
+        open step with ``force``."""
         now = self.clock()
-        out: list[StepFrame] = []
-        for run, st in list(self._runs.items()):
-            out += self._drain(run, st, force=False, now=now)
-        return out
+        return [frame for run, st in list(self._runs.items()) for frame in self._drain(run, st, force=force, now=now)]
 
     def flush(self) -> list[StepFrame]:
         """Close every open step now (end of a replay file, shutdown)."""
-        now = self.clock()
-        out: list[StepFrame] = []
-        for run, st in list(self._runs.items()):
-            out += self._drain(run, st, force=True, now=now)
-        return out
+        return self.poll(force=True)
 
-    def _drain(self, run: str, st: _RunState, *, force: bool, now: float) -> list[StepFrame]:
+    def _drain(self, run: str, st: _RunSteps, *, force: bool, now: float) -> list[StepFrame]:
         out = []
         while st.open:
             step = min(st.open)
@@ -419,10 +416,6 @@ class StepAligner:
     def holds(self, run: str) -> bool:
         """Whether ``run`` is being aligned (it was admitted and not forgotten)."""
         return run in self._runs
-
-    def on_probation(self, run: str) -> bool:
-        """Whether ``run`` is held but has not yet shown ``probation_steps`` steps."""
-        return run in self._probation
 
     def idlest_on_probation(self, idle: float) -> str | None:
         """The run on probation silent longest, if it has been silent ``idle`` seconds; else None."""
@@ -472,7 +465,7 @@ class StepAligner:
         now = self.clock()
         self._runs, self._probation = {}, {}
         for run, d in state["runs"].items():
-            st = _RunState(
+            st = _RunSteps(
                 world=int(d["world"]),
                 last_closed=int(d["last_closed"]),
                 stride=int(d.get("stride", 1)),
@@ -502,8 +495,7 @@ def frames_over_wire(records: Sequence[Record], wire: str, *, per_message: int =
     for every rank. Lets offline
     tools (the campaign) run detection on exactly what crosses the bus.
     """
-    if wire not in WIRES:
-        raise ValueError(f"wire must be one of {', '.join(WIRES)}, got {wire!r}")
+    check_choice("wire", wire, WIRES)
     items = list(records) if wire == "v1" else [PackedRecord.from_record(r) for r in records]
     messages = [
         (f"wire/0/{i}", key, value)

@@ -1,12 +1,6 @@
-"""The service's side of the job keys: verify each message before it is decoded, bind runs to keys.
-
-With a keyring (``[auth]`` in ``sdcwatch serve``), :class:`Authenticator` opens each signed
-message (:mod:`sdcwatch.core.signing`) before anything reaches a decoder or a detector, and checks
-that the key may speak for every run the message names: a run's first verified message binds it to
-that key id. A message that fails is dead-lettered ``auth`` and counted; the rest of the poll goes
-on. Unsigned messages are refused (``unsigned = "refuse"``, the default once keys are set) or, while
-a fleet moves to signing, accepted for runs that no key has claimed (``unsigned = "accept"``); an
-unsigned message never speaks for a run bound to a key.
+"""The service's side of the job keys: :class:`Authenticator` verifies each signed message before it is
+decoded and binds each run to the key of its first verified message; unsigned messages are refused,
+or accepted for runs no key has claimed (``unsigned = "accept"``). A failure is dead-lettered ``auth``.
 """
 
 from __future__ import annotations
@@ -15,6 +9,7 @@ from typing import Iterable
 
 from sdcwatch.core.errors import ConfigError
 from sdcwatch.core.signing import AuthError, JobKey, Keyring, RunBindings, is_signed
+from sdcwatch.core.validate import check_choice
 
 __all__ = ["Authenticator", "UNSIGNED_POLICIES"]
 
@@ -32,8 +27,7 @@ class Authenticator:
     """
 
     def __init__(self, keyring: Keyring, *, unsigned: str = "refuse", max_runs: int = 100_000) -> None:
-        if unsigned not in UNSIGNED_POLICIES:
-            raise ConfigError("auth.unsigned", f"must be one of {', '.join(UNSIGNED_POLICIES)}, got {unsigned!r}")
+        check_choice("auth.unsigned", unsigned, UNSIGNED_POLICIES)
         if not len(keyring):
             raise ConfigError("auth.key_file", "holds no key")
         self.keyring = keyring

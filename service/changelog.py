@@ -23,6 +23,8 @@ from typing import Any, Iterator, Mapping
 
 from sdcwatch.core.errors import ConfigError, TransportError
 from sdcwatch.core.kafka import new_admin, new_consumer, new_producer, security_settings
+from sdcwatch.core.validate import check_int
+from sdcwatch.service.statefile import restore_faults
 
 __all__ = ["FORMAT", "ChangelogSnapshot", "StateChangelog", "resume_state"]
 
@@ -73,8 +75,8 @@ class StateChangelog:
         chunk_bytes: int | None = None,
         timeout: float = 10.0,
     ) -> None:
-        if chunk_bytes is not None and chunk_bytes < 1024:
-            raise ConfigError("state.topic", f"chunk_bytes must be at least 1024, got {chunk_bytes}")
+        if chunk_bytes is not None:
+            check_int("state.topic.chunk_bytes", chunk_bytes, lo=1024)
         self.bootstrap, self.topic, self.group, self.stage = bootstrap, topic, group, stage
         self.security = security_settings(security or {})
         self.timeout = timeout
@@ -286,19 +288,10 @@ class StateChangelog:
             consumer.close()
         return manifest, {k: v for k, v in chunks.items() if v is not None}, journal
 
-    @contextlib.contextmanager
-    def restoring(self) -> Iterator[None]:
+    def restoring(self) -> contextlib.AbstractContextManager:
         """Turn any fault met while restoring a snapshot from the topic into one ConfigError."""
         where = f"state topic {self.topic}, key {self.manifest_key.decode()}"
-        try:
-            yield
-        except ConfigError as exc:
-            raise ConfigError(exc.key, f"{where}: {exc.problem}{_RECOVERY}") from None
-        except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
-            fault = f"missing key {exc}" if isinstance(exc, KeyError) else f"{type(exc).__name__}: {exc}"
-            raise ConfigError(
-                "state.topic", f"{where}: the snapshot is structurally wrong ({fault}){_RECOVERY}"
-            ) from None
+        return restore_faults("state.topic", where, "the snapshot", _RECOVERY)
 
     def close(self) -> None:
         if self._producer is not None:

@@ -1,31 +1,26 @@
-"""Closing the loop: incidents become decisions for the training job's guard, on the control topic.
+"""Closing the loop: which decision for the training job's guard an incident asks for.
 
 :class:`ControlPolicy` says which action (``skip``, ``rollback``, ``evict`` or none) an incident of
-each kind asks for, from which severity on; :class:`ControlTopicSink` is an incident sink that
-applies it to every opened or updated incident and publishes each new decision, once per incident
-and action, as JSON (:class:`~sdcwatch.core.control.Decision`) keyed by run to
-``sdcwatch.control``, numbered, and signed with the run's job key when the run signs its telemetry. The guard on rank 0 of the run reads it and the ranks agree on it at the next
-step boundary. The policy's default takes no action: sdcwatch detects and reports until the user
-turns actions on (``[guard] actions = true``).
+each kind asks for, from which severity on; the control topic's sink
+(:class:`sdcwatch.exporters.topics.ControlTopicSink`) publishes each new decision, and the guard on
+rank 0 of the run reads it. The default takes no action: sdcwatch detects and reports until the
+user turns actions on (``[guard] actions = true``).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections import OrderedDict
-from dataclasses import dataclass, fields, replace
-from typing import Any, Callable
+from dataclasses import dataclass, fields
+from typing import Any
 
 from sdcwatch.core.control import Decision
-from sdcwatch.core.errors import ConfigError, ControlError
-from sdcwatch.core.incident import Incident, IncidentEvent, Severity
-from sdcwatch.core.signing import JobKey
-from sdcwatch.core.vocabulary import CONTROL_TOPIC
+from sdcwatch.core.errors import ControlError
+from sdcwatch.core.incident import Incident, Severity
+from sdcwatch.core.validate import check_choice, check_number, settings_from
 from sdcwatch.detectors.replica import PEER_VOTED
-from sdcwatch.service.bus import TopicWriter
 
-__all__ = ["ControlPolicy", "ControlTopicSink", "POLICY_ACTIONS"]
+__all__ = ["ControlPolicy", "POLICY_ACTIONS"]
 
 log = logging.getLogger("sdcwatch.service.control_policy")
 
@@ -79,19 +74,11 @@ class ControlPolicy:
     """Learning-rate factor a rollback decision carries, in (0, 1] (1.0: unchanged)."""
 
     def __post_init__(self) -> None:
-        for f in fields(self):
-            if f.name.startswith("on_") and getattr(self, f.name) not in POLICY_ACTIONS:
-                raise ConfigError(
-                    f"guard.{f.name}", f"must be one of {', '.join(POLICY_ACTIONS)}, got {getattr(self, f.name)!r}"
-                )
-        if self.min_severity not in ("warning", "critical"):
-            raise ConfigError("guard.min_severity", f"must be warning or critical, got {self.min_severity!r}")
-        if (
-            isinstance(self.lr_factor, bool)
-            or not isinstance(self.lr_factor, (int, float))
-            or not (0 < self.lr_factor <= 1)
-        ):
-            raise ConfigError("guard.lr_factor", f"must be a number in (0, 1], got {self.lr_factor!r}")
+        for f in fields(ControlPolicy):
+            if f.name.startswith("on_"):
+                check_choice(f"guard.{f.name}", getattr(self, f.name), POLICY_ACTIONS)
+        check_choice("guard.min_severity", self.min_severity, ("warning", "critical"))
+        check_number("guard.lr_factor", self.lr_factor, 0, 1, lo_open=True)
 
     def rule(self, incident: Incident) -> tuple[str, str]:
         """(rule name, action) for an incident: the strongest of its own kind's rule and those of
@@ -148,119 +135,5 @@ class ControlPolicy:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ControlPolicy":
-        known = {f.name for f in fields(cls)}
-        for key in d:
-            if key not in known:
-                raise ConfigError(f"guard.{key}", f"unknown setting (known: {', '.join(sorted(known))})")
-        return cls(**d)
-
-
-class ControlTopicSink(TopicWriter):
-    """An incident sink that publishes the policy's decisions to the control topic.
-
-    Each (incident, action) is decided once: an incident updated every step does not repeat its
-    decision, one that escalates to a kind with another action gets the new one. Never raises.
-    """
-
-    DEFAULT_TOPIC = CONTROL_TOPIC
-    KAFKA_SETTINGS = {"linger_ms": 0}
-    LABEL = "control"
-
-    def __init__(
-        self,
-        send: Callable[[bytes, bytes], Any],
-        flush: Callable[[], bool] = lambda: True,
-        close: Callable[[], Any] | None = None,
-        *,
-        policy: ControlPolicy | None = None,
-        remember: int = 10_000,
-        keys: Callable[[str], JobKey | None] | None = None,
-    ) -> None:
-        super().__init__(send, flush, close)
-        self.policy = policy or ControlPolicy()
-        self.keys = keys
-        """The key a run is bound to (``Authenticator.key_of``): its decisions are signed with it."""
-        self._seq = 0
-        self.decisions: list[Decision] = []
-        """Decisions published so far (the newest ``remember``)."""
-        self._seen: OrderedDict[tuple[str, str], None] = OrderedDict()
-        self._remember = int(remember)
-
-    def _next_seq(self) -> int:
-        """An increasing number, across restarts too: microseconds of wall time, or one more than
-        the last (a guard acts on each number of its run once and refuses older ones)."""
-        self._seq = max(self._seq + 1, time.time_ns() // 1000)
-        return self._seq
-
-    @classmethod
-    def to_kafka(
-        cls,
-        bootstrap: str,
-        topic: str | None = None,
-        *,
-        policy: ControlPolicy | None = None,
-        keys: Callable[[str], JobKey | None] | None = None,
-        **producer_settings: Any,
-    ) -> "ControlTopicSink":
-        sink = super().to_kafka(bootstrap, topic, **producer_settings)
-        sink.policy = policy or ControlPolicy()
-        sink.keys = keys
-        return sink
-
-    @classmethod
-    def to_bus(
-        cls,
-        bus: Any,
-        topic: str | None = None,
-        *,
-        policy: ControlPolicy | None = None,
-        keys: Callable[[str], JobKey | None] | None = None,
-    ) -> "ControlTopicSink":
-        sink = super().to_bus(bus, topic)
-        sink.policy = policy or ControlPolicy()
-        sink.keys = keys
-        return sink
-
-    @classmethod
-    def with_policy(cls, policy: ControlPolicy, to: Callable[[Decision], Any]) -> "ControlTopicSink":
-        """A sink that hands decisions to ``to`` in process (the campaign's closed loop, tests)."""
-        sink = cls(lambda key, value: None, policy=policy)
-        sink._deliver = to  # type: ignore[attr-defined]
-        return sink
-
-    def publish(self, event: IncidentEvent) -> None:
-        try:
-            if event.change == "resolved":
-                return
-            decision = self.policy.decide(event.incident)
-            if decision is None:
-                return
-            key = (event.incident.id, decision.action)
-            if key in self._seen:
-                return
-            self._seen[key] = None
-            while len(self._seen) > self._remember:
-                self._seen.popitem(last=False)
-            deliver = getattr(self, "_deliver", None)
-            if deliver is not None:
-                deliver(decision)
-            else:
-                job_key = self.keys(decision.run) if self.keys is not None else None
-                if job_key is None:  # an unsigned decision, as an earlier release reads it
-                    self._send(decision.run.encode("utf-8"), decision.encode())
-                else:  # numbered and signed: the job's guard takes each number once
-                    decision = replace(decision, seq=self._next_seq())
-                    self._send(decision.run.encode("utf-8"), decision.sign(job_key))
-            self.decisions.append(decision)
-            del self.decisions[: -self._remember]
-            self.published += 1
-            log.warning(
-                "control decision for run %s: %s %s (%s)",
-                decision.run,
-                decision.action,
-                list(decision.ranks) or "the run",
-                decision.reason,
-            )
-        except Exception:  # a sink must never stall or break detection
-            self.errors += 1
-            log.exception("control topic: could not publish a decision for incident %s", event.incident.id)
+        """The policy of a table of settings; an unknown key is refused, naming the known ones."""
+        return settings_from(cls, "guard", d)

@@ -42,35 +42,9 @@ from sdcwatch.core.jsonsafe import parse_float
 from sdcwatch.core.kinds import LOCALISING_KINDS, RANK_FAULT_KINDS, RANK_LOCAL_KINDS, SPIKE_KINDS
 from sdcwatch.core.validate import check_positive
 
-__all__ = ["IncidentBook", "incident_from_dict"]
+__all__ = ["IncidentBook"]
 
 _MAX_RANKS = 64  # ranks listed on one incident (the count is in the evidence)
-
-
-def incident_from_dict(d: dict[str, Any]) -> Incident:
-    """Inverse of :meth:`Incident.to_dict` (restoring a snapshot, reading the anomalies topic)."""
-    return Incident(
-        id=d["id"],
-        run=d["run"],
-        kind=d["kind"],
-        severity=Severity(d["severity"]),
-        first_step=int(d["first_step"]),
-        last_step=int(d["last_step"]),
-        message=d["message"],
-        ranks=tuple(d.get("ranks", ())),
-        hosts=tuple(d.get("hosts", ())),
-        metric=d.get("metric", ""),
-        layer=d.get("layer"),
-        layer_name=d.get("layer_name"),
-        score=parse_float(d.get("score", 0.0)),
-        evidence=dict(d.get("evidence", {})),
-        detector=d.get("detector", ""),
-        peak_step=d.get("peak_step"),
-        resolved_step=d.get("resolved_step"),
-        opened_at=float(d.get("opened_at", 0.0)),
-        resolved_at=d.get("resolved_at"),
-        coords=tuple({str(k): int(v) for k, v in c.items()} for c in d.get("coords", ())),
-    )
 
 
 def _event(change: str, inc: Incident) -> IncidentEvent:
@@ -357,7 +331,7 @@ class IncidentBook:
         }
 
     def restore(self, state: dict[str, Any]) -> None:
-        self._open = {tuple(k): incident_from_dict(d) for k, d in state["open"]}
+        self._open = {tuple(k): Incident.from_dict(d) for k, d in state["open"]}
         self._resolved.clear()
-        self._resolved.extend(incident_from_dict(d) for d in state["resolved"])
+        self._resolved.extend(Incident.from_dict(d) for d in state["resolved"])
         self.opened_total = {(k, s): int(n) for k, s, n in state["opened_total"]}

@@ -1,20 +1,9 @@
 """Batched ingest: many bus messages decoded at once into numpy columns, and steps assembled from them.
 
-Wire format v2 (``sdcwatch.core.columnar``) names a record layout by a schema id and packs
-each record as fixed-size numbers. :class:`IngestDecoder` parses each message's small header in
-Python, joins the rows of every message of one (schema, run) and reads them with one
-``numpy.frombuffer`` over the schema's structured dtype: a :class:`RecordColumns` block. Version 1
-messages still decode, record by record, in the same call. :func:`~sdcwatch.detectors.frame.assemble_frame` fills one
-step's (rank x metric) arrays from those blocks with fancy indexing, and gives the same
-:class:`~sdcwatch.detectors.frame.StepFrame` as ``StepFrame.from_records`` on the same records.
-
-A v2 message whose schema is not known yet waits (at most ``schema_wait`` seconds and
-``max_pending_bytes``) for a message that carries it, then goes to the dead-letter topic with the
-reason. Every v2 record is checked against the same
-:class:`~sdcwatch.core.limits.RecordLimits` as a v1 record (world size, layer metrics, layers,
-values, step size, counters), on whole columns, plus what makes a row malformed (rank beyond the
-world, host index beyond the message's table, non-finite time); a message holding a bad record is
-dead-lettered whole, as a bad v1 batch is.
+:class:`IngestDecoder` reads the rows of every v2 message of one (schema, run) with one
+``numpy.frombuffer`` (a :class:`RecordColumns` block), checked against the shared
+:class:`~sdcwatch.core.limits.RecordLimits` on whole columns; every other kind goes through
+:func:`~sdcwatch.core.messages.decode_message` (docs/messages.md, "The service's ingest").
 """
 
 from __future__ import annotations
@@ -25,12 +14,10 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
-from sdcwatch.core.checkpoints import CKPT_MAGIC, CheckpointNote, decode_note
-from sdcwatch.core.columnar import MAGIC_V2, MessageHeader, parse_header
+from sdcwatch.core.columnar import MAGIC_V2, MessageHeader, check_rows, parse_header
 from sdcwatch.core.errors import RecordError
-from sdcwatch.core.layer_names import NAMES_MAGIC, LayerNames, decode_names
 from sdcwatch.core.limits import COUNTER_SCALARS, LimitError, RecordLimits, reason_of
-from sdcwatch.core.record import decode_message
+from sdcwatch.core.messages import decode_message
 from sdcwatch.core.record_layout import Schema, row_to_record
 from sdcwatch.core.record_type import Record
 from sdcwatch.service.auth import Authenticator
@@ -49,20 +36,7 @@ __all__ = [
 
 def check_schema(limits: RecordLimits, schema: Schema) -> None:
     """Raise LimitError naming the first claim of a layout past ``limits`` (the shared record limits)."""
-    if len(schema.layers) > limits.max_layer_metrics:
-        raise LimitError(
-            "layers",
-            f"{len(schema.layers)} layer metrics, the limit is {limits.max_layer_metrics} (limits.max_layer_metrics)",
-            "layer_metrics",
-        )
-    for name, k in schema.layers:
-        if k > limits.max_layers:
-            raise LimitError(
-                f"layers.{name}", f"{k} layers, the limit is {limits.max_layers} (limits.max_layers)", "layers"
-            )
-    values = len(schema.scalars) + schema.n_layer_values
-    if values > limits.max_values:
-        raise LimitError("record", f"{values} values, the limit is {limits.max_values} (limits.max_values)", "values")
+    limits.check_shape(schema.layers, len(schema.scalars))
 
 
 def bad_rows(
@@ -153,7 +127,7 @@ class SchemaRegistry:
     ``holds`` does not claim is forgotten whole. ``holds`` (the pipeline's: the runs it keeps) is
     never asked to give way, so a flood of layouts under new run names leaves a training run's
     layouts in place; the registry then holds at most ``max_schemas`` plus ``per_run`` for each run
-    held. Layouts restored from an older state file (a list, no runs) serve any run until then.
+    held.
     """
 
     def __init__(
@@ -170,7 +144,6 @@ class SchemaRegistry:
         self.holds = holds
         self._runs: dict[str, dict[int, Schema]] = {}  # run -> its layouts, least recently used run first
         self._count = 0
-        self._unowned: dict[int, Schema] = {}  # restored from a state file that did not name runs
         self.forgotten = 0  # layouts forgotten to keep the bounds
 
     def get(self, schema_id: int, run: str) -> Schema | None:
@@ -179,10 +152,6 @@ class SchemaRegistry:
         sch = layouts.get(schema_id) if layouts is not None else None
         if sch is not None:
             self._runs[run] = self._runs.pop(run)  # most recently used last
-            return sch
-        sch = self._unowned.get(schema_id)
-        if sch is not None:  # adopted by the run that uses it
-            self._add(run, sch)
         return sch
 
     def learn(self, schema_id: int, text: bytes, run: str) -> Schema:
@@ -232,13 +201,13 @@ class SchemaRegistry:
             self.forgotten += len(layouts)
 
     def __len__(self) -> int:
-        return self._count + len(self._unowned)
+        return self._count
 
     def __contains__(self, group: tuple[int, str]) -> bool:
         """Whether ``(schema_id, run)`` (a header's ``group``) is known."""
         schema_id, run = group
         layouts = self._runs.get(run)
-        return (layouts is not None and schema_id in layouts) or schema_id in self._unowned
+        return layouts is not None and schema_id in layouts
 
     def runs(self) -> int:
         """Runs with layouts learnt."""
@@ -252,28 +221,16 @@ class SchemaRegistry:
             }
         }
 
-    def restore(self, state: dict[str, Any] | list[str]) -> None:
-        """Take back a :meth:`snapshot`, or the list of schema texts older versions saved (known to every
-        run until a run uses one). Raises ValueError for any other shape, RecordError for a bad schema."""
-        if isinstance(state, list):
-            for t in state[-self.max_schemas :]:
-                sch = Schema.from_text(_text(t))
-                self._unowned[sch.id] = sch
-            return
+    def restore(self, state: dict[str, Any]) -> None:
+        """Take back a :meth:`snapshot`. Raises ValueError for any other shape, RecordError for a bad schema."""
         runs = state.get("runs") if isinstance(state, dict) else None
         if not isinstance(runs, dict):
-            raise ValueError("saved schemas: expected {'runs': {run: [schema text, ...]}} or a list of schema texts")
+            raise ValueError("saved schemas: expected {'runs': {run: [schema text, ...]}}")
         for run, texts in runs.items():
-            if not isinstance(run, str) or not isinstance(texts, list):
+            if not isinstance(run, str) or not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
                 raise ValueError(f"saved schemas of run {run!r}: expected a list of schema texts")
             for t in texts:
-                self._add(run, Schema.from_text(_text(t)))
-
-
-def _text(t: Any) -> bytes:
-    if not isinstance(t, str):
-        raise ValueError(f"saved schema: expected a text, got {type(t).__name__}")
-    return t.encode()
+                self._add(run, Schema.from_text(t.encode()))
 
 
 class RecordColumns:
@@ -307,12 +264,9 @@ class RecordColumns:
         return out
 
 
-_NOT_RECORDS = (LayerNames, CheckpointNote)  # messages that describe a run's records, not records
-
-
 def count_records(items: Sequence[Any]) -> int:
     """Records in a list of decoded items (records and column blocks; layer names and checkpoint notes are none)."""
-    return sum(len(x) if isinstance(x, RecordColumns) else 0 if isinstance(x, _NOT_RECORDS) else 1 for x in items)
+    return sum(len(x) if isinstance(x, RecordColumns) else isinstance(x, Record) for x in items)
 
 
 def as_records(items: Iterable[Any]) -> list[Record]:
@@ -321,7 +275,7 @@ def as_records(items: Iterable[Any]) -> list[Record]:
     for x in items:
         if isinstance(x, RecordColumns):
             out.extend(x.to_records())
-        elif not isinstance(x, _NOT_RECORDS):
+        elif isinstance(x, Record):
             out.append(x)
     return out
 
@@ -421,30 +375,19 @@ class IngestDecoder:
         return items, rejected
 
     def _read(self, value: bytes, items: list) -> tuple[bytes, MessageHeader | None]:
-        """One message: its signature checked (with keys), then layer names and v1 records decoded
-        into ``items``; a v2 message's header parsed (its rows are read with the others of its
-        schema and run). Returns (the message without its envelope, the v2 header or None); raises
-        RecordError (AuthError, LimitError) for a message to dead-letter."""
+        """One message: its signature checked (with keys), then decoded into ``items``
+        (:func:`~sdcwatch.core.messages.decode_message`), except a v2 message, whose header alone is
+        parsed (its rows are read with the others of its schema and run). Returns (the message
+        without its envelope, the v2 header or None); raises RecordError (AuthError, LimitError) for
+        a message to dead-letter."""
         auth, kid = self.auth, None
         if auth is not None:  # the signature first: nothing unverified reaches a decoder
             value, kid = auth.open(value)
-        if value[:4] == NAMES_MAGIC:  # a rank's layer names (sdcwatch.core.layer_names)
-            names = decode_names(value, self.limits, self._names)
-            if auth is not None:
-                auth.bind((names.run,), kid)
-            items.append(names)
-            return value, None
-        if value[:4] == CKPT_MAGIC:  # a checkpoint the job saved (sdcwatch.core.checkpoints)
-            note = decode_note(value, self.limits)
-            if auth is not None:
-                auth.bind((note.run,), kid)
-            items.append(note)
-            return value, None
         if value[:4] != MAGIC_V2:
-            recs = decode_message(value, self.limits)
+            got = decode_message(value, self.limits, names_cache=self._names)
             if auth is not None:
-                auth.bind({r.run for r in recs}, kid)
-            items.extend(recs)
+                auth.bind({m.run for m in got}, kid)
+            items.extend(got)
             return value, None
         if len(value) > self.limits.max_message_bytes:
             raise LimitError(
@@ -468,10 +411,10 @@ class IngestDecoder:
         good = [m for m in msgs if len(m[2]) - m[3].rows_at == m[3].count * size]
         if len(good) < len(msgs):
             for origin, key, value, head, *_ in msgs:
-                n = len(value) - head.rows_at
-                if n != head.count * size:
-                    why = f"{n} bytes of records, the header says {head.count} of {size} bytes"
-                    rejected.append(_rejected(origin, key, value, RecordError("records", why)))
+                try:
+                    check_rows(len(value) - head.rows_at, head, schema)
+                except RecordError as exc:
+                    rejected.append(_rejected(origin, key, value, exc))
         if not good:
             return None
         if len(good) == 1:

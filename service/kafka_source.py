@@ -1,12 +1,6 @@
-"""KafkaSource: the telemetry topic read in a consumer group by a reader thread of its own; TopicReader:
-any topic read whole without a group (``sdcwatch capture``, ``sdcwatch incidents``).
-
-The reader thread owns the kafka-python consumer (which is not thread-safe): it polls, decodes,
-dead-letters, commits and measures the lag, and hands decoded batches to the service through a
-bounded queue. So the consumer keeps its group membership whatever the service does between two
-of its own calls, and a member that loses its partitions is logged and counted.
-
-Both hold back at a gap in a partition's offsets and re-fetch it until the missing batch arrives
+"""KafkaSource: the telemetry topic read in a consumer group by a reader thread that owns the consumer
+(polls, decodes, dead-letters, commits, measures the lag); TopicReader: any topic read whole without
+a group (the bus-reading commands). Both re-fetch a gap in a partition's offsets
 (:mod:`sdcwatch.service.offset_gaps`).
 """
 
@@ -21,7 +15,8 @@ from typing import Any, Callable, Sequence
 from sdcwatch.core.errors import ConfigError, TransportError
 from sdcwatch.core.kafka import new_consumer, new_producer, security_settings
 from sdcwatch.core.limits import RecordLimits
-from sdcwatch.core.record import decode_message, encode, encode_batch
+from sdcwatch.core.messages import decode_message
+from sdcwatch.core.record import encode, encode_batch
 from sdcwatch.core.record_type import Record
 from sdcwatch.core.vocabulary import DEADLETTER_TOPIC, TELEMETRY_TOPIC
 from sdcwatch.service.bus import (

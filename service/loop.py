@@ -1,9 +1,8 @@
 """DetectorService: the streaming loop (source -> pipeline -> sinks) with periodic state snapshots.
 
-It polls a source (a Kafka consumer group or an in-memory bus), feeds the pipeline, closes steps
-whose deadline passed, and hands every incident change to the sinks, among them the
-:class:`~sdcwatch.service.bus.AnomalyTopicSink` that publishes ``Incident.to_dict()`` JSON to
-``sdcwatch.anomalies``.
+It polls a source (a Kafka consumer group), feeds the pipeline, closes steps whose deadline
+passed, and hands every incident change to the sinks it was given (:mod:`sdcwatch.exporters`: the
+anomalies topic, Alertmanager, a webhook, the log, the control topic).
 Every ``snapshot_every`` seconds it writes the pipeline state to ``state_dir`` and only then commits
 the source's offsets: after a crash or a restart the service reloads the state, re-reads at most
 what came after the snapshot (duplicates and already-closed steps are dropped by the aligner) and
@@ -17,19 +16,20 @@ import logging
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from sdcwatch.core.errors import ConfigError, RecordError, TransportError
 from sdcwatch.core.incident import IncidentEvent, IncidentSink, ServiceView
 from sdcwatch.core.jsonsafe import json_safe
+from sdcwatch.core.validate import check_positive
 from sdcwatch.service.announced import JOURNAL_FILE, AnnouncementJournal
 from sdcwatch.service.bus import Source as RecordSource  # the protocol the service reads through
-from sdcwatch.service.bus import AnomalyTopicSink, SummaryTopicSink
 from sdcwatch.service.changelog import ChangelogSnapshot, StateChangelog, resume_state
 from sdcwatch.service.ingest import RecordColumns
-from sdcwatch.service.checkpoints import CertifiedPolicy
-from sdcwatch.service.control_policy import ControlTopicSink
 from sdcwatch.service.pipeline import DetectionPipeline
+
+if TYPE_CHECKING:
+    from sdcwatch.exporters.topics import SummaryTopicSink
 
 __all__ = ["DetectorService", "STATE_FILE", "SCHEMAS_FILE"]
 
@@ -107,19 +107,15 @@ class DetectorService:
         changelog: StateChangelog | None = None,
         taken: ChangelogSnapshot | None = None,
     ) -> None:
-        if snapshot_every <= 0:
-            raise ConfigError("service.snapshot_every", f"must be a positive number of seconds, got {snapshot_every!r}")
-        if poll_timeout <= 0:
-            raise ConfigError("service.poll_timeout", f"must be positive, got {poll_timeout!r}")
+        check_positive("service", snapshot_every=snapshot_every, poll_timeout=poll_timeout)
         self.source = source
+        self.schemas = getattr(source, "schemas", None)
+        """The wire-v2 layouts the source learns (a ``SchemaRegistry``; None for a source without v2)."""
         self.pipeline = pipeline or DetectionPipeline()
         if self.pipeline.stage == "spatial" and summary_sink is None:
             raise ConfigError("service.summary_sink", "a spatial stage needs a summary sink (the summaries topic)")
         self.summary_sink = summary_sink
         self.sinks = list(sinks)
-        for sink in self.sinks:  # a rollback names the newest clean checkpoint before the incident
-            if isinstance(sink, ControlTopicSink) and not isinstance(sink.policy, CertifiedPolicy):
-                sink.policy = CertifiedPolicy.around(sink.policy, self.pipeline.checkpoints)
         self.marks_published = 0
         self.state_path = Path(state_dir) / STATE_FILE if state_dir is not None else None
         if changelog is not None and self.state_path is None:
@@ -147,13 +143,12 @@ class DetectorService:
                 self.source.close()  # the caller never gets the service: release the consumer here
                 raise
             self.resumed = origin is not None
-            if taken is not None and taken.schemas and getattr(self.source, "schemas", None) is not None:
-                self.source.schemas.restore(taken.schemas)
+            if taken is not None and taken.schemas and self.schemas is not None:
+                self.schemas.restore(taken.schemas)
             if self.resumed:
                 log.info("resumed detection state from %s", self.state_path if origin == "file" else changelog.topic)
-        registry = getattr(self.source, "schemas", None)
-        if registry is not None and self.pipeline.stage != "temporal":  # the runs watched keep their layouts
-            registry.holds = self.pipeline.holds
+        if self.schemas is not None and self.pipeline.stage != "temporal":  # the runs watched keep their layouts
+            self.schemas.holds = self.pipeline.holds
         auth = self._auth()
         if auth is not None and self.resumed:
             auth.bindings.restore(self.pipeline.carried.get("auth_bindings") or {})
@@ -226,18 +221,17 @@ class DetectorService:
                 journal.note(ev)
 
     def _publish_marks(self, marks: list) -> None:
-        """Each checkpoint marking (:class:`~sdcwatch.core.checkpoints.CheckpointMark`) to the anomalies
-        topic, as ``{"change": "checkpoint", ...}`` keyed by the checkpoint's id; the other sinks
-        (alerts, webhooks, the control topic) take incidents only. A marking published again after a
-        restart says the same: readers keep the latest per id."""
+        """Each checkpoint marking (:class:`~sdcwatch.core.rank_notes.CheckpointMark`) to the sinks
+        that take markings (``publish_mark``: the anomalies topic); the others (alerts, webhooks, the
+        control topic) take incidents only."""
+        markers = [sink.publish_mark for sink in self.sinks if hasattr(sink, "publish_mark")]
         for mark in marks:
             bad = mark.mark != "clean" or mark.was is not None
             (log.warning if bad else log.info)(
                 "checkpoint of run %s at step %d (%s): %s; %s", mark.run, mark.step, mark.path, mark.mark, mark.reason
             )
-            for sink in self.sinks:
-                if isinstance(sink, AnomalyTopicSink):
-                    sink.publish(IncidentEvent("checkpoint", mark))  # type: ignore[arg-type]  # id and to_dict()
+            for publish_mark in markers:
+                publish_mark(mark)
             self.marks_published += 1
 
     def snapshot(self) -> None:
@@ -304,31 +298,29 @@ class DetectorService:
 
     def _schema_texts(self) -> list | None:
         """The wire-v2 layouts the source learnt (what the state topic carries with the state), or None."""
-        registry = getattr(self.source, "schemas", None)
-        return registry.snapshot() if registry is not None and len(registry) else None
+        return self.schemas.snapshot() if self.schemas is not None and len(self.schemas) else None
 
     def _save_schemas(self) -> None:
         """The wire-v2 layouts the source learnt, beside the state: after a restart, records re-read
         from the middle of a window decode without waiting for their schema to come round again."""
-        registry = getattr(self.source, "schemas", None)
-        if registry is None or not len(registry):
+        texts = self._schema_texts()
+        if texts is None:
             return
         path = self.state_path.with_name(SCHEMAS_FILE)
         tmp = path.with_suffix(".tmp")
         try:
-            tmp.write_text(json.dumps(registry.snapshot()))
+            tmp.write_text(json.dumps(texts))
         except OSError:
             tmp.unlink(missing_ok=True)
             raise
         tmp.replace(path)
 
     def _load_schemas(self) -> None:
-        registry = getattr(self.source, "schemas", None)
         path = self.state_path.with_name(SCHEMAS_FILE)
-        if registry is None or not path.exists():
+        if self.schemas is None or not path.exists():
             return
         try:
-            registry.restore(json.loads(path.read_text()))
+            self.schemas.restore(json.loads(path.read_text()))
         except (ValueError, OSError, RecordError) as exc:  # a damaged file costs a wait for the schemas
             log.warning("could not read the saved record schemas %s: %s", path, exc)
 
@@ -352,7 +344,7 @@ class DetectorService:
             return self.pipeline.view(
                 dead_letters_total=int(getattr(self.source, "dead_letters", 0)),
                 consumer_lag=self.consumer_lag,
-                dead_letter_reasons=getattr(self.source, "dead_letter_reasons", None),
+                dead_letter_reasons=dict(getattr(self.source, "dead_letter_reasons", None) or {}),
                 consumer_partitions=int(getattr(self.source, "partitions", -1)),
                 waiting_for_schema=_waiting_for_schema(self.source),
                 offset_gaps=_offset_gaps(self.source),

@@ -1,12 +1,9 @@
 """Offline replay: the same detectors over a file, for post-mortems and for tuning.
 
-Input is JSON lines of records (the file transport's output) or a CSV whose header has ``step``
-and ``loss`` and optionally ``grad_norm``, ``lr`` and other numeric columns (W&B, TensorBoard and
-llm.c exports). A CSV is one series no rank sent: it runs as a one-rank job whose ranks are unknown,
-so spikes and non-finite values are found and no rank is named (records of a one-rank job name
-rank 0). A malformed file raises :class:`ReplayError` naming the line, and
-so does a line longer than :data:`MAX_LINE_BYTES` or a header of more than :data:`MAX_COLUMNS`
-columns: memory stays bounded by those, not by the file.
+Input is JSON lines (a capture, the file transport's output: :func:`~sdcwatch.core.messages.decode_line`)
+or a CSV log with ``step`` and ``loss`` columns (W&B, TensorBoard, llm.c), run as a one-rank job whose
+ranks are unknown. A malformed file raises :class:`ReplayError` naming the line; memory is bounded by
+:data:`MAX_LINE_BYTES` and :data:`MAX_COLUMNS`, not by the file.
 """
 
 from __future__ import annotations
@@ -23,9 +20,9 @@ from typing import Iterator, Sequence
 import numpy as np
 from sdcwatch.core.errors import RecordError, ReplayError
 from sdcwatch.core.incident import Incident
-from sdcwatch.core.layer_names import LayerNames, is_names_line, names_from_json
 from sdcwatch.core.limits import RecordLimits
-from sdcwatch.core.record_json import from_json
+from sdcwatch.core.messages import Message, decode_line
+from sdcwatch.core.rank_notes import CheckpointNote, LayerNames
 from sdcwatch.core.record_type import Record
 from sdcwatch.detectors.frame import StepFrame
 from sdcwatch.service.pipeline import DetectionPipeline, PipelineSettings
@@ -88,9 +85,10 @@ def _is_jsonl(path: Path) -> bool:
     return False
 
 
-def read_records(path: str | Path, *, names: bool = False) -> Iterator[Record | LayerNames]:
-    """Records from a JSON-lines file, and with ``names`` the ranks' layer names in it (else
-    passed over); ReplayError names the first bad line."""
+def read_records(path: str | Path, *, names: bool = False) -> Iterator[Message]:
+    """Records from a JSON-lines file, and with ``names`` the ranks' layer names and checkpoint notes
+    in it (else passed over); ReplayError names the first bad line (anything but a telemetry message
+    is one)."""
     path = Path(path)
     with open(path, encoding="utf-8", errors="strict") as fh:
         lineno = 0
@@ -99,16 +97,13 @@ def read_records(path: str | Path, *, names: bool = False) -> Iterator[Record | 
                 if not line.strip():
                     continue
                 try:
-                    if is_names_line(line):  # a rank's layer names (sdcwatch.core.layer_names)
-                        msg = names_from_json(line, _LIMITS)
-                        if names:
-                            yield msg
-                        continue
-                    rec = from_json(line)
-                    _LIMITS.check(rec)  # the service's limits: a file cannot size memory either
-                    yield rec
+                    msg = decode_line(line, _LIMITS)  # the service's limits: a file cannot size memory either
                 except RecordError as exc:
                     raise ReplayError(str(path), lineno, str(exc)) from None
+                if isinstance(msg, Record) or (names and isinstance(msg, (LayerNames, CheckpointNote))):
+                    yield msg
+                elif not isinstance(msg, (LayerNames, CheckpointNote)):
+                    raise ReplayError(str(path), lineno, f"a {type(msg).__name__}, not telemetry")
         except UnicodeDecodeError as exc:
             raise ReplayError(str(path), lineno + 1, f"not UTF-8 text: {exc.reason}") from None
 

@@ -27,6 +27,8 @@ from __future__ import annotations
 import logging
 from typing import Any, Iterable, Mapping, Sequence
 
+from sdcwatch.core.validate import check_number
+
 __all__ = ["GAP_WAIT_S", "OffsetGaps"]
 
 log = logging.getLogger("sdcwatch.detectors")
@@ -46,9 +48,7 @@ class OffsetGaps:
     """
 
     def __init__(self, wait_s: float = GAP_WAIT_S) -> None:
-        if not wait_s >= 0:
-            raise ValueError(f"gap wait: {wait_s!r} is not a number of seconds >= 0")
-        self.wait_s = wait_s
+        self.wait_s = check_number("source.gap_wait_s", wait_s, 0)
         self.counts = {"refetched": 0, "filled": 0, "skipped": 0, "skipped_offsets": 0}
         self._next: dict[Any, int] = {}  # partition -> the offset its next message must have
         self._gap: dict[Any, tuple[int, float]] = {}  # partition -> (first missing offset, since)

@@ -19,16 +19,17 @@ from sdcwatch.core.errors import ConfigError
 from sdcwatch.core.incident import IncidentEvent, PipelineView, RunView, ServiceView
 from sdcwatch.core.jsonsafe import json_safe
 from sdcwatch.core.limits import RecordLimits
+from sdcwatch.core.validate import check_choice, check_int, check_number
 from sdcwatch.detectors.attribution import Attribution
 from sdcwatch.detectors.base import SplitDetector
 from sdcwatch.detectors.frame import StepFrame, frame_stats
 from sdcwatch.detectors.peers import coords_of, known_coords
 from sdcwatch.detectors.registry import default_detectors
 from sdcwatch.service.aligner import StepAligner
-from sdcwatch.service.checkpoints import CheckpointBook
+from sdcwatch.service.checkpoint_marks import CheckpointBook
 from sdcwatch.service.incidents import IncidentBook
 from sdcwatch.service.ingest import count_records
-from sdcwatch.service.layer_names import LayerNameBook
+from sdcwatch.service.layer_name_book import LayerNameBook
 from sdcwatch.service.run_lifecycle import RunLifecycle
 from sdcwatch.service.run_state import RunState
 from sdcwatch.service.run_view import run_view
@@ -106,13 +107,11 @@ class PipelineSettings:
     """Spatial stage: steps between the cross-rank quantiles it sends for the dashboards."""
 
     def __post_init__(self) -> None:
-        for f in fields(PipelineSettings):
-            value = getattr(self, f.name)
-            counted = f.type in ("int", int)  # steps, runs: at least one; seconds: above zero
-            number = isinstance(value, (int, float)) and not isinstance(value, bool)
-            if not number or not (value >= 1 if counted else value > 0):
-                bound = "at least 1" if counted else "greater than 0"
-                raise ConfigError(f"detectors.{f.name}", f"must be {bound}, got {value}")
+        for f in fields(PipelineSettings):  # steps, runs: at least one; seconds: above zero
+            if f.type in ("int", int):
+                check_int(f"detectors.{f.name}", getattr(self, f.name), lo=1)
+            else:
+                check_number(f"detectors.{f.name}", getattr(self, f.name), 0, lo_open=True)
 
 
 def _name_coords(findings: list, coords: np.ndarray | None) -> list:
@@ -144,9 +143,7 @@ class DetectionPipeline:
         wall: Callable[[], float] = time.time,
     ) -> None:
         self.settings = settings or PipelineSettings()
-        if stage not in STAGES:
-            raise ConfigError("detectors.stage", f"must be one of {', '.join(STAGES)}, got {stage!r}")
-        self.stage = stage
+        self.stage = check_choice("detectors.stage", stage, STAGES)
         self.make_detectors = detectors
         if stage != "both":
             whole = [d.name for d in detectors() if not isinstance(d, SplitDetector)]
@@ -426,22 +423,11 @@ class DetectionPipeline:
             out.append(st.view)
         return out
 
-    def view(
-        self,
-        *,
-        dead_letters_total: int = 0,
-        consumer_lag: int = 0,
-        dead_letter_reasons: dict[str, int] | None = None,
-        consumer_partitions: int = -1,
-        waiting_for_schema: int = 0,
-        offset_gaps: dict[str, int] | None = None,
-        state_write_errors_total: int = 0,
-        max_runs: int | None = None,
-    ) -> ServiceView:
+    def view(self, *, max_runs: int | None = None, **health: Any) -> ServiceView:
         """What the exporter shows: runs (at most ``max_runs``), pipeline health, incidents, counters.
-        The source's own health (dead letters by reason, consumer lag, partitions, messages waiting
-        for a schema, offset gaps) and of its state file come from whoever reads the source and
-        writes the state: the service."""
+        ``health``: the :class:`PipelineView` fields of the source (dead letters, by reason, consumer
+        lag, partitions, messages waiting for a schema, offset gaps) and of the state file, which
+        come from whoever reads the source and writes the state: the service."""
         runs = [] if self.stage == "spatial" else self._run_views(max_runs)
         now = self.wall()
         recent = [(t, n) for t, n in self._rate if now - t <= 10.0]
@@ -454,20 +440,14 @@ class DetectionPipeline:
             duplicates_total=self.aligner.duplicates + self.order.duplicates,
             summaries_total=self.summaries_total,
             summaries_late_total=self.order.late,
-            dead_letters_total=dead_letters_total,
-            consumer_lag=consumer_lag,
             last_record_wall=self.last_record_wall,
             late_records_total=self.aligner.late_records,
             world_changes_total=self.aligner.world_changes,
             incomplete_steps_total=self.aligner.incomplete_steps,
-            dead_letter_reasons=dict(dead_letter_reasons or {}),
-            consumer_partitions=consumer_partitions,
-            waiting_for_schema=waiting_for_schema,
-            offset_gaps=dict(offset_gaps or {}),
-            state_write_errors_total=state_write_errors_total,
             runs_total=len(self._runs),
             runs_forgotten_total=self.runs_forgotten,
             runs_evicted_total=dict(self.lifecycle.evicted_total),
+            **health,
         )
         return ServiceView(
             runs=runs,

@@ -4,7 +4,7 @@ One mechanism for every way a run leaves the service:
 
 - **live**: its records arrive.
 - **finished**: every rank of its world sent the end-of-run marker
-  (:mod:`sdcwatch.telemetry.wire.end_marker`). The pipeline then *closes* the run: its open steps are
+  (:func:`sdcwatch.core.messages.end_marker`). The pipeline then *closes* the run: its open steps are
   aligned and judged, its open incidents resolve (the sinks, Alertmanager among them, hear it) and
   the exporter marks it finished, so no stall alert fires for it. ``end_expiry`` seconds after the
   last marker the run is *evicted*: its detection state and all its /metrics series are dropped.
@@ -44,16 +44,6 @@ class _Life:
     closed: bool = False  # open steps judged and incidents resolved after the run finished
 
 
-class _RunSeen:
-    """Stands for a column block's run in :meth:`RunLifecycle.sort` (which reads ``run`` and ``scalars``)."""
-
-    __slots__ = ("run",)
-    scalars: dict = {}
-
-    def __init__(self, run: str) -> None:
-        self.run = run
-
-
 class RunLifecycle:
     """Tracks every run's input and end markers; says which runs to close and which to evict.
 
@@ -84,9 +74,11 @@ class RunLifecycle:
 
     # -- input --------------------------------------------------------------------------------
 
-    def sort(self, records: Iterable[Record]) -> tuple[list[Record], list[Record], set[str], set[str]]:
+    def sort(
+        self, records: Iterable[Record], also: Iterable[str] = ()
+    ) -> tuple[list[Record], list[Record], set[str], set[str]]:
         """Split input into (telemetry, end markers, runs started again, runs not known yet); note
-        the input time of the known runs.
+        the input time of the known runs, and of the runs ``also`` names (input without markers).
 
         A run is started again when one of its ranks sends telemetry newer than its marker after
         the run finished; the caller evicts the old run before it aligns the new records. New runs
@@ -99,7 +91,7 @@ class RunLifecycle:
         # runs that have sent markers
         markers = [rec for rec in records if RUN_END in rec.scalars]
         data = [rec for rec in records if RUN_END not in rec.scalars] if markers else records
-        seen = {rec.run for rec in records}
+        seen = {rec.run for rec in records}.union(also)
         restarted: set[str] = set()
         watched = {run for run in seen if run in runs and runs[run].ended}
         for rec in data if watched else ():
@@ -135,9 +127,8 @@ class RunLifecycle:
                 plain += b.to_records()
             else:
                 kept.append(b)
-        proxies = [_RunSeen(run) for run in {b.run for b in kept}]
-        data, markers, restarted, new = self.sort(plain + proxies)
-        return [x for x in data if not isinstance(x, _RunSeen)] + kept, markers, restarted, new
+        data, markers, restarted, new = self.sort(plain, {b.run for b in kept})
+        return data + kept, markers, restarted, new
 
     def arrived(self, runs: Iterable[str]) -> None:
         """Input for ``runs`` that carries no markers (the temporal stage's step summaries)."""

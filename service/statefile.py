@@ -17,7 +17,7 @@ from typing import Any, Iterator
 
 from sdcwatch.core.errors import ConfigError
 
-__all__ = ["write_state", "read_state", "restoring", "previous_state"]
+__all__ = ["write_state", "read_state", "restoring", "restore_faults", "previous_state"]
 
 
 def previous_state(path: str | os.PathLike) -> Path:
@@ -77,19 +77,22 @@ def read_state(path: str | os.PathLike) -> dict[str, Any] | None:
     return state
 
 
-@contextlib.contextmanager
-def restoring(path: str | os.PathLike) -> Iterator[None]:
+def restoring(path: str | os.PathLike) -> contextlib.AbstractContextManager:
     """Turn any fault met while restoring the state of ``path`` into one ConfigError naming it."""
-    path = Path(path)
+    return restore_faults("state.file", str(path), "the state file", _recovery(Path(path)))
+
+
+@contextlib.contextmanager
+def restore_faults(key: str, where: str, what: str, recovery: str) -> Iterator[None]:
+    """Turn any fault met while restoring ``what`` (read from ``where``) into one ConfigError
+    naming ``where``, the fault and the way out (``recovery``); ``key``: the setting to blame."""
     try:
         yield
     except ConfigError as exc:
-        raise ConfigError(exc.key, f"{path}: {exc.problem}{_recovery(path)}") from None
+        raise ConfigError(exc.key, f"{where}: {exc.problem}{recovery}") from None
     except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
         fault = f"missing key {exc}" if isinstance(exc, KeyError) else f"{type(exc).__name__}: {exc}"
-        raise ConfigError(
-            "state.file", f"{path}: the state file is structurally wrong ({fault}){_recovery(path)}"
-        ) from None
+        raise ConfigError(key, f"{where}: {what} is structurally wrong ({fault}){recovery}") from None
 
 
 def _sync_dir(folder: Path) -> None:

@@ -1,17 +1,8 @@
 """Step summaries: what the spatial stage learns of one aligned step, for the temporal stage.
 
-The service can run as two stages (see ``stage`` in :mod:`sdcwatch.service.pipeline`). The *spatial* stage
-holds whole steps: it aligns records across ranks and runs the cross-rank half of every detector
-(``observe``). What it learns is a :class:`StepSummary`: the global loss and gradient norm, the
-non-finite cells, the replica vote, the robust z of the cells that stand out, the slow and the
-absent ranks. The *temporal* stage folds summaries, in step order, into each detector's history
-(``judge``), attributes and keeps incidents. A summary is a few kilobytes where the step's
-records are megabytes, so one temporal instance keeps up with many spatial ones.
-
-On the bus a summary is one message (key: the run, so a run's summaries share a partition):
-``SDCS``, a version byte, then zlib of a small JSON head followed by the raw bytes of the numpy
-arrays it refers to. A bad message raises :class:`SummaryError` (a ``RecordError``), which the
-source routes to the dead-letter topic like any malformed record.
+A summary is a few kilobytes where the step's records are megabytes (the two stages and the wire
+form, prefix ``SDCY``: docs/messages.md). A bad message raises :class:`SummaryError` (a
+``RecordError``), which the source dead-letters like any malformed record.
 """
 
 from __future__ import annotations
@@ -29,11 +20,11 @@ from typing import Any, Callable
 
 import numpy as np
 from sdcwatch.core.errors import SummaryError
+from sdcwatch.core.messages import SUMMARY_MAGIC
 from sdcwatch.core.validate import check_positive
 
-__all__ = ["StepSummary", "SummaryOrder", "encode_summary", "decode_summary", "SUMMARY_MAGIC", "SUMMARY_VERSION"]
+__all__ = ["StepSummary", "SummaryOrder", "encode_summary", "decode_summary", "SUMMARY_VERSION"]
 
-SUMMARY_MAGIC = b"SDCS"
 SUMMARY_VERSION = 1
 _HEAD = struct.Struct(">I")
 
@@ -54,7 +45,7 @@ class StepSummary:
     run's (world, mesh dims) coordinate table like ``hosts`` (sent when it changed; None for a run
     whose records carry no coordinates, and on the wire when unchanged). ``names`` holds the layer
     names the run's ranks sent since the last summary and those of the next few ranks once more,
-    ``{world, tables, ranks}`` (:meth:`~sdcwatch.service.layer_names.LayerNameBook.stamp`; None:
+    ``{world, tables, ranks}`` (:meth:`~sdcwatch.service.layer_name_book.LayerNameBook.stamp`; None:
     none).
     """
 

@@ -21,8 +21,8 @@ from sdcwatch.core.record_type import Record
 from sdcwatch.core.signing import JobKey
 from sdcwatch.core.vocabulary import FINGERPRINTS, LAYER_METRICS, RUN_END, SCALARS, TELEMETRY_TOPIC
 from sdcwatch.telemetry.wire.emitter import Emitter, NullEmitter
-from sdcwatch.telemetry.wire.end_marker import end_marker, is_end_marker
-from sdcwatch.telemetry.wire.identity import identity_from_env
+from sdcwatch.core.messages import end_marker, is_end_marker
+from sdcwatch.telemetry.wire.environment import identity_from_env
 from sdcwatch.telemetry.wire.transports import FileTransport, KafkaTransport, MemoryBus, MemoryTransport, Transport
 
 # names whose modules import torch: resolved on first access (PEP 562)
@@ -37,6 +37,7 @@ _LAZY = {
     # the guard and its control decisions import no torch, but stay off the emitter's import path
     "Guard": "sdcwatch.telemetry.guard.guard",
     "GuardConfig": "sdcwatch.telemetry.guard.config",
+    "GuardPlace": "sdcwatch.telemetry.guard.config",
     "GuardEviction": "sdcwatch.telemetry.guard.config",
     "GuardOutcome": "sdcwatch.telemetry.guard.config",
     "EXIT_CODE_EVICT": "sdcwatch.telemetry.guard.config",
@@ -49,8 +50,8 @@ _LAZY = {
     "check_linear": "sdcwatch.telemetry.probes.checksum_bounds",
     "check_matmul": "sdcwatch.telemetry.probes.checksum_bounds",
     "check_weight_grad": "sdcwatch.telemetry.probes.checksum_bounds",
-    "observe_gemm": "sdcwatch.telemetry.probes.gemm_checks",
-    "ResidualStream": "sdcwatch.telemetry.probes.extremes",
+    "observe_gemm": "sdcwatch.telemetry.probes.gemm_state",
+    "ResidualStream": "sdcwatch.telemetry.probes.residual_stream",
     "PROBE_PRESETS": "sdcwatch.telemetry.probes.presets",
     "probe_config": "sdcwatch.telemetry.probes.presets",
 }

@@ -239,7 +239,7 @@ def _guard(
     (seed, step, rank), so any rank can rebuild any other's batch (bad data included) without sending it.
     """
     import torch
-    from sdcwatch.telemetry.guard.config import GuardConfig
+    from sdcwatch.telemetry.guard.config import GuardConfig, GuardPlace
     from sdcwatch.telemetry.guard.control_topic import KafkaControl
     from sdcwatch.telemetry.guard.guard import Guard
     from sdcwatch.testbed.model import next_byte_loss
@@ -272,7 +272,13 @@ def _guard(
     if rank == 0 and settings.bootstrap:
         control = KafkaControl(settings.bootstrap, settings.run, settings.control_topic)
     return Guard(
-        model, optimizer, GuardConfig.from_dict(settings.guard), host=host, control=control, peer=peer, watch=watch
+        model,
+        optimizer,
+        GuardConfig.from_dict(settings.guard),
+        place=GuardPlace(host=host),
+        control=control,
+        peer=peer,
+        watch=watch,
     )
 
 

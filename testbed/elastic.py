@@ -145,7 +145,7 @@ def _manager(replica: int, settings: ElasticSettings, lighthouse: str, model: An
 
 def _guard(replica: int, settings: ElasticSettings, model: Any, opt: Any, manager: Any) -> tuple[Any, Any]:
     from sdcwatch.core.control import Decision
-    from sdcwatch.telemetry.guard import Guard, GuardConfig
+    from sdcwatch.telemetry.guard import Guard, GuardConfig, GuardPlace
     from sdcwatch.telemetry.guard.elastic import TorchFTMembership
 
     membership = TorchFTMembership(manager, replica=replica, replicas=settings.replicas)
@@ -166,12 +166,14 @@ def _guard(replica: int, settings: ElasticSettings, model: Any, opt: Any, manage
         model,
         opt,
         config,
-        rank=replica,
-        world=settings.replicas,
-        host=f"node{replica}",
+        place=GuardPlace(
+            rank=replica,
+            world=settings.replicas,
+            host=f"node{replica}",
+            host_of=lambda r: f"node{r}",
+            distributed=False,
+        ),
         control=control,
-        host_of=lambda r: f"node{r}",
-        distributed=False,
         elastic=membership,
     )
     return guard, membership

@@ -29,6 +29,7 @@ __all__ = [
     "run_rank",
     "launch",
     "train_rank",
+    "sharded_main",
     "main",
 ]
 
@@ -174,15 +175,34 @@ def launch(settings: FSDPSettings) -> None:
     _launch(settings, train_rank)
 
 
+def sharded_main(
+    argv: Sequence[str] | None, settings_type: type, launch, *, driver: str, description: str, option: str, **flag
+) -> int:
+    """The command line of sharded reference run ``driver`` (``fsdp_tp``: ``python -m
+    sdcwatch.testbed.fsdp_tp``, run ``fsdp-tp-reference``, errors ``fsdp_tp.<key>``): the options every
+    run takes (:func:`add_run_arguments`) and ``--{option}``, its mesh dimension (``flag``: its
+    ``default`` and ``help``); hands the run's settings to ``launch``."""
+    module = f"sdcwatch.testbed.{'fsdp_run' if driver == 'fsdp' else driver}"
+    ap = argparse.ArgumentParser(prog=f"python -m {module}", description=description)
+    add_run_arguments(ap, f"{driver.replace('_', '-')}-reference")
+    ap.add_argument(f"--{option}", type=int, **flag)
+    args = ap.parse_args(argv)
+    launch(settings_type(**run_settings(args, driver), **{option: getattr(args, option)}))
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Command line: run the reference model under FSDP2/HSDP with probes, optionally with faults."""
-    ap = argparse.ArgumentParser(prog="python -m sdcwatch.testbed.fsdp_run", description=main.__doc__)
-    add_run_arguments(ap, "fsdp-reference")
-    ap.add_argument("--replicate", type=int, default=1, help="HSDP replicas (1: plain FSDP)")
-    args = ap.parse_args(argv)
-    settings = FSDPSettings(**run_settings(args, "fsdp"), replicate=args.replicate)
-    launch(settings)
-    return 0
+    return sharded_main(
+        argv,
+        FSDPSettings,
+        launch,
+        driver="fsdp",
+        description=main.__doc__,
+        option="replicate",
+        default=1,
+        help="HSDP replicas (1: plain FSDP)",
+    )
 
 
 if __name__ == "__main__":

@@ -16,14 +16,13 @@ Ranks are laid out as torchtitan lays them out, tensor parallel fastest: rank ``
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass, replace
 from typing import Sequence
 
 from sdcwatch.core.errors import ConfigError
-from sdcwatch.testbed.ddp import DDPSettings, add_run_arguments, run_settings
+from sdcwatch.testbed.ddp import DDPSettings
 from sdcwatch.testbed.ddp import launch as _launch
-from sdcwatch.testbed.fsdp_run import check_sharded, run_rank
+from sdcwatch.testbed.fsdp_run import check_sharded, run_rank, sharded_main
 from sdcwatch.testbed.model import GPT, GPTConfig
 
 __all__ = [
@@ -107,13 +106,16 @@ def launch(settings: FSDPTPSettings) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Command line: run the 2-D (FSDP2 + tensor parallel) reference model with probes, optionally with faults."""
-    ap = argparse.ArgumentParser(prog="python -m sdcwatch.testbed.fsdp_tp", description=main.__doc__)
-    add_run_arguments(ap, "fsdp-tp-reference")
-    ap.add_argument("--tp", type=int, default=2, help="tensor-parallel ranks per group")
-    args = ap.parse_args(argv)
-    settings = FSDPTPSettings(**run_settings(args, "fsdp_tp"), tp=args.tp)
-    launch(settings)
-    return 0
+    return sharded_main(
+        argv,
+        FSDPTPSettings,
+        launch,
+        driver="fsdp_tp",
+        description=main.__doc__,
+        option="tp",
+        default=2,
+        help="tensor-parallel ranks per group",
+    )
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ from typing import Any, Callable, Sequence
 import torch
 from sdcwatch.telemetry.probes.canary import canary_running
 from sdcwatch.telemetry.probes.checksum_bounds import abs_max, check_linear, check_matmul
-from sdcwatch.telemetry.probes.extremes import peak
+from sdcwatch.telemetry.probes.residual_stream import peak
 from sdcwatch.telemetry.probes.forward_order import NEAR_INF
 from sdcwatch.testbed.shard_injector import ShardInjector
 from sdcwatch.testbed.shard_plan import BLOCK as _BLOCK

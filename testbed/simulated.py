@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 from sdcwatch.core.errors import ConfigError
-from sdcwatch.telemetry.guard.config import GuardConfig, GuardEviction
+from sdcwatch.telemetry.guard.config import GuardConfig, GuardEviction, GuardPlace
 from sdcwatch.telemetry.guard.guard import Guard
 from sdcwatch.telemetry.probes import fingerprint as fp
 from sdcwatch.telemetry.probes.canary import canary_fingerprint
@@ -166,20 +166,15 @@ class SimulatedRun:
             self.model,
             self.optimizer,
             guard,
-            rank=0,
-            world=self.world,
-            host=self.hosts[0],
-            local_ranks=range(self.world),
+            place=GuardPlace(0, self.world, self.hosts[0], range(self.world), self.host_of, distributed=False),
             control=control,
             peer=self._peer_loss,
             resync=lambda suspects: self._deltas.clear(),
-            host_of=self.host_of,
             checksums=lambda: {
                 r
                 for r, w in enumerate(self.watches)
                 if r not in self.left and w.checksums is not None and w.checksums.violated()
             },
-            distributed=False,
             elastic=SimulatedMembership(self) if guard.on_evict == "leave" else None,
         )
 

@@ -7,6 +7,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from polling import wait_for
 
 from sdcwatch.broker import EmbeddedBroker
 
@@ -44,11 +45,17 @@ def read_topic(bootstrap: str, topic: str, want: int, timeout: float = 90.0, *, 
 
     src = KafkaSource(bootstrap, topic, group=f"g-{uuid.uuid4().hex[:8]}", deadletter_topic=f"{topic}.dead")
     got = []
-    deadline = time.monotonic() + timeout
-    try:  # the source returns v2 records as column blocks: expanded here, tests look at records
-        while len(got) < want and time.monotonic() < deadline:
-            got.extend(as_records(src.poll(0.5)))
-        end = time.monotonic() + grace
+
+    def enough() -> bool:  # the source returns v2 records as column blocks: expanded here, tests look at records
+        got.extend(as_records(src.poll(0.5)))
+        return len(got) >= want
+
+    try:
+        try:
+            wait_for(enough, timeout, f"{want} records on {topic}", interval=0)
+        except AssertionError:
+            pass  # fewer: returned all the same, the caller's assertion says what is missing
+        end = time.monotonic() + grace  # a window to see anything beyond what was expected
         while time.monotonic() < end:
             got.extend(as_records(src.poll(0.2)))
         src.commit()

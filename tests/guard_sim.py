@@ -7,6 +7,7 @@ here, so import it after ``pytest.importorskip("torch")``.
 from __future__ import annotations
 
 import torch
+from sdcwatch.core.spike_baseline import SeriesSettings
 from sdcwatch.telemetry.guard.config import GuardConfig
 from sdcwatch.testbed.faultspec import FaultSpec
 from sdcwatch.testbed.model import GPTConfig
@@ -14,6 +15,9 @@ from sdcwatch.testbed.simulated import SimulatedRun, shared_corpus
 
 SMALL = GPTConfig(seq_len=32, d_model=32, n_layer=2, n_head=4)
 ACT = GuardConfig(mode="act")
+#: A tighter spike rule than the default (4 robust deviations, a loss 1.5 times its baseline), for
+#: bad data early in training, when the loss still falls fast and random bytes are not yet twice it.
+TIGHT = {"loss": SeriesSettings(z_on=4.0, min_ratio=1.5), "grad_norm": SeriesSettings(z_on=4.0, min_ratio=10.0)}
 
 
 def sim(faults=(), guard=ACT, world=4, **kw) -> SimulatedRun:

@@ -1,5 +1,6 @@
-"""`sdcwatch serve` as a child process for the integration tests, and what they read back from it:
-its stderr lines, its /metrics samples and the topics it writes.
+"""`sdcwatch serve` (and any other command) as a child process for the tests, what they read back
+from it (its stderr lines, its /metrics samples and the topics it writes), and the ranks of a run
+that feed it.
 
 Each service runs on its own topics, consumer group, state folder and metrics port, so tests share
 the session broker without seeing each other's records. Importable from every test folder
@@ -14,6 +15,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,8 +32,12 @@ __all__ = [
     "metric",
     "peek_events",
     "peek_topic",
+    "rank_emitters",
+    "run_cli",
     "scrape",
     "scrape_text",
+    "train_ranks",
+    "wait_finished",
     "wait_metric",
 ]
 
@@ -255,3 +261,41 @@ def peek_events(bootstrap: str, topic: str, timeout: float = 2.0) -> list[dict]:
 def wait_metric(url: str, pred: Callable[[list], bool], timeout: float, what: str) -> None:
     """Scrape ``url`` until ``pred(samples)`` holds; a service not answering yet (or slow to) is "not yet"."""
     wait_for(lambda: pred(scrape(url)), timeout, what, interval=0.25, retry_on=OSError)
+
+
+def wait_finished(url: str, runs, timeout: float = 60.0) -> None:
+    """Wait until the service at ``url`` says every one of ``runs`` finished (all end markers in)."""
+
+    def finished(samples: list) -> bool:
+        return all(metric(samples, "sdcwatch_training_run_finished", run=r) == 1 for r in runs)
+
+    wait_metric(url, finished, timeout, f"runs {', '.join(runs)} to finish")
+
+
+def run_cli(*args: str, timeout: float = 60.0, env: dict | None = None) -> subprocess.CompletedProcess:
+    """``sdcwatch ARGS`` run to its end in a child process of this interpreter, its output captured as text."""
+    cmd = [sys.executable, "-m", "sdcwatch.cli", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def rank_emitters(bootstrap: str, topic: str, run: str = "r", world: int = 4) -> list:
+    """An emitter on ``topic`` for each of the ``world`` ranks of ``run``, two ranks a host (h0, h0, h1...)."""
+    from sdcwatch.telemetry import Emitter, KafkaTransport
+
+    return [
+        Emitter(KafkaTransport(bootstrap, topic), run=run, rank=r, world=world, host=f"h{r // 2}") for r in range(world)
+    ]
+
+
+def train_ranks(emitters: list, steps, loss_at: Callable[[int, int, float], float] | None = None) -> None:
+    """Emit ``steps`` of a clean run from every rank (loss about 2.0, gradient norms 1.0), one step
+    every 5 ms (a training loop's pace: the workload, not a wait), then flush. ``loss_at(step, rank,
+    loss)`` gives the loss a rank reports instead (a spike, a NaN)."""
+    for step in steps:
+        for em in emitters:
+            loss = 2.0 + 0.01 * ((step * 7 + em.rank) % 5)
+            loss = loss if loss_at is None else loss_at(step, em.rank, loss)
+            em.emit(step, loss=loss, grad_norm_local=1.0, grad_norm_global=1.0)
+        time.sleep(0.005)
+    for em in emitters:
+        assert em.flush(60)

@@ -75,7 +75,7 @@ def test_the_walk_reaches_every_package():
         "sdcwatch.core.jsonsafe",
         "sdcwatch.telemetry.wire.emitter",
         "sdcwatch.detectors.spike",
-        "sdcwatch.detectors.baselines.river_hst",
+        "sdcwatch.detectors.river_hst",
         "sdcwatch.service.aligner",
         "sdcwatch.exporters.collector",
         "sdcwatch.testbed.simulated",

@@ -21,7 +21,6 @@ where the value came from, e.g.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import functools
 import os
 from pathlib import Path
@@ -34,7 +33,7 @@ except ModuleNotFoundError:  # pragma: no cover - Python 3.10 needs the backport
 
 from sdcwatch.config.schema import SECTIONS, SECURITY_KEYS, ServeConfig, hints
 from sdcwatch.core.errors import ConfigError
-from sdcwatch.core.validate import check_type, describe, did_you_mean, is_secret
+from sdcwatch.core.validate import KIND_NAMES, check_type, describe, did_you_mean, is_secret
 
 __all__ = ["ENV_PREFIX", "OTHER_ENV", "load_config", "env_name", "flag_name", "all_keys", "default_of", "parse_text"]
 
@@ -147,16 +146,11 @@ def parse_text(key: str, text: str, kind: type) -> Any:
         if raw.lower() in _FALSE:
             return False
         raise ConfigError(key, f"must be true or false (also 1/0, yes/no, on/off), got {text!r}")
-    if kind is int:
+    if kind in (int, float):
         try:
-            return int(raw)
+            return kind(raw)
         except ValueError:
-            raise ConfigError(key, f"must be an integer, got {text!r}") from None
-    if kind is float:
-        try:
-            return float(raw)
-        except ValueError:
-            raise ConfigError(key, f"must be a number, got {text!r}") from None
+            raise ConfigError(key, f"must be {KIND_NAMES[kind]}, got {text!r}") from None
     raise ConfigError(key, "is a table; set its entries one by one")
 
 
@@ -228,18 +222,13 @@ def _env_layer(env: Mapping[str, str]) -> tuple[dict[str, Any], dict[str, str]]:
             for fname, kind in hints(SECTIONS[section]).items():
                 if (kind is dict or dataclasses.is_dataclass(kind)) and key.startswith(fname + "_"):
                     key = f"{fname}.{key[len(fname) + 1 :]}"
-            dotted = f"{section}.{key}"
-            close = difflib.get_close_matches(var, list(by_env), n=1, cutoff=0.6)
-            hint = f" (did you mean {close[0]}?)" if close else ""
-            raise ConfigError(dotted, f"unknown key{hint} (environment {var})")
+            raise ConfigError(f"{section}.{key}", f"unknown key{did_you_mean(var, by_env)} (environment {var})")
         elif var in OTHER_ENV:
             continue  # SDCWATCH_RUN, SDCWATCH_CONFIG ...: the emitter's or the loader's own
         else:  # a misspelt section (SDCWATCH_METRIC_PORT): never silently ignored
-            close = difflib.get_close_matches(var, [*by_env, *OTHER_ENV], n=1, cutoff=0.6)
-            hint = f" (did you mean {close[0]}?)" if close else ""
             raise ConfigError(
                 var,
-                f"unknown sdcwatch environment variable{hint}; sections are "
+                f"unknown sdcwatch environment variable{did_you_mean(var, [*by_env, *OTHER_ENV])}; sections are "
                 f"{', '.join(s.upper() for s in SECTIONS)}; the other variables sdcwatch reads are "
                 f"{', '.join(sorted(OTHER_ENV))} (the emitter's, --config's, sdcwatch bench's and dev.sh's)",
             )

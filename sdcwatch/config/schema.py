@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import re
 import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -22,10 +21,19 @@ from typing import Any, ClassVar
 from sdcwatch.core.errors import ConfigError
 from sdcwatch.core.kafka import TEXT_SECURITY_KEYS
 from sdcwatch.core.limits import RecordLimits
-from sdcwatch.core.validate import check_type, did_you_mean, topic_problem, url_problem
+from sdcwatch.core.validate import (
+    check_choice,
+    check_int,
+    check_number,
+    check_type,
+    did_you_mean,
+    is_secret,
+    topic_problem,
+    url_problem,
+)
 from sdcwatch.core.vocabulary import ANOMALY_TOPIC, CONTROL_TOPIC, DEADLETTER_TOPIC, SUMMARY_TOPIC, TELEMETRY_TOPIC
 from sdcwatch.detectors.registry import default_classes
-from sdcwatch.exporters.bounds import (
+from sdcwatch.exporters.metrics_settings import (
     DEFAULT_MAX_LAYERS,
     DEFAULT_MAX_PIECES,
     DEFAULT_METRICS_ADDRESS,
@@ -59,7 +67,6 @@ _PROTOCOLS = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
 # OAUTHBEARER needs a token-provider object, which text configuration cannot give.
 _MECHANISMS = ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512", "GSSAPI", "AWS_MSK_IAM")
 _NEEDS_PASSWORD = ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512")
-_SECRET = re.compile(r"password|secret|token", re.IGNORECASE)
 
 
 @functools.lru_cache(maxsize=None)
@@ -95,12 +102,23 @@ class _Section:
     def _fail(self, name: str, problem: str) -> typing.NoReturn:
         raise ConfigError(f"{self.section}.{name}", problem)
 
+    def _positive(self, *names: str) -> None:
+        for name in names:
+            check_number(f"{self.section}.{name}", getattr(self, name), 0, lo_open=True)
+
 
 @dataclass
 class BusConfig(_Section):
     """[bus]: where telemetry comes from and incidents go (a Kafka cluster)."""
 
     section: ClassVar[str] = "bus"
+    TOPICS: ClassVar[tuple[str, ...]] = (
+        "telemetry_topic",
+        "anomalies_topic",
+        "deadletter_topic",
+        "summaries_topic",
+        "control_topic",
+    )
 
     bootstrap: str = "localhost:9092"
     """Kafka bootstrap servers, comma-separated host:port (what kafka-python calls bootstrap_servers)."""
@@ -135,7 +153,7 @@ class BusConfig(_Section):
         if not self.bootstrap_servers:
             self._fail("bootstrap", "must name at least one host:port")
         topics: dict[str, str] = {}
-        for name in ("telemetry_topic", "anomalies_topic", "deadletter_topic", "summaries_topic", "control_topic"):
+        for name in self.TOPICS:
             topic = getattr(self, name)
             problem = topic_problem(topic)
             if problem:
@@ -145,8 +163,7 @@ class BusConfig(_Section):
             topics[topic] = name
         if not self.group.strip():
             self._fail("group", "must not be empty")
-        if self.share_timeout_s < 0:
-            self._fail("share_timeout_s", f"must be 0 (never) or more seconds, got {self.share_timeout_s}")
+        check_number("bus.share_timeout_s", self.share_timeout_s, 0)
         self._validate_security()
 
     def _validate_security(self) -> None:
@@ -158,13 +175,10 @@ class BusConfig(_Section):
             check_type(f"bus.{key}", value, SECURITY_KEYS[name])
             if SECURITY_KEYS[name] is str and not value:
                 self._fail(key, "must not be empty (leave it out instead)")
-        protocol = sec.get("security_protocol", "PLAINTEXT")
-        if protocol not in _PROTOCOLS:
-            self._fail("security.security_protocol", f"{protocol!r} is not one of {', '.join(_PROTOCOLS)}")
+        protocol = check_choice("bus.security.security_protocol", sec.get("security_protocol", "PLAINTEXT"), _PROTOCOLS)
         mechanism = sec.get("sasl_mechanism")
         if mechanism is not None:
-            if mechanism not in _MECHANISMS:
-                self._fail("security.sasl_mechanism", f"{mechanism!r} is not one of {', '.join(_MECHANISMS)}")
+            check_choice("bus.security.sasl_mechanism", mechanism, _MECHANISMS)
             if not protocol.startswith("SASL_"):
                 self._fail(
                     "security.sasl_mechanism",
@@ -212,10 +226,9 @@ class MetricsConfig(_Section):
     def _validate(self) -> None:
         # the endpoint and the series bounds are the exporter's (MetricsServer, SdcwatchCollector)
         check_address(self.address)
-        check_port(self.port, zero="off")
+        check_port(self.port)
         check_cardinality(top_k=self.top_k, max_layers=self.max_layers, max_pieces=self.max_pieces)
-        if self.max_runs < 1:
-            self._fail("max_runs", f"must be at least 1, got {self.max_runs}")
+        check_int("metrics.max_runs", self.max_runs, lo=1)
 
     @property
     def enabled(self) -> bool:
@@ -245,7 +258,7 @@ class AlertsConfig(_Section):
                 problem = url_problem(url)
                 if problem:
                     self._fail(name, problem)
-        _positive(self, "timeout_s")
+        self._positive("timeout_s")
 
 
 @dataclass
@@ -265,8 +278,7 @@ class AuthConfig(_Section):
     unsigned)."""
 
     def _validate(self) -> None:
-        if self.unsigned not in ("refuse", "accept"):
-            self._fail("unsigned", f"must be refuse or accept, got {self.unsigned!r}")
+        check_choice("auth.unsigned", self.unsigned, ("refuse", "accept"))
         if self.key_file:
             self.key_file = str(Path(self.key_file).expanduser())
 
@@ -302,7 +314,7 @@ class StateConfig(_Section):
             self._fail("dir", "must name a folder for the snapshot (not the working directory itself)")
         if self.dir.exists() and not self.dir.is_dir():
             self._fail("dir", f"{self.dir} exists and is not a folder")
-        _positive(self, "snapshot_interval_s")
+        self._positive("snapshot_interval_s")
 
 
 @dataclass
@@ -327,9 +339,8 @@ class _DetectorsSettings(PipelineSettings, _Section):
 
     def _validate(self) -> None:
         PipelineSettings.__post_init__(self)  # the pipeline's bounds; errors name detectors.<key>
-        _positive(self, "schema_wait_s")
-        if self.stage not in STAGES:
-            self._fail("stage", f"{self.stage!r} is not one of {', '.join(STAGES)}")
+        self._positive("schema_wait_s")
+        check_choice("detectors.stage", self.stage, STAGES)
 
     def detector_configs(self) -> dict[str, Any]:
         """Detector name -> its ``Config``, for :func:`~sdcwatch.detectors.registry.default_detectors`."""
@@ -429,7 +440,7 @@ class ServeConfig:
         topic = self.state.topic
         if not topic:
             return
-        for name in ("telemetry_topic", "anomalies_topic", "deadletter_topic", "summaries_topic", "control_topic"):
+        for name in BusConfig.TOPICS:
             if getattr(self.bus, name) == topic:
                 raise ConfigError("state.topic", f"{topic!r} is also bus.{name}; each topic has one purpose")
         if self.detectors.stage == "spatial":
@@ -455,7 +466,7 @@ def _table(obj: Any, redact: bool) -> dict[str, Any]:
         elif isinstance(value, tuple):
             value = list(value)
         elif isinstance(value, dict):
-            value = {k: ("***" if redact and _SECRET.search(k) else v) for k, v in value.items()}
+            value = {k: ("***" if redact and is_secret(k) else v) for k, v in value.items()}
         values[name] = value
     return values
 
@@ -470,9 +481,3 @@ SECTIONS: dict[str, type[_Section]] = {
     "guard": GuardPolicyConfig,
     "auth": AuthConfig,
 }
-
-
-def _positive(section: _Section, name: str) -> None:
-    value = getattr(section, name)
-    if not value > 0:
-        section._fail(name, f"must be greater than 0, got {value}")

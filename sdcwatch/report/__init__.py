@@ -27,7 +27,7 @@ from typing import Any, Sequence
 
 from sdcwatch.core.errors import SdcwatchError
 from sdcwatch.core.vocabulary import DEVIATION_METRICS
-from sdcwatch.report.data import RunData, incident_from_dict, load_incidents, load_records
+from sdcwatch.report.data import RunData, load_incidents, load_records
 from sdcwatch.report.deviation import Deviation, rank_deviation, robust_z
 from sdcwatch.report.page import render_report, write_report
 
@@ -35,7 +35,6 @@ __all__ = [
     "RunData",
     "load_records",
     "load_incidents",
-    "incident_from_dict",
     "robust_z",
     "rank_deviation",
     "Deviation",

@@ -11,17 +11,17 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Mapping
 
 import numpy as np
 
 from sdcwatch.core.errors import RecordError, ReplayError
-from sdcwatch.core.incident import Incident, Severity
-from sdcwatch.core.layer_names import NOUNS, family_of, is_names_line
+from sdcwatch.core.incident import Incident
 from sdcwatch.core.limits import RecordLimits
-from sdcwatch.core.record_json import from_json
+from sdcwatch.core.messages import decode_line, is_end_marker
+from sdcwatch.core.record_type import Record
+from sdcwatch.core.vocabulary import NOUNS, family_of
 from sdcwatch.service.offline import bounded_lines
-from sdcwatch.telemetry.wire.end_marker import is_end_marker
 
 _SCALARS = ("loss", "loss_global", "grad_norm_local", "grad_norm_global", "grad_cosine", "nonfinite", "step_time")
 ENTROPY = "attn_entropy"
@@ -90,13 +90,14 @@ def load_records(path: str | Path, *, run: str | None = None) -> RunData:
         raise ReplayError(str(path), 0, f"cannot read records: {exc.strerror or exc}") from None
     with fh:
         for lineno, line in enumerate(bounded_lines(fh, path), 1):
-            if not line.strip() or is_names_line(line):  # layer names: the report shows indices
+            if not line.strip():
                 continue
             try:
-                rec = from_json(line)
-                _LIMITS.check(rec)
+                rec = decode_line(line, _LIMITS)
             except RecordError as exc:
                 raise ReplayError(str(path), lineno, str(exc)) from None
+            if not isinstance(rec, Record):  # layer names, checkpoint notes: the report shows indices
+                continue
             if is_end_marker(rec):  # a rank's end-of-run marker (sdcwatch capture keeps them), not a step
                 ended.setdefault(rec.run, set()).add(rec.rank)
                 continue
@@ -165,75 +166,6 @@ def _densify(run: str, rows: list[tuple], world: int, hosts: Mapping[int, str], 
     )
 
 
-def incident_from_dict(d: Mapping[str, Any]) -> Incident:
-    """Rebuild an :class:`Incident` from :meth:`Incident.to_dict` output (or an event wrapping one).
-
-    An event's ``change`` (``resolved``) or an ``open: false`` counts as the service's word that
-    the incident is resolved, even where no ``resolved_step`` came with it (then its last step).
-    Raises ValueError naming the bad field; :func:`load_incidents` adds the file and line.
-    """
-    change = d.get("change")
-    if "incident" in d and isinstance(d["incident"], Mapping):  # an IncidentEvent (log sink, webhook)
-        d = d["incident"]
-    for key in ("kind", "severity", "message"):
-        if key not in d:
-            raise ValueError(f"incident field {key!r} is missing")
-    try:
-        severity = Severity(d["severity"])
-    except ValueError:
-        raise ValueError(
-            f"incident field 'severity': {d['severity']!r} is not one of info, warning, critical"
-        ) from None
-    first = d.get("first_step", d.get("step"))
-    last = d.get("last_step", first)
-    for key, value in (("first_step", first), ("last_step", last)):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ValueError(f"incident field {key!r} must be an integer, got {value!r}")
-    ranks = d.get("ranks") or ()
-    if not isinstance(ranks, (list, tuple)) or not all(isinstance(r, int) and not isinstance(r, bool) for r in ranks):
-        raise ValueError(f"incident field 'ranks' must be a list of integers, got {ranks!r}")
-    for key in ("layer", "peak_step", "resolved_step"):
-        value = d.get(key)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
-            raise ValueError(f"incident field {key!r} must be an integer or null, got {value!r:.80}")
-    layer = d.get("layer")
-    resolved_step = d.get("resolved_step")
-    if resolved_step is None and (change == "resolved" or d.get("open") is False):
-        resolved_step = last
-    for key in ("opened_at", "resolved_at"):
-        value = d.get(key)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
-            raise ValueError(f"incident field {key!r} must be a number or null, got {value!r:.80}")
-    for key in ("hosts",):
-        value = d.get(key)
-        if value is not None and not isinstance(value, (list, tuple)):
-            raise ValueError(f"incident field {key!r} must be a list, got {value!r:.80}")
-    if d.get("evidence") is not None and not isinstance(d["evidence"], Mapping):
-        raise ValueError(f"incident field 'evidence' must be an object, got {d['evidence']!r:.80}")
-    score = d.get("score", 0.0)
-    return Incident(
-        id=str(d.get("id", f"{d['kind']}@{first}")),
-        run=str(d.get("run", "")),
-        kind=str(d["kind"]),
-        severity=severity,
-        first_step=first,
-        last_step=last,
-        message=str(d["message"]),
-        ranks=tuple(ranks),
-        hosts=tuple(str(h) for h in d.get("hosts") or ()),
-        metric=str(d.get("metric") or ""),
-        layer=layer,
-        score=float(score) if isinstance(score, (int, float)) else math.nan,
-        evidence=dict(d.get("evidence") or {}),
-        detector=str(d.get("detector") or ""),
-        peak_step=d.get("peak_step"),
-        resolved_step=resolved_step,
-        opened_at=float(d.get("opened_at") or 0.0),
-        resolved_at=d.get("resolved_at"),
-        layer_name=str(d["layer_name"]) if d.get("layer_name") else None,
-    )
-
-
 def load_incidents(path: str | Path) -> list[Incident]:
     """Read a JSON-lines file of ``Incident.to_dict()`` objects or incident events: what ``sdcwatch
     replay --json``, ``sdcwatch incidents --json``, the demo, the anomalies topic or the log sink's
@@ -255,13 +187,7 @@ def load_incidents(path: str | Path) -> list[Incident]:
         if not line.strip():
             continue
         try:
-            obj = json.loads(line)
-        except ValueError as exc:
-            raise ReplayError(str(path), lineno, f"not valid JSON: {exc}") from None
-        if not isinstance(obj, dict):
-            raise ReplayError(str(path), lineno, f"expected a JSON object, got {type(obj).__name__}")
-        try:
-            incident = incident_from_dict(obj)
+            incident = Incident.from_dict(_json_object(line))
         except ValueError as exc:
             raise ReplayError(str(path), lineno, str(exc)) from None
         latest.pop(incident.id, None)  # re-insert: order by the last change
@@ -280,6 +206,7 @@ def attention_layer(inc: Incident) -> int | None:
     when its metric is of the ``layers`` family (``gemm_canary_fp``'s layer 0 is a product, and
     ``stream_max``'s a block: neither is attention layer 0).
 
+    >>> from sdcwatch.core.incident import Severity
     >>> inc = Incident("i", "r", "replica_divergence", Severity.CRITICAL, 5, 5, "m", metric="gemm_canary_fp", layer=0)
     >>> attention_layer(inc) is None, attention_layer(Incident("j", "r", "k", Severity.WARNING, 5, 5, "m",
     ...     metric="attn_entropy", layer=2))
@@ -297,3 +224,14 @@ def where_in_model(inc: Incident) -> str:
     family = family_of(inc.metric)
     text = f"{NOUNS.get(family, 'index') if family else 'index'} {inc.layer}"
     return text + (f" ({inc.layer_name})" if inc.layer_name else "")
+
+
+def _json_object(line: str) -> dict:
+    """The JSON object of one line; ValueError saying what else it is."""
+    try:
+        obj = json.loads(line)
+    except ValueError as exc:
+        raise ValueError(f"not valid JSON: {exc}") from None
+    if not isinstance(obj, dict):
+        raise ValueError(f"expected a JSON object, got {type(obj).__name__}")
+    return obj

@@ -20,7 +20,6 @@ from sdcwatch.report.data import (
     ENTROPY,
     RunData,
     attention_layer,
-    incident_from_dict,
     is_localised,
     load_incidents,
     load_records,
@@ -433,7 +432,7 @@ def write_report(
                 loaded.append(inc)
             elif isinstance(inc, Mapping):
                 try:
-                    loaded.append(incident_from_dict(inc))
+                    loaded.append(Incident.from_dict(inc))
                 except ValueError as exc:
                     raise ReplayError("<incidents>", n + 1, str(exc)) from None
             else:

@@ -30,6 +30,7 @@ from sdcwatch.report.deviation import (
 _Z_CAP = 10.0  # top of the heat map's colour scale; beyond it a rank is plainly off
 _MAX_LAYER_PANELS = 16
 _SAMPLED = 0.5  # a series measured on fewer than this share of the steps is drawn as points
+_OFF_SCALE = {"linestyle": "none", "color": "#d62728", "markersize": 6, "clip_on": False}  # markers of blow-ups
 _SEVERITY_COLOUR = {"critical": "#d62728", "warning": "#ff7f0e", "info": "#1f77b4"}
 
 
@@ -162,28 +163,10 @@ def _plot_series(
         ax.set_ylim(*limits)
         over = np.isfinite(series) & (series > limits[1])
         under = np.isfinite(series) & (series < limits[0])
-        if over.any():
-            ax.plot(
-                steps[over],
-                np.full(over.sum(), limits[1]),
-                linestyle="none",
-                marker="^",
-                color="#d62728",
-                markersize=6,
-                clip_on=False,
-                label=f"off scale (max {np.max(series[over]):.3g})",
-            )
-        if under.any():
-            ax.plot(
-                steps[under],
-                np.full(under.sum(), limits[0]),
-                linestyle="none",
-                marker="v",
-                color="#d62728",
-                markersize=6,
-                clip_on=False,
-                label="off scale (below)",
-            )
+        for off, edge, marker in ((over, limits[1], "^"), (under, limits[0], "v")):
+            if off.any():
+                note = f"off scale (max {np.max(series[off]):.3g})" if marker == "^" else "off scale (below)"
+                ax.plot(steps[off], np.full(off.sum(), edge), marker=marker, label=note, **_OFF_SCALE)
     _mark_nonfinite(ax, steps, ~np.isfinite(series) & present.any(axis=1), "#7b1fa2", label="non-finite")
     ax.set_ylabel(label, fontsize=9.5)
     _style_axes(ax)

@@ -1,8 +1,9 @@
 """The guard: acts on a detection at the step boundary, on every rank alike, without stopping the job.
 
-:mod:`~sdcwatch.telemetry.guard.guard` (``Guard``) judges each step and agrees on an action;
-its settings and outcome are :mod:`~sdcwatch.telemetry.guard.config`, the robust checks
-:mod:`~sdcwatch.telemetry.guard.checks`, rollback snapshots :mod:`~sdcwatch.telemetry.guard.snapshots`,
+:mod:`~sdcwatch.telemetry.guard.guard` (``Guard``) runs each step and agrees on an action;
+its settings and outcome are :mod:`~sdcwatch.telemetry.guard.config`, its parts the deciding
+:mod:`~sdcwatch.telemetry.guard.checks` and acting :mod:`~sdcwatch.telemetry.guard.acting`, sharing
+:mod:`~sdcwatch.telemetry.guard.state`, rollback snapshots :mod:`~sdcwatch.telemetry.guard.snapshots`,
 decisions read from the control topic :mod:`~sdcwatch.telemetry.guard.control_topic`, the skip decided
 on the device with no host sync :mod:`~sdcwatch.telemetry.guard.device_skip` (``DeviceSkip``), a
 replica group leaving the job while the others go on :mod:`~sdcwatch.telemetry.guard.elastic`. The
@@ -14,6 +15,8 @@ from sdcwatch.core.lazy import lazy_attributes
 _LAZY = {
     "Guard": "sdcwatch.telemetry.guard.guard",
     "GuardConfig": "sdcwatch.telemetry.guard.config",
+    "GuardPlace": "sdcwatch.telemetry.guard.config",
+    "GuardState": "sdcwatch.telemetry.guard.state",
     "GuardOutcome": "sdcwatch.telemetry.guard.config",
     "GuardEviction": "sdcwatch.telemetry.guard.config",
     "EXIT_CODE_EVICT": "sdcwatch.telemetry.guard.config",

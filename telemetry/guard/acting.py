@@ -1,55 +1,66 @@
-"""The guard's heavier actions: decisions from the control topic, rollback to a snapshot, eviction
-(by exiting, or by the rank's replica group leaving the quorum: :mod:`~sdcwatch.telemetry.guard.elastic`),
-the mitigation of an optimisation spike (a learning-rate cut and a tighter clip for a few steps).
-
-A mixin of :class:`~sdcwatch.telemetry.guard.guard.Guard` (its state lives there); every method here is
-called on every process at the same step, so the collectives inside (broadcasts, the host gather)
-line up.
-"""
+"""The acting part of the guard: skips within their budget, rollbacks to a snapshot, evictions, spike
+mitigations and the update itself, on the :class:`~sdcwatch.telemetry.guard.state.GuardState` the
+guard's parts share (:class:`~sdcwatch.telemetry.guard.guard.Guard` decides when)."""
 
 from __future__ import annotations
 
 import logging
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Sequence
 
 from sdcwatch.core.control import ACTIONS
-from sdcwatch.core.errors import ConfigError
-import numpy as np
-from sdcwatch.telemetry.guard.checks import DistGroup, LocalGroup, drop_through
-from sdcwatch.telemetry.guard.config import GuardEviction, GuardOutcome
+from sdcwatch.telemetry.guard.checks import DistGroup, LocalGroup
+from sdcwatch.telemetry.guard.config import GuardConfig, GuardEviction, GuardOutcome, GuardPlace
 from sdcwatch.telemetry.guard.elastic import leave_quorum
-from sdcwatch.telemetry.guard.snapshots import clone_state
+from sdcwatch.telemetry.guard.snapshots import SnapshotStore, clone_state
+from sdcwatch.telemetry.guard.state import GuardState
 
-__all__ = ["GuardActing"]
+__all__ = ["GuardActions"]
 
 log = logging.getLogger("sdcwatch.guard")
 
 
-class GuardActing:
-    """Control decisions, rollbacks and evictions (see :class:`~sdcwatch.telemetry.guard.guard.Guard`)."""
+class GuardActions:
+    """Carries out what the guard decided, every process alike, on ``model`` and ``optimizer``
+    (``group``: how the processes agree; ``actions``: where an eviction is recorded before it raises;
+    ``resync``, ``elastic``, ``watch``: as :class:`~sdcwatch.telemetry.guard.guard.Guard` takes them)."""
 
-    # -- acting on control decisions -------------------------------------------------------------------
+    def __init__(
+        self,
+        config: GuardConfig,
+        state: GuardState,
+        place: GuardPlace,
+        model: Any,
+        optimizer: Any,
+        group: Any,
+        actions: list[GuardOutcome],
+        *,
+        resync: Callable[[set[int]], None] | None = None,
+        elastic: Any = None,
+        watch: Any = None,
+    ) -> None:
+        self.config, self.state, self.place = config, state, place
+        self.model, self.optimizer, self.group, self.actions = model, optimizer, group, actions
+        self.resync, self.elastic, self.watch = resync, elastic, watch
+        self.snapshots = SnapshotStore(int(config.snapshot_memory_mb * 2**20), config.snapshot_dir, place.rank)
+        self.steps_rolled_back = 0
+        """Steps of progress undone by rollbacks."""
 
-    def _next_control(self) -> Any:
-        if self.control is None:
-            return None
-        try:
-            self._pending.extend(self.control.poll())
-        except Exception as exc:  # a reader must not break training
-            self.control_rejected += 1
-            log.warning("sdcwatch guard: reading control decisions failed: %s", exc)
-            self.control = None
-            return None
-        return self._pending.popleft() if self._pending else None
+    def snapshot_before(self, step: int, data_pos: Any) -> None:
+        """Take the snapshot due before ``step`` (the first step's too: one to go back to)."""
+        if step % self.config.snapshot_every == 0 or not len(self.snapshots):
+            self.snapshots.take(step, step if data_pos is None else data_pos, self.model, self.optimizer)
 
-    def _on_control(self, step: int, agreed: list[int], control: Any, out: GuardOutcome) -> GuardOutcome:
+    # -- control decisions ------------------------------------------------------------------------
+
+    def on_control(self, step: int, agreed: list[int], reason: str, out: GuardOutcome) -> GuardOutcome:
+        """Act on the control decision every process agreed on (``agreed``: the ballot's MAX);
+        ``reason`` is rank 0's text of it."""
         action = ACTIONS[agreed[3]]
         rank = agreed[4] - 1 if agreed[4] else None
         since = agreed[5] - 1 if agreed[5] else None
         lr = agreed[6] / 1e6 or 1.0
-        reason = control.reason if control is not None else ""
-        if self.world > 1 and not isinstance(self._group, LocalGroup):
-            reason = self._group.broadcast_text(reason)
+        if self.place.world > 1 and not isinstance(self.group, LocalGroup):
+            reason = self.group.broadcast_text(reason)
         ranks = (rank,) if rank is not None else ()  # what every process agreed on
         out.reason, out.ranks = "control", ranks
         what = (
@@ -62,92 +73,116 @@ class GuardActing:
             out.message = what + "; report mode: nothing done"
             return out
         if action == "skip":
-            return self._skip(step, out, what)
+            return self.skip(step, out, what)
         if action == "rollback":
-            return self._rollback(step, since, lr, set(ranks), out, what)
-        return self._evict(step, ranks, what, out, since)
+            return self.rollback(step, since, lr, set(ranks), out, what)
+        return self.evict(step, ranks, what, out, since)
 
-    def _rollback(
+    # -- skips and escalation -----------------------------------------------------------------------
+
+    def skip(self, step: int, out: GuardOutcome, what: str) -> GuardOutcome:
+        """Skip the update, within the budget; a rerun before it shows in ``verdict``."""
+        c = self.config
+        if not self.skips_left(step):
+            out.applied = True
+            out.action = "rerun" if out.verdict else "none"
+            out.would = "skip"
+            out.message = (
+                f"{what}; skip budget spent ({c.max_skips} in {c.budget_window} steps): update applied, reported only"
+            )
+            return out
+        self.state.skips.append(step)
+        out.action, out.applied = "skip", False
+        out.message = f"{what}; update skipped on every rank"
+        return out
+
+    def skips_left(self, step: int) -> bool:
+        return self.state.room("skips", step, self.config.budget_window, self.config.max_skips)
+
+    def escalate(self, step: int, out: GuardOutcome, what: str) -> GuardOutcome:
+        """No rerun left: skip while the skip budget lasts; then a hardware-like fault (non-finite or a
+        checksum) naming a rank gets ``on_persistent``; anything else goes through, reported."""
+        if self.skips_left(step) or not out.ranks or out.reason == "spike":
+            return self.skip(step, out, what)
+        c = self.config
+        return self.on_persistent(
+            step, out, f"{what}; skip budget spent too ({c.max_skips} in {c.budget_window} steps)"
+        )
+
+    def on_persistent(self, step: int, out: GuardOutcome, what: str) -> GuardOutcome:
+        act = self.config.on_persistent
+        if act == "evict":
+            return self.evict(step, out.ranks, what, out)  # returns only when the group left (on_evict)
+        if act == "rollback":
+            return self.rollback(step, None, self.config.lr_factor, set(out.ranks), out, what)
+        if act == "skip":
+            return self.skip(step, out, what)
+        out.message = what + "; reported only (on_persistent = none)"
+        return out
+
+    # -- rollbacks ---------------------------------------------------------------------------------
+
+    def rollback(
         self, step: int, since: int | None, lr: float, suspects: set[int], out: GuardOutcome, what: str
     ) -> GuardOutcome:
         c = self.config
-        while self._rollbacks and self._rollbacks[0] <= step - c.budget_window:
-            self._rollbacks.popleft()
-        if len(self._rollbacks) >= c.max_rollbacks:
+        if not self.state.room("rollbacks", step, c.budget_window, c.max_rollbacks):
+            spent = f"rollback budget spent ({c.max_rollbacks} in {c.budget_window} steps)"
             if suspects:
-                return self._evict(
-                    step,
-                    tuple(sorted(suspects)),
-                    what + f"; rollback budget spent ({c.max_rollbacks} in {c.budget_window} steps)",
-                    out,
-                    since,
-                )
+                return self.evict(step, tuple(sorted(suspects)), f"{what}; {spent}", out, since)
             out.would = "rollback"
-            out.message = (
-                what + f"; rollback budget spent ({c.max_rollbacks} in {c.budget_window} steps): reported only"
-            )
+            out.message = f"{what}; {spent}: reported only"
             return out
-        snap = self._restore(since if since is not None else step + 1, suspects)
+        snap = self.restore(since if since is not None else step + 1, suspects)
         if snap is None:
             out.would = "rollback"
             out.message = what + "; no snapshot old enough to roll back to: reported only"
             return out
-        self._rollbacks.append(step)
+        self.state.rollbacks.append(step)
         self.steps_rolled_back += step + 1 - snap.step
-        self._lr_scale, self._lr_until = lr, step + c.lr_cut_steps
+        self.state.lr_scale, self.state.lr_until = lr, step + c.lr_cut_steps
         out.action, out.applied, out.resume_from, out.lr_factor = "rollback", False, snap.data_pos, lr
         out.message = f"{what}; rolled back to the snapshot before step {snap.step}" + (
             f", learning rate x{lr:g} for {c.lr_cut_steps} steps" if lr != 1.0 else ""
         )
         return out
 
-    def _restore(self, before: int | None, suspects: set[int]) -> Any:
+    def restore(self, before: int | None, suspects: set[int]) -> Any:
+        """Load the newest snapshot taken before step ``before`` (the newest of all: None) and make the
+        replicas equal again; returns the snapshot, or None when there is none."""
         snap = self.snapshots.before(before)
         if snap is None:
             return None
         self.model.load_state_dict(snap.model)
         self.optimizer.load_state_dict(clone_state(snap.optimizer))
         self.snapshots.drop_after(snap.step)
-        self._resync(suspects)
-        return snap
-
-    def restore(self, before: int | None = None, suspects: Iterable[int] = ()) -> Any:
-        """Load the newest snapshot taken before step ``before`` (the newest of all: None) and make the
-        replicas equal again; returns its data position, or None when there is no such snapshot.
-        What a restarted job does after an eviction; a rollback does the same at a step boundary."""
-        snap = self._restore(before, set(suspects))
-        return None if snap is None else snap.data_pos
-
-    def _resync(self, suspects: set[int]) -> None:
         if self.resync is not None:
             self.resync(suspects)
-            return
-        if isinstance(self._group, DistGroup):
-            import torch
+        elif isinstance(self.group, DistGroup):
+            self.group.broadcast_parameters(
+                self.model, next((r for r in range(self.place.world) if r not in suspects), 0)
+            )
+        return snap
 
-            src = next((r for r in range(self.world) if r not in suspects), 0)
-            with torch.no_grad():
-                for p in self.model.parameters():
-                    self._group.dist.broadcast(p.data, src=src, group=self._group.group)
+    # -- spike mitigation and the update ---------------------------------------------------------------
 
-    def _mitigate(self, step: int, out: GuardOutcome) -> GuardOutcome:
+    def mitigate(self, step: int, out: GuardOutcome) -> GuardOutcome:
         """After a spike that is not transient: the learning-rate cut and / or tighter clip of
         ``spike_mitigation`` for ``mitigation_steps`` steps from this one, within its budget."""
         c = self.config
         if out.verdict == "transient" or not (out.action != "none" or out.would):
             return out  # the rerun's clean result was used, or nothing was seen to act on
-        kind, _, until = self._mitigation
+        kind, _, until = self.state.mitigation
         if step <= until:
             out.message += f"; the spike mitigation ({kind}) is in force until step {until}"
             return out
-        drop_through(self._mitigations, step - c.budget_window)
-        if len(self._mitigations) >= c.max_mitigations:
+        if not self.state.room("mitigations", step, c.budget_window, c.max_mitigations):
             out.message += f"; mitigation budget spent ({c.max_mitigations} in {c.budget_window} steps)"
             return out
-        self._mitigations.append(step)
+        self.state.mitigations.append(step)
         kind = c.spike_mitigation
         factor = c.mitigation_lr_factor if "lr" in kind else 1.0
-        self._mitigation = (kind, factor, step + c.mitigation_steps - 1)
+        self.state.mitigation = (kind, factor, step + c.mitigation_steps - 1)
         out.mitigation, out.lr_factor = kind, factor
         parts = ([f"learning rate x{factor:g}"] if "lr" in kind else []) + (
             [f"gradient clipped to {c.mitigation_clip:g}x the median norm"] if "clip" in kind else []
@@ -155,44 +190,66 @@ class GuardActing:
         out.message += f"; mitigated: {' and '.join(parts)} for steps {step}-{step + c.mitigation_steps - 1}"
         return out
 
+    def update(self, step: int, update: Callable[[], Any] | None) -> None:
+        """Step the optimizer (or ``update``) with the learning-rate cut and clip in force at ``step``."""
+        st = self.state
+        scale = st.lr_scale if step <= st.lr_until else 1.0
+        kind, factor, until = st.mitigation
+        if step <= until:
+            scale *= factor if "lr" in kind else 1.0
+            if "clip" in kind:
+                self._clip()
+        elif until >= 0 and step == until + 1:
+            st.mitigation = ("none", 1.0, -1)
+            log.info(
+                "sdcwatch guard (rank %s): step %s: the spike mitigation ended, learning rate restored",
+                self.place.rank,
+                step,
+            )
+        if scale != 1.0:
+            saved = [g["lr"] for g in self.optimizer.param_groups]
+            for g in self.optimizer.param_groups:
+                g["lr"] = g["lr"] * scale
+        try:
+            (update or self.optimizer.step)()
+        finally:
+            if scale != 1.0:
+                for g, lr in zip(self.optimizer.param_groups, saved):
+                    g["lr"] = lr
+
     def _clip(self) -> None:
-        """Clip the gradient to ``mitigation_clip`` times the median norm of recent clean steps."""
-        values = [v for v in self._grad_base.values if v > 0]
-        if not values:
+        """Clip the gradient to ``mitigation_clip`` times the baseline of recent clean norms."""
+        base = self.state.grad.baseline
+        if not base > 0:
             return
         import torch
 
         params = [p for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
-        torch.nn.utils.clip_grad_norm_(params, self.config.mitigation_clip * float(np.median(values)))
+        torch.nn.utils.clip_grad_norm_(params, self.config.mitigation_clip * base)
 
-    def _elastic_agreement(self, elastic: Any) -> Any:
-        """``elastic``'s agreement across the quorum's groups (None: the guard's own); ``on_evict =
-        "leave"`` without a membership is refused."""
-        if self.config.on_evict == "leave" and elastic is None:
-            raise ConfigError("guard.on_evict", "'leave' needs the job's replica membership: Guard(elastic=...)")
-        return None if elastic is None else elastic.agreement()
+    # -- eviction ------------------------------------------------------------------------------------
 
     def _hosts(self, ranks: Sequence[int]) -> list[str]:
-        if self.host_of is not None:
-            return [self.host_of(r) for r in ranks]
-        table = self._group.gather_hosts(self.host)
+        if self.place.host_of is not None:
+            return [self.place.host_of(r) for r in ranks]
+        table = self.group.gather_hosts(self.place.host)
         if len(table) > 1:
             return [table[r] if 0 <= r < len(table) else "" for r in ranks]
-        return [self.host if r == self.rank else "" for r in ranks]
+        return [self.place.host if r == self.place.rank else "" for r in ranks]
 
-    def _evict(
+    def evict(
         self, step: int, ranks: Sequence[int], what: str, out: GuardOutcome, since: int | None = None
     ) -> GuardOutcome:
         """Evict ``ranks``: with ``on_evict="leave"`` (and room in the quorum) their replica groups
         leave and the outcome is returned; otherwise :class:`GuardEviction` is raised on every process."""
         ranks = tuple(sorted(ranks))
         hosts = self._hosts(ranks)
+        reason = what.removeprefix(f"step {step}: ")
         if self.config.on_evict == "leave" and self.elastic is not None:
-            left = leave_quorum(self.elastic, step, ranks, hosts, what.removeprefix(f"step {step}: "), out)
+            left = leave_quorum(self.elastic, step, ranks, hosts, reason, out)
             if left is not None:
                 return left
         out.action, out.applied, out.ranks = "evict", False, ranks
-        reason = what.removeprefix(f"step {step}: ")
         exc = GuardEviction(step, ranks, hosts, reason, since if since is not None else step)
         out.message = exc.message
         self.actions.append(out)

@@ -1,20 +1,26 @@
-"""The guard's judging and agreeing parts: the robust spike baseline, one step's values, and how
-the processes agree (a MAX all-reduce of a few integers under torch.distributed; nothing to do for a
+"""The guard's deciding and agreeing parts: one step's values and their verdict, and how the
+processes agree (a MAX all-reduce of a few integers under torch.distributed; nothing to do for a
 process that holds every rank)."""
 
 from __future__ import annotations
 
-import collections
+import math
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from sdcwatch.core.errors import ConfigError
+from sdcwatch.telemetry.guard.config import GuardConfig
+from sdcwatch.telemetry.guard.state import GuardState
 
 __all__ = [
-    "Baseline",
+    "StepJudge",
     "StepValues",
     "LocalGroup",
     "DistGroup",
+    "TensorAgreement",
+    "TEXT_BYTES",
+    "HOST_BYTES",
     "same",
     "to_numpy",
     "suspects_from",
@@ -23,50 +29,13 @@ __all__ = [
     "set_rng_state",
     "ballot",
     "BIG",
-    "drop_through",
 ]
 
 BIG = 1 << 40
+#: The longest control reason and host name the processes agree on, in bytes.
+TEXT_BYTES, HOST_BYTES = 1024, 255
 #: The codes of the actions a control decision may carry (their index in ``guard_config.ACTIONS``).
 _ACTION_CODES = {"skip": 1, "rollback": 3, "evict": 4}
-
-
-class Baseline:
-    """Recent clean values of one series, for the robust spike rule.
-
-    The median and MAD are recomputed after every ``refresh`` new values, not on every step: a
-    baseline of 64 steps moves slowly, and two medians a step would cost more than the rest of the
-    guard together.
-    """
-
-    __slots__ = ("values", "_stats", "_fresh", "refresh")
-
-    def __init__(self, window: int, refresh: int = 8) -> None:
-        self.values: collections.deque[float] = collections.deque(maxlen=window)
-        self._stats: tuple[float, float] | None = None
-        self._fresh = 0
-        self.refresh = refresh
-
-    def add(self, v: float) -> None:
-        self.values.append(v)
-        self._fresh += 1
-        if self._fresh >= self.refresh:
-            self._stats = None
-
-    def clear(self) -> None:
-        self.values.clear()
-        self._stats = None
-
-    def spike(self, v: float, z: float, rel: float, warmup: int) -> bool:
-        if len(self.values) < warmup:
-            return False
-        if self._stats is None:
-            a = np.fromiter(self.values, float, len(self.values))
-            med = float(np.median(a))
-            self._stats = (med, max(1.4826 * float(np.median(np.abs(a - med))), 1e-3 * abs(med), 1e-12))
-            self._fresh = 0
-        med, scale = self._stats
-        return v > med + rel * abs(med) and v > med + z * scale
 
 
 @dataclass
@@ -81,6 +50,55 @@ class StepValues:
         a = [self.losses, np.array([self.grad_norm])] + ([self.local_grad] if self.local_grad is not None else [])
         b = [other.losses, np.array([other.grad_norm])] + ([other.local_grad] if other.local_grad is not None else [])
         return all(same(x, y, tol) for x, y in zip(a, b))
+
+
+class StepJudge:
+    """The deciding part of the guard: a step's values as numbers, their verdict (non-finite, or a
+    spike by the rule every spike check shares, :mod:`sdcwatch.core.spike_baseline`), and the
+    learning of the values of an applied step into the :class:`GuardState`'s baselines."""
+
+    def __init__(self, config: GuardConfig, local_ranks: tuple[int, ...], state: GuardState) -> None:
+        self.config, self.local_ranks, self.state = config, local_ranks, state
+
+    def values(self, result: Any, optimizer: Any) -> StepValues:
+        """The closure's ``result`` (a loss, ``(loss, grad_norm)`` or ``(losses, grad_norm, local
+        grad norms)``) as numbers; the gradient norm from ``optimizer`` when not given."""
+        if isinstance(result, tuple):
+            loss, gn, local = (list(result) + [None, None])[:3]
+        else:
+            loss, gn, local = result, None, None
+        losses = to_numpy(loss)
+        if losses.size == 1 and len(self.local_ranks) > 1:
+            losses = np.repeat(losses, len(self.local_ranks))
+        if losses.size != len(self.local_ranks):
+            raise ConfigError("guard.compute", f"returned {losses.size} losses for {len(self.local_ranks)} local ranks")
+        grad = float(to_numpy(grad_norm(optimizer) if gn is None else gn)[0])
+        return StepValues(losses, grad, None if local is None else to_numpy(local))
+
+    def judge(self, v: StepValues) -> tuple[int, set[int]]:
+        """(flag, suspect ranks): 2 non-finite, 1 spike, 0 clean (3, a checksum, is judged by the guard)."""
+        c, st, ranks = self.config, self.state, self.local_ranks
+        bad = [r for r, x in zip(ranks, v.losses) if not math.isfinite(x)]
+        if v.local_grad is not None:
+            bad += [r for r, x in zip(ranks, v.local_grad) if not math.isfinite(x) and r not in bad]
+        if bad or not math.isfinite(v.grad_norm):
+            return 2, set(bad)
+        spiked = {r for r, x, b in zip(ranks, v.losses, st.loss) if c.loss.spikes(*b.score(float(x))[:2])}
+        if v.local_grad is not None:
+            spiked |= {
+                r for r, x, b in zip(ranks, v.local_grad, st.local_grad) if c.grad_norm.spikes(*b.score(float(x))[:2])
+            }
+        global_spike = c.grad_norm.spikes(*st.grad.score(v.grad_norm)[:2])
+        return (1 if spiked or global_spike else 0), spiked
+
+    def learn(self, v: StepValues) -> None:
+        """Learn an applied step's values (non-finite and non-positive ones are not learnt)."""
+        for b, x in zip(self.state.loss, v.losses):
+            b.update(float(x))
+        if v.local_grad is not None:
+            for b, x in zip(self.state.local_grad, v.local_grad):
+                b.update(float(x))
+        self.state.grad.update(v.grad_norm)
 
 
 def same(a: np.ndarray, b: np.ndarray, tol: float) -> bool:
@@ -121,46 +139,74 @@ class LocalGroup:
         return text
 
 
-class DistGroup:
-    """Agreement through torch.distributed: MAX of a few integers, SUM of a few floats."""
+class TensorAgreement:
+    """Agreement through all-reduces of small tensors on ``device``: MAX of a few integers, SUM of a
+    few floats, rank 0's text and every rank's host name (MAX over zeros elsewhere). A subclass says
+    how a tensor is all-reduced (:meth:`reduce`) and who this process is (``rank`` of ``world``)."""
+
+    rank: int
+    world: int
+    device: Any = "cpu"
+
+    def reduce(self, t: Any, op: str) -> Any:
+        """``t`` all-reduced in place with ``op`` ("max" or "sum"); returns it."""
+        raise NotImplementedError
+
+    def max(self, values: list[int]) -> list[int]:
+        import torch
+
+        t = torch.tensor(values, dtype=torch.int64, device=self.device)
+        return [int(v) for v in self.reduce(t, "max").tolist()]
+
+    def sum(self, values: list[float]) -> list[float]:
+        import torch
+
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        return [float(v) for v in self.reduce(t, "sum").tolist()]
+
+    def _texts(self, rows: int, row: int, text: str, width: int) -> list[str]:
+        """Row ``row`` (none: -1) of a ``rows`` x ``width`` table of UTF-8 bytes holds ``text``; the
+        table MAX-reduced, as strings."""
+        import torch
+
+        t = torch.zeros(rows, width, dtype=torch.int64, device=self.device)
+        raw = text.encode("utf-8")[:width]
+        if row >= 0:
+            t[row, : len(raw)] = torch.tensor(list(raw), dtype=torch.int64, device=self.device)
+        return [bytes(int(b) for b in r if b).decode("utf-8", errors="replace") for r in self.reduce(t, "max").tolist()]
+
+    def broadcast_text(self, text: str) -> str:
+        """Rank 0's ``text`` (its first :data:`TEXT_BYTES` bytes) on every process."""
+        return self._texts(1, 0 if self.rank == 0 else -1, text, TEXT_BYTES)[0]
+
+    def gather_hosts(self, host: str) -> list[str]:
+        """Every rank's host name (its first :data:`HOST_BYTES` bytes; a rank that left: "")."""
+        return self._texts(self.world, self.rank, host, HOST_BYTES)
+
+
+class DistGroup(TensorAgreement):
+    """Agreement through torch.distributed (on the GPU under NCCL)."""
 
     def __init__(self, group: Any = None) -> None:
         import torch
         import torch.distributed as dist
 
         self.dist, self.group = dist, group
+        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         backend = dist.get_backend(group)
         self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
 
-    def max(self, values: list[int]) -> list[int]:
+    def reduce(self, t: Any, op: str) -> Any:
+        self.dist.all_reduce(t, op=self.dist.ReduceOp.MAX if op == "max" else self.dist.ReduceOp.SUM, group=self.group)
+        return t
+
+    def broadcast_parameters(self, model: Any, src: int) -> None:
+        """Make every process's parameters rank ``src``'s (a rollback's resync)."""
         import torch
 
-        t = torch.tensor(values, dtype=torch.int64, device=self.device)
-        self.dist.all_reduce(t, op=self.dist.ReduceOp.MAX, group=self.group)
-        return [int(v) for v in t.tolist()]
-
-    def sum(self, values: list[float]) -> list[float]:
-        import torch
-
-        t = torch.tensor(values, dtype=torch.float64, device=self.device)
-        self.dist.all_reduce(t, group=self.group)
-        return [float(v) for v in t.tolist()]
-
-    def gather_hosts(self, host: str) -> list[str]:
-        out: list[Any] = [None] * self.dist.get_world_size(self.group)
-        self.dist.all_gather_object(out, host, group=self.group)
-        return [str(h) for h in out]
-
-    def broadcast_text(self, text: str) -> str:
-        box = [text]
-        self.dist.broadcast_object_list(box, src=0, group=self.group)
-        return str(box[0])
-
-
-def drop_through(steps: "collections.deque[int]", step: int) -> None:
-    """Forget the steps of a budget's window at or before ``step`` (the oldest first)."""
-    while steps and steps[0] <= step:
-        steps.popleft()
+        with torch.no_grad():
+            for p in model.parameters():
+                self.dist.broadcast(p.data, src=src, group=self.group)
 
 
 def suspects_from(hi: int, lo_enc: int) -> list[int]:

@@ -6,23 +6,22 @@ service's guard-action detector and the campaign share. Importing it imports nei
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, fields
-from typing import Any, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Sequence
 
 from sdcwatch.core.control import ACTIONS, REASONS, VERDICTS
 from sdcwatch.core.errors import ConfigError
+from sdcwatch.core.spike_baseline import SeriesSettings
+from sdcwatch.core.validate import check_choice, check_int, check_number, settings_from
 
-__all__ = ["GuardConfig", "GuardOutcome", "GuardEviction", "EXIT_CODE_EVICT"]
+__all__ = ["GuardConfig", "GuardPlace", "GuardOutcome", "GuardEviction", "EXIT_CODE_EVICT", "MITIGATIONS"]
 
 #: Exit code of every process when the guard evicts a rank: the value Megatron-LM's
 #: RerunStateMachine uses for "restart, on other hardware", so launch scripts that know it restart.
 EXIT_CODE_EVICT = 16
-_MODES = ("report", "act")
 _LOCAL_ACTIONS = ("none", "skip", "rerun")
-_PERSISTENT_ACTIONS = ("none", "skip", "rollback", "evict")
-_EVICTIONS = ("exit", "leave")
-_MITIGATIONS = ("none", "lr", "clip", "lr+clip")
+#: The spike mitigations (``GuardConfig.spike_mitigation``).
+MITIGATIONS = ("none", "lr", "clip", "lr+clip")
 
 
 class GuardEviction(SystemExit):
@@ -45,9 +44,32 @@ class GuardEviction(SystemExit):
         return self.message
 
 
-def _check_choice(key: str, value: Any, choices: Sequence[str]) -> None:
-    if value not in choices:
-        raise ConfigError(f"guard.{key}", f"must be one of {', '.join(choices)}, got {value!r}")
+@dataclass(frozen=True)
+class GuardPlace:
+    """Where a guard runs: this process among the job's ranks, and how it agrees with the others.
+    A field left None comes from torch.distributed (when initialised), then the launcher's environment."""
+
+    rank: int | None = None
+    world: int | None = None
+    host: str | None = None
+    local_ranks: Iterable[int] | None = None
+    """Ranks this process computes (default ``(rank,)``; a simulated run: all)."""
+    host_of: Callable[[int], str] | None = None
+    """``host_of(rank) -> str`` for the eviction message (default: gathered from the ranks)."""
+    group: Any = None
+    """The torch.distributed process group to agree through (default: the world)."""
+    distributed: bool | None = None
+    """Agree through torch.distributed (default: when it is initialised)."""
+    environment: Any = None
+    """The rank's :class:`~sdcwatch.telemetry.wire.environment.RankEnvironment` (default: the process's)."""
+
+
+#: Settings of the spike rule before it became the detector's (they meant something else: renamed).
+_RENAMED = {
+    "spike_z": "loss.z_on and grad_norm.z_on",
+    "spike_rel": "loss.min_ratio (= 1 + spike_rel)",
+    "grad_spike_rel": "grad_norm.min_ratio (= 1 + grad_spike_rel)",
+}
 
 
 @dataclass(frozen=True)
@@ -72,19 +94,19 @@ class GuardConfig:
     out: "exit" raises :class:`GuardEviction` on every process (exit code 16, a launcher restarts the
     job without the node); "leave" makes the evicted rank's replica group leave the quorum at the step
     boundary while the others go on (needs ``Guard(elastic=...)``, :mod:`~sdcwatch.telemetry.guard.elastic`)."""
-    spike_z: float = 8.0
-    """A value is a spike when it exceeds the median of recent clean steps by ``spike_z`` robust
-    standard deviations (1.4826 x MAD) ..."""
-    spike_rel: float = 1.0
-    """... and by this fraction of the median (a loss): both must hold. One rank's micro-batch loss
-    is noisy (a batch of unusual text runs 40-60% above the median), so the default asks for double."""
-    grad_spike_rel: float = 9.0
-    """The relative excess that makes a gradient-norm spike (ten times the median by default:
-    gradient norms are noisier than losses)."""
-    window: int = 64
-    """Recent clean steps in the baseline."""
-    warmup: int = 20
-    """Clean steps seen before spikes are judged (non-finite values are judged from the first step)."""
+    loss: SeriesSettings = field(default_factory=lambda: SeriesSettings(z_on=5.0, min_ratio=2.0))
+    """When a rank's loss is a spike (the spike detector's rule, :mod:`sdcwatch.core.spike_baseline`).
+    One rank's micro-batch loss is noisy (a batch of unusual text runs 40-60% above the median), so
+    the default asks for double; ``z_on`` only keeps a noisier series from spiking on its noise."""
+    grad_norm: SeriesSettings = field(default_factory=lambda: SeriesSettings(z_on=5.0, min_ratio=10.0))
+    """When a gradient norm is a spike (ten times the baseline by default: norms are noisier than losses)."""
+    window: int = 9
+    """Clean values whose median is the baseline."""
+    warmup: int = 11
+    """Clean steps, after the window filled, before spikes are judged: 20 clean steps in all by default
+    (non-finite values are judged from the first step)."""
+    scale_alpha: float = 0.02
+    """Weight of each new residual in the noise scale (an exponentially weighted mean)."""
     rerun_tolerance: float = 0.0
     """Relative difference under which a rerun counts as the same result (0: bit for bit, right for
     deterministic kernels; GPUs with non-deterministic reductions want about 1e-6)."""
@@ -128,25 +150,25 @@ class GuardConfig:
     ``on_spike`` says) and the guard says so."""
 
     def __post_init__(self) -> None:
-        _check_choice("mode", self.mode, _MODES)
-        _check_choice("on_nonfinite", self.on_nonfinite, _LOCAL_ACTIONS)
-        _check_choice("on_checksum", self.on_checksum, _LOCAL_ACTIONS)
-        _check_choice("on_spike", self.on_spike, _LOCAL_ACTIONS)
-        _check_choice("on_persistent", self.on_persistent, _PERSISTENT_ACTIONS)
-        _check_choice("on_evict", self.on_evict, _EVICTIONS)
-        _check_choice("spike_mitigation", self.spike_mitigation, _MITIGATIONS)
-        for key in ("spike_z", "spike_rel", "grad_spike_rel", "snapshot_memory_mb", "mitigation_clip"):
-            v = getattr(self, key)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and v > 0):
-                raise ConfigError(f"guard.{key}", f"must be a number > 0, got {v!r}")
-        if (
-            isinstance(self.rerun_tolerance, bool)
-            or not isinstance(self.rerun_tolerance, (int, float))
-            or not (0 <= self.rerun_tolerance < 1)
+        for key, choices in (
+            ("mode", ("report", "act")),
+            ("on_nonfinite", _LOCAL_ACTIONS),
+            ("on_checksum", _LOCAL_ACTIONS),
+            ("on_spike", _LOCAL_ACTIONS),
+            ("on_persistent", ("none", "skip", "rollback", "evict")),
+            ("on_evict", ("exit", "leave")),
+            ("spike_mitigation", MITIGATIONS),
         ):
-            raise ConfigError("guard.rerun_tolerance", f"must be a number in [0, 1), got {self.rerun_tolerance!r}")
+            check_choice(f"guard.{key}", getattr(self, key), choices)
+        for key in ("loss", "grad_norm"):  # a table read from TOML or JSON becomes the settings
+            object.__setattr__(self, key, SeriesSettings.of(getattr(self, key), f"guard.{key}"))
+        for key in ("scale_alpha", "snapshot_memory_mb", "mitigation_clip"):
+            check_number(f"guard.{key}", getattr(self, key), lo=0, lo_open=True)
+        check_number("guard.rerun_tolerance", self.rerun_tolerance, 0, 1, hi_open=True)
+        for key in ("lr_factor", "mitigation_lr_factor"):
+            check_number(f"guard.{key}", getattr(self, key), 0, 1, lo_open=True)
         for key, lo in (
-            ("window", 4),
+            ("window", 1),
             ("warmup", 1),
             ("max_skips", 0),
             ("max_rollbacks", 0),
@@ -157,24 +179,15 @@ class GuardConfig:
             ("mitigation_steps", 1),
             ("max_mitigations", 0),
         ):
-            v = getattr(self, key)
-            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-                raise ConfigError(f"guard.{key}", f"must be an integer >= {lo}, got {v!r}")
-        if self.warmup > self.window:
-            raise ConfigError("guard.warmup", f"must be <= window ({self.window}), got {self.warmup}")
-        for key in ("lr_factor", "mitigation_lr_factor"):
-            v = getattr(self, key)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 1:
-                raise ConfigError(f"guard.{key}", f"must be a number in (0, 1], got {v!r}")
+            check_int(f"guard.{key}", getattr(self, key), lo=lo)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "GuardConfig":
-        """From a plain dict (JSON, TOML); an unknown key is an error naming it."""
-        known = {f.name for f in fields(cls)}
+        """From a plain dict (JSON, TOML); an unknown key is an error naming it (a renamed one, its new name)."""
         for key in d:
-            if key not in known:
-                raise ConfigError(f"guard.{key}", f"unknown setting (known: {', '.join(sorted(known))})")
-        return cls(**d)
+            if key in _RENAMED:
+                raise ConfigError(f"guard.{key}", f"renamed: use {_RENAMED[key]} (the spike detector's rule)")
+        return settings_from(cls, "guard", d)
 
 
 @dataclass

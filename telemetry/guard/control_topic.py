@@ -116,26 +116,17 @@ class KafkaControl:
         self.check = DecisionCheck(run, job_key_from_env() if key == "env" else key)  # type: ignore[arg-type]
         self.received = 0  # decisions for this run
         self.available = True  # False once the bus was found unusable
-        self._queue: collections.deque[Decision] = collections.deque(maxlen=1024)
-        self._lock = threading.Lock()
+        self.inbox = MemoryControl()
+        """The decisions read, until polled."""
         self._stop = threading.Event()
-        self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, name="sdcwatch-guard-control", daemon=True)
         self._thread.start()
 
-    def wait_ready(self, timeout: float = 10.0) -> bool:
-        """Wait until the reader is positioned on the topic (tests; training never waits)."""
-        return self._ready.wait(timeout) and self.available
-
     def poll(self) -> list[Decision]:
-        with self._lock:
-            out = list(self._queue)
-            self._queue.clear()
-        return out
+        return self.inbox.poll()
 
     def _give_up(self, why: str) -> None:
         self.available = False
-        self._ready.set()
         log.warning(
             "sdcwatch guard: control topic %s at %s unavailable (%s); training continues with the "
             "guard's local checks only",
@@ -161,12 +152,10 @@ class KafkaControl:
             )
             parts = consumer.partitions_for_topic(self.topic)
             existed = bool(parts)
-            if not existed:
-                self._ready.set()
             while not parts and not self._stop.is_set():
                 # no topic yet: the service creates it with its first decision; everything in it is new
                 self._stop.wait(1.0)
-                consumer._client.cluster.request_update()
+                consumer.topics()  # a metadata refresh
                 parts = consumer.partitions_for_topic(self.topic)
             if self._stop.is_set():
                 return
@@ -176,7 +165,6 @@ class KafkaControl:
                 consumer.seek_to_end(*tps)
                 for tp in tps:
                     consumer.position(tp)
-                self._ready.set()
             else:
                 consumer.seek_to_beginning(*tps)
             while not self._stop.is_set():
@@ -201,10 +189,8 @@ class KafkaControl:
 
     def _take(self, value: bytes) -> None:
         d = self.check.take(value)
-        if d is None:
-            return
-        with self._lock:
-            self._queue.append(d)
+        if d is not None:
+            self.inbox.put(d)
             self.received += 1
 
     def close(self) -> None:

@@ -1,43 +1,48 @@
 """The skip decided on the device: a non-finite or spiking step's update made a no-op with no host sync.
 
-:class:`DeviceSkip` judges each step from values every rank already holds alike (the all-reduced
-gradient norm, a global loss, a non-finite count) against running statistics kept as device tensors,
-and steps the optimizer so that a rejected update changes nothing: through ``found_inf`` for
-optimizers that read it (torch's fused Adam, AdamW, SGD, Adagrad), else by restoring the parameters
-and the optimizer state with ``torch.where`` on the device flag.
+:class:`DeviceSkip` judges each step from values every rank holds alike by the spike detector's rule,
+its baselines kept as device tensors (:mod:`sdcwatch.core.spike_baseline`), and makes a rejected
+update a no-op: through ``found_inf`` for optimizers that read it, else with ``torch.where`` on the flag.
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field
 from typing import Any
 
 from sdcwatch.core.errors import ConfigError
+from sdcwatch.core.spike_baseline import CLIP, FLOOR, SIGMA_PER_MEAN_ABS, SeriesSettings
+from sdcwatch.core.validate import check_choice, check_int, check_number, check_type, settings_from
 
 __all__ = ["DeviceSkip", "DeviceSkipConfig"]
 
-_HOW = ("auto", "found_inf", "restore")
+#: Settings of the spike rule before it became the detector's (they meant something else: renamed).
+_RENAMED = {
+    "z": "loss.z_on and grad_norm.z_on",
+    "loss_rel": "loss.min_ratio (= 1 + loss_rel)",
+    "grad_rel": "grad_norm.min_ratio (= 1 + grad_rel)",
+}
 
 
 @dataclass(frozen=True)
 class DeviceSkipConfig:
-    """When the device skip rejects an update. A spike must pass both the z-score and the relative excess."""
+    """When the device skip rejects an update: the spike detector's rule (:mod:`sdcwatch.core.spike_baseline`)
+    with its names, on device tensors."""
 
-    z: float = 6.0
-    """A value spikes when it is more than ``z`` standard deviations above its running mean ..."""
-    loss_rel: float = 0.5
-    """... and, for the loss, more than this fraction above the mean (both must hold)."""
-    grad_rel: float = 2.0
-    """The relative excess that makes a gradient-norm spike (three times the mean by default)."""
-    window: int = 128
-    """Horizon of the running mean and variance (exact over the first ``window`` clean steps, then
-    exponentially weighted with weight 1/window)."""
-    warmup: int = 32
-    """Clean steps seen before spikes are judged (non-finite values are judged from the first step)."""
+    loss: SeriesSettings = field(default_factory=lambda: SeriesSettings(z_on=6.0, min_ratio=1.5))
+    """When the loss is a spike: ``z_on`` robust deviations *and* ``min_ratio`` times its baseline."""
+    grad_norm: SeriesSettings = field(default_factory=lambda: SeriesSettings(z_on=6.0, min_ratio=3.0))
+    """When the gradient norm is a spike (three times its baseline by default)."""
+    window: int = 9
+    """Accepted values whose median is the baseline."""
+    warmup: int = 23
+    """Clean steps, after the window filled, before spikes are judged: 32 clean steps in all by default
+    (non-finite values are judged from the first step)."""
+    scale_alpha: float = 0.02
+    """Weight of each new residual in the noise scale (an exponentially weighted mean)."""
     max_spike_skips: int = 4
-    """Consecutive spike skips allowed; the next spike is taken as a change of level, and the running
-    statistics start over from it (a non-finite update is never applied)."""
+    """Consecutive spike skips allowed; the next spike is taken as a change of level, and the
+    baseline starts over from it (a non-finite update is never applied)."""
     judge_loss: bool = True
     """Judge the loss passed to :meth:`DeviceSkip.step` too. Leave it on only when the loss is the same
     on every rank (all-reduced, or a single process): the verdicts must agree or the replicas part."""
@@ -47,24 +52,21 @@ class DeviceSkipConfig:
     when the optimizer supports it, else restore)."""
 
     def __post_init__(self) -> None:
-        for key in ("z", "loss_rel", "grad_rel"):
-            v = getattr(self, key)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and v > 0):
-                raise ConfigError(f"device_skip.{key}", f"must be a number > 0, got {v!r}")
-        for key, lo in (("window", 2), ("warmup", 1), ("max_spike_skips", 0)):
-            v = getattr(self, key)
-            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-                raise ConfigError(f"device_skip.{key}", f"must be an integer >= {lo}, got {v!r}")
-        if self.how not in _HOW:
-            raise ConfigError("device_skip.how", f"must be one of {', '.join(_HOW)}, got {self.how!r}")
+        for key in ("loss", "grad_norm"):  # a table read from TOML or JSON becomes the settings
+            object.__setattr__(self, key, SeriesSettings.of(getattr(self, key), f"device_skip.{key}"))
+        check_int("device_skip.window", self.window, lo=1)
+        check_int("device_skip.warmup", self.warmup, lo=1)
+        check_int("device_skip.max_spike_skips", self.max_spike_skips, lo=0)
+        check_number("device_skip.scale_alpha", self.scale_alpha, lo=0, lo_open=True)
+        check_choice("device_skip.how", self.how, ("auto", "found_inf", "restore"))
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "DeviceSkipConfig":
-        known = {f.name for f in fields(cls)}
+        """From a plain dict (JSON, TOML); an unknown key is an error naming it (a renamed one, its new name)."""
         for key in d:
-            if key not in known:
-                raise ConfigError(f"device_skip.{key}", f"unknown setting (known: {', '.join(sorted(known))})")
-        return cls(**d)
+            if key in _RENAMED:
+                raise ConfigError(f"device_skip.{key}", f"renamed: use {_RENAMED[key]} (the spike detector's rule)")
+        return settings_from(cls, "device_skip", d)
 
 
 class DeviceSkip:
@@ -83,9 +85,7 @@ class DeviceSkip:
 
     def __init__(self, optimizer: Any, config: DeviceSkipConfig | None = None) -> None:
         self.optimizer = optimizer
-        self.config = config or DeviceSkipConfig()
-        if not isinstance(self.config, DeviceSkipConfig):
-            raise ConfigError("device_skip.config", f"must be a DeviceSkipConfig, got {type(self.config).__name__}")
+        self.config = check_type("device_skip.config", config or DeviceSkipConfig(), DeviceSkipConfig)
         fused = bool(getattr(optimizer, "_step_supports_amp_scaling", False))
         if self.config.how == "found_inf" and not fused:
             raise ConfigError(
@@ -93,7 +93,8 @@ class DeviceSkip:
                 f"found_inf needs an optimizer that reads it (fused=True); {type(optimizer).__name__}",
             )
         self.how = "found_inf" if self.config.how == "found_inf" or (self.config.how == "auto" and fused) else "restore"
-        self._stats: Any = None  # [n, mean_loss, mean_grad, var_loss, var_grad, run of spike skips]
+        self._base: Any = None  # (2, window + 3): the loss's and the gradient norm's baselines
+        self._run: Any = None  # consecutive spike skips
         self._ok: Any = None
         self._reason: Any = None
         self._count: Any = None  # [skips, non-finite skips, spike skips]
@@ -125,45 +126,55 @@ class DeviceSkip:
 
     def judge(self, grad_norm: Any, *, loss: Any = None, nonfinite: Any = None) -> tuple[Any, Any]:
         """The device flag (apply the update?) and reason code (0 none, 1 non-finite, 2 spike), with the
-        running statistics updated by a clean step; no update is made here."""
+        baselines updated by a clean step; no update is made here. The rule is
+        :class:`~sdcwatch.core.spike_baseline.RobustBaseline`'s, one row of ``_base`` a series (loss,
+        gradient norm): ``window`` log values, then the values learnt, the values past the window, the scale."""
         import torch
 
-        c = self.config
-        g = torch.as_tensor(grad_norm).detach().reshape(()).to(torch.float32)
-        if self._stats is None:
+        c, w = self.config, self.config.window
+        g = torch.as_tensor(grad_norm).detach().reshape(()).to(torch.float64)
+        if self._base is None:
             self._init(g.device)
-        if loss is None:
-            x = torch.stack([g, g])
-        else:
-            x = torch.stack([torch.as_tensor(loss).detach().reshape(()).to(device=g.device, dtype=torch.float32), g])
-        st = self._stats
-        n, mean, var, run = st[0], st[1:3], st[3:5], st[5]
+        x = g.expand(2) if loss is None else torch.stack([torch.as_tensor(loss).detach().reshape(()).to(g), g])
+        base, run = self._base, self._run
+        buf, seen, n, scale = base[:, :w], base[:, w], base[:, w + 1], base[:, w + 2]
         finite = torch.isfinite(x).all()
         if nonfinite is not None:
             finite = finite & (torch.as_tensor(nonfinite).detach().reshape(()).to(g.device) == 0)
-        safe = torch.where(torch.isfinite(x), x, mean)
-        std = torch.sqrt(var).clamp_min(1e-6 * mean.abs() + 1e-12)
-        high = ((safe - mean) > c.z * std) & (safe > mean * self._rel)
+        usable = torch.isfinite(x) & (x > 0)  # what the rule scores and learns
+        t = torch.log(torch.where(usable, x, torch.ones_like(x)))
+        full = seen >= w
+        median = torch.sort(buf, dim=1).values[:, w // 2]
+        r = t - median
+        z = r / scale.clamp_min(FLOOR)
+        high = usable & full & (n >= c.warmup) & (z >= self._z_on) & (torch.exp(r) >= self._min_ratio)
         if loss is None or not c.judge_loss:
             high = high & self._grad_only
-        spike = (n >= c.warmup) & high.any() & finite
+        spike = high.any() & finite
         forced = spike & (run >= c.max_spike_skips)  # a lasting change of level: take it, start over
         ok = finite & (~spike | forced)
-        alpha = torch.clamp_min(1.0 / (n + 1.0), 1.0 / c.window)
-        d = safe - mean
-        fresh = torch.where(forced, torch.ones_like(n), n)
-        learn = ok & ~forced
-        new = torch.cat(
-            [
-                torch.where(learn, n + 1, fresh).reshape(1),
-                torch.where(learn, mean + alpha * d, torch.where(forced, safe, mean)),
-                torch.where(
-                    learn, (1 - alpha) * (var + alpha * d * d), torch.where(forced, torch.zeros_like(var), var)
-                ),
-                torch.where(spike & ~forced, run + 1, torch.zeros_like(run)).reshape(1),
-            ]
+        # learn: a forced step starts the baseline over from its value
+        learn = ok & usable
+        zero = torch.zeros_like(seen)
+        seen, n, scale = (torch.where(forced, zero, v) for v in (seen, n, scale))
+        full = seen >= w
+        warming = n < c.warmup
+        lim = CLIP * scale.clamp_min(FLOOR)
+        clipped = torch.maximum(torch.minimum(r, lim), -lim)
+        new_scale = torch.where(
+            warming,
+            scale + (r.abs() * SIGMA_PER_MEAN_ABS - scale) / (n + 1),
+            scale + c.scale_alpha * (clipped.abs() * SIGMA_PER_MEAN_ABS - scale),
         )
-        st.copy_(new)
+        accepted = torch.where(full & ~warming, median + clipped, t)  # a spike enters the window clipped
+        slot = torch.remainder(seen, w).to(torch.int64).unsqueeze(1)
+        kept = buf.gather(1, slot).squeeze(1)
+        buf.scatter_(1, slot, torch.where(learn, accepted, kept).unsqueeze(1))
+        grown = learn & full
+        base[:, w] = seen + learn.to(seen.dtype)
+        base[:, w + 1] = n + grown.to(n.dtype)
+        base[:, w + 2] = torch.where(grown, new_scale, scale)
+        run.copy_(torch.where(spike & ~forced, run + 1, torch.zeros_like(run)))
         reason = torch.where(~finite, 1.0, torch.where(ok, 0.0, 2.0))
         self._count += torch.stack([~ok, ~finite, ~ok & finite]).to(self._count.dtype)
         self._ok, self._reason = ok, reason
@@ -186,29 +197,28 @@ class DeviceSkip:
         return {"skips": a, "nonfinite": b, "spike": s}
 
     def state_dict(self) -> dict[str, Any]:
-        """The running statistics and counts (device tensors, cloned): saved with a checkpoint."""
-        if self._stats is None:
-            return {"version": 1}
-        return {"version": 1, "stats": self._stats.detach().clone(), "count": self._count.detach().clone()}
+        """The baselines, the run of spike skips and the counts (device tensors, cloned): saved with a checkpoint."""
+        if self._base is None:
+            return {"version": 2}
+        return {"version": 2, **{k: getattr(self, f"_{k}").detach().clone() for k in ("base", "run", "count")}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`'s output; a malformed one raises ConfigError naming the key."""
         import torch
 
-        if not isinstance(state, dict) or state.get("version") != 1:
-            raise ConfigError("device_skip.state", "not a DeviceSkip state (version 1)")
-        if "stats" not in state:
-            self._stats = None
+        if not isinstance(state, dict) or state.get("version") != 2:
+            raise ConfigError("device_skip.state", "not a DeviceSkip state (version 2)")
+        shapes = {"base": (2, self.config.window + 3), "run": (), "count": (3,)}
+        if "count" not in state:
+            self._base = None
             return
-        stats, count = state["stats"], state.get("count")
-        if not torch.is_tensor(stats) or stats.shape != (6,) or not bool(torch.isfinite(stats).all()):
-            raise ConfigError("device_skip.state.stats", "must be 6 finite numbers")
-        if not torch.is_tensor(count) or count.shape != (3,):
-            raise ConfigError("device_skip.state.count", "must be 3 counts")
-        device = self._stats.device if self._stats is not None else stats.device
-        self._init(device)
-        self._stats.copy_(stats)
-        self._count.copy_(count)
+        for key, shape in shapes.items():
+            v = state.get(key)
+            if not torch.is_tensor(v) or v.shape != shape or not bool(torch.isfinite(v.double()).all()):
+                raise ConfigError(f"device_skip.state.{key}", f"must be a finite tensor of shape {shape}")
+        self._init(self._base.device if self._base is not None else state["count"].device)
+        for key in shapes:
+            getattr(self, f"_{key}").copy_(state[key])
 
     # -- internals --------------------------------------------------------------------------------
 
@@ -216,9 +226,11 @@ class DeviceSkip:
         import torch
 
         c = self.config
-        self._stats = torch.zeros(6, dtype=torch.float32, device=device)
+        self._base = torch.zeros(2, c.window + 3, dtype=torch.float64, device=device)
+        self._run = torch.zeros((), dtype=torch.float64, device=device)
         self._count = torch.zeros(3, dtype=torch.int64, device=device)
-        self._rel = torch.tensor([1.0 + c.loss_rel, 1.0 + c.grad_rel], device=device)
+        self._z_on = torch.tensor([c.loss.z_on, c.grad_norm.z_on], dtype=torch.float64, device=device)
+        self._min_ratio = torch.tensor([c.loss.min_ratio, c.grad_norm.min_ratio], dtype=torch.float64, device=device)
         self._grad_only = torch.tensor([False, True], device=device)
 
     def _tensors(self, device: Any) -> list[Any]:

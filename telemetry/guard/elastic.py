@@ -12,9 +12,10 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Protocol, Sequence, runtime_checkable
 
-__all__ = ["ReplicaMembership", "TorchFTMembership", "TorchFTAgreement", "leave_quorum"]
+from sdcwatch.core.validate import check_int
+from sdcwatch.telemetry.guard.checks import TensorAgreement
 
-_HOST_BYTES = 64
+__all__ = ["ReplicaMembership", "TorchFTMembership", "TorchFTAgreement", "leave_quorum"]
 
 
 @runtime_checkable
@@ -70,7 +71,7 @@ def leave_quorum(
     return out
 
 
-class TorchFTAgreement:
+class TorchFTAgreement(TensorAgreement):
     """The guard's agreement over torchft: an all-reduce across replica groups through the
     ``Manager`` (which follows the quorum as it changes), then, for groups of more than one
     process, one inside the group (``group``, a torch.distributed group of the replica's ranks)."""
@@ -78,7 +79,7 @@ class TorchFTAgreement:
     def __init__(self, manager: Any, *, rank: int, world: int, group: Any = None) -> None:
         self.manager, self.rank, self.world, self.group = manager, int(rank), int(world), group
 
-    def _reduce(self, t: Any, op: str) -> Any:
+    def reduce(self, t: Any, op: str) -> Any:
         from torch.distributed import ReduceOp
 
         red = ReduceOp.MAX if op == "max" else ReduceOp.SUM
@@ -88,37 +89,6 @@ class TorchFTAgreement:
 
             dist.all_reduce(t, op=red, group=self.group)
         return t
-
-    def max(self, values: list[int]) -> list[int]:
-        import torch
-
-        return [int(v) for v in self._reduce(torch.tensor(values, dtype=torch.int64), "max").tolist()]
-
-    def sum(self, values: list[float]) -> list[float]:
-        import torch
-
-        return [float(v) for v in self._reduce(torch.tensor(values, dtype=torch.float64), "sum").tolist()]
-
-    def broadcast_text(self, text: str) -> str:
-        """Rank 0's ``text`` (at most 1024 bytes) on every process: a MAX with zeros elsewhere."""
-        import torch
-
-        t = torch.zeros(1024, dtype=torch.int64)
-        if self.rank == 0:
-            raw = text.encode("utf-8")[:1024]
-            t[: len(raw)] = torch.tensor(list(raw), dtype=torch.int64)
-        raw = bytes(int(b) for b in self._reduce(t, "max").tolist() if b)
-        return raw.decode("utf-8", errors="replace")
-
-    def gather_hosts(self, host: str) -> list[str]:
-        """Every global rank's host name (a rank that left: "")."""
-        import torch
-
-        t = torch.zeros(self.world, _HOST_BYTES, dtype=torch.int64)
-        raw = host.encode("utf-8")[:_HOST_BYTES]
-        t[self.rank, : len(raw)] = torch.tensor(list(raw), dtype=torch.int64)
-        rows = self._reduce(t, "max").tolist()
-        return [bytes(int(b) for b in row if b).decode("utf-8", errors="replace") for row in rows]
 
 
 class TorchFTMembership:
@@ -149,13 +119,9 @@ class TorchFTMembership:
         group: Any = None,
         min_replicas: int = 1,
     ) -> None:
-        from sdcwatch.core.errors import ConfigError
-
-        for key, v, lo in (("replica", replica, 0), ("replicas", replicas, 1), ("group_size", group_size, 1)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-                raise ConfigError(f"elastic.{key}", f"must be an integer >= {lo}, got {v!r}")
-        if not 0 <= replica < replicas:
-            raise ConfigError("elastic.replica", f"must be in 0..{replicas - 1}, got {replica}")
+        check_int("elastic.replicas", replicas, lo=1)
+        check_int("elastic.replica", replica, lo=0, hi=replicas - 1)
+        check_int("elastic.group_size", group_size, lo=1)
         self.manager, self.replica, self.group_size, self.group = manager, replica, group_size, group
         self.min_replicas = int(min_replicas)
         self.rank = replica * group_size + int(group_rank)

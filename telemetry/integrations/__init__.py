@@ -12,6 +12,9 @@ from __future__ import annotations
 import logging
 from typing import Any, Mapping, NamedTuple
 
+from sdcwatch.core.errors import ConfigError
+from sdcwatch.core.mesh import format_coords
+
 __all__ = ["CallbackCore", "FrameworkMesh"]
 
 log = logging.getLogger("sdcwatch.telemetry")
@@ -87,8 +90,6 @@ class CallbackCore:
         """(mesh, names) for the probes from the framework's mesh, and one log line saying which dims
         were found and what this rank's coordinates are; a mesh whose dims cannot be read is logged
         as a warning and not used (training goes on without coordinates)."""
-        from sdcwatch.core.errors import ConfigError
-        from sdcwatch.core.mesh import format_coords
         from sdcwatch.telemetry.probes.fsdp import is_sharded
         from sdcwatch.telemetry.probes.mesh_torch import coords_from_mesh
 

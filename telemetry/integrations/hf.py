@@ -1,26 +1,13 @@
-"""sdcwatch for the Hugging Face ``transformers.Trainer``: one callback.
-
-    from sdcwatch.telemetry.integrations.hf import SdcwatchCallback
-
-    trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[SdcwatchCallback()])
-
-The callback attaches the probes when training begins (to the Trainer's DDP wrapper too, so each
-rank reports its local and the all-reduced gradient norm), reports one record per optimizer step
-(``state.global_step``, from 0), tells the service of each checkpoint the Trainer saves (``on_save``:
-``checkpoint-<global_step>`` under ``output_dir``) and closes at the end. When the Trainer's accelerator built a
-device mesh (``TrainingArguments(parallelism_config=...)``) every record carries the rank's
-coordinates in it (unless the callback was given ``mesh=``). The loss of a step is the loss the Trainer
-logs: what its ``training_step`` returned, summed over the step's micro-batches, whatever its token
-averaging (under DDP each rank's share of it; the Trainer logs the ranks' mean). The gradient norm
-is the one the Trainer logs as ``grad_norm``: before clipping, on one rank and on many. The
-learning rate is the one the step used, read before the Trainer steps its scheduler.
+"""sdcwatch for the Hugging Face ``transformers.Trainer``: one callback,
+``Trainer(..., callbacks=[SdcwatchCallback()])``; docs/integrations.md says what each record's loss,
+gradient norm and learning rate are, and where the device mesh comes from.
 """
 
 from __future__ import annotations
 
 import functools
 import os
-import sys
+import inspect
 from typing import Any, Callable
 
 from sdcwatch.telemetry.integrations import CallbackCore, FrameworkMesh, log
@@ -122,7 +109,7 @@ class SdcwatchCallback(TrainerCallback, CallbackCore):
 def _calling_trainer(model: Any) -> Any:
     """The Trainer that is calling us about ``model`` (callbacks are given the bare model, not the
     Trainer): found on the call stack. None if there is none."""
-    frame = sys._getframe(1)
+    frame = inspect.currentframe().f_back
     while frame is not None:
         owner = frame.f_locals.get("self")
         if getattr(owner, "model_wrapped", None) is not None and getattr(owner, "model", None) is model:

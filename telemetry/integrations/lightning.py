@@ -1,28 +1,12 @@
-"""sdcwatch for PyTorch Lightning: one callback.
-
-    from sdcwatch.telemetry.integrations.lightning import SdcwatchCallback
-
-    trainer = L.Trainer(..., callbacks=[SdcwatchCallback()])
-
-The callback attaches the probes to the LightningModule when training starts (and a
-communication hook to the strategy's DDP wrapper, so each rank reports its local and the
-all-reduced gradient norm), reports one record per optimizer step (``trainer.global_step``, from
-0), tells the service of each checkpoint it saves (``on_save_checkpoint``) and closes at the end.
-Under ``ModelParallelStrategy`` it reads the strategy's device mesh
-(``data_parallel``, ``tensor_parallel``): every record carries the rank's coordinates (unless the
-callback was given ``mesh=``). Lightning calls ``training_step`` rather than the module itself, so the
-callback brackets each training step's forward for the attention probes. The loss of a step is
-what ``training_step`` returned, summed over the step's micro-batches after Lightning divided each
-by ``accumulate_grad_batches``: the mean over the step, each rank its own (what ``self.log`` logs
-without ``sync_dist``). The gradient norm is the one before ``gradient_clip_val`` clips it (what
-``lightning.pytorch.utilities.grad_norm`` gives in ``on_before_optimizer_step``), on one device and
-on many.
+"""sdcwatch for PyTorch Lightning: one callback, ``L.Trainer(..., callbacks=[SdcwatchCallback()])``;
+docs/integrations.md says what each record's loss and gradient norm are, and how the device mesh of
+``ModelParallelStrategy`` is read.
 """
 
 from __future__ import annotations
 
 import os
-import sys
+import inspect
 from typing import Any
 
 import lightning.pytorch as pl
@@ -110,7 +94,7 @@ class SdcwatchCallback(pl.Callback, CallbackCore):
 def _saving_to() -> str:
     """The ``filepath`` of the ``Trainer.save_checkpoint`` call that is saving now (Lightning does not
     hand it to the callbacks), found on the call stack; "" if there is none."""
-    frame = sys._getframe(1)
+    frame = inspect.currentframe().f_back
     while frame is not None:
         path = frame.f_locals.get("filepath") if frame.f_code.co_name == "save_checkpoint" else None
         if isinstance(path, (str, os.PathLike)):

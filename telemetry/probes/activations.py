@@ -1,11 +1,6 @@
 """``act_max``: the largest |output| of any leaf module in a sampled forward pass, and which
 module produced it.
-
-The leaf modules are hooked only during sampled steps: a module with a forward hook leaves
-PyTorch's fast call path on every step. Each call's maximum stays on the device; at the step's end
-one ``argmax`` names the first module, in the order they ran, that reached the maximum. A NaN
-counts as the largest value, so a NaN is placed where it appeared, not in the modules it spread to
-afterwards. -inf, the mark of a masked attention slot, is not a fault and is skipped.
+(docs/probes.md, "How the probes are built", says how and why.)
 """
 
 from __future__ import annotations
@@ -15,7 +10,7 @@ import math
 from typing import Any, Callable
 
 import torch
-from sdcwatch.telemetry.probes.kept import kept_calls
+from sdcwatch.telemetry.probes.compiled_calls import kept_calls
 from sdcwatch.telemetry.probes.forward_order import ForwardOrder
 from torch import nn
 

@@ -1,11 +1,6 @@
 """Attention probes: the per-layer statistics of q, k and the logits, who reports them, and how
 an ``nn.MultiheadAttention`` is read without changing it.
-
-A custom attention layer calls :func:`observe_attention` with its q and k (and logits when it has
-them); every watch attached to that module records them on its sampled steps (attention PyTorch
-computes is also seen without it: :mod:`~sdcwatch.telemetry.probes.sdpa`). Heads and query positions are
-sampled, so the cost does not grow with the model's width. Several observations of one layer in a
-step (micro-batches, repeated calls) fold into one with :func:`combine_attention`.
+(docs/probes.md, "How the probes are built", says how and why.)
 """
 
 from __future__ import annotations

@@ -1,25 +1,22 @@
 """The attention layers of a watch: which modules they are, and how their observations add up.
-
-A layer is found by the ``attention`` setting ("auto": modules that report themselves and
-``nn.MultiheadAttention``; or module-name globs), or at its first report: an
-``observe_attention`` call, or an attention call the tap (:mod:`~sdcwatch.telemetry.probes.sdpa`) saw.
-Several observations of a layer in one step (micro-batches, repeated calls) fold into one.
-:class:`AttentionLayers` is a part of :class:`~sdcwatch.telemetry.probes.watch.Watch`, which sets the
-state it uses (``_layers``, ``_layer_index``, ``_self_reporting``, ``_attn``, ``_tap``,
-``attention_on``, ``module_names``, ``config``, ``enabled``, ``_handles``).
+(docs/probes.md, "How the probes are built", says how and why.)
 """
 
 from __future__ import annotations
 
 import fnmatch
 import itertools
-from typing import Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from sdcwatch.core.errors import ConfigError
-from sdcwatch.telemetry.probes.kept import kept_calls
+from sdcwatch.telemetry.probes.compiled_calls import kept_calls
 from sdcwatch.telemetry.probes.attention import ATTENTION_WATCHES, attention_stats, combine_attention, mha_qk_logits
 from torch import nn
+
+if TYPE_CHECKING:
+    from sdcwatch.telemetry.probes.gradients import StepBuffer
+    from sdcwatch.telemetry.probes.watch import Watch
 
 __all__ = ["AttentionLayers"]
 
@@ -27,10 +24,19 @@ _SERIALS = itertools.count()
 
 
 class AttentionLayers:
-    """The attention-layer half of a watch (a mixin of :class:`~sdcwatch.telemetry.probes.watch.Watch`)."""
+    """The attention layers of ``watch`` (found in ``model`` as its config says); their observations
+    of a step fold into ``buffer.attention``. A layer's observations reach the watch's
+    ``observe_attention`` (which also hands the logits to the residual-stream check)."""
 
-    def _discover_attention(self, model: nn.Module) -> None:
-        self._attn_attr = f"_sdcwatch_attn_{next(_SERIALS)}"  # where compiled code keeps a layer's observations
+    def __init__(self, watch: "Watch", buffer: "StepBuffer", model: nn.Module) -> None:
+        self.watch = watch
+        self.buffer = buffer
+        self.config = watch.config
+        self.layers: list[nn.Module] = []
+        self.handles: list[Any] = []
+        self.attr = f"_sdcwatch_attn_{next(_SERIALS)}"  # where compiled code keeps a layer's observations
+        self._index: dict[nn.Module, int] = {}
+        self._self_reporting: set[nn.Module] = set()  # layers that call observe_attention themselves
         spec = self.config.attention
         named = [(n, m) for n, m in model.named_modules()]
         if spec == "none":
@@ -53,22 +59,22 @@ class AttentionLayers:
                 self._self_reporting.add(m)
 
     def _register_layer(self, module: nn.Module) -> int:
-        index = len(self._layers)
-        self._layers.append(module)
-        module.__dict__.setdefault(self._attn_attr, [])  # compiled code's observations (observe_attention)
-        self._layer_index[module] = index
+        index = len(self.layers)
+        self.layers.append(module)
+        module.__dict__.setdefault(self.attr, [])  # compiled code's observations (observe_attention)
+        self._index[module] = index
         entries = ATTENTION_WATCHES.setdefault(module, [])
-        entries.append((self, index))
+        entries.append((self.watch, index))
         # the same list on the module, where observe_attention reads it: compiled code then guards on
         # the module's attribute, not on the keys of a global weak dictionary that garbage collection changes
         object.__setattr__(module, "_sdcwatch_watches", entries)
         if isinstance(module, nn.MultiheadAttention):
-            self._handles.append(module.register_forward_pre_hook(self._mha_hook(index), with_kwargs=True))
+            self.handles.append(module.register_forward_pre_hook(self._mha_hook(index), with_kwargs=True))
         return index
 
     def layer_of(self, module: nn.Module) -> int | None:
         """The layer index of ``module``; with attention "auto" an unknown module becomes a layer."""
-        index = self._layer_index.get(module)
+        index = self._index.get(module)
         if index is None and self.config.attention == "auto":
             index = self._register_layer(module)
         return index
@@ -81,23 +87,7 @@ class AttentionLayers:
             or isinstance(module, nn.MultiheadAttention)
         )
 
-    @property
-    def layer_names(self) -> list[str]:
-        """Module names of the attention layers, in layer-index order."""
-        return [self.module_names.get(m, "") for m in self._layers]
-
-    def begin_forward(self) -> None:
-        """Mark the start of a forward pass that does not go through the attached module's call
-        (Lightning runs ``training_step``): attention is then measured until :meth:`end_forward`."""
-        if self._tap is not None:
-            self._tap.forward_begin()
-
-    def end_forward(self) -> None:
-        """Mark the end of the forward pass :meth:`begin_forward` began."""
-        if self._tap is not None:
-            self._tap.forward_end()
-
-    def observe_attention(
+    def observe(
         self,
         layer: int | nn.Module,
         q: torch.Tensor,
@@ -107,44 +97,59 @@ class AttentionLayers:
         causal: bool = True,
     ) -> None:
         """Measure one attention layer (index, or a module; an unknown module becomes a new layer)."""
-        if not self.attention_on:
+        if not self.watch.attention_on:
             return
-        if isinstance(layer, nn.Module) and torch.compiler.is_compiling() and self._attn_attr in layer.__dict__:
+        if isinstance(layer, nn.Module) and torch.compiler.is_compiling() and self.attr in layer.__dict__:
             # kept on the layer (no layer index in the traced code); folded in at the step's end
             cfg = self.config
             stats = attention_stats(
                 q, k, logits=logits, heads=cfg.heads, queries=cfg.queries, sequences=cfg.sequences, causal=causal
             )
-            layer.__dict__[self._attn_attr].append(stats)
+            layer.__dict__[self.attr].append(stats)
             return
         if isinstance(layer, nn.Module):
             self._self_reporting.add(layer)
-            known = self._layer_index.get(layer)
+            known = self._index.get(layer)
             layer = known if known is not None else self._register_layer(layer)
-        if not 0 <= layer < len(self._layers):
-            raise ConfigError("probes.layer", f"layer {layer} out of range [0, {len(self._layers)})")
+        if not 0 <= layer < len(self.layers):
+            raise ConfigError("probes.layer", f"layer {layer} out of range [0, {len(self.layers)})")
         cfg = self.config
         stats = attention_stats(
             q, k, logits=logits, heads=cfg.heads, queries=cfg.queries, sequences=cfg.sequences, causal=causal
         )
-        self.record_attention(layer, stats)
+        self.record(layer, stats)
 
-    def _drain_attention(self) -> None:
-        """Fold in the observations compiled code kept on the layers (see :meth:`observe_attention`)."""
-        for i, stats in kept_calls(self._layers, self._attn_attr):
-            self.record_attention(i, stats)
+    def drain(self) -> None:
+        """Fold in the observations compiled code kept on the layers (see :meth:`observe`)."""
+        for i, stats in kept_calls(self.layers, self.attr):
+            self.record(i, stats)
 
-    def record_attention(self, layer: int, stats: torch.Tensor) -> None:
+    def discard(self) -> None:
+        """Drop the observations compiled code kept on the layers in a step that is not recorded."""
+        kept_calls(self.layers, self.attr)
+
+    def record(self, layer: int, stats: torch.Tensor) -> None:
         """Fold one observation of ``layer`` into the step's: every micro-batch (gradient
         accumulation) and every call of the layer counts; means are averaged, extremes kept."""
-        seen = self._attn.get(layer)
-        self._attn[layer] = (stats, 1) if seen is None else (combine_attention(seen[0], stats), seen[1] + 1)
+        attn = self.buffer.attention
+        seen = attn.get(layer)
+        attn[layer] = (stats, 1) if seen is None else (combine_attention(seen[0], stats), seen[1] + 1)
 
     def _mha_hook(self, index: int) -> Callable:
         def hook(module: nn.MultiheadAttention, args: tuple, kwargs: dict) -> None:
-            if not (self.enabled and self.attention_on):
+            if not (self.watch.enabled and self.watch.attention_on):
                 return
             q, k, logits = mha_qk_logits(module, args, kwargs)
-            self.observe_attention(index, q, k, logits=logits, causal=False)
+            self.watch.observe_attention(index, q, k, logits=logits, causal=False)
 
         return hook
+
+    def remove(self) -> None:
+        """Remove the hooks and forget the watch on its layers."""
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
+        for m in self.layers:
+            entries = ATTENTION_WATCHES.get(m)
+            if entries:
+                entries[:] = [(w, i) for w, i in entries if w is not self.watch]

@@ -1,61 +1,6 @@
-"""Matrix-product checksums (algorithm-based fault tolerance) for every linear layer of a model.
-
-A product ``C = A B`` (a linear layer: ``y = x W^T + b``) satisfies ``C 1 = A (B 1)``: the row sums
-of the output equal the input times the row sums of ``B``, one matrix-vector product next to the
-matrix-matrix one (O(N d) beside O(N d^2)). Its weight gradient ``dW = dY^T X`` satisfies
-``1^T dW = (dY 1)^T X``. A hardware fault that changes an element of the product by more than the
-rounding error breaks the identity; nothing else does. The tolerance is the rounding bound
-of the two sides, derived below, so a correct product can never pass it and no constant is tuned.
-
-**The bound.** With unit roundoff ``u`` of the accumulation and ``γ_k = k u / (1 - k u)``, an
-inner product of length ``n`` computed in any order (blocked, FMA, split-K) has an error at most
-``γ_n Σ_k |a_k b_k| <= γ_n ||a|| ||b||`` (Higham, *Accuracy and Stability of Numerical Algorithms*,
-§3.1). For row ``i`` of ``y = x W^T + b`` (``W`` is m x n) and its checksum:
-
-* each ``y_ij`` is off by at most ``γ_n ||x_i|| ||w_j||`` plus one rounding to the output type
-  (``u_out |y_ij|``), and summing the ``m`` values adds ``γ_m Σ_j |y_ij|``;
-* the reference ``x_i · (W^T 1) + Σ_j b_j`` is off by ``γ_m`` (forming ``W^T 1``) plus ``γ_n``
-  (the dot product), each times at most ``||x_i|| Σ_j ||w_j||``;
-
-so ``|Σ_j y_ij - x_i·(W^T 1) - Σ_j b_j| <= c (||x_i|| S_w + S_b)`` with ``S_w = Σ_j ||w_j||``,
-``S_b = Σ_j |b_j|`` and ``c = 2γ_n + 3γ_m + u_out + 2 u_in`` (``u_in``: when the kernel rounds
-its inputs first, as TF32 does, each product is off by ``2 u_in`` relative). The weight gradient's
-check is the same with the roles of the token (length ``N``) and feature dimensions exchanged:
-``|Σ_j dW_jk - Σ_i s_i X_ik| <= c' ||X_:k|| Σ_j ||dY_:j||`` with ``s = dY 1`` and
-``c' = 2γ_N + 3γ_m + u_out + 2 u_in``. The bound is rigorous (a worst case); the error seen in
-practice grows like ``sqrt(n) u`` and sits two to four orders of magnitude below it. The
-reported *ratio* is the largest residual of a layer divided by one bound that holds for every
-row: ``max_i |r_i| / (c (sqrt(n) max|x| S_w + S_b))``, since ``||x_i|| <= sqrt(n) max|x|``; in
-the backward ``max_k ||X_:k|| <= sqrt(N) max|X|`` and ``Σ_j ||dY_:j|| <= sqrt(m) ||dY||_F``.
-These norms cost one fast reduction each where exact row and column norms cost more than the
-product's own checksum; they loosen the bound by a small factor (about max|x| over the rows'
-RMS). The ratio never exceeds the per-row one, so "ratio > 1" cannot fire on a correct product.
-A NaN or Inf in the product makes it NaN or Inf.
-
-**bf16 and fp16.** The accumulation stays float32 (``u`` of ``γ`` is 2^-24); what is narrow is
-the product's own rounding. ``u_out`` is that of the dtype the product was *rounded to*: the
-output's, or under autocast, where a float32 weight's gradient is a bfloat16 product cast up,
-the output gradient's (:func:`product_dtype`); it dominates (2^-8 for bfloat16, 2^-11 for float16).
-Under autocast the float32 inputs and weights are cast to the product's dtype first, and the
-reference uses them as they were: each product is then off by ``2 u_in`` with ``u_in = u_out``
-(:func:`gemm_input_roundoff`). Beyond the first order, a narrow product's coefficient is
-multiplied by ``(1 + u_out)(1 + u_in)^2``. Float16's subnormal outputs are off by up to
-``u_out 2^-14`` each, absolute: ``m`` of them add :func:`underflow_floor` (a cast input below
-2^-14 is covered while ``max|x|`` is above it and the weights' RMS far above it).
-
-The weights themselves get a third check: the column sums ``W^T 1`` the forward check needs are
-compared with those taken when the optimizer last wrote the weights (``GemmChecks.seal``);
-the same reduction of the same bits gives the same result, so any change of a weight in memory
-between the update and its use shows (relative to ``γ_m S_w``, below which a change is lost in
-the sum's own rounding).
-
-Use it on any model through :class:`~sdcwatch.telemetry.probes.gemm_checks.GemmChecks` (forward hooks on linear layers: ``nn.Linear`` and ``Conv1D``, tensor
-hooks for the backward; :func:`sdcwatch.telemetry.probes.watch.attach` does it). A module whose
-``forward(a, b)`` returns ``a @ b`` and that sets ``_sdcwatch_gemm = True`` is checked the same way
-(the reference model's attention ``probs @ v``). Inside a custom or fused kernel's module, call
-:func:`~sdcwatch.telemetry.probes.gemm_checks.observe_gemm` (or :func:`check_matmul` on its own) with
-the kernel's inputs and output: a compiled model whose ``nn.Linear`` hooks no longer run keeps its checks that way.
-"""
+"""Matrix-product checksums (algorithm-based fault tolerance) and their rounding bounds: ``C 1 = A (B 1)``
+for a product, ``1^T dW = (dY 1)^T X`` for its weight gradient, each within a bound derived from
+the lengths, norms and dtypes involved, so a correct product never passes it (docs/probes.md derives it)."""
 
 from __future__ import annotations
 

@@ -1,13 +1,6 @@
 """The probes and torch.compile: whether code runs compiled, and making compiled code run the
 probes' hooks.
-
-Dynamo does not guard on module hooks by default (``torch._dynamo.config.skip_nnmodule_hook_guards``):
-a graph compiled before :func:`~sdcwatch.telemetry.probes.watch.attach` keeps running without the
-hooks attach() adds, and a model compiled after it may reuse a graph another instance of its class
-compiled without them. The probes would then measure nothing in compiled code, silently (Lightning
-runs its sanity-check validation compiled before the training callbacks attach, for one).
-:func:`watch_compiled_code` turns those guards on and, when the model already has compiled code,
-drops Dynamo's caches once so that it compiles again with the hooks.
+(docs/probes.md, "How the probes are built", says how and why.)
 """
 
 from __future__ import annotations
@@ -15,6 +8,7 @@ from __future__ import annotations
 import warnings
 
 import torch
+from sdcwatch.telemetry.probes.residual_stream import repeated_blocks
 from torch import nn
 
 __all__ = ["make_room_for_blocks", "running_compiled", "watch_compiled_code"]
@@ -48,8 +42,6 @@ def make_room_for_blocks(model: nn.Module) -> None:
     probes attached: each block's hooks hold the block's own products (constants Dynamo guards on), so
     each block compiles its own variants (sampled and plain steps, up to three), where the default limit (8)
     would run the blocks past the third eagerly. Never lowers a limit."""
-    from sdcwatch.telemetry.probes.extremes import repeated_blocks
-
     config = torch._dynamo.config
     blocks = len(repeated_blocks(model))
     if blocks and hasattr(config, "recompile_limit"):
@@ -76,6 +68,6 @@ def watch_compiled_code(model: nn.Module) -> None:
                 RuntimeWarning,
                 stacklevel=3,
             )
-            torch._dynamo.reset()
+            torch.compiler.reset()
     except Exception:  # a torch without Dynamo: nothing is compiled
         pass

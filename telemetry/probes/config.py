@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from sdcwatch.core.errors import ConfigError
+from sdcwatch.core.validate import check_int, check_type, settings_from
 
 __all__ = ["ProbeConfig"]
 
@@ -80,40 +81,36 @@ class ProbeConfig:
     block's output (``stream_max``, the residual stream), the largest logit of every attention
     layer (``attn_logit_max``) and, on the steps the checksums do not check, the largest |row sum|
     of every product's output (``gemm_out``: one reduction per product); 0 = off
-    (:mod:`sdcwatch.telemetry.probes.extremes`, :mod:`sdcwatch.telemetry.probes.gemm_checks`). With it, a NaN,
+    (:mod:`sdcwatch.telemetry.probes.residual_stream`, :mod:`sdcwatch.telemetry.probes.gemm_checks`). With it, a NaN,
     Inf or near-INF value anywhere in the forward pass shows at its step."""
 
     @classmethod
     def from_settings(cls, **settings: object) -> "ProbeConfig":
         """A config from keyword settings (``attach``'s, a callback's); an unknown one is a
         ConfigError naming it and the known ones."""
-        known = set(cls.__dataclass_fields__)
-        unknown = sorted(set(settings) - known)
-        if unknown:
-            raise ConfigError(f"probes.{unknown[0]}", f"unknown setting (known: {', '.join(sorted(known))})")
-        return cls(**settings)  # type: ignore[arg-type]
+        return settings_from(cls, "probes", settings)
 
     def __post_init__(self) -> None:
-        for key, lo in (
-            ("every", 1),
-            ("attention_every", 1),
-            ("fingerprint_every", 1),
-            ("heads", 0),
-            ("queries", 1),
-            ("sequences", 0),
-            ("canary_every", 0),
-            ("gemm_canary_every", 0),
-            ("activations_every", 0),
-            ("checksum_every", 0),
-            ("checksum_forward_every", 0),
-            ("stream_every", 0),
-        ):
-            v = getattr(self, key)
-            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-                raise ConfigError(f"probes.{key}", f"must be an integer >= {lo}, got {v!r}")
-        if not isinstance(self.attention_compiled, bool):
-            raise ConfigError("probes.attention_compiled", f"must be a bool, got {self.attention_compiled!r}")
-        if not isinstance(self.grad_fingerprint, bool):
-            raise ConfigError("probes.grad_fingerprint", f"must be a bool, got {self.grad_fingerprint!r}")
+        for key, lo in _LOWEST.items():
+            check_int(f"probes.{key}", getattr(self, key), lo=lo)
+        check_type("probes.attention_compiled", self.attention_compiled, bool)
+        check_type("probes.grad_fingerprint", self.grad_fingerprint, bool)
         if not isinstance(self.attention, str) or not self.attention:
             raise ConfigError("probes.attention", f"must be 'auto', 'none' or module globs, got {self.attention!r}")
+
+
+#: The smallest value of each integer setting (0: the probe can be off).
+_LOWEST = {
+    "every": 1,
+    "attention_every": 1,
+    "fingerprint_every": 1,
+    "heads": 0,
+    "queries": 1,
+    "sequences": 0,
+    "canary_every": 0,
+    "gemm_canary_every": 0,
+    "activations_every": 0,
+    "checksum_every": 0,
+    "checksum_forward_every": 0,
+    "stream_every": 0,
+}

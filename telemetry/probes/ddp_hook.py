@@ -11,7 +11,7 @@ import torch
 from sdcwatch.telemetry.probes import fingerprint as fp
 
 if TYPE_CHECKING:
-    from sdcwatch.telemetry.probes.watch import Watch
+    from sdcwatch.telemetry.probes.gradients import GradientStats
 
 __all__ = ["comm_hook"]
 
@@ -24,13 +24,14 @@ def float_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.dot(a.reshape(-1), b.reshape(-1))
 
 
-def comm_hook(watch: Watch, bucket):  # noqa: ANN001,ANN201 - DDP rejects string annotations here
-    """DDP all-reduce (average) that also measures the bucket before and after the reduction."""
+def comm_hook(grads: GradientStats, bucket):  # noqa: ANN001,ANN201 - DDP rejects string annotations here
+    """DDP all-reduce (average) that also measures the bucket before and after the reduction, into
+    the step buffer of ``grads`` (the watch's gradient part, DDP's hook state)."""
     import torch.distributed as dist
 
-    group = watch._group if watch._group is not None else dist.group.WORLD
+    group = grads.group if grads.group is not None else dist.group.WORLD
     buf = bucket.buffer()
-    measure = watch.enabled and watch.recording
+    measure = grads.measuring
     if measure:
         local = buf.detach().clone()  # transient, one bucket: the local gradient for the dot product
         local_sq = float_dot(local, local)
@@ -39,12 +40,12 @@ def comm_hook(watch: Watch, bucket):  # noqa: ANN001,ANN201 - DDP rejects string
     if not measure:
         return fut.then(lambda f: f.value()[0])
     index = bucket.index()
-    want_fp = watch.config.grad_fingerprint and watch._fingerprint_step
+    want_fp = grads.fingerprint_due
 
     def measured(f: Any) -> torch.Tensor:
         g = f.value()[0]
         with torch.no_grad():
-            watch._buckets.append(
+            grads.buffer.buckets.append(
                 (index, local_sq, float_dot(local, g), float_dot(g, g), fp.tensor_parts(g) if want_fp else None)
             )
         return g

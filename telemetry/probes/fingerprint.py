@@ -1,22 +1,5 @@
 """Exact 64-bit fingerprints of tensors that must be bit-identical across data-parallel replicas.
-
-A fingerprint reads the raw bit patterns of the values (a float32 is read as its int32 bits), so
-it is exact: one flipped bit in one element changes it, and equal tensors give equal values on
-every rank. It is cheap enough to run on the training path: two integer reductions per tensor on
-the tensor's own device, combined on the device into one int64, and a final avalanche mix on the
-host once the value has travelled in the per-step copy.
-
-Per tensor ``i`` with bit patterns ``b``::
-
-    s1_i = sum(b)                  (int64, wraps mod 2**64)
-    s2_i = sum(b ^ (b >>> 7))      (logical shift; a bijection of b: pairs of changes that cancel in s1 rarely do here)
-    raw  = sum_i  s1_i * K1_i + s2_i * K2_i      (K: fixed odd 64-bit constants per position)
-    fp   = splitmix64(raw)         (host side, so close values do not give close fingerprints)
-
-The sums ignore where in a tensor a value sits (a permutation of the elements collides): silent
-corruption changes values, not their order, and position weights would cost another pass.
-Sums are taken with wrap-around integer arithmetic, which is associative: the result does not
-depend on the reduction order a device happens to use, only on the bits.
+(docs/probes.md, "How the probes are built", says how and why.)
 """
 
 from __future__ import annotations

@@ -1,24 +1,5 @@
 """``nonfinite_first``: where in the forward pass a rank first saw a NaN, Inf or near-INF value.
-
-Under tensor parallelism two ranks of one tensor-parallel group hold the same all-reduced residual
-stream: once a rank's shard of a product goes bad, the row-parallel all-reduce hands the bad value
-to its peers, and after that both report a non-finite value at the same layer. What tells them
-apart is *when* in the forward pass each saw it: the culprit's own share of a product (or its
-heads' attention logits) is bad before the collective, the peer's values only after it (or at the
-next module reading the corrupted copy).
-
-:class:`ForwardOrder` numbers the every-step observations of the finite-SDC probes in the order the
-forward pass makes them (each product's output, ``gemm_out``; each block's output, ``stream_max``;
-each attention layer's logits, ``attn_logit_max`` / ``attn_logit_min``): a hook takes the next
-ordinal with :meth:`ForwardOrder.tick` (a host integer, no device work), the probe hands its
-per-call peaks over with :meth:`ForwardOrder.note` when it reduces them at the step's end, and
-:meth:`ForwardOrder.first` gives the smallest ordinal whose peak is NaN, Inf or at least
-:data:`NEAR_INF` as one 0-d device tensor (-1 on a clean step). The watch sends it as the scalar
-``nonfinite_first`` only when it is >= 0, so a clean step costs nothing on the wire.
-
-Ranks that run the same model code make the same observations in the same order, so the ordinals
-of a tensor-parallel group's ranks compare: the non-finite detector blames the rank(s) with the
-smallest. Without tensor parallelism the value is sent all the same and changes nothing.
+(docs/probes.md, "How the probes are built", says how and why.)
 """
 
 from __future__ import annotations

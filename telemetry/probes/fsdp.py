@@ -1,38 +1,6 @@
-"""FSDP2 (``torch.distributed.fsdp.fully_shard``) and HSDP: what the probes measure on a sharded model.
-
-Between steps an FSDP2 module's parameters are DTensor shards; its forward and backward run on
-unsharded copies that FSDP all-gathers for the module and frees again, and its gradient leaves the
-backward through one reduce-scatter per module (followed, under HSDP, by an all-reduce across the
-replicas). Where each metric comes from (torch 2.13):
-
-* **local gradient** (this rank's, before any reduction): the reduce-scatter's input is this rank's
-  whole unsharded gradient of the module's parameters (flat, zero-padded). A custom reduce-scatter
-  (``FSDPModule.set_custom_reduce_scatter``) takes its sum of squares and copies the chunk this rank
-  will own, then runs the reduce-scatter FSDP would have run. A hook on ``model.parameters()`` cannot
-  see it: those are the sharded DTensors, outside the autograd graph (their ``register_hook`` never
-  fires; FSDP assigns their ``.grad``).
-* **reduced gradient**: ``FSDPModule.set_all_reduce_hook`` receives the reduce-scatter's output
-  (FSDP) or that output after the all-reduce across replicas (HSDP): this rank's shard of the
-  data-parallel mean gradient. Its sum of squares, its dot product with the kept chunk and its
-  fingerprint are taken there, before the optimizer or a gradient clip touches it.
-* **global gradient norm**: the shards' sums of squares, all-reduced over the reduce-scatter group at
-  ``watch.step`` (one scalar per recorded step; HSDP replicas hold the same shard, so the shard
-  group is enough). It is the norm of the gradient of the parameters FSDP shards over that group.
-* **cosine**: over this rank's own shard, cos(local[shard], mean[shard]). The cosine over the whole
-  gradient would need the other shards of the mean gradient (an all-gather of the gradient) or the
-  other ranks' local chunks (an all-to-all in place of the reduce-scatter): a second gradient's
-  worth of traffic per step, which a probe must not add.
-* **fingerprints**: ``param_fp`` of the local parameter shards (``to_local()``) and ``grad_fp`` of
-  the reduced gradient shard; both are bit-identical across the replicas of one shard under HSDP
-  (the ranks with the same ``dp_shard`` coordinate) and differ across shards by design.
-* **activations and attention**: forward hooks run on the unsharded compute, so they are unchanged
-  and comparable across the data-parallel group; so do the forward checksums. The check of the
-  weights in memory seals each rank's own shard after the optimizer step and compares it in the
-  next checked forward (:mod:`~sdcwatch.telemetry.probes.gemm_checks`); the weight-gradient checksum
-  needs a hook on the weight and is off for shards.
-
-With a reduce dtype that FSDP pre- or post-divides (fp16, or a custom gradient divide factor) the
-norms carry that fixed factor, the same on every rank; the cosine does not.
+"""FSDP2 (``fully_shard``) and HSDP: the gradient statistics of a sharded model, measured in its
+reduce-scatters (a custom reduce-scatter sees the local gradient, the all-reduce hook the reduced
+shard); docs/integrations.md ("FSDP2 and HSDP") says where each metric comes from and why.
 """
 
 from __future__ import annotations
@@ -47,7 +15,7 @@ from sdcwatch.telemetry.probes.ddp_hook import float_dot
 from torch import nn
 
 if TYPE_CHECKING:
-    from sdcwatch.telemetry.probes.watch import Watch
+    from sdcwatch.telemetry.probes.gradients import GradientStats
 
 __all__ = ["ShardedGradients", "fsdp_modules", "is_sharded", "local_tensors"]
 
@@ -88,7 +56,7 @@ class _MeasuredReduceScatter:
     def __call__(
         self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any, async_op: bool = False
     ):
-        self.owner._before_reduce(self.index, input_tensor, group)
+        self.owner.before_reduce(self.index, input_tensor, group)
         if self.inner is not None:
             return self.inner(
                 output_tensor=output_tensor, input_tensor=input_tensor, group=group, op=op, async_op=async_op
@@ -110,14 +78,15 @@ def _subclass_reduce_scatter() -> type:
 
 class ShardedGradients:
     """Gradient statistics of an FSDP2/HSDP model, measured in its reduce-scatters (see the module
-    docstring); a :class:`~sdcwatch.telemetry.probes.watch.Watch` owns one when its model is sharded.
+    docstring), into the step buffer of ``grads`` (the gradient part of a
+    :class:`~sdcwatch.telemetry.probes.watch.Watch`, which owns one when its model is sharded).
 
     Configure FSDP (custom collectives, process-group allocation) before attaching: a
     reduce-scatter or all-reduce hook set earlier is kept and runs inside the measured one.
     """
 
-    def __init__(self, watch: "Watch", model: nn.Module) -> None:
-        self._watch = watch
+    def __init__(self, grads: "GradientStats", model: nn.Module) -> None:
+        self._grads = grads
         self.modules = fsdp_modules(model)
         self._local: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # module -> (local sum sq, own chunk)
         self._measured: dict[int, tuple] = {}  # module -> (local sq, own sq, dot, reduced sq, fp parts)
@@ -138,19 +107,18 @@ class ShardedGradients:
             group = groups[0]
             mesh = getattr(getattr(group, "mesh_info", None), "mesh", None)
             self._data_parallel = max(self._data_parallel, mesh.size() if mesh is not None else 2)
-            inner_comm = getattr(group, "_reduce_scatter_comm", None)
-            inner_hook = getattr(group, "_all_reduce_hook", None)
+            inner_comm, inner_hook = _custom_collectives(group)
             module.set_custom_reduce_scatter(cls(self, i, inner_comm))
             module.set_all_reduce_hook(self._after_reduce_hook(i, inner_hook))
-            self._restore.append(_restorer(group, inner_comm, inner_hook))
+            self._restore.append(_restorer(module, inner_comm, inner_hook))
 
     @property
     def _measuring(self) -> bool:
-        w = self._watch
-        return w.enabled and w.recording and not w._closed
+        return self._grads.measuring and not self._grads.watch.closed
 
     # -- in FSDP's backward: never raise into it --------------------------------------------------
-    def _before_reduce(self, index: int, grads: torch.Tensor, group: Any) -> None:
+    def before_reduce(self, index: int, grads: torch.Tensor, group: Any) -> None:
+        """A module's reduce-scatter input ``grads``: its sum of squares and this rank's chunk."""
         self._group = group
         try:
             if not self._measuring:
@@ -161,7 +129,7 @@ class ShardedGradients:
                 chunk = flat.view(size, -1)[rank].clone()  # FSDP pads the input to a multiple of the group
                 self._local[index] = (float_dot(flat, flat), chunk)
         except Exception as exc:
-            self._watch._fail(exc)
+            self._grads.watch.fail(exc)
 
     def _after_reduce_hook(self, index: int, inner: Callable | None) -> Callable[[torch.Tensor], None]:
         def hook(reduced: torch.Tensor) -> None:
@@ -174,7 +142,7 @@ class ShardedGradients:
                 local_sq, chunk = local
                 with torch.no_grad():
                     out = reduced.reshape(-1)
-                    want_fp = self._watch.config.grad_fingerprint and self._watch._fingerprint_step
+                    want_fp = self._grads.fingerprint_due
                     self._measured[index] = (
                         local_sq,
                         float_dot(chunk, chunk),
@@ -183,7 +151,7 @@ class ShardedGradients:
                         fp.tensor_parts(out) if want_fp else None,
                     )
             except Exception as exc:
-                self._watch._fail(exc)
+                self._grads.watch.fail(exc)
 
         return hook
 
@@ -213,33 +181,28 @@ class ShardedGradients:
             dist.all_reduce(global_sq, group=group)
         if not measured:
             return
-        w = self._watch
-        w._scalars["grad_norm_local"] = local_sq.sqrt()
-        w._scalars["grad_norm_global"] = global_sq.reshape(()).sqrt().to(out_sq.dtype)
-        w._scalars["grad_cosine"] = dot / (own_sq.sqrt() * out_sq.sqrt()).clamp_min(1e-30)
+        buf = self._grads.buffer
+        buf.scalars["grad_norm_local"] = local_sq.sqrt()
+        buf.scalars["grad_norm_global"] = global_sq.reshape(()).sqrt().to(out_sq.dtype)
+        buf.scalars["grad_cosine"] = dot / (own_sq.sqrt() * out_sq.sqrt()).clamp_min(1e-30)
         parts = [m[4] for m in measured]
         if all(p is not None for p in parts):
-            w._fps["grad_fp"] = fp.combine_parts(parts)
-        w._grads_seen = True
+            buf.fps["grad_fp"] = fp.combine_parts(parts)
+        buf.grads_seen = True
 
     def before_optimizer(self) -> None:
         """The optimizer's pre-step hook: where a single process reads its gradient (no collective
         here: a rank that skips its optimizer step must not leave the others waiting)."""
-        if self._group is None and self._measuring and not self._watch._grads_seen:
+        if self._group is None and self._measuring and not self._grads.buffer.grads_seen:
             self._unreduced()
 
     def _unreduced(self) -> None:
         """No data parallelism (FSDP skips the collective for a shard group of one): the gradient is
         the rank's own, local is global, as for a model without data parallelism. Under tensor
         parallelism with a data-parallel mesh of one, the rank's piece of it."""
-        if self._watch._grads_seen or self._data_parallel > 1:
+        if self._grads.buffer.grads_seen or self._data_parallel > 1:
             return  # replicas without shards (HSDP of shard size 1): the local gradient is not seen
-        grads = local_tensors(p.grad for p in self._watch._params if p.grad is not None)
-        if not grads:
-            return
-        self._watch._set_world1_norm(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))))
-        if self._watch.config.grad_fingerprint and self._watch._fingerprint_step:
-            self._watch._fps["grad_fp"] = fp.flat_fingerprint_device(grads)
+        self._grads.read_world1(local_tensors(p.grad for p in self._grads.params if p.grad is not None))
 
     def remove(self) -> None:
         """Give FSDP back the reduce-scatter and hook it had before."""
@@ -251,8 +214,12 @@ class ShardedGradients:
         self._restore.clear()
 
 
+# FSDP2 has setters for its custom reduce-scatter and all-reduce hook but no getters, nor a public
+# list of a module's parameter groups: the two functions below read FSDP's own state for them
 def _param_groups(module: nn.Module) -> list[Any]:
-    state = module._get_fsdp_state()
+    from torch.distributed.fsdp import fully_shard
+
+    state = fully_shard.state(module)
     groups = getattr(state, "_fsdp_param_groups", None)
     if groups is None:  # torch before per-parameter meshes: one group or none
         one = getattr(state, "_fsdp_param_group", None)
@@ -260,10 +227,15 @@ def _param_groups(module: nn.Module) -> list[Any]:
     return list(groups)
 
 
-def _restorer(group: Any, comm: Any, hook: Any) -> Callable[[], None]:
+def _custom_collectives(group: Any) -> tuple[Any, Any]:
+    """(custom reduce-scatter, all-reduce hook) set on an FSDP parameter group before attaching."""
+    return getattr(group, "_reduce_scatter_comm", None), getattr(group, "_all_reduce_hook", None)
+
+
+def _restorer(module: Any, comm: Any, hook: Any) -> Callable[[], None]:
     def restore() -> None:
         if comm is not None:
-            group._reduce_scatter_comm = comm
-        group._all_reduce_hook = hook
+            module.set_custom_reduce_scatter(comm)
+        module.set_all_reduce_hook(hook)
 
     return restore

@@ -1,23 +1,17 @@
 """The weight-gradient checksum of :class:`~sdcwatch.telemetry.probes.gemm_checks.GemmChecks`: ``dW = dY^T X``
 implies ``1^T dW = (dY 1)^T X`` (the bound is :mod:`sdcwatch.telemetry.probes.checksum_bounds`'s).
-
-A checked forward registers a hook on the product's output; in the backward that hook takes the
-output gradient's reductions (:func:`~sdcwatch.telemetry.probes.checksum_bounds.grad_reference`, one
-vector-matrix product with the input autograd keeps anyway), and the weight's and the bias's
-gradient hooks compare the gradients' column sums with them. Its own concept and its own sampling
-(``ProbeConfig.checksum_every``): the forward and the weights in memory can be checked on more
-steps (``checksum_forward_every``) than the backward.
+(docs/probes.md, "How the probes are built", says how and why.)
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import torch
 from sdcwatch.telemetry.probes.checksum_bounds import (
     TINY,
     accumulated_sum,
+    accumulation_dtype,
     bias_grad_coefficient,
     gemm_input_roundoff,
     grad_reference,
@@ -25,6 +19,8 @@ from sdcwatch.telemetry.probes.checksum_bounds import (
     rounding_coefficient,
     underflow_floor,
 )
+from sdcwatch.telemetry.probes.gemm_state import ProductTable, StepChecks
+from sdcwatch.telemetry.probes.linear_layout import linear_weight
 
 __all__ = ["GradientChecks", "TracedReference"]
 
@@ -56,20 +52,51 @@ class TracedReference:
 
 
 class GradientChecks:
-    """The backward half of :class:`~sdcwatch.telemetry.probes.gemm_checks.GemmChecks` (a mixin): the
-    hooks that check each product's weight and bias gradient. Uses the host's ``names``, its step
-    (``_step``, a :class:`~sdcwatch.telemetry.probes.gemm_state.StepChecks`), ``_bias_checked`` and
-    ``_pending`` (per product: this backward's reference, kept until both gradients are checked)."""
+    """The backward part of :class:`~sdcwatch.telemetry.probes.gemm_checks.GemmChecks`: the hooks that
+    check each product's weight and bias gradient against the reference its output gradient gives,
+    into the shared ``step``. Keeps, per product, this backward's reference until both gradients
+    are checked."""
 
-    names: list[str]
-    _step: Any
-    _bias_checked: list[bool]
-    _pending: list[list | None]
+    def __init__(self, products: ProductTable, step: StepChecks) -> None:
+        self.products = products
+        self.step = step
+        self._pending: dict[int, list] = {}
+        self._traced: dict[int, TracedReference] = {}
+        self._traced_meta: dict[int, tuple[int, float, torch.dtype]] = {}
 
-    _traced: dict[int, TracedReference]
-    _traced_meta: dict[int, tuple[int, float, torch.dtype]]
+    def reset(self) -> None:
+        """A new step: no reference pending."""
+        self._pending = {}
 
-    def _output_grad(self, i: int, x: torch.Tensor, x_max: torch.Tensor, dy: torch.Tensor) -> None:
+    def arm_traced(self, hooked: list[int]) -> None:
+        """Before a step whose weight gradients are checked in compiled code: a :class:`TracedReference`
+        for every product in ``hooked`` (allocated once; compiled backwards add into them), and no
+        forward noted yet."""
+        for i in self._traced_meta:  # a backward that never reached the weight's hook: start from zero
+            if i in self._traced:
+                self._traced[i].clear()
+        self._traced_meta.clear()
+        for i in hooked:
+            held = self._traced.get(i)
+            w, _ = linear_weight(self.products.modules[i])
+            if held is None or held.ref.device != w.device:
+                self._traced[i] = TracedReference(w.shape[1], accumulation_dtype(w.dtype), w.device)
+
+    def note_traced_forward(self, i: int, x: torch.Tensor, y: torch.Tensor) -> bool:
+        """A traced forward of product ``i`` (input ``x``, output ``y``): note its tokens and rounding
+        for the traced backward; False when product ``i`` has no traced reference."""
+        if i not in self._traced:
+            return False
+        tokens = x.numel() // x.shape[-1]
+        before = self._traced_meta.get(i)
+        # dW = dY^T X is rounded to y's dtype (dY's); under autocast X is cast to it
+        roundoff, out = gemm_input_roundoff(x, y, compute=y.dtype), y.dtype
+        if before is not None:
+            tokens, roundoff, out = max(before[0], tokens), max(before[1], roundoff), product_dtype(before[2], out)
+        self._traced_meta[i] = (tokens, roundoff, out)
+        return True
+
+    def output_grad(self, i: int, x: torch.Tensor, x_max: torch.Tensor, dy: torch.Tensor) -> None:
         """dY of one use of layer i: the expected column sums of its dW (summed over uses)."""
         if torch.compiler.is_compiling():
             return self._traced_output_grad(i, x, x_max, dy)
@@ -79,10 +106,10 @@ class GradientChecks:
                 m = dy.shape[-1]
                 # max_k ||X_:k|| <= sqrt(N) max|X|; Σ_j ||dY_:j|| <= sqrt(m) ||dY||_F
                 scale = (x_max.to(sdy.dtype) * sdy).mul_(math.sqrt(tokens) * math.sqrt(m))
-                bias = self._bias_checked[i]
+                bias = self.products.bias_checked[i]
                 s_total = s.sum() if bias else None
                 bias_scale = sdy * math.sqrt(tokens * m) if bias else None  # Σ|dY| <= sqrt(N m) ||dY||_F
-                p = self._pending[i]
+                p = self._pending.get(i)
                 # the product was rounded to dY's dtype (autocast: a bf16 dW cast up to the fp32 weight's)
                 roundoff = gemm_input_roundoff(x, dy, compute=dy.dtype)
                 if p is None:
@@ -97,7 +124,7 @@ class GradientChecks:
                         p[3] = p[3] + s_total
                         p[4] = p[4] + bias_scale
         except Exception:  # a shape we do not understand: no check rather than a broken backward
-            self._pending[i] = None
+            self._pending.pop(i, None)
 
     def _traced_output_grad(self, i: int, x: torch.Tensor, x_max: torch.Tensor, dy: torch.Tensor) -> None:
         """:meth:`_output_grad` as torch.compile traces it: the same reductions, added into the
@@ -112,7 +139,7 @@ class GradientChecks:
             held.ref.add_(ref.to(held.ref.dtype))
             held.uses.add_(1)
             held.scale.add_((x_max.to(sdy.dtype) * sdy) * (math.sqrt(tokens) * math.sqrt(m)))
-            if self._bias_checked[i]:
+            if self.products.bias_checked[i]:
                 held.s_total.add_(s.sum())
                 held.bias_scale.add_(sdy * math.sqrt(tokens * m))
 
@@ -123,16 +150,17 @@ class GradientChecks:
         held = self._traced.get(i)
         if meta is None or held is None:
             return None
-        bias = self._bias_checked[i]
+        bias = self.products.bias_checked[i]
         waiting = {"weight"} | ({"bias"} if bias else set())
         scale, bias_scale = held.bound_scale(held.scale), held.bound_scale(held.bias_scale) if bias else None
         p = [held.ref, scale, meta[0], held.s_total if bias else None, bias_scale]
         self._pending[i] = p + [meta[1], waiting, meta[2]]
         return self._pending[i]
 
-    def _weight_grad_hook(self, i: int, dw: torch.Tensor) -> None:
-        p = self._pending[i] if i < len(self._pending) else None
-        if p is None and i < len(self._pending):
+    def weight_grad(self, i: int, dw: torch.Tensor) -> None:
+        """The weight gradient of product ``i``: its column sums against the reference."""
+        p = self._pending.get(i)
+        if p is None:
             p = self._traced_pending(i)
         if p is None or dw.dim() != 2 or dw.shape[1] != p[0].shape[0]:
             return
@@ -140,37 +168,38 @@ class GradientChecks:
             out = product_dtype(dw.dtype, p[7])
             coef = rounding_coefficient(p[2], dw.shape[0], out, input_roundoff=p[5])
             floor = underflow_floor(dw.shape[0], out)
-            st = self._step
+            st = self.step
             st.g_idx.append(i)
             st.g_res.append((accumulated_sum(dw, 0, p[0].dtype) - p[0]).abs_().amax())
             st.g_bound.append((p[1] * coef + floor if floor else p[1] * coef).clamp_min_(TINY))
-            st.g_names.append(self.names[i] + ".weight")
+            st.g_names.append(self.products.names[i] + ".weight")
         self._done(i, "weight")
 
     def _done(self, i: int, which: str) -> None:
         """The weight's or the bias's gradient was checked; forget the reference once both were
         (autograd may run either hook first)."""
-        p = self._pending[i]
+        p = self._pending.get(i)
         if p is not None:
             p[6].discard(which)
             if not p[6]:
-                self._pending[i] = None
+                del self._pending[i]
                 held = self._traced.get(i)
                 if held is not None and p[0] is held.ref:
                     held.clear()  # the next traced backward adds from zero
 
-    def _bias_grad_hook(self, i: int, db: torch.Tensor) -> None:
-        p = self._pending[i] if i < len(self._pending) else None
-        if p is None and i < len(self._pending):
+    def bias_grad(self, i: int, db: torch.Tensor) -> None:
+        """The bias gradient of product ``i``: its sum against the reference."""
+        p = self._pending.get(i)
+        if p is None:
             p = self._traced_pending(i)
         if p is None or p[3] is None:
             return
         with torch.no_grad():
             # Σ db and Σ dY are the same sum in two orders: 2γ_N + γ_m, times Σ|dY|
             coef = bias_grad_coefficient(p[2], db.numel(), product_dtype(db.dtype, p[7]))
-            st = self._step
+            st = self.step
             st.g_idx.append(i)
             st.g_res.append((accumulated_sum(db, None, p[3].dtype) - p[3]).abs())
             st.g_bound.append((p[4] * coef).clamp_min_(TINY))
-            st.g_names.append(self.names[i] + ".bias")
+            st.g_names.append(self.products.names[i] + ".bias")
         self._done(i, "bias")

@@ -1,50 +1,6 @@
-"""The per-product canary: a known-answer test of one linear layer's product on every step.
-
-An unhealthy GPU whose matrix products are persistently a little off (relative errors of 1e-4 to
-1e-2) stays under the checksums' rounding bound (:mod:`sdcwatch.telemetry.probes.checksum_bounds`) and moves no
-statistic, yet it is wrong on every product it computes. Replicas hold the same weights, so the
-same fixed input times the same weight must give the same bits on every healthy rank: one
-product each step, on every rank, and the replica vote on its fingerprint names the rank whose
-result differs, at the step that product is checked.
-
-**Which product.** The linear layers of the model (``nn.Linear``, ``Conv1D``) in registration order
-(``model.named_modules()``, the order of :attr:`GemmChecks.names` without the custom products);
-step ``s`` checks layer ``s mod n`` (:meth:`GemmCanary.product_at`; with sampling, the ``k``-th
-canary step checks layer ``k mod n``): the same layer on every rank at a step, every layer once
-every ``n`` canaries. Under tensor parallelism each rank holds its own
-share of each layer and checks that share: the replicas of the share agree.
-
-**Which input.** A few rows (:data:`ROWS`) of standard normal values drawn from a generator
-seeded by the layer's shape (:func:`known_input`): the same on every rank and every run, without
-anything to ship or configure (the whole-model canary needs a user's ``canary_input``).
-
-**Through the faulty path.** The product is ``F.linear`` on the layer's own weight and bias, the
-kernel the layer's forward calls, so a faulty device corrupts the canary's product as it corrupts
-the step's. The simulated unhealthy node (a forward hook adding noise to the module's output,
-:mod:`sdcwatch.testbed.faults`) must be seen the same way: the canary passes its product
-through the module's fault hooks (:func:`~sdcwatch.telemetry.probes.output_faults.output_faults`), and through
-none of its other hooks, the probes' (which would skip it) and their module-call machinery (what
-most of the canary's cost was). A subclass with a forward of its own is called instead, with
-its hooks, the probes' skipping it (:func:`~sdcwatch.telemetry.probes.canary.canary_section`).
-
-**When, and under FSDP2.** It runs in :meth:`Watch.step` after the step's forward and backward,
-outside any compiled graph (a choice read inside ``torch.compile``'d hooks would recompile on
-every step). A weight sharded by FSDP2 (a DTensor) is gathered whole first (``full_tensor()``, one
-all-gather of that one weight, on every rank of its shard group at the same step) and the module
-is called with it (``torch.func.functional_call``): every data-parallel rank of the same tensor
-and pipeline piece then holds the same unsharded weight, so the vote runs over the *peer group*
-(every ``dp_replicate`` and ``dp_shard`` coordinate, :data:`PEER_VOTED` in
-:mod:`sdcwatch.detectors.replica`), not only over the replicas of one shard, of which plain FSDP
-has just one.
-
-A weight changed in one rank's *memory* (a flipped bit in its FSDP shard) reaches the gathered
-weight of every rank of that shard group: their canaries all disagree alike. The vote then blames
-none of them on the canary's account (:mod:`sdcwatch.detectors.replica`): the shard-wise
-``param_fp`` vote (HSDP) and the in-memory check ``gemm_weight`` name the rank itself. Without
-FSDP only that rank's canary moves.
-
-The result is ``gemm_canary_fp`` in the record. Kernels must be deterministic across the
-replicas (one hardware type), as for every fingerprint.
+"""The per-product canary: a known-answer test of one linear layer's product on every step, the
+layers in rotation, fingerprinted so that the replica vote names a rank whose products are
+persistently a little off (docs/probes.md, "The per-product canary": which product, input and path).
 """
 
 from __future__ import annotations

@@ -2,26 +2,14 @@
 Hugging Face's ``Conv1D``, :mod:`~sdcwatch.telemetry.probes.linear_layout`; forward, weight
 and bias gradient, weights in memory) and the products modules report with :func:`observe_gemm`;
 the checks and their rounding bounds are :mod:`sdcwatch.telemetry.probes.checksum_bounds`'s.
-
-Two depths. On a *checked* step a hook does the reductions that must read the step's tensors (the
-output's row sums, one matrix-vector product with the input, the input's largest |value|, the
-weight's column sums against the sealed ones; in the backward, when that is checked too
-(:mod:`sdcwatch.telemetry.probes.gemm_backward`, sampled on its own), the output gradient's row sums
-and norm, one vector-matrix product, the gradient's column sums) and keeps their results on the device; the residuals and ratios of every product
-are formed once per step in :meth:`GemmChecks.collect` with stacked operations. On a *scanned*
-step (every step at the default) a hook only takes the row sums of the product's output
-(``gemm_out`` is the largest |row sum|, one fast reduction): a NaN, Inf or near-INF the product
-wrote shows at its step and product, whichever step the checksums sample. A row, not the whole
-output, so that the values of a large model's wide outputs never add up to a near-INF.
+(docs/probes.md, "How the probes are built", says how and why.)
 """
 
 from __future__ import annotations
 
 import fnmatch
 import functools
-import itertools
 import math
-import os
 import warnings
 from typing import Any, Callable
 
@@ -33,14 +21,12 @@ from sdcwatch.telemetry.probes.checksum_bounds import (
     accumulated_sum,
     accumulation_dtype,
     gemm_input_roundoff,
-    product_dtype,
     rounding_coefficient,
 )
-from sdcwatch.telemetry.probes.gemm_backward import GradientChecks, TracedReference
-from sdcwatch.telemetry.probes.kept import kept_calls
-from sdcwatch.telemetry.probes.gemm_traced import TracedCalls
+from sdcwatch.telemetry.probes.gemm_backward import GradientChecks
 from sdcwatch.telemetry.probes.gemm_state import (
     GEMM_OBSERVERS,
+    ProductTable,
     SealedWeight,
     StepChecks,
     call_peaks,
@@ -48,17 +34,17 @@ from sdcwatch.telemetry.probes.gemm_state import (
     is_shard,
     local_part,
     stack_rows,
+    zero_of,
 )
+from sdcwatch.telemetry.probes.gemm_traced import TracedCalls
 from sdcwatch.telemetry.probes.row_scan import FUSED_DTYPES, triton_available
 from sdcwatch.telemetry.probes.linear_layout import is_linear, linear_weight, transposed
 from torch import nn
 
 __all__ = ["GemmChecks"]
 
-_SERIALS = itertools.count()
 
-
-class GemmChecks(TracedCalls, GradientChecks):
+class GemmChecks:
     """Checksums of every linear layer of a model (forward, weight and bias gradient, weights),
     plus the custom products reported with :func:`observe_gemm`; one value per product and step.
 
@@ -69,6 +55,13 @@ class GemmChecks(TracedCalls, GradientChecks):
     hooks cost a function call otherwise. :meth:`collect` returns this step's per-layer
     ratios (:data:`GEMM_METRICS`) as device tensors and starts the next step. A weight shared with
     another module (tied embeddings) is checked forward only: its gradient is a sum over uses.
+
+    Its parts share the table of products (:attr:`products`) and the step's measurements
+    (:attr:`step`): :class:`~sdcwatch.telemetry.probes.gemm_traced.TracedCalls` (the hooks in compiled
+    code) and :class:`~sdcwatch.telemetry.probes.gemm_backward.GradientChecks` (the weight gradients).
+    ``triton``: eager code on a GPU may sum rows and seal weights with the Triton kernels;
+    ``compiled_grad_check``: the weight-gradient check also runs in compiled backwards (see
+    :attr:`traced_backward`); both as :class:`~sdcwatch.telemetry.wire.environment.RankEnvironment` says.
     """
 
     def __init__(
@@ -81,107 +74,93 @@ class GemmChecks(TracedCalls, GradientChecks):
         modules: str = "*",
         weights: bool = True,
         order: Any = None,  # a ForwardOrder numbering the outputs in forward order (nonfinite_first)
+        triton: bool = True,
+        compiled_grad_check: bool = False,
     ) -> None:
-        serial = next(_SERIALS)  # compiled code's per-module attributes (TracedCalls), one pair a watch
-        self._calls_attr = f"_sdcwatch_calls_{serial}"
-        self._seal_attr = f"_sdcwatch_seal_{serial}"
-        self._index_of: dict[int, int] = {}  # id(module) -> product index (eager code)
         self.active = active
         self.scan = scan
         self.backward = active if backward is None else backward
         self.order = order
-        self.names: list[str] = []
+        self.weights = weights
+        """Whether the weights in memory are compared with their seals."""
+        self.products = ProductTable()
+        self.names = self.products.names
         """Names of the checked products, in layer order (the index in the ``gemm_*`` metrics)."""
-        self._modules: list[nn.Module] = []
-        self._handles: list[Any] = []
-        self._forward: list[tuple[nn.Module, Callable]] = []  # forward hooks, registered only when due
-        self._forward_handles: list[Any] = []
-        self._weights = weights
+        self.step = StepChecks(order)
+        """This step's measurements, written by every part."""
         self.keep_bounds = False
         """Keep each check's absolute bound of the last step in :attr:`bounds` (fault-injection
         campaigns use it to tell which faults a checksum can see; off in training)."""
         self.bounds: dict[tuple[str, str], torch.Tensor] = {}
-        self._sealed_at: list[SealedWeight | None] = []
-        self._bias_checked: list[bool] = []
-        self._index_cache: dict[tuple, tuple[torch.Tensor, ...]] = {}
-        self._zeros: dict[tuple, torch.Tensor] = {}
-        owners: dict[int, int] = {}
-        for _, m in model.named_modules():
-            for p in m.parameters(recurse=False):
-                owners[id(p)] = owners.get(id(p), 0) + 1
-        globs = [g.strip() for g in modules.split(",") if g.strip()]
-        self._grad_hooked: list[int] = []  # products whose weight gradient is checked
-        for name, m in model.named_modules():
-            if is_linear(m) and any(fnmatch.fnmatchcase(name, g) for g in globs):
-                i = self._add(name, m)
-                self._forward.append((m, self._any_linear_hook))
-                # an FSDP2 shard (a DTensor) is outside the autograd graph: its hook would never fire
-                if m.weight.requires_grad and owners.get(id(m.weight), 0) == 1 and not is_shard(m.weight):
-                    hook = functools.partial(self._weight_grad_hook, i)  # Conv1D's gradient is (in, out): turned
-                    hook = functools.partial(_turned, hook) if transposed(m) else hook
-                    self._handles.append(m.weight.register_hook(hook))
-                    self._grad_hooked.append(i)
-                    if m.bias is not None and m.bias.requires_grad and owners.get(id(m.bias), 0) == 1:
-                        self._handles.append(m.bias.register_hook(functools.partial(self._bias_grad_hook, i)))
-                        self._bias_checked[i] = True
-        for name, m in model.named_modules():
-            GEMM_OBSERVERS.setdefault(m, []).append(self)
-            if getattr(m, "_sdcwatch_gemm", False) and any(fnmatch.fnmatchcase(name, g) for g in globs):
-                self._add(name, m)  # a module whose forward(a, b) returns a @ b
-                self._forward.append((m, self._product_hook))
-        self._fused = triton_available() and os.environ.get("SDCWATCH_TRITON", "1") != "0"
-        self.hook_forward(True)
-        self._sealed_by_optimizer = False
         self.optimizer_seals = False
         """Whether an optimizer's step hook seals the weights after each update (set by the watch):
         compiled code then takes the weight's sums from the seal instead of reading the weight."""
-        self._provisional_key: tuple | None = None  # (device, products) of the last provisional seals
-        self.seal_provisionally()
-        # decided once (a cached call in a traced hook is a guard); SDCWATCH_TRITON=0 keeps torch's ops
-        # (self._fused, above); opt in (SDCWATCH_COMPILED_GRAD_CHECK=1): inductor took it on torch 2.13 (CPU) but failed to
-        # compile it on torch 2.11 (CUDA, an H100), an error that would stop the job
-        self.traced_backward = os.environ.get("SDCWATCH_COMPILED_GRAD_CHECK", "0") == "1"
+        # decided once (a cached call in a traced hook is a guard); opt in to the compiled check:
+        # inductor took it on torch 2.13 (CPU) but failed to compile it on torch 2.11 (CUDA, an
+        # H100), an error that would stop the job
+        self.traced_backward = compiled_grad_check
         """Whether the weight-gradient check runs in compiled code (a hook on each product's output
         that torch.compile traces into the backward graph); off where it breaks the graph."""
-        self._traced: dict[int, TracedReference] = {}
-        self._traced_meta: dict[int, tuple[int, float, torch.dtype]] = {}
+        self.traced = TracedCalls(self)
+        self.gradients = GradientChecks(self.products, self.step)
+        self._fused = triton and triton_available()
+        self._handles: list[Any] = []
+        self._forward: list[tuple[nn.Module, Callable]] = []  # forward hooks, registered only when due
+        self._forward_handles: list[Any] = []
+        self._index_cache: dict[tuple, tuple[torch.Tensor, ...]] = {}
+        self._grad_hooked = self._find_products(model, [g.strip() for g in modules.split(",") if g.strip()])
+        self.hook_forward(True)
+        self._sealed_by_optimizer = False
+        self._provisional_key: tuple | None = None  # (device, products) of the last provisional seals
+        self.seal_provisionally()
         self._n_registered = len(self.names)  # the products found here (observe_gemm may add more)
         self._coverage_told = False
         self._owners = [m for _, m in model.named_modules()]
         self._module_names = {id(m): n for n, m in model.named_modules()}
         self._reset()
 
-    def _add(self, name: str, module: nn.Module) -> int:
-        self.names.append(name)
-        self._modules.append(module)
-        self._sealed_at.append(None)
-        self._bias_checked.append(False)
-        self._index_of[id(module)] = len(self.names) - 1
-        module.__dict__[self._calls_attr] = []
-        module.__dict__[self._seal_attr] = None
-        return len(self.names) - 1
-
-    def _set_seal(self, i: int, sealed: SealedWeight | None) -> None:
-        """Product ``i``'s seal, kept in the watch's list and on its module (for compiled code)."""
-        self._sealed_at[i] = sealed
-        self._modules[i].__dict__[self._seal_attr] = sealed
+    def _find_products(self, model: nn.Module, globs: list[str]) -> list[int]:
+        """Hook the linear layers and the modules that report a product (``_sdcwatch_gemm``) whose
+        names match ``globs``; returns the products whose weight gradient is checked."""
+        owners: dict[int, int] = {}
+        for _, m in model.named_modules():
+            for p in m.parameters(recurse=False):
+                owners[id(p)] = owners.get(id(p), 0) + 1
+        grad_hooked = []
+        table = self.products
+        for name, m in model.named_modules():
+            if is_linear(m) and any(fnmatch.fnmatchcase(name, g) for g in globs):
+                i = table.add(name, m)
+                self._forward.append((m, self._any_linear_hook))
+                # an FSDP2 shard (a DTensor) is outside the autograd graph: its hook would never fire
+                if m.weight.requires_grad and owners.get(id(m.weight), 0) == 1 and not is_shard(m.weight):
+                    hook = functools.partial(self.gradients.weight_grad, i)  # Conv1D's gradient is (in, out): turned
+                    hook = functools.partial(_turned, hook) if transposed(m) else hook
+                    self._handles.append(m.weight.register_hook(hook))
+                    grad_hooked.append(i)
+                    if m.bias is not None and m.bias.requires_grad and owners.get(id(m.bias), 0) == 1:
+                        self._handles.append(m.bias.register_hook(functools.partial(self.gradients.bias_grad, i)))
+                        table.bias_checked[i] = True
+        for name, m in model.named_modules():
+            GEMM_OBSERVERS.setdefault(m, []).append(self)
+            if getattr(m, "_sdcwatch_gemm", False) and any(fnmatch.fnmatchcase(name, g) for g in globs):
+                table.add(name, m)  # a module whose forward(a, b) returns a @ b
+                self._forward.append((m, self._product_hook))
+        return grad_hooked
 
     def _reset(self) -> None:
-        kept_calls(self._modules, self._calls_attr)  # compiled code's calls of a dropped step
-        self._step = StepChecks(self.order)
-        self._weights_seen: set[int] = set()  # products whose weights were compared this step
+        self.products.take_calls()  # compiled code's calls of a dropped step
+        self.step.clear()
         self._judged = (0, 0, 0)  # forward, gradient and weight checks violated() has judged
-        # per product: this backward's weight-gradient reference [Σ s X, bound scale, tokens,
-        # Σ s, bias bound scale, input roundoff, checks still waiting]
-        self._pending: list[list | None] = [None] * len(self.names)
+        self.gradients.reset()
 
     # -- forward ----------------------------------------------------------------------------------
     def _scanned(self, i: int, y: torch.Tensor) -> None:
         """A scanned step: the row sums of the product's output (a NaN, Inf or near-INF survives)."""
         y = y if type(y) is torch.Tensor else local_part(y)  # a DTensor: this rank's part
         if isinstance(y, torch.Tensor) and y.is_floating_point() and y.numel():
-            self._step.scanned(i)
-            self._step.o_ys.append(self._row_sums(y.detach(), torch.float32))
+            self.step.scanned(i)
+            self.step.o_ys.append(self._row_sums(y.detach(), torch.float32))
 
     def _row_sums(self, y: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
         """The (rows,) sums of ``y``'s last dim accumulated in ``acc``: in eager code on a GPU one read
@@ -200,6 +179,14 @@ class GemmChecks(TracedCalls, GradientChecks):
             return torch.ops.sdcwatch.row_scan(y)[0]
         return accumulated_sum(y, -1, acc).reshape(-1)
 
+    def _any_linear_hook(self, module: nn.Linear, args: tuple, output: Any) -> None:
+        """The forward hook of every linear layer: one function for all of them, so that code
+        torch.compile traces holds no product index (a constant Dynamo guards on: blocks compiled one
+        by one would each compile their own graphs)."""
+        if torch.compiler.is_compiling() and self.traced.linear(module, args, output):
+            return
+        self._linear_hook(self.products.index_of(module), module, args, output)
+
     def _linear_hook(self, i: int, module: nn.Linear, args: tuple, output: Any) -> None:
         if not args or not self.active():  # a scanned step (the usual one), or nothing: the least work first
             return self._scanned(i, output) if args and self.scan() else None
@@ -213,22 +200,11 @@ class GemmChecks(TracedCalls, GradientChecks):
             return
         hi, lo = self._check_forward(i, module, x, y)
         if y.requires_grad and torch.is_grad_enabled() and not tensor_parallel and self.backward():
-            if torch.compiler.is_compiling():  # the hook is traced: it adds into buffers (see TracedReference)
-                if i not in self._traced:
-                    return
-                tokens = x.numel() // x.shape[-1]
-                before = self._traced_meta.get(i)
-                # dW = dY^T X is rounded to y's dtype (dY's); under autocast X is cast to it
-                roundoff, out = gemm_input_roundoff(x, y, compute=y.dtype), y.dtype
-                if before is not None:
-                    tokens, roundoff, out = (
-                        max(before[0], tokens),
-                        max(before[1], roundoff),
-                        product_dtype(before[2], out),
-                    )
-                self._traced_meta[i] = (tokens, roundoff, out)
+            # the hook is traced: it adds into buffers (see TracedReference)
+            if torch.compiler.is_compiling() and not self.gradients.note_traced_forward(i, x, y):
+                return
             # autograd keeps x for the weight gradient anyway: no extra memory
-            y.register_hook(functools.partial(self._output_grad, i, x.detach(), torch.maximum(hi, -lo)))
+            y.register_hook(functools.partial(self.gradients.output_grad, i, x.detach(), torch.maximum(hi, -lo)))
 
     def _check_forward(
         self, i: int, module: nn.Linear, x: torch.Tensor, y: torch.Tensor
@@ -239,9 +215,9 @@ class GemmChecks(TracedCalls, GradientChecks):
         with torch.no_grad():
             w, b = (local_part(t) for t in linear_weight(module))
             acc = accumulation_dtype(y.dtype)
-            sealed = self._sealed_at[i]
-            if torch.compiler.is_compiling() and self._seal_usable(sealed, w):  # the weight-gradient check's path
-                self._check_forward_traced(module, sealed, w, b, x, y, acc)
+            sealed = self.products.seals[i]
+            if torch.compiler.is_compiling() and self.traced.seal_usable(sealed, w):  # the weight-gradient check's path
+                self.traced.check_forward(module, sealed, w, b, x, y, acc)
                 return x.amax(), x.amin()
             v = accumulated_sum(w, 0, acc)
             b_sum = accumulated_sum(b, None, acc) if b is not None else None
@@ -257,8 +233,8 @@ class GemmChecks(TracedCalls, GradientChecks):
                     bw = None if sb_ is None else accumulated_sum(sb_.to_local(), None, acc)
                 elif not traced:  # traced: the norms taken now, the same code on every checked step
                     k, b_abs = sealed.k, sealed.b_abs
-                if self._weights and i not in self._weights_seen and sealed.v.shape == vw.shape:
-                    self._compare_weight(i, sealed, vw, bw)
+                if self.weights and i not in self.step.weights_seen and sealed.v.shape == vw.shape:
+                    self.step.compare_weight(i, self.names[i], sealed, vw, bw)
                 if sealed.v.shape != v.shape and sealed.shard is None:
                     k = b_abs = None  # the weight changed shape since it was sealed
             if k is None:
@@ -269,102 +245,55 @@ class GemmChecks(TracedCalls, GradientChecks):
             if b_sum is not None:
                 ref = ref.add_(b_sum)
             hi, lo = x.amax(), x.amin()
-            self._note_check(i, w, x, y, ys, ref, hi, lo, k, b_abs if b_abs is not None else self._zero(acc, y.device))
+            self.step.checked(i)
+            coef = rounding_coefficient(
+                w.shape[1], w.shape[0], y.dtype, input_roundoff=gemm_input_roundoff(x, w, compute=y.dtype)
+            )
+            self.step.add_check(ys, ref, hi, lo, k, b_abs if b_abs is not None else zero_of(acc, y.device), None, coef)
             return hi, lo
-
-    def _compare_weight(self, i: int, sealed: SealedWeight, vw: torch.Tensor, bw: torch.Tensor | None) -> None:
-        """Keep product ``i``'s weight sums now (``vw``; ``bw`` its bias's) beside the sealed ones, once a
-        step: the same reduction of the same bits, so any difference past rounding is a weight changed
-        in memory (compared for every product at once in :meth:`collect`)."""
-        self._weights_seen.add(i)
-        st = self._step
-        st.w_idx.append(i)
-        st.w_now.append(vw)
-        st.w_then.append(sealed.v)
-        st.w_bound.append(sealed.w_bound)
-        st.w_names.append(self.names[i] + ".weight")
-        if bw is not None and sealed.b_sum is not None:
-            st.w_idx.append(i)
-            st.w_now.append(bw.reshape(1))
-            st.w_then.append(sealed.b_sum.reshape(1))
-            st.w_bound.append(sealed.b_bound)
-            st.w_names.append(self.names[i] + ".bias")
-
-    def _note_check(self, i: int, w, x, y, ys, ref, hi, lo, k, b_abs, trust=None) -> None:
-        """Keep one checked call's reductions for :meth:`collect` (see :class:`StepChecks`)."""
-        self._step.checked(i)
-        coef = rounding_coefficient(
-            w.shape[1], w.shape[0], y.dtype, input_roundoff=gemm_input_roundoff(x, w, compute=y.dtype)
-        )
-        self._step.add_check(ys, ref, hi, lo, k, b_abs, trust, coef)
-
-    def _zero(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """A 0-d zero of ``dtype`` on ``device`` (kept: the bias term of a product without one)."""
-        if torch.compiler.is_compiling():  # a constant of the graph (a cache filled on the first step is a guard)
-            return torch.zeros((), dtype=dtype, device=device)
-        key = (dtype, str(device))
-        zero = self._zeros.get(key)
-        if zero is None:
-            zero = self._zeros[key] = torch.zeros((), dtype=dtype, device=device)
-        return zero
 
     def arm_traced_backward(self) -> None:
         """Before a step whose weight gradients are checked: a :class:`TracedReference` for every
         product whose gradient is hooked (allocated once; compiled backwards add into them), and
         no forward noted yet."""
-        if not self.traced_backward:
-            return
-        for i in self._traced_meta:  # a backward that never reached the weight's hook: start from zero
-            if i in self._traced:
-                self._traced[i].clear()
-        self._traced_meta.clear()
-        for i in self._grad_hooked:
-            held = self._traced.get(i)
-            w, _ = linear_weight(self._modules[i])
-            if held is None or held.ref.device != w.device:
-                self._traced[i] = TracedReference(w.shape[1], accumulation_dtype(w.dtype), w.device)
+        if self.traced_backward:
+            self.gradients.arm_traced(self._grad_hooked)
 
     def seal_provisionally(self) -> None:
         """A provisional seal of every weight not sealed yet, or sealed provisionally on another
         device than the weight's now (see :class:`SealedWeight`): taken when the checks are made,
         and while the optimizer has not stepped, so that compiled code sees one structure."""
-        if not self._weights or self._sealed_by_optimizer:
+        if not self.weights or self._sealed_by_optimizer:
             return
         # called before every step until the optimizer seals (never, without one): the walk over the
         # products runs only when the model moved or gained a product since the last one
-        first = next((p.device for m in self._modules[:1] for p in m.parameters(recurse=False)), None)
-        if self._provisional_key == (first, len(self._modules)):
+        table = self.products
+        first = next((p.device for m in table.modules[:1] for p in m.parameters(recurse=False)), None)
+        if self._provisional_key == (first, len(table)):
             return
-        self._provisional_key = (first, len(self._modules))
+        self._provisional_key = (first, len(table))
         with torch.no_grad():
-            for i, m in enumerate(self._modules):
-                sealed = self._sealed_at[i]
+            for i, m in enumerate(table.modules):
+                sealed = table.seals[i]
                 w, b = linear_weight(m) if is_linear(m) else (getattr(m, "weight", None), getattr(m, "bias", None))
                 if not isinstance(w, torch.Tensor) or w.dim() != 2 or is_shard(w):
                     continue
                 if sealed is None or (sealed.provisional and sealed.v.device != w.device):
-                    self._set_seal(i, SealedWeight(w, b if isinstance(b, torch.Tensor) else None, provisional=True))
+                    b = b if isinstance(b, torch.Tensor) else None
+                    table.set_seal(i, SealedWeight(w, b, provisional=True, triton=self._fused))
 
     def seal(self) -> None:
         """Take the weights' column sums as they are now (call right after the optimizer step; the
         probes do): the next forward compares against them. Costs one pass over the weights."""
-        if not self._weights:
+        if not self.weights:
             return
         self._sealed_by_optimizer = True
         with torch.no_grad():
-            for i, m in enumerate(self._modules):
+            for i, m in enumerate(self.products.modules):
                 w, b = linear_weight(m) if is_linear(m) else (getattr(m, "weight", None), getattr(m, "bias", None))
                 if isinstance(w, torch.Tensor) and w.dim() == 2:
-                    self._set_seal(i, SealedWeight(w, b if isinstance(b, torch.Tensor) else None))
-
-    def unseal(self) -> None:
-        """Forget the sealed column sums (after weights were changed outside the optimizer, e.g. a
-        checkpoint loaded): the weight check resumes after the next :meth:`seal`."""
-        for i in range(len(self._sealed_at)):
-            self._set_seal(i, None)
-        self._sealed_by_optimizer = False
-        self._provisional_key = None
-        self.seal_provisionally()
+                    b = b if isinstance(b, torch.Tensor) else None
+                    self.products.set_seal(i, SealedWeight(w, b, triton=self._fused))
 
     # -- custom products --------------------------------------------------------------------------
     def _product_hook(self, module: nn.Module, args: tuple, output: Any) -> None:
@@ -378,17 +307,17 @@ class GemmChecks(TracedCalls, GradientChecks):
         checked = self.active()
         if not (checked or self.scan()) or a.numel() == 0 or c.numel() == 0:
             return
-        traced = torch.compiler.is_compiling() and self._calls_attr in owner.__dict__  # kept on the owner
+        calls = self.products.calls_on(owner) if torch.compiler.is_compiling() else None
+        traced = calls is not None  # kept on the owner
         if traced and not checked:
-            self._traced_scan(owner, c)
+            self.traced.scan(owner, c)
             return
         i = None
         if not traced:
             try:
-                i = self._modules.index(owner)
+                i = self.products.modules.index(owner)
             except ValueError:
-                i = self._add(self._module_names.get(id(owner), type(owner).__name__), owner)
-                self._pending.append(None)
+                i = self.products.add(self._module_names.get(id(owner), type(owner).__name__), owner)
             if not checked:
                 self._scanned(i, c)
                 return
@@ -403,16 +332,14 @@ class GemmChecks(TracedCalls, GradientChecks):
             ref = ref.reshape(-1)
             # ||a_i|| <= sqrt(n) max|a| and Σ_j ||b_:j|| <= m sqrt(n) max|b|
             k = abs_max(b).to(acc) * (n * m)
-            b_abs = accumulated_sum(bias.abs(), None, acc) if bias is not None else self._zero(acc, c.device)
+            b_abs = accumulated_sum(bias.abs(), None, acc) if bias is not None else zero_of(acc, c.device)
             coef = rounding_coefficient(n, m, c.dtype, input_roundoff=gemm_input_roundoff(a, b, compute=c.dtype))
             if traced:
                 ordinal = self.order.traced_tick() if self.order is not None else None
-                owner.__dict__[self._calls_attr].append(
-                    ("f", ys, ref, a.amax(), a.amin(), k, b_abs, None, coef, ordinal)
-                )
+                calls.append(("f", ys, ref, a.amax(), a.amin(), k, b_abs, None, coef, ordinal))
                 return
-            self._step.checked(i)
-            self._step.add_check(ys, ref, a.amax(), a.amin(), k, b_abs, None, coef)
+            self.step.checked(i)
+            self.step.add_check(ys, ref, a.amax(), a.amin(), k, b_abs, None, coef)
 
     # -- the step ---------------------------------------------------------------------------------
     def _indices(self, key: tuple, device: torch.device) -> tuple[torch.Tensor, ...]:
@@ -429,8 +356,8 @@ class GemmChecks(TracedCalls, GradientChecks):
         """This step's (n_products,) tensor per :data:`GEMM_METRICS` on a checked step, only
         ``gemm_out`` on a scanned one (None if nothing was seen); resets for the next step.
         Products not seen this step report 0."""
-        self._drain()
-        st = self._step
+        self.traced.drain()
+        st = self.step
         n = len(self.names)
         if not self._coverage_told and (st.f_idx or st.o_idx):
             self._tell_unseen(set(st.f_idx) | set(st.o_idx))
@@ -505,8 +432,8 @@ class GemmChecks(TracedCalls, GradientChecks):
         """Whether a product checked since the last call (in this step) passed its rounding bound:
         a forward, gradient or weight ratio above ``bound``, or NaN. The guard's trigger; it reads
         the device (one sync), so it is called only where the guard decides, before the update."""
-        self._drain()
-        st = self._step
+        self.traced.drain()
+        st = self.step
         f0, g0, w0 = self._judged
         self._judged = (len(st.f_idx), len(st.g_idx), len(st.w_idx))
         parts = []
@@ -549,10 +476,6 @@ class GemmChecks(TracedCalls, GradientChecks):
         entry ``start`` on: one subtraction and one reduction for them all."""
         return (stack_rows(st.w_now[start:]) - stack_rows(st.w_then[start:])).abs_().amax(-1)
 
-    def discard(self) -> None:
-        """Drop what this step measured (a step that is not recorded)."""
-        self._reset()
-
     def hook_forward(self, want: bool) -> None:
         """Register the forward hooks (``True``) or remove them: a module with a forward hook leaves
         PyTorch's fast call path, so the probes keep them only on the steps that are checked."""
@@ -566,9 +489,7 @@ class GemmChecks(TracedCalls, GradientChecks):
     def remove(self) -> None:
         """Remove every hook (and what the hooks kept on the modules)."""
         self.hook_forward(False)
-        for m in self._modules:
-            m.__dict__.pop(self._calls_attr, None)
-            m.__dict__.pop(self._seal_attr, None)
+        self.products.forget()
         for h in self._handles:
             h.remove()
         self._handles.clear()

@@ -1,4 +1,5 @@
-"""What the matrix-checksum hooks of :mod:`sdcwatch.telemetry.probes.gemm_checks` keep between calls: a
+"""The state the parts of the matrix checksums (:mod:`sdcwatch.telemetry.probes.gemm_checks`) share:
+the table of checked products with their names, modules and seals (:class:`ProductTable`), a
 weight's reductions sealed when the optimizer wrote it (:class:`SealedWeight`), one step's
 measurements as lists of device tensors (:class:`StepChecks`, reduced once per step by
 :func:`stack_rows`), and which checks report a custom product (:func:`observe_gemm`).
@@ -6,16 +7,20 @@ measurements as lists of device tensors (:class:`StepChecks`, reduced once per s
 
 from __future__ import annotations
 
+import itertools
 import math
 import weakref
 from typing import Any
 
 import torch
 from sdcwatch.telemetry.probes.checksum_bounds import accumulated_sum, accumulation_dtype, memory_bound_of
+from sdcwatch.telemetry.probes.compiled_calls import kept_calls
 from sdcwatch.telemetry.probes.weight_sums import weight_sums
 from torch import nn
 
 __all__ = [
+    "ProductTable",
+    "zero_of",
     "SealedWeight",
     "StepChecks",
     "stack_rows",
@@ -90,6 +95,78 @@ def call_peaks(vectors: list[torch.Tensor]) -> torch.Tensor:
     return torch.zeros(len(vectors), dtype=peaks.dtype, device=peaks.device).scatter_reduce_(0, index, peaks, "amax")
 
 
+class ProductTable:
+    """The checked products of one :class:`~sdcwatch.telemetry.probes.gemm_checks.GemmChecks`, by
+    index (the index in the ``gemm_*`` metrics): name, module, seal, whether the bias gradient is
+    checked. Compiled code holds no index: it finds a call's list and a seal on the module itself,
+    under this table's attribute names (one pair a table)."""
+
+    _serials = itertools.count()
+
+    def __init__(self) -> None:
+        serial = next(self._serials)
+        self.calls_attr = f"_sdcwatch_calls_{serial}"
+        self.seal_attr = f"_sdcwatch_seal_{serial}"
+        self.names: list[str] = []
+        self.modules: list[nn.Module] = []
+        self.seals: list[SealedWeight | None] = []
+        self.bias_checked: list[bool] = []
+        self._index: dict[int, int] = {}  # id(module) -> product index
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def add(self, name: str, module: nn.Module) -> int:
+        """A new product ``module`` named ``name``; returns its index."""
+        self.names.append(name)
+        self.modules.append(module)
+        self.seals.append(None)
+        self.bias_checked.append(False)
+        self._index[id(module)] = len(self.names) - 1
+        module.__dict__[self.calls_attr] = []
+        module.__dict__[self.seal_attr] = None
+        return len(self.names) - 1
+
+    def index_of(self, module: nn.Module) -> int:
+        return self._index[id(module)]
+
+    def set_seal(self, i: int, sealed: SealedWeight | None) -> None:
+        """Product ``i``'s seal, kept in the table and on its module (for compiled code)."""
+        self.seals[i] = sealed
+        self.modules[i].__dict__[self.seal_attr] = sealed
+
+    def seal_on(self, module: nn.Module) -> SealedWeight | None:
+        return module.__dict__.get(self.seal_attr)
+
+    def calls_on(self, module: nn.Module) -> list | None:
+        """The list compiled code keeps ``module``'s calls of this step in (None: not a product)."""
+        return module.__dict__.get(self.calls_attr)
+
+    def take_calls(self) -> list[tuple[int, Any]]:
+        """(product index, call) of every call compiled code kept, in product order; the lists are emptied."""
+        return kept_calls(self.modules, self.calls_attr)
+
+    def forget(self) -> None:
+        """Remove what the table keeps on the modules."""
+        for m in self.modules:
+            m.__dict__.pop(self.calls_attr, None)
+            m.__dict__.pop(self.seal_attr, None)
+
+
+_ZEROS: dict[tuple, torch.Tensor] = {}
+
+
+def zero_of(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A 0-d zero of ``dtype`` on ``device`` (kept: the bias term of a product without one)."""
+    if torch.compiler.is_compiling():  # a constant of the graph (a cache filled on the first step is a guard)
+        return torch.zeros((), dtype=dtype, device=device)
+    key = (dtype, str(device))
+    zero = _ZEROS.get(key)
+    if zero is None:
+        zero = _ZEROS[key] = torch.zeros((), dtype=dtype, device=device)
+    return zero
+
+
 class SealedWeight:
     """A weight's reductions taken when the optimizer last wrote it: its column sums (the weight
     check compares against them), and the norms the forward bound needs (so a checked forward
@@ -103,7 +180,9 @@ class SealedWeight:
 
     __slots__ = ("v", "b_sum", "k", "b_abs", "w_bound", "b_bound", "shard", "provisional", "trust")
 
-    def __init__(self, w: torch.Tensor, b: torch.Tensor | None, *, provisional: bool = False) -> None:
+    def __init__(
+        self, w: torch.Tensor, b: torch.Tensor | None, *, provisional: bool = False, triton: bool = True
+    ) -> None:
         acc = accumulation_dtype(w.dtype)
         self.provisional = provisional
         # an FSDP2 shard (a DTensor): the rank's own shard is sealed, and checked in the forward
@@ -113,7 +192,7 @@ class SealedWeight:
             w, b = w.to_local(), None if b is None else b.to_local()
         # the column sums (as the check takes them: the same bits give the same sum, to rounding on
         # a GPU) and Σ_j ||w_j||, in one read of the weight where the Triton kernel runs
-        self.v, sw = weight_sums(w, acc)
+        self.v, sw = weight_sums(w, acc, use_triton=None if triton else False)
         self.k = sw * math.sqrt(w.shape[1])  # Σ||w_j|| x sqrt(n): the forward bound's weight factor
         self.w_bound = memory_bound_of(sw, w.shape[0])
         self.b_sum = self.b_abs = self.b_bound = None
@@ -137,6 +216,11 @@ class StepChecks:
     def __init__(self, order: Any = None) -> None:
         self.order = order
         """A :class:`~sdcwatch.telemetry.probes.forward_order.ForwardOrder` numbering the calls (None: not numbered)."""
+        self.clear()
+
+    def clear(self) -> None:
+        """Forget the step's measurements (the parts that write here keep this object)."""
+        self.weights_seen: set[int] = set()  # products whose weights were compared this step
         self.f_seq: list[int] = []  # the forward ordinals of the checked calls and of the scanned calls
         self.o_seq: list[int] = []
         # forward checks: product index, residual of the row sums (a vector), largest |input|,
@@ -182,6 +266,25 @@ class StepChecks:
         self.f_b.append(b_abs)
         self.f_trust.append(trust)
         self.f_coef.append(coef)
+
+    def compare_weight(
+        self, i: int, name: str, sealed: SealedWeight, vw: torch.Tensor, bw: torch.Tensor | None
+    ) -> None:
+        """Keep product ``i``'s weight sums now (``vw``; ``bw`` its bias's) beside the sealed ones, once a
+        step: the same reduction of the same bits, so any difference past rounding is a weight changed
+        in memory (compared for every product at once at the step's end)."""
+        self.weights_seen.add(i)
+        self.w_idx.append(i)
+        self.w_now.append(vw)
+        self.w_then.append(sealed.v)
+        self.w_bound.append(sealed.w_bound)
+        self.w_names.append(name + ".weight")
+        if bw is not None and sealed.b_sum is not None:
+            self.w_idx.append(i)
+            self.w_now.append(bw.reshape(1))
+            self.w_then.append(sealed.b_sum.reshape(1))
+            self.w_bound.append(sealed.b_bound)
+            self.w_names.append(name + ".bias")
 
     def scanned(self, i: int) -> None:
         """A scanned call of product ``i``, numbered in forward order when an order is kept."""

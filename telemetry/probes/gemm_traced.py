@@ -1,20 +1,12 @@
 """The matrix checksums' hooks in code torch.compile traces (a part of
-:class:`~sdcwatch.telemetry.probes.gemm_checks.GemmChecks`).
-
-Blocks compiled one by one (``block.compile()``, as torchtitan does) share one graph only if the
-traced code reads no Python value that differs between blocks: no product index, no length of a
-list that grows along the forward pass, no counter. So the hooks here keep each call on the module
-it belongs to (a list under a per-watch attribute, emptied at each step's end: every block's first
-call finds it empty), take each weight's seal from the module, and number the calls in forward order
-on the device (:meth:`~sdcwatch.telemetry.probes.forward_order.ForwardOrder.traced_tick`);
-:meth:`TracedCalls._drain` gathers the calls into the step's lists, product by product, once the
-step is over. The reductions are plain torch ones, which inductor fuses into the kernels that
-already read the same tensors.
+:class:`~sdcwatch.telemetry.probes.gemm_checks.GemmChecks`, working on its table of products and
+its step's measurements).
+(docs/probes.md, "How the probes are built", says how and why.)
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from sdcwatch.telemetry.probes.checksum_bounds import (
@@ -23,60 +15,44 @@ from sdcwatch.telemetry.probes.checksum_bounds import (
     gemm_input_roundoff,
     rounding_coefficient,
 )
-from sdcwatch.telemetry.probes.kept import kept_calls
-from sdcwatch.telemetry.probes.gemm_state import SealedWeight, is_shard, local_part
+from sdcwatch.telemetry.probes.gemm_state import SealedWeight, is_shard, local_part, zero_of
 from sdcwatch.telemetry.probes.linear_layout import linear_weight
 from torch import nn
+
+if TYPE_CHECKING:
+    from sdcwatch.telemetry.probes.gemm_checks import GemmChecks
 
 __all__ = ["TracedCalls"]
 
 
 class TracedCalls:
-    """The compiled-code half of :class:`~sdcwatch.telemetry.probes.gemm_checks.GemmChecks`, which owns
-    the state used here (``_calls_attr``, ``_seal_attr``, ``_modules``, ``_step``, ``order``...)."""
+    """The compiled-code part of ``checks`` (a :class:`~sdcwatch.telemetry.probes.gemm_checks.GemmChecks`):
+    reads its switches (``active``, ``scan``, ``backward``, ``optimizer_seals``, ``traced_backward``,
+    ``weights``, ``order``), keeps calls on the modules of its ``products`` and drains them into
+    its ``step``."""
 
-    _calls_attr: str
-    _seal_attr: str
-    _modules: list[nn.Module]
-    _index_of: dict[int, int]
-    _weights: bool
-    order: Any
-    optimizer_seals: bool
-    traced_backward: bool
-    _step: Any
-    active: Any
-    scan: Any
-    backward: Any
-    _zero: Any
-    _compare_weight: Any
-    _linear_hook: Any
+    def __init__(self, checks: "GemmChecks") -> None:
+        self.checks = checks
 
-    def _any_linear_hook(self, module: nn.Linear, args: tuple, output: Any) -> None:
-        """The forward hook of every linear layer: one function for all of them, so that code
-        torch.compile traces holds no product index (a constant Dynamo guards on: blocks compiled one
-        by one would each compile their own graphs)."""
-        if torch.compiler.is_compiling() and self._traced_linear(module, args, output):
-            return
-        self._linear_hook(self._index_of[id(module)], module, args, output)
-
-    def _traced_linear(self, module: nn.Linear, args: tuple, output: Any) -> bool:
+    def linear(self, module: nn.Linear, args: tuple, output: Any) -> bool:
         """The hook in code torch.compile traces: what it measures goes into the module's own list of
         this step's calls (``_calls_attr``, emptied at each step's end, so every block's first call
         sees it empty), its forward-order ordinal from a device counter, its seal from the module:
         the traced code reads no Python value that differs between blocks. Returns False for what
         it leaves to the indexed hook (a tensor-parallel or sharded weight, no optimizer's seal, the
         weight-gradient check in compiled backwards)."""
+        checks = self.checks
         if not args:
             return True
-        if not self.active():
-            if self.scan():
-                self._traced_scan(module, output)
+        if not checks.active():
+            if checks.scan():
+                self.scan(module, output)
             return True
-        if self.traced_backward or is_shard(module.weight):
+        if checks.traced_backward or is_shard(module.weight):
             return False
-        sealed = module.__dict__.get(self._seal_attr)
+        sealed = checks.products.seal_on(module)
         w, b = linear_weight(module)
-        if not self._seal_usable(sealed, w):
+        if not self.seal_usable(sealed, w):
             return False
         x, y = args[0], output
         if not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and y.is_floating_point()):
@@ -84,32 +60,34 @@ class TracedCalls:
         if x.numel() == 0 or y.numel() == 0:
             return True
         with torch.no_grad():
-            self._check_forward_traced(module, sealed, w, b, x, y, accumulation_dtype(y.dtype))
+            self.check_forward(module, sealed, w, b, x, y, accumulation_dtype(y.dtype))
         return True
 
-    def _seal_usable(self, sealed: SealedWeight | None, w: torch.Tensor) -> bool:
+    def seal_usable(self, sealed: SealedWeight | None, w: torch.Tensor) -> bool:
         """Whether compiled code checks this weight's product against its seal: an optimizer seals
         it after every update, and the seal is of the whole weight as the forward reads it."""
         return (
-            self.optimizer_seals
+            self.checks.optimizer_seals
             and sealed is not None
             and sealed.shard is None
             and sealed.k is not None
             and tuple(sealed.v.shape) == (w.shape[1],)
         )
 
-    def _traced_scan(self, module: nn.Module, y: Any) -> None:
+    def scan(self, module: nn.Module, y: Any) -> None:
+        """A scanned call: the row sums of the product's output, kept on the module."""
         y = y if type(y) is torch.Tensor else local_part(y)
         if isinstance(y, torch.Tensor) and y.is_floating_point() and y.numel():
-            ordinal = self.order.traced_tick() if self.order is not None else None
+            order = self.checks.order
+            ordinal = order.traced_tick() if order is not None else None
             ys = accumulated_sum(y.detach(), -1, torch.float32).reshape(-1)
-            module.__dict__[self._calls_attr].append(("o", ys, ordinal))
+            self.checks.products.calls_on(module).append(("o", ys, ordinal))
 
-    def _drain(self) -> None:
+    def drain(self) -> None:
         """Move the calls compiled code kept on the modules into this step's lists, product by product
         (their order there does not matter: each call carries its product and its ordinal)."""
-        st = self._step
-        for i, c in kept_calls(self._modules, self._calls_attr):
+        st, names = self.checks.step, self.checks.names
+        for i, c in self.checks.products.take_calls():
             if c[0] == "o":
                 st.o_idx.append(i)
                 st.o_ys.append(c[1])
@@ -121,9 +99,9 @@ class TracedCalls:
                     st.f_seq.append(c[-1])
                 st.add_check(*c[1:-1])
             else:  # "w": the weight (and bias) sums now beside the sealed ones
-                self._compare_weight(i, c[1], c[2], c[3])
+                st.compare_weight(i, names[i], c[1], c[2], c[3])
 
-    def _check_forward_traced(
+    def check_forward(
         self,
         module: nn.Module,
         sealed: SealedWeight,
@@ -138,25 +116,26 @@ class TracedCalls:
         every reduction of ``x`` and ``y`` a row reduction that inductor fuses into the kernels that
         already read them (the normalisation that wrote ``x``, the rotary embedding, the activation or
         the residual add that reads ``y``): about no extra bytes. What it measures goes into the
-        module's list of this step's calls (see :meth:`_traced_linear`).
+        module's list of this step's calls (see :meth:`linear`).
 
         A weight changed in memory after its seal shows here as a product whose row sums miss the
         reference at this step; on the steps whose weight gradients are checked too, the weight is
         also compared with its seal (``gemm_weight``), naming the weight. A provisional seal (before the
         optimizer's first step) carries an infinite ``trust``: its sums may predate a checkpoint load,
         so the call is measured but never judged (NaN still is)."""
-        calls = module.__dict__[self._calls_attr]
-        if self._weights and self.backward() and not any(c[0] == "w" for c in calls):
+        checks = self.checks
+        calls = checks.products.calls_on(module)
+        if checks.weights and checks.backward() and not any(c[0] == "w" for c in calls):
             bw = accumulated_sum(b, None, acc) if b is not None else None
             calls.append(("w", sealed, accumulated_sum(w, 0, acc), bw))
         ys = accumulated_sum(y, -1, acc).reshape(-1)
         ref = accumulated_sum((x if x.dtype == acc else x.to(acc)) * sealed.v, -1, acc).reshape(-1)
-        b_abs = self._zero(acc, y.device)
+        b_abs = zero_of(acc, y.device)
         if b is not None and sealed.b_sum is not None:
             ref = ref + sealed.b_sum
             b_abs = sealed.b_abs
         coef = rounding_coefficient(
             w.shape[1], w.shape[0], y.dtype, input_roundoff=gemm_input_roundoff(x, w, compute=y.dtype)
         )
-        ordinal = self.order.traced_tick() if self.order is not None else None
+        ordinal = checks.order.traced_tick() if checks.order is not None else None
         calls.append(("f", ys, ref, x.amax(), x.amin(), sealed.k, b_abs, sealed.trust, coef, ordinal))

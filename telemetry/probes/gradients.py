@@ -1,47 +1,77 @@
-"""The gradient half of a watch: per-step gradient statistics, however the job reduces gradients.
-
-Three sources hand them in, all on the device as 0-d tensors (nothing here syncs):
-
-- under DDP the communication hook (:mod:`~sdcwatch.telemetry.probes.ddp_hook`) sees each bucket before
-  and after the all-reduce; :meth:`GradientStats._reduce_buckets` folds the buckets into the
-  local and global norms, their cosine and the all-reduced gradient's fingerprint;
-- under FSDP2 the reduce-scatter hooks (:mod:`~sdcwatch.telemetry.probes.fsdp`), and in simulations the
-  simulated all-reduce, call :meth:`GradientStats.observe_gradients` with the same sums;
-- with neither (world size one) :meth:`GradientStats._watch_backward` reads ``p.grad`` when each
-  backward has finished accumulating it, before any clipping, as the DDP hook does (local is
-  global); :meth:`GradientStats._local_gradients` reads it just before ``optimizer.step()`` or at
-  ``watch.step()`` when no backward was seen (gradients set by hand).
-
-:class:`~sdcwatch.telemetry.probes.watch.Watch` mixes this in; it owns the state used here (the step's
-``_scalars``, ``_fps``, ``_nonfinite``, ``_buckets``...).
+"""The gradient part of a watch: per-step gradient statistics, however the job reduces gradients,
+written into the watch's :class:`StepBuffer` (the step's device values, which the watch packs).
+(docs/probes.md, "How the probes are built", says how and why.)
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from sdcwatch.telemetry.probes import fingerprint as fp
 
-__all__ = ["GradientStats", "unless_closure"]
+if TYPE_CHECKING:
+    from sdcwatch.telemetry.probes.watch import Watch
+
+__all__ = ["StepBuffer", "GradientStats", "unless_closure"]
+
+
+@dataclass
+class StepBuffer:
+    """One step's values as the watch's parts measure them, cleared at each step's end: device
+    scalars, host scalars, raw fingerprints, extra non-finite counts, folded attention statistics
+    per layer, the DDP hook's buckets, and whether the gradient was read."""
+
+    scalars: dict[str, torch.Tensor] = field(default_factory=dict)
+    host: dict[str, float] = field(default_factory=dict)
+    fps: dict[str, torch.Tensor] = field(default_factory=dict)
+    nonfinite: list[torch.Tensor] = field(default_factory=list)
+    attention: dict[int, tuple[torch.Tensor, int]] = field(default_factory=dict)
+    buckets: list[tuple] = field(default_factory=list)
+    grads_seen: bool = False
+    backward_queued: bool = False
+    """A backward queued its end-of-backward read (one that failed never ran it)."""
+
+    def clear(self) -> None:
+        self.scalars, self.host, self.fps, self.nonfinite = {}, {}, {}, []
+        self.attention, self.buckets = {}, []
+        self.grads_seen = self.backward_queued = False
 
 
 class GradientStats:
-    """Gradient statistics of one watch's step (see the module docstring)."""
+    """Gradient statistics of one watch's step (see the module docstring), into ``buffer``.
 
-    _scalars: dict[str, Any]
-    _host_scalars: dict[str, float]
-    _fps: dict[str, Any]
-    _nonfinite: list[Any]
-    _buckets: list[Any]
-    _grads_seen: bool
-    _params: list[Any]
-    enabled: bool
-    recording: bool
-    config: Any
-    _fingerprint_step: bool
-    _backward_queued: bool = False
-    _fail: Callable[[Exception], None]
+    ``reduced_elsewhere``: the gradients are reduced by DDP or measured outside the watch (no read
+    of ``p.grad``); ``sharded``: FSDP2 measures them (torch computes the norm for clipping)."""
+
+    def __init__(
+        self,
+        watch: "Watch",
+        buffer: StepBuffer,
+        params: list[torch.Tensor],
+        *,
+        group: Any = None,
+        reduced_elsewhere: bool = False,
+        sharded: bool = False,
+    ) -> None:
+        self.watch = watch
+        self.buffer = buffer
+        self.params = params
+        self.group = group
+        """The DDP process group the communication hook all-reduces over (None: the world)."""
+        self.reduced_elsewhere = reduced_elsewhere
+        self.sharded = sharded
+
+    @property
+    def measuring(self) -> bool:
+        """Whether the step in progress is recorded (and the watch enabled)."""
+        return self.watch.enabled and self.watch.recording
+
+    @property
+    def fingerprint_due(self) -> bool:
+        """Whether the step in progress fingerprints the gradient."""
+        return self.watch.config.grad_fingerprint and self.watch.fingerprint_due
 
     def observe_gradients(
         self,
@@ -55,20 +85,17 @@ class GradientStats:
         """Gradient statistics computed elsewhere (the DDP hook, the simulated all-reduce): sums of
         squares and the dot product of the local with the global gradient, on the device.
         ``nonfinite`` is an extra count of non-finite values seen there (added to the record's own)."""
-        self._scalars["grad_norm_local"] = local_sq.sqrt()
-        self._scalars["grad_norm_global"] = global_sq.sqrt()
-        self._scalars["grad_cosine"] = dot / (local_sq.sqrt() * global_sq.sqrt()).clamp_min(1e-30)
+        buf = self.buffer
+        buf.scalars["grad_norm_local"] = local_sq.sqrt()
+        buf.scalars["grad_norm_global"] = global_sq.sqrt()
+        buf.scalars["grad_cosine"] = dot / (local_sq.sqrt() * global_sq.sqrt()).clamp_min(1e-30)
         if nonfinite is not None:
-            self._nonfinite.append(nonfinite)
+            buf.nonfinite.append(nonfinite)
         if grad_fp is not None:
-            self._fps["grad_fp"] = grad_fp
-        self._grads_seen = True
+            buf.fps["grad_fp"] = grad_fp
+        buf.grads_seen = True
 
-    def observe_fingerprint(self, name: str, raw: torch.Tensor) -> None:
-        """A raw device fingerprint (see :mod:`sdcwatch.telemetry.probes.fingerprint`) computed elsewhere."""
-        self._fps[name] = raw
-
-    def _watch_backward(self) -> list[Any]:
+    def hook_backward(self) -> list[Any]:
         """World size one: read the gradient each time a backward has finished accumulating it.
 
         A post-accumulate-grad hook on every trainable parameter queues, once per backward, a
@@ -77,50 +104,52 @@ class GradientStats:
         Trainer's and Lightning's clipping run after the backward). Under gradient accumulation the
         last backward of the step wins: the accumulated gradient. Returns the hooks' handles.
         """
-        return [p.register_post_accumulate_grad_hook(self._grad_accumulated) for p in self._params if p.requires_grad]
+        return [p.register_post_accumulate_grad_hook(self._grad_accumulated) for p in self.params if p.requires_grad]
 
     def _grad_accumulated(self, param: torch.Tensor) -> None:
         # compiled autograd traces the hooks (and queues a callback only under fullgraph): there
         # the read falls back to optimizer.step()
-        if self._backward_queued or torch.compiler.is_compiling() or not (self.enabled and self.recording):
+        if self.buffer.backward_queued or torch.compiler.is_compiling() or not self.measuring:
             return
         try:  # torch's own DDP and FSDP end their backward work this way
             torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
-            self._backward_queued = True
+            self.buffer.backward_queued = True
         except Exception as exc:  # the read falls back to optimizer.step() / watch.step()
-            self._fail(exc)
+            self.watch.fail(exc)
 
     def _backward_done(self) -> None:
-        self._backward_queued = False
+        self.buffer.backward_queued = False
         try:
             with torch.no_grad():
                 self._read_local_gradients()
         except Exception as exc:  # raised here, it would fail the user's backward
-            self._fail(exc)
+            self.watch.fail(exc)
 
-    def _local_gradients(self) -> None:
+    def local_gradients(self) -> None:
         """World-size-1 gradient statistics from ``p.grad`` where no backward read them (gradients
         set by hand): just before ``optimizer.step()``, else at ``watch.step()``."""
-        if not (self.enabled and self.recording) or self._grads_seen:
+        if not self.measuring or self.buffer.grads_seen:
             return
         self._read_local_gradients()
 
     def _read_local_gradients(self) -> None:
         """One fused norm over all gradient tensors (no all-reduce: local is global; a NaN or Inf
         anywhere makes it non-finite, which the record's ``nonfinite`` count then shows)."""
-        grads = [p.grad for p in self._params if p.grad is not None]
+        self.read_world1([p.grad for p in self.params if p.grad is not None])
+
+    def read_world1(self, grads: list[torch.Tensor]) -> None:
+        """The norm (and, when due, the fingerprint) of ``grads``, the whole gradient of one replica:
+        local is global."""
         if not grads:
             return
+        buf = self.buffer
         norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
-        self._set_world1_norm(norm)
-        if self.config.grad_fingerprint and self._fingerprint_step:
-            self._fps["grad_fp"] = fp.flat_fingerprint_device(grads)
-
-    def _set_world1_norm(self, norm: torch.Tensor) -> None:
-        self._scalars["grad_norm_local"] = norm
-        self._scalars["grad_norm_global"] = norm
-        self._host_scalars["grad_cosine"] = 1.0  # one replica: the local gradient is the global one
-        self._grads_seen = True
+        buf.scalars["grad_norm_local"] = norm
+        buf.scalars["grad_norm_global"] = norm
+        buf.host["grad_cosine"] = 1.0  # one replica: the local gradient is the global one
+        buf.grads_seen = True
+        if self.fingerprint_due:
+            buf.fps["grad_fp"] = fp.flat_fingerprint_device(grads)
 
     def clip_grad_norm_(
         self, max_norm: float, *, parameters: Any = None, error_if_nonfinite: bool = False, foreach: bool | None = None
@@ -134,17 +163,18 @@ class GradientStats:
         the gradients the clipping sees: the model's own parameters, world size one or DDP. Otherwise
         (FSDP2, another parameter list, a step not recorded) torch computes it, as without sdcwatch.
         """
-        params = list(self._params if parameters is None else _as_list(parameters))
+        buf = self.buffer
+        params = list(self.params if parameters is None else _as_list(parameters))
         grads = [p.grad for p in params if p.grad is not None]
         if not grads:
             return torch.zeros(())
-        if not self._grads_seen and self._buckets:  # DDP: every bucket was all-reduced in the backward
-            self._reduce_buckets()
-        elif not self._grads_seen and self.enabled and self.recording and not self._ddp_like():
-            self._local_gradients()  # the end-of-backward read did not run (compiled autograd, say)
-        norm = self._scalars.get("grad_norm_global") if self._grads_seen else None
-        same = parameters is None or {id(p) for p in params} == {id(p) for p in self._params}
-        if norm is None or not same or getattr(self, "_sharded", None) is not None:
+        if not buf.grads_seen and buf.buckets:  # DDP: every bucket was all-reduced in the backward
+            self.reduce_buckets()
+        elif not buf.grads_seen and self.measuring and not self.reduced_elsewhere:
+            self.local_gradients()  # the end-of-backward read did not run (compiled autograd, say)
+        norm = buf.scalars.get("grad_norm_global") if buf.grads_seen else None
+        same = parameters is None or {id(p) for p in params} == {id(p) for p in self.params}
+        if norm is None or not same or self.sharded:
             return torch.nn.utils.clip_grad_norm_(
                 params, max_norm, error_if_nonfinite=error_if_nonfinite, foreach=foreach
             )
@@ -156,11 +186,9 @@ class GradientStats:
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=foreach)
         return norm
 
-    def _ddp_like(self) -> bool:
-        return bool(getattr(self, "_ddp", False) or getattr(self, "_external", False))
-
-    def _reduce_buckets(self) -> None:
-        buckets = sorted(self._buckets, key=lambda b: b[0])
+    def reduce_buckets(self) -> None:
+        """Fold the DDP hook's buckets into the step's gradient statistics."""
+        buckets = sorted(self.buffer.buckets, key=lambda b: b[0])
         local_sq = torch.stack([b[1] for b in buckets]).sum()
         dot = torch.stack([b[2] for b in buckets]).sum()
         global_sq = torch.stack([b[3] for b in buckets]).sum()

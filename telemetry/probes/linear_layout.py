@@ -1,11 +1,5 @@
 """Which modules are linear layers, and their weight as ``(out_features, in_features)``.
-
-The checksums, the per-product canary and the names all need "the linear layers of the model" and
-each one's weight in one orientation. ``nn.Linear`` (and its subclasses) stores ``W`` as
-``(out, in)`` and computes ``y = x W^T + b``. Hugging Face's ``Conv1D`` (GPT-2, DistilGPT-2, GPT
-and the models copied from them) computes the same product with the weight stored transposed,
-``(in, out)``: ``y = x W + b``. Without it a GPT-2 had one checked product, its head. The
-transposed weight is a view: no copy, and the same bits the product reads.
+(docs/probes.md, "How the probes are built", says how and why.)
 """
 
 from __future__ import annotations

@@ -1,17 +1,6 @@
-"""A torch ``DeviceMesh`` read as this rank's parallel coordinates: the record's ``coords``.
-
-Mesh dimensions are named by the training code; sdcwatch compares ranks by the canonical dims of
-:mod:`sdcwatch.core.mesh` (``pp``, ``dp_replicate``, ``dp_shard``, ``cp``, ``ep``, ``tp``).
-torchtitan's world mesh already uses those names; the aliases of :data:`~sdcwatch.core.mesh.ALIASES`
-(``fsdp``, ``ddp``, ``tensor``...) are read as the dims they stand for, except one:
-
-* ``dp`` (plain data parallel) is ``dp_shard`` when the model is sharded by FSDP2 (each rank holds a
-  different shard) and no other dim is the shards' (HSDP named ``("dp", "fsdp")``), ``dp_replicate``
-  otherwise (DDP: each rank holds a replica);
-* any other name is an error naming the dimension: say what it is with ``names={"mine": "tp"}``.
-
-Two mesh dimensions mapped to one canonical dim combine into one index, row-major in mesh order
-(as ``DeviceMesh._flatten`` numbers them). Reads the mesh's attributes only: no torch import.
+"""A torch ``DeviceMesh`` read as this rank's parallel coordinates (the record's ``coords``), its dims
+mapped to the canonical ones of :mod:`sdcwatch.core.mesh` (a plain ``dp`` is ``dp_shard`` under FSDP2,
+``dp_replicate`` otherwise). Reads the mesh's attributes only: no torch import.
 """
 
 from __future__ import annotations

@@ -1,11 +1,5 @@
 """The seam through which a fault reaches a product that the probes compute themselves.
-
-The per-product canary (:mod:`~sdcwatch.telemetry.probes.gemm_canary`) computes a linear layer's
-product outside a module call (``F.linear`` on its weights). A simulated faulty device must corrupt
-that product as it corrupts the layer's own, so whoever injects faults into a module's output
-registers its forward hook as an :class:`OutputFault` (the test bed's injector does); the canary
-passes its result through :func:`output_faults`. The product owns this seam: nothing in a rank
-imports the injector.
+(docs/probes.md, "How the probes are built", says how and why.)
 """
 
 from __future__ import annotations

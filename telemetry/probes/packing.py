@@ -1,21 +1,22 @@
 """The watch's device-to-host hand-off: one step's metrics packed into one tensor, copied to the
-host asynchronously, and read back a step later as a record's scalars, layers and fingerprints.
-
-Float metrics travel as float64 bit-cast to int64 next to the int64 fingerprints, so the whole
-step is one tensor and one copy; nothing on the training thread waits for the device.
+host asynchronously, and read back a step later, off the training thread (:class:`RecordSender`),
+as a record's scalars, layers and fingerprints.
+(docs/probes.md, "How the probes are built", says how and why.)
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple
+import queue
+import threading
+from typing import Any, Callable, NamedTuple
 
 import numpy
 import torch
 from sdcwatch.core.vocabulary import ATTENTION_STATS
 from sdcwatch.telemetry.probes import fingerprint as fp
 
-__all__ = ["PackedStep", "pack_step", "unpack_step"]
+__all__ = ["PackedStep", "RecordSender", "pack_step", "unpack_step"]
 
 _EXTRA = "_nonfinite_extra"  # the slot of the non-finite count measured elsewhere (the DDP hook)
 
@@ -114,3 +115,61 @@ def unpack_step(pending: PackedStep) -> tuple[int, dict[str, float], dict[str, l
         at += n
     fingerprints = {n: fp.finalize(v) for n, v in zip(fp_names, values[n_float:].tolist())} or None
     return step, scalars, layers, fingerprints
+
+
+class RecordSender:
+    """Hands each packed step to ``emit`` a step after its copy started, on a thread of its own
+    (``background``; else on the caller's): decoding it and calling the emitter happen off the
+    training thread, once the copy is surely done."""
+
+    def __init__(self, emit: Callable[[PackedStep], None], *, background: bool = True) -> None:
+        self._emit = emit
+        self._background = background
+        self._pending: PackedStep | None = None
+        self._outbox: queue.Queue = queue.Queue()
+        self._thread: threading.Thread | None = None
+
+    def put(self, packed: PackedStep) -> None:
+        """Keep ``packed`` (its copy just started); the previous one goes to ``emit``."""
+        self.handoff()
+        self._pending = packed
+
+    def handoff(self) -> None:
+        """Pass the step whose copy was started a step ago to ``emit``."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        if not self._background:
+            self._emit(pending)
+            return
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._send_loop, name="sdcwatch-probes", daemon=True)
+            self._thread.start()
+        self._outbox.put(pending)
+
+    def _send_loop(self) -> None:
+        while True:
+            pending = self._outbox.get()
+            try:
+                if pending is None:
+                    return
+                self._emit(pending)
+            finally:
+                self._outbox.task_done()
+
+    def join(self) -> None:
+        """Wait until every step handed off so far is emitted (the one kept stays kept)."""
+        if self._thread is not None:
+            self._outbox.join()
+
+    def flush(self) -> None:
+        """Emit every step kept so far, and wait until they are."""
+        self.handoff()
+        self.join()
+
+    def close(self) -> None:
+        """Flush, then stop the thread."""
+        self.flush()
+        if self._thread is not None:
+            self._outbox.put(None)
+            self._thread.join(timeout=10.0)

@@ -1,16 +1,6 @@
-"""Named probe configurations, so a detection number and a cost number describe the same one.
-
-``default`` is what :func:`~sdcwatch.telemetry.probes.watch.attach` gives a user (matrix checksums every
-16th step; on every step the extreme values: each product's output, the residual stream, the
-largest attention logit, and one linear layer's product of a known input, in rotation);
-``forward-checksums`` is the default with the forward and weights-in-memory checksums on every
-step and the weight-gradient one still every 16th (``checksum_forward_every=1``: a flip in a
-product's output or in a weight named at its step, for a fraction of the next one's cost);
-``checksums`` is the default with every checksum on every step; ``every-step`` turns every probe on, on every step (the instrument
-of the first campaigns, plus checksums); ``scalars-only`` is the floor (loss, gradient norms,
-step time, lr). ``sdcwatch bench campaign --probes NAME|FILE`` and
-``bench/bench_overhead.py --probes NAME|FILE`` take the same names, or a JSON/TOML file of
-:class:`~sdcwatch.telemetry.probes.watch.ProbeConfig` fields.
+"""Named probe configurations (``default``, ``forward-checksums``, ``checksums``, ``every-step``,
+``scalars-only``), so a detection number and a cost number describe the same one; the campaign and
+the overhead benchmark take these names, or a JSON/TOML file of :class:`ProbeConfig` fields.
 """
 
 from __future__ import annotations
@@ -20,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from sdcwatch.core.errors import ConfigError
+from sdcwatch.core.validate import settings_from
 from sdcwatch.telemetry.probes.config import ProbeConfig
 
 __all__ = ["PROBE_PRESETS", "probe_config", "describe"]
@@ -70,11 +61,7 @@ def probe_config(spec: str | ProbeConfig) -> tuple[str, ProbeConfig]:
         ) from None
     if not isinstance(data, dict):
         raise ConfigError("probes", f"{path}: must hold an object of probe settings")
-    known = set(ProbeConfig.__dataclass_fields__)
-    unknown = sorted(set(data) - known)
-    if unknown:
-        raise ConfigError(f"probes.{unknown[0]}", f"unknown setting in {path} (known: {', '.join(sorted(known))})")
-    return path.stem, ProbeConfig(**data)
+    return path.stem, settings_from(ProbeConfig, "probes", data, where=str(path))
 
 
 def describe(config: ProbeConfig) -> dict[str, Any]:

@@ -2,10 +2,7 @@
 left side), largest |value| and count of NaN/Inf/near-INF elements, from one Triton kernel on a GPU
 (:mod:`~sdcwatch.telemetry.probes.row_scan_kernel`) or plain torch ops elsewhere; and ``sdcwatch::row_scan``,
 the same as one custom operator that ``torch.compile`` calls without a graph break.
-
-Near-INF is ``|v| >= NEAR_INF`` compared in the tensor's own dtype, as ``y.abs() >= NEAR_INF`` does in
-torch: in bf16 the threshold is 1e10 rounded to bf16 (9999220736), in fp16 it is +inf (fp16 tops out
-at 65504), in fp32 exactly 1e10.
+(docs/probes.md, "How the probes are built", says how and why.)
 """
 
 from __future__ import annotations

@@ -1,16 +1,5 @@
 """Attention without the model's cooperation: the attention calls of a forward pass, seen from outside.
-
-On steps whose attention is sampled, a :class:`AttentionTap` (a ``torch.overrides.TorchFunctionMode``)
-is active while the model runs forward. It sees every ``F.scaled_dot_product_attention`` call with
-its q and k (after RoPE, as the kernel gets them), ``attn_mask`` (bool or additive), ``is_causal``,
-``scale`` and grouped-query heads, and every ``softmax`` over the last axis of a 4-d score tensor
-whose caller holds q and k (Hugging Face ``attn_implementation="eager"``, nanoGPT's slow path):
-there the logits are the real ones, so a corrupted score GEMM shows. The layer is the innermost
-module of the model on the Python call stack (``model.layers.3.self_attn``). On other steps the
-mode is not entered and the model runs untouched.
-
-Attention computed outside PyTorch (a fused kernel such as flash-attn) is invisible here:
-:func:`attention_blind_spots` names what attach() cannot see, so it can say so once.
+(docs/probes.md, "How the probes are built", says how and why.)
 """
 
 from __future__ import annotations
@@ -18,7 +7,6 @@ from __future__ import annotations
 import inspect
 import math
 import os
-import sys
 import textwrap
 import warnings
 from typing import TYPE_CHECKING, Any
@@ -134,7 +122,7 @@ class AttentionTap(TorchFunctionMode):
         """Whether a sampled forward ran compiled, where the tap sees nothing: it finds the layer on
         the Python call stack, which compiled code does not have (layers reporting with
         observe_attention still report)."""
-        self.reported = bool(watch.n_layers) and all(map(watch.reports_itself, watch._layers))
+        self.reported = bool(watch.n_layers) and all(map(watch.reports_itself, watch.attention_layers))
         """Every attention layer found when attaching reports itself: the tap is never entered
         (decided once, so that compiled code sees the same mode stack on every sampled step)."""
 
@@ -162,7 +150,13 @@ class AttentionTap(TorchFunctionMode):
             # compile once more for the mode on the stack
             self.compiled = True
             entered = False
-        elif entered and self.forwards and not self.calls and w.n_layers and all(map(w.reports_itself, w._layers)):
+        elif (
+            entered
+            and self.forwards
+            and not self.calls
+            and w.n_layers
+            and all(map(w.reports_itself, w.attention_layers))
+        ):
             # a sampled forward ran under the tap and every attention call came from layers that
             # report themselves: the same code will not show the tap anything new, and a
             # TorchFunctionMode costs on every torch call of the forward pass
@@ -217,7 +211,7 @@ class AttentionTap(TorchFunctionMode):
             else:
                 self._softmax(*args, **kwargs)
         except Exception as exc:  # a shape we do not understand must not stop the forward pass
-            self.watch._fail(exc)
+            self.watch.fail(exc)
 
     # -- the calls ----------------------------------------------------------------------------------
     def _sdpa(
@@ -233,7 +227,7 @@ class AttentionTap(TorchFunctionMode):
     ) -> None:
         if query.dim() != 4:
             return
-        layer = self._layer(sys._getframe(1))
+        layer = self._layer(inspect.currentframe().f_back)
         if layer is None:
             return
         cfg = self.watch.config
@@ -253,7 +247,7 @@ class AttentionTap(TorchFunctionMode):
     def _softmax(self, logits: Any, dim: Any = None, *args: Any, **kwargs: Any) -> None:
         if kwargs.get("dim", dim) not in (-1, 3) or not isinstance(logits, torch.Tensor) or logits.dim() != 4:
             return
-        frame = sys._getframe(1)
+        frame = inspect.currentframe().f_back
         while frame is not None and (
             frame.f_code.co_filename.startswith(_TORCH_DIR) or frame.f_code.co_filename == __file__
         ):

@@ -1,30 +1,12 @@
-"""Training-side probes, the watch: what a user adds to a PyTorch training loop to feed sdcwatch.
-
-    watch = attach(model, emitter, optimizer=opt, ddp=ddp_model)
-    for step, batch in enumerate(data):
-        loss = ...; loss.backward(); opt.step(); opt.zero_grad()
-        watch.step(step, loss=loss)
-    watch.close()
-
-Every metric is computed on the device as a 0-d tensor. At :meth:`Watch.step` they are packed
-into one tensor that leaves the device in one asynchronous copy; the host reads it a step later
-and hands a record to the emitter. Nothing on the training path calls ``.item()``.
-Under DDP a communication hook sees each gradient bucket before and after the all-reduce (local
-and global norms, their dot product, the all-reduced gradient's fingerprint); under FSDP2 each
-module's reduce-scatter does (:mod:`~sdcwatch.telemetry.probes.fsdp`). Attention is seen
-from outside on sampled steps (:mod:`~sdcwatch.telemetry.probes.sdpa`), or layers report q, k and logits
-through :func:`observe_attention`; heads and query positions are sampled.
-
-The parts live beside it: :mod:`~sdcwatch.telemetry.probes.attention` (the attention statistics),
-:mod:`~sdcwatch.telemetry.probes.sdpa` (the attention tap), :mod:`~sdcwatch.telemetry.probes.activations` (act_max),
-:mod:`~sdcwatch.telemetry.probes.ddp_hook` (the communication hook), :mod:`~sdcwatch.telemetry.probes.packing`
-(the device-to-host hand-off) and :mod:`~sdcwatch.telemetry.probes.canary` (the canary check).
+"""The watch: what ``attach(model, emitter, optimizer=opt)`` adds to a training loop; ``watch.step(step,
+loss=loss)`` closes each step. It composes parts that write one step's device values into a
+:class:`~sdcwatch.telemetry.probes.gradients.StepBuffer` (gradients, attention layers, the sampled
+checks), packs them into one tensor that leaves the device in one asynchronous copy, and hands the
+record to the emitter a step later, off the training thread: nothing on the training path syncs.
 """
 
 from __future__ import annotations
 
-import queue
-import threading
 import time
 import warnings
 from typing import Any
@@ -32,33 +14,33 @@ from typing import Any
 import torch
 from sdcwatch.core.errors import ConfigError
 from sdcwatch.core.vocabulary import CANARY_PRODUCT, FIRST_BAD
+from sdcwatch.telemetry.wire.environment import RankEnvironment
 from sdcwatch.telemetry.probes import fingerprint as fp
 from sdcwatch.telemetry.probes.activations import ActivationMax
-from sdcwatch.telemetry.probes.attention import (
-    ATTENTION_WATCHES,
-    LIVE_WATCHES,
-    finish_attention,
-)
+from sdcwatch.telemetry.probes.attention import LIVE_WATCHES, finish_attention
 from sdcwatch.telemetry.probes.attention_layers import AttentionLayers
 from sdcwatch.telemetry.probes.canary import canary_fingerprint, canary_running
 from sdcwatch.telemetry.probes.compiled import watch_compiled_code
-from sdcwatch.telemetry.probes.kept import kept_calls
 from sdcwatch.telemetry.probes.config import ProbeConfig
 from sdcwatch.telemetry.probes.ddp_hook import comm_hook
-from sdcwatch.telemetry.probes.finite import FiniteChecks
+from sdcwatch.telemetry.probes.sampled_checks import SampledChecks
 from sdcwatch.telemetry.probes.fsdp import ShardedGradients, is_sharded, local_tensors
 from sdcwatch.telemetry.probes.gemm_canary import GemmCanary
-from sdcwatch.telemetry.probes.gradients import GradientStats, unless_closure
-from sdcwatch.telemetry.probes.layer_names import NameHandoff
+from sdcwatch.telemetry.probes.gradients import GradientStats, StepBuffer, unless_closure
+from sdcwatch.telemetry.probes.name_handoff import NameHandoff
 from sdcwatch.telemetry.probes.mesh_torch import coords_from_mesh
-from sdcwatch.telemetry.probes.packing import PackedStep, pack_step, unpack_step
+from sdcwatch.telemetry.probes.packing import PackedStep, RecordSender, pack_step, unpack_step
+from sdcwatch.telemetry.probes.sdpa import AttentionTap
 from torch import nn
 
 __all__ = ["Watch", "attach", "canary_product"]
 
 
-class Watch(GradientStats, AttentionLayers):
-    """Probes attached to one model replica (one rank). Build with :func:`attach`."""
+class Watch:
+    """Probes attached to one model replica (one rank). Build with :func:`attach`.
+
+    ``environment`` (read from the process when None) says whether the checks may use their Triton
+    kernels and check weight gradients in compiled backwards."""
 
     def __init__(
         self,
@@ -73,18 +55,14 @@ class Watch(GradientStats, AttentionLayers):
         canary_input: Any = None,
         mesh: Any = None,
         mesh_names: Any = None,
+        environment: RankEnvironment | None = None,
     ) -> None:
         if not callable(getattr(emitter, "emit", None)):
             raise ConfigError("probes.emitter", f"needs an object with an emit() method, got {type(emitter).__name__}")
         self.model = model
         self.emitter = emitter
-        self.coords: dict[str, int] = {}
+        self.coords = _rank_coords(model, emitter, mesh, mesh_names)
         """This rank's parallel coordinates (from ``mesh``), carried by every record."""
-        if mesh is not None:
-            self.coords = coords_from_mesh(mesh, mesh_names, sharded=is_sharded(model))
-            set_coords = getattr(emitter, "set_coords", None)  # the Emitter's; a stand-in may have none
-            if set_coords is not None:
-                set_coords(self.coords)
         self.optimizer = optimizer
         self.config = config or ProbeConfig()
         self.canary_input = canary_input
@@ -93,53 +71,63 @@ class Watch(GradientStats, AttentionLayers):
         self.enabled = True
         self.errors = 0
         """Failures while building or emitting a record (they never reach the training loop)."""
-        self._external = external
-        self._params = [p for p in model.parameters()]
-        self._layers: list[nn.Module] = []
-        self._layer_index: dict[nn.Module, int] = {}
+        self.buffer = StepBuffer()
+        """This step's values, written by the parts, packed at the step's end."""
         self.module_names: dict[nn.Module, str] = {m: n for n, m in model.named_modules()}
-        self._self_reporting: set[nn.Module] = set()  # layers that call observe_attention themselves
-        # FSDP2: the gradient statistics come from the model's reduce-scatters (a ConfigError here,
-        # before any hook is registered, when they cannot)
-        sharded = ddp is None and not external and is_sharded(model)
-        self._sharded = ShardedGradients(self, model) if sharded else None
-        self._activations = ActivationMax(model, self.module_names, lambda: self.enabled and not canary_running())
         self.act_max_module: str | None = None
         """The module that produced the largest output of the last sampled step emitted."""
         self.attention_on = False  # the step in progress measures attention (fixed for the step)
+        self.next_step = 0
+        """The step expected next: decides what the hooks measure."""
+        self.closed = False
         self._handles: list[Any] = []
-        self._hint = 0  # the step we expect next: decides what the hooks measure
         self._last_time: float | None = time.perf_counter()
-        self._pending: PackedStep | None = None
-        self._outbox: queue.Queue = queue.Queue()
-        self._sender: threading.Thread | None = None
-        self._background = background  # False: records are built on the caller's thread (simulation)
-        self._closed = False
-        self._reset()
-        self._discover_attention(model)
+        # background False: records are built on the caller's thread (simulation)
+        self.sender = RecordSender(self._emit, background=background)
+        """Hands each step's record to the emitter a step later, off the training thread."""
+        self._build_parts(model, ddp, optimizer, external, environment or RankEnvironment.read())
+        LIVE_WATCHES.add(self)
+
+    def _build_parts(
+        self, model: nn.Module, ddp: Any, optimizer: Any, external: bool, environment: RankEnvironment
+    ) -> None:
+        """The parts, in the order their hooks must run, and the gradient hooks last."""
+        self._external = external
+        self._ddp = ddp is not None and not external
+        # FSDP2: the gradient statistics come from the model's reduce-scatters (a ConfigError here,
+        # before any hook is registered, when they cannot)
+        sharded = ddp is None and not external and is_sharded(model)
+        self.gradients = GradientStats(
+            self,
+            self.buffer,
+            list(model.parameters()),
+            group=getattr(ddp, "process_group", None) if self._ddp else None,
+            reduced_elsewhere=self._ddp or external,
+            sharded=sharded,
+        )
+        self._sharded = ShardedGradients(self.gradients, model) if sharded else None
+        self._activations = ActivationMax(model, self.module_names, lambda: self.enabled and not canary_running())
+        self.attention = AttentionLayers(self, self.buffer, model)
         self._tap = None
         if self.config.attention != "none" and not external:
-            from sdcwatch.telemetry.probes.sdpa import AttentionTap
-
             self._tap = AttentionTap(self)
             self._handles += self._tap.install(model)
-        self._finite = FiniteChecks(self, model, optimizer=optimizer, external=external)
-        self.checksums = self._finite.checksums  # GemmChecks: .names says which product each gemm_* layer is
+        self.sampled_checks = SampledChecks(
+            self, model, environment=environment, optimizer=optimizer, external=external
+        )
+        """The checksums and the residual stream."""
+        self.checksums = self.sampled_checks.checksums  # GemmChecks: .names says which product each gemm_* layer is
         self._names = NameHandoff(self)  # the emitter sends the name lists ahead of the records
         self.gemm_canary = None if external else GemmCanary.of(model, self.config)  # gemm_canary_fp
         self._sync_activation_hooks()
-        self._group = None
-        self._ddp = ddp is not None and not external
         if self._ddp:
-            self._group = getattr(ddp, "process_group", None)
-            ddp.register_comm_hook(self, comm_hook)
-        elif not external:
+            ddp.register_comm_hook(self.gradients, comm_hook)
+        elif not self._external:
             if self._sharded is None:  # world size one: read at the end of each backward, before clipping
-                self._handles += self._watch_backward()
-            before = self._local_gradients if self._sharded is None else self._sharded.before_optimizer
+                self._handles += self.gradients.hook_backward()
+            before = self.gradients.local_gradients if self._sharded is None else self._sharded.before_optimizer
             if optimizer is not None:
                 self._handles.append(optimizer.register_step_pre_hook(unless_closure(before)))
-        LIVE_WATCHES.add(self)
 
     @property
     def leaf_names(self) -> list[str]:
@@ -149,42 +137,94 @@ class Watch(GradientStats, AttentionLayers):
     @property
     def n_layers(self) -> int:
         """Number of attention layers this watch measures."""
-        return len(self._layers)
+        return len(self.attention.layers)
+
+    @property
+    def attention_layers(self) -> list[nn.Module]:
+        """The attention layers this watch measures, in layer-index order."""
+        return self.attention.layers
+
+    @property
+    def layer_names(self) -> list[str]:
+        """Module names of the attention layers, in layer-index order."""
+        return [self.module_names.get(m, "") for m in self.attention.layers]
+
+    def layer_of(self, module: nn.Module) -> int | None:
+        """The layer index of ``module``; with attention "auto" an unknown module becomes a layer."""
+        return self.attention.layer_of(module)
+
+    def reports_itself(self, module: nn.Module) -> bool:
+        """Whether ``module`` reports its attention (observe_attention, or the MHA hook)."""
+        return self.attention.reports_itself(module)
+
+    def record_attention(self, layer: int, stats: torch.Tensor) -> None:
+        """Fold one observation of attention layer ``layer`` into the step's."""
+        self.attention.record(layer, stats)
+
+    def begin_forward(self) -> None:
+        """Mark the start of a forward pass that does not go through the attached module's call
+        (Lightning runs ``training_step``): attention is then measured until :meth:`end_forward`."""
+        if self._tap is not None:
+            self._tap.forward_begin()
+
+    def end_forward(self) -> None:
+        """Mark the end of the forward pass :meth:`begin_forward` began."""
+        if self._tap is not None:
+            self._tap.forward_end()
+
+    def observe_gradients(
+        self,
+        *,
+        local_sq: torch.Tensor,
+        global_sq: torch.Tensor,
+        dot: torch.Tensor,
+        nonfinite: torch.Tensor | None = None,
+        grad_fp: torch.Tensor | None = None,
+    ) -> None:
+        """Gradient statistics computed elsewhere (see :meth:`GradientStats.observe_gradients`)."""
+        self.gradients.observe_gradients(
+            local_sq=local_sq, global_sq=global_sq, dot=dot, nonfinite=nonfinite, grad_fp=grad_fp
+        )
+
+    def observe_fingerprint(self, name: str, raw: torch.Tensor) -> None:
+        """A raw device fingerprint (see :mod:`sdcwatch.telemetry.probes.fingerprint`) computed elsewhere."""
+        self.buffer.fps[name] = raw
+
+    def clip_grad_norm_(
+        self, max_norm: float, *, parameters: Any = None, error_if_nonfinite: bool = False, foreach: bool | None = None
+    ) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` reusing the norm the watch measured this step (see
+        :meth:`GradientStats.clip_grad_norm_`)."""
+        return self.gradients.clip_grad_norm_(
+            max_norm, parameters=parameters, error_if_nonfinite=error_if_nonfinite, foreach=foreach
+        )
 
     # -- per-step collection ---------------------------------------------------------------------
     def _reset(self) -> None:
-        self._scalars: dict[str, torch.Tensor] = {}
-        self._nonfinite: list[torch.Tensor] = []
-        self._host_scalars: dict[str, float] = {}
-        self._attn: dict[int, tuple[torch.Tensor, int]] = {}  # layer -> (folded statistics, observations)
-        if getattr(self, "_layers", None):
-            kept_calls(self._layers, self._attn_attr)  # compiled code's observations of a dropped step
-        self._fps: dict[str, torch.Tensor] = {}
-        self._buckets: list[tuple] = []
-        self._grads_seen = False
-        self._backward_queued = False  # a backward that failed never ran its end-of-backward read
+        self.buffer.clear()
+        self.attention.discard()  # compiled code's observations of a dropped step
         self._activations.clear()
 
     @property
     def recording(self) -> bool:
         """Whether the step in progress produces a record."""
-        return self._hint % self.config.every == 0
+        return self.next_step % self.config.every == 0
 
     @property
     def _recording_attention(self) -> bool:
-        return self.recording and (self._hint // self.config.every) % self.config.attention_every == 0
+        return self.recording and (self.next_step // self.config.every) % self.config.attention_every == 0
 
     @property
     def _recording_activations(self) -> bool:
         every = self.config.activations_every
-        return bool(every) and self.recording and (self._hint // self.config.every) % every == 0
+        return bool(every) and self.recording and (self.next_step // self.config.every) % every == 0
 
     def _sync_activation_hooks(self) -> None:
         """Set what the hooks measure in the step about to run (fixed for the step: under
         torch.compile a hook reading the step number would recompile at every sampled step)."""
-        self._activations.sync(self._recording_activations and not self._closed)
-        self.attention_on = self._recording_attention and not self._closed
-        self._finite.sync(self._closed)
+        self._activations.sync(self._recording_activations and not self.closed)
+        self.attention_on = self._recording_attention and not self.closed
+        self.sampled_checks.sync(self.closed)
 
     def observe_attention(
         self,
@@ -196,19 +236,20 @@ class Watch(GradientStats, AttentionLayers):
         causal: bool = True,
     ) -> None:
         """Measure one attention layer; its logits' extremes go to the residual-stream check."""
-        self._finite.observe_logits(layer, logits)
-        super().observe_attention(layer, q, k, logits=logits, causal=causal)
+        self.sampled_checks.observe_logits(layer, logits)
+        self.attention.observe(layer, q, k, logits=logits, causal=causal)
 
     def begin_step(self, step: int) -> None:
         """Optional: announce the step about to run (else the one after the last ``step()``)."""
-        self._hint = int(step)
+        self.next_step = int(step)
         self._sync_activation_hooks()
         if self._last_time is None:
             self._last_time = time.perf_counter()
 
     @property
-    def _fingerprint_step(self) -> bool:
-        return self._hint % self.config.fingerprint_every == 0
+    def fingerprint_due(self) -> bool:
+        """Whether the step in progress fingerprints the parameters and the gradient."""
+        return self.next_step % self.config.fingerprint_every == 0
 
     # -- the step ----------------------------------------------------------------------------------
     def step(self, step: int, *, loss: Any = None, step_time: float | None = None, **scalars: Any) -> None:
@@ -221,14 +262,14 @@ class Watch(GradientStats, AttentionLayers):
         try:
             self._step(int(step), loss, step_time, scalars, now)
         except Exception as exc:  # the job must not die for its telemetry
-            self._fail(exc)
+            self.fail(exc)
             self._reset()
-        self._hint = int(step) + 1
+        self.next_step = int(step) + 1
         self._last_time = now
         try:
             self._sync_activation_hooks()
         except Exception as exc:
-            self._fail(exc)
+            self.fail(exc)
 
     def _step(self, step: int, loss: Any, step_time: float | None, scalars: dict, now: float) -> None:
         if not self.enabled:
@@ -236,28 +277,30 @@ class Watch(GradientStats, AttentionLayers):
             return
         if not self.recording:
             self._reset()
-            self._handoff()
+            self.sender.handoff()
             return
+        buf = self.buffer
         if self._sharded is not None:
             self._sharded.reduce()
-        elif not self._external and not self._ddp and not self._grads_seen:
-            self._local_gradients()
-        if self._buckets:
-            self._reduce_buckets()
-        if not self._external and step % self.config.fingerprint_every == 0 and self._params:
+        elif not self._external and not self._ddp and not buf.grads_seen:
+            self.gradients.local_gradients()
+        if buf.buckets:
+            self.gradients.reduce_buckets()
+        params = self.gradients.params
+        if not self._external and step % self.config.fingerprint_every == 0 and params:
             # the local shards under FSDP2: equal across the replicas of a shard
-            self._fps["param_fp"] = fp.flat_fingerprint_device(local_tensors(self._params))
+            buf.fps["param_fp"] = fp.flat_fingerprint_device(local_tensors(params))
         if (
             not self._external
             and self.canary_input is not None
             and self.config.canary_every
             and step % self.config.canary_every == 0
         ):
-            self._fps["canary_fp"] = canary_fingerprint(self.model, self.canary_input)
-        host: dict[str, float] = dict(self._host_scalars)
+            buf.fps["canary_fp"] = canary_fingerprint(self.model, self.canary_input)
+        host: dict[str, float] = dict(buf.host)
         if self.gemm_canary is not None:  # a collective under FSDP2 (every rank): one product of a known input
-            self.gemm_canary.report(step, self._fps)
-            if "gemm_canary_fp" in self._fps:  # which product: an incident on it names it
+            self.gemm_canary.report(step, buf.fps)
+            if "gemm_canary_fp" in buf.fps:  # which product: an incident on it names it
                 host.update(canary_product(self.gemm_canary, step))
         if step_time is None and self._last_time is not None:
             step_time = now - self._last_time
@@ -268,7 +311,7 @@ class Watch(GradientStats, AttentionLayers):
         dropped = getattr(self.emitter, "dropped", None)
         if isinstance(dropped, (int, float)) and not isinstance(dropped, bool):
             host["emitter_dropped"] = float(dropped)
-        device_scalars = dict(self._scalars)
+        device_scalars = dict(buf.scalars)
         device_scalars.update(self._activations.take())
         if loss is not None:
             if isinstance(loss, torch.Tensor):
@@ -281,9 +324,10 @@ class Watch(GradientStats, AttentionLayers):
             elif value is not None:
                 host[name] = float(value)
         attn = None
-        self._drain_attention()
-        if self._attn and len(self._attn) == len(self._layers):
-            attn = torch.stack([finish_attention(*self._attn[i]) for i in range(len(self._layers))])  # (layers, 7)
+        self.attention.drain()
+        n_layers = len(self.attention.layers)
+        if buf.attention and len(buf.attention) == n_layers:
+            attn = torch.stack([finish_attention(*buf.attention[i]) for i in range(n_layers)])  # (layers, 7)
         elif self._tap is not None:
             self._tap.check_seen()
         self._pack(step, device_scalars, attn, host)
@@ -291,52 +335,27 @@ class Watch(GradientStats, AttentionLayers):
 
     def _pack(self, step: int, device_scalars: dict, attn: torch.Tensor | None, host: dict) -> None:
         """Start this step's copy to the host; the previous step's record goes to the sender."""
-        extra = sum(self._nonfinite[1:], self._nonfinite[0]).reshape(()).float() if self._nonfinite else None
-        layers, finite_scalars = self._finite.collect()
+        buf = self.buffer
+        extra = sum(buf.nonfinite[1:], buf.nonfinite[0]).reshape(()).float() if buf.nonfinite else None
+        layers, sampled_scalars = self.sampled_checks.collect()
         packed = pack_step(
-            step, {**device_scalars, **finite_scalars}, attn, self._fps, host, nonfinite_extra=extra, layers=layers
+            step, {**device_scalars, **sampled_scalars}, attn, buf.fps, host, nonfinite_extra=extra, layers=layers
         )
-        self._handoff()
-        self._pending = packed
+        self.sender.put(packed)
 
-    def _handoff(self) -> None:
-        """Pass the record whose copy was started a step ago to the sender thread.
-
-        Decoding it into a record and calling the emitter happens off the training thread.
-        """
-        pending, self._pending = self._pending, None
-        if pending is None:
-            return
-        if not self._background:
-            self._emit_pending(pending)
-            return
-        if self._sender is None:
-            self._sender = threading.Thread(target=self._send_loop, name="sdcwatch-probes", daemon=True)
-            self._sender.start()
-        self._outbox.put(pending)
-
-    def _send_loop(self) -> None:
-        while True:
-            pending = self._outbox.get()
-            try:
-                if pending is None:
-                    return
-                self._emit_pending(pending)
-            finally:
-                self._outbox.task_done()
-
-    def _emit_pending(self, pending: PackedStep) -> None:
-        """Read one packed step on the host and hand it to the emitter as a record."""
+    def _emit(self, packed: PackedStep) -> None:
+        """Read one packed step on the host and hand it to the emitter as a record (the sender's thread)."""
         try:
-            step, scalars, layers, fingerprints = unpack_step(pending)
+            step, scalars, layers, fingerprints = unpack_step(packed)
             if scalars.get(FIRST_BAD, 0.0) < 0:  # a clean step: nothing to place
                 del scalars[FIRST_BAD]
             self._names(scalars)  # act_max_module's layer; the name lists to the emitter when they grew
             self.emitter.emit(step, layers=layers, fingerprints=fingerprints, **scalars)
         except Exception as exc:
-            self._fail(exc)
+            self.fail(exc)
 
-    def _fail(self, exc: Exception) -> None:
+    def fail(self, exc: Exception) -> None:
+        """Count a failure of a probe (warned once; never raised into the training loop)."""
         self.errors += 1
         if self.errors == 1:
             warnings.warn(
@@ -356,39 +375,42 @@ class Watch(GradientStats, AttentionLayers):
     # -- lifecycle --------------------------------------------------------------------------------
     def flush(self) -> None:
         """Emit every record packed so far, the last step's included, and wait until they are."""
-        self._handoff()
-        if self._sender is not None:
-            self._outbox.join()
+        self.sender.flush()
 
     def close(self) -> None:
         """Emit the pending record and remove the hooks this watch registered (the emitter stays open)."""
-        if self._closed:
+        if self.closed:
             return
-        self._closed = True
-        self.flush()
-        if self._sender is not None:
-            self._outbox.put(None)
-            self._sender.join(timeout=10.0)
+        self.closed = True
+        self.sender.close()
         for h in self._handles:
             h.remove()
         self._handles.clear()
         self._activations.remove()
-        self._finite.remove()
+        self.sampled_checks.remove()
         if self._sharded is not None:
             self._sharded.remove()
         LIVE_WATCHES.discard(self)
         if self._tap is not None:
             self._tap.close()
-        for m in self._layers:
-            entries = ATTENTION_WATCHES.get(m)
-            if entries:
-                entries[:] = [(w, i) for w, i in entries if w is not self]
+        self.attention.remove()
 
     def __enter__(self) -> "Watch":
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _rank_coords(model: nn.Module, emitter: Any, mesh: Any, names: Any) -> dict[str, int]:
+    """This rank's coordinates in ``mesh`` (none without one), handed to the emitter too."""
+    if mesh is None:
+        return {}
+    coords = coords_from_mesh(mesh, names, sharded=is_sharded(model))
+    set_coords = getattr(emitter, "set_coords", None)  # the Emitter's; a stand-in may have none
+    if set_coords is not None:
+        set_coords(coords)
+    return coords
 
 
 def canary_product(canary: GemmCanary, step: int) -> dict[str, float]:
@@ -415,6 +437,7 @@ def attach(
     canary_input: Any = None,
     mesh: Any = None,
     mesh_names: Any = None,
+    environment: RankEnvironment | None = None,
     **settings: Any,
 ) -> Watch:
     """Attach probes to ``model`` (and its optimizer, and its DDP wrapper) reporting to ``emitter``.
@@ -430,7 +453,8 @@ def attach(
     reduce-scatters (:mod:`~sdcwatch.telemetry.probes.fsdp`): attach after ``fully_shard``. ``mesh`` (a
     torch ``DeviceMesh``, the job's whole mesh) puts this rank's parallel coordinates on every
     record (:func:`~sdcwatch.telemetry.probes.mesh_torch.coords_from_mesh`); ``mesh_names`` says what
-    mesh dims with other names are, e.g. ``{"model": "tp"}``.
+    mesh dims with other names are, e.g. ``{"model": "tp"}``. ``environment``: what the process
+    environment says (read here when None), see :class:`~sdcwatch.telemetry.wire.environment.RankEnvironment`.
     """
     built = ProbeConfig.from_settings(every=every, **settings)  # an unknown setting is a ConfigError
     if config is None:
@@ -450,4 +474,5 @@ def attach(
         canary_input=canary_input,
         mesh=mesh,
         mesh_names=mesh_names,
+        environment=environment or RankEnvironment.read(),
     )

@@ -1,19 +1,10 @@
 """What a weight's seal reads from it, in one pass: its column sums (the forward checksum's ``W^T 1``
 and the weights-in-memory comparison) and ``Σ_j ||w_j||``, the sum of its rows' norms (the forward
 bound's weight factor and the weight check's rounding bound).
-
-The seal runs after every optimizer step that precedes a forward-checked step (every step under
-``forward-checksums``), so on a GPU it is a pass over all of the model's weights per step. Torch's
-two reductions read each weight twice (``w.sum(0)``, then ``vector_norm(w, dim=1)``); the Triton
-kernel here reads it once and writes both, per tile of rows and columns, into small partial buffers
-that two deterministic sums finish (no atomics: the same bits always give the same sums). The CPU,
-and a GPU without triton or with ``SDCWATCH_TRITON=0``, keep torch's reductions (the records of the
-CPU stay bit for bit).
+(docs/probes.md, "How the probes are built", says how and why.)
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 
@@ -36,8 +27,7 @@ def weight_sums(
     """The column sums (n,) and the sum of the row norms (0-d) of the 2-d ``w``, accumulated in ``acc``.
 
     ``use_triton``: None takes the one-read Triton kernel for a contiguous float32, bfloat16 or
-    float16 weight on CUDA accumulated in float32 (where triton imports and ``SDCWATCH_TRITON`` is
-    not ``0``), torch's two reductions otherwise; True always the kernel (a CPU tensor only under
+    float16 weight on CUDA accumulated in float32 (where triton imports), torch's two reductions otherwise; True always the kernel (a CPU tensor only under
     ``TRITON_INTERPRET=1``); False torch's. The two agree to float32 rounding, not bit for bit.
     """
     if use_triton is None:
@@ -47,7 +37,6 @@ def weight_sums(
             and w.dtype in _KERNEL_DTYPES
             and w.is_contiguous()
             and triton_available()
-            and os.environ.get("SDCWATCH_TRITON", "1") != "0"
         )
     if not use_triton or w.dim() != 2 or w.numel() == 0:
         return weight_sums_reference(w, acc)

@@ -1,25 +1,9 @@
 """The emitter: the training loop's only contact with sdcwatch.
 
-``emit()`` appends a tuple to a bounded queue and returns; a background thread builds records,
-batches them and hands them to a transport. The training loop is never blocked and never sees an
-exception: when the bus is down the sender keeps draining the queue into a spool of packed bytes
-(:class:`RecordSpool`: a few Python objects however many records, so a collection pass never walks
-them) up to ``buffer`` records; further records are dropped and counted (``dropped``, and as the
-``emitter_dropped`` scalar in every later record), a single log line says so, and sending resumes
-by itself, oldest first, when the bus is back. ``close()`` ends the rank's part of the run with an
-end-of-run marker (:mod:`sdcwatch.telemetry.wire.end_marker`).
-
-With a job key (``key=``, or ``SDCWATCH_KEY_FILE`` / ``SDCWATCH_KEY``: :mod:`sdcwatch.core.signing`)
-the transport signs every message it sends, on the sender thread (the end-of-run marker in
-``close()``): ``emit()`` does no more work.
-
-``checkpoint(step, path)`` tells the service the job saved a checkpoint: a small message of its own
-(:mod:`sdcwatch.core.checkpoints`) under the records' partition key, queued like a record and sent by
-the same thread; it never raises or blocks either.
-
-The sender packs each record in wire format v2 by default (one ``struct.pack`` of a fixed layout,
-``sdcwatch.core.columnar``); ``wire="v1"`` (or ``SDCWATCH_WIRE=v1``) sends version 1 records
-for services that predate v2. The end-of-run marker travels as a version 1 record either way.
+``emit()`` appends to a bounded queue and returns, never raising or blocking; a sender thread builds
+records, sends them with the rank's layer names and checkpoint notes in the order they were made,
+spools them as packed bytes while the bus is down, and ends the run with an end-of-run marker
+(docs/messages.md, "The emitter and its transports").
 """
 
 from __future__ import annotations
@@ -27,24 +11,25 @@ from __future__ import annotations
 import collections
 import logging
 import math
-import os
 import struct
 import threading
 import time as _time
 from typing import Any, Mapping, Sequence
 
-from sdcwatch.core.checkpoints import NoteOutbox
 from sdcwatch.core.columnar import WIRES
 from sdcwatch.core.errors import ConfigError, RecordError, TransportError
-from sdcwatch.core.layer_names import NamesOutbox
 from sdcwatch.core.mesh import check_coords
-from sdcwatch.core.record import decode_message, encode
+from sdcwatch.core.messages import end_marker as end_of_run
+from sdcwatch.core.rank_notes import CheckpointNote
 from sdcwatch.core.record_layout import PackedRecord
 from sdcwatch.core.record_type import Record, validate
+from sdcwatch.core.validate import check_choice, check_int, check_number
 from sdcwatch.core.vocabulary import TELEMETRY_TOPIC
-from sdcwatch.telemetry.wire.identity import identity_from_env, job_key, key_for_transport
+from sdcwatch.telemetry.wire.environment import RankEnvironment
+from sdcwatch.telemetry.wire.outbox import MAX_NOTES, NamesOutbox, NoteCounts, RecordSpool
+from sdcwatch.telemetry.wire.transports import KafkaTransport, key_for_transport
 
-__all__ = ["Emitter", "NullEmitter", "RecordSpool"]
+__all__ = ["Emitter", "NullEmitter"]
 
 log = logging.getLogger("sdcwatch.telemetry")
 
@@ -65,66 +50,6 @@ def _ended_normally(exc: BaseException | None) -> bool:
     if exc is None or isinstance(exc, KeyboardInterrupt):
         return True
     return isinstance(exc, SystemExit) and exc.code in (0, None)
-
-
-_STEP = struct.Struct("<Q")  # a v2 row starts with its step
-_LEN = struct.Struct("<I")
-
-
-class RecordSpool:
-    """Records held while the bus is down, as bytes: the oldest first, counted in records.
-
-    A v2 record is its packed row already; a v1 record is kept as its encoded bytes. Rows go into
-    chunks of up to ``chunk`` records that share a layout, one ``bytearray`` each, so a full buffer
-    of 100,000 records is about a hundred Python objects (a collection pass is over in microseconds)
-    instead of hundreds of thousands. Only the sender thread touches it.
-    """
-
-    __slots__ = ("run", "host", "chunk", "count", "_chunks")
-
-    def __init__(self, run: str, host: str, chunk: int) -> None:
-        self.run, self.host, self.chunk = run, host, chunk
-        self.count = 0
-        self._chunks: collections.deque = collections.deque()  # [schema or None, bytearray, records]
-
-    def put(self, rec: Record | PackedRecord) -> None:
-        if isinstance(rec, PackedRecord):
-            schema, data = rec.schema, rec.row
-        else:
-            schema, data = None, encode(rec)
-            data = _LEN.pack(len(data)) + data
-        last = self._chunks[-1] if self._chunks else None
-        if last is None or last[0] is not schema or last[2] >= self.chunk:
-            last = [schema, bytearray(), 0]
-            self._chunks.append(last)
-        last[1] += data
-        last[2] += 1
-        self.count += 1
-
-    def take(self) -> list[Record | PackedRecord]:
-        """The oldest chunk's records (at most ``chunk``), unpacked for the transport (a v1 record
-        that does not decode again is left out: the caller sees fewer than it counted)."""
-        schema, buf, n = self._chunks.popleft()
-        self.count -= n
-        if schema is None:
-            out, p = [], 0
-            for _ in range(n):
-                (size,) = _LEN.unpack_from(buf, p)
-                try:
-                    out.extend(decode_message(bytes(buf[p + 4 : p + 4 + size])))
-                except RecordError:  # cannot happen to what encode() wrote; never kills the sender
-                    pass
-                p += 4 + size
-            return out
-        size, run, host = schema.row_size, self.run, self.host
-        return [
-            PackedRecord(run, host, _STEP.unpack_from(buf, p)[0], schema, bytes(buf[p : p + size]))
-            for p in range(0, n * size, size)
-        ]
-
-    def clear(self) -> None:
-        self._chunks.clear()
-        self.count = 0
 
 
 class NullEmitter:
@@ -157,7 +82,7 @@ class Emitter:
     Args:
         transport: where records go; default a :class:`KafkaTransport` to ``bootstrap``.
         run, rank, world, local_rank, host: identity; defaults from the environment
-            (see :func:`identity_from_env`).
+            (see :meth:`RankEnvironment.identity`).
         bootstrap: Kafka address for the default transport; default ``SDCWATCH_BOOTSTRAP``,
             then ``127.0.0.1:9092``.
         topic: the telemetry topic for the default transport; default
@@ -176,12 +101,13 @@ class Emitter:
         coords: this rank's place in the job's device mesh, {dim: index} over
             ``pp, dp_replicate, dp_shard, cp, ep, tp`` (:mod:`sdcwatch.core.mesh`), so the service
             compares it only with ranks that hold the same model piece; default from
-            ``SDCWATCH_COORDS`` or ``SDCWATCH_MESH`` (see :func:`identity_from_env`), else none
+            ``SDCWATCH_COORDS`` or ``SDCWATCH_MESH`` (see :meth:`RankEnvironment.identity`), else none
             (pure data parallel).
         key: the job key every message is signed with (a :class:`~sdcwatch.core.signing.JobKey`
             or ``"kid:secret"``); default from ``SDCWATCH_KEY_FILE`` or ``SDCWATCH_KEY``, else
             none (unsigned). The transport signs, on the sender thread; an unusable key raises
             ConfigError here, naming the variable and never the secret.
+        env: the environment to read (a mapping or a :class:`RankEnvironment`); default the process's.
     """
 
     def __init__(
@@ -199,40 +125,23 @@ class Emitter:
         batch: int = 1024,
         linger: float = 0.005,
         wire: str | None = None,
-        env: Mapping[str, str] | None = None,
+        env: Mapping[str, str] | RankEnvironment | None = None,
         end_marker: bool = True,
         coords: Mapping[str, int] | None = None,
         key: Any = None,
     ) -> None:
-        if not isinstance(buffer, int) or buffer < 1:
-            raise ConfigError("buffer", f"must be a positive integer, got {buffer!r}")
-        if not isinstance(batch, int) or batch < 1:
-            raise ConfigError("batch", f"must be a positive integer, got {batch!r}")
-        if not linger > 0:
-            raise ConfigError("linger", f"must be > 0 seconds, got {linger!r}")
-        wire = wire or (os.environ if env is None else env).get("SDCWATCH_WIRE") or "v2"
-        if wire not in WIRES:
-            raise ConfigError("wire", f"must be one of {', '.join(WIRES)}, got {wire!r}")
-        self.wire = wire
+        check_int("buffer", buffer, lo=1)
+        check_int("batch", batch, lo=1)
+        check_number("linger", linger, lo=0, lo_open=True)
+        environ = env if isinstance(env, RankEnvironment) else RankEnvironment.read(env)
+        self.wire = check_choice("wire", wire or environ.wire or "v2", WIRES)
         self._layouts: dict = {}  # layout -> schema, this emitter's few record layouts
-        ident = identity_from_env(env)
-        self.run = run if run is not None else ident["run"]
-        self.rank = rank if rank is not None else ident["rank"]
-        self.world = world if world is not None else ident["world"]
-        self.local_rank = local_rank if local_rank is not None else ident["local_rank"]
-        self.host = host if host is not None else ident["host"]
-        self.coords: dict[str, int] = {}
-        self.set_coords(coords if coords is not None else ident["coords"])
-        # fail early, in the constructor, on an identity the service would reject
-        validate(Record(self.run, 0, self.rank, self.world, self.host, 0.0, self.local_rank))
-        self.key = job_key(key, env)
+        self._identify(environ.identity(), run, rank, world, local_rank, host, coords)
+        self.key = environ.job_key(key)
         if transport is None:
-            from sdcwatch.telemetry.wire.transports import KafkaTransport
-
-            env_map = os.environ if env is None else env
             transport = KafkaTransport(
-                bootstrap or env_map.get("SDCWATCH_BOOTSTRAP") or "127.0.0.1:9092",
-                topic or env_map.get("SDCWATCH_BUS_TELEMETRY_TOPIC") or TELEMETRY_TOPIC,
+                bootstrap or environ.bootstrap or "127.0.0.1:9092",
+                topic or environ.telemetry_topic or TELEMETRY_TOPIC,
                 key=self.key,
             )
         self.transport = transport
@@ -249,7 +158,7 @@ class Emitter:
         self.ended = False  # the end-of-run marker was confirmed by the bus
         self._last_step: int | None = None  # last step built into a record (sender thread)
         self.names = NamesOutbox(self.run, self.rank, self.world)  # layer names, once per key window
-        self.notes = NoteOutbox(self.run, self.rank, self.world)  # checkpoints saved, for the sender
+        self.notes = NoteCounts()  # checkpoints saved: queued with the records, in their order
         self._queue: collections.deque = collections.deque()
         self._spool = RecordSpool(self.run, self.host, batch)  # packed, while the bus is down
         self._inflight: list[Record] = []
@@ -265,6 +174,20 @@ class Emitter:
         self._thread = threading.Thread(target=self._run, name=f"sdcwatch-emitter-{self.rank}", daemon=True)
         self._thread.start()
 
+    def _identify(
+        self, ident: dict[str, Any], run: Any, rank: Any, world: Any, local: Any, host: Any, coords: Any
+    ) -> None:
+        """Take the identity given, the environment's where not; fail early, here, on one the
+        service would reject."""
+        self.run = run if run is not None else ident["run"]
+        self.rank = rank if rank is not None else ident["rank"]
+        self.world = world if world is not None else ident["world"]
+        self.local_rank = local if local is not None else ident["local_rank"]
+        self.host = host if host is not None else ident["host"]
+        self.coords: dict[str, int] = {}
+        self.set_coords(coords if coords is not None else ident["coords"])
+        validate(Record(self.run, 0, self.rank, self.world, self.host, 0.0, self.local_rank))
+
     def set_coords(self, coords: Mapping[str, int]) -> None:
         """Put this rank's parallel coordinates ({mesh dim: index}) on every record from now on.
 
@@ -278,7 +201,7 @@ class Emitter:
         self.coords = checked
 
     def set_names(self, names: Mapping[str, Sequence[str]]) -> None:
-        """This rank's layer names, ``{family: [module, ...]}`` (:mod:`sdcwatch.core.layer_names`)."""
+        """This rank's layer names, ``{family: [module, ...]}`` (:mod:`sdcwatch.core.rank_notes`)."""
         self.names.set(names)
 
     # -- training-loop side -------------------------------------------------------------------
@@ -320,17 +243,22 @@ class Emitter:
 
     def checkpoint(self, step: int, path: Any = "") -> None:
         """Tell the service this job saved a checkpoint after ``step`` at ``path`` (a folder or file;
-        "" when there is none to name). Returns at once; never raises. Sent by the sender thread,
-        before the end-of-run marker; while the bus is down it waits (``self.notes``: sent, dropped)."""
+        "" when there is none to name). Returns at once; never raises. Queued with the records, so it
+        reaches the bus after those emitted before it (``self.notes``: sent, dropped); past
+        ``MAX_NOTES`` waiting, or once closed, it is dropped and counted."""
         try:
-            self.notes.add(step, path, not self._closed)
+            if self._closed or len(self.notes) >= MAX_NOTES:
+                self.notes.dropped += 1
+            else:
+                self._queue.append((step, path))  # a 2-tuple: the sender tells it from a record
+                self.notes.queued += 1
         except Exception:  # never into the training loop
             pass
 
     @property
     def emitted(self) -> int:
         """emit() calls: records taken by the sender, queued, or dropped."""
-        return self._taken + len(self._queue) + self.dropped
+        return self._taken + len(self._queue) - (self.notes.queued - self.notes.taken) + self.dropped
 
     def flush(self, timeout: float | None = 10.0) -> bool:
         """Wait until everything queued has been sent; False if ``timeout`` passed first."""
@@ -373,8 +301,8 @@ class Emitter:
         self._thread.join(timeout=None if deadline is None else max(0.0, deadline - _time.monotonic()) + 0.5)
         if self._thread.is_alive():  # a connection attempt begun before close(): it ends on its own bound
             self._thread.join(timeout=getattr(self.transport, "connect_timeout_ms", 0) / 1000)
-        self.notes.drop()  # checkpoint notes the bus did not take in time
-        left = len(self._queue) + self._held
+        self.notes.settle(dropped=len(self.notes))  # checkpoint notes the bus did not take in time
+        left = len(self._queue) - (self.notes.queued - self.notes.taken) + self._held
         if left:
             self.dropped += left
             self._taken -= self._held  # counted as dropped now, not as taken
@@ -407,12 +335,10 @@ class Emitter:
         self.close(end_run=_ended_normally(exc))
 
     def _send_end_marker(self) -> None:
-        from sdcwatch.telemetry.wire.end_marker import end_marker
-
         try:
             self.transport.send(
                 [
-                    end_marker(
+                    end_of_run(
                         self.run,
                         self._last_step,
                         self.rank,
@@ -487,6 +413,11 @@ class Emitter:
             n = 0
             while q and n < self.batch:
                 item = q.popleft()
+                if len(item) == 2:  # a checkpoint note, in its place among the records
+                    note = self.notes.build(item, self.run, self.rank, self.world)
+                    if note is not None:
+                        put(note)
+                    continue
                 self._taken += 1
                 rec = self._build(item)
                 if rec is not None:
@@ -505,11 +436,11 @@ class Emitter:
 
     def _next_batch(self) -> None:
         """The next records to send, oldest first: the spool's (what waited out an outage), else the queue's."""
-        if self._spool.count:
+        if self._spool:
             self._spool_queue()  # what arrived meanwhile waits packed too, behind the spool
             before = self._spool.count
             batch = self._spool.take()
-            lost = before - self._spool.count - len(batch)
+            lost = before - self._spool.count - _records_in(batch)
             if lost:
                 self._held -= lost
                 self.invalid += lost
@@ -540,6 +471,13 @@ class Emitter:
             if self._stop.wait(min(left, max(self.linger, 0.005))):
                 return True
 
+    def _confirm(self, items: list) -> None:
+        """Count what the bus took: records as sent (no longer held), checkpoint notes as sent."""
+        records = _records_in(items)
+        self.sent += records
+        self._held -= records
+        self.notes.settle(sent=len(items) - records)
+
     def _set_room(self, room: int) -> None:
         """What emit() may still queue (nothing once closed)."""
         self._room = 0 if self._closed else room
@@ -547,9 +485,8 @@ class Emitter:
     def _run(self) -> None:
         backoff = 0.05
         while True:
-            self.notes.send(self.transport)
             if not self._inflight:
-                if not self._queue and not self._spool.count:
+                if not self._queue and not self._spool:
                     if self._stop.is_set():
                         return
                     self._stop.wait(self.linger)
@@ -566,9 +503,8 @@ class Emitter:
             except Exception as exc:
                 unsent = exc.unsent if isinstance(exc, TransportError) else None
                 if unsent is not None:
-                    done = len(self._inflight) - len(unsent)
-                    self.sent += done
-                    self._held -= done
+                    kept = {id(x) for x in unsent}
+                    self._confirm([x for x in self._inflight if id(x) not in kept])
                     self._inflight = list(unsent)
                     self._set_room(self.buffer - self._held)
                 if self._down_since is None:
@@ -583,8 +519,7 @@ class Emitter:
                     return  # closing: close() counts what is left
                 backoff = min(backoff * 2, 2.0)
                 continue
-            self.sent += len(self._inflight)
-            self._held -= len(self._inflight)
+            self._confirm(self._inflight)
             self._inflight = []
             self._set_room(self.buffer - self._held)
             backoff = 0.05
@@ -596,3 +531,8 @@ class Emitter:
                     self.dropped,
                 )
                 self._down_since = None
+
+
+def _records_in(items: list) -> int:
+    """Records among what the sender holds (checkpoint notes are not counted as records)."""
+    return len(items) - sum(1 for x in items if type(x) is CheckpointNote)

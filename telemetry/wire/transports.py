@@ -1,21 +1,8 @@
-"""Transports: how the emitter's batches reach the bus. One method, ``send(records)``.
+"""Transports: how the emitter's batches reach the bus. One method, ``send(items)``: Kafka, a file of
+JSON lines, or in-memory topics (tests, single-process tools).
 
-- :class:`KafkaTransport`: the real bus (kafka-python), keyed by run and step so that all ranks
-  of one step land in one partition and a detector instance sees whole steps.
-- :class:`FileTransport`: JSON lines, for offline capture and later replay.
-- :class:`MemoryTransport` over a :class:`MemoryBus`: in-process topics, for unit tests and
-  single-process tools.
-
-A transport raises :class:`~sdcwatch.core.errors.TransportError` when the bus refuses or cannot be
-reached; its ``unsent`` attribute lists the records that were not confirmed, which the emitter
-keeps and retries. Transports are built cheaply (no connection in ``__init__``), so constructing
-one in a training script can neither fail nor block on the network.
-
-Signing: the Kafka and in-memory transports take a job key (``key=``, a
-:class:`~sdcwatch.core.signing.JobKey`; the emitter hands them its own) and wrap every message
-they send (records, layer names, the end-of-run marker; v1 and v2) with ``JobKey.sign`` just
-before it goes on the bus, on the emitter's sender thread. The file transport writes JSON lines
-for offline capture and signs nothing.
+A transport raises :class:`~sdcwatch.core.errors.TransportError` listing what it could not send
+(``unsent``), which the emitter keeps and retries; the Kafka and in-memory ones sign with a job key.
 """
 
 from __future__ import annotations
@@ -27,19 +14,17 @@ import time
 from pathlib import Path
 from typing import Any, Protocol, Sequence
 
-from sdcwatch.core.checkpoints import CheckpointNote, note_to_json
-from sdcwatch.core.columnar import decode_stream, encode_items
-from sdcwatch.core.errors import ConfigError, RecordError, TransportError
+from sdcwatch.core.errors import ConfigError, TransportError
 from sdcwatch.core.kafka import new_admin, new_producer, security_settings
-from sdcwatch.core.layer_names import LayerNames, names_to_json
+from sdcwatch.core.messages import decode_stream, encode_items, encode_line
 from sdcwatch.core.record import record_key
-from sdcwatch.core.record_json import to_json
 from sdcwatch.core.record_layout import PackedRecord
 from sdcwatch.core.record_type import Record
-from sdcwatch.core.signing import JobKey, Keyring, is_signed
+from sdcwatch.core.signing import JobKey, Keyring
+from sdcwatch.core.validate import check_choice, check_int
 from sdcwatch.core.vocabulary import TELEMETRY_TOPIC
 
-__all__ = ["Transport", "KafkaTransport", "FileTransport", "MemoryTransport", "MemoryBus"]
+__all__ = ["Transport", "KafkaTransport", "FileTransport", "MemoryTransport", "MemoryBus", "key_for_transport"]
 
 log = logging.getLogger("sdcwatch.telemetry")
 
@@ -62,6 +47,27 @@ def _checked_key(key: Any) -> JobKey | None:
     return key
 
 
+def key_for_transport(key: JobKey | None, transport: Any, *, explicit: bool) -> JobKey | None:
+    """Give ``key`` to a transport that signs (one with a ``key`` attribute) and has none; returns
+    the key the transport signs with.
+
+    A transport built with its own key keeps it (an explicit, different ``key`` is an error); one
+    that cannot sign (``FileTransport``, a transport of the caller's) is said once, by key id.
+    """
+    if key is None:
+        return getattr(transport, "key", None)
+    if not hasattr(transport, "key"):
+        log.warning("sdcwatch: transport %s does not sign; key %r is not used", type(transport).__name__, key.kid)
+        return key
+    own = transport.key
+    if own is None:
+        transport.key = key
+        return key
+    if explicit and own is not key and own.kid != key.kid:
+        raise ConfigError("key", f"key {key.kid!r} given, the transport signs with {own.kid!r}")
+    return own
+
+
 class MemoryBus:
     """In-process topics: lists of (key, value) messages. Thread-safe, for tests and demos."""
 
@@ -80,20 +86,10 @@ class MemoryBus:
             return list(self._topics.get(topic, [])[start:])
 
     def records(self, topic: str = TELEMETRY_TOPIC, *, keyring: Keyring | None = None) -> list[Record]:
-        """Decoded records of ``topic`` (raises RecordError on a malformed one).
-
-        Signed messages are verified with ``keyring`` first (AuthError when one does not verify);
-        without a keyring a signed message is a RecordError.
-        """
-
-        def opened(value: bytes) -> bytes:
-            if not is_signed(value):
-                return value
-            if keyring is None:
-                raise RecordError("signature", "a signed message: pass the keyring that verifies it")
-            return keyring.verify(value)[1]
-
-        return decode_stream(opened(v) for _, v in self.messages(topic))
+        """Decoded records of ``topic`` (raises RecordError on a malformed one; layer names and
+        checkpoint notes left out). Signed messages are verified with ``keyring`` (AuthError when one
+        does not verify or there is no keyring)."""
+        return decode_stream((v for _, v in self.messages(topic)), keyring=keyring)
 
     def size(self, topic: str) -> int:
         with self._lock:
@@ -121,14 +117,6 @@ class MemoryTransport:
         pass
 
 
-def _json_line(item: Any) -> str:
-    if isinstance(item, LayerNames):
-        return names_to_json(item) + "\n"
-    if isinstance(item, CheckpointNote):
-        return note_to_json(item) + "\n"
-    return to_json(item.to_record() if isinstance(item, PackedRecord) else item) + "\n"
-
-
 class FileTransport:
     """Appends records as JSON lines (offline capture; ``sdcwatch replay`` reads them back).
 
@@ -147,7 +135,7 @@ class FileTransport:
                 if self._fh is None:
                     self.path.parent.mkdir(parents=True, exist_ok=True)
                     self._fh = open(self.path, "a", encoding="utf-8")
-                self._fh.write("".join(_json_line(r) for r in records))
+                self._fh.write("".join(encode_line(r) + "\n" for r in records))
                 self._fh.flush()
             except OSError as exc:
                 raise _unsent(f"cannot write {self.path}: {exc}", records) from None
@@ -198,10 +186,8 @@ class KafkaTransport:
     ) -> None:
         if not bootstrap or not isinstance(bootstrap, str):
             raise ConfigError("bootstrap", f"must be 'host:port[,host:port]', got {bootstrap!r}")
-        if not isinstance(partitions, int) or partitions < 1:
-            raise ConfigError("partitions", f"must be a positive integer, got {partitions!r}")
-        if acks not in (0, 1, -1, "all"):
-            raise ConfigError("acks", f"must be 0, 1, -1 or 'all', got {acks!r}")
+        check_int("partitions", partitions, lo=1)
+        check_choice("acks", acks, (0, 1, -1, "all"))
         self.bootstrap = bootstrap
         self.topic = topic
         self.partitions = partitions

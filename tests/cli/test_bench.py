@@ -11,15 +11,15 @@ import numpy as np
 import pytest
 from sdcwatch.core.errors import ConfigError, FaultSpecError
 from sdcwatch.core.record_type import Record
-from sdcwatch.detectors.baselines import MegatronRules, NanLossCheck, ZClipDetector
+from sdcwatch.testbed.campaign.baselines import MegatronRules, NanLossCheck, ZClipDetector
 from sdcwatch.detectors.frame import StepFrame
-from sdcwatch.testbed.campaign import CampaignConfig
-from sdcwatch.testbed.fault_classes import BENIGN_CLASSES, FAULT_CLASSES
+from sdcwatch.testbed.campaign.run import CampaignConfig
+from sdcwatch.testbed.campaign.fault_classes import BENIGN_CLASSES, FAULT_CLASSES
 from sdcwatch.testbed.faultspec import parse_faults
-from sdcwatch.testbed.impact import IMPACT_CLASSES
-from sdcwatch.testbed.trials import generate_trials, trials_from_faults
+from sdcwatch.testbed.campaign.impact import IMPACT_CLASSES
+from sdcwatch.testbed.campaign.trials import generate_trials, trials_from_faults
 
-from sdcwatch.bench import bench_main, campaign_main, e2e_main, write_markdown
+from sdcwatch.testbed.campaign.cli import bench_main, campaign_main, e2e_main, write_markdown
 
 DETECTORS = {"sdcwatch", "megatron", "zclip", "nan_check", "river_hst"}
 
@@ -135,7 +135,7 @@ def test_probe_presets_are_shared_by_the_campaign_and_the_overhead_benchmark(tmp
 
 
 def test_masked_fault_classes_from_a_file():
-    from sdcwatch.testbed.fault_classes import fault_class
+    from sdcwatch.testbed.campaign.fault_classes import fault_class
 
     faults = parse_faults(
         '{"kind": "near_inf", "rank": 6, "step": 7, "target": "*att*", "where": "output", "magnitude": 1e12}\n'
@@ -356,7 +356,7 @@ def test_quick_e2e_split_and_v1_find_every_injected_fault(bootstrap, options):
 
 def test_campaign_over_either_wire_gives_the_same_result():
     """Detection on what crosses the bus: v1 and v2 give the same verdicts on the same trials."""
-    from sdcwatch.testbed.campaign import run_campaign
+    from sdcwatch.testbed.campaign.run import run_campaign
 
     base = dict(
         world=4,

@@ -1,16 +1,18 @@
-"""``sdcwatch bench`` from an installed package: ``campaign`` and ``clean`` run from the package,
-``e2e``, ``ingest`` and ``all`` run the scripts of a clone's ``bench/`` folder and say so plainly
-(the wheel has no such folder: ``SDCWATCH_BENCH_DIR`` pointed at a missing one stands in for it)."""
+"""``sdcwatch bench`` from installed packages: without the campaign distribution it says in one line
+what to install; with it, ``campaign`` and ``clean`` run from the package, ``e2e``, ``ingest`` and
+``all`` run the scripts of a clone's ``bench/`` folder and say so plainly (no wheel has such a
+folder: ``SDCWATCH_BENCH_DIR`` pointed at a missing one stands in for it)."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
-from sdcwatch.core.errors import ConfigError
-
-from sdcwatch.bench import BENCH_DIR_ENV, bench_dir, bench_main
+from sdcwatch.bench import CAMPAIGN_MISSING
 from sdcwatch.cli import main
+from sdcwatch.core.errors import ConfigError
+from sdcwatch.testbed.campaign.cli import BENCH_DIR_ENV, bench_dir, bench_main
 
 CLONE_ONLY = ("e2e", "ingest", "all")
 REPO_BENCH = Path(__file__).resolve().parents[2] / "bench"
@@ -22,6 +24,17 @@ def no_clone(monkeypatch, tmp_path):
     missing = tmp_path / "site-packages" / "bench"
     monkeypatch.setenv(BENCH_DIR_ENV, str(missing))
     return missing
+
+
+@pytest.mark.parametrize("argv", [["campaign", "--quick"], ["e2e"], ["--help"], []])
+def test_without_the_campaign_distribution_bench_says_what_to_install(argv, monkeypatch, capsys):
+    monkeypatch.delitem(sys.modules, "sdcwatch.testbed.campaign.cli", raising=False)
+    monkeypatch.setitem(sys.modules, "sdcwatch.testbed.campaign", None)  # as in the base wheel: no such package
+    assert main(["bench", *argv]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.splitlines() == [CAMPAIGN_MISSING]
+    assert CAMPAIGN_MISSING.startswith("sdcwatch bench: error: this command needs the campaign and benchmarks")
+    assert CAMPAIGN_MISSING.endswith("pip install ./testbed/campaign (from a clone of the repository)")
 
 
 def _listed(help_text: str, heading: str) -> list[str]:

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from sdcwatch.bench import bench_main
+from sdcwatch.testbed.campaign.cli import bench_main
 
 
 def test_ingest_benchmark_with_a_parallel_layout_carries_coordinates_and_raises_nothing(capsys):

@@ -6,9 +6,10 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 
 import pytest
+from polling import wait_for
+from serve_process import run_cli
 from sdcwatch.core.errors import BrokerError
 
 from sdcwatch.broker import EmbeddedBroker, free_port
@@ -35,6 +36,15 @@ def test_taken_port_is_a_clear_error():
             EmbeddedBroker(port=port).start()
 
 
+def refused(port: int) -> bool:
+    """Whether a connection to ``port`` on the loopback is refused (nothing listens there)."""
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+    except OSError:
+        return True
+    return False
+
+
 def test_missing_binary_is_a_clear_error(tmp_path):
     with pytest.raises(BrokerError, match="does not exist"):
         EmbeddedBroker(port=0, binary=str(tmp_path / "no-tansu")).start()
@@ -59,9 +69,7 @@ def test_cli_broker_runs_until_sigterm():
     finally:
         if proc.poll() is None:
             proc.kill()
-    time.sleep(0.1)
-    with pytest.raises(OSError):
-        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+    wait_for(lambda: refused(port), 30, f"port {port} to be closed")
 
 
 def test_cli_broker_taken_port_exits_2_with_message():
@@ -69,11 +77,6 @@ def test_cli_broker_taken_port_exits_2_with_message():
         s.bind(("127.0.0.1", 0))
         s.listen()
         port = s.getsockname()[1]
-        out = subprocess.run(
-            [sys.executable, "-m", "sdcwatch.cli", "broker", "--port", str(port)],
-            capture_output=True,
-            text=True,
-            timeout=30,
-        )
+        out = run_cli("broker", "--port", str(port), timeout=30)
     assert out.returncode == 2
     assert f"port {port}" in out.stderr and "already in use" in out.stderr

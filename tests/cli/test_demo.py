@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import io
 import json
-import subprocess
-import sys
 
 import pytest
+from serve_process import run_cli
 from sdcwatch.core.kinds import LOCALISING_KINDS
 
 pytestmark = pytest.mark.integration
@@ -27,31 +26,8 @@ def run(preset, tmp_path, **settings):
 
 def demo_cli(tmp_path, *flags):
     """`sdcwatch demo --json` with a NaN on rank 1 at step 45 of 50, and ``flags``; it must exit 0."""
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "sdcwatch.cli",
-            "demo",
-            "--fault",
-            "nan",
-            "--ranks",
-            "4",
-            "--steps",
-            "50",
-            "--fault-step",
-            "45",
-            "--fault-rank",
-            "1",
-            "--json",
-            "--out-dir",
-            str(tmp_path),
-            *flags,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    demo = ["demo", "--fault", "nan", "--ranks", "4", "--steps", "50", "--fault-step", "45", "--fault-rank", "1"]
+    out = run_cli(*demo, "--json", "--out-dir", str(tmp_path), *flags, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     return out
 
@@ -132,11 +108,9 @@ def test_demo_guard_evicts_an_unhealthy_node_through_the_control_topic(tmp_path)
 def test_demo_guard_lets_the_unhealthy_replica_leave_and_the_others_finish(tmp_path):
     """`sdcwatch demo --guard --fault unhealthy-node`: the faulty replica leaves the quorum at a step
     boundary and the others run to the last step, without a restart or a rollback."""
-    out = subprocess.run(
-        [sys.executable, "-m", "sdcwatch.cli", "demo", "--guard", "--fault", "unhealthy-node", "--json"]
-        + ["--ranks", "4", "--steps", "110", "--fault-step", "70", "--fault-rank", "2", "--out-dir", str(tmp_path)],
-        capture_output=True,
-        text=True,
+    out = run_cli(
+        *["demo", "--guard", "--fault", "unhealthy-node", "--json", "--ranks", "4", "--steps", "110"],
+        *["--fault-step", "70", "--fault-rank", "2", "--out-dir", str(tmp_path)],
         timeout=300,
     )
     assert out.returncode == 0, out.stderr[-3000:]
@@ -154,11 +128,6 @@ def test_demo_guard_lets_the_unhealthy_replica_leave_and_the_others_finish(tmp_p
 
 
 def test_unknown_fault_is_a_clear_error():
-    out = subprocess.run(
-        [sys.executable, "-m", "sdcwatch.cli", "demo", "--fault", "cosmic-ray"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    out = run_cli("demo", "--fault", "cosmic-ray")
     assert out.returncode == 2
     assert "cosmic-ray" in out.stderr and "bitflip" in out.stderr

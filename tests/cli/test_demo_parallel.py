@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import io
 import json
-import subprocess
-import sys
 
 import pytest
+from serve_process import run_cli
 from sdcwatch.core.kinds import LOCALISING_KINDS
 
 pytestmark = pytest.mark.integration
@@ -20,28 +19,8 @@ LAYOUT = "tp=2,pp=2,dp=4"
 
 @pytest.mark.bench
 def test_demo_parallel_names_the_unhealthy_rank_in_its_json_summary(tmp_path):
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "sdcwatch.cli",
-            "demo",
-            "--parallel",
-            LAYOUT,
-            "--fault",
-            "unhealthy-node",
-            "--steps",
-            "110",
-            "--fault-step",
-            "70",
-            "--json",
-            "--out-dir",
-            str(tmp_path),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    demo = ["demo", "--parallel", LAYOUT, "--fault", "unhealthy-node", "--steps", "110", "--fault-step", "70"]
+    out = run_cli(*demo, "--json", "--out-dir", str(tmp_path), timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     summary = json.loads(out.stdout)
     assert summary["ranks"] == 16
@@ -75,17 +54,7 @@ def test_demo_parallel_clean_run_raises_nothing(tmp_path):
 
 
 def test_demo_parallel_layout_errors_are_clear():
-    out = subprocess.run(
-        [sys.executable, "-m", "sdcwatch.cli", "demo", "--parallel", "tp=2,pp=2,dp=4", "--ranks", "8"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    out = run_cli("demo", "--parallel", "tp=2,pp=2,dp=4", "--ranks", "8")
     assert out.returncode != 0 and "--parallel" in out.stderr
-    out = subprocess.run(
-        [sys.executable, "-m", "sdcwatch.cli", "demo", "--parallel", "tp=2,pp=two"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    out = run_cli("demo", "--parallel", "tp=2,pp=two")
     assert out.returncode != 0 and "pp='two'" in out.stderr and "not a whole number" in out.stderr

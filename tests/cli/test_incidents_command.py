@@ -7,7 +7,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 import uuid
 from pathlib import Path
 
@@ -285,13 +284,12 @@ def test_incidents_names_an_unreachable_broker_in_one_line(tmp_path):
     from sdcwatch.broker import free_port
 
     address = f"127.0.0.1:{free_port()}"
-    t0 = time.monotonic()
     out = subprocess.run(
         incidents_cmd("--connect-timeout", "2", "--bus-bootstrap", address), capture_output=True, text=True, timeout=60
     )
     assert out.returncode == 2 and f"cannot reach Kafka at {address}" in out.stderr, out.stderr
     assert "--bus-bootstrap" in out.stderr and "Traceback" not in out.stderr
-    assert time.monotonic() - t0 < 30
+    assert "within 2 s" in out.stderr  # the bound given, not kafka-python's own
 
 
 @pytest.mark.integration

@@ -22,7 +22,6 @@ from sdcwatch.core.record_type import Record
 
 import sdcwatch.report as report
 from sdcwatch.report import (
-    incident_from_dict,
     load_incidents,
     load_records,
     rank_deviation,
@@ -233,7 +232,7 @@ def test_load_incidents_keeps_the_last_state_of_each_incident(tmp_path):
     assert [i.id for i in loaded] == ["inc-2", "inc-sdc"]
     assert loaded[1].resolved_step == 140 and loaded[1].last_step == 119 and not loaded[1].open
     assert loaded[1].severity is Severity.CRITICAL and loaded[1].ranks == (5,)
-    assert incident_from_dict(inc.to_dict()).to_dict() == inc.to_dict()
+    assert Incident.from_dict(inc.to_dict()).to_dict() == inc.to_dict()
 
 
 # ---------------------------------------------------------------------------------------------

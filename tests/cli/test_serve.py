@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 import uuid
 
 import pytest
-from polling import wait_for
-from serve_process import ServeProcess, Topics, metric, peek_events, wait_metric
+from polling import step_until, wait_for
+from serve_process import ServeProcess, Topics, metric, peek_events, run_cli, wait_metric
 from simulated_nan import nan_run
 
 pytestmark = pytest.mark.integration
@@ -86,21 +83,10 @@ def test_serve_detects_stops_on_sigterm_and_resumes_without_repeating_alerts(boo
 def test_serve_config_error_names_the_key(tmp_path):
     bad = tmp_path / "serve.toml"
     bad.write_text('[alerts]\nalertmanger_url = "http://am:9093"\n')
-    out = subprocess.run(
-        [sys.executable, "-m", "sdcwatch.cli", "serve", "--config", str(bad)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    out = run_cli("serve", "--config", str(bad))
     assert out.returncode == 2
     assert "alerts.alertmanger_url" in out.stderr and "alertmanager_url" in out.stderr
-    out = subprocess.run(
-        [sys.executable, "-m", "sdcwatch.cli", "serve", "--metrics-port", "http"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env={**os.environ},
-    )
+    out = run_cli("serve", "--metrics-port", "http")
     assert out.returncode == 2 and "metrics.port" in out.stderr
 
 
@@ -188,7 +174,7 @@ def test_serve_with_guard_actions_publishes_decisions_to_the_control_topic(boots
     """[guard] actions = true wires the policy's sink; an incident becomes one decision that the
     training side's reader (KafkaControl) decodes; with the default config there is no such sink."""
     from sdcwatch.core.incident import Incident, IncidentEvent, Severity
-    from sdcwatch.service.control_policy import ControlTopicSink
+    from sdcwatch.exporters.topics import ControlTopicSink
     from sdcwatch.telemetry.guard.control_topic import KafkaControl
 
     from sdcwatch.config import load_config
@@ -212,25 +198,28 @@ def test_serve_with_guard_actions_publishes_decisions_to_the_control_topic(boots
     (sink,) = [s for s in service.sinks if isinstance(s, ControlTopicSink)]
     assert sink.policy.actions and sink.policy.on_silent_drift == "evict"
     reader = KafkaControl(bootstrap, "r1", topic)
-    try:
-        assert reader.wait_ready(20)
-        inc = Incident(
-            id="r1:silent_drift:40:r5",
-            run="r1",
-            kind="silent_drift",
-            severity=Severity.WARNING,
-            first_step=40,
-            last_step=45,
-            message="drift",
-            ranks=(5,),
-            hosts=("h2",),
-        )
+    got, attempts = [], []
+
+    def publish_and_poll():
+        # the reader starts at the end of the topic once it reached it: one incident (on a rank of its
+        # own) an attempt, until its decision arrives
+        rank = 5 + len(attempts)
+        attempts.append(rank)
+        name = f"r1:silent_drift:40:r{rank}"
+        inc = Incident(name, "r1", "silent_drift", Severity.WARNING, 40, 45, "drift", ranks=(rank,), hosts=("h2",))
         service._publish([IncidentEvent("opened", inc), IncidentEvent("updated", inc)])
         for s in service.sinks:
             s._flush()
-        got = []
-        wait_for(lambda: got.extend(reader.poll()) or got, 30, "the decision on the control topic", interval=0.25)
-        assert [(d.action, d.ranks, d.hosts, d.since_step) for d in got] == [("evict", (5,), ("h2",), 40)]
+        got.extend(reader.poll())
+        return got
+
+    try:
+        wait_for(publish_and_poll, 30, "the decision on the control topic", interval=0.5)
+        first = attempts.index(got[0].ranks[0])
+        wait_for(lambda: got.extend(reader.poll()) or len(got) >= len(attempts) - first, 30, "every later decision")
+        assert [(d.action, d.hosts, d.since_step) for d in got] == [("evict", ("h2",), 40)] * len(got)
+        # one decision an incident (its update repeats none), in the order published, from the first read on
+        assert [d.ranks[0] for d in got] == attempts[first:]
     finally:
         reader.close()
         service.close()
@@ -277,15 +266,11 @@ def test_schema_wait_from_the_environment_holds_a_v2_message_and_shows_it_on_met
 
     producer = KafkaProducer(bootstrap_servers=bootstrap)
     try:
-        deadline = time.monotonic() + 30
-        while not service.source.assigned and time.monotonic() < deadline:
-            service.step()
-        assert service.source.assigned
+        step_until(service.step, lambda: service.source.assigned, 30, "the source's partitions")
         producer.send(topic, key=b"r/1", value=message(1, with_schema=False)).get(10)
         t0 = time.monotonic()
-        while service.view().pipeline.waiting_for_schema == 0 and time.monotonic() - t0 < 20:
-            service.step()
-        while time.monotonic() - t0 < 3.0:  # past the default wait of 2 s
+        step_until(service.step, lambda: service.view().pipeline.waiting_for_schema, 20, "the message to wait")
+        while time.monotonic() - t0 < 3.0:  # past the default wait of 2 s: the time is what is tested
             service.step()
         view = service.view()
         assert view.pipeline.waiting_for_schema == 1 and view.pipeline.dead_letters_total == 0
@@ -294,9 +279,7 @@ def test_schema_wait_from_the_environment_holds_a_v2_message_and_shows_it_on_met
         )
         assert "sdcwatch_pipeline_messages_waiting_for_schema 1.0" in text
         producer.send(topic, key=b"r/0", value=message(0, with_schema=True)).get(10)
-        deadline = time.monotonic() + 20
-        while service.pipeline.records_total < 2 and time.monotonic() < deadline:
-            service.step()
+        step_until(service.step, lambda: service.pipeline.records_total >= 2, 30, "both records")
         assert service.pipeline.records_total == 2
         assert service.view().pipeline.waiting_for_schema == 0
     finally:

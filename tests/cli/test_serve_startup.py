@@ -9,10 +9,10 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
+from polling import wait_for
 
 from sdcwatch.broker import free_port
 
@@ -23,29 +23,19 @@ def test_serve_without_a_broker_says_where_it_connects_then_how_to_get_a_bus(tmp
     address = f"127.0.0.1:{free_port()}"  # nothing listens there
     cmd = [sys.executable, "-m", "sdcwatch.cli", "serve", "--bus-bootstrap", address, "--metrics-port", "0"]
     cmd += ["--state-dir", str(tmp_path / "state")]
-    start = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    lines: list[tuple[float, str]] = []
-
-    def read() -> None:
-        for line in iter(proc.stderr.readline, ""):
-            lines.append((time.monotonic() - start, line))
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
-    try:
-        code = proc.wait(120)
+    try:  # that the first line comes while serve still waits is the next test's: a signal then interrupts it
+        _, err = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
-    reader.join(10)
-    text = "".join(line for _, line in lines)
-    assert code == 2, text
-    first_at, first = lines[0]
+    lines = err.splitlines()
+    text = "\n".join(lines)
+    assert proc.returncode == 2, text
+    first = lines[0]
     assert first.startswith(f"sdcwatch serve: connecting to Kafka at {address}"), text
-    assert first_at < 15, f"the first line came {first_at:.1f} s after start: {text}"
-    error = lines[-1][1]
+    error = lines[-1]
     assert error.startswith(f"sdcwatch serve: error: cannot connect to Kafka at {address}"), text
     assert "sdcwatch broker" in error, text
 
@@ -59,16 +49,14 @@ def test_ctrl_c_or_sigterm_while_connecting_stops_serve_at_once(tmp_path, sig):
     try:
         first = proc.stderr.readline()
         assert first.startswith("sdcwatch serve: connecting to Kafka"), first
-        time.sleep(1.0)  # inside the connection attempt
-        sent = time.monotonic()
+        time.sleep(1.0)  # the signal lands inside the connection attempt: the case tested, not a wait
         proc.send_signal(sig)
-        proc.wait(60)
-        took = time.monotonic() - sent
+        # not after the bus wait (about 30 s), which would end in exit status 2 anyway
+        wait_for(lambda: proc.poll() is not None, 20, f"serve to stop after {sig.name}")
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
-    assert took < 10, f"serve took {took:.1f} s to stop after {sig.name} (the bus wait is about 30 s)"
     assert proc.returncode in (130, -sig), proc.returncode
     if proc.returncode == 130:  # stopped by the signal, it says so rather than end in silence
         rest = proc.stderr.read()

@@ -10,11 +10,14 @@ import os
 import shutil
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
+from sdcwatch.bench import CAMPAIGN_MISSING
+from sdcwatch.cli import TORCH_MISSING
 from sdcwatch.core.record_type import Record
-from sdcwatch.telemetry.wire.end_marker import is_end_marker
+from sdcwatch.core.messages import is_end_marker
 from stack_checks import exported, repo_stack_files, run_next_commands
 
 if sys.version_info >= (3, 11):
@@ -172,3 +175,33 @@ def test_the_stack_comes_out_of_the_wheel_as_the_repository_holds_it(wheel_venv)
     ran = run_next_commands(done.stdout)  # promtool check config / rules, test rules; amtool: where installed
     if shutil.which("promtool"):
         assert {"promtool check config", "promtool check rules", "promtool test rules"} <= set(ran)
+
+
+def test_the_campaign_is_its_own_distribution_and_bench_says_so_without_it(wheel_venv, tmp_path):
+    site = wheel_venv.site_packages
+    assert (site / "sdcwatch" / "testbed" / "faults.py").is_file()  # the injector users put in their loop
+    assert not (site / "sdcwatch" / "testbed" / "campaign").exists()
+    assert not (site / "sdcwatch" / "detectors" / "baselines").exists()
+    done = wheel_venv.run(["sdcwatch", "bench", "campaign", "--quick"], timeout=60)
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.splitlines() == [CAMPAIGN_MISSING]
+    # built from the repository's testbed/campaign/, it holds that folder's modules and nothing else
+    src = tmp_path / "campaign"
+    shutil.copytree(REPO / "testbed" / "campaign", src, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+    in_tree = {f"sdcwatch/testbed/campaign/{p.relative_to(src)}" for p in src.rglob("*.py")}
+    built = _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", tmp_path, src])
+    assert built.returncode == 0, built.stdout[-3000:] + built.stderr[-3000:]
+    (wheel,) = tmp_path.glob("sdcwatch_campaign-*.whl")
+    with zipfile.ZipFile(wheel) as z:
+        modules = {n for n in z.namelist() if n.endswith(".py")}
+    assert modules == in_tree and "sdcwatch/testbed/campaign/baselines/zclip.py" in modules
+    # installed beside the base wheel (its dependencies are the extras: not here), bench runs from it
+    pip = [sys.executable, "-m", "pip", "--python", wheel_venv.bin / "python", "install", "--no-deps", "--quiet"]
+    installed = _run([*pip, wheel], env=wheel_venv.env)
+    assert installed.returncode == 0, installed.stderr[-3000:]
+    listed = wheel_venv.run(["sdcwatch", "bench", "--help"], timeout=60)
+    assert listed.returncode == 0, listed.stderr[-3000:]
+    assert "from the installed package (sdcwatch.testbed.campaign):" in listed.stdout
+    needs_torch = wheel_venv.run(["sdcwatch", "bench", "campaign", "--quick"], timeout=60)
+    assert needs_torch.returncode == 2
+    assert needs_torch.stderr.splitlines() == [f"sdcwatch bench: error: {TORCH_MISSING}"]

@@ -9,7 +9,8 @@ import sys
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from sdcwatch.core.columnar import MAGIC_V2, decode_stream, encode_items, encode_rows, parse_header
+from sdcwatch.core.columnar import MAGIC_V2, encode_rows, parse_header
+from sdcwatch.core.messages import decode_stream, encode_items
 from sdcwatch.core.errors import ConfigError, RecordError
 from sdcwatch.core.mesh import DIMS
 from sdcwatch.core.record import MAGIC, record_key

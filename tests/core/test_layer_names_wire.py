@@ -8,7 +8,8 @@ import zlib
 
 import pytest
 from sdcwatch.core.errors import RecordError, UnknownVersionError
-from sdcwatch.core.layer_names import (
+from sdcwatch.core.messages import decode_line, encode_line
+from sdcwatch.core.rank_notes import (
     MAX_FAMILY_NAMES,
     MAX_LAYER_NAME_BYTES,
     MAX_TEXT_BYTES,
@@ -16,10 +17,8 @@ from sdcwatch.core.layer_names import (
     clean_names,
     decode_names,
     encode_names,
-    family_of,
-    names_from_json,
-    names_to_json,
 )
+from sdcwatch.core.vocabulary import family_of
 from sdcwatch.core.limits import LimitError, RecordLimits, reason_of
 
 PRODUCTS = [f"model.layers.{i}.{p}" for i in range(2) for p in ("self_attn.q_proj", "mlp.gate_proj")]
@@ -61,9 +60,9 @@ def test_binary_round_trip_keeps_every_list_and_the_digest():
 
 def test_json_round_trip_is_one_strict_line():
     msg = _msg()
-    line = names_to_json(msg)
+    line = encode_line(msg)
     assert "\n" not in line and json.loads(line)["kind"] == "layer_names"
-    back = names_from_json(line)
+    back = decode_line(line)
     assert back.names == msg.names and back.digest == msg.digest and back.step == 17
 
 
@@ -175,10 +174,10 @@ def test_the_emitter_side_cleans_what_it_cannot_send():
 
 
 def test_json_names_with_an_unknown_field_or_a_bad_tag_are_refused():
-    d = json.loads(names_to_json(_msg()))
+    d = json.loads(encode_line(_msg()))
     with pytest.raises(RecordError, match="unknown field"):
-        names_from_json(json.dumps({**d, "extra": 1}))
+        decode_line(json.dumps({**d, "extra": 1}))
     with pytest.raises(RecordError):
-        names_from_json(json.dumps({**d, "kind": "record"}))
+        decode_line(json.dumps({**d, "kind": "record"}))
     with pytest.raises(LimitError):
-        names_from_json(json.dumps({**d, "names": {"products": ["a\x00"]}}))
+        decode_line(json.dumps({**d, "names": {"products": ["a\x00"]}}))

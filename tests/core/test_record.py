@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from sdcwatch.core.errors import RecordError, SdcwatchError, UnknownVersionError
 from sdcwatch.core.mesh import DIMS, MAX_COORD
-from sdcwatch.core.record import MAGIC, decode, decode_message, encode, encode_batch
+from sdcwatch.core.record import MAGIC, decode, decode_records, encode, encode_batch
 from sdcwatch.core.record_json import from_json, to_json
 from sdcwatch.core.record_type import Record
 
@@ -68,7 +68,7 @@ def test_json_round_trip(rec):
 @given(st.lists(records(), min_size=1, max_size=5))
 def test_batch_round_trip(recs):
     recs = [r for r in recs if _valid(r)]
-    assert decode_message(encode_batch(recs)) == recs
+    assert decode_records(encode_batch(recs)) == recs
 
 
 def test_non_finite_values_survive_both_codecs():
@@ -95,7 +95,7 @@ def test_non_finite_values_survive_both_codecs():
 @given(st.binary(max_size=300))
 def test_arbitrary_bytes_raise_only_record_error(data):
     try:
-        decode_message(data)
+        decode_records(data)
     except RecordError:
         pass
 
@@ -192,10 +192,10 @@ def test_json_errors_name_the_field(line, field):
 def test_batch_errors_are_record_errors():
     good = encode_batch([Record("r", 1, 0, 1), Record("r", 2, 0, 1)])
     with pytest.raises(RecordError) as info:
-        decode_message(good[:-3])
+        decode_records(good[:-3])
     assert info.value.field == "batch"
     with pytest.raises(RecordError) as info:
-        decode_message(good + b"zz")
+        decode_records(good + b"zz")
     assert info.value.field == "batch"
 
 

@@ -11,10 +11,11 @@ import subprocess
 import pytest
 import sdcwatch_exporter_test_support as support  # registered by conftest.py
 import yaml
-from sdcwatch.exporters import METRICS
+from sdcwatch.detectors.registry import detector_metrics
+from sdcwatch.exporters import catalogue
 
 DASHBOARDS = support.DASHBOARDS
-CATALOGUE = {spec.name for spec in METRICS}
+CATALOGUE = {spec.name for spec in catalogue(detector_metrics())}
 METRIC_NAME = re.compile(r"\bsdcwatch_[a-z_]+\b")
 
 
@@ -30,13 +31,26 @@ def test_committed_dashboard_matches_the_generator():
     assert committed == generator.render(), "dashboards/sdcwatch.json is stale: run python dashboards/generate.py"
 
 
-def test_generator_check_mode_flags_a_stale_file(tmp_path):
+def test_committed_readme_lists_the_catalogue_as_the_generator_does():
     generator = support.load_generator()
-    stale = tmp_path / "sdcwatch.json"
-    stale.write_text(generator.render().replace("Global loss", "Global lost"))
-    assert generator.main(["--check", "--output", str(stale)]) == 1
-    assert generator.main(["--output", str(stale)]) == 0
-    assert generator.main(["--check", "--output", str(stale)]) == 0
+    readme = (DASHBOARDS / "README.md").read_text()
+    assert readme == generator.render_readme(readme), "dashboards/README.md is stale: run python dashboards/generate.py"
+
+
+@pytest.mark.parametrize("which", ["json", "readme"])
+def test_generator_check_mode_flags_a_stale_file(tmp_path, which):
+    generator = support.load_generator()
+    stale, readme = tmp_path / "sdcwatch.json", tmp_path / "README.md"
+    stale.write_text(generator.render())
+    readme.write_text((DASHBOARDS / "README.md").read_text())
+    if which == "json":
+        stale.write_text(generator.render().replace("Global loss", "Global lost"))
+    else:
+        readme.write_text(readme.read_text().replace("| `sdcwatch_training_loss` |", "| `sdcwatch_training_lost` |"))
+    paths = ["--output", str(stale), "--readme", str(readme)]
+    assert generator.main(["--check", *paths]) == 1
+    assert generator.main(paths) == 0
+    assert generator.main(["--check", *paths]) == 0
 
 
 def test_dashboard_model_has_variables_datasource_and_unique_panel_ids():

@@ -46,7 +46,7 @@ def _firing(receiver: support.Receiver) -> list[tuple[str, dict]]:
 
 def test_one_fault_is_one_notification_with_its_rank(start_prometheus, tmp_path):
     from sdcwatch.exporters import AlertmanagerSink, Backoff, MetricsServer
-    from sdcwatch.service.bus import MemorySource
+    from memory_source import MemorySource
     from sdcwatch.service.loop import DetectorService
     from sdcwatch.service.pipeline import DetectionPipeline
     from sdcwatch.telemetry import Emitter, MemoryBus, MemoryTransport

@@ -15,7 +15,7 @@ torch = pytest.importorskip("torch")
 
 def test_dashboard_and_rules_on_a_faulted_reference_run(start_prometheus):
     from sdcwatch.exporters import MetricsServer
-    from sdcwatch.service.bus import MemorySource
+    from memory_source import MemorySource
     from sdcwatch.service.loop import DetectorService
     from sdcwatch.service.pipeline import DetectionPipeline
     from sdcwatch.telemetry import Emitter, MemoryBus, MemoryTransport

@@ -73,7 +73,7 @@ def test_a_training_job_with_an_unhealthy_rank_names_the_product_its_canary_chec
     under the checksums' bound): the canary checks blocks.0.mlp.fc at step 2, the incident says so."""
     pytest.importorskip("torch")
     import torch
-    from sdcwatch.testbed.branches import RecordCollector
+    from sdcwatch.testbed.campaign.branches import RecordCollector
     from sdcwatch.testbed.faultspec import FaultSpec
     from sdcwatch.testbed.model import GPTConfig
     from sdcwatch.testbed.simulated import SimulatedRun, shared_corpus
@@ -105,7 +105,7 @@ def test_a_training_job_with_an_unhealthy_rank_names_the_product_its_canary_chec
     assert products[inc.layer] == "blocks.0.mlp.fc"
     assert f"gemm_canary_fp (product {inc.layer})" in inc.message
     # the run computes the canary outside its watches: they still hand the service its products' names
-    from sdcwatch.telemetry.probes.layer_names import watch_names
+    from sdcwatch.telemetry.probes.name_handoff import watch_names
 
     assert all(watch_names(w)["canary_products"] == products for w in run.watches)
 

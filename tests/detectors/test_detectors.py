@@ -20,11 +20,18 @@ from sdcwatch.detectors import (
     StragglerDetector,
 )
 from sdcwatch.detectors.replica import majority
-from sdcwatch.detectors.spike import RobustBaseline
+from sdcwatch.core.spike_baseline import RobustBaseline
 
 
-def feed(det, synth, steps):
-    return [f for s in steps for f in det.update(synth.frame(s))]
+def feed(det, synth, steps, change=None):
+    """The findings of ``det`` over ``synth``'s ``steps``; ``change(step, frame)`` alters a frame first."""
+    found = []
+    for s in steps:
+        frame = synth.frame(s)
+        if change is not None:
+            change(s, frame)
+        found += det.update(frame)
+    return found
 
 
 def series_frames(values, name="loss"):
@@ -144,13 +151,12 @@ def test_gradient_spike_with_calm_loss_is_a_grad_spike_warning_not_a_loss_spike(
 
 def test_one_ranks_loss_spike_is_seen_through_the_highest_rank_and_names_it_as_evidence():
     synth = SyntheticRun(seed=3)
-    det = SpikeDetector()
-    found = []
-    for s in range(200):
-        fr = synth.frame(s)
+
+    def one_rank_spikes(s, fr):
         if s == 150:
             fr.scalars[4, fr.scalar_names.index("loss")] *= 2.5  # the mean moves ~1.2x: not a spike
-        found += det.update(fr)
+
+    found = feed(SpikeDetector(), synth, range(200), one_rank_spikes)
     assert found and found[0].step == 150 and found[0].kind == "loss_spike"
     assert found[0].metric == "loss_max" and found[0].evidence["max_rank"] == 4 and found[0].ranks == ()
 
@@ -198,15 +204,12 @@ def test_persistent_small_shift_names_the_rank_metric_and_layer_with_confidence(
 
 
 def test_a_shift_shared_by_all_ranks_names_nobody():
-    synth = SyntheticRun(seed=6)
-    det = RankOutlierDetector()
-    found = []
-    for s in range(60):
-        fr = synth.frame(s)
+
+    def every_rank_shifts(s, fr):
         if s > 20:
             fr.layers *= 1.5
-        found += det.update(fr)
-    assert found == []
+
+    assert feed(RankOutlierDetector(), SyntheticRun(seed=6), range(60), every_rank_shifts) == []
 
 
 # -- replica --------------------------------------------------------------------------------------

@@ -84,7 +84,7 @@ def _simulated(faults, steps, **settings):
     (rank, step, block)), as the demo's NaN preset writes them."""
     pytest.importorskip("torch")
     import torch
-    from sdcwatch.testbed.branches import RecordCollector
+    from sdcwatch.testbed.campaign.branches import RecordCollector
     from sdcwatch.testbed.faultspec import FaultSpec
     from sdcwatch.testbed.model import GPTConfig
     from sdcwatch.testbed.simulated import SimulatedRun, shared_corpus

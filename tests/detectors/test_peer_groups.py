@@ -12,7 +12,7 @@ import json
 import numpy as np
 import pytest
 from mesh_synth import MeshFault, MeshRun
-from sdcwatch.core.incident import Severity
+from sdcwatch.core.incident import Incident, Severity
 from sdcwatch.core.jsonsafe import json_safe
 from sdcwatch.core.mesh import DIMS
 from sdcwatch.core.vocabulary import TELEMETRY_TOPIC
@@ -22,7 +22,6 @@ from sdcwatch.detectors.peers import KEYS, Groups, grouped_median, grouped_robus
 from sdcwatch.detectors.rank_outlier import RankOutlierDetector
 from sdcwatch.detectors.replica import ReplicaDivergenceDetector
 from sdcwatch.detectors.straggler import StragglerDetector
-from sdcwatch.service.incidents import incident_from_dict
 from sdcwatch.service.pipeline import DetectionPipeline
 from sdcwatch.service.summary import decode_summary, encode_summary
 
@@ -140,7 +139,7 @@ def test_an_unhealthy_rank_is_named_with_its_coordinates(role):
     assert named[0].first_step < 40 + 50
     assert f"rank {bad} (host {mesh.host(bad)}) at pp=0,dp_replicate=2,tp=1" in named[0].message
     assert named[0].coords == ({"pp": 0, "dp_replicate": 2, "tp": 1},)
-    assert incident_from_dict(named[0].to_dict()).coords == named[0].coords
+    assert Incident.from_dict(named[0].to_dict()).coords == named[0].coords
 
 
 def test_a_nan_is_blamed_on_its_rank_not_on_the_pipeline_it_reached():
@@ -353,7 +352,7 @@ def test_a_mixed_message_with_malformed_coordinates_is_dead_lettered_with_its_re
     the message goes to the dead-letter topic whole, with the reason; the steps sent before and
     after are judged as usual and raise nothing."""
     from sdcwatch.core.record import encode, encode_batch
-    from sdcwatch.service.bus import MemorySource
+    from memory_source import MemorySource
     from sdcwatch.service.loop import DetectorService
     from sdcwatch.telemetry import MemoryBus, MemoryTransport
 

@@ -18,7 +18,7 @@ pytest.importorskip("accelerate")
 from example_runs import EXAMPLES, finish, start_example  # noqa: E402
 from polling import wait_for  # noqa: E402
 from sdcwatch.core.vocabulary import TELEMETRY_TOPIC  # noqa: E402
-from serve_process import ServeProcess, Topics, metric, wait_metric  # noqa: E402
+from serve_process import ServeProcess, Topics, wait_finished  # noqa: E402
 
 pytestmark = pytest.mark.integration
 
@@ -51,12 +51,7 @@ def test_nan_is_an_incident_at_its_step_and_layer_and_a_clean_run_raises_nothing
             f"an incident of run {faulty}",
             interval=0.5,
         )
-        wait_metric(
-            url,
-            lambda s: all(metric(s, "sdcwatch_training_run_finished", run=r) == 1 for r in (clean, faulty)),
-            60,
-            "both runs to finish",
-        )
+        wait_finished(url, (clean, faulty))
         events = service.events()
     assert opened["kind"] == "nonfinite"
     assert (opened["first_step"], opened["layer"]) == (NAN_STEP, 1), opened

@@ -16,7 +16,7 @@ import pytest
 pytest.importorskip("torch")
 
 from example_runs import EXAMPLES, finish, start_example  # noqa: E402
-from serve_process import ServeProcess, Topics, metric, wait_metric  # noqa: E402
+from serve_process import ServeProcess, Topics, wait_finished  # noqa: E402
 
 pytestmark = pytest.mark.integration
 
@@ -43,12 +43,7 @@ def test_nan_on_rank_1_is_named_and_a_clean_run_raises_nothing(bootstrap, tmp_pa
                 assert f"rank {rank}: {STEPS} steps, {STEPS} records sent, 0 dropped" in out, out
         opened = service.wait_incident("nonfinite")
         # both runs sent their end-of-run markers: everything they sent has been judged
-        wait_metric(
-            url,
-            lambda s: all(metric(s, "sdcwatch_training_run_finished", run=r) == 1 for r in (clean, faulty)),
-            60,
-            "both runs to finish",
-        )
+        wait_finished(url, (clean, faulty))
         events = service.events()
     assert opened["run"] == faulty
     assert (opened["first_step"], opened["ranks"], opened["layer"]) == (NAN_STEP, [NAN_RANK], NAN_LAYER), opened

@@ -23,8 +23,9 @@ from typing import Any, Callable
 import numpy as np
 from polling import wait_for  # noqa: F401 (the tests call it as support.wait_for)
 from sdcwatch.core import vocabulary as names
-from sdcwatch.core.checkpoints import CheckpointMark
+from sdcwatch.core.rank_notes import CheckpointMark
 from sdcwatch.core.incident import Incident, PipelineView, RunView, ServiceView, Severity
+from sdcwatch.detectors.registry import detector_metrics
 
 from sdcwatch.broker import free_port
 
@@ -95,6 +96,20 @@ def nonfinite_incident(run: str = "r1", *, rank: int = 2, opened_at: float = 0.0
     )
 
 
+def detector_numbers(*, loss, grad_norm, spike_scores, rank_scores, missing_ranks=0) -> dict:
+    """What the default detectors declare of a run, as ``RunView(**detector_numbers(...))`` takes it:
+    their families (``detector_metrics``) and values (``detector_values``)."""
+    values = {
+        "sdcwatch_training_loss": loss,
+        "sdcwatch_training_grad_norm": grad_norm,
+        "sdcwatch_detector_spike_score": spike_scores,
+        "sdcwatch_rank_outlier_score": rank_scores,
+        "sdcwatch_pipeline_missing_ranks": missing_ranks,
+    }
+    specs = tuple(spec for spec in detector_metrics() if spec.name in values)
+    return {"detector_metrics": specs, "detector_values": values}
+
+
 def small_view(world: int = 8, layers: int = 2) -> ServiceView:
     """A tiny, fully deterministic view (for exact exposition text)."""
     scores = np.zeros(world)
@@ -105,16 +120,14 @@ def small_view(world: int = 8, layers: int = 2) -> ServiceView:
         world=world,
         last_step=120,
         last_step_wall=1000.0,
-        loss=2.5,
-        grad_norm=1.25,
-        spike_scores={"loss": 7.5, "grad_norm": 0.5},
-        rank_scores=scores,
+        **detector_numbers(
+            loss=2.5, grad_norm=1.25, spike_scores={"loss": 7.5, "grad_norm": 0.5}, rank_scores=scores, missing_ranks=0
+        ),
         hosts=[f"h{r // 2}" for r in range(world)],
         scalar_stats={"loss": np.array([2.0, 2.25, 2.5, 2.75, 3.0])},
         layer_stats={"attn_entropy": np.arange(layers * 5, dtype=float).reshape(layers, 5)},
         steps_total=120,
         late_ranks=1,
-        missing_ranks=0,
         emitter_dropped=3,
     )
     return ServiceView(
@@ -154,16 +167,18 @@ def large_view(world: int, layers: int = 80, seed: int = 0, incidents: int = 3) 
         world=world,
         last_step=5000,
         last_step_wall=time.time(),
-        loss=2.0,
-        grad_norm=1.0,
-        spike_scores={"loss": 0.3, "grad_norm": 0.2},
-        rank_scores=rng.exponential(size=world),
+        **detector_numbers(
+            loss=2.0,
+            grad_norm=1.0,
+            spike_scores={"loss": 0.3, "grad_norm": 0.2},
+            rank_scores=rng.exponential(size=world),
+            missing_ranks=1,
+        ),
         hosts=[f"node{r // 8:05d}" for r in range(world)],
         scalar_stats={name: stats.copy() for name in SCALARS},
         layer_stats={name: np.sort(rng.normal(size=(layers, 5)), axis=1) for name in LAYER_METRICS},
         steps_total=5000,
         late_ranks=3,
-        missing_ranks=1,
         emitter_dropped=0,
     )
     incs = [
@@ -231,16 +246,18 @@ class TroubledService:
             world=self.world,
             last_step=120 + n,
             last_step_wall=self.started - 900.0,
-            loss=2.5 + 0.01 * n,
-            grad_norm=1.25,
-            spike_scores={"loss": 9.0, "grad_norm": 3.0},
-            rank_scores=scores,
+            **detector_numbers(
+                loss=2.5 + 0.01 * n,
+                grad_norm=1.25,
+                spike_scores={"loss": 9.0, "grad_norm": 3.0},
+                rank_scores=scores,
+                missing_ranks=2,
+            ),
             hosts=[f"h{r // 2}" for r in range(self.world)],
             scalar_stats=stats,
             layer_stats={name: layer.copy() for name in LAYER_METRICS + CHECK_METRICS},
             steps_total=120 + n,
             late_ranks=1,
-            missing_ranks=2,
             emitter_dropped=4 * n,
         )
         return ServiceView(
@@ -444,18 +461,18 @@ def http_json(url: str, *, data: bytes | None = None, timeout: float = 5.0) -> A
 
 
 def wait_ready(url: str, proc: subprocess.Popen, log: Path, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    """Wait until ``url`` answers 200; the child's log goes with the failure when it exits first or never answers."""
+
+    def answered() -> bool:
         if proc.poll() is not None:
             raise RuntimeError(f"{proc.args[0]} exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-        try:
-            with urllib.request.urlopen(url, timeout=1.0) as resp:
-                if resp.status == 200:
-                    return
-        except (urllib.error.URLError, OSError):
-            pass
-        time.sleep(0.1)
-    raise RuntimeError(f"{url} not ready after {timeout}s:\n{log.read_text()[-3000:]}")
+        with urllib.request.urlopen(url, timeout=1.0) as resp:
+            return resp.status == 200
+
+    try:
+        wait_for(answered, timeout, f"{url} to answer", interval=0.1, retry_on=OSError)
+    except AssertionError as exc:
+        raise RuntimeError(f"{exc}:\n{log.read_text()[-3000:]}") from None
 
 
 class Server:

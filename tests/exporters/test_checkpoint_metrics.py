@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
-from sdcwatch.core.checkpoints import CheckpointMark
+from sdcwatch.core.rank_notes import CheckpointMark
 from sdcwatch.core.incident import PipelineView, ServiceView
-from sdcwatch.exporters import METRICS, SdcwatchCollector
+from sdcwatch.exporters import SdcwatchCollector, catalogue
 
 
 def test_checkpoint_series_name_the_newest_clean_step_and_carry_no_step_label():
@@ -22,8 +22,8 @@ def test_checkpoint_series_name_the_newest_clean_step_and_carry_no_step_label():
     assert [s.value for s in families["sdcwatch_checkpoint_newest_clean_step"].samples] == [40.0]
     slots = {(s.labels["slot"], s.labels["mark"]): s.value for s in families["sdcwatch_checkpoint_step"].samples}
     assert slots == {("0", "after-fault"): 80.0, ("1", "suspect"): 60.0, ("2", "clean"): 40.0}
-    catalogue = {spec.name for spec in METRICS}
-    assert {"sdcwatch_checkpoint_newest_clean_step", "sdcwatch_checkpoint_step"} <= catalogue
+    names = {spec.name for spec in catalogue()}
+    assert {"sdcwatch_checkpoint_newest_clean_step", "sdcwatch_checkpoint_step"} <= names
     for fam in families.values():
         for sample in fam.samples:
             assert "step" not in sample.labels

@@ -12,7 +12,8 @@ import sdcwatch_exporter_test_support as support  # registered by conftest.py
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from sdcwatch.core.errors import ConfigError
-from sdcwatch.exporters import METRICS, SdcwatchCollector
+from sdcwatch.detectors.registry import detector_metrics
+from sdcwatch.exporters import SdcwatchCollector, catalogue
 from sdcwatch.exporters.collector import MAX_RANKS_PER_INCIDENT
 
 
@@ -22,17 +23,15 @@ def render(view_fn, **options) -> str:
     return generate_latest(registry).decode()
 
 
+#: The rank-outlier detector's per-rank evidence, in ``RunView.detector_values``.
+RANK_SCORE = "sdcwatch_rank_outlier_score"
+
+
 def series(text: str) -> list[str]:
     return [line for line in text.splitlines() if line and not line.startswith("#")]
 
 
 EXPECTED_SMALL = """\
-# HELP sdcwatch_training_loss Latest global training loss (mean over ranks) of the last completed step.
-# TYPE sdcwatch_training_loss gauge
-sdcwatch_training_loss{run="r1"} 2.5
-# HELP sdcwatch_training_grad_norm Latest global gradient norm of the last completed step.
-# TYPE sdcwatch_training_grad_norm gauge
-sdcwatch_training_grad_norm{run="r1"} 1.25
 # HELP sdcwatch_training_last_step Last training step the detector service completed.
 # TYPE sdcwatch_training_last_step gauge
 sdcwatch_training_last_step{run="r1"} 120.0
@@ -45,10 +44,23 @@ sdcwatch_training_world_size{run="r1"} 8.0
 # HELP sdcwatch_training_run_finished 1 once every rank of the run sent its end-of-run marker (it ended normally: no stall alert; its series go after the end expiry), else 0.
 # TYPE sdcwatch_training_run_finished gauge
 sdcwatch_training_run_finished{run="r1"} 0.0
+# HELP sdcwatch_training_loss Latest global training loss (mean over ranks) of the last completed step.
+# TYPE sdcwatch_training_loss gauge
+sdcwatch_training_loss{run="r1"} 2.5
+# HELP sdcwatch_training_grad_norm Latest global gradient norm of the last completed step.
+# TYPE sdcwatch_training_grad_norm gauge
+sdcwatch_training_grad_norm{run="r1"} 1.25
 # HELP sdcwatch_detector_spike_score Current spike score of a global metric against its robust trend-aware baseline.
 # TYPE sdcwatch_detector_spike_score gauge
 sdcwatch_detector_spike_score{metric="grad_norm",run="r1"} 0.5
 sdcwatch_detector_spike_score{metric="loss",run="r1"} 7.5
+# HELP sdcwatch_rank_outlier_score Accumulated rank-outlier evidence of a rank; exported for the top-K ranks and every rank in an open incident only.
+# TYPE sdcwatch_rank_outlier_score gauge
+sdcwatch_rank_outlier_score{host="h1",rank="2",run="r1"} 1.0
+sdcwatch_rank_outlier_score{host="h2",rank="5",run="r1"} 9.5
+# HELP sdcwatch_pipeline_missing_ranks Ranks not heard from for a long time (presumed dead).
+# TYPE sdcwatch_pipeline_missing_ranks gauge
+sdcwatch_pipeline_missing_ranks{run="r1"} 0.0
 # HELP sdcwatch_detector_findings_total Findings produced by each detector, by kind.
 # TYPE sdcwatch_detector_findings_total counter
 sdcwatch_detector_findings_total{detector="guard",kind="guard_skip"} 1.0
@@ -56,10 +68,6 @@ sdcwatch_detector_findings_total{detector="rank_outlier",kind="rank_outlier"} 7.
 # HELP sdcwatch_guard_actions_total Steps at which a training job's guard acted: skip, rerun, rollback or evict.
 # TYPE sdcwatch_guard_actions_total counter
 sdcwatch_guard_actions_total{action="skip"} 1.0
-# HELP sdcwatch_rank_outlier_score Accumulated rank-outlier evidence of a rank; exported for the top-K ranks and every rank in an open incident only.
-# TYPE sdcwatch_rank_outlier_score gauge
-sdcwatch_rank_outlier_score{host="h1",rank="2",run="r1"} 1.0
-sdcwatch_rank_outlier_score{host="h2",rank="5",run="r1"} 9.5
 # HELP sdcwatch_rank_metric Statistic across ranks (min, q25, median, q75, max) of a per-rank scalar at the last step; under tensor or pipeline parallelism across the ranks of one model piece (piece="pp=1,tp=0", no piece label for plain data parallel).
 # TYPE sdcwatch_rank_metric gauge
 sdcwatch_rank_metric{metric="loss",run="r1",stat="min"} 2.0
@@ -169,9 +177,6 @@ sdcwatch_pipeline_runs_evicted_total{reason="idle"} 1.0
 # HELP sdcwatch_pipeline_late_ranks Ranks that missed the alignment deadline at the last closed step.
 # TYPE sdcwatch_pipeline_late_ranks gauge
 sdcwatch_pipeline_late_ranks{run="r1"} 1.0
-# HELP sdcwatch_pipeline_missing_ranks Ranks not heard from for a long time (presumed dead).
-# TYPE sdcwatch_pipeline_missing_ranks gauge
-sdcwatch_pipeline_missing_ranks{run="r1"} 0.0
 # HELP sdcwatch_emitter_dropped_records_total Records the in-rank emitters dropped (buffer full or bus down), summed over ranks.
 # TYPE sdcwatch_emitter_dropped_records_total counter
 sdcwatch_emitter_dropped_records_total{run="r1"} 3.0
@@ -192,8 +197,8 @@ def test_exposition_text_of_a_small_view_is_exact():
 
 def test_incident_rank_is_exported_even_outside_the_top_k():
     view = support.small_view()
-    view.runs[0].rank_scores[:] = 0.0
-    view.runs[0].rank_scores[0] = 50.0  # rank 0 is the top outlier; rank 5 only has the incident
+    view.runs[0].detector_values[RANK_SCORE][:] = 0.0
+    view.runs[0].detector_values[RANK_SCORE][0] = 50.0  # rank 0 is the top outlier; rank 5 only has the incident
     exported = re.findall(r'sdcwatch_rank_outlier_score\{host="[^"]*",rank="(\d+)"', render(lambda: view, top_k=1))
     assert exported == ["0", "5"]
 
@@ -201,7 +206,7 @@ def test_incident_rank_is_exported_even_outside_the_top_k():
 def test_top_k_prefers_higher_scores_then_lower_ranks_and_puts_nan_first():
     view = support.small_view()
     view.incidents = []
-    view.runs[0].rank_scores = np.array([1.0, 3.0, 3.0, 3.0, np.nan, 0.0, 2.0, 3.0])
+    view.runs[0].detector_values[RANK_SCORE] = np.array([1.0, 3.0, 3.0, 3.0, np.nan, 0.0, 2.0, 3.0])
     exported = re.findall(r'rank="(\d+)"', render(lambda: view, top_k=3))
     assert exported == ["1", "2", "4"]  # NaN first, then the two lowest of the four 3.0 ranks
 
@@ -242,16 +247,17 @@ def test_series_count_does_not_grow_with_world_size():
 
 def test_no_label_carries_a_step_and_every_family_is_catalogued():
     text = render(lambda: support.large_view(256))
-    catalogue = {spec.name for spec in METRICS} | {spec.family for spec in METRICS}
+    every = catalogue(detector_metrics())
+    names = {spec.name for spec in every} | {spec.family for spec in every}
     for family in text_string_to_metric_families(text):
-        assert family.name in catalogue, family.name
+        assert family.name in names, family.name
         assert family.documentation, family.name
         for sample in family.samples:
             assert not {"step", "first_step", "last_step"} & set(sample.labels), sample
 
 
 def test_catalogue_follows_the_naming_convention():
-    for spec in METRICS:
+    for spec in catalogue(detector_metrics()):
         assert re.fullmatch(r"sdcwatch_[a-z]+_[a-z0-9_]+", spec.name), spec.name
         assert (spec.kind == "counter") == spec.name.endswith("_total"), spec.name
         assert spec.help.endswith("."), spec.name
@@ -343,7 +349,7 @@ def test_collector_renders_a_real_detection_pipeline_view():
 
     families = {f.name: f for f in text_string_to_metric_families(text)}
     exported = {s.labels["rank"] for s in families["sdcwatch_rank_outlier_score"].samples}
-    strongest = int(np.nanargmax(view.runs[0].rank_scores))
+    strongest = int(np.nanargmax(view.runs[0].detector_values[RANK_SCORE]))
     assert str(strongest) in exported
     for inc in view.incidents:
         if inc.open:

@@ -6,10 +6,11 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import sdcwatch_exporter_test_support as support  # registered by conftest.py
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from sdcwatch.core.incident import PipelineView, RunView, ServiceView
-from sdcwatch.core.layer_names import LayerNames
+from sdcwatch.core.rank_notes import LayerNames
 from sdcwatch.core.record_type import Record
 from sdcwatch.exporters import SdcwatchCollector
 from sdcwatch.service.pipeline import DetectionPipeline
@@ -155,10 +156,7 @@ def test_exposition_of_named_indices_is_exact():
         world=2,
         last_step=5,
         last_step_wall=1000.0,
-        loss=1.0,
-        grad_norm=1.0,
-        spike_scores={},
-        rank_scores=np.zeros(2),
+        **support.detector_numbers(loss=1.0, grad_norm=1.0, spike_scores={}, rank_scores=np.zeros(2)),
         hosts=["h0", "h1"],
         scalar_stats={},
         layer_stats=stats,

@@ -16,31 +16,26 @@ import uuid
 
 import pytest
 from detector_synth import Fault, SyntheticRun
-from sdcwatch.core.columnar import encode_items
+from sdcwatch.core.messages import encode_items
 from sdcwatch.core.errors import ConfigError
 from sdcwatch.core.record import encode_batch, record_key
 from sdcwatch.core.record_layout import PackedRecord
 from sdcwatch.core.record_type import Record
-from sdcwatch.service.bus import MemorySource
+from memory_source import MemorySource
+from polling import wait_for
+from stand_ins import Clock, ListSink, clocked_pipeline
 from sdcwatch.service.kafka_source import KafkaSource
 from sdcwatch.service.loop import DetectorService
 from sdcwatch.service.pipeline import DetectionPipeline, PipelineSettings
-from sdcwatch.telemetry import Emitter, KafkaTransport, MemoryBus
+from sdcwatch.telemetry import MemoryBus
+from serve_process import rank_emitters
 
 TOPIC = "sdcwatch.telemetry"
 
 
-class Clock:
-    def __init__(self, t: float = 1000.0) -> None:
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
-
-
-def pipeline(**settings) -> tuple[DetectionPipeline, Clock]:
-    clock = Clock()
-    return DetectionPipeline(PipelineSettings(**settings), clock=clock, wall=clock), clock
+def on_probation(aligner, run: str) -> bool:
+    """Whether ``run`` is held but has not yet shown its probation steps (read from the saved state)."""
+    return aligner.snapshot()["runs"][run]["steps_closed"] < aligner.probation_steps
 
 
 def junk(name: str, step: int = 0) -> Record:
@@ -57,7 +52,7 @@ def refused(pipe: DetectionPipeline) -> dict[str, int]:
 
 
 def test_a_thousand_junk_runs_give_way_to_a_real_run_within_seconds_and_its_nan_is_found():
-    pipe, clock = pipeline()  # the defaults: 1,000 runs, probation 3 steps / 2 s
+    pipe, clock = clocked_pipeline()  # the defaults: 1,000 runs, probation 3 steps / 2 s
     for i in range(1000):  # 0.16 s of sending on the bus
         pipe.process([junk(f"junk-{i}")])
     assert pipe.aligner.runs() == 1000 and refused(pipe) == {}
@@ -79,12 +74,12 @@ def test_a_thousand_junk_runs_give_way_to_a_real_run_within_seconds_and_its_nan_
 
 
 def test_a_training_run_is_never_evicted_by_a_flood_of_new_names():
-    pipe, clock = pipeline(max_runs=2, run_stale_s=600.0)
+    pipe, clock = clocked_pipeline(max_runs=2, run_stale_s=600.0)
     real = SyntheticRun(world=4, run="real", seed=4, faults=[Fault("nonfinite", 12, rank=1, length=1)])
     for step in range(10):
         pipe.process(real.records(step))
         clock.t += 1.0
-    assert not pipe.aligner.on_probation("real")
+    assert not on_probation(pipe.aligner, "real")
     admitted = 0
     for i in range(1000):  # a new name every 0.3 s for 5 minutes; the real run pauses (a checkpoint)
         clock.t += 0.3
@@ -110,19 +105,19 @@ def test_which_new_run_gets_a_free_place_does_not_depend_on_the_order_of_the_pol
     then the name decides; the order the poll read them in never does."""
     real = SyntheticRun(world=4, run="real", seed=5)
     for order in (lambda j, r: j + r, lambda j, r: r + j, lambda j, r: [r[0], *j, *r[1:]]):
-        pipe, clock = pipeline(max_runs=2)
+        pipe, clock = clocked_pipeline(max_runs=2)
         pipe.process([junk("held")])
         pipe.process(order([junk("aaa-junk")], real.records(0)))
         assert (pipe.aligner.holds("real"), pipe.aligner.holds("aaa-junk")) == (True, False)
         assert refused(pipe) == {"runs": 1}
-        pipe2, _ = pipeline(max_runs=2)
+        pipe2, _ = clocked_pipeline(max_runs=2)
         pipe2.process([junk("held")])
         pipe2.process(order([junk("b")], [junk("a")]))  # equal counts: by name
         assert (pipe2.aligner.holds("a"), pipe2.aligner.holds("b")) == (True, False)
 
 
 def test_a_run_on_probation_that_keeps_sending_keeps_its_place():
-    pipe, clock = pipeline(max_runs=2, run_probation_idle_s=2.0)
+    pipe, clock = clocked_pipeline(max_runs=2, run_probation_idle_s=2.0)
     pipe.process([junk("slow")])  # one step so far, still sending
     pipe.process([junk("quiet")])
     for i in range(5):
@@ -134,15 +129,15 @@ def test_a_run_on_probation_that_keeps_sending_keeps_its_place():
     clock.t += 1.0
     for step in range(1, 3):  # its third step: off probation
         pipe.process([junk("slow", step=step)])
-    assert not pipe.aligner.on_probation("slow")
+    assert not on_probation(pipe.aligner, "slow")
 
 
 def test_admission_settings_are_checked_and_reach_the_aligner():
-    pipe, _ = pipeline(run_probation_steps=5, run_record_budget=10.0, run_budget_window_s=3.0)
+    pipe, _ = clocked_pipeline(run_probation_steps=5, run_record_budget=10.0, run_budget_window_s=3.0)
     assert (pipe.aligner.probation_steps, pipe.aligner.record_budget) == (5, 10.0)
-    with pytest.raises(ConfigError, match=r"^detectors\.run_probation_steps: must be at least 1, got 0$"):
+    with pytest.raises(ConfigError, match=r"^detectors\.run_probation_steps: must be an integer >= 1, got 0$"):
         PipelineSettings(run_probation_steps=0)
-    with pytest.raises(ConfigError, match=r"^detectors\.run_record_budget: must be greater than 0"):
+    with pytest.raises(ConfigError, match=r"^detectors\.run_record_budget: must be a number > 0, got 0.0$"):
         PipelineSettings(run_record_budget=0.0)
 
 
@@ -156,7 +151,7 @@ def _v2(records: list[Record]) -> list[tuple[bytes, bytes]]:
 
 
 def test_the_budget_dead_letters_a_flooding_runs_excess_and_counts_it():
-    clock = Clock()
+    clock = Clock(1000.0)
     settings = PipelineSettings(run_record_budget=100.0, run_budget_window_s=2.0)  # 200 at once, 100 a second
     pipe = DetectionPipeline(settings, clock=clock, wall=clock)
     bus = MemoryBus()
@@ -186,20 +181,6 @@ def test_the_budget_dead_letters_a_flooding_runs_excess_and_counts_it():
     assert [(i.run, i.first_step, i.ranks) for i in nonfinite] == [("real", 8, (0,))]
 
 
-class Opened:
-    """A sink keeping the incidents opened."""
-
-    def __init__(self) -> None:
-        self.incidents: list = []
-
-    def publish(self, event) -> None:
-        if event.change == "opened":
-            self.incidents.append(event.incident)
-
-    def close(self) -> None:
-        pass
-
-
 @pytest.mark.integration
 def test_after_a_junk_flood_on_the_broker_a_real_run_is_watched_within_seconds(bootstrap, unique_topic):
     """1,000 one-record runs fill the service (the defaults: 1,000 runs); a real 4-rank run started
@@ -211,8 +192,8 @@ def test_after_a_junk_flood_on_the_broker_a_real_run_is_watched_within_seconds(b
         bootstrap, unique_topic, group=f"g-{uuid.uuid4().hex[:8]}", deadletter_topic=f"{unique_topic}.dead"
     )
     pipe = DetectionPipeline(PipelineSettings(align_timeout_s=2.0))
-    opened = Opened()
-    svc = DetectorService(source, pipe, sinks=[opened], poll_timeout=0.1)
+    sink = ListSink()
+    svc = DetectorService(source, pipe, sinks=[sink], poll_timeout=0.1)
     stop = threading.Event()
     loop = threading.Thread(target=svc.run_for, kwargs={"until": stop.is_set}, daemon=True)
     loop.start()
@@ -222,33 +203,26 @@ def test_after_a_junk_flood_on_the_broker_a_real_run_is_watched_within_seconds(b
             junk_sender.send(unique_topic, key=f"junk-{i}".encode(), value=encode_batch([junk(f"junk-{i}")]))
         junk_sender.flush(30)
         junk_sender.close()
-        deadline = time.monotonic() + 60
-        while pipe.aligner.runs() < 1000 and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_for(lambda: pipe.aligner.runs() >= 1000, 60, "the 1,000 junk runs", interval=0.05)
         assert pipe.aligner.runs() == 1000
-        emitters = [
-            Emitter(KafkaTransport(bootstrap, unique_topic), run="real", rank=r, world=4, host=f"h{r // 2}")
-            for r in range(4)
-        ]
-        started, watched = time.monotonic(), None
-        for step in range(60):  # ten steps a second
+        emitters = rank_emitters(bootstrap, unique_topic, "real")
+        watched = None  # the step after which the service held the real run
+        for step in range(60):  # ten steps a second: the pace of a run is the workload, not a wait
             for em in emitters:
                 loss = math.nan if (step, em.rank) == (45, 2) else 2.0 + 0.01 * em.rank
                 em.emit(step, loss=loss, grad_norm_local=1.0, grad_norm_global=1.0, layers={"attn_entropy": [1.5]})
                 em.flush(10)
             if watched is None and pipe.aligner.holds("real"):
-                watched = time.monotonic() - started
+                watched = step
             time.sleep(0.1)
         for em in emitters:
             em.close(10)
-        deadline = time.monotonic() + 30
-        while not any(i.run == "real" for i in opened.incidents) and time.monotonic() < deadline:
-            time.sleep(0.1)
+        wait_for(lambda: any(i.run == "real" for i in sink.opened), 30, "the real run's incident")
     finally:
         stop.set()
         loop.join(30)
         svc.close()
-    assert watched is not None and watched < 5.0, f"the real run was watched after {watched} s"
+    assert watched is not None and watched <= 45, f"the real run was watched after step {watched}, its fault's"
     assert pipe.runs_forgotten >= 1 and 0 < source.dead_letter_reasons.get("runs", 0) < 4 * 60
-    nonfinite = [(i.first_step, i.ranks) for i in opened.incidents if i.run == "real" and i.kind == "nonfinite"]
+    nonfinite = [(i.first_step, i.ranks) for i in sink.opened if i.run == "real" and i.kind == "nonfinite"]
     assert nonfinite == [(45, (2,))]

@@ -14,14 +14,7 @@ from sdcwatch.core.errors import ConfigError
 from sdcwatch.core.record_type import Record
 from sdcwatch.detectors import StepFrame
 from sdcwatch.service.aligner import StepAligner
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        return self.t
+from stand_ins import Clock
 
 
 def test_frame_from_records_puts_every_value_in_its_cell():

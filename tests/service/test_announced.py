@@ -6,20 +6,10 @@ import shutil
 
 from detector_synth import Fault, SyntheticRun
 from sdcwatch.service.announced import JOURNAL_FILE
-from sdcwatch.service.bus import MemorySource
+from memory_source import MemorySource
 from sdcwatch.service.loop import DetectorService
 from sdcwatch.telemetry import MemoryBus, MemoryTransport
-
-
-class ListSink:
-    def __init__(self) -> None:
-        self.events = []
-
-    def publish(self, event) -> None:
-        self.events.append(event)
-
-    def close(self) -> None:
-        pass
+from stand_ins import ListSink
 
 
 def _opened(sink: ListSink) -> list[str]:

@@ -13,12 +13,14 @@ from sdcwatch.core.record_layout import PackedRecord
 from sdcwatch.core.signing import AuthError, JobKey, Keyring, job_key_from_env
 from sdcwatch.core.vocabulary import CONTROL_TOPIC, TELEMETRY_TOPIC
 from sdcwatch.service.auth import Authenticator
-from sdcwatch.service.bus import MemorySource
-from sdcwatch.service.control_policy import ControlPolicy, ControlTopicSink
+from memory_source import MemorySource
+from sdcwatch.exporters.topics import ControlTopicSink
+from sdcwatch.service.control_policy import ControlPolicy
 from sdcwatch.service.ingest import IngestDecoder, SchemaRegistry
 from sdcwatch.service.loop import DetectorService
 from sdcwatch.telemetry import MemoryBus, MemoryTransport
 from sdcwatch.telemetry.guard.control_topic import DecisionCheck
+from stand_ins import ListSink
 
 SECRET_A = "a-secret-of-job-a-0123456789"
 SECRET_B = "b-secret-of-job-b-9876543210"
@@ -53,17 +55,6 @@ def _service(bus: MemoryBus, auth: Authenticator, sinks=()) -> DetectorService:
     return DetectorService(source, sinks=list(sinks), poll_timeout=0.01)
 
 
-class ListSink:
-    def __init__(self) -> None:
-        self.events = []
-
-    def publish(self, event) -> None:
-        self.events.append(event)
-
-    def close(self) -> None:
-        pass
-
-
 def _drain(svc: DetectorService) -> None:
     svc.run_for(until=lambda: svc.source.lag() == 0, max_iterations=10_000)
     svc.run_for(max_iterations=3)
@@ -87,7 +78,7 @@ def test_a_signed_run_is_watched_and_forged_unsigned_or_foreign_records_reach_no
     sink = ListSink()
     svc = _service(bus, Authenticator(Keyring([KEY_A, KEY_B])), [sink])
     _drain(svc)
-    opened = [e.incident for e in sink.events if e.change == "opened"]
+    opened = sink.opened
     assert [(i.kind, i.first_step, i.ranks) for i in opened] == [("nonfinite", 70, (2,))]
     per_step = len(_messages(forged, range(40, 41)))  # one message per host
     assert svc.source.dead_letter_reasons == {"auth": 2 * per_step + 1}
@@ -152,17 +143,8 @@ def test_keys_are_checked_and_no_error_or_repr_shows_a_secret(tmp_path):
 def _incident_event(run: str, rank: int = 1):
     from sdcwatch.core.incident import Incident, IncidentEvent, Severity
 
-    inc = Incident(
-        id=f"{run}:silent_drift:50:r{rank}",
-        run=run,
-        kind="silent_drift",
-        severity=Severity.CRITICAL,
-        first_step=50,
-        last_step=50,
-        message="drift",
-        ranks=(rank,),
-        hosts=("node0",),
-    )
+    name = f"{run}:silent_drift:50:r{rank}"
+    inc = Incident(name, run, "silent_drift", Severity.CRITICAL, 50, 50, "drift", ranks=(rank,), hosts=("node0",))
     return IncidentEvent("opened", inc)
 
 

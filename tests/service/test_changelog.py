@@ -15,7 +15,8 @@ from detector_synth import Fault, SyntheticRun
 from polling import wait_for
 from sdcwatch.core.errors import ConfigError
 from sdcwatch.core.vocabulary import ANOMALY_TOPIC, TELEMETRY_TOPIC
-from sdcwatch.service.bus import AnomalyTopicSink, MemorySource
+from memory_source import MemorySource
+from sdcwatch.exporters.topics import AnomalyTopicSink
 from sdcwatch.service.changelog import StateChangelog
 from sdcwatch.service.loop import DetectorService
 from sdcwatch.telemetry import MemoryBus, MemoryTransport
@@ -224,35 +225,20 @@ def test_a_topic_that_cannot_be_written_is_counted_and_the_offsets_stay_uncommit
 # two `sdcwatch serve` processes: a SIGKILL and a successor with an empty state folder
 
 
-def _train(emitters, steps, spike_step=None):
-    """Steps of a clean 4-rank run (loss about 2.0); at ``spike_step`` the loss is three times that."""
-    for step in steps:
-        for em in emitters:
-            loss = 2.0 + 0.01 * ((step * 7 + em.rank) % 5)
-            em.emit(step, loss=loss * (3 if step == spike_step else 1), grad_norm_local=1.0, grad_norm_global=1.0)
-        time.sleep(0.005)
-    for em in emitters:
-        assert em.flush(60)
-
-
 @pytest.mark.integration
 @pytest.mark.bench
 def test_a_successor_with_an_empty_state_folder_takes_over_after_a_sigkill_and_finds_the_spike(bootstrap, tmp_path):
-    from sdcwatch.telemetry import Emitter, KafkaTransport
-    from serve_process import ServeProcess, Topics
+    from serve_process import ServeProcess, Topics, rank_emitters, train_ranks
 
     tag = uuid.uuid4().hex[:8]
     topics, group, state_topic = Topics.fresh(tag), f"takeover-{tag}", f"state.{tag}"
     flags = ("--state-topic", state_topic)
     first = ServeProcess(bootstrap, topics, tmp_path / "x", *flags, group=group, metrics_port=0, snapshot_interval_s=1)
     successor = None
-    emitters = [
-        Emitter(KafkaTransport(bootstrap, topics.telemetry), run="r", rank=r, world=4, host=f"h{r // 2}")
-        for r in range(4)
-    ]
+    emitters = rank_emitters(bootstrap, topics.telemetry)
     try:
         first.wait_banner()
-        _train(emitters, range(70))  # past the spike detector's warm-up (59 steps)
+        train_ranks(emitters, range(70))  # past the spike detector's warm-up (59 steps)
         reader = _changelog(bootstrap, state_topic, group=group)
         wait_for(
             lambda: (snap := reader.read()) is not None and snap.state["records_total"] >= 70 * 4,
@@ -262,17 +248,15 @@ def test_a_successor_with_an_empty_state_folder_takes_over_after_a_sigkill_and_f
         )
         first.proc.send_signal(signal.SIGKILL)
         assert first.wait() == -signal.SIGKILL
-        started = time.monotonic()
         successor = ServeProcess(
             bootstrap, topics, tmp_path / "y", *flags, group=group, metrics_port=0, snapshot_interval_s=1
         )
         successor.wait_banner()
         assert "resumed" in successor.banner and not (tmp_path / "y" / "pipeline-state.json").exists()
         assert any(f"resuming from state topic {state_topic}" in ln for ln in successor.lines)
-        _train(emitters, range(70, 100), spike_step=80)
+        train_ranks(emitters, range(70, 100), lambda step, rank, loss: 3 * loss if step == 80 else loss)  # a spike
         spike = successor.wait_incident("loss_spike", 90)
-        assert spike["first_step"] == 80, spike
-        assert time.monotonic() - started < 90
+        assert spike["first_step"] == 80, spike  # how soon the successor takes over: bench/bench_takeover.py
         assert not [e for e in successor.events() if e["change"] == "opened" and e["kind"] != "loss_spike"]
     finally:
         for em in emitters:

@@ -7,12 +7,13 @@ import json
 import random
 
 import pytest
-from sdcwatch.core.checkpoints import CheckpointNote, decode_note, encode_note
+from sdcwatch.core.rank_notes import CheckpointNote, decode_note, encode_note
 from sdcwatch.core.errors import RecordError
 from sdcwatch.core.incident import Incident, IncidentEvent, Severity
-from sdcwatch.service.bus import AnomalyTopicSink, MemorySource
-from sdcwatch.service.checkpoints import CheckpointBook, mark_of
-from sdcwatch.service.control_policy import ControlPolicy, ControlTopicSink
+from memory_source import MemorySource
+from sdcwatch.service.checkpoint_marks import CertifiedPolicy, CheckpointBook, mark_of
+from sdcwatch.exporters.topics import AnomalyTopicSink, ControlTopicSink
+from sdcwatch.service.control_policy import ControlPolicy
 from sdcwatch.service.ingest import IngestDecoder
 from sdcwatch.service.loop import DetectorService
 from sdcwatch.service.pipeline import DetectionPipeline
@@ -94,8 +95,11 @@ def _drain(svc):
 def test_service_marks_publishes_and_a_rollback_names_the_newest_clean_checkpoint(tmp_path):
     bus = MemoryBus()
     _job(bus)
-    control = ControlTopicSink.to_bus(bus, policy=ControlPolicy(actions=True))
-    svc = DetectorService(MemorySource(bus), sinks=[AnomalyTopicSink.to_bus(bus), control], poll_timeout=0.01)
+    pipeline = DetectionPipeline()
+    control = ControlTopicSink.to_bus(
+        bus, policy=CertifiedPolicy.around(ControlPolicy(actions=True), pipeline.checkpoints)
+    )
+    svc = DetectorService(MemorySource(bus), pipeline, sinks=[AnomalyTopicSink.to_bus(bus), control], poll_timeout=0.01)
     _drain(svc)
     marks = {
         d["step"]: d for _, v in bus.messages("sdcwatch.anomalies") if (d := json.loads(v))["change"] == "checkpoint"

@@ -9,7 +9,8 @@ from sdcwatch.core.errors import ConfigError
 from sdcwatch.core.incident import Incident, IncidentEvent, Severity
 from sdcwatch.core.vocabulary import CONTROL_TOPIC
 from sdcwatch.detectors.guard_actions import GuardActionDetector
-from sdcwatch.service.control_policy import ControlPolicy, ControlTopicSink
+from sdcwatch.exporters.topics import ControlTopicSink
+from sdcwatch.service.control_policy import ControlPolicy
 from sdcwatch.service.pipeline import DetectionPipeline
 from sdcwatch.telemetry import MemoryBus
 

@@ -5,26 +5,15 @@ detecting, with every partition back."""
 from __future__ import annotations
 
 import math
-import time
 import uuid
 
 import pytest
 from polling import wait_for
-from serve_process import ServeProcess, Topics
+from serve_process import ServeProcess, Topics, rank_emitters, train_ranks
 
 pytestmark = pytest.mark.integration
 
 WHOLE = "assigned partitions [0, 1, 2, 3] "
-
-
-def _train(emitters, steps, nan_step=None):
-    for step in steps:
-        for em in emitters:
-            loss = math.nan if step == nan_step and em.rank == 2 else 2.0 + 0.01 * ((step * 7 + em.rank) % 5)
-            em.emit(step, loss=loss, grad_norm_local=1.0, grad_norm_global=1.0)
-        time.sleep(0.005)
-    for em in emitters:
-        assert em.flush(60)
 
 
 def _committed_to_end(bootstrap, group, topic) -> bool:
@@ -40,7 +29,6 @@ def _committed_to_end(bootstrap, group, topic) -> bool:
 
 
 def test_a_second_instance_in_the_group_of_a_stage_both_instance_leaves_with_a_clear_error(bootstrap, tmp_path):
-    from sdcwatch.telemetry import Emitter, KafkaTransport
     from sdcwatch.telemetry.wire.transports import ensure_topic
 
     tag = uuid.uuid4().hex[:8]
@@ -49,14 +37,11 @@ def test_a_second_instance_in_the_group_of_a_stage_both_instance_leaves_with_a_c
     flags = ("--bus-share-timeout-s", "3")
     first = ServeProcess(bootstrap, topics, tmp_path / "a", *flags, group=group, metrics_port=0, snapshot_interval_s=1)
     second = None
-    emitters = [
-        Emitter(KafkaTransport(bootstrap, topics.telemetry), run="r", rank=r, world=4, host=f"h{r // 2}")
-        for r in range(4)
-    ]
+    emitters = rank_emitters(bootstrap, topics.telemetry)
     try:
         first.wait_banner()
         first.wait_line(lambda ln: WHOLE in ln, what="the whole topic")
-        _train(emitters, range(40))
+        train_ranks(emitters, range(40))
         second = ServeProcess(
             bootstrap, topics, tmp_path / "b", *flags, group=group, metrics_port=0, snapshot_interval_s=1
         )
@@ -70,7 +55,7 @@ def test_a_second_instance_in_the_group_of_a_stage_both_instance_leaves_with_a_c
         # the first stays and finds a NaN at its step; once the second has left, the group is the first's
         # alone again: its offsets are committed to the end of every partition
         assert first.running()
-        _train(emitters, range(40, 80), nan_step=60)
+        train_ranks(emitters, range(40, 80), lambda step, rank, loss: math.nan if (step, rank) == (60, 2) else loss)
         nan = first.wait_incident("nonfinite", 60)
         assert (nan["first_step"], nan["ranks"]) == (60, [2])
         wait_for(lambda: _committed_to_end(bootstrap, group, topics.telemetry), 60, "the first to commit everything")

@@ -267,7 +267,7 @@ def _dead_letters(bootstrap: str, topic: str) -> list[tuple[str, str]]:
     """(run, reason code) of every dead letter on ``topic`` (signed ones opened with the test's keys)."""
     from serve_process import peek_topic
     from sdcwatch.core.columnar import MAGIC_V2, parse_header
-    from sdcwatch.core.record import decode_message
+    from sdcwatch.core.messages import decode_message
     from sdcwatch.core.signing import is_signed
 
     ring = Keyring([KEY_A, KEY_B])
@@ -302,7 +302,7 @@ def test_signed_runs_are_watched_through_forgeries_floods_and_a_sigkill_on_one_r
     what came before it, and each phase has a real NaN that must be found at its step and rank."""
     from kafka import KafkaProducer
     from serve_process import ServeProcess, Topics, metric
-    from sdcwatch.telemetry.wire.end_marker import end_marker
+    from sdcwatch.core.messages import end_marker
 
     keys = tmp_path / "keys"
     keys.write_text(f"job-a:{KEY_A._secret.decode()}\njob-b:{KEY_B._secret.decode()}\n")

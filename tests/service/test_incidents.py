@@ -9,7 +9,8 @@ import pytest
 from detector_synth import Fault, SyntheticRun
 from sdcwatch.core.errors import ConfigError
 from sdcwatch.detectors import Finding, Severity
-from sdcwatch.service.incidents import IncidentBook, incident_from_dict
+from sdcwatch.core.incident import Incident
+from sdcwatch.service.incidents import IncidentBook
 from sdcwatch.service.pipeline import DetectionPipeline, PipelineSettings
 
 
@@ -97,7 +98,7 @@ def test_incident_round_trips_through_its_dict():
         ]
     )
     d = json.loads(json.dumps(ev.incident.to_dict(), allow_nan=False))
-    back = incident_from_dict(d)
+    back = Incident.from_dict(d)
     assert (back.id, back.kind, back.severity, back.ranks, back.hosts, back.layer) == (
         ev.incident.id,
         "nonfinite",
@@ -201,9 +202,10 @@ def test_view_fills_run_and_pipeline_health():
     v = pipe.view()
     (run,) = v.runs
     assert run.world == 8 and run.last_step == 299 and run.steps_total == 300
-    assert run.rank_scores.shape == (8,) and run.rank_scores.argmax() == 5
+    rank_scores = run.detector_values["sdcwatch_rank_outlier_score"]
+    assert rank_scores.shape == (8,) and rank_scores.argmax() == 5
     assert run.hosts[1] == "node0"  # remembered although rank 1 stopped reporting
-    assert run.late_ranks == 1 and run.missing_ranks == 1
+    assert run.late_ranks == 1 and run.detector_values["sdcwatch_pipeline_missing_ranks"] == 1
     stats = run.scalar_stats["loss"]
     assert stats.shape == (5,) and np.all(np.diff(stats) >= 0)
     assert run.layer_stats["q_norm_mean"].shape == (4, 5)

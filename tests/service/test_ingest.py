@@ -10,7 +10,8 @@ import pytest
 from detector_synth import FAMILIES, Fault, SyntheticRun
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from sdcwatch.core.columnar import encode_items, encode_rows, parse_header
+from sdcwatch.core.columnar import encode_rows, parse_header
+from sdcwatch.core.messages import encode_items
 from sdcwatch.core.errors import RecordError
 from sdcwatch.core.limits import RecordLimits
 from sdcwatch.core.record import encode_batch, record_key
@@ -19,7 +20,7 @@ from sdcwatch.core.record_type import Record
 from sdcwatch.detectors import StepFrame
 from sdcwatch.detectors.frame import DIM_INDEX, assemble_frame
 from sdcwatch.service.aligner import StepAligner, frames_over_wire
-from sdcwatch.service.bus import MemorySource
+from memory_source import MemorySource
 from sdcwatch.service.ingest import (
     IngestDecoder,
     RecordColumns,
@@ -405,7 +406,7 @@ def test_a_flood_of_layouts_under_new_names_keeps_the_layouts_of_the_runs_held_a
     assert (_layout(4999).id, "flood-4999") in reg and (_layout(0).id, "flood-0") not in reg
 
 
-def test_saved_layouts_come_back_per_run_and_from_the_older_list_format(tmp_path):
+def test_saved_layouts_come_back_per_run(tmp_path):
     reg = SchemaRegistry()
     for i, run in enumerate(("a", "b", "b")):
         reg.learn(_layout(i).id, _layout(i).text, run)
@@ -413,27 +414,9 @@ def test_saved_layouts_come_back_per_run_and_from_the_older_list_format(tmp_path
     again.restore(json.loads(json.dumps(reg.snapshot())))
     known = {(i, run) for i in range(3) for run in ("a", "b") if (_layout(i).id, run) in again}
     assert known == {(0, "a"), (1, "b"), (2, "b")} and again.snapshot() == reg.snapshot()
-    old = SchemaRegistry()
-    old.restore([_layout(7).text.decode()])  # what older versions wrote: texts, no runs
-    assert (_layout(7).id, "any") in old and old.get(_layout(7).id, "any").text == _layout(7).text
-    assert old.snapshot() == {"runs": {"any": [_layout(7).text.decode()]}}  # adopted by the run that used it
-    with pytest.raises(ValueError):
-        SchemaRegistry().restore({"layouts": 1})
-
-
-def test_service_reads_the_older_saved_schemas_file(tmp_path):
-    synth = SyntheticRun(world=4)
-    sent: set = set()
-    v2_messages(synth.records(0), sent)  # the layout went out before the restart
-    (tmp_path / "schemas.json").write_text(json.dumps([pack(synth.records(0)[0]).schema.text.decode()]))
-    bus = MemoryBus()
-    for s in range(1, 4):
-        for _, k, v in v2_messages(synth.records(s), sent):
-            bus.append("sdcwatch.telemetry", k, v)
-    source = MemorySource(bus)
-    svc = DetectorService(source, state_dir=tmp_path, poll_timeout=0.01)
-    svc.run_for(max_iterations=2)
-    assert source.dead_letters == 0 and svc.pipeline.records_total == 4 * 3
+    for bad in ({"layouts": 1}, [_layout(7).text.decode()], {"runs": {"a": [1]}}):
+        with pytest.raises(ValueError):
+            SchemaRegistry().restore(bad)
 
 
 def test_a_schema_flood_under_other_run_names_does_not_blind_a_v2_run():

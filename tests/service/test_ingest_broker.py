@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import time
 import uuid
 
 import pytest
+from polling import step_until, wait_for
+from stand_ins import ListSink
 from sdcwatch.core.columnar import encode_rows
 from sdcwatch.core.record_layout import schema_for
 from sdcwatch.service.kafka_source import KafkaSource
@@ -14,18 +15,6 @@ from sdcwatch.service.pipeline import DetectionPipeline, PipelineSettings
 from sdcwatch.telemetry import Emitter, KafkaTransport
 
 pytestmark = pytest.mark.integration
-
-
-class Events:
-    def __init__(self) -> None:
-        self.opened = []
-
-    def publish(self, event) -> None:
-        if event.change == "opened":
-            self.opened.append(event.incident)
-
-    def close(self) -> None:
-        pass
 
 
 def test_mixed_v1_and_v2_emitters_of_one_run_through_the_broker(bootstrap, unique_topic):
@@ -58,11 +47,10 @@ def test_mixed_v1_and_v2_emitters_of_one_run_through_the_broker(bootstrap, uniqu
     source = KafkaSource(
         bootstrap, unique_topic, group=f"g-{uuid.uuid4().hex[:8]}", deadletter_topic=f"{unique_topic}.dead"
     )
-    events = Events()
+    events = ListSink()
     pipe = DetectionPipeline(PipelineSettings(align_timeout_s=30.0))
     svc = DetectorService(source, pipe, sinks=[events], poll_timeout=0.5)
-    deadline = time.monotonic() + 60
-    svc.run_for(until=lambda: pipe.records_total >= world * steps or time.monotonic() > deadline)
+    step_until(svc.step, lambda: pipe.records_total >= world * steps, 60, "every record on the broker")
     svc.run_for(max_iterations=2)
     svc.close()
     assert (pipe.records_total, source.dead_letters) == (world * steps, 0)
@@ -94,13 +82,16 @@ def test_bad_v2_messages_on_the_topic_are_dead_lettered_with_the_reason(bootstra
         deadletter_topic=dead,
         ingest=IngestDecoder(schema_wait=0.5),
     )
-    got = 0
-    deadline = time.monotonic() + 30
-    while (got < 1 or source.dead_letters < 2) and time.monotonic() < deadline:
-        got += sum(len(x) for x in source.poll(0.3))
+    read: list[int] = []
+
+    def one_read_two_dead() -> bool:
+        read.extend(len(x) for x in source.poll(0.3))
+        return sum(read) >= 1 and source.dead_letters >= 2
+
+    wait_for(one_read_two_dead, 30, "one record read and two dead-lettered", interval=0)
     source.commit()
     source.close()
-    assert (got, source.dead_letters) == (1, 2)
+    assert (sum(read), source.dead_letters) == (1, 2)
     consumer = KafkaConsumer(
         dead, bootstrap_servers=bootstrap, auto_offset_reset="earliest", consumer_timeout_ms=10_000, group_id=None
     )

@@ -17,6 +17,7 @@ import uuid
 
 import numpy as np
 import pytest
+from polling import step_until
 from sdcwatch.service.ingest import RecordColumns
 from sdcwatch.service.kafka_source import KafkaSource
 from sdcwatch.telemetry.wire.transports import ensure_topic
@@ -73,10 +74,7 @@ def _produce_and_read(bootstrap: str, topic: str, producers: int, steps: int, ra
         bootstrap, topic, group=f"g-{uuid.uuid4().hex[:8]}", deadletter_topic=f"{topic}.dead", **source_settings
     )
     try:
-        deadline = time.monotonic() + 30
-        while not source.assigned and time.monotonic() < deadline:
-            source.poll(0.1)
-        assert source.assigned, "the source did not join its group"
+        step_until(lambda: source.poll(0.1), lambda: source.assigned, 30, "the source to join its group")
         args = [bootstrap, topic, "", str(steps), str(rate), str(RANKS_PER_MESSAGE), str(WORLD)]
         procs = []
         for p in range(producers):
@@ -98,13 +96,23 @@ def _produce_and_read(bootstrap: str, topic: str, producers: int, steps: int, ra
             p.stdin.flush()
         # records read per (step, message): a message's ranks are one block of RANKS_PER_MESSAGE
         got = np.zeros((steps, producers * 2), np.int64)
-        deadline = time.monotonic() + steps / rate + 60
-        while (any(p.poll() is None for p in procs) or got.sum() < got.size * RANKS_PER_MESSAGE) and (
-            time.monotonic() < deadline
-        ):
+        not_blocks = []
+
+        def read() -> None:
             for block in source.poll(0.2):
-                assert isinstance(block, RecordColumns)
+                if not isinstance(block, RecordColumns):
+                    not_blocks.append(block)
+                    continue
                 np.add.at(got, (block.rows["step"], block.rows["rank"] // RANKS_PER_MESSAGE), 1)
+
+        def all_read() -> bool:
+            return all(p.poll() is not None for p in procs) and got.sum() >= got.size * RANKS_PER_MESSAGE
+
+        try:
+            step_until(read, all_read, steps / rate + 60, "every producer's records")
+        except AssertionError:
+            pass  # the caller names the messages that were not read
+        assert not not_blocks, not_blocks[:3]
         confirmed = []
         for p in procs:
             out, _ = p.communicate(timeout=30)

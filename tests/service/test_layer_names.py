@@ -10,18 +10,18 @@ import zlib
 import pytest
 from sdcwatch.core.errors import SummaryError
 from sdcwatch.core.incident import Finding, Severity
-from sdcwatch.core.layer_names import LayerNames, encode_names
+from sdcwatch.core.rank_notes import LayerNames, encode_names
 from sdcwatch.core.record import KEY_WINDOW
 from sdcwatch.core.record_type import Record
 from sdcwatch.core.vocabulary import CANARY_PRODUCT, TELEMETRY_TOPIC
-from sdcwatch.core.where import message_at
+from sdcwatch.core.model_place import message_at
 from sdcwatch.detectors.attribution import Attribution
 from sdcwatch.detectors.frame import StepFrame
 from sdcwatch.detectors.replica import ReplicaDivergenceDetector
 from sdcwatch.exporters.logsink import format_logfmt
 from sdcwatch.service.bus import decode_summary_message
 from sdcwatch.service.ingest import IngestDecoder
-from sdcwatch.service.layer_names import MAX_TABLES_PER_RUN, LayerNameBook
+from sdcwatch.service.layer_name_book import MAX_TABLES_PER_RUN, LayerNameBook
 from sdcwatch.service.offline import replay
 from sdcwatch.service.pipeline import DetectionPipeline
 from sdcwatch.service.summary import decode_summary, encode_summary

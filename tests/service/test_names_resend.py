@@ -7,11 +7,11 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 
-from sdcwatch.core.layer_names import LayerNames
+from sdcwatch.core.rank_notes import LayerNames
 from sdcwatch.core.vocabulary import TELEMETRY_TOPIC
 from sdcwatch.service.bus import decode_summary_message
 from sdcwatch.service.ingest import IngestDecoder
-from sdcwatch.service.layer_names import MAX_RESEND_RANKS, LayerNameBook
+from sdcwatch.service.layer_name_book import MAX_RESEND_RANKS, LayerNameBook
 from sdcwatch.service.pipeline import DetectionPipeline, PipelineSettings
 from sdcwatch.service.summary import StepSummary, decode_summary, encode_summary
 from sdcwatch.telemetry.wire.emitter import Emitter

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import pytest
@@ -27,12 +26,10 @@ def alerting(incidents):
     return [i for i in incidents if i.severity.value in ("warning", "critical")]
 
 
-def test_pythia_clean_run_raises_no_alert_and_replays_in_seconds(logs):
-    t0 = time.perf_counter()
+def test_pythia_clean_run_raises_no_alert(logs):
+    # how fast the 143k rows replay is bench/bench_ingest.py's
     incidents = replay(logs / "pythia160m_seed5_clean.csv")
-    elapsed = time.perf_counter() - t0
     assert alerting(incidents) == []
-    assert elapsed < 30, f"143k rows took {elapsed:.1f} s"
 
 
 def test_llmc_ok_grad_norm_spikes_are_gradient_spikes_not_loss_spikes(logs):

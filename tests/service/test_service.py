@@ -4,29 +4,19 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 import uuid
 
 import pytest
 from detector_synth import Fault, SyntheticRun
 from sdcwatch.core.errors import ConfigError
 from sdcwatch.core.vocabulary import ANOMALY_TOPIC
-from sdcwatch.service.bus import AnomalyTopicSink, MemorySource
+from memory_source import MemorySource
+from polling import step_until, wait_for
+from stand_ins import ListSink
+from sdcwatch.exporters.topics import AnomalyTopicSink
 from sdcwatch.service.loop import DetectorService
 from sdcwatch.service.pipeline import DetectionPipeline
 from sdcwatch.telemetry import MemoryBus, MemoryTransport
-
-
-class ListSink:
-    def __init__(self) -> None:
-        self.events = []
-        self.closed = False
-
-    def publish(self, event) -> None:
-        self.events.append(event)
-
-    def close(self) -> None:
-        self.closed = True
 
 
 class BrokenSink:
@@ -113,9 +103,7 @@ def test_run_forever_stops_and_snapshots(tmp_path):
     stop = threading.Event()
     t = threading.Thread(target=svc.run_forever, args=(stop,))
     t.start()
-    deadline = time.monotonic() + 10
-    while svc.pipeline.records_total < 160 and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_for(lambda: svc.pipeline.records_total >= 160, 30, "the service to take the 160 records", interval=0.01)
     stop.set()
     t.join(10)
     assert not t.is_alive()
@@ -163,8 +151,7 @@ def test_reference_run_fault_on_one_rank_through_the_real_broker_names_that_rank
         bootstrap, unique_topic, group=f"g-{uuid.uuid4().hex[:8]}", deadletter_topic=f"{unique_topic}.dead"
     )
     svc = DetectorService(source, sinks=[AnomalyTopicSink.to_kafka(bootstrap, topic=anomalies_topic)], poll_timeout=0.5)
-    deadline = time.monotonic() + 60
-    svc.run_for(until=lambda: svc.pipeline.records_total >= world * steps or time.monotonic() > deadline)
+    step_until(svc.step, lambda: svc.pipeline.records_total >= world * steps, 60, "every record on the broker")
     svc.close()
     assert (svc.pipeline.records_total, source.dead_letters) == (world * steps, 0), "the broker confirmed every record"
     consumer = KafkaConsumer(
@@ -192,10 +179,12 @@ def test_reference_run_fault_on_one_rank_through_the_real_broker_names_that_rank
 @pytest.mark.integration
 def test_summary_the_broker_refuses_is_reported_and_blocks_the_commit(bootstrap, unique_topic):
     """A summary larger than the broker takes is not taken for delivered: flush says so."""
-    from sdcwatch.service.bus import SummaryTopicSink
-    from sdcwatch.service.summary import StepSummary
+    from sdcwatch.exporters.topics import SummaryTopicSink
+    from sdcwatch.service.summary import StepSummary, encode_summary
 
-    sink = SummaryTopicSink.to_kafka(bootstrap, topic=f"{unique_topic}.sum", max_request_size=2048)
+    sink = SummaryTopicSink.to_kafka(
+        bootstrap, topic=f"{unique_topic}.sum", encode=encode_summary, max_request_size=2048
+    )
     sink.publish([StepSummary("r", 1, 4, 4)])
     assert sink.flush()
     big = StepSummary("r", 2, 4, 4, observations={"x": __import__("numpy").random.default_rng(0).random(4096)})

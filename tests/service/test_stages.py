@@ -9,8 +9,9 @@ import pytest
 from detector_synth import Fault, SyntheticRun
 from sdcwatch.core.errors import ConfigError, SummaryError
 from sdcwatch.core.record import encode
-from sdcwatch.detectors.baselines.river_hst import RiverHalfSpaceTrees
-from sdcwatch.service.bus import MemorySource, decode_summary_message
+from sdcwatch.detectors.river_hst import RiverHalfSpaceTrees
+from memory_source import MemorySource
+from sdcwatch.service.bus import decode_summary_message
 from sdcwatch.service.pipeline import DetectionPipeline
 from sdcwatch.service.summary import StepSummary, SummaryOrder, decode_summary, encode_summary
 from sdcwatch.telemetry import MemoryBus
@@ -147,7 +148,7 @@ def test_bad_summary_bytes_are_named_and_dead_lettered():
     with pytest.raises(SummaryError, match="magic"):
         decode_summary(b"SDCR\x01junk")
     with pytest.raises(SummaryError, match="version"):
-        decode_summary(b"SDCS\x09" + good[5:])
+        decode_summary(good[:4] + b"\x09" + good[5:])
     with pytest.raises(SummaryError, match="body"):
         decode_summary(good[:-4])
     bus = MemoryBus()

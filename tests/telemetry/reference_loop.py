@@ -1,4 +1,5 @@
-"""The probes' tests' training loop: the reference GPT on random byte batches, with faults at steps."""
+"""The probes' tests' training loop: the reference GPT on random byte batches, with faults at steps;
+and the brute-force gradients a distributed run is checked against."""
 
 from __future__ import annotations
 
@@ -35,3 +36,24 @@ def train_reference(
             loss.backward()
             opt.step()
         watch.step(s, loss=loss)
+
+
+def step0_gradients(settings: Any, world: int) -> list[list[torch.Tensor]]:
+    """Each rank's gradients at step 0 by brute force, the truth a distributed run's statistics are
+    checked against: the reference GPT of ``settings.seed``, unsharded, on each rank's batch of the
+    shared corpus in turn."""
+    from sdcwatch.testbed.model import GPT
+    from sdcwatch.testbed.simulated import shared_corpus
+
+    torch.manual_seed(settings.seed)
+    model = GPT()
+    corpus = shared_corpus(settings.corpus_bytes)
+    local = []
+    for r in range(world):
+        model.zero_grad()
+        batch = corpus.batch(
+            seed=settings.seed, step=0, rank=r, batch_size=settings.batch_size, seq_len=model.cfg.seq_len
+        )
+        model.loss(batch).backward()
+        local.append([p.grad.clone() for p in model.parameters()])
+    return local

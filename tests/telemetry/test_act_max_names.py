@@ -11,10 +11,10 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from sdcwatch.core.incident import Finding, Severity  # noqa: E402
-from sdcwatch.core.layer_names import LayerNames  # noqa: E402
+from sdcwatch.core.rank_notes import LayerNames  # noqa: E402
 from sdcwatch.core.vocabulary import TELEMETRY_TOPIC  # noqa: E402
 from sdcwatch.service.ingest import IngestDecoder  # noqa: E402
-from sdcwatch.service.layer_names import LayerNameBook  # noqa: E402
+from sdcwatch.service.layer_name_book import LayerNameBook  # noqa: E402
 from sdcwatch.service.pipeline import DetectionPipeline  # noqa: E402
 from sdcwatch.telemetry import attach  # noqa: E402
 from sdcwatch.telemetry.wire.emitter import Emitter  # noqa: E402

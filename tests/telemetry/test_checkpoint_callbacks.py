@@ -9,9 +9,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from sdcwatch.core.checkpoints import CKPT_MAGIC, decode_note  # noqa: E402
+from sdcwatch.core.rank_notes import CKPT_MAGIC, decode_note  # noqa: E402
 from sdcwatch.telemetry import Emitter, MemoryBus, MemoryTransport  # noqa: E402
-from tiny_llama import BATCH, TokenDataset, tiny_llama  # noqa: E402
+from tiny_llama import BATCH, TokenDataset, lightning_llama, lightning_trainer, tiny_llama  # noqa: E402
 
 STEPS = 4
 
@@ -51,36 +51,17 @@ def test_hf_on_save_sends_the_checkpoint_folder_the_trainer_wrote(tmp_path):
 
 
 def test_lightning_on_save_checkpoint_sends_the_file_being_written(tmp_path):
-    import lightning as L
     from lightning.pytorch.callbacks import ModelCheckpoint
     from sdcwatch.telemetry.integrations.lightning import SdcwatchCallback
-
-    class LitLlama(L.LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.model = tiny_llama()
-
-        def training_step(self, batch, batch_idx):
-            return self.model(**batch).loss
-
-        def configure_optimizers(self):
-            return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
     torch.manual_seed(0)
     bus = MemoryBus()
     emitter = Emitter(MemoryTransport(bus), run="pl", rank=0, world=1)
     saves = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_top_k=-1, filename="s{step}")
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_steps=STEPS,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=tmp_path,
-        callbacks=[SdcwatchCallback(emitter), saves],
+    trainer = lightning_trainer(
+        [SdcwatchCallback(emitter), saves], max_steps=STEPS, enable_checkpointing=True, default_root_dir=tmp_path
     )
-    trainer.fit(LitLlama(), torch.utils.data.DataLoader(TokenDataset(BATCH * STEPS), batch_size=BATCH))
+    trainer.fit(lightning_llama(), torch.utils.data.DataLoader(TokenDataset(BATCH * STEPS), batch_size=BATCH))
     emitter.close()
     notes = _notes(bus)
     assert [n.step for n in notes] == [1, 3]

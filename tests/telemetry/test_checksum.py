@@ -18,7 +18,7 @@ from sdcwatch.telemetry.probes.checksum_bounds import (  # noqa: E402
     rounding_coefficient,
 )
 from sdcwatch.telemetry.probes.config import ProbeConfig  # noqa: E402
-from sdcwatch.telemetry.probes.extremes import ResidualStream, peak, repeated_blocks  # noqa: E402
+from sdcwatch.telemetry.probes.residual_stream import ResidualStream, peak, repeated_blocks  # noqa: E402
 from sdcwatch.telemetry.probes.gemm_checks import GemmChecks  # noqa: E402
 from sdcwatch.telemetry.probes.gemm_state import observe_gemm  # noqa: E402
 from sdcwatch.telemetry.probes.watch import attach  # noqa: E402

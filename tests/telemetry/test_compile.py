@@ -267,7 +267,7 @@ def test_lightning_compiled_module():
     """A ``LightningModule`` compiled before ``trainer.fit``, as Lightning documents."""
     import lightning as L
     from sdcwatch.telemetry.integrations.lightning import SdcwatchCallback
-    from tiny_llama import TokenDataset, tiny_llama
+    from tiny_llama import TokenDataset, lightning_trainer, tiny_llama
 
     class LitLlama(L.LightningModule):
         def __init__(self):
@@ -287,16 +287,7 @@ def test_lightning_compiled_module():
     torch._dynamo.reset()
     counters.clear()
     sink = Sink()
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_steps=20,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[SdcwatchCallback(sink)],
-    )
+    trainer = lightning_trainer([SdcwatchCallback(sink)], max_steps=20)
     trainer.fit(
         torch.compile(LitLlama(), backend="aot_eager"),
         torch.utils.data.DataLoader(TokenDataset(40), batch_size=2),

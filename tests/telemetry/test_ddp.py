@@ -12,8 +12,7 @@ from sdcwatch.core.vocabulary import GEMM_METRICS, STREAM_METRICS  # noqa: E402
 from sdcwatch.telemetry import FINGERPRINTS, LAYER_METRICS, is_end_marker  # noqa: E402
 from sdcwatch.testbed.ddp import DDPSettings, launch  # noqa: E402
 from sdcwatch.testbed.faultspec import FaultSpec  # noqa: E402
-from sdcwatch.testbed.model import GPT  # noqa: E402
-from sdcwatch.testbed.simulated import shared_corpus  # noqa: E402
+from reference_loop import step0_gradients  # noqa: E402
 
 pytestmark = pytest.mark.integration
 
@@ -110,17 +109,7 @@ def test_fingerprints_agree_on_clean_replicas_and_name_exactly_the_flipped_rank(
 def test_comm_hook_norms_and_cosine_match_brute_force(ddp_records):
     settings, records = ddp_records
     table = _by_step_rank(records)
-    torch.manual_seed(settings.seed)
-    model = GPT()
-    corpus = shared_corpus(settings.corpus_bytes)
-    local = []
-    for r in range(WORLD):
-        model.zero_grad()
-        batch = corpus.batch(
-            seed=settings.seed, step=0, rank=r, batch_size=settings.batch_size, seq_len=model.cfg.seq_len
-        )
-        model.loss(batch).backward()
-        local.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
+    local = [torch.cat([g.reshape(-1) for g in grads]) for grads in step0_gradients(settings, WORLD)]
     mean = torch.stack(local).mean(0)
     for r in range(WORLD):
         s = table[0, r].scalars

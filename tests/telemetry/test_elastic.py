@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 from sdcwatch.core.errors import ConfigError
-from sdcwatch.telemetry.guard.config import GuardConfig
+from sdcwatch.telemetry.guard.config import GuardConfig, GuardPlace
 
 
 def test_leave_is_a_setting_that_needs_a_membership():
@@ -18,7 +18,12 @@ def test_leave_is_a_setting_that_needs_a_membership():
         GuardConfig(on_evict="drop")
     model = torch.nn.Linear(2, 2)
     with pytest.raises(ConfigError, match="elastic"):
-        Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), GuardConfig(on_evict="leave"), distributed=False)
+        Guard(
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            GuardConfig(on_evict="leave"),
+            place=GuardPlace(distributed=False),
+        )
 
 
 def test_a_simulated_replica_leaves_and_the_others_average_without_it():

@@ -9,6 +9,7 @@ import sys
 import time
 
 import pytest
+from polling import returns, wait_for
 from sdcwatch.core.errors import ConfigError
 from sdcwatch.telemetry import Emitter, FileTransport, MemoryBus, MemoryTransport, NullEmitter, from_json, is_end_marker
 
@@ -90,9 +91,7 @@ def test_close_with_bus_down_counts_unsent_as_dropped():
     em = make(bus, buffer=50)
     for step in range(20):
         em.emit(step, loss=1.0)
-    t0 = time.monotonic()
-    em.close(timeout=0.3)
-    assert time.monotonic() - t0 < 6
+    returns(lambda: em.close(timeout=0.3), 30, "close(timeout=0.3) to return with the bus down")
     assert em.dropped == 20 and em.sent == 0
     assert em.emitted == 20  # the batch the sender held counts once, as dropped
 
@@ -135,19 +134,15 @@ def test_null_emitter_does_nothing():
         assert em.flush() and em.sent == 0
 
 
-def test_emit_latency_is_microseconds():
+def test_a_tight_loop_of_emits_reaches_the_bus_whole_and_in_order():
+    # how fast emit() returns is bench/bench_emitter.py's (target p99 <= 20 us); here, what arrives
     bus = MemoryBus()
     em = make(bus, buffer=1_000_000)
-    lat = []
     for step in range(20_000):
-        t0 = time.perf_counter_ns()
         em.emit(step, loss=1.0, grad_norm_local=2.0, layers={"attn_entropy": [1.0, 2.0]})
-        lat.append(time.perf_counter_ns() - t0)
     em.close()
-    lat.sort()
-    p50 = lat[len(lat) // 2] / 1000
-    # generous bound for a shared CI machine; the target (p99 <= 20 us) lives in bench/bench_emitter.py
-    assert p50 < 100, f"emit p50 {p50:.1f} us"
+    assert em.sent == em.emitted == 20_000 and em.dropped == 0
+    assert [r.step for r in bus.records(em.transport.topic)] == list(range(20_000)) + [19_999]
 
 
 def test_import_is_light():
@@ -199,9 +194,7 @@ def test_flush_waits_for_a_record_the_sender_is_still_building(monkeypatch):
 
     monkeypatch.setattr(Emitter, "_build", slow_build)
     em.emit(0, loss=1.0)
-    deadline = time.monotonic() + 5
-    while em._queue and time.monotonic() < deadline:
-        time.sleep(0.001)
+    wait_for(lambda: not em._queue, 30, "the sender to pop the record", interval=0.001)
     assert em.flush(10)
     assert (em.sent, len(bus.records(em.transport.topic))) == (1, 1)
     em.close()

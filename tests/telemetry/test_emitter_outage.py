@@ -15,10 +15,10 @@ import json
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
+from polling import returns, wait_for
 from sdcwatch.core.errors import TransportError
 from sdcwatch.telemetry import Emitter, MemoryBus, MemoryTransport, is_end_marker
 
@@ -60,19 +60,15 @@ def fresh_record(step: int) -> dict:
     )
 
 
-def wait_until(cond, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(0.005)
-    return True
+def sender_took_the_queue(em: Emitter) -> None:
+    """Wait until the sender has taken every emitted record off the queue (packed, or sent)."""
+    wait_for(lambda: not em._queue, 30, "the sender to take the queue", interval=0.005)
 
 
 OUTAGE_LOOP = textwrap.dedent(
     """
     import gc, json, sys, time
-    sys.path.insert(0, sys.argv[1])
+    sys.path[:0] = sys.argv[1:]  # this folder and tests/ (polling)
     from test_emitter_outage import DownTransport, fresh_record
     from sdcwatch.telemetry import Emitter
 
@@ -92,22 +88,17 @@ OUTAGE_LOOP = textwrap.dedent(
     em = Emitter(DownTransport(), run="r", rank=0, world=1, host="h", buffer=100_000)
     # 15,000 emits a second: a hundred times a training loop's rate, so the outage fills the buffer in
     # seconds, and still within what the sender packs on a loaded shared core (about 50,000/s unloaded)
+    # (the pace is the workload, not a wait: the emit latency itself is bench/bench_emitter.py --mode outage's)
     n, rate = 90_000, 15_000.0
-    worst_emit = worst_step = 0
     t_start = time.perf_counter()
     for step in range(n):
-        s0 = time.perf_counter_ns()
-        kw = fresh_record(step)
-        t0 = time.perf_counter_ns()
-        em.emit(step, **kw)
-        t1 = time.perf_counter_ns()
-        worst_emit, worst_step = max(worst_emit, t1 - t0), max(worst_step, t1 - s0)
+        em.emit(step, **fresh_record(step))
         if step % 50 == 49:
             wait = t_start + (step + 1) / rate - time.perf_counter()
             if wait > 0:
                 time.sleep(wait)
     gc.callbacks.remove(on_gc)
-    got = dict(worst_emit=worst_emit, worst_step=worst_step, pending=em.pending, dropped=em.dropped, full_passes=full)
+    got = dict(pending=em.pending, dropped=em.dropped, full_passes=full)
     print(json.dumps(got))
     em.close(timeout=0.2)
     """
@@ -118,7 +109,7 @@ def test_a_long_outage_makes_no_step_of_the_loop_wait_on_the_collector():
     # in a process of its own, as a training process is: the test runner's own heap (and whatever
     # earlier tests left in it) must not decide what a collection pass costs
     out = subprocess.run(
-        [sys.executable, "-c", OUTAGE_LOOP, str(Path(__file__).parent)],
+        [sys.executable, "-c", OUTAGE_LOOP, str(Path(__file__).parent), str(Path(__file__).parents[1])],
         capture_output=True,
         text=True,
         timeout=120,
@@ -129,10 +120,6 @@ def test_a_long_outage_makes_no_step_of_the_loop_wait_on_the_collector():
     # nothing the emitter holds makes the collector walk the whole heap (held as objects, the
     # records brought several full passes of ~100 ms each)
     assert got["full_passes"] == [], f"full collection passes during the outage: {got['full_passes']} s"
-    # target 1 ms (bench/bench_emitter.py --mode outage); generous here, the machine is shared.
-    # Held as objects, the 90,000 records made a collection pass of about 100 ms land in the loop.
-    assert got["worst_emit"] < 20e6, f"worst emit() {got['worst_emit'] / 1e6:.1f} ms, {got}"
-    assert got["worst_step"] < 20e6, f"worst step (lists + emit) {got['worst_step'] / 1e6:.1f} ms, {got}"
 
 
 def test_the_objects_the_emitter_holds_do_not_grow_with_the_records_it_buffers():
@@ -140,14 +127,14 @@ def test_the_objects_the_emitter_holds_do_not_grow_with_the_records_it_buffers()
     try:
         for step in range(1_000):
             em.emit(step, **fresh_record(step))
-        assert wait_until(lambda: not em._queue, 5)
+        sender_took_the_queue(em)
         gc.collect()
         before = len(gc.get_objects())
         for step in range(1_000, 21_000):
             em.emit(step, **fresh_record(step))
             if step % 1000 == 0:
-                time.sleep(0.01)
-        wait_until(lambda: not em._queue, 5)
+                sender_took_the_queue(em)
+        sender_took_the_queue(em)
         gc.collect()
         grown = len(gc.get_objects()) - before
         assert em.pending == 21_000 and em.dropped == 0
@@ -168,8 +155,8 @@ def test_records_buffered_in_an_outage_arrive_in_order_once_when_the_bus_is_back
     for step in range(3_000):
         em.emit(step, time=1000.0 + step, **fresh_record(step))
         if step % 500 == 499:
-            time.sleep(0.02)  # the sender packs what waits
-    assert wait_until(lambda: not em._queue, 5)
+            sender_took_the_queue(em)  # the sender packs what waits
+    sender_took_the_queue(em)
     assert em._spool.count > 2_000  # they waited packed, not as objects
     bus.down = False
     for step in range(3_000, 3_500):  # training goes on while the spool drains: these queue behind it
@@ -194,7 +181,7 @@ def test_the_buffer_bound_holds_over_the_spool_and_keeps_the_oldest_records():
         em.emit(step, loss=float(step))
         assert em.pending <= 300
         if step % 100 == 99:
-            time.sleep(0.02)
+            sender_took_the_queue(em)
     assert em.dropped == 700 and em.pending == 300
     bus.down = False
     assert em.flush(10)
@@ -212,9 +199,7 @@ def test_close_in_an_outage_counts_the_spooled_records_as_dropped_and_sends_no_m
     em = Emitter(MemoryTransport(bus), run="r", rank=0, world=1, host="h", buffer=10_000, batch=16, linger=0.001)
     for step in range(500):
         em.emit(step, loss=1.0)
-    assert wait_until(lambda: not em._queue, 5)
-    t0 = time.monotonic()
-    em.close(timeout=0.3)
-    assert time.monotonic() - t0 < 3
+    sender_took_the_queue(em)
+    returns(lambda: em.close(timeout=0.3), 30, "close(timeout=0.3) to return with the bus down")
     assert (em.sent, em.dropped, em.emitted, em.pending) == (0, 500, 500, 0)
     assert not em.ended and bus.size(em.transport.topic) == 0

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 import traceback
 
 import pytest
-from sdcwatch.core.columnar import decode_stream
+from polling import wait_for
+from sdcwatch.core.messages import decode_stream
 from sdcwatch.core.errors import ConfigError
-from sdcwatch.core.layer_names import NAMES_MAGIC
+from sdcwatch.core.rank_notes import NAMES_MAGIC
 from sdcwatch.core.signing import AuthError, JobKey, Keyring, is_signed
 from sdcwatch.telemetry import Emitter, FileTransport, KafkaTransport, MemoryBus, MemoryTransport, is_end_marker
 
@@ -199,12 +199,15 @@ def test_the_kafka_transports_messages_on_the_real_broker_are_signed(bootstrap, 
     consumer.seek_to_beginning(*parts)
     values: list[bytes] = []
     recs: list = []
-    deadline = time.monotonic() + 30
+
+    def all_in() -> bool:
+        for batch in consumer.poll(timeout_ms=500).values():
+            values.extend(m.value for m in batch)
+        recs[:] = decode_stream(RING.verify(v)[1] for v in values)
+        return len(recs) >= 51
+
     try:  # the topic has several partitions: read until all 51 records are in, however they interleave
-        while time.monotonic() < deadline and len(recs) < 51:
-            for batch in consumer.poll(timeout_ms=500).values():
-                values.extend(m.value for m in batch)
-            recs = decode_stream(RING.verify(v)[1] for v in values)
+        wait_for(all_in, 60, "the 51 signed records", interval=0)
     finally:
         consumer.close()
     assert values and all(is_signed(v) for v in values)

@@ -8,7 +8,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from sdcwatch.telemetry.probes.extremes import ResidualStream  # noqa: E402
+from sdcwatch.telemetry.probes.residual_stream import ResidualStream  # noqa: E402
 
 torch.set_num_threads(1)
 

@@ -11,6 +11,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("torch.distributed.fsdp")
 
+from reference_loop import step0_gradients  # noqa: E402
 from sdcwatch.core.vocabulary import FIRST_BAD  # noqa: E402
 from sdcwatch.service.offline import read_records  # noqa: E402
 from sdcwatch.service.pipeline import DetectionPipeline  # noqa: E402
@@ -105,17 +106,7 @@ def test_fsdp_gradient_statistics_match_brute_force(fsdp3):
     shard, against the gradients of an unsharded copy of the model on each rank's batch at step 0."""
     settings, table = fsdp3
     world = settings.world
-    torch.manual_seed(settings.seed)
-    model = GPT()
-    corpus = shared_corpus(settings.corpus_bytes)
-    local = []
-    for r in range(world):
-        model.zero_grad()
-        batch = corpus.batch(
-            seed=settings.seed, step=0, rank=r, batch_size=settings.batch_size, seq_len=model.cfg.seq_len
-        )
-        model.loss(batch).backward()
-        local.append([p.grad.clone() for p in model.parameters()])
+    local = step0_gradients(settings, world)
     mean = [torch.stack(gs).mean(0) for gs in zip(*local)]
     flat = lambda ts: torch.cat([t.reshape(-1) for t in ts])  # noqa: E731
     global_norm = float(flat(mean).norm())

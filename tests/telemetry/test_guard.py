@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
-import time
+import threading
 
 import pytest
 
@@ -14,7 +14,8 @@ from sdcwatch.core.control import Decision, decode_decision  # noqa: E402
 from sdcwatch.core.errors import ConfigError, ControlError  # noqa: E402
 from sdcwatch.telemetry.guard.config import EXIT_CODE_EVICT, GuardConfig, GuardEviction  # noqa: E402
 from sdcwatch.telemetry.guard.control_topic import KafkaControl, MemoryControl  # noqa: E402
-from guard_sim import flat, sim  # noqa: E402
+from guard_sim import TIGHT, flat, sim  # noqa: E402
+from polling import wait_for  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -59,7 +60,7 @@ def test_transient_nan_is_rerun_and_the_run_equals_the_clean_one_bit_for_bit():
 def test_bad_data_on_one_rank_is_recomputed_elsewhere_and_skipped_not_blamed():
     # early in training the loss still falls fast (a wide baseline) and random bytes are not yet twice
     # the median: a tighter spike rule than the default
-    cfg = GuardConfig(mode="act", spike_rel=0.5, spike_z=4.0)
+    cfg = GuardConfig(mode="act", **TIGHT)
     with sim([{"kind": "bad_batch", "rank": 2, "step": 70, "seed": 1}], world=3, guard=cfg) as run:
         run.train(70)
         before = flat(run)
@@ -152,7 +153,8 @@ def test_guard_state_travels_with_the_checkpoint(tmp_path):
     with sim() as again:
         again.load_checkpoint(tmp_path / "c.pt")
         assert again.guard.state_dict() == state
-        assert len(state["loss"]) == 4 and len(state["loss"][0]) == 25
+        # 25 clean losses per rank: the window of 9 filled, then 16 learnt past it
+        assert len(state["loss"]) == 4 and len(state["loss"][0]["buf"]) == 9 and state["loss"][0]["n"] == 16
 
 
 def test_config_errors_name_the_key():
@@ -185,20 +187,28 @@ def test_decisions_round_trip_and_malformed_ones_name_the_field():
         assert info.value.key == key
 
 
-def test_unreachable_control_bus_never_blocks_and_leaves_the_local_checks(caplog):
-    t0 = time.perf_counter()
+def test_unreachable_control_bus_never_blocks_and_leaves_the_local_checks(caplog, monkeypatch):
+    import sdcwatch.telemetry.guard.control_topic as control_topic
+
+    connecting = []  # the threads that reach for the bus: never the training loop's
+    consumer = control_topic.new_consumer
+
+    def new_consumer(*args, **kwargs):
+        connecting.append(threading.current_thread())
+        return consumer(*args, **kwargs)
+
+    monkeypatch.setattr(control_topic, "new_consumer", new_consumer)
     with caplog.at_level(logging.WARNING, "sdcwatch.telemetry.guard.control_topic"):
         reader = KafkaControl("127.0.0.1:1", run="r")
-        assert time.perf_counter() - t0 < 0.5
         assert reader.poll() == []
         with sim(
             [{"kind": "nan", "rank": 1, "step": 22, "target": "blocks.0.attn.scores", "seed": 3}], control=reader
         ) as run:
-            t1 = time.perf_counter()
             run.train(23)
             assert [a.action for a in run.guard.actions] == ["rerun"]
+        wait_for(lambda: connecting, 30, "the reader to reach for the bus")
         reader.close()
-    assert time.perf_counter() - t1 < 60
+    assert threading.current_thread() not in connecting
 
 
 def test_a_finite_flip_a_checksum_sees_is_rerun_like_a_non_finite_value():
@@ -229,3 +239,14 @@ def test_a_finite_flip_a_checksum_sees_is_rerun_like_a_non_finite_value():
 def test_on_checksum_is_checked():
     with pytest.raises(ConfigError, match="guard.on_checksum"):
         GuardConfig(on_checksum="evict")
+
+
+def test_the_guard_takes_its_place_from_the_environment_it_is_given():
+    from sdcwatch.telemetry.guard import Guard, GuardPlace
+    from sdcwatch.telemetry.wire.environment import RankEnvironment
+
+    env = RankEnvironment.read({"RANK": "3", "WORLD_SIZE": "8", "SDCWATCH_HOST": "h3"})
+    model = torch.nn.Linear(2, 2)
+    guard = Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), place=GuardPlace(environment=env))
+    assert (guard.place.rank, guard.place.world, guard.place.host) == (3, 8, "h3")
+    assert guard.place.local_ranks == (3,) and guard.state.loss[0].window == GuardConfig().window

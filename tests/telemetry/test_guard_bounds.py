@@ -9,7 +9,7 @@ torch = pytest.importorskip("torch")
 from sdcwatch.core.errors import ConfigError  # noqa: E402
 from sdcwatch.telemetry.guard.config import GuardConfig, GuardEviction  # noqa: E402
 from sdcwatch.telemetry.probes.config import ProbeConfig  # noqa: E402
-from guard_sim import flat, sim  # noqa: E402
+from guard_sim import TIGHT, flat, sim  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -55,9 +55,7 @@ def _lrs(run, steps):
     return seen
 
 
-MITIGATE = GuardConfig(
-    mode="act", spike_rel=0.5, spike_z=4.0, spike_mitigation="lr+clip", mitigation_steps=3, max_mitigations=1
-)
+MITIGATE = GuardConfig(mode="act", **TIGHT, spike_mitigation="lr+clip", mitigation_steps=3, max_mitigations=1)
 BAD = [{"kind": "bad_batch", "step": s, "seed": 1} for s in (70, 80)]  # every rank: the data, not a rank
 
 
@@ -76,9 +74,7 @@ def test_a_spike_is_mitigated_with_a_bounded_reversible_lr_cut():
 
 
 def test_a_job_restarted_mid_mitigation_resumes_exactly_like_the_uninterrupted_one(tmp_path):
-    cfg = GuardConfig(
-        mode="act", spike_rel=0.5, spike_z=4.0, spike_mitigation="lr+clip", mitigation_steps=6, max_mitigations=1
-    )
+    cfg = GuardConfig(mode="act", **TIGHT, spike_mitigation="lr+clip", mitigation_steps=6, max_mitigations=1)
     bad = [{"kind": "bad_batch", "step": 70, "seed": 1}]
     with sim(bad, guard=cfg, world=3) as whole:
         whole.train(72)  # the mitigation runs steps 70-75
@@ -109,8 +105,10 @@ def test_a_malformed_guard_state_is_refused_naming_the_key():
         with pytest.raises(ConfigError, match="guard.state.lr_until"):
             run.guard.load_state_dict({k: v for k, v in good.items() if k != "lr_until"})
         assert run.guard.state_dict() == good  # nothing changed by a refused state
-        old = {k: good[k] for k in ("loss", "local_grad", "grad", "skips", "rollbacks", "lr_scale", "lr_until")}
-        run.guard.load_state_dict(old)  # a checkpoint of the previous layout still loads
+        # the layouts before the shared spike rule (raw clean values, versions 1 and 2) were never released
+        old = {k: good[k] for k in ("skips", "rollbacks", "lr_scale", "lr_until")}
+        with pytest.raises(ConfigError, match="guard.state.version"):
+            run.guard.load_state_dict({**old, "loss": [[2.0]] * 2, "local_grad": [], "grad": [1.0]})
 
 
 def test_new_settings_are_checked():

@@ -150,10 +150,14 @@ def test_state_round_trips_and_bad_settings_name_the_key():
     _train(model, opt, skip, 5)
     again = DeviceSkip(opt)
     again.load_state_dict(skip.state_dict())
-    assert torch.equal(again.state_dict()["stats"], skip.state_dict()["stats"])
-    with pytest.raises(ConfigError, match="device_skip.state.stats"):
-        again.load_state_dict({"version": 1, "stats": torch.full((6,), float("nan")), "count": torch.zeros(3)})
+    assert all(torch.equal(again.state_dict()[k], skip.state_dict()[k]) for k in ("base", "run", "count"))
+    bad = {**skip.state_dict(), "base": torch.full((2, 12), float("nan"))}
+    with pytest.raises(ConfigError, match="device_skip.state.base"):
+        again.load_state_dict(bad)
     with pytest.raises(ConfigError, match="device_skip.how"):
         DeviceSkip(opt, DeviceSkipConfig(how="found_inf"))  # not fused
-    with pytest.raises(ConfigError, match="device_skip.z"):
-        DeviceSkipConfig(z=0)
+    with pytest.raises(ConfigError, match="device_skip.warmup"):
+        DeviceSkipConfig(warmup=0)
+    with pytest.raises(ConfigError, match="device_skip.z: renamed: use loss.z_on"):
+        DeviceSkipConfig.from_dict({"z": 6.0})
+    assert DeviceSkipConfig.from_dict({"loss": {"min_ratio": 2.0}}).loss.min_ratio == 2.0

@@ -13,20 +13,9 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
+from tiny_llama import Recorder  # noqa: E402
+
 STEPS, LR = 4, 1e-2
-
-
-class Recorder:
-    """An emitter that keeps what it is given."""
-
-    def __init__(self) -> None:
-        self.records: list[tuple[int, dict]] = []
-
-    def emit(self, step: int, **fields) -> None:
-        self.records.append((step, fields))
-
-    def close(self, *args, **kwargs) -> None:
-        pass
 
 
 class TinyLM(torch.nn.Module):

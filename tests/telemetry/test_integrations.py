@@ -25,6 +25,8 @@ from tiny_llama import (  # noqa: E402
     STEPS,
     TokenDataset,
     launch,
+    lightning_llama,
+    lightning_trainer,
     nan_fault,
     tiny_llama,
     tokens,
@@ -92,38 +94,16 @@ def hf_rank(rank: int, bootstrap: str, topic: str, run: str, out: str) -> None:
 
 
 def lightning_rank(rank: int, bootstrap: str, topic: str, run: str, out: str) -> None:
-    import lightning as L
     from lightning.pytorch.strategies import DDPStrategy
     from sdcwatch.telemetry.integrations.lightning import SdcwatchCallback
     from sdcwatch.testbed.faults import FaultInjector
 
-    class LitLlama(L.LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.model = tiny_llama()
-
-        def training_step(self, batch, batch_idx):
-            return self.model(**batch).loss
-
-        def configure_optimizers(self):
-            return torch.optim.AdamW(self.parameters(), lr=1e-3)
-
     emitter = _emitter(bootstrap, topic, run)
     callback = SdcwatchCallback(emitter, injector=FaultInjector([nan_fault()]))
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy=DDPStrategy(process_group_backend="gloo"),
-        max_steps=STEPS,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=out,
-        callbacks=[callback],
-    )
+    ddp = DDPStrategy(process_group_backend="gloo")
+    trainer = lightning_trainer([callback], devices=2, strategy=ddp, max_steps=STEPS, default_root_dir=out)
     data = torch.utils.data.DataLoader(TokenDataset(BATCH * 2 * STEPS), batch_size=BATCH)
-    trainer.fit(LitLlama(), data)
+    trainer.fit(lightning_llama(), data)
     emitter.close(timeout=30.0)
     assert callback.data_parallel  # the probes found the strategy's DDP wrapper
 

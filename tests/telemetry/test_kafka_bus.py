@@ -58,26 +58,23 @@ def test_8_ranks_in_2_processes_80k_records_none_lost_none_invented(bootstrap, u
     assert sample.host == "h1" and sample.layers["attn_entropy"] == (1.0, 2.0)
 
 
-def emit_through_an_outage(broker, em, seconds: float) -> tuple[list[int], int]:
+def emit_through_an_outage(broker, em, seconds: float) -> int:
     """Steps 0-499 confirmed, then the broker killed and steps emitted at about 2 kHz (a fast
-    training loop) for ``seconds``; the broker is left down. Returns each emit's latency in ns and
-    the most records the emitter held at once."""
+    training loop) for ``seconds``; the broker is left down. Returns the most records the emitter
+    held at once. (How long an emit takes in an outage is bench/bench_emitter.py --mode outage's.)"""
     for step in range(500):
         em.emit(step, loss=1.0)
     assert em.flush(30) and em.sent == 500
     broker.kill()
-    lat_ns = []
     max_pending = 0
     step = 500
     t_end = time.monotonic() + seconds
     while time.monotonic() < t_end:
-        t0 = time.perf_counter_ns()
         em.emit(step, loss=1.0)
-        lat_ns.append(time.perf_counter_ns() - t0)
         step += 1
         max_pending = max(max_pending, em.pending)
         time.sleep(0.0005)
-    return lat_ns, max_pending
+    return max_pending
 
 
 def test_broker_outage_never_blocks_training_and_drops_are_exact(broker, unique_topic, consume, caplog):
@@ -87,13 +84,10 @@ def test_broker_outage_never_blocks_training_and_drops_are_exact(broker, unique_
     # restart shorter than the delivery timeout, which the old producer lives through, is the next test.
     transport = KafkaTransport(bootstrap, unique_topic, request_timeout_ms=1000, delivery_timeout_ms=1500)
     em = Emitter(transport, run="outage", rank=0, world=1, host="h", buffer=2000, batch=256)
-    lat_ns, max_pending = emit_through_an_outage(broker, em, 4.0)
+    max_pending = emit_through_an_outage(broker, em, 4.0)
     step = outage_last = em.emitted
     assert em.dropped > 0, "the outage should have overflowed the 2,000-record buffer"
     assert max_pending <= 2000  # memory stays within the configured bound
-    lat_ns.sort()
-    p99_us = lat_ns[int(len(lat_ns) * 0.99)] / 1000
-    assert p99_us < 2000, f"emit p99 during the outage was {p99_us:.0f} us"
 
     broker.start()  # same port; memory storage: the old topic and its records are gone
     assert em.flush(60), "the buffered records were not sent after the broker came back"

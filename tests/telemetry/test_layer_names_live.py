@@ -15,7 +15,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from sdcwatch.core.layer_names import LayerNames, encode_names  # noqa: E402
+from sdcwatch.core.rank_notes import LayerNames, encode_names  # noqa: E402
 from sdcwatch.core.record import KEY_WINDOW  # noqa: E402
 from serve_process import ServeProcess, Topics, metric, peek_topic, scrape, wait_metric  # noqa: E402
 

@@ -15,20 +15,9 @@ import pytest
 torch = pytest.importorskip("torch")
 L = pytest.importorskip("lightning")
 
+from tiny_llama import Recorder, lightning_trainer  # noqa: E402
+
 STEPS = 4
-
-
-class Recorder:
-    """An emitter that keeps what it is given."""
-
-    def __init__(self) -> None:
-        self.records: list[tuple[int, dict]] = []
-
-    def emit(self, step: int, **fields) -> None:
-        self.records.append((step, fields))
-
-    def close(self, *args, **kwargs) -> None:
-        pass
 
 
 class Regression(L.LightningModule):
@@ -55,17 +44,7 @@ def test_each_record_carries_its_own_steps_gradient_norm(tmp_path):
     torch.manual_seed(0)
     data = torch.utils.data.TensorDataset(torch.randn(STEPS * 4, 8), torch.randn(STEPS * 4, 1))
     module, recorder = Regression(), Recorder()
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_steps=STEPS,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=str(tmp_path),
-        callbacks=[SdcwatchCallback(recorder)],
-    )
+    trainer = lightning_trainer([SdcwatchCallback(recorder)], max_steps=STEPS, default_root_dir=str(tmp_path))
     trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=4))
     reported = {step: fields["grad_norm_local"] for step, fields in recorder.records if "grad_norm_local" in fields}
     assert sorted(reported) == list(range(STEPS))

@@ -128,6 +128,7 @@ def lightning_rank(rank: int, out: str) -> None:
     from sdcwatch.telemetry.integrations.lightning import SdcwatchCallback
     from sdcwatch.testbed.fsdp_tp import parallelize, tp_gpt
     from sdcwatch.testbed.model import next_byte_loss
+    from tiny_llama import lightning_trainer
 
     class LitTP(L.LightningModule):
         def __init__(self):
@@ -146,18 +147,8 @@ def lightning_rank(rank: int, out: str) -> None:
 
     emitter = Emitter(FileTransport(f"{out}/rank{rank}.jsonl"), run="lit-tp", rank=rank, world=2)
     callback = SdcwatchCallback(emitter)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy=ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=2),
-        max_steps=2,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=out,
-        callbacks=[callback],
-    )
+    tp = ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=2)
+    trainer = lightning_trainer([callback], devices=2, strategy=tp, max_steps=2, default_root_dir=out)
     g = torch.Generator().manual_seed(0)
     data = [torch.randint(0, 256, (GPTConfig().seq_len + 1,), generator=g) for _ in range(8)]
     trainer.fit(LitTP(), torch.utils.data.DataLoader(data, batch_size=4))

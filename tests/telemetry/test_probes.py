@@ -20,7 +20,10 @@ from sdcwatch.telemetry import LAYER_METRICS, Emitter, MemoryBus, MemoryTranspor
 from sdcwatch.telemetry.probes.attention import attention_stats  # noqa: E402
 from sdcwatch.telemetry.probes.fingerprint import fingerprint  # noqa: E402
 from sdcwatch.telemetry.probes.gemm_canary import known_input  # noqa: E402
+from sdcwatch.telemetry.probes.config import ProbeConfig  # noqa: E402
+from sdcwatch.telemetry.probes.presets import probe_config  # noqa: E402
 from sdcwatch.telemetry.probes.watch import attach  # noqa: E402
+from sdcwatch.telemetry.wire.environment import RankEnvironment  # noqa: E402
 from sdcwatch.testbed.model import GPT, GPTConfig  # noqa: E402
 
 torch.set_num_threads(1)
@@ -111,7 +114,7 @@ def test_record_of_a_step_is_emitted_one_step_later_with_direct_values():
     model = GPT(CFG)
     rec = Recorder()
     watch, snaps = _train(model, rec, 3, fingerprint_every=2, attention_every=1)
-    watch._outbox.join()  # the sender thread has emitted what it was handed
+    watch.sender.join()  # the sender thread has emitted what it was handed
     assert [r["step"] for r in rec.records] == [0, 1]  # step 2 is read one step later
     watch.close()
     assert [r["step"] for r in rec.records] == [0, 1, 2]
@@ -233,6 +236,28 @@ def test_bad_settings_are_config_errors():
         attach(GPT(CFG), Recorder(), every=0)
     with pytest.raises(ConfigError, match="probes.emitter"):
         attach(GPT(CFG), object())
+
+
+def test_bad_settings_name_the_known_ones_and_the_closest(tmp_path):
+    with pytest.raises(ConfigError, match=r"probes\.everyy: unknown setting \(did you mean every\?\) \(known: .*heads"):
+        attach(GPT(CFG), Recorder(), everyy=2)
+    bad = tmp_path / "probes.json"
+    bad.write_text('{"checksum_evry": 1}')
+    with pytest.raises(ConfigError, match=r"probes\.checksum_evry: unknown setting in .*probes\.json \(did you mean"):
+        probe_config(str(bad))
+    with pytest.raises(ConfigError, match="probes.grad_fingerprint: must be true or false"):
+        ProbeConfig(grad_fingerprint=1)
+    with pytest.raises(ConfigError, match="probes.heads: must be an integer >= 0, got -1"):
+        ProbeConfig(heads=-1)
+
+
+def test_the_rank_environment_decides_the_compiled_gradient_check():
+    """The checks take what :class:`RankEnvironment` read (here a mapping of its own), not the process's."""
+    on = attach(GPT(CFG), Recorder(), environment=RankEnvironment.read({"SDCWATCH_COMPILED_GRAD_CHECK": "1"}))
+    off = attach(GPT(CFG), Recorder(), environment=RankEnvironment.read({"SDCWATCH_COMPILED_GRAD_CHECK": "0"}))
+    assert on.checksums.traced_backward and not off.checksums.traced_backward
+    on.close()
+    off.close()
 
 
 def test_importing_telemetry_does_not_import_torch():

@@ -22,7 +22,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from tiny_llama import BATCH, TokenDataset, launch, tiny_llama  # noqa: E402
+from tiny_llama import BATCH, TokenDataset, launch, lightning_trainer, tiny_llama  # noqa: E402
 
 STEPS, FAULT_STEP, CLIP = 4, 2, 1.0
 
@@ -220,19 +220,15 @@ def lightning_run(rank: int, out: Path, world: int) -> None:
         strategy = DDPStrategy(process_group_backend="gloo")
     emitter, kept, module = _emitter(out, rank, world), Kept(), LitLlama()
     callback = SdcwatchCallback(emitter, injector=FaultInjector([_fault(world)]))
-    trainer = L.Trainer(
-        accelerator="cpu",
+    trainer = lightning_trainer(
+        [callback],
         devices=world,
         strategy=strategy,
         max_steps=STEPS,
         gradient_clip_val=CLIP,
         logger=kept,
         log_every_n_steps=1,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         default_root_dir=str(out / "lightning"),
-        callbacks=[callback],
     )
     trainer.fit(module, torch.utils.data.DataLoader(TokenDataset(BATCH * world * STEPS), batch_size=BATCH))
     emitter.close(timeout=30.0)

@@ -60,6 +60,46 @@ class TokenDataset(torch.utils.data.Dataset):
         return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
+class Recorder:
+    """An emitter that keeps what it is given: ``records``, (step, fields) in order."""
+
+    def __init__(self) -> None:
+        self.records: list[tuple[int, dict]] = []
+
+    def emit(self, step: int, **fields) -> None:
+        self.records.append((step, fields))
+
+    def close(self, *args, **kwargs) -> None:
+        pass
+
+
+def lightning_llama():
+    """The tiny Llama as a Lightning module: a batch is the model's keyword arguments, AdamW at 1e-3."""
+    import lightning as L
+
+    class LitLlama(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model = tiny_llama()
+
+        def training_step(self, batch, batch_idx):
+            return self.model(**batch).loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    return LitLlama()
+
+
+def lightning_trainer(callbacks: list, **settings):
+    """A Lightning trainer on the CPU, one device, that writes no log, progress bar, model summary or
+    checkpoint; ``settings`` (Trainer arguments) say otherwise."""
+    import lightning as L
+
+    quiet = dict(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False)
+    return L.Trainer(**{**quiet, "enable_checkpointing": False, **settings}, callbacks=callbacks)
+
+
 def launch(fn, *args, world: int = WORLD) -> None:
     """Run ``fn(rank, *args)`` in ``world`` real processes joined as torchrun would (env://)."""
     import torch.multiprocessing as mp

@@ -9,10 +9,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from sdcwatch.core.layer_names import LayerNames  # noqa: E402
+from sdcwatch.core.rank_notes import LayerNames  # noqa: E402
 from sdcwatch.core.vocabulary import CANARY_PRODUCT  # noqa: E402
 from sdcwatch.service.pipeline import DetectionPipeline  # noqa: E402
-from sdcwatch.testbed.branches import RecordCollector  # noqa: E402
+from sdcwatch.testbed.campaign.branches import RecordCollector  # noqa: E402
 from sdcwatch.testbed.faultspec import FaultSpec  # noqa: E402
 from sdcwatch.testbed.model import GPTConfig  # noqa: E402
 from sdcwatch.testbed.parallel3d import ParallelSimulatedRun  # noqa: E402

@@ -9,7 +9,7 @@ import pytest
 pytest.importorskip("torch")
 
 from sdcwatch.core.errors import ConfigError  # noqa: E402
-from sdcwatch.testbed.clean_run import (  # noqa: E402
+from sdcwatch.testbed.campaign.clean_run import (  # noqa: E402
     LISTED,
     WARMUP_REGION,
     CleanRunConfig,
@@ -20,7 +20,7 @@ from sdcwatch.testbed.clean_run import (  # noqa: E402
 )
 from sdcwatch.testbed.faultspec import FaultSpec  # noqa: E402
 
-from sdcwatch.bench import clean_main  # noqa: E402
+from sdcwatch.testbed.campaign.cli import clean_main  # noqa: E402
 
 
 @pytest.mark.slow

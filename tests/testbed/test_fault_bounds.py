@@ -14,7 +14,7 @@ from sdcwatch.telemetry.probes.checksum_bounds import (
     weight_grad_bound,
 )
 from sdcwatch.telemetry.probes.config import ProbeConfig
-from sdcwatch.testbed.campaign import CampaignConfig, run_campaign
+from sdcwatch.testbed.campaign.run import CampaignConfig, run_campaign
 from sdcwatch.testbed.fault_bounds import CoveredInjection
 from sdcwatch.testbed.faultspec import FaultSpec
 from sdcwatch.testbed.simulated import SimulatedRun

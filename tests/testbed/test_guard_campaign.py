@@ -10,18 +10,19 @@ import pytest
 pytest.importorskip("torch")
 
 from sdcwatch.core.errors import ConfigError  # noqa: E402
+from sdcwatch.core.spike_baseline import SeriesSettings  # noqa: E402
 from sdcwatch.telemetry.guard.config import GuardConfig  # noqa: E402
-from sdcwatch.testbed.branches import frames_of, new_run  # noqa: E402
-from sdcwatch.testbed.campaign import CampaignConfig, run_campaign  # noqa: E402
+from sdcwatch.testbed.campaign.branches import frames_of, new_run  # noqa: E402
+from sdcwatch.testbed.campaign.run import CampaignConfig, run_campaign  # noqa: E402
 from sdcwatch.testbed.faultspec import FaultSpec  # noqa: E402
-from sdcwatch.testbed.fault_classes import FAULT_CLASSES  # noqa: E402
-from sdcwatch.testbed.guard_campaign import (  # noqa: E402
+from sdcwatch.testbed.campaign.fault_classes import FAULT_CLASSES  # noqa: E402
+from sdcwatch.testbed.campaign.guarded import (  # noqa: E402
     EXPECTED_VERDICT,
     campaign_guard_config,
     guard_table,
     run_clean_guarded,
 )
-from sdcwatch.testbed.scoring import SdcwatchRunner, alarms_of  # noqa: E402
+from sdcwatch.testbed.campaign.scoring import SdcwatchRunner, alarms_of  # noqa: E402
 
 SMALL = CampaignConfig(world=2, trials=1, pretrain_steps=40, branch_steps=14, fault_offset=(3, 3))
 
@@ -84,6 +85,7 @@ def test_a_long_clean_guarded_run_detects_every_step_and_counts_no_action(warm):
 
 def test_a_clean_guarded_run_counts_the_actions_of_a_guard_that_acts(warm):
     path, runner = warm
-    jumpy = replace(campaign_guard_config(), spike_z=1e-6, spike_rel=1e-6, grad_spike_rel=1e-6, warmup=1)
+    every = SeriesSettings(z_on=1e-6, min_ratio=1 + 1e-6, z_off=1e-7)
+    jumpy = replace(campaign_guard_config(), loss=every, grad_norm=every, window=2, warmup=1)
     state = run_clean_guarded(SMALL, path, 7, runner, 12, guard=jumpy)
     assert state["actions"] > 0 and state["action_list"][0]["reason"] == "spike"

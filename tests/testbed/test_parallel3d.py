@@ -10,13 +10,13 @@ torch = pytest.importorskip("torch")
 
 from sdcwatch.core.errors import ConfigError, FaultSpecError  # noqa: E402
 from sdcwatch.core.vocabulary import FIRST_BAD  # noqa: E402
-from sdcwatch.testbed.campaign import CampaignConfig  # noqa: E402
+from sdcwatch.testbed.campaign.run import CampaignConfig  # noqa: E402
 from sdcwatch.testbed.faultspec import FaultSpec  # noqa: E402
 from sdcwatch.testbed.model import GPTConfig  # noqa: E402
 from sdcwatch.testbed.parallel3d import ParallelSimulatedRun  # noqa: E402
 from sdcwatch.testbed.shard_plan import parse_layout, place_fault, place_of, rank_at, sizes, stage_blocks  # noqa: E402
 from sdcwatch.testbed.simulated import shared_corpus  # noqa: E402
-from sdcwatch.testbed.trials import generate_trials  # noqa: E402
+from sdcwatch.testbed.campaign.trials import generate_trials  # noqa: E402
 
 torch.set_num_threads(1)
 SMALL = GPTConfig(seq_len=32, d_model=32, n_layer=2, n_head=4)

@@ -45,6 +45,17 @@ def _run(world=4, faults=(), *, batch_size=4, emitter_factory=lambda r: Recorder
     )
 
 
+def _trained_into(bus: MemoryBus, run: str, fault: FaultSpec, steps: int) -> None:
+    """``steps`` steps of 4 ranks at batch 2 with ``fault``, their records sent to ``bus`` as run ``run``."""
+    sim = _run(
+        faults=[fault],
+        batch_size=2,
+        emitter_factory=lambda rank: Emitter(MemoryTransport(bus), run=run, rank=rank, world=4),
+    )
+    sim.train(steps)
+    sim.close()
+
+
 def test_model_has_the_documented_module_names_and_bad_shapes_are_config_errors():
     names = dict(GPT(SMALL).named_modules())
     for n in ("blocks.1.attn.qkv", "blocks.1.attn.scores", "blocks.1.attn.mix", "blocks.0.mlp.fc", "head"):
@@ -92,7 +103,6 @@ def test_corpus_is_stdlib_source_and_batches_are_a_function_of_seed_step_rank():
 def test_canary_names_an_unhealthy_rank_that_no_statistic_shows():
     """Noise of 1e-4 on one rank's block outputs moves no statistic (see the fault-visibility
     notes) but the canary output of that replica differs bit-wise from every other's."""
-    from sdcwatch.testbed.faultspec import FaultSpec
 
     local = MemoryBus()
     fault = FaultSpec.from_dict(
@@ -107,13 +117,7 @@ def test_canary_names_an_unhealthy_rank_that_no_statistic_shows():
             "seed": 3,
         }
     )
-    run = _run(
-        faults=[fault],
-        batch_size=2,
-        emitter_factory=lambda rank: Emitter(MemoryTransport(local), run="c", rank=rank, world=4),
-    )
-    run.train(21)
-    run.close()
+    _trained_into(local, "c", fault, 21)
     canary = {(r.step, r.rank): r.fingerprints["canary_fp"] for r in local.records() if "canary_fp" in r.fingerprints}
     assert sorted({s for s, _ in canary}) == [0, 10, 20]
     assert len({canary[(0, r)] for r in range(4)}) == 1  # healthy: bit-identical on every replica
@@ -125,17 +129,10 @@ def test_canary_names_an_unhealthy_rank_that_no_statistic_shows():
 @pytest.mark.parametrize("target", ["blocks.0.mlp.fc", "blocks.1.attn.mix"])
 def test_near_inf_outside_the_attention_logits_shows_in_act_max_on_its_rank_only(target):
     from sdcwatch.service.pipeline import DetectionPipeline
-    from sdcwatch.testbed.faultspec import FaultSpec
 
     local = MemoryBus()
     fault = FaultSpec.from_dict({"kind": "near_inf", "rank": 2, "step": 5, "target": target, "seed": 1})
-    run = _run(
-        faults=[fault],
-        batch_size=2,
-        emitter_factory=lambda rank: Emitter(MemoryTransport(local), run="ni", rank=rank, world=4),
-    )
-    run.train(7)
-    run.close()
+    _trained_into(local, "ni", fault, 7)
     recs = local.records()
     at = {(r.step, r.rank): r.scalars["act_max"] for r in recs if not is_end_marker(r)}
     assert at[(5, 2)] >= 1e10

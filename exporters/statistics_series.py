@@ -1,0 +1,245 @@
+"""The series of a run's cross-rank statistics (``sdcwatch_rank_metric``, ``sdcwatch_layer_metric``):
+which model pieces, layers and indices get one, and what each index is called.
+
+Statistics are taken per model piece (:mod:`sdcwatch.detectors.piece_stats`): the ranks of one peer
+group, named by :func:`~sdcwatch.core.mesh.piece_label` in the ``piece`` label
+(``piece="pp=1,tp=0"``). Plain data parallel has one piece, whose label is empty and left out, so
+its series are those of a job without coordinates, unchanged.
+
+Both are bounded. At most ``max_pieces`` pieces of a run (default 32) get series: those an open
+incident names, then those whose values spread most across their ranks; at most ``max_layers``
+(piece, layer) pairs of the exported pieces (under pipeline parallelism a stage's layer 3 is
+another layer than the next stage's): those of open incidents, then the widest spread. The rest
+is counted in ``sdcwatch_exporter_omitted`` (``what="pieces"``, ``what="layers"``).
+
+The service lays a step's layer metrics out on one axis as long as the longest, so a metric with
+fewer indices than another (a model's 2 attention layers beside its 15 checked products) comes
+padded with NaN. The padding is no series: a metric's series exist for the indices it has. When a
+piece's ranks sent their names (:mod:`sdcwatch.core.rank_notes`, ``RunView.layer_names``), a
+metric has as many indices as its family's list and each series carries the module's name in
+``layer_name`` beside the index; without names, up to its last index with a value on some rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+from prometheus_client.core import Metric
+from prometheus_client.samples import Sample
+from sdcwatch.core.incident import Incident, RunView
+from sdcwatch.core.mesh import piece_label
+from sdcwatch.core.vocabulary import family_of
+
+from .catalog import STATS
+
+__all__ = [
+    "MAX_LABEL_CHARS",
+    "PieceNames",
+    "bounded_label",
+    "index_names",
+    "layer_extents",
+    "index_name",
+    "spread",
+    "by_piece",
+    "exported_pieces",
+    "exported_layers",
+    "add_stats",
+    "add_layer_stats",
+]
+
+#: Longest label value the exporter writes from names a rank sent (a module path is a few tens).
+MAX_LABEL_CHARS = 128
+
+#: One piece's names: family (``products``, ``blocks``, ``layers``...) -> the name of each index.
+PieceNames = Mapping[str, Sequence[str]]
+
+
+def bounded_label(value: str, limit: int = MAX_LABEL_CHARS) -> str:
+    """A label value of at most ``limit`` characters."""
+    return value if len(value) <= limit else value[: limit - 3] + "..."
+
+
+def index_names(run: RunView) -> tuple[PieceNames, ...]:
+    """Per piece of ``run`` (as ``run.pieces``), the names its ranks sent; () when the view carries
+    none (a rank that sent no names, or a view of a service that does not hand them on)."""
+    names = tuple(run.layer_names or ())
+    return names if len(names) == len(run.pieces) else ()
+
+
+def layer_extents(run: RunView, layers: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Per layer metric (``layers``: metric -> (pieces, indices, 5) statistics), the (pieces,)
+    number of indices each piece has of it: its family's list of names where the piece has one,
+    else up to the last index with a statistic that is not NaN; never more than the piece holds
+    (``run.piece_layers``)."""
+    n = len(run.pieces)
+    held = np.array([run.piece_layers[p] if p < len(run.piece_layers) else 1 << 30 for p in range(n)])
+    names = index_names(run)
+    out: dict[str, np.ndarray] = {}
+    for metric, values in layers.items():
+        has = ~np.isnan(values).all(axis=-1)  # (pieces, indices): some statistic is a number
+        width = has.shape[1]
+        extent = np.where(has.any(axis=1), width - np.argmax(has[:, ::-1], axis=1), 0)
+        family = family_of(metric)
+        for p, piece in enumerate(names):
+            listed = piece.get(family) if family is not None else None
+            if listed:
+                extent[p] = len(listed)
+        out[metric] = np.minimum(np.minimum(extent, width), held)
+    return out
+
+
+def index_name(names: tuple[PieceNames, ...], piece: int, metric: str, index: int) -> str:
+    """The name of ``metric``'s ``index`` in ``piece`` ("" when not known), bounded for a label."""
+    family = family_of(metric)
+    if family is None or piece >= len(names):
+        return ""
+    listed = names[piece].get(family) or ()
+    return bounded_label(str(listed[index])) if 0 <= index < len(listed) and listed[index] else ""
+
+
+def spread(block: np.ndarray) -> np.ndarray:
+    """(n,) (max - min) / IQR of (n, 5) statistics rows; NaN evidence (a NaN statistic) ranks first."""
+    b = np.asarray(block, dtype=np.float64).reshape(-1, len(STATS))
+    with np.errstate(all="ignore"):
+        s = (b[:, 4] - b[:, 0]) / np.maximum(b[:, 3] - b[:, 1], 1e-12 * np.abs(b[:, 2]) + 1e-30)
+    return np.where(np.isnan(s), np.inf, s)
+
+
+def by_piece(values: np.ndarray, n_pieces: int, layered: bool) -> np.ndarray:
+    """A statistics array as (pieces, 5), or (pieces, layers, 5) when ``layered``; one piece's
+    arrays ((5,), (layers, 5)) gain the leading axis."""
+    v = np.asarray(values, dtype=np.float64)
+    return v.reshape(n_pieces, -1, len(STATS)) if layered else v.reshape(n_pieces, len(STATS))
+
+
+def _incident_pieces(run: RunView, incidents: Sequence[Incident], limit: int) -> list[tuple[int, int | None]]:
+    """(piece index, layer) of each open incident's ranks, from their coordinates."""
+    index = {p: i for i, p in enumerate(run.pieces)}
+    out: list[tuple[int, int | None]] = []
+    for inc in incidents:
+        pieces = {index.get(piece_label(c)) for c in inc.coords[:limit]} if inc.coords else set()
+        if len(run.pieces) == 1:
+            pieces = {0}
+        out.extend((p, inc.layer) for p in sorted(pieces - {None}))
+    return out
+
+
+def exported_pieces(
+    run: RunView,
+    scalars: dict[str, np.ndarray],
+    layers: dict[str, np.ndarray],
+    extents: dict[str, np.ndarray],
+    incidents: Sequence[Incident],
+    max_pieces: int,
+    rank_limit: int,
+) -> list[int]:
+    """The pieces with series: all up to ``max_pieces``; past it those of open incidents, then the
+    widest spread of any scalar or layer metric across the piece's ranks (ties: key order), a layer
+    metric's within the indices it has there (``extents``, :func:`layer_extents`)."""
+    n = len(run.pieces)
+    if n <= max_pieces:
+        return list(range(n))
+    chosen: list[int] = []
+    for p, _ in _incident_pieces(run, incidents, rank_limit):
+        if p not in chosen and len(chosen) < max_pieces:
+            chosen.append(p)
+    # a scalar a piece does not report (all NaN: the loss off the last stage) and the indices a
+    # metric does not have there are no evidence; a NaN among values is (it ranks first)
+    score = np.full(n, -np.inf)
+    for v in scalars.values():
+        score = np.maximum(score, np.where(np.isnan(v).all(axis=-1), -np.inf, spread(v)))
+    for metric, v in layers.items():
+        s = np.where(np.isnan(v).all(axis=-1), -np.inf, spread(v).reshape(v.shape[:2]))
+        s[np.arange(v.shape[1])[None, :] >= extents[metric][:, None]] = -np.inf
+        score = np.maximum(score, s.max(axis=1, initial=-np.inf))
+    for p in np.argsort(-score, kind="stable"):
+        if len(chosen) >= max_pieces:
+            break
+        if int(p) not in chosen:
+            chosen.append(int(p))
+    return sorted(chosen)
+
+
+def exported_layers(
+    run: RunView,
+    layers: dict[str, np.ndarray],
+    extents: dict[str, np.ndarray],
+    pieces: Sequence[int],
+    incidents: Sequence[Incident],
+    max_layers: int,
+    rank_limit: int,
+) -> tuple[list[tuple[int, int]], int]:
+    """((piece, layer) pairs to export, pairs there are in ``pieces``): all up to ``max_layers``; past
+    it those of open incidents, then the widest spread ((max - min) / IQR of any layer metric, within
+    the indices it has). A pair is an index some metric has in that piece (``extents``)."""
+    widest = np.zeros(len(run.pieces), np.int64)
+    for extent in extents.values():
+        widest = np.maximum(widest, extent)
+    pairs = [(p, layer) for p in pieces for layer in range(int(widest[p]))]
+    if len(pairs) <= max_layers:
+        return pairs, len(pairs)
+    where = {pair: i for i, pair in enumerate(pairs)}
+    chosen = {(p, int(layer)) for p, layer in _incident_pieces(run, incidents, rank_limit) if layer is not None}
+    chosen &= set(where)
+    score = np.full(len(pairs), -np.inf)
+    rows = np.array(pairs, dtype=np.int64).reshape(-1, 2)
+    for metric, v in layers.items():
+        ok = rows[:, 1] < extents[metric][rows[:, 0]]
+        s = np.full(len(pairs), -np.inf)
+        s[ok] = spread(v[rows[ok, 0], rows[ok, 1]])
+        score = np.maximum(score, s)
+    for i in np.argsort(-score, kind="stable"):
+        if len(chosen) >= max_layers:
+            break
+        chosen.add(pairs[int(i)])
+    return sorted(chosen), len(pairs)
+
+
+def add_stats(
+    family: Metric,
+    run: RunView,
+    stats: dict[str, np.ndarray],
+    which: Sequence[str],
+    pieces: Sequence[int],
+) -> None:
+    """The series of the scalars' ``stats`` (per piece, see :func:`by_piece`). A piece's label is
+    left out when empty (one piece); a scalar a piece has no value of gets no series there."""
+    for metric_name in sorted(stats):
+        values = stats[metric_name]
+        for p in pieces:
+            if len(run.pieces) == 1 or not np.isnan(values[p]).all():
+                _add_row(family, run, p, values[p], {"metric": metric_name}, which)
+
+
+def add_layer_stats(
+    family: Metric,
+    run: RunView,
+    stats: dict[str, np.ndarray],
+    which: Sequence[str],
+    pairs: Sequence[tuple[int, int]],
+    extents: dict[str, np.ndarray],
+    names: tuple[PieceNames, ...],
+) -> None:
+    """The series of the layer metrics' ``stats`` per (piece, layer) pair of ``pairs``, each
+    metric's only at the indices it has (``extents``), with ``layer_name`` when known (``names``)."""
+    for metric_name in sorted(stats):
+        values, extent = stats[metric_name], extents[metric_name]
+        for p, layer in pairs:
+            if layer < extent[p]:
+                labels = {"metric": metric_name, "layer": str(layer)}
+                name = index_name(names, p, metric_name, layer)
+                if name:
+                    labels["layer_name"] = name
+                _add_row(family, run, p, values[p, layer], labels, which)
+
+
+def _add_row(
+    family: Metric, run: RunView, p: int, values: np.ndarray, extra: dict[str, str], which: Sequence[str]
+) -> None:
+    """One statistics row: a series per statistic of ``which``."""
+    for stat in which:
+        labels = {"run": run.run, **extra, "stat": stat}
+        if run.pieces[p]:
+            labels["piece"] = run.pieces[p]
+        family.samples.append(Sample(family.name, labels, float(values[STATS.index(stat)])))

@@ -1,0 +1,169 @@
+"""What the emitter's sender thread holds between sends: the records (and checkpoint notes) spooled
+while the bus is down, in the order they were made (:class:`RecordSpool`), the layer names due
+ahead of each key window's records (:class:`NamesOutbox`), and the checkpoint notes' counts
+(:class:`NoteCounts`).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import struct
+from typing import Any, Mapping, Sequence
+
+from sdcwatch.core.errors import RecordError
+from sdcwatch.core.messages import decode_message
+from sdcwatch.core.rank_notes import MAX_PATH_BYTES, CheckpointNote, LayerNames, clean_names, clean_text
+from sdcwatch.core.record import KEY_WINDOW, encode
+from sdcwatch.core.record_layout import PackedRecord
+from sdcwatch.core.record_type import Record
+
+__all__ = ["RecordSpool", "NamesOutbox", "NoteCounts", "MAX_NOTES"]
+
+log = logging.getLogger("sdcwatch.telemetry")
+
+_STEP = struct.Struct("<Q")  # a v2 row starts with its step
+_LEN = struct.Struct("<I")
+
+
+class RecordSpool:
+    """Records held while the bus is down, as bytes: the oldest first, counted in records.
+
+    A v2 record is its packed row already; a v1 record is kept as its encoded bytes. Rows go into
+    chunks of up to ``chunk`` records that share a layout, one ``bytearray`` each, so a full buffer
+    of 100,000 records is about a hundred Python objects (a collection pass is over in microseconds)
+    instead of hundreds of thousands. A checkpoint note (a few per run) waits in a chunk of its own,
+    in its place among the records; it is not counted.
+    """
+
+    __slots__ = ("run", "host", "chunk", "count", "_chunks")
+
+    def __init__(self, run: str, host: str, chunk: int) -> None:
+        self.run, self.host, self.chunk = run, host, chunk
+        self.count = 0
+        self._chunks: collections.deque = collections.deque()  # [schema, None or "note", bytearray or list, records]
+
+    def put(self, rec: Record | PackedRecord | CheckpointNote) -> None:
+        if isinstance(rec, CheckpointNote):
+            self._chunks.append([None, "note", [rec], 0])
+            return
+        if isinstance(rec, PackedRecord):
+            schema, data = rec.schema, rec.row
+        else:
+            schema, data = None, encode(rec)
+            data = _LEN.pack(len(data)) + data
+        last = self._chunks[-1] if self._chunks else None
+        if last is None or last[1] is not None or last[0] is not schema or last[3] >= self.chunk:
+            last = [schema, None, bytearray(), 0]
+            self._chunks.append(last)
+        last[2] += data
+        last[3] += 1
+        self.count += 1
+
+    def __bool__(self) -> bool:
+        return bool(self._chunks)
+
+    def take(self) -> list[Record | PackedRecord | CheckpointNote]:
+        """The oldest chunk's items (at most ``chunk`` records), unpacked for the transport (a v1
+        record that does not decode again is left out: the caller sees fewer than it counted)."""
+        schema, note, buf, n = self._chunks.popleft()
+        self.count -= n
+        if note is not None:
+            return buf
+        if schema is None:
+            out, p = [], 0
+            for _ in range(n):
+                (size,) = _LEN.unpack_from(buf, p)
+                try:
+                    out.extend(decode_message(bytes(buf[p + 4 : p + 4 + size])))
+                except RecordError:  # cannot happen to what encode() wrote; never kills the sender
+                    pass
+                p += 4 + size
+            return out
+        size, run, host = schema.row_size, self.run, self.host
+        return [
+            PackedRecord(run, host, _STEP.unpack_from(buf, p)[0], schema, bytes(buf[p : p + size]))
+            for p in range(0, n * size, size)
+        ]
+
+    def clear(self) -> None:
+        self._chunks.clear()
+        self.count = 0
+
+
+class NamesOutbox:
+    """One rank's layer names and the copies due on the bus (the emitter's: :meth:`Emitter.set_names`).
+
+    The probes hand the emitter their name lists; the outbox packs them once into a
+    :class:`LayerNames` message and queues a copy stamped with the step of the first record of each
+    key window, sent before the records in a send of their own. A refused send is not retried: the
+    names go again with the next batch. Nothing here raises into the sender.
+    """
+
+    def __init__(self, run: str, rank: int, world: int) -> None:
+        self.run, self.rank, self.world = run, rank, world
+        self.names: LayerNames | None = None
+        self._window: int | None = None  # the key window the names last went out in
+        self._due: list[LayerNames] = []
+        self.sent = 0  # layer-names messages the transport took
+
+    def set(self, names: Mapping[str, Sequence[str]]) -> None:
+        """New lists (they grow as the probes discover modules); sent from the next record on."""
+        try:
+            self.names = LayerNames.build(self.run, self.rank, self.world, 0, clean_names(names))
+            self._window = None
+        except Exception as exc:  # a bound the lists break: the records still go, unnamed
+            log.warning("sdcwatch emitter (rank %s): layer names not sent: %s", self.rank, exc)
+
+    def note(self, step: int) -> None:
+        """A record of ``step`` is about to go: the names go first if its window has not had them."""
+        names = self.names
+        if names is not None and step // KEY_WINDOW != self._window:
+            self._window = step // KEY_WINDOW
+            self._due.append(names.at(step))
+
+    def send(self, transport: Any) -> None:
+        """Send the copies due (call before the records they precede)."""
+        if not self._due:
+            return
+        due, self._due = self._due, []
+        try:
+            transport.send(due)
+            self.sent += len(due)
+        except Exception:
+            self._window = None
+
+
+#: Checkpoint notes a rank holds for its sender at most (a job saves one every few hundred steps).
+MAX_NOTES = 64
+
+
+class NoteCounts:
+    """One rank's checkpoint notes: ``sent`` (the bus took them), ``dropped`` (past :data:`MAX_NOTES`,
+    invalid, not encodable, or unsent at close). ``queued`` is written by the training thread only,
+    ``taken`` (off the queue) and ``settled`` (sent or dropped) by the sender only: no count is lost."""
+
+    __slots__ = ("sent", "dropped", "queued", "taken", "settled")
+
+    def __init__(self) -> None:
+        self.sent = self.dropped = self.queued = self.taken = self.settled = 0
+
+    def __len__(self) -> int:
+        """Notes queued or held, not yet sent or dropped."""
+        return self.queued - self.settled
+
+    def build(self, item: tuple, run: str, rank: int, world: int) -> CheckpointNote | None:
+        """The note of a queued ``(step, path)``; None (counted as dropped) when it is invalid."""
+        step, path = item
+        self.taken += 1
+        try:
+            return CheckpointNote(run, rank, world, step, clean_text(path, MAX_PATH_BYTES))
+        except (RecordError, TypeError, ValueError) as exc:
+            self.settle(dropped=1)
+            log.warning("sdcwatch emitter (rank %s): checkpoint note at step %r not sent: %s", rank, step, exc)
+            return None
+
+    def settle(self, sent: int = 0, dropped: int = 0) -> None:
+        self.sent += sent
+        self.dropped += dropped
+        self.settled += sent + dropped
