@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -46,10 +47,32 @@ def write_state(path: str | os.PathLike, state: dict[str, Any]) -> None:
     except OSError:  # a full disk: no half-written file left behind; the last snapshot stays as it was
         tmp.unlink(missing_ok=True)
         raise
-    if path.is_file():
-        os.replace(path, previous_state(path))
+    try:
+        if path.is_file():
+            _keep_previous(path)
+    except OSError:  # no room even for the copy: the new snapshot goes too, the current one stays
+        tmp.unlink(missing_ok=True)
+        raise
     os.replace(tmp, path)
     _sync_dir(path.parent)
+
+
+def _keep_previous(path: Path) -> None:
+    """Keep the current file as ``<name>.prev`` while it stays in place: a hard link (or a copy,
+    where the file system has none) renamed over the old ``.prev``. Moving the file aside instead
+    left a moment with no state file at all, which a restart or a reader could meet."""
+    prev = previous_state(path)
+    staged = prev.with_suffix(prev.suffix + ".tmp")
+    staged.unlink(missing_ok=True)
+    try:
+        os.link(path, staged)
+    except OSError:
+        try:
+            shutil.copy2(path, staged)
+        except OSError:
+            staged.unlink(missing_ok=True)
+            raise
+    os.replace(staged, prev)
 
 
 def read_state(path: str | os.PathLike) -> dict[str, Any] | None:
