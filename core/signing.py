@@ -171,9 +171,7 @@ class Keyring:
             kid = value[6:start].decode("utf-8", "replace")
             raise AuthError("signature", f"signed with key {kid[:_MAX_KID]!r}, which this service does not hold")
         message = value[start + _TAG :]
-        if len(value) < start + _TAG or not hmac.compare_digest(
-            value[start : start + _TAG], key.tag(message)
-        ):
+        if len(value) < start + _TAG or not hmac.compare_digest(value[start : start + _TAG], key.tag(message)):
             raise AuthError("signature", f"does not verify under key {key.kid!r} (forged or altered)")
         return key.kid, message
 
