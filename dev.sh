@@ -4,7 +4,8 @@
 #                          on the embedded broker
 #   ./dev.sh test [ARGS]   install sdcwatch[dev] (every extra and the pinned versions the tests run)
 #                          and the test dependencies from Debian (Prometheus, Alertmanager, Chromium),
-#                          then run the test suite (the `bench`-marked end-to-end runs: -m bench)
+#                          then run the test suite on several workers (the `bench`-marked end-to-end
+#                          runs: -m bench; one process: -n 0)
 #   ./dev.sh lint          install sdcwatch[dev], run ruff (lint and format check) and build the
 #                          documentation site (docs/, mkdocs.yml) with mkdocs --strict
 # A training rank needs only `pip install sdcwatch` (README.md, "Set-up").
@@ -66,7 +67,12 @@ case "$cmd" in
   test)
     need_debian
     need_venv dev
-    exec "$VENV/bin/python" -m pytest "$@"
+    # on $SDCWATCH_TEST_WORKERS workers (default: one more than the cores, at most 8): many tests
+    # wait on a broker, a process or a timer, so the extra worker pays; `./dev.sh test -n 0` runs
+    # them in one process
+    workers=$(($(nproc) + 1))
+    [ "$workers" -gt 8 ] && workers=8
+    exec "$VENV/bin/python" -m pytest -n "${SDCWATCH_TEST_WORKERS:-$workers}" "$@"
     ;;
   *)
     echo "usage: ./dev.sh demo [ARGS] | ./dev.sh lint | ./dev.sh test [PYTEST ARGS]" >&2

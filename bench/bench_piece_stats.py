@@ -1,7 +1,7 @@
 """The cost of the exporter's per-piece statistics at large world sizes, beside the run-wide ones.
 
 ``frame_stats`` runs in the spatial stage every ``stats_every`` (10) steps and, in one process,
-when a scrape finds a new step (:func:`sdcwatch.service.run_view.run_view`); under tensor or
+when a scrape finds a new step (:func:`sdcwatch.service.run_state.run_view`); under tensor or
 pipeline parallelism it also takes the quantiles within every model piece
 (:func:`sdcwatch.detectors.piece_stats.piece_stats`). This times both on a synthetic step of 11
 scalars and 7 layer metrics x 5 layers (a pipeline stage's share), best of ``--rounds``::

@@ -44,11 +44,8 @@ def _str16(s: str) -> bytes:
 def encode_rows(
     schema: Schema, run: str, hosts: Sequence[str], rows: bytes | Iterable[bytes], count: int, *, with_schema: bool
 ) -> bytes:
-    """One v2 message: ``count`` rows already packed in ``schema``'s layout (bytes or an iterable of rows).
-
-    ``hosts`` is the message's host table; each row's host index points into it. Producers that
-    hold many ranks as numpy arrays pack the rows with ``schema.dtype`` and call this directly.
-    """
+    """One v2 message: ``count`` rows already packed in ``schema``'s layout (bytes or an iterable of
+    rows, e.g. numpy rows of ``schema.dtype``), their host indices pointing into ``hosts``."""
     if len(hosts) > 0xFFFF:
         raise RecordError("hosts", "more than 65535 hosts in one message")
     table = "\n".join(hosts).encode("utf-8")
@@ -183,11 +180,8 @@ def _parse_header(buf: bytes) -> MessageHeader:
 
 
 def rows_of(value: bytes, head: MessageHeader, schemas: dict[int, Schema], limits: Any = None) -> list[Any]:
-    """The records of one v2 message, one at a time (tests, tools; the service reads v2 in bulk).
-
-    Its schema comes inline (learnt into ``schemas``) or from ``schemas``; RecordError on an
-    unknown schema or rows that do not fill the message; ``limits`` checks each record.
-    """
+    """The records of one v2 message, its schema inline (learnt into ``schemas``) or from ``schemas``;
+    RecordError on an unknown schema or rows that do not fill the message."""
     if head.schema_text is not None:
         sch = Schema.from_text(head.schema_text)
         if sch.id != head.schema_id:

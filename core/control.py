@@ -1,21 +1,26 @@
 """The guard's wire: the decisions the detector service sends to a training job's guard (one JSON
-object a :class:`Decision` on the control topic, signed and numbered for a signed run), and the
-codes a guarded step's records carry back (:data:`GUARD_SCALARS`). Both sides import this one definition.
+object a :class:`Decision` on the control topic, signed, numbered and bound to the job's start for a
+signed run), the start a guard announces on the telemetry topic (:class:`JobStart`), and the codes a
+guarded step's records carry back (:data:`GUARD_SCALARS`). Both sides import this one definition.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from sdcwatch.core.errors import ControlError
+from sdcwatch.core.limits import LimitError
 from sdcwatch.core.signing import AuthError, JobKey, is_signed
 
 __all__ = [
     "CONTROL_ACTIONS",
     "Decision",
+    "JobStart",
+    "START_MAGIC",
     "decode_decision",
     "open_decision",
     "ACTIONS",
@@ -40,7 +45,12 @@ GUARD_SCALARS = ("guard_action", "guard_reason", "guard_verdict", "guard_rank")
 CONTROL_ACTIONS = ("skip", "rollback", "evict")
 _MAX_RANKS = 64
 _MAX_TEXT = 1024
-_FIELDS = frozenset("run action reason ranks hosts since_step incident lr_factor issued_at seq checkpoint".split())
+_FIELDS = frozenset(
+    "run action reason ranks hosts since_step incident lr_factor issued_at seq checkpoint nonce".split()
+)
+_MAX_NONCE = 64
+#: The prefix of a job start announcement on the telemetry topic (then its JSON).
+START_MAGIC = b"SDCI"
 
 
 @dataclass(frozen=True)
@@ -66,6 +76,9 @@ class Decision:
     checkpoint: str = ""
     """A rollback's certified checkpoint: the newest the service marked clean at or before
     ``since_step`` (its path, or ``step N`` when the job named no path; "" when none is known)."""
+    nonce: str = field(default="", compare=False)
+    """The start of the job the decision is for (:class:`JobStart`): a guard that holds a job key
+    takes only a decision carrying its own start's nonce, so none outlives a restart."""
 
     def __post_init__(self) -> None:
         _check(self)
@@ -84,6 +97,7 @@ class Decision:
             # only when set: a guard of an earlier release refuses a field it does not know
             **({"seq": self.seq} if self.seq else {}),
             **({"checkpoint": self.checkpoint} if self.checkpoint else {}),
+            **({"nonce": self.nonce} if self.nonce else {}),
         }
 
     def encode(self) -> bytes:
@@ -125,6 +139,12 @@ def _check(d: Decision) -> None:
         raise ControlError("seq", f"must be an integer in [0, 2^63), got {d.seq!r}")
     if not isinstance(d.checkpoint, str) or len(d.checkpoint) > _MAX_TEXT or any(ord(c) < 32 for c in d.checkpoint):
         raise ControlError("checkpoint", "must be a string of at most 1024 characters, no control character")
+    if d.nonce != "" and not (isinstance(d.nonce, str) and _is_nonce(d.nonce)):
+        raise ControlError("nonce", f"must be at most {_MAX_NONCE} letters and digits")
+
+
+def _is_nonce(text: str) -> bool:
+    return 0 < len(text) <= _MAX_NONCE and text.isascii() and text.isalnum()
 
 
 def decode_decision(data: bytes | str | Mapping[str, Any]) -> Decision:
@@ -163,6 +183,7 @@ def decode_decision(data: bytes | str | Mapping[str, Any]) -> Decision:
         issued_at=float(issued),
         seq=obj.get("seq", 0),
         checkpoint=obj.get("checkpoint", ""),
+        nonce=obj.get("nonce", ""),
     )
 
 
@@ -177,3 +198,39 @@ def open_decision(value: bytes, key: JobKey | None) -> Decision:
     elif is_signed(value):
         raise ControlError("signature", "the decision is signed but this job holds no key (SDCWATCH_KEY_FILE)")
     return decode_decision(value)
+
+
+@dataclass(frozen=True)
+class JobStart:
+    """One start of a job's guard: a fresh random ``nonce`` for ``run``, announced signed on the
+    telemetry topic, which the service copies into each decision it signs for the run.
+
+    torchrun keeps a run's name across restarts; the nonce does not survive one, so a decision
+    signed for an earlier start (captured, replayed) is refused by the guard of a later one.
+    """
+
+    run: str
+    nonce: str = field(default_factory=lambda: os.urandom(16).hex())
+    started_at: float = 0.0
+
+    def encode(self) -> bytes:
+        body = {"run": self.run, "nonce": self.nonce, "started_at": self.started_at}
+        return START_MAGIC + json.dumps(body, allow_nan=False).encode("utf-8")
+
+    @classmethod
+    def decode(cls, value: bytes) -> "JobStart":
+        """The announcement in ``value`` (after the envelope); LimitError ``malformed`` naming what is wrong."""
+        try:
+            obj = json.loads(value[len(START_MAGIC) :]) if value[:4] == START_MAGIC and len(value) <= 4096 else None
+        except (ValueError, UnicodeDecodeError):
+            obj = None
+        if not isinstance(obj, dict) or set(obj) != {"run", "nonce", "started_at"}:
+            raise LimitError("start", "not a job start announcement (SDCI, then run, nonce, started_at)", "malformed")
+        run, nonce, at = obj["run"], obj["nonce"], obj["started_at"]
+        if not isinstance(run, str) or not 0 < len(run) <= _MAX_TEXT:
+            raise LimitError("start", "run must be a non-empty string", "malformed")
+        if not isinstance(nonce, str) or not _is_nonce(nonce):
+            raise LimitError("start", f"nonce must be 1-{_MAX_NONCE} letters and digits", "malformed")
+        if isinstance(at, bool) or not isinstance(at, (int, float)) or not math.isfinite(at):
+            raise LimitError("start", "started_at must be a number", "malformed")
+        return cls(run, nonce, float(at))

@@ -1,9 +1,6 @@
-"""The vocabulary shared by detectors, the incident book, the service and the exporters.
-
-A detector turns an aligned step into zero or more :class:`Finding` objects; the incident book
-folds findings into :class:`Incident` objects (one per problem, not one per step) and announces
-each change as an :class:`IncidentEvent` to the sinks (Kafka topic, Alertmanager, webhook, log).
-The exporter reads a :class:`ServiceView` at scrape time.
+"""Findings, incidents and views: a detector turns an aligned step into :class:`Finding` objects,
+the incident book folds them into :class:`Incident` objects announced as :class:`IncidentEvent`
+to the sinks, and the exporter reads a :class:`ServiceView` at scrape time.
 """
 
 from __future__ import annotations
@@ -42,19 +39,10 @@ class Severity(str, enum.Enum):
 
 @dataclass
 class Finding:
-    """What one detector saw at one step.
-
-    ``kind`` is a stable machine name (``nonfinite``, ``loss_spike``, ``grad_spike``,
-    ``rank_outlier``, ``replica_divergence``, ``straggler``, ``missing_rank``, ``sdc_suspected``,
-    ``optimisation_instability``, ``silent_drift`` ...). ``ranks`` is empty when the finding
-    is not rank-local. ``coords`` gives the mesh coordinates ({dim: index}) of each of ``ranks``,
-    in the same order, when the records carry them (the pipeline fills them in).
-
-    ``around`` is the message's text either side of where it names ``metric`` and ``layer``
-    (:func:`sdcwatch.core.model_place.message_at`): the message is ``around[0]``, that place rendered
-    from the fields (:func:`~sdcwatch.core.model_place.where`), ``around[1]``; None for a message that
-    names no place, or whose text was composed further.
-    """
+    """What one detector saw at one step. ``kind``: an :class:`~sdcwatch.core.kinds.IncidentKind`
+    value; ``ranks`` empty when it is not rank-local; ``coords`` the mesh coordinates of each of
+    ``ranks``, when known. ``around``: the message's text either side of the place it names
+    (:func:`~sdcwatch.core.model_place.message_at`), None when it names none."""
 
     detector: str
     kind: str
@@ -125,6 +113,9 @@ class Incident:
     resolved_at: float | None = None
     coords: tuple[dict[str, int], ...] = ()  # mesh coordinates of each of ``ranks`` (when known)
     layer_name: str | None = None  # the module ``layer`` indexes (sdcwatch.core.rank_notes), when known
+    # what opened it (step, ranks, hosts, metric, layer, layer_name, message, evidence), kept beside the
+    # latest: later findings change the fields above; None for an incident from before it was kept
+    onset: dict[str, Any] | None = None
 
     @property
     def open(self) -> bool:
@@ -155,14 +146,13 @@ class Incident:
             "resolved_at": self.resolved_at,
             "open": self.open,
             **({"coords": [dict(c) for c in self.coords]} if self.coords else {}),
+            **({"onset": json_safe(self.onset)} if self.onset is not None else {}),
         }
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "Incident":
-        """Inverse of :meth:`to_dict`, also of the anomalies topic's form (``to_dict`` plus ``change``:
-        ``resolved``, or ``open: false``, marks it resolved even without a ``resolved_step``) and of
-        an event wrapping one (``{"change", "incident"}``: the log sink's, a webhook's).
-        Raises ValueError naming the bad field."""
+        """Inverse of :meth:`to_dict`, also of the anomalies topic's form (``change: resolved`` or
+        ``open: false`` resolves it) and of an event wrapping one; ValueError naming the bad field."""
         if isinstance(d.get("incident"), Mapping):
             d = {**d["incident"], "change": d.get("change")}
         for key in ("kind", "severity", "message"):
@@ -201,6 +191,7 @@ class Incident:
             resolved_at=d.get("resolved_at"),
             coords=tuple({str(k): int(v) for k, v in c.items()} for c in d.get("coords") or ()),
             layer_name=d.get("layer_name"),
+            onset=dict(d["onset"]) if d.get("onset") is not None else None,
         )
 
 
@@ -222,7 +213,7 @@ def _check_fields(d: Mapping[str, Any], first: Any, last: Any) -> None:
         value = d.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, types)):
             raise ValueError(f"incident field {key!r} must be {what} or null, got {value!r:.80}")
-    for key, types in (("hosts", (list, tuple)), ("coords", (list, tuple)), ("evidence", Mapping)):
+    for key, types in (("hosts", (list, tuple)), ("coords", (list, tuple)), ("evidence", Mapping), ("onset", Mapping)):
         if d.get(key) is not None and not isinstance(d[key], types):
             raise ValueError(f"incident field {key!r} has the wrong type: {d[key]!r:.80}")
     if not all(isinstance(c, Mapping) for c in d.get("coords") or ()):
@@ -239,10 +230,7 @@ class IncidentEvent:
 
 class IncidentSink(Protocol):
     """Anything that takes incident changes: the anomalies topic, Alertmanager, a webhook, a log.
-
-    ``publish`` must return quickly and never raise: a slow or dead receiver must not stall
-    detection (sinks that talk to the network queue and send from their own thread).
-    """
+    ``publish`` returns quickly and never raises (a network sink sends from its own thread)."""
 
     def publish(self, event: IncidentEvent) -> None: ...
 
@@ -298,6 +286,7 @@ class PipelineView:
     world_changes_total: int = 0  # times a run's world size changed (its steps realigned)
     incomplete_steps_total: int = 0  # steps closed without every rank's record
     dead_letter_reasons: dict[str, int] = field(default_factory=dict)  # dead letters by reason code
+    auth_runs_refused: dict[tuple[str, str], int] = field(default_factory=dict)  # (key id, reason) -> messages
     consumer_partitions: int = -1  # partitions the reader owns (0: evicted or unassigned; -1: unknown)
     waiting_for_schema: int = 0  # v2 messages held until the message carrying their schema comes
     offset_gaps: dict[str, int] = field(default_factory=dict)  # gaps in partition offsets by outcome

@@ -1,8 +1,6 @@
-"""One JSON codec for the numbers JSON cannot hold: NaN and +/-Infinity travel as the strings
-``"NaN"``, ``"Infinity"`` and ``"-Infinity"``; numpy arrays as their exact bytes.
-
-Incidents on the anomalies topic, the service's state file and the report use it, so a NaN a
-detector saw reads back as a NaN everywhere.
+"""One JSON codec for the numbers JSON cannot hold, used by incidents, the state file and the report:
+NaN and +/-Infinity travel as the strings ``"NaN"``, ``"Infinity"`` and ``"-Infinity"``, numpy
+arrays as their exact bytes.
 
 >>> json_safe({"loss": float("nan"), "ranks": (3,)})
 {'loss': 'NaN', 'ranks': [3]}

@@ -1,10 +1,7 @@
 """Kafka client construction, once: the security settings every client takes, and the producer,
-consumer and admin clients built with them.
-
-The emitter's transport, the service's source, its dead-letter producer and its topic sinks, and
-the admin calls all build their kafka-python clients here, so a SASL/SSL setting reaches every one.
-kafka-python is imported on the first client, never at import time (the in-rank package may use
-this module without pulling it in).
+consumer and admin clients built with them, so a SASL/SSL setting reaches every one. kafka-python
+is imported on the first client, never at import time. Its logger (``kafka``) is set to WARNING on
+the first client unless the application set its level: its INFO lines are connection chatter.
 
 >>> security_settings({"security_protocol": "SSL"})
 {'security_protocol': 'SSL'}
@@ -14,6 +11,7 @@ this module without pulling it in).
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Mapping
 
 from sdcwatch.core.errors import ConfigError
@@ -69,28 +67,29 @@ def bootstrap_servers(bootstrap: str) -> list[str]:
     return bootstrap.split(",")
 
 
+def _client(cls: Any, bootstrap: str, security: Mapping[str, Any] | None, settings: dict, *topics: str) -> Any:
+    kafka_log = logging.getLogger("kafka")
+    if kafka_log.level == logging.NOTSET:  # an application's own setting of it wins
+        kafka_log.setLevel(logging.WARNING)
+    return cls(*topics, bootstrap_servers=bootstrap_servers(bootstrap), **settings, **security_settings(security or {}))
+
+
 def new_producer(bootstrap: str, security: Mapping[str, Any] | None = None, **settings: Any) -> Any:
     """A kafka-python ``KafkaProducer`` for ``bootstrap`` with the security settings."""
     from kafka import KafkaProducer
 
-    return KafkaProducer(
-        bootstrap_servers=bootstrap_servers(bootstrap), **settings, **security_settings(security or {})
-    )
+    return _client(KafkaProducer, bootstrap, security, settings)
 
 
 def new_consumer(bootstrap: str, *topics: str, security: Mapping[str, Any] | None = None, **settings: Any) -> Any:
     """A kafka-python ``KafkaConsumer`` of ``topics`` for ``bootstrap`` with the security settings."""
     from kafka import KafkaConsumer
 
-    return KafkaConsumer(
-        *topics, bootstrap_servers=bootstrap_servers(bootstrap), **settings, **security_settings(security or {})
-    )
+    return _client(KafkaConsumer, bootstrap, security, settings, *topics)
 
 
 def new_admin(bootstrap: str, security: Mapping[str, Any] | None = None, **settings: Any) -> Any:
     """A kafka-python ``KafkaAdminClient`` for ``bootstrap`` with the security settings."""
     from kafka.admin import KafkaAdminClient
 
-    return KafkaAdminClient(
-        bootstrap_servers=bootstrap_servers(bootstrap), **settings, **security_settings(security or {})
-    )
+    return _client(KafkaAdminClient, bootstrap, security, settings)

@@ -1,8 +1,5 @@
-"""What a finding or an incident is about: :class:`IncidentKind`, and the sets of kinds the
-incident book, attribution, the demo and the campaign reason with.
-
-Findings and incidents carry the kind's value (a plain string: it goes to JSON, labels and
-messages as it is); ``IncidentKind.X.value`` is how code names one.
+"""What a finding or an incident is about: :class:`IncidentKind` (its value is what JSON, labels and
+messages carry), and the sets of kinds the incident book, attribution, the demo and the campaign use.
 
 >>> IncidentKind.SDC_SUSPECTED.value in RANK_BLAME_KINDS
 True

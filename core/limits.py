@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any, Sequence
 
-from sdcwatch.core.errors import ConfigError, RecordError
+from sdcwatch.core.errors import ConfigError, RecordError, UnknownVersionError
 from sdcwatch.core.validate import check_number
 from sdcwatch.core.vocabulary import CANARY_PRODUCT, FIRST_BAD
 
@@ -53,8 +53,6 @@ class LimitError(RecordError):
 
 def reason_of(exc: BaseException) -> str:
     """The dead-letter reason of a decode error (one of :data:`DEAD_LETTER_REASONS`)."""
-    from sdcwatch.core.errors import UnknownVersionError
-
     if isinstance(exc, LimitError):
         return exc.reason
     if isinstance(exc, UnknownVersionError):

@@ -1,39 +1,9 @@
 """Parallel coordinates: where a rank sits in the job's device mesh, and which ranks it is like.
 
-A large job is never pure data parallel (Llama 3: tensor 8 x pipeline 16 x data 128). Two ranks
-are comparable only when they hold the same model piece: the same tensor-parallel shard of the
-same pipeline stage (and the same context chunk and experts). Their numbers differ across data
-replicas only by data and by faults. A record carries its rank's coordinates (``Record.coords``,
-{dim: index}) over the canonical dims below; the service groups ranks by them:
-
-- the **peer key** (:func:`peer_key`): every coordinate except the data-parallel ones. Ranks with
-  one peer key hold the same model piece on different data: loss, norms, activation statistics and
-  gradient checks are compared within it.
-- the **replica key** (:func:`replica_key`): the peer key plus ``dp_shard``. Ranks with one replica
-  key hold the same parameter shard (under FSDP/HSDP a shard lives on one rank per replica):
-  fingerprints of parameters must agree bit for bit within it.
-
-A record without coordinates keeps its old meaning: every such rank of a run is one data-parallel
-group (peer key ``()``).
-
-Dims, outermost first (the order :class:`Layout` numbers ranks in, the same as torchtitan's
-``pp, dp_replicate, dp_shard, cp, tp`` with experts next to tensor parallel; tensor parallel
-varies fastest, so a tensor-parallel group sits on one host):
-
-=================  ===========================================================================
-``pp``             pipeline stage
-``dp_replicate``   data-parallel replica (DDP, or HSDP's replicate dim)
-``dp_shard``       data-parallel shard (FSDP, or HSDP's shard dim)
-``cp``             context-parallel chunk of the sequence
-``ep``             expert-parallel group
-``tp``             tensor-parallel shard
-=================  ===========================================================================
-
-Launchers without a torch ``DeviceMesh`` give a layout of sizes (``SDCWATCH_MESH="pp=2,dp=4,tp=2"``,
-numbered in the order above whatever order it is written in) or a rank's coordinates outright
-(``SDCWATCH_COORDS="pp=1,dp=3,tp=0"``). ``dp`` is short for ``dp_replicate``.
-
-This module imports only the standard library: it runs in every training rank.
+Ranks with one :func:`peer_key` (every coordinate but the data-parallel ones) hold the same model
+piece on different data; ranks with one :func:`replica_key` (plus ``dp_shard``) the same parameter
+shard. A record without coordinates is one data-parallel group (peer key ``()``). The dims, their
+aliases and ``SDCWATCH_MESH`` / ``SDCWATCH_COORDS``: docs/integrations.md. Standard library only.
 """
 
 from __future__ import annotations
@@ -111,19 +81,24 @@ def _pairs(text: str, key: str) -> dict[str, int]:
     return out
 
 
+def _by_dim(values: Mapping[str, int], key: str, lo: int, hi: int, what: str) -> dict[str, int]:
+    """{canonical dim: a whole number in [lo, hi)} in :data:`DIMS` order; ConfigError naming the bad entry."""
+    out: dict[str, int] = {}
+    for name, value in values.items():
+        dim = canonical_dim(name, key=key)
+        if dim in out:
+            raise ConfigError(key, f"dim {dim!r} given twice")
+        if isinstance(value, bool) or not isinstance(value, int) or not lo <= value < hi:
+            raise ConfigError(f"{key}.{dim}", f"{what}, got {value!r}")
+        out[dim] = value
+    return {d: out[d] for d in DIMS if d in out}
+
+
 def check_coords(coords: Mapping[str, int], *, key: str = "coords") -> dict[str, int]:
     """Validated canonical coordinates, in :data:`DIMS` order; ConfigError naming the bad entry."""
     if not isinstance(coords, Mapping):
         raise ConfigError(key, f"must be a mapping of mesh dim to index, got {type(coords).__name__}")
-    out: dict[str, int] = {}
-    for name, value in coords.items():
-        dim = canonical_dim(name, key=key)
-        if dim in out:
-            raise ConfigError(key, f"dim {dim!r} given twice")
-        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < MAX_COORD:
-            raise ConfigError(f"{key}.{dim}", f"must be a whole number in [0, {MAX_COORD}), got {value!r}")
-        out[dim] = value
-    return {d: out[d] for d in DIMS if d in out}
+    return _by_dim(coords, key, 0, MAX_COORD, f"must be a whole number in [0, {MAX_COORD})")
 
 
 def parse_coords(text: str, *, key: str = "SDCWATCH_COORDS") -> dict[str, int]:
@@ -146,17 +121,9 @@ class Layout:
     __slots__ = ("sizes", "world", "_strides")
 
     def __init__(self, sizes: Mapping[str, int], *, key: str = "layout") -> None:
-        canon: dict[str, int] = {}
-        for name, size in sizes.items():
-            dim = canonical_dim(name, key=key)
-            if dim in canon:
-                raise ConfigError(key, f"dim {dim!r} given twice")
-            if isinstance(size, bool) or not isinstance(size, int) or not 1 <= size <= MAX_COORD:
-                raise ConfigError(f"{key}.{dim}", f"size must be a whole number in [1, {MAX_COORD}], got {size!r}")
-            canon[dim] = size
-        if not canon:
+        self.sizes = _by_dim(sizes, key, 1, MAX_COORD + 1, f"size must be a whole number in [1, {MAX_COORD}]")
+        if not self.sizes:
             raise ConfigError(key, "names no dim")
-        self.sizes = {d: canon[d] for d in DIMS if d in canon}
         world, strides = 1, {}
         for d in reversed(tuple(self.sizes)):
             strides[d] = world

@@ -1,14 +1,7 @@
-"""Every message sdcwatch writes, declared once (:data:`KINDS`): its 4-byte prefix or JSON kind,
-where it travels, how it is encoded and decoded; one :func:`decode_message` for bus messages and
-one :func:`decode_line` for JSON lines, which every reader uses.
-
-The kinds a rank writes on the telemetry topic (records v1 and v2, layer names, checkpoint notes,
-the end-of-run marker, each optionally inside a signed envelope) and those the service writes (step
-summaries, incident changes and checkpoint marks on the anomalies topic, decisions on the control
-topic). :func:`encode_items` turns what an emitter sends into bus messages in the order it made
-them; :func:`encode_line` into the file transport's JSON lines. Decoding never guesses: a bad
-message raises :class:`~sdcwatch.core.errors.RecordError` naming what is wrong, a signed one that
-does not verify :class:`~sdcwatch.core.signing.AuthError` (reason ``auth``) naming why.
+"""Every message sdcwatch writes, declared once (:data:`KINDS`: prefix or JSON kind, topic, codec);
+one :func:`decode_message` for bus messages and one :func:`decode_line` for JSON lines, which every
+reader uses (docs/messages.md). A bad message raises RecordError naming what is wrong, a signed one
+that does not verify AuthError (reason ``auth``) naming why.
 """
 
 from __future__ import annotations
@@ -19,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence, Union
 
 from sdcwatch.core.columnar import MAGIC_V2, encode_message, parse_header, rows_of
-from sdcwatch.core.control import decode_decision
+from sdcwatch.core.control import START_MAGIC, JobStart, decode_decision
 from sdcwatch.core.errors import ControlError, RecordError
 from sdcwatch.core.incident import Incident
 from sdcwatch.core.limits import RecordLimits
@@ -36,8 +29,7 @@ from sdcwatch.core.rank_notes import (
     names_from_dict,
     note_from_dict,
 )
-from sdcwatch.core.record import BATCH_MAGIC, MAGIC, decode_records, encode, encode_batch
-from sdcwatch.core.record_json import from_dict, to_json
+from sdcwatch.core.record import BATCH_MAGIC, MAGIC, decode_records, encode, encode_batch, from_dict, to_json
 from sdcwatch.core.record_layout import PackedRecord, Schema
 from sdcwatch.core.record_type import Record
 from sdcwatch.core.signing import SIGNED_MAGIC, AuthError, Keyring
@@ -85,13 +77,13 @@ KINDS: tuple[MessageKind, ...] = (
     MessageKind("end-of-run marker", TELEMETRY_TOPIC, MAGIC, None, None, None),  # a record: see end_marker
     MessageKind("layer names", TELEMETRY_TOPIC, NAMES_MAGIC, "layer_names", encode_names, decode_names),
     MessageKind("checkpoint note", TELEMETRY_TOPIC, CKPT_MAGIC, "checkpoint", encode_note, decode_note),
+    MessageKind("job start", TELEMETRY_TOPIC, START_MAGIC, None, JobStart.encode, JobStart.decode),
     MessageKind("signed envelope", TELEMETRY_TOPIC, SIGNED_MAGIC, None, None, Keyring.verify),
     MessageKind("step summary", SUMMARY_TOPIC, SUMMARY_MAGIC),
     MessageKind("incident change", ANOMALY_TOPIC, None, "opened|updated|resolved", None, Incident.from_dict),
     MessageKind("checkpoint mark", ANOMALY_TOPIC, None, "checkpoint", CheckpointMark.to_dict, CheckpointMark.from_dict),
     MessageKind("decision", CONTROL_TOPIC, None, None, None, decode_decision),
 )
-_BY_PREFIX = {k.prefix: k for k in KINDS if k.prefix is not None and k.decode is not None}
 
 
 def decode_message(
@@ -102,13 +94,9 @@ def decode_message(
     keyring: Keyring | None = None,
     names_cache: dict | None = None,
 ) -> list[Message]:
-    """What one bus message holds: records, layer names or a checkpoint note.
-
-    A signed message is verified with ``keyring`` first (AuthError when it does not verify, or when
-    no keyring is given). A v2 message needs its schema inline or in ``schemas`` (what earlier
-    messages taught; updated here). With ``limits`` (the service's) a message or a record past a
-    limit raises LimitError before anything is sized by its claims.
-    """
+    """What one bus message holds: records, layer names or a checkpoint note. A signed one is
+    verified with ``keyring`` first; a v2 one needs its schema inline or in ``schemas`` (updated
+    here); ``limits`` raise LimitError before anything is sized by its claims."""
     if not isinstance(value, (bytes, bytearray, memoryview)):
         raise RecordError("record", f"expected bytes, got {type(value).__name__}")
     value = bytes(value)
@@ -119,6 +107,8 @@ def decode_message(
         return [decode_names(value, limits, names_cache)]
     if prefix == CKPT_MAGIC:
         return [decode_note(value, limits)]
+    if prefix == START_MAGIC:  # a guard's start: the service's authenticator reads it, nothing else
+        return []
     if prefix == MAGIC_V2:
         return rows_of(value, parse_header(value), schemas if schemas is not None else {}, limits)
     if prefix == SUMMARY_MAGIC:
@@ -139,9 +129,8 @@ def open_signed(value: bytes | None, keyring: Keyring | None) -> bytes | None:
 def decode_stream(
     values: Iterable[bytes], limits: RecordLimits | None = None, *, keyring: Keyring | None = None
 ) -> list[Record]:
-    """The records of a sequence of bus messages, in order (:func:`decode_message` on each, the v2
-    schemas sent inline learnt along the way; layer names and checkpoint notes left out): tests and
-    tools. The service reads v2 in bulk (``sdcwatch.service.ingest``)."""
+    """The records of a sequence of bus messages, in order (layer names and checkpoint notes left
+    out; the v2 schemas learnt along the way): tests and tools."""
     schemas: dict[int, Schema] = {}
     msgs = (m for v in values for m in decode_message(v, limits, schemas=schemas, keyring=keyring))
     return [m for m in msgs if isinstance(m, Record)]
@@ -194,15 +183,10 @@ def encode_line(item: Message | PackedRecord) -> str:
 def encode_items(
     items: Sequence[Any], key_of: Callable[[Any], bytes], max_per_message: int, schemas_sent: set | None = None
 ) -> list[tuple[bytes, bytes, list]]:
-    """Bus messages for a transport, ``(key, value, items)``, in the order the items were made under
-    each key: records (v1, and v2 packed records that share schema and host) travel together, at most
-    ``max_per_message`` a message; layer names and checkpoint notes are messages of their own, and
-    records made after one go in a later message than those made before it.
-
-    ``schemas_sent`` holds ``(key, schema id)`` pairs already sent inline under that key: a schema
-    rides with the first message of each key (it is updated here; the transport forgets it when it
-    reconnects).
-    """
+    """Bus messages ``(key, value, items)`` in the order the items were made under each key: records
+    travel together (v2 ones of one schema and host), at most ``max_per_message`` a message; layer
+    names and checkpoint notes alone, between the records made before and after them.
+    ``schemas_sent``: ``(key, schema id)`` pairs whose schema was sent inline already (updated here)."""
     groups: dict[tuple, list] = {}
     epoch: dict[bytes, int] = {}  # per key: rank messages seen so far (records after one start anew)
     for it in items:
@@ -244,11 +228,8 @@ def end_marker(
     time: float | None = None,
     dropped: float = 0.0,
 ) -> Record:
-    """The end-of-run marker rank ``rank`` sends after its last record (``step``: the last it emitted).
-
-    An ordinary version-1 record carrying the reserved scalar ``sdcwatch.run_end = 1`` (and the
-    usual ``emitter_dropped``); a run is finished once every rank of its world has sent one.
-    """
+    """The end-of-run marker rank ``rank`` sends after its last record (``step``: the last it emitted):
+    a v1 record carrying ``sdcwatch.run_end = 1`` and ``emitter_dropped``."""
     scalars = {RUN_END: 1.0, "emitter_dropped": float(dropped)}
     stamp = _time.time() if time is None else time
     return Record.make(

@@ -1,8 +1,6 @@
-"""One metric family sdcwatch exposes on ``/metrics``: :class:`MetricSpec` (name, type, labels, help).
-
-The exporter's catalogue lists its own; a detector declares the ones it owns in its own file, with
-``read`` saying how to take the value from its state, and the collector, the catalogue, the
-dashboard and its README pick them up from the detector registry.
+"""One metric family sdcwatch exposes on ``/metrics`` (:class:`MetricSpec`): the exporter's
+catalogue lists its own, a detector declares its own in its file (``read`` takes the value from its
+state) and the collector, catalogue and dashboard pick them up from the detector registry.
 """
 
 from __future__ import annotations
@@ -23,15 +21,10 @@ PER_RANK = ("run", "rank", "host")
 
 @dataclass(frozen=True)
 class MetricSpec:
-    """One exposed metric family.
-
-    ``name`` is the full sample name (counters include ``_total``, info metrics ``_info``);
-    ``kind`` is the Prometheus type (``gauge``, ``counter`` or ``info``). A detector's metric (a
-    gauge or a counter) has ``read(detector)``, called on the view of each judged step, whose
-    answer its labels fix: a number for ``("run",)``, a mapping of label value to number for
-    ``("run", <label>)``, a (world,) array for :data:`PER_RANK`. ``panel`` titles the dashboard
-    panel the generator draws of it ("" for none).
-    """
+    """One exposed metric family: ``name`` the full sample name (with ``_total``, ``_info``), ``kind``
+    its Prometheus type. A detector's gauge or counter has ``read(detector)``, whose answer its
+    labels fix: a number for ``("run",)``, {label value: number} for ``("run", <label>)``, a (world,)
+    array for :data:`PER_RANK`. ``panel`` titles its dashboard panel ("" for none)."""
 
     name: str
     kind: str

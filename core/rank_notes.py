@@ -1,10 +1,7 @@
-"""What a rank says about its records besides the records: the layer names their indices point at
-(:class:`LayerNames`) and the checkpoints it saved (:class:`CheckpointNote`), one codec for both, and
-the service's marking of a checkpoint (:class:`CheckpointMark`).
-
-Both travel under the records' partition key, in order with them (layouts, bounds and why:
-docs/messages.md). Anyone can write to the topic: decoding bounds every length and refuses control
-characters with a RecordError (LimitError reason ``names``) naming the field.
+"""What a rank says besides its records: the layer names their indices point at (:class:`LayerNames`)
+and the checkpoints it saved (:class:`CheckpointNote`), one codec for both, and the service's
+marking of a checkpoint (:class:`CheckpointMark`). Layouts and bounds: docs/messages.md; decoding
+bounds every length and refuses control characters (LimitError reason ``names``).
 """
 
 from __future__ import annotations
@@ -19,6 +16,7 @@ from typing import Any, Mapping, Sequence
 
 from sdcwatch.core.errors import RecordError, UnknownVersionError
 from sdcwatch.core.limits import MAX_NAME_BYTES, LimitError, RecordLimits
+from sdcwatch.core.record import ByteReader
 from sdcwatch.core.vocabulary import family_of
 
 __all__ = [
@@ -235,40 +233,21 @@ def encode_note(note: CheckpointNote) -> bytes:
     return _encode(CKPT_MAGIC, note, b"", _str16(note.path.encode("utf-8")))
 
 
-class _Cursor:
-    """Reads a rank message front to back; every shortfall is a RecordError naming the field."""
-
-    def __init__(self, buf: bytes, what: str) -> None:
-        self.buf, self.p, self.what = buf, 0, what
-
-    def take(self, n: int, field: str) -> bytes:
-        if self.p + n > len(self.buf):
-            raise RecordError(field, f"truncated {self.what} ({len(self.buf)} bytes)")
-        self.p += n
-        return self.buf[self.p - n : self.p]
-
-    def text(self, field: str, wide: bool = False) -> str:
-        (n,) = (_U32 if wide else _U16).unpack(self.take(4 if wide else 2, field))
-        try:
-            return self.take(n, field).decode("utf-8")
-        except UnicodeDecodeError:
-            raise RecordError(field, "is not valid UTF-8") from None
-
-
 def _open(buf: Any, magic: bytes, what: str, fixed: int, limits: RecordLimits | None) -> tuple[Any, ...]:
     """(cursor after the run, step, rank, world, fixed bytes, run) of a rank message (``what``:
     ``names`` or ``checkpoint``, the field a truncated one names)."""
     buf = bytes(buf)
     if limits is not None and len(buf) > limits.max_message_bytes:
         raise LimitError("message", f"{len(buf)} bytes, the limit is {limits.max_message_bytes}", "oversize")
-    cur = _Cursor(buf, "layer-names message" if what == "names" else "checkpoint note")
-    got, version, step, rank, world = _HEAD.unpack(cur.take(_HEAD.size, what))
+    cur = ByteReader(buf)
+    got, version, step, rank, world = cur.unpack(_HEAD, what)
     if got != magic:
-        raise RecordError("magic", f"not a {cur.what} (starts with {got!r})")
+        kind = "layer-names message" if what == "names" else "checkpoint note"
+        raise RecordError("magic", f"not a {kind} (starts with {got!r})")
     if version != NOTE_VERSION:
         raise UnknownVersionError(version)
     extra = cur.take(fixed, what)
-    run = cur.text("run")
+    run = cur.string("run", True)
     _check_identity(run, rank, world, step, limits)
     return cur, step, rank, world, extra, run
 
@@ -276,26 +255,23 @@ def _open(buf: Any, magic: bytes, what: str, fixed: int, limits: RecordLimits | 
 def decode_note(buf: bytes | bytearray | memoryview, limits: RecordLimits | None = None) -> CheckpointNote:
     """Inverse of :func:`encode_note`; raises RecordError (LimitError) naming the fault."""
     cur, step, rank, world, _, run = _open(buf, CKPT_MAGIC, "checkpoint", 0, limits)
-    path = cur.text("path")
-    if cur.p != len(cur.buf):
-        raise RecordError("checkpoint", f"{len(cur.buf) - cur.p} trailing bytes")
+    path = cur.string("path", True)
+    if cur.pos != len(cur.buf):
+        raise RecordError("checkpoint", f"{len(cur.buf) - cur.pos} trailing bytes")
     return CheckpointNote(run, rank, world, step, path)
 
 
 def decode_names(
     buf: bytes | bytearray | memoryview, limits: RecordLimits | None = None, cache: dict | None = None
 ) -> LayerNames:
-    """Inverse of :func:`encode_names`; raises RecordError (LimitError: reason names) naming the fault.
-
-    ``cache`` (a dict the caller keeps) maps payloads already checked to their names: every
-    replica resends the same payload each window, and a hit costs a hash instead of an inflate.
-    """
+    """Inverse of :func:`encode_names`; RecordError (LimitError: reason names) naming the fault.
+    ``cache`` maps payloads already checked to their names: replicas resend the same one."""
     cur, step, rank, world, extra, run = _open(buf, NAMES_MAGIC, "names", 8, limits)
     (digest,) = _U64.unpack(extra)
     (k,) = _U32.unpack(cur.take(4, "names"))
-    if cur.p + k != len(cur.buf):
-        raise RecordError("names", f"the payload says {k} bytes, the message holds {len(cur.buf) - cur.p}")
-    payload = cur.buf[cur.p :]
+    if cur.pos + k != len(cur.buf):
+        raise RecordError("names", f"the payload says {k} bytes, the message holds {len(cur.buf) - cur.pos}")
+    payload = cur.buf[cur.pos :]
     hit = cache.get(payload) if cache is not None else None
     if hit is not None and hit[0] == digest:
         return LayerNames(run, rank, world, step, hit[1], digest, payload)
@@ -346,11 +322,8 @@ def note_from_dict(d: Any, limits: RecordLimits | None = None) -> CheckpointNote
 
 @dataclass
 class CheckpointMark:
-    """The service's marking of one checkpoint of a run, as the anomalies topic carries it.
-
-    ``incidents`` are the ids of the incidents that made it ``suspect`` or ``after-fault``;
-    ``was`` the marking it had before this one (None: its first), ``reason`` says why in words.
-    """
+    """The service's marking of one checkpoint of a run, as the anomalies topic carries it: the
+    ``incidents`` that made it so, the marking it ``was`` before (None: its first), ``reason``."""
 
     run: str
     step: int
@@ -360,6 +333,10 @@ class CheckpointMark:
     reason: str = ""
     was: str | None = None
     marked_at: float = 0.0
+    # what the marking rests on: per incident that covered its step, {"incident", "effect": the marking
+    # it gave (after-fault, suspect, or none: the guard kept the weights clean, or its reach stayed within
+    # the checks' bounds), "why"}; empty: no fault's incident covered it
+    evidence: tuple[dict[str, Any], ...] = ()
 
     @property
     def id(self) -> str:
@@ -379,6 +356,7 @@ class CheckpointMark:
             "reason": self.reason,
             "was": self.was,
             "marked_at": self.marked_at,
+            "evidence": [dict(e) for e in self.evidence],
         }
 
     @classmethod
@@ -389,7 +367,7 @@ class CheckpointMark:
             raise RecordError("step", f"must be an integer, got {step!r:.40}")
         if d.get("mark") not in MARKS:
             raise RecordError("mark", f"must be one of {', '.join(MARKS)}, got {d.get('mark')!r:.40}")
-        ids = d.get("incidents") or ()
+        ids, evidence = d.get("incidents") or (), d.get("evidence") or ()  # an older marking: no evidence
         return cls(
             str(d.get("run", "")),
             step,
@@ -399,4 +377,5 @@ class CheckpointMark:
             str(d.get("reason") or ""),
             d.get("was") if d.get("was") in MARKS else None,
             float(d["marked_at"]) if isinstance(d.get("marked_at"), (int, float)) else 0.0,
+            tuple(dict(e) for e in evidence if isinstance(e, dict)) if isinstance(evidence, list) else (),
         )

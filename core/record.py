@@ -1,21 +1,37 @@
-"""The wire record's versioned binary codec (v1: one record or a batch) and its partition key.
-
-Layout and rationale: docs/messages.md. Decoding never guesses: a bad field or an unknown version
-raises :class:`~sdcwatch.core.errors.RecordError` naming the field.
+"""The wire record's codecs: versioned binary (v1: one record or a batch) with its partition key,
+and strict JSON (the file transport, replay, the report; NaN and Inf as the strings of
+:mod:`sdcwatch.core.jsonsafe`). Layout: docs/messages.md. Decoding never guesses: a bad field or an
+unknown version raises :class:`~sdcwatch.core.errors.RecordError` naming the field.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import struct
 from typing import Any, Sequence
 
 from sdcwatch.core.errors import RecordError, UnknownVersionError
+from sdcwatch.core.jsonsafe import json_float
 from sdcwatch.core.limits import MAX_NAME_BYTES, LimitError, RecordLimits
 from sdcwatch.core.mesh import DIMS, MAX_COORD
-from sdcwatch.core.record_type import Record, check_name
+from sdcwatch.core.record_type import Record, check_name, validate
 
-__all__ = ["VERSION", "MAGIC", "encode", "decode", "encode_batch", "decode_records", "KEY_WINDOW", "record_key"]
+__all__ = [
+    "VERSION",
+    "MAGIC",
+    "encode",
+    "decode",
+    "encode_batch",
+    "decode_records",
+    "KEY_WINDOW",
+    "record_key",
+    "ByteReader",
+    "to_dict",
+    "from_dict",
+    "to_json",
+    "from_json",
+]
 
 VERSION = 1
 #: The record layout of a record that carries parallel coordinates.
@@ -50,11 +66,7 @@ def _put_str(out: list[bytes], s: str, wide: bool) -> None:
 
 
 def encode(rec: Record) -> bytes:
-    """Encode a record into the compact binary form (version 1).
-
-    The record is trusted to be valid (records built by the emitter are); ``struct`` still
-    refuses values that do not fit, which surfaces as RecordError.
-    """
+    """Encode a (trusted valid) record into the compact binary form; a value ``struct`` refuses is a RecordError."""
     try:
         coords = rec.coords
         out: list[bytes] = [
@@ -93,7 +105,9 @@ def encode(rec: Record) -> bytes:
         raise RecordError("record", f"cannot encode: {exc!r}") from None
 
 
-class _Reader:
+class ByteReader:
+    """Reads a binary message front to back; every shortfall is a RecordError naming the field."""
+
     __slots__ = ("buf", "pos")
 
     def __init__(self, buf: bytes) -> None:
@@ -146,13 +160,8 @@ def _fixed_group(buf: bytes, p: int, unpack_from: Any) -> tuple[dict, int]:
 
 
 def _decode_fast(buf: bytes, pos: int, end: int) -> Record | None:
-    """Decode the record in ``buf[pos:end]`` on the common path, or return None.
-
-    The service decodes every record of every rank, so this is the hot path of ingest: offsets
-    instead of views, names looked up among those seen before. Anything unusual (a new name, a
-    bad length, invalid UTF-8, a value out of range) returns None, and :func:`decode` then takes
-    the careful path, which names the field that is wrong.
-    """
+    """Decode the record in ``buf[pos:end]`` on ingest's hot path (offsets, names seen before), or
+    return None on anything unusual: the careful path then names the field that is wrong."""
     try:
         version = buf[pos + 4]
         if buf[pos : pos + 4] != MAGIC or (version != VERSION and version != VERSION_COORDS):
@@ -219,7 +228,7 @@ def _decode_careful(buf: bytes) -> Record:
     version = buf[4]
     if version != VERSION and version != VERSION_COORDS:
         raise UnknownVersionError(version)
-    r = _Reader(buf)
+    r = ByteReader(buf)
     _, _, step, rank, world, local_rank, time = r.unpack(_HEAD, "header")
     run = r.string("run", True)
     host = r.string("host", True)
@@ -281,11 +290,8 @@ def encode_batch(records: Sequence[Record]) -> bytes:
 
 
 def decode_records(data: bytes | bytearray | memoryview, limits: RecordLimits | None = None) -> list[Record]:
-    """Decode a v1 bus message: a single record or a batch. Raises RecordError when any part is bad.
-
-    With ``limits`` (the service always passes them) a message or a record past a limit raises
-    :class:`~sdcwatch.core.limits.LimitError`, before anything is sized by its claims.
-    """
+    """Decode a v1 bus message: a single record or a batch; RecordError when any part is bad, LimitError
+    (with ``limits``) for a message or record past a limit, before anything is sized by its claims."""
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise RecordError("record", f"expected bytes, got {type(data).__name__}")
     if limits is not None and len(data) > limits.max_message_bytes:
@@ -326,12 +332,99 @@ def _decode_message(buf: bytes) -> list[Record]:
     return out
 
 
-#: Steps per partition key. All records whose steps fall in one window share a key, so every
-#: rank of a step lands in the same partition (a detector instance sees whole steps), and one
-#: rank's consecutive steps can travel in one message.
+#: Steps per partition key: every rank of a step lands in one partition (a detector instance sees
+#: whole steps), and one rank's consecutive steps can travel in one message.
 KEY_WINDOW = 16
 
 
 def record_key(rec: Any) -> bytes:
     """Partition key of a record (or a packed one): run and step window, so every rank of one step lands in one partition."""
     return f"{rec.run}/{rec.step // KEY_WINDOW}".encode()
+
+
+_SPECIAL = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
+_FIELDS = frozenset("v run step rank world local_rank host time scalars fingerprints layers coords".split())
+
+
+def _pfloat(where: str, v: Any) -> float:
+    if isinstance(v, str) and v in _SPECIAL:
+        return _SPECIAL[v]
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise RecordError(where, f"must be a number, got {v!r}")
+    return float(v)
+
+
+def to_dict(rec: Record) -> dict[str, Any]:
+    """A plain, strict-JSON-safe dict of the record (tagged with the version)."""
+    return {
+        "v": VERSION,
+        "run": rec.run,
+        "step": rec.step,
+        "rank": rec.rank,
+        "world": rec.world,
+        "local_rank": rec.local_rank,
+        "host": rec.host,
+        "time": rec.time,
+        "scalars": {k: json_float(v) for k, v in rec.scalars.items()},
+        "fingerprints": {k: int(v) for k, v in rec.fingerprints.items()},
+        "layers": {k: [json_float(x) for x in v] for k, v in rec.layers.items()},
+        **({"coords": dict(rec.coords)} if rec.coords else {}),
+    }
+
+
+def from_dict(d: Any) -> Record:
+    """Inverse of :func:`to_dict`; raises RecordError naming the bad field."""
+    if not isinstance(d, dict):
+        raise RecordError("record", f"expected a JSON object, got {type(d).__name__}")
+    if "v" not in d:
+        raise RecordError("v", "missing version tag")
+    if d["v"] != VERSION:
+        raise UnknownVersionError(d["v"])
+    for key in ("run", "step", "rank", "world"):
+        if key not in d:
+            raise RecordError(key, "missing")
+    unknown = set(d) - _FIELDS
+    if unknown:
+        raise RecordError(sorted(unknown)[0], "unknown field")
+    groups = {}
+    for g in ("scalars", "fingerprints", "layers", "coords"):
+        val = d.get(g, {})
+        if not isinstance(val, dict):
+            raise RecordError(g, "must be a JSON object")
+        groups[g] = val
+    rec = Record(
+        run=d["run"],
+        step=d["step"],
+        rank=d["rank"],
+        world=d["world"],
+        host=d.get("host", ""),
+        time=_pfloat("time", d.get("time", 0.0)),
+        local_rank=d.get("local_rank", 0),
+        scalars={k: _pfloat(f"scalars.{k}", v) for k, v in groups["scalars"].items()},
+        fingerprints=dict(groups["fingerprints"]),
+        layers={
+            k: tuple(_pfloat(f"layers.{k}", x) for x in (v if isinstance(v, list) else _not_list(k)))
+            for k, v in groups["layers"].items()
+        },
+        coords=dict(groups["coords"]),
+    )
+    validate(rec)
+    return rec
+
+
+def _not_list(name: str) -> list:
+    raise RecordError(f"layers.{name}", "must be a JSON array")
+
+
+def to_json(rec: Record) -> str:
+    """One line of strict JSON."""
+    return json.dumps(to_dict(rec), separators=(",", ":"), allow_nan=False)
+
+
+def from_json(line: str | bytes) -> Record:
+    """Parse one JSON line; raises RecordError on bad JSON or a bad field."""
+    try:
+        d = json.loads(line)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise RecordError("record", f"not valid JSON: {exc}") from None
+    return from_dict(d)

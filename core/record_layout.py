@@ -15,6 +15,7 @@ from typing import Any, Mapping, Sequence
 
 from sdcwatch.core.errors import RecordError
 from sdcwatch.core.mesh import DIMS
+from sdcwatch.core.record_type import Record
 
 __all__ = [
     "Schema",
@@ -39,11 +40,8 @@ _SCHEMA_KEYS = {"scalars", "fingerprints", "layers", "coords"}
 
 class Schema:
     """One record layout: scalar names, fingerprint names, (layer metric, number of layers), and the
-    mesh dims whose coordinates each row carries.
-
-    Build with :func:`schema_for` (cached, validated). ``id`` is the first 8 bytes of the BLAKE2b
-    hash of :attr:`text`, the canonical JSON the wire carries.
-    """
+    mesh dims of each row's coordinates. Build with :func:`schema_for`; ``id`` is the first 8 bytes
+    of the BLAKE2b hash of :attr:`text`, the canonical JSON the wire carries."""
 
     __slots__ = (
         "coords",
@@ -199,11 +197,8 @@ def schema_for(
 
 
 class PackedRecord:
-    """One record packed in its schema's row layout (what a v2 emitter hands its transport).
-
-    Carries what the message header needs (run, host) and what keys it (step); ``to_record()``
-    unpacks it for transports that write JSON.
-    """
+    """One record packed in its schema's row layout (what a v2 emitter hands its transport), with
+    what the message header needs (run, host) and what keys it (step)."""
 
     __slots__ = ("run", "host", "step", "schema", "row")
 
@@ -227,10 +222,7 @@ class PackedRecord:
         coords: Mapping[str, int] | None = None,
         schemas: dict | None = None,
     ) -> "PackedRecord":
-        """Pack one record; raises RecordError (bad name) or struct/type errors (bad value).
-
-        ``coords`` are trusted canonical coordinates (the emitter validates them once).
-        """
+        """Pack one record (``coords`` trusted canonical); RecordError (bad name) or struct/type errors."""
         fps = fingerprints or {}
         lay = layers or {}
         co = coords or {}
@@ -277,10 +269,8 @@ class PackedRecord:
         return row_to_record(self.schema, self.run, (self.host,), self.schema.struct.unpack(self.row))
 
 
-def row_to_record(schema: Schema, run: str, hosts: Sequence[str], values: Sequence[Any]) -> Any:
-    """A :class:`~sdcwatch.core.record.Record` from one unpacked row."""
-    from sdcwatch.core.record_type import Record
-
+def row_to_record(schema: Schema, run: str, hosts: Sequence[str], values: Sequence[Any]) -> Record:
+    """A :class:`~sdcwatch.core.record_type.Record` from one unpacked row."""
     step, rank, world, local_rank, host, time = values[:6]
     nc = len(schema.coords)
     coords = dict(zip(schema.coords, values[6 : 6 + nc]))

@@ -2,16 +2,20 @@
 
 A key has an id (``kid``, so keys rotate) and a secret; a signed message is the unsigned one behind
 an HMAC-SHA256 envelope (layout and where it is used: docs/messages.md). The secret is never
-printed: :class:`JobKey` and :class:`Keyring` show key ids only. Standard library only.
+printed: :class:`JobKey` and :class:`Keyring` show key ids only. A key may be issued for some run
+names only (``runs=`` patterns in the key file); :class:`RunBindings` holds which key speaks for each
+run. Standard library only.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import hmac
 import os
+import time
 from collections import OrderedDict
 from pathlib import Path
-from typing import Iterable, Mapping
+from typing import Callable, Iterable, Mapping
 
 from sdcwatch.core.errors import ConfigError
 from sdcwatch.core.limits import LimitError
@@ -27,6 +31,7 @@ __all__ = [
     "parse_key",
     "KEY_ENV",
     "KEY_FILE_ENV",
+    "RUNS_FIELD",
 ]
 
 SIGNED_MAGIC = b"SDCS"
@@ -43,6 +48,9 @@ try:  # OpenSSL's one-shot HMAC without hmac.digest's Python frame (it is what h
 except ImportError:  # pragma: no cover - a Python built without OpenSSL
     _hmac_digest = hmac.digest
 _MAX_KID = 64
+#: What follows a key in a key file line to say which run names it may use (comma-separated patterns).
+RUNS_FIELD = " runs="
+_MAX_PATTERNS = 64
 
 
 class AuthError(LimitError):
@@ -110,9 +118,15 @@ def is_signed(value: bytes) -> bool:
 
 
 class Keyring:
-    """The keys a service accepts, by id. ``verify`` returns (kid, message) or raises AuthError."""
+    """The keys a service accepts, by id. ``verify`` returns (kid, message) or raises AuthError.
 
-    def __init__(self, keys: Mapping[str, JobKey] | Iterable[JobKey] = ()) -> None:
+    ``runs`` maps a key id to the run-name patterns (``fnmatch``: ``job-a``, ``team-a-*``) it is
+    issued for; a key with none may use any run name no other key holds (as before run patterns).
+    """
+
+    def __init__(
+        self, keys: Mapping[str, JobKey] | Iterable[JobKey] = (), runs: Mapping[str, Iterable[str]] | None = None
+    ) -> None:
         items = keys.values() if isinstance(keys, Mapping) else keys
         self._keys: dict[str, JobKey] = {}
         for k in items:
@@ -120,16 +134,22 @@ class Keyring:
                 raise ConfigError("auth.keys", f"the key id {k.kid!r} is given twice")
             self._keys[k.kid] = k
         self._raw = {k.kid.encode(): k for k in self._keys.values()}  # by the id's bytes on the wire
+        self._runs = {kid: tuple(p) for kid, p in (runs or {}).items() if kid in self._keys}
 
     @classmethod
     def from_text(cls, text: str, where: str = "auth.key_file") -> "Keyring":
-        """One ``kid:secret`` a line; blank lines and ``#`` comments skipped."""
-        keys = []
+        """One ``kid:secret`` a line, optionally followed by `` runs=pattern,pattern``; blank lines
+        and ``#`` comments skipped."""
+        keys, runs = [], {}
         for n, line in enumerate(text.splitlines(), 1):
             line = line.strip()
             if line and not line.startswith("#"):
-                keys.append(JobKey(*parse_key(line, f"{where} line {n}")))
-        return cls(keys)
+                line, sep, patterns = line.rpartition(RUNS_FIELD) if RUNS_FIELD in line else (line, "", "")
+                key = JobKey(*parse_key(line, f"{where} line {n}"))
+                keys.append(key)
+                if sep:
+                    runs[key.kid] = _patterns(patterns, f"{where} line {n}")
+        return cls(keys, runs)
 
     @classmethod
     def from_file(cls, path: str | os.PathLike, where: str = "auth.key_file") -> "Keyring":
@@ -155,6 +175,22 @@ class Keyring:
     def kids(self) -> tuple[str, ...]:
         return tuple(self._keys)
 
+    @property
+    def unrestricted(self) -> tuple[str, ...]:
+        """The key ids issued without run patterns (each may claim any run name no key holds yet)."""
+        return tuple(kid for kid in self._keys if kid not in self._runs)
+
+    def runs_of(self, kid: str) -> tuple[str, ...] | None:
+        """The run-name patterns of key ``kid``; None when it has none (any run name)."""
+        return self._runs.get(kid)
+
+    def may_use(self, kid: str, run: str) -> bool:
+        """Whether key ``kid`` is one of this ring's and issued for run name ``run``."""
+        if kid not in self._keys:
+            return False
+        patterns = self._runs.get(kid)
+        return patterns is None or any(fnmatch.fnmatchcase(run, p) for p in patterns)
+
     def verify(self, value: bytes) -> tuple[str, bytes]:
         """(kid, message) of a signed ``value``; AuthError saying what is wrong (never a secret).
 
@@ -179,47 +215,95 @@ class Keyring:
         return f"Keyring(kids={list(self._keys)!r})"
 
 
-class RunBindings:
-    """Which key each run is bound to: its first verified message binds it (bounded; oldest first out).
+def _patterns(text: str, where: str) -> tuple[str, ...]:
+    patterns = tuple(p.strip() for p in text.split(","))
+    if not patterns or len(patterns) > _MAX_PATTERNS or not all(0 < len(p) <= 1024 for p in patterns):
+        raise ConfigError(where, f"runs= must be 1-{_MAX_PATTERNS} comma-separated run-name patterns")
+    return patterns
 
-    A run bound to a key is spoken for by that key only; the service signs the run's control
-    decisions with it. Kept in the service's state, so a restart keeps the bindings.
+
+class RunBindings:
+    """Which key each run is bound to: its first verified message binds it, when ``may_use`` allows
+    that key that run name. A run bound to a key is spoken for by that key only; the service signs
+    the run's control decisions with it, carrying the start the run announced last (its nonce).
+
+    At most ``max_runs`` bindings: a new run takes the place of the one unused longest only when that
+    one has sent nothing for ``idle_s`` seconds, else it is refused (a flood of run names never
+    unbinds a live run). Kept in the service's state, so a restart keeps the bindings.
     """
 
-    def __init__(self, max_runs: int = 100_000) -> None:
-        self.max_runs = max_runs
-        self._kid: OrderedDict[str, str] = OrderedDict()
+    def __init__(
+        self,
+        max_runs: int = 100_000,
+        *,
+        idle_s: float = 900.0,
+        may_use: Callable[[str, str], bool] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.max_runs, self.idle_s, self.may_use, self.clock = max_runs, idle_s, may_use, clock
+        self._kid: OrderedDict[str, str] = OrderedDict()  # least recently used first
+        self._used: dict[str, float] = {}
+        self._start: dict[str, tuple[float, str]] = {}  # run -> (started_at, nonce) of its newest start
 
-    def check(self, run: str, kid: str) -> str | None:
-        """None when ``kid`` may speak for ``run`` (binding it if new); else why not."""
+    def check(self, run: str, kid: str, now: float) -> tuple[str, str] | None:
+        """None when ``kid`` may speak for ``run`` (binding it if new; ``now``: ``clock()``); else (reason code, why):
+        ``run_name`` (the key is not issued for it), ``bound`` (another key holds it), ``full``."""
         bound = self._kid.get(run)
         if bound == kid:  # the hot path: every message of a bound run
+            if now - self._used[run] > 1.0:
+                self._used[run] = now
+                self._kid.move_to_end(run)
             return None
-        if bound is None:
-            if len(self._kid) >= self.max_runs:
-                self._kid.popitem(last=False)
-            self._kid[run] = kid
-            return None
-        if bound != kid:
-            return f"run {run[:80]!r} is bound to key {bound!r}; this message is signed with key {kid!r}"
+        if bound is not None:
+            return "bound", f"run {run[:80]!r} is bound to key {bound!r}; this message is signed with key {kid!r}"
+        if self.may_use is not None and not self.may_use(kid, run):
+            return "run_name", f"key {kid!r} is not issued for run {run[:80]!r} (its runs= patterns)"
+        if len(self._kid) >= self.max_runs:
+            oldest = next(iter(self._kid))
+            if now - self._used[oldest] < self.idle_s:
+                return "full", f"run {run[:80]!r}: {len(self._kid)} runs are bound and none idle for {self.idle_s:g} s"
+            self.forget(oldest)
+        self._kid[run] = kid
+        self._used[run] = now
         return None
 
     def kid_of(self, run: str) -> str | None:
         return self._kid.get(run)
 
+    def note_start(self, run: str, nonce: str, started_at: float) -> None:
+        """A start of bound ``run`` announced with ``nonce``: kept when newer than the one held."""
+        if run in self._kid and started_at > self._start.get(run, (float("-inf"), ""))[0]:
+            self._start[run] = (started_at, nonce)
+
+    def nonce_of(self, run: str) -> str:
+        """The nonce of the newest start ``run`` announced ("" when none)."""
+        return self._start.get(run, (0.0, ""))[1]
+
     def forget(self, run: str) -> None:
         self._kid.pop(run, None)
+        self._used.pop(run, None)
+        self._start.pop(run, None)
 
     def __len__(self) -> int:
         return len(self._kid)
 
-    def snapshot(self) -> dict[str, str]:
-        return dict(self._kid)
+    def snapshot(self) -> dict[str, str | list]:
+        """run -> key id, or [key id, started_at, nonce] for a run that announced its start."""
+        return {run: [kid, *self._start[run]] if run in self._start else kid for run, kid in self._kid.items()}
 
-    def restore(self, state: Mapping[str, str]) -> None:
-        for run, kid in state.items():
-            if isinstance(run, str) and isinstance(kid, str):
-                self._kid[run] = kid
+    def restore(self, state: Mapping[str, str | list]) -> None:
+        """Bindings from :meth:`snapshot` (counted as used now); those ``may_use`` no longer allows dropped."""
+        now = self.clock()
+        for run, held in state.items():
+            kid, start = (held, None) if isinstance(held, str) else (held[0] if held else None, held[1:])
+            if not isinstance(run, str) or not isinstance(kid, str):
+                continue
+            if self.may_use is not None and not self.may_use(kid, run):
+                continue
+            self._kid[run] = kid
+            self._used[run] = now
+            if start and len(start) == 2 and isinstance(start[0], (int, float)) and isinstance(start[1], str):
+                self._start[run] = (float(start[0]), start[1])
 
 
 def job_key_from_env(env: Mapping[str, str] | None = None) -> JobKey | None:

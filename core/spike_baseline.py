@@ -1,11 +1,8 @@
-"""The one robust spike rule: what the spike detector, the guard and the device skip call a spike.
-
-A positive series is followed in log space: the baseline is the median of the last ``window``
-accepted values, the noise scale an exponentially weighted mean of absolute residuals, each clipped
-at ``clip`` scales (a spike hardly inflates it, and enters the window clipped). A value is a spike
-when its robust z reaches ``z_on`` *and* its ratio to the baseline ``min_ratio``: noise can reach a
-high z, a real spike must also be large. Host floats here; the device skip keeps the same state as
-device tensors (:mod:`sdcwatch.telemetry.guard.device_skip`), with the same rule and names.
+"""The one robust spike rule the spike detector, the guard and the device skip share: a positive
+series followed in log space, its baseline the median of the last ``window`` accepted values, its
+noise scale an EWMA of clipped absolute residuals. A spike reaches robust z ``z_on`` *and* ratio
+``min_ratio`` to the baseline (noise can reach a high z; a real spike is also large). The device
+skip keeps the same state as tensors (:mod:`sdcwatch.telemetry.guard.device_skip`).
 """
 
 from __future__ import annotations

@@ -1,7 +1,5 @@
-"""Names every layer agrees on: the Kafka topics and the metric names a record carries.
-
-A rank writes these names, the detectors read them, the exporter and the report show them: they
-are defined here once. Other names are allowed in a record; these are the ones sdcwatch knows.
+"""Names every layer agrees on, defined once: the Kafka topics and the metric names a record
+carries (others are allowed; these are the ones sdcwatch knows).
 """
 
 from __future__ import annotations
@@ -54,14 +52,11 @@ TOPICS = {
     "control": CONTROL_TOPIC,
 }
 
-#: The scalar a rank sends on a step where its probes saw a NaN, Inf or near-INF output: the
-#: forward position (an ordinal of the probes' observations) of the first such output; the ranks
-#: of a tensor-parallel group that saw it first made it (:mod:`sdcwatch.telemetry.probes.forward_order`).
+#: The forward position of the first NaN, Inf or near-INF output the probes saw at a step (only then
+#: sent): the ranks that saw it first made it (:mod:`sdcwatch.telemetry.probes.forward_order`).
 FIRST_BAD = "nonfinite_first"
-#: The scalar a rank sends with its ``gemm_canary_fp``: the index of the product the per-product
-#: canary checked at that step, in the rank's ``watch.gemm_canary.products`` (its ``nn.Linear``
-#: layers in registration order, :mod:`sdcwatch.telemetry.probes.gemm_canary`): what a replica-divergence
-#: incident on the canary names as its layer.
+#: Sent with ``gemm_canary_fp``: the index of the product the per-product canary checked at that step
+#: in the rank's ``watch.gemm_canary.products`` (:mod:`sdcwatch.telemetry.probes.gemm_canary`).
 CANARY_PRODUCT = "gemm_canary_product"
 #: Well-known scalar names (others are allowed; these are what the probes and detectors use).
 SCALARS = (
@@ -116,10 +111,8 @@ CHECK_METRICS = GEMM_METRICS + STREAM_METRICS
 #: Check metrics that are ratios to a bound (> 1 is the finding): large finite values are not near-INF.
 RATIO_METRICS = ("gemm_fwd", "gemm_bwd", "gemm_weight")
 
-#: What a data-parallel rank's record carries on every step when the training hands the probes its
-#: loss and optimizer (``loss_global`` too when it passes one; the rest of :data:`SCALARS` only on
-#: sampled or bad steps), in the order the synthetic healthy steps of the benchmarks and the
-#: detector tests lay out their columns.
+#: What a data-parallel rank's record carries on every step when the probes have its loss and
+#: optimizer (the rest of :data:`SCALARS` on sampled or bad steps), in the synthetic steps' column order.
 STEP_SCALARS = (
     "loss",
     "grad_norm_local",

@@ -1,14 +1,7 @@
-"""Builds the sdcwatch Grafana dashboard (dashboards/sdcwatch.json) with grafana-foundation-sdk.
-
-The committed JSON is what users import; this file is its source, and of the metrics table of
-dashboards/README.md (both pick up every registered detector's metrics). Regenerate after a change:
-
-    python dashboards/generate.py            # rewrites dashboards/sdcwatch.json and the README's table
-    python dashboards/generate.py --check    # exit 1 if either is out of date
-
-Pinned SDK: grafana-foundation-sdk==0.0.21 (cog-generated builders for current Grafana; dashboard
-schemaVersion 42, i.e. Grafana 12, in the classic JSON model). Every query reads metrics from the
-sdcwatch exporter catalogue; a test evaluates each one against a real Prometheus.
+"""Builds the sdcwatch Grafana dashboard (dashboards/sdcwatch.json, Grafana 12's classic JSON model,
+with grafana-foundation-sdk==0.0.21) and the metrics table of dashboards/README.md, both with every
+registered detector's metrics. ``python dashboards/generate.py`` rewrites them (``--check``: exit 1
+if either is out of date).
 """
 
 from __future__ import annotations
@@ -51,17 +44,11 @@ __all__ = ["DASHBOARD_UID", "OUTPUT", "README", "build_dashboard", "build_model"
 DASHBOARD_UID = "sdcwatch-overview"
 OUTPUT = Path(__file__).resolve().parent / "sdcwatch.json"
 README = OUTPUT.with_name("README.md")
-#: Where the README's metrics table (made by :func:`render_readme`) begins and ends.
 TABLE_MARKS = ("<!-- metrics table: made by dashboards/generate.py -->", "<!-- end of the metrics table -->")
 
-#: Panels and annotations query Prometheus through the ``$datasource`` variable.
 DS = DataSourceRef(type_val="prometheus", uid="${datasource}")
-#: Every query selects the runs picked in the ``$run`` variable.
-RUN = 'run=~"$run"'
-#: Cross-rank statistics are per model piece (``piece="pp=1,tp=0"``) under tensor or pipeline
-#: parallelism; panels show the pieces picked in ``$piece`` (All: every piece, and the series of a
-#: plain data-parallel run, which have no piece label).
-PIECE = 'piece=~"$piece"'
+RUN = 'run=~"$run"'  # the runs picked in $run
+PIECE = 'piece=~"$piece"'  # the model pieces picked in $piece (All also matches a series without one)
 
 
 def _q(expr: str, legend: str = "", *, instant: bool = False, table_format: bool = False) -> PromQuery:
@@ -76,6 +63,17 @@ def _q(expr: str, legend: str = "", *, instant: bool = False, table_format: bool
     return query
 
 
+def _stat_q(family: str, metric: str, stat: str, legend: str) -> PromQuery:
+    """The cross-rank statistic ``stat`` of ``sdcwatch_<family>_metric`` for the metrics ``metric``
+    matches (``="x"`` or ``=~"x|y"``)."""
+    return _q(f'sdcwatch_{family}_metric{{{RUN}, {PIECE}, metric{metric}, stat="{stat}"}}', legend)
+
+
+def _incident_q(what: str, labels: str, info: str) -> str:
+    """``sdcwatch_incident_<what>`` of the incidents ``info`` selects, with their ``labels``."""
+    return f"sdcwatch_incident_{what}{{{RUN}}} * on (run, id) group_left ({labels}) {info}"
+
+
 def _with(panel, title: str, description: str, *queries: PromQuery):
     """``panel`` titled, described, on ``$datasource``, with ``queries`` (refs A, B, ... in order)."""
     panel = panel.title(title).description(description).datasource(DS)
@@ -85,8 +83,7 @@ def _with(panel, title: str, description: str, *queries: PromQuery):
 
 
 def _ts(title: str, description: str, *queries: PromQuery, unit: str = "", symlog: bool = False) -> timeseries.Panel:
-    """A time series panel; ``symlog``: a log axis that keeps 0 and negative values (a product's
-    largest row sum may be either)."""
+    """A time series panel; ``symlog``: a log axis that keeps 0 and negative values."""
     legend = VizLegendOptions().show_legend(True).display_mode(LegendDisplayMode.LIST).placement(LegendPlacement.BOTTOM)
     panel = _with(timeseries.Panel().legend(legend).line_width(1).fill_opacity(0), title, description, *queries)
     if symlog:
@@ -96,12 +93,9 @@ def _ts(title: str, description: str, *queries: PromQuery, unit: str = "", symlo
     return panel.unit(unit) if unit else panel
 
 
-def _stat(title: str, description: str, query: PromQuery) -> stat.Panel:
-    return _with(stat.Panel(), title, description, query)
-
-
-def _table(title: str, description: str, *queries: PromQuery, rename: dict[str, str]) -> table.Panel:
-    """An instant table of ``queries`` (merged when several), without the time column."""
+def _table(title: str, description: str, *exprs: str, rename: dict[str, str]) -> table.Panel:
+    """An instant table of ``exprs`` (merged when several), without the time column."""
+    queries = [_q(expr, instant=True, table_format=True) for expr in exprs]
     panel = _with(table.Panel(), title, description, *queries)
     if len(queries) > 1:
         panel = panel.with_transformation(DataTransformerConfig(id_val="merge", options={}))
@@ -110,8 +104,8 @@ def _table(title: str, description: str, *queries: PromQuery, rename: dict[str, 
 
 
 def _row(title: str, y: int, *lines: tuple[int, list]) -> tuple[list, int]:
-    """A row from ``y``: each line ``(height, panels)`` fills the width, the panels in equal shares
-    (a pair of panels in one list stacks them in the share)."""
+    """A row from ``y``: each line ``(height, panels)`` fills the width in equal shares (a list in
+    ``panels`` stacks its panels in one share)."""
     items: list = [dash.Row(title).grid_pos(GridPos(h=1, w=24, x=0, y=y))]
     y += 1
     for height, panels in lines:
@@ -143,6 +137,7 @@ def _variable(name: str, label: str, query: str, description: str) -> dash.Query
 
 
 def _variables() -> list:
+    """$datasource, $run and $piece."""
     datasource = (
         dash.DatasourceVariable("datasource")
         .label("Data source")
@@ -166,7 +161,7 @@ def _variables() -> list:
 
 
 def _annotation() -> dash.AnnotationQuery:
-    # A region per incident, spanning the time its info series exists (open to resolution).
+    """A region per incident, spanning the time its info series exists (open to resolution)."""
     return (
         dash.AnnotationQuery()
         .name("sdcwatch incidents")
@@ -182,8 +177,7 @@ def _annotation() -> dash.AnnotationQuery:
     )
 
 
-#: Metrics of the every-step non-finite scan and of the matrix checksums: the incidents they open
-#: are listed in the scan row (a NaN is left out of the cross-rank statistics, an incident is not).
+#: Metrics of the every-step scan and the checksums, whose incidents the scan row lists.
 SCAN_METRICS = "stream_max|gemm_out|attn_logit_max|attn_logit_min|gemm_fwd|gemm_bwd|gemm_weight|gemm_in"
 
 
@@ -199,12 +193,14 @@ def _training_row(y: int) -> tuple[list, int]:
         "Global gradient norm per completed step.",
         _q(f"sdcwatch_training_grad_norm{{{RUN}}}", "{{run}}"),
     )
-    last = _stat(
+    last = _with(
+        stat.Panel(),
         "Last step",
         "Last training step the service completed.",
         _q(f"max by (run) (sdcwatch_training_last_step{{{RUN}}})", "{{run}}"),
     )
-    open_now = _stat(
+    open_now = _with(
+        stat.Panel(),
         "Open incidents",
         "Incidents currently open, all kinds (0 when none ever opened).",
         _q(f"sum(sdcwatch_incidents_open{{{RUN}}}) or on() vector(0)", "open"),
@@ -225,8 +221,7 @@ def _training_row(y: int) -> tuple[list, int]:
 
 
 def _detector_panel(spec):
-    """The panel of a detector's metric: a heatmap of a per-rank one (its top-K ranks), else the
-    series of each run (and label value)."""
+    """The panel of a detector's metric: a heatmap of a per-rank one, else a series per label value."""
     query = f"{spec.name}{{{RUN}}}"
     if spec.kind == "counter":
         query = f"increase({query}[$__rate_interval])"
@@ -243,13 +238,8 @@ def _detectors_row(y: int) -> tuple[list, int]:
 
 
 def _scan_row(y: int) -> tuple[list, int]:
-    """The every-step non-finite scan (residual stream, product outputs), the matrix checksums, and
-    the incidents they opened: where NaN, Inf and near-INF values and wrong products are caught."""
+    """The every-step non-finite scan, the matrix checksums, and the incidents they opened."""
     layer = "{{piece}} {{metric}} {{layer}} {{layer_name}}"
-
-    def layer_max(metric: str) -> PromQuery:
-        return _q(f'sdcwatch_layer_metric{{{RUN}, {PIECE}, metric{metric}, stat="max"}}', layer)
-
     info = f'sdcwatch_incident_info{{{RUN}, metric=~"{SCAN_METRICS}"}}'
     labels = "kind, state, rank, host, metric, layer, layer_name"
     panels = [
@@ -259,14 +249,14 @@ def _scan_row(y: int) -> tuple[list, int]:
             "(values that are not finite are left out of the statistic: the incidents below name them). "
             "A near-INF value (|x| >= 1e10) stands out; a block is named by its module when the ranks "
             "sent their names.",
-            layer_max('="stream_max"'),
+            _stat_q("layer", '="stream_max"', "max", layer),
             symlog=True,
         ),
         _ts(
             "Product outputs (max over ranks)",
             "gemm_out: each checked matrix product's largest output row sum, every step, largest over "
             "the ranks; the index is the product (product 11), named by its module when known.",
-            layer_max('="gemm_out"'),
+            _stat_q("layer", '="gemm_out"', "max", layer),
             symlog=True,
         ),
         _ts(
@@ -274,25 +264,21 @@ def _scan_row(y: int) -> tuple[list, int]:
             "gemm_fwd (forward product), gemm_bwd (weight gradient), gemm_weight (weights in memory): "
             "each product's largest checksum residual divided by its rounding bound, on checked steps "
             "(every 16th by default). Above 1 the product is wrong: the checksum detector raises it.",
-            layer_max('=~"gemm_fwd|gemm_bwd|gemm_weight"'),
+            _stat_q("layer", '=~"gemm_fwd|gemm_bwd|gemm_weight"', "max", layer),
             symlog=True,
         ),
         _ts(
             "Non-finite values (worst rank)",
             "The largest count over the ranks of NaN and Inf values in the loss, the gradients and the "
             "probed activations at the last step.",
-            _q(f'sdcwatch_rank_metric{{{RUN}, {PIECE}, metric="nonfinite", stat="max"}}', "{{piece}} {{run}}"),
+            _stat_q("rank", '="nonfinite"', "max", "{{piece}} {{run}}"),
         ),
     ]
     caught = _table(
         "Caught by the scan and checksums",
         "Open and recently resolved incidents on a scanned or checked metric: the rank, the metric "
         "(stream_max, gemm_out, the attention logits, gemm_fwd...), its index and module, the first step.",
-        _q(
-            f"sdcwatch_incident_first_step{{{RUN}}} * on (run, id) group_left ({labels}) {info}",
-            instant=True,
-            table_format=True,
-        ),
+        _incident_q("first_step", labels, info),
         rename={"Value": "first step"},
     ).no_value("nothing caught")
     return _row("Every-step scan and checksums", y, (8, panels), (6, [caught]))
@@ -306,21 +292,18 @@ def _layers_row(y: int) -> tuple[list, int]:
             "Attention entropy per layer (median over ranks)",
             "Median over ranks of each layer's attention entropy; collapse towards 0 is an attention-entropy "
             "collapse. Under pipeline parallelism a stage numbers its own layers: a series per piece and layer.",
-            _q(f'sdcwatch_layer_metric{{{RUN}, {PIECE}, metric="attn_entropy", stat="median"}}', layer),
+            _stat_q("layer", '="attn_entropy"', "median", layer),
         ),
         _ts(
             "q/k norms per layer (max over ranks)",
             "Largest query and key norms of each layer over all ranks: runaway growth "
             "precedes attention-logit blow-ups.",
-            _q(
-                f'sdcwatch_layer_metric{{{RUN}, {PIECE}, metric=~"q_norm_max|k_norm_max", stat="max"}}',
-                "{{piece}} {{metric}} layer {{layer}} {{layer_name}}",
-            ),
+            _stat_q("layer", '=~"q_norm_max|k_norm_max"', "max", "{{piece}} {{metric}} layer {{layer}} {{layer_name}}"),
         ),
         _ts(
             "Largest attention logit per layer (max over ranks)",
             "Near-INF logits (|x| > 1e10) in attention drive training to a non-trainable state.",
-            _q(f'sdcwatch_layer_metric{{{RUN}, {PIECE}, metric="attn_logit_max", stat="max"}}', layer),
+            _stat_q("layer", '="attn_logit_max"', "max", layer),
         ),
     ]
     return _row("Layers", y, (8, panels))
@@ -333,12 +316,8 @@ def _incidents_row(y: int) -> tuple[list, int]:
     incidents = _table(
         "Open incidents",
         "One row per open incident: where (rank, host, layer, metric), since which step, and the detector's score.",
-        _q(
-            f"sdcwatch_incident_first_step{{{RUN}}} * on (run, id) group_left ({labels}) {info}",
-            instant=True,
-            table_format=True,
-        ),
-        _q(f"sdcwatch_incident_score{{{RUN}}} * on (run, id) group_left () {info}", instant=True, table_format=True),
+        _incident_q("first_step", labels, info),
+        _incident_q("score", "", info),
         rename={"Value #A": "first step", "Value #B": "score"},
     )
     # no guard action yet is a line at 0 named "no actions", not Grafana's "No data"
@@ -403,8 +382,7 @@ def _pipeline_row(y: int) -> tuple[list, int]:
 
 
 def build_dashboard() -> dash.Dashboard:
-    """The dashboard builder: rows for training, the detectors' own numbers, the every-step scan and
-    checksums, layers, incidents and the pipeline."""
+    """The dashboard builder, row by row."""
     d = (
         dash.Dashboard("sdcwatch: silent data corruption and loss spikes")
         .uid(DASHBOARD_UID)
@@ -446,8 +424,7 @@ def render() -> str:
 
 
 def render_readme(readme: str) -> str:
-    """``readme`` with its metrics table (between :data:`TABLE_MARKS`) made from the catalogue: the
-    service's families and every registered detector's."""
+    """``readme`` with its metrics table (between :data:`TABLE_MARKS`) made from the whole catalogue."""
     rows = ["| metric | type | labels | meaning |", "|---|---|---|---|"]
     for spec in catalogue(detector_metrics()):
         kind = "info (gauge 1)" if spec.kind == "info" else spec.kind

@@ -1,13 +1,6 @@
-"""The detectors: what turns an aligned step of every rank into findings.
-
-A detector is one class in one file (:class:`Detector` or, split in a cross-rank and a temporal
-half, :class:`SplitDetector`) with its own ``Config``, registered with ``@register`` (discovered
-by :mod:`~sdcwatch.detectors.registry`). What they share lives here too: the aligned step
-(:class:`StepFrame`), the peer groups of a parallel job, the cross-rank statistics, and
-:class:`Attribution`, which joins findings into what a person decides on. The streaming service
-that feeds them (alignment, pipeline, incidents, bus, replay) is :mod:`sdcwatch.service`.
-
-Importing this package is cheap: each name is imported on first use (PEP 562).
+"""The detectors: what turns an aligned step of every rank into findings. One detector a file,
+found by :mod:`~sdcwatch.detectors.registry`; their shared parts (the aligned step, peer groups,
+cross-rank statistics, :class:`Attribution`) live here too. Each name is imported on first use.
 """
 
 from __future__ import annotations
@@ -15,41 +8,30 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from sdcwatch.core.lazy import lazy_attributes
+from sdcwatch.core.lazy import by_module, lazy_attributes
 
-_LAZY = {
-    "Attribution": "sdcwatch.detectors.attribution",
-    "Detector": "sdcwatch.detectors.base",
-    "SplitDetector": "sdcwatch.detectors.base",
-    "StepContext": "sdcwatch.detectors.base",
-    "StepFrame": "sdcwatch.detectors.frame",
-    "DetectorSettings": "sdcwatch.detectors.settings",
-    "GuardActionDetector": "sdcwatch.detectors.guard_actions",
-    "NonFiniteDetector": "sdcwatch.detectors.nonfinite",
-    "ChecksumDetector": "sdcwatch.detectors.checksum",
-    "LearningRateJump": "sdcwatch.detectors.lr_jump",
-    "RankOutlierDetector": "sdcwatch.detectors.rank_outlier",
-    "register": "sdcwatch.detectors.registry",
-    "default_classes": "sdcwatch.detectors.registry",
-    "default_detectors": "sdcwatch.detectors.registry",
-    "detector_classes": "sdcwatch.detectors.registry",
-    "detector_class": "sdcwatch.detectors.registry",
-    "baseline_classes": "sdcwatch.detectors.registry",
-    "ReplicaDivergenceDetector": "sdcwatch.detectors.replica",
-    "RiverHalfSpaceTrees": "sdcwatch.detectors.river_hst",
-    "SeriesSettings": "sdcwatch.core.spike_baseline",
-    "SpikeDetector": "sdcwatch.detectors.spike",
-    "MissingRankDetector": "sdcwatch.detectors.missing_rank",
-    "StragglerDetector": "sdcwatch.detectors.straggler",
-    "Finding": "sdcwatch.core.incident",
-    "Incident": "sdcwatch.core.incident",
-    "IncidentEvent": "sdcwatch.core.incident",
-    "IncidentSink": "sdcwatch.core.incident",
-    "PipelineView": "sdcwatch.core.incident",
-    "RunView": "sdcwatch.core.incident",
-    "ServiceView": "sdcwatch.core.incident",
-    "Severity": "sdcwatch.core.incident",
-}
+_LAZY = by_module(
+    {
+        "sdcwatch.detectors.attribution": "Attribution",
+        "sdcwatch.detectors.base": "Detector SplitDetector StepContext DetectorSettings",
+        "sdcwatch.detectors.frame": "StepFrame",
+        "sdcwatch.detectors.guard_actions": "GuardActionDetector",
+        "sdcwatch.detectors.nonfinite": "NonFiniteDetector",
+        "sdcwatch.detectors.checksum": "ChecksumDetector",
+        "sdcwatch.detectors.lr_jump": "LearningRateJump",
+        "sdcwatch.detectors.rank_outlier": "RankOutlierDetector",
+        "sdcwatch.detectors.registry": "register default_classes default_detectors detector_classes "
+        "detector_class baseline_classes",
+        "sdcwatch.detectors.replica": "ReplicaDivergenceDetector",
+        "sdcwatch.detectors.river_hst": "RiverHalfSpaceTrees",
+        "sdcwatch.core.spike_baseline": "SeriesSettings",
+        "sdcwatch.detectors.spike": "SpikeDetector",
+        "sdcwatch.detectors.missing_rank": "MissingRankDetector",
+        "sdcwatch.detectors.straggler": "StragglerDetector",
+        "sdcwatch.core.incident": "Finding Incident IncidentEvent IncidentSink PipelineView RunView ServiceView "
+        "Severity",
+    }
+)
 
 __all__ = ["DETECTORS", *sorted(_LAZY)]
 

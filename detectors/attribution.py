@@ -1,18 +1,7 @@
-"""Attribution: joins the findings of a window into what a person needs to decide.
-
-- a loss or gradient spike together with rank-local evidence (a persistent rank outlier, a rank
-  extreme in an internal statistic) is *SDC suspected on rank r (host h), layer l*;
-- a spike with all ranks consistent (or one rank's own loss off: a bad batch) is
-  *optimisation/data instability*, and no rank is blamed;
-- a spike in a job of too few ranks to vote (two, three) whose ranks plainly disagreed at or before
-  its onset is *the ranks disagree*: a rank-local fault is likely (a bad batch when their own
-  losses disagree), but which rank cannot be told, so none is blamed and none is called consistent;
-- a spike in a one-rank job has nothing to compare with: instability or a fault on that rank;
-- persistent rank-local evidence without any spike is *silent drift suspected on rank r*.
-
-It rewrites the detectors' findings of one step: ``rank_outlier`` becomes ``sdc_suspected`` or
-``silent_drift``, ``rank_deviation`` and ``ranks_disagree`` (single-step, info) are consumed,
-spikes get an ``attribution`` in their evidence and message.
+"""Attribution: joins the findings of a window into what a person decides on. A spike with
+rank-local evidence is *SDC suspected on rank r*; with ranks consistent, *optimisation/data
+instability*; with too few ranks to vote that plainly disagreed, *the ranks disagree*; rank-local
+evidence without a spike is *silent drift*. The rules: docs/detectors.md.
 """
 
 from __future__ import annotations
@@ -27,7 +16,7 @@ from sdcwatch.core.mesh import format_coords
 from sdcwatch.core.model_place import index_text, noun_of, where
 from sdcwatch.core.validate import check_positive
 from sdcwatch.core.vocabulary import DATA_METRICS
-from sdcwatch.detectors.rank_outlier import RANKS_DISAGREE, disagreement_text
+from sdcwatch.detectors.rank_outlier import disagreement_text
 
 __all__ = ["Attribution"]
 
@@ -43,12 +32,9 @@ class Attribution:
         self._disagree: deque[tuple[int, dict[str, Any]]] = deque()  # (step, evidence) too few ranks to vote
 
     def _trim(self, step: int) -> None:
-        while self._spikes and self._spikes[0][0] < step - self.window:
-            self._spikes.popleft()
-        while self._local and self._local[0][0] < step - self.window:
-            self._local.popleft()
-        while self._disagree and self._disagree[0][0] < step - self.window:
-            self._disagree.popleft()
+        for kept in (self._spikes, self._local, self._disagree):
+            while kept and kept[0][0] < step - self.window:
+                kept.popleft()
 
     @staticmethod
     def _hardware_like(f: Finding) -> bool:
@@ -59,12 +45,8 @@ class Attribution:
         return loss_z is None or abs(loss_z) * 4 < abs(f.evidence.get("z", f.score))
 
     def _consequence(self, f: Finding, step: int) -> bool:
-        """Rank evidence that first shows after a spike's onset: a consequence, not a cause.
-
-        After a run-wide spike every rank is perturbed and some rank is thrown furthest (an lr
-        spike does that); the rank behind an SDC-driven spike shows itself at or before the onset
-        step. Evidence for a rank that already had hardware-like evidence before the onset counts.
-        """
+        """Rank evidence that first shows after a spike's onset: a consequence (a run-wide spike
+        throws some rank furthest), unless that rank had hardware-like evidence by the onset."""
         onsets = [s for s, _ in self._spikes if s < step]
         if not onsets or not f.ranks:
             return False
@@ -80,21 +62,18 @@ class Attribution:
         ]
         data_ranks: list[Finding] = []
         for f in findings:
-            if f.kind == "rank_deviation":
-                if self._hardware_like(f):
-                    self._local.append((step, _local(f)))
-                else:
-                    data_ranks.append(f)
-            elif f.kind in ("rank_outlier",):
+            if f.kind == "rank_outlier" or (f.kind == "rank_deviation" and self._hardware_like(f)):
                 self._local.append((step, _local(f)))
-            elif f.kind == RANKS_DISAGREE:
+            elif f.kind == "rank_deviation":
+                data_ranks.append(f)
+            elif f.kind == IncidentKind.RANKS_DISAGREE:
                 self._disagree.append((step, dict(f.evidence)))
-        spikes_now = [f for f in findings if f.kind in SPIKE_KINDS and f.evidence.get("phase") == "onset"]
-        for f in spikes_now:
-            self._spikes.append((step, f.kind))
+        self._spikes.extend(
+            (step, f.kind) for f in findings if f.kind in SPIKE_KINDS and f.evidence.get("phase") == "onset"
+        )
         out: list[Finding] = []
         for f in findings:
-            if f.kind in ("rank_deviation", RANKS_DISAGREE):
+            if f.kind in ("rank_deviation", IncidentKind.RANKS_DISAGREE):
                 continue
             if f.kind in SPIKE_KINDS:
                 out.extend(self._spike(f, world, data_ranks, ranks_known))

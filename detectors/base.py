@@ -1,28 +1,50 @@
-"""The detector: the one plug-in unit of sdcwatch, and what every detector shares.
-
-A detector is fed aligned steps (:class:`~sdcwatch.detectors.frame.StepFrame`) of one run in step
-order and answers with findings. Its settings are its own ``Config`` dataclass (each field with one
-default and one doc line; ``sdcwatch serve`` sets them as ``[detectors.<name>]``), stored on the
-detector under their names. Its whole state is explicit: ``snapshot()`` returns a JSON-safe dict and
-``restore()`` takes it back, so a restarted service resumes without a new warm-up. During its
-warm-up a detector learns and stays silent. ``metrics`` declares the numbers it shows on
-``/metrics`` (:class:`~sdcwatch.core.metric_spec.MetricSpec`, each read off its state).
+"""The detector: the one plug-in unit of sdcwatch, and what every detector shares (its settings'
+checks, its explicit state). How to write one: docs/add-a-detector.md.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections import deque
 from typing import Any, ClassVar, Protocol
 
+import numpy as np
 from sdcwatch.core.errors import ConfigError
-from sdcwatch.core.validate import check_known
+from sdcwatch.core.jsonsafe import decode_array, encode_array
+from sdcwatch.core.validate import check_known, check_positive
 
-__all__ = ["Detector", "SplitDetector", "StepContext", "NoSettings"]
+__all__ = ["Detector", "SplitDetector", "StepContext", "NoSettings", "DetectorSettings"]
 
 
 @dataclasses.dataclass(frozen=True)
 class NoSettings:
     """The settings of a detector that has none."""
+
+
+class DetectorSettings:
+    """Base of a detector's frozen ``Config`` dataclass, declared with its ``[detectors.<section>]``
+    and its fields that must be positive numbers (checked in this order when it is built):
+
+    >>> from dataclasses import dataclass
+    >>> @dataclass(frozen=True)
+    ... class DemoConfig(DetectorSettings, section="demo", positive="window"):
+    ...     window: int = 10
+    >>> DemoConfig(window=0)
+    Traceback (most recent call last):
+    ...
+    sdcwatch.core.errors.ConfigError: demo.window: must be a positive number, got 0
+    """
+
+    section: ClassVar[str] = ""
+    positive: ClassVar[tuple[str, ...]] = ()
+
+    def __init_subclass__(cls, section: str = "", positive: str = "", **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.section = section or cls.section
+        cls.positive = tuple(positive.split())
+
+    def __post_init__(self) -> None:
+        check_positive(self.section, **{name: getattr(self, name) for name in self.positive})
 
 
 class StepContext(Protocol):
@@ -38,11 +60,9 @@ class StepContext(Protocol):
 class Detector:
     """A detector that reads whole steps: ``update(frame) -> findings``.
 
-    ``name`` is the stable detector label (used in findings, metrics and the ``[detectors.<name>]``
-    config section); ``fault`` names the fault family the detector exists to find (the contract
-    test injects exactly that family). Build one with its ``Config`` or with keyword settings
-    (``SpikeDetector(warmup=20)``), which are checked by the ``Config``; the settings are stored
-    on the detector under their names, and a name the ``Config`` does not have is refused:
+    ``name`` labels its findings, metrics and ``[detectors.<name>]``; ``fault`` is the fault
+    family the contract test injects. Keyword settings are checked by its ``Config`` and stored
+    under their names:
 
     >>> from sdcwatch.detectors.spike import SpikeDetector
     >>> SpikeDetector(warmup=20).warmup
@@ -62,6 +82,8 @@ class Detector:
     """Set on the scale-out's spatial stage: observations may drop what cannot matter much."""
     metrics: ClassVar[tuple] = ()
     """The metric families it owns (:class:`~sdcwatch.core.metric_spec.MetricSpec` with ``read``)."""
+    snapshot_fields: ClassVar[dict[str, str]] = {}
+    """Snapshot key -> the attribute it holds: the default :meth:`snapshot` and :meth:`restore` carry these."""
 
     def __init__(self, config: Any = None, /, **settings: Any) -> None:
         cfg = self.Config() if config is None else config
@@ -79,24 +101,35 @@ class Detector:
         raise NotImplementedError
 
     def snapshot(self) -> dict[str, Any]:
-        """The detector's state, JSON-safe."""
-        return {}
+        """The detector's state, JSON-safe (arrays by their bytes, queues and tuples as lists)."""
+        out = {}
+        for key, attr in self.snapshot_fields.items():
+            value = getattr(self, attr)
+            if isinstance(value, np.ndarray):
+                value = encode_array(value)
+            elif isinstance(value, (deque, tuple)):
+                value = list(value)
+            out[key] = value
+        return out
 
     def restore(self, state: dict[str, Any]) -> None:
-        """Take back a :meth:`snapshot`."""
+        """Take back a :meth:`snapshot` (lists as tuples; a key it lacks leaves its attribute as it is)."""
+        for key, attr in self.snapshot_fields.items():
+            if key in state:
+                value, now = state[key], getattr(self, attr)
+                if isinstance(value, dict):  # an array
+                    value = decode_array(value)
+                elif isinstance(now, deque):
+                    value = deque(value, maxlen=now.maxlen)
+                elif isinstance(value, list):
+                    value = tuple(value)
+                setattr(self, attr, value)
 
 
 class SplitDetector(Detector):
-    """A detector in two halves, so the work can be split across processes.
-
-    ``observe(frame)`` is the cross-rank half: it reads one whole step and returns a compact,
-    JSON-safe observation (numpy arrays allowed; None when there is nothing to say). It may keep
-    only state that any instance can rebuild from the steps it sees. ``judge(at, observation)``
-    is the temporal half: it folds observations, in step order, into the detector's history and
-    returns findings. ``update(frame)`` is ``judge(frame, observe(frame))``. With ``sparse`` set,
-    ``observe`` may drop the part of an observation that cannot matter much (the scale-out
-    summaries do; one process keeps it whole).
-    """
+    """A detector in two halves, so the work can be split across processes: ``observe(frame)`` turns
+    a whole step into a compact, JSON-safe observation (None: nothing to say; with ``sparse``, less),
+    ``judge(at, observation)`` folds observations in step order into findings."""
 
     def observe(self, frame: Any) -> Any:
         raise NotImplementedError

@@ -1,14 +1,6 @@
-"""Matrix-product checksum violations: a rank's product off by more than rounding can explain.
-
-Every rank reports, per checked product (layer), the largest checksum residual relative to its
-rounding bound (``gemm_fwd``, ``gemm_bwd``, ``gemm_weight``; see
-:mod:`sdcwatch.telemetry.probes.checksum_bounds`). The bound is a worst case, so a ratio above 1 is a wrong
-product, not noise: a critical finding at that step naming the rank, the check and the layer. And
-as AEGIS does across data-parallel ranks, a ratio that stands ``outlier_factor`` (10^6) times above
-the 90th percentile of the other ranks' ratios for the same product is a warning, even under the
-bound. With mesh coordinates "the other ranks" are the rank's peer group (the same model piece
-on the other data-parallel ranks): tensor or pipeline shards multiply different matrices. No
-warm-up and no history: a ratio is judged on its own step.
+"""Matrix-product checksum violations: each product's residual over its worst-case rounding bound
+(``gemm_fwd``, ``gemm_bwd``, ``gemm_weight``), critical above 1; and, as AEGIS does, a warning for a
+rank's ratio ``outlier_factor`` x above its peers' 90th percentile. No history: each step on its own.
 """
 
 from __future__ import annotations
@@ -22,11 +14,10 @@ from sdcwatch.core.incident import Finding, Severity
 from sdcwatch.core.kinds import IncidentKind
 from sdcwatch.core.model_place import message_at
 from sdcwatch.core.vocabulary import RATIO_METRICS
-from sdcwatch.detectors.base import SplitDetector, StepContext
+from sdcwatch.detectors.base import DetectorSettings, SplitDetector, StepContext
 from sdcwatch.detectors.frame import StepFrame
 from sdcwatch.detectors.peers import Groups, known_coords, rank_label
 from sdcwatch.detectors.registry import register
-from sdcwatch.detectors.settings import DetectorSettings
 
 __all__ = ["ChecksumDetector", "ChecksumConfig"]
 
@@ -59,6 +50,7 @@ class ChecksumDetector(SplitDetector):
     name = "checksum"
     fault = "checksum"
     Config = ChecksumConfig
+    snapshot_fields = {"steps": "_steps"}
 
     def __init__(self, config: ChecksumConfig | None = None, /, **settings: Any) -> None:
         super().__init__(config, **settings)
@@ -80,44 +72,19 @@ class ChecksumDetector(SplitDetector):
                 over = block > self.bound
             r, c = np.nonzero(over)
             hits += [(int(a), name, int(b), float(block[a, b]), "mismatch") for a, b in zip(r, c)]
-            if frame.world >= 4:
+            if frame.world >= 4:  # all ranks as one group need no count of values; a peer group 4
                 peers = frame.peers
-                if peers.trivial:
-                    hits += self._outliers(block, over, name)
-                else:
-                    hits += self._group_outliers(block, over, name, peers)
+                hits += self._outliers(block, over, name, peers, 0 if peers.trivial else 4)
         if not hits:
             return None
         hits.sort(key=lambda h: -h[3])
         return {"hits": hits[: 4 * self.max_listed], "n": len(hits)}
 
-    def _outliers(self, block: np.ndarray, over: np.ndarray, name: str) -> list[tuple[int, str, int, float, str]]:
-        """Per product: the top rank against the 90th percentile of the others (under the bound)."""
-        finite = np.where(np.isfinite(block), block, np.nan)
-        if np.all(np.isnan(finite)):
-            return []
-        filled = np.where(np.isnan(finite), -np.inf, finite)
-        top = filled.argmax(axis=0)  # (layers,)
-        cols = np.arange(block.shape[1])
-        top_val = filled[top, cols]
-        rest = finite.copy()
-        rest[top, cols] = np.nan
-        with np.errstate(invalid="ignore"), warnings.catch_warnings():
-            warnings.simplefilter("ignore", RuntimeWarning)  # a column with one finite value
-            p90 = np.nanquantile(rest, 0.9, axis=0)
-        with np.errstate(invalid="ignore"):
-            hot = (top_val > self.outlier_factor * p90) & (top_val > self.outlier_floor) & np.isfinite(p90)
-        return [
-            (int(top[c]), name, int(c), float(top_val[c]), "outlier")
-            for c in np.flatnonzero(hot)
-            if not over[top[c], c]
-        ]
-
-    def _group_outliers(
-        self, block: np.ndarray, over: np.ndarray, name: str, peers: Groups
+    def _outliers(
+        self, block: np.ndarray, over: np.ndarray, name: str, peers: Groups, least: int
     ) -> list[tuple[int, str, int, float, str]]:
-        """As :meth:`_outliers`, per (product, peer group) at once: each group's top rank against the
-        90th percentile of the rest of its group (groups of fewer than 4 ranks with a value are skipped)."""
+        """Per (product, peer group) at once, under the bound: each group's top rank against the 90th
+        percentile of the rest of its group (a group with fewer than ``least`` values is skipped)."""
         G = peers.gather(np.where(np.isfinite(block), block, np.nan).T)  # (layers, groups, members)
         if np.all(np.isnan(G)):
             return []
@@ -129,7 +96,7 @@ class ChecksumDetector(SplitDetector):
         with np.errstate(invalid="ignore"), warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)
             p90 = np.nanquantile(rest, 0.9, axis=2)
-        enough = np.isfinite(G).sum(axis=2) >= 4
+        enough = np.isfinite(G).sum(axis=2) >= least
         with np.errstate(invalid="ignore"):
             hot = enough & (top_val > self.outlier_factor * p90) & (top_val > self.outlier_floor) & np.isfinite(p90)
         out = []
@@ -189,9 +156,3 @@ class ChecksumDetector(SplitDetector):
                 )
             )
         return out
-
-    def snapshot(self) -> dict[str, Any]:
-        return {"steps": self._steps}
-
-    def restore(self, state: dict[str, Any]) -> None:
-        self._steps = int(state.get("steps", 0))

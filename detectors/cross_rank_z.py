@@ -1,13 +1,6 @@
 """Cross-rank robust z: each rank's value against its peers' median and MAD, every feature at once.
-
-The rank-outlier detector compares ranks that run the same model piece. This module owns the one
-number it compares them by: a robust z against the cross-rank median and MAD of each feature (of
-each peer group's, when records carry coordinates), with two guards. Ties: a max-type statistic
-often has most ranks at the very same value, so one step's MAD is 0 while the ranks do spread over
-time; a slow average of the feature's mean absolute deviation (its typical spread) bounds the scale
-from below. Cost: at 16k ranks the median and MAD come from a fixed, seeded sample of
-``reference_ranks`` ranks (the median's standard error is then ~3% of the noise scale); every rank
-is still scored. Whole-matrix numpy on the (features, ranks) layout, each feature's ranks contiguous.
+A slow average of the spread bounds the scale from below (ties make one step's MAD 0), and past
+``reference_ranks`` ranks the median and MAD come from a fixed, seeded sample (every rank is scored).
 """
 
 from __future__ import annotations
@@ -54,12 +47,8 @@ class CrossRankZ:
         return self.sample
 
     def zt(self, Xt: np.ndarray, track: bool = True) -> np.ndarray:
-        """(k, world) robust z of each value against its row's cross-rank median and MAD.
-
-        ``track`` updates and uses the typical spread per feature (else this step's own spread
-        is the bound); non-finite cells (missing ranks, NaN) get z = 0: they are the non-finite
-        detector's.
-        """
+        """(k, world) robust z of each value against its row's cross-rank median and MAD; ``track``
+        uses the typical spread (else this step's); non-finite cells get z = 0 (the non-finite detector's)."""
         finite = np.isfinite(Xt)
         all_finite = finite.all()
         n = Xt.shape[1]
@@ -99,12 +88,8 @@ class CrossRankZ:
         return z
 
     def zt_grouped(self, Xt: np.ndarray, peers: Groups, present: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(k, world) robust z of every value against its peer group's median and MAD, and the peer
-        groups with fewer than ``min_world`` present ranks (their ranks get z = 0: not judged).
-
-        As :meth:`zt`, per (feature, peer group): the statistics come from one sort of a
-        (features, groups, members) array, the typical spread is kept per (feature, group).
-        """
+        """As :meth:`zt` against each rank's peer group, and the peer groups with fewer than
+        ``min_world`` present ranks (their ranks get z = 0: not judged)."""
         finite = np.isfinite(Xt)
         all_finite = finite.all()
         G = peers.gather(Xt if all_finite else np.where(finite, Xt, np.nan))  # (k, n, largest group)

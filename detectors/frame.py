@@ -1,8 +1,5 @@
-"""StepFrame: one run's step across all ranks, as numpy matrices the detectors work on.
-
-The aligner builds a frame once per step; every detector then works on whole columns (all ranks
-at once), never on one record at a time. Missing values are NaN; absent ranks have
-``present[r] == False`` and NaN rows.
+"""StepFrame: one run's step across all ranks, as the numpy matrices every detector works on whole
+(never one record at a time), and how it is assembled from either wire's records.
 """
 
 from __future__ import annotations
@@ -16,20 +13,12 @@ from sdcwatch.core.mesh import DIMS
 from sdcwatch.core.record_type import Record
 from sdcwatch.core.vocabulary import CHECK_METRICS, FINGERPRINTS, LAYER_METRICS, SCALARS
 from sdcwatch.detectors.peers import Groups
-from sdcwatch.detectors.piece_stats import piece_stats
+from sdcwatch.detectors.piece_stats import QUANTILES, piece_stats
 
-__all__ = ["StepFrame", "assemble_frame", "frame_stats", "DIM_INDEX", "no_coords", "ordered_names"]
+__all__ = ["StepFrame", "assemble_frame", "frame_stats", "DIM_INDEX", "ordered_names"]
 
 #: Column of each mesh dim in :attr:`StepFrame.coords`.
 DIM_INDEX = {d: i for i, d in enumerate(DIMS)}
-
-
-def no_coords(world: int) -> np.ndarray:
-    """A (world, len(DIMS)) coordinate matrix with every coordinate absent (-1)."""
-    return np.full((world, len(DIMS)), -1, np.int32)
-
-
-_QUANTILES = np.array([0.0, 0.25, 0.5, 0.75, 1.0])
 
 
 def ordered_names(known: Sequence[str], seen: Iterable[str]) -> tuple[str, ...]:
@@ -44,16 +33,12 @@ def ordered_names(known: Sequence[str], seen: Iterable[str]) -> tuple[str, ...]:
 
 @dataclass
 class StepFrame:
-    """One step of one run, all ranks side by side.
+    """One step of one run, all ranks side by side; missing values are NaN, absent ranks' rows NaN.
 
     ``scalars`` is (world, n_scalars), ``layers`` (world, n_layer_metrics, n_layers),
-    ``fingerprints`` (world, n_fp) uint64 with ``fp_present`` telling which were sent.
-    ``coords`` (world, len(DIMS)) holds each rank's parallel coordinates (-1: not given; columns
-    in :data:`sdcwatch.core.mesh.DIMS` order, see :data:`DIM_INDEX`); None for frames built
-    without ranks' records (offline replay of a log). ``ranks_known`` is False for a single series
-    that no rank sent (a CSV log): its one row is the job's, not rank 0's, and no finding names a rank.
-    ``departed`` marks the ranks that said they left before this step (their end-of-run marker: a
-    replica group that left the job while the others go on); they are absent, not missing.
+    ``fingerprints`` (world, n_fp) uint64, ``coords`` (world, len(DIMS)) with -1 for a coordinate
+    not given (None without ranks' records). ``ranks_known`` is False for a single series no rank
+    sent (a CSV log): no finding names a rank.
     """
 
     run: str
@@ -75,10 +60,8 @@ class StepFrame:
     wall: float = 0.0  # service clock when the step was closed
     complete: bool = True
     ranks_known: bool = True
-    departed: np.ndarray | None = None  # (world,) bool: ranks that sent their end-of-run marker earlier
+    departed: np.ndarray | None = None  # (world,) bool: ranks that sent their end-of-run marker: absent, not missing
     _groups: dict = field(default_factory=dict, repr=False, compare=False)
-
-    # -- construction -----------------------------------------------------------------------
 
     @classmethod
     def from_records(
@@ -113,8 +96,6 @@ class StepFrame:
             ranks_known=False,
         )
 
-    # -- access -------------------------------------------------------------------------------
-
     def scalar(self, name: str) -> np.ndarray | None:
         """The (world,) column of a scalar, or None when no rank sent it."""
         try:
@@ -130,12 +111,8 @@ class StepFrame:
             return None
 
     def global_value(self, *names: str, reduce: str = "mean") -> float:
-        """The first of ``names`` that any rank sent, reduced over present ranks (NaN if none).
-
-        ``reduce`` is ``mean`` (a loss averaged over ranks), ``median`` (a value every replica
-        should agree on, robust to one odd rank) or ``max`` (the worst rank). Non-finite values are left out (the non-finite
-        detector reports them); when no value is finite the result is non-finite.
-        """
+        """The first of ``names`` any rank sent, its finite values reduced over present ranks by
+        ``reduce`` (``mean``, ``median`` or ``max``); non-finite when none is finite, NaN if none sent."""
         for name in names:
             if name not in self.scalar_names:
                 continue
@@ -159,9 +136,8 @@ class StepFrame:
         return np.broadcast_to(self.present[:, None], self.scalars.shape)
 
     def sent_positions(self, name: str, ranks: set[int], below: float = float("inf")) -> list[tuple[int, float]]:
-        """(rank, value), in rank order, of ``ranks`` that sent scalar ``name`` as a finite value in
-        ``[0, below)``: an index or an ordinal a record carries (the service's limits dead-letter any
-        other; a frame built elsewhere is read the same way)."""
+        """(rank, value), in rank order, of ``ranks`` that sent scalar ``name`` (an index or an ordinal)
+        as a finite value in ``[0, below)``."""
         col = self.scalar(name)
         if col is None or not ranks:
             return []
@@ -204,23 +180,21 @@ class StepFrame:
 
 
 def frame_stats(frame: StepFrame) -> dict[str, Any]:
-    """Cross-rank quantiles (min, q25, median, q75, max) of every scalar and of every layer metric;
-    under tensor or pipeline parallelism also per model piece (``pieces``, see
-    :func:`~sdcwatch.detectors.piece_stats.piece_stats`), which the exporter shows instead. The
-    run-wide ones stay, so a temporal stage of an older version reads the summary as before."""
+    """Cross-rank quantiles (min, q25, median, q75, max) of every scalar and layer metric; with
+    several model pieces also per piece (``pieces``, :func:`~sdcwatch.detectors.piece_stats.piece_stats`)."""
     scalar_stats = {}
     for j, name in enumerate(frame.scalar_names):
         col = frame.scalars[:, j]
         col = col[np.isfinite(col)]
         if col.size:
-            scalar_stats[name] = np.quantile(col, _QUANTILES)
+            scalar_stats[name] = np.quantile(col, QUANTILES)
     layer_stats = {}
     if frame.layers.size:
         with np.errstate(all="ignore"), warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)  # an all-NaN layer gives NaN stats
             for m, name in enumerate(frame.layer_names):
                 block = np.where(np.isfinite(frame.layers[:, m, :]), frame.layers[:, m, :], np.nan)
-                layer_stats[name] = np.nanquantile(block, _QUANTILES, axis=0).T
+                layer_stats[name] = np.nanquantile(block, QUANTILES, axis=0).T
     out: dict[str, Any] = {"scalars": scalar_stats, "layers": layer_stats}
     pieces = piece_stats(frame)
     if pieces is not None:
@@ -228,112 +202,99 @@ def frame_stats(frame: StepFrame) -> dict[str, Any]:
     return out
 
 
-@dataclass
-class _FrameColumns:
-    """The arrays of one step's frame while they are filled: every name the step's records sent,
-    in frame order, and every cell NaN (unsent) until a rank's record fills it."""
+def _laid_out(
+    run: str, step: int, world: int, records: Sequence[Record], blocks: Sequence[tuple[Any, np.ndarray]], wall: float
+) -> StepFrame:
+    """An empty frame with a column for every name any record or block of the step sent, in the order
+    :func:`ordered_names` gives (the known names first), as long as the longest layer list; every
+    cell NaN (unsent) until a rank's record fills it."""
+    sseen: set[str] = {n for r in records for n in r.scalars}
+    lseen: set[str] = {n for r in records for n in r.layers}
+    fseen: set[str] = {n for r in records for n in r.fingerprints}
+    n_layers = max((len(v) for r in records for v in r.layers.values()), default=0)
+    for cols, _ in blocks:
+        sch = cols.schema
+        sseen.update(sch.scalars)
+        fseen.update(sch.fingerprints)
+        lseen.update(n for n, _ in sch.layers)
+        n_layers = max([n_layers, *(k for _, k in sch.layers)])
+    snames, fnames = ordered_names(SCALARS, sseen), ordered_names(FINGERPRINTS, fseen)
+    lnames = ordered_names(LAYER_METRICS + CHECK_METRICS, lseen)
+    return StepFrame(
+        run=run,
+        step=step,
+        world=world,
+        hosts=(),
+        present=np.zeros(world, bool),
+        scalar_names=snames,
+        scalars=np.full((world, len(snames)), np.nan),
+        layer_names=lnames,
+        layers=np.full((world, len(lnames), n_layers), np.nan),
+        fp_names=fnames,
+        fingerprints=np.zeros((world, len(fnames)), np.uint64),
+        fp_present=np.zeros((world, len(fnames)), bool),
+        scalar_sent=np.zeros((world, len(snames)), bool),
+        layer_sent=np.zeros((world, len(lnames)), np.int32),
+        times=np.full(world, np.nan),
+        coords=np.full((world, len(DIMS)), -1, np.int32),  # -1: not given
+        wall=wall,
+    )
 
-    scalar_names: tuple[str, ...]
-    layer_names: tuple[str, ...]
-    fp_names: tuple[str, ...]
-    scalars: np.ndarray
-    layers: np.ndarray
-    fingerprints: np.ndarray
-    fp_present: np.ndarray
-    scalar_sent: np.ndarray
-    layer_sent: np.ndarray
-    present: np.ndarray
-    times: np.ndarray
-    hosts: np.ndarray
-    coords: np.ndarray
 
-    @classmethod
-    def laid_out(
-        cls, world: int, records: Sequence[Record], blocks: Sequence[tuple[Any, np.ndarray]]
-    ) -> "_FrameColumns":
-        """Empty columns for every name any record or block of the step sent, in the order
-        :func:`ordered_names` gives (the known names first), as long as the longest layer list."""
-        sseen: set[str] = {n for r in records for n in r.scalars}
-        lseen: set[str] = {n for r in records for n in r.layers}
-        fseen: set[str] = {n for r in records for n in r.fingerprints}
-        n_layers = max((len(v) for r in records for v in r.layers.values()), default=0)
-        for cols, _ in blocks:
-            sch = cols.schema
-            sseen.update(sch.scalars)
-            fseen.update(sch.fingerprints)
-            lseen.update(n for n, _ in sch.layers)
-            n_layers = max([n_layers, *(k for _, k in sch.layers)])
-        snames, fnames = ordered_names(SCALARS, sseen), ordered_names(FINGERPRINTS, fseen)
-        lnames = ordered_names(LAYER_METRICS + CHECK_METRICS, lseen)  # as StepFrame.from_records orders them
-        return cls(
-            scalar_names=snames,
-            layer_names=lnames,
-            fp_names=fnames,
-            scalars=np.full((world, len(snames)), np.nan),
-            layers=np.full((world, len(lnames), n_layers), np.nan),
-            fingerprints=np.zeros((world, len(fnames)), np.uint64),
-            fp_present=np.zeros((world, len(fnames)), bool),
-            scalar_sent=np.zeros((world, len(snames)), bool),
-            layer_sent=np.zeros((world, len(lnames)), np.int32),
-            present=np.zeros(world, bool),
-            times=np.full(world, np.nan),
-            hosts=np.full(world, "", dtype=object),
-            coords=no_coords(world),
-        )
+def _fill_blocks(f: StepFrame, hosts: np.ndarray, blocks: Sequence[tuple[Any, np.ndarray]]) -> None:
+    """Fill the rows of wire-v2 column blocks, a block's every rank at once (fancy indexing)."""
+    sidx = {n: i for i, n in enumerate(f.scalar_names)}
+    lidx = {n: i for i, n in enumerate(f.layer_names)}
+    fidx = {n: i for i, n in enumerate(f.fp_names)}
+    for cols, idx in blocks:
+        sch = cols.schema
+        whole = len(idx) == len(cols.rows)
+        rows = cols.rows if whole else cols.rows[idx]
+        r = rows["rank"].astype(np.intp)
+        f.present[r] = True
+        f.times[r] = rows["time"]
+        hosts[r] = cols.hosts[cols.host if whole else cols.host[idx]]
+        if sch.coords:
+            f.coords[r[:, None], [DIM_INDEX[d] for d in sch.coords]] = rows["coords"]
+        if sch.scalars:
+            si = np.array([sidx[n] for n in sch.scalars])
+            f.scalars[r[:, None], si] = rows["scalars"]
+            f.scalar_sent[r[:, None], si] = True
+        if sch.fingerprints:
+            fi = np.array([fidx[n] for n in sch.fingerprints])
+            f.fingerprints[r[:, None], fi] = rows["fingerprints"]
+            f.fp_present[r[:, None], fi] = True
+        lv = rows["layers"]
+        for (name, k), off in zip(sch.layers, sch.layer_offsets):
+            li = lidx[name]
+            f.layers[r, li, :k] = lv[:, off : off + k]
+            f.layer_sent[r, li] = k
 
-    def fill_blocks(self, blocks: Sequence[tuple[Any, np.ndarray]]) -> None:
-        """Fill the rows of wire-v2 column blocks, a block's every rank at once (fancy indexing)."""
-        sidx = {n: i for i, n in enumerate(self.scalar_names)}
-        lidx = {n: i for i, n in enumerate(self.layer_names)}
-        fidx = {n: i for i, n in enumerate(self.fp_names)}
-        for cols, idx in blocks:
-            sch = cols.schema
-            whole = len(idx) == len(cols.rows)
-            rows = cols.rows if whole else cols.rows[idx]
-            r = rows["rank"].astype(np.intp)
-            self.present[r] = True
-            self.times[r] = rows["time"]
-            self.hosts[r] = cols.hosts[cols.host if whole else cols.host[idx]]
-            if sch.coords:
-                self.coords[r[:, None], [DIM_INDEX[d] for d in sch.coords]] = rows["coords"]
-            if sch.scalars:
-                si = np.array([sidx[n] for n in sch.scalars])
-                self.scalars[r[:, None], si] = rows["scalars"]
-                self.scalar_sent[r[:, None], si] = True
-            if sch.fingerprints:
-                fi = np.array([fidx[n] for n in sch.fingerprints])
-                self.fingerprints[r[:, None], fi] = rows["fingerprints"]
-                self.fp_present[r[:, None], fi] = True
-            lv = rows["layers"]
-            for (name, k), off in zip(sch.layers, sch.layer_offsets):
-                li = lidx[name]
-                self.layers[r, li, :k] = lv[:, off : off + k]
-                self.layer_sent[r, li] = k
 
-    def fill_records(self, records: Sequence[Record]) -> None:
-        """Fill the rows of wire-v1 records (in a mixed step too), one record at a time."""
-        sidx = {n: i for i, n in enumerate(self.scalar_names)}
-        lidx = {n: i for i, n in enumerate(self.layer_names)}
-        fidx = {n: i for i, n in enumerate(self.fp_names)}
-        present, hosts, times, coords = self.present, self.hosts, self.times, self.coords
-        scalars, ssent, layers, lsent = self.scalars, self.scalar_sent, self.layers, self.layer_sent
-        fps, fpp = self.fingerprints, self.fp_present
-        for rec in records:
-            r = rec.rank
-            present[r] = True
-            hosts[r] = rec.host
-            times[r] = rec.time
-            for d, v in rec.coords.items():
-                coords[r, DIM_INDEX[d]] = v
-            for n, v in rec.scalars.items():
-                scalars[r, sidx[n]] = v
-                ssent[r, sidx[n]] = True
-            for n, v in rec.layers.items():
-                layers[r, lidx[n], : len(v)] = v
-                lsent[r, lidx[n]] = len(v)
-            for n, v in rec.fingerprints.items():
-                fps[r, fidx[n]] = v
-                fpp[r, fidx[n]] = True
+def _fill_records(f: StepFrame, hosts: np.ndarray, records: Sequence[Record]) -> None:
+    """Fill the rows of wire-v1 records (in a mixed step too), one record at a time."""
+    sidx = {n: i for i, n in enumerate(f.scalar_names)}
+    lidx = {n: i for i, n in enumerate(f.layer_names)}
+    fidx = {n: i for i, n in enumerate(f.fp_names)}
+    present, times, coords = f.present, f.times, f.coords
+    scalars, ssent, layers, lsent = f.scalars, f.scalar_sent, f.layers, f.layer_sent
+    fps, fpp = f.fingerprints, f.fp_present
+    for rec in records:
+        r = rec.rank
+        present[r] = True
+        hosts[r] = rec.host
+        times[r] = rec.time
+        for d, v in rec.coords.items():
+            coords[r, DIM_INDEX[d]] = v
+        for n, v in rec.scalars.items():
+            scalars[r, sidx[n]] = v
+            ssent[r, sidx[n]] = True
+        for n, v in rec.layers.items():
+            layers[r, lidx[n], : len(v)] = v
+            lsent[r, lidx[n]] = len(v)
+        for n, v in rec.fingerprints.items():
+            fps[r, fidx[n]] = v
+            fpp[r, fidx[n]] = True
 
 
 def assemble_frame(
@@ -345,33 +306,11 @@ def assemble_frame(
     *,
     wall: float = 0.0,
 ) -> StepFrame:
-    """The frame of one step from records and column blocks ``(columns, row indices)``.
-
-    ``columns`` are :class:`~sdcwatch.service.ingest.RecordColumns` (wire v2, decoded in
-    batches); ``records`` are :class:`Record` objects (wire v1, JSON). At most one record per rank
-    across all of them. The one place a frame's columns are filled: either wire gives the same
-    frame (names in the same order, missing values NaN).
-    """
-    c = _FrameColumns.laid_out(world, records, blocks)
-    c.fill_blocks(blocks)
-    c.fill_records(records)
-    return StepFrame(
-        run=run,
-        step=step,
-        world=world,
-        hosts=tuple(c.hosts.tolist()),
-        present=c.present,
-        scalar_names=c.scalar_names,
-        scalars=c.scalars,
-        layer_names=c.layer_names,
-        layers=c.layers,
-        fp_names=c.fp_names,
-        fingerprints=c.fingerprints,
-        fp_present=c.fp_present,
-        scalar_sent=c.scalar_sent,
-        layer_sent=c.layer_sent,
-        times=c.times,
-        coords=c.coords,
-        wall=wall,
-        complete=bool(c.present.all()),
-    )
+    """The frame of one step from wire-v1 ``records`` and wire-v2 column ``blocks`` ``(columns, row
+    indices)`` (at most one record per rank in all): either wire gives the same frame."""
+    frame = _laid_out(run, step, world, records, blocks, wall)
+    hosts = np.full(world, "", dtype=object)
+    _fill_blocks(frame, hosts, blocks)
+    _fill_records(frame, hosts, records)
+    frame.hosts, frame.complete = tuple(hosts.tolist()), bool(frame.present.all())
+    return frame

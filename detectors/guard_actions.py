@@ -1,11 +1,6 @@
-"""The guard's actions, made visible: each step at which a training job's guard acted becomes a finding.
-
-The guard (``sdcwatch.telemetry.guard.guard``) writes what it did at a step into that step's records
-(``guard_action``, ``guard_reason``, ``guard_verdict``, ``guard_rank``: codes, the same on every
-rank, since every rank took the same action). This detector turns each such step into a finding of
-kind ``guard_<action>`` (``guard_skip``, ``guard_rerun``, ``guard_rollback``, ``guard_evict``), so an
-action reaches the anomalies topic, Alertmanager and the ``sdcwatch_guard_actions_total`` counter
-through the same path as every detection. A skipped step stays visible: no silent skips.
+"""The guard's actions, made visible: each step whose records say the job's guard acted
+(``guard_action``, ``guard_reason``, ``guard_verdict``, ``guard_rank`` codes) becomes a finding
+``guard_<action>``, reaching alerts and ``/metrics`` like every detection: no silent skips.
 """
 
 from __future__ import annotations
@@ -31,14 +26,15 @@ _REASON_TEXT = {
 }
 
 
+def _largest(col: np.ndarray | None, default: int) -> int:
+    """The largest finite value the ranks sent in ``col``, or ``default``."""
+    vals = np.zeros(0) if col is None else col[np.isfinite(col)]
+    return int(vals.max()) if vals.size else default
+
+
 def _code(col: np.ndarray | None, table: tuple[str, ...]) -> int:
-    if col is None:
-        return 0
-    with np.errstate(invalid="ignore"):
-        vals = col[np.isfinite(col)]
-    if not vals.size:
-        return 0
-    v = int(vals.max())
+    """The code the ranks sent (0: none), -1 for one past ``table`` (a newer guard's)."""
+    v = _largest(col, 0)
     return v if 0 <= v < len(table) else -1
 
 
@@ -54,17 +50,11 @@ class GuardActionDetector(SplitDetector):
         action = _code(frame.scalar("guard_action"), ACTIONS)
         if action == 0:
             return None
-        rank_col = frame.scalar("guard_rank")
-        rank = -1
-        if rank_col is not None:
-            with np.errstate(invalid="ignore"):
-                ok = rank_col[np.isfinite(rank_col)]
-            rank = int(ok.max()) if ok.size else -1
         return {
             "action": action,
             "reason": _code(frame.scalar("guard_reason"), REASONS),
             "verdict": _code(frame.scalar("guard_verdict"), VERDICTS),
-            "rank": rank,
+            "rank": _largest(frame.scalar("guard_rank"), -1),
         }
 
     def judge(self, at: StepContext, seen: dict[str, Any] | None) -> list[Finding]:

@@ -1,12 +1,6 @@
-"""Learning-rate jumps: the learning rate rising several-fold in one step.
-
-A one-step x10 learning-rate spike (a scheduler bug, a bad resume, a mistyped override) moves the
-weights ten times as far as planned; the loss rises by only 10-20% a step later, below what a
-loss-spike rule can flag without flagging the ordinary bumps of a clean run. The learning rate
-itself says it at once: the record's ``lr``, the same on every rank. A jump to more than
-``factor`` times the largest learning rate of the last ``window`` steps is a warning that names no
-rank (optimisation, not hardware). Warm-up ramps and decays never come near it; a cyclic schedule
-with warm restarts does, and is reported as what it is.
+"""Learning-rate jumps: the record's ``lr`` above ``factor`` x its maximum over the last ``window``
+steps (a scheduler bug, a bad resume), seen at once where the loss moves only 10-20% a step later.
+A warning that names no rank: optimisation, not hardware.
 """
 
 from __future__ import annotations
@@ -18,10 +12,9 @@ from typing import Any
 import numpy as np
 from sdcwatch.core.incident import Finding, Severity
 from sdcwatch.core.kinds import IncidentKind
-from sdcwatch.detectors.base import SplitDetector, StepContext
+from sdcwatch.detectors.base import DetectorSettings, SplitDetector, StepContext
 from sdcwatch.detectors.frame import StepFrame
 from sdcwatch.detectors.registry import register
-from sdcwatch.detectors.settings import DetectorSettings
 
 __all__ = ["LearningRateJump", "LearningRateJumpConfig"]
 
@@ -44,6 +37,7 @@ class LearningRateJump(SplitDetector):
     fault = "lr_jump"
     Config = LearningRateJumpConfig
     warmup_steps = 1  # one learning rate to compare with
+    snapshot_fields = {"recent": "_recent"}
 
     def __init__(self, config: LearningRateJumpConfig | None = None, /, **settings: Any) -> None:
         super().__init__(config, **settings)
@@ -76,9 +70,3 @@ class LearningRateJump(SplitDetector):
             )
         self._recent.append(lr)
         return found
-
-    def snapshot(self) -> dict[str, Any]:
-        return {"recent": list(self._recent)}
-
-    def restore(self, state: dict[str, Any]) -> None:
-        self._recent = deque((float(v) for v in state.get("recent", [])), maxlen=int(self.window))

@@ -1,7 +1,6 @@
-"""Missing ranks: a rank absent from many consecutive closed steps (a dead process or host). With
-mesh coordinates it is named with its coordinates, and a peer group none of whose ranks report is
-said so (that model piece is unwatched). A rank that sent its end-of-run marker (a replica that
-left the job, the others going on) is not missing.
+"""Missing ranks: a rank absent from many consecutive closed steps (a dead process or host), named
+with its coordinates, and a peer group none of whose ranks report (an unwatched model piece). A rank
+that sent its end-of-run marker is not missing.
 """
 
 from __future__ import annotations
@@ -11,15 +10,13 @@ from typing import Any
 
 import numpy as np
 from sdcwatch.core.incident import Finding, Severity
-from sdcwatch.core.jsonsafe import decode_array, encode_array
 from sdcwatch.core.kinds import IncidentKind
 from sdcwatch.core.mesh import format_coords, peer_key
 from sdcwatch.core.metric_spec import MetricSpec
-from sdcwatch.detectors.base import SplitDetector, StepContext
+from sdcwatch.detectors.base import DetectorSettings, SplitDetector, StepContext
 from sdcwatch.detectors.frame import StepFrame
 from sdcwatch.detectors.peers import Groups, coords_of, known_coords, rank_label
 from sdcwatch.detectors.registry import register
-from sdcwatch.detectors.settings import DetectorSettings
 
 __all__ = ["MissingRankDetector", "MissingRankConfig"]
 
@@ -63,9 +60,11 @@ class MissingRankDetector(SplitDetector):
         ),
     )
 
+    snapshot_fields = {"absent": "_absent"}
+
     def __init__(self, config: MissingRankConfig | None = None, /, **settings: Any) -> None:
         super().__init__(config, **settings)
-        self._absent: np.ndarray | None = None
+        self._absent: np.ndarray | None = None  # consecutive steps each rank was absent
         self.late = 0  # ranks absent at the last step
         self.missing = 0  # ranks absent for `after` steps or more
 
@@ -124,9 +123,3 @@ class MissingRankDetector(SplitDetector):
                 evidence=evidence,
             )
         ]
-
-    def snapshot(self) -> dict[str, Any]:
-        return {"absent": None if self._absent is None else encode_array(self._absent)}
-
-    def restore(self, state: dict[str, Any]) -> None:
-        self._absent = None if state["absent"] is None else decode_array(state["absent"])

@@ -1,13 +1,7 @@
-"""Non-finite values: NaN, Inf or |x| >= 1e10 (ATTNChecker's near-INF) anywhere in a step.
-
-No warm-up and no history: a non-finite value is a critical finding at the very step it is seen,
-naming the rank(s), the metric and the layer; with mesh coordinates, the rank it began on and not
-the ranks it spread to (:mod:`~sdcwatch.detectors.spread`). A rank's own ``nonfinite`` counter
-(NaN/Inf the probes saw in gradients or activations) counts too. A streak of non-finite steps keeps
-naming the rank(s) it began on while they stay bad, and the incident book keeps one incident per
-onset (:mod:`sdcwatch.service.incidents`), so a run that stays NaN for 16,000 steps raises one
-alert, not 16,000, and a later NaN on other ranks (once the first fault's ranks are clean again)
-raises its own.
+"""Non-finite values: NaN, Inf or |x| >= 1e10 (ATTNChecker's near-INF) anywhere in a step, a
+critical finding at that very step naming the rank it began on (not those it spread to,
+:mod:`~sdcwatch.detectors.spread`), the metric, the layer and an ``act_max``'s leaf module. A streak
+keeps naming the rank(s) it began on while they stay bad: one incident per onset, not per step.
 """
 
 from __future__ import annotations
@@ -22,12 +16,10 @@ from sdcwatch.core.incident import Finding, Severity
 from sdcwatch.core.kinds import IncidentKind
 from sdcwatch.core.model_place import message_at
 from sdcwatch.core.vocabulary import CANARY_PRODUCT, FIRST_BAD, RATIO_METRICS
-from sdcwatch.detectors.act_module import act_layer, act_modules, listed_hit
-from sdcwatch.detectors.base import SplitDetector, StepContext
+from sdcwatch.detectors.base import DetectorSettings, SplitDetector, StepContext
 from sdcwatch.detectors.frame import StepFrame
 from sdcwatch.detectors.peers import known_coords, rank_label
 from sdcwatch.detectors.registry import register
-from sdcwatch.detectors.settings import DetectorSettings
 from sdcwatch.detectors.spread import (
     ALL_REDUCED_METRICS,
     BACKWARD_METRICS,
@@ -45,12 +37,9 @@ _SKIP = ("emitter_dropped", FIRST_BAD, CANARY_PRODUCT)
 
 
 def _origin_order(hits: list[tuple[int, str, int | None, float]]):
-    """Sort key that puts first the hit closest to where the bad value was made, named by the model
-    layer (block) it is in: the residual stream or the largest attention logit of the lowest layer,
-    else another metric of the lowest layer (``act_max`` last). The ``gemm_*`` metrics are indexed
-    by product, not by layer, so they name the origin only when no layer metric went bad: then a
-    product whose output is bad while its input is fine made it (``gemm_fwd`` or ``gemm_out``
-    without ``gemm_in``), else the first product that received it. Scalars come last."""
+    """Sort key that puts first the hit closest to where the bad value was made: the lowest layer's
+    residual stream or attention logit, its other metrics (``act_max`` last); then, indexed by
+    product, a product with a bad output from a good input, the first that received it; scalars last."""
     bad_inputs = {(h[0], h[2]) for h in hits if h[1] == "gemm_in"}
     order = {"stream_max": 0, "attn_logit_max": 0, "attn_logit_min": 0}
     products = {"gemm_in": 5, "gemm_bwd": 6, "gemm_weight": 6}
@@ -92,6 +81,23 @@ def _backward(names: tuple[str, ...]) -> np.ndarray:
 _Hit = tuple[int, str, int | None, float]  # (rank, metric, layer or None for a scalar, value)
 
 
+def _act_layer(frame: StepFrame, S: np.ndarray, rank: int, column: int) -> int | None:
+    """The layer of an ``act_max`` hit, from the rank's ``act_max_layer`` (None for other scalars)."""
+    names = frame.scalar_names
+    if names[column] != "act_max" or "act_max_layer" not in names:
+        return None
+    layer = S[rank, names.index("act_max_layer")]
+    return int(layer) if np.isfinite(layer) and layer >= 0 else None
+
+
+def _listed_hit(h: _Hit, modules: dict[int, int]) -> dict[str, Any]:
+    """A listed hit; an ``act_max`` hit carries the leaf module it came from, when the rank sent it."""
+    listed: dict[str, Any] = {"rank": h[0], "metric": h[1], "layer": h[2], "value": h[3]}
+    if h[1] == "act_max" and modules.get(h[0]) is not None:
+        listed["module"] = modules[h[0]]
+    return listed
+
+
 @dataclass(frozen=True)
 class _BadStep:
     """A non-finite step's observation, read back from its JSON-safe form."""
@@ -122,13 +128,8 @@ class _BadStep:
 
     @property
     def suspects(self) -> set[int]:
-        """The ranks the step's bad values name. A value that is bad in a rank's own numbers (its
-        loss, its local gradient, its layers) names that rank. The all-reduced values (global
-        gradient norm, global loss, the cosine with the global gradient) go bad on every rank at
-        once when one rank poisons the all-reduce: they are a consequence and never blame a rank. A
-        rank's non-finite counter counts the all-reduced gradient too, so it names ranks only when
-        no rank has a bad value of its own (a NaN the probes saw inside an activation that reached
-        nothing else)."""
+        """The ranks with a bad value of their own (all-reduced values go bad everywhere and blame
+        none); else those whose non-finite counter is set (it counts the all-reduced gradient too)."""
         return self.local or self.counted
 
 
@@ -194,16 +195,26 @@ class NonFiniteDetector(SplitDetector):
     name = "nonfinite"
     fault = "nonfinite"
     Config = NonFiniteConfig
+    snapshot_fields = {
+        "origin": "_origin",
+        "origin_step": "_origin_step",
+        "last_bad": "_last_bad",
+        "origin_where": "_origin_where",
+    }
 
     def __init__(self, config: NonFiniteConfig | None = None, /, **settings: Any) -> None:
         super().__init__(config, **settings)
-        # the ranks blamed when the current non-finite streak began, and the streak's last step:
-        # one step after a rank's NaN reaches the all-reduce, every replica's parameters are NaN
-        # and every rank reports its own NaN; the streak keeps naming the rank it started on
+        # the ranks blamed when the current streak began: a step after a rank's NaN reaches the
+        # all-reduce every rank reports its own NaN, and the streak keeps naming its origin
         self._origin: tuple[int, ...] | None = None
         self._origin_step: int | None = None
         self._last_bad: int | None = None
         self._origin_where: tuple[str, int | None, int | None] | None = None  # (metric, layer, act_max module)
+
+    def restore(self, state: dict[str, Any]) -> None:
+        super().restore(state)
+        if self._origin_where is not None and len(self._origin_where) == 2:  # saved without the module
+            self._origin_where = (*self._origin_where, None)
 
     def observe(self, frame: StepFrame) -> dict[str, Any] | None:
         """Every bad cell of the step and which ranks it blames (None on a clean step)."""
@@ -233,7 +244,8 @@ class NonFiniteDetector(SplitDetector):
                     r, c = np.nonzero(bad)
                     n_bad += r.size
                     hits += [
-                        (int(a), frame.scalar_names[b], act_layer(frame, S, a, b), float(S[a, b])) for a, b in zip(r, c)
+                        (int(a), frame.scalar_names[b], _act_layer(frame, S, a, b), float(S[a, b]))
+                        for a, b in zip(r, c)
                     ]
         L = frame.layers
         if L.size and not np.abs(L).max() < self.limit:  # NaN fails the comparison: look closer
@@ -265,18 +277,14 @@ class NonFiniteDetector(SplitDetector):
             seen["absent"] = np.flatnonzero(~frame.present).tolist()
         if local_ranks - forward_ranks:  # ranks whose own bad values are all gradients
             seen["backward_only"] = sorted(local_ranks - forward_ranks)
-        first = self._first_bad(frame, forward_ranks)
-        if first:
+        first = [[r, v] for r, v in frame.sent_positions(FIRST_BAD, forward_ranks)]
+        if first:  # where in its forward pass each rank first saw a bad value
             seen["first_bad"] = first
-        modules = act_modules(frame, {h[0] for h in hits if h[1] == "act_max"})
-        if modules:  # the leaf module each rank's act_max came from: it names the module
+        act_ranks = {h[0] for h in hits if h[1] == "act_max"}
+        modules = [[r, int(v)] for r, v in frame.sent_positions("act_max_module", act_ranks, 1 << 31)]
+        if modules:  # the leaf module (an index into the rank's module names) each rank's act_max came from
             seen["act_max_module"] = modules
         return seen
-
-    @staticmethod
-    def _first_bad(frame: StepFrame, ranks: set[int]) -> list[list[float]]:
-        """[[rank, ordinal]] of ``ranks`` that sent ``nonfinite_first``."""
-        return [[r, v] for r, v in frame.sent_positions(FIRST_BAD, ranks)]
 
     def judge(self, frame: StepContext, seen: dict[str, Any] | None) -> list[Finding]:
         """Name the ranks of a non-finite step, keeping the rank a non-finite streak began on."""
@@ -309,11 +317,8 @@ class NonFiniteDetector(SplitDetector):
         ]
 
     def _continues_streak(self, step: int, bad: _BadStep) -> bool:
-        """Whether the step goes on with the current non-finite streak: the next step, with the
-        streak's origin still bad (or silent). One step after a rank's NaN reaches the all-reduce
-        every rank has bad values of its own, the origin's among them. A new fault on other ranks
-        while the origin is clean again is a new onset, judged afresh (the all-reduced values and
-        the counters that count them say nothing of who is bad)."""
+        """Whether the step goes on with the current streak: the next step, its origin still bad (or
+        silent). A new fault on other ranks while the origin is clean again is a new onset."""
         return (
             self._origin is not None
             and self._last_bad is not None
@@ -383,22 +388,5 @@ class NonFiniteDetector(SplitDetector):
                 else {}
             ),
             **({"act_max_module": where.module} if where.module is not None else {}),
-            "hits": [listed_hit(h, bad.modules) for h in listed],
+            "hits": [_listed_hit(h, bad.modules) for h in listed],
         }
-
-    def snapshot(self) -> dict[str, Any]:
-        return {
-            "origin": None if self._origin is None else list(self._origin),
-            "origin_step": self._origin_step,
-            "last_bad": self._last_bad,
-            "origin_where": None if self._origin_where is None else list(self._origin_where),
-        }
-
-    def restore(self, state: dict[str, Any]) -> None:
-        self._origin = None if state.get("origin") is None else tuple(int(r) for r in state["origin"])
-        self._origin_step = state.get("origin_step")
-        self._last_bad = state.get("last_bad")
-        where = [*(state.get("origin_where") or [None]), None][:3]  # [metric, layer] when saved without module
-        self._origin_where = (
-            None if where[0] is None else (str(where[0]), *(w if w is None else int(w) for w in where[1:]))
-        )

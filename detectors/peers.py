@@ -1,19 +1,6 @@
-"""Peer groups of one step: which ranks may be compared with which, as int arrays over ranks.
-
-Under tensor, pipeline, context or expert parallelism two ranks hold different pieces of the
-model, and their statistics differ by design. Ranks are compared only within their *peer group*
-(same coordinates on every mesh dim except the data-parallel ones: the same model piece, across
-data-parallel replicas), and replicated values are voted on only within their *replica group*
-(the peer group and the same ``dp_shard``: the same shard of that piece). Stragglers are judged
-within a *pipeline stage*. A *tensor-parallel group* (same coordinates on every dim but ``tp``:
-the ranks one tensor-parallel all-reduce joins) is where a non-finite value's origin is told from
-the peers the all-reduce handed it to. A step's coordinates are a (world, dims) int array over
-:data:`~sdcwatch.core.mesh.DIMS`, -1 where a rank gave none; ranks that gave none at all form one group, so records without coordinates keep the
-old meaning: one data-parallel group.
-
-:class:`Groups` holds one grouping (a group id per rank) with what the detectors need to work on
-whole groups at once: the members of every group padded into one index matrix, so a per-group
-median is one ``numpy`` call over a (features, groups, members) array, not a Python loop.
+"""Groups of one step's ranks (:data:`KEYS`: peer, replica, stage, pipeline, tensor), by the mesh
+coordinates they share (-1 where a rank gave none: one group without coordinates), and the
+per-group statistics the detectors take on every group at once, without a Python loop.
 """
 
 from __future__ import annotations
@@ -46,9 +33,7 @@ KEYS = {"peer": _PEER, "replica": _REPLICA, "stage": _STAGE, "pipeline": _PIPELI
 
 
 def group_keys(coords: np.ndarray, columns: Sequence[int]) -> np.ndarray:
-    """(world,) int group ids: ranks with equal ``coords[:, columns]`` share an id (0..n-1, in key order).
-
-    Four ranks at (pp, tp) = (0, 0), (0, 1), (1, 0), (1, 1), grouped by ``pp`` (column 0):
+    """(world,) int group ids: ranks with equal ``coords[:, columns]`` share an id (0..n-1, in key order):
 
     >>> group_keys(np.array([[0, 0], [0, 1], [1, 0], [1, 1]]), [0]).tolist()
     [0, 0, 1, 1]
@@ -74,15 +59,10 @@ class Groups:
     _cache: dict = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
-    def single(cls, world: int) -> "Groups":
-        """Every rank in one group (records without coordinates: one data-parallel group)."""
-        return cls(np.zeros(world, np.int64), 1 if world else 0)
-
-    @classmethod
     def of(cls, coords: np.ndarray | None, world: int, kind: str) -> "Groups":
         """The ``kind`` grouping (``peer``, ``replica``, ``stage``, ``pipeline``, ``tensor``) of a coordinate array."""
-        if coords is None or not coords.size or coords.max() < 0:  # no rank gave a coordinate
-            return cls.single(world)
+        if coords is None or not coords.size or coords.max() < 0:  # no coordinates: one data-parallel group
+            return cls(np.zeros(world, np.int64), 1 if world else 0)
         ids = group_keys(coords, KEYS[kind])
         return cls(ids, int(ids.max()) + 1 if ids.size else 0)
 
@@ -147,12 +127,8 @@ def _middle(S: np.ndarray, count: np.ndarray) -> np.ndarray:
 
 def grouped_robust(G: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """(median, MAD, mean absolute deviation, count) over the last axis of a grouped array
-    (``Groups.gather``), ignoring non-finite cells; NaN statistics where a group has no value.
-
-    Two sorts along the last axis, whatever the group sizes: no Python loop over groups. When
-    every cell is finite (groups of one size, no value missing: the usual step) two partitions
-    instead, taking the upper middle of an even count as the robust scale does over all ranks.
-    """
+    (``Groups.gather``), ignoring non-finite cells (NaN where a group has no value). When every cell
+    is finite, partitions instead of sorts (the upper middle of an even count, as over all ranks)."""
     if G.shape[-1] and np.isfinite(G).all():
         mid = G.shape[-1] // 2
         med = np.partition(G, mid, axis=-1)[..., mid]

@@ -1,15 +1,5 @@
-"""Cross-rank statistics per model piece: the quantiles the exporter shows, within each peer group.
-
-Under tensor, pipeline, context or expert parallelism two ranks hold different pieces of the
-model: stage 0's "layer 0" and stage 1's "layer 0" are different layers, and a tensor-parallel
-rank's local gradient norm is the norm of its own shard. Quantiles over all ranks would mix them,
-so the exporter's statistics (min, q25, median, q75, max) are taken within each **peer group**
-(:attr:`StepFrame.peers <sdcwatch.detectors.frame.StepFrame.peers>`, the grouping the detectors
-compare within), each named by its :func:`~sdcwatch.core.mesh.piece_label` (``pp=1,tp=0``).
-
-A frame with one piece (plain data parallel, or no coordinates) has no per-piece statistics: the
-run-wide ones are the piece's. Every group at once, as in :mod:`~sdcwatch.detectors.peers`: one
-sort over a (..., pieces, members) array, no Python loop over pieces.
+"""Cross-rank statistics per model piece (peer group, named ``pp=1,tp=0``): under tensor or pipeline
+parallelism quantiles over all ranks would mix different layers and shards. Every piece at once.
 """
 
 from __future__ import annotations
@@ -27,9 +17,8 @@ __all__ = ["MAX_PIECES", "QUANTILES", "piece_stats", "sorted_quantiles"]
 
 #: The statistics' quantiles, in the column order of ``RunView.scalar_stats`` / ``layer_stats``.
 QUANTILES = (0.0, 0.25, 0.5, 0.75, 1.0)
-#: Most pieces of one step given statistics (the first in key order; the rest are counted as
-#: ``omitted``). A 100,000-rank job laid out ``pp=16, tp=8`` has 128; the exporter shows fewer
-#: (``metrics.max_pieces``). The bound keeps a step summary small whatever coordinates ranks send.
+#: Most pieces of one step given statistics (the first in key order; the rest counted as ``omitted``):
+#: a step summary stays small whatever coordinates ranks send.
 MAX_PIECES = 1024
 
 
@@ -55,13 +44,9 @@ def _grouped_quantiles(G: np.ndarray) -> np.ndarray:
 
 
 def piece_stats(frame: "StepFrame") -> dict[str, Any] | None:
-    """Per-piece statistics of ``frame``, or None when it holds one piece.
-
-    ``names``: each piece's label, in peer-key order; ``scalars``: {name: (pieces, 5)};
-    ``layers``: {name: (pieces, layers, 5)}; ``n_layers``: (pieces,) layers each piece's ranks
-    sent (a pipeline stage holds its own layers, numbered from 0); ``omitted``: pieces past
-    :data:`MAX_PIECES`. A piece with no value of a scalar has NaN statistics for it.
-    """
+    """Per-piece statistics of ``frame`` (None for one piece): ``names`` (each piece's label),
+    ``scalars`` {name: (pieces, 5)}, ``layers`` {name: (pieces, layers, 5)}, ``n_layers`` (layers
+    each piece's ranks sent), ``omitted`` (pieces past :data:`MAX_PIECES`)."""
     coords = known_coords(frame)
     groups = frame.peers
     if coords is None or groups.n <= 1:

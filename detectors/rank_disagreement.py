@@ -1,13 +1,6 @@
-"""Too few ranks to vote (two or three): whether they plainly disagree, feature by feature.
-
-The rank-outlier detector names a rank only among enough peers to outvote it. With two ranks no
-one can be voted out, yet ranks that disagree plainly must not be called consistent. Each
-feature's gap (largest minus smallest value over the ranks) is held against its typical gap, a
-slow average over the steps where the ranks agreed; the ranks disagree on a feature at a step when
-the gap is ``factor`` typical gaps or more *and* the values differ by a factor of ``ratio`` or
-more (the gap is at least ``1 - 1/ratio`` of the largest magnitude), so a job-wide change that
-scales every rank alike is no disagreement. Which rank is wrong cannot be told; that the ranks
-disagree can.
+"""Too few ranks to vote (two or three): whether they plainly disagree, feature by feature. A
+feature's gap between the ranks is held against its typical gap (a slow average where they agreed):
+``factor`` typical gaps or more *and* values a factor ``ratio`` apart is a disagreement.
 """
 
 from __future__ import annotations

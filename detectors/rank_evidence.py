@@ -1,11 +1,6 @@
-"""Rank evidence: a two-sided CUSUM per (feature, rank) of the clipped cross-rank z.
-
-The rank-outlier detector names a rank on evidence that builds up over steps, not on one step: a
-single noisy step cannot name a rank, a persistent deviation of a couple of scales does within a
-few tens of steps. This module owns that evidence. A dense step updates every cell; a sparse step
-(scale-out summaries carry only the cells worth sending) touches only the cells sent and the few
-above the threshold: a cell not sent has z = 0 and loses ``drift`` a step, so it is brought up to
-date when next touched (each cell keeps the step of its last update).
+"""Rank evidence: a two-sided CUSUM per (feature, rank) of the clipped cross-rank z, so one noisy
+step cannot name a rank and a persistent deviation of a couple of scales does. A sparse step
+touches only the cells sent (the others decay by ``drift``, brought up to date when next touched).
 """
 
 from __future__ import annotations
@@ -66,9 +61,8 @@ class RankEvidence:
         return flagged, evidence[flagged], lambda c, r: float(z[c, r])
 
     def add_sparse(self, cells: np.ndarray, cell_z: np.ndarray, world: int) -> Flagged:
-        """The same CUSUM step touching only the cells sent (|z| >= report_z) and the few with
-        evidence above the threshold. A cell not sent has z = 0 and loses ``drift`` a step, so it
-        is brought up to date only when next touched: each cell keeps the step of its last update."""
+        """The same CUSUM step touching only the cells sent and the few with evidence above the
+        threshold (each cell keeps the step of its last update)."""
         t = self.steps
         P, N = self.pos.reshape(-1), self.neg.reshape(-1)
         if self._updated is None:  # after a dense step or a restore every cell is current as of t - 1

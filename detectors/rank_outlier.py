@@ -1,18 +1,7 @@
-"""Rank outliers: each rank against its peers, per metric and layer, with evidence over steps.
-
-Data parallelism makes every rank run the same model piece on different data, so compute-derived
-statistics agree in distribution across the ranks of a peer group (the same tensor, pipeline,
-context and expert coordinates; every rank when records carry no coordinates); a faulty rank
-stands out. Each step, every (rank, feature) value gets a robust z against its peer group's
-median and MAD; a peer group with fewer than ``min_world`` ranks is not judged (and the detector
-says so once, as an info finding). A whole job of two or three ranks cannot vote either, but its
-ranks may plainly disagree: that is said each step it happens, as an info finding for attribution
-(:mod:`sdcwatch.detectors.rank_disagreement`), naming no rank. The z is clipped and
-fed to a two-sided CUSUM per (rank, feature): a single noisy step cannot name a rank, a persistent
-deviation of a couple of scales does within a few tens of steps. All of it is whole-matrix numpy.
-
-This file holds the detector: its features, what a step's observation carries, what it names.
-The z is :mod:`sdcwatch.detectors.cross_rank_z`'s, the evidence :mod:`sdcwatch.detectors.rank_evidence`'s.
+"""Rank outliers: each rank against its peer group (ranks running the same model piece), per metric
+and layer, on evidence over steps: the cross-rank z (:mod:`~sdcwatch.detectors.cross_rank_z`) fed to
+a CUSUM (:mod:`~sdcwatch.detectors.rank_evidence`). Too few ranks to vote may still plainly disagree
+(:mod:`~sdcwatch.detectors.rank_disagreement`): an info finding for attribution, naming no rank.
 """
 
 from __future__ import annotations
@@ -31,19 +20,15 @@ from sdcwatch.core.metric_spec import PER_RANK, MetricSpec
 from sdcwatch.core.model_place import message_at, where
 from sdcwatch.core.validate import check_positive
 from sdcwatch.core.vocabulary import CHECK_METRICS, RANK_SCALARS
-from sdcwatch.detectors.base import SplitDetector, StepContext
+from sdcwatch.detectors.base import DetectorSettings, SplitDetector, StepContext
 from sdcwatch.detectors.cross_rank_z import CrossRankZ
 from sdcwatch.detectors.frame import StepFrame
 from sdcwatch.detectors.peers import coords_of, known_coords, rank_label
 from sdcwatch.detectors.rank_disagreement import RankDisagreement
 from sdcwatch.detectors.rank_evidence import RankEvidence, cusum_step
 from sdcwatch.detectors.registry import register
-from sdcwatch.detectors.settings import DetectorSettings
 
-__all__ = ["RankOutlierDetector", "RankOutlierConfig", "RANKS_DISAGREE", "RANK_OUTLIER_SCORE", "disagreement_text"]
-
-#: The kind of the info finding that two or three ranks plainly disagree (read by attribution).
-RANKS_DISAGREE = IncidentKind.RANKS_DISAGREE.value
+__all__ = ["RankOutlierDetector", "RankOutlierConfig", "RANK_OUTLIER_SCORE", "disagreement_text"]
 
 #: Each rank's accumulated evidence over the threshold (``rank_scores``), on ``/metrics``.
 RANK_OUTLIER_SCORE = MetricSpec(
@@ -105,12 +90,8 @@ class RankOutlierConfig(
 
 @register(default=True, order=50)
 class RankOutlierDetector(SplitDetector):
-    """Names a rank whose statistics persistently deviate from the other ranks'.
-
-    Emits ``rank_outlier`` (warning) for each rank whose CUSUM evidence crosses ``threshold``,
-    with the metric and layer that deviate most and a confidence; and ``rank_deviation`` (info,
-    used by attribution, never an incident on its own) when a rank is extreme at a single step.
-    """
+    """``rank_outlier`` (warning) for a rank whose evidence crosses ``threshold``, naming the metric and
+    layer that deviate most; ``rank_deviation`` (info, for attribution) for a rank extreme at one step."""
 
     name = "rank_outlier"
     fault = "rank_shift"
@@ -119,8 +100,7 @@ class RankOutlierDetector(SplitDetector):
 
     def __init__(self, config: RankOutlierConfig | None = None, /, **settings: Any) -> None:
         super().__init__(config, **settings)
-        # With ``sparse`` (scale-out summaries) an observation carries only the cells with
-        # |z| >= report_z; the others count as z = 0, so their evidence decays by ``drift`` a step.
+        self.warmup_steps = self.warmup
         self._obs_sig: str | None = None  # layout the typical spread belongs to
         # sparse observations: this instance's own short CUSUM over the consecutive steps it holds
         self._local_sig: str | None = None
@@ -134,12 +114,6 @@ class RankOutlierDetector(SplitDetector):
         self._too_few: tuple[int, int] = (0, 0)  # (peer groups, ranks) last said to be too small to judge
         # a job of too few ranks to vote: the features its ranks plainly disagree on
         self._few = RankDisagreement(self.instant_z, self.disagree_ratio, self.warmup, self.rel_floor)
-
-    @property
-    def warmup_steps(self) -> int:
-        return self.warmup
-
-    # -- features -------------------------------------------------------------------------------
 
     def _features(self, frame: StepFrame) -> tuple[np.ndarray, list[str], list[int | None], str]:
         """(k, world) feature matrix (each feature's ranks contiguous), its metric and layer names
@@ -167,16 +141,6 @@ class RankOutlierDetector(SplitDetector):
         peers = frame.peers
         shape = f"{frame.world}" if peers.trivial else f"{frame.world}/{peers.n}"
         return X, metrics, layers, f"{shape}:{sig}"
-
-    # -- detection --------------------------------------------------------------------------------
-
-    def robust_z(self, X: np.ndarray) -> np.ndarray:
-        """(world, k) robust z of every value against its column's cross-rank median and MAD.
-
-        Stateless (the typical spread is this step's own); non-finite cells (missing ranks, NaN)
-        get z = 0: they are the non-finite detector's.
-        """
-        return self._z.zt(np.ascontiguousarray(X.T), track=False).T
 
     def observe(self, frame: StepFrame) -> dict[str, Any] | None:
         """This step's robust z of every (feature, rank), and the ranks extreme at this step alone
@@ -232,14 +196,9 @@ class RankOutlierDetector(SplitDetector):
         return seen
 
     def _worth_sending(self, step: int, sig: str, z: np.ndarray, absz: np.ndarray) -> np.ndarray:
-        """(k, world) bool: the cells a sparse observation carries.
-
-        A cell travels when this step's |z| reaches ``report_z``, or when its evidence is building
-        up over the consecutive steps this instance holds (its own short CUSUM, reset at every gap
-        in the steps it sees, reaches ``report_z``): a rank shifted by less than ``report_z``
-        scales, whose single steps rarely stand out, is then sent with its exact z from a few
-        steps into each window of steps on.
-        """
+        """(k, world) bool: the cells a sparse observation carries (the others count as z = 0): this
+        step's |z| or this instance's own short CUSUM (reset at every gap in its steps) reaches
+        ``report_z``, so a small persistent shift is sent too."""
         gap = None if self._local_step is None else step - self._local_step
         if gap is not None and gap > 0:
             self._local_gap = gap if self._local_gap is None else min(self._local_gap, gap)
@@ -310,7 +269,7 @@ class RankOutlierDetector(SplitDetector):
             Finding.at(
                 frame,
                 self.name,
-                RANKS_DISAGREE,
+                IncidentKind.RANKS_DISAGREE,
                 Severity.INFO,
                 hits[0][1],
                 f"the {frame.world} ranks disagree at step {frame.step}: {disagreement_text(features)}",

@@ -1,14 +1,6 @@
 """The one registry of detectors: it feeds the default pipeline, the ``[detectors.<name>]`` config
-sections, the campaign's baselines and the contract test. A detector joins with ``@register(...)``
-in its own module; the registry imports every module of the package to find it.
-
-- :func:`detector_classes`: sdcwatch's own detectors, in the order the pipeline runs them (the
-  contract test runs on every one);
-- :func:`default_classes`, :func:`default_detectors`: the set a run gets unless told otherwise;
-- :func:`baseline_classes`: the product's detectors the campaign also scores as a baseline (the
-  others, which mirror another tool's rule, are the campaign's: ``sdcwatch.testbed.campaign``);
-- :func:`detector_class`: one of them by name;
-- :func:`detector_metrics`: the metric families they declare, for ``/metrics`` and the dashboard.
+sections, the campaign's baselines, ``/metrics`` and the contract test. A detector joins with
+``@register(...)`` in its own module; the registry imports every module of the package to find it.
 
 >>> [cls.name for cls in default_classes()]
 ['nonfinite', 'checksum', 'spike', 'lr_jump', 'rank_outlier', 'replica', 'straggler', 'missing_rank', 'guard']
@@ -33,14 +25,11 @@ __all__ = [
     "detector_metrics",
 ]
 
-#: The package whose every module (sub-packages included) is imported to find the detectors.
-_PACKAGE = "sdcwatch.detectors"
+_PACKAGE = "sdcwatch.detectors"  # every module of it (sub-packages included) is imported
 
 
 @dataclass(frozen=True)
 class _Entry:
-    """One registered detector class and how it was registered."""
-
     cls: type
     order: int
     default: bool
@@ -55,17 +44,12 @@ _loaded = False
 def register(*, order: int, default: bool = False, baseline: bool = False, own: bool = True) -> Callable[[type], type]:
     """Class decorator: add a detector to the registry.
 
-    ``order``: where the pipeline runs it, ascending, unique among all registered detectors. It
-    fixes the order of findings within a step, and so the incidents: a new detector takes a free
-    number where it should run, and an existing one keeps its number. Today's: ``nonfinite`` 10,
-    ``checksum`` 20, ``spike`` 30, ``lr_jump`` 40, ``rank_outlier`` 50, ``replica`` 60,
-    ``straggler`` 70, ``missing_rank`` 80, ``guard`` 90; ``river_hst`` 140 (opt-in, also a campaign
-    baseline; 110-130 are the campaign's own baselines, which are not registered).
-    ``default``: in the set every run gets; ``baseline``: scored by the campaign as a baseline;
-    ``own``: one of sdcwatch's detectors (the contract test runs on it; False for a baseline that
-    only mirrors another tool's rule).
-
-    A second detector with the same ``order`` or the same ``name`` is refused:
+    ``order``: where the pipeline runs it (unique; it fixes the order of findings within a step).
+    Today's: ``nonfinite`` 10, ``checksum`` 20, ``spike`` 30, ``lr_jump`` 40, ``rank_outlier`` 50,
+    ``replica`` 60, ``straggler`` 70, ``missing_rank`` 80, ``guard`` 90; ``river_hst`` 140 (110-130
+    are the campaign's own baselines, not registered). ``default``: in the set every run gets;
+    ``baseline``: scored by the campaign; ``own``: one of sdcwatch's (the contract test runs on it).
+    A second detector with the same ``order`` or ``name`` is refused:
 
     >>> detector_class("nonfinite").__name__
     'NonFiniteDetector'
@@ -133,15 +117,13 @@ def detector_class(name: str) -> type:
 
 
 def default_detectors(configs: Mapping[str, Any] | None = None) -> list:
-    """A fresh instance of every default detector, each built from ``configs[name]`` when given
-    (its ``Config``), else with its defaults."""
+    """A fresh instance of every default detector, built from ``configs[name]`` (its ``Config``) if given."""
     configs = configs or {}
     return [cls(configs.get(cls.name)) for cls in default_classes()]
 
 
 def detector_metrics() -> list:
-    """Every metric family a registered detector declares (its ``metrics``), in pipeline order;
-    detectors that show the same number share one :class:`~sdcwatch.core.metric_spec.MetricSpec`.
+    """Every metric family a registered detector declares, in pipeline order (shared specs once).
 
     >>> [spec.name for spec in detector_metrics()][:3]
     ['sdcwatch_training_loss', 'sdcwatch_training_grad_norm', 'sdcwatch_detector_spike_score']

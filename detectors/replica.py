@@ -1,18 +1,7 @@
-"""Replica divergence: values every data-parallel replica must hold bit for bit.
-
-Parameter and gradient fingerprints and the all-reduced gradient norm are identical on every
-replica of a healthy data-parallel job. A majority vote per value names the odd rank(s) at the
-step it happens; no history is needed. When no value holds a majority, the replicas are split and
-no rank can be blamed. With mesh coordinates the vote is taken within each replica group (ranks
-holding the same shard of the same model piece: the peer key and ``dp_shard``), so shard-wise
-fingerprints are compared only with the same shard's; a group of two that disagrees is split.
-The canaries (:data:`PEER_VOTED`: a fixed input through the whole model, or through one product
-with its weight gathered whole) are computed from unsharded weights, which every data-parallel
-rank of a model piece holds alike under FSDP too: they are voted within the *peer group* (every
-``dp_replicate`` and ``dp_shard`` coordinate), where plain FSDP's one-replica shards still make a
-majority. A canary that disagrees alike on every rank of one FSDP shard group (the ranks that
-gather one weight) is that weight's, changed in one member's shard: not blamed on the group (the
-shard-wise fingerprints and the in-memory check name the member).
+"""Replica divergence: values every data-parallel replica must hold bit for bit (fingerprints, the
+all-reduced gradient norm), voted per step within each replica group; no majority is a split that
+blames no rank. The canaries (:data:`PEER_VOTED`, from unsharded weights) are voted within the peer
+group, and one that disagrees alike on a whole FSDP shard group is not blamed on the group.
 """
 
 from __future__ import annotations
@@ -26,11 +15,10 @@ from sdcwatch.core.kinds import IncidentKind
 from sdcwatch.core.mesh import DIMS, format_coords, replica_key
 from sdcwatch.core.model_place import message_at, where
 from sdcwatch.core.vocabulary import CANARY_PRODUCT
-from sdcwatch.detectors.base import SplitDetector, StepContext
+from sdcwatch.detectors.base import DetectorSettings, SplitDetector, StepContext
 from sdcwatch.detectors.frame import StepFrame
 from sdcwatch.detectors.peers import Groups, coords_of, group_keys, known_coords, rank_label
 from sdcwatch.detectors.registry import register
-from sdcwatch.detectors.settings import DetectorSettings
 
 __all__ = ["ReplicaDivergenceDetector", "ReplicaConfig", "majority", "checked_product", "PEER_VOTED"]
 
@@ -70,11 +58,9 @@ def majority(values: np.ndarray) -> tuple[np.ndarray | None, np.ndarray]:
 
 
 def _own_compute(frame: StepFrame, odd: np.ndarray, have: np.ndarray) -> np.ndarray:
-    """The ranks of ``odd`` whose canary disagrees through their own compute: not those whose
-    whole FSDP shard group (the ranks that all-gather one weight: same piece and ``dp_replicate``,
-    every ``dp_shard``; more than one of them reporting) disagrees alike. Those gathered a weight
-    changed in one member's shard: the shard-wise ``param_fp`` vote and the in-memory check
-    ``gemm_weight`` name that member, the canary cannot."""
+    """The ranks of ``odd`` whose canary disagrees through their own compute: not a whole FSDP shard
+    group (the ranks that all-gather one weight) disagreeing alike, whose gathered weight changed in
+    one member's shard (``param_fp`` and ``gemm_weight`` name that member)."""
     coords = known_coords(frame)
     if coords is None or odd.size < 2:
         return odd
@@ -107,10 +93,8 @@ class ReplicaDivergenceDetector(SplitDetector):
     fault = "replica"
     Config = ReplicaConfig
 
-    def __init__(self, config: ReplicaConfig | None = None, /, **settings: Any) -> None:
-        super().__init__(config, **settings)
-
     def _columns(self, frame: StepFrame):
+        """(name, bit patterns, which ranks hold it) of every value the replicas must agree on."""
         for j, name in enumerate(frame.fp_names):
             have = frame.fp_present[:, j] & frame.present
             yield name, frame.fingerprints[:, j], have

@@ -1,12 +1,6 @@
-"""river's HalfSpaceTrees on per-rank feature vectors: an online-learning detector and the baseline.
-
-Each step, each rank becomes one feature vector: its robust z against the other ranks for the
-rank-comparable scalars and, per layer metric, its most deviating layer; squashed into [0, 1] as
-HalfSpaceTrees expects. The forest scores then learns every vector. Scoring and deciding are
-separate: a rank is reported when its score's excess over the median rank's score, averaged over
-steps (EWMA), stays above ``margin``; raw HalfSpaceTrees scores of healthy and faulty ranks overlap
-too much at any single step to threshold them directly. It runs river one rank at a time (river's API is
-one dict per call), which is why it is the throughput baseline and not in the default pipeline.
+"""river's HalfSpaceTrees on per-rank feature vectors (each rank's squashed cross-rank robust z): an
+opt-in detector and the campaign's throughput baseline (river takes one rank a call). A rank is
+reported when its score's averaged excess over the median rank's stays above ``margin``.
 """
 
 from __future__ import annotations
@@ -20,26 +14,31 @@ import numpy as np
 from sdcwatch.core.incident import Finding, Severity
 from sdcwatch.core.kinds import IncidentKind
 from sdcwatch.core.vocabulary import CHECK_METRICS, RANK_SCALARS
-from sdcwatch.detectors.base import Detector
+from sdcwatch.detectors.base import Detector, DetectorSettings
+from sdcwatch.detectors.cross_rank_z import CrossRankZ
 from sdcwatch.detectors.frame import StepFrame
-from sdcwatch.detectors.rank_outlier import RANK_OUTLIER_SCORE, RankOutlierDetector
+from sdcwatch.detectors.rank_outlier import RANK_OUTLIER_SCORE
 from sdcwatch.detectors.registry import register
-from sdcwatch.detectors.settings import DetectorSettings
 
 __all__ = ["RiverHalfSpaceTrees", "RiverConfig", "rank_features"]
 
-_Z = RankOutlierDetector(min_world=1)
+_Z = CrossRankZ(reference_ranks=2048, rel_floor=1e-3, min_world=1)
+
+
+def _robust_z(X: np.ndarray) -> np.ndarray:
+    """(world, k) robust z of every value against its column's cross-rank median and MAD (this step's)."""
+    return _Z.zt(np.ascontiguousarray(X.T), track=False).T
 
 
 def rank_features(frame: StepFrame, clip: float = 4.0) -> tuple[np.ndarray, list[str]]:
     """(world, n) features in [0, 1]: squashed cross-rank robust z per scalar and per layer metric."""
     idx = [frame.scalar_names.index(n) for n in RANK_SCALARS if n in frame.scalar_names]
     names = [frame.scalar_names[i] for i in idx]
-    cols = [_Z.robust_z(frame.scalars[:, idx])] if idx else []
+    cols = [_robust_z(frame.scalars[:, idx])] if idx else []
     for m, name in enumerate(frame.layer_names):
         if name in CHECK_METRICS:  # checks, not statistics: the checksum detector reads them
             continue
-        z = _Z.robust_z(frame.layers[:, m, :])
+        z = _robust_z(frame.layers[:, m, :])
         worst = np.abs(z).argmax(axis=1)
         cols.append(z[np.arange(frame.world), worst][:, None])
         names.append(name)
@@ -71,11 +70,8 @@ class RiverConfig(DetectorSettings, section="river_hst", positive="n_trees heigh
 
 @register(baseline=True, order=140)
 class RiverHalfSpaceTrees(Detector):
-    """``rank_outlier`` from river ``anomaly.HalfSpaceTrees``: a rank persistently scored above the others.
-
-    Its fault family is a grossly broken rank; subtle persistent shifts (the rank-outlier
-    detector's family) are below what the forest separates.
-    """
+    """``rank_outlier`` from river ``anomaly.HalfSpaceTrees`` for a grossly broken rank (subtle shifts
+    are below what the forest separates)."""
 
     name = "river_hst"
     fault = "rank_gross"
@@ -84,21 +80,17 @@ class RiverHalfSpaceTrees(Detector):
 
     def __init__(self, config: RiverConfig | None = None, /, **settings: Any) -> None:
         super().__init__(config, **settings)
-        self._model = self._new_model()
+        from river.anomaly import HalfSpaceTrees  # optional and heavy
+
+        self._model = HalfSpaceTrees(
+            n_trees=self.n_trees, height=self.height, window_size=self.window_size, seed=self.seed
+        )
         self._learned = 0
         self._steps = 0
         self._excess = np.zeros(0)
         self.rank_scores = np.zeros(0)
-
-    def _new_model(self):
-        from river.anomaly import HalfSpaceTrees
-
-        return HalfSpaceTrees(n_trees=self.n_trees, height=self.height, window_size=self.window_size, seed=self.seed)
-
-    @property
-    def warmup_steps(self) -> int:
-        """Silent steps: the first window fills (at the smallest world) and the average settles."""
-        return -(-self.window_size // self.min_world) + int(round(2 / self.alpha))
+        # silent while the first window fills (at the smallest world) and the average settles
+        self.warmup_steps = -(-self.window_size // self.min_world) + int(round(2 / self.alpha))
 
     def update(self, frame: StepFrame) -> list[Finding]:
         if frame.world < self.min_world:

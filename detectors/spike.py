@@ -1,7 +1,6 @@
 """Spikes over time in the global loss and gradient norm, against the robust baseline every spike
-check shares (:mod:`sdcwatch.core.spike_baseline`: log-space median, clipped noise scale, a spike
-needs a high z *and* a large ratio). Onset, peak and recovery of one spike make one incident. A
-gradient spike that leaves the loss alone is reported as ``grad_spike``, never as a loss spike.
+check shares (:mod:`sdcwatch.core.spike_baseline`). Onset, peak and recovery make one incident; a
+gradient spike that leaves the loss alone is a ``grad_spike``.
 """
 
 from __future__ import annotations
@@ -15,8 +14,8 @@ from sdcwatch.core.incident import Finding, Severity
 from sdcwatch.core.kinds import IncidentKind
 from sdcwatch.core.metric_spec import MetricSpec
 from sdcwatch.core.spike_baseline import RobustBaseline, SeriesSettings
-from sdcwatch.core.validate import check_positive, check_type
-from sdcwatch.detectors.base import SplitDetector, StepContext
+from sdcwatch.core.validate import check_type
+from sdcwatch.detectors.base import DetectorSettings, SplitDetector, StepContext
 from sdcwatch.detectors.frame import StepFrame
 from sdcwatch.detectors.registry import register
 
@@ -24,7 +23,7 @@ __all__ = ["SpikeConfig", "SpikeDetector"]
 
 
 @dataclass(frozen=True)
-class SpikeConfig:
+class SpikeConfig(DetectorSettings, section="spike", positive="window warmup scale_alpha"):
     """Settings of the spike detector ``[detectors.spike]``."""
 
     loss: SeriesSettings = field(default_factory=SeriesSettings)
@@ -41,20 +40,16 @@ class SpikeConfig:
     """Weight of each new residual in the noise scale (an exponentially weighted mean)."""
 
     def __post_init__(self) -> None:
-        check_positive("spike", window=self.window, warmup=self.warmup, scale_alpha=self.scale_alpha)
+        super().__post_init__()
         for key in ("loss", "grad_norm", "loss_max"):
             check_type(f"spike.{key}", getattr(self, key), SeriesSettings)
 
 
 @register(default=True, order=30)
 class SpikeDetector(SplitDetector):
-    """Loss and gradient-norm spikes of the whole job (one value per step, all ranks reduced).
-
-    Reads ``loss_global`` (or the mean of the ranks' ``loss``), ``grad_norm_global`` (median
-    over ranks; falls back to ``grad_norm`` and ``grad_norm_local``) and, with two ranks or more,
-    the highest rank's ``loss`` (one rank's bad batch barely moves the mean). Emits ``loss_spike``
-    on onset, while the spike lasts and at recovery (``metric`` is ``loss_max`` when only one
-    rank's loss spiked); ``grad_spike`` (warning) for a gradient-norm spike while the loss is calm.
+    """Loss and gradient-norm spikes of the whole job: ``loss_spike`` at onset, while it lasts and at
+    recovery (``metric`` ``loss_max`` when only the highest rank's loss spiked); ``grad_spike`` while
+    the loss is calm. ``SERIES`` says what each series reads and how ranks are reduced.
 
     >>> det = SpikeDetector(warmup=5)
     >>> steps = [StepFrame.single("r", i, ("loss",), np.array([4.0 + 0.01 * (i % 3)])) for i in range(20)]
@@ -111,14 +106,7 @@ class SpikeDetector(SplitDetector):
         self._active: dict[str, dict[str, Any] | None] = {k: None for k in self.SERIES}
         self.scores: dict[str, float] = {k: 0.0 for k in self.SERIES}
         self.latest: dict[str, float] = {k: math.nan for k in self.SERIES}
-
-    @property
-    def warmup_steps(self) -> int:
-        """Steps (with a finite value) during which the detector only learns."""
-        return self.window + self.warmup
-
-    def _settings(self, series: str) -> SeriesSettings:
-        return getattr(self, series)
+        self.warmup_steps = self.window + self.warmup  # finite values during which it only learns
 
     def observe(self, frame: StepFrame) -> dict[str, Any]:
         """The step's value of each series (and the rank with the highest loss): all it needs of the ranks."""
@@ -157,17 +145,11 @@ class SpikeDetector(SplitDetector):
 
     def _advance(self, key: str, step: int, value: float, z: float, ratio: float, base: float) -> str:
         """Move the spike state machine of one series; returns the phase to report ('' = none)."""
-        s = self._settings(key)
+        s: SeriesSettings = getattr(self, key)
         active = self._active[key]
         if active is None:
             if s.spikes(z, ratio):
-                self._active[key] = {
-                    "onset": step,
-                    "peak_step": step,
-                    "peak": value,
-                    "peak_ratio": ratio,
-                    "baseline": base,
-                }
+                self._active[key] = dict(onset=step, peak_step=step, peak=value, peak_ratio=ratio, baseline=base)
                 return "onset"
             return ""
         if z >= s.z_off:

@@ -1,16 +1,6 @@
-"""How a bad value made on one rank reaches the others of a parallel job, and so which rank made it:
-forward through the pipeline's activations and back through its gradients, to a tensor-parallel
-group by its all-reduce, to a data-parallel group by the gradient all-reduce.
-
-The non-finite detector uses it to blame the rank a bad value began on, not the ranks it spread
-to: the later stages' forward values and the earlier stages' gradients follow from the stage where
-it was made; the ranks of a tensor-parallel group all hold the all-reduced residual stream, and the
-one that saw it first in its forward pass (the smallest ``nonfinite_first``,
-:mod:`sdcwatch.telemetry.probes.forward_order`; else the first bad layer metric in forward order)
-made it; the all-reduced values that followed are counted within the culprit's data-parallel
-group. The groups are :mod:`~sdcwatch.detectors.peers`' (a step's coordinates over
-:data:`~sdcwatch.core.mesh.DIMS`, -1 where a rank gave none); a hit is ``(rank, metric, layer,
-value)``, ``layer`` None for a scalar.
+"""How a bad value made on one rank reaches the others of a parallel job (through the pipeline, a
+tensor-parallel all-reduce, the gradient all-reduce), so the non-finite detector blames the rank it
+began on. A hit is ``(rank, metric, layer, value)``, ``layer`` None for a scalar.
 """
 
 from __future__ import annotations
@@ -39,12 +29,9 @@ BACKWARD_METRICS = ("grad_norm_local", "gemm_bwd")
 def through_pipeline(
     culprits: set[int], coords: np.ndarray | None, backward_only: set[int]
 ) -> tuple[set[int], set[int]]:
-    """(culprits, ranks it reached through the pipeline). Within one pipeline (the same
-    coordinates but for ``pp`` and ``tp``) a bad forward value made at stage s reaches the later
-    stages' forward values with the activations they are sent, and every stage's gradients with
-    the backward pass: those ranks are not blamed, the ranks with a bad forward value at the
-    earliest such stage are. When the pipeline has only bad gradients, the latest stage with one
-    is where it began (the backward pass runs from the last stage to the first).
+    """(culprits, ranks it reached through the pipeline): within one pipeline, the ranks with a bad
+    forward value at the earliest stage made it (later stages received it forward, every stage in
+    its gradients); with only bad gradients, the latest stage with one.
 
     One pipeline of four stages (ranks 0-3): stage 1 made it, stages 2 and 3 received it forward,
     stage 0 only in its gradients:
@@ -75,13 +62,9 @@ def through_pipeline(
 def through_tensor_parallel(
     culprits: set[int], coords: np.ndarray | None, hits: list[tuple[int, str, int | None, float]]
 ) -> tuple[set[int], set[int]]:
-    """(culprits, ranks it reached through tensor parallelism). The ranks of one tensor-parallel
-    group (the same coordinates but for ``tp``) all-reduce the row-parallel outputs of every block
-    in the forward pass, so a bad value made in one rank's shard reaches its peers' residual stream
-    in the same step. Per rank, the first bad forward value in forward order (the lowest layer;
-    within a layer the attention logits of the rank's own heads before the block's output; then
-    the lowest product that made a bad output from a good input) says where it was made: the ranks
-    of a group whose first bad value is the earliest are blamed, the later ones reached."""
+    """(culprits, ranks it reached through tensor parallelism): in each tensor-parallel group the
+    ranks whose first bad forward value comes earliest in forward order (the lowest layer, its own
+    attention logits first; else the lowest product with a bad output from a good input) made it."""
     if coords is None or len(culprits) < 2:
         return culprits, set()
     tp = DIMS.index("tp")
@@ -115,12 +98,9 @@ def through_tensor_parallel(
 def first_in_tensor_group(
     culprits: set[int], coords: np.ndarray | None, first: dict[int, float]
 ) -> tuple[set[int], set[int]]:
-    """(culprits, tensor-parallel followers). Within each tensor-parallel group of two or more
-    culprits whose ranks all give a ``tp`` coordinate and at least one of which reported where in
-    its forward pass it first saw a bad value (``first``: rank -> ordinal), the ranks with the
-    smallest ordinal made it; the others (a later ordinal, or none: nothing of theirs was bad
-    before the collective) received it through the tensor-parallel all-reduce. Other groups, and
-    steps without ordinals (older probes), keep all their culprits.
+    """(culprits, tensor-parallel followers): in each tensor-parallel group of two or more culprits
+    with ``tp`` coordinates, the ranks with the smallest ordinal where they first saw a bad value in
+    their forward pass (``first``: rank -> ordinal) made it; groups without ordinals keep all theirs.
 
     Ranks 0 and 1 of one tensor-parallel group; rank 1 saw it first in its forward pass:
 

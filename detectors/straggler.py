@@ -1,6 +1,5 @@
-"""Slow ranks: a rank whose step time stays well above the cross-rank median (the median of its
-ratio over a window of steps, so a few slow steps are nothing). With mesh coordinates a rank's step
-time is compared with its own pipeline stage's median (stages do different work).
+"""Slow ranks: a rank whose step time stays well above the median rank's (its own pipeline stage's
+with mesh coordinates: stages do different work), over a window of steps.
 """
 
 from __future__ import annotations
@@ -12,13 +11,11 @@ from typing import Any
 import numpy as np
 from sdcwatch.core.errors import ConfigError
 from sdcwatch.core.incident import Finding, Severity
-from sdcwatch.core.jsonsafe import decode_array, encode_array
 from sdcwatch.core.kinds import IncidentKind
-from sdcwatch.detectors.base import SplitDetector, StepContext
+from sdcwatch.detectors.base import DetectorSettings, SplitDetector, StepContext
 from sdcwatch.detectors.frame import StepFrame
 from sdcwatch.detectors.peers import grouped_median, rank_label
 from sdcwatch.detectors.registry import register
-from sdcwatch.detectors.settings import DetectorSettings
 
 __all__ = ["StragglerDetector", "StragglerConfig"]
 
@@ -69,15 +66,13 @@ class StragglerDetector(SplitDetector):
     name = "straggler"
     fault = "straggler"
     Config = StragglerConfig
+    snapshot_fields = {"ratios": "_ratios", "steps": "_steps"}
 
     def __init__(self, config: StragglerConfig | None = None, /, **settings: Any) -> None:
         super().__init__(config, **settings)
+        self.warmup_steps = self.window
         self._ratios: np.ndarray | None = None  # (window, world) log ratios, a ring
         self._steps = 0
-
-    @property
-    def warmup_steps(self) -> int:
-        return self.window
 
     def observe(self, frame: StepFrame) -> dict[str, Any] | None:
         """Each rank's log step-time ratio to the median rank (sparse: only the clearly slow ranks)."""
@@ -162,10 +157,3 @@ class StragglerDetector(SplitDetector):
                 )
             )
         return out
-
-    def snapshot(self) -> dict[str, Any]:
-        return {"ratios": None if self._ratios is None else encode_array(self._ratios), "steps": self._steps}
-
-    def restore(self, state: dict[str, Any]) -> None:
-        self._ratios = None if state["ratios"] is None else decode_array(state["ratios"])
-        self._steps = int(state["steps"])

@@ -1,14 +1,6 @@
-"""Prometheus collector and incident sinks (Alertmanager, webhook, log).
-
-- :class:`SdcwatchCollector` / :class:`MetricsServer`: ``/metrics`` read from the detector
-  service's :class:`~sdcwatch.core.incident.ServiceView` at scrape time (every family in
-  :func:`catalogue`: the service's own and those the detectors declare).
-- :class:`AlertmanagerSink`, :class:`WebhookSink`, :class:`LogSink`, and the bus's
-  :class:`AnomalyTopicSink` and :class:`ControlTopicSink`: implementations of
-  :class:`~sdcwatch.core.incident.IncidentSink`; :class:`SummaryTopicSink`: a spatial stage's output.
-
-Importing this package is cheap: each name is imported on first use (PEP 562), so the [metrics]
-settings (:mod:`~sdcwatch.exporters.metrics_settings`) are read without prometheus_client.
+"""Where sdcwatch's results go: ``/metrics`` (:class:`SdcwatchCollector`, :class:`MetricsServer`)
+and the incident sinks (Alertmanager, webhook, log, the bus's topics). Each name is imported on
+first use, so the [metrics] settings are read without prometheus_client.
 """
 
 from __future__ import annotations

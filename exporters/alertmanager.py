@@ -1,18 +1,11 @@
-"""Pushes incidents to Alertmanager's v2 API (``POST /api/v2/alerts``) as alerts.
-
-One alert per incident, identified by its labels (alertname, run, severity, kind, incident, rank,
-host, and coords/layer/metric when known; ``coords`` holds the mesh coordinates of the incident's
-ranks, e.g. ``pp=0,dp_replicate=2,tp=1``). Open alerts are re-sent every ``refresh_interval`` with an
-``endsAt`` a few intervals ahead, as Prometheus does, so they stay firing while sdcwatch runs and
-resolve by themselves if it dies; a resolved incident is sent once more with ``endsAt`` set to its
-resolution time. Delivery runs on a background thread with exponential backoff: a slow or dead
-Alertmanager never stalls detection.
+"""Pushes incidents to Alertmanager's v2 API (``POST /api/v2/alerts``), one alert per incident. Open
+alerts are re-sent every ``refresh_interval`` with an ``endsAt`` a few intervals ahead, as Prometheus
+does (they resolve by themselves if sdcwatch dies); a resolved one is sent once with its end.
 """
 
 from __future__ import annotations
 
 import json
-import logging
 import math
 import re
 import time
@@ -26,11 +19,9 @@ from sdcwatch.core.model_place import noun_of
 from sdcwatch.core.validate import check_number
 
 from .collector import incident_coords_label, incident_rank_label
-from .delivery import BackgroundSink, Backoff, DeliveryError, PostFn, check_url, encode_json, post_json
+from .delivery import BackgroundSink, Backoff, DeliveryError, PostFn, encode_json, post_json
 
 __all__ = ["AlertmanagerSink", "alert_for", "alertname_for"]
-
-log = logging.getLogger(__name__)
 
 _LABEL_NAME = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
 #: Open alerts are valid for this many refresh intervals (Prometheus uses 4 resend delays).
@@ -75,11 +66,8 @@ def _describe(inc: Incident) -> str:
 def alert_for(
     inc: Incident, *, now: float, valid_for: float, extra_labels: Mapping[str, str] = (), generator_url: str = ""
 ) -> dict[str, Any]:
-    """The Alertmanager v2 alert of ``inc`` at wall time ``now``.
-
-    Open incidents get ``endsAt = now + valid_for``; resolved ones their resolution time.
-    Labels with an empty value are left out (Alertmanager treats them as absent anyway).
-    """
+    """The Alertmanager v2 alert of ``inc`` at wall time ``now``: open, it ends at ``now + valid_for``;
+    resolved, at its resolution. Labels with an empty value are left out (absent to Alertmanager)."""
     labels = {
         **dict(extra_labels),
         "alertname": alertname_for(inc.kind),
@@ -118,12 +106,8 @@ def alert_for(
 
 
 class AlertmanagerSink(BackgroundSink):
-    """An :class:`IncidentSink` that keeps Alertmanager's view of sdcwatch incidents current.
-
-    ``url`` is Alertmanager's base URL (``http://alertmanager:9093``). ``post`` is the HTTP
-    transport (tests pass a fake); ``clock`` the wall clock for ``startsAt``/``endsAt``.
-    Counters: :attr:`sent` (alerts accepted), :attr:`failures` (failed POSTs), :attr:`dropped`.
-    """
+    """An :class:`IncidentSink` that keeps Alertmanager's view of sdcwatch incidents current; ``url``
+    is its base URL (``http://alertmanager:9093``), ``clock`` the wall clock for ``startsAt``/``endsAt``."""
 
     def __init__(
         self,
@@ -139,34 +123,26 @@ class AlertmanagerSink(BackgroundSink):
         clock: Callable[[], float] = time.time,
         max_queue: int = 10_000,
     ) -> None:
-        check_url("alertmanager.url", url)
+        super().__init__(
+            "alertmanager", url, timeout=timeout, backoff=backoff, headers=headers, post=post, max_queue=max_queue
+        )
         check_number("alertmanager.refresh_interval", refresh_interval, 0, lo_open=True)
-        check_number("alertmanager.timeout", timeout, 0, lo_open=True)
         for name in extra_labels or {}:
             if not _LABEL_NAME.match(name):
                 raise ConfigError("alertmanager.extra_labels", f"{name!r} is not a valid label name")
         base = url.rstrip("/")
         self.endpoint = base if base.endswith("/api/v2/alerts") else base + "/api/v2/alerts"
         self.refresh_interval = float(refresh_interval)
-        self.timeout = float(timeout)
         self.extra_labels = dict(extra_labels or {})
         self.generator_url = generator_url
-        self.headers = dict(headers or {})
-        self.sent = 0
-        self.failures = 0
-        self._post = post
         self._clock = clock
-        self._backoff = backoff or Backoff()
         self._open: dict[str, Incident] = {}  # incident id -> latest state, re-sent on refresh
         self._pending: dict[str, Incident] = {}  # incident id -> state not yet accepted
         # incident id -> labels Alertmanager last accepted: when an incident changes kind, severity
         # or ranks its alert's identity changes, and the old alert must be ended, not left to expire
         self._accepted: dict[str, dict[str, str]] = {}
-        self._retry_at: float | None = None
         self._next_refresh = time.monotonic() + self.refresh_interval
-        super().__init__(name="sdcwatch-alertmanager", max_queue=max_queue)
-
-    # -- worker side --------------------------------------------------------------------------
+        self._start()
 
     def _handle(self, events: list[IncidentEvent]) -> None:
         for event in events:
@@ -195,9 +171,6 @@ class AlertmanagerSink(BackgroundSink):
         if self._pending:
             self._send()
 
-    def _settled(self) -> bool:
-        return not self._pending
-
     def _send(self) -> None:
         if not self._pending:
             self._retry_at = None
@@ -219,10 +192,7 @@ class AlertmanagerSink(BackgroundSink):
         try:
             self._post(self.endpoint, encode_json(alerts), self.headers, self.timeout)
         except (DeliveryError, ValueError, OSError) as exc:
-            self.failures += 1
-            delay = self._backoff.failed()
-            self._retry_at = time.monotonic() + delay
-            log.warning("alertmanager: %d alert(s) not delivered (%s); retrying in %.1fs", len(alerts), exc, delay)
+            self._retry_later("alertmanager: %d alert(s) not delivered (%s)", len(alerts), exc)
             return
         self._backoff.succeeded()
         self._retry_at = None

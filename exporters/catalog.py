@@ -1,12 +1,6 @@
-"""The catalogue of every metric sdcwatch exposes: name, type, labels and help text.
-
-The service's own families are listed here; each detector declares its own in its file
-(``metrics``, read off its state), and they come with the run views (``RunView.detector_metrics``)
-or, for the dashboard and its README, from the detector registry. One catalogue serves the
-collector (which builds its families from it), the dashboard and its README, and the cardinality
-budget.
-Names follow ``sdcwatch_<subsystem>_<name>_<unit>``; counters end in ``_total``; no label ever
-carries a step number.
+"""The catalogue of every metric sdcwatch exposes (the service's own here, each detector's in its
+file), for the collector, the dashboard and its README. Names follow
+``sdcwatch_<subsystem>_<name>_<unit>``; counters end in ``_total``; no label carries a step number.
 """
 
 from __future__ import annotations
@@ -125,6 +119,13 @@ _SERVICE: tuple[MetricSpec, ...] = (
         "counter",
         (),
         "State snapshots that could not be written (a full or read-only disk); detection goes on, each is retried.",
+    ),
+    MetricSpec(
+        "sdcwatch_auth_runs_refused_total",
+        "counter",
+        ("key", "reason"),
+        "Messages refused because their key may not speak for their run, by key id and reason: run_name "
+        "(not issued for it), bound (another key holds it), full (no binding free), unsigned (see docs/service.md).",
     ),
     MetricSpec(
         "sdcwatch_pipeline_dead_letters_by_reason_total",

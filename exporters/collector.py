@@ -1,15 +1,7 @@
-"""A prometheus-client custom collector that reads the detector service's state at scrape time.
-
-The service hands over a ``view_fn`` returning one consistent :class:`ServiceView`; every scrape
-turns that snapshot into metric families (the service's own in :mod:`sdcwatch.exporters.catalog`,
-each detector's as its ``metrics`` declare). Cardinality is bounded whatever the world size, the
-number of runs or the depth of the model: per-rank series exist only for the top-K ranks by a
-per-rank metric (the outlier score) and for ranks named by an open incident; the cross-rank
-statistics for ``max_pieces`` pieces and ``max_layers`` (piece, layer) pairs of a run, each layer
-metric's only at the indices it has, named in ``layer_name`` when the ranks sent their names
-(:mod:`sdcwatch.exporters.statistics_series`); per-run series only for the runs the service view
-holds (the service passes its ``metrics.max_runs``). Everything else is aggregated or left out,
-and ``sdcwatch_exporter_omitted`` says how much."""
+"""A prometheus-client custom collector that turns the detector service's :class:`ServiceView` into
+metric families at scrape time, with bounded cardinality: per-rank series for the top-K ranks and
+those of open incidents only, statistics within ``max_pieces`` and ``max_layers``
+(:mod:`~sdcwatch.exporters.statistics_series`); ``sdcwatch_exporter_omitted`` counts the rest."""
 
 from __future__ import annotations
 
@@ -68,39 +60,29 @@ MAX_INCIDENTS_LISTED = 50
 _AddSample = Callable[[str, Sequence[str], float], None]
 
 
+def _capped(texts: Sequence[str], limit: int, sep: str = ",") -> str:
+    """``texts`` joined by ``sep``, those past ``limit`` counted: ``1,2,...(+30)``."""
+    more = f"{sep}...(+{len(texts) - limit})" if len(texts) > limit else ""
+    return sep.join(texts[:limit]) + more
+
+
 def incident_rank_label(ranks: Sequence[int], limit: int = 8) -> str:
     """The ``rank`` label of an incident: ``"5"``, ``"5,9"``, or ``"1,2,...(+30)"`` past ``limit``."""
-    ranks = [int(r) for r in ranks]
-    if len(ranks) <= limit:
-        return ",".join(str(r) for r in ranks)
-    return ",".join(str(r) for r in ranks[:limit]) + f",...(+{len(ranks) - limit})"
+    return _capped([str(int(r)) for r in ranks], limit)
 
 
 def incident_coords_label(coords: Sequence[dict[str, int]], limit: int = 8) -> str:
-    """The coordinates of an incident's ranks: ``"pp=0,dp_replicate=2,tp=1"``, ``;``-separated for
-    several ranks, ``...(+N)`` past ``limit``; empty when the records carry none."""
+    """The coordinates of an incident's ranks (``pp=0,dp_replicate=2,tp=1``), ``;``-separated; empty
+    when the records carry none."""
     texts = [format_coords(c) for c in coords]
-    if not any(texts):
-        return ""
-    if len(texts) <= limit:
-        return ";".join(texts)
-    return ";".join(texts[:limit]) + f";...(+{len(texts) - limit})"
-
-
-def _hosts_label(hosts: Sequence[str], limit: int = 8) -> str:
-    unique = list(dict.fromkeys(h for h in hosts if h))
-    if len(unique) <= limit:
-        return ",".join(unique)
-    return ",".join(unique[:limit]) + f",...(+{len(unique) - limit})"
+    return _capped(texts, limit, ";") if any(texts) else ""
 
 
 class SdcwatchCollector(Collector):
     """Exposes detector, incident and pipeline state; register it in a ``CollectorRegistry``.
 
-    ``view_fn`` is called once per scrape and must return quickly (the service takes the snapshot
-    under its lock). If it raises, the scrape still succeeds and shows only
-    ``sdcwatch_exporter_view_errors_total``, so Prometheus keeps the target up and the error is
-    visible. ``clock`` gives wall time for the age metrics (passed in so tests can fix it).
+    ``view_fn`` is called once per scrape and must return quickly; if it raises, the scrape shows
+    only ``sdcwatch_exporter_view_errors_total``. ``clock`` gives wall time for the age metrics.
     """
 
     def __init__(
@@ -139,8 +121,6 @@ class SdcwatchCollector(Collector):
         self._cache: tuple[float, list[Metric]] | None = None
         self._cache_lock = threading.Lock()  # concurrent scrapes wait for one render, then share it
 
-    # -- prometheus-client protocol -------------------------------------------------------------
-
     def describe(self) -> Iterable[Metric]:
         """Empty families of the service's own metrics, so the registry can detect name clashes up
         front (the detectors' come with the runs)."""
@@ -168,8 +148,6 @@ class SdcwatchCollector(Collector):
         families["sdcwatch_exporter_view_errors_total"] = errors
         yield from (family for family in families.values() if family.samples)
 
-    # -- building ---------------------------------------------------------------------------------
-
     @staticmethod
     def _family(spec: MetricSpec) -> Metric:
         if spec.kind == "counter":
@@ -179,8 +157,7 @@ class SdcwatchCollector(Collector):
         return GaugeMetricFamily(spec.family, spec.help, labels=spec.labels)
 
     def _families(self, view: ServiceView, now: float) -> dict[str, Metric]:
-        """Every family filled from one view (the runs, the incidents, the findings, the pipeline), in
-        catalogue order; the detectors' families are those the runs' detectors declare."""
+        """Every family filled from one view, in catalogue order (the detectors' as the runs declare them)."""
         owned: dict[str, MetricSpec] = {}
         for run in view.runs:
             for spec in run.detector_metrics:
@@ -201,7 +178,7 @@ class SdcwatchCollector(Collector):
             pieces_omitted += pieces
         self._add_incidents(fam, view, open_incidents)
         _add_findings(add, view)
-        _add_checkpoints(add, getattr(view, "checkpoints", None) or ())
+        _add_checkpoints(add, view.checkpoints)
         _add_pipeline(add, view.pipeline, now)
         add("sdcwatch_exporter_omitted", ["runs"], max(0, view.pipeline.runs_total - len(view.runs)))
         add("sdcwatch_exporter_omitted", ["layers"], layers_omitted)
@@ -216,8 +193,7 @@ class SdcwatchCollector(Collector):
         incidents: list[Incident],
         now: float,
     ) -> tuple[int, int]:
-        """One run's series: its progress, its detectors' numbers, the statistics of its exported
-        pieces and layers, its health. Returns the (piece, layer) pairs and pieces left out."""
+        """One run's series; returns the (piece, layer) pairs and pieces left out."""
         r = run.run
         add("sdcwatch_training_last_step", [r], run.last_step)
         add("sdcwatch_training_steps_total", [r], run.steps_total)
@@ -319,7 +295,7 @@ class SdcwatchCollector(Collector):
                     "severity": inc.severity.value,
                     "state": "open" if inc.open else "resolved",
                     "rank": incident_rank_label(inc.ranks),
-                    "host": _hosts_label(inc.hosts),
+                    "host": _capped(list(dict.fromkeys(h for h in inc.hosts if h)), 8),
                     "layer": "" if inc.layer is None else str(inc.layer),
                     "layer_name": bounded_label(inc.layer_name or ""),
                     "metric": inc.metric,
@@ -363,6 +339,8 @@ def _add_pipeline(add: _AddSample, p: PipelineView, now: float) -> None:
     add("sdcwatch_pipeline_dead_letters_total", [], p.dead_letters_total)
     for reason, count in sorted(p.dead_letter_reasons.items()):
         add("sdcwatch_pipeline_dead_letters_by_reason_total", [reason], count)
+    for (key, reason), count in sorted(p.auth_runs_refused.items()):
+        add("sdcwatch_auth_runs_refused_total", [key, reason], count)
     add("sdcwatch_pipeline_late_records_total", [], p.late_records_total)
     if p.consumer_partitions >= 0:
         add("sdcwatch_pipeline_consumer_partitions", [], p.consumer_partitions)

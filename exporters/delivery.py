@@ -1,10 +1,6 @@
-"""Queued, retried delivery of incident events to an HTTP receiver, off the detection thread.
-
-:class:`BackgroundSink` owns the queue and the worker thread that network sinks share:
-``publish`` only appends under a short lock (never blocks on the network, never raises), the
-worker drains the queue and hands batches to the subclass, and sleeps until the next event, retry
-or timer. :class:`Backoff` is the retry schedule; :func:`post_json` the default HTTP transport
-(standard library only), replaceable by any callable with the same signature (tests pass fakes).
+"""Queued, retried delivery of incident events to an HTTP receiver, off the detection thread: the
+queue, worker thread and retry state the HTTP sinks share (:class:`BackgroundSink`), the retry
+schedule (:class:`Backoff`) and the default transport (:func:`post_json`, standard library only).
 """
 
 from __future__ import annotations
@@ -47,10 +43,7 @@ def _credentials(url: str) -> tuple[str, dict[str, str]]:
 
 def post_json(url: str, body: bytes, headers: Mapping[str, str], timeout: float) -> int:
     """POST ``body`` (already JSON) to ``url``; the status on 2xx, :class:`DeliveryError` otherwise.
-
-    Credentials in the URL (``https://user:password@host``) are sent as HTTP Basic authorization;
-    errors name the URL with the password replaced by ``***``.
-    """
+    Credentials in the URL are sent as HTTP Basic authorization; errors show the URL without them."""
     shown = redact_url(url)
     try:
         target, auth = _credentials(url)
@@ -95,11 +88,6 @@ class Backoff:
         self.factor = factor
         self._failures = 0
 
-    @property
-    def failures(self) -> int:
-        """Consecutive failures since the last success."""
-        return self._failures
-
     def failed(self) -> float:
         """Record a failure; the delay to wait before the next attempt."""
         delay = min(self.maximum, self.initial * self.factor**self._failures)
@@ -111,30 +99,42 @@ class Backoff:
 
 
 class BackgroundSink:
-    """Base of sinks that deliver from their own thread.
-
-    Subclasses implement :meth:`_handle` (take new events; may try delivery) and optionally
-    :meth:`_due` (the monotonic time of the next retry or timer, or ``None``) and
-    :meth:`_tick` (called when that time has come). Both run on the worker thread only, so
-    subclass state needs no lock. ``max_queue`` bounds memory when the worker cannot keep up: the
-    oldest events are dropped and counted in :attr:`dropped`.
-
-    The worker starts in this constructor: subclasses set up their own state first and call
-    ``super().__init__`` last.
+    """Base of the sinks that POST to ``url`` from their own thread (``label`` names their settings).
+    Subclasses implement :meth:`_handle`, :meth:`_due` (when to :meth:`_tick` next), keep what awaits
+    delivery in ``_pending`` and :meth:`_start` once set up; past ``max_queue`` the oldest event is ``dropped``.
     """
 
-    def __init__(self, *, name: str, max_queue: int = 10_000) -> None:
+    def __init__(
+        self,
+        label: str,
+        url: str,
+        *,
+        timeout: float,
+        backoff: Backoff | None,
+        headers: Mapping[str, str] | None,
+        post: PostFn,
+        max_queue: int,
+    ) -> None:
+        check_url(f"{label}.url", url)
+        check_number(f"{label}.timeout", timeout, 0, lo_open=True)
         check_int("sink.max_queue", max_queue, lo=1)
+        self.timeout = float(timeout)
+        self.headers = dict(headers or {})
         self.max_queue = max_queue
-        self.dropped = 0  # events lost because the queue was full
+        self.sent = 0
+        self.failures = 0
+        self.dropped = 0
+        self._post = post
+        self._backoff = backoff or Backoff()
+        self._retry_at: float | None = None
         self._queue: deque[IncidentEvent] = deque()
         self._cond = threading.Condition()
         self._closing = False
         self._idle = True
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
+        self._thread = threading.Thread(target=self._run, name=f"sdcwatch-{label}", daemon=True)
 
-    # -- the detection thread's side --------------------------------------------------------------
+    def _start(self) -> None:
+        self._thread.start()
 
     def publish(self, event: IncidentEvent) -> None:
         """Queue ``event``; returns at once and never raises."""
@@ -176,8 +176,6 @@ class BackgroundSink:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # -- the worker -------------------------------------------------------------------------------
-
     def _run(self) -> None:
         while True:
             with self._cond:
@@ -209,14 +207,21 @@ class BackgroundSink:
         raise NotImplementedError
 
     def _due(self) -> float | None:
-        return None
+        raise NotImplementedError
 
     def _tick(self) -> None:
-        pass
+        raise NotImplementedError
 
     def _final(self) -> None:
         """Called once while closing: make a last delivery attempt of anything pending."""
 
     def _settled(self) -> bool:
         """True when nothing awaits (re)delivery; :meth:`flush` waits for this."""
-        return True
+        return not self._pending
+
+    def _retry_later(self, message: str, *args: Any) -> None:
+        """Count a failed POST and set the retry after the backoff, logging ``message % args`` and the delay."""
+        self.failures += 1
+        delay = self._backoff.failed()
+        self._retry_at = time.monotonic() + delay
+        logging.getLogger(type(self).__module__).warning(message + "; retrying in %.1fs", *args, delay)

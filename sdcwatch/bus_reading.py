@@ -1,11 +1,6 @@
 """What the commands that read a topic share (``capture``, ``incidents``, ``checkpoints``): their bus
-options, the serve configuration they read them from, the key file they verify signed messages with,
-the reader, the refusals they count, and stopping on Ctrl-C.
-
-The broker, the topic, SASL/SSL and the job keys come from the same flags, environment and file as
-``sdcwatch serve``'s (``--auth-key-file`` / ``SDCWATCH_AUTH_KEY_FILE`` / ``[auth] key_file``: see
-docs/service.md, "Reading a signed run"). A message that fails verification is counted by the
-reason it was refused and named at the end, never passed over in silence.
+options, read from the same flags, environment and file as ``sdcwatch serve``'s (job keys: docs/service.md,
+"Reading a signed run"), the reader, the refusals they count and name, and stopping on Ctrl-C.
 """
 
 from __future__ import annotations

@@ -1,8 +1,5 @@
-"""``sdcwatch capture``: one run's telemetry from the bus into the JSON lines ``replay`` and ``report`` read.
-
-It reads the topic without a consumer group, verifies a signed run with the service's keys, and
-writes the run's records, layer names, checkpoint notes and end markers in the order the ranks made
-them; it stops when every rank sent its end marker, after ``--idle-timeout``, or on Ctrl-C.
+"""``sdcwatch capture``: one run's telemetry from the bus into the JSON lines ``replay`` and ``report``
+read, in the order the ranks made them, signed runs verified with the service's keys.
 """
 
 from __future__ import annotations
@@ -110,13 +107,9 @@ def capture(
     clock: Callable[[], float] = time.monotonic,
 ) -> str:
     """Read until the run ends, ``idle_timeout`` passes at the end of the topic without a record
-    of the run (0: never), or ``stop`` is set. Returns why it stopped.
-
-    The run's records are keyed by window, so they lie in several partitions: the last rank's
-    end-of-run marker can be read before an earlier window's records in another partition. The
-    run has ended once every rank's marker is read *and* every partition has been read up to
-    where the topic ended when the last marker was seen (each rank sends its marker after
-    everything it emitted was confirmed, so all of the run lies before that point)."""
+    of the run (0: never), or ``stop`` is set; returns why it stopped. The run ends once every
+    rank's marker is read *and* every partition is read up to where the topic ended when the last
+    marker was seen: the markers may overtake earlier windows' records in other partitions."""
     last_record = last_progress = clock()
     end_mark = None
     while True:

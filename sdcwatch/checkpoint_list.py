@@ -1,11 +1,6 @@
-"""``sdcwatch checkpoints``: a run's checkpoints as the detector service marked them, and the newest clean one.
-
-The service marks each checkpoint a job reported (``Emitter.checkpoint``, the Hugging Face and
-Lightning callbacks) ``clean``, ``suspect`` or ``after-fault`` from its incidents and publishes every
-marking on the anomalies topic (``"change": "checkpoint"``, :mod:`sdcwatch.service.checkpoint_marks`).
-This command reads the topic like ``sdcwatch incidents`` (no consumer group; bus, SASL and key file
-from the same flags, environment and configuration file: :mod:`sdcwatch.bus_reading`), keeps the
-latest marking of each checkpoint and lists them oldest first. Needs only the base install.
+"""``sdcwatch checkpoints``: a run's checkpoints as the detector service marked them (``clean``,
+``suspect``, ``after-fault``, :mod:`sdcwatch.service.checkpoint_marks`), oldest first, and the
+newest clean one. Reads the anomalies topic as :mod:`sdcwatch.bus_reading` does.
 """
 
 from __future__ import annotations
@@ -84,6 +79,10 @@ def checkpoint_line(event: dict[str, Any]) -> str:
     path = str(event.get("path") or "(no path)")
     ids = [str(i) for i in event.get("incidents") or [] if isinstance(i, str)]
     why = f"  (incidents: {', '.join(ids[:8])}{', ...' if len(ids) > 8 else ''})" if ids else ""
+    evidence = event.get("evidence") if isinstance(event.get("evidence"), list) else []
+    kept = [e for e in evidence if isinstance(e, dict) and e.get("effect") == "none"]
+    if kept:  # faults that did not count: say why
+        why += "  (not counted: " + "; ".join(f"{e.get('incident')}: {e.get('why')}" for e in kept[:4]) + ")"
     return f"step {event['step']:<7} {event['mark']:<12} {path}{why}"
 
 
@@ -94,7 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="List a run's checkpoints as the detector service marked them, oldest first: clean "
         "(no incident of a fault began before it), suspect (a silent drift or a canary-only replica divergence "
         "began at or before its step and had not cleared), or after-fault (a non-finite value, checksum "
-        "mismatch, SDC suspected or parameter divergence began at or before its step and had not resolved), "
+        "mismatch, SDC suspected or parameter divergence began at or before its step and had not resolved; "
+        "not when the job's guard skipped, reran clean or rolled back the fault, or a finite flip's effect "
+        "stayed within the checks' bounds: the listing says so), "
         "then name the newest clean one: the checkpoint to resume from. A checkpoint is marked once the "
         "service has judged its step, and marked again when an incident found later began before it. Jobs "
         "report checkpoints with Emitter.checkpoint(step, path), Watch.checkpoint or the Hugging Face and "
@@ -106,8 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--json",
         action="store_true",
-        help='one JSON object: {"run", "checkpoints": [each marking as the service sent it], '
-        '"newest_clean": the newest clean one or null}',
+        help='one JSON object: {"run", "checkpoints": [each marking as the service sent it, with '
+        '"evidence": the incidents it rests on and the effect each had], "newest_clean": the newest clean one or null}',
     )
     add_bus_arguments(parser, "anomalies")
     return parser

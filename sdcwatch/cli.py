@@ -1,9 +1,6 @@
-"""The ``sdcwatch`` command line: demo, serve, capture, incidents, checkpoints, replay, report, broker, stack, bench.
-
-Each subcommand lives in its own module and is imported only when it runs, so ``sdcwatch --help``
-stays fast. What a command needs beyond the base install (an extra: ``service``, ``broker``,
-``torch``) is checked before it runs, and a module of an extra missing while it runs is reported the
-same way: one line naming the pip command, exit status 2.
+"""The ``sdcwatch`` command line. Each subcommand lives in its own module, imported only when it
+runs (``sdcwatch --help`` stays fast); a module of an extra it needs and cannot import is one line
+naming the pip command, exit status 2.
 """
 
 from __future__ import annotations

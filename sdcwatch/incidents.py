@@ -1,11 +1,6 @@
-"""``sdcwatch incidents``: the incidents the detector service published, read from the anomalies topic.
-
-Each change of an incident (opened, updated, resolved) is one JSON message on the topic
-(:class:`~sdcwatch.exporters.topics.AnomalyTopicSink`); this command folds them into the latest state of
-each incident and prints it, one line each or one JSON object a line, then with ``--follow`` every
-change as it arrives. It reads the topic like ``sdcwatch capture`` (no consumer group, offset gaps
-re-fetched; :mod:`sdcwatch.bus_reading`), each message decoded by
-:func:`~sdcwatch.core.messages.decode_object`, and needs only the base install.
+"""``sdcwatch incidents``: the incidents the detector service published on the anomalies topic,
+folded into the latest state of each, one line each or JSON; with ``--follow`` every change as it
+arrives. Reads the topic as :mod:`sdcwatch.bus_reading` does; needs only the base install.
 """
 
 from __future__ import annotations
@@ -17,7 +12,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Sequence, TextIO
+from typing import Any, Sequence
 
 from sdcwatch.bus_reading import (
     Refusals,
@@ -149,7 +144,8 @@ def _listed(values: Sequence[Any]) -> str:
 
 
 def incident_line(event: dict[str, Any], status: str) -> str:
-    """One incident on one line: status, severity, kind, run, steps, ranks, hosts, where, id, message.
+    """One incident on one line: status, severity, kind, run, steps, ranks, hosts, where, id, message,
+    and the opening finding's message when a later one changed it.
 
     >>> incident_line({"id": "r:nonfinite:30", "run": "r", "kind": "nonfinite", "severity": "critical",
     ...                "first_step": 30, "last_step": 31, "ranks": [2], "hosts": ["h2"], "metric": "stream_max",
@@ -169,6 +165,10 @@ def incident_line(event: dict[str, Any], status: str) -> str:
     if layer is not None or name:
         fields.append("layer=" + ":".join(str(x) for x in (layer, name) if x is not None and x != ""))
     fields.append(f"id={event['id']}")
+    onset = event.get("onset")
+    began = onset.get("message") if isinstance(onset, dict) else None
+    if began and began != event.get("message"):  # what opened it, when later findings changed the message
+        return "  ".join([*fields, f"{event.get('message', '')}  (onset: {began})"]).rstrip()
     return "  ".join([*fields, str(event.get("message", ""))]).rstrip()
 
 
@@ -189,7 +189,10 @@ def build_parser() -> argparse.ArgumentParser:
         "or a time ago (10m, 2h, 1d: still open, or changed since)",
     )
     parser.add_argument(
-        "--json", action="store_true", help="one JSON object a line: the incident as the service sent it"
+        "--json",
+        action="store_true",
+        help="one JSON object a line: the incident as the service sent it (its latest evidence, and "
+        '"onset": the step, ranks, place, message and evidence of the finding that opened it)',
     )
     parser.add_argument(
         "-f", "--follow", action="store_true", help="then keep reading and print each change as it arrives"
@@ -198,31 +201,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-class _Printer:
-    """Writes incidents to ``out`` as lines or JSON objects, flushed at once (a pipe sees each)."""
-
-    def __init__(self, out: TextIO, as_json: bool) -> None:
-        self.out, self.as_json = out, as_json
-
-    def show(self, event: dict[str, Any], status: str) -> None:
-        if self.as_json:
-            text = json.dumps(json_safe({**event, "status": status_of(event)}), allow_nan=False)
-        else:
-            text = incident_line(event, status)
-        print(text, file=self.out, flush=True)
+def _show(event: dict[str, Any], status: str, as_json: bool) -> None:
+    """One incident on stdout, as a line or a JSON object, flushed at once (a pipe sees each)."""
+    if as_json:
+        text = json.dumps(json_safe({**event, "status": status_of(event)}), allow_nan=False)
+    else:
+        text = incident_line(event, status)
+    print(text, flush=True)
 
 
 def _say(text: str) -> None:
     print(f"sdcwatch incidents: {text}", file=sys.stderr, flush=True)
 
 
-def _follow(reader: TopicReader, take: Any, printer: _Printer, stop: threading.Event) -> None:
+def _follow(reader: TopicReader, take: Any, as_json: bool, stop: threading.Event) -> None:
     """Print each change (opened, updated, resolved) the reader asked for, as it arrives, until ``stop``."""
     while not stop.is_set():
         for msg in reader.poll_messages(0.5):
             event = take(msg)
             if event is not None:
-                printer.show(event, str(event.get("change", status_of(event))))
+                _show(event, str(event.get("change", status_of(event))), as_json)
 
 
 def _nothing(args: argparse.Namespace, topic: str, exists: bool) -> str:
@@ -239,7 +237,6 @@ def incidents_main(argv: Sequence[str]) -> int:
     bus = settings.bus
     stop, signals = stop_on_signals()
     board = IncidentBoard(args.run, since)
-    printer = _Printer(sys.stdout, args.json)
     refused = Refusals()
 
     def take(msg: Any) -> dict[str, Any] | None:
@@ -254,7 +251,7 @@ def incidents_main(argv: Sequence[str]) -> int:
         exists = read_to_end(reader, take, stop)
         shown = [] if stop.is_set() else board.incidents()  # interrupted: no half-read listing
         for event in shown:
-            printer.show(event, status_of(event))
+            _show(event, status_of(event), args.json)
         if not shown and not stop.is_set():
             nothing = _nothing(args, bus.anomalies_topic, exists)
             if args.json:  # stdout stays JSON lines
@@ -267,7 +264,7 @@ def incidents_main(argv: Sequence[str]) -> int:
             _say(f"{len(refused)} messages on {bus.anomalies_topic} refused: {refused.describe()}")
         if args.follow and not stop.is_set():
             _say(f"following {bus.anomalies_topic} on {bus.bootstrap} (Ctrl-C to stop)")
-            _follow(reader, take, printer, stop)
+            _follow(reader, take, args.json, stop)
     finally:
         reader.close()
     return 128 + signals[0] if signals else 0

@@ -1,9 +1,6 @@
-"""``sdcwatch serve``: the production detector service.
-
-Reads telemetry from Kafka in a consumer group, runs the detectors, publishes incidents to the
-anomalies topic, Alertmanager, a webhook and the log, serves /metrics for Prometheus, and
-snapshots its state so that a restart resumes without a new warm-up and without repeating an
-alert. Ctrl-C or SIGTERM stop it cleanly after a final snapshot.
+"""``sdcwatch serve``: the production detector service: Kafka in, incidents out (anomalies topic,
+Alertmanager, webhook, log), /metrics for Prometheus, state snapshots so a restart resumes without
+a new warm-up or a repeated alert; Ctrl-C or SIGTERM stop it after a final snapshot.
 """
 
 from __future__ import annotations
@@ -39,14 +36,10 @@ def build_service(
     poll_timeout: float = 0.2,
     state_reset: bool = False,
 ) -> tuple[Any, Any | None]:
-    """The service and its metrics server (None when ``metrics.port`` is 0, not started), from a config.
-
-    ``sdcwatch serve``, the demo and the end-to-end benchmark all build the service here. ``sinks``
-    replaces the incident sinks the config names (the anomalies topic, Alertmanager, webhook, log);
-    ``extra_sinks`` are added to them; ``wrap_source`` wraps the Kafka source (the demo records
-    what it reads). ``state_reset``: start afresh, not from the state topic's snapshot (its next
-    snapshot replaces it).
-    """
+    """The service and its metrics server (None when ``metrics.port`` is 0, not started), from a config:
+    ``sdcwatch serve``'s, the demo's and the end-to-end benchmark's. ``sinks`` replaces the incident
+    sinks the config names, ``extra_sinks`` are added to them; ``wrap_source`` wraps the Kafka source;
+    ``state_reset``: start afresh, not from the state topic's snapshot."""
     from sdcwatch.exporters.topics import SummaryTopicSink
     from sdcwatch.service.loop import DetectorService
     from sdcwatch.service.summary import encode_summary
@@ -96,10 +89,8 @@ def _changelog(cfg: ServeConfig) -> Any | None:
 
 
 def _pipeline(cfg: ServeConfig, changelog: Any = None) -> tuple[Any, bool, Any]:
-    """The detection pipeline ``[detectors]`` and ``[limits]`` describe, with its saved state
-    loaded from ``state.dir``, or from the state topic when it holds a newer snapshot; whether
-    there was one; the topic's snapshot when the state came from it (its record layouts and
-    journal are the service's)."""
+    """The pipeline ``[detectors]`` and ``[limits]`` describe with its saved state (from ``state.dir``
+    or a newer snapshot on the state topic); whether there was one; the topic's snapshot, if used."""
     from sdcwatch.detectors.registry import default_detectors
     from sdcwatch.service.changelog import resume_state
     from sdcwatch.service.loop import STATE_FILE
@@ -133,7 +124,9 @@ def _authenticator(cfg: ServeConfig) -> Any | None:
     log.info(
         "auth: verifying telemetry with key(s) %s; unsigned messages: %s", ", ".join(keyring.kids), cfg.auth.unsigned
     )
-    return Authenticator(keyring, unsigned=cfg.auth.unsigned)
+    auth = Authenticator(keyring, unsigned=cfg.auth.unsigned)
+    auth.warn_unrestricted()
+    return auth
 
 
 def _source(cfg: ServeConfig, auth: Any = None) -> Any:
@@ -185,8 +178,11 @@ def _incident_sinks(cfg: ServeConfig, pipeline: Any, auth: Any = None) -> list[A
         # a rollback names the newest clean checkpoint before the incident
         policy = CertifiedPolicy.around(cfg.guard.policy(), pipeline.checkpoints)
         keys = auth.key_of if auth is not None else None  # each run's decisions signed with its key
+        nonces = auth.nonce_of if auth is not None else None  # ... for the start the run announced last
         chosen.append(
-            ControlTopicSink.to_kafka(bus.bootstrap, bus.control_topic, policy=policy, keys=keys, **bus.security)
+            ControlTopicSink.to_kafka(
+                bus.bootstrap, bus.control_topic, policy=policy, keys=keys, nonces=nonces, **bus.security
+            )
         )
     return chosen
 
@@ -208,10 +204,17 @@ def _metrics_server(cfg: ServeConfig, service: Any) -> Any | None:
 
 
 def reset_state(state_dir: Path) -> Path | None:
-    """Move the state file out of the way (renamed, never deleted); returns where it went."""
+    """Move the state file out of the way (renamed, never deleted), and the snapshot before it, which a
+    start without the file would resume from; returns where the state file went."""
     from sdcwatch.service.loop import STATE_FILE
+    from sdcwatch.service.statefile import previous_state
 
     path = Path(state_dir) / STATE_FILE
+    prev = previous_state(path)
+    if prev.exists() or prev.is_symlink():
+        prev_aside = prev.with_name(f"{prev.name}.bad-{time.strftime('%Y%m%dT%H%M%S')}")
+        os.replace(prev, prev_aside)
+        print(f"sdcwatch serve: --state-reset: moved {prev} to {prev_aside}", file=sys.stderr)
     if not path.exists() and not path.is_symlink():
         print(f"sdcwatch serve: --state-reset: no state file at {path}; starting afresh", file=sys.stderr)
         return None
@@ -240,8 +243,8 @@ def serve_main(argv: Sequence[str]) -> int:
     parser.add_argument(
         "--state-reset",
         action="store_true",
-        help="move the state file aside (kept as pipeline-state.json.bad-<time>) and start without "
-        "it, nor the state topic's snapshot (the next snapshot replaces it): the way out of a damaged "
+        help="move the state file and the snapshot before it aside (kept as pipeline-state.json.bad-<time> "
+        "and pipeline-state.json.prev.bad-<time>) and start without them, nor the state topic's snapshot (the next snapshot replaces it): the way out of a damaged "
         "state; detectors warm up again",
     )
     args = parser.parse_args(argv)
@@ -259,13 +262,10 @@ def serve_main(argv: Sequence[str]) -> int:
         log.warning("received %s: stopping after a final snapshot", signal.Signals(signum).name)
         stop.set()
 
-    # kafka-python gives up on an unreachable bus after about 30 s: say what is being waited for.
-    # Ctrl-C and SIGTERM stop that wait at once (nothing was read yet, so there is nothing to save);
-    # once the service runs they stop it after a final snapshot.
+    # kafka-python gives up on an unreachable bus after about 30 s: say what is being waited for, and
+    # leave at once on Ctrl-C (nothing was read yet; a KeyboardInterrupt could wait out the client's
+    # clean-up); once the service runs, Ctrl-C and SIGTERM stop it after a final snapshot.
     print(f"sdcwatch serve: connecting to Kafka at {cfg.bus.bootstrap}", file=sys.stderr, flush=True)
-    # Python's own Ctrl-C raises KeyboardInterrupt wherever the connection happens to be, and the
-    # client's clean-up on the way out can wait out its own 30 s: leave at once instead (SIGTERM's
-    # default already does)
     signal.signal(signal.SIGINT, _leave_while_connecting)
     try:
         service, metrics = build_service(cfg, state_reset=args.state_reset)

@@ -1,8 +1,6 @@
-"""``sdcwatch stack export DIR``: the monitoring stack that ships in the package, written out.
-
-The files are the package data of ``sdcwatch.dashboards`` (the repository's ``dashboards/``
-folder): the Grafana dashboard and provisioning, the Prometheus config, the alert rules and their
-promtool tests, the Alertmanager routing and their reference. A wheel install has them too.
+"""``sdcwatch stack export DIR``: the monitoring stack that ships in the package (the package data
+of ``sdcwatch.dashboards``: Grafana dashboard and provisioning, Prometheus config, alert rules and
+their tests, Alertmanager routing, their reference), written out.
 """
 
 from __future__ import annotations
@@ -64,11 +62,8 @@ def describe(path: str) -> str:
 
 
 def export_stack(dest: Path, *, force: bool = False) -> list[str]:
-    """Write every stack file under ``dest`` (created if missing) and return their relative paths.
-
-    A ``dest`` that holds anything is refused (:class:`ConfigError`) unless ``force``, which
-    overwrites the stack's files and leaves the folder's other files alone.
-    """
+    """Write every stack file under ``dest`` (created if missing) and return their relative paths;
+    a ``dest`` not empty is refused unless ``force`` (the folder's other files are left alone)."""
     if dest.exists() and not dest.is_dir():
         raise ConfigError("DIR", f"{dest} is a file, not a folder")
     if dest.is_dir() and not force and any(dest.iterdir()):

@@ -1,14 +1,9 @@
 """The detector service: records in, incidents out, for any number of runs, live or from a file.
 
-Records flow one way: source (:mod:`~sdcwatch.service.kafka_source`) -> :mod:`~sdcwatch.service.ingest`
--> :class:`StepAligner` -> the detectors (:mod:`sdcwatch.detectors`) -> :class:`IncidentBook` -> the
-sinks the service is given (:mod:`sdcwatch.exporters`). :class:`DetectionPipeline` holds one
-service's whole detection state, :class:`DetectorService` runs it on a stream with periodic snapshots
-(:mod:`~sdcwatch.service.statefile`), :func:`replay` on a file. Split in stages, spatial instances
-send a :class:`StepSummary` per step to one temporal instance.
-
-This package sits above :mod:`sdcwatch.detectors` (it imports the detectors, never the reverse).
-Importing it is cheap: each name is imported on first use (PEP 562).
+Records flow one way: source -> :mod:`~sdcwatch.service.ingest` -> :class:`StepAligner` -> the
+detectors -> :class:`IncidentBook` -> the sinks (:mod:`sdcwatch.exporters`); docs/architecture.md
+draws the path. This package imports the detectors, never the reverse; each name is imported on
+first use (PEP 562).
 """
 
 from __future__ import annotations

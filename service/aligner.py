@@ -1,45 +1,21 @@
 """Step alignment: one run's records grouped by step across ranks, closed in step order.
 
-A step closes when all ranks of the world have arrived, or ``timeout`` seconds after its first
-record (late or missing ranks are then absent in the frame, and the missing-rank detector takes
-over). Frames leave in increasing step order: a complete step waits for earlier open steps (at
-most ``timeout``, or until more than ``max_open`` steps are open); a complete step that does not
-follow the last closed one by the run's usual stride waits ``reorder_grace`` seconds, since an
-earlier step may still be on its way (Kafka partitions are read at different paces), and waits
-while :attr:`StepAligner.backlog` says more records are waiting on the bus (up to ``timeout``): a
-service behind the topic reads one partition's window of steps after another's, and a step of the
-window read first would otherwise close ahead of the earlier steps, whose records then came late
-and were dropped. Duplicates (at-least-once
-delivery) and records for steps already closed are counted and dropped. Runs are kept apart; a
-change of world size (elastic training) closes what is open and starts the run's alignment afresh.
-
-Two guards keep one record from blinding or swamping a run. A step more than ``max_step_jump``
-steps ahead of the run's last closed step closes only if most of the run's ranks sent it (a real
-jump: every rank restarted from a later checkpoint); otherwise its records are set aside in
-:attr:`StepAligner.rejected` (reason ``step_jump``) instead of making every later record late.
-A record that would make its step hold more than ``max_step_values`` values (world x the union
-of the metrics its ranks sent) is set aside too (reason ``step_size``).
-
-Admission and budget. A new run is taken only if :attr:`StepAligner.admit` says so (the pipeline
-keeps a bounded number of runs; refused records are set aside, reason ``runs``). A run is *on
-probation* until ``probation_steps`` of its steps closed; :meth:`StepAligner.idlest_on_probation`
-names the one silent longest, which the pipeline may let go for a new run. Within one call of
-:meth:`StepAligner.add` the records of runs already held go first, then the new runs, most records
-first (then by name), so which new run gets a free place never depends on the order a poll read
-them in. Each run may send ``record_budget`` records a second, averaged over ``budget_window``
-seconds (a token bucket holding ``record_budget * budget_window``); records past it are set aside
-(reason ``budget``).
-
-Input is records (wire v1) or :class:`~sdcwatch.service.ingest.RecordColumns` blocks (wire v2):
-a block is placed into its steps with array operations (no object per record), and a step's
-(rank x metric) arrays are filled from the blocks when it closes. :func:`frames_over_wire` runs
-records through a wire, the decoder and an aligner: the frames the service would see.
+A step closes when every rank of the world sent it, or ``timeout`` seconds after its first record
+(the missing-rank detector takes over). Frames leave in step order: a complete step that does not
+follow the last closed one by the run's usual stride waits ``reorder_grace`` seconds, or up to
+``timeout`` while :attr:`StepAligner.backlog` says records wait on the bus (Kafka partitions are read
+at different paces). Duplicates and records of closed steps are counted and dropped; a change of
+world size (elastic training) starts the run's alignment afresh. Records past the limits
+(``step_jump``, ``step_size``), of runs not admitted (``runs``) or past a run's budget (``budget``)
+are set aside in :attr:`StepAligner.rejected` (docs/operating.md, "Limits"; admission and budget:
+docs/service.md, "Run lifecycle"). Wire-v2 blocks are placed with array operations, one step's
+arrays filled from them when it closes.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
@@ -47,8 +23,7 @@ from sdcwatch.core.columnar import WIRES
 from sdcwatch.core.messages import encode_items
 from sdcwatch.core.errors import RecordError
 from sdcwatch.core.limits import RecordLimits
-from sdcwatch.core.record import record_key
-from sdcwatch.core.record_json import from_dict, to_dict
+from sdcwatch.core.record import from_dict, record_key, to_dict
 from sdcwatch.core.record_layout import PackedRecord
 from sdcwatch.core.record_type import Record
 from sdcwatch.core.validate import check_choice, check_positive
@@ -75,7 +50,7 @@ class _OpenStep:
             self.present = np.zeros(self.world, bool)
 
     def all_records(self) -> list[Record]:
-        """Every record of the step, column blocks expanded (saved state, dead letters)."""
+        """Every record of the step, column blocks expanded."""
         out = list(self.records.values())
         for cols, idx in self.blocks:
             out += cols.to_records(idx)
@@ -146,7 +121,6 @@ class StepAligner:
         self.late_records = 0
         self.world_changes = 0
         self.incomplete_steps = 0
-        self.jumps_rejected = 0  # steps set aside as implausibly far ahead
 
     # -- input --------------------------------------------------------------------------------
 
@@ -163,35 +137,21 @@ class StepAligner:
             st = self._run_state(rec.run, rec.world, now, out, lambda rec=rec: [rec])
             if st is None:
                 continue
-            if st.tokens >= 1.0:  # within its budget (the common case, without a call)
-                st.tokens -= 1.0
-            elif not self._grant(st, 1, now):
+            if not self._grant(st, 1, now):
                 over.setdefault(rec.run, []).append(rec)
                 continue
-            if rec.step <= st.last_closed:
-                self.late_records += 1
-                continue
-            op = st.open.get(rec.step)
+            op = self._open_step(st, rec.step, now, 1)
             if op is None:
-                op = st.open[rec.step] = _OpenStep(first_seen=now, world=st.world)
+                continue
             if op.present[rec.rank]:
                 self.duplicates += 1
                 continue
-            if not self._fits(
-                st,
-                op,
-                rec.step,
-                rec.run,
-                rec.scalars.keys(),
-                rec.layers.keys(),
-                max(map(len, rec.layers.values()), default=0),
-                lambda rec=rec: [rec],
-            ):
-                continue
-            op.records[rec.rank] = rec
-            op.present[rec.rank] = True
-            op.count += 1
-            touched.add(rec.run)
+            layer_len = max(map(len, rec.layers.values()), default=0)
+            if self._fits(st, op, rec.step, rec.run, rec.scalars.keys(), rec.layers.keys(), layer_len, lambda: [rec]):
+                op.records[rec.rank] = rec
+                op.present[rec.rank] = True
+                op.count += 1
+                touched.add(rec.run)
         for run in touched:
             out += self._drain(run, self._runs[run], force=False, now=now)
         for run, recs in over.items():
@@ -204,9 +164,8 @@ class StepAligner:
         return out
 
     def _admission_order(self, records: Iterable[Record | RecordColumns]) -> list:
-        """The input with the records of runs held first, then those of new runs, most records first
-        (then by name): the order in which new runs are offered to :attr:`admit`, whatever the order
-        a poll read them in. Each run's own records keep their order."""
+        """The records of runs held first, then those of new runs, most records first (then by name),
+        whatever the order a poll read them in; each run's own records keep their order."""
         items = records if isinstance(records, list) else list(records)
         new = {x.run for x in items}.difference(self._runs)
         if not new:
@@ -220,7 +179,7 @@ class StepAligner:
         return held + sorted((x for x in items if x.run in rank), key=lambda x: rank[x.run])
 
     def _grant(self, st: _RunSteps, n: int, now: float) -> int:
-        """How many of ``n`` records the run's budget takes now (spent from its bucket)."""
+        """How many of ``n`` records the run's budget (a token bucket) takes now."""
         if st.tokens < n:  # refill lazily: only when the bucket runs short
             st.tokens = min(self._budget_cap, st.tokens + (now - st.tokens_at) * self.record_budget)
             st.tokens_at = now
@@ -250,15 +209,7 @@ class StepAligner:
         elif world != st.world:
             out += self._drain(run, st, force=True, now=now)
             self.world_changes += 1
-            st = self._runs[run] = _RunSteps(
-                world=world,
-                last_closed=st.last_closed,
-                stride=st.stride,
-                generation=st.generation + 1,
-                steps_closed=st.steps_closed,
-                tokens=st.tokens,
-                tokens_at=st.tokens_at,
-            )
+            st = self._runs[run] = replace(st, world=world, open={}, generation=st.generation + 1)
         if st.steps_closed < self.probation_steps:  # on probation: note its input, most recent last
             self._probation.pop(run, None)
             self._probation[run] = now
@@ -292,12 +243,9 @@ class StepAligner:
             for i, j in zip(starts.tolist(), [*starts[1:].tolist(), len(order)]):
                 step = int(sorted_steps[i])
                 idx = order[i:j]
-                if step <= st.last_closed:
-                    self.late_records += len(idx)
-                    continue
-                op = st.open.get(step)
+                op = self._open_step(st, step, now, len(idx))
                 if op is None:
-                    op = st.open[step] = _OpenStep(first_seen=now, world=st.world)
+                    continue
                 ranks = ranks_all[idx]
                 uniq, first = np.unique(ranks, return_index=True)
                 new = ~op.present[uniq]
@@ -320,6 +268,16 @@ class StepAligner:
                 op.count += len(idx)
                 op.blocks.append((part, idx))
                 touched.add(cols.run)
+
+    def _open_step(self, st: _RunSteps, step: int, now: float, n: int) -> _OpenStep | None:
+        """The run's open ``step`` (opened now if new); None when it closed already (its ``n`` records came late)."""
+        if step <= st.last_closed:
+            self.late_records += n
+            return None
+        op = st.open.get(step)
+        if op is None:
+            op = st.open[step] = _OpenStep(first_seen=now, world=st.world)
+        return op
 
     def _fits(
         self,
@@ -355,13 +313,12 @@ class StepAligner:
         return True
 
     def take_rejected(self) -> list[tuple[str, str, list[Record]]]:
-        """The records set aside since the last call (see the module docstring)."""
+        """The records set aside since the last call."""
         out, self.rejected = self.rejected, []
         return out
 
     def poll(self, *, force: bool = False) -> list[StepFrame]:
-        """Close steps whose deadline passed (call regularly, also when no records arrive); every
-        open step with ``force``."""
+        """Close steps whose deadline passed (call regularly); every open step with ``force``."""
         now = self.clock()
         return [frame for run, st in list(self._runs.items()) for frame in self._drain(run, st, force=force, now=now)]
 
@@ -383,7 +340,6 @@ class StepAligner:
             del st.open[step]
             jump = step - st.last_closed
             if st.last_closed >= 0 and jump > self.max_step_jump and 2 * op.count <= st.world:
-                self.jumps_rejected += 1
                 self.rejected.append(
                     (
                         "step_jump",
@@ -488,13 +444,9 @@ class StepAligner:
 
 
 def frames_over_wire(records: Sequence[Record], wire: str, *, per_message: int = 256) -> list[StepFrame]:
-    """The frames the service would build from ``records`` sent in wire format ``wire`` (``v1``/``v2``).
-
-    Encodes as the emitters' transports do, decodes with
-    :class:`~sdcwatch.service.ingest.IngestDecoder`, aligns with a :class:`StepAligner` that waits
-    for every rank. Lets offline
-    tools (the campaign) run detection on exactly what crosses the bus.
-    """
+    """The frames the service would build from ``records`` sent in wire format ``wire`` (``v1``/``v2``):
+    encoded as the transports do, decoded and aligned waiting for every rank (the campaign runs
+    detection on exactly what crosses the bus)."""
     check_choice("wire", wire, WIRES)
     items = list(records) if wire == "v1" else [PackedRecord.from_record(r) for r in records]
     messages = [

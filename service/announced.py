@@ -1,25 +1,15 @@
 """What the service announced since its last snapshot, on disk: one alert per incident across a kill.
 
-The service snapshots its state every few seconds and commits its offsets after; an instance killed
-between two snapshots (SIGKILL, OOM, a lost machine) re-reads the records after the last snapshot
-and finds the same incidents again, with the same ids (an incident's id is its run, kind, step and
-rank). Without a record of what it had already said, it would open each of them a second time on
-the anomalies topic, in Alertmanager and on the control topic.
-
-:class:`AnnouncementJournal` appends one line per incident change it published (the change, the
-incident id, its severity and kind) to ``announced.jsonl`` beside the state, flushed to disk before
-the next change is handled, and is emptied once a snapshot that includes those incidents is
-written. A restarted service loads it and does not publish those changes again: exactly one
-``opened`` per incident, and no repeated update or resolution. What the killed instance announced
-stays in the journal until the re-read finds it again, however many snapshots that takes, for at
-most :data:`KEEP_BEFORE_S`. A journal that cannot be written
-(a full disk) is logged and counted; the alert still goes out (at least once, rather than never).
-With a state topic, the journal is copied there too (``mirror``), so an instance that takes over on
-another machine does not repeat what the killed one announced (``adopt``).
+An instance killed between two snapshots re-reads what came after the last one and finds the same
+incidents again, with the same ids. :class:`AnnouncementJournal` appends each incident change it
+published to ``announced.jsonl`` beside the state (synced before the next one), empties it at each
+snapshot, and a restarted service does not publish those changes again (docs/service.md, "The
+state file"). With a state topic the journal is copied there too (``mirror``, ``adopt``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -58,9 +48,7 @@ class AnnouncementJournal:
 
     def __init__(self, path: str | Path, *, mirror: Callable[[dict[str, float]], None] | None = None) -> None:
         self.path = Path(path)
-        self.mirror = mirror
-        """Also keeps the journal off this machine (the state topic's ``write_journal``): called with
-        every entry after each change; its failure is logged, the local journal still holds."""
+        self.mirror = mirror  # the state topic's write_journal: every entry after each change
         self.suppressed = 0  # changes not published again after a restart
         self.write_errors = 0
         self._said: dict[str, float] = {}  # published by this instance since its last snapshot (key -> time)
@@ -84,15 +72,14 @@ class AnnouncementJournal:
         except OSError as exc:
             log.warning("could not read %s (%s): incidents from before a crash may be announced again", self.path, exc)
             return
-        now = time.time()
+        entries = {}
         for line in text.splitlines()[:_MAX_REMEMBERED]:
             try:
                 entry = json.loads(line)
-                key, at = entry["key"], float(entry["at"])
+                entries[entry["key"]] = float(entry["at"])
             except (ValueError, TypeError, KeyError):  # a line cut by the kill
                 continue
-            if isinstance(key, str) and now - at < KEEP_BEFORE_S:
-                self._before[key] = at
+        self.adopt(entries)
         if self._before:
             log.info("%d incident change(s) were announced before the last stop: not repeated", len(self._before))
 
@@ -156,10 +143,8 @@ class AnnouncementJournal:
 
     def _close(self) -> None:
         if self._file is not None:
-            try:
+            with contextlib.suppress(OSError):
                 self._file.close()
-            except OSError:
-                pass
             self._file = None
 
     def close(self) -> None:

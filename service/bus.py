@@ -1,38 +1,29 @@
-"""The service's end of the bus: the protocol of the sources it reads, and the dead-letter topic.
+"""The service's end of the bus: the protocol of the sources it reads, their decoding and dead letters.
 
-(The ranks' end is :mod:`sdcwatch.telemetry.wire.transports`; the topics the service writes are
-sinks in :mod:`sdcwatch.exporters.topics`; every Kafka client is built by :mod:`sdcwatch.core.kafka`.)
-
-A source returns decoded records in batches and commits only when told to, after the records
-have been processed: delivery is at least once, and de-duplication by (run, step, rank) belongs
-to the step aligner. A message that does not decode, or a record past the service's
-:class:`~sdcwatch.core.limits.RecordLimits`, is not an error of the service: it goes to the
-dead-letter topic with the reason (headers ``sdcwatch.reason``, ``sdcwatch.reason_code``), its
-origin (``sdcwatch.origin`` = topic/partition/offset) and size (``sdcwatch.size``; the value is
-truncated past :data:`DEADLETTER_MAX_BYTES`), is counted by reason, and reading goes on. Records
-the pipeline refuses later (a step too far ahead, a run too many) go the same way
-(``dead_letter``).
+Delivery is at least once (a source commits after the records are processed; the step aligner drops
+duplicates). A message that does not decode, or a record past the
+:class:`~sdcwatch.core.limits.RecordLimits`, goes to the dead-letter topic with its reason, origin
+and size, is counted by reason, and reading goes on (docs/operating.md).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Iterable, Protocol, Sequence
 
 from sdcwatch.core.errors import RecordError
-from sdcwatch.core.limits import RecordLimits, reason_of
+from sdcwatch.core.limits import reason_of
 from sdcwatch.core.messages import decode_message
 from sdcwatch.core.record_type import Record
+from sdcwatch.service.ingest import IngestDecoder, Rejected, SchemaRegistry
 from sdcwatch.service.summary import decode_summary
 
 __all__ = [
     "Source",
-    "DeadLetter",
     "DeadLetterCounts",
     "FAST_JOIN",
     "DEADLETTER_MAX_BYTES",
     "dead_letter_value",
-    "decode_or_reason",
+    "decode_batch",
     "decode_summary_message",
 ]
 
@@ -41,25 +32,14 @@ __all__ = [
 FAST_JOIN = dict(max_poll_interval_ms=6000, session_timeout_ms=6000, heartbeat_interval_ms=1000)
 
 
-@dataclass(frozen=True)
-class DeadLetter:
-    """A message that could not be decoded, with why and where it came from."""
-
-    reason: str  # what is wrong, in words
-    origin: str
-    key: bytes | None
-    value: bytes | None
-    code: str = "malformed"  # the reason code (one of DEAD_LETTER_REASONS)
-
-
 class Source(Protocol):
     """What the detector service reads from."""
 
     records: int  # good records returned so far
-    dead_letters: int  # malformed messages routed to the dead-letter topic
     assigned: bool  # the source holds partitions to read (a consumer group has finished joining)
-    dead_letter_reasons: dict[str, int]  # the same, by reason (DEAD_LETTER_REASONS)
-    partitions: int  # partitions this reader owns now (0: evicted or waiting for its group)
+    owns_topic: bool  # the source reads every partition (False: it shares its group, and commits nothing)
+    ingest: IngestDecoder  # its decoder (``ingest.auth``: the runs' key bindings, None without keys)
+    schemas: SchemaRegistry  # the wire-v2 layouts it learnt
 
     def poll(self, timeout: float) -> list[Record]: ...
 
@@ -69,6 +49,11 @@ class Source(Protocol):
 
     def lag(self) -> int: ...
 
+    def health(self) -> dict[str, Any]:
+        """The source's fields of :class:`~sdcwatch.core.incident.PipelineView` (dead letters, by
+        reason, partitions, messages waiting for a schema, offset gaps)."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -77,21 +62,29 @@ def decode_summary_message(value: bytes) -> list:
     return [decode_summary(value)]
 
 
+def decode_batch(
+    messages: Iterable[tuple[str, bytes | None, Any]], decode: Callable[[bytes], list], ingest: IngestDecoder
+) -> tuple[list, list[Rejected]]:
+    """``(origin, key, value)`` messages -> (decoded items, rejected messages): telemetry (``decode``
+    is ``decode_message``) many at once through ``ingest``, anything else one by one through ``decode``."""
+    if decode is decode_message:
+        return ingest.decode(messages)
+    out: list = []
+    rejected: list[Rejected] = []
+    for origin, key, value in messages:
+        if value is None:
+            rejected.append(Rejected(origin, key, value, "empty message (null value)", "empty"))
+            continue
+        try:
+            out.extend(decode(value))
+        except RecordError as exc:
+            rejected.append(Rejected(origin, key, value, str(exc), reason_of(exc)))
+    return out, rejected
+
+
 #: Most bytes of a message's value kept in the dead-letter topic; the full size travels in the
 #: ``sdcwatch.size`` header. Keeps a huge message from being lost to the producer's request limit.
 DEADLETTER_MAX_BYTES = 64 * 1024
-
-
-def decode_or_reason(
-    value: Any, decode: Callable[..., list] = decode_message, limits: RecordLimits | None = None
-) -> tuple[list | None, str, str]:
-    """(records, "", "") or (None, reason code, description of the fault)."""
-    if value is None:
-        return None, "empty", "empty message (null value)"
-    try:
-        return (decode(value, limits) if limits is not None else decode(value)), "", ""
-    except RecordError as exc:
-        return None, reason_of(exc), str(exc)
 
 
 def dead_letter_value(value: bytes | None) -> tuple[bytes, list[tuple[str, bytes]]]:

@@ -1,10 +1,9 @@
-"""The state changelog: the pipeline's snapshots in a compacted Kafka topic (as Kafka Streams keeps a
-store's changelog), so an instance on another machine, without the state folder, resumes a run's
-history; and the choice at start between the state file and the topic's newer snapshot.
+"""The state changelog: the pipeline's snapshots in a compacted Kafka topic, so an instance on another
+machine resumes a run's history; and the choice at start between the state file and the topic.
 
-A snapshot is zlib-compressed JSON, split into chunks under the broker's message limit, each chunk
-acknowledged before its manifest is written: a reader takes a snapshot only through its manifest,
-so never half of one. The chunks of the snapshot before are tombstoned once the new manifest is in.
+A snapshot is zlib-compressed JSON in chunks under the broker's message limit, each acknowledged
+before the manifest that names them (a reader never takes half a snapshot); the chunks of the
+snapshot before are tombstoned after (docs/service.md, "The state in a Kafka topic").
 """
 
 from __future__ import annotations
@@ -24,7 +23,7 @@ from typing import Any, Iterator, Mapping
 from sdcwatch.core.errors import ConfigError, TransportError
 from sdcwatch.core.kafka import new_admin, new_consumer, new_producer, security_settings
 from sdcwatch.core.validate import check_int
-from sdcwatch.service.statefile import restore_faults
+from sdcwatch.service.statefile import restore_faults, state_to_resume
 
 __all__ = ["FORMAT", "ChangelogSnapshot", "StateChangelog", "resume_state"]
 
@@ -41,18 +40,12 @@ _OVERHEAD = 16_384  # a record batch's headers and the key, below the broker's l
 class ChangelogSnapshot:
     """One complete snapshot read back from the topic."""
 
-    state: dict[str, Any]
-    """The pipeline's state (what ``DetectionPipeline.snapshot`` gave)."""
-    schemas: list | None
-    """The wire-v2 record layouts the source had learnt, or None."""
-    written_at: float
-    """Wall-clock time (seconds since the epoch) the writer took the snapshot."""
-    snapshot: str
-    """The snapshot's id."""
-    size: int
-    """Compressed bytes."""
-    journal: dict | None = None
-    """The incident changes the writer had announced since that snapshot (its journal), or None."""
+    state: dict[str, Any]  # what DetectionPipeline.snapshot gave
+    schemas: dict | None  # the wire-v2 record layouts the source had learnt
+    written_at: float  # wall-clock time the writer took the snapshot
+    snapshot: str  # its id
+    size: int  # compressed bytes
+    journal: dict | None = None  # the incident changes the writer had announced since (its journal)
 
 
 class StateChangelog:
@@ -81,17 +74,10 @@ class StateChangelog:
         self.security = security_settings(security or {})
         self.timeout = timeout
         self.chunk_bytes = chunk_bytes
-        self.written = 0  # snapshots written
         self._producer: Any = None
         self._live: set[bytes] = set()  # chunk keys of ours no newer manifest needs: tombstoned after the next one
-
-    @property
-    def manifest_key(self) -> bytes:
-        return f"m:{self.stage}:{self.group}".encode()
-
-    @property
-    def journal_key(self) -> bytes:
-        return f"j:{self.stage}:{self.group}".encode()
+        self.manifest_key = f"m:{stage}:{group}".encode()
+        self.journal_key = f"j:{stage}:{group}".encode()
 
     def write_journal(self, entries: Mapping[str, float]) -> None:
         """The incident changes announced since the last snapshot (the service's journal), acknowledged:
@@ -114,7 +100,7 @@ class StateChangelog:
 
     # -- writing --------------------------------------------------------------------------------
 
-    def write(self, state: dict[str, Any], schemas: list | None = None) -> None:
+    def write(self, state: dict[str, Any], schemas: dict | None = None) -> None:
         """Write one snapshot: its chunks, each acknowledged, then its manifest. TransportError
         when the bus does not take it (the manifest before stays the one a reader takes)."""
         from kafka.errors import KafkaError
@@ -148,7 +134,6 @@ class StateChangelog:
             with contextlib.suppress(KafkaError, OSError, ValueError):
                 producer.send(self.topic, key=key, value=None, partition=0)
         self._live = set(keys)
-        self.written += 1
 
     def _open(self) -> Any:
         if self._producer is None:
@@ -304,8 +289,8 @@ _RECOVERY = "; start with --state-reset to begin afresh (the next snapshot repla
 
 
 def _entries(journal: bytes | None) -> dict | None:
-    """A journal's entries ({change key: wall time}); None for none or a damaged one (a journal only
-    saves repeated alerts: a damaged one costs at most a repeat, never the resume)."""
+    """A journal's entries ({change key: wall time}); None for none or a damaged one (which costs at
+    most a repeated alert, never the resume)."""
     if journal is None:
         return None
     try:
@@ -339,19 +324,27 @@ def _read_to_end(consumer: Any, parts: list, timeout: float) -> Iterator[Any]:
 def resume_state(
     pipeline: Any, path: str | os.PathLike, changelog: StateChangelog | None = None
 ) -> tuple[str | None, ChangelogSnapshot | None]:
-    """Restore ``pipeline`` from the state file ``path`` or, when there is no file or it is older
-    than the topic's newest snapshot, from ``changelog``. Returns where the state came from
-    ("file", "topic" or None) and the topic's snapshot when it was taken (its ``schemas`` are for
-    the source). A damaged file or snapshot raises ConfigError naming it."""
+    """Restore ``pipeline`` from the state file ``path`` (its ``.prev`` when only that is left, logged),
+    or from ``changelog`` when it has a newer snapshot; (where the state came from: "file", "topic" or
+    None, the topic's snapshot when taken). A damaged file or snapshot raises ConfigError naming it."""
     path = Path(path)
+    found = state_to_resume(path)
     snap = changelog.read() if changelog is not None else None
     if snap is not None:
         try:
-            file_time = path.stat().st_mtime
+            file_time = found.stat().st_mtime
         except OSError:
             file_time = None
         if file_time is None or file_time < snap.written_at:
             with changelog.restoring():
                 pipeline.restore(snap.state)
             return "topic", snap
-    return ("file" if pipeline.load(path) else None), None
+    if found != path:
+        log.warning(
+            "state file %s is missing: resuming from %s, the snapshot before it (written %.1f s ago); "
+            "what was read between that snapshot and the lost one is not read again",
+            path,
+            found,
+            max(0.0, time.time() - found.stat().st_mtime),
+        )
+    return ("file" if pipeline.load(found) else None), None

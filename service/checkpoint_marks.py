@@ -1,13 +1,12 @@
-"""Certified checkpoints: each checkpoint a run saved, marked clean, suspect or after-fault from its incidents.
-
-:class:`CheckpointBook` takes the ranks' notes out of the stream, marks each once the service has
-judged its step and again when a later incident began before it, and names the rollback target
-(rules and bounds: docs/messages.md, "Certified checkpoints in the service").
+"""Certified checkpoints: each checkpoint a run saved, marked clean, suspect or after-fault from its
+incidents once its step is judged, again when a later incident began before it, and the rollback
+target (rules and bounds: docs/messages.md, "Certified checkpoints in the service").
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import OrderedDict
 from dataclasses import asdict, dataclass, replace
@@ -17,6 +16,7 @@ from sdcwatch.core.rank_notes import CheckpointMark, CheckpointNote
 from sdcwatch.core.control import Decision
 from sdcwatch.core.errors import RecordError
 from sdcwatch.core.incident import Incident, IncidentEvent
+from sdcwatch.core.kinds import GUARD_KINDS, SPIKE_KINDS
 from sdcwatch.service.control_policy import ControlPolicy
 from sdcwatch.service.summary import StepSummary
 
@@ -29,6 +29,7 @@ __all__ = [
     "SUMMARY_KEY",
     "incident_weight",
     "mark_of",
+    "marking",
     "CheckpointBook",
     "CertifiedPolicy",
 ]
@@ -50,9 +51,8 @@ SUMMARY_KEY = "checkpoint_notes"
 
 
 def incident_weight(kind: str, evidence: Any = None) -> str | None:
-    """The marking an open incident gives the checkpoints after its onset (None: it does not count).
-    A replica divergence seen only in canaries (no parameter fingerprint) computes wrongly without
-    (yet) changing the weights: suspect."""
+    """The marking an open incident gives the checkpoints after its onset (None: it does not count); a
+    replica divergence seen only in canaries (no parameter fingerprint) has not changed the weights yet."""
     if kind == "replica_divergence":
         metrics = evidence.get("metrics") if isinstance(evidence, dict) else None
         if isinstance(metrics, dict) and metrics and "param_fp" not in metrics:
@@ -85,19 +85,88 @@ def mark_of(step: int, incidents: Iterable[tuple[str, str, int, int | None]]) ->
     return worst, tuple(ids)
 
 
+def marking(
+    step: int, incidents: Iterable[tuple[str, str, int, int | None, int, str]], guarded: dict[int, str] | None = None
+) -> tuple[str, tuple[str, ...], tuple[dict[str, Any], ...]]:
+    """(marking, ids of the incidents that made it, the evidence it rests on) of a checkpoint saved at
+    ``step``, from ``(id, weight, first, resolved, last, reach)`` of the run's incidents and the steps at
+    which the job's guard kept the weights clean (``guarded``: step -> skip, rerun or rollback). A fault
+    the guard skipped or rolled back, or whose measured ``reach`` stayed within the checks' bounds (and
+    no spike began after it), does not count; the evidence says so.
+
+    >>> marking(60, [("r:nonfinite:50", "after-fault", 50, None, 50, "")], {50: "skip"})[:2]
+    ('clean', ())
+    >>> marking(60, [("r:nonfinite:50", "after-fault", 50, None, 50, "")], {})
+    ('after-fault', ('r:nonfinite:50',), ({'incident': 'r:nonfinite:50', 'effect': 'after-fault', \
+'why': 'began at step 50 and had not resolved'},))
+    """
+    guarded = guarded or {}
+    incidents = list(incidents)
+    spikes = [first for _, weight, first, *_ in incidents if weight == "spike"]
+    counted, evidence = [], []
+    for iid, weight, first, resolved, last, reach in incidents:
+        if weight not in ("after-fault", "suspect") or first > step or (resolved is not None and resolved <= step):
+            continue
+        why = _guarded_from(step, first, last, guarded)
+        if why is None and reach and not any(first <= s <= step for s in spikes):
+            why = reach
+        if why is None:
+            counted.append((iid, weight, first, None))
+        open_ = f"began at step {first} and had not " + ("resolved" if weight == "after-fault" else "cleared")
+        evidence.append({"incident": iid, "effect": "none" if why else weight, "why": why or open_})
+    return (*mark_of(step, counted), tuple(evidence))
+
+
+def _guarded_from(step: int, first: int, last: int, guarded: dict[int, str]) -> str | None:
+    """Why the job's guard kept the weights clean of a fault seen from ``first`` to ``last`` (None: it did not)."""
+    acts = {guarded.get(first), guarded.get(last)}
+    if acts <= {"skip", "rerun"}:
+        what = "skipped the update of" if "rerun" not in acts else "reran (a transient fault: the clean rerun used)"
+        at = f"step {first}" if first == last else f"steps {first} and {last}"
+        return f"the guard {what} {at}: the weights never took the fault"
+    back = [s for s, a in guarded.items() if a == "rollback" and last <= s < step]
+    if back:
+        return f"the guard rolled back at step {back[-1]}, after the fault's last step {last}: the weights restored"
+    return None
+
+
+def _keeps_weights_clean(inc: Incident) -> bool:
+    """Whether the guard's action behind a guard incident left the weights clean: a skipped update, a
+    rollback, or a rerun whose verdict was transient (its clean result used)."""
+    action = inc.evidence.get("action")
+    return action in ("skip", "rollback") or (action == "rerun" and inc.evidence.get("verdict") == "transient")
+
+
+def _reach(inc: Incident) -> str:
+    """Why a finite checksum mismatch did not reach the weights measurably (no related non-finite value,
+    spike, drift or divergence); "" for every other incident."""
+    if inc.kind != "checksum_mismatch" or not math.isfinite(inc.score):
+        return ""
+    related = {r.get("kind") for r in inc.evidence.get("related", ()) if isinstance(r, dict)}
+    if related & (AFTER_FAULT_KINDS | SUSPECT_KINDS | SPIKE_KINDS):
+        return ""
+    return (
+        f"a finite flip ({inc.score:.3g} x its product's rounding bound at step {inc.first_step}) whose effect "
+        "stayed within the non-finite, spike, drift and replica checks' bounds"
+    )
+
+
 @dataclass
 class _Checkpoint:
     path: str
     mark: str | None = None  # None: its step not judged yet
     incidents: tuple[str, ...] = ()
+    evidence: tuple[dict[str, Any], ...] = ()
 
 
 class _Run:
-    __slots__ = ("checkpoints", "incidents", "judged")
+    __slots__ = ("checkpoints", "incidents", "guarded", "judged")
 
     def __init__(self) -> None:
         self.checkpoints: OrderedDict[int, _Checkpoint] = OrderedDict()  # by step, oldest first
-        self.incidents: OrderedDict[str, tuple[str, int, int | None]] = OrderedDict()  # id -> weight, first, resolved
+        # id -> weight, first, resolved, last step, reach (why a fault's effect stayed within bounds, or "")
+        self.incidents: OrderedDict[str, tuple[str, int, int | None, int, str]] = OrderedDict()
+        self.guarded: OrderedDict[int, str] = OrderedDict()  # step -> the guard's action that kept the weights clean
         self.judged = -1  # the last step the service judged
 
 
@@ -111,14 +180,12 @@ class CheckpointBook:
         self._runs: OrderedDict[str, _Run] = OrderedDict()
         self._unsent: dict[str, list[CheckpointNote]] = {}  # spatial stage: notes for the next summary
         self._marks: list[CheckpointMark] = []  # markings not yet published
-        self.noted = 0  # checkpoints noted
         self.refused = 0  # notes off a summary that did not check
 
     # -- input --------------------------------------------------------------------------------
 
     def take(self, items: Iterable[Any]) -> list:
-        """Learn the notes among decoded items (and those a spatial stage put on step summaries);
-        returns the other items."""
+        """Learn the notes among decoded items and on step summaries; returns the other items."""
         out = []
         for x in items:
             if isinstance(x, CheckpointNote):
@@ -141,7 +208,6 @@ class CheckpointBook:
                 known.path = note.path
             return
         run.checkpoints[note.step] = _Checkpoint(note.path)
-        self.noted += 1
         while len(run.checkpoints) > MAX_PER_RUN:
             run.checkpoints.popitem(last=False)
         if note.step <= run.judged:  # its step judged already (a note that came late): marked now
@@ -171,7 +237,15 @@ class CheckpointBook:
         touched: set[str] = set()
         for ev in events:
             inc = ev.incident
-            weight = incident_weight(inc.kind, inc.evidence)
+            if inc.kind in GUARD_KINDS:
+                if _keeps_weights_clean(inc):
+                    guarded = self._run(inc.run).guarded
+                    guarded[int(inc.last_step)] = str(inc.evidence["action"])
+                    while len(guarded) > MAX_INCIDENTS_PER_RUN:
+                        guarded.popitem(last=False)
+                    touched.add(inc.run)
+                continue
+            weight = "spike" if inc.kind in SPIKE_KINDS else incident_weight(inc.kind, inc.evidence)
             run = self._runs.get(inc.run)
             if weight is None and (run is None or inc.id not in run.incidents):
                 continue
@@ -179,7 +253,8 @@ class CheckpointBook:
             if weight is None:  # escalated out of the kinds that count (cannot happen today): forgotten
                 run.incidents.pop(inc.id, None)
             else:
-                run.incidents[inc.id] = (weight, int(inc.first_step), inc.resolved_step)
+                seen = (int(inc.first_step), inc.resolved_step, int(inc.last_step))
+                run.incidents[inc.id] = (weight, *seen, _reach(inc))
                 self._bound_incidents(run)
             touched.add(inc.run)
         for name in touched:
@@ -201,13 +276,12 @@ class CheckpointBook:
         for step, c in run.checkpoints.items():
             if step > run.judged or (only is not None and step != only):
                 continue
-            mark, ids = mark_of(step, incidents)
-            if mark == c.mark and ids == c.incidents:
+            mark, ids, evidence = marking(step, incidents, run.guarded)
+            if mark == c.mark and ids == c.incidents and evidence == c.evidence:
                 continue
-            was, c.mark, c.incidents = c.mark, mark, ids
-            self._marks.append(
-                CheckpointMark(name, step, c.path, mark, ids, _reason(mark, ids, was), was, self.clock())
-            )
+            was, c.mark, c.incidents, c.evidence = c.mark, mark, ids, evidence
+            reason = _reason(mark, ids, was, evidence)
+            self._marks.append(CheckpointMark(name, step, c.path, mark, ids, reason, was, self.clock(), evidence))
 
     def take_marks(self) -> list[CheckpointMark]:
         """The markings made since the last call (first ones and changes), for the anomalies topic."""
@@ -222,16 +296,13 @@ class CheckpointBook:
         if st is None:
             return []
         return [
-            CheckpointMark(run, s, c.path, c.mark, c.incidents) for s, c in st.checkpoints.items() if c.mark is not None
+            CheckpointMark(run, s, c.path, c.mark, c.incidents, evidence=c.evidence)
+            for s, c in st.checkpoints.items()
+            if c.mark is not None
         ]
 
-    def runs(self) -> list[str]:
-        """Runs with checkpoints noted."""
-        return [r for r, st in self._runs.items() if st.checkpoints]
-
     def view(self, runs: Iterable[str]) -> list[CheckpointMark]:
-        """What /metrics shows of ``runs``: each run's newest :data:`MAX_EXPORTED` marked checkpoints,
-        and its newest clean one when older (newest first)."""
+        """Each run's newest :data:`MAX_EXPORTED` marked checkpoints and its newest clean one (newest first)."""
         out: list[CheckpointMark] = []
         for run in runs:
             marks = self.marks(run)[::-1]
@@ -278,8 +349,11 @@ class CheckpointBook:
             "runs": {
                 name: {
                     "judged": st.judged,
-                    "checkpoints": [[s, c.path, c.mark, list(c.incidents)] for s, c in st.checkpoints.items()],
+                    "checkpoints": [
+                        [s, c.path, c.mark, list(c.incidents), list(c.evidence)] for s, c in st.checkpoints.items()
+                    ],
                     "incidents": [[i, *v] for i, v in st.incidents.items()],
+                    "guarded": [[s, a] for s, a in st.guarded.items()],
                 }
                 for name, st in self._runs.items()
             },
@@ -293,23 +367,29 @@ class CheckpointBook:
         for name, d in (state.get("runs") or {}).items():
             st = self._run(str(name))
             st.judged = int(d.get("judged", -1))
-            for s, path, mark, ids in d.get("checkpoints", [])[-MAX_PER_RUN:]:
-                st.checkpoints[int(s)] = _Checkpoint(str(path), mark if mark is None else str(mark), tuple(ids))
-            for iid, weight, first, resolved in d.get("incidents", [])[-MAX_INCIDENTS_PER_RUN:]:
-                st.incidents[str(iid)] = (str(weight), int(first), None if resolved is None else int(resolved))
+            for s, path, mark, ids, *evidence in d.get("checkpoints", [])[-MAX_PER_RUN:]:  # older: no evidence
+                mark = mark if mark is None else str(mark)
+                st.checkpoints[int(s)] = _Checkpoint(str(path), mark, tuple(ids), tuple(*evidence))
+            for iid, weight, first, resolved, *more in d.get("incidents", [])[-MAX_INCIDENTS_PER_RUN:]:
+                last, reach = (int(more[0]), str(more[1])) if more else (int(resolved or first), "")
+                resolved = None if resolved is None else int(resolved)
+                st.incidents[str(iid)] = (str(weight), int(first), resolved, last, reach)
+            st.guarded.update((int(s), str(a)) for s, a in d.get("guarded", [])[-MAX_INCIDENTS_PER_RUN:])
         for run, notes in (state.get("unsent") or {}).items():
             self._absorb(str(run), 1, notes)
 
 
-def _reason(mark: str, ids: tuple[str, ...], was: str | None) -> str:
+def _reason(mark: str, ids: tuple[str, ...], was: str | None, evidence: tuple[dict[str, Any], ...] = ()) -> str:
     why = "no incident before it" if mark == "clean" else f"incident(s) {', '.join(ids)} began at or before it"
+    if mark == "clean" and evidence:
+        why = "; ".join(f"{e['incident']}: {e['why']}" for e in evidence)
     return why + (f" (re-marked: was {was})" if was is not None else "")
 
 
 @dataclass
 class CertifiedPolicy(ControlPolicy):
-    """A :class:`ControlPolicy` whose rollback decisions name the newest clean checkpoint at or
-    before the incident's onset (``Decision.checkpoint``; its path, or ``step N`` without one)."""
+    """A :class:`ControlPolicy` whose rollback decisions name the newest clean checkpoint at or before
+    the incident's onset (its path, or ``step N`` without one)."""
 
     book: CheckpointBook | None = None
 

@@ -1,33 +1,10 @@
 """The incident book: folds findings into incidents, one per problem, and announces each change.
 
-A finding opens an incident or updates the open one of the same problem:
-
-- problems of the whole job (a loss spike, a missing rank, a guard action): one incident per
-  (run, kind);
-- rank-local problems (SDC suspected on rank 5, a checksum mismatch, a straggler): one incident
-  per (run, kind, rank); a finding naming several ranks updates each rank's own incident;
-- the job-level kinds that blame ranks (non-finite values, diverged replicas): one incident per
-  *onset*. A finding continues the open incident that already blames its rank(s); ranks that no
-  open incident of the kind blames are a new fault and open a new incident at this step, naming
-  only them (a NaN on rank 5 at step 300 is not folded into rank 1's NaN of step 45, whether or
-  not that one is still open). What spreads from one fault within its step (the all-reduce, the
-  pipeline) is the detector's to tell: it names the origin only, and lists the ranks reached in
-  the evidence. A finding that blames no rank joins the kind's most recently active incident.
-
-One fault seen by several detectors is one incident. A finding of a localising kind (non-finite
-values, a checksum, a diverged replica, rank evidence) that would open an incident joins, as
-*related* evidence, the open localising incident of another kind of its run that already names
-all its ranks and began within ``related_steps`` steps of it: a flip seen as a NaN and as a
-checksum mismatch at one step, an unhealthy node seen as a diverged replica and by its checksums
-or rank evidence. Later findings of a kind already related go on joining it. The incident keeps
-its kind and message; ``evidence["related"]`` lists each related kind once (its detector, ranks,
-metric, layer, first and last step, score, message and how many findings), its severity rises to
-the most severe, and it stays open while they go on. A finding that begins long after the
-incident's onset is a new event, and opens its own incident.
-
-An incident resolves once its signal has been quiet for ``quiet_steps`` steps of its run. Info
-findings never open incidents. Every change (opened, updated, resolved) goes to the sinks as an
-:class:`IncidentEvent`.
+One incident per run and kind (job-level problems), per rank (rank-local ones) or per onset (the
+job-level kinds that blame ranks); one fault seen by several detectors is one incident, the other
+kinds its related evidence (the rules: docs/detectors.md, "Incidents: one fault, from its onset").
+An incident resolves once its signal has been quiet for ``quiet_steps`` steps of its run; info
+findings never open one. Every change goes to the sinks as an :class:`IncidentEvent`.
 """
 
 from __future__ import annotations
@@ -62,9 +39,8 @@ _ONSET_KINDS = LOCALISING_KINDS - RANK_LOCAL_KINDS
 
 
 def _narrow(f: Finding, ranks: tuple[int, ...], hosts: Sequence[str] | None) -> Finding:
-    """The part of ``f`` about ``ranks`` only: their coordinates and hosts, and the metric and layer
-    of their first listed hit (``evidence["hits"]``, when the detector lists them). The message is
-    the step's, about every rank of ``f``; ``evidence["finding_ranks"]`` lists those."""
+    """The part of ``f`` about ``ranks`` only: their coordinates, hosts, and the metric and layer of
+    their first listed hit; the message stays the step's (``evidence["finding_ranks"]``: all of ``f``'s)."""
     if ranks == f.ranks:
         return f
     where = dict(zip(f.ranks, f.coords))
@@ -93,6 +69,20 @@ def _narrow(f: Finding, ranks: tuple[int, ...], hosts: Sequence[str] | None) -> 
 def _relates(inc: Incident, kind: str) -> bool:
     """Whether ``inc`` already lists findings of ``kind`` as related evidence."""
     return any(isinstance(r, dict) and r.get("kind") == kind for r in inc.evidence.get("related", ()))
+
+
+def _onset(f: Finding) -> dict[str, Any]:
+    """What an incident keeps of the finding that opened it, beside the latest (its related evidence aside)."""
+    return {
+        "step": f.step,
+        "ranks": list(f.ranks[:_MAX_RANKS]),
+        "hosts": list(f.hosts[:_MAX_RANKS]),
+        "metric": f.metric,
+        "layer": f.layer,
+        "layer_name": f.layer_name,
+        "message": f.message,
+        "evidence": {k: v for k, v in f.evidence.items() if k != "related"},
+    }
 
 
 def _related_entry(f: Finding) -> dict[str, Any]:
@@ -146,8 +136,7 @@ class IncidentBook:
 
     @staticmethod
     def key(f: Finding) -> tuple:
-        """The key of the incident ``f`` opens (see the module docstring: per kind, per rank, or
-        per onset step for the job-level kinds that blame ranks)."""
+        """The key of the incident ``f`` opens: per kind, per rank, or per onset step."""
         family = _family(f.kind)
         if f.kind in RANK_LOCAL_KINDS and f.ranks:
             return (f.run, family, f.ranks[0])
@@ -158,9 +147,8 @@ class IncidentBook:
     # -- folding ------------------------------------------------------------------------------
 
     def add(self, findings: Iterable[Finding], hosts: Sequence[str] | None = None) -> list[IncidentEvent]:
-        """Fold findings into incidents; returns the events (opened / updated) they caused.
-        ``hosts`` is the run's host table (index = rank), used to name the hosts of each part of a
-        finding whose ranks belong to different incidents."""
+        """Fold findings into incidents; the events (opened / updated) they caused. ``hosts``: the run's
+        host table, naming the hosts of each part of a finding split over several incidents."""
         events: list[IncidentEvent] = []
         for f in findings:
             if f.severity is Severity.INFO:
@@ -187,8 +175,7 @@ class IncidentBook:
         return min(homes)[2] if homes else None
 
     def _relate(self, k: tuple, f: Finding) -> list[IncidentEvent]:
-        """Add ``f`` to the related evidence of incident ``k``; an event when a kind is new to it or
-        its severity rises."""
+        """Add ``f`` to the related evidence of incident ``k`` (an event when its kind is new or severity rises)."""
         inc = self._open[k]
         inc.last_step = max(inc.last_step, f.step)
         related = [dict(r) for r in inc.evidence.get("related", ())]  # copies: events hold the old ones
@@ -255,6 +242,7 @@ class IncidentBook:
                 peak_step=f.step,
                 opened_at=self.clock(),
                 coords=f.coords[:_MAX_RANKS],
+                onset=_onset(f),
             )
             self._open[k] = inc
             self.opened_total[(f.kind, f.severity.value)] = self.opened_total.get((f.kind, f.severity.value), 0) + 1

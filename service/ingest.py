@@ -15,6 +15,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 from sdcwatch.core.columnar import MAGIC_V2, MessageHeader, check_rows, parse_header
+from sdcwatch.core.control import START_MAGIC
 from sdcwatch.core.errors import RecordError
 from sdcwatch.core.limits import COUNTER_SCALARS, LimitError, RecordLimits, reason_of
 from sdcwatch.core.messages import decode_message
@@ -23,7 +24,6 @@ from sdcwatch.core.record_type import Record
 from sdcwatch.service.auth import Authenticator
 
 __all__ = [
-    "check_schema",
     "bad_rows",
     "SchemaRegistry",
     "RecordColumns",
@@ -34,18 +34,11 @@ __all__ = [
 ]
 
 
-def check_schema(limits: RecordLimits, schema: Schema) -> None:
-    """Raise LimitError naming the first claim of a layout past ``limits`` (the shared record limits)."""
-    limits.check_shape(schema.layers, len(schema.scalars))
-
-
 def bad_rows(
     limits: RecordLimits, rows: np.ndarray, schema: Schema, n_hosts: np.ndarray
 ) -> tuple[np.ndarray, list[RecordError]]:
-    """(mask of the rows past ``limits`` or malformed, the error of each, in row order).
-
-    The same claims :meth:`RecordLimits.check` bounds for a v1 record, checked on whole columns.
-    """
+    """(mask of the rows past ``limits`` or malformed, the error of each, in row order): the claims
+    :meth:`RecordLimits.check` bounds for a v1 record, checked on whole columns."""
     world = rows["world"]
     rank = rows["rank"]
     values = len(schema.scalars) + schema.n_layer_values
@@ -120,15 +113,9 @@ def bad_rows(
 
 
 class SchemaRegistry:
-    """The layouts this service has learnt, per run (a v2 header names its run and its layout).
-
-    At most ``per_run`` layouts a run (its oldest forgotten first), so one run's layouts cannot push
-    out another's; at most ``max_schemas`` in all, past which the least recently used run that
-    ``holds`` does not claim is forgotten whole. ``holds`` (the pipeline's: the runs it keeps) is
-    never asked to give way, so a flood of layouts under new run names leaves a training run's
-    layouts in place; the registry then holds at most ``max_schemas`` plus ``per_run`` for each run
-    held.
-    """
+    """The layouts this service has learnt, per run: at most ``per_run`` a run (its oldest forgotten
+    first) and ``max_schemas`` in all, past which the least recently used run that ``holds`` (the
+    pipeline's runs) does not claim is forgotten whole (docs/service.md, "Run lifecycle")."""
 
     def __init__(
         self,
@@ -166,7 +153,7 @@ class SchemaRegistry:
             raise RecordError(
                 "schema id", f"{schema_id:#018x} is not the hash of the schema sent with it ({sch.id:#018x})"
             )
-        check_schema(self.limits, sch)
+        self.limits.check_shape(sch.layers, len(sch.scalars))
         self._add(run, sch)
         return sch
 
@@ -234,11 +221,8 @@ class SchemaRegistry:
 
 
 class RecordColumns:
-    """Records of one run and one schema as columns: ``rows`` is a structured array (see ``Schema.dtype``).
-
-    ``hosts`` is the host table of the messages the rows came from, ``host`` (n,) each row's index
-    into it.
-    """
+    """Records of one run and one schema as columns: ``rows`` is a structured array (``Schema.dtype``),
+    ``hosts`` the host table of their messages, ``host`` each row's index into it."""
 
     __slots__ = ("run", "schema", "rows", "hosts", "host")
 
@@ -313,7 +297,7 @@ class IngestDecoder:
         self.schema_wait = schema_wait
         self.max_pending_bytes = max_pending_bytes
         self.clock = clock
-        self._pending: deque[tuple[float, str, bytes | None, bytes, MessageHeader]] = deque()
+        self._pending: deque[tuple[str, bytes | None, bytes, MessageHeader, float]] = deque()  # (..., since)
         self._pending_bytes = 0
         self._names: dict = {}  # layer-names payloads checked before (decode_names' cache)
 
@@ -342,31 +326,19 @@ class IngestDecoder:
                 v2.append((origin, key, message, head))
         now = self.clock()
         ready: dict[tuple[int, str], list] = {}
-        known = self.registry
-        if self._pending:
-            waiting = [(origin, key, value, head, since) for since, origin, key, value, head in self._pending]
-            self._pending.clear()
-            self._pending_bytes = 0
-            v2 = [*waiting, *v2]
-        for m in v2:
-            head = m[3]
-            if head.group in known:
-                group = ready.get(head.group)
-                if group is None:
-                    ready[head.group] = [m]
-                else:
-                    group.append(m)
-                continue
-            origin, key, value, head = m[:4]
-            since = m[4] if len(m) > 4 else now
-            if now - since >= self.schema_wait or self._pending_bytes + len(value) > self.max_pending_bytes:
+        waiting, self._pending, self._pending_bytes = self._pending, deque(), 0
+        for m in [*waiting, *((*m, now) for m in v2)]:
+            origin, key, value, head, since = m
+            if head.group in self.registry:
+                ready.setdefault(head.group, []).append(m)
+            elif now - since >= self.schema_wait or self._pending_bytes + len(value) > self.max_pending_bytes:
                 why = (
                     f"unknown schema {head.schema_id:#018x}: no message carrying it arrived within "
                     f"{self.schema_wait:g} s (or the wait buffer of {self.max_pending_bytes} bytes is full)"
                 )
                 rejected.append(_rejected(origin, key, value, LimitError("schema id", why, "unknown_schema")))
             else:
-                self._pending.append((since, origin, key, value, head))
+                self._pending.append(m)
                 self._pending_bytes += len(value)
         for (schema_id, run), msgs in ready.items():
             cols = self._columns(self.registry.get(schema_id, run), run, msgs, rejected)
@@ -375,15 +347,17 @@ class IngestDecoder:
         return items, rejected
 
     def _read(self, value: bytes, items: list) -> tuple[bytes, MessageHeader | None]:
-        """One message: its signature checked (with keys), then decoded into ``items``
-        (:func:`~sdcwatch.core.messages.decode_message`), except a v2 message, whose header alone is
-        parsed (its rows are read with the others of its schema and run). Returns (the message
-        without its envelope, the v2 header or None); raises RecordError (AuthError, LimitError) for
-        a message to dead-letter."""
+        """One message, its signature checked first: decoded into ``items``, or for a v2 message its
+        header alone (its rows are read with the others of its schema and run). Returns (the message
+        without its envelope, the v2 header or None); RecordError for a message to dead-letter."""
         auth, kid = self.auth, None
         if auth is not None:  # the signature first: nothing unverified reaches a decoder
             value, kid = auth.open(value)
         if value[:4] != MAGIC_V2:
+            if value[:4] == START_MAGIC:  # a guard's start: the nonce its run's decisions carry
+                if auth is not None:
+                    auth.note_start(value, kid)
+                return value, None
             got = decode_message(value, self.limits, names_cache=self._names)
             if auth is not None:
                 auth.bind({m.run for m in got}, kid)

@@ -1,7 +1,6 @@
-"""KafkaSource: the telemetry topic read in a consumer group by a reader thread that owns the consumer
-(polls, decodes, dead-letters, commits, measures the lag); TopicReader: any topic read whole without
-a group (the bus-reading commands). Both re-fetch a gap in a partition's offsets
-(:mod:`sdcwatch.service.offset_gaps`).
+"""KafkaSource: a topic read in a consumer group by a reader thread that owns the consumer (polls,
+decodes, dead-letters, commits, measures the lag); TopicReader: any topic read whole without a group
+(the bus-reading commands). Both re-fetch a gap in a partition's offsets (:mod:`~sdcwatch.service.offset_gaps`).
 """
 
 from __future__ import annotations
@@ -19,14 +18,8 @@ from sdcwatch.core.messages import decode_message
 from sdcwatch.core.record import encode, encode_batch
 from sdcwatch.core.record_type import Record
 from sdcwatch.core.vocabulary import DEADLETTER_TOPIC, TELEMETRY_TOPIC
-from sdcwatch.service.bus import (
-    DEADLETTER_MAX_BYTES,
-    FAST_JOIN,
-    DeadLetterCounts,
-    dead_letter_value,
-    decode_or_reason,
-)
-from sdcwatch.service.ingest import IngestDecoder, Rejected, SchemaRegistry, count_records
+from sdcwatch.service.bus import DEADLETTER_MAX_BYTES, FAST_JOIN, DeadLetterCounts, dead_letter_value, decode_batch
+from sdcwatch.service.ingest import IngestDecoder, SchemaRegistry, count_records
 from sdcwatch.service.offset_gaps import GAP_WAIT_S, OffsetGaps
 
 __all__ = ["KafkaSource", "TopicReader", "DEAD_LETTER_BATCH"]
@@ -39,27 +32,17 @@ DEAD_LETTER_BATCH = 256
 
 
 class KafkaSource(DeadLetterCounts):
-    """Reads the telemetry topic in a consumer group, with a dead-letter topic for bad messages.
+    """Reads a topic in a consumer group, with a dead-letter topic for bad messages.
 
-    A reader thread owns the consumer: it polls, decodes and dead-letters, and hands decoded
-    batches to :meth:`poll` through a bounded queue. So the consumer polls the group on time
-    whatever the service does between two of its own calls (a slow scrape, a large snapshot): it
-    keeps its membership instead of being evicted after ``max_poll_interval_ms``. When the queue
-    holds ``queue_records`` records the reader pauses its partitions (and keeps polling, which
-    keeps it in the group) until the service catches up. Commits, lag and the assignment are
-    handled on the reader thread too (kafka-python's consumer is not thread-safe); a member
-    without partitions (evicted, or waiting for a rebalance) is logged and counted.
-
-    The group timings default to :data:`FAST_JOIN`: kafka-python's first join of a new group waits
-    for the rebalance and session timeouts; at the defaults a fresh service would sit idle for
-    tens of seconds before its first record.
+    The reader thread hands decoded batches to :meth:`poll` through a queue of at most
+    ``queue_records`` records (past it, it pauses its partitions and keeps polling): whatever the
+    service does between two polls, the consumer stays in its group. Commits, lag and the
+    assignment are handled there too (kafka-python's consumer is not thread-safe).
 
     ``sole_member_after_s`` (stage both and temporal, which must read the whole topic): a member
-    that, since it started, has held only part of the topic's partitions for that long shares its
-    group with another instance: :meth:`poll` raises ConfigError saying so (a member with no
-    partitions is a standby and may wait). While it does not own the whole topic the source
-    commits nothing and :attr:`owns_topic` is False, so the instance that stays re-reads what a
-    refused one took.
+    that has held only part of the topic's partitions for that long shares its group: :meth:`poll`
+    raises ConfigError saying so, and it commits nothing meanwhile (:attr:`owns_topic` False), so
+    the instance that stays re-reads what it took (docs/service.md).
     """
 
     def __init__(
@@ -93,7 +76,9 @@ class KafkaSource(DeadLetterCounts):
         self.lag_interval = lag_interval
         self.queue_records = queue_records
         self._max_poll_interval = max_poll_interval_ms / 1000
-        self._set_decoding(decode, limits, ingest)
+        self.decode = decode  # decode_summary_message for the temporal stage; telemetry goes through ingest
+        self.ingest = ingest if ingest is not None else IngestDecoder(SchemaRegistry(limits))
+        self.schemas = self.ingest.registry  # the wire-v2 layouts learnt (saved with the state)
         self.gaps = OffsetGaps(gap_wait_s)  # partition offsets that skip ahead: re-fetched first
         self._start_health()
         self._open_handover()
@@ -107,20 +92,8 @@ class KafkaSource(DeadLetterCounts):
         self._thread = threading.Thread(target=self._read, name=f"sdcwatch-reader-{topic}", daemon=True)
         self._thread.start()
 
-    def _set_decoding(
-        self, decode: Callable[..., list], limits: RecordLimits | None, ingest: IngestDecoder | None
-    ) -> None:
-        """How messages become records: ``decode`` (``decode_summary_message`` for the temporal
-        stage), or telemetry (v1 and v2) decoded a poll at a time by the reader thread, within
-        ``limits``; ``schemas`` is what it learnt (the service saves it with its state)."""
-        self.decode = decode
-        self.limits = limits if limits is not None else (RecordLimits() if decode is decode_message else None)
-        self.ingest = ingest if ingest is not None else IngestDecoder(SchemaRegistry(self.limits))
-        self.schemas = self.ingest.registry
-
     def _start_health(self) -> None:
-        """The source's health, read by the service for /metrics: records, dead letters, the
-        assignment and the lag."""
+        """The source's health, read by the service for /metrics (:meth:`health`)."""
         self._positioned: set = set()  # partitions whose fetch position was asked since their assignment
         self.records = 0
         self.dead_letters = 0
@@ -139,15 +112,12 @@ class KafkaSource(DeadLetterCounts):
         self._commit_after = 0.0  # monotonic time before which no commit is tried (after a failed one)
 
     def _open_handover(self) -> None:
-        """The reader thread <-> service thread handover: decoded batches one way, requests to run
-        on the reader (commits) the other, under one condition."""
+        """Decoded batches to the service thread, requests (commits) to the reader, under one condition."""
         self._cond = threading.Condition()
-        # (records and column blocks, messages, offsets, records)
-        self._queue: deque[tuple[list, int, dict[Any, int], int]] = deque()
+        self._queue: deque[tuple[list, dict[Any, int], int]] = deque()  # (records and column blocks, offsets, records)
         self._queued_records = 0
-        self._queued_messages = 0
         self._handed: dict[Any, int] = {}  # partition -> next offset of what poll() returned
-        self._requests: deque[tuple[Callable[[], Any], threading.Event, list]] = deque()
+        self._requests: deque[tuple[Callable[[], None], threading.Event]] = deque()
         self._stop = threading.Event()
 
     def _connect(
@@ -204,16 +174,27 @@ class KafkaSource(DeadLetterCounts):
         with self._cond:
             if not self._queue:
                 self._cond.wait(timeout)
-            while self._queue and (not out or n + self._queue[0][3] <= limit):
-                recs, messages, offsets, count = self._queue.popleft()
+            while self._queue and (not out or n + self._queue[0][2] <= limit):
+                recs, offsets, count = self._queue.popleft()
                 self._queued_records -= count
-                self._queued_messages -= messages
                 self._handed.update(offsets)
                 out.extend(recs)
                 n += count
             self._cond.notify_all()
         self.records += n
         return out
+
+    def health(self) -> dict[str, Any]:
+        """The source's fields of the pipeline's view (see :class:`~sdcwatch.service.bus.Source`)."""
+        counts = self.gaps.counts
+        return {
+            "dead_letters_total": self.dead_letters,
+            "dead_letter_reasons": dict(self.dead_letter_reasons),
+            "auth_runs_refused": dict(self.ingest.auth.refused) if self.ingest.auth is not None else {},
+            "consumer_partitions": self.partitions,
+            "waiting_for_schema": self.ingest.pending,
+            "offset_gaps": {k: int(counts[k]) for k in ("refetched", "filled", "skipped")},
+        }
 
     @property
     def assigned(self) -> bool:
@@ -230,15 +211,13 @@ class KafkaSource(DeadLetterCounts):
             self._on_reader(lambda: self._commit(offsets), timeout, "offset commit")
 
     def lag(self) -> int:
-        """Messages between what this service processed and the end of the topic (refreshed each
-        ``lag_interval`` seconds by the reader); the group's lag from its committed offsets while
-        this member owns no partitions."""
+        """Messages between what this service processed and the end of the topic (refreshed by the
+        reader; the group's lag from its committed offsets while this member owns no partitions)."""
         return self._lag
 
     def dead_letter(self, records: Sequence[Record], reason: str, why: str) -> None:
-        """Route records the pipeline refused (e.g. an implausible step, a run with no place) to the
-        dead-letter topic, up to :data:`DEAD_LETTER_BATCH` records a message (a flood of refused
-        records costs the loop a few sends, not one each); each record is counted."""
+        """Route records the pipeline refused to the dead-letter topic, :data:`DEAD_LETTER_BATCH` a
+        message (a flood costs the loop a few sends, not one each); each record is counted."""
         for i in range(0, len(records), DEAD_LETTER_BATCH):
             part = records[i : i + DEAD_LETTER_BATCH]
             value = encode(part[0]) if len(part) == 1 else encode_batch(part)
@@ -258,15 +237,13 @@ class KafkaSource(DeadLetterCounts):
 
     # -- the reader thread ----------------------------------------------------------------------
 
-    def _on_reader(self, fn: Callable[[], Any], timeout: float, what: str) -> Any:
+    def _on_reader(self, fn: Callable[[], None], timeout: float, what: str) -> None:
+        """Run ``fn`` on the reader thread (which owns the consumer) and wait for it."""
         done = threading.Event()
-        box: list = []
         with self._cond:
-            self._requests.append((fn, done, box))
+            self._requests.append((fn, done))
         if not done.wait(timeout):
             log.warning("%s: the reader did not answer within %.0fs", what, timeout)
-            return None
-        return box[0] if box else None
 
     def _read(self) -> None:
         while not self._stop.is_set():
@@ -281,9 +258,9 @@ class KafkaSource(DeadLetterCounts):
             with self._cond:
                 if not self._requests:
                     break
-                fn, done, box = self._requests.popleft()
+                fn, done = self._requests.popleft()
             try:
-                box.append(fn())
+                fn()
             finally:
                 done.set()
         consumer = self._consumer
@@ -297,27 +274,17 @@ class KafkaSource(DeadLetterCounts):
         self._learn_positions(parts)
         batches = consumer.poll(timeout_ms=100 if not full else 50, max_records=self.max_poll_records)
         self._track_assignment()
-        batches = self._hold_at_gaps(batches)
-        out: list = []
-        rejected: list[Rejected] = []
+        batches = self.gaps.refetch(consumer, batches, time.monotonic())
         offsets: dict[Any, int] = {}
-        messages = sum(len(msgs) for msgs in batches.values())
-        if self.decode is decode_message:  # telemetry: v1 and v2, many messages at once
-            out, rejected = self.ingest.decode(
+        out, rejected = decode_batch(
+            (
                 (f"{tp.topic}/{tp.partition}/{msg.offset}", msg.key, msg.value)
                 for tp, msgs in batches.items()
                 for msg in msgs
-            )
-        else:
-            for tp, msgs in batches.items():
-                for msg in msgs:
-                    recs, reason, why = decode_or_reason(msg.value, self.decode, self.limits)
-                    if recs is not None:
-                        out.extend(recs)
-                    else:
-                        rejected.append(
-                            Rejected(f"{tp.topic}/{tp.partition}/{msg.offset}", msg.key, msg.value, why, reason)
-                        )
+            ),
+            self.decode,
+            self.ingest,
+        )
         for rj in rejected:
             log.debug("dead letter %s: %s", rj.origin, rj.reason)
             self._send_dead_letter(rj.key, rj.value, rj.code, rj.reason, rj.origin)
@@ -329,19 +296,15 @@ class KafkaSource(DeadLetterCounts):
         if offsets:
             count = count_records(out)
             with self._cond:
-                self._queue.append((out, messages, offsets, count))
+                self._queue.append((out, offsets, count))
                 self._queued_records += count
-                self._queued_messages += messages
                 self._cond.notify_all()
         if time.monotonic() - self._lag_at >= self.lag_interval:
             self._refresh_lag()
 
     def _learn_positions(self, parts: Any) -> None:
-        """The fetch position of each newly assigned partition: where its first message must be.
-
-        Asked once per assignment, briefly (the reader must keep polling to stay in its group);
-        a partition whose position is not known then starts from its first message read.
-        """
+        """The fetch position of each newly assigned partition (where its first message must be),
+        asked once per assignment, briefly: the reader must keep polling to stay in its group."""
         self.gaps.keep_only(parts)
         self._positioned &= set(parts)
         for tp in parts:
@@ -355,10 +318,6 @@ class KafkaSource(DeadLetterCounts):
                 continue
             if position is not None:
                 self.gaps.expect(tp, position)
-
-    def _hold_at_gaps(self, batches: dict) -> dict:
-        """``batches`` up to the first young offset gap of each partition; the consumer goes back to it."""
-        return self.gaps.refetch(self._consumer, batches, time.monotonic())
 
     def _track_assignment(self) -> None:
         parts = sorted(tp.partition for tp in self._consumer.assignment())
@@ -490,15 +449,11 @@ class KafkaSource(DeadLetterCounts):
 
 
 class TopicReader:
-    """Every partition of one topic, read whole without a consumer group, from its start or its end.
+    """Every partition of one topic, read whole without a consumer group, from its start or its end
+    (``sdcwatch capture``, ``sdcwatch incidents``), re-fetching offset gaps as :class:`KafkaSource` does.
 
-    What ``sdcwatch capture`` (the telemetry topic) and ``sdcwatch incidents`` (the anomalies
-    topic) read through: it commits nothing and takes no partitions from the service's group, and
-    holds back at an offset gap and re-fetches it as :class:`KafkaSource` does
-    (:mod:`sdcwatch.service.offset_gaps`), so a batch the broker listed late is read, not skipped.
-    Raises :class:`TransportError` naming the address when no broker answers within
-    ``connect_timeout`` seconds. ``consumer``: an open kafka-python consumer to read through instead
-    of a new one (a test's, which may fetch as a racing broker would).
+    :class:`TransportError` names the address when no broker answers within ``connect_timeout``
+    seconds. ``consumer``: an open kafka-python consumer to read through instead (a test's).
     """
 
     def __init__(

@@ -1,9 +1,6 @@
-"""The layer names each run's ranks sent, and the findings named with them before they become incidents.
-
-:class:`LayerNameBook` keeps one copy of each distinct list per run, names the module of every
-finding that carries a layer index (:meth:`LayerNameBook.enrich`), and, split into stages, carries
-the lists on the step summaries and sends them again over ``resend`` seconds (bounds and why:
-docs/messages.md, "Layer names in the service").
+"""The layer names each run's ranks sent, and the findings named with them before they become incidents
+(one copy of each distinct list per run; split into stages, carried on the step summaries and sent
+again over ``resend`` seconds: docs/messages.md, "Layer names in the service").
 """
 
 from __future__ import annotations
@@ -16,6 +13,7 @@ from typing import Any, Callable, Iterable
 
 from sdcwatch.core.errors import RecordError
 from sdcwatch.core.rank_notes import LayerNames
+from sdcwatch.core.validate import check_number
 from sdcwatch.core.vocabulary import NOUNS, family_of
 from sdcwatch.service.summary import StepSummary
 
@@ -29,8 +27,7 @@ MAX_TABLES_PER_RUN = 64
 MAX_RANK_ENTRIES = 1 << 19
 #: Bytes of names kept over all runs.
 MAX_BYTES = 64 << 20
-#: Most ranks whose lists one summary sends again (a run whose steps are so slow that its cycle
-#: would need more on every summary takes longer than ``resend`` seconds).
+#: Most ranks whose lists one summary sends again.
 MAX_RESEND_RANKS = 4096
 
 
@@ -62,10 +59,9 @@ class LayerNameBook:
         resend: float | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        """``resend``: a spatial stage's book, which puts the lists on the summaries and sends each
-        rank's again within that many seconds (None: the book does not forward)."""
-        if resend is not None and not resend > 0:
-            raise ValueError(f"resend must be a positive number of seconds, got {resend!r}")
+        # resend: a spatial stage's book puts the lists on the summaries, each rank's again within resend seconds
+        if resend is not None:
+            check_number("detectors.names_resend_s", resend, 0, lo_open=True)
         self.max_runs = max_runs
         self.max_bytes = max_bytes
         self.resend = resend
@@ -74,13 +70,10 @@ class LayerNameBook:
         self._runs: OrderedDict[str, _Run] = OrderedDict()  # least recently named first
         self.bytes = 0
         self.ranks = 0
-        self.learnt = 0  # lists taken (a rank's first, or a changed one)
         self.refused = 0  # lists refused at a bound
-        self.named = 0  # findings given a module name
 
     def take(self, items: Iterable[Any]) -> list:
-        """Learn the :class:`LayerNames` among decoded items, and the lists a spatial stage put on
-        step summaries; returns the other items (the summaries among them)."""
+        """Learn the :class:`LayerNames` among decoded items and on step summaries; returns the other items."""
         out = []
         for x in items:
             if isinstance(x, LayerNames):
@@ -92,8 +85,7 @@ class LayerNameBook:
         return out
 
     def stamp(self, summaries: list[StepSummary]) -> list[StepSummary]:
-        """Put on a run's summary the lists its ranks took since the last one was sent, and the
-        next ranks' lists once more (a spatial stage's book; the temporal stage's takes them)."""
+        """Put on a run's summary the lists its ranks took since the last one, and the next ranks' once more."""
         now = self.clock()
         for s in summaries:
             st = self._runs.get(s.run)
@@ -105,11 +97,9 @@ class LayerNameBook:
         return summaries
 
     def _again(self, st: _Run, now: float) -> list[int]:
-        """The ranks whose lists go again on this summary: the next ``world x elapsed / resend``
-        rank numbers from the run's cursor, those of them that sent names. Rounded up (the excess
-        is owed back) and at most :data:`MAX_RESEND_RANKS` (what that holds back, up to one cycle,
-        goes on the next summaries: a spatial instance that holds every other key window, or a run
-        after a pause, keeps the period as long as the cap allows)."""
+        """The ranks whose lists go again on this summary: the next ``world x elapsed / resend`` from the
+        run's cursor that sent names, rounded up and at most :data:`MAX_RESEND_RANKS` (what the
+        rounding and the cap hold back is owed to the next summaries, up to one cycle)."""
         if st.stamped is None:  # the run's first summary: its lists are all new
             st.stamped = now
             return []
@@ -123,10 +113,8 @@ class LayerNameBook:
         return [r % st.world for r in range(start, start + n) if r % st.world in st.by_rank]
 
     def absorb(self, run: str, lists: Any) -> None:
-        """Take ``run``'s lists in the form the saved state keeps them (``{world, tables, ranks}``,
-        :meth:`snapshot`), from the state or from a summary: each list is checked against the
-        bounds of a names message and its digest computed afresh; what breaks a bound or does not
-        parse is left out, and the book goes on."""
+        """Take ``run``'s lists as :meth:`snapshot` keeps them, from the state or a summary, each checked
+        as a names message is and its digest computed afresh; what does not check is left out."""
         try:
             world = int(lists["world"])
             for digest, names in lists["tables"].items():
@@ -140,8 +128,7 @@ class LayerNameBook:
                 log.warning("layer names of run %r not taken (%d so far): %s", str(run)[:80], self.refused, exc)
 
     def _held(self, run: str, digest: Any, names: Any) -> LayerNames | None:
-        """The list the book already holds under ``digest`` when ``names`` is that very list (a
-        list sent again: no need to check and hash it afresh), else None."""
+        """The list held under ``digest`` when ``names`` is that very list (sent again), else None."""
         st = self._runs.get(run)
         held = st.tables.get(int(digest, 16)) if st is not None and isinstance(digest, str) else None
         if held is None or not isinstance(names, dict) or names.keys() != held.keys():
@@ -184,12 +171,10 @@ class LayerNameBook:
             self.ranks += 1
         elif old not in run.by_rank.values():  # the rank's list changed (it grew): the old one may go
             self.bytes -= _size(run.tables.pop(old))
-        self.learnt += 1
         return True
 
     def _room(self, keep: str, size: int, ranks: int) -> bool:
-        """Make room for ``size`` bytes and ``ranks`` ranks by forgetting the least recently named
-        other runs; False when even that does not."""
+        """Make room for ``size`` bytes and ``ranks`` ranks by forgetting the least recently named other runs."""
         while self.bytes + size > self.max_bytes or self.ranks + ranks > MAX_RANK_ENTRIES:
             other = next((r for r in self._runs if r != keep), None)
             if other is None:
@@ -230,9 +215,7 @@ class LayerNameBook:
         return next(iter(st.tables.values())) if len(st.tables) == 1 else None
 
     def enrich(self, findings: list, run: str) -> list:
-        """Give each finding of ``run`` that names a place its module's name (in place): the finding
-        gets ``layer_name`` and renders its message again from its fields
-        (:meth:`~sdcwatch.core.incident.Finding.name_module`); so do its listed hits."""
+        """Give each finding of ``run`` that names a place, and its listed hits, its module's name (in place)."""
         if run not in self._runs:
             return findings
         for f in findings:
@@ -241,15 +224,12 @@ class LayerNameBook:
                 named = self._module(run, f.ranks[0] if f.ranks else None, f.metric, f.layer, module)
                 if named is not None:
                     f.name_module(*named)
-                    self.named += 1
             self._name_hits(f.evidence.get("hits"), run)
         return findings
 
     def _module(self, run: str, rank: int | None, metric: str, layer: Any, module: Any) -> tuple[str, str] | None:
-        """``(name, noun)`` of the module a place on ``rank`` is in, from that rank's own lists (None:
-        not known). An ``act_max`` names its own leaf module (``module``, an index into the rank's
-        ``modules``) when the rank sent them, else the attention layer it is in; another metric,
-        the module its index points at in its family's list."""
+        """``(name, noun)`` of the module a place on ``rank`` is in, from that rank's own lists (None: not
+        known); an ``act_max`` names its leaf module (``module``) when the rank sent them."""
         names = self.names_of(run, rank)
         if names is None:
             return None
@@ -264,9 +244,7 @@ class LayerNameBook:
         return (lst[layer], NOUNS.get(fam, "index")) if 0 <= layer < len(lst) and lst[layer] else None
 
     def _name_hits(self, hits: Any, run: str) -> None:
-        """Each listed hit (``{rank, metric, layer}``, an ``act_max`` hit with its ``module``) gets
-        its module's name, from its own rank's list: an incident narrowed to a hit's rank takes its
-        name from there."""
+        """Each listed hit (``{rank, metric, layer[, module]}``) gets its module's name from its rank's list."""
         for h in hits if isinstance(hits, list) else ():
             if not isinstance(h, dict) or "layer_name" in h or not isinstance(h.get("rank"), int):
                 continue
@@ -276,8 +254,7 @@ class LayerNameBook:
 
     @staticmethod
     def _lists(st: _Run, ranks: Iterable[int]) -> dict[str, Any]:
-        """JSON-safe ``{world, tables, ranks}``: the lists of ``ranks`` by digest, and which of them
-        point at each."""
+        """JSON-safe ``{world, tables, ranks}``: the lists of ``ranks`` by digest, and which point at each."""
         by: dict[str, list[int]] = {}
         for r in ranks:
             by.setdefault(f"{st.by_rank[r]:016x}", []).append(r)

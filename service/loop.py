@@ -1,22 +1,17 @@
 """DetectorService: the streaming loop (source -> pipeline -> sinks) with periodic state snapshots.
 
-It polls a source (a Kafka consumer group), feeds the pipeline, closes steps whose deadline
-passed, and hands every incident change to the sinks it was given (:mod:`sdcwatch.exporters`: the
-anomalies topic, Alertmanager, a webhook, the log, the control topic).
-Every ``snapshot_every`` seconds it writes the pipeline state to ``state_dir`` and only then commits
-the source's offsets: after a crash or a restart the service reloads the state, re-reads at most
-what came after the snapshot (duplicates and already-closed steps are dropped by the aligner) and
-so resumes without a new warm-up and without repeating an alert.
+Every ``snapshot_every`` seconds it writes the pipeline state, and only then commits the source's
+offsets: a restarted service re-reads at most what came after the snapshot, without a new warm-up
+and without repeating an alert (docs/service.md, "The state file").
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from sdcwatch.core.errors import ConfigError, RecordError, TransportError
 from sdcwatch.core.incident import IncidentEvent, IncidentSink, ServiceView
@@ -27,6 +22,7 @@ from sdcwatch.service.bus import Source as RecordSource  # the protocol the serv
 from sdcwatch.service.changelog import ChangelogSnapshot, StateChangelog, resume_state
 from sdcwatch.service.ingest import RecordColumns
 from sdcwatch.service.pipeline import DetectionPipeline
+from sdcwatch.service.statefile import read_state, write_state
 
 if TYPE_CHECKING:
     from sdcwatch.exporters.topics import SummaryTopicSink
@@ -34,19 +30,6 @@ if TYPE_CHECKING:
 __all__ = ["DetectorService", "STATE_FILE", "SCHEMAS_FILE"]
 
 log = logging.getLogger("sdcwatch.service.loop")
-
-
-def _waiting_for_schema(source: Any) -> int:
-    """v2 messages the source holds until their schema comes (0 for a source without v2 ingest)."""
-    ingest = getattr(source, "ingest", None)
-    return int(getattr(ingest, "pending", 0) or 0)
-
-
-def _offset_gaps(source: Any) -> dict[str, int]:
-    """Gaps in the source's partition offsets by outcome (refetched, filled, skipped); {} without."""
-    gaps = getattr(source, "gaps", None)
-    counts = getattr(gaps, "counts", None)
-    return {k: int(counts[k]) for k in ("refetched", "filled", "skipped")} if counts else {}
 
 
 #: Records (or summaries) fed to the pipeline under one hold of the lock: /metrics, which takes the
@@ -80,16 +63,10 @@ SCHEMAS_FILE = "schemas.json"
 class DetectorService:
     """Runs the detection loop; ``state_dir`` (optional) holds the snapshots that make restarts seamless.
 
-    The state is loaded from ``state_dir`` here unless ``resumed`` says the caller has loaded it
-    into the pipeline already (``sdcwatch serve`` does, to refuse a damaged state file before it
-    connects to the bus). ``changelog`` (optional, with ``state_dir``): each snapshot also goes to
-    that compacted topic, and the state is loaded from it when there is no state file or the file
-    is older than the topic's newest snapshot (an instance on another machine resumes). ``taken``:
-    the topic's snapshot the caller resumed from (with ``resumed``): its journal is adopted.
-
-    The pipeline's stage decides what flows: ``both`` reads records and publishes incidents;
-    ``spatial`` reads records and hands step summaries to ``summary_sink``; ``temporal`` reads
-    summaries (a source built with ``decode=decode_summary_message``) and publishes incidents.
+    The state is loaded from ``state_dir`` (or the newer snapshot of the state topic ``changelog``)
+    unless ``resumed`` says the caller loaded it already (``taken``: the topic's snapshot it took,
+    whose journal is adopted). A ``spatial`` stage hands step summaries to ``summary_sink``; a
+    ``temporal`` stage reads them (a source built with ``decode=decode_summary_message``).
     """
 
     def __init__(
@@ -109,14 +86,12 @@ class DetectorService:
     ) -> None:
         check_positive("service", snapshot_every=snapshot_every, poll_timeout=poll_timeout)
         self.source = source
-        self.schemas = getattr(source, "schemas", None)
-        """The wire-v2 layouts the source learns (a ``SchemaRegistry``; None for a source without v2)."""
+        self.schemas = source.schemas  # the wire-v2 layouts the source learns
         self.pipeline = pipeline or DetectionPipeline()
         if self.pipeline.stage == "spatial" and summary_sink is None:
             raise ConfigError("service.summary_sink", "a spatial stage needs a summary sink (the summaries topic)")
         self.summary_sink = summary_sink
         self.sinks = list(sinks)
-        self.marks_published = 0
         self.state_path = Path(state_dir) / STATE_FILE if state_dir is not None else None
         if changelog is not None and self.state_path is None:
             raise ConfigError("state.topic", "the state topic is written beside the state folder: give state_dir too")
@@ -129,7 +104,6 @@ class DetectorService:
         self.state_write_errors = 0
         self._state_failing = 0  # failed snapshots since the last one written
         self._state_cause = ""  # why the last one failed (a new cause is logged at once)
-        """Snapshots that could not be written (a full or read-only disk): counted, logged, retried."""
         self.consumer_lag = 0  # records behind the end of the topic, refreshed about once a second
         self._lock = threading.Lock()  # guards the pipeline against view() from the scrape thread
         self._last_snapshot = clock()
@@ -143,13 +117,13 @@ class DetectorService:
                 self.source.close()  # the caller never gets the service: release the consumer here
                 raise
             self.resumed = origin is not None
-            if taken is not None and taken.schemas and self.schemas is not None:
+            if taken is not None and taken.schemas:
                 self.schemas.restore(taken.schemas)
             if self.resumed:
                 log.info("resumed detection state from %s", self.state_path if origin == "file" else changelog.topic)
-        if self.schemas is not None and self.pipeline.stage != "temporal":  # the runs watched keep their layouts
+        if self.pipeline.stage != "temporal":  # the runs watched keep their layouts
             self.schemas.holds = self.pipeline.holds
-        auth = self._auth()
+        auth = source.ingest.auth  # the runs' key bindings (None without keys)
         if auth is not None and self.resumed:
             auth.bindings.restore(self.pipeline.carried.get("auth_bindings") or {})
         self.journal = None
@@ -159,10 +133,6 @@ class DetectorService:
             self.journal = AnnouncementJournal(self.state_path.with_name(JOURNAL_FILE), mirror=mirror)
             if taken is not None and taken.journal:  # the state came from the topic: so does the journal
                 self.journal.adopt(taken.journal)
-
-    def _auth(self) -> Any:
-        """The source's authenticator (the runs' key bindings), None without keys."""
-        return getattr(getattr(self.source, "ingest", None), "auth", None)
 
     def step(self) -> list[IncidentEvent]:
         """One iteration: poll, detect, close late steps, publish; snapshot when it is time."""
@@ -221,9 +191,7 @@ class DetectorService:
                 journal.note(ev)
 
     def _publish_marks(self, marks: list) -> None:
-        """Each checkpoint marking (:class:`~sdcwatch.core.rank_notes.CheckpointMark`) to the sinks
-        that take markings (``publish_mark``: the anomalies topic); the others (alerts, webhooks, the
-        control topic) take incidents only."""
+        """Each checkpoint marking to the sinks that take markings (``publish_mark``: the anomalies topic)."""
         markers = [sink.publish_mark for sink in self.sinks if hasattr(sink, "publish_mark")]
         for mark in marks:
             bad = mark.mark != "clean" or mark.was is not None
@@ -232,21 +200,20 @@ class DetectorService:
             )
             for publish_mark in markers:
                 publish_mark(mark)
-            self.marks_published += 1
 
     def snapshot(self) -> None:
         """Write the state, then commit the source (never the other way round)."""
         if self.state_path is None:
             return
         with self._lock:  # the state is copied under the lock, written without it (scrapes go on)
-            auth = self._auth()
+            auth = self.source.ingest.auth
             if auth is not None:  # a restart keeps which key speaks for which run
                 self.pipeline.carried["auth_bindings"] = auth.bindings.snapshot()
             state = json_safe(self.pipeline.snapshot())
         failed = None  # detection goes on; the offsets stay uncommitted, the next snapshot retries
         # the topic first (a file as new as the topic's snapshot is the one to resume from); never by a
         # member that holds only part of the telemetry (sharing its group): the key is the group's
-        if self.changelog is not None and getattr(self.source, "owns_topic", True):
+        if self.changelog is not None and self.source.owns_topic:
             try:
                 self.changelog.write(state, self._schema_texts())
             except TransportError as exc:
@@ -276,11 +243,9 @@ class DetectorService:
         self._last_snapshot = self.clock()
 
     def _state_not_saved(self, exc: Exception, where: str | None = None) -> None:
-        """A snapshot that could not be written: counted (``sdcwatch_state_write_errors_total``,
-        which an alert watches), logged at the first failure of a streak, every tenth after and
-        whenever the cause changes,
-        retried at the next snapshot. The source is not committed: a restart re-reads from the last
-        snapshot that was written. ``where``: the file or state topic that failed."""
+        """A snapshot that could not be written to ``where`` (the file or the state topic): counted,
+        logged at the first failure of a streak, every tenth after and whenever the cause changes,
+        retried at the next snapshot; the source stays uncommitted."""
         self.state_write_errors += 1
         self._state_failing += 1
         cause = str(getattr(exc, "strerror", None) or exc)
@@ -296,32 +261,24 @@ class DetectorService:
         self._state_cause = cause
         self._last_snapshot = self.clock()
 
-    def _schema_texts(self) -> list | None:
+    def _schema_texts(self) -> dict | None:
         """The wire-v2 layouts the source learnt (what the state topic carries with the state), or None."""
-        return self.schemas.snapshot() if self.schemas is not None and len(self.schemas) else None
+        return self.schemas.snapshot() if len(self.schemas) else None
 
     def _save_schemas(self) -> None:
         """The wire-v2 layouts the source learnt, beside the state: after a restart, records re-read
         from the middle of a window decode without waiting for their schema to come round again."""
         texts = self._schema_texts()
-        if texts is None:
-            return
-        path = self.state_path.with_name(SCHEMAS_FILE)
-        tmp = path.with_suffix(".tmp")
-        try:
-            tmp.write_text(json.dumps(texts))
-        except OSError:
-            tmp.unlink(missing_ok=True)
-            raise
-        tmp.replace(path)
+        if texts is not None:
+            write_state(self.state_path.with_name(SCHEMAS_FILE), texts)
 
     def _load_schemas(self) -> None:
         path = self.state_path.with_name(SCHEMAS_FILE)
-        if self.schemas is None or not path.exists():
-            return
         try:
-            self.schemas.restore(json.loads(path.read_text()))
-        except (ValueError, OSError, RecordError) as exc:  # a damaged file costs a wait for the schemas
+            texts = read_state(path)
+            if texts is not None:
+                self.schemas.restore(texts)
+        except (ValueError, RecordError) as exc:  # a damaged file costs a wait for the schemas
             log.warning("could not read the saved record schemas %s: %s", path, exc)
 
     def _backlog(self) -> bool:
@@ -342,14 +299,10 @@ class DetectorService:
         """A consistent view for the exporter (thread-safe): at most ``max_runs`` runs."""
         with self._lock:
             return self.pipeline.view(
-                dead_letters_total=int(getattr(self.source, "dead_letters", 0)),
                 consumer_lag=self.consumer_lag,
-                dead_letter_reasons=dict(getattr(self.source, "dead_letter_reasons", None) or {}),
-                consumer_partitions=int(getattr(self.source, "partitions", -1)),
-                waiting_for_schema=_waiting_for_schema(self.source),
-                offset_gaps=_offset_gaps(self.source),
                 state_write_errors_total=self.state_write_errors,
                 max_runs=max_runs,
+                **self.source.health(),
             )
 
     def run_for(
@@ -360,17 +313,16 @@ class DetectorService:
         max_iterations: int | None = None,
     ) -> None:
         """Run until ``seconds`` passed, ``until()`` is true or ``max_iterations`` ran."""
-        start = self.clock()
-        n = 0
+        start, n = self.clock(), 0
         while True:
             self.step()
             n += 1
-            if seconds is not None and self.clock() - start >= seconds:
-                break
-            if until is not None and until():
-                break
-            if max_iterations is not None and n >= max_iterations:
-                break
+            if (
+                (seconds is not None and self.clock() - start >= seconds)
+                or (until is not None and until())
+                or (max_iterations is not None and n >= max_iterations)
+            ):
+                return
 
     def run_forever(self, stop: threading.Event) -> None:
         """Run until ``stop`` is set, then snapshot and close."""

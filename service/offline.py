@@ -73,8 +73,7 @@ _NAME_OK = re.compile(r"[^A-Za-z0-9_.:-]")
 
 
 def _is_jsonl(path: Path) -> bool:
-    """JSON lines by name (so a damaged first line is reported as a bad record, not as a CSV
-    header), else by the first non-blank line."""
+    """JSON lines by name (a damaged first line is a bad record, not a CSV header), else by content."""
     if path.suffix.lower() in (".jsonl", ".ndjson"):
         return True
     with open(path, "rb") as fh:
@@ -86,9 +85,8 @@ def _is_jsonl(path: Path) -> bool:
 
 
 def read_records(path: str | Path, *, names: bool = False) -> Iterator[Message]:
-    """Records from a JSON-lines file, and with ``names`` the ranks' layer names and checkpoint notes
-    in it (else passed over); ReplayError names the first bad line (anything but a telemetry message
-    is one)."""
+    """Records from a JSON-lines file, with ``names`` its layer names and checkpoint notes too;
+    ReplayError names the first bad line (anything but a telemetry message is one)."""
     path = Path(path)
     with open(path, encoding="utf-8", errors="strict") as fh:
         lineno = 0

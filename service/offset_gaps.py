@@ -1,14 +1,9 @@
 """Offset gaps in a partition: held back and re-fetched until the missing batch arrives.
 
-A broker may confirm a produce before the batch can be fetched: the embedded broker (Tansu 0.6,
-memory storage) advances a partition's high watermark, and only then writes the batch. When two
-producers write one partition at once, a fetch in between lists the later batch but not the earlier
-one and returns it. kafka-python takes records above its fetch position as a legal gap (compaction,
-transaction markers) and moves past the missing batch for good: its records are never read, and
-the lag (measured against the end offset) shows nothing. :class:`OffsetGaps` checks that each
-partition's offsets follow on; at a gap it keeps what came before, and has the reader seek back
-to the first missing offset, until that offset arrives or the gap is :data:`GAP_WAIT_S` old, when
-it is taken as real (compaction or transaction markers on a Kafka cluster) and logged.
+A broker may list a later batch of a partition before an earlier one is written (the embedded
+broker does, with two producers), and kafka-python moves past the gap for good (why: bench/README.md).
+:class:`OffsetGaps` hands on only offsets that follow on and has the reader seek back to the first
+missing one, until it arrives or the gap is :data:`GAP_WAIT_S` old, then taken as real and logged.
 
 >>> from collections import namedtuple
 >>> Msg = namedtuple("Msg", "offset")
@@ -33,9 +28,8 @@ __all__ = ["GAP_WAIT_S", "OffsetGaps"]
 
 log = logging.getLogger("sdcwatch.detectors")
 
-#: Seconds a gap in a partition's offsets is re-fetched before it is taken as real. The embedded
-#: broker's missing batch appears within milliseconds; on Kafka a gap in a telemetry topic is real
-#: only after compaction or around transaction markers, which sdcwatch's producers do not use.
+#: Seconds a gap in a partition's offsets is re-fetched before it is taken as real (on Kafka only
+#: compaction or transaction markers make one, which sdcwatch's producers do not use).
 GAP_WAIT_S = 2.0
 
 
@@ -109,8 +103,7 @@ class OffsetGaps:
 
     def refetch(self, consumer: Any, batches: Mapping[Any, Sequence[Any]], now: float) -> dict:
         """``batches`` (a kafka-python poll) up to the first young gap of each partition, with
-        ``consumer`` sent back to each gap: what the service's source and the group-less topic
-        reader (``sdcwatch capture``, ``sdcwatch incidents``) hand on."""
+        ``consumer`` sent back to each gap."""
         held, seek = self.hold(batches, now)
         for tp, offset in seek.items():
             try:

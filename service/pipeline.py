@@ -1,9 +1,7 @@
 """DetectionPipeline: aligner -> detectors -> attribution -> incident book, for any number of runs.
 
-The pipeline is the whole detection state of the service and of offline replay. It is plain,
-single-threaded and clocked from outside, so tests drive it step by step; ``view()`` gives the
-exporter a consistent :class:`ServiceView`, ``save()``/``load()`` put the entire state in one JSON
-file so a restarted service resumes without a new warm-up and without repeating alerts.
+The whole detection state of the service and of offline replay: single-threaded and clocked from
+outside (tests drive it step by step); ``view()`` for the exporter, ``save()``/``load()`` one JSON file.
 """
 
 from __future__ import annotations
@@ -31,8 +29,7 @@ from sdcwatch.service.incidents import IncidentBook
 from sdcwatch.service.ingest import count_records
 from sdcwatch.service.layer_name_book import LayerNameBook
 from sdcwatch.service.run_lifecycle import RunLifecycle
-from sdcwatch.service.run_state import RunState
-from sdcwatch.service.run_view import run_view
+from sdcwatch.service.run_state import RunState, run_view
 from sdcwatch.service.statefile import read_state, restoring, write_state
 from sdcwatch.service.summary import StepSummary, SummaryOrder
 
@@ -45,17 +42,15 @@ STATE_VERSION = 1
 
 
 def _fixed(default: float) -> Any:
-    """A pipeline setting that ``sdcwatch serve`` keeps at its default: no ``[detectors]`` key,
-    variable or flag (tests and benchmarks set it in code; the config schema skips ``fixed`` fields)."""
+    """A setting ``sdcwatch serve`` keeps at its default (no key: the config schema skips ``fixed`` fields)."""
     return field(default=default, metadata={"fixed": True})
 
 
 @dataclass
 class PipelineSettings:
-    """Settings of the detection pipeline: the ``[detectors]`` table of ``sdcwatch serve``, whose
-    section (:class:`sdcwatch.config.DetectorsConfig`) adds the stage, the schema wait and one
-    table per detector. The docstrings are the reference of the keys; the bounds are checked here,
-    errors name ``detectors.<key>``.
+    """Settings of the detection pipeline: the ``[detectors]`` table of ``sdcwatch serve``
+    (:class:`sdcwatch.config.DetectorsConfig` adds the stage, the schema wait and one table per
+    detector). The docstrings are the reference of the keys; errors name ``detectors.<key>``.
     """
 
     resolve_after_steps: int = 50
@@ -124,8 +119,7 @@ def _name_coords(findings: list, coords: np.ndarray | None) -> list:
 
 
 def _no_ranks(findings: list) -> list:
-    """A single series no rank sent (a CSV log): its findings name no rank, though a detector reads
-    its one row as rank 0's. A one-rank job's records name their rank: its findings keep rank 0."""
+    """The findings of a single series no rank sent (a CSV log), which a detector reads as rank 0's."""
     return [replace(f, ranks=(), hosts=(), coords=()) if f.ranks else f for f in findings]
 
 
@@ -189,27 +183,27 @@ class DetectionPipeline:
         self.summaries_total = 0  # temporal stage: summaries received
         self.outbox: list[StepSummary] = []  # spatial stage: summaries for the temporal stage
         self.forgotten_events: list[IncidentEvent] = []  # resolutions of forgotten runs' incidents
-        self.carried: dict[str, Any] = {}
-        """What the service keeps in the pipeline's state for its other parts (JSON-safe; the runs'
-        key bindings): saved and restored with it, file and state topic alike."""
+        self.carried: dict[str, Any] = {}  # the service's other parts' state (the runs' key bindings), saved with it
 
     # -- input --------------------------------------------------------------------------------
 
     def process(self, records: Iterable[Any]) -> list[IncidentEvent]:
         """Align records (v1 ``Record``, v2 ``RecordColumns``); run every closed step through the detectors."""
-        records, markers, restarted, new = self.lifecycle.sort_mixed(self.checkpoints.take(self.names.take(records)))
+        records, markers, restarted, new = self.lifecycle.sort(self.checkpoints.take(self.names.take(records)))
         self.records_total += (n := count_records(records))  # telemetry: end-of-run markers not counted
         self._arrived(n + len(markers))
         events: list[IncidentEvent] = []
         for run in restarted:  # a finished run's name is used again: the old run goes first
             events += self.evict(run, "finished")
         self.lifecycle.arrived(restarted)
-        for frame in self.aligner.add(records):
-            events += self.process_frame(frame)
+        events += self._judge_frames(self.aligner.add(records))
         self.lifecycle.arrived([run for run in new if self.aligner.holds(run)])  # admitted (max_runs)
         for marker in markers:  # the run closes in expire(), once its last steps are judged
             self.lifecycle.end(marker)
         return self._with_forgotten(events)
+
+    def _judge_frames(self, frames: Iterable[StepFrame]) -> list[IncidentEvent]:
+        return [e for frame in frames for e in self.process_frame(frame)]
 
     def _with_forgotten(self, events: list[IncidentEvent]) -> list[IncidentEvent]:
         if self.forgotten_events:
@@ -218,7 +212,7 @@ class DetectionPipeline:
 
     def tick(self) -> list[IncidentEvent]:
         """Close steps whose alignment deadline passed, release waiting summaries (call regularly)."""
-        events = [e for frame in self.aligner.poll() for e in self.process_frame(frame)]
+        events = self._judge_frames(self.aligner.poll())
         return self._with_forgotten(events + [e for s in self.order.poll() for e in self.judge_step(s)])
 
     def expire(self) -> list[IncidentEvent]:
@@ -230,7 +224,7 @@ class DetectionPipeline:
                 events += self.book.close_run(run, st.last_step)
         waiting = self.order.held if self.stage == "temporal" else self.aligner.open_steps_of
         for run in self.lifecycle.to_close(waiting):
-            events += [e for frame in self.aligner.flush_run(run) for e in self.process_frame(frame)]
+            events += self._judge_frames(self.aligner.flush_run(run))
             st = self._runs.get(run)
             events += self.book.close_run(run, st.last_step if st is not None else -1)
             self.lifecycle.closed(run)
@@ -255,7 +249,7 @@ class DetectionPipeline:
 
     def flush(self) -> list[IncidentEvent]:
         """Close every open step and release every waiting summary (end of input)."""
-        events = [e for frame in self.aligner.flush() for e in self.process_frame(frame)]
+        events = self._judge_frames(self.aligner.flush())
         return events + [e for s in self.order.flush() for e in self.judge_step(s)]
 
     def process_frame(self, frame: StepFrame) -> list[IncidentEvent]:
@@ -271,9 +265,8 @@ class DetectionPipeline:
         summaries = list(summaries)
         self.summaries_total += len(summaries)
         self._arrived(len(summaries))
-        summaries = self.lifecycle.take_summaries(
-            self.checkpoints.take(self.names.take(summaries))
-        )  # the end closes a run in expire()
+        # the end closes a run in expire()
+        summaries = self.lifecycle.take_summaries(self.checkpoints.take(self.names.take(summaries)))
         return self._with_forgotten([e for s in self.order.add(summaries) for e in self.judge_step(s)])
 
     def _arrived(self, n: int) -> None:
@@ -293,11 +286,9 @@ class DetectionPipeline:
         return st
 
     def _admit(self, run: str) -> bool:
-        """Whether a new run gets a place within ``max_runs`` (the aligner asks before it takes one,
-        new runs of one poll in a fixed order). Past the bound a run makes room: the run on probation
-        silent longest, if silent ``run_probation_idle_s``; else the run silent longest (``_runs`` is
-        in order of activity: the first), if silent ``run_stale_s``. A training run is never the
-        one for a newcomer."""
+        """Whether a new run gets a place within ``max_runs``: past it, the run on probation silent
+        ``run_probation_idle_s`` makes room, else the run silent ``run_stale_s`` (``_runs`` is in
+        order of activity), never a training run (docs/service.md, "Run lifecycle")."""
         if self.aligner.runs() < self.settings.max_runs:
             return True
         victim = self.aligner.idlest_on_probation(self.settings.run_probation_idle_s)
@@ -410,7 +401,7 @@ class DetectionPipeline:
 
     def _run_views(self, max_runs: int | None) -> list[RunView]:
         """Views of the runs to export: all, or the ``max_runs`` with open incidents first, then the
-        most recently active (each view is built once per step and reused by later scrapes)."""
+        most recently active (each built once per step)."""
         runs = [(run, st) for run, st in self._runs.items() if st.summary is not None]
         if max_runs is not None and len(runs) > max_runs:
             alerting = {inc.run for inc in self.book.current() if inc.open}
@@ -424,10 +415,8 @@ class DetectionPipeline:
         return out
 
     def view(self, *, max_runs: int | None = None, **health: Any) -> ServiceView:
-        """What the exporter shows: runs (at most ``max_runs``), pipeline health, incidents, counters.
-        ``health``: the :class:`PipelineView` fields of the source (dead letters, by reason, consumer
-        lag, partitions, messages waiting for a schema, offset gaps) and of the state file, which
-        come from whoever reads the source and writes the state: the service."""
+        """What the exporter shows: runs (at most ``max_runs``), pipeline health, incidents, counters;
+        ``health``: the :class:`PipelineView` fields of the source and the state file (the service's)."""
         runs = [] if self.stage == "spatial" else self._run_views(max_runs)
         now = self.wall()
         recent = [(t, n) for t, n in self._rate if now - t <= 10.0]
@@ -504,12 +493,11 @@ class DetectionPipeline:
         self.carried = carried if isinstance(carried, dict) else {}
 
     def save(self, path: str | os.PathLike, state: dict[str, Any] | None = None) -> None:
-        """Write the state (``state``, or a snapshot taken now); see :func:`~sdcwatch.service.statefile.write_state`."""
+        """Write the state (``state``, or a snapshot taken now)."""
         write_state(path, json_safe(state if state is not None else self.snapshot()))
 
     def load(self, path: str | os.PathLike) -> bool:
-        """Restore from ``path`` if it exists; returns whether it did. A state file that cannot be
-        read or restored raises ConfigError naming the file, the fault and the ways out."""
+        """Restore from ``path`` if it exists; returns whether it did (ConfigError for a damaged file)."""
         state = read_state(path)
         if state is None:
             return False

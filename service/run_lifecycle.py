@@ -1,20 +1,9 @@
 """Run lifecycle in the service: which runs are live, finished or idle, and when each is forgotten.
 
-One mechanism for every way a run leaves the service:
-
-- **live**: its records arrive.
-- **finished**: every rank of its world sent the end-of-run marker
-  (:func:`sdcwatch.core.messages.end_marker`). The pipeline then *closes* the run: its open steps are
-  aligned and judged, its open incidents resolve (the sinks, Alertmanager among them, hear it) and
-  the exporter marks it finished, so no stall alert fires for it. ``end_expiry`` seconds after the
-  last marker the run is *evicted*: its detection state and all its /metrics series are dropped.
-- **idle**: not finished and no record for ``idle_expiry`` seconds (ranks killed, job preempted,
-  emitters that never send a marker). Evicted the same way; its open incidents are resolved first.
-
-A record newer than its rank's marker (the run name is used again: a restart, or the launcher's
-default name) starts the run afresh: the finished run is evicted at once. Redelivered old records
-(at-least-once delivery) are older than the marker and are dropped by the aligner as late.
-Times are the service's wall clock; after a restart the clocks of restored runs start again.
+A run is finished once every rank of its world sent its end-of-run marker: the pipeline then closes
+it (its last steps judged, its incidents resolved) and evicts it ``end_expiry`` seconds later; a run
+without input for ``idle_expiry`` seconds is evicted the same way. A record newer than its rank's
+marker starts the run afresh (docs/service.md, "Run lifecycle"). Times are the service's wall clock.
 """
 
 from __future__ import annotations
@@ -46,14 +35,8 @@ class _Life:
 
 class RunLifecycle:
     """Tracks every run's input and end markers; says which runs to close and which to evict.
-
-    Args:
-        end_expiry: seconds a finished run stays (in memory and in /metrics) after its last marker.
-        idle_expiry: seconds without input after which a run that did not finish is evicted.
-        close_grace: longest wait, after the last marker, for the run's open steps to complete
-            before it is closed anyway (the aligner's step timeout).
-        clock: wall time.
-    """
+    ``close_grace``: the longest wait after the last marker for the run's open steps (the aligner's
+    step timeout) before it is closed anyway."""
 
     def __init__(
         self,
@@ -74,24 +57,30 @@ class RunLifecycle:
 
     # -- input --------------------------------------------------------------------------------
 
-    def sort(
-        self, records: Iterable[Record], also: Iterable[str] = ()
-    ) -> tuple[list[Record], list[Record], set[str], set[str]]:
-        """Split input into (telemetry, end markers, runs started again, runs not known yet); note
-        the input time of the known runs, and of the runs ``also`` names (input without markers).
+    def sort(self, items: list) -> tuple[list, list[Record], set[str], set[str]]:
+        """Split records and wire-v2 column blocks into (telemetry, end markers, runs started again,
+        runs not known yet), and note the input time of the known runs.
 
-        A run is started again when one of its ranks sends telemetry newer than its marker after
-        the run finished; the caller evicts the old run before it aligns the new records. New runs
-        are the caller's to admit (within its bound on runs) and report with :meth:`arrived`.
+        A run is started again when one of its ranks sends telemetry newer than its marker after the
+        run finished (the caller evicts the old run first); new runs are the caller's to admit and
+        report with :meth:`arrived`. A block carrying end markers, or of a run with ranks that ended,
+        is taken as records (rare); any other counts by its run only and is returned as it is.
         """
+        blocks = [x for x in items if hasattr(x, "schema")]
+        records = [x for x in items if not hasattr(x, "schema")] if blocks else items
+        kept = []
+        for b in blocks:
+            if RUN_END in b.schema.scalars or self.ended_ranks(b.run):
+                records += b.to_records()
+            else:
+                kept.append(b)
         now = self.clock()
-        records = records if isinstance(records, list) else list(records)
         runs = self._runs
         # the hot path of ingest: comprehensions over every record, a loop only over the ranks of
         # runs that have sent markers
         markers = [rec for rec in records if RUN_END in rec.scalars]
         data = [rec for rec in records if RUN_END not in rec.scalars] if markers else records
-        seen = {rec.run for rec in records}.union(also)
+        seen = {rec.run for rec in records}.union(b.run for b in kept)
         restarted: set[str] = set()
         watched = {run for run in seen if run in runs and runs[run].ended}
         for rec in data if watched else ():
@@ -111,23 +100,6 @@ class RunLifecycle:
                 new.add(run)
             else:
                 life.last_input = now
-        return data, markers, restarted, new
-
-    def sort_mixed(self, items: list) -> tuple[list, list[Record], set[str], set[str]]:
-        """:meth:`sort` over records and wire-v2 column blocks (``RecordColumns``): a block of a run
-        with ranks that ended, or one carrying end markers, is taken as records (rare); any other
-        block counts by its run only and is returned as it is."""
-        blocks = [x for x in items if hasattr(x, "schema")]
-        if not blocks:
-            return self.sort(items)
-        plain = [x for x in items if not hasattr(x, "schema")]
-        kept = []
-        for b in blocks:
-            if RUN_END in b.schema.scalars or self.ended_ranks(b.run):
-                plain += b.to_records()
-            else:
-                kept.append(b)
-        data, markers, restarted, new = self.sort(plain, {b.run for b in kept})
         return data + kept, markers, restarted, new
 
     def arrived(self, runs: Iterable[str]) -> None:
@@ -141,8 +113,7 @@ class RunLifecycle:
                 life.last_input = now
 
     def take_summaries(self, summaries: list) -> list:
-        """The temporal stage's input: note each run's input, finish the runs whose end the spatial
-        stage sent (:meth:`StepSummary.end_of`), and return the step summaries to judge."""
+        """The temporal stage's input: note it, finish the runs whose end it says; the steps to judge."""
         self.arrived({s.run for s in summaries})
         for s in summaries:
             if s.ended:
@@ -259,8 +230,7 @@ class RunLifecycle:
         }
 
     def restore(self, state: dict[str, Any], runs: Iterable[str] = ()) -> None:
-        """Take back a :meth:`snapshot`; ``runs`` are runs the pipeline holds (older state files
-        have no lifecycle part). Every clock starts again now."""
+        """Take back a :meth:`snapshot` (``runs``: those the pipeline holds); every clock starts again now."""
         now = self.clock()
         self._runs = {}
         for run, d in state.get("runs", {}).items():

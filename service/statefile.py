@@ -1,10 +1,8 @@
 """The pipeline's state file: written so that no crash leaves a half file, read with one clear error.
 
-A snapshot goes to a temporary file, is synced, and replaces the old file in one rename; the
-snapshot before it is kept beside it as ``<name>.prev``. A file that is empty, truncated, damaged
-or not a state file raises :class:`~sdcwatch.core.errors.ConfigError` naming the file, the fault
-and the ways out: ``sdcwatch serve --state-reset`` (moves it aside and starts afresh), or the kept
-previous snapshot.
+Written to a temporary file, synced and renamed over the old one, kept beside it as ``<name>.prev``
+(resumed from when only it is left); a damaged file raises :class:`~sdcwatch.core.errors.ConfigError`
+naming it and the ways out (docs/service.md, "The state file").
 """
 
 from __future__ import annotations
@@ -18,7 +16,7 @@ from typing import Any, Iterator
 
 from sdcwatch.core.errors import ConfigError
 
-__all__ = ["write_state", "read_state", "restoring", "restore_faults", "previous_state"]
+__all__ = ["write_state", "read_state", "restoring", "restore_faults", "previous_state", "state_to_resume"]
 
 
 def previous_state(path: str | os.PathLike) -> Path:
@@ -27,11 +25,19 @@ def previous_state(path: str | os.PathLike) -> Path:
     return path.with_name(path.name + ".prev")
 
 
+def state_to_resume(path: str | os.PathLike) -> Path:
+    """The file a start resumes from: ``path``, or its ``.prev`` when only that is left (the file
+    deleted, or lost by a crash): the snapshot before beats a cold start. A damaged ``path`` is
+    still ``path`` (its error names the ways out; a write never leaves one, so it is not hidden)."""
+    path = Path(path)
+    prev = previous_state(path)
+    return prev if not os.path.lexists(path) and prev.is_file() else path
+
+
 def _recovery(path: Path) -> str:
-    return (
-        f"; start with --state-reset to move it aside and begin afresh, or copy "
-        f"{previous_state(path).name} (the snapshot before it) over it"
-    )
+    prev = previous_state(path)
+    keep = f", or copy {prev.name} (the snapshot before it) over it" if prev.is_file() else ""
+    return f"; start with --state-reset to move it aside and begin afresh{keep}"
 
 
 def write_state(path: str | os.PathLike, state: dict[str, Any]) -> None:
@@ -58,9 +64,8 @@ def write_state(path: str | os.PathLike, state: dict[str, Any]) -> None:
 
 
 def _keep_previous(path: Path) -> None:
-    """Keep the current file as ``<name>.prev`` while it stays in place: a hard link (or a copy,
-    where the file system has none) renamed over the old ``.prev``. Moving the file aside instead
-    left a moment with no state file at all, which a restart or a reader could meet."""
+    """Keep the current file as ``<name>.prev`` while it stays in place (a hard link, or a copy, renamed
+    over the old one): moving it aside would leave a moment with no state file at all."""
     prev = previous_state(path)
     staged = prev.with_suffix(prev.suffix + ".tmp")
     staged.unlink(missing_ok=True)
@@ -120,13 +125,9 @@ def restore_faults(key: str, where: str, what: str, recovery: str) -> Iterator[N
 
 def _sync_dir(folder: Path) -> None:
     """Make a rename in ``folder`` durable (a no-op where directories cannot be opened)."""
-    try:
+    with contextlib.suppress(OSError):
         fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)

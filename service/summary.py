@@ -1,8 +1,6 @@
-"""Step summaries: what the spatial stage learns of one aligned step, for the temporal stage.
-
-A summary is a few kilobytes where the step's records are megabytes (the two stages and the wire
-form, prefix ``SDCY``: docs/messages.md). A bad message raises :class:`SummaryError` (a
-``RecordError``), which the source dead-letters like any malformed record.
+"""Step summaries: what the spatial stage learns of one aligned step, for the temporal stage, and
+their order. The wire form (prefix ``SDCY``): docs/messages.md, "Step summaries"; a bad message
+raises :class:`SummaryError`, which the source dead-letters.
 """
 
 from __future__ import annotations
@@ -31,37 +29,23 @@ _HEAD = struct.Struct(">I")
 
 @dataclass
 class StepSummary:
-    """One run's step as the temporal stage sees it.
-
-    ``hosts`` is the run's host table (index = rank) when the spatial instance saw it change,
-    else None (the temporal stage keeps the last one). ``dropped`` maps the ranks whose emitter
-    dropped records to their count. ``stats`` holds the cross-rank quantiles the exporter shows
-    (``scalars``: name -> 5 quantiles, ``layers``: name -> (n_layers, 5); under tensor or pipeline
-    parallelism ``pieces``: the same per model piece, see :mod:`~sdcwatch.detectors.piece_stats`); the spatial stage sends
-    them every few steps. ``observations`` maps detector name to what its ``observe`` returned.
-    ``frame`` is the aligned step itself when both stages run in one process (never sent).
-    ``ended`` marks the run's end instead of a step: every rank sent its end-of-run marker and the
-    spatial stage has published the run's last steps (``step`` is the last one). ``coords`` is the
-    run's (world, mesh dims) coordinate table like ``hosts`` (sent when it changed; None for a run
-    whose records carry no coordinates, and on the wire when unchanged). ``names`` holds the layer
-    names the run's ranks sent since the last summary and those of the next few ranks once more,
-    ``{world, tables, ranks}`` (:meth:`~sdcwatch.service.layer_name_book.LayerNameBook.stamp`; None:
-    none).
-    """
+    """One run's step as the temporal stage sees it; ``hosts`` and ``coords`` are sent when they
+    changed (None: the temporal stage keeps the last ones)."""
 
     run: str
     step: int
     world: int
     n_present: int
     complete: bool = True
-    hosts: tuple[str, ...] | None = None
-    dropped: dict[int, float] = field(default_factory=dict)
+    hosts: tuple[str, ...] | None = None  # the run's host table (index = rank)
+    dropped: dict[int, float] = field(default_factory=dict)  # rank -> records its emitter dropped
+    # cross-rank quantiles for the exporter, every few steps (detectors.frame.frame_stats)
     stats: dict[str, Any] | None = None
-    observations: dict[str, Any] = field(default_factory=dict)
-    frame: Any = None
-    ended: bool = False
-    coords: np.ndarray | None = None
-    names: dict[str, Any] | None = None
+    observations: dict[str, Any] = field(default_factory=dict)  # detector name -> what its observe returned
+    frame: Any = None  # the aligned step itself when both stages run in one process (never sent)
+    ended: bool = False  # the run's end (every rank's marker), after its last steps; ``step`` is the last
+    coords: np.ndarray | None = None  # (world, mesh dims) coordinate table
+    names: dict[str, Any] | None = None  # layer names, ``{world, tables, ranks}`` (LayerNameBook.stamp)
 
     @classmethod
     def end_of(cls, run: str, last_step: int, world: int) -> "StepSummary":
@@ -95,9 +79,7 @@ def _pack(obj: Any, blobs: list[bytes]) -> Any:
 
 
 def _check_stats(stats: Any) -> None:
-    """``stats`` is None or ``frame_stats``'s form: ``scalars`` and ``layers`` objects of arrays, and
-    under tensor or pipeline parallelism ``pieces`` with its names, statistics and layer counts (the
-    temporal stage keeps and shows them: a forged shape is dead-lettered here, not met later)."""
+    """``stats`` is None or ``frame_stats``'s form (a forged shape is dead-lettered here, not met later)."""
     if stats is None:
         return
 
@@ -119,18 +101,37 @@ def _check_stats(stats: Any) -> None:
         raise SummaryError("stats", "must hold scalars and layers statistics (and a pieces object) as arrays")
 
 
-def _unpack(obj: Any, arrays: list[np.ndarray]) -> Any:
-    if isinstance(obj, dict):
-        if "__nd__" in obj:
-            return arrays[obj["__nd__"]]
-        if "__f__" in obj:
-            return float(obj["__f__"])
-        if "__map__" in obj:
-            return {_unpack(k, arrays): _unpack(v, arrays) for k, v in obj["__map__"]}
-        return {k: _unpack(v, arrays) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_unpack(v, arrays) for v in obj]
-    return obj
+class _Arrays:
+    """The array bytes after a summary's head, read in the order their references come (0, 1, ...)."""
+
+    def __init__(self, raw: bytes, pos: int) -> None:
+        self.raw, self.pos, self.n = raw, pos, 0
+
+    def read(self, spec: dict[str, Any]) -> np.ndarray:
+        if spec["__nd__"] != self.n:
+            raise SummaryError("arrays", "array references are not 0..n-1")
+        dtype = np.dtype(spec["dtype"])
+        count = int(np.prod(spec["shape"], dtype=np.int64))
+        size = count * dtype.itemsize
+        if self.pos + size > len(self.raw):
+            raise SummaryError("arrays", f"array {self.n} needs {size} bytes, {len(self.raw) - self.pos} left")
+        out = np.frombuffer(self.raw, dtype, count, self.pos).reshape(spec["shape"]).copy()
+        self.pos, self.n = self.pos + size, self.n + 1
+        return out
+
+    def unpack(self, obj: Any) -> Any:
+        """The inverse of :func:`_pack`, in its order."""
+        if isinstance(obj, dict):
+            if "__nd__" in obj:
+                return self.read(obj)
+            if "__f__" in obj:
+                return float(obj["__f__"])
+            if "__map__" in obj:
+                return {self.unpack(k): self.unpack(v) for k, v in obj["__map__"]}
+            return {k: self.unpack(v) for k, v in obj.items()}
+        if isinstance(obj, list):
+            return [self.unpack(v) for v in obj]
+        return obj
 
 
 def encode_summary(s: StepSummary) -> bytes:
@@ -147,7 +148,7 @@ def encode_summary(s: StepSummary) -> bytes:
         "stats": _pack(s.stats, blobs),
         "observations": _pack(s.observations, blobs),
     }
-    if s.ended:  # only then: older temporal stages read the head's known keys and drop the rest
+    if s.ended:
         head["ended"] = True
     if s.coords is not None:
         head["coords"] = _pack(np.asarray(s.coords, dtype=np.int32), blobs)
@@ -179,17 +180,7 @@ def decode_summary(data: bytes | bytearray | memoryview) -> StepSummary:
     except ValueError as exc:
         raise SummaryError("head", f"not JSON: {exc}") from None
     try:
-        arrays, pos = [], 4 + n
-        for spec in _array_specs({k: v for k, v in head.items() if k != "names"}):  # names hold no arrays
-            dtype = np.dtype(spec["dtype"])
-            count = int(np.prod(spec["shape"], dtype=np.int64))
-            size = count * dtype.itemsize
-            if pos + size > len(raw):
-                raise SummaryError("arrays", f"array {len(arrays)} needs {size} bytes, {len(raw) - pos} left")
-            arrays.append(np.frombuffer(raw, dtype, count, pos).reshape(spec["shape"]).copy())
-            pos += size
-        if pos != len(raw):
-            raise SummaryError("arrays", f"{len(raw) - pos} trailing bytes")
+        arrays = _Arrays(raw, 4 + n)
         hosts = head["hosts"]
         s = StepSummary(
             run=str(head["run"]),
@@ -198,9 +189,9 @@ def decode_summary(data: bytes | bytearray | memoryview) -> StepSummary:
             n_present=int(head["n_present"]),
             complete=bool(head["complete"]),
             hosts=None if hosts is None else tuple(str(h) for h in hosts),
-            dropped={int(k): float(v) for k, v in _unpack(head["dropped"], arrays).items()},
-            stats=_unpack(head["stats"], arrays),
-            observations=_unpack(head["observations"], arrays),
+            dropped={int(k): float(v) for k, v in arrays.unpack(head["dropped"]).items()},
+            stats=arrays.unpack(head["stats"]),
+            observations=arrays.unpack(head["observations"]),
             ended=head.get("ended") is True,
             names=head.get("names"),
         )
@@ -208,10 +199,12 @@ def decode_summary(data: bytes | bytearray | memoryview) -> StepSummary:
             raise SummaryError("names", f"must be an object, got {type(s.names).__name__}")
         _check_stats(s.stats)
         if head.get("coords") is not None:
-            coords = _unpack(head["coords"], arrays)
+            coords = arrays.unpack(head["coords"])
             if not isinstance(coords, np.ndarray) or coords.ndim != 2 or coords.shape[0] != s.world:
                 raise SummaryError("coords", f"must be a (world, dims) array for world {s.world}")
             s.coords = coords.astype(np.int64)
+        if arrays.pos != len(raw):
+            raise SummaryError("arrays", f"{len(raw) - arrays.pos} trailing bytes")
     except SummaryError:
         raise
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
@@ -219,28 +212,6 @@ def decode_summary(data: bytes | bytearray | memoryview) -> StepSummary:
     if s.world < 1 or s.step < 0 or not s.run:
         raise SummaryError("head", f"bad identity: run={s.run!r} step={s.step} world={s.world}")
     return s
-
-
-def _array_specs(obj: Any) -> list[dict[str, Any]]:
-    """The array references in ``obj``, in the order their bytes follow the head."""
-    found: list[dict[str, Any]] = []
-
-    def walk(o: Any) -> None:
-        if isinstance(o, dict):
-            if "__nd__" in o:
-                found.append(o)
-                return
-            for v in o.values():
-                walk(v)
-        elif isinstance(o, list):
-            for v in o:
-                walk(v)
-
-    walk(obj)
-    found.sort(key=lambda o: o["__nd__"])
-    if [o["__nd__"] for o in found] != list(range(len(found))):
-        raise SummaryError("arrays", "array references are not 0..n-1")
-    return found
 
 
 # -- ordering ------------------------------------------------------------------------------------
@@ -260,14 +231,11 @@ class _Held:
 
 
 class SummaryOrder:
-    """Puts each run's summaries back in step order.
+    """Puts each run's summaries back in step order (several spatial instances publish them).
 
-    Several spatial instances publish the summaries of one run, each for the step windows its
-    partitions hold, so they arrive slightly out of order. A summary is released when it follows
-    the last released step by the run's usual stride, or once it has waited ``grace`` seconds (an
-    earlier step may be lost for good), or when more than ``max_held`` wait. A summary for a step
-    already released is late: counted and dropped (the detectors need increasing steps), as is a
-    second summary of a step still held (a redelivery).
+    A summary is released when it follows the last released step by the run's usual stride, after
+    ``grace`` seconds, or when more than ``max_held`` wait. Late summaries (a step already released)
+    and redelivered ones are counted and dropped.
     """
 
     def __init__(self, grace: float = 2.0, max_held: int = 256, *, clock: Callable[[], float] = time.monotonic):
@@ -325,8 +293,7 @@ class SummaryOrder:
         return 0 if h is None else len(h.heap)
 
     def snapshot(self) -> dict[str, Any]:
-        """Per run: the last step released, the stride, and the summaries still waiting (encoded),
-        whose offsets may already be committed."""
+        """Per run: the last step released, the stride, and the summaries still waiting (encoded)."""
         return {
             run: {
                 "last": h.last,

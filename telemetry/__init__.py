@@ -1,22 +1,14 @@
-"""In-rank telemetry: what runs inside every training rank, in three sub-packages by concept.
-
-- :mod:`~sdcwatch.telemetry.wire`: the emitter, its transports, the rank's identity, the end-of-run
-  marker (no torch);
-- :mod:`~sdcwatch.telemetry.probes`: the watch (``attach``) and the checks it runs on the model:
-  gradients, attention, activations, matrix checksums, the residual-stream scan, fingerprints;
-- :mod:`~sdcwatch.telemetry.guard`: acting on a detection at the step boundary;
-- :mod:`~sdcwatch.telemetry.integrations`: the Hugging Face and Lightning callbacks.
-
-The fault injector that tests all of it is :mod:`sdcwatch.testbed.faults`. Importing this package
-is cheap: torch and kafka-python are imported only when a name that needs them is first used
-(``attach``, ``KafkaTransport``'s first send ...).
+"""In-rank telemetry: what runs inside every training rank. :mod:`~sdcwatch.telemetry.wire` (the
+emitter, its transports; no torch), :mod:`~sdcwatch.telemetry.probes` (the watch and its checks),
+:mod:`~sdcwatch.telemetry.guard` (acting at the step boundary), :mod:`~sdcwatch.telemetry.integrations`
+(Hugging Face and Lightning callbacks). Importing it is cheap: torch and kafka-python are imported
+only when a name that needs them is first used.
 """
 
 from __future__ import annotations
 
 from sdcwatch.core.lazy import lazy_attributes
-from sdcwatch.core.record import decode, encode
-from sdcwatch.core.record_json import from_json, to_json
+from sdcwatch.core.record import decode, encode, from_json, to_json
 from sdcwatch.core.record_type import Record
 from sdcwatch.core.signing import JobKey
 from sdcwatch.core.vocabulary import FINGERPRINTS, LAYER_METRICS, RUN_END, SCALARS, TELEMETRY_TOPIC

@@ -270,7 +270,7 @@ def _guard(
 
     control = None
     if rank == 0 and settings.bootstrap:
-        control = KafkaControl(settings.bootstrap, settings.run, settings.control_topic)
+        control = KafkaControl(settings.bootstrap, settings.run, settings.control_topic, telemetry_topic=settings.topic)
     return Guard(
         model,
         optimizer,

@@ -10,12 +10,10 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from sdcwatch.core.messages import encode_items
 from sdcwatch.core.errors import ReplayError
 from sdcwatch.core.limits import LimitError, RecordLimits
-from sdcwatch.core.messages import decode_message
-from sdcwatch.core.record import encode_batch, record_key
-from sdcwatch.core.record_json import from_json, to_json
+from sdcwatch.core.messages import decode_message, encode_items
+from sdcwatch.core.record import encode_batch, from_json, record_key, to_json
 from sdcwatch.core.record_layout import PackedRecord
 from sdcwatch.core.record_type import Record
 from sdcwatch.service.ingest import IngestDecoder, as_records

@@ -13,7 +13,7 @@ from sdcwatch.core.messages import decode_message
 from sdcwatch.core.record import encode
 from sdcwatch.core.record_type import Record
 from sdcwatch.core.vocabulary import DEADLETTER_TOPIC, TELEMETRY_TOPIC
-from sdcwatch.service.bus import DeadLetter, DeadLetterCounts, dead_letter_value, decode_or_reason
+from sdcwatch.service.bus import DeadLetterCounts, dead_letter_value, decode_batch
 from sdcwatch.service.ingest import IngestDecoder, Rejected, SchemaRegistry, count_records
 
 __all__ = ["MemorySource"]
@@ -33,16 +33,15 @@ class MemorySource(DeadLetterCounts):
     ) -> None:
         self.bus = bus
         self.decode = decode
-        self.limits = limits if limits is not None else (RecordLimits() if decode is decode_message else None)
         # telemetry (v1 and v2) is decoded a poll at a time; ``schemas`` is what it learnt
-        self.ingest = ingest if ingest is not None else IngestDecoder(SchemaRegistry(self.limits))
+        self.ingest = ingest if ingest is not None else IngestDecoder(SchemaRegistry(limits))
         self.schemas = self.ingest.registry
         self.topic = topic
         self.deadletter_topic = deadletter_topic
         self.records = 0
         self.dead_letters = 0
         self.dead_letter_reasons: dict[str, int] = {}
-        self.dead_letter_log: list[DeadLetter] = []
+        self.dead_letter_log: list[Rejected] = []
         self._offset = 0  # next offset to read
         self._committed = 0
 
@@ -52,19 +51,9 @@ class MemorySource(DeadLetterCounts):
         if not msgs and timeout > 0:
             time.sleep(min(timeout, 0.01))
         origins = [f"{self.topic}/0/{self._offset + i}" for i in range(len(msgs))]
-        out: list = []
-        rejected: list[Rejected] = []
-        if self.decode is decode_message:
-            out, rejected = self.ingest.decode([(o, k, v) for o, (k, v) in zip(origins, msgs)])
-        else:
-            for origin, (key, value) in zip(origins, msgs):
-                recs, reason, why = decode_or_reason(value, self.decode, self.limits)
-                if recs is None:
-                    rejected.append(Rejected(origin, key, value, why, reason))
-                else:
-                    out.extend(recs)
+        out, rejected = decode_batch([(o, k, v) for o, (k, v) in zip(origins, msgs)], self.decode, self.ingest)
         for rj in rejected:
-            self.dead_letter_log.append(DeadLetter(rj.reason, rj.origin, rj.key, rj.value, rj.code))
+            self.dead_letter_log.append(rj)
             self.bus.append(self.deadletter_topic, rj.key, dead_letter_value(rj.value)[0])
             self._count_dead_letter(rj.code)
         self._offset += len(msgs)
@@ -75,11 +64,19 @@ class MemorySource(DeadLetterCounts):
         """Route records the pipeline refused (e.g. an implausible step) to the dead-letter topic."""
         for rec in records:
             self.bus.append(self.deadletter_topic, None, encode(rec))
-            self.dead_letter_log.append(DeadLetter(why, "pipeline", None, None, reason))
+            self.dead_letter_log.append(Rejected("pipeline", None, None, why, reason))
         self._count_dead_letter(reason, len(records))
 
     assigned = True  # an in-memory topic needs no group join
-    partitions = 1
+    owns_topic = True
+
+    def health(self) -> dict[str, Any]:
+        return {
+            "dead_letters_total": self.dead_letters,
+            "dead_letter_reasons": dict(self.dead_letter_reasons),
+            "consumer_partitions": 1,
+            "waiting_for_schema": self.ingest.pending,
+        }
 
     def commit(self) -> None:
         self._committed = self._offset

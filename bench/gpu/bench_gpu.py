@@ -247,7 +247,7 @@ class Plan:
     json_path: str | None = None
     clip: bool = False
     """Clip gradients in every loop (``--clip``): the clean replica with torch's clipping, the watched
-    one with :meth:`Watch.clip_grad_norm_`, which reuses the norm the probes measured."""
+    one with :meth:`Watch.clip_grad_norm_` (torch's clipping, bit for bit)."""
     scope: str = "model"
     """What torch.compile compiles: "model" (the whole model, one frame) or "blocks" (each block on
     its own, as torchtitan does)."""
@@ -399,7 +399,7 @@ class Replica:
         logits = self.model(tokens[:, :-1])
         loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
         loss.backward()
-        if self.clip:  # as most LLM loops do; the watch's clipping reuses the norm it measured
+        if self.clip:  # as most LLM loops do
             if self.watch is not None:
                 self.watch.clip_grad_norm_(1.0)
             else:

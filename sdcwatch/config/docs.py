@@ -1,8 +1,6 @@
-"""The command line and the reference of ``sdcwatch serve``'s settings, generated from the schema.
-
-The attribute docstrings of the config dataclasses (the string right after each field, in the
-sections and in every detector's ``Config``) are the one source of truth for ``--help``, the
-reference table and the example file.
+"""The command line and the reference of ``sdcwatch serve``'s settings, generated from the
+attribute docstrings of the config dataclasses (the string right after each field): the one source
+of ``--help``, the reference table and the example file.
 """
 
 from __future__ import annotations
@@ -31,12 +29,9 @@ _FLAG_ALIASES: dict[str, tuple[str, ...]] = {
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Declare ``--config`` and one flag per setting (``--<section>-<key>``, plus short aliases).
-
-    Flags default to "not given" (absent from the namespace), so only what the user typed
-    overrides the file and the environment. Kafka security settings have no flags on purpose:
-    a password on the command line is visible to every user of the machine (``ps``).
-    """
+    """Declare ``--config`` and one flag per setting (``--<section>-<key>``, plus short aliases),
+    absent from the namespace unless typed. Kafka security settings have none: a password on the
+    command line is visible to every user of the machine (``ps``)."""
     parser.add_argument(
         "--config",
         metavar="PATH",

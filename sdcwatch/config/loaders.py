@@ -1,21 +1,7 @@
-"""Loading the serve configuration in layers, later wins::
-
-    built-in defaults  <  TOML file (--config PATH, or SDCWATCH_CONFIG)
-                       <  environment (SDCWATCH_<SECTION>_<KEY>, and the SDCWATCH_BOOTSTRAP shortcut)
-                       <  command-line flags (--<section>-<key>, a few short aliases)
-
-Environment names are the dotted key upper-cased with ``_`` for the dot: ``metrics.port`` is
-``SDCWATCH_METRICS_PORT``, ``detectors.spike.warmup`` is ``SDCWATCH_DETECTORS_SPIKE_WARMUP`` and
-one Kafka security setting, ``bus.security.sasl_plain_password``, is
-``SDCWATCH_BUS_SECURITY_SASL_PLAIN_PASSWORD`` (so secrets need not sit in the file).
-``SDCWATCH_BOOTSTRAP`` (the variable the in-rank emitter reads too) sets ``bus.bootstrap``.
-The emitter's and the tools' own variables (:data:`OTHER_ENV`: ``SDCWATCH_RUN``, ``SDCWATCH_HOST``
-...) are ignored here; any other ``SDCWATCH_*`` variable is an error naming it, a misspelt section
-(``SDCWATCH_METRIC_PORT``) as much as a misspelt key. No error shows the value of a secret.
-
-A bad or unknown key raises :class:`~sdcwatch.core.errors.ConfigError` naming the dotted key and
-where the value came from, e.g.
-``alerts.alertmanger_url: unknown key (did you mean alertmanager_url?) (in serve.toml)``.
+"""Loading the serve configuration in layers, later wins: defaults < TOML file < environment
+(``SDCWATCH_<SECTION>_<KEY>``) < flags (``--<section>-<key>``) (docs/service.md, "Settings").
+A bad or unknown key, an unknown ``SDCWATCH_*`` variable included, raises ConfigError naming the
+dotted key and where the value came from, never the value of a secret.
 """
 
 from __future__ import annotations
@@ -70,10 +56,6 @@ def env_name(dotted: str) -> str:
 def flag_name(dotted: str) -> str:
     """The canonical flag of a dotted key: ``metrics.port`` -> ``--metrics-port``."""
     return "--" + dotted.replace(".", "-").replace("_", "-")
-
-
-# ---------------------------------------------------------------------------------------------
-# the key space: sections, their sub-sections (nested dataclasses) and the security table
 
 
 def _walk(cls: type, prefix: str, keys: dict[str, type], tables: dict[str, type]) -> None:
@@ -159,10 +141,6 @@ def _located(exc: ConfigError, where: str) -> ConfigError:
     if where in exc.problem:
         return exc
     return ConfigError(exc.key, f"{exc.problem} ({where})")
-
-
-# ---------------------------------------------------------------------------------------------
-# layers: each turns its input into {dotted key: typed value} and {dotted key: where from}
 
 
 def _file_layer(path: Path) -> tuple[dict[str, Any], dict[str, str]]:
@@ -269,23 +247,15 @@ def _flag_layer(overrides: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str,
     return values, sources
 
 
-# ---------------------------------------------------------------------------------------------
-# loading
-
-
 def load_config(
     path: str | os.PathLike[str] | None = None,
     env: Mapping[str, str] | None = None,
     overrides: Mapping[str, Any] | None = None,
 ) -> ServeConfig:
-    """Build the serve configuration: defaults < TOML file < environment < ``overrides``.
-
-    ``path`` defaults to ``$SDCWATCH_CONFIG`` when that is set. ``env`` defaults to
-    ``os.environ``. ``overrides`` maps dotted keys (``{"metrics.port": 0}``) or nested sections
-    (``{"metrics": {"port": 0}}``) to values; ``None`` values are skipped and text is parsed like
-    the environment's, so the result of :func:`~sdcwatch.config.docs.overrides_from_args` can be
-    passed as it is. Raises ConfigError naming the dotted key and the source of the bad value.
-    """
+    """Build the serve configuration: defaults < TOML file (``path``, default ``$SDCWATCH_CONFIG``) <
+    environment (``env``, default ``os.environ``) < ``overrides``: dotted keys or nested sections to
+    values, ``None`` skipped, text parsed like the environment's (as
+    :func:`~sdcwatch.config.docs.overrides_from_args` gives them)."""
     env = os.environ if env is None else env
     if path is None and env.get(ENV_PREFIX + "CONFIG"):
         path = env[ENV_PREFIX + "CONFIG"]

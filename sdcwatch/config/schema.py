@@ -1,12 +1,8 @@
-"""The schema of ``sdcwatch serve``'s configuration: one small dataclass per section.
-
-Every section checks its values when it is built (``__post_init__``), so a config made in code
-is as safe as a loaded one; a bad value raises :class:`~sdcwatch.core.errors.ConfigError` naming
-its dotted key. A section whose settings belong to a component is built on that component's own
-definition: ``[detectors]`` is the pipeline's :class:`~sdcwatch.service.pipeline.PipelineSettings`
-plus one sub-section per default detector, ``[detectors.<name>]``, whose schema is the detector's
-own ``Config`` (from the registry: a new detector needs no edit here); ``[metrics]`` takes the
-exporter's defaults and bounds, ``[guard]`` is the service's ``ControlPolicy``.
+"""The schema of ``sdcwatch serve``'s configuration: one small dataclass per section, each checking
+its values when built (ConfigError naming the dotted key). A section whose settings belong to a
+component is built on that component's definition: ``[detectors]`` is the pipeline's settings plus
+each default detector's own ``Config``, ``[metrics]`` the exporter's bounds, ``[guard]`` the
+service's ``ControlPolicy``.
 """
 
 from __future__ import annotations
@@ -21,6 +17,7 @@ from typing import Any, ClassVar
 from sdcwatch.core.errors import ConfigError
 from sdcwatch.core.kafka import TEXT_SECURITY_KEYS
 from sdcwatch.core.limits import RecordLimits
+from sdcwatch.core.signing import Keyring
 from sdcwatch.core.validate import (
     check_choice,
     check_int,
@@ -80,10 +77,6 @@ def hints(cls: type) -> dict[str, type]:
         for f in fields(cls)
         if not f.metadata.get("fixed")
     }
-
-
-# ---------------------------------------------------------------------------------------------
-# the sections
 
 
 class _Section:
@@ -282,10 +275,8 @@ class AuthConfig(_Section):
         if self.key_file:
             self.key_file = str(Path(self.key_file).expanduser())
 
-    def keyring(self) -> Any:
+    def keyring(self) -> Keyring | None:
         """The keys of ``key_file`` (a Keyring), None when off; ConfigError naming a bad line, never a secret."""
-        from sdcwatch.core.signing import Keyring
-
         return Keyring.from_file(self.key_file, "auth.key_file") if self.key_file else None
 
 
@@ -390,12 +381,8 @@ class LimitsConfig(_Section):
 @dataclass
 class GuardPolicyConfig(ControlPolicy, _Section):
     """[guard]: which decision each incident kind sends to the training job's guard (control topic).
-
-    The settings are :class:`~sdcwatch.service.control_policy.ControlPolicy`'s (one definition, its
-    docs); this section adds the TOML table, ``SDCWATCH_GUARD_*`` variables and ``--guard-*``
-    flags. The guard's own settings (snapshots, retries, spike rule) live in the training job:
-    sdcwatch.telemetry.GuardConfig.
-    """
+    The settings are :class:`~sdcwatch.service.control_policy.ControlPolicy`'s; the guard's own
+    live in the training job (sdcwatch.telemetry.GuardConfig)."""
 
     section: ClassVar[str] = "guard"
 

@@ -3,23 +3,21 @@ faults (detected, when, which rank, false alarms), the JSON summary and the prin
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from sdcwatch.core.kinds import LOCALISING_KINDS
 
-__all__ = ["DemoResult", "summarize", "detection_latency", "loss_for_json", "format_summary"]
+__all__ = ["DemoResult", "summarize", "detection_latency", "format_summary"]
 
 
-@dataclass
+@dataclass(kw_only=True)
 class DemoResult:
-    """What the demo injected and what sdcwatch made of it."""
+    """What the demo injected and what sdcwatch made of it; :meth:`to_dict` is ``--json``, in this order."""
 
     preset: str
     description: str
     injected: list[dict[str, Any]]
-    incidents: list[dict[str, Any]]
     steps: int
     ranks: int
     fault_step: int | None
@@ -29,51 +27,27 @@ class DemoResult:
     localized_rank: int | None
     detection_delay_steps: int | None
     latency_seconds: float | None
+    false_alarms: int = 0
+    incidents: list[dict[str, Any]]
     wall_seconds: float
     metrics_url: str = ""
     report: str | None = None
     records: str | None = None
-    false_alarms: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)
     guard: bool = False
     guard_actions: list[dict[str, Any]] = field(default_factory=list)
     """With ``guard``: every step at which the guard acted, ``{step, action, ranks, reason}`` (and more)."""
-    final_loss: float | None = None
+    final_loss: float | str | None = None
+    """Strict JSON: a non-finite loss as the string ``NaN`` or ``Infinity``."""
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "preset": self.preset,
-            "description": self.description,
-            "injected": self.injected,
-            "steps": self.steps,
-            "ranks": self.ranks,
-            "fault_step": self.fault_step,
-            "fault_rank": self.fault_rank,
-            "detected": self.detected,
-            "first_detection_step": self.first_detection_step,
-            "localized_rank": self.localized_rank,
-            "detection_delay_steps": self.detection_delay_steps,
-            "latency_seconds": self.latency_seconds,
-            "false_alarms": self.false_alarms,
-            "incidents": self.incidents,
-            "wall_seconds": round(self.wall_seconds, 2),
-            "metrics_url": self.metrics_url,
-            "report": self.report,
-            "records": self.records,
-            "guard": self.guard,
-            "guard_actions": self.guard_actions,
-            "final_loss": self.final_loss,
-        }
+        return {f.name: getattr(self, f.name) for f in fields(self)} | {"wall_seconds": round(self.wall_seconds, 2)}
 
 
 def summarize(
     incidents: list[Any], fault_step: int | None, fault_rank: int | None
 ) -> tuple[bool, int | None, int | None, int]:
-    """(detected, first detection step, localized rank, false alarms) from the incidents.
-
-    An incident counts as a detection when it starts at or after the fault's first step; one that
-    starts before it (or any incident in a run without a fault) is a false alarm.
-    """
+    """(detected, first detection step, localized rank, false alarms) from the incidents: one that
+    starts before the fault's first step (or any, without a fault) is a false alarm."""
     if fault_step is None:
         return False, None, None, len(incidents)
     after = [i for i in incidents if i.first_step >= fault_step]
@@ -97,13 +71,6 @@ def detection_latency(
     first_inc = min((i for i in incidents if i.first_step >= fault_step), key=lambda i: (i.first_step, i.opened_at))
     opened = opened_wall.get(first_inc.id)
     return None if opened is None else round(max(0.0, opened - fault_wall), 3)
-
-
-def loss_for_json(final_loss: float | None) -> float | str | None:
-    """The final loss as strict JSON takes it: a non-finite one as the string ``NaN`` or ``Infinity``."""
-    if final_loss is None or math.isfinite(final_loss):
-        return final_loss
-    return "NaN" if math.isnan(final_loss) else "Infinity"
 
 
 def _detection_lines(r: DemoResult) -> list[str]:

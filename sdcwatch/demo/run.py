@@ -14,10 +14,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, TextIO
 
+from sdcwatch.broker import EmbeddedBroker
 from sdcwatch.core.errors import SdcwatchError
 from sdcwatch.demo.plan import DemoPlan, plan_demo
-from sdcwatch.demo.result import DemoResult, detection_latency, loss_for_json, summarize
-from sdcwatch.demo.stack import DemoService, EventLog
+from sdcwatch.core.jsonsafe import json_float
+from sdcwatch.demo.result import DemoResult, detection_latency, summarize
+from sdcwatch.demo.service import DemoService, EventLog
 from sdcwatch.demo.training import DemoTraining
 
 __all__ = ["DemoFiles", "run_demo"]
@@ -74,8 +76,6 @@ def _train_beside_the_service(
     """Start the embedded broker and the detector service, train the job on it, drain the
     service and stop everything. Returns the stopped service, the training, the run and its
     final loss."""
-    from sdcwatch.broker import EmbeddedBroker
-
     say = _speaker(progress, quiet)
     with EmbeddedBroker(port=0) as broker:
         say(f"  broker: embedded Tansu on {broker.bootstrap}")
@@ -143,7 +143,7 @@ def _score(
         false_alarms=false_alarms,
         guard=plan.guard,
         guard_actions=[a.to_dict() for a in run.guard.actions if a.action != "none"] if run.guard is not None else [],
-        final_loss=loss_for_json(final_loss),
+        final_loss=json_float(final_loss),
     )
 
 
@@ -183,15 +183,9 @@ def run_demo(
     guard: Any = False,
     parallel: str | None = None,
 ) -> DemoResult:
-    """Run the demo end to end and return what happened (the CLI prints it).
-
-    ``guard``: True runs the job under the guard with its shipped settings, acting (and the service
-    publishing decisions); a :class:`~sdcwatch.telemetry.GuardConfig` sets the guard's own settings.
-    ``parallel`` (e.g. ``"tp=2,pp=2,dp=4"``) simulates a tensor x pipeline x data parallel job
-    (:mod:`sdcwatch.testbed.parallel3d`) instead of ``ranks`` data-parallel replicas: ``ranks``
-    becomes the layout's rank count, the fault's default rank one on the last stage, and a preset's
-    layer one of its rank's stage.
-    """
+    """Run the demo end to end and return what happened (the CLI prints it). ``guard``: True for the
+    shipped guard settings, acting, or a :class:`~sdcwatch.telemetry.GuardConfig`. ``parallel``
+    (``"tp=2,pp=2,dp=4"``) simulates that layout instead of ``ranks`` data-parallel replicas."""
     import torch
 
     t_start = time.monotonic()

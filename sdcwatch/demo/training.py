@@ -10,7 +10,7 @@ import time
 from typing import Any, Callable
 
 from sdcwatch.demo.plan import DemoPlan
-from sdcwatch.demo.stack import DemoService
+from sdcwatch.demo.service import DemoService
 
 __all__ = ["PACE_LAG_STEPS", "PACE_TIMEOUT_S", "DemoTraining"]
 
@@ -23,11 +23,8 @@ PACE_TIMEOUT_S = 20.0
 
 
 class DemoTraining:
-    """The simulated job of ``plan`` on the broker at ``bootstrap``, watched by ``service``.
-
-    ``control``: the guard's reader of the control topic (with the guard on), else None.
-    ``say`` prints a progress line; one every ``progress_every`` steps.
-    """
+    """The simulated job of ``plan`` on the broker at ``bootstrap``, watched by ``service``; ``control``:
+    the guard's reader of the control topic (None without the guard); ``say`` prints progress."""
 
     def __init__(
         self,
@@ -70,14 +67,9 @@ class DemoTraining:
         return em
 
     def keep_pace(self, step: int) -> None:
-        """Wait (a bounded while) for the service to catch up with ``step``.
-
-        A real job's steps take seconds; the detector and the control topic answer in a fraction
-        of one. The demo's steps take milliseconds, so with the guard on it waits for the service
-        to read the ranks' records up to a few steps back and for the guard's reader to receive
-        every decision published: the loop then behaves as it would at a real step time, on a
-        loaded machine too.
-        """
+        """Wait (a bounded while) for the service to read the records up to a few steps back and the
+        guard's reader every decision published: the demo's steps take milliseconds, a real job's
+        seconds, and the loop should behave as at a real step time."""
         if self._pace_gave_up:
             return
         deadline = time.monotonic() + PACE_TIMEOUT_S

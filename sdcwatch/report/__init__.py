@@ -1,21 +1,8 @@
-"""The run report: one self-contained HTML page a person would rather look at than read.
+"""``sdcwatch report``: one self-contained HTML page of a captured run (plots as embedded PNGs).
 
-From a captured run (the JSON-lines records of the file transport, plus the incidents the
-service raised) it draws the global loss and gradient norm with the incidents shaded, a rank x
-step heat map of how far each rank strays from the others, and the attention entropy of every
-layer at the steps it was measured on (one in 16 by default); a header sums the run up and a table
-lists the incidents, each as the service last said (open or resolved) and its index read in its
-metric's family (a product, a block, an attention layer). The plots are PNGs embedded as base64,
-so the one file can be mailed, attached to a ticket or opened offline.
-
-The deviation score is computed here from the records with numpy (robust z against the
-cross-rank median and MAD, calibrated on the run so healthy ranks stay calm); it deliberately does
-not reuse the detectors, so the picture is an independent view of the data the detectors saw.
-
-Layout: :mod:`~sdcwatch.report.data` loads records and incidents, :mod:`~sdcwatch.report.deviation`
-scores ranks against each other, :mod:`~sdcwatch.report.plots` draws the figures (importing
-matplotlib only when it draws), :mod:`~sdcwatch.report.page` renders and writes the HTML; this
-module holds the ``sdcwatch report`` command and re-exports the rest.
+:mod:`~sdcwatch.report.data` loads records and incidents, :mod:`~sdcwatch.report.deviation` scores
+ranks against each other (independently of the detectors), :mod:`~sdcwatch.report.plots` draws,
+:mod:`~sdcwatch.report.page` renders; what the page shows: docs/service.md, "Capture a run, replay it offline".
 """
 
 from __future__ import annotations
@@ -50,13 +37,9 @@ __all__ = [
 __test__ = {"robust_z": robust_z}
 
 
-# ---------------------------------------------------------------------------------------------
-# command line
-
-
-def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
-    """Declare ``sdcwatch report``'s arguments (on ``parser`` when the CLI passes a subparser)."""
-    p = parser or argparse.ArgumentParser(prog="sdcwatch report")
+def build_parser() -> argparse.ArgumentParser:
+    """Declare ``sdcwatch report``'s arguments."""
+    p = argparse.ArgumentParser(prog="sdcwatch report")
     p.description = "Write a self-contained HTML report of a captured run: loss and gradient norm with incidents, a rank x step heat map of deviation, attention entropy per layer, and the incident table."
     p.add_argument(
         "records",

@@ -1,8 +1,5 @@
-"""Loading a captured run: the JSON-lines records into dense arrays, and the incidents.
-
-This is the one module that reads files. Everything downstream (the deviation score, the plots,
-the page) works on :class:`RunData` and :class:`Incident` objects, so it can be fed a run that
-never touched the disk and never has to handle a malformed line.
+"""Loading a captured run: the JSON-lines records into dense arrays (:class:`RunData`), and the
+incidents. The one module of the report that reads files; a malformed line is a ReplayError here.
 """
 
 from __future__ import annotations
@@ -30,13 +27,9 @@ ENTROPY = "attn_entropy"
 @dataclass
 class RunData:
     """One run's records as dense arrays: ``steps`` (S,), per-rank scalars (S, R), layers (S, R, L).
-
-    A missing record is NaN in every array and False in ``present``; a non-finite value the rank
-    really reported stays NaN/Inf with ``present`` True, so the two are never confused. A layer
-    metric is measured on sampled steps only (the probes' ``attention_every``, 16 by default):
-    ``measured[name]`` (S, R) says which records carried it, so a step it was not measured on is
-    never read as a non-finite value. ``ended``: the ranks whose end-of-run marker is in the file.
-    """
+    A missing record is NaN and False in ``present`` (a reported NaN has ``present`` True);
+    ``measured[name]`` (S, R): the records that carried a sampled layer metric; ``ended``: the ranks
+    whose end-of-run marker is in the file."""
 
     run: str
     world: int
@@ -72,12 +65,8 @@ _LIMITS = RecordLimits()
 
 
 def load_records(path: str | Path, *, run: str | None = None) -> RunData:
-    """Read a JSON-lines record file into :class:`RunData`.
-
-    When the file holds several runs, ``run`` picks one; by default the run with the most
-    records is shown and the others are listed in :attr:`RunData.other_runs`. A malformed line
-    raises :class:`ReplayError` naming the file and the line.
-    """
+    """Read a JSON-lines record file into :class:`RunData`: the run ``run``, by default the one with
+    the most records (the others counted in :attr:`RunData.other_runs`)."""
     path = Path(path)
     rows: dict[str, list[tuple]] = {}
     hosts: dict[str, dict[int, str]] = {}
@@ -167,14 +156,8 @@ def _densify(run: str, rows: list[tuple], world: int, hosts: Mapping[int, str], 
 
 
 def load_incidents(path: str | Path) -> list[Incident]:
-    """Read a JSON-lines file of ``Incident.to_dict()`` objects or incident events: what ``sdcwatch
-    replay --json``, ``sdcwatch incidents --json``, the demo, the anomalies topic or the log sink's
-    JSON lines hold.
-
-    An incident that appears several times (opened, updated, resolved) is kept once, as its last
-    line says: open or resolved as the service last said. A malformed line raises
-    :class:`ReplayError` naming the file and the line.
-    """
+    """Read a JSON-lines file of incidents or incident events (``sdcwatch replay --json``, ``sdcwatch
+    incidents --json``, the anomalies topic): each incident once, as its last line says."""
     path = Path(path)
     latest: dict[str, Incident] = {}
     try:

@@ -1,18 +1,8 @@
 """How far each rank strays from the others: robust z-scores over ranks, and means over ranks.
 
-The deviation score is computed here from the records with numpy (robust z against the
-cross-rank median and MAD); it deliberately does not reuse the detectors, so the picture is an
-independent view of the data the detectors saw. No plotting here, so the numbers can be checked
-(and tested) apart from how they are drawn.
-
-Two things keep a healthy rank calm, most of all in a small job. The MAD of one step's 4 ranks is
-a noisy spread: a step where three ranks happen to agree gives the fourth |z| of 5 to 20, on 10-17%
-of a healthy rank's steps. So the spread is never taken below its typical value (the median of the
-per-step spreads over :data:`TYPICAL_BLOCK` steps), as the detectors bound theirs. And ranks fed
-different data differ with heavy tails (a hard batch), so the score is calibrated on the run: the
-deviation a typical rank exceeds on 1 cell of the heat map in 200 (the median over ranks of each
-rank's :data:`CALIBRATION_QUANTILE` percentile: a faulty rank does not set it) is scored
-:data:`Z_FLAG`, never less (a run of ranks that agree closely is not magnified).
+Computed from the records with numpy, deliberately not with the detectors: an independent view of
+the data they saw. A healthy rank stays calm: the spread is never taken below its typical value
+(:func:`typical_spread`), and the score is calibrated on the run (:func:`calibration_anchor`).
 """
 
 from __future__ import annotations
@@ -36,13 +26,9 @@ HEATMAP_COLUMNS = 720  # at most this many step columns; longer runs are binned 
 
 
 def robust_z(values: np.ndarray, floor: np.ndarray | None = None) -> np.ndarray:
-    """Robust z of each rank against the others at every step: ``(x - median) / (1.4826 MAD)``.
-
-    ``values`` is (steps, ranks) with NaN for a missing rank. The scale has a floor (a millionth
-    of the median's magnitude) so ranks that agree to the last bit do not divide by zero, and
-    ``floor`` (steps,), when given, bounds it from below too (the typical spread). An
-    infinite value scores +Inf (the most deviant thing a rank can report); NaN is read as
-    "no value" and stays NaN (see :func:`rank_deviation` for NaN a rank reported).
+    """Robust z of each rank against the others at every step: ``(x - median) / (1.4826 MAD)``, the
+    scale at least a millionth of the median's magnitude and ``floor`` (steps,). ``values`` is
+    (steps, ranks), NaN for a missing rank; an infinite value scores +Inf.
 
     >>> import numpy as np
     >>> z = robust_z(np.array([[1.0, 1.1, 0.9, 1.0, 5.0]]))
@@ -117,14 +103,9 @@ class Deviation(NamedTuple):
 
 
 def rank_deviation(data: RunData) -> Deviation:
-    """Per rank and step, the largest |robust z| over :data:`DEVIATION_METRICS`, the spread
-    bounded by its typical value and the score calibrated on the run (the module docstring).
-
-    A value only this rank (or a minority) reported as NaN/Inf scores +Inf: that is how SDC
-    looks on the step it strikes. Once most ranks are non-finite (the corruption has spread
-    through the all-reduce) the value no longer says which rank is odd: it scores nothing and
-    is flagged in ``widespread``. NaN where the rank sent no record.
-    """
+    """Per rank and step, the largest |robust z| over :data:`DEVIATION_METRICS`, calibrated on the run.
+    A NaN/Inf only a minority reported scores +Inf; one most ranks reported (spread through the
+    all-reduce) scores nothing and is flagged ``widespread``. NaN where the rank sent no record."""
     used = [m for m in DEVIATION_METRICS if m in data.scalars]
     present = data.present
     score = np.full(present.shape, np.nan)
@@ -170,15 +151,9 @@ def global_series(data: RunData) -> tuple[tuple[str, np.ndarray, np.ndarray | No
     elif "loss" in data.scalars:
         out.append(("loss (mean over ranks)", _mean_over_ranks(data, "loss"), data.scalars["loss"]))
     if "grad_norm_global" in data.scalars and np.any(data.present & ~np.isnan(data.scalars["grad_norm_global"])):
-        out.append(
-            ("global gradient norm", _mean_over_ranks(data, "grad_norm_global"), data.scalars.get("grad_norm_local"))
-        )
+        band = data.scalars.get("grad_norm_local")
+        out.append(("global gradient norm", _mean_over_ranks(data, "grad_norm_global"), band))
     elif "grad_norm_local" in data.scalars:
-        out.append(
-            (
-                "gradient norm (mean of local)",
-                _mean_over_ranks(data, "grad_norm_local"),
-                data.scalars["grad_norm_local"],
-            )
-        )
+        band = data.scalars["grad_norm_local"]
+        out.append(("gradient norm (mean of local)", _mean_over_ranks(data, "grad_norm_local"), band))
     return tuple(out)

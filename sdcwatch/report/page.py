@@ -14,6 +14,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
+from sdcwatch import __version__
 from sdcwatch.core.errors import ReplayError
 from sdcwatch.core.incident import Incident
 from sdcwatch.report.data import (
@@ -117,10 +118,6 @@ def _e(value: Any) -> str:
     return html.escape(str(value), quote=True)
 
 
-def _fmt_steps(n: int) -> str:
-    return f"{n:,}"
-
-
 _NOT_GIVEN = (
     "No incidents were given, so this page shows the records only: <code>sdcwatch replay --json RECORDS"
     " &gt; incidents.jsonl</code> runs the detectors over them; pass that file with <code>--incidents</code>."
@@ -164,7 +161,7 @@ def _cards(
     cards = [
         ("run", _e(data.run)),
         ("ranks", f"{data.world}" + (f" <small>on {hosts} host{'s' * (hosts != 1)}</small>" if hosts else "")),
-        ("steps", f"{_fmt_steps(len(data.steps))} <small>{data.steps[0]}–{data.steps[-1]}</small>"),
+        ("steps", f"{len(data.steps):,} <small>{data.steps[0]}–{data.steps[-1]}</small>"),
         ("records", f"{data.records:,}" + (f" <small>{data.missing:,} missing</small>" if data.missing else "")),
         ("incidents", f"{len(incidents)} <small>{_e(sev_text)}</small>" if given else "not given"),
         (
@@ -237,8 +234,6 @@ def _figure(png: str, alt: str) -> str:
 
 def _head(title: str, source: str, level: str, verdict: str) -> list[str]:
     """The page's head, its title line and the verdict."""
-    from sdcwatch import __version__
-
     return [
         "<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>",
         "<meta name='viewport' content='width=device-width, initial-scale=1'>",
@@ -412,13 +407,9 @@ def write_report(
     injected: Any = None,
     run: str | None = None,
 ) -> Path:
-    """Write the self-contained HTML report of a captured run and return its path.
-
-    ``incidents`` is a list of :class:`Incident` (or their ``to_dict()`` forms), a path to a
-    JSON-lines incidents file, or None. ``injected`` describes what was injected: free text, a
-    FaultSpec (or its dict), or a list of them; faults are also drawn on the plots. ``run``
-    picks one run when the records file holds several.
-    """
+    """Write the self-contained HTML report of a captured run and return its path. ``incidents``:
+    :class:`Incident` objects or dicts, a JSON-lines file, or None; ``injected``: free text, a
+    FaultSpec or dict, or a list of them (drawn too); ``run``: one of several in the file."""
     data = load_records(records_path, run=run)
     loaded: list[Incident] | None
     if incidents is None:

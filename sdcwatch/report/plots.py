@@ -43,8 +43,7 @@ def _png(fig: Any) -> str:
 def _new_figure(width: float, height: float) -> Any:
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(width, height), layout="constrained")
-    return fig
+    return Figure(figsize=(width, height), layout="constrained")
 
 
 def _robust_limits(values: np.ndarray) -> tuple[float, float] | None:

@@ -1,13 +1,6 @@
-"""The guard: acts on a detection at the step boundary, on every rank alike, without stopping the job.
-
-:mod:`~sdcwatch.telemetry.guard.guard` (``Guard``) runs each step and agrees on an action;
-its settings and outcome are :mod:`~sdcwatch.telemetry.guard.config`, its parts the deciding
-:mod:`~sdcwatch.telemetry.guard.checks` and acting :mod:`~sdcwatch.telemetry.guard.acting`, sharing
-:mod:`~sdcwatch.telemetry.guard.state`, rollback snapshots :mod:`~sdcwatch.telemetry.guard.snapshots`,
-decisions read from the control topic :mod:`~sdcwatch.telemetry.guard.control_topic`, the skip decided
-on the device with no host sync :mod:`~sdcwatch.telemetry.guard.device_skip` (``DeviceSkip``), a
-replica group leaving the job while the others go on :mod:`~sdcwatch.telemetry.guard.elastic`. The
-public names are re-exported (lazily) here and by :mod:`sdcwatch.telemetry`.
+"""The guard: acts on a detection at the step boundary, on every rank alike, without stopping the job
+(``Guard``; docs/guard.md), and the skip decided on the device (``DeviceSkip``). The public names are
+re-exported (lazily) here and by :mod:`sdcwatch.telemetry`.
 """
 
 from sdcwatch.core.lazy import lazy_attributes

@@ -1,6 +1,5 @@
 """The acting part of the guard: skips within their budget, rollbacks to a snapshot, evictions, spike
-mitigations and the update itself, on the :class:`~sdcwatch.telemetry.guard.state.GuardState` the
-guard's parts share (:class:`~sdcwatch.telemetry.guard.guard.Guard` decides when)."""
+mitigations and the update itself, on the guard's shared :class:`~sdcwatch.telemetry.guard.state.GuardState`."""
 
 from __future__ import annotations
 
@@ -20,9 +19,8 @@ log = logging.getLogger("sdcwatch.guard")
 
 
 class GuardActions:
-    """Carries out what the guard decided, every process alike, on ``model`` and ``optimizer``
-    (``group``: how the processes agree; ``actions``: where an eviction is recorded before it raises;
-    ``resync``, ``elastic``, ``watch``: as :class:`~sdcwatch.telemetry.guard.guard.Guard` takes them)."""
+    """Carries out what the guard decided, every process alike (``actions``: where an eviction is
+    recorded before it raises; the rest as :class:`~sdcwatch.telemetry.guard.guard.Guard` takes them)."""
 
     def __init__(
         self,
@@ -42,8 +40,7 @@ class GuardActions:
         self.model, self.optimizer, self.group, self.actions = model, optimizer, group, actions
         self.resync, self.elastic, self.watch = resync, elastic, watch
         self.snapshots = SnapshotStore(int(config.snapshot_memory_mb * 2**20), config.snapshot_dir, place.rank)
-        self.steps_rolled_back = 0
-        """Steps of progress undone by rollbacks."""
+        self.steps_rolled_back = 0  # steps of progress undone by rollbacks
 
     def snapshot_before(self, step: int, data_pos: Any) -> None:
         """Take the snapshot due before ``step`` (the first step's too: one to go back to)."""
@@ -53,8 +50,7 @@ class GuardActions:
     # -- control decisions ------------------------------------------------------------------------
 
     def on_control(self, step: int, agreed: list[int], reason: str, out: GuardOutcome) -> GuardOutcome:
-        """Act on the control decision every process agreed on (``agreed``: the ballot's MAX);
-        ``reason`` is rank 0's text of it."""
+        """Act on the control decision ``agreed`` (the ballots' MAX); ``reason``: rank 0's text of it."""
         action = ACTIONS[agreed[3]]
         rank = agreed[4] - 1 if agreed[4] else None
         since = agreed[5] - 1 if agreed[5] else None
@@ -100,8 +96,8 @@ class GuardActions:
         return self.state.room("skips", step, self.config.budget_window, self.config.max_skips)
 
     def escalate(self, step: int, out: GuardOutcome, what: str) -> GuardOutcome:
-        """No rerun left: skip while the skip budget lasts; then a hardware-like fault (non-finite or a
-        checksum) naming a rank gets ``on_persistent``; anything else goes through, reported."""
+        """No rerun left: skip while the budget lasts, then a fault naming a rank (not a spike) gets
+        ``on_persistent``."""
         if self.skips_left(step) or not out.ranks or out.reason == "spike":
             return self.skip(step, out, what)
         c = self.config
@@ -148,8 +144,8 @@ class GuardActions:
         return out
 
     def restore(self, before: int | None, suspects: set[int]) -> Any:
-        """Load the newest snapshot taken before step ``before`` (the newest of all: None) and make the
-        replicas equal again; returns the snapshot, or None when there is none."""
+        """Load the newest snapshot before step ``before`` (None: the newest), make the replicas equal;
+        returns it (None: none)."""
         snap = self.snapshots.before(before)
         if snap is None:
             return None
@@ -167,8 +163,7 @@ class GuardActions:
     # -- spike mitigation and the update ---------------------------------------------------------------
 
     def mitigate(self, step: int, out: GuardOutcome) -> GuardOutcome:
-        """After a spike that is not transient: the learning-rate cut and / or tighter clip of
-        ``spike_mitigation`` for ``mitigation_steps`` steps from this one, within its budget."""
+        """After a spike that is not transient: start ``spike_mitigation``, within its budget."""
         c = self.config
         if out.verdict == "transient" or not (out.action != "none" or out.would):
             return out  # the rerun's clean result was used, or nothing was seen to act on
@@ -240,8 +235,8 @@ class GuardActions:
     def evict(
         self, step: int, ranks: Sequence[int], what: str, out: GuardOutcome, since: int | None = None
     ) -> GuardOutcome:
-        """Evict ``ranks``: with ``on_evict="leave"`` (and room in the quorum) their replica groups
-        leave and the outcome is returned; otherwise :class:`GuardEviction` is raised on every process."""
+        """Evict ``ranks``: their replica groups leave (``on_evict="leave"``, room in the quorum), or
+        :class:`GuardEviction` is raised on every process."""
         ranks = tuple(sorted(ranks))
         hosts = self._hosts(ranks)
         reason = what.removeprefix(f"step {step}: ")

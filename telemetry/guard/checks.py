@@ -1,6 +1,5 @@
 """The guard's deciding and agreeing parts: one step's values and their verdict, and how the
-processes agree (a MAX all-reduce of a few integers under torch.distributed; nothing to do for a
-process that holds every rank)."""
+processes agree (a MAX all-reduce of a few integers under torch.distributed)."""
 
 from __future__ import annotations
 
@@ -53,16 +52,14 @@ class StepValues:
 
 
 class StepJudge:
-    """The deciding part of the guard: a step's values as numbers, their verdict (non-finite, or a
-    spike by the rule every spike check shares, :mod:`sdcwatch.core.spike_baseline`), and the
-    learning of the values of an applied step into the :class:`GuardState`'s baselines."""
+    """The deciding part of the guard: a step's values, their verdict (non-finite, or a spike by
+    :mod:`sdcwatch.core.spike_baseline`'s rule), and learning an applied step into the baselines."""
 
     def __init__(self, config: GuardConfig, local_ranks: tuple[int, ...], state: GuardState) -> None:
         self.config, self.local_ranks, self.state = config, local_ranks, state
 
     def values(self, result: Any, optimizer: Any) -> StepValues:
-        """The closure's ``result`` (a loss, ``(loss, grad_norm)`` or ``(losses, grad_norm, local
-        grad norms)``) as numbers; the gradient norm from ``optimizer`` when not given."""
+        """The closure's ``result`` as numbers (the gradient norm from ``optimizer`` when not given)."""
         if isinstance(result, tuple):
             loss, gn, local = (list(result) + [None, None])[:3]
         else:
@@ -140,9 +137,8 @@ class LocalGroup:
 
 
 class TensorAgreement:
-    """Agreement through all-reduces of small tensors on ``device``: MAX of a few integers, SUM of a
-    few floats, rank 0's text and every rank's host name (MAX over zeros elsewhere). A subclass says
-    how a tensor is all-reduced (:meth:`reduce`) and who this process is (``rank`` of ``world``)."""
+    """Agreement through all-reduces of small tensors on ``device`` (texts: MAX over zeros elsewhere);
+    a subclass says how a tensor is all-reduced (:meth:`reduce`) and who this process is."""
 
     rank: int
     world: int
@@ -165,8 +161,7 @@ class TensorAgreement:
         return [float(v) for v in self.reduce(t, "sum").tolist()]
 
     def _texts(self, rows: int, row: int, text: str, width: int) -> list[str]:
-        """Row ``row`` (none: -1) of a ``rows`` x ``width`` table of UTF-8 bytes holds ``text``; the
-        table MAX-reduced, as strings."""
+        """A ``rows`` x ``width`` table of UTF-8 bytes, ``text`` in row ``row`` (-1: none), MAX-reduced."""
         import torch
 
         t = torch.zeros(rows, width, dtype=torch.int64, device=self.device)
@@ -245,9 +240,8 @@ def set_rng_state(state: Any) -> None:
 
 
 def ballot(flag: int, suspects: set[int], control: Any) -> list[int]:
-    """What this process brings to the step's agreement (MAX over processes), as integers:
-    [flag, max suspect + 1, BIG - (min suspect + 1), control action, its rank + 1, its
-    since_step + 1, its lr_factor x 1e6]. Only the process of rank 0 fills the control part."""
+    """This process's integers for the step's MAX agreement: [flag, max suspect + 1, BIG - (min
+    suspect + 1), control action, its rank + 1, since_step + 1, lr_factor x 1e6] (control: rank 0's)."""
     lo = min(suspects) if suspects else None
     ballot = [flag, (max(suspects) + 1) if suspects else 0, (BIG - (lo + 1)) if lo is not None else 0, 0, 0, 0, 0]
     if control is not None:

@@ -1,7 +1,5 @@
-"""What the guard does and what it did: its settings, the outcome of a step, the eviction exit.
-
-The vocabulary the guard (:mod:`sdcwatch.telemetry.guard.guard`), the simulated and DDP runs, the
-service's guard-action detector and the campaign share. Importing it imports neither torch nor kafka.
+"""What the guard does and what it did: its settings (docs/guard.md explains each), the outcome of a
+step, the eviction exit. Shared with the service and the campaign: imports neither torch nor kafka.
 """
 
 from __future__ import annotations
@@ -31,8 +29,7 @@ class GuardEviction(SystemExit):
         self, step: int, ranks: Sequence[int], hosts: Sequence[str], reason: str, since_step: int | None = None
     ) -> None:
         self.step, self.ranks, self.hosts, self.reason = int(step), tuple(ranks), tuple(hosts), reason
-        self.since_step = since_step
-        """The first step the problem was seen at, when known: restart from a snapshot before it."""
+        self.since_step = since_step  # the first step the problem was seen at: restart from before it
         named = ", ".join(f"rank {r}" + (f" (host {h})" if h else "") for r, h in zip(self.ranks, self.hosts))
         self.message = (
             f"sdcwatch guard: evicting {named} at step {self.step}: {reason}; exiting with code "
@@ -79,75 +76,58 @@ class GuardConfig:
     mode: str = "report"
     """"report": decide and log what would be done, change nothing; "act": take the actions."""
     on_nonfinite: str = "rerun"
-    """Action when a loss or the all-reduced gradient is not finite: "rerun" (tell a transient fault
-    from a persistent one; a transient one costs nothing), "skip" or "none"."""
+    """Action on a non-finite loss or all-reduced gradient: "rerun", "skip" or "none"."""
     on_checksum: str = "rerun"
-    """Action when a matrix product's checksum passes its rounding bound on a rank in the step
-    (a flipped bit, finite or not; only on the steps the checksums check): "rerun", "skip" or "none"."""
+    """Action on a matrix product's checksum above its rounding bound: "rerun", "skip" or "none"."""
     on_spike: str = "rerun"
-    """Action when a loss or gradient norm is a spike: "rerun", "skip" or "none"."""
+    """Action on a loss or gradient-norm spike: "rerun", "skip" or "none"."""
     on_persistent: str = "evict"
-    """Action when a rerun finds a fault that repeats on one rank and not on another (hardware):
-    "evict", "rollback", "skip" or "none"."""
+    """Action on a fault a rerun finds on one rank only: "evict", "rollback", "skip" or "none"."""
     on_evict: str = "exit"
-    """How an eviction (``on_persistent``, a rollback past its budget, a control decision) is carried
-    out: "exit" raises :class:`GuardEviction` on every process (exit code 16, a launcher restarts the
-    job without the node); "leave" makes the evicted rank's replica group leave the quorum at the step
-    boundary while the others go on (needs ``Guard(elastic=...)``, :mod:`~sdcwatch.telemetry.guard.elastic`)."""
+    """"exit": raise :class:`GuardEviction` on every process (exit code 16); "leave": the evicted
+    rank's replica group leaves the quorum (needs ``Guard(elastic=...)``)."""
     loss: SeriesSettings = field(default_factory=lambda: SeriesSettings(z_on=5.0, min_ratio=2.0))
-    """When a rank's loss is a spike (the spike detector's rule, :mod:`sdcwatch.core.spike_baseline`).
-    One rank's micro-batch loss is noisy (a batch of unusual text runs 40-60% above the median), so
-    the default asks for double; ``z_on`` only keeps a noisier series from spiking on its noise."""
+    """When a rank's loss is a spike (:mod:`sdcwatch.core.spike_baseline`; a micro-batch loss is noisy:
+    double by default)."""
     grad_norm: SeriesSettings = field(default_factory=lambda: SeriesSettings(z_on=5.0, min_ratio=10.0))
-    """When a gradient norm is a spike (ten times the baseline by default: norms are noisier than losses)."""
+    """When a gradient norm is a spike (ten times the baseline by default)."""
     window: int = 9
     """Clean values whose median is the baseline."""
     warmup: int = 11
-    """Clean steps, after the window filled, before spikes are judged: 20 clean steps in all by default
-    (non-finite values are judged from the first step)."""
+    """Clean steps, after the window filled, before spikes are judged."""
     scale_alpha: float = 0.02
     """Weight of each new residual in the noise scale (an exponentially weighted mean)."""
     rerun_tolerance: float = 0.0
-    """Relative difference under which a rerun counts as the same result (0: bit for bit, right for
-    deterministic kernels; GPUs with non-deterministic reductions want about 1e-6)."""
+    """Relative difference under which a rerun is the same result (0: bit for bit)."""
     max_skips: int = 3
-    """Skipped updates allowed per ``budget_window`` steps; past it the updates go through (a
-    lasting change of level is not a fault to skip forever) and the guard says so."""
+    """Skipped updates allowed per ``budget_window`` steps; past it updates go through, reported."""
     max_rollbacks: int = 2
-    """Rollbacks allowed per ``budget_window`` steps; past it a rollback naming ranks evicts them,
-    one naming none is reported only."""
+    """Rollbacks allowed per ``budget_window`` steps; past it one naming ranks evicts them."""
     budget_window: int = 200
-    """Steps over which skips and rollbacks are counted."""
+    """Steps over which the budgets are counted."""
     snapshot_every: int = 50
-    """Steps between in-memory snapshots (model and optimizer state). A snapshot copies the model and
-    the optimizer state (about 3 ms for the reference model here): every 50 steps keeps that under
-    0.5% of the step time; a rollback replays at most this many steps."""
+    """Steps between in-memory snapshots of the model and optimizer state."""
     snapshot_memory_mb: float = 1024.0
-    """Memory the snapshots may hold; the oldest are dropped to stay within it (one is always kept)."""
+    """Memory the snapshots may hold (the oldest dropped first; one is always kept)."""
     snapshot_dir: str | None = None
-    """Also keep the newest snapshot on disk here (``guard-rank{r}.pt``), e.g. for after an eviction."""
+    """Also keep the newest snapshot on disk here (``guard-rank{r}.pt``)."""
     lr_factor: float = 0.5
-    """Learning-rate factor after a rollback the guard decides itself (a control decision carries its own)."""
+    """Learning-rate factor after a rollback the guard decides itself."""
     lr_cut_steps: int = 50
     """Steps the learning rate stays cut after a rollback."""
     max_reruns: int = 10
-    """Reruns allowed per ``budget_window`` steps (a rerun is one extra forward and backward, at most
-    one a step, plus one recomputation on a peer). Past it a step is not rerun: it is skipped within
-    ``max_skips``, and once both are spent a non-finite or checksum fault naming a rank gets
-    ``on_persistent`` (evict by default): reruns that keep disagreeing end, never loop."""
+    """Reruns allowed per ``budget_window`` steps; past it a step is skipped within ``max_skips``,
+    then a fault naming a rank gets ``on_persistent``."""
     spike_mitigation: str = "none"
-    """After a spike that is not transient (the data or the optimisation): "lr" cuts the learning
-    rate by ``mitigation_lr_factor``, "clip" clips the gradient to ``mitigation_clip`` times the
-    median recent norm, "lr+clip" both, for ``mitigation_steps`` steps from the spike's; then restored."""
+    """After a spike that is not transient: "lr", "clip", "lr+clip" or "none"."""
     mitigation_lr_factor: float = 0.5
     """The learning-rate factor of a spike mitigation."""
     mitigation_clip: float = 1.0
-    """The gradient-norm clip of a spike mitigation, as a multiple of the median norm of recent clean steps."""
+    """The gradient-norm clip of a spike mitigation, times the median norm of recent clean steps."""
     mitigation_steps: int = 20
     """Steps a spike mitigation lasts (the spike's step included)."""
     max_mitigations: int = 2
-    """Spike mitigations allowed per ``budget_window`` steps; past it a spike is only skipped (as
-    ``on_spike`` says) and the guard says so."""
+    """Spike mitigations allowed per ``budget_window`` steps; past it a spike is only skipped."""
 
     def __post_init__(self) -> None:
         for key, choices in (

@@ -1,8 +1,6 @@
-"""The skip decided on the device: a non-finite or spiking step's update made a no-op with no host sync.
-
-:class:`DeviceSkip` judges each step from values every rank holds alike by the spike detector's rule,
-its baselines kept as device tensors (:mod:`sdcwatch.core.spike_baseline`), and makes a rejected
-update a no-op: through ``found_inf`` for optimizers that read it, else with ``torch.where`` on the flag.
+"""The skip decided on the device: a non-finite or spiking step's update made a no-op with no host sync,
+by the spike detector's rule on device tensors (:mod:`sdcwatch.core.spike_baseline`), through
+``found_inf`` for optimizers that read it, else with ``torch.where`` on the flag.
 """
 
 from __future__ import annotations
@@ -26,30 +24,25 @@ _RENAMED = {
 
 @dataclass(frozen=True)
 class DeviceSkipConfig:
-    """When the device skip rejects an update: the spike detector's rule (:mod:`sdcwatch.core.spike_baseline`)
-    with its names, on device tensors."""
+    """When the device skip rejects an update: the spike detector's rule, on device tensors."""
 
     loss: SeriesSettings = field(default_factory=lambda: SeriesSettings(z_on=6.0, min_ratio=1.5))
     """When the loss is a spike: ``z_on`` robust deviations *and* ``min_ratio`` times its baseline."""
     grad_norm: SeriesSettings = field(default_factory=lambda: SeriesSettings(z_on=6.0, min_ratio=3.0))
-    """When the gradient norm is a spike (three times its baseline by default)."""
+    """When the gradient norm is a spike."""
     window: int = 9
     """Accepted values whose median is the baseline."""
     warmup: int = 23
-    """Clean steps, after the window filled, before spikes are judged: 32 clean steps in all by default
-    (non-finite values are judged from the first step)."""
+    """Clean steps, after the window filled, before spikes are judged."""
     scale_alpha: float = 0.02
     """Weight of each new residual in the noise scale (an exponentially weighted mean)."""
     max_spike_skips: int = 4
-    """Consecutive spike skips allowed; the next spike is taken as a change of level, and the
-    baseline starts over from it (a non-finite update is never applied)."""
+    """Consecutive spike skips allowed; the next spike is a change of level the baseline starts over from."""
     judge_loss: bool = True
-    """Judge the loss passed to :meth:`DeviceSkip.step` too. Leave it on only when the loss is the same
-    on every rank (all-reduced, or a single process): the verdicts must agree or the replicas part."""
+    """Judge the loss too: only when it is the same on every rank, or the replicas part."""
     how: str = "auto"
-    """"found_inf" (the optimizer skips its own update: no copy), "restore" (the parameters and the
-    optimizer state are copied before the step and put back where the flag says so), "auto" (found_inf
-    when the optimizer supports it, else restore)."""
+    """"found_inf" (the optimizer skips its own update), "restore" (copied before the step, put back
+    where the flag says so), "auto" (found_inf where the optimizer supports it)."""
 
     def __post_init__(self) -> None:
         for key in ("loss", "grad_norm"):  # a table read from TOML or JSON becomes the settings
@@ -103,10 +96,8 @@ class DeviceSkip:
     # -- the step ---------------------------------------------------------------------------------
 
     def step(self, grad_norm: Any, *, loss: Any = None, nonfinite: Any = None) -> Any:
-        """Judge this step and update (or make the update a no-op). ``grad_norm``: the norm of the
-        all-reduced gradient (what ``clip_grad_norm_`` returns); ``loss``: a loss equal on every rank;
-        ``nonfinite``: a count of non-finite values every rank agrees on. Returns the device flag
-        (``True``: the update was applied)."""
+        """Judge this step (:meth:`judge`) and update, or make the update a no-op; returns the device
+        flag (``True``: applied)."""
         import torch
 
         ok, reason = self.judge(grad_norm, loss=loss, nonfinite=nonfinite)
@@ -125,10 +116,10 @@ class DeviceSkip:
         return ok
 
     def judge(self, grad_norm: Any, *, loss: Any = None, nonfinite: Any = None) -> tuple[Any, Any]:
-        """The device flag (apply the update?) and reason code (0 none, 1 non-finite, 2 spike), with the
-        baselines updated by a clean step; no update is made here. The rule is
-        :class:`~sdcwatch.core.spike_baseline.RobustBaseline`'s, one row of ``_base`` a series (loss,
-        gradient norm): ``window`` log values, then the values learnt, the values past the window, the scale."""
+        """The device flag (apply the update?) and reason code (0 none, 1 non-finite, 2 spike) of the
+        all-reduced ``grad_norm``, a ``loss`` equal on every rank and a ``nonfinite`` count; a clean
+        step is learnt. :class:`~sdcwatch.core.spike_baseline.RobustBaseline`'s rule, one row of
+        ``_base`` a series: ``window`` log values, the values learnt, those past the window, the scale."""
         import torch
 
         c, w = self.config, self.config.window
@@ -183,8 +174,7 @@ class DeviceSkip:
     # -- what it did ------------------------------------------------------------------------------
 
     def telemetry(self) -> dict[str, Any]:
-        """The last step's verdict as the guard's record scalars, still device tensors (``guard_action``
-        1: skip, 0: none; ``guard_reason`` 1: non-finite, 2: spike): pass them to ``watch.step``."""
+        """The last step's verdict as the guard's record scalars (device tensors), for ``watch.step``."""
         if self._ok is None:
             return {}
         return {"guard_action": (~self._ok).to(self._reason.dtype), "guard_reason": self._reason}
@@ -234,8 +224,8 @@ class DeviceSkip:
         self._grad_only = torch.tensor([False, True], device=device)
 
     def _tensors(self, device: Any) -> list[Any]:
-        """The parameters and optimizer-state tensors on the flag's device (a CPU step counter of a
-        GPU optimizer is left alone: putting it back would need a sync)."""
+        """The parameters and optimizer-state tensors on the flag's device (putting back a CPU step
+        counter would need a sync)."""
         import torch
 
         out = []

@@ -1,11 +1,6 @@
-"""Elastic eviction: the replica group of an evicted rank leaves the job's quorum at a step boundary
-and the other groups go on training; nothing restarts.
-
-With ``GuardConfig(on_evict="leave")`` the guard hands an eviction to a :class:`ReplicaMembership`
-(``Guard(..., elastic=membership)``) instead of exiting with code 16. :class:`TorchFTMembership`
-implements it over torchft's ``Manager`` (its lighthouse re-forms the quorum without the group); a
-torch.distributed subgroup rebuild, or the test bed's simulated ranks, implement the same few
-methods. Importing this module imports neither torch nor torchft.
+"""Elastic eviction (``GuardConfig(on_evict="leave")``): the replica group of an evicted rank leaves
+the job's quorum at a step boundary and the others go on; :class:`TorchFTMembership` does it over
+torchft. Importing this module imports neither torch nor torchft.
 """
 
 from __future__ import annotations
@@ -20,15 +15,11 @@ __all__ = ["ReplicaMembership", "TorchFTMembership", "TorchFTAgreement", "leave_
 
 @runtime_checkable
 class ReplicaMembership(Protocol):
-    """Who is in the job's quorum of replica groups, and how a group leaves it.
-
-    Global ranks are the identities the detector service names; a replica group is the set of
-    ranks holding one copy of the model (one rank under plain data parallelism).
-    """
+    """Who is in the job's quorum of replica groups (the ranks holding one copy of the model), and
+    how a group leaves it."""
 
     min_replicas: int
-    """The fewest replica groups the job may go on with; a leave that would go below it is refused
-    (the guard then evicts by exiting, as without a membership)."""
+    """The fewest replica groups the job may go on with (below it the guard evicts by exiting)."""
 
     def replica_of(self, rank: int) -> int:
         """The replica group that holds global ``rank``."""
@@ -39,23 +30,19 @@ class ReplicaMembership(Protocol):
         ...
 
     def agreement(self) -> Any:
-        """The guard's agreement across every process still in (``max``, ``sum``, ``broadcast_text``,
-        ``gather_hosts``), or None to keep the guard's own (torch.distributed or local)."""
+        """The guard's agreement across every process still in, or None to keep the guard's own."""
         ...
 
     def leave(self, step: int, replicas: Iterable[int]) -> bool:
-        """Called on every process at the boundary after ``step``: ``replicas`` leave the quorum.
-        Returns whether this process goes on training (False: its group left; stop the loop)."""
+        """``replicas`` leave the quorum after ``step`` (every process); False: this one's group left."""
         ...
 
 
 def leave_quorum(
     membership: ReplicaMembership, step: int, ranks: Sequence[int], hosts: Sequence[str], reason: str, out: Any
 ) -> Any:
-    """The guard's eviction of ``ranks`` carried out by ``membership``: their replica groups leave
-    after ``step`` and ``out`` (the step's :class:`~sdcwatch.telemetry.guard.config.GuardOutcome`)
-    says so, with action ``leave``; ``out.applied`` is false on the processes that left. Returns
-    None, changing nothing, when too few groups would be left (the caller then exits instead)."""
+    """The eviction of ``ranks`` by ``membership``: their replica groups leave after ``step``, ``out``
+    says so (action ``leave``); None, changing nothing, when too few groups would be left."""
     going = sorted({membership.replica_of(r) for r in ranks})
     remaining = membership.replicas() - len(going)
     if remaining < max(1, membership.min_replicas):
@@ -72,9 +59,8 @@ def leave_quorum(
 
 
 class TorchFTAgreement(TensorAgreement):
-    """The guard's agreement over torchft: an all-reduce across replica groups through the
-    ``Manager`` (which follows the quorum as it changes), then, for groups of more than one
-    process, one inside the group (``group``, a torch.distributed group of the replica's ranks)."""
+    """The guard's agreement over torchft: an all-reduce across replica groups through the ``Manager``,
+    then one inside the group (``group``) for groups of more than one process."""
 
     def __init__(self, manager: Any, *, rank: int, world: int, group: Any = None) -> None:
         self.manager, self.rank, self.world, self.group = manager, int(rank), int(world), group
@@ -92,20 +78,10 @@ class TorchFTAgreement(TensorAgreement):
 
 
 class TorchFTMembership:
-    """Replica groups as torchft sees them: a ``torchft.Manager`` per group, a lighthouse quorum.
-
-    Ranks are numbered group by group (global rank = replica x ``group_size`` + group rank).
-    Leaving shuts this group's manager down: its heartbeats stop, the lighthouse forms the next
-    quorum from the other groups (within its ``heartbeat_timeout_ms``), and their next step runs
-    with them alone; their optimizer state and step count are untouched.
-
-    Args:
-        manager: this process's ``torchft.Manager``.
-        replica: this process's replica group.
-        group_rank, group_size: this process's rank in its group and the group's size.
-        replicas: the number of replica groups at the start.
-        group: a torch.distributed group of this replica's ranks (groups of more than one process).
-        min_replicas: the fewest groups to go on with (default 1).
+    """Replica groups as torchft sees them: a ``torchft.Manager`` per group, a lighthouse quorum;
+    global rank = ``replica`` x ``group_size`` + ``group_rank``. Leaving shuts this group's manager
+    down: the lighthouse forms the next quorum from the others. ``group``: a torch.distributed group
+    of this replica's ranks (groups of more than one process).
     """
 
     def __init__(
@@ -127,8 +103,7 @@ class TorchFTMembership:
         self.rank = replica * group_size + int(group_rank)
         self.world = replicas * group_size
         self._in = set(range(replicas))
-        self.left_at: int | None = None
-        """The step after which this process's group left (None: still in)."""
+        self.left_at: int | None = None  # the step after which this process's group left
 
     def replica_of(self, rank: int) -> int:
         return int(rank) // self.group_size

@@ -1,11 +1,6 @@
-"""The guard: acts on a detection at the step boundary, on every rank alike, without stopping the job.
-
-Each step it can skip the update (a non-finite value, a spike), rerun it to tell a transient fault
-from a persistent one (hardware) or the data, roll back to a snapshot, or evict a rank, every retry
-bounded (docs/guard.md). The processes agree with one MAX all-reduce of a few integers at the step
-boundary, rank 0's pending control decision included: no rank acts on the bus alone. Decisions
-follow Megatron-LM's RerunStateMachine and ByteRobust's evict / rollback. The default
-:class:`GuardConfig` only reports. Importing this module does not import torch.
+"""The guard: acts on a detection at the step boundary, on every rank alike, without stopping the job
+(skip, rerun, roll back, evict; docs/guard.md). The processes agree with one MAX all-reduce of a few
+integers, rank 0's pending control decision included. Importing this module does not import torch.
 """
 
 from __future__ import annotations
@@ -39,39 +34,35 @@ __all__ = ["Guard"]
 
 log = logging.getLogger("sdcwatch.guard")
 
+#: A local verdict's flag -> (its reason, whose action is the setting ``on_<reason>``; what was seen).
+_LOCAL_VERDICTS = {
+    3: ("checksum", "a matrix product's checksum above its rounding bound"),
+    2: ("nonfinite", "a non-finite loss or gradient"),
+    1: ("spike", "a loss or gradient spike"),
+}
+
 
 class Guard:
     """Guards the updates of one training process (one rank, or all the ranks it simulates).
 
     Use ``outcome = guard.step(step, compute)`` in place of ``optimizer.step()`` (docs/guard.md shows a
     loop). ``compute()`` runs the step's forward and backward and returns the loss, or ``(loss,
-    grad_norm)``, or ``(losses, grad_norm, local_grad_norms)`` with one loss per rank of ``local_ranks``;
-    the guard restores the RNG state before a rerun, the closure must use the same micro-batches.
-
-    Its parts share one :class:`~sdcwatch.telemetry.guard.state.GuardState` (``guard.state``): the
-    deciding part ``guard.judge`` (:class:`~sdcwatch.telemetry.guard.checks.StepJudge`) and the acting
-    part ``guard.acting`` (:class:`~sdcwatch.telemetry.guard.acting.GuardActions`); the guard runs the
-    step, the agreement and the reruns.
+    grad_norm)``, or ``(losses, grad_norm, local_grad_norms)``; it must use the same micro-batches on a
+    rerun. Its parts ``judge`` (deciding) and ``acting`` share ``state``.
 
     Args:
         model: the module whose ``state_dict`` is snapshotted (the inner module under DDP).
         optimizer: stepped by the guard (or ``update`` passed to :meth:`step`).
-        config: :class:`GuardConfig`.
-        place: :class:`GuardPlace`, where the guard runs (rank, world, host, local ranks, process group).
-        control: a decision reader (``poll() -> [Decision]``: :class:`~sdcwatch.telemetry.guard.control_topic.KafkaControl`);
-            read on the process holding rank 0 only.
-        watch: a :class:`~sdcwatch.telemetry.probes.watch.Watch` whose record of the step is closed, with the
-            guard's scalars, before an eviction exits; its matrix checksums are a trigger too.
-        elastic: a :class:`~sdcwatch.telemetry.guard.elastic.ReplicaMembership`: with ``on_evict="leave"``
-            an eviction makes the rank's replica group leave the quorum (the others go on) instead of
-            exiting; its ``agreement()``, when not None, is what the processes agree through.
+        place: :class:`GuardPlace`, where the guard runs.
+        control: a decision reader (``poll() -> [Decision]``), read on the process holding rank 0 only.
+        watch: the :class:`~sdcwatch.telemetry.probes.watch.Watch`, whose record is closed before an
+            eviction exits; its matrix checksums are a trigger too.
+        elastic: a :class:`~sdcwatch.telemetry.guard.elastic.ReplicaMembership` (``on_evict="leave"``).
         peer: ``peer(suspect, on_rank) -> loss`` recomputes ``suspect``'s micro-batch on ``on_rank``
-            (returns None on processes that do not hold ``on_rank``); enables the persistent / data verdict.
-        resync: ``resync(suspects)`` after a rollback makes every replica equal again (default under
-            torch.distributed: broadcast the parameters from the lowest rank not suspected).
-        checksums: ``checksums() -> set of local ranks`` whose matrix checksums passed their
-            rounding bound in the forward and backward just computed (default: the ``watch``'s);
-            such a step is acted on like a non-finite one (``on_checksum``).
+            (None where ``on_rank`` is not held): enables the persistent / data verdict.
+        resync: ``resync(suspects)`` makes the replicas equal after a rollback (default: a broadcast
+            from the lowest rank not suspected).
+        checksums: ``checksums() -> local ranks`` whose products passed their bound (default: the watch's).
     """
 
     def __init__(
@@ -92,8 +83,7 @@ class Guard:
         if self.config.on_evict == "leave" and elastic is None:
             raise ConfigError("guard.on_evict", "'leave' needs the job's replica membership: Guard(elastic=...)")
         self.model, self.optimizer = model, optimizer
-        group, self.place = _agreement(place or GuardPlace())
-        """Where the guard runs, every field resolved (:class:`GuardPlace`)."""
+        group, self.place = _agreement(place or GuardPlace())  # every field resolved
         agreement = elastic.agreement() if elastic is not None else None  # across the quorum's groups
         self.group = group if agreement is None else agreement
         self.control, self.peer = control, peer
@@ -102,8 +92,7 @@ class Guard:
         self.checksums = checksums
         self.state = GuardState.new(self.config, len(self.place.local_ranks))
         self.judge = StepJudge(self.config, self.place.local_ranks, self.state)
-        self.actions: list[GuardOutcome] = []
-        """Every step at which the guard acted (or, in report mode, would have)."""
+        self.actions: list[GuardOutcome] = []  # every step it acted at (or, in report mode, would have)
         self.acting = GuardActions(
             self.config,
             self.state,
@@ -116,19 +105,16 @@ class Guard:
             elastic=elastic,
             watch=watch,
         )
-        self.reruns = 0
-        """Extra forward/backward passes spent on reruns (and peer recomputations count as one)."""
+        self.reruns = 0  # extra forward/backward passes (a peer recomputation counts as one)
         self.control_rejected = 0
         self._pending: collections.deque[Any] = collections.deque(maxlen=64)
 
     @property
     def steps_rolled_back(self) -> int:
-        """Steps of progress undone by rollbacks."""
         return self.acting.steps_rolled_back
 
     @property
     def snapshots(self) -> Any:
-        """The rollback snapshots (:class:`~sdcwatch.telemetry.guard.snapshots.SnapshotStore`)."""
         return self.acting.snapshots
 
     # -- the step ---------------------------------------------------------------------------------
@@ -204,15 +190,10 @@ class Guard:
     ) -> tuple[GuardOutcome, StepValues | None]:
         """The action on a local verdict, and the rerun's values when there was one."""
         c = self.config
-        reason = {3: "checksum", 2: "nonfinite"}.get(flag, "spike")
-        action = {3: c.on_checksum, 2: c.on_nonfinite}.get(flag, c.on_spike)
-        out.reason, out.ranks = reason, tuple(suspects)
-        what = {
-            3: "a matrix product's checksum above its rounding bound",
-            2: "a non-finite loss or gradient",
-        }.get(flag, "a loss or gradient spike") + (
-            f" on rank(s) {', '.join(map(str, suspects))}" if suspects else " in the all-reduced gradient"
-        )
+        out.reason, seen = _LOCAL_VERDICTS.get(flag, _LOCAL_VERDICTS[1])
+        out.ranks, action = tuple(suspects), getattr(c, f"on_{out.reason}")
+        where = f" on rank(s) {', '.join(map(str, suspects))}" if suspects else " in the all-reduced gradient"
+        what = seen + where
         if action == "none":
             return out, None
         if c.mode != "act":
@@ -241,7 +222,7 @@ class Guard:
         out: GuardOutcome,
         what: str,
     ) -> GuardOutcome:
-        """The verdict of a rerun in place (same micro-batches, same RNG state); then a recomputation on a peer, once."""
+        """The verdict of a rerun in place; then a recomputation on a peer, once."""
         differs = 0 if again.same_as(values, self.config.rerun_tolerance) else 1
         still = 1 if flag == 3 and self.checksums is not None and set(self.checksums()) else 0
         differs, still = self.group.max([differs, still])
@@ -301,15 +282,13 @@ class Guard:
     # -- checkpoints and the end -------------------------------------------------------------------
 
     def restore(self, before: int | None = None, suspects: Iterable[int] = ()) -> Any:
-        """Load the newest snapshot taken before step ``before`` (the newest of all: None) and make the
-        replicas equal again; returns its data position, or None when there is no such snapshot.
-        What a restarted job does after an eviction; a rollback does the same at a step boundary."""
+        """Load the newest snapshot taken before step ``before`` (None: the newest) and make the
+        replicas equal again (a restarted job after an eviction); returns its data position or None."""
         snap = self.acting.restore(before, set(suspects))
         return None if snap is None else snap.data_pos
 
     def state_dict(self) -> dict[str, Any]:
-        """The guard's own state between steps (:meth:`GuardState.state_dict`): saved with a checkpoint
-        so a resumed job neither warms up again nor forgets a cut in force or a spent budget."""
+        """The guard's state between steps, to save with a checkpoint (:meth:`GuardState.state_dict`)."""
         return self.state.state_dict()
 
     def load_state_dict(self, state: dict[str, Any], resume_step: int | None = None) -> None:
@@ -323,8 +302,7 @@ class Guard:
 
 
 def _agreement(place: GuardPlace) -> tuple[Any, GuardPlace]:
-    """How the processes agree, and ``place`` with what it leaves open filled in: from
-    torch.distributed when it is initialised (or asked for), then the launcher's environment."""
+    """How the processes agree, and ``place`` filled in from torch.distributed, then the environment."""
     distributed = place.distributed
     if distributed is None:
         try:

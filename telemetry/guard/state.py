@@ -1,8 +1,5 @@
-"""What the guard knows between steps, shared by its parts, and what of it a checkpoint carries.
-
-Carried (valid in a new process): the spike baselines, the budgets' windows (skips, reruns,
-rollbacks, mitigations), a learning-rate cut or spike mitigation in force. Not carried: a rerun (it
-completes within its step), pending control decisions, snapshots.
+"""What the guard knows between steps, shared by its parts, and what of it a checkpoint carries: the
+spike baselines, the budgets' windows, a learning-rate cut or mitigation in force (not snapshots).
 """
 
 from __future__ import annotations
@@ -30,15 +27,12 @@ def _deque() -> collections.deque[int]:
 
 @dataclass
 class GuardState:
-    """The guard's state between steps: the deciding part learns into the baselines, the acting part
-    spends the budgets and sets the cuts; :meth:`state_dict` saves it all with a checkpoint."""
+    """The guard's state between steps: baselines (the deciding part learns into them; one per local
+    rank's loss and gradient norm, one of the all-reduced norm), budgets and cuts (the acting part's)."""
 
     loss: list[RobustBaseline]
-    """One baseline per local rank's loss."""
     local_grad: list[RobustBaseline]
-    """One per local rank's gradient norm (when the closure returns them)."""
     grad: RobustBaseline
-    """The all-reduced gradient norm's."""
     skips: collections.deque[int] = field(default_factory=_deque)
     rollbacks: collections.deque[int] = field(default_factory=_deque)
     reruns: collections.deque[int] = field(default_factory=_deque)
@@ -58,16 +52,14 @@ class GuardState:
         return cls([baseline() for _ in range(local_ranks)], [baseline() for _ in range(local_ranks)], baseline())
 
     def room(self, budget: str, step: int, window: int, limit: int) -> bool:
-        """Whether ``budget`` (one of the windows: skips, rollbacks, reruns, mitigations) has room for
-        one more at ``step``, after forgetting the steps that left its ``window``."""
+        """Whether ``budget`` (skips, rollbacks, reruns, mitigations) has room for one more at ``step``."""
         steps = getattr(self, budget)
         while steps and steps[0] <= step - window:
             steps.popleft()
         return len(steps) < limit
 
     def state_dict(self) -> dict[str, Any]:
-        """Saved with a checkpoint so a resumed job neither warms up again nor forgets a cut in force
-        or a spent budget."""
+        """Saved with a checkpoint: a resumed job neither warms up again nor forgets a cut or a budget."""
         return {
             "version": STATE_VERSION,
             "loss": [b.snapshot() for b in self.loss],
@@ -80,9 +72,8 @@ class GuardState:
         }
 
     def load_state_dict(self, state: dict[str, Any], resume_step: int | None = None) -> None:
-        """Restore :meth:`state_dict`'s output after checking it (a malformed state raises ConfigError
-        naming ``guard.state.<key>`` and changes nothing). ``resume_step``, the first step the job runs
-        next: the budget entries at or after it, and a cut begun there (steps the job runs again), are dropped."""
+        """Restore :meth:`state_dict`'s output (malformed: ConfigError naming the key, nothing changed);
+        entries and cuts at or after ``resume_step`` (steps the job runs again) are dropped."""
         if not isinstance(state, dict):
             raise ConfigError("guard.state", f"must be a dict, got {type(state).__name__}")
         check_choice("guard.state.version", state.get("version"), (STATE_VERSION,))

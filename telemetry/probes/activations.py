@@ -1,6 +1,5 @@
-"""``act_max``: the largest |output| of any leaf module in a sampled forward pass, and which
-module produced it.
-(docs/probes.md, "How the probes are built", says how and why.)
+"""``act_max``: the largest |output| of any leaf module in a sampled forward pass, and which module
+produced it (docs/probes.md, "How the probes are built").
 """
 
 from __future__ import annotations
@@ -26,8 +25,7 @@ class ActivationMax:
     def __init__(self, model: nn.Module, names: dict[nn.Module, str], allowed: Callable[[], bool]) -> None:
         self.leaves = [m for n, m in model.named_modules() if n and not any(True for _ in m.children())]
         self.leaf_names = [names[m] for m in self.leaves]
-        self.on = False
-        """Whether the step in progress is sampled (fixed for the step: see :meth:`sync`)."""
+        self.on = False  # the step in progress is sampled (fixed for the step: see sync)
         self._allowed = allowed  # the watch is enabled and no canary forward is running
         self._handles: list[Any] = []
         self._seen: list[tuple[int, torch.Tensor]] = []  # (leaf index, max |output|) per module call
@@ -39,9 +37,8 @@ class ActivationMax:
             m.__dict__[self._calls_attr] = []
 
     def sync(self, want: bool) -> None:
-        """Hook the leaves for a sampled step, unhook them otherwise. The hooks test only
-        :attr:`on`: under torch.compile, a hook that read the step number would make Dynamo guard
-        on it and recompile at every sampled step."""
+        """Hook the leaves for a sampled step, unhook them otherwise (the hooks test only :attr:`on`:
+        one reading the step number would recompile at every sampled step)."""
         self.on = want
         if want:
             device = next((p.device for m in self.leaves for p in m.parameters(recurse=False)), None)
@@ -72,38 +69,33 @@ class ActivationMax:
             return
         self._seen.append((self._leaf_of[id(module)], m))
 
-    def _drain(self) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
-        """The calls compiled code kept on the leaves: (leaf index, max |output|, ordinal)."""
-        return [(i, v, ordinal) for i, (v, ordinal) in kept_calls(self.leaves, self._calls_attr)]
-
     def take(self) -> dict[str, torch.Tensor]:
         """The step's ``act_max`` and ``act_max_module`` as device scalars ({} when nothing was
         seen), and a fresh start for the next step."""
         seen, self._seen = self._seen, []
-        traced = self._drain()
+        traced = kept_calls(self.leaves, self._calls_attr)  # (leaf index, (max |output|, ordinal))
         self._order.reset()
         if traced:  # the first call, in the order they ran, that reached the maximum (NaN the largest)
-            values = torch.stack([v for _, v, _ in traced])
+            values = torch.stack([v for _, (v, _) in traced])
             key = values.nan_to_num(nan=math.inf)
-            ordinals = torch.stack([o.reshape(()).float().to(values.device) for _, _, o in traced])
+            ordinals = torch.stack([o.reshape(()).float().to(values.device) for _, (_, o) in traced])
             first = torch.where(key == key.amax(), ordinals, math.inf).argmin()
-            ids = torch.tensor([i for i, _, _ in traced], dtype=torch.float32).to(values.device, non_blocking=True)
-            return {"act_max": values.amax(), "act_max_module": ids[first]}
-        if not seen:
+        elif seen:
+            values = torch.stack([v for _, v in seen])
+            first = values.nan_to_num(nan=math.inf).argmax()  # argmax gives the first of equal maxima
+        else:
             return {}
-        values = torch.stack([v for _, v in seen])
-        first = values.nan_to_num(nan=math.inf).argmax()  # argmax gives the first of equal maxima
-        ids = torch.tensor([i for i, _ in seen], dtype=torch.float32).to(values.device, non_blocking=True)
+        ids = torch.tensor([i for i, _ in traced or seen], dtype=torch.float32).to(values.device, non_blocking=True)
         return {"act_max": values.amax(), "act_max_module": ids[first]}
 
     def clear(self) -> None:
         self._seen = []
-        self._drain()
+        kept_calls(self.leaves, self._calls_attr)
 
 
 def layer_of_module(name: str, layers: list[str]) -> int:
-    """The index in ``layers`` (attention module names) of the layer whose block (the attention
-    module's parent) holds module ``name``; -1 when none does (embeddings, the head)."""
+    """The index in ``layers`` (attention module names) of the layer whose block (its parent) holds
+    module ``name``; -1 when none does (embeddings, the head)."""
     best, index = -1, -1
     for i, layer in enumerate(layers):
         block = layer.rsplit(".", 1)[0] if "." in layer else layer

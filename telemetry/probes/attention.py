@@ -1,6 +1,5 @@
-"""Attention probes: the per-layer statistics of q, k and the logits, who reports them, and how
-an ``nn.MultiheadAttention`` is read without changing it.
-(docs/probes.md, "How the probes are built", says how and why.)
+"""Attention probes: the per-layer statistics of q, k and the logits, who reports them, and how an
+``nn.MultiheadAttention`` is read without changing it (docs/probes.md, "How the probes are built").
 """
 
 from __future__ import annotations
@@ -41,10 +40,9 @@ def observe_attention(
 ) -> None:
     """Report one attention layer's q, k (batch, heads, time, d_head) to every watch attached to it.
 
-    ``logits`` (batch, heads, time, time; pre-softmax, masked slots -inf) are used as they are when
-    given, so a corrupted score GEMM shows; otherwise sampled logits are recomputed from q and k.
-    A module of a watched model becomes one of its layers at its first report: attach() needs no
-    setting for it. Costs one dictionary look-up when no watch is attached.
+    ``logits`` (pre-softmax, masked slots -inf), when given, are used as they are (a corrupted score
+    GEMM shows); else sampled ones are recomputed. A module of a watched model becomes a layer at its
+    first report. One dictionary look-up when no watch is attached.
     """
     if not isinstance(layer, nn.Module):
         raise TypeError(
@@ -95,13 +93,10 @@ def attention_stats(
     sequences: int = 0,
     causal: bool = True,
 ) -> torch.Tensor:
-    """The :data:`ATTENTION_STATS` of one layer as a float32 (7,) tensor on the device.
-
-    q and k norms cover every (sequence, head, position). The entropy (nats) covers the sampled
-    heads and query positions (:func:`sampled_heads`, :func:`sampled_queries`) of the first
-    ``sequences`` sequences (0 = all): mean over sequences and queries per head, then the mean and
-    the minimum over heads. The largest logit is over the whole ``logits`` tensor when given (one
-    pass that catches a NaN, Inf or near-INF anywhere), else over the sampled logits.
+    """The :data:`ATTENTION_STATS` of one layer as a float32 (7,) tensor on the device: q and k norms
+    over everything, the entropy (nats) over the sampled heads and queries of the first ``sequences``
+    sequences (0 = all; mean per head, then mean and minimum over heads), the largest logit over
+    the whole ``logits`` when given, else over the sampled ones.
     """
     with torch.no_grad():
         if q.dim() == 3:
@@ -129,11 +124,8 @@ def attention_stats(
 
 
 def attention_vector(sampled: torch.Tensor, qn: torch.Tensor, kn: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
-    """The :data:`ATTENTION_STATS` vector from sampled logits (sequences, heads, queries, keys;
-    masked slots -inf), the q and k norms and the largest logit.
-
-    A query row whose every key is masked (padding) has no distribution: it is left out of the
-    entropy instead of making it NaN (a NaN logit still makes it NaN, as it must).
+    """The :data:`ATTENTION_STATS` vector from sampled logits (sequences, heads, queries, keys; masked
+    slots -inf), the q and k norms and the largest logit; a fully masked row is left out of the entropy.
     """
     sampled = sampled.float()
     empty = (sampled == float("-inf")).all(-1, keepdim=True)
@@ -151,8 +143,7 @@ _MIN_STATS = (False, True, False, False, False, False, False)
 
 
 def combine_attention(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Two observations of one layer as one: means summed (see :func:`finish_attention`), the
-    entropy minimum the lower, the maxima the higher; a NaN in either stays NaN."""
+    """Two observations of one layer as one: means summed, the minimum the lower, maxima the higher (NaN kept)."""
     mean = torch.tensor(_MEAN_STATS, device=a.device)
     low = torch.tensor(_MIN_STATS, device=a.device)
     return torch.where(mean, a + b, torch.where(low, torch.minimum(a, b), torch.maximum(a, b)))
@@ -204,8 +195,7 @@ _MHA_ARGS = (
 def mha_qk_logits(
     module: nn.MultiheadAttention, args: tuple, kwargs: dict[str, Any]
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """q, k and (when masked) the logits of the first sequence, from an ``nn.MultiheadAttention``
-    call's arguments (a forward pre-hook's ``args`` and ``kwargs``)."""
+    """q, k and (when masked) the logits of the first sequence, from a forward pre-hook's arguments."""
     bound = dict(zip(_MHA_ARGS, args)) | kwargs
     q, k = mha_project(module, bound["query"], bound["key"])
     with torch.no_grad():

@@ -1,6 +1,4 @@
-"""The attention layers of a watch: which modules they are, and how their observations add up.
-(docs/probes.md, "How the probes are built", says how and why.)
-"""
+"""The attention layers of a watch: which modules they are, and how their observations add up (docs/probes.md)."""
 
 from __future__ import annotations
 
@@ -99,25 +97,22 @@ class AttentionLayers:
         """Measure one attention layer (index, or a module; an unknown module becomes a new layer)."""
         if not self.watch.attention_on:
             return
-        if isinstance(layer, nn.Module) and torch.compiler.is_compiling() and self.attr in layer.__dict__:
-            # kept on the layer (no layer index in the traced code); folded in at the step's end
-            cfg = self.config
-            stats = attention_stats(
-                q, k, logits=logits, heads=cfg.heads, queries=cfg.queries, sequences=cfg.sequences, causal=causal
-            )
-            layer.__dict__[self.attr].append(stats)
-            return
-        if isinstance(layer, nn.Module):
+        # kept on the layer (no layer index in the traced code); folded in at the step's end
+        traced = isinstance(layer, nn.Module) and torch.compiler.is_compiling() and self.attr in layer.__dict__
+        if isinstance(layer, nn.Module) and not traced:
             self._self_reporting.add(layer)
             known = self._index.get(layer)
             layer = known if known is not None else self._register_layer(layer)
-        if not 0 <= layer < len(self.layers):
+        if not traced and not 0 <= layer < len(self.layers):
             raise ConfigError("probes.layer", f"layer {layer} out of range [0, {len(self.layers)})")
         cfg = self.config
         stats = attention_stats(
             q, k, logits=logits, heads=cfg.heads, queries=cfg.queries, sequences=cfg.sequences, causal=causal
         )
-        self.record(layer, stats)
+        if traced:
+            layer.__dict__[self.attr].append(stats)
+        else:
+            self.record(layer, stats)
 
     def drain(self) -> None:
         """Fold in the observations compiled code kept on the layers (see :meth:`observe`)."""

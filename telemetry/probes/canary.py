@@ -24,8 +24,7 @@ def canary_running() -> bool:
 
 @contextlib.contextmanager
 def canary_section() -> Iterator[None]:
-    """Mark the code inside as a canary computation: the probes' hooks skip it (its products are
-    not the step's), while every other hook of the modules it calls runs, a fault injector's too."""
+    """Mark the code inside as a canary computation: the probes' hooks skip it, every other hook runs."""
     outer = canary_running()
     _RUNNING.active = True
     try:
@@ -35,10 +34,7 @@ def canary_section() -> Iterator[None]:
 
 
 def canary_fingerprint(model: nn.Module, inputs: Any) -> torch.Tensor:
-    """Raw device fingerprint of ``model(inputs)``, run without gradients, in eval mode.
-
-    The probes do not record this forward pass (its attention is not the step's).
-    """
+    """Raw device fingerprint of ``model(inputs)``, run without gradients, in eval mode, unrecorded."""
     was_training = model.training
     try:
         with canary_section(), torch.no_grad():

@@ -1,6 +1,5 @@
-"""The probes and torch.compile: whether code runs compiled, and making compiled code run the
-probes' hooks.
-(docs/probes.md, "How the probes are built", says how and why.)
+"""The probes and torch.compile: whether code runs compiled, and making compiled code run the probes'
+hooks (docs/probes.md, "How the probes are built").
 """
 
 from __future__ import annotations
@@ -39,9 +38,8 @@ def _has_compiled_code(model: nn.Module) -> bool:
 
 def make_room_for_blocks(model: nn.Module) -> None:
     """Raise Dynamo's recompile limit to what compiling ``model``'s blocks one by one needs with the
-    probes attached: each block's hooks hold the block's own products (constants Dynamo guards on), so
-    each block compiles its own variants (sampled and plain steps, up to three), where the default limit (8)
-    would run the blocks past the third eagerly. Never lowers a limit."""
+    probes attached (each block compiles up to three variants; the default limit runs the blocks past
+    the third eagerly). Never lowers a limit."""
     config = torch._dynamo.config
     blocks = len(repeated_blocks(model))
     if blocks and hasattr(config, "recompile_limit"):
@@ -51,9 +49,8 @@ def make_room_for_blocks(model: nn.Module) -> None:
 
 
 def watch_compiled_code(model: nn.Module) -> None:
-    """Make compiled code run the hooks attach() adds to ``model`` (see the module docstring): turn
-    on Dynamo's guards on module hooks and, when the model already ran compiled, reset Dynamo's
-    caches (everything compiled in this process compiles again, once). Never raises."""
+    """Make compiled code run the hooks attach() adds to ``model``: Dynamo's guards on module hooks
+    on, and its caches reset when the model already ran compiled (a one-time recompile). Never raises."""
     try:
         import torch._dynamo
 

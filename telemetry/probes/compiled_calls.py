@@ -1,14 +1,25 @@
-"""The calls compiled code keeps on the modules it measures, and taking them back at a step's end.
-(docs/probes.md, "How the probes are built", says how and why.)
+"""The calls compiled code keeps on the modules it measures, taking them back at a step's end, and
+the per-step bookkeeping tensors the probes cache (docs/probes.md, "How the probes are built").
 """
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any, Callable, Hashable, Iterable
 
 from torch import nn
 
-__all__ = ["kept_calls"]
+__all__ = ["kept_calls", "cached"]
+
+
+def cached(cache: dict, key: Hashable, make: Callable[[], Any]) -> Any:
+    """``cache[key]``, made by ``make()`` when missing (a step calls its modules as the previous one
+    did, so its device tensors of indices are built once); cleared past 64 entries."""
+    got = cache.get(key)
+    if got is None:
+        if len(cache) > 64:
+            cache.clear()
+        got = cache[key] = make()
+    return got
 
 
 def kept_calls(modules: Iterable[nn.Module], attr: str) -> list[tuple[int, Any]]:

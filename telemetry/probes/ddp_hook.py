@@ -1,6 +1,6 @@
-"""The DDP communication hook: the all-reduce (average) DDP would do, measuring each gradient
-bucket before and after it (local and global sums of squares, their dot product, the all-reduced
-gradient's fingerprint) without keeping a copy of the gradient beyond one bucket.
+"""The DDP communication hook: the all-reduce (average) DDP would do, bit for bit the same, measuring
+each gradient bucket before and after it (local and global sums of squares, their dot product, the
+all-reduced gradient's fingerprint) without keeping a copy of the gradient beyond one bucket.
 """
 
 from __future__ import annotations
@@ -35,7 +35,9 @@ def comm_hook(grads: GradientStats, bucket):  # noqa: ANN001,ANN201 - DDP reject
     if measure:
         local = buf.detach().clone()  # transient, one bucket: the local gradient for the dot product
         local_sq = float_dot(local, local)
-    buf.div_(dist.get_world_size(group))
+    # as DDP's own reducer averages without a hook: times the reciprocal of the world size (dividing
+    # instead gives other bits at a world size that is not a power of two)
+    buf.mul_(1.0 / dist.get_world_size(group))
     fut = dist.all_reduce(buf, group=group, async_op=True).get_future()
     if not measure:
         return fut.then(lambda f: f.value()[0])

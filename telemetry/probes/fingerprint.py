@@ -1,6 +1,4 @@
-"""Exact 64-bit fingerprints of tensors that must be bit-identical across data-parallel replicas.
-(docs/probes.md, "How the probes are built", says how and why.)
-"""
+"""Exact 64-bit fingerprints of tensors that must be bit-identical across data-parallel replicas (docs/probes.md)."""
 
 from __future__ import annotations
 
@@ -86,33 +84,23 @@ def combine_parts(parts: Sequence["torch.Tensor"]) -> "torch.Tensor":
 
 
 def fingerprint_device(tensors: Iterable["torch.Tensor"]) -> "torch.Tensor":
-    """The raw (un-mixed) fingerprint of ``tensors``, in order, as a 0-d int64 on their device.
-
-    No host synchronisation: the value stays on the device until the caller copies it. Pass it
-    through :func:`finalize` (after ``int()``) to get the u64 fingerprint.
-    """
+    """The raw (un-mixed) fingerprint of ``tensors``, in order, as a 0-d int64 on their device (no host
+    sync; :func:`finalize` of its ``int()`` is the u64 fingerprint)."""
     tensors = list(tensors)
     if len(tensors) == 1:  # the same sums, without the per-tensor stack and transfer: a few ops fewer
         return (tensor_parts(tensors[0]) * _weights(1, tensors[0].device)).sum()
     return combine_parts([tensor_parts(t) for t in tensors])
 
 
-#: Elements one pass of :func:`flat_fingerprint_device` reads at a time: its temporaries (the bit
-#: patterns shifted and mixed, two of the tensor's size) stay under 2 x 2**25 elements.
+#: Elements one pass of :func:`flat_fingerprint_device` reads at a time (bounds its temporaries).
 FLAT_CHUNK = 1 << 25
 
 
 def flat_fingerprint_device(tensors: Sequence["torch.Tensor"]) -> "torch.Tensor":
-    """Raw device fingerprint of the concatenation of ``tensors`` (flattened, in order): what the
-    probes use for a model's parameters and gradients (``param_fp``, ``grad_fp``). For tensors of
-    one dtype it is ``fingerprint_device([torch.cat(...)])`` bit for bit; tensors of several dtypes
-    are each read in their own bits (a concatenation would have promoted them).
-
-    No concatenation: the two sums of the whole are the sums of the parts' (wrap-around integer
-    addition is associative), so each tensor is summed where it lies, in chunks of
-    :data:`FLAT_CHUNK` elements. The concatenated copy (the model's size) and its temporaries
-    (three times that) would otherwise be allocated on the fingerprint steps, a transient of
-    several GiB on a GPU holding a billion parameters.
+    """Raw device fingerprint of the concatenation of ``tensors`` (``param_fp``, ``grad_fp``): for one
+    dtype ``fingerprint_device([torch.cat(...)])`` bit for bit, each tensor read in its own bits.
+    No concatenation (the model's size, several GiB): wrap-around sums are associative, so each
+    tensor is summed where it lies, in chunks of :data:`FLAT_CHUNK` elements.
     """
     import torch
 

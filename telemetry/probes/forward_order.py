@@ -1,12 +1,11 @@
-"""``nonfinite_first``: where in the forward pass a rank first saw a NaN, Inf or near-INF value.
-(docs/probes.md, "How the probes are built", says how and why.)
-"""
+"""``nonfinite_first``: where in the forward pass a rank first saw a NaN, Inf or near-INF value (docs/probes.md)."""
 
 from __future__ import annotations
 
 from typing import Sequence
 
 import torch
+from sdcwatch.telemetry.probes.compiled_calls import cached
 
 __all__ = ["NEAR_INF", "ForwardOrder"]
 
@@ -76,11 +75,7 @@ class ForwardOrder:
                 )
                 return torch.where(peak.abs() < self.limit, float("inf"), order).amin().nan_to_num(posinf=-1.0)
             key = (tuple(ordinals), peak.device)
-            order = self._index.get(key)
-            if order is None:
-                if len(self._index) > 64:
-                    self._index.clear()
-                order = self._index[key] = torch.tensor(ordinals, dtype=torch.float32).to(peak.device)
+            order = cached(self._index, key, lambda: torch.tensor(ordinals, dtype=torch.float32).to(peak.device))
             fine = peak.abs() < self.limit  # NaN fails the comparison: it is bad
             return torch.where(fine, float("inf"), order).amin().nan_to_num(posinf=-1.0)
 

@@ -1,6 +1,5 @@
-"""The weight-gradient checksum of :class:`~sdcwatch.telemetry.probes.gemm_checks.GemmChecks`: ``dW = dY^T X``
-implies ``1^T dW = (dY 1)^T X`` (the bound is :mod:`sdcwatch.telemetry.probes.checksum_bounds`'s).
-(docs/probes.md, "How the probes are built", says how and why.)
+"""The weight-gradient checksum of :class:`~sdcwatch.telemetry.probes.gemm_checks.GemmChecks`:
+``dW = dY^T X`` implies ``1^T dW = (dY 1)^T X`` (docs/probes.md says how and why).
 """
 
 from __future__ import annotations
@@ -26,10 +25,8 @@ __all__ = ["GradientChecks", "TracedReference"]
 
 
 class TracedReference:
-    """One product's weight-gradient reference, summed on the device by the output-gradient hook
-    when torch.compile traces that hook into the backward graph: traced code may add into tensors
-    allocated beforehand, not change Python state (a list item set in a traced hook is a graph
-    break). The eager weight and bias hooks read it as they read a reference kept in a list."""
+    """One product's weight-gradient reference, added into on the device by a traced output-gradient
+    hook (traced code may add into tensors allocated beforehand, not change Python state)."""
 
     __slots__ = ("ref", "scale", "s_total", "bias_scale", "uses")
 
@@ -38,24 +35,20 @@ class TracedReference:
         self.scale = torch.zeros((), dtype=dtype, device=device)
         self.s_total = torch.zeros((), dtype=dtype, device=device)
         self.bias_scale = torch.zeros((), dtype=dtype, device=device)
-        self.uses = torch.zeros((), dtype=dtype, device=device)
-        """Output gradients added (0: the hook never ran, and there is nothing to compare with)."""
+        self.uses = torch.zeros((), dtype=dtype, device=device)  # output gradients added
 
     def clear(self) -> None:
         for t in (self.ref, self.scale, self.s_total, self.bias_scale, self.uses):
             t.zero_()
 
     def bound_scale(self, scale: torch.Tensor) -> torch.Tensor:
-        """``scale``, or +inf where no output gradient was added: the check then passes (a NaN
-        gradient still fails it) instead of comparing the gradient with a zero reference."""
+        """``scale``, or +inf where no output gradient was added (a NaN gradient still fails)."""
         return torch.where(self.uses > 0, scale, torch.full_like(scale, math.inf))
 
 
 class GradientChecks:
-    """The backward part of :class:`~sdcwatch.telemetry.probes.gemm_checks.GemmChecks`: the hooks that
-    check each product's weight and bias gradient against the reference its output gradient gives,
-    into the shared ``step``. Keeps, per product, this backward's reference until both gradients
-    are checked."""
+    """The hooks that check each product's weight and bias gradient against the reference its output
+    gradient gives, into the shared ``step``; a reference is kept until both gradients are checked."""
 
     def __init__(self, products: ProductTable, step: StepChecks) -> None:
         self.products = products
@@ -65,13 +58,11 @@ class GradientChecks:
         self._traced_meta: dict[int, tuple[int, float, torch.dtype]] = {}
 
     def reset(self) -> None:
-        """A new step: no reference pending."""
         self._pending = {}
 
     def arm_traced(self, hooked: list[int]) -> None:
         """Before a step whose weight gradients are checked in compiled code: a :class:`TracedReference`
-        for every product in ``hooked`` (allocated once; compiled backwards add into them), and no
-        forward noted yet."""
+        for every product in ``hooked`` (allocated once), and no forward noted yet."""
         for i in self._traced_meta:  # a backward that never reached the weight's hook: start from zero
             if i in self._traced:
                 self._traced[i].clear()
@@ -83,8 +74,7 @@ class GradientChecks:
                 self._traced[i] = TracedReference(w.shape[1], accumulation_dtype(w.dtype), w.device)
 
     def note_traced_forward(self, i: int, x: torch.Tensor, y: torch.Tensor) -> bool:
-        """A traced forward of product ``i`` (input ``x``, output ``y``): note its tokens and rounding
-        for the traced backward; False when product ``i`` has no traced reference."""
+        """Note the tokens and rounding of a traced forward of product ``i`` (False: no traced reference)."""
         if i not in self._traced:
             return False
         tokens = x.numel() // x.shape[-1]
@@ -127,9 +117,7 @@ class GradientChecks:
             self._pending.pop(i, None)
 
     def _traced_output_grad(self, i: int, x: torch.Tensor, x_max: torch.Tensor, dy: torch.Tensor) -> None:
-        """:meth:`_output_grad` as torch.compile traces it: the same reductions, added into the
-        product's :class:`TracedReference` (the tokens and the input's roundoff, host numbers, were
-        noted by the forward hook in ``_traced_meta``)."""
+        """:meth:`output_grad` in traced code: the same reductions, added into a :class:`TracedReference`."""
         held = self._traced.get(i)
         if held is None:
             return
@@ -144,8 +132,7 @@ class GradientChecks:
                 held.bias_scale.add_(sdy * math.sqrt(tokens * m))
 
     def _traced_pending(self, i: int) -> list | None:
-        """The reference a traced backward summed for product ``i``, in ``_pending``'s form; None
-        when no traced forward noted one."""
+        """The reference a traced backward summed for product ``i``, as a pending one (None: none)."""
         meta = self._traced_meta.pop(i, None)
         held = self._traced.get(i)
         if meta is None or held is None:
@@ -158,7 +145,7 @@ class GradientChecks:
         return self._pending[i]
 
     def weight_grad(self, i: int, dw: torch.Tensor) -> None:
-        """The weight gradient of product ``i``: its column sums against the reference."""
+        """Check the column sums of product ``i``'s weight gradient against the reference."""
         p = self._pending.get(i)
         if p is None:
             p = self._traced_pending(i)
@@ -168,16 +155,13 @@ class GradientChecks:
             out = product_dtype(dw.dtype, p[7])
             coef = rounding_coefficient(p[2], dw.shape[0], out, input_roundoff=p[5])
             floor = underflow_floor(dw.shape[0], out)
-            st = self.step
-            st.g_idx.append(i)
-            st.g_res.append((accumulated_sum(dw, 0, p[0].dtype) - p[0]).abs_().amax())
-            st.g_bound.append((p[1] * coef + floor if floor else p[1] * coef).clamp_min_(TINY))
-            st.g_names.append(self.products.names[i] + ".weight")
+            res = (accumulated_sum(dw, 0, p[0].dtype) - p[0]).abs_().amax()
+            bound = (p[1] * coef + floor if floor else p[1] * coef).clamp_min_(TINY)
+            self.step.add_grad(i, self.products.names[i] + ".weight", res, bound)
         self._done(i, "weight")
 
     def _done(self, i: int, which: str) -> None:
-        """The weight's or the bias's gradient was checked; forget the reference once both were
-        (autograd may run either hook first)."""
+        """Forget the reference once both gradients were checked (autograd may run either hook first)."""
         p = self._pending.get(i)
         if p is not None:
             p[6].discard(which)
@@ -197,9 +181,6 @@ class GradientChecks:
         with torch.no_grad():
             # Σ db and Σ dY are the same sum in two orders: 2γ_N + γ_m, times Σ|dY|
             coef = bias_grad_coefficient(p[2], db.numel(), product_dtype(db.dtype, p[7]))
-            st = self.step
-            st.g_idx.append(i)
-            st.g_res.append((accumulated_sum(db, None, p[3].dtype) - p[3]).abs())
-            st.g_bound.append((p[4] * coef).clamp_min_(TINY))
-            st.g_names.append(self.products.names[i] + ".bias")
+            res = (accumulated_sum(db, None, p[3].dtype) - p[3]).abs()
+            self.step.add_grad(i, self.products.names[i] + ".bias", res, (p[4] * coef).clamp_min_(TINY))
         self._done(i, "bias")

@@ -44,35 +44,28 @@ class GemmCanary:
     """The known-answer products of one model's linear layers, one per step in rotation."""
 
     def __init__(self, model: nn.Module, stride: int = 1) -> None:
-        self.stride = max(1, int(stride))
-        """Steps between two canaries (``every * gemm_canary_every``): consecutive canaries check
-        consecutive products, whatever the sampling."""
+        self.stride = max(1, int(stride))  # steps between two canaries: consecutive ones, consecutive products
         self.products: list[tuple[str, nn.Linear]] = [
             (name, m)
             for name, m in model.named_modules()
             if is_linear(m) and isinstance(m.weight, torch.Tensor) and m.weight.dim() == 2
         ]
         """(name, module) of every product checked, in rotation order."""
-        self.failed: set[str] = set()
-        """Products whose canary could not be computed (a subclass with its own weight layout, e.g. a
-        quantized one): skipped from then on, on every rank alike (they hold the same model)."""
+        self.failed: set[str] = set()  # products whose canary failed (a quantized layout): skipped
 
     @property
     def names(self) -> list[str]:
-        """The names of :attr:`products`, in rotation order: what ``gemm_canary_product`` indexes
-        (the ``canary_products`` layer names a rank hands the service)."""
+        """The names of :attr:`products`: what ``gemm_canary_product`` indexes."""
         return [name for name, _ in self.products]
 
     @classmethod
     def of(cls, model: nn.Module, config: Any) -> "GemmCanary | None":
-        """The canary a :class:`~sdcwatch.telemetry.probes.config.ProbeConfig` asks for (None when
-        ``gemm_canary_every`` is 0): on every ``every * gemm_canary_every``-th step."""
+        """The canary a :class:`~sdcwatch.telemetry.probes.config.ProbeConfig` asks for (None: off)."""
         k = config.gemm_canary_every
         return cls(model, config.every * k) if k else None
 
     def report(self, step: int, fingerprints: dict[str, Any]) -> None:
-        """Put step ``step``'s ``gemm_canary_fp`` (a raw device fingerprint) into ``fingerprints``
-        when the step is a canary step."""
+        """Put ``gemm_canary_fp`` into ``fingerprints`` when ``step`` is a canary step."""
         if step % self.stride == 0:
             raw = self.fingerprint(step)
             if raw is not None:
@@ -88,8 +81,8 @@ class GemmCanary:
         return None if k is None else self.products[k]
 
     def fingerprint(self, step: int) -> torch.Tensor | None:
-        """Raw device fingerprint of step ``step``'s product of the known input (module docstring);
-        no host synchronisation. Under FSDP2 a collective: call it on every rank of the step."""
+        """Raw device fingerprint of step ``step``'s product of the known input (no host sync; under
+        FSDP2 a collective: on every rank)."""
         picked = self.product_at(step)
         if picked is None or picked[0] in self.failed:
             return None

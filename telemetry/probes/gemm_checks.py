@@ -1,8 +1,6 @@
-"""The matrix checksums on a model: :class:`GemmChecks` hooks every linear layer (``nn.Linear`` and
-Hugging Face's ``Conv1D``, :mod:`~sdcwatch.telemetry.probes.linear_layout`; forward, weight
+"""The matrix checksums on a model: :class:`GemmChecks` hooks every linear layer (forward, weight
 and bias gradient, weights in memory) and the products modules report with :func:`observe_gemm`;
-the checks and their rounding bounds are :mod:`sdcwatch.telemetry.probes.checksum_bounds`'s.
-(docs/probes.md, "How the probes are built", says how and why.)
+the bounds are :mod:`~sdcwatch.telemetry.probes.checksum_bounds`'s (docs/probes.md says how and why).
 """
 
 from __future__ import annotations
@@ -37,6 +35,7 @@ from sdcwatch.telemetry.probes.gemm_state import (
     zero_of,
 )
 from sdcwatch.telemetry.probes.gemm_traced import TracedCalls
+from sdcwatch.telemetry.probes.compiled_calls import cached
 from sdcwatch.telemetry.probes.row_scan import FUSED_DTYPES, triton_available
 from sdcwatch.telemetry.probes.linear_layout import is_linear, linear_weight, transposed
 from torch import nn
@@ -45,23 +44,14 @@ __all__ = ["GemmChecks"]
 
 
 class GemmChecks:
-    """Checksums of every linear layer of a model (forward, weight and bias gradient, weights),
-    plus the custom products reported with :func:`observe_gemm`; one value per product and step.
+    """Checksums of every linear layer of a model and of the products reported with
+    :func:`observe_gemm`: one value per product and step (:meth:`collect`, :data:`GEMM_METRICS`).
 
-    ``active`` says whether the step in progress is checked forward (the products and the weights
-    in memory; the probes' sampling and enabled flag), ``backward`` whether its weight gradients
-    are checked too (a checked forward only: the backward's reference is taken in the forward),
-    ``scan`` whether its products' outputs are summed (``gemm_out``) when it is not checked;
-    hooks cost a function call otherwise. :meth:`collect` returns this step's per-layer
-    ratios (:data:`GEMM_METRICS`) as device tensors and starts the next step. A weight shared with
-    another module (tied embeddings) is checked forward only: its gradient is a sum over uses.
-
-    Its parts share the table of products (:attr:`products`) and the step's measurements
-    (:attr:`step`): :class:`~sdcwatch.telemetry.probes.gemm_traced.TracedCalls` (the hooks in compiled
-    code) and :class:`~sdcwatch.telemetry.probes.gemm_backward.GradientChecks` (the weight gradients).
-    ``triton``: eager code on a GPU may sum rows and seal weights with the Triton kernels;
-    ``compiled_grad_check``: the weight-gradient check also runs in compiled backwards (see
-    :attr:`traced_backward`); both as :class:`~sdcwatch.telemetry.wire.environment.RankEnvironment` says.
+    ``active``: the step in progress is checked forward (products, weights in memory);
+    ``backward``: its weight gradients too (a checked forward only: the reference is taken there);
+    ``scan``: its outputs are summed (``gemm_out``) when not checked. A weight shared with another
+    module (tied embeddings) is checked forward only. Its parts, :class:`TracedCalls` (compiled
+    code) and :class:`GradientChecks`, share :attr:`products` and :attr:`step`.
     """
 
     def __init__(
@@ -81,26 +71,16 @@ class GemmChecks:
         self.scan = scan
         self.backward = active if backward is None else backward
         self.order = order
-        self.weights = weights
-        """Whether the weights in memory are compared with their seals."""
+        self.weights = weights  # compare the weights in memory with their seals
         self.products = ProductTable()
-        self.names = self.products.names
-        """Names of the checked products, in layer order (the index in the ``gemm_*`` metrics)."""
+        self.names = self.products.names  # the index of each product in the gemm_* metrics
         self.step = StepChecks(order)
-        """This step's measurements, written by every part."""
-        self.keep_bounds = False
-        """Keep each check's absolute bound of the last step in :attr:`bounds` (fault-injection
-        campaigns use it to tell which faults a checksum can see; off in training)."""
+        self.keep_bounds = False  # keep each check's absolute bound of the last step (fault campaigns)
         self.bounds: dict[tuple[str, str], torch.Tensor] = {}
-        self.optimizer_seals = False
-        """Whether an optimizer's step hook seals the weights after each update (set by the watch):
-        compiled code then takes the weight's sums from the seal instead of reading the weight."""
-        # decided once (a cached call in a traced hook is a guard); opt in to the compiled check:
-        # inductor took it on torch 2.13 (CPU) but failed to compile it on torch 2.11 (CUDA, an
-        # H100), an error that would stop the job
+        self.optimizer_seals = False  # an optimizer's hook seals the weights: compiled code reads the seal
+        # opt in: inductor compiled the traced backward check on torch 2.13 (CPU) but failed on
+        # torch 2.11 (CUDA, an H100), an error that would stop the job
         self.traced_backward = compiled_grad_check
-        """Whether the weight-gradient check runs in compiled code (a hook on each product's output
-        that torch.compile traces into the backward graph); off where it breaks the graph."""
         self.traced = TracedCalls(self)
         self.gradients = GradientChecks(self.products, self.step)
         self._fused = triton and triton_available()
@@ -120,8 +100,8 @@ class GemmChecks:
         self._reset()
 
     def _find_products(self, model: nn.Module, globs: list[str]) -> list[int]:
-        """Hook the linear layers and the modules that report a product (``_sdcwatch_gemm``) whose
-        names match ``globs``; returns the products whose weight gradient is checked."""
+        """Hook the linear layers and ``_sdcwatch_gemm`` modules matching ``globs``; returns the
+        products whose weight gradient is checked."""
         owners: dict[int, int] = {}
         for _, m in model.named_modules():
             for p in m.parameters(recurse=False):
@@ -163,12 +143,8 @@ class GemmChecks:
             self.step.o_ys.append(self._row_sums(y.detach(), torch.float32))
 
     def _row_sums(self, y: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
-        """The (rows,) sums of ``y``'s last dim accumulated in ``acc``: in eager code on a GPU one read
-        of ``y`` by the fused Triton kernel (:mod:`~sdcwatch.telemetry.probes.row_scan`), elsewhere
-        ``y.sum`` (the records of the CPU stay bit for bit). In code torch.compile traces, ``y.sum``
-        too: inductor fuses the row reduction into the kernel that already reads ``y`` beside it (the
-        rotary embedding, the activation, the residual add and the next normalisation), where the
-        custom operator would be one more read of ``y``."""
+        """The (rows,) sums of ``y``'s last dim in ``acc``: the Triton kernel in eager code on a GPU,
+        else ``y.sum`` (in traced code inductor fuses it into the kernel that already reads ``y``)."""
         if (
             self._fused
             and y.is_cuda
@@ -180,9 +156,8 @@ class GemmChecks:
         return accumulated_sum(y, -1, acc).reshape(-1)
 
     def _any_linear_hook(self, module: nn.Linear, args: tuple, output: Any) -> None:
-        """The forward hook of every linear layer: one function for all of them, so that code
-        torch.compile traces holds no product index (a constant Dynamo guards on: blocks compiled one
-        by one would each compile their own graphs)."""
+        """The forward hook of every linear layer: traced code then holds no product index (a
+        constant Dynamo guards on: each block would compile its own graph)."""
         if torch.compiler.is_compiling() and self.traced.linear(module, args, output):
             return
         self._linear_hook(self.products.index_of(module), module, args, output)
@@ -209,9 +184,8 @@ class GemmChecks:
     def _check_forward(
         self, i: int, module: nn.Linear, x: torch.Tensor, y: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The forward check's reductions of one call: row sums of ``y`` against ``x (W^T 1) + Σ b``,
-        the weight's column sums beside the sealed ones (subtracted for every product at once in
-        :meth:`collect`); returns the input's largest and smallest value."""
+        """Row sums of ``y`` against ``x (W^T 1) + Σ b``, and the weight's column sums beside the
+        sealed ones; returns the input's largest and smallest value."""
         with torch.no_grad():
             w, b = (local_part(t) for t in linear_weight(module))
             acc = accumulation_dtype(y.dtype)
@@ -253,16 +227,13 @@ class GemmChecks:
             return hi, lo
 
     def arm_traced_backward(self) -> None:
-        """Before a step whose weight gradients are checked: a :class:`TracedReference` for every
-        product whose gradient is hooked (allocated once; compiled backwards add into them), and
-        no forward noted yet."""
+        """Before a step whose weight gradients are checked (see :meth:`GradientChecks.arm_traced`)."""
         if self.traced_backward:
             self.gradients.arm_traced(self._grad_hooked)
 
     def seal_provisionally(self) -> None:
-        """A provisional seal of every weight not sealed yet, or sealed provisionally on another
-        device than the weight's now (see :class:`SealedWeight`): taken when the checks are made,
-        and while the optimizer has not stepped, so that compiled code sees one structure."""
+        """A provisional seal (:class:`SealedWeight`) of every weight not sealed yet, or sealed
+        provisionally on another device, until the optimizer steps: compiled code sees one structure."""
         if not self.weights or self._sealed_by_optimizer:
             return
         # called before every step until the optimizer seals (never, without one): the walk over the
@@ -273,27 +244,29 @@ class GemmChecks:
             return
         self._provisional_key = (first, len(table))
         with torch.no_grad():
-            for i, m in enumerate(table.modules):
+            for i, (w, b) in self._weights():
                 sealed = table.seals[i]
-                w, b = linear_weight(m) if is_linear(m) else (getattr(m, "weight", None), getattr(m, "bias", None))
-                if not isinstance(w, torch.Tensor) or w.dim() != 2 or is_shard(w):
-                    continue
-                if sealed is None or (sealed.provisional and sealed.v.device != w.device):
-                    b = b if isinstance(b, torch.Tensor) else None
+                if not is_shard(w) and (sealed is None or (sealed.provisional and sealed.v.device != w.device)):
                     table.set_seal(i, SealedWeight(w, b, provisional=True, triton=self._fused))
 
     def seal(self) -> None:
-        """Take the weights' column sums as they are now (call right after the optimizer step; the
-        probes do): the next forward compares against them. Costs one pass over the weights."""
+        """Take the weights' column sums as they are now (right after the optimizer step): the next
+        forward compares against them. Costs one pass over the weights."""
         if not self.weights:
             return
         self._sealed_by_optimizer = True
         with torch.no_grad():
-            for i, m in enumerate(self.products.modules):
-                w, b = linear_weight(m) if is_linear(m) else (getattr(m, "weight", None), getattr(m, "bias", None))
-                if isinstance(w, torch.Tensor) and w.dim() == 2:
-                    b = b if isinstance(b, torch.Tensor) else None
-                    self.products.set_seal(i, SealedWeight(w, b, triton=self._fused))
+            for i, (w, b) in self._weights():
+                self.products.set_seal(i, SealedWeight(w, b, triton=self._fused))
+
+    def _weights(self) -> list[tuple[int, tuple[torch.Tensor, torch.Tensor | None]]]:
+        """(index, (weight, bias or None)) of the products with a 2-d weight."""
+        out = []
+        for i, m in enumerate(self.products.modules):
+            w, b = linear_weight(m) if is_linear(m) else (getattr(m, "weight", None), getattr(m, "bias", None))
+            if isinstance(w, torch.Tensor) and w.dim() == 2:
+                out.append((i, (w, b if isinstance(b, torch.Tensor) else None)))
+        return out
 
     # -- custom products --------------------------------------------------------------------------
     def _product_hook(self, module: nn.Module, args: tuple, output: Any) -> None:
@@ -335,7 +308,7 @@ class GemmChecks:
             b_abs = accumulated_sum(bias.abs(), None, acc) if bias is not None else zero_of(acc, c.device)
             coef = rounding_coefficient(n, m, c.dtype, input_roundoff=gemm_input_roundoff(a, b, compute=c.dtype))
             if traced:
-                ordinal = self.order.traced_tick() if self.order is not None else None
+                ordinal = self.step.traced_ordinal()
                 calls.append(("f", ys, ref, a.amax(), a.amin(), k, b_abs, None, coef, ordinal))
                 return
             self.step.checked(i)
@@ -343,19 +316,12 @@ class GemmChecks:
 
     # -- the step ---------------------------------------------------------------------------------
     def _indices(self, key: tuple, device: torch.device) -> tuple[torch.Tensor, ...]:
-        """Device tensors of this step's per-call bookkeeping (product indices, coefficients); a step calls the layers as the previous one did, so they are cached."""
-        got = self._index_cache.get(key)
-        if got is None:
-            if len(self._index_cache) > 64:
-                self._index_cache.clear()
-            got = tuple(torch.tensor(part, device=device) for part in key)
-            self._index_cache[key] = got
-        return got
+        """Device tensors of this step's per-call bookkeeping (product indices, coefficients)."""
+        return cached(self._index_cache, key, lambda: tuple(torch.tensor(part, device=device) for part in key))
 
     def collect(self) -> dict[str, torch.Tensor] | None:
-        """This step's (n_products,) tensor per :data:`GEMM_METRICS` on a checked step, only
-        ``gemm_out`` on a scanned one (None if nothing was seen); resets for the next step.
-        Products not seen this step report 0."""
+        """This step's (n_products,) tensor per :data:`GEMM_METRICS` (0 for a product not seen) on a
+        checked step, only ``gemm_out`` on a scanned one, None if nothing was seen; resets."""
         self.traced.drain()
         st = self.step
         n = len(self.names)
@@ -396,8 +362,7 @@ class GemmChecks:
 
     def _tell_unseen(self, seen: set[int]) -> None:
         """Warn once, on the first step any product ran, about the linear layers whose forward did
-        not run in it: their products are neither checked nor scanned (``nn.MultiheadAttention``,
-        for one, multiplies by its ``out_proj`` weight without calling the module)."""
+        not run in it (neither checked nor scanned)."""
         self._coverage_told = True
         unseen = [self.names[i] for i in range(self._n_registered) if i not in seen]
         if unseen:
@@ -413,7 +378,7 @@ class GemmChecks:
 
     def _forward_ratios(self, st: StepChecks, start: int = 0) -> tuple[torch.Tensor, ...]:
         """(product index, largest |row sum|, ratio, bound, largest |input|) of the forward checks
-        from call ``start`` on: the max |residual| of every call at once, over its bound."""
+        from call ``start`` on, every call at once."""
         f_ys, f_ref = st.f_ys[start:], st.f_ref[start:]
         idx, coef = self._indices((tuple(st.f_idx[start:]), tuple(st.f_coef[start:])), f_ys[0].device)
         ys = stack_rows(f_ys)
@@ -429,9 +394,8 @@ class GemmChecks:
         return idx, top, (rmax / bound).float(), bound, xm
 
     def violated(self, bound: float = 1.0) -> bool:
-        """Whether a product checked since the last call (in this step) passed its rounding bound:
-        a forward, gradient or weight ratio above ``bound``, or NaN. The guard's trigger; it reads
-        the device (one sync), so it is called only where the guard decides, before the update."""
+        """Whether a product checked since the last call (in this step) has a ratio above ``bound``
+        or NaN: the guard's trigger, one device sync."""
         self.traced.drain()
         st = self.step
         f0, g0, w0 = self._judged
@@ -472,13 +436,11 @@ class GemmChecks:
 
     @staticmethod
     def _weight_differences(st: StepChecks, start: int = 0) -> torch.Tensor:
-        """The largest |column sum now - sealed| of each weight (and |Σ b now - sealed|) compared from
-        entry ``start`` on: one subtraction and one reduction for them all."""
+        """The largest |column sum now - sealed| of each weight (and bias) compared from ``start`` on."""
         return (stack_rows(st.w_now[start:]) - stack_rows(st.w_then[start:])).abs_().amax(-1)
 
     def hook_forward(self, want: bool) -> None:
-        """Register the forward hooks (``True``) or remove them: a module with a forward hook leaves
-        PyTorch's fast call path, so the probes keep them only on the steps that are checked."""
+        """Register the forward hooks or remove them (a hooked module leaves PyTorch's fast call path)."""
         if want and not self._forward_handles:
             self._forward_handles = [m.register_forward_hook(hook) for m, hook in self._forward]
         elif not want and self._forward_handles:

@@ -1,8 +1,6 @@
-"""The state the parts of the matrix checksums (:mod:`sdcwatch.telemetry.probes.gemm_checks`) share:
-the table of checked products with their names, modules and seals (:class:`ProductTable`), a
-weight's reductions sealed when the optimizer wrote it (:class:`SealedWeight`), one step's
-measurements as lists of device tensors (:class:`StepChecks`, reduced once per step by
-:func:`stack_rows`), and which checks report a custom product (:func:`observe_gemm`).
+"""The state the parts of the matrix checksums share: the table of products (:class:`ProductTable`),
+a weight's sealed reductions (:class:`SealedWeight`), one step's measurements (:class:`StepChecks`),
+and which checks report a custom product (:func:`observe_gemm`).
 """
 
 from __future__ import annotations
@@ -14,7 +12,7 @@ from typing import Any
 
 import torch
 from sdcwatch.telemetry.probes.checksum_bounds import accumulated_sum, accumulation_dtype, memory_bound_of
-from sdcwatch.telemetry.probes.compiled_calls import kept_calls
+from sdcwatch.telemetry.probes.compiled_calls import cached, kept_calls
 from sdcwatch.telemetry.probes.weight_sums import weight_sums
 from torch import nn
 
@@ -42,9 +40,8 @@ def observe_gemm(
 ) -> None:
     """Report one custom or fused product ``c = a @ b (+ bias)`` computed inside ``owner``.
 
-    Every :class:`GemmChecks` attached to the model that holds ``owner`` checks it with
-    :func:`~sdcwatch.telemetry.probes.checksum_bounds.check_matmul` on its sampled steps; the product becomes a layer of the ``gemm_*``
-    metrics, named after ``owner``. Costs one dictionary look-up when nothing is attached.
+    Every :class:`GemmChecks` attached to the model that holds ``owner`` checks it on its sampled
+    steps, as a layer of the ``gemm_*`` metrics named after ``owner``. One dictionary look-up otherwise.
     """
     observers = GEMM_OBSERVERS.get(owner)
     if observers:
@@ -67,14 +64,9 @@ _CHUNKS: dict[tuple, torch.Tensor] = {}
 
 
 def call_peaks(vectors: list[torch.Tensor]) -> torch.Tensor:
-    """The largest |value| of each of the calls' vectors, as one ``(calls,)`` tensor (NaN kept):
-    what ``stack_rows(vectors).abs_().amax(-1)`` gives, in a few operations whatever the lengths.
-
-    The step-end reduction of the every-step scan (``gemm_out``) runs on a cold cache, where each
-    operation costs more than its arithmetic, and zero-padding copies vector by vector. The
-    vectors' lengths share a factor (the tokens of the step: a linear layer's row sums are one per
-    token, an attention product's one per head and token): the concatenated vectors, cut into
-    rows of that length, are reduced at once, then each call's rows by one small scatter.
+    """``stack_rows(vectors).abs_().amax(-1)`` (NaN kept) in a few operations whatever the lengths:
+    the lengths share a factor (the step's tokens), so the concatenated vectors cut into rows of it
+    are reduced at once, then each call's rows by one small scatter (no zero-padding copies).
     """
     if len(vectors) == 1:
         return vectors[0].abs().amax().reshape(1)
@@ -85,21 +77,18 @@ def call_peaks(vectors: list[torch.Tensor]) -> torch.Tensor:
     peaks = torch.cat(vectors).abs_().view(-1, chunk).amax(-1)
     if peaks.numel() == len(vectors):  # every call one row (the same length)
         return peaks
-    key = (sizes, peaks.device)
-    index = _CHUNKS.get(key)
-    if index is None:  # a step calls the products as the previous one did: cached
-        if len(_CHUNKS) > 64:
-            _CHUNKS.clear()
+
+    def call_of_row() -> torch.Tensor:  # a step calls the products as the previous one did: cached
         rows = torch.tensor([n // chunk for n in sizes])
-        index = _CHUNKS[key] = torch.repeat_interleave(torch.arange(len(sizes)), rows).to(peaks.device)
+        return torch.repeat_interleave(torch.arange(len(sizes)), rows).to(peaks.device)
+
+    index = cached(_CHUNKS, (sizes, peaks.device), call_of_row)
     return torch.zeros(len(vectors), dtype=peaks.dtype, device=peaks.device).scatter_reduce_(0, index, peaks, "amax")
 
 
 class ProductTable:
-    """The checked products of one :class:`~sdcwatch.telemetry.probes.gemm_checks.GemmChecks`, by
-    index (the index in the ``gemm_*`` metrics): name, module, seal, whether the bias gradient is
-    checked. Compiled code holds no index: it finds a call's list and a seal on the module itself,
-    under this table's attribute names (one pair a table)."""
+    """The checked products by index (in the ``gemm_*`` metrics): name, module, seal, whether the
+    bias gradient is checked. Compiled code finds a call's list and a seal on the module itself."""
 
     _serials = itertools.count()
 
@@ -117,7 +106,6 @@ class ProductTable:
         return len(self.names)
 
     def add(self, name: str, module: nn.Module) -> int:
-        """A new product ``module`` named ``name``; returns its index."""
         self.names.append(name)
         self.modules.append(module)
         self.seals.append(None)
@@ -139,15 +127,12 @@ class ProductTable:
         return module.__dict__.get(self.seal_attr)
 
     def calls_on(self, module: nn.Module) -> list | None:
-        """The list compiled code keeps ``module``'s calls of this step in (None: not a product)."""
         return module.__dict__.get(self.calls_attr)
 
     def take_calls(self) -> list[tuple[int, Any]]:
-        """(product index, call) of every call compiled code kept, in product order; the lists are emptied."""
         return kept_calls(self.modules, self.calls_attr)
 
     def forget(self) -> None:
-        """Remove what the table keeps on the modules."""
         for m in self.modules:
             m.__dict__.pop(self.calls_attr, None)
             m.__dict__.pop(self.seal_attr, None)
@@ -169,13 +154,11 @@ def zero_of(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
 
 class SealedWeight:
     """A weight's reductions taken when the optimizer last wrote it: its column sums (the weight
-    check compares against them), and the norms the forward bound needs (so a checked forward
-    does not read the weight for them again).
+    check's reference) and the norms the forward bound needs.
 
-    A *provisional* seal is taken when the checks are made, before any optimizer step: under
-    torch.compile every checked step then runs the same code (a seal or none would be two
-    graphs), while its ``w_bound`` is infinite (``trusted`` 0), so that weights loaded after
-    attaching (a checkpoint) are not taken for weights changed in memory. Eager code ignores it.
+    A *provisional* seal, taken before any optimizer step, keeps one compiled graph for every
+    checked step; its bounds are infinite, so weights loaded after attaching (a checkpoint) are not
+    taken for weights changed in memory. Eager code ignores it.
     """
 
     __slots__ = ("v", "b_sum", "k", "b_abs", "w_bound", "b_bound", "shard", "provisional", "trust")
@@ -211,21 +194,19 @@ class SealedWeight:
 
 
 class StepChecks:
-    """What the hooks measured in one step, as lists of device tensors (one entry per call)."""
+    """What the hooks measured in one step, as lists of device tensors (one entry per call), the
+    calls numbered by ``order`` (a :class:`~sdcwatch.telemetry.probes.forward_order.ForwardOrder`) if any."""
 
     def __init__(self, order: Any = None) -> None:
         self.order = order
-        """A :class:`~sdcwatch.telemetry.probes.forward_order.ForwardOrder` numbering the calls (None: not numbered)."""
         self.clear()
 
     def clear(self) -> None:
-        """Forget the step's measurements (the parts that write here keep this object)."""
         self.weights_seen: set[int] = set()  # products whose weights were compared this step
         self.f_seq: list[int] = []  # the forward ordinals of the checked calls and of the scanned calls
         self.o_seq: list[int] = []
-        # forward checks: product index, residual of the row sums (a vector), largest |input|,
-        # the bound's factor of the input (Σ||w_j|| sqrt(n)) and its constant term (Σ|b|), the
-        # rounding coefficient
+        # forward checks: product index, row sums and reference, input extremes, the bound's factor
+        # of the input (Σ||w_j|| sqrt(n)) and constant term (Σ|b|), the rounding coefficient
         self.f_idx: list[int] = []
         self.f_ys: list[torch.Tensor] = []  # row sums of the output
         self.f_ref: list[torch.Tensor] = []  # what they should be: x (W^T 1) + Σ b
@@ -251,13 +232,12 @@ class StepChecks:
         self.g_names: list[str] = []
 
     def checked(self, i: int) -> None:
-        """A checked call of product ``i``, numbered in forward order when an order is kept."""
         self.f_idx.append(i)
         if self.order is not None:
             self.f_seq.append(self.order.tick())
 
     def add_check(self, ys, ref, hi, lo, k, b_abs, trust, coef: float) -> None:  # noqa: ANN001 - tensors
-        """The reductions of one checked call (its product and ordinal noted by :meth:`checked`)."""
+        """The reductions of one call :meth:`checked` noted."""
         self.f_ys.append(ys)
         self.f_ref.append(ref)
         self.f_xhi.append(hi)
@@ -270,9 +250,8 @@ class StepChecks:
     def compare_weight(
         self, i: int, name: str, sealed: SealedWeight, vw: torch.Tensor, bw: torch.Tensor | None
     ) -> None:
-        """Keep product ``i``'s weight sums now (``vw``; ``bw`` its bias's) beside the sealed ones, once a
-        step: the same reduction of the same bits, so any difference past rounding is a weight changed
-        in memory (compared for every product at once at the step's end)."""
+        """Keep product ``i``'s weight (and bias) sums now beside the sealed ones: the same reduction
+        of the same bits, so a difference past rounding is a weight changed in memory."""
         self.weights_seen.add(i)
         self.w_idx.append(i)
         self.w_now.append(vw)
@@ -287,13 +266,23 @@ class StepChecks:
             self.w_names.append(name + ".bias")
 
     def scanned(self, i: int) -> None:
-        """A scanned call of product ``i``, numbered in forward order when an order is kept."""
         self.o_idx.append(i)
         if self.order is not None:
             self.o_seq.append(self.order.tick())
 
+    def add_grad(self, i: int, name: str, residual: torch.Tensor, bound: torch.Tensor) -> None:
+        """A gradient check of product ``i`` (``name``: its weight or bias)."""
+        self.g_idx.append(i)
+        self.g_res.append(residual)
+        self.g_bound.append(bound)
+        self.g_names.append(name)
+
+    def traced_ordinal(self) -> torch.Tensor | None:
+        """The ordinal of a call in traced code (:meth:`ForwardOrder.traced_tick`), None without an order."""
+        return self.order.traced_tick() if self.order is not None else None
+
     def note(self, seq: list[int], top: torch.Tensor) -> None:
-        """The largest |row sum| of the calls numbered ``seq``, for the order (see :meth:`checked`)."""
+        """The largest |row sum| of the calls numbered ``seq``, for the order."""
         if self.order is not None:
             self.order.note(seq, top)
 
@@ -304,16 +293,11 @@ def is_shard(t: torch.Tensor) -> bool:
 
 
 def local_part(t: Any) -> Any:
-    """This rank's part of a DTensor (``to_local()``): under tensor parallelism a linear layer's
-    forward weight, input and output are DTensors, and the rank computes the product of its parts.
-    Anything else as it is."""
+    """This rank's part of a DTensor (tensor parallelism), anything else as it is."""
     return t.to_local() if t is not None and is_shard(t) else t
 
 
 def holds_whole_rows(w: Any) -> bool:
-    """Whether this rank holds whole rows of a tensor-parallel weight (``ColwiseParallel``: its
-    output columns are a complete product of its own, checked like any linear layer's).
-    ``RowwiseParallel`` splits the input dim (``Shard(1)``): the rank's product is a partial sum,
-    all-reduced by the output hook ``parallelize_module`` registered before the checks' hook, which
-    therefore sees the sum over the tensor-parallel ranks and cannot check this rank's part."""
+    """Whether this rank holds whole rows of a tensor-parallel weight (``ColwiseParallel``: a
+    complete product of its own). Under ``RowwiseParallel`` the hook sees the ranks' all-reduced sum."""
     return not any(p.is_shard() and getattr(p, "dim", 0) % w.dim() == 1 for p in getattr(w, "placements", ()))

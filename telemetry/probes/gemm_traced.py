@@ -1,7 +1,5 @@
-"""The matrix checksums' hooks in code torch.compile traces (a part of
-:class:`~sdcwatch.telemetry.probes.gemm_checks.GemmChecks`, working on its table of products and
-its step's measurements).
-(docs/probes.md, "How the probes are built", says how and why.)
+"""The matrix checksums' hooks in code torch.compile traces, a part of
+:class:`~sdcwatch.telemetry.probes.gemm_checks.GemmChecks` (docs/probes.md says how and why).
 """
 
 from __future__ import annotations
@@ -26,21 +24,15 @@ __all__ = ["TracedCalls"]
 
 
 class TracedCalls:
-    """The compiled-code part of ``checks`` (a :class:`~sdcwatch.telemetry.probes.gemm_checks.GemmChecks`):
-    reads its switches (``active``, ``scan``, ``backward``, ``optimizer_seals``, ``traced_backward``,
-    ``weights``, ``order``), keeps calls on the modules of its ``products`` and drains them into
-    its ``step``."""
+    """The compiled-code part of ``checks``: reads its switches, keeps calls on the modules of its
+    ``products`` and drains them into its ``step``."""
 
     def __init__(self, checks: "GemmChecks") -> None:
         self.checks = checks
 
     def linear(self, module: nn.Linear, args: tuple, output: Any) -> bool:
-        """The hook in code torch.compile traces: what it measures goes into the module's own list of
-        this step's calls (``_calls_attr``, emptied at each step's end, so every block's first call
-        sees it empty), its forward-order ordinal from a device counter, its seal from the module:
-        the traced code reads no Python value that differs between blocks. Returns False for what
-        it leaves to the indexed hook (a tensor-parallel or sharded weight, no optimizer's seal, the
-        weight-gradient check in compiled backwards)."""
+        """The linear hook in traced code: calls, ordinals and seals live on the module, so the code
+        reads no Python value that differs between blocks. False: left to the indexed hook."""
         checks = self.checks
         if not args:
             return True
@@ -64,8 +56,7 @@ class TracedCalls:
         return True
 
     def seal_usable(self, sealed: SealedWeight | None, w: torch.Tensor) -> bool:
-        """Whether compiled code checks this weight's product against its seal: an optimizer seals
-        it after every update, and the seal is of the whole weight as the forward reads it."""
+        """Whether compiled code checks against the seal: an optimizer's, of the whole weight."""
         return (
             self.checks.optimizer_seals
             and sealed is not None
@@ -78,14 +69,12 @@ class TracedCalls:
         """A scanned call: the row sums of the product's output, kept on the module."""
         y = y if type(y) is torch.Tensor else local_part(y)
         if isinstance(y, torch.Tensor) and y.is_floating_point() and y.numel():
-            order = self.checks.order
-            ordinal = order.traced_tick() if order is not None else None
+            ordinal = self.checks.step.traced_ordinal()
             ys = accumulated_sum(y.detach(), -1, torch.float32).reshape(-1)
             self.checks.products.calls_on(module).append(("o", ys, ordinal))
 
     def drain(self) -> None:
-        """Move the calls compiled code kept on the modules into this step's lists, product by product
-        (their order there does not matter: each call carries its product and its ordinal)."""
+        """Move the calls compiled code kept on the modules into this step's lists."""
         st, names = self.checks.step, self.checks.names
         for i, c in self.checks.products.take_calls():
             if c[0] == "o":
@@ -111,18 +100,9 @@ class TracedCalls:
         y: torch.Tensor,
         acc: torch.dtype,
     ) -> None:
-        """The forward check in code torch.compile traces: the weight's sums and norms as the seal took
-        them right after the optimizer wrote the weight (no read of the weight in the forward), and
-        every reduction of ``x`` and ``y`` a row reduction that inductor fuses into the kernels that
-        already read them (the normalisation that wrote ``x``, the rotary embedding, the activation or
-        the residual add that reads ``y``): about no extra bytes. What it measures goes into the
-        module's list of this step's calls (see :meth:`linear`).
-
-        A weight changed in memory after its seal shows here as a product whose row sums miss the
-        reference at this step; on the steps whose weight gradients are checked too, the weight is
-        also compared with its seal (``gemm_weight``), naming the weight. A provisional seal (before the
-        optimizer's first step) carries an infinite ``trust``: its sums may predate a checkpoint load,
-        so the call is measured but never judged (NaN still is)."""
+        """The forward check in traced code: the weight's sums and norms from the seal (no read of
+        the weight), every reduction of ``x`` and ``y`` a row reduction inductor fuses into kernels
+        that already read them. A provisional seal's infinite ``trust``: measured, never judged."""
         checks = self.checks
         calls = checks.products.calls_on(module)
         if checks.weights and checks.backward() and not any(c[0] == "w" for c in calls):
@@ -137,5 +117,5 @@ class TracedCalls:
         coef = rounding_coefficient(
             w.shape[1], w.shape[0], y.dtype, input_roundoff=gemm_input_roundoff(x, w, compute=y.dtype)
         )
-        ordinal = checks.order.traced_tick() if checks.order is not None else None
+        ordinal = checks.step.traced_ordinal()
         calls.append(("f", ys, ref, x.amax(), x.amin(), sealed.k, b_abs, sealed.trust, coef, ordinal))

@@ -154,37 +154,21 @@ class GradientStats:
     def clip_grad_norm_(
         self, max_norm: float, *, parameters: Any = None, error_if_nonfinite: bool = False, foreach: bool | None = None
     ) -> torch.Tensor:
-        """``torch.nn.utils.clip_grad_norm_`` over the model's gradients (or ``parameters``'), reusing
-        the norm the watch measured this step: one pass over the gradients for the record and the
-        clipping instead of two (on a billion parameters that pass is about 1% of a GPU step).
+        """``torch.nn.utils.clip_grad_norm_`` over the model's gradients (or ``parameters``'): torch's
+        own clipping, with torch's own total norm, so the job's bits are those of the same loop
+        without sdcwatch; it returns that norm, as torch's does.
 
-        Call it where the loop clips, after the backward and before ``optimizer.step()``; it returns
-        the total norm, as torch's does. The norm is reused when the watch read it this step, from
-        the gradients the clipping sees: the model's own parameters, world size one or DDP. Otherwise
-        (FSDP2, another parameter list, a step not recorded) torch computes it, as without sdcwatch.
+        Call it where the loop clips, after the backward and before ``optimizer.step()``. It makes
+        sure the watch read the step's gradient before the clipping changes it (compiled autograd
+        reads no gradient in the backward). It takes a pass over the gradients of its own, as
+        torch's does: the norm the watch measured is not reused, because it is summed in another
+        order (per DDP bucket) or may predate a change of the gradients (``GradScaler.unscale_``),
+        and either would change the clipped update's bits.
         """
-        buf = self.buffer
-        params = list(self.params if parameters is None else _as_list(parameters))
-        grads = [p.grad for p in params if p.grad is not None]
-        if not grads:
-            return torch.zeros(())
-        if not buf.grads_seen and buf.buckets:  # DDP: every bucket was all-reduced in the backward
-            self.reduce_buckets()
-        elif not buf.grads_seen and self.measuring and not self.reduced_elsewhere:
+        if not self.buffer.grads_seen and self.measuring and not self.reduced_elsewhere and not self.sharded:
             self.local_gradients()  # the end-of-backward read did not run (compiled autograd, say)
-        norm = buf.scalars.get("grad_norm_global") if buf.grads_seen else None
-        same = parameters is None or {id(p) for p in params} == {id(p) for p in self.params}
-        if norm is None or not same or self.sharded:
-            return torch.nn.utils.clip_grad_norm_(
-                params, max_norm, error_if_nonfinite=error_if_nonfinite, foreach=foreach
-            )
-        if error_if_nonfinite and bool(torch.logical_or(norm.isnan(), norm.isinf())):  # torch's check: a sync
-            raise RuntimeError(
-                "The total norm of gradients is non-finite, so it cannot be clipped "
-                "(error_if_nonfinite=True, as torch.nn.utils.clip_grad_norm_ says)"
-            )
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=foreach)
-        return norm
+        params = self.params if parameters is None else parameters
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, error_if_nonfinite=error_if_nonfinite, foreach=foreach)
 
     def reduce_buckets(self) -> None:
         """Fold the DDP hook's buckets into the step's gradient statistics."""
@@ -195,11 +179,6 @@ class GradientStats:
         parts = [b[4] for b in buckets if b[4] is not None]
         grad_fp = fp.combine_parts(parts) if parts and len(parts) == len(buckets) else None
         self.observe_gradients(local_sq=local_sq, global_sq=global_sq, dot=dot, grad_fp=grad_fp)
-
-
-def _as_list(parameters: Any) -> list[Any]:
-    """``parameters`` as torch's clipping takes them: one tensor or an iterable of tensors."""
-    return [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
 
 
 def unless_closure(read: Callable[[], None]) -> Callable[[Any, tuple, dict], None]:

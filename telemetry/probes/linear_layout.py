@@ -1,6 +1,4 @@
-"""Which modules are linear layers, and their weight as ``(out_features, in_features)``.
-(docs/probes.md, "How the probes are built", says how and why.)
-"""
+"""Which modules are linear layers, and their weight as ``(out_features, in_features)``."""
 
 from __future__ import annotations
 
@@ -27,9 +25,7 @@ def transposed(module: nn.Module) -> bool:
 
 def is_linear(module: nn.Module) -> bool:
     """Whether ``module`` computes ``y = x W^T + b`` with a 2-D weight: ``nn.Linear`` and ``Conv1D``."""
-    if isinstance(module, nn.Linear):
-        return True
-    return transposed(module)
+    return isinstance(module, nn.Linear) or transposed(module)
 
 
 def linear_weight(module: nn.Module) -> tuple[Any, Any]:

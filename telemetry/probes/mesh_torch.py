@@ -17,11 +17,8 @@ def coords_from_mesh(
     device_mesh: Any, names: Mapping[str, str] | Sequence[str] | None = None, *, sharded: bool = False
 ) -> dict[str, int]:
     """This rank's coordinates in ``device_mesh`` as ``{canonical dim: index}``, in :data:`DIMS` order.
-
-    ``names`` says what the mesh's dimensions are when their names do not: a mapping from a mesh
-    dim name to a canonical dim (it overrides the built-in spellings), or one canonical name per
-    mesh dim (for a mesh built without ``mesh_dim_names``). ``sharded`` says how a plain ``dp``
-    dim is used: True when FSDP2 shards the model over it (``attach`` finds out by itself).
+    ``names``: {mesh dim: canonical dim} overriding the built-in spellings, or one canonical name per
+    dim (a mesh without ``mesh_dim_names``); ``sharded``: FSDP2 shards over a plain ``dp`` dim.
     """
     try:
         shape = tuple(int(s) for s in device_mesh.shape)

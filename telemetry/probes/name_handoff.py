@@ -1,6 +1,4 @@
-"""What the watch's indexed metrics index: its name lists, handed to the emitter when they grow.
-(docs/probes.md, "How the probes are built", says how and why.)
-"""
+"""What the watch's indexed metrics index: its name lists, handed to the emitter when they grow."""
 
 from __future__ import annotations
 
@@ -45,13 +43,8 @@ class NameHandoff:
         set_names = getattr(w.emitter, "set_names", None)
         if set_names is None:
             return
-        checks = w.sampled_checks
-        sizes = (
-            len(checks.checksums.names) if checks.checksums is not None else 0,
-            len(checks.stream.names) if checks.stream is not None else 0,
-            w.n_layers,
-            len(w.leaf_names),
-        )
+        names = watch_names(w)
+        sizes = tuple(len(v) for v in names.values())
         if sizes != self._sizes:
             self._sizes = sizes
-            set_names(watch_names(w))
+            set_names(names)

@@ -1,6 +1,4 @@
-"""The seam through which a fault reaches a product that the probes compute themselves.
-(docs/probes.md, "How the probes are built", says how and why.)
-"""
+"""The seam through which a fault reaches a product that the probes compute themselves (docs/probes.md)."""
 
 from __future__ import annotations
 
@@ -23,12 +21,9 @@ class OutputFault:
 
 
 def output_faults(module: Any) -> list[OutputFault]:
-    """The :class:`OutputFault` hooks on ``module``, in the order the module runs them (empty when
-    none is attached: the usual case).
-
-    Whoever computes the module's product outside a module call passes its result through them, as
-    the module call would: a simulated faulty device then corrupts that product too, as a real one
-    would. The module's other hooks (the probes', a user's) are not run.
+    """The :class:`OutputFault` hooks on ``module``, in the order it runs them (usually none): whoever
+    computes its product outside a module call passes the result through them, so a simulated faulty
+    device corrupts that product too (the module's other hooks are not run).
     """
     hooks = getattr(module, "_forward_hooks", None)
     if not hooks:

@@ -1,7 +1,5 @@
-"""The watch's device-to-host hand-off: one step's metrics packed into one tensor, copied to the
-host asynchronously, and read back a step later, off the training thread (:class:`RecordSender`),
-as a record's scalars, layers and fingerprints.
-(docs/probes.md, "How the probes are built", says how and why.)
+"""The watch's device-to-host hand-off: one step's metrics packed into one tensor, copied to the host
+asynchronously, read back a step later off the training thread (:class:`RecordSender`).
 """
 
 from __future__ import annotations
@@ -22,8 +20,7 @@ _EXTRA = "_nonfinite_extra"  # the slot of the non-finite count measured elsewhe
 
 
 class PackedStep(NamedTuple):
-    """One step on its way to the host: the packed tensor, the event that says it has arrived
-    (CUDA) and what is where in it."""
+    """One step on its way to the host: the packed tensor, its arrival event (CUDA), what is where."""
 
     step: int
     packed: torch.Tensor
@@ -32,8 +29,7 @@ class PackedStep(NamedTuple):
     n_attn: int
     fp_names: list[str]
     host: dict[str, float]
-    extra_sizes: list[tuple[str, int]] = []
-    """Per-layer vectors of other probes (checksums, residual stream) after the attention grid."""
+    extra_sizes: list[tuple[str, int]] = []  # per-layer vectors of other probes, after the attention grid
 
 
 def pack_step(
@@ -119,8 +115,7 @@ def unpack_step(pending: PackedStep) -> tuple[int, dict[str, float], dict[str, l
 
 class RecordSender:
     """Hands each packed step to ``emit`` a step after its copy started, on a thread of its own
-    (``background``; else on the caller's): decoding it and calling the emitter happen off the
-    training thread, once the copy is surely done."""
+    (``background``; else on the caller's), once the copy is surely done."""
 
     def __init__(self, emit: Callable[[PackedStep], None], *, background: bool = True) -> None:
         self._emit = emit

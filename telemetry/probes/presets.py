@@ -1,6 +1,5 @@
-"""Named probe configurations (``default``, ``forward-checksums``, ``checksums``, ``every-step``,
-``scalars-only``), so a detection number and a cost number describe the same one; the campaign and
-the overhead benchmark take these names, or a JSON/TOML file of :class:`ProbeConfig` fields.
+"""Named probe configurations, so a detection number and a cost number describe the same one (the
+campaign and the benchmarks take these names, or a JSON/TOML file of :class:`ProbeConfig` fields).
 """
 
 from __future__ import annotations
@@ -13,7 +12,7 @@ from sdcwatch.core.errors import ConfigError
 from sdcwatch.core.validate import settings_from
 from sdcwatch.telemetry.probes.config import ProbeConfig
 
-__all__ = ["PROBE_PRESETS", "probe_config", "describe"]
+__all__ = ["PROBE_PRESETS", "probe_config"]
 
 _OFF = 1 << 30
 PROBE_PRESETS: dict[str, ProbeConfig] = {
@@ -62,8 +61,3 @@ def probe_config(spec: str | ProbeConfig) -> tuple[str, ProbeConfig]:
     if not isinstance(data, dict):
         raise ConfigError("probes", f"{path}: must hold an object of probe settings")
     return path.stem, settings_from(ProbeConfig, "probes", data, where=str(path))
-
-
-def describe(config: ProbeConfig) -> dict[str, Any]:
-    """The config's fields (JSON-ready)."""
-    return dict(config.__dict__)

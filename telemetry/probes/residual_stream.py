@@ -1,6 +1,4 @@
-"""Extreme values in the forward pass that no matrix-product checksum sees: the residual stream.
-(docs/probes.md, "How the probes are built", says how and why.)
-"""
+"""Extreme values in the forward pass that no matrix-product checksum sees: the residual stream (docs/probes.md)."""
 
 from __future__ import annotations
 
@@ -10,7 +8,7 @@ from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
-from sdcwatch.telemetry.probes.compiled_calls import kept_calls
+from sdcwatch.telemetry.probes.compiled_calls import cached, kept_calls
 from sdcwatch.telemetry.probes.forward_order import ForwardOrder
 from torch import nn
 
@@ -20,10 +18,7 @@ _SERIALS = itertools.count()
 
 
 def peak(t: torch.Tensor) -> torch.Tensor:
-    """Largest |value| of ``t`` as a 0-d float32 device tensor; ``-inf`` skipped, NaN propagates.
-
-    Two fast reductions, no copy; the minimum counts unless it is ``-inf`` (a mask).
-    """
+    """Largest |value| of ``t`` as a 0-d float32 device tensor (two reductions); ``-inf`` skipped, NaN kept."""
     t = t.detach()
     lo, hi = t.amin(), t.amax()
     lo_abs = torch.where(lo == float("-inf"), torch.zeros_like(lo), lo.abs())
@@ -61,8 +56,7 @@ class ResidualStream:
         order: ForwardOrder | None = None,
     ) -> None:
         self.active = active
-        self.order = order
-        """Numbers each block output and logits observed in forward order (``nonfinite_first``)."""
+        self.order = order  # numbers the observations in forward order (nonfinite_first)
         self.blocks = repeated_blocks(model)
         self.names = [n for n, _ in self.blocks]
         self._n_attention = n_attention
@@ -70,10 +64,8 @@ class ResidualStream:
         # compiled code keeps each call on the block itself (see _traced_block): named per instance
         serial = next(_SERIALS)
         self._calls_attr = f"_sdcwatch_stream_{serial}"
-        self.logits_attr = f"_sdcwatch_logits_{serial}"
-        """The attribute of an attention layer where compiled code keeps its logits' calls."""
-        self.attention_layers: list[nn.Module] = []
-        """The watch's attention layers in layer order (where :meth:`collect` finds those calls)."""
+        self.logits_attr = f"_sdcwatch_logits_{serial}"  # where compiled code keeps a layer's logits
+        self.attention_layers: list[nn.Module] = []  # the watch's, in layer order
         self._block_of: dict[int, int] = {}
         for i, (_, m) in enumerate(self.blocks):
             self._block_of[id(m)] = i
@@ -96,8 +88,7 @@ class ResidualStream:
         self._layer_seq: list[int] = []
 
     def _block_hook(self, module: nn.Module, args: Any, output: Any) -> None:
-        """The forward hook of every block: one function for all of them (code torch.compile traces
-        then holds no block index, a constant Dynamo would compile each block's own graph for)."""
+        """The forward hook of every block (one function: traced code holds no block index)."""
         if not self.active():
             return
         out = output
@@ -117,8 +108,7 @@ class ResidualStream:
         self._lo.append(out.amin())
 
     def observe_logits_traced(self, module: nn.Module, logits: torch.Tensor) -> None:
-        """:meth:`observe_logits` in code torch.compile traces: kept on the attention layer itself, its
-        ordinal counted on the device (no layer index in the traced code)."""
+        """:meth:`observe_logits` in traced code: kept on the layer, its ordinal counted on the device."""
         if logits.numel() == 0:
             return
         logits = logits.detach()
@@ -145,12 +135,9 @@ class ResidualStream:
         """The pre-softmax logits of attention layer ``layer`` (masked slots ``-inf`` or the dtype's lowest value)."""
         if logits.numel() == 0:
             return
-        # the maximum skips masked slots (-inf) and keeps NaN and +inf. The minimum skips every mask
-        # mark: -inf and the dtype's lowest value (Hugging Face's additive mask, moved by a logit
-        # added to it by a few units in the last place at most), both at or below half the lowest
-        # value, where no logit lives. One elementwise pass (F.threshold), as cheap as nan_to_num;
-        # a NaN shows in the maximum, so a NaN minimum reads as "no minimum" (0), set for every
-        # layer at once in collect(): per call, only the three passes over the logits.
+        # the maximum skips masked slots (-inf) and keeps NaN and +inf; the minimum skips every mask
+        # mark (-inf, Hugging Face's additive dtype-lowest: at or below half the lowest value) in one
+        # F.threshold pass; a NaN minimum reads as "no minimum" (0) in collect()
         logits = logits.detach()
         self._layer.append(int(layer))
         if self.order is not None:
@@ -190,12 +177,7 @@ class ResidualStream:
         """The largest of ``values`` per index in ``range(n)`` (0 where none; NaN kept)."""
         if len(index) == n and index == list(range(n)) and values.dtype == torch.get_default_dtype():
             return values  # every index once, in order (the usual step): the values are the maxima
-        key = (tuple(index), values.device)
-        idx = self._index.get(key)
-        if idx is None:  # a step calls the blocks and layers as the previous one did: cached
-            if len(self._index) > 64:
-                self._index.clear()
-            idx = self._index[key] = torch.tensor(index, device=values.device)
+        idx = cached(self._index, (tuple(index), values.device), lambda: torch.tensor(index, device=values.device))
         return torch.zeros(n, device=values.device).scatter_reduce_(0, idx, values, "amax", include_self=False)
 
     def discard(self) -> None:

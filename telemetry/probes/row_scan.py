@@ -1,14 +1,13 @@
-"""One read of a product's output for the finite-SDC checks: each row's fp32 sum (the forward checksum's
-left side), largest |value| and count of NaN/Inf/near-INF elements, from one Triton kernel on a GPU
-(:mod:`~sdcwatch.telemetry.probes.row_scan_kernel`) or plain torch ops elsewhere; and ``sdcwatch::row_scan``,
-the same as one custom operator that ``torch.compile`` calls without a graph break.
-(docs/probes.md, "How the probes are built", says how and why.)
+"""One read of a product's output: each row's fp32 sum, largest |value| and count of NaN/Inf/near-INF
+elements, from one Triton kernel on a GPU or plain torch ops elsewhere, and ``sdcwatch::row_scan``,
+the same as a custom operator ``torch.compile`` calls without a graph break (docs/probes.md).
 """
 
 from __future__ import annotations
 
 import functools
 import math
+from typing import Any, Callable
 
 import torch
 
@@ -16,6 +15,7 @@ from sdcwatch.telemetry.probes.forward_order import NEAR_INF
 
 __all__ = [
     "FUSED_DTYPES",
+    "launch_on",
     "near_inf_limit",
     "row_scan",
     "row_scan_op",
@@ -24,11 +24,10 @@ __all__ = [
     "triton_available",
 ]
 
-_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-#: The dtypes the fused kernel reads.
-FUSED_DTYPES = _KERNEL_DTYPES
+#: The dtypes the Triton kernels read.
+FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # worked out at import, so the step path never reads a tensor to the host for them
-_limits = {dtype: float(torch.tensor(NEAR_INF, dtype=dtype)) for dtype in (*_KERNEL_DTYPES, torch.float64)}
+_limits = {dtype: float(torch.tensor(NEAR_INF, dtype=dtype)) for dtype in (*FUSED_DTYPES, torch.float64)}
 
 
 def near_inf_limit(dtype: torch.dtype) -> float:
@@ -49,6 +48,14 @@ def triton_available() -> bool:
     return True
 
 
+def launch_on(t: torch.Tensor, launch: Callable[[], Any]) -> Any:
+    """``launch()`` with ``t``'s CUDA device current (triton launches on the current device)."""
+    if not t.is_cuda:
+        return launch()
+    with torch.cuda.device(t.device):
+        return launch()
+
+
 def _rows(y: torch.Tensor) -> torch.Tensor:
     """``y`` as (R, n) over its last dim, the last dim contiguous (a view where strides allow)."""
     if y.dim() == 0:
@@ -65,11 +72,8 @@ def _empty_scan(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
 
 
 def row_scan_reference(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """What :func:`row_scan` gives, in plain torch ops on ``y`` as it is laid out (bit for bit what
-    ``y.sum(-1, dtype=torch.float32)`` and ``y.abs().amax(-1).float()`` give, flattened to (R,)).
-
-    Rows of no elements give 0, 0, 0. No gradient flows through the outputs.
-    """
+    """What :func:`row_scan` gives, in plain torch ops (bit for bit ``y.sum(-1, dtype=torch.float32)``
+    and ``y.abs().amax(-1).float()``, flattened to (R,)); empty rows give 0, 0, 0; no gradient."""
     y = y.detach()
     if y.dim() == 0:
         y = y.reshape(1)
@@ -83,22 +87,18 @@ def row_scan_reference(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tor
 
 
 def row_scan(y: torch.Tensor, *, use_triton: bool | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Each row's fp32 sum, largest |value| and count of NaN/Inf/near-INF elements, the rows being ``y``
-    viewed as (R, n) over its last dim: three (R,) tensors (float32, float32, int32) on ``y``'s device.
-
-    ``sums`` is ``y.sum(-1, dtype=torch.float32)`` to fp32 rounding (NaN and +-inf as IEEE addition
-    gives them), ``peaks`` exactly ``y.abs().amax(-1).float()`` (NaN where the row holds one), ``bad``
-    the count of elements that are NaN, +-inf or ``>= NEAR_INF`` in magnitude. ``use_triton``: None
-    runs the Triton kernel where ``y`` is on CUDA and triton imports, else :func:`row_scan_reference`;
-    True always the kernel (a CPU tensor only under ``TRITON_INTERPRET=1``); False the reference.
+    """Each row's fp32 sum (to fp32 rounding), largest |value| (exactly, NaN kept) and count of NaN,
+    +-inf or ``>= NEAR_INF`` elements over ``y``'s last dim: three (R,) tensors (float32, float32,
+    int32). ``use_triton``: None the Triton kernel on CUDA where triton imports, else
+    :func:`row_scan_reference`; True always the kernel (on a CPU under ``TRITON_INTERPRET=1``).
     """
     if not y.is_floating_point():
         raise TypeError(f"row_scan needs a floating tensor, got {y.dtype}")
     if use_triton is None:
-        use_triton = y.is_cuda and y.dtype in _KERNEL_DTYPES and triton_available()
+        use_triton = y.is_cuda and y.dtype in FUSED_DTYPES and triton_available()
     if not use_triton:
         return row_scan_reference(y)
-    if y.dtype not in _KERNEL_DTYPES:
+    if y.dtype not in FUSED_DTYPES:
         raise TypeError(f"the row_scan kernel reads float32, bfloat16 or float16, got {y.dtype}")
     y2 = _rows(y.detach())
     if y2.shape[0] == 0 or y2.shape[1] == 0:
@@ -109,18 +109,12 @@ def row_scan(y: torch.Tensor, *, use_triton: bool | None = None) -> tuple[torch.
     sums = torch.empty(R, dtype=torch.float32, device=y2.device)
     peaks = torch.empty(R, dtype=torch.float32, device=y2.device)
     bad = torch.empty(R, dtype=torch.int32, device=y2.device)
-    if y2.is_cuda:
-        with torch.cuda.device(y2.device):  # triton launches on the current device
-            launch_row_scan(y2, sums, peaks, bad, near_inf_limit(y2.dtype))
-    else:
-        launch_row_scan(y2, sums, peaks, bad, near_inf_limit(y2.dtype))
+    launch_on(y2, lambda: launch_row_scan(y2, sums, peaks, bad, near_inf_limit(y2.dtype)))
     return sums, peaks, bad
 
 
 def scan_peaks(sums: torch.Tensor, peaks: torch.Tensor, bad: torch.Tensor) -> torch.Tensor:
-    """(3,) float32 on the rows' device: [largest |row sum|, largest |value|, count of bad elements],
-    NaN in the first two wherever a NaN came in (as ``torch.amax``); zeros for no rows. No host sync.
-    """
+    """(3,) float32: [largest |row sum|, largest |value|, count of bad elements] (NaN kept; zeros for no rows)."""
     if sums.numel() == 0:
         return torch.zeros(3, dtype=torch.float32, device=sums.device)
     return torch.stack([sums.abs().amax().float(), peaks.amax().float(), bad.sum(dtype=torch.float32)])
@@ -128,8 +122,7 @@ def scan_peaks(sums: torch.Tensor, peaks: torch.Tensor, bad: torch.Tensor) -> to
 
 @torch.library.custom_op("sdcwatch::row_scan", mutates_args=())
 def row_scan_op(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`row_scan` (the kernel on CUDA where triton imports) as ``torch.ops.sdcwatch.row_scan``:
-    one opaque call to ``torch.compile``. Its outputs carry no gradient."""
+    """:func:`row_scan` as ``torch.ops.sdcwatch.row_scan``: one opaque call to ``torch.compile``, no gradient."""
     return row_scan(y)
 
 

@@ -1,10 +1,6 @@
 """The Triton kernel behind :func:`~sdcwatch.telemetry.probes.row_scan.row_scan`: one read of a product's
 output rows writes each row's fp32 sum, largest |value| and count of NaN/Inf/near-INF elements.
-
-Imports triton (and still imports without it, with no kernel); :mod:`~sdcwatch.telemetry.probes.row_scan`
-imports this module only when a kernel is wanted. Triton's interpreter (``TRITON_INTERPRET=1``) runs the
-kernel on the CPU when the variable is set before triton is first imported: ``triton.jit`` reads it when
-it decorates, triton's own library functions included.
+Imports without triton (no kernel then); ``TRITON_INTERPRET=1`` set before triton's import runs it on a CPU.
 """
 
 from __future__ import annotations
@@ -83,9 +79,8 @@ def launch_config(R: int, n: int, elem_bytes: int) -> tuple[int, int, int]:
 
 
 def launch_row_scan(y2, sums, peaks, bad, limit: float, config: tuple[int, int, int] | None = None) -> None:
-    """Write ``sums``, ``peaks``, ``bad`` ((R,) fp32, fp32, int32) for ``y2``: (R, n), unit column stride.
-    ``config``: (BLOCK_R, BLOCK_N, num_warps), powers of two, instead of :func:`launch_config`'s (a benchmark's sweep).
-    """
+    """Write ``sums``, ``peaks``, ``bad`` ((R,) fp32, fp32, int32) for ``y2``: (R, n), unit column stride;
+    ``config``: (BLOCK_R, BLOCK_N, num_warps) instead of :func:`launch_config`'s (a benchmark's sweep)."""
     if _row_scan_kernel is None:
         raise RuntimeError("the row_scan kernel needs triton, which does not import here")
     R, n = y2.shape

@@ -1,7 +1,5 @@
 """A watch's finite-SDC probes: the matrix checksums and the residual stream, sampled as its
-:class:`~sdcwatch.telemetry.probes.config.ProbeConfig` says (``checksum_every``,
-``checksum_forward_every``, ``stream_every``).
-(docs/probes.md, "How the probes are built", says how and why.)
+:class:`~sdcwatch.telemetry.probes.config.ProbeConfig` says (docs/probes.md).
 """
 
 from __future__ import annotations
@@ -27,9 +25,8 @@ def fills_kv_cache(model: nn.Module) -> bool:
 
 
 class SampledChecks:
-    """The checksums (:class:`GemmChecks`, which also scan the products' outputs on the steps they do
-    not check) and the residual stream (:class:`ResidualStream`) of one watch; either is None when
-    its sampling is 0 (the checksums: when both are)."""
+    """The checksums (:class:`GemmChecks`, which also scan the products' outputs on unchecked steps)
+    and the residual stream of one watch; either is None when its sampling is 0."""
 
     def __init__(
         self,
@@ -87,21 +84,19 @@ class SampledChecks:
         return self._scheduled_at(step, cfg.checksum_every) or self._scheduled_at(step, cfg.checksum_forward_every)
 
     def due(self, on: bool) -> bool:
-        """Whether a probe switched ``on`` for this step measures the forward running now: the
-        step's training forwards only (an evaluation pass or the canary is not the step's)."""
+        """Whether a probe switched ``on`` measures the forward running now (training forwards only)."""
         w = self._watch
         return on and w.enabled and w.model.training and not canary_running()
 
     def sync(self, closed: bool = False) -> None:
-        """Switch the probes for the step about to run; keep the checksums' forward hooks only for a
-        step that is checked (a module with a forward hook leaves PyTorch's fast call path)."""
+        """Switch the probes for the step about to run (forward hooks only for a checked step)."""
         cfg = self._watch.config
         self.backward_on = not closed and self._scheduled(cfg.checksum_every)
         self.checks_on = not closed and self._checked_at(self._watch.next_step)
         self.stream_on = not closed and self._scheduled(cfg.stream_every)
         if self.stream is not None:  # where compiled code keeps each attention layer's logits
-            self.stream.attention_layers = self._watch.attention_layers
-            for m in self._watch.attention_layers:
+            self.stream.attention_layers = self._watch.attention.layers
+            for m in self.stream.attention_layers:
                 m.__dict__.setdefault(self.stream.logits_attr, [])
         device = next((p.device for p in self._watch.model.parameters()), None)
         if device is not None:
@@ -113,9 +108,8 @@ class SampledChecks:
                 self.checksums.arm_traced_backward()
 
     def seal(self) -> None:
-        """The weights as the optimizer left them (see :meth:`GemmChecks.seal`), when the next step
-        is checked forward: the optimizer's hook runs before ``watch.step()`` closes the step, so the step
-        after the one announced is the next forward."""
+        """Seal the weights as the optimizer left them when the next forward is checked (the hook runs
+        before ``watch.step()`` closes the step: the next forward is the one after ``next_step``)."""
         w = self._watch
         if self.checksums is not None and self._checked_at(w.next_step + 1):
             self.checksums.seal()
@@ -128,15 +122,14 @@ class SampledChecks:
             if torch.compiler.is_compiling() and self.stream.logits_attr in layer.__dict__:
                 self.stream.observe_logits_traced(layer, logits)  # kept on the layer (see ResidualStream)
                 return
-            layer = self._watch.layer_of(layer)
+            layer = self._watch.attention.layer_of(layer)
             if layer is None:  # not an attention layer of this watch
                 return
         self.stream.observe_logits(layer, logits)
 
     def collect(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        """This step's (per-layer vectors, scalars), empty when nothing was measured; starts the next
-        step. The scalar is ``nonfinite_first`` (:mod:`~sdcwatch.telemetry.probes.forward_order`), -1 on a
-        clean step: the watch drops it from the record then."""
+        """This step's (per-layer vectors, scalars); the scalar is ``nonfinite_first`` (-1 on a clean
+        step: the watch drops it). Starts the next step."""
         out: dict[str, torch.Tensor] = {}
         for probe in (self.checksums, self.stream):
             if probe is not None:

@@ -1,6 +1,4 @@
-"""Attention without the model's cooperation: the attention calls of a forward pass, seen from outside.
-(docs/probes.md, "How the probes are built", says how and why.)
-"""
+"""Attention without the model's cooperation: a forward pass's attention calls, seen from outside (docs/probes.md)."""
 
 from __future__ import annotations
 
@@ -59,12 +57,9 @@ def sdpa_attention_stats(
     queries: int = 16,
     sequences: int = 0,
 ) -> torch.Tensor:
-    """The attention statistics of one ``F.scaled_dot_product_attention(q, k, v, ...)`` call.
-
-    Same semantics as the kernel: q (batch, heads, Lq, d), k (batch, kv_heads, Lk, d) with
-    kv_heads dividing heads; a bool ``attn_mask`` marks the keys that take part, a float one is
-    added to the logits; ``is_causal`` masks key j > query i (top-left aligned); ``scale``
-    defaults to 1/sqrt(d). Only the sampled heads and query rows are recomputed.
+    """The attention statistics of one ``F.scaled_dot_product_attention(q, k, v, ...)`` call, with the
+    kernel's semantics (grouped kv heads, bool or float ``attn_mask``, top-left ``is_causal``,
+    ``scale``); only the sampled heads and query rows are recomputed.
     """
     with torch.no_grad():
         q, k = q.detach(), k.detach()
@@ -99,32 +94,26 @@ def sdpa_attention_stats(
 
 
 class AttentionTap(TorchFunctionMode):
-    """Sees the attention calls of one watch's model while entered.
-
-    :meth:`install` hooks the model's own call: on a sampled step, a training forward pass is
-    bracketed by :meth:`forward_begin` and :meth:`forward_end` (which an integration may also call
-    around a forward that does not go through the model's call, such as Lightning's
-    ``training_step``); the mode is pushed once however deeply they nest.
+    """Sees the attention calls of one watch's model while entered: on a sampled step, between
+    :meth:`forward_begin` and :meth:`forward_end` (hooked on the model's call by :meth:`install`, or
+    called by an integration); the mode is pushed once however deeply they nest.
     """
 
     def __init__(self, watch: Watch) -> None:
         super().__init__()
         self.watch = watch
         self.depth = 0
-        self.calls = 0
-        """Attention calls seen since the tap was made (sampled steps only)."""
-        self.forwards = 0
-        """Forward passes the tap was entered for."""
+        self.calls = 0  # attention calls seen (sampled steps only)
+        self.forwards = 0  # forward passes the tap was entered for
         self.modules = watch.module_names
         self._stack: list[bool] = []
         self._warned = False
+        # a sampled forward ran compiled, where the tap sees nothing (it finds the layer on the
+        # Python call stack, which compiled code does not have)
         self.compiled = False
-        """Whether a sampled forward ran compiled, where the tap sees nothing: it finds the layer on
-        the Python call stack, which compiled code does not have (layers reporting with
-        observe_attention still report)."""
-        self.reported = bool(watch.n_layers) and all(map(watch.reports_itself, watch.attention_layers))
-        """Every attention layer found when attaching reports itself: the tap is never entered
-        (decided once, so that compiled code sees the same mode stack on every sampled step)."""
+        # every layer found when attaching reports itself: never entered (decided once, so that
+        # compiled code sees the same mode stack on every sampled step)
+        self.reported = self._all_report_themselves()
 
     def install(self, model: nn.Module) -> list[Any]:
         """Bracket ``model``'s forward; warn once about attention it cannot see. Returns the hooks."""
@@ -145,21 +134,13 @@ class AttentionTap(TorchFunctionMode):
         if entered and self.reported:
             entered = False  # every layer reports itself: the tap would see nothing new
         elif entered and not w.config.attention_compiled and running_compiled():
-            # a forward run by torch.compile: the tap finds the layer on the Python call stack,
-            # which compiled code does not have; entering it would only make every compiled frame
-            # compile once more for the mode on the stack
+            # a compiled forward: the tap would see nothing, and every compiled frame would compile
+            # once more for the mode on the stack
             self.compiled = True
             entered = False
-        elif (
-            entered
-            and self.forwards
-            and not self.calls
-            and w.n_layers
-            and all(map(w.reports_itself, w.attention_layers))
-        ):
-            # a sampled forward ran under the tap and every attention call came from layers that
-            # report themselves: the same code will not show the tap anything new, and a
-            # TorchFunctionMode costs on every torch call of the forward pass
+        elif entered and self.forwards and not self.calls and self._all_report_themselves():
+            # every attention call of a sampled forward came from layers that report themselves:
+            # the tap would see nothing new, and a TorchFunctionMode costs on every torch call
             entered = False
         self._stack.append(entered)
         if entered:
@@ -167,6 +148,10 @@ class AttentionTap(TorchFunctionMode):
             self.depth += 1
             if self.depth == 1:
                 self.__enter__()
+
+    def _all_report_themselves(self) -> bool:
+        layers = self.watch.attention
+        return bool(layers.layers) and all(map(layers.reports_itself, layers.layers))
 
     def forward_end(self) -> None:
         if self._stack and self._stack.pop() and self.depth > 0:
@@ -230,19 +215,11 @@ class AttentionTap(TorchFunctionMode):
         layer = self._layer(inspect.currentframe().f_back)
         if layer is None:
             return
-        cfg = self.watch.config
         stats = sdpa_attention_stats(
-            query,
-            key,
-            attn_mask=attn_mask,
-            is_causal=bool(is_causal),
-            scale=scale,
-            heads=cfg.heads,
-            queries=cfg.queries,
-            sequences=cfg.sequences,
+            query, key, attn_mask=attn_mask, is_causal=bool(is_causal), scale=scale, **self._sampling()
         )
         self.calls += 1
-        self.watch.record_attention(layer, stats)
+        self.watch.attention.record(layer, stats)
 
     def _softmax(self, logits: Any, dim: Any = None, *args: Any, **kwargs: Any) -> None:
         if kwargs.get("dim", dim) not in (-1, 3) or not isinstance(logits, torch.Tensor) or logits.dim() != 4:
@@ -261,32 +238,26 @@ class AttentionTap(TorchFunctionMode):
         if layer is None:
             return
         q, k = qk
-        cfg = self.watch.config
-        stats = attention_stats(
-            q,
-            _expand_kv(k, q.shape[1]),
-            logits=logits,
-            heads=cfg.heads,
-            queries=cfg.queries,
-            sequences=cfg.sequences,
-            causal=False,
-        )
+        stats = attention_stats(q, _expand_kv(k, q.shape[1]), logits=logits, causal=False, **self._sampling())
         self.calls += 1
-        self.watch.record_attention(layer, stats)
+        self.watch.attention.record(layer, stats)
+
+    def _sampling(self) -> dict[str, int]:
+        cfg = self.watch.config
+        return {"heads": cfg.heads, "queries": cfg.queries, "sequences": cfg.sequences}
 
     def _layer(self, frame: Any) -> int | None:
         """The layer index of the innermost module of the watched model on the call stack that is (or
-        becomes) a layer; None when there is none, or when that module reports itself (it calls
-        observe_attention, or is an ``nn.MultiheadAttention``, which has its own hook)."""
+        becomes) a layer; None when there is none, or when it reports itself."""
         depth = 0
         while frame is not None and depth < _MAX_DEPTH:
             code = frame.f_code
             if code.co_argcount and code.co_varnames[0] == "self":
                 obj = frame.f_locals.get("self")
                 if isinstance(obj, nn.Module) and obj in self.modules:
-                    if self.watch.reports_itself(obj):
+                    if self.watch.attention.reports_itself(obj):
                         return None
-                    index = self.watch.layer_of(obj)
+                    index = self.watch.attention.layer_of(obj)
                     if index is not None:  # else a module inside the layer the settings name: go up
                         return index
             frame = frame.f_back
@@ -315,13 +286,9 @@ def _find_qk(local: dict, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
 
 
 def attention_blind_spots(model: nn.Module) -> list[str]:
-    """What the probes cannot see in ``model``: one line per reason (empty when attention is visible).
-
-    A Hugging Face model is visible with ``attn_implementation`` "sdpa" or "eager"; other
-    implementations (flash_attention_2, flex_attention, a kernel hub) are not. In other models, a
-    module that looks like attention (its class or name says so) is visible when its forward calls
-    ``scaled_dot_product_attention`` or ``softmax``, or reports itself (``observe_attention``,
-    ``nn.MultiheadAttention``).
+    """What the probes cannot see in ``model``, one line per reason: a Hugging Face
+    ``attn_implementation`` other than "sdpa" or "eager", or a module that looks like attention whose
+    forward calls neither ``scaled_dot_product_attention`` nor ``softmax`` nor reports itself.
     """
     for _, m in model.named_modules():
         impl = getattr(getattr(m, "config", None), "_attn_implementation", None)

@@ -37,10 +37,7 @@ __all__ = ["Watch", "attach", "canary_product"]
 
 
 class Watch:
-    """Probes attached to one model replica (one rank). Build with :func:`attach`.
-
-    ``environment`` (read from the process when None) says whether the checks may use their Triton
-    kernels and check weight gradients in compiled backwards."""
+    """Probes attached to one model replica (one rank). Build with :func:`attach`."""
 
     def __init__(
         self,
@@ -61,30 +58,24 @@ class Watch:
             raise ConfigError("probes.emitter", f"needs an object with an emit() method, got {type(emitter).__name__}")
         self.model = model
         self.emitter = emitter
-        self.coords = _rank_coords(model, emitter, mesh, mesh_names)
-        """This rank's parallel coordinates (from ``mesh``), carried by every record."""
+        self.coords = _rank_coords(model, emitter, mesh, mesh_names)  # this rank's, on every record
         self.optimizer = optimizer
         self.config = config or ProbeConfig()
         self.canary_input = canary_input
         if self.config.canary_every and canary_input is None and not external:
             raise ConfigError("probes.canary_every", "needs canary_input= (a fixed input for the model)")
         self.enabled = True
-        self.errors = 0
-        """Failures while building or emitting a record (they never reach the training loop)."""
-        self.buffer = StepBuffer()
-        """This step's values, written by the parts, packed at the step's end."""
+        self.errors = 0  # failures while building or emitting a record (they never reach the training loop)
+        self.buffer = StepBuffer()  # this step's values, written by the parts, packed at the step's end
         self.module_names: dict[nn.Module, str] = {m: n for n, m in model.named_modules()}
-        self.act_max_module: str | None = None
-        """The module that produced the largest output of the last sampled step emitted."""
+        self.act_max_module: str | None = None  # the last emitted sampled step's largest output's
         self.attention_on = False  # the step in progress measures attention (fixed for the step)
-        self.next_step = 0
-        """The step expected next: decides what the hooks measure."""
+        self.next_step = 0  # the step expected next: decides what the hooks measure
         self.closed = False
         self._handles: list[Any] = []
         self._last_time: float | None = time.perf_counter()
         # background False: records are built on the caller's thread (simulation)
-        self.sender = RecordSender(self._emit, background=background)
-        """Hands each step's record to the emitter a step later, off the training thread."""
+        self.sender = RecordSender(self._emit, background=background)  # a step later, off the training thread
         self._build_parts(model, ddp, optimizer, external, environment or RankEnvironment.read())
         LIVE_WATCHES.add(self)
 
@@ -112,11 +103,11 @@ class Watch:
         if self.config.attention != "none" and not external:
             self._tap = AttentionTap(self)
             self._handles += self._tap.install(model)
+        # the checksums and the residual stream
         self.sampled_checks = SampledChecks(
             self, model, environment=environment, optimizer=optimizer, external=external
         )
-        """The checksums and the residual stream."""
-        self.checksums = self.sampled_checks.checksums  # GemmChecks: .names says which product each gemm_* layer is
+        self.checksums = self.sampled_checks.checksums  # .names: the product of each gemm_* layer
         self._names = NameHandoff(self)  # the emitter sends the name lists ahead of the records
         self.gemm_canary = None if external else GemmCanary.of(model, self.config)  # gemm_canary_fp
         self._sync_activation_hooks()
@@ -140,30 +131,12 @@ class Watch:
         return len(self.attention.layers)
 
     @property
-    def attention_layers(self) -> list[nn.Module]:
-        """The attention layers this watch measures, in layer-index order."""
-        return self.attention.layers
-
-    @property
     def layer_names(self) -> list[str]:
         """Module names of the attention layers, in layer-index order."""
         return [self.module_names.get(m, "") for m in self.attention.layers]
 
-    def layer_of(self, module: nn.Module) -> int | None:
-        """The layer index of ``module``; with attention "auto" an unknown module becomes a layer."""
-        return self.attention.layer_of(module)
-
-    def reports_itself(self, module: nn.Module) -> bool:
-        """Whether ``module`` reports its attention (observe_attention, or the MHA hook)."""
-        return self.attention.reports_itself(module)
-
-    def record_attention(self, layer: int, stats: torch.Tensor) -> None:
-        """Fold one observation of attention layer ``layer`` into the step's."""
-        self.attention.record(layer, stats)
-
     def begin_forward(self) -> None:
-        """Mark the start of a forward pass that does not go through the attached module's call
-        (Lightning runs ``training_step``): attention is then measured until :meth:`end_forward`."""
+        """Mark the start of a forward pass that bypasses the model's call (Lightning's ``training_step``)."""
         if self._tap is not None:
             self._tap.forward_begin()
 
@@ -172,32 +145,18 @@ class Watch:
         if self._tap is not None:
             self._tap.forward_end()
 
-    def observe_gradients(
-        self,
-        *,
-        local_sq: torch.Tensor,
-        global_sq: torch.Tensor,
-        dot: torch.Tensor,
-        nonfinite: torch.Tensor | None = None,
-        grad_fp: torch.Tensor | None = None,
-    ) -> None:
-        """Gradient statistics computed elsewhere (see :meth:`GradientStats.observe_gradients`)."""
-        self.gradients.observe_gradients(
-            local_sq=local_sq, global_sq=global_sq, dot=dot, nonfinite=nonfinite, grad_fp=grad_fp
-        )
+    def observe_gradients(self, **stats: torch.Tensor | None) -> None:
+        """Gradient statistics computed elsewhere (:meth:`GradientStats.observe_gradients`)."""
+        self.gradients.observe_gradients(**stats)
 
     def observe_fingerprint(self, name: str, raw: torch.Tensor) -> None:
         """A raw device fingerprint (see :mod:`sdcwatch.telemetry.probes.fingerprint`) computed elsewhere."""
         self.buffer.fps[name] = raw
 
-    def clip_grad_norm_(
-        self, max_norm: float, *, parameters: Any = None, error_if_nonfinite: bool = False, foreach: bool | None = None
-    ) -> torch.Tensor:
-        """``torch.nn.utils.clip_grad_norm_`` reusing the norm the watch measured this step (see
-        :meth:`GradientStats.clip_grad_norm_`)."""
-        return self.gradients.clip_grad_norm_(
-            max_norm, parameters=parameters, error_if_nonfinite=error_if_nonfinite, foreach=foreach
-        )
+    def clip_grad_norm_(self, max_norm: float, **kwargs: Any) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_``, bit for bit, once the watch read the step's gradient
+        (:meth:`GradientStats.clip_grad_norm_`)."""
+        return self.gradients.clip_grad_norm_(max_norm, **kwargs)
 
     # -- per-step collection ---------------------------------------------------------------------
     def _reset(self) -> None:
@@ -210,20 +169,13 @@ class Watch:
         """Whether the step in progress produces a record."""
         return self.next_step % self.config.every == 0
 
-    @property
-    def _recording_attention(self) -> bool:
-        return self.recording and (self.next_step // self.config.every) % self.config.attention_every == 0
-
-    @property
-    def _recording_activations(self) -> bool:
-        every = self.config.activations_every
-        return bool(every) and self.recording and (self.next_step // self.config.every) % every == 0
-
     def _sync_activation_hooks(self) -> None:
-        """Set what the hooks measure in the step about to run (fixed for the step: under
-        torch.compile a hook reading the step number would recompile at every sampled step)."""
-        self._activations.sync(self._recording_activations and not self.closed)
-        self.attention_on = self._recording_attention and not self.closed
+        """Fix what the hooks measure in the step about to run (under torch.compile a hook reading
+        the step number would recompile at every sampled step)."""
+        cfg, sampled = self.config, self.next_step // self.config.every
+        live = self.recording and not self.closed
+        self._activations.sync(live and bool(cfg.activations_every) and sampled % cfg.activations_every == 0)
+        self.attention_on = live and sampled % cfg.attention_every == 0
         self.sampled_checks.sync(self.closed)
 
     def observe_attention(
@@ -313,12 +265,7 @@ class Watch:
             host["emitter_dropped"] = float(dropped)
         device_scalars = dict(buf.scalars)
         device_scalars.update(self._activations.take())
-        if loss is not None:
-            if isinstance(loss, torch.Tensor):
-                device_scalars["loss"] = _scalar(loss)
-            else:
-                host["loss"] = float(loss)
-        for name, value in scalars.items():
+        for name, value in {"loss": loss, **scalars}.items():
             if isinstance(value, torch.Tensor):
                 device_scalars[name] = _scalar(value)
             elif value is not None:
@@ -363,8 +310,7 @@ class Watch:
             )
 
     def checkpoint(self, step: int, path: Any = "") -> None:
-        """Tell the service the job saved a checkpoint holding the update of ``step`` at ``path``
-        (the emitter's :meth:`~sdcwatch.telemetry.wire.emitter.Emitter.checkpoint`; never raises)."""
+        """The emitter's :meth:`~sdcwatch.telemetry.wire.emitter.Emitter.checkpoint`; never raises."""
         note = getattr(self.emitter, "checkpoint", None)  # a stand-in emitter may have none
         if note is not None:
             try:
@@ -414,8 +360,7 @@ def _rank_coords(model: nn.Module, emitter: Any, mesh: Any, names: Any) -> dict[
 
 
 def canary_product(canary: GemmCanary, step: int) -> dict[str, float]:
-    """``{CANARY_PRODUCT: index}`` of the product ``canary`` checks at ``step`` (its index in
-    ``canary.products``), sent with that step's ``gemm_canary_fp``; empty without a product."""
+    """``{CANARY_PRODUCT: index}`` of the product ``canary`` checks at ``step``; empty without one."""
     k = canary.index_at(step)
     return {} if k is None else {CANARY_PRODUCT: float(k)}
 
@@ -442,23 +387,13 @@ def attach(
 ) -> Watch:
     """Attach probes to ``model`` (and its optimizer, and its DDP wrapper) reporting to ``emitter``.
 
-    ``settings`` are :class:`ProbeConfig` fields (``every``, ``attention_every``, ``heads``...);
-    an unknown one is a ConfigError. With ``ddp`` a communication hook is registered (before the
-    first backward); without it the gradient statistics come from ``p.grad`` at the end of each
-    backward, before any clipping (world size one). A ``DistributedDataParallel``
-    passed as ``model`` is taken as its own ``ddp``. ``canary_input`` (a fixed
-    input, the same on every rank) with ``canary_every=N`` turns on the canary check.
-
-    A model sharded by FSDP2 (``fully_shard``, HSDP included) is measured through its
-    reduce-scatters (:mod:`~sdcwatch.telemetry.probes.fsdp`): attach after ``fully_shard``. ``mesh`` (a
-    torch ``DeviceMesh``, the job's whole mesh) puts this rank's parallel coordinates on every
-    record (:func:`~sdcwatch.telemetry.probes.mesh_torch.coords_from_mesh`); ``mesh_names`` says what
-    mesh dims with other names are, e.g. ``{"model": "tp"}``. ``environment``: what the process
-    environment says (read here when None), see :class:`~sdcwatch.telemetry.wire.environment.RankEnvironment`.
+    ``settings`` are :class:`ProbeConfig` fields (an unknown one is a ConfigError); a
+    ``DistributedDataParallel`` passed as ``model`` is its own ``ddp``; attach after FSDP2's
+    ``fully_shard``. ``mesh`` (the job's ``DeviceMesh``; ``mesh_names`` maps other dim names, e.g.
+    ``{"model": "tp"}``) puts this rank's coordinates on every record. docs/probes.md has the rest.
     """
     built = ProbeConfig.from_settings(every=every, **settings)  # an unknown setting is a ConfigError
-    if config is None:
-        config = built
+    config = built if config is None else config
     model = getattr(model, "_orig_mod", model)  # torch.compile's wrapper: hooks go on the module it compiles
     if ddp is None and isinstance(model, torch.nn.parallel.DistributedDataParallel):
         ddp = model  # attach(DDP(model), ...): the wrapper is the DDP hook's, as if ddp= were given

@@ -1,9 +1,6 @@
 """The Triton kernel behind :func:`~sdcwatch.telemetry.probes.weight_sums.weight_sums`: one read of a
-weight writes, per block of rows and block of columns, the partial column sums and the partial sums
-of squares of the rows, in float32.
-
-Imports triton (and still imports without it, with no kernel). Triton's interpreter
-(``TRITON_INTERPRET=1``, set before triton is first imported) runs it on the CPU.
+weight writes, per block of rows and of columns, the partial column sums and row sums of squares in
+float32. Imports without triton (no kernel then); ``TRITON_INTERPRET=1`` runs it on a CPU.
 """
 
 from __future__ import annotations

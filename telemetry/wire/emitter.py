@@ -44,9 +44,8 @@ _HANDOVER = 0.0001
 
 
 def _ended_normally(exc: BaseException | None) -> bool:
-    """Whether a ``with Emitter()`` block left the way a finished run does: no exception, Ctrl-C
-    (the operator stopped it) or ``sys.exit(0)``. A run that raised did not end normally, and the
-    service should report it as stalled."""
+    """Whether a ``with Emitter()`` block left as a finished run does: no exception, Ctrl-C or
+    ``sys.exit(0)`` (a run that raised should look stalled to the service)."""
     if exc is None or isinstance(exc, KeyboardInterrupt):
         return True
     return isinstance(exc, SystemExit) and exc.code in (0, None)
@@ -77,36 +76,23 @@ class NullEmitter:
 
 
 class Emitter:
-    """Streams one record per step from this rank to the bus, without ever hurting training.
+    """Streams one record per step from this rank to the bus, without ever hurting training
+    (docs/messages.md, "The emitter and its transports").
 
     Args:
-        transport: where records go; default a :class:`KafkaTransport` to ``bootstrap``.
-        run, rank, world, local_rank, host: identity; defaults from the environment
-            (see :meth:`RankEnvironment.identity`).
-        bootstrap: Kafka address for the default transport; default ``SDCWATCH_BOOTSTRAP``,
-            then ``127.0.0.1:9092``.
-        topic: the telemetry topic for the default transport; default
-            ``SDCWATCH_BUS_TELEMETRY_TOPIC`` (the variable ``sdcwatch serve`` reads the same topic
-            from), then ``sdcwatch.telemetry``.
-        buffer: records held while the bus is slow or down (queue, spool and the batch in flight);
-            beyond it new records are dropped and counted. While the bus is down they wait as
-            packed bytes (:class:`RecordSpool`), not as Python objects.
+        transport: where records go; default a :class:`KafkaTransport` to ``bootstrap``
+            (``SDCWATCH_BOOTSTRAP``, then ``127.0.0.1:9092``) and ``topic``
+            (``SDCWATCH_BUS_TELEMETRY_TOPIC``, then ``sdcwatch.telemetry``).
+        run, rank, world, local_rank, host, coords: identity; defaults from ``env``
+            (:meth:`RankEnvironment.identity`); ``coords``: {mesh dim: index} (:mod:`sdcwatch.core.mesh`).
+        buffer: records held while the bus is slow or down; beyond it new ones are dropped and counted.
         batch: records per send.
         linger: seconds the sender waits for more records before sending a partial batch.
-        end_marker: send the end-of-run marker on :meth:`close` (so the service closes the run
-            instead of alerting that it stalled); leaving a ``with`` block on an exception (other
-            than Ctrl-C or ``sys.exit(0)``) sends none.
-        wire: ``"v2"`` (packed rows of a schema sent once; the default) or ``"v1"`` (self-describing
-            records); default ``SDCWATCH_WIRE``, then ``v2``.
-        coords: this rank's place in the job's device mesh, {dim: index} over
-            ``pp, dp_replicate, dp_shard, cp, ep, tp`` (:mod:`sdcwatch.core.mesh`), so the service
-            compares it only with ranks that hold the same model piece; default from
-            ``SDCWATCH_COORDS`` or ``SDCWATCH_MESH`` (see :meth:`RankEnvironment.identity`), else none
-            (pure data parallel).
-        key: the job key every message is signed with (a :class:`~sdcwatch.core.signing.JobKey`
-            or ``"kid:secret"``); default from ``SDCWATCH_KEY_FILE`` or ``SDCWATCH_KEY``, else
-            none (unsigned). The transport signs, on the sender thread; an unusable key raises
-            ConfigError here, naming the variable and never the secret.
+        end_marker: send the end-of-run marker on :meth:`close` (none when a ``with`` block is left
+            on an exception other than Ctrl-C or ``sys.exit(0)``).
+        wire: ``"v2"`` (default) or ``"v1"``; default ``SDCWATCH_WIRE``.
+        key: the job key the transport signs with (a :class:`~sdcwatch.core.signing.JobKey` or
+            ``"kid:secret"``); default ``SDCWATCH_KEY_FILE``'s or ``SDCWATCH_KEY``'s, else unsigned.
         env: the environment to read (a mapping or a :class:`RankEnvironment`); default the process's.
     """
 
@@ -177,8 +163,7 @@ class Emitter:
     def _identify(
         self, ident: dict[str, Any], run: Any, rank: Any, world: Any, local: Any, host: Any, coords: Any
     ) -> None:
-        """Take the identity given, the environment's where not; fail early, here, on one the
-        service would reject."""
+        """Take the identity given, the environment's where not; fail here on one the service rejects."""
         self.run = run if run is not None else ident["run"]
         self.rank = rank if rank is not None else ident["rank"]
         self.world = world if world is not None else ident["world"]
@@ -189,11 +174,8 @@ class Emitter:
         validate(Record(self.run, 0, self.rank, self.world, self.host, 0.0, self.local_rank))
 
     def set_coords(self, coords: Mapping[str, int]) -> None:
-        """Put this rank's parallel coordinates ({mesh dim: index}) on every record from now on.
-
-        ``attach(..., mesh=...)`` calls it with a torch ``DeviceMesh``'s coordinates; dims may be
-        given by alias (``dp``, ``fsdp``...). Raises ConfigError naming a bad dim or index.
-        """
+        """Put this rank's parallel coordinates ({mesh dim or alias: index}) on every record from now
+        on (``attach(..., mesh=...)`` calls it); ConfigError naming a bad dim or index."""
         checked = check_coords(coords)
         for dim, index in checked.items():
             if index >= self.world:
@@ -215,11 +197,8 @@ class Emitter:
         time: float | None = None,
         **scalars: float,
     ) -> None:
-        """Queue this rank's record for ``step``. Returns at once; never raises.
-
-        The hot path is one length check and one append (a training step calls it cold, its
-        caches evicted by the step: every bytecode counts); the rest is the sender's work.
-        """
+        """Queue this rank's record for ``step``. Returns at once; never raises. One length check and
+        one append (a step calls it with cold caches: every bytecode counts); the rest is the sender's."""
         try:
             q = self._queue
             if len(q) < self._room:
@@ -242,10 +221,9 @@ class Emitter:
             )
 
     def checkpoint(self, step: int, path: Any = "") -> None:
-        """Tell the service this job saved a checkpoint after ``step`` at ``path`` (a folder or file;
-        "" when there is none to name). Returns at once; never raises. Queued with the records, so it
-        reaches the bus after those emitted before it (``self.notes``: sent, dropped); past
-        ``MAX_NOTES`` waiting, or once closed, it is dropped and counted."""
+        """Tell the service this job saved a checkpoint after ``step`` at ``path`` ("": none to name).
+        Returns at once; never raises. Queued with the records, in their order; past ``MAX_NOTES``
+        waiting, or once closed, dropped and counted (``self.notes``)."""
         try:
             if self._closed or len(self.notes) >= MAX_NOTES:
                 self.notes.dropped += 1
@@ -263,9 +241,8 @@ class Emitter:
     def flush(self, timeout: float | None = 10.0) -> bool:
         """Wait until everything queued has been sent; False if ``timeout`` passed first."""
         deadline = None if timeout is None else _time.monotonic() + timeout
-        # Read in this order: the sender sets _taking before it pops the queue and clears it only
-        # after _held counts what it popped (until the bus confirms it), so a record is always
-        # visible in one of the three.
+        # in this order: the sender sets _taking before it pops the queue and clears it only after
+        # _held counts what it popped, so a record is always visible in one of the three
         while self._queue or self._taking or self._held or len(self.notes):
             if not self._thread.is_alive():
                 return False
@@ -277,12 +254,9 @@ class Emitter:
     def close(self, timeout: float | None = 10.0, *, end_run: bool = True) -> None:
         """Flush for up to ``timeout`` seconds, send the end-of-run marker, stop, close the transport.
 
-        Returns within ``timeout`` (plus a fraction of a second), with the sender thread gone: the
-        transport is told the deadline (``transport.deadline``, where it has one), so a flush or a
-        connection attempt ends by then (one attempt begun before ``close`` ends on its own bound,
-        ``connect_timeout_ms``). What could not be sent is counted as dropped. The end-of-run marker
-        goes only when everything emitted was sent (so it follows the rank's last record on the bus)
-        and ``end_run`` is true.
+        Returns within ``timeout`` (and a fraction of a second): the transport is told the deadline.
+        What could not be sent is counted as dropped; the marker goes only when ``end_run`` and
+        everything emitted was sent (so it follows the rank's last record).
         """
         if self._closed:
             return
@@ -335,20 +309,9 @@ class Emitter:
         self.close(end_run=_ended_normally(exc))
 
     def _send_end_marker(self) -> None:
+        extra = {"host": self.host, "local_rank": self.local_rank, "dropped": self.dropped}
         try:
-            self.transport.send(
-                [
-                    end_of_run(
-                        self.run,
-                        self._last_step,
-                        self.rank,
-                        self.world,
-                        host=self.host,
-                        local_rank=self.local_rank,
-                        dropped=self.dropped,
-                    )
-                ]
-            )
+            self.transport.send([end_of_run(self.run, self._last_step, self.rank, self.world, **extra)])
             self.ended = True
         except Exception as exc:  # the run will look stalled to the service; say why here
             log.warning("sdcwatch emitter (rank %s): end-of-run marker not sent: %s", self.rank, exc)
@@ -404,8 +367,8 @@ class Emitter:
             log.warning("sdcwatch emitter (rank %s): invalid record at step %s not sent: %s", self.rank, step, exc)
 
     def _take(self, put: Any, pause: float = 0.0) -> None:
-        """Move up to a batch of records off the queue, built, to ``put`` (a list's append, the spool's
-        put), sleeping ``pause`` seconds every few records."""
+        """Move up to a batch of records off the queue, built, to ``put``, sleeping ``pause`` seconds
+        every few records."""
         q = self._queue
         self._taking = True
         self._set_room(self.buffer - self._held - min(len(q), self.batch))  # those about to be taken stay counted
@@ -452,11 +415,8 @@ class Emitter:
         self._inflight = batch
 
     def _spool_queue(self) -> None:
-        """Pack everything queued into the spool: the bus is down, or the spool is not empty yet.
-
-        Nothing waits on it, so it pauses for real between a few records (a ``sleep(0)`` releases
-        the interpreter lock but often takes it straight back): the training thread never waits.
-        """
+        """Pack everything queued into the spool (the bus is down, or the spool not empty yet), pausing
+        for real between a few records (``sleep(0)`` often takes the lock straight back)."""
         while self._queue:
             self._take(self._spool.put, _HANDOVER)
 

@@ -1,10 +1,6 @@
 """The rank's environment, read in one place: every variable a training rank honours (the
-launcher's ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``, ``SDCWATCH_*``) is read here into a
-:class:`RankEnvironment`, which the emitter, the guard and the probes take instead of ``os.environ``.
-
-torchrun and torch.distributed already say most of a rank's identity in variables, so a training
-script needs no arguments. A test passes its own mapping (``RankEnvironment.read({"RANK": "3"})``)
-instead of patching the process environment. Nothing here is on the per-step path.
+launcher's ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``, ``SDCWATCH_*``) goes into a :class:`RankEnvironment`,
+which the emitter, the guard and the probes take instead of ``os.environ`` (a test passes a mapping).
 """
 
 from __future__ import annotations
@@ -23,8 +19,8 @@ __all__ = ["RankEnvironment", "identity_from_env"]
 
 @dataclass(frozen=True)
 class RankEnvironment:
-    """What the environment says to a training rank. ``variables`` keeps the raw mapping it was
-    read from; :meth:`identity` and :meth:`job_key` parse theirs on demand (they can fail)."""
+    """What the environment says to a training rank; :meth:`identity` and :meth:`job_key` parse
+    ``variables`` (the raw mapping) on demand (they can fail)."""
 
     variables: Mapping[str, str] = field(default_factory=dict, repr=False)
     triton: bool = True
@@ -61,14 +57,9 @@ class RankEnvironment:
             raise ConfigError(name, f"must be an integer, got {raw!r}") from None
 
     def identity(self) -> dict[str, Any]:
-        """Rank, world size, local rank, host, run and parallel coordinates.
-
-        torchrun sets RANK, WORLD_SIZE and LOCAL_RANK; SDCWATCH_RUN names the run (else
-        TORCHELASTIC_RUN_ID, else "default"). The rank's place in the job's device mesh
-        (:mod:`sdcwatch.core.mesh`) comes from SDCWATCH_COORDS (``"pp=1,dp=3,tp=0"``) or else from
-        SDCWATCH_MESH, the job's layout (``"pp=2,dp=4,tp=2"``) with the rank numbered over it;
-        neither set: no coordinates (pure data parallel).
-        """
+        """Rank, world size, local rank, host, run (SDCWATCH_RUN, else TORCHELASTIC_RUN_ID, else
+        "default") and mesh coordinates: SDCWATCH_COORDS (``"pp=1,dp=3,tp=0"``), else the rank
+        numbered over SDCWATCH_MESH (``"pp=2,dp=4,tp=2"``), else none."""
         env = self.variables
         rank, world = self._int("RANK", 0), self._int("WORLD_SIZE", 1)
         coords: dict[str, int] = {}
@@ -89,12 +80,8 @@ class RankEnvironment:
         }
 
     def job_key(self, key: Any = None) -> JobKey | None:
-        """The key this rank signs with: ``key`` (a JobKey or ``"kid:secret"``), else the one
-        ``SDCWATCH_KEY_FILE`` (then ``SDCWATCH_KEY``) holds, else None.
-
-        An unusable key raises ConfigError naming where it came from and what is wrong, never the
-        secret, and with no chained exception that could show it.
-        """
+        """The key this rank signs with: ``key`` (a JobKey or ``"kid:secret"``), else ``SDCWATCH_KEY_FILE``'s
+        (then ``SDCWATCH_KEY``'s), else None. An unusable one: ConfigError naming where, never the secret."""
         if isinstance(key, JobKey):
             return key
         if key is not None and not isinstance(key, str):

@@ -1,7 +1,6 @@
-"""What the emitter's sender thread holds between sends: the records (and checkpoint notes) spooled
-while the bus is down, in the order they were made (:class:`RecordSpool`), the layer names due
-ahead of each key window's records (:class:`NamesOutbox`), and the checkpoint notes' counts
-(:class:`NoteCounts`).
+"""What the emitter's sender thread holds between sends: the records and notes spooled while the bus
+is down (:class:`RecordSpool`), the layer names due ahead of each key window (:class:`NamesOutbox`),
+the checkpoint notes' counts (:class:`NoteCounts`).
 """
 
 from __future__ import annotations
@@ -27,13 +26,9 @@ _LEN = struct.Struct("<I")
 
 
 class RecordSpool:
-    """Records held while the bus is down, as bytes: the oldest first, counted in records.
-
-    A v2 record is its packed row already; a v1 record is kept as its encoded bytes. Rows go into
-    chunks of up to ``chunk`` records that share a layout, one ``bytearray`` each, so a full buffer
-    of 100,000 records is about a hundred Python objects (a collection pass is over in microseconds)
-    instead of hundreds of thousands. A checkpoint note (a few per run) waits in a chunk of its own,
-    in its place among the records; it is not counted.
+    """Records held while the bus is down, as bytes, oldest first, counted in records: chunks of up to
+    ``chunk`` rows of one layout in one ``bytearray`` each (a full buffer is a few hundred Python
+    objects, not hundreds of thousands). A checkpoint note waits, uncounted, in a chunk of its own.
     """
 
     __slots__ = ("run", "host", "chunk", "count", "_chunks")
@@ -64,8 +59,7 @@ class RecordSpool:
         return bool(self._chunks)
 
     def take(self) -> list[Record | PackedRecord | CheckpointNote]:
-        """The oldest chunk's items (at most ``chunk`` records), unpacked for the transport (a v1
-        record that does not decode again is left out: the caller sees fewer than it counted)."""
+        """The oldest chunk's items, unpacked (a v1 record that does not decode again is left out)."""
         schema, note, buf, n = self._chunks.popleft()
         self.count -= n
         if note is not None:
@@ -92,12 +86,9 @@ class RecordSpool:
 
 
 class NamesOutbox:
-    """One rank's layer names and the copies due on the bus (the emitter's: :meth:`Emitter.set_names`).
-
-    The probes hand the emitter their name lists; the outbox packs them once into a
-    :class:`LayerNames` message and queues a copy stamped with the step of the first record of each
-    key window, sent before the records in a send of their own. A refused send is not retried: the
-    names go again with the next batch. Nothing here raises into the sender.
+    """One rank's layer names (:meth:`Emitter.set_names`), packed once into a :class:`LayerNames`
+    message; a copy stamped with the step of each key window's first record goes ahead of its
+    records (a refused send goes again with the next batch). Nothing here raises into the sender.
     """
 
     def __init__(self, run: str, rank: int, world: int) -> None:
@@ -139,9 +130,8 @@ MAX_NOTES = 64
 
 
 class NoteCounts:
-    """One rank's checkpoint notes: ``sent`` (the bus took them), ``dropped`` (past :data:`MAX_NOTES`,
-    invalid, not encodable, or unsent at close). ``queued`` is written by the training thread only,
-    ``taken`` (off the queue) and ``settled`` (sent or dropped) by the sender only: no count is lost."""
+    """One rank's checkpoint notes ``sent`` and ``dropped``; ``queued`` is written by the training
+    thread only, ``taken`` and ``settled`` (sent or dropped) by the sender only: no count is lost."""
 
     __slots__ = ("sent", "dropped", "queued", "taken", "settled")
 

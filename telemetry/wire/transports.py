@@ -37,10 +37,6 @@ class Transport(Protocol):
     def close(self) -> None: ...
 
 
-def _unsent(message: str, records: Sequence[Record]) -> TransportError:
-    return TransportError(message, unsent=records)
-
-
 def _checked_key(key: Any) -> JobKey | None:
     if key is not None and not isinstance(key, JobKey):
         raise ConfigError("key", f"must be a JobKey (sdcwatch.core.signing), got a {type(key).__name__}")
@@ -48,12 +44,9 @@ def _checked_key(key: Any) -> JobKey | None:
 
 
 def key_for_transport(key: JobKey | None, transport: Any, *, explicit: bool) -> JobKey | None:
-    """Give ``key`` to a transport that signs (one with a ``key`` attribute) and has none; returns
-    the key the transport signs with.
-
-    A transport built with its own key keeps it (an explicit, different ``key`` is an error); one
-    that cannot sign (``FileTransport``, a transport of the caller's) is said once, by key id.
-    """
+    """Give ``key`` to a transport that signs (has a ``key`` attribute) and has none; returns the key
+    it signs with. Its own key is kept (an explicit, different one is an error); one that cannot
+    sign is said once, by key id."""
     if key is None:
         return getattr(transport, "key", None)
     if not hasattr(transport, "key"):
@@ -86,9 +79,8 @@ class MemoryBus:
             return list(self._topics.get(topic, [])[start:])
 
     def records(self, topic: str = TELEMETRY_TOPIC, *, keyring: Keyring | None = None) -> list[Record]:
-        """Decoded records of ``topic`` (raises RecordError on a malformed one; layer names and
-        checkpoint notes left out). Signed messages are verified with ``keyring`` (AuthError when one
-        does not verify or there is no keyring)."""
+        """Decoded records of ``topic`` (RecordError on a malformed one; notes left out), signed ones
+        verified with ``keyring`` (AuthError when one does not verify)."""
         return decode_stream((v for _, v in self.messages(topic)), keyring=keyring)
 
     def size(self, topic: str) -> int:
@@ -108,7 +100,7 @@ class MemoryTransport:
 
     def send(self, records: Sequence[Record | PackedRecord]) -> None:
         if self.bus.down:
-            raise _unsent("memory bus is down", records)
+            raise TransportError("memory bus is down", unsent=records)
         sign = self.key.sign if self.key is not None else None
         for key, value, _ in encode_items(records, record_key, 256, self._schemas_sent):
             self.bus.append(self.topic, key, sign(value) if sign else value)
@@ -119,10 +111,7 @@ class MemoryTransport:
 
 class FileTransport:
     """Appends records as JSON lines (offline capture; ``sdcwatch replay`` reads them back).
-
-    Unsigned: a capture file is read by whoever holds it, not by a service on a shared bus, so it
-    takes no job key (an emitter with one says so once and writes the lines unsigned).
-    """
+    Unsigned: a capture file is read by whoever holds it, not by a service on a shared bus."""
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = Path(path)
@@ -138,7 +127,7 @@ class FileTransport:
                 self._fh.write("".join(encode_line(r) + "\n" for r in records))
                 self._fh.flush()
             except OSError as exc:
-                raise _unsent(f"cannot write {self.path}: {exc}", records) from None
+                raise TransportError(f"cannot write {self.path}: {exc}", unsent=records) from None
 
     def close(self) -> None:
         with self._lock:
@@ -148,20 +137,12 @@ class FileTransport:
 
 
 class KafkaTransport:
-    """Produces records to a Kafka topic with kafka-python.
+    """Produces records to a Kafka topic with kafka-python, signed with ``key`` when one is set.
 
-    The producer is created at the first ``send`` (from the emitter's background thread) and
-    re-created after a failure, so a broker that is down when training starts, or restarts
-    mid-run, is picked up again without anyone's help. The topic is created if missing with
-    ``partitions`` partitions (brokers that auto-create topics would otherwise pick their own
-    default).
-
-    No call blocks for long: a connection attempt gives up after ``connect_timeout_ms`` (kafka-python
-    waits 30 s by default, which delayed the emitter's "bus unavailable" warning and its close),
-    and once :attr:`deadline` is set (the emitter sets it when it closes) every wait ends by then.
-
-    With ``key`` (a :class:`~sdcwatch.core.signing.JobKey`) every message is signed just before it
-    is produced; the service verifies it with the same key in its keyring.
+    The producer is created at the first ``send`` and re-created after a failure (a broker down at
+    the start, or restarted, is picked up again); the topic is created if missing with
+    ``partitions`` partitions. No call blocks for long: a connection attempt gives up after
+    ``connect_timeout_ms``, and every wait ends by :attr:`deadline` once the emitter closes.
     """
 
     def __init__(
@@ -251,7 +232,7 @@ class KafkaTransport:
         try:
             producer = self._producer or self._connect()
         except TransportError as exc:
-            raise _unsent(str(exc), records) from None
+            raise TransportError(str(exc), unsent=records) from None
         encoded = encode_items(records, record_key, self.max_records_per_message, self._schemas_sent)
         messages = [(key, recs) for key, _, recs in encoded]
         sign = self.key.sign if self.key is not None else None
@@ -264,22 +245,17 @@ class KafkaTransport:
             failed = [r for (_, recs), f in zip(messages, futures) if not (f.is_done and f.succeeded()) for r in recs]
             failed.extend(r for _, recs in messages[len(futures) :] for r in recs)
             self._reset()
-            raise _unsent(f"Kafka send to {self.bootstrap} failed: {exc}", failed) from None
+            raise TransportError(f"Kafka send to {self.bootstrap} failed: {exc}", unsent=failed) from None
         failed = [r for (_, recs), f in zip(messages, futures) if not (f.is_done and f.succeeded()) for r in recs]
         self._check_offsets([f.value for f in futures if f.is_done and f.succeeded()])
         if failed:
             exc = next((f.exception for f in futures if f.is_done and f.failed()), None)
             self._reset()
-            raise _unsent(f"Kafka did not confirm {len(failed)} of {len(records)} records: {exc}", failed)
+            raise TransportError(f"Kafka did not confirm {len(failed)} of {len(records)} records: {exc}", unsent=failed)
 
     def _check_offsets(self, confirmed: Sequence[Any]) -> None:
-        """Warn when a partition's offsets go back: the broker lost records it had confirmed.
-
-        Kafka offsets only grow. A broker that restarts without persistent storage (the embedded
-        one keeps everything in memory) starts its log again at 0, and what it confirmed before
-        is gone. The emitter cannot get those records back, but it must not stay silent about it.
-        The producer is replaced, so the next send starts from fresh metadata and creates the
-        topic again if the broker has none.
+        """Warn when a partition's offsets go back: the broker lost records it had confirmed (restarted
+        without persistent storage). The producer is replaced: fresh metadata, the topic created again.
         """
         confirmed = [md for md in confirmed if md is not None and md.offset >= 0]  # acks=0: no offsets
         went_back = [
@@ -332,11 +308,8 @@ def ensure_topic(
     security: dict[str, Any] | None = None,
     timeout_ms: int = 3000,
 ) -> bool:
-    """Create ``topic`` if it does not exist; True when it exists afterwards.
-
-    Failure to reach the admin API is not fatal: a broker that auto-creates topics still takes
-    the records, so the caller logs and carries on.
-    """
+    """Create ``topic`` if it does not exist; True when it exists afterwards (not reaching the admin
+    API is not fatal: a broker that auto-creates topics still takes the records)."""
     from kafka.admin import NewTopic
     from kafka.errors import KafkaError, TopicAlreadyExistsError
 

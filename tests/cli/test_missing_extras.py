@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from sdcwatch.core.record_json import to_json
+from sdcwatch.core.record import to_json
 from sdcwatch.core.record_type import Record
 
 from sdcwatch.cli import EXTRAS, TORCH_MISSING, missing_modules, needs_message

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from sdcwatch.core.errors import ReplayError
 from sdcwatch.core.incident import Incident, Severity
-from sdcwatch.core.record_json import to_json
+from sdcwatch.core.record import to_json
 from sdcwatch.core.record_type import Record
 
 import sdcwatch.report as report

@@ -10,8 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from sdcwatch.core.errors import RecordError, SdcwatchError, UnknownVersionError
 from sdcwatch.core.mesh import DIMS, MAX_COORD
-from sdcwatch.core.record import MAGIC, decode, decode_records, encode, encode_batch
-from sdcwatch.core.record_json import from_json, to_json
+from sdcwatch.core.record import MAGIC, decode, decode_records, encode, encode_batch, from_json, to_json
 from sdcwatch.core.record_type import Record
 
 names = st.from_regex(r"[A-Za-z_][A-Za-z0-9_.]{0,20}", fullmatch=True)

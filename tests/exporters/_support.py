@@ -142,6 +142,7 @@ def small_view(world: int = 8, layers: int = 2) -> ServiceView:
             late_records_total=3,
             incomplete_steps_total=5,
             dead_letter_reasons={"malformed": 1, "world": 1},
+            auth_runs_refused={("job-b", "run_name"): 2},
             consumer_partitions=4,
             waiting_for_schema=3,
             offset_gaps={"refetched": 2, "filled": 1, "skipped": 0},

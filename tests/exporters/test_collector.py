@@ -125,6 +125,9 @@ sdcwatch_pipeline_dead_letters_total 2.0
 # HELP sdcwatch_state_write_errors_total State snapshots that could not be written (a full or read-only disk); detection goes on, each is retried.
 # TYPE sdcwatch_state_write_errors_total counter
 sdcwatch_state_write_errors_total 0.0
+# HELP sdcwatch_auth_runs_refused_total Messages refused because their key may not speak for their run, by key id and reason: run_name (not issued for it), bound (another key holds it), full (no binding free), unsigned (see docs/service.md).
+# TYPE sdcwatch_auth_runs_refused_total counter
+sdcwatch_auth_runs_refused_total{key="job-b",reason="run_name"} 2.0
 # HELP sdcwatch_pipeline_dead_letters_by_reason_total Records routed to the dead-letter topic, by reason: malformed, unknown_version, empty, oversize, world, layers, layer_metrics, values, step_size, counter, name, step_jump, runs, unknown_schema (see docs/operating.md, Limits).
 # TYPE sdcwatch_pipeline_dead_letters_by_reason_total counter
 sdcwatch_pipeline_dead_letters_by_reason_total{reason="malformed"} 1.0

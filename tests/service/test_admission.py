@@ -10,8 +10,6 @@ the junk flood through the real broker.
 from __future__ import annotations
 
 import math
-import threading
-import time
 import uuid
 
 import pytest
@@ -22,7 +20,7 @@ from sdcwatch.core.record import encode_batch, record_key
 from sdcwatch.core.record_layout import PackedRecord
 from sdcwatch.core.record_type import Record
 from memory_source import MemorySource
-from polling import wait_for
+from polling import step_until
 from stand_ins import Clock, ListSink, clocked_pipeline
 from sdcwatch.service.kafka_source import KafkaSource
 from sdcwatch.service.loop import DetectorService
@@ -185,44 +183,50 @@ def test_the_budget_dead_letters_a_flooding_runs_excess_and_counts_it():
 def test_after_a_junk_flood_on_the_broker_a_real_run_is_watched_within_seconds(bootstrap, unique_topic):
     """1,000 one-record runs fill the service (the defaults: 1,000 runs); a real 4-rank run started
     after them is watched within seconds, and its NaN found at its step. Before: every record of
-    the real run dead-lettered (runs) for 15 minutes."""
+    the real run dead-lettered (runs) for 15 minutes.
+
+    The test drives the service's loop and its clocks: a step of the real run is a tenth of a
+    second on them, and the next one goes out once the loop has taken this one (admitted or
+    dead-lettered), so what the service decides does not depend on how fast a loaded machine runs."""
     from kafka import KafkaProducer
 
     source = KafkaSource(
         bootstrap, unique_topic, group=f"g-{uuid.uuid4().hex[:8]}", deadletter_topic=f"{unique_topic}.dead"
     )
-    pipe = DetectionPipeline(PipelineSettings(align_timeout_s=2.0))
+    clock = Clock(1000.0)
+    pipe = DetectionPipeline(PipelineSettings(align_timeout_s=2.0), clock=clock, wall=clock)
     sink = ListSink()
     svc = DetectorService(source, pipe, sinks=[sink], poll_timeout=0.1)
-    stop = threading.Event()
-    loop = threading.Thread(target=svc.run_for, kwargs={"until": stop.is_set}, daemon=True)
-    loop.start()
     try:
         junk_sender = KafkaProducer(bootstrap_servers=[bootstrap], linger_ms=5)
         for i in range(1000):
             junk_sender.send(unique_topic, key=f"junk-{i}".encode(), value=encode_batch([junk(f"junk-{i}")]))
         junk_sender.flush(30)
         junk_sender.close()
-        wait_for(lambda: pipe.aligner.runs() >= 1000, 60, "the 1,000 junk runs", interval=0.05)
+        step_until(svc.step, lambda: pipe.aligner.runs() >= 1000, 60, "the 1,000 junk runs")
         assert pipe.aligner.runs() == 1000
+        junk_records = pipe.records_total
         emitters = rank_emitters(bootstrap, unique_topic, "real")
         watched = None  # the step after which the service held the real run
-        for step in range(60):  # ten steps a second: the pace of a run is the workload, not a wait
+        for step in range(60):  # ten steps a second on the service's clocks
+            clock.t = 1000.0 + 0.1 * step
             for em in emitters:
                 loss = math.nan if (step, em.rank) == (45, 2) else 2.0 + 0.01 * em.rank
                 em.emit(step, loss=loss, grad_norm_local=1.0, grad_norm_global=1.0, layers={"attn_entropy": [1.5]})
                 em.flush(10)
+            taken = junk_records + 4 * (step + 1)
+            step_until(
+                svc.step, lambda: pipe.records_total >= taken, 60, f"the loop to take step {step} of the real run"
+            )
             if watched is None and pipe.aligner.holds("real"):
                 watched = step
-            time.sleep(0.1)
         for em in emitters:
             em.close(10)
-        wait_for(lambda: any(i.run == "real" for i in sink.opened), 30, "the real run's incident")
+        step_until(svc.step, lambda: any(i.run == "real" for i in sink.opened), 30, "the real run's incident")
     finally:
-        stop.set()
-        loop.join(30)
         svc.close()
-    assert watched is not None and watched <= 45, f"the real run was watched after step {watched}, its fault's"
-    assert pipe.runs_forgotten >= 1 and 0 < source.dead_letter_reasons.get("runs", 0) < 4 * 60
+    # the first step sent 2 s (run_probation_idle_s) after the flood went silent takes a junk run's place
+    assert watched == 20, f"the real run was watched after step {watched}"
+    assert pipe.runs_forgotten == 1 and source.dead_letter_reasons == {"runs": 4 * 20}
     nonfinite = [(i.first_step, i.ranks) for i in sink.opened if i.run == "real" and i.kind == "nonfinite"]
     assert nonfinite == [(45, (2,))]

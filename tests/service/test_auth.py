@@ -151,12 +151,14 @@ def _incident_event(run: str, rank: int = 1):
 def test_the_service_signs_each_runs_decisions_with_its_key_and_the_guard_refuses_forgeries_and_replays():
     bus = MemoryBus()
     auth = Authenticator(Keyring([KEY_A, KEY_B]))
-    auth.bind(["victim"], "job-a")
-    sink = ControlTopicSink.to_bus(bus, policy=ControlPolicy(actions=True), keys=auth.key_of)
+    guard = DecisionCheck("victim", KEY_A)
+    announced = [("t", b"victim", KEY_A.sign(guard.start.encode()))]  # as KafkaControl sends it
+    assert IngestDecoder(SchemaRegistry(), auth=auth).decode(announced) == ([], [])
+    assert auth.key_of("victim") is KEY_A and auth.nonce_of("victim") == guard.start.nonce
+    sink = ControlTopicSink.to_bus(bus, policy=ControlPolicy(actions=True), keys=auth.key_of, nonces=auth.nonce_of)
     sink.publish(_incident_event("victim", 1))
     sink.publish(_incident_event("victim", 2))
     (_, first), (_, second) = bus.messages(CONTROL_TOPIC)
-    guard = DecisionCheck("victim", KEY_A)
     d1 = guard.take(first)
     assert d1 is not None and d1.action == "evict" and d1.ranks == (1,) and d1.seq > 0
     assert guard.take(first) is None  # replayed

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 from detector_synth import SyntheticRun
-from sdcwatch.service.held_layers import HOLD_STEPS, HeldLayers
+from sdcwatch.service.run_state import HOLD_STEPS, HeldLayers
 from sdcwatch.service.pipeline import DetectionPipeline
 from sdcwatch.service.summary import decode_summary, encode_summary
 

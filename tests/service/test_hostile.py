@@ -282,7 +282,7 @@ def test_records_past_the_limits_are_refused_at_decode_with_the_reason():
     from sdcwatch.core.errors import RecordError
     from sdcwatch.core.limits import LimitError, RecordLimits, reason_of
     from sdcwatch.core.messages import decode_message
-    from sdcwatch.core.record_json import from_dict, to_dict
+    from sdcwatch.core.record import from_dict, to_dict
 
     limits = RecordLimits()
     cases = {
@@ -322,7 +322,7 @@ def test_records_past_the_limits_are_refused_at_decode_with_the_reason():
 def test_an_emitter_dropped_sum_past_float_range_does_not_blank_the_metrics():
     """16.5: counters that sum to infinity used to raise OverflowError in the view."""
     import numpy as np
-    from sdcwatch.service.run_view import count_total as _count
+    from sdcwatch.service.run_state import count_total as _count
 
     assert _count(np.array([1e308, 1e308, 1e308, 1e308])) == 2**53
     assert _count(np.array([np.nan, -5.0, 3.0, np.inf])) == 3

@@ -104,7 +104,11 @@ def test_a_forged_control_decision_does_not_stop_a_signed_job_and_the_services_s
         send(Decision(base.run, "evict", "forged", ranks=(1,)).encode())
         send(Decision(base.run, "evict", "x", ranks=(1,), seq=time.time_ns() // 1000).sign(KEY_B))
         steps.wait(40)  # 35 steps later the job still trains; now the service's decision
-        send(Decision(base.run, "evict", "rank 1 computes wrongly", ranks=(1,), seq=time.time_ns() // 1000).sign(KEY_A))
+        nonce = wait_for(lambda: steps.src.ingest.auth.nonce_of(base.run) or None, 60, "the job's start")
+        now, seq = time.time(), time.time_ns() // 1000
+        send(
+            Decision(base.run, "evict", "rank 1 computes", ranks=(1,), issued_at=now, seq=seq, nonce=nonce).sign(KEY_A)
+        )
 
     try:
         exit_code, records = _guarded_job(bootstrap, base, attack_then_decide)

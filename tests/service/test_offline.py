@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from detector_synth import Fault, SyntheticRun
 from sdcwatch.core.errors import ReplayError
-from sdcwatch.core.record_json import to_json
+from sdcwatch.core.record import to_json
 from sdcwatch.service import replay
 from sdcwatch.service.offline import format_table, replay_main
 

@@ -9,7 +9,7 @@ import numpy as np
 from detector_synth import Fault, SyntheticRun
 from prometheus_client import CollectorRegistry
 from sdcwatch.core.incident import IncidentEvent
-from sdcwatch.core.record_json import to_json
+from sdcwatch.core.record import to_json
 from sdcwatch.core.record_type import Record
 from sdcwatch.exporters.alertmanager import alert_for
 from sdcwatch.exporters.collector import SdcwatchCollector

@@ -5,10 +5,14 @@ printed as it fires; run on a thread beside the simulated training, then drained
 from __future__ import annotations
 
 import os
+import socket
 import threading
 import time
 from pathlib import Path
 from typing import Any, TextIO
+
+from sdcwatch.broker import free_port
+from sdcwatch.core.record import to_json
 
 __all__ = ["CapturingSource", "EventLog", "pick_metrics_port", "DemoService"]
 
@@ -17,10 +21,7 @@ class CapturingSource:
     """Wraps the service's source and appends every record it returns to a JSON-lines file."""
 
     def __init__(self, source: Any, path: Path) -> None:
-        from sdcwatch.core.record_json import to_json
-
         self._source = source
-        self._to_json = to_json
         self._fh = open(path, "w", encoding="utf-8")
         self.seen = 0
 
@@ -33,7 +34,7 @@ class CapturingSource:
         records = self._source.poll(timeout)
         if records:
             flat = as_records(records)  # v2 column blocks as records, for the JSON capture
-            self._fh.write("".join(self._to_json(r) + "\n" for r in flat))
+            self._fh.write("".join(to_json(r) + "\n" for r in flat))
             self._fh.flush()
             self.seen += len(flat)
         return records
@@ -85,13 +86,9 @@ class EventLog:
 
 def pick_metrics_port(requested: int) -> int:
     """``requested``; 0: the documented default (9400) when free, any free port otherwise."""
-    from sdcwatch.broker import free_port
-
     if requested:
         return requested
-    import socket
-
-    with socket.socket() as s:  # the documented default, when free; any free port otherwise
+    with socket.socket() as s:
         try:
             s.bind(("127.0.0.1", 9400))
             return 9400
@@ -100,11 +97,8 @@ def pick_metrics_port(requested: int) -> int:
 
 
 class DemoService:
-    """The detector service of the demo, its /metrics endpoint and the thread it runs on.
-
-    ``guard``: the service also publishes decisions on ``sdcwatch.control`` (incidents ->
-    decisions -> the job's guard). ``events`` is the sink the demo prints alerts from.
-    """
+    """The detector service of the demo, its /metrics endpoint and the thread it runs on; ``guard``:
+    it also publishes decisions on the control topic; ``events``: the sink the demo prints from."""
 
     def __init__(
         self, bootstrap: str, *, state_dir: Path, records_path: Path, metrics_port: int, guard: bool, events: EventLog
