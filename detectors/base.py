@@ -113,17 +113,17 @@ class Detector:
         return out
 
     def restore(self, state: dict[str, Any]) -> None:
-        """Take back a :meth:`snapshot` (lists as tuples; a key it lacks leaves its attribute as it is)."""
+        """Take back a :meth:`snapshot` (lists as tuples). A key it lacks raises KeyError, which the
+        state file's reader names: a damaged state is said, not half restored."""
         for key, attr in self.snapshot_fields.items():
-            if key in state:
-                value, now = state[key], getattr(self, attr)
-                if isinstance(value, dict):  # an array
-                    value = decode_array(value)
-                elif isinstance(now, deque):
-                    value = deque(value, maxlen=now.maxlen)
-                elif isinstance(value, list):
-                    value = tuple(value)
-                setattr(self, attr, value)
+            value, now = state[key], getattr(self, attr)
+            if isinstance(value, dict):  # an array
+                value = decode_array(value)
+            elif isinstance(now, deque):
+                value = deque(value, maxlen=now.maxlen)
+            elif isinstance(value, list):
+                value = tuple(value)
+            setattr(self, attr, value)
 
 
 class SplitDetector(Detector):
