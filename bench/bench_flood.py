@@ -35,7 +35,7 @@ from pathlib import Path
 
 from sdcwatch.broker import EmbeddedBroker, free_port
 from sdcwatch.core.record import record_key
-from sdcwatch.core.signing import JobKey
+from sdcwatch.core.signing import JobKey, Keyring
 from sdcwatch.service.pipeline import PipelineSettings
 from sdcwatch.telemetry import Emitter, KafkaTransport, Record, encode
 
@@ -133,9 +133,10 @@ class _Scraper:
 class _Incidents:
     """The anomalies topic read as it is written: (time seen, event) of each incident change."""
 
-    def __init__(self, bootstrap: str, topic: str) -> None:
+    def __init__(self, bootstrap: str, topic: str, key: JobKey | None = None) -> None:
         from kafka import KafkaConsumer
 
+        self.key = key  # the service's key for the topic when it has keys: it signs each message
         self.events: list[tuple[float, dict]] = []
         self._stop = threading.Event()
         self._consumer = KafkaConsumer(
@@ -148,7 +149,7 @@ class _Incidents:
         while not self._stop.is_set():
             for msgs in self._consumer.poll(100).values():
                 now = time.monotonic()
-                self.events += [(now, json.loads(m.value)) for m in msgs]
+                self.events += [(now, json.loads(self.key.open(m.value) if self.key else m.value)) for m in msgs]
 
     def first(self, kind: str, run: str) -> tuple[float, dict] | None:
         return next(((t, e) for t, e in list(self.events) if e["kind"] == kind and e["run"] == run), None)
@@ -218,7 +219,8 @@ def flood(bootstrap: str, arm: str, args: argparse.Namespace, workdir: Path) -> 
         Emitter(KafkaTransport(bootstrap, f"tel.{tag}"), run="victim", rank=r, world=WORLD, host=f"h{r // 2}", key=key)
         for r in range(WORLD)
     ]
-    incidents = _Incidents(bootstrap, f"anom.{tag}")
+    service_key = Keyring([key]).service_key("anomalies") if key is not None else None
+    incidents = _Incidents(bootstrap, f"anom.{tag}", service_key)
     scraper = _Scraper(f"http://127.0.0.1:{port}/metrics")
     nan_at, stop, trained = threading.Event(), threading.Event(), {}
     trainer = threading.Thread(target=_train, args=(emitters, args.rate, nan_at, stop, trained), daemon=True)

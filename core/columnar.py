@@ -10,6 +10,7 @@ import struct
 from typing import Any, Iterable, Sequence
 
 from sdcwatch.core.errors import RecordError, UnknownVersionError
+from sdcwatch.core.record import ByteReader
 from sdcwatch.core.record_layout import MAX_SCHEMA_BYTES, PackedRecord, Schema, row_to_record
 
 __all__ = [
@@ -110,46 +111,24 @@ def parse_header(buf: bytes) -> MessageHeader:
 
 
 def _parse_header(buf: bytes) -> MessageHeader:
-    n = len(buf)
-    if n < _MSG_HEAD.size:
-        raise RecordError("header", f"truncated v2 message ({n} bytes)")
-    magic, version, flags, size, schema_id, count = _MSG_HEAD.unpack_from(buf)
+    if len(buf) < _MSG_HEAD.size:
+        raise RecordError("header", f"truncated v2 message ({len(buf)} bytes)")
+    r = ByteReader(buf)
+    magic, version, flags, size, schema_id, count = r.unpack(_MSG_HEAD, "header")
     if magic != MAGIC_V2:
         raise RecordError("magic", f"not an sdcwatch v2 message (starts with {magic!r})")
     if version != VERSION_V2:
         raise UnknownVersionError(version)
     if flags & ~FLAG_SCHEMA:
         raise RecordError("flags", f"unknown flags {flags:#x}")
-    p = _MSG_HEAD.size
-
-    def string(what: str) -> str:
-        nonlocal p
-        if p + 2 > n:
-            raise RecordError(what, "truncated")
-        k = buf[p] | buf[p + 1] << 8
-        p += 2
-        if p + k > n:
-            raise RecordError(what, f"truncated: needs {k} bytes, {n - p} left")
-        if k > 1024:
-            raise RecordError(what, "longer than 1024 bytes")
-        try:
-            s = buf[p : p + k].decode("utf-8")
-        except UnicodeDecodeError:
-            raise RecordError(what, "is not valid UTF-8") from None
-        p += k
-        return s
-
-    run = string("run")
+    run = r.string("run", True)
     if not run:
         raise RecordError("run", "must not be empty")
-    if p + 6 > n:
-        raise RecordError("hosts", "truncated")
-    n_hosts = buf[p] | buf[p + 1] << 8
-    (k,) = _U32.unpack_from(buf, p + 2)
-    p += 6
-    if p + k > n:
-        raise RecordError("hosts", f"truncated: needs {k} bytes, {n - p} left")
-    raw = bytes(buf[p : p + k])
+    if len(run.encode()) > 1024:
+        raise RecordError("run", "longer than 1024 bytes")
+    (n_hosts,) = r.unpack(_U16, "hosts")
+    (k,) = r.unpack(_U32, "hosts")
+    raw = r.take(k, "hosts")
     hosts = _HOST_TABLES.get(raw)
     if hosts is None:
         try:
@@ -163,20 +142,15 @@ def _parse_header(buf: bytes) -> MessageHeader:
         if len(_HOST_TABLES) >= 4096:
             _HOST_TABLES.clear()
         _HOST_TABLES[raw] = hosts
-    p += k
     text = None
     if flags & FLAG_SCHEMA:
-        if p + 4 > n:
-            raise RecordError("schema", "truncated")
-        (k,) = _U32.unpack_from(buf, p)
-        p += 4
-        if k > MAX_SCHEMA_BYTES or p + k > n:
+        (k,) = r.unpack(_U32, "schema")
+        if k > MAX_SCHEMA_BYTES or r.pos + k > len(buf):
             raise RecordError("schema", f"length {k} beyond the message or the {MAX_SCHEMA_BYTES}-byte limit")
-        text = bytes(buf[p : p + k])
-        p += k
-    if size != p:
-        raise RecordError("header length", f"says {size} bytes, the header has {p}")
-    return MessageHeader(schema_id, count, run, hosts, text, p)
+        text = r.take(k, "schema")
+    if size != r.pos:
+        raise RecordError("header length", f"says {size} bytes, the header has {r.pos}")
+    return MessageHeader(schema_id, count, run, hosts, text, r.pos)
 
 
 def rows_of(value: bytes, head: MessageHeader, schemas: dict[int, Schema], limits: Any = None) -> list[Any]:

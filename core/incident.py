@@ -306,3 +306,4 @@ class ServiceView:
     incidents_total: dict[tuple[str, str], int]  # (kind, severity) -> count opened so far
     findings_total: dict[tuple[str, str], int]  # (detector, kind) -> count of findings
     checkpoints: list = field(default_factory=list)  # the runs' recent checkpoints and their marks
+    hosts: list = field(default_factory=list)  # every tracked host's verdict, worst first (docs/hosts.md)

@@ -18,12 +18,17 @@ from sdcwatch.core.incident import Incident
 from sdcwatch.core.limits import RecordLimits
 from sdcwatch.core.rank_notes import (
     CKPT_MAGIC,
+    GPU_MAGIC,
     NAMES_MAGIC,
     CheckpointMark,
     CheckpointNote,
     LayerNames,
+    RankDevice,
+    decode_device,
     decode_names,
     decode_note,
+    device_from_dict,
+    encode_device,
     encode_names,
     encode_note,
     names_from_dict,
@@ -54,7 +59,9 @@ __all__ = [
 #: The step summary's prefix (its codec is the service's: ``sdcwatch.service.summary``).
 SUMMARY_MAGIC = b"SDCY"
 #: What a telemetry message decodes to.
-Message = Union[Record, LayerNames, CheckpointNote]
+Message = Union[Record, LayerNames, CheckpointNote, RankDevice]
+_NOTES = (LayerNames, CheckpointNote, RankDevice)  # what a rank says besides its records: one message each
+_ENCODE_NOTE = {LayerNames: encode_names, CheckpointNote: encode_note, RankDevice: encode_device}
 
 
 @dataclass(frozen=True)
@@ -77,6 +84,7 @@ KINDS: tuple[MessageKind, ...] = (
     MessageKind("end-of-run marker", TELEMETRY_TOPIC, MAGIC, None, None, None),  # a record: see end_marker
     MessageKind("layer names", TELEMETRY_TOPIC, NAMES_MAGIC, "layer_names", encode_names, decode_names),
     MessageKind("checkpoint note", TELEMETRY_TOPIC, CKPT_MAGIC, "checkpoint", encode_note, decode_note),
+    MessageKind("rank device", TELEMETRY_TOPIC, GPU_MAGIC, "gpu", encode_device, decode_device),
     MessageKind("job start", TELEMETRY_TOPIC, START_MAGIC, None, JobStart.encode, JobStart.decode),
     MessageKind("signed envelope", TELEMETRY_TOPIC, SIGNED_MAGIC, None, None, Keyring.verify),
     MessageKind("step summary", SUMMARY_TOPIC, SUMMARY_MAGIC),
@@ -94,7 +102,7 @@ def decode_message(
     keyring: Keyring | None = None,
     names_cache: dict | None = None,
 ) -> list[Message]:
-    """What one bus message holds: records, layer names or a checkpoint note. A signed one is
+    """What one bus message holds: records, layer names, a checkpoint note or a rank's GPU. A signed one is
     verified with ``keyring`` first; a v2 one needs its schema inline or in ``schemas`` (updated
     here); ``limits`` raise LimitError before anything is sized by its claims."""
     if not isinstance(value, (bytes, bytearray, memoryview)):
@@ -107,6 +115,8 @@ def decode_message(
         return [decode_names(value, limits, names_cache)]
     if prefix == CKPT_MAGIC:
         return [decode_note(value, limits)]
+    if prefix == GPU_MAGIC:
+        return [decode_device(value, limits)]
     if prefix == START_MAGIC:  # a guard's start: the service's authenticator reads it, nothing else
         return []
     if prefix == MAGIC_V2:
@@ -129,7 +139,7 @@ def open_signed(value: bytes | None, keyring: Keyring | None) -> bytes | None:
 def decode_stream(
     values: Iterable[bytes], limits: RecordLimits | None = None, *, keyring: Keyring | None = None
 ) -> list[Record]:
-    """The records of a sequence of bus messages, in order (layer names and checkpoint notes left
+    """The records of a sequence of bus messages, in order (layer names, notes and devices left
     out; the v2 schemas learnt along the way): tests and tools."""
     schemas: dict[int, Schema] = {}
     msgs = (m for v in values for m in decode_message(v, limits, schemas=schemas, keyring=keyring))
@@ -137,7 +147,7 @@ def decode_stream(
 
 
 def decode_object(obj: Any, limits: RecordLimits | None = None) -> Any:
-    """The message a JSON object is: a record, layer names or a checkpoint note (telemetry), an
+    """The message a JSON object is: a record, layer names, a checkpoint note or a GPU (telemetry), an
     :class:`~sdcwatch.core.incident.Incident` or a :class:`CheckpointMark` (anomalies), a
     :class:`~sdcwatch.core.control.Decision` (control). RecordError names the bad field."""
     if not isinstance(obj, dict):
@@ -152,6 +162,8 @@ def decode_object(obj: Any, limits: RecordLimits | None = None) -> Any:
             return names_from_dict(obj, limits)
         if kind == "checkpoint":
             return note_from_dict(obj, limits)
+        if kind == "gpu":
+            return device_from_dict(obj, limits)
         if "action" in obj and "v" not in obj:
             return decode_decision(obj)
     except (ValueError, TypeError, KeyError) as exc:
@@ -175,7 +187,7 @@ def decode_line(line: str | bytes, limits: RecordLimits | None = None) -> Any:
 
 def encode_line(item: Message | PackedRecord) -> str:
     """One strict-JSON line (no newline) of what an emitter sends: the file transport's, a capture's."""
-    if isinstance(item, (LayerNames, CheckpointNote)):
+    if isinstance(item, _NOTES):
         return json.dumps(item.to_dict(), separators=(",", ":"), ensure_ascii=False)
     return to_json(item.to_record() if isinstance(item, PackedRecord) else item)
 
@@ -185,13 +197,13 @@ def encode_items(
 ) -> list[tuple[bytes, bytes, list]]:
     """Bus messages ``(key, value, items)`` in the order the items were made under each key: records
     travel together (v2 ones of one schema and host), at most ``max_per_message`` a message; layer
-    names and checkpoint notes alone, between the records made before and after them.
+    names, checkpoint notes and devices alone, between the records made before and after them.
     ``schemas_sent``: ``(key, schema id)`` pairs whose schema was sent inline already (updated here)."""
     groups: dict[tuple, list] = {}
     epoch: dict[bytes, int] = {}  # per key: rank messages seen so far (records after one start anew)
     for it in items:
         key = key_of(it)
-        if isinstance(it, (LayerNames, CheckpointNote)):
+        if isinstance(it, _NOTES):
             epoch[key] = epoch.get(key, 0) + 1
             groups[(key, "note", id(it), 0)] = [it]
         elif isinstance(it, PackedRecord):
@@ -203,7 +215,7 @@ def encode_items(
         for i in range(0, len(its), max_per_message):
             part = its[i : i + max_per_message]
             if schema == "note":
-                value = encode_names(part[0]) if isinstance(part[0], LayerNames) else encode_note(part[0])
+                value = _ENCODE_NOTE[type(part[0])](part[0])
             elif schema is None:
                 value = encode(part[0]) if len(part) == 1 else encode_batch(part)
             else:

@@ -1,5 +1,5 @@
 """What a rank says besides its records: the layer names their indices point at (:class:`LayerNames`)
-and the checkpoints it saved (:class:`CheckpointNote`), one codec for both, and the service's
+the checkpoints it saved (:class:`CheckpointNote`) and its GPU (:class:`RankDevice`), one codec for all, and the service's
 marking of a checkpoint (:class:`CheckpointMark`). Layouts and bounds: docs/messages.md; decoding
 bounds every length and refuses control characters (LimitError reason ``names``).
 """
@@ -17,20 +17,22 @@ from typing import Any, Mapping, Sequence
 from sdcwatch.core.errors import RecordError, UnknownVersionError
 from sdcwatch.core.limits import MAX_NAME_BYTES, LimitError, RecordLimits
 from sdcwatch.core.record import ByteReader
-from sdcwatch.core.vocabulary import family_of
 
 __all__ = [
     "NAMES_MAGIC",
     "CKPT_MAGIC",
+    "GPU_MAGIC",
     "NOTE_VERSION",
     "MAX_FAMILIES",
     "MAX_FAMILY_NAMES",
     "MAX_LAYER_NAME_BYTES",
     "MAX_TEXT_BYTES",
     "MAX_PATH_BYTES",
+    "MAX_GPU_BYTES",
     "MARKS",
     "LayerNames",
     "CheckpointNote",
+    "RankDevice",
     "CheckpointMark",
     "check_names",
     "clean_names",
@@ -41,10 +43,14 @@ __all__ = [
     "decode_note",
     "names_from_dict",
     "note_from_dict",
+    "encode_device",
+    "decode_device",
+    "device_from_dict",
 ]
 
 NAMES_MAGIC = b"SDCN"
 CKPT_MAGIC = b"SDCK"
+GPU_MAGIC = b"SDCG"
 NOTE_VERSION = 1
 #: Most families in one message (sdcwatch's probes send 5).
 MAX_FAMILIES = 16
@@ -56,6 +62,8 @@ MAX_LAYER_NAME_BYTES = 256
 MAX_TEXT_BYTES = 2 << 20
 #: Longest checkpoint path, in UTF-8 bytes (a path on a cluster file system or an object store URL).
 MAX_PATH_BYTES = 1024
+#: Longest GPU label, in UTF-8 bytes (an index, a colon and a UUID: ``"5:GPU-<36 characters>"``).
+MAX_GPU_BYTES = 96
 #: A checkpoint's marking, from safest to least safe.
 MARKS = ("clean", "suspect", "after-fault")
 _FAMILY_NAME = re.compile(r"^[a-z][a-z0-9_]{0,31}$")
@@ -169,12 +177,6 @@ class LayerNames:
         """The same names, sent at ``step`` (no new encoding)."""
         return LayerNames(self.run, self.rank, self.world, step, self.names, self.digest, self.payload)
 
-    def name(self, metric: str, index: int) -> str | None:
-        """The module ``metric``'s position ``index`` is, when this rank named it."""
-        fam = family_of(metric)
-        lst = self.names.get(fam, ()) if fam is not None else ()
-        return lst[index] or None if 0 <= index < len(lst) else None
-
     def to_dict(self) -> dict[str, Any]:
         """The JSON wire's form, tagged ``"kind": "layer_names"``."""
         return {**_head_dict(self, "layer_names"), "names": {k: list(v) for k, v in self.names.items()}}
@@ -198,6 +200,29 @@ class CheckpointNote:
     def to_dict(self) -> dict[str, Any]:
         """The JSON wire's form, tagged ``"kind": "checkpoint"``."""
         return {**_head_dict(self, "checkpoint"), "path": self.path}
+
+
+@dataclass(frozen=True)
+class RankDevice:
+    """One rank's GPU, said once: ``gpu`` is its physical index on the host (the CUDA_VISIBLE_DEVICES
+    entry), then ``:`` and the GPU's UUID where the rank could read it (``"5:GPU-8f2e..."``)."""
+
+    run: str
+    rank: int
+    world: int
+    step: int
+    gpu: str
+
+    def __post_init__(self) -> None:
+        _check_identity(self.run, self.rank, self.world, self.step, None)
+        if not isinstance(self.gpu, str) or not self.gpu or _utf8_len(self.gpu) > MAX_GPU_BYTES:
+            raise RecordError("gpu", f"must be a non-empty string of at most {MAX_GPU_BYTES} bytes")
+        if _CONTROL.search(self.gpu):
+            raise RecordError("gpu", f"holds a control character: {self.gpu[:40]!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON wire's form, tagged ``"kind": "gpu"``."""
+        return {**_head_dict(self, "gpu"), "gpu": self.gpu}
 
 
 def _head_dict(msg: Any, kind: str) -> dict[str, Any]:
@@ -233,6 +258,11 @@ def encode_note(note: CheckpointNote) -> bytes:
     return _encode(CKPT_MAGIC, note, b"", _str16(note.path.encode("utf-8")))
 
 
+def encode_device(msg: RankDevice) -> bytes:
+    """The bus message of ``msg`` (see the module docstring)."""
+    return _encode(GPU_MAGIC, msg, b"", _str16(msg.gpu.encode("utf-8")))
+
+
 def _open(buf: Any, magic: bytes, what: str, fixed: int, limits: RecordLimits | None) -> tuple[Any, ...]:
     """(cursor after the run, step, rank, world, fixed bytes, run) of a rank message (``what``:
     ``names`` or ``checkpoint``, the field a truncated one names)."""
@@ -242,7 +272,7 @@ def _open(buf: Any, magic: bytes, what: str, fixed: int, limits: RecordLimits | 
     cur = ByteReader(buf)
     got, version, step, rank, world = cur.unpack(_HEAD, what)
     if got != magic:
-        kind = "layer-names message" if what == "names" else "checkpoint note"
+        kind = {"names": "layer-names message", "gpu": "rank device message"}.get(what, "checkpoint note")
         raise RecordError("magic", f"not a {kind} (starts with {got!r})")
     if version != NOTE_VERSION:
         raise UnknownVersionError(version)
@@ -259,6 +289,15 @@ def decode_note(buf: bytes | bytearray | memoryview, limits: RecordLimits | None
     if cur.pos != len(cur.buf):
         raise RecordError("checkpoint", f"{len(cur.buf) - cur.pos} trailing bytes")
     return CheckpointNote(run, rank, world, step, path)
+
+
+def decode_device(buf: bytes | bytearray | memoryview, limits: RecordLimits | None = None) -> RankDevice:
+    """Inverse of :func:`encode_device`; raises RecordError naming the fault."""
+    cur, step, rank, world, _, run = _open(buf, GPU_MAGIC, "gpu", 0, limits)
+    gpu = cur.string("gpu", True)
+    if cur.pos != len(cur.buf):
+        raise RecordError("gpu", f"{len(cur.buf) - cur.pos} trailing bytes")
+    return RankDevice(run, rank, world, step, gpu)
 
 
 def decode_names(
@@ -318,6 +357,11 @@ def note_from_dict(d: Any, limits: RecordLimits | None = None) -> CheckpointNote
     """Inverse of :meth:`CheckpointNote.to_dict`; raises RecordError naming the bad field."""
     run, rank, world, step, path = _from_dict(d, "checkpoint", "path", limits)
     return CheckpointNote(run, rank, world, step, "" if path is None else path)
+
+
+def device_from_dict(d: Any, limits: RecordLimits | None = None) -> RankDevice:
+    """Inverse of :meth:`RankDevice.to_dict`; raises RecordError naming the bad field."""
+    return RankDevice(*_from_dict(d, "gpu", "gpu", limits))
 
 
 @dataclass

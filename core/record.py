@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import math
 import struct
-from typing import Any, Sequence
+from typing import Any, NoReturn, Sequence
 
 from sdcwatch.core.errors import RecordError, UnknownVersionError
 from sdcwatch.core.jsonsafe import json_float
@@ -114,16 +114,24 @@ class ByteReader:
         self.buf = buf
         self.pos = 0
 
-    def take(self, n: int, what: str) -> memoryview:
-        end = self.pos + n
-        if end > len(self.buf):
-            raise RecordError(what, f"truncated: needs {n} bytes at offset {self.pos}, {len(self.buf) - self.pos} left")
-        view = memoryview(self.buf)[self.pos : end]
-        self.pos = end
-        return view
+    def _short(self, n: int, what: tuple[str, ...]) -> NoReturn:
+        """Raise: ``n`` bytes of the field ``what`` (its dotted name, in parts) are not there."""
+        left = len(self.buf) - self.pos
+        raise RecordError(".".join(what), f"truncated: needs {n} bytes at offset {self.pos}, {left} left")
 
-    def unpack(self, st: struct.Struct, what: str) -> tuple:
-        return st.unpack(self.take(st.size, what))
+    def take(self, n: int, *what: str) -> bytes:
+        p = self.pos
+        if p + n > len(self.buf):
+            self._short(n, what)
+        self.pos = p + n
+        return self.buf[p : p + n]
+
+    def unpack(self, st: struct.Struct, *what: str) -> tuple:
+        p = self.pos
+        if p + st.size > len(self.buf):
+            self._short(st.size, what)
+        self.pos = p + st.size
+        return st.unpack_from(self.buf, p)
 
     def string(self, what: str, wide: bool) -> str:
         (n,) = self.unpack(_U16 if wide else _U8, what)
@@ -133,81 +141,30 @@ class ByteReader:
             raise RecordError(what, "is not valid UTF-8") from None
 
     def name(self, group: str) -> str:
+        """A metric name of ``group``: one seen before costs a lookup, a new one is checked first."""
+        buf, p = self.buf, self.pos
+        k = buf[p] if p < len(buf) else 0
+        end = p + 1 + k
+        name = _NAMES.get(buf[p + 1 : end]) if end <= len(buf) else None
+        if name is not None:
+            self.pos = end
+            return name
         name = self.string(f"{group} name", False)
         check_name(f"{group} name", name)
         if len(_NAMES) < 4096:
             _NAMES[name.encode()] = name
         return name
 
+    def group(self, group: str, st: struct.Struct) -> dict:
+        """A counted group of (name, fixed-size value)."""
+        out = {}
+        for _ in range(self.unpack(_U8, group)[0]):
+            name = self.name(group)
+            (out[name],) = self.unpack(st, group, name)
+        return out
+
 
 _NAMES: dict[bytes, str] = {}  # encoded metric name -> name, for names already validated
-_HEAD_SIZE = _HEAD.size
-_f64_from = _F64.unpack_from
-_u64_from = _U64S.unpack_from
-
-
-def _fixed_group(buf: bytes, p: int, unpack_from: Any) -> tuple[dict, int]:
-    """A counted group of (str8 name, 8-byte value) at ``p``: (dict, offset after it)."""
-    names = _NAMES
-    out = {}
-    count = buf[p]
-    p += 1
-    for _ in range(count):
-        k = buf[p]
-        out[names[buf[p + 1 : p + 1 + k]]] = unpack_from(buf, p + 1 + k)[0]
-        p += 9 + k
-    return out, p
-
-
-def _decode_fast(buf: bytes, pos: int, end: int) -> Record | None:
-    """Decode the record in ``buf[pos:end]`` on ingest's hot path (offsets, names seen before), or
-    return None on anything unusual: the careful path then names the field that is wrong."""
-    try:
-        version = buf[pos + 4]
-        if buf[pos : pos + 4] != MAGIC or (version != VERSION and version != VERSION_COORDS):
-            return None
-        _, _, step, rank, world, local_rank, time = _HEAD.unpack_from(buf, pos)
-        p = pos + _HEAD_SIZE
-        n = buf[p] | buf[p + 1] << 8
-        p += 2
-        run = buf[p : p + n].decode()
-        p += n
-        m = buf[p] | buf[p + 1] << 8
-        p += 2
-        host = buf[p : p + m].decode()
-        p += m
-        if n > _MAX_STR or m > _MAX_STR:
-            return None  # the careful path names the field
-        names = _NAMES
-        scalars, p = _fixed_group(buf, p, _f64_from)
-        fps, p = _fixed_group(buf, p, _u64_from)
-        layers: dict[str, tuple[float, ...]] = {}
-        count = buf[p]
-        p += 1
-        for _ in range(count):
-            k = buf[p]
-            name = names[buf[p + 1 : p + 1 + k]]
-            p += 1 + k
-            n = buf[p] | buf[p + 1] << 8
-            layers[name] = _f32s(n).unpack_from(buf, p + 2)
-            p += 2 + 4 * n
-        coords: dict[str, int] = {}
-        if version == VERSION_COORDS:
-            count = buf[p]
-            p += 1
-            for _ in range(count):
-                d, value = _COORD.unpack_from(buf, p)
-                p += 5
-                if value >= MAX_COORD or DIMS[d] in coords:
-                    return None
-                coords[DIMS[d]] = value
-            if not coords:
-                return None
-    except (IndexError, KeyError, struct.error, UnicodeDecodeError):
-        return None
-    if p != end or not run or world < 1 or rank >= world or not math.isfinite(time):
-        return None
-    return Record(run, step, rank, world, host, time, local_rank, scalars, fps, layers, coords)
 
 
 def decode(data: bytes | bytearray | memoryview) -> Record:
@@ -215,12 +172,6 @@ def decode(data: bytes | bytearray | memoryview) -> Record:
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise RecordError("record", f"expected bytes, got {type(data).__name__}")
     buf = bytes(data)
-    rec = _decode_fast(buf, 0, len(buf))
-    return rec if rec is not None else _decode_careful(buf)
-
-
-def _decode_careful(buf: bytes) -> Record:
-    """Decode step by step, raising RecordError that names the first bad field."""
     if len(buf) < 5:
         raise RecordError("magic", f"record too short ({len(buf)} bytes)")
     if buf[:4] != MAGIC:
@@ -235,22 +186,13 @@ def _decode_careful(buf: bytes) -> Record:
     for name, value in (("run", run), ("host", host)):
         if len(value.encode()) > _MAX_STR:
             raise LimitError(name, f"{len(value.encode())} bytes, longer than {_MAX_STR}", "name")
-    (n,) = r.unpack(_U8, "scalars")
-    scalars: dict[str, float] = {}
-    for _ in range(n):
-        name = r.name("scalars")
-        (scalars[name],) = r.unpack(_F64, f"scalars.{name}")
-    (n,) = r.unpack(_U8, "fingerprints")
-    fps: dict[str, int] = {}
-    for _ in range(n):
-        name = r.name("fingerprints")
-        (fps[name],) = r.unpack(_U64S, f"fingerprints.{name}")
-    (n,) = r.unpack(_U8, "layers")
+    scalars = r.group("scalars", _F64)
+    fps = r.group("fingerprints", _U64S)
     layers: dict[str, tuple[float, ...]] = {}
-    for _ in range(n):
+    for _ in range(r.unpack(_U8, "layers")[0]):
         name = r.name("layers")
-        (count,) = r.unpack(_U16, f"layers.{name}")
-        layers[name] = _f32s(count).unpack(r.take(4 * count, f"layers.{name}"))
+        (count,) = r.unpack(_U16, "layers", name)
+        layers[name] = r.unpack(_f32s(count), "layers", name)
     coords: dict[str, int] = {}
     if version == VERSION_COORDS:
         (n,) = r.unpack(_U8, "coords")
@@ -267,7 +209,6 @@ def _decode_careful(buf: bytes) -> Record:
             coords[DIMS[d]] = value
     if r.pos != len(buf):
         raise RecordError("record", f"{len(buf) - r.pos} trailing bytes after the record")
-    rec = Record(run, step, rank, world, host, time, local_rank, scalars, fps, layers, coords)
     if not run:
         raise RecordError("run", "must not be empty")
     if world < 1:
@@ -276,7 +217,7 @@ def _decode_careful(buf: bytes) -> Record:
         raise RecordError("rank", f"{rank} out of range [0, {world})")
     if not math.isfinite(time):
         raise RecordError("time", f"must be a finite number, got {time!r}")
-    return rec
+    return Record(run, step, rank, world, host, time, local_rank, scalars, fps, layers, coords)
 
 
 def encode_batch(records: Sequence[Record]) -> bytes:
@@ -324,8 +265,7 @@ def _decode_message(buf: bytes) -> list[Record]:
         pos += 4
         if pos + n > len(buf):
             raise RecordError("batch", f"truncated: record {i} of {count} needs {n} bytes, {len(buf) - pos} left")
-        rec = _decode_fast(buf, pos, pos + n)
-        out.append(rec if rec is not None else _decode_careful(buf[pos : pos + n]))
+        out.append(decode(buf[pos : pos + n]))
         pos += n
     if pos != len(buf):
         raise RecordError("batch", f"{len(buf) - pos} trailing bytes after {count} records")

@@ -10,7 +10,7 @@ import hashlib
 import json
 import re
 import struct
-from itertools import chain
+from itertools import accumulate, chain
 from typing import Any, Mapping, Sequence
 
 from sdcwatch.core.errors import RecordError
@@ -96,11 +96,7 @@ class Schema:
             text["coords"] = list(self.coords)
         self.text = json.dumps(text, separators=(",", ":")).encode()
         self.id = int.from_bytes(hashlib.blake2b(self.text, digest_size=8).digest(), "little")
-        self.n_layer_values = sum(k for _, k in self.layers)
-        offsets, o = [], 0
-        for _, k in self.layers:
-            offsets.append(o)
-            o += k
+        *offsets, self.n_layer_values = accumulate((k for _, k in self.layers), initial=0)
         self.layer_offsets = tuple(offsets)
         fmt = (
             "<"

@@ -1,7 +1,9 @@
 """Signed messages: a job key with which each rank signs what it sends and the service signs what it decides.
 
 A key has an id (``kid``, so keys rotate) and a secret; a signed message is the unsigned one behind
-an HMAC-SHA256 envelope (layout and where it is used: docs/messages.md). The secret is never
+an HMAC-SHA256 envelope (layout and where it is used: docs/messages.md); a fresh envelope also carries
+the signer's start (a nonce and when) and the message's number under it, so the service refuses a
+replay (:class:`~sdcwatch.service.auth.Authenticator`). The secret is never
 printed: :class:`JobKey` and :class:`Keyring` show key ids only. A key may be issued for some run
 names only (``runs=`` patterns in the key file); :class:`RunBindings` holds which key speaks for each
 run. Standard library only.
@@ -11,7 +13,9 @@ from __future__ import annotations
 
 import fnmatch
 import hmac
+import itertools
 import os
+import struct
 import time
 from collections import OrderedDict
 from pathlib import Path
@@ -32,11 +36,16 @@ __all__ = [
     "KEY_ENV",
     "KEY_FILE_ENV",
     "RUNS_FIELD",
+    "Freshness",
 ]
 
 SIGNED_MAGIC = b"SDCS"
 _VERSION = 1
+_FRESH = 2  # the envelope that carries the signer's start and the message's number
 _TAG = 32
+_START = struct.Struct(">8sdQ")  # nonce, started_at (unix s), number of the message under that start
+#: (nonce, started_at, message number) of a fresh envelope.
+Freshness = tuple[bytes, float, int]
 #: The variable that holds a job key, ``kid:secret`` (prefer the file: a variable is visible to
 #: whoever can read the process's environment).
 KEY_ENV = "SDCWATCH_KEY"
@@ -78,7 +87,7 @@ def parse_key(text: str, where: str) -> tuple[str, bytes]:
 class JobKey:
     """One key: signs messages (a rank, the service for one run) and verifies them (the guard)."""
 
-    __slots__ = ("kid", "_secret", "_prefix")
+    __slots__ = ("kid", "_secret", "_prefix", "_fresh", "_start", "_numbers")
 
     def __init__(self, kid: str, secret: bytes) -> None:
         if not kid or len(kid.encode()) > _MAX_KID:
@@ -89,14 +98,23 @@ class JobKey:
         self._secret = bytes(secret)
         k = kid.encode()
         self._prefix = SIGNED_MAGIC + bytes((_VERSION, len(k))) + k
+        self._fresh = SIGNED_MAGIC + bytes((_FRESH, len(k))) + k
+        # this signer's start: a replay of what it signed, or of an earlier start's, is told apart
+        self._start = (os.urandom(8), time.time())
+        self._numbers = itertools.count()
 
     @classmethod
     def parse(cls, text: str, where: str = "key") -> "JobKey":
         return cls(*parse_key(text, where))
 
-    def sign(self, message: bytes) -> bytes:
-        """The signed envelope around ``message``."""
-        return self._prefix + _hmac_digest(self._secret, message, "sha256") + message
+    def sign(self, message: bytes, *, fresh: bool = True) -> bytes:
+        """The signed envelope around ``message``: fresh (this key's start and the message's number
+        under it, signed too) unless ``fresh=False`` (a decision, which carries its own, and what
+        readers of an earlier release must still verify)."""
+        if not fresh:
+            return self._prefix + _hmac_digest(self._secret, message, "sha256") + message
+        body = _START.pack(*self._start, next(self._numbers)) + message
+        return self._fresh + _hmac_digest(self._secret, body, "sha256") + body
 
     def tag(self, message: bytes | memoryview) -> bytes:
         """The tag of ``message`` under this key (HMAC-SHA256)."""
@@ -191,25 +209,42 @@ class Keyring:
         patterns = self._runs.get(kid)
         return patterns is None or any(fnmatch.fnmatchcase(run, p) for p in patterns)
 
+    def service_key(self, purpose: str) -> JobKey:
+        """The service's own key for ``purpose`` (e.g. its state), made from every key of this ring:
+        the holder of one job key cannot make it unless the ring holds only that key."""
+        tags = b"".join(self._keys[kid].tag(purpose.encode()) for kid in sorted(self._keys))
+        return JobKey(f"service.{purpose}"[:_MAX_KID], hmac.digest(b"sdcwatch.service", tags, "sha256"))
+
     def verify(self, value: bytes) -> tuple[str, bytes]:
-        """(kid, message) of a signed ``value``; AuthError saying what is wrong (never a secret).
+        """(kid, message) of a signed ``value``; AuthError saying what is wrong (never a secret)."""
+        kid, message, _ = self.verify_fresh(value)
+        return kid, message
+
+    def verify_fresh(self, value: bytes) -> tuple[str, bytes, Freshness | None]:
+        """(kid, message, its :data:`Freshness` or None for an envelope without it) of a signed
+        ``value``; AuthError saying what is wrong (never a secret).
 
         The hot path of a signed ingest (one call per message): index and slice, one dict lookup,
         one HMAC in C.
         """
         if value[:4] != SIGNED_MAGIC or len(value) < 6:
             raise AuthError("signature", "the message is not signed" if value[:4] != SIGNED_MAGIC else "truncated")
-        if value[4] != _VERSION:
-            raise AuthError("signature", f"envelope version {value[4]}, this service reads {_VERSION}")
+        version = value[4]
+        if version != _VERSION and version != _FRESH:
+            raise AuthError("signature", f"envelope version {version}, this service reads {_VERSION} and {_FRESH}")
         start = 6 + value[5]
         key = self._raw.get(value[6:start])
         if key is None:
             kid = value[6:start].decode("utf-8", "replace")
             raise AuthError("signature", f"signed with key {kid[:_MAX_KID]!r}, which this service does not hold")
-        message = value[start + _TAG :]
-        if len(value) < start + _TAG or not hmac.compare_digest(value[start : start + _TAG], key.tag(message)):
+        body = value[start + _TAG :]
+        if len(value) < start + _TAG or not hmac.compare_digest(value[start : start + _TAG], key.tag(body)):
             raise AuthError("signature", f"does not verify under key {key.kid!r} (forged or altered)")
-        return key.kid, message
+        if version == _VERSION:
+            return key.kid, body, None
+        if len(body) < _START.size:
+            raise AuthError("signature", "truncated")
+        return key.kid, body[_START.size :], _START.unpack_from(body)
 
     def __repr__(self) -> str:
         return f"Keyring(kids={list(self._keys)!r})"

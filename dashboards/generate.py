@@ -335,6 +335,39 @@ def _incidents_row(y: int) -> tuple[list, int]:
     return _row("Incidents", y, (8, [incidents, guard]))
 
 
+def _fleet_row(y: int) -> tuple[list, int]:
+    """The hosts the service judges across runs (not filtered by $run: a verdict spans runs)."""
+    tracked = _with(
+        stat.Panel(),
+        "Hosts tracked",
+        "Hosts whose evidence across runs the service keeps.",
+        _q("max(sdcwatch_hosts_tracked)", "tracked"),
+    )
+    flagged_now = _with(
+        stat.Panel(),
+        "Hosts suspect or quarantined",
+        "Hosts the service judges suspect or quarantine from the evidence of several runs.",
+        _q("max(sdcwatch_hosts_suspect)", "flagged"),
+    )
+    # no flagged host is a row "none", not Grafana's "No data"
+    none = 'label_replace(vector(0), "verdict", "none", "", "")'
+    flagged = _table(
+        "Suspect and quarantined hosts",
+        "One row per flagged host (at most metrics.max_hosts, worst first) and its verdict; a row none while "
+        "no host is flagged. 'sdcwatch hosts' lists the evidence (runs, kinds, since when); 'sdcwatch hosts "
+        "drain-commands' prints the scheduler lines; 'sdcwatch hosts clear HOST --reason ...' records a "
+        "repair (docs/hosts.md).",
+        f"max by (host, verdict) (sdcwatch_host_verdict) or on() {none}",
+        rename={"Value": "flagged"},
+    )
+    over_time = _ts(
+        "Flagged hosts over time",
+        "Hosts suspect or quarantined (0 while none is).",
+        _q("max(sdcwatch_hosts_suspect)", "suspect or quarantine"),
+    )
+    return _row("Fleet: hosts across runs", y, (8, [[tracked, flagged_now], flagged, over_time]))
+
+
 def _pipeline_row(y: int) -> tuple[list, int]:
     """The ingest pipeline's health."""
     first = [
@@ -389,8 +422,8 @@ def build_dashboard() -> dash.Dashboard:
         .description(
             "Training health as seen by the sdcwatch detector service: global loss and gradient "
             "norm with incident annotations, spike scores, rank outliers, the every-step non-finite "
-            "scan and the matrix checksums, per-layer attention statistics, open incidents and "
-            "ingest pipeline health."
+            "scan and the matrix checksums, per-layer attention statistics, open incidents, the "
+            "hosts suspect across runs and ingest pipeline health."
         )
         .tags(["sdcwatch", "training", "sdc"])
         .refresh("30s")
@@ -400,7 +433,7 @@ def build_dashboard() -> dash.Dashboard:
         .annotation(_annotation())
     )
     y = 0
-    for row in (_training_row, _detectors_row, _scan_row, _layers_row, _incidents_row, _pipeline_row):
+    for row in (_training_row, _detectors_row, _scan_row, _layers_row, _incidents_row, _fleet_row, _pipeline_row):
         items, y = row(y)
         for item in items:
             d = d.with_row(item) if isinstance(item, dash.Row) else d.with_panel(item)

@@ -5,8 +5,6 @@ A slow average of the spread bounds the scale from below (ties make one step's M
 
 from __future__ import annotations
 
-import warnings
-
 import numpy as np
 from sdcwatch.detectors.peers import Groups, grouped_robust
 
@@ -50,62 +48,47 @@ class CrossRankZ:
         """(k, world) robust z of each value against its row's cross-rank median and MAD; ``track``
         uses the typical spread (else this step's); non-finite cells get z = 0 (the non-finite detector's)."""
         finite = np.isfinite(Xt)
-        all_finite = finite.all()
         n = Xt.shape[1]
-        ref = Xt
-        if n > self.reference_ranks:
-            ref = Xt[:, self._sample_of(n)]
-        if all_finite:
-            # one partition per statistic (the upper middle for an even count): np.median
-            # would partition twice and average, and the robust scale does not need it
-            mid = ref.shape[1] // 2
-            med = np.partition(ref, mid, axis=1)[:, mid]
-            absdev = np.abs(ref - med[:, None])
-            mad = np.partition(absdev, mid, axis=1)[:, mid]
-            meandev = absdev.mean(axis=1)
-        else:
-            Rn = np.where(np.isfinite(ref), ref, np.nan)
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", RuntimeWarning)
-                med = np.nanmedian(Rn, axis=1)
-                med = np.where(np.isfinite(med), med, 0.0)
-                absdev = np.abs(Rn - med[:, None])
-                mad = np.nanmedian(absdev, axis=1)
-                meandev = np.nanmean(absdev, axis=1)
-            mad = np.where(np.isfinite(mad), mad, 0.0)
-            meandev = np.where(np.isfinite(meandev), meandev, 0.0)
-        dev = Xt - med[:, None]
-        # The typical spread (mean absolute deviation scaled to a Gaussian sigma) is the lower
-        # bound of the scale; the floor keeps a feature on which all ranks agree to many digits
-        # from exploding.
-        spread = 1.2533 * meandev
-        typical = self._typical(spread) if track else spread
-        scale = np.maximum(1.4826 * mad, typical) + self.rel_floor * np.abs(med) + 1e-12
-        with np.errstate(invalid="ignore"):
-            z = dev / scale[:, None]
-        if not all_finite:
-            z[~finite] = 0.0
-        return z
+        ref = Xt[:, self._sample_of(n)] if n > self.reference_ranks else Xt
+        # all ranks as one group; whether every rank's value is finite (not only the sample's) picks
+        # partition (the upper middle) or sort (the mean of the middles) for the median
+        med, mad, meandev, _ = grouped_robust(ref[:, None, :], finite=bool(finite.all()))
+        return self._z(Xt, finite, med[:, 0], mad[:, 0], meandev[:, 0], None, track)
 
     def zt_grouped(self, Xt: np.ndarray, peers: Groups, present: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """As :meth:`zt` against each rank's peer group, and the peer groups with fewer than
         ``min_world`` present ranks (their ranks get z = 0: not judged)."""
         finite = np.isfinite(Xt)
-        all_finite = finite.all()
-        G = peers.gather(Xt if all_finite else np.where(finite, Xt, np.nan))  # (k, n, largest group)
+        G = peers.gather(Xt if finite.all() else np.where(finite, Xt, np.nan))  # (k, n, largest group)
         if G.shape[-1] > self.reference_ranks:  # a fixed, seeded sample of each group's members
             G = G[..., self._sample_of(G.shape[-1])]
         med, mad, meandev, _ = grouped_robust(G)
-        med, mad, meandev = (np.where(np.isfinite(a), a, 0.0) for a in (med, mad, meandev))
-        typical = self._typical(1.2533 * meandev)
-        scale = np.maximum(1.4826 * mad, typical) + self.rel_floor * np.abs(med) + 1e-12
-        ids = peers.ids
-        with np.errstate(invalid="ignore"):
-            z = (Xt - med[:, ids]) / scale[:, ids]
-        if not all_finite:
-            z[~finite] = 0.0
+        z = self._z(Xt, finite, med, mad, meandev, peers.ids, True)
         n_present = peers.counts(present)
         small = np.flatnonzero((n_present > 0) & (n_present < self.min_world))
         if small.size:
-            z[:, np.isin(ids, small)] = 0.0
+            z[:, np.isin(peers.ids, small)] = 0.0
         return z, small
+
+    def _z(
+        self,
+        Xt: np.ndarray,
+        finite: np.ndarray,
+        med: np.ndarray,
+        mad: np.ndarray,
+        meandev: np.ndarray,
+        cols: np.ndarray | None,
+        track: bool,
+    ) -> np.ndarray:
+        """``Xt``'s deviation from ``med`` (column ``cols[r]`` for rank r) over the robust scale: the MAD,
+        bounded below by the typical spread (the mean absolute deviation scaled to a Gaussian sigma)
+        and a floor that keeps a feature on which all ranks agree to many digits from exploding."""
+        med, mad, meandev = (np.where(np.isfinite(a), a, 0.0) for a in (med, mad, meandev))
+        spread = 1.2533 * meandev
+        typical = self._typical(spread) if track else spread
+        scale = np.maximum(1.4826 * mad, typical) + self.rel_floor * np.abs(med) + 1e-12
+        with np.errstate(invalid="ignore"):
+            z = (Xt - med[:, cols]) / scale[:, cols]
+        if not finite.all():
+            z[~finite] = 0.0
+        return z

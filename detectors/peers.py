@@ -125,11 +125,12 @@ def _middle(S: np.ndarray, count: np.ndarray) -> np.ndarray:
     return np.where(count > 0, 0.5 * (lo + hi), np.nan)
 
 
-def grouped_robust(G: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def grouped_robust(G: np.ndarray, finite: bool | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """(median, MAD, mean absolute deviation, count) over the last axis of a grouped array
     (``Groups.gather``), ignoring non-finite cells (NaN where a group has no value). When every cell
-    is finite, partitions instead of sorts (the upper middle of an even count, as over all ranks)."""
-    if G.shape[-1] and np.isfinite(G).all():
+    is finite (``finite``, when the caller knows), partitions instead of sorts (the upper middle of
+    an even count)."""
+    if G.shape[-1] and (np.isfinite(G).all() if finite is None else finite):
         mid = G.shape[-1] // 2
         med = np.partition(G, mid, axis=-1)[..., mid]
         absdev = np.abs(G - med[..., None])

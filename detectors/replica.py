@@ -184,64 +184,35 @@ class ReplicaDivergenceDetector(SplitDetector):
             return []
         odd_by_metric: dict[str, list[int]] = vote["odd"]
         split: list[str] = vote["split"]
+        split_ranks: dict[str, list[int]] = vote.get("split_ranks") or {}
         product = vote.get("product")
-        checked = {"gemm_canary_product": int(product)} if product is not None else {}
+        head, tail, ranks = f"replicas split at step {frame.step}: no majority on ", "", ()
         if odd_by_metric:
             ranks = tuple(sorted({int(r) for v in odd_by_metric.values() for r in v}))
             who = ", ".join(rank_label(frame, r)[5:] for r in ranks[: self.max_listed])
             head = (
                 f"SDC suspected: replica divergence at step {frame.step}: rank {who} disagree(s) with the majority on "
             )
-            return [
-                self._finding(
-                    frame,
-                    score=float(len(ranks)),
-                    ranks=ranks,
-                    **_on(head, list(odd_by_metric), product),
-                    evidence={
-                        "metrics": {k: [int(r) for r in v[: self.max_listed]] for k, v in odd_by_metric.items()},
-                        "split": split,
-                        **checked,
-                    },
-                )
-            ]
-        split_ranks: dict[str, list[int]] = vote.get("split_ranks") or {}
-        if split_ranks:  # replica groups split: their ranks disagree, none can be blamed
-            metric = split[0]
-            members = [int(r) for r in split_ranks.get(metric, [])]
+            metrics, score = list(odd_by_metric), float(len(ranks))
+            named = {k: [int(r) for r in v[: self.max_listed]] for k, v in odd_by_metric.items()}
+            evidence: dict[str, Any] = {"metrics": named, "split": split}
+        elif split_ranks:  # replica groups split: their ranks disagree, none can be blamed
+            members = [int(r) for r in split_ranks.get(split[0], [])]
             at = coords_of(known_coords(frame), members[0]) if members else {}
             shard = format_coords(dict(replica_key(at)))
             listed = ", ".join(str(r) for r in members[: self.max_listed])
-            return [
-                self._finding(
-                    frame,
-                    score=float(len(members)),
-                    **_on(
-                        f"replicas split at step {frame.step}: no majority on ",
-                        split,
-                        product,
-                        (f" among the replicas of {shard}" if shard else "")
-                        + f" (ranks {listed}; too few to tell which is wrong)",
-                    ),
-                    evidence={
-                        "split": split,
-                        "split_ranks": {k: [int(r) for r in v[: self.max_listed]] for k, v in split_ranks.items()},
-                        **checked,
-                    },
-                )
-            ]
-        return [
-            self._finding(
-                frame,
-                score=float(frame.world),
-                **_on(f"replicas split at step {frame.step}: no majority on ", split, product),
-                evidence={"split": split, **checked},
-            )
-        ]
-
-    def _finding(self, frame: StepContext, **fields: Any) -> Finding:
-        """A critical replica-divergence finding of ``frame``'s step; ``fields`` say the rest."""
-        return Finding.at(frame, self.name, IncidentKind.REPLICA_DIVERGENCE, Severity.CRITICAL, **fields)
+            among = f" among the replicas of {shard}" if shard else ""
+            tail = f"{among} (ranks {listed}; too few to tell which is wrong)"
+            metrics, score = split, float(len(members))
+            kept = {k: [int(r) for r in v[: self.max_listed]] for k, v in split_ranks.items()}
+            evidence = {"split": split, "split_ranks": kept}
+        else:
+            metrics, score, evidence = split, float(frame.world), {"split": split}
+        if product is not None:
+            evidence["gemm_canary_product"] = int(product)
+        kind, severity = IncidentKind.REPLICA_DIVERGENCE, Severity.CRITICAL
+        place = _on(head, metrics, product, tail)
+        return [Finding.at(frame, self.name, kind, severity, score, ranks=ranks, evidence=evidence, **place)]
 
 
 def _on(head: str, metrics: list[str], product: int | None, tail: str = "") -> dict[str, Any]:

@@ -194,17 +194,8 @@ class SpikeDetector(SplitDetector):
         if phase == "recovery":
             evidence["recovered_step"] = at.step
         msg = f"{label} at step {state['onset']} ({state['peak']:.4g} vs baseline {baseline:.4g})"
-        return Finding(
-            detector=self.name,
-            kind=kind,
-            severity=Severity.WARNING,
-            run=at.run,
-            step=at.step,
-            score=float(max(z, 0.0)) if phase != "recovery" else 0.0,
-            message=msg,
-            metric=key,
-            evidence=evidence,
-        )
+        score = float(max(z, 0.0)) if phase != "recovery" else 0.0
+        return Finding.at(at, self.name, kind, Severity.WARNING, score, msg, metric=key, evidence=evidence)
 
     def snapshot(self) -> dict[str, Any]:
         return {

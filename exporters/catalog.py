@@ -102,6 +102,16 @@ _SERVICE: tuple[MetricSpec, ...] = (
         "Step of a recent checkpoint of the run (slot 0 the newest, at most 8, and the newest clean one), "
         "labelled with its marking: clean, suspect or after-fault.",
     ),
+    # hosts across runs (docs/hosts.md): a series per flagged host only, at most metrics.max_hosts
+    MetricSpec(
+        "sdcwatch_host_verdict",
+        "gauge",
+        ("host", "verdict"),
+        "1 for each host the service judges suspect or quarantine from the evidence of several runs, worst "
+        "first, at most metrics.max_hosts (clean and cleared hosts have no series; `sdcwatch hosts` lists all).",
+    ),
+    MetricSpec("sdcwatch_hosts_tracked", "gauge", (), "Hosts whose evidence across runs the service keeps."),
+    MetricSpec("sdcwatch_hosts_suspect", "gauge", (), "Hosts judged suspect or quarantine."),
     # ingest pipeline
     MetricSpec("sdcwatch_pipeline_records_total", "counter", (), "Telemetry records the service has consumed."),
     MetricSpec("sdcwatch_pipeline_records_per_second", "gauge", (), "Recent rate of consumed telemetry records."),
@@ -234,9 +244,9 @@ _SERVICE: tuple[MetricSpec, ...] = (
         "sdcwatch_exporter_omitted",
         "gauge",
         ("what",),
-        "Runs (what=runs) beyond metrics.max_runs, model pieces (what=pieces) beyond metrics.max_pieces and "
-        "layers (what=layers, (piece, layer) pairs) beyond metrics.max_layers, summed over runs, that have "
-        "no series of their own at this scrape.",
+        "Runs (what=runs) beyond metrics.max_runs, model pieces (what=pieces) beyond metrics.max_pieces, "
+        "layers (what=layers, (piece, layer) pairs) beyond metrics.max_layers, summed over runs, and flagged "
+        "hosts (what=hosts) beyond metrics.max_hosts, that have no series of their own at this scrape.",
     ),
     MetricSpec(
         "sdcwatch_exporter_view_errors_total",

@@ -19,11 +19,12 @@ from sdcwatch.core.kinds import guard_action_of
 from sdcwatch.core.mesh import format_coords
 from sdcwatch.core.metric_spec import MetricSpec
 from sdcwatch.core.rank_notes import CheckpointMark
-from sdcwatch.core.validate import check_choice, check_number
+from sdcwatch.core.validate import check_choice, check_int, check_number
 
 from .catalog import STATS, catalogue, metric
 from .metrics_settings import (
     DEFAULT_LAYER_STATS,
+    DEFAULT_MAX_HOSTS,
     DEFAULT_MAX_LAYERS,
     DEFAULT_MAX_PIECES,
     DEFAULT_TOP_K,
@@ -95,6 +96,7 @@ class SdcwatchCollector(Collector):
         layer_metrics: Sequence[str] | None = None,
         max_layers: int = DEFAULT_MAX_LAYERS,
         max_pieces: int = DEFAULT_MAX_PIECES,
+        max_hosts: int = DEFAULT_MAX_HOSTS,
         cache_seconds: float = 0.0,
         clock: Callable[[], float] = time.time,
     ) -> None:
@@ -102,6 +104,7 @@ class SdcwatchCollector(Collector):
             raise ConfigError("exporter.view_fn", f"must be callable, got {type(view_fn).__name__}")
         check_cardinality(top_k=top_k, max_layers=max_layers, max_pieces=max_pieces)
         check_number("exporter.cache_seconds", cache_seconds, 0)
+        self.max_hosts = check_int("metrics.max_hosts", max_hosts, lo=0)
         for key, stats in (("exporter.layer_stats", layer_stats), ("exporter.scalar_stats", scalar_stats)):
             if isinstance(stats, str):
                 raise ConfigError(key, f"must be a list of statistics, got {stats!r}")
@@ -183,6 +186,7 @@ class SdcwatchCollector(Collector):
         add("sdcwatch_exporter_omitted", ["runs"], max(0, view.pipeline.runs_total - len(view.runs)))
         add("sdcwatch_exporter_omitted", ["layers"], layers_omitted)
         add("sdcwatch_exporter_omitted", ["pieces"], pieces_omitted)
+        add("sdcwatch_exporter_omitted", ["hosts"], _add_hosts(add, view.hosts, self.max_hosts))
         return fam
 
     def _add_run(
@@ -315,6 +319,17 @@ def _add_findings(add: _AddSample, view: ServiceView) -> None:
         action = guard_action_of(kind)
         if action is not None:
             add("sdcwatch_guard_actions_total", [action], count)
+
+
+def _add_hosts(add: _AddSample, verdicts: Sequence, limit: int) -> int:
+    """A series per suspect or quarantined host (``verdicts`` worst first), at most ``limit``; the
+    counts of hosts tracked and flagged. Returns the flagged hosts left without a series."""
+    flagged = [v for v in verdicts if v.verdict in ("suspect", "quarantine")]
+    for v in flagged[:limit]:
+        add("sdcwatch_host_verdict", [v.host, v.verdict], 1)
+    add("sdcwatch_hosts_tracked", [], len(verdicts))
+    add("sdcwatch_hosts_suspect", [], len(flagged))
+    return max(0, len(flagged) - limit)
 
 
 def _add_checkpoints(add: _AddSample, marks: Sequence[CheckpointMark]) -> None:

@@ -12,6 +12,7 @@ __all__ = [
     "DEFAULT_LAYER_STATS",
     "DEFAULT_MAX_LAYERS",
     "DEFAULT_MAX_PIECES",
+    "DEFAULT_MAX_HOSTS",
     "DEFAULT_METRICS_ADDRESS",
     "DEFAULT_METRICS_PORT",
     "check_cardinality",
@@ -27,6 +28,8 @@ DEFAULT_LAYER_STATS: tuple[str, ...] = ("min", "median", "max")
 DEFAULT_MAX_LAYERS = 128
 #: Pieces of one run with statistics series (32 pieces x 9 scalars x 5 statistics: 1,440 series).
 DEFAULT_MAX_PIECES = 32
+#: Hosts judged suspect or quarantine with a series of their own, worst first.
+DEFAULT_MAX_HOSTS = 50
 #: Default address of the service's /metrics endpoint: loopback (beyond the host is a choice).
 DEFAULT_METRICS_ADDRESS = "127.0.0.1"
 #: Default port of the service's /metrics endpoint.

@@ -1,5 +1,6 @@
-"""The sinks that write to the bus: incident changes to the anomalies topic, the guards' decisions
-to the control topic, a spatial stage's step summaries to the summaries topic. Each is a
+"""The sinks that write to the bus: incident changes to the anomalies topic (signed with the service's
+key when it has keys), the guards' decisions to the control topic, a spatial stage's step summaries
+to the summaries topic. Each is a
 :class:`TopicWriter` over one ``send(key, value)``; it never raises, failures count in ``errors``.
 """
 
@@ -108,7 +109,14 @@ class AnomalyTopicSink(TopicWriter):
 
     DEFAULT_TOPIC = ANOMALY_TOPIC
     KAFKA_SETTINGS = {"linger_ms": 20}
+    OPTIONS = ("key",)
     LABEL = "anomaly"
+
+    def __init__(self, *args: Any, key: JobKey | None = None) -> None:
+        super().__init__(*args)
+        self.key = key
+        """The service's key for this topic (``Keyring.service_key("anomalies")``): each message signed
+        with it, and readers that hold the key file believe no other (None: unsigned, no keys)."""
 
     def publish(self, event: IncidentEvent) -> None:
         self._write(event.change, event.incident)
@@ -119,8 +127,8 @@ class AnomalyTopicSink(TopicWriter):
 
     def _write(self, change: str, item: Any) -> None:
         try:
-            body = {"change": change, **item.to_dict()}
-            self._send(item.id.encode("utf-8"), json.dumps(body, allow_nan=False).encode("utf-8"))
+            body = json.dumps({"change": change, **item.to_dict()}, allow_nan=False).encode("utf-8")
+            self._send(item.id.encode("utf-8"), body if self.key is None else self.key.sign(body, fresh=False))
             self.published += 1
         except Exception:  # a sink must never stall or break detection
             self.errors += 1

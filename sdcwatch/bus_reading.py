@@ -1,6 +1,7 @@
 """What the commands that read a topic share (``capture``, ``incidents``, ``checkpoints``): their bus
 options, read from the same flags, environment and file as ``sdcwatch serve``'s (job keys: docs/service.md,
-"Reading a signed run"), the reader, the refusals they count and name, and stopping on Ctrl-C.
+"Reading a signed run"), the reader, how an anomalies message is verified, the refusals they count and
+name, and stopping on Ctrl-C.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from typing import Any, Callable
 
 from sdcwatch.core.errors import RecordError, TransportError
 from sdcwatch.core.limits import reason_of
-from sdcwatch.core.signing import Keyring
+from sdcwatch.core.messages import open_signed
+from sdcwatch.core.signing import AuthError, Keyring, is_signed
 from sdcwatch.service.kafka_source import TopicReader
 
 __all__ = [
@@ -22,6 +24,7 @@ __all__ = [
     "BusSettings",
     "bus_settings",
     "open_reader",
+    "anomaly_opener",
     "Refusals",
     "stop_on_signals",
     "read_to_end",
@@ -108,6 +111,23 @@ def open_reader(
         raise TransportError(
             f"{exc}; check --bus-bootstrap / SDCWATCH_BOOTSTRAP and that the broker is running"
         ) from None
+
+
+def anomaly_opener(keyring: Keyring | None) -> Callable[[bytes | None], bytes | None]:
+    """How a reader opens a message of the anomalies topic. With keys (the service's key file), only
+    one the service signed with its key (``Keyring.service_key("anomalies")``): an unsigned one or one
+    signed otherwise raises AuthError (anyone may write to the topic). Without keys, an unsigned one
+    as it is, as before (a signed one: AuthError, no key to verify it)."""
+    if keyring is None:
+        return lambda value: open_signed(value, None)
+    key = keyring.service_key("anomalies")
+
+    def open_anomaly(value: bytes | None) -> bytes | None:
+        if value is not None and not is_signed(value):
+            raise AuthError("signature", "not signed by the service, whose key the key file gives")
+        return None if value is None else key.open(value)
+
+    return open_anomaly
 
 
 @dataclass

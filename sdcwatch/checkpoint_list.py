@@ -12,6 +12,7 @@ from typing import Any, Sequence, TextIO
 
 from sdcwatch.bus_reading import (
     Refusals,
+    anomaly_opener,
     add_bus_arguments,
     bus_settings,
     open_reader,
@@ -20,7 +21,7 @@ from sdcwatch.bus_reading import (
 )
 from sdcwatch.core.errors import RecordError
 from sdcwatch.core.jsonsafe import json_safe
-from sdcwatch.core.messages import decode_object, open_signed
+from sdcwatch.core.messages import decode_object
 from sdcwatch.core.rank_notes import CheckpointMark
 
 __all__ = ["CheckpointList", "checkpoint_line", "build_parser", "checkpoints_main"]
@@ -139,11 +140,12 @@ def checkpoints_main(argv: Sequence[str]) -> int:
     stop, signals = stop_on_signals()
     board = CheckpointList(args.run)
     refused = Refusals()
+    open_anomaly = anomaly_opener(settings.keyring)
 
     def take(msg: Any) -> None:
         try:
-            board.take(open_signed(msg.value, settings.keyring))
-        except RecordError as exc:  # a signed message that does not verify
+            board.take(open_anomaly(msg.value))
+        except RecordError as exc:  # not signed by the service (with keys), or does not verify
             refused.refused(exc)
 
     reader = open_reader(bus, bus.anomalies_topic, from_beginning=True, connect_timeout=args.connect_timeout)

@@ -93,6 +93,11 @@ COMMANDS: dict[str, Command] = {
         "checkpoints_main",
         "a run's checkpoints as the service marked them (clean, suspect, after-fault), the newest clean one",
     ),
+    "hosts": Command(
+        "sdcwatch.hosts",
+        "hosts_main",
+        "the service's verdict on each host across runs; drain lines to print; an operator's clear",
+    ),
     "replay": Command(
         "sdcwatch.service.offline",
         "replay_main",

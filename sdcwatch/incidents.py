@@ -16,6 +16,7 @@ from typing import Any, Sequence
 
 from sdcwatch.bus_reading import (
     Refusals,
+    anomaly_opener,
     add_bus_arguments,
     bus_settings,
     open_reader,
@@ -25,7 +26,7 @@ from sdcwatch.bus_reading import (
 from sdcwatch.core.errors import ConfigError, RecordError
 from sdcwatch.core.incident import Incident
 from sdcwatch.core.jsonsafe import json_safe
-from sdcwatch.core.messages import decode_object, open_signed
+from sdcwatch.core.messages import decode_object
 from sdcwatch.service.kafka_source import TopicReader
 
 __all__ = [
@@ -238,11 +239,12 @@ def incidents_main(argv: Sequence[str]) -> int:
     stop, signals = stop_on_signals()
     board = IncidentBoard(args.run, since)
     refused = Refusals()
+    open_anomaly = anomaly_opener(settings.keyring)
 
     def take(msg: Any) -> dict[str, Any] | None:
         try:
-            return board.take(open_signed(msg.value, settings.keyring), msg.timestamp)
-        except RecordError as exc:  # a signed message that does not verify
+            return board.take(open_anomaly(msg.value), msg.timestamp)
+        except RecordError as exc:  # not signed by the service (with keys), or does not verify
             refused.refused(exc)
             return None
 

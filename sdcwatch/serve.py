@@ -83,9 +83,37 @@ def _changelog(cfg: ServeConfig) -> Any | None:
 
     temporal = cfg.detectors.stage == "temporal"
     group = f"{cfg.bus.group}.temporal" if temporal else cfg.bus.group
+    keyring = cfg.auth.keyring()  # with job keys, the service signs its snapshots with a key of its own
     return StateChangelog(
-        cfg.bus.bootstrap, cfg.state.topic, group=group, stage=cfg.detectors.stage, security=cfg.bus.security
+        cfg.bus.bootstrap,
+        cfg.state.topic,
+        group=group,
+        stage=cfg.detectors.stage,
+        security=cfg.bus.security,
+        key=keyring.service_key("state") if keyring is not None else None,
     )
+
+
+def _created_telemetry_topic(cfg: ServeConfig) -> bool:
+    """Create the telemetry topic as the emitters would (4 partitions) when it does not exist yet;
+    whether this instance did. Then no instance of its group held it before: this one stays when
+    another, started as it was joining, shares its group (the other leaves, as a newcomer does)."""
+    from kafka.admin import NewTopic
+    from kafka.errors import KafkaError
+
+    from sdcwatch.core.kafka import new_admin
+
+    try:
+        admin = new_admin(cfg.bus.bootstrap, cfg.bus.security, request_timeout_ms=10_000)
+        try:
+            admin.create_topics([NewTopic(cfg.bus.telemetry_topic, 4, 1)])
+        finally:
+            admin.close()
+    except (KafkaError, OSError, ValueError) as exc:  # it exists, or may not be created here: not the first
+        log.debug("telemetry topic %s not created: %s", cfg.bus.telemetry_topic, exc)
+        return False
+    log.info("created the telemetry topic %s (4 partitions)", cfg.bus.telemetry_topic)
+    return True
 
 
 def _pipeline(cfg: ServeConfig, changelog: Any = None) -> tuple[Any, bool, Any]:
@@ -102,6 +130,7 @@ def _pipeline(cfg: ServeConfig, changelog: Any = None) -> tuple[Any, bool, Any]:
         stage=cfg.detectors.stage,
         detectors=lambda: default_detectors(configs),
         limits=cfg.limits.record_limits(),
+        hosts=cfg.hosts,  # the [hosts] section is the host ledger's settings
     )
     origin, snap = resume_state(pipeline, Path(cfg.state.dir) / STATE_FILE, changelog)
     if snap is not None:
@@ -154,6 +183,7 @@ def _source(cfg: ServeConfig, auth: Any = None) -> Any:
         deadletter_topic=bus.deadletter_topic,
         limits=limits,
         sole_member_after_s=bus.share_timeout_s if bus.share_timeout_s and cfg.detectors.stage == "both" else None,
+        first_member=bool(bus.share_timeout_s) and cfg.detectors.stage == "both" and _created_telemetry_topic(cfg),
         ingest=IngestDecoder(SchemaRegistry(limits), auth=auth, schema_wait=cfg.detectors.schema_wait_s),
         **bus.security,
     )
@@ -167,7 +197,8 @@ def _incident_sinks(cfg: ServeConfig, pipeline: Any, auth: Any = None) -> list[A
     from sdcwatch.service.checkpoint_marks import CertifiedPolicy
 
     bus, alerts = cfg.bus, cfg.alerts
-    chosen: list[Any] = [AnomalyTopicSink.to_kafka(bus.bootstrap, bus.anomalies_topic, **bus.security)]
+    key = auth.keyring.service_key("anomalies") if auth is not None else None  # readers believe only it
+    chosen: list[Any] = [AnomalyTopicSink.to_kafka(bus.bootstrap, bus.anomalies_topic, key=key, **bus.security)]
     if alerts.alertmanager_url:
         chosen.append(AlertmanagerSink(alerts.alertmanager_url, timeout=alerts.timeout_s))
     if alerts.webhook_url:
@@ -200,6 +231,7 @@ def _metrics_server(cfg: ServeConfig, service: Any) -> Any | None:
         top_k=cfg.metrics.top_k,
         max_layers=cfg.metrics.max_layers,
         max_pieces=cfg.metrics.max_pieces,
+        max_hosts=cfg.metrics.max_hosts,
     )
 
 
@@ -244,8 +276,9 @@ def serve_main(argv: Sequence[str]) -> int:
         "--state-reset",
         action="store_true",
         help="move the state file and the snapshot before it aside (kept as pipeline-state.json.bad-<time> "
-        "and pipeline-state.json.prev.bad-<time>) and start without them, nor the state topic's snapshot (the next snapshot replaces it): the way out of a damaged "
-        "state; detectors warm up again",
+        "and pipeline-state.json.prev.bad-<time>) and start without them, nor the state topic's snapshot (the "
+        "next snapshot replaces it): the way out of a damaged state file; detectors warm up again. A refused "
+        "or damaged topic snapshot alone needs no reset: a good state file is taken instead, and logged",
     )
     args = parser.parse_args(argv)
     logging.getLogger().setLevel(logging.INFO if args.verbose else logging.WARNING)

@@ -16,6 +16,7 @@ _LAZY = by_module(
         "sdcwatch.service.incidents": "IncidentBook",
         "sdcwatch.service.run_lifecycle": "RunLifecycle",
         "sdcwatch.service.pipeline": "DetectionPipeline PipelineSettings",
+        "sdcwatch.service.hosts": "HostLedger HostSettings HostVerdict",
         "sdcwatch.service.offline": "format_table replay replay_main",
         "sdcwatch.service.loop": "DetectorService",
         "sdcwatch.service.summary": "StepSummary SummaryOrder decode_summary encode_summary",

@@ -6,8 +6,9 @@ follow the last closed one by the run's usual stride waits ``reorder_grace`` sec
 ``timeout`` while :attr:`StepAligner.backlog` says records wait on the bus (Kafka partitions are read
 at different paces). Duplicates and records of closed steps are counted and dropped; a change of
 world size (elastic training) starts the run's alignment afresh. Records past the limits
-(``step_jump``, ``step_size``), of runs not admitted (``runs``) or past a run's budget (``budget``)
-are set aside in :attr:`StepAligner.rejected` (docs/operating.md, "Limits"; admission and budget:
+(``step_jump``, ``step_size``) or past a run's budget (``budget``) are set aside in
+:attr:`StepAligner.rejected`; a new run not admitted yet waits in a bounded buffer, dead-lettered
+``runs`` only when the buffer overflows (docs/operating.md, "Limits"; admission and budget:
 docs/service.md, "Run lifecycle"). Wire-v2 blocks are placed with array operations, one step's
 arrays filled from them when it closes.
 """
@@ -66,7 +67,8 @@ class _RunSteps:
     last_closed: int = -1
     stride: int = 1  # usual distance between consecutive closed steps (runs may log every N steps)
     generation: int = 0  # bumped by a world-size change
-    steps_closed: int = 0  # steps shown so far (on probation until probation_steps)
+    steps_complete: int = 0  # steps closed with every rank of the world (on probation until probation_steps)
+    complete_since: float | None = None  # clock of its first complete step (probation lasts probation_s)
     tokens: float = 0.0  # records the run may still send now (its budget's bucket)
     tokens_at: float = 0.0  # clock time the bucket was last refilled
 
@@ -82,7 +84,9 @@ class StepAligner:
         reorder_grace: float = 1.0,
         max_step_jump: int = RecordLimits.max_step_jump,
         max_step_values: int = RecordLimits.max_step_values,
-        probation_steps: int = 3,
+        probation_steps: int = 20,
+        probation_s: float = 10.0,
+        wait_records: int = 50_000,
         record_budget: float = float("inf"),
         budget_window: float = 10.0,
         clock: Callable[[], float] = time.monotonic,
@@ -95,10 +99,21 @@ class StepAligner:
             max_step_jump=max_step_jump,
             max_step_values=max_step_values,
             probation_steps=probation_steps,
+            probation_s=probation_s,
+            wait_records=wait_records,
             record_budget=record_budget,
             budget_window=budget_window,
         )
         self.probation_steps = int(probation_steps)
+        self.probation_s = float(probation_s)
+        self.wait_records = int(wait_records)
+        #: records of runs waiting for a place, run -> (records and blocks in order, their records);
+        #: the run that sent last is last. ``waiting_records`` counts them, ``lost_waiting`` the
+        #: records of each run dead-lettered when the buffer overflowed (taken at its admission)
+        self._waiting: dict[str, tuple[list, int]] = {}
+        self.waiting_records = 0
+        self.lost_waiting: dict[str, int] = {}
+        self._admitted: list[str] = []  # runs admitted from the buffer since take_admitted()
         self.record_budget = float(record_budget)
         self._budget_cap = self.record_budget * float(budget_window)  # the bucket's size
         self._probation: dict[str, float] = {}  # runs on probation -> clock of their last record, oldest first
@@ -107,8 +122,10 @@ class StepAligner:
         self.max_step_values = int(max_step_values)
         #: records set aside, as (reason, description, records); the owner takes and dead-letters them
         self.rejected: list[tuple[str, str, list[Record]]] = []
-        #: asked before a new run is taken; False sets its record aside (reason ``runs``)
+        #: asked before a new run is taken; False keeps its records waiting for a place
         self.admit: Callable[[str], bool] = lambda run: True
+        #: runs offered a place first among those waiting (the signed ones)
+        self.first: Callable[[str], bool] = lambda run: False
         self.timeout = float(timeout)
         self.reorder_grace = min(float(reorder_grace), self.timeout)
         #: set by the reader of the bus: records are waiting there (consumer lag); a complete step
@@ -130,13 +147,17 @@ class StepAligner:
         out: list[StepFrame] = []
         touched: set[str] = set()
         over: dict[str, list[Record]] = {}  # records past their run's budget
-        for rec in self._admission_order(records):
+        items = self._admission_order(records)
+        if self._waiting:
+            items = self._release() + items
+        for rec in items:
+            if rec.run not in self._runs and (rec.run in self._waiting or not self.admit(rec.run)):
+                self._wait(rec)
+                continue
             if isinstance(rec, RecordColumns):
                 self._add_columns(rec, now, out, touched, over)
                 continue
-            st = self._run_state(rec.run, rec.world, now, out, lambda rec=rec: [rec])
-            if st is None:
-                continue
+            st = self._run_state(rec.run, rec.world, now, out)
             if not self._grant(st, 1, now):
                 over.setdefault(rec.run, []).append(rec)
                 continue
@@ -153,7 +174,9 @@ class StepAligner:
                 op.count += 1
                 touched.add(rec.run)
         for run in touched:
-            out += self._drain(run, self._runs[run], force=False, now=now)
+            st = self._runs.get(run)
+            if st is not None:  # not given way to a signed run since
+                out += self._drain(run, st, force=False, now=now)
         for run, recs in over.items():
             self.over_budget += len(recs)
             why = (
@@ -174,7 +197,8 @@ class StepAligner:
         for x in items:
             if x.run in count:
                 count[x.run] += len(x) if isinstance(x, RecordColumns) else 1
-        rank = {run: i for i, run in enumerate(sorted(new, key=lambda run: (-count[run], run)))}
+        first = self.first
+        rank = {run: i for i, run in enumerate(sorted(new, key=lambda run: (not first(run), -count[run], run)))}
         held = [x for x in items if x.run not in rank]
         return held + sorted((x for x in items if x.run in rank), key=lambda x: rank[x.run])
 
@@ -187,31 +211,69 @@ class StepAligner:
         st.tokens -= n
         return n
 
-    def _run_state(
-        self, run: str, world: int, now: float, out: list[StepFrame], what: Callable[[], list[Record]]
-    ) -> _RunSteps | None:
-        """The run's state, started afresh (open steps closed first) when its world size changed;
-        None when the run is not admitted (its records, ``what()``, are set aside)."""
-        st = self._runs.get(run)
-        if st is None:
+    def _wait(self, item: Record | RecordColumns) -> None:
+        """Keep a record (or block) of a run not admitted yet; past ``wait_records`` the run that
+        sent least recently loses its waiting records (dead-lettered ``runs``, counted for it)."""
+        items, n = self._waiting.pop(item.run, ([], 0))
+        items.append(item)
+        k = len(item) if isinstance(item, RecordColumns) else 1
+        self._waiting[item.run] = (items, n + k)
+        self.waiting_records += k
+        while self.waiting_records > self.wait_records:
+            run = next(iter(self._waiting))
+            items, n = self._waiting.pop(run)
+            self.waiting_records -= n
+            if len(self.lost_waiting) >= self.wait_records:  # bounded: the oldest count goes
+                del self.lost_waiting[next(iter(self.lost_waiting))]
+            self.lost_waiting[run] = self.lost_waiting.get(run, 0) + n
+            why = (
+                f"run {run!r} waited for a place among detectors.max_runs and the {self.wait_records} "
+                f"records runs may wait with are full (detectors.run_wait_records): its {n} waiting "
+                f"record(s) are lost ({self.lost_waiting[run]} in all)"
+            )
+            recs = [r for x in items for r in (x.to_records() if isinstance(x, RecordColumns) else [x])]
+            self.rejected.append(("runs", why, recs))
+
+    def _release(self) -> list:
+        """The waiting records of the runs that get a place now, in their order: signed runs first,
+        then the runs with most records waiting (a job's ranks), then by name; the first run refused
+        a place ends the offers."""
+        first = self.first
+        out: list = []
+        for run in sorted(self._waiting, key=lambda r: (not first(r), -self._waiting[r][1], r)):
             if not self.admit(run):
-                self.rejected.append(
-                    (
-                        "runs",
-                        f"run {run!r} is one more than the service keeps (detectors.max_runs): every "
-                        "run it keeps is training, or on probation and sent within "
-                        "detectors.run_probation_idle_s, and none is stale (detectors.run_stale_s)",
-                        what(),
-                    )
-                )
-                return None
+                break
+            items, n = self._waiting.pop(run)
+            self.waiting_records -= n
+            self._admitted.append(run)
+            head = items[0]
+            world = head.world if isinstance(head, Record) else int(head.rows["world"][0])
+            self._runs[run] = _RunSteps(world=world, tokens=self._budget_cap, tokens_at=self.clock())
+            out += items
+        return out
+
+    def waits(self, run: str) -> bool:
+        """Whether records of ``run`` wait for a place."""
+        return run in self._waiting
+
+    def take_admitted(self) -> tuple[list[str], dict[str, int]]:
+        """The runs admitted from the buffer since the last call, and of them those that lost
+        records while waiting (how many)."""
+        runs, self._admitted = self._admitted, []
+        return runs, {run: self.lost_waiting.pop(run) for run in runs if run in self.lost_waiting}
+
+    def _run_state(self, run: str, world: int, now: float, out: list[StepFrame]) -> _RunSteps:
+        """The run's state (a new one for a run just admitted), started afresh (open steps closed
+        first) when its world size changed."""
+        st = self._runs.get(run)
+        if st is None:  # admitted (add() asked)
             st = self._runs[run] = _RunSteps(world=world, tokens=self._budget_cap, tokens_at=now)
         elif world != st.world:
             out += self._drain(run, st, force=True, now=now)
             self.world_changes += 1
             st = self._runs[run] = replace(st, world=world, open={}, generation=st.generation + 1)
-        if st.steps_closed < self.probation_steps:  # on probation: note its input, most recent last
-            self._probation.pop(run, None)
+        if run in self._probation or st.steps_complete < self.probation_steps:  # on probation: note its input
+            self._probation.pop(run, None)  # most recent last
             self._probation[run] = now
         return st
 
@@ -226,9 +288,7 @@ class StepAligner:
         layer_len = max((k for _, k in sch.layers), default=0)
         for a, b in zip([0, *cuts], [*cuts, len(cols)]):
             part = cols if (a, b) == (0, len(cols)) else cols.take(slice(a, b))
-            st = self._run_state(cols.run, int(worlds[a]), now, out, part.to_records)
-            if st is None:
-                continue
+            st = self._run_state(cols.run, int(worlds[a]), now, out)
             granted = self._grant(st, len(part), now)
             if granted < len(part):
                 over.setdefault(cols.run, []).extend(part.take(slice(granted, None)).to_records())
@@ -319,8 +379,9 @@ class StepAligner:
 
     def poll(self, *, force: bool = False) -> list[StepFrame]:
         """Close steps whose deadline passed (call regularly); every open step with ``force``."""
+        out = self.add([]) if self._waiting else []  # a place may have come free for a waiting run
         now = self.clock()
-        return [frame for run, st in list(self._runs.items()) for frame in self._drain(run, st, force=force, now=now)]
+        return out + [f for run, st in list(self._runs.items()) for f in self._drain(run, st, force=force, now=now)]
 
     def flush(self) -> list[StepFrame]:
         """Close every open step now (end of a replay file, shutdown)."""
@@ -352,9 +413,12 @@ class StepAligner:
                 continue
             if not complete:
                 self.incomplete_steps += 1
-            st.steps_closed += 1
-            if st.steps_closed >= self.probation_steps:
-                self._probation.pop(run, None)  # the run has shown its steps: it holds its place
+            elif run in self._probation:  # evidence of training: whole steps, over probation_s
+                st.steps_complete += 1
+                if st.complete_since is None:
+                    st.complete_since = now
+                if st.steps_complete >= self.probation_steps and now - st.complete_since >= self.probation_s:
+                    del self._probation[run]  # the run has shown its steps: it holds its place
             if st.last_closed >= 0:
                 st.stride = step - st.last_closed
             st.last_closed = step
@@ -373,11 +437,19 @@ class StepAligner:
         """Whether ``run`` is being aligned (it was admitted and not forgotten)."""
         return run in self._runs
 
-    def idlest_on_probation(self, idle: float) -> str | None:
-        """The run on probation silent longest, if it has been silent ``idle`` seconds; else None."""
+    def idlest_on_probation(self, idle: float, skip: Callable[[str], bool] = lambda run: False) -> str | None:
+        """The run on probation silent longest (of those not ``skip``), if it has been silent ``idle``
+        seconds; else None."""
+        now = self.clock()
         for run, last in self._probation.items():
-            return run if self.clock() - last >= idle else None
+            if not skip(run):
+                return run if now - last >= idle else None
         return None
+
+    def on_probation(self, run: str) -> bool:
+        """Whether ``run`` is held and has not yet shown its training (``probation_steps`` whole
+        steps over ``probation_s``)."""
+        return run in self._probation
 
     def open_steps_of(self, run: str) -> int:
         """Steps of ``run`` waiting for ranks."""
@@ -395,6 +467,10 @@ class StepAligner:
         """Runs being aligned."""
         return len(self._runs)
 
+    def held(self) -> list[str]:
+        """The runs being aligned, in the order they were admitted."""
+        return list(self._runs)
+
     def forget(self, run: str) -> None:
         """Drop a run's alignment state (its open steps are discarded)."""
         self._runs.pop(run, None)
@@ -409,28 +485,39 @@ class StepAligner:
                     "last_closed": st.last_closed,
                     "stride": st.stride,
                     "generation": st.generation,
-                    "steps_closed": st.steps_closed,
+                    "steps_complete": st.steps_complete,
+                    "on_probation": run in self._probation,
                     "open": [[step, [to_dict(r) for r in op.all_records()]] for step, op in st.open.items()],
                 }
                 for run, st in self._runs.items()
             },
             "counters": [self.duplicates, self.late_records, self.world_changes, self.incomplete_steps],
+            "waiting": [  # records of runs waiting for a place (committed offsets are past them)
+                [run, [to_dict(r) for x in items for r in (x.to_records() if isinstance(x, RecordColumns) else [x])]]
+                for run, (items, _) in self._waiting.items()
+            ],
+            "lost_waiting": self.lost_waiting,
         }
 
     def restore(self, state: dict[str, Any]) -> None:
         now = self.clock()
-        self._runs, self._probation = {}, {}
+        self._runs, self._probation, self._waiting, self.waiting_records = {}, {}, {}, 0
+        for run, recs in state.get("waiting", []):
+            self._waiting[run] = (list(map(from_dict, recs)), len(recs))
+            self.waiting_records += len(recs)
+        self.lost_waiting = {run: int(n) for run, n in state.get("lost_waiting", {}).items()}
         for run, d in state["runs"].items():
             st = _RunSteps(
                 world=int(d["world"]),
                 last_closed=int(d["last_closed"]),
                 stride=int(d.get("stride", 1)),
                 generation=int(d["generation"]),
-                steps_closed=int(d.get("steps_closed", self.probation_steps)),  # older states: runs that trained
+                steps_complete=int(d.get("steps_complete", d.get("steps_closed", self.probation_steps))),
                 tokens=self._budget_cap,
                 tokens_at=now,
             )
-            if st.steps_closed < self.probation_steps:
+            # older states: a run that closed probation_steps steps was training
+            if d.get("on_probation", st.steps_complete < self.probation_steps):
                 self._probation[run] = now
             for step, recs in d["open"]:
                 op = st.open[int(step)] = _OpenStep(first_seen=now, world=st.world)

@@ -1,34 +1,132 @@
 """The service's side of the job keys: :class:`Authenticator` verifies each signed message before it is
-decoded, binds each run to the key of its first verified message when that key is issued for the run's
-name, and keeps the start each run announced (decisions carry it). Unsigned messages are refused, or
-accepted for runs no key has claimed (``unsigned = "accept"``). A failure is dead-lettered ``auth``.
+decoded, refuses one signed before (:class:`SignerStarts`: each signer's start and the numbers it used),
+binds each run to the key of its first verified message when that key is issued for the run's name, and
+keeps the start each run announced (decisions carry it). Unsigned messages are refused, or accepted for
+runs no key has claimed (``unsigned = "accept"``). A failure is dead-lettered ``auth``.
 """
 
 from __future__ import annotations
 
+import bisect
 import logging
 import time
-from typing import Callable, Iterable
+from collections import OrderedDict
+from typing import Any, Callable, Iterable
 
 from sdcwatch.core.control import JobStart
 from sdcwatch.core.errors import ConfigError
-from sdcwatch.core.signing import AuthError, JobKey, Keyring, RunBindings, is_signed
+from sdcwatch.core.signing import AuthError, Freshness, JobKey, Keyring, RunBindings, is_signed
 from sdcwatch.core.validate import check_choice
 
-__all__ = ["Authenticator", "UNSIGNED_POLICIES", "RUN_REFUSALS"]
+__all__ = ["Authenticator", "SignerStarts", "UNSIGNED_POLICIES", "RUN_REFUSALS"]
 
 log = logging.getLogger("sdcwatch.service.auth")
 
 #: What the service does with an unsigned message when it holds keys.
 UNSIGNED_POLICIES = ("refuse", "accept")
-#: Why a run was refused to a key (the ``reason`` label of ``sdcwatch_auth_runs_refused_total``):
-#: the key is not issued for the name, another key holds the run, no binding is free, or an unsigned
-#: message for a run a key holds.
-RUN_REFUSALS = ("run_name", "bound", "full", "unsigned")
+#: Why a message was refused to a key (the ``reason`` label of ``sdcwatch_auth_runs_refused_total``):
+#: the key is not issued for the name, another key holds the run, no binding is free, an unsigned
+#: message for a run a key holds; a replay (``replayed``: its number under its signer's start was
+#: used), a start older than one forgotten (``stale``) or ahead of this clock (``future``), an envelope
+#: without a start from a key that sends fresh ones (``unfresh``).
+RUN_REFUSALS = ("run_name", "bound", "full", "unsigned", "replayed", "stale", "future", "unfresh")
+
+
+class SignerStarts:
+    """What each signer (a job key in one process, from its start) has had taken: the numbers of its
+    messages, as a few spans, so a message signed once is taken once, across restarts of the service
+    (kept in its state). ``check`` returns None or (reason, why).
+
+    Bounded: at most ``max_starts`` starts (the least recently heard forgotten first; a start of that
+    key no newer than a forgotten one is then ``stale``) and ``max_spans`` spans a start (a flood of
+    holes fills the oldest gap: a message from it is then ``replayed``). A start stamped more than
+    ``skew_s`` ahead of this clock is ``future``. A key that has sent a fresh envelope may not send one
+    without a start (``unfresh``: an earlier release's emitter shares it, or a capture is replayed).
+    """
+
+    def __init__(
+        self,
+        *,
+        max_starts: int = 65_536,
+        max_spans: int = 64,
+        skew_s: float = 300.0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.max_starts, self.max_spans, self.skew_s, self.clock = max_starts, max_spans, skew_s, clock
+        self._starts: OrderedDict[tuple[str, bytes], tuple[float, list[list[int]]]] = OrderedDict()
+        self._floor: dict[str, float] = {}  # kid -> the newest start forgotten
+        self._fresh: set[str] = set()  # keys that sent a fresh envelope
+
+    def check(self, kid: str, fresh: Freshness | None) -> tuple[str, str] | None:
+        """None when the message (key ``kid``, its envelope's ``fresh``) is new, now noted; else (reason, why)."""
+        if fresh is None:
+            if kid in self._fresh:
+                return "unfresh", f"key {kid!r} signs fresh messages; this one carries no signer start (a replay?)"
+            return None
+        nonce, started, number = fresh
+        held = self._starts.get((kid, nonce))
+        if held is None:
+            return self._new(kid, nonce, started, number)
+        self._starts.move_to_end((kid, nonce))
+        spans = held[1]
+        last = spans[-1]
+        if number == last[1] + 1:  # the hot path: the next message of a signer heard in order
+            last[1] = number
+            return None
+        i = bisect.bisect_right(spans, number, key=lambda sp: sp[0]) - 1
+        if i >= 0 and number <= spans[i][1]:
+            return "replayed", f"message {number} of key {kid!r}'s start {nonce.hex()} was taken before"
+        if i >= 0 and number == spans[i][1] + 1:
+            spans[i][1] = number
+        else:
+            spans.insert(i + 1, [number, number])
+            i += 1
+        if i + 1 < len(spans) and spans[i][1] + 1 == spans[i + 1][0]:
+            spans[i][1] = spans.pop(i + 1)[1]
+        if len(spans) > self.max_spans:  # the oldest gap filled: a message from it is refused
+            spans[0][1] = spans.pop(1)[1]
+        return None
+
+    def _new(self, kid: str, nonce: bytes, started: float, number: int) -> tuple[str, str] | None:
+        if started <= self._floor.get(kid, float("-inf")):
+            return "stale", f"key {kid!r}'s start {nonce.hex()} is no newer than one forgotten (a replay?)"
+        if started - self.clock() > self.skew_s:
+            return "future", f"key {kid!r}'s start {nonce.hex()} is stamped {started - self.clock():.0f} s ahead"
+        self._fresh.add(kid)
+        self._starts[(kid, nonce)] = (started, [[number, number]])
+        while len(self._starts) > self.max_starts:
+            (old_kid, _), (old_started, _) = self._starts.popitem(last=False)
+            self._floor[old_kid] = max(self._floor.get(old_kid, float("-inf")), old_started)
+        return None
+
+    def __len__(self) -> int:
+        return len(self._starts)
+
+    def snapshot(self) -> dict[str, Any]:
+        """JSON-safe: each start's spans, each key's floor, the keys that sign fresh."""
+        return {
+            "starts": [[kid, nonce.hex(), started, spans] for (kid, nonce), (started, spans) in self._starts.items()],
+            "floor": dict(self._floor),
+            "fresh": sorted(self._fresh),
+        }
+
+    def restore(self, state: Any) -> None:
+        """Take back a :meth:`snapshot`; an entry of another shape is skipped (an older state: none)."""
+        if not isinstance(state, dict):
+            return
+        for item in state.get("starts") or ():
+            try:
+                kid, nonce, started, spans = item
+                spans = [[int(lo), int(hi)] for lo, hi in spans][-self.max_spans :] or [[0, -1]]
+                self._starts[(str(kid), bytes.fromhex(nonce))] = (float(started), spans)
+            except (TypeError, ValueError):
+                continue
+        self._floor.update((str(k), float(v)) for k, v in (state.get("floor") or {}).items())
+        self._fresh.update(str(k) for k in state.get("fresh") or ())
 
 
 class Authenticator:
-    """Opens signed messages and enforces run-to-key bindings.
+    """Opens signed messages (each taken once: :class:`SignerStarts`) and enforces run-to-key bindings.
 
     Args:
         keyring: the keys this service accepts (and the run names each is issued for).
@@ -37,8 +135,10 @@ class Authenticator:
             sends nothing before a new one may take its binding when they are all used.
         log_every: seconds between two log lines about runs refused to one key for one reason.
 
-    ``refused`` counts the messages refused for a run by (key id or "unsigned", reason): a small,
-    bounded set of labels (the keys times :data:`RUN_REFUSALS`).
+    ``refused`` counts the messages refused by (key id or "unsigned", reason): a small, bounded set
+    of labels (the keys times :data:`RUN_REFUSALS`). With ``accept``, a run that sent unsigned
+    records and then binds to a key is listed in ``rebound`` (:meth:`take_rebound`): what it sent
+    unsigned must not stand (the service forgets it).
     """
 
     def __init__(
@@ -58,13 +158,21 @@ class Authenticator:
         self.unsigned = unsigned
         self.log_every = log_every
         self.bindings = RunBindings(max_runs, idle_s=idle_s, may_use=keyring.may_use, clock=clock)
+        self.starts = SignerStarts()
         self.refused: dict[tuple[str, str], int] = {}
+        self.rebound: list[str] = []
+        self._unsigned_runs: OrderedDict[str, None] = OrderedDict()  # runs read unsigned, not bound yet
+        self._max_unsigned = max_runs
         self._logged: dict[tuple[str, str], tuple[float, int]] = {}  # (kid, reason) -> (when, count then)
 
     def open(self, value: bytes) -> tuple[bytes, str | None]:
         """(the message inside ``value``, its key id; None for an unsigned one the policy accepts)."""
         if is_signed(value):
-            kid, message = self.keyring.verify(value)
+            kid, message, fresh = self.keyring.verify_fresh(value)
+            refusal = self.starts.check(kid, fresh)
+            if refusal is not None:
+                self._refuse(kid, refusal[0], "a message", refusal[1])
+                raise AuthError("signature", refusal[1])
             return message, kid
         if self.unsigned == "refuse":
             raise AuthError("signature", "the message is not signed and this service requires signed telemetry")
@@ -77,15 +185,33 @@ class Authenticator:
             for run in runs:
                 bound = b.kid_of(run)
                 if bound is not None:
-                    self._refuse("unsigned", "unsigned", run, f"run {run[:80]!r} signs with key {bound!r}")
+                    self._refuse(
+                        "unsigned", "unsigned", f"run {run[:80]!r}", f"run {run[:80]!r} signs with key {bound!r}"
+                    )
                     raise AuthError("signature", f"run {run[:80]!r} signs with key {bound!r}; this message is unsigned")
+                if run not in self._unsigned_runs:
+                    self._unsigned_runs[run] = None
+                    if len(self._unsigned_runs) > self._max_unsigned:
+                        self._unsigned_runs.popitem(last=False)
             return
         now = b.clock()
+        unsigned_runs = self._unsigned_runs
         for run in runs:
             refusal = b.check(run, kid, now)
             if refusal is not None:
-                self._refuse(kid, refusal[0], run, refusal[1])
+                self._refuse(kid, refusal[0], f"run {run[:80]!r}", refusal[1])
                 raise AuthError("signature", refusal[1])
+            if unsigned_runs and run in unsigned_runs:  # bound now: what came unsigned does not stand
+                del unsigned_runs[run]
+                self.rebound.append(run)
+                log.warning(
+                    "auth: run %r is bound to key %r: the records it sent unsigned before are discarded", run[:80], kid
+                )
+
+    def take_rebound(self) -> list[str]:
+        """The runs bound to a key since the last call that had sent unsigned records before."""
+        runs, self.rebound = self.rebound, []
+        return runs
 
     def note_start(self, message: bytes, kid: str | None) -> JobStart:
         """A job's start announcement (``message``, opened): the run's nonce for its decisions.
@@ -97,9 +223,9 @@ class Authenticator:
         self.bindings.note_start(start.run, start.nonce, start.started_at)
         return start
 
-    def _refuse(self, kid: str, reason: str, run: str, why: str) -> None:
-        """Count a refused run and say so, naming it: at most one line per ``log_every`` seconds per
-        (key, reason), with how many were refused since the last line."""
+    def _refuse(self, kid: str, reason: str, what: str, why: str) -> None:
+        """Count a refused message and say so, naming ``what`` (its run): at most one line per
+        ``log_every`` seconds per (key, reason), with how many were refused since the last line."""
         label = (kid, reason)
         n = self.refused[label] = self.refused.get(label, 0) + 1
         now = self.bindings.clock()
@@ -107,11 +233,7 @@ class Authenticator:
         if when is None or now - when >= self.log_every:
             self._logged[label] = (now, n)
             log.warning(
-                "auth: refused run %r (%s; %d such message(s) since the last line): %s",
-                run[:80],
-                reason,
-                n - before,
-                why,
+                "auth: refused %s (%s; %d such message(s) since the last line): %s", what, reason, n - before, why
             )
 
     def key_of(self, run: str) -> JobKey | None:

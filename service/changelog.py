@@ -3,7 +3,8 @@ machine resumes a run's history; and the choice at start between the state file 
 
 A snapshot is zlib-compressed JSON in chunks under the broker's message limit, each acknowledged
 before the manifest that names them (a reader never takes half a snapshot); the chunks of the
-snapshot before are tombstoned after (docs/service.md, "The state in a Kafka topic").
+snapshot before are tombstoned after. With job keys the manifest and the journal are signed with the
+service's own key; a snapshot refused (unsigned, stamped in the future) gives way to a good state file.
 """
 
 from __future__ import annotations
@@ -22,10 +23,11 @@ from typing import Any, Iterator, Mapping
 
 from sdcwatch.core.errors import ConfigError, TransportError
 from sdcwatch.core.kafka import new_admin, new_consumer, new_producer, security_settings
+from sdcwatch.core.signing import AuthError, JobKey
 from sdcwatch.core.validate import check_int
 from sdcwatch.service.statefile import restore_faults, state_to_resume
 
-__all__ = ["FORMAT", "ChangelogSnapshot", "StateChangelog", "resume_state"]
+__all__ = ["FORMAT", "FUTURE_SKEW_S", "ChangelogSnapshot", "StateChangelog", "resume_state"]
 
 log = logging.getLogger("sdcwatch.service.changelog")
 
@@ -34,6 +36,8 @@ FORMAT = "sdcwatch.state-changelog/1"
 #: Chunk size when the broker does not say its limit: under Kafka's default message.max.bytes (1 MiB).
 DEFAULT_CHUNK_BYTES = 900_000
 _OVERHEAD = 16_384  # a record batch's headers and the key, below the broker's limit
+#: Seconds a snapshot's stamp may be ahead of this machine's clock (a guard's skew for decisions).
+FUTURE_SKEW_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -55,6 +59,8 @@ class StateChangelog:
     everything goes to partition 0, so a reader sees chunks before their manifest. ``chunk_bytes``
     None takes the topic's ``max.message.bytes`` (less room for the batch) when the broker says it,
     else :data:`DEFAULT_CHUNK_BYTES`. The topic is created (cleanup.policy=compact) if missing.
+    ``key``: the service's own key (``Keyring.service_key``): the manifest and the journal are signed
+    with it, and refused on read when they are not. None: unsigned, as without job keys.
     """
 
     def __init__(
@@ -67,6 +73,7 @@ class StateChangelog:
         security: Mapping[str, Any] | None = None,
         chunk_bytes: int | None = None,
         timeout: float = 10.0,
+        key: JobKey | None = None,
     ) -> None:
         if chunk_bytes is not None:
             check_int("state.topic.chunk_bytes", chunk_bytes, lo=1024)
@@ -74,10 +81,12 @@ class StateChangelog:
         self.security = security_settings(security or {})
         self.timeout = timeout
         self.chunk_bytes = chunk_bytes
+        self.key = key
         self._producer: Any = None
         self._live: set[bytes] = set()  # chunk keys of ours no newer manifest needs: tombstoned after the next one
         self.manifest_key = f"m:{stage}:{group}".encode()
         self.journal_key = f"j:{stage}:{group}".encode()
+        self.host_states: dict[str, dict] = {}  # the host ledger's states read from the topic (key h:<host>)
 
     def write_journal(self, entries: Mapping[str, float]) -> None:
         """The incident changes announced since the last snapshot (the service's journal), acknowledged:
@@ -86,10 +95,52 @@ class StateChangelog:
 
         try:
             producer = self._open()
-            value = _json({"entries": dict(entries)})
+            value = self._seal(_json({"entries": dict(entries), "group": self.group, "stage": self.stage}))
             self._wait(producer, [producer.send(self.topic, key=self.journal_key, value=value, partition=0)])
         except (KafkaError, OSError, ValueError) as exc:
             raise TransportError(f"state topic {self.topic}: journal not written ({exc})") from None
+
+    def write_hosts(self, states: Mapping[str, dict | None]) -> None:
+        """The host ledger's changed hosts, one record each keyed ``h:<host>`` (None: a tombstone),
+        shared by every group and stage: an instance elsewhere adopts them. TransportError on failure."""
+        from kafka.errors import KafkaError
+
+        try:
+            producer = self._open()
+            sent = [
+                producer.send(
+                    self.topic, key=f"h:{host}".encode(), value=None if d is None else self._seal(_json(d)), partition=0
+                )
+                for host, d in states.items()
+            ]
+            self._wait(producer, sent)
+        except (KafkaError, OSError, ValueError) as exc:
+            raise TransportError(f"state topic {self.topic}: host states not written ({exc})") from None
+
+    def _host_state(self, key: bytes, value: bytes | None) -> None:
+        """Keep one ``h:<host>`` record read from the topic (one not signed with our key is ignored)."""
+        host = key[2:].decode("utf-8", "replace")
+        try:
+            state = None if value is None else json.loads(self._unseal(value))
+        except ValueError as exc:
+            log.warning("state topic %s: host %.64r refused (%s): ignored", self.topic, host, exc)
+            return
+        if isinstance(state, dict):
+            self.host_states[host] = state
+        else:
+            self.host_states.pop(host, None)
+
+    def _seal(self, value: bytes) -> bytes:
+        return value if self.key is None else self.key.sign(value)
+
+    def _unseal(self, value: bytes) -> bytes:
+        """``value`` opened with the service's key; ValueError when it was not signed with it."""
+        if self.key is None:
+            return value
+        try:
+            return self.key.open(value)
+        except AuthError as exc:
+            raise ValueError(f"not signed with this service's key: {exc.problem}") from None
 
     def _chunk_key(self, snapshot: str, index: int) -> bytes:
         return f"c:{self.stage}:{snapshot}:{index}:{self.group}".encode()
@@ -127,7 +178,8 @@ class StateChangelog:
                 "group": self.group,
                 "stage": self.stage,
             }
-            self._wait(producer, [producer.send(self.topic, key=self.manifest_key, value=_json(manifest), partition=0)])
+            sealed = self._seal(_json(manifest))
+            self._wait(producer, [producer.send(self.topic, key=self.manifest_key, value=sealed, partition=0)])
         except (KafkaError, OSError, ValueError) as exc:
             raise TransportError(f"state topic {self.topic}: snapshot not written ({exc})") from None
         for key in self._live:  # the snapshot before is no longer needed: compaction drops it
@@ -209,9 +261,14 @@ class StateChangelog:
             return None
         where = f"state topic {self.topic}, key {self.manifest_key.decode()}"
         try:
-            meta = json.loads(manifest)
+            meta = json.loads(self._unseal(manifest))
             if not isinstance(meta, dict) or meta.get("format") != FORMAT:
                 raise ValueError(f"not a manifest of {FORMAT}")
+            if (meta.get("group"), meta.get("stage")) != (self.group, self.stage):
+                raise ValueError(f"written for group {meta.get('group')!r}, stage {meta.get('stage')!r}")
+            ahead = float(meta["written_at"]) - time.time()
+            if ahead > FUTURE_SKEW_S:
+                raise ValueError(f"stamped {ahead:.0f} s in the future (more than {FUTURE_SKEW_S:g} s ahead)")
             snapshot, n = str(meta["snapshot"]), int(meta["chunks"])
             keys = [self._chunk_key(snapshot, i) for i in range(n)]
             missing = [i for i, k in enumerate(keys) if chunks.get(k) is None]
@@ -228,8 +285,23 @@ class StateChangelog:
         except (ValueError, KeyError, TypeError, zlib.error) as exc:
             raise ConfigError("state.topic", f"{where}: not a valid snapshot ({exc}){_RECOVERY}") from None
         return ChangelogSnapshot(
-            body["state"], body.get("schemas"), float(meta["written_at"]), snapshot, len(blob), _entries(journal)
+            body["state"], body.get("schemas"), float(meta["written_at"]), snapshot, len(blob), self._entries(journal)
         )
+
+    def _entries(self, journal: bytes | None) -> dict | None:
+        """A journal's entries ({change key: wall time}); None for none, or one damaged or not signed
+        with the service's key (which costs at most a repeated alert, never the resume)."""
+        if journal is None:
+            return None
+        try:
+            body = json.loads(self._unseal(journal))
+            if (body.get("group", self.group), body.get("stage", self.stage)) != (self.group, self.stage):
+                raise ValueError("written for another group or stage")
+            entries = body["entries"]
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            log.warning("state topic %s: the journal of announced incidents is refused (%s): ignored", self.topic, exc)
+            return None
+        return entries if isinstance(entries, dict) else None
 
     def _scan(self) -> tuple[bytes | None, dict[bytes, bytes | None], bytes | None]:
         """The topic read whole: the latest manifest of ours, every live chunk (tombstones applied)
@@ -267,6 +339,8 @@ class StateChangelog:
                     journal = msg.value
                 elif msg.key is not None and msg.key.startswith(b"c:"):
                     chunks[msg.key] = msg.value
+                elif msg.key is not None and msg.key.startswith(b"h:"):
+                    self._host_state(msg.key, msg.value)
         except KafkaError as exc:
             raise TransportError(f"state topic {self.topic}: cannot be read ({exc})") from None
         finally:
@@ -288,17 +362,9 @@ class StateChangelog:
 _RECOVERY = "; start with --state-reset to begin afresh (the next snapshot replaces it)"
 
 
-def _entries(journal: bytes | None) -> dict | None:
-    """A journal's entries ({change key: wall time}); None for none or a damaged one (which costs at
-    most a repeated alert, never the resume)."""
-    if journal is None:
-        return None
-    try:
-        entries = json.loads(journal)["entries"]
-    except (ValueError, KeyError, TypeError):
-        log.warning("the state topic's journal of announced incidents is damaged: ignored")
-        return None
-    return entries if isinstance(entries, dict) else None
+def _without_way_out(exc: ConfigError) -> str:
+    """What is wrong, without the "start with --state-reset" an error adds: the other state is taken."""
+    return exc.problem.split("; start with --state-reset", 1)[0]
 
 
 def _json(obj: Any) -> bytes:
@@ -324,21 +390,43 @@ def _read_to_end(consumer: Any, parts: list, timeout: float) -> Iterator[Any]:
 def resume_state(
     pipeline: Any, path: str | os.PathLike, changelog: StateChangelog | None = None
 ) -> tuple[str | None, ChangelogSnapshot | None]:
+    """:func:`_resume`, then the host states on the topic (every instance's) adopted by the ledger."""
+    taken = _resume(pipeline, path, changelog)
+    for host, d in (changelog.host_states if changelog is not None else {}).items():
+        pipeline.hosts.adopt(host, d)
+    return taken
+
+
+def _resume(
+    pipeline: Any, path: str | os.PathLike, changelog: StateChangelog | None = None
+) -> tuple[str | None, ChangelogSnapshot | None]:
     """Restore ``pipeline`` from the state file ``path`` (its ``.prev`` when only that is left, logged),
     or from ``changelog`` when it has a newer snapshot; (where the state came from: "file", "topic" or
-    None, the topic's snapshot when taken). A damaged file or snapshot raises ConfigError naming it."""
+    None, the topic's snapshot when taken). A refused or damaged one of the two gives way to the other
+    when that one is good, in one log line; ConfigError naming it when there is no other."""
     path = Path(path)
     found = state_to_resume(path)
-    snap = changelog.read() if changelog is not None else None
-    if snap is not None:
+    snap, refused = None, None
+    if changelog is not None:
         try:
-            file_time = found.stat().st_mtime
-        except OSError:
-            file_time = None
-        if file_time is None or file_time < snap.written_at:
+            snap = changelog.read()
+        except ConfigError as exc:
+            refused = exc
+    try:
+        file_time: float | None = found.stat().st_mtime
+    except OSError:
+        file_time = None
+    if snap is not None and (file_time is None or file_time < snap.written_at):
+        try:
             with changelog.restoring():
                 pipeline.restore(snap.state)
             return "topic", snap
+        except ConfigError as exc:
+            if file_time is None:
+                raise
+            snap, refused = None, exc  # the file's restore replaces what this one restored
+    if refused is not None and file_time is None:
+        raise refused
     if found != path:
         log.warning(
             "state file %s is missing: resuming from %s, the snapshot before it (written %.1f s ago); "
@@ -347,4 +435,24 @@ def resume_state(
             found,
             max(0.0, time.time() - found.stat().st_mtime),
         )
-    return ("file" if pipeline.load(found) else None), None
+    try:
+        loaded = pipeline.load(found)
+    except ConfigError as bad:
+        if snap is None:
+            raise
+        with changelog.restoring():
+            pipeline.restore(snap.state)
+        log.warning(
+            "%s: resuming from the state topic's older snapshot instead (written %.1f s ago); the next "
+            "snapshot replaces the file (the damaged one is kept as its .prev until the one after)",
+            _without_way_out(bad),
+            max(0.0, time.time() - snap.written_at),
+        )
+        return "topic", snap
+    if refused is not None:
+        log.warning(
+            "%s: resuming from the state file %s instead; the next snapshot replaces the topic's (nothing to do)",
+            _without_way_out(refused),
+            found,
+        )
+    return ("file" if loaded else None), None

@@ -1,6 +1,7 @@
 """Certified checkpoints: each checkpoint a run saved, marked clean, suspect or after-fault from its
 incidents once its step is judged, again when a later incident began before it, and the rollback
-target (rules and bounds: docs/messages.md, "Certified checkpoints in the service").
+target (rules and bounds: docs/messages.md, "Certified checkpoints in the service"). Two paths noted
+for one step certify neither; notes of runs the service does not watch never push out those it does.
 """
 
 from __future__ import annotations
@@ -157,6 +158,7 @@ class _Checkpoint:
     mark: str | None = None  # None: its step not judged yet
     incidents: tuple[str, ...] = ()
     evidence: tuple[dict[str, Any], ...] = ()
+    disputed: bool = False  # two paths were noted for its step: neither is certified
 
 
 class _Run:
@@ -171,12 +173,25 @@ class _Run:
 
 
 class CheckpointBook:
-    """Per run, its checkpoints and their markings; the incidents that mark them."""
+    """Per run, its checkpoints and their markings; the incidents that mark them.
 
-    def __init__(self, max_runs: int = 1000, *, forwards: bool = False, clock: Callable[[], float] = time.time) -> None:
+    At most ``max_runs`` runs: past it, the least recently noted run that ``holds`` (the pipeline's
+    runs) does not claim goes first, so notes for runs nobody watches never push out a watched one.
+    """
+
+    def __init__(
+        self,
+        max_runs: int = 1000,
+        *,
+        forwards: bool = False,
+        clock: Callable[[], float] = time.time,
+        holds: Callable[[str], bool] | None = None,
+    ) -> None:
         self.max_runs = max_runs
         self.forwards = forwards  # a spatial stage's: it puts the notes on the summaries instead of marking
         self.clock = clock
+        self.holds = holds
+        self.disputed = 0  # checkpoints two paths were noted for
         self._runs: OrderedDict[str, _Run] = OrderedDict()
         self._unsent: dict[str, list[CheckpointNote]] = {}  # spatial stage: notes for the next summary
         self._marks: list[CheckpointMark] = []  # markings not yet published
@@ -199,12 +214,30 @@ class CheckpointBook:
     def note(self, note: CheckpointNote) -> None:
         """A checkpoint saved (every rank may say so: one entry per run and step)."""
         if self.forwards:
-            self._unsent.setdefault(note.run, []).append(note)
+            if note.run not in self._unsent:
+                self._make_room(self._unsent)
+            notes = self._unsent.setdefault(note.run, [])
+            notes.append(note)
+            del notes[:-MAX_PER_RUN]
             return
         run = self._run(note.run)
         known = run.checkpoints.get(note.step)
         if known is not None:
-            if not known.path and note.path:
+            if known.disputed or not note.path or note.path == known.path:
+                return
+            if known.path:  # another path for the same step: which one the job saved is not known
+                known.path, known.disputed = "", True
+                self.disputed += 1
+                log.warning(
+                    "run %r: two paths noted for the checkpoint of step %d; neither is certified (%r)",
+                    note.run[:80],
+                    note.step,
+                    note.path[:200],
+                )
+                if note.step <= run.judged:  # published with a path: published again without one
+                    known.mark = None
+                    self._remark(note.run, run, only=note.step)
+            else:
                 known.path = note.path
             return
         run.checkpoints[note.step] = _Checkpoint(note.path)
@@ -323,11 +356,16 @@ class CheckpointBook:
 
     # -- state --------------------------------------------------------------------------------
 
+    def _make_room(self, runs: dict) -> None:
+        """Forget runs of ``runs`` (oldest first) until one more fits: first those ``holds`` does not claim."""
+        while len(runs) >= self.max_runs:
+            free = (r for r in runs if self.holds is None or not self.holds(r))
+            runs.pop(next(free, next(iter(runs))))
+
     def _run(self, name: str) -> _Run:
         st = self._runs.get(name)
         if st is None:
-            while len(self._runs) >= self.max_runs:
-                self._runs.popitem(last=False)
+            self._make_room(self._runs)
             st = self._runs[name] = _Run()
         else:
             self._runs.move_to_end(name)

@@ -1,10 +1,6 @@
-"""The incident book: folds findings into incidents, one per problem, and announces each change.
-
-One incident per run and kind (job-level problems), per rank (rank-local ones) or per onset (the
-job-level kinds that blame ranks); one fault seen by several detectors is one incident, the other
-kinds its related evidence (the rules: docs/detectors.md, "Incidents: one fault, from its onset").
-An incident resolves once its signal has been quiet for ``quiet_steps`` steps of its run; info
-findings never open one. Every change goes to the sinks as an :class:`IncidentEvent`.
+"""The incident book: folds findings into incidents, one per problem (per run and kind, rank or onset;
+other detectors' findings of one fault its related evidence; info findings open none), resolves those
+quiet for ``quiet_steps`` steps and announces each change (docs/detectors.md, "Incidents: one fault").
 """
 
 from __future__ import annotations

@@ -311,19 +311,25 @@ class IngestDecoder:
         items: list = []
         rejected: list[Rejected] = []
         v2: list[tuple[str, bytes | None, bytes, MessageHeader]] = []
+        unsigned: list[tuple[int, int, int]] = []  # each unsigned message: (first item, past its last, v2 index)
         for origin, key, value in messages:
             if value is None:
                 rejected.append(Rejected(origin, key, value, "empty message (null value)", "empty"))
                 continue
             if not isinstance(value, bytes):
                 value = bytes(value)
+            at = len(items)
             try:
-                message, head = self._read(value, items)
+                message, head, signed = self._read(value, items)
             except RecordError as exc:
                 rejected.append(_rejected(origin, key, value, exc))
                 continue
             if head is not None:
                 v2.append((origin, key, message, head))
+            if not signed and self.auth is not None:
+                unsigned.append((at, len(items), len(v2) - 1 if head is not None else -1))
+        if unsigned and self.auth.rebound:
+            items, v2 = self._drop_unsigned(items, v2, unsigned, set(self.auth.rebound))
         now = self.clock()
         ready: dict[tuple[int, str], list] = {}
         waiting, self._pending, self._pending_bytes = self._pending, deque(), 0
@@ -346,10 +352,24 @@ class IngestDecoder:
                 items.append(cols)
         return items, rejected
 
-    def _read(self, value: bytes, items: list) -> tuple[bytes, MessageHeader | None]:
+    @staticmethod
+    def _drop_unsigned(
+        items: list, v2: list, unsigned: list[tuple[int, int, int]], runs: set[str]
+    ) -> tuple[list, list]:
+        """``items`` and ``v2`` without what the ``unsigned`` messages said for ``runs``: runs bound to
+        a key in this batch, whose unsigned records must not stand (``Authenticator.rebound``)."""
+        drop_items = {k for i, end, _ in unsigned for k in range(i, end) if getattr(items[k], "run", None) in runs}
+        drop_v2 = {j for _, _, j in unsigned if j >= 0 and v2[j][3].run in runs}
+        return (
+            [x for k, x in enumerate(items) if k not in drop_items],
+            [m for k, m in enumerate(v2) if k not in drop_v2],
+        )
+
+    def _read(self, value: bytes, items: list) -> tuple[bytes, MessageHeader | None, bool]:
         """One message, its signature checked first: decoded into ``items``, or for a v2 message its
         header alone (its rows are read with the others of its schema and run). Returns (the message
-        without its envelope, the v2 header or None); RecordError for a message to dead-letter."""
+        without its envelope, the v2 header or None, whether it was signed); RecordError for a message
+        to dead-letter."""
         auth, kid = self.auth, None
         if auth is not None:  # the signature first: nothing unverified reaches a decoder
             value, kid = auth.open(value)
@@ -357,12 +377,12 @@ class IngestDecoder:
             if value[:4] == START_MAGIC:  # a guard's start: the nonce its run's decisions carry
                 if auth is not None:
                     auth.note_start(value, kid)
-                return value, None
+                return value, None, kid is not None
             got = decode_message(value, self.limits, names_cache=self._names)
             if auth is not None:
                 auth.bind({m.run for m in got}, kid)
             items.extend(got)
-            return value, None
+            return value, None, kid is not None
         if len(value) > self.limits.max_message_bytes:
             raise LimitError(
                 "message",
@@ -374,7 +394,7 @@ class IngestDecoder:
             auth.bind((head.run,), kid)
         if head.schema_text is not None:
             self.registry.learn(head.schema_id, head.schema_text, head.run)
-        return value, head
+        return value, head, kid is not None
 
     def expire(self) -> list[Rejected]:
         """Give up on messages whose schema did not come in time (call when idle)."""

@@ -30,19 +30,26 @@ log = logging.getLogger("sdcwatch.detectors")
 #: Records the pipeline refused that go to the dead-letter topic in one message (a v1 batch).
 DEAD_LETTER_BATCH = 256
 
+#: Share of the max poll interval the reader may spend on one poll's messages (gap re-fetch,
+#: verification, decoding), at the cost a message has taken it lately: under any flood it polls
+#: again well within the interval, so the group never evicts it (a rebalance re-reads records).
+POLL_WORK_SHARE = 0.2
+
 
 class KafkaSource(DeadLetterCounts):
     """Reads a topic in a consumer group, with a dead-letter topic for bad messages.
 
     The reader thread hands decoded batches to :meth:`poll` through a queue of at most
     ``queue_records`` records (past it, it pauses its partitions and keeps polling): whatever the
-    service does between two polls, the consumer stays in its group. Commits, lag and the
-    assignment are handled there too (kafka-python's consumer is not thread-safe).
+    service does between two polls, the consumer stays in its group. It takes at most
+    ``max_poll_records`` messages a poll, fewer when they cost more (:data:`POLL_WORK_SHARE`).
+    Commits, lag and the assignment are handled there too (kafka-python's consumer is not thread-safe).
 
     ``sole_member_after_s`` (stage both and temporal, which must read the whole topic): a member
     that has held only part of the topic's partitions for that long shares its group: :meth:`poll`
     raises ConfigError saying so, and it commits nothing meanwhile (:attr:`owns_topic` False), so
-    the instance that stays re-reads what it took (docs/service.md).
+    the instance that stays re-reads what it took (docs/service.md). ``first_member``: this member
+    created the topic, so none held it before: it stays like one that held the whole topic.
     """
 
     def __init__(
@@ -64,6 +71,7 @@ class KafkaSource(DeadLetterCounts):
         queue_records: int = 100_000,
         gap_wait_s: float = GAP_WAIT_S,
         sole_member_after_s: float | None = None,
+        first_member: bool = False,
         **security: Any,
     ) -> None:
         security = security_settings(security)  # an unknown key fails before anything is opened
@@ -81,6 +89,7 @@ class KafkaSource(DeadLetterCounts):
         self.schemas = self.ingest.registry  # the wire-v2 layouts learnt (saved with the state)
         self.gaps = OffsetGaps(gap_wait_s)  # partition offsets that skip ahead: re-fetched first
         self._start_health()
+        self._whole_once = first_member
         self._open_handover()
         self._connect(
             security,
@@ -107,9 +116,10 @@ class KafkaSource(DeadLetterCounts):
         self._had_partitions = False
         self.owns_topic = self._sole_after is None  # every partition of the topic is this member's
         self.shared: str | None = None  # why this member must leave (it shares its group), once known
-        self._whole_once = False  # this member held the whole topic since it started
+        self._whole_once = False  # this member held the whole topic since it started (or created it)
         self._partial_since: float | None = None
         self._commit_after = 0.0  # monotonic time before which no commit is tried (after a failed one)
+        self.message_cost = 0.0  # seconds the reader spent on a message lately (its poll budget)
 
     def _open_handover(self) -> None:
         """Decoded batches to the service thread, requests (commits) to the reader, under one condition."""
@@ -272,9 +282,10 @@ class KafkaSource(DeadLetterCounts):
         elif consumer.paused():
             consumer.resume(*consumer.paused())
         self._learn_positions(parts)
-        batches = consumer.poll(timeout_ms=100 if not full else 50, max_records=self.max_poll_records)
+        batches = consumer.poll(timeout_ms=100 if not full else 50, max_records=self.poll_budget())
+        started = time.monotonic()
         self._track_assignment()
-        batches = self.gaps.refetch(consumer, batches, time.monotonic())
+        batches = self.gaps.refetch(consumer, batches, started)
         offsets: dict[Any, int] = {}
         out, rejected = decode_batch(
             (
@@ -299,8 +310,19 @@ class KafkaSource(DeadLetterCounts):
                 self._queue.append((out, offsets, count))
                 self._queued_records += count
                 self._cond.notify_all()
+            taken = sum(map(len, batches.values()))
+            cost = (time.monotonic() - started) / taken
+            self.message_cost = max(cost, 0.7 * self.message_cost + 0.3 * cost)  # up at once, down slowly
         if time.monotonic() - self._lag_at >= self.lag_interval:
             self._refresh_lag()
+
+    def poll_budget(self) -> int:
+        """Messages the reader's next poll may take: ``max_poll_records``, or fewer when they cost
+        more than :data:`POLL_WORK_SHARE` of the max poll interval (at least 100)."""
+        if self.message_cost <= 0.0:  # nothing read yet: a first poll of a flood is a small one
+            return min(self.max_poll_records, 1000)
+        fits = int(POLL_WORK_SHARE * self._max_poll_interval / self.message_cost)
+        return max(100, min(self.max_poll_records, fits))
 
     def _learn_positions(self, parts: Any) -> None:
         """The fetch position of each newly assigned partition (where its first message must be),

@@ -1,6 +1,7 @@
 """The layer names each run's ranks sent, and the findings named with them before they become incidents
 (one copy of each distinct list per run; split into stages, carried on the step summaries and sent
-again over ``resend`` seconds: docs/messages.md, "Layer names in the service").
+again over ``resend`` seconds: docs/messages.md, "Layer names in the service"); and each rank's GPU,
+which the host ledger credits with its host, kept and carried the same way.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from collections import OrderedDict
 from typing import Any, Callable, Iterable
 
 from sdcwatch.core.errors import RecordError
-from sdcwatch.core.rank_notes import LayerNames
+from sdcwatch.core.rank_notes import LayerNames, RankDevice
 from sdcwatch.core.validate import check_number
 from sdcwatch.core.vocabulary import NOUNS, family_of
 from sdcwatch.service.summary import StepSummary
@@ -36,12 +37,13 @@ def _size(names: dict[str, tuple[str, ...]]) -> int:
 
 
 class _Run:
-    __slots__ = ("world", "tables", "by_rank", "unsent", "cursor", "credit", "stamped")
+    __slots__ = ("world", "tables", "by_rank", "gpus", "unsent", "cursor", "credit", "stamped")
 
     def __init__(self, world: int) -> None:
         self.world = world
         self.tables: dict[int, dict[str, tuple[str, ...]]] = {}  # digest -> {family: names}
         self.by_rank: dict[int, int] = {}  # rank -> digest of its list
+        self.gpus: list[str] = []  # rank -> its GPU ("": not said); empty until a rank says one
         self.unsent: set[int] = set()  # ranks whose list the temporal stage has not been sent
         self.cursor = 0  # the next rank whose list is sent again
         self.credit = 0.0  # ranks owed to the cycle's pace (< 0: sent ahead; at most one cycle)
@@ -73,11 +75,15 @@ class LayerNameBook:
         self.refused = 0  # lists refused at a bound
 
     def take(self, items: Iterable[Any]) -> list:
-        """Learn the :class:`LayerNames` among decoded items and on step summaries; returns the other items."""
+        """Learn the :class:`LayerNames` and :class:`RankDevice` among decoded items and on step
+        summaries; returns the other items."""
         out = []
         for x in items:
             if isinstance(x, LayerNames):
                 self.learn(x)
+                continue
+            if isinstance(x, RankDevice):
+                self.place(x.run, x.rank, x.world, x.gpu)
                 continue
             if isinstance(x, StepSummary) and x.names is not None:
                 self.absorb(x.run, x.names)
@@ -110,7 +116,7 @@ class LayerNameBook:
         if n <= 0:
             return []
         start, st.cursor = st.cursor, (st.cursor + n) % st.world
-        return [r % st.world for r in range(start, start + n) if r % st.world in st.by_rank]
+        return [r % st.world for r in range(start, start + n) if _known(st, r % st.world)]
 
     def absorb(self, run: str, lists: Any) -> None:
         """Take ``run``'s lists as :meth:`snapshot` keeps them, from the state or a summary, each checked
@@ -122,6 +128,10 @@ class LayerNameBook:
                 for r in lists["ranks"].get(digest, ()):
                     if 0 <= int(r) < world:
                         self._bind(run, int(r), world, msg.digest, msg.names)
+            for r, gpu in dict(lists.get("gpus") or {}).items():
+                if 0 <= int(r) < world:
+                    said = RankDevice(run, int(r), world, 0, gpu)  # checked as a rank's message is
+                    self.place(run, said.rank, world, said.gpu)
         except (KeyError, TypeError, ValueError, AttributeError, RecordError) as exc:
             self.refused += 1
             if self.refused == 1 or self.refused % 100 == 0:
@@ -141,8 +151,33 @@ class LayerNameBook:
         """Remember ``msg``'s lists for its rank; False when a bound refused them."""
         return self._bind(msg.run, msg.rank, msg.world, msg.digest, msg.names)
 
-    def _bind(self, name: str, rank: int, world: int, digest: int, names: dict[str, tuple[str, ...]]) -> bool:
-        """Point ``rank`` of run ``name`` at the list ``names`` (whose digest was computed from it)."""
+    def place(self, name: str, rank: int, world: int, gpu: str) -> bool:
+        """Remember that ``rank`` of run ``name`` runs on ``gpu``; False when a bound refused it
+        (a run's table of GPUs costs 8 bytes a rank and its labels of the ``max_bytes`` shared)."""
+        run = self._run(name, world)
+        if not run.gpus:
+            if not self._room(name, 8 * world, 0):
+                return self._refuse(name, rank, f"past {self.max_bytes} bytes")
+            run.gpus = [""] * world
+            self.bytes += 8 * world
+        old = run.gpus[rank]
+        if old != gpu:
+            if not self._room(name, len(gpu) - len(old), 0):
+                return self._refuse(name, rank, f"past {self.max_bytes} bytes")
+            run.gpus[rank] = gpu
+            self.bytes += len(gpu) - len(old)
+            if self.forwards:
+                run.unsent.add(rank)
+        return True
+
+    def gpus_of(self, run: str) -> list[str]:
+        """Per rank of ``run``, its GPU ("": not said; empty: no rank said one)."""
+        st = self._runs.get(run)
+        return st.gpus if st is not None else []
+
+    def _run(self, name: str, world: int) -> _Run:
+        """Run ``name``'s entry, made (past ``max_runs``, the least recently named run goes) or the
+        most recently named now, with ``world`` ranks."""
         run = self._runs.get(name)
         if run is None:
             while len(self._runs) >= self.max_runs:
@@ -152,7 +187,16 @@ class LayerNameBook:
             self._runs.move_to_end(name)
         if world != run.world:  # a new world size: ranks past it are gone
             self._rebind(run, {r: d for r, d in run.by_rank.items() if r < world})
+            if run.gpus:
+                self.bytes += 8 * (world - run.world) - sum(len(g) for g in run.gpus[world:])
+                run.gpus = run.gpus[:world] + [""] * (world - len(run.gpus))
+            run.unsent = {r for r in run.unsent if r < world}
             run.world = world
+        return run
+
+    def _bind(self, name: str, rank: int, world: int, digest: int, names: dict[str, tuple[str, ...]]) -> bool:
+        """Point ``rank`` of run ``name`` at the list ``names`` (whose digest was computed from it)."""
+        run = self._run(name, world)
         old = run.by_rank.get(rank)
         if old == digest:
             return True
@@ -192,7 +236,6 @@ class LayerNameBook:
         """Point the run's ranks at their lists; drop lists no rank points at."""
         self.ranks += len(by_rank) - len(run.by_rank)
         run.by_rank = by_rank
-        run.unsent &= by_rank.keys()
         used = set(by_rank.values())
         for digest in [d for d in run.tables if d not in used]:
             self.bytes -= _size(run.tables.pop(digest))
@@ -202,7 +245,7 @@ class LayerNameBook:
         st = self._runs.pop(run, None)
         if st is not None:
             self.ranks -= len(st.by_rank)
-            self.bytes -= sum(_size(t) for t in st.tables.values())
+            self.bytes -= sum(_size(t) for t in st.tables.values()) + _gpu_bytes(st)
 
     def names_of(self, run: str, rank: int | None) -> dict[str, tuple[str, ...]] | None:
         """The lists ``rank`` of ``run`` sent; with no rank, the run's only list (None: unknown)."""
@@ -254,16 +297,22 @@ class LayerNameBook:
 
     @staticmethod
     def _lists(st: _Run, ranks: Iterable[int]) -> dict[str, Any]:
-        """JSON-safe ``{world, tables, ranks}``: the lists of ``ranks`` by digest, and which point at each."""
+        """JSON-safe ``{world, tables, ranks[, gpus]}``: the lists of ``ranks`` by digest, which point
+        at each, and their GPUs (``{rank: gpu}``, when any said one)."""
         by: dict[str, list[int]] = {}
+        gpus: dict[str, str] = {}
         for r in ranks:
-            by.setdefault(f"{st.by_rank[r]:016x}", []).append(r)
+            if r in st.by_rank:
+                by.setdefault(f"{st.by_rank[r]:016x}", []).append(r)
+            if st.gpus and st.gpus[r]:
+                gpus[str(r)] = st.gpus[r]
         tables = {d: {k: list(v) for k, v in st.tables[int(d, 16)].items()} for d in by}
-        return {"world": st.world, "tables": tables, "ranks": by}
+        return {"world": st.world, "tables": tables, "ranks": by, **({"gpus": gpus} if gpus else {})}
 
     def snapshot(self) -> dict[str, Any]:
-        """JSON-safe: per run, its world, its lists by digest and which ranks point at each."""
-        return {"runs": {name: self._lists(st, st.by_rank) for name, st in self._runs.items()}}
+        """JSON-safe: per run, its world, its lists by digest, which ranks point at each, their GPUs."""
+        runs = self._runs.items()
+        return {"runs": {name: self._lists(st, _ranks(st)) for name, st in runs}}
 
     def restore(self, state: dict[str, Any]) -> None:
         """Take back a :meth:`snapshot`; what breaks a bound or does not parse is left out."""
@@ -271,3 +320,17 @@ class LayerNameBook:
         self.bytes = self.ranks = 0
         for name, st in (state.get("runs") or {}).items():
             self.absorb(str(name), st)
+
+
+def _known(st: _Run, rank: int) -> bool:
+    """Whether ``rank`` sent its names or its GPU."""
+    return rank in st.by_rank or bool(st.gpus and st.gpus[rank])
+
+
+def _ranks(st: _Run) -> list[int]:
+    """The ranks of ``st`` that sent their names (in the order they did), then those that sent only their GPU."""
+    return [*st.by_rank, *(r for r, g in enumerate(st.gpus) if g and r not in st.by_rank)]
+
+
+def _gpu_bytes(st: _Run) -> int:
+    return 8 * len(st.gpus) + sum(len(g) for g in st.gpus) if st.gpus else 0

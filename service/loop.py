@@ -20,6 +20,7 @@ from sdcwatch.core.validate import check_positive
 from sdcwatch.service.announced import JOURNAL_FILE, AnnouncementJournal
 from sdcwatch.service.bus import Source as RecordSource  # the protocol the service reads through
 from sdcwatch.service.changelog import ChangelogSnapshot, StateChangelog, resume_state
+from sdcwatch.service.host_files import apply_clears, write_host_files
 from sdcwatch.service.ingest import RecordColumns
 from sdcwatch.service.pipeline import DetectionPipeline
 from sdcwatch.service.statefile import read_state, write_state
@@ -124,8 +125,11 @@ class DetectorService:
         if self.pipeline.stage != "temporal":  # the runs watched keep their layouts
             self.schemas.holds = self.pipeline.holds
         auth = source.ingest.auth  # the runs' key bindings (None without keys)
+        if auth is not None:  # signed runs come first for a place (docs/service.md, "Run lifecycle")
+            self.pipeline.signed = lambda run: auth.bindings.kid_of(run) is not None
         if auth is not None and self.resumed:
             auth.bindings.restore(self.pipeline.carried.get("auth_bindings") or {})
+            auth.starts.restore(self.pipeline.carried.get("auth_starts"))  # messages taken: a replay refused
         self.journal = None
         if self.state_path is not None:
             self._load_schemas()
@@ -140,6 +144,10 @@ class DetectorService:
         backlog = self._backlog()
         process = self.pipeline.process_summaries if self.pipeline.stage == "temporal" else self.pipeline.process
         events: list[IncidentEvent] = []
+        auth = getattr(self.source.ingest, "auth", None)
+        for run in auth.take_rebound() if auth is not None else ():  # bound to a key: its unsigned past goes
+            with self._lock:
+                events += self.pipeline.evict(run, "bound to a key: what it sent unsigned is discarded")
         for part in _slices(items, SLICE_RECORDS):  # a scrape waits for one slice, never a whole poll
             with self._lock:
                 self.pipeline.aligner.backlog = backlog
@@ -209,13 +217,18 @@ class DetectorService:
             auth = self.source.ingest.auth
             if auth is not None:  # a restart keeps which key speaks for which run
                 self.pipeline.carried["auth_bindings"] = auth.bindings.snapshot()
+                self.pipeline.carried["auth_starts"] = auth.starts.snapshot()
+            clears_through = apply_clears(self.pipeline, self.state_path.parent)  # kept in the state
             state = json_safe(self.pipeline.snapshot())
+            verdicts = self.pipeline.hosts.verdicts(self.pipeline.wall())
+            hosts = {h: self.pipeline.hosts.host_state(h) for h in self.pipeline.hosts.take_changed()}
         failed = None  # detection goes on; the offsets stay uncommitted, the next snapshot retries
         # the topic first (a file as new as the topic's snapshot is the one to resume from); never by a
         # member that holds only part of the telemetry (sharing its group): the key is the group's
         if self.changelog is not None and self.source.owns_topic:
             try:
                 self.changelog.write(state, self._schema_texts())
+                self.changelog.write_hosts(hosts)  # keyed by host: an instance of any group adopts them
             except TransportError as exc:
                 failed = (exc, f"topic {self.changelog.topic}")
         try:
@@ -226,6 +239,10 @@ class DetectorService:
         if failed:
             self._state_not_saved(*failed)
             return
+        try:  # what a scheduler reads: after the state that holds the clears applied
+            write_host_files(self.state_path.parent, verdicts, wall=self.pipeline.wall(), clears_through=clears_through)
+        except OSError as exc:
+            log.warning("host files not written to %s: %s", self.state_path.parent, exc)
         if self.state_write_errors and self._state_failing:
             log.warning("state written to %s again after %d failed snapshot(s)", self.state_path, self._state_failing)
         self._state_failing = 0
@@ -298,12 +315,14 @@ class DetectorService:
     def view(self, max_runs: int | None = None) -> ServiceView:
         """A consistent view for the exporter (thread-safe): at most ``max_runs`` runs."""
         with self._lock:
-            return self.pipeline.view(
+            view = self.pipeline.view(
                 consumer_lag=self.consumer_lag,
                 state_write_errors_total=self.state_write_errors,
                 max_runs=max_runs,
                 **self.source.health(),
             )
+            view.hosts = self.pipeline.hosts.verdicts(self.pipeline.wall())
+            return view
 
     def run_for(
         self,

@@ -22,7 +22,7 @@ from sdcwatch.core.errors import RecordError, ReplayError
 from sdcwatch.core.incident import Incident
 from sdcwatch.core.limits import RecordLimits
 from sdcwatch.core.messages import Message, decode_line
-from sdcwatch.core.rank_notes import CheckpointNote, LayerNames
+from sdcwatch.core.rank_notes import CheckpointNote, LayerNames, RankDevice
 from sdcwatch.core.record_type import Record
 from sdcwatch.detectors.frame import StepFrame
 from sdcwatch.service.pipeline import DetectionPipeline, PipelineSettings
@@ -85,7 +85,7 @@ def _is_jsonl(path: Path) -> bool:
 
 
 def read_records(path: str | Path, *, names: bool = False) -> Iterator[Message]:
-    """Records from a JSON-lines file, with ``names`` its layer names and checkpoint notes too;
+    """Records from a JSON-lines file, with ``names`` its layer names, checkpoint notes and GPUs too;
     ReplayError names the first bad line (anything but a telemetry message is one)."""
     path = Path(path)
     with open(path, encoding="utf-8", errors="strict") as fh:
@@ -98,9 +98,9 @@ def read_records(path: str | Path, *, names: bool = False) -> Iterator[Message]:
                     msg = decode_line(line, _LIMITS)  # the service's limits: a file cannot size memory either
                 except RecordError as exc:
                     raise ReplayError(str(path), lineno, str(exc)) from None
-                if isinstance(msg, Record) or (names and isinstance(msg, (LayerNames, CheckpointNote))):
+                if isinstance(msg, Record) or (names and isinstance(msg, (LayerNames, CheckpointNote, RankDevice))):
                     yield msg
-                elif not isinstance(msg, (LayerNames, CheckpointNote)):
+                elif not isinstance(msg, (LayerNames, CheckpointNote, RankDevice)):
                     raise ReplayError(str(path), lineno, f"a {type(msg).__name__}, not telemetry")
         except UnicodeDecodeError as exc:
             raise ReplayError(str(path), lineno + 1, f"not UTF-8 text: {exc.reason}") from None

@@ -6,6 +6,7 @@ outside (tests drive it step by step); ``view()`` for the exporter, ``save()``/`
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections import deque
@@ -25,6 +26,7 @@ from sdcwatch.detectors.peers import coords_of, known_coords
 from sdcwatch.detectors.registry import default_detectors
 from sdcwatch.service.aligner import StepAligner
 from sdcwatch.service.checkpoint_marks import CheckpointBook
+from sdcwatch.service.hosts import HostLedger, HostSettings, credit_hosts
 from sdcwatch.service.incidents import IncidentBook
 from sdcwatch.service.ingest import count_records
 from sdcwatch.service.layer_name_book import LayerNameBook
@@ -39,6 +41,8 @@ __all__ = ["DetectionPipeline", "PipelineSettings", "STATE_VERSION", "STAGES"]
 STAGES = ("both", "spatial", "temporal")
 
 STATE_VERSION = 1
+
+log = logging.getLogger("sdcwatch.service.pipeline")
 
 
 def _fixed(default: float) -> Any:
@@ -59,19 +63,33 @@ class PipelineSettings:
     """Seconds the step aligner waits for the last ranks of a step before closing it without them."""
     max_runs: int = 1000
     """Runs whose detection state is kept (memory and the state file grow with them). Past it a new
-    run takes the place of a run on probation silent for run_probation_idle_s, else of a run silent
-    for run_stale_s; if there is none, its records are dead-lettered (reason runs)."""
-    run_probation_steps: int = 3
-    """Steps a new run must show before it holds its place: until then it is on probation, and when
-    the service keeps max_runs runs it gives way to a new run once silent for run_probation_idle_s. A
-    run past probation (training) leaves only when stale, finished or idle, never for a new run."""
+    run's records wait (run_wait_records) until a run gives way: a signed newcomer takes the place of
+    an unsigned run at once; else a run on probation silent for run_probation_idle_s, else a run
+    silent for run_yield_idle_s, gives way (docs/service.md, "Run lifecycle")."""
+    max_unsigned_runs: int = 100
+    """Places unsigned runs may hold while the service holds a signed run (keys on, unsigned
+    accepted): past it an unsigned newcomer waits."""
+    run_wait_records: int = 50000
+    """Records of new runs that may wait for a place. Past it the run that sent least recently loses
+    its waiting records (dead-lettered, reason runs, with its name and count; said again when it is
+    admitted)."""
+    run_probation_steps: int = 20
+    """Whole steps (every rank of its world sent them) a new run must show, over at least
+    run_probation_s, before it holds its place: until then it is on probation, and past max_runs it
+    gives way to a new run once silent for run_probation_idle_s."""
+    run_probation_s: float = 10.0
+    """Seconds between a run's first whole step and the one that ends its probation (a flood of
+    steps sent at once is no evidence of training)."""
     run_probation_idle_s: float = 2.0
     """Seconds without a record after which a run on probation gives way to a new run (only when
-    the service keeps max_runs runs)."""
+    a new run waits for a place)."""
+    run_yield_idle_s: float = 30.0
+    """Seconds without a step after which a run past probation gives way to a new run (only when a
+    new run waits for a place, and never a signed run to an unsigned one)."""
     run_stale_s: float = 900.0
     """Seconds without a step after which a run's open incidents resolve (the run ended or died;
     the exporter's last-step age and the missing-rank alerts say which); a run silent this long also
-    gives way to a new run past max_runs (forgotten, its open incidents resolved)."""
+    is forgotten when a new run waits (run_yield_idle_s comes first)."""
     run_record_budget: float = 250000.0
     """Records a run may send a second, averaged over run_budget_window_s (a 16,384-rank job at 15
     steps a second fits); records past it are dead-lettered (reason budget), so one run cannot flood
@@ -135,6 +153,7 @@ class DetectionPipeline:
         limits: RecordLimits | None = None,
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
+        hosts: HostSettings | None = None,
     ) -> None:
         self.settings = settings or PipelineSettings()
         self.stage = check_choice("detectors.stage", stage, STAGES)
@@ -156,17 +175,24 @@ class DetectionPipeline:
             max_step_jump=self.limits.max_step_jump,
             max_step_values=self.limits.max_step_values,
             probation_steps=self.settings.run_probation_steps,
+            probation_s=self.settings.run_probation_s,
+            wait_records=self.settings.run_wait_records,
             record_budget=self.settings.run_record_budget,
             budget_window=self.settings.run_budget_window_s,
         )
         self.aligner.admit = self._admit
+        #: whether a run signs its records (set by the service when it holds keys)
+        self.signed: Callable[[str], bool] | None = None
+        self.aligner.first = lambda run: self.signed is not None and self.signed(run)
         self.book = IncidentBook(
             self.settings.resolve_after_steps, related_steps=self.settings.attribution_window, clock=wall
         )
         resend = self.settings.names_resend_s if stage == "spatial" else None  # a spatial stage forwards the names
         self.names = LayerNameBook(self.settings.max_runs, resend=resend, clock=clock)  # incidents name modules
         # the checkpoints the runs saved, marked from their incidents (a spatial stage forwards the notes)
-        self.checkpoints = CheckpointBook(self.settings.max_runs, forwards=stage == "spatial", clock=wall)
+        self.checkpoints = CheckpointBook(
+            self.settings.max_runs, forwards=stage == "spatial", clock=wall, holds=self.holds
+        )  # the notes of runs it does not watch never push out those it does
         self.lifecycle = RunLifecycle(
             self.settings.run_end_expiry_s,
             self.settings.run_idle_expiry_s,
@@ -174,6 +200,7 @@ class DetectionPipeline:
             clock=wall,
         )
         self._runs: dict[str, RunState] = {}
+        self.hosts = HostLedger(hosts)  # evidence per host across runs (docs/hosts.md)
         self.findings_total: dict[tuple[str, str], int] = {}
         self.records_total = 0
         self.runs_forgotten = 0  # runs dropped to make room for new ones (settings.max_runs)
@@ -183,6 +210,7 @@ class DetectionPipeline:
         self.summaries_total = 0  # temporal stage: summaries received
         self.outbox: list[StepSummary] = []  # spatial stage: summaries for the temporal stage
         self.forgotten_events: list[IncidentEvent] = []  # resolutions of forgotten runs' incidents
+        self._markers_waiting: list[Any] = []  # end markers of runs waiting for a place (bounded as their records)
         self.carried: dict[str, Any] = {}  # the service's other parts' state (the runs' key bindings), saved with it
 
     # -- input --------------------------------------------------------------------------------
@@ -198,8 +226,12 @@ class DetectionPipeline:
         self.lifecycle.arrived(restarted)
         events += self._judge_frames(self.aligner.add(records))
         self.lifecycle.arrived([run for run in new if self.aligner.holds(run)])  # admitted (max_runs)
+        self._admitted_from_wait()
         for marker in markers:  # the run closes in expire(), once its last steps are judged
-            self.lifecycle.end(marker)
+            if self.aligner.waits(marker.run) and len(self._markers_waiting) < self.settings.run_wait_records:
+                self._markers_waiting.append(marker)  # it ends once it has a place
+            else:
+                self.lifecycle.end(marker)
         return self._with_forgotten(events)
 
     def _judge_frames(self, frames: Iterable[StepFrame]) -> list[IncidentEvent]:
@@ -213,6 +245,7 @@ class DetectionPipeline:
     def tick(self) -> list[IncidentEvent]:
         """Close steps whose alignment deadline passed, release waiting summaries (call regularly)."""
         events = self._judge_frames(self.aligner.poll())
+        self._admitted_from_wait()
         return self._with_forgotten(events + [e for s in self.order.poll() for e in self.judge_step(s)])
 
     def expire(self) -> list[IncidentEvent]:
@@ -286,15 +319,29 @@ class DetectionPipeline:
         return st
 
     def _admit(self, run: str) -> bool:
-        """Whether a new run gets a place within ``max_runs``: past it, the run on probation silent
-        ``run_probation_idle_s`` makes room, else the run silent ``run_stale_s`` (``_runs`` is in
-        order of activity), never a training run (docs/service.md, "Run lifecycle")."""
-        if self.aligner.runs() < self.settings.max_runs:
+        """Whether a new run gets a place within ``max_runs`` now (else its records wait): an unsigned
+        one not past ``max_unsigned_runs`` while signed runs are held; past ``max_runs``, a signed
+        one takes the place of the idlest unsigned run, any takes that of the idlest run on probation
+        silent ``run_probation_idle_s``, else of the idlest training run silent ``run_yield_idle_s``
+        (``_runs`` is in order of activity), never of a signed run if unsigned (docs/service.md,
+        "Run lifecycle")."""
+        s = self.settings
+        signed = self.signed
+        held = self.aligner.runs()
+        if signed is not None and not signed(run) and held >= s.max_unsigned_runs:
+            kinds = [signed(r) for r in self.aligner.held()]
+            if any(kinds) and kinds.count(False) >= s.max_unsigned_runs:
+                return False
+        if held < s.max_runs:
             return True
-        victim = self.aligner.idlest_on_probation(self.settings.run_probation_idle_s)
+        keep = signed if signed is not None and not signed(run) else (lambda r: False)
+        victim = self.aligner.idlest_on_probation(s.run_probation_idle_s, keep)
+        if victim is None and signed is not None and signed(run):
+            victim = self.aligner.idlest_on_probation(0.0, signed)
+            victim = victim or next((r for r in self._runs if not signed(r)), None)
         if victim is None:
-            idlest = next(iter(self._runs), None)
-            if idlest is not None and self.wall() - self._runs[idlest].last_step_wall >= self.settings.run_stale_s:
+            idlest = next((r for r in self._runs if not keep(r) and not self.aligner.on_probation(r)), None)
+            if idlest is not None and self.wall() - self._runs[idlest].last_step_wall >= s.run_yield_idle_s:
                 victim = idlest
         if victim is None:
             return False
@@ -302,9 +349,25 @@ class DetectionPipeline:
         self.forgotten_events += self.evict(victim)
         return True
 
+    def _admitted_from_wait(self) -> None:
+        """Runs given a place after waiting: their lifecycle starts; one that lost records waiting says so."""
+        runs, lost = self.aligner.take_admitted()
+        self.lifecycle.arrived(runs)
+        if runs and self._markers_waiting:
+            for marker in [m for m in self._markers_waiting if m.run in runs]:
+                self.lifecycle.end(marker)
+            self._markers_waiting = [m for m in self._markers_waiting if self.aligner.waits(m.run)]
+        for run, n in lost.items():
+            log.warning(
+                "run %r admitted after %d of its records were dead-lettered (reason runs) while it waited for a "
+                "place (detectors.run_wait_records): its first steps are missing",
+                run[:80],
+                n,
+            )
+
     def holds(self, run: str) -> bool:
         """Whether the pipeline keeps ``run`` (its schemas are then kept too: see ``SchemaRegistry.holds``)."""
-        return self.aligner.holds(run) or run in self._runs
+        return self.aligner.holds(run) or self.aligner.waits(run) or run in self._runs
 
     def observe_step(self, frame: StepFrame) -> StepSummary:
         """The cross-rank half of every detector on one step, as a :class:`StepSummary`."""
@@ -376,8 +439,11 @@ class DetectionPipeline:
         findings = self.names.enrich(findings, summary.run)  # a layer index names its module
         # a step judged from ranks' records (over the bus, or here) has ranks, a single series has none
         ranks_known = summary.frame is None or summary.frame.ranks_known
+        raw = findings  # the single-step rank deviations attribution consumes are host evidence too
         findings = st.attribution.apply(summary.step, summary.world, findings, ranks_known)
         findings = _name_coords(findings if ranks_known else _no_ranks(findings), summary.coords)
+        gpus = self.names.gpus_of(summary.run)  # each rank's GPU, as it said (empty: none did)
+        credit_hosts(self.hosts, findings, summary.hosts, self.wall(), gpus, deviations=raw if ranks_known else ())
         events = self.book.add(findings, summary.hosts) + self.book.advance(summary.run, summary.step)
         self.checkpoints.events(events)  # incidents first: a checkpoint of this step is marked with them
         self.checkpoints.judged(summary.run, summary.step)
@@ -465,6 +531,7 @@ class DetectionPipeline:
             "layer_names": self.names.snapshot(),
             "checkpoints": self.checkpoints.snapshot(),
             "carried": self.carried,
+            "hosts": self.hosts.snapshot(),
         }
 
     def restore(self, state: dict[str, Any]) -> None:
@@ -489,6 +556,7 @@ class DetectionPipeline:
         self.lifecycle.restore(state.get("lifecycle", {}), runs=self._runs)
         self.names.restore(state.get("layer_names", {}))
         self.checkpoints.restore(state.get("checkpoints", {}))
+        self.hosts.restore(state.get("hosts", {}))
         carried = state.get("carried")
         self.carried = carried if isinstance(carried, dict) else {}
 

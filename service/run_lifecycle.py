@@ -1,9 +1,6 @@
-"""Run lifecycle in the service: which runs are live, finished or idle, and when each is forgotten.
-
-A run is finished once every rank of its world sent its end-of-run marker: the pipeline then closes
-it (its last steps judged, its incidents resolved) and evicts it ``end_expiry`` seconds later; a run
-without input for ``idle_expiry`` seconds is evicted the same way. A record newer than its rank's
-marker starts the run afresh (docs/service.md, "Run lifecycle"). Times are the service's wall clock.
+"""Run lifecycle in the service: which runs are live, finished (every rank sent its end-of-run
+marker) or idle, when each is closed and forgotten, and when one starts afresh (docs/service.md,
+"Run lifecycle"). Times are the service's wall clock.
 """
 
 from __future__ import annotations

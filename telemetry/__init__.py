@@ -32,6 +32,7 @@ _LAZY = {
     "GuardPlace": "sdcwatch.telemetry.guard.config",
     "GuardEviction": "sdcwatch.telemetry.guard.config",
     "GuardOutcome": "sdcwatch.telemetry.guard.config",
+    "MicroBatches": "sdcwatch.telemetry.guard.micro_batches",
     "EXIT_CODE_EVICT": "sdcwatch.telemetry.guard.config",
     "DeviceSkip": "sdcwatch.telemetry.guard.device_skip",
     "DeviceSkipConfig": "sdcwatch.telemetry.guard.device_skip",

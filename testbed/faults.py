@@ -4,7 +4,9 @@ to a model, through forward and gradient hooks, on the fault's rank, steps and t
 It is both the test instrument of sdcwatch and a feature: users inject faults into their own run
 to check their alerting. Every random choice derives from ``(seed, step, rank)``: a fault is
 deterministic, and touches nothing outside its rank, steps and target. Each fault says, once per
-rank, when it first fires (an INFO line of the ``sdcwatch.faults`` logger).
+rank, when it first fires (an INFO line of the ``sdcwatch.faults`` logger). It knows a guard's
+rerun of a step (``begin_step`` again for the same step, before ``end_step``): a fault of one step is transient and
+leaves the rerun alone; a lasting one hits it again.
 """
 
 from __future__ import annotations
@@ -69,6 +71,11 @@ class FaultInjector:
     then ``begin_step(step)`` before the forward, ``batch = corrupt_batch(batch)`` on the data,
     and ``end_step()`` after the optimizer step. The simulated driver sets :attr:`rank` before
     each virtual rank's forward instead.
+
+    ``begin_step`` again for the same step and rank before ``end_step`` starts a rerun (:attr:`rerun`):
+    a hardware fault of one step (``duration`` 1) is transient and does not fire on a rerun, a
+    lasting one (``duration`` 0 or above 1) is persistent and fires on every pass; the data
+    (``bad_batch``) is the same on every pass, and an lr spike or a parameter fault is applied once.
     """
 
     def __init__(self, faults: Iterable[FaultSpec] = (), *, rank: int = 0) -> None:
@@ -78,17 +85,20 @@ class FaultInjector:
                 raise FaultSpecError("fault", f"expected a FaultSpec, got {type(f).__name__}")
         self.rank = rank
         self.step = -1
+        self.rerun = 0
+        """The pass of the current step: 0 the first, 1 and on a rerun of it."""
         self.injections: list[Injection] = []
         # CPU seconds (this thread's) spent corrupting values: a simulated driver takes them out of
         # the rank's step time, so an injected fault does not also make its rank look slow
         self.cpu_seconds = 0.0
         self._handles: list[Any] = []
-        self._done: set[tuple[int, int, int]] = set()
+        self._done: set[tuple[int, int, int, int]] = set()
         self._fired: set[tuple[int, int]] = set()  # (fault, rank) already announced in the log
         self._targets: dict[int, list[str]] = {}
         self._param_targets: dict[int, list[tuple[str, "torch.Tensor"]]] = {}
         self._optimizer = None
         self._saved_lrs: list[float] | None = None
+        self._entered: tuple[int, int] | None = None  # (step, rank) until end_step: entered again, a rerun
         self._modules: dict[str, Any] = {}
 
     # -- wiring -------------------------------------------------------------------------------
@@ -141,10 +151,18 @@ class FaultInjector:
         """Faults active at the current step on the current rank (optionally of one kind)."""
         return [f for f in self.faults if f.hits(self.step, self.rank) and (kind is None or f.kind == kind)]
 
+    def _fires(self, spec: FaultSpec) -> bool:
+        """Whether a hardware fault hits this pass: at its steps and rank, and on a rerun only when it lasts."""
+        return spec.hits(self.step, self.rank) and (self.rerun == 0 or spec.duration != 1)
+
     # -- per step ------------------------------------------------------------------------------
     def begin_step(self, step: int) -> None:
-        """Enter ``step``: apply lr spikes (restored by :meth:`end_step`) and parameter faults."""
-        self.step = step
+        """Enter ``step``: apply lr spikes (restored by :meth:`end_step`) and parameter faults; or,
+        for the step already entered, begin a rerun of it (nothing applied again)."""
+        if self._entered == (step, self.rank):
+            self.rerun += 1
+            return
+        self.step, self.rerun, self._entered = step, 0, (step, self.rank)
         factor = self.lr_factor()
         for i, f in enumerate(self.faults):
             if f.kind == "lr_spike" and f.hits(step, self.rank):
@@ -157,6 +175,7 @@ class FaultInjector:
 
     def end_step(self) -> None:
         """Leave the step: restore the learning rates an lr_spike changed."""
+        self._entered = None
         if self._saved_lrs is not None and self._optimizer is not None:
             for g, lr in zip(self._optimizer.param_groups, self._saved_lrs):
                 g["lr"] = lr
@@ -204,8 +223,8 @@ class FaultInjector:
 
     # -- hooks ---------------------------------------------------------------------------------
     def _claim(self, i: int) -> bool:
-        """One-element faults fire once per (fault, step, rank), whatever calls the module again."""
-        key = (i, self.step, self.rank)
+        """One-element faults fire once per (fault, step, rank, pass), whatever calls the module again."""
+        key = (i, self.step, self.rank, self.rerun)
         if key in self._done:
             return False
         self._done.add(key)
@@ -213,7 +232,7 @@ class FaultInjector:
 
     def _output_hook(self, i: int, spec: FaultSpec, name: str):
         def hook(module, inputs, output):
-            if not spec.hits(self.step, self.rank):
+            if not self._fires(spec):
                 return None
             rng = _rng(i, spec, self.step, self.rank)
             if spec.kind in ELEMENT_KINDS:
@@ -232,7 +251,7 @@ class FaultInjector:
 
     def _grad_hook(self, i: int, spec: FaultSpec, pname: str):
         def hook(grad):
-            if not spec.hits(self.step, self.rank):
+            if not self._fires(spec):
                 return None
             rng = _rng(i, spec, self.step, self.rank)
             if spec.kind in ELEMENT_KINDS:

@@ -1,9 +1,6 @@
-"""The configuration of ``sdcwatch serve``: one small dataclass per section, loaded in layers.
-
-- :mod:`~sdcwatch.config.schema`: the sections and their checks (``[detectors.<name>]`` is each
-  detector's own ``Config``);
-- :mod:`~sdcwatch.config.loaders`: defaults < TOML file < environment < flags;
-- :mod:`~sdcwatch.config.docs`: the flags and the reference, generated from the field docstrings.
+"""The configuration of ``sdcwatch serve``: one small dataclass per section (schema), loaded in layers
+(loaders: defaults < TOML file < environment < flags), its flags and reference generated from the
+field docstrings (docs).
 """
 
 from sdcwatch.config.docs import add_serve_arguments, config_from_args, config_reference, overrides_from_args

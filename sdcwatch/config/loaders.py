@@ -1,7 +1,6 @@
-"""Loading the serve configuration in layers, later wins: defaults < TOML file < environment
-(``SDCWATCH_<SECTION>_<KEY>``) < flags (``--<section>-<key>``) (docs/service.md, "Settings").
-A bad or unknown key, an unknown ``SDCWATCH_*`` variable included, raises ConfigError naming the
-dotted key and where the value came from, never the value of a secret.
+"""Loading the serve configuration in layers, later wins: defaults < TOML file < environment < flags
+(docs/service.md, "Settings"); a bad or unknown key raises ConfigError naming the dotted key and
+where the value came from, never the value of a secret.
 """
 
 from __future__ import annotations

@@ -31,6 +31,7 @@ from sdcwatch.core.validate import (
 from sdcwatch.core.vocabulary import ANOMALY_TOPIC, CONTROL_TOPIC, DEADLETTER_TOPIC, SUMMARY_TOPIC, TELEMETRY_TOPIC
 from sdcwatch.detectors.registry import default_classes
 from sdcwatch.exporters.metrics_settings import (
+    DEFAULT_MAX_HOSTS,
     DEFAULT_MAX_LAYERS,
     DEFAULT_MAX_PIECES,
     DEFAULT_METRICS_ADDRESS,
@@ -41,6 +42,7 @@ from sdcwatch.exporters.metrics_settings import (
     check_port,
 )
 from sdcwatch.service.control_policy import ControlPolicy
+from sdcwatch.service.hosts import HostSettings
 from sdcwatch.service.pipeline import STAGES, PipelineSettings
 
 __all__ = [
@@ -51,6 +53,7 @@ __all__ = [
     "DetectorsConfig",
     "LimitsConfig",
     "GuardPolicyConfig",
+    "HostsConfig",
     "AuthConfig",
     "ServeConfig",
     "SECTIONS",
@@ -215,6 +218,9 @@ class MetricsConfig(_Section):
     max_pieces: int = DEFAULT_MAX_PIECES
     """Model pieces (peer groups: same pp stage, tp rank...) of a run with cross-rank statistics series:
     those of open incidents, then the widest spread across their ranks; plain data parallel has one."""
+    max_hosts: int = DEFAULT_MAX_HOSTS
+    """Hosts judged suspect or quarantine across runs with a series of their own (sdcwatch_host_verdict),
+    worst first; 0: none (the counts stay)."""
 
     def _validate(self) -> None:
         # the endpoint and the series bounds are the exporter's (MetricsServer, SdcwatchCollector)
@@ -222,6 +228,7 @@ class MetricsConfig(_Section):
         check_port(self.port)
         check_cardinality(top_k=self.top_k, max_layers=self.max_layers, max_pieces=self.max_pieces)
         check_int("metrics.max_runs", self.max_runs, lo=1)
+        check_int("metrics.max_hosts", self.max_hosts, lo=0)
 
     @property
     def enabled(self) -> bool:
@@ -396,6 +403,18 @@ class GuardPolicyConfig(ControlPolicy, _Section):
 
 
 @dataclass
+class HostsConfig(HostSettings, _Section):
+    """[hosts]: how the host ledger weighs evidence across runs and bounds what it tracks
+    (:class:`~sdcwatch.service.hosts.HostSettings`)."""
+
+    section: ClassVar[str] = "hosts"
+
+    def __post_init__(self) -> None:
+        _Section.__post_init__(self)  # the declared types (ints accepted for floats)
+        HostSettings.__post_init__(self)  # the values; errors name hosts.<key>
+
+
+@dataclass
 class ServeConfig:
     """Everything ``sdcwatch serve`` needs, one attribute per section."""
 
@@ -413,6 +432,8 @@ class ServeConfig:
     """[limits] bounds on what one record may claim."""
     guard: GuardPolicyConfig = field(default_factory=GuardPolicyConfig)
     """[guard] decisions for the training jobs' guards."""
+    hosts: HostsConfig = field(default_factory=HostsConfig)
+    """[hosts] evidence per host across runs."""
     auth: AuthConfig = field(default_factory=AuthConfig)
     """[auth] job keys: signed telemetry and control."""
 
@@ -466,5 +487,6 @@ SECTIONS: dict[str, type[_Section]] = {
     "detectors": DetectorsConfig,
     "limits": LimitsConfig,
     "guard": GuardPolicyConfig,
+    "hosts": HostsConfig,
     "auth": AuthConfig,
 }

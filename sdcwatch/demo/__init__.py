@@ -1,12 +1,6 @@
-"""``sdcwatch demo``: the whole product in one command, on a laptop: the embedded broker, the detector
-service and its /metrics, the reference model trained on simulated ranks with a fault injected on
-one, every alert as it fires, a summary (human-readable, or one JSON object with ``--json``) and an
-HTML report.
-
-:mod:`~sdcwatch.demo.plan` names the faults, checks the settings and places them,
-:mod:`~sdcwatch.demo.service` is the detector service beside the job, :mod:`~sdcwatch.demo.training`
-the simulated job, :mod:`~sdcwatch.demo.run` runs the whole, :mod:`~sdcwatch.demo.result` scores
-and prints it; this module is the command.
+"""``sdcwatch demo``: the whole product in one command, on a laptop (the embedded broker, the detector
+service, simulated ranks with a fault injected on one, the alerts, a summary and an HTML report).
+This module is the command; plan, service, training, run and result are its parts.
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
-"""``sdcwatch report``: one self-contained HTML page of a captured run (plots as embedded PNGs).
-
-:mod:`~sdcwatch.report.data` loads records and incidents, :mod:`~sdcwatch.report.deviation` scores
-ranks against each other (independently of the detectors), :mod:`~sdcwatch.report.plots` draws,
-:mod:`~sdcwatch.report.page` renders; what the page shows: docs/service.md, "Capture a run, replay it offline".
+"""``sdcwatch report``: one self-contained HTML page of a captured run. data loads, deviation scores
+ranks against each other, plots draws, page renders; what the page shows: docs/service.md,
+"Capture a run, replay it offline".
 """
 
 from __future__ import annotations

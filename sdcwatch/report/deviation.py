@@ -1,8 +1,6 @@
-"""How far each rank strays from the others: robust z-scores over ranks, and means over ranks.
-
-Computed from the records with numpy, deliberately not with the detectors: an independent view of
-the data they saw. A healthy rank stays calm: the spread is never taken below its typical value
-(:func:`typical_spread`), and the score is calibrated on the run (:func:`calibration_anchor`).
+"""How far each rank strays from the others: robust z-scores over ranks (the spread floored at its
+typical value, the score calibrated on the run), and means over ranks; computed with numpy, not with
+the detectors, so the page is an independent view of the data they saw.
 """
 
 from __future__ import annotations

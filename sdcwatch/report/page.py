@@ -1,8 +1,5 @@
-"""The HTML page: the verdict, the summary cards, the figures and the incident table.
-
-It turns a loaded run and its incidents into one self-contained page (CSS inline, plots as
-base64 PNGs), so the file can be mailed, attached to a ticket or opened offline. What was
-injected (free text or fault specs) is only read here, to describe it and mark it on the plots.
+"""The HTML page: the verdict, the summary cards, the figures and the incident table, in one
+self-contained file (CSS inline, plots as base64 PNGs) that can be mailed or opened offline.
 """
 
 from __future__ import annotations

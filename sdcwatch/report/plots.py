@@ -1,8 +1,5 @@
-"""The figures of the report, each returned as a base64 PNG ready to embed in the page.
-
-matplotlib's object API on the Agg canvas: no pyplot, no global state, no display. matplotlib
-is imported inside the functions that draw, so importing the report (or only loading and
-scoring a run) does not pay for it.
+"""The figures of the report, each a base64 PNG to embed in the page: matplotlib's object API on the
+Agg canvas (no pyplot, no global state), imported inside the functions that draw.
 """
 
 from __future__ import annotations

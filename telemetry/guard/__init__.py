@@ -11,6 +11,7 @@ _LAZY = {
     "GuardPlace": "sdcwatch.telemetry.guard.config",
     "GuardState": "sdcwatch.telemetry.guard.state",
     "GuardOutcome": "sdcwatch.telemetry.guard.config",
+    "MicroBatches": "sdcwatch.telemetry.guard.micro_batches",
     "GuardEviction": "sdcwatch.telemetry.guard.config",
     "EXIT_CODE_EVICT": "sdcwatch.telemetry.guard.config",
     "DeviceSkip": "sdcwatch.telemetry.guard.device_skip",

@@ -48,10 +48,12 @@ class Guard:
     Use ``outcome = guard.step(step, compute)`` in place of ``optimizer.step()`` (docs/guard.md shows a
     loop). ``compute()`` runs the step's forward and backward and returns the loss, or ``(loss,
     grad_norm)``, or ``(losses, grad_norm, local_grad_norms)``; it must use the same micro-batches on a
-    rerun. Its parts ``judge`` (deciding) and ``acting`` share ``state``.
+    rerun (:class:`~sdcwatch.telemetry.guard.micro_batches.MicroBatches` keeps a step's). Its parts
+    ``judge`` (deciding) and ``acting`` share ``state``.
 
     Args:
-        model: the module whose ``state_dict`` is snapshotted (the inner module under DDP).
+        model: the module whose ``state_dict`` is snapshotted: the model itself, not its DDP wrapper
+            (a ``DistributedDataParallel`` given here is unwrapped); ``compute`` calls the wrapper.
         optimizer: stepped by the guard (or ``update`` passed to :meth:`step`).
         place: :class:`GuardPlace`, where the guard runs.
         control: a decision reader (``poll() -> [Decision]``), read on the process holding rank 0 only.
@@ -82,7 +84,7 @@ class Guard:
         self.config = check_type("guard.config", config or GuardConfig(), GuardConfig)
         if self.config.on_evict == "leave" and elastic is None:
             raise ConfigError("guard.on_evict", "'leave' needs the job's replica membership: Guard(elastic=...)")
-        self.model, self.optimizer = model, optimizer
+        self.model, self.optimizer = _unwrapped(model), optimizer
         group, self.place = _agreement(place or GuardPlace())  # every field resolved
         agreement = elastic.agreement() if elastic is not None else None  # across the quorum's groups
         self.group = group if agreement is None else agreement
@@ -97,7 +99,7 @@ class Guard:
             self.config,
             self.state,
             self.place,
-            model,
+            self.model,
             optimizer,
             self.group,
             self.actions,
@@ -120,12 +122,20 @@ class Guard:
     # -- the step ---------------------------------------------------------------------------------
 
     def step(
-        self, step: int, compute: Callable[[], Any], *, update: Callable[[], Any] | None = None, data_pos: Any = None
+        self,
+        step: int,
+        compute: Callable[[], Any],
+        *,
+        update: Callable[[], Any] | None = None,
+        data_pos: Any = None,
+        first: Any = None,
     ) -> GuardOutcome:
         """Run ``compute`` for ``step``, decide with the other ranks, and update (or not).
 
         ``update`` replaces ``optimizer.step()``; ``data_pos`` labels the snapshot taken before this
         step (default ``step``): after a rollback, ``outcome.resume_from`` is the label to replay from.
+        ``first``: what ``compute`` returned for a first pass a framework already ran (its gradients in
+        place); ``compute`` then runs only for a rerun.
         Raises :class:`GuardEviction` (a ``SystemExit``) when a rank is evicted.
         """
         c = self.config
@@ -133,8 +143,10 @@ class Guard:
         if act:
             self.acting.snapshot_before(step, data_pos)
         rng = rng_state() if act and "rerun" in (c.on_nonfinite, c.on_spike, c.on_checksum) else None
-        self.optimizer.zero_grad(set_to_none=True)
-        values = self.judge.values(compute(), self.optimizer)
+        if first is None:
+            self.optimizer.zero_grad(set_to_none=True)
+            first = compute()
+        values = self.judge.values(first, self.optimizer)
         flag, suspects = self.judge.judge(values)
         if flag < 2 and self.checksums is not None:
             wrong = set(self.checksums())  # a product off by more than rounding: a fault, finite or not
@@ -299,6 +311,17 @@ class Guard:
         """Stop the control reader."""
         if self.control is not None and hasattr(self.control, "close"):
             self.control.close()
+
+
+def _unwrapped(model: Any) -> Any:
+    """The module inside a ``DistributedDataParallel`` wrapper (its snapshots then hold the module's
+    own keys, as a checkpoint of the model does); any other model as it is."""
+    if hasattr(model, "module") and hasattr(model, "no_sync"):
+        from torch.nn.parallel import DistributedDataParallel
+
+        if isinstance(model, DistributedDataParallel):
+            return model.module
+    return model
 
 
 def _agreement(place: GuardPlace) -> tuple[Any, GuardPlace]:

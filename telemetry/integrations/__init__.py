@@ -14,6 +14,9 @@ from typing import Any, Mapping, NamedTuple
 
 from sdcwatch.core.errors import ConfigError
 from sdcwatch.core.mesh import format_coords
+from sdcwatch.core.validate import check_type
+from sdcwatch.telemetry.guard.config import GuardConfig
+from sdcwatch.telemetry.guard.guard import Guard
 
 __all__ = ["CallbackCore", "FrameworkMesh"]
 
@@ -46,15 +49,21 @@ class CallbackCore:
     coordinates, as with :func:`~sdcwatch.telemetry.probes.watch.attach`). Without ``mesh=`` the callback
     uses the mesh its framework built, if any (Lightning's ``ModelParallelStrategy``, accelerate's
     ``ParallelismConfig``), and logs which dims it found; ``mesh=False`` turns that off.
+    ``guard``: a :class:`~sdcwatch.telemetry.guard.config.GuardConfig`: the framework's optimizer steps
+    guarded (``self.guard``, built when training begins; each framework's callback reruns its step).
     """
 
-    def __init__(self, emitter: Any = None, *, injector: Any = None, **settings: Any) -> None:
+    def __init__(self, emitter: Any = None, *, injector: Any = None, guard: Any = None, **settings: Any) -> None:
         from sdcwatch.telemetry.probes.config import ProbeConfig
 
         self.mesh = settings.pop("mesh", None)
         self.mesh_names = settings.pop("mesh_names", None)
         ProbeConfig.from_settings(**settings)  # a bad setting fails here, not when training has begun
         self.settings = settings
+        self.guard_config = None if guard is None else check_type("callback.guard", guard, GuardConfig)
+        self.guard: Any = None
+        self.outcome: Any = None  # the guard's outcome of the step in progress
+        self._micro: list[Any] = []  # what the step's micro-batches were called with, for the guard's rerun
         self.injector = injector
         self.emitter = emitter
         self.watch: Any = None
@@ -85,6 +94,8 @@ class CallbackCore:
         self.watch = attach(
             model, self.emitter, optimizer=optimizer, ddp=ddp, mesh=mesh, mesh_names=names, **self.settings
         )
+        if self.guard_config is not None:
+            self.guard = Guard(model, optimizer, self.guard_config, watch=self.watch)
 
     def _framework_mesh(self, model: Any, found: FrameworkMesh) -> tuple[Any, Any]:
         """(mesh, names) for the probes from the framework's mesh, and one log line saying which dims
@@ -121,6 +132,8 @@ class CallbackCore:
 
     def begin(self, step: int) -> None:
         """An optimizer step begins (before its first micro-batch's forward)."""
+        self._micro.clear()
+        self.outcome = None
         self.watch.begin_step(step)
         if self.injector is not None:
             self.injector.begin_step(step)
@@ -128,12 +141,14 @@ class CallbackCore:
     def end(self, step: int, loss: Any, **scalars: Any) -> None:
         """Optimizer step ``step`` is done: its record, with the step's loss (a tensor: read later)
         and any scalar the framework knows better than the probes (``lr=``: the rate the step used)."""
-        self.watch.step(step, loss=loss, **scalars)
+        self.watch.step(step, loss=loss, **scalars, **(self.outcome.telemetry() if self.outcome is not None else {}))
         if self.injector is not None:
             self.injector.end_step()
 
     def close(self) -> None:
         """Emit the last record, remove the hooks, and close the emitter if the callback made it."""
+        if self.guard is not None:
+            self.guard.close()  # its actions stay readable
         if self.watch is not None:
             self.watch.close()
             self.watch = None

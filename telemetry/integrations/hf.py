@@ -19,10 +19,16 @@ __all__ = ["SdcwatchCallback", "ACCELERATE_DIMS", "framework_mesh"]
 class SdcwatchCallback(TrainerCallback, CallbackCore):
     """Probes and emitter for a ``transformers.Trainer`` run; arguments as :class:`CallbackCore`'s
     (``emitter``, ``injector``, probe settings such as ``attention_every=8``).
+
+    ``guard``: a :class:`~sdcwatch.telemetry.guard.config.GuardConfig` to guard each optimizer step
+    (docs/guard.md): judged before the Trainer's ``optimizer.step()``; a rerun runs the step's
+    micro-batches through ``training_step`` again and clips as the Trainer does; a step not applied
+    leaves no gradient, so the Trainer's optimizer step changes nothing (its scheduler still steps).
     """
 
-    def __init__(self, emitter: Any = None, *, injector: Any = None, **settings: Any) -> None:
-        CallbackCore.__init__(self, emitter, injector=injector, **settings)
+    def __init__(self, emitter: Any = None, *, injector: Any = None, guard: Any = None, **settings: Any) -> None:
+        CallbackCore.__init__(self, emitter, injector=injector, guard=guard, **settings)
+        self._step_fn: Any = None  # the Trainer's training_step, unwrapped
         self._losses: list[Any] = []  # what training_step returned, one per micro-batch of the step
         self._trainer: Any = None  # whose training_step the callback wraps
         self._replaced: Any = None  # a training_step the user had set on that Trainer, put back at the end
@@ -51,6 +57,21 @@ class SdcwatchCallback(TrainerCallback, CallbackCore):
             return
         self._losses.clear()
         self.begin(state.global_step)
+
+    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.guard is None or self.watch is None or self._trainer is None:
+            return
+        micro, trainer, step = list(self._micro), self._trainer, state.global_step
+
+        def rerun() -> Any:  # the step's micro-batches again (the guard zeroed the gradients)
+            if self.injector is not None:
+                self.injector.begin_step(step)  # the injector's rerun: a transient fault stays away
+            self._losses[:] = [self._step_fn(*a, **kw).detach() for a, kw in micro]
+            if args.max_grad_norm > 0:
+                trainer.accelerator.clip_grad_norm_(self.watch.model.parameters(), args.max_grad_norm)
+            return self._step_loss()
+
+        self.outcome = self.guard.step(step, rerun, update=lambda: None, first=self._step_loss())
 
     def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         # the Trainer steps its scheduler before on_step_end: the rate this step used is read here
@@ -89,11 +110,15 @@ class SdcwatchCallback(TrainerCallback, CallbackCore):
         into the loss it logs (scaled by the world size under its token averaging, divided by the
         accumulation steps when not), detached, on the device."""
 
+        self._step_fn = training_step
+
         @functools.wraps(training_step)
         def keeping_loss(*args: Any, **kwargs: Any) -> Any:
             loss = training_step(*args, **kwargs)
             if self.watch is not None and hasattr(loss, "detach"):
                 self._losses.append(loss.detach())
+                if self.guard is not None:
+                    self._micro.append((args, kwargs))
             return loss
 
         keeping_loss.sdcwatch_wrapped = True  # type: ignore[attr-defined]

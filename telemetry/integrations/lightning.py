@@ -18,10 +18,15 @@ __all__ = ["SdcwatchCallback", "LIGHTNING_DIMS", "strategy_mesh"]
 class SdcwatchCallback(pl.Callback, CallbackCore):
     """Probes and emitter for a ``lightning.Trainer`` run; arguments as :class:`CallbackCore`'s
     (``emitter``, ``injector``, probe settings).
+
+    ``guard``: a :class:`~sdcwatch.telemetry.guard.config.GuardConfig` to guard each optimizer step
+    (automatic optimization; docs/guard.md): judged at ``on_before_optimizer_step``, before Lightning
+    clips; a rerun runs the step's micro-batches through the strategy's ``training_step`` and
+    ``backward`` again; a step not applied leaves no gradient, so the optimizer step changes nothing.
     """
 
-    def __init__(self, emitter: Any = None, *, injector: Any = None, **settings: Any) -> None:
-        CallbackCore.__init__(self, emitter, injector=injector, **settings)
+    def __init__(self, emitter: Any = None, *, injector: Any = None, guard: Any = None, **settings: Any) -> None:
+        CallbackCore.__init__(self, emitter, injector=injector, guard=guard, **settings)
         self._loss: Any = None
         self._closing: int | None = None  # the step whose optimizer step just ran
         self._in_forward = False
@@ -41,6 +46,8 @@ class SdcwatchCallback(pl.Callback, CallbackCore):
             return
         if self._loss is None:  # the first micro-batch of an optimizer step
             self.begin(trainer.global_step)
+        if self.guard is not None:
+            self._micro.append((batch, batch_idx))
         self.watch.begin_forward()
         self._in_forward = True
 
@@ -53,6 +60,21 @@ class SdcwatchCallback(pl.Callback, CallbackCore):
 
     def on_before_optimizer_step(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", optimizer: Any) -> None:
         self._closing = trainer.global_step
+        if self.guard is None or self.watch is None:
+            return
+        micro, step, strategy = list(self._micro), trainer.global_step, trainer.strategy
+
+        def rerun() -> Any:  # the step's micro-batches again (the guard zeroed the gradients)
+            if self.injector is not None:
+                self.injector.begin_step(step)  # the injector's rerun: a transient fault stays away
+            self._loss = None  # on_before_backward sums the rerun's losses
+            for batch, batch_idx in micro:
+                out = strategy.training_step(batch, batch_idx)
+                loss = out["loss"] if isinstance(out, dict) else out
+                strategy.backward(loss / trainer.accumulate_grad_batches, optimizer)
+            return self._loss
+
+        self.outcome = self.guard.step(step, rerun, update=lambda: None, first=self._loss)
 
     def on_train_batch_end(
         self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int

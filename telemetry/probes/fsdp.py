@@ -77,13 +77,9 @@ def _subclass_reduce_scatter() -> type:
 
 
 class ShardedGradients:
-    """Gradient statistics of an FSDP2/HSDP model, measured in its reduce-scatters (see the module
-    docstring), into the step buffer of ``grads`` (the gradient part of a
-    :class:`~sdcwatch.telemetry.probes.watch.Watch`, which owns one when its model is sharded).
-
-    Configure FSDP (custom collectives, process-group allocation) before attaching: a
-    reduce-scatter or all-reduce hook set earlier is kept and runs inside the measured one.
-    """
+    """Gradient statistics of an FSDP2/HSDP model, measured in its reduce-scatters, into the step
+    buffer of ``grads`` (a watch's gradient part); a reduce-scatter or all-reduce hook set before
+    attaching runs inside the measured one."""
 
     def __init__(self, grads: "GradientStats", model: nn.Module) -> None:
         self._grads = grads

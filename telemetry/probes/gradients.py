@@ -96,14 +96,8 @@ class GradientStats:
         buf.grads_seen = True
 
     def hook_backward(self) -> list[Any]:
-        """World size one: read the gradient each time a backward has finished accumulating it.
-
-        A post-accumulate-grad hook on every trainable parameter queues, once per backward, a
-        callback that autograd runs when that backward is over: all of ``p.grad`` is read there, as
-        the optimizer will see it, but before any clipping (``clip_grad_norm_``, the Hugging Face
-        Trainer's and Lightning's clipping run after the backward). Under gradient accumulation the
-        last backward of the step wins: the accumulated gradient. Returns the hooks' handles.
-        """
+        """World size one: read ``p.grad`` once each backward has finished accumulating it, before any
+        clipping (docs/integrations.md says why there). Returns the hooks' handles."""
         return [p.register_post_accumulate_grad_hook(self._grad_accumulated) for p in self.params if p.requires_grad]
 
     def _grad_accumulated(self, param: torch.Tensor) -> None:
@@ -154,17 +148,9 @@ class GradientStats:
     def clip_grad_norm_(
         self, max_norm: float, *, parameters: Any = None, error_if_nonfinite: bool = False, foreach: bool | None = None
     ) -> torch.Tensor:
-        """``torch.nn.utils.clip_grad_norm_`` over the model's gradients (or ``parameters``'): torch's
-        own clipping, with torch's own total norm, so the job's bits are those of the same loop
-        without sdcwatch; it returns that norm, as torch's does.
-
-        Call it where the loop clips, after the backward and before ``optimizer.step()``. It makes
-        sure the watch read the step's gradient before the clipping changes it (compiled autograd
-        reads no gradient in the backward). It takes a pass over the gradients of its own, as
-        torch's does: the norm the watch measured is not reused, because it is summed in another
-        order (per DDP bucket) or may predate a change of the gradients (``GradScaler.unscale_``),
-        and either would change the clipped update's bits.
-        """
+        """``torch.nn.utils.clip_grad_norm_`` over the model's gradients (or ``parameters``'), bit for
+        bit, once the watch read the step's gradient; returns torch's total norm. Its own pass over
+        the gradients, not the watch's norm (docs/integrations.md says why)."""
         if not self.buffer.grads_seen and self.measuring and not self.reduced_elsewhere and not self.sharded:
             self.local_gradients()  # the end-of-backward read did not run (compiled autograd, say)
         params = self.params if parameters is None else parameters

@@ -20,7 +20,6 @@ __all__ = [
     "row_scan",
     "row_scan_op",
     "row_scan_reference",
-    "scan_peaks",
     "triton_available",
 ]
 
@@ -111,13 +110,6 @@ def row_scan(y: torch.Tensor, *, use_triton: bool | None = None) -> tuple[torch.
     bad = torch.empty(R, dtype=torch.int32, device=y2.device)
     launch_on(y2, lambda: launch_row_scan(y2, sums, peaks, bad, near_inf_limit(y2.dtype)))
     return sums, peaks, bad
-
-
-def scan_peaks(sums: torch.Tensor, peaks: torch.Tensor, bad: torch.Tensor) -> torch.Tensor:
-    """(3,) float32: [largest |row sum|, largest |value|, count of bad elements] (NaN kept; zeros for no rows)."""
-    if sums.numel() == 0:
-        return torch.zeros(3, dtype=torch.float32, device=sums.device)
-    return torch.stack([sums.abs().amax().float(), peaks.amax().float(), bad.sum(dtype=torch.float32)])
 
 
 @torch.library.custom_op("sdcwatch::row_scan", mutates_args=())

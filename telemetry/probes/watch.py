@@ -1,8 +1,6 @@
-"""The watch: what ``attach(model, emitter, optimizer=opt)`` adds to a training loop; ``watch.step(step,
-loss=loss)`` closes each step. It composes parts that write one step's device values into a
-:class:`~sdcwatch.telemetry.probes.gradients.StepBuffer` (gradients, attention layers, the sampled
-checks), packs them into one tensor that leaves the device in one asynchronous copy, and hands the
-record to the emitter a step later, off the training thread: nothing on the training path syncs.
+"""The watch, what ``attach()`` adds to a training loop: parts write one step's device values into a
+:class:`~sdcwatch.telemetry.probes.gradients.StepBuffer`, packed into one tensor copied asynchronously
+and handed to the emitter a step later, off the training thread: nothing on the training path syncs.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
-"""The emitter: the training loop's only contact with sdcwatch.
-
-``emit()`` appends to a bounded queue and returns, never raising or blocking; a sender thread builds
-records, sends them with the rank's layer names and checkpoint notes in the order they were made,
-spools them as packed bytes while the bus is down, and ends the run with an end-of-run marker
-(docs/messages.md, "The emitter and its transports").
+"""The emitter, the training loop's only contact with sdcwatch: ``emit()`` queues and returns, never
+raising or blocking; a sender thread builds, orders, sends (or spools while the bus is down) and ends
+the run with a marker (docs/messages.md, "The emitter and its transports").
 """
 
 from __future__ import annotations
@@ -25,7 +22,7 @@ from sdcwatch.core.record_layout import PackedRecord
 from sdcwatch.core.record_type import Record, validate
 from sdcwatch.core.validate import check_choice, check_int, check_number
 from sdcwatch.core.vocabulary import TELEMETRY_TOPIC
-from sdcwatch.telemetry.wire.environment import RankEnvironment
+from sdcwatch.telemetry.wire.environment import RankEnvironment, initialised_cuda
 from sdcwatch.telemetry.wire.outbox import MAX_NOTES, NamesOutbox, NoteCounts, RecordSpool
 from sdcwatch.telemetry.wire.transports import KafkaTransport, key_for_transport
 
@@ -143,7 +140,8 @@ class Emitter:
         self.end_marker = end_marker
         self.ended = False  # the end-of-run marker was confirmed by the bus
         self._last_step: int | None = None  # last step built into a record (sender thread)
-        self.names = NamesOutbox(self.run, self.rank, self.world)  # layer names, once per key window
+        # layer names, once per key window; the GPU once, read at the first record (the device set up by then)
+        self.names = NamesOutbox(self.run, self.rank, self.world, _gpu_reader(environ))
         self.notes = NoteCounts()  # checkpoints saved: queued with the records, in their order
         self._queue: collections.deque = collections.deque()
         self._spool = RecordSpool(self.run, self.host, batch)  # packed, while the bus is down
@@ -491,6 +489,17 @@ class Emitter:
                     self.dropped,
                 )
                 self._down_since = None
+
+
+def _gpu_reader(environ: RankEnvironment) -> Any:
+    """What reads this rank's GPU in the sender thread: the device CUDA has current here (the
+    training thread's, when it initialised CUDA already: a new thread's current device is 0)."""
+    cuda = initialised_cuda()
+    try:
+        ordinal = cuda.current_device() if cuda is not None else None
+    except Exception:
+        ordinal = None
+    return lambda: environ.gpu(initialised_cuda(), ordinal)
 
 
 def _records_in(items: list) -> int:

@@ -1,5 +1,5 @@
-"""The rank's environment, read in one place: every variable a training rank honours (the
-launcher's ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``, ``SDCWATCH_*``) goes into a :class:`RankEnvironment`,
+"""The rank's environment, read in one place: every variable a training rank honours (``RANK``,
+``WORLD_SIZE``, ``LOCAL_RANK``, ``CUDA_VISIBLE_DEVICES``, ``SDCWATCH_*``) goes into a :class:`RankEnvironment`,
 which the emitter, the guard and the probes take instead of ``os.environ`` (a test passes a mapping).
 """
 
@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -14,7 +15,17 @@ from sdcwatch.core.errors import ConfigError
 from sdcwatch.core.mesh import Layout, parse_coords
 from sdcwatch.core.signing import KEY_ENV, KEY_FILE_ENV, JobKey, job_key_from_env
 
-__all__ = ["RankEnvironment", "identity_from_env"]
+__all__ = ["RankEnvironment", "identity_from_env", "initialised_cuda"]
+
+
+def initialised_cuda() -> Any:
+    """``torch.cuda`` when the job imported torch and initialised CUDA already, else None: reading
+    a GPU's identity never imports torch nor initialises CUDA for it."""
+    cuda = getattr(sys.modules.get("torch"), "cuda", None)
+    try:
+        return cuda if cuda is not None and cuda.is_initialized() else None
+    except Exception:
+        return None
 
 
 @dataclass(frozen=True)
@@ -78,6 +89,31 @@ class RankEnvironment:
             "run": env.get("SDCWATCH_RUN") or env.get("TORCHELASTIC_RUN_ID") or "default",
             "coords": coords,
         }
+
+    def gpu(self, cuda: Any = None, ordinal: int | None = None) -> str:
+        """This rank's GPU as its host numbers it: the CUDA_VISIBLE_DEVICES entry of its device
+        (``ordinal``, else LOCAL_RANK, else the only one listed; without the variable the ordinal
+        itself, when ``cuda`` counts such a device), then ``:`` and the GPU's UUID where ``cuda``
+        (an initialised ``torch.cuda``) gives it: ``"5:GPU-8f2e..."``. "" on a CPU rank or unknown."""
+        listed = self.variables.get("CUDA_VISIBLE_DEVICES")
+        visible = [d.strip() for d in (listed or "").split(",")]
+        index = ordinal if ordinal is not None else self._int("LOCAL_RANK", 0)
+        if listed is not None and index >= len(visible):
+            index = 0 if len(visible) == 1 else -1
+        try:
+            count = cuda.device_count() if cuda is not None else 0
+            uuid = str(getattr(cuda.get_device_properties(index), "uuid", "") or "") if 0 <= index < count else ""
+        except Exception:  # a driver that cannot say: the index alone
+            count, uuid = 0, ""
+        if listed is not None:
+            physical = visible[index] if index >= 0 else ""
+        else:
+            physical = str(index) if 0 <= index < count else ""
+        if not physical or physical.startswith("-"):  # "" or "-1": no GPU for this rank
+            return ""
+        if uuid and not uuid.startswith(("GPU-", "MIG-")):
+            uuid = f"GPU-{uuid}"
+        return f"{physical}:{uuid}" if uuid and uuid != physical else physical
 
     def job_key(self, key: Any = None) -> JobKey | None:
         """The key this rank signs with: ``key`` (a JobKey or ``"kid:secret"``), else ``SDCWATCH_KEY_FILE``'s

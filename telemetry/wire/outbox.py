@@ -1,6 +1,6 @@
 """What the emitter's sender thread holds between sends: the records and notes spooled while the bus
-is down (:class:`RecordSpool`), the layer names due ahead of each key window (:class:`NamesOutbox`),
-the checkpoint notes' counts (:class:`NoteCounts`).
+is down (:class:`RecordSpool`), the layer names due ahead of each key window and the rank's GPU due
+once (:class:`NamesOutbox`), the checkpoint notes' counts (:class:`NoteCounts`).
 """
 
 from __future__ import annotations
@@ -8,11 +8,19 @@ from __future__ import annotations
 import collections
 import logging
 import struct
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from sdcwatch.core.errors import RecordError
 from sdcwatch.core.messages import decode_message
-from sdcwatch.core.rank_notes import MAX_PATH_BYTES, CheckpointNote, LayerNames, clean_names, clean_text
+from sdcwatch.core.rank_notes import (
+    MAX_GPU_BYTES,
+    MAX_PATH_BYTES,
+    CheckpointNote,
+    LayerNames,
+    RankDevice,
+    clean_names,
+    clean_text,
+)
 from sdcwatch.core.record import KEY_WINDOW, encode
 from sdcwatch.core.record_layout import PackedRecord
 from sdcwatch.core.record_type import Record
@@ -88,15 +96,19 @@ class RecordSpool:
 class NamesOutbox:
     """One rank's layer names (:meth:`Emitter.set_names`), packed once into a :class:`LayerNames`
     message; a copy stamped with the step of each key window's first record goes ahead of its
-    records (a refused send goes again with the next batch). Nothing here raises into the sender.
+    records (a refused send goes again with the next batch). The rank's GPU (``gpu``: read at the
+    first record, when the job has set its device up) goes once, ahead of the first records, and
+    again only if refused. Nothing here raises into the sender.
     """
 
-    def __init__(self, run: str, rank: int, world: int) -> None:
+    def __init__(self, run: str, rank: int, world: int, gpu: Callable[[], str] | None = None) -> None:
         self.run, self.rank, self.world = run, rank, world
+        self._gpu = gpu  # None once read
         self.names: LayerNames | None = None
         self._window: int | None = None  # the key window the names last went out in
-        self._due: list[LayerNames] = []
+        self._due: list[LayerNames | RankDevice] = []
         self.sent = 0  # layer-names messages the transport took
+        self.device: RankDevice | None = None  # the rank's GPU, once read (None: a CPU rank, or not yet)
 
     def set(self, names: Mapping[str, Sequence[str]]) -> None:
         """New lists (they grow as the probes discover modules); sent from the next record on."""
@@ -107,11 +119,24 @@ class NamesOutbox:
             log.warning("sdcwatch emitter (rank %s): layer names not sent: %s", self.rank, exc)
 
     def note(self, step: int) -> None:
-        """A record of ``step`` is about to go: the names go first if its window has not had them."""
+        """A record of ``step`` is about to go: the names go first if its window has not had them
+        (and the rank's GPU, before the first record)."""
+        if self._gpu is not None:
+            self._say_gpu(step)
         names = self.names
         if names is not None and step // KEY_WINDOW != self._window:
             self._window = step // KEY_WINDOW
             self._due.append(names.at(step))
+
+    def _say_gpu(self, step: int) -> None:
+        read, self._gpu = self._gpu, None
+        try:
+            gpu = clean_text(read(), MAX_GPU_BYTES)
+            if gpu:
+                self.device = RankDevice(self.run, self.rank, self.world, step, gpu)
+                self._due.append(self.device)
+        except Exception as exc:  # the records still go, their host credited without a GPU
+            log.warning("sdcwatch emitter (rank %s): GPU identity not sent: %s", self.rank, exc)
 
     def send(self, transport: Any) -> None:
         """Send the copies due (call before the records they precede)."""
@@ -120,9 +145,10 @@ class NamesOutbox:
         due, self._due = self._due, []
         try:
             transport.send(due)
-            self.sent += len(due)
+            self.sent += sum(1 for m in due if type(m) is LayerNames)
         except Exception:
             self._window = None
+            self._due = [m for m in due if type(m) is RankDevice]  # the names go again with their window
 
 
 #: Checkpoint notes a rank holds for its sender at most (a job saves one every few hundred steps).

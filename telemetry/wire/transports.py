@@ -1,7 +1,5 @@
-"""Transports: how the emitter's batches reach the bus. One method, ``send(items)``: Kafka, a file of
-JSON lines, or in-memory topics (tests, single-process tools).
-
-A transport raises :class:`~sdcwatch.core.errors.TransportError` listing what it could not send
+"""Transports: how the emitter's batches reach the bus, one method ``send(items)``: Kafka, a file of JSON
+lines, or in-memory topics. A transport raises TransportError listing what it could not send
 (``unsent``), which the emitter keeps and retries; the Kafka and in-memory ones sign with a job key.
 """
 

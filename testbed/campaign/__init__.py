@@ -5,7 +5,8 @@ sdcwatch and the baselines on faulted training runs. Not in the base wheel: it i
 Its parts: :mod:`.run` (the campaign), :mod:`.fault_classes`, :mod:`.trials`, :mod:`.branches`
 (a run from the checkpoint), :mod:`.impact` (the ground truth), :mod:`.scoring`, :mod:`.summary`,
 :mod:`.targets`, :mod:`.guarded` (the guarded third way), :mod:`.clean_run` (false alarms on clean
-training), :mod:`.baselines` and :mod:`.cli` (``sdcwatch bench``).
+training), :mod:`.fleet` (the host ledger across a simulated cluster's runs), :mod:`.baselines` and
+:mod:`.cli` (``sdcwatch bench``).
 
 Importing this package imports nothing: each part is imported where it is used.
 """

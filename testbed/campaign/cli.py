@@ -13,7 +13,7 @@
 JSON into ``--out-dir`` and the table ``benchmarks.md`` generated from them, with the machine and
 the command.
 
-``campaign`` and ``clean`` run from the installed package (:mod:`sdcwatch.testbed.campaign`, the
+``campaign``, ``clean`` and ``fleet`` run from the installed package (:mod:`sdcwatch.testbed.campaign`, the
 ``sdcwatch-campaign`` distribution); ``e2e``, ``ingest`` and ``all`` run scripts of the repository's
 ``bench/`` folder, which no wheel holds: from an installed sdcwatch they need a clone
 (``SDCWATCH_BENCH_DIR`` names its ``bench/``).
@@ -76,6 +76,7 @@ BENCH_DIR_ENV = "SDCWATCH_BENCH_DIR"
 FROM_PACKAGE = {
     "campaign": "fault-injection campaign: sdcwatch and the baselines on faulted branches and their clean twins",
     "clean": "false alarms on fault-free simulated training",
+    "fleet": "a simulated cluster with one bad host: runs until the host ledger names it, clean hosts named",
 }
 #: The benchmarks that run scripts of the repository's ``bench/`` folder (not in the wheel).
 FROM_CLONE = {
@@ -99,7 +100,7 @@ def _missing_bench_dir() -> str | None:
     return (
         f"needs a clone of the repository: it runs scripts of its bench/ folder, which the installed package "
         f"does not include (none at {d}); run it from a clone, or set {BENCH_DIR_ENV} to a clone's bench/ folder "
-        "('sdcwatch bench campaign' and 'clean' run from the installed package)"
+        "('sdcwatch bench campaign', 'clean' and 'fleet' run from the installed package)"
     )
 
 
@@ -333,6 +334,13 @@ def clean_main(argv: Sequence[str]) -> dict:
     return result
 
 
+def fleet_main(argv: Sequence[str]) -> dict:
+    """``sdcwatch bench fleet`` (:mod:`.fleet`: the host ledger across the runs of a simulated cluster)."""
+    from sdcwatch.testbed.campaign.fleet import fleet_main as run_fleet_main
+
+    return run_fleet_main(argv)
+
+
 def _load_script(name: str) -> Any:
     path = bench_dir() / name
     if not path.is_file():
@@ -551,7 +559,14 @@ def _clone_only_help(name: str) -> bool:
 def bench_main(argv: Sequence[str]) -> int:
     """Entry point of ``sdcwatch bench``; 2 (and one line) for a clone-only benchmark without a clone."""
     argv = list(argv)
-    commands = {"campaign": campaign_main, "clean": clean_main, "e2e": e2e_main, "ingest": ingest_main, "all": all_main}
+    commands = {
+        "campaign": campaign_main,
+        "clean": clean_main,
+        "fleet": fleet_main,
+        "e2e": e2e_main,
+        "ingest": ingest_main,
+        "all": all_main,
+    }
     if not argv or argv[0] not in commands:
         asked = bool(argv) and argv[0] in ("-h", "--help")
         print(bench_usage(), file=sys.stdout if asked else sys.stderr)

@@ -57,7 +57,7 @@ def test_a_clone_only_benchmark_without_the_bench_folder_exits_2_with_one_line(n
     (line,) = err.splitlines()
     assert line.startswith(f"sdcwatch bench {name}: needs a clone of the repository: it runs scripts of its bench/")
     assert str(no_clone) in line and f"set {BENCH_DIR_ENV} to a clone's bench/ folder" in line
-    assert "'sdcwatch bench campaign' and 'clean' run from the installed package" in line
+    assert "'sdcwatch bench campaign', 'clean' and 'fleet' run from the installed package" in line
 
 
 def test_bench_dir_refuses_a_missing_folder_and_takes_the_one_named(no_clone, monkeypatch):
@@ -72,7 +72,7 @@ def test_bench_dir_refuses_a_missing_folder_and_takes_the_one_named(no_clone, mo
 def test_bench_help_says_which_benchmarks_need_a_clone(no_clone, capsys):
     assert bench_main(["--help"]) == 0
     out = capsys.readouterr().out
-    assert _listed(out, "from the installed package") == ["campaign", "clean"]
+    assert _listed(out, "from the installed package") == ["campaign", "clean", "fleet"]
     assert _listed(out, "from a clone of the repository") == list(CLONE_ONLY)
     assert f"no bench/ folder at {no_clone}: set {BENCH_DIR_ENV} to a clone's bench/ folder" in out
     assert bench_main([]) == 2  # no command: the same text on stderr

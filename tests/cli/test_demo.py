@@ -32,12 +32,20 @@ def demo_cli(tmp_path, *flags):
     return out
 
 
+# the NaN preset runs 80 steps, not 100: its non-finite incident at step 70 (a localising kind)
+# decides every assertion (a false alarm is an incident before the fault; detection and the rank
+# are the first incidents from the fault on, asserted within 5 steps); the other presets may name
+# the rank from a later incident, so they keep the whole run
 @pytest.mark.parametrize(
-    "preset",
-    [pytest.param("bitflip", marks=pytest.mark.bench), "nan", pytest.param("near_inf", marks=pytest.mark.bench)],
+    "preset, steps",
+    [
+        pytest.param("bitflip", 100, marks=pytest.mark.bench),
+        ("nan", 80),
+        pytest.param("near_inf", 100, marks=pytest.mark.bench),
+    ],
 )
-def test_sdc_presets_are_detected_and_localised(preset, tmp_path):
-    r = run(preset, tmp_path)
+def test_sdc_presets_are_detected_and_localised(preset, steps, tmp_path):
+    r = run(preset, tmp_path, steps=steps)
     assert r.detected, r.incidents
     assert r.false_alarms == 0, r.incidents
     assert r.localized_rank == 2, r.incidents

@@ -1,7 +1,8 @@
 """`sdcwatch serve` with no broker at its address: it says at once what it is waiting for, and its
 error (after kafka-python's bootstrap timeout, about 30 s) names the address and how to get a bus.
-
 Before, the service printed nothing for those 30 s, then only kafka-python's timeout.
+
+Two instances of one group started before their telemetry topic exists: the first stays.
 """
 
 from __future__ import annotations
@@ -61,3 +62,36 @@ def test_ctrl_c_or_sigterm_while_connecting_stops_serve_at_once(tmp_path, sig):
     if proc.returncode == 130:  # stopped by the signal, it says so rather than end in silence
         rest = proc.stderr.read()
         assert "sdcwatch serve: interrupted" in rest, rest
+
+
+def test_of_two_instances_started_before_the_topic_exists_the_first_stays_and_finds_the_nan(bootstrap, tmp_path):
+    """Before: both joined the group before the topic existed, each was given half of it when it
+    appeared, and both exited with status 2 (no monitor at all). Now the first creates the topic (as
+    the emitters would): the second, which finds it, is the newcomer that leaves (status 2, as
+    documented); the first stays, takes every partition and finds the NaN at its step and rank."""
+    from serve_process import ServeProcess, Topics, rank_emitters, train_ranks
+
+    topics = Topics.fresh()
+    group = f"first-stays-{topics.telemetry}"
+    share = ("--bus-share-timeout-s", "3")
+    first = ServeProcess(bootstrap, topics, tmp_path / "first", *share, group=group, metrics_port=0)
+    second = None
+    emitters = []
+    try:
+        first.wait_banner()
+        second = ServeProcess(bootstrap, topics, tmp_path / "second", *share, group=group, metrics_port=0)
+        second.wait_banner()
+        assert second.wait(120) == 2
+        assert "another instance shares its consumer group" in second.stderr()
+        first.wait_line(lambda ln: "assigned partitions [0, 1, 2, 3]" in ln, 60, "the first to hold the whole topic")
+        emitters = rank_emitters(bootstrap, topics.telemetry)
+        train_ranks(emitters, range(20), lambda step, rank, loss: float("nan") if (step, rank) == (12, 2) else loss)
+        nan = first.wait_incident("nonfinite", 90)
+        assert nan["first_step"] == 12 and nan["ranks"] == [2], nan
+        assert first.running()
+    finally:
+        for em in emitters:
+            em.close(5)
+        first.close()
+        if second is not None:
+            second.close()

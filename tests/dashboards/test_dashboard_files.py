@@ -87,7 +87,7 @@ def test_readme_documents_every_metric_and_alert():
 def test_promtool_check_rules():
     result = run_tool("promtool", "check", "rules", "rules/sdcwatch.rules.yml")
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "SUCCESS: 7 rules found" in result.stdout
+    assert "SUCCESS: 8 rules found" in result.stdout
 
 
 def test_promtool_rule_unit_tests_pass():

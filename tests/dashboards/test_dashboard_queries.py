@@ -107,8 +107,15 @@ def test_prometheus_loads_the_rules_and_leaves_the_incidents_to_the_service(trou
         "SdcwatchPipelineLagging",
         "SdcwatchConsumerUnassigned",
         "SdcwatchStateNotSaved",
+        "SdcwatchHostSuspect",  # a host's verdict across runs: no incident says it
     }
     assert not [a for a in alerts if "rank" in a["labels"] or "kind" in a["labels"]]
+    hosts = {
+        (a["labels"]["host"], a["labels"]["verdict"])
+        for a in alerts
+        if a["labels"]["alertname"] == "SdcwatchHostSuspect"
+    }
+    assert hosts == {("h2", "quarantine"), ("h1", "suspect")}
 
 
 def test_the_service_rules_fire_when_the_scrape_fails(start_prometheus):

@@ -7,8 +7,8 @@ import math
 
 import numpy as np
 import pytest
+from detector_synth import SCALARS as STEP_SCALARS
 from detector_synth import SyntheticRun
-from sdcwatch.core.vocabulary import STEP_SCALARS
 from sdcwatch.detectors.rank_outlier import RankOutlierDetector
 from sdcwatch.service.pipeline import DetectionPipeline
 from sdcwatch.service.summary import decode_summary, encode_summary

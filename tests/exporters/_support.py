@@ -26,6 +26,7 @@ from sdcwatch.core import vocabulary as names
 from sdcwatch.core.rank_notes import CheckpointMark
 from sdcwatch.core.incident import Incident, PipelineView, RunView, ServiceView, Severity
 from sdcwatch.detectors.registry import detector_metrics
+from sdcwatch.service.hosts import HostVerdict
 
 from sdcwatch.broker import free_port
 
@@ -156,6 +157,10 @@ def small_view(world: int = 8, layers: int = 2) -> ServiceView:
             CheckpointMark("r1", 80, "/ckpt/80", "after-fault", ("r1:sdc_suspected:50",)),
             CheckpointMark("r1", 40, "/ckpt/40", "clean"),
         ],
+        hosts=[  # the ledger's verdicts, worst first: one host flagged across runs, one clean
+            HostVerdict("h2", "suspect", 1.75, ("r0", "r1"), ("checksum",), 3, 980.0, ()),
+            HostVerdict("h0", "clean", 0.0, (), (), 0, 0.0, ()),
+        ],
     )
 
 
@@ -226,7 +231,7 @@ def large_view(world: int, layers: int = 80, seed: int = 0, incidents: int = 3) 
 class TroubledService:
     """A live, changing view in which every alert rule's condition holds, and every dashboard
     panel has data: loss spike, an open SDC incident on rank 5 (host h2), an open non-finite incident,
-    missing ranks, a stalled run, a lagging consumer, growing dead letters and state snapshots that
+    a quarantined and a suspect host, missing ranks, a stalled run, a lagging consumer, growing dead letters and state snapshots that
     cannot be written."""
 
     world: int = 8
@@ -281,6 +286,11 @@ class TroubledService:
                 ("loss_spike", "warning"): 1 + n,
             },
             findings_total={("attribution", "sdc_suspected"): n, ("guard", "guard_skip"): n},
+            hosts=[  # h2 named by three runs: quarantined; h1 by two: suspect
+                HostVerdict("h2", "quarantine", 3.5, ("r0", "r1", "r2"), ("checksum",), 6, self.started, ()),
+                HostVerdict("h1", "suspect", 1.75, ("r0", "r1"), ("nonfinite",), 2, self.started, ()),
+                HostVerdict("h0", "clean", 0.0, (), (), 0, 0.0, ()),
+            ],
         )
 
 

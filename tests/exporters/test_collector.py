@@ -110,6 +110,15 @@ sdcwatch_checkpoint_newest_clean_step{run="r1"} 40.0
 # TYPE sdcwatch_checkpoint_step gauge
 sdcwatch_checkpoint_step{mark="after-fault",run="r1",slot="0"} 80.0
 sdcwatch_checkpoint_step{mark="clean",run="r1",slot="1"} 40.0
+# HELP sdcwatch_host_verdict 1 for each host the service judges suspect or quarantine from the evidence of several runs, worst first, at most metrics.max_hosts (clean and cleared hosts have no series; `sdcwatch hosts` lists all).
+# TYPE sdcwatch_host_verdict gauge
+sdcwatch_host_verdict{host="h2",verdict="suspect"} 1.0
+# HELP sdcwatch_hosts_tracked Hosts whose evidence across runs the service keeps.
+# TYPE sdcwatch_hosts_tracked gauge
+sdcwatch_hosts_tracked 2.0
+# HELP sdcwatch_hosts_suspect Hosts judged suspect or quarantine.
+# TYPE sdcwatch_hosts_suspect gauge
+sdcwatch_hosts_suspect 1.0
 # HELP sdcwatch_pipeline_records_total Telemetry records the service has consumed.
 # TYPE sdcwatch_pipeline_records_total counter
 sdcwatch_pipeline_records_total 960.0
@@ -183,11 +192,12 @@ sdcwatch_pipeline_late_ranks{run="r1"} 1.0
 # HELP sdcwatch_emitter_dropped_records_total Records the in-rank emitters dropped (buffer full or bus down), summed over ranks.
 # TYPE sdcwatch_emitter_dropped_records_total counter
 sdcwatch_emitter_dropped_records_total{run="r1"} 3.0
-# HELP sdcwatch_exporter_omitted Runs (what=runs) beyond metrics.max_runs, model pieces (what=pieces) beyond metrics.max_pieces and layers (what=layers, (piece, layer) pairs) beyond metrics.max_layers, summed over runs, that have no series of their own at this scrape.
+# HELP sdcwatch_exporter_omitted Runs (what=runs) beyond metrics.max_runs, model pieces (what=pieces) beyond metrics.max_pieces, layers (what=layers, (piece, layer) pairs) beyond metrics.max_layers, summed over runs, and flagged hosts (what=hosts) beyond metrics.max_hosts, that have no series of their own at this scrape.
 # TYPE sdcwatch_exporter_omitted gauge
 sdcwatch_exporter_omitted{what="runs"} 0.0
 sdcwatch_exporter_omitted{what="layers"} 0.0
 sdcwatch_exporter_omitted{what="pieces"} 0.0
+sdcwatch_exporter_omitted{what="hosts"} 0.0
 # HELP sdcwatch_exporter_view_errors_total Scrapes at which reading the service state failed (the scrape then shows only this).
 # TYPE sdcwatch_exporter_view_errors_total counter
 sdcwatch_exporter_view_errors_total 0.0

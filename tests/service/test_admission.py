@@ -1,14 +1,17 @@
-"""Fair admission: runs earn their place among detectors.max_runs, and one run cannot flood.
+"""Admission that loses nothing: runs earn their place among detectors.max_runs, and one run cannot flood.
 
-A new run is on probation until it has shown ``run_probation_steps`` steps; past max_runs a run on
-probation silent for ``run_probation_idle_s`` gives way to a newcomer, a training run never does
-(only ``run_stale_s``, the end and the idle expiry take it). Each run has a record budget; what it
-sends past it is dead-lettered ``budget``. The pipeline runs on fake clocks here; the last test runs
-the junk flood through the real broker.
+A new run is on probation until it has shown ``run_probation_steps`` whole steps over
+``run_probation_s``; past max_runs a new run's records wait (``run_wait_records``) until a run gives
+way: a signed newcomer takes an unsigned run's place, a run on probation silent
+``run_probation_idle_s`` or a training run silent ``run_yield_idle_s`` gives way to any. No record of
+a run that is then admitted is dead-lettered, unless the buffer overflowed (and then it is said).
+Each run has a record budget; what it sends past it is dead-lettered ``budget``. The pipeline runs on
+fake clocks here; the last test runs the junk flood through the real broker.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import uuid
 
@@ -16,6 +19,7 @@ import pytest
 from detector_synth import Fault, SyntheticRun
 from sdcwatch.core.messages import encode_items
 from sdcwatch.core.errors import ConfigError
+from sdcwatch.core.jsonsafe import json_safe
 from sdcwatch.core.record import encode_batch, record_key
 from sdcwatch.core.record_layout import PackedRecord
 from sdcwatch.core.record_type import Record
@@ -25,15 +29,10 @@ from stand_ins import Clock, ListSink, clocked_pipeline
 from sdcwatch.service.kafka_source import KafkaSource
 from sdcwatch.service.loop import DetectorService
 from sdcwatch.service.pipeline import DetectionPipeline, PipelineSettings
-from sdcwatch.telemetry import MemoryBus
+from sdcwatch.telemetry import MemoryBus, end_marker
 from serve_process import rank_emitters
 
 TOPIC = "sdcwatch.telemetry"
-
-
-def on_probation(aligner, run: str) -> bool:
-    """Whether ``run`` is held but has not yet shown its probation steps (read from the saved state)."""
-    return aligner.snapshot()["runs"][run]["steps_closed"] < aligner.probation_steps
 
 
 def junk(name: str, step: int = 0) -> Record:
@@ -41,81 +40,217 @@ def junk(name: str, step: int = 0) -> Record:
     return Record(name, step, 0, 1, "evil", 0.0, 0, {"loss": 1.0}, {}, {})
 
 
-def refused(pipe: DetectionPipeline) -> dict[str, int]:
-    """Records the pipeline set aside since the last call, by reason."""
-    out: dict[str, int] = {}
+def dead_lettered(pipe: DetectionPipeline) -> dict[tuple[str, str], int]:
+    """Records the pipeline set aside since the last call, by (reason, run)."""
+    out: dict[tuple[str, str], int] = {}
     for reason, _, recs in pipe.aligner.take_rejected():
-        out[reason] = out.get(reason, 0) + len(recs)
+        for r in recs:
+            out[reason, r.run] = out.get((reason, r.run), 0) + 1
     return out
 
 
-def test_a_thousand_junk_runs_give_way_to_a_real_run_within_seconds_and_its_nan_is_found():
-    pipe, clock = clocked_pipeline()  # the defaults: 1,000 runs, probation 3 steps / 2 s
-    for i in range(1000):  # 0.16 s of sending on the bus
-        pipe.process([junk(f"junk-{i}")])
-    assert pipe.aligner.runs() == 1000 and refused(pipe) == {}
-    real = SyntheticRun(world=4, run="real", seed=3, faults=[Fault("nonfinite", 30, rank=2, length=1)])
+def steps_judged(pipe: DetectionPipeline, run: str) -> int:
+    return next(r.steps_total for r in pipe.view().runs if r.run == run)
+
+
+@pytest.mark.parametrize(
+    "junk_runs, junk_steps, junk_steps_a_second",
+    [(1000, 4, None), (250, 40, None), (250, 40, 2.0)],
+    ids=["1000x4-steps-at-once", "250x40-steps-at-once", "250x40-steps-over-20s"],
+)
+def test_junk_runs_filling_the_service_cost_a_real_run_none_of_its_records_and_its_nan_is_found(
+    junk_runs, junk_steps, junk_steps_a_second
+):
+    """As many junk runs as the service keeps (the defaults' 1,000; the 40-step floods at a quarter
+    of the size, with max_runs to match: the same logic at a quarter of the detection work). Junk
+    sent at once stays on probation and gives way 2 s after it went silent; junk that trained (20
+    whole steps over 10 s) gives way once silent 30 s. Either way the real run's records wait
+    meanwhile: none is dead-lettered, its NaN is found at its step and rank."""
+    pipe, clock = clocked_pipeline(max_runs=junk_runs)
+    for step in range(junk_steps):  # before: 4 steps made them training for 15 minutes
+        pipe.process([junk(f"junk-{i}", step) for i in range(junk_runs)])
+        if junk_steps_a_second:
+            clock.t += 1 / junk_steps_a_second
+    assert pipe.aligner.runs() == junk_runs and dead_lettered(pipe) == {}
+    assert pipe.aligner.on_probation("junk-0") == (junk_steps_a_second is None)
+    real = SyntheticRun(world=8, run="legit", seed=3, faults=[Fault("nonfinite", 30, rank=5, length=1)])
+    steps, dt = (40, 0.1) if junk_steps_a_second is None else (80, 0.5)  # ten steps a second, or two
+    silent_since, start = (clock.t - 1 / junk_steps_a_second if junk_steps_a_second else clock.t), clock.t
     admitted_at = None
     events = []
-    for step in range(40):  # ten steps a second
-        clock.t += 0.1
+    for step in range(steps):
+        clock.t = start + dt * (step + 1)
         events += pipe.process(real.records(step))
-        if admitted_at is None and pipe.aligner.holds("real"):
+        if admitted_at is None and pipe.aligner.holds("legit"):
             admitted_at = step
     events += pipe.flush()
-    # before: every record of the real run dead-lettered (runs) for 15 minutes, its NaN never reported
-    assert admitted_at is not None and admitted_at <= 20, "the real run is watched within 2 s of the flood"
-    assert refused(pipe) == {"runs": 4 * admitted_at}
-    assert pipe.runs_forgotten == 1 and pipe.aligner.runs() == 1000
+    # watched at the first step sent once the junk was silent run_probation_idle_s (2 s), or
+    # run_yield_idle_s (30 s) if it trained
+    given_way = 2.0 if junk_steps_a_second is None else 30.0
+    assert admitted_at == next(k for k in range(steps) if start + dt * (k + 1) - silent_since >= given_way)
+    assert admitted_at == (19 if junk_steps_a_second is None else 58)
+    assert dead_lettered(pipe) == {} and pipe.aligner.waiting_records == 0
+    assert steps_judged(pipe, "legit") == steps, "every step of the real run judged"
+    assert pipe.runs_forgotten == 1 and pipe.aligner.runs() == junk_runs
     nonfinite = [e.incident for e in events if e.change == "opened" and e.incident.kind == "nonfinite"]
-    assert [(i.run, i.first_step, i.ranks) for i in nonfinite] == [("real", 30, (2,))]
+    assert [(i.run, i.first_step, i.ranks) for i in nonfinite] == [("legit", 30, (5,))]
 
 
-def test_a_training_run_is_never_evicted_by_a_flood_of_new_names():
-    pipe, clock = clocked_pipeline(max_runs=2, run_stale_s=600.0)
-    real = SyntheticRun(world=4, run="real", seed=4, faults=[Fault("nonfinite", 12, rank=1, length=1)])
-    for step in range(10):
-        pipe.process(real.records(step))
+def test_an_idle_training_run_keeps_its_place_until_a_new_run_waits_run_yield_idle_s():
+    pipe, clock = clocked_pipeline(max_runs=1, run_yield_idle_s=30.0)
+    first = SyntheticRun(world=4, run="first", seed=4)
+    for step in range(25):  # 25 whole steps over 24 s: training
+        pipe.process(first.records(step))
         clock.t += 1.0
-    assert not on_probation(pipe.aligner, "real")
-    admitted = 0
-    for i in range(1000):  # a new name every 0.3 s for 5 minutes; the real run pauses (a checkpoint)
-        clock.t += 0.3
-        pipe.process([junk(f"junk-{i}")])
-        admitted += pipe.aligner.holds(f"junk-{i}")
-        pipe.expire()
-        assert pipe.aligner.holds("real"), f"the training run was evicted by junk-{i}"
-    # the junk names take turns in the one other place (a silent one gives way after 2 s)
-    assert admitted == 1000 // 7 + 1
-    events = []
-    for step in range(10, 20):  # the real run goes on where it was: its state kept
-        events += pipe.process(real.records(step))
-    events += pipe.flush()
-    assert refused(pipe).get("runs", 0) == 1000 - admitted
-    nonfinite = [e.incident for e in events if e.change == "opened" and e.incident.kind == "nonfinite"]
-    assert [(i.run, i.first_step, i.ranks) for i in nonfinite] == [("real", 12, (1,))]
-    view = next(r for r in pipe.view().runs if r.run == "real")
-    assert (view.last_step, view.steps_total) == (19, 20)  # one run throughout, never started afresh
+    assert not pipe.aligner.on_probation("first")
+    clock.t += 600.0  # silent 10 minutes, nobody waiting: it keeps its place
+    pipe.expire()
+    assert pipe.aligner.holds("first")
+    for step in range(25, 30):  # it goes on where it was
+        pipe.process(first.records(step))
+    clock.t += 10.0  # a checkpoint: silent 10 s when a new run comes
+    second = SyntheticRun(world=2, run="second", seed=5)
+    for step in range(30):  # a step a second: it waits until "first" has been silent 30 s
+        pipe.process(second.records(step))
+        assert pipe.aligner.holds("second") == (step >= 20), step
+        clock.t += 1.0
+    pipe.flush()
+    assert not pipe.aligner.holds("first") and pipe.runs_forgotten == 1
+    assert dead_lettered(pipe) == {} and steps_judged(pipe, "second") == 30
+
+
+def test_signed_runs_come_first_and_unsigned_runs_are_capped_while_a_signed_run_is_held():
+    pipe, clock = clocked_pipeline(max_runs=3, max_unsigned_runs=1)
+    pipe.signed = {"job-a", "job-b"}.__contains__
+    runs = {
+        name: SyntheticRun(world=2, run=name, seed=i) for i, name in enumerate(["u1", "u2", "u3", "job-a", "job-b"])
+    }
+
+    def send(*names: str, step: int) -> None:
+        pipe.process([r for name in names for r in runs[name].records(step)])
+
+    for step in range(25):  # u1 and u2 training, job-a joins them: the cap binds only newcomers
+        send("u1", "u2", step=step)
+        send("job-a", step=step)
+        clock.t += 1.0
+    assert [pipe.aligner.on_probation(r) for r in ("u1", "u2", "job-a")] == [False, False, False]
+    send("u2", "job-a", step=25)  # u1 is the idlest
+    send("job-b", step=0)  # full: a signed newcomer takes the place of the idlest unsigned run at once
+    assert pipe.aligner.held() == ["u2", "job-a", "job-b"] and pipe.runs_forgotten == 1
+    pipe.evict("job-b")  # a free place; but an unsigned run holds all unsigned runs may hold
+    for step in range(3):
+        send("u3", step=step)
+        assert not pipe.aligner.holds("u3") and pipe.aligner.waits("u3")
+    clock.t += 120.0  # job-a silent 2 minutes: an unsigned newcomer never takes a signed run's place
+    send("u3", step=3)
+    assert pipe.aligner.held() == ["u2", "job-a"] and pipe.aligner.waits("u3")
+    pipe.evict("job-a")  # no signed run held: the cap is off, the waiting run comes in at the next tick
+    pipe.tick()
+    assert pipe.aligner.holds("u3") and pipe.aligner.waiting_records == 0
+    pipe.flush()
+    assert dead_lettered(pipe) == {} and steps_judged(pipe, "u3") == 4
+
+
+def test_graduation_takes_whole_steps_over_time_not_a_burst_or_steps_missing_ranks():
+    pipe, clock = clocked_pipeline()  # 20 whole steps over 10 s
+    for step in range(40):  # 40 one-record steps at once
+        pipe.process([junk("burst", step)])
+    assert pipe.aligner.on_probation("burst")
+    real = SyntheticRun(world=4, run="real", seed=7)
+    for step in range(30):  # a step a second from 3 of its 4 ranks: none whole
+        pipe.process(real.records(step)[:3])
+        pipe.tick()
+        clock.t += 1.0
+    pipe.flush()
+    assert pipe.aligner.on_probation("real")
+    for n, step in enumerate(range(30, 50), start=1):  # whole steps, a second apart
+        pipe.process(real.records(step))
+        assert pipe.aligner.on_probation("real") == (n < 20), n
+        clock.t += 1.0
+
+
+def test_waiting_records_past_run_wait_records_are_dead_lettered_by_run_and_said_at_admission(caplog):
+    pipe, clock = clocked_pipeline(max_runs=1, run_wait_records=50)
+    pipe.process([junk("held")])
+    pipe.process([junk("old-junk")])  # waits
+    real = SyntheticRun(world=4, run="real", seed=8)
+    for step in range(15):  # 60 records: past 50 the run that sent least recently goes first, then this one
+        pipe.process(real.records(step))
+    lost = dead_lettered(pipe)
+    assert lost == {("runs", "old-junk"): 1, ("runs", "real"): 51}  # step 12's third record overflowed
+    assert pipe.aligner.waiting_records == 9
+    clock.t += 2.0  # "held" silent on probation: it gives way
+    with caplog.at_level("WARNING", logger="sdcwatch.service.pipeline"):
+        pipe.process(real.records(15))
+    assert pipe.aligner.holds("real")
+    said = [r.getMessage() for r in caplog.records if r.name == "sdcwatch.service.pipeline"]
+    assert said == [
+        "run 'real' admitted after 51 of its records were dead-lettered (reason runs) while it waited for a "
+        "place (detectors.run_wait_records): its first steps are missing"
+    ]
+
+
+def test_the_dead_letters_of_an_overflow_name_the_run_and_its_count():
+    pipe, _ = clocked_pipeline(max_runs=1, run_wait_records=3)
+    pipe.process([junk("held")])
+    pipe.process([junk("late", s) for s in range(4)])
+    [(reason, why, recs)] = pipe.aligner.take_rejected()
+    assert (reason, len(recs)) == ("runs", 4)
+    assert why == (
+        "run 'late' waited for a place among detectors.max_runs and the 3 records runs may wait with are "
+        "full (detectors.run_wait_records): its 4 waiting record(s) are lost (4 in all)"
+    )
+
+
+def test_waiting_records_are_kept_in_the_state_and_admitted_after_a_restart():
+    pipe, clock = clocked_pipeline(max_runs=1)
+    pipe.process([junk("held")])
+    real = SyntheticRun(world=4, run="real", seed=9)
+    for step in range(3):
+        pipe.process(real.records(step))
+    state = json.loads(json.dumps(json_safe(pipe.snapshot())))
+    again, clock2 = clocked_pipeline(max_runs=1)
+    again.restore(state)
+    assert again.aligner.waits("real") and again.holds("real") and again.aligner.waiting_records == 12
+    clock2.t += 2.0
+    again.process(real.records(3))
+    again.flush()
+    assert dead_lettered(again) == {} and steps_judged(again, "real") == 4
+
+
+def test_a_run_that_ends_while_it_waits_finishes_once_it_has_a_place():
+    pipe, clock = clocked_pipeline(max_runs=1)
+    pipe.process([junk("held")])
+    short = SyntheticRun(world=2, run="short", seed=10)
+    for step in range(3):
+        pipe.process(short.records(step))
+    pipe.process([end_marker("short", 2, r, 2, time=2e9) for r in range(2)])  # it ended, still waiting
+    assert pipe.aligner.waits("short") and not pipe.lifecycle.finished("short")
+    clock.t += 2.0
+    pipe.tick()  # "held" gave way: the run comes in with its records, then its end
+    assert pipe.lifecycle.finished("short")
+    pipe.expire()
+    assert steps_judged(pipe, "short") == 3 and dead_lettered(pipe) == {}
 
 
 def test_which_new_run_gets_a_free_place_does_not_depend_on_the_order_of_the_poll():
     """Two new runs, one place: the one with more records in the poll (a job's ranks) gets it,
-    then the name decides; the order the poll read them in never does."""
+    then the name decides; the order the poll read them in never does. The other waits."""
     real = SyntheticRun(world=4, run="real", seed=5)
     for order in (lambda j, r: j + r, lambda j, r: r + j, lambda j, r: [r[0], *j, *r[1:]]):
         pipe, clock = clocked_pipeline(max_runs=2)
         pipe.process([junk("held")])
         pipe.process(order([junk("aaa-junk")], real.records(0)))
-        assert (pipe.aligner.holds("real"), pipe.aligner.holds("aaa-junk")) == (True, False)
-        assert refused(pipe) == {"runs": 1}
+        assert (pipe.aligner.holds("real"), pipe.aligner.waits("aaa-junk")) == (True, True)
+        assert dead_lettered(pipe) == {}
         pipe2, _ = clocked_pipeline(max_runs=2)
         pipe2.process([junk("held")])
         pipe2.process(order([junk("b")], [junk("a")]))  # equal counts: by name
-        assert (pipe2.aligner.holds("a"), pipe2.aligner.holds("b")) == (True, False)
+        assert (pipe2.aligner.holds("a"), pipe2.aligner.waits("b")) == (True, True)
 
 
 def test_a_run_on_probation_that_keeps_sending_keeps_its_place():
-    pipe, clock = clocked_pipeline(max_runs=2, run_probation_idle_s=2.0)
+    pipe, clock = clocked_pipeline(max_runs=2, run_probation_idle_s=2.0, run_probation_steps=3, run_probation_s=1.0)
     pipe.process([junk("slow")])  # one step so far, still sending
     pipe.process([junk("quiet")])
     for i in range(5):
@@ -125,14 +260,26 @@ def test_a_run_on_probation_that_keeps_sending_keeps_its_place():
         assert pipe.aligner.holds("slow")
     assert not pipe.aligner.holds("quiet")  # the silent one gave way to a newcomer
     clock.t += 1.0
-    for step in range(1, 3):  # its third step: off probation
+    for step in range(1, 3):  # its third whole step, over a second: off probation
         pipe.process([junk("slow", step=step)])
-    assert not on_probation(pipe.aligner, "slow")
+    assert not pipe.aligner.on_probation("slow")
 
 
 def test_admission_settings_are_checked_and_reach_the_aligner():
-    pipe, _ = clocked_pipeline(run_probation_steps=5, run_record_budget=10.0, run_budget_window_s=3.0)
-    assert (pipe.aligner.probation_steps, pipe.aligner.record_budget) == (5, 10.0)
+    pipe, _ = clocked_pipeline(
+        run_probation_steps=5, run_probation_s=4.0, run_wait_records=7, run_record_budget=10.0, run_budget_window_s=3.0
+    )
+    aligner = pipe.aligner
+    assert (aligner.probation_steps, aligner.probation_s, aligner.wait_records, aligner.record_budget) == (
+        5,
+        4.0,
+        7,
+        10.0,
+    )
+    with pytest.raises(ConfigError, match=r"^detectors\.run_wait_records: must be an integer >= 1, got 0$"):
+        PipelineSettings(run_wait_records=0)
+    with pytest.raises(ConfigError, match=r"^detectors\.run_yield_idle_s: must be a number > 0, got 0.0$"):
+        PipelineSettings(run_yield_idle_s=0.0)
     with pytest.raises(ConfigError, match=r"^detectors\.run_probation_steps: must be an integer >= 1, got 0$"):
         PipelineSettings(run_probation_steps=0)
     with pytest.raises(ConfigError, match=r"^detectors\.run_record_budget: must be a number > 0, got 0.0$"):
@@ -182,8 +329,9 @@ def test_the_budget_dead_letters_a_flooding_runs_excess_and_counts_it():
 @pytest.mark.integration
 def test_after_a_junk_flood_on_the_broker_a_real_run_is_watched_within_seconds(bootstrap, unique_topic):
     """1,000 one-record runs fill the service (the defaults: 1,000 runs); a real 4-rank run started
-    after them is watched within seconds, and its NaN found at its step. Before: every record of
-    the real run dead-lettered (runs) for 15 minutes.
+    after them is watched within seconds, none of its records dead-lettered (they waited), and its
+    NaN found at its step. Before: its first 80 records dead-lettered (runs), and before that every
+    one of them for 15 minutes.
 
     The test drives the service's loop and its clocks: a step of the real run is a tenth of a
     second on them, and the next one goes out once the loop has taken this one (admitted or
@@ -227,6 +375,6 @@ def test_after_a_junk_flood_on_the_broker_a_real_run_is_watched_within_seconds(b
         svc.close()
     # the first step sent 2 s (run_probation_idle_s) after the flood went silent takes a junk run's place
     assert watched == 20, f"the real run was watched after step {watched}"
-    assert pipe.runs_forgotten == 1 and source.dead_letter_reasons == {"runs": 4 * 20}
+    assert pipe.runs_forgotten == 1 and source.dead_letter_reasons == {} and pipe.aligner.waiting_records == 0
     nonfinite = [(i.first_step, i.ranks) for i in sink.opened if i.run == "real" and i.kind == "nonfinite"]
     assert nonfinite == [(45, (2,))]

@@ -211,3 +211,77 @@ def test_the_runs_bindings_survive_a_restart_so_no_other_key_takes_a_run_over_af
     assert second.resumed and source.ingest.auth.key_of("victim") is KEY_A
     _drain(second)
     assert source.dead_letter_reasons == {"auth": len(taker)}
+
+
+# -- issue 36: replays (item 4), unsigned evidence before a binding (item 9) -----------------------
+
+
+def test_a_replayed_signed_message_is_refused_counted_as_replayed_and_the_run_loses_nothing():
+    """Before: replaying a run's signed messages reopened its NaN and recreated it; replayed end
+    markers ended a live run. Each message carries its signer's start and number: taken once."""
+    bus = MemoryBus()
+    real = SyntheticRun(seed=1, run="victim", faults=[Fault("nonfinite", 20, rank=2)])
+    signer = JobKey.parse(f"job-a:{SECRET_A}")  # one rank process's start
+    first = [(k, signer.sign(v)) for k, v in _messages(real, range(0, 30))]
+    for k, v in first:
+        bus.append(TELEMETRY_TOPIC, k, v)
+    sink = ListSink()
+    auth = Authenticator(Keyring([KEY_A]))
+    svc = _service(bus, auth, [sink])
+    _drain(svc)
+    restarted = JobKey.parse(f"job-a:{SECRET_A}")  # the job again, a new start of the same key
+    _put(bus, _messages(real, range(30, 40)), restarted)
+    for k, v in first:  # the whole first part again: its NaN at 20 among it
+        bus.append(TELEMETRY_TOPIC, k, v)
+    _put(bus, _messages(real, range(40, 60)), restarted)
+    _drain(svc)
+    assert [(i.kind, i.first_step, i.ranks) for i in sink.opened] == [("nonfinite", 20, (2,))]
+    assert svc.source.dead_letter_reasons == {"auth": len(first)}
+    assert auth.refused == {("job-a", "replayed"): len(first)}
+    assert svc.pipeline.records_total == 60 * 8
+
+
+def test_signer_starts_take_each_number_once_in_any_order_and_across_a_restart():
+    from sdcwatch.service.auth import SignerStarts
+
+    starts = SignerStarts(max_starts=2, max_spans=3, clock=lambda: 1000.0)
+    a = b"aaaaaaaa"
+    assert [starts.check("k", (a, 10.0, n)) for n in (0, 1, 5, 3, 2, 4)] == [None] * 6  # out of order: each once
+    assert [starts.check("k", (a, 10.0, n))[0] for n in (0, 3, 5)] == ["replayed"] * 3
+    assert starts.check("k", None)[0] == "unfresh"  # a key that signs fresh: no envelope without a start
+    assert starts.check("other", None) is None  # an earlier release's emitter, its key never fresh: as before
+    assert starts.check("k", (b"zzzzzzzz", 2000.0, 0))[0] == "future"
+    again = SignerStarts(max_starts=2, clock=lambda: 1000.0)
+    again.restore(json.loads(json.dumps(starts.snapshot())))
+    assert again.check("k", (a, 10.0, 4))[0] == "replayed" and again.check("k", (a, 10.0, 6)) is None
+    assert again.check("k", (b"bbbbbbbb", 20.0, 0)) is None and again.check("k", (b"cccccccc", 30.0, 0)) is None
+    assert again.check("k", (a, 10.0, 7))[0] == "stale"  # forgotten (the bound): no newer than one forgotten
+    assert again.check("k", (b"dddddddd", 9.0, 0))[0] == "stale"
+
+
+def test_with_unsigned_accept_what_a_run_sent_unsigned_before_its_first_signed_message_does_not_stand():
+    """Before: unsigned NaN records sent before a run's first signed message framed rank 3 and raised
+    a false missing_rank for the 7 real ranks. Once the run binds to a key, they are discarded."""
+    import math
+    import time
+
+    from sdcwatch.core.record import encode
+    from sdcwatch.core.record_type import Record
+
+    def forged(step: int) -> bytes:
+        scalars = {"loss": math.nan, "nonfinite": 1.0}
+        return encode(Record("victim", step, 3, 8, "evil", time.time(), 0, scalars, {}, {}))
+
+    bus = MemoryBus()
+    real = SyntheticRun(seed=5, run="victim", faults=[Fault("nonfinite", 30, rank=2)])
+    for step in range(0, 3):  # a forger first, unsigned
+        bus.append(TELEMETRY_TOPIC, b"evil", forged(step))
+    sink = ListSink()
+    svc = _service(bus, Authenticator(Keyring([KEY_A]), unsigned="accept"), [sink])
+    svc.step()  # read alone: the forged steps wait in the aligner for the other ranks
+    bus.append(TELEMETRY_TOPIC, b"evil", forged(3))  # and one more in the poll of the first signed message
+    _put(bus, _messages(real, range(0, 50)), KEY_A)
+    _drain(svc)
+    assert [(i.kind, i.first_step, i.ranks) for i in sink.opened] == [("nonfinite", 30, (2,))]
+    assert svc.source.ingest.auth.key_of("victim") is KEY_A
+    assert svc.pipeline.records_total - 3 == 50 * 8  # the first three forged were read before the binding

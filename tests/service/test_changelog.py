@@ -4,11 +4,13 @@ and as two `sdcwatch serve` processes with a SIGKILL between them)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
 import time
 import uuid
+import zlib
 
 import pytest
 from detector_synth import Fault, SyntheticRun
@@ -17,7 +19,8 @@ from sdcwatch.core.errors import ConfigError
 from sdcwatch.core.vocabulary import ANOMALY_TOPIC, TELEMETRY_TOPIC
 from memory_source import MemorySource
 from sdcwatch.exporters.topics import AnomalyTopicSink
-from sdcwatch.service.changelog import StateChangelog
+from sdcwatch.core.signing import JobKey, Keyring, is_signed
+from sdcwatch.service.changelog import FORMAT, FUTURE_SKEW_S, StateChangelog
 from sdcwatch.service.loop import DetectorService
 from sdcwatch.telemetry import MemoryBus, MemoryTransport
 
@@ -306,3 +309,194 @@ def test_a_successor_elsewhere_does_not_announce_again_what_the_killed_instance_
     opened = [json.loads(v)["id"] for _, v in bus.messages(ANOMALY_TOPIC) if json.loads(v)["change"] == "opened"]
     assert opened == ["synth:nonfinite:90"], "the successor announced the incident again"
     assert second.journal.suppressed >= 1
+
+
+# ---------------------------------------------------------------------------------------------
+# the state topic is an input: forged snapshots and journals, and what a start falls back to
+
+SECRET_A, SECRET_B = uuid.uuid4().hex, uuid.uuid4().hex
+KEY_A, KEY_B = JobKey("job-a", SECRET_A.encode()), JobKey("job-b", SECRET_B.encode())
+SERVICE_KEY = Keyring([KEY_A, KEY_B]).service_key("state")  # what a service holding both keys signs with
+IN_2036 = 2_085_000_000.0
+
+
+def _forge(bootstrap, topic, state: dict, written_at: float, key: JobKey | None = None, group: str = "g") -> None:
+    """A snapshot written by another writer of the topic: its chunk and its manifest (signed with ``key``)."""
+    blob = zlib.compress(json.dumps({"state": state, "schemas": None}).encode())
+    snapshot = f"forged{uuid.uuid4().hex[:6]}"
+    _send_raw(bootstrap, topic, f"c:both:{snapshot}:0:{group}".encode(), blob)
+    manifest = {
+        **{"format": FORMAT, "snapshot": snapshot, "chunks": 1, "bytes": len(blob)},
+        **{"sha256": hashlib.sha256(blob).hexdigest(), "written_at": written_at, "group": group, "stage": "both"},
+    }
+    value = json.dumps(manifest).encode()
+    _send_raw(bootstrap, topic, f"m:both:{group}".encode(), value if key is None else key.sign(value))
+
+
+def test_with_keys_only_the_services_own_snapshots_and_journal_are_taken(bootstrap, unique_topic):
+    """Another writer of the topic, without a key or with a job's key (which cannot make the
+    service's), forges a snapshot or a journal: each is refused, naming why; the service's own
+    snapshot and journal, signed with the key made from all of its keys, come back whole."""
+    writer = _changelog(bootstrap, unique_topic, key=SERVICE_KEY)
+    writer.write(_state(2))
+    writer.write_journal({"opened|victim:nonfinite:35": time.time()})
+    snap = _changelog(bootstrap, unique_topic, key=SERVICE_KEY).read()
+    assert snap.state["n"] == 2 and list(snap.journal) == ["opened|victim:nonfinite:35"]
+    for forger in (None, KEY_B, Keyring([KEY_B]).service_key("state")):
+        _forge(bootstrap, unique_topic, _state(1), time.time(), key=forger)
+        with pytest.raises(ConfigError) as err:
+            _changelog(bootstrap, unique_topic, key=SERVICE_KEY).read()
+        assert "not signed with this service's key" in str(err.value) and "m:both:g" in str(err.value)
+    writer.write(_state(3))  # the service's next snapshot replaces the forged one
+    forged_journal = json.dumps({"entries": {"opened|victim:nonfinite:35": time.time()}}).encode()
+    for forger in (None, KEY_B):
+        _send_raw(
+            bootstrap, unique_topic, b"j:both:g", forged_journal if forger is None else forger.sign(forged_journal)
+        )
+        snap = _changelog(bootstrap, unique_topic, key=SERVICE_KEY).read()
+        assert snap.state["n"] == 3 and snap.journal is None  # refused: the NaN's `opened` is not suppressed
+    writer.close()
+
+
+def test_a_snapshot_stamped_in_the_future_is_refused_with_keys_or_without(bootstrap, unique_topic):
+    _forge(bootstrap, unique_topic, _state(1), IN_2036)
+    with pytest.raises(ConfigError, match="in the future"):
+        _changelog(bootstrap, unique_topic).read()
+    _forge(bootstrap, unique_topic, _state(1), IN_2036, key=SERVICE_KEY)  # even the service's own
+    with pytest.raises(ConfigError, match="in the future"):
+        _changelog(bootstrap, unique_topic, key=SERVICE_KEY).read()
+    _forge(bootstrap, unique_topic, _state(1), time.time() + FUTURE_SKEW_S / 2, key=SERVICE_KEY)  # a clock a bit ahead
+    assert _changelog(bootstrap, unique_topic, key=SERVICE_KEY).read().state["n"] == 1
+
+
+def test_a_refused_topic_snapshot_gives_way_to_the_state_file_and_a_damaged_file_to_the_topic(
+    bootstrap, unique_topic, tmp_path, caplog
+):
+    """A garbage manifest, or another writer's snapshot stamped 2036, used to stop every start (or win
+    over a newer state file): the good state file is taken instead, in one line saying why and that
+    nothing is to be done. The reverse: a damaged file, a good older snapshot on the topic."""
+    bus = MemoryBus()
+    synth = SyntheticRun(seed=5)
+    emit(bus, synth, range(20))
+    first = DetectorService(
+        MemorySource(bus), state_dir=tmp_path, poll_timeout=0.01, changelog=_changelog(bootstrap, unique_topic)
+    )
+    drain(first)
+    first.close()  # the file and the topic: 20 steps
+    state = json.loads((tmp_path / "pipeline-state.json").read_text())
+
+    def start() -> DetectorService:
+        caplog.clear()
+        svc = DetectorService(
+            MemorySource(bus), state_dir=tmp_path, poll_timeout=0.01, changelog=_changelog(bootstrap, unique_topic)
+        )
+        svc.source.close()
+        return svc
+
+    for forge in (
+        lambda: _send_raw(bootstrap, unique_topic, b"m:both:g", b"garbage"),
+        lambda: _forge(bootstrap, unique_topic, {**state, "records_total": 7}, IN_2036),
+    ):
+        forge()
+        svc = start()
+        assert svc.resumed and svc.pipeline.records_total == 20 * synth.world
+        said = [r.getMessage() for r in caplog.records if "resuming from the state file" in r.getMessage()]
+        assert len(said) == 1 and unique_topic in said[0] and "nothing to do" in said[0], said
+        assert "--state-reset" not in said[0]
+
+    _changelog(bootstrap, unique_topic).write({**state, "records_total": 9})  # a good snapshot ...
+    (tmp_path / "pipeline-state.json").write_text('{"version": ')  # ... and then a damaged file
+    svc = start()
+    assert svc.resumed and svc.pipeline.records_total == 9
+    said = [r.getMessage() for r in caplog.records if "resuming from the state topic" in r.getMessage()]
+    assert len(said) == 1 and "pipeline-state.json" in said[0] and "not valid JSON" in said[0], said
+
+    # neither good: the start stops, naming the file and the way out
+    _send_raw(bootstrap, unique_topic, b"m:both:g", b"garbage")
+    with pytest.raises(ConfigError, match="--state-reset"):
+        start()
+
+
+@pytest.mark.integration
+def test_a_forged_state_topic_neither_rebinds_a_signed_run_nor_silences_its_nan(bootstrap, tmp_path):
+    """Before, with keys on: a snapshot written to the state topic by another writer, stamped 2036,
+    beat the newer state file and bound the victim's run to another key (its records refused, its
+    NaN missed); a forged journal suppressed a NaN's `opened`. Now both are refused: the restart
+    keeps its state file, the successor elsewhere takes the service's own snapshot without the
+    forged journal, and each NaN is found at its step and rank."""
+    from serve_process import ServeProcess, Topics, metric, peek_topic, wait_metric
+    from sdcwatch.telemetry import Emitter
+
+    keys = tmp_path / "keys"
+    keys.write_text(f"job-a:{SECRET_A}\njob-b:{SECRET_B}\n")
+    tag = uuid.uuid4().hex[:8]
+    topics, group, state_topic = Topics.fresh(tag), f"forged-{tag}", f"state.{tag}"
+    flags = ("--auth-key-file", str(keys), "--state-topic", state_topic, "--detectors-align-timeout-s", "2")
+    emitters = [  # two runs of job-a: the first for the forged snapshot, the second for the forged journal
+        Emitter(bootstrap=bootstrap, topic=topics.telemetry, key=KEY_A, run=run, rank=r, world=4)
+        for run in ("victim", "second")
+        for r in range(4)
+    ]
+    sent = [0]  # the runs' next step
+
+    def events() -> list[dict]:  # the service signs them with a key of its own when it has keys
+        opened = Keyring([Keyring([KEY_A, KEY_B]).service_key("anomalies")])
+        values = [m.value for m in peek_topic(bootstrap, topics.anomalies, 2.0)]
+        return [json.loads(opened.verify(v)[1] if is_signed(v) else v) for v in values]
+
+    def serve_until(state_dir, last_step: int, nan: tuple[str, int] | None = None) -> ServeProcess:
+        """A service on ``state_dir``; both runs' steps up to ``last_step``; a NaN on rank 2 of (run, step)."""
+        serve = ServeProcess(bootstrap, topics, state_dir, *flags, group=group, snapshot_interval_s=1)
+        serve.wait_banner()
+        for step in range(sent[0], last_step + 1):
+            for em in emitters:
+                bad = (em.run, step) == nan and em.rank == 2
+                em.emit(
+                    step, loss=float("nan") if bad else 2.0 + 0.01 * ((step * 7 + em.rank) % 5), grad_norm_local=1.0
+                )
+            time.sleep(0.005)  # a training loop's pace: the workload, not a wait
+        for em in emitters:
+            assert em.flush(60)
+        sent[0] = last_step + 1
+        wait_metric(
+            serve.metrics_url,
+            lambda s: metric(s, "sdcwatch_training_last_step", run=emitters[-1].run) >= last_step,
+            90,
+            f"the service to read step {last_step}",
+        )
+        if nan is not None:
+            opened = lambda: [e for e in events() if e["change"] == "opened" and e["run"] == nan[0]]  # noqa: E731
+            try:
+                inc = wait_for(
+                    lambda: next((e for e in opened() if e["first_step"] == nan[1]), None), 90, f"the NaN {nan}"
+                )
+            except AssertionError as exc:
+                raise AssertionError(f"{exc}; serve said: {serve.stderr()[-3000:]}") from None
+            assert inc["kind"] == "nonfinite" and inc["ranks"] == [2], inc
+        return serve
+
+    serve = None
+    try:
+        serve = serve_until(tmp_path / "a", 19)
+        serve.stop()  # its final snapshot: the file and the topic
+        state = json.loads((tmp_path / "a" / "pipeline-state.json").read_text())
+        assert state["carried"]["auth_bindings"]["victim"] == "job-a"  # no guard: no start announced
+        state["carried"]["auth_bindings"]["victim"] = "job-b"  # the run bound to another key
+        _forge(bootstrap, state_topic, state, IN_2036, group=group)
+
+        serve = serve_until(tmp_path / "a", 39, nan=("victim", 30))  # the same machine: its file
+        said = [ln for ln in serve.lines if "resuming from the state file" in ln]
+        assert len(said) == 1 and "not signed with this service's key" in said[0], serve.stderr()[-3000:]
+        serve.stop()
+
+        journal = json.dumps({"entries": {"opened|second:nonfinite:50": time.time()}}).encode()
+        _send_raw(bootstrap, state_topic, f"j:both:{group}".encode(), journal)  # "announced already"
+        serve = serve_until(tmp_path / "b", 59, nan=("second", 50))  # another machine: the topic's snapshot
+        assert any(f"resuming from state topic {state_topic}" in ln for ln in serve.lines)
+        assert any("journal of announced incidents is refused" in ln for ln in serve.lines)
+        serve.stop()
+    finally:
+        for em in emitters:
+            em.close(5)
+        if serve is not None:
+            serve.close()

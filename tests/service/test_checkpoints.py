@@ -131,3 +131,65 @@ def test_the_split_stages_forward_the_notes_to_the_temporal_stage():
         80: "after-fault",
     }
     assert spatial.checkpoints.marks("r") == []  # the spatial stage marks nothing: it forwards
+
+
+# -- issue 36 item 8: faked checkpoint marks ----------------------------------------------------
+
+
+def test_two_paths_noted_for_one_step_certify_neither_and_a_rollback_names_the_step():
+    """Before: the first note for a step won, so a forger's note sent first certified its path."""
+    book = CheckpointBook(clock=lambda: 1.0)
+    book.note(CheckpointNote("r", 0, 4, 40, "/attacker/x"))
+    book.note(CheckpointNote("r", 0, 4, 40, "/real/c-40"))
+    book.note(CheckpointNote("r", 1, 4, 40, "/real/c-40"))
+    book.judged("r", 45)
+    (mark,) = book.take_marks()
+    assert (mark.step, mark.path, mark.mark) == (40, "", "clean") and book.disputed == 1
+    policy = CertifiedPolicy.around(ControlPolicy(actions=True, on_nonfinite="rollback"), book)
+    inc = Incident("r:nonfinite:50", "r", "nonfinite", Severity.CRITICAL, 50, 50, "m", ranks=(2,))
+    assert policy.decide(inc).checkpoint == "step 40"
+    book.note(CheckpointNote("r", 0, 4, 50, "/real/c-50"))
+    book.judged("r", 52)
+    book.note(CheckpointNote("r", 0, 4, 50, "/attacker/y"))  # after its marking: published again, no path
+    assert [(m.step, m.path) for m in book.take_marks()] == [(50, "/real/c-50"), (50, "")]
+
+
+def test_notes_of_a_thousand_runs_nobody_watches_do_not_push_out_a_watched_runs_checkpoints():
+    """Before: 1,000 notes of another tenant's runs pushed the real run's checkpoints out of the record."""
+    watched = {"real"}
+    book = CheckpointBook(max_runs=100, clock=lambda: 1.0, holds=watched.__contains__)
+    book.note(CheckpointNote("real", 0, 4, 40, "/real/c-40"))
+    book.judged("real", 45)
+    for i in range(1000):
+        book.note(CheckpointNote(f"junk-{i}", 0, 1, 1, f"/junk/{i}"))
+    assert [(m.step, m.path) for m in book.marks("real")] == [(40, "/real/c-40")]
+
+
+def test_a_reader_with_the_key_file_believes_only_the_services_signature_on_the_anomalies_topic():
+    """Before: `sdcwatch checkpoints` believed an unsigned marking (one made /attacker/x the newest clean)."""
+    from sdcwatch.bus_reading import anomaly_opener
+    from sdcwatch.checkpoint_list import CheckpointList
+    from sdcwatch.core.signing import AuthError, JobKey, Keyring
+
+    ring = Keyring([JobKey("job-a", b"a-secret-of-job-a-0123"), JobKey("job-b", b"b-secret-of-job-b-0123")])
+    bus = MemoryBus()
+    sink = AnomalyTopicSink.to_bus(bus, "a", key=ring.service_key("anomalies"))
+    book = CheckpointBook(clock=lambda: 1.0)
+    book.note(CheckpointNote("r", 0, 4, 40, "/real/c-40"))
+    book.judged("r", 45)
+    sink.publish_mark(book.take_marks()[0])
+    forged = b'{"change": "checkpoint", "run": "r", "step": 50, "path": "/attacker/x", "mark": "clean"}'
+    values = [forged, ring.get("job-b").sign(forged), *(v for _, v in bus.messages("a"))]
+    board, refused = CheckpointList("r"), []
+    open_anomaly = anomaly_opener(ring)
+    for value in values:
+        try:
+            board.take(open_anomaly(value))
+        except AuthError as exc:
+            refused.append(exc.problem)
+    assert board.newest_clean()["path"] == "/real/c-40" and len(refused) == 2
+    assert "not signed by the service" in refused[0] and "job-b" in refused[1]
+    without_keys = CheckpointList("r")  # no key file: unsigned read as before, a signed one refused
+    with pytest.raises(AuthError):
+        without_keys.take(anomaly_opener(None)(values[-1]))
+    assert without_keys.take(anomaly_opener(None)(forged))

@@ -82,11 +82,28 @@ def test_every_attack_on_one_real_service_is_dead_lettered_counted_and_survived(
     tag = uuid.uuid4().hex[:8]
     topics = Topics.fresh(tag)
     group, state = f"hostile-{tag}", tmp_path / "state"
-    serve = _serve(bootstrap, topics, state, group, "--limits-max-message-bytes", "1500000")
+    # the victim holds its place through the attack (its first steps end its probation, and its
+    # silence while the attacker sends does not make it give way): admission is test_admission's
+    admission = (
+        "--detectors-run-probation-steps",
+        "3",
+        "--detectors-run-probation-s",
+        "0.001",
+        "--detectors-run-yield-idle-s",
+        "900",
+    )
+    serve = _serve(bootstrap, topics, state, group, "--limits-max-message-bytes", "1500000", *admission)
     url = serve.metrics_url
     try:
         emitters = rank_emitters(bootstrap, topics.telemetry, "victim")
-        _victim_steps(emitters, range(20))
+        _victim_steps(emitters, range(10))  # two bursts: training shown over time ends its probation
+        wait_metric(
+            url,
+            lambda samples: metric(samples, "sdcwatch_training_last_step", run="victim") >= 9,
+            60,
+            "the victim run's first 10 steps",
+        )
+        _victim_steps(emitters, range(10, 20))
         wait_metric(
             url,
             lambda samples: metric(samples, "sdcwatch_training_last_step", run="victim") >= 19,
@@ -138,8 +155,8 @@ def test_every_attack_on_one_real_service_is_dead_lettered_counted_and_survived(
                 + metric(samples, "sdcwatch_pipeline_runs_forgotten_total")
                 >= FLOOD_PAST_ROOM
             ),
-            60,
-            "the flood of run names to be read",
+            120,
+            "the flood of run names to be read (waiting, then taking turns in the places on probation)",
         )
         for rank in range(2):  # the deep run goes on after the flood
             send(_rec(run="deep", step=1, rank=rank, world=2, layers=deep))
@@ -196,8 +213,9 @@ def test_every_attack_on_one_real_service_is_dead_lettered_counted_and_survived(
         samples = scrape(url)
         got = {r: metric(samples, "sdcwatch_pipeline_dead_letters_by_reason_total", reason=r) for r in expected}
         assert got == expected
-        # the names past the service's 1,000 runs (victim, deep, the longest name and 997 more) are
-        # refused, or take the place of a run on probation silent for 2 s (which is then forgotten)
+        # the names past the service's 1,000 runs (victim, deep, the longest name and 997 more) wait
+        # and take turns in the places of runs on probation silent for 2 s (each then forgotten);
+        # dead-lettered (runs) only past the 50,000 records that may wait
         refused = metric(samples, "sdcwatch_pipeline_dead_letters_by_reason_total", reason="runs")
         assert refused + metric(samples, "sdcwatch_pipeline_runs_forgotten_total") >= FLOOD_PAST_ROOM
         assert metric(samples, "sdcwatch_pipeline_dead_letters_total") == sum(expected.values()) + refused

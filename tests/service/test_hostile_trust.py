@@ -5,6 +5,7 @@ counters), so no outcome depends on what one poll happens to read first."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 import uuid
@@ -305,8 +306,9 @@ def test_signed_runs_are_watched_through_forgeries_floods_and_a_sigkill_on_one_r
     missed; a SIGKILL announced an incident twice. Each attack here waits for the service to read
     what came before it, and each phase has a real NaN that must be found at its step and rank."""
     from kafka import KafkaProducer
-    from serve_process import ServeProcess, Topics, metric
+    from serve_process import ServeProcess, Topics, metric, peek_topic
     from sdcwatch.core.messages import end_marker
+    from sdcwatch.core.rank_notes import CheckpointMark, CheckpointNote, encode_note
 
     keys = tmp_path / "keys"
     keys.write_text(f"job-a:{KEY_A._secret.decode()}\njob-b:{KEY_B._secret.decode()}\n")
@@ -339,10 +341,21 @@ def test_signed_runs_are_watched_through_forgeries_floods_and_a_sigkill_on_one_r
         victim.train(30, nan_at=35)  # steps 20-49
         _nan_incident(serve, "victim", 35)
         assert not [e for e in serve.events() if 3 in e.get("ranks", [])], "an incident names the forged rank"
+        victim.emitters[0].checkpoint(45, "/real/c-45")  # the job's checkpoint, marked once step 49 is judged
+        victim.train(5)  # steps 50-54
+        wait_for(
+            lambda: _checkpoints(bootstrap, topics.anomalies, keys, "victim")[0]["checkpoints"] or None, 60, "c-45"
+        )
 
-        # 2. 1,000 one-record runs (another job's key: an insider), then a new real run
+        # 2. 1,000 one-record runs and 1,000 checkpoint notes of other runs (another job's key: an
+        # insider), forged checkpoint markings on the anomalies topic, then a new real run
         for i in range(1000):
             send(KEY_B.sign(_forged(f"junk-{i}", 0, 0, world=1)), key=f"junk-{i}".encode())
+            send(KEY_B.sign(encode_note(CheckpointNote(f"note-{i}", 0, 1, 1, f"/junk/{i}"))), key=b"n")
+        for sign in (lambda v: v, KEY_B.sign):  # before: `sdcwatch checkpoints` believed the unsigned one
+            mark = CheckpointMark("victim", 54, "/attacker/x", "clean", (), "no incident before it")
+            value = sign(json.dumps({"change": "checkpoint", **mark.to_dict()}).encode())
+            producer.send(topics.anomalies, key=mark.id.encode(), value=value)
         producer.flush()
         samples = _settled(serve)
         refused_before = metric(samples, "sdcwatch_pipeline_dead_letters_by_reason_total", reason="runs")
@@ -352,7 +365,30 @@ def test_signed_runs_are_watched_through_forgeries_floods_and_a_sigkill_on_one_r
         samples = _settled(serve)
         waited = metric(samples, "sdcwatch_pipeline_dead_letters_by_reason_total", reason="runs") - refused_before
         assert waited < 40 * 4, f"the new run waited {waited / 4:.0f} of its 80 steps (over 4 s) for a place"
-        fresh.close()
+        fresh.close()  # its end markers: the run finished
+        listing, refusals = _checkpoints(bootstrap, topics.anomalies, keys, "victim")
+        assert [(c["step"], c["path"]) for c in listing["checkpoints"]] == [(45, "/real/c-45")], listing
+        assert "/attacker/x" not in json.dumps(listing) and "2 messages refused: 2 auth" in refusals
+
+        # 2b. the finished run's own signed messages replayed (its NaN at 70, its end markers) while
+        # the next run of that name (a new start of the job: a new signer) trains
+        replayed = [(m.key, m.value) for m in peek_topic(bootstrap, topics.telemetry) if m.key.startswith(b"fresh")]
+        again = _Victim(bootstrap, topics.telemetry, "fresh", JobKey("job-a", KEY_A._secret))
+        samples = _settled(serve)
+        refused_before = metric(samples, "sdcwatch_auth_runs_refused_total", key="job-a", reason="replayed")
+        again.train(10)
+        for k, v in replayed:
+            send(v, key=k)
+        producer.flush()
+        again.train(40, nan_at=30)
+        _nan_incident(serve, "fresh", 30)  # the new run is not blind, and rank 2 is named, not framed
+        samples = _settled(serve, sdcwatch_training_last_step=49)
+        assert metric(samples, "sdcwatch_auth_runs_refused_total", key="job-a", reason="replayed") - refused_before == (
+            len(replayed)
+        )
+        assert sorted(e["first_step"] for e in _opened(serve, "fresh")) == [30, 70], "the replayed NaN reopened"
+        assert metric(samples, "sdcwatch_training_run_finished", run="fresh") == 0, "a replayed end marker ended it"
+        again.close()
 
         # 3. a schema flood while the victim trains on the default wire (v2)
         forged = len([1 for run, _ in _dead_letters(bootstrap, topics.dead) if run == "victim"])
@@ -385,6 +421,18 @@ def test_signed_runs_are_watched_through_forgeries_floods_and_a_sigkill_on_one_r
         producer.close()
         victim.close()
         serve.close()
+
+
+def _checkpoints(bootstrap: str, topic: str, keys, run: str) -> tuple[dict, str]:
+    """``sdcwatch checkpoints --run RUN --json`` with the service's key file: (its listing, its stderr)."""
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "sdcwatch.cli", "checkpoints", "--run", run, "--json", "--auth-key-file", str(keys)]
+    out = subprocess.run(
+        [*cmd, "--bootstrap", bootstrap, "--topic", topic], capture_output=True, text=True, timeout=60, check=True
+    )
+    return json.loads(out.stdout), out.stderr
 
 
 def _encode(rec) -> bytes:

@@ -1,7 +1,7 @@
 """Every kind of message a transport writes, read back by every reader: the registry's promise.
 
-A job with layer names and a checkpoint note sends records (v1 or v2), its names, the note and the
-end-of-run marker, signed or not, through the in-memory and the file transport; the one decoder
+A job with layer names and a checkpoint note sends records (v1 or v2), its names, its GPU, the note and
+the end-of-run marker, signed or not, through the in-memory and the file transport; the one decoder
 (:func:`~sdcwatch.core.messages.decode_message`), the service's ingest, ``sdcwatch capture``,
 ``sdcwatch replay`` and the report read all of it. (The Kafka transport: tests/cli/test_capture.py.)
 """
@@ -15,7 +15,7 @@ import pytest
 from message_job import STEPS, assert_complete_and_in_order, order_of, run_job
 from sdcwatch.capture import Capture
 from sdcwatch.core.messages import KINDS, decode_line, decode_message, decode_stream
-from sdcwatch.core.rank_notes import CheckpointNote, LayerNames
+from sdcwatch.core.rank_notes import CheckpointNote, LayerNames, RankDevice
 from sdcwatch.core.signing import AuthError, JobKey, Keyring
 from sdcwatch.report.data import load_records
 from sdcwatch.service.auth import Authenticator
@@ -50,7 +50,7 @@ def test_the_memory_transport_writes_every_kind_and_every_reader_reads_it(wire, 
     ingest = IngestDecoder(auth=Authenticator(RING, unsigned="accept"))
     items, rejected = ingest.decode(("t", None, v) for v in values)
     assert not rejected and len(as_records(items)) == STEPS + 1
-    assert {type(x) for x in items} >= {LayerNames, CheckpointNote}
+    assert {type(x) for x in items} >= {LayerNames, CheckpointNote, RankDevice}
     # sdcwatch capture, then sdcwatch replay and the report of its file
     out = io.StringIO()
     cap = Capture("kinds", out, RING)

@@ -123,7 +123,9 @@ def test_a_squatter_sent_first_is_refused_by_a_real_service_and_the_victims_nan_
     """Before: 32 records from another tenant's valid key under job-a's run name, sent first, made
     all of job-a's messages dead-lettered ``auth`` and its NaN was missed, with no log line. Now the
     squatter's messages are refused (dead-lettered, counted by key and reason, the run named in the
-    log), job-a loses nothing and its NaN is found at its step and rank."""
+    log), job-a loses nothing and its NaN is found at its step and rank. With ``--auth-unsigned
+    accept`` (issue 36 item 9), unsigned NaN records "from rank 3" sent just before job-a's first
+    signed message framed rank 3 and raised a false missing_rank for the real ranks: discarded now."""
     from kafka import KafkaProducer
     from serve_process import ServeProcess, Topics, metric, peek_topic
     from test_hostile_trust import _forged, _nan_incident, _settled, _Victim
@@ -131,7 +133,9 @@ def test_a_squatter_sent_first_is_refused_by_a_real_service_and_the_victims_nan_
     keys = tmp_path / "keys"
     keys.write_text(KEY_FILE)
     topics = Topics.fresh()
-    serve = ServeProcess(bootstrap, topics, tmp_path / "state", "--auth-key-file", str(keys))
+    serve = ServeProcess(
+        bootstrap, topics, tmp_path / "state", "--auth-key-file", str(keys), "--auth-unsigned", "accept"
+    )
     serve.wait_banner()
     producer = KafkaProducer(bootstrap_servers=[bootstrap], linger_ms=5)
     victim = _Victim(bootstrap, topics.telemetry, "job-a", KEY_A)
@@ -143,11 +147,18 @@ def test_a_squatter_sent_first_is_refused_by_a_real_service_and_the_victims_nan_
         samples = _settled(serve, sdcwatch_pipeline_dead_letters_total=32)
         assert metric(samples, "sdcwatch_auth_runs_refused_total", key="job-b", reason="run_name") == 32
         serve.wait_line(lambda line: "refused run 'job-a' (run_name" in line, 30, "the refused run named")
+        for step in range(3):  # unsigned, before job-a's first signed message: accepted while unbound
+            producer.send(topics.telemetry, key=b"job-a", value=_forged("job-a", step, 3, loss=float("nan")))
+        producer.flush()
         victim.train(60, nan_at=35)
         _nan_incident(serve, "job-a", 35)
         samples = _settled(serve, sdcwatch_training_last_step=59)
         assert metric(samples, "sdcwatch_pipeline_dead_letters_total") == 32, "a message of job-a was refused"
-        assert metric(samples, "sdcwatch_pipeline_records_total") == 60 * 4
+        assert (
+            60 * 4 <= metric(samples, "sdcwatch_pipeline_records_total") <= 60 * 4 + 3
+        )  # the forged: read, then discarded
+        opened = [e for e in serve.events() if e["change"] == "opened" and e["run"] == "job-a"]
+        assert [(e["kind"], e["first_step"], e["ranks"]) for e in opened] == [("nonfinite", 35, [2])], opened
         assert all(m.value[:4] == b"SDCS" and b"job-b" in m.value[:16] for m in peek_topic(bootstrap, topics.dead))
     finally:
         producer.close()

@@ -1,5 +1,6 @@
 """Attaching sdcwatch never changes the training: with every helper the docs offer at the default
-(``watch.clip_grad_norm_``, the DDP communication hook, the FSDP2 hooks, the guard in report mode),
+(``watch.clip_grad_norm_``, the DDP communication hook, the FSDP2 hooks, the guard in report mode,
+with ``MicroBatches`` under gradient accumulation),
 a watched job's parameters are bit for bit an unwatched twin's after every step, and two watched
 runs are bit for bit each other's. One process, three gloo ranks under DDP, two under FSDP2; the
 Hugging Face and Lightning callbacks are in test_bit_neutral_frameworks.py. Each rank runs the twins
@@ -133,6 +134,63 @@ def test_one_process_watched_and_guarded_runs_are_bit_identical_to_the_unwatched
 
 def test_one_process_under_a_grad_scaler_the_watched_runs_are_bit_identical_to_the_unwatched():
     runs = {name: train(name.removesuffix("-again"), scaled=True) for name in TWINS[:3]}
+    assert len(set(runs["unwatched"])) == STEPS
+    assert first_difference(runs) == "", first_difference(runs)
+
+
+def train_accumulating(how: str, accum: int = 3) -> list[str]:
+    """``train`` with gradient accumulation as nanoGPT writes it: the next micro-batch drawn from
+    torch's generator between a micro-batch's forward and its backward. Guarded ("guarded"), the
+    loop reads each step's micro-batches through ``MicroBatches`` instead, with the watch."""
+    from sdcwatch.telemetry import Guard, MicroBatches, attach
+    from sdcwatch.testbed.model import next_byte_loss
+
+    model = gpt()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    torch.manual_seed(7)  # the batches' draws
+
+    def get_batch() -> torch.Tensor:
+        return torch.randint(0, 256, (4, 17))
+
+    def micro_step(tokens: torch.Tensor) -> torch.Tensor:
+        return next_byte_loss(model(tokens[:, :-1]), tokens) / accum
+
+    digests = []
+    if how == "unwatched":
+        tokens = get_batch()
+        for _ in range(STEPS):
+            for _ in range(accum):
+                loss = micro_step(tokens)
+                tokens = get_batch()  # the prefetch
+                loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            digests.append(digest(model.parameters()))
+        return digests
+    watch = attach(model, Records(), optimizer=opt)
+    guard = Guard(model, opt, watch=watch)
+    batches = MicroBatches(get_batch, per_step=accum)
+    for step in range(STEPS):
+        micro = batches.of(step)
+
+        def compute() -> tuple[torch.Tensor, torch.Tensor]:
+            total = torch.zeros(())
+            for tokens in micro:
+                loss = micro_step(tokens)
+                loss.backward()
+                total += loss.detach()
+            return total, torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+
+        assert guard.step(step, compute).applied
+        watch.step(step)
+        digests.append(digest(model.parameters()))
+    watch.close()
+    return digests
+
+
+def test_one_process_accumulating_through_micro_batches_the_guarded_run_is_bit_identical_to_nanogpts_loop():
+    runs = {name: train_accumulating(name) for name in ("unwatched", "guarded")}
     assert len(set(runs["unwatched"])) == STEPS
     assert first_difference(runs) == "", first_difference(runs)
 

@@ -1,11 +1,11 @@
 """The probes under torch.compile: no graph break from sdcwatch, at most one extra graph per
 compiled frame (the sampled step's), and the records still measured.
 
-Counted with ``torch._dynamo.utils.counters`` over 34 steps (two sampled steps, 0 and 16, and the
-plain ones between) on the reference model, a Hugging Face Llama (sdpa and eager attention),
-GPT-2, and a model compiled before ``attach()``. Most runs use the ``aot_eager`` backend (Dynamo's
-capture and AOTAutograd's functionalization, the parts that break graphs and recompile, without
-code generation); one runs inductor end to end.
+Counted with ``torch._dynamo.utils.counters`` over 18 steps (two sampled steps, 0 and 16, the plain
+ones between and one after: each switch between the variants happens) on the reference model, a
+Hugging Face Llama (sdpa and eager attention), GPT-2, and a model compiled before ``attach()``.
+Most runs use the ``aot_eager`` backend (Dynamo's capture and AOTAutograd's functionalization, the
+parts that break graphs and recompile, without code generation); one runs inductor end to end.
 """
 
 from __future__ import annotations
@@ -18,7 +18,9 @@ from sdcwatch.telemetry.probes.presets import PROBE_PRESETS
 from sdcwatch.telemetry.probes.watch import attach
 from torch._dynamo.utils import counters
 
-STEPS = 34  # sampled steps 0 and 16 (attention, activations, checksums every 16th), plain ones between
+# sampled steps 0 and 16 (attention, activations, checksums every 16th), plain ones between and step 17
+# after: sampled -> plain, plain -> sampled and sampled -> plain again, each compiled variant reused
+STEPS = 18
 
 
 class Records:
@@ -108,6 +110,18 @@ def _train(build, *, watch: bool, backend: str = "aot_eager", compile_first: boo
     return graphs, breaks, dict(counters["graph_break"]), records.by_step
 
 
+_BARE: dict = {}
+
+
+def _bare(build, backend: str = "aot_eager"):
+    """(graphs, graph break reasons) of ``build`` compiled without sdcwatch: the baseline does not
+    change from test to test, so each model and backend is trained bare once per module."""
+    if (build, backend) not in _BARE:
+        graphs, _, reasons, _ = _train(build, watch=False, backend=backend)
+        _BARE[build, backend] = graphs, reasons
+    return _BARE[build, backend]
+
+
 MODELS = {
     "reference": _reference,
     "llama-sdpa": lambda: _llama("sdpa"),
@@ -132,7 +146,7 @@ def _one_thread(monkeypatch):
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.bench) if n == "gpt2-eager" else n for n in MODELS])
 def test_no_graph_break_and_one_extra_graph(name):
     build = MODELS[name]
-    bare_graphs, _, bare_reasons, _ = _train(build, watch=False)
+    bare_graphs, bare_reasons = _bare(build)
     graphs, _, reasons, records = _train(build, watch=True)
     # a break the model has anyway (GPT-2 logs a warning) recurs in the sampled graph: not sdcwatch's
     new = set(reasons) - set(bare_reasons)
@@ -149,7 +163,7 @@ def test_no_graph_break_and_one_extra_graph(name):
 
 
 def test_compiled_before_attach():
-    bare_graphs, _, _, _ = _train(_reference, watch=False)
+    bare_graphs, _ = _bare(_reference)
     graphs, breaks, reasons, records = _train(_reference, watch=True, compile_first=True)
     assert breaks == 0, reasons
     assert graphs <= 2 * bare_graphs
@@ -191,7 +205,7 @@ def test_compiled_records_match_eager():
 
 @pytest.mark.slow
 def test_inductor_reference_model():
-    bare_graphs, _, _, _ = _train(_reference, watch=False, backend="inductor")
+    bare_graphs, _ = _bare(_reference, "inductor")
     graphs, breaks, reasons, records = _train(_reference, watch=True, backend="inductor")
     assert breaks == 0, reasons
     assert graphs <= 2 * bare_graphs

@@ -250,3 +250,30 @@ def test_the_guard_takes_its_place_from_the_environment_it_is_given():
     guard = Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), place=GuardPlace(environment=env))
     assert (guard.place.rank, guard.place.world, guard.place.host) == (3, 8, "h3")
     assert guard.place.local_ranks == (3,) and guard.state.loss[0].window == GuardConfig().window
+
+
+def test_given_the_ddp_wrapper_the_guard_keeps_and_restores_the_module_itself(tmp_path):
+    import torch.distributed as dist
+    from sdcwatch.telemetry import Guard
+    from torch.nn.parallel import DistributedDataParallel
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        model = torch.nn.Linear(4, 2)
+        ddp = DistributedDataParallel(model)
+        guard = Guard(ddp, torch.optim.SGD(model.parameters(), lr=0.1), GuardConfig(mode="act"))
+        assert guard.model is model
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+
+        def compute() -> torch.Tensor:
+            loss = ddp(torch.ones(3, 4)).sum()
+            loss.backward()
+            return loss.detach()
+
+        assert guard.step(0, compute).applied
+        assert not torch.equal(model.weight, before["weight"])
+        assert set(guard.snapshots.before(None).model) == {"weight", "bias"}  # the module's keys, as its checkpoint's
+        assert guard.restore() == 0
+        assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    finally:
+        dist.destroy_process_group()

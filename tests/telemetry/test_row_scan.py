@@ -21,7 +21,6 @@ from sdcwatch.telemetry.probes.row_scan import (  # noqa: E402
     near_inf_limit,
     row_scan,
     row_scan_reference,
-    scan_peaks,
 )
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -37,6 +36,16 @@ SHAPES = {
     "transposed": (77, 12),  # passed as its .t(): the last dim is not contiguous
     "strided_rows": (40, 300),  # passed as [:, 17:150]: rows 300 apart, no copy
 }
+
+
+def scan_peaks(sums: torch.Tensor, peaks: torch.Tensor, bad: torch.Tensor) -> torch.Tensor:
+    """(3,) float32: [largest |row sum|, largest |value|, count of bad elements] (NaN kept; zeros for
+    no rows): a reduction of the scan's outputs, as a step would run it in compiled code."""
+    if sums.numel() == 0:
+        return torch.zeros(3, dtype=torch.float32, device=sums.device)
+    return torch.stack([sums.abs().amax().float(), peaks.amax().float(), bad.sum(dtype=torch.float32)])
+
+
 KINDS = ("nan", "+inf", "-inf", "near_inf", "below_near_inf", "flip", "inf_pair", "clean")
 EXPONENT_TOP_BIT = {torch.float32: (torch.int32, 1 << 30), torch.bfloat16: (torch.int16, 1 << 14)}
 EXPONENT_TOP_BIT[torch.float16] = (torch.int16, 1 << 14)

@@ -231,6 +231,46 @@ def test_lr_spike_scales_the_rank_learning_rate_for_its_steps_only():
     assert opt.param_groups[0]["lr"] == 0.1
 
 
+@pytest.mark.parametrize("kind", ["nan", "scale", "noise"])
+def test_a_rerun_of_the_step_is_clean_of_a_fault_of_one_step_and_hit_again_by_a_lasting_one(kind):
+    """begin_step again for the same step and rank (the guard's rerun): a transient fault stays away, a
+    persistent one fires on every pass, with its choices of the first (the same element, the same noise)."""
+    extra = {"magnitude": 1e-2 if kind == "noise" else 1e3} if kind != "nan" else {}
+    clean = _outputs(_model(), "blocks.0.mlp.fc", None, 3)
+    for duration, rerun_hit in ((1, False), (0, True), (2, True)):
+        spec = FaultSpec(kind=kind, rank=0, step=3, duration=duration, target="blocks.0.mlp.fc", seed=2, **extra)
+        m = _model()
+        inj = FaultInjector([spec], rank=0).attach(m)
+        first = _outputs(m, "blocks.0.mlp.fc", inj, 3)
+        rerun = _outputs(m, "blocks.0.mlp.fc", inj, 3)  # begin_step(3) again, before end_step
+        assert inj.rerun == 1
+        assert not torch.equal(first, clean)
+        same = torch.allclose(rerun, first, rtol=0, atol=0, equal_nan=True)  # NaN is NaN here
+        assert same if rerun_hit else torch.equal(rerun, clean), duration
+        inj.end_step()
+        again = _outputs(m, "blocks.0.mlp.fc", inj, 4)  # the next step: a first pass again
+        assert inj.rerun == 0
+        lasting = duration != 1
+        assert torch.equal(again, _outputs(_model(), "blocks.0.mlp.fc", None, 4)) is not lasting
+
+
+def test_a_rerun_leaves_the_learning_rate_and_the_data_faults_as_the_first_pass_did():
+    m = _model()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    faults = [FaultSpec(kind="lr_spike", rank=0, step=2, magnitude=50.0), FaultSpec(kind="bad_batch", rank=0, step=2)]
+    inj = FaultInjector(faults, rank=0).attach(m, opt)
+    inj.begin_step(2)
+    garbage = inj.corrupt_batch(_batch(2))
+    inj.begin_step(2)  # the rerun: the spike is not applied twice, the bad batch is the same data
+    assert opt.param_groups[0]["lr"] == 0.1 * 50.0
+    assert torch.equal(inj.corrupt_batch(_batch(2)), garbage)
+    inj.end_step()
+    assert opt.param_groups[0]["lr"] == 0.1
+    inj.rank = 1  # another rank entering the same step (the simulated driver's ranks) is no rerun
+    inj.begin_step(2)
+    assert inj.rerun == 0
+
+
 def test_bad_batch_is_garbage_of_the_same_shape_only_when_active():
     inj = FaultInjector([FaultSpec(kind="bad_batch", rank=2, step=4, duration=2, seed=1)], rank=2)
     batch = _batch()
