@@ -134,8 +134,10 @@ _SERVICE: tuple[MetricSpec, ...] = (
         "sdcwatch_auth_runs_refused_total",
         "counter",
         ("key", "reason"),
-        "Messages refused because their key may not speak for their run, by key id and reason: run_name "
-        "(not issued for it), bound (another key holds it), full (no binding free), unsigned (see docs/service.md).",
+        "Messages refused because their key may not speak for their run or their envelope is not fresh, by key id "
+        "and reason: run_name (not issued for it), bound (another key holds it), full (no binding free), unsigned, "
+        "replayed (its number taken before), stale (an older start), future (a start ahead of the clock), unfresh "
+        "(no start, from a key that sends them) (see docs/service.md).",
     ),
     MetricSpec(
         "sdcwatch_pipeline_dead_letters_by_reason_total",
@@ -176,7 +178,8 @@ _SERVICE: tuple[MetricSpec, ...] = (
         "sdcwatch_pipeline_runs_forgotten_total",
         "counter",
         (),
-        "Runs that gave way to new ones within detectors.max_runs (on probation and silent, or stale).",
+        "Runs that gave way to new ones within detectors.max_runs (on probation and silent, training and silent "
+        "run_yield_idle_s, or unsigned to a signed newcomer).",
     ),
     MetricSpec(
         "sdcwatch_pipeline_duplicates_total", "counter", (), "Duplicate records (same run, step and rank) discarded."

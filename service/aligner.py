@@ -471,10 +471,15 @@ class StepAligner:
         """The runs being aligned, in the order they were admitted."""
         return list(self._runs)
 
-    def forget(self, run: str) -> None:
-        """Drop a run's alignment state (its open steps are discarded)."""
-        self._runs.pop(run, None)
+    def forget(self, run: str, gave_way: bool = False) -> None:
+        """Drop a run's alignment state. A run that ``gave_way`` to a new one has its open steps'
+        records dead-lettered (``runs``): nothing it sent is dropped uncounted."""
+        st = self._runs.pop(run, None)
         self._probation.pop(run, None)
+        recs = [r for op in st.open.values() for r in op.all_records()] if gave_way and st is not None else []
+        if recs:
+            why = f"run {run!r} gave way to a new run (detectors.max_runs) with {len(st.open)} step(s) still open"
+            self.rejected.append(("runs", why, recs))
 
     def snapshot(self) -> dict[str, Any]:
         """JSON-safe state, including the records of still-open steps (they are not re-read)."""

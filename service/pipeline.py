@@ -346,6 +346,7 @@ class DetectionPipeline:
         if victim is None:
             return False
         self.runs_forgotten += 1
+        self.aligner.forget(victim, gave_way=True)
         self.forgotten_events += self.evict(victim)
         return True
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -111,7 +112,8 @@ def main() -> None:
         "transient": guarded(rank, world, "act", [FaultSpec(**nan)]),
         "persistent": guarded(rank, world, "act", [FaultSpec(**nan, duration=0)]),
     }
-    print(json.dumps({"rank": rank, **results}), flush=True)
+    # one write of the whole line (under PIPE_BUF): two ranks sharing the pipe never interleave
+    os.write(sys.stdout.fileno(), (json.dumps({"rank": rank, **results}) + "\n").encode())
     if world > 1:
         dist.barrier()
         dist.destroy_process_group()

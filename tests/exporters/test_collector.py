@@ -134,7 +134,7 @@ sdcwatch_pipeline_dead_letters_total 2.0
 # HELP sdcwatch_state_write_errors_total State snapshots that could not be written (a full or read-only disk); detection goes on, each is retried.
 # TYPE sdcwatch_state_write_errors_total counter
 sdcwatch_state_write_errors_total 0.0
-# HELP sdcwatch_auth_runs_refused_total Messages refused because their key may not speak for their run, by key id and reason: run_name (not issued for it), bound (another key holds it), full (no binding free), unsigned (see docs/service.md).
+# HELP sdcwatch_auth_runs_refused_total Messages refused because their key may not speak for their run or their envelope is not fresh, by key id and reason: run_name (not issued for it), bound (another key holds it), full (no binding free), unsigned, replayed (its number taken before), stale (an older start), future (a start ahead of the clock), unfresh (no start, from a key that sends them) (see docs/service.md).
 # TYPE sdcwatch_auth_runs_refused_total counter
 sdcwatch_auth_runs_refused_total{key="job-b",reason="run_name"} 2.0
 # HELP sdcwatch_pipeline_dead_letters_by_reason_total Records routed to the dead-letter topic, by reason: malformed, unknown_version, empty, oversize, world, layers, layer_metrics, values, step_size, counter, name, step_jump, runs, unknown_schema (see docs/operating.md, Limits).
@@ -155,7 +155,7 @@ sdcwatch_pipeline_offset_gaps_total{outcome="skipped"} 0.0
 # HELP sdcwatch_pipeline_runs Runs whose detection state the service keeps (at most detectors.max_runs).
 # TYPE sdcwatch_pipeline_runs gauge
 sdcwatch_pipeline_runs 1.0
-# HELP sdcwatch_pipeline_runs_forgotten_total Runs that gave way to new ones within detectors.max_runs (on probation and silent, or stale).
+# HELP sdcwatch_pipeline_runs_forgotten_total Runs that gave way to new ones within detectors.max_runs (on probation and silent, training and silent run_yield_idle_s, or unsigned to a signed newcomer).
 # TYPE sdcwatch_pipeline_runs_forgotten_total counter
 sdcwatch_pipeline_runs_forgotten_total 0.0
 # HELP sdcwatch_pipeline_duplicates_total Duplicate records (same run, step and rank) discarded.

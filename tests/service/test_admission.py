@@ -378,3 +378,17 @@ def test_after_a_junk_flood_on_the_broker_a_real_run_is_watched_within_seconds(b
     assert pipe.runs_forgotten == 1 and source.dead_letter_reasons == {} and pipe.aligner.waiting_records == 0
     nonfinite = [(i.first_step, i.ranks) for i in sink.opened if i.run == "real" and i.kind == "nonfinite"]
     assert nonfinite == [(45, (2,))]
+
+
+def test_a_run_that_gives_way_with_a_step_still_open_has_its_records_dead_lettered_not_dropped():
+    """A run on probation gives way to a new one while a step of it is open (two of its four ranks
+    sent it): those two records are dead-lettered ``runs``, naming the run, not dropped uncounted."""
+    pipe, clock = clocked_pipeline(max_runs=1)
+    early = [Record("early", 0, rank, 4, "h", 0.0, 0, {"loss": 1.0}, {}, {}) for rank in range(2)]
+    pipe.process(early)
+    clock.t += 3.0  # past run_probation_idle_s
+    pipe.process([junk("newcomer")])
+    assert pipe.aligner.held() == ["newcomer"]
+    rejected = pipe.aligner.take_rejected()
+    assert [(reason, sorted(r.rank for r in recs)) for reason, _, recs in rejected] == [("runs", [0, 1])]
+    assert "'early' gave way to a new run" in rejected[0][1]
