@@ -12,23 +12,13 @@ which a throughput benchmark does not need.
 from __future__ import annotations
 
 import numpy as np
+from sdcwatch.core.vocabulary import STEP_SCALARS
 
 __all__ = ["FPS", "LAYERS", "SCALARS", "fingerprints", "healthy_values"]
 
 LAYERS = ("attn_entropy", "q_norm_mean", "k_norm_mean", "attn_logit_max")
 FPS = ("param_fp", "grad_fp")
-#: What a data-parallel rank's record carries on every step when the probes have its loss and
-#: optimizer, in the synthetic steps' column order.
-SCALARS = (
-    "loss",
-    "grad_norm_local",
-    "grad_norm_global",
-    "grad_cosine",
-    "step_time",
-    "nonfinite",
-    "lr",
-    "emitter_dropped",
-)
+SCALARS = STEP_SCALARS
 
 
 def healthy_values(rng: np.random.Generator, world: int, n_layers: int) -> tuple[np.ndarray, np.ndarray]:

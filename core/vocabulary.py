@@ -13,6 +13,7 @@ __all__ = [
     "CONTROL_TOPIC",
     "TOPICS",
     "SCALARS",
+    "STEP_SCALARS",
     "FIRST_BAD",
     "CANARY_PRODUCT",
     "LAYER_METRICS",
@@ -109,6 +110,19 @@ STREAM_METRICS = (
 CHECK_METRICS = GEMM_METRICS + STREAM_METRICS
 #: Check metrics that are ratios to a bound (> 1 is the finding): large finite values are not near-INF.
 RATIO_METRICS = ("gemm_fwd", "gemm_bwd", "gemm_weight")
+
+#: What a data-parallel rank's record carries on every step when the probes have its loss and
+#: optimizer (the rest of :data:`SCALARS` on sampled or bad steps), in the synthetic steps' column order.
+STEP_SCALARS = (
+    "loss",
+    "grad_norm_local",
+    "grad_norm_global",
+    "grad_cosine",
+    "step_time",
+    "nonfinite",
+    "lr",
+    "emitter_dropped",
+)
 
 #: Per-rank scalars that vary across ranks with the rank's data, compared rank against rank.
 #: Values that must be identical (global norm, lr, fingerprints) belong to the replica detector,

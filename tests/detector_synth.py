@@ -11,22 +11,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 from sdcwatch.core.record_type import Record
+from sdcwatch.core.vocabulary import STEP_SCALARS
 from sdcwatch.detectors.frame import StepFrame
 
 LAYERS = ("attn_entropy", "q_norm_mean", "q_norm_max", "k_norm_mean", "attn_logit_max", "gemm_fwd", "gemm_bwd")
 FPS = ("param_fp", "grad_fp")
-#: What a data-parallel rank's record carries on every step when the probes have its loss and
-#: optimizer, in the synthetic steps' column order.
-SCALARS = (
-    "loss",
-    "grad_norm_local",
-    "grad_norm_global",
-    "grad_cosine",
-    "step_time",
-    "nonfinite",
-    "lr",
-    "emitter_dropped",
-)
+SCALARS = STEP_SCALARS
 FAMILIES = (
     "nonfinite",
     "loss_spike",

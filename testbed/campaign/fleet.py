@@ -23,23 +23,14 @@ from multiprocessing import get_context
 from typing import Any, Callable, Sequence
 
 import numpy as np
+from sdcwatch.core.vocabulary import STEP_SCALARS
 from sdcwatch.detectors.frame import StepFrame
 from sdcwatch.service.hosts import HostSettings
 from sdcwatch.service.pipeline import DetectionPipeline, PipelineSettings
 
 __all__ = ["FleetConfig", "fleet_main", "fleet_table", "run_fleet", "run_seed"]
 
-#: A rank's scalars on every step, in the frames' column order.
-_SCALARS = (
-    "loss",
-    "grad_norm_local",
-    "grad_norm_global",
-    "grad_cosine",
-    "step_time",
-    "nonfinite",
-    "lr",
-    "emitter_dropped",
-)
+_SCALARS = STEP_SCALARS
 _LAYERS = ("attn_entropy", "q_norm_mean", "q_norm_max", "k_norm_mean", "attn_logit_max", "gemm_fwd", "gemm_bwd")
 _LAYER_BASE = np.array([3.0, 12.0, 30.0, 11.0, 8.0, 1.0, 1.0])
 _FPS = ("param_fp", "grad_fp")
