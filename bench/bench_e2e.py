@@ -357,7 +357,8 @@ class ServicesUnderTest:
     def close(self) -> None:
         self.service.close()
         if self.temporal is not None:
-            self.temporal.run_for(max_iterations=5)
+            for _ in range(5):
+                self.temporal.step()
             self.temporal.close()
         for d in self.state_dirs:
             shutil.rmtree(d, ignore_errors=True)

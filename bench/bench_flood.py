@@ -13,6 +13,15 @@ they stay. Arms: ``open`` (no keys: the attack as found) and ``signed`` (``--aut
 real run signs, the junk does not)::
 
     .venv/bin/python bench/bench_flood.py [--records 200000] [--runs 500] [--seconds 5] [--json] [--out F]
+
+``--queued``: a flood read *ahead of* a real run instead (``--runs`` one-rank junk runs x
+``--junk-steps`` steps, a message a record, all on the topic before the run starts), then an 8-rank
+run at ``--rate`` with a NaN at step 30 on rank 5; measured: the seconds from the run's start and
+from the NaN's emit to its incident, and the dead letters. One arm per ``--serve-python`` (an
+interpreter with sdcwatch installed, run outside the checkout; the current one if none), side by
+side on one broker: give the previous release's and this one's to compare them::
+
+    .venv/bin/python bench/bench_flood.py --queued --runs 1000 --junk-steps 40 --serve-python OLD_PY NEW_PY
 """
 
 from __future__ import annotations
@@ -34,6 +43,8 @@ import uuid
 from pathlib import Path
 
 from sdcwatch.broker import EmbeddedBroker, free_port
+from sdcwatch.core.limits import RecordLimits
+from sdcwatch.core.messages import decode_message
 from sdcwatch.core.record import record_key
 from sdcwatch.core.signing import JobKey, Keyring
 from sdcwatch.service.pipeline import PipelineSettings
@@ -49,16 +60,16 @@ KEY = "bench:" + "k" * 32
 # the attacker, in a process of its own (its sending must not share the GIL with the measuring)
 
 
-def _attacker(bootstrap: str, topic: str, records: int, runs: int, seconds: float, go, done) -> None:
+def _attacker(bootstrap: str, topic: str, records: int, runs: int, seconds: float, go, done, world=WORLD) -> None:
     from kafka import KafkaProducer
 
-    steps = math.ceil(records / (runs * WORLD))
+    steps = math.ceil(records / (runs * world))
     msgs = []
     for step in range(steps):  # step-major: every junk run is live for the whole flood
         for i in range(runs):
-            for rank in range(WORLD):
+            for rank in range(world):
                 if len(msgs) < records:
-                    rec = Record(f"junk-{i}", step, rank, WORLD, "evil", time.time(), 0, {"loss": 1.0}, {}, {})
+                    rec = Record(f"junk-{i}", step, rank, world, "evil", time.time(), 0, {"loss": 1.0}, {}, {})
                     msgs.append((record_key(rec), encode(rec)))
     producer = KafkaProducer(bootstrap_servers=[bootstrap], linger_ms=5, batch_size=1 << 20, acks=1)
     producer.partitions_for(topic)  # metadata before the clock starts
@@ -78,13 +89,16 @@ def _attacker(bootstrap: str, topic: str, records: int, runs: int, seconds: floa
 # the service and what is read from it
 
 
-def _serve(bootstrap: str, tag: str, state: Path, port: int, key_file: Path | None) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "sdcwatch.cli", "serve", "--bus-bootstrap", bootstrap]
+def _serve(
+    bootstrap: str, tag: str, state: Path, port: int, key_file: Path | None, python: str = sys.executable
+) -> subprocess.Popen:
+    cmd = [python, "-m", "sdcwatch.cli", "serve", "--bus-bootstrap", bootstrap]
     cmd += ["--bus-telemetry-topic", f"tel.{tag}", "--bus-anomalies-topic", f"anom.{tag}"]
     cmd += ["--bus-deadletter-topic", f"dead.{tag}", "--bus-group", f"g.{tag}", "--metrics-port", str(port)]
     cmd += ["--state-dir", str(state), "--no-alerts-log"]
     cmd += ["--auth-key-file", str(key_file)] if key_file else []
-    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    # from the state folder's parent: an interpreter given imports its own install, not the checkout
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=state.parent)
 
 
 def _proc_kib(pid: int, field: str) -> int:
@@ -160,14 +174,16 @@ class _Incidents:
         self._consumer.close()
 
 
-def _train(emitters: list, rate: float, nan_at: threading.Event, stop: threading.Event, out: dict) -> None:
-    """The real run: a step every 1/rate s; the first step after ``nan_at`` is set has rank 2's NaN."""
+def _train(
+    emitters: list, rate: float, nan_at: threading.Event, stop: threading.Event, out: dict, nan_rank: int = NAN_RANK
+) -> None:
+    """The real run: a step every 1/rate s; the first step after ``nan_at`` is set has ``nan_rank``'s NaN."""
     step = 0
     while not stop.is_set():
         t = time.monotonic()
         nan = nan_at.is_set() and "nan_step" not in out
         for em in emitters:
-            loss = math.nan if nan and em.rank == NAN_RANK else 2.0 + 0.01 * ((step * 7 + em.rank) % 5)
+            loss = math.nan if nan and em.rank == nan_rank else 2.0 + 0.01 * ((step * 7 + em.rank) % 5)
             em.emit(step, loss=loss, grad_norm_local=1.0 + 0.01 * em.rank, grad_norm_global=1.0)
         if nan:
             out["nan_step"], out["nan_sent"] = step, time.monotonic()
@@ -279,6 +295,86 @@ def flood(bootstrap: str, arm: str, args: argparse.Namespace, workdir: Path) -> 
     }
 
 
+def _dead_letters_of(bootstrap: str, topic: str, run: str) -> dict[str, int]:
+    """The records of ``run`` on the dead-letter topic, by reason (read whole from its start)."""
+    from kafka import KafkaConsumer
+
+    consumer = KafkaConsumer(topic, bootstrap_servers=[bootstrap], auto_offset_reset="earliest", group_id=None)
+    out: dict[str, int] = {}
+    idle = 0
+    while idle < 3:
+        batches = consumer.poll(1000)
+        idle = 0 if batches else idle + 1
+        for m in (m for msgs in batches.values() for m in msgs):
+            reason = dict(m.headers).get("sdcwatch.reason_code", b"?").decode()
+            try:
+                n = sum(r.run == run for r in decode_message(m.value, RecordLimits()) if hasattr(r, "run"))
+            except Exception:  # a dead letter that is not a record (the reason says why)
+                n = 0
+            if n:
+                out[reason] = out.get(reason, 0) + n
+    consumer.close()
+    return out
+
+
+def queued(bootstrap: str, python: str, args: argparse.Namespace, workdir: Path) -> dict:
+    """Junk runs read ahead of a real 8-rank run by a fresh service of ``python``: how late its NaN."""
+    tag, port, world, nan_rank, nan_step = uuid.uuid4().hex[:8], free_port(), 8, 5, 30
+    serve = _serve(bootstrap, tag, workdir / tag, port, None, python)
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(iter(serve.stderr.readline, "")), daemon=True).start()
+    ctx = mp.get_context("spawn")
+    go, done = ctx.Event(), ctx.Queue()
+    junk = args.runs * args.junk_steps
+    attacker = ctx.Process(target=_attacker, args=(bootstrap, f"tel.{tag}", junk, args.runs, 1.0, go, done, 1))
+    attacker.start()
+    deadline = time.monotonic() + 90
+    while not any("consuming" in ln for ln in lines):
+        if time.monotonic() > deadline or serve.poll() is not None:
+            raise RuntimeError("serve did not start: " + "".join(lines)[-2000:])
+        time.sleep(0.1)
+    go.set()
+    sent, _ = done.get(timeout=300)  # every junk record is on the topic before the run starts
+    attacker.join(30)
+    emitters = [
+        Emitter(KafkaTransport(bootstrap, f"tel.{tag}"), run="victim", rank=r, world=world, host=f"h{r // 4}")
+        for r in range(world)
+    ]
+    incidents = _Incidents(bootstrap, f"anom.{tag}")
+    scraper = _Scraper(f"http://127.0.0.1:{port}/metrics", every=1.0)
+    nan_at, stop, trained = threading.Event(), threading.Event(), {}
+    started = time.monotonic()
+    threading.Timer(nan_step / args.rate, nan_at.set).start()
+    trainer = threading.Thread(target=_train, args=(emitters, args.rate, nan_at, stop, trained, nan_rank), daemon=True)
+    trainer.start()
+    found = None
+    while found is None and time.monotonic() < started + args.wait:
+        found = incidents.first("nonfinite", "victim")
+        time.sleep(0.05)
+    stop.set()
+    trainer.join(10)
+    scraper.stop()
+    incidents.stop()
+    last = next((text for _, _, text in reversed(scraper.got) if text), "")
+    serve.terminate()
+    serve.wait(60)
+    for em in emitters:
+        em.close(5)
+    ev = found[1] if found else {}
+    return {
+        "serve_python": python,
+        "run_dead_letters": _dead_letters_of(bootstrap, f"dead.{tag}", "victim"),
+        "junk_records": sent,
+        "junk_runs": args.runs,
+        "nan_step": trained.get("nan_step"),
+        "found_after_start_s": round(found[0] - started, 1) if found else None,
+        "incident_delay_s": round(found[0] - trained["nan_sent"], 1) if found else None,
+        "incident_right": bool(found) and ev.get("first_step") == trained.get("nan_step") and ev.get("ranks") == [5],
+        "records_consumed": _sample(last, "sdcwatch_pipeline_records_total"),
+        "dead_letters": _sample(last, "sdcwatch_pipeline_dead_letters_total"),
+    }
+
+
 def _table(rows: list[dict]) -> str:
     head = "arm     sent in  NaN delay  step,rank ok  scrape max/p99 during  after        RSS start/peak/end MiB  runs held"
     out = [head]
@@ -306,18 +402,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rate", type=float, default=10.0, help="steps a second of the real run")
     ap.add_argument("--after", type=float, default=60.0, help="seconds after the flood at which the runs are counted")
     ap.add_argument("--arms", nargs="+", default=["open", "signed"], choices=["open", "signed"])
+    ap.add_argument("--queued", action="store_true", help="the flood read ahead of the real run (see above)")
+    ap.add_argument("--junk-steps", type=int, default=40, help="--queued: steps of each one-rank junk run")
+    ap.add_argument("--serve-python", nargs="+", default=[sys.executable], help="--queued: one arm per interpreter")
+    ap.add_argument("--wait", type=float, default=300.0, help="--queued: seconds to wait for the NaN's incident")
     ap.add_argument("--json", action="store_true", help="print each arm as one JSON line, not the table")
     ap.add_argument("--out", type=Path, help="write the results as JSON here (bench/results/flood.json)")
     args = ap.parse_args(argv)
     rows = []
     load = os.getloadavg()
     with EmbeddedBroker(port=0) as broker, tempfile.TemporaryDirectory() as tmp:
-        for arm in args.arms:
-            row = flood(broker.bootstrap, arm, args, Path(tmp))
+        arms = [(queued, py) for py in args.serve_python] if args.queued else [(flood, arm) for arm in args.arms]
+        for measure, arm in arms:
+            row = measure(broker.bootstrap, arm, args, Path(tmp))
             rows.append(row)
-            if args.json:
+            if args.json or args.queued:
                 print(json.dumps(row), flush=True)
-    if not args.json:
+    if not args.json and not args.queued:
         print(_table(rows))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -287,6 +287,7 @@ class PipelineView:
     incomplete_steps_total: int = 0  # steps closed without every rank's record
     dead_letter_reasons: dict[str, int] = field(default_factory=dict)  # dead letters by reason code
     auth_runs_refused: dict[tuple[str, str], int] = field(default_factory=dict)  # (key id, reason) -> messages
+    auth_redelivered: dict[str, int] = field(default_factory=dict)  # key id -> messages read again at their place
     consumer_partitions: int = -1  # partitions the reader owns (0: evicted or unassigned; -1: unknown)
     waiting_for_schema: int = 0  # v2 messages held until the message carrying their schema comes
     offset_gaps: dict[str, int] = field(default_factory=dict)  # gaps in partition offsets by outcome

@@ -1,7 +1,5 @@
-"""Limits on what one telemetry record may claim, checked when the service decodes it.
-
-One well-formed record with ``world = 10**9`` would make the service allocate gigabytes:
-:class:`RecordLimits` bounds those claims, and a record past one raises :class:`LimitError` naming
+"""Limits on what one telemetry record may claim (one record with ``world = 10**9`` would make the service
+allocate gigabytes), checked when the service decodes it: a record past one raises :class:`LimitError` naming
 the field and the limit, its ``reason`` the dead-letter reason (docs/messages.md).
 """
 

@@ -1,9 +1,6 @@
-"""Parallel coordinates: where a rank sits in the job's device mesh, and which ranks it is like.
-
-Ranks with one :func:`peer_key` (every coordinate but the data-parallel ones) hold the same model
-piece on different data; ranks with one :func:`replica_key` (plus ``dp_shard``) the same parameter
-shard. A record without coordinates is one data-parallel group (peer key ``()``). The dims, their
-aliases and ``SDCWATCH_MESH`` / ``SDCWATCH_COORDS``: docs/integrations.md. Standard library only.
+"""Parallel coordinates: where a rank sits in the job's device mesh, and which ranks it is like: one
+:func:`peer_key` holds the same model piece on other data, one :func:`replica_key` the same parameter
+shard (dims, aliases, ``SDCWATCH_MESH`` / ``SDCWATCH_COORDS``: docs/integrations.md). Standard library only.
 """
 
 from __future__ import annotations

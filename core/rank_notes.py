@@ -6,13 +6,14 @@ bounds every length and refuses control characters (LimitError reason ``names``)
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import re
 import struct
 import zlib
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, ClassVar, Mapping, Sequence
 
 from sdcwatch.core.errors import RecordError, UnknownVersionError
 from sdcwatch.core.limits import MAX_NAME_BYTES, LimitError, RecordLimits
@@ -182,8 +183,19 @@ class LayerNames:
         return {**_head_dict(self, "layer_names"), "names": {k: list(v) for k, v in self.names.items()}}
 
 
+class _TextNote:
+    """A rank's note whose body is one string; ``WIRE``: its magic, its kind and the string's field."""
+
+    WIRE: ClassVar[tuple[bytes, str, str]]
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON wire's form, tagged with the note's kind (``"checkpoint"``, ``"gpu"``)."""
+        _, kind, field = self.WIRE
+        return {**_head_dict(self, kind), field: getattr(self, field)}
+
+
 @dataclass(frozen=True)
-class CheckpointNote:
+class CheckpointNote(_TextNote):
     """One rank's word that the job saved a checkpoint after ``step`` at ``path`` ("" when the
     framework names none)."""
 
@@ -192,18 +204,15 @@ class CheckpointNote:
     world: int
     step: int
     path: str = ""
+    WIRE: ClassVar[tuple[bytes, str, str]] = (CKPT_MAGIC, "checkpoint", "path")
 
     def __post_init__(self) -> None:
         _check_identity(self.run, self.rank, self.world, self.step, None)
         _check_path(self.path)
 
-    def to_dict(self) -> dict[str, Any]:
-        """The JSON wire's form, tagged ``"kind": "checkpoint"``."""
-        return {**_head_dict(self, "checkpoint"), "path": self.path}
-
 
 @dataclass(frozen=True)
-class RankDevice:
+class RankDevice(_TextNote):
     """One rank's GPU, said once: ``gpu`` is its physical index on the host (the CUDA_VISIBLE_DEVICES
     entry), then ``:`` and the GPU's UUID where the rank could read it (``"5:GPU-8f2e..."``)."""
 
@@ -212,6 +221,7 @@ class RankDevice:
     world: int
     step: int
     gpu: str
+    WIRE: ClassVar[tuple[bytes, str, str]] = (GPU_MAGIC, "gpu", "gpu")
 
     def __post_init__(self) -> None:
         _check_identity(self.run, self.rank, self.world, self.step, None)
@@ -219,10 +229,6 @@ class RankDevice:
             raise RecordError("gpu", f"must be a non-empty string of at most {MAX_GPU_BYTES} bytes")
         if _CONTROL.search(self.gpu):
             raise RecordError("gpu", f"holds a control character: {self.gpu[:40]!r}")
-
-    def to_dict(self) -> dict[str, Any]:
-        """The JSON wire's form, tagged ``"kind": "gpu"``."""
-        return {**_head_dict(self, "gpu"), "gpu": self.gpu}
 
 
 def _head_dict(msg: Any, kind: str) -> dict[str, Any]:
@@ -253,14 +259,13 @@ def encode_names(msg: LayerNames) -> bytes:
     return _encode(NAMES_MAGIC, msg, _U64.pack(msg.digest), _U32.pack(len(payload)) + payload)
 
 
-def encode_note(note: CheckpointNote) -> bytes:
-    """The bus message of ``note`` (see the module docstring)."""
-    return _encode(CKPT_MAGIC, note, b"", _str16(note.path.encode("utf-8")))
+def _encode_text(msg: _TextNote) -> bytes:
+    """The bus message of a note whose body is one string (a checkpoint's path, a rank's GPU)."""
+    magic, _, field = msg.WIRE
+    return _encode(magic, msg, b"", _str16(getattr(msg, field).encode("utf-8")))
 
 
-def encode_device(msg: RankDevice) -> bytes:
-    """The bus message of ``msg`` (see the module docstring)."""
-    return _encode(GPU_MAGIC, msg, b"", _str16(msg.gpu.encode("utf-8")))
+encode_note = encode_device = _encode_text
 
 
 def _open(buf: Any, magic: bytes, what: str, fixed: int, limits: RecordLimits | None) -> tuple[Any, ...]:
@@ -282,22 +287,18 @@ def _open(buf: Any, magic: bytes, what: str, fixed: int, limits: RecordLimits | 
     return cur, step, rank, world, extra, run
 
 
-def decode_note(buf: bytes | bytearray | memoryview, limits: RecordLimits | None = None) -> CheckpointNote:
-    """Inverse of :func:`encode_note`; raises RecordError (LimitError) naming the fault."""
-    cur, step, rank, world, _, run = _open(buf, CKPT_MAGIC, "checkpoint", 0, limits)
-    path = cur.string("path", True)
+def _decode_text(cls: type, buf: bytes | bytearray | memoryview, limits: RecordLimits | None = None) -> Any:
+    """Inverse of :func:`_encode_text` for notes of type ``cls``; RecordError (LimitError) naming the fault."""
+    magic, what, field = cls.WIRE
+    cur, step, rank, world, _, run = _open(buf, magic, what, 0, limits)
+    text = cur.string(field, True)
     if cur.pos != len(cur.buf):
-        raise RecordError("checkpoint", f"{len(cur.buf) - cur.pos} trailing bytes")
-    return CheckpointNote(run, rank, world, step, path)
+        raise RecordError(what, f"{len(cur.buf) - cur.pos} trailing bytes")
+    return cls(run, rank, world, step, text)
 
 
-def decode_device(buf: bytes | bytearray | memoryview, limits: RecordLimits | None = None) -> RankDevice:
-    """Inverse of :func:`encode_device`; raises RecordError naming the fault."""
-    cur, step, rank, world, _, run = _open(buf, GPU_MAGIC, "gpu", 0, limits)
-    gpu = cur.string("gpu", True)
-    if cur.pos != len(cur.buf):
-        raise RecordError("gpu", f"{len(cur.buf) - cur.pos} trailing bytes")
-    return RankDevice(run, rank, world, step, gpu)
+decode_note = functools.partial(_decode_text, CheckpointNote)
+decode_device = functools.partial(_decode_text, RankDevice)
 
 
 def decode_names(
@@ -389,19 +390,8 @@ class CheckpointMark:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-safe; the anomalies topic adds ``"change": "checkpoint"``."""
-        return {
-            "id": self.id,
-            "kind": "checkpoint",
-            "run": self.run,
-            "step": self.step,
-            "path": self.path,
-            "mark": self.mark,
-            "incidents": list(self.incidents),
-            "reason": self.reason,
-            "was": self.was,
-            "marked_at": self.marked_at,
-            "evidence": [dict(e) for e in self.evidence],
-        }
+        fields = {**vars(self), "incidents": list(self.incidents), "evidence": [dict(e) for e in self.evidence]}
+        return {"id": self.id, "kind": "checkpoint", **fields}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "CheckpointMark":

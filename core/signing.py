@@ -36,6 +36,7 @@ __all__ = [
     "KEY_ENV",
     "KEY_FILE_ENV",
     "RUNS_FIELD",
+    "SERVICE_KID",
     "Freshness",
 ]
 
@@ -59,6 +60,9 @@ except ImportError:  # pragma: no cover - a Python built without OpenSSL
 _MAX_KID = 64
 #: What follows a key in a key file line to say which run names it may use (comma-separated patterns).
 RUNS_FIELD = " runs="
+#: The reserved key id of the service's own key in its key file (``sdcwatch.service:secret``): when
+#: present, the only source of the keys the service signs its own topics with; never a job key.
+SERVICE_KID = "sdcwatch.service"
 _MAX_PATTERNS = 64
 
 
@@ -140,10 +144,14 @@ class Keyring:
 
     ``runs`` maps a key id to the run-name patterns (``fnmatch``: ``job-a``, ``team-a-*``) it is
     issued for; a key with none may use any run name no other key holds (as before run patterns).
+    ``service``: the service's own key (:data:`SERVICE_KID`), which verifies no job's message.
     """
 
     def __init__(
-        self, keys: Mapping[str, JobKey] | Iterable[JobKey] = (), runs: Mapping[str, Iterable[str]] | None = None
+        self,
+        keys: Mapping[str, JobKey] | Iterable[JobKey] = (),
+        runs: Mapping[str, Iterable[str]] | None = None,
+        service: JobKey | None = None,
     ) -> None:
         items = keys.values() if isinstance(keys, Mapping) else keys
         self._keys: dict[str, JobKey] = {}
@@ -153,21 +161,28 @@ class Keyring:
             self._keys[k.kid] = k
         self._raw = {k.kid.encode(): k for k in self._keys.values()}  # by the id's bytes on the wire
         self._runs = {kid: tuple(p) for kid, p in (runs or {}).items() if kid in self._keys}
+        self.service = service
 
     @classmethod
     def from_text(cls, text: str, where: str = "auth.key_file") -> "Keyring":
-        """One ``kid:secret`` a line, optionally followed by `` runs=pattern,pattern``; blank lines
-        and ``#`` comments skipped."""
-        keys, runs = [], {}
+        """One ``kid:secret`` a line, optionally followed by `` runs=pattern,pattern``, and at most one
+        line of the service's own key (:data:`SERVICE_KID`, without ``runs=``); blank lines and ``#``
+        comments skipped."""
+        keys, runs, service = [], {}, None
         for n, line in enumerate(text.splitlines(), 1):
             line = line.strip()
             if line and not line.startswith("#"):
                 line, sep, patterns = line.rpartition(RUNS_FIELD) if RUNS_FIELD in line else (line, "", "")
                 key = JobKey(*parse_key(line, f"{where} line {n}"))
+                if key.kid == SERVICE_KID:
+                    if sep or service is not None:
+                        raise ConfigError(f"{where} line {n}", f"one {SERVICE_KID} line, without runs=")
+                    service = key
+                    continue
                 keys.append(key)
                 if sep:
                     runs[key.kid] = _patterns(patterns, f"{where} line {n}")
-        return cls(keys, runs)
+        return cls(keys, runs, service)
 
     @classmethod
     def from_file(cls, path: str | os.PathLike, where: str = "auth.key_file") -> "Keyring":
@@ -176,7 +191,7 @@ class Keyring:
         except OSError as exc:
             raise ConfigError(where, f"cannot read {path}: {exc.strerror or exc}") from None
         ring = cls.from_text(text, where)
-        if not ring:
+        if not ring and ring.service is None:
             raise ConfigError(where, f"{path} holds no key (one kid:secret a line)")
         return ring
 
@@ -210,9 +225,11 @@ class Keyring:
         return patterns is None or any(fnmatch.fnmatchcase(run, p) for p in patterns)
 
     def service_key(self, purpose: str) -> JobKey:
-        """The service's own key for ``purpose`` (e.g. its state), made from every key of this ring:
-        the holder of one job key cannot make it unless the ring holds only that key."""
-        tags = b"".join(self._keys[kid].tag(purpose.encode()) for kid in sorted(self._keys))
+        """The service's own key for ``purpose`` (e.g. its state): made from the :data:`SERVICE_KID`
+        key alone when the ring has one, else from every job key (whose holder cannot make it unless
+        the ring holds only that key)."""
+        keys = [self.service] if self.service is not None else [self._keys[kid] for kid in sorted(self._keys)]
+        tags = b"".join(k.tag(purpose.encode()) for k in keys)
         return JobKey(f"service.{purpose}"[:_MAX_KID], hmac.digest(b"sdcwatch.service", tags, "sha256"))
 
     def verify(self, value: bytes) -> tuple[str, bytes]:

@@ -1,8 +1,6 @@
-"""The one robust spike rule the spike detector, the guard and the device skip share: a positive
-series followed in log space, its baseline the median of the last ``window`` accepted values, its
-noise scale an EWMA of clipped absolute residuals. A spike reaches robust z ``z_on`` *and* ratio
-``min_ratio`` to the baseline (noise can reach a high z; a real spike is also large). The device
-skip keeps the same state as tensors (:mod:`sdcwatch.telemetry.guard.device_skip`).
+"""The one robust spike rule the spike detector, the guard and the device skip share: a positive series in log
+space against the median of its last ``window`` accepted values, its noise an EWMA of clipped residuals; a spike
+reaches robust z ``z_on`` *and* ratio ``min_ratio`` (noise can reach a high z; a real spike is also large).
 """
 
 from __future__ import annotations

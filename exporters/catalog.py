@@ -140,6 +140,13 @@ _SERVICE: tuple[MetricSpec, ...] = (
         "(no start, from a key that sends them) (see docs/service.md).",
     ),
     MetricSpec(
+        "sdcwatch_auth_redelivered_total",
+        "counter",
+        ("key",),
+        "Signed messages read again at their place in the topic (a rebalance or a restart re-reads from the "
+        "committed offset), taken again, by key id (at-least-once delivery, not refusals; see docs/service.md).",
+    ),
+    MetricSpec(
         "sdcwatch_pipeline_dead_letters_by_reason_total",
         "counter",
         ("reason",),

@@ -356,6 +356,8 @@ def _add_pipeline(add: _AddSample, p: PipelineView, now: float) -> None:
         add("sdcwatch_pipeline_dead_letters_by_reason_total", [reason], count)
     for (key, reason), count in sorted(p.auth_runs_refused.items()):
         add("sdcwatch_auth_runs_refused_total", [key, reason], count)
+    for key, count in sorted(p.auth_redelivered.items()):
+        add("sdcwatch_auth_redelivered_total", [key], count)
     add("sdcwatch_pipeline_late_records_total", [], p.late_records_total)
     if p.consumer_partitions >= 0:
         add("sdcwatch_pipeline_consumer_partitions", [], p.consumer_partitions)

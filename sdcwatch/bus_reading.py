@@ -31,23 +31,17 @@ __all__ = [
 ]
 
 
-def _seconds(text: str) -> float:
-    """``--connect-timeout``: a number of seconds > 0 (argparse reports the error)."""
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0 seconds, got {text}")
-    return value
-
-
 def add_bus_arguments(parser: argparse.ArgumentParser, topic: str) -> None:
     """The options of a command that reads one topic (``topic``: its key in ``[bus]``, ``telemetry``
     or ``anomalies``): the broker, the topic, the serve configuration, the key file, how long to wait."""
     parser.add_argument(
+        "--bus-connect-timeout-s",
         "--connect-timeout",
-        type=_seconds,
+        dest="connect_timeout",
+        type=float,
         default=10.0,
         metavar="SECONDS",
-        help="how long to wait for the broker to answer (default %(default)s)",
+        help="how long to wait for the broker to answer, > 0 (default %(default)s)",
     )
     parser.add_argument(
         "--bus-bootstrap",
@@ -84,10 +78,12 @@ class BusSettings:
 
 def bus_settings(args: argparse.Namespace, topic: str) -> BusSettings:
     """The serve configuration with the command's flags on top (``topic``: the ``[bus]`` key the
-    ``--topic`` flag overrides); ConfigError naming a bad setting or an unreadable key file."""
+    ``--topic`` flag overrides; ``--connect-timeout`` is ``bus.connect_timeout_s``, checked there);
+    ConfigError naming a bad setting or an unreadable key file."""
     from sdcwatch.config import load_config
 
     overrides = {"bus.bootstrap": args.bootstrap, f"bus.{topic}": args.topic, "auth.key_file": args.key_file}
+    overrides["bus.connect_timeout_s"] = args.connect_timeout
     cfg = load_config(args.config, overrides=overrides)
     return BusSettings(cfg.bus, cfg.auth.keyring())
 

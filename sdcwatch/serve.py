@@ -104,7 +104,12 @@ def _created_telemetry_topic(cfg: ServeConfig) -> bool:
     from sdcwatch.core.kafka import new_admin
 
     try:
-        admin = new_admin(cfg.bus.bootstrap, cfg.bus.security, request_timeout_ms=10_000)
+        admin = new_admin(
+            cfg.bus.bootstrap,
+            cfg.bus.security,
+            request_timeout_ms=10_000,
+            bootstrap_timeout_ms=int(cfg.bus.connect_timeout_s * 1000),
+        )
         try:
             admin.create_topics([NewTopic(cfg.bus.telemetry_topic, 4, 1)])
         finally:
@@ -173,6 +178,7 @@ def _source(cfg: ServeConfig, auth: Any = None) -> Any:
             deadletter_topic=bus.deadletter_topic,
             decode=decode_summary_message,
             sole_member_after_s=bus.share_timeout_s or None,
+            connect_timeout=bus.connect_timeout_s,
             **bus.security,
         )
     limits = cfg.limits.record_limits()
@@ -185,6 +191,7 @@ def _source(cfg: ServeConfig, auth: Any = None) -> Any:
         sole_member_after_s=bus.share_timeout_s if bus.share_timeout_s and cfg.detectors.stage == "both" else None,
         first_member=bool(bus.share_timeout_s) and cfg.detectors.stage == "both" and _created_telemetry_topic(cfg),
         ingest=IngestDecoder(SchemaRegistry(limits), auth=auth, schema_wait=cfg.detectors.schema_wait_s),
+        connect_timeout=bus.connect_timeout_s,
         **bus.security,
     )
 
@@ -295,9 +302,10 @@ def serve_main(argv: Sequence[str]) -> int:
         log.warning("received %s: stopping after a final snapshot", signal.Signals(signum).name)
         stop.set()
 
-    # kafka-python gives up on an unreachable bus after about 30 s: say what is being waited for, and
-    # leave at once on Ctrl-C (nothing was read yet; a KeyboardInterrupt could wait out the client's
-    # clean-up); once the service runs, Ctrl-C and SIGTERM stop it after a final snapshot.
+    # each client gives up on an unreachable bus after bus.connect_timeout_s (--connect-timeout, 30 s):
+    # say what is being waited for, and leave at once on Ctrl-C (nothing was read yet; a
+    # KeyboardInterrupt could wait out the client's clean-up); once the service runs, Ctrl-C and
+    # SIGTERM stop it after a final snapshot.
     print(f"sdcwatch serve: connecting to Kafka at {cfg.bus.bootstrap}", file=sys.stderr, flush=True)
     signal.signal(signal.SIGINT, _leave_while_connecting)
     try:

@@ -16,61 +16,19 @@ arrays filled from them when it closes.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
-from sdcwatch.core.columnar import WIRES
-from sdcwatch.core.messages import encode_items
-from sdcwatch.core.errors import RecordError
 from sdcwatch.core.limits import RecordLimits
-from sdcwatch.core.record import from_dict, record_key, to_dict
-from sdcwatch.core.record_layout import PackedRecord
+from sdcwatch.core.record import from_dict, to_dict
 from sdcwatch.core.record_type import Record
-from sdcwatch.core.validate import check_choice, check_positive
+from sdcwatch.core.validate import check_positive
 from sdcwatch.detectors.frame import StepFrame, assemble_frame
-from sdcwatch.service.ingest import IngestDecoder, RecordColumns
+from sdcwatch.service.alignment_state import OpenStep, RunSteps, WaitingRun, expanded, world_of
+from sdcwatch.service.ingest import RecordColumns
 
-__all__ = ["StepAligner", "frames_over_wire"]
-
-
-@dataclass
-class _OpenStep:
-    first_seen: float
-    world: int
-    records: dict[int, Record] = field(default_factory=dict)
-    scalar_names: set[str] = field(default_factory=set)  # union over its records (the frame's width)
-    layer_names: set[str] = field(default_factory=set)
-    layer_len: int = 0
-    blocks: list[tuple[RecordColumns, np.ndarray]] = field(default_factory=list)  # v2 rows of this step
-    present: np.ndarray = None  # type: ignore[assignment]  # ranks that sent (v1 or v2)
-    count: int = 0
-
-    def __post_init__(self) -> None:
-        if self.present is None:
-            self.present = np.zeros(self.world, bool)
-
-    def all_records(self) -> list[Record]:
-        """Every record of the step, column blocks expanded."""
-        out = list(self.records.values())
-        for cols, idx in self.blocks:
-            out += cols.to_records(idx)
-        return out
-
-
-@dataclass
-class _RunSteps:
-    """One run's alignment: its open steps, the last closed one, its budget."""
-
-    world: int
-    open: dict[int, _OpenStep] = field(default_factory=dict)
-    last_closed: int = -1
-    stride: int = 1  # usual distance between consecutive closed steps (runs may log every N steps)
-    generation: int = 0  # bumped by a world-size change
-    steps_complete: int = 0  # steps closed with every rank of the world (on probation until probation_steps)
-    complete_since: float | None = None  # clock of its first complete step (probation lasts probation_s)
-    tokens: float = 0.0  # records the run may still send now (its budget's bucket)
-    tokens_at: float = 0.0  # clock time the bucket was last refilled
+__all__ = ["StepAligner"]
 
 
 class StepAligner:
@@ -107,13 +65,17 @@ class StepAligner:
         self.probation_steps = int(probation_steps)
         self.probation_s = float(probation_s)
         self.wait_records = int(wait_records)
-        #: records of runs waiting for a place, run -> (records and blocks in order, their records);
-        #: the run that sent last is last. ``waiting_records`` counts them, ``lost_waiting`` the
-        #: records of each run dead-lettered when the buffer overflowed (taken at its admission)
-        self._waiting: dict[str, tuple[list, int]] = {}
+        #: records and end markers of runs waiting for a place; the run that sent last is last.
+        #: ``waiting_records`` counts them, ``lost_waiting`` the records of each run dead-lettered
+        #: when the buffer overflowed (taken at its admission)
+        self._waiting: dict[str, WaitingRun] = {}
         self.waiting_records = 0
         self.lost_waiting: dict[str, int] = {}
+        self._arriving: dict[str, tuple[int, int]] = {}  # new runs in the poll being taken: records, world
+        #: what runs that gave way had shown (whole steps, clock of the first, trained): they keep it
+        self._credit: dict[str, tuple[int, float | None, bool]] = {}
         self._admitted: list[str] = []  # runs admitted from the buffer since take_admitted()
+        self._ends: list[Record] = []  # their end markers
         self.record_budget = float(record_budget)
         self._budget_cap = self.record_budget * float(budget_window)  # the bucket's size
         self._probation: dict[str, float] = {}  # runs on probation -> clock of their last record, oldest first
@@ -133,7 +95,7 @@ class StepAligner:
         self.backlog = False
         self.max_open = int(max_open)
         self.clock = clock
-        self._runs: dict[str, _RunSteps] = {}
+        self._runs: dict[str, RunSteps] = {}
         self.duplicates = 0
         self.late_records = 0
         self.world_changes = 0
@@ -177,6 +139,7 @@ class StepAligner:
             st = self._runs.get(run)
             if st is not None:  # not given way to a signed run since
                 out += self._drain(run, st, force=False, now=now)
+        self._arriving = {}
         for run, recs in over.items():
             self.over_budget += len(recs)
             why = (
@@ -194,15 +157,19 @@ class StepAligner:
         if not new:
             return items
         count = dict.fromkeys(new, 0)
+        worlds: dict[str, int] = {}
         for x in items:
             if x.run in count:
                 count[x.run] += len(x) if isinstance(x, RecordColumns) else 1
+                if x.run not in worlds:
+                    worlds[x.run] = world_of(x)
+        self._arriving = {run: (count[run], world) for run, world in worlds.items()}
         first = self.first
         rank = {run: i for i, run in enumerate(sorted(new, key=lambda run: (not first(run), -count[run], run)))}
         held = [x for x in items if x.run not in rank]
         return held + sorted((x for x in items if x.run in rank), key=lambda x: rank[x.run])
 
-    def _grant(self, st: _RunSteps, n: int, now: float) -> int:
+    def _grant(self, st: RunSteps, n: int, now: float) -> int:
         """How many of ``n`` records the run's budget (a token bucket) takes now."""
         if st.tokens < n:  # refill lazily: only when the bucket runs short
             st.tokens = min(self._budget_cap, st.tokens + (now - st.tokens_at) * self.record_budget)
@@ -211,17 +178,22 @@ class StepAligner:
         st.tokens -= n
         return n
 
-    def _wait(self, item: Record | RecordColumns) -> None:
-        """Keep a record (or block) of a run not admitted yet; past ``wait_records`` the run that
-        sent least recently loses its waiting records (dead-lettered ``runs``, counted for it)."""
-        items, n = self._waiting.pop(item.run, ([], 0))
-        items.append(item)
+    def _wait(self, item: Record | RecordColumns, end: bool = False) -> None:
+        """Keep a record, block or end marker (``end``) of a run not admitted yet; past
+        ``wait_records`` the run that sent least recently loses its waiting records (dead-lettered
+        ``runs``, counted for it)."""
+        w = self._waiting.pop(item.run, None)
+        if w is None:
+            w = WaitingRun(world_of(item), self.clock())
+        (w.ends if end else w.items).append(item)
         k = len(item) if isinstance(item, RecordColumns) else 1
-        self._waiting[item.run] = (items, n + k)
+        self._waiting[item.run] = w
+        w.records += k
         self.waiting_records += k
         while self.waiting_records > self.wait_records:
             run = next(iter(self._waiting))
-            items, n = self._waiting.pop(run)
+            w = self._waiting.pop(run)
+            n = w.records
             self.waiting_records -= n
             if len(self.lost_waiting) >= self.wait_records:  # bounded: the oldest count goes
                 del self.lost_waiting[next(iter(self.lost_waiting))]
@@ -231,8 +203,15 @@ class StepAligner:
                 f"records runs may wait with are full (detectors.run_wait_records): its {n} waiting "
                 f"record(s) are lost ({self.lost_waiting[run]} in all)"
             )
-            recs = [r for x in items for r in (x.to_records() if isinstance(x, RecordColumns) else [x])]
-            self.rejected.append(("runs", why, recs))
+            self.rejected.append(("runs", why, expanded(w.items) + w.ends))
+
+    def wait_end(self, marker: Record) -> bool:
+        """Keep the end-of-run marker of a run that waits for a place with its records (it ends once
+        admitted: :meth:`take_admitted`); False when the run does not wait."""
+        if marker.run not in self._waiting:
+            return False
+        self._wait(marker, end=True)
+        return True
 
     def _release(self) -> list:
         """The waiting records of the runs that get a place now, in their order: signed runs first,
@@ -240,34 +219,63 @@ class StepAligner:
         a place ends the offers."""
         first = self.first
         out: list = []
-        for run in sorted(self._waiting, key=lambda r: (not first(r), -self._waiting[r][1], r)):
+        for run in sorted(self._waiting, key=lambda r: (not first(r), -self._waiting[r].records, r)):
+            if run not in self._waiting:  # lost to the records of a run that gave way meanwhile
+                continue
             if not self.admit(run):
                 break
-            items, n = self._waiting.pop(run)
-            self.waiting_records -= n
+            w = self._waiting.pop(run, None)
+            if w is None:  # its records were lost to those of the run that gave way for it
+                continue
+            self.waiting_records -= w.records
             self._admitted.append(run)
-            head = items[0]
-            world = head.world if isinstance(head, Record) else int(head.rows["world"][0])
-            self._runs[run] = _RunSteps(world=world, tokens=self._budget_cap, tokens_at=self.clock())
-            out += items
+            self._ends += w.ends
+            self._runs[run] = self._new_run(run, w.world, self.clock())
+            out += w.items
         return out
+
+    def _new_run(self, run: str, world: int, now: float) -> RunSteps:
+        """A run taking a place: with the steps it showed before it gave way, if it did."""
+        steps, since, trained = self._credit.pop(run, (0, None, False))
+        if not trained:
+            self._probation[run] = now
+        return RunSteps(world, steps_complete=steps, complete_since=since, tokens=self._budget_cap, tokens_at=now)
+
+    def _shown(self, run: str) -> tuple[bool, int]:
+        """What a run not held has shown: whether it trained (before it gave way, or
+        ``probation_steps`` whole steps' worth of records waiting over ``probation_s``), and how
+        many whole steps' worth (records waiting and arriving over its world, or its credit)."""
+        steps, _, trained = self._credit.get(run, (0, None, False))
+        w = self._waiting.get(run)
+        n, world = self._arriving.get(run, (0, 1))
+        if w is None:
+            return trained, max(steps, n // world)
+        shown = (n + w.records - len(w.ends)) // w.world
+        trained = trained or (shown >= self.probation_steps and self.clock() - w.since >= self.probation_s)
+        return trained, max(steps, shown)
+
+    def shown_training(self, run: str) -> bool:
+        """Whether ``run``, not held, has shown training: before it gave way, or with its records
+        waiting (``probation_steps`` whole steps' worth over ``probation_s``)."""
+        return self._shown(run)[0]
 
     def waits(self, run: str) -> bool:
         """Whether records of ``run`` wait for a place."""
         return run in self._waiting
 
-    def take_admitted(self) -> tuple[list[str], dict[str, int]]:
-        """The runs admitted from the buffer since the last call, and of them those that lost
-        records while waiting (how many)."""
+    def take_admitted(self) -> tuple[list[str], dict[str, int], list[Record]]:
+        """The runs admitted from the buffer since the last call, of them those that lost records
+        while waiting (how many), and the end markers that waited with them."""
         runs, self._admitted = self._admitted, []
-        return runs, {run: self.lost_waiting.pop(run) for run in runs if run in self.lost_waiting}
+        ends, self._ends = self._ends, []
+        return runs, {run: self.lost_waiting.pop(run) for run in runs if run in self.lost_waiting}, ends
 
-    def _run_state(self, run: str, world: int, now: float, out: list[StepFrame]) -> _RunSteps:
+    def _run_state(self, run: str, world: int, now: float, out: list[StepFrame]) -> RunSteps:
         """The run's state (a new one for a run just admitted), started afresh (open steps closed
         first) when its world size changed."""
         st = self._runs.get(run)
         if st is None:  # admitted (add() asked)
-            st = self._runs[run] = _RunSteps(world=world, tokens=self._budget_cap, tokens_at=now)
+            st = self._runs[run] = self._new_run(run, world, now)
         elif world != st.world:
             out += self._drain(run, st, force=True, now=now)
             self.world_changes += 1
@@ -329,20 +337,20 @@ class StepAligner:
                 op.blocks.append((part, idx))
                 touched.add(cols.run)
 
-    def _open_step(self, st: _RunSteps, step: int, now: float, n: int) -> _OpenStep | None:
+    def _open_step(self, st: RunSteps, step: int, now: float, n: int) -> OpenStep | None:
         """The run's open ``step`` (opened now if new); None when it closed already (its ``n`` records came late)."""
         if step <= st.last_closed:
             self.late_records += n
             return None
         op = st.open.get(step)
         if op is None:
-            op = st.open[step] = _OpenStep(first_seen=now, world=st.world)
+            op = st.open[step] = OpenStep(first_seen=now, world=st.world)
         return op
 
     def _fits(
         self,
-        st: _RunSteps,
-        op: _OpenStep,
+        st: RunSteps,
+        op: OpenStep,
         step: int,
         run: str,
         scalar_names: Iterable[str],
@@ -387,7 +395,7 @@ class StepAligner:
         """Close every open step now (end of a replay file, shutdown)."""
         return self.poll(force=True)
 
-    def _drain(self, run: str, st: _RunSteps, *, force: bool, now: float) -> list[StepFrame]:
+    def _drain(self, run: str, st: RunSteps, *, force: bool, now: float) -> list[StepFrame]:
         out = []
         while st.open:
             step = min(st.open)
@@ -437,13 +445,21 @@ class StepAligner:
         """Whether ``run`` is being aligned (it was admitted and not forgotten)."""
         return run in self._runs
 
-    def idlest_on_probation(self, idle: float, skip: Callable[[str], bool] = lambda run: False) -> str | None:
-        """The run on probation silent longest (of those not ``skip``), if it has been silent ``idle``
-        seconds; else None."""
+    def idlest_on_probation(
+        self, idle: float, skip: Callable[[str], bool] = lambda run: False, newcomer: str | None = None
+    ) -> str | None:
+        """The run on probation silent longest (of those not ``skip``) of those silent ``idle``
+        seconds, and with a ``newcomer``, of those that showed no more whole steps than it (counting
+        at most ``probation_steps``; any, if it has shown training): a burst of first steps holds its
+        place against a flood of lesser runs, and no burst holds it against one that showed as much."""
         now = self.clock()
+        trained, shown = self._shown(newcomer) if newcomer is not None else (True, 0)
+        shown = self.probation_steps if trained else min(shown, self.probation_steps)
         for run, last in self._probation.items():
-            if not skip(run):
-                return run if now - last >= idle else None
+            if now - last < idle:
+                return None
+            if not skip(run) and shown >= min(self._runs[run].steps_complete, self.probation_steps):
+                return run
         return None
 
     def on_probation(self, run: str) -> bool:
@@ -471,15 +487,21 @@ class StepAligner:
         """The runs being aligned, in the order they were admitted."""
         return list(self._runs)
 
-    def forget(self, run: str, gave_way: bool = False) -> None:
-        """Drop a run's alignment state. A run that ``gave_way`` to a new one has its open steps'
-        records dead-lettered (``runs``): nothing it sent is dropped uncounted."""
+    def forget(self, run: str, gave_way: bool = False, behind: Sequence[Record] = ()) -> None:
+        """Drop a run's alignment state. A run that ``gave_way`` to a new one keeps what it showed
+        (its whole steps, whether it trained); its open steps' records, then ``behind`` (its records
+        not aligned yet), wait for its return."""
         st = self._runs.pop(run, None)
-        self._probation.pop(run, None)
-        recs = [r for op in st.open.values() for r in op.all_records()] if gave_way and st is not None else []
-        if recs:
-            why = f"run {run!r} gave way to a new run (detectors.max_runs) with {len(st.open)} step(s) still open"
-            self.rejected.append(("runs", why, recs))
+        on_probation = self._probation.pop(run, None) is not None
+        if gave_way and st is not None:
+            if len(self._credit) >= self.wait_records:  # bounded: the oldest goes
+                del self._credit[next(iter(self._credit))]
+            self._credit[run] = (st.steps_complete, st.complete_since, not on_probation)
+            for op in st.open.values():
+                for rec in op.all_records():
+                    self._wait(rec)
+        for rec in behind:
+            self._wait(rec)
 
     def snapshot(self) -> dict[str, Any]:
         """JSON-safe state, including the records of still-open steps (they are not re-read)."""
@@ -497,22 +519,26 @@ class StepAligner:
                 for run, st in self._runs.items()
             },
             "counters": [self.duplicates, self.late_records, self.world_changes, self.incomplete_steps],
-            "waiting": [  # records of runs waiting for a place (committed offsets are past them)
-                [run, [to_dict(r) for x in items for r in (x.to_records() if isinstance(x, RecordColumns) else [x])]]
-                for run, (items, _) in self._waiting.items()
+            "waiting": [  # records and end markers of runs waiting (committed offsets are past them)
+                [run, [to_dict(r) for r in expanded(w.items)], [to_dict(r) for r in w.ends]]
+                for run, w in self._waiting.items()
             ],
             "lost_waiting": self.lost_waiting,
+            "credit": [[run, steps, trained] for run, (steps, _, trained) in self._credit.items()],
         }
 
     def restore(self, state: dict[str, Any]) -> None:
         now = self.clock()
         self._runs, self._probation, self._waiting, self.waiting_records = {}, {}, {}, 0
-        for run, recs in state.get("waiting", []):
-            self._waiting[run] = (list(map(from_dict, recs)), len(recs))
-            self.waiting_records += len(recs)
+        for run, recs, *ends in state.get("waiting", []):
+            for rec in map(from_dict, recs):
+                self._wait(rec)
+            for rec in map(from_dict, ends[0] if ends else []):
+                self._wait(rec, end=True)
+        self._credit = {run: (int(steps), None, bool(trained)) for run, steps, trained in state.get("credit", [])}
         self.lost_waiting = {run: int(n) for run, n in state.get("lost_waiting", {}).items()}
         for run, d in state["runs"].items():
-            st = _RunSteps(
+            st = RunSteps(
                 world=int(d["world"]),
                 last_closed=int(d["last_closed"]),
                 stride=int(d.get("stride", 1)),
@@ -525,7 +551,7 @@ class StepAligner:
             if d.get("on_probation", st.steps_complete < self.probation_steps):
                 self._probation[run] = now
             for step, recs in d["open"]:
-                op = st.open[int(step)] = _OpenStep(first_seen=now, world=st.world)
+                op = st.open[int(step)] = OpenStep(first_seen=now, world=st.world)
                 for r in map(from_dict, recs):
                     if 0 <= r.rank < st.world and not op.present[r.rank]:
                         op.records[r.rank] = r
@@ -533,25 +559,3 @@ class StepAligner:
                         op.count += 1
             self._runs[run] = st
         self.duplicates, self.late_records, self.world_changes, self.incomplete_steps = state["counters"]
-
-
-def frames_over_wire(records: Sequence[Record], wire: str, *, per_message: int = 256) -> list[StepFrame]:
-    """The frames the service would build from ``records`` sent in wire format ``wire`` (``v1``/``v2``):
-    encoded as the transports do, decoded and aligned waiting for every rank (the campaign runs
-    detection on exactly what crosses the bus)."""
-    check_choice("wire", wire, WIRES)
-    items = list(records) if wire == "v1" else [PackedRecord.from_record(r) for r in records]
-    messages = [
-        (f"wire/0/{i}", key, value)
-        for i, (key, value, _) in enumerate(encode_items(items, record_key, per_message, set()))
-    ]
-    decoder = IngestDecoder()
-    aligner = StepAligner(timeout=1e9, max_open=1 << 30, reorder_grace=1e9)
-    frames: list[StepFrame] = []
-    for i in range(0, len(messages), 16):  # a poll's worth at a time, as the service reads them
-        decoded, rejected = decoder.decode(messages[i : i + 16])
-        if rejected:
-            raise RecordError("record", f"{len(rejected)} messages did not decode: {rejected[0].reason}")
-        frames += aligner.add(decoded)
-    frames += aligner.flush()
-    return sorted(frames, key=lambda f: (f.run, f.step))

@@ -1,5 +1,7 @@
 """The service's side of the job keys: :class:`Authenticator` verifies each signed message before it is
-decoded, refuses one signed before (:class:`SignerStarts`: each signer's start and the numbers it used),
+decoded, refuses one signed before (:class:`SignerStarts`: each signer's start and the numbers it used)
+unless it is the very message read again at its place in the topic (a rebalance or a restart: taken
+again, counted apart),
 binds each run to the key of its first verified message when that key is issued for the run's name, and
 keeps the start each run announced (decisions carry it). Unsigned messages are refused, or accepted for
 runs no key has claimed (``unsigned = "accept"``). A failure is dead-lettered ``auth``.
@@ -15,7 +17,7 @@ from typing import Any, Callable, Iterable
 
 from sdcwatch.core.control import JobStart
 from sdcwatch.core.errors import ConfigError
-from sdcwatch.core.signing import AuthError, Freshness, JobKey, Keyring, RunBindings, is_signed
+from sdcwatch.core.signing import SERVICE_KID, AuthError, Freshness, JobKey, Keyring, RunBindings, is_signed
 from sdcwatch.core.validate import check_choice
 
 __all__ = ["Authenticator", "SignerStarts", "UNSIGNED_POLICIES", "RUN_REFUSALS"]
@@ -42,6 +44,14 @@ class SignerStarts:
     holes fills the oldest gap: a message from it is then ``replayed``). A start stamped more than
     ``skew_s`` ahead of this clock is ``future``. A key that has sent a fresh envelope may not send one
     without a start (``unfresh``: an earlier release's emitter shares it, or a capture is replayed).
+
+    ``check``'s ``at`` (topic/partition, offset) tells a re-read from a replay: a taken number read at
+    an offset no later than the last checked in that partition is the message at that place read
+    again (a rebalance or a restart re-delivers from the committed offset, which may be behind what
+    was checked; a replay is appended past the end, and no writer can write at an earlier offset):
+    ``redelivered``, not ``replayed``, and taken again (the pipeline drops what it already had). One
+    offset a partition, kept in the snapshot with the numbers, so a restart tells them apart too. A
+    topic deleted and made again restarts its offsets: its old offsets then shelter a replay.
     """
 
     def __init__(
@@ -56,9 +66,21 @@ class SignerStarts:
         self._starts: OrderedDict[tuple[str, bytes], tuple[float, list[list[int]]]] = OrderedDict()
         self._floor: dict[str, float] = {}  # kid -> the newest start forgotten
         self._fresh: set[str] = set()  # keys that sent a fresh envelope
+        self._read_to: dict[str, int] = {}  # topic/partition -> the last offset checked there
 
-    def check(self, kid: str, fresh: Freshness | None) -> tuple[str, str] | None:
-        """None when the message (key ``kid``, its envelope's ``fresh``) is new, now noted; else (reason, why)."""
+    def check(self, kid: str, fresh: Freshness | None, at: tuple[str, int] | None = None) -> tuple[str, str] | None:
+        """None when the message (key ``kid``, its envelope's ``fresh``, read at ``at``: topic/partition,
+        offset) is new, now noted; else (reason, why)."""
+        refusal = self._check(kid, fresh)
+        if at is not None:
+            place, offset = at
+            if offset > self._read_to.get(place, -1):
+                self._read_to[place] = offset
+            elif refusal is not None and refusal[0] == "replayed":
+                return "redelivered", f"{place} offset {offset} read again (a rebalance): taken before"
+        return refusal
+
+    def _check(self, kid: str, fresh: Freshness | None) -> tuple[str, str] | None:
         if fresh is None:
             if kid in self._fresh:
                 return "unfresh", f"key {kid!r} signs fresh messages; this one carries no signer start (a replay?)"
@@ -108,6 +130,7 @@ class SignerStarts:
             "starts": [[kid, nonce.hex(), started, spans] for (kid, nonce), (started, spans) in self._starts.items()],
             "floor": dict(self._floor),
             "fresh": sorted(self._fresh),
+            "read_to": dict(self._read_to),
         }
 
     def restore(self, state: Any) -> None:
@@ -123,6 +146,9 @@ class SignerStarts:
                 continue
         self._floor.update((str(k), float(v)) for k, v in (state.get("floor") or {}).items())
         self._fresh.update(str(k) for k in state.get("fresh") or ())
+        for place, offset in (state.get("read_to") or {}).items():
+            if isinstance(offset, int) and offset > self._read_to.get(str(place), -1):
+                self._read_to[str(place)] = offset
 
 
 class Authenticator:
@@ -136,9 +162,10 @@ class Authenticator:
         log_every: seconds between two log lines about runs refused to one key for one reason.
 
     ``refused`` counts the messages refused by (key id or "unsigned", reason): a small, bounded set
-    of labels (the keys times :data:`RUN_REFUSALS`). With ``accept``, a run that sent unsigned
-    records and then binds to a key is listed in ``rebound`` (:meth:`take_rebound`): what it sent
-    unsigned must not stand (the service forgets it).
+    of labels (the keys times :data:`RUN_REFUSALS`); ``redelivered`` counts by key id the messages
+    read again at their place (a rebalance, a restart), taken again (not refusals). With
+    ``accept``, a run that sent unsigned records and then binds to a key is listed in ``rebound``
+    (:meth:`take_rebound`): what it sent unsigned must not stand (the service forgets it).
     """
 
     def __init__(
@@ -160,22 +187,29 @@ class Authenticator:
         self.bindings = RunBindings(max_runs, idle_s=idle_s, may_use=keyring.may_use, clock=clock)
         self.starts = SignerStarts()
         self.refused: dict[tuple[str, str], int] = {}
+        self.redelivered: dict[str, int] = {}
         self.rebound: list[str] = []
         self._unsigned_runs: OrderedDict[str, None] = OrderedDict()  # runs read unsigned, not bound yet
         self._max_unsigned = max_runs
         self._logged: dict[tuple[str, str], tuple[float, int]] = {}  # (kid, reason) -> (when, count then)
 
-    def open(self, value: bytes) -> tuple[bytes, str | None]:
-        """(the message inside ``value``, its key id; None for an unsigned one the policy accepts)."""
+    def open(self, value: bytes, origin: str = "") -> tuple[bytes, str | None]:
+        """(the message inside ``value``, its key id; None for an unsigned one the policy accepts);
+        ``origin`` (topic/partition/offset) tells a message read again at its place from a replay."""
         if is_signed(value):
             kid, message, fresh = self.keyring.verify_fresh(value)
-            refusal = self.starts.check(kid, fresh)
-            if refusal is not None:
+            place, _, offset = origin.rpartition("/")
+            refusal = self.starts.check(kid, fresh, (place, int(offset)) if offset.isdigit() else None)
+            if refusal is not None and refusal[0] == "redelivered":
+                self.redelivered[kid] = self.redelivered.get(kid, 0) + 1
+            elif refusal is not None:
                 self._refuse(kid, refusal[0], "a message", refusal[1])
                 raise AuthError("signature", refusal[1])
             return message, kid
         if self.unsigned == "refuse":
-            raise AuthError("signature", "the message is not signed and this service requires signed telemetry")
+            why = "the message is not signed and this service requires signed telemetry"
+            self._refuse("unsigned", "unsigned", "a message", f"{why}: give the job its key (SDCWATCH_KEY_FILE)")
+            raise AuthError("signature", why)
         return value, None
 
     def bind(self, runs: Iterable[str], kid: str | None) -> None:
@@ -246,7 +280,16 @@ class Authenticator:
         return self.bindings.nonce_of(run)
 
     def warn_unrestricted(self) -> None:
-        """Say at start which keys carry no run patterns: each may claim any run name no key holds yet."""
+        """Say at start which keys carry no run patterns (each may claim any run name no key holds yet),
+        and when the service's own key is made from one job's key alone (that job can make it)."""
+        if self.keyring.service is None and len(self.keyring) == 1:
+            log.warning(
+                "auth: the key file holds no %s line: the service's own key (its state and anomalies topics) "
+                "is made from key %r alone, which its job can make too (add a line '%s:SECRET')",
+                SERVICE_KID,
+                self.keyring.kids[0],
+                SERVICE_KID,
+            )
         loose = self.keyring.unrestricted
         if loose:
             log.warning(

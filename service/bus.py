@@ -1,9 +1,6 @@
 """The service's end of the bus: the protocol of the sources it reads, their decoding and dead letters.
-
-Delivery is at least once (a source commits after the records are processed; the step aligner drops
-duplicates). A message that does not decode, or a record past the
-:class:`~sdcwatch.core.limits.RecordLimits`, goes to the dead-letter topic with its reason, origin
-and size, is counted by reason, and reading goes on (docs/operating.md).
+Delivery is at least once (commit after processing; the step aligner drops duplicates); a message that does
+not decode or breaks a limit is dead-lettered with its reason and counted, and reading goes on.
 """
 
 from __future__ import annotations

@@ -390,23 +390,15 @@ def _read_to_end(consumer: Any, parts: list, timeout: float) -> Iterator[Any]:
 def resume_state(
     pipeline: Any, path: str | os.PathLike, changelog: StateChangelog | None = None
 ) -> tuple[str | None, ChangelogSnapshot | None]:
-    """:func:`_resume`, then the host states on the topic (every instance's) adopted by the ledger."""
-    taken = _resume(pipeline, path, changelog)
-    for host, d in (changelog.host_states if changelog is not None else {}).items():
-        pipeline.hosts.adopt(host, d)
-    return taken
-
-
-def _resume(
-    pipeline: Any, path: str | os.PathLike, changelog: StateChangelog | None = None
-) -> tuple[str | None, ChangelogSnapshot | None]:
-    """Restore ``pipeline`` from the state file ``path`` (its ``.prev`` when only that is left, logged),
-    or from ``changelog`` when it has a newer snapshot; (where the state came from: "file", "topic" or
-    None, the topic's snapshot when taken). A refused or damaged one of the two gives way to the other
-    when that one is good, in one log line; ConfigError naming it when there is no other."""
+    """Restore ``pipeline`` from the newer of the state file ``path`` (its ``.prev`` when only that is
+    left, logged; its time: when it was written) and ``changelog``'s snapshot (its signed ``written_at``),
+    saying which in a log line; (where the state came from: "file", "topic" or None, the topic's snapshot
+    when taken). A refused or damaged one of the two gives way to the other when that one is good, in
+    one log line; ConfigError naming it when there is no other. Then the host states on the topic
+    (every instance's) are adopted by the ledger."""
     path = Path(path)
     found = state_to_resume(path)
-    snap, refused = None, None
+    snap, refused, taken = None, None, None
     if changelog is not None:
         try:
             snap = changelog.read()
@@ -420,39 +412,53 @@ def _resume(
         try:
             with changelog.restoring():
                 pipeline.restore(snap.state)
-            return "topic", snap
+            taken = "topic"
         except ConfigError as exc:
             if file_time is None:
                 raise
             snap, refused = None, exc  # the file's restore replaces what this one restored
-    if refused is not None and file_time is None:
-        raise refused
-    if found != path:
-        log.warning(
-            "state file %s is missing: resuming from %s, the snapshot before it (written %.1f s ago); "
-            "what was read between that snapshot and the lost one is not read again",
-            path,
-            found,
-            max(0.0, time.time() - found.stat().st_mtime),
-        )
-    try:
-        loaded = pipeline.load(found)
-    except ConfigError as bad:
-        if snap is None:
-            raise
-        with changelog.restoring():
-            pipeline.restore(snap.state)
-        log.warning(
-            "%s: resuming from the state topic's older snapshot instead (written %.1f s ago); the next "
-            "snapshot replaces the file (the damaged one is kept as its .prev until the one after)",
-            _without_way_out(bad),
-            max(0.0, time.time() - snap.written_at),
-        )
-        return "topic", snap
-    if refused is not None:
-        log.warning(
-            "%s: resuming from the state file %s instead; the next snapshot replaces the topic's (nothing to do)",
-            _without_way_out(refused),
-            found,
-        )
-    return ("file" if loaded else None), None
+    if taken is None:
+        if refused is not None and file_time is None:
+            raise refused
+        if found != path:
+            log.warning(
+                "state file %s is missing: resuming from %s, the snapshot before it (written %.1f s ago); "
+                "what was read between that snapshot and the lost one is not read again",
+                path,
+                found,
+                max(0.0, time.time() - found.stat().st_mtime),
+            )
+        try:
+            taken = "file" if pipeline.load(found) else None
+        except ConfigError as bad:
+            if snap is None:
+                raise
+            with changelog.restoring():
+                pipeline.restore(snap.state)
+            log.warning(
+                "%s: resuming from the state topic's older snapshot instead (written %.1f s ago); the next "
+                "snapshot replaces the file (the damaged one is kept as its .prev until the one after)",
+                _without_way_out(bad),
+                max(0.0, time.time() - snap.written_at),
+            )
+            taken = "topic"
+        else:
+            if refused is not None:
+                log.warning(
+                    "%s: resuming from the state file %s instead; the next snapshot replaces the topic's "
+                    "(nothing to do)",
+                    _without_way_out(refused),
+                    found,
+                )
+            elif snap is not None:  # an older snapshot (re-published, or the topic behind) never wins
+                log.info(
+                    "resuming from the state file %s, the newer: the state topic's snapshot %s was written "
+                    "%.1f s before it",
+                    found,
+                    snap.snapshot,
+                    file_time - snap.written_at,
+                )
+            snap = None
+    for host, d in (changelog.host_states if changelog is not None else {}).items():
+        pipeline.hosts.adopt(host, d)
+    return taken, snap

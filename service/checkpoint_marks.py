@@ -382,7 +382,7 @@ class CheckpointBook:
         self._unsent.pop(run, None)
 
     def snapshot(self) -> dict[str, Any]:
-        """JSON-safe: per run, its checkpoints, incidents that mark them, and the last step judged."""
+        """JSON-safe: per run, its checkpoints (and which are disputed), their incidents, the last step judged."""
         return {
             "runs": {
                 name: {
@@ -392,6 +392,7 @@ class CheckpointBook:
                     ],
                     "incidents": [[i, *v] for i, v in st.incidents.items()],
                     "guarded": [[s, a] for s, a in st.guarded.items()],
+                    "disputed": [s for s, c in st.checkpoints.items() if c.disputed],
                 }
                 for name, st in self._runs.items()
             },
@@ -408,6 +409,9 @@ class CheckpointBook:
             for s, path, mark, ids, *evidence in d.get("checkpoints", [])[-MAX_PER_RUN:]:  # older: no evidence
                 mark = mark if mark is None else str(mark)
                 st.checkpoints[int(s)] = _Checkpoint(str(path), mark, tuple(ids), tuple(*evidence))
+            for s in d.get("disputed", ()):  # two paths were noted: a third note must not certify one
+                if int(s) in st.checkpoints:
+                    st.checkpoints[int(s)].disputed = True
             for iid, weight, first, resolved, *more in d.get("incidents", [])[-MAX_INCIDENTS_PER_RUN:]:
                 last, reach = (int(more[0]), str(more[1])) if more else (int(resolved or first), "")
                 resolved = None if resolved is None else int(resolved)

@@ -1,10 +1,6 @@
-"""Closing the loop: which decision for the training job's guard an incident asks for.
-
-:class:`ControlPolicy` says which action (``skip``, ``rollback``, ``evict`` or none) an incident of
-each kind asks for, from which severity on; the control topic's sink
-(:class:`sdcwatch.exporters.topics.ControlTopicSink`) publishes each new decision, and the guard on
-rank 0 of the run reads it. The default takes no action: sdcwatch detects and reports until the
-user turns actions on (``[guard] actions = true``).
+"""Closing the loop: which decision (``skip``, ``rollback``, ``evict`` or none) for the training job's guard
+an incident asks for; the control topic's sink publishes it and the guard on rank 0 of the run reads it. The
+default takes no action: sdcwatch detects and reports until the user sets ``[guard] actions = true``.
 """
 
 from __future__ import annotations
@@ -30,18 +26,11 @@ POLICY_ACTIONS = ("none", "skip", "rollback", "evict")
 
 @dataclass
 class ControlPolicy:
-    """Which decision each incident kind asks for. Rules name an action from :data:`POLICY_ACTIONS`:
-    "none", "skip" (the update of the next step), "rollback" (to the guard's last snapshot before
-    the incident began; replicas resynchronised from a healthy one), "evict" (the rank the incident
-    names; the job exits with code 16 naming the host).
-
-    A replica divergence is split by its evidence: parameter fingerprints that disagree are a
-    replica's memory gone wrong (``on_replica_divergence``, by default a rollback that resynchronises
-    the replicas from a healthy one); only a canary disagreeing (the whole-model ``canary_fp`` or
-    the per-product ``gemm_canary_fp``) is that rank computing wrongly
-    (``on_canary_divergence``, by default an eviction). ``sdcwatch serve`` takes these settings from
-    its ``[guard]`` table (:class:`sdcwatch.config.GuardPolicyConfig`).
-    """
+    """Which decision each incident kind asks for, one of :data:`POLICY_ACTIONS`: "skip" (the update of
+    the next step), "rollback" (to the guard's last snapshot before the incident began; replicas resynchronised
+    from a healthy one), "evict" (the rank it names; the job exits with code 16 naming the host). A replica
+    divergence is split by its evidence: parameter fingerprints (``on_replica_divergence``) or only a canary,
+    ``canary_fp`` or ``gemm_canary_fp`` (``on_canary_divergence``). ``sdcwatch serve``'s ``[guard]`` table."""
 
     actions: bool = False
     """Publish decisions to the control topic at all; off by default (detect and report only)."""

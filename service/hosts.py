@@ -44,6 +44,9 @@ class HostSettings:
     """The most one run can add to a host's score: one run alone never makes a verdict."""
     run_floor: float = 0.3
     """A run counts as independent evidence against a host once its (decayed) share reaches this."""
+    one_off_run: float = 0.5
+    """What a run counts for when its evidence against a host is one step: a one-off upset strikes
+    any host by chance (several, on one host of a large fleet, do); a defective part recurs."""
     suspect_score: float = 1.5
     """Score at which a host named by at least suspect_runs runs becomes suspect."""
     suspect_runs: int = 2
@@ -105,7 +108,7 @@ class _Host:
     and its verdict."""
 
     def __init__(self) -> None:
-        self.runs: dict[str, tuple[float, float]] = {}  # run -> (score, wall)
+        self.runs: dict[str, tuple[float, ...]] = {}  # run -> (score, wall, first step, recurs: 0/1)
         self.kinds: set[str] = set()
         self.gpus: set[str] = set()
         self.steps = 0
@@ -129,7 +132,9 @@ class _Host:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "_Host":
         h = cls()
-        h.runs = {str(r): (float(s), float(w)) for r, (s, w) in dict(d.get("runs", {})).items()}
+        # a run saved as (score, wall), before its steps were kept, counts as recurring
+        runs = dict(d.get("runs", {}))
+        h.runs = {str(r): tuple(map(float, e if len(e) == 4 else [*e[:2], -1.0, 1.0])) for r, e in runs.items()}
         h.kinds, h.gpus = {str(k) for k in d.get("kinds", ())}, {str(g) for g in d.get("gpus", ())}
         h.steps = int(d.get("steps", 0))
         verdict = d.get("verdict", "clean")
@@ -146,8 +151,8 @@ class HostLedger:
     """Evidence per host across runs, decayed over wall time, and a verdict per host.
 
     >>> ledger = HostLedger()
-    >>> for run in ("a", "b"):
-    ...     ledger.credit(run=run, step=1, host="node17", kind="checksum", weight=1.0, wall=0.0)
+    >>> for run, step in [("a", 1), ("a", 9), ("b", 4), ("b", 5)]:
+    ...     ledger.credit(run=run, step=step, host="node17", kind="checksum", weight=0.5, wall=0.0)
     >>> [(v.host, v.verdict, v.runs) for v in ledger.verdicts(wall=0.0)]
     [('node17', 'suspect', ('a', 'b'))]
     """
@@ -178,7 +183,9 @@ class HostLedger:
             h = self._hosts[host] = _Host()
         if run not in h.runs and len(h.runs) >= self.settings.max_runs_per_host:
             del h.runs[min(h.runs, key=lambda r: self._decay(h.runs[r], wall))]
-        h.runs[run] = (min(self._decay(h.runs.get(run, (0.0, wall)), wall) + weight, self.settings.run_cap), wall)
+        e = h.runs.get(run, (0.0, wall, step, 0.0))
+        recurs = float(e[3] or e[2] != step)  # a second step of evidence in this run
+        h.runs[run] = (min(self._decay(e, wall) + weight, self.settings.run_cap), wall, e[2], recurs)
         h.steps += 1
         h.kinds.add(kind)
         if gpu and len(h.gpus) < 64:
@@ -206,7 +213,8 @@ class HostLedger:
     def _judge(self, host: str, h: _Host, wall: float) -> None:
         """Raise (or, for a suspect whose evidence faded, lower) the verdict; quarantine stays until cleared."""
         s = self.settings
-        score, runs = self._score(h, wall), len(self._counted(h, wall))
+        counted = self._counted(h, wall)
+        score, runs = self._score(h, wall), sum(1.0 if h.runs[r][3] else s.one_off_run for r in counted)
         verdict = h.verdict
         if score >= s.quarantine_score and runs >= s.quarantine_runs:
             verdict = "quarantine"
@@ -218,17 +226,23 @@ class HostLedger:
             h.verdict, h.since = verdict, (wall if verdict != "clean" else 0.0)
             h.cleared_by = h.reason = ""
             if verdict in _FLAGGED:
-                h.reason = f"score {score:.2f} from {runs} runs ({', '.join(sorted(h.kinds))})"
+                h.reason = f"score {score:.2f} from {len(counted)} runs ({', '.join(sorted(h.kinds))})"
             self.changed.add(host)
 
     # -- reading ----------------------------------------------------------------------------------
 
+    def review(self, wall: float) -> None:
+        """Judge every host again at ``wall`` (the service does, at each snapshot): a suspect whose
+        evidence faded goes back to clean. Reading never judges: it says what was decided."""
+        for host, h in self._hosts.items():
+            self._judge(host, h, wall)
+
     def verdict(self, host: str, wall: float) -> HostVerdict | None:
-        """The verdict on ``host`` at ``wall``, or None when it is not tracked."""
+        """The verdict on ``host`` as last judged, its evidence decayed to ``wall``; None when it is
+        not tracked."""
         h = self._hosts.get(host)
         if h is None:
             return None
-        self._judge(host, h, wall)
         return HostVerdict(
             host=host,
             verdict=h.verdict,
@@ -242,17 +256,11 @@ class HostLedger:
             reason=h.reason,
         )
 
-    def verdicts(self, wall: float | None = None) -> list[HostVerdict]:
-        """Every tracked host's verdict, worst first (then by score, then by name)."""
-        wall = self._now() if wall is None else wall
-        out = [v for host in list(self._hosts) if (v := self.verdict(host, wall)) is not None]
+    def verdicts(self, wall: float) -> list[HostVerdict]:
+        """Every tracked host's verdict (:meth:`verdict`), worst first (then by score, then by name)."""
+        out = [v for host in self._hosts if (v := self.verdict(host, wall)) is not None]
         out.sort(key=lambda v: (-VERDICTS.index(v.verdict), -v.score, v.host))
         return out
-
-    def _now(self) -> float:
-        """The latest wall time the ledger has seen (verdicts read without a clock)."""
-        walls = [e[1] for h in self._hosts.values() for e in h.runs.values()] + [h.since for h in self._hosts.values()]
-        return max(walls, default=0.0)
 
     def __len__(self) -> int:
         return len(self._hosts)
@@ -309,6 +317,7 @@ class HostLedger:
         else:
             last = max((mine, theirs), key=lambda h: VERDICTS.index(h.verdict))
         mine.verdict, mine.since, mine.cleared_by, mine.reason = last.verdict, last.since, last.cleared_by, last.reason
+        self._judge(host, mine, max((e[1] for e in mine.runs.values()), default=mine.since))  # the runs merged
 
     def take_changed(self) -> set[str]:
         """The hosts changed since the last call (their state to publish)."""

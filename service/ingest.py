@@ -320,7 +320,7 @@ class IngestDecoder:
                 value = bytes(value)
             at = len(items)
             try:
-                message, head, signed = self._read(value, items)
+                message, head, signed = self._read(value, items, origin)
             except RecordError as exc:
                 rejected.append(_rejected(origin, key, value, exc))
                 continue
@@ -365,14 +365,14 @@ class IngestDecoder:
             [m for k, m in enumerate(v2) if k not in drop_v2],
         )
 
-    def _read(self, value: bytes, items: list) -> tuple[bytes, MessageHeader | None, bool]:
+    def _read(self, value: bytes, items: list, origin: str = "") -> tuple[bytes, MessageHeader | None, bool]:
         """One message, its signature checked first: decoded into ``items``, or for a v2 message its
         header alone (its rows are read with the others of its schema and run). Returns (the message
         without its envelope, the v2 header or None, whether it was signed); RecordError for a message
         to dead-letter."""
         auth, kid = self.auth, None
         if auth is not None:  # the signature first: nothing unverified reaches a decoder
-            value, kid = auth.open(value)
+            value, kid = auth.open(value, origin)
         if value[:4] != MAGIC_V2:
             if value[:4] == START_MAGIC:  # a guard's start: the nonce its run's decisions carry
                 if auth is not None:

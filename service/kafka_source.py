@@ -50,6 +50,7 @@ class KafkaSource(DeadLetterCounts):
     raises ConfigError saying so, and it commits nothing meanwhile (:attr:`owns_topic` False), so
     the instance that stays re-reads what it took (docs/service.md). ``first_member``: this member
     created the topic, so none held it before: it stays like one that held the whole topic.
+    ``connect_timeout``: seconds each client waits for the broker to answer (then TransportError).
     """
 
     def __init__(
@@ -72,6 +73,7 @@ class KafkaSource(DeadLetterCounts):
         gap_wait_s: float = GAP_WAIT_S,
         sole_member_after_s: float | None = None,
         first_member: bool = False,
+        connect_timeout: float = 30.0,
         **security: Any,
     ) -> None:
         security = security_settings(security)  # an unknown key fails before anything is opened
@@ -97,6 +99,7 @@ class KafkaSource(DeadLetterCounts):
             max_poll_interval_ms=max_poll_interval_ms,
             session_timeout_ms=session_timeout_ms,
             heartbeat_interval_ms=heartbeat_interval_ms,
+            bootstrap_timeout_ms=int(connect_timeout * 1000),
         )
         self._thread = threading.Thread(target=self._read, name=f"sdcwatch-reader-{topic}", daemon=True)
         self._thread.start()
@@ -138,9 +141,10 @@ class KafkaSource(DeadLetterCounts):
         max_poll_interval_ms: int,
         session_timeout_ms: int,
         heartbeat_interval_ms: int,
+        bootstrap_timeout_ms: int,
     ) -> None:
         """The group consumer of the topic and the dead-letter producer; TransportError when the
-        bus cannot be reached."""
+        bus cannot be reached within ``bootstrap_timeout_ms``."""
         from kafka.errors import KafkaError
 
         try:
@@ -159,6 +163,7 @@ class KafkaSource(DeadLetterCounts):
                 # producers that batch many ranks send messages of hundreds of kB, which the broker
                 # batches further: fetch whole record batches of up to 16 MB a partition
                 max_partition_fetch_bytes=16 << 20,
+                bootstrap_timeout_ms=bootstrap_timeout_ms,
             )
             # a dead letter is kept whole up to DEADLETTER_MAX_BYTES: above the 1 MB default request
             self._dl_producer = new_producer(
@@ -167,6 +172,7 @@ class KafkaSource(DeadLetterCounts):
                 linger_ms=5,
                 max_block_ms=5000,
                 max_request_size=DEADLETTER_MAX_BYTES + (1 << 20),
+                bootstrap_timeout_ms=bootstrap_timeout_ms,
             )
         except (KafkaError, OSError, ValueError) as exc:
             raise TransportError(f"cannot connect to Kafka at {self.bootstrap}: {exc}") from None
@@ -201,6 +207,7 @@ class KafkaSource(DeadLetterCounts):
             "dead_letters_total": self.dead_letters,
             "dead_letter_reasons": dict(self.dead_letter_reasons),
             "auth_runs_refused": dict(self.ingest.auth.refused) if self.ingest.auth is not None else {},
+            "auth_redelivered": dict(self.ingest.auth.redelivered) if self.ingest.auth is not None else {},
             "consumer_partitions": self.partitions,
             "waiting_for_schema": self.ingest.pending,
             "offset_gaps": {k: int(counts[k]) for k in ("refetched", "filled", "skipped")},
@@ -381,7 +388,10 @@ class KafkaSource(DeadLetterCounts):
             return
         if self._partial_since is None:
             self._partial_since = now
-        if now - self._partial_since < self._sole_after or self.shared:
+        # of members that joined together (none ever whole), the one holding partition 0 stays: it waits
+        # until the others have left and the group has rebalanced (within a max poll interval)
+        late = 2 * self._max_poll_interval if 0 in parts else 0.0
+        if now - self._partial_since < self._sole_after + late or self.shared:
             return
         why = (
             f"group {self.group}: this instance has held only partitions {parts} of the {total} of "

@@ -1,8 +1,6 @@
-"""DetectorService: the streaming loop (source -> pipeline -> sinks) with periodic state snapshots.
-
-Every ``snapshot_every`` seconds it writes the pipeline state, and only then commits the source's
-offsets: a restarted service re-reads at most what came after the snapshot, without a new warm-up
-and without repeating an alert (docs/service.md, "The state file").
+"""DetectorService: the streaming loop (source -> pipeline -> sinks). Every ``snapshot_every`` seconds it
+writes the pipeline state and only then commits the source's offsets: a restart re-reads at most what came
+after the snapshot, without a new warm-up or a repeated alert (docs/service.md, "The state file").
 """
 
 from __future__ import annotations
@@ -140,9 +138,12 @@ class DetectorService:
 
     def step(self) -> list[IncidentEvent]:
         """One iteration: poll, detect, close late steps, publish; snapshot when it is time."""
-        items = self.source.poll(self.poll_timeout)
+        items = self.source.poll(0.0 if self.pipeline.backlog.ready else self.poll_timeout)
         backlog = self._backlog()
         process = self.pipeline.process_summaries if self.pipeline.stage == "temporal" else self.pipeline.process
+        if self.pipeline.stage != "temporal":  # each run's share of this pass; a flood's excess waits
+            with self._lock:
+                items = self.pipeline.share(items)
         events: list[IncidentEvent] = []
         auth = getattr(self.source.ingest, "auth", None)
         for run in auth.take_rebound() if auth is not None else ():  # bound to a key: its unsigned past goes
@@ -219,8 +220,10 @@ class DetectorService:
                 self.pipeline.carried["auth_bindings"] = auth.bindings.snapshot()
                 self.pipeline.carried["auth_starts"] = auth.starts.snapshot()
             clears_through = apply_clears(self.pipeline, self.state_path.parent)  # kept in the state
+            wall = self.pipeline.wall()
+            self.pipeline.hosts.review(wall)  # the verdicts as of now, saved and written alike
             state = json_safe(self.pipeline.snapshot())
-            verdicts = self.pipeline.hosts.verdicts(self.pipeline.wall())
+            verdicts = self.pipeline.hosts.verdicts(wall)
             hosts = {h: self.pipeline.hosts.host_state(h) for h in self.pipeline.hosts.take_changed()}
         failed = None  # detection goes on; the offsets stay uncommitted, the next snapshot retries
         # the topic first (a file as new as the topic's snapshot is the one to resume from); never by a
@@ -240,7 +243,7 @@ class DetectorService:
             self._state_not_saved(*failed)
             return
         try:  # what a scheduler reads: after the state that holds the clears applied
-            write_host_files(self.state_path.parent, verdicts, wall=self.pipeline.wall(), clears_through=clears_through)
+            write_host_files(self.state_path.parent, verdicts, wall=wall, clears_through=clears_through)
         except OSError as exc:
             log.warning("host files not written to %s: %s", self.state_path.parent, exc)
         if self.state_write_errors and self._state_failing:
@@ -323,25 +326,6 @@ class DetectorService:
             )
             view.hosts = self.pipeline.hosts.verdicts(self.pipeline.wall())
             return view
-
-    def run_for(
-        self,
-        seconds: float | None = None,
-        *,
-        until: Callable[[], bool] | None = None,
-        max_iterations: int | None = None,
-    ) -> None:
-        """Run until ``seconds`` passed, ``until()`` is true or ``max_iterations`` ran."""
-        start, n = self.clock(), 0
-        while True:
-            self.step()
-            n += 1
-            if (
-                (seconds is not None and self.clock() - start >= seconds)
-                or (until is not None and until())
-                or (max_iterations is not None and n >= max_iterations)
-            ):
-                return
 
     def run_forever(self, stop: threading.Event) -> None:
         """Run until ``stop`` is set, then snapshot and close."""

@@ -1,9 +1,6 @@
-"""Offline replay: the same detectors over a file, for post-mortems and for tuning.
-
-Input is JSON lines (a capture, the file transport's output: :func:`~sdcwatch.core.messages.decode_line`)
-or a CSV log with ``step`` and ``loss`` columns (W&B, TensorBoard, llm.c), run as a one-rank job whose
-ranks are unknown. A malformed file raises :class:`ReplayError` naming the line; memory is bounded by
-:data:`MAX_LINE_BYTES` and :data:`MAX_COLUMNS`, not by the file.
+"""Offline replay: the same detectors over a file (JSON lines, or a CSV log with ``step`` and ``loss``
+columns run as a one-rank job), for post-mortems and tuning. A malformed file raises :class:`ReplayError`
+naming the line; memory is bounded by :data:`MAX_LINE_BYTES` and :data:`MAX_COLUMNS`, not by the file.
 """
 
 from __future__ import annotations

@@ -30,6 +30,7 @@ from sdcwatch.service.hosts import HostLedger, HostSettings, credit_hosts
 from sdcwatch.service.incidents import IncidentBook
 from sdcwatch.service.ingest import count_records
 from sdcwatch.service.layer_name_book import LayerNameBook
+from sdcwatch.service.run_backlog import RunBacklog
 from sdcwatch.service.run_lifecycle import RunLifecycle
 from sdcwatch.service.run_state import RunState, run_view
 from sdcwatch.service.statefile import read_state, restoring, write_state
@@ -82,10 +83,10 @@ class PipelineSettings:
     steps sent at once is no evidence of training)."""
     run_probation_idle_s: float = 2.0
     """Seconds without a record after which a run on probation gives way to a new run (only when
-    a new run waits for a place)."""
+    a new run waits for a place, and has shown as many whole steps or training)."""
     run_yield_idle_s: float = 30.0
     """Seconds without a step after which a run past probation gives way to a new run (only when a
-    new run waits for a place, and never a signed run to an unsigned one)."""
+    new run that has shown training waits for a place, and never a signed run to an unsigned one)."""
     run_stale_s: float = 900.0
     """Seconds without a step after which a run's open incidents resolve (the run ended or died;
     the exporter's last-step age and the missing-rank alerts say which); a run silent this long also
@@ -97,6 +98,11 @@ class PipelineSettings:
     run_budget_window_s: float = 10.0
     """Seconds over which a run's record budget is averaged: a run may send run_record_budget x this
     many records at once (a burst, a catch-up after an outage) before its budget binds."""
+    run_backlog_records: int = 50000
+    """Records that may wait for their run's share of a pass: while several runs send more than the
+    service judges in one, each run gets an equal share at most (a run needing less leaves the rest
+    to the others) and its excess waits, in order, for later passes. Past it the run with most
+    records waiting loses them (dead-lettered, reason budget, with its name and count)."""
     run_end_expiry_s: float = 300.0
     """Seconds a finished run (every rank sent its end-of-run marker; its incidents resolved) stays
     in memory and /metrics before its series are dropped."""
@@ -118,6 +124,9 @@ class PipelineSettings:
     """Temporal stage: seconds a step summary waits for the summaries of earlier steps."""
     stats_every: int = _fixed(10)
     """Spatial stage: steps between the cross-rank quantiles it sends for the dashboards."""
+    pass_records: int = _fixed(2048)
+    """Records judged in one pass of the service's loop while several runs have more to judge
+    (run_backlog_records): a run's records queued behind a flood wait for one pass, not for the flood."""
 
     def __post_init__(self) -> None:
         for f in fields(PipelineSettings):  # steps, runs: at least one; seconds: above zero
@@ -200,6 +209,8 @@ class DetectionPipeline:
             clock=wall,
         )
         self._runs: dict[str, RunState] = {}
+        # each run's share of a pass of the loop (share()): a flood's excess waits there
+        self.backlog = RunBacklog(self.settings.pass_records, self.settings.run_backlog_records, clock=clock)
         self.hosts = HostLedger(hosts)  # evidence per host across runs (docs/hosts.md)
         self.findings_total: dict[tuple[str, str], int] = {}
         self.records_total = 0
@@ -210,7 +221,6 @@ class DetectionPipeline:
         self.summaries_total = 0  # temporal stage: summaries received
         self.outbox: list[StepSummary] = []  # spatial stage: summaries for the temporal stage
         self.forgotten_events: list[IncidentEvent] = []  # resolutions of forgotten runs' incidents
-        self._markers_waiting: list[Any] = []  # end markers of runs waiting for a place (bounded as their records)
         self.carried: dict[str, Any] = {}  # the service's other parts' state (the runs' key bindings), saved with it
 
     # -- input --------------------------------------------------------------------------------
@@ -228,11 +238,19 @@ class DetectionPipeline:
         self.lifecycle.arrived([run for run in new if self.aligner.holds(run)])  # admitted (max_runs)
         self._admitted_from_wait()
         for marker in markers:  # the run closes in expire(), once its last steps are judged
-            if self.aligner.waits(marker.run) and len(self._markers_waiting) < self.settings.run_wait_records:
-                self._markers_waiting.append(marker)  # it ends once it has a place
-            else:
+            if not self.aligner.wait_end(marker):  # a waiting run's end waits with its records
                 self.lifecycle.end(marker)
         return self._with_forgotten(events)
+
+    def share(self, items: list) -> list:
+        """Of a poll's items, those to process in this pass: each run's share first (runs read
+        before a flood's before its runs), then the excess of runs that sent more (:class:`RunBacklog`). While a new run waits for a place, the excess
+        of a run on probation waits whole until it sends again: silent, it gives way as if its
+        records had been judged (docs/service.md, "Run lifecycle")."""
+        hold = self.aligner.on_probation if self.aligner.waiting_records else None
+        items, lost = self.backlog.take(items, hold)
+        self.aligner.rejected += lost
+        return items
 
     def _judge_frames(self, frames: Iterable[StepFrame]) -> list[IncidentEvent]:
         return [e for frame in frames for e in self.process_frame(frame)]
@@ -322,9 +340,10 @@ class DetectionPipeline:
         """Whether a new run gets a place within ``max_runs`` now (else its records wait): an unsigned
         one not past ``max_unsigned_runs`` while signed runs are held; past ``max_runs``, a signed
         one takes the place of the idlest unsigned run, any takes that of the idlest run on probation
-        silent ``run_probation_idle_s``, else of the idlest training run silent ``run_yield_idle_s``
-        (``_runs`` is in order of activity), never of a signed run if unsigned (docs/service.md,
-        "Run lifecycle")."""
+        silent ``run_probation_idle_s`` that showed no more steps, else one that has shown training
+        that of the idlest training run silent ``run_yield_idle_s`` (any, once it is silent
+        ``run_stale_s``; ``_runs`` is in order of activity), never of a signed run if unsigned; what
+        the run that gives way had waiting waits for its return (docs/service.md, "Run lifecycle")."""
         s = self.settings
         signed = self.signed
         held = self.aligner.runs()
@@ -335,29 +354,33 @@ class DetectionPipeline:
         if held < s.max_runs:
             return True
         keep = signed if signed is not None and not signed(run) else (lambda r: False)
-        victim = self.aligner.idlest_on_probation(s.run_probation_idle_s, keep)
+        victim = self.aligner.idlest_on_probation(s.run_probation_idle_s, keep, newcomer=run)
         if victim is None and signed is not None and signed(run):
             victim = self.aligner.idlest_on_probation(0.0, signed)
             victim = victim or next((r for r in self._runs if not signed(r)), None)
-        if victim is None:
+        if victim is None:  # silent run_stale_s: gone, whoever comes
+            idlest = next((r for r in self._runs if not keep(r)), None)
+            if idlest is not None and self.wall() - self._runs[idlest].last_step_wall >= s.run_stale_s:
+                victim = idlest
+        if victim is None and self.aligner.shown_training(run):
             idlest = next((r for r in self._runs if not keep(r) and not self.aligner.on_probation(r)), None)
             if idlest is not None and self.wall() - self._runs[idlest].last_step_wall >= s.run_yield_idle_s:
                 victim = idlest
         if victim is None:
             return False
         self.runs_forgotten += 1
-        self.aligner.forget(victim, gave_way=True)
+        behind = self.backlog.drop(victim)  # not processed yet: they wait with its open steps' records
+        self.records_total += len(behind)
+        self.aligner.forget(victim, gave_way=True, behind=behind)
         self.forgotten_events += self.evict(victim)
         return True
 
     def _admitted_from_wait(self) -> None:
         """Runs given a place after waiting: their lifecycle starts; one that lost records waiting says so."""
-        runs, lost = self.aligner.take_admitted()
+        runs, lost, ends = self.aligner.take_admitted()
         self.lifecycle.arrived(runs)
-        if runs and self._markers_waiting:
-            for marker in [m for m in self._markers_waiting if m.run in runs]:
-                self.lifecycle.end(marker)
-            self._markers_waiting = [m for m in self._markers_waiting if self.aligner.waits(m.run)]
+        for marker in ends:
+            self.lifecycle.end(marker)
         for run, n in lost.items():
             log.warning(
                 "run %r admitted after %d of its records were dead-lettered (reason runs) while it waited for a "
@@ -533,6 +556,7 @@ class DetectionPipeline:
             "checkpoints": self.checkpoints.snapshot(),
             "carried": self.carried,
             "hosts": self.hosts.snapshot(),
+            "backlog": self.backlog.snapshot(),
         }
 
     def restore(self, state: dict[str, Any]) -> None:
@@ -558,6 +582,7 @@ class DetectionPipeline:
         self.names.restore(state.get("layer_names", {}))
         self.checkpoints.restore(state.get("checkpoints", {}))
         self.hosts.restore(state.get("hosts", {}))
+        self.backlog.restore(state.get("backlog", []))
         carried = state.get("carried")
         self.carried = carried if isinstance(carried, dict) else {}
 

@@ -1,10 +1,6 @@
-"""One run in the pipeline: its detection state between steps (:class:`RunState`, and its part of the
-state file) and the exporter's view of its latest step (:func:`run_view`).
-
-What the latest steps said of the ranks (world size, hosts, mesh coordinates, dropped-record counters)
-is kept; a step summary may leave the host and coordinate tables out when unchanged. Some layer
-metrics are measured on sampled steps only (attention statistics and ``act_max``): the view shows
-the statistics each had when last measured, for at most :data:`HOLD_STEPS` steps (:class:`HeldLayers`).
+"""One run in the pipeline: its detection state between steps and what its latest steps said of the ranks
+(:class:`RunState`, its part of the state file), and the exporter's view of its latest step (:func:`run_view`),
+where a metric measured on sampled steps only shows its last measurement (:class:`HeldLayers`).
 """
 
 from __future__ import annotations

@@ -9,6 +9,9 @@ GPT on a corpus built from the stdlib, the fault injector, and the example users
 * :mod:`.faultspec` / :mod:`.faults` - what a fault is, and the injector that applies faults to a
   model (in any training loop: to test your alerting);
 * :mod:`.simulated` - W virtual data-parallel ranks in one process (fast: demos, benchmarks);
+* :mod:`.synthetic_steps` - every rank's statistics of a step drawn at once, no training (detector
+  tests, the fleet campaign);
+* :mod:`.wire_frames` - the frames the service builds from records sent in a wire format;
 * :mod:`.ddp` - real ``torch.distributed`` DDP over gloo (integration test, user example);
 * :mod:`.campaign` - the fault-injection campaign and the benchmarks (``sdcwatch bench``); not in
   the base wheel: the ``sdcwatch-campaign`` distribution, built from ``testbed/campaign/``.

@@ -103,7 +103,13 @@ class FaultInjector:
 
     # -- wiring -------------------------------------------------------------------------------
     def attach(self, model: "torch.nn.Module", optimizer: Any = None) -> "FaultInjector":
-        """Register hooks on the modules each fault targets; a glob matching nothing is an error."""
+        """Register hooks on the modules each fault targets; a glob matching nothing is an error. As
+        ``attach()`` does, a DDP or ``torch.compile`` wrapper is looked through: targets name the model's modules."""
+        import torch
+
+        model = getattr(model, "_orig_mod", model)
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            model = getattr(model.module, "_orig_mod", model.module)
         self._optimizer = optimizer
         self._modules = dict(model.named_modules())
         names = [n for n in self._modules if n]

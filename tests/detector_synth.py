@@ -1,8 +1,6 @@
-"""Synthetic data-parallel runs for detector tests: a clean generator and seeded fault variants.
-
-Every rank trains the same model on different data, so per-rank statistics share a distribution
-and replicated values (global gradient norm, fingerprints) are identical. Faults are injected by
-family; the families match the detectors' ``fault`` attribute.
+"""Synthetic data-parallel runs for detector tests: the testbed's synthetic steps
+(:mod:`sdcwatch.testbed.synthetic_steps`) with seeded faults injected by family; the families match
+the detectors' ``fault`` attribute.
 """
 
 from __future__ import annotations
@@ -13,9 +11,8 @@ import numpy as np
 from sdcwatch.core.record_type import Record
 from sdcwatch.core.vocabulary import STEP_SCALARS
 from sdcwatch.detectors.frame import StepFrame
+from sdcwatch.testbed.synthetic_steps import FPS, LAYERS, draw_step, step_frame
 
-LAYERS = ("attn_entropy", "q_norm_mean", "q_norm_max", "k_norm_mean", "attn_logit_max", "gemm_fwd", "gemm_bwd")
-FPS = ("param_fp", "grad_fp")
 SCALARS = STEP_SCALARS
 FAMILIES = (
     "nonfinite",
@@ -55,32 +52,10 @@ class SyntheticRun:
 
     def __post_init__(self) -> None:
         self.hosts = tuple(f"node{r // self.ranks_per_host}" for r in range(self.world))
-        self._layer_base = np.array([3.0, 12.0, 30.0, 11.0, 8.0, 1.0, 1.0])
 
     def frame(self, step: int) -> StepFrame:
-        rng = np.random.default_rng([self.seed, step])
-        W, L = self.world, self.n_layers
-        level = 2.5 + 8.0 * np.exp(-step / 300.0)
-        loss = level * (1 + 0.02 * rng.standard_normal(W))
-        g = 1.0 + 0.1 * abs(rng.standard_normal())
-        gl = g * (1 + 0.05 * rng.standard_normal(W))
-        S = np.column_stack(
-            [
-                loss,
-                gl,
-                np.full(W, g),
-                0.9 + 0.01 * rng.standard_normal(W),
-                0.5 * (1 + 0.02 * rng.standard_normal(W)),
-                np.zeros(W),
-                np.full(W, 3e-4),
-                np.zeros(W),
-            ]
-        )
-        lay = self._layer_base[None, :, None] * (1 + 0.01 * rng.standard_normal((W, len(LAYERS), L)))
-        # checksum ratios: rounding residuals over their worst-case bound, log-normal around 1e-4
-        lay[:, 5:7, :] = 1e-4 * np.exp(rng.standard_normal((W, 2, L)))
-        fp = np.full((W, len(FPS)), (step * 0x9E3779B97F4A7C15 + 12345) % (1 << 64), dtype=np.uint64)
-        present = np.ones(W, bool)
+        S, lay, fp = draw_step(np.random.default_rng([self.seed, step]), step, self.world, self.n_layers)
+        present = np.ones(self.world, bool)
         names = SCALARS
         for f in self.faults:
             if f.family in ("nonfinite", "loss_spike", "grad_spike", "guard_action", "checksum", "lr_jump"):
@@ -113,24 +88,10 @@ class SyntheticRun:
                 present[f.rank] = False
             elif f.family == "guard_action":  # the job's guard skipped this step (rerun: data)
                 names = (*names, "guard_action", "guard_reason", "guard_verdict", "guard_rank")
-                S = np.column_stack([S, np.full((W, 4), (1.0, 2.0, 3.0, float(f.rank)))])
+                S = np.column_stack([S, np.full((self.world, 4), (1.0, 2.0, 3.0, float(f.rank)))])
         S[~present] = np.nan
         lay[~present] = np.nan
-        return StepFrame(
-            run=self.run,
-            step=step,
-            world=W,
-            hosts=self.hosts,
-            present=present,
-            scalar_names=names,
-            scalars=S,
-            layer_names=LAYERS,
-            layers=lay,
-            fp_names=FPS,
-            fingerprints=fp,
-            fp_present=np.broadcast_to(present[:, None], fp.shape).copy(),
-            complete=bool(present.all()),
-        )
+        return step_frame(self.run, step, self.hosts, S, lay, fp, present, names)
 
     def records(self, step: int) -> list[Record]:
         f = self.frame(step)

@@ -68,7 +68,8 @@ class ServeProcess:
     the service runs under (it must exec it, so :attr:`pid` is the service's). stderr is collected in
     the background (a full pipe would block the service), so a test can wait for any line while the
     service runs; stdout is not read. Stop with :meth:`stop` (SIGTERM, exit code checked) or, when
-    cleaning up after a failure, :meth:`close` (also the context manager's exit).
+    cleaning up after a failure, :meth:`close` (also the context manager's exit). With
+    ``--auth-key-file`` among ``flags``, :meth:`events` believes only what the service signed.
     """
 
     def __init__(
@@ -83,6 +84,7 @@ class ServeProcess:
         prefix: tuple[str, ...] = (),
     ) -> None:
         self.bootstrap, self.topics, self.state_dir = bootstrap, topics, Path(state_dir)
+        self.key_file = flags[flags.index("--auth-key-file") + 1] if "--auth-key-file" in flags else None
         self.group = group or f"g-{uuid.uuid4().hex[:8]}"
         port = free_port() if metrics_port is None else metrics_port
         snapshots = () if snapshot_interval_s is None else ("--state-snapshot-interval-s", f"{snapshot_interval_s:g}")
@@ -164,9 +166,12 @@ class ServeProcess:
         """The service's /metrics samples now."""
         return scrape(self.metrics_url, timeout)
 
-    def events(self, timeout: float = 2.0) -> list[dict]:
-        """The incident changes on the service's anomalies topic now."""
-        return peek_events(self.bootstrap, self.topics.anomalies, timeout)
+    def events(self) -> list[dict]:
+        """The incident changes on the service's anomalies topic now; with keys, those it signed."""
+        from sdcwatch.core.signing import Keyring
+
+        keyring = Keyring.from_file(self.key_file) if self.key_file is not None else None
+        return peek_events(self.bootstrap, self.topics.anomalies, keyring=keyring)
 
     def wait_incident(self, kind: str, timeout: float = 90.0) -> dict:
         """The first ``opened`` event of an incident of ``kind``."""
@@ -236,7 +241,8 @@ def metric(samples: list, name: str, **labels: str) -> float:
 
 def peek_topic(bootstrap: str, topic: str, timeout: float = 3.0) -> list:
     """The messages ``topic`` holds now, read from the start without a consumer group (no join to
-    wait for); stops after ``timeout`` seconds without a new message."""
+    wait for); stops after ``timeout`` seconds without a new message: one a service counted just
+    now (a dead letter) may still be on its way."""
     from kafka import KafkaConsumer
 
     consumer = KafkaConsumer(
@@ -253,18 +259,40 @@ def peek_topic(bootstrap: str, topic: str, timeout: float = 3.0) -> list:
         consumer.close()
 
 
-def peek_events(bootstrap: str, topic: str, timeout: float = 2.0) -> list[dict]:
-    """The incident changes (JSON) an anomalies topic holds now (a service with keys signs them: the
-    envelope is taken off unverified; what a reader believes is tested with the key file)."""
-    return [json.loads(_unwrapped(m.value)) for m in peek_topic(bootstrap, topic, timeout)]
+def _read_now(bootstrap: str, topic: str) -> list:
+    """The messages ``topic`` holds now (none when it does not exist), read from the start to the end
+    it had when asked, as ``sdcwatch incidents`` reads: no consumer group, no wait for silence."""
+    from sdcwatch.bus_reading import read_to_end
+    from sdcwatch.service.kafka_source import TopicReader
+
+    reader = TopicReader(bootstrap, topic, from_beginning=True, connect_timeout=30)  # a loaded machine
+    messages: list = []
+    try:
+        read_to_end(reader, messages.append, threading.Event())
+    finally:
+        reader.close()
+    return messages
 
 
-def _unwrapped(value: bytes) -> bytes:
-    """The message inside a signed envelope (docs/messages.md), not verified; an unsigned one as it is."""
-    if value[:4] != b"SDCS":
-        return value
-    body = value[6 + value[5] + 32 :]
-    return body[24:] if value[4] == 2 else body  # a fresh envelope: its signer's start and number first
+def peek_events(bootstrap: str, topic: str, *, keyring=None) -> list[dict]:
+    """The incident changes (JSON) an anomalies topic holds now, opened as ``sdcwatch incidents``
+    opens them (:func:`~sdcwatch.bus_reading.anomaly_opener`): with ``keyring`` (the service's key
+    file) only what the service signed, anything else on the topic (anyone may write to it) left
+    out; without, unsigned ones (a signed one fails: there is no key to verify it)."""
+    from sdcwatch.bus_reading import anomaly_opener
+    from sdcwatch.core.signing import AuthError
+
+    opened = anomaly_opener(keyring)
+    events = []
+    for m in _read_now(bootstrap, topic):
+        try:
+            value = opened(m.value)
+        except AuthError:
+            if keyring is None:
+                raise
+            continue  # not the service's: what a reader refuses
+        events.append(json.loads(value))
+    return events
 
 
 def wait_metric(url: str, pred: Callable[[list], bool], timeout: float, what: str) -> None:

@@ -22,6 +22,7 @@ __all__ = ["add_serve_arguments", "overrides_from_args", "config_from_args", "co
 #: Short flags besides the canonical --<section>-<key> ones.
 _FLAG_ALIASES: dict[str, tuple[str, ...]] = {
     "bus.bootstrap": ("--bootstrap",),
+    "bus.connect_timeout_s": ("--connect-timeout",),
     "detectors.stage": ("--stage",),
     "alerts.alertmanager_url": ("--alertmanager-url",),
     "alerts.webhook_url": ("--webhook-url",),

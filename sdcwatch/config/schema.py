@@ -1,8 +1,6 @@
-"""The schema of ``sdcwatch serve``'s configuration: one small dataclass per section, each checking
-its values when built (ConfigError naming the dotted key). A section whose settings belong to a
-component is built on that component's definition: ``[detectors]`` is the pipeline's settings plus
-each default detector's own ``Config``, ``[metrics]`` the exporter's bounds, ``[guard]`` the
-service's ``ControlPolicy``.
+"""The schema of ``sdcwatch serve``'s configuration: one small dataclass per section, checking its values when
+built (ConfigError naming the dotted key); a component's section is built on its definition (``[detectors]``:
+the pipeline's settings and each detector's ``Config``; ``[metrics]``: the exporter's; ``[guard]``: ``ControlPolicy``).
 """
 
 from __future__ import annotations
@@ -137,6 +135,9 @@ class BusConfig(_Section):
     """Stage both and temporal: seconds an instance may hold only part of its topic's partitions before it
     concludes another instance shares its group and exits with an error, committing nothing (the other
     re-reads what it took). Longer than a restart's overlap with the instance before it; 0 = never."""
+    connect_timeout_s: float = 30.0
+    """Seconds to wait for the broker to answer when connecting (serve: each Kafka client at start-up);
+    then the command exits with an error naming the address."""
     security: dict = field(default_factory=dict)
     """Kafka security settings passed to kafka-python as keywords: security_protocol, ssl_cafile,
     sasl_mechanism, sasl_plain_username, sasl_plain_password, ... (see SECURITY_KEYS)."""
@@ -160,6 +161,7 @@ class BusConfig(_Section):
         if not self.group.strip():
             self._fail("group", "must not be empty")
         check_number("bus.share_timeout_s", self.share_timeout_s, 0)
+        self._positive("connect_timeout_s")
         self._validate_security()
 
     def _validate_security(self) -> None:

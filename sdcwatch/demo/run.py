@@ -87,7 +87,7 @@ def _train_beside_the_service(
             guard=plan.guard,
             events=EventLog(progress, quiet),
         )
-        service.metrics.start()
+        service.start_metrics()
         control = None
         if plan.guard:
             from sdcwatch.telemetry.guard.control_topic import KafkaControl

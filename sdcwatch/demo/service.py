@@ -4,17 +4,17 @@ printed as it fires; run on a thread beside the simulated training, then drained
 
 from __future__ import annotations
 
+import functools
 import os
-import socket
 import threading
 import time
 from pathlib import Path
 from typing import Any, TextIO
 
-from sdcwatch.broker import free_port
+from sdcwatch.core.errors import ConfigError
 from sdcwatch.core.record import to_json
 
-__all__ = ["CapturingSource", "EventLog", "pick_metrics_port", "DemoService"]
+__all__ = ["CapturingSource", "EventLog", "DemoService"]
 
 
 class CapturingSource:
@@ -84,21 +84,10 @@ class EventLog:
         return list(latest.values())
 
 
-def pick_metrics_port(requested: int) -> int:
-    """``requested``; 0: the documented default (9400) when free, any free port otherwise."""
-    if requested:
-        return requested
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", 9400))
-            return 9400
-        except OSError:
-            return free_port()
-
-
 class DemoService:
     """The detector service of the demo, its /metrics endpoint and the thread it runs on; ``guard``:
-    it also publishes decisions on the control topic; ``events``: the sink the demo prints from."""
+    it also publishes decisions on the control topic; ``events``: the sink the demo prints from;
+    ``metrics_port`` 0: the service's default port (9400), or a free one when another process holds it."""
 
     def __init__(
         self, bootstrap: str, *, state_dir: Path, records_path: Path, metrics_port: int, guard: bool, events: EventLog
@@ -108,13 +97,15 @@ class DemoService:
 
         cfg = ServeConfig(
             bus=BusConfig(bootstrap=bootstrap, group=f"sdcwatch-demo-{os.getpid()}"),
-            metrics=MetricsConfig(address="127.0.0.1", port=pick_metrics_port(metrics_port)),
+            metrics=MetricsConfig(address="127.0.0.1", **({"port": metrics_port} if metrics_port else {})),
             alerts=AlertsConfig(log=False),  # the demo prints each change itself
             state=StateConfig(dir=state_dir, snapshot_interval_s=5.0),
             # with --guard, the loop: incidents -> decisions on sdcwatch.control -> the job's guard
             guard=GuardPolicyConfig(actions=guard),
         )
         self.events = events
+        self._metrics_fallback = not metrics_port
+        self._max_runs = cfg.metrics.max_runs
         self.service, self.metrics = build_service(
             cfg, extra_sinks=[events], wrap_source=lambda source: CapturingSource(source, records_path)
         )
@@ -129,6 +120,20 @@ class DemoService:
     def deciders(self) -> list[Any]:
         """The sinks that publish guard decisions (each counts what it ``published``)."""
         return [s for s in self.service.sinks if hasattr(s, "policy") and hasattr(s, "published")]
+
+    def start_metrics(self) -> None:
+        """Serve /metrics. On the default port held by another process (another demo, a service), serve
+        on a free port instead: the server binds port 0 and reads back what it got, so two demos
+        started at once never both take the default (a check that it is free, then a bind, could)."""
+        from sdcwatch.exporters.server import MetricsServer
+
+        try:
+            self.metrics.start()
+        except ConfigError:
+            if not self._metrics_fallback:
+                raise
+            view = functools.partial(self.service.view, max_runs=self._max_runs)
+            self.metrics = MetricsServer(view, address="127.0.0.1", port=0).start()
 
     def start(self) -> None:
         """Run the service on its thread."""

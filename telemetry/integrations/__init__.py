@@ -9,8 +9,9 @@ Each module imports its framework when it is imported, never before: install the
 
 from __future__ import annotations
 
+import copy
 import logging
-from typing import Any, Mapping, NamedTuple
+from typing import Any, Callable, Iterable, Mapping, NamedTuple
 
 from sdcwatch.core.errors import ConfigError
 from sdcwatch.core.mesh import format_coords
@@ -51,9 +52,13 @@ class CallbackCore:
     ``ParallelismConfig``), and logs which dims it found; ``mesh=False`` turns that off.
     ``guard``: a :class:`~sdcwatch.telemetry.guard.config.GuardConfig`: the framework's optimizer steps
     guarded (``self.guard``, built when training begins; each framework's callback reruns its step).
+    ``control``: the guard's decision reader (a :class:`~sdcwatch.telemetry.guard.control_topic.KafkaControl`
+    on rank 0): the service's decisions (skip, rollback, evict) acted on as in a loop of your own.
     """
 
-    def __init__(self, emitter: Any = None, *, injector: Any = None, guard: Any = None, **settings: Any) -> None:
+    def __init__(
+        self, emitter: Any = None, *, injector: Any = None, guard: Any = None, control: Any = None, **settings: Any
+    ) -> None:
         from sdcwatch.telemetry.probes.config import ProbeConfig
 
         self.mesh = settings.pop("mesh", None)
@@ -61,8 +66,15 @@ class CallbackCore:
         ProbeConfig.from_settings(**settings)  # a bad setting fails here, not when training has begun
         self.settings = settings
         self.guard_config = None if guard is None else check_type("callback.guard", guard, GuardConfig)
+        if control is not None and guard is None:  # the decisions are the guard's to act on
+            raise ConfigError("callback.control", "needs guard= (a GuardConfig): the guard acts on the decisions")
         self.guard: Any = None
+        self.control = control
         self.outcome: Any = None  # the guard's outcome of the step in progress
+        self._held: Any = None  # (schedulers, their states, the optimizer's hyperparameters) before a step not applied
+        self._scaled: list[float] = []  # the rates the guard's update set (a cut in force), for the framework's step
+        self._uncut: list[float] = []  # the scheduler's rates, put back after the framework's optimizer step
+        self._hooks: list[Any] = []  # the one-step optimizer hook that puts them back
         self._micro: list[Any] = []  # what the step's micro-batches were called with, for the guard's rerun
         self.injector = injector
         self.emitter = emitter
@@ -95,7 +107,7 @@ class CallbackCore:
             model, self.emitter, optimizer=optimizer, ddp=ddp, mesh=mesh, mesh_names=names, **self.settings
         )
         if self.guard_config is not None:
-            self.guard = Guard(model, optimizer, self.guard_config, watch=self.watch)
+            self.guard = Guard(model, optimizer, self.guard_config, control=self.control, watch=self.watch)
 
     def _framework_mesh(self, model: Any, found: FrameworkMesh) -> tuple[Any, Any]:
         """(mesh, names) for the probes from the framework's mesh, and one log line saying which dims
@@ -138,9 +150,59 @@ class CallbackCore:
         if self.injector is not None:
             self.injector.begin_step(step)
 
+    def guard_step(self, step: int, rerun: Callable[[], Any], first: Any, schedulers: Iterable[Any]) -> None:
+        """Judge ``step`` just before the framework's optimizer step: ``first`` is what its pass gave,
+        ``rerun()`` runs the step again. Not applied: the gradients are cleared (the framework's step
+        changes nothing) and the learning-rate ``schedulers`` and the optimizer's hyperparameters are
+        put back after the framework stepped them (:meth:`end`). Applied with a learning-rate cut in
+        force: the cut is in force during the framework's optimizer step only (set now: Lightning calls
+        this from within the step, after its pre-step hooks and before the update)."""
+        schedulers = list(schedulers)
+        states = [copy.deepcopy(s.state_dict()) for s in schedulers]
+        groups = self.guard.optimizer.param_groups
+        before = [{k: v for k, v in g.items() if k != "params"} for g in groups]
+        self._scaled = []
+        self.outcome = self.guard.step(step, rerun, update=self._framework_update, first=first)
+        if not self.outcome.applied:
+            self._held = (schedulers, states, before)
+        elif self._scaled != [g["lr"] for g in self.guard.optimizer.param_groups]:
+            self._uncut = self._set_rates(self._scaled)
+            self._hooks = [self.guard.optimizer.register_step_post_hook(lambda *_: self._set_rates(self._uncut))]
+
+    def _framework_update(self) -> None:
+        """The guard's update: the framework's optimizer step, which follows; the rates in force now
+        (a rollback's cut, a spike mitigation's) are kept for it."""
+        self._scaled = [g["lr"] for g in self.guard.optimizer.param_groups]
+
+    def _set_rates(self, rates: list[float]) -> list[float]:
+        """Set the optimizer's learning rates (none when empty); returns the ones they replace."""
+        groups = self.guard.optimizer.param_groups
+        before = [g["lr"] for g in groups]
+        for g, lr in zip(groups, rates):
+            g["lr"] = lr
+        self._uncut = []
+        return before
+
+    def _after_framework_step(self) -> None:
+        """The framework's optimizer and scheduler steps are done: its schedule put back if the guard did
+        not apply the step (it stays where it was, as the weights and the optimizer state do)."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+        self._set_rates(self._uncut)  # the framework skipped its step (a gradient scaler's overflow)
+        if self._held is not None:
+            schedulers, states, before = self._held
+            self._held = None
+            for scheduler, state in zip(schedulers, states):
+                scheduler.load_state_dict(state)
+            for group, saved in zip(self.guard.optimizer.param_groups, before):
+                group.update(saved)
+
     def end(self, step: int, loss: Any, **scalars: Any) -> None:
         """Optimizer step ``step`` is done: its record, with the step's loss (a tensor: read later)
         and any scalar the framework knows better than the probes (``lr=``: the rate the step used)."""
+        if self.guard is not None:
+            self._after_framework_step()
         self.watch.step(step, loss=loss, **scalars, **(self.outcome.telemetry() if self.outcome is not None else {}))
         if self.injector is not None:
             self.injector.end_step()

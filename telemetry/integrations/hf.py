@@ -5,6 +5,7 @@ gradient norm and learning rate are, and where the device mesh comes from.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import inspect
@@ -21,18 +22,23 @@ class SdcwatchCallback(TrainerCallback, CallbackCore):
     (``emitter``, ``injector``, probe settings such as ``attention_every=8``).
 
     ``guard``: a :class:`~sdcwatch.telemetry.guard.config.GuardConfig` to guard each optimizer step
-    (docs/guard.md): judged before the Trainer's ``optimizer.step()``; a rerun runs the step's
-    micro-batches through ``training_step`` again and clips as the Trainer does; a step not applied
-    leaves no gradient, so the Trainer's optimizer step changes nothing (its scheduler still steps).
+    (docs/guard.md): judged before the Trainer's ``optimizer.step()`` on the gradient norm before its
+    clipping (what its ``accelerator.clip_grad_norm_`` returns); a rerun runs the step's micro-batches
+    through ``training_step`` again and clips as the Trainer does; a step not applied leaves no
+    gradient, so the Trainer's optimizer step changes nothing, and its scheduler is put back.
+    ``control``: the guard's decision reader (:class:`CallbackCore`).
     """
 
-    def __init__(self, emitter: Any = None, *, injector: Any = None, guard: Any = None, **settings: Any) -> None:
-        CallbackCore.__init__(self, emitter, injector=injector, guard=guard, **settings)
+    def __init__(
+        self, emitter: Any = None, *, injector: Any = None, guard: Any = None, control: Any = None, **settings: Any
+    ) -> None:
+        CallbackCore.__init__(self, emitter, injector=injector, guard=guard, control=control, **settings)
         self._step_fn: Any = None  # the Trainer's training_step, unwrapped
         self._losses: list[Any] = []  # what training_step returned, one per micro-batch of the step
         self._trainer: Any = None  # whose training_step the callback wraps
         self._replaced: Any = None  # a training_step the user had set on that Trainer, put back at the end
         self._lr: float | None = None  # the rate of the optimizer step in progress
+        self._norm: Any = None  # the step's gradient norm before the Trainer clipped it
 
     # -- the run ------------------------------------------------------------------------------
 
@@ -51,11 +57,14 @@ class SdcwatchCallback(TrainerCallback, CallbackCore):
         else:
             self._trainer, self._replaced = trainer, vars(trainer).get("training_step")
             trainer.training_step = self._keeping_loss(trainer.training_step)
+            if self.guard is not None:
+                trainer.accelerator.clip_grad_norm_ = self._keeping_norm(trainer.accelerator.clip_grad_norm_)
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.watch is None:
             return
         self._losses.clear()
+        self._norm = None
         self.begin(state.global_step)
 
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -66,12 +75,17 @@ class SdcwatchCallback(TrainerCallback, CallbackCore):
         def rerun() -> Any:  # the step's micro-batches again (the guard zeroed the gradients)
             if self.injector is not None:
                 self.injector.begin_step(step)  # the injector's rerun: a transient fault stays away
-            self._losses[:] = [self._step_fn(*a, **kw).detach() for a, kw in micro]
+            self._losses.clear()
+            self._norm = None
+            for i, (a, kw) in enumerate(micro):  # DDP all-reduces after the last one only, as the Trainer's
+                last = i == len(micro) - 1
+                with contextlib.nullcontext() if last else trainer.accelerator.no_sync(model=a[0]):
+                    self._losses.append(self._step_fn(*a, **kw).detach())
             if args.max_grad_norm > 0:
                 trainer.accelerator.clip_grad_norm_(self.watch.model.parameters(), args.max_grad_norm)
-            return self._step_loss()
+            return self._judged()
 
-        self.outcome = self.guard.step(step, rerun, update=lambda: None, first=self._step_loss())
+        self.guard_step(step, rerun, self._judged(), [trainer.lr_scheduler] if trainer.lr_scheduler else [])
 
     def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         # the Trainer steps its scheduler before on_step_end: the rate this step used is read here
@@ -102,6 +116,9 @@ class SdcwatchCallback(TrainerCallback, CallbackCore):
                 del trainer.training_step  # the Trainer's own method again
             else:
                 trainer.training_step = self._replaced
+        accelerator = getattr(trainer, "accelerator", None)
+        if getattr(vars(accelerator).get("clip_grad_norm_") if accelerator else None, "sdcwatch_wrapped", False):
+            del accelerator.clip_grad_norm_  # the accelerator's own method again
         CallbackCore.close(self)
 
     # -- the loss -----------------------------------------------------------------------------
@@ -123,6 +140,22 @@ class SdcwatchCallback(TrainerCallback, CallbackCore):
 
         keeping_loss.sdcwatch_wrapped = True  # type: ignore[attr-defined]
         return keeping_loss
+
+    def _keeping_norm(self, clip_grad_norm_: Callable[..., Any]) -> Callable[..., Any]:
+        """The accelerator's ``clip_grad_norm_`` keeping the norm it returns: the all-reduced gradient's
+        before clipping, which the guard judges as in a loop of your own."""
+
+        @functools.wraps(clip_grad_norm_)
+        def keeping_norm(*args: Any, **kwargs: Any) -> Any:
+            self._norm = clip_grad_norm_(*args, **kwargs)
+            return self._norm
+
+        keeping_norm.sdcwatch_wrapped = True  # type: ignore[attr-defined]
+        return keeping_norm
+
+    def _judged(self) -> Any:
+        """What the guard judges: the step's loss, with its gradient norm before clipping when known."""
+        return self._step_loss() if self._norm is None else (self._step_loss(), self._norm)
 
     def _step_loss(self) -> Any:
         """The step's loss as the Trainer sums it into ``tr_loss`` (None without a micro-batch)."""

@@ -5,6 +5,7 @@ docs/integrations.md says what each record's loss and gradient norm are, and how
 
 from __future__ import annotations
 
+import contextlib
 import os
 import inspect
 from typing import Any
@@ -22,11 +23,15 @@ class SdcwatchCallback(pl.Callback, CallbackCore):
     ``guard``: a :class:`~sdcwatch.telemetry.guard.config.GuardConfig` to guard each optimizer step
     (automatic optimization; docs/guard.md): judged at ``on_before_optimizer_step``, before Lightning
     clips; a rerun runs the step's micro-batches through the strategy's ``training_step`` and
-    ``backward`` again; a step not applied leaves no gradient, so the optimizer step changes nothing.
+    ``backward`` again; a step not applied leaves no gradient, so the optimizer step changes nothing,
+    and the learning-rate schedulers are put back after Lightning stepped them.
+    ``control``: the guard's decision reader (:class:`CallbackCore`).
     """
 
-    def __init__(self, emitter: Any = None, *, injector: Any = None, guard: Any = None, **settings: Any) -> None:
-        CallbackCore.__init__(self, emitter, injector=injector, guard=guard, **settings)
+    def __init__(
+        self, emitter: Any = None, *, injector: Any = None, guard: Any = None, control: Any = None, **settings: Any
+    ) -> None:
+        CallbackCore.__init__(self, emitter, injector=injector, guard=guard, control=control, **settings)
         self._loss: Any = None
         self._closing: int | None = None  # the step whose optimizer step just ran
         self._in_forward = False
@@ -68,13 +73,16 @@ class SdcwatchCallback(pl.Callback, CallbackCore):
             if self.injector is not None:
                 self.injector.begin_step(step)  # the injector's rerun: a transient fault stays away
             self._loss = None  # on_before_backward sums the rerun's losses
-            for batch, batch_idx in micro:
-                out = strategy.training_step(batch, batch_idx)
-                loss = out["loss"] if isinstance(out, dict) else out
-                strategy.backward(loss / trainer.accumulate_grad_batches, optimizer)
+            for i, (batch, batch_idx) in enumerate(micro):  # DDP all-reduces after the last one only
+                blocks = i < len(micro) - 1 and hasattr(strategy, "block_backward_sync")
+                with strategy.block_backward_sync() if blocks else contextlib.nullcontext():
+                    out = strategy.training_step(batch, batch_idx)
+                    loss = out["loss"] if isinstance(out, dict) else out
+                    strategy.backward(loss / trainer.accumulate_grad_batches, optimizer)
             return self._loss
 
-        self.outcome = self.guard.step(step, rerun, update=lambda: None, first=self._loss)
+        schedulers = [config.scheduler for config in trainer.lr_scheduler_configs]
+        self.guard_step(step, rerun, self._loss, schedulers)
 
     def on_train_batch_end(
         self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int

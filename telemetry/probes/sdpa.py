@@ -188,7 +188,9 @@ class AttentionTap(TorchFunctionMode):
                 self._observe(func, args, kwargs)
         return func(*args, **kwargs)
 
-    @torch.compiler.disable  # under torch.compile: a graph break here, the observation runs eagerly
+    # under torch.compile: a graph break here, the observation runs eagerly (torch.compiler.disable,
+    # importing torch._dynamo, seconds, at the first call rather than with this module)
+    @torch._disable_dynamo
     def _observe(self, func: Any, args: tuple, kwargs: dict) -> None:
         try:
             if func is _SDPA:

@@ -396,7 +396,7 @@ def attach(
     if ddp is None and isinstance(model, torch.nn.parallel.DistributedDataParallel):
         ddp = model  # attach(DDP(model), ...): the wrapper is the DDP hook's, as if ddp= were given
     if ddp is not None and model is ddp:
-        model = ddp.module
+        model = getattr(ddp.module, "_orig_mod", ddp.module)  # DDP(torch.compile(model)) as nanoGPT wraps it
     watch_compiled_code(model)  # compiled code runs the hooks the watch adds
     return Watch(
         model,

@@ -147,8 +147,12 @@ class Emitter:
         self._spool = RecordSpool(self.run, self.host, batch)  # packed, while the bus is down
         self._inflight: list[Record] = []
         self._held = 0  # records the sender holds: spooled or in flight
-        # records emit() may still queue: buffer minus what the sender holds; 0 once closed
-        self._room = buffer
+        # emit() counts what is kept exactly and without a lock from two numbers, each written by one
+        # thread: the records it queued, and of those the ones sent or found invalid (queue length
+        # plus held is off while the sender moves a record, so a full buffer would not keep the oldest)
+        self._accepted = 0  # training thread
+        self._freed = 0  # sender thread
+        self._room = buffer  # the most records kept at once; 0 once closed
         self._taking = False  # the sender is moving records off the queue
         self._closed = False
         self._stop = threading.Event()
@@ -195,12 +199,12 @@ class Emitter:
         time: float | None = None,
         **scalars: float,
     ) -> None:
-        """Queue this rank's record for ``step``. Returns at once; never raises. One length check and
+        """Queue this rank's record for ``step``. Returns at once; never raises. One count check and
         one append (a step calls it with cold caches: every bytecode counts); the rest is the sender's."""
         try:
-            q = self._queue
-            if len(q) < self._room:
-                q.append((step, _wall() if time is None else time, scalars, layers, fingerprints))
+            if self._accepted - self._freed < self._room:
+                self._queue.append((step, _wall() if time is None else time, scalars, layers, fingerprints))
+                self._accepted += 1
             else:
                 self._refuse()
         except Exception:  # never into the training loop
@@ -360,6 +364,7 @@ class Emitter:
 
     def _note_invalid(self, step: Any, exc: Exception) -> None:
         self.invalid += 1
+        self._freed += 1
         if not self._warned_invalid:
             self._warned_invalid = True
             log.warning("sdcwatch emitter (rank %s): invalid record at step %s not sent: %s", self.rank, step, exc)
@@ -369,7 +374,6 @@ class Emitter:
         every few records."""
         q = self._queue
         self._taking = True
-        self._set_room(self.buffer - self._held - min(len(q), self.batch))  # those about to be taken stay counted
         try:
             n = 0
             while q and n < self.batch:
@@ -392,7 +396,6 @@ class Emitter:
                 if n % _YIELD_EVERY == 0:
                     _time.sleep(pause)  # let the training thread have the GIL: its emit() must not wait for a batch
         finally:
-            self._set_room(self.buffer - self._held)
             self._taking = False
 
     def _next_batch(self) -> None:
@@ -405,6 +408,7 @@ class Emitter:
             if lost:
                 self._held -= lost
                 self.invalid += lost
+                self._freed += lost
         else:
             batch = []
             self._take(batch.append)
@@ -433,12 +437,9 @@ class Emitter:
         """Count what the bus took: records as sent (no longer held), checkpoint notes as sent."""
         records = _records_in(items)
         self.sent += records
+        self._freed += records
         self._held -= records
         self.notes.settle(sent=len(items) - records)
-
-    def _set_room(self, room: int) -> None:
-        """What emit() may still queue (nothing once closed)."""
-        self._room = 0 if self._closed else room
 
     def _run(self) -> None:
         backoff = 0.05
@@ -464,7 +465,6 @@ class Emitter:
                     kept = {id(x) for x in unsent}
                     self._confirm([x for x in self._inflight if id(x) not in kept])
                     self._inflight = list(unsent)
-                    self._set_room(self.buffer - self._held)
                 if self._down_since is None:
                     self._down_since = _time.monotonic()
                     log.warning(
@@ -479,7 +479,6 @@ class Emitter:
                 continue
             self._confirm(self._inflight)
             self._inflight = []
-            self._set_room(self.buffer - self._held)
             backoff = 0.05
             if self._down_since is not None:
                 log.warning(

@@ -69,7 +69,7 @@ def frames_of(records: list, world: int, wire: str | None = None) -> list:
     from sdcwatch.detectors.frame import StepFrame
 
     if wire is not None:
-        from sdcwatch.service.aligner import frames_over_wire
+        from sdcwatch.testbed.wire_frames import frames_over_wire
 
         return frames_over_wire(records, wire)
 

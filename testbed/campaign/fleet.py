@@ -3,9 +3,9 @@ random hosts, one of them bad with rare, mostly sub-threshold faults, every step
 detection pipeline; it measures after how many runs the host ledger names the bad host, and whether
 it ever names a clean one.
 
-A step is a vectorised synthetic frame (few layers, every rank's statistics drawn at once), so a
-fleet of 40 runs costs seconds, not the hours simulated training would. The bad host has one bad
-GPU: on a fraction of its steps that rank's attention statistics carry small noise, and now and then
+A step is a synthetic frame (:mod:`sdcwatch.testbed.synthetic_steps`: every rank's statistics drawn
+at once), so a fleet of 40 runs costs seconds, not the hours simulated training would. The bad host
+has one bad GPU: on a fraction of its steps that rank's attention statistics carry small noise, and now and then
 a mantissa flip lands in one of its products (most below the checksum bound, a few above). Every run
 also has ordinary loss spikes and bad batches (all ranks alike), and a clean host now and then
 suffers a one-off transient: evidence of one run, which a verdict must not take for a bad host.
@@ -23,19 +23,15 @@ from multiprocessing import get_context
 from typing import Any, Callable, Sequence
 
 import numpy as np
-from sdcwatch.core.vocabulary import STEP_SCALARS
 from sdcwatch.detectors.frame import StepFrame
 from sdcwatch.service.hosts import HostSettings
 from sdcwatch.service.pipeline import DetectionPipeline, PipelineSettings
+from sdcwatch.testbed.synthetic_steps import LAYERS, draw_step, step_frame
 
 __all__ = ["FleetConfig", "fleet_main", "fleet_table", "run_fleet", "run_seed"]
 
-_SCALARS = STEP_SCALARS
-_LAYERS = ("attn_entropy", "q_norm_mean", "q_norm_max", "k_norm_mean", "attn_logit_max", "gemm_fwd", "gemm_bwd")
-_LAYER_BASE = np.array([3.0, 12.0, 30.0, 11.0, 8.0, 1.0, 1.0])
-_FPS = ("param_fp", "grad_fp")
-_GEMM = _LAYERS.index("gemm_fwd")
-_Q = (_LAYERS.index("q_norm_mean"), _LAYERS.index("q_norm_max"))
+_GEMM = LAYERS.index("gemm_fwd")
+_Q = (LAYERS.index("q_norm_mean"), LAYERS.index("q_norm_max"))
 _RUN_GAP_S = 3600.0  # wall time between the starts of two runs (the ledger's evidence decays over it)
 
 
@@ -87,21 +83,13 @@ class _FleetRun:
         self.bad_steps: list[int] = []  # steps the bad GPU's fault was active
 
     def frame(self, step: int) -> StepFrame:
-        cfg, rng, W, L = self.cfg, self.rng, self.world, self.cfg.layers
-        level = 2.5 + 8.0 * np.exp(-step / 300.0)
-        loss = level * (1 + 0.02 * rng.standard_normal(W))
-        g = 1.0 + 0.1 * abs(rng.standard_normal())
-        S = np.empty((W, len(_SCALARS)))
-        S[:, 0], S[:, 1], S[:, 2] = loss, g * (1 + 0.05 * rng.standard_normal(W)), g
-        S[:, 3], S[:, 4] = 0.9 + 0.01 * rng.standard_normal(W), 0.5 * (1 + 0.02 * rng.standard_normal(W))
-        S[:, 5], S[:, 6], S[:, 7] = 0.0, 3e-4, 0.0
-        lay = _LAYER_BASE[None, :, None] * (1 + 0.01 * rng.standard_normal((W, len(_LAYERS), L)))
-        lay[:, _GEMM : _GEMM + 2, :] = 1e-4 * np.exp(rng.standard_normal((W, 2, L)))
+        cfg, rng, L = self.cfg, self.rng, self.cfg.layers
+        S, lay, fp = draw_step(rng, step, self.world, L)
         if rng.random() < cfg.spike_rate:
             S[:, 0] *= 1.8
             S[:, 1:3] *= 3.0
         if rng.random() < cfg.bad_batch_rate:
-            b = int(rng.integers(W))
+            b = int(rng.integers(self.world))
             S[b, 0] *= rng.uniform(1.5, 3.0)
             S[b, 1] *= rng.uniform(3.0, 8.0)
         r = self.bad_rank
@@ -117,23 +105,7 @@ class _FleetRun:
                 self.bad_steps.append(step)
         if self.transient is not None and step == self.transient[0]:
             lay[self.transient[1], _GEMM, 0] = 40.0
-        fp = np.full((W, len(_FPS)), (step * 0x9E3779B97F4A7C15 + 12345) % (1 << 64), dtype=np.uint64)
-        present = np.ones(W, bool)
-        return StepFrame(
-            run=self.name,
-            step=step,
-            world=W,
-            hosts=self.hosts,
-            present=present,
-            scalar_names=_SCALARS,
-            scalars=S,
-            layer_names=_LAYERS,
-            layers=lay,
-            fp_names=_FPS,
-            fingerprints=fp,
-            fp_present=np.ones(fp.shape, bool),
-            complete=True,
-        )
+        return step_frame(self.name, step, self.hosts, S, lay, fp)
 
 
 def run_seed(cfg: FleetConfig, say: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
@@ -165,6 +137,7 @@ def run_seed(cfg: FleetConfig, say: Callable[[str], None] = lambda _: None) -> d
                     warning += inc.severity.value == "warning"
         pipe.evict(run.name, "finished")
         touched += on_bad
+        pipe.hosts.review(clock[0])  # as the service does at a snapshot
         verdicts = {v.host: v for v in pipe.hosts.verdicts(clock[0])}
         bad = verdicts.get(bad_host) if bad_host else None
         if bad is not None and bad.verdict in ("suspect", "quarantine") and suspect_after is None:

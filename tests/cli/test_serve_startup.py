@@ -1,5 +1,5 @@
 """`sdcwatch serve` with no broker at its address: it says at once what it is waiting for, and its
-error (after kafka-python's bootstrap timeout, about 30 s) names the address and how to get a bus.
+error (after ``--connect-timeout`` seconds, 30 by default) names the address and how to get a bus.
 Before, the service printed nothing for those 30 s, then only kafka-python's timeout.
 
 Two instances of one group started before their telemetry topic exists: the first stays.
@@ -23,7 +23,7 @@ pytestmark = pytest.mark.integration
 def test_serve_without_a_broker_says_where_it_connects_then_how_to_get_a_bus(tmp_path):
     address = f"127.0.0.1:{free_port()}"  # nothing listens there
     cmd = [sys.executable, "-m", "sdcwatch.cli", "serve", "--bus-bootstrap", address, "--metrics-port", "0"]
-    cmd += ["--state-dir", str(tmp_path / "state")]
+    cmd += ["--state-dir", str(tmp_path / "state"), "--connect-timeout", "2"]  # each client gives up after 2 s
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:  # that the first line comes while serve still waits is the next test's: a signal then interrupts it
         _, err = proc.communicate(timeout=120)
@@ -39,6 +39,19 @@ def test_serve_without_a_broker_says_where_it_connects_then_how_to_get_a_bus(tmp
     error = lines[-1]
     assert error.startswith(f"sdcwatch serve: error: cannot connect to Kafka at {address}"), text
     assert "sdcwatch broker" in error, text
+
+
+@pytest.mark.parametrize("value", ["0", "-1"])
+def test_a_connect_timeout_that_is_not_above_zero_is_refused_naming_the_setting(tmp_path, value):
+    out = subprocess.run(
+        [sys.executable, "-m", "sdcwatch.cli", "serve", "--connect-timeout", value, "--metrics-port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 2, out.stderr
+    assert f"bus.connect_timeout_s: must be a number > 0, got {float(value)}" in out.stderr, out.stderr
+    assert "connecting to Kafka" not in out.stderr, out.stderr
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])

@@ -12,6 +12,7 @@ import json
 import numpy as np
 import pytest
 from mesh_synth import MeshFault, MeshRun
+from polling import step_until
 from sdcwatch.core.incident import Incident, Severity
 from sdcwatch.core.jsonsafe import json_safe
 from sdcwatch.core.mesh import DIMS
@@ -320,7 +321,7 @@ def test_records_with_coordinates_over_either_wire_give_the_same_incidents():
     """Plain records carrying coordinates, encoded as the emitters send them and decoded by the
     service's decoder: v1 and v2 give the same incidents (to the bit), and the same kinds, steps,
     ranks and coordinates as the frames built directly (the wire sends layers as float32)."""
-    from sdcwatch.service.aligner import frames_over_wire
+    from sdcwatch.testbed.wire_frames import frames_over_wire
 
     bad = MeshRun().rank_of(tp=1, pp=0, dp=1)
     mesh = MeshRun(faults=[MeshFault("rank_shift", step=30, rank=bad), MeshFault("nonfinite", step=100, rank=bad)])
@@ -371,7 +372,7 @@ def test_a_mixed_message_with_malformed_coordinates_is_dead_lettered_with_its_re
     for s in range(40, 60):
         tr.send(mesh.records(s)[3:] if s == 40 else mesh.records(s))
     svc = DetectorService(MemorySource(bus), poll_timeout=0.01)
-    svc.run_for(until=lambda: svc.source.lag() == 0, max_iterations=10_000)
+    step_until(svc.step, lambda: svc.source.lag() == 0, 120, "the source drained")
     svc.pipeline.flush()
     src = svc.source
     assert src.dead_letters == 1 and src.dead_letter_reasons == {"malformed": 1}

@@ -10,10 +10,10 @@ import uuid
 from pathlib import Path
 
 import pytest
+from installed import needs
 
 pytest.importorskip("torch")
-pytest.importorskip("transformers")
-pytest.importorskip("accelerate")
+needs("transformers", "accelerate")
 
 from example_runs import EXAMPLES, finish, start_example  # noqa: E402
 from polling import wait_for  # noqa: E402

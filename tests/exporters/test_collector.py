@@ -137,6 +137,9 @@ sdcwatch_state_write_errors_total 0.0
 # HELP sdcwatch_auth_runs_refused_total Messages refused because their key may not speak for their run or their envelope is not fresh, by key id and reason: run_name (not issued for it), bound (another key holds it), full (no binding free), unsigned, replayed (its number taken before), stale (an older start), future (a start ahead of the clock), unfresh (no start, from a key that sends them) (see docs/service.md).
 # TYPE sdcwatch_auth_runs_refused_total counter
 sdcwatch_auth_runs_refused_total{key="job-b",reason="run_name"} 2.0
+# HELP sdcwatch_auth_redelivered_total Signed messages read again at their place in the topic (a rebalance or a restart re-reads from the committed offset), taken again, by key id (at-least-once delivery, not refusals; see docs/service.md).
+# TYPE sdcwatch_auth_redelivered_total counter
+sdcwatch_auth_redelivered_total{key="job-a"} 3.0
 # HELP sdcwatch_pipeline_dead_letters_by_reason_total Records routed to the dead-letter topic, by reason: malformed, unknown_version, empty, oversize, world, layers, layer_metrics, values, step_size, counter, name, step_jump, runs, unknown_schema (see docs/operating.md, Limits).
 # TYPE sdcwatch_pipeline_dead_letters_by_reason_total counter
 sdcwatch_pipeline_dead_letters_by_reason_total{reason="malformed"} 1.0

@@ -218,7 +218,10 @@ def test_waiting_records_are_kept_in_the_state_and_admitted_after_a_restart():
     assert dead_lettered(again) == {} and steps_judged(again, "real") == 4
 
 
-def test_a_run_that_ends_while_it_waits_finishes_once_it_has_a_place():
+@pytest.mark.parametrize("restart", [False, True], ids=["one-service", "killed-while-it-waits"])
+def test_a_run_that_ends_while_it_waits_finishes_once_it_has_a_place(restart):
+    """Its end markers wait with its records, in the state file too: a service killed meanwhile
+    resumes with them, and the run finishes once it has a place."""
     pipe, clock = clocked_pipeline(max_runs=1)
     pipe.process([junk("held")])
     short = SyntheticRun(world=2, run="short", seed=10)
@@ -226,6 +229,12 @@ def test_a_run_that_ends_while_it_waits_finishes_once_it_has_a_place():
         pipe.process(short.records(step))
     pipe.process([end_marker("short", 2, r, 2, time=2e9) for r in range(2)])  # it ended, still waiting
     assert pipe.aligner.waits("short") and not pipe.lifecycle.finished("short")
+    assert pipe.aligner.waiting_records == 8  # its 6 records and 2 markers
+    if restart:
+        state = json.loads(json.dumps(json_safe(pipe.snapshot())))
+        pipe, clock = clocked_pipeline(max_runs=1)
+        pipe.restore(state)
+        assert pipe.aligner.waits("short") and pipe.aligner.waiting_records == 8
     clock.t += 2.0
     pipe.tick()  # "held" gave way: the run comes in with its records, then its end
     assert pipe.lifecycle.finished("short")
@@ -380,15 +389,81 @@ def test_after_a_junk_flood_on_the_broker_a_real_run_is_watched_within_seconds(b
     assert nonfinite == [(45, (2,))]
 
 
-def test_a_run_that_gives_way_with_a_step_still_open_has_its_records_dead_lettered_not_dropped():
+def test_a_run_that_gives_way_with_a_step_still_open_loses_none_of_its_records():
     """A run on probation gives way to a new one while a step of it is open (two of its four ranks
-    sent it): those two records are dead-lettered ``runs``, naming the run, not dropped uncounted."""
+    sent it): those two records wait for its return with the rest of the step, nothing is
+    dead-lettered, and the step is judged whole once the run has a place again."""
     pipe, clock = clocked_pipeline(max_runs=1)
-    early = [Record("early", 0, rank, 4, "h", 0.0, 0, {"loss": 1.0}, {}, {}) for rank in range(2)]
-    pipe.process(early)
+    early = [Record("early", 0, rank, 4, "h", 0.0, 0, {"loss": 1.0}, {}, {}) for rank in range(4)]
+    pipe.process(early[:2])
     clock.t += 3.0  # past run_probation_idle_s
     pipe.process([junk("newcomer")])
-    assert pipe.aligner.held() == ["newcomer"]
-    rejected = pipe.aligner.take_rejected()
-    assert [(reason, sorted(r.rank for r in recs)) for reason, _, recs in rejected] == [("runs", [0, 1])]
-    assert "'early' gave way to a new run" in rejected[0][1]
+    assert pipe.aligner.held() == ["newcomer"] and pipe.aligner.waits("early")
+    assert pipe.aligner.waiting_records == 2 and dead_lettered(pipe) == {}
+    pipe.process(early[2:])  # the rest of its step; the newcomer is not silent yet
+    assert pipe.aligner.waits("early")
+    clock.t += 3.0
+    pipe.tick()  # the newcomer silent, and it showed no more whole steps than "early" waits with
+    assert pipe.aligner.held() == ["early"] and pipe.aligner.waiting_records == 0
+    pipe.flush()
+    assert steps_judged(pipe, "early") == 1 and dead_lettered(pipe) == {}
+
+
+def test_a_burst_of_first_steps_then_a_pause_holds_its_place_against_a_flood_of_lesser_runs():
+    """A real run's first 20 steps reach the service in one poll (it started before the service,
+    or the bus caught up), then it pauses while one-record runs flood in: it stays on probation
+    (20 steps at once are no evidence of time), but a newcomer that has shown fewer whole steps
+    never takes its place; the flood takes turns in the other places. When it goes on, its whole
+    steps over time end its probation, and its NaN is found."""
+    pipe, clock = clocked_pipeline(max_runs=50)
+    real = SyntheticRun(world=4, run="real", seed=11, faults=[Fault("nonfinite", 30, rank=2, length=1)])
+    events = pipe.process([r for step in range(20) for r in real.records(step)])
+    assert pipe.aligner.on_probation("real")
+    for wave in range(5):  # 500 one-record runs, 100 every 3 s, for 49 places
+        clock.t += 3.0
+        events += pipe.process([junk(f"flood-{wave}-{i}") for i in range(100)])
+        assert pipe.aligner.holds("real"), wave
+    assert pipe.runs_forgotten == 4 * 49  # each wave took the places of the last one
+    for step in range(20, 40):
+        clock.t += 1.0
+        events += pipe.process(real.records(step))
+    assert not pipe.aligner.on_probation("real")
+    events += pipe.flush()
+    assert steps_judged(pipe, "real") == 40 and dead_lettered(pipe) == {}
+    nonfinite = [e.incident for e in events if e.change == "opened" and e.incident.kind == "nonfinite"]
+    assert [(i.run, i.first_step, i.ranks) for i in nonfinite] == [("real", 30, (2,))]
+
+
+def test_a_paused_training_run_gives_way_only_to_a_run_that_trained_and_comes_back_with_its_credit():
+    """An unsigned training run silent 2 minutes (a checkpoint) keeps its place while one-record
+    runs flood in: only a newcomer that has shown training (20 whole steps over 10 s, waiting)
+    takes it once it has been silent run_yield_idle_s. The run that gave way comes back with
+    nothing lost: its records wait, it keeps the training it showed (no second probation), and
+    it takes the place of a run on probation silent 2 s at once, across a restart too. What it
+    loses is its detectors' history: they start afresh (warm-up again) and its open incidents
+    resolved when it gave way."""
+    pipe, clock = clocked_pipeline(max_runs=1)
+    a, b = SyntheticRun(world=2, run="a", seed=12), SyntheticRun(world=2, run="b", seed=13)
+    for step in range(25):  # 25 whole steps over 24 s: training
+        pipe.process(a.records(step))
+        clock.t += 1.0
+    for i in range(120):  # a checkpoint: silent 2 minutes, while one-record runs come
+        clock.t += 1.0
+        pipe.process([junk(f"flood-{i}")])
+        assert pipe.aligner.held() == ["a"], i
+    for step in range(25):  # a real newcomer: it waits until it has shown training
+        clock.t += 1.0
+        pipe.process(b.records(step))
+        assert pipe.aligner.holds("b") == (step >= 19), step
+    assert pipe.aligner.on_probation("b") and pipe.runs_forgotten == 1
+    state = json.loads(json.dumps(json_safe(pipe.snapshot())))  # the service restarts meanwhile
+    pipe, clock = clocked_pipeline(max_runs=1)
+    pipe.restore(state)
+    for step in range(25, 35):  # "a" goes on: its records wait until "b" has been silent 2 s
+        clock.t += 1.0
+        pipe.process(a.records(step))
+        assert pipe.aligner.holds("a") == (step >= 26), step
+    assert not pipe.aligner.on_probation("a") and pipe.runs_forgotten == 1
+    pipe.flush()
+    assert dead_lettered(pipe) == {} and pipe.aligner.waiting_records == 120  # the flood still waits
+    assert steps_judged(pipe, "a") == 10  # its detectors started afresh at step 25

@@ -5,6 +5,7 @@ from __future__ import annotations
 import shutil
 
 from detector_synth import Fault, SyntheticRun
+from polling import step_until
 from sdcwatch.service.announced import JOURNAL_FILE
 from memory_source import MemorySource
 from sdcwatch.service.loop import DetectorService
@@ -26,8 +27,9 @@ def _start(bus, state_dir, committed: int) -> tuple[DetectorService, ListSink]:
 
 
 def _run_until_drained(svc: DetectorService) -> None:
-    svc.run_for(until=lambda: svc.source.lag() == 0, max_iterations=10_000)
-    svc.run_for(max_iterations=3)
+    step_until(svc.step, lambda: svc.source.lag() == 0, 120, "the source drained")
+    for _ in range(3):
+        svc.step()
 
 
 def test_an_incident_found_again_after_a_kill_is_announced_once_and_without_the_journal_twice(tmp_path):

@@ -4,13 +4,15 @@ attacks on a real `sdcwatch serve` are in test_hostile.py)."""
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 from detector_synth import Fault, SyntheticRun
+from polling import step_until
 from sdcwatch.core.control import Decision, open_decision
 from sdcwatch.core.errors import ConfigError, ControlError
 from sdcwatch.core.record_layout import PackedRecord
-from sdcwatch.core.signing import AuthError, JobKey, Keyring, job_key_from_env
+from sdcwatch.core.signing import SERVICE_KID, AuthError, JobKey, Keyring, job_key_from_env
 from sdcwatch.core.vocabulary import CONTROL_TOPIC, TELEMETRY_TOPIC
 from sdcwatch.service.auth import Authenticator
 from memory_source import MemorySource
@@ -56,8 +58,9 @@ def _service(bus: MemoryBus, auth: Authenticator, sinks=()) -> DetectorService:
 
 
 def _drain(svc: DetectorService) -> None:
-    svc.run_for(until=lambda: svc.source.lag() == 0, max_iterations=10_000)
-    svc.run_for(max_iterations=3)
+    step_until(svc.step, lambda: svc.source.lag() == 0, 120, "the source drained")
+    for _ in range(3):
+        svc.step()
 
 
 def test_a_signed_run_is_watched_and_forged_unsigned_or_foreign_records_reach_no_detector():
@@ -135,6 +138,41 @@ def test_keys_are_checked_and_no_error_or_repr_shows_a_secret(tmp_path):
     assert SECRET_A not in str(e.value) and SECRET_B not in str(e.value)
     with pytest.raises(AuthError, match="not signed"):
         Keyring([KEY_A]).verify(b"SDC2 unsigned")
+
+
+def test_a_service_key_line_is_the_only_source_of_the_services_key_and_verifies_no_telemetry(tmp_path, caplog):
+    """Before: the service's key was made from every job key of the file, so with a one-key file that
+    job could make it (and sign the state and anomalies topics). A ``sdcwatch.service`` line is now
+    its only source; a file without one keeps the derivation from the job keys."""
+    service_line = f"{SERVICE_KID}:the-services-own-secret-0123456789"
+    ring = Keyring.from_text(f"job-a:{SECRET_A}\n{service_line}\n")
+    assert ring.kids == ("job-a",) and SERVICE_KID not in ring and "services-own" not in repr(ring)
+    for purpose in ("state", "anomalies"):
+        assert ring.service_key(purpose).tag(b"m") != Keyring([KEY_A]).service_key(purpose).tag(b"m")
+    rotated = Keyring.from_text(f"job-b:{SECRET_B}\n{service_line}\n")  # job keys change, the service's does not
+    assert rotated.service_key("state").tag(b"m") == ring.service_key("state").tag(b"m")
+    without = Keyring.from_text(f"job-a:{SECRET_A}\njob-b:{SECRET_B}\n")  # as before: from every job key
+    assert without.service is None
+    assert without.service_key("state").tag(b"m") == Keyring([KEY_A, KEY_B]).service_key("state").tag(b"m")
+    forged = JobKey.parse(service_line).sign(b"a record")  # the service's key speaks for no run
+    with pytest.raises(AuthError, match="does not hold"):
+        Authenticator(ring).open(forged)
+    for bad in (f"{service_line} runs=job-*", f"{service_line}\n{service_line}"):
+        with pytest.raises(ConfigError, match=SERVICE_KID) as e:
+            Keyring.from_text(bad)
+        assert "services-own" not in str(e.value)
+    f = tmp_path / "reader-keys"  # a reader of the anomalies topic needs the service's line alone
+    f.write_text(service_line + "\n")
+    reader = Keyring.from_file(f)
+    assert reader.service_key("anomalies").tag(b"m") == ring.service_key("anomalies").tag(b"m")
+    with pytest.raises(ConfigError, match="holds no key"):
+        Authenticator(reader)
+    with caplog.at_level(logging.WARNING, "sdcwatch.service.auth"):  # the caveat, said at start
+        Authenticator(Keyring([KEY_A])).warn_unrestricted()
+        said = caplog.text
+        caplog.clear()
+        Authenticator(ring).warn_unrestricted()
+    assert f"no {SERVICE_KID} line" in said and "'job-a' alone" in said and f"no {SERVICE_KID} line" not in caplog.text
 
 
 # -- control ------------------------------------------------------------------------------------
@@ -216,9 +254,9 @@ def test_the_runs_bindings_survive_a_restart_so_no_other_key_takes_a_run_over_af
 # -- issue 36: replays (item 4), unsigned evidence before a binding (item 9) -----------------------
 
 
-def test_a_replayed_signed_message_is_refused_counted_as_replayed_and_the_run_loses_nothing():
-    """Before: replaying a run's signed messages reopened its NaN and recreated it; replayed end
-    markers ended a live run. Each message carries its signer's start and number: taken once."""
+def _victim_read_to_step_30():
+    """A signed 8-rank run with a NaN at step 20 on rank 2, its steps 0-29 (one start of job-a's key)
+    on the bus and read: (bus, the run, its signer, its messages, the sink, the authenticator, the service)."""
     bus = MemoryBus()
     real = SyntheticRun(seed=1, run="victim", faults=[Fault("nonfinite", 20, rank=2)])
     signer = JobKey.parse(f"job-a:{SECRET_A}")  # one rank process's start
@@ -229,6 +267,13 @@ def test_a_replayed_signed_message_is_refused_counted_as_replayed_and_the_run_lo
     auth = Authenticator(Keyring([KEY_A]))
     svc = _service(bus, auth, [sink])
     _drain(svc)
+    return bus, real, signer, first, sink, auth, svc
+
+
+def test_a_replayed_signed_message_is_refused_counted_as_replayed_and_the_run_loses_nothing():
+    """Before: replaying a run's signed messages reopened its NaN and recreated it; replayed end
+    markers ended a live run. Each message carries its signer's start and number: taken once."""
+    bus, real, signer, first, sink, auth, svc = _victim_read_to_step_30()
     restarted = JobKey.parse(f"job-a:{SECRET_A}")  # the job again, a new start of the same key
     _put(bus, _messages(real, range(30, 40)), restarted)
     for k, v in first:  # the whole first part again: its NaN at 20 among it
@@ -239,6 +284,35 @@ def test_a_replayed_signed_message_is_refused_counted_as_replayed_and_the_run_lo
     assert svc.source.dead_letter_reasons == {"auth": len(first)}
     assert auth.refused == {("job-a", "replayed"): len(first)}
     assert svc.pipeline.records_total == 60 * 8
+
+
+def test_a_rebalance_rereading_taken_messages_takes_them_again_and_a_true_replay_stays_refused():
+    """Before: after a consumer-group rebalance, the messages the new owner re-read from the committed
+    offset were refused `replayed`, dead-lettered and counted as attacks. The very message read again
+    at its place is taken again (the pipeline drops what it had) and counted apart; the same bytes
+    appended again are not."""
+    from prometheus_client import CollectorRegistry, generate_latest
+    from sdcwatch.exporters import SdcwatchCollector
+
+    bus, real, signer, first, sink, auth, svc = _victim_read_to_step_30()
+    owner = MemorySource(bus, ingest=svc.source.ingest)  # the partition back, from the committed offset (0)
+    reread = owner.poll()
+    assert sum(len(block.to_records()) for block in reread) == 30 * 8 and owner.dead_letters == 0
+    assert auth.redelivered == {"job-a": len(first)} and auth.refused == {}
+    for k, v in first[:3]:  # the same bytes published again: a replay, at offsets never read
+        bus.append(TELEMETRY_TOPIC, k, v)
+    _put(bus, _messages(real, range(30, 40)), signer)
+    _drain(svc)
+    assert auth.refused == {("job-a", "replayed"): 3} and svc.source.dead_letter_reasons == {"auth": 3}
+    assert auth.redelivered == {"job-a": len(first)}
+    assert [(i.kind, i.first_step, i.ranks) for i in sink.opened] == [("nonfinite", 20, (2,))]
+    assert svc.pipeline.records_total == 40 * 8
+    registry = CollectorRegistry()
+    view = svc.pipeline.view(auth_redelivered=dict(auth.redelivered), auth_runs_refused=dict(auth.refused))
+    registry.register(SdcwatchCollector(lambda: view))
+    text = generate_latest(registry).decode()
+    assert f'sdcwatch_auth_redelivered_total{{key="job-a"}} {float(len(first))}' in text
+    assert 'sdcwatch_auth_runs_refused_total{key="job-a",reason="replayed"} 3.0' in text
 
 
 def test_signer_starts_take_each_number_once_in_any_order_and_across_a_restart():
@@ -257,6 +331,23 @@ def test_signer_starts_take_each_number_once_in_any_order_and_across_a_restart()
     assert again.check("k", (b"bbbbbbbb", 20.0, 0)) is None and again.check("k", (b"cccccccc", 30.0, 0)) is None
     assert again.check("k", (a, 10.0, 7))[0] == "stale"  # forgotten (the bound): no newer than one forgotten
     assert again.check("k", (b"dddddddd", 9.0, 0))[0] == "stale"
+
+
+def test_a_message_checked_before_a_restart_is_told_from_a_replay_by_its_offset():
+    """Before: the state kept the numbers of messages the reader had checked but the pipeline not yet
+    taken; read again after a restart from the committed offset, they were refused ``replayed`` and
+    their records lost. The offsets checked are kept with the numbers."""
+    from sdcwatch.service.auth import SignerStarts
+
+    a = b"aaaaaaaa"
+    starts = SignerStarts(clock=lambda: 1000.0)
+    assert [starts.check("k", (a, 10.0, n), ("t/0", 100 + n)) for n in range(5)] == [None] * 5
+    again = SignerStarts(clock=lambda: 1000.0)
+    again.restore(json.loads(json.dumps(starts.snapshot())))
+    assert [again.check("k", (a, 10.0, n), ("t/0", 100 + n))[0] for n in (2, 3, 4)] == ["redelivered"] * 3
+    assert again.check("k", (a, 10.0, 1), ("t/0", 105))[0] == "replayed"  # appended past what was read
+    assert again.check("k", (a, 10.0, 2), ("t/1", 7))[0] == "replayed"  # another partition: never read there
+    assert again.check("k", (a, 10.0, 5), ("t/0", 106)) is None
 
 
 def test_with_unsigned_accept_what_a_run_sent_unsigned_before_its_first_signed_message_does_not_stand():

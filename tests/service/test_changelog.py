@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import signal
 import time
@@ -14,7 +15,7 @@ import zlib
 
 import pytest
 from detector_synth import Fault, SyntheticRun
-from polling import wait_for
+from polling import step_until, wait_for
 from sdcwatch.core.errors import ConfigError
 from sdcwatch.core.vocabulary import ANOMALY_TOPIC, TELEMETRY_TOPIC
 from memory_source import MemorySource
@@ -121,7 +122,7 @@ def emit(bus, synth, steps):
 
 
 def drain(service):
-    service.run_for(until=lambda: service.source.lag() == 0, max_iterations=10_000)
+    step_until(service.step, lambda: service.source.lag() == 0, 120, "the source drained")
 
 
 def test_an_instance_with_an_empty_state_folder_resumes_from_the_topic_without_a_new_warmup(
@@ -317,6 +318,78 @@ def test_a_successor_elsewhere_does_not_announce_again_what_the_killed_instance_
 SECRET_A, SECRET_B = uuid.uuid4().hex, uuid.uuid4().hex
 KEY_A, KEY_B = JobKey("job-a", SECRET_A.encode()), JobKey("job-b", SECRET_B.encode())
 SERVICE_KEY = Keyring([KEY_A, KEY_B]).service_key("state")  # what a service holding both keys signs with
+
+
+def test_an_older_snapshot_of_the_service_published_again_never_beats_a_newer_state_file(
+    bootstrap, unique_topic, tmp_path, caplog
+):
+    """A writer of the topic re-publishes the service's own older snapshot (signed: it verifies). The
+    newer of the two wins: the state file, in a log line naming the snapshot and how much older it
+    is. A tombstone deleting the manifest leaves the topic without a snapshot: the file is taken."""
+    bus = MemoryBus()
+    synth = SyntheticRun(seed=3)
+    emit(bus, synth, range(20))
+
+    def start() -> DetectorService:
+        caplog.clear()
+        changelog = _changelog(bootstrap, unique_topic, key=SERVICE_KEY)
+        return DetectorService(MemorySource(bus), state_dir=tmp_path, poll_timeout=0.01, changelog=changelog)
+
+    svc = start()
+    drain(svc)
+    svc.snapshot()  # the service's snapshot of 20 steps, as a writer of the topic captured it
+    captured = {k: v for k, v in _latest_values(bootstrap, unique_topic).items() if k.startswith((b"c:", b"m:"))}
+    emit(bus, synth, range(20, 40))
+    drain(svc)
+    svc.close()  # 40 steps: the file and the topic (the 20 steps' chunks tombstoned)
+    for key, value in captured.items():  # chunks before their manifest, as the service wrote them
+        _send_raw(bootstrap, unique_topic, key, value)
+    with caplog.at_level(logging.INFO, "sdcwatch.service.changelog"):
+        again = start()
+    again.source.close()
+    assert again.resumed and again.pipeline.records_total == 40 * synth.world
+    said = [r.getMessage() for r in caplog.records if "the newer" in r.getMessage()]
+    manifest = json.loads(SERVICE_KEY.open(captured[b"m:both:g"]))
+    assert len(said) == 1 and manifest["snapshot"] in said[0] and "pipeline-state.json" in said[0], said
+    _send_raw(bootstrap, unique_topic, b"m:both:g", None)  # the manifest deleted
+    assert _changelog(bootstrap, unique_topic, key=SERVICE_KEY).read() is None
+    later = start()
+    later.source.close()
+    assert later.resumed and later.pipeline.records_total == 40 * synth.world
+
+
+def test_two_instances_creating_their_topics_at_the_same_instant_one_creates_each_and_neither_fails(bootstrap):
+    """Issue 36 item 7's remaining race, two instances started at the same instant before their topics
+    exist: the broker creates a topic once, so exactly one instance is told it created the telemetry
+    topic (the one that stays), the other that it exists (the newcomer, which leaves as documented);
+    both find the compacted state topic and write to it."""
+    import threading
+
+    from sdcwatch.config import load_config
+    from sdcwatch.serve import _created_telemetry_topic
+
+    for _ in range(3):
+        telemetry, state = f"t.{uuid.uuid4().hex[:10]}", f"s.{uuid.uuid4().hex[:10]}"
+        cfg = load_config(overrides={"bus.bootstrap": bootstrap, "bus.telemetry_topic": telemetry}, env={})
+        together, created, written = threading.Barrier(2), [], []
+
+        def start(n: int) -> None:
+            together.wait()
+            created.append(_created_telemetry_topic(cfg))
+            changelog = _changelog(bootstrap, state, key=SERVICE_KEY)
+            changelog.write({"n": n})
+            changelog.close()
+            written.append(n)
+
+        threads = [threading.Thread(target=start, args=(n,)) for n in (1, 2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert sorted(created) == [False, True] and sorted(written) == [1, 2]
+        assert _changelog(bootstrap, state, key=SERVICE_KEY).read().state["n"] in (1, 2)
+
+
 IN_2036 = 2_085_000_000.0
 
 

@@ -154,6 +154,22 @@ def test_two_paths_noted_for_one_step_certify_neither_and_a_rollback_names_the_s
     assert [(m.step, m.path) for m in book.take_marks()] == [(50, "/real/c-50"), (50, "")]
 
 
+def test_a_disputed_checkpoint_stays_disputed_across_a_restart():
+    """Before: the snapshot kept a disputed step's empty path but not the dispute, so after a restart
+    a third note (the forger's again) certified its path."""
+    book = CheckpointBook(clock=lambda: 1.0)
+    book.note(CheckpointNote("r", 0, 4, 40, "/attacker/x"))
+    book.note(CheckpointNote("r", 0, 4, 40, "/real/c-40"))
+    book.note(CheckpointNote("r", 0, 4, 60, "/real/c-60"))
+    restored = CheckpointBook(clock=lambda: 1.0)
+    restored.restore(json.loads(json.dumps(book.snapshot())))
+    restored.note(CheckpointNote("r", 0, 4, 40, "/attacker/x"))
+    restored.note(CheckpointNote("r", 0, 4, 60, "/attacker/y"))  # a second path: disputed now, after the restart
+    restored.judged("r", 70)
+    assert [(m.step, m.path) for m in restored.take_marks()] == [(40, ""), (60, "")]
+    assert restored.rollback_target("r", 70).path == ""
+
+
 def test_notes_of_a_thousand_runs_nobody_watches_do_not_push_out_a_watched_runs_checkpoints():
     """Before: 1,000 notes of another tenant's runs pushed the real run's checkpoints out of the record."""
     watched = {"real"}

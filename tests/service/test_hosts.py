@@ -13,6 +13,7 @@ from sdcwatch.core.signing import JobKey, Keyring
 from sdcwatch.service.changelog import StateChangelog, resume_state
 from sdcwatch.service.hosts import HostLedger, HostSettings, HostVerdict, credit_hosts
 from sdcwatch.service.pipeline import DetectionPipeline
+from sdcwatch.service.summary import decode_summary, encode_summary
 
 DAY = 86400.0
 
@@ -30,6 +31,12 @@ def credit(
     ledger.credit(run=run, step=step, host=host, kind=kind, weight=weight, wall=wall)
 
 
+def whole_runs(**settings) -> HostLedger:
+    """A ledger in which a run counts whole even when its evidence is one step (as these tests credit
+    it); the rule that a one-off counts half has a test of its own."""
+    return HostLedger(HostSettings(one_off_run=1.0, **settings))
+
+
 def verdict(ledger: HostLedger, host: str, wall: float = 0.0) -> HostVerdict:
     return {v.host: v for v in ledger.verdicts(wall)}[host]
 
@@ -45,7 +52,7 @@ HOSTS = ("node0",) * 4 + ("node1",) * 4
 
 
 def test_one_run_alone_never_makes_a_verdict_however_much_it_says() -> None:
-    ledger = HostLedger()
+    ledger = whole_runs()
     for step in range(200):
         credit(ledger, "job-a", step=step)
     v = verdict(ledger, "node17")
@@ -54,7 +61,7 @@ def test_one_run_alone_never_makes_a_verdict_however_much_it_says() -> None:
 
 
 def test_independent_runs_make_a_suspect_then_a_quarantine_saying_on_what_and_since_when() -> None:
-    ledger = HostLedger()
+    ledger = whole_runs()
     credit(ledger, "job-a", weight=1.0, wall=10.0)
     credit(ledger, "job-b", weight=0.2, wall=20.0)
     v = verdict(ledger, "node17", 20.0)
@@ -77,21 +84,56 @@ def test_independent_runs_make_a_suspect_then_a_quarantine_saying_on_what_and_si
 
 
 def test_evidence_halves_every_half_life_and_a_suspect_fades_but_a_quarantine_stays() -> None:
-    ledger = HostLedger(HostSettings(half_life_s=DAY))
+    ledger = whole_runs(half_life_s=DAY)
     for run in ("a", "b"):
         credit(ledger, run, weight=1.0)
     assert verdict(ledger, "node17").verdict == "suspect"
     assert verdict(ledger, "node17", DAY).score == pytest.approx(1.0)
+    ledger.review(2 * DAY)  # the service judges again at its snapshot
     assert verdict(ledger, "node17", 2 * DAY).verdict == "clean"  # 0.5 < half the suspect bound
     assert verdict(ledger, "node17", 2 * DAY).runs == ()  # each run's share is under run_floor now
     for run in ("c", "d", "e"):
         credit(ledger, run, weight=1.0, wall=3 * DAY)
     assert verdict(ledger, "node17", 3 * DAY).verdict == "quarantine"
+    ledger.review(30 * DAY)
     assert verdict(ledger, "node17", 30 * DAY).verdict == "quarantine"  # decisive: until an operator clears it
 
 
-def test_verdicts_are_worst_first() -> None:
+def test_reading_a_verdict_changes_nothing_it_says_what_the_ledger_last_judged() -> None:
+    ledger = whole_runs(half_life_s=DAY)
+    for run in ("a", "b"):
+        credit(ledger, run, weight=1.0)
+    state, changed = ledger.snapshot(), ledger.take_changed()
+    late = verdict(ledger, "node17", 5 * DAY)  # a reader's clock long after: the evidence has faded
+    assert (late.verdict, late.since) == ("suspect", 0.0) and late.score == pytest.approx(2 * 0.5**5)
+    assert ledger.snapshot() == state and ledger.take_changed() == set() and changed == {"node17"}
+    ledger.review(5 * DAY)
+    assert verdict(ledger, "node17", 5 * DAY).verdict == "clean" and ledger.take_changed() == {"node17"}
+
+
+def test_a_one_off_in_a_run_counts_half_a_run_evidence_that_recurs_counts_whole() -> None:
+    """Three cosmic rays on one clean host in three runs (one checksum mismatch each) are not two
+    independent runs' evidence; a part that errs twice in each of two runs is."""
     ledger = HostLedger()
+    for run in ("a", "b", "c"):
+        credit(ledger, run, host="unlucky", step=40)
+        credit(ledger, run, host="unlucky", kind="rank_outlier", weight=0.15, step=40)  # same step: still one
+    v = verdict(ledger, "unlucky")
+    assert (v.verdict, v.runs) == ("clean", ("a", "b", "c")) and v.score >= ledger.settings.suspect_score
+    credit(ledger, "d", host="unlucky", step=7)
+    assert verdict(ledger, "unlucky").verdict == "suspect"  # four one-offs on one host: no longer chance
+    for run in ("a", "b"):
+        for step in (10, 250):
+            credit(ledger, run, host="faulty", step=step, weight=0.4)
+    assert verdict(ledger, "faulty").verdict == "suspect"
+    saved = {"hosts": {"old": {"runs": {"a": [1.0, 0.0], "b": [1.0, 0.0]}}}}  # before steps were kept
+    ledger.restore(saved)
+    ledger.review(0.0)
+    assert verdict(ledger, "old").verdict == "suspect"
+
+
+def test_verdicts_are_worst_first() -> None:
+    ledger = whole_runs()
     credit(ledger, "a", host="calm")
     for run in "abc":
         credit(ledger, run, host="bad", weight=1.0)
@@ -110,7 +152,7 @@ def test_a_verdict_round_trips_through_json() -> None:
 
 
 def test_a_clear_is_recorded_drops_the_evidence_and_new_evidence_counts_afresh() -> None:
-    ledger = HostLedger()
+    ledger = whole_runs()
     for run in "abc":
         credit(ledger, run, weight=1.0)
     assert ledger.clear("node17", by="alice", reason="GPU 3 replaced", wall=100.0)
@@ -134,7 +176,7 @@ def test_a_clear_is_recorded_drops_the_evidence_and_new_evidence_counts_afresh()
 
 
 def test_a_flood_of_invented_hosts_evicts_only_the_weakest_clean_ones_and_is_counted() -> None:
-    ledger = HostLedger(HostSettings(max_hosts=3, max_label=16))
+    ledger = whole_runs(max_hosts=3, max_label=16)
     for run in "ab":
         credit(ledger, run, host="bad", weight=1.0)
     credit(ledger, "a", host="weak", weight=0.1)
@@ -153,7 +195,7 @@ def test_a_flood_of_invented_hosts_evicts_only_the_weakest_clean_ones_and_is_cou
 
 
 def test_runs_kept_per_host_are_bounded() -> None:
-    ledger = HostLedger(HostSettings(max_runs_per_host=4))
+    ledger = whole_runs(max_runs_per_host=4)
     for i in range(10):
         credit(ledger, f"run{i}", weight=0.1 * (i + 1))
     assert verdict(ledger, "node17").runs == ("run6", "run7", "run8", "run9")
@@ -172,14 +214,14 @@ def test_settings_are_checked_by_their_dotted_key() -> None:
 
 
 def test_snapshot_and_restore_keep_evidence_verdicts_clears_and_counts() -> None:
-    ledger = HostLedger()
+    ledger = whole_runs()
     for run in "abc":
         credit(ledger, run, host="bad", weight=1.0, wall=5.0)
     credit(ledger, "a", host="fixed", weight=1.0)
     credit(ledger, "b", host="fixed", weight=1.0)
     ledger.clear("fixed", by="bob", reason="reseated", wall=9.0)
     credit(ledger, "a", host="x" * 300)
-    again = HostLedger()
+    again = whole_runs()
     again.restore(json.loads(json.dumps(ledger.snapshot())))
     assert again.verdicts(50.0) == ledger.verdicts(50.0)
     assert again.refused == ledger.refused == {"label": 1, "full": 0}
@@ -188,11 +230,11 @@ def test_snapshot_and_restore_keep_evidence_verdicts_clears_and_counts() -> None
 
 
 def test_one_host_state_is_adopted_or_forgotten_by_its_key() -> None:
-    ledger = HostLedger()
+    ledger = whole_runs()
     for run in "ab":
         credit(ledger, run, weight=1.0)
     assert ledger.take_changed() == {"node17"} and ledger.take_changed() == set()
-    other = HostLedger()
+    other = whole_runs()
     other.adopt("node17", ledger.host_state("node17"))
     assert other.verdicts(0.0) == ledger.verdicts(0.0)
     other.adopt("node17", None)
@@ -200,7 +242,7 @@ def test_one_host_state_is_adopted_or_forgotten_by_its_key() -> None:
 
 
 def test_adopting_merges_each_instances_runs_and_keeps_the_later_clear() -> None:
-    east, west = HostLedger(), HostLedger()
+    east, west = whole_runs(), whole_runs()
     credit(east, "r1", weight=1.0, wall=1.0)
     credit(west, "r2", weight=1.0, wall=2.0)
     east.adopt("node17", west.host_state("node17"))
@@ -219,7 +261,7 @@ def test_adopting_merges_each_instances_runs_and_keeps_the_later_clear() -> None
 
 
 def test_rank_local_findings_credit_their_host_by_specificity_and_shared_ones_none() -> None:
-    ledger = HostLedger()
+    ledger = whole_runs()
     credit_hosts(ledger, [finding("checksum_mismatch", (5,))], HOSTS, 0.0, gpus=("",) * 5 + ("GPU-5",) + ("",) * 2)
     credit_hosts(ledger, [finding("rank_outlier", (1,), severity=Severity.WARNING)], HOSTS, 0.0)
     scores = {v.host: v for v in ledger.verdicts(0.0)}
@@ -233,7 +275,7 @@ def test_rank_local_findings_credit_their_host_by_specificity_and_shared_ones_no
 
 
 def test_a_single_step_deviation_counts_unless_a_bad_batch_explains_it() -> None:
-    ledger = HostLedger()
+    ledger = whole_runs()
     hardware = finding("rank_deviation", (6,), metric="q_norm_max", evidence={"z": 80.0, "loss_z": 1.0})
     batch = finding("rank_deviation", (2,), metric="q_norm_max", evidence={"z": 80.0, "loss_z": 60.0})
     loss = finding("rank_deviation", (3,), metric="loss", evidence={"z": 80.0, "loss_z": 80.0})
@@ -264,6 +306,31 @@ def test_the_pipeline_credits_hosts_across_runs_and_its_state_keeps_the_ledger()
     assert again.hosts.verdicts(clock[0]) == verdicts
 
 
+def test_split_stages_credit_hosts_as_one_both_stage_does() -> None:
+    """Spatial instances observe the steps, the temporal stage judges them from their summaries: its
+    ledger holds what a ``both`` instance's holds (the spatial stages' holds nothing to lose)."""
+    runs = [
+        SyntheticRun(world=8, run=f"job-{i}", seed=i, faults=[Fault("checksum", 30 + i, rank=1), Fault(family, 60, 5)])
+        for i, family in enumerate(("checksum", "nonfinite", "rank_gross"))
+    ]
+    both = DetectionPipeline(wall=lambda: 1.7e9)
+    spatial = [DetectionPipeline(stage="spatial", wall=lambda: 1.7e9) for _ in range(2)]
+    temporal = DetectionPipeline(stage="temporal", wall=lambda: 1.7e9)
+    for synth in runs:
+        for step in range(100):
+            both.process(synth.records(step))
+            spatial[step // 16 % 2].process(synth.records(step))
+    both.flush()
+    for sp in spatial:
+        sp.flush()
+        temporal.process_summaries([decode_summary(encode_summary(x)) for x in sp.take_summaries()])
+        assert len(sp.hosts) == 0
+    temporal.flush()
+    verdicts = both.hosts.verdicts(1.7e9)
+    assert {v.host for v in verdicts} == {"node0", "node1"} and verdicts[0].verdict != "clean"
+    assert temporal.hosts.verdicts(1.7e9) == verdicts
+
+
 # -- the state topic, keyed by host -------------------------------------------------------------------
 
 
@@ -273,7 +340,7 @@ def test_host_states_on_the_state_topic_are_adopted_by_an_instance_of_another_gr
     """Instance A writes its changed hosts keyed by host; an instance of another group, starting
     with no state, adopts them; with keys, a host record not signed with the service's key is ignored."""
     key = Keyring([JobKey("a", b"k" * 32)]).service_key("state")
-    ledger = HostLedger()
+    ledger = whole_runs()
     for run in "abc":
         credit(ledger, run, host="node17", weight=1.0, wall=5.0)
     credit(ledger, "a", host="calm", weight=0.2, wall=5.0)

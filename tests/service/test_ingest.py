@@ -19,7 +19,8 @@ from sdcwatch.core.record_layout import PackedRecord, schema_for
 from sdcwatch.core.record_type import Record
 from sdcwatch.detectors import StepFrame
 from sdcwatch.detectors.frame import DIM_INDEX, assemble_frame
-from sdcwatch.service.aligner import StepAligner, frames_over_wire
+from sdcwatch.service.aligner import StepAligner
+from sdcwatch.testbed.wire_frames import frames_over_wire
 from memory_source import MemorySource
 from sdcwatch.service.ingest import (
     IngestDecoder,
@@ -267,7 +268,8 @@ def test_service_keeps_the_schemas_it_learnt_across_a_restart(tmp_path):
         for _, k, v in v2_messages(synth.records(s), sent):
             first_bus.append("sdcwatch.telemetry", k, v)
     svc = DetectorService(MemorySource(first_bus), state_dir=tmp_path, poll_timeout=0.01)
-    svc.run_for(max_iterations=3)
+    for _ in range(3):
+        svc.step()
     svc.close()
     assert (tmp_path / "schemas.json").exists()
     second_bus = MemoryBus()  # what comes after the committed offset: no schema inline
@@ -276,7 +278,8 @@ def test_service_keeps_the_schemas_it_learnt_across_a_restart(tmp_path):
             second_bus.append("sdcwatch.telemetry", k, v)
     source = MemorySource(second_bus)
     again = DetectorService(source, state_dir=tmp_path, poll_timeout=0.01)
-    again.run_for(max_iterations=3)
+    for _ in range(3):
+        again.step()
     assert source.dead_letters == 0 and again.pipeline.records_total == 4 * 6
     assert again.view().runs[0].last_step == 5
 

@@ -34,7 +34,7 @@ def emit(bus, synth, steps):
 
 
 def drain(service, bus):
-    service.run_for(until=lambda: service.source.lag() == 0, max_iterations=10_000)
+    step_until(service.step, lambda: service.source.lag() == 0, 120, "the source drained")
 
 
 def anomalies(bus):

@@ -6,9 +6,10 @@ records and the rank's names through the emitter's own messages into the detecto
 from __future__ import annotations
 
 import pytest
+from installed import needs
 
 torch = pytest.importorskip("torch")
-pytest.importorskip("transformers")
+needs("transformers")
 
 from sdcwatch.core.incident import Finding, Severity  # noqa: E402
 from sdcwatch.core.rank_notes import LayerNames  # noqa: E402

@@ -16,7 +16,6 @@ import pytest
 import torch
 from sdcwatch.telemetry.probes.presets import PROBE_PRESETS
 from sdcwatch.telemetry.probes.watch import attach
-from torch._dynamo.utils import counters
 
 # sampled steps 0 and 16 (attention, activations, checksums every 16th), plain ones between and step 17
 # after: sampled -> plain, plain -> sampled and sampled -> plain again, each compiled variant reused
@@ -67,6 +66,13 @@ def _gpt2(impl: str):
     return model, lambda m, x: m(input_ids=x, labels=x).loss, lambda s: _tokens(s, 64, (2, 16))
 
 
+def _counters():
+    """torch.compile's counters (torch._dynamo imported here, not at collection: seconds of every test worker's start)."""
+    from torch._dynamo.utils import counters
+
+    return counters
+
+
 def _tokens(step: int, vocab: int, shape: tuple[int, int]) -> torch.Tensor:
     return torch.randint(0, vocab, shape, generator=torch.Generator().manual_seed(step))
 
@@ -85,6 +91,7 @@ def _steps(model, loss_of, batch, opt, w, steps) -> None:
 def _train(build, *, watch: bool, backend: str = "aot_eager", compile_first: bool = False, preset: str = "default"):
     """(graphs, graph breaks, records) of STEPS compiled training steps."""
     torch._dynamo.reset()
+    counters = _counters()
     counters.clear()
     model, loss_of, batch = build()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -173,10 +180,42 @@ def test_compiled_before_attach():
     assert len(layers["gemm_fwd"]) == len(layers["gemm_out"])
 
 
+def test_ddp_around_the_compiled_model(tmp_path):
+    """nanoGPT's order, torch.compile and then DDP: attach(ddp) watches the model inside both wrappers
+    and the job trains, an eval forward first (the watch held the compiled wrapper, and Dynamo
+    refused to trace a hook that reached it: "already tracked for mutation")."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    model, loss_of, batch = _reference()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    records = Records()
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        ddp = DistributedDataParallel(torch.compile(model, backend="aot_eager"))
+        w = attach(ddp, records, optimizer=opt)
+        assert w.model is model
+        ddp.eval()
+        with torch.no_grad():
+            loss_of(ddp, batch(0))
+        ddp.train()
+        for step in range(2):
+            loss = loss_of(ddp, batch(step))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            w.step(step, loss=loss)
+        w.close()
+        assert "gemm_out" in records.by_step[0]["layers"]
+    finally:
+        dist.destroy_process_group()
+
+
 def test_compiled_records_match_eager():
     """The every-step and sampled probes measure the same values compiled (aot_eager) as eagerly."""
     _, _, _, compiled = _train(_reference, watch=True, backend="eager")  # Dynamo traces the hooks
     torch._dynamo.reset()
+    counters = _counters()
     counters.clear()
     model, loss_of, batch = _reference()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -253,6 +292,7 @@ def test_hugging_face_trainer_torch_compile(tmp_path):
     from transformers import Trainer, TrainingArguments
 
     torch._dynamo.reset()
+    counters = _counters()
     counters.clear()
     model = tiny_llama()
     model.config.use_cache = False
@@ -299,6 +339,7 @@ def test_lightning_compiled_module():
             return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
     torch._dynamo.reset()
+    counters = _counters()
     counters.clear()
     sink = Sink()
     trainer = lightning_trainer([SdcwatchCallback(sink)], max_steps=20)
@@ -339,6 +380,7 @@ def test_blocks_compiled_one_by_one_share_their_graphs(build, monkeypatch):
     still holds each product's index."""
     monkeypatch.delenv("SDCWATCH_COMPILED_GRAD_CHECK")
     torch._dynamo.reset()
+    counters = _counters()
     counters.clear()
     model, blocks, loss_of, batch = build()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)

@@ -15,6 +15,7 @@ import json
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
@@ -189,6 +190,62 @@ def test_the_buffer_bound_holds_over_the_spool_and_keeps_the_oldest_records():
     assert [r.step for r in recs] == list(range(300)) + [1_000, 1_000]
     assert recs[-2].scalars["emitter_dropped"] == 700.0
     assert em.sent + em.dropped == em.emitted == 1_001
+
+
+class HeldTransport(MemoryTransport):
+    """A bus whose first send waits until the test lets it go, so the test can fill the queue while
+    the sender is busy."""
+
+    def __init__(self, bus: MemoryBus) -> None:
+        super().__init__(bus)
+        self.sending, self.go = threading.Event(), threading.Event()
+
+    def send(self, records) -> None:
+        if not self.go.is_set():
+            self.sending.set()
+            self.go.wait(30)
+        super().send(records)
+
+
+class EmitsWhenPacked(dict):
+    """Layer values whose packing, in the sender as it moves records off the queue, is the moment
+    the training thread emits ``steps``: an interleaving a loaded machine makes by chance."""
+
+    def __init__(self, em: Emitter, steps: range, values: dict) -> None:
+        super().__init__(values)
+        self.em, self.steps, self.kept = em, steps, None
+
+    def items(self):
+        if self.kept is None:
+            before = self.em.dropped
+            for step in self.steps:
+                self.em.emit(step, loss=1.0)
+            self.kept = len(self.steps) - (self.em.dropped - before)
+        return super().items()
+
+
+def test_a_full_buffer_keeps_exactly_the_oldest_records_when_emits_land_while_the_sender_moves_them():
+    # the bound counted queue plus held, which is off while the sender moves a record; so it kept a
+    # whole batch in reserve then, refusing records with room left and taking newer ones after
+    bus = MemoryBus()
+    bus.down = True
+    transport = HeldTransport(bus)
+    em = Emitter(transport, run="r", rank=0, world=1, host="h", buffer=10, batch=8, linger=0.001)
+    em.emit(0, loss=1.0)
+    wait_for(transport.sending.is_set, 30, "the sender to try the bus")  # step 0 held in flight
+    layers = EmitsWhenPacked(em, range(100, 103), {"attn_entropy": [1.0, 2.0]})
+    em.emit(1, layers=layers, loss=1.0)
+    for step in range(2, 9):
+        em.emit(step, loss=1.0)
+    assert em.pending == 9 and em.dropped == 0
+    transport.go.set()  # the send fails; the sender spools steps 1-8, packing step 1 first
+    wait_for(lambda: layers.kept is not None, 30, "the sender to pack step 1")
+    assert layers.kept == 1  # one place was left: step 100 kept, 101 and 102 dropped
+    bus.down = False
+    assert em.flush(30)
+    em.close()
+    assert [r.step for r in bus.records() if not is_end_marker(r)] == [*range(9), 100]
+    assert em.dropped == 2 and em.sent + em.dropped == em.emitted == 12
 
 
 def test_close_in_an_outage_counts_the_spooled_records_as_dropped_and_sends_no_marker():

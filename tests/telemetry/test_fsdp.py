@@ -7,9 +7,10 @@ import math
 import uuid
 
 import pytest
+from installed import needs
 
 torch = pytest.importorskip("torch")
-pytest.importorskip("torch.distributed.fsdp")
+needs("torch.distributed.fsdp")
 
 from reference_loop import step0_gradients  # noqa: E402
 from sdcwatch.core.vocabulary import FIRST_BAD  # noqa: E402

@@ -10,9 +10,10 @@ import math
 import uuid
 
 import pytest
+from installed import needs
 
 torch = pytest.importorskip("torch")
-pytest.importorskip("torch.distributed.tensor.parallel")
+needs("torch.distributed.tensor.parallel")
 
 from sdcwatch.service.pipeline import DetectionPipeline  # noqa: E402
 from sdcwatch.telemetry import is_end_marker  # noqa: E402

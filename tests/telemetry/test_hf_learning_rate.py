@@ -8,10 +8,10 @@ jump was reported a step before it happened.
 from __future__ import annotations
 
 import pytest
+from installed import needs
 
 torch = pytest.importorskip("torch")
-pytest.importorskip("transformers")
-pytest.importorskip("accelerate")
+needs("transformers", "accelerate")
 
 from tiny_llama import Recorder  # noqa: E402
 

@@ -11,9 +11,10 @@ import uuid
 import zlib
 
 import pytest
+from installed import needs
 
 torch = pytest.importorskip("torch")
-pytest.importorskip("transformers")
+needs("transformers")
 
 from sdcwatch.core.rank_notes import LayerNames, encode_names  # noqa: E402
 from sdcwatch.core.record import KEY_WINDOW  # noqa: E402

@@ -13,29 +13,35 @@ from __future__ import annotations
 import pytest
 
 torch = pytest.importorskip("torch")
-L = pytest.importorskip("lightning")
 
 from tiny_llama import Recorder, lightning_trainer  # noqa: E402
 
 STEPS = 4
 
 
-class Regression(L.LightningModule):
-    def __init__(self) -> None:
-        super().__init__()
-        self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
-        self.true_norms: dict[int, float] = {}
+def _regression():
+    """A small regression as a LightningModule (lightning imported here, not at collection: seconds
+    of every test worker's start)."""
+    L = pytest.importorskip("lightning")
 
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        return torch.nn.functional.mse_loss(self.net(x), y)
+    class Regression(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+            self.true_norms: dict[int, float] = {}
 
-    def on_before_optimizer_step(self, optimizer) -> None:  # after this step's backward
-        grads = [p.grad.reshape(-1) for p in self.parameters() if p.grad is not None]
-        self.true_norms[self.global_step] = float(torch.cat(grads).norm())
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return torch.nn.functional.mse_loss(self.net(x), y)
 
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
+        def on_before_optimizer_step(self, optimizer) -> None:  # after this step's backward
+            grads = [p.grad.reshape(-1) for p in self.parameters() if p.grad is not None]
+            self.true_norms[self.global_step] = float(torch.cat(grads).norm())
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    return Regression()
 
 
 def test_each_record_carries_its_own_steps_gradient_norm(tmp_path):
@@ -43,7 +49,7 @@ def test_each_record_carries_its_own_steps_gradient_norm(tmp_path):
 
     torch.manual_seed(0)
     data = torch.utils.data.TensorDataset(torch.randn(STEPS * 4, 8), torch.randn(STEPS * 4, 1))
-    module, recorder = Regression(), Recorder()
+    module, recorder = _regression(), Recorder()
     trainer = lightning_trainer([SdcwatchCallback(recorder)], max_steps=STEPS, default_root_dir=str(tmp_path))
     trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=4))
     reported = {step: fields["grad_norm_local"] for step, fields in recorder.records if "grad_norm_local" in fields}

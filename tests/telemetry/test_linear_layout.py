@@ -5,9 +5,10 @@ GPT-2 had one checked product, its head."""
 from __future__ import annotations
 
 import pytest
+from installed import needs
 
 torch = pytest.importorskip("torch")
-pytest.importorskip("transformers")
+needs("transformers")
 
 from sdcwatch.core.vocabulary import GEMM_METRICS  # noqa: E402
 from sdcwatch.telemetry.probes.gemm_canary import GemmCanary, known_input  # noqa: E402

@@ -177,3 +177,10 @@ def test_lightning_model_parallel_strategy_mesh_puts_coordinates_on_every_record
             s = r.scalars
             assert math.isfinite(s["grad_norm_local"]) and s["grad_norm_local"] > 0, s
             assert s["grad_norm_global"] == s["grad_norm_local"] and s["grad_cosine"] == 1.0, s
+
+
+def test_a_decision_reader_without_a_guard_is_refused_not_ignored():
+    from sdcwatch.core.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="callback.control.*needs guard="):
+        CallbackCore(_Records(), control=object())

@@ -91,6 +91,14 @@ def test_target_that_matches_nothing_is_an_error():
     assert err.value.key == "target" and "blocks.0" in str(err.value)
 
 
+def test_targets_name_the_model_inside_its_compile_wrapper():
+    """A job that compiled its model hands the injector the wrapper (as it hands it to ``attach()``):
+    targets still name the model's modules, not ``_orig_mod.``'s."""
+    model = _model()
+    inj = FaultInjector([FaultSpec(kind="nan", rank=0, step=0, target="blocks.1.mlp.fc")]).attach(torch.compile(model))
+    assert torch.isnan(_outputs(model, "blocks.1.mlp.fc", inj, 0)).any()
+
+
 # -- application ---------------------------------------------------------------------------------
 
 
