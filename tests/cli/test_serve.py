@@ -133,6 +133,12 @@ def test_split_service_spatial_instances_share_the_steps_and_the_temporal_stage_
     assert [em.sent for em in run.emitters] == [steps] * world
     # consume, summarise, judge (slow machines take longer)
     wait_for_nonfinite_incident(bootstrap, topics.anomalies, 90)
+    wait_metric(  # the last step read by the spatial stage (not still on the bus) before it stops
+        temporal_metrics,
+        lambda samples: metric(samples, "sdcwatch_training_last_step", run="split") >= steps - 1,
+        90,
+        "the last step through both stages",
+    )
     for p in spatial:  # the spatial stage publishes what it holds on the way out
         p.terminate()
     outs = [p.stop() for p in spatial]

@@ -143,8 +143,11 @@ def test_every_attack_on_one_real_service_is_dead_lettered_counted_and_survived(
             120,
             "the flood of run names to be read (waiting, then taking turns in the places on probation)",
         )
-        for rank in range(2):  # the deep run goes on after the flood
-            send(_rec(run="deep", step=1, rank=rank, world=2, layers=deep))
+        for rank in range(2):  # the deep run goes on after the flood, with a NaN: an open incident puts
+            # it among the runs /metrics shows (those alerting first, then the most recently active:
+            # the flood's runs take turns in the places after it)
+            loss = math.nan if rank == 0 else 1.0
+            send(_rec(run="deep", step=1, rank=rank, world=2, layers=deep, scalars={"loss": loss}))
         attacker.flush(60)
         attacker.close()
 
@@ -210,6 +213,13 @@ def test_every_attack_on_one_real_service_is_dead_lettered_counted_and_survived(
         # 16.5: /metrics is whole: the good run's series are there
         assert metric(samples, "sdcwatch_training_loss", run="victim") > 0
         # 16.6: series bounded by run and by layer, whatever came in
+        wait_metric(
+            url,
+            lambda samples: {"victim", "deep"} <= {s.labels["run"] for s in samples if "run" in s.labels},
+            60,
+            "the deep run given a place and shown",
+        )
+        samples = scrape(url)
         runs = {s.labels["run"] for s in samples if "run" in s.labels}
         assert len(runs) <= 20 and {"victim", "deep"} <= runs
         assert metric(samples, "sdcwatch_exporter_omitted", what="runs") >= 900
