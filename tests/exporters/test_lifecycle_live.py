@@ -128,8 +128,12 @@ def test_finished_run_resolves_in_alertmanager_and_never_stalls_while_a_silent_r
             timeout=40,
             what="the silent run's stall alert",
         )
-        assert support.prom_query(
-            prometheus.base_url, f'sdcwatch_pipeline_last_step_age_seconds{{run="{ended}"}} > {STALL_AFTER}'
+        support.wait_for(  # Prometheus's last scrape may be older than the alert's evaluation
+            lambda: support.prom_query(
+                prometheus.base_url, f'sdcwatch_pipeline_last_step_age_seconds{{run="{ended}"}} > {STALL_AFTER}'
+            ),
+            timeout=20,
+            what="the finished run's last step as old as the silent one's",
         )
         assert prom_alerts(prometheus.base_url, "SdcwatchPipelineStalled", ended) == []
         # the incidents follow sdcwatch's lifecycle (the finished run's resolved, the silent run's
