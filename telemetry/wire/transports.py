@@ -188,6 +188,9 @@ class KafkaTransport:
             delivery_timeout_ms=max(delivery_timeout_ms, linger_ms + request_timeout_ms),
             retries=3,
             enable_idempotence=False,
+            # a retried batch must not land behind a later one: a rank's first v2 message carries its
+            # schema inline, and the ones after it wait for it at the service only so long
+            max_in_flight_requests_per_connection=1,
         )
         self._producer = None
         self._topic_ready = False

@@ -50,7 +50,10 @@ def test_mixed_v1_and_v2_emitters_of_one_run_through_the_broker(bootstrap, uniqu
     events = ListSink()
     pipe = DetectionPipeline(PipelineSettings(align_timeout_s=30.0))
     svc = DetectorService(source, pipe, sinks=[events], poll_timeout=0.5)
-    step_until(svc.step, lambda: pipe.records_total >= world * steps, 60, "every record on the broker")
+    try:
+        step_until(svc.step, lambda: pipe.records_total >= world * steps, 60, "every record on the broker")
+    except AssertionError as exc:  # say where the records are: read, dead-lettered, waiting for a schema
+        raise AssertionError(f"{exc}; {pipe.records_total} records processed; reader: {source.health()}") from None
     for _ in range(2):
         svc.step()
     svc.close()
