@@ -1,18 +1,24 @@
 """A flood of junk runs against one real `sdcwatch serve`: how late a real NaN, how slow a scrape, how much memory.
 
 One `sdcwatch serve` (its own topics, group, state folder and metrics port) on the embedded broker
-watches a real 4-rank run emitting at ``--rate`` steps/s with the Emitter. After ``WARM_S`` seconds
-an attacker process (kafka-python, one record a message, unsigned) sends ``--records`` records for
-``--runs`` run names over ``--seconds`` seconds (each run: steps 0.. of a 4-rank job, step-major so
-every junk run is live through the flood); 1 s into the flood rank 2 of the real run reports a NaN.
-Measured per arm: the seconds from the NaN's emit() to its incident on the anomalies topic (and its
-step and rank), the longest and p99 /metrics scrape (one scraper, every 0.5 s) during and after the
-flood, the service's peak RSS (VmHWM) and its RSS at the end, and the runs it still holds
-``--after`` seconds after the flood (``sdcwatch_pipeline_runs``) with the settings that say how long
-they stay. Arms: ``open`` (no keys: the attack as found) and ``signed`` (``--auth-key-file``, the
-real run signs, the junk does not)::
+watches a real ``--world``-rank run (4) emitting at ``--rate`` steps/s with the Emitter. After
+``WARM_S`` seconds an attacker process (kafka-python, one record a message) sends ``--records``
+records for ``--runs`` run names over ``--seconds`` seconds (each run: steps 0.. of a 4-rank job,
+step-major so every junk run is live through the flood); ``--nan-after`` seconds into the flood (1)
+rank 2 of the real run reports a NaN. Measured per arm: the seconds from the NaN's emit() to its
+incident on the anomalies topic (and its step and rank), the longest and p99 /metrics scrape (one
+scraper, every 0.5 s) during and after the flood, the service's CPU (and its detection loop's), peak
+RSS (VmHWM) and RSS at the end, the runs it still holds ``--after`` seconds after the flood
+(``sdcwatch_pipeline_runs``) with the settings that say how long they stay; whether the consumer was thrown out of its group (offset
+commits failed or partitions lost, in serve's log; the fewest partitions a scrape showed); and, once
+the run has stopped and the service caught up, the records consumed and dead-lettered against those
+sent (more: re-reads), by reason, and the real run's dead letters. Arms: ``open`` (no keys: the
+attack as found), ``signed`` (``--auth-key-file``, the real run signs, the junk does not) and
+``tenant`` (keys on, the junk signed with another tenant's valid key, each junk rank with a start of
+its own, so all of it is verified and reaches the detectors: issue 36's signed flood)::
 
-    .venv/bin/python bench/bench_flood.py [--records 200000] [--runs 500] [--seconds 5] [--json] [--out F]
+    .venv/bin/python bench/bench_flood.py [--records 200000] [--runs 500] [--seconds 5] [--world 4]
+        [--nan-after 1] [--arms open signed tenant] [--json] [--out F]
 
 ``--queued``: a flood read *ahead of* a real run instead (``--runs`` one-rank junk runs x
 ``--junk-steps`` steps, a message a record, all on the topic before the run starts), then an 8-rank
@@ -41,28 +47,35 @@ import time
 import urllib.request
 import uuid
 from pathlib import Path
+from typing import Any
 
 from sdcwatch.broker import EmbeddedBroker, free_port
 from sdcwatch.core.limits import RecordLimits
 from sdcwatch.core.messages import decode_message
 from sdcwatch.core.record import record_key
-from sdcwatch.core.signing import JobKey, Keyring
+from sdcwatch.core.signing import JobKey, Keyring, is_signed
 from sdcwatch.service.pipeline import PipelineSettings
 from sdcwatch.telemetry import Emitter, KafkaTransport, Record, encode
 
 WORLD, NAN_RANK = 4, 2
 WARM_S = 4.0  # the real run trains alone this long (past probation) before the flood
-NAN_AFTER_S = 1.0  # the NaN comes this long after the flood starts
 KEY = "bench:" + "k" * 32
+DEAD = "sdcwatch_pipeline_dead_letters_total"
+TENANT_KEY = "tenant:" + "t" * 32  # another tenant's valid key (the ``tenant`` arm's junk signs with it)
 
 
 # ---------------------------------------------------------------------------------------------
 # the attacker, in a process of its own (its sending must not share the GIL with the measuring)
 
 
-def _attacker(bootstrap: str, topic: str, records: int, runs: int, seconds: float, go, done, world=WORLD) -> None:
+def _attacker(
+    bootstrap: str, topic: str, records: int, runs: int, seconds: float, go, done, world=WORLD, key=None
+) -> None:
+    """Sends ``records`` junk records, one a message; signed with job key text ``key`` when given, each
+    junk rank with a start of its own (as a job's processes do: every message is then taken)."""
     from kafka import KafkaProducer
 
+    signers = {}
     steps = math.ceil(records / (runs * world))
     msgs = []
     for step in range(steps):  # step-major: every junk run is live for the whole flood
@@ -70,7 +83,10 @@ def _attacker(bootstrap: str, topic: str, records: int, runs: int, seconds: floa
             for rank in range(world):
                 if len(msgs) < records:
                     rec = Record(f"junk-{i}", step, rank, world, "evil", time.time(), 0, {"loss": 1.0}, {}, {})
-                    msgs.append((record_key(rec), encode(rec)))
+                    value = encode(rec)
+                    if key:
+                        value = signers.setdefault((i, rank), JobKey.parse(key)).sign(value)
+                    msgs.append((record_key(rec), value))
     producer = KafkaProducer(bootstrap_servers=[bootstrap], linger_ms=5, batch_size=1 << 20, acks=1)
     producer.partitions_for(topic)  # metadata before the clock starts
     go.wait()
@@ -101,6 +117,29 @@ def _serve(
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=state.parent)
 
 
+def _serve_and_attacker(
+    bootstrap: str, tag: str, workdir: Path, key_file: Path | None, python: str, attack: tuple
+) -> tuple[subprocess.Popen, int, list[str], Any, Any, Any]:
+    """A fresh service (topics named by ``tag``) that is consuming, and an attacker process that sends
+    ``attack`` (records, runs, seconds[, world, key] of :func:`_attacker`) once ``go`` is set:
+    (serve, its metrics port, its log lines, go, done, attacker)."""
+    port = free_port()
+    serve = _serve(bootstrap, tag, workdir / tag, port, key_file, python)
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(iter(serve.stderr.readline, "")), daemon=True).start()
+    ctx = mp.get_context("spawn")
+    go, done = ctx.Event(), ctx.Queue()
+    records, runs, seconds, *rest = attack
+    attacker = ctx.Process(target=_attacker, args=(bootstrap, f"tel.{tag}", records, runs, seconds, go, done, *rest))
+    attacker.start()
+    deadline = time.monotonic() + 90
+    while not any("consuming" in ln for ln in lines):
+        if time.monotonic() > deadline or serve.poll() is not None:
+            raise RuntimeError("serve did not start: " + "".join(lines)[-2000:])
+        time.sleep(0.1)
+    return serve, port, lines, go, done, attacker
+
+
 def _proc_kib(pid: int, field: str) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith(field + ":"):
@@ -108,15 +147,22 @@ def _proc_kib(pid: int, field: str) -> int:
     return 0
 
 
-def _cpu_s(pid: int) -> float:
-    """CPU seconds (user + system) the process has used."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+def _cpu_s(pid: int, main_thread: bool = False) -> float:
+    """CPU seconds (user + system) the process has used (its main thread's only: serve's detection loop)."""
+    fields = Path(f"/proc/{pid}/task/{pid}/stat" if main_thread else f"/proc/{pid}/stat").read_text()
+    fields = fields.rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _sample(text: str, name: str) -> float:
     m = re.search(rf"^{name} (\S+)$", text, re.M)
     return float(m.group(1)) if m else math.nan
+
+
+def _labelled(text: str, name: str) -> dict[str, float]:
+    """The samples of ``name`` by their labels (``key="k",reason="r"`` -> ``k,r``)."""
+    found = re.findall(rf"^{name}{{(.*)}} (\S+)$", text, re.M)
+    return {",".join(re.findall(r'="([^"]*)"', labels)): float(v) for labels, v in found}
 
 
 class _Scraper:
@@ -192,6 +238,21 @@ def _train(
     out["last_step"] = step - 1
 
 
+def _caught_up(url: str, timeout: float = 120.0) -> str:
+    """/metrics once the service has no lag and its records count held still for a second (or at ``timeout``)."""
+    deadline, before = time.monotonic() + timeout, None
+    while True:
+        with urllib.request.urlopen(url, timeout=60) as resp:
+            text = resp.read().decode()
+        now = (_sample(text, "sdcwatch_pipeline_records_total"), _sample(text, DEAD))
+        if (
+            now == before and _sample(text, "sdcwatch_pipeline_consumer_lag_records") == 0
+        ) or time.monotonic() > deadline:
+            return text
+        before = now
+        time.sleep(1.0)
+
+
 def _quantile(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else math.nan
@@ -207,45 +268,41 @@ def _scrape_stats(scrapes: list, lo: float, hi: float) -> dict:
 
 
 def flood(bootstrap: str, arm: str, args: argparse.Namespace, workdir: Path) -> dict:
-    """One flood against a fresh service (``arm`` open or signed); what it measured."""
+    """One flood against a fresh service (``arm`` open, signed or tenant); what it measured."""
     tag = uuid.uuid4().hex[:8]
     key_file = None
-    if arm == "signed":
+    if arm != "open":
         key_file = workdir / f"{tag}.keys"
-        key_file.write_text(KEY + "\n")
+        key_file.write_text(KEY + "\n" + (TENANT_KEY + "\n" if arm == "tenant" else ""))
         key_file.chmod(0o600)
-    port = free_port()
-    serve = _serve(bootstrap, tag, workdir / tag, port, key_file)
-    lines: list[str] = []
-    threading.Thread(target=lambda: lines.extend(iter(serve.stderr.readline, "")), daemon=True).start()
-    ctx = mp.get_context("spawn")
-    go, done = ctx.Event(), ctx.Queue()
-    attacker = ctx.Process(
-        target=_attacker, args=(bootstrap, f"tel.{tag}", args.records, args.runs, args.seconds, go, done)
+    attack = (args.records, args.runs, args.seconds, WORLD, TENANT_KEY if arm == "tenant" else None)
+    serve, port, lines, go, done, attacker = _serve_and_attacker(
+        bootstrap, tag, workdir, key_file, sys.executable, attack
     )
-    attacker.start()
-    deadline = time.monotonic() + 90
-    while not any("consuming" in ln for ln in lines):
-        if time.monotonic() > deadline or serve.poll() is not None:
-            raise RuntimeError("serve did not start: " + "".join(lines)[-2000:])
-        time.sleep(0.1)
     rss_start = _proc_kib(serve.pid, "VmRSS")
-    key = JobKey.parse(KEY) if key_file else None
-    emitters = [
-        Emitter(KafkaTransport(bootstrap, f"tel.{tag}"), run="victim", rank=r, world=WORLD, host=f"h{r // 2}", key=key)
-        for r in range(WORLD)
+    keyring = Keyring.from_file(key_file) if key_file else None
+    emitters = [  # each rank its own key object, as each rank process has
+        Emitter(
+            KafkaTransport(bootstrap, f"tel.{tag}"),
+            run="victim",
+            rank=r,
+            world=args.world,
+            host=f"h{r // 2}",
+            key=JobKey.parse(KEY) if key_file else None,
+        )
+        for r in range(args.world)
     ]
-    service_key = Keyring([key]).service_key("anomalies") if key is not None else None
+    service_key = keyring.service_key("anomalies") if keyring else None
     incidents = _Incidents(bootstrap, f"anom.{tag}", service_key)
     scraper = _Scraper(f"http://127.0.0.1:{port}/metrics")
     nan_at, stop, trained = threading.Event(), threading.Event(), {}
     trainer = threading.Thread(target=_train, args=(emitters, args.rate, nan_at, stop, trained), daemon=True)
     trainer.start()
     time.sleep(WARM_S)
-    rss_before, cpu_before = _proc_kib(serve.pid, "VmRSS"), _cpu_s(serve.pid)
+    rss_before, cpu_before, loop_before = _proc_kib(serve.pid, "VmRSS"), _cpu_s(serve.pid), _cpu_s(serve.pid, True)
     flood_start = time.monotonic()
     go.set()
-    time.sleep(NAN_AFTER_S)
+    time.sleep(args.nan_after)
     nan_at.set()
     sent, send_s = done.get(timeout=300)
     flood_end = flood_start + send_s
@@ -260,16 +317,24 @@ def flood(bootstrap: str, arm: str, args: argparse.Namespace, workdir: Path) -> 
     scraper.stop()
     incidents.stop()
     rss_end, peak = _proc_kib(serve.pid, "VmRSS"), _proc_kib(serve.pid, "VmHWM")
-    cpu = _cpu_s(serve.pid) - cpu_before
+    cpu, loop_cpu = _cpu_s(serve.pid) - cpu_before, _cpu_s(serve.pid, True) - loop_before
     last = next((text for _, _, text in reversed(scraper.got) if text), "")
+    for em in emitters:
+        em.flush(10)
+    settled = _caught_up(f"http://127.0.0.1:{port}/metrics")
     serve.terminate()
     serve.wait(60)
     for em in emitters:
         em.close(5)
     settings = PipelineSettings()
     ev = found[1] if found else {}
+    run_records = (trained["last_step"] + 1) * args.world
+    consumed, dead = _sample(settled, "sdcwatch_pipeline_records_total"), _sample(settled, DEAD)
+    partitions = [_sample(text, "sdcwatch_pipeline_consumer_partitions") for _, _, text in scraper.got if text]
+    partitions = partitions[next((i for i, n in enumerate(partitions) if n > 0), len(partitions)) :]  # once joined
     return {
         "arm": arm,
+        "world": args.world,
         "records_sent": sent,
         "send_s": round(send_s, 2),
         "nan_step": trained.get("nan_step"),
@@ -281,22 +346,36 @@ def flood(bootstrap: str, arm: str, args: argparse.Namespace, workdir: Path) -> 
         "scrape_after": _scrape_stats(scraper.got, flood_end, math.inf),
         "scrape_all": _scrape_stats(scraper.got, flood_start, math.inf),
         "service_cpu_s": round(cpu, 1),
+        "loop_cpu_s": round(loop_cpu, 1),  # of which the detection loop's (the rest: the reader, scrapes, clients)
         "rss_start_mib": round(rss_start / 1024, 1),
         "rss_before_flood_mib": round(rss_before / 1024, 1),
         "rss_peak_mib": round(peak / 1024, 1),
         "rss_end_mib": round(rss_end / 1024, 1),
         "runs_held_after": _sample(last, "sdcwatch_pipeline_runs"),
         "after_s": args.after,
-        "records_consumed": _sample(last, "sdcwatch_pipeline_records_total"),
-        "dead_letters": _sample(last, "sdcwatch_pipeline_dead_letters_total"),
+        # thrown out of its group: commits refused (CommitFailedError), partitions lost, a scrape without any
+        "commit_failures": sum("offset commit failed" in ln for ln in lines),
+        "partitions_lost": sum("lost its partitions" in ln for ln in lines),
+        "fewest_partitions": min(partitions, default=math.nan),
+        # once the run stopped and the service caught up: taken (consumed or dead-lettered) minus sent
+        "run_records_sent": run_records,
+        "records_consumed": consumed,
+        "dead_letters": dead,
+        "records_reread": consumed + dead - sent - run_records,
+        "duplicates": _sample(settled, "sdcwatch_pipeline_duplicates_total"),
+        "dead_letter_reasons": _labelled(settled, "sdcwatch_pipeline_dead_letters_by_reason_total"),
+        "auth_refused": _labelled(settled, "sdcwatch_auth_runs_refused_total"),
+        "run_dead_letters": _dead_letters_of(bootstrap, f"dead.{tag}", "victim", keyring),
+        "run_log": [ln.strip()[:400] for ln in lines if "'victim'" in ln][:5],  # serve's lines naming it
         "run_probation_idle_s": settings.run_probation_idle_s,
         "run_idle_expiry_s": settings.run_idle_expiry_s,
         "max_runs": settings.max_runs,
     }
 
 
-def _dead_letters_of(bootstrap: str, topic: str, run: str) -> dict[str, int]:
-    """The records of ``run`` on the dead-letter topic, by reason (read whole from its start)."""
+def _dead_letters_of(bootstrap: str, topic: str, run: str, keyring: Keyring | None = None) -> dict[str, int]:
+    """The records of ``run`` on the dead-letter topic, by reason (read whole from its start; signed
+    ones opened with ``keyring``)."""
     from kafka import KafkaConsumer
 
     consumer = KafkaConsumer(topic, bootstrap_servers=[bootstrap], auto_offset_reset="earliest", group_id=None)
@@ -308,7 +387,8 @@ def _dead_letters_of(bootstrap: str, topic: str, run: str) -> dict[str, int]:
         for m in (m for msgs in batches.values() for m in msgs):
             reason = dict(m.headers).get("sdcwatch.reason_code", b"?").decode()
             try:
-                n = sum(r.run == run for r in decode_message(m.value, RecordLimits()) if hasattr(r, "run"))
+                value = keyring.verify(m.value)[1] if keyring and is_signed(m.value) else m.value
+                n = sum(r.run == run for r in decode_message(value, RecordLimits()) if hasattr(r, "run"))
             except Exception:  # a dead letter that is not a record (the reason says why)
                 n = 0
             if n:
@@ -319,20 +399,9 @@ def _dead_letters_of(bootstrap: str, topic: str, run: str) -> dict[str, int]:
 
 def queued(bootstrap: str, python: str, args: argparse.Namespace, workdir: Path) -> dict:
     """Junk runs read ahead of a real 8-rank run by a fresh service of ``python``: how late its NaN."""
-    tag, port, world, nan_rank, nan_step = uuid.uuid4().hex[:8], free_port(), 8, 5, 30
-    serve = _serve(bootstrap, tag, workdir / tag, port, None, python)
-    lines: list[str] = []
-    threading.Thread(target=lambda: lines.extend(iter(serve.stderr.readline, "")), daemon=True).start()
-    ctx = mp.get_context("spawn")
-    go, done = ctx.Event(), ctx.Queue()
-    junk = args.runs * args.junk_steps
-    attacker = ctx.Process(target=_attacker, args=(bootstrap, f"tel.{tag}", junk, args.runs, 1.0, go, done, 1))
-    attacker.start()
-    deadline = time.monotonic() + 90
-    while not any("consuming" in ln for ln in lines):
-        if time.monotonic() > deadline or serve.poll() is not None:
-            raise RuntimeError("serve did not start: " + "".join(lines)[-2000:])
-        time.sleep(0.1)
+    tag, world, nan_rank, nan_step = uuid.uuid4().hex[:8], 8, 5, 30
+    attack = (args.runs * args.junk_steps, args.runs, 1.0, 1)
+    serve, port, _, go, done, attacker = _serve_and_attacker(bootstrap, tag, workdir, None, python, attack)
     go.set()
     sent, _ = done.get(timeout=300)  # every junk record is on the topic before the run starts
     attacker.join(30)
@@ -386,6 +455,12 @@ def _table(rows: list[dict]) -> str:
             f"{r['rss_before_flood_mib']:>6.0f}/{r['rss_peak_mib']:.0f}/{r['rss_end_mib']:.0f}"
             f"{'':>10}{r['runs_held_after']:.0f} after {r['after_s']:.0f} s"
         )
+        out.append(
+            f"{'':<8}group: {r['commit_failures']} commits failed, partitions lost {r['partitions_lost']} times "
+            f"(fewest {r['fewest_partitions']:.0f}); records consumed {r['records_consumed']:.0f} + dead-lettered "
+            f"{r['dead_letters']:.0f} of {r['records_sent'] + r['run_records_sent']} sent: "
+            f"{r['records_reread']:.0f} read again"
+        )
     s = rows[0]
     out.append(
         f"settings: max_runs {s['max_runs']}, run_probation_idle_s {s['run_probation_idle_s']:g}, "
@@ -401,7 +476,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seconds", type=float, default=5.0, help="seconds over which the junk is sent")
     ap.add_argument("--rate", type=float, default=10.0, help="steps a second of the real run")
     ap.add_argument("--after", type=float, default=60.0, help="seconds after the flood at which the runs are counted")
-    ap.add_argument("--arms", nargs="+", default=["open", "signed"], choices=["open", "signed"])
+    ap.add_argument("--arms", nargs="+", default=["open", "signed"], choices=["open", "signed", "tenant"])
+    ap.add_argument("--world", type=int, default=WORLD, help="ranks of the real run")
+    ap.add_argument("--nan-after", type=float, default=1.0, help="seconds into the flood at which the NaN comes")
     ap.add_argument("--queued", action="store_true", help="the flood read ahead of the real run (see above)")
     ap.add_argument("--junk-steps", type=int, default=40, help="--queued: steps of each one-rank junk run")
     ap.add_argument("--serve-python", nargs="+", default=[sys.executable], help="--queued: one arm per interpreter")

@@ -292,6 +292,7 @@ class PipelineView:
     waiting_for_schema: int = 0  # v2 messages held until the message carrying their schema comes
     offset_gaps: dict[str, int] = field(default_factory=dict)  # gaps in partition offsets by outcome
     state_write_errors_total: int = 0  # state snapshots that could not be written (a full or read-only disk)
+    state_topic_refused: dict[str, int] = field(default_factory=dict)  # the state topic's snapshots refused, by reason
     runs_total: int = 0  # runs whose detection state is kept
     runs_forgotten_total: int = 0  # stale runs dropped to make room for new ones
     runs_evicted_total: dict[str, int] = field(default_factory=dict)  # why ("finished", "idle") -> runs

@@ -16,7 +16,7 @@ import ipaddress
 import math
 import re
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Mapping
 from urllib.parse import urlsplit
 
 from sdcwatch.core.errors import ConfigError
@@ -151,10 +151,15 @@ def check_choice(key: str, value: Any, choices: Iterable[Any]) -> Any:
     return value
 
 
-def settings_from(cls: type, owner: str, settings: dict[str, Any], *, where: str = "") -> Any:
+def settings_from(
+    cls: type, owner: str, settings: dict[str, Any], *, where: str = "", renamed: Mapping[str, str] | None = None
+) -> Any:
     """An instance of the dataclass ``cls`` from ``settings`` (a dict read from TOML or JSON, or
-    keyword settings), an unknown key refused naming it and the known ones (:func:`check_known`).
-    The dataclass's own ``__post_init__`` checks the values."""
+    keyword settings), an unknown key refused naming it and the known ones (:func:`check_known`), a
+    ``renamed`` one its new name. The dataclass's own ``__post_init__`` checks the values."""
+    for key in settings:
+        if renamed and key in renamed:
+            raise ConfigError(f"{owner}.{key}", f"renamed: use {renamed[key]}")
     check_known(owner, settings, (f.name for f in dataclasses.fields(cls)), where=where)
     return cls(**settings)
 

@@ -131,6 +131,13 @@ _SERVICE: tuple[MetricSpec, ...] = (
         "State snapshots that could not be written (a full or read-only disk); detection goes on, each is retried.",
     ),
     MetricSpec(
+        "sdcwatch_state_topic_refused_total",
+        "counter",
+        ("reason",),
+        "State topic snapshots refused at start, by reason: older (the service wrote a newer one: a copy "
+        "re-published), deleted (a tombstone of the manifest, which the service never writes) (see docs/service.md).",
+    ),
+    MetricSpec(
         "sdcwatch_auth_runs_refused_total",
         "counter",
         ("key", "reason"),

@@ -365,6 +365,8 @@ def _add_pipeline(add: _AddSample, p: PipelineView, now: float) -> None:
     for outcome, count in sorted(p.offset_gaps.items()):
         add("sdcwatch_pipeline_offset_gaps_total", [outcome], count)
     add("sdcwatch_state_write_errors_total", [], p.state_write_errors_total)
+    for reason, count in sorted(p.state_topic_refused.items()):
+        add("sdcwatch_state_topic_refused_total", [reason], count)
     add("sdcwatch_pipeline_runs", [], p.runs_total)
     add("sdcwatch_pipeline_runs_forgotten_total", [], p.runs_forgotten_total)
     add("sdcwatch_pipeline_duplicates_total", [], p.duplicates_total)

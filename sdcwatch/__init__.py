@@ -1,9 +1,5 @@
-"""sdcwatch: catch silent data corruption and loss spikes in large-model training.
-
-This package is the composition root (CLI, config, embedded broker, demo, report) and imports
-none of the heavy dependencies; the base install is what a training rank needs, the extras
-``service``, ``broker`` and ``torch`` (``all``) the rest.
-"""
+"""sdcwatch: catch silent data corruption and loss spikes in large-model training. This package is
+the composition root (CLI, config, embedded broker, demo, report) and imports no heavy dependency."""
 
 from sdcwatch.core.errors import (
     BrokerError,

@@ -91,6 +91,7 @@ def _changelog(cfg: ServeConfig) -> Any | None:
         stage=cfg.detectors.stage,
         security=cfg.bus.security,
         key=keyring.service_key("state") if keyring is not None else None,
+        source_topic=cfg.bus.summaries_topic if temporal else cfg.bus.telemetry_topic,  # its offsets date a snapshot
     )
 
 

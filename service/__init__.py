@@ -1,10 +1,6 @@
 """The detector service: records in, incidents out, for any number of runs, live or from a file.
-
-Records flow one way: source -> :mod:`~sdcwatch.service.ingest` -> :class:`StepAligner` -> the
-detectors -> :class:`IncidentBook` -> the sinks (:mod:`sdcwatch.exporters`); docs/architecture.md
-draws the path. This package imports the detectors, never the reverse; each name is imported on
-first use (PEP 562).
-"""
+Records flow one way: source -> ingest -> :class:`StepAligner` -> the detectors -> :class:`IncidentBook`
+-> the sinks (docs/architecture.md); each name is imported on first use (PEP 562)."""
 
 from __future__ import annotations
 

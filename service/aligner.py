@@ -25,8 +25,8 @@ from sdcwatch.core.record import from_dict, to_dict
 from sdcwatch.core.record_type import Record
 from sdcwatch.core.validate import check_positive
 from sdcwatch.detectors.frame import StepFrame, assemble_frame
-from sdcwatch.service.alignment_state import OpenStep, RunSteps, WaitingRun, expanded, world_of
-from sdcwatch.service.ingest import RecordColumns
+from sdcwatch.service.alignment_state import OpenStep, RunSteps, WaitingRun, size_of, world_of
+from sdcwatch.service.ingest import RecordColumns, as_records
 
 __all__ = ["StepAligner"]
 
@@ -160,7 +160,7 @@ class StepAligner:
         worlds: dict[str, int] = {}
         for x in items:
             if x.run in count:
-                count[x.run] += len(x) if isinstance(x, RecordColumns) else 1
+                count[x.run] += size_of(x)
                 if x.run not in worlds:
                     worlds[x.run] = world_of(x)
         self._arriving = {run: (count[run], world) for run, world in worlds.items()}
@@ -186,7 +186,7 @@ class StepAligner:
         if w is None:
             w = WaitingRun(world_of(item), self.clock())
         (w.ends if end else w.items).append(item)
-        k = len(item) if isinstance(item, RecordColumns) else 1
+        k = size_of(item)
         self._waiting[item.run] = w
         w.records += k
         self.waiting_records += k
@@ -203,7 +203,7 @@ class StepAligner:
                 f"records runs may wait with are full (detectors.run_wait_records): its {n} waiting "
                 f"record(s) are lost ({self.lost_waiting[run]} in all)"
             )
-            self.rejected.append(("runs", why, expanded(w.items) + w.ends))
+            self.rejected.append(("runs", why, as_records(w.items) + w.ends))
 
     def wait_end(self, marker: Record) -> bool:
         """Keep the end-of-run marker of a run that waits for a place with its records (it ends once
@@ -258,6 +258,10 @@ class StepAligner:
         """Whether ``run``, not held, has shown training: before it gave way, or with its records
         waiting (``probation_steps`` whole steps' worth over ``probation_s``)."""
         return self._shown(run)[0]
+
+    def new_run_waits(self) -> bool:
+        """Whether a run that never gave way waits for a place (the held runs' excess waits then)."""
+        return any(run not in self._credit for run in self._waiting)
 
     def waits(self, run: str) -> bool:
         """Whether records of ``run`` wait for a place."""
@@ -520,7 +524,7 @@ class StepAligner:
             },
             "counters": [self.duplicates, self.late_records, self.world_changes, self.incomplete_steps],
             "waiting": [  # records and end markers of runs waiting (committed offsets are past them)
-                [run, [to_dict(r) for r in expanded(w.items)], [to_dict(r) for r in w.ends]]
+                [run, [to_dict(r) for r in as_records(w.items)], [to_dict(r) for r in w.ends]]
                 for run, w in self._waiting.items()
             ],
             "lost_waiting": self.lost_waiting,

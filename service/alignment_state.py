@@ -9,7 +9,7 @@ import numpy as np
 from sdcwatch.core.record_type import Record
 from sdcwatch.service.ingest import RecordColumns
 
-__all__ = ["OpenStep", "RunSteps", "WaitingRun", "expanded", "world_of"]
+__all__ = ["OpenStep", "RunSteps", "WaitingRun", "size_of", "world_of"]
 
 
 @dataclass
@@ -62,9 +62,9 @@ class WaitingRun:
     ends: list[Record] = field(default_factory=list)  # its end-of-run markers
 
 
-def expanded(items: list) -> list[Record]:
-    """Records and v2 blocks as records."""
-    return [r for x in items for r in (x.to_records() if isinstance(x, RecordColumns) else [x])]
+def size_of(item: Record | RecordColumns) -> int:
+    """The records a record (one) or a v2 block holds."""
+    return len(item) if isinstance(item, RecordColumns) else 1
 
 
 def world_of(item: Record | RecordColumns) -> int:

@@ -44,6 +44,10 @@ class Source(Protocol):
 
     def commit(self) -> None: ...
 
+    def positions(self) -> dict[int, int]:
+        """The offset after what ``poll`` returned, by partition: what ``commit`` commits."""
+        ...
+
     def lag(self) -> int: ...
 
     def health(self) -> dict[str, Any]:

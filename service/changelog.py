@@ -4,7 +4,8 @@ machine resumes a run's history; and the choice at start between the state file 
 A snapshot is zlib-compressed JSON in chunks under the broker's message limit, each acknowledged
 before the manifest that names them (a reader never takes half a snapshot); the chunks of the
 snapshot before are tombstoned after. With job keys the manifest and the journal are signed with the
-service's own key; a snapshot refused (unsigned, stamped in the future) gives way to a good state file.
+service's own key; a snapshot refused (unsigned, stamped in the future, older than one the service
+wrote, its manifest deleted) gives way to a good state file (docs/service.md, "Older snapshots and tombstones").
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import os
 import time
 import uuid
 import zlib
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Mapping
@@ -61,6 +63,12 @@ class StateChangelog:
     else :data:`DEFAULT_CHUNK_BYTES`. The topic is created (cleanup.policy=compact) if missing.
     ``key``: the service's own key (``Keyring.service_key``): the manifest and the journal are signed
     with it, and refused on read when they are not. None: unsigned, as without job keys.
+
+    ``source_topic``: the topic the group reads. A manifest records where the snapshot's reading
+    stood (``read_to``: the offsets committed after it); one behind what the group committed there is
+    older than a snapshot the service wrote since, and is refused, as is an older one re-published
+    over a newer one still on the log; a tombstone of the manifest (the service writes none) is
+    ignored. ``refused`` counts both by reason (``older``, ``deleted``).
     """
 
     def __init__(
@@ -74,6 +82,7 @@ class StateChangelog:
         chunk_bytes: int | None = None,
         timeout: float = 10.0,
         key: JobKey | None = None,
+        source_topic: str | None = None,
     ) -> None:
         if chunk_bytes is not None:
             check_int("state.topic.chunk_bytes", chunk_bytes, lo=1024)
@@ -81,7 +90,9 @@ class StateChangelog:
         self.security = security_settings(security or {})
         self.timeout = timeout
         self.chunk_bytes = chunk_bytes
-        self.key = key
+        self.key, self.source_topic = key, source_topic
+        self.refused: Counter[str] = Counter()
+        self._reached: dict[int, int] | None = None  # read_to: the group's offsets at start, then each snapshot's
         self._producer: Any = None
         self._live: set[bytes] = set()  # chunk keys of ours no newer manifest needs: tombstoned after the next one
         self.manifest_key = f"m:{stage}:{group}".encode()
@@ -151,11 +162,19 @@ class StateChangelog:
 
     # -- writing --------------------------------------------------------------------------------
 
-    def write(self, state: dict[str, Any], schemas: dict | None = None) -> None:
-        """Write one snapshot: its chunks, each acknowledged, then its manifest. TransportError
+    def write(
+        self, state: dict[str, Any], schemas: dict | None = None, read_to: Mapping[int, int] | None = None
+    ) -> None:
+        """Write one snapshot: its chunks, each acknowledged, then its manifest, which records
+        ``read_to`` (the source topic's offsets by partition, committed after it). TransportError
         when the bus does not take it (the manifest before stays the one a reader takes)."""
         from kafka.errors import KafkaError
 
+        if self._reached is None:  # not read at start (--state-reset): from where the group stands
+            self._reached = self._committed()
+        reached = dict(self._reached)  # a partition not read since the start keeps its committed offset
+        for p, o in (read_to or {}).items():
+            reached[int(p)] = max(reached.get(int(p), 0), int(o))
         body = json.dumps({"state": state, "schemas": schemas}, separators=(",", ":"), allow_nan=False).encode()
         blob = zlib.compress(body)
         snapshot = f"{time.time_ns():x}{uuid.uuid4().hex[:6]}"
@@ -177,6 +196,7 @@ class StateChangelog:
                 "written_at": time.time(),
                 "group": self.group,
                 "stage": self.stage,
+                "read_to": {str(p): o for p, o in reached.items()},
             }
             sealed = self._seal(_json(manifest))
             self._wait(producer, [producer.send(self.topic, key=self.manifest_key, value=sealed, partition=0)])
@@ -185,7 +205,7 @@ class StateChangelog:
         for key in self._live:  # the snapshot before is no longer needed: compaction drops it
             with contextlib.suppress(KafkaError, OSError, ValueError):
                 producer.send(self.topic, key=key, value=None, partition=0)
-        self._live = set(keys)
+        self._live, self._reached = set(keys), reached
 
     def _open(self) -> Any:
         if self._producer is None:
@@ -253,22 +273,36 @@ class StateChangelog:
     # -- reading --------------------------------------------------------------------------------
 
     def read(self) -> ChangelogSnapshot | None:
-        """The newest complete snapshot of this group's stage, None when the topic holds none;
-        ConfigError naming the topic, the key and the way out when it is damaged."""
-        manifest, chunks, journal = self._scan()
+        """The newest complete snapshot of this group's stage, None when the topic holds none or only
+        one refused as older or deleted (logged, counted in ``refused``); ConfigError naming the
+        topic, the key and the way out when it is damaged."""
+        manifest, newest, chunks, journal, deleted = self._scan()
         self._live = {k for k in chunks if self._ours(k)}  # tombstoned after our first snapshot
-        if manifest is None:
-            return None
+        committed = self._reached = self._committed()
         where = f"state topic {self.topic}, key {self.manifest_key.decode()}"
+        if deleted:  # not the service's: it never deletes its manifest
+            self.refused["deleted"] += 1
+            log.warning("%s: a tombstone deleted the snapshot (the service writes none): ignored", where)
+        if manifest is None:
+            if committed:
+                log.warning(
+                    "%s: no snapshot, though group %s read %s to %s", where, self.group, self.source_topic, committed
+                )
+            return None
         try:
-            meta = json.loads(self._unseal(manifest))
-            if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-                raise ValueError(f"not a manifest of {FORMAT}")
-            if (meta.get("group"), meta.get("stage")) != (self.group, self.stage):
-                raise ValueError(f"written for group {meta.get('group')!r}, stage {meta.get('stage')!r}")
-            ahead = float(meta["written_at"]) - time.time()
-            if ahead > FUTURE_SKEW_S:
-                raise ValueError(f"stamped {ahead:.0f} s in the future (more than {FUTURE_SKEW_S:g} s ahead)")
+            meta = self._manifest(manifest)
+            whole = newest is not None and all(
+                chunks.get(self._chunk_key(newest["snapshot"], i)) is not None for i in range(int(newest["chunks"]))
+            )
+            if whole and newest["written_at"] > meta["written_at"]:
+                self._older(where, meta, f"snapshot {newest['snapshot']}, still on the topic, is taken")
+                meta = newest
+            read_to = {int(p): int(o) for p, o in (meta.get("read_to") or {}).items()}
+            behind = {p: (read_to.get(p, 0), o) for p, o in committed.items() if read_to.get(p, 0) < o}
+            if behind:  # the group commits only after a snapshot: a later one was written
+                at = ", ".join(f"partition {p} at {o}, the snapshot's {r}" for p, (r, o) in behind.items())
+                self._older(where, meta, f"group {self.group} committed {self.source_topic} past it: {at}")
+                return None
             snapshot, n = str(meta["snapshot"]), int(meta["chunks"])
             keys = [self._chunk_key(snapshot, i) for i in range(n)]
             missing = [i for i, k in enumerate(keys) if chunks.get(k) is None]
@@ -284,9 +318,55 @@ class StateChangelog:
                 raise ValueError(f"snapshot {snapshot} holds no state object")
         except (ValueError, KeyError, TypeError, zlib.error) as exc:
             raise ConfigError("state.topic", f"{where}: not a valid snapshot ({exc}){_RECOVERY}") from None
+        self._reached = {p: max(o, committed.get(p, 0)) for p, o in {**committed, **read_to}.items()}
         return ChangelogSnapshot(
             body["state"], body.get("schemas"), float(meta["written_at"]), snapshot, len(blob), self._entries(journal)
         )
+
+    def _manifest(self, value: bytes) -> dict:
+        """A manifest's fields, checked (ours, signed with our key, not stamped ahead); ValueError."""
+        meta = json.loads(self._unseal(value))
+        if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+            raise ValueError(f"not a manifest of {FORMAT}")
+        if (meta.get("group"), meta.get("stage")) != (self.group, self.stage):
+            raise ValueError(f"written for group {meta.get('group')!r}, stage {meta.get('stage')!r}")
+        meta["written_at"] = float(meta["written_at"])
+        ahead = meta["written_at"] - time.time()
+        if ahead > FUTURE_SKEW_S:
+            raise ValueError(f"stamped {ahead:.0f} s in the future (more than {FUTURE_SKEW_S:g} s ahead)")
+        return meta
+
+    def _older(self, where: str, meta: dict, why: str) -> None:
+        self.refused["older"] += 1
+        log.warning(
+            "%s: snapshot %s (written %.1f s ago) is older than one the service wrote since (re-published?): "
+            "refused (%s)",
+            where,
+            meta["snapshot"],
+            time.time() - meta["written_at"],
+            why,
+        )
+
+    def _committed(self) -> dict[int, int]:
+        """The offsets the group committed on ``source_topic``, by partition ({} when there is none or
+        they cannot be read, logged: an older snapshot is then told only by a newer one on the log)."""
+        from kafka.errors import KafkaError
+
+        if self.source_topic is None:
+            return {}
+        try:
+            ms = int(self.timeout * 1000)
+            admin = new_admin(self.bootstrap, self.security, request_timeout_ms=ms, bootstrap_timeout_ms=ms)
+            try:
+                offsets = admin.list_group_offsets(self.group).get(self.group) or {}
+            finally:
+                admin.close()
+        except (KafkaError, OSError, ValueError) as exc:
+            log.warning("state topic %s: the offsets group %s committed are unknown (%s)", self.topic, self.group, exc)
+            return {}
+        return {
+            tp.partition: om.offset for tp, om in offsets.items() if tp.topic == self.source_topic and om.offset >= 0
+        }
 
     def _entries(self, journal: bytes | None) -> dict | None:
         """A journal's entries ({change key: wall time}); None for none, or one damaged or not signed
@@ -303,13 +383,16 @@ class StateChangelog:
             return None
         return entries if isinstance(entries, dict) else None
 
-    def _scan(self) -> tuple[bytes | None, dict[bytes, bytes | None], bytes | None]:
-        """The topic read whole: the latest manifest of ours, every live chunk (tombstones applied)
-        and the latest journal of ours."""
+    def _scan(self) -> tuple[bytes | None, dict | None, dict[bytes, bytes], bytes | None, bool]:
+        """The topic read whole: the latest manifest of ours (a tombstone skipped), the valid one
+        written last (its fields), every live chunk (tombstones applied), the latest journal of
+        ours, and whether the manifest's last record is a tombstone."""
         from kafka import TopicPartition
         from kafka.errors import KafkaError
 
         manifest: bytes | None = None
+        newest: dict | None = None
+        deleted = False
         journal: bytes | None = None
         chunks: dict[bytes, bytes | None] = {}
         try:
@@ -328,13 +411,19 @@ class StateChangelog:
         try:
             ids = consumer.partitions_for_topic(self.topic)
             if not ids:
-                return None, {}, None
+                return None, None, {}, None, False
             parts = [TopicPartition(self.topic, p) for p in sorted(ids)]
             consumer.assign(parts)
             consumer.seek_to_beginning(*parts)
             for msg in _read_to_end(consumer, parts, self.timeout * 3):
                 if msg.key == self.manifest_key:
-                    manifest = msg.value
+                    deleted = msg.value is None
+                    if not deleted:
+                        manifest = msg.value
+                        with contextlib.suppress(ValueError, KeyError, TypeError):  # refused in read() if last
+                            meta = self._manifest(msg.value)
+                            if newest is None or meta["written_at"] > newest["written_at"]:
+                                newest = meta
                 elif msg.key == self.journal_key:
                     journal = msg.value
                 elif msg.key is not None and msg.key.startswith(b"c:"):
@@ -345,7 +434,7 @@ class StateChangelog:
             raise TransportError(f"state topic {self.topic}: cannot be read ({exc})") from None
         finally:
             consumer.close()
-        return manifest, {k: v for k, v in chunks.items() if v is not None}, journal
+        return manifest, newest, {k: v for k, v in chunks.items() if v is not None}, journal, deleted
 
     def restoring(self) -> contextlib.AbstractContextManager:
         """Turn any fault met while restoring a snapshot from the topic into one ConfigError."""
@@ -459,6 +548,10 @@ def resume_state(
                     file_time - snap.written_at,
                 )
             snap = None
+    if taken is None and changelog is not None and changelog.refused:
+        log.warning(
+            "no state file at %s and the state topic's snapshot refused: starting cold (detectors warm up)", path
+        )
     for host, d in (changelog.host_states if changelog is not None else {}).items():
         pipeline.hosts.adopt(host, d)
     return taken, snap

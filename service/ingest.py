@@ -1,10 +1,6 @@
-"""Batched ingest: many bus messages decoded at once into numpy columns, and steps assembled from them.
-
-:class:`IngestDecoder` reads the rows of every v2 message of one (schema, run) with one
-``numpy.frombuffer`` (a :class:`RecordColumns` block), checked against the shared
-:class:`~sdcwatch.core.limits.RecordLimits` on whole columns; every other kind goes through
-:func:`~sdcwatch.core.messages.decode_message` (docs/messages.md, "The service's ingest").
-"""
+"""Batched ingest: the rows of every v2 message of one (schema, run) read with one ``numpy.frombuffer``
+and checked against the :class:`~sdcwatch.core.limits.RecordLimits` on whole columns; every other kind
+goes through :func:`~sdcwatch.core.messages.decode_message` (docs/messages.md, "The service's ingest")."""
 
 from __future__ import annotations
 

@@ -227,6 +227,11 @@ class KafkaSource(DeadLetterCounts):
         if offsets:
             self._on_reader(lambda: self._commit(offsets), timeout, "offset commit")
 
+    def positions(self) -> dict[int, int]:
+        """The offset after what ``poll`` returned, by partition: what ``commit`` commits."""
+        with self._cond:
+            return {tp.partition: offset for tp, offset in self._handed.items()}
+
     def lag(self) -> int:
         """Messages between what this service processed and the end of the topic (refreshed by the
         reader; the group's lag from its committed offsets while this member owns no partitions)."""

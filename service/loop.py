@@ -230,7 +230,7 @@ class DetectorService:
         # member that holds only part of the telemetry (sharing its group): the key is the group's
         if self.changelog is not None and self.source.owns_topic:
             try:
-                self.changelog.write(state, self._schema_texts())
+                self.changelog.write(state, self._schema_texts(), self.source.positions())  # what is committed next
                 self.changelog.write_hosts(hosts)  # keyed by host: an instance of any group adopts them
             except TransportError as exc:
                 failed = (exc, f"topic {self.changelog.topic}")
@@ -321,6 +321,7 @@ class DetectorService:
             view = self.pipeline.view(
                 consumer_lag=self.consumer_lag,
                 state_write_errors_total=self.state_write_errors,
+                state_topic_refused=dict(self.changelog.refused) if self.changelog is not None else {},
                 max_runs=max_runs,
                 **self.source.health(),
             )

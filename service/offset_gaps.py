@@ -47,9 +47,6 @@ class OffsetGaps:
         self._next: dict[Any, int] = {}  # partition -> the offset its next message must have
         self._gap: dict[Any, tuple[int, float]] = {}  # partition -> (first missing offset, since)
 
-    def knows(self, partition: Any) -> bool:
-        return partition in self._next
-
     def expect(self, partition: Any, offset: int) -> None:
         """The partition's fetch position (a new assignment): its next message must be there."""
         self._next[partition] = offset

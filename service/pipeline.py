@@ -101,8 +101,8 @@ class PipelineSettings:
     run_backlog_records: int = 50000
     """Records that may wait for their run's share of a pass: while several runs send more than the
     service judges in one, each run gets an equal share at most (a run needing less leaves the rest
-    to the others) and its excess waits, in order, for later passes. Past it the run with most
-    records waiting loses them (dead-lettered, reason budget, with its name and count)."""
+    to the others) and its excess waits, in order, for later passes. Past it the runs read last lose
+    theirs first (dead-lettered, reason budget, with the run's name and count)."""
     run_end_expiry_s: float = 300.0
     """Seconds a finished run (every rank sent its end-of-run marker; its incidents resolved) stays
     in memory and /metrics before its series are dropped."""
@@ -244,10 +244,11 @@ class DetectionPipeline:
 
     def share(self, items: list) -> list:
         """Of a poll's items, those to process in this pass: each run's share first (runs read
-        before a flood's before its runs), then the excess of runs that sent more (:class:`RunBacklog`). While a new run waits for a place, the excess
-        of a run on probation waits whole until it sends again: silent, it gives way as if its
-        records had been judged (docs/service.md, "Run lifecycle")."""
-        hold = self.aligner.on_probation if self.aligner.waiting_records else None
+        before a flood's before its runs), then the excess of runs that sent more (:class:`RunBacklog`).
+        While a new run (not one that gave way) waits for a place, the excess of a run on probation
+        waits whole until it sends again: silent, it gives way as if its records had been judged,
+        and runs that gave way do not take turns (docs/service.md, "Run lifecycle")."""
+        hold = self.aligner.on_probation if self.aligner.new_run_waits() else None
         items, lost = self.backlog.take(items, hold)
         self.aligner.rejected += lost
         return items
@@ -337,36 +338,29 @@ class DetectionPipeline:
         return st
 
     def _admit(self, run: str) -> bool:
-        """Whether a new run gets a place within ``max_runs`` now (else its records wait): an unsigned
-        one not past ``max_unsigned_runs`` while signed runs are held; past ``max_runs``, a signed
-        one takes the place of the idlest unsigned run, any takes that of the idlest run on probation
-        silent ``run_probation_idle_s`` that showed no more steps, else one that has shown training
-        that of the idlest training run silent ``run_yield_idle_s`` (any, once it is silent
-        ``run_stale_s``; ``_runs`` is in order of activity), never of a signed run if unsigned; what
-        the run that gives way had waiting waits for its return (docs/service.md, "Run lifecycle")."""
-        s = self.settings
-        signed = self.signed
-        held = self.aligner.runs()
-        if signed is not None and not signed(run) and held >= s.max_unsigned_runs:
-            kinds = [signed(r) for r in self.aligner.held()]
+        """Whether a new run gets a place within ``max_runs`` now (else its records wait): while signed
+        runs are held, an unsigned one only below ``max_unsigned_runs``; when all are taken, the run the
+        first rule that applies names gives way, its waiting records kept (docs/service.md, "Run lifecycle")."""
+        s, signed, aligner = self.settings, self.signed, self.aligner
+        first_class = signed is not None and signed(run)
+        if signed is not None and not first_class and aligner.runs() >= s.max_unsigned_runs:
+            kinds = [signed(r) for r in aligner.held()]
             if any(kinds) and kinds.count(False) >= s.max_unsigned_runs:
                 return False
-        if held < s.max_runs:
+        if aligner.runs() < s.max_runs:
             return True
-        keep = signed if signed is not None and not signed(run) else (lambda r: False)
-        victim = self.aligner.idlest_on_probation(s.run_probation_idle_s, keep, newcomer=run)
-        if victim is None and signed is not None and signed(run):
-            victim = self.aligner.idlest_on_probation(0.0, signed)
-            victim = victim or next((r for r in self._runs if not signed(r)), None)
-        if victim is None:  # silent run_stale_s: gone, whoever comes
-            idlest = next((r for r in self._runs if not keep(r)), None)
-            if idlest is not None and self.wall() - self._runs[idlest].last_step_wall >= s.run_stale_s:
-                victim = idlest
-        if victim is None and self.aligner.shown_training(run):
-            idlest = next((r for r in self._runs if not keep(r) and not self.aligner.on_probation(r)), None)
-            if idlest is not None and self.wall() - self._runs[idlest].last_step_wall >= s.run_yield_idle_s:
-                victim = idlest
-        if victim is None:
+        keep = signed if signed is not None and not first_class else (lambda r: False)  # unsigned never evicts signed
+        rules = (  # (the newcomer it applies to, the run that gives way), in order
+            # any that has shown as many whole steps: the run on probation silent longest, run_probation_idle_s
+            (True, lambda: aligner.idlest_on_probation(s.run_probation_idle_s, keep, newcomer=run)),
+            # signed, at once: the idlest unsigned run, on probation first
+            (first_class, lambda: aligner.idlest_on_probation(0.0, signed) or self._idlest(signed)),
+            # any: a run silent run_stale_s
+            (True, lambda: self._idlest(keep, s.run_stale_s)),
+            # any that has shown training: the idlest training run silent run_yield_idle_s
+            (aligner.shown_training(run), lambda: self._idlest(keep, s.run_yield_idle_s, training=True)),
+        )
+        if (victim := next((v for applies, pick in rules if applies and (v := pick()) is not None), None)) is None:
             return False
         self.runs_forgotten += 1
         behind = self.backlog.drop(victim)  # not processed yet: they wait with its open steps' records
@@ -374,6 +368,12 @@ class DetectionPipeline:
         self.aligner.forget(victim, gave_way=True, behind=behind)
         self.forgotten_events += self.evict(victim)
         return True
+
+    def _idlest(self, skip: Callable[[str], bool], silent_s: float | None = None, training: bool = False) -> str | None:
+        """The run silent longest of those not ``skip`` (past probation, with ``training``), if silent ``silent_s``."""
+        run = next((r for r in self._runs if not skip(r) and not (training and self.aligner.on_probation(r))), None)
+        silent = run is not None and (silent_s is None or self.wall() - self._runs[run].last_step_wall >= silent_s)
+        return run if silent else None
 
     def _admitted_from_wait(self) -> None:
         """Runs given a place after waiting: their lifecycle starts; one that lost records waiting says so."""

@@ -10,6 +10,7 @@ from typing import Callable
 
 from sdcwatch.core.record import from_dict, to_dict
 from sdcwatch.core.record_type import Record
+from sdcwatch.service.alignment_state import size_of, world_of
 from sdcwatch.service.ingest import RecordColumns, as_records
 
 __all__ = ["RunBacklog", "fair_share"]
@@ -26,24 +27,16 @@ def fair_share(demand: dict[str, int], budget: int) -> int:
     return max(demand.values(), default=0)
 
 
-def _size(x: Record | RecordColumns) -> int:
-    return len(x) if isinstance(x, RecordColumns) else 1
-
-
-def _world(x: Record | RecordColumns) -> int:
-    return x.world if isinstance(x, Record) else int(x.rows["world"][0])
-
-
 class RunBacklog:
     """The records and column blocks of runs past their share, per run, in order.
 
-    :meth:`take` gives a pass about ``pass_records`` records: runs with nothing waiting first, each
-    at most its :func:`fair_share` among the runs first read in the same poll, those read earlier
-    first (at least one record a rank of its world each, so whole steps move); what is left of the
-    pass goes to the runs with records waiting, shared the same way. A poll of one run, or of no
-    more than ``pass_records``, passes as it came. Past ``max_records`` waiting,
-    the run with most waiting loses them (``budget`` dead letters that name it), and what it sends
-    next waits behind the others' shares until its backlog drains.
+    :meth:`take` gives a pass at most ``pass_records`` records: each run with records read or
+    waiting gets its :func:`fair_share` of the pass (max-min: a run that needs less leaves the rest
+    to the others); while the pass has room, runs short of one record a rank of their world (so
+    whole steps move) get it, then the runs read first the rest they have. A poll of one run, or of no more than
+    ``pass_records``, passes as it came. Past ``max_records`` waiting, the runs read last lose
+    theirs first, the one with most waiting first among them (``budget`` dead letters that name
+    it), and what such a run sends next waits behind the others' shares until its backlog drains.
     """
 
     def __init__(self, pass_records: int, max_records: int, *, clock: Callable[[], float]) -> None:
@@ -78,23 +71,19 @@ class RunBacklog:
             elif x.run in self._runs or x.run in self._flooded:
                 self._push(x.run, x, now)  # behind what it sent before
             else:
-                fresh[x.run] = fresh.get(x.run, 0) + _size(x)
-                world.setdefault(x.run, _world(x))
+                fresh[x.run] = fresh.get(x.run, 0) + size_of(x)
+                world.setdefault(x.run, world_of(x))
                 if self._seen.setdefault(x.run, self._polls) == self._polls and len(self._seen) > 1 << 16:
                     del self._seen[next(iter(self._seen))]  # bounded: the run seen first is forgotten
         if not self._runs and (len(fresh) <= 1 or sum(fresh.values()) <= self.pass_records):
             return items, []  # nothing to share: as read
         waiting = [run for run in self._runs if hold is None or self._heard[run] == now or not hold(run)]
-        left, allow = self.pass_records, {}
-        for first in sorted({self._seen.get(run, 0) for run in fresh}):  # runs seen earlier first
-            demand = {run: n for run, n in fresh.items() if self._seen.get(run, 0) == first}
-            share = fair_share(demand, max(left, 0))
-            allow.update((run, min(n, max(share, world[run]))) for run, n in demand.items())
-            left -= sum(allow[run] for run in demand)
+        world.update((run, world_of(self._runs[run][0])) for run in waiting)
+        allow = self._shares({**{run: self._counts[run] for run in waiting}, **fresh}, world)
         for x in items:
-            if not isinstance(x, (Record, RecordColumns)) or x.run not in allow:
+            if not isinstance(x, (Record, RecordColumns)) or x.run not in fresh:
                 continue
-            n, k = allow[x.run], _size(x)
+            n, k = allow[x.run], size_of(x)
             if k <= n:
                 out.append(x)
             else:  # past its share: the rest waits (a block is cut at the share)
@@ -103,13 +92,34 @@ class RunBacklog:
                     x = x.take(slice(n, None))
                 self._push(x.run, x, now)
             allow[x.run] = max(0, n - k)
-        old = {run: self._counts[run] for run in waiting}
-        share = fair_share(old, max(left, 0))
         for run in waiting:
-            out += self._pop(run, max(share, _world(self._runs[run][0])))
+            out += self._pop(run, allow[run])
         lost = self._overflow()
         self.ready = any(hold is None or self._heard[run] == now or not hold(run) for run in self._runs)
         return out, lost
+
+    def _shares(self, demand: dict[str, int], world: dict[str, int]) -> dict[str, int]:
+        """Records each run may have this pass (see the class): the runs first read in this poll
+        share one fair share of the pass (a flood of new names is one more taker, not thousands), the
+        others one each; then, while the pass has room, a rank of its world to each run short of
+        one, runs read first first, and the rest of what they have to the runs read first."""
+        new = {run: n for run, n in demand.items() if self._seen.get(run) == self._polls}
+        takers = {run: n for run, n in demand.items() if run not in new}
+        if new:
+            takers[None] = sum(new.values())
+        share = fair_share(takers, self.pass_records)
+        allow = {run: min(n, share) for run, n in demand.items() if run not in new}
+        newcomers = min(takers.get(None, 0), share)
+        allow.update((run, min(n, fair_share(new, newcomers))) for run, n in new.items())
+        room = self.pass_records - sum(allow.values())
+        order = sorted(demand, key=lambda r: self._seen.get(r, 0))
+        for want in (lambda r: min(demand[r], world[r]), demand.__getitem__):
+            for run in order:
+                more = min(want(run) - allow[run], room)
+                if more > 0:
+                    allow[run] += more
+                    room -= more
+        return allow
 
     def _push(self, run: str, x: Record | RecordColumns, now: float) -> None:
         q = self._runs.pop(run, None) or deque()
@@ -117,21 +127,21 @@ class RunBacklog:
         self._runs[run] = q
         self._heard.pop(run, None)
         self._heard[run] = now
-        self._counts[run] = self._counts.get(run, 0) + _size(x)
-        self.records += _size(x)
+        self._counts[run] = self._counts.get(run, 0) + size_of(x)
+        self.records += size_of(x)
 
     def _pop(self, run: str, n: int) -> list:
         """Up to ``n`` records of ``run``'s backlog, oldest first."""
         q, out = self._runs[run], []
         while q and n > 0:
             x = q.popleft()
-            if _size(x) > n:
+            if size_of(x) > n:
                 q.appendleft(x.take(slice(n, None)))
                 x = x.take(slice(0, n))
             out.append(x)
-            n -= _size(x)
-            self._counts[run] -= _size(x)
-            self.records -= _size(x)
+            n -= size_of(x)
+            self._counts[run] -= size_of(x)
+            self.records -= size_of(x)
         if not q:
             self._forget(run)
         return out
@@ -150,8 +160,10 @@ class RunBacklog:
 
     def _overflow(self) -> list[tuple[str, str, list[Record]]]:
         out = []
-        while self.records > self.max_records:
-            run = max(self._counts, key=self._counts.__getitem__)
+        last_read_first = sorted(self._counts, key=lambda r: (self._seen.get(r, 0), self._counts[r]), reverse=True)
+        for run in last_read_first:
+            if self.records <= self.max_records:
+                break
             n = self._counts[run]
             why = (
                 f"run {run!r} sent more than the service could judge while other runs waited: its {n} "

@@ -1,4 +1,5 @@
-"""Fixtures shared by every test folder: the embedded broker and the real-logs location."""
+"""Fixtures shared by every test folder (the embedded broker, the real-logs location) and the order
+the modules run in (the costliest first, so that no worker is left with a long one at the end)."""
 
 from __future__ import annotations
 
@@ -76,6 +77,24 @@ def real_logs() -> Path:
     if not REAL_LOGS.is_dir():
         pytest.skip(f"real training logs not found at {REAL_LOGS}: they ship beside the repository in CI")
     return REAL_LOGS
+
+
+def _module_cost(items: list) -> tuple[int, int, int]:
+    """How long a module's tests keep a worker, as its markers say: slow ones (more than ~20 s each),
+    then those that start servers or torch.distributed, then how many tests."""
+    slow = sum(it.get_closest_marker("slow") is not None for it in items)
+    integration = sum(it.get_closest_marker("integration") is not None for it in items)
+    return slow, integration, len(items)
+
+
+def pytest_collection_modifyitems(config, items):
+    """The costliest modules first (``--no-loadscope-reorder`` keeps this order under -n): a worker
+    that takes a minute-long module last would have the others wait for it at the end."""
+    modules: dict[str, list] = {}
+    for item in items:
+        modules.setdefault(item.nodeid.split("::", 1)[0], []).append(item)
+    costliest = sorted(modules.values(), key=_module_cost, reverse=True)  # stable: ties keep their order
+    items[:] = [item for module in costliest for item in module]
 
 
 def pytest_configure(config):

@@ -81,6 +81,9 @@ class MemorySource(DeadLetterCounts):
     def commit(self) -> None:
         self._committed = self._offset
 
+    def positions(self) -> dict[int, int]:
+        return {0: self._offset}
+
     def lag(self) -> int:
         return self.bus.size(self.topic) - self._offset
 

@@ -240,28 +240,16 @@ def metric(samples: list, name: str, **labels: str) -> float:
 
 
 def peek_topic(bootstrap: str, topic: str, timeout: float = 3.0) -> list:
-    """The messages ``topic`` holds now, read from the start without a consumer group (no join to
-    wait for); stops after ``timeout`` seconds without a new message: one a service counted just
-    now (a dead letter) may still be on its way."""
-    from kafka import KafkaConsumer
-
-    consumer = KafkaConsumer(
-        topic,
-        bootstrap_servers=[bootstrap],
-        auto_offset_reset="earliest",
-        group_id=None,
-        consumer_timeout_ms=int(timeout * 1000),
-        max_partition_fetch_bytes=8 << 20,  # dead letters keep up to 64 KiB of a message over 1 MB
-    )
-    try:
-        return list(consumer)
-    finally:
-        consumer.close()
+    """The messages ``topic`` holds now, however slow the broker is to answer, then any that come
+    within ``timeout`` seconds of the last: one a service counted just now (a dead letter) may still
+    be on its way."""
+    return _read_now(bootstrap, topic, quiet=timeout)
 
 
-def _read_now(bootstrap: str, topic: str) -> list:
+def _read_now(bootstrap: str, topic: str, *, quiet: float = 0.0) -> list:
     """The messages ``topic`` holds now (none when it does not exist), read from the start to the end
-    it had when asked, as ``sdcwatch incidents`` reads: no consumer group, no wait for silence."""
+    it had when asked, as ``sdcwatch incidents`` reads (no consumer group), then any that come within
+    ``quiet`` seconds of the last."""
     from sdcwatch.bus_reading import read_to_end
     from sdcwatch.service.kafka_source import TopicReader
 
@@ -269,6 +257,12 @@ def _read_now(bootstrap: str, topic: str) -> list:
     messages: list = []
     try:
         read_to_end(reader, messages.append, threading.Event())
+        quiet_until = time.monotonic() + quiet
+        while time.monotonic() < quiet_until:
+            more = reader.poll_messages(min(quiet, 0.5))
+            messages.extend(more)
+            if more:
+                quiet_until = time.monotonic() + quiet
     finally:
         reader.close()
     return messages

@@ -1,9 +1,9 @@
 """The configuration of ``sdcwatch serve``: one small dataclass per section (schema), loaded in layers
-(loaders: defaults < TOML file < environment < flags), its flags and reference generated from the
-field docstrings (docs).
+(loaders: defaults < TOML file < environment < flags), its flags and their help generated
+from the field docstrings (docs).
 """
 
-from sdcwatch.config.docs import add_serve_arguments, config_from_args, config_reference, overrides_from_args
+from sdcwatch.config.docs import add_serve_arguments, config_from_args, overrides_from_args
 from sdcwatch.config.loaders import ENV_PREFIX, env_name, flag_name, load_config
 from sdcwatch.config.schema import (
     SECURITY_KEYS,
@@ -32,5 +32,4 @@ __all__ = [
     "config_from_args",
     "env_name",
     "flag_name",
-    "config_reference",
 ]

@@ -17,7 +17,7 @@ from typing import Any, Mapping
 from sdcwatch.config.loaders import ENV_PREFIX, all_keys, default_of, env_name, flag_name, load_config
 from sdcwatch.config.schema import SECTIONS, ServeConfig, hints
 
-__all__ = ["add_serve_arguments", "overrides_from_args", "config_from_args", "config_reference", "field_docs"]
+__all__ = ["add_serve_arguments", "overrides_from_args", "config_from_args", "field_docs"]
 
 #: Short flags besides the canonical --<section>-<key> ones.
 _FLAG_ALIASES: dict[str, tuple[str, ...]] = {
@@ -131,28 +131,3 @@ def field_docs() -> dict[str, str]:
     for section, cls in SECTIONS.items():
         walk(cls, f"{section}.")
     return out
-
-
-def config_reference() -> str:
-    """A Markdown table of every setting: key, environment variable, flag, default, meaning."""
-    docs = field_docs()
-    rows = ["| key | environment | flag | default | meaning |", "|---|---|---|---|---|"]
-    for name, cls in SECTIONS.items():
-        for fname, kind in hints(cls).items():
-            if kind is dict:
-                dotted = f"{name}.{fname}"
-                rows.append(f"| `{dotted}.<name>` | `{env_name(dotted)}_<NAME>` | - | - | {docs.get(dotted, '')} |")
-    for dotted, kind in all_keys().items():
-        if dotted.startswith("bus.security."):
-            continue
-        flags = ", ".join(f"`{f}`" for f in (flag_name(dotted), *_FLAG_ALIASES.get(dotted, ())))
-        if kind is bool:
-            flags = f"`{flag_name(dotted)}` / `--no-{flag_name(dotted)[2:]}`"
-        rows.append(
-            f"| `{dotted}` | `{env_name(dotted)}` | {flags} | `{_show(default_of(dotted))}` | {docs.get(dotted, '')} |"
-        )
-    rows.append(
-        f"\n`{ENV_PREFIX}BOOTSTRAP` is a shortcut for `{env_name('bus.bootstrap')}`; "
-        f"`{ENV_PREFIX}CONFIG` names the TOML file when `--config` is not given."
-    )
-    return "\n".join(rows)

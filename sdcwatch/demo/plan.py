@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from sdcwatch.core.errors import ConfigError
+from sdcwatch.testbed.faultspec import FaultSpec, load_faults
 
 __all__ = ["PRESETS", "preset_faults", "DemoPlan", "plan_demo"]
 
@@ -63,8 +64,6 @@ def preset_faults(name_or_path: str, *, rank: int, step: int, seed: int) -> tupl
     path = Path(name_or_path)
     if not path.is_file():
         raise ConfigError("fault", f"{name_or_path!r} is neither a preset ({', '.join(PRESETS)}) nor a file")
-    from sdcwatch.testbed.faultspec import load_faults
-
     faults = [f.to_dict() for f in load_faults(path)]
     return f"{len(faults)} fault(s) from {path}", faults
 
@@ -155,8 +154,6 @@ def plan_demo(
     parallel: str | None,
 ) -> DemoPlan:
     """Check the demo's settings and place its faults (see :func:`~sdcwatch.demo.run.run_demo`)."""
-    from sdcwatch.testbed.faultspec import FaultSpec
-
     guard_config = _guard_config(guard)
     ranks, layout = _job_shape(ranks, steps, parallel, guard_config is not None)
     f_rank, f_step = _fault_position(ranks, steps, layout, fault_rank, fault_step)

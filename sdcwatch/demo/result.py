@@ -43,9 +43,7 @@ class DemoResult:
         return {f.name: getattr(self, f.name) for f in fields(self)} | {"wall_seconds": round(self.wall_seconds, 2)}
 
 
-def summarize(
-    incidents: list[Any], fault_step: int | None, fault_rank: int | None
-) -> tuple[bool, int | None, int | None, int]:
+def summarize(incidents: list[Any], fault_step: int | None) -> tuple[bool, int | None, int | None, int]:
     """(detected, first detection step, localized rank, false alarms) from the incidents: one that
     starts before the fault's first step (or any, without a fault) is a false alarm."""
     if fault_step is None:

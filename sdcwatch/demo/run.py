@@ -119,7 +119,7 @@ def _score(
     t_start: float,
 ) -> DemoResult:
     """The demo's result: the incidents scored against the injected faults."""
-    detected, first_step, localized, false_alarms = summarize(incidents, plan.injected_step, plan.injected_rank)
+    detected, first_step, localized, false_alarms = summarize(incidents, plan.injected_step)
     latency = None
     if detected and training.fault_wall:
         latency = detection_latency(incidents, plan.injected_step, service.events.opened_wall, training.fault_wall[0])

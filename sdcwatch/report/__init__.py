@@ -15,6 +15,7 @@ from sdcwatch.core.vocabulary import DEVIATION_METRICS
 from sdcwatch.report.data import RunData, load_incidents, load_records
 from sdcwatch.report.deviation import Deviation, rank_deviation, robust_z
 from sdcwatch.report.page import render_report, write_report
+from sdcwatch.testbed.faultspec import load_faults
 
 __all__ = [
     "RunData",
@@ -70,8 +71,6 @@ def report_main(argv: Sequence[str] | None = None) -> int:
     try:
         injected: Any = args.injected
         if injected and Path(injected).suffix in (".json", ".jsonl") and Path(injected).is_file():
-            from sdcwatch.testbed.faultspec import load_faults
-
             injected = [f.to_dict() for f in load_faults(injected)]
         out = write_report(args.records, args.incidents, args.output, title=args.title, injected=injected, run=args.run)
     except SdcwatchError as exc:

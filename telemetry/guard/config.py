@@ -8,7 +8,6 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
 from sdcwatch.core.control import ACTIONS, REASONS, VERDICTS
-from sdcwatch.core.errors import ConfigError
 from sdcwatch.core.spike_baseline import SeriesSettings
 from sdcwatch.core.validate import check_choice, check_int, check_number, settings_from
 
@@ -63,9 +62,9 @@ class GuardPlace:
 
 #: Settings of the spike rule before it became the detector's (they meant something else: renamed).
 _RENAMED = {
-    "spike_z": "loss.z_on and grad_norm.z_on",
-    "spike_rel": "loss.min_ratio (= 1 + spike_rel)",
-    "grad_spike_rel": "grad_norm.min_ratio (= 1 + grad_spike_rel)",
+    "spike_z": "loss.z_on and grad_norm.z_on (the spike detector's rule)",
+    "spike_rel": "loss.min_ratio (= 1 + spike_rel) (the spike detector's rule)",
+    "grad_spike_rel": "grad_norm.min_ratio (= 1 + grad_spike_rel) (the spike detector's rule)",
 }
 
 
@@ -164,10 +163,7 @@ class GuardConfig:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "GuardConfig":
         """From a plain dict (JSON, TOML); an unknown key is an error naming it (a renamed one, its new name)."""
-        for key in d:
-            if key in _RENAMED:
-                raise ConfigError(f"guard.{key}", f"renamed: use {_RENAMED[key]} (the spike detector's rule)")
-        return settings_from(cls, "guard", d)
+        return settings_from(cls, "guard", d, renamed=_RENAMED)
 
 
 @dataclass

@@ -1,16 +1,6 @@
-"""Control decisions: what the detector service asks the training job's guard to do.
-
-The service publishes one JSON object per decision to the control topic (``sdcwatch.control``),
-keyed by run; the guard on rank 0 of that run reads it (:class:`KafkaControl`, from a background
-thread of its own) and the ranks agree on it at the next step boundary. The wire format
-(:class:`Decision`, :func:`decode_decision`) lives in :mod:`sdcwatch.core.control`, shared with
-the service; this module holds the readers the guard polls: :class:`KafkaControl` for a real bus,
-:class:`MemoryControl` for tests and in-process loops.
-
-A reader never raises into, or blocks, the training loop: a bus that cannot be reached, or a
-malformed message, costs one warning (malformed ones are counted in ``rejected``) and training
-continues with the local checks only.
-"""
+"""The readers the guard polls for the service's decisions (wire format: :mod:`sdcwatch.core.control`):
+:class:`KafkaControl` for the control topic, :class:`MemoryControl` in process. A reader never raises
+into, or blocks, the training loop: a bus it cannot reach or a malformed message costs a warning."""
 
 from __future__ import annotations
 
@@ -156,7 +146,6 @@ class KafkaControl:
         self.check = DecisionCheck(run, key, max_age=max_age, skew=skew)  # type: ignore[arg-type]
         self.announced = key is None  # nothing to announce without a key
         self.received = 0  # decisions for this run
-        self.available = True  # False once the bus was found unusable
         self.inbox = MemoryControl()
         """The decisions read, until polled."""
         self._stop = threading.Event()
@@ -187,7 +176,6 @@ class KafkaControl:
         return self.inbox.poll()
 
     def _give_up(self, why: str) -> None:
-        self.available = False
         log.warning(
             "sdcwatch guard: control topic %s at %s unavailable (%s); training continues with the "
             "guard's local checks only",

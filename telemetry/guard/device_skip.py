@@ -16,9 +16,9 @@ __all__ = ["DeviceSkip", "DeviceSkipConfig"]
 
 #: Settings of the spike rule before it became the detector's (they meant something else: renamed).
 _RENAMED = {
-    "z": "loss.z_on and grad_norm.z_on",
-    "loss_rel": "loss.min_ratio (= 1 + loss_rel)",
-    "grad_rel": "grad_norm.min_ratio (= 1 + grad_rel)",
+    "z": "loss.z_on and grad_norm.z_on (the spike detector's rule)",
+    "loss_rel": "loss.min_ratio (= 1 + loss_rel) (the spike detector's rule)",
+    "grad_rel": "grad_norm.min_ratio (= 1 + grad_rel) (the spike detector's rule)",
 }
 
 
@@ -56,10 +56,7 @@ class DeviceSkipConfig:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "DeviceSkipConfig":
         """From a plain dict (JSON, TOML); an unknown key is an error naming it (a renamed one, its new name)."""
-        for key in d:
-            if key in _RENAMED:
-                raise ConfigError(f"device_skip.{key}", f"renamed: use {_RENAMED[key]} (the spike detector's rule)")
-        return settings_from(cls, "device_skip", d)
+        return settings_from(cls, "device_skip", d, renamed=_RENAMED)
 
 
 class DeviceSkip:

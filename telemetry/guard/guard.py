@@ -108,7 +108,6 @@ class Guard:
             watch=watch,
         )
         self.reruns = 0  # extra forward/backward passes (a peer recomputation counts as one)
-        self.control_rejected = 0
         self._pending: collections.deque[Any] = collections.deque(maxlen=64)
 
     @property
@@ -182,7 +181,6 @@ class Guard:
         try:
             self._pending.extend(self.control.poll())
         except Exception as exc:  # a reader must not break training
-            self.control_rejected += 1
             log.warning("sdcwatch guard: reading control decisions failed: %s", exc)
             self.control = None
             return None

@@ -1,11 +1,5 @@
-"""sdcwatch in the training frameworks people use: one callback each, a few lines for the user.
-
-    from sdcwatch.telemetry.integrations.hf import SdcwatchCallback          # transformers.Trainer
-    from sdcwatch.telemetry.integrations.lightning import SdcwatchCallback   # lightning.Trainer
-
-Each module imports its framework when it is imported, never before: install the extras
-``sdcwatch[hf]`` or ``sdcwatch[lightning]``.
-"""
+"""What the training frameworks' callbacks share (``integrations.hf``: transformers.Trainer,
+``integrations.lightning``: lightning.Trainer); each imports its framework when it is imported."""
 
 from __future__ import annotations
 

@@ -219,6 +219,7 @@ def test_quick_campaign_under_a_3d_layout_names_the_nan_rank(campaign_3d):
     assert nan["detectors"]["sdcwatch"]["localized_rank"] == nan["culprit_rank"]
 
 
+@pytest.mark.slow
 def test_quick_campaign_with_the_guard_runs_three_ways_and_saves_the_damage(tmp_path, capsys):
     out = tmp_path / "campaign.json"
     # branches of 16 steps, not the quick size's 24: the faults come 2-4 steps after the checkpoint

@@ -16,7 +16,6 @@ from sdcwatch.config import (
     ServeConfig,
     add_serve_arguments,
     config_from_args,
-    config_reference,
     env_name,
     flag_name,
     load_config,
@@ -348,9 +347,10 @@ def test_config_flag_reads_the_file(tmp_path):
 
 def test_help_lists_every_setting_with_its_environment_variable():
     text = parser().format_help()
-    for row in config_reference().splitlines()[2:]:
-        if row.startswith("| `") and ".<name>" not in row:
-            dotted = row.split("`")[1]
+    from sdcwatch.config.loaders import all_keys
+
+    for dotted in all_keys():
+        if not dotted.startswith("bus.security."):  # a table of Kafka settings: no flag each
             assert flag_name(dotted) in text
             assert env_name(dotted) in text.replace("\n", "").replace(" ", "")
 

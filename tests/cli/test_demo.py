@@ -44,6 +44,7 @@ def demo_cli(tmp_path, *flags):
         pytest.param("near_inf", 100, marks=pytest.mark.bench),
     ],
 )
+@pytest.mark.slow
 def test_sdc_presets_are_detected_and_localised(preset, steps, tmp_path):
     r = run(preset, tmp_path, steps=steps)
     assert r.detected, r.incidents
@@ -53,6 +54,7 @@ def test_sdc_presets_are_detected_and_localised(preset, steps, tmp_path):
 
 
 @pytest.mark.parametrize("preset", ["bad-batch", pytest.param("lr-spike", marks=pytest.mark.bench)])
+@pytest.mark.slow
 def test_benign_spikes_are_reported_and_not_blamed_on_a_rank(preset, tmp_path):
     r = run(preset, tmp_path)
     assert r.detected, r.incidents
@@ -63,6 +65,7 @@ def test_benign_spikes_are_reported_and_not_blamed_on_a_rank(preset, tmp_path):
     assert not kinds & LOCALISING_KINDS, r.incidents
 
 
+@pytest.mark.slow
 def test_clean_run_raises_nothing(tmp_path):
     r = run("none", tmp_path)
     assert r.incidents == []
@@ -113,6 +116,7 @@ def test_demo_guard_evicts_an_unhealthy_node_through_the_control_topic(tmp_path)
     assert any(i["kind"] == "guard_evict" for i in r.incidents)
 
 
+@pytest.mark.slow
 def test_demo_guard_lets_the_unhealthy_replica_leave_and_the_others_finish(tmp_path):
     """`sdcwatch demo --guard --fault unhealthy-node`: the faulty replica leaves the quorum at a step
     boundary and the others run to the last step, without a restart or a rollback."""

@@ -9,14 +9,22 @@ import json
 import pytest
 from detector_synth import FPS, LAYERS, Fault, SyntheticRun
 from polling import wait_for
-from serve_process import ServeProcess, Topics, metric, run_cli, scrape
+from serve_process import ServeProcess, Topics, metric, run_cli, scrape, wait_metric
 from sdcwatch.service.host_files import read_hosts
 
 pytestmark = pytest.mark.integration
 
 
-def _send(bootstrap: str, topic: str, synth: SyntheticRun, steps: int) -> None:
-    """Every rank's records of ``synth`` through an emitter, then its end-of-run marker."""
+#: Steps the ranks send before the test waits for the service to judge them (< its 64 open steps a run)
+WINDOW = 48
+
+
+def _send(bootstrap: str, url: str, topic: str, synth: SyntheticRun, steps: int) -> None:
+    """Every rank's records of ``synth`` through an emitter, then its end-of-run marker, ``WINDOW``
+    steps at a time, each window judged before the next is sent: the ranks of a step reach the
+    service together, as those of a job in step do. A burst read unevenly (a producer slow to start,
+    a partition read ahead of the others under load) would have a step closed without its late ranks
+    (5 s after its first, or past 64 open steps): their flipped checksums unseen, no host suspect."""
     from sdcwatch.telemetry import Emitter, KafkaTransport
 
     emitters = [
@@ -29,8 +37,18 @@ def _send(bootstrap: str, topic: str, synth: SyntheticRun, steps: int) -> None:
             fps = {n: rec.fingerprints[n] for n in FPS}
             scalars = {k: v for k, v in rec.scalars.items() if k != "emitter_dropped"}  # the emitter's own count
             emitters[rec.rank].emit(step, layers=layers, fingerprints=fps, **scalars)
+        if step % WINDOW == WINDOW - 1:
+            assert all(em.flush(60) for em in emitters), f"{synth.run}: the broker did not take a rank's records"
+            _wait_judged(url, synth.run, step)
     for em in emitters:
         em.close(60)
+
+
+def _wait_judged(url: str, run: str, step: int) -> None:
+    def judged(samples: list) -> bool:
+        return metric(samples, "sdcwatch_training_last_step", run=run) >= step
+
+    wait_metric(url, judged, 90, f"step {step} of {run} judged")
 
 
 def _verdicts(state) -> dict:
@@ -51,7 +69,7 @@ def test_a_bad_host_across_runs_is_suspect_listed_exported_and_cleared(bootstrap
                 ("job-c", [Fault("checksum", 50, rank=5), Fault("loss_spike", 60)]),
             )
         ):
-            _send(bootstrap, topics.telemetry, SyntheticRun(world=8, run=run, seed=i, faults=faults), 110)
+            _send(bootstrap, url, topics.telemetry, SyntheticRun(world=8, run=run, seed=i, faults=faults), 110)
         wait_for(
             lambda: _verdicts(state).get("node0", {}).get("verdict") == "suspect" and "node1" in _verdicts(state),
             90,

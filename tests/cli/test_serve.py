@@ -90,6 +90,7 @@ def test_serve_config_error_names_the_key(tmp_path):
     assert out.returncode == 2 and "metrics.port" in out.stderr
 
 
+@pytest.mark.slow
 def test_split_service_spatial_instances_share_the_steps_and_the_temporal_stage_names_the_rank(bootstrap, tmp_path):
     """Two spatial instances in one consumer group, one temporal instance, all as `sdcwatch serve`;
     the incident names the rank and, from the names the ranks sent, the module."""

@@ -77,6 +77,7 @@ def test_ctrl_c_or_sigterm_while_connecting_stops_serve_at_once(tmp_path, sig):
         assert "sdcwatch serve: interrupted" in rest, rest
 
 
+@pytest.mark.slow
 def test_of_two_instances_started_before_the_topic_exists_the_first_stays_and_finds_the_nan(bootstrap, tmp_path):
     """Before: both joined the group before the topic existed, each was given half of it when it
     appeared, and both exited with status 2 (no monitor at all). Now the first creates the topic (as

@@ -139,11 +139,12 @@ def test_a_package_imports_only_the_packages_below_it(package):
 
 
 def test_no_import_cycle():
-    """No module imports one that imports it back, directly or round a loop (lazy imports count)."""
+    """No module imports one that imports it back, directly or round a loop (lazy imports count, and
+    so do a package's ``__init__``, the test bed and the campaign: the composition root imports them)."""
     graph: dict[str, set[str]] = defaultdict(set)
     for m, p in MODULES.items():
         for _, target in _runtime_imports(p, m):
-            if target in MODULES and target != m and not MODULES[target].name == "__init__.py":
+            if target in MODULES and target != m:
                 graph[m].add(target)
     index: dict[str, int] = {}
     low: dict[str, int] = {}

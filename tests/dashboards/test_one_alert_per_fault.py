@@ -44,6 +44,7 @@ def _firing(receiver: support.Receiver) -> list[tuple[str, dict]]:
     ]
 
 
+@pytest.mark.slow
 def test_one_fault_is_one_notification_with_its_rank(start_prometheus, tmp_path):
     from sdcwatch.exporters import AlertmanagerSink, Backoff, MetricsServer
     from memory_source import MemorySource

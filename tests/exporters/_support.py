@@ -145,6 +145,7 @@ def small_view(world: int = 8, layers: int = 2) -> ServiceView:
             dead_letter_reasons={"malformed": 1, "world": 1},
             auth_runs_refused={("job-b", "run_name"): 2},
             auth_redelivered={"job-a": 3},
+            state_topic_refused={"older": 1},
             consumer_partitions=4,
             waiting_for_schema=3,
             offset_gaps={"refetched": 2, "filled": 1, "skipped": 0},

@@ -134,6 +134,9 @@ sdcwatch_pipeline_dead_letters_total 2.0
 # HELP sdcwatch_state_write_errors_total State snapshots that could not be written (a full or read-only disk); detection goes on, each is retried.
 # TYPE sdcwatch_state_write_errors_total counter
 sdcwatch_state_write_errors_total 0.0
+# HELP sdcwatch_state_topic_refused_total State topic snapshots refused at start, by reason: older (the service wrote a newer one: a copy re-published), deleted (a tombstone of the manifest, which the service never writes) (see docs/service.md).
+# TYPE sdcwatch_state_topic_refused_total counter
+sdcwatch_state_topic_refused_total{reason="older"} 1.0
 # HELP sdcwatch_auth_runs_refused_total Messages refused because their key may not speak for their run or their envelope is not fresh, by key id and reason: run_name (not issued for it), bound (another key holds it), full (no binding free), unsigned, replayed (its number taken before), stale (an older start), future (a start ahead of the clock), unfresh (no start, from a key that sends them) (see docs/service.md).
 # TYPE sdcwatch_auth_runs_refused_total counter
 sdcwatch_auth_runs_refused_total{key="job-b",reason="run_name"} 2.0

@@ -59,6 +59,7 @@ def emit_run(bootstrap, topic, run, *, world=2, steps=30, nan_step=20, nan_rank=
     return emitters
 
 
+@pytest.mark.slow
 def test_finished_run_resolves_in_alertmanager_and_never_stalls_while_a_silent_run_stalls_and_ages_out(
     bootstrap, alertmanager, tmp_path
 ):

@@ -467,3 +467,73 @@ def test_a_paused_training_run_gives_way_only_to_a_run_that_trained_and_comes_ba
     pipe.flush()
     assert dead_lettered(pipe) == {} and pipe.aligner.waiting_records == 120  # the flood still waits
     assert steps_judged(pipe, "a") == 10  # its detectors started afresh at step 25
+
+
+def test_junk_runs_that_gave_way_do_not_take_turns_in_the_places_of_the_others():
+    """50 one-rank junk runs x 40 steps are read ahead of a real run while the junk holds every
+    place. Their excess waits (a pass judges 128 records, 2 of each run) while the real run waits for
+    a place, so they fall silent and the real run takes a place 2 s later; the run that gave way
+    then waits with its excess, which does not hold the others' back: their excess is judged, not
+    traded. Before, each junk run gave way in turn to the one before it (50 evictions, each one's
+    detectors rebuilt) and the junk's excess waited until the last had turned."""
+    clock = Clock(1000.0)
+    pipe = DetectionPipeline(PipelineSettings(max_runs=50, pass_records=128), clock=clock, wall=clock)
+    bus = MemoryBus()
+    source = MemorySource(bus)
+    sink = ListSink()
+    svc = DetectorService(source, pipe, sinks=[sink], poll_timeout=0.01, clock=clock)
+    for step in range(40):
+        for i in range(50):
+            bus.append(TOPIC, b"junk", _v1([junk(f"junk-{i}", step)]))
+    svc.step()  # the junk read first: it takes every place
+    clock.t += 0.1
+    real = SyntheticRun(world=8, run="real", seed=3, faults=[Fault("nonfinite", 30, rank=5, length=1)])
+    placed = drained = None
+    for step in range(60):  # a step of the real run a pass, a pass every 0.1 s
+        bus.append(TOPIC, b"real", _v1(real.records(step)))
+        svc.step()
+        placed = step if placed is None and pipe.aligner.holds("real") else placed
+        drained = step if drained is None and placed is not None and len(pipe.backlog) == 0 else drained
+        clock.t += 0.1
+    # placed 2 s after the junk fell silent; the junk's 1,900 records left judged at 128 a pass
+    assert placed == 20 and drained == 35  # 15 passes of 128 (before: drained at 44, the last of 50 turns)
+    # the real run's place, and no other: the junk's excess was judged in bounded passes, not traded
+    assert pipe.runs_forgotten == 1
+    svc.step()
+    assert source.dead_letter_reasons == {} and pipe.aligner.waiting_records == 0
+    nonfinite = [(i.run, i.first_step, i.ranks) for i in sink.opened if i.kind == "nonfinite"]
+    assert nonfinite == [("real", 30, (5,))]
+
+
+TRAINED = [(1.0 + k, "t") for k in range(25)]  # "t": 25 whole steps over 24 s, training
+
+
+@pytest.mark.parametrize(
+    "signed, held, start, alive, gave_way, at",
+    [
+        pytest.param({"s", "n"}, [(0.0, "s"), (3.0, "u")], 3.0, None, "s", 3.0, id="1-probation-silent-2s-before-2"),
+        pytest.param({"s", "n"}, [(1.5, "s"), (2.9, "u")], 2.9, None, "u", 2.9, id="2-signed-takes-unsigned-at-once"),
+        pytest.param(None, [*TRAINED, (923.0, "u")], 923.0, "u", "t", 925.0, id="3-any-takes-a-run-silent-900s"),
+        pytest.param(None, [(0.0, "p"), *TRAINED], 881.0, "p", "p", 900.0, id="3-stale-before-4-training"),
+        pytest.param({"s"}, [*TRAINED, (25.0, "s")], 25.0, None, "t", 55.0, id="4-trained-takes-training-silent-30s"),
+    ],
+)
+def test_admission_is_the_first_rule_that_names_a_run_to_give_way(signed, held, start, alive, gave_way, at):
+    """Two places, held by runs that sent a step at the times given (``alive`` goes on sending its
+    last one); a newcomer sends a step a second from ``start``: who gives way, and when, says which
+    rule decided, in which order (PipelineSettings' defaults)."""
+    pipe, clock = clocked_pipeline(max_runs=2)
+    pipe.signed = None if signed is None else signed.__contains__
+    steps: dict[str, int] = {}
+    for t, run in held:
+        clock.t = t
+        steps[run] = steps.get(run, -1) + 1
+        pipe.process([junk(run, steps[run])])
+    holding = pipe.aligner.held()
+    for k in range(40):
+        clock.t = start + k
+        pipe.process([junk("n", k)] + ([junk(alive, steps[alive])] if alive else []))  # alive: not silent
+        if pipe.aligner.holds("n"):
+            break
+    assert clock.t == at
+    assert pipe.aligner.held() == [r for r in holding if r != gave_way] + ["n"]

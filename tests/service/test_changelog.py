@@ -79,11 +79,16 @@ def test_a_half_written_snapshot_is_never_taken_and_its_chunks_are_dropped_later
 def _latest_values(bootstrap, topic) -> dict:
     from kafka import KafkaConsumer, TopicPartition
 
-    consumer = KafkaConsumer(bootstrap_servers=[bootstrap], group_id=None, consumer_timeout_ms=1500)
+    consumer = KafkaConsumer(bootstrap_servers=[bootstrap], group_id=None)
     tp = TopicPartition(topic, 0)
     consumer.assign([tp])
     consumer.seek_to_beginning(tp)
-    latest = {m.key: m.value for m in consumer}
+    end = consumer.end_offsets([tp])[tp]  # what the topic holds now: a running service writes on
+    latest: dict = {}
+    while consumer.position(tp) < end:
+        for m in consumer.poll(timeout_ms=500).get(tp, ()):
+            if m.offset < end:
+                latest[m.key] = m.value
     consumer.close()
     return latest
 
@@ -323,9 +328,10 @@ SERVICE_KEY = Keyring([KEY_A, KEY_B]).service_key("state")  # what a service hol
 def test_an_older_snapshot_of_the_service_published_again_never_beats_a_newer_state_file(
     bootstrap, unique_topic, tmp_path, caplog
 ):
-    """A writer of the topic re-publishes the service's own older snapshot (signed: it verifies). The
-    newer of the two wins: the state file, in a log line naming the snapshot and how much older it
-    is. A tombstone deleting the manifest leaves the topic without a snapshot: the file is taken."""
+    """A writer of the topic re-publishes the service's own older snapshot (signed: it verifies): it
+    is refused in a log line naming it, the newer one still on the topic is the topic's, and the
+    newer of that and the state file wins: the file, in a line naming the snapshot and how much
+    older it is. A tombstone of the manifest (the service writes none) is ignored, logged."""
     bus = MemoryBus()
     synth = SyntheticRun(seed=3)
     emit(bus, synth, range(20))
@@ -348,14 +354,21 @@ def test_an_older_snapshot_of_the_service_published_again_never_beats_a_newer_st
         again = start()
     again.source.close()
     assert again.resumed and again.pipeline.records_total == 40 * synth.world
+    refused = [r.getMessage() for r in caplog.records if "older than one the service wrote" in r.getMessage()]
     said = [r.getMessage() for r in caplog.records if "the newer" in r.getMessage()]
-    manifest = json.loads(SERVICE_KEY.open(captured[b"m:both:g"]))
-    assert len(said) == 1 and manifest["snapshot"] in said[0] and "pipeline-state.json" in said[0], said
+    copy = json.loads(SERVICE_KEY.open(captured[b"m:both:g"]))["snapshot"]
+    newest = _changelog(bootstrap, unique_topic, key=SERVICE_KEY).read()
+    assert newest.snapshot != copy and newest.state["records_total"] == 40 * synth.world
+    assert len(refused) == 1 and copy in refused[0] and newest.snapshot in refused[0], refused
+    assert len(said) == 1 and newest.snapshot in said[0] and "pipeline-state.json" in said[0], said
+    assert again.view().pipeline.state_topic_refused == {"older": 1}
     _send_raw(bootstrap, unique_topic, b"m:both:g", None)  # the manifest deleted
-    assert _changelog(bootstrap, unique_topic, key=SERVICE_KEY).read() is None
+    reader = _changelog(bootstrap, unique_topic, key=SERVICE_KEY)
+    assert reader.read().snapshot == newest.snapshot and reader.refused == {"older": 1, "deleted": 1}
     later = start()
     later.source.close()
     assert later.resumed and later.pipeline.records_total == 40 * synth.world
+    assert any("a tombstone deleted the snapshot" in r.getMessage() for r in caplog.records)
 
 
 def test_two_instances_creating_their_topics_at_the_same_instant_one_creates_each_and_neither_fails(bootstrap):
@@ -391,6 +404,67 @@ def test_two_instances_creating_their_topics_at_the_same_instant_one_creates_eac
 
 
 IN_2036 = 2_085_000_000.0
+
+
+@pytest.mark.integration
+def test_an_older_snapshot_re_published_before_a_takeover_leaves_the_successor_warm_and_finds_the_spike(
+    bootstrap, tmp_path
+):
+    """Keys on. A writer of the state topic captured the service's snapshot of 30 steps (signed by the
+    service) and re-publishes it after the service's last one (70 steps). Before, the successor on an
+    empty folder took the copy: 30 steps of warm-up and the 10 it reads, short of the spike
+    detector's 59: the spike at step 80 was missed. Now the copy is refused (logged, counted) and
+    the successor resumes from the newest snapshot, still on the topic: the spike is found at 80."""
+    from serve_process import ServeProcess, Topics, metric, train_ranks
+    from sdcwatch.telemetry import Emitter
+
+    keys = tmp_path / "keys"
+    keys.write_text(f"job-a:{SECRET_A}\njob-b:{SECRET_B}\n")
+    tag = uuid.uuid4().hex[:8]
+    topics, group, state_topic = Topics.fresh(tag), f"replay-{tag}", f"state.{tag}"
+    flags = ("--auth-key-file", str(keys), "--state-topic", state_topic)
+    emitters = [
+        Emitter(bootstrap=bootstrap, topic=topics.telemetry, key=KEY_A, run="r", rank=r, world=4) for r in range(4)
+    ]
+    reader = _changelog(bootstrap, state_topic, group=group, key=SERVICE_KEY)
+
+    def snapshot_of(steps: int) -> None:
+        wait_for(
+            lambda: (snap := reader.read()) is not None and snap.state["records_total"] >= steps * 4,
+            60,
+            f"a snapshot of {steps} steps on the state topic",
+            interval=0.5,
+        )
+
+    first = ServeProcess(bootstrap, topics, tmp_path / "x", *flags, group=group, snapshot_interval_s=1)
+    successor = None
+    try:
+        first.wait_banner()
+        train_ranks(emitters, range(30))
+        snapshot_of(30)
+        captured = {k: v for k, v in _latest_values(bootstrap, state_topic).items() if k.startswith((b"c:", b"m:"))}
+        train_ranks(emitters, range(30, 70))
+        snapshot_of(70)
+        first.stop()  # its final snapshot, then the group's commit
+        for key, value in captured.items():  # chunks before their manifest, as the service wrote them
+            _send_raw(bootstrap, state_topic, key, value)
+        successor = ServeProcess(bootstrap, topics, tmp_path / "y", *flags, group=group, snapshot_interval_s=1)
+        successor.wait_banner()
+        copy = json.loads(SERVICE_KEY.open(captured[f"m:both:{group}".encode()]))["snapshot"]
+        assert any(copy in ln and "older than one the service wrote" in ln for ln in successor.lines), successor.lines
+        assert metric(successor.scrape(), "sdcwatch_state_topic_refused_total", reason="older") == 1
+        train_ranks(emitters, range(70, 100), lambda step, rank, loss: 3 * loss if step == 80 else loss)  # a spike
+        try:
+            spike = successor.wait_incident("loss_spike", 90)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}; the successor said: {successor.stderr()[-3000:]}") from None
+        assert spike["first_step"] == 80, spike
+    finally:
+        for em in emitters:
+            em.close(5)
+        first.close()
+        if successor is not None:
+            successor.close()
 
 
 def _forge(bootstrap, topic, state: dict, written_at: float, key: JobKey | None = None, group: str = "g") -> None:
@@ -488,6 +562,74 @@ def test_a_refused_topic_snapshot_gives_way_to_the_state_file_and_a_damaged_file
     _send_raw(bootstrap, unique_topic, b"m:both:g", b"garbage")
     with pytest.raises(ConfigError, match="--state-reset"):
         start()
+
+
+def _commit(bootstrap, group: str, topic: str, offset: int) -> None:
+    """The group's offset on ``topic`` (partition 0), as the service commits it after a snapshot."""
+    from kafka import KafkaConsumer, TopicPartition
+    from kafka.structs import OffsetAndMetadata
+
+    consumer = KafkaConsumer(bootstrap_servers=[bootstrap], group_id=group, enable_auto_commit=False)
+    tp = TopicPartition(topic, 0)
+    consumer.assign([tp])
+    consumer.commit({tp: OffsetAndMetadata(offset, "", -1)})
+    consumer.close()
+
+
+def test_once_compacted_a_snapshot_behind_the_groups_offsets_or_deleted_is_refused_and_the_start_is_cold(
+    bootstrap, unique_topic, tmp_path, caplog
+):
+    """Compaction keeps one value a key: the copy of an older snapshot re-published, or a tombstone,
+    is then all the topic holds of the manifest. The manifest records where the snapshot's reading
+    stood; the group commits only after a snapshot, so one behind the group's committed offsets is
+    older than one the service wrote: refused, counted, and a start without a state file is cold,
+    saying so. A snapshot as far as the committed offsets is taken."""
+    telemetry, group = f"{unique_topic}.telemetry", f"g-{uuid.uuid4().hex[:8]}"
+    _send_raw(bootstrap, telemetry, b"r", b"x")  # the topic the group reads
+    writer = _changelog(bootstrap, unique_topic, key=SERVICE_KEY, group=group, source_topic=telemetry)
+    writer.write(_state(1), None, {0: 5})
+    _commit(bootstrap, group, telemetry, 5)
+    captured = _latest_values(bootstrap, unique_topic)
+    writer.write(_state(2), None, {0: 9})
+    _commit(bootstrap, group, telemetry, 9)
+    writer.close()
+
+    def compacted(values: dict) -> StateChangelog:  # a topic that holds only ``values``
+        topic = f"{unique_topic}.{uuid.uuid4().hex[:6]}"
+        for key, value in values.items():
+            _send_raw(bootstrap, topic, key, value)
+        return _changelog(bootstrap, topic, key=SERVICE_KEY, group=group, source_topic=telemetry)
+
+    copy = compacted(captured)
+    with caplog.at_level(logging.INFO, "sdcwatch.service.changelog"):
+        svc = DetectorService(MemorySource(MemoryBus()), state_dir=tmp_path, poll_timeout=0.01, changelog=copy)
+    svc.source.close()
+    assert not svc.resumed and svc.view().pipeline.state_topic_refused == {"older": 1}
+    said = [r.getMessage() for r in caplog.records]
+    snapshot = json.loads(SERVICE_KEY.open(captured[f"m:both:{group}".encode()]))["snapshot"]
+    refused = [m for m in said if "older than one the service wrote" in m]
+    assert len(refused) == 1 and snapshot in refused[0] and "partition 0 at 9, the snapshot's 5" in refused[0], said
+    assert any("starting cold" in m for m in said), said
+
+    deleted = compacted({f"m:both:{group}".encode(): None})
+    caplog.clear()
+    assert deleted.read() is None and deleted.refused == {"deleted": 1}
+    said = [r.getMessage() for r in caplog.records]
+    assert any("tombstone deleted the snapshot" in m for m in said), said
+    assert any(f"no snapshot, though group {group} read {telemetry} to {{0: 9}}" in m for m in said), said
+
+    # a successor's snapshot before it reads a partition keeps where the group stood there
+    successor = _changelog(bootstrap, unique_topic, key=SERVICE_KEY, group=group, source_topic=telemetry)
+    assert successor.read().state["n"] == 2
+    successor.write(_state(3), None, {})
+    successor.close()
+    assert (
+        _changelog(bootstrap, unique_topic, key=SERVICE_KEY, group=group, source_topic=telemetry).read().state["n"] == 3
+    )
+
+    _commit(bootstrap, group, telemetry, 5)  # the copy is as far as the group read: taken
+    again = compacted(captured)
+    assert again.read().state["n"] == 1 and not again.refused
 
 
 @pytest.mark.integration

@@ -76,6 +76,7 @@ def _victim_steps(emitters, steps, nan_step=None):
 
 
 @pytest.mark.integration
+@pytest.mark.slow
 def test_every_attack_on_one_real_service_is_dead_lettered_counted_and_survived(bootstrap, tmp_path):
     from kafka import KafkaProducer
 

@@ -127,9 +127,10 @@ def test_each_run_keeps_its_order_and_a_block_is_cut_at_its_share():
 
 
 def test_runs_read_before_a_flood_of_new_runs_take_their_share_first():
-    """A run read before 10 new runs flood keeps its pace (its records first, whole); the newcomers
-    share what is left of the pass (one record each: a rank of their world)."""
-    backlog = RunBacklog(8, 1000, clock=Clock(0.0))
+    """A run read before 10 new runs flood keeps its pace (what is left of the pass after every run's
+    fair share goes to it first); the newcomers have one record each (their share, a rank of their
+    world), and the pass holds no more than its 16 records."""
+    backlog = RunBacklog(16, 1000, clock=Clock(0.0))
     backlog.take([junk("real", 0)])
     flood = [junk(f"new-{i}", s) for s in range(4) for i in range(10)]
     real = [junk("real", s) for s in range(1, 7)]
@@ -138,6 +139,32 @@ def test_runs_read_before_a_flood_of_new_runs_take_their_share_first():
         [("real", s) for s in range(1, 7)] + [(f"new-{i}", 0) for i in range(10)]
     )
     assert len(backlog) == 30
+
+
+def test_a_run_with_a_backlog_keeps_its_pace_and_its_records_through_a_flood_of_new_names():
+    """An 8-rank run that caught up (a backlog) while every poll brings 20 new 4-rank runs of 2
+    steps: the new names take one share of the pass between them, not a share each, so the real run
+    keeps its pace; past the bound, the runs read last lose their records, never the real run's.
+    Before, each new run had a rank of its world whatever the pass, the real run one step a pass,
+    and its growing backlog was the one dead-lettered."""
+
+    def rank_records(run: str, step: int, world: int) -> list[Record]:
+        return [Record(run, step, r, world, "h", 0.0, 0, {"loss": 1.0}, {}, {}) for r in range(world)]
+
+    backlog = RunBacklog(64, 300, clock=Clock(0.0))
+    burst = [r for s in range(10) for r in rank_records("real", s, 8)]
+    passed = [r for r in backlog.take(burst + rank_records("early-junk", 0, 4))[0] if r.run == "real"]
+    lost: list = []
+    for poll in range(30):
+        real = [r for s in (10 + 2 * poll, 11 + 2 * poll) for r in rank_records("real", s, 8)]
+        flood = [r for i in range(20) for s in range(2) for r in rank_records(f"junk-{poll}-{i}", s, 4)]
+        out, dead = backlog.take(flood[:80] + real + flood[80:])
+        passed += [r for r in as_records(out) if r.run == "real"]
+        lost += dead
+    while len(backlog):
+        passed += [r for r in as_records(backlog.take([])[0]) if r.run == "real"]
+    assert lost and all(recs and all(r.run.startswith("junk-") for r in recs) for _, _, recs in lost)
+    assert [(r.step, r.rank) for r in passed] == [(s, r) for s in range(70) for r in range(8)]
 
 
 def test_a_backlog_past_its_bound_dead_letters_the_run_with_most_waiting_by_name():

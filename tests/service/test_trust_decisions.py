@@ -89,6 +89,7 @@ def test_the_service_copies_the_newest_announced_start_into_each_decision_it_sig
     assert decode_decision(KEY_A.open(victim)).nonce == start.nonce
 
 
+@pytest.mark.slow
 def test_a_guard_with_a_key_and_no_bus_never_blocks_and_says_it_could_not_announce_its_start(caplog):
     from polling import wait_for
     from sdcwatch.telemetry.guard.control_topic import KafkaControl
@@ -105,6 +106,7 @@ def test_a_guard_with_a_key_and_no_bus_never_blocks_and_says_it_could_not_announ
 
 
 @pytest.mark.integration
+@pytest.mark.slow
 def test_a_captured_eviction_replayed_after_a_restart_does_not_stop_the_job_and_the_new_fault_is_found(
     bootstrap, tmp_path, monkeypatch
 ):

@@ -108,6 +108,7 @@ def test_one_rank_with_the_callback_is_bit_identical_to_without(framework, tmp_p
 
 @pytest.mark.integration
 @pytest.mark.parametrize("framework", ["hf", "lightning"])
+@pytest.mark.slow
 def test_two_ranks_with_the_callback_are_bit_identical_to_without(framework, tmp_path):
     pytest.importorskip("transformers")
     if framework == "lightning":

@@ -151,6 +151,7 @@ def _one_thread(monkeypatch):
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.bench) if n == "gpt2-eager" else n for n in MODELS])
+@pytest.mark.slow
 def test_no_graph_break_and_one_extra_graph(name):
     build = MODELS[name]
     bare_graphs, bare_reasons = _bare(build)
@@ -169,6 +170,7 @@ def test_no_graph_break_and_one_extra_graph(name):
     assert all(r == 0 for r in gemm["gemm_weight"]) or max(gemm["gemm_weight"]) <= 1
 
 
+@pytest.mark.slow
 def test_compiled_before_attach():
     bare_graphs, _ = _bare(_reference)
     graphs, breaks, reasons, records = _train(_reference, watch=True, compile_first=True)
@@ -180,6 +182,7 @@ def test_compiled_before_attach():
     assert len(layers["gemm_fwd"]) == len(layers["gemm_out"])
 
 
+@pytest.mark.slow
 def test_ddp_around_the_compiled_model(tmp_path):
     """nanoGPT's order, torch.compile and then DDP: attach(ddp) watches the model inside both wrappers
     and the job trains, an eval forward first (the watch held the compiled wrapper, and Dynamo
@@ -262,6 +265,7 @@ def test_compiled_weight_gradient_check_is_opt_in(monkeypatch):
     assert all(r == 0 for r in layers["gemm_bwd"]) and any(r > 0 for r in layers["gemm_fwd"])
 
 
+@pytest.mark.slow
 def test_attached_after_the_model_ran_compiled():
     """Dynamo does not guard on module hooks by default: a graph compiled before attach() would run
     on without the probes. attach() says so, and compiled code runs the hooks from then on."""
@@ -284,6 +288,7 @@ class Sink(Records):
         pass
 
 
+@pytest.mark.slow
 def test_hugging_face_trainer_torch_compile(tmp_path):
     """``TrainingArguments(torch_compile=True)``: the Trainer compiles the model, the callback
     attaches inside the compiled wrapper; no break, the sampled variant only, the probes measure."""
@@ -317,6 +322,7 @@ def test_hugging_face_trainer_torch_compile(tmp_path):
     assert "gemm_out" in sink.by_step[3]["layers"] and max(sink.by_step[16]["layers"]["gemm_fwd"]) > 0
 
 
+@pytest.mark.slow
 def test_lightning_compiled_module():
     """A ``LightningModule`` compiled before ``trainer.fit``, as Lightning documents."""
     import lightning as L
@@ -399,6 +405,7 @@ def test_blocks_compiled_one_by_one_share_their_graphs(build, monkeypatch):
     assert 0 < max(records.by_step[16]["layers"]["gemm_fwd"]) <= 1
 
 
+@pytest.mark.slow
 def test_compiled_forward_checksums_find_flips_at_their_step():
     """Compiled by inductor, ``forward-checksums`` (the sums of each weight taken by the seal after
     the optimizer step, the row reductions fused by inductor) names a product whose output had an

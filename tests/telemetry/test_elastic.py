@@ -54,6 +54,7 @@ def test_a_simulated_replica_leaves_and_the_others_average_without_it():
 
 
 @pytest.mark.integration
+@pytest.mark.slow
 def test_torchft_replica_group_leaves_and_the_survivors_lose_no_step():
     pytest.importorskip("torch")
     pytest.importorskip("torchft", reason="torchft (the elastic engine) is not installed")

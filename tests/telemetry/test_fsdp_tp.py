@@ -13,12 +13,11 @@ import pytest
 from installed import needs
 
 torch = pytest.importorskip("torch")
-needs("torch.distributed.tensor.parallel")
+needs("torch.distributed.tensor")  # not .parallel: finding that imports this package, a second per worker
 
 from sdcwatch.service.pipeline import DetectionPipeline  # noqa: E402
 from sdcwatch.telemetry import is_end_marker  # noqa: E402
 from sdcwatch.testbed.faultspec import FaultSpec  # noqa: E402
-from sdcwatch.testbed.fsdp_tp import TP_PLAN, FSDPTPSettings, launch  # noqa: E402
 
 pytestmark = pytest.mark.integration
 
@@ -31,6 +30,8 @@ def fsdp_tp(tmp_path_factory, broker, consume):
     """dp_shard=2 x tp=2, a NaN in rank 1's attention logits (its own heads) of block 0 at step 4
     (the update is skipped: step 5 is clean), a NaN in rank 2's column-parallel ``blocks.1.mlp.fc``
     output at step 6 (the injector corrupts the rank's own product); every probe on every step."""
+    from sdcwatch.testbed.fsdp_tp import FSDPTPSettings, launch  # torch.distributed.tensor: not at collection
+
     if not broker.running:
         broker.start()
     topic = f"fsdp-tp.{uuid.uuid4().hex[:8]}"
@@ -101,6 +102,8 @@ def test_what_each_probe_gives_under_fsdp_and_tensor_parallelism(fsdp_tp):
         # checksums: each column-parallel linear's own product holds its bound; a row-parallel
         # one's output is seen after its all-reduce (gemm_out only, no forward check); after the
         # linears, each block's probs @ v (attn.mix) of the rank's own heads holds its bound too
+        from sdcwatch.testbed.fsdp_tp import TP_PLAN
+
         products = 6 * 2 + 1 + 2  # wq wk wv proj fc proj per block, the head, each block's mix
         plan = [TP_PLAN[n] for n in ("attn.wq", "attn.wk", "attn.wv", "attn.proj", "mlp.fc", "mlp.proj")] * 2
         plan.append("replicated")  # the head
@@ -120,6 +123,8 @@ def test_what_each_probe_gives_under_fsdp_and_tensor_parallelism(fsdp_tp):
 def _piece(name: str, grad: torch.Tensor, t: int) -> torch.Tensor:
     """Tensor-parallel rank ``t``'s piece of a parameter's gradient: its rows of a column-parallel
     weight or bias, its columns of a row-parallel weight, the whole of anything replicated."""
+    from sdcwatch.testbed.fsdp_tp import TP_PLAN
+
     module, _, kind = name.rpartition(".")
     style = next((s for suffix, s in TP_PLAN.items() if module.endswith(suffix)), None)
     if style == "colwise":

@@ -262,6 +262,7 @@ def test_simulated_runs_name_an_unhealthy_rank_by_the_canary_vote():
     [(3, 1, 1), (4, 2, 3)],
     ids=["fsdp-3-ranks", "hsdp-2x2"],
 )
+@pytest.mark.slow
 def test_a_real_fsdp_job_names_the_rank_whose_products_are_a_little_off(tmp_path, world, replicate, bad):
     """FSDP2 over 3 gloo processes, and HSDP of 2 replicas x 2 shards, at the shipped default probes:
     one rank's MLP products carry relative noise of 1e-4 from step 1 on. Under FSDP every shard is

@@ -273,6 +273,7 @@ def _two_ranks(rank: int, framework: str, out: str) -> None:
 
 @pytest.mark.integration
 @pytest.mark.parametrize("framework", ["hf", "lightning"])
+@pytest.mark.slow
 def test_two_ranks_report_is_bit_neutral_and_a_transient_nan_of_one_rank_is_rerun_on_both(framework, tmp_path):
     needs(framework)
     launch(_two_ranks, framework, str(tmp_path))

@@ -109,6 +109,7 @@ def lightning_rank(rank: int, bootstrap: str, topic: str, run: str, out: str) ->
 
 
 @pytest.mark.parametrize("how", ["plain", "hf", "lightning"])
+@pytest.mark.slow
 def test_nan_in_layer_1_on_rank_1_is_an_incident_naming_both(how, bootstrap, tmp_path, monkeypatch):
     if how == "hf":
         pytest.importorskip("transformers")
@@ -179,5 +180,6 @@ def accumulation_rank(rank: int) -> None:
         assert len(kw["layers"]["attn_entropy"]) == 2
 
 
+@pytest.mark.slow
 def test_gradient_accumulation_under_ddp_reports_the_accumulated_gradient_on_the_sync_step():
     launch(accumulation_rank)

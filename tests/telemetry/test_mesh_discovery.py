@@ -158,6 +158,7 @@ def lightning_rank(rank: int, out: str) -> None:
 
 
 @pytest.mark.integration
+@pytest.mark.slow
 def test_lightning_model_parallel_strategy_mesh_puts_coordinates_on_every_record(tmp_path, monkeypatch):
     pytest.importorskip("lightning")
     from sdcwatch.service.offline import read_records
