@@ -71,9 +71,13 @@ def test_a_half_written_snapshot_is_never_taken_and_its_chunks_are_dropped_later
     assert reader.read().state == whole
     stale = set(reader._live)
     assert len(stale) > 3  # the current snapshot's chunks and the orphans
-    reader.write(_state(5))  # the successor's first snapshot tombstones them
-    keys = _latest_values(bootstrap, unique_topic)
-    assert all(keys[k] is None for k in stale)
+    reader.write(_state(5))  # the successor's first snapshot tombstones them (sent after its manifest)
+
+    def tombstoned() -> bool:
+        keys = _latest_values(bootstrap, unique_topic)
+        return all(keys[k] is None for k in stale)
+
+    wait_for(tombstoned, 30, "the stale chunks tombstoned")
 
 
 def _latest_values(bootstrap, topic) -> dict:
@@ -85,10 +89,11 @@ def _latest_values(bootstrap, topic) -> dict:
     consumer.seek_to_beginning(tp)
     end = consumer.end_offsets([tp])[tp]  # what the topic holds now: a running service writes on
     latest: dict = {}
-    while consumer.position(tp) < end:
-        for m in consumer.poll(timeout_ms=500).get(tp, ()):
-            if m.offset < end:
-                latest[m.key] = m.value
+    while True:  # to the end as the fetches saw it too (the embedded broker's ListOffsets can answer short)
+        got = consumer.poll(timeout_ms=500).get(tp, ())
+        latest.update((m.key, m.value) for m in got)
+        if not got and consumer.position(tp) >= max(end, consumer.highwater(tp) or 0):
+            break
     consumer.close()
     return latest
 
