@@ -80,6 +80,15 @@ def test_a_half_written_snapshot_is_never_taken_and_its_chunks_are_dropped_later
     wait_for(tombstoned, 30, "the stale chunks tombstoned")
 
 
+def _close_all(emitters, *services) -> None:
+    """Teardown of a takeover test: the job's emitters, then each service started (None: not started)."""
+    for em in emitters:
+        em.close(5)
+    for service in services:
+        if service is not None:
+            service.close()
+
+
 def _latest_values(bootstrap, topic) -> dict:
     from kafka import KafkaConsumer, TopicPartition
 
@@ -273,11 +282,7 @@ def test_a_successor_with_an_empty_state_folder_takes_over_after_a_sigkill_and_f
         assert spike["first_step"] == 80, spike  # how soon the successor takes over: bench/bench_takeover.py
         assert not [e for e in successor.events() if e["change"] == "opened" and e["kind"] != "loss_spike"]
     finally:
-        for em in emitters:
-            em.close(5)
-        first.close()
-        if successor is not None:
-            successor.close()
+        _close_all(emitters, first, successor)
 
 
 def test_a_successor_elsewhere_does_not_announce_again_what_the_killed_instance_announced(
@@ -465,11 +470,7 @@ def test_an_older_snapshot_re_published_before_a_takeover_leaves_the_successor_w
             raise AssertionError(f"{exc}; the successor said: {successor.stderr()[-3000:]}") from None
         assert spike["first_step"] == 80, spike
     finally:
-        for em in emitters:
-            em.close(5)
-        first.close()
-        if successor is not None:
-            successor.close()
+        _close_all(emitters, first, successor)
 
 
 def _forge(bootstrap, topic, state: dict, written_at: float, key: JobKey | None = None, group: str = "g") -> None:
