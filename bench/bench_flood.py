@@ -267,8 +267,10 @@ def _scrape_stats(scrapes: list, lo: float, hi: float) -> dict:
 # one arm
 
 
-def flood(bootstrap: str, arm: str, args: argparse.Namespace, workdir: Path) -> dict:
-    """One flood against a fresh service (``arm`` open, signed or tenant); what it measured."""
+def flood(bootstrap: str, arm: tuple[str, str], args: argparse.Namespace, workdir: Path) -> dict:
+    """One flood against a fresh service (``arm``: open, signed or tenant, and the interpreter that
+    serves); what it measured."""
+    arm, python = arm
     tag = uuid.uuid4().hex[:8]
     key_file = None
     if arm != "open":
@@ -276,9 +278,7 @@ def flood(bootstrap: str, arm: str, args: argparse.Namespace, workdir: Path) -> 
         key_file.write_text(KEY + "\n" + (TENANT_KEY + "\n" if arm == "tenant" else ""))
         key_file.chmod(0o600)
     attack = (args.records, args.runs, args.seconds, WORLD, TENANT_KEY if arm == "tenant" else None)
-    serve, port, lines, go, done, attacker = _serve_and_attacker(
-        bootstrap, tag, workdir, key_file, sys.executable, attack
-    )
+    serve, port, lines, go, done, attacker = _serve_and_attacker(bootstrap, tag, workdir, key_file, python, attack)
     rss_start = _proc_kib(serve.pid, "VmRSS")
     keyring = Keyring.from_file(key_file) if key_file else None
     emitters = [  # each rank its own key object, as each rank process has
@@ -321,7 +321,10 @@ def flood(bootstrap: str, arm: str, args: argparse.Namespace, workdir: Path) -> 
     last = next((text for _, _, text in reversed(scraper.got) if text), "")
     for em in emitters:
         em.flush(10)
-    settled = _caught_up(f"http://127.0.0.1:{port}/metrics")
+    try:
+        settled = _caught_up(f"http://127.0.0.1:{port}/metrics")
+    except OSError as exc:  # the service is gone: say how it ended rather than lose the arm
+        raise RuntimeError(f"serve ended ({serve.poll()}): {exc}; its log ends:\n" + "".join(lines[-30:])) from None
     serve.terminate()
     serve.wait(60)
     for em in emitters:
@@ -334,6 +337,7 @@ def flood(bootstrap: str, arm: str, args: argparse.Namespace, workdir: Path) -> 
     partitions = partitions[next((i for i, n in enumerate(partitions) if n > 0), len(partitions)) :]  # once joined
     return {
         "arm": arm,
+        "serve_python": python,
         "world": args.world,
         "records_sent": sent,
         "send_s": round(send_s, 2),
@@ -481,7 +485,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--nan-after", type=float, default=1.0, help="seconds into the flood at which the NaN comes")
     ap.add_argument("--queued", action="store_true", help="the flood read ahead of the real run (see above)")
     ap.add_argument("--junk-steps", type=int, default=40, help="--queued: steps of each one-rank junk run")
-    ap.add_argument("--serve-python", nargs="+", default=[sys.executable], help="--queued: one arm per interpreter")
+    ap.add_argument(
+        "--serve-python", nargs="+", default=[sys.executable], help="one arm per interpreter (each --arms arm)"
+    )
     ap.add_argument("--wait", type=float, default=300.0, help="--queued: seconds to wait for the NaN's incident")
     ap.add_argument("--json", action="store_true", help="print each arm as one JSON line, not the table")
     ap.add_argument("--out", type=Path, help="write the results as JSON here (bench/results/flood.json)")
@@ -489,7 +495,10 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     load = os.getloadavg()
     with EmbeddedBroker(port=0) as broker, tempfile.TemporaryDirectory() as tmp:
-        arms = [(queued, py) for py in args.serve_python] if args.queued else [(flood, arm) for arm in args.arms]
+        if args.queued:
+            arms = [(queued, py) for py in args.serve_python]
+        else:  # each arm served by each interpreter in turn, side by side
+            arms = [(flood, (arm, py)) for arm in args.arms for py in args.serve_python]
         for measure, arm in arms:
             row = measure(broker.bootstrap, arm, args, Path(tmp))
             rows.append(row)

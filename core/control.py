@@ -1,7 +1,7 @@
 """The guard's wire: the decisions the detector service sends to a training job's guard (one JSON
 object a :class:`Decision` on the control topic, signed, numbered and bound to the job's start for a
 signed run), the start a guard announces on the telemetry topic (:class:`JobStart`), and the codes a
-guarded step's records carry back (:data:`GUARD_SCALARS`). Both sides import this one definition.
+guarded step's records carry back (``guard_action``, ...). Both sides import this one definition.
 """
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -26,7 +27,6 @@ __all__ = [
     "ACTIONS",
     "REASONS",
     "VERDICTS",
-    "GUARD_SCALARS",
 ]
 
 #: Actions; the code of an action is its index (``guard_action``): in increasing order of weight, then
@@ -38,8 +38,6 @@ REASONS = ("", "nonfinite", "spike", "control", "checksum")
 #: What a rerun found; the code is the index (``guard_verdict``). ``reproducible``: the result
 #: repeats and no other rank could recompute it (no ``peer``), so hardware and data are not told apart.
 VERDICTS = ("", "transient", "persistent", "data", "reproducible")
-#: Scalars a guarded step's telemetry record carries when the guard acted (read by the service).
-GUARD_SCALARS = ("guard_action", "guard_reason", "guard_verdict", "guard_rank")
 
 #: Actions the service may ask for (the guard's local checks add ``rerun`` on their own).
 CONTROL_ACTIONS = ("skip", "rollback", "evict")
@@ -84,21 +82,11 @@ class Decision:
         _check(self)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "run": self.run,
-            "action": self.action,
-            "reason": self.reason,
-            "ranks": list(self.ranks),
-            "hosts": list(self.hosts),
-            "since_step": self.since_step,
-            "incident": self.incident,
-            "lr_factor": self.lr_factor,
-            "issued_at": self.issued_at,
-            # only when set: a guard of an earlier release refuses a field it does not know
-            **({"seq": self.seq} if self.seq else {}),
-            **({"checkpoint": self.checkpoint} if self.checkpoint else {}),
-            **({"nonce": self.nonce} if self.nonce else {}),
-        }
+        out = {**dataclasses.asdict(self), "ranks": list(self.ranks), "hosts": list(self.hosts)}
+        for key in ("seq", "checkpoint", "nonce"):  # only when set: an earlier guard refuses a field it does not know
+            if not out[key]:
+                del out[key]
+        return out
 
     def encode(self) -> bytes:
         return json.dumps(self.to_dict(), allow_nan=False).encode("utf-8")
@@ -215,8 +203,7 @@ class JobStart:
     started_at: float = 0.0
 
     def encode(self) -> bytes:
-        body = {"run": self.run, "nonce": self.nonce, "started_at": self.started_at}
-        return START_MAGIC + json.dumps(body, allow_nan=False).encode("utf-8")
+        return START_MAGIC + json.dumps(dataclasses.asdict(self), allow_nan=False).encode("utf-8")
 
     @classmethod
     def decode(cls, value: bytes) -> "JobStart":

@@ -67,7 +67,9 @@ class Finding:
         """A finding of ``detector`` about ``context``'s run and step (a step frame, a step summary);
         ``kind`` a string or an :class:`~sdcwatch.core.kinds.IncidentKind`; ``fields`` the rest, where
         ``hosts`` defaults to those of ``ranks`` in ``context``."""
-        fields.setdefault("hosts", _rank_hosts(context, fields.get("ranks", ())))
+        if "hosts" not in fields:  # the known ("" left out) hosts of ``ranks``, sorted
+            hosts = context.hosts
+            fields["hosts"] = tuple(sorted({hosts[r] for r in fields.get("ranks", ()) if r < len(hosts)} - {""}))
         kind = getattr(kind, "value", kind)
         return cls(detector, kind, severity, context.run, context.step, score, message, **fields)
 
@@ -82,11 +84,6 @@ class Finding:
         else:
             at = "" if self.layer is None else f" {noun} {self.layer}"
             self.message = f"{self.message} [{self.metric}{at}: {name}]"
-
-
-def _rank_hosts(context: Any, ranks: Any) -> tuple[str, ...]:
-    """The hosts of ``ranks`` in ``context`` (a step frame or summary), sorted, unknown ("") ones left out."""
-    return tuple(sorted({context.hosts[r] for r in ranks if r < len(context.hosts)} - {""}))
 
 
 @dataclass
@@ -289,6 +286,7 @@ class PipelineView:
     auth_runs_refused: dict[tuple[str, str], int] = field(default_factory=dict)  # (key id, reason) -> messages
     auth_redelivered: dict[str, int] = field(default_factory=dict)  # key id -> messages read again at their place
     consumer_partitions: int = -1  # partitions the reader owns (0: evicted or unassigned; -1: unknown)
+    consumer_rebalances_total: int = 0  # times its assignment changed after the first join
     waiting_for_schema: int = 0  # v2 messages held until the message carrying their schema comes
     offset_gaps: dict[str, int] = field(default_factory=dict)  # gaps in partition offsets by outcome
     state_write_errors_total: int = 0  # state snapshots that could not be written (a full or read-only disk)

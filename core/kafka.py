@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Mapping
 
-from sdcwatch.core.errors import ConfigError
+from sdcwatch.core.validate import check_known
 
 __all__ = [
     "SECURITY_KEYS",
@@ -54,11 +54,7 @@ TEXT_SECURITY_KEYS: dict[str, type] = {k: t for k, t in SECURITY_KEYS.items() if
 
 def security_settings(settings: Mapping[str, Any], where: str = "security") -> dict[str, Any]:
     """Check the pass-through kafka-python settings; an unknown key is an error naming it."""
-    for key in settings:
-        if key not in SECURITY_KEYS:
-            raise ConfigError(
-                f"{where}.{key}", f"unknown kafka security setting (known: {', '.join(sorted(SECURITY_KEYS))})"
-            )
+    check_known(where, settings, SECURITY_KEYS)
     return dict(settings)
 
 

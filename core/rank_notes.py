@@ -208,7 +208,12 @@ class CheckpointNote(_TextNote):
 
     def __post_init__(self) -> None:
         _check_identity(self.run, self.rank, self.world, self.step, None)
-        _check_path(self.path)
+        if not isinstance(self.path, str):
+            raise RecordError("path", f"must be a string, got {type(self.path).__name__}")
+        if _utf8_len(self.path) > MAX_PATH_BYTES:
+            raise RecordError("path", f"checkpoint path longer than {MAX_PATH_BYTES} bytes: {self.path[:40]!r}...")
+        if _CONTROL.search(self.path):
+            raise RecordError("path", f"checkpoint path holds a control character: {self.path[:60]!r}")
 
 
 @dataclass(frozen=True)
@@ -233,15 +238,6 @@ class RankDevice(_TextNote):
 
 def _head_dict(msg: Any, kind: str) -> dict[str, Any]:
     return {"v": NOTE_VERSION, "kind": kind, "run": msg.run, "rank": msg.rank, "world": msg.world, "step": msg.step}
-
-
-def _check_path(path: Any) -> None:
-    if not isinstance(path, str):
-        raise RecordError("path", f"must be a string, got {type(path).__name__}")
-    if _utf8_len(path) > MAX_PATH_BYTES:
-        raise RecordError("path", f"checkpoint path longer than {MAX_PATH_BYTES} bytes: {path[:40]!r}...")
-    if _CONTROL.search(path):
-        raise RecordError("path", f"checkpoint path holds a control character: {path[:60]!r}")
 
 
 def _str16(b: bytes) -> bytes:

@@ -6,6 +6,7 @@ unknown version raises :class:`~sdcwatch.core.errors.RecordError` naming the fie
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import struct
@@ -47,16 +48,12 @@ _U16 = struct.Struct("<H")
 _F64 = struct.Struct("<d")
 _U64S = struct.Struct("<Q")
 _COORD = struct.Struct("<BI")
-_MAX_STR = MAX_NAME_BYTES  # run and host: one bound for encode, decode, validate and restore
-_F32S: dict[int, struct.Struct] = {}
 _DIM_INDEX = {d: i for i, d in enumerate(DIMS)}  # a dim's number on the wire
 
 
+@functools.lru_cache(maxsize=None)
 def _f32s(n: int) -> struct.Struct:
-    st = _F32S.get(n)
-    if st is None:
-        st = _F32S[n] = struct.Struct(f"<{n}f")
-    return st
+    return struct.Struct(f"<{n}f")
 
 
 def _put_str(out: list[bytes], s: str, wide: bool) -> None:
@@ -184,8 +181,8 @@ def decode(data: bytes | bytearray | memoryview) -> Record:
     run = r.string("run", True)
     host = r.string("host", True)
     for name, value in (("run", run), ("host", host)):
-        if len(value.encode()) > _MAX_STR:
-            raise LimitError(name, f"{len(value.encode())} bytes, longer than {_MAX_STR}", "name")
+        if len(value.encode()) > MAX_NAME_BYTES:
+            raise LimitError(name, f"{len(value.encode())} bytes, longer than {MAX_NAME_BYTES}", "name")
     scalars = r.group("scalars", _F64)
     fps = r.group("fingerprints", _U64S)
     layers: dict[str, tuple[float, ...]] = {}

@@ -6,16 +6,16 @@ One ``struct`` packs a row in the emitter, one ``numpy.frombuffer`` reads thousa
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
-import re
 import struct
 from itertools import accumulate, chain
 from typing import Any, Mapping, Sequence
 
 from sdcwatch.core.errors import RecordError
 from sdcwatch.core.mesh import DIMS
-from sdcwatch.core.record_type import Record
+from sdcwatch.core.record_type import Record, check_name
 
 __all__ = [
     "Schema",
@@ -30,7 +30,6 @@ __all__ = [
 
 #: Fixed head of every row: step, rank, world, local_rank, host index, time.
 ROW_HEAD = "QIIIId"
-_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.:-]{0,63}$")
 #: Layout limits the decoder enforces too (a schema is data anyone who can write the topic sends).
 MAX_NAMES = 255
 MAX_LAYERS = 65535
@@ -42,20 +41,6 @@ class Schema:
     """One record layout: scalar names, fingerprint names, (layer metric, number of layers), and the
     mesh dims of each row's coordinates. Build with :func:`schema_for`; ``id`` is the first 8 bytes
     of the BLAKE2b hash of :attr:`text`, the canonical JSON the wire carries."""
-
-    __slots__ = (
-        "coords",
-        "scalars",
-        "fingerprints",
-        "layers",
-        "text",
-        "id",
-        "struct",
-        "row_size",
-        "_dtype",
-        "n_layer_values",
-        "layer_offsets",
-    )
 
     def __init__(
         self,
@@ -82,8 +67,7 @@ class Schema:
             if len(set(names)) != len(names):
                 raise RecordError(group, "a name appears twice in the layout")
             for n in names:
-                if not isinstance(n, str) or not _NAME.match(n):
-                    raise RecordError(f"{group} name", f"bad metric name {n!r} (letters, digits, _.:-; at most 64)")
+                check_name(f"{group} name", n)
         for n, k in self.layers:
             if not 0 <= k <= MAX_LAYERS:
                 raise RecordError(f"layers.{n}", f"{k} layers out of range [0, {MAX_LAYERS}]")
@@ -108,7 +92,6 @@ class Schema:
         )
         self.struct = struct.Struct(fmt)
         self.row_size = self.struct.size
-        self._dtype = None
 
     @classmethod
     def from_text(cls, text: bytes) -> "Schema":
@@ -138,27 +121,26 @@ class Schema:
             raise RecordError("schema", "not in canonical form (compact JSON, keys in order)")
         return sch
 
-    @property
+    @functools.cached_property
     def dtype(self) -> Any:
         """The numpy structured dtype of one row (packed, no padding)."""
-        if self._dtype is None:
-            import numpy as np
+        import numpy as np
 
-            fields = [
-                ("step", "<u8"),
-                ("rank", "<u4"),
-                ("world", "<u4"),
-                ("local_rank", "<u4"),
-                ("host", "<u4"),
-                ("time", "<f8"),
-                ("coords", "<u4", (len(self.coords),)),
-                ("scalars", "<f8", (len(self.scalars),)),
-                ("fingerprints", "<u8", (len(self.fingerprints),)),
-                ("layers", "<f4", (self.n_layer_values,)),
-            ]
-            self._dtype = np.dtype(fields)
-            assert self._dtype.itemsize == self.row_size
-        return self._dtype
+        fields = [
+            ("step", "<u8"),
+            ("rank", "<u4"),
+            ("world", "<u4"),
+            ("local_rank", "<u4"),
+            ("host", "<u4"),
+            ("time", "<f8"),
+            ("coords", "<u4", (len(self.coords),)),
+            ("scalars", "<f8", (len(self.scalars),)),
+            ("fingerprints", "<u8", (len(self.fingerprints),)),
+            ("layers", "<f4", (self.n_layer_values,)),
+        ]
+        dtype = np.dtype(fields)
+        assert dtype.itemsize == self.row_size
+        return dtype
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Schema) and other.text == self.text

@@ -18,7 +18,6 @@ __all__ = ["Record", "validate", "check_name"]
 
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.:-]{0,63}$")
 _U64 = 1 << 64
-_MAX_STR = MAX_NAME_BYTES  # run and host: one bound for encode, decode, validate and restore
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,8 +62,8 @@ def _check_str(name: str, value: Any, *, empty_ok: bool) -> None:
         raise RecordError(name, f"must be a string, got {type(value).__name__}")
     if not value and not empty_ok:
         raise RecordError(name, "must not be empty")
-    if len(value.encode("utf-8", "surrogatepass")) > _MAX_STR:
-        raise LimitError(name, f"longer than {_MAX_STR} bytes", "name")
+    if len(value.encode("utf-8", "surrogatepass")) > MAX_NAME_BYTES:
+        raise LimitError(name, f"longer than {MAX_NAME_BYTES} bytes", "name")
     try:
         value.encode("utf-8")
     except UnicodeEncodeError:
@@ -119,11 +118,7 @@ def validate(rec: Record) -> None:
                     float(v)  # numpy scalars
                 except (TypeError, ValueError):
                     raise RecordError(f"layers.{name}", f"element {v!r} is not a number") from None
-    if rec.coords:
-        _check_coords(rec.coords)
-
-
-def _check_coords(coords: Any) -> None:
+    coords = rec.coords or {}  # none given (empty, None) is nothing to check
     if not isinstance(coords, Mapping):
         raise RecordError("coords", "must be a mapping of mesh dim to index")
     for dim, value in coords.items():

@@ -65,23 +65,14 @@ class RobustBaseline:
     (4.0, True, True)
     """
 
-    def __init__(
-        self, window: int = 9, warmup: int = 50, scale_alpha: float = 0.02, clip: float = CLIP, floor: float = FLOOR
-    ) -> None:
-        check_positive("spike", window=window, warmup=warmup, scale_alpha=scale_alpha, clip=clip, floor=floor)
+    def __init__(self, window: int = 9, warmup: int = 50, scale_alpha: float = 0.02) -> None:
+        check_positive("spike", window=window, warmup=warmup, scale_alpha=scale_alpha)
         self.window = int(window)
         self.warmup = int(warmup)
         self.scale_alpha = scale_alpha
-        self.clip = clip
-        self.floor = floor
         self._buf: deque[float] = deque(maxlen=self.window)
         self._scale = 0.0
         self._n = 0  # values seen after the window filled
-
-    @property
-    def ready(self) -> bool:
-        """True once warm-up is over and scores mean something."""
-        return self._n >= self.warmup
 
     @property
     def baseline(self) -> float:
@@ -92,12 +83,12 @@ class RobustBaseline:
         return sorted(self._buf)[len(self._buf) // 2]
 
     def score(self, value: float) -> tuple[float, float, float]:
-        """(z, ratio to baseline, baseline) of ``value``; (0, 1, NaN) when not ready or not positive."""
-        if not self.ready or not (value > 0.0 and math.isfinite(value)):
+        """(z, ratio to baseline, baseline) of ``value``; (0, 1, NaN) during warm-up or when not positive."""
+        if self._n < self.warmup or not (value > 0.0 and math.isfinite(value)):
             return 0.0, 1.0, math.nan
         base = self._base()
         r = math.log(value) - base
-        return r / max(self._scale, self.floor), math.exp(r), math.exp(base)
+        return r / max(self._scale, FLOOR), math.exp(r), math.exp(base)
 
     def update(self, value: float) -> bool:
         """Learn one value (non-positive and non-finite values are skipped); returns True if used."""
@@ -113,7 +104,7 @@ class RobustBaseline:
             self._scale += (abs(r) * SIGMA_PER_MEAN_ABS - self._scale) / (self._n + 1)
             accepted = t
         else:
-            lim = self.clip * max(self._scale, self.floor)
+            lim = CLIP * max(self._scale, FLOOR)
             cr = max(-lim, min(lim, r))
             self._scale += self.scale_alpha * (abs(cr) * SIGMA_PER_MEAN_ABS - self._scale)
             accepted = base + cr  # a spike enters the window clipped: it cannot drag the baseline

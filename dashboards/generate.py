@@ -51,16 +51,10 @@ RUN = 'run=~"$run"'  # the runs picked in $run
 PIECE = 'piece=~"$piece"'  # the model pieces picked in $piece (All also matches a series without one)
 
 
-def _q(expr: str, legend: str = "", *, instant: bool = False, table_format: bool = False) -> PromQuery:
+def _q(expr: str, legend: str = "") -> PromQuery:
     """A query on ``$datasource`` (its ref id set by the panel that takes it)."""
     query = PromQuery().expr(expr).datasource(DS)
-    if legend:
-        query = query.legend_format(legend)
-    if instant:
-        query = query.instant()  # sets instant=true, range=false
-    if table_format:
-        query = query.format(PromQueryFormat.TABLE)
-    return query
+    return query.legend_format(legend) if legend else query
 
 
 def _stat_q(family: str, metric: str, stat: str, legend: str) -> PromQuery:
@@ -95,7 +89,7 @@ def _ts(title: str, description: str, *queries: PromQuery, unit: str = "", symlo
 
 def _table(title: str, description: str, *exprs: str, rename: dict[str, str]) -> table.Panel:
     """An instant table of ``exprs`` (merged when several), without the time column."""
-    queries = [_q(expr, instant=True, table_format=True) for expr in exprs]
+    queries = [_q(expr).instant().format(PromQueryFormat.TABLE) for expr in exprs]  # instant: not a range
     panel = _with(table.Panel(), title, description, *queries)
     if len(queries) > 1:
         panel = panel.with_transformation(DataTransformerConfig(id_val="merge", options={}))

@@ -28,8 +28,7 @@ _LAZY = by_module(
         "sdcwatch.detectors.spike": "SpikeDetector",
         "sdcwatch.detectors.missing_rank": "MissingRankDetector",
         "sdcwatch.detectors.straggler": "StragglerDetector",
-        "sdcwatch.core.incident": "Finding Incident IncidentEvent IncidentSink PipelineView RunView ServiceView "
-        "Severity",
+        "sdcwatch.core.incident": "Finding Severity",
     }
 )
 

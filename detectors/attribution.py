@@ -18,7 +18,14 @@ from sdcwatch.core.validate import check_positive
 from sdcwatch.core.vocabulary import DATA_METRICS
 from sdcwatch.detectors.rank_outlier import disagreement_text
 
-__all__ = ["Attribution"]
+__all__ = ["Attribution", "hardware_like"]
+
+
+def hardware_like(f: Finding) -> bool:
+    """A single-step rank deviation that a bad batch would not explain: not in a data metric, and far
+    beyond the rank's own loss deviation (the host ledger weighs the same ones)."""
+    loss_z = f.evidence.get("loss_z")
+    return f.metric not in DATA_METRICS and (loss_z is None or abs(loss_z) * 4 < abs(f.evidence.get("z", f.score)))
 
 
 class Attribution:
@@ -35,14 +42,6 @@ class Attribution:
         for kept in (self._spikes, self._local, self._disagree):
             while kept and kept[0][0] < step - self.window:
                 kept.popleft()
-
-    @staticmethod
-    def _hardware_like(f: Finding) -> bool:
-        """A single-step rank deviation that a bad batch would not explain."""
-        if f.metric in DATA_METRICS:
-            return False
-        loss_z = f.evidence.get("loss_z")
-        return loss_z is None or abs(loss_z) * 4 < abs(f.evidence.get("z", f.score))
 
     def _consequence(self, f: Finding, step: int) -> bool:
         """Rank evidence that first shows after a spike's onset: a consequence (a run-wide spike
@@ -62,7 +61,7 @@ class Attribution:
         ]
         data_ranks: list[Finding] = []
         for f in findings:
-            if f.kind == "rank_outlier" or (f.kind == "rank_deviation" and self._hardware_like(f)):
+            if f.kind == "rank_outlier" or (f.kind == "rank_deviation" and hardware_like(f)):
                 self._local.append((step, _local(f)))
             elif f.kind == "rank_deviation":
                 data_ranks.append(f)

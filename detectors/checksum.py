@@ -50,11 +50,6 @@ class ChecksumDetector(SplitDetector):
     name = "checksum"
     fault = "checksum"
     Config = ChecksumConfig
-    snapshot_fields = {"steps": "_steps"}
-
-    def __init__(self, config: ChecksumConfig | None = None, /, **settings: Any) -> None:
-        super().__init__(config, **settings)
-        self._steps = 0  # steps with a finding
 
     def observe(self, frame: StepFrame) -> dict[str, Any] | None:
         """The (rank, metric, layer, ratio, kind) cells over the bound or far above the other ranks."""
@@ -111,7 +106,6 @@ class ChecksumDetector(SplitDetector):
         if seen is None:
             return []
         hits = [(int(r), str(m), int(layer), float(v), str(k)) for r, m, layer, v, k in seen["hits"]]
-        self._steps += 1
         out = []
         for kind, severity, incident in (
             ("mismatch", Severity.CRITICAL, IncidentKind.CHECKSUM_MISMATCH),

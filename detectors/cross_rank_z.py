@@ -15,7 +15,7 @@ class CrossRankZ:
     """Robust z of every (feature, rank) against its cross-rank (or peer group's) median and MAD.
 
     Keeps the typical spread per feature (per (feature, peer group)) and the reference sample
-    between steps; :meth:`forget_spread` starts the spread over when the layout changes.
+    between steps; ``spread = None`` starts the spread over (when the layout changes).
     """
 
     spread_alpha = 0.05
@@ -27,9 +27,6 @@ class CrossRankZ:
         self.min_world = min_world
         self.sample: np.ndarray | None = None  # the fixed, seeded reference ranks
         self.spread: np.ndarray | None = None  # typical cross-rank spread per feature (and group)
-
-    def forget_spread(self) -> None:
-        self.spread = None
 
     def _typical(self, spread: np.ndarray) -> np.ndarray:
         """Update the typical spread with this step's and return it."""

@@ -78,8 +78,6 @@ class StepFrame:
         names: tuple[str, ...],
         values: np.ndarray,
         sent: np.ndarray | None = None,
-        *,
-        wall: float = 0.0,
     ) -> "StepFrame":
         """A one-rank frame of global scalars (offline replay of a loss log); ``values`` is (n,)."""
         values = np.asarray(values, dtype=float).reshape(1, -1)
@@ -92,7 +90,6 @@ class StepFrame:
             scalar_names=names,
             scalars=values,
             scalar_sent=None if sent is None else np.asarray(sent, bool).reshape(1, -1),
-            wall=wall,
             ranks_known=False,
         )
 
@@ -100,13 +97,6 @@ class StepFrame:
         """The (world,) column of a scalar, or None when no rank sent it."""
         try:
             return self.scalars[:, self.scalar_names.index(name)]
-        except ValueError:
-            return None
-
-    def layer(self, name: str) -> np.ndarray | None:
-        """The (world, n_layers) block of a layer metric, or None when no rank sent it."""
-        try:
-            return self.layers[:, self.layer_names.index(name), :]
         except ValueError:
             return None
 

@@ -65,7 +65,6 @@ class MissingRankDetector(SplitDetector):
     def __init__(self, config: MissingRankConfig | None = None, /, **settings: Any) -> None:
         super().__init__(config, **settings)
         self._absent: np.ndarray | None = None  # consecutive steps each rank was absent
-        self.late = 0  # ranks absent at the last step
         self.missing = 0  # ranks absent for `after` steps or more
 
     def observe(self, frame: StepFrame) -> np.ndarray | None:
@@ -85,7 +84,6 @@ class MissingRankDetector(SplitDetector):
         present = np.ones(frame.world, bool)
         present[np.asarray(absent, dtype=np.int64)] = False
         self._absent = np.where(present, 0, self._absent + 1)
-        self.late = int((self._absent > 0).sum())
         gone = np.flatnonzero(self._absent >= self.after)
         self.missing = int(gone.size)
         if gone.size == 0:

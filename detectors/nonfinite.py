@@ -211,11 +211,6 @@ class NonFiniteDetector(SplitDetector):
         self._last_bad: int | None = None
         self._origin_where: tuple[str, int | None, int | None] | None = None  # (metric, layer, act_max module)
 
-    def restore(self, state: dict[str, Any]) -> None:
-        super().restore(state)
-        if self._origin_where is not None and len(self._origin_where) == 2:  # saved without the module
-            self._origin_where = (*self._origin_where, None)
-
     def observe(self, frame: StepFrame) -> dict[str, Any] | None:
         """Every bad cell of the step and which ranks it blames (None on a clean step)."""
         hits: list[tuple[int, str, int | None, float]] = []  # (rank, metric, layer, value)
@@ -371,22 +366,18 @@ class NonFiniteDetector(SplitDetector):
 
     def _evidence(self, bad: _BadStep, blame: _Blame, where: _Where, listed: list[_Hit]) -> dict[str, Any]:
         """The finding's evidence: the counts, the culprits, whom it reached, and the hits listed."""
-        ordinals = bad.ordinals
-        return {
+        out: dict[str, Any] = {
             "values_bad": bad.n_bad,
             "ranks_with_own_bad_values": sorted(blame.culprits),
             "ranks_with_bad_all_reduced_values": sorted(bad.all_reduced),
-            **({"pipeline_followers": sorted(blame.pipeline)[: self.max_listed]} if blame.pipeline else {}),
-            **(
-                {"tensor_parallel_followers": sorted(blame.tensor_parallel)[: self.max_listed]}
-                if blame.tensor_parallel
-                else {}
-            ),
-            **(
-                {"first_bad_position": {str(r): ordinals[r] for r in sorted(ordinals)[: self.max_listed]}}
-                if blame.by_position
-                else {}
-            ),
-            **({"act_max_module": where.module} if where.module is not None else {}),
-            "hits": [_listed_hit(h, bad.modules) for h in listed],
         }
+        if blame.pipeline:
+            out["pipeline_followers"] = sorted(blame.pipeline)[: self.max_listed]
+        if blame.tensor_parallel:
+            out["tensor_parallel_followers"] = sorted(blame.tensor_parallel)[: self.max_listed]
+        if blame.by_position:
+            out["first_bad_position"] = {str(r): bad.ordinals[r] for r in sorted(bad.ordinals)[: self.max_listed]}
+        if where.module is not None:
+            out["act_max_module"] = where.module
+        out["hits"] = [_listed_hit(h, bad.modules) for h in listed]
+        return out

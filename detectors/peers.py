@@ -5,8 +5,9 @@ per-group statistics the detectors take on every group at once, without a Python
 
 from __future__ import annotations
 
+import functools
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
@@ -56,7 +57,6 @@ class Groups:
 
     ids: np.ndarray
     n: int
-    _cache: dict = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def of(cls, coords: np.ndarray | None, world: int, kind: str) -> "Groups":
@@ -71,13 +71,10 @@ class Groups:
         """One group: compare every rank with every rank (today's meaning)."""
         return self.n <= 1
 
-    @property
+    @functools.cached_property
     def sizes(self) -> np.ndarray:
         """(n,) ranks in each group."""
-        s = self._cache.get("sizes")
-        if s is None:
-            s = self._cache["sizes"] = np.bincount(self.ids, minlength=self.n)
-        return s
+        return np.bincount(self.ids, minlength=self.n)
 
     def counts(self, mask: np.ndarray) -> np.ndarray:
         """(n,) ranks of each group where ``mask`` holds (present ranks, ranks with a value)."""
@@ -87,21 +84,18 @@ class Groups:
         """The ranks of group ``g``, ascending."""
         return np.flatnonzero(self.ids == g)
 
-    @property
+    @functools.cached_property
     def table(self) -> np.ndarray:
         """(n, largest group) rank indices of every group's members, ascending, padded with ``world``
         (an index one past the last rank: gather from an array with a NaN column appended)."""
-        t = self._cache.get("table")
-        if t is None:
-            world = self.ids.shape[0]
-            order = np.argsort(self.ids, kind="stable")
-            sizes = self.sizes
-            starts = np.cumsum(sizes) - sizes
-            width = int(sizes.max()) if sizes.size else 0
-            pos = np.arange(world) - np.repeat(starts, sizes)  # each member's place in its group
-            t = np.full((self.n, width), world, np.int64)
-            t[self.ids[order], pos] = order
-            self._cache["table"] = t
+        world = self.ids.shape[0]
+        order = np.argsort(self.ids, kind="stable")
+        sizes = self.sizes
+        starts = np.cumsum(sizes) - sizes
+        width = int(sizes.max()) if sizes.size else 0
+        pos = np.arange(world) - np.repeat(starts, sizes)  # each member's place in its group
+        t = np.full((self.n, width), world, np.int64)
+        t[self.ids[order], pos] = order
         return t
 
     @property

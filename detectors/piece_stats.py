@@ -13,7 +13,7 @@ from sdcwatch.detectors.peers import coords_of, known_coords
 if TYPE_CHECKING:  # frame.py imports this module
     from sdcwatch.detectors.frame import StepFrame
 
-__all__ = ["MAX_PIECES", "QUANTILES", "piece_stats", "sorted_quantiles"]
+__all__ = ["MAX_PIECES", "QUANTILES", "piece_stats", "grouped_quantiles"]
 
 #: The statistics' quantiles, in the column order of ``RunView.scalar_stats`` / ``layer_stats``.
 QUANTILES = (0.0, 0.25, 0.5, 0.75, 1.0)
@@ -22,12 +22,13 @@ QUANTILES = (0.0, 0.25, 0.5, 0.75, 1.0)
 MAX_PIECES = 1024
 
 
-def sorted_quantiles(S: np.ndarray, count: np.ndarray, qs: tuple[float, ...] = QUANTILES) -> np.ndarray:
-    """(..., len(qs)) quantiles of rows sorted along the last axis with NaN last, ``count`` finite
-    values each; linear interpolation, as :func:`numpy.quantile`; NaN where a row has no value."""
-    q = np.asarray(qs, dtype=np.float64)
-    n = np.asarray(count, dtype=np.int64)[..., None]
-    pos = q * np.maximum(n - 1, 0)
+def grouped_quantiles(G: np.ndarray) -> np.ndarray:
+    """(..., len(QUANTILES)) quantiles over the last axis of a grouped array, ignoring non-finite cells;
+    linear interpolation, as :func:`numpy.quantile`; NaN where a row has no value."""
+    G = np.where(np.isfinite(G), G, np.nan)
+    S = np.sort(G, axis=-1)  # NaN last
+    n = np.isfinite(G).sum(axis=-1)[..., None]
+    pos = np.asarray(QUANTILES, dtype=np.float64) * np.maximum(n - 1, 0)
     lo = np.floor(pos).astype(np.int64)
     hi = np.minimum(lo + 1, np.maximum(n - 1, 0))
     a = np.take_along_axis(S, lo, axis=-1)
@@ -35,12 +36,6 @@ def sorted_quantiles(S: np.ndarray, count: np.ndarray, qs: tuple[float, ...] = Q
     with np.errstate(invalid="ignore"):
         out = a + (b - a) * (pos - lo)
     return np.where(n > 0, out, np.nan)
-
-
-def _grouped_quantiles(G: np.ndarray) -> np.ndarray:
-    """(..., len(QUANTILES)) quantiles over the last axis of a grouped array, ignoring non-finite cells."""
-    G = np.where(np.isfinite(G), G, np.nan)
-    return sorted_quantiles(np.sort(G, axis=-1), np.isfinite(G).sum(axis=-1))
 
 
 def piece_stats(frame: "StepFrame") -> dict[str, Any] | None:
@@ -56,13 +51,13 @@ def piece_stats(frame: "StepFrame") -> dict[str, Any] | None:
     names = [piece_label(coords_of(coords, int(r))) for r in first]
     scalars: dict[str, np.ndarray] = {}
     if frame.scalars.size:
-        q = _grouped_quantiles(groups.gather(np.asarray(frame.scalars, dtype=np.float64).T)[:, :keep])
+        q = grouped_quantiles(groups.gather(np.asarray(frame.scalars, dtype=np.float64).T)[:, :keep])
         scalars = {name: q[j] for j, name in enumerate(frame.scalar_names)}
     layers: dict[str, np.ndarray] = {}
     n_layers = np.zeros(keep, np.int64)
     if frame.layers.size:
         X = np.moveaxis(np.asarray(frame.layers, dtype=np.float64), 0, -1)  # (metrics, layers, world)
-        q = _grouped_quantiles(groups.gather(X)[:, :, :keep])  # (metrics, layers, pieces, 5)
+        q = grouped_quantiles(groups.gather(X)[:, :, :keep])  # (metrics, layers, pieces, 5)
         layers = {name: np.ascontiguousarray(q[m].transpose(1, 0, 2)) for m, name in enumerate(frame.layer_names)}
         if frame.layer_sent is None:
             sent = np.where(frame.present, frame.n_layers, 0)

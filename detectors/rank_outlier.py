@@ -155,7 +155,7 @@ class RankOutlierDetector(SplitDetector):
             return None
         if sig != self._obs_sig:
             self._obs_sig = sig
-            self._z.forget_spread()
+            self._z.spread = None
         peers = frame.peers
         too_few = None
         if peers.trivial:
@@ -327,11 +327,9 @@ class RankOutlierDetector(SplitDetector):
         return Finding.at(frame, self.name, IncidentKind.RANK_OUTLIER, Severity.WARNING, ev, msg, **place)
 
     def snapshot(self) -> dict[str, Any]:
-        evidence = self._evidence.snapshot()
+        evidence = self._evidence.snapshot()  # {"sig": None} before a layout
         spread = None if self._z.spread is None else encode_array(self._z.spread)
         few = {} if self._few.sig is None else {"few": self._few.snapshot()}
-        if evidence["sig"] is None:
-            return {"sig": None, "obs_sig": self._obs_sig, "spread": spread, **few}
         return {**evidence, "spread": spread, "obs_sig": self._obs_sig, **few}
 
     def restore(self, state: dict[str, Any]) -> None:

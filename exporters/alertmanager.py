@@ -40,32 +40,25 @@ def _rfc3339(wall: float) -> str:
 
 
 def _describe(inc: Incident) -> str:
-    parts = [f"{inc.kind.replace('_', ' ')} on run {inc.run}", f"steps {inc.first_step}-{inc.last_step}"]
-    if inc.peak_step is not None:
-        parts.append(f"peak at step {inc.peak_step}")
-    if inc.ranks:
-        parts.append("rank " + incident_rank_label(inc.ranks, limit=32))
-    if inc.hosts:
-        parts.append("host " + ",".join(dict.fromkeys(inc.hosts)))
-    if inc.coords:
-        parts.append("coords " + incident_coords_label(inc.coords, limit=32))
-    if inc.layer is not None:
-        at = f"{noun_of(inc.metric)} {inc.layer}"  # a product or a block is not a layer
-        parts.append(at + (f" ({inc.layer_name})" if inc.layer_name else ""))
-    if inc.metric:
-        parts.append(f"metric {inc.metric}")
     score = float(inc.score)
-    parts.append(f"score {score:.3g}" if math.isfinite(score) else f"score {score}")
-    if inc.detector:
-        parts.append(f"detector {inc.detector}")
-    if inc.resolved_step is not None:
-        parts.append(f"resolved at step {inc.resolved_step}")
-    return "; ".join(parts)
+    at = f"{noun_of(inc.metric)} {inc.layer}" if inc.layer is not None else None  # a product or a block is not a layer
+    parts = [
+        f"{inc.kind.replace('_', ' ')} on run {inc.run}",
+        f"steps {inc.first_step}-{inc.last_step}",
+        f"peak at step {inc.peak_step}" if inc.peak_step is not None else None,
+        "rank " + incident_rank_label(inc.ranks, limit=32) if inc.ranks else None,
+        "host " + ",".join(dict.fromkeys(inc.hosts)) if inc.hosts else None,
+        "coords " + incident_coords_label(inc.coords, limit=32) if inc.coords else None,
+        at + f" ({inc.layer_name})" if at and inc.layer_name else at,
+        f"metric {inc.metric}" if inc.metric else None,
+        f"score {score:.3g}" if math.isfinite(score) else f"score {score}",
+        f"detector {inc.detector}" if inc.detector else None,
+        f"resolved at step {inc.resolved_step}" if inc.resolved_step is not None else None,
+    ]
+    return "; ".join(p for p in parts if p is not None)
 
 
-def alert_for(
-    inc: Incident, *, now: float, valid_for: float, extra_labels: Mapping[str, str] = (), generator_url: str = ""
-) -> dict[str, Any]:
+def alert_for(inc: Incident, *, now: float, valid_for: float, extra_labels: Mapping[str, str] = ()) -> dict[str, Any]:
     """The Alertmanager v2 alert of ``inc`` at wall time ``now``: open, it ends at ``now + valid_for``;
     resolved, at its resolution. Labels with an empty value are left out (absent to Alertmanager)."""
     labels = {
@@ -86,11 +79,8 @@ def alert_for(
     if len(evidence) > EVIDENCE_LIMIT:
         evidence = evidence[: EVIDENCE_LIMIT - 15] + "...(truncated)"
     starts = inc.opened_at if inc.opened_at > 0 else now
-    if inc.open:
-        ends = now + valid_for
-    else:
-        ends = inc.resolved_at if inc.resolved_at is not None else now
-    alert: dict[str, Any] = {
+    ends = now + valid_for if inc.open else (inc.resolved_at if inc.resolved_at is not None else now)
+    return {
         "labels": {k: str(v) for k, v in labels.items() if v != ""},
         "annotations": {
             "summary": inc.message or _describe(inc),
@@ -100,9 +90,6 @@ def alert_for(
         "startsAt": _rfc3339(starts),
         "endsAt": _rfc3339(max(ends, starts)),
     }
-    if generator_url:
-        alert["generatorURL"] = generator_url
-    return alert
 
 
 class AlertmanagerSink(BackgroundSink):
@@ -117,7 +104,6 @@ class AlertmanagerSink(BackgroundSink):
         timeout: float = 5.0,
         backoff: Backoff | None = None,
         extra_labels: Mapping[str, str] | None = None,
-        generator_url: str = "",
         headers: Mapping[str, str] | None = None,
         post: PostFn = post_json,
         clock: Callable[[], float] = time.time,
@@ -134,7 +120,6 @@ class AlertmanagerSink(BackgroundSink):
         self.endpoint = base if base.endswith("/api/v2/alerts") else base + "/api/v2/alerts"
         self.refresh_interval = float(refresh_interval)
         self.extra_labels = dict(extra_labels or {})
-        self.generator_url = generator_url
         self._clock = clock
         self._open: dict[str, Incident] = {}  # incident id -> latest state, re-sent on refresh
         self._pending: dict[str, Incident] = {}  # incident id -> state not yet accepted
@@ -181,9 +166,7 @@ class AlertmanagerSink(BackgroundSink):
         alerts = []
         labels: dict[str, dict[str, str]] = {}  # incident id -> its alert's labels
         for inc_id, inc in batch.items():
-            alert = alert_for(
-                inc, now=now, valid_for=valid_for, extra_labels=self.extra_labels, generator_url=self.generator_url
-            )
+            alert = alert_for(inc, now=now, valid_for=valid_for, extra_labels=self.extra_labels)
             labels[inc_id] = alert["labels"]
             previous = self._accepted.get(inc_id)
             if previous is not None and previous != alert["labels"]:

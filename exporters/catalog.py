@@ -169,6 +169,13 @@ _SERVICE: tuple[MetricSpec, ...] = (
         "waiting for a rebalance: nothing is processed.",
     ),
     MetricSpec(
+        "sdcwatch_pipeline_consumer_rebalances_total",
+        "counter",
+        (),
+        "Times the partitions this instance reads changed after it first joined its consumer group (another "
+        "instance joined or left, or this one was evicted for polling too late: records may be read again).",
+    ),
+    MetricSpec(
         "sdcwatch_pipeline_messages_waiting_for_schema",
         "gauge",
         (),

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
@@ -174,18 +175,14 @@ class SdcwatchCollector(Collector):
         for inc in view.incidents:
             if inc.open:
                 open_incidents.setdefault(inc.run, []).append(inc)
-        layers_omitted = pieces_omitted = 0
-        for run in view.runs:
-            layers, pieces = self._add_run(fam, add, run, open_incidents.get(run.run, []), now)
-            layers_omitted += layers
-            pieces_omitted += pieces
+        omitted = [self._add_run(fam, add, run, open_incidents.get(run.run, []), now) for run in view.runs]
         self._add_incidents(fam, view, open_incidents)
         _add_findings(add, view)
         _add_checkpoints(add, view.checkpoints)
         _add_pipeline(add, view.pipeline, now)
         add("sdcwatch_exporter_omitted", ["runs"], max(0, view.pipeline.runs_total - len(view.runs)))
-        add("sdcwatch_exporter_omitted", ["layers"], layers_omitted)
-        add("sdcwatch_exporter_omitted", ["pieces"], pieces_omitted)
+        add("sdcwatch_exporter_omitted", ["layers"], sum(layers for layers, _ in omitted))
+        add("sdcwatch_exporter_omitted", ["pieces"], sum(pieces for _, pieces in omitted))
         add("sdcwatch_exporter_omitted", ["hosts"], _add_hosts(add, view.hosts, self.max_hosts))
         return fam
 
@@ -252,21 +249,15 @@ class SdcwatchCollector(Collector):
         """Top-K ranks by a per-rank metric's ``values`` (ties to the lower rank) plus open-incident
         ranks, sorted."""
         scores = np.asarray(values, dtype=np.float64).reshape(-1)
-        n = scores.shape[0]
-        chosen: set[int] = set()
-        k = min(self.top_k, n)
-        if k > 0:
-            # NaN evidence means something is badly wrong with that rank: rank it first.
+        n, k = scores.shape[0], self.top_k
+        chosen = set(range(n)) if k >= n else set()
+        if 0 < k < n:
+            # NaN evidence means something is badly wrong with that rank: rank it first. The k-th
+            # largest value, then every rank above it plus the lowest ranks at it
             key = np.where(np.isnan(scores), np.inf, scores)
-            if k < n:
-                # the k-th largest value, then every rank above it plus the lowest ranks at it
-                kth = np.partition(key, n - k)[n - k]
-                above = np.flatnonzero(key > kth)
-                at = np.flatnonzero(key == kth)[: k - above.size]
-                chosen.update(above.tolist())
-                chosen.update(at.tolist())
-            else:
-                chosen.update(range(n))
+            kth = np.partition(key, n - k)[n - k]
+            above = np.flatnonzero(key > kth)
+            chosen = {*above.tolist(), *np.flatnonzero(key == kth)[: k - above.size].tolist()}
         for inc in incidents:
             chosen.update(int(r) for r in inc.ranks[:MAX_RANKS_PER_INCIDENT] if 0 <= int(r) < n)
         return sorted(chosen)
@@ -275,14 +266,9 @@ class SdcwatchCollector(Collector):
     def _add_incidents(fam: dict[str, Metric], view: ServiceView, open_incidents: dict[str, list[Incident]]) -> None:
         # Open counts: one series per (run, kind, severity) ever counted, zero when none is open,
         # so alert rules and panels see a 0 instead of "no data".
-        open_counts: dict[tuple[str, str, str], int] = {}
-        for run in view.runs:
-            for kind, severity in view.incidents_total:
-                open_counts[(run.run, kind, severity)] = 0
+        open_counts = Counter({(run.run, kind, sev): 0 for run in view.runs for kind, sev in view.incidents_total})
         for run_id, incidents in open_incidents.items():
-            for inc in incidents:
-                key = (run_id, inc.kind, inc.severity.value)
-                open_counts[key] = open_counts.get(key, 0) + 1
+            open_counts.update((run_id, inc.kind, inc.severity.value) for inc in incidents)
         for key, count in sorted(open_counts.items()):
             fam["sdcwatch_incidents_open"].add_metric(list(key), count)
         for (kind, severity), count in sorted(view.incidents_total.items()):
@@ -361,6 +347,7 @@ def _add_pipeline(add: _AddSample, p: PipelineView, now: float) -> None:
     add("sdcwatch_pipeline_late_records_total", [], p.late_records_total)
     if p.consumer_partitions >= 0:
         add("sdcwatch_pipeline_consumer_partitions", [], p.consumer_partitions)
+        add("sdcwatch_pipeline_consumer_rebalances_total", [], p.consumer_rebalances_total)
     add("sdcwatch_pipeline_messages_waiting_for_schema", [], p.waiting_for_schema)
     for outcome, count in sorted(p.offset_gaps.items()):
         add("sdcwatch_pipeline_offset_gaps_total", [outcome], count)

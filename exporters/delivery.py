@@ -52,16 +52,15 @@ def post_json(url: str, body: bytes, headers: Mapping[str, str], timeout: float)
     request = urllib.request.Request(
         target, data=body, method="POST", headers={"Content-Type": "application/json", **auth, **headers}
     )
-    url = shown
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:
             response.read()
             return int(response.status)
     except urllib.error.HTTPError as exc:
         detail = exc.read(512).decode("utf-8", "replace").strip()
-        raise DeliveryError(f"{url}: HTTP {exc.code} {detail}") from exc
+        raise DeliveryError(f"{shown}: HTTP {exc.code} {detail}") from exc
     except (urllib.error.URLError, OSError, ValueError) as exc:
-        raise DeliveryError(f"{url}: {exc}") from exc
+        raise DeliveryError(f"{shown}: {exc}") from exc
 
 
 def check_url(key: str, url: Any) -> None:

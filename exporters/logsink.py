@@ -28,35 +28,28 @@ def _logfmt_value(value: object) -> str:
 
 
 def _fields(event: IncidentEvent) -> list[tuple[str, object]]:
+    """The line's fields, in order; one whose value is None is left out."""
     inc = event.incident
     score = float(inc.score)
-    fields: list[tuple[str, object]] = [
+    fields = [
         ("incident", event.change),
         ("id", inc.id),
         ("run", inc.run),
         ("kind", inc.kind),
         ("severity", inc.severity.value),
         ("steps", f"{inc.first_step}-{inc.last_step}"),
+        ("rank", incident_rank_label(inc.ranks, limit=32) if inc.ranks else None),
+        ("host", ",".join(dict.fromkeys(inc.hosts)) if inc.hosts else None),
+        ("coords", incident_coords_label(inc.coords, limit=32) if inc.coords else None),
+        ("layer", inc.layer),
+        ("layer_name", inc.layer_name or None),
+        ("metric", inc.metric or None),
+        ("score", f"{score:.4g}" if math.isfinite(score) else str(score)),
+        ("detector", inc.detector or None),
+        ("resolved_step", inc.resolved_step),
+        ("message", inc.message),
     ]
-    if inc.ranks:
-        fields.append(("rank", incident_rank_label(inc.ranks, limit=32)))
-    if inc.hosts:
-        fields.append(("host", ",".join(dict.fromkeys(inc.hosts))))
-    if inc.coords:
-        fields.append(("coords", incident_coords_label(inc.coords, limit=32)))
-    if inc.layer is not None:
-        fields.append(("layer", inc.layer))
-    if inc.layer_name:
-        fields.append(("layer_name", inc.layer_name))
-    if inc.metric:
-        fields.append(("metric", inc.metric))
-    fields.append(("score", f"{score:.4g}" if math.isfinite(score) else str(score)))
-    if inc.detector:
-        fields.append(("detector", inc.detector))
-    if inc.resolved_step is not None:
-        fields.append(("resolved_step", inc.resolved_step))
-    fields.append(("message", inc.message))
-    return fields
+    return [(key, value) for key, value in fields if value is not None]
 
 
 def format_logfmt(event: IncidentEvent) -> str:

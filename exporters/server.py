@@ -61,9 +61,7 @@ class MetricsServer:
             return self
         try:
             self._httpd, self._thread = start_http_server(
-                self._requested_port,
-                addr=self.address,
-                registry=self.registry,
+                self._requested_port, addr=self.address, registry=self.registry
             )
         except OSError as exc:
             raise ConfigError("metrics.port", f"cannot listen on {self.address}:{self._requested_port}: {exc}") from exc

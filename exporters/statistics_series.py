@@ -100,9 +100,7 @@ def _incident_pieces(run: RunView, incidents: Sequence[Incident], limit: int) ->
     index = {p: i for i, p in enumerate(run.pieces)}
     out: list[tuple[int, int | None]] = []
     for inc in incidents:
-        pieces = {index.get(piece_label(c)) for c in inc.coords[:limit]} if inc.coords else set()
-        if len(run.pieces) == 1:
-            pieces = {0}
+        pieces = {0} if len(run.pieces) == 1 else {index.get(piece_label(c)) for c in inc.coords[:limit]}
         out.extend((p, inc.layer) for p in sorted(pieces - {None}))
     return out
 
@@ -150,15 +148,12 @@ def exported_layers(
     """((piece, layer) pairs to export, pairs there are in ``pieces``): all up to ``max_layers``; past
     it those of open incidents, then the widest spread ((max - min) / IQR of any layer metric, within
     the indices it has). A pair is an index some metric has in that piece (``extents``)."""
-    widest = np.zeros(len(run.pieces), np.int64)
-    for extent in extents.values():
-        widest = np.maximum(widest, extent)
+    widest = np.max([np.zeros(len(run.pieces), np.int64), *extents.values()], axis=0)
     pairs = [(p, layer) for p in pieces for layer in range(int(widest[p]))]
     if len(pairs) <= max_layers:
         return pairs, len(pairs)
-    where = {pair: i for i, pair in enumerate(pairs)}
     chosen = {(p, int(layer)) for p, layer in _incident_pieces(run, incidents, rank_limit) if layer is not None}
-    chosen &= set(where)
+    chosen &= set(pairs)
     score = np.full(len(pairs), -np.inf)
     rows = np.array(pairs, dtype=np.int64).reshape(-1, 2)
     for metric, v in layers.items():

@@ -1,8 +1,7 @@
 """The sinks that write to the bus: incident changes to the anomalies topic (signed with the service's
-key when it has keys), the guards' decisions to the control topic, a spatial stage's step summaries
-to the summaries topic. Each is a
-:class:`TopicWriter` over one ``send(key, value)``; it never raises, failures count in ``errors``.
-"""
+key when it has keys), the guards' decisions to the control topic, a spatial stage's step summaries to
+the summaries topic. Each is a :class:`TopicWriter` over one ``send(key, value)``; it never raises,
+failures count in ``errors``."""
 
 from __future__ import annotations
 
@@ -159,17 +158,14 @@ class ControlTopicSink(TopicWriter):
 
     def __init__(
         self,
-        send: Callable[[bytes, bytes], Any],
-        flush: Callable[[], bool] = lambda: True,
-        close: Callable[[], Any] | None = None,
-        *,
+        *args: Any,
         policy: DecisionPolicy,
         remember: int = 10_000,
         keys: Callable[[str], JobKey | None] | None = None,
         nonces: Callable[[str], str] | None = None,
         deliver: Callable[[Decision], Any] | None = None,
     ) -> None:
-        super().__init__(send, flush, close)
+        super().__init__(*args)
         self.policy = policy
         self.keys, self.nonces = keys, nonces
         self.deliver = deliver
@@ -234,15 +230,8 @@ class SummaryTopicSink(TopicWriter):
     OPTIONS = ("encode",)
     LABEL = "summaries"
 
-    def __init__(
-        self,
-        send: Callable[[bytes, bytes], Any],
-        flush: Callable[[], bool] = lambda: True,
-        close: Callable[[], Any] | None = None,
-        *,
-        encode: Callable[[Any], bytes],
-    ) -> None:
-        super().__init__(send, flush, close)
+    def __init__(self, *args: Any, encode: Callable[[Any], bytes]) -> None:
+        super().__init__(*args)
         self.encode = encode
         self._unflushed_errors = 0
         self.bytes = 0

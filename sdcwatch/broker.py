@@ -18,6 +18,8 @@ __all__ = ["EmbeddedBroker", "broker_binary", "free_port"]
 
 log = logging.getLogger("sdcwatch.broker")
 
+_START_TIMEOUT_S = 15.0  # how long a start waits for the broker to accept connections
+
 
 def broker_binary() -> str:
     """Path of the Tansu binary; BrokerError with a fix when it cannot be found."""
@@ -56,20 +58,12 @@ class EmbeddedBroker:
     reconnect to the same address.
     """
 
-    def __init__(
-        self,
-        host: str = "127.0.0.1",
-        port: int = 9092,
-        *,
-        binary: str | None = None,
-        start_timeout: float = 15.0,
-    ) -> None:
+    def __init__(self, host: str = "127.0.0.1", port: int = 9092, *, binary: str | None = None) -> None:
         if not isinstance(port, int) or not 0 <= port < 65536:
             raise BrokerError(f"port: {port!r} is not a TCP port (0-65535)")
         self.host = host
         self.port = port or free_port(host)
         self.binary = binary
-        self.start_timeout = start_timeout
         self._proc: subprocess.Popen | None = None
 
     @property
@@ -104,11 +98,10 @@ class EmbeddedBroker:
             "--storage-engine",
             "memory://tansu/",
         ]
-        env = dict(os.environ)
-        env.setdefault("RUST_LOG", "warn")
+        env = {"RUST_LOG": "warn", **os.environ}
         quiet = subprocess.DEVNULL
         self._proc = subprocess.Popen(cmd, stdout=quiet, stderr=quiet, stdin=quiet, env=env, start_new_session=True)
-        deadline = time.monotonic() + self.start_timeout
+        deadline = time.monotonic() + _START_TIMEOUT_S
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
                 code = self._proc.returncode
@@ -119,7 +112,7 @@ class EmbeddedBroker:
                 return self
             time.sleep(0.02)
         self.stop()
-        raise BrokerError(f"broker did not accept connections on {self.bootstrap} within {self.start_timeout}s")
+        raise BrokerError(f"broker did not accept connections on {self.bootstrap} within {_START_TIMEOUT_S}s")
 
     def stop(self, timeout: float = 5.0) -> None:
         """Stop the broker (SIGTERM, then SIGKILL after ``timeout``); safe to call twice."""

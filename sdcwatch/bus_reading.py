@@ -21,7 +21,6 @@ from sdcwatch.service.kafka_source import TopicReader
 
 __all__ = [
     "add_bus_arguments",
-    "BusSettings",
     "bus_settings",
     "open_reader",
     "anomaly_opener",
@@ -68,38 +67,29 @@ def add_bus_arguments(parser: argparse.ArgumentParser, topic: str) -> None:
     parser.add_argument("--config", metavar="PATH", help="serve configuration file (TOML) for the bus settings")
 
 
-@dataclass(frozen=True)
-class BusSettings:
-    """The bus configuration (``[bus]``) and the keys (``[auth]``, None: no key file) a reader uses."""
-
-    bus: Any
-    keyring: Keyring | None
-
-
-def bus_settings(args: argparse.Namespace, topic: str) -> BusSettings:
-    """The serve configuration with the command's flags on top (``topic``: the ``[bus]`` key the
+def bus_settings(args: argparse.Namespace, topic: str) -> tuple[Any, Keyring | None]:
+    """The bus configuration (``[bus]``) and the keys (``[auth]``, None: no key file) a reader uses:
+    the serve configuration with the command's flags on top (``topic``: the ``[bus]`` key the
     ``--topic`` flag overrides; ``--connect-timeout`` is ``bus.connect_timeout_s``, checked there);
     ConfigError naming a bad setting or an unreadable key file."""
     from sdcwatch.config import load_config
 
     overrides = {"bus.bootstrap": args.bootstrap, f"bus.{topic}": args.topic, "auth.key_file": args.key_file}
-    overrides["bus.connect_timeout_s"] = args.connect_timeout
-    cfg = load_config(args.config, overrides=overrides)
-    return BusSettings(cfg.bus, cfg.auth.keyring())
+    cfg = load_config(args.config, overrides={**overrides, "bus.connect_timeout_s": args.connect_timeout})
+    return cfg.bus, cfg.auth.keyring()
 
 
-def open_reader(
-    bus: Any, topic: str, *, from_beginning: bool, connect_timeout: float, consumer: Any = None
-) -> TopicReader:
+def open_reader(bus: Any, topic: str, *, from_beginning: bool, consumer: Any = None) -> TopicReader:
     """``topic`` on ``bus``'s broker, read as the service reads it: every partition, offset gaps
-    re-fetched (:class:`~sdcwatch.service.kafka_source.TopicReader`). A broker that does not answer
-    is a :class:`TransportError` that says where its address came from."""
+    re-fetched (:class:`~sdcwatch.service.kafka_source.TopicReader`), waiting ``bus.connect_timeout_s``
+    for the broker. One that does not answer is a :class:`TransportError` that says where its
+    address came from."""
     try:
         return TopicReader(
             bus.bootstrap,
             topic,
             from_beginning=from_beginning,
-            connect_timeout=connect_timeout,
+            connect_timeout=bus.connect_timeout_s,
             consumer=consumer,
             **bus.security,
         )

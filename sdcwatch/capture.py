@@ -162,15 +162,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _output_path(args: argparse.Namespace) -> Path:
-    """The file to write, once the timeouts are checked; an existing one only with ``--force``."""
-    check_number("--idle-timeout", args.idle_timeout, lo=0)
-    out_path = Path(args.output)
-    if out_path.exists() and not args.force:
-        raise ConfigError("--output", f"{out_path} exists; pass --force to overwrite it")
-    return out_path
-
-
 def _say(text: str) -> None:
     print(f"sdcwatch capture: {text}", file=sys.stderr, flush=True)
 
@@ -200,15 +191,15 @@ def _capture_into(
 def capture_main(argv: Sequence[str]) -> int:
     """``sdcwatch capture --run NAME -o FILE``; returns the exit code (0 done, 2 bad input)."""
     args = build_parser().parse_args(argv)
-    out_path = _output_path(args)
-    settings = bus_settings(args, "telemetry_topic")
-    bus = settings.bus
+    check_number("--idle-timeout", args.idle_timeout, lo=0)
+    out_path = Path(args.output)
+    if out_path.exists() and not args.force:
+        raise ConfigError("--output", f"{out_path} exists; pass --force to overwrite it")
+    bus, keyring = bus_settings(args, "telemetry_topic")
     stop, _ = stop_on_signals()
-    reader = open_reader(
-        bus, bus.telemetry_topic, from_beginning=args.from_beginning, connect_timeout=args.connect_timeout
-    )
+    reader = open_reader(bus, bus.telemetry_topic, from_beginning=args.from_beginning)
     try:
-        cap, why = _capture_into(reader, args, out_path, stop, settings.keyring)
+        cap, why = _capture_into(reader, args, out_path, stop, keyring)
     finally:
         reader.close()
     skipped = f"; {len(cap.refused)} messages refused: {cap.refused.describe()}" if cap.refused else ""

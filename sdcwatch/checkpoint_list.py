@@ -53,10 +53,8 @@ class CheckpointList:
         if not isinstance(event, dict) or event.get("change") != "checkpoint" or event.get("run") != self.run:
             return False
         try:
-            mark = decode_object(event)
+            mark: CheckpointMark = decode_object(event)  # a "checkpoint" change is a marking or a RecordError
         except RecordError:
-            mark = None
-        if not isinstance(mark, CheckpointMark):
             self.unreadable += 1
             return False
         self._latest[mark.step] = event
@@ -135,12 +133,11 @@ def _show(board: CheckpointList, as_json: bool, exists: bool, topic: str, out: T
 def checkpoints_main(argv: Sequence[str]) -> int:
     """``sdcwatch checkpoints --run R [--json]``; the exit code (0 shown, 2 bad input, 130 Ctrl-C)."""
     args = build_parser().parse_args(argv)
-    settings = bus_settings(args, "anomalies_topic")
-    bus = settings.bus
+    bus, keyring = bus_settings(args, "anomalies_topic")
     stop, signals = stop_on_signals()
     board = CheckpointList(args.run)
     refused = Refusals()
-    open_anomaly = anomaly_opener(settings.keyring)
+    open_anomaly = anomaly_opener(keyring)
 
     def take(msg: Any) -> None:
         try:
@@ -148,7 +145,7 @@ def checkpoints_main(argv: Sequence[str]) -> int:
         except RecordError as exc:  # not signed by the service (with keys), or does not verify
             refused.refused(exc)
 
-    reader = open_reader(bus, bus.anomalies_topic, from_beginning=True, connect_timeout=args.connect_timeout)
+    reader = open_reader(bus, bus.anomalies_topic, from_beginning=True)
     try:
         exists = read_to_end(reader, take, stop)
         if not stop.is_set():

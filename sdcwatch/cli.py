@@ -26,7 +26,6 @@ __all__ = [
     "EXTRAS",
     "missing_modules",
     "needs_message",
-    "TORCH_MISSING",
 ]
 
 log = logging.getLogger("sdcwatch")
@@ -158,18 +157,6 @@ def needs_message(missing: Sequence[str]) -> str:
     return f"this command needs {named}, which {verb} not installed: pip install 'sdcwatch[{spec}]'"
 
 
-#: What a command that trains (demo, bench campaign and clean) says when torch is not installed.
-TORCH_MISSING = needs_message(["torch"])
-
-
-def _missing_extras(name: str, argv: Sequence[str]) -> list[str]:
-    """The modules of extras command ``name`` needs for ``argv`` and cannot import."""
-    command = COMMANDS[name]
-    if any(a in ("-h", "--help") or a in command.light for a in argv):
-        return []
-    return missing_modules(command.needs)
-
-
 def _extra_missing_at_run(exc: ModuleNotFoundError) -> str | None:
     """The top-level module of an extra that ``exc`` says is not installed; None for anything else
     (a module of the project, or one that is installed and failed for another reason)."""
@@ -190,11 +177,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _resolve(name: str) -> Callable[[Sequence[str]], int]:
-    command = COMMANDS[name]
-    return getattr(importlib.import_module(command.module), command.function)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
@@ -203,12 +185,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("kafka").setLevel(logging.CRITICAL)  # its reconnect chatter is not the user's business
-    missing = _missing_extras(argv[0], argv[1:])
+    command = COMMANDS[argv[0]]
+    describes = any(a in ("-h", "--help") or a in command.light for a in argv[1:])  # help needs no extra
+    missing = [] if describes else missing_modules(command.needs)
     if missing:
         print(f"sdcwatch {argv[0]}: error: {needs_message(missing)}", file=sys.stderr)
         return 2
     try:
-        return int(_resolve(argv[0])(argv[1:]) or 0)
+        run: Callable[[Sequence[str]], int] = getattr(importlib.import_module(command.module), command.function)
+        return int(run(argv[1:]) or 0)
     except SdcwatchError as exc:
         print(f"sdcwatch {argv[0]}: error: {exc}", file=sys.stderr)
         return 2

@@ -113,7 +113,8 @@ class IncidentBoard:
         if not isinstance(event.get("id"), str):
             self.unreadable += 1
             return None
-        changed_at = timestamp_ms / 1000 if timestamp_ms and timestamp_ms > 0 else _wall_of(event)
+        wall = float(event.get("resolved_at") or event.get("opened_at") or 0.0)  # when the message has no timestamp
+        changed_at = timestamp_ms / 1000 if timestamp_ms and timestamp_ms > 0 else wall
         self._latest[event["id"]] = event
         self._changed_at[event["id"]] = changed_at
         return event if self._shows(event, changed_at) else None
@@ -127,11 +128,6 @@ class IncidentBoard:
         """The latest state of each incident asked for, in the order they were opened."""
         shown = [e for i, e in self._latest.items() if self._shows(e, self._changed_at[i])]
         return sorted(shown, key=lambda e: (e.get("opened_at") or 0.0, e.get("first_step") or 0, e["id"]))
-
-
-def _wall_of(event: dict[str, Any]) -> float:
-    """When an incident last changed, from its own fields (a message without a timestamp)."""
-    return float(event.get("resolved_at") or event.get("opened_at") or 0.0)
 
 
 def status_of(event: dict[str, Any]) -> str:
@@ -224,22 +220,16 @@ def _follow(reader: TopicReader, take: Any, as_json: bool, stop: threading.Event
                 _show(event, str(event.get("change", status_of(event))), as_json)
 
 
-def _nothing(args: argparse.Namespace, topic: str, exists: bool) -> str:
-    which = "".join([f" of run {args.run!r}" if args.run else "", f" since {args.since}" if args.since else ""])
-    return f"no incidents{which}" + ("" if exists else f" (topic {topic} does not exist yet)")
-
-
 def incidents_main(argv: Sequence[str]) -> int:
     """``sdcwatch incidents [--run R] [--since S] [--json] [--follow]``; the exit code (0 shown,
     2 bad input, 130 Ctrl-C)."""
     args = build_parser().parse_args(argv)
     since = parse_since(args.since, time.time()) if args.since is not None else None
-    settings = bus_settings(args, "anomalies_topic")
-    bus = settings.bus
+    bus, keyring = bus_settings(args, "anomalies_topic")
     stop, signals = stop_on_signals()
     board = IncidentBoard(args.run, since)
     refused = Refusals()
-    open_anomaly = anomaly_opener(settings.keyring)
+    open_anomaly = anomaly_opener(keyring)
 
     def take(msg: Any) -> dict[str, Any] | None:
         try:
@@ -248,14 +238,15 @@ def incidents_main(argv: Sequence[str]) -> int:
             refused.refused(exc)
             return None
 
-    reader = open_reader(bus, bus.anomalies_topic, from_beginning=True, connect_timeout=args.connect_timeout)
+    reader = open_reader(bus, bus.anomalies_topic, from_beginning=True)
     try:
         exists = read_to_end(reader, take, stop)
         shown = [] if stop.is_set() else board.incidents()  # interrupted: no half-read listing
         for event in shown:
             _show(event, status_of(event), args.json)
         if not shown and not stop.is_set():
-            nothing = _nothing(args, bus.anomalies_topic, exists)
+            which = "".join([f" of run {args.run!r}" if args.run else "", f" since {args.since}" if args.since else ""])
+            nothing = f"no incidents{which}" + ("" if exists else f" (topic {bus.anomalies_topic} does not exist yet)")
             if args.json:  # stdout stays JSON lines
                 _say(nothing)
             else:

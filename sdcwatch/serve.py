@@ -23,9 +23,6 @@ __all__ = ["build_service", "serve_main", "reset_state"]
 
 log = logging.getLogger("sdcwatch.serve")
 
-#: What to run when there is no bus to connect to (said with the connection error).
-LOCAL_BROKER = "`sdcwatch broker` starts one on 127.0.0.1:9092"
-
 
 def build_service(
     cfg: ServeConfig,
@@ -171,29 +168,27 @@ def _source(cfg: ServeConfig, auth: Any = None) -> Any:
     from sdcwatch.service.kafka_source import KafkaSource
 
     bus = cfg.bus
+    common = dict(deadletter_topic=bus.deadletter_topic, connect_timeout=bus.connect_timeout_s, **bus.security)
     if cfg.detectors.stage == "temporal":
         return KafkaSource(
             bus.bootstrap,
             bus.summaries_topic,
             group=f"{bus.group}.temporal",
-            deadletter_topic=bus.deadletter_topic,
             decode=decode_summary_message,
             sole_member_after_s=bus.share_timeout_s or None,
-            connect_timeout=bus.connect_timeout_s,
-            **bus.security,
+            **common,
         )
     limits = cfg.limits.record_limits()
+    sharing = bool(bus.share_timeout_s) and cfg.detectors.stage == "both"  # stage both checks its group is its own
     return KafkaSource(
         bus.bootstrap,
         bus.telemetry_topic,
         group=bus.group,
-        deadletter_topic=bus.deadletter_topic,
         limits=limits,
-        sole_member_after_s=bus.share_timeout_s if bus.share_timeout_s and cfg.detectors.stage == "both" else None,
-        first_member=bool(bus.share_timeout_s) and cfg.detectors.stage == "both" and _created_telemetry_topic(cfg),
+        sole_member_after_s=bus.share_timeout_s if sharing else None,
+        first_member=sharing and _created_telemetry_topic(cfg),
         ingest=IngestDecoder(SchemaRegistry(limits), auth=auth, schema_wait=cfg.detectors.schema_wait_s),
-        connect_timeout=bus.connect_timeout_s,
-        **bus.security,
+        **common,
     )
 
 
@@ -312,7 +307,8 @@ def serve_main(argv: Sequence[str]) -> int:
     try:
         service, metrics = build_service(cfg, state_reset=args.state_reset)
     except TransportError as exc:
-        raise TransportError(f"{exc} (is a broker running there? For a trial on one machine, {LOCAL_BROKER})") from None
+        local = "`sdcwatch broker` starts one on 127.0.0.1:9092"
+        raise TransportError(f"{exc} (is a broker running there? For a trial on one machine, {local})") from None
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     if metrics is not None:

@@ -107,7 +107,7 @@ class StepAligner:
         """Take records or v2 column blocks; returns the frames that closed (in step order per run)."""
         now = self.clock()
         out: list[StepFrame] = []
-        touched: set[str] = set()
+        touched: dict[str, None] = {}  # runs with a new record, in the order they came (a set's order is the hash's)
         over: dict[str, list[Record]] = {}  # records past their run's budget
         items = self._admission_order(records)
         if self._waiting:
@@ -129,12 +129,12 @@ class StepAligner:
             if op.present[rec.rank]:
                 self.duplicates += 1
                 continue
-            layer_len = max(map(len, rec.layers.values()), default=0)
-            if self._fits(st, op, rec.step, rec.run, rec.scalars.keys(), rec.layers.keys(), layer_len, lambda: [rec]):
+            shape = (rec.scalars.keys(), rec.layers.keys(), max(map(len, rec.layers.values()), default=0))
+            if self._fits(st, op, rec.step, rec.run, shape, lambda: [rec]):
                 op.records[rec.rank] = rec
                 op.present[rec.rank] = True
                 op.count += 1
-                touched.add(rec.run)
+                touched[rec.run] = None
         for run in touched:
             st = self._runs.get(run)
             if st is not None:  # not given way to a signed run since
@@ -290,14 +290,18 @@ class StepAligner:
         return st
 
     def _add_columns(
-        self, cols: RecordColumns, now: float, out: list[StepFrame], touched: set[str], over: dict[str, list[Record]]
+        self,
+        cols: RecordColumns,
+        now: float,
+        out: list[StepFrame],
+        touched: dict[str, None],
+        over: dict[str, list[Record]],
     ) -> None:
         """Place a block's rows into their open steps: late, duplicate and new rows told apart with arrays."""
         worlds = cols.rows["world"]
         cuts = (np.flatnonzero(worlds[1:] != worlds[:-1]) + 1).tolist()  # a world change splits the block
         sch = cols.schema
-        scalar_names, layer_names = sch.scalars, [n for n, _ in sch.layers]
-        layer_len = max((k for _, k in sch.layers), default=0)
+        shape = (sch.scalars, [n for n, _ in sch.layers], max((k for _, k in sch.layers), default=0))
         for a, b in zip([0, *cuts], [*cuts, len(cols)]):
             part = cols if (a, b) == (0, len(cols)) else cols.take(slice(a, b))
             st = self._run_state(cols.run, int(worlds[a]), now, out)
@@ -325,21 +329,12 @@ class StepAligner:
                 if not new.any():
                     continue
                 idx = idx[first[new]]
-                if not self._fits(
-                    st,
-                    op,
-                    step,
-                    cols.run,
-                    scalar_names,
-                    layer_names,
-                    layer_len,
-                    lambda idx=idx, part=part: part.to_records(idx),
-                ):
+                if not self._fits(st, op, step, cols.run, shape, lambda idx=idx, part=part: part.to_records(idx)):
                     continue
                 op.present[uniq[new]] = True
                 op.count += len(idx)
                 op.blocks.append((part, idx))
-                touched.add(cols.run)
+                touched[cols.run] = None
 
     def _open_step(self, st: RunSteps, step: int, now: float, n: int) -> OpenStep | None:
         """The run's open ``step`` (opened now if new); None when it closed already (its ``n`` records came late)."""
@@ -352,19 +347,11 @@ class StepAligner:
         return op
 
     def _fits(
-        self,
-        st: RunSteps,
-        op: OpenStep,
-        step: int,
-        run: str,
-        scalar_names: Iterable[str],
-        layer_names: Iterable[str],
-        n: int,
-        what: Callable[[], list[Record]],
+        self, st: RunSteps, op: OpenStep, step: int, run: str, shape: tuple, what: Callable[[], list[Record]]
     ) -> bool:
-        """Whether records of these names keep their step within ``max_step_values``; widens ``op``
-        if so, sets the records (``what()``) aside if not."""
-        scalar_names, layer_names = set(scalar_names), set(layer_names)
+        """Whether records of this ``shape`` (scalar names, layer names, longest layer) keep their step
+        within ``max_step_values``; widens ``op`` if so, sets the records (``what()``) aside if not."""
+        scalar_names, layer_names, n = set(shape[0]), set(shape[1]), shape[2]
         if scalar_names <= op.scalar_names and layer_names <= op.layer_names and n <= op.layer_len:
             return True
         scalars = op.scalar_names | scalar_names
@@ -372,14 +359,11 @@ class StepAligner:
         length = max(n, op.layer_len)
         width = len(scalars) + len(layers) * length
         if st.world * width > self.max_step_values:
-            self.rejected.append(
-                (
-                    "step_size",
-                    f"step {step} of run {run!r} would hold {st.world} ranks x "
-                    f"{width} values, the limit is {self.max_step_values} (limits.max_step_values)",
-                    what(),
-                )
+            why = (
+                f"step {step} of run {run!r} would hold {st.world} ranks x "
+                f"{width} values, the limit is {self.max_step_values} (limits.max_step_values)"
             )
+            self.rejected.append(("step_size", why, what()))
             return False
         op.scalar_names, op.layer_names, op.layer_len = scalars, layers, length
         return True
@@ -413,15 +397,12 @@ class StepAligner:
             del st.open[step]
             jump = step - st.last_closed
             if st.last_closed >= 0 and jump > self.max_step_jump and 2 * op.count <= st.world:
-                self.rejected.append(
-                    (
-                        "step_jump",
-                        f"step {step} of run {run!r} is {jump} steps ahead of its last "
-                        f"step {st.last_closed} (limits.max_step_jump {self.max_step_jump}) and only "
-                        f"{op.count} of {st.world} ranks sent it",
-                        op.all_records(),
-                    )
+                why = (
+                    f"step {step} of run {run!r} is {jump} steps ahead of its last "
+                    f"step {st.last_closed} (limits.max_step_jump {self.max_step_jump}) and only "
+                    f"{op.count} of {st.world} ranks sent it"
                 )
+                self.rejected.append(("step_jump", why, op.all_records()))
                 continue
             if not complete:
                 self.incomplete_steps += 1
@@ -434,10 +415,7 @@ class StepAligner:
             if st.last_closed >= 0:
                 st.stride = step - st.last_closed
             st.last_closed = step
-            if op.blocks:
-                out.append(assemble_frame(run, step, st.world, list(op.records.values()), op.blocks, wall=time.time()))
-            else:
-                out.append(StepFrame.from_records(run, step, st.world, list(op.records.values()), wall=time.time()))
+            out.append(assemble_frame(run, step, st.world, list(op.records.values()), op.blocks, wall=time.time()))
         return out
 
     def flush_run(self, run: str) -> list[StepFrame]:

@@ -21,12 +21,11 @@ class OpenStep:
     layer_names: set[str] = field(default_factory=set)
     layer_len: int = 0
     blocks: list[tuple[RecordColumns, np.ndarray]] = field(default_factory=list)  # v2 rows of this step
-    present: np.ndarray = None  # type: ignore[assignment]  # ranks that sent (v1 or v2)
+    present: np.ndarray = field(init=False)  # ranks that sent (v1 or v2)
     count: int = 0
 
     def __post_init__(self) -> None:
-        if self.present is None:
-            self.present = np.zeros(self.world, bool)
+        self.present = np.zeros(self.world, bool)
 
     def all_records(self) -> list[Record]:
         """Every record of the step, column blocks expanded."""

@@ -86,14 +86,10 @@ class AnnouncementJournal:
     def said(self, event: IncidentEvent) -> bool:
         """Whether ``event`` was published already (by this instance since its snapshot, or before a kill)."""
         key = _key(event)
-        if key in self._before:
-            del self._before[key]  # the re-read reached it: its state is this instance's now
-            self.suppressed += 1
-            return True
-        if key in self._said:
-            self.suppressed += 1
-            return True
-        return False
+        # one from before the kill is taken off: the re-read reached it, its state is this instance's now
+        said = self._before.pop(key, None) is not None or key in self._said
+        self.suppressed += said
+        return said
 
     def note(self, event: IncidentEvent) -> None:
         """Record a published change, on disk before the next one is handled."""
@@ -111,7 +107,7 @@ class AnnouncementJournal:
             self.write_errors += 1
             if self.write_errors == 1 or self.write_errors % 100 == 0:
                 log.error("could not record an announced incident in %s (%s)", self.path, exc.strerror or exc)
-            self._close()
+            self.close()
         self._mirror()
 
     def _mirror(self) -> None:
@@ -126,7 +122,7 @@ class AnnouncementJournal:
     def snapshot_written(self) -> None:
         """A snapshot holds every incident this instance announced: start the journal afresh,
         keeping what an earlier instance announced that the re-read records have not reached yet."""
-        self._close()
+        self.close()
         self._said.clear()
         now = time.time()
         self._before = {k: at for k, at in self._before.items() if now - at < KEEP_BEFORE_S}
@@ -141,11 +137,8 @@ class AnnouncementJournal:
             log.warning("could not rewrite %s: %s", self.path, exc)
         self._mirror()
 
-    def _close(self) -> None:
+    def close(self) -> None:
         if self._file is not None:
             with contextlib.suppress(OSError):
                 self._file.close()
             self._file = None
-
-    def close(self) -> None:
-        self._close()

@@ -39,11 +39,15 @@ class SignerStarts:
     messages, as a few spans, so a message signed once is taken once, across restarts of the service
     (kept in its state). ``check`` returns None or (reason, why).
 
-    Bounded: at most ``max_starts`` starts (the least recently heard forgotten first; a start of that
-    key no newer than a forgotten one is then ``stale``) and ``max_spans`` spans a start (a flood of
-    holes fills the oldest gap: a message from it is then ``replayed``). A start stamped more than
-    ``skew_s`` ahead of this clock is ``future``. A key that has sent a fresh envelope may not send one
-    without a start (``unfresh``: an earlier release's emitter shares it, or a capture is replayed).
+    Bounded by key, so that one key's traffic never costs another key anything: at most ``max_starts``
+    starts a key (its least recently heard forgotten first; a start of that key no newer than a
+    forgotten one is then ``stale``), and at most ``max_gaps`` gaps between the spans of all its starts
+    (a start that opens one more fills its own oldest gap: a message from that gap is then
+    ``replayed``). A signer writing several partitions is read out of order across them, which opens
+    gaps until the reading evens out: up to a poll's messages a partition (``max_poll_records``), so
+    the bound sits well above it. A start stamped more than ``skew_s`` ahead of this clock is
+    ``future``. A key that has sent a fresh envelope may not send one without a start (``unfresh``: an
+    earlier release's emitter shares it, or a capture is replayed).
 
     ``check``'s ``at`` (topic/partition, offset) tells a re-read from a replay: a taken number read at
     an offset no later than the last checked in that partition is the message at that place read
@@ -58,12 +62,14 @@ class SignerStarts:
         self,
         *,
         max_starts: int = 65_536,
-        max_spans: int = 64,
+        max_gaps: int = 65_536,
         skew_s: float = 300.0,
         clock: Callable[[], float] = time.time,
     ) -> None:
-        self.max_starts, self.max_spans, self.skew_s, self.clock = max_starts, max_spans, skew_s, clock
-        self._starts: OrderedDict[tuple[str, bytes], tuple[float, list[list[int]]]] = OrderedDict()
+        self.max_starts, self.max_gaps, self.skew_s, self.clock = max_starts, max_gaps, skew_s, clock
+        # kid -> its starts, least recently heard first: nonce -> (started, spans [[lo, hi], ...])
+        self._starts: dict[str, OrderedDict[bytes, tuple[float, list[list[int]]]]] = {}
+        self._gaps: dict[str, int] = {}  # kid -> the gaps between the spans of all its starts
         self._floor: dict[str, float] = {}  # kid -> the newest start forgotten
         self._fresh: set[str] = set()  # keys that sent a fresh envelope
         self._read_to: dict[str, int] = {}  # topic/partition -> the last offset checked there
@@ -86,10 +92,11 @@ class SignerStarts:
                 return "unfresh", f"key {kid!r} signs fresh messages; this one carries no signer start (a replay?)"
             return None
         nonce, started, number = fresh
-        held = self._starts.get((kid, nonce))
+        starts = self._starts.get(kid)
+        held = None if starts is None else starts.get(nonce)
         if held is None:
             return self._new(kid, nonce, started, number)
-        self._starts.move_to_end((kid, nonce))
+        starts.move_to_end(nonce)
         spans = held[1]
         last = spans[-1]
         if number == last[1] + 1:  # the hot path: the next message of a signer heard in order
@@ -98,6 +105,7 @@ class SignerStarts:
         i = bisect.bisect_right(spans, number, key=lambda sp: sp[0]) - 1
         if i >= 0 and number <= spans[i][1]:
             return "replayed", f"message {number} of key {kid!r}'s start {nonce.hex()} was taken before"
+        gaps = len(spans)
         if i >= 0 and number == spans[i][1] + 1:
             spans[i][1] = number
         else:
@@ -105,8 +113,12 @@ class SignerStarts:
             i += 1
         if i + 1 < len(spans) and spans[i][1] + 1 == spans[i + 1][0]:
             spans[i][1] = spans.pop(i + 1)[1]
-        if len(spans) > self.max_spans:  # the oldest gap filled: a message from it is refused
+        self._gaps[kid] += len(spans) - gaps
+        if (
+            self._gaps[kid] > self.max_gaps and len(spans) > 1
+        ):  # this start's oldest gap filled: a message from it is refused
             spans[0][1] = spans.pop(1)[1]
+            self._gaps[kid] -= 1
         return None
 
     def _new(self, kid: str, nonce: bytes, started: float, number: int) -> tuple[str, str] | None:
@@ -115,19 +127,32 @@ class SignerStarts:
         if started - self.clock() > self.skew_s:
             return "future", f"key {kid!r}'s start {nonce.hex()} is stamped {started - self.clock():.0f} s ahead"
         self._fresh.add(kid)
-        self._starts[(kid, nonce)] = (started, [[number, number]])
-        while len(self._starts) > self.max_starts:
-            (old_kid, _), (old_started, _) = self._starts.popitem(last=False)
-            self._floor[old_kid] = max(self._floor.get(old_kid, float("-inf")), old_started)
+        self._add(kid, nonce, started, [[number, number]])
         return None
 
+    def _add(self, kid: str, nonce: bytes, started: float, spans: list[list[int]]) -> None:
+        """Hold a start of ``kid``, forgetting the key's least recently heard past its bounds."""
+        starts = self._starts.setdefault(kid, OrderedDict())
+        replaced = starts.pop(nonce, None)
+        starts[nonce] = (started, spans)
+        gaps = self._gaps.get(kid, 0) + len(spans) - (1 if replaced is None else len(replaced[1]))
+        self._gaps[kid] = gaps
+        while len(starts) > self.max_starts or gaps > self.max_gaps and len(starts) > 1:
+            _, (old_started, old_spans) = starts.popitem(last=False)
+            gaps = self._gaps[kid] = gaps - (len(old_spans) - 1)
+            self._floor[kid] = max(self._floor.get(kid, float("-inf")), old_started)
+
     def __len__(self) -> int:
-        return len(self._starts)
+        return sum(map(len, self._starts.values()))
 
     def snapshot(self) -> dict[str, Any]:
         """JSON-safe: each start's spans, each key's floor, the keys that sign fresh."""
         return {
-            "starts": [[kid, nonce.hex(), started, spans] for (kid, nonce), (started, spans) in self._starts.items()],
+            "starts": [
+                [kid, nonce.hex(), started, spans]
+                for kid, starts in self._starts.items()
+                for nonce, (started, spans) in starts.items()
+            ],
             "floor": dict(self._floor),
             "fresh": sorted(self._fresh),
             "read_to": dict(self._read_to),
@@ -140,8 +165,8 @@ class SignerStarts:
         for item in state.get("starts") or ():
             try:
                 kid, nonce, started, spans = item
-                spans = [[int(lo), int(hi)] for lo, hi in spans][-self.max_spans :] or [[0, -1]]
-                self._starts[(str(kid), bytes.fromhex(nonce))] = (float(started), spans)
+                spans = [[int(lo), int(hi)] for lo, hi in spans][-self.max_gaps - 1 :] or [[0, -1]]
+                self._add(str(kid), bytes.fromhex(nonce), float(started), spans)
             except (TypeError, ValueError):
                 continue
         self._floor.update((str(k), float(v)) for k, v in (state.get("floor") or {}).items())

@@ -102,31 +102,25 @@ class StateChangelog:
     def write_journal(self, entries: Mapping[str, float]) -> None:
         """The incident changes announced since the last snapshot (the service's journal), acknowledged:
         an instance that takes over elsewhere does not announce them again. TransportError on failure."""
-        from kafka.errors import KafkaError
-
-        try:
-            producer = self._open()
-            value = self._seal(_json({"entries": dict(entries), "group": self.group, "stage": self.stage}))
-            self._wait(producer, [producer.send(self.topic, key=self.journal_key, value=value, partition=0)])
-        except (KafkaError, OSError, ValueError) as exc:
-            raise TransportError(f"state topic {self.topic}: journal not written ({exc})") from None
+        body = {"entries": dict(entries), "group": self.group, "stage": self.stage}
+        self._send("journal", [(self.journal_key, body)])
 
     def write_hosts(self, states: Mapping[str, dict | None]) -> None:
         """The host ledger's changed hosts, one record each keyed ``h:<host>`` (None: a tombstone),
         shared by every group and stage: an instance elsewhere adopts them. TransportError on failure."""
+        self._send("host states", [(f"h:{host}".encode(), d) for host, d in states.items()])
+
+    def _send(self, what: str, records: list[tuple[bytes, dict | None]]) -> None:
+        """``records`` (key, JSON object sealed with our key; None: a tombstone), each acknowledged;
+        TransportError naming ``what`` on failure."""
         from kafka.errors import KafkaError
 
         try:
             producer = self._open()
-            sent = [
-                producer.send(
-                    self.topic, key=f"h:{host}".encode(), value=None if d is None else self._seal(_json(d)), partition=0
-                )
-                for host, d in states.items()
-            ]
-            self._wait(producer, sent)
+            values = [(key, None if d is None else self._seal(_json(d))) for key, d in records]
+            self._wait(producer, [producer.send(self.topic, key=k, value=v, partition=0) for k, v in values])
         except (KafkaError, OSError, ValueError) as exc:
-            raise TransportError(f"state topic {self.topic}: host states not written ({exc})") from None
+            raise TransportError(f"state topic {self.topic}: {what} not written ({exc})") from None
 
     def _host_state(self, key: bytes, value: bytes | None) -> None:
         """Keep one ``h:<host>`` record read from the topic (one not signed with our key is ignored)."""

@@ -10,7 +10,7 @@ import logging
 import math
 import time
 from collections import OrderedDict
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable, Iterable
 
 from sdcwatch.core.rank_notes import CheckpointMark, CheckpointNote
@@ -29,7 +29,6 @@ __all__ = [
     "MAX_EXPORTED",
     "SUMMARY_KEY",
     "incident_weight",
-    "mark_of",
     "marking",
     "CheckpointBook",
     "CertifiedPolicy",
@@ -66,35 +65,20 @@ def incident_weight(kind: str, evidence: Any = None) -> str | None:
     return None
 
 
-def mark_of(step: int, incidents: Iterable[tuple[str, str, int, int | None]]) -> tuple[str, tuple[str, ...]]:
-    """(marking, ids of the incidents that made it) of a checkpoint saved at ``step``, from
-    ``(id, weight, first_step, resolved_step)`` of the run's incidents.
-
-    >>> mark_of(40, [("r:silent_drift:50", "suspect", 50, None)])
-    ('clean', ())
-    >>> mark_of(60, [("r:silent_drift:50", "suspect", 50, None)])
-    ('suspect', ('r:silent_drift:50',))
-    >>> mark_of(60, [("r:nonfinite:50", "after-fault", 50, 55)])
-    ('clean', ())
-    """
-    worst, ids = "clean", []
-    for iid, weight, first, resolved in incidents:
-        if first <= step and (resolved is None or resolved > step):
-            ids.append(iid)
-            if weight == "after-fault" or worst == "clean":
-                worst = weight
-    return worst, tuple(ids)
-
-
 def marking(
     step: int, incidents: Iterable[tuple[str, str, int, int | None, int, str]], guarded: dict[int, str] | None = None
 ) -> tuple[str, tuple[str, ...], tuple[dict[str, Any], ...]]:
     """(marking, ids of the incidents that made it, the evidence it rests on) of a checkpoint saved at
     ``step``, from ``(id, weight, first, resolved, last, reach)`` of the run's incidents and the steps at
-    which the job's guard kept the weights clean (``guarded``: step -> skip, rerun or rollback). A fault
-    the guard skipped or rolled back, or whose measured ``reach`` stayed within the checks' bounds (and
-    no spike began after it), does not count; the evidence says so.
+    which the job's guard kept the weights clean (``guarded``: step -> skip, rerun or rollback): the
+    worst weight of the incidents open at ``step`` (begun at or before it, not resolved by then). A
+    fault the guard skipped or rolled back, or whose measured ``reach`` stayed within the checks'
+    bounds (and no spike began after it), does not count; the evidence says so.
 
+    >>> marking(60, [("r:silent_drift:50", "suspect", 50, None, 50, "")])[:2]
+    ('suspect', ('r:silent_drift:50',))
+    >>> marking(60, [("r:nonfinite:50", "after-fault", 50, 55, 55, "")])[:2]
+    ('clean', ())
     >>> marking(60, [("r:nonfinite:50", "after-fault", 50, None, 50, "")], {50: "skip"})[:2]
     ('clean', ())
     >>> marking(60, [("r:nonfinite:50", "after-fault", 50, None, 50, "")], {})
@@ -104,7 +88,7 @@ def marking(
     guarded = guarded or {}
     incidents = list(incidents)
     spikes = [first for _, weight, first, *_ in incidents if weight == "spike"]
-    counted, evidence = [], []
+    ids, weights, evidence = [], set(), []
     for iid, weight, first, resolved, last, reach in incidents:
         if weight not in ("after-fault", "suspect") or first > step or (resolved is not None and resolved <= step):
             continue
@@ -112,10 +96,12 @@ def marking(
         if why is None and reach and not any(first <= s <= step for s in spikes):
             why = reach
         if why is None:
-            counted.append((iid, weight, first, None))
+            ids.append(iid)
+            weights.add(weight)
         open_ = f"began at step {first} and had not " + ("resolved" if weight == "after-fault" else "cleared")
         evidence.append({"incident": iid, "effect": "none" if why else weight, "why": why or open_})
-    return (*mark_of(step, counted), tuple(evidence))
+    worst = "after-fault" if "after-fault" in weights else "suspect" if weights else "clean"
+    return worst, tuple(ids), tuple(evidence)
 
 
 def _guarded_from(step: int, first: int, last: int, guarded: dict[int, str]) -> str | None:
@@ -161,15 +147,14 @@ class _Checkpoint:
     disputed: bool = False  # two paths were noted for its step: neither is certified
 
 
+@dataclass(slots=True)
 class _Run:
-    __slots__ = ("checkpoints", "incidents", "guarded", "judged")
-
-    def __init__(self) -> None:
-        self.checkpoints: OrderedDict[int, _Checkpoint] = OrderedDict()  # by step, oldest first
-        # id -> weight, first, resolved, last step, reach (why a fault's effect stayed within bounds, or "")
-        self.incidents: OrderedDict[str, tuple[str, int, int | None, int, str]] = OrderedDict()
-        self.guarded: OrderedDict[int, str] = OrderedDict()  # step -> the guard's action that kept the weights clean
-        self.judged = -1  # the last step the service judged
+    checkpoints: OrderedDict[int, _Checkpoint] = field(default_factory=OrderedDict)  # by step, oldest first
+    # id -> weight, first, resolved, last step, reach (why a fault's effect stayed within bounds, or "")
+    incidents: OrderedDict[str, tuple[str, int, int | None, int, str]] = field(default_factory=OrderedDict)
+    # step -> the guard's action that kept the weights clean
+    guarded: OrderedDict[int, str] = field(default_factory=OrderedDict)
+    judged: int = -1  # the last step the service judged
 
 
 class CheckpointBook:
@@ -279,16 +264,13 @@ class CheckpointBook:
                     touched.add(inc.run)
                 continue
             weight = "spike" if inc.kind in SPIKE_KINDS else incident_weight(inc.kind, inc.evidence)
-            run = self._runs.get(inc.run)
-            if weight is None and (run is None or inc.id not in run.incidents):
+            if weight is None:  # an escalation raises the severity: it never leaves the kinds that count
                 continue
             run = self._run(inc.run)
-            if weight is None:  # escalated out of the kinds that count (cannot happen today): forgotten
-                run.incidents.pop(inc.id, None)
-            else:
-                seen = (int(inc.first_step), inc.resolved_step, int(inc.last_step))
-                run.incidents[inc.id] = (weight, *seen, _reach(inc))
-                self._bound_incidents(run)
+            run.incidents[inc.id] = (weight, int(inc.first_step), inc.resolved_step, int(inc.last_step), _reach(inc))
+            while len(run.incidents) > MAX_INCIDENTS_PER_RUN:  # the oldest resolved one goes first
+                resolved = (i for i, v in run.incidents.items() if v[2] is not None)
+                del run.incidents[next(resolved, next(iter(run.incidents)))]
             touched.add(inc.run)
         for name in touched:
             self._remark(name, self._runs[name])
@@ -348,11 +330,8 @@ class CheckpointBook:
 
     def rollback_target(self, run: str, onset: int | None) -> CheckpointMark | None:
         """The newest clean checkpoint of ``run`` at or before ``onset`` (None: there is none)."""
-        best = None
-        for m in self.marks(run):
-            if m.mark == "clean" and (onset is None or m.step <= onset):
-                best = m
-        return best
+        clean = (m for m in reversed(self.marks(run)) if m.mark == "clean" and (onset is None or m.step <= onset))
+        return next(clean, None)
 
     # -- state --------------------------------------------------------------------------------
 
@@ -370,12 +349,6 @@ class CheckpointBook:
         else:
             self._runs.move_to_end(name)
         return st
-
-    @staticmethod
-    def _bound_incidents(run: _Run) -> None:
-        while len(run.incidents) > MAX_INCIDENTS_PER_RUN:
-            old = next((i for i, v in run.incidents.items() if v[2] is not None), next(iter(run.incidents)))
-            del run.incidents[old]
 
     def forget(self, run: str) -> None:
         self._runs.pop(run, None)
@@ -438,8 +411,7 @@ class CertifiedPolicy(ControlPolicy):
     @classmethod
     def around(cls, policy: ControlPolicy, book: CheckpointBook) -> "CertifiedPolicy":
         """``policy``'s rules, with ``book``'s checkpoints."""
-        settings = {k: v for k, v in asdict(policy).items() if k != "book"}
-        return cls(**settings, book=book)
+        return cls(**asdict(policy), book=book)
 
     def decide(self, incident: Incident) -> Decision | None:
         decision = super().decide(incident)

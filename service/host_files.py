@@ -57,9 +57,6 @@ class HostClear:
                 raise ConfigError(f"clear.{key}", f"must be a non-empty line of at most {MAX_CLEAR_TEXT} bytes")
         check_number("clear.wall", self.wall)
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
     @classmethod
     def from_dict(cls, d: Any) -> "HostClear":
         """The clear a line of the clears file holds; ConfigError when it is not one."""
@@ -135,7 +132,7 @@ def record_clear(folder: str | os.PathLike, host: str, *, by: str, reason: str, 
     clear = HostClear(host, by, reason, max(now, math.nextafter(before, math.inf)))
     folder.mkdir(parents=True, exist_ok=True)
     with open(folder / CLEARS_FILE, "a", encoding="utf-8") as fh:
-        fh.write(json.dumps(clear.to_dict(), ensure_ascii=False) + "\n")
+        fh.write(json.dumps(asdict(clear), ensure_ascii=False) + "\n")
         fh.flush()
         os.fsync(fh.fileno())
     return clear

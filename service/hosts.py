@@ -6,11 +6,11 @@ run's alerting bound; a verdict per host (clean, suspect, quarantine, cleared) s
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Iterable, Sequence
 
 from sdcwatch.core.validate import check_int, check_number, settings_from
-from sdcwatch.core.vocabulary import DATA_METRICS
+from sdcwatch.detectors.attribution import hardware_like
 
 __all__ = ["EVIDENCE", "HostLedger", "HostSettings", "HostVerdict", "VERDICTS", "credit_hosts"]
 
@@ -69,8 +69,7 @@ class HostSettings:
                 check_int(f"hosts.{f.name}", getattr(self, f.name), lo=1)
             else:
                 check_number(f"hosts.{f.name}", getattr(self, f.name), 0, lo_open=True)
-        if self.quarantine_score < self.suspect_score:
-            check_number("hosts.quarantine_score", self.quarantine_score, self.suspect_score)
+        check_number("hosts.quarantine_score", self.quarantine_score, self.suspect_score)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "HostSettings":
@@ -103,31 +102,23 @@ class HostVerdict:
         return cls(**kw)
 
 
+@dataclass
 class _Host:
     """One host's evidence (per run: its score, which decays from the wall time of its last credit)
     and its verdict."""
 
-    def __init__(self) -> None:
-        self.runs: dict[str, tuple[float, ...]] = {}  # run -> (score, wall, first step, recurs: 0/1)
-        self.kinds: set[str] = set()
-        self.gpus: set[str] = set()
-        self.steps = 0
-        self.verdict = "clean"
-        self.since = 0.0
-        self.cleared_by = ""
-        self.reason = ""
+    runs: dict[str, tuple[float, ...]] = field(default_factory=dict)  # run -> (score, wall, first step, recurs: 0/1)
+    kinds: set[str] = field(default_factory=set)
+    gpus: set[str] = field(default_factory=set)
+    steps: int = 0
+    verdict: str = "clean"
+    since: float = 0.0
+    cleared_by: str = ""
+    reason: str = ""
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "runs": {r: list(e) for r, e in self.runs.items()},
-            "kinds": sorted(self.kinds),
-            "gpus": sorted(self.gpus),
-            "steps": self.steps,
-            "verdict": self.verdict,
-            "since": self.since,
-            "cleared_by": self.cleared_by,
-            "reason": self.reason,
-        }
+        runs = {r: list(e) for r, e in self.runs.items()}
+        return {**asdict(self), "runs": runs, "kinds": sorted(self.kinds), "gpus": sorted(self.gpus)}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "_Host":
@@ -139,11 +130,8 @@ class _Host:
         h.steps = int(d.get("steps", 0))
         verdict = d.get("verdict", "clean")
         h.verdict = verdict if verdict in VERDICTS else "clean"
-        h.since, h.cleared_by, h.reason = (
-            float(d.get("since", 0.0)),
-            str(d.get("cleared_by", "")),
-            str(d.get("reason", "")),
-        )
+        h.since = float(d.get("since", 0.0))
+        h.cleared_by, h.reason = str(d.get("cleared_by", "")), str(d.get("reason", ""))
         return h
 
 
@@ -351,7 +339,7 @@ def credit_hosts(
     findings before attribution, whose hardware-like single-step rank deviations count too. A
     finding naming every host of the run (all ranks share it: the data, the optimisation) credits none."""
     run_hosts = {h for h in hosts if h}
-    extreme = [d for d in deviations if d.kind == "rank_deviation" and _hardware_like(d)]
+    extreme = [d for d in deviations if d.kind == "rank_deviation" and hardware_like(d)]
     for f in [*findings, *extreme]:
         kind, weight = EVIDENCE.get(f.kind, ("", 0.0))
         named = {r: hosts[r] for r in f.ranks if 0 <= r < len(hosts) and hosts[r]}
@@ -364,10 +352,3 @@ def credit_hosts(
             ledger.credit(
                 run=f.run, step=f.step, host=host, kind=kind, weight=weight / len(by_host), wall=wall, gpu=gpu
             )
-
-
-def _hardware_like(f: Any) -> bool:
-    """A single-step rank deviation a bad batch would not explain: not in a data metric, and far
-    beyond the rank's own loss deviation (attribution's rule, docs/detectors.md)."""
-    loss_z = f.evidence.get("loss_z")
-    return f.metric not in DATA_METRICS and (loss_z is None or abs(loss_z) * 4 < abs(f.evidence.get("z", f.score)))

@@ -6,7 +6,7 @@ quiet for ``quiet_steps`` steps and announces each change (docs/detectors.md, "I
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import replace
 from typing import Any, Callable, Iterable, Sequence
 
@@ -15,9 +15,13 @@ from sdcwatch.core.jsonsafe import parse_float
 from sdcwatch.core.kinds import LOCALISING_KINDS, RANK_FAULT_KINDS, RANK_LOCAL_KINDS, SPIKE_KINDS
 from sdcwatch.core.validate import check_positive
 
-__all__ = ["IncidentBook"]
+__all__ = ["IncidentBook", "KEEP_RESOLVED", "SPIKE_QUIET_STEPS"]
 
 _MAX_RANKS = 64  # ranks listed on one incident (the count is in the evidence)
+#: A spike has its own onset and recovery: a burst of spikes closer than this many steps is one incident.
+SPIKE_QUIET_STEPS = 20
+#: Resolved incidents kept for the view (the newest).
+KEEP_RESOLVED = 200
 
 
 def _event(change: str, inc: Incident) -> IncidentEvent:
@@ -104,30 +108,16 @@ class IncidentBook:
     """Open and recently resolved incidents, counters, and the sinks that hear of every change."""
 
     def __init__(
-        self,
-        quiet_steps: int = 50,
-        *,
-        spike_quiet_steps: int = 20,
-        related_steps: int = 50,
-        keep_resolved: int = 200,
-        clock: Callable[[], float] = time.time,
+        self, quiet_steps: int = 50, *, related_steps: int = 50, clock: Callable[[], float] = time.time
     ) -> None:
-        check_positive(
-            "incidents",
-            quiet_steps=quiet_steps,
-            spike_quiet_steps=spike_quiet_steps,
-            related_steps=related_steps,
-            keep_resolved=keep_resolved,
-        )
+        check_positive("incidents", quiet_steps=quiet_steps, related_steps=related_steps)
         self.quiet_steps = int(quiet_steps)
-        # a spike has its own onset and recovery: a burst of spikes closer than this is one incident
-        self.spike_quiet_steps = int(spike_quiet_steps)
         # a finding of another localising kind naming the incident's ranks this close is its evidence
         self.related_steps = int(related_steps)
         self.clock = clock
         self._open: dict[tuple, Incident] = {}
-        self._resolved: deque[Incident] = deque(maxlen=int(keep_resolved))
-        self.opened_total: dict[tuple[str, str], int] = {}
+        self._resolved: deque[Incident] = deque(maxlen=KEEP_RESOLVED)
+        self.opened_total: Counter[tuple[str, str]] = Counter()
         self.history: list[Incident] | None = None  # set to [] to keep every incident (offline replay)
 
     @staticmethod
@@ -241,7 +231,7 @@ class IncidentBook:
                 onset=_onset(f),
             )
             self._open[k] = inc
-            self.opened_total[(f.kind, f.severity.value)] = self.opened_total.get((f.kind, f.severity.value), 0) + 1
+            self.opened_total[(f.kind, f.severity.value)] += 1
             if self.history is not None:
                 self.history.append(inc)
             return [_event("opened", inc)]
@@ -251,7 +241,7 @@ class IncidentBook:
             inc.severity, changed = f.severity, True
             if f.kind != inc.kind:  # escalation (silent drift -> SDC suspected) names the new kind,
                 inc.kind = f.kind  # and counts as an incident of that kind being opened
-                self.opened_total[(f.kind, f.severity.value)] = self.opened_total.get((f.kind, f.severity.value), 0) + 1
+                self.opened_total[(f.kind, f.severity.value)] += 1
         ranks = tuple(sorted(set(inc.ranks) | set(f.ranks)))[:_MAX_RANKS]
         if ranks != inc.ranks:
             if inc.coords or f.coords:  # each rank's coordinates, in the order of ranks
@@ -274,7 +264,7 @@ class IncidentBook:
         """The run reached ``step``: resolve its incidents quiet for ``quiet_steps`` steps."""
         events = []
         for k, inc in list(self._open.items()):
-            quiet = self.spike_quiet_steps if inc.kind in SPIKE_KINDS else self.quiet_steps
+            quiet = SPIKE_QUIET_STEPS if inc.kind in SPIKE_KINDS else self.quiet_steps
             if inc.run == run and step - inc.last_step >= quiet:
                 events.append(self._resolve(k, step))
         return events
@@ -285,10 +275,7 @@ class IncidentBook:
 
     def forget_run(self, run: str) -> None:
         """Drop ``run``'s resolved incidents (the run was evicted; resolve its open ones first)."""
-        kept = [i for i in self._resolved if i.run != run]
-        if len(kept) != len(self._resolved):
-            self._resolved.clear()
-            self._resolved.extend(kept)
+        self._resolved = deque((i for i in self._resolved if i.run != run), maxlen=self._resolved.maxlen)
 
     def _resolve(self, k: tuple, step: int) -> IncidentEvent:
         inc = self._open.pop(k)
@@ -318,4 +305,4 @@ class IncidentBook:
         self._open = {tuple(k): Incident.from_dict(d) for k, d in state["open"]}
         self._resolved.clear()
         self._resolved.extend(Incident.from_dict(d) for d in state["resolved"])
-        self.opened_total = {(k, s): int(n) for k, s, n in state["opened_total"]}
+        self.opened_total = Counter({(k, s): int(n) for k, s, n in state["opened_total"]})

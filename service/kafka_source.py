@@ -123,6 +123,7 @@ class KafkaSource(DeadLetterCounts):
         self._partial_since: float | None = None
         self._commit_after = 0.0  # monotonic time before which no commit is tried (after a failed one)
         self.message_cost = 0.0  # seconds the reader spent on a message lately (its poll budget)
+        self._saturated = False  # the reader's last poll took its whole budget: more waits on the bus
 
     def _open_handover(self) -> None:
         """Decoded batches to the service thread, requests (commits) to the reader, under one condition."""
@@ -200,6 +201,15 @@ class KafkaSource(DeadLetterCounts):
         self.records += n
         return out
 
+    def catch_up(self, timeout: float) -> None:
+        """Wait up to ``timeout`` while the reader's last poll took its whole budget (more is on the bus)
+        and its queue has room: a record not read cannot be judged (a run's record behind a flood)."""
+        with self._cond:
+            self._cond.wait_for(
+                lambda: not self._saturated or self._queued_records >= self.queue_records or self._stop.is_set(),
+                timeout,
+            )
+
     def health(self) -> dict[str, Any]:
         """The source's fields of the pipeline's view (see :class:`~sdcwatch.service.bus.Source`)."""
         counts = self.gaps.counts
@@ -209,6 +219,7 @@ class KafkaSource(DeadLetterCounts):
             "auth_runs_refused": dict(self.ingest.auth.refused) if self.ingest.auth is not None else {},
             "auth_redelivered": dict(self.ingest.auth.redelivered) if self.ingest.auth is not None else {},
             "consumer_partitions": self.partitions,
+            "consumer_rebalances_total": self.rebalances,
             "waiting_for_schema": self.ingest.pending,
             "offset_gaps": {k: int(counts[k]) for k in ("refetched", "filled", "skipped")},
         }
@@ -294,8 +305,10 @@ class KafkaSource(DeadLetterCounts):
         elif consumer.paused():
             consumer.resume(*consumer.paused())
         self._learn_positions(parts)
-        batches = consumer.poll(timeout_ms=100 if not full else 50, max_records=self.poll_budget())
+        budget = self.poll_budget()
+        batches = consumer.poll(timeout_ms=100 if not full else 50, max_records=budget)
         started = time.monotonic()
+        saturated = sum(map(len, batches.values())) >= budget
         self._track_assignment()
         batches = self.gaps.refetch(consumer, batches, started)
         offsets: dict[Any, int] = {}
@@ -325,6 +338,9 @@ class KafkaSource(DeadLetterCounts):
             taken = sum(map(len, batches.values()))
             cost = (time.monotonic() - started) / taken
             self.message_cost = max(cost, 0.7 * self.message_cost + 0.3 * cost)  # up at once, down slowly
+        with self._cond:
+            self._saturated = saturated
+            self._cond.notify_all()
         if time.monotonic() - self._lag_at >= self.lag_interval:
             self._refresh_lag()
 

@@ -10,6 +10,7 @@ import logging
 import math
 import time
 from collections import OrderedDict
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
 from sdcwatch.core.errors import RecordError
@@ -36,18 +37,16 @@ def _size(names: dict[str, tuple[str, ...]]) -> int:
     return sum(len(n) + 8 for lst in names.values() for n in lst) + 64
 
 
+@dataclass(slots=True)
 class _Run:
-    __slots__ = ("world", "tables", "by_rank", "gpus", "unsent", "cursor", "credit", "stamped")
-
-    def __init__(self, world: int) -> None:
-        self.world = world
-        self.tables: dict[int, dict[str, tuple[str, ...]]] = {}  # digest -> {family: names}
-        self.by_rank: dict[int, int] = {}  # rank -> digest of its list
-        self.gpus: list[str] = []  # rank -> its GPU ("": not said); empty until a rank says one
-        self.unsent: set[int] = set()  # ranks whose list the temporal stage has not been sent
-        self.cursor = 0  # the next rank whose list is sent again
-        self.credit = 0.0  # ranks owed to the cycle's pace (< 0: sent ahead; at most one cycle)
-        self.stamped: float | None = None  # when a summary of the run was last stamped
+    world: int
+    tables: dict[int, dict[str, tuple[str, ...]]] = field(default_factory=dict)  # digest -> {family: names}
+    by_rank: dict[int, int] = field(default_factory=dict)  # rank -> digest of its list
+    gpus: list[str] = field(default_factory=list)  # rank -> its GPU ("": not said); empty until a rank says one
+    unsent: set[int] = field(default_factory=set)  # ranks whose list the temporal stage has not been sent
+    cursor: int = 0  # the next rank whose list is sent again
+    credit: float = 0.0  # ranks owed to the cycle's pace (< 0: sent ahead; at most one cycle)
+    stamped: float | None = None  # when a summary of the run was last stamped
 
 
 class LayerNameBook:
@@ -141,9 +140,7 @@ class LayerNameBook:
         """The list held under ``digest`` when ``names`` is that very list (sent again), else None."""
         st = self._runs.get(run)
         held = st.tables.get(int(digest, 16)) if st is not None and isinstance(digest, str) else None
-        if held is None or not isinstance(names, dict) or names.keys() != held.keys():
-            return None
-        if any(names[k] != list(v) for k, v in held.items()):
+        if held is None or not isinstance(names, dict) or names != {k: list(v) for k, v in held.items()}:
             return None
         return LayerNames(run, 0, st.world, 0, held, int(digest, 16), b"")
 
@@ -245,7 +242,7 @@ class LayerNameBook:
         st = self._runs.pop(run, None)
         if st is not None:
             self.ranks -= len(st.by_rank)
-            self.bytes -= sum(_size(t) for t in st.tables.values()) + _gpu_bytes(st)
+            self.bytes -= sum(_size(t) for t in st.tables.values()) + 8 * len(st.gpus) + sum(map(len, st.gpus))
 
     def names_of(self, run: str, rank: int | None) -> dict[str, tuple[str, ...]] | None:
         """The lists ``rank`` of ``run`` sent; with no rank, the run's only list (None: unknown)."""
@@ -311,8 +308,7 @@ class LayerNameBook:
 
     def snapshot(self) -> dict[str, Any]:
         """JSON-safe: per run, its world, its lists by digest, which ranks point at each, their GPUs."""
-        runs = self._runs.items()
-        return {"runs": {name: self._lists(st, _ranks(st)) for name, st in runs}}
+        return {"runs": {name: self._lists(st, _ranks(st)) for name, st in self._runs.items()}}
 
     def restore(self, state: dict[str, Any]) -> None:
         """Take back a :meth:`snapshot`; what breaks a bound or does not parse is left out."""
@@ -330,7 +326,3 @@ def _known(st: _Run, rank: int) -> bool:
 def _ranks(st: _Run) -> list[int]:
     """The ranks of ``st`` that sent their names (in the order they did), then those that sent only their GPU."""
     return [*st.by_rank, *(r for r, g in enumerate(st.gpus) if g and r not in st.by_rank)]
-
-
-def _gpu_bytes(st: _Run) -> int:
-    return 8 * len(st.gpus) + sum(len(g) for g in st.gpus) if st.gpus else 0

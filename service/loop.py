@@ -54,6 +54,10 @@ def _slices(items: list, size: int) -> list[list]:
     return out
 
 
+#: Longest a step waits for the source's reader to read what is on the bus before judging records
+#: that wait for their share (a flood's): the pipeline still judges a pass at least this often.
+READ_FIRST_S = 1.0
+
 STATE_FILE = "pipeline-state.json"
 #: The wire-v2 record layouts the source learnt (see ``DetectorService._save_schemas``).
 SCHEMAS_FILE = "schemas.json"
@@ -125,6 +129,7 @@ class DetectorService:
         auth = source.ingest.auth  # the runs' key bindings (None without keys)
         if auth is not None:  # signed runs come first for a place (docs/service.md, "Run lifecycle")
             self.pipeline.signed = lambda run: auth.bindings.kid_of(run) is not None
+            self.pipeline.backlog.key_of = auth.bindings.kid_of  # a key's runs share one share of a pass
         if auth is not None and self.resumed:
             auth.bindings.restore(self.pipeline.carried.get("auth_bindings") or {})
             auth.starts.restore(self.pipeline.carried.get("auth_starts"))  # messages taken: a replay refused
@@ -138,6 +143,8 @@ class DetectorService:
 
     def step(self) -> list[IncidentEvent]:
         """One iteration: poll, detect, close late steps, publish; snapshot when it is time."""
+        if self.pipeline.backlog.ready:  # runs wait for their share: what is still on the bus is read first
+            self.source.catch_up(READ_FIRST_S)
         items = self.source.poll(0.0 if self.pipeline.backlog.ready else self.poll_timeout)
         backlog = self._backlog()
         process = self.pipeline.process_summaries if self.pipeline.stage == "temporal" else self.pipeline.process

@@ -32,7 +32,7 @@ class RunBacklog:
 
     :meth:`take` gives a pass at most ``pass_records`` records: each run with records read or
     waiting gets its :func:`fair_share` of the pass (max-min: a run that needs less leaves the rest
-    to the others); while the pass has room, runs short of one record a rank of their world (so
+    to the others; with keys on, of its key's share: ``key_of``); while the pass has room, runs short of one record a rank of their world (so
     whole steps move) get it, then the runs read first the rest they have. A poll of one run, or of no more than
     ``pass_records``, passes as it came. Past ``max_records`` waiting, the runs read last lose
     theirs first, the one with most waiting first among them (``budget`` dead letters that name
@@ -51,6 +51,7 @@ class RunBacklog:
         self._flooded: dict[str, None] = {}  # runs that lost their backlog: they wait until it drains
         self._seen: dict[str, int] = {}  # the poll each run was first read in (a flood's runs come after)
         self._polls = 0
+        self.key_of: Callable[[str], str | None] | None = None  # the job key a run signs with (keys on)
 
     def __len__(self) -> int:
         return self.records
@@ -99,18 +100,24 @@ class RunBacklog:
         return out, lost
 
     def _shares(self, demand: dict[str, int], world: dict[str, int]) -> dict[str, int]:
-        """Records each run may have this pass (see the class): the runs first read in this poll
-        share one fair share of the pass (a flood of new names is one more taker, not thousands), the
-        others one each; then, while the pass has room, a rank of its world to each run short of
-        one, runs read first first, and the rest of what they have to the runs read first."""
-        new = {run: n for run, n in demand.items() if self._seen.get(run) == self._polls}
-        takers = {run: n for run, n in demand.items() if run not in new}
-        if new:
-            takers[None] = sum(new.values())
-        share = fair_share(takers, self.pass_records)
-        allow = {run: min(n, share) for run, n in demand.items() if run not in new}
-        newcomers = min(takers.get(None, 0), share)
-        allow.update((run, min(n, fair_share(new, newcomers))) for run, n in new.items())
+        """Records each run may have this pass (see the class): the takers of a pass are the keys
+        (all the runs a job key signs for share one fair share: another tenant's flood over many
+        names is one taker), each unsigned run, and the unsigned runs first read in this poll
+        together (a flood of new names is one more taker, not thousands); a taker's share is split
+        fairly among its runs. Then, while the pass has room, a rank of its world to each run short
+        of one, runs read first first, and the rest of what they have to the runs read first."""
+        new = {run for run in demand if self._seen.get(run) == self._polls}
+        key_of = self.key_of or (lambda run: None)
+        takers: dict[object, dict[str, int]] = {}
+        for run, n in demand.items():
+            kid = key_of(run)
+            taker = ("key", kid) if kid is not None else None if run in new else run
+            takers.setdefault(taker, {})[run] = n
+        share = fair_share({t: sum(runs.values()) for t, runs in takers.items()}, self.pass_records)
+        allow: dict[str, int] = {}
+        for runs in takers.values():
+            split = fair_share(runs, min(sum(runs.values()), share))
+            allow.update((run, min(n, split)) for run, n in runs.items())
         room = self.pass_records - sum(allow.values())
         order = sorted(demand, key=lambda r: self._seen.get(r, 0))
         for want in (lambda r: min(demand[r], world[r]), demand.__getitem__):

@@ -103,11 +103,7 @@ class RunLifecycle:
         """Input for ``runs`` that carries no markers (the temporal stage's step summaries)."""
         now = self.clock()
         for run in runs:
-            life = self._runs.get(run)
-            if life is None:
-                self._runs[run] = _Life(now)
-            else:
-                life.last_input = now
+            self._runs.setdefault(run, _Life(now)).last_input = now
 
     def take_summaries(self, summaries: list) -> list:
         """The temporal stage's input: note it, finish the runs whose end it says; the steps to judge."""
@@ -135,9 +131,7 @@ class RunLifecycle:
 
     def finish(self, run: str) -> bool:
         """The run ended as a whole (the temporal stage hears it from the spatial stage's summary)."""
-        life = self._runs.get(run)
-        if life is None:
-            life = self._runs[run] = _Life(self.clock())
+        life = self._runs.setdefault(run, _Life(self.clock()))
         if life.finished_at is not None:
             return False
         life.finished_at = self.clock()

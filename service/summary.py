@@ -70,7 +70,7 @@ def _pack(obj: Any, blobs: list[bytes]) -> Any:
         )
     if isinstance(obj, (list, tuple)):
         return [_pack(v, blobs) for v in obj]
-    if isinstance(obj, (np.integer,)):
+    if isinstance(obj, np.integer):
         return int(obj)
     if isinstance(obj, (float, np.floating)):
         f = float(obj)
@@ -181,14 +181,13 @@ def decode_summary(data: bytes | bytearray | memoryview) -> StepSummary:
         raise SummaryError("head", f"not JSON: {exc}") from None
     try:
         arrays = _Arrays(raw, 4 + n)
-        hosts = head["hosts"]
         s = StepSummary(
             run=str(head["run"]),
             step=int(head["step"]),
             world=int(head["world"]),
             n_present=int(head["n_present"]),
             complete=bool(head["complete"]),
-            hosts=None if hosts is None else tuple(str(h) for h in hosts),
+            hosts=None if head["hosts"] is None else tuple(str(h) for h in head["hosts"]),
             dropped={int(k): float(v) for k, v in arrays.unpack(head["dropped"]).items()},
             stats=arrays.unpack(head["stats"]),
             observations=arrays.unpack(head["observations"]),

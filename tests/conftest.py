@@ -4,6 +4,7 @@ the modules run in (the costliest first, so that no worker is left with a long o
 from __future__ import annotations
 
 import os
+import sys
 import uuid
 from pathlib import Path
 
@@ -87,6 +88,7 @@ def _module_cost(items: list) -> tuple[int, int, int]:
     return slow, integration, len(items)
 
 
+@pytest.hookimpl(trylast=True)  # after `-m` deselected: a module's bench-marked tests do not run
 def pytest_collection_modifyitems(config, items):
     """The costliest modules first (``--no-loadscope-reorder`` keeps this order under -n): a worker
     that takes a minute-long module last would have the others wait for it at the end."""
@@ -98,6 +100,11 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_configure(config):
+    # without bytecode caches (PYTHONDONTWRITEBYTECODE set, as in some containers) every process the
+    # suite starts (ranks, services, the CLI) compiles sdcwatch again and every run rewrites each test
+    # module's asserts again (6 of a worker's 12 CPU seconds of collection); git ignores the caches
+    os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+    sys.dont_write_bytecode = False
     os.environ.setdefault("SDCWATCH_HOST", "testhost")
     # a developer's exported job key would make every in-memory bus sign (tests that want one set it)
     os.environ.pop("SDCWATCH_KEY", None)

@@ -60,6 +60,9 @@ class MemorySource(DeadLetterCounts):
         self.records += count_records(out)
         return out
 
+    def catch_up(self, timeout: float) -> None:
+        """Nothing to wait for: the in-memory topic is read whole at each poll."""
+
     def dead_letter(self, records: Sequence[Record], reason: str, why: str) -> None:
         """Route records the pipeline refused (e.g. an implausible step) to the dead-letter topic."""
         for rec in records:

@@ -47,16 +47,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
         help_text = f"{docs.get(dotted, '')} [{env_name(dotted)}; default: {_show(default_of(dotted))}]"
         help_text = help_text.replace("%", "%%")
         if kind is bool:
-            parser.add_argument(
-                *names, dest=dotted, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=help_text
-            )
+            how: dict[str, Any] = {"action": argparse.BooleanOptionalAction}
+        elif dotted.endswith("url"):
+            how = {"metavar": "URL"}
         else:
-            metavar = {int: "N", float: "SECONDS" if dotted.endswith("_s") else "X", Path: "DIR", tuple: "A,B"}.get(
-                kind, "TEXT"
-            )
-            if dotted.endswith("url"):
-                metavar = "URL"
-            parser.add_argument(*names, dest=dotted, metavar=metavar, default=argparse.SUPPRESS, help=help_text)
+            seconds = "SECONDS" if dotted.endswith("_s") else "X"
+            how = {"metavar": {int: "N", float: seconds, Path: "DIR", tuple: "A,B"}.get(kind, "TEXT")}
+        parser.add_argument(*names, dest=dotted, default=argparse.SUPPRESS, help=help_text, **how)
     return parser
 
 
@@ -102,28 +99,14 @@ def _own_docs(cls: type) -> dict[str, str]:
     return docs
 
 
-def _class_docs(cls: type) -> dict[str, str]:
-    """Docs of the settable fields of a dataclass, written in it or in its bases (``[detectors]``'s
-    are :class:`~sdcwatch.service.pipeline.PipelineSettings`'); a sub-section without one gets its
-    class's first line."""
-    docs: dict[str, str] = {}
-    for klass in reversed(cls.__mro__):
-        docs.update(_own_docs(klass))
-    settable = hints(cls)
-    docs = {name: doc for name, doc in docs.items() if name in settable}
-    for name, kind in settable.items():
-        if name not in docs and dataclasses.is_dataclass(kind):
-            docs[name] = (kind.__doc__ or "").strip().splitlines()[0] if kind.__doc__ else ""
-    return docs
-
-
 def field_docs() -> dict[str, str]:
-    """Dotted key -> its one-line documentation, for every key and sub-section."""
+    """Dotted key -> its one-line documentation, for every key: the docstring of its field, written in
+    its class or a base (``[detectors]``'s are :class:`~sdcwatch.service.pipeline.PipelineSettings`')."""
     out: dict[str, str] = {}
 
     def walk(cls: type, prefix: str) -> None:
-        for name, doc in _class_docs(cls).items():
-            out[f"{prefix}{name}"] = doc
+        for klass in reversed(cls.__mro__):
+            out.update({f"{prefix}{name}": doc for name, doc in _own_docs(klass).items()})
         for name, kind in hints(cls).items():
             if dataclasses.is_dataclass(kind):
                 walk(kind, f"{prefix}{name}.")

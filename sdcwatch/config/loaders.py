@@ -258,13 +258,10 @@ def load_config(
     env = os.environ if env is None else env
     if path is None and env.get(ENV_PREFIX + "CONFIG"):
         path = env[ENV_PREFIX + "CONFIG"]
+    layers = [_file_layer(Path(path))] if path is not None else []
+    layers += [_env_layer(env), _flag_layer(overrides or {})]
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}
-    layers = []
-    if path is not None:
-        layers.append(_file_layer(Path(path)))
-    layers.append(_env_layer(env))
-    layers.append(_flag_layer(overrides or {}))
     for layer_values, layer_sources in layers:
         values.update(layer_values)
         sources.update(layer_sources)

@@ -22,7 +22,6 @@ from sdcwatch.core.validate import (
     check_number,
     check_type,
     did_you_mean,
-    is_secret,
     topic_problem,
     url_problem,
 )
@@ -459,26 +458,6 @@ class ServeConfig:
                 "spatial instances share one consumer group, each with a state of its own partitions: give each "
                 "its state folder (the state topic is for stage both and the temporal stage)",
             )
-
-    def to_dict(self, *, redact: bool = True) -> dict[str, dict[str, Any]]:
-        """Plain nested dict (TOML shape); secrets are shown as ``***`` unless ``redact=False``."""
-        return {name: _table(getattr(self, name), redact) for name in SECTIONS}
-
-
-def _table(obj: Any, redact: bool) -> dict[str, Any]:
-    values: dict[str, Any] = {}
-    for name in hints(type(obj)):
-        value = getattr(obj, name)
-        if dataclasses.is_dataclass(value):
-            value = _table(value, redact)
-        elif isinstance(value, Path):
-            value = str(value)
-        elif isinstance(value, tuple):
-            value = list(value)
-        elif isinstance(value, dict):
-            value = {k: ("***" if redact and is_secret(k) else v) for k, v in value.items()}
-        values[name] = value
-    return values
 
 
 SECTIONS: dict[str, type[_Section]] = {

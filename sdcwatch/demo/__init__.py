@@ -13,7 +13,6 @@ from sdcwatch.core.errors import ConfigError
 from sdcwatch.demo.plan import PRESETS, preset_faults
 from sdcwatch.demo.result import DemoResult, format_summary, summarize
 from sdcwatch.demo.run import run_demo
-from sdcwatch.demo.training import PACE_LAG_STEPS, PACE_TIMEOUT_S
 
 __all__ = [
     "PRESETS",
@@ -24,8 +23,6 @@ __all__ = [
     "demo_main",
     "summarize",
     "format_summary",
-    "PACE_LAG_STEPS",
-    "PACE_TIMEOUT_S",
 ]
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from sdcwatch.core.errors import ConfigError
 from sdcwatch.testbed.faultspec import FaultSpec, load_faults
@@ -14,53 +14,44 @@ from sdcwatch.testbed.faultspec import FaultSpec, load_faults
 __all__ = ["PRESETS", "preset_faults", "DemoPlan", "plan_demo"]
 
 
-def _fault(kind: str, step: int, rank: int | None, **kw: Any) -> dict[str, Any]:
-    return {"kind": kind, "step": step, "rank": rank, **kw}
-
-
-#: Fault presets: name -> (description, builder(rank, step, seed) -> list of fault dicts).
-PRESETS: dict[str, tuple[str, Callable[[int, int, int], list[dict[str, Any]]]]] = {
+#: Fault presets: name -> (description, its faults: each a kind, whether it hits the one rank the demo
+#: picks (else every rank), and its settings); :func:`preset_faults` places them at a step and rank.
+PRESETS: dict[str, tuple[str, list[tuple[str, bool, dict[str, Any]]]]] = {
     "bitflip": (
         "one exponent bit flipped in one element of an attention projection output (transient SDC)",
-        lambda r, s, seed: [
-            _fault("bitflip", s, r, duration=1, target="blocks.1.attn.qkv", where="output", bit=30, seed=seed)
-        ],
+        [("bitflip", True, {"duration": 1, "target": "blocks.1.attn.qkv", "where": "output", "bit": 30})],
     ),
     "nan": (
         "a NaN written into one element of an attention GEMM output (ATTNChecker's fault model)",
-        lambda r, s, seed: [_fault("nan", s, r, duration=1, target="blocks.1.attn.scores", where="output", seed=seed)],
+        [("nan", True, {"duration": 1, "target": "blocks.1.attn.scores", "where": "output"})],
     ),
     "near_inf": (
         "a near-INF value (1e10) in one element of an attention GEMM output",
-        lambda r, s, seed: [
-            _fault(
-                "near_inf", s, r, duration=1, target="blocks.1.attn.scores", where="output", magnitude=1e10, seed=seed
-            )
-        ],
+        [("near_inf", True, {"duration": 1, "target": "blocks.1.attn.scores", "where": "output", "magnitude": 1e10})],
     ),
     "unhealthy-node": (
         "persistent small noise (1% relative) on every matmul output of one rank: an unhealthy node",
-        lambda r, s, seed: [
-            _fault("noise", s, r, duration=0, target="blocks.*", where="output", magnitude=1e-2, seed=seed)
-        ],
+        [("noise", True, {"duration": 0, "target": "blocks.*", "where": "output", "magnitude": 1e-2})],
     ),
     "bad-batch": (
         "a batch of garbage tokens on every rank for one step: a benign, data-caused loss spike",
-        lambda r, s, seed: [_fault("bad_batch", s, None, duration=1, seed=seed)],
+        [("bad_batch", False, {"duration": 1})],
     ),
     "lr-spike": (
         "the learning rate multiplied by 30 on every rank for 2 steps: an optimisation spike",
-        lambda r, s, seed: [_fault("lr_spike", s, None, duration=2, magnitude=30.0, seed=seed)],
+        [("lr_spike", False, {"duration": 2, "magnitude": 30.0})],
     ),
-    "none": ("no fault: a clean run, which must raise no alert", lambda r, s, seed: []),
+    "none": ("no fault: a clean run, which must raise no alert", []),
 }
 
 
 def preset_faults(name_or_path: str, *, rank: int, step: int, seed: int) -> tuple[str, list[dict[str, Any]]]:
     """The fault list for a preset name or a fault file (JSON lines or a JSON array)."""
     if name_or_path in PRESETS:
-        desc, build = PRESETS[name_or_path]
-        return desc, build(rank, step, seed)
+        desc, faults = PRESETS[name_or_path]
+        return desc, [
+            {"kind": k, "step": step, "rank": rank if one else None, **kw, "seed": seed} for k, one, kw in faults
+        ]
     path = Path(name_or_path)
     if not path.is_file():
         raise ConfigError("fault", f"{name_or_path!r} is neither a preset ({', '.join(PRESETS)}) nor a file")

@@ -53,11 +53,8 @@ def summarize(incidents: list[Any], fault_step: int | None) -> tuple[bool, int |
     if not after:
         return False, None, None, false_alarms
     first = min(i.first_step for i in after)
-    localized = None
-    for inc in sorted(after, key=lambda i: (i.first_step, -i.severity.rank)):
-        if inc.kind in LOCALISING_KINDS and len(inc.ranks) == 1:
-            localized = int(inc.ranks[0])
-            break
+    ordered = sorted(after, key=lambda i: (i.first_step, -i.severity.rank))
+    localized = next((int(i.ranks[0]) for i in ordered if i.kind in LOCALISING_KINDS and len(i.ranks) == 1), None)
     return True, first, localized, false_alarms
 
 

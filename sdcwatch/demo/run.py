@@ -71,7 +71,7 @@ def _announce(plan: DemoPlan, say: Callable[[str], None]) -> None:
 
 
 def _train_beside_the_service(
-    plan: DemoPlan, files: DemoFiles, *, metrics_port: int, progress: TextIO, quiet: bool, progress_every: int
+    plan: DemoPlan, files: DemoFiles, *, metrics_port: int, progress: TextIO, quiet: bool
 ) -> tuple[DemoService, DemoTraining, Any, float | None]:
     """Start the embedded broker and the detector service, train the job on it, drain the
     service and stop everything. Returns the stopped service, the training, the run and its
@@ -97,13 +97,13 @@ def _train_beside_the_service(
             f"  metrics: {service.metrics.url}  (point Prometheus here; the Grafana dashboard and rules: sdcwatch stack export DIR)"
         )
         service.start()
-        training = DemoTraining(plan, broker.bootstrap, service, control, say, progress_every)
+        training = DemoTraining(plan, broker.bootstrap, service, control, say)
         if plan.guard and not quiet:  # the demo prints each action itself
             logging.getLogger("sdcwatch.guard").setLevel(logging.ERROR)
         run = training.build_run()
         final_loss = training.train(run)
         # wait until the service has seen every step the ranks sent, then let it close them
-        service.drain(plan.run_id, plan.steps, plan.ranks, training.records_sent)
+        service.drain(plan.run_id, plan.steps, training.records_sent)
         service.stop()
     return service, training, run, final_loss
 
@@ -179,7 +179,6 @@ def run_demo(
     metrics_port: int = 0,
     progress: TextIO = sys.stderr,
     quiet: bool = False,
-    progress_every: int = 10,
     guard: Any = False,
     parallel: str | None = None,
 ) -> DemoResult:
@@ -204,7 +203,7 @@ def run_demo(
     _announce(plan, _speaker(progress, quiet))
     log.info("demo output in %s", files.out)
     service, training, run, final_loss = _train_beside_the_service(
-        plan, files, metrics_port=metrics_port, progress=progress, quiet=quiet, progress_every=progress_every
+        plan, files, metrics_port=metrics_port, progress=progress, quiet=quiet
     )
     incidents = service.incidents()  # the service has stopped: their final state
     with open(files.incidents, "w", encoding="utf-8") as fh:

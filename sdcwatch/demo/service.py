@@ -47,24 +47,24 @@ class CapturingSource:
 
 
 class EventLog:
-    """An incident sink that keeps every event and prints alerts as they fire."""
+    """An incident sink that notes when each incident opened and which are open, and prints alerts as
+    they fire (on the service's thread; the training reads ``open`` for its progress lines)."""
 
     def __init__(self, out: TextIO, quiet: bool) -> None:
-        self.events: list[Any] = []
         self.opened_wall: dict[str, float] = {}
+        self.open: set[str] = set()
         self._out = out
         self._quiet = quiet
-        self._lock = threading.Lock()
 
     def publish(self, event: Any) -> None:
-        with self._lock:
-            self.events.append(event)
-            inc = event.incident
-            if event.change == "opened":
-                self.opened_wall.setdefault(inc.id, time.time())
+        inc = event.incident
+        if event.change == "opened":
+            self.opened_wall.setdefault(inc.id, time.time())
+            self.open.add(inc.id)
+        elif event.change == "resolved":
+            self.open.discard(inc.id)
         if self._quiet:
             return
-        inc = event.incident
         if event.change == "opened":
             print(f"  ALERT  [{inc.severity.value}] step {inc.first_step}: {inc.message}", file=self._out, flush=True)
         elif event.change == "resolved":
@@ -74,14 +74,6 @@ class EventLog:
 
     def close(self) -> None:
         pass
-
-    def incidents(self) -> list[Any]:
-        """The latest state of every incident, in the order they were opened."""
-        latest: dict[str, Any] = {}
-        with self._lock:
-            for ev in self.events:
-                latest[ev.incident.id] = ev.incident
-        return list(latest.values())
 
 
 class DemoService:
@@ -139,12 +131,11 @@ class DemoService:
         """Run the service on its thread."""
         self._thread.start()
 
-    def drain(self, run_id: str, steps: int, ranks: int, records: int | None = None) -> None:
-        """Wait (bounded) until the service has read every step the ranks sent (``records``, default
-        ``steps`` x ``ranks``) and closed them."""
+    def drain(self, run_id: str, steps: int, records: int) -> None:
+        """Wait (bounded) until the service has read the ``records`` the ranks sent and closed their
+        ``steps`` steps."""
         deadline = time.monotonic() + 30
-        expected = steps * ranks if records is None else records
-        while self.source.seen < expected and time.monotonic() < deadline:
+        while self.source.seen < records and time.monotonic() < deadline:
             time.sleep(0.05)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:

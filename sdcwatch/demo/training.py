@@ -20,6 +20,7 @@ log = logging.getLogger("sdcwatch.demo")
 #: and how long it waits at most for it to catch up (see :meth:`DemoTraining.keep_pace`).
 PACE_LAG_STEPS = 3
 PACE_TIMEOUT_S = 20.0
+PROGRESS_EVERY = 10  # steps between two progress lines
 
 
 class DemoTraining:
@@ -33,14 +34,12 @@ class DemoTraining:
         service: DemoService,
         control: Any,
         say: Callable[[str], None],
-        progress_every: int,
     ) -> None:
         self.plan = plan
         self.bootstrap = bootstrap
         self.service = service
         self.control = control
         self.say = say
-        self.progress_every = progress_every
         self.emitters: list[Any] = []
         self.fault_wall: list[float] = []
         """The wall time the first faulted step began (for the detection latency)."""
@@ -96,8 +95,8 @@ class DemoTraining:
                 if act.action != "none":
                     self.say(f"  GUARD  [{act.action}] {act.message}")
             self._told = len(run.guard.actions)
-        if step % self.progress_every == 0 or step == plan.steps - 1:
-            n_open = sum(1 for i in self.service.events.incidents() if i.open)
+        if step % PROGRESS_EVERY == 0 or step == plan.steps - 1:
+            n_open = len(self.service.events.open)
             loss = run.history[-1] if run.history else math.nan
             rate = (step + 1) / max(1e-9, time.monotonic() - self.t_train)
             self.say(f"  step {step:4d}/{plan.steps}  loss {loss:6.3f}  open incidents {n_open}  ({rate:.1f} steps/s)")

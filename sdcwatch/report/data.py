@@ -90,16 +90,10 @@ def load_records(path: str | Path, *, run: str | None = None) -> RunData:
             if is_end_marker(rec):  # a rank's end-of-run marker (sdcwatch capture keeps them), not a step
                 ended.setdefault(rec.run, set()).add(rec.rank)
                 continue
+            scalars = tuple(rec.scalars.get(k, math.nan) for k in _SCALARS)
             layer = rec.layers.get(ENTROPY)
-            rows.setdefault(rec.run, []).append(
-                (
-                    rec.step,
-                    rec.rank,
-                    rec.time,
-                    tuple(rec.scalars.get(k, math.nan) for k in _SCALARS),
-                    tuple(layer) if layer is not None else None,
-                )
-            )
+            row = (rec.step, rec.rank, rec.time, scalars, tuple(layer) if layer is not None else None)
+            rows.setdefault(rec.run, []).append(row)
             worlds[rec.run] = max(worlds.get(rec.run, 0), rec.world)
             seen.setdefault(rec.run, set()).update(rec.scalars)
             if rec.host:

@@ -144,14 +144,12 @@ def _mean_over_ranks(data: RunData, name: str) -> np.ndarray:
 def global_series(data: RunData) -> tuple[tuple[str, np.ndarray, np.ndarray | None], ...]:
     """(label, series, per-rank values for the spread band or None) for loss and gradient norm."""
     out = []
-    if "loss_global" in data.scalars and np.any(data.present & ~np.isnan(data.scalars["loss_global"])):
-        out.append(("global loss", _mean_over_ranks(data, "loss_global"), data.scalars.get("loss")))
-    elif "loss" in data.scalars:
-        out.append(("loss (mean over ranks)", _mean_over_ranks(data, "loss"), data.scalars["loss"]))
-    if "grad_norm_global" in data.scalars and np.any(data.present & ~np.isnan(data.scalars["grad_norm_global"])):
-        band = data.scalars.get("grad_norm_local")
-        out.append(("global gradient norm", _mean_over_ranks(data, "grad_norm_global"), band))
-    elif "grad_norm_local" in data.scalars:
-        band = data.scalars["grad_norm_local"]
-        out.append(("gradient norm (mean of local)", _mean_over_ranks(data, "grad_norm_local"), band))
+    for glob, local, labels in (
+        ("loss_global", "loss", ("global loss", "loss (mean over ranks)")),
+        ("grad_norm_global", "grad_norm_local", ("global gradient norm", "gradient norm (mean of local)")),
+    ):  # the global value where some rank reported one, else the mean of the local ones
+        if glob in data.scalars and np.any(data.present & ~np.isnan(data.scalars[glob])):
+            out.append((labels[0], _mean_over_ranks(data, glob), data.scalars.get(local)))
+        elif local in data.scalars:
+            out.append((labels[1], _mean_over_ranks(data, local), data.scalars[local]))
     return tuple(out)

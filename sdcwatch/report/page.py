@@ -31,16 +31,9 @@ def _injected_faults(injected: Any) -> list[dict[str, Any]]:
     """The injected faults as dicts (FaultSpec objects, dicts, or a list of them); text gives none."""
     if injected is None or isinstance(injected, str):
         return []
-    if hasattr(injected, "to_dict"):
-        injected = injected.to_dict()
-    if isinstance(injected, Mapping):
-        return [dict(injected)] if "step" in injected else []
-    if isinstance(injected, Iterable):
-        out = []
-        for item in injected:
-            out.extend(_injected_faults(item))
-        return out
-    return []
+    items = injected if isinstance(injected, (list, tuple)) else [injected]
+    dicts = [f.to_dict() if hasattr(f, "to_dict") else f for f in items]
+    return [dict(f) for f in dicts if isinstance(f, Mapping) and "step" in f]
 
 
 def _describe_injected(injected: Any) -> str:

@@ -214,13 +214,6 @@ def _deviation_cmap() -> Any:
     ).with_extremes(over="#7f0000", bad="#c8c8c8")  # bad: no record
 
 
-def deviation_colours(score: np.ndarray) -> np.ndarray:
-    """The RGBA colour the heat map draws each (calibrated) score in; +Inf as the top of the scale
-    (the map draws a rank's own non-finite value in purple on top)."""
-    x = np.where(np.isinf(score), _Z_CAP, np.asarray(score, dtype=np.float64))
-    return _deviation_cmap()(np.ma.masked_invalid(x / _Z_CAP))
-
-
 def _draw_deviation(
     fig: Any, ax: Any, bar: Any, data: RunData, binned: np.ndarray, starts: np.ndarray, widespread: np.ndarray
 ) -> float:
@@ -228,31 +221,18 @@ def _draw_deviation(
     from matplotlib.colors import ListedColormap
 
     world = data.world
-    cmap = _deviation_cmap()
     step_w = (float(data.steps[-1]) - float(data.steps[0])) / max(len(starts) - 1, 1) if len(starts) > 1 else 1.0
     extent = (float(starts[0]) - step_w / 2, float(starts[-1]) + step_w / 2, world - 0.5, -0.5)
-    mesh = ax.imshow(
-        np.ma.masked_invalid(np.where(np.isinf(binned), _Z_CAP, binned).T),
-        aspect="auto",
-        cmap=cmap,
-        vmin=0,
-        vmax=_Z_CAP,
-        interpolation="nearest",
-        extent=extent,
-    )
+    cells = {"aspect": "auto", "interpolation": "nearest", "extent": extent}
+    capped = np.ma.masked_invalid(np.where(np.isinf(binned), _Z_CAP, binned).T)
+    mesh = ax.imshow(capped, cmap=_deviation_cmap(), vmin=0, vmax=_Z_CAP, **cells)
     # Non-finite values get their own colours on top, never confused with a large z: dark purple
     # for a rank that alone went non-finite, light purple once most ranks did.
     spread, _ = bin_columns(widespread.astype(float), data.steps)
     nonfinite = np.where(np.isinf(binned), 2.0, np.where(spread > 0, 1.0, np.nan)).T
     if np.isfinite(nonfinite).any():
         ax.imshow(
-            np.ma.masked_invalid(nonfinite),
-            aspect="auto",
-            cmap=ListedColormap(["#c9b6e4", "#4a148c"]),
-            vmin=0.5,
-            vmax=2.5,
-            interpolation="nearest",
-            extent=extent,
+            np.ma.masked_invalid(nonfinite), cmap=ListedColormap(["#c9b6e4", "#4a148c"]), vmin=0.5, vmax=2.5, **cells
         )
     cbar = fig.colorbar(mesh, ax=bar, extend="max", fraction=0.25, pad=0.05, shrink=0.9 if world <= 16 else 0.6)
     cbar.set_label("deviation vs other ranks\n(robust z, calibrated)", fontsize=8.5)
@@ -265,22 +245,13 @@ def _box_named_ranks(ax: Any, incidents: Sequence[Incident], world: int, half: f
     one), numbered as in the table."""
     from matplotlib.patches import Rectangle
 
+    colour = "#1565c0"
     for n, inc in enumerate(incidents, 1):
-        colour = "#1565c0"
-        if inc.ranks:
-            for r in inc.ranks:
-                if 0 <= r < world:
-                    ax.add_patch(
-                        Rectangle(
-                            (inc.first_step - half, r - 0.5),
-                            inc.last_step - inc.first_step + 2 * half,
-                            1.0,
-                            fill=False,
-                            edgecolor=colour,
-                            linewidth=1.6,
-                        )
-                    )
-        else:
+        width = inc.last_step - inc.first_step + 2 * half
+        for r in (r for r in inc.ranks if 0 <= r < world):
+            box = Rectangle((inc.first_step - half, r - 0.5), width, 1.0, fill=False, edgecolor=colour, linewidth=1.6)
+            ax.add_patch(box)
+        if not inc.ranks:
             ax.axvline(inc.first_step, color=colour, linestyle=":", linewidth=1.2)
         ax.annotate(
             f"#{n}",
@@ -315,15 +286,9 @@ def _point_at_injected_ranks(ax: Any, faults: Sequence[Mapping[str, Any]], world
 def _label_heatmap_axes(ax: Any, data: RunData, starts: np.ndarray) -> None:
     """The step axis (saying when columns are binned) and the rank axis (with hosts on small runs)."""
     world = data.world
-    ax.set_xlabel(
-        "step"
-        + (
-            f"  (binned: worst of ~{len(data.steps) // len(starts)} steps per column)"
-            if len(starts) < len(data.steps)
-            else ""
-        ),
-        fontsize=9.5,
-    )
+    binned = len(starts) < len(data.steps)
+    per_column = f"  (binned: worst of ~{len(data.steps) // len(starts)} steps per column)" if binned else ""
+    ax.set_xlabel("step" + per_column, fontsize=9.5)
     ax.set_ylabel("rank", fontsize=9.5)
     tick_every = 1 if world <= 24 else (2 if world <= 48 else 4)
     ticks = list(range(0, world, tick_every))

@@ -3,6 +3,7 @@ mitigations and the update itself, on the guard's shared :class:`~sdcwatch.telem
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Any, Callable, Sequence
 
@@ -52,12 +53,11 @@ class GuardActions:
     def on_control(self, step: int, agreed: list[int], reason: str, out: GuardOutcome) -> GuardOutcome:
         """Act on the control decision ``agreed`` (the ballots' MAX); ``reason``: rank 0's text of it."""
         action = ACTIONS[agreed[3]]
-        rank = agreed[4] - 1 if agreed[4] else None
         since = agreed[5] - 1 if agreed[5] else None
         lr = agreed[6] / 1e6 or 1.0
         if self.place.world > 1 and not isinstance(self.group, LocalGroup):
             reason = self.group.broadcast_text(reason)
-        ranks = (rank,) if rank is not None else ()  # what every process agreed on
+        ranks = (agreed[4] - 1,) if agreed[4] else ()  # what every process agreed on
         out.reason, out.ranks = "control", ranks
         what = (
             f"step {step}: the detector service asks to {action}"
@@ -250,9 +250,7 @@ class GuardActions:
         self.actions.append(out)
         log.error("%s", exc.message)
         if self.watch is not None:
-            try:
+            with contextlib.suppress(Exception):
                 self.watch.step(step, **out.telemetry())
                 self.watch.flush()
-            except Exception:
-                pass
         raise exc

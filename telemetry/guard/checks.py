@@ -18,8 +18,6 @@ __all__ = [
     "LocalGroup",
     "DistGroup",
     "TensorAgreement",
-    "TEXT_BYTES",
-    "HOST_BYTES",
     "same",
     "to_numpy",
     "suspects_from",
@@ -27,7 +25,6 @@ __all__ = [
     "rng_state",
     "set_rng_state",
     "ballot",
-    "BIG",
 ]
 
 BIG = 1 << 40

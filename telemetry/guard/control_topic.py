@@ -4,6 +4,7 @@ into, or blocks, the training loop: a bus it cannot reach or a malformed message
 
 from __future__ import annotations
 
+import contextlib
 import collections
 import logging
 import threading
@@ -95,7 +96,6 @@ class MemoryControl:
     def __init__(self, decisions: Iterable[Decision] = ()) -> None:
         self._queue: collections.deque[Decision] = collections.deque(decisions, maxlen=1024)
         self._lock = threading.Lock()
-        self.rejected = 0
 
     def put(self, decision: Decision) -> None:
         with self._lock:
@@ -167,10 +167,8 @@ class KafkaControl:
             log.warning("sdcwatch guard: could not announce this start on %s (%s); retrying", self.telemetry_topic, exc)
         finally:
             if producer is not None:
-                try:
+                with contextlib.suppress(Exception):
                     producer.close(1)
-                except Exception:
-                    pass
 
     def poll(self) -> list[Decision]:
         return self.inbox.poll()
@@ -230,10 +228,8 @@ class KafkaControl:
                 self._give_up(str(exc))
         finally:
             if consumer is not None:
-                try:
+                with contextlib.suppress(Exception):
                     consumer.close()
-                except Exception:
-                    pass
 
     @property
     def rejected(self) -> int:

@@ -178,10 +178,8 @@ class DeviceSkip:
 
     def skipped(self) -> dict[str, int]:
         """Skips so far, by reason: a host read (call it on a logging step, not every step)."""
-        if self._count is None:
-            return {"skips": 0, "nonfinite": 0, "spike": 0}
-        a, b, s = (int(v) for v in self._count.tolist())
-        return {"skips": a, "nonfinite": b, "spike": s}
+        counts = [0, 0, 0] if self._count is None else self._count.tolist()
+        return dict(zip(("skips", "nonfinite", "spike"), map(int, counts)))
 
     def state_dict(self) -> dict[str, Any]:
         """The baselines, the run of spike skips and the counts (device tensors, cloned): saved with a checkpoint."""

@@ -49,7 +49,7 @@ class SnapshotStore:
         with torch.no_grad():
             m = {k: v.detach().clone() for k, v in model.state_dict().items()}
             o = clone_state(optimizer.state_dict())
-        nbytes = sum(t.numel() * t.element_size() for t in m.values()) + _tensor_bytes(o)
+        nbytes = _tensor_bytes(m) + _tensor_bytes(o)
         self._snaps.append(_Snapshot(step, data_pos, m, o, nbytes))
         self.taken += 1
         while len(self._snaps) > 1 and self.nbytes > self.budget:

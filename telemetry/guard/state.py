@@ -21,10 +21,6 @@ _WINDOWS = ("skips", "rollbacks", "reruns", "mitigations")
 _NO_MITIGATION = ("none", 1.0, -1)
 
 
-def _deque() -> collections.deque[int]:
-    return collections.deque()
-
-
 @dataclass
 class GuardState:
     """The guard's state between steps: baselines (the deciding part learns into them; one per local
@@ -33,10 +29,10 @@ class GuardState:
     loss: list[RobustBaseline]
     local_grad: list[RobustBaseline]
     grad: RobustBaseline
-    skips: collections.deque[int] = field(default_factory=_deque)
-    rollbacks: collections.deque[int] = field(default_factory=_deque)
-    reruns: collections.deque[int] = field(default_factory=_deque)
-    mitigations: collections.deque[int] = field(default_factory=_deque)
+    skips: collections.deque[int] = field(default_factory=collections.deque)
+    rollbacks: collections.deque[int] = field(default_factory=collections.deque)
+    reruns: collections.deque[int] = field(default_factory=collections.deque)
+    mitigations: collections.deque[int] = field(default_factory=collections.deque)
     """The steps of each budget's actions within the budget window, oldest first."""
     lr_scale: float = 1.0
     lr_until: int = -1

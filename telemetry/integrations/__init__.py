@@ -80,12 +80,15 @@ class CallbackCore:
         self._owns_emitter = False
 
     def start(
-        self, model: Any, optimizer: Any, ddp: Any, rank: int, world: int, found: FrameworkMesh | None = None
+        self, model: Any, optimizer: Any, wrapped: Any, rank: int, world: int, found: FrameworkMesh | None = None
     ) -> None:
         """Training begins: the emitter (built here unless one was given), the probes, the injector.
+        ``wrapped``: the framework's wrapper of the model (a DDP one: the probes measure its all-reduce);
         ``found``: the framework's device mesh, used when the user passed no ``mesh=``."""
         from sdcwatch.telemetry.probes.watch import attach
+        from torch.nn.parallel import DistributedDataParallel
 
+        ddp = wrapped if isinstance(wrapped, DistributedDataParallel) else None
         if self.emitter is None:
             from sdcwatch.telemetry.wire.emitter import Emitter
 
@@ -110,9 +113,7 @@ class CallbackCore:
         from sdcwatch.telemetry.probes.fsdp import is_sharded
         from sdcwatch.telemetry.probes.mesh_torch import coords_from_mesh
 
-        names = dict(found.names or {})
-        if self.mesh_names:
-            names.update(self.mesh_names)
+        names = {**(found.names or {}), **(self.mesh_names or {})}  # the user's names win
         mesh_dims = getattr(found.mesh, "mesh_dim_names", None)
         names = {k: v for k, v in names.items() if mesh_dims and k in mesh_dims}
         dims = ", ".join(f"{n}={s}" for n, s in zip(mesh_dims or (), getattr(found.mesh, "shape", ())))

@@ -49,9 +49,9 @@ class SdcwatchCallback(TrainerCallback, CallbackCore):
 
         rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
         trainer = _calling_trainer(model)
-        self.start(
-            model, _inner_optimizer(optimizer), _ddp_wrapper(trainer), rank, world, framework_mesh(trainer, model)
-        )
+        inner = getattr(optimizer, "optimizer", optimizer)  # the torch optimizer in accelerate's: its hooks run
+        wrapped = getattr(trainer, "model_wrapped", None)
+        self.start(model, inner, wrapped, rank, world, framework_mesh(trainer, model))
         if trainer is None:
             log.warning("sdcwatch: the Trainer calling the callback was not found: records carry no loss")
         else:
@@ -176,14 +176,6 @@ def _calling_trainer(model: Any) -> Any:
     return None
 
 
-def _ddp_wrapper(trainer: Any) -> Any:
-    """The Trainer's DDP wrapper of its model; None when the run is not data-parallel."""
-    from torch.nn.parallel import DistributedDataParallel
-
-    wrapped = getattr(trainer, "model_wrapped", None)
-    return wrapped if isinstance(wrapped, DistributedDataParallel) else None
-
-
 #: accelerate's ``sp`` (sequence parallel, DeepSpeed Ulysses) splits each sequence over ranks that
 #: hold the same model, as context parallelism does; its other dims are sdcwatch's own names
 ACCELERATE_DIMS = {"sp": "cp"}
@@ -204,8 +196,3 @@ def framework_mesh(trainer: Any, model: Any) -> FrameworkMesh | None:
     if mesh is not None and hasattr(mesh, "get_coordinate"):
         return FrameworkMesh(mesh, None, "model._device_mesh (transformers distributed_config)")
     return None
-
-
-def _inner_optimizer(optimizer: Any) -> Any:
-    """The torch optimizer inside Accelerate's wrapper (its step hooks are the ones that run)."""
-    return getattr(optimizer, "optimizer", optimizer)

@@ -37,12 +37,9 @@ class SdcwatchCallback(pl.Callback, CallbackCore):
         self._in_forward = False
 
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        from torch.nn.parallel import DistributedDataParallel
-
-        wrapped = getattr(trainer.strategy, "model", None)
-        ddp = wrapped if isinstance(wrapped, DistributedDataParallel) else None
         optimizer = trainer.optimizers[0] if trainer.optimizers else None
-        self.start(pl_module, optimizer, ddp, trainer.global_rank, trainer.world_size, strategy_mesh(trainer))
+        wrapped = getattr(trainer.strategy, "model", None)
+        self.start(pl_module, optimizer, wrapped, trainer.global_rank, trainer.world_size, strategy_mesh(trainer))
 
     def on_train_batch_start(
         self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, batch_idx: int

@@ -9,7 +9,7 @@ import math
 from typing import Any, Callable
 
 import torch
-from sdcwatch.telemetry.probes.compiled_calls import kept_calls
+from sdcwatch.telemetry.probes.compiled_calls import kept_calls, remove_hooks
 from sdcwatch.telemetry.probes.forward_order import ForwardOrder
 from torch import nn
 
@@ -51,9 +51,7 @@ class ActivationMax:
             self.remove()
 
     def remove(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles = []
+        remove_hooks(self._handles)
 
     def _hook(self, module: nn.Module, args: Any, output: Any) -> None:
         if not (self.on and self._allowed()):

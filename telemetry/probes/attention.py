@@ -23,7 +23,6 @@ __all__ = [
     "finish_attention",
     "sampled_heads",
     "sampled_queries",
-    "mha_project",
     "mha_qk_logits",
     "ATTENTION_WATCHES",
     "LIVE_WATCHES",

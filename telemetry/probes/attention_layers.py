@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from sdcwatch.core.errors import ConfigError
-from sdcwatch.telemetry.probes.compiled_calls import kept_calls
+from sdcwatch.telemetry.probes.compiled_calls import kept_calls, remove_hooks
 from sdcwatch.telemetry.probes.attention import ATTENTION_WATCHES, attention_stats, combine_attention, mha_qk_logits
 from torch import nn
 
@@ -141,9 +141,7 @@ class AttentionLayers:
 
     def remove(self) -> None:
         """Remove the hooks and forget the watch on its layers."""
-        for h in self.handles:
-            h.remove()
-        self.handles.clear()
+        remove_hooks(self.handles)
         for m in self.layers:
             entries = ATTENTION_WATCHES.get(m)
             if entries:

@@ -22,7 +22,6 @@ __all__ = [
     "memory_bound",
     "memory_bound_of",
     "product_dtype",
-    "rounding_gamma",
     "check_linear",
     "check_matmul",
     "check_weight_grad",

@@ -4,6 +4,7 @@ hooks (docs/probes.md, "How the probes are built").
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import torch
@@ -51,7 +52,7 @@ def make_room_for_blocks(model: nn.Module) -> None:
 def watch_compiled_code(model: nn.Module) -> None:
     """Make compiled code run the hooks attach() adds to ``model``: Dynamo's guards on module hooks
     on, and its caches reset when the model already ran compiled (a one-time recompile). Never raises."""
-    try:
+    with contextlib.suppress(Exception):  # a torch without Dynamo: nothing is compiled
         import torch._dynamo
 
         torch._dynamo.config.skip_nnmodule_hook_guards = False
@@ -66,5 +67,3 @@ def watch_compiled_code(model: nn.Module) -> None:
                 stacklevel=3,
             )
             torch.compiler.reset()
-    except Exception:  # a torch without Dynamo: nothing is compiled
-        pass

@@ -1,5 +1,6 @@
-"""The calls compiled code keeps on the modules it measures, taking them back at a step's end, and
-the per-step bookkeeping tensors the probes cache (docs/probes.md, "How the probes are built").
+"""The calls compiled code keeps on the modules it measures, taking them back at a step's end, the
+per-step bookkeeping tensors the probes cache, and removing the probes' hooks (docs/probes.md,
+"How the probes are built").
 """
 
 from __future__ import annotations
@@ -8,7 +9,7 @@ from typing import Any, Callable, Hashable, Iterable
 
 from torch import nn
 
-__all__ = ["kept_calls", "cached"]
+__all__ = ["kept_calls", "cached", "remove_hooks"]
 
 
 def cached(cache: dict, key: Hashable, make: Callable[[], Any]) -> Any:
@@ -33,3 +34,10 @@ def kept_calls(modules: Iterable[nn.Module], attr: str) -> list[tuple[int, Any]]
             out.extend((i, c) for c in calls)
             calls.clear()
     return out
+
+
+def remove_hooks(handles: list[Any]) -> None:
+    """Remove every hook in ``handles`` (torch's removable handles) and empty the list."""
+    for h in handles:
+        h.remove()
+    handles.clear()

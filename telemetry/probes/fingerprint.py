@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Iterable, Sequence
 
 if TYPE_CHECKING:  # torch is imported lazily: the emitter must not need it
@@ -19,7 +20,6 @@ __all__ = [
 
 _MASK = (1 << 64) - 1
 _INT_OF_SIZE = {1: "int8", 2: "int16", 4: "int32", 8: "int64"}
-_WEIGHTS: dict[tuple[int, str], "torch.Tensor"] = {}
 
 
 def splitmix64(x: int) -> int:
@@ -34,17 +34,12 @@ def _signed(x: int) -> int:
     return x - (1 << 64) if x >= 1 << 63 else x
 
 
+@functools.cache
 def _weights(n: int, device: "torch.device") -> "torch.Tensor":
     """2*n fixed odd constants (as signed int64) on ``device``, cached."""
     import torch
 
-    key = (n, str(device))
-    w = _WEIGHTS.get(key)
-    if w is None:
-        values = [_signed(splitmix64(i) | 1) for i in range(2 * n)]
-        w = torch.tensor(values, dtype=torch.int64, device=device)
-        _WEIGHTS[key] = w
-    return w
+    return torch.tensor([_signed(splitmix64(i) | 1) for i in range(2 * n)], dtype=torch.int64, device=device)
 
 
 def _bits(t: "torch.Tensor") -> "torch.Tensor":

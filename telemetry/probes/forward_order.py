@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Sequence
 
 import torch
@@ -34,10 +35,9 @@ class ForwardOrder:
         """Keep compiled code's counter on ``device`` (the model's): called before each step."""
         if self._counter is None or self._counter.device != device:
             self._counter = torch.zeros((), dtype=torch.float32, device=device)
-            try:  # its address fixed: CUDA graphs (mode="reduce-overhead") take its in-place count
+            # its address fixed: CUDA graphs (mode="reduce-overhead") take its in-place count
+            with contextlib.suppress(Exception):  # a torch without Dynamo
                 torch._dynamo.mark_static_address(self._counter)
-            except Exception:  # a torch without Dynamo
-                pass
 
     def traced_tick(self) -> torch.Tensor:
         """:meth:`tick` for code torch.compile traces: the ordinal as a 0-d device tensor, counted on the
@@ -73,9 +73,9 @@ class ForwardOrder:
                         for o in ordinals
                     ]
                 )
-                return torch.where(peak.abs() < self.limit, float("inf"), order).amin().nan_to_num(posinf=-1.0)
-            key = (tuple(ordinals), peak.device)
-            order = cached(self._index, key, lambda: torch.tensor(ordinals, dtype=torch.float32).to(peak.device))
+            else:
+                key = (tuple(ordinals), peak.device)
+                order = cached(self._index, key, lambda: torch.tensor(ordinals, dtype=torch.float32).to(peak.device))
             fine = peak.abs() < self.limit  # NaN fails the comparison: it is bad
             return torch.where(fine, float("inf"), order).amin().nan_to_num(posinf=-1.0)
 

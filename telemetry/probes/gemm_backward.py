@@ -146,9 +146,7 @@ class GradientChecks:
 
     def weight_grad(self, i: int, dw: torch.Tensor) -> None:
         """Check the column sums of product ``i``'s weight gradient against the reference."""
-        p = self._pending.get(i)
-        if p is None:
-            p = self._traced_pending(i)
+        p = self._pending.get(i) or self._traced_pending(i)
         if p is None or dw.dim() != 2 or dw.shape[1] != p[0].shape[0]:
             return
         with torch.no_grad():
@@ -173,9 +171,7 @@ class GradientChecks:
 
     def bias_grad(self, i: int, db: torch.Tensor) -> None:
         """The bias gradient of product ``i``: its sum against the reference."""
-        p = self._pending.get(i)
-        if p is None:
-            p = self._traced_pending(i)
+        p = self._pending.get(i) or self._traced_pending(i)
         if p is None or p[3] is None:
             return
         with torch.no_grad():

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from sdcwatch.telemetry.probes import fingerprint as fp
 from sdcwatch.telemetry.probes.canary import canary_section
+from sdcwatch.telemetry.probes.compiled_calls import cached
 from sdcwatch.telemetry.probes.gemm_state import is_shard
 from sdcwatch.telemetry.probes.linear_layout import is_linear, linear_weight
 from sdcwatch.telemetry.probes.output_faults import output_faults
@@ -29,15 +30,13 @@ _LINEAR_FORWARD = nn.Linear.forward
 def known_input(in_features: int, out_features: int, dtype: torch.dtype, device: Any, rows: int = ROWS) -> torch.Tensor:
     """The fixed ``(rows, in_features)`` input of a product of this shape: standard normal values
     from a generator seeded by the shape alone (the same on every rank and run); cached."""
-    key = (in_features, out_features, rows, dtype, str(device))
-    x = _INPUTS.get(key)
-    if x is None:
-        if len(_INPUTS) > 256:
-            _INPUTS.clear()
+
+    def draw() -> torch.Tensor:
         seed = zlib.crc32(f"sdcwatch-gemm-canary:{in_features}x{out_features}x{rows}".encode())
         gen = torch.Generator().manual_seed(seed)
-        x = _INPUTS[key] = torch.randn(rows, in_features, generator=gen).to(device=device, dtype=dtype)
-    return x
+        return torch.randn(rows, in_features, generator=gen).to(device=device, dtype=dtype)
+
+    return cached(_INPUTS, (in_features, out_features, rows, dtype, str(device)), draw)
 
 
 class GemmCanary:
@@ -95,11 +94,11 @@ class GemmCanary:
     def _fingerprint(self, module: nn.Linear) -> torch.Tensor | None:
         w, b = linear_weight(module)  # (out, in), whatever the layout
         sharded = is_shard(w) or (b is not None and is_shard(b))
+        x = known_input(w.shape[1], w.shape[0], w.dtype, w.device)  # a shard's shape is the whole weight's
         if type(module).forward is _LINEAR_FORWARD:  # the product itself, and the faults on its output
             with torch.no_grad():
                 if sharded:
                     w, b = _whole(w), None if b is None else _whole(b)
-                x = known_input(w.shape[1], w.shape[0], w.dtype, w.device)
                 y = F.linear(x, w, b)
                 for hook in output_faults(module):
                     got = hook(module, (x,), y)
@@ -110,10 +109,9 @@ class GemmCanary:
                     whole = {"weight": _whole(module.weight)}
                     if b is not None:
                         whole["bias"] = _whole(b)
-                    x = known_input(w.shape[1], w.shape[0], w.dtype, w.device)
                     y = torch.func.functional_call(module, whole, (x,))
                 else:
-                    y = module(known_input(w.shape[1], w.shape[0], w.dtype, w.device))
+                    y = module(x)
         if not isinstance(y, torch.Tensor):
             return None
         return fp.fingerprint_device([y])

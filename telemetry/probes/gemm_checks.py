@@ -5,6 +5,7 @@ the bounds are :mod:`~sdcwatch.telemetry.probes.checksum_bounds`'s (docs/probes.
 
 from __future__ import annotations
 
+import collections
 import fnmatch
 import functools
 import math
@@ -35,7 +36,7 @@ from sdcwatch.telemetry.probes.gemm_state import (
     zero_of,
 )
 from sdcwatch.telemetry.probes.gemm_traced import TracedCalls
-from sdcwatch.telemetry.probes.compiled_calls import cached
+from sdcwatch.telemetry.probes.compiled_calls import cached, remove_hooks
 from sdcwatch.telemetry.probes.row_scan import FUSED_DTYPES, triton_available
 from sdcwatch.telemetry.probes.linear_layout import is_linear, linear_weight, transposed
 from torch import nn
@@ -95,17 +96,14 @@ class GemmChecks:
         self.seal_provisionally()
         self._n_registered = len(self.names)  # the products found here (observe_gemm may add more)
         self._coverage_told = False
-        self._owners = [m for _, m in model.named_modules()]
+        self._owners = list(model.modules())
         self._module_names = {id(m): n for n, m in model.named_modules()}
         self._reset()
 
     def _find_products(self, model: nn.Module, globs: list[str]) -> list[int]:
         """Hook the linear layers and ``_sdcwatch_gemm`` modules matching ``globs``; returns the
         products whose weight gradient is checked."""
-        owners: dict[int, int] = {}
-        for _, m in model.named_modules():
-            for p in m.parameters(recurse=False):
-                owners[id(p)] = owners.get(id(p), 0) + 1
+        owners = collections.Counter(id(p) for m in model.modules() for p in m.parameters(recurse=False))
         grad_hooked = []
         table = self.products
         for name, m in model.named_modules():
@@ -113,12 +111,12 @@ class GemmChecks:
                 i = table.add(name, m)
                 self._forward.append((m, self._any_linear_hook))
                 # an FSDP2 shard (a DTensor) is outside the autograd graph: its hook would never fire
-                if m.weight.requires_grad and owners.get(id(m.weight), 0) == 1 and not is_shard(m.weight):
+                if m.weight.requires_grad and owners[id(m.weight)] == 1 and not is_shard(m.weight):
                     hook = functools.partial(self.gradients.weight_grad, i)  # Conv1D's gradient is (in, out): turned
                     hook = functools.partial(_turned, hook) if transposed(m) else hook
                     self._handles.append(m.weight.register_hook(hook))
                     grad_hooked.append(i)
-                    if m.bias is not None and m.bias.requires_grad and owners.get(id(m.bias), 0) == 1:
+                    if m.bias is not None and m.bias.requires_grad and owners[id(m.bias)] == 1:
                         self._handles.append(m.bias.register_hook(functools.partial(self.gradients.bias_grad, i)))
                         table.bias_checked[i] = True
         for name, m in model.named_modules():
@@ -337,7 +335,6 @@ class GemmChecks:
                     st.note(st.o_seq, top)
             self._reset()
             return out
-        keep = self.keep_bounds
         device = st.f_ys[0].device
         out = {}
         with torch.no_grad():
@@ -349,7 +346,7 @@ class GemmChecks:
                 o_idx, o_top = self._indices((tuple(st.o_idx),), device)[0], stack_rows(st.o_ys).abs_().amax(-1)
                 out["gemm_out"].scatter_reduce_(0, o_idx, o_top.float(), "amax")
             out["gemm_fwd"] = torch.zeros(n, device=device).scatter_reduce_(0, idx, ratio, "amax")
-            if keep:
+            if self.keep_bounds:
                 for c, i in enumerate(st.f_idx):
                     self.bounds[("gemm_fwd", self.names[i])] = bound[c]
             g_res = torch.stack(st.g_res) if st.g_res else None
@@ -444,17 +441,13 @@ class GemmChecks:
         if want and not self._forward_handles:
             self._forward_handles = [m.register_forward_hook(hook) for m, hook in self._forward]
         elif not want and self._forward_handles:
-            for h in self._forward_handles:
-                h.remove()
-            self._forward_handles = []
+            remove_hooks(self._forward_handles)
 
     def remove(self) -> None:
         """Remove every hook (and what the hooks kept on the modules)."""
         self.hook_forward(False)
         self.products.forget()
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
+        remove_hooks(self._handles)
         for m in self._owners:
             lst = GEMM_OBSERVERS.get(m)
             if lst:

@@ -145,11 +145,7 @@ def zero_of(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A 0-d zero of ``dtype`` on ``device`` (kept: the bias term of a product without one)."""
     if torch.compiler.is_compiling():  # a constant of the graph (a cache filled on the first step is a guard)
         return torch.zeros((), dtype=dtype, device=device)
-    key = (dtype, str(device))
-    zero = _ZEROS.get(key)
-    if zero is None:
-        zero = _ZEROS[key] = torch.zeros((), dtype=dtype, device=device)
-    return zero
+    return cached(_ZEROS, (dtype, str(device)), lambda: torch.zeros((), dtype=dtype, device=device))
 
 
 class SealedWeight:

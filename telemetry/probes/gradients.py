@@ -115,25 +115,20 @@ class GradientStats:
         self.buffer.backward_queued = False
         try:
             with torch.no_grad():
-                self._read_local_gradients()
+                self.read_world1([p.grad for p in self.params if p.grad is not None])
         except Exception as exc:  # raised here, it would fail the user's backward
             self.watch.fail(exc)
 
     def local_gradients(self) -> None:
         """World-size-1 gradient statistics from ``p.grad`` where no backward read them (gradients
         set by hand): just before ``optimizer.step()``, else at ``watch.step()``."""
-        if not self.measuring or self.buffer.grads_seen:
-            return
-        self._read_local_gradients()
-
-    def _read_local_gradients(self) -> None:
-        """One fused norm over all gradient tensors (no all-reduce: local is global; a NaN or Inf
-        anywhere makes it non-finite, which the record's ``nonfinite`` count then shows)."""
-        self.read_world1([p.grad for p in self.params if p.grad is not None])
+        if self.measuring and not self.buffer.grads_seen:
+            self.read_world1([p.grad for p in self.params if p.grad is not None])
 
     def read_world1(self, grads: list[torch.Tensor]) -> None:
         """The norm (and, when due, the fingerprint) of ``grads``, the whole gradient of one replica:
-        local is global."""
+        local is global, no all-reduce. One fused norm over all the tensors (a NaN or Inf anywhere
+        makes it non-finite, which the record's ``nonfinite`` count then shows)."""
         if not grads:
             return
         buf = self.buffer

@@ -12,11 +12,10 @@ __all__ = ["NameHandoff", "watch_names"]
 def watch_names(watch: Any) -> dict[str, list[str]]:
     """``{family: names}`` of a watch's indexed metrics, as they are now."""
     checks = watch.sampled_checks
-    canary = getattr(watch, "gemm_canary", None)
     # a driver that computes the canary outside the watch (the simulated ranks) names its products here
     canary_names = getattr(watch, "gemm_canary_names", None)
     if canary_names is None:
-        canary_names = canary.names if canary is not None else []
+        canary_names = watch.gemm_canary.names if watch.gemm_canary is not None else []
     return {
         "products": list(checks.checksums.names) if checks.checksums is not None else [],
         "blocks": list(checks.stream.names) if checks.stream is not None else [],

@@ -101,16 +101,15 @@ def unpack_step(pending: PackedStep) -> tuple[int, dict[str, float], dict[str, l
     extra = scalars.pop(_EXTRA, 0.0)
     seen = numpy.count_nonzero(~numpy.isfinite(floats))
     scalars["nonfinite"] = float(seen) + (extra if math.isfinite(extra) else 0.0)
-    layers = None
+    layers = {}
     if n_attn:
         grid = floats[len(names) : at].reshape(n_attn, len(ATTENTION_STATS))
-        layers = dict(zip(ATTENTION_STATS, grid.T.tolist()))
+        layers.update(zip(ATTENTION_STATS, grid.T.tolist()))
     for name, n in extra_sizes:
-        layers = layers if layers is not None else {}
         layers[name] = floats[at : at + n].tolist()
         at += n
     fingerprints = {n: fp.finalize(v) for n, v in zip(fp_names, values[n_float:].tolist())} or None
-    return step, scalars, layers, fingerprints
+    return step, scalars, layers or None, fingerprints
 
 
 class RecordSender:

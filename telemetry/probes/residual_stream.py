@@ -8,7 +8,7 @@ from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
-from sdcwatch.telemetry.probes.compiled_calls import cached, kept_calls
+from sdcwatch.telemetry.probes.compiled_calls import cached, kept_calls, remove_hooks
 from sdcwatch.telemetry.probes.forward_order import ForwardOrder
 from torch import nn
 
@@ -75,7 +75,7 @@ class ResidualStream:
 
     def _reset(self) -> None:
         kept_calls([m for _, m in self.blocks], self._calls_attr)  # compiled code's calls of a dropped step
-        kept_calls(getattr(self, "attention_layers", ()), self.logits_attr)
+        kept_calls(self.attention_layers, self.logits_attr)
         # per call: block index and the output's largest and smallest value (0-d device tensors);
         # the -inf mask and the maxima over calls are resolved once per step in collect()
         self._block: list[int] = []
@@ -180,13 +180,8 @@ class ResidualStream:
         idx = cached(self._index, (tuple(index), values.device), lambda: torch.tensor(index, device=values.device))
         return torch.zeros(n, device=values.device).scatter_reduce_(0, idx, values, "amax", include_self=False)
 
-    def discard(self) -> None:
-        self._reset()
-
     def remove(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
+        remove_hooks(self._handles)
         for _, m in self.blocks:
             m.__dict__.pop(self._calls_attr, None)
         for m in self.attention_layers:

@@ -10,6 +10,7 @@ import torch
 from sdcwatch.core.vocabulary import FIRST_BAD
 from sdcwatch.telemetry.wire.environment import RankEnvironment
 from sdcwatch.telemetry.probes.canary import canary_running
+from sdcwatch.telemetry.probes.compiled_calls import remove_hooks
 from sdcwatch.telemetry.probes.residual_stream import ResidualStream
 from sdcwatch.telemetry.probes.forward_order import ForwardOrder
 from sdcwatch.telemetry.probes.gemm_checks import GemmChecks
@@ -71,9 +72,6 @@ class SampledChecks:
             self.handles.append(optimizer.register_step_post_hook(lambda opt, args, kwargs: self.seal()))
             self.checksums.optimizer_seals = True
 
-    def _scheduled(self, every: int) -> bool:
-        return self._scheduled_at(self._watch.next_step, every)
-
     def _scheduled_at(self, step: int, every: int) -> bool:
         cfg = self._watch.config
         return bool(every) and step % cfg.every == 0 and (step // cfg.every) % every == 0
@@ -90,10 +88,10 @@ class SampledChecks:
 
     def sync(self, closed: bool = False) -> None:
         """Switch the probes for the step about to run (forward hooks only for a checked step)."""
-        cfg = self._watch.config
-        self.backward_on = not closed and self._scheduled(cfg.checksum_every)
-        self.checks_on = not closed and self._checked_at(self._watch.next_step)
-        self.stream_on = not closed and self._scheduled(cfg.stream_every)
+        cfg, step = self._watch.config, self._watch.next_step
+        self.backward_on = not closed and self._scheduled_at(step, cfg.checksum_every)
+        self.checks_on = not closed and self._checked_at(step)
+        self.stream_on = not closed and self._scheduled_at(step, cfg.stream_every)
         if self.stream is not None:  # where compiled code keeps each attention layer's logits
             self.stream.attention_layers = self._watch.attention.layers
             for m in self.stream.attention_layers:
@@ -138,8 +136,7 @@ class SampledChecks:
         return out, ({} if first is None else {FIRST_BAD: first})
 
     def remove(self) -> None:
-        for h in self.handles:
-            h.remove()
+        remove_hooks(self.handles)
         for probe in (self.checksums, self.stream):
             if probe is not None:
                 probe.remove()

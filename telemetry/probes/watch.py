@@ -5,6 +5,7 @@ and handed to the emitter a step later, off the training thread: nothing on the 
 
 from __future__ import annotations
 
+import contextlib
 import time
 import warnings
 from typing import Any
@@ -19,6 +20,7 @@ from sdcwatch.telemetry.probes.attention import LIVE_WATCHES, finish_attention
 from sdcwatch.telemetry.probes.attention_layers import AttentionLayers
 from sdcwatch.telemetry.probes.canary import canary_fingerprint, canary_running
 from sdcwatch.telemetry.probes.compiled import watch_compiled_code
+from sdcwatch.telemetry.probes.compiled_calls import remove_hooks
 from sdcwatch.telemetry.probes.config import ProbeConfig
 from sdcwatch.telemetry.probes.ddp_hook import comm_hook
 from sdcwatch.telemetry.probes.sampled_checks import SampledChecks
@@ -71,7 +73,7 @@ class Watch:
         self.next_step = 0  # the step expected next: decides what the hooks measure
         self.closed = False
         self._handles: list[Any] = []
-        self._last_time: float | None = time.perf_counter()
+        self._last_time = time.perf_counter()  # the previous step's close: the step time's start
         # background False: records are built on the caller's thread (simulation)
         self.sender = RecordSender(self._emit, background=background)  # a step later, off the training thread
         self._build_parts(model, ddp, optimizer, external, environment or RankEnvironment.read())
@@ -193,8 +195,6 @@ class Watch:
         """Optional: announce the step about to run (else the one after the last ``step()``)."""
         self.next_step = int(step)
         self._sync_activation_hooks()
-        if self._last_time is None:
-            self._last_time = time.perf_counter()
 
     @property
     def fingerprint_due(self) -> bool:
@@ -240,32 +240,24 @@ class Watch:
         if not self._external and step % self.config.fingerprint_every == 0 and params:
             # the local shards under FSDP2: equal across the replicas of a shard
             buf.fps["param_fp"] = fp.flat_fingerprint_device(local_tensors(params))
-        if (
-            not self._external
-            and self.canary_input is not None
-            and self.config.canary_every
-            and step % self.config.canary_every == 0
-        ):
+        if not self._external and self.config.canary_every and step % self.config.canary_every == 0:
             buf.fps["canary_fp"] = canary_fingerprint(self.model, self.canary_input)
         host: dict[str, float] = dict(buf.host)
         if self.gemm_canary is not None:  # a collective under FSDP2 (every rank): one product of a known input
             self.gemm_canary.report(step, buf.fps)
             if "gemm_canary_fp" in buf.fps:  # which product: an incident on it names it
                 host.update(canary_product(self.gemm_canary, step))
-        if step_time is None and self._last_time is not None:
-            step_time = now - self._last_time
-        if step_time is not None:
-            host["step_time"] = float(step_time)
+        host["step_time"] = float(now - self._last_time if step_time is None else step_time)
         if self.optimizer is not None and self.optimizer.param_groups:
             host["lr"] = float(self.optimizer.param_groups[0]["lr"])
         dropped = getattr(self.emitter, "dropped", None)
         if isinstance(dropped, (int, float)) and not isinstance(dropped, bool):
             host["emitter_dropped"] = float(dropped)
-        device_scalars = dict(buf.scalars)
-        device_scalars.update(self._activations.take())
+        device_scalars = {**buf.scalars, **self._activations.take()}
         for name, value in {"loss": loss, **scalars}.items():
             if isinstance(value, torch.Tensor):
-                device_scalars[name] = _scalar(value)
+                value = value.detach()  # as a 0-d view: no copy, no sync
+                device_scalars[name] = value if value.dim() == 0 else value.reshape(())
             elif value is not None:
                 host[name] = float(value)
         attn = None
@@ -311,10 +303,8 @@ class Watch:
         """The emitter's :meth:`~sdcwatch.telemetry.wire.emitter.Emitter.checkpoint`; never raises."""
         note = getattr(self.emitter, "checkpoint", None)  # a stand-in emitter may have none
         if note is not None:
-            try:
+            with contextlib.suppress(Exception):  # never into the training loop
                 note(step, path)
-            except Exception:  # never into the training loop
-                pass
 
     # -- lifecycle --------------------------------------------------------------------------------
     def flush(self) -> None:
@@ -327,9 +317,7 @@ class Watch:
             return
         self.closed = True
         self.sender.close()
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
+        remove_hooks(self._handles)
         self._activations.remove()
         self.sampled_checks.remove()
         if self._sharded is not None:
@@ -361,12 +349,6 @@ def canary_product(canary: GemmCanary, step: int) -> dict[str, float]:
     """``{CANARY_PRODUCT: index}`` of the product ``canary`` checks at ``step``; empty without one."""
     k = canary.index_at(step)
     return {} if k is None else {CANARY_PRODUCT: float(k)}
-
-
-def _scalar(t: torch.Tensor) -> torch.Tensor:
-    """A detached 0-d view of a one-element tensor (no copy, no sync)."""
-    t = t.detach()
-    return t if t.dim() == 0 else t.reshape(())
 
 
 def attach(

@@ -6,6 +6,7 @@ the run with a marker (docs/messages.md, "The emitter and its transports").
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import math
 import struct
@@ -226,14 +227,12 @@ class Emitter:
         """Tell the service this job saved a checkpoint after ``step`` at ``path`` ("": none to name).
         Returns at once; never raises. Queued with the records, in their order; past ``MAX_NOTES``
         waiting, or once closed, dropped and counted (``self.notes``)."""
-        try:
+        with contextlib.suppress(Exception):  # never into the training loop
             if self._closed or len(self.notes) >= MAX_NOTES:
                 self.notes.dropped += 1
             else:
                 self._queue.append((step, path))  # a 2-tuple: the sender tells it from a record
                 self.notes.queued += 1
-        except Exception:  # never into the training loop
-            pass
 
     @property
     def emitted(self) -> int:
@@ -265,10 +264,8 @@ class Emitter:
         start = _time.monotonic()
         deadline = None if timeout is None else start + max(0.0, timeout)
         if deadline is not None and hasattr(self.transport, "deadline"):
-            try:
+            with contextlib.suppress(Exception):
                 self.transport.deadline = deadline
-            except Exception:
-                pass
         flushed = self.flush(timeout)
         self._closed = True
         self._room = 0
@@ -451,9 +448,7 @@ class Emitter:
                     self._stop.wait(self.linger)
                     continue
                 self._next_batch()
-                pending = len(self._queue) + self._held
-                if pending > self.max_pending:
-                    self.max_pending = pending
+                self.max_pending = max(self.max_pending, len(self._queue) + self._held)
                 if not self._inflight:
                     continue
             self.names.send(self.transport)

@@ -432,8 +432,8 @@ def test_capture_goes_back_for_a_batch_a_racing_fetch_left_out(bootstrap, unique
     producer.close()
     lost = 2 * 15  # rank 0, step 15
     racing = RacingConsumer(new_consumer(bootstrap, group_id=None, enable_auto_commit=False), lost)
-    bus = load_config(None, env={}, overrides={"bus.bootstrap": bootstrap}).bus
-    reader = open_reader(bus, unique_topic, from_beginning=True, connect_timeout=10, consumer=racing)
+    bus = load_config(None, env={}, overrides={"bus.bootstrap": bootstrap, "bus.connect_timeout_s": 10}).bus
+    reader = open_reader(bus, unique_topic, from_beginning=True, consumer=racing)
     assert isinstance(reader, TopicReader) and isinstance(reader.gaps, OffsetGaps)  # the service's reader
     out = io.StringIO()
     try:

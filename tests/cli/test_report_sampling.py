@@ -23,7 +23,7 @@ from test_report import make_records
 
 from sdcwatch.report import load_incidents, load_records, rank_deviation, write_report
 from sdcwatch.report.deviation import Z_ALARM, Z_FLAG
-from sdcwatch.report.plots import deviation_colours, plot_heatmap
+from sdcwatch.report.plots import _Z_CAP, _deviation_cmap, plot_heatmap
 
 WORLD = 4
 STEPS = 96
@@ -208,6 +208,13 @@ def test_the_last_event_of_an_incident_says_whether_it_is_resolved(clean_capture
 
 # ---------------------------------------------------------------------------------------------
 # the heat map keeps healthy ranks calm
+
+
+def deviation_colours(score: np.ndarray) -> np.ndarray:
+    """The RGBA colour the heat map draws each calibrated score in, +Inf at the top of the scale (as
+    the map draws it: a rank's own non-finite value goes in purple on top)."""
+    x = np.where(np.isinf(score), _Z_CAP, np.asarray(score, dtype=np.float64))
+    return _deviation_cmap()(np.ma.masked_invalid(x / _Z_CAP))
 
 
 def test_the_heat_map_of_a_clean_4_rank_capture_keeps_every_rank_calm(clean_capture):

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 from sdcwatch.bench import CAMPAIGN_MISSING
-from sdcwatch.cli import TORCH_MISSING
+from sdcwatch.cli import needs_message
 from sdcwatch.core.record_type import Record
 from sdcwatch.core.messages import is_end_marker
 from stack_checks import exported, repo_stack_files, run_next_commands
@@ -204,4 +204,4 @@ def test_the_campaign_is_its_own_distribution_and_bench_says_so_without_it(wheel
     assert "from the installed package (sdcwatch.testbed.campaign):" in listed.stdout
     needs_torch = wheel_venv.run(["sdcwatch", "bench", "campaign", "--quick"], timeout=60)
     assert needs_torch.returncode == 2
-    assert needs_torch.stderr.splitlines() == [f"sdcwatch bench: error: {TORCH_MISSING}"]
+    assert needs_torch.stderr.splitlines() == [f"sdcwatch bench: error: {needs_message(['torch'])}"]

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from sdcwatch.cli import TORCH_MISSING
+from sdcwatch.cli import needs_message
 
 #: Runs ``sdcwatch ARGS`` as if torch were not installed: every ``import torch`` fails as a
 #: missing module does.
@@ -43,8 +43,9 @@ def sdcwatch_without_torch(*argv: str) -> subprocess.CompletedProcess:
 def test_a_command_that_trains_says_to_install_torch_in_one_line(argv):
     out = sdcwatch_without_torch(*argv)
     assert out.returncode == 2, out.stderr[-3000:]
-    assert out.stderr.splitlines() == [f"sdcwatch {argv[0]}: error: {TORCH_MISSING}"]
-    assert "pip install 'sdcwatch[torch]'" in TORCH_MISSING
+    torch_missing = needs_message(["torch"])
+    assert out.stderr.splitlines() == [f"sdcwatch {argv[0]}: error: {torch_missing}"]
+    assert "pip install 'sdcwatch[torch]'" in torch_missing
     assert out.stdout == ""
 
 

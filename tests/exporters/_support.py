@@ -147,6 +147,7 @@ def small_view(world: int = 8, layers: int = 2) -> ServiceView:
             auth_redelivered={"job-a": 3},
             state_topic_refused={"older": 1},
             consumer_partitions=4,
+            consumer_rebalances_total=2,
             waiting_for_schema=3,
             offset_gaps={"refetched": 2, "filled": 1, "skipped": 0},
             runs_total=1,

@@ -150,6 +150,9 @@ sdcwatch_pipeline_dead_letters_by_reason_total{reason="world"} 1.0
 # HELP sdcwatch_pipeline_consumer_partitions Partitions of the telemetry topic this instance reads; 0 means evicted from its consumer group or waiting for a rebalance: nothing is processed.
 # TYPE sdcwatch_pipeline_consumer_partitions gauge
 sdcwatch_pipeline_consumer_partitions 4.0
+# HELP sdcwatch_pipeline_consumer_rebalances_total Times the partitions this instance reads changed after it first joined its consumer group (another instance joined or left, or this one was evicted for polling too late: records may be read again).
+# TYPE sdcwatch_pipeline_consumer_rebalances_total counter
+sdcwatch_pipeline_consumer_rebalances_total 2.0
 # HELP sdcwatch_pipeline_messages_waiting_for_schema Wire v2 messages held until the message carrying their record layout comes (at most detectors.schema_wait_s, then dead-lettered as unknown_schema).
 # TYPE sdcwatch_pipeline_messages_waiting_for_schema gauge
 sdcwatch_pipeline_messages_waiting_for_schema 3.0

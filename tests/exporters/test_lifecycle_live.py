@@ -14,9 +14,12 @@ from serve_process import ServeProcess, Topics, scrape_text
 
 pytestmark = pytest.mark.integration
 
-END_EXPIRY = 25.0
-IDLE_EXPIRY = 50.0
 STALL_AFTER = 6  # seconds, in place of the rule's 600 so the test need not wait ten minutes
+# the finished run is dropped END_EXPIRY after its end: time enough (over 10 s) for Prometheus to see
+# the silent run stall and the finished one as old first; the silent run is dropped IDLE_EXPIRY after
+# its last step, over 10 s after the finished one
+END_EXPIRY = 18.0
+IDLE_EXPIRY = 36.0
 
 
 def stall_rules(tmp_path):

@@ -23,7 +23,7 @@ def test_frame_from_records_puts_every_value_in_its_cell():
     assert f.complete and f.present.all()
     for r in recs:
         assert f.scalar("loss")[r.rank] == r.scalars["loss"]
-        assert np.allclose(f.layer("q_norm_mean")[r.rank], r.layers["q_norm_mean"])
+        assert np.allclose(f.layers[r.rank, f.layer_names.index("q_norm_mean")], r.layers["q_norm_mean"])
         assert int(f.fingerprints[r.rank, f.fp_names.index("param_fp")]) == r.fingerprints["param_fp"]
         assert f.hosts[r.rank] == r.host
     assert f.scalar("no_such_metric") is None

@@ -318,7 +318,7 @@ def test_a_rebalance_rereading_taken_messages_takes_them_again_and_a_true_replay
 def test_signer_starts_take_each_number_once_in_any_order_and_across_a_restart():
     from sdcwatch.service.auth import SignerStarts
 
-    starts = SignerStarts(max_starts=2, max_spans=3, clock=lambda: 1000.0)
+    starts = SignerStarts(max_starts=2, max_gaps=2, clock=lambda: 1000.0)
     a = b"aaaaaaaa"
     assert [starts.check("k", (a, 10.0, n)) for n in (0, 1, 5, 3, 2, 4)] == [None] * 6  # out of order: each once
     assert [starts.check("k", (a, 10.0, n))[0] for n in (0, 3, 5)] == ["replayed"] * 3
@@ -331,6 +331,55 @@ def test_signer_starts_take_each_number_once_in_any_order_and_across_a_restart()
     assert again.check("k", (b"bbbbbbbb", 20.0, 0)) is None and again.check("k", (b"cccccccc", 30.0, 0)) is None
     assert again.check("k", (a, 10.0, 7))[0] == "stale"  # forgotten (the bound): no newer than one forgotten
     assert again.check("k", (b"dddddddd", 9.0, 0))[0] == "stale"
+
+
+def test_a_signer_writing_several_partitions_loses_nothing_when_they_are_read_unevenly():
+    """Before: at most 64 spans a start. One key object signing for 8 ranks writes 8 partitions; read
+    a poll of 5,000 messages a partition at a time, its numbers open thousands of gaps, and past 64
+    the oldest was filled: its messages, read later from the other partitions, were refused
+    ``replayed`` (888 records of an 8-rank run lost). The gaps are bounded by key, far above a poll."""
+    from sdcwatch.service.auth import SignerStarts
+
+    a, parts, total, poll = b"aaaaaaaa", 8, 80_000, 5_000
+    starts = SignerStarts(clock=lambda: 1000.0)
+    by_partition = {p: list(range(p, total, parts)) for p in range(parts)}  # round-robin, as a producer spreads
+    refused = []
+    for first in range(0, total // parts, poll):  # each poll: up to 5,000 messages of each partition in turn
+        for p in range(parts):
+            for k, n in enumerate(by_partition[p][first : first + poll], start=first):
+                refusal = starts.check("k", (a, 10.0, n), (f"t/{p}", k))
+                if refusal is not None:
+                    refused.append(n)
+    assert refused == []
+    assert starts.snapshot()["starts"] == [["k", a.hex(), 10.0, [[0, total - 1]]]]  # the gaps closed: one span
+    replays = [starts.check("k", (a, 10.0, n), ("t/3", total + n)) for n in (0, 4_999, 79_999)]
+    assert [r[0] for r in replays] == ["replayed"] * 3
+
+
+def test_one_keys_starts_and_gaps_never_cost_another_key_its_start():
+    """Before: one bound over every key's starts. Another tenant's key opening more starts than the
+    bound made a live job's start the least recently heard: forgotten, and its next message refused
+    ``stale``. Starts and gaps are now bounded by key: a flood costs its own key."""
+    from sdcwatch.service.auth import SignerStarts
+
+    starts = SignerStarts(max_starts=100, max_gaps=50, clock=lambda: 1000.0)
+    job = b"jjjjjjjj"
+    assert [starts.check("job-a", (job, 10.0, n)) for n in (0, 1, 3)] == [None] * 3  # one gap of its own
+    for i in range(1_000):  # another tenant: 1,000 starts, each with a hole
+        nonce = i.to_bytes(8, "big")
+        assert starts.check("tenant-b", (nonce, 20.0 + i, 0)) is None
+        assert starts.check("tenant-b", (nonce, 20.0 + i, 2)) is None
+    for n in range(0, 2_000, 2):  # and one start of it opening a thousand gaps
+        starts.check("tenant-b", (b"gggggggg", 1_200.0, n))
+    held = {
+        kid: sum(len(spans) - 1 for k, _, _, spans in starts.snapshot()["starts"] if k == kid)
+        for kid in ("job-a", "tenant-b")
+    }
+    assert held == {"job-a": 1, "tenant-b": 50} and len(starts) <= 101
+    assert starts.check("job-a", (job, 10.0, 4)) is None and starts.check("job-a", (job, 10.0, 2)) is None
+    assert starts.check("job-a", (job, 10.0, 3))[0] == "replayed"
+    assert starts.check("tenant-b", (b"gggggggg", 1_200.0, 1))[0] == "replayed"  # its own oldest gap, filled
+    assert starts.check("tenant-b", (b"gggggggg", 1_200.0, 1_999)) is None  # its newest gap still open
 
 
 def test_a_message_checked_before_a_restart_is_told_from_a_replay_by_its_offset():

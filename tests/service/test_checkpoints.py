@@ -11,7 +11,7 @@ from sdcwatch.core.rank_notes import CheckpointNote, decode_note, encode_note
 from sdcwatch.core.errors import RecordError
 from sdcwatch.core.incident import Incident, IncidentEvent, Severity
 from memory_source import MemorySource
-from sdcwatch.service.checkpoint_marks import CertifiedPolicy, CheckpointBook, mark_of
+from sdcwatch.service.checkpoint_marks import CertifiedPolicy, CheckpointBook, marking
 from sdcwatch.exporters.topics import AnomalyTopicSink, ControlTopicSink
 from sdcwatch.service.control_policy import ControlPolicy
 from sdcwatch.service.ingest import IngestDecoder
@@ -38,9 +38,15 @@ def _event(change, kind, first, resolved=None, run="r"):
 
 
 def test_marking_rules_clean_suspect_after_fault_and_resolution():
+    def mark_of(step, incidents):  # incidents as (id, weight, first, resolved): no guard, no measured reach
+        return marking(step, [(iid, weight, first, resolved, first, "") for iid, weight, first, resolved in incidents])[
+            :2
+        ]
+
     assert mark_of(40, [("a", "suspect", 50, None)]) == ("clean", ())
     assert mark_of(50, [("a", "suspect", 50, None)]) == ("suspect", ("a",))
-    assert mark_of(60, [("a", "suspect", 50, 70), ("b", "after-fault", 55, None)])[0] == "after-fault"
+    assert mark_of(60, [("a", "suspect", 50, 70), ("b", "after-fault", 55, None)]) == ("after-fault", ("a", "b"))
+    assert mark_of(60, [("b", "after-fault", 55, None), ("a", "suspect", 50, 70)])[0] == "after-fault"
     assert mark_of(80, [("a", "suspect", 50, 70)]) == ("clean", ())  # resolved before it
 
 

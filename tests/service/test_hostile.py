@@ -210,6 +210,7 @@ def test_every_attack_on_one_real_service_is_dead_lettered_counted_and_survived(
         assert metric(samples, "sdcwatch_pipeline_dead_letters_total") == sum(expected.values()) + refused
         assert metric(samples, "sdcwatch_pipeline_late_records_total") >= 0
         assert metric(samples, "sdcwatch_pipeline_consumer_partitions") > 0  # 16.2: never evicted
+        assert [s.value for s in samples if s.name == "sdcwatch_pipeline_consumer_rebalances_total"] == [0.0]
         assert not [ln for ln in serve.lines if "lost its partitions" in ln]
         # 16.5: /metrics is whole: the good run's series are there
         assert metric(samples, "sdcwatch_training_loss", run="victim") > 0

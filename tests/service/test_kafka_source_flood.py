@@ -66,3 +66,31 @@ def test_a_flood_of_costly_messages_keeps_the_consumer_in_its_group_and_is_proce
     assert pipe.aligner.duplicates == pipe.aligner.late_records == 0
     assert 100 <= source.poll_budget() < 20_000  # the budget followed the cost of a message
     assert not [r.getMessage() for r in caplog.records if "commit failed" in r.getMessage()]
+
+
+def test_catch_up_returns_once_the_reader_has_read_what_is_on_the_bus(bootstrap, unique_topic):
+    """What the service asks of the source while runs wait for their share of a pass: the reader
+    reads ahead of the judging (its polls full of messages mean more waits on the bus), so a real
+    run's record behind a flood is read, and given its share, before the flood is judged."""
+    sent = 6_000
+    sender = KafkaProducer(bootstrap_servers=[bootstrap], linger_ms=20, batch_size=1 << 20)
+    for i in range(sent):
+        rec = Record(f"run-{i % 3}", i // 24, i % 8, 8, "h", 0.0, 0, {"loss": 1.0}, {}, {})
+        sender.send(unique_topic, key=b"k", value=encode(rec))
+    sender.flush(60)
+    sender.close()
+    source = KafkaSource(
+        bootstrap,
+        unique_topic,
+        group=f"g-{uuid.uuid4().hex[:8]}",
+        deadletter_topic=f"{unique_topic}.dead",
+        ingest=CostlyDecoder(),  # 2.4 s to read it all
+        max_poll_records=500,  # in many full polls
+    )
+    try:
+        got = step_until(lambda: None, lambda: source.poll(0.2), 60, "the reader's first poll")
+        source.catch_up(60.0)
+        rest = source.poll(0.0, max_records=sent)
+    finally:
+        source.close()
+    assert len(got) <= 1_000 and len(got) + len(rest) == sent  # all of it read while nothing was judged

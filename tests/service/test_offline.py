@@ -138,3 +138,32 @@ def test_a_jsonl_file_with_a_bad_first_line_is_a_bad_record_not_a_csv_header(tmp
     with pytest.raises(ReplayError) as exc:
         replay(path)
     assert exc.value.line == 1 and "not valid JSON" in str(exc.value) and "header" not in str(exc.value)
+
+
+def test_a_replay_of_several_runs_lists_its_incidents_in_the_same_order_whatever_the_hash_seed(tmp_path):
+    """Before: the runs a poll touched were a set, so the runs' frames (and the incidents of a
+    replay of several runs) came in the order of the string hash, which changes from one process to
+    the next. They come in the order the runs' records came."""
+    import os
+    import subprocess
+    import sys
+
+    runs = [
+        SyntheticRun(world=8, run=f"r{i}", seed=i, faults=[Fault("nonfinite", 30 + 7 * i, rank=i + 1)])
+        for i in range(3)
+    ]
+    path = tmp_path / "three-runs.jsonl"
+    path.write_text("".join(to_json(rec) + "\n" for step in range(60) for run in runs for rec in run.records(step)))
+    listed = set()
+    for seed in ("1", "2", "3", "4"):
+        env = {**os.environ, "PYTHONHASHSEED": seed}
+        out = subprocess.run(
+            [sys.executable, "-m", "sdcwatch.cli", "replay", str(path), "--json"],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
+            cwd=tmp_path,
+        ).stdout
+        listed.add(tuple((d["run"], d["first_step"], tuple(d["ranks"])) for d in map(json.loads, out.splitlines())))
+    assert listed == {(("r0", 30, (1,)), ("r1", 37, (2,)), ("r2", 44, (3,)))}

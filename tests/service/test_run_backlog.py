@@ -22,6 +22,7 @@ from sdcwatch.core.record_type import Record
 from sdcwatch.service.ingest import IngestDecoder, as_records
 from sdcwatch.service.loop import DetectorService
 from sdcwatch.service.pipeline import DetectionPipeline, PipelineSettings
+from sdcwatch.service.alignment_state import size_of
 from sdcwatch.service.run_backlog import RunBacklog, fair_share
 from sdcwatch.telemetry import MemoryBus
 from stand_ins import Clock, ListSink
@@ -199,3 +200,67 @@ def test_the_backlog_is_kept_in_the_state_and_judged_after_a_restart():
         rest += again.share([])
     assert sorted((r.run, r.step) for r in rest) == sorted((r.run, r.step) for r in items[16:])
     assert np.all([a.step < b.step for a, b in zip(rest, rest[1:]) if a.run == b.run])
+
+
+@pytest.mark.parametrize("keys", [True, False], ids=["keys-on", "no-keys"])
+def test_another_tenants_flood_over_many_names_is_one_taker_of_a_pass_with_keys_on(keys):
+    """Before: each run was a taker of a pass. Another tenant's valid key sending for 31 run names
+    (4 records each a poll) held 31 of 32 shares: a real 8-rank run got 4 of its 8 records a pass and
+    fell further behind at every pass (issue 36's signed flood: its NaN 10-20 s late). With keys on,
+    the runs of one key share one share: the real run's key takes its whole step every pass. Without
+    keys every run is its own taker, as before."""
+    backlog = RunBacklog(128, 1 << 20, clock=Clock(0.0))
+    if keys:
+        backlog.key_of = lambda run: "tenant" if run.startswith("junk") else "job"
+    real_out, junk_out = [], []
+    for step in range(20):
+        items = [junk(f"junk-{i}", 4 * step + k) for i in range(31) for k in range(4)]
+        items += [Record("real", step, r, 8, "h", 0.0, 0, {"loss": 1.0}, {}, {}) for r in range(8)]
+        out, lost = backlog.take(items)
+        assert lost == [] and sum(size_of(x) for x in out) <= 128
+        real_out += [(r.step, r.rank) for r in as_records(x for x in out if x.run == "real")]
+        junk_out.append(sum(size_of(x) for x in out if x.run != "real"))
+    if keys:
+        assert real_out == [(s, r) for s in range(20) for r in range(8)]  # every step whole, in order, at once
+        assert min(junk_out[1:]) == 120  # the tenant's flood keeps the rest of each pass
+    else:
+        assert len(real_out) == 20 * 4  # half its records a pass: 80 of 160 still waiting
+        assert real_out == [(s, r) for s in range(10) for r in range(8)]
+
+
+def test_while_runs_wait_for_their_share_each_step_lets_the_reader_catch_up_before_it_judges():
+    """A record not read cannot be judged: while a flood's records wait for their share, each step
+    first gives the source's reader up to ``READ_FIRST_S`` to read what is on the bus (a real run's
+    record behind the flood is then read, and gets its share of the next pass). With nothing waiting,
+    no step waits."""
+    from sdcwatch.service.loop import READ_FIRST_S
+
+    calls: list[str] = []
+
+    class Watched(MemorySource):
+        def catch_up(self, timeout: float) -> None:
+            calls.append(f"catch_up {timeout}")
+
+        def poll(self, timeout: float = 0.0, max_records: int = 10_000) -> list:
+            calls.append("poll")
+            return super().poll(timeout, max_records)
+
+    clock = Clock(1000.0)
+    pipe = DetectionPipeline(PipelineSettings(pass_records=PASS), clock=clock, wall=clock)
+    bus = MemoryBus()
+    svc = DetectorService(Watched(bus), pipe, poll_timeout=0.01, clock=clock)
+    for step in range(2):
+        bus.append(
+            TOPIC,
+            b"real",
+            encode_batch([Record("real", step, r, 8, "h", 0.0, 0, {"loss": 1.0}, {}, {}) for r in range(8)]),
+        )
+    svc.step()  # one run: as read, nothing waits
+    assert calls == ["poll"] and not pipe.backlog.ready
+    for i in range(4 * PASS):
+        bus.append(TOPIC, b"junk", encode(junk(f"junk-{i}", 0)))
+    svc.step()  # more than a pass of many runs: the excess waits
+    assert pipe.backlog.ready and calls == ["poll", "poll"]
+    calls.clear()
+    svc.step()
+    assert calls[:2] == [f"catch_up {READ_FIRST_S}", "poll"]
