@@ -36,23 +36,29 @@ class CostlyDecoder(IngestDecoder):
         return super().decode(messages)
 
 
+def flood(bootstrap: str, topic: str, count: int, runs: int) -> None:
+    """``count`` one-record messages of ``runs`` 8-rank runs on ``topic``."""
+    sender = KafkaProducer(bootstrap_servers=[bootstrap], linger_ms=20, batch_size=1 << 20)
+    for i in range(count):
+        rec = Record(f"run-{i % runs}", i // (8 * runs), i % 8, 8, "h", 0.0, 0, {"loss": 1.0}, {}, {})
+        sender.send(topic, key=b"flood", value=encode(rec))
+    sender.flush(60)
+    sender.close()
+
+
+def costly_source(bootstrap: str, topic: str, **settings) -> KafkaSource:
+    """A source of ``topic`` in a group of its own whose messages cost the reader (:class:`CostlyDecoder`)."""
+    group = f"g-{uuid.uuid4().hex[:8]}"
+    return KafkaSource(
+        bootstrap, topic, group=group, deadletter_topic=f"{topic}.dead", ingest=CostlyDecoder(), **settings
+    )
+
+
 def test_a_flood_of_costly_messages_keeps_the_consumer_in_its_group_and_is_processed_once(
     bootstrap, unique_topic, caplog
 ):
-    sender = KafkaProducer(bootstrap_servers=[bootstrap], linger_ms=20, batch_size=1 << 20)
-    for i in range(FLOOD):  # 8 ranks of one run, a message a record
-        rec = Record("flood", i // 8, i % 8, 8, "h", 0.0, 0, {"loss": 1.0}, {}, {})
-        sender.send(unique_topic, key=b"flood", value=encode(rec))
-    sender.flush(60)
-    sender.close()
-    # the group's defaults: a member that does not poll for 6 s is evicted
-    source = KafkaSource(
-        bootstrap,
-        unique_topic,
-        group=f"g-{uuid.uuid4().hex[:8]}",
-        deadletter_topic=f"{unique_topic}.dead",
-        ingest=CostlyDecoder(),
-    )
+    flood(bootstrap, unique_topic, FLOOD, runs=1)
+    source = costly_source(bootstrap, unique_topic)  # the group's defaults: evicted after 6 s without a poll
     pipe = DetectionPipeline()
     svc = DetectorService(source, pipe, poll_timeout=0.1)
     try:
@@ -73,20 +79,8 @@ def test_catch_up_returns_once_the_reader_has_read_what_is_on_the_bus(bootstrap,
     reads ahead of the judging (its polls full of messages mean more waits on the bus), so a real
     run's record behind a flood is read, and given its share, before the flood is judged."""
     sent = 6_000
-    sender = KafkaProducer(bootstrap_servers=[bootstrap], linger_ms=20, batch_size=1 << 20)
-    for i in range(sent):
-        rec = Record(f"run-{i % 3}", i // 24, i % 8, 8, "h", 0.0, 0, {"loss": 1.0}, {}, {})
-        sender.send(unique_topic, key=b"k", value=encode(rec))
-    sender.flush(60)
-    sender.close()
-    source = KafkaSource(
-        bootstrap,
-        unique_topic,
-        group=f"g-{uuid.uuid4().hex[:8]}",
-        deadletter_topic=f"{unique_topic}.dead",
-        ingest=CostlyDecoder(),  # 2.4 s to read it all
-        max_poll_records=500,  # in many full polls
-    )
+    flood(bootstrap, unique_topic, sent, runs=3)
+    source = costly_source(bootstrap, unique_topic, max_poll_records=500)  # 2.4 s to read, in many full polls
     try:
         got = step_until(lambda: None, lambda: source.poll(0.2), 60, "the reader's first poll")
         source.catch_up(60.0)
