@@ -105,7 +105,7 @@ class SignerStarts:
         i = bisect.bisect_right(spans, number, key=lambda sp: sp[0]) - 1
         if i >= 0 and number <= spans[i][1]:
             return "replayed", f"message {number} of key {kid!r}'s start {nonce.hex()} was taken before"
-        gaps = len(spans)
+        before = len(spans)
         if i >= 0 and number == spans[i][1] + 1:
             spans[i][1] = number
         else:
@@ -113,10 +113,9 @@ class SignerStarts:
             i += 1
         if i + 1 < len(spans) and spans[i][1] + 1 == spans[i + 1][0]:
             spans[i][1] = spans.pop(i + 1)[1]
-        self._gaps[kid] += len(spans) - gaps
-        if (
-            self._gaps[kid] > self.max_gaps and len(spans) > 1
-        ):  # this start's oldest gap filled: a message from it is refused
+        self._gaps[kid] += len(spans) - before
+        # past the key's bound, this start's oldest gap is filled: a message from it is then refused
+        if self._gaps[kid] > self.max_gaps and len(spans) > 1:
             spans[0][1] = spans.pop(1)[1]
             self._gaps[kid] -= 1
         return None

@@ -55,7 +55,9 @@ def _slices(items: list, size: int) -> list[list]:
 
 
 #: Longest a step waits for the source's reader to read what is on the bus before judging records
-#: that wait for their share (a flood's): the pipeline still judges a pass at least this often.
+#: that wait for their share (a flood's), with keys on: the pipeline still judges a pass at least this
+#: often, and a key's runs sharing one share keep their pace with fewer passes. Without keys each name
+#: is a taker, so fewer passes slow a real run among a flood's names: no wait there.
 READ_FIRST_S = 1.0
 
 STATE_FILE = "pipeline-state.json"
@@ -143,9 +145,10 @@ class DetectorService:
 
     def step(self) -> list[IncidentEvent]:
         """One iteration: poll, detect, close late steps, publish; snapshot when it is time."""
-        if self.pipeline.backlog.ready:  # runs wait for their share: what is still on the bus is read first
+        waiting = self.pipeline.backlog  # records past their run's share of a pass
+        if waiting.ready and waiting.key_of is not None:  # runs wait for their share: the bus is read first
             self.source.catch_up(READ_FIRST_S)
-        items = self.source.poll(0.0 if self.pipeline.backlog.ready else self.poll_timeout)
+        items = self.source.poll(0.0 if waiting.ready else self.poll_timeout)
         backlog = self._backlog()
         process = self.pipeline.process_summaries if self.pipeline.stage == "temporal" else self.pipeline.process
         if self.pipeline.stage != "temporal":  # each run's share of this pass; a flood's excess waits

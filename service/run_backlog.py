@@ -32,9 +32,9 @@ class RunBacklog:
 
     :meth:`take` gives a pass at most ``pass_records`` records: each run with records read or
     waiting gets its :func:`fair_share` of the pass (max-min: a run that needs less leaves the rest
-    to the others; with keys on, of its key's share: ``key_of``); while the pass has room, runs short of one record a rank of their world (so
-    whole steps move) get it, then the runs read first the rest they have. A poll of one run, or of no more than
-    ``pass_records``, passes as it came. Past ``max_records`` waiting, the runs read last lose
+    to the others; with keys on, of its key's share: ``key_of``); while the pass has room, runs
+    short of one record a rank of their world (so whole steps move) get it, then the runs read first
+    the rest they have. A poll of one run, or of no more than ``pass_records``, passes as it came. Past ``max_records`` waiting, the runs read last lose
     theirs first, the one with most waiting first among them (``budget`` dead letters that name
     it), and what such a run sends next waits behind the others' shares until its backlog drains.
     """
