@@ -36,6 +36,7 @@ __all__ = [
     "is_secret",
     "topic_problem",
     "did_you_mean",
+    "duration_seconds",
     "KIND_NAMES",
 ]
 
@@ -43,6 +44,10 @@ _TOPIC = re.compile(r"^[A-Za-z0-9._-]{1,249}$")
 _HOSTNAME = re.compile(
     r"^(?=.{1,253}$)[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*\.?$"
 )
+#: Seconds in a unit of a duration (a number alone is seconds): the commands' one duration syntax.
+_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 604800.0}
+_DURATION = re.compile(r"(\d+(?:\.\d*)?)\s*([smhdw]?)")
+
 #: How a value of each settable type is named in an error message.
 KIND_NAMES = {
     str: "a string",
@@ -253,3 +258,13 @@ def topic_problem(topic: str) -> str:
     if not _TOPIC.match(topic) or topic in (".", ".."):
         return f"{topic!r} is not a Kafka topic name (1-249 of letters, digits, '.', '_', '-')"
     return ""
+
+
+def duration_seconds(text: str) -> float | None:
+    """Seconds of a duration (``90``, ``90s``, ``30m``, ``1.5h``, ``7d``, ``2 w``), None for anything else.
+
+    >>> duration_seconds("36h"), duration_seconds("10 min")
+    (129600.0, None)
+    """
+    m = _DURATION.fullmatch(text.strip())
+    return None if m is None else float(m[1]) * _UNITS[m[2] or "s"]

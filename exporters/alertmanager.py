@@ -104,14 +104,11 @@ class AlertmanagerSink(BackgroundSink):
         timeout: float = 5.0,
         backoff: Backoff | None = None,
         extra_labels: Mapping[str, str] | None = None,
-        headers: Mapping[str, str] | None = None,
         post: PostFn = post_json,
         clock: Callable[[], float] = time.time,
         max_queue: int = 10_000,
     ) -> None:
-        super().__init__(
-            "alertmanager", url, timeout=timeout, backoff=backoff, headers=headers, post=post, max_queue=max_queue
-        )
+        super().__init__("alertmanager", url, timeout=timeout, backoff=backoff, post=post, max_queue=max_queue)
         check_number("alertmanager.refresh_interval", refresh_interval, 0, lo_open=True)
         for name in extra_labels or {}:
             if not _LABEL_NAME.match(name):
@@ -173,7 +170,7 @@ class AlertmanagerSink(BackgroundSink):
                 alerts.append({**alert, "labels": previous, "endsAt": _rfc3339(max(now, inc.opened_at))})
             alerts.append(alert)
         try:
-            self._post(self.endpoint, encode_json(alerts), self.headers, self.timeout)
+            self._post(self.endpoint, encode_json(alerts), self.timeout)
         except (DeliveryError, ValueError, OSError) as exc:
             self._retry_later("alertmanager: %d alert(s) not delivered (%s)", len(alerts), exc)
             return

@@ -14,7 +14,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 from sdcwatch.core.errors import ConfigError, DeliveryError
@@ -25,8 +25,8 @@ __all__ = ["BackgroundSink", "Backoff", "PostFn", "post_json", "encode_json", "c
 
 log = logging.getLogger(__name__)
 
-#: ``post(url, body, headers, timeout)`` -> HTTP status; raises :class:`DeliveryError` on failure.
-PostFn = Callable[[str, bytes, Mapping[str, str], float], int]
+#: ``post(url, body, timeout)`` -> HTTP status; raises :class:`DeliveryError` on failure.
+PostFn = Callable[[str, bytes, float], int]
 
 
 def _credentials(url: str) -> tuple[str, dict[str, str]]:
@@ -41,7 +41,7 @@ def _credentials(url: str) -> tuple[str, dict[str, str]]:
     return urllib.parse.urlunsplit(parts._replace(netloc=host)), {"Authorization": f"Basic {token}"}
 
 
-def post_json(url: str, body: bytes, headers: Mapping[str, str], timeout: float) -> int:
+def post_json(url: str, body: bytes, timeout: float) -> int:
     """POST ``body`` (already JSON) to ``url``; the status on 2xx, :class:`DeliveryError` otherwise.
     Credentials in the URL are sent as HTTP Basic authorization; errors show the URL without them."""
     shown = redact_url(url)
@@ -50,7 +50,7 @@ def post_json(url: str, body: bytes, headers: Mapping[str, str], timeout: float)
     except ValueError as exc:
         raise DeliveryError(f"{shown}: {exc}") from None
     request = urllib.request.Request(
-        target, data=body, method="POST", headers={"Content-Type": "application/json", **auth, **headers}
+        target, data=body, method="POST", headers={"Content-Type": "application/json", **auth}
     )
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:
@@ -110,7 +110,6 @@ class BackgroundSink:
         *,
         timeout: float,
         backoff: Backoff | None,
-        headers: Mapping[str, str] | None,
         post: PostFn,
         max_queue: int,
     ) -> None:
@@ -118,7 +117,6 @@ class BackgroundSink:
         check_number(f"{label}.timeout", timeout, 0, lo_open=True)
         check_int("sink.max_queue", max_queue, lo=1)
         self.timeout = float(timeout)
-        self.headers = dict(headers or {})
         self.max_queue = max_queue
         self.sent = 0
         self.failures = 0

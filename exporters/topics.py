@@ -22,6 +22,7 @@ __all__ = ["TopicWriter", "AnomalyTopicSink", "ControlTopicSink", "SummaryTopicS
 
 log = logging.getLogger("sdcwatch.detectors")
 decisions_log = logging.getLogger("sdcwatch.service.control_policy")
+_REMEMBER = 10_000  # (incident, action) pairs the control sink remembers deciding, and decisions it keeps
 
 
 def _kafka_sender(bootstrap: str, topic: str, **producer_settings: Any):
@@ -58,8 +59,8 @@ def _kafka_sender(bootstrap: str, topic: str, **producer_settings: Any):
 
 
 class TopicWriter:
-    """The writing end of one topic, shared by the sinks that publish to the bus. ``to_bus`` and
-    ``to_kafka`` take the sink's own keywords (:attr:`OPTIONS`); ``to_kafka`` hands the rest to the producer."""
+    """The writing end of one topic, shared by the sinks that publish to the bus: over any
+    ``send(key, value)``, or :meth:`to_kafka`, which hands what is not the sink's own (:attr:`OPTIONS`) to the producer."""
 
     DEFAULT_TOPIC: ClassVar[str]
     KAFKA_SETTINGS: ClassVar[dict[str, Any]] = {}
@@ -75,12 +76,6 @@ class TopicWriter:
         self._send, self._flush, self._close = send, flush, close
         self.published = 0
         self.errors = 0
-
-    @classmethod
-    def to_bus(cls, bus: Any, topic: str | None = None, **options: Any):
-        """A sink writing to ``topic`` of a :class:`~sdcwatch.telemetry.MemoryBus`."""
-        topic = topic or cls.DEFAULT_TOPIC
-        return cls(lambda k, v: bus.append(topic, k, v), **options)
 
     @classmethod
     def to_kafka(cls, bootstrap: str, topic: str | None = None, **settings: Any):
@@ -153,14 +148,13 @@ class ControlTopicSink(TopicWriter):
 
     DEFAULT_TOPIC = CONTROL_TOPIC
     KAFKA_SETTINGS = {"linger_ms": 0}
-    OPTIONS = ("policy", "keys", "nonces", "remember", "deliver")
+    OPTIONS = ("policy", "keys", "nonces", "deliver")
     LABEL = "control"
 
     def __init__(
         self,
         *args: Any,
         policy: DecisionPolicy,
-        remember: int = 10_000,
         keys: Callable[[str], JobKey | None] | None = None,
         nonces: Callable[[str], str] | None = None,
         deliver: Callable[[Decision], Any] | None = None,
@@ -171,9 +165,8 @@ class ControlTopicSink(TopicWriter):
         self.deliver = deliver
         self._seq = 0
         self.decisions: list[Decision] = []
-        """Decisions published so far (the newest ``remember``)."""
+        """Decisions published so far (the newest 10,000)."""
         self._seen: OrderedDict[tuple[str, str], None] = OrderedDict()
-        self._remember = int(remember)
 
     def _next_seq(self) -> int:
         """An increasing number, across restarts too: microseconds of wall time, or one more than
@@ -192,7 +185,7 @@ class ControlTopicSink(TopicWriter):
             if key in self._seen:
                 return
             self._seen[key] = None
-            while len(self._seen) > self._remember:
+            while len(self._seen) > _REMEMBER:
                 self._seen.popitem(last=False)
             if self.deliver is not None:
                 self.deliver(decision)
@@ -205,7 +198,7 @@ class ControlTopicSink(TopicWriter):
                     decision = replace(decision, seq=self._next_seq(), nonce=nonce)
                     self._send(decision.run.encode("utf-8"), decision.sign(job_key))
             self.decisions.append(decision)
-            del self.decisions[: -self._remember]
+            del self.decisions[:-_REMEMBER]
             self.published += 1
             decisions_log.warning(
                 "control decision for run %s: %s %s (%s)",

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Mapping
 
 from sdcwatch.core.incident import IncidentEvent
 from sdcwatch.core.validate import check_int, redact_url
@@ -37,13 +36,10 @@ class WebhookSink(BackgroundSink):
         timeout: float = 5.0,
         max_attempts: int = 8,
         backoff: Backoff | None = None,
-        headers: Mapping[str, str] | None = None,
         post: PostFn = post_json,
         max_queue: int = 10_000,
     ) -> None:
-        super().__init__(
-            "webhook", url, timeout=timeout, backoff=backoff, headers=headers, post=post, max_queue=max_queue
-        )
+        super().__init__("webhook", url, timeout=timeout, backoff=backoff, post=post, max_queue=max_queue)
         check_int("webhook.max_attempts", max_attempts, lo=1)
         self.url = url
         self.max_attempts = max_attempts
@@ -84,7 +80,7 @@ class WebhookSink(BackgroundSink):
     def _attempt(self, *, final: bool) -> bool:
         body = self._pending[0]
         try:
-            self._post(self.url, body, self.headers, self.timeout)
+            self._post(self.url, body, self.timeout)
         except (DeliveryError, OSError) as exc:
             self._attempts += 1
             if final:

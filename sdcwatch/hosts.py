@@ -15,13 +15,11 @@ from pathlib import Path
 from typing import Any, Sequence, TextIO
 
 from sdcwatch.core.errors import ConfigError
-from sdcwatch.core.validate import is_host
+from sdcwatch.core.validate import duration_seconds, is_host
 from sdcwatch.service.host_files import read_hosts, record_clear
 
 __all__ = ["parse_duration", "host_line", "drain_lines", "build_parser", "hosts_main"]
 
-_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 604800.0}
-_DURATION = re.compile(r"^\s*(\d+(?:\.\d*)?)\s*([smhdw]?)\s*$")
 _ACTIONS = ("list", "drain-commands", "clear")
 
 
@@ -31,10 +29,10 @@ def parse_duration(text: str) -> float:
     >>> parse_duration("36h")
     129600.0
     """
-    match = _DURATION.match(text)
-    if match is None:
+    seconds = duration_seconds(text)
+    if seconds is None:
         raise argparse.ArgumentTypeError(f"not a duration (such as 90s, 30m, 12h, 7d): {text!r}")
-    return float(match.group(1)) * _UNITS[match.group(2) or "s"]
+    return seconds
 
 
 def _when(wall: float, now: float) -> str:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 import threading
 import time
@@ -27,6 +26,7 @@ from sdcwatch.core.errors import ConfigError, RecordError
 from sdcwatch.core.incident import Incident
 from sdcwatch.core.jsonsafe import json_safe
 from sdcwatch.core.messages import decode_object
+from sdcwatch.core.validate import duration_seconds
 from sdcwatch.service.kafka_source import TopicReader
 
 __all__ = [
@@ -39,8 +39,6 @@ __all__ = [
     "incidents_main",
 ]
 
-_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
-_DURATION = re.compile(r"(\d+(?:\.\d+)?)([smhd])")
 _MAX_LISTED = 8  # ranks or hosts written out on a line; the rest counted
 
 
@@ -75,10 +73,10 @@ def parse_since(text: str, now: float) -> Since:
     text = text.strip()
     if text.isdigit():
         return Since(step=int(text))
-    m = _DURATION.fullmatch(text)
-    if m is None:
+    seconds = duration_seconds(text)
+    if seconds is None:
         raise ConfigError("--since", f"{text!r} is neither a step (300) nor a duration (90s, 10m, 2h, 1d)")
-    return Since(time=now - float(m.group(1)) * _UNITS[m.group(2)])
+    return Since(time=now - seconds)
 
 
 class IncidentBoard:

@@ -95,12 +95,6 @@ class HostVerdict:
     def to_dict(self) -> dict[str, Any]:
         return {f.name: list(v) if isinstance(v := getattr(self, f.name), tuple) else v for f in fields(self)}
 
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "HostVerdict":
-        known = {f.name for f in fields(cls)}
-        kw = {k: tuple(v) if isinstance(v, list) else v for k, v in d.items() if k in known}
-        return cls(**kw)
-
 
 @dataclass
 class _Host:

@@ -286,10 +286,6 @@ class IncidentBook:
 
     # -- reading ------------------------------------------------------------------------------
 
-    @property
-    def open_incidents(self) -> list[Incident]:
-        return list(self._open.values())
-
     def current(self) -> list[Incident]:
         """Open incidents plus the recently resolved ones (copies, safe to hand to another thread)."""
         return [replace(i, evidence=dict(i.evidence)) for i in (*self._open.values(), *self._resolved)]

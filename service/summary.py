@@ -25,6 +25,7 @@ __all__ = ["StepSummary", "SummaryOrder", "encode_summary", "decode_summary", "S
 
 SUMMARY_VERSION = 1
 _HEAD = struct.Struct(">I")
+_MAX_HELD = 256  # a run's summaries held for an earlier step at most: past it the earliest goes on
 
 
 @dataclass
@@ -233,13 +234,13 @@ class SummaryOrder:
     """Puts each run's summaries back in step order (several spatial instances publish them).
 
     A summary is released when it follows the last released step by the run's usual stride, after
-    ``grace`` seconds, or when more than ``max_held`` wait. Late summaries (a step already released)
+    ``grace`` seconds, or when more than 256 of its run wait. Late summaries (a step already released)
     and redelivered ones are counted and dropped.
     """
 
-    def __init__(self, grace: float = 2.0, max_held: int = 256, *, clock: Callable[[], float] = time.monotonic):
-        check_positive("order", grace=grace, max_held=max_held)
-        self.grace, self.max_held, self.clock = float(grace), int(max_held), clock
+    def __init__(self, grace: float = 2.0, *, clock: Callable[[], float] = time.monotonic):
+        check_positive("order", grace=grace)
+        self.grace, self.clock = float(grace), clock
         self._runs: dict[str, _Held] = {}
         self._seq = 0
         self.late = 0
@@ -268,7 +269,7 @@ class SummaryOrder:
             while h.heap:
                 step, arrived, _, s = h.heap[0]
                 in_order = h.last is not None and step - h.last <= h.stride
-                if not (in_order or now - arrived >= self.grace or len(h.heap) > self.max_held):
+                if not (in_order or now - arrived >= self.grace or len(h.heap) > _MAX_HELD):
                     break
                 heapq.heappop(h.heap)
                 h.steps.discard(step)

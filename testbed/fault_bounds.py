@@ -3,17 +3,18 @@ one-element fault the rounding bound of the check that covers the tensor it hit.
 
 A fault is *detectable* when its change exceeds that bound: a property of the fault alone, not of
 the probes' sampling. :class:`BoundedInjector` computes the bound at injection time, from the
-tensors its hooks see, with the bound functions of :mod:`sdcwatch.telemetry.probes.checksum_bounds` (the ones
-the checks hold their residuals to), on every step a fault fires, checked by the probes or not:
+tensors its hooks see, with the bound functions below (as numbers, the bounds the checks of
+:mod:`sdcwatch.telemetry.probes.checksum_bounds` hold their residuals to), on every step a fault
+fires, checked by the probes or not:
 
-* a linear layer's output (``nn.Linear``): :func:`~sdcwatch.telemetry.probes.checksum_bounds.linear_bound` of
+* a linear layer's output (``nn.Linear``): :func:`linear_bound` of
   the call's input, weight and bias (the forward checksum, ``gemm_fwd``);
 * a product module's output (``_sdcwatch_gemm``, ``forward(a, b) = a @ b``):
-  :func:`~sdcwatch.telemetry.probes.checksum_bounds.matmul_bound` of ``a`` and ``b``;
-* a linear layer's weight or bias gradient: :func:`~sdcwatch.telemetry.probes.checksum_bounds.weight_grad_bound`
-  or :func:`~sdcwatch.telemetry.probes.checksum_bounds.bias_grad_bound` of the layer's input and output gradient
+  :func:`matmul_bound` of ``a`` and ``b``;
+* a linear layer's weight or bias gradient: :func:`weight_grad_bound`
+  or :func:`bias_grad_bound` of the layer's input and output gradient
   in that backward (``gemm_bwd``; the injector keeps them for the fault's rank and step only);
-* a linear layer's weight or bias in memory: :func:`~sdcwatch.telemetry.probes.checksum_bounds.memory_bound` of
+* a linear layer's weight or bias in memory: :func:`memory_bound` of
   the tensor as it was before the fault (``gemm_weight``).
 
 Any other tensor (a block's or a layer norm's output, the attention logits, an embedding, the
@@ -34,23 +35,85 @@ counts as the fault's (``cpu_seconds``), not the rank's.
 from __future__ import annotations
 
 import functools
+import math
 import time
 from dataclasses import dataclass, fields
 from typing import Any, Callable
 
 import torch
 from sdcwatch.telemetry.probes.checksum_bounds import (
-    bias_grad_bound,
-    linear_bound,
-    matmul_bound,
-    memory_bound,
-    weight_grad_bound,
+    TINY,
+    accumulated_sum,
+    accumulation_dtype,
+    bias_grad_coefficient,
+    grad_reference,
+    linear_check_bound,
+    matmul_check_bound,
+    memory_bound_of,
+    product_dtype,
+    underflow_floor,
+    weight_grad_check_bound,
 )
 from sdcwatch.testbed.faults import FaultInjector, Injection
 from sdcwatch.testbed.faultspec import ELEMENT_KINDS, FaultSpec
 from torch import nn
 
-__all__ = ["BoundedInjector", "CoveredInjection", "Share", "WHOLE"]
+__all__ = [
+    "BoundedInjector",
+    "CoveredInjection",
+    "Share",
+    "WHOLE",
+    "bias_grad_bound",
+    "linear_bound",
+    "matmul_bound",
+    "memory_bound",
+    "weight_grad_bound",
+]
+
+
+# -- the bounds as numbers: how large a change of one element each check is sure to see
+
+
+@torch.no_grad()
+def linear_bound(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype) -> float:
+    """The absolute bound ``check_linear`` holds the row sums of ``y = x weight^T + bias`` to."""
+    return float(linear_check_bound(x, weight, bias, out_dtype))
+
+
+@torch.no_grad()
+def matmul_bound(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, bias: torch.Tensor | None = None) -> float:
+    """The absolute bound ``check_matmul`` holds the row sums of ``a @ b (+ bias)`` to."""
+    return float(matmul_check_bound(a, b, out_dtype, bias))
+
+
+@torch.no_grad()
+def weight_grad_bound(x: torch.Tensor, dy: torch.Tensor, dw: torch.Tensor) -> float:
+    """The absolute bound ``check_weight_grad`` holds the column sums of ``dw = dy^T x`` to."""
+    _, _, dy_norm, tokens = grad_reference(x, dy)
+    return float(weight_grad_check_bound(x, dy, dy_norm, tokens, dw))
+
+
+@torch.no_grad()
+def bias_grad_bound(dy: torch.Tensor, db: torch.Tensor) -> float:
+    """The absolute bound of the bias gradient's check ``Σ db = Σ dY`` (``Σ|dY| <= sqrt(N m) ||dY||_F``)."""
+    m = dy.shape[-1]
+    dy2 = dy.reshape(-1, m)
+    tokens = dy2.shape[0]
+    out = product_dtype(db.dtype, dy.dtype)
+    coef = bias_grad_coefficient(tokens, db.numel(), out)
+    bound = torch.linalg.vector_norm(dy2, dtype=accumulation_dtype(dy.dtype)) * math.sqrt(tokens * m) * coef
+    floor = underflow_floor(db.numel(), out)
+    return float((bound + floor if floor else bound).clamp_min(TINY))
+
+
+@torch.no_grad()
+def memory_bound(t: torch.Tensor) -> float:
+    """The absolute bound of the weight check: ``γ_m Σ_j ||w_j||`` for a (m, n) weight, ``γ_m Σ|b|``
+    for a bias of m values."""
+    acc = accumulation_dtype(t.dtype)
+    if t.dim() == 2:
+        return float(memory_bound_of(torch.linalg.vector_norm(t, dim=1, dtype=acc).sum(), t.shape[0]))
+    return float(memory_bound_of(accumulated_sum(t.abs(), None, acc), t.numel()))
 
 
 @dataclass(frozen=True)

@@ -148,13 +148,13 @@ class SimulatedRun:
         )
         self._gemm_canary = GemmCanary.of(self.model, probe_config)
         # records are built on this thread: sender threads would run during the next rank's pass and
-        # bias its measured step time (rank 0 would look like a straggler)
+        # bias its measured step time (rank 0 would look like a straggler); the run computes the
+        # canary itself: its watches name its products
+        canary_names = self._gemm_canary.names if self._gemm_canary is not None else ()
         self.watches = [
-            Watch(self.model, e, config=probe_config, external=True, background=False) for e in self.emitters
+            Watch(self.model, e, config=probe_config, external=True, background=False, canary_names=canary_names)
+            for e in self.emitters
         ]
-        if self._gemm_canary is not None:  # the run computes the canary itself: its watches name its products
-            for w in self.watches:
-                w.gemm_canary_names = self._gemm_canary.names
         # the canary input: fixed, the same for every rank and every run (like a golden test vector)
         self._canary = torch.randint(
             0, self.config.vocab, (2, self.config.seq_len), generator=torch.Generator().manual_seed(0x5DC)

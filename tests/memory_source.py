@@ -16,7 +16,14 @@ from sdcwatch.core.vocabulary import DEADLETTER_TOPIC, TELEMETRY_TOPIC
 from sdcwatch.service.bus import DeadLetterCounts, dead_letter_value, decode_batch
 from sdcwatch.service.ingest import IngestDecoder, Rejected, SchemaRegistry, count_records
 
-__all__ = ["MemorySource"]
+__all__ = ["MemorySource", "bus_sink"]
+
+
+def bus_sink(sink_type: Any, bus: Any, topic: str | None = None, **options: Any) -> Any:
+    """A topic sink (:class:`~sdcwatch.exporters.topics.TopicWriter`) writing to ``topic`` (its
+    default one when None) of a :class:`~sdcwatch.telemetry.MemoryBus`."""
+    topic = topic or sink_type.DEFAULT_TOPIC
+    return sink_type(lambda k, v: bus.append(topic, k, v), **options)
 
 
 class MemorySource(DeadLetterCounts):

@@ -12,14 +12,12 @@ __all__ = [
     "TINY",
     "abs_max",
     "accumulated_sum",
-    "bias_grad_bound",
     "accumulation_dtype",
     "bias_grad_coefficient",
     "gemm_input_roundoff",
     "grad_reference",
-    "linear_bound",
-    "matmul_bound",
-    "memory_bound",
+    "linear_check_bound",
+    "matmul_check_bound",
     "memory_bound_of",
     "product_dtype",
     "check_linear",
@@ -28,7 +26,7 @@ __all__ = [
     "rounding_coefficient",
     "underflow_floor",
     "unit_roundoff",
-    "weight_grad_bound",
+    "weight_grad_check_bound",
 ]
 
 #: Keeps an all-zero product's bound positive (0 / tiny = 0, any residual is huge).
@@ -145,25 +143,19 @@ def _floored(bound: torch.Tensor, floor: float) -> torch.Tensor:
     return (bound + floor if floor else bound).clamp_min(TINY)
 
 
-def _forward_bound(
-    x: torch.Tensor, sw: torch.Tensor, bias: torch.Tensor | None, coef: float, acc: torch.dtype, floor: float = 0.0
+def linear_check_bound(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype
 ) -> torch.Tensor:
-    """``c (sqrt(n) max|x| S_w + S_b)`` (+ ``floor``): the bound of a linear layer's checksum."""
-    scale = abs_max(x).to(acc) * (math.sqrt(x.shape[-1]) * sw)
-    if bias is not None:
-        scale = scale + accumulated_sum(bias.abs(), None, acc)
-    return _floored(scale * coef, floor)
-
-
-def _linear_terms(
-    x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype
-) -> tuple[torch.dtype, torch.Tensor, float]:
-    """(accumulation dtype, ``S_w = Σ_j ||w_j||``, rounding coefficient) of ``x weight^T``."""
+    """The absolute bound :func:`check_linear` holds the row sums of ``y = x weight^T + bias`` to (0-d):
+    ``c (sqrt(n) max|x| S_w + S_b)`` with ``S_w = Σ_j ||w_j||`` (+ the underflow floor)."""
     acc = accumulation_dtype(out_dtype)
     sw = torch.linalg.vector_norm(weight, dim=1, dtype=acc).sum()
     roundoff = gemm_input_roundoff(x, weight, compute=out_dtype)
     coef = rounding_coefficient(weight.shape[1], weight.shape[0], out_dtype, input_roundoff=roundoff)
-    return acc, sw, coef
+    scale = abs_max(x).to(acc) * (math.sqrt(x.shape[-1]) * sw)
+    if bias is not None:
+        scale = scale + accumulated_sum(bias.abs(), None, acc)
+    return _floored(scale * coef, underflow_floor(weight.shape[0], out_dtype))
 
 
 def check_linear(
@@ -176,11 +168,11 @@ def check_linear(
     with torch.no_grad():
         if x.numel() == 0 or y.numel() == 0:
             return torch.zeros((), device=y.device)
-        acc, sw, coef = _linear_terms(x, weight, y.dtype)
+        acc = accumulation_dtype(y.dtype)
         ref = (x if x.dtype == acc else x.to(acc)) @ accumulated_sum(weight, 0, acc)
         if bias is not None:
             ref = ref + accumulated_sum(bias, None, acc)
-        bound = _forward_bound(x, sw, bias, coef, acc, underflow_floor(y.shape[-1], y.dtype))
+        bound = linear_check_bound(x, weight, bias, y.dtype)
         return ((accumulated_sum(y, -1, acc) - ref).abs_().amax() / bound).float()
 
 
@@ -198,12 +190,15 @@ def check_matmul(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, bias: torch.
         ref = ((a if a.dtype == acc else a.to(acc)) @ v.unsqueeze(-1)).squeeze(-1)
         if bias is not None:
             ref = ref + accumulated_sum(bias, None, acc)
-        return ((ys - ref).abs_().amax() / _matmul_bound(a, b, bias, c.dtype)).float()
+        return ((ys - ref).abs_().amax() / matmul_check_bound(a, b, c.dtype, bias)).float()
 
 
-def _matmul_bound(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
-    """``c (n m max|a| max|b| + Σ|bias|)`` (+ the underflow floor): the bound of a product's checksum
-    (``||a_i|| <= sqrt(n) max|a|``, ``Σ_j ||b_:j|| <= m sqrt(n) max|b|``)."""
+def matmul_check_bound(
+    a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The absolute bound :func:`check_matmul` holds the row sums of ``a @ b (+ bias)`` to (0-d):
+    ``c (n m max|a| max|b| + Σ|bias|)`` (+ the underflow floor; ``||a_i|| <= sqrt(n) max|a|``,
+    ``Σ_j ||b_:j|| <= m sqrt(n) max|b|``)."""
     acc = accumulation_dtype(out_dtype)
     n, m = b.shape[-2], b.shape[-1]
     coef = rounding_coefficient(n, m, out_dtype, input_roundoff=gemm_input_roundoff(a, b, compute=out_dtype))
@@ -230,62 +225,18 @@ def check_weight_grad(x: torch.Tensor, dy: torch.Tensor, dw: torch.Tensor) -> to
     with torch.no_grad():
         ref, _, dy_norm, tokens = grad_reference(x, dy)
         res = (accumulated_sum(dw, 0, ref.dtype) - ref).abs_().amax()
-        return (res / _weight_grad_bound(x, dy, dy_norm, tokens, dw)).float()
+        return (res / weight_grad_check_bound(x, dy, dy_norm, tokens, dw)).float()
 
 
-def _weight_grad_bound(
+def weight_grad_check_bound(
     x: torch.Tensor, dy: torch.Tensor, dy_norm: torch.Tensor, tokens: int, dw: torch.Tensor
 ) -> torch.Tensor:
-    """``c' sqrt(N) max|X| sqrt(m) ||dY||_F``: the bound of a weight gradient's checksum."""
+    """The absolute bound :func:`check_weight_grad` holds the column sums of ``dw = dy^T x`` to (0-d;
+    ``dy_norm`` and ``tokens`` from :func:`grad_reference`): ``c' sqrt(N) max|X| sqrt(m) ||dY||_F``."""
     xcol = abs_max(x).to(dy_norm.dtype) * math.sqrt(tokens)
     out = product_dtype(dw.dtype, dy.dtype)
     coef = rounding_coefficient(tokens, dw.shape[0], out, input_roundoff=gemm_input_roundoff(x, dy, compute=out))
     return _floored(coef * xcol * (dy_norm * math.sqrt(dy.shape[-1])), underflow_floor(dw.shape[0], out))
-
-
-# -- the bounds on their own: how large a change of one element each check is sure to see (fault campaigns)
-
-
-def linear_bound(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype) -> float:
-    """The absolute bound :func:`check_linear` holds the row sums of ``y = x weight^T + bias`` to."""
-    with torch.no_grad():
-        acc, sw, coef = _linear_terms(x, weight, out_dtype)
-        return float(_forward_bound(x, sw, bias, coef, acc, underflow_floor(weight.shape[0], out_dtype)))
-
-
-def matmul_bound(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, bias: torch.Tensor | None = None) -> float:
-    """The absolute bound :func:`check_matmul` holds the row sums of ``a @ b (+ bias)`` to."""
-    with torch.no_grad():
-        return float(_matmul_bound(a, b, bias, out_dtype))
-
-
-def weight_grad_bound(x: torch.Tensor, dy: torch.Tensor, dw: torch.Tensor) -> float:
-    """The absolute bound :func:`check_weight_grad` holds the column sums of ``dw = dy^T x`` to."""
-    with torch.no_grad():
-        _, _, dy_norm, tokens = grad_reference(x, dy)
-        return float(_weight_grad_bound(x, dy, dy_norm, tokens, dw))
-
-
-def bias_grad_bound(dy: torch.Tensor, db: torch.Tensor) -> float:
-    """The absolute bound of the bias gradient's check ``Σ db = Σ dY`` (``Σ|dY| <= sqrt(N m) ||dY||_F``)."""
-    with torch.no_grad():
-        m = dy.shape[-1]
-        dy2 = dy.reshape(-1, m)
-        tokens = dy2.shape[0]
-        out = product_dtype(db.dtype, dy.dtype)
-        coef = bias_grad_coefficient(tokens, db.numel(), out)
-        bound = torch.linalg.vector_norm(dy2, dtype=accumulation_dtype(dy.dtype)) * math.sqrt(tokens * m) * coef
-        return float(_floored(bound, underflow_floor(db.numel(), out)))
-
-
-def memory_bound(t: torch.Tensor) -> float:
-    """The absolute bound of the weight check: ``γ_m Σ_j ||w_j||`` for a (m, n) weight, ``γ_m Σ|b|``
-    for a bias of m values."""
-    with torch.no_grad():
-        acc = accumulation_dtype(t.dtype)
-        if t.dim() == 2:
-            return float(memory_bound_of(torch.linalg.vector_norm(t, dim=1, dtype=acc).sum(), t.shape[0]))
-        return float(memory_bound_of(accumulated_sum(t.abs(), None, acc), t.numel()))
 
 
 def memory_bound_of(total: torch.Tensor, m: int) -> torch.Tensor:

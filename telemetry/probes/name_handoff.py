@@ -11,17 +11,14 @@ __all__ = ["NameHandoff", "watch_names"]
 
 def watch_names(watch: Any) -> dict[str, list[str]]:
     """``{family: names}`` of a watch's indexed metrics, as they are now."""
-    checks = watch.sampled_checks
-    # a driver that computes the canary outside the watch (the simulated ranks) names its products here
-    canary_names = getattr(watch, "gemm_canary_names", None)
-    if canary_names is None:
-        canary_names = watch.gemm_canary.names if watch.gemm_canary is not None else []
+    checks, canary = watch.sampled_checks, watch.gemm_canary
     return {
         "products": list(checks.checksums.names) if checks.checksums is not None else [],
         "blocks": list(checks.stream.names) if checks.stream is not None else [],
         "layers": watch.layer_names,
         "modules": list(watch.leaf_names),
-        "canary_products": list(canary_names),
+        # a driver that computes the canary outside the watch (the simulated ranks) names its products
+        "canary_products": list(canary.names) if canary is not None else list(watch.canary_names),
     }
 
 

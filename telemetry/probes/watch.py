@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import time
 import warnings
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 from sdcwatch.core.errors import ConfigError
@@ -53,6 +53,7 @@ class Watch:
         mesh: Any = None,
         mesh_names: Any = None,
         environment: RankEnvironment | None = None,
+        canary_names: Sequence[str] = (),
     ) -> None:
         if not callable(getattr(emitter, "emit", None)):
             raise ConfigError("probes.emitter", f"needs an object with an emit() method, got {type(emitter).__name__}")
@@ -62,6 +63,8 @@ class Watch:
         self.optimizer = optimizer
         self.config = config or ProbeConfig()
         self.canary_input = canary_input
+        # external: the products of the driver's own canary, which its records' gemm_canary_product indexes
+        self.canary_names = list(canary_names)
         if self.config.canary_every and canary_input is None and not external:
             raise ConfigError("probes.canary_every", "needs canary_input= (a fixed input for the model)")
         self.enabled = True

@@ -38,7 +38,7 @@ def state(tmp_path):
 
 def test_the_files_hold_every_verdict_and_one_quarantined_host_a_line(state):
     body = read_hosts(state)
-    assert [HostVerdict.from_dict(h) for h in body["hosts"]] == FLEET
+    assert body["hosts"] == [v.to_dict() for v in FLEET]
     assert (body["written"], body["clears_through"]) == (NOW, 0.0)
     assert (state / "quarantine.txt").read_text() == "node17\n"
     assert not list(state.glob("*.tmp"))

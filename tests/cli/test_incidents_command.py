@@ -120,12 +120,16 @@ def test_since_a_duration_keeps_open_incidents_and_those_changed_since():
     assert sorted(e["id"] for e in board.incidents()) == ["open", "recent"]
 
 
-@pytest.mark.parametrize("text, want", [("0", Since(step=0)), ("90s", Since(time=10.0)), ("1.5h", Since(time=-5300.0))])
+@pytest.mark.parametrize(
+    "text, want",
+    [("0", Since(step=0)), ("90s", Since(time=10.0)), ("1.5h", Since(time=-5300.0)), ("1w", Since(time=-604700.0))],
+)
 def test_since_parses_steps_and_durations(text, want):
+    """A number alone is a step; a duration has the syntax of every command's durations (``hosts --since``)."""
     assert parse_since(text, now=100.0) == want
 
 
-@pytest.mark.parametrize("text", ["-5", "10 min", "yesterday", "2w", ""])
+@pytest.mark.parametrize("text", ["-5", "10 min", "yesterday", "2x", ""])
 def test_since_refuses_what_is_neither_a_step_nor_a_duration(text):
     with pytest.raises(ConfigError, match="--since"):
         parse_since(text, now=0.0)

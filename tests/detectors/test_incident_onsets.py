@@ -172,7 +172,7 @@ def test_a_streak_goes_on_while_its_origin_is_bad_or_silent():
     (h,) = det.update(_frame(13, bad=[(3, 0)]))  # rank 1 clean again, rank 3 bad: a new onset
     assert h.ranks == (3,) and h.message.startswith("non-finite value at step 13")
     book.add([h])
-    assert sorted((i.first_step, i.ranks) for i in book.open_incidents) == [(10, (1,)), (13, (3,))]
+    assert sorted((i.first_step, i.ranks) for i in [i for i in book.current() if i.open]) == [(10, (1,)), (13, (3,))]
 
 
 # -- the book's rule ----------------------------------------------------------------------------
@@ -189,11 +189,11 @@ def test_the_book_splits_a_finding_between_the_incident_it_continues_and_a_new_o
         ("opened", 9, (5,), ("h5",))
     ]
     assert ev[0].incident.coords == ({"dp_replicate": 5},)
-    first = next(i for i in book.open_incidents if i.first_step == 5)
+    first = next(i for i in [i for i in book.current() if i.open] if i.first_step == 5)
     assert (first.ranks, first.hosts, first.last_step) == ((1,), ("h1",), 9)
     # a finding that blames no rank (replicas split) goes on with the latest incident of its kind
     assert book.add([finding(10, (), kind="replica_divergence")]) == []
-    assert {i.first_step: i.last_step for i in book.open_incidents} == {5: 9, 9: 10}
+    assert {i.first_step: i.last_step for i in [i for i in book.current() if i.open]} == {5: 9, 9: 10}
 
 
 def test_a_finding_on_several_ranks_of_a_rank_local_kind_feeds_each_ranks_own_incident():
@@ -225,4 +225,4 @@ def test_an_incident_restored_from_an_older_state_goes_on_and_a_new_rank_opens_i
     assert book.add([finding(46, (1,))]) == []  # the same fault, still bad
     (ev,) = book.add([finding(47, (5,))])
     assert (ev.change, ev.incident.first_step, ev.incident.ranks) == ("opened", 47, (5,))
-    assert sorted(i.last_step for i in book.open_incidents) == [46, 47]
+    assert sorted(i.last_step for i in [i for i in book.current() if i.open]) == [46, 47]

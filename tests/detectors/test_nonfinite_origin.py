@@ -44,7 +44,7 @@ def test_the_incident_keeps_the_rank_and_layer_where_the_nan_began_after_it_spre
     # next step every replica is NaN in every layer: more bad values, a higher score
     spread = [(r, m, layer) for r in range(WORLD) for m in LAYER_METRICS for layer in range(LAYERS)]
     later = book.add(det.update(frame(17, bad=spread + [(r, "loss", None) for r in range(WORLD)])))
-    (inc,) = book.open_incidents  # one incident: the spread is not a new one
+    (inc,) = [i for i in book.current() if i.open]  # one incident: the spread is not a new one
     assert inc.score > events[0].incident.score and inc.peak_step == 17
     assert (inc.ranks, inc.metric, inc.layer, inc.first_step) == ((1,), "q_norm_mean", 1, 16)
     assert all(e.incident.layer == 1 and e.incident.ranks == (1,) for e in later)

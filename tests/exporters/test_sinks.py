@@ -31,7 +31,7 @@ class FakePost:
         self.attempts = 0
         self.lock = threading.Lock()
 
-    def __call__(self, url, body, headers, timeout):
+    def __call__(self, url, body, timeout):
         if self.answer is not None:
             self.answer.wait()
         with self.lock:
@@ -174,7 +174,7 @@ def test_a_dead_alertmanager_does_not_hang_close_or_raise():
 def test_queue_overflow_drops_the_oldest_events_and_counts_them():
     gate = threading.Event()
 
-    def blocked(url, body, headers, timeout):
+    def blocked(url, body, timeout):
         gate.wait(5)
         return 200
 

@@ -15,7 +15,7 @@ from sdcwatch.core.record_layout import PackedRecord
 from sdcwatch.core.signing import SERVICE_KID, AuthError, JobKey, Keyring, job_key_from_env
 from sdcwatch.core.vocabulary import CONTROL_TOPIC, TELEMETRY_TOPIC
 from sdcwatch.service.auth import Authenticator
-from memory_source import MemorySource
+from memory_source import MemorySource, bus_sink
 from sdcwatch.exporters.topics import ControlTopicSink
 from sdcwatch.service.control_policy import ControlPolicy
 from sdcwatch.service.ingest import IngestDecoder, SchemaRegistry
@@ -193,7 +193,7 @@ def test_the_service_signs_each_runs_decisions_with_its_key_and_the_guard_refuse
     announced = [("t", b"victim", KEY_A.sign(guard.start.encode()))]  # as KafkaControl sends it
     assert IngestDecoder(SchemaRegistry(), auth=auth).decode(announced) == ([], [])
     assert auth.key_of("victim") is KEY_A and auth.nonce_of("victim") == guard.start.nonce
-    sink = ControlTopicSink.to_bus(bus, policy=ControlPolicy(actions=True), keys=auth.key_of, nonces=auth.nonce_of)
+    sink = bus_sink(ControlTopicSink, bus, policy=ControlPolicy(actions=True), keys=auth.key_of, nonces=auth.nonce_of)
     sink.publish(_incident_event("victim", 1))
     sink.publish(_incident_event("victim", 2))
     (_, first), (_, second) = bus.messages(CONTROL_TOPIC)
@@ -222,7 +222,7 @@ def test_an_unbound_runs_decisions_go_unsigned_in_the_earlier_releases_form():
     """A run that signs nothing gets its decisions as before: unsigned, and without the fields an
     earlier guard would refuse as unknown (``seq``, ``checkpoint``)."""
     bus = MemoryBus()
-    sink = ControlTopicSink.to_bus(bus, policy=ControlPolicy(actions=True), keys=lambda run: None)
+    sink = bus_sink(ControlTopicSink, bus, policy=ControlPolicy(actions=True), keys=lambda run: None)
     sink.publish(_incident_event("open-run"))
     ((_, value),) = bus.messages(CONTROL_TOPIC)
     body = json.loads(value)

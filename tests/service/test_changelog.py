@@ -18,7 +18,7 @@ from detector_synth import Fault, SyntheticRun
 from polling import step_until, wait_for
 from sdcwatch.core.errors import ConfigError
 from sdcwatch.core.vocabulary import ANOMALY_TOPIC, TELEMETRY_TOPIC
-from memory_source import MemorySource
+from memory_source import MemorySource, bus_sink
 from sdcwatch.exporters.topics import AnomalyTopicSink
 from sdcwatch.core.signing import JobKey, Keyring, is_signed
 from sdcwatch.service.changelog import FORMAT, FUTURE_SKEW_S, StateChangelog
@@ -156,7 +156,7 @@ def test_an_instance_with_an_empty_state_folder_resumes_from_the_topic_without_a
     taken = bus.size(TELEMETRY_TOPIC)  # messages the first instance commits
     first = DetectorService(
         MemorySource(bus),
-        sinks=[AnomalyTopicSink.to_bus(bus)],
+        sinks=[bus_sink(AnomalyTopicSink, bus)],
         state_dir=tmp_path / "a",
         poll_timeout=0.01,
         changelog=_changelog(bootstrap, unique_topic),
@@ -171,7 +171,7 @@ def test_an_instance_with_an_empty_state_folder_resumes_from_the_topic_without_a
     source._offset = source._committed = taken  # the group's committed offsets
     second = DetectorService(
         source,
-        sinks=[AnomalyTopicSink.to_bus(bus)],
+        sinks=[bus_sink(AnomalyTopicSink, bus)],
         state_dir=tmp_path / "b",
         poll_timeout=0.01,
         changelog=_changelog(bootstrap, unique_topic),
@@ -296,7 +296,7 @@ def test_a_successor_elsewhere_does_not_announce_again_what_the_killed_instance_
     emit(bus, synth, range(60))
     first = DetectorService(
         MemorySource(bus),
-        sinks=[AnomalyTopicSink.to_bus(bus)],
+        sinks=[bus_sink(AnomalyTopicSink, bus)],
         state_dir=tmp_path / "a",
         snapshot_every=3600,
         poll_timeout=0.01,
@@ -314,7 +314,7 @@ def test_a_successor_elsewhere_does_not_announce_again_what_the_killed_instance_
     source._offset = source._committed = committed
     second = DetectorService(
         source,
-        sinks=[AnomalyTopicSink.to_bus(bus)],
+        sinks=[bus_sink(AnomalyTopicSink, bus)],
         state_dir=tmp_path / "b",
         poll_timeout=0.01,
         changelog=_changelog(bootstrap, unique_topic),

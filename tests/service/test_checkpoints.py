@@ -10,7 +10,7 @@ import pytest
 from sdcwatch.core.rank_notes import CheckpointNote, decode_note, encode_note
 from sdcwatch.core.errors import RecordError
 from sdcwatch.core.incident import Incident, IncidentEvent, Severity
-from memory_source import MemorySource
+from memory_source import MemorySource, bus_sink
 from sdcwatch.service.checkpoint_marks import CertifiedPolicy, CheckpointBook, marking
 from sdcwatch.exporters.topics import AnomalyTopicSink, ControlTopicSink
 from sdcwatch.service.control_policy import ControlPolicy
@@ -102,10 +102,12 @@ def test_service_marks_publishes_and_a_rollback_names_the_newest_clean_checkpoin
     bus = MemoryBus()
     _job(bus)
     pipeline = DetectionPipeline()
-    control = ControlTopicSink.to_bus(
-        bus, policy=CertifiedPolicy.around(ControlPolicy(actions=True), pipeline.checkpoints)
+    control = bus_sink(
+        ControlTopicSink, bus, policy=CertifiedPolicy.around(ControlPolicy(actions=True), pipeline.checkpoints)
     )
-    svc = DetectorService(MemorySource(bus), pipeline, sinks=[AnomalyTopicSink.to_bus(bus), control], poll_timeout=0.01)
+    svc = DetectorService(
+        MemorySource(bus), pipeline, sinks=[bus_sink(AnomalyTopicSink, bus), control], poll_timeout=0.01
+    )
     _drain(svc)
     marks = {
         d["step"]: d for _, v in bus.messages("sdcwatch.anomalies") if (d := json.loads(v))["change"] == "checkpoint"
@@ -195,7 +197,7 @@ def test_a_reader_with_the_key_file_believes_only_the_services_signature_on_the_
 
     ring = Keyring([JobKey("job-a", b"a-secret-of-job-a-0123"), JobKey("job-b", b"b-secret-of-job-b-0123")])
     bus = MemoryBus()
-    sink = AnomalyTopicSink.to_bus(bus, "a", key=ring.service_key("anomalies"))
+    sink = bus_sink(AnomalyTopicSink, bus, "a", key=ring.service_key("anomalies"))
     book = CheckpointBook(clock=lambda: 1.0)
     book.note(CheckpointNote("r", 0, 4, 40, "/real/c-40"))
     book.judged("r", 45)

@@ -10,6 +10,7 @@ from sdcwatch.core.incident import Incident, IncidentEvent, Severity
 from sdcwatch.core.vocabulary import CONTROL_TOPIC
 from sdcwatch.detectors.guard_actions import GuardActionDetector
 from sdcwatch.exporters.topics import ControlTopicSink
+from memory_source import bus_sink
 from sdcwatch.service.control_policy import ControlPolicy
 from sdcwatch.service.pipeline import DetectionPipeline
 from sdcwatch.telemetry import MemoryBus
@@ -89,7 +90,7 @@ def test_policy_errors_name_the_key():
 
 def test_sink_publishes_each_decision_once_as_json_on_the_control_topic():
     bus = MemoryBus()
-    sink = ControlTopicSink.to_bus(bus, policy=ON)
+    sink = bus_sink(ControlTopicSink, bus, policy=ON)
     inc = incident("silent_drift")
     for change in ("opened", "updated", "updated", "resolved"):
         sink.publish(IncidentEvent(change, inc))

@@ -485,11 +485,11 @@ def test_credentials_in_the_alertmanager_url_are_sent_as_basic_auth_and_never_lo
     server = HTTPServer(("127.0.0.1", 0), Handler)
     threading.Thread(target=server.handle_request, daemon=True).start()
     port = server.server_address[1]
-    assert post_json(f"http://ops:s%40cret@127.0.0.1:{port}/api/v2/alerts", b"[]", {}, 5) == 200
+    assert post_json(f"http://ops:s%40cret@127.0.0.1:{port}/api/v2/alerts", b"[]", 5) == 200
     server.server_close()
     assert seen == ["Basic " + base64.b64encode(b"ops:s@cret").decode()]
     with pytest.raises(DeliveryError) as err:
-        post_json(f"http://ops:hunter2@127.0.0.1:{free_port()}/api/v2/alerts", b"[]", {}, 2)
+        post_json(f"http://ops:hunter2@127.0.0.1:{free_port()}/api/v2/alerts", b"[]", 2)
     assert "hunter2" not in str(err.value) and "ops:***@127.0.0.1" in str(err.value)
 
 

@@ -55,7 +55,7 @@ def test_rank_local_problems_get_one_incident_per_rank_and_escalate_in_place():
     assert [(e.change, e.incident.kind, e.incident.severity) for e in ev] == [
         ("updated", "sdc_suspected", Severity.CRITICAL)
     ]
-    assert len(book.open_incidents) == 2
+    assert len([i for i in book.current() if i.open]) == 2
     # the counter alert rules read: the escalation counts as an SDC-suspected incident too
     assert book.opened_total == {("silent_drift", "warning"): 2, ("sdc_suspected", "critical"): 1}
 
@@ -70,7 +70,7 @@ def test_incident_metric_and_layer_are_those_its_message_names():
     book.add([finding(88, msg=onset, metric="attn_logit_max", layer=1, **nonfinite)])
     streak = "non-finite values since step 88, which began on rank 3"
     book.add([finding(89, msg=streak, metric="attn_entropy", layer=0, score=40.0, **nonfinite)])
-    (inc,) = book.open_incidents
+    (inc,) = [i for i in book.current() if i.open]
     assert inc.message.startswith("non-finite value at step 88: attn_logit_max layer 1")
     assert (inc.metric, inc.layer) == ("attn_logit_max", 1)
     assert (inc.score, inc.peak_step) == (40.0, 89)

@@ -51,13 +51,13 @@ def test_a_run_that_ends_with_every_ranks_marker_resolves_its_incidents_then_lea
     pipe, clock = pipeline()
     events = feed(pipe, synth, range(40))
     assert [e.incident.kind for e in events if e.change == "opened"] == ["nonfinite"]
-    assert pipe.book.open_incidents  # quiet for 9 steps only: still open when the run ends
+    assert [i for i in pipe.book.current() if i.open]  # quiet for 9 steps only: still open when the run ends
     assert pipe.process(markers(synth, 39)) == []
     assert run_view(pipe, "done").finished
     closing = pipe.expire()
     assert [(e.change, e.incident.kind) for e in closing] == [("resolved", "nonfinite")]
     assert closing[0].incident.resolved_step == 39
-    assert not pipe.book.open_incidents
+    assert not [i for i in pipe.book.current() if i.open]
     assert pipe.expire() == []  # closed once
     clock.t += 299.0
     pipe.expire()
@@ -77,7 +77,7 @@ def test_a_run_whose_ranks_go_silent_is_not_finished_and_is_evicted_when_idle():
     pipe.process(markers(synth, 39, ranks=range(synth.world - 1)))  # one rank never says goodbye
     assert pipe.expire() == []
     assert not run_view(pipe, "silent").finished
-    assert pipe.book.open_incidents
+    assert [i for i in pipe.book.current() if i.open]
     clock.t += 3599.0
     assert pipe.expire() == []
     clock.t += 1.0

@@ -80,7 +80,7 @@ def test_the_window_is_from_the_onset_and_a_related_kind_goes_on_joining():
     ev += book.add([finding(108, "checksum_mismatch", metric="gemm_fwd", score=5.0)])  # 8 steps in: related
     ev += book.add([finding(130, "replica_divergence")])
     ev += book.add([finding(130, "checksum_mismatch", score=9.0)])  # a related kind goes on joining
-    (inc,) = book.open_incidents
+    (inc,) = [i for i in book.current() if i.open]
     (rel,) = inc.evidence["related"]
     assert (rel["first_step"], rel["last_step"], rel["findings"], rel["score"]) == (108, 130, 2, 9.0)
     assert [e.change for e in ev] == ["opened", "updated"]  # only a new related kind is news
@@ -108,7 +108,7 @@ def test_a_related_finding_raises_the_severity_and_survives_a_restart():
     again = IncidentBook()
     again.restore(json.loads(json.dumps(book.snapshot())))
     assert again.add([finding(70, "replica_divergence")]) == []  # goes on joining, no news
-    (inc,) = again.open_incidents
+    (inc,) = [i for i in again.current() if i.open]
     assert [(r["kind"], r["first_step"], r["last_step"]) for r in inc.evidence["related"]] == [
         ("replica_divergence", 12, 70)
     ]

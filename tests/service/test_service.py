@@ -10,7 +10,7 @@ import pytest
 from detector_synth import Fault, SyntheticRun
 from sdcwatch.core.errors import ConfigError
 from sdcwatch.core.vocabulary import ANOMALY_TOPIC
-from memory_source import MemorySource
+from memory_source import MemorySource, bus_sink
 from polling import step_until, wait_for
 from stand_ins import ListSink
 from sdcwatch.exporters.topics import AnomalyTopicSink
@@ -46,7 +46,7 @@ def test_service_publishes_incidents_to_the_anomalies_topic_and_sinks():
     emit(bus, SyntheticRun(seed=2, faults=[Fault("replica", 60, rank=6)]), range(100))
     sink = ListSink()
     svc = DetectorService(
-        MemorySource(bus), sinks=[AnomalyTopicSink.to_bus(bus), BrokenSink(), sink], poll_timeout=0.01
+        MemorySource(bus), sinks=[bus_sink(AnomalyTopicSink, bus), BrokenSink(), sink], poll_timeout=0.01
     )
     drain(svc, bus)
     (msg,) = anomalies(bus)
@@ -66,7 +66,7 @@ def test_restart_resumes_without_warmup_and_without_repeating_alerts(tmp_path):
     synth = SyntheticRun(seed=4, faults=[Fault("rank_shift", 100, rank=3, layer=1), Fault("loss_spike", 152)])
     emit(bus, synth, range(150))
     first = DetectorService(
-        MemorySource(bus), sinks=[AnomalyTopicSink.to_bus(bus)], state_dir=tmp_path, poll_timeout=0.01
+        MemorySource(bus), sinks=[bus_sink(AnomalyTopicSink, bus)], state_dir=tmp_path, poll_timeout=0.01
     )
     assert not first.resumed
     drain(first, bus)
@@ -77,7 +77,7 @@ def test_restart_resumes_without_warmup_and_without_repeating_alerts(tmp_path):
     emit(bus, synth, range(150, 200))
     # the new instance re-reads the topic from the start (worst-case redelivery)
     second = DetectorService(
-        MemorySource(bus), sinks=[AnomalyTopicSink.to_bus(bus)], state_dir=tmp_path, poll_timeout=0.01
+        MemorySource(bus), sinks=[bus_sink(AnomalyTopicSink, bus)], state_dir=tmp_path, poll_timeout=0.01
     )
     assert second.resumed
     drain(second, bus)

@@ -16,6 +16,7 @@ from sdcwatch.core.control import ACTIONS, Decision, JobStart, decode_decision
 from sdcwatch.core.signing import JobKey, Keyring
 from sdcwatch.core.vocabulary import CONTROL_TOPIC
 from sdcwatch.exporters.topics import ControlTopicSink
+from memory_source import bus_sink
 from sdcwatch.service.auth import Authenticator
 from sdcwatch.service.control_policy import ControlPolicy
 from sdcwatch.telemetry import MemoryBus
@@ -78,7 +79,7 @@ def test_the_service_copies_the_newest_announced_start_into_each_decision_it_sig
     bus = MemoryBus()
     auth = Authenticator(Keyring([KEY_A, KEY_B]))
     dec = IngestDecoder(SchemaRegistry(), auth=auth)
-    sink = ControlTopicSink.to_bus(bus, policy=ControlPolicy(actions=True), keys=auth.key_of, nonces=auth.nonce_of)
+    sink = bus_sink(ControlTopicSink, bus, policy=ControlPolicy(actions=True), keys=auth.key_of, nonces=auth.nonce_of)
     auth.bind(["legacy"], "job-a")  # a signed run whose guard announces nothing (an earlier release)
     sink.publish(_event("legacy", 1))
     start = JobStart("victim", started_at=time.time())

@@ -11,13 +11,13 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from sdcwatch.telemetry.probes.checksum_bounds import (  # noqa: E402
-    bias_grad_bound,
     check_linear,
     check_weight_grad,
     gemm_input_roundoff,
     unit_roundoff,
 )
 from sdcwatch.telemetry.probes.gemm_checks import GemmChecks  # noqa: E402
+from sdcwatch.testbed.fault_bounds import bias_grad_bound  # noqa: E402
 from sdcwatch.testbed.faults import flip_bit  # noqa: E402
 from sdcwatch.testbed.model import GPT, GPTConfig  # noqa: E402
 

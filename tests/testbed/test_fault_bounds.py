@@ -5,17 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from sdcwatch.telemetry.probes.checksum_bounds import (
-    check_linear,
-    check_matmul,
-    check_weight_grad,
-    linear_bound,
-    matmul_bound,
-    weight_grad_bound,
-)
+from sdcwatch.telemetry.probes.checksum_bounds import check_linear, check_matmul, check_weight_grad
 from sdcwatch.telemetry.probes.config import ProbeConfig
 from sdcwatch.testbed.campaign.run import CampaignConfig, run_campaign
-from sdcwatch.testbed.fault_bounds import CoveredInjection
+from sdcwatch.testbed.fault_bounds import CoveredInjection, linear_bound, matmul_bound, weight_grad_bound
 from sdcwatch.testbed.faultspec import FaultSpec
 from sdcwatch.testbed.simulated import SimulatedRun
 

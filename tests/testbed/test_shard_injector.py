@@ -9,9 +9,14 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from sdcwatch.telemetry.probes.checksum_bounds import bias_grad_bound, linear_bound, memory_bound, weight_grad_bound  # noqa: E402
 from sdcwatch.telemetry.probes.config import ProbeConfig  # noqa: E402
-from sdcwatch.testbed.fault_bounds import CoveredInjection  # noqa: E402
+from sdcwatch.testbed.fault_bounds import (  # noqa: E402
+    CoveredInjection,
+    bias_grad_bound,
+    linear_bound,
+    memory_bound,
+    weight_grad_bound,
+)
 from sdcwatch.testbed.faultspec import FaultSpec  # noqa: E402
 from sdcwatch.testbed.model import GPTConfig  # noqa: E402
 from sdcwatch.testbed.parallel3d import ParallelSimulatedRun  # noqa: E402
