@@ -181,10 +181,15 @@ def _own_mount_namespace() -> tuple[str, ...] | None:
     return ("unshare", "-m") if probe.returncode == 0 else None
 
 
-def _in_namespace(pid: int, *cmd: str) -> None:
+def _in_namespace(pid: int, *cmd: str, check: bool = True) -> bool:
+    """Run ``cmd`` in the mount namespace of process ``pid``; whether it succeeded (with ``check``,
+    a failure raises, naming what the command said)."""
     import subprocess
 
-    subprocess.run(["nsenter", "-t", str(pid), "-m", *cmd], check=True, capture_output=True, timeout=30)
+    done = subprocess.run(["nsenter", "-t", str(pid), "-m", *cmd], capture_output=True, text=True, timeout=30)
+    if check and done.returncode:
+        raise AssertionError(f"{' '.join(cmd)}: exit {done.returncode}: {done.stderr.strip()}")
+    return done.returncode == 0
 
 
 class _Victim:
@@ -489,7 +494,13 @@ def test_serve_survives_a_full_and_a_read_only_state_folder_and_finds_the_fault_
         _in_namespace(serve.pid, "umount", "--lazy", str(state))  # a snapshot may hold a file open there
 
         _in_namespace(serve.pid, "mount", "--bind", str(state), str(state))  # read-only
-        _in_namespace(serve.pid, "mount", "-o", "remount,ro,bind", str(state))
+        # a mount with a file open for writing cannot turn read-only (EBUSY): the service writes a
+        # snapshot every 0.5 s, so the remount is tried until it falls between two of them
+        wait_for(
+            lambda: _in_namespace(serve.pid, "mount", "-o", "remount,ro,bind", str(state), check=False),
+            30,
+            "the state folder remounted read-only between two snapshots",
+        )
         victim.train(70, nan_at=100)  # steps 50-119
         _nan_incident(serve, "disk", 100)
         wait_for(lambda: errors() >= full_errors + 2 or None, 30, "failed snapshots counted (read-only)")

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from compiled_training import Records, Sink, compiled_settings, counters, reference
+from compiled_training import Records, Sink, compiled_settings, counters, reference, run_steps
 from sdcwatch.telemetry.probes.watch import attach
 
 
@@ -36,13 +36,7 @@ def test_ddp_around_the_compiled_model(tmp_path):
         with torch.no_grad():
             loss_of(ddp, batch(0))
         ddp.train()
-        for step in range(2):
-            loss = loss_of(ddp, batch(step))
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            w.step(step, loss=loss)
-        w.close()
+        run_steps(ddp, loss_of, batch, opt, w, range(2))
         assert "gemm_out" in records.by_step[0]["layers"]
     finally:
         dist.destroy_process_group()
