@@ -109,9 +109,7 @@ def test_compiled_before_attach():
 def test_compiled_records_match_eager():
     """The every-step and sampled probes measure the same values compiled (aot_eager) as eagerly."""
     _, _, _, compiled = train(reference, watch=True, backend="eager")  # Dynamo traces the hooks
-    torch._dynamo.reset()
-    count = counters()
-    count.clear()
+    torch._dynamo.reset()  # the eager twin attaches to a model no compiled code has seen
     model, loss_of, batch = reference()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     records = Records()
